@@ -1,0 +1,311 @@
+"""Typed data passed between the passes: immutable, validated, JSON round-trip.
+
+No torch objects live here: a Profile or a Cluster loads from JSON on a
+machine without the model.
+
+Example:
+    >>> c = NodeCost(fwd_ms=1.0, bwd_ms=2.0, measured=True)
+    >>> n = ProfileNode(name="fc1", op=NodeOp.CALL_MODULE, target="fc1", inputs=("x",),
+    ...                 cost={"cpu": c})
+    >>> p = Profile(model="toy", batch_size=1, dtype="float32", nodes=(
+    ...     ProfileNode(name="x", op=NodeOp.PLACEHOLDER, target="x"), n))
+    >>> Profile.from_dict(p.to_dict()) == p
+    True
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from .errors import SchemaError
+from .schema import CLUSTER_SCHEMA, PROFILE_SCHEMA, check_version, validate
+
+__all__ = [
+    "PROFILE_VERSION",
+    "CLUSTER_VERSION",
+    "NodeOp",
+    "FrontEnd",
+    "BackwardTiming",
+    "NodeCost",
+    "ProfileNode",
+    "Profile",
+    "Device",
+    "Link",
+    "Cluster",
+]
+
+PROFILE_VERSION = 1
+CLUSTER_VERSION = 1
+
+
+class NodeOp(str, enum.Enum):
+    """torch.fx node opcodes."""
+
+    PLACEHOLDER = "placeholder"
+    GET_ATTR = "get_attr"
+    CALL_FUNCTION = "call_function"
+    CALL_METHOD = "call_method"
+    CALL_MODULE = "call_module"
+    OUTPUT = "output"
+
+
+class FrontEnd(str, enum.Enum):
+    """How a model became a graph: ``torch.fx.symbolic_trace`` or ``torch.export``."""
+
+    AUTO = "auto"
+    FX = "fx"
+    EXPORT = "export"
+
+
+class BackwardTiming(str, enum.Enum):
+    """How per-node backward times in a profile were obtained."""
+
+    PER_NODE = "per_node"  # each node's backward timed in isolation
+    APPORTIONED = "apportioned"  # timed per block, split by backward FLOPs
+    PREDICTED = "predicted"  # no measurement: cost_models only
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCost:
+    """Time of one node on one device kind, in milliseconds.
+
+    ``*_spread_ms`` is the inter-quartile range of the repeats (0 when predicted).
+    """
+
+    fwd_ms: float
+    bwd_ms: float
+    measured: bool
+    fwd_spread_ms: float = 0.0
+    bwd_spread_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in ("fwd_ms", "bwd_ms", "fwd_spread_ms", "bwd_spread_ms"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"NodeCost.{f} must be >= 0, got {getattr(self, f)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileNode:
+    """One fx node with its static sizes and its cost per device kind.
+
+    ``param_bytes`` counts each parameter once, on the first node (in
+    topological order) that uses it; ``params`` lists every parameter the node
+    uses, so that shared (tied) parameters are visible to later passes.
+    ``activation_bytes`` is what autograd saves for backward (parameters
+    excluded); ``mem_bytes`` what the forward reads and writes (for roofline).
+    """
+
+    name: str
+    op: NodeOp
+    target: str
+    inputs: tuple[str, ...] = ()
+    scope: str = ""
+    op_kind: str = "other"
+    flops: int = 0
+    bwd_flops: int = 0
+    param_bytes: int = 0
+    params: tuple[str, ...] = ()
+    output_bytes: int = 0
+    activation_bytes: int = 0
+    mem_bytes: int = 0
+    output_shape: tuple[int, ...] | None = None
+    output_dtype: str | None = None
+    tensor_output: bool = True
+    cost: Mapping[str, NodeCost] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["op"] = self.op.value
+        d["inputs"] = list(self.inputs)
+        d["params"] = list(self.params)
+        d["output_shape"] = None if self.output_shape is None else list(self.output_shape)
+        d["cost"] = {k: v.to_dict() for k, v in self.cost.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ProfileNode":
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        kw["op"] = NodeOp(d["op"])
+        kw["inputs"] = tuple(d["inputs"])
+        kw["params"] = tuple(d.get("params", ()))
+        shape = d.get("output_shape")
+        kw["output_shape"] = None if shape is None else tuple(shape)
+        kw["cost"] = {k: NodeCost(**v) for k, v in d["cost"].items()}
+        return cls(**kw)
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """Per-node costs of one model at one batch size: what profile.json holds.
+
+    ``devices`` describes each device kind (``{"measured": bool, ...}``);
+    ``totals`` holds whole-model forward/backward times where they were
+    measured, to check that the per-node times add up.
+    """
+
+    model: str
+    batch_size: int
+    dtype: str
+    nodes: tuple[ProfileNode, ...]
+    seq_len: int | None = None
+    front_end: FrontEnd = FrontEnd.FX
+    backward_timing: BackwardTiming = BackwardTiming.PER_NODE
+    repeats: int = 0
+    warmup: int = 0
+    devices: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    totals: Mapping[str, NodeCost] = field(default_factory=dict)
+    schema_version: int = PROFILE_VERSION
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for i, n in enumerate(self.nodes):
+            if n.name in seen:
+                raise SchemaError("profile", f"nodes[{i}].name", "a unique node name", repr(n.name))
+            for j, inp in enumerate(n.inputs):
+                if inp not in seen:
+                    raise SchemaError("profile", f"nodes[{i}].inputs[{j}]",
+                                      "the name of an earlier node (nodes are in topological order)", repr(inp))
+            seen.add(n.name)
+
+    @property
+    def device_kinds(self) -> tuple[str, ...]:
+        """Device kinds that every node has a cost for."""
+        kinds: set[str] | None = None
+        for n in self.nodes:
+            kinds = set(n.cost) if kinds is None else kinds & set(n.cost)
+        return tuple(sorted(kinds or ()))
+
+    def node(self, name: str) -> ProfileNode:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no node named {name!r} in the profile of {self.model}")
+
+    def total(self, kind: str) -> NodeCost:
+        """Sum of the per-node costs on ``kind``."""
+        if kind not in self.device_kinds:
+            raise KeyError(f"device kind {kind!r} is not in this profile; it has {list(self.device_kinds)}")
+        return NodeCost(
+            fwd_ms=sum(n.cost[kind].fwd_ms for n in self.nodes),
+            bwd_ms=sum(n.cost[kind].bwd_ms for n in self.nodes),
+            measured=all(n.cost[kind].measured for n in self.nodes),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "model": self.model,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "dtype": self.dtype,
+            "front_end": self.front_end.value,
+            "backward_timing": self.backward_timing.value,
+            "repeats": self.repeats,
+            "warmup": self.warmup,
+            "devices": {k: dict(v) for k, v in self.devices.items()},
+            "totals": {k: v.to_dict() for k, v in self.totals.items()},
+            "nodes": [n.to_dict() for n in self.nodes],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "profile") -> "Profile":
+        """Build from parsed JSON, checking the schema first.
+
+        Raises:
+            SchemaError: naming the first field that is missing or of the wrong type.
+        """
+        validate(d, PROFILE_SCHEMA, source)
+        check_version(d, PROFILE_VERSION, source)
+        return cls(
+            model=d["model"],
+            batch_size=d["batch_size"],
+            seq_len=d.get("seq_len"),
+            dtype=d["dtype"],
+            front_end=FrontEnd(d.get("front_end", "fx")),
+            backward_timing=BackwardTiming(d.get("backward_timing", "per_node")),
+            repeats=d.get("repeats", 0),
+            warmup=d.get("warmup", 0),
+            devices=d.get("devices", {}),
+            totals={k: NodeCost(**v) for k, v in d.get("totals", {}).items()},
+            nodes=tuple(ProfileNode.from_dict(n) for n in d["nodes"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One device a plan may use. ``kind`` names a cost_models catalog entry or a profile's kind."""
+
+    name: str
+    kind: str
+    memory_gib: float
+    host: str = "node0"
+
+    def __post_init__(self) -> None:
+        if self.memory_gib <= 0:
+            raise ValueError(f"device {self.name}: memory_gib must be > 0, got {self.memory_gib}")
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * 2**30)
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A link between two devices: bandwidth in GB/s (one direction) and latency."""
+
+    a: str
+    b: str
+    gbps: float
+    latency_us: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """Devices and (optionally) the links between them: what cluster.json holds."""
+
+    devices: tuple[Device, ...]
+    links: tuple[Link, ...] = ()
+    name: str = "custom"
+    schema_version: int = CLUSTER_VERSION
+
+    def __post_init__(self) -> None:
+        names = [d.name for d in self.devices]
+        for i, n in enumerate(names):
+            if n in names[:i]:
+                raise SchemaError(self.name, f"devices[{i}].name", "a unique device name", repr(n))
+        for i, link in enumerate(self.links):
+            for end in ("a", "b"):
+                if getattr(link, end) not in names:
+                    raise SchemaError(self.name, f"links[{i}].{end}", f"one of the devices {names}",
+                                      repr(getattr(link, end)))
+
+    def device(self, name: str) -> Device:
+        for d in self.devices:
+            if d.name == name:
+                return d
+        raise KeyError(f"no device named {name!r} in cluster {self.name}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "name": self.name,
+            "devices": [{"name": d.name, "kind": d.kind, "memory_gib": d.memory_gib, "host": d.host}
+                        for d in self.devices],
+            "links": [{"a": x.a, "b": x.b, "gbps": x.gbps, "latency_us": x.latency_us} for x in self.links],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "cluster") -> "Cluster":
+        """Build from parsed JSON, checking the schema first (raises SchemaError)."""
+        validate(d, CLUSTER_SCHEMA, source)
+        check_version(d, CLUSTER_VERSION, source)
+        return cls(
+            name=d.get("name", source),
+            devices=tuple(Device(**dev) for dev in d["devices"]),
+            links=tuple(Link(**x) for x in d.get("links", ())),
+        )
