@@ -1,0 +1,261 @@
+"""Pass 3, costgraph: a Profile as a weighted networkx DiGraph, coarsened into blocks.
+
+A :class:`CostGraph` wraps an ``nx.DiGraph`` whose nodes carry per-device-kind
+costs and sizes and whose edges carry the bytes that would cross a stage
+boundary cut there. :meth:`CostGraph.coarsen` merges nodes into blocks (a
+transformer layer, a ResNet bottleneck) by grouping *contiguous runs of a
+topological order* that share a block key; because every edge goes forward
+in that order, the quotient graph is acyclic by construction, and sums of
+times, FLOPs and bytes are preserved exactly.
+
+:func:`discover` lists the devices of this machine as a :class:`~hpml_compile.ir.Cluster`
+(NVML for GPUs, no NVML means CPU only).
+
+Example:
+    >>> from hpml_compile.ir import Profile, ProfileNode, NodeOp, NodeCost
+    >>> c = lambda ms: {"cpu": NodeCost(ms, 2 * ms, True)}
+    >>> p = Profile(model="toy", batch_size=1, dtype="float32", nodes=(
+    ...     ProfileNode("x", NodeOp.PLACEHOLDER, "x", cost=c(0.0)),
+    ...     ProfileNode("l0_fc", NodeOp.CALL_MODULE, "l.0.fc", ("x",), scope="l.0.fc", output_bytes=8, cost=c(1.0)),
+    ...     ProfileNode("l0_act", NodeOp.CALL_MODULE, "l.0.act", ("l0_fc",), scope="l.0.act", output_bytes=8, cost=c(0.5)),
+    ...     ProfileNode("l1_fc", NodeOp.CALL_MODULE, "l.1.fc", ("l0_act",), scope="l.1.fc", output_bytes=8, cost=c(1.0)),
+    ...     ProfileNode("output", NodeOp.OUTPUT, "output", ("l1_fc",), cost=c(0.0))))
+    >>> cg = build(p).coarsen()
+    >>> cg.order  # the input placeholder joins the first block
+    ('l.0', 'l.1', 'output')
+    >>> cg.graph.nodes["l.0"]["cost"]["cpu"], cg.graph.edges["l.0", "l.1"]["bytes"]
+    ((1.5, 3.0), 8)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import networkx as nx
+
+import cost_models
+
+from .ir import Cluster, Device, Link, NodeOp, Profile
+
+__all__ = ["CostGraph", "build", "block_key", "discover"]
+
+_SIZE_ATTRS = ("flops", "bwd_flops", "param_bytes", "activation_bytes", "output_bytes", "mem_bytes")
+_NUMERIC = re.compile(r"^\d+$")
+
+
+def block_key(scope: str) -> str:
+    """The block a module path belongs to: the path up to its first numeric component.
+
+    ``layers.3.attn.q_proj`` -> ``layers.3``; ``layer2.1.conv1`` -> ``layer2.1``;
+    ``lm_head`` -> ``lm_head``; ``""`` (top level) -> ``""``.
+    """
+    parts = scope.split(".") if scope else []
+    for i, part in enumerate(parts):
+        if _NUMERIC.match(part):
+            return ".".join(parts[: i + 1])
+    return parts[0] if parts else ""
+
+
+@dataclass(frozen=True, slots=True)
+class CostGraph:
+    """A DAG of (possibly merged) nodes with costs per device kind.
+
+    Node attributes: ``members`` (fx node names, topological order), ``cost``
+    (``{kind: (fwd_ms, bwd_ms)}``), ``params`` (parameter names used), the
+    sizes ``flops``, ``bwd_flops``, ``param_bytes``, ``activation_bytes``,
+    ``output_bytes``, ``mem_bytes`` (sums over members), and ``op`` (the fx
+    op of a single member, ``"block"`` for merged nodes).
+    Edge attributes: ``producers`` (``{fx node: output bytes}`` of the values
+    crossing the edge), ``bytes`` (their sum) and ``tensors`` (False when a non-tensor value, e.g. an int from
+    ``x.shape``, crosses it: a pipeline stage may not be cut there).
+
+    Attributes:
+        graph: the networkx DiGraph (do not mutate it; build a new CostGraph).
+        order: a topological order of ``graph`` (the profile's order).
+        kinds: device kinds every node has a cost for.
+        model: model name, from the profile.
+        batch_size: batch size the costs were measured at.
+    """
+
+    graph: nx.DiGraph
+    order: tuple[str, ...]
+    kinds: tuple[str, ...]
+    model: str
+    batch_size: int
+
+    def total(self, attr: str, kind: str | None = None) -> float:
+        """Sum of a size attribute, or with ``kind``, of fwd+bwd time on that kind."""
+        g = self.graph
+        if kind is not None:
+            return sum(sum(g.nodes[n]["cost"][kind]) for n in g)
+        return sum(g.nodes[n][attr] for n in g)
+
+    def time_ms(self, node: str, kind: str) -> float:
+        """Forward + backward time of ``node`` on ``kind``."""
+        fwd, bwd = self.graph.nodes[node]["cost"][kind]
+        return fwd + bwd
+
+    def coarsen(self, key: Callable[[str], str] | None = None) -> "CostGraph":
+        """Merge contiguous runs (in ``order``) of nodes with the same block key.
+
+        Args:
+            key: maps a node name to its block key; by default the
+                :func:`block_key` of the first member's module scope. Nodes of
+                cost zero with no scope (placeholders, shape reads) join the
+                block of the node after them so they do not fragment the chain.
+
+        Returns:
+            A new CostGraph, acyclic, with the same totals.
+        """
+        g = self.graph
+        keyf = key or (lambda n: block_key(g.nodes[n]["scope"]))
+        keys = [keyf(n) for n in self.order]
+        # Free top-level nodes take the key of what follows (the output node takes what precedes).
+        for i in range(len(keys) - 2, -1, -1):
+            n = self.order[i]
+            if keys[i] == "" and _is_free(g.nodes[n]) and g.nodes[n]["op"] != NodeOp.OUTPUT.value:
+                keys[i] = keys[i + 1]
+        groups: list[tuple[str, list[str]]] = []
+        for n, k in zip(self.order, keys):
+            if groups and groups[-1][0] == k:
+                groups[-1][1].append(n)
+            else:
+                groups.append((k, [n]))
+        return self.merge([members for _, members in groups], [k for k, _ in groups])
+
+    def merge(self, groups: list[list[str]], keys: list[str] | None = None) -> "CostGraph":
+        """Quotient graph over ``groups``, which must be contiguous runs of ``order`` covering it."""
+        flat = [n for grp in groups for n in grp]
+        if flat != list(self.order):
+            raise ValueError("groups must be contiguous runs of the topological order that cover every node once")
+        g = self.graph
+        names: list[str] = []
+        used: dict[str, int] = {}
+        for i, grp in enumerate(groups):
+            base = (keys[i] if keys else "") or (grp[0] if len(grp) == 1 else f"top{i}")
+            used[base] = used.get(base, 0) + 1
+            names.append(base if used[base] == 1 else f"{base}#{used[base]}")
+        owner = {n: names[i] for i, grp in enumerate(groups) for n in grp}
+        q = nx.DiGraph()
+        for name, grp in zip(names, groups):
+            attrs = _merge_attrs([g.nodes[n] for n in grp], self.kinds)
+            q.add_node(name, **attrs)
+        for u, v, data in g.edges(data=True):
+            a, b = owner[u], owner[v]
+            if a == b:
+                continue
+            if not q.has_edge(a, b):
+                q.add_edge(a, b, producers={}, tensors=True)
+            e = q.edges[a, b]
+            e["producers"].update(data["producers"])
+            e["tensors"] = e["tensors"] and data["tensors"]
+        for _, _, e in q.edges(data=True):
+            e["bytes"] = sum(e["producers"].values())
+        return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size)
+
+    def cut_bytes(self, before: Iterable[str]) -> int:
+        """Bytes crossing from the node set ``before`` to the rest; a tensor read by
+        several nodes beyond the cut is counted once."""
+        s = set(before)
+        crossing: dict[str, int] = {}
+        for u, v, data in self.graph.edges(data=True):
+            if u in s and v not in s:
+                crossing.update(data["producers"])
+        return sum(crossing.values())
+
+
+def _is_free(attrs: dict[str, Any]) -> bool:
+    return all(f == 0 and b == 0 for f, b in attrs["cost"].values()) and attrs["param_bytes"] == 0
+
+
+def _merge_attrs(nodes: list[dict[str, Any]], kinds: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {a: sum(n[a] for n in nodes) for a in _SIZE_ATTRS}
+    out["cost"] = {k: (sum(n["cost"][k][0] for n in nodes), sum(n["cost"][k][1] for n in nodes)) for k in kinds}
+    out["members"] = tuple(m for n in nodes for m in n["members"])
+    out["params"] = tuple(dict.fromkeys(p for n in nodes for p in n["params"]))
+    out["scope"] = nodes[0]["scope"]
+    out["op"] = nodes[0]["op"] if len(nodes) == 1 else "block"
+    return out
+
+
+def build(profile: Profile) -> CostGraph:
+    """The fine-grained cost graph of a profile: one graph node per fx node.
+
+    Edge ``u -> v`` exists when ``v`` reads ``u``'s output; its ``bytes`` is
+    ``u``'s output size.
+    """
+    kinds = profile.device_kinds
+    g = nx.DiGraph()
+    tensor_out: dict[str, bool] = {}
+    for n in profile.nodes:
+        g.add_node(
+            n.name,
+            members=(n.name,),
+            cost={k: (n.cost[k].fwd_ms, n.cost[k].bwd_ms) for k in kinds},
+            params=n.params,
+            scope=n.scope,
+            op=n.op.value,
+            **{a: getattr(n, a) for a in _SIZE_ATTRS},
+        )
+        for inp in n.inputs:  # inputs precede n (Profile checks it), so they are nodes already
+            size = g.nodes[inp]["output_bytes"]
+            g.add_edge(inp, n.name, bytes=size, producers={inp: size}, tensors=tensor_out[inp])
+        tensor_out[n.name] = n.tensor_output
+    return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size)
+
+
+def _ram_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return 8.0
+
+
+def _nvml_devices(host: str) -> tuple[list[Device], list[Link]]:
+    """GPUs and NVLink/PCIe links from NVML; empty when there is no NVIDIA driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound/DriverNotLoaded: no GPU here, CPU only
+        return [], []
+    try:
+        devices: list[Device] = []
+        handles = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            name = name.decode() if isinstance(name, bytes) else name
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h).total
+            kind = cost_models.kind_from_cuda_name(name, mem) or name
+            devices.append(Device(name=f"gpu{i}", kind=kind, memory_gib=mem / 2**30, host=host))
+            handles.append(h)
+        links: list[Link] = []
+        for i in range(len(handles)):
+            for j in range(i + 1, len(handles)):
+                try:
+                    nv = pynvml.nvmlDeviceGetP2PStatus(handles[i], handles[j], pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
+                    has_nvlink = nv == pynvml.NVML_P2P_STATUS_OK
+                except pynvml.NVMLError:
+                    has_nvlink = False
+                spec = (cost_models.default_link(devices[i].kind, devices[j].kind, True) if has_nvlink
+                        else cost_models.get_link("pcie4"))
+                links.append(Link(devices[i].name, devices[j].name, spec.gbps, spec.latency_us))
+        return devices, links
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def discover() -> Cluster:
+    """Describe this machine: its GPUs (via NVML) and its CPU, as a Cluster.
+
+    No NVIDIA driver means a CPU-only cluster, not an error.
+    """
+    host = socket.gethostname() or "localhost"
+    gpus, links = _nvml_devices(host)
+    cpu = Device(name="cpu0", kind="cpu", memory_gib=round(_ram_gib(), 2), host=host)
+    return Cluster(devices=(*gpus, cpu), links=tuple(links), name=f"discovered:{host}")

@@ -1,0 +1,246 @@
+"""Static per-node facts, computed on meta tensors: op kind, FLOPs, bytes.
+
+Each node is replayed alone on ``meta`` tensors shaped like its traced inputs
+(``node.meta["val"]``), with meta copies of the parameters it uses, so the
+analysis allocates nothing and works for a 70B model. Per node:
+
+* FLOPs of forward and backward from ``torch.utils.flop_counter`` (on meta,
+  scaled-dot-product attention dispatches to kernels that have FLOP
+  formulas; on CPU it would count 0);
+* ``activation_bytes``: what autograd saves for backward
+  (``saved_tensors_hooks``), parameters excluded;
+* ``mem_bytes``: bytes the forward reads (inputs, parameters) and writes
+  (outputs), for the roofline;
+* parameters used, with ``param_bytes`` counted on first use only, so a tied
+  embedding / LM head is counted once.
+
+Example:
+    >>> import torch
+    >>> from hpml_compile.trace import trace
+    >>> gm = trace(torch.nn.Sequential(torch.nn.Linear(8, 4)), (torch.randn(2, 8),))
+    >>> f = analyze(gm)["_0"]
+    >>> f.flops, f.bwd_flops, f.param_bytes, f.activation_bytes, f.op_kind
+    (128, 256, 144, 64, 'matmul')
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate, map_arg
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from cost_models import OpKind
+
+from ..trace import node_info, tensor_bytes
+
+__all__ = ["NodeFacts", "analyze", "op_kind", "is_inplace"]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFacts:
+    """Static facts of one node (see the module docstring)."""
+
+    op_kind: str
+    flops: int
+    bwd_flops: int
+    activation_bytes: int
+    mem_bytes: int
+    param_bytes: int
+    params: tuple[str, ...]
+
+
+# Name fragments -> op kind; the first match wins, so specific names come first.
+_KIND_TABLE: tuple[tuple[OpKind, tuple[str, ...]], ...] = (
+    (OpKind.ATTENTION, ("scaled_dot_product", "attention", "flash")),
+    (OpKind.CONV, ("conv",)),
+    (OpKind.MATMUL, ("linear", "matmul", "addmm", "bmm", "baddbmm", "einsum", "mm")),
+    (OpKind.NORM, ("layer_norm", "layernorm", "rms_norm", "rmsnorm", "batch_norm", "batchnorm",
+                   "group_norm", "groupnorm", "native_layer_norm")),
+    (OpKind.SOFTMAX, ("softmax", "log_softmax", "cross_entropy", "nll_loss")),
+    (OpKind.EMBEDDING, ("embedding",)),
+    (OpKind.REDUCTION, ("sum", "mean", "pool", "max", "min", "amax", "norm", "var", "std")),
+    (OpKind.VIEW, ("view", "reshape", "permute", "transpose", "getitem", "getattr", "size", "expand",
+                   "unsqueeze", "squeeze", "flatten", "unflatten", "split", "chunk", "narrow", "select",
+                   "slice", "alias", "detach", "unbind", "_unsafe_view", "t", "dim", "identity",
+                   "dropout")),
+)
+
+
+def _target_name(node: fx.Node, module: torch.nn.Module | None) -> str:
+    if node.op == "call_module" and module is not None:
+        return type(module).__name__.lower()
+    if node.op == "call_method":
+        return str(node.target).lower()
+    target = node.target
+    name = getattr(target, "__name__", None) or str(target)
+    # aten overloads print as "aten.linear.default": keep the op name
+    parts = str(name).split(".")
+    if len(parts) >= 2 and parts[-1] in ("default", "Tensor", "Scalar", "int", "dim", "self", "input"):
+        parts = parts[:-1]
+    return parts[-1].lower()
+
+
+def op_kind(node: fx.Node, module: torch.nn.Module | None = None) -> OpKind:
+    """Classify a node for the roofline (``module``: the submodule of a call_module node)."""
+    if node.op in ("placeholder", "output", "get_attr"):
+        return OpKind.VIEW
+    name = _target_name(node, module)
+    if node.op == "call_module" and module is not None and getattr(module, "p", None) is not None \
+            and "dropout" in name:
+        return OpKind.ELEMENTWISE  # a live dropout draws a mask: not free
+    for kind, fragments in _KIND_TABLE:
+        for frag in fragments:
+            if frag == name or (len(frag) > 3 and frag in name):
+                return kind
+    return OpKind.ELEMENTWISE if name and node.op != "call_module" else OpKind.OTHER
+
+
+def is_inplace(node: fx.Node, module: torch.nn.Module | None) -> bool:
+    """True when the node writes into one of its inputs (ReLU(inplace=True), x.add_(...))."""
+    if module is not None and getattr(module, "inplace", False):
+        return True
+    if node.op == "call_method" and str(node.target).endswith("_") and not str(node.target).startswith("_"):
+        return True
+    return bool(node.kwargs.get("inplace", False))
+
+
+def _to_meta(val: Any) -> Any:
+    def conv(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype, device="meta")
+        return v
+
+    return map_aggregate(val, conv)
+
+
+def _meta_param(p: torch.Tensor) -> torch.Tensor:
+    t = torch.empty_like(p, device="meta")
+    return t.requires_grad_(p.requires_grad and p.is_floating_point())
+
+
+def _grad_leaves(args: Any) -> Any:
+    """Float tensors become leaves that require grad (as activations do in training)."""
+
+    def conv(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.detach().requires_grad_(True)
+        return v
+
+    return map_aggregate(args, conv)
+
+
+def _count_bwd(outputs: Any, wrt: list[torch.Tensor]) -> int:
+    outs = [t for t in tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    wrt = [t for t in wrt if t.requires_grad]
+    if not outs or not wrt:
+        return 0
+    with FlopCounterMode(display=False) as counter:
+        torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
+    return int(counter.get_total_flops())
+
+
+def _iter_used(gm: fx.GraphModule, node: fx.Node) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters (qualified name, tensor) a node touches directly."""
+    if node.op == "call_module":
+        sub = gm.get_submodule(str(node.target))
+        for name, p in sub.named_parameters():
+            yield f"{node.target}.{name}", p
+    elif node.op == "get_attr":
+        obj = _fetch(gm, str(node.target))
+        if isinstance(obj, torch.nn.Parameter):
+            yield str(node.target), obj
+
+
+def _fetch(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _run_one(gm: fx.GraphModule, node: fx.Node, inplace: bool) -> tuple[int, int, int, Any]:
+    """Run one node on meta: (fwd flops, bwd flops, saved activation bytes, inputs)."""
+    attr_tensors: list[torch.Tensor] = []  # parameters reached through get_attr nodes (export graphs)
+
+    def meta_input(n: fx.Node) -> Any:
+        val = _grad_leaves(_to_meta(n.meta.get("val")))
+        if n.op == "get_attr":
+            attr_tensors.extend(t for t in tree_leaves(val) if isinstance(t, torch.Tensor))
+        return val
+
+    args, kwargs = map_arg((node.args, node.kwargs), meta_input)
+    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    run_args, run_kwargs = (map_aggregate((args, kwargs), lambda v: v.clone() if isinstance(v, torch.Tensor)
+                                          and v.requires_grad else v) if inplace else (args, kwargs))
+    params: list[torch.Tensor] = []
+    if node.op == "call_module":
+        sub = gm.get_submodule(str(node.target))
+        state = {k: _meta_param(v) for k, v in sub.state_dict(keep_vars=True).items()}
+        params = [t for t in state.values() if t.requires_grad]
+        call = lambda: torch.func.functional_call(sub, state, tuple(run_args), dict(run_kwargs))  # noqa: E731
+    elif node.op == "call_method":
+        self_obj, *rest = run_args
+        call = lambda: getattr(self_obj, str(node.target))(*rest, **run_kwargs)  # noqa: E731
+    else:
+        call = lambda: node.target(*run_args, **run_kwargs)  # type: ignore[operator]  # noqa: E731
+    param_ids = {id(p) for p in params + attr_tensors}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in param_ids and id(t._base) not in param_ids:
+            base = t._base if t._base is not None else t
+            saved[id(base)] = base.numel() * base.element_size()
+        return t
+
+    with torch.enable_grad(), FlopCounterMode(display=False) as counter, \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = call()
+    fwd = int(counter.get_total_flops())
+    bwd = _count_bwd(out, leaves + params)
+    return fwd, bwd, sum(saved.values()), (args, kwargs)
+
+
+def analyze(gm: fx.GraphModule) -> dict[str, NodeFacts]:
+    """Static facts for every node of a traced GraphModule (see :func:`hpml_compile.trace`).
+
+    A node that cannot run on meta (an op without a meta kernel) gets zero
+    FLOPs and a warning naming it; its sizes still come from the trace.
+    """
+    facts: dict[str, NodeFacts] = {}
+    seen_params: set[int] = set()
+    failed: list[str] = []
+    for node in gm.graph.nodes:
+        module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+        used = list(_iter_used(gm, node))
+        param_bytes = 0
+        for _, p in used:
+            if id(p) not in seen_params:
+                seen_params.add(id(p))
+                param_bytes += p.numel() * p.element_size()
+        fwd = bwd = act = 0
+        in_bytes = sum(tensor_bytes(n.meta.get("val")) for n in node.all_input_nodes)
+        if node.op in ("call_function", "call_method", "call_module"):
+            try:
+                fwd, bwd, act, _ = _run_one(gm, node, is_inplace(node, module))
+            except Exception as exc:  # an op without a meta kernel: keep going, say which
+                failed.append(f"{node.name} ({type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''})")
+        own_params = sum(p.numel() * p.element_size() for _, p in used) if node.op == "call_module" else 0
+        facts[node.name] = NodeFacts(
+            op_kind=op_kind(node, module).value,
+            flops=fwd,
+            bwd_flops=bwd,
+            activation_bytes=act,
+            mem_bytes=in_bytes + own_params + node_info(node).output_bytes if node.op != "get_attr" else 0,
+            param_bytes=param_bytes,
+            params=tuple(name for name, _ in used),
+        )
+    if failed:
+        warnings.warn("no FLOP count for nodes that cannot run on the meta device: " + "; ".join(failed[:5])
+                      + (f" and {len(failed) - 5} more" if len(failed) > 5 else ""), stacklevel=2)
+    return facts

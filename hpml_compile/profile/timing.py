@@ -1,0 +1,217 @@
+"""Measured per-node forward and backward times on a present device (CPU, CUDA).
+
+Method: the graph is run once with real inputs to capture every node's real
+input values. Then each node is timed *alone*, on those values:
+
+* forward: the node's call, grad enabled (training builds the autograd graph
+  too), ``warmup`` untimed calls then ``repeats`` timed ones;
+* backward: the node's inputs become leaves that require grad, the node runs
+  once, and ``torch.autograd.grad`` from its outputs to its inputs and
+  parameters is timed ``repeats`` times (``retain_graph=True``).
+
+Each cost is the median of the repeats, with the inter-quartile range as its
+spread (CPU timings of small ops vary by tens of per cent; NOTES.md). CPU
+times use ``time.perf_counter``; CUDA times use CUDA events around each call
+so that asynchronous kernels are counted where they run.
+
+Profiling must not change the user's model: BatchNorm running statistics and
+other buffers are restored afterwards.
+
+Example:
+    >>> import torch
+    >>> from hpml_compile.trace import trace
+    >>> gm = trace(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()), (torch.randn(16, 64),))
+    >>> costs, total = measure(gm, (torch.randn(16, 64),), repeats=3, warmup=1, progress=False)
+    >>> costs["_0"].measured and costs["_0"].fwd_ms > 0 and total.bwd_ms > 0
+    True
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate, map_arg
+from torch.utils._pytree import tree_leaves
+
+from ..ir import NodeCost
+from .static import is_inplace
+
+__all__ = ["measure", "Timer"]
+
+
+class Timer:
+    """Times a callable on one device: perf_counter on CPU, CUDA events on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def once(self, fn: Callable[[], Any]) -> float:
+        """Milliseconds of one call of ``fn``."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return float(start.elapsed_time(end))
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    def stats(self, fn: Callable[[], Any], repeats: int, warmup: int,
+              before: Callable[[], Any] | None = None) -> tuple[float, float]:
+        """(median ms, inter-quartile range ms) of ``repeats`` calls after ``warmup`` calls.
+
+        ``before`` runs untimed ahead of each call (e.g. to clone inputs of an in-place op).
+        """
+        samples = []
+        for i in range(warmup + repeats):
+            if before is not None:
+                before()
+            ms = self.once(fn)
+            if i >= warmup:
+                samples.append(ms)
+        return _median_iqr(samples)
+
+
+def _median_iqr(samples: Sequence[float]) -> tuple[float, float]:
+    if len(samples) < 4:
+        return statistics.median(samples), (max(samples) - min(samples)) if samples else 0.0
+    q = statistics.quantiles(samples, n=4)
+    return statistics.median(samples), q[2] - q[0]
+
+
+class _Capture(fx.Interpreter):
+    """Runs the graph and keeps every node's output (no grad: values only)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm, garbage_collect_values=False)
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    return map_aggregate(x, lambda v: v.to(device) if isinstance(v, torch.Tensor) else v)
+
+
+def _leafify(x: Any) -> Any:
+    return map_aggregate(x, lambda v: v.detach().requires_grad_(True)
+                         if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+
+
+@contextmanager
+def _buffers_restored(gm: torch.nn.Module) -> Iterator[None]:
+    saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in gm.named_buffers():
+                b.copy_(saved[name])
+
+
+def _callable(gm: fx.GraphModule, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
+    if node.op == "call_module":
+        sub = gm.get_submodule(str(node.target))
+        return lambda: sub(*args, **kwargs)
+    if node.op == "call_method":
+        self_obj, *rest = args
+        return lambda: getattr(self_obj, str(node.target))(*rest, **kwargs)
+    return lambda: node.target(*args, **kwargs)  # type: ignore[operator]
+
+
+def _grad_fn(out: Any, wrt: list[torch.Tensor]) -> Callable[[], Any] | None:
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    wrt = [t for t in wrt if t.requires_grad]
+    if not outs or not wrt:
+        return None
+    grads = [torch.ones_like(t) for t in outs]
+    return lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=True, allow_unused=True)
+
+
+def _time_node(gm: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], timer: Timer,
+               repeats: int, warmup: int) -> NodeCost:
+    module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+    inplace = is_inplace(node, module)
+    args, kwargs = map_arg((node.args, node.kwargs), lambda n: env[n])
+    leaf_args, leaf_kwargs = _leafify((args, kwargs))
+    live: list[tuple[Any, dict[str, Any]]] = [(leaf_args, leaf_kwargs)]
+
+    def fresh() -> None:  # an in-place op must not run twice on the same (leaf) tensors
+        live[0] = map_aggregate((leaf_args, leaf_kwargs),
+                                lambda v: v.clone() if isinstance(v, torch.Tensor) and v.requires_grad else v)
+
+    def fwd() -> Any:
+        a, k = live[0]
+        return _callable(gm, node, tuple(a), dict(k))()
+
+    with torch.enable_grad():
+        fwd_ms, fwd_spread = timer.stats(fwd, repeats, warmup, before=fresh if inplace else None)
+        if inplace:
+            fresh()
+        out = fwd()
+        params = [p for p in (module.parameters() if module is not None else ()) if p.requires_grad]
+        leaves = [t for t in tree_leaves((leaf_args, leaf_kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        grad = _grad_fn(out, leaves + params)
+        bwd_ms, bwd_spread = timer.stats(grad, repeats, warmup) if grad is not None else (0.0, 0.0)
+    return NodeCost(fwd_ms=fwd_ms, bwd_ms=bwd_ms, measured=True, fwd_spread_ms=fwd_spread, bwd_spread_ms=bwd_spread)
+
+
+def _time_whole(gm: fx.GraphModule, inputs: tuple[Any, ...], timer: Timer, repeats: int, warmup: int) -> NodeCost:
+    params = [p for p in gm.parameters() if p.requires_grad]
+    with torch.enable_grad():
+        fwd_ms, fwd_spread = timer.stats(lambda: gm(*inputs), repeats, warmup)
+        leaves = _leafify(inputs)
+        grad = _grad_fn(gm(*leaves), params + [t for t in tree_leaves(leaves) if isinstance(t, torch.Tensor)
+                                                 and t.requires_grad])
+        bwd_ms, bwd_spread = timer.stats(grad, repeats, warmup) if grad is not None else (0.0, 0.0)
+    return NodeCost(fwd_ms=fwd_ms, bwd_ms=bwd_ms, measured=True, fwd_spread_ms=fwd_spread, bwd_spread_ms=bwd_spread)
+
+
+def measure(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    device: torch.device | str = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+    progress: bool = True,
+) -> tuple[dict[str, NodeCost], NodeCost]:
+    """Time every node of ``gm`` on ``device``, and the whole model for comparison.
+
+    Args:
+        gm: a traced GraphModule whose parameters live on ``device``.
+        example_inputs: real inputs (moved to ``device`` here).
+        device: where to measure.
+        repeats: timed calls per node (the median is kept).
+        warmup: untimed calls first.
+        progress: show a progress bar (tqdm) on stderr.
+
+    Returns:
+        ``({node name: NodeCost}, whole-model NodeCost)``; placeholders,
+        get_attr and output nodes cost zero.
+    """
+    from tqdm.auto import tqdm
+
+    dev = torch.device(device)
+    timer = Timer(dev)
+    inputs = tuple(_to_device(x, dev) for x in example_inputs)
+    costs: dict[str, NodeCost] = {}
+    with _buffers_restored(gm):
+        cap = _Capture(gm)
+        with torch.no_grad():
+            cap.run(*inputs)
+        env = cap.env
+        nodes = list(gm.graph.nodes)
+        for node in tqdm(nodes, desc=f"profiling on {dev}", unit="node", disable=not progress, leave=False):
+            if node.op in ("placeholder", "get_attr", "output"):
+                costs[node.name] = NodeCost(0.0, 0.0, True)
+                continue
+            costs[node.name] = _time_node(gm, node, env, timer, repeats, warmup)
+        del env, cap
+        total = _time_whole(gm, inputs, timer, repeats, warmup)
+    return costs, total
