@@ -109,6 +109,7 @@ class LoadedModel:
 
 _DESCRIPTIONS: Mapping[str, str] = MappingProxyType({
     "gpt-tiny": "2-layer GPT, d_model 64, vocab 256 (fast tests)",
+    "gpt-mini": "6-layer GPT, d_model 256, vocab 4096 (the demo)",
     "gpt2-small": "GPT-2 small, 124M parameters",
     "gpt2-medium": "GPT-2 medium, 355M parameters",
     "gpt2-xl": "GPT-2 XL, 1.56B parameters",
@@ -126,6 +127,8 @@ _FORMS = "hf:<model_type>[?key=value,...] (e.g. hf:gpt2?n_layer=2) or path/to/fi
 def _gpt_defaults(name: str) -> tuple[int, int]:
     if name == "gpt-tiny":
         return 4, 32
+    if name == "gpt-mini":
+        return 8, 128
     return (1, 2048) if name.startswith("llama") else (8, 128)
 
 

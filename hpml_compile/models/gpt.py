@@ -317,6 +317,12 @@ PRESETS: Mapping[str, GPTConfig] = MappingProxyType({
         vocab_size=256, n_layer=2, n_head=4, n_kv_head=4, d_model=64, d_ff=256, max_seq_len=32,
         norm=Norm.LAYERNORM, mlp=MLPKind.GELU, pos=PosEncoding.LEARNED, bias=True, tie_embeddings=True,
     ),
+    # The demo's model: big enough that a pipeline split matters, small enough
+    # that profiling and training it on 2 CPU cores takes seconds.
+    "gpt-mini": GPTConfig(
+        vocab_size=4096, n_layer=6, n_head=4, n_kv_head=4, d_model=256, d_ff=1024, max_seq_len=256,
+        norm=Norm.LAYERNORM, mlp=MLPKind.GELU, pos=PosEncoding.LEARNED, bias=True, tie_embeddings=True,
+    ),
     "gpt2-small": _gpt2(12, 768, 12),
     "gpt2-medium": _gpt2(24, 1024, 16),
     "gpt2-xl": _gpt2(48, 1600, 25),

@@ -41,13 +41,13 @@ __all__ = ["profile", "predict_kinds", "check_kinds", "local_kinds", "save_profi
 _BWD_MEM_FACTOR = 2.0
 
 
-def check_kinds(kinds: Sequence[str], known: Sequence[str] = ()) -> None:
-    """Raise UnknownDeviceError unless every kind is in ``known`` or the cost_models catalog."""
+def check_kinds(kinds: Sequence[str], known: Sequence[str] = (), where: str = "the profile") -> None:
+    """Raise UnknownDeviceError unless every kind is in ``known`` (found in ``where``) or the catalog."""
     catalog = set(cost_models.known_kinds())
     for kind in kinds:
         if kind not in catalog and kind not in known:
             raise UnknownDeviceError(
-                f"unknown device kind {kind!r}: it is neither in the profile ({', '.join(known) or 'none'}) "
+                f"unknown device kind {kind!r}: it is neither in {where} ({', '.join(known) or 'none'}) "
                 f"nor in the cost_models catalog ({', '.join(sorted(catalog))}); use one of those names "
                 "or profile on that device")
 
@@ -130,7 +130,7 @@ def profile(
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     kinds = list(dict.fromkeys(device_kinds))
     present = local_kinds()
-    check_kinds(kinds, known=list(present))
+    check_kinds(kinds, known=list(present), where="this machine's devices")
     gm = model if isinstance(model, fx.GraphModule) and "hpml_front_end" in model.meta else \
         trace(model, inputs, leaf_modules=leaf_modules, front_end=front_end)
     facts = analyze(gm)

@@ -1,0 +1,198 @@
+"""The ``hpml-compile`` command line.
+
+Each sub-command is a thin shell over the Python API; errors meant for the
+user (:class:`~hpml_compile.errors.HpmlError`) print as one message and exit
+with status 2, never as a traceback.
+
+Example:
+    $ hpml-compile profile gpt2-small --batch-size 8 --seq-len 128 --device-kinds cpu,A100-80GB -o profile.json
+    $ hpml-compile profile llama-7b --meta --device-kinds A100-80GB,H100-80GB -o p.json
+    $ hpml-compile demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .errors import HpmlError
+
+__all__ = ["main", "build_parser"]
+
+_EPILOG = """\
+MODEL is a zoo name (see `hpml-compile models`), hf:<model_type>[?key=value,...]
+(a transformers model randomly initialised from its config, nothing downloaded,
+e.g. hf:gpt2?n_layer=2), or path/to/file.py:factory (factory returns
+(module, example_inputs)).
+"""
+
+
+def _kinds(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    if not kinds:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of device kinds, e.g. cpu,A100-80GB")
+    return kinds
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile", help="trace a model and write its per-node costs (profile.json)",
+        description="Trace MODEL with torch.fx (or torch.export), time every node's forward and backward on "
+                    "the devices present here (the CPU, a CUDA GPU), predict the other device kinds with "
+                    "cost_models, and write profile.json.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", metavar="MODEL")
+    p.add_argument("--batch-size", type=int, help="batch size (default: the model's)")
+    p.add_argument("--seq-len", type=int, help="sequence length for language models (default: the model's)")
+    p.add_argument("--device-kinds", type=_kinds, default=["cpu"],
+                   help="comma-separated device kinds to cost (default: cpu); see `hpml-compile devices`")
+    p.add_argument("--meta", action="store_true",
+                   help="build the model on the meta device: no weights allocated, nothing measured, "
+                        "every cost predicted (for models too big for this machine)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per node, median kept (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs per node first (default 2)")
+    p.add_argument("--leaf", action="append", default=[], metavar="MODULE",
+                   help="keep a module (class name or qualified name) as one opaque node; repeatable")
+    p.add_argument("--front-end", choices=["auto", "fx", "export"], default="auto",
+                   help="tracer: torch.fx symbolic_trace, torch.export, or fx then export (default)")
+    p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
+    p.add_argument("-o", "--output", type=Path, default=Path("profile.json"), help="where to write (profile.json)")
+    p.set_defaults(run=_run_profile)
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from . import models
+    from .profile import check_kinds, local_kinds, profile, save_profile
+    from .report import profile_summary
+
+    check_kinds(args.device_kinds, known=list(local_kinds()), where="this machine's devices")  # before any work
+    loaded = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len,
+                         device="meta" if args.meta else "cpu", seed=args.seed)
+    prof = profile(loaded.module, loaded.example_inputs, name=loaded.name, device_kinds=args.device_kinds,
+                   batch_size=loaded.batch_size, seq_len=loaded.seq_len, repeats=args.repeats, warmup=args.warmup,
+                   leaf_modules=args.leaf, front_end=args.front_end, progress=not args.quiet)
+    path = save_profile(prof, args.output)
+    if not args.quiet:
+        print(profile_summary(prof))
+    print(f"wrote {path}")
+    return 0
+
+
+def _add_devices(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("devices", help="list this machine's devices and the device kinds cost_models knows",
+                       description="Discover the local devices (NVML for GPUs; CPU otherwise) as a cluster "
+                                   "description, and list the catalog's device kinds and links.")
+    p.add_argument("-o", "--output", type=Path, help="also write the local devices as cluster.json")
+    p.set_defaults(run=_run_devices)
+
+
+def _run_devices(args: argparse.Namespace) -> int:
+    import cost_models
+
+    from .costgraph import discover
+    from .schema import write_json_atomic
+
+    cluster = discover()
+    print("this machine:")
+    for d in cluster.devices:
+        print(f"  {d.name:8s} {d.kind:14s} {d.memory_gib:8.1f} GiB  host {d.host}")
+    print("known device kinds:")
+    for kind in cost_models.known_kinds():
+        spec = cost_models.get_device(kind) if kind != "cpu" else None
+        if spec is None:
+            print(f"  {'cpu':14s} the host CPU, measured at start-up")
+            continue
+        peak = spec.peak_flops.get("bfloat16") or spec.peak_flops.get("float16") or spec.peak_flops["float32"]
+        print(f"  {kind:14s} {spec.memory_bytes / 2**30:6.0f} GiB  {spec.mem_bw / 1e9:6.0f} GB/s  "
+              f"{peak / 1e12:6.0f} TFLOP/s (16-bit)")
+    print("links: " + ", ".join(cost_models.known_links()))
+    if args.output:
+        print(f"wrote {write_json_atomic(cluster.to_dict(), args.output)}")
+    return 0
+
+
+def _add_models(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="list the built-in model zoo")
+    p.set_defaults(run=_run_models)
+
+
+def _run_models(args: argparse.Namespace) -> int:
+    from . import models
+
+    for name in models.names():
+        spec = models.get(name)
+        seq = f" seq {spec.default_seq_len}" if spec.default_seq_len else ""
+        print(f"  {name:12s} batch {spec.default_batch_size}{seq:9s}  {spec.description}")
+    print(_EPILOG)
+    return 0
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="profile the built-in GPT on this machine and predict it on GPUs",
+                       description="Runs the tool end to end on a built-in model, with nothing to download: "
+                                   "traces gpt-mini, measures every node on the CPU, predicts A100 and H100 "
+                                   "costs, writes profile.json and prints the summary and the block view.")
+    p.add_argument("-o", "--output", type=Path, default=Path("out/demo"), help="output folder (out/demo)")
+    p.add_argument("--model", default="gpt-mini", help="zoo model to use (gpt-mini)")
+    p.set_defaults(run=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from . import models
+    from .costgraph import build
+    from .profile import profile, save_profile
+    from .report import blocks_summary, profile_summary
+
+    loaded = models.load(args.model)
+    print(f"[1/2] profiling {loaded.name} (batch {loaded.batch_size}, seq {loaded.seq_len}) on the CPU; "
+          "predicting A100-80GB and H100-80GB")
+    prof = profile(loaded.module, loaded.example_inputs, name=loaded.name,
+                   device_kinds=("cpu", "A100-80GB", "H100-80GB"), repeats=3, warmup=1)
+    path = save_profile(prof, args.output / "profile.json")
+    print(profile_summary(prof))
+    print("[2/2] the cost graph, coarsened into blocks (what the solver places):")
+    print(blocks_summary(build(prof).coarsen()))
+    print(f"wrote {path}")
+    return 0
+
+
+_ADDERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
+    _add_demo, _add_profile, _add_devices, _add_models,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpml-compile",
+        description="Compile a PyTorch model for many devices: trace it, profile every node, plan the "
+                    "placement, generate the pipelined program. Start with `hpml-compile demo`.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in _ADDERS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (2 for bad input, with a one-line message)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except HpmlError as e:
+        print(f"hpml-compile {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except LookupError as e:  # cost_models' UnknownDeviceKind / UnknownLink carry a full message
+        if type(e).__module__.startswith("cost_models"):
+            print(f"hpml-compile {args.command}: error: {e.args[0] if e.args else e}", file=sys.stderr)
+            return 2
+        raise
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Clusters: built-in descriptions by name, cluster.json by path, and the links between devices.
+
+A cluster names its devices and, optionally, the links between pairs of them;
+a pair without an explicit link talks over the cost_models catalog default
+for its two device kinds (NVLink for two GPUs of one NVLink kind on one host,
+PCIe through the host otherwise, 100 GbE across hosts).
+
+Example:
+    >>> c = load_cluster("hetero-4")
+    >>> [d.kind for d in c.devices]
+    ['A100-80GB', 'A100-80GB', 'V100-32GB', 'V100-32GB']
+    >>> link_between(c, "gpu0", "gpu1")
+    (300, 3.0)
+    >>> link_between(load_cluster("2node-a100-16"), "gpu0", "gpu8")
+    (12.5, 25.0)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Iterable
+
+import cost_models
+from cost_models import LinkSpec
+
+from .errors import HpmlError, UnknownDeviceError
+from .ir import Cluster, Device
+from .schema import read_json
+
+__all__ = [
+    "BUILTIN_CLUSTERS",
+    "load_cluster",
+    "builtin_cluster",
+    "link_between",
+    "link_spec",
+    "host_link_spec",
+    "check_kinds",
+]
+
+BUILTIN_CLUSTERS: tuple[str, ...] = (
+    "local-cpu-N", "dgx-a100-8", "dgx-h100-8", "hetero-4", "hetero-cpu", "2node-a100-16",
+)
+_LOCAL_CPU = re.compile(r"^local-cpu-(\d+)$")
+
+
+def _ram_gib() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):  # not POSIX: assume a small laptop
+        return 8.0
+
+
+def _gpus(kind: str, gib: float, names: Iterable[int], host: str = "node0") -> list[Device]:
+    return [Device(name=f"gpu{i}", kind=kind, memory_gib=gib, host=host) for i in names]
+
+
+def builtin_cluster(name: str) -> Cluster | None:
+    """The built-in cluster called ``name``, or None if there is none.
+
+    Args:
+        name: one of :data:`BUILTIN_CLUSTERS` (``local-cpu-N`` with N >= 1).
+
+    Returns:
+        The cluster, links left to the catalog defaults.
+    """
+    m = _LOCAL_CPU.match(name)
+    if m:
+        n = int(m.group(1))
+        if n < 1:
+            return None
+        # N ranks share this machine's RAM, so each gets an equal slice of it.
+        gib = round(_ram_gib() / n, 3)
+        devs = tuple(Device(name=f"cpu{i}", kind="cpu", memory_gib=gib, host="localhost") for i in range(n))
+        return Cluster(devices=devs, name=name)
+    if name == "dgx-a100-8":
+        return Cluster(devices=tuple(_gpus("A100-80GB", 80, range(8))), name=name)
+    if name == "dgx-h100-8":
+        return Cluster(devices=tuple(_gpus("H100-80GB", 80, range(8))), name=name)
+    if name == "hetero-4":
+        return Cluster(devices=(*_gpus("A100-80GB", 80, range(2)), *_gpus("V100-32GB", 32, range(2, 4))), name=name)
+    if name == "hetero-cpu":
+        devs = (Device("gpu0", "A100-40GB", 40), Device("gpu1", "T4", 16),
+                Device("cpu0", "cpu", round(_ram_gib(), 3)))
+        return Cluster(devices=devs, name=name)
+    if name == "2node-a100-16":
+        devs = (*_gpus("A100-80GB", 80, range(8), "node0"), *_gpus("A100-80GB", 80, range(8, 16), "node1"))
+        return Cluster(devices=tuple(devs), name=name)
+    return None
+
+
+def load_cluster(spec: str) -> Cluster:
+    """A cluster from a built-in name or a path to cluster.json.
+
+    Args:
+        spec: e.g. ``"dgx-a100-8"``, ``"local-cpu-2"`` or ``"my/cluster.json"``.
+
+    Returns:
+        The cluster.
+
+    Raises:
+        HpmlError: if ``spec`` is neither a built-in name nor an existing file.
+        SchemaError: if the file does not match the cluster schema (names the field).
+    """
+    c = builtin_cluster(spec)
+    if c is not None:
+        return c
+    p = Path(spec)
+    if p.is_file():
+        return Cluster.from_dict(read_json(p), source=str(p))
+    raise HpmlError(f"cluster {spec!r}: not a built-in cluster ({', '.join(BUILTIN_CLUSTERS)}) "
+                    "and no such file; pass a built-in name or the path to a cluster.json")
+
+
+def _fallback_link(same_host: bool) -> LinkSpec:
+    # A kind only the profile knows (no catalog entry): assume it hangs off PCIe 4.
+    return cost_models.get_link("pcie4" if same_host else "eth100")
+
+
+def link_spec(cluster: Cluster, a: str, b: str) -> LinkSpec:
+    """The link between devices ``a`` and ``b`` as a cost_models LinkSpec.
+
+    An explicit cluster link (either direction) wins; otherwise the catalog
+    default for the two kinds and whether they share a host.
+
+    Args:
+        cluster: the cluster.
+        a: a device name.
+        b: another device name.
+
+    Returns:
+        The link spec (infinitely fast for a == b: no transfer happens).
+
+    Raises:
+        KeyError: if a device is not in the cluster.
+    """
+    da, db = cluster.device(a), cluster.device(b)
+    if a == b:
+        return LinkSpec("local", float("inf"), 0.0, "same device: no transfer")
+    for x in cluster.links:
+        if {x.a, x.b} == {a, b}:
+            return LinkSpec(f"{a}-{b}", x.gbps, x.latency_us, "cluster.json")
+    same = da.host == db.host
+    try:
+        return cost_models.default_link(da.kind, db.kind, same)
+    except cost_models.UnknownDeviceKind:
+        return _fallback_link(same)
+
+
+def link_between(cluster: Cluster, a: str, b: str) -> tuple[float, float]:
+    """Bandwidth (GB/s) and latency (us) between two devices of ``cluster``.
+
+    Args:
+        cluster: the cluster.
+        a: a device name.
+        b: another device name.
+
+    Returns:
+        ``(gbps, latency_us)``.
+    """
+    s = link_spec(cluster, a, b)
+    return s.gbps, s.latency_us
+
+
+def host_link_spec(device: Device) -> LinkSpec:
+    """The link between a device and its host's memory (for swap and offload traffic).
+
+    Args:
+        device: the device.
+
+    Returns:
+        Its catalog host link; PCIe 4 for a kind the catalog lacks. For a CPU
+        the "host link" is a memory copy: effectively free.
+    """
+    if device.kind.lower() == "cpu":
+        return LinkSpec("host-memory", float("inf"), 0.0, "CPU memory is host memory")
+    try:
+        return cost_models.get_link(cost_models.get_device(device.kind).host_link)
+    except cost_models.UnknownDeviceKind:
+        return _fallback_link(True)
+
+
+def check_kinds(cluster: Cluster, profile_kinds: Iterable[str]) -> None:
+    """Check that every device kind of ``cluster`` has costs somewhere.
+
+    Args:
+        cluster: the cluster.
+        profile_kinds: the kinds the profile has costs for.
+
+    Raises:
+        UnknownDeviceError: naming the device and its kind, the profile's kinds
+            and the catalog's kinds, for a kind in neither.
+    """
+    have = {k.lower() for k in profile_kinds}
+    known = cost_models.known_kinds()
+    known_lower = {k.lower() for k in known}
+    for d in cluster.devices:
+        if d.kind.lower() not in have and d.kind.lower() not in known_lower:
+            raise UnknownDeviceError(
+                f"device {d.name} of cluster {cluster.name} has kind {d.kind!r}, which is neither in the "
+                f"profile (kinds: {', '.join(sorted(profile_kinds)) or 'none'}) nor in the cost_models catalog "
+                f"(known kinds: {', '.join(known)}); use a known kind or profile the model on that device")
+

@@ -1,0 +1,337 @@
+"""The Plan IR: pipeline stages, their devices and options, and plan.json.
+
+A plan is versioned JSON keyed by fx node names: loading one needs neither the
+model nor a process group. :func:`validate_plan` checks a plan against the
+profile it was made for (every node placed once, producers before consumers,
+devices used once, memory within budget).
+
+Example:
+    >>> from hpml_compile.ir import Cluster, Device
+    >>> c = Cluster(devices=(Device("cpu0", "cpu", 4.0),), name="one")
+    >>> st = Stage(0, ("cpu0",), ("x", "fc", "output"))
+    >>> p = Plan("toy", c, Schedule.ONE_F_ONE_B, 4, (st,))
+    >>> Plan.from_dict(p.to_dict()) == p
+    True
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import HpmlError
+from .ir import Cluster, Profile
+from .memory import GiB, ZeroStage, device_memory, dtype_bytes
+from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
+
+__all__ = [
+    "PLAN_VERSION",
+    "PLAN_SCHEMA",
+    "Schedule",
+    "SolverStatus",
+    "ZeroStage",
+    "StagePrediction",
+    "Stage",
+    "PlanPrediction",
+    "SolverInfo",
+    "Plan",
+    "PlanError",
+    "validate_plan",
+    "stage_memory",
+    "save_plan",
+    "load_plan",
+]
+
+PLAN_VERSION = 1
+
+
+class Schedule(str, enum.Enum):
+    """Pipeline schedule: GPipe (Huang et al. 2019) or 1F1B (PipeDream-flush, Narayanan et al. 2021)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+
+class SolverStatus(str, enum.Enum):
+    """What a solver can say about its plan."""
+
+    OPTIMAL = "optimal"  # proven optimal for the solver's model
+    FEASIBLE = "feasible"  # a plan, with a gap to the best bound
+    INFEASIBLE = "infeasible"
+    HEURISTIC = "heuristic"  # a baseline: no optimality claim
+
+
+class PlanError(HpmlError):
+    """A plan breaks one of the rules of :func:`validate_plan`."""
+
+
+@dataclass(frozen=True, slots=True)
+class StagePrediction:
+    """Predicted per-microbatch times of a stage and the peak memory of each of its devices."""
+
+    fwd_ms: float = 0.0
+    bwd_ms: float = 0.0
+    memory_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One pipeline stage.
+
+    Attributes:
+        index: position in the pipeline, from 0.
+        devices: the data-parallel group running it (one device: no replication).
+        nodes: fx node names, in topological order.
+        zero: ZeRO stage over ``devices``.
+        recompute: activation checkpointing of the whole stage.
+        swap: fx nodes whose saved activations go to host memory between forward and backward.
+        offload_optimizer: Adam state kept in host memory.
+        predicted: the simulator's numbers for this stage.
+    """
+
+    index: int
+    devices: tuple[str, ...]
+    nodes: tuple[str, ...]
+    zero: ZeroStage = ZeroStage.NONE
+    recompute: bool = False
+    swap: tuple[str, ...] = ()
+    offload_optimizer: bool = False
+    predicted: StagePrediction = field(default_factory=StagePrediction)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "zero", ZeroStage(self.zero))
+        if self.index < 0 or not self.devices:
+            raise ValueError(f"stage {self.index}: index must be >= 0 and devices non-empty")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index, "devices": list(self.devices), "nodes": list(self.nodes),
+            "zero": int(self.zero), "recompute": self.recompute, "swap": list(self.swap),
+            "offload_optimizer": self.offload_optimizer,
+            "predicted": {"fwd_ms": self.predicted.fwd_ms, "bwd_ms": self.predicted.bwd_ms,
+                          "memory_bytes": self.predicted.memory_bytes},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Stage":
+        pr = d.get("predicted", {})
+        return cls(d["index"], tuple(d["devices"]), tuple(d["nodes"]), ZeroStage(d.get("zero", 0)),
+                   d.get("recompute", False), tuple(d.get("swap", ())), d.get("offload_optimizer", False),
+                   StagePrediction(pr.get("fwd_ms", 0.0), pr.get("bwd_ms", 0.0), pr.get("memory_bytes", 0)))
+
+
+@dataclass(frozen=True, slots=True)
+class PlanPrediction:
+    """Whole-step prediction: step time, slowest stage, idle fraction of the pipeline."""
+
+    step_ms: float = 0.0
+    bottleneck_stage: int = 0
+    bubble: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SolverInfo:
+    """Which solver made the plan, what it proved, and how long it took."""
+
+    name: str = "manual"
+    status: SolverStatus = SolverStatus.HEURISTIC
+    gap: float = 0.0
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", SolverStatus(self.status))
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A placement plan: what plan.json holds."""
+
+    model: str
+    cluster: Cluster
+    schedule: Schedule
+    microbatches: int
+    stages: tuple[Stage, ...]
+    predicted: PlanPrediction = field(default_factory=PlanPrediction)
+    solver: SolverInfo = field(default_factory=SolverInfo)
+    schema_version: int = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", Schedule(self.schedule))
+        if self.microbatches < 1:
+            raise ValueError(f"plan: microbatches must be >= 1, got {self.microbatches}")
+        for i, st in enumerate(self.stages):
+            if st.index != i:
+                raise ValueError(f"plan: stages[{i}].index is {st.index}; stages must be listed in order")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version, "model": self.model, "cluster": self.cluster.to_dict(),
+            "schedule": self.schedule.value, "microbatches": self.microbatches,
+            "stages": [s.to_dict() for s in self.stages],
+            "predicted": {"step_ms": self.predicted.step_ms, "bottleneck_stage": self.predicted.bottleneck_stage,
+                          "bubble": self.predicted.bubble},
+            "solver": {"name": self.solver.name, "status": self.solver.status.value, "gap": self.solver.gap,
+                       "seconds": self.solver.seconds},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, source: str = "plan") -> "Plan":
+        """Build from parsed JSON, checking the schema first.
+
+        Raises:
+            hpml_compile.errors.SchemaError: naming the first bad field, e.g. ``plan.json: stages[0].zero: expected ...``.
+        """
+        validate(d, PLAN_SCHEMA, source)
+        check_version(d, PLAN_VERSION, source)
+        pr, so = d["predicted"], d["solver"]
+        return cls(
+            model=d["model"], cluster=Cluster.from_dict(d["cluster"], source=f"{source}: cluster"),
+            schedule=Schedule(d["schedule"]), microbatches=d["microbatches"],
+            stages=tuple(Stage.from_dict(s) for s in d["stages"]),
+            predicted=PlanPrediction(pr["step_ms"], pr["bottleneck_stage"], pr["bubble"]),
+            solver=SolverInfo(so["name"], SolverStatus(so["status"]), so.get("gap", 0.0), so.get("seconds", 0.0)),
+        )
+
+
+_NUM = {"type": "number", "minimum": 0}
+_NAMES = {"type": "array", "items": {"type": "string", "minLength": 1}}
+
+PLAN_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["schema_version", "model", "cluster", "schedule", "microbatches", "stages", "predicted", "solver"],
+    "properties": {
+        "schema_version": {"type": "integer"},
+        "model": {"type": "string"},
+        "cluster": CLUSTER_SCHEMA,
+        "schedule": {"enum": [s.value for s in Schedule]},
+        "microbatches": {"type": "integer", "minimum": 1},
+        "stages": {
+            "type": "array", "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["index", "devices", "nodes"],
+                "properties": {
+                    "index": {"type": "integer", "minimum": 0},
+                    "devices": {**_NAMES, "minItems": 1},
+                    "nodes": _NAMES,
+                    "zero": {"enum": [0, 1, 2, 3]},
+                    "recompute": {"type": "boolean"},
+                    "swap": _NAMES,
+                    "offload_optimizer": {"type": "boolean"},
+                    "predicted": {"type": "object", "properties": {
+                        "fwd_ms": _NUM, "bwd_ms": _NUM, "memory_bytes": {"type": "integer", "minimum": 0}}},
+                },
+            },
+        },
+        "predicted": {"type": "object", "required": ["step_ms", "bottleneck_stage", "bubble"], "properties": {
+            "step_ms": _NUM, "bottleneck_stage": {"type": "integer", "minimum": 0},
+            "bubble": {"type": "number", "minimum": 0, "maximum": 1}}},
+        "solver": {"type": "object", "required": ["name", "status"], "properties": {
+            "name": {"type": "string"}, "status": {"enum": [s.value for s in SolverStatus]},
+            "gap": _NUM, "seconds": _NUM}},
+    },
+}
+
+
+def stage_memory(plan: Plan, profile: Profile, stage: Stage) -> int:
+    """Peak bytes on each device of ``stage`` under the memory model of :mod:`hpml_compile.memory`.
+
+    Args:
+        plan: the plan (for the schedule, microbatches and stage count).
+        profile: the profile the plan was made for.
+        stage: one of ``plan.stages``.
+
+    Returns:
+        Peak bytes per device of the stage.
+    """
+    names = set(stage.nodes)
+    nodes = [n for n in profile.nodes if n.name in names]
+    swapped = set(stage.swap)
+    m = plan.microbatches
+    in_flight = m if plan.schedule is Schedule.GPIPE else min(m, len(plan.stages) - stage.index)
+    return device_memory(
+        param_bytes=sum(n.param_bytes for n in nodes),
+        activation_bytes=sum(n.activation_bytes for n in nodes),
+        input_bytes=_input_bytes(profile, names),
+        dtype_bytes=dtype_bytes(profile.dtype), replicas=len(stage.devices), zero=stage.zero,
+        microbatches=m, in_flight=in_flight, recompute=stage.recompute,
+        swapped_bytes=sum(n.activation_bytes for n in nodes if n.name in swapped),
+        offload_optimizer=stage.offload_optimizer,
+        host_is_device=all(plan.cluster.device(d).kind.lower() == "cpu" for d in stage.devices),
+    ).total
+
+
+def _input_bytes(profile: Profile, names: set[str]) -> int:
+    outside = {i for n in profile.nodes if n.name in names for i in n.inputs if i not in names}
+    return sum(profile.node(i).output_bytes for i in outside)
+
+
+def validate_plan(plan: Plan, profile: Profile) -> None:
+    """Check a plan against its profile.
+
+    Args:
+        plan: the plan.
+        profile: the profile the plan was made for.
+
+    Raises:
+        PlanError: naming the first rule broken: a node placed twice, unknown
+            or never; an edge from a later stage to an earlier one; a device
+            unknown or used twice; a device over its memory.
+    """
+    where: dict[str, int] = {}
+    for st in plan.stages:
+        for n in st.nodes:
+            if n in where:
+                raise PlanError(f"node {n!r} is placed in stage {where[n]} and stage {st.index}; "
+                                "each node must be in exactly one stage")
+            where[n] = st.index
+        for s in st.swap:
+            if s not in st.nodes:
+                raise PlanError(f"stage {st.index} swaps {s!r}, which is not one of its nodes")
+    names = [n.name for n in profile.nodes]
+    unknown = [n for n in where if n not in set(names)]
+    if unknown:
+        raise PlanError(f"nodes {unknown[:5]} are not in the profile of {profile.model}")
+    missing = [n for n in names if n not in where]
+    if missing:
+        raise PlanError(f"nodes {missing[:5]} ({len(missing)} in all) are in no stage; every node needs one")
+    for n in profile.nodes:
+        for i in n.inputs:
+            if where[i] > where[n.name]:
+                raise PlanError(f"edge {i} -> {n.name} runs from stage {where[i]} back to stage {where[n.name]}; "
+                                "a producer must be in the same or an earlier stage")
+    used: dict[str, int] = {}
+    devices = {d.name for d in plan.cluster.devices}
+    for st in plan.stages:
+        for d in st.devices:
+            if d not in devices:
+                raise PlanError(f"stage {st.index} uses device {d!r}, which is not in cluster "
+                                f"{plan.cluster.name} ({sorted(devices)})")
+            if d in used:
+                raise PlanError(f"device {d} is used by stage {used[d]} and stage {st.index}; one stage per device")
+            used[d] = st.index
+    for st in plan.stages:
+        need = stage_memory(plan, profile, st)
+        for name in st.devices:
+            dev = plan.cluster.device(name)
+            if need > dev.memory_bytes:
+                raise PlanError(f"stage {st.index} needs {need / GiB:.2f} GiB on {name} ({dev.kind}, "
+                                f"{dev.memory_gib:.1f} GiB): over by {(need - dev.memory_bytes) / GiB:.2f} GiB; "
+                                "enable ZeRO, recompute, offload, or add a device")
+
+
+def save_plan(plan: Plan, path: str | Path) -> Path:
+    """Write plan.json atomically (a crash leaves any previous file whole)."""
+    return write_json_atomic(plan.to_dict(), path)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and schema-check plan.json.
+
+    Raises:
+        SchemaError: naming the file and the first bad field.
+    """
+    return Plan.from_dict(read_json(path), source=str(path))
+

@@ -1,0 +1,79 @@
+"""Plain-text tables that explain a profile or a cost graph to a person.
+
+Example:
+    >>> from hpml_compile.ir import Profile, ProfileNode, NodeOp, NodeCost
+    >>> p = Profile(model="toy", batch_size=2, dtype="float32", nodes=(
+    ...     ProfileNode("x", NodeOp.PLACEHOLDER, "x", cost={"cpu": NodeCost(0, 0, True)}),
+    ...     ProfileNode("fc", NodeOp.CALL_MODULE, "fc", ("x",), op_kind="matmul", flops=10**9, param_bytes=4096,
+    ...                 cost={"cpu": NodeCost(3.0, 6.0, True)})))
+    >>> print(profile_summary(p).splitlines()[0])
+    toy: 2 nodes (fx), batch 2, float32, 1.0 K parameters, 1.00 GFLOP forward
+"""
+
+from __future__ import annotations
+
+from .costgraph import CostGraph
+from .ir import Profile
+
+__all__ = ["profile_summary", "blocks_summary", "human_bytes", "human_count"]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return str(int(n))
+
+
+def profile_summary(p: Profile, top: int = 5) -> str:
+    """Totals per device kind, whole-model checks, and the costliest nodes."""
+    params = sum(n.param_bytes for n in p.nodes) / (4 if p.dtype == "float32" else 2)
+    flops = sum(n.flops for n in p.nodes)
+    seq = f", seq {p.seq_len}" if p.seq_len else ""
+    lines = [f"{p.model}: {len(p.nodes)} nodes ({p.front_end.value}), batch {p.batch_size}{seq}, {p.dtype}, "
+             f"{human_count(params)} parameters, {flops / 1e9:.2f} GFLOP forward",
+             f"  {'device kind':14s} {'fwd ms':>10s} {'bwd ms':>10s}  source"]
+    for kind in p.device_kinds:
+        t = p.total(kind)
+        if kind in p.totals:
+            w = p.totals[kind]
+            src = f"measured per node ({p.backward_timing.value}); whole model {w.fwd_ms:.1f} / {w.bwd_ms:.1f} ms"
+        else:
+            src = "predicted (" + str(p.devices.get(kind, {}).get("predicted_from", "cost_models")) + ")"
+        lines.append(f"  {kind:14s} {t.fwd_ms:10.2f} {t.bwd_ms:10.2f}  {src}")
+    kind = next((k for k in p.device_kinds if k in p.totals), p.device_kinds[0] if p.device_kinds else None)
+    if kind:
+        ranked = sorted(p.nodes, key=lambda n: -(n.cost[kind].fwd_ms + n.cost[kind].bwd_ms))[:top]
+        lines.append(f"  costliest nodes on {kind}:")
+        for n in ranked:
+            c = n.cost[kind]
+            lines.append(f"    {n.name:28s} {n.op_kind:11s} fwd {c.fwd_ms:8.2f} ms  bwd {c.bwd_ms:8.2f} ms  "
+                         f"saved {human_bytes(n.activation_bytes)}")
+    return "\n".join(lines)
+
+
+def blocks_summary(cg: CostGraph, limit: int = 24) -> str:
+    """One line per block of a (coarsened) cost graph: time per kind, parameters, activations."""
+    kinds = cg.kinds
+    head = f"  {'block':16s} {'nodes':>5s} " + " ".join(f"{k + ' ms':>14s}" for k in kinds) + \
+        f" {'params':>10s} {'saved act':>10s} {'out':>10s}"
+    lines = [head]
+    g = cg.graph
+    shown = cg.order if len(cg.order) <= limit else cg.order[: limit - 1]
+    for name in shown:
+        a = g.nodes[name]
+        times = " ".join(f"{sum(a['cost'][k]):14.2f}" for k in kinds)
+        lines.append(f"  {name[:16]:16s} {len(a['members']):5d} {times} {human_bytes(a['param_bytes']):>10s} "
+                     f"{human_bytes(a['activation_bytes']):>10s} {human_bytes(a['output_bytes']):>10s}")
+    if len(shown) < len(cg.order):
+        lines.append(f"  ... {len(cg.order) - len(shown)} more blocks")
+    lines.append(f"  {len(cg.order)} blocks, acyclic: edges only run forward in this order")
+    return "\n".join(lines)

@@ -1,0 +1,423 @@
+"""Play a plan's pipeline schedule as events: step time, bubble, timeline and memory per device.
+
+Every solver's plan is scored by this one simulator, so that plans compare on
+one cost model. Each stage runs a fixed order of operations (GPipe, Huang et
+al. 2019: all forwards then all backwards; 1F1B, Narayanan et al. 2019/2021:
+``S - i - 1`` warm-up forwards, then one forward one backward, then the
+remaining backwards); an operation starts when its stage is free and its
+inputs have arrived. We write this small list scheduler rather than use
+``torch.distributed.pipelining``'s ``_simulate_comms_compute`` because that
+one has no durations, links or memory.
+
+Approximations, stated once:
+
+- Times in the cost graph are for the profile's full batch; a microbatch
+  takes ``time / M`` and a stage replicated over ``d`` devices ``time / (M d)``
+  (per-microbatch kernel efficiency loss is not modelled).
+- A stage on devices of several kinds runs at the pace of its slowest kind.
+- Sends run on their own stream and overlap compute; they delay the
+  receiver only. A boundary tensor between stages with ``d_i`` and ``d_j``
+  replicas moves in ``min(d_i, d_j)`` parallel pieces over the link between
+  the stages' first devices (cost_models alpha-beta).
+- Recompute is one extra forward just before each backward. Swapped
+  activations go out over the host link after the forward and must be back
+  before the backward starts.
+- After its last backward a replicated stage synchronises gradients: a ring
+  all-reduce (ZeRO-0), reduce-scatter + all-gather (ZeRO-1/2, Rajbhandari et
+  al. 2020), plus one more all-gather for ZeRO-3's parameter gathers; an
+  offloaded optimizer moves gradients to the host and parameters back. The
+  optimizer's arithmetic is not modelled.
+- The bubble is the idle fraction of the stages' compute time between 0 and
+  the end of the last backward.
+
+Example:
+    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.plan import Plan, Stage, Schedule
+    >>> g = chain_graph([(2.0, 4.0), (2.0, 4.0)], kind="cpu")
+    >>> c = uniform_cluster(2)
+    >>> st = (Stage(0, ("d0",), g.graph.nodes["n0"]["members"]), Stage(1, ("d1",), g.graph.nodes["n1"]["members"]))
+    >>> r = simulate(Plan("toy", c, Schedule.GPIPE, 2, st), g)
+    >>> r.step_ms, round(r.bubble, 4)
+    (9.0, 0.3333)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Iterator
+
+import cost_models
+
+from .cluster import host_link_spec, link_spec
+from .costgraph import CostGraph
+from .errors import UnknownDeviceError
+from .ir import Cluster
+from .memory import MemoryBreakdown, ZeroStage, device_memory, dtype_bytes
+from .plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction
+
+__all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "stage_costs", "annotate",
+           "idle_intervals", "op_order"]
+
+
+class EventKind(str, enum.Enum):
+    """What a device does during an interval of the timeline."""
+
+    FORWARD = "fwd"
+    BACKWARD = "bwd"
+    RECOMPUTE = "recompute"
+    SEND = "send"
+    SWAP = "swap"
+    SYNC = "sync"  # gradient all-reduce / ZeRO collectives / offload copies
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """One bar of the Gantt chart (microbatch is -1 for per-step work such as SYNC)."""
+
+    device: str
+    start_ms: float
+    end_ms: float
+    kind: EventKind
+    microbatch: int
+    stage: int
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """Per-microbatch costs of one stage on one of its devices.
+
+    Attributes:
+        fwd_ms: forward of one microbatch.
+        bwd_ms: backward of one microbatch (recompute excluded).
+        recompute_ms: the extra forward under recompute (0 without).
+        swap_ms: one way of the swap traffic of one microbatch.
+        sends: ``(receiving stage, ms)`` for each later stage this one feeds.
+        sync_ms: gradient synchronisation after the last backward.
+        memory: the memory breakdown of each device of the stage.
+    """
+
+    fwd_ms: float
+    bwd_ms: float
+    recompute_ms: float
+    swap_ms: float
+    sends: tuple[tuple[int, float], ...]
+    sync_ms: float
+    memory: MemoryBreakdown
+
+    @property
+    def compute_ms(self) -> float:
+        """Busy time per microbatch: forward, recompute and backward."""
+        return self.fwd_ms + self.recompute_ms + self.bwd_ms
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """What the simulator predicts for one step (one optimizer update over the full batch).
+
+    Attributes:
+        step_ms: time of the whole step, gradient sync included.
+        bubble: idle fraction of the stages during the pipeline phase.
+        bottleneck_stage: the stage with the most compute per microbatch.
+        intervals: every bar of the timeline, all devices.
+        memory: per device, ``(time_ms, bytes)`` after each change.
+        peak: per device, the peak bytes.
+        stages: the costs the simulation used, per stage.
+    """
+
+    step_ms: float
+    bubble: float
+    bottleneck_stage: int
+    intervals: tuple[Interval, ...]
+    memory: dict[str, tuple[tuple[float, int], ...]]
+    peak: dict[str, int]
+    stages: tuple[StageCost, ...]
+
+
+def op_order(schedule: Schedule, stage: int, stages: int, microbatches: int) -> list[tuple[bool, int]]:
+    """The operations of one stage in execution order, as ``(is_forward, microbatch)``.
+
+    Args:
+        schedule: GPipe or 1F1B.
+        stage: stage index ``i``.
+        stages: stage count ``S``.
+        microbatches: ``M``.
+
+    Returns:
+        The order; under 1F1B at most ``S - i`` forwards are ahead of their backward.
+    """
+    m = microbatches
+    if schedule is Schedule.GPIPE:
+        return [(True, k) for k in range(m)] + [(False, k) for k in range(m)]
+    w = min(stages - stage - 1, m)
+    ops = [(True, k) for k in range(w)]
+    for k in range(m - w):
+        ops += [(True, w + k), (False, k)]
+    return ops + [(False, k) for k in range(m - w, m)]
+
+
+def _stage_of_graph_nodes(plan: Plan, graph: CostGraph) -> dict[str, int]:
+    fx_stage = {n: st.index for st in plan.stages for n in st.nodes}
+    out: dict[str, int] = {}
+    for g in graph.order:
+        owners = {fx_stage.get(m, -1) for m in graph.graph.nodes[g]["members"]}
+        if len(owners) != 1 or -1 in owners:
+            raise ValueError(f"graph node {g!r} has members in stages {sorted(owners)}; simulate with a graph "
+                             "whose nodes each lie in one stage (e.g. costgraph.build(profile))")
+        out[g] = owners.pop()
+    return out
+
+
+def _kind_cost(graph: CostGraph, node: str, kinds: list[str]) -> tuple[float, float]:
+    costs = graph.graph.nodes[node]["cost"]
+    for k in kinds:
+        if k not in costs:
+            raise UnknownDeviceError(f"the cost graph of {graph.model} has no costs for device kind {k!r} "
+                                     f"(it has {list(graph.kinds)}); add predicted costs with "
+                                     "hpml_compile.profile.predict_kinds before planning")
+    return max(costs[k][0] for k in kinds), max(costs[k][1] for k in kinds)
+
+
+def _sync_ms(cluster: Cluster, stage: Stage, param_bytes: int) -> float:
+    d = len(stage.devices)
+    total = 0.0
+    if d > 1:
+        link = min((link_spec(cluster, stage.devices[0], x) for x in stage.devices[1:]), key=lambda s: s.gbps)
+        if stage.zero == ZeroStage.NONE:
+            total += cost_models.allreduce_ms(param_bytes, d, link)
+        else:
+            total += cost_models.reduce_scatter_ms(param_bytes, d, link) + cost_models.all_gather_ms(
+                param_bytes, d, link)
+            if stage.zero == ZeroStage.OS_G_P:
+                total += cost_models.all_gather_ms(param_bytes, d, link)
+    if stage.offload_optimizer:
+        host = host_link_spec(cluster.device(stage.devices[0]))
+        shard = param_bytes // d if stage.zero >= ZeroStage.OS else param_bytes
+        total += 2 * cost_models.p2p_ms(shard, host) if host.gbps != float("inf") else 0.0
+    return total
+
+
+def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[StageCost, ...]:
+    """Per-microbatch times and per-device memory of every stage of ``plan``.
+
+    Args:
+        plan: the plan.
+        graph: a cost graph whose nodes each lie in one stage (fine or coarse).
+        dtype: parameter dtype (for the Adam state size).
+
+    Returns:
+        One StageCost per stage.
+
+    Raises:
+        UnknownDeviceError: if a stage's device kind has no costs in ``graph``.
+    """
+    owner = _stage_of_graph_nodes(plan, graph)
+    g, c, m, s_count = graph.graph, plan.cluster, plan.microbatches, len(plan.stages)
+    out: list[StageCost] = []
+    for st in plan.stages:
+        nodes = [n for n in graph.order if owner[n] == st.index]
+        kinds = sorted({c.device(d).kind for d in st.devices})
+        d = len(st.devices)
+        fwd = sum(_kind_cost(graph, n, kinds)[0] for n in nodes) / (m * d)
+        bwd = sum(_kind_cost(graph, n, kinds)[1] for n in nodes) / (m * d)
+        params = sum(g.nodes[n]["param_bytes"] for n in nodes)
+        acts = sum(g.nodes[n]["activation_bytes"] for n in nodes)
+        swap_set = set(st.swap)
+        swapped = sum(g.nodes[n]["activation_bytes"] for n in nodes if set(g.nodes[n]["members"]) <= swap_set
+                      and swap_set)
+        inputs: dict[str, int] = {}
+        sends: dict[int, dict[str, int]] = {}
+        for u, v, e in g.edges(data=True):
+            if owner[v] == st.index and owner[u] != st.index:
+                inputs.update(e["producers"])
+            if owner[u] == st.index and owner[v] != st.index:
+                sends.setdefault(owner[v], {}).update(e["producers"])
+        in_flight = m if plan.schedule is Schedule.GPIPE else min(m, s_count - st.index)
+        host_is_device = all(c.device(x).kind.lower() == "cpu" for x in st.devices)
+        mem = device_memory(param_bytes=params, activation_bytes=acts, input_bytes=sum(inputs.values()),
+                            dtype_bytes=dtype_bytes(dtype), replicas=d, zero=st.zero, microbatches=m,
+                            in_flight=in_flight, recompute=st.recompute, swapped_bytes=swapped,
+                            offload_optimizer=st.offload_optimizer, host_is_device=host_is_device)
+        send_ms = []
+        for j, prods in sorted(sends.items()):
+            dst = plan.stages[j]
+            pieces = min(d, len(dst.devices))
+            link = link_spec(c, st.devices[0], dst.devices[0])
+            nbytes = sum(prods.values()) / (m * pieces)
+            send_ms.append((j, cost_models.p2p_ms(nbytes, link) if link.gbps != float("inf") else 0.0))
+        host = host_link_spec(c.device(st.devices[0]))
+        swap_ms = 0.0 if host.gbps == float("inf") or not swapped else cost_models.p2p_ms(swapped / (m * d), host)
+        out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms),
+                             _sync_ms(c, st, params), mem))
+    return tuple(out)
+
+
+def _run(plan: Plan, costs: tuple[StageCost, ...]) -> tuple[dict[tuple[bool, int, int], tuple[float, float]], list[Interval]]:
+    """List-schedule every stage's operations; returns ``(fwd?, stage, mb) -> (start, end)`` and send bars."""
+    s_count, m = len(plan.stages), plan.microbatches
+    orders = [op_order(plan.schedule, i, s_count, m) for i in range(s_count)]
+    senders: list[list[tuple[int, float]]] = [[] for _ in range(s_count)]
+    for i, cst in enumerate(costs):
+        for j, ms in cst.sends:
+            senders[j].append((i, ms))
+    done: dict[tuple[bool, int, int], tuple[float, float]] = {}
+    ptr, free = [0] * s_count, [0.0] * s_count
+    comm: list[Interval] = []
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for i in range(s_count):
+            while ptr[i] < len(orders[i]):
+                fwd, k = orders[i][ptr[i]]
+                ready = _ready(fwd, i, k, costs, senders, done)
+                if ready is None:
+                    break
+                cst = costs[i]
+                dur = cst.fwd_ms if fwd else cst.recompute_ms + cst.bwd_ms
+                start = max(free[i], ready)
+                done[(fwd, i, k)] = (start, start + dur)
+                free[i] = start + dur
+                ptr[i] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule {plan.schedule.value} deadlocks: stages wait at operations "
+                               f"{[orders[i][ptr[i]] if ptr[i] < len(orders[i]) else None for i in range(s_count)]}")
+    for i, cst in enumerate(costs):
+        for j, ms in cst.sends:
+            for k in range(m):
+                f_end, b_end = done[(True, i, k)][1], done[(False, j, k)][1]
+                src, dst = plan.stages[i].devices[0], plan.stages[j].devices[0]
+                comm.append(Interval(src, f_end, f_end + ms, EventKind.SEND, k, i))
+                comm.append(Interval(dst, b_end, b_end + ms, EventKind.SEND, k, j))
+    return done, comm
+
+
+def _ready(fwd: bool, i: int, k: int, costs: tuple[StageCost, ...], senders: list[list[tuple[int, float]]],
+           done: dict[tuple[bool, int, int], tuple[float, float]]) -> float | None:
+    """When operation (fwd, stage i, microbatch k) may start, or None if an input is not scheduled yet."""
+    t = 0.0
+    if fwd:
+        for j, ms in senders[i]:
+            if (True, j, k) not in done:
+                return None
+            t = max(t, done[(True, j, k)][1] + ms)
+        return t
+    if (True, i, k) not in done:
+        return None
+    t = done[(True, i, k)][1] + 2 * costs[i].swap_ms
+    for j, ms in costs[i].sends:
+        if (False, j, k) not in done:
+            return None
+        t = max(t, done[(False, j, k)][1] + ms)
+    return t
+
+
+def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
+    """Play ``plan`` on its cluster and predict one training step.
+
+    Args:
+        plan: the plan.
+        graph: its cost graph (each graph node within one stage).
+        dtype: parameter dtype (Adam state size).
+
+    Returns:
+        Step time, bubble, timeline, memory curves and peaks.
+
+    Raises:
+        UnknownDeviceError: if a device kind has no costs in ``graph``.
+        RuntimeError: if the schedule deadlocks (a malformed plan).
+    """
+    costs = stage_costs(plan, graph, dtype)
+    done, bars = _run(plan, costs)
+    s_count, m = len(plan.stages), plan.microbatches
+    pipe_end = max((end for _, end in done.values()), default=0.0)
+    step = 0.0
+    deltas: dict[str, list[tuple[float, int]]] = {}
+    for i, st in enumerate(plan.stages):
+        cst = costs[i]
+        last = max(done[(False, i, k)][1] for k in range(m))
+        step = max(step, last + cst.sync_ms)
+        mem = cst.memory
+        for dev in st.devices:
+            ev = deltas.setdefault(dev, [(0.0, mem.static)])
+            for bar in _stage_bars(dev, i, cst, done, m):
+                bars.append(bar)
+            for k in range(m):
+                f_end = done[(True, i, k)][1]
+                b_start, b_end = done[(False, i, k)]
+                ev += [(f_end, mem.stored_per_microbatch), (b_start, mem.working),
+                       (b_end, -(mem.stored_per_microbatch + mem.working))]
+            if cst.sync_ms > 0:
+                bars.append(Interval(dev, last, last + cst.sync_ms, EventKind.SYNC, -1, i))
+    curves, peaks = {}, {}
+    for dev, ev in deltas.items():
+        # Frees before allocations at the same instant: a backward's buffers go before the next one's arrive.
+        ev.sort(key=lambda x: (x[0], x[1]))
+        cur, curve = 0, []
+        for t, delta in ev:
+            cur += delta
+            curve.append((t, cur))
+        curves[dev], peaks[dev] = tuple(curve), max(b for _, b in curve)
+    busy = sum(m * cst.compute_ms for cst in costs)
+    bubble = 1.0 - busy / (s_count * pipe_end) if pipe_end > 0 else 0.0
+    bottleneck = max(range(s_count), key=lambda i: costs[i].compute_ms)
+    return SimResult(step, max(0.0, bubble), bottleneck, tuple(sorted(bars, key=lambda b: (b.device, b.start_ms))),
+                     curves, peaks, costs)
+
+
+def _stage_bars(dev: str, i: int, cst: StageCost, done: dict[tuple[bool, int, int], tuple[float, float]],
+                m: int) -> Iterator[Interval]:
+    for k in range(m):
+        fs, fe = done[(True, i, k)]
+        yield Interval(dev, fs, fe, EventKind.FORWARD, k, i)
+        bs, be = done[(False, i, k)]
+        if cst.recompute_ms:
+            yield Interval(dev, bs, bs + cst.recompute_ms, EventKind.RECOMPUTE, k, i)
+        yield Interval(dev, bs + cst.recompute_ms, be, EventKind.BACKWARD, k, i)
+        if cst.swap_ms:
+            yield Interval(dev, fe, fe + cst.swap_ms, EventKind.SWAP, k, i)
+            yield Interval(dev, bs - cst.swap_ms, bs, EventKind.SWAP, k, i)
+
+
+def idle_intervals(result: SimResult, device: str) -> list[tuple[float, float]]:
+    """Gaps in ``device``'s compute (forward, recompute, backward) between 0 and the step's end.
+
+    Args:
+        result: a simulation result.
+        device: a device name.
+
+    Returns:
+        ``(start_ms, end_ms)`` of each idle gap.
+    """
+    compute = (EventKind.FORWARD, EventKind.BACKWARD, EventKind.RECOMPUTE)
+    bars = sorted((b.start_ms, b.end_ms) for b in result.intervals if b.device == device and b.kind in compute)
+    gaps, t = [], 0.0
+    for s, e in bars:
+        if s > t + 1e-12:
+            gaps.append((t, s))
+        t = max(t, e)
+    if result.step_ms > t + 1e-12:
+        gaps.append((t, result.step_ms))
+    return gaps
+
+
+def annotate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[Plan, SimResult]:
+    """Simulate ``plan`` and return a copy carrying the predictions, with the result.
+
+    Args:
+        plan: the plan.
+        graph: its cost graph.
+        dtype: parameter dtype.
+
+    Returns:
+        ``(plan with predicted fields filled in, simulation result)``.
+    """
+    r = simulate(plan, graph, dtype)
+    stages = tuple(
+        Stage(st.index, st.devices, st.nodes, st.zero, st.recompute, st.swap, st.offload_optimizer,
+              StagePrediction(c.fwd_ms, c.recompute_ms + c.bwd_ms, c.memory.total))
+        for st, c in zip(plan.stages, r.stages))
+    new = Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, stages,
+               PlanPrediction(r.step_ms, r.bottleneck_stage, r.bubble), plan.solver)
+    return new, r

@@ -1,0 +1,385 @@
+"""What every solver shares: the chain view of a cost graph and the candidate stages.
+
+A pipeline stage is a contiguous range ``[a, b)`` of a topological order of
+the cost graph (so no edge runs from a later stage to an earlier one, on a
+DAG as on a chain), cut only where tensors alone cross. A *candidate* is such
+a range run by ``d`` devices of one kind with one memory configuration (ZeRO
+stage, recompute, optimizer offload, activation swap), with its
+per-microbatch time, its gradient-sync tail and the latest position in the
+pipeline at which it still fits in memory.
+
+Example:
+    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> ch = Chain.of(chain_graph([(1.0, 2.0), (1.0, 2.0), (1.0, 2.0)]))
+    >>> ch.n, ch.time(0, 2, "cpu")
+    (3, 6.0)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import cost_models
+
+from ..cluster import host_link_spec, link_spec
+from ..costgraph import CostGraph
+from ..errors import UnknownDeviceError
+from ..ir import Cluster
+from ..memory import MemoryBreakdown, ZeroStage, device_memory, dtype_bytes
+from ..plan import Plan, Schedule, SolverInfo, Stage
+
+__all__ = ["Chain", "StageConfig", "Candidate", "Setting", "CONFIGS", "enumerate_candidates", "kind_counts",
+           "assign_devices", "in_flight", "classes", "range_candidates", "to_plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """Prefix sums over a topological order, so that any range's totals cost O(1).
+
+    Attributes:
+        graph: the cost graph.
+        n: number of graph nodes.
+        fwd: per kind, prefix sums of forward ms (full batch).
+        bwd: per kind, prefix sums of backward ms.
+        params: prefix sums of parameter bytes.
+        acts: prefix sums of activation bytes.
+        cut: ``cut[k]``: bytes crossing between ``order[:k]`` and ``order[k:]``.
+        cuttable: ``cuttable[k]``: only tensors cross position ``k`` (0 and n always).
+    """
+
+    graph: CostGraph
+    n: int
+    fwd: dict[str, tuple[float, ...]]
+    bwd: dict[str, tuple[float, ...]]
+    params: tuple[int, ...]
+    acts: tuple[int, ...]
+    cut: tuple[int, ...]
+    cuttable: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, graph: CostGraph) -> "Chain":
+        """Precompute the prefix sums and cut sizes of ``graph.order``."""
+        g, order = graph.graph, graph.order
+        n = len(order)
+        pos = {v: i for i, v in enumerate(order)}
+        fwd = {k: tuple(itertools.accumulate((g.nodes[v]["cost"][k][0] for v in order), initial=0.0))
+               for k in graph.kinds}
+        bwd = {k: tuple(itertools.accumulate((g.nodes[v]["cost"][k][1] for v in order), initial=0.0))
+               for k in graph.kinds}
+        params = tuple(itertools.accumulate((g.nodes[v]["param_bytes"] for v in order), initial=0))
+        acts = tuple(itertools.accumulate((g.nodes[v]["activation_bytes"] for v in order), initial=0))
+        # A producer's bytes cross every cut between its node and its last consumer (counted once).
+        last: dict[str, tuple[int, int, int]] = {}
+        blocked = [0] * (n + 2)
+        for u, v, e in g.edges(data=True):
+            for p, nbytes in e["producers"].items():
+                lo, hi, _ = last.get(p, (pos[u], pos[v], nbytes))
+                last[p] = (lo, max(hi, pos[v]), nbytes)
+            if not e["tensors"]:
+                blocked[pos[u] + 1] += 1
+                blocked[pos[v] + 1] -= 1
+        diff = [0] * (n + 2)
+        for lo, hi, nbytes in last.values():
+            diff[lo + 1] += nbytes
+            diff[hi + 1] -= nbytes
+        cut = tuple(itertools.accumulate(diff[: n + 1]))
+        nb = tuple(itertools.accumulate(blocked[: n + 1]))
+        cuttable = tuple(k in (0, n) or nb[k] == 0 for k in range(n + 1))
+        return cls(graph, n, fwd, bwd, params, acts, cut, cuttable)
+
+    def time(self, a: int, b: int, kind: str) -> float:
+        """Forward + backward ms of ``order[a:b]`` on ``kind`` for the full batch."""
+        return self.fwd[kind][b] - self.fwd[kind][a] + self.bwd[kind][b] - self.bwd[kind][a]
+
+    def nodes(self, a: int, b: int) -> tuple[str, ...]:
+        """The fx node names (members) of ``order[a:b]``."""
+        g = self.graph.graph
+        return tuple(m for v in self.graph.order[a:b] for m in g.nodes[v]["members"])
+
+
+@dataclass(frozen=True, slots=True)
+class StageConfig:
+    """Memory options of one stage."""
+
+    zero: ZeroStage = ZeroStage.NONE
+    recompute: bool = False
+    offload: bool = False
+    swap: bool = False
+
+
+# Cheapest first within each family; enumerate_candidates keeps those that buy memory.
+CONFIGS: tuple[StageConfig, ...] = tuple(
+    StageConfig(ZeroStage(z), r, o, s)
+    for s in (False, True) for r in (False, True) for o in (False, True) for z in range(4))
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """The global choices a candidate set is built for."""
+
+    microbatches: int
+    schedule: Schedule
+    batch_size: int
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One stage the solvers may select.
+
+    Attributes:
+        a: first chain position.
+        b: one past the last position.
+        kind: device kind.
+        d: data-parallel degree.
+        config: memory options.
+        t: per-microbatch busy ms (forward, recompute, backward, swap traffic).
+        tail: gradient-sync ms after the last backward.
+        comm: ms to receive the stage's input and send its gradient back, per microbatch.
+        jmax: most stages that may follow it and still fit (see :func:`classes`).
+        memory: bytes per device at the peak, at ``jmax``.
+    """
+
+    a: int
+    b: int
+    kind: str
+    d: int
+    config: StageConfig
+    t: float
+    tail: float
+    comm: float
+    jmax: int
+    memory: MemoryBreakdown
+
+
+def kind_counts(cluster: Cluster) -> dict[str, int]:
+    """Devices per kind, in the order kinds first appear in the cluster."""
+    out: dict[str, int] = {}
+    for d in cluster.devices:
+        out[d.kind] = out.get(d.kind, 0) + 1
+    return out
+
+
+def classes(setting: Setting, devices: int) -> int:
+    """``J``: position classes that matter for memory. Class ``j < J``: exactly ``j`` stages follow;
+    class ``J``: at least ``J`` follow. GPipe keeps all ``M`` microbatches in flight anywhere: ``J = 0``."""
+    if setting.schedule is Schedule.GPIPE:
+        return 0
+    return max(0, min(setting.microbatches, devices) - 1)
+
+
+def in_flight(setting: Setting, j: int) -> int:
+    """Microbatches in flight for a stage with ``j`` stages after it (Narayanan et al. 2021: ``S - i``)."""
+    if setting.schedule is Schedule.GPIPE:
+        return setting.microbatches
+    return min(setting.microbatches, j + 1)
+
+
+def _degrees(count: int, max_d: int) -> list[int]:
+    ds = {1, count} | {2**i for i in range(1, int(math.log2(max(count, 1))) + 1)}
+    return sorted(d for d in ds if 1 <= d <= min(count, max_d))
+
+
+def _group_link(cluster: Cluster, kind: str, d: int) -> cost_models.LinkSpec | None:
+    devs = [x.name for x in cluster.devices if x.kind == kind][:d]
+    if len(devs) < 2:
+        return None
+    return min((link_spec(cluster, devs[0], x) for x in devs[1:]), key=lambda s: s.gbps)
+
+
+def _boundary_link(cluster: Cluster, kind: str) -> cost_models.LinkSpec | None:
+    """The link a stage of ``kind`` most likely receives over: the slowest to a device on its host."""
+    first = next(x for x in cluster.devices if x.kind == kind)
+    near = [x.name for x in cluster.devices if x.name != first.name and x.host == first.host]
+    others = near or [x.name for x in cluster.devices if x.name != first.name]
+    if not others:
+        return None
+    return min((link_spec(cluster, first.name, x) for x in others), key=lambda s: s.gbps)
+
+
+def _ms(fn: object, *args: object) -> float:
+    link = args[-1]
+    if link is None or getattr(link, "gbps") == float("inf"):
+        return 0.0
+    return float(fn(*args))  # type: ignore[operator]
+
+
+def _sync(cfg: StageConfig, params: int, d: int, link: cost_models.LinkSpec | None,
+          host: cost_models.LinkSpec) -> float:
+    t = 0.0
+    if d > 1:
+        if cfg.zero == ZeroStage.NONE:
+            t += _ms(cost_models.allreduce_ms, params, d, link)
+        else:
+            rounds = 3 if cfg.zero == ZeroStage.OS_G_P else 2
+            t += _ms(cost_models.reduce_scatter_ms, params, d, link) + (rounds - 1) * _ms(
+                cost_models.all_gather_ms, params, d, link)
+    if cfg.offload:
+        shard = params // d if cfg.zero >= ZeroStage.OS else params
+        t += 2 * _ms(cost_models.p2p_ms, shard, host)
+    return t
+
+
+def enumerate_candidates(chain: Chain, cluster: Cluster, setting: Setting, *,
+                         max_time: float = math.inf) -> list[Candidate]:
+    """Every useful candidate stage: per range, kind and degree, the cheapest configurations that fit.
+
+    For each ``(a, b, kind, d)`` the configurations are tried from cheapest
+    (estimated ``M t + tail``) up; one is kept only if it fits at a later
+    pipeline position than every cheaper one, and the search stops once one
+    fits everywhere.
+
+    Args:
+        chain: the chain.
+        cluster: the cluster.
+        setting: microbatches, schedule, batch size, dtype.
+        max_time: drop candidates whose ``M * t`` exceeds this (a known plan's objective bounds them).
+
+    Returns:
+        The candidates (possibly empty: nothing fits).
+
+    Raises:
+        UnknownDeviceError: if a device kind has no costs in the graph.
+    """
+    counts = kind_counts(cluster)
+    for kind in counts:
+        if kind not in chain.fwd:
+            raise UnknownDeviceError(
+                f"cluster {cluster.name} has devices of kind {kind!r} but the cost graph of {chain.graph.model} "
+                f"has costs only for {list(chain.graph.kinds)}; add predicted costs with "
+                "hpml_compile.profile.predict_kinds(profile, kinds) before planning")
+    m, big_j, n = setting.microbatches, classes(setting, len(cluster.devices)), chain.n
+    bpe = dtype_bytes(setting.dtype)
+    out: list[Candidate] = []
+    for kind, count in counts.items():
+        first = next(x for x in cluster.devices if x.kind == kind)
+        cap, is_cpu = first.memory_bytes, kind.lower() == "cpu"
+        host = host_link_spec(first)
+        blink = _boundary_link(cluster, kind)
+        # A replica needs at least one sample of each microbatch.
+        for d in _degrees(count, max(1, setting.batch_size // m)):
+            glink = _group_link(cluster, kind, d)
+            cfgs = [c for c in CONFIGS if (d > 1 or c.zero == ZeroStage.NONE)
+                    and not (is_cpu and (c.offload or c.swap))]
+            for a in range(n):
+                if not chain.cuttable[a]:
+                    continue
+                comm = 2 * _ms(cost_models.p2p_ms, chain.cut[a] / (m * d), blink) if a > 0 else 0.0
+                for b in range(a + 1, n + 1):
+                    if not chain.cuttable[b]:
+                        continue
+                    base = chain.time(a, b, kind) / (m * d)
+                    if m * base > max_time:
+                        break  # longer ranges only get slower
+                    out.extend(_configs_for(chain, a, b, kind, d, cfgs, base, comm, glink, host, cap, bpe,
+                                            setting, big_j, is_cpu))
+    return out
+
+
+def _configs_for(chain: Chain, a: int, b: int, kind: str, d: int, cfgs: list[StageConfig], base: float,
+                 comm: float, glink: cost_models.LinkSpec | None, host: cost_models.LinkSpec, cap: int,
+                 bpe: int, setting: Setting, big_j: int, is_cpu: bool) -> list[Candidate]:
+    m = setting.microbatches
+    params, acts = chain.params[b] - chain.params[a], chain.acts[b] - chain.acts[a]
+    fwd = (chain.fwd[kind][b] - chain.fwd[kind][a]) / (m * d)
+    scored = []
+    for cfg in cfgs:
+        swap_ms = 2 * _ms(cost_models.p2p_ms, acts / (m * d), host) if cfg.swap else 0.0
+        t = base + (fwd if cfg.recompute else 0.0) + swap_ms
+        scored.append((m * t + _sync(cfg, params, d, glink, host), t, cfg))
+    scored.sort(key=lambda x: x[0])
+    best_j, out = -1, []
+    for est, t, cfg in scored:
+        jmax, mem = -1, None
+        for j in range(big_j, -1, -1):
+            mem = device_memory(param_bytes=params, activation_bytes=acts, input_bytes=chain.cut[a],
+                                dtype_bytes=bpe, replicas=d, zero=cfg.zero, microbatches=m,
+                                in_flight=in_flight(setting, j), recompute=cfg.recompute,
+                                swapped_bytes=acts if cfg.swap else 0, offload_optimizer=cfg.offload,
+                                host_is_device=is_cpu)
+            if mem.total <= cap:
+                jmax = j
+                break
+        if jmax > best_j and mem is not None:
+            out.append(Candidate(a, b, kind, d, cfg, t, est - m * t, comm, jmax, mem))
+            best_j = jmax
+        if best_j == big_j:
+            break
+    return out
+
+
+def range_candidates(chain: Chain, cluster: Cluster, setting: Setting, a: int, b: int, kind: str,
+                     d: int) -> list[Candidate]:
+    """The candidates of one range, kind and degree (cheapest first, each fitting later than the last).
+
+    Args:
+        chain: the chain.
+        cluster: the cluster.
+        setting: microbatches, schedule, batch size, dtype.
+        a: first position.
+        b: one past the last position.
+        kind: device kind.
+        d: data-parallel degree.
+
+    Returns:
+        The candidates; empty if no configuration fits even as the last stage.
+    """
+    m, big_j = setting.microbatches, classes(setting, len(cluster.devices))
+    first = next(x for x in cluster.devices if x.kind == kind)
+    host, is_cpu = host_link_spec(first), kind.lower() == "cpu"
+    cfgs = [c for c in CONFIGS if (d > 1 or c.zero == ZeroStage.NONE) and not (is_cpu and (c.offload or c.swap))]
+    comm = 2 * _ms(cost_models.p2p_ms, chain.cut[a] / (m * d), _boundary_link(cluster, kind)) if a > 0 else 0.0
+    return _configs_for(chain, a, b, kind, d, cfgs, chain.time(a, b, kind) / (m * d), comm,
+                        _group_link(cluster, kind, d), host, first.memory_bytes, dtype_bytes(setting.dtype),
+                        setting, big_j, is_cpu)
+
+
+def to_plan(chain: Chain, cluster: Cluster, setting: Setting, picked: list[Candidate], solver: SolverInfo) -> Plan:
+    """A plan from selected candidates in pipeline order (predictions left to the simulator).
+
+    Args:
+        chain: the chain.
+        cluster: the cluster.
+        setting: microbatches, schedule, batch size, dtype.
+        picked: candidates tiling ``[0, n)`` in order.
+        solver: who made it.
+
+    Returns:
+        The plan.
+    """
+    devices = assign_devices(cluster, [(c.kind, c.d) for c in picked])
+    stages = []
+    for i, (c, devs) in enumerate(zip(picked, devices)):
+        nodes = chain.nodes(c.a, c.b)
+        stages.append(Stage(i, devs, nodes, c.config.zero, c.config.recompute, nodes if c.config.swap else (),
+                            c.config.offload))
+    return Plan(chain.graph.model, cluster, setting.schedule, setting.microbatches, tuple(stages), solver=solver)
+
+
+def assign_devices(cluster: Cluster, stages: list[tuple[str, int]]) -> list[tuple[str, ...]]:
+    """Concrete devices for a pipeline of ``(kind, d)`` stages: per kind, the next unused in cluster order.
+
+    Identical devices of a kind are interchangeable in every solver's model
+    (symmetry broken by kind); taking them in cluster order keeps neighbours
+    on one host where the cluster lists hosts together.
+
+    Args:
+        cluster: the cluster.
+        stages: ``(kind, d)`` per stage, in pipeline order.
+
+    Returns:
+        The device names of each stage.
+
+    Raises:
+        ValueError: if a kind runs out of devices.
+    """
+    pools = {k: [x.name for x in cluster.devices if x.kind == k] for k in kind_counts(cluster)}
+    out = []
+    for kind, d in stages:
+        if len(pools.get(kind, [])) < d:
+            raise ValueError(f"not enough {kind} devices for the stages {stages}")
+        out.append(tuple(pools[kind][:d]))
+        pools[kind] = pools[kind][d:]
+    return out
