@@ -160,8 +160,14 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from .plan_cli import add_parsers
+
+    add_parsers(sub)
+
+
 _ADDERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_demo, _add_profile, _add_devices, _add_models,
+    _add_demo, _add_profile, _add_plan, _add_devices, _add_models,
 )
 
 

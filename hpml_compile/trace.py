@@ -27,8 +27,9 @@ from __future__ import annotations
 import linecache
 import re
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -44,7 +45,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .errors import TraceError
 from .ir import FrontEnd
 
-__all__ = ["NodeInfo", "trace", "node_info", "tensor_bytes"]
+__all__ = ["NodeInfo", "trace", "node_info", "tensor_bytes", "buffers_restored"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,24 @@ def node_info(node: fx.Node) -> NodeInfo:
     except KeyError:
         raise TraceError(f"node {node.format_node()} has no shape information: "
                          "pass the graph through hpml_compile.trace() first") from None
+
+
+@contextmanager
+def buffers_restored(module: torch.nn.Module) -> Iterator[None]:
+    """Put every buffer back as it was on exit.
+
+    Running a model in training mode updates buffers in place (BatchNorm's
+    running statistics, ``num_batches_tracked``) -- even under FakeTensorMode,
+    which writes through to a real buffer. Analysing a model must not change it.
+    """
+    saved = {name: b.detach().clone() for name, b in module.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in saved and not b.is_meta:
+                    b.copy_(saved[name])
 
 
 class _LeafTracer(fx.Tracer):
@@ -283,7 +302,8 @@ def trace(
                 gm, used = _trace_export(model, inputs), FrontEnd.EXPORT
             except TraceError as ex_err:
                 raise TraceError(f"{fx_err}\nThe export front end failed too: {ex_err}") from fx_err
-    _propagate(gm, inputs)
+    with buffers_restored(gm):
+        _propagate(gm, inputs)
     _annotate(gm)
     gm.meta["hpml_front_end"] = used
     return gm

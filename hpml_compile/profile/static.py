@@ -67,9 +67,16 @@ _KIND_TABLE: tuple[tuple[OpKind, tuple[str, ...]], ...] = (
     (OpKind.REDUCTION, ("sum", "mean", "pool", "max", "min", "amax", "norm", "var", "std")),
     (OpKind.VIEW, ("view", "reshape", "permute", "transpose", "getitem", "getattr", "size", "expand",
                    "unsqueeze", "squeeze", "flatten", "unflatten", "split", "chunk", "narrow", "select",
-                   "slice", "alias", "detach", "unbind", "_unsafe_view", "t", "dim", "identity",
-                   "dropout")),
+                   "slice", "alias", "detach", "unbind", "_unsafe_view", "t", "dim", "identity")),
+    (OpKind.ELEMENTWISE, ("relu", "gelu", "silu", "tanh", "sigmoid", "dropout", "softplus", "elu", "mish",
+                          "hardswish", "leakyrelu", "add", "mul", "sub", "div", "neg", "pow", "exp", "rsqrt",
+                          "where", "cat", "stack", "contiguous", "clone", "masked_fill")),
 )
+
+
+# Device moves cannot run on meta ("cannot copy out of meta tensor"); they do no
+# arithmetic and save nothing for backward, so there is nothing to count.
+_DEVICE_MOVES = frozenset({"to", "_to_copy", "cpu", "cuda", "type_as"})
 
 
 def _target_name(node: fx.Node, module: torch.nn.Module | None) -> str:
@@ -78,6 +85,8 @@ def _target_name(node: fx.Node, module: torch.nn.Module | None) -> str:
     if node.op == "call_method":
         return str(node.target).lower()
     target = node.target
+    if isinstance(target, torch._ops.OpOverload):  # aten.to.dtype_layout -> "to"
+        return target.overloadpacket.__name__.lower()
     name = getattr(target, "__name__", None) or str(target)
     # aten overloads print as "aten.linear.default": keep the op name
     parts = str(name).split(".")
@@ -91,9 +100,6 @@ def op_kind(node: fx.Node, module: torch.nn.Module | None = None) -> OpKind:
     if node.op in ("placeholder", "output", "get_attr"):
         return OpKind.VIEW
     name = _target_name(node, module)
-    if node.op == "call_module" and module is not None and getattr(module, "p", None) is not None \
-            and "dropout" in name:
-        return OpKind.ELEMENTWISE  # a live dropout draws a mask: not free
     for kind, fragments in _KIND_TABLE:
         for frag in fragments:
             if frag == name or (len(frag) > 3 and frag in name):
@@ -145,16 +151,20 @@ def _count_bwd(outputs: Any, wrt: list[torch.Tensor]) -> int:
     return int(counter.get_total_flops())
 
 
-def _iter_used(gm: fx.GraphModule, node: fx.Node) -> Iterator[tuple[str, torch.Tensor]]:
-    """Parameters (qualified name, tensor) a node touches directly."""
+def _iter_used(gm: fx.GraphModule, node: fx.Node, canon: dict[int, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters a node touches directly, under their canonical names.
+
+    A tied parameter has several names (``wte.weight``, ``lm_head.weight``);
+    ``canon`` maps it to the first one, so every user lists the same name.
+    """
     if node.op == "call_module":
         sub = gm.get_submodule(str(node.target))
         for name, p in sub.named_parameters():
-            yield f"{node.target}.{name}", p
+            yield canon.get(id(p), f"{node.target}.{name}"), p
     elif node.op == "get_attr":
         obj = _fetch(gm, str(node.target))
         if isinstance(obj, torch.nn.Parameter):
-            yield str(node.target), obj
+            yield canon.get(id(obj), str(node.target)), obj
 
 
 def _fetch(gm: fx.GraphModule, target: str) -> Any:
@@ -214,10 +224,11 @@ def analyze(gm: fx.GraphModule) -> dict[str, NodeFacts]:
     """
     facts: dict[str, NodeFacts] = {}
     seen_params: set[int] = set()
+    canon = {id(p): name for name, p in gm.named_parameters()}
     failed: list[str] = []
     for node in gm.graph.nodes:
         module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
-        used = list(_iter_used(gm, node))
+        used = list(_iter_used(gm, node, canon))
         param_bytes = 0
         for _, p in used:
             if id(p) not in seen_params:
@@ -225,7 +236,8 @@ def analyze(gm: fx.GraphModule) -> dict[str, NodeFacts]:
                 param_bytes += p.numel() * p.element_size()
         fwd = bwd = act = 0
         in_bytes = sum(tensor_bytes(n.meta.get("val")) for n in node.all_input_nodes)
-        if node.op in ("call_function", "call_method", "call_module"):
+        if node.op in ("call_function", "call_method", "call_module") and \
+                _target_name(node, module) not in _DEVICE_MOVES:
             try:
                 fwd, bwd, act, _ = _run_one(gm, node, is_inplace(node, module))
             except Exception as exc:  # an op without a meta kernel: keep going, say which

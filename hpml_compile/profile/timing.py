@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -39,6 +38,7 @@ from torch.fx.node import map_aggregate, map_arg
 from torch.utils._pytree import tree_leaves
 
 from ..ir import NodeCost
+from ..trace import buffers_restored
 from .static import is_inplace
 
 __all__ = ["measure", "Timer"]
@@ -101,17 +101,6 @@ def _to_device(x: Any, device: torch.device) -> Any:
 def _leafify(x: Any) -> Any:
     return map_aggregate(x, lambda v: v.detach().requires_grad_(True)
                          if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-
-
-@contextmanager
-def _buffers_restored(gm: torch.nn.Module) -> Iterator[None]:
-    saved = {name: b.detach().clone() for name, b in gm.named_buffers()}
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for name, b in gm.named_buffers():
-                b.copy_(saved[name])
 
 
 def _callable(gm: fx.GraphModule, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
@@ -201,7 +190,7 @@ def measure(
     timer = Timer(dev)
     inputs = tuple(_to_device(x, dev) for x in example_inputs)
     costs: dict[str, NodeCost] = {}
-    with _buffers_restored(gm):
+    with buffers_restored(gm):
         cap = _Capture(gm)
         with torch.no_grad():
             cap.run(*inputs)

@@ -1,0 +1,185 @@
+"""Pass 4, solve: a cost graph and a cluster to a placement Plan.
+
+Solvers (:class:`SolverName`): ``ilp`` (default; :mod:`.ilp`, exact with a
+reported gap), ``dp`` (:mod:`.dp`, exact min-bottleneck over the
+topological order, for graphs too large for the ILP) and the baselines
+``uniform``, ``params``, ``time`` (:mod:`.baselines`). Every plan is scored
+by the one simulator (:mod:`hpml_compile.simulate`), and its predictions are
+written into the plan.
+
+The microbatch count, when not given, is searched over powers of two up to
+``min(batch_size, 64)`` with the DP (fast); the ILP then solves at the best
+count. ``ilp`` returns the better, by simulated step time, of the ILP's plan
+and the DP's, so it is never worse than ``dp``.
+
+Example:
+    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> g = chain_graph([{"fast": (1.0, 2.0), "slow": (2.0, 4.0)}] * 6)
+    >>> plan = solve(g, cluster_of(["fast", "slow"]), solver="dp", microbatches=16)
+    >>> [len(s.nodes) for s in plan.stages], plan.solver.status.value
+    ([4, 2], 'optimal')
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from typing import Callable
+
+from ..cluster import check_kinds
+from ..costgraph import CostGraph
+from ..errors import InfeasibleError
+from ..ir import Cluster
+from ..memory import GiB, device_memory, dtype_bytes
+from ..plan import Plan, Schedule, SolverInfo, SolverStatus
+from ..simulate import annotate
+from .baselines import Baseline, balanced_cuts, baseline_stages
+from .candidates import Chain, Setting, enumerate_candidates, to_plan
+from .dp import solve_chain
+from .ilp import solve_ilp
+
+__all__ = ["SolverName", "solve", "microbatch_choices"]
+
+
+class SolverName(str, enum.Enum):
+    """The solvers ``solve`` offers."""
+
+    ILP = "ilp"
+    DP = "dp"
+    UNIFORM = "uniform"
+    PARAMS = "params"
+    TIME = "time"
+
+
+def microbatch_choices(batch_size: int, cap: int = 64) -> list[int]:
+    """Powers of two up to ``min(batch_size, cap)``: the microbatch counts searched by default.
+
+    The cost model divides a stage's time by ``M`` (no per-microbatch
+    overhead), so more microbatches always look better; the cap keeps the
+    search where that approximation is reasonable.
+    """
+    top = max(1, min(batch_size, cap))
+    return [2**i for i in range(int(math.log2(top)) + 1)]
+
+
+def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = SolverName.ILP,
+          microbatches: int | None = None, schedule: Schedule | str = Schedule.ONE_F_ONE_B,
+          time_limit_s: float = 30.0, dtype: str = "float32",
+          progress: Callable[[str], None] | None = None) -> Plan:
+    """Place ``costgraph`` on ``cluster``.
+
+    Args:
+        costgraph: the (usually coarsened) cost graph; its ``order`` is the pipeline order.
+        cluster: the devices.
+        solver: which solver.
+        microbatches: ``M``; None searches :func:`microbatch_choices`.
+        schedule: GPipe or 1F1B.
+        time_limit_s: time limit of the ILP.
+        dtype: parameter dtype (Adam state size).
+        progress: called with a line of text as the solve goes on.
+
+    Returns:
+        The plan, with the simulator's predictions and the solver's status.
+
+    Raises:
+        UnknownDeviceError: if a device kind has no costs in the graph.
+        InfeasibleError: if nothing fits; names each device short of memory,
+            by how much, and what would make it fit.
+        ValueError: for a bad ``microbatches``.
+    """
+    name, sched = SolverName(solver), Schedule(schedule)
+    say = progress or (lambda _: None)
+    check_kinds(cluster, costgraph.kinds)
+    if microbatches is not None and microbatches < 1:
+        raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    t0 = time.perf_counter()
+    chain = Chain.of(costgraph)
+    ms = [microbatches] if microbatches else microbatch_choices(costgraph.batch_size)
+    best: tuple[float, Plan, Setting, list] | None = None
+    status = SolverStatus.HEURISTIC if name in (SolverName.UNIFORM, SolverName.PARAMS, SolverName.TIME) \
+        else SolverStatus.OPTIMAL
+    for m in ms:
+        setting = Setting(m, sched, costgraph.batch_size, dtype)
+        if name in (SolverName.ILP, SolverName.DP):
+            picked = solve_chain(chain, cluster, setting, enumerate_candidates(chain, cluster, setting))
+        else:
+            got = baseline_stages(chain, cluster, setting, Baseline(name.value))
+            picked = None if isinstance(got, str) else got
+        if not picked:
+            continue
+        plan, r = annotate(to_plan(chain, cluster, setting, picked, SolverInfo(name.value)), costgraph, dtype)
+        say(f"{name.value}: M={m}: {len(plan.stages)} stages, step {r.step_ms:.4g} ms")
+        if best is None or r.step_ms < best[0]:
+            best = (r.step_ms, plan, setting, picked)
+    if best is None:
+        raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype)))
+    step, plan, setting, picked = best
+    gap = 0.0
+    if name is SolverName.ILP:
+        res = solve_ilp(chain, cluster, setting, time_limit_s=time_limit_s, warm=picked, progress=say)
+        status, gap = res.status, res.gap
+        if res.picked:
+            ilp_plan, r = annotate(to_plan(chain, cluster, setting, res.picked, SolverInfo(name.value)),
+                                   costgraph, dtype)
+            if r.step_ms <= step:
+                plan = ilp_plan
+    info = SolverInfo(name.value, status, gap, time.perf_counter() - t0)
+    return Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, plan.stages, plan.predicted, info)
+
+
+def diagnose(chain: Chain, cluster: Cluster, setting: Setting) -> str:
+    """Why nothing fits: each device short of memory, by how much, and what would make it fit.
+
+    The model is split over all devices in cluster order, one stage each,
+    balancing parameter bytes; each stage's need is taken with every saving
+    on (recompute, optimizer offload and swap where the device is not the host).
+
+    Args:
+        chain: the chain.
+        cluster: the cluster.
+        setting: microbatches, schedule, batch size, dtype.
+
+    Returns:
+        The message of an InfeasibleError.
+    """
+    g, order = chain.graph.graph, chain.graph.order
+    devs = cluster.devices
+    cuts = balanced_cuts(chain, len(devs), [g.nodes[v]["param_bytes"] for v in order])
+    bpe = dtype_bytes(setting.dtype)
+    lines, s = [], len(cuts) - 1
+    for i in range(s):
+        dev = devs[i]
+        a, b = cuts[i], cuts[i + 1]
+        params, acts = chain.params[b] - chain.params[a], chain.acts[b] - chain.acts[a]
+        cpu = dev.kind.lower() == "cpu"
+        fl = setting.microbatches if setting.schedule is Schedule.GPIPE else min(setting.microbatches, s - i)
+        kw = dict(param_bytes=params, activation_bytes=acts, input_bytes=chain.cut[a], dtype_bytes=bpe,
+                  replicas=1, zero=0, microbatches=setting.microbatches, in_flight=fl, host_is_device=cpu)
+        plain = device_memory(**kw)  # type: ignore[arg-type]
+        saved = device_memory(**kw, recompute=True, offload_optimizer=True,  # type: ignore[arg-type]
+                              swapped_bytes=acts)
+        if saved.total <= dev.memory_bytes:
+            continue
+        short = saved.total - dev.memory_bytes
+        lines.append(
+            f"- {dev.name} ({dev.kind}, {dev.memory_gib:.1f} GiB), stage {i} ({order[a]}..{order[b - 1]}): needs "
+            f"{saved.total / GiB:.2f} GiB even with recompute, optimizer offload and swap (without them "
+            f"{plain.total / GiB:.2f} GiB: parameters+gradients {(plain.params + plain.grads) / GiB:.2f}, "
+            f"optimizer {plain.optimizer / GiB:.2f}, activations {plain.activations / GiB:.2f}); short by "
+            f"{short / GiB:.2f} GiB")
+    p_total = chain.params[-1]
+    floor = 2 * p_total  # parameters + gradients, ZeRO-3-sharded over every device, optimizer offloaded
+    cap = sum(d.memory_bytes for d in devs)
+    biggest = max(d.memory_bytes for d in devs)
+    more = max(1, math.ceil((floor - cap) / biggest)) if floor > cap else 1
+    head = (f"no plan fits {chain.graph.model} (batch {setting.batch_size}, {setting.dtype}) on cluster "
+            f"{cluster.name}: every combination of stages, data-parallel degree, ZeRO stage, recompute, optimizer "
+            "offload and activation swap exceeds some device's memory.")
+    fixes = (f"What would make it fit: more devices (parameters and gradients alone need {floor / GiB:.2f} GiB "
+             f"sharded over all devices; the cluster has {cap / GiB:.2f} GiB; add at least {more} device(s) of "
+             f"{biggest / GiB:.0f} GiB), devices with more memory, or a smaller batch (activations scale with it); "
+             "ZeRO sharding needs several devices of one kind in a stage.")
+    body = "\n".join(lines) if lines else ("- no single device is short when the model is spread evenly; the "
+                                           "short one is whichever device holds the largest block")
+    return f"{head}\n{body}\n{fixes}"

@@ -45,7 +45,7 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_names_cover_the_zoo() -> None:
     assert set(names()) == {
-        "gpt-tiny", "gpt2-small", "gpt2-medium", "gpt2-xl", "llama-7b", "llama-70b",
+        "gpt-tiny", "gpt-mini", "gpt2-small", "gpt2-medium", "gpt2-xl", "llama-7b", "llama-70b",
         "mlp", "mlp-tiny", "resnet50", "resnet-tiny",
     }
     assert get("gpt") is get("gpt2-small")

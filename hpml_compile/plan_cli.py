@@ -1,0 +1,150 @@
+"""``hpml-compile plan``: profile.json + a cluster -> plan.json, or a table comparing every solver.
+
+The main CLI registers the sub-command with :func:`add_parsers`; the handler
+raises HpmlError for bad input (printed without a traceback, exit 2).
+
+Example:
+    >>> import argparse
+    >>> p = argparse.ArgumentParser(prog="hpml-compile")
+    >>> add_parsers(p.add_subparsers(dest="command"))
+    >>> a = p.parse_args(["plan", "profile.json", "--cluster", "hetero-4", "-o", "plan.json"])
+    >>> a.run is run_plan, a.solver, a.schedule, a.microbatches
+    (True, 'ilp', '1f1b', None)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from .cluster import check_kinds, load_cluster
+from .costgraph import CostGraph, build
+from .errors import HpmlError, InfeasibleError
+from .ir import Cluster, Profile
+from .memory import GiB
+from .plan import Plan, Schedule, save_plan, validate_plan
+from .profile import predict_kinds
+from .schema import read_json
+from .simulate import simulate
+from .solve import SolverName, solve
+
+__all__ = ["add_parsers", "run_plan", "compare", "format_table"]
+
+
+def add_parsers(subparsers: Any) -> None:
+    """Register ``plan`` on an argparse sub-parser set.
+
+    Args:
+        subparsers: what ``ArgumentParser.add_subparsers()`` returned.
+    """
+    p = subparsers.add_parser("plan", help="place a profiled model on a cluster (writes plan.json)",
+                              description="Place a profiled model on a cluster and write plan.json.")
+    p.add_argument("profile", help="profile.json written by `hpml-compile profile`")
+    p.add_argument("--cluster", required=True, help="a built-in cluster name or a cluster.json path")
+    p.add_argument("--solver", default=SolverName.ILP.value, choices=[s.value for s in SolverName])
+    p.add_argument("--microbatches", type=int, default=None, help="default: searched")
+    p.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, choices=[s.value for s in Schedule])
+    p.add_argument("--time-limit", type=float, default=30.0, dest="time_limit", help="ILP time limit, seconds")
+    p.add_argument("--compare", action="store_true", help="run every solver and print one table")
+    p.add_argument("-o", "--output", default=None, help="plan.json to write (with --compare: the ilp plan)")
+    p.set_defaults(run=run_plan)
+
+
+def _inputs(args: argparse.Namespace) -> tuple[Profile, Cluster, CostGraph]:
+    profile = Profile.from_dict(read_json(args.profile), source=str(args.profile))
+    cluster = load_cluster(args.cluster)
+    check_kinds(cluster, profile.device_kinds)
+    missing = sorted({d.kind for d in cluster.devices} - set(profile.device_kinds))
+    if missing:
+        profile = predict_kinds(profile, missing)  # from the file alone, calibrated on its measured kinds
+    return profile, cluster, build(profile).coarsen()
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def compare(graph: CostGraph, cluster: Cluster, *, microbatches: int | None, schedule: Schedule,
+            time_limit_s: float, dtype: str = "float32") -> list[tuple[str, Plan | str, dict[str, int]]]:
+    """Run every solver on the same cost model.
+
+    Args:
+        graph: the cost graph.
+        cluster: the cluster.
+        microbatches: ``M`` or None to search.
+        schedule: the schedule.
+        time_limit_s: ILP time limit.
+        dtype: parameter dtype.
+
+    Returns:
+        ``(solver, plan or the reason it failed, peak bytes per device)`` per solver, ilp first.
+    """
+    out: list[tuple[str, Plan | str, dict[str, int]]] = []
+    for s in SolverName:
+        _progress(f"compare: {s.value} ...")
+        try:
+            plan = solve(graph, cluster, solver=s, microbatches=microbatches, schedule=schedule,
+                         time_limit_s=time_limit_s, dtype=dtype)
+        except InfeasibleError as e:
+            out.append((s.value, str(e).splitlines()[0], {}))
+            continue
+        out.append((s.value, plan, simulate(plan, graph, dtype).peak))
+    return out
+
+
+def format_table(rows: list[tuple[str, Plan | str, dict[str, int]]]) -> str:
+    """One line per solver: step ms, bottleneck stage, bubble, peak GiB per device, ratio to ilp."""
+    ref = next((p.predicted.step_ms for name, p, _ in rows if isinstance(p, Plan) and name == "ilp"), None)
+    head = f"{'solver':<8} {'step ms':>12} {'bottleneck':>10} {'bubble':>7} {'vs ilp':>7}  peak GiB per device"
+    lines = [head, "-" * len(head)]
+    for name, plan, peak in rows:
+        if not isinstance(plan, Plan):
+            lines.append(f"{name:<8} {'infeasible':>12}  {plan}")
+            continue
+        ratio = f"{plan.predicted.step_ms / ref:.2f}x" if ref else "-"
+        mem = " ".join(f"{d}:{b / GiB:.2f}" for d, b in peak.items())
+        lines.append(f"{name:<8} {plan.predicted.step_ms:>12.4g} {plan.predicted.bottleneck_stage:>10} "
+                     f"{plan.predicted.bubble:>7.3f} {ratio:>7}  {mem}")
+    return "\n".join(lines)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Handle ``hpml-compile plan``.
+
+    Args:
+        args: parsed arguments (see :func:`add_parsers`).
+
+    Returns:
+        0 on success.
+
+    Raises:
+        HpmlError: for a bad profile, cluster or option, or a model that fits nowhere (InfeasibleError).
+    """
+    if not args.compare and not args.output:
+        raise HpmlError("plan: -o/--output is required (where to write plan.json), unless --compare")
+    if args.microbatches is not None and args.microbatches < 1:
+        raise HpmlError(f"plan: --microbatches must be >= 1, got {args.microbatches}")
+    profile, cluster, graph = _inputs(args)
+    schedule = Schedule(args.schedule)
+    if args.compare:
+        rows = compare(graph, cluster, microbatches=args.microbatches, schedule=schedule,
+                       time_limit_s=args.time_limit, dtype=profile.dtype)
+        print(format_table(rows))
+        plan = next((p for n, p, _ in rows if n == SolverName.ILP.value and isinstance(p, Plan)), None)
+        if args.output and plan is not None:
+            validate_plan(plan, profile)
+            save_plan(plan, args.output)
+            print(f"wrote {args.output}")
+        return 0
+    _progress(f"plan: {profile.model} on {cluster.name} ({len(cluster.devices)} devices), "
+              f"{len(graph.order)} blocks, solver {args.solver}")
+    plan = solve(graph, cluster, solver=args.solver, microbatches=args.microbatches, schedule=schedule,
+                 time_limit_s=args.time_limit, dtype=profile.dtype, progress=_progress)
+    validate_plan(plan, profile)
+    save_plan(plan, args.output)
+    pr, so = plan.predicted, plan.solver
+    print(f"{len(plan.stages)} stages, {plan.microbatches} microbatches ({plan.schedule.value}): step "
+          f"{pr.step_ms:.4g} ms, bottleneck stage {pr.bottleneck_stage}, bubble {pr.bubble:.1%}; "
+          f"{so.name} {so.status.value} (gap {so.gap:.2%}) in {so.seconds:.2f} s; wrote {args.output}")
+    return 0

@@ -1,0 +1,162 @@
+"""profile: sizes, FLOPs, measured and predicted times, profile.json round trip and errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hpml_compile import load_profile, models, predict_kinds, profile, save_profile
+from hpml_compile.errors import SchemaError, UnknownDeviceError
+from hpml_compile.ir import BackwardTiming, NodeOp, Profile
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Profile:
+    m = models.load("gpt-tiny")
+    return profile(m.module, m.example_inputs, name="gpt-tiny", device_kinds=("cpu", "A100-80GB", "H100-80GB"),
+                   repeats=3, warmup=1, progress=False)
+
+
+def test_linear_sizes_and_flops() -> None:
+    b, i, o = 8, 32, 16
+    p = profile(nn.Sequential(nn.Linear(i, o)), (torch.randn(b, i),), repeats=2, progress=False)
+    n = p.node("_0")
+    assert n.op_kind == "matmul"
+    assert n.flops == 2 * b * i * o
+    assert n.bwd_flops == 2 * n.flops  # grad of input and of weight
+    assert n.param_bytes == (i * o + o) * 4
+    assert n.output_bytes == b * o * 4
+    assert n.activation_bytes == b * i * 4  # the saved input; the weight is not an activation
+    assert n.params == ("0.weight", "0.bias")
+
+
+def test_nodes_in_topological_order_with_known_inputs(tiny: Profile) -> None:
+    seen: set[str] = set()
+    for n in tiny.nodes:
+        assert set(n.inputs) <= seen
+        seen.add(n.name)
+    assert tiny.nodes[0].op is NodeOp.PLACEHOLDER and tiny.nodes[-1].op is NodeOp.OUTPUT
+
+
+def test_tied_parameters_counted_once(tiny: Profile) -> None:
+    m = models.load("gpt-tiny")
+    unique = sum(p.numel() * p.element_size() for p in m.module.parameters())
+    assert sum(n.param_bytes for n in tiny.nodes) == unique
+    users = [n.name for n in tiny.nodes if any(p.startswith("wte") for p in n.params)]
+    assert len(users) >= 2, "embedding and LM head both list the tied weight"
+
+
+def test_attention_flops_are_counted(tiny: Profile) -> None:
+    attn = [n for n in tiny.nodes if n.op_kind == "attention"]
+    assert attn and all(n.flops > 0 for n in attn)
+    b, t, d = 4, 32, 64
+    assert attn[0].flops == 4 * b * t * t * d  # QK^T and PV, 2 FLOPs per multiply-add
+
+
+def test_measured_and_predicted_kinds(tiny: Profile) -> None:
+    assert tiny.devices["cpu"]["measured"] is True
+    assert tiny.devices["A100-80GB"]["measured"] is False
+    assert tiny.backward_timing is BackwardTiming.PER_NODE
+    fc = next(n for n in tiny.nodes if n.op_kind == "matmul")
+    assert fc.cost["cpu"].measured and not fc.cost["A100-80GB"].measured
+    assert fc.cost["cpu"].fwd_ms > 0 and fc.cost["cpu"].bwd_ms > 0
+    assert tiny.total("H100-80GB").fwd_ms <= tiny.total("A100-80GB").fwd_ms
+
+
+def test_predict_kinds_from_the_file_alone(tiny: Profile) -> None:
+    more = predict_kinds(tiny, ["T4"])
+    assert "T4" in more.device_kinds and not more.total("T4").measured
+    assert more.total("T4").fwd_ms > tiny.total("A100-80GB").fwd_ms  # a T4 is slower than an A100
+    assert predict_kinds(tiny, ["cpu"]) is tiny
+
+
+def test_meta_profile_predicts_everything() -> None:
+    m = models.load("gpt2-small", device="meta")
+    p = profile(m.module, m.example_inputs, name="gpt2-small", device_kinds=("A100-80GB",), progress=False)
+    assert p.backward_timing is BackwardTiming.PREDICTED and not p.totals
+    assert not p.total("A100-80GB").measured and p.total("A100-80GB").fwd_ms > 0
+    assert sum(n.param_bytes for n in p.nodes) == pytest.approx(124.44e6 * 4, rel=0.01)
+
+
+def test_profiling_leaves_buffers_alone() -> None:
+    m = models.load("resnet-tiny")
+    before = {k: v.clone() for k, v in m.module.state_dict().items()}
+    profile(m.module, m.example_inputs, repeats=2, warmup=1, progress=False)
+    for k, v in m.module.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_unknown_device_kind_is_named() -> None:
+    with pytest.raises(UnknownDeviceError, match="'B300'.*A100-80GB"):
+        profile(nn.Linear(2, 2), (torch.randn(1, 2),), device_kinds=("cpu", "B300"), progress=False)
+
+
+def test_json_round_trip(tiny: Profile, tmp_path: Path) -> None:
+    path = save_profile(tiny, tmp_path / "profile.json")
+    again = load_profile(path)
+    assert again == tiny
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == 1 and data["backward_timing"] == "per_node"
+    assert {"name", "op", "target", "inputs", "flops", "param_bytes", "output_bytes", "activation_bytes",
+            "cost"} <= set(data["nodes"][1])
+
+
+def _write(tmp_path: Path, data: object) -> Path:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize(("mutate", "field", "expected"), [
+    (lambda d: d["nodes"][1]["cost"]["cpu"].__setitem__("fwd_ms", "fast"), "nodes[1].cost.cpu.fwd_ms", "a number"),
+    (lambda d: d["nodes"][2].pop("flops"), "nodes[2].flops", "a required field"),
+    (lambda d: d.__setitem__("dtype", "float12"), "dtype", "one of"),
+    (lambda d: d.__setitem__("schema_version", 99), "schema_version", "this hpml-compile reads version 1"),
+    (lambda d: d["nodes"][3]["inputs"].append("ghost"), "nodes[3].inputs", "an earlier node"),
+])
+def test_bad_file_names_the_field(tiny: Profile, tmp_path: Path, mutate, field: str, expected: str) -> None:
+    data = tiny.to_dict()
+    mutate(data)
+    with pytest.raises(SchemaError) as err:
+        load_profile(_write(tmp_path, data))
+    assert field in str(err.value) and expected in str(err.value)
+
+
+def test_not_json_and_missing_file(tmp_path: Path) -> None:
+    (tmp_path / "x.json").write_text("{nope")
+    with pytest.raises(SchemaError, match="valid JSON"):
+        load_profile(tmp_path / "x.json")
+    with pytest.raises(SchemaError, match="no such file"):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_hf_bert_traces_and_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    m = models.load("hf:bert?num_hidden_layers=2,hidden_size=64,num_attention_heads=2,intermediate_size=128",
+                    batch_size=2, seq_len=16)
+    p = profile(m.module, m.example_inputs, name="bert", repeats=2, warmup=1, progress=False)
+    assert sum(n.flops for n in p.nodes) > 0 and p.total("cpu").fwd_ms > 0
+    assert any(n.op_kind == "matmul" for n in p.nodes)
+
+
+def test_hf_gpt2_traces_and_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    m = models.load("hf:gpt2?n_layer=2,n_embd=64,n_head=2", batch_size=2, seq_len=16)
+    p = profile(m.module, m.example_inputs, name="gpt2", device_kinds=("cpu", "L4"), repeats=2, warmup=1,
+                progress=False)
+    assert p.front_end.value == "export"
+    assert p.total("cpu").bwd_ms > 0 and p.total("L4").fwd_ms > 0
+
+
+@pytest.mark.slow
+def test_per_node_times_add_up_to_the_whole_model() -> None:
+    """gpt2-small, batch 8, seq 128 on the CPU: sums of per-node times within 25% of whole-model times."""
+    m = models.load("gpt2-small", batch_size=8, seq_len=128)
+    p = profile(m.module, m.example_inputs, name="gpt2-small", repeats=3, warmup=1, progress=False)
+    per_node, whole = p.total("cpu"), p.totals["cpu"]
+    assert per_node.fwd_ms == pytest.approx(whole.fwd_ms, rel=0.25)
+    assert per_node.bwd_ms == pytest.approx(whole.bwd_ms, rel=0.25)

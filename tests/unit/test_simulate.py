@@ -1,0 +1,114 @@
+"""The event simulator: hand-computed pipelines, the bubble formula, comm, sync, recompute, memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpml_compile.costgraph import build
+from hpml_compile.ir import Cluster, Device, Link
+from hpml_compile.plan import Plan, Schedule, Stage, ZeroStage, stage_memory
+from hpml_compile.simulate import EventKind, idle_intervals, op_order, simulate
+from hpml_compile.solve.testing import chain_profile, uniform_cluster
+
+
+def _plan(graph, cluster, groups, m, schedule, **stage_kw) -> Plan:
+    stages = []
+    for i, (devs, nodes) in enumerate(groups):
+        members = tuple(x for n in nodes for x in graph.graph.nodes[n]["members"])
+        stages.append(Stage(i, devs, members, **stage_kw))
+    return Plan("toy", cluster, schedule, m, tuple(stages))
+
+
+def _two_stage(schedule: Schedule, m: int = 3, act: int = 0):
+    # per microbatch: stage 0 fwd 1 bwd 2, stage 1 fwd 2 bwd 4 (the graph holds full-batch times)
+    prof = chain_profile([(1.0 * m, 2.0 * m), (2.0 * m, 4.0 * m)], activation_bytes=act)
+    g = build(prof)
+    c = uniform_cluster(2)
+    return prof, g, _plan(g, c, [(("d0",), ["n0"]), (("d1",), ["n1"])], m, schedule)
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_two_stage_hand_computed(schedule: Schedule) -> None:
+    _, g, plan = _two_stage(schedule)
+    r = simulate(plan, g)
+    # GPipe: s1 backwards 7-11, 11-15, 15-19; s0's last backward 19-21.
+    # 1F1B: s0 F0 0-1 F1 1-2 B0 7-9 F2 9-10 B1 13-15 B2 19-21; same makespan, fewer in flight.
+    assert r.step_ms == pytest.approx(21.0)
+    busy = 3 * (3 + 6)
+    assert r.bubble == pytest.approx(1 - busy / (2 * 21))
+    assert r.bottleneck_stage == 1
+    fwd0 = sorted((b.start_ms, b.end_ms) for b in r.intervals
+                  if b.device == "d0" and b.kind is EventKind.FORWARD)
+    if schedule is Schedule.GPIPE:
+        assert fwd0 == [(0, 1), (1, 2), (2, 3)]
+    else:
+        assert fwd0 == [(0, 1), (1, 2), (9, 10)]
+
+
+def test_two_stage_memory_gpipe_vs_1f1b() -> None:
+    peaks = {}
+    for s in Schedule:
+        prof, g, plan = _two_stage(s, act=300)  # 100 bytes per microbatch per stage
+        r = simulate(plan, g)
+        peaks[s] = r.peak
+        for st in plan.stages:  # the simulated peak is the memory model's peak
+            assert r.peak[st.devices[0]] == stage_memory(plan, prof, st)
+    assert peaks[Schedule.GPIPE] == {"d0": 300, "d1": 300}
+    assert peaks[Schedule.ONE_F_ONE_B] == {"d0": 200, "d1": 100}  # S - i microbatches in flight
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+@pytest.mark.parametrize("s,m", [(2, 1), (3, 5), (4, 8), (4, 2)])
+def test_bubble_formula_balanced_free_comm(schedule: Schedule, s: int, m: int) -> None:
+    g = build(chain_profile([(1.0 * m, 2.0 * m)] * s))
+    plan = _plan(g, uniform_cluster(s), [((f"d{i}",), [f"n{i}"]) for i in range(s)], m, schedule)
+    r = simulate(plan, g)
+    assert r.bubble == pytest.approx((s - 1) / (m + s - 1))
+    assert r.step_ms == pytest.approx((m + s - 1) * 3.0)
+
+
+def test_send_delay_over_link() -> None:
+    prof = chain_profile([(1.0, 2.0), (2.0, 4.0)], output_bytes=10**6)
+    g = build(prof)
+    c = Cluster(devices=(Device("d0", "cpu", 8), Device("d1", "cpu", 8)), links=(Link("d0", "d1", 1.0, 0.0),))
+    r = simulate(_plan(g, c, [(("d0",), ["n0"]), (("d1",), ["n1"])], 1, Schedule.GPIPE), g)
+    # F0 0-1, 1 MB over 1 GB/s = 1 ms, F1 2-4, B1 4-8, gradient back 1 ms, B0 9-11
+    assert r.step_ms == pytest.approx(11.0)
+    assert any(b.kind is EventKind.SEND for b in r.intervals)
+
+
+def test_allreduce_tail_in_replicated_stage() -> None:
+    prof = chain_profile([(2.0, 4.0)], param_bytes=2 * 10**6)
+    g = build(prof)
+    c = Cluster(devices=(Device("d0", "cpu", 8), Device("d1", "cpu", 8)), links=(Link("d0", "d1", 1.0, 0.0),))
+    r = simulate(_plan(g, c, [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE), g)
+    # compute halves (F 0-1, B 1-3); ring all-reduce of 2 MB over 2 ranks: 2 (n-1)/n * 2 MB / 1 GB/s = 2 ms
+    assert r.step_ms == pytest.approx(5.0)
+    assert [b.kind for b in r.intervals if b.device == "d1"][-1] is EventKind.SYNC
+    # ZeRO-3 adds one all-gather of the parameters: (n-1)/n * 2 MB / 1 GB/s = 1 ms more
+    r3 = simulate(_plan(g, c, [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE, zero=ZeroStage.OS_G_P), g)
+    assert r3.step_ms == pytest.approx(6.0)
+
+
+def test_recompute_is_an_extra_forward() -> None:
+    g = build(chain_profile([(1.0, 2.0)]))
+    r = simulate(_plan(g, uniform_cluster(1), [(("d0",), ["n0"])], 1, Schedule.GPIPE, recompute=True), g)
+    assert r.step_ms == pytest.approx(4.0)
+    assert [b.kind for b in r.intervals] == [EventKind.FORWARD, EventKind.RECOMPUTE, EventKind.BACKWARD]
+
+
+def test_idle_intervals_and_op_order() -> None:
+    _, g, plan = _two_stage(Schedule.GPIPE)
+    r = simulate(plan, g)
+    gaps = idle_intervals(r, "d0")
+    assert gaps[0] == (3.0, 11.0) and sum(e - s for s, e in gaps) == pytest.approx(21 - 9)
+    assert op_order(Schedule.ONE_F_ONE_B, 0, 3, 4) == [(True, 0), (True, 1), (True, 2), (False, 0), (True, 3),
+                                                        (False, 1), (False, 2), (False, 3)]
+
+
+def test_unknown_kind_in_graph() -> None:
+    from hpml_compile.errors import UnknownDeviceError
+    g = build(chain_profile([(1.0, 2.0)]))
+    c = Cluster(devices=(Device("g", "T4", 16),))
+    with pytest.raises(UnknownDeviceError, match="predict_kinds"):
+        simulate(_plan(g, c, [(("g",), ["n0"])], 1, Schedule.GPIPE), g)
