@@ -154,9 +154,19 @@ def test_hf_gpt2_traces_and_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow
 def test_per_node_times_add_up_to_the_whole_model() -> None:
-    """gpt2-small, batch 8, seq 128 on the CPU: sums of per-node times within 25% of whole-model times."""
+    """gpt2-small, batch 8, seq 128 on the CPU: sums of per-node times within 25% of whole-model times.
+
+    Per-node and whole-model times are taken minutes apart; on a shared machine
+    another job can slow one of them, so a miss is measured once more before failing.
+    """
     m = models.load("gpt2-small", batch_size=8, seq_len=128)
-    p = profile(m.module, m.example_inputs, name="gpt2-small", repeats=3, warmup=1, progress=False)
-    per_node, whole = p.total("cpu"), p.totals["cpu"]
-    assert per_node.fwd_ms == pytest.approx(whole.fwd_ms, rel=0.25)
-    assert per_node.bwd_ms == pytest.approx(whole.bwd_ms, rel=0.25)
+    ratios = []
+    for _ in range(2):
+        p = profile(m.module, m.example_inputs, name="gpt2-small", repeats=3, warmup=1, progress=False)
+        per_node, whole = p.total("cpu"), p.totals["cpu"]
+        ratios.append((per_node.fwd_ms / whole.fwd_ms, per_node.bwd_ms / whole.bwd_ms))
+        if all(0.75 <= r <= 1.25 for r in ratios[-1]):
+            break
+    fwd, bwd = ratios[-1]
+    assert 0.75 <= fwd <= 1.25, f"forward per-node/whole ratios {ratios}"
+    assert 0.75 <= bwd <= 1.25, f"backward per-node/whole ratios {ratios}"
