@@ -21,17 +21,19 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 import cost_models
 
-from ..cluster import host_link_spec, link_spec
+from ..cluster import link_spec
 from ..costgraph import CostGraph
-from ..errors import UnknownDeviceError
 from ..ir import Cluster
-from ..memory import MemoryBreakdown, ZeroStage, device_memory, dtype_bytes
+from ..memory import MemoryBreakdown, ZeroStage
 from ..plan import Plan, Schedule, SolverInfo, Stage
 
 __all__ = ["Chain", "StageConfig", "Candidate", "Setting", "CONFIGS", "enumerate_candidates", "kind_counts",
-           "assign_devices", "in_flight", "classes", "range_candidates", "to_plan"]
+           "assign_devices", "in_flight", "classes", "range_candidates", "to_plan", "degrees", "group_link",
+           "boundary_link"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,19 +179,21 @@ def in_flight(setting: Setting, j: int) -> int:
     return min(setting.microbatches, j + 1)
 
 
-def _degrees(count: int, max_d: int) -> list[int]:
+def degrees(count: int, max_d: int) -> list[int]:
+    """Data-parallel degrees tried for a kind with ``count`` devices: 1, powers of two, and ``count``, up to ``max_d``."""
     ds = {1, count} | {2**i for i in range(1, int(math.log2(max(count, 1))) + 1)}
     return sorted(d for d in ds if 1 <= d <= min(count, max_d))
 
 
-def _group_link(cluster: Cluster, kind: str, d: int) -> cost_models.LinkSpec | None:
+def group_link(cluster: Cluster, kind: str, d: int) -> cost_models.LinkSpec | None:
+    """The slowest link inside a group of the first ``d`` devices of ``kind`` (None for one device)."""
     devs = [x.name for x in cluster.devices if x.kind == kind][:d]
     if len(devs) < 2:
         return None
     return min((link_spec(cluster, devs[0], x) for x in devs[1:]), key=lambda s: s.gbps)
 
 
-def _boundary_link(cluster: Cluster, kind: str) -> cost_models.LinkSpec | None:
+def boundary_link(cluster: Cluster, kind: str) -> cost_models.LinkSpec | None:
     """The link a stage of ``kind`` most likely receives over: the slowest to a device on its host."""
     first = next(x for x in cluster.devices if x.kind == kind)
     near = [x.name for x in cluster.devices if x.name != first.name and x.host == first.host]
@@ -199,29 +203,6 @@ def _boundary_link(cluster: Cluster, kind: str) -> cost_models.LinkSpec | None:
     return min((link_spec(cluster, first.name, x) for x in others), key=lambda s: s.gbps)
 
 
-def _ms(fn: object, *args: object) -> float:
-    link = args[-1]
-    if link is None or getattr(link, "gbps") == float("inf"):
-        return 0.0
-    return float(fn(*args))  # type: ignore[operator]
-
-
-def _sync(cfg: StageConfig, params: int, d: int, link: cost_models.LinkSpec | None,
-          host: cost_models.LinkSpec) -> float:
-    t = 0.0
-    if d > 1:
-        if cfg.zero == ZeroStage.NONE:
-            t += _ms(cost_models.allreduce_ms, params, d, link)
-        else:
-            rounds = 3 if cfg.zero == ZeroStage.OS_G_P else 2
-            t += _ms(cost_models.reduce_scatter_ms, params, d, link) + (rounds - 1) * _ms(
-                cost_models.all_gather_ms, params, d, link)
-    if cfg.offload:
-        shard = params // d if cfg.zero >= ZeroStage.OS else params
-        t += 2 * _ms(cost_models.p2p_ms, shard, host)
-    return t
-
-
 def enumerate_candidates(chain: Chain, cluster: Cluster, setting: Setting, *,
                          max_time: float = math.inf) -> list[Candidate]:
     """Every useful candidate stage: per range, kind and degree, the cheapest configurations that fit.
@@ -229,7 +210,8 @@ def enumerate_candidates(chain: Chain, cluster: Cluster, setting: Setting, *,
     For each ``(a, b, kind, d)`` the configurations are tried from cheapest
     (estimated ``M t + tail``) up; one is kept only if it fits at a later
     pipeline position than every cheaper one, and the search stops once one
-    fits everywhere.
+    fits everywhere. Computed with numpy by :func:`~.table.build_table`; the
+    solvers use that table directly and never build this list.
 
     Args:
         chain: the chain.
@@ -238,76 +220,14 @@ def enumerate_candidates(chain: Chain, cluster: Cluster, setting: Setting, *,
         max_time: drop candidates whose ``M * t`` exceeds this (a known plan's objective bounds them).
 
     Returns:
-        The candidates (possibly empty: nothing fits).
+        The candidates (possibly empty: nothing fits), by kind, degree, range, cheapest configuration first.
 
     Raises:
         UnknownDeviceError: if a device kind has no costs in the graph.
     """
-    counts = kind_counts(cluster)
-    for kind in counts:
-        if kind not in chain.fwd:
-            raise UnknownDeviceError(
-                f"cluster {cluster.name} has devices of kind {kind!r} but the cost graph of {chain.graph.model} "
-                f"has costs only for {list(chain.graph.kinds)}; add predicted costs with "
-                "hpml_compile.profile.predict_kinds(profile, kinds) before planning")
-    m, big_j, n = setting.microbatches, classes(setting, len(cluster.devices)), chain.n
-    bpe = dtype_bytes(setting.dtype)
-    out: list[Candidate] = []
-    for kind, count in counts.items():
-        first = next(x for x in cluster.devices if x.kind == kind)
-        cap, is_cpu = first.memory_bytes, kind.lower() == "cpu"
-        host = host_link_spec(first)
-        blink = _boundary_link(cluster, kind)
-        # A replica needs at least one sample of each microbatch.
-        for d in _degrees(count, max(1, setting.batch_size // m)):
-            glink = _group_link(cluster, kind, d)
-            cfgs = [c for c in CONFIGS if (d > 1 or c.zero == ZeroStage.NONE)
-                    and not (is_cpu and (c.offload or c.swap))]
-            for a in range(n):
-                if not chain.cuttable[a]:
-                    continue
-                comm = 2 * _ms(cost_models.p2p_ms, chain.cut[a] / (m * d), blink) if a > 0 else 0.0
-                for b in range(a + 1, n + 1):
-                    if not chain.cuttable[b]:
-                        continue
-                    base = chain.time(a, b, kind) / (m * d)
-                    if m * base > max_time:
-                        break  # longer ranges only get slower
-                    out.extend(_configs_for(chain, a, b, kind, d, cfgs, base, comm, glink, host, cap, bpe,
-                                            setting, big_j, is_cpu))
-    return out
+    from .table import build_table  # table builds on this module's types
 
-
-def _configs_for(chain: Chain, a: int, b: int, kind: str, d: int, cfgs: list[StageConfig], base: float,
-                 comm: float, glink: cost_models.LinkSpec | None, host: cost_models.LinkSpec, cap: int,
-                 bpe: int, setting: Setting, big_j: int, is_cpu: bool) -> list[Candidate]:
-    m = setting.microbatches
-    params, acts = chain.params[b] - chain.params[a], chain.acts[b] - chain.acts[a]
-    fwd = (chain.fwd[kind][b] - chain.fwd[kind][a]) / (m * d)
-    scored = []
-    for cfg in cfgs:
-        swap_ms = 2 * _ms(cost_models.p2p_ms, acts / (m * d), host) if cfg.swap else 0.0
-        t = base + (fwd if cfg.recompute else 0.0) + swap_ms
-        scored.append((m * t + _sync(cfg, params, d, glink, host), t, cfg))
-    scored.sort(key=lambda x: x[0])
-    best_j, out = -1, []
-    for est, t, cfg in scored:
-        jmax, mem = -1, None
-        for j in range(big_j, -1, -1):
-            mem = device_memory(param_bytes=params, activation_bytes=acts, input_bytes=chain.cut[a],
-                                dtype_bytes=bpe, replicas=d, zero=cfg.zero, microbatches=m,
-                                in_flight=in_flight(setting, j), recompute=cfg.recompute,
-                                swapped_bytes=acts if cfg.swap else 0, offload_optimizer=cfg.offload,
-                                host_is_device=is_cpu)
-            if mem.total <= cap:
-                jmax = j
-                break
-        if jmax > best_j and mem is not None:
-            out.append(Candidate(a, b, kind, d, cfg, t, est - m * t, comm, jmax, mem))
-            best_j = jmax
-        if best_j == big_j:
-            break
-    return out
+    return build_table(chain, cluster, setting, max_time=max_time).candidates()
 
 
 def range_candidates(chain: Chain, cluster: Cluster, setting: Setting, a: int, b: int, kind: str,
@@ -326,14 +246,10 @@ def range_candidates(chain: Chain, cluster: Cluster, setting: Setting, a: int, b
     Returns:
         The candidates; empty if no configuration fits even as the last stage.
     """
-    m, big_j = setting.microbatches, classes(setting, len(cluster.devices))
-    first = next(x for x in cluster.devices if x.kind == kind)
-    host, is_cpu = host_link_spec(first), kind.lower() == "cpu"
-    cfgs = [c for c in CONFIGS if (d > 1 or c.zero == ZeroStage.NONE) and not (is_cpu and (c.offload or c.swap))]
-    comm = 2 * _ms(cost_models.p2p_ms, chain.cut[a] / (m * d), _boundary_link(cluster, kind)) if a > 0 else 0.0
-    return _configs_for(chain, a, b, kind, d, cfgs, chain.time(a, b, kind) / (m * d), comm,
-                        _group_link(cluster, kind, d), host, first.memory_bytes, dtype_bytes(setting.dtype),
-                        setting, big_j, is_cpu)
+    from .table import build_table
+
+    return build_table(chain, cluster, setting, ranges=(np.asarray([a]), np.asarray([b])),
+                       groups=[(kind, d)]).candidates()
 
 
 def to_plan(chain: Chain, cluster: Cluster, setting: Setting, picked: list[Candidate], solver: SolverInfo) -> Plan:

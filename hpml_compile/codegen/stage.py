@@ -1,0 +1,118 @@
+"""Base classes of the generated stage modules: weights bound from the user's model by name.
+
+A generated ``stage_<k>.py`` defines ``class Stage<k>(StageModule)`` (and a
+``RegionModule`` per recompute or swap region) with its ``forward`` written
+out as Python. Its class attributes name what it needs from the model:
+``TARGETS`` are the qualified names of the submodules, parameters and
+buffers its graph uses. ``StageModule(model)`` binds those very objects (no
+copy, no pickle), so in one process the stages share the model's weights and
+its ``.grad`` fields, and a tied parameter used by two stages is one tensor.
+
+Example:
+    >>> import torch
+    >>> class Head(RegionModule):
+    ...     TARGETS = ("0",)
+    ...     def forward(self, x):
+    ...         return getattr(self, "0")(x)
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    >>> head = Head(model)
+    >>> head(torch.ones(1, 3)).shape, getattr(head, "0") is model[0]
+    (torch.Size([1, 2]), True)
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping
+
+import torch
+from torch import nn
+
+from .ops import Comm, DetachedComm, SwapStats
+
+__all__ = ["bind", "RegionModule", "StageModule"]
+
+
+def _lookup(model: nn.Module, target: str) -> Any:
+    obj: Any = model
+    for part in target.split("."):
+        if not hasattr(obj, part):
+            raise AttributeError(f"the model has no attribute {target!r} (missing {part!r}): the build was "
+                                 f"generated for a model with different module names")
+        obj = getattr(obj, part)
+    return obj
+
+
+def bind(owner: nn.Module, model: nn.Module, target: str) -> None:
+    """Make ``owner.<target>`` the model's object of that qualified name (like fx.GraphModule's copy, without copying).
+
+    Args:
+        owner: the stage or region module.
+        model: the user's model (or a GraphModule traced from it).
+        target: a qualified name, e.g. ``layers.0.attn`` or ``lm_head.weight``.
+
+    Raises:
+        AttributeError: if the model has no such attribute.
+        TypeError: if it is neither a module nor a tensor.
+    """
+    obj = _lookup(model, target)
+    *path, leaf = target.split(".")
+    here: nn.Module = owner
+    for part in path:
+        if not hasattr(here, part):
+            here.add_module(part, nn.Module())  # an empty container keeps fx's `getattr(self.layers, "0")` paths
+        here = getattr(here, part)
+    if isinstance(obj, nn.Module):
+        here.add_module(leaf, obj)
+    elif isinstance(obj, nn.Parameter):
+        here.register_parameter(leaf, obj)
+    elif isinstance(obj, torch.Tensor):
+        here.register_buffer(leaf, obj)
+    else:
+        raise TypeError(f"model attribute {target!r} is a {type(obj).__name__}, not a module or tensor")
+
+
+class RegionModule(nn.Module):
+    """A piece of a stage run under recompute or swap: its own forward over the model's weights."""
+
+    TARGETS: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        for target in self.TARGETS:
+            bind(self, model, target)
+
+
+class StageModule(RegionModule):
+    """One pipeline stage: receives, computes, sends; collectives after the backward pass.
+
+    Class attributes (written by codegen):
+        INDEX: the stage's position in the pipeline.
+        INPUTS: the model inputs (placeholder names) this stage reads.
+        TARGETS: qualified names bound from the model.
+        REGIONS: attribute name -> RegionModule class, for recompute/swap regions.
+
+    Instance attributes:
+        hpml_comm: the communicator (an executor sets it).
+        hpml_swap: swap counters.
+    """
+
+    INDEX: ClassVar[int] = 0
+    INPUTS: ClassVar[tuple[str, ...]] = ()
+    REGIONS: ClassVar[Mapping[str, type[RegionModule]]] = {}
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        for name, cls in self.REGIONS.items():
+            self.add_module(name, cls(model))
+        self.hpml_comm: Comm = DetachedComm()
+        self.hpml_swap = SwapStats()
+
+    def sync_grads(self) -> None:
+        """Gradient collectives after the step's last backward (generated where the plan needs them)."""
+
+    def after_step(self) -> None:
+        """Parameter collectives after the optimizer step (ZeRO all-gather; generated where needed)."""
+
+    def params(self, *names: str) -> list[nn.Parameter]:
+        """The bound parameters of these qualified names, in this order."""
+        return [self.get_parameter(n) for n in names]

@@ -1,0 +1,277 @@
+"""``hpml-compile show``: pictures of a plan and a text summary that explains it.
+
+``show PLAN -o DIR [--profile profile.json]`` re-simulates the plan on its
+profile's cost graph and writes, into ``DIR``: ``plan_graph.svg`` /
+``.png`` / ``.dot`` (the placed graph), ``timeline.png`` (Gantt chart) and
+``memory.png`` (memory per device against capacity); see :mod:`hpml_compile.viz`.
+It prints a summary: the stages, the bottleneck stage and why, each device's
+memory slack, and what one more device of the bottleneck's kind would give
+(the plan re-solved with it, same solver, schedule and microbatches).
+
+plan.json stores fx node names, not costs, so ``show`` needs the profile the
+plan was made for: ``--profile``, or ``profile.json`` next to the plan.
+
+Example:
+    >>> import argparse
+    >>> p = argparse.ArgumentParser(prog="hpml-compile")
+    >>> add_parsers(p.add_subparsers(dest="command"))
+    >>> a = p.parse_args(["show", "build/plan.json", "-o", "out/show"])
+    >>> a.run is run_show, a.profile, a.what_if
+    (True, None, True)
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import graphviz
+
+from .costgraph import CostGraph, build
+from .errors import HpmlError, InfeasibleError
+from .ir import Cluster, Device, Profile
+from .memory import GiB
+from .plan import Plan, load_plan
+from .profile import load_profile, predict_kinds
+from .simulate import SimResult, simulate
+from .solve import SolverName, solve
+from .viz import device_order, write_pictures
+
+__all__ = ["add_parsers", "run_show", "find_profile", "plan_costgraph", "WhatIf", "one_more_device", "summary"]
+
+
+def add_parsers(subparsers: Any) -> None:
+    """Register ``show`` on an argparse sub-parser set.
+
+    Args:
+        subparsers: what ``ArgumentParser.add_subparsers()`` returned.
+    """
+    p = subparsers.add_parser(
+        "show", help="draw a plan (graph, timeline, memory) and explain it",
+        description="Write pictures of a plan (the placed cost graph as SVG/PNG, the simulated timeline and the "
+                    "memory of each device as PNG) and print a summary: the bottleneck stage, each device's "
+                    "memory slack, and what one more device would change.")
+    p.add_argument("plan", help="plan.json written by `hpml-compile plan`")
+    p.add_argument("-o", "--output", required=True, help="folder to write the pictures into")
+    p.add_argument("--profile", default=None,
+                   help="the profile.json the plan was made for (default: profile.json next to the plan)")
+    p.add_argument("--no-what-if", dest="what_if", action="store_false",
+                   help="skip re-solving with one more device (faster)")
+    p.add_argument("--time-limit", type=float, default=10.0, dest="time_limit",
+                   help="ILP time limit for the one-more-device re-solve, seconds (default 10)")
+    p.set_defaults(run=run_show)
+
+
+def find_profile(plan_path: Path, given: str | None) -> Path:
+    """The profile to draw the plan with: ``given``, else ``profile.json`` next to the plan.
+
+    Raises:
+        HpmlError: if neither exists, saying where it looked and what to pass.
+    """
+    if given:
+        p = Path(given)
+        if not p.is_file():
+            raise HpmlError(f"show: --profile {given}: no such file")
+        return p
+    p = plan_path.parent / "profile.json"
+    if p.is_file():
+        return p
+    raise HpmlError(f"show: {plan_path} stores fx node names, not costs, so drawing it needs the profile it was "
+                    f"made for; no profile.json next to it ({p}). Pass --profile PATH/profile.json")
+
+
+def plan_costgraph(plan: Plan, profile: Profile) -> CostGraph:
+    """The profile's coarsened cost graph, with any block that spans stages split at the stage boundary.
+
+    Args:
+        plan: the plan.
+        profile: the profile it was made for.
+
+    Returns:
+        A cost graph each of whose nodes lies in one stage (what the simulator and the picture need).
+
+    Raises:
+        HpmlError: if the plan's nodes are not exactly the profile's.
+    """
+    where = {n: st.index for st in plan.stages for n in st.nodes}
+    names = [n.name for n in profile.nodes]
+    missing, extra = [n for n in names if n not in where], sorted(set(where) - set(names))
+    if missing or extra:
+        raise HpmlError(f"show: the plan does not match the profile of {profile.model}: "
+                        f"{len(missing)} profile nodes in no stage (e.g. {missing[:3]}), {len(extra)} plan nodes "
+                        f"not in the profile (e.g. {extra[:3]}); pass the profile the plan was made for")
+    fine = build(profile)
+    coarse = fine.coarsen()
+    groups: list[list[str]] = []
+    keys: list[str] = []
+    for v in coarse.order:
+        members = list(coarse.graph.nodes[v]["members"])
+        start = len(groups)
+        for m in members:  # split a block where the stage changes
+            if len(groups) > start and where[groups[-1][-1]] == where[m]:
+                groups[-1].append(m)
+            else:
+                groups.append([m])
+                keys.append(v)
+    return coarse if len(groups) == len(coarse.order) else fine.merge(groups, keys)
+
+
+@dataclass(frozen=True, slots=True)
+class WhatIf:
+    """The plan re-solved with one more device.
+
+    Attributes:
+        device: the device added.
+        plan: the new plan, or None when the re-solve failed.
+        note: why it failed, or empty.
+    """
+
+    device: Device
+    plan: Plan | None
+    note: str = ""
+
+
+def _new_name(cluster: Cluster, like: str) -> str:
+    stem = re.sub(r"\d+$", "", like) or "dev"
+    used = {d.name for d in cluster.devices}
+    i = len(cluster.devices)
+    while f"{stem}{i}" in used:
+        i += 1
+    return f"{stem}{i}"
+
+
+def one_more_device(plan: Plan, graph: CostGraph, result: SimResult, *, time_limit_s: float = 10.0,
+                    dtype: str = "float32") -> WhatIf:
+    """Re-solve ``plan`` with one more device of its bottleneck stage's kind (same host, same memory).
+
+    The solver, schedule and microbatch count stay those of the plan (a solver
+    name the package does not know falls back to ``ilp``), so the difference
+    is the device's alone.
+
+    Args:
+        plan: the plan.
+        graph: its cost graph.
+        result: its simulation (for the bottleneck).
+        time_limit_s: ILP time limit.
+        dtype: parameter dtype.
+
+    Returns:
+        The added device and the new plan (or why there is none).
+    """
+    like = plan.cluster.device(plan.stages[result.bottleneck_stage].devices[0])
+    dev = Device(_new_name(plan.cluster, like.name), like.kind, like.memory_gib, like.host)
+    bigger = Cluster(devices=(*plan.cluster.devices, dev), links=plan.cluster.links,
+                     name=f"{plan.cluster.name}+1x{like.kind}")
+    solver = plan.solver.name if plan.solver.name in {s.value for s in SolverName} else SolverName.ILP.value
+    try:
+        new = solve(graph, bigger, solver=solver, microbatches=plan.microbatches, schedule=plan.schedule,
+                    time_limit_s=time_limit_s, dtype=dtype)
+    except InfeasibleError as e:
+        return WhatIf(dev, None, str(e).splitlines()[0])
+    return WhatIf(dev, new)
+
+
+def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | None = None) -> str:
+    """A text explanation of the plan: stages, the bottleneck and why, memory slack, one more device.
+
+    Args:
+        plan: the plan.
+        graph: its cost graph.
+        result: its simulation.
+        what_if: the re-solve with one more device, if done.
+
+    Returns:
+        Lines of text.
+    """
+    so, m = plan.solver, plan.microbatches
+    lines = [f"{plan.model} on {plan.cluster.name} ({len(plan.cluster.devices)} devices): {len(plan.stages)} "
+             f"stages, {m} microbatches, {plan.schedule.value}; solver {so.name} {so.status.value} "
+             f"(gap {so.gap:.2%}) in {so.seconds:.2f} s",
+             f"predicted step {result.step_ms:.4g} ms, bubble {result.bubble:.1%} (idle share of the pipeline)",
+             "stages (times per microbatch):"]
+    for st, c in zip(plan.stages, result.stages):
+        kinds = [plan.cluster.device(d).kind for d in st.devices]
+        opts = "".join([f", ZeRO-{int(st.zero)}" if st.zero else "", ", recompute" if st.recompute else "",
+                        f", swap {len(st.swap)} nodes" if st.swap else "",
+                        ", optimizer offload" if st.offload_optimizer else ""])
+        blocks = [v for v in graph.order if set(graph.graph.nodes[v]["members"]) & set(st.nodes)]
+        span = f"{blocks[0]} .. {blocks[-1]}" if len(blocks) > 1 else (blocks[0] if blocks else "-")
+        send = sum(ms for _, ms in c.sends)
+        lines.append(f"  stage {st.index}: {','.join(st.devices)} ({len(st.devices)} x {kinds[0]}{opts}): "
+                     f"{len(blocks)} blocks {span}; fwd {c.fwd_ms:.3g} + bwd {c.bwd_ms + c.recompute_ms:.3g} ms"
+                     + (f", send {send:.3g} ms" if send else "") + (f", sync {c.sync_ms:.3g} ms" if c.sync_ms else ""))
+    b = result.bottleneck_stage
+    bc = result.stages[b]
+    mean = sum(c.compute_ms for c in result.stages) / len(result.stages)
+    bst = plan.stages[b]
+    pipe = (m - 1) * bc.compute_ms
+    lines.append(f"bottleneck: stage {b} on {', '.join(bst.devices)} "
+                 f"({plan.cluster.device(bst.devices[0]).kind}): {bc.compute_ms:.3g} ms of compute per microbatch"
+                 f"{' (with recompute)' if bst.recompute else ''}, {bc.compute_ms / mean - 1:+.0%} against the "
+                 f"mean stage; in steady state every stage waits for it: (M-1) x {bc.compute_ms:.3g} = "
+                 f"{pipe:.4g} ms of the {result.step_ms:.4g} ms step")
+    lines.append("memory (peak per device, against capacity):")
+    stage_of = {d: st.index for st in plan.stages for d in st.devices}
+    for dev in device_order(plan):
+        d = plan.cluster.device(dev)
+        peak = result.peak.get(dev, 0)
+        slack = d.memory_bytes - peak
+        where = f"stage {stage_of[dev]}" if dev in stage_of else "unused"
+        lines.append(f"  {dev:8s} {d.kind:12s} {where:9s} peak {peak / GiB:8.2f} GiB of {d.memory_gib:7.1f} GiB  "
+                     f"slack {slack / GiB:8.2f} GiB ({slack / d.memory_bytes:.0%})")
+    if what_if is not None:
+        dev = what_if.device
+        head = f"one more device: + {dev.name} ({dev.kind}, {dev.memory_gib:g} GiB, host {dev.host})"
+        if what_if.plan is None:
+            lines.append(f"{head}: no plan ({what_if.note})")
+        else:
+            new = what_if.plan
+            delta = new.predicted.step_ms / result.step_ms - 1 if result.step_ms else 0.0
+            lines.append(f"{head}: predicted step {new.predicted.step_ms:.4g} ms ({delta:+.1%}), "
+                         f"{len(new.stages)} stages, degrees {[len(s.devices) for s in new.stages]}, bottleneck "
+                         f"stage {new.predicted.bottleneck_stage}, bubble {new.predicted.bubble:.1%} "
+                         f"({new.solver.name} {new.solver.status.value}, same schedule and microbatches)")
+    return "\n".join(lines)
+
+
+def run_show(args: argparse.Namespace) -> int:
+    """Handle ``hpml-compile show``.
+
+    Args:
+        args: parsed arguments (see :func:`add_parsers`).
+
+    Returns:
+        0 on success.
+
+    Raises:
+        HpmlError: for a missing or bad plan or profile, or a profile that does not match the plan.
+    """
+    plan_path = Path(args.plan)
+    if not plan_path.is_file():
+        raise HpmlError(f"show: {plan_path}: no such file; pass the plan.json written by `hpml-compile plan`")
+    plan = load_plan(plan_path)
+    profile = load_profile(find_profile(plan_path, args.profile))
+    missing = sorted({d.kind for d in plan.cluster.devices} - set(profile.device_kinds))
+    if missing:
+        profile = predict_kinds(profile, missing)
+    graph = plan_costgraph(plan, profile)
+    result = simulate(plan, graph, profile.dtype)
+    out = Path(args.output)
+    try:
+        written = write_pictures(plan, graph, result, out)
+    except graphviz.ExecutableNotFound:
+        written = write_pictures(plan, graph, result, out, graph_formats=())
+        print("show: graphviz's `dot` is not installed, so the plan graph is written as DOT source only "
+              "(install it, e.g. `apt-get install graphviz`, for SVG and PNG)", file=sys.stderr)
+    what_if = None
+    if args.what_if:
+        print(f"show: re-solving with one more device (time limit {args.time_limit:g} s) ...", file=sys.stderr,
+              flush=True)
+        what_if = one_more_device(plan, graph, result, time_limit_s=args.time_limit, dtype=profile.dtype)
+    print(summary(plan, graph, result, what_if))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0

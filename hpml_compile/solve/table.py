@@ -1,0 +1,284 @@
+"""Candidate stages as arrays: every range, kind, degree and memory configuration at once, with numpy.
+
+:func:`~hpml_compile.solve.candidates.enumerate_candidates` is defined by the
+rules stated there (per ``(a, b, kind, d)`` the configurations from cheapest
+estimated ``M t + tail`` up, each kept only if it fits at a later pipeline
+position than every cheaper one). Evaluating them one Python object at a
+time took ~120 s for llama-70b on 64 devices at 7 microbatch counts; here
+they are evaluated as ``(ranges x configurations)`` arrays:
+
+- times from the chain's prefix sums, ``t = time(a, b) / (M d)`` (+ one more
+  forward under recompute, + two host transfers under swap);
+- communication from cost_models' alpha-beta functions, which are affine in
+  the bytes (``alpha + bytes * beta``, 0 for no bytes): each is evaluated at two
+  sizes and applied to arrays (:func:`_affine`);
+- memory with exactly the integer arithmetic of
+  :func:`hpml_compile.memory.device_memory` (floor divisions on int64), so that
+  a candidate fits exactly when the plan validator says it does. Memory grows
+  with the microbatches in flight, so the latest position ``jmax`` at which a
+  configuration fits has a closed form instead of a loop.
+
+Example:
+    >>> from hpml_compile.solve.candidates import Chain, Setting
+    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.plan import Schedule
+    >>> ch = Chain.of(chain_graph([(1.0, 2.0)] * 3))
+    >>> tab = build_table(ch, uniform_cluster(2), Setting(4, Schedule.ONE_F_ONE_B, 64))
+    >>> len(tab), tab.candidate(0).a, tab.candidate(0).b, float(tab.t[0])
+    (12, 0, 1, 0.75)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+import cost_models
+
+from ..cluster import host_link_spec
+from ..errors import UnknownDeviceError
+from ..ir import Cluster
+from ..memory import MemoryBreakdown, ZeroStage, dtype_bytes
+from ..plan import Schedule
+from .candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees, group_link,
+                         kind_counts)
+
+__all__ = ["CandidateTable", "build_table"]
+
+_INT_FIELDS = ("a", "b", "kind", "d", "cfg", "jmax", "params", "grads", "optimizer", "stored", "working",
+               "in_flight", "host")
+_FLOAT_FIELDS = ("t", "tail", "comm")
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateTable:
+    """Candidates as parallel arrays (one entry per candidate); see :class:`~.candidates.Candidate`.
+
+    Attributes:
+        kinds: device kinds; ``kind`` holds indices into it.
+        a, b, kind, d, cfg, jmax: range, kind index, degree, index into CONFIGS, latest class that fits.
+        t, tail, comm: per-microbatch busy ms, gradient-sync ms, boundary transfer ms.
+        params, grads, optimizer, stored, working, in_flight, host: the memory breakdown at ``jmax``.
+    """
+
+    kinds: tuple[str, ...]
+    a: np.ndarray
+    b: np.ndarray
+    kind: np.ndarray
+    d: np.ndarray
+    cfg: np.ndarray
+    jmax: np.ndarray
+    t: np.ndarray
+    tail: np.ndarray
+    comm: np.ndarray
+    params: np.ndarray
+    grads: np.ndarray
+    optimizer: np.ndarray
+    stored: np.ndarray
+    working: np.ndarray
+    in_flight: np.ndarray
+    host: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.a.shape[0])
+
+    def candidate(self, i: int) -> Candidate:
+        """Entry ``i`` as a :class:`~.candidates.Candidate`."""
+        mem = MemoryBreakdown(int(self.params[i]), int(self.grads[i]), int(self.optimizer[i]), int(self.stored[i]),
+                              int(self.working[i]), int(self.in_flight[i]), int(self.host[i]))
+        return Candidate(int(self.a[i]), int(self.b[i]), self.kinds[int(self.kind[i])], int(self.d[i]),
+                         CONFIGS[int(self.cfg[i])], float(self.t[i]), float(self.tail[i]), float(self.comm[i]),
+                         int(self.jmax[i]), mem)
+
+    def candidates(self) -> list[Candidate]:
+        """Every entry as a Candidate (in table order)."""
+        return [self.candidate(i) for i in range(len(self))]
+
+    def select(self, index: np.ndarray) -> "CandidateTable":
+        """The entries at ``index`` (a boolean mask or integer indices)."""
+        return CandidateTable(self.kinds, **{f: getattr(self, f)[index] for f in (*_INT_FIELDS, *_FLOAT_FIELDS)})
+
+    @classmethod
+    def concat(cls, kinds: tuple[str, ...], parts: list[dict[str, np.ndarray]]) -> "CandidateTable":
+        """A table from column dictionaries (all with the same keys)."""
+        cols: dict[str, np.ndarray] = {}
+        for f in _INT_FIELDS:
+            cols[f] = np.concatenate([p[f] for p in parts]).astype(np.int64) if parts else np.zeros(0, np.int64)
+        for f in _FLOAT_FIELDS:
+            cols[f] = np.concatenate([p[f] for p in parts]).astype(np.float64) if parts else np.zeros(0)
+        return cls(kinds, **cols)
+
+    @classmethod
+    def of(cls, candidates: list[Candidate], kinds: tuple[str, ...]) -> "CandidateTable":
+        """A table holding ``candidates`` (the kinds must all be in ``kinds``)."""
+        kidx = {k: i for i, k in enumerate(kinds)}
+        cidx = {c: i for i, c in enumerate(CONFIGS)}
+        row = {f: [] for f in (*_INT_FIELDS, *_FLOAT_FIELDS)}  # type: dict[str, list[float]]
+        for c in candidates:
+            m = c.memory
+            for f, v in (("a", c.a), ("b", c.b), ("kind", kidx[c.kind]), ("d", c.d), ("cfg", cidx[c.config]),
+                         ("jmax", c.jmax), ("params", m.params), ("grads", m.grads), ("optimizer", m.optimizer),
+                         ("stored", m.stored_per_microbatch), ("working", m.working), ("in_flight", m.in_flight),
+                         ("host", m.host_bytes), ("t", c.t), ("tail", c.tail), ("comm", c.comm)):
+                row[f].append(v)
+        return cls.concat(kinds, [{f: np.asarray(v) for f, v in row.items()}])
+
+
+def _affine(fn: Callable[..., float], link: cost_models.LinkSpec | None, *args: object
+            ) -> Callable[[np.ndarray], np.ndarray]:
+    """``fn(bytes, *args, link)`` for an array of byte counts, using that alpha-beta costs are affine in bytes.
+
+    Evaluated at two sizes (2^30 and 2^31 bytes, where the bandwidth term dominates and the
+    slope is exact to rounding); 0 bytes cost 0, as in cost_models. No link (a lone device)
+    or an infinitely fast one costs nothing.
+    """
+    if link is None or link.gbps == float("inf"):
+        return lambda x: np.zeros(np.shape(x))
+    x1, x2 = float(2**30), float(2**31)
+    y1, y2 = fn(x1, *args, link), fn(x2, *args, link)
+    slope = (y2 - y1) / (x2 - x1)
+    icpt = y1 - slope * x1
+    return lambda x: np.where(np.asarray(x) > 0, icpt + slope * np.asarray(x, dtype=np.float64), 0.0)
+
+
+def _sync(zero: ZeroStage, offload: bool, params: np.ndarray, d: int, glink: cost_models.LinkSpec | None,
+          host: cost_models.LinkSpec) -> np.ndarray:
+    """Gradient-sync ms after the last backward (the simulator's ``_sync_ms``), for arrays of parameter bytes."""
+    out = np.zeros(params.shape)
+    if d > 1:
+        if zero == ZeroStage.NONE:
+            out += _affine(cost_models.allreduce_ms, glink, d)(params)
+        else:
+            rounds = 3 if zero == ZeroStage.OS_G_P else 2
+            out += _affine(cost_models.reduce_scatter_ms, glink, d)(params) + (rounds - 1) * _affine(
+                cost_models.all_gather_ms, glink, d)(params)
+    if offload:
+        shard = params // d if zero >= ZeroStage.OS else params
+        out += 2 * _affine(cost_models.p2p_ms, host)(shard)
+    return out
+
+
+def _memory(zero: ZeroStage, recompute: bool, offload: bool, swap: bool, params: np.ndarray, acts: np.ndarray,
+            inputs: np.ndarray, d: int, setting: Setting, is_cpu: bool) -> dict[str, np.ndarray]:
+    """:func:`hpml_compile.memory.device_memory` on int64 arrays, without the in-flight count."""
+    bpe = dtype_bytes(setting.dtype)
+    p = params
+    prm = p // d if zero >= ZeroStage.OS_G_P else p
+    grd = p // d if zero >= ZeroStage.OS_G else p
+    opt_full = 8 * p // max(1, bpe)
+    opt = opt_full // d if zero >= ZeroStage.OS else opt_full
+    host = np.zeros_like(p)
+    if offload and not is_cpu:
+        host, opt = opt, np.zeros_like(p)
+    per = max(1, setting.microbatches) * d
+    act = acts // per
+    swapped = np.zeros_like(p) if (is_cpu or not swap) else acts // per
+    if recompute:
+        stored, working = np.minimum(inputs // per, act), act
+    else:
+        stored, working = act - swapped, swapped
+    return {"params": prm, "grads": grd, "optimizer": opt, "stored": stored, "working": working, "host": host}
+
+
+def _jmax(static: np.ndarray, stored: np.ndarray, working: np.ndarray, cap: int, setting: Setting,
+          big_j: int) -> np.ndarray:
+    """The most stages that may follow (up to ``big_j``) with the peak still within ``cap``; -1 if none.
+
+    The peak is ``static + in_flight(j) * stored + working`` with ``in_flight(j) = j + 1`` under 1F1B
+    (``j <= big_j < M``) and ``M`` under GPipe (``big_j = 0``).
+    """
+    room = cap - static - working
+    if setting.schedule is Schedule.GPIPE:
+        return np.where(room >= max(1, setting.microbatches) * stored, 0, -1)
+    k = np.where(stored > 0, room // np.maximum(stored, 1), big_j + 1)  # microbatches that fit in flight
+    return np.where(room < stored, -1, np.minimum(big_j, k - 1))
+
+
+def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: float = math.inf,
+                ranges: tuple[np.ndarray, np.ndarray] | None = None,
+                groups: list[tuple[str, int]] | None = None) -> CandidateTable:
+    """The candidate stages of :func:`~.candidates.enumerate_candidates`, as a table.
+
+    Args:
+        chain: the chain.
+        cluster: the cluster.
+        setting: microbatches, schedule, batch size, dtype.
+        max_time: drop candidates whose ``M * t`` (before recompute and swap) exceeds this.
+        ranges: ``(a, b)`` arrays to restrict to (default: every range between cuttable positions).
+        groups: ``(kind, d)`` pairs to restrict to (default: every kind with its degrees).
+
+    Returns:
+        The table, ordered by kind, degree, range, then cheapest configuration first.
+
+    Raises:
+        UnknownDeviceError: if a device kind has no costs in the graph.
+    """
+    counts = kind_counts(cluster)
+    for kind in counts:
+        if kind not in chain.fwd:
+            raise UnknownDeviceError(
+                f"cluster {cluster.name} has devices of kind {kind!r} but the cost graph of {chain.graph.model} "
+                f"has costs only for {list(chain.graph.kinds)}; add predicted costs with "
+                "hpml_compile.profile.predict_kinds(profile, kinds) before planning")
+    kinds = tuple(counts)
+    m, big_j = setting.microbatches, classes(setting, len(cluster.devices))
+    if ranges is None:
+        pts = np.flatnonzero(np.asarray(chain.cuttable))
+        ia, ib = np.triu_indices(len(pts), 1)
+        ra, rb = pts[ia], pts[ib]
+    else:
+        ra, rb = np.asarray(ranges[0], np.int64), np.asarray(ranges[1], np.int64)
+    params_all = (np.asarray(chain.params, np.int64)[rb] - np.asarray(chain.params, np.int64)[ra])
+    acts_all = (np.asarray(chain.acts, np.int64)[rb] - np.asarray(chain.acts, np.int64)[ra])
+    inputs_all = np.asarray(chain.cut, np.int64)[ra]
+    if groups is None:
+        groups = [(k, d) for k, c in counts.items() for d in degrees(c, max(1, setting.batch_size // m))]
+    parts: list[dict[str, np.ndarray]] = []
+    for kind, d in groups:
+        first = next(x for x in cluster.devices if x.kind == kind)
+        cap, is_cpu = first.memory_bytes, kind.lower() == "cpu"
+        host = host_link_spec(first)
+        fw, bw = np.asarray(chain.fwd[kind]), np.asarray(chain.bwd[kind])
+        base_all = (fw[rb] - fw[ra] + bw[rb] - bw[ra]) / (m * d)
+        keep = np.flatnonzero(m * base_all <= max_time)
+        if keep.size == 0:
+            continue
+        a, b, base = ra[keep], rb[keep], base_all[keep]
+        params, acts, inputs = params_all[keep], acts_all[keep], inputs_all[keep]
+        fwd = (fw[b] - fw[a]) / (m * d)
+        comm = np.where(a > 0, 2 * _affine(cost_models.p2p_ms, boundary_link(cluster, kind))(inputs / (m * d)), 0.0)
+        glink = group_link(cluster, kind, d)
+        cfg_ids = [i for i, c in enumerate(CONFIGS) if (d > 1 or c.zero == ZeroStage.NONE)
+                   and not (is_cpu and (c.offload or c.swap))]
+        ts, ests, jms, mems = [], [], [], []
+        for ci in cfg_ids:
+            cfg = CONFIGS[ci]
+            swap_ms = 2 * _affine(cost_models.p2p_ms, host)(acts / (m * d)) if cfg.swap else 0.0
+            t = base + (fwd if cfg.recompute else 0.0) + swap_ms
+            mem = _memory(cfg.zero, cfg.recompute, cfg.offload, cfg.swap, params, acts, inputs, d, setting, is_cpu)
+            jm = _jmax(mem["params"] + mem["grads"] + mem["optimizer"], mem["stored"], mem["working"], cap, setting,
+                       big_j)
+            ts.append(t)
+            ests.append(m * t + _sync(cfg.zero, cfg.offload, params, d, glink, host))
+            jms.append(jm)
+            mems.append(mem)
+        est, jmx = np.stack(ests, 1), np.stack(jms, 1)
+        order = np.argsort(est, axis=1, kind="stable")  # cheapest first; ties keep CONFIGS order
+        jm_sorted = np.take_along_axis(jmx, order, 1)
+        before = np.maximum.accumulate(np.concatenate([np.full((len(a), 1), -1), jm_sorted[:, :-1]], 1), 1)
+        rows, pos = np.nonzero(jm_sorted > before)  # fits later than every cheaper configuration
+        cols = order[rows, pos]
+        t_all = np.stack(ts, 1)
+        jm = jmx[rows, cols]
+        part = {"a": a[rows], "b": b[rows], "kind": np.full(len(rows), kinds.index(kind)), "d": np.full(len(rows), d),
+                "cfg": np.asarray(cfg_ids)[cols], "jmax": jm, "t": t_all[rows, cols],
+                "tail": est[rows, cols] - m * t_all[rows, cols], "comm": comm[rows],
+                "in_flight": (np.full(len(rows), max(1, m)) if setting.schedule is Schedule.GPIPE
+                              else np.minimum(m, jm + 1))}
+        for f in ("params", "grads", "optimizer", "stored", "working", "host"):
+            part[f] = np.stack([mm[f] for mm in mems], 1)[rows, cols]
+        parts.append(part)
+    return CandidateTable.concat(kinds, parts)

@@ -1,0 +1,192 @@
+"""The fast paths of the solver agree with the plain definitions they replace.
+
+- ``build_table`` (numpy) against a one-candidate-at-a-time reference written from the definition
+  in ``enumerate_candidates``'s docstring, with ``hpml_compile.memory.device_memory`` for memory;
+- the vectorised DP against a dictionary DP over the same candidates;
+- the solver's pruning never changes the optimum (checked by the brute-force tests in test_solve.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import cost_models
+from hpml_compile.cluster import host_link_spec
+from hpml_compile.costgraph import build
+from hpml_compile.ir import Cluster, Device, Link
+from hpml_compile.memory import ZeroStage, device_memory, dtype_bytes
+from hpml_compile.plan import Schedule
+from hpml_compile.solve.candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees,
+                                           enumerate_candidates, group_link, in_flight, kind_counts)
+from hpml_compile.solve.dp import objective, solve_chain
+from hpml_compile.solve.testing import dag_profile
+
+MiB = 2**20
+HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _ms(fn, *args) -> float:
+    link = args[-1]
+    if link is None or link.gbps == float("inf"):
+        return 0.0
+    return float(fn(*args))
+
+
+def _sync(cfg, params: int, d: int, glink, host) -> float:
+    t = 0.0
+    if d > 1:
+        if cfg.zero == ZeroStage.NONE:
+            t += _ms(cost_models.allreduce_ms, params, d, glink)
+        else:
+            rounds = 3 if cfg.zero == ZeroStage.OS_G_P else 2
+            t += _ms(cost_models.reduce_scatter_ms, params, d, glink) + (rounds - 1) * _ms(
+                cost_models.all_gather_ms, params, d, glink)
+    if cfg.offload:
+        shard = params // d if cfg.zero >= ZeroStage.OS else params
+        t += 2 * _ms(cost_models.p2p_ms, shard, host)
+    return t
+
+
+def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> list[Candidate]:
+    """enumerate_candidates as first written: per range, kind, degree, configurations cheapest first."""
+    m, big_j, n = setting.microbatches, classes(setting, len(cluster.devices)), chain.n
+    out = []
+    for kind, count in kind_counts(cluster).items():
+        first = next(x for x in cluster.devices if x.kind == kind)
+        cap, is_cpu, host = first.memory_bytes, kind.lower() == "cpu", host_link_spec(first)
+        for d in degrees(count, max(1, setting.batch_size // m)):
+            glink = group_link(cluster, kind, d)
+            cfgs = [c for c in CONFIGS if (d > 1 or c.zero == ZeroStage.NONE) and not (is_cpu and (c.offload or c.swap))]
+            for a in (a for a in range(n) if chain.cuttable[a]):
+                comm = 2 * _ms(cost_models.p2p_ms, chain.cut[a] / (m * d), boundary_link(cluster, kind)) if a else 0.0
+                for b in (b for b in range(a + 1, n + 1) if chain.cuttable[b]):
+                    params, acts = chain.params[b] - chain.params[a], chain.acts[b] - chain.acts[a]
+                    base = chain.time(a, b, kind) / (m * d)
+                    fwd = (chain.fwd[kind][b] - chain.fwd[kind][a]) / (m * d)
+                    scored = []
+                    for cfg in cfgs:
+                        swap = 2 * _ms(cost_models.p2p_ms, acts / (m * d), host) if cfg.swap else 0.0
+                        t = base + (fwd if cfg.recompute else 0.0) + swap
+                        scored.append((m * t + _sync(cfg, params, d, glink, host), t, cfg))
+                    scored.sort(key=lambda x: x[0])
+                    best_j = -1
+                    for est, t, cfg in scored:
+                        jmax, mem = -1, None
+                        for j in range(big_j, -1, -1):
+                            mem = device_memory(param_bytes=params, activation_bytes=acts, input_bytes=chain.cut[a],
+                                                dtype_bytes=dtype_bytes(setting.dtype), replicas=d, zero=cfg.zero,
+                                                microbatches=m, in_flight=in_flight(setting, j),
+                                                recompute=cfg.recompute, swapped_bytes=acts if cfg.swap else 0,
+                                                offload_optimizer=cfg.offload, host_is_device=is_cpu)
+                            if mem.total <= cap:
+                                jmax = j
+                                break
+                        if jmax > best_j and mem is not None:
+                            out.append(Candidate(a, b, kind, d, cfg, t, est - m * t, comm, jmax, mem))
+                            best_j = jmax
+                        if best_j == big_j:
+                            break
+    return out
+
+
+@st.composite
+def cases(draw):
+    n = draw(st.integers(1, 9))
+    inputs = [[]] + [sorted(set(draw(st.lists(st.integers(0, i - 1), min_size=1, max_size=2)))) for i in range(1, n)]
+    kinds = draw(st.lists(st.sampled_from(["A100-80GB", "V100-32GB", "cpu", "T4"]), min_size=1, max_size=6))
+    costs = [{k: (float(draw(st.integers(1, 9))), float(draw(st.integers(1, 9)))) for k in set(kinds)}
+             for _ in range(n)]
+    params = draw(st.lists(st.integers(0, 4096), min_size=n, max_size=n))
+    acts = draw(st.lists(st.integers(0, 4096), min_size=n, max_size=n))
+    gib = draw(st.sampled_from([1.0, 4.0, 16.0, 64.0]))
+    hosts = draw(st.integers(1, 2))
+    m = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    schedule = draw(st.sampled_from(list(Schedule)))
+    out_mib = draw(st.sampled_from([0, 1, 64]))
+    slow_link = draw(st.booleans())
+    return n, inputs, kinds, costs, params, acts, gib, hosts, m, schedule, out_mib, slow_link
+
+
+def _setup(case):
+    n, inputs, kinds, costs, params, acts, gib, hosts, m, schedule, out_mib, slow_link = case
+    prof = dag_profile(costs, inputs, param_bytes=[p * MiB for p in params],
+                       activation_bytes=[a * MiB for a in acts], output_bytes=out_mib * MiB, batch_size=64)
+    devs = tuple(Device(f"d{i}", k, gib, host=f"h{i % hosts}") for i, k in enumerate(kinds))
+    links = (Link("d0", devs[-1].name, 0.5, 40.0),) if slow_link and len(devs) > 1 else ()
+    cluster = Cluster(devices=devs, links=links, name="case")
+    return Chain.of(build(prof)), cluster, Setting(m, schedule, 64)
+
+
+@HYP
+@given(cases())
+def test_table_matches_reference(case) -> None:
+    chain, cluster, setting = _setup(case)
+    got, want = enumerate_candidates(chain, cluster, setting), reference_candidates(chain, cluster, setting)
+    assert [(c.a, c.b, c.kind, c.d, c.config, c.jmax, c.memory) for c in got] == \
+        [(c.a, c.b, c.kind, c.d, c.config, c.jmax, c.memory) for c in want]
+    for g, w in zip(got, want):
+        assert g.t == pytest.approx(w.t, rel=1e-12, abs=1e-12)
+        assert g.tail == pytest.approx(w.tail, rel=1e-9, abs=1e-9)
+        assert g.comm == pytest.approx(w.comm, rel=1e-9, abs=1e-12)
+
+
+def reference_dp(chain: Chain, cluster: Cluster, setting: Setting, cands: list[Candidate],
+                 max_classes: int = 4) -> float:
+    """The DP's value, min over tilings of (bottleneck, sum of t + comm + tail), by plain recursion."""
+    counts = kind_counts(cluster)
+    kinds = list(counts)
+    big_j = classes(setting, len(cluster.devices))
+    jc = min(big_j, max_classes)
+    need = (lambda j: j if j < jc else big_j)
+    nexts = (lambda j: (0,) if jc == 0 else (() if j == 0 else ((j - 1,) if j < jc else (jc, jc - 1))))
+    memo: dict = {}
+
+    def best(k: int, vec: tuple[int, ...], j: int) -> tuple[float, float]:
+        key = (k, vec, j)
+        if key in memo:
+            return memo[key]
+        top = (math.inf, math.inf)
+        for c in cands:
+            i = kinds.index(c.kind)
+            if c.a != k or c.d > vec[i] or c.jmax < need(j):
+                continue
+            own = c.t + c.comm + c.tail
+            if c.b == chain.n:
+                if jc == 0 or j == 0:
+                    top = min(top, (c.t, own))
+                continue
+            rem = vec[:i] + (vec[i] - c.d,) + vec[i + 1:]
+            for nj in nexts(j):
+                sub = best(c.b, rem, nj)
+                if sub[0] < math.inf:
+                    top = min(top, (max(c.t, sub[0]), own + sub[1]))
+        memo[key] = top
+        return top
+
+    full = tuple(counts[k] for k in kinds)
+    return min(best(0, full, j) for j in range(jc + 1))
+
+
+@HYP
+@given(cases())
+def test_vectorised_dp_matches_reference(case) -> None:
+    chain, cluster, setting = _setup(case)
+    cands = enumerate_candidates(chain, cluster, setting)
+    want = reference_dp(chain, cluster, setting, cands)
+    got = solve_chain(chain, cluster, setting, cands)
+    if want[0] == math.inf:
+        assert got is None
+        return
+    assert got is not None
+    assert got[0].a == 0 and got[-1].b == chain.n and all(x.b == y.a for x, y in zip(got, got[1:]))
+    use = kind_counts(cluster)
+    for c in got:
+        use[c.kind] -= c.d
+    assert min(use.values()) >= 0
+    assert max(c.t for c in got) == pytest.approx(want[0], rel=1e-12)
+    assert sum(c.t + c.comm + c.tail for c in got) == pytest.approx(want[1], rel=1e-9)
+    assert objective(got, setting.microbatches) < math.inf
