@@ -16,6 +16,7 @@ Example:
     ['input_1', '_0', '_1', 'output']
 """
 
+from .codegen import Build, generate, load_build
 from .costgraph import CostGraph, discover
 from .costgraph import build as build_costgraph
 from .errors import (
@@ -38,6 +39,9 @@ __all__ = [
     "save_profile",
     "load_profile",
     "build_costgraph",
+    "generate",
+    "load_build",
+    "Build",
     "CostGraph",
     "discover",
     "Profile",

@@ -166,8 +166,14 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     add_parsers(sub)
 
 
+def _add_compile(sub: argparse._SubParsersAction) -> None:
+    from .codegen_cli import add_parsers
+
+    add_parsers(sub)
+
+
 _ADDERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_demo, _add_profile, _add_plan, _add_devices, _add_models,
+    _add_demo, _add_compile, _add_profile, _add_plan, _add_devices, _add_models,
 )
 
 

@@ -13,6 +13,8 @@ Example:
     >>> g = GradSync(SyncKind.ALL_REDUCE, (0, 3), ("wte.weight",))
     >>> str(g), GradSync.parse(str(g)).stages
     ('ALLREDUCE(0,3)', (0, 3))
+    >>> [(k.value, s) for k, s in map(parse_token, ("0RECV1", "SWAP1", "1SEND2", "ALLREDUCE(0,3)"))]
+    [('RECV', (0, 1)), ('SWAP', (1,)), ('SEND', (1, 2)), ('ALLREDUCE', (0, 3))]
 """
 
 from __future__ import annotations
@@ -21,10 +23,39 @@ import enum
 import re
 from dataclasses import dataclass
 
-__all__ = ["SyncKind", "Transfer", "GradSync", "StageActions"]
+__all__ = ["SyncKind", "TokenKind", "Transfer", "GradSync", "StageActions", "parse_token"]
 
 _TRANSFER = re.compile(r"^(\d+)SEND(\d+)$")
 _SYNC = re.compile(r"^([A-Z]+)\((\d+(?:,\d+)*)\)$")
+_POINT = re.compile(r"^(\d+)(SEND|RECV)(\d+)$")
+_REGION = re.compile(r"^(SWAP|RECOMPUTE)(\d+)$")
+
+
+class TokenKind(str, enum.Enum):
+    """What an action token names."""
+
+    SEND = "SEND"
+    RECV = "RECV"
+    SWAP = "SWAP"
+    RECOMPUTE = "RECOMPUTE"
+    ALL_REDUCE = "ALLREDUCE"
+    REDUCE_SCATTER = "REDUCESCATTER"
+    ALL_GATHER = "ALLGATHER"
+
+
+def parse_token(token: str) -> tuple[TokenKind, tuple[int, ...]]:
+    """The kind and stages of an action token (``0SEND1``, ``0RECV1``, ``SWAP2``, ``ALLREDUCE(0,3)``).
+
+    Raises:
+        ValueError: for text that is no action token.
+    """
+    if m := _POINT.match(token):
+        return TokenKind(m.group(2)), (int(m.group(1)), int(m.group(3)))
+    if m := _REGION.match(token):
+        return TokenKind(m.group(1)), (int(m.group(2)),)
+    if m := _SYNC.match(token):
+        return TokenKind(m.group(1)), tuple(int(x) for x in m.group(2).split(","))
+    raise ValueError(f"not an action token: {token!r} (expected e.g. '0SEND1', 'SWAP2' or 'ALLREDUCE(0,3)')")
 
 
 class SyncKind(str, enum.Enum):

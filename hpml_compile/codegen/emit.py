@@ -111,11 +111,16 @@ def _python(graph: fx.Graph, imports: dict[str, None], bindings: dict[str, str])
     """fx's code for ``graph`` with its globals resolved (ops as ``ops.<name>``)."""
     code = graph.python_code(root_module="self")
     src = code.src
+    # `ops.recv(...)` reads best, unless a node of the graph is itself named `ops`
+    spell_ops = not any(n.name == "ops" for n in graph.nodes)
     for gname, obj in code.globals.items():
         if not re.search(rf"\b{re.escape(gname)}\b", src):
             continue
         if callable(obj) and getattr(ops, getattr(obj, "__name__", ""), None) is obj:
-            src = re.sub(rf"\b{re.escape(gname)}\b", f"ops.{obj.__name__}", src)
+            if spell_ops:
+                src = re.sub(rf"\b{re.escape(gname)}\b", f"ops.{obj.__name__}", src)
+            else:
+                bindings[gname] = f"{gname} = ops.{obj.__name__}"
         elif gname in _BUILTINS:
             imports[_BUILTINS[gname]] = None
         else:
@@ -158,7 +163,14 @@ def _sync_method(name: str, doc: str, syncs: Sequence[GradSync], acts: StageActi
         why = "tied: shared with stages " + ", ".join(map(str, g.stages)) if len(g.stages) > 1 else \
             f"replicas of stage {g.stages[0]}"
         lines.append(f"    # {g}: {why}")
-        lines.append(f"    ops.{_SYNC_CALL[g.kind]}(self.hpml_comm, {where!r}, self.params({names}))")
+        call = f"    ops.{_SYNC_CALL[g.kind]}(self.hpml_comm, {where!r}, self.params("
+        if len(call) + len(names) + 2 <= 110:
+            lines.append(f"{call}{names}))")
+        else:  # one parameter list, wrapped
+            lines.append(call)
+            lines.extend(textwrap.wrap(names, 100, initial_indent=" " * 8, subsequent_indent=" " * 8,
+                                       break_on_hyphens=False))
+            lines[-1] += "))"
     return "\n".join(lines)
 
 
@@ -192,9 +204,11 @@ def stage_source(model: str, plan: Plan, acts: StageActions, graphs: StageGraphs
     for attr, g in graphs.regions.items():
         cls = class_name(k, attr)
         regions[attr] = cls
-        doc = (f"Stage {k}'s nodes under recompute: only the inputs are kept; backward runs them again."
+        count = sum(1 for n in g.nodes if n.op not in ("placeholder", "output", "get_attr"))
+        doc = (f"Stage {k}'s {count} nodes under recompute: only the inputs are kept; backward runs them again."
                if attr == RECOMPUTE_ATTR else
-               f"Stage {k}'s swapped nodes: {', '.join(n.name for n in g.nodes if n.op not in ('placeholder', 'output', 'get_attr'))}.")
+               f"Stage {k}'s swap region {attr.rsplit('_', 1)[1]} ({count} nodes): saved activations go to host "
+               "memory.")
         classes.append(class_source(cls, "RegionModule", doc, {"TARGETS": targets_of(g)},
                                     [_python(g, imports, bindings)]))
     methods = [_comment(_python(graphs.graph, imports, bindings), acts)]
@@ -206,7 +220,7 @@ def stage_source(model: str, plan: Plan, acts: StageActions, graphs: StageGraphs
     attrs: dict[str, Any] = {"INDEX": k, "INPUTS": acts.inputs, "TARGETS": targets_of(graphs.graph)}
     if regions:
         attrs["REGIONS"] = "{" + ", ".join(f"{a!r}: {c}" for a, c in regions.items()) + "}"
-    doc = f"Stage {k} of {len(plan.stages)}: {len(acts.nodes)} nodes on {', '.join(st.devices)}."
+    doc = f"Stage {k} of {len(plan.stages)}: {len(acts.nodes)} node(s) on {', '.join(st.devices)}."
     classes.append(class_source(class_name(k), "StageModule", doc, attrs, methods))
     header = _header(model, plan, acts, values, graph_sha256)
     body = "\n".join(imports) + "\n\nfrom hpml_compile.codegen import ops\n" + \
@@ -234,8 +248,11 @@ def _header(model: str, plan: Plan, acts: StageActions, values: dict[str, Any], 
         lines.append(f"Recomputed here (non-tensor values never cross a stage): {', '.join(acts.remat)}.")
     if acts.recompute:
         lines.append("Recompute: the whole stage runs under torch.utils.checkpoint.")
-    for i, run in enumerate(acts.swap):
-        lines.append(f"Swap region {i}: {', '.join(run)}.")
+        if acts.swap:
+            lines.append("Swap: what the checkpoint keeps (the stage's inputs) goes to host memory until backward.")
+    else:
+        for i, run in enumerate(acts.swap):
+            lines.append(f"Swap region {i}: {', '.join(run)}.")
     text = "\n".join(textwrap.fill(x, 100, subsequent_indent="    ") if len(x) > 100 and not x.startswith(" ")
                      else x for x in lines)
     return f'"""{text}\n"""\n\n'

@@ -19,13 +19,13 @@ Example:
     >>> gm = trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), (torch.randn(2, 4),))
     >>> st = (Stage(0, ("cpu0",), ("input_1", "_0")), Stage(1, ("cpu1",), ("_1", "output"), recompute=True))
     >>> plan = Plan("seq", load_cluster("local-cpu-2"), "gpipe", 1, st)
-    >>> vals = microbatch_values(gm, 1)
+    >>> vals = microbatch_values(gm, 2)
     >>> acts = plan_actions(gm, plan, place(gm, plan), vals)
     >>> sg = lower_stage(gm, acts[1], vals, last=True)
     >>> print(sg.graph.python_code("self").src.strip())  # doctest: +NORMALIZE_WHITESPACE
     def forward(self):
         hpml_comm = self.hpml_comm
-        recv = hpml_compile_codegen_ops_recv(hpml_comm, 0, 1, (((2, 4), torch.float32),));  hpml_comm = None
+        recv = hpml_compile_codegen_ops_recv(hpml_comm, 0, 1, (((2, 4), torch.float32, None),));  hpml_comm = None
         _0 = recv[0];  recv = None
         hpml_recompute = self.hpml_recompute
         checkpoint = hpml_compile_codegen_ops_checkpoint(hpml_recompute, _0);  hpml_recompute = _0 = None
@@ -147,14 +147,19 @@ def _region(outer: _Builder, nodes: list[fx.Node], call: Callable[[list[fx.Node]
     return sub.graph
 
 
-def lower_stage(gm: fx.GraphModule, acts: StageActions, values: dict[str, Any], *, last: bool) -> StageGraphs:
+def lower_stage(gm: fx.GraphModule, acts: StageActions, values: dict[str, Any], *, last: bool,
+                recv_dims: dict[str, tuple[int, ...]] | None = None,
+                send_dims: dict[str, tuple[int, ...]] | None = None) -> StageGraphs:
     """The graphs of one stage.
 
     Args:
         gm: the traced graph.
         acts: the stage's actions (:func:`~hpml_compile.codegen.partition.plan_actions`).
-        values: node values at microbatch size.
+        values: node values on one replica's slice of a microbatch of this stage.
         last: whether this is the last stage (it returns the model's output).
+        recv_dims: batch dimension of each received value's tensors, where the
+            previous stage has another replica count (the boundary is resharded).
+        send_dims: the same for the values sent to the next stage.
 
     Returns:
         The stage's forward graph and its region graphs, linted.
@@ -165,7 +170,7 @@ def lower_stage(gm: fx.GraphModule, acts: StageActions, values: dict[str, Any], 
         ph = orig[name]
         b.env[name] = b.graph.placeholder(name, default_value=ph.args[0] if ph.args else inspect.Signature.empty)
     if acts.recv:
-        specs = tuple(s for v in acts.recv.values for s in specs_of(values[v]))
+        specs = tuple(s for v in acts.recv.values for s in specs_of(values[v], (recv_dims or {}).get(v)))
         r = b.graph.call_function(ops.recv, (b.attr(COMM_ATTR), acts.recv.src, acts.recv.dst, specs))
         _unpack(b, r, acts.recv.values, values)
     for name in acts.remat:  # cheap non-tensor values (sizes) recomputed from what crossed
@@ -195,7 +200,7 @@ def lower_stage(gm: fx.GraphModule, acts: StageActions, values: dict[str, Any], 
             b.copy(n)
     if acts.send:
         leaves = _leaves(b, acts.send.values, values)
-        specs = tuple(s for v in acts.send.values for s in specs_of(values[v]))
+        specs = tuple(s for v in acts.send.values for s in specs_of(values[v], (send_dims or {}).get(v)))
         token = b.graph.call_function(ops.send, (b.attr(COMM_ATTR), acts.send.src, acts.send.dst, specs,
                                                  tuple(leaves)))
         b.graph.output(token)

@@ -2,17 +2,19 @@
 
 Codegen inserts calls to these functions as nodes of each stage's graph (and
 of its ``sync_grads``/``after_step`` methods); they carry out what the plan
-says and decide nothing. Each stage module holds a :class:`Comm` (set by the
-executor as ``stage.hpml_comm``) that moves the tensors: a local mailbox in
-one process, ``torch.distributed`` point-to-point and collectives across
-ranks. Nothing here keeps module-level state: counters live on the objects
-the stage owns.
+says and decide nothing. Each stage module holds a :class:`~.comm.Comm` (set
+by the executor as ``stage.hpml_comm``) that moves the tensors: a local
+mailbox in one process, ``torch.distributed`` point-to-point and collectives
+across ranks; :mod:`.comm` says how a boundary between stages of different
+replica counts is resharded. Nothing here keeps module-level state: counters
+live on the objects the stage owns.
 
 - :func:`recv` / :func:`send`: a stage boundary carries a tuple of tensors.
   Both are autograd functions, so the backward pass sends the gradients of
   what was received back to the sender and receives the gradients of what was
-  sent; only floating-point tensors carry gradients. ``send`` returns a
-  scalar token: calling ``backward()`` on a stage's tokens runs its backward.
+  sent; only floating-point tensors carry gradients (zeros for a received
+  tensor no path to the loss uses). ``send`` returns a scalar token: calling
+  ``backward()`` on a stage's tokens runs its backward.
 - :func:`swap`: runs a region with ``saved_tensors_hooks`` that copy every
   activation autograd saves to host memory (pinned, on a side CUDA stream so
   that the copy overlaps compute) when it is saved, and back to the device
@@ -37,9 +39,7 @@ Example:
 
 from __future__ import annotations
 
-import abc
 import contextlib
-import enum
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -47,6 +47,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
+
+from .comm import Comm, DetachedComm, Direction, TensorSpec, carries_grad
 
 __all__ = [
     "Direction",
@@ -63,96 +65,6 @@ __all__ = [
     "all_gather_params",
 ]
 
-# One tensor crossing a boundary, as generated code spells it: (shape, dtype).
-TensorSpec = tuple[tuple[int, ...], torch.dtype]
-
-
-class Direction(str, enum.Enum):
-    """Which way a message goes along a boundary ``src -> dst`` (``src`` is the earlier stage)."""
-
-    FORWARD = "fwd"  # activations, src -> dst
-    BACKWARD = "bwd"  # their gradients, dst -> src
-
-
-def carries_grad(spec: TensorSpec) -> bool:
-    """Whether a boundary tensor gets a gradient message back (floating-point ones do)."""
-    return spec[1].is_floating_point or spec[1].is_complex
-
-
-class Comm(abc.ABC):
-    """Moves tensors between stages; an executor gives each stage module one (``stage.hpml_comm``).
-
-    ``microbatch`` is set by the executor before each forward call; the
-    autograd functions remember it for their backward.
-    """
-
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.microbatch = 0
-        self.device = torch.device(device)
-        # Gradients a stage owes its sender for tensors it received: (src, dst, microbatch) -> specs.
-        self._owed: dict[tuple[int, int, int], tuple[TensorSpec, ...]] = {}
-
-    @abc.abstractmethod
-    def send(self, src: int, dst: int, direction: Direction, microbatch: int, tensors: Sequence[Tensor]) -> None:
-        """Send ``tensors`` along boundary ``src -> dst`` in ``direction`` (must not block on the peer)."""
-
-    @abc.abstractmethod
-    def recv(self, src: int, dst: int, direction: Direction, microbatch: int,
-             specs: Sequence[TensorSpec]) -> list[Tensor]:
-        """Receive tensors of ``specs`` along boundary ``src -> dst`` in ``direction`` (blocks)."""
-
-    @abc.abstractmethod
-    def all_reduce(self, stages: tuple[int, ...], flat: Tensor) -> None:
-        """Sum ``flat`` in place over every rank running one of ``stages``."""
-
-    @abc.abstractmethod
-    def reduce_scatter(self, stage: int, flat: Tensor) -> Tensor:
-        """Sum ``flat`` (length divisible by the replicas) over ``stage``'s replicas; return this replica's shard."""
-
-    @abc.abstractmethod
-    def all_gather(self, stage: int, shard: Tensor) -> Tensor:
-        """Concatenate every replica's ``shard`` of ``stage`` in replica order."""
-
-    @abc.abstractmethod
-    def replicas(self, stage: int) -> tuple[int, int]:
-        """``(this process's replica index, number of replicas)`` of ``stage``."""
-
-    def owe(self, src: int, dst: int, microbatch: int, specs: tuple[TensorSpec, ...]) -> None:
-        """Record that stage ``dst`` must send gradients for what it received from ``src``."""
-        self._owed[(src, dst, microbatch)] = specs
-
-    def repay(self, src: int, dst: int, microbatch: int, grads: Sequence[Tensor]) -> None:
-        """Send the gradients owed for a received tuple (called by the backward of :func:`recv`)."""
-        self._owed.pop((src, dst, microbatch), None)
-        self.send(src, dst, Direction.BACKWARD, microbatch, grads)
-
-    def settle(self, dst: int, microbatch: int) -> None:
-        """After stage ``dst``'s backward of ``microbatch``: send zero gradients still owed.
-
-        A received tensor that no path to the loss uses never sees a backward
-        call; its sender still waits for a gradient, which is zero.
-        """
-        for key in [k for k in self._owed if k[1] == dst and k[2] == microbatch]:
-            specs = self._owed.pop(key)
-            zeros = [torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in specs if carries_grad((shape, dtype))]
-            self.send(key[0], key[1], Direction.BACKWARD, microbatch, zeros)
-
-    def flush(self) -> None:
-        """Wait for every message this process has sent (called at the end of a step)."""
-
-
-class DetachedComm(Comm):
-    """The comm of a stage no executor has attached yet: any message is an error saying what to do."""
-
-    def _fail(self, *_: Any) -> Any:
-        raise RuntimeError("this stage module has no communicator: run it through "
-                           "hpml_compile.runtime.executor (which sets stage.hpml_comm), not by calling it directly")
-
-    send = recv = all_reduce = reduce_scatter = all_gather = _fail  # type: ignore[assignment]
-
-    def replicas(self, stage: int) -> tuple[int, int]:
-        return 0, 1
-
 
 def _anchor() -> Tensor:
     # An autograd function records a backward node only if one of its inputs
@@ -164,19 +76,19 @@ class _Recv(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchor: Tensor, comm: Comm, src: int, dst: int,  # type: ignore[override]
                 specs: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-        mb = comm.microbatch
-        tensors = comm.recv(src, dst, Direction.FORWARD, mb, specs)
-        ctx.comm, ctx.src, ctx.dst, ctx.mb, ctx.specs = comm, src, dst, mb, specs
+        mb, rep = comm.microbatch, comm.replica
+        tensors = comm.recv(src, dst, Direction.FORWARD, mb, rep, specs)
+        ctx.comm, ctx.src, ctx.dst, ctx.mb, ctx.rep, ctx.specs = comm, src, dst, mb, rep, specs
         if any(carries_grad(s) for s in specs):
-            comm.owe(src, dst, mb, specs)
+            comm.owe(src, dst, rep, mb, specs)
         ctx.mark_non_differentiable(*[t for t, s in zip(tensors, specs) if not carries_grad(s)])
         return tuple(tensors)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[None, ...]:
-        out = [g if g is not None else torch.zeros(s[0], dtype=s[1], device=ctx.comm.device)
+        out = [g.contiguous() if g is not None else torch.zeros(s[0], dtype=s[1], device=ctx.comm.device)
                for g, s in zip(grads, ctx.specs) if carries_grad(s)]
-        ctx.comm.repay(ctx.src, ctx.dst, ctx.mb, [g.contiguous() for g in out])
+        ctx.comm.repay(ctx.src, ctx.dst, ctx.rep, ctx.mb, out)
         return (None,) * 5
 
 
@@ -184,20 +96,20 @@ class _Send(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchor: Tensor, comm: Comm, src: int, dst: int,  # type: ignore[override]
                 specs: tuple[TensorSpec, ...], *tensors: Tensor) -> Tensor:
-        mb = comm.microbatch
-        for t, (shape, dtype) in zip(tensors, specs):
+        mb, rep = comm.microbatch, comm.replica
+        for t, (shape, dtype, _) in zip(tensors, specs):
             if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                 raise RuntimeError(f"send {src}->{dst}: tensor of shape {tuple(t.shape)} {t.dtype}, but the build "
                                    f"expects {tuple(shape)} {dtype}: feed microbatches of the shapes the build "
                                    "was generated for (see manifest.json 'inputs')")
-        comm.send(src, dst, Direction.FORWARD, mb, [t.detach().contiguous() for t in tensors])
-        ctx.comm, ctx.src, ctx.dst, ctx.mb, ctx.specs = comm, src, dst, mb, specs
+        comm.send(src, dst, Direction.FORWARD, mb, rep, [t.detach().contiguous() for t in tensors], specs)
+        ctx.comm, ctx.src, ctx.dst, ctx.mb, ctx.rep, ctx.specs = comm, src, dst, mb, rep, specs
         return anchor.new_zeros(())  # the token: autograd links it to this function's backward
 
     @staticmethod
     def backward(ctx: Any, _token_grad: Tensor) -> tuple[Tensor | None, ...]:
         wanted = [s for s in ctx.specs if carries_grad(s)]
-        got = iter(ctx.comm.recv(ctx.src, ctx.dst, Direction.BACKWARD, ctx.mb, wanted))
+        got = iter(ctx.comm.recv(ctx.src, ctx.dst, Direction.BACKWARD, ctx.mb, ctx.rep, wanted))
         grads = [next(got) if carries_grad(s) else None for s in ctx.specs]
         return (None, None, None, None, None, *grads)
 
@@ -209,7 +121,7 @@ def recv(comm: Comm, src: int, dst: int, specs: tuple[TensorSpec, ...]) -> tuple
         comm: the stage's communicator.
         src: the sending (earlier) stage.
         dst: this stage.
-        specs: ``(shape, dtype)`` of each tensor, from the trace at microbatch size.
+        specs: ``(shape, dtype, batch dim)`` of each tensor on this replica, from the trace.
 
     Returns:
         The tensors; floating-point ones require grad, and their gradients go
@@ -225,7 +137,7 @@ def send(comm: Comm, src: int, dst: int, specs: tuple[TensorSpec, ...], tensors:
         comm: the stage's communicator.
         src: this stage.
         dst: the receiving (next) stage.
-        specs: ``(shape, dtype)`` of each tensor (checked before sending).
+        specs: ``(shape, dtype, batch dim)`` of each tensor on this replica (checked before sending).
         tensors: what the boundary carries, in the receiver's order.
 
     Returns:
@@ -386,8 +298,8 @@ def all_reduce_grads(comm: Comm, stages: tuple[int, ...], params: Sequence[Tenso
             the stages sharing a tied parameter).
         params: the parameters, in the same order on every rank.
     """
-    if not params:
-        return
+    if not params or comm.group_size(stages) == 1:
+        return  # one process holds every use: autograd already summed the gradients
     flat = _flat_grads(params)
     comm.all_reduce(stages, flat)
     _write_grads(params, flat)
@@ -409,9 +321,9 @@ def reduce_scatter_grads(comm: Comm, stage: int, params: Sequence[Tensor]) -> No
         stage: the replicated stage.
         params: its parameters, in the same order on every replica.
     """
-    me, d = comm.replicas(stage)
-    if not params or d == 1:
-        return
+    me, d = comm.replica, comm.replicas(stage)
+    if not params or comm.group_size((stage,)) == 1:
+        return  # every replica in this process: the gradients are summed already
     flat = _padded(_flat_grads(params), d)
     shard = comm.reduce_scatter(stage, flat)
     out = torch.zeros_like(flat)
@@ -428,8 +340,8 @@ def all_gather_params(comm: Comm, stage: int, params: Sequence[Tensor]) -> None:
         stage: the replicated stage.
         params: its parameters, in the order of :func:`reduce_scatter_grads`.
     """
-    me, d = comm.replicas(stage)
-    if not params or d == 1:
+    me, d = comm.replica, comm.replicas(stage)
+    if not params or comm.group_size((stage,)) == 1:
         return
     with torch.no_grad():
         flat = _padded(torch.cat([p.detach().reshape(-1) for p in params]), d)

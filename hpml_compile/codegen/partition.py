@@ -25,7 +25,7 @@ Example:
     ['input_1', '_0', '_1', '_2', 'output']
     >>> st = (Stage(0, ("cpu0",), ("input_1", "_0", "_1")), Stage(1, ("cpu1",), ("_2", "output")))
     >>> plan = Plan("seq", load_cluster("local-cpu-2"), "gpipe", 2, st)
-    >>> acts = plan_actions(gm, plan, place(gm, plan), microbatch_values(gm, 2))
+    >>> acts = plan_actions(gm, plan, place(gm, plan), microbatch_values(gm, 1))
     >>> acts[0].send, acts[1].tokens()
     (Transfer(src=0, dst=1, values=('_1',)), ['0RECV1'])
 """
@@ -49,7 +49,7 @@ from ..trace import buffers_restored
 from .actions import GradSync, StageActions, SyncKind, Transfer
 
 __all__ = ["GUARD_TARGETS", "canonical_text", "place", "microbatch_values", "is_tensorlike", "plan_actions",
-           "specs_of"]
+           "specs_of", "trace_rows", "batch_dims"]
 
 # torch.export adds a module that checks the example inputs' exact shapes; a
 # pipeline feeds microbatches, and the manifest's graph hash already pins the graph.
@@ -164,24 +164,37 @@ class _Values(fx.Interpreter):
         return out
 
 
-def microbatch_values(gm: fx.GraphModule, microbatches: int) -> dict[str, Any]:
-    """Every node's value when the graph runs on one microbatch (fake tensors: shapes only).
+def trace_rows(gm: fx.GraphModule) -> int:
+    """Rows (first dimension) of the graph's tensor inputs as traced."""
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim():
+            return int(val.shape[0])
+    raise HpmlError("the graph has no batched tensor input (a first dimension to split into microbatches)")
 
-    The model's tensor inputs are batch-first; a microbatch is ``B / M`` rows.
-    A graph from torch.export has its shapes fixed at trace time: it must have
-    been traced with one microbatch, and its traced values are used as they are.
+
+def microbatch_values(gm: fx.GraphModule, rows: int) -> dict[str, Any]:
+    """Every node's value when the graph runs on ``rows`` rows (fake tensors: shapes only).
+
+    The model's tensor inputs are batch-first. A graph from torch.export has
+    its shapes fixed at trace time: it must have been traced at ``rows`` rows
+    (one microbatch of one replica), and its traced values are used as they are.
 
     Args:
         gm: the traced graph.
-        microbatches: ``M``.
+        rows: rows of one replica's slice of one microbatch.
 
     Returns:
         node name -> value (fake tensors, ints, tuples).
 
     Raises:
-        HpmlError: if the batch does not divide into ``M`` or the graph cannot run at that size.
+        HpmlError: if a static graph was traced at another size, or the graph cannot run at this one.
     """
     if _is_static(gm):
+        if trace_rows(gm) != rows:
+            raise HpmlError(f"this graph came from torch.export, which fixes every shape, and was traced with "
+                            f"{trace_rows(gm)} rows, but each stage replica runs {rows} rows per microbatch: "
+                            f"trace it with {rows} rows (batch / (microbatches x replicas))")
         return {n.name: n.meta.get("val") for n in gm.graph.nodes}
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     args: list[Any] = []
@@ -189,19 +202,32 @@ def microbatch_values(gm: fx.GraphModule, microbatches: int) -> dict[str, Any]:
         if n.op != "placeholder":
             continue
         val = n.meta.get("val")
-        if not isinstance(val, torch.Tensor):
+        if isinstance(val, torch.Tensor) and val.dim():
+            with mode:
+                args.append(torch.empty((rows, *val.shape[1:]), dtype=val.dtype))
+        else:
             args.append(val)
-            continue
-        batch = val.shape[0] if val.dim() else 1
-        if val.dim() == 0 or batch % microbatches:
-            raise HpmlError(f"input {n.name} has shape {tuple(val.shape)}: its batch (first) dimension must "
-                            f"divide into {microbatches} microbatches")
-        with mode:
-            args.append(torch.empty((batch // microbatches, *val.shape[1:]), dtype=val.dtype))
     interp = _Values(gm)
     with buffers_restored(gm), mode:
         interp.run(*args)
     return interp.values
+
+
+def batch_dims(small: Any, large: Any, name: str) -> tuple[int, ...]:
+    """The batch dimension of each tensor of a value, from its shapes at two row counts (-1: none).
+
+    Raises:
+        HpmlError: if a tensor's shape changes in more than one dimension.
+    """
+    out = []
+    for a, b in zip(tree_flatten(small)[0], tree_flatten(large)[0]):
+        dims = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+        if len(dims) > 1 or a.dim() != b.dim():
+            raise HpmlError(f"value {name}: shape {tuple(a.shape)} changes in more than one dimension with the "
+                            f"batch ({tuple(b.shape)}); it cannot be split between stages of different replica "
+                            "counts: give neighbouring stages the same number of replicas")
+        out.append(dims[0] if dims else -1)
+    return tuple(out)
 
 
 def is_tensorlike(value: Any) -> bool:
@@ -365,7 +391,12 @@ def plan_actions(gm: fx.GraphModule, plan: Plan, owner: dict[str, int],
     return out
 
 
-def specs_of(value: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """``(shape, dtype)`` of each tensor in a boundary value (a tensor or a flat tuple of them)."""
+def specs_of(value: Any, dims: tuple[int, ...] | None = None) -> list[tuple[tuple[int, ...], torch.dtype, int | None]]:
+    """``(shape, dtype, batch dim)`` of each tensor in a boundary value (a tensor or a flat tuple of them).
+
+    ``dims`` (from :func:`batch_dims`) is given only where the two sides of a
+    boundary have different replica counts; elsewhere the batch dim is None.
+    """
     leaves, _ = tree_flatten(value)
-    return [(tuple(int(s) for s in t.shape), t.dtype) for t in leaves]
+    return [(tuple(int(s) for s in t.shape), t.dtype, None if dims is None or dims[i] < 0 else dims[i])
+            for i, t in enumerate(leaves)]

@@ -114,5 +114,13 @@ class StageModule(RegionModule):
         """Parameter collectives after the optimizer step (ZeRO all-gather; generated where needed)."""
 
     def params(self, *names: str) -> list[nn.Parameter]:
-        """The bound parameters of these qualified names, in this order."""
-        return [self.get_parameter(n) for n in names]
+        """The bound parameters of these qualified names (here or in a region), in this order."""
+        return [self._param(n) for n in names]
+
+    def _param(self, name: str) -> nn.Parameter:
+        for owner in (self, *(getattr(self, r) for r in self.REGIONS)):
+            try:
+                return owner.get_parameter(name)
+            except AttributeError:
+                continue
+        raise AttributeError(f"stage {self.INDEX} binds no parameter {name!r}")

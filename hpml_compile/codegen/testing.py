@@ -1,0 +1,148 @@
+"""Helpers for testing builds: a model with skip connections over several stages, hand-made plans, diffs.
+
+Used by the codegen and runtime tests; nothing here is needed to compile or run a model.
+
+Example:
+    >>> import torch
+    >>> from hpml_compile.trace import trace
+    >>> net = SkipNet()
+    >>> gm = trace(net, (torch.randn(8, 16),))
+    >>> plan = split_plan(gm, "skipnet", 3, microbatches=2, recompute=(1,))
+    >>> [len(s.nodes) for s in plan.stages], plan.stages[1].recompute
+    ([9, 9, 9], True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..cluster import load_cluster
+from ..memory import ZeroStage
+from ..plan import Plan, Schedule, Stage
+
+__all__ = ["SkipNet", "skipnet_batch", "skipnet_loss", "split_plan", "with_devices", "max_grad_diff", "max_buffer_diff"]
+
+
+class SkipNet(nn.Module):
+    """Skip connections that jump over several stages, a size read early and used late, a tuple value.
+
+    Args:
+        width: features of the input and of every block.
+        classes: logits per row.
+    """
+
+    def __init__(self, width: int = 16, classes: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(6))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.size(0)  # a Python int made at the start and used at the end: it must never cross a stage
+        h0 = torch.tanh(self.inp(x))
+        h1 = torch.tanh(self.blocks[0](h0))
+        h2 = torch.tanh(self.blocks[1](h1))
+        h3 = torch.tanh(self.blocks[2](h2)) + h0  # a skip over three blocks
+        halves = torch.chunk(self.blocks[3](h3), 2, dim=1)  # a tuple of tensors
+        h4 = torch.cat([halves[1], halves[0]], dim=1) + h1
+        h5 = self.norm(torch.tanh(self.blocks[4](h4)))
+        h6 = self.blocks[5](h5) + 0.5 * h0 + h2  # skips from the first blocks to the last
+        return self.head(h6).reshape(rows, -1)
+
+
+def skipnet_batch(rows: int = 8, width: int = 16, classes: int = 4, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """A deterministic ``(inputs, class targets)`` batch for :class:`SkipNet`."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, width, generator=g), torch.randint(0, classes, (rows,), generator=g)
+
+
+def skipnet_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Cross-entropy of :class:`SkipNet` logits."""
+    return F.cross_entropy(logits, targets)
+
+
+def _executes(n: fx.Node) -> bool:
+    return n.op not in ("placeholder", "get_attr", "output")
+
+
+def split_plan(gm: fx.GraphModule, model: str, stages: int, *, microbatches: int = 1,
+               replicas: Sequence[int] | None = None, after: Sequence[str] | None = None,
+               swap: Iterable[int] = (), recompute: Iterable[int] = (), zero: ZeroStage | int = 0,
+               schedule: Schedule = Schedule.GPIPE) -> Plan:
+    """A plan cutting the graph's node order into ``stages`` contiguous ranges, on ``local-cpu-N``.
+
+    Args:
+        gm: the traced graph.
+        model: the model's name.
+        stages: how many stages.
+        microbatches: ``M``.
+        replicas: devices per stage (default one each).
+        after: cut right after these nodes (``stages - 1`` names); default: equal numbers of executing nodes.
+        swap: stages whose every node swaps its saved activations.
+        recompute: stages that recompute.
+        zero: ZeRO stage of the replicated stages.
+        schedule: the schedule written into the plan.
+
+    Returns:
+        The plan.
+    """
+    nodes = list(gm.graph.nodes)
+    names = [n.name for n in nodes]
+    if after is not None:
+        cuts = [0, *(names.index(a) + 1 for a in after), len(nodes)]
+    else:
+        body = [i for i, n in enumerate(nodes) if _executes(n)]
+        cuts = [0, *(body[round(i * len(body) / stages)] for i in range(1, stages)), len(nodes)]
+    reps = list(replicas or [1] * stages)
+    devices, k = [], 0
+    for d in reps:
+        devices.append(tuple(f"cpu{k + i}" for i in range(d)))
+        k += d
+    swap, recompute = set(swap), set(recompute)
+    out = []
+    for i in range(stages):
+        part = tuple(names[cuts[i]:cuts[i + 1]])
+        out.append(Stage(i, devices[i], part, zero=ZeroStage(zero) if reps[i] > 1 else ZeroStage.NONE,
+                         recompute=i in recompute, swap=part if i in swap else ()))
+    return Plan(model, load_cluster(f"local-cpu-{k}"), schedule, microbatches, tuple(out))
+
+
+def with_devices(plan: Plan, replicas: Sequence[int]) -> Plan:
+    """The same stages on new devices: ``replicas[k]`` devices for stage ``k``."""
+    stages, k = [], 0
+    for st, d in zip(plan.stages, replicas):
+        stages.append(replace(st, devices=tuple(f"cpu{k + i}" for i in range(d))))
+        k += d
+    return replace(plan, cluster=load_cluster(f"local-cpu-{k}"), stages=tuple(stages))
+
+
+def max_grad_diff(model: nn.Module, reference: nn.Module, names: Iterable[str] | None = None) -> float:
+    """Largest absolute difference between the two models' gradients (all parameters, or ``names``).
+
+    Raises:
+        AssertionError: if a parameter has a gradient in one model and none in the other.
+    """
+    ours, ref = dict(model.named_parameters()), dict(reference.named_parameters())
+    worst = 0.0
+    for name in (names if names is not None else ref):
+        a, b = ours[name].grad, ref[name].grad
+        if (a is None) != (b is None):
+            raise AssertionError(f"{name}: gradient {'missing' if a is None else 'unexpected'} in the compiled run")
+        if a is not None and b is not None:
+            worst = max(worst, (a - b).abs().max().item())
+    return worst
+
+
+def max_buffer_diff(model: nn.Module, reference: nn.Module) -> float:
+    """Largest absolute difference between the two models' buffers."""
+    worst = 0.0
+    for (name, a), (_, b) in zip(model.named_buffers(), reference.named_buffers()):
+        worst = max(worst, (a.double() - b.double()).abs().max().item() if a.numel() else 0.0)
+    return worst

@@ -1,0 +1,127 @@
+"""``hpml-compile compile``: trace, profile, plan and generate a build folder in one command.
+
+The main CLI registers the sub-command with :func:`add_parsers`; the handler
+raises HpmlError for bad input (printed without a traceback, exit 2).
+
+Example:
+    >>> import argparse
+    >>> p = argparse.ArgumentParser(prog="hpml-compile")
+    >>> add_parsers(p.add_subparsers(dest="command"))
+    >>> a = p.parse_args(["compile", "gpt-tiny", "--cluster", "local-cpu-2", "-o", "build"])
+    >>> a.run is run_compile, a.solver, a.schedule, a.microbatches, str(a.output)
+    (True, 'ilp', '1f1b', None, 'build')
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .cluster import check_kinds, load_cluster
+from .codegen import generate
+from .costgraph import build as build_costgraph
+from .errors import BuildMismatchError, HpmlError
+from .ir import FrontEnd
+from .plan import Schedule, validate_plan
+from .profile import profile
+from .solve import SolverName, solve
+from .trace import trace
+
+__all__ = ["add_parsers", "run_compile"]
+
+
+def add_parsers(subparsers: Any) -> None:
+    """Register ``compile`` on an argparse sub-parser set.
+
+    Args:
+        subparsers: what ``ArgumentParser.add_subparsers()`` returned.
+    """
+    p = subparsers.add_parser(
+        "compile", help="trace, profile, plan and generate a pipelined build of a model (writes build/)",
+        description="Trace MODEL, profile every node on this machine (predicting the cluster's other device "
+                    "kinds), place it on CLUSTER with a solver, and write the build folder: one Python file "
+                    "per stage, plan.json, profile.json and manifest.json.")
+    p.add_argument("model", metavar="MODEL", help="a zoo name, hf:<model_type>[?k=v,...] or file.py:factory")
+    p.add_argument("--cluster", required=True, help="a built-in cluster name or a cluster.json path")
+    p.add_argument("--solver", default=SolverName.ILP.value, choices=[s.value for s in SolverName])
+    p.add_argument("--microbatches", type=int, default=None, help="default: searched by the solver")
+    p.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, choices=[s.value for s in Schedule])
+    p.add_argument("--time-limit", type=float, default=30.0, dest="time_limit", help="ILP time limit, seconds")
+    p.add_argument("--batch-size", type=int, dest="batch_size", help="batch size (default: the model's)")
+    p.add_argument("--seq-len", type=int, dest="seq_len", help="sequence length (default: the model's)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per node while profiling (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs per node first (default 1)")
+    p.add_argument("--leaf", action="append", default=[], metavar="MODULE",
+                   help="keep a module (class or qualified name) as one opaque node; repeatable")
+    p.add_argument("--front-end", dest="front_end", choices=[f.value for f in FrontEnd], default="auto")
+    p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    p.add_argument("-o", "--output", type=Path, required=True, help="the build folder to write")
+    p.set_defaults(run=run_compile)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _first_rows(inputs: tuple[Any, ...], rows: int) -> tuple[Any, ...]:
+    return tuple(x[:rows] if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs)
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    """Handle ``hpml-compile compile``.
+
+    Args:
+        args: parsed arguments (see :func:`add_parsers`).
+
+    Returns:
+        0 on success.
+
+    Raises:
+        HpmlError: for a bad model, cluster or option, a model that fits nowhere, or a plan codegen cannot carry out.
+    """
+    from . import models  # the zoo is only needed here
+
+    if args.microbatches is not None and args.microbatches < 1:
+        raise HpmlError(f"compile: --microbatches must be >= 1, got {args.microbatches}")
+    cluster = load_cluster(args.cluster)
+    loaded = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
+    kinds = ["cpu", *sorted({d.kind for d in cluster.devices} - {"cpu"})]
+    _say(f"[1/4] tracing {loaded.name} (batch {loaded.batch_size})")
+    gm = trace(loaded.module, loaded.example_inputs, leaf_modules=args.leaf, front_end=args.front_end)
+    _say(f"[2/4] profiling {len(gm.graph.nodes)} nodes on the CPU; predicting {', '.join(kinds[1:]) or 'nothing else'}")
+    prof = profile(gm, loaded.example_inputs, name=loaded.name, device_kinds=kinds, batch_size=loaded.batch_size,
+                   seq_len=loaded.seq_len, repeats=args.repeats, warmup=args.warmup, progress=False)
+    check_kinds(cluster, prof.device_kinds)
+    _say(f"[3/4] planning on {cluster.name} ({len(cluster.devices)} devices) with {args.solver}")
+    plan = solve(build_costgraph(prof).coarsen(), cluster, solver=args.solver, microbatches=args.microbatches,
+                 schedule=Schedule(args.schedule), time_limit_s=args.time_limit, dtype=prof.dtype, progress=_say)
+    validate_plan(plan, prof)
+    graph = gm
+    replicas = {len(st.devices) for st in plan.stages}
+    if gm.meta.get("hpml_front_end") is FrontEnd.EXPORT and (plan.microbatches > 1 or replicas != {1}):
+        # torch.export fixes every shape: trace again at the size a stage replica runs (one slice of a microbatch).
+        if len(replicas) > 1:
+            raise HpmlError(f"{loaded.name} traces with torch.export, whose shapes are fixed, but the plan gives "
+                            f"its stages different replica counts {sorted(replicas)}; use a cluster or solver "
+                            "that gives every stage the same number of devices")
+        rows = loaded.batch_size // (plan.microbatches * replicas.pop())
+        graph = trace(loaded.module, _first_rows(loaded.example_inputs, rows), front_end=FrontEnd.EXPORT)
+        if [n.name for n in graph.graph.nodes] != [n.name for n in gm.graph.nodes]:
+            raise BuildMismatchError(
+                f"{loaded.name}: torch.export gives a different graph at batch {rows} (one microbatch of one "
+                f"replica) than at batch {loaded.batch_size}: it specialises sizes 0 and 1. Use a --batch-size "
+                "giving at least 2 rows per microbatch and replica, or --microbatches 1")
+    _say(f"[4/4] generating {len(plan.stages)} stage(s) into {args.output}")
+    build = generate(graph, plan, args.output, profile=prof)
+    pr = plan.predicted
+    print(f"{len(plan.stages)} stages, {plan.microbatches} microbatches ({plan.schedule.value}), predicted step "
+          f"{pr.step_ms:.4g} ms (bottleneck stage {pr.bottleneck_stage}, bubble {pr.bubble:.1%}); wrote "
+          f"{', '.join(sorted(p.name for p in build.out_dir.iterdir()))} to {build.out_dir}")
+    for k, st in enumerate(plan.stages):
+        print(f"  stage {k} on {', '.join(st.devices)}: {len(st.nodes)} nodes; "
+              f"{' '.join(build.manifest.stages[k]['actions']) or 'no communication'}")
+    return 0
