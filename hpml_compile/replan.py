@@ -1,0 +1,159 @@
+"""Re-plan: ``solve`` fed with a measured profile, and what changed.
+
+Measurements from the runtime are a Profile too, so re-planning is the solver
+run on that profile (on the same cluster, or on what is left of it after a
+device is lost). The old plan is scored by the same simulator on the *new*
+costs, so the comparison is fair: the switch is worth it only when the new
+plan beats the old one under the costs the job actually sees. If it does not,
+the old plan is kept (re-annotated with the new predictions).
+
+Example:
+    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.solve import solve
+    >>> g = chain_graph([{"cpu": (1.0, 2.0)}] * 4)
+    >>> old = solve(g, cluster_of(["cpu", "cpu"]), solver="uniform", microbatches=4)
+    >>> slow = chain_graph([{"cpu": (1.0, 2.0)}] * 3 + [{"cpu": (4.0, 8.0)}])
+    >>> r = replan_graph(old, slow, solver="dp")
+    >>> r.diff.new_step_ms < r.diff.old_step_ms
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from .costgraph import CostGraph, block_key
+from .costgraph import build as build_costgraph
+from .errors import HpmlError
+from .ir import Cluster, Profile
+from .plan import Plan, Schedule
+from .simulate import annotate
+from .solve import SolverName, solve
+
+__all__ = ["PlanDiff", "ReplanResult", "plan_diff", "replan", "replan_graph", "without_devices"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanDiff:
+    """What a new plan changes against an old one, scored on the same (new) costs.
+
+    Attributes:
+        moved: ``(fx node, old stage, new stage)`` for every node whose stage changed.
+        old_stages, new_stages: per stage, its devices.
+        old_step_ms: the old plan's predicted step time on the new costs.
+        new_step_ms: the new plan's predicted step time.
+        old_claimed_ms: what the old plan predicted when it was made.
+    """
+
+    moved: tuple[tuple[str, int, int], ...]
+    old_stages: tuple[tuple[str, ...], ...]
+    new_stages: tuple[tuple[str, ...], ...]
+    old_step_ms: float
+    new_step_ms: float
+    old_claimed_ms: float
+
+    @property
+    def gain(self) -> float:
+        """Predicted speed-up of the new plan over the old one on the new costs (1.0: none)."""
+        return self.old_step_ms / self.new_step_ms if self.new_step_ms > 0 else 1.0
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.moved) or self.old_stages != self.new_stages
+
+    def summary(self, scope_of: Callable[[str], str] | None = None) -> str:
+        """Text for a person: stage devices, the blocks that moved, step time old -> new."""
+        lines = [f"step time: {self.old_step_ms:.4g} ms (old plan, on the new costs; it predicted "
+                 f"{self.old_claimed_ms:.4g} ms) -> {self.new_step_ms:.4g} ms (new plan): {self.gain:.2f}x"]
+        if self.old_stages != self.new_stages:
+            lines.append("stages: " + " | ".join(",".join(d) for d in self.old_stages) + "  ->  "
+                         + " | ".join(",".join(d) for d in self.new_stages))
+        groups: dict[tuple[str, int, int], int] = {}
+        for node, a, b in self.moved:
+            key = (block_key(scope_of(node)) if scope_of else node, a, b)
+            groups[key] = groups.get(key, 0) + 1
+        for (block, a, b), n in groups.items():
+            lines.append(f"  moved {block or '(top level)'} ({n} node{'s' if n > 1 else ''}): stage {a} -> stage {b}")
+        if not self.changed:
+            lines.append("  no node moved: the old plan is still the best one predicted")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplanResult:
+    """The plan to run (new, or the old one kept) and the diff that justifies it."""
+
+    plan: Plan
+    diff: PlanDiff
+    switched: bool
+
+
+def plan_diff(old: Plan, new: Plan, old_step_ms: float) -> PlanDiff:
+    """Compare two plans of one model (``old_step_ms``: the old plan scored on the new costs)."""
+    where = {n: st.index for st in old.stages for n in st.nodes}
+    moved = tuple((n, where[n], st.index) for st in new.stages for n in st.nodes
+                  if n in where and where[n] != st.index)
+    return PlanDiff(moved, tuple(st.devices for st in old.stages), tuple(st.devices for st in new.stages),
+                    old_step_ms, new.predicted.step_ms, old.predicted.step_ms)
+
+
+def without_devices(cluster: Cluster, lost: Iterable[str]) -> Cluster:
+    """The cluster less the ``lost`` devices (and their links).
+
+    Raises:
+        HpmlError: naming a device that is not in the cluster, or when none would be left.
+    """
+    gone = set(lost)
+    unknown = gone - {d.name for d in cluster.devices}
+    if unknown:
+        raise HpmlError(f"cannot drop {sorted(unknown)}: cluster {cluster.name} has {[d.name for d in cluster.devices]}")
+    devices = tuple(d for d in cluster.devices if d.name not in gone)
+    if not devices:
+        raise HpmlError(f"no device of cluster {cluster.name} is left after dropping {sorted(gone)}")
+    links = tuple(x for x in cluster.links if x.a not in gone and x.b not in gone)
+    return Cluster(devices, links, f"{cluster.name}-minus-{'-'.join(sorted(gone))}")
+
+
+def replan_graph(old: Plan, graph: CostGraph, *, cluster: Cluster | None = None,
+                 solver: SolverName | str = SolverName.ILP, microbatches: int | None = None,
+                 schedule: Schedule | str | None = None, time_limit_s: float = 30.0, dtype: str = "float32",
+                 progress: Callable[[str], None] | None = None) -> ReplanResult:
+    """Re-solve on ``graph`` (new costs) and keep the old plan unless the new one is predicted faster.
+
+    Args:
+        old: the plan running now.
+        graph: the cost graph of the new (measured) profile, coarsened like the old one's.
+        cluster: the devices to plan for (default: the old plan's).
+        solver, microbatches, schedule, time_limit_s, dtype, progress: as for :func:`hpml_compile.solve.solve`;
+            microbatches and schedule default to the old plan's.
+
+    Returns:
+        The plan to run, its diff against the old one, and whether it switched.
+
+    Raises:
+        InfeasibleError: nothing fits on ``cluster``.
+    """
+    target = cluster or old.cluster
+    sched = Schedule(schedule) if schedule else old.schedule
+    new = solve(graph, target, solver=solver, microbatches=microbatches or old.microbatches, schedule=sched,
+                time_limit_s=time_limit_s, dtype=dtype, progress=progress)
+    same_devices = {d.name for d in target.devices} >= {d for st in old.stages for d in st.devices}
+    if same_devices:
+        rescored, _ = annotate(old, graph, dtype)
+        old_ms = rescored.predicted.step_ms
+    else:  # the old plan cannot run any more: any feasible plan is a gain
+        rescored, old_ms = old, float("inf")
+    if same_devices and old_ms <= new.predicted.step_ms:
+        return ReplanResult(rescored, plan_diff(old, rescored, old_ms), switched=False)
+    return ReplanResult(new, plan_diff(old, new, old_ms), switched=True)
+
+
+def replan(old: Plan, measured: Profile, **kwargs: object) -> ReplanResult:
+    """:func:`replan_graph` on a measured profile (predicting any device kind it lacks)."""
+    from .profile import predict_kinds
+
+    cluster = kwargs.get("cluster") or old.cluster
+    assert isinstance(cluster, Cluster)
+    prof = predict_kinds(measured, sorted({d.kind for d in cluster.devices}))
+    return replan_graph(old, build_costgraph(prof).coarsen(), dtype=prof.dtype, **kwargs)  # type: ignore[arg-type]
