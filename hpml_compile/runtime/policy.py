@@ -1,0 +1,98 @@
+"""When to re-plan: the runtime's decisions, as small pure objects that tests can drive step by step.
+
+* :class:`ImbalanceWatch` fires when the measured step time exceeds the plan's
+  prediction by more than ``threshold`` for ``patience`` steps in a row (one
+  slow step, a GC pause or a noisy neighbour, must not trigger a re-plan).
+  After it fires it stays quiet for ``cooldown`` steps, so that a re-plan that
+  did not help cannot make the job thrash.
+* :func:`worth_switching` weighs the predicted gain of a new plan against the
+  cost of switching (checkpoint, restart, reload) over the steps that are left.
+* :class:`FailureLedger` counts failures per device; a device that fails
+  ``max_failures`` times is dropped rather than retried forever.
+
+Example:
+    >>> w = ImbalanceWatch(threshold=1.2, patience=3)
+    >>> [w.observe(measured_ms=m, predicted_ms=10.0) for m in (13, 13, 11, 13, 13, 13)]
+    [False, False, False, False, False, True]
+    >>> worth_switching(old_step_ms=30, new_step_ms=20, switch_cost_ms=5_000, steps_left=1000)
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["ImbalanceWatch", "FailureLedger", "worth_switching", "DEFAULT_THRESHOLD", "DEFAULT_PATIENCE"]
+
+DEFAULT_THRESHOLD = 1.25  # measured / predicted step time that counts as "worse than planned"
+DEFAULT_PATIENCE = 5  # consecutive such steps before re-planning
+
+
+@dataclass(slots=True)
+class ImbalanceWatch:
+    """Detects a sustained gap between measured and predicted step times.
+
+    Args:
+        threshold: a step is "slow" when measured > threshold * predicted.
+        patience: how many slow steps in a row fire the watch.
+        cooldown: steps to stay quiet after firing.
+    """
+
+    threshold: float = DEFAULT_THRESHOLD
+    patience: int = DEFAULT_PATIENCE
+    cooldown: int = 10
+    _streak: int = field(default=0, init=False)
+    _quiet: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        if self.threshold <= 1.0 or self.patience < 1 or self.cooldown < 0:
+            raise ValueError(f"ImbalanceWatch needs threshold > 1, patience >= 1, cooldown >= 0; got "
+                             f"{self.threshold}, {self.patience}, {self.cooldown}")
+
+    def observe(self, measured_ms: float, predicted_ms: float) -> bool:
+        """Feed one step; True when the watch fires (re-plan now)."""
+        if self._quiet > 0:
+            self._quiet -= 1
+            return False
+        slow = predicted_ms > 0 and measured_ms > self.threshold * predicted_ms
+        self._streak = self._streak + 1 if slow else 0
+        if self._streak >= self.patience:
+            self._streak, self._quiet = 0, self.cooldown
+            return True
+        return False
+
+    def rebase(self) -> None:
+        """Forget the streak (after a switch to a new plan, whose predictions differ)."""
+        self._streak = 0
+
+
+def worth_switching(old_step_ms: float, new_step_ms: float, switch_cost_ms: float, steps_left: int,
+                    min_gain: float = 1.05) -> bool:
+    """True when a new plan pays for the switch over the steps left.
+
+    Args:
+        old_step_ms: the running plan's step time on the measured costs.
+        new_step_ms: the new plan's predicted step time.
+        switch_cost_ms: checkpoint + restart + reload, measured or estimated.
+        steps_left: training steps still to run.
+        min_gain: below this speed-up a switch is not worth its risk, whatever the arithmetic says.
+    """
+    if new_step_ms <= 0 or old_step_ms / new_step_ms < min_gain:
+        return False
+    return (old_step_ms - new_step_ms) * steps_left > switch_cost_ms
+
+
+@dataclass(slots=True)
+class FailureLedger:
+    """Failures per device; a device failing ``max_failures`` times is dropped for good."""
+
+    max_failures: int = 2
+    _count: dict[str, int] = field(default_factory=dict, init=False)
+
+    def record(self, device: str) -> bool:
+        """Count one failure of ``device``; True when it should now be dropped."""
+        self._count[device] = self._count.get(device, 0) + 1
+        return self._count[device] >= self.max_failures
+
+    def failures(self, device: str) -> int:
+        return self._count.get(device, 0)
