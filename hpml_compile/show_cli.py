@@ -39,7 +39,7 @@ from .plan import Plan, load_plan
 from .profile import load_profile, predict_kinds
 from .simulate import SimResult, simulate
 from .solve import SolverName, solve
-from .viz import device_order, write_pictures
+from .viz import device_names, device_order, write_pictures
 
 __all__ = ["add_parsers", "run_show", "find_profile", "plan_costgraph", "WhatIf", "one_more_device", "summary"]
 
@@ -198,10 +198,11 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
         opts = "".join([f", ZeRO-{int(st.zero)}" if st.zero else "", ", recompute" if st.recompute else "",
                         f", swap {len(st.swap)} nodes" if st.swap else "",
                         ", optimizer offload" if st.offload_optimizer else ""])
-        blocks = [v for v in graph.order if set(graph.graph.nodes[v]["members"]) & set(st.nodes)]
+        members = set(st.nodes)
+        blocks = [v for v in graph.order if members.intersection(graph.graph.nodes[v]["members"])]
         span = f"{blocks[0]} .. {blocks[-1]}" if len(blocks) > 1 else (blocks[0] if blocks else "-")
         send = sum(ms for _, ms in c.sends)
-        lines.append(f"  stage {st.index}: {','.join(st.devices)} ({len(st.devices)} x {kinds[0]}{opts}): "
+        lines.append(f"  stage {st.index}: {device_names(st.devices)}: {len(st.devices)} x {kinds[0]}{opts}; "
                      f"{len(blocks)} blocks {span}; fwd {c.fwd_ms:.3g} + bwd {c.bwd_ms + c.recompute_ms:.3g} ms"
                      + (f", send {send:.3g} ms" if send else "") + (f", sync {c.sync_ms:.3g} ms" if c.sync_ms else ""))
     b = result.bottleneck_stage
@@ -209,32 +210,42 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
     mean = sum(c.compute_ms for c in result.stages) / len(result.stages)
     bst = plan.stages[b]
     pipe = (m - 1) * bc.compute_ms
-    lines.append(f"bottleneck: stage {b} on {', '.join(bst.devices)} "
+    lines.append(f"bottleneck: stage {b} on {device_names(bst.devices)} "
                  f"({plan.cluster.device(bst.devices[0]).kind}): {bc.compute_ms:.3g} ms of compute per microbatch"
                  f"{' (with recompute)' if bst.recompute else ''}, {bc.compute_ms / mean - 1:+.0%} against the "
                  f"mean stage; in steady state every stage waits for it: (M-1) x {bc.compute_ms:.3g} = "
                  f"{pipe:.4g} ms of the {result.step_ms:.4g} ms step")
     lines.append("memory (peak per device, against capacity):")
     stage_of = {d: st.index for st in plan.stages for d in st.devices}
-    for dev in device_order(plan):
-        d = plan.cluster.device(dev)
-        peak = result.peak.get(dev, 0)
+    groups: list[list[str]] = [[d] for d in device_order(plan)]
+    if len(plan.cluster.devices) > 16:  # a stage's replicas hold the same bytes: one line per stage
+        groups = [list(st.devices) for st in plan.stages]
+        unused = [d.name for d in plan.cluster.devices if d.name not in stage_of]
+        groups += [[d for d in unused if plan.cluster.device(d).kind == k]
+                   for k in dict.fromkeys(plan.cluster.device(d).kind for d in unused)]
+    for names in groups:
+        d = plan.cluster.device(names[0])
+        peak = result.peak.get(names[0], 0)
         slack = d.memory_bytes - peak
-        where = f"stage {stage_of[dev]}" if dev in stage_of else "unused"
-        lines.append(f"  {dev:8s} {d.kind:12s} {where:9s} peak {peak / GiB:8.2f} GiB of {d.memory_gib:7.1f} GiB  "
-                     f"slack {slack / GiB:8.2f} GiB ({slack / d.memory_bytes:.0%})")
+        where = f"stage {stage_of[names[0]]}" if names[0] in stage_of else "unused"
+        each = " each" if len(names) > 1 else ""
+        lines.append(f"  {device_names(names):20s} {d.kind:12s} {where:9s} peak {peak / GiB:8.2f} GiB of "
+                     f"{d.memory_gib:7.1f} GiB{each}  slack {slack / GiB:8.2f} GiB ({slack / d.memory_bytes:.0%})")
     if what_if is not None:
-        dev = what_if.device
-        head = f"one more device: + {dev.name} ({dev.kind}, {dev.memory_gib:g} GiB, host {dev.host})"
+        extra = what_if.device
+        head = f"one more device: + {extra.name} ({extra.kind}, {extra.memory_gib:g} GiB, host {extra.host})"
         if what_if.plan is None:
             lines.append(f"{head}: no plan ({what_if.note})")
         else:
             new = what_if.plan
             delta = new.predicted.step_ms / result.step_ms - 1 if result.step_ms else 0.0
+            used = sum(len(s.devices) for s in new.stages)
+            why = "" if delta < -1e-9 else (f"; no better plan uses it ({used} of "
+                                            f"{len(new.cluster.devices)} devices used)")
             lines.append(f"{head}: predicted step {new.predicted.step_ms:.4g} ms ({delta:+.1%}), "
                          f"{len(new.stages)} stages, degrees {[len(s.devices) for s in new.stages]}, bottleneck "
                          f"stage {new.predicted.bottleneck_stage}, bubble {new.predicted.bubble:.1%} "
-                         f"({new.solver.name} {new.solver.status.value}, same schedule and microbatches)")
+                         f"({new.solver.name} {new.solver.status.value}, same schedule and microbatches){why}")
     return "\n".join(lines)
 
 

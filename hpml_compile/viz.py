@@ -13,6 +13,10 @@ its cost graph and the simulator's :class:`~hpml_compile.simulate.SimResult`:
   capacity, with the peak broken down (parameters, gradients, optimizer
   state, activations).
 
+Beyond 16 devices the timeline and the memory chart draw one row (panel) per
+stage instead of per device (:func:`chart_rows`): a stage's replicas do the
+same work at the same times, and 64 identical rows are not readable.
+
 :func:`write_pictures` writes them all into a folder. Figures are built with
 ``matplotlib.figure.Figure`` and saved by the Agg canvas directly, never
 through ``pyplot``, so nothing global (backend, current figure) changes.
@@ -49,7 +53,7 @@ from .report import human_bytes
 from .simulate import EventKind, SimResult, idle_intervals
 
 __all__ = ["STAGE_COLOURS", "stage_of_nodes", "plan_graph", "timeline_figure", "memory_figure", "write_pictures",
-           "device_order"]
+           "device_order", "chart_rows", "device_names"]
 
 # Qualitative, colour-blind-friendly fills (Okabe-Ito, lightened); stage k takes colour k mod len.
 STAGE_COLOURS: tuple[str, ...] = ("#9ecae1", "#fdae6b", "#a1d99b", "#fc9fb5", "#c6b3e0", "#f6e58d", "#bcbddc",
@@ -98,6 +102,38 @@ def device_order(plan: Plan) -> list[str]:
     return used + [d.name for d in plan.cluster.devices if d.name not in set(used)]
 
 
+def device_names(names: Sequence[str]) -> str:
+    """A short list of device names: all of up to three, else the first and last and the count."""
+    return ", ".join(names) if len(names) <= 3 else f"{names[0]} .. {names[-1]} ({len(names)})"
+
+
+def chart_rows(plan: Plan, per_device: bool | None = None) -> list[tuple[str, str | None, int | None]]:
+    """The rows of the timeline and the panels of the memory chart: ``(label, device drawn, stage)``.
+
+    Args:
+        plan: the plan.
+        per_device: one row per device; by default only up to 16 devices. Otherwise one row per stage
+            (its replicas do the same work at the same times; the row draws the first, which also sends)
+            and one per kind of unused device.
+
+    Returns:
+        The rows, in pipeline order; the device is None for a row of unused devices.
+    """
+    c = plan.cluster
+    if per_device if per_device is not None else len(c.devices) <= 16:
+        stage_of = {d: st.index for st in plan.stages for d in st.devices}
+        return [(f"{d} ({c.device(d).kind})\n" + (f"stage {stage_of[d]}" if d in stage_of else "unused"),
+                 d if d in stage_of else None, stage_of.get(d)) for d in device_order(plan)]
+    rows: list[tuple[str, str | None, int | None]] = [
+        (f"{device_names(st.devices)}\n{c.device(st.devices[0]).kind}, stage {st.index}", st.devices[0], st.index)
+        for st in plan.stages]
+    used = {d for st in plan.stages for d in st.devices}
+    for kind in dict.fromkeys(d.kind for d in c.devices if d.name not in used):
+        idle = [d.name for d in c.devices if d.name not in used and d.kind == kind]
+        rows.append((f"{device_names(idle)}\n{kind}, unused", None, None))
+    return rows
+
+
 def _stage_label(plan: Plan, st: Stage, result: SimResult | None) -> str:
     kinds = [plan.cluster.device(d).kind for d in st.devices]
     kind_text = " + ".join(f"{kinds.count(k)} x {k}" for k in dict.fromkeys(kinds))
@@ -105,7 +141,7 @@ def _stage_label(plan: Plan, st: Stage, result: SimResult | None) -> str:
     opts += ["recompute"] if st.recompute else []
     opts += [f"swap {len(st.swap)} nodes"] if st.swap else []
     opts += ["optimizer offload"] if st.offload_optimizer else []
-    head = f"stage {st.index}: {', '.join(st.devices)} ({kind_text})" + (f" | {', '.join(opts)}" if opts else "")
+    head = f"stage {st.index}: {device_names(st.devices)} ({kind_text})" + (f" | {', '.join(opts)}" if opts else "")
     if result is None:
         return head
     c = result.stages[st.index]
@@ -161,13 +197,29 @@ def plan_graph(plan: Plan, graph: CostGraph, result: SimResult | None = None) ->
                     peripheries = "2"
                 sub.node(ids[v], "\\n".join(lines), fillcolor=fill, color=border, style=style,
                          peripheries=peripheries)
-    for u, v, e in g.edges(data=True):
-        if owner[u] == owner[v]:
-            dot.edge(ids[u], ids[v])
-            continue
-        nbytes = e["bytes"]
+    # The topological order is the spine (stages stacked top to bottom); other edges do not move ranks, so
+    # a hub such as a rotary-embedding table feeding every layer does not spread the picture sideways.
+    nxt = dict(zip(graph.order, graph.order[1:]))
+    for u, v in nxt.items():
+        if not g.has_edge(u, v):
+            dot.edge(ids[u], ids[v], style="invis", weight="100")
+    # A stage receives each tensor once: cross-stage edges from one node into one stage are drawn as one,
+    # into that stage's first consumer, labelled with the bytes that cross.
+    crossing: dict[tuple[str, int], tuple[str, dict[str, int]]] = {}
+    pos = {v: i for i, v in enumerate(graph.order)}
+    for u in graph.order:
+        for v in sorted(g.successors(u), key=pos.__getitem__):
+            e = g.edges[u, v]
+            if owner[u] == owner[v]:
+                dot.edge(ids[u], ids[v], weight="100" if nxt.get(u) == v else "1",
+                         constraint="true" if nxt.get(u) == v else "false")
+                continue
+            crossing.setdefault((u, owner[v]), (v, {}))[1].update(e["producers"])
+    for (u, _), (v, prods) in crossing.items():
+        nbytes = sum(prods.values())
         dot.edge(ids[u], ids[v], label=f"{human_bytes(nbytes)}\\n({human_bytes(nbytes / m)} / mb)",
-                 color="#d62728", fontcolor="#d62728", penwidth="2.0")
+                 color="#d62728", fontcolor="#d62728", penwidth="2.0", weight="100" if nxt.get(u) == v else "1",
+                 constraint="true" if nxt.get(u) == v else "false")
     return dot
 
 
@@ -180,7 +232,7 @@ def _row_bars(result: SimResult, device: str) -> dict[EventKind, list[tuple[floa
 
 
 def timeline_figure(plan: Plan, result: SimResult) -> Figure:
-    """A Gantt chart of the simulated step: one row per device, compute above, communication below.
+    """A Gantt chart of the simulated step: one row per device (per stage beyond 16), communication below compute.
 
     Args:
         plan: the plan.
@@ -189,15 +241,14 @@ def timeline_figure(plan: Plan, result: SimResult) -> Figure:
     Returns:
         A matplotlib Figure (save it with ``fig.savefig(path)``).
     """
-    devices = device_order(plan)
-    stage_of = {d: st.index for st in plan.stages for d in st.devices}
-    fig = Figure(figsize=(13, min(40.0, 1.6 + 0.55 * len(devices))), layout="constrained")
+    rows = chart_rows(plan)
+    fig = Figure(figsize=(13, min(40.0, 1.6 + 0.55 * len(rows))), layout="constrained")
     ax = fig.add_subplot()
     end = max(result.step_ms, max((b.end_ms for b in result.intervals), default=0.0))
     m = plan.microbatches
-    for row, dev in enumerate(devices):
-        bars = _row_bars(result, dev)
-        gaps = [(s, e - s) for s, e in idle_intervals(result, dev)] if dev in stage_of else [(0.0, end)]
+    for row, (_, dev, _) in enumerate(rows):
+        bars = _row_bars(result, dev) if dev else {}
+        gaps = [(s, e - s) for s, e in idle_intervals(result, dev)] if dev else [(0.0, end)]
         ax.broken_barh(gaps, (row - 0.3, 0.6), facecolors=_IDLE, edgecolor="#bbbbbb", hatch="///", linewidth=0)
         for kind in (EventKind.FORWARD, EventKind.RECOMPUTE, EventKind.BACKWARD):
             if kind in bars:
@@ -208,12 +259,10 @@ def timeline_figure(plan: Plan, result: SimResult) -> Figure:
             if kind in bars:
                 ax.broken_barh(bars[kind], (row + y, h), facecolors=_EVENT_COLOURS[kind], alpha=0.85,
                                linewidth=0)
-        if m <= 16 and dev in stage_of:
+        if m <= 16 and dev:
             _label_microbatches(ax, result, dev, row, end)
-    ax.set_yticks(range(len(devices)),
-                  [f"{d} ({plan.cluster.device(d).kind})\nstage {stage_of[d]}" if d in stage_of
-                   else f"{d} ({plan.cluster.device(d).kind})\nunused" for d in devices], fontsize=8)
-    ax.set_ylim(len(devices) - 0.5, -0.7)
+    ax.set_yticks(range(len(rows)), [label for label, _, _ in rows], fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.7)
     ax.set_xlim(0, end * 1.01 if end > 0 else 1.0)
     ax.set_xlabel("time in the step (ms)")
     ax.axvline(result.step_ms, color="black", linewidth=0.8, linestyle="--")
@@ -234,11 +283,12 @@ def _label_microbatches(ax: Any, result: SimResult, dev: str, row: int, end: flo
         if b.device != dev or b.kind not in (EventKind.FORWARD, EventKind.BACKWARD):
             continue
         if b.end_ms - b.start_ms > 0.012 * end:  # only where the number fits inside the bar
-            ax.text((b.start_ms + b.end_ms) / 2, row, f"{'F' if b.kind is EventKind.FORWARD else 'B'}{b.microbatch}", ha="center", va="center", fontsize=6, color="white")
+            tag = f"{'F' if b.kind is EventKind.FORWARD else 'B'}{b.microbatch}"
+            ax.text((b.start_ms + b.end_ms) / 2, row, tag, ha="center", va="center", fontsize=6, color="white")
 
 
 def memory_figure(plan: Plan, result: SimResult) -> Figure:
-    """Each device's memory over the step against its capacity, one panel per device.
+    """Each device's memory over the step against its capacity, one panel per device (per stage beyond 16).
 
     Args:
         plan: the plan.
@@ -247,22 +297,23 @@ def memory_figure(plan: Plan, result: SimResult) -> Figure:
     Returns:
         A matplotlib Figure.
     """
-    devices = device_order(plan)
-    stage_of = {d: st.index for st in plan.stages for d in st.devices}
-    cols = min(4, len(devices))
-    rows = math.ceil(len(devices) / cols)
+    panels = chart_rows(plan)
+    cols = min(4, len(panels))
+    rows = math.ceil(len(panels) / cols)
     fig = Figure(figsize=(3.4 * cols + 0.6, min(60.0, 2.9 * rows + 0.8)), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
     end = result.step_ms or 1.0
-    for i, dev in enumerate(devices):
+    for i, (label, dev, st) in enumerate(panels):
         ax = axes[i // cols][i % cols]
-        d = plan.cluster.device(dev)
-        cap = d.memory_bytes / GiB
-        peak = result.peak.get(dev, 0) / GiB
-        if dev in stage_of:
-            st = stage_of[dev]
+        first = label.split("\n")[0]
+        if dev is not None and st is not None:
+            d = plan.cluster.device(dev)
+            cap = min(plan.cluster.device(x).memory_bytes for x in plan.stages[st].devices) / GiB
+            peak = result.peak.get(dev, 0) / GiB
             mem = result.stages[st].memory
-            title = (f"{dev} ({d.kind}), stage {st}\npeak {peak:.2f} of {cap:.1f} GiB, slack {1 - peak / cap:.0%}\n"
+            each = " each" if len(plan.stages[st].devices) > 1 else ""
+            title = (f"{first} ({d.kind}), stage {st}\n"
+                     f"peak {peak:.2f} of {cap:.1f} GiB{each}, slack {1 - peak / cap:.0%}\n"
                      f"P {mem.params / GiB:.2f} + G {mem.grads / GiB:.2f} + O {mem.optimizer / GiB:.2f} + "
                      f"A {mem.activations / GiB:.2f} GiB")
             _memory_curve(ax, result, dev, st, end)
@@ -273,7 +324,10 @@ def memory_figure(plan: Plan, result: SimResult) -> Figure:
                 inset.set_title("zoom", fontsize=6, pad=2)
                 inset.tick_params(labelsize=5)
         else:
-            title = f"{dev} ({d.kind}), unused\n0 of {cap:.1f} GiB\n"
+            kind = label.split("\n")[1].split(",")[0]
+            cap = max(x.memory_gib for x in plan.cluster.devices if x.kind == kind)
+            peak = 0.0
+            title = f"{first} ({kind}), unused\n0 of {cap:.1f} GiB\n"
         ax.axhline(cap, color="#d62728", linewidth=1.5, linestyle="--")
         ax.text(0.01, cap, f"capacity {cap:.1f} GiB", transform=ax.get_yaxis_transform(), color="#d62728",
                 fontsize=7, va="bottom")
@@ -283,7 +337,7 @@ def memory_figure(plan: Plan, result: SimResult) -> Figure:
         ax.set_xlabel("ms", fontsize=7)
         ax.set_ylabel("GiB", fontsize=7)
         ax.tick_params(labelsize=7)
-    for j in range(len(devices), rows * cols):
+    for j in range(len(panels), rows * cols):
         axes[j // cols][j % cols].set_visible(False)
     fig.suptitle("memory per device over the step against its capacity (red); dotted: parameters (P), gradients "
                  "(G) and optimizer state (O); above it activations (A) of the microbatches in flight", fontsize=9)

@@ -8,9 +8,13 @@ by the one simulator (:mod:`hpml_compile.simulate`), and its predictions are
 written into the plan.
 
 The microbatch count, when not given, is searched over powers of two up to
-``min(batch_size, 64)`` with the DP (fast); the ILP then solves at the best
-count. ``ilp`` returns the better, by simulated step time, of the ILP's plan
-and the DP's, so it is never worse than ``dp``.
+``min(batch_size, 64)`` with the DP (each count: the candidate table in
+numpy, :mod:`.table`, the vectorised DP, one simulation; ~0.1-0.2 s for
+llama-70b on 64 devices); the ILP then solves at the best count. ``ilp``
+returns the better, by simulated step time, of the ILP's plan and the DP's,
+so it is never worse than ``dp``. :func:`plan_from_cuts` scores any other
+partitioner's split (e.g. DeepSpeed's or torchgpipe's) the way the
+baselines are scored.
 
 Example:
     >>> from hpml_compile.solve.testing import chain_graph, cluster_of
@@ -25,7 +29,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..cluster import check_kinds
 from ..costgraph import CostGraph
@@ -34,12 +38,13 @@ from ..ir import Cluster
 from ..memory import GiB, device_memory, dtype_bytes
 from ..plan import Plan, Schedule, SolverInfo, SolverStatus
 from ..simulate import annotate
-from .baselines import Baseline, balanced_cuts, baseline_stages
-from .candidates import Chain, Setting, enumerate_candidates, to_plan
+from .baselines import Baseline, balanced_cuts, baseline_stages, stages_from_cuts
+from .candidates import Candidate, Chain, Setting, to_plan
 from .dp import solve_chain
 from .ilp import solve_ilp
+from .table import build_table
 
-__all__ = ["SolverName", "solve", "microbatch_choices"]
+__all__ = ["SolverName", "solve", "microbatch_choices", "plan_from_cuts"]
 
 
 class SolverName(str, enum.Enum):
@@ -96,22 +101,16 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
     t0 = time.perf_counter()
     chain = Chain.of(costgraph)
     ms = [microbatches] if microbatches else microbatch_choices(costgraph.batch_size)
-    best: tuple[float, Plan, Setting, list] | None = None
     status = SolverStatus.HEURISTIC if name in (SolverName.UNIFORM, SolverName.PARAMS, SolverName.TIME) \
         else SolverStatus.OPTIMAL
-    for m in ms:
-        setting = Setting(m, sched, costgraph.batch_size, dtype)
+
+    def pick(setting: Setting) -> list[Candidate] | None:
         if name in (SolverName.ILP, SolverName.DP):
-            picked = solve_chain(chain, cluster, setting, enumerate_candidates(chain, cluster, setting))
-        else:
-            got = baseline_stages(chain, cluster, setting, Baseline(name.value))
-            picked = None if isinstance(got, str) else got
-        if not picked:
-            continue
-        plan, r = annotate(to_plan(chain, cluster, setting, picked, SolverInfo(name.value)), costgraph, dtype)
-        say(f"{name.value}: M={m}: {len(plan.stages)} stages, step {r.step_ms:.4g} ms")
-        if best is None or r.step_ms < best[0]:
-            best = (r.step_ms, plan, setting, picked)
+            return solve_chain(chain, cluster, setting, build_table(chain, cluster, setting))
+        got = baseline_stages(chain, cluster, setting, Baseline(name.value))
+        return None if isinstance(got, str) else got
+
+    best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say)
     if best is None:
         raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype)))
     step, plan, setting, picked = best
@@ -126,6 +125,70 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
                 plan = ilp_plan
     info = SolverInfo(name.value, status, gap, time.perf_counter() - t0)
     return Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, plan.stages, plan.predicted, info)
+
+
+def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtype: str,
+            pick: Callable[[Setting], list[Candidate] | None], name: str, say: Callable[[str], None]
+            ) -> tuple[float, Plan, Setting, list[Candidate]] | None:
+    """The microbatch count whose stages (from ``pick``) simulate fastest: ``(step, plan, setting, stages)``."""
+    graph = chain.graph
+    best: tuple[float, Plan, Setting, list[Candidate]] | None = None
+    for m in ms:
+        setting = Setting(m, sched, graph.batch_size, dtype)
+        picked = pick(setting)
+        if not picked:
+            continue
+        plan, r = annotate(to_plan(chain, cluster, setting, picked, SolverInfo(name)), graph, dtype)
+        say(f"{name}: M={m}: {len(plan.stages)} stages, step {r.step_ms:.4g} ms")
+        if best is None or r.step_ms < best[0]:
+            best = (r.step_ms, plan, setting, picked)
+    return best
+
+
+def plan_from_cuts(costgraph: CostGraph, cluster: Cluster, cuts: Sequence[int], *, name: str = "manual",
+                   microbatches: int | None = None, schedule: Schedule | str = Schedule.ONE_F_ONE_B,
+                   dtype: str = "float32") -> Plan:
+    """Score any partitioner's split on our cost model, as the baselines are scored.
+
+    Stage ``i`` is ``costgraph.order[cuts[i]:cuts[i+1]]`` on the ``i``-th device of the cluster (no data
+    parallelism), with the cheapest memory configuration that fits; the microbatch count is searched as
+    for the other solvers and the plan carries the simulator's predictions.
+
+    Args:
+        costgraph: the cost graph.
+        cluster: the devices (at least ``len(cuts) - 1``).
+        cuts: increasing positions from 0 to ``len(costgraph.order)``.
+        name: the solver name written into the plan.
+        microbatches: ``M``; None searches :func:`microbatch_choices`.
+        schedule: GPipe or 1F1B.
+        dtype: parameter dtype.
+
+    Returns:
+        The plan (status ``heuristic``).
+
+    Raises:
+        InfeasibleError: if a stage fits on its device at no microbatch count.
+        ValueError: for bad cuts.
+    """
+    sched = Schedule(schedule)
+    t0 = time.perf_counter()
+    chain = Chain.of(costgraph)
+    ms = [microbatches] if microbatches else microbatch_choices(costgraph.batch_size)
+    why: list[str] = []
+
+    def pick(setting: Setting) -> list[Candidate] | None:
+        got = stages_from_cuts(chain, cluster, setting, cuts)
+        if isinstance(got, str):
+            why.append(got)
+            return None
+        return got
+
+    best = _search(chain, cluster, ms, sched, dtype, pick, name, lambda _: None)
+    if best is None:
+        raise InfeasibleError(f"{name}: the split {list(cuts)} fits at no microbatch count in {ms}: {why[-1]}")
+    plan = best[1]
+    return Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, plan.stages, plan.predicted,
+                SolverInfo(name, SolverStatus.HEURISTIC, 0.0, time.perf_counter() - t0))
 
 
 def diagnose(chain: Chain, cluster: Cluster, setting: Setting) -> str:

@@ -32,7 +32,7 @@ from typing import Sequence
 from ..ir import Cluster
 from .candidates import Candidate, Chain, Setting, classes, range_candidates
 
-__all__ = ["Baseline", "uniform_cuts", "balanced_cuts", "baseline_stages"]
+__all__ = ["Baseline", "uniform_cuts", "balanced_cuts", "baseline_stages", "stages_from_cuts", "cut_points"]
 
 
 class Baseline(str, enum.Enum):
@@ -43,7 +43,8 @@ class Baseline(str, enum.Enum):
     TIME = "time"
 
 
-def _cut_points(chain: Chain) -> list[int]:
+def cut_points(chain: Chain) -> list[int]:
+    """Positions where only tensors cross (0 and n included): where a stage may begin or end."""
     return [k for k in range(chain.n + 1) if chain.cuttable[k]]
 
 
@@ -57,7 +58,7 @@ def uniform_cuts(chain: Chain, stages: int) -> list[int]:
     Returns:
         Increasing positions from 0 to n.
     """
-    points = _cut_points(chain)
+    points = cut_points(chain)
     stages = min(stages, len(points) - 1)
     cuts = [0]
     for i in range(1, stages):
@@ -79,7 +80,7 @@ def balanced_cuts(chain: Chain, stages: int, weights: Sequence[float]) -> list[i
     Returns:
         Increasing positions from 0 to n.
     """
-    points = _cut_points(chain)
+    points = cut_points(chain)
     stages = min(stages, len(points) - 1)
     pre = [0.0]
     for w in weights:
@@ -116,7 +117,7 @@ def baseline_stages(chain: Chain, cluster: Cluster, setting: Setting, which: Bas
     """
     devs = cluster.devices
     g, order = chain.graph.graph, chain.graph.order
-    s = min(len(devs), len(_cut_points(chain)) - 1)
+    s = min(len(devs), len(cut_points(chain)) - 1)
     if which is Baseline.UNIFORM:
         cuts = uniform_cuts(chain, s)
     elif which is Baseline.PARAMS:
@@ -124,7 +125,36 @@ def baseline_stages(chain: Chain, cluster: Cluster, setting: Setting, which: Bas
     else:
         kind = devs[0].kind
         cuts = balanced_cuts(chain, s, [sum(g.nodes[v]["cost"][kind]) for v in order])
+    return stages_from_cuts(chain, cluster, setting, cuts)
+
+
+def stages_from_cuts(chain: Chain, cluster: Cluster, setting: Setting, cuts: Sequence[int]) -> list[Candidate] | str:
+    """One stage per range ``[cuts[i], cuts[i+1])`` on device ``i`` (cluster order), each with the cheapest
+    memory configuration that fits: how any partitioner's split is scored on our cost model.
+
+    Args:
+        chain: the chain.
+        cluster: the cluster (at least ``len(cuts) - 1`` devices).
+        setting: microbatches, schedule, batch size, dtype.
+        cuts: increasing positions from 0 to ``chain.n``, each one where only tensors cross.
+
+    Returns:
+        The candidates in pipeline order, or a message naming the stage and device that does not fit.
+
+    Raises:
+        ValueError: for cuts that are not increasing from 0 to n, cut where a non-tensor crosses, or
+            need more stages than devices.
+    """
+    devs, order = cluster.devices, chain.graph.order
+    cuts = list(cuts)
+    if cuts[0] != 0 or cuts[-1] != chain.n or any(a >= b for a, b in zip(cuts, cuts[1:])):
+        raise ValueError(f"cuts must increase from 0 to {chain.n}, got {cuts}")
+    bad = [c for c in cuts if not chain.cuttable[c]]
+    if bad:
+        raise ValueError(f"cuts {bad} are where a non-tensor value crosses; a stage may not end there")
     s = len(cuts) - 1
+    if s > len(devs):
+        raise ValueError(f"{s} stages but only {len(devs)} devices")
     big_j = classes(setting, len(devs))
     out = []
     for i in range(s):

@@ -180,7 +180,7 @@ def in_flight(setting: Setting, j: int) -> int:
 
 
 def degrees(count: int, max_d: int) -> list[int]:
-    """Data-parallel degrees tried for a kind with ``count`` devices: 1, powers of two, and ``count``, up to ``max_d``."""
+    """Data-parallel degrees tried for ``count`` devices of a kind: 1, powers of two and ``count``, up to ``max_d``."""
     ds = {1, count} | {2**i for i in range(1, int(math.log2(max(count, 1))) + 1)}
     return sorted(d for d in ds if 1 <= d <= min(count, max_d))
 

@@ -38,18 +38,30 @@ Constraints (each added by the function named):
         concrete devices are assigned afterwards, in cluster order;
     bottleneck, :func:`_add_bottleneck`: ``T >= sum_{c covers p} t_c x_c`` per
         position ``p`` (exactly one selected stage covers ``p``; this is tighter
-        in the LP relaxation than ``T >= t_c x_c``), and ``R >= r_c x_c``;
+        in the LP relaxation than ``T >= t_c x_c``), and likewise
+        ``R >= sum_{c covers p} r_c x_c``;
     memory order, :func:`_add_memory_order`: ``after_p = after_{p+1} +
         sum_{a_c = p} x_c`` and, for each candidate that does not fit at every
-        position, ``after_{b_c} <= jmax_c + (D - 1 - jmax_c)(1 - x_c)``.
+        position, ``after_{b_c} <= jmax_c + (D - 1 - jmax_c)(1 - x_c)``;
+    bounds (:mod:`.bounds`, valid for every plan): ``T >= T_min`` (the DP's
+        least bottleneck), ``sum_c (t_c + e_c) x_c >= S_min`` and the objective
+        ``>= L``, the DP's lower bound.
 
 The memory budget itself is in the candidate set. The stage count, the
 data-parallel degree and memory options of each stage, and the device kind
 order along the pipeline are all decided here; the microbatch count is
-searched outside (:func:`hpml_compile.solve.solve`). HiGHS is warm-started
-with the DP's plan, so that a plan exists even when the time limit hits, and
-its status is read from ``sol_status`` (after a time limit a status may read
-"Optimal" while only a feasible solution exists).
+searched outside (:func:`hpml_compile.solve.solve`).
+
+Before the MILP is built, the dynamic programs of :mod:`.bounds` bound the
+optimum from both sides (the bottleneck enumerated, as in Alpa). When the
+bounds meet, their plan is optimal and no MILP is needed (in
+benchmarks/solver_scaling, on every single-kind cluster: llama-70b on 64
+A100s is proven in ~2 s, where HiGHS alone stops at a 14% gap after 30 s). Otherwise their plan
+warm-starts HiGHS, their bounds cut the relaxation, and :func:`prune` drops
+every candidate whose own lower bound exceeds the best plan's objective.
+HiGHS's status is read from ``sol_status`` (after a time limit a status may
+read "Optimal" while only a feasible solution exists), and the reported gap
+is against the better of HiGHS's bound and the DP's.
 
 Example:
     >>> from hpml_compile.solve.candidates import Chain, Setting
@@ -70,12 +82,18 @@ from typing import Callable
 import highspy
 import pulp
 
+import numpy as np
+
 from ..ir import Cluster
 from ..plan import SolverStatus
-from .candidates import Candidate, Chain, Setting, classes, enumerate_candidates, kind_counts
+from .candidates import CONFIGS, Candidate, Chain, Setting, classes, kind_counts
+from .bounds import objective_bounds
 from .dp import objective, solve_chain
+from .table import CandidateTable, build_table
 
-__all__ = ["IlpResult", "solve_ilp"]
+_COLUMNS = CandidateTable.__dataclass_fields__.keys() - {"kinds"}
+
+__all__ = ["IlpResult", "solve_ilp", "prune"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +105,7 @@ class IlpResult:
         status: optimal, feasible (with ``gap``) or infeasible.
         gap: relative gap between the incumbent and the best bound (0 when optimal).
         seconds: wall time, candidate generation included.
-        variables: number of binary variables.
+        variables: number of binary variables (0 when the DP bounds proved the plan and no MILP was built).
     """
 
     picked: list[Candidate] | None
@@ -113,73 +131,112 @@ class _WarmHiGHS(pulp.HiGHS):  # type: ignore[misc,name-defined]
         lp.solverModel.run()
 
 
-def _add_tiling(prob: pulp.LpProblem, x: dict[int, pulp.LpVariable], cands: list[Candidate], n: int) -> None:
-    starts: list[list[int]] = [[] for _ in range(n + 1)]
-    ends: list[list[int]] = [[] for _ in range(n + 1)]
-    for i, c in enumerate(cands):
-        starts[c.a].append(i)
-        ends[c.b].append(i)
-    prob += pulp.lpSum(x[i] for i in starts[0]) == 1, "tile_start"
-    prob += pulp.lpSum(x[i] for i in ends[n]) == 1, "tile_end"
+def _by_position(tab: CandidateTable, n: int, key: np.ndarray) -> list[np.ndarray]:
+    """Candidate indices grouped by ``key`` (their start ``a`` or end ``b``), one array per position 0..n."""
+    order = np.argsort(key, kind="stable")
+    cuts = np.searchsorted(key[order], np.arange(n + 2))
+    return [order[cuts[p]:cuts[p + 1]] for p in range(n + 1)]
+
+
+def _expr(x: list[pulp.LpVariable], idx: np.ndarray, coef: np.ndarray | float = 1.0) -> pulp.LpAffineExpression:
+    c = np.broadcast_to(np.asarray(coef, dtype=np.float64), idx.shape)
+    return pulp.LpAffineExpression([(x[i], float(v)) for i, v in zip(idx.tolist(), c.tolist())])
+
+
+def _add_tiling(prob: pulp.LpProblem, x: list[pulp.LpVariable], tab: CandidateTable, n: int) -> None:
+    starts, ends = _by_position(tab, n, tab.a), _by_position(tab, n, tab.b)
+    prob += _expr(x, starts[0]) == 1, "tile_start"
+    prob += _expr(x, ends[n]) == 1, "tile_end"
     for p in range(1, n):
-        if starts[p] or ends[p]:
-            prob += (pulp.lpSum(x[i] for i in ends[p]) - pulp.lpSum(x[i] for i in starts[p]) == 0,
-                     f"tile_{p}")
+        if starts[p].size or ends[p].size:
+            prob += _expr(x, ends[p]) - _expr(x, starts[p]) == 0, f"tile_{p}"
 
 
-def _add_devices(prob: pulp.LpProblem, x: dict[int, pulp.LpVariable], cands: list[Candidate],
-                 counts: dict[str, int]) -> None:
-    for j, (kind, count) in enumerate(counts.items()):
-        prob += pulp.LpAffineExpression([(x[i], c.d) for i, c in enumerate(cands) if c.kind == kind]) <= count, \
-            f"devices_{j}"
+def _add_devices(prob: pulp.LpProblem, x: list[pulp.LpVariable], tab: CandidateTable, counts: dict[str, int]) -> None:
+    for j, count in enumerate(counts.values()):
+        idx = np.flatnonzero(tab.kind == j)
+        prob += _expr(x, idx, tab.d[idx]) <= count, f"devices_{j}"
 
 
-def _add_bottleneck(prob: pulp.LpProblem, x: dict[int, pulp.LpVariable], cands: list[Candidate], n: int,
+def _add_bottleneck(prob: pulp.LpProblem, x: list[pulp.LpVariable], tab: CandidateTable, n: int,
                     t_var: pulp.LpVariable, r_var: pulp.LpVariable) -> None:
-    cover: list[list[tuple[pulp.LpVariable, float]]] = [[] for _ in range(n)]
-    for i, c in enumerate(cands):
-        for p in range(c.a, c.b):
-            cover[p].append((x[i], c.t))
-        if c.tail > 0:
-            prob += r_var >= c.tail * x[i], f"tail_{i}"
     for p in range(n):
-        if cover[p]:
-            prob += pulp.LpAffineExpression(cover[p]) - t_var <= 0, f"bottleneck_{p}"
+        cover = np.flatnonzero((tab.a <= p) & (tab.b > p))
+        if cover.size == 0:
+            continue
+        prob += _expr(x, cover, tab.t[cover]) - t_var <= 0, f"bottleneck_{p}"
+        tails = cover[tab.tail[cover] > 0]
+        if tails.size:
+            prob += _expr(x, tails, tab.tail[tails]) - r_var <= 0, f"tail_{p}"
 
 
-def _add_memory_order(prob: pulp.LpProblem, x: dict[int, pulp.LpVariable], cands: list[Candidate], n: int,
+def _add_memory_order(prob: pulp.LpProblem, x: list[pulp.LpVariable], tab: CandidateTable, n: int,
                       devices: int, big_j: int) -> None:
-    binding = [i for i, c in enumerate(cands) if c.jmax < big_j]
-    if not binding:
+    binding = np.flatnonzero(tab.jmax < big_j)
+    if binding.size == 0:
         return
     after = [prob.add_variable(f"after_{p}", lowBound=0) for p in range(n + 1)]
     prob += after[n] == 0, "after_end"
-    starts: list[list[int]] = [[] for _ in range(n + 1)]
-    for i, c in enumerate(cands):
-        starts[c.a].append(i)
+    starts = _by_position(tab, n, tab.a)
     for p in range(n - 1, -1, -1):
-        prob += after[p] - after[p + 1] - pulp.lpSum(x[i] for i in starts[p]) == 0, f"after_{p}"
-    for i in binding:
-        c = cands[i]
-        slack = max(0, devices - 1 - c.jmax)
-        prob += after[c.b] + slack * x[i] <= c.jmax + slack, f"memory_order_{i}"
+        prob += after[p] - after[p + 1] - _expr(x, starts[p]) == 0, f"after_{p}"
+    for i in binding.tolist():
+        slack = max(0, devices - 1 - int(tab.jmax[i]))
+        prob += after[int(tab.b[i])] + slack * x[i] <= int(tab.jmax[i]) + slack, f"memory_order_{i}"
 
 
-def _key(c: Candidate) -> tuple[object, ...]:
-    return (c.a, c.b, c.kind, c.d, c.config)
+def _find(tab: CandidateTable, c: Candidate) -> int | None:
+    hit = np.flatnonzero((tab.a == c.a) & (tab.b == c.b) & (tab.d == c.d) & (tab.cfg == CONFIGS.index(c.config))
+                         & (tab.kind == tab.kinds.index(c.kind)))
+    return int(hit[0]) if hit.size else None
+
+
+def prune(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, ub: float, t_min: float
+          ) -> CandidateTable:
+    """Drop candidates that cannot be in a plan whose objective is below ``ub``.
+
+    A plan holding candidate ``c`` costs at least ``(M - 1) max(T_min, t_c) + t_c + comm_c + tail_c +
+    (M - 1) L + L`` with ``L = W / (M (D - d_c))``, ``W`` the least work of the blocks outside ``c``
+    (fastest kind per block) and ``D`` the device count: the other stages share at most ``D - d_c``
+    devices, so both their largest and their summed per-microbatch time are at least ``L`` (the
+    bottleneck term counts ``max(T_min, t_c, L)`` once).
+
+    Args:
+        chain: the chain.
+        cluster: the cluster.
+        setting: microbatches, schedule, batch size, dtype.
+        tab: the candidates.
+        ub: a known plan's objective.
+        t_min: a lower bound on the bottleneck of every plan.
+
+    Returns:
+        The candidates that may still improve on ``ub``.
+    """
+    m, n_dev = setting.microbatches, len(cluster.devices)
+    work = np.min(np.stack([np.asarray(chain.fwd[k]) + np.asarray(chain.bwd[k]) for k in tab.kinds]), 0)
+    rest = work[-1] - (work[tab.b] - work[tab.a])
+    left = rest > 1e-12 * max(float(work[-1]), 1e-300)  # work outside c (rounding aside)
+    free = n_dev - tab.d
+    share = np.where(left, rest / (m * np.maximum(free, 1)), 0.0)
+    bound = (m - 1) * np.maximum(np.maximum(t_min, tab.t), share) + tab.t + tab.comm + tab.tail + share
+    bound = np.where(left & (free <= 0), np.inf, bound)  # work left but no device left for it
+    return tab.select(bound <= ub * (1 + 1e-9))
 
 
 def solve_ilp(chain: Chain, cluster: Cluster, setting: Setting, *, time_limit_s: float = 30.0,
-              warm: list[Candidate] | None = None, progress: Callable[[str], None] | None = None) -> IlpResult:
+              warm: list[Candidate] | None = None, progress: Callable[[str], None] | None = None,
+              cuts: bool = True) -> IlpResult:
     """Solve the placement MILP (see the module docstring).
 
     Args:
         chain: the chain.
         cluster: the cluster.
         setting: microbatches, schedule, batch size, dtype.
-        time_limit_s: HiGHS time limit.
+        time_limit_s: time limit: the DP bounds take up to two thirds of it, HiGHS the rest.
         warm: a known plan (by default the DP's), used as the start and to prune candidates.
         progress: called with a line of text at each phase.
+        cuts: bound with the DPs, prune and cut with the bounds (off only to cross-check or to
+            measure what they buy: then HiGHS alone, from the warm start).
 
     Returns:
         The result; ``picked`` is None only when no plan fits.
@@ -188,41 +245,43 @@ def solve_ilp(chain: Chain, cluster: Cluster, setting: Setting, *, time_limit_s:
     t0 = time.perf_counter()
     m = setting.microbatches
     if warm is None:
-        warm = solve_chain(chain, cluster, setting, enumerate_candidates(chain, cluster, setting))
-    ub = objective(warm, m) if warm else float("inf")
-    cands = enumerate_candidates(chain, cluster, setting, max_time=ub * (1 + 1e-9))
-    index = {_key(c): i for i, c in enumerate(cands)}
-    if warm:
-        for c in warm:  # the warm start always stays representable
-            if _key(c) not in index:
-                index[_key(c)] = len(cands)
-                cands.append(c)
-    if not cands:
+        warm = solve_chain(chain, cluster, setting, build_table(chain, cluster, setting))
+    if not warm:
         return IlpResult(None, SolverStatus.INFEASIBLE, 0.0, time.perf_counter() - t0, 0)
-    say(f"ilp: {len(cands)} candidate stages over {chain.n} positions, M={m}")
+    tab = build_table(chain, cluster, setting, max_time=objective(warm, m) * (1 + 1e-9))
+    full = len(tab)
+    t_min, s_min, lower = 0.0, 0.0, 0.0
+    if cuts:
+        b = objective_bounds(chain, cluster, setting, tab, start=warm, time_budget_s=2 * time_limit_s / 3)
+        t_min, s_min, lower = b.t_min, b.s_min, b.lower
+        warm = b.plan or warm
+        say(f"ilp: DP bounds after {b.evaluations} runs: {lower:.6g} <= objective <= {b.upper:.6g} ms")
+        if b.upper - lower <= 1e-6 * b.upper:  # the DP's plan is proven optimal: no MILP needed
+            say("ilp: optimal by the DP bounds")
+            return IlpResult(warm, SolverStatus.OPTIMAL, 0.0, time.perf_counter() - t0, 0)
+        tab = prune(chain, cluster, setting, tab, b.upper, t_min)
+    ub = objective(warm, m)
+    missing = [c for c in warm if _find(tab, c) is None]
+    if missing:  # the warm start always stays representable
+        extra = CandidateTable.of(missing, tab.kinds)
+        tab = CandidateTable.concat(tab.kinds, [{f: getattr(t, f) for f in _COLUMNS} for t in (tab, extra)])
+    say(f"ilp: {len(tab)} candidate stages ({full} before pruning) over {chain.n} positions, M={m}")
     prob = pulp.LpProblem("placement", pulp.LpMinimize)
-    x = {i: prob.add_variable(f"x_{i}", 0, 1, cat=pulp.LpBinary) for i in range(len(cands))}
-    t_var, r_var = prob.add_variable("T", lowBound=0), prob.add_variable("R", lowBound=0)
-    prob += (m - 1) * t_var + pulp.LpAffineExpression([(x[i], c.t + c.comm) for i, c in enumerate(cands)]) + r_var
-    _add_tiling(prob, x, cands, chain.n)
-    _add_devices(prob, x, cands, kind_counts(cluster))
-    _add_bottleneck(prob, x, cands, chain.n, t_var, r_var)
-    _add_memory_order(prob, x, cands, chain.n, len(cluster.devices), classes(setting, len(cluster.devices)))
-    start: dict[str, float] = {}
-    if warm:
-        start = {f"x_{index[_key(c)]}": 1.0 for c in warm}
-        start["T"], start["R"] = max(c.t for c in warm), max(c.tail for c in warm)
-        after = 0
-        for c in reversed(warm):
-            after += 1
-            start[f"after_{c.a}"] = after
-        # positions between stage starts carry the count of the next start
-        carry = 0.0
-        for p in range(chain.n, -1, -1):
-            carry = start.get(f"after_{p}", carry)
-            start[f"after_{p}"] = carry
-    say(f"ilp: solving with HiGHS (time limit {time_limit_s:g} s)")
-    solver = _WarmHiGHS(start, msg=False, timeLimit=time_limit_s, gapRel=1e-6)
+    x = [prob.add_variable(f"x_{i}", 0, 1, cat=pulp.LpBinary) for i in range(len(tab))]
+    t_var, r_var = prob.add_variable("T", lowBound=t_min), prob.add_variable("R", lowBound=0)
+    every = np.arange(len(tab))
+    prob += (m - 1) * t_var + _expr(x, every, tab.t + tab.comm) + r_var
+    _add_tiling(prob, x, tab, chain.n)
+    _add_devices(prob, x, tab, kind_counts(cluster))
+    _add_bottleneck(prob, x, tab, chain.n, t_var, r_var)
+    _add_memory_order(prob, x, tab, chain.n, len(cluster.devices), classes(setting, len(cluster.devices)))
+    if cuts:  # valid for every plan (bounds.py); they tighten the LP relaxation
+        prob += _expr(x, every, tab.t + tab.comm) >= s_min * (1 - 1e-9), "sum_bound"
+        prob += (m - 1) * t_var + _expr(x, every, tab.t + tab.comm) + r_var >= lower * (1 - 1e-9), "objective_bound"
+    start = _start(tab, warm, chain.n)
+    left = max(1.0, time_limit_s - (time.perf_counter() - t0))
+    say(f"ilp: solving with HiGHS (time limit {left:.3g} s)")
+    solver = _WarmHiGHS(start, msg=False, timeLimit=left, gapRel=1e-6)
     prob.solve(solver)
     sol = prob.sol_status
     gap = 0.0
@@ -230,15 +289,30 @@ def solve_ilp(chain: Chain, cluster: Cluster, setting: Setting, *, time_limit_s:
         status = SolverStatus.OPTIMAL
     elif sol == pulp.LpSolutionIntegerFeasible:
         status = SolverStatus.FEASIBLE
-        gap = float(prob.solverModel.getInfo().mip_gap)
-    elif sol == pulp.LpSolutionInfeasible and not warm:
-        return IlpResult(None, SolverStatus.INFEASIBLE, 0.0, time.perf_counter() - t0, len(cands))
+        # HiGHS's own gap is inf when the time limit hit before its root bound; the DP's bound still holds.
+        incumbent = float(pulp.value(prob.objective))
+        bound = max(float(prob.solverModel.getInfo().mip_dual_bound), lower)
+        gap = max(0.0, (incumbent - bound) / incumbent) if incumbent > 0 else 0.0
     else:  # no incumbent within the time limit: fall back to the warm start, gap against HiGHS's bound
-        bound = float(prob.solverModel.getInfo().mip_dual_bound)
-        gap = max(0.0, (ub - bound) / ub) if warm and ub > 0 and bound > -1e30 else 1.0
-        say(f"ilp: no solution from HiGHS within {time_limit_s:g} s; keeping the warm start")
-        return IlpResult(warm, SolverStatus.FEASIBLE, gap, time.perf_counter() - t0, len(cands))
-    chosen = [cands[i] for i in x if (x[i].varValue or 0.0) > 0.5]
-    chosen.sort(key=lambda c: c.a)
+        bound = max(float(prob.solverModel.getInfo().mip_dual_bound), lower)
+        gap = max(0.0, (ub - bound) / ub) if ub > 0 and bound > -1e30 else 1.0
+        say(f"ilp: no solution from HiGHS within {left:.3g} s; keeping the warm start")
+        return IlpResult(warm, SolverStatus.FEASIBLE, gap, time.perf_counter() - t0, len(tab))
+    chosen = sorted((tab.candidate(i) for i in range(len(tab)) if (x[i].varValue or 0.0) > 0.5), key=lambda c: c.a)
     say(f"ilp: {status.value}, objective {pulp.value(prob.objective):.4g} ms, gap {gap:.2%}")
-    return IlpResult(chosen, status, gap, time.perf_counter() - t0, len(cands))
+    return IlpResult(chosen, status, gap, time.perf_counter() - t0, len(tab))
+
+
+def _start(tab: CandidateTable, warm: list[Candidate], n: int) -> dict[str, float]:
+    """The warm start as variable values: its candidates, bottleneck, tail and stage counts."""
+    start: dict[str, float] = {f"x_{_find(tab, c)}": 1.0 for c in warm}
+    start["T"], start["R"] = max(c.t for c in warm), max(c.tail for c in warm)
+    after = 0
+    for c in reversed(warm):
+        after += 1
+        start[f"after_{c.a}"] = after
+    carry = 0.0
+    for p in range(n, -1, -1):  # positions between stage starts carry the count of the next start
+        carry = start.get(f"after_{p}", carry)
+        start[f"after_{p}"] = carry
+    return start

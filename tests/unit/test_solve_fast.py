@@ -60,7 +60,8 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
         cap, is_cpu, host = first.memory_bytes, kind.lower() == "cpu", host_link_spec(first)
         for d in degrees(count, max(1, setting.batch_size // m)):
             glink = group_link(cluster, kind, d)
-            cfgs = [c for c in CONFIGS if (d > 1 or c.zero == ZeroStage.NONE) and not (is_cpu and (c.offload or c.swap))]
+            cfgs = [c for c in CONFIGS if (d > 1 or c.zero == ZeroStage.NONE)
+                    and not (is_cpu and (c.offload or c.swap))]
             for a in (a for a in range(n) if chain.cuttable[a]):
                 comm = 2 * _ms(cost_models.p2p_ms, chain.cut[a] / (m * d), boundary_link(cluster, kind)) if a else 0.0
                 for b in (b for b in range(a + 1, n + 1) if chain.cuttable[b]):
@@ -106,7 +107,7 @@ def cases(draw):
     hosts = draw(st.integers(1, 2))
     m = draw(st.sampled_from([1, 2, 4, 8, 16]))
     schedule = draw(st.sampled_from(list(Schedule)))
-    out_mib = draw(st.sampled_from([0, 1, 64]))
+    out_mib = draw(st.sampled_from([0, 1, 64, 2048]))
     slow_link = draw(st.booleans())
     return n, inputs, kinds, costs, params, acts, gib, hosts, m, schedule, out_mib, slow_link
 
@@ -190,3 +191,51 @@ def test_vectorised_dp_matches_reference(case) -> None:
     assert max(c.t for c in got) == pytest.approx(want[0], rel=1e-12)
     assert sum(c.t + c.comm + c.tail for c in got) == pytest.approx(want[1], rel=1e-9)
     assert objective(got, setting.microbatches) < math.inf
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_dp_bounds_and_plain_milp_agree(case) -> None:
+    """Two independent proofs of the ILP's optimum: the DP bounds (bounds.py) and HiGHS without any cut."""
+    from hpml_compile.plan import SolverStatus
+    from hpml_compile.solve.bounds import objective_bounds
+    from hpml_compile.solve.ilp import solve_ilp
+    from hpml_compile.solve.table import build_table
+
+    chain, cluster, setting = _setup(case)
+    tab = build_table(chain, cluster, setting)
+    b = objective_bounds(chain, cluster, setting, tab)
+    plain = solve_ilp(chain, cluster, setting, time_limit_s=20, cuts=False)
+    if b.plan is None:
+        assert plain.picked is None
+        return
+    m = setting.microbatches
+    assert b.lower <= b.upper * (1 + 1e-9) and b.upper == pytest.approx(objective(b.plan, m))
+    assert plain.status is SolverStatus.OPTIMAL
+    best = objective(plain.picked, m)
+    assert b.lower <= best * (1 + 1e-6)  # a valid lower bound
+    if b.complete:
+        assert b.upper == pytest.approx(best, rel=1e-6)  # and, when complete, the optimum
+    dp = solve_chain(chain, cluster, setting, tab)
+    assert b.upper <= objective(dp, m) * (1 + 1e-9)
+
+
+def test_plan_from_cuts_scores_a_split_like_the_baselines() -> None:
+    from hpml_compile.cluster import load_cluster
+    from hpml_compile.solve import plan_from_cuts, solve
+    from hpml_compile.solve.baselines import balanced_cuts
+
+    prof = dag_profile([{"A100-80GB": (1.0, 2.0), "V100-32GB": (2.0, 4.0)}] * 8,
+                       [[i - 1] if i else [] for i in range(8)], param_bytes=MiB, batch_size=32)
+    g = build(prof)
+    cluster = load_cluster("hetero-4")
+    chain = Chain.of(g)
+    cuts = balanced_cuts(chain, 4, [sum(g.graph.nodes[v]["cost"]["A100-80GB"]) for v in g.order])
+    mine = plan_from_cuts(g, cluster, cuts, name="torchgpipe")
+    base = solve(g, cluster, solver="time")
+    assert mine.predicted.step_ms == pytest.approx(base.predicted.step_ms)
+    assert mine.solver.name == "torchgpipe" and [len(s.nodes) for s in mine.stages] == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="increase"):
+        plan_from_cuts(g, cluster, [0, 5, 3, 8])
+    with pytest.raises(ValueError, match="devices"):
+        plan_from_cuts(g, cluster, [0, 1, 2, 3, 4, 8])

@@ -122,3 +122,21 @@ def test_blocks_spanning_stages_are_split() -> None:
     assert [g.graph.nodes[v]["members"] for v in g.order] == [("n0",), ("n1",), ("n2", "n3")]
     assert g.order[:2] == ("blk.0", "blk.0#2")
     assert simulate(plan, g).step_ms > 0
+
+
+def test_large_clusters_draw_one_row_per_stage() -> None:
+    from hpml_compile.viz import chart_rows, memory_figure, timeline_figure
+
+    prof = chain_profile([{"A100-80GB": (1.0, 2.0)}] * 4, param_bytes=MiB, batch_size=64)
+    cluster = Cluster(devices=tuple(Device(f"gpu{i}", "A100-80GB", 80, host=f"node{i // 8}") for i in range(20)))
+    names = [f"gpu{i}" for i in range(20)]
+    plan = Plan("toy", cluster, Schedule.ONE_F_ONE_B, 4, (Stage(0, tuple(names[:8]), ("n0", "n1")),
+                                                        Stage(1, tuple(names[8:16]), ("n2", "n3"))))
+    rows = chart_rows(plan)
+    assert [r[0] for r in rows] == ["gpu0 .. gpu7 (8)\nA100-80GB, stage 0", "gpu8 .. gpu15 (8)\nA100-80GB, stage 1",
+                                    "gpu16 .. gpu19 (4)\nA100-80GB, unused"]
+    assert len(chart_rows(plan, per_device=True)) == 20
+    g = plan_costgraph(plan, prof)
+    r = simulate(plan, g)
+    assert len(timeline_figure(plan, r).axes[0].get_yticks()) == 3
+    assert sum(ax.get_visible() for ax in memory_figure(plan, r).axes if ax.get_title()) == 3
