@@ -64,6 +64,10 @@ class OpKind(str, enum.Enum):
     ATTENTION = "attention"
     NORM = "norm"
     ELEMENTWISE = "elementwise"
+    # Transcendental elementwise (GELU, SiLU, tanh, exp): FLOP counters give
+    # them 0 FLOPs, yet on a CPU they cost ~10x an add per byte; their own
+    # multiplier keeps them from skewing the plain elementwise one.
+    ACTIVATION = "activation"
     SOFTMAX = "softmax"
     EMBEDDING = "embedding"
     REDUCTION = "reduction"

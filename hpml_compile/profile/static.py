@@ -68,8 +68,9 @@ _KIND_TABLE: tuple[tuple[OpKind, tuple[str, ...]], ...] = (
     (OpKind.VIEW, ("view", "reshape", "permute", "transpose", "getitem", "getattr", "size", "expand",
                    "unsqueeze", "squeeze", "flatten", "unflatten", "split", "chunk", "narrow", "select",
                    "slice", "alias", "detach", "unbind", "_unsafe_view", "t", "dim", "identity")),
-    (OpKind.ELEMENTWISE, ("relu", "gelu", "silu", "tanh", "sigmoid", "dropout", "softplus", "elu", "mish",
-                          "hardswish", "leakyrelu", "add", "mul", "sub", "div", "neg", "pow", "exp", "rsqrt",
+    (OpKind.ACTIVATION, ("gelu", "silu", "tanh", "sigmoid", "softplus", "elu", "mish", "hardswish", "exp",
+                         "erf", "swish")),
+    (OpKind.ELEMENTWISE, ("relu", "dropout", "leakyrelu", "add", "mul", "sub", "div", "neg", "pow", "rsqrt",
                           "where", "cat", "stack", "contiguous", "clone", "masked_fill")),
 )
 
@@ -100,6 +101,9 @@ def op_kind(node: fx.Node, module: torch.nn.Module | None = None) -> OpKind:
     if node.op in ("placeholder", "output", "get_attr"):
         return OpKind.VIEW
     name = _target_name(node, module)
+    if "dropout" in name and (getattr(module, "p", None) == 0 or node.kwargs.get("p") == 0
+                              or (module is not None and not module.training)):
+        return OpKind.VIEW  # dropout(p=0) or in eval returns its input: no work
     for kind, fragments in _KIND_TABLE:
         for frag in fragments:
             if frag == name or (len(frag) > 3 and frag in name):
@@ -243,12 +247,17 @@ def analyze(gm: fx.GraphModule) -> dict[str, NodeFacts]:
             except Exception as exc:  # an op without a meta kernel: keep going, say which
                 failed.append(f"{node.name} ({type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''})")
         own_params = sum(p.numel() * p.element_size() for _, p in used) if node.op == "call_module" else 0
+        kind = op_kind(node, module)
+        mem = in_bytes + own_params + node_info(node).output_bytes if node.op != "get_attr" else 0
+        if kind is OpKind.EMBEDDING:  # a lookup reads the rows it returns, not the whole table
+            mem = sum(tensor_bytes(n.meta.get("val")) for n in node.all_input_nodes if n.op != "get_attr") \
+                + 2 * node_info(node).output_bytes
         facts[node.name] = NodeFacts(
-            op_kind=op_kind(node, module).value,
+            op_kind=kind.value,
             flops=fwd,
             bwd_flops=bwd,
             activation_bytes=act,
-            mem_bytes=in_bytes + own_params + node_info(node).output_bytes if node.op != "get_attr" else 0,
+            mem_bytes=mem,
             param_bytes=param_bytes,
             params=tuple(name for name, _ in used),
         )
