@@ -30,6 +30,7 @@ from .errors import (
 )
 from .ir import Cluster, Device, FrontEnd, Link, NodeCost, Profile, ProfileNode
 from .profile import load_profile, predict_kinds, profile, save_profile
+from .runtime import compile
 from .trace import trace
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "build_costgraph",
     "generate",
     "load_build",
+    "compile",
     "Build",
     "CostGraph",
     "discover",

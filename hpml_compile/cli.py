@@ -132,32 +132,20 @@ def _run_models(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="profile the built-in GPT on this machine and predict it on GPUs",
+    p = sub.add_parser("demo", help="compile the built-in GPT for 2 CPU ranks, train it, compare with the plan",
                        description="Runs the tool end to end on a built-in model, with nothing to download: "
-                                   "traces gpt-mini, measures every node on the CPU, predicts A100 and H100 "
-                                   "costs, writes profile.json and prints the summary and the block view.")
+                                   "compiles gpt-mini onto local-cpu-2, prints the plan and writes its pictures, "
+                                   "trains a few dozen steps on 2 torchrun ranks, and prints measured against "
+                                   "predicted.")
     p.add_argument("-o", "--output", type=Path, default=Path("out/demo"), help="output folder (out/demo)")
     p.add_argument("--model", default="gpt-mini", help="zoo model to use (gpt-mini)")
     p.set_defaults(run=_run_demo)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from . import models
-    from .costgraph import build
-    from .profile import profile, save_profile
-    from .report import blocks_summary, profile_summary
+    from .demo import run_demo
 
-    loaded = models.load(args.model)
-    print(f"[1/2] profiling {loaded.name} (batch {loaded.batch_size}, seq {loaded.seq_len}) on the CPU; "
-          "predicting A100-80GB and H100-80GB")
-    prof = profile(loaded.module, loaded.example_inputs, name=loaded.name,
-                   device_kinds=("cpu", "A100-80GB", "H100-80GB"), repeats=3, warmup=1)
-    path = save_profile(prof, args.output / "profile.json")
-    print(profile_summary(prof))
-    print("[2/2] the cost graph, coarsened into blocks (what the solver places):")
-    print(blocks_summary(build(prof).coarsen()))
-    print(f"wrote {path}")
-    return 0
+    return run_demo(args)
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -172,8 +160,20 @@ def _add_compile(sub: argparse._SubParsersAction) -> None:
     add_parsers(sub)
 
 
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    from .run_cli import add_parsers
+
+    add_parsers(sub)
+
+
+def _add_show(sub: argparse._SubParsersAction) -> None:
+    from .show_cli import add_parsers
+
+    add_parsers(sub)
+
+
 _ADDERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_demo, _add_compile, _add_profile, _add_plan, _add_devices, _add_models,
+    _add_demo, _add_compile, _add_run, _add_profile, _add_plan, _add_show, _add_devices, _add_models,
 )
 
 

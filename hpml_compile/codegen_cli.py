@@ -21,15 +21,11 @@ from typing import Any
 
 import torch
 
-from .cluster import check_kinds, load_cluster
-from .codegen import generate
-from .costgraph import build as build_costgraph
-from .errors import BuildMismatchError, HpmlError
+from .cluster import load_cluster
+from .errors import HpmlError
 from .ir import FrontEnd
-from .plan import Schedule, validate_plan
-from .profile import profile
-from .solve import SolverName, solve
-from .trace import trace
+from .plan import Schedule
+from .solve import SolverName
 
 __all__ = ["add_parsers", "run_compile"]
 
@@ -67,10 +63,6 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _first_rows(inputs: tuple[Any, ...], rows: int) -> tuple[Any, ...]:
-    return tuple(x[:rows] if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs)
-
-
 def run_compile(args: argparse.Namespace) -> int:
     """Handle ``hpml-compile compile``.
 
@@ -84,39 +76,29 @@ def run_compile(args: argparse.Namespace) -> int:
         HpmlError: for a bad model, cluster or option, a model that fits nowhere, or a plan codegen cannot carry out.
     """
     from . import models  # the zoo is only needed here
+    from .runtime.api import compile_build, local_threads
+    from .runtime.recipe import ModelRecipe, absolute_model_spec, write_recipe
 
     if args.microbatches is not None and args.microbatches < 1:
         raise HpmlError(f"compile: --microbatches must be >= 1, got {args.microbatches}")
     cluster = load_cluster(args.cluster)
     loaded = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
-    kinds = ["cpu", *sorted({d.kind for d in cluster.devices} - {"cpu"})]
-    _say(f"[1/4] tracing {loaded.name} (batch {loaded.batch_size})")
-    gm = trace(loaded.module, loaded.example_inputs, leaf_modules=args.leaf, front_end=args.front_end)
-    _say(f"[2/4] profiling {len(gm.graph.nodes)} nodes on the CPU; predicting {', '.join(kinds[1:]) or 'nothing else'}")
-    prof = profile(gm, loaded.example_inputs, name=loaded.name, device_kinds=kinds, batch_size=loaded.batch_size,
-                   seq_len=loaded.seq_len, repeats=args.repeats, warmup=args.warmup, progress=False)
-    check_kinds(cluster, prof.device_kinds)
-    _say(f"[3/4] planning on {cluster.name} ({len(cluster.devices)} devices) with {args.solver}")
-    plan = solve(build_costgraph(prof).coarsen(), cluster, solver=args.solver, microbatches=args.microbatches,
-                 schedule=Schedule(args.schedule), time_limit_s=args.time_limit, dtype=prof.dtype, progress=_say)
-    validate_plan(plan, prof)
-    graph = gm
-    replicas = {len(st.devices) for st in plan.stages}
-    if gm.meta.get("hpml_front_end") is FrontEnd.EXPORT and (plan.microbatches > 1 or replicas != {1}):
-        # torch.export fixes every shape: trace again at the size a stage replica runs (one slice of a microbatch).
-        if len(replicas) > 1:
-            raise HpmlError(f"{loaded.name} traces with torch.export, whose shapes are fixed, but the plan gives "
-                            f"its stages different replica counts {sorted(replicas)}; use a cluster or solver "
-                            "that gives every stage the same number of devices")
-        rows = loaded.batch_size // (plan.microbatches * replicas.pop())
-        graph = trace(loaded.module, _first_rows(loaded.example_inputs, rows), front_end=FrontEnd.EXPORT)
-        if [n.name for n in graph.graph.nodes] != [n.name for n in gm.graph.nodes]:
-            raise BuildMismatchError(
-                f"{loaded.name}: torch.export gives a different graph at batch {rows} (one microbatch of one "
-                f"replica) than at batch {loaded.batch_size}: it specialises sizes 0 and 1. Use a --batch-size "
-                "giving at least 2 rows per microbatch and replica, or --microbatches 1")
-    _say(f"[4/4] generating {len(plan.stages)} stage(s) into {args.output}")
-    build = generate(graph, plan, args.output, profile=prof)
+    # Ranks of a local CPU cluster share this host's cores: profile at the thread count each rank will have.
+    threads = local_threads(cluster)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        build, _ = compile_build(loaded.module, loaded.example_inputs, args.output, cluster=cluster, name=loaded.name,
+                                 solver=args.solver, microbatches=args.microbatches, schedule=args.schedule,
+                                 time_limit_s=args.time_limit, batch_size=loaded.batch_size, seq_len=loaded.seq_len,
+                                 repeats=args.repeats, warmup=args.warmup, leaf_modules=args.leaf,
+                                 front_end=args.front_end, say=_say)
+    finally:
+        torch.set_num_threads(before)
+    # How `hpml-compile run` ranks rebuild this model (not hashed: it names the model, it is not code).
+    write_recipe(build.out_dir, ModelRecipe(absolute_model_spec(args.model), loaded.batch_size, loaded.seq_len,
+                                            args.seed, tuple(map(str, args.leaf)), str(args.front_end), threads))
+    plan = build.plan
     pr = plan.predicted
     print(f"{len(plan.stages)} stages, {plan.microbatches} microbatches ({plan.schedule.value}), predicted step "
           f"{pr.step_ms:.4g} ms (bottleneck stage {pr.bottleneck_stage}, bubble {pr.bubble:.1%}); wrote "

@@ -136,6 +136,11 @@ class LocalComm(Comm):
                                "stages ran out of order")
         return self._box.pop((frm, to, key))
 
+    def forget(self) -> None:
+        """Drop undelivered messages and owed gradients (after an evaluation pass)."""
+        self._box.clear()
+        self._owed.clear()
+
     def all_reduce(self, stages: tuple[int, ...], flat: Tensor) -> None:
         pass  # one process holds every replica and every use of a tied parameter
 
@@ -291,7 +296,7 @@ def _run(build: Build, stages: dict[int, StageModule], comm: Comm, inputs: Seque
                 if root:
                     torch.autograd.backward(root)
                 comm.settle(k, r, j)
-    for k, stage in sorted(stages.items()):
+    for _, stage in sorted(stages.items()):
         stage.sync_grads()
         result.swap_bytes += stage.hpml_swap.bytes_out
     comm.flush()

@@ -1,0 +1,342 @@
+"""The runtime's communicator: a backend per pair of devices, host staging, timings, transient-error detection.
+
+What the generated stages ask for (``ops.send``/``ops.recv``, gradient
+collectives) goes through :class:`PipeComm`, a :class:`~hpml_compile.codegen.comm.Comm`
+over torch.distributed:
+
+- **Backend per pair** (:func:`pair_backend`): NCCL between two GPUs (a
+  two-rank NCCL group per adjacent GPU pair), gloo wherever a CPU is
+  involved (the default group). A GPU rank talking to a CPU rank stages the
+  tensor through host memory: ``.cpu()`` before a gloo send, ``.to(cuda)``
+  after a gloo receive. A collective's group is NCCL when every member is a
+  GPU, gloo otherwise (GPU tensors staged the same way).
+- **Sends never block** (``isend``, kept alive until :meth:`PipeComm.flush` at
+  the end of the step); receives block. A stage waits only for an earlier
+  stage in forward and a later one in backward, so GPipe and 1F1B cannot
+  deadlock (the simulator checks the same orders).
+- **Timings** (:class:`CommStats`): seconds blocked in each receive, in
+  collectives and in posting sends, and bytes moved; the monitor splits a
+  receive's wait into transfer and idle.
+- **Transient errors** (:func:`is_transient`): a dropped or reset
+  connection, a gloo pair closed by a peer, a network or store time-out.
+  gloo cannot retry an operation in place (a timed-out wait closes the pair:
+  ``RuntimeError: Application timeout caused pair closure``), so the retry is
+  one level up: the pipeline tears the process group down, builds a new one
+  on the same store and re-runs the step (:mod:`.session`).
+
+Example:
+    >>> import torch
+    >>> pair_backend(torch.device("cuda", 0), torch.device("cuda", 1)).value
+    'nccl'
+    >>> pair_backend(torch.device("cuda", 0), torch.device("cpu")).value
+    'gloo'
+    >>> is_transient(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4321"))
+    True
+    >>> is_transient(ValueError("bad shape"))
+    False
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..codegen.comm import Comm, Direction
+from ..plan import Plan
+from .executor import rank_layout, stage_ranks
+
+__all__ = ["Backend", "OpKind", "CommStats", "CommFault", "InjectedFault", "PipeComm", "pair_backend",
+           "rank_devices", "is_transient", "make_groups"]
+
+_MAX_TENSORS = 4096  # tensors per boundary message, for unique point-to-point tags
+# Substrings of the messages gloo/NCCL/the store give for a broken or timed-out link (not for a bug).
+_TRANSIENT_TEXT = ("Connection closed by peer", "Connection reset", "Connection refused", "Broken pipe",
+                   "pair closure", "Timed out", "timed out", "Socket Timeout", "NCCL communicator was aborted",
+                   "remote process exited")
+
+
+class Backend(str, enum.Enum):
+    """A torch.distributed backend."""
+
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class OpKind(str, enum.Enum):
+    """A communication operation, for fault injection and error messages."""
+
+    SEND = "send"
+    RECV = "recv"
+    COLLECTIVE = "collective"
+
+
+class InjectedFault(ConnectionError):
+    """A communication failure injected on purpose (tests, fault drills); always transient."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommFault:
+    """Fail one operation once: the ``index``-th operation of kind ``op`` on ``rank`` in step ``step`` (from 0)."""
+
+    step: int
+    rank: int
+    op: OpKind = OpKind.RECV
+    index: int = 0
+
+
+@dataclass
+class CommStats:
+    """Communication of one rank in one step.
+
+    Attributes:
+        recv_s: ``(direction, seconds blocked)`` of each receive.
+        send_s: seconds spent posting sends (and staging them to the host).
+        collective_s: seconds in gradient collectives (all-reduce, reduce-scatter, all-gather), from the
+            moment the last member arrived.
+        collective_wait_s: seconds waiting at a collective for the other members to arrive (pipeline skew).
+        bytes_sent: bytes handed to sends.
+        bytes_received: bytes received.
+    """
+
+    recv_s: list[tuple[Direction, float]] = field(default_factory=list)
+    send_s: float = 0.0
+    collective_s: float = 0.0
+    collective_wait_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def reset(self) -> None:
+        self.recv_s.clear()
+        self.send_s = self.collective_s = self.collective_wait_s = 0.0
+        self.bytes_sent = self.bytes_received = 0
+
+
+def pair_backend(a: torch.device, b: torch.device) -> Backend:
+    """NCCL between two CUDA devices, gloo wherever a CPU is involved."""
+    return Backend.NCCL if a.type == "cuda" and b.type == "cuda" else Backend.GLOO
+
+
+def rank_devices(plan: Plan, local_gpu_count: int | None = None) -> list[torch.device]:
+    """The torch device of every rank: CPU for a ``cpu`` device, else the next CUDA index on its host.
+
+    A GPU device is ``cuda:i`` where ``i`` counts the GPU devices listed
+    before it on the same host (so ``gpu0, gpu1, cpu0`` gives ``cuda:0,
+    cuda:1, cpu``).
+
+    Args:
+        plan: the plan (its cluster says each device's kind and host).
+        local_gpu_count: CUDA devices on this host, to wrap indices (None: no wrapping).
+    """
+    seen: dict[str, int] = {}
+    index: dict[str, torch.device] = {}
+    for d in plan.cluster.devices:
+        if d.kind.lower() == "cpu":
+            index[d.name] = torch.device("cpu")
+            continue
+        i = seen.get(d.host, 0)
+        seen[d.host] = i + 1
+        index[d.name] = torch.device("cuda", i % local_gpu_count if local_gpu_count else i)
+    return [index[plan.stages[k].devices[r]] for k, r in rank_layout(plan)]
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is a communication failure worth a retry (a broken link, not a bug)."""
+    if isinstance(exc, (InjectedFault, ConnectionError, TimeoutError)):
+        return True
+    net = tuple(t for t in (getattr(dist, "DistNetworkError", None), getattr(dist, "DistStoreError", None))
+                if isinstance(t, type))
+    if net and isinstance(exc, net):
+        return True
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _TRANSIENT_TEXT)
+
+
+def make_groups(plan: Plan, devices: list[torch.device], collectives: list[tuple[int, ...]]
+                ) -> tuple[dict[tuple[int, int], Any], dict[tuple[int, ...], Any]]:
+    """Process groups for NCCL pairs and for each collective's stage set.
+
+    Every rank must call it in the same order (creating a group is collective).
+
+    Args:
+        plan: the plan.
+        devices: :func:`rank_devices` of the plan.
+        collectives: the stage sets of the build's collectives, in manifest order.
+
+    Returns:
+        ``(pairs, groups)``: a 2-rank NCCL group per adjacent GPU pair
+        ``(lower rank, higher rank)``; and per stage set its group (None where one rank holds them all).
+    """
+    ranks = stage_ranks(plan)
+    pairs: dict[tuple[int, int], Any] = {}
+    for k in range(len(ranks) - 1):
+        for a in ranks[k]:
+            for b in ranks[k + 1]:
+                if pair_backend(devices[a], devices[b]) is Backend.NCCL:
+                    pairs[(a, b)] = dist.new_group([a, b], backend=Backend.NCCL.value)
+    groups: dict[tuple[int, ...], Any] = {}
+    for stages in dict.fromkeys(collectives):
+        members = sorted({r for k in stages for r in ranks[k]})
+        if len(members) < 2:
+            groups[stages] = None
+            continue
+        nccl = all(devices[r].type == "cuda" for r in members)
+        groups[stages] = dist.new_group(members, backend=(Backend.NCCL if nccl else Backend.GLOO).value)
+    return pairs, groups
+
+
+class PipeComm(Comm):
+    """One rank's communicator under torch.distributed (see the module docstring).
+
+    Args:
+        plan: the build's plan.
+        rank: this process's global rank.
+        devices: every rank's device (:func:`rank_devices`).
+        pairs: NCCL groups of GPU pairs, from :func:`make_groups`.
+        groups: collective groups, from :func:`make_groups`.
+    """
+
+    def __init__(self, plan: Plan, rank: int, devices: list[torch.device], pairs: dict[tuple[int, int], Any],
+                 groups: dict[tuple[int, ...], Any]) -> None:
+        super().__init__(devices[rank])
+        self.ranks = stage_ranks(plan)
+        self.rank = rank
+        self.stage, self.replica = rank_layout(plan)[rank]
+        self.devices = devices
+        self.pairs = pairs
+        self.groups = groups
+        self.stats = CommStats()
+        self.step_index = 0
+        self.faults: list[CommFault] = []  # injected failures still to happen (shared with the pipeline)
+        self._op_count: dict[OpKind, int] = {}
+        self._pending: list[tuple[Any, Tensor]] = []
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def replicas(self, stage: int) -> int:
+        return len(self.ranks[stage])
+
+    def group_size(self, stages: tuple[int, ...]) -> int:
+        return len({r for k in stages for r in self.ranks[k]})
+
+    def _tag(self, key: tuple[int, ...]) -> int:
+        # key = (src, dst, direction, microbatch, tensor index): unique between two ranks within a step.
+        src, _, direction, microbatch, i = key
+        return ((microbatch * len(self.ranks) + src) * 2 + direction) * _MAX_TENSORS + i
+
+    def _group(self, peer: int) -> Any:
+        return self.pairs.get((min(self.rank, peer), max(self.rank, peer)))
+
+    def _maybe_fail(self, op: OpKind) -> None:
+        n = self._op_count.get(op, 0)
+        self._op_count[op] = n + 1
+        for f in self.faults:
+            if f.rank == self.rank and f.step == self.step_index and f.op is op and f.index == n:
+                self.faults.remove(f)  # once
+                raise InjectedFault(f"injected {op.value} failure on rank {self.rank} in step {self.step_index + 1}")
+
+    def begin_step(self, step: int) -> None:
+        """Reset the per-step counters (called by the pipeline before each step)."""
+        self.step_index = step
+        self.stats.reset()
+        self._op_count.clear()
+
+    def forget(self) -> None:
+        """Drop owed gradients and pending sends (after an evaluation pass or a failed step)."""
+        self._owed.clear()
+        self._pending.clear()
+
+    def _sync_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # timings of async kernels need the end
+
+    # -- point to point ---------------------------------------------------------------------------
+    def _put(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], tensor: Tensor) -> None:
+        self._maybe_fail(OpKind.SEND)
+        t0 = time.perf_counter()
+        peer = self.ranks[to[0]][to[1]]
+        group = self._group(peer)
+        wire = tensor if group is not None or tensor.device.type == "cpu" else tensor.cpu()  # gloo: via host
+        while self._pending and self._pending[0][0].is_completed():
+            self._pending.pop(0)  # delivered: its buffer need not live until the end of the step
+        self._pending.append((dist.isend(wire, peer, group=group, tag=self._tag(key)), wire))
+        self.stats.bytes_sent += wire.numel() * wire.element_size()
+        self.stats.send_s += time.perf_counter() - t0
+
+    def _get(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], shape: tuple[int, ...],
+             dtype: torch.dtype) -> Tensor:
+        self._maybe_fail(OpKind.RECV)
+        peer = self.ranks[frm[0]][frm[1]]
+        group = self._group(peer)
+        t0 = time.perf_counter()
+        buf = torch.empty(shape, dtype=dtype, device=self.device if group is not None else "cpu")
+        work = dist.irecv(buf, peer, group=group, tag=self._tag(key))
+        assert work is not None  # None only for a rank outside the group, which this never is
+        work.wait()
+        if group is not None:
+            self._sync_device()
+        out = buf if buf.device == self.device else buf.to(self.device)
+        self.stats.recv_s.append((Direction.FORWARD if key[2] == 0 else Direction.BACKWARD,
+                                  time.perf_counter() - t0))
+        self.stats.bytes_received += buf.numel() * buf.element_size()
+        return out
+
+    def flush(self) -> None:
+        t0 = time.perf_counter()
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+        self.stats.send_s += time.perf_counter() - t0
+
+    # -- collectives ------------------------------------------------------------------------------
+    def _collective(self, stages: tuple[int, ...], flat: Tensor, fn: Callable[[Tensor, Any], Tensor]) -> Tensor:
+        self._maybe_fail(OpKind.COLLECTIVE)
+        group = self.groups.get(stages)
+        t0 = time.perf_counter()
+        nccl = group is not None and all(self.devices[r].type == "cuda"
+                                         for k in stages for r in self.ranks[k])
+        wire = flat if nccl or flat.device.type == "cpu" else flat.cpu()
+        # A one-element all-reduce first: the members leave their pipelines at different times, and the
+        # monitor must not count waiting for the slowest as communication (it is pipeline skew).
+        dist.all_reduce(torch.zeros(1, device=wire.device), group=group)
+        if nccl:
+            self._sync_device()
+        t1 = time.perf_counter()
+        out = fn(wire, group)
+        if nccl:
+            self._sync_device()
+        self.stats.collective_wait_s += t1 - t0
+        self.stats.collective_s += time.perf_counter() - t1
+        return out if out.device == flat.device else out.to(flat.device)
+
+    def all_reduce(self, stages: tuple[int, ...], flat: Tensor) -> None:
+        if self.groups.get(stages) is None:
+            return
+
+        def run(t: Tensor, g: Any) -> Tensor:
+            dist.all_reduce(t, group=g)
+            return t
+
+        out = self._collective(stages, flat, run)
+        if out is not flat:
+            flat.copy_(out)
+
+    def reduce_scatter(self, stage: int, flat: Tensor) -> Tensor:
+        def run(t: Tensor, g: Any) -> Tensor:
+            parts = list(t.chunk(len(self.ranks[stage])))
+            out = torch.empty_like(parts[0])
+            dist.reduce_scatter(out, parts, group=g)
+            return out
+
+        return self._collective((stage,), flat, run)
+
+    def all_gather(self, stage: int, shard: Tensor) -> Tensor:
+        def run(t: Tensor, g: Any) -> Tensor:
+            parts = [torch.empty_like(t) for _ in self.ranks[stage]]
+            dist.all_gather(parts, t, group=g)
+            return torch.cat(parts)
+
+        return self._collective((stage,), shard, run)

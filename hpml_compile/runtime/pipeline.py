@@ -1,0 +1,470 @@
+"""Run a build: this rank's stage on a GPipe or 1F1B schedule, measured, with retried communication.
+
+Why our own schedule and not torch.distributed.pipelining's: codegen already
+made every transfer an explicit node of the stage graphs (``ops.recv`` /
+``ops.send`` autograd functions that move activations forward and their
+gradients back), so a stage is an ordinary module whose forward receives and
+sends by itself. ``PipelineStage`` wants to own that communication around a
+plain module (and passes only tensors between stages, with
+``batch_isend_irecv``, which has known trouble on gloo); wrapping our stages
+in it would send everything twice. What remains for the runtime is small:
+call ``forward`` and ``backward`` of each microbatch in the schedule's order
+(:func:`hpml_compile.simulate.op_order`, the very order the simulator
+predicts), which is all this module does. GPipe (Huang et al., 2019): all
+forwards, then all backwards. 1F1B (PipeDream-flush, Narayanan et al., 2021):
+stage ``i`` runs ``S - i - 1`` warm-up forwards, then alternates, so at most
+``S - i`` microbatches hold activations.
+
+Microbatching and gradient accumulation: a batch of ``c`` times the build's
+batch runs as ``c x M`` microbatches of the build's size (gradients
+accumulate over all of them; one optimizer step). Every rank passes the same
+batch; a stage reads only the model inputs its code uses, the last stage the
+targets. The loss of a slice is scaled by ``1 / (microbatches x replicas)``
+so the gradients are the batch mean's, and :meth:`Pipeline.step` returns the
+batch loss on every rank.
+
+Single process: without torchrun (no ``WORLD_SIZE``, no process group) every
+stage runs in this process, chained through a mailbox (for notebooks and tests).
+
+Example:
+    >>> import tempfile, torch
+    >>> from hpml_compile.trace import trace
+    >>> from hpml_compile.codegen import generate
+    >>> from hpml_compile.codegen.testing import split_plan
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    >>> x, y = torch.randn(4, 8), torch.randn(4, 1)
+    >>> d = tempfile.mkdtemp()
+    >>> _ = generate(trace(model, (x,)), split_plan(trace(model, (x,)), "seq", 2, microbatches=2), d)
+    >>> ref = torch.nn.functional.mse_loss(model(x), y).item()
+    >>> pipe = Pipeline.from_build(d, model, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    >>> abs(pipe.step((x,), y, torch.nn.functional.mse_loss).item() - ref) < 1e-6
+    True
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from ..codegen import Build, load_build
+from ..codegen.comm import DetachedComm
+from ..codegen.stage import StageModule
+from ..errors import HpmlError
+from ..simulate import op_order
+from .comm import CommFault, PipeComm, is_transient, make_groups, rank_devices
+from .executor import LocalComm, merge_outputs, split_microbatches, stage_ranks
+from .gather import gather_outputs, gather_state_dict
+from .monitor import Monitor, StepMetrics, peak_memory, reset_peak_memory, split_wait
+from .session import CommFailure, RetryPolicy, Session
+
+__all__ = ["Pipeline", "OptimizerArg"]
+
+OptimizerArg = torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) and t.device != device else t, value)
+
+
+class Pipeline:
+    """A build's stages on this process: ``step``, ``eval_forward``, ``state_dict``.
+
+    Use :meth:`from_build` (or :func:`hpml_compile.compile`), not the constructor.
+
+    Args:
+        build: the loaded build, bound to ``model``.
+        model: the user's model (every rank holds a copy; each trains its stage's part).
+        optimizer: an optimizer over ``model.parameters()``, or a factory called with this rank's parameters.
+        session: the process group (None: every stage in this process).
+        run_dir: where the monitor writes (None: measurements kept in memory only).
+        tensorboard: also write TensorBoard event files.
+        faults: communication failures to inject, each once (tests and drills).
+        log: where progress and retry notices go.
+    """
+
+    def __init__(self, build: Build, model: nn.Module, *, optimizer: OptimizerArg = None,
+                 session: Session | None = None, run_dir: str | Path | None = None, tensorboard: bool = True,
+                 faults: Sequence[CommFault] = (), log: Callable[[str], None] | None = None) -> None:
+        self.build, self.model, self.session = build, model, session
+        self.plan = build.plan
+        self._log = log or (lambda line: None)
+        self._faults = list(faults)
+        self.steps_done = 0
+        self._ranks = stage_ranks(self.plan)
+        self._reps = [len(st.devices) for st in self.plan.stages]
+        self._mb_rows = build.manifest.inputs[0].shape[0] if build.manifest.inputs else None
+        if session is None:
+            self.rank, self.world_size = 0, 1
+            self.device = torch.device("cpu")
+            self._local = LocalComm(self.plan)
+            self.comm: PipeComm | None = None
+            self.stages = dict(enumerate(build.stages))
+            for st in self.stages.values():
+                st.hpml_comm = self._local
+            self.stage_index, self.replica = 0, 0
+        else:
+            self.rank, self.world_size = session.rank, session.world_size
+            want = sum(self._reps)
+            if self.world_size != want:
+                raise HpmlError(f"the build's plan runs on {want} devices (one rank each: "
+                                f"{', '.join(d for st in self.plan.stages for d in st.devices)}), but the world has "
+                                f"{self.world_size} ranks: start {want} processes (hpml-compile run --nproc {want}) "
+                                "or recompile the model for this many devices")
+            self._devices = rank_devices(self.plan, torch.cuda.device_count() if torch.cuda.is_available() else None)
+            self.device = self._devices[self.rank]
+            self._check_device()
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # NCCL binds its communicators to the current device
+            self.comm = self._connect()
+            self.stage_index, self.replica = self.comm.stage, self.comm.replica
+            self.stages = {self.stage_index: build.stages[self.stage_index]}
+            self.stages[self.stage_index].to(self.device)
+        self.optimizer = self._make_optimizer(optimizer)
+        self.monitor = Monitor(run_dir, self.rank, tensorboard=tensorboard) if run_dir is not None else Monitor(
+            None, self.rank)
+
+    # -- construction -----------------------------------------------------------------------------
+    @classmethod
+    def from_build(cls, build_dir: str | Path, model: nn.Module, *, init_method: str | None = None,
+                   retry: RetryPolicy = RetryPolicy(), **kwargs: Any) -> "Pipeline":
+        """Load a build folder for ``model`` and join the job (or run every stage here without one).
+
+        Args:
+            build_dir: the folder ``hpml-compile compile`` or :func:`hpml_compile.compile` wrote.
+            model: the model the build was made for (built the same way on every rank).
+            init_method: ``env://``, torchrun's environment (the default when ``WORLD_SIZE`` is set). A
+                process group the caller initialised already is used as it is (then a failed step is not
+                retried: the group is not ours to re-form). None and neither: every stage in this process.
+            retry: how transient communication errors are retried.
+            kwargs: passed to the constructor (``optimizer``, ``run_dir``, ``faults``, ``log``, ...).
+
+        Raises:
+            BuildMismatchError: the build is not for this model, or was edited.
+            HpmlError: the world size is not the plan's device count, or a GPU the plan needs is missing.
+        """
+        build = load_build(build_dir, model)
+        if init_method is None and (dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+            init_method = "env://"
+        session = Session(init_method, policy=retry, log=kwargs.get("log")) if init_method else None
+        return cls(build, model, session=session, **kwargs)
+
+    def _check_device(self) -> None:
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            k = self.stage_index_of(self.rank)
+            dev = self.plan.stages[k].devices[self.rank - self._ranks[k][0]]
+            raise HpmlError(f"rank {self.rank} runs stage {k} on {dev} "
+                            f"({self.plan.cluster.device(dev).kind}), but this host has no CUDA device: start it "
+                            "on a host with a GPU, or compile for a cluster of this host's devices")
+
+    def stage_index_of(self, rank: int) -> int:
+        """The stage a rank runs."""
+        return next(k for k, rs in enumerate(self._ranks) if rank in rs)
+
+    def _connect(self) -> PipeComm:
+        pairs, groups = make_groups(self.plan, self._devices, self.build.manifest.groups())
+        comm = PipeComm(self.plan, self.rank, self._devices, pairs, groups)
+        comm.faults = self._faults
+        self.build.stages[comm.stage].hpml_comm = comm
+        return comm
+
+    def _make_optimizer(self, optimizer: OptimizerArg) -> torch.optim.Optimizer | None:
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer  # over the whole model: parameters of other stages never get a gradient here
+        return optimizer(self.parameters())
+
+    # -- what this rank holds ---------------------------------------------------------------------
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters this process trains (its stage's), each once."""
+        seen: dict[int, nn.Parameter] = {}
+        for st in self.stages.values():
+            for p in st.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def local_module(self) -> nn.Module:
+        """This process's stage as a module whose parameter names are the original model's (for checkpoints)."""
+        if len(self.stages) == 1:
+            return next(iter(self.stages.values()))
+        return self.model
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this process runs the last stage."""
+        return len(self.plan.stages) - 1 in self.stages
+
+    @property
+    def metrics(self) -> list[StepMetrics]:
+        """Every step's measurements on this process."""
+        return self.monitor.rows
+
+    # -- training ---------------------------------------------------------------------------------
+    def _microbatches(self, inputs: Sequence[Any]) -> int:
+        m = self.plan.microbatches
+        rows = next((x.shape[0] for x in inputs if isinstance(x, Tensor) and x.dim()), None)
+        if rows is None or self._mb_rows is None:
+            return m
+        if rows % self._mb_rows:
+            raise HpmlError(f"a batch of {rows} rows does not split into microbatches of {self._mb_rows} rows (the "
+                            f"build's batch of {self._mb_rows * m} in {m} microbatches): feed a multiple of "
+                            f"{self._mb_rows} rows (a multiple of {self._mb_rows * m} accumulates gradients over "
+                            "several build batches), or recompile for this batch size")
+        return rows // self._mb_rows
+
+    def step(self, inputs: Sequence[Any] | Tensor, targets: Any, loss_fn: Callable[[Any, Any], Tensor]) -> Tensor:
+        """One training step on every rank: forward and backward of every microbatch, gradient sync, optimizer.
+
+        Args:
+            inputs: the model's positional inputs for the whole batch (the same on every rank).
+            targets: the targets for ``loss_fn`` (split into microbatches like the inputs).
+            loss_fn: ``(output, targets) -> loss``, a mean over the rows it is given.
+
+        Returns:
+            The batch loss (a CPU scalar), on every rank.
+
+        Raises:
+            CommFailure: communication kept failing after the retries.
+            HpmlError: a batch that does not split into the build's microbatches.
+        """
+        inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+        n = self._microbatches(inputs)
+        if self.session is None:
+            return self._run_local(inputs, targets, loss_fn, n)
+        policy = self.session.policy
+        snapshot = self._snapshot() if self.session.can_retry else None
+        for attempt in range(policy.attempts):
+            try:
+                return self._run_rank(inputs, targets, loss_fn, n, attempt)
+            except Exception as e:  # noqa: BLE001 -- only transient communication errors are retried
+                if not is_transient(e):
+                    raise
+                if not self.session.can_retry or attempt + 1 == policy.attempts:
+                    raise CommFailure(f"step {self.steps_done + 1}: communication failed on rank {self.rank} "
+                                      f"({str(e).splitlines()[0][:200]}) after {attempt + 1} attempt(s); check the "
+                                      "network between the hosts, or let torchrun restart the job "
+                                      "(hpml-compile run --max-restarts N)") from e
+                reason = str(e).splitlines()[0][:160]
+            # Out of the except block: the exception's frames, which hold the old groups, are gone now.
+            wait = policy.delay(attempt)
+            self._log(f"rank {self.rank}: step {self.steps_done + 1}: {reason}; re-forming the process group and "
+                      f"retrying the step in {wait:g} s (attempt {attempt + 2}/{policy.attempts})")
+            self._restore(snapshot)
+            self._drop_groups()
+            time.sleep(wait)
+            self.session.reopen(self.steps_done)
+            self.comm = self._connect()
+        raise AssertionError("unreachable")
+
+    def _drop_groups(self) -> None:
+        """Let go of every reference to the failed groups, so that destroying them closes their connections.
+
+        A gloo group closes its sockets only when the last reference goes; a
+        peer blocked in a collective on it is released only then.
+        """
+        if self.comm is not None:
+            self.comm.forget()
+            self.comm.groups.clear()
+            self.comm.pairs.clear()
+        self.comm = None
+        self.build.stages[self.stage_index].hpml_comm = DetachedComm()
+        gc.collect()
+
+    def _snapshot(self) -> dict[str, Any]:
+        """What a failed attempt may have changed before the optimizer step: buffers and RNG."""
+        st = self.stages[self.stage_index]
+        return {"buffers": [(b, b.detach().clone()) for b in st.buffers()], "rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
+
+    def _restore(self, snap: dict[str, Any] | None) -> None:
+        for p in self.parameters():
+            p.grad = None
+        if self.comm is not None:
+            self.comm.forget()
+        if snap is None:
+            return
+        with torch.no_grad():
+            for b, old in snap["buffers"]:
+                b.copy_(old)
+        torch.set_rng_state(snap["rng"])
+        if snap["cuda_rng"] is not None:
+            torch.cuda.set_rng_state(snap["cuda_rng"], self.device)
+
+    def _forward(self, stage: StageModule, micro: Sequence[Any]) -> Any:
+        names = [s.name for s in self.build.manifest.inputs]
+        by_name = dict(zip(names, [x for x in micro if isinstance(x, Tensor)]))
+        return stage(*[_to(by_name[n], self.device) for n in stage.INPUTS])
+
+    def _run_rank(self, inputs: tuple[Any, ...], targets: Any, loss_fn: Callable[[Any, Any], Tensor], n: int,
+                  attempt: int) -> Tensor:
+        comm, k, r = self.comm, self.stage_index, self.replica
+        assert comm is not None
+        stage, last, d = self.stages[k], len(self.plan.stages) - 1, self._reps[k]
+        comm.begin_step(self.steps_done)
+        for p in self.parameters():
+            p.grad = None
+        reset_peak_memory(self.device)
+        t_start = time.perf_counter()
+        micro_in = [split_microbatches(x, d)[r] for x in split_microbatches(inputs, n)]
+        micro_tg = [split_microbatches(y, d)[r] for y in split_microbatches(targets, n)] if k == last else []
+        roots: dict[int, list[Tensor]] = {}
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        busy = {True: 0.0, False: 0.0}
+        for fwd, j in op_order(self.plan.schedule, k, len(self.plan.stages), n):
+            comm.microbatch, comm.replica = j, r
+            waited = sum(s for _, s in comm.stats.recv_s)
+            t0 = time.perf_counter()
+            if fwd:
+                out = self._forward(stage, micro_in[j])
+                if k == last:
+                    loss = loss_fn(out, _to(micro_tg[j], self.device)) / (n * d)
+                    loss_sum += loss.detach().double().cpu()
+                    roots[j] = [loss]
+                else:
+                    roots[j] = [out] if isinstance(out, Tensor) and out.requires_grad else []
+            else:
+                root = roots.pop(j)
+                if root:
+                    torch.autograd.backward(root)
+                comm.settle(k, r, j)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            busy[fwd] += time.perf_counter() - t0 - (sum(s for _, s in comm.stats.recv_s) - waited)
+        t_pipe = time.perf_counter()
+        stage.sync_grads()
+        t_synced = time.perf_counter()
+        comm.flush()
+        dist.all_reduce(loss_sum)  # the batch loss on every rank (non-last ranks add zero)
+        t_opt = time.perf_counter()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            stage.after_step()
+        t_end = time.perf_counter()
+        wait_ms, p2p_ms = split_wait(comm.stats)
+        mem, mem_kind = peak_memory(self.device)
+        self.monitor.record(StepMetrics(
+            step=self.steps_done, rank=self.rank, stage=k, replica=r, device=str(self.device), microbatches=n,
+            samples=sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor)),
+            step_ms=(t_end - t_start) * 1e3, pipeline_ms=(t_pipe - t_start) * 1e3, fwd_ms=busy[True] * 1e3,
+            bwd_ms=busy[False] * 1e3, wait_ms=wait_ms, p2p_ms=p2p_ms,
+            # the gradient sync as this rank pays it: packing the gradients, the collectives, unpacking
+            send_ms=comm.stats.send_s * 1e3, allreduce_ms=(t_synced - t_pipe - comm.stats.collective_wait_s) * 1e3,
+            sync_wait_ms=comm.stats.collective_wait_s * 1e3,
+            optimizer_ms=(t_end - t_opt) * 1e3, peak_memory_bytes=mem, memory_kind=mem_kind,
+            bytes_sent=comm.stats.bytes_sent, bytes_received=comm.stats.bytes_received,
+            loss=float(loss_sum), retries=attempt))
+        self.steps_done += 1
+        return loss_sum.float()
+
+    def _run_local(self, inputs: tuple[Any, ...], targets: Any, loss_fn: Callable[[Any, Any], Tensor],
+                   n: int) -> Tensor:
+        """Every stage here, in microbatch order: all forwards, then all backwards (the result of any schedule)."""
+        last = len(self.plan.stages) - 1
+        for p in self.parameters():
+            p.grad = None
+        t_start = time.perf_counter()
+        micro_in, micro_tg = split_microbatches(inputs, n), split_microbatches(targets, n)
+        roots: dict[tuple[int, int, int], list[Tensor]] = {}
+        busy = {k: [0.0, 0.0] for k in self.stages}
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for j in range(n):
+            for k, stage in sorted(self.stages.items()):
+                for r in range(self._reps[k]):
+                    self._local.microbatch, self._local.replica = j, r
+                    t0 = time.perf_counter()
+                    out = self._forward(stage, split_microbatches(micro_in[j], self._reps[k])[r])
+                    if k == last:
+                        tg = split_microbatches(micro_tg[j], self._reps[k])[r]
+                        loss = loss_fn(out, tg) / (n * self._reps[k])
+                        loss_sum += loss.detach().double()
+                        roots[(k, r, j)] = [loss]
+                    else:
+                        roots[(k, r, j)] = [out] if isinstance(out, Tensor) and out.requires_grad else []
+                    busy[k][0] += time.perf_counter() - t0
+        for j in range(n):
+            for k in sorted(self.stages, reverse=True):
+                for r in range(self._reps[k]):
+                    t0 = time.perf_counter()
+                    root = roots.pop((k, r, j))
+                    if root:
+                        torch.autograd.backward(root)
+                    self._local.settle(k, r, j)
+                    busy[k][1] += time.perf_counter() - t0
+        for stage in self.stages.values():
+            stage.sync_grads()
+        t_pipe = time.perf_counter()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            for stage in self.stages.values():
+                stage.after_step()
+        t_end = time.perf_counter()
+        rows = sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor))
+        for k in self.stages:
+            self.monitor.record(StepMetrics(
+                step=self.steps_done, rank=self._ranks[k][0], stage=k, replica=0, device="cpu", microbatches=n,
+                samples=rows, step_ms=(t_end - t_start) * 1e3, pipeline_ms=(t_pipe - t_start) * 1e3,
+                fwd_ms=busy[k][0] * 1e3, bwd_ms=busy[k][1] * 1e3, optimizer_ms=(t_end - t_pipe) * 1e3,
+                loss=float(loss_sum)))
+        self.steps_done += 1
+        return loss_sum.float()
+
+    # -- inference and the full model -------------------------------------------------------------
+    @torch.no_grad()
+    def eval_forward(self, inputs: Sequence[Any] | Tensor, *, everywhere: bool = False) -> Any:
+        """The model's output for ``inputs`` (no gradients, modules in eval mode), microbatched like training.
+
+        Args:
+            inputs: positional inputs; any multiple of the build's microbatch rows.
+            everywhere: return the output on every rank (else only where the last stage runs).
+
+        Returns:
+            The output, rows in input order, on the last stage's ranks (every rank with
+            ``everywhere``); None on the other ranks.
+        """
+        inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+        n = self._microbatches(inputs)
+        modes = {k: st.training for k, st in self.stages.items()}
+        for st in self.stages.values():
+            st.eval()
+        try:
+            outs = self._eval(inputs, n)
+        finally:
+            for k, st in self.stages.items():
+                st.train(modes[k])
+        if self.session is None:
+            return merge_outputs([o for _, _, o in sorted(outs, key=lambda t: (t[0], t[1]))])
+        return gather_outputs(outs, self.plan, self.rank, everywhere)
+
+    def _eval(self, inputs: tuple[Any, ...], n: int) -> list[tuple[int, int, Any]]:
+        last, outs = len(self.plan.stages) - 1, []
+        comm = self.comm if self.comm is not None else self._local
+        micro_in = split_microbatches(inputs, n)
+        for j in range(n):
+            for k, stage in sorted(self.stages.items()):
+                reps = range(self._reps[k]) if self.session is None else (self.replica,)
+                for r in reps:
+                    comm.microbatch, comm.replica = j, r
+                    out = self._forward(stage, split_microbatches(micro_in[j], self._reps[k])[r])
+                    if k == last:
+                        outs.append((j, r, _to(out, torch.device("cpu"))))
+        comm.flush()
+        comm.forget()  # receives owe gradients that no backward will ask for
+        return outs
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The full model's state (original names, CPU tensors, current values); call on every rank."""
+        if self.session is None:
+            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return gather_state_dict(self.model, self.build, self.rank)
+
+    def close(self) -> None:
+        """Flush the measurements and leave the process group (if this pipeline made it)."""
+        self.monitor.close()
+        if self.session is not None:
+            self.session.close()

@@ -1,0 +1,167 @@
+"""One rank of ``hpml-compile run``: what torchrun starts in each process (``python -m hpml_compile.runtime.worker``).
+
+Each rank reads the build's ``model.json`` (:mod:`.recipe`), builds the
+model from the same seed as every other rank, loads the build (hashes
+checked, model re-traced, stage files imported), joins the job through
+torchrun's environment (:class:`~.pipeline.Pipeline`), and trains ``--steps``
+steps on the model's example batch (synthetic data: a fixed batch, so the
+loss visibly falls; train on your own data with the Python API). Rank 0
+prints the loss and throughput as it goes. Every rank writes its
+measurements into the run folder; at the end rank 0 also writes the rows of
+ranks on other hosts, so one run folder holds them all.
+
+A rank that fails writes ``errors/rank<r>.txt`` (the message and the time)
+so that the launcher can say which rank failed first and why.
+
+Example:
+    >>> a = parse_args(["build", "out/run", "--steps", "3"])
+    >>> a.steps, a.optimizer is OptimizerName.ADAMW
+    (3, True)
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from ..errors import HpmlError
+from .comm import CommFault, OpKind
+from .monitor import metrics_path
+from .pipeline import Pipeline
+from .recipe import read_recipe
+from .session import RetryPolicy, env_rank
+
+__all__ = ["OptimizerName", "parse_args", "main", "error_path", "threads_per_rank"]
+
+
+class OptimizerName(str, enum.Enum):
+    """Optimizers ``run`` can train with."""
+
+    ADAMW = "adamw"
+    SGD = "sgd"
+
+
+def error_path(run_dir: str | Path, rank: int) -> Path:
+    """Where a failing rank writes its message."""
+    return Path(run_dir) / "errors" / f"rank{rank}.txt"
+
+
+def threads_per_rank(local_world_size: int, cores: int | None = None) -> int:
+    """Torch threads for each of ``local_world_size`` ranks sharing this host's cores."""
+    return max(1, (cores or os.cpu_count() or 1) // max(1, local_world_size))
+
+
+def _fault(text: str) -> CommFault:
+    try:
+        step, rank, op = text.split(":")
+        return CommFault(int(step) - 1, int(rank), OpKind(op))  # STEP counts from 1, as the progress lines do
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected STEP:RANK:{'|'.join(o.value for o in OpKind)}, "
+                                         f"got {text!r}") from e
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The worker's arguments (the launcher writes them; see ``hpml-compile run --help``)."""
+    p = argparse.ArgumentParser(prog="python -m hpml_compile.runtime.worker")
+    p.add_argument("build", type=Path)
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--optimizer", type=OptimizerName, default=OptimizerName.ADAMW,
+                   choices=list(OptimizerName))
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--log-every", type=int, default=1, dest="log_every")
+    p.add_argument("--retries", type=int, default=3, help="attempts per step on transient communication errors")
+    p.add_argument("--inject-fault", type=_fault, action="append", default=[], dest="faults", metavar="STEP:RANK:OP",
+                   help="fail one communication operation once (to exercise the retry); repeatable")
+    p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
+    return p.parse_args(argv)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _optimizer(name: OptimizerName, lr: float) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+    if name is OptimizerName.SGD:
+        return functools.partial(torch.optim.SGD, lr=lr)
+    return functools.partial(torch.optim.AdamW, lr=lr)
+
+
+def _collect_rows(pipe: Pipeline, run_dir: Path) -> None:
+    """Rank 0 writes the rows of ranks whose files it cannot see (ranks on other hosts)."""
+    mine = "\n".join(json.dumps(m.to_dict()) for m in pipe.metrics)
+    every: list[str | None] = [None] * pipe.world_size
+    dist.all_gather_object(every, mine)
+    if pipe.rank != 0:
+        return
+    for r, text in enumerate(every):
+        path = metrics_path(run_dir, r)
+        if text and not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text + "\n")
+
+
+def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
+    from .. import models  # the zoo: only a worker of a `compile`d build needs it
+
+    recipe = read_recipe(args.build)
+    threads = recipe.threads_per_rank or threads_per_rank(local_world)
+    torch.set_num_threads(threads)
+    loaded = models.load(recipe.model, batch_size=recipe.batch_size, seq_len=recipe.seq_len, seed=recipe.seed)
+    pipe = Pipeline.from_build(args.build, loaded.module, init_method="env://",
+                               retry=RetryPolicy(attempts=max(1, args.retries)),
+                               optimizer=_optimizer(args.optimizer, args.lr), run_dir=args.run_dir,
+                               tensorboard=args.tensorboard, faults=args.faults, log=_say)
+    if rank == 0:
+        plan = pipe.plan
+        print(f"training {recipe.model} for {args.steps} steps on {pipe.world_size} ranks: "
+              f"{len(plan.stages)} stages, {plan.microbatches} microbatches, {plan.schedule.value}, "
+              f"batch {recipe.batch_size}, {threads} thread(s) per rank", flush=True)
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        loss = pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            m = pipe.metrics[-1]
+            print(f"step {step + 1:4d}/{args.steps}  loss {loss.item():9.4f}  {m.samples_per_s:8.1f} samples/s  "
+                  f"{m.step_ms:8.1f} ms/step" + (f"  ({m.retries} retries)" if m.retries else ""), flush=True)
+    _collect_rows(pipe, args.run_dir)
+    if rank == 0:
+        print(f"done: {args.steps} steps in {time.perf_counter() - t0:.1f} s", flush=True)
+    pipe.close()
+
+
+@record
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of one rank (started by torchrun; see the module docstring)."""
+    args = parse_args(argv)
+    env = env_rank()
+    if env is None:
+        raise SystemExit("hpml_compile.runtime.worker runs under torchrun: use `hpml-compile run BUILD`")
+    rank, _, local_world = env
+    try:
+        _train(args, rank, local_world)
+    except Exception as e:
+        path = error_path(args.run_dir, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kind = "" if isinstance(e, HpmlError) else f"{type(e).__name__}: "
+        path.write_text(json.dumps({"rank": rank, "time": time.time(), "message": f"{kind}{e}",
+                                    "user_error": isinstance(e, HpmlError)}))
+        if isinstance(e, HpmlError):
+            sys.exit(2)  # the launcher prints the message, naming the rank that failed first
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
