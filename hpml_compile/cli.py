@@ -166,6 +166,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     add_parsers(sub)
 
 
+def _add_replan(sub: argparse._SubParsersAction) -> None:
+    from .replan_cli import add_parsers
+
+    add_parsers(sub)
+
+
 def _add_show(sub: argparse._SubParsersAction) -> None:
     from .show_cli import add_parsers
 
@@ -173,7 +179,7 @@ def _add_show(sub: argparse._SubParsersAction) -> None:
 
 
 _ADDERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_demo, _add_compile, _add_run, _add_profile, _add_plan, _add_show, _add_devices, _add_models,
+    _add_demo, _add_compile, _add_run, _add_profile, _add_plan, _add_show, _add_replan, _add_devices, _add_models,
 )
 
 

@@ -46,8 +46,8 @@ from ..codegen import Build, generate, load_build
 from ..codegen.build import sha256
 from ..costgraph import build as build_costgraph
 from ..errors import BuildMismatchError, HpmlError
-from ..ir import Cluster, FrontEnd
-from ..plan import Schedule, validate_plan
+from ..ir import Cluster, FrontEnd, Profile
+from ..plan import Plan, Schedule, validate_plan
 from ..profile import profile
 from ..solve import SolverName, solve
 from ..trace import trace
@@ -113,11 +113,24 @@ def compile_build(module: nn.Module, example_inputs: Sequence[Any], out_dir: str
     tell(f"[3/4] planning on {cluster.name} ({len(cluster.devices)} devices) with {SolverName(solver).value}")
     plan = solve(build_costgraph(prof).coarsen(), cluster, solver=solver, microbatches=microbatches,
                  schedule=Schedule(schedule), time_limit_s=time_limit_s, dtype=prof.dtype, progress=say)  # 3. plan
+    tell(f"[4/4] generating {len(plan.stages)} stage(s) into {out_dir}")
+    return generate_for_plan(module, inputs, gm, plan, prof, out_dir, label)                   # 4. code
+
+
+def generate_for_plan(module: nn.Module, inputs: tuple[Any, ...], gm: fx.GraphModule, plan: Plan, prof: Profile,
+                      out_dir: str | Path, label: str) -> tuple[Build, fx.GraphModule]:
+    """Generate the build of ``plan`` (checked against ``prof``) from the traced ``gm``.
+
+    torch.export fixes every shape, so an exported model is traced again at the
+    size one replica of one stage runs (a slice of a microbatch).
+
+    Raises:
+        HpmlError: the plan breaks a rule of the profile, or an exported model cannot run at that size.
+    """
     validate_plan(plan, prof)
     graph = gm
     replicas = {len(st.devices) for st in plan.stages}
     if gm.meta.get("hpml_front_end") is FrontEnd.EXPORT and (plan.microbatches > 1 or replicas != {1}):
-        # torch.export fixes every shape: trace again at the size a stage replica runs (one slice of a microbatch).
         if len(replicas) > 1:
             raise HpmlError(f"{label} traces with torch.export, whose shapes are fixed, but the plan gives its "
                             f"stages different replica counts {sorted(replicas)}; use a cluster or solver that "
@@ -129,8 +142,7 @@ def compile_build(module: nn.Module, example_inputs: Sequence[Any], out_dir: str
                 f"{label}: torch.export gives a different graph at batch {rows} (one microbatch of one replica) "
                 f"than at batch {prof.batch_size}: it specialises sizes 0 and 1. Use a batch giving at least 2 "
                 "rows per microbatch and replica, or one microbatch")
-    tell(f"[4/4] generating {len(plan.stages)} stage(s) into {out_dir}")
-    return generate(graph, plan, out_dir, profile=prof), graph                                  # 4. code
+    return generate(graph, plan, out_dir, profile=prof), graph
 
 
 def _ship(src: Path | None, rank: int) -> Path:
