@@ -178,6 +178,9 @@ class Pipeline:
     def _make_optimizer(self, optimizer: OptimizerArg) -> torch.optim.Optimizer | None:
         if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
             return optimizer  # over the whole model: parameters of other stages never get a gradient here
+        if not callable(optimizer):
+            raise HpmlError(f"optimizer must be a torch.optim.Optimizer or a factory called with the parameters "
+                            f"(e.g. lambda ps: torch.optim.AdamW(ps, lr=1e-3)), got {optimizer!r}")
         return optimizer(self.parameters())
 
     # -- what this rank holds ---------------------------------------------------------------------
