@@ -139,10 +139,8 @@ def all_gather_ms(nbytes: float, n: int, link: LinkSpec) -> float:
     Raises:
         ValueError: on negative bytes or ``n < 1``.
     """
-    _check(nbytes, n)
-    if n == 1 or nbytes == 0:
-        return 0.0
-    return _ms(n - 1, (n - 1) / n * nbytes, (n - 1) * nbytes, link)
+    # The ring all-gather is the reduce-scatter run backwards: same steps, same bytes per step.
+    return reduce_scatter_ms(nbytes, n, link)
 
 
 def broadcast_ms(nbytes: float, n: int, link: LinkSpec) -> float:
