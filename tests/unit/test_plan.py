@@ -74,7 +74,9 @@ def test_missing_field_and_version() -> None:
 
 
 def test_valid_plan_passes() -> None:
-    validate_plan(_good(), _profile())
+    plan = _good()
+    assert validate_plan(plan, _profile()) is None  # raises PlanError on any broken rule
+    assert sorted(n for st in plan.stages for n in st.nodes) == sorted(n.name for n in _profile().nodes)
 
 
 def test_node_twice() -> None:
