@@ -182,8 +182,8 @@ def _calibrations(p: Profile) -> dict[str, tuple[Calibration, Calibration]]:
     """(forward, backward) calibrations fitted on each measured kind of a profile."""
     out = {}
     for kind, info in p.devices.items():
-        if not info.get("measured"):
-            continue
+        if not info.get("measured") or kind not in cost_models.known_kinds():
+            continue  # a measured GPU the catalog lacks has no datasheet roofline to calibrate against
         spec = cost_models.get_device(kind)
         live = [n for n in p.nodes if n.op not in (NodeOp.PLACEHOLDER, NodeOp.OUTPUT, NodeOp.GET_ATTR)
                 and kind in n.cost]

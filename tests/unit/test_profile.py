@@ -170,3 +170,17 @@ def test_per_node_times_add_up_to_the_whole_model() -> None:
     fwd, bwd = ratios[-1]
     assert 0.75 <= fwd <= 1.25, f"forward per-node/whole ratios {ratios}"
     assert 0.75 <= bwd <= 1.25, f"backward per-node/whole ratios {ratios}"
+
+
+def test_a_measured_kind_missing_from_the_catalog_does_not_block_predictions(tiny: Profile) -> None:
+    """A GPU the catalog does not know (e.g. an H100 PCIe) is measured under its own name; others still predict."""
+    from hpml_compile.ir import NodeCost, ProfileNode
+
+    odd = "NVIDIA Foo 96GB"
+    nodes = tuple(ProfileNode(**{**{f: getattr(n, f) for f in ProfileNode.__slots__},
+                                 "cost": {**n.cost, odd: NodeCost(n.cost["cpu"].fwd_ms / 10, n.cost["cpu"].bwd_ms / 10,
+                                                                  True)}}) for n in tiny.nodes)
+    p = Profile(**{**{f: getattr(tiny, f) for f in Profile.__slots__}, "nodes": nodes,
+                   "devices": {**tiny.devices, odd: {"measured": True}}})
+    more = predict_kinds(p, ["L4"])
+    assert more.total("L4").fwd_ms > 0 and "cpu calibration" in more.devices["L4"]["predicted_from"]
