@@ -282,10 +282,17 @@ def _flat_grads(params: Sequence[Tensor]) -> Tensor:
 
 
 def _write_grads(params: Sequence[Tensor], flat: Tensor) -> None:
+    # Copy into the gradient that is there (no allocation); a parameter without one takes a view of
+    # ``flat`` (slices do not overlap, as in DDP's gradient_as_bucket_view). Cloning every slice cost
+    # more than the all-reduce itself on CPU ranks (benchmarks/prediction).
     offset = 0
     for p in params:
         n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).clone()
+        part = flat[offset:offset + n].view_as(p)
+        if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == flat.dtype:
+            p.grad.copy_(part)
+        else:
+            p.grad = part
         offset += n
 
 
