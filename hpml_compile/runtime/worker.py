@@ -71,6 +71,27 @@ def _fault(text: str) -> CommFault:
                                          f"got {text!r}") from e
 
 
+KILLED_EXIT = 137  # what a SIGKILLed process reports: the injected death looks like a real one
+
+
+def _kill(text: str) -> tuple[int, int]:
+    try:
+        step, rank = (int(x) for x in text.split(":"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected STEP:RANK (step from 1), got {text!r}") from e
+    return step, rank
+
+
+def _die(run_dir: Path, rank: int, step: int) -> None:
+    """Injected failure: leave the reason where the launcher looks, then vanish like a killed process."""
+    path = error_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rank": rank, "time": time.time(), "user_error": False,
+                                "message": f"killed at step {step} by --kill-at (fault injection)"}))
+    sys.stdout.flush()
+    os._exit(KILLED_EXIT)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The worker's arguments (the launcher writes them; see ``hpml-compile run --help``)."""
     p = argparse.ArgumentParser(prog="python -m hpml_compile.runtime.worker")
@@ -84,6 +105,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--retries", type=int, default=3, help="attempts per step on transient communication errors")
     p.add_argument("--inject-fault", type=_fault, action="append", default=[], dest="faults", metavar="STEP:RANK:OP",
                    help="fail one communication operation once (to exercise the retry); repeatable")
+    p.add_argument("--kill-at", type=_kill, action="append", default=[], dest="kills", metavar="STEP:RANK",
+                   help="rank RANK dies (no clean-up, exit 137) when it reaches step STEP; repeatable")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
     return p.parse_args(argv)
 
@@ -129,7 +152,10 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
               f"{len(plan.stages)} stages, {plan.microbatches} microbatches, {plan.schedule.value}, "
               f"batch {recipe.batch_size}, {threads} thread(s) per rank", flush=True)
     t0 = time.perf_counter()
+    kills = {step for step, r in args.kills if r == rank}
     for step in range(args.steps):
+        if step + 1 in kills:
+            _die(args.run_dir, rank, step + 1)
         loss = pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             m = pipe.metrics[-1]
