@@ -69,6 +69,8 @@ def add_parsers(subparsers: Any) -> None:
                         "to see the retry work; repeatable")
     p.add_argument("--kill-at", action="append", default=[], dest="kill_at", metavar="STEP:RANK",
                    help="fault injection: rank RANK dies abruptly when it reaches step STEP (from 1); repeatable")
+    p.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR:FROM_STEP",
+                   help="fault injection: rank RANK computes FACTOR times slower from step FROM_STEP (from 1) on")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
     p.add_argument("--no-report", dest="report", action="store_false", help="skip the table at the end")
     p.set_defaults(run=run_run)
@@ -119,6 +121,7 @@ def run_run(args: argparse.Namespace) -> int:
               "--log-every", str(args.log_every), "--retries", str(args.retries)]
     worker += [x for fault in args.inject_fault for x in ("--inject-fault", fault)]
     worker += [x for kill in args.kill_at for x in ("--kill-at", kill)]
+    worker += [x for slow in args.slow for x in ("--slow", slow)]
     worker += [] if args.tensorboard else ["--no-tensorboard"]
     spec = LaunchSpec(args.build, args.run_dir or default_run_dir(args.build), nproc, args.nnodes, args.node_rank,
                       args.rdzv_endpoint, args.rdzv_id, args.max_restarts, tuple(worker))

@@ -92,6 +92,37 @@ def _die(run_dir: Path, rank: int, step: int) -> None:
     os._exit(KILLED_EXIT)
 
 
+def _slow(text: str) -> tuple[int, float, int]:
+    try:
+        rank, factor, step = text.split(":")
+        out = int(rank), float(factor), int(step)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected RANK:FACTOR:FROM_STEP, e.g. 1:3:10, got {text!r}") from e
+    if out[1] < 1:
+        raise argparse.ArgumentTypeError(f"the slow-down factor must be >= 1, got {out[1]}")
+    return out
+
+
+def _slow_down(module: torch.nn.Module, factor: float) -> None:
+    """Make a stage ``factor`` times slower, as a slower device would be.
+
+    Each forward call sleeps ``(factor - 1)`` times its own duration three times
+    over (forward plus a backward of about twice the forward), so the stage's
+    compute per microbatch grows by about ``factor`` and the monitor sees it
+    where a slow device would show it: in the stage's compute time.
+    """
+    started: list[float] = [0.0]
+
+    def before(_m: torch.nn.Module, _args: object) -> None:
+        started[0] = time.perf_counter()
+
+    def after(_m: torch.nn.Module, _args: object, _out: object) -> None:
+        time.sleep((factor - 1.0) * 3.0 * (time.perf_counter() - started[0]))
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The worker's arguments (the launcher writes them; see ``hpml-compile run --help``)."""
     p = argparse.ArgumentParser(prog="python -m hpml_compile.runtime.worker")
@@ -107,6 +138,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="fail one communication operation once (to exercise the retry); repeatable")
     p.add_argument("--kill-at", type=_kill, action="append", default=[], dest="kills", metavar="STEP:RANK",
                    help="rank RANK dies (no clean-up, exit 137) when it reaches step STEP; repeatable")
+    p.add_argument("--slow", type=_slow, action="append", default=[], dest="slows", metavar="RANK:FACTOR:FROM_STEP",
+                   help="rank RANK computes FACTOR times slower from step FROM_STEP on; repeatable")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
     return p.parse_args(argv)
 
@@ -156,6 +189,10 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
     for step in range(args.steps):
         if step + 1 in kills:
             _die(args.run_dir, rank, step + 1)
+        for r, factor, start in args.slows:
+            if r == rank and start == step + 1:
+                for module in pipe.stages.values():
+                    _slow_down(module, factor)
         loss = pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             m = pipe.metrics[-1]

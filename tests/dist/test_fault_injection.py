@@ -15,9 +15,28 @@ pytestmark = pytest.mark.dist
 CLI = [sys.executable, "-m", "hpml_compile"]
 
 
-def test_killed_rank_is_named_and_earlier_steps_are_kept(tmp_path: Path) -> None:
-    build = tmp_path / "b"
-    assert main(["compile", "gpt-tiny", "--cluster", "local-cpu-2", "--solver", "uniform", "-o", str(build)]) == 0
+@pytest.fixture(scope="module")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("faults") / "b"
+    assert main(["compile", "gpt-tiny", "--cluster", "local-cpu-2", "--solver", "uniform", "-o", str(out)]) == 0
+    return out
+
+
+def _compute(run: Path, rank: int) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics" / f"rank{rank}.jsonl").read_text().splitlines()]
+    return [r["fwd_ms"] + r["bwd_ms"] for r in rows]
+
+
+def test_slowed_rank_computes_slower_from_the_given_step(build: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    r = subprocess.run([*CLI, "run", str(build), "--steps", "7", "--run-dir", str(run), "--slow", "1:4:5",
+                        "--no-report"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    before, after = _compute(run, 1)[1:4], _compute(run, 1)[4:]
+    assert min(after) > 2 * max(before), (before, after)
+
+
+def test_killed_rank_is_named_and_earlier_steps_are_kept(build: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     r = subprocess.run([*CLI, "run", str(build), "--steps", "5", "--run-dir", str(run), "--kill-at", "3:1",
                         "--retries", "1"], capture_output=True, text=True, timeout=300)
@@ -27,7 +46,9 @@ def test_killed_rank_is_named_and_earlier_steps_are_kept(tmp_path: Path) -> None
     assert len(rows) == 2, "the two steps before the kill were measured and kept"
 
 
-def test_bad_kill_spec_is_refused() -> None:
-    r = subprocess.run([sys.executable, "-m", "hpml_compile.runtime.worker", "b", "r", "--kill-at", "three"],
+@pytest.mark.parametrize(("flag", "value", "needle"), [("--kill-at", "three", "expected STEP:RANK"),
+                                                       ("--slow", "1:0.5:3", "factor must be >= 1")])
+def test_bad_fault_spec_is_refused(flag: str, value: str, needle: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "hpml_compile.runtime.worker", "b", "r", flag, value],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "expected STEP:RANK" in r.stderr
+    assert r.returncode == 2 and needle in r.stderr
