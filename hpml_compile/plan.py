@@ -39,6 +39,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "validate_plan",
+    "node_stages",
     "stage_memory",
     "save_plan",
     "load_plan",
@@ -268,6 +269,22 @@ def _input_bytes(profile: Profile, names: set[str]) -> int:
     return sum(profile.node(i).output_bytes for i in outside)
 
 
+def node_stages(plan: Plan) -> dict[str, int]:
+    """Each fx node's stage index.
+
+    Raises:
+        PlanError: a node placed in two stages.
+    """
+    where: dict[str, int] = {}
+    for st in plan.stages:
+        for n in st.nodes:
+            if n in where:
+                raise PlanError(f"node {n!r} is placed in stage {where[n]} and stage {st.index}; "
+                                "each node must be in exactly one stage")
+            where[n] = st.index
+    return where
+
+
 def validate_plan(plan: Plan, profile: Profile) -> None:
     """Check a plan against its profile.
 
@@ -280,13 +297,8 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             or never; an edge from a later stage to an earlier one; a device
             unknown or used twice; a device over its memory.
     """
-    where: dict[str, int] = {}
+    where = node_stages(plan)
     for st in plan.stages:
-        for n in st.nodes:
-            if n in where:
-                raise PlanError(f"node {n!r} is placed in stage {where[n]} and stage {st.index}; "
-                                "each node must be in exactly one stage")
-            where[n] = st.index
         for s in st.swap:
             if s not in st.nodes:
                 raise PlanError(f"stage {st.index} swaps {s!r}, which is not one of its nodes")

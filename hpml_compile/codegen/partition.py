@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import BuildMismatchError, HpmlError
 from ..ir import FrontEnd
 from ..memory import ZeroStage
-from ..plan import Plan
+from ..plan import Plan, node_stages
 from ..trace import buffers_restored
 from .actions import GradSync, StageActions, SyncKind, Transfer
 
@@ -112,13 +112,7 @@ def place(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
             anywhere but the last stage.
         HpmlError: if a node reads a value from a later stage.
     """
-    where: dict[str, int] = {}
-    for st in plan.stages:
-        for name in st.nodes:
-            if name in where:
-                raise HpmlError(f"plan: node {name!r} is in stage {where[name]} and stage {st.index}; "
-                                "each node must be in exactly one stage")
-            where[name] = st.index
+    where = node_stages(plan)  # PlanError (an HpmlError) for a node placed twice
     names = [n.name for n in gm.graph.nodes]
     extra = [n for n in where if n not in set(names)]
     missing = [n for n in names if n not in where]
