@@ -26,7 +26,7 @@ import cost_models
 from cost_models import LinkSpec
 
 from .errors import HpmlError, UnknownDeviceError
-from .ir import Cluster, Device
+from .ir import Cluster, Device, base_kind
 from .schema import read_json
 
 __all__ = [
@@ -143,7 +143,7 @@ def link_spec(cluster: Cluster, a: str, b: str) -> LinkSpec:
             return LinkSpec(f"{a}-{b}", x.gbps, x.latency_us, "cluster.json")
     same = da.host == db.host
     try:
-        return cost_models.default_link(da.kind, db.kind, same)
+        return cost_models.default_link(base_kind(da.kind), base_kind(db.kind), same)
     except cost_models.UnknownDeviceKind:
         return _fallback_link(same)
 
@@ -173,10 +173,10 @@ def host_link_spec(device: Device) -> LinkSpec:
         Its catalog host link; PCIe 4 for a kind the catalog lacks. For a CPU
         the "host link" is a memory copy: effectively free.
     """
-    if device.kind.lower() == "cpu":
+    if device.is_cpu:
         return LinkSpec("host-memory", float("inf"), 0.0, "CPU memory is host memory")
     try:
-        return cost_models.get_link(cost_models.get_device(device.kind).host_link)
+        return cost_models.get_link(cost_models.get_device(base_kind(device.kind)).host_link)
     except cost_models.UnknownDeviceKind:
         return _fallback_link(True)
 

@@ -34,10 +34,33 @@ __all__ = [
     "Device",
     "Link",
     "Cluster",
+    "base_kind",
+    "variant_kind",
 ]
 
 PROFILE_VERSION = 1
 CLUSTER_VERSION = 1
+VARIANT_SEP = "~"
+
+
+def base_kind(kind: str) -> str:
+    """The hardware kind of a device kind: ``"cpu~cpu1"`` -> ``"cpu"``, ``"A100-80GB"`` -> itself.
+
+    A *variant* kind is one device's own copy of its kind's costs, made when
+    the runtime measures that device running slower than its peers (a
+    throttled or shared GPU, a busy host): the solver then sees a device
+    kind of its own, while the hardware (CPU or CUDA, catalog entry, links)
+    is still the base kind's.
+
+    >>> base_kind("cpu~cpu1"), base_kind("H100-80GB")
+    ('cpu', 'H100-80GB')
+    """
+    return kind.split(VARIANT_SEP, 1)[0]
+
+
+def variant_kind(kind: str, device: str) -> str:
+    """The variant kind of ``device`` (see :func:`base_kind`): ``variant_kind("cpu", "cpu1") == "cpu~cpu1"``."""
+    return f"{base_kind(kind)}{VARIANT_SEP}{device}"
 
 
 class NodeOp(str, enum.Enum):
@@ -252,6 +275,11 @@ class Device:
     @property
     def memory_bytes(self) -> int:
         return int(self.memory_gib * 2**30)
+
+    @property
+    def is_cpu(self) -> bool:
+        """Whether the device is a CPU (its base kind is ``cpu``)."""
+        return base_kind(self.kind).lower() == "cpu"
 
 
 @dataclass(frozen=True, slots=True)

@@ -260,7 +260,7 @@ def stage_memory(plan: Plan, profile: Profile, stage: Stage) -> int:
         microbatches=m, in_flight=in_flight, recompute=stage.recompute,
         swapped_bytes=sum(n.activation_bytes for n in nodes if n.name in swapped),
         offload_optimizer=stage.offload_optimizer,
-        host_is_device=all(plan.cluster.device(d).kind.lower() == "cpu" for d in stage.devices),
+        host_is_device=all(plan.cluster.device(d).is_cpu for d in stage.devices),
     ).total
 
 

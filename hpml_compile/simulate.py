@@ -233,7 +233,7 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
             if owner[u] == st.index and owner[v] != st.index:
                 sends.setdefault(owner[v], {}).update(e["producers"])
         in_flight = m if plan.schedule is Schedule.GPIPE else min(m, s_count - st.index)
-        host_is_device = all(c.device(x).kind.lower() == "cpu" for x in st.devices)
+        host_is_device = all(c.device(x).is_cpu for x in st.devices)
         mem = device_memory(param_bytes=params, activation_bytes=acts, input_bytes=sum(inputs.values()),
                             dtype_bytes=dtype_bytes(dtype), replicas=d, zero=st.zero, microbatches=m,
                             in_flight=in_flight, recompute=st.recompute, swapped_bytes=swapped,

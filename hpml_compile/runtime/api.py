@@ -54,7 +54,7 @@ from ..trace import trace
 from .pipeline import OptimizerArg, Pipeline
 from .session import RetryPolicy, Session
 
-__all__ = ["compile", "compile_build", "local_threads"]
+__all__ = ["compile", "compile_build", "local_threads", "rebuild"]
 
 
 def local_threads(cluster: Cluster, cores: int | None = None) -> int | None:
@@ -63,7 +63,7 @@ def local_threads(cluster: Cluster, cores: int | None = None) -> int | None:
     The ranks share this host's cores, so the plan must be profiled at the
     thread count each rank will have (``cores // ranks``), not at all of them.
     """
-    if all(d.kind.lower() == "cpu" and d.host in ("localhost", "127.0.0.1") for d in cluster.devices):
+    if all(d.is_cpu and d.host in ("localhost", "127.0.0.1") for d in cluster.devices):
         return max(1, (cores or os.cpu_count() or 1) // len(cluster.devices))
     return None
 
@@ -143,6 +143,33 @@ def generate_for_plan(module: nn.Module, inputs: tuple[Any, ...], gm: fx.GraphMo
                 f"than at batch {prof.batch_size}: it specialises sizes 0 and 1. Use a batch giving at least 2 "
                 "rows per microbatch and replica, or one microbatch")
     return generate(graph, plan, out_dir, profile=prof), graph
+
+
+def rebuild(recipe_dir: str | Path, plan: Plan, prof: Profile, out_dir: str | Path) -> Build:
+    """Generate the build of ``plan`` for the model that ``recipe_dir/model.json`` describes.
+
+    What ``replan`` and the closed loop use: the model is built again from its
+    recipe (same seed, batch, sequence length), traced the same way, and the
+    new stage files go to ``out_dir`` with the recipe beside them.
+
+    Raises:
+        BuildMismatchError: ``recipe_dir`` has no (valid) model.json.
+        HpmlError: the plan breaks a rule of the profile.
+    """
+    import shutil
+
+    from .. import models
+    from .recipe import read_recipe, write_recipe
+
+    recipe = read_recipe(recipe_dir)
+    loaded = models.load(recipe.model, batch_size=recipe.batch_size, seq_len=recipe.seq_len, seed=recipe.seed)
+    gm = trace(loaded.module, loaded.example_inputs, leaf_modules=recipe.leaf_modules, front_end=recipe.front_end)
+    out = Path(out_dir)
+    if out.exists() and out.resolve() != Path(recipe_dir).resolve():
+        shutil.rmtree(out)
+    build, _ = generate_for_plan(loaded.module, loaded.example_inputs, gm, plan, prof, out, loaded.name)
+    write_recipe(out, recipe)
+    return build
 
 
 def _ship(src: Path | None, rank: int) -> Path:

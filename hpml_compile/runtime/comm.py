@@ -136,7 +136,7 @@ def rank_devices(plan: Plan, local_gpu_count: int | None = None) -> list[torch.d
     seen: dict[str, int] = {}
     index: dict[str, torch.device] = {}
     for d in plan.cluster.devices:
-        if d.kind.lower() == "cpu":
+        if d.is_cpu:
             index[d.name] = torch.device("cpu")
             continue
         i = seen.get(d.host, 0)

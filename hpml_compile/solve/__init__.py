@@ -215,7 +215,7 @@ def diagnose(chain: Chain, cluster: Cluster, setting: Setting) -> str:
         dev = devs[i]
         a, b = cuts[i], cuts[i + 1]
         params, acts = chain.params[b] - chain.params[a], chain.acts[b] - chain.acts[a]
-        cpu = dev.kind.lower() == "cpu"
+        cpu = dev.is_cpu
         fl = setting.microbatches if setting.schedule is Schedule.GPIPE else min(setting.microbatches, s - i)
         kw = dict(param_bytes=params, activation_bytes=acts, input_bytes=chain.cut[a], dtype_bytes=bpe,
                   replicas=1, zero=0, microbatches=setting.microbatches, in_flight=fl, host_is_device=cpu)

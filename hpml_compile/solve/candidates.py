@@ -179,10 +179,16 @@ def in_flight(setting: Setting, j: int) -> int:
     return min(setting.microbatches, j + 1)
 
 
-def degrees(count: int, max_d: int) -> list[int]:
-    """Data-parallel degrees tried for ``count`` devices of a kind: 1, powers of two and ``count``, up to ``max_d``."""
+def degrees(count: int, rows: int) -> list[int]:
+    """Data-parallel degrees tried for ``count`` devices of a kind: 1, powers of two and ``count``.
+
+    Only degrees that split a microbatch of ``rows`` rows evenly (each replica runs ``rows / d`` of them).
+
+    >>> degrees(3, 8), degrees(4, 8), degrees(8, 2)
+    ([1, 2], [1, 2, 4], [1, 2])
+    """
     ds = {1, count} | {2**i for i in range(1, int(math.log2(max(count, 1))) + 1)}
-    return sorted(d for d in ds if 1 <= d <= min(count, max_d))
+    return sorted(d for d in ds if 1 <= d <= count and rows % d == 0)
 
 
 def group_link(cluster: Cluster, kind: str, d: int) -> cost_models.LinkSpec | None:

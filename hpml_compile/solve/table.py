@@ -239,7 +239,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
     parts: list[dict[str, np.ndarray]] = []
     for kind, d in groups:
         first = next(x for x in cluster.devices if x.kind == kind)
-        cap, is_cpu = first.memory_bytes, kind.lower() == "cpu"
+        cap, is_cpu = first.memory_bytes, first.is_cpu
         host = host_link_spec(first)
         fw, bw = np.asarray(chain.fwd[kind]), np.asarray(chain.bwd[kind])
         base_all = (fw[rb] - fw[ra] + bw[rb] - bw[ra]) / (m * d)
