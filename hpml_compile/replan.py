@@ -20,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 from .costgraph import CostGraph, block_key
@@ -139,8 +139,8 @@ def replan_graph(old: Plan, graph: CostGraph, *, cluster: Cluster | None = None,
     new = solve(graph, target, solver=solver, microbatches=microbatches or old.microbatches, schedule=sched,
                 time_limit_s=time_limit_s, dtype=dtype, progress=progress)
     same_devices = {d.name for d in target.devices} >= {d for st in old.stages for d in st.devices}
-    if same_devices:
-        rescored, _ = annotate(old, graph, dtype)
+    if same_devices:  # scored on the devices as they are now (a slowed device may have a kind of its own)
+        rescored, _ = annotate(replace(old, cluster=target), graph, dtype)
         old_ms = rescored.predicted.step_ms
     else:  # the old plan cannot run any more: any feasible plan is a gain
         rescored, old_ms = old, float("inf")

@@ -9,7 +9,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,10 +48,7 @@ def _say(line: str) -> None:
 
 def run_replan(args: argparse.Namespace) -> int:
     """Handle ``hpml-compile replan`` (raises HpmlError for bad input; InfeasibleError when nothing fits)."""
-    from . import models
-    from .runtime.api import generate_for_plan
-    from .runtime.recipe import read_recipe, write_recipe
-    from .trace import trace
+    from .runtime.api import rebuild
 
     old = load_plan(args.plan)
     measured = load_profile(args.profile)
@@ -72,20 +68,12 @@ def run_replan(args: argparse.Namespace) -> int:
     run_json = build_dir / "run.json"  # a run folder (from `hpml-compile run`) names its build
     if not (build_dir / "model.json").is_file() and run_json.is_file():
         build_dir = Path(read_json(run_json).get("build", build_dir))
-    try:
-        recipe = read_recipe(build_dir)
-    except HpmlError:
+    if not (build_dir / "model.json").is_file():
         save_plan(result.plan, args.output / "plan.json")
         print(f"wrote {args.output / 'plan.json'} only: {build_dir} has no model.json to rebuild the model from "
               "(generate the stage files with hpml_compile.generate(graph_module, plan, out_dir))")
         return 0
-    loaded = models.load(recipe.model, batch_size=recipe.batch_size, seq_len=recipe.seq_len, seed=recipe.seed)
-    gm = trace(loaded.module, loaded.example_inputs, leaf_modules=recipe.leaf_modules, front_end=recipe.front_end)
-    if args.output.exists() and args.output.resolve() != build_dir.resolve():
-        shutil.rmtree(args.output)
-    build, _ = generate_for_plan(loaded.module, loaded.example_inputs, gm, result.plan, measured, args.output,
-                                 loaded.name)
-    write_recipe(args.output, recipe)
+    build = rebuild(build_dir, result.plan, measured, args.output)
     print(f"wrote {len(result.plan.stages)} stage(s), predicted step {result.plan.predicted.step_ms:.4g} ms, to "
           f"{build.out_dir}")
     return 0

@@ -28,6 +28,7 @@ from typing import Any
 
 from .errors import HpmlError
 from .plan import load_plan
+from .runtime.adapt import AdaptOptions
 from .runtime.comm import OpKind
 
 __all__ = ["add_parsers", "run_run", "run_report", "default_run_dir"]
@@ -73,6 +74,33 @@ def add_parsers(subparsers: Any) -> None:
                    help="fault injection: rank RANK computes FACTOR times slower from step FROM_STEP (from 1) on")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
     p.add_argument("--no-report", dest="report", action="store_false", help="skip the table at the end")
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--checkpoint-dir", type=Path, default=None, dest="checkpoint_dir",
+                   help="where checkpoints go (default: none; RUN_DIR/checkpoints with --adapt)")
+    c.add_argument("--checkpoint-every", type=int, default=None, dest="checkpoint_every", metavar="K",
+                   help="checkpoint every K steps, and at the end (default 5 with --adapt, else only at the end)")
+    c.add_argument("--keep-checkpoints", type=int, default=3, dest="keep", metavar="N",
+                   help="complete checkpoints kept (default 3)")
+    c.add_argument("--resume", action="store_true",
+                   help="start from the latest checkpoint in --checkpoint-dir (any plan's: regrouped by name)")
+    a = p.add_argument_group("closed loop (--adapt)")
+    a.add_argument("--adapt", action="store_true",
+                   help="re-plan while training: on a sustained gap to the plan (switching when the predicted gain "
+                        "pays for a restart) and on a failed rank (resume from the last checkpoint; a dead "
+                        "rank's device is dropped); one host. Segments go to RUN_DIR/seg<k>, decisions to "
+                        "RUN_DIR/events.jsonl")
+    a.add_argument("--adapt-threshold", type=float, default=AdaptOptions().threshold, dest="adapt_threshold",
+                   metavar="X", help="a step is slow above X times the plan's prediction (default %(default)s)")
+    a.add_argument("--adapt-patience", type=int, default=AdaptOptions().patience, dest="adapt_patience",
+                   metavar="K", help="slow steps in a row before re-planning (default %(default)s)")
+    a.add_argument("--adapt-cooldown", type=int, default=AdaptOptions().cooldown, dest="adapt_cooldown",
+                   metavar="K", help="steps without re-planning after a decision to stay (default %(default)s)")
+    a.add_argument("--no-replan-on-imbalance", dest="on_imbalance", action="store_false",
+                   help="with --adapt: re-plan on failures only")
+    a.add_argument("--max-failures", type=int, default=2, dest="max_failures", metavar="N",
+                   help="a device whose rank fails N times (other than dying) is dropped (default 2)")
+    a.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="seconds a rank may block in communication before it fails (a hung peer; default 600)")
     p.set_defaults(run=run_run)
 
     r = subparsers.add_parser(
@@ -117,12 +145,21 @@ def run_run(args: argparse.Namespace) -> int:
     devices = sum(len(st.devices) for st in plan.stages)
     nproc = args.nproc if args.nproc is not None else max(1, devices // args.nnodes)
     check_world(plan, nproc, args.nnodes)
-    worker = ["--steps", str(args.steps), "--optimizer", args.optimizer, "--lr", str(args.lr),
-              "--log-every", str(args.log_every), "--retries", str(args.retries)]
-    worker += [x for fault in args.inject_fault for x in ("--inject-fault", fault)]
+    worker = ["--optimizer", args.optimizer, "--lr", str(args.lr), "--log-every", str(args.log_every),
+              "--retries", str(args.retries)]
+    worker += [] if args.tensorboard else ["--no-tensorboard"]
+    worker += [] if args.timeout is None else ["--timeout", str(args.timeout)]
+    faults = [x for fault in args.inject_fault for x in ("--inject-fault", fault)]
+    if args.adapt:
+        return _run_adaptive(args, worker, faults, nproc)
+    worker += ["--steps", str(args.steps), *faults]
     worker += [x for kill in args.kill_at for x in ("--kill-at", kill)]
     worker += [x for slow in args.slow for x in ("--slow", slow)]
-    worker += [] if args.tensorboard else ["--no-tensorboard"]
+    if args.checkpoint_dir:
+        worker += ["--checkpoint-dir", str(args.checkpoint_dir), "--checkpoint-every", str(args.checkpoint_every or 0),
+                   "--keep-checkpoints", str(args.keep)] + (["--resume"] if args.resume else [])
+    elif args.resume:
+        raise HpmlError("run: --resume needs --checkpoint-dir DIR (the folder the checkpoints were written to)")
     spec = LaunchSpec(args.build, args.run_dir or default_run_dir(args.build), nproc, args.nnodes, args.node_rank,
                       args.rdzv_endpoint, args.rdzv_id, args.max_restarts, tuple(worker))
     preflight(spec)  # before the run folder exists: a refused launch leaves nothing behind
@@ -133,6 +170,44 @@ def run_run(args: argparse.Namespace) -> int:
     launch(spec)
     if args.report and args.node_rank in (None, 0):
         _report(run_dir, None, export=True)
+    return 0
+
+
+def _parse_faults(args: argparse.Namespace) -> tuple[list[tuple[int, float, int]], list[tuple[int, int]]]:
+    from .runtime.worker import _kill, _slow
+
+    try:
+        return [_slow(x) for x in args.slow], [_kill(x) for x in args.kill_at]
+    except argparse.ArgumentTypeError as e:
+        raise HpmlError(f"run: {e}") from None
+
+
+def _run_adaptive(args: argparse.Namespace, worker: list[str], faults: list[str], nproc: int) -> int:
+    from .runtime.adapt import AdaptOptions
+    from .runtime.supervisor import supervise
+
+    if args.nnodes != 1:
+        raise HpmlError("run --adapt runs on one host (it restarts every rank itself); across hosts use "
+                        "--max-restarts and `hpml-compile replan` between runs")
+    if args.checkpoint_dir is not None or args.resume:
+        raise HpmlError("run --adapt keeps its checkpoints in RUN_DIR/checkpoints and always resumes from them; "
+                        "drop --checkpoint-dir/--resume (or pass the same --run-dir to go on with a job)")
+    run_dir = args.run_dir or default_run_dir(args.build)
+    slows, kills = _parse_faults(args)
+    adapt = AdaptOptions(threshold=args.adapt_threshold, patience=args.adapt_patience,
+                         cooldown=args.adapt_cooldown) if args.on_imbalance else None
+    print(f"run --adapt: {nproc} ranks for {args.build} -> {run_dir} (checkpoints every "
+          f"{args.checkpoint_every or 5} steps in {run_dir / 'checkpoints'})", flush=True)
+    events = supervise(args.build, run_dir, steps=args.steps, worker_args=worker, slows=slows, kills=kills,
+                       first_only=faults, checkpoint_every=args.checkpoint_every or 5, keep=args.keep, adapt=adapt,
+                       max_failures=args.max_failures, run_info={"optimizer": args.optimizer, "lr": args.lr,
+                                                                  "argv": sys.argv[1:]},
+                       log=lambda line: print(line, flush=True))
+    segments = [e for e in events if e["event"] == "segment"]
+    print(f"done: {args.steps} steps in {len(segments)} segment(s); decisions in {run_dir / 'events.jsonl'}")
+    _print_timings(run_dir)
+    if args.report:
+        _report(run_dir / f"seg{segments[-1]['segment']}", None, export=True)
     return 0
 
 
@@ -159,5 +234,38 @@ def run_report(args: argparse.Namespace) -> int:
     """
     if not args.run_dir.is_dir():
         raise HpmlError(f"report: {args.run_dir}: no such folder; pass the --run-dir of `hpml-compile run`")
-    _report(args.run_dir, args.skip, export=args.export)
+    segments = sorted(args.run_dir.glob("seg*/plan.json"), key=lambda p: int(p.parent.name[3:]))
+    if (args.run_dir / "metrics").is_dir() or not segments:
+        _report(args.run_dir, args.skip, export=args.export)
+        return 0
+    _report_segments(args.run_dir, [p.parent for p in segments], args.skip, export=args.export)
     return 0
+
+
+def _report_segments(run_dir: Path, segments: list[Path], skip: int | None, *, export: bool) -> None:
+    """A run of `run --adapt`: each segment's table, then what happened between them."""
+    import json
+
+    from .runtime.supervisor import EVENTS_FILE
+
+    events = {e["segment"]: e for e in (json.loads(x) for x in (run_dir / EVENTS_FILE).read_text().splitlines()
+                                        if x.strip()) if e["event"] == "segment"} \
+        if (run_dir / EVENTS_FILE).is_file() else {}
+    for seg in segments:
+        k = int(seg.name[3:])
+        why = events.get(k, {}).get("reason", "?")
+        print(f"== segment {k} ({why}): {seg}")
+        if not (seg / "metrics").is_dir():
+            print("  no step finished")
+            continue
+        _report(seg, skip, export=export)
+    if (run_dir / EVENTS_FILE).is_file():
+        _print_timings(run_dir)
+
+
+def _print_timings(run_dir: Path) -> None:
+    from .runtime.supervisor import timings
+
+    for t in timings(run_dir):
+        resume = f"{t['resume_s']:.1f} s" if t.get("resume_s") is not None else "-"
+        print(f"  {t['kind']}: re-plan {t['replan_s']:.2f} s, back to training after {resume}")

@@ -42,7 +42,7 @@ from ..errors import HpmlError
 from ..plan import Plan
 from .worker import error_path, threads_per_rank
 
-__all__ = ["LaunchError", "LaunchSpec", "torchrun_args", "check_world", "check_port", "free_port", "launch",
+__all__ = ["LaunchError", "RankFailure", "LaunchSpec", "torchrun_args", "check_world", "check_port", "free_port", "launch",
            "explain_failure", "prepare_run_dir", "preflight", "RUN_FILE"]
 
 RUN_FILE = "run.json"
@@ -50,6 +50,19 @@ RUN_FILE = "run.json"
 
 class LaunchError(HpmlError):
     """The ranks could not be started, or one of them failed (the message names it and what to do)."""
+
+
+class RankFailure(LaunchError):
+    """A rank failed while the job ran.
+
+    Attributes:
+        failures: rank -> (exit code, torchrun's message) of every rank torchrun saw fail (the ones it
+            stopped after the first failure exit with -15, SIGTERM).
+    """
+
+    def __init__(self, message: str, failures: dict[int, tuple[int, str]]) -> None:
+        super().__init__(message)
+        self.failures = failures
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +249,7 @@ def launch(spec: LaunchSpec) -> None:
             run(parse_args(torchrun_args(spec)))
     except ChildFailedError as e:
         failures = {rank: (f.exitcode, f.message) for rank, f in e.failures.items()}
-        raise LaunchError(explain_failure(spec.run_dir, failures)) from None
+        raise RankFailure(explain_failure(spec.run_dir, failures), failures) from None
     except Exception as e:  # noqa: BLE001 -- rendezvous and store errors come in several types
         text = str(e)
         if "EADDRINUSE" in text or "address already in use" in text.lower():

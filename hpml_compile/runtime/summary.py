@@ -21,18 +21,18 @@ Example:
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
-from ..ir import NodeCost, Profile
+from ..ir import Cluster, NodeCost, Profile, variant_kind
 from ..plan import Plan, load_plan
 from ..profile import load_profile, save_profile
 from ..report import human_bytes
 from .monitor import StepMetrics, read_metrics
 
 __all__ = ["StageSummary", "RunSummary", "analyse", "format_summary", "measured_profile", "export_profile",
-           "suggest_microbatches"]
+           "suggest_microbatches", "summarise", "device_slowdowns", "measured_setup"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,10 +151,22 @@ def analyse(run_dir: str | Path, *, skip: int | None = None) -> RunSummary:
                         "--run-dir` wrote, and did a step finish?")
     if not (run / "plan.json").is_file():
         raise HpmlError(f"{run}: no plan.json; `hpml-compile run` copies the build's plan there")
-    plan = load_plan(run / "plan.json")
+    return summarise(load_plan(run / "plan.json"), rows, skip=skip, run_dir=run)
+
+
+def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: int | None = None,
+              run_dir: Path = Path("RUN_DIR")) -> RunSummary:
+    """Summarise measured rows (rank -> its steps, in order) against ``plan``.
+
+    Args:
+        plan: the plan the rows were measured under.
+        rows: every rank's measurements (the same steps on every rank).
+        skip: leading steps to leave out (default: 2, or fewer for short runs).
+        run_dir: named in the advice's commands.
+    """
     n = min(len(r) for r in rows.values())
     k = skip if skip is not None else min(2, max(0, n - 3))
-    kept = {rank: rs[k:n] for rank, rs in rows.items()}
+    kept = {rank: list(rs[k:n]) for rank, rs in rows.items()}
     by_stage: dict[int, list[list[StepMetrics]]] = {}
     for _, rs in sorted(kept.items()):
         by_stage.setdefault(rs[0].stage, []).append(rs)
@@ -180,7 +192,7 @@ def analyse(run_dir: str | Path, *, skip: int | None = None) -> RunSummary:
     bottleneck = max(range(len(stages)), key=lambda i: stages[i].compute_ms)
     pred = plan.predicted.step_ms
     error = (step_ms - pred) / pred if pred > 0 else 0.0  # no prediction: nothing to compare
-    advice = _advice(plan, stages, bubble, step_ms, comm, error, samples, run)
+    advice = _advice(plan, stages, bubble, step_ms, comm, error, samples, run_dir)
     return RunSummary(plan, n, k, micro, step_ms, samples / (step_ms / 1e3) if step_ms else 0.0, bubble,
                       tuple(stages), bottleneck, tuple(advice))
 
@@ -210,23 +222,27 @@ def format_summary(s: RunSummary) -> str:
     return "\n".join(lines)
 
 
-def measured_profile(profile: Profile, s: RunSummary, *, source: str = "runtime") -> Profile:
+def measured_profile(profile: Profile, s: RunSummary, *, source: str = "runtime",
+                     slow: Mapping[str, float] | None = None) -> Profile:
     """The plan's profile with each stage's node costs scaled to the measured stage times.
 
     Args:
         profile: the profile the plan was made for.
         s: the run's summary.
         source: recorded in ``devices[kind]["measured_from"]``.
+        slow: device -> slow-down of that device itself (:func:`device_slowdowns`); divided out of its
+            stage's ratio, so the nodes keep the costs of a healthy device of the kind.
 
     Returns:
         A profile of the same nodes; the stage devices' kinds carry measured costs.
     """
-    plan = s.plan
+    plan, slow = s.plan, slow or {}
     scale: dict[str, tuple[str, float, float]] = {}
     for st, m in zip(plan.stages, s.stages):
         kinds = {plan.cluster.device(d).kind for d in st.devices}
-        f = m.fwd_ms / m.predicted_fwd_ms if m.predicted_fwd_ms > 0 else 1.0
-        b = m.bwd_ms / m.predicted_bwd_ms if m.predicted_bwd_ms > 0 else 1.0
+        own = statistics.fmean(slow.get(d, 1.0) for d in st.devices)
+        f = m.fwd_ms / m.predicted_fwd_ms / own if m.predicted_fwd_ms > 0 else 1.0
+        b = m.bwd_ms / m.predicted_bwd_ms / own if m.predicted_bwd_ms > 0 else 1.0
         for node in st.nodes:
             for kind in kinds:
                 scale[f"{node}\0{kind}"] = (kind, f, b)
@@ -238,17 +254,98 @@ def measured_profile(profile: Profile, s: RunSummary, *, source: str = "runtime"
             key = f"{n.name}\0{kind}"
             if key in scale:
                 _, f, b = scale[key]
-                cost[kind] = NodeCost(c.fwd_ms * f, c.bwd_ms * b, True, c.fwd_spread_ms * f, c.bwd_spread_ms * b)
+                cost[kind] = _scaled(c, f, b)
                 touched.add(kind)
         nodes.append(replace(n, cost=cost))
     devices = {k: dict(v) for k, v in profile.devices.items()}
-    totals = dict(profile.totals)
     for kind in touched:
         devices.setdefault(kind, {})
         devices[kind].update(measured=True, measured_from=source)
-        totals[kind] = NodeCost(sum(n.cost[kind].fwd_ms for n in nodes if kind in n.cost),
-                                sum(n.cost[kind].bwd_ms for n in nodes if kind in n.cost), True)
-    return replace(profile, nodes=tuple(nodes), devices=devices, totals=totals)
+    return _with_totals(replace(profile, nodes=tuple(nodes), devices=devices), touched)
+
+
+def _scaled(c: NodeCost, f: float, b: float) -> NodeCost:
+    """``c`` with every forward time (total, spread, fixed part) times ``f`` and every backward one times ``b``."""
+    return replace(c, measured=True, **{x.name: getattr(c, x.name) * (f if x.name.startswith("fwd_") else b)
+                                        for x in fields(c) if x.name.startswith(("fwd_", "bwd_"))})
+
+
+def _with_totals(p: Profile, kinds: set[str]) -> Profile:
+    totals = dict(p.totals)
+    for kind in kinds:
+        totals[kind] = NodeCost(sum(n.cost[kind].fwd_ms for n in p.nodes if kind in n.cost),
+                                sum(n.cost[kind].bwd_ms for n in p.nodes if kind in n.cost), True)
+    return replace(p, totals=totals)
+
+
+def device_slowdowns(plan: Plan, baseline: Mapping[int, Sequence[StepMetrics]],
+                     recent: Mapping[int, Sequence[StepMetrics]], threshold: float) -> dict[str, float]:
+    """Devices whose own compute grew by more than ``threshold`` since the baseline steps.
+
+    Each rank runs the same nodes in every step of a plan, so a stage whose
+    compute time grows while the plan stays the same is a device that became
+    slower (throttled, shared, failing), not a cost model that was wrong.
+
+    Args:
+        plan: the plan both windows ran (ranks in its device order).
+        baseline: rank -> early steps of the plan (after warm-up).
+        recent: rank -> the latest steps.
+        threshold: recent / baseline compute above which a device counts as slowed.
+
+    Returns:
+        device name -> recent / baseline compute (only the slowed devices).
+
+    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.solve import solve
+    >>> plan = solve(chain_graph([{"cpu": (1.0, 2.0)}] * 4), cluster_of(["cpu", "cpu"]), solver="uniform")
+    >>> row = lambda r, c: StepMetrics(0, r, r, 0, "cpu", 1, 8, 10.0, 10.0, c / 3, 2 * c / 3)
+    >>> device_slowdowns(plan, {0: [row(0, 3.0)], 1: [row(1, 3.0)]}, {0: [row(0, 3.1)], 1: [row(1, 9.0)]}, 1.25)
+    {'d1': 3.0}
+    """
+    devices = [d for st in plan.stages for d in st.devices]
+    out: dict[str, float] = {}
+    for rank, rs in recent.items():
+        before = statistics.median(m.fwd_ms + m.bwd_ms for m in baseline.get(rank, ())) if baseline.get(rank) else 0
+        now = statistics.median(m.fwd_ms + m.bwd_ms for m in rs) if rs else 0.0
+        if before > 0 and now / before > threshold:
+            out[devices[rank]] = now / before
+    return out
+
+
+def measured_setup(profile: Profile, s: RunSummary, slow: Mapping[str, float], *,
+                   source: str = "runtime") -> tuple[Profile, Cluster]:
+    """The measured profile and the cluster as the job sees it now: slowed devices get a kind of their own.
+
+    A device in ``slow`` becomes a :func:`~hpml_compile.ir.variant_kind` of its
+    kind (``cpu~cpu1``) whose every node costs ``slow[device]`` times the
+    measured cost on a healthy device of the kind, so the solver moves work
+    off that device, not off the nodes it happened to run.
+
+    Returns:
+        The profile (with the variant kinds' costs) and the plan's cluster with those kinds.
+    """
+    prof = measured_profile(profile, s, source=source, slow=slow)
+    cluster = s.plan.cluster
+    variants = {d: variant_kind(cluster.device(d).kind, d) for d in slow}
+    base_of = {d: cluster.device(d).kind for d in slow}
+    nodes = []
+    for n in prof.nodes:
+        cost = dict(n.cost)
+        for d, kind in variants.items():
+            cost[kind] = _scaled(n.cost[base_of[d]], slow[d], slow[d])
+        nodes.append(replace(n, cost=cost))
+    devices = {k: dict(v) for k, v in prof.devices.items()}
+    for d, kind in variants.items():
+        devices[kind] = {"measured": True, "measured_from": source, "device": d, "base_kind": base_of[d],
+                         "slowdown": round(slow[d], 4)}
+    prof = _with_totals(replace(prof, nodes=tuple(nodes), devices=devices), set(variants.values()))
+    opt = dict(getattr(prof, "optimizer_ms", {}) or {})  # the optimizer step runs on the slowed device too
+    if opt:
+        opt.update({kind: opt[base_of[d]] * slow[d] for d, kind in variants.items() if base_of[d] in opt})
+        prof = replace(prof, optimizer_ms=opt)
+    new_cluster = replace(cluster, devices=tuple(replace(x, kind=variants[x.name]) if x.name in variants else x
+                                                 for x in cluster.devices))
+    return prof, new_cluster
 
 
 def export_profile(run_dir: str | Path, s: RunSummary | None = None) -> Path | None:

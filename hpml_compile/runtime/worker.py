@@ -35,14 +35,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ..codegen.build import sha256
 from ..errors import HpmlError
+from ..schema import write_json_atomic
+from .adapt import NEXT_FILE, AdaptOptions, Adapter
+from .checkpoint import latest, load_checkpoint, save_checkpoint
 from .comm import CommFault, OpKind
 from .monitor import metrics_path
 from .pipeline import Pipeline
 from .recipe import read_recipe
-from .session import RetryPolicy, env_rank
+from .session import CommFailure, RetryPolicy, env_rank
 
-__all__ = ["OptimizerName", "parse_args", "main", "error_path", "threads_per_rank"]
+PROGRESS_FILE = "started.json"
+_STARTED = time.perf_counter()  # the process's start, near enough: the cost of a restart is measured from it
+
+__all__ = ["OptimizerName", "parse_args", "main", "error_path", "threads_per_rank", "PROGRESS_FILE"]
 
 
 class OptimizerName(str, enum.Enum):
@@ -86,7 +93,7 @@ def _die(run_dir: Path, rank: int, step: int) -> None:
     """Injected failure: leave the reason where the launcher looks, then vanish like a killed process."""
     path = error_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"rank": rank, "time": time.time(), "user_error": False,
+    path.write_text(json.dumps({"rank": rank, "time": time.time(), "user_error": False, "kind": "killed",
                                 "message": f"killed at step {step} by --kill-at (fault injection)"}))
     sys.stdout.flush()
     os._exit(KILLED_EXIT)
@@ -141,6 +148,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow", type=_slow, action="append", default=[], dest="slows", metavar="RANK:FACTOR:FROM_STEP",
                    help="rank RANK computes FACTOR times slower from step FROM_STEP on; repeatable")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
+    p.add_argument("--checkpoint-dir", type=Path, default=None, dest="checkpoint_dir",
+                   help="where checkpoints go (none written without it)")
+    p.add_argument("--checkpoint-every", type=int, default=0, dest="checkpoint_every",
+                   help="checkpoint every K steps (0: only at the end and before a switch)")
+    p.add_argument("--keep-checkpoints", type=int, default=3, dest="keep", help="complete checkpoints kept")
+    p.add_argument("--resume", action="store_true", help="start from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--adapt", action="store_true", help="re-plan on a sustained gap to the plan (see adapt.py)")
+    p.add_argument("--adapt-threshold", type=float, default=AdaptOptions().threshold, dest="adapt_threshold")
+    p.add_argument("--adapt-patience", type=int, default=AdaptOptions().patience, dest="adapt_patience")
+    p.add_argument("--adapt-cooldown", type=int, default=AdaptOptions().cooldown, dest="adapt_cooldown")
+    p.add_argument("--launched-at", type=float, default=None, dest="launched_at",
+                   help="when the launch began (epoch seconds): rank 0 records the time to the first step")
+    p.add_argument("--timeout", type=float, default=RetryPolicy().timeout_s,
+                   help="seconds a collective or receive may block before the rank fails (a hung peer)")
     return p.parse_args(argv)
 
 
@@ -168,6 +189,15 @@ def _collect_rows(pipe: Pipeline, run_dir: Path) -> None:
             path.write_text(text + "\n")
 
 
+def _save(args: argparse.Namespace, pipe: Pipeline, step: int, loss: float | None) -> float:
+    """Checkpoint ``step`` on every rank; returns the seconds it took."""
+    t0 = time.perf_counter()
+    plan_hash = sha256((Path(args.build) / "plan.json").read_bytes())
+    save_checkpoint(args.checkpoint_dir, step, pipe.local_module(), pipe.optimizer, keep=args.keep,
+                    extra={"loss": loss, "build": str(Path(args.build).resolve()), "plan_sha256": plan_hash})
+    return time.perf_counter() - t0
+
+
 def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
     from .. import models  # the zoo: only a worker of a `compile`d build needs it
 
@@ -176,31 +206,66 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
     torch.set_num_threads(threads)
     loaded = models.load(recipe.model, batch_size=recipe.batch_size, seq_len=recipe.seq_len, seed=recipe.seed)
     pipe = Pipeline.from_build(args.build, loaded.module, init_method="env://",
-                               retry=RetryPolicy(attempts=max(1, args.retries)),
+                               retry=RetryPolicy(attempts=max(1, args.retries), timeout_s=args.timeout),
                                optimizer=_optimizer(args.optimizer, args.lr), run_dir=args.run_dir,
                                tensorboard=args.tensorboard, faults=args.faults, log=_say)
+    start = 0
+    found = latest(args.checkpoint_dir) if args.resume and args.checkpoint_dir else None
+    if found is not None:
+        start = int(load_checkpoint(found, pipe.local_module(), pipe.optimizer)["step"])
+        pipe.steps_done = start
     if rank == 0:
         plan = pipe.plan
         print(f"training {recipe.model} for {args.steps} steps on {pipe.world_size} ranks: "
               f"{len(plan.stages)} stages, {plan.microbatches} microbatches, {plan.schedule.value}, "
-              f"batch {recipe.batch_size}, {threads} thread(s) per rank", flush=True)
+              f"batch {recipe.batch_size}, {threads} thread(s) per rank"
+              + (f"; resumed from {found} (step {start})" if found else ""), flush=True)
     t0 = time.perf_counter()
     kills = {step for step, r in args.kills if r == rank}
-    for step in range(args.steps):
+    adapter: Adapter | None = None
+    loss_value: float | None = None
+    switched = None
+    for step in range(start, args.steps):
         if step + 1 in kills:
             _die(args.run_dir, rank, step + 1)
-        for r, factor, start in args.slows:
-            if r == rank and start == step + 1:
+        for r, factor, begin in args.slows:
+            if r == rank and (begin == step + 1 or (step == start and begin <= start)):
                 for module in pipe.stages.values():
                     _slow_down(module, factor)
         loss = pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
+        loss_value = float(loss.item())
+        if step == start and rank == 0:  # how long a (re)start took, for the supervisor's figures
+            write_json_atomic({"launched_at": args.launched_at, "first_step_at": time.time(), "start_step": start,
+                               "checkpoint": str(found) if found else None}, Path(args.run_dir) / PROGRESS_FILE)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             m = pipe.metrics[-1]
-            print(f"step {step + 1:4d}/{args.steps}  loss {loss.item():9.4f}  {m.samples_per_s:8.1f} samples/s  "
+            print(f"step {step + 1:4d}/{args.steps}  loss {loss_value:9.4f}  {m.samples_per_s:8.1f} samples/s  "
                   f"{m.step_ms:8.1f} ms/step" + (f"  ({m.retries} retries)" if m.retries else ""), flush=True)
+        if args.adapt:
+            if adapter is None:
+                began = time.time() - args.launched_at if args.launched_at else time.perf_counter() - _STARTED
+                adapter = Adapter(pipe, build_dir=args.build, run_dir=args.run_dir, total_steps=args.steps,
+                                  startup_s=began, log=_say,
+                                  options=AdaptOptions(threshold=args.adapt_threshold, patience=args.adapt_patience,
+                                                       cooldown=args.adapt_cooldown))
+            verdict = adapter.observe()
+            if verdict is not None and verdict.switch:
+                switched = verdict
+        done = step + 1
+        if args.checkpoint_dir and (switched or done == args.steps
+                                    or (args.checkpoint_every and done % args.checkpoint_every == 0)):
+            took = _save(args, pipe, done, loss_value)
+            if adapter is not None:
+                adapter.checkpoint_s = took
+        if switched is not None:
+            if rank == 0:
+                write_json_atomic({"reason": "imbalance", "step": done, "build": switched.build,
+                                   "event": switched.event}, Path(args.run_dir) / NEXT_FILE)
+                print(f"step {done}: checkpointed; restarting on the new plan ({switched.build})", flush=True)
+            break
     _collect_rows(pipe, args.run_dir)
-    if rank == 0:
-        print(f"done: {args.steps} steps in {time.perf_counter() - t0:.1f} s", flush=True)
+    if rank == 0 and switched is None:
+        print(f"done: {args.steps - start} steps in {time.perf_counter() - t0:.1f} s", flush=True)
     pipe.close()
 
 
@@ -217,9 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         path = error_path(args.run_dir, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        kind = "" if isinstance(e, HpmlError) else f"{type(e).__name__}: "
-        path.write_text(json.dumps({"rank": rank, "time": time.time(), "message": f"{kind}{e}",
-                                    "user_error": isinstance(e, HpmlError)}))
+        prefix = "" if isinstance(e, HpmlError) else f"{type(e).__name__}: "
+        kind = "comm" if isinstance(e, CommFailure) else "user" if isinstance(e, HpmlError) else "crash"
+        path.write_text(json.dumps({"rank": rank, "time": time.time(), "message": f"{prefix}{e}", "kind": kind,
+                                    "user_error": kind == "user"}))
         if isinstance(e, HpmlError):
             sys.exit(2)  # the launcher prints the message, naming the rank that failed first
         raise

@@ -1,0 +1,205 @@
+"""The closed loop inside a running job: watch every step, re-plan on a sustained gap, switch when it pays.
+
+Every rank calls :meth:`Adapter.observe` after each step. The ranks agree on
+the step's time (the slowest rank's step less its optimizer, the simulator's
+scope: one all-reduce of one number), so every rank's
+:class:`~.policy.ImbalanceWatch` fires at the same step without any message.
+When it fires:
+
+1. the ranks gather their measurements of this plan to rank 0;
+2. rank 0 summarises the last ``patience`` steps against the plan, finds the
+   devices whose own compute grew since the plan's first steps
+   (:func:`~.summary.device_slowdowns`: the nodes did not change, so the
+   device did), and builds the measured profile and cluster
+   (:func:`~.summary.measured_setup`: a slowed device gets a kind of its own);
+3. rank 0 re-solves (:func:`~hpml_compile.replan.replan_graph`: the running
+   plan is scored on the same measured costs) and weighs the predicted gain,
+   applied to the measured step, against the cost of switching (this
+   segment's start-up plus a checkpoint) over the steps left
+   (:func:`~.policy.worth_switching`);
+4. if it pays, rank 0 generates the new build; every rank learns the
+   verdict (one broadcast). The caller then checkpoints and stops, and the
+   supervisor (:mod:`.supervisor`) restarts the ranks on the new build.
+   If it does not pay, the measured step time becomes the new reference, so
+   the same gap does not fire the watch again.
+
+Every decision, switch or not, is appended to ``RUN_DIR/replans.jsonl`` with
+its reason, the plan diff and the times it took.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..costgraph import build as build_costgraph
+from ..profile import load_profile
+from ..replan import replan_graph
+from .monitor import StepMetrics
+from .policy import DEFAULT_PATIENCE, DEFAULT_THRESHOLD, ImbalanceWatch, worth_switching
+from .summary import device_slowdowns, measured_setup, summarise
+
+__all__ = ["AdaptOptions", "Verdict", "Adapter", "REPLANS_FILE", "NEXT_FILE", "plan_scope_ms"]
+
+REPLANS_FILE = "replans.jsonl"
+NEXT_FILE = "next.json"
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptOptions:
+    """When and how a running job re-plans (the ``run --adapt-*`` options).
+
+    Attributes:
+        threshold: a step is slow when it takes more than ``threshold`` x the reference (the plan's prediction).
+        patience: slow steps in a row that trigger a re-plan.
+        cooldown: steps to stay quiet after a re-plan that did not switch.
+        warmup: first steps of a plan not watched (allocator, caches, lazy initialisation).
+        baseline: steps after the warm-up that fix each device's own speed under the plan.
+        min_gain: predicted speed-up below which a switch is never worth its risk.
+        solver: the solver for re-planning.
+        time_limit_s: its time limit.
+    """
+
+    threshold: float = DEFAULT_THRESHOLD
+    patience: int = DEFAULT_PATIENCE
+    cooldown: int = 5
+    warmup: int = 2
+    baseline: int = 3
+    min_gain: float = 1.05
+    solver: str = "ilp"
+    time_limit_s: float = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What rank 0 decided, sent to every rank."""
+
+    switch: bool
+    build: str | None
+    reference_ms: float
+    event: dict[str, Any] = field(default_factory=dict)
+
+
+def plan_scope_ms(m: StepMetrics) -> float:
+    """A step's time in the scope of the plan's prediction: the whole step less the optimizer."""
+    return m.step_ms - m.optimizer_ms
+
+
+class Adapter:
+    """One rank's side of the closed loop (see the module docstring).
+
+    Args:
+        pipe: the running pipeline (its plan, measurements, process group).
+        build_dir: the build it runs (its profile.json and model.json are re-planned from).
+        run_dir: this plan's run folder (the decisions log; the next build is generated under it).
+        options: thresholds and solver.
+        total_steps: the step the job ends at (for the pay-off of a switch).
+        startup_s: how long this plan took from launch to its first step (the cost of a restart).
+        log: where decisions are told (rank 0).
+    """
+
+    def __init__(self, pipe: Any, *, build_dir: Path, run_dir: Path, options: AdaptOptions = AdaptOptions(),
+                 total_steps: int, startup_s: float, log: Callable[[str], None] = lambda line: None) -> None:
+        self.pipe, self.build_dir, self.run_dir, self.opts = pipe, Path(build_dir), Path(run_dir), options
+        self.total_steps, self.startup_s, self.log = total_steps, startup_s, log
+        self.watch = ImbalanceWatch(options.threshold, options.patience, options.cooldown)
+        self.reference_ms = pipe.plan.predicted.step_ms
+        self.checkpoint_s = 1.0  # until one is measured
+        self._seen = 0
+        self._times: list[float] = []
+
+    def observe(self) -> Verdict | None:
+        """Feed the step just run (call on every rank); a verdict when the watch fired, else None."""
+        m = self.pipe.metrics[-1]
+        t = torch.tensor([plan_scope_ms(m)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        measured = float(t.item())
+        self._times.append(measured)
+        self._seen += 1
+        if self._seen <= self.opts.warmup + self.opts.baseline:
+            return None
+        if not self.watch.observe(measured, self.reference_ms):
+            return None
+        detected = time.perf_counter()
+        every: list[Any] = [None] * self.pipe.world_size
+        dist.all_gather_object(every, [r.to_dict() for r in self.pipe.metrics])
+        box: list[Any] = [None]
+        if self.pipe.rank == 0:
+            try:
+                box[0] = self._decide(every, detected)
+            except Exception as e:  # noqa: BLE001 -- a failed re-plan must not stop training on the running plan
+                recent = statistics.median(self._times[-self.opts.patience:])
+                box[0] = Verdict(False, None, recent, {"step": self.pipe.steps_done, "switch": False,
+                                                       "why": f"re-planning failed: {type(e).__name__}: {e}"})
+                self._record(box[0].event)
+                self.log(f"re-plan at step {self.pipe.steps_done} failed ({e}); going on with the running plan")
+        dist.broadcast_object_list(box, src=0)
+        verdict: Verdict = box[0]
+        if not verdict.switch:
+            self.reference_ms = verdict.reference_ms
+            self.watch.rebase()
+        return verdict
+
+    def _decide(self, every: list[Any], detected: float) -> Verdict:
+        o, plan, step = self.opts, self.pipe.plan, self.pipe.steps_done
+        rows = {r: [StepMetrics.from_dict(d) for d in rs] for r, rs in enumerate(every)}
+        recent = {r: rs[-o.patience:] for r, rs in rows.items()}
+        baseline = {r: rs[o.warmup:o.warmup + o.baseline] for r, rs in rows.items()}
+        measured = statistics.median(self._times[-o.patience:])
+        s = summarise(plan, recent, skip=0, run_dir=self.run_dir)
+        slow = device_slowdowns(plan, baseline, recent, o.threshold)
+        prof, cluster = measured_setup(load_profile(self.build_dir / "profile.json"), s, slow,
+                                       source=f"{self.run_dir} steps {step - o.patience + 1}..{step}")
+        t0 = time.perf_counter()
+        result = replan_graph(plan, build_costgraph(prof).coarsen(), cluster=cluster, solver=o.solver,
+                              time_limit_s=o.time_limit_s, dtype=prof.dtype)
+        solve_s = time.perf_counter() - t0
+        diff = result.diff
+        steps_left = self.total_steps - step
+        cost_ms = (self.startup_s + self.checkpoint_s) * 1e3
+        # the pay-off in real time: the step as measured, sped up by the predicted gain
+        pays = worth_switching(measured, measured / diff.gain, cost_ms, steps_left, o.min_gain)
+        switch = result.switched and pays
+        scopes = {n.name: n.scope for n in prof.nodes}
+        event: dict[str, Any] = {
+            "step": step, "time": time.time(), "trigger": "imbalance",
+            "reason": f"measured step {measured:.1f} ms > {o.threshold:g} x reference {self.reference_ms:.1f} ms "
+                      f"for {o.patience} steps",
+            "slow_devices": {d: round(f, 3) for d, f in slow.items()},
+            "old_step_ms": diff.old_step_ms, "new_step_ms": diff.new_step_ms, "gain": diff.gain,
+            "steps_left": steps_left, "switch_cost_s": cost_ms / 1e3, "switch": switch,
+            "diff": diff.summary(scope_of=lambda n: scopes.get(n, "")), "solve_s": solve_s,
+        }
+        build = None
+        if switch:
+            t1 = time.perf_counter()
+            from .api import rebuild
+
+            build = str(rebuild(self.build_dir, result.plan, prof, self.run_dir / "next_build").out_dir)
+            event.update(codegen_s=time.perf_counter() - t1, build=build)
+        elif not result.switched:
+            event["why"] = "no plan is predicted faster on the measured costs"
+        else:
+            event["why"] = (f"the gain ({diff.gain:.2f}x of a {measured:.0f} ms step) does not pay for a switch of "
+                            f"{cost_ms / 1e3:.1f} s over {steps_left} steps (or is under {o.min_gain:g}x)")
+        event["decide_s"] = time.perf_counter() - detected
+        self._record(event)
+        head = f"re-plan at step {step}: {event['reason']}"
+        if slow:
+            head += "; slowed: " + ", ".join(f"{d} {f:.2f}x" for d, f in slow.items())
+        self.log(head + "\n" + diff.summary(scope_of=lambda n: scopes.get(n, "")) + "\n"
+                 + (f"switching to the new plan ({build})" if switch else f"keeping the plan: {event['why']}"))
+        return Verdict(switch, build, result.plan.predicted.step_ms if switch else measured, event)
+
+    def _record(self, event: dict[str, Any]) -> None:
+        path = self.run_dir / REPLANS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as f:
+            f.write(json.dumps(event) + "\n")
