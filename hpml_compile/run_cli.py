@@ -204,7 +204,7 @@ def _run_adaptive(args: argparse.Namespace, worker: list[str], faults: list[str]
                                                                   "argv": sys.argv[1:]},
                        log=lambda line: print(line, flush=True))
     segments = [e for e in events if e["event"] == "segment"]
-    print(f"done: {args.steps} steps in {len(segments)} segment(s); decisions in {run_dir / 'events.jsonl'}")
+    print(f"done: step {args.steps} reached in {len(segments)} segment(s); decisions in {run_dir / 'events.jsonl'}")
     _print_timings(run_dir)
     if args.report:
         _report(run_dir / f"seg{segments[-1]['segment']}", None, export=True)

@@ -20,8 +20,11 @@ When it fires:
 4. if it pays, rank 0 generates the new build; every rank learns the
    verdict (one broadcast). The caller then checkpoints and stops, and the
    supervisor (:mod:`.supervisor`) restarts the ranks on the new build.
-   If it does not pay, the measured step time becomes the new reference, so
-   the same gap does not fire the watch again.
+   When no plan is predicted faster, the measured step time becomes the new
+   reference (the gap is the cost model's, not the placement's), so the same
+   gap does not fire the watch again. When a faster plan does not pay for a
+   switch yet, the reference stays: the watch fires again after its
+   cool-down, with cleaner measurements and fewer steps left.
 
 Every decision, switch or not, is appended to ``RUN_DIR/replans.jsonl`` with
 its reason, the plan diff and the times it took.
@@ -196,7 +199,10 @@ class Adapter:
             head += "; slowed: " + ", ".join(f"{d} {f:.2f}x" for d, f in slow.items())
         self.log(head + "\n" + diff.summary(scope_of=lambda n: scopes.get(n, "")) + "\n"
                  + (f"switching to the new plan ({build})" if switch else f"keeping the plan: {event['why']}"))
-        return Verdict(switch, build, result.plan.predicted.step_ms if switch else measured, event)
+        # the new reference: the new plan's prediction; the measured step when no plan is faster (the gap is the
+        # cost model's, not the placement's); unchanged when a faster plan did not pay yet (asked again later)
+        ref = result.plan.predicted.step_ms if switch else measured if not result.switched else self.reference_ms
+        return Verdict(switch, build, ref, event)
 
     def _record(self, event: dict[str, Any]) -> None:
         path = self.run_dir / REPLANS_FILE

@@ -26,7 +26,9 @@ Fault injection (``--slow``, ``--kill-at``) names ranks of the *first* plan;
 the supervisor translates them to devices, so a slowed device stays slow under
 the next plan whatever rank it then has, and a killed device is gone.
 
-Every segment and decision is logged to ``RUN_DIR/events.jsonl``;
+Run again with the same ``RUN_DIR`` (after the supervisor itself was stopped),
+a job goes on from its latest checkpoint in new segments. Every segment and
+decision is logged to ``RUN_DIR/events.jsonl``;
 :func:`timings` turns it into detection, re-plan and resume times.
 """
 
@@ -212,8 +214,7 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
         LaunchError: a rank failed on bad input (never retried), or the ranks could not start.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / EVENTS_FILE).unlink(missing_ok=True)
-    job = _Job(run_dir, steps, log)
+    job = _Job(run_dir, steps, log)  # a run folder used before goes on: new segments, events appended
     first = plan_devices(load_plan(build_dir / "plan.json"))
     for rank in [r for r, _, _ in slows] + [r for _, r in kills]:
         if not 0 <= rank < len(first):
@@ -221,7 +222,8 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
     slow_dev = [(first[r], f, s) for r, f, s in slows]
     kill_dev = [(s, first[r]) for s, r in kills]
     ledger = FailureLedger(max_failures)
-    build, seg, reason = build_dir, 0, "start"
+    earlier = [int(p.name[3:]) for p in run_dir.glob("seg*") if p.name[3:].isdigit()]
+    build, seg, reason = build_dir, max(earlier, default=-1) + 1, "start"
     checkpoints = run_dir / "checkpoints"
     while True:
         plan = load_plan(build / "plan.json")
@@ -236,7 +238,7 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
                      "--adapt-cooldown", str(adapt.cooldown)]
         args += [x for d, f, s in slow_dev if d in devices for x in ("--slow", f"{devices.index(d)}:{f:g}:{s}")]
         args += [x for s, d in kill_dev if d in devices for x in ("--kill-at", f"{s}:{devices.index(d)}")]
-        args += list(first_only) if seg == 0 else []
+        args += list(first_only) if reason == "start" else []
         resumed = latest(checkpoints)
         job.event("segment", segment=seg, reason=reason, build=str(build), devices=devices,
                   resume_from=str(resumed) if resumed else None)
