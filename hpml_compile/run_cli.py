@@ -70,6 +70,9 @@ def add_parsers(subparsers: Any) -> None:
                         "to see the retry work; repeatable")
     p.add_argument("--kill-at", action="append", default=[], dest="kill_at", metavar="STEP:RANK",
                    help="fault injection: rank RANK dies abruptly when it reaches step STEP (from 1); repeatable")
+    p.add_argument("--hang-at", action="append", default=[], dest="hang_at", metavar="STEP:RANK",
+                   help="fault injection: rank RANK stops responding at step STEP (its peers fail after --timeout); "
+                        "with --adapt, every time its device gets there")
     p.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR:FROM_STEP",
                    help="fault injection: rank RANK computes FACTOR times slower from step FROM_STEP (from 1) on")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
@@ -154,6 +157,7 @@ def run_run(args: argparse.Namespace) -> int:
         return _run_adaptive(args, worker, faults, nproc)
     worker += ["--steps", str(args.steps), *faults]
     worker += [x for kill in args.kill_at for x in ("--kill-at", kill)]
+    worker += [x for hang in args.hang_at for x in ("--hang-at", hang)]
     worker += [x for slow in args.slow for x in ("--slow", slow)]
     if args.checkpoint_dir:
         worker += ["--checkpoint-dir", str(args.checkpoint_dir), "--checkpoint-every", str(args.checkpoint_every or 0),
@@ -173,11 +177,12 @@ def run_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_faults(args: argparse.Namespace) -> tuple[list[tuple[int, float, int]], list[tuple[int, int]]]:
+def _parse_faults(args: argparse.Namespace) -> tuple[list[tuple[int, float, int]], list[tuple[int, int]],
+                                                     list[tuple[int, int]]]:
     from .runtime.worker import _kill, _slow
 
     try:
-        return [_slow(x) for x in args.slow], [_kill(x) for x in args.kill_at]
+        return [_slow(x) for x in args.slow], [_kill(x) for x in args.kill_at], [_kill(x) for x in args.hang_at]
     except argparse.ArgumentTypeError as e:
         raise HpmlError(f"run: {e}") from None
 
@@ -193,12 +198,12 @@ def _run_adaptive(args: argparse.Namespace, worker: list[str], faults: list[str]
         raise HpmlError("run --adapt keeps its checkpoints in RUN_DIR/checkpoints and always resumes from them; "
                         "drop --checkpoint-dir/--resume (or pass the same --run-dir to go on with a job)")
     run_dir = args.run_dir or default_run_dir(args.build)
-    slows, kills = _parse_faults(args)
+    slows, kills, hangs = _parse_faults(args)
     adapt = AdaptOptions(threshold=args.adapt_threshold, patience=args.adapt_patience,
                          cooldown=args.adapt_cooldown) if args.on_imbalance else None
     print(f"run --adapt: {nproc} ranks for {args.build} -> {run_dir} (checkpoints every "
           f"{args.checkpoint_every or 5} steps in {run_dir / 'checkpoints'})", flush=True)
-    events = supervise(args.build, run_dir, steps=args.steps, worker_args=worker, slows=slows, kills=kills,
+    events = supervise(args.build, run_dir, steps=args.steps, worker_args=worker, slows=slows, kills=kills, hangs=hangs,
                        first_only=faults, checkpoint_every=args.checkpoint_every or 5, keep=args.keep, adapt=adapt,
                        max_failures=args.max_failures, run_info={"optimizer": args.optimizer, "lr": args.lr,
                                                                   "argv": sys.argv[1:]},

@@ -22,7 +22,7 @@ every segment resumes from the latest one. A segment ends in one of three ways:
   shortfall and the last checkpoint, which is intact.
   A bad input (a user error) is never retried.
 
-Fault injection (``--slow``, ``--kill-at``) names ranks of the *first* plan;
+Fault injection (``--slow``, ``--kill-at``, ``--hang-at``) names ranks of the *first* plan;
 the supervisor translates them to devices, so a slowed device stays slow under
 the next plan whatever rank it then has, and a killed device is gone.
 
@@ -185,6 +185,7 @@ def _replan_without(job: _Job, plan: Plan, build: Path, seg_dir: Path, lost: str
 
 def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequence[str] = (),
               slows: Sequence[tuple[int, float, int]] = (), kills: Sequence[tuple[int, int]] = (),
+              hangs: Sequence[tuple[int, int]] = (),
               first_only: Sequence[str] = (), checkpoint_every: int = 5, keep: int = 3,
               adapt: AdaptOptions | None = AdaptOptions(), max_failures: int = 2, solver: str = "ilp",
               run_info: dict[str, Any] | None = None, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
@@ -197,6 +198,8 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
         worker_args: arguments for every segment's :mod:`.worker` (optimizer, lr, logging, ...).
         slows: ``(rank, factor, from step)`` of the first plan (fault injection; follows the device).
         kills: ``(step, rank)`` of the first plan (fault injection; follows the device).
+        hangs: ``(step, rank)`` of the first plan: that rank stops responding at that step, each time it
+            gets there (a failing device; fault injection).
         first_only: worker arguments for the first segment only (``--inject-fault``).
         checkpoint_every: checkpoint every K steps (also at the end and before a switch).
         keep: complete checkpoints kept.
@@ -216,11 +219,11 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
     run_dir.mkdir(parents=True, exist_ok=True)
     job = _Job(run_dir, steps, log)  # a run folder used before goes on: new segments, events appended
     first = plan_devices(load_plan(build_dir / "plan.json"))
-    for rank in [r for r, _, _ in slows] + [r for _, r in kills]:
+    for rank in [r for r, _, _ in slows] + [r for _, r in [*kills, *hangs]]:
         if not 0 <= rank < len(first):
             raise HpmlError(f"fault injection names rank {rank}, but the plan has ranks 0..{len(first) - 1}")
     slow_dev = [(first[r], f, s) for r, f, s in slows]
-    kill_dev = [(s, first[r]) for s, r in kills]
+    step_faults = [("--kill-at", s, first[r]) for s, r in kills] + [("--hang-at", s, first[r]) for s, r in hangs]
     ledger = FailureLedger(max_failures)
     earlier = [int(p.name[3:]) for p in run_dir.glob("seg*") if p.name[3:].isdigit()]
     build, seg, reason = build_dir, max(earlier, default=-1) + 1, "start"
@@ -237,7 +240,7 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
             args += ["--adapt", "--adapt-threshold", str(adapt.threshold), "--adapt-patience", str(adapt.patience),
                      "--adapt-cooldown", str(adapt.cooldown)]
         args += [x for d, f, s in slow_dev if d in devices for x in ("--slow", f"{devices.index(d)}:{f:g}:{s}")]
-        args += [x for s, d in kill_dev if d in devices for x in ("--kill-at", f"{s}:{devices.index(d)}")]
+        args += [x for flag, s, d in step_faults if d in devices for x in (flag, f"{s}:{devices.index(d)}")]
         args += list(first_only) if reason == "start" else []
         resumed = latest(checkpoints)
         job.event("segment", segment=seg, reason=reason, build=str(build), devices=devices,

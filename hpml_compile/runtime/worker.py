@@ -145,6 +145,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="fail one communication operation once (to exercise the retry); repeatable")
     p.add_argument("--kill-at", type=_kill, action="append", default=[], dest="kills", metavar="STEP:RANK",
                    help="rank RANK dies (no clean-up, exit 137) when it reaches step STEP; repeatable")
+    p.add_argument("--hang-at", type=_kill, action="append", default=[], dest="hangs", metavar="STEP:RANK",
+                   help="rank RANK stops responding (sleeps for ever) when it reaches step STEP; repeatable")
     p.add_argument("--slow", type=_slow, action="append", default=[], dest="slows", metavar="RANK:FACTOR:FROM_STEP",
                    help="rank RANK computes FACTOR times slower from step FROM_STEP on; repeatable")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
@@ -206,7 +208,8 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
     torch.set_num_threads(threads)
     loaded = models.load(recipe.model, batch_size=recipe.batch_size, seq_len=recipe.seq_len, seed=recipe.seed)
     pipe = Pipeline.from_build(args.build, loaded.module, init_method="env://",
-                               retry=RetryPolicy(attempts=max(1, args.retries), timeout_s=args.timeout),
+                               retry=RetryPolicy(attempts=max(1, args.retries), timeout_s=args.timeout,
+                                                 rejoin_timeout_s=min(RetryPolicy().rejoin_timeout_s, args.timeout)),
                                optimizer=_optimizer(args.optimizer, args.lr), run_dir=args.run_dir,
                                tensorboard=args.tensorboard, faults=args.faults, log=_say)
     start = 0
@@ -222,12 +225,16 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
               + (f"; resumed from {found} (step {start})" if found else ""), flush=True)
     t0 = time.perf_counter()
     kills = {step for step, r in args.kills if r == rank}
+    hangs = {step for step, r in args.hangs if r == rank}
     adapter: Adapter | None = None
     loss_value: float | None = None
     switched = None
     for step in range(start, args.steps):
         if step + 1 in kills:
             _die(args.run_dir, rank, step + 1)
+        if step + 1 in hangs:  # injected hang: the peers block on this rank until their time-out
+            while True:
+                time.sleep(3600)
         for r, factor, begin in args.slows:
             if r == rank and (begin == step + 1 or (step == start and begin <= start)):
                 for module in pipe.stages.values():

@@ -1,5 +1,6 @@
 """The closed loop end to end (``hpml-compile run --adapt``), on 3 real gloo ranks under torchrun.
 
+- a rank that hangs: its peers time out; it is restarted once, then dropped;
 - a rank killed mid-run: the job resumes on the 2 devices left from the last
   checkpoint, loses no more steps than the checkpoint interval, and from the
   resumed step on its losses equal a plain 2-rank run started from that same
@@ -85,6 +86,21 @@ def test_killed_rank_resumes_on_the_devices_left_with_equal_losses(tmp_path: Pat
     # and the first segment's losses before the kill continue smoothly into the resumed ones
     before = _losses(run / "seg0")
     assert before[resumed] > got[resumed + 1] > got[steps]
+
+
+def test_a_rank_that_keeps_hanging_is_retried_then_dropped(tmp_path: Path) -> None:
+    build = _compile(tmp_path / "b", "gpt-tiny", "local-cpu-3", "--solver", "uniform", "--microbatches", "2")
+    run = tmp_path / "run"
+    r = _cli("run", str(build), "--steps", "6", "--adapt", "--no-replan-on-imbalance", "--checkpoint-every", "2",
+             "--hang-at", "4:2", "--timeout", "6", "--retries", "1", "--max-failures", "2", "--run-dir", str(run),
+             "--no-tensorboard", "--no-report")
+    assert r.returncode == 0, r.stdout + r.stderr
+    failures = [e for e in _events(run) if e["event"] == "failure"]
+    assert [(e["device"], e["cause"], e["dropped"]) for e in failures] == [("cpu2", "comm", False),
+                                                                           ("cpu2", "comm", True)]
+    segments = [e for e in _events(run) if e["event"] == "segment"]
+    assert [s["devices"] for s in segments] == [["cpu0", "cpu1", "cpu2"]] * 2 + [["cpu0", "cpu1"]]
+    assert max(_losses(run / "seg2")) == 6
 
 
 def test_slowed_rank_is_replanned_within_20_steps(tmp_path: Path) -> None:
