@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,8 @@ def test_slowed_rank_computes_slower_from_the_given_step(build: Path, tmp_path: 
                         "--no-report"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     before, after = _compute(run, 1)[1:4], _compute(run, 1)[4:]
-    assert min(after) > 2 * max(before), (before, after)
+    # medians: one step of a busy machine must not decide it
+    assert statistics.median(after) > 2 * statistics.median(before), (before, after)
 
 
 def test_killed_rank_is_named_and_earlier_steps_are_kept(build: Path, tmp_path: Path) -> None:
