@@ -74,7 +74,9 @@ def _run_profile(args: argparse.Namespace) -> int:
                          device="meta" if args.meta else "cpu", seed=args.seed)
     prof = profile(loaded.module, loaded.example_inputs, name=loaded.name, device_kinds=args.device_kinds,
                    batch_size=loaded.batch_size, seq_len=loaded.seq_len, repeats=args.repeats, warmup=args.warmup,
-                   leaf_modules=args.leaf, front_end=args.front_end, progress=not args.quiet)
+                   leaf_modules=args.leaf, front_end=args.front_end, progress=not args.quiet,
+                   loss_fn=loaded.loss_fn if loaded.example_targets is not None else None,
+                   targets=loaded.example_targets)
     path = save_profile(prof, args.output)
     if not args.quiet:
         print(profile_summary(prof))

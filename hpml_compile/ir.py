@@ -38,7 +38,8 @@ __all__ = [
     "variant_kind",
 ]
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+PROFILE_READS = (1, 2)  # version 1 files have no fixed costs, loss, optimizer or parameter sizes
 CLUSTER_VERSION = 1
 VARIANT_SEP = "~"
 
@@ -92,9 +93,14 @@ class BackwardTiming(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class NodeCost:
-    """Time of one node on one device kind, in milliseconds.
+    """Time of one node on one device kind, in milliseconds, for the profile's batch.
 
     ``*_spread_ms`` is the inter-quartile range of the repeats (0 when predicted).
+    ``*_fixed_ms`` is the part of the time that does not shrink with the batch
+    (reading the weights, launching kernels, Python): a slice of ``rows`` of
+    the profile's ``batch`` rows costs ``fixed + (ms - fixed) * rows / batch``
+    (:meth:`at`). 0 (the default, and what a version 1 profile means) is the
+    old assumption that time is proportional to the rows.
     """
 
     fwd_ms: float
@@ -102,11 +108,21 @@ class NodeCost:
     measured: bool
     fwd_spread_ms: float = 0.0
     bwd_spread_ms: float = 0.0
+    fwd_fixed_ms: float = 0.0
+    bwd_fixed_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for f in ("fwd_ms", "bwd_ms", "fwd_spread_ms", "bwd_spread_ms"):
+        for f in ("fwd_ms", "bwd_ms", "fwd_spread_ms", "bwd_spread_ms", "fwd_fixed_ms", "bwd_fixed_ms"):
             if getattr(self, f) < 0:
                 raise ValueError(f"NodeCost.{f} must be >= 0, got {getattr(self, f)}")
+        if self.fwd_fixed_ms > self.fwd_ms or self.bwd_fixed_ms > self.bwd_ms:
+            raise ValueError(f"NodeCost: a fixed part exceeds its time ({self.fwd_fixed_ms} > {self.fwd_ms} or "
+                             f"{self.bwd_fixed_ms} > {self.bwd_ms})")
+
+    def at(self, fraction: float) -> tuple[float, float]:
+        """``(fwd_ms, bwd_ms)`` of a slice holding ``fraction`` of the profile's batch rows."""
+        return (self.fwd_fixed_ms + (self.fwd_ms - self.fwd_fixed_ms) * fraction,
+                self.bwd_fixed_ms + (self.bwd_ms - self.bwd_fixed_ms) * fraction)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -168,7 +184,14 @@ class Profile:
 
     ``devices`` describes each device kind (``{"measured": bool, ...}``);
     ``totals`` holds whole-model forward/backward times where they were
-    measured, to check that the per-node times add up.
+    measured (the per-node times are scaled to add up to them).
+    ``micro_batch`` is the second, smaller batch the nodes were also timed at
+    to split each cost into a fixed and a per-row part (None: not measured).
+    ``loss`` names the loss function timed with the output node (whose cost
+    is then the loss's), None when the loss was not timed.
+    ``optimizer_ms`` is one optimizer step (``optimizer``) over all
+    ``parameters`` (``{name: bytes}``, tied parameters once per name that
+    the nodes use) per device kind; empty when not measured or predicted.
     """
 
     model: str
@@ -182,6 +205,11 @@ class Profile:
     warmup: int = 0
     devices: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     totals: Mapping[str, NodeCost] = field(default_factory=dict)
+    micro_batch: int | None = None
+    loss: str | None = None
+    optimizer: str | None = None
+    optimizer_ms: Mapping[str, float] = field(default_factory=dict)
+    parameters: Mapping[str, int] = field(default_factory=dict)
     schema_version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
@@ -232,6 +260,11 @@ class Profile:
             "warmup": self.warmup,
             "devices": {k: dict(v) for k, v in self.devices.items()},
             "totals": {k: v.to_dict() for k, v in self.totals.items()},
+            "micro_batch": self.micro_batch,
+            "loss": self.loss,
+            "optimizer": self.optimizer,
+            "optimizer_ms": dict(self.optimizer_ms),
+            "parameters": dict(self.parameters),
             "nodes": [n.to_dict() for n in self.nodes],
         }
 
@@ -243,7 +276,7 @@ class Profile:
             SchemaError: naming the first field that is missing or of the wrong type.
         """
         validate(d, PROFILE_SCHEMA, source)
-        check_version(d, PROFILE_VERSION, source)
+        check_version(d, PROFILE_READS, source)
         return cls(
             model=d["model"],
             batch_size=d["batch_size"],
@@ -255,6 +288,11 @@ class Profile:
             warmup=d.get("warmup", 0),
             devices=d.get("devices", {}),
             totals={k: NodeCost(**v) for k, v in d.get("totals", {}).items()},
+            micro_batch=d.get("micro_batch"),
+            loss=d.get("loss"),
+            optimizer=d.get("optimizer"),
+            optimizer_ms=d.get("optimizer_ms", {}),
+            parameters=d.get("parameters", {}),
             nodes=tuple(ProfileNode.from_dict(n) for n in d["nodes"]),
         )
 

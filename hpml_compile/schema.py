@@ -45,7 +45,10 @@ _NODE_COST = {
         "measured": {"type": "boolean"},
         "fwd_spread_ms": _NUM,
         "bwd_spread_ms": _NUM,
+        "fwd_fixed_ms": _NUM,
+        "bwd_fixed_ms": _NUM,
     },
+    "additionalProperties": False,
 }
 
 PROFILE_SCHEMA: dict[str, Any] = {
@@ -63,6 +66,11 @@ PROFILE_SCHEMA: dict[str, Any] = {
         "warmup": _INT,
         "devices": {"type": "object", "additionalProperties": {"type": "object"}},
         "totals": {"type": "object", "additionalProperties": _NODE_COST},
+        "micro_batch": {"type": ["integer", "null"], "minimum": 1},
+        "loss": {"type": ["string", "null"]},
+        "optimizer": {"type": ["string", "null"]},
+        "optimizer_ms": {"type": "object", "additionalProperties": _NUM},
+        "parameters": {"type": "object", "additionalProperties": _INT},
         "nodes": {
             "type": "array",
             "items": {
@@ -179,11 +187,13 @@ def validate(data: Any, schema: Mapping[str, Any], source: str) -> None:
     raise SchemaError(source, _field_path(err.absolute_path), _expected(err), repr(err.instance)[:80])
 
 
-def check_version(data: Mapping[str, Any], supported: int, source: str) -> None:
-    """Reject files written by an unknown schema version, by name."""
+def check_version(data: Mapping[str, Any], supported: int | tuple[int, ...], source: str) -> None:
+    """Reject files written by an unknown schema version, by name (``supported``: one version or several)."""
+    versions = (supported,) if isinstance(supported, int) else tuple(supported)
     version = data.get("schema_version")
-    if version != supported:
-        raise SchemaError(source, "schema_version", f"{supported} (this hpml-compile reads version {supported})",
+    if version not in versions:
+        text = " or ".join(map(str, versions))
+        raise SchemaError(source, "schema_version", f"{text} (this hpml-compile reads version {text})",
                           repr(version))
 
 

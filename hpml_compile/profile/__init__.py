@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Sequence
+import warnings
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -32,7 +33,7 @@ from ..ir import BackwardTiming, FrontEnd, NodeCost, NodeOp, Profile, ProfileNod
 from ..schema import read_json, write_json_atomic
 from ..trace import node_info, trace
 from .static import NodeFacts, analyze
-from .timing import measure
+from .timing import measure, slice_rows, time_optimizer
 
 __all__ = ["profile", "predict_kinds", "check_kinds", "local_kinds", "save_profile", "load_profile"]
 
@@ -82,13 +83,96 @@ def _dtype(model: torch.nn.Module) -> str:
 
 
 def _measure_on(gm: fx.GraphModule, inputs: Sequence[Any], device: torch.device, repeats: int, warmup: int,
-                progress: bool) -> tuple[dict[str, NodeCost], NodeCost]:
+                progress: bool, loss: tuple[Callable[[Any, Any], torch.Tensor], Any] | None = None
+                ) -> tuple[dict[str, NodeCost], NodeCost]:
     if device.type == "cpu":
-        return measure(gm, inputs, device=device, repeats=repeats, warmup=warmup, progress=progress)
+        return measure(gm, inputs, device=device, repeats=repeats, warmup=warmup, progress=progress, loss=loss)
     import copy  # a GPU gets its own copy so the user's model stays where it is
 
     return measure(copy.deepcopy(gm).to(device), inputs, device=device, repeats=repeats, warmup=warmup,
-                   progress=progress)
+                   progress=progress, loss=loss)
+
+
+def _scale_to_whole(costs: dict[str, NodeCost], whole: NodeCost, skip: str | None
+                    ) -> tuple[dict[str, NodeCost], tuple[float, float]]:
+    """Node costs scaled so that they add up to the whole-model pass (``skip``, the loss, is not in it).
+
+    Timing one node at a time, many times, keeps its weights and inputs in cache; a whole pass does not, so
+    the per-node times add up to less than the pass (NOTES.md). The ratio is spread over every node.
+    """
+    fwd = sum(c.fwd_ms for n, c in costs.items() if n != skip)
+    bwd = sum(c.bwd_ms for n, c in costs.items() if n != skip)
+    rf = whole.fwd_ms / fwd if fwd > 0 and whole.fwd_ms > 0 else 1.0
+    rb = whole.bwd_ms / bwd if bwd > 0 and whole.bwd_ms > 0 else 1.0
+    lo, hi = _SCALE_RANGE
+    use_f, use_b = (r if lo <= r <= hi else 1.0 for r in (rf, rb))
+    if (use_f, use_b) != (rf, rb):
+        warnings.warn(f"the whole-model pass took {rf:.2f}x (forward) and {rb:.2f}x (backward) the sum of the "
+                      f"per-node times, outside {lo}-{hi}x: another job probably shared the device; that direction "
+                      "is left unscaled", stacklevel=4)
+    out = {n: c if n == skip else NodeCost(c.fwd_ms * use_f, c.bwd_ms * use_b, c.measured, c.fwd_spread_ms * use_f,
+                                           c.bwd_spread_ms * use_b) for n, c in costs.items()}
+    return out, (rf, rb)
+
+
+# Whole-pass / per-node-sum ratios beyond this range are taken as interference, not as the model's behaviour
+# (measured ratios are 1.0-1.25 here: NOTES.md, benchmarks/prediction/README.md).
+_SCALE_RANGE = (0.5, 2.0)
+
+
+def _split_fixed(big: NodeCost, small: NodeCost, batch: int, rows: int) -> NodeCost:
+    """``big`` (at ``batch`` rows) with the fixed part of ``a + b * rows`` fitted through it and ``small``.
+
+    A slope below zero (the small batch timed slower, noise) means no per-row part: all of it is fixed.
+    """
+    def fixed(t_big: float, t_small: float) -> float:
+        per_row = max(0.0, (t_big - t_small) / (batch - rows))
+        return min(t_big, max(0.0, t_big - per_row * batch))
+
+    return NodeCost(big.fwd_ms, big.bwd_ms, big.measured, big.fwd_spread_ms, big.bwd_spread_ms,
+                    fixed(big.fwd_ms, small.fwd_ms), fixed(big.bwd_ms, small.bwd_ms))
+
+
+def _profile_kind(gm: fx.GraphModule, inputs: tuple[Any, ...], device: torch.device, batch: int,
+                  micro: int | None, loss: tuple[Callable[[Any, Any], torch.Tensor], Any] | None, repeats: int,
+                  warmup: int, progress: bool) -> tuple[dict[str, NodeCost], NodeCost, dict[str, Any], bool]:
+    """Costs on one present device: at the batch, scaled to the whole pass, with fixed parts from ``micro`` rows.
+
+    Returns ``(costs, whole-model cost, facts for profile.devices, whether micro rows were measured)``.
+    """
+    out_node = next((n.name for n in gm.graph.nodes if n.op == "output"), None) if loss else None
+    costs, whole = _measure_on(gm, inputs, device, repeats, warmup, progress, loss)
+    costs, (rf, rb) = _scale_to_whole(costs, whole, out_node)
+    info: dict[str, Any] = {"scaled_to_whole": {"fwd": round(rf, 4), "bwd": round(rb, 4)}}
+    if not micro or micro >= batch:
+        return costs, whole, info, False
+    small_inputs = tuple(slice_rows(x, batch, micro) for x in inputs)
+    small_loss = (loss[0], slice_rows(loss[1], batch, micro)) if loss else None
+    try:
+        small, small_whole = _measure_on(gm, small_inputs, device, repeats, warmup, progress, small_loss)
+    except Exception as e:  # e.g. a graph whose shapes were specialised to the batch by torch.export
+        warnings.warn(f"profiling at {micro} rows failed ({type(e).__name__}: {e}); node costs on {device} are "
+                      "taken as proportional to the rows", stacklevel=3)
+        return costs, whole, info, False
+    small, (sf, sb) = _scale_to_whole(small, small_whole, out_node)
+    info["scaled_to_whole_micro"] = {"fwd": round(sf, 4), "bwd": round(sb, 4)}
+    fitted = {n: _split_fixed(c, small[n], batch, micro) if n in small else c for n, c in costs.items()}
+    whole = _split_fixed(whole, small_whole, batch, micro)
+    return fitted, whole, info, True
+
+
+def _make_optimizer(optimizer: str | Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None
+                    ) -> tuple[str | None, Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None]:
+    if optimizer is None:
+        return None, None
+    if callable(optimizer):
+        return getattr(optimizer, "__name__", "custom"), optimizer
+    makers = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3), "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+              "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)}
+    if optimizer.lower() not in makers:
+        raise HpmlError(f"unknown optimizer {optimizer!r}: use one of {', '.join(makers)} or a callable "
+                        "(parameters -> torch.optim.Optimizer)")
+    return optimizer.lower(), makers[optimizer.lower()]
 
 
 def profile(
@@ -104,6 +188,10 @@ def profile(
     leaf_modules: Sequence[type | str] = (),
     front_end: FrontEnd | str = FrontEnd.AUTO,
     progress: bool = True,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    targets: Any = None,
+    micro_batch: int | None = None,
+    optimizer: str | Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = "adamw",
 ) -> Profile:
     """Trace (unless given a traced GraphModule) and profile ``model``.
 
@@ -119,6 +207,16 @@ def profile(
         repeats, warmup: timed and untimed calls per node.
         leaf_modules, front_end: passed to :func:`hpml_compile.trace`.
         progress: progress bar while measuring.
+        loss_fn, targets: the training loss ``loss_fn(output, targets)``; when
+            given, it is timed and becomes the output node's cost.
+        micro_batch: a second, smaller batch (rows) every node is also timed
+            at, to split each cost into a fixed part and a per-row part (a
+            microbatch of a few rows costs more than its share of the batch);
+            None picks ``batch // 8``, 0 measures the batch only.
+        optimizer: ``"adamw"`` (default), ``"adam"``, ``"sgd"``, a callable
+            ``parameters -> torch.optim.Optimizer``, or None: one step of it
+            over the parameters is timed (kinds not present: predicted from
+            the measured kind's bytes per memory bandwidth).
 
     Returns:
         The Profile, nodes in topological order.
@@ -135,22 +233,47 @@ def profile(
         trace(model, inputs, leaf_modules=leaf_modules, front_end=front_end)
     facts = analyze(gm)
     meta = _is_meta(gm, inputs)
+    b, s = _infer_sizes(inputs)
+    micro = max(1, b // 8) if micro_batch is None else micro_batch
+    micro = micro if 0 < micro < b else None
+    loss = (loss_fn, targets) if loss_fn is not None else None
+    opt_name, make_opt = _make_optimizer(optimizer)
     measured: dict[str, dict[str, NodeCost]] = {}
     totals: dict[str, NodeCost] = {}
+    devices: dict[str, dict[str, Any]] = {}
+    optimizer_ms: dict[str, float] = {}
+    micro_measured = False
     if not meta:
         for kind in kinds:
             if kind in present:
-                measured[kind], totals[kind] = _measure_on(gm, inputs, present[kind], repeats, warmup, progress)
-    b, s = _infer_sizes(inputs)
+                measured[kind], totals[kind], info, got = _profile_kind(gm, inputs, present[kind], b, micro, loss,
+                                                                        repeats, warmup, progress)
+                micro_measured = micro_measured or got
+                devices[kind] = {"measured": True, "device": str(present[kind]), **info}
+                if make_opt is not None:
+                    optimizer_ms[kind] = time_optimizer(_unique_params(gm), present[kind], make_opt, repeats, warmup)
     nodes = _nodes(gm, facts, measured)
-    devices = {k: {"measured": True, "device": str(present[k])} for k in measured}
     prof = Profile(
         model=name or type(model).__name__, batch_size=batch_size or b, seq_len=seq_len if seq_len else s,
         dtype=_dtype(gm), nodes=nodes, front_end=gm.meta["hpml_front_end"],
         backward_timing=BackwardTiming.PER_NODE if measured else BackwardTiming.PREDICTED,
         repeats=repeats if measured else 0, warmup=warmup if measured else 0, devices=devices, totals=totals,
+        micro_batch=micro if micro_measured else None,
+        loss=(getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__) if loss and measured else None,
+        optimizer=opt_name, optimizer_ms=optimizer_ms, parameters=_param_sizes(gm, nodes),
     )
     return predict_kinds(prof, kinds)
+
+
+def _unique_params(gm: fx.GraphModule) -> list[torch.Tensor]:
+    return [p for p in gm.parameters() if p.requires_grad]
+
+
+def _param_sizes(gm: fx.GraphModule, nodes: Sequence[ProfileNode]) -> dict[str, int]:
+    """Bytes of every parameter name the nodes use (a tied parameter under each of its names)."""
+    used = {p for n in nodes for p in n.params}
+    sizes = {name: p.numel() * p.element_size() for name, p in gm.named_parameters(remove_duplicate=False)}
+    return {name: sizes[name] for name in sorted(used) if name in sizes}
 
 
 def _nodes(gm: fx.GraphModule, facts: dict[str, NodeFacts], measured: dict[str, dict[str, NodeCost]]
@@ -227,6 +350,7 @@ def predict_kinds(p: Profile, kinds: Sequence[str]) -> Profile:
                 if n.bwd_flops or n.activation_bytes or n.param_bytes else 0.0
             cost[k] = NodeCost(fwd, bwd, False)
         new_nodes.append(ProfileNode(**{**{f: getattr(n, f) for f in ProfileNode.__slots__}, "cost": cost}))
+    optimizer_ms = {**p.optimizer_ms, **_predict_optimizer(p, missing)}
     for k in missing:
         devices[k] = {"measured": False, "predicted_from": f"{source} calibration + datasheet" if source
                       else "datasheet roofline with prior efficiencies"}
@@ -234,7 +358,27 @@ def predict_kinds(p: Profile, kinds: Sequence[str]) -> Profile:
         devices[source] = {**devices[source], "calibration_fwd": fwd_cal.to_dict(),  # type: ignore[union-attr]
                            "calibration_bwd": bwd_cal.to_dict()}  # type: ignore[union-attr]
     return Profile(**{**{f: getattr(p, f) for f in Profile.__slots__}, "nodes": tuple(new_nodes),
-                      "devices": devices})
+                      "devices": devices, "optimizer_ms": optimizer_ms})
+
+
+# Memory passes over the parameter bytes of one optimizer step when no kind was measured: a rough count of
+# what AdamW reads and writes (parameters, gradients, two moments, over several kernels), not a measurement.
+# A measured kind replaces it with its own passes (time x bandwidth / bytes).
+_OPTIMIZER_PASSES_PRIOR = {"adamw": 12.0, "adam": 12.0, "sgd": 5.0}
+
+
+def _predict_optimizer(p: Profile, kinds: Sequence[str]) -> dict[str, float]:
+    """Optimizer-step ms on ``kinds``: the memory passes over the parameter bytes that a measured kind took
+    (its time x its bandwidth / bytes), else a prior, at each kind's memory bandwidth."""
+    total = sum(p.parameters.values())
+    if not p.optimizer or not total:
+        return {}
+    passes = _OPTIMIZER_PASSES_PRIOR.get(p.optimizer, 12.0)
+    for kind, ms in p.optimizer_ms.items():
+        if kind in cost_models.known_kinds() and p.devices.get(kind, {}).get("measured") and ms > 0:
+            passes = ms / 1e3 * cost_models.get_device(kind).mem_bw / total
+            break
+    return {k: passes * total / cost_models.get_device(k).mem_bw * 1e3 for k in kinds}
 
 
 def save_profile(p: Profile, path: str | os.PathLike[str]) -> Path:

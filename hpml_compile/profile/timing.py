@@ -41,7 +41,7 @@ from ..ir import NodeCost
 from ..trace import buffers_restored
 from .static import is_inplace
 
-__all__ = ["measure", "Timer"]
+__all__ = ["measure", "Timer", "time_loss", "time_optimizer", "slice_rows"]
 
 
 class Timer:
@@ -151,14 +151,86 @@ def _time_node(gm: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], timer
 
 
 def _time_whole(gm: fx.GraphModule, inputs: tuple[Any, ...], timer: Timer, repeats: int, warmup: int) -> NodeCost:
+    """Whole-model forward and backward, the backward accumulating into the parameters' ``.grad`` as training
+    does (the user's gradients are put back afterwards)."""
     params = [p for p in gm.parameters() if p.requires_grad]
-    with torch.enable_grad():
-        fwd_ms, fwd_spread = timer.stats(lambda: gm(*inputs), repeats, warmup)
-        leaves = _leafify(inputs)
-        grad = _grad_fn(gm(*leaves), params + [t for t in tree_leaves(leaves) if isinstance(t, torch.Tensor)
-                                                 and t.requires_grad])
-        bwd_ms, bwd_spread = timer.stats(grad, repeats, warmup) if grad is not None else (0.0, 0.0)
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        with torch.enable_grad():
+            fwd_ms, fwd_spread = timer.stats(lambda: gm(*inputs), repeats, warmup)
+            leaves = _leafify(inputs)
+            out = gm(*leaves)
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            wrt = params + [t for t in tree_leaves(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs and wrt:
+                grads = [torch.ones_like(t) for t in outs]
+                bwd_ms, bwd_spread = timer.stats(
+                    lambda: torch.autograd.backward(outs, grads, retain_graph=True, inputs=wrt), repeats, warmup)
+            else:
+                bwd_ms, bwd_spread = 0.0, 0.0
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
     return NodeCost(fwd_ms=fwd_ms, bwd_ms=bwd_ms, measured=True, fwd_spread_ms=fwd_spread, bwd_spread_ms=bwd_spread)
+
+
+def time_loss(output: Any, loss_fn: Callable[[Any, Any], torch.Tensor], targets: Any, device: torch.device | str,
+              repeats: int = 5, warmup: int = 2) -> NodeCost:
+    """Forward and backward ms of ``loss_fn(output, targets)`` on a model output (its values, detached).
+
+    Args:
+        output: what the model returned for one batch (tensors on ``device``).
+        loss_fn: ``(output, targets) -> scalar``.
+        targets: the batch's targets (moved to ``device`` here).
+        device: where to measure.
+        repeats, warmup: timed and untimed calls.
+    """
+    dev = torch.device(device)
+    timer = Timer(dev)
+    tgt = _to_device(targets, dev)
+    leaves = _leafify(map_aggregate(output, lambda v: v.detach() if isinstance(v, torch.Tensor) else v))
+    wrt = [t for t in tree_leaves(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    with torch.enable_grad():
+        fwd_ms, fwd_spread = timer.stats(lambda: loss_fn(leaves, tgt), repeats, warmup)
+        loss = loss_fn(leaves, tgt)
+        if wrt and loss.requires_grad:
+            bwd_ms, bwd_spread = timer.stats(
+                lambda: torch.autograd.grad(loss, wrt, retain_graph=True, allow_unused=True), repeats, warmup)
+        else:
+            bwd_ms, bwd_spread = 0.0, 0.0
+    return NodeCost(fwd_ms=fwd_ms, bwd_ms=bwd_ms, measured=True, fwd_spread_ms=fwd_spread, bwd_spread_ms=bwd_spread)
+
+
+# Optimizer steps are timed on copies of at most this many parameter bytes, then scaled by bytes.
+_OPTIMIZER_BYTES_CAP = 256 * 2**20
+
+
+def time_optimizer(params: Sequence[torch.Tensor], device: torch.device | str,
+                   make: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+                   repeats: int = 5, warmup: int = 2) -> float:
+    """Milliseconds of one optimizer step over ``params`` (default: ``torch.optim.AdamW``), on ``device``.
+
+    The step runs on copies with random gradients (the model is left alone); beyond 256 MiB of parameters
+    it runs on the first 256 MiB and is scaled by bytes (an optimizer step streams its state: linear in bytes).
+    """
+    dev = torch.device(device)
+    make = make or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    total = sum(p.numel() * p.element_size() for p in params)
+    copies, nbytes = [], 0
+    for p in params:
+        if copies and nbytes + p.numel() * p.element_size() > _OPTIMIZER_BYTES_CAP:
+            break
+        c = torch.nn.Parameter(p.detach().to(dev, copy=True))
+        c.grad = torch.randn_like(c)
+        copies.append(c)
+        nbytes += c.numel() * c.element_size()
+    if not copies or nbytes == 0:
+        return 0.0
+    opt = make(copies)
+    ms, _ = Timer(dev).stats(opt.step, repeats, warmup)
+    return ms * total / nbytes
 
 
 def measure(
@@ -169,6 +241,7 @@ def measure(
     repeats: int = 5,
     warmup: int = 2,
     progress: bool = True,
+    loss: tuple[Callable[[Any, Any], torch.Tensor], Any] | None = None,
 ) -> tuple[dict[str, NodeCost], NodeCost]:
     """Time every node of ``gm`` on ``device``, and the whole model for comparison.
 
@@ -179,10 +252,12 @@ def measure(
         repeats: timed calls per node (the median is kept).
         warmup: untimed calls first.
         progress: show a progress bar (tqdm) on stderr.
+        loss: ``(loss_fn, targets)``: the output node's cost is then the
+            loss's on the model's output (:func:`time_loss`).
 
     Returns:
         ``({node name: NodeCost}, whole-model NodeCost)``; placeholders,
-        get_attr and output nodes cost zero.
+        get_attr and output nodes cost zero (the output node: unless ``loss``).
     """
     from tqdm.auto import tqdm
 
@@ -193,14 +268,24 @@ def measure(
     with buffers_restored(gm):
         cap = _Capture(gm)
         with torch.no_grad():
-            cap.run(*inputs)
+            result = cap.run(*inputs)
         env = cap.env
         nodes = list(gm.graph.nodes)
         for node in tqdm(nodes, desc=f"profiling on {dev}", unit="node", disable=not progress, leave=False):
+            if node.op == "output" and loss is not None:
+                costs[node.name] = time_loss(result, loss[0], loss[1], dev, repeats, warmup)
+                continue
             if node.op in ("placeholder", "get_attr", "output"):
                 costs[node.name] = NodeCost(0.0, 0.0, True)
                 continue
             costs[node.name] = _time_node(gm, node, env, timer, repeats, warmup)
-        del env, cap
+        del env, cap, result
         total = _time_whole(gm, inputs, timer, repeats, warmup)
     return costs, total
+
+
+def slice_rows(x: Any, batch: int, rows: int) -> Any:
+    """The first ``rows`` of every tensor in ``x`` whose first dimension is ``batch`` (how the runtime splits a
+    batch into microbatches); everything else is kept whole."""
+    return map_aggregate(x, lambda v: v[:rows] if isinstance(v, torch.Tensor) and v.dim() > 0
+                         and v.shape[0] == batch else v)

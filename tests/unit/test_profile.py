@@ -100,7 +100,7 @@ def test_json_round_trip(tiny: Profile, tmp_path: Path) -> None:
     again = load_profile(path)
     assert again == tiny
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 1 and data["backward_timing"] == "per_node"
+    assert data["schema_version"] == 2 and data["backward_timing"] == "per_node"
     assert {"name", "op", "target", "inputs", "flops", "param_bytes", "output_bytes", "activation_bytes",
             "cost"} <= set(data["nodes"][1])
 
@@ -115,7 +115,7 @@ def _write(tmp_path: Path, data: object) -> Path:
     (lambda d: d["nodes"][1]["cost"]["cpu"].__setitem__("fwd_ms", "fast"), "nodes[1].cost.cpu.fwd_ms", "a number"),
     (lambda d: d["nodes"][2].pop("flops"), "nodes[2].flops", "a required field"),
     (lambda d: d.__setitem__("dtype", "float12"), "dtype", "one of"),
-    (lambda d: d.__setitem__("schema_version", 99), "schema_version", "this hpml-compile reads version 1"),
+    (lambda d: d.__setitem__("schema_version", 99), "schema_version", "this hpml-compile reads version 1 or 2"),
     (lambda d: d["nodes"][3]["inputs"].append("ghost"), "nodes[3].inputs", "an earlier node"),
 ])
 def test_bad_file_names_the_field(tiny: Profile, tmp_path: Path, mutate, field: str, expected: str) -> None:
@@ -162,9 +162,10 @@ def test_per_node_times_add_up_to_the_whole_model() -> None:
     m = models.load("gpt2-small", batch_size=8, seq_len=128)
     ratios = []
     for _ in range(2):
-        p = profile(m.module, m.example_inputs, name="gpt2-small", repeats=3, warmup=1, progress=False)
-        per_node, whole = p.total("cpu"), p.totals["cpu"]
-        ratios.append((per_node.fwd_ms / whole.fwd_ms, per_node.bwd_ms / whole.bwd_ms))
+        p = profile(m.module, m.example_inputs, name="gpt2-small", repeats=3, warmup=1, progress=False,
+                    micro_batch=0, optimizer=None)
+        scale = p.devices["cpu"]["scaled_to_whole"]  # whole / sum of the raw per-node times
+        ratios.append((1 / scale["fwd"], 1 / scale["bwd"]))
         if all(0.75 <= r <= 1.25 for r in ratios[-1]):
             break
     fwd, bwd = ratios[-1]
@@ -184,3 +185,50 @@ def test_a_measured_kind_missing_from_the_catalog_does_not_block_predictions(tin
                    "devices": {**tiny.devices, odd: {"measured": True}}})
     more = predict_kinds(p, ["L4"])
     assert more.total("L4").fwd_ms > 0 and "cpu calibration" in more.devices["L4"]["predicted_from"]
+
+
+def test_fixed_parts_loss_and_optimizer_are_measured() -> None:
+    m = models.load("mlp-tiny", batch_size=16)
+    p = profile(m.module, m.example_inputs, name="mlp-tiny", repeats=3, warmup=1, progress=False,
+                loss_fn=m.loss_fn, targets=m.example_targets)
+    assert p.micro_batch == 2 and p.loss and p.optimizer == "adamw"
+    assert p.optimizer_ms["cpu"] > 0
+    assert p.parameters and sum(p.parameters.values()) == sum(n.param_bytes for n in p.nodes)
+    live = [n.cost["cpu"] for n in p.nodes if n.op not in (NodeOp.PLACEHOLDER, NodeOp.OUTPUT)]
+    assert all(0 <= c.fwd_fixed_ms <= c.fwd_ms and 0 <= c.bwd_fixed_ms <= c.bwd_ms for c in live)
+    # tiny layers are all overhead: most of their time does not shrink with the rows
+    assert sum(c.fwd_fixed_ms for c in live) > 0.2 * sum(c.fwd_ms for c in live)
+    out = p.nodes[-1].cost["cpu"]
+    assert p.nodes[-1].op is NodeOp.OUTPUT and out.fwd_ms > 0 and out.bwd_ms > 0  # the loss
+    scale = p.devices["cpu"]["scaled_to_whole"]
+    model_sum = sum(c.fwd_ms for c in live)
+    assert model_sum == pytest.approx(p.totals["cpu"].fwd_ms, rel=1e-6) and scale["fwd"] > 0
+
+
+def test_scaling_without_micro_batch_loss_or_optimizer() -> None:
+    m = models.load("mlp-tiny", batch_size=16)
+    p = profile(m.module, m.example_inputs, repeats=2, warmup=1, progress=False, micro_batch=0, optimizer=None)
+    assert p.micro_batch is None and p.loss is None and p.optimizer is None and not p.optimizer_ms
+    assert all(c.fwd_fixed_ms == 0 and c.bwd_fixed_ms == 0 for n in p.nodes for c in n.cost.values())
+    assert p.nodes[-1].cost["cpu"].fwd_ms == 0
+    with pytest.raises(Exception, match="unknown optimizer"):
+        profile(m.module, m.example_inputs, repeats=1, warmup=0, progress=False, optimizer="lion")
+
+
+def test_predicted_kinds_get_an_optimizer_time(tiny: Profile) -> None:
+    measured = tiny.optimizer_ms["cpu"]
+    assert measured > 0 and tiny.optimizer_ms["H100-80GB"] > 0
+    assert tiny.optimizer_ms["H100-80GB"] < measured  # faster memory: the same passes take less time
+
+
+def test_version_1_file_still_loads(tiny: Profile, tmp_path: Path) -> None:
+    data = tiny.to_dict()
+    data["schema_version"] = 1
+    for key in ("micro_batch", "loss", "optimizer", "optimizer_ms", "parameters"):
+        data.pop(key)
+    for n in data["nodes"]:
+        for c in n["cost"].values():
+            c.pop("fwd_fixed_ms"), c.pop("bwd_fixed_ms")
+    p = load_profile(_write(tmp_path, data))
+    assert p.micro_batch is None and not p.optimizer_ms
+    assert all(c.fwd_fixed_ms == 0 for n in p.nodes for c in n.cost.values())
