@@ -32,14 +32,14 @@ from __future__ import annotations
 import os
 import re
 import socket
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
 
 import networkx as nx
 
 import cost_models
 
-from .ir import Cluster, Device, Link, NodeOp, Profile
+from .ir import Cluster, Device, Link, NodeOp, Profile, base_kind
 
 __all__ = ["CostGraph", "build", "block_key", "discover"]
 
@@ -65,7 +65,9 @@ class CostGraph:
     """A DAG of (possibly merged) nodes with costs per device kind.
 
     Node attributes: ``members`` (fx node names, topological order), ``cost``
-    (``{kind: (fwd_ms, bwd_ms)}``), ``params`` (parameter names used), the
+    (``{kind: (fwd_ms, bwd_ms)}`` for the full batch), ``fixed`` (``{kind:
+    (fwd_ms, bwd_ms)}``, the part of ``cost`` that a slice of the batch
+    still costs in full; absent means 0), ``params`` (parameter names used), the
     sizes ``flops``, ``bwd_flops``, ``param_bytes``, ``activation_bytes``,
     ``output_bytes``, ``mem_bytes`` (sums over members), and ``op`` (the fx
     op of a single member, ``"block"`` for merged nodes).
@@ -79,6 +81,8 @@ class CostGraph:
         kinds: device kinds every node has a cost for.
         model: model name, from the profile.
         batch_size: batch size the costs were measured at.
+        optimizer_ms: one optimizer step over every parameter, per kind (empty: not modelled).
+        param_sizes: bytes per parameter name (for tied parameters shared by stages; may be empty).
     """
 
     graph: nx.DiGraph
@@ -86,6 +90,22 @@ class CostGraph:
     kinds: tuple[str, ...]
     model: str
     batch_size: int
+    optimizer_ms: Mapping[str, float] = field(default_factory=dict)
+    param_sizes: Mapping[str, int] = field(default_factory=dict)
+
+    def cost_at(self, node: str, kind: str, fraction: float) -> tuple[float, float]:
+        """``(fwd_ms, bwd_ms)`` of ``node`` on ``kind`` for a slice holding ``fraction`` of the batch rows:
+        ``fixed + (full - fixed) * fraction``."""
+        attrs = self.graph.nodes[node]
+        fwd, bwd = attrs["cost"][kind]
+        ff, bf = attrs.get("fixed", {}).get(kind, (0.0, 0.0))
+        return ff + (fwd - ff) * fraction, bf + (bwd - bf) * fraction
+
+    def optimizer_ms_per_byte(self, kind: str) -> float:
+        """Optimizer-step ms per parameter byte on ``kind`` (its base kind for a variant), 0 when not modelled."""
+        total = self.total("param_bytes")
+        ms = self.optimizer_ms.get(kind, self.optimizer_ms.get(base_kind(kind), 0.0))
+        return ms / total if total > 0 else 0.0
 
     def total(self, attr: str, kind: str | None = None) -> float:
         """Sum of a size attribute, or with ``kind``, of fwd+bwd time on that kind."""
@@ -155,7 +175,8 @@ class CostGraph:
             e["tensors"] = e["tensors"] and data["tensors"]
         for _, _, e in q.edges(data=True):
             e["bytes"] = sum(e["producers"].values())
-        return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size)
+        return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size, self.optimizer_ms,
+                         self.param_sizes)
 
     def cut_bytes(self, before: Iterable[str]) -> int:
         """Bytes crossing from the node set ``before`` to the rest; a tensor read by
@@ -175,6 +196,10 @@ def _is_free(attrs: dict[str, Any]) -> bool:
 def _merge_attrs(nodes: list[dict[str, Any]], kinds: tuple[str, ...]) -> dict[str, Any]:
     out: dict[str, Any] = {a: sum(n[a] for n in nodes) for a in _SIZE_ATTRS}
     out["cost"] = {k: (sum(n["cost"][k][0] for n in nodes), sum(n["cost"][k][1] for n in nodes)) for k in kinds}
+    fixed = [n.get("fixed", {}).get(k, (0.0, 0.0)) for n in nodes for k in kinds]
+    if any(f != (0.0, 0.0) for f in fixed):
+        out["fixed"] = {k: (sum(n.get("fixed", {}).get(k, (0.0, 0.0))[0] for n in nodes),
+                            sum(n.get("fixed", {}).get(k, (0.0, 0.0))[1] for n in nodes)) for k in kinds}
     out["members"] = tuple(m for n in nodes for m in n["members"])
     out["params"] = tuple(dict.fromkeys(p for n in nodes for p in n["params"]))
     out["scope"] = nodes[0]["scope"]
@@ -196,6 +221,7 @@ def build(profile: Profile) -> CostGraph:
             n.name,
             members=(n.name,),
             cost={k: (n.cost[k].fwd_ms, n.cost[k].bwd_ms) for k in kinds},
+            fixed={k: (n.cost[k].fwd_fixed_ms, n.cost[k].bwd_fixed_ms) for k in kinds},
             params=n.params,
             scope=n.scope,
             op=n.op.value,
@@ -205,7 +231,8 @@ def build(profile: Profile) -> CostGraph:
             size = g.nodes[inp]["output_bytes"]
             g.add_edge(inp, n.name, bytes=size, producers={inp: size}, tensors=tensor_out[inp])
         tensor_out[n.name] = n.tensor_output
-    return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size)
+    return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
+                     dict(profile.optimizer_ms), dict(profile.parameters))
 
 
 def _ram_gib() -> float:

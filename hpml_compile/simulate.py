@@ -11,9 +11,12 @@ one has no durations, links or memory.
 
 Approximations, stated once:
 
-- Times in the cost graph are for the profile's full batch; a microbatch
-  takes ``time / M`` and a stage replicated over ``d`` devices ``time / (M d)``
-  (per-microbatch kernel efficiency loss is not modelled).
+- Times in the cost graph are for the profile's full batch. A node's time
+  is a fixed part (its ``fixed`` cost: reading the weights, launching
+  kernels, what a slice of the batch still pays in full) plus a part
+  proportional to the rows; a microbatch on a stage replicated over ``d``
+  devices holds ``1 / (M d)`` of the rows, so it takes
+  ``fixed + (time - fixed) / (M d)`` (just ``time / (M d)`` without a fixed part).
 - A stage on devices of several kinds runs at the pace of its slowest kind.
 - Sends run on their own stream and overlap compute; they delay the
   receiver only. A boundary tensor between stages with ``d_i`` and ``d_j``
@@ -25,8 +28,13 @@ Approximations, stated once:
 - After its last backward a replicated stage synchronises gradients: a ring
   all-reduce (ZeRO-0), reduce-scatter + all-gather (ZeRO-1/2, Rajbhandari et
   al. 2020), plus one more all-gather for ZeRO-3's parameter gathers; an
-  offloaded optimizer moves gradients to the host and parameters back. The
-  optimizer's arithmetic is not modelled.
+  offloaded optimizer moves gradients to the host and parameters back.
+  Parameters shared by several stages (tied embeddings) are then summed by
+  one all-reduce over the devices of those stages, which waits for all of
+  them.
+- Then each stage runs its optimizer step: the graph's measured (or
+  predicted) step time per parameter byte times the stage's parameter bytes
+  (a ZeRO-sharded state: its shard); none when the graph has no optimizer time.
 - The bubble is the idle fraction of the stages' compute time between 0 and
   the end of the last backward.
 
@@ -57,7 +65,7 @@ from .memory import MemoryBreakdown, ZeroStage, device_memory, dtype_bytes
 from .plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "stage_costs", "annotate",
-           "idle_intervals", "op_order"]
+           "idle_intervals", "op_order", "tied_syncs"]
 
 
 class EventKind(str, enum.Enum):
@@ -69,6 +77,7 @@ class EventKind(str, enum.Enum):
     SEND = "send"
     SWAP = "swap"
     SYNC = "sync"  # gradient all-reduce / ZeRO collectives / offload copies
+    OPTIMIZER = "optim"  # the optimizer step after the gradient sync
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +104,7 @@ class StageCost:
         sends: ``(receiving stage, ms)`` for each later stage this one feeds.
         sync_ms: gradient synchronisation after the last backward.
         memory: the memory breakdown of each device of the stage.
+        optimizer_ms: the optimizer step after the sync.
     """
 
     fwd_ms: float
@@ -104,6 +114,7 @@ class StageCost:
     sends: tuple[tuple[int, float], ...]
     sync_ms: float
     memory: MemoryBreakdown
+    optimizer_ms: float = 0.0
 
     @property
     def compute_ms(self) -> float:
@@ -116,13 +127,15 @@ class SimResult:
     """What the simulator predicts for one step (one optimizer update over the full batch).
 
     Attributes:
-        step_ms: time of the whole step, gradient sync included.
+        step_ms: time of the whole step, gradient sync and optimizer step included.
         bubble: idle fraction of the stages during the pipeline phase.
         bottleneck_stage: the stage with the most compute per microbatch.
         intervals: every bar of the timeline, all devices.
         memory: per device, ``(time_ms, bytes)`` after each change.
         peak: per device, the peak bytes.
         stages: the costs the simulation used, per stage.
+        step_without_optimizer_ms: the step up to the end of the last gradient sync (no optimizer step).
+        tied_ms: the all-reduces of parameters shared between stages, ``(stages, ms)`` each.
     """
 
     step_ms: float
@@ -132,6 +145,8 @@ class SimResult:
     memory: dict[str, tuple[tuple[float, int], ...]]
     peak: dict[str, int]
     stages: tuple[StageCost, ...]
+    step_without_optimizer_ms: float = 0.0
+    tied_ms: tuple[tuple[tuple[int, ...], float], ...] = ()
 
 
 def op_order(schedule: Schedule, stage: int, stages: int, microbatches: int) -> list[tuple[bool, int]]:
@@ -168,14 +183,16 @@ def _stage_of_graph_nodes(plan: Plan, graph: CostGraph) -> dict[str, int]:
     return out
 
 
-def _kind_cost(graph: CostGraph, node: str, kinds: list[str]) -> tuple[float, float]:
+def _kind_cost(graph: CostGraph, node: str, kinds: list[str], fraction: float = 1.0) -> tuple[float, float]:
+    """``(fwd_ms, bwd_ms)`` of ``node`` for ``fraction`` of the batch rows on the slowest of ``kinds``."""
     costs = graph.graph.nodes[node]["cost"]
     for k in kinds:
         if k not in costs:
             raise UnknownDeviceError(f"the cost graph of {graph.model} has no costs for device kind {k!r} "
                                      f"(it has {list(graph.kinds)}); add predicted costs with "
                                      "hpml_compile.profile.predict_kinds before planning")
-    return max(costs[k][0] for k in kinds), max(costs[k][1] for k in kinds)
+    at = [graph.cost_at(node, k, fraction) for k in kinds]
+    return max(a[0] for a in at), max(a[1] for a in at)
 
 
 def _sync_ms(cluster: Cluster, stage: Stage, param_bytes: int) -> float:
@@ -218,8 +235,8 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         nodes = [n for n in graph.order if owner[n] == st.index]
         kinds = sorted({c.device(d).kind for d in st.devices})
         d = len(st.devices)
-        fwd = sum(_kind_cost(graph, n, kinds)[0] for n in nodes) / (m * d)
-        bwd = sum(_kind_cost(graph, n, kinds)[1] for n in nodes) / (m * d)
+        per_mb = [_kind_cost(graph, n, kinds, 1.0 / (m * d)) for n in nodes]
+        fwd, bwd = sum(f for f, _ in per_mb), sum(b for _, b in per_mb)
         params = sum(g.nodes[n]["param_bytes"] for n in nodes)
         acts = sum(g.nodes[n]["activation_bytes"] for n in nodes)
         swap_set = set(st.swap)
@@ -247,9 +264,33 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
             send_ms.append((j, cost_models.p2p_ms(nbytes, link) if link.gbps != float("inf") else 0.0))
         host = host_link_spec(c.device(st.devices[0]))
         swap_ms = 0.0 if host.gbps == float("inf") or not swapped else cost_models.p2p_ms(swapped / (m * d), host)
+        opt_bytes = params // d if st.zero >= ZeroStage.OS else params
+        opt_ms = max(graph.optimizer_ms_per_byte(k) for k in kinds) * opt_bytes
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms),
-                             _sync_ms(c, st, params), mem))
+                             _sync_ms(c, st, params), mem, opt_ms))
     return tuple(out)
+
+
+def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], float]]:
+    """The all-reduces of parameters used by several stages, ``(stages, ms)``, one per group of stages
+    (as codegen buckets them); the sizes come from the graph's ``param_sizes`` (none known: none)."""
+    owner = _stage_of_graph_nodes(plan, graph)
+    users: dict[str, set[int]] = {}
+    for n in graph.order:
+        for name in graph.graph.nodes[n]["params"]:
+            users.setdefault(name, set()).add(owner[n])
+    buckets: dict[tuple[int, ...], int] = {}
+    for name, stages in users.items():
+        if len(stages) > 1 and name in graph.param_sizes:
+            key = tuple(sorted(stages))
+            buckets[key] = buckets.get(key, 0) + graph.param_sizes[name]
+    out = []
+    for stages, nbytes in sorted(buckets.items()):
+        devices = [d for i in stages for d in plan.stages[i].devices]
+        link = min((link_spec(plan.cluster, devices[0], x) for x in devices[1:]), key=lambda sp: sp.gbps)
+        out.append((stages, cost_models.allreduce_ms(nbytes, len(devices), link)
+                    if link.gbps != float("inf") else 0.0))
+    return out
 
 
 def _run(plan: Plan, costs: tuple[StageCost, ...]) -> tuple[dict[tuple[bool, int, int], tuple[float, float]], list[Interval]]:
@@ -332,12 +373,22 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
     done, bars = _run(plan, costs)
     s_count, m = len(plan.stages), plan.microbatches
     pipe_end = max((end for _, end in done.values()), default=0.0)
-    step = 0.0
+    lasts = [max(done[(False, i, k)][1] for k in range(m)) for i in range(s_count)]
+    synced = [lasts[i] + costs[i].sync_ms for i in range(s_count)]
+    tied = tied_syncs(plan, graph)
+    for stages, ms in tied:  # one collective: it starts when every stage in it is ready
+        start = max(synced[i] for i in stages)
+        for i in stages:
+            for dev in plan.stages[i].devices:
+                if ms > 0:
+                    bars.append(Interval(dev, start, start + ms, EventKind.SYNC, -1, i))
+            synced[i] = start + ms
+    step_no_opt = max(synced, default=0.0)
+    step = max((synced[i] + costs[i].optimizer_ms for i in range(s_count)), default=0.0)
     deltas: dict[str, list[tuple[float, int]]] = {}
     for i, st in enumerate(plan.stages):
         cst = costs[i]
-        last = max(done[(False, i, k)][1] for k in range(m))
-        step = max(step, last + cst.sync_ms)
+        last = lasts[i]
         mem = cst.memory
         for dev in st.devices:
             ev = deltas.setdefault(dev, [(0.0, mem.static)])
@@ -350,6 +401,8 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
                        (b_end, -(mem.stored_per_microbatch + mem.working))]
             if cst.sync_ms > 0:
                 bars.append(Interval(dev, last, last + cst.sync_ms, EventKind.SYNC, -1, i))
+            if cst.optimizer_ms > 0:
+                bars.append(Interval(dev, synced[i], synced[i] + cst.optimizer_ms, EventKind.OPTIMIZER, -1, i))
     curves, peaks = {}, {}
     for dev, ev in deltas.items():
         # Frees before allocations at the same instant: a backward's buffers go before the next one's arrive.
@@ -363,7 +416,7 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
     bubble = 1.0 - busy / (s_count * pipe_end) if pipe_end > 0 else 0.0
     bottleneck = max(range(s_count), key=lambda i: costs[i].compute_ms)
     return SimResult(step, max(0.0, bubble), bottleneck, tuple(sorted(bars, key=lambda b: (b.device, b.start_ms))),
-                     curves, peaks, costs)
+                     curves, peaks, costs, step_no_opt, tuple(tied))
 
 
 def _stage_bars(dev: str, i: int, cst: StageCost, done: dict[tuple[bool, int, int], tuple[float, float]],

@@ -64,11 +64,13 @@ _BORDER: tuple[str, ...] = ("#3182bd", "#e6550d", "#31a354", "#d6336c", "#756bb1
 _EVENT_COLOURS: dict[EventKind, str] = {
     EventKind.FORWARD: "#4C72B0", EventKind.BACKWARD: "#55A868", EventKind.RECOMPUTE: "#8172B2",
     EventKind.SEND: "#DD8452", EventKind.SWAP: "#937860", EventKind.SYNC: "#C44E52",
+    EventKind.OPTIMIZER: "#8C8C8C",
 }
 _EVENT_NAMES: dict[EventKind, str] = {
     EventKind.FORWARD: "forward", EventKind.BACKWARD: "backward", EventKind.RECOMPUTE: "recompute (extra forward)",
     EventKind.SEND: "communication: send activation / gradient", EventKind.SWAP: "communication: swap to/from host",
     EventKind.SYNC: "communication: gradient sync",
+    EventKind.OPTIMIZER: "optimizer step",
 }
 _IDLE = "#e8e8e8"
 
@@ -255,7 +257,7 @@ def timeline_figure(plan: Plan, result: SimResult) -> Figure:
                 ax.broken_barh(bars[kind], (row - 0.3, 0.6), facecolors=_EVENT_COLOURS[kind],
                                edgecolor="white", linewidth=0.4)
         for kind, (y, h) in ((EventKind.SEND, (0.32, 0.12)), (EventKind.SWAP, (0.32, 0.12)),
-                             (EventKind.SYNC, (-0.3, 0.6))):
+                             (EventKind.SYNC, (-0.3, 0.6)), (EventKind.OPTIMIZER, (-0.3, 0.6))):
             if kind in bars:
                 ax.broken_barh(bars[kind], (row + y, h), facecolors=_EVENT_COLOURS[kind], alpha=0.85,
                                linewidth=0)

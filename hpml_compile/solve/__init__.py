@@ -60,9 +60,9 @@ class SolverName(str, enum.Enum):
 def microbatch_choices(batch_size: int, cap: int = 64) -> list[int]:
     """Powers of two up to ``min(batch_size, cap)``: the microbatch counts searched by default.
 
-    The cost model divides a stage's time by ``M`` (no per-microbatch
-    overhead), so more microbatches always look better; the cap keeps the
-    search where that approximation is reasonable.
+    A microbatch costs its nodes' fixed parts plus ``1 / M`` of the rest
+    (profiled costs have fixed parts; costs without them make more
+    microbatches always look better, and the cap keeps the search bounded).
     """
     top = max(1, min(batch_size, cap))
     return [2**i for i in range(int(math.log2(top)) + 1)]

@@ -45,6 +45,8 @@ class Chain:
         n: number of graph nodes.
         fwd: per kind, prefix sums of forward ms (full batch).
         bwd: per kind, prefix sums of backward ms.
+        fwd_fixed, bwd_fixed: per kind, prefix sums of the fixed parts of those (what a microbatch still
+            pays in full; the simulator's ``fixed + (full - fixed) / (M d)``).
         params: prefix sums of parameter bytes.
         acts: prefix sums of activation bytes.
         cut: ``cut[k]``: bytes crossing between ``order[:k]`` and ``order[k:]``.
@@ -55,6 +57,8 @@ class Chain:
     n: int
     fwd: dict[str, tuple[float, ...]]
     bwd: dict[str, tuple[float, ...]]
+    fwd_fixed: dict[str, tuple[float, ...]]
+    bwd_fixed: dict[str, tuple[float, ...]]
     params: tuple[int, ...]
     acts: tuple[int, ...]
     cut: tuple[int, ...]
@@ -70,6 +74,11 @@ class Chain:
                for k in graph.kinds}
         bwd = {k: tuple(itertools.accumulate((g.nodes[v]["cost"][k][1] for v in order), initial=0.0))
                for k in graph.kinds}
+        zero = (0.0, 0.0)
+        ffix = {k: tuple(itertools.accumulate((g.nodes[v].get("fixed", {}).get(k, zero)[0] for v in order),
+                                              initial=0.0)) for k in graph.kinds}
+        bfix = {k: tuple(itertools.accumulate((g.nodes[v].get("fixed", {}).get(k, zero)[1] for v in order),
+                                              initial=0.0)) for k in graph.kinds}
         params = tuple(itertools.accumulate((g.nodes[v]["param_bytes"] for v in order), initial=0))
         acts = tuple(itertools.accumulate((g.nodes[v]["activation_bytes"] for v in order), initial=0))
         # A producer's bytes cross every cut between its node and its last consumer (counted once).
@@ -89,7 +98,7 @@ class Chain:
         cut = tuple(itertools.accumulate(diff[: n + 1]))
         nb = tuple(itertools.accumulate(blocked[: n + 1]))
         cuttable = tuple(k in (0, n) or nb[k] == 0 for k in range(n + 1))
-        return cls(graph, n, fwd, bwd, params, acts, cut, cuttable)
+        return cls(graph, n, fwd, bwd, ffix, bfix, params, acts, cut, cuttable)
 
     def time(self, a: int, b: int, kind: str) -> float:
         """Forward + backward ms of ``order[a:b]`` on ``kind`` for the full batch."""
@@ -138,7 +147,7 @@ class Candidate:
         d: data-parallel degree.
         config: memory options.
         t: per-microbatch busy ms (forward, recompute, backward, swap traffic).
-        tail: gradient-sync ms after the last backward.
+        tail: gradient-sync ms after the last backward, then the optimizer step.
         comm: ms to receive the stage's input and send its gradient back, per microbatch.
         jmax: most stages that may follow it and still fit (see :func:`classes`).
         memory: bytes per device at the peak, at ``jmax``.

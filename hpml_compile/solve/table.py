@@ -242,13 +242,17 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         cap, is_cpu = first.memory_bytes, first.is_cpu
         host = host_link_spec(first)
         fw, bw = np.asarray(chain.fwd[kind]), np.asarray(chain.bwd[kind])
-        base_all = (fw[rb] - fw[ra] + bw[rb] - bw[ra]) / (m * d)
+        ffx, bfx = np.asarray(chain.fwd_fixed[kind]), np.asarray(chain.bwd_fixed[kind])
+        fixed_all = ffx[rb] - ffx[ra] + bfx[rb] - bfx[ra]
+        base_all = fixed_all + (fw[rb] - fw[ra] + bw[rb] - bw[ra] - fixed_all) / (m * d)
         keep = np.flatnonzero(m * base_all <= max_time)
         if keep.size == 0:
             continue
         a, b, base = ra[keep], rb[keep], base_all[keep]
         params, acts, inputs = params_all[keep], acts_all[keep], inputs_all[keep]
-        fwd = (fw[b] - fw[a]) / (m * d)
+        ffix = ffx[b] - ffx[a]
+        fwd = ffix + (fw[b] - fw[a] - ffix) / (m * d)
+        opt_rate = chain.graph.optimizer_ms_per_byte(kind)
         comm = np.where(a > 0, 2 * _affine(cost_models.p2p_ms, boundary_link(cluster, kind))(inputs / (m * d)), 0.0)
         glink = group_link(cluster, kind, d)
         cfg_ids = [i for i, c in enumerate(CONFIGS) if (d > 1 or c.zero == ZeroStage.NONE)
@@ -262,7 +266,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             jm = _jmax(mem["params"] + mem["grads"] + mem["optimizer"], mem["stored"], mem["working"], cap, setting,
                        big_j)
             ts.append(t)
-            ests.append(m * t + _sync(cfg.zero, cfg.offload, params, d, glink, host))
+            opt_ms = opt_rate * (params // d if cfg.zero >= ZeroStage.OS else params)
+            ests.append(m * t + _sync(cfg.zero, cfg.offload, params, d, glink, host) + opt_ms)
             jms.append(jm)
             mems.append(mem)
         est, jmx = np.stack(ests, 1), np.stack(jms, 1)

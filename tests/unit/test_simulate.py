@@ -112,3 +112,67 @@ def test_unknown_kind_in_graph() -> None:
     c = Cluster(devices=(Device("g", "T4", 16),))
     with pytest.raises(UnknownDeviceError, match="predict_kinds"):
         simulate(_plan(g, c, [(("g",), ["n0"])], 1, Schedule.GPIPE), g)
+
+
+def _with(prof, *, fixed: float = 0.0, optimizer_ms: float | None = None, params: dict | None = None,
+          node_params: dict | None = None):
+    """``prof`` with each node's cost given a fixed part of ``fixed`` (fwd and bwd), an optimizer time, and
+    parameter names per node."""
+    from dataclasses import replace
+
+    from hpml_compile.ir import NodeCost
+
+    nodes = tuple(replace(n, cost={k: NodeCost(c.fwd_ms, c.bwd_ms, c.measured, fwd_fixed_ms=min(fixed, c.fwd_ms),
+                                               bwd_fixed_ms=min(fixed, c.bwd_ms)) for k, c in n.cost.items()},
+                          params=(node_params or {}).get(n.name, n.params)) for n in prof.nodes)
+    return replace(prof, nodes=nodes, optimizer_ms={} if optimizer_ms is None else {"cpu": optimizer_ms},
+                   optimizer="adamw" if optimizer_ms is not None else None, parameters=params or {})
+
+
+def test_fixed_part_is_paid_by_every_microbatch() -> None:
+    # full batch: fwd 8, bwd 16 per node, of which 2 is fixed; M = 4: a microbatch costs 2 + 6/4 and 2 + 14/4
+    prof = chain_profile([(8.0, 16.0)])
+    g = build(_with(prof, fixed=2.0))
+    c = uniform_cluster(1)
+    r = simulate(_plan(g, c, [(("d0",), ["n0"])], 4, Schedule.GPIPE), g)
+    assert r.stages[0].fwd_ms == pytest.approx(2 + 6 / 4) and r.stages[0].bwd_ms == pytest.approx(2 + 14 / 4)
+    assert r.step_ms == pytest.approx(4 * (3.5 + 5.5))
+    plain = build(prof)  # no fixed part: time / M, as before
+    assert simulate(_plan(plain, c, [(("d0",), ["n0"])], 4, Schedule.GPIPE), plain).step_ms == pytest.approx(24.0)
+
+
+def test_fixed_part_and_data_parallel_replicas() -> None:
+    prof = chain_profile([(8.0, 16.0)], param_bytes=0)
+    g = build(_with(prof, fixed=2.0))
+    c = uniform_cluster(2)
+    r = simulate(_plan(g, c, [(("d0", "d1"), ["n0"])], 2, Schedule.GPIPE), g)
+    assert r.stages[0].fwd_ms == pytest.approx(2 + 6 / 4)  # each replica runs a quarter of the rows
+
+
+def test_optimizer_step_after_the_sync_scaled_by_parameter_bytes() -> None:
+    prof = chain_profile([(2.0, 4.0), (2.0, 4.0)], param_bytes=[1000, 3000])
+    g = build(_with(prof, optimizer_ms=8.0))  # 8 ms for 4000 bytes
+    c = uniform_cluster(2)
+    r = simulate(_plan(g, c, [(("d0",), ["n0"]), (("d1",), ["n1"])], 1, Schedule.GPIPE), g)
+    assert [s.optimizer_ms for s in r.stages] == pytest.approx([2.0, 6.0])
+    no_opt = simulate(_plan(build(prof), c, [(("d0",), ["n0"]), (("d1",), ["n1"])], 1, Schedule.GPIPE),
+                      build(prof))
+    assert r.step_without_optimizer_ms == pytest.approx(no_opt.step_ms)
+    ends = {i: max(b.end_ms for b in r.intervals if b.stage == i and b.kind is EventKind.BACKWARD) for i in (0, 1)}
+    assert r.step_ms == pytest.approx(max(ends[0] + 2.0, ends[1] + 6.0))
+    assert any(b.kind is EventKind.OPTIMIZER for b in r.intervals)
+
+
+def test_tied_parameter_all_reduce_between_stages() -> None:
+    cluster = Cluster(devices=(Device("d0", "cpu", 64.0), Device("d1", "cpu", 64.0)),
+                      links=(Link("d0", "d1", gbps=1.0, latency_us=0.0),))
+    prof = chain_profile([(2.0, 4.0), (2.0, 4.0)], param_bytes=[10**6, 0])
+    tied = _with(prof, params={"w": 10**6}, node_params={"n0": ("w",), "n1": ("w",)})
+    g = build(tied)
+    plan = _plan(g, cluster, [(("d0",), ["n0"]), (("d1",), ["n1"])], 1, Schedule.GPIPE)
+    r = simulate(plan, g)
+    base = simulate(plan, build(prof))
+    assert len(r.tied_ms) == 1 and r.tied_ms[0][0] == (0, 1) and r.tied_ms[0][1] > 0
+    assert r.step_ms == pytest.approx(base.step_ms + r.tied_ms[0][1])
+    one = _plan(g, cluster, [(("d0",), ["n0", "n1"])], 1, Schedule.GPIPE)
+    assert simulate(one, g).tied_ms == ()  # one stage holds both users: nothing to reduce

@@ -239,3 +239,31 @@ def test_plan_from_cuts_scores_a_split_like_the_baselines() -> None:
         plan_from_cuts(g, cluster, [0, 5, 3, 8])
     with pytest.raises(ValueError, match="devices"):
         plan_from_cuts(g, cluster, [0, 1, 2, 3, 4, 8])
+
+
+def test_table_and_simulator_agree_on_fixed_parts_and_the_optimizer() -> None:
+    """Costs with fixed parts and an optimizer time: a candidate's per-microbatch time and tail are what the
+    simulator charges the same stage."""
+    from dataclasses import replace
+
+    from hpml_compile.ir import NodeCost
+    from hpml_compile.plan import Plan, Stage
+    from hpml_compile.simulate import simulate
+    from hpml_compile.solve.testing import uniform_cluster
+
+    prof = dag_profile([(8.0, 16.0), (4.0, 12.0)], [[], [0]], param_bytes=[4000, 12000])
+    nodes = tuple(replace(n, cost={"cpu": NodeCost(c.fwd_ms, c.bwd_ms, False, fwd_fixed_ms=c.fwd_ms / 4,
+                                                   bwd_fixed_ms=c.bwd_ms / 8)})
+                  for n in prof.nodes for c in [n.cost["cpu"]])
+    g = build(replace(prof, nodes=nodes, optimizer="adamw", optimizer_ms={"cpu": 4.0}))
+    cluster = uniform_cluster(2, memory_gib=64.0)
+    setting = Setting(microbatches=4, schedule=Schedule.GPIPE, batch_size=prof.batch_size)
+    for d in (1, 2):
+        # with free links, ZeRO-1 (a sharded optimizer step) is the cheapest configuration of 2 replicas
+        cand = next(c for c in enumerate_candidates(Chain.of(g), cluster, setting)
+                    if c.a == 0 and c.b == 2 and c.d == d)
+        assert cand.config.zero == (ZeroStage.NONE if d == 1 else ZeroStage.OS)
+        devs = ("d0", "d1")[:d]
+        r = simulate(Plan("toy", cluster, Schedule.GPIPE, 4, (Stage(0, devs, ("n0", "n1"), cand.config.zero),)), g)
+        assert cand.t == pytest.approx(r.stages[0].compute_ms)
+        assert cand.tail == pytest.approx(r.stages[0].sync_ms + r.stages[0].optimizer_ms)
