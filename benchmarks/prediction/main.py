@@ -10,16 +10,11 @@ generated into a build and trained with :class:`hpml_compile.runtime.Pipeline`
 median over the steps after warm-up of the slowest rank's step.
 
 Two measured times per plan: the whole step as a user sees it, and the same
-without the optimizer step, which the simulator does not model ("the
-optimizer's arithmetic is not modelled", simulate.py); the error is reported
-for both. A third column ("calib") is what the same simulator predicts with
-three proposed cost-model changes, applied here to its input only: node costs
-measured at the microbatch size each replica runs (the simulator divides
-full-batch costs by the microbatch count, which misses the per-microbatch
-overhead of small microbatches), scaled so that they add up to the
-whole-model time the profiler also measures (timing nodes one at a time,
-with warm caches, adds up to less than a whole pass), and the loss function
-timed with the last node (the profile times the model, not its loss).
+without the optimizer step; each is compared with the simulator's prediction
+of the same span (``plan.predicted.step_ms`` and
+``SimResult.step_without_optimizer_ms``). The profile is the product's: node
+costs with fixed parts (timed at the batch and at batch // 8 rows), scaled to
+the whole-model pass, the loss timed with the output node, the AdamW step timed.
 
 Before each plan the benchmark waits (up to a minute) for other processes to
 leave the CPUs alone, and records how busy they were while it measured (and
@@ -39,7 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +46,6 @@ from hpml_compile.cluster import load_cluster
 from hpml_compile.codegen import generate
 from hpml_compile.costgraph import CostGraph
 from hpml_compile.costgraph import build as build_costgraph
-from hpml_compile.ir import Profile
 from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.runtime import Pipeline, launch
 from hpml_compile.simulate import annotate
@@ -72,7 +66,7 @@ class Case:
     predicted_ms: float
     predicted_bubble: float
     predicted_compute: tuple[float, ...]  # per rank: (fwd + bwd) per microbatch x microbatches
-    calibrated_ms: float  # the prediction with the proposed cost-model changes (see _calibrated)
+    predicted_without_optimizer_ms: float
 
 
 def _ticks(exclude: set[int]) -> dict[int, int]:
@@ -128,7 +122,8 @@ def _balanced_cut(graph: CostGraph) -> int:
     return where
 
 
-def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, int]]) -> list[tuple[str, Plan]]:
+def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, int]]
+           ) -> list[tuple[str, Plan, float]]:
     out = []
     cut = _balanced_cut(graph)
     first, second = _stages_of(graph, cut)
@@ -140,47 +135,9 @@ def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, in
             st = (Stage(0, ("cpu0", "cpu1"), every),)
         else:
             st = (Stage(0, ("cpu0",), every),)
-        plan, _ = annotate(Plan(name, load_cluster(f"local-cpu-{devices}"), sched, m, st), graph)
-        out.append((f"{name} {kind} {sched.value} M={m}", plan))
+        plan, r = annotate(Plan(name, load_cluster(f"local-cpu-{devices}"), sched, m, st), graph)
+        out.append((f"{name} {kind} {sched.value} M={m}", plan, r.step_without_optimizer_ms))
     return out
-
-
-def _loss_cost(loaded: models.LoadedModel, repeats: int = 7) -> tuple[float, float]:
-    """Forward and backward ms of the loss function on the model's output (the profile does not time it)."""
-    with torch.no_grad():
-        out = loaded.module(*loaded.example_inputs)
-    fwd, bwd = [], []
-    for _ in range(repeats):
-        o = out.detach().requires_grad_()
-        t0 = time.perf_counter()
-        loss = loaded.loss_fn(o, loaded.example_targets)
-        t1 = time.perf_counter()
-        loss.backward()
-        fwd.append(t1 - t0)
-        bwd.append(time.perf_counter() - t1)
-    return statistics.median(fwd) * 1e3, statistics.median(bwd) * 1e3
-
-
-def _calibrated(prof: Profile, micro_rows: dict[int, tuple[Profile, tuple[float, float]]], plan: Plan) -> float:
-    """What the simulator would predict with the proposed changes (see the module docstring): costs measured
-    at the microbatch size each replica runs, per-node times scaled to the whole-model measurement, and the
-    loss function timed as part of the last node."""
-    d = len(plan.stages[0].devices)
-    rows = prof.batch_size // (plan.microbatches * d)
-    small, (loss_f, loss_b) = micro_rows[rows]
-    fwd = sum(n.cost["cpu"].fwd_ms for n in small.nodes)
-    bwd = sum(n.cost["cpu"].bwd_ms for n in small.nodes)
-    whole = small.totals.get("cpu")
-    rf = whole.fwd_ms / fwd if whole and fwd else 1.0
-    rb = whole.bwd_ms / bwd if whole and bwd else 1.0
-    k = plan.microbatches * d  # the simulator divides by M x d: undo it, so a microbatch costs what it measured
-    last = small.nodes[-1].name
-    nodes = tuple(replace(n, cost={"cpu": replace(
-        n.cost["cpu"], fwd_ms=(n.cost["cpu"].fwd_ms * rf + (loss_f if n.name == last else 0.0)) * k,
-        bwd_ms=(n.cost["cpu"].bwd_ms * rb + (loss_b if n.name == last else 0.0)) * k)}) for n in small.nodes)
-    scaled = replace(small, nodes=nodes, batch_size=prof.batch_size)
-    new, _ = annotate(plan, build_costgraph(scaled))
-    return new.predicted.step_ms
 
 
 def _cases(model_names: list[str], root: Path) -> list[Case]:
@@ -192,23 +149,18 @@ def _cases(model_names: list[str], root: Path) -> list[Case]:
     for name in model_names:
         loaded = models.load(name, seed=0)
         print(f"profiling {name} at 1 thread ...", file=sys.stderr, flush=True)
-        prof = profile(loaded.module, loaded.example_inputs, name=name, repeats=5, warmup=2, progress=False)
+        prof = profile(loaded.module, loaded.example_inputs, name=name, repeats=5, warmup=2, progress=False,
+                       loss_fn=loaded.loss_fn, targets=loaded.example_targets)
         graph = build_costgraph(prof)
         gm = trace(loaded.module, loaded.example_inputs)
-        plans = _plans(name, graph, grid)
-        micro: dict[int, tuple[Profile, tuple[float, float]]] = {}
-        for rows in sorted({prof.batch_size // (p.microbatches * len(p.stages[0].devices)) for _, p in plans}):
-            small = models.load(name, batch_size=rows, seed=0)
-            micro[rows] = (profile(small.module, small.example_inputs, name=name, repeats=5, warmup=2,
-                                   progress=False), _loss_cost(small))
-        for label, plan in plans:
+        for label, plan, no_opt in _plans(name, graph, grid):
             out = root / label.replace(" ", "_").replace("=", "")
             generate(gm, plan, out, profile=prof)
             ranks = sum(len(s.devices) for s in plan.stages)
             per_rank = tuple((st.predicted.fwd_ms + st.predicted.bwd_ms) * plan.microbatches
                              for st in plan.stages for _ in st.devices)
             cases.append(Case(label, name, ranks, str(out), plan.predicted.step_ms, plan.predicted.bubble, per_rank,
-                              _calibrated(prof, micro, plan)))
+                              no_opt))
     return cases
 
 
@@ -256,9 +208,10 @@ def _summarise(cases: list[Case], root: Path) -> list[dict[str, Any]]:
         rows.append({"plan": c.name, "ranks": c.ranks, "predicted_ms": c.predicted_ms, "measured_ms": meas,
                      "measured_without_optimizer_ms": meas_no_opt,
                      "error": (meas - c.predicted_ms) / c.predicted_ms,
-                     "error_without_optimizer": (meas_no_opt - c.predicted_ms) / c.predicted_ms,
-                     "calibrated_ms": c.calibrated_ms,
-                     "calibrated_error_without_optimizer": (meas_no_opt - c.calibrated_ms) / c.calibrated_ms,
+                     "predicted_without_optimizer_ms": c.predicted_without_optimizer_ms,
+                     "error_without_optimizer": (meas_no_opt - c.predicted_without_optimizer_ms)
+                     / c.predicted_without_optimizer_ms,
+                     "predicted_optimizer_ms": c.predicted_ms - c.predicted_without_optimizer_ms,
                      "optimizer_ms": statistics.median(max(r["optimizer_ms"][i] for r in ranks)
                                                        for i in range(len(full))),
                      "allreduce_ms": statistics.median(max(r["allreduce_ms"][i] for r in ranks)
@@ -293,26 +246,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(rows)} plans on local CPU ranks (1 thread each); median of {args.steps} steps after {args.warmup} "
           "warm-up; error = (measured - predicted) / predicted")
     print(f"  {'plan':28s} {'ranks':>5s} {'pred ms':>8s} {'meas ms':>8s} {'error':>7s} {'no-opt':>7s} "
-          f"{'calib':>7s} {'opt ms':>7s} {'allred':>7s} {'bubble p/m':>11s} {'bg cpu':>6s}")
+          f"{'opt p/m':>11s} {'allred':>7s} {'bubble p/m':>11s} {'bg cpu':>6s}")
     for r in rows:
         print(f"  {r['plan']:28s} {r['ranks']:5d} {r['predicted_ms']:8.1f} {r['measured_ms']:8.1f} "
               f"{r['error']:+7.1%} {r['error_without_optimizer']:+7.1%} "
-              f"{r['calibrated_error_without_optimizer']:+7.1%} {r['optimizer_ms']:7.1f} "
+              f"{r['predicted_optimizer_ms']:5.1f}/{r['optimizer_ms']:<5.1f} "
               f"{r['allreduce_ms']:7.1f} {r['predicted_bubble']:5.0%}/{r['measured_bubble']:<5.0%} "
               f"{r['background_cpu']:6.2f}")
     errs = [r["error"] for r in rows]
     errs_no = [r["error_without_optimizer"] for r in rows]
-    errs_cal = [r["calibrated_error_without_optimizer"] for r in rows]
     summary = {"median_abs_error": _pct(errs, 0.5), "p90_abs_error": _pct(errs, 0.9),
                "median_abs_error_without_optimizer": _pct(errs_no, 0.5),
-               "p90_abs_error_without_optimizer": _pct(errs_no, 0.9),
-               "median_abs_error_calibrated": _pct(errs_cal, 0.5), "p90_abs_error_calibrated": _pct(errs_cal, 0.9)}
+               "p90_abs_error_without_optimizer": _pct(errs_no, 0.9)}
     print(f"  |error| whole step: median {summary['median_abs_error']:.1%}, p90 {summary['p90_abs_error']:.1%}; "
           f"without the optimizer step: median {summary['median_abs_error_without_optimizer']:.1%}, "
           f"p90 {summary['p90_abs_error_without_optimizer']:.1%} (goal: median <= 10%, p90 <= 20%)")
-    print(f"  with the proposed cost-model changes (microbatch-size costs, whole-model scale, the loss timed), "
-          f"without the optimizer: "
-          f"median {summary['median_abs_error_calibrated']:.1%}, p90 {summary['p90_abs_error_calibrated']:.1%}")
     noisy = [r["plan"] for r in rows if r["background_cpu"] > QUIET]
     if noisy:
         print(f"  measured while other processes were busy (> {QUIET} CPU): {', '.join(noisy)}")
