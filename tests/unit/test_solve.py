@@ -28,8 +28,11 @@ BIG_M = 8192
 HYP = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def brute_force_bottleneck(costs: list[dict[str, float]], kinds: list[str]) -> float:
-    """Minimum over every contiguous split and every (kind, degree) per stage of max(stage time / degree)."""
+def brute_force_bottleneck(costs: list[dict[str, float]], kinds: list[str], rows: int = 4) -> float:
+    """Minimum over every contiguous split and every (kind, degree) per stage of max(stage time / degree).
+
+    Degrees split a microbatch of ``rows`` rows evenly (``_setup``'s batch gives 4 rows per microbatch).
+    """
     n = len(costs)
     avail = {k: kinds.count(k) for k in set(kinds)}
 
@@ -41,6 +44,8 @@ def brute_force_bottleneck(costs: list[dict[str, float]], kinds: list[str]) -> f
         for b in range(a + 1, n + 1):
             for ki, k in enumerate(sorted(avail)):
                 for d in range(1, remaining[ki] + 1):
+                    if rows % d:
+                        continue
                     t = sum(c[k] for c in costs[a:b]) / d
                     if t >= out:
                         continue
