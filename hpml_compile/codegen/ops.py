@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -277,14 +278,37 @@ def checkpoint(fn: Callable[..., Any], *args: Any, swap: SwapStats | None = None
                                                  preserve_rng_state=True)
 
 
+_BUFFERS: dict[tuple[int, ...], Tensor] = {}
+
+
+def _grad_buffer(params: Sequence[Tensor]) -> Tensor:
+    """One flat buffer per parameter list, kept across steps.
+
+    A new buffer each step costs more than the copy into it: on a CPU rank the
+    first touch of fresh pages ran at ~1.6 GB/s against ~10 GB/s for a copy into
+    memory already mapped (33.6 MB of mlp gradients: 20.5 ms against 3.5 ms).
+    """
+    key = tuple(id(p) for p in params)
+    n = sum(p.numel() for p in params)
+    buf = _BUFFERS.get(key)
+    if buf is None or buf.numel() != n or buf.dtype != params[0].dtype or buf.device != params[0].device:
+        if key not in _BUFFERS:  # forget it with the parameters
+            weakref.finalize(params[0], _BUFFERS.pop, key, None)
+        buf = _BUFFERS[key] = torch.empty(n, dtype=params[0].dtype, device=params[0].device)
+    return buf
+
+
 def _flat_grads(params: Sequence[Tensor]) -> Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+    if len({t.dtype for t in parts}) > 1:
+        return torch.cat(parts)
+    return torch.cat(parts, out=_grad_buffer(params))
 
 
 def _write_grads(params: Sequence[Tensor], flat: Tensor) -> None:
-    # Copy into the gradient that is there (no allocation); a parameter without one takes a view of
-    # ``flat`` (slices do not overlap, as in DDP's gradient_as_bucket_view). Cloning every slice cost
-    # more than the all-reduce itself on CPU ranks (benchmarks/prediction).
+    # Copy into the gradient that is there (no allocation). A parameter without one gets its own copy:
+    # a view would alias the buffer the next step packs into. Cloning every slice cost more than the
+    # all-reduce itself on CPU ranks (benchmarks/prediction).
     offset = 0
     for p in params:
         n = p.numel()
@@ -292,7 +316,7 @@ def _write_grads(params: Sequence[Tensor], flat: Tensor) -> None:
         if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == flat.dtype:
             p.grad.copy_(part)
         else:
-            p.grad = part
+            p.grad = part.clone()
         offset += n
 
 
