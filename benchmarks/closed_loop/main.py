@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from hpml_compile.plan import load_plan
+from hpml_compile.profile import load_profile
 from hpml_compile.runtime.adapt import plan_scope_ms
 from hpml_compile.runtime.monitor import StepMetrics, read_metrics
 from hpml_compile.runtime.supervisor import timings
@@ -69,7 +70,8 @@ def _steps(seg: Path) -> dict[int, list[StepMetrics]]:
 
 def _median_step(rows: dict[int, list[StepMetrics]], steps: range, scope: bool) -> float:
     """Median over ``steps`` of the slowest rank's step (plan scope: without the optimizer)."""
-    vals = [max(plan_scope_ms(m) if scope else m.step_ms for m in rows[s]) for s in steps if s in rows]
+    vals = [max(plan_scope_ms(m, with_optimizer=False) if scope else m.step_ms for m in rows[s])
+            for s in steps if s in rows]
     return statistics.median(vals) if vals else float("nan")
 
 
@@ -97,15 +99,17 @@ def slowdown(build: Path, work: Path, steps: int, slow_from: int, factor: float)
     after_rows = _steps(run / f"seg{last}")
     first = min(after_rows)
     after = _median_step(after_rows, range(first + 2, steps + 1), scope=False)
-    after_scope = _median_step(after_rows, range(first + 2, steps + 1), scope=True)
     predicted = load_plan(run / f"seg{last}" / "plan.json").predicted.step_ms
+    # the prediction's scope: the whole step when the profile timed the optimizer
+    whole = bool(load_profile(Path(switch["build"]) / "profile.json").optimizer_ms)
+    after_scope = after if whole else _median_step(after_rows, range(first + 2, steps + 1), scope=True)
     t = next(x for x in timings(run) if x["kind"].startswith("switch"))
     out.update(
         decided_at_step=at, detect_steps=at - slow_from + 1, detect_s=detect_s, slow_devices=d["slow_devices"],
         replan_s=t["replan_s"], solve_s=d["solve_s"], codegen_s=d.get("codegen_s", 0.0), resume_s=t["resume_s"],
         predicted_gain=d["gain"], diff=d["diff"],
         healthy_samples_s=batch / healthy * 1e3, slowed_samples_s=batch / slowed * 1e3,
-        after_samples_s=batch / after * 1e3, after_step_ms=after, after_step_no_optimizer_ms=after_scope,
+        after_samples_s=batch / after * 1e3, after_step_ms=after, after_step_in_prediction_scope_ms=after_scope,
         new_plan_predicted_ms=predicted, throughput_vs_prediction=predicted / after_scope,
         speedup_vs_staying=slowed / after)
     return out

@@ -1,8 +1,8 @@
 """The closed loop inside a running job: watch every step, re-plan on a sustained gap, switch when it pays.
 
 Every rank calls :meth:`Adapter.observe` after each step. The ranks agree on
-the step's time (the slowest rank's step less its optimizer, the simulator's
-scope: one all-reduce of one number), so every rank's
+the step's time (the slowest rank's, in the simulator's scope: see
+:func:`plan_scope_ms`; one all-reduce of one number), so every rank's
 :class:`~.policy.ImbalanceWatch` fires at the same step without any message.
 When it fires:
 
@@ -90,9 +90,13 @@ class Verdict:
     event: dict[str, Any] = field(default_factory=dict)
 
 
-def plan_scope_ms(m: StepMetrics) -> float:
-    """A step's time in the scope of the plan's prediction: the whole step less the optimizer."""
-    return m.step_ms - m.optimizer_ms
+def plan_scope_ms(m: StepMetrics, with_optimizer: bool = True) -> float:
+    """A step's time in the scope of the plan's prediction.
+
+    The whole step when the plan's profile timed the optimizer (the simulator then
+    predicts it); less the optimizer step for a profile without it (schema version 1).
+    """
+    return m.step_ms if with_optimizer else m.step_ms - m.optimizer_ms
 
 
 class Adapter:
@@ -114,6 +118,7 @@ class Adapter:
         self.total_steps, self.startup_s, self.log = total_steps, startup_s, log
         self.watch = ImbalanceWatch(options.threshold, options.patience, options.cooldown)
         self.reference_ms = pipe.plan.predicted.step_ms
+        self.with_optimizer = bool(load_profile(self.build_dir / "profile.json").optimizer_ms)
         self.checkpoint_s = 1.0  # until one is measured
         self._seen = 0
         self._times: list[float] = []
@@ -121,7 +126,7 @@ class Adapter:
     def observe(self) -> Verdict | None:
         """Feed the step just run (call on every rank); a verdict when the watch fired, else None."""
         m = self.pipe.metrics[-1]
-        t = torch.tensor([plan_scope_ms(m)], dtype=torch.float64)
+        t = torch.tensor([plan_scope_ms(m, self.with_optimizer)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         measured = float(t.item())
         self._times.append(measured)
