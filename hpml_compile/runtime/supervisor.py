@@ -47,9 +47,9 @@ from ..profile import load_profile, predict_kinds
 from ..replan import without_devices
 from ..schema import read_json
 from ..solve import solve
-from .adapt import NEXT_FILE, REPLANS_FILE, AdaptOptions
+from .adapt import NEXT_FILE, AdaptOptions
 from .checkpoint import latest
-from .launcher import LaunchError, LaunchSpec, RankFailure, launch, prepare_run_dir
+from .launcher import LaunchSpec, RankFailure, launch, prepare_run_dir
 from .monitor import read_metrics
 from .policy import FailureLedger
 from .worker import KILLED_EXIT, PROGRESS_FILE, error_path
@@ -128,7 +128,6 @@ def blame(failures: dict[int, tuple[int, str]], run_dir: Path) -> Culprit:
 @dataclass(slots=True)
 class _Job:
     run_dir: Path
-    steps: int
     log: Callable[[str], None]
     events: list[dict[str, Any]] = field(default_factory=list)
 
@@ -217,7 +216,7 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
         LaunchError: a rank failed on bad input (never retried), or the ranks could not start.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    job = _Job(run_dir, steps, log)  # a run folder used before goes on: new segments, events appended
+    job = _Job(run_dir, log)  # a run folder used before goes on: new segments, events appended
     first = plan_devices(load_plan(build_dir / "plan.json"))
     for rank in [r for r, _, _ in slows] + [r for _, r in [*kills, *hangs]]:
         if not 0 <= rank < len(first):
@@ -314,13 +313,3 @@ def timings(run_dir: Path) -> list[dict[str, Any]]:
         out.append(row)
     return out
 
-
-def replans(run_dir: Path) -> list[dict[str, Any]]:
-    """Every closed-loop decision of every segment (switch or not), in order."""
-    out = []
-    for seg in sorted(run_dir.glob("seg*/" + REPLANS_FILE), key=lambda p: int(p.parent.name[3:])):
-        out += [json.loads(line) for line in seg.read_text().splitlines() if line.strip()]
-    return out
-
-
-__all__ += ["replans"]
