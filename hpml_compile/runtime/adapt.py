@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import deque
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,7 +122,7 @@ class Adapter:
         self.with_optimizer = bool(load_profile(self.build_dir / "profile.json").optimizer_ms)
         self.checkpoint_s = 1.0  # until one is measured
         self._seen = 0
-        self._times: list[float] = []
+        self._times: deque[float] = deque(maxlen=options.patience)  # the latest steps' times
 
     def observe(self) -> Verdict | None:
         """Feed the step just run (call on every rank); a verdict when the watch fired, else None."""
@@ -137,13 +138,15 @@ class Adapter:
             return None
         detected = time.perf_counter()
         every: list[Any] = [None] * self.pipe.world_size
-        dist.all_gather_object(every, [r.to_dict() for r in self.pipe.metrics])
+        rows, head = self.pipe.metrics, self.opts.warmup + self.opts.baseline
+        # what the decision reads: the plan's first steps (its baseline) and the latest ones, not the whole run
+        dist.all_gather_object(every, [r.to_dict() for r in [*rows[:head], *rows[-self.opts.patience:]]])
         box: list[Any] = [None]
         if self.pipe.rank == 0:
             try:
                 box[0] = self._decide(every, detected)
             except Exception as e:  # noqa: BLE001 -- a failed re-plan must not stop training on the running plan
-                recent = statistics.median(self._times[-self.opts.patience:])
+                recent = statistics.median(self._times)
                 box[0] = Verdict(False, None, recent, {"step": self.pipe.steps_done, "switch": False,
                                                        "why": f"re-planning failed: {type(e).__name__}: {e}"})
                 self._record(box[0].event)
@@ -160,7 +163,7 @@ class Adapter:
         rows = {r: [StepMetrics.from_dict(d) for d in rs] for r, rs in enumerate(every)}
         recent = {r: rs[-o.patience:] for r, rs in rows.items()}
         baseline = {r: rs[o.warmup:o.warmup + o.baseline] for r, rs in rows.items()}
-        measured = statistics.median(self._times[-o.patience:])
+        measured = statistics.median(self._times)
         s = summarise(plan, recent, skip=0, run_dir=self.run_dir)
         slow = device_slowdowns(plan, baseline, recent, o.threshold)
         prof, cluster = measured_setup(load_profile(self.build_dir / "profile.json"), s, slow,
