@@ -29,11 +29,12 @@ import cost_models
 from cost_models.calibrate import Calibration, OpSample, fit, predict_ms
 
 from ..errors import HpmlError, UnknownDeviceError
+from ..hostmem import keep_freed_memory
 from ..ir import BackwardTiming, FrontEnd, NodeCost, NodeOp, Profile, ProfileNode
 from ..schema import read_json, write_json_atomic
 from ..trace import node_info, trace
 from .static import NodeFacts, analyze
-from .timing import measure, slice_rows, time_optimizer
+from .timing import measure, slice_rows, time_optimizer, time_streams
 
 __all__ = ["profile", "predict_kinds", "check_kinds", "local_kinds", "save_profile", "load_profile"]
 
@@ -140,10 +141,14 @@ def _profile_kind(gm: fx.GraphModule, inputs: tuple[Any, ...], device: torch.dev
 
     Returns ``(costs, whole-model cost, facts for profile.devices, whether micro rows were measured)``.
     """
+    info: dict[str, Any] = {}
+    if device.type == "cpu":
+        keep_freed_memory()  # what the runtime's CPU ranks run with (hpml_compile.hostmem)
+        info.update({k: round(v, 3) for k, v in time_streams().items()})
     out_node = next((n.name for n in gm.graph.nodes if n.op == "output"), None) if loss else None
     costs, whole = _measure_on(gm, inputs, device, repeats, warmup, progress, loss)
     costs, (rf, rb) = _scale_to_whole(costs, whole, out_node)
-    info: dict[str, Any] = {"scaled_to_whole": {"fwd": round(rf, 4), "bwd": round(rb, 4)}}
+    info["scaled_to_whole"] = {"fwd": round(rf, 4), "bwd": round(rb, 4)}
     if not micro or micro >= batch:
         return costs, whole, info, False
     small_inputs = tuple(slice_rows(x, batch, micro) for x in inputs)

@@ -59,6 +59,7 @@ from ..codegen import Build
 from ..codegen.comm import Comm
 from ..codegen.stage import StageModule
 from ..errors import HpmlError
+from ..hostmem import keep_freed_memory
 from ..plan import Plan
 
 __all__ = ["LocalComm", "DistComm", "StepResult", "stage_ranks", "rank_layout", "split_microbatches",
@@ -359,6 +360,7 @@ def step_rank(build: Build, comm: DistComm, inputs: Sequence[Any], targets: Any,
 
 def _entry(rank: int, fn: Callable[..., None], world_size: int, init: str, threads: int, args: tuple[Any, ...]) -> None:
     torch.set_num_threads(threads)  # ranks share the machine's cores
+    keep_freed_memory()
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)

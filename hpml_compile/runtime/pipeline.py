@@ -58,6 +58,7 @@ from ..codegen import Build, load_build
 from ..codegen.comm import DetachedComm
 from ..codegen.stage import StageModule
 from ..errors import HpmlError
+from ..hostmem import keep_freed_memory
 from ..simulate import op_order
 from .comm import CommFault, PipeComm, is_transient, make_groups, rank_devices
 from .executor import LocalComm, merge_outputs, split_microbatches, stage_ranks
@@ -127,6 +128,8 @@ class Pipeline:
             self.stage_index, self.replica = self.comm.stage, self.comm.replica
             self.stages = {self.stage_index: build.stages[self.stage_index]}
             self.stages[self.stage_index].to(self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a step's tensors reuse freed memory instead of faulting fresh pages in
         self.optimizer = self._make_optimizer(optimizer)
         self.monitor = Monitor(run_dir, self.rank, tensorboard=tensorboard) if run_dir is not None else Monitor(
             None, self.rank)
