@@ -83,6 +83,8 @@ class CostGraph:
         batch_size: batch size the costs were measured at.
         optimizer_ms: one optimizer step over every parameter, per kind (empty: not modelled).
         param_sizes: bytes per parameter name (for tied parameters shared by stages; may be empty).
+        streams: per measured CPU kind, ``(one thread's, the whole host's)`` memory bandwidth in GB/s
+            (:func:`hpml_compile.profile.timing.time_streams`; empty: not measured).
     """
 
     graph: nx.DiGraph
@@ -92,6 +94,11 @@ class CostGraph:
     batch_size: int
     optimizer_ms: Mapping[str, float] = field(default_factory=dict)
     param_sizes: Mapping[str, int] = field(default_factory=dict)
+    streams: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+
+    def stream_gbps(self, kind: str) -> tuple[float, float] | None:
+        """``(one thread's, the host's)`` measured memory bandwidth for ``kind`` (its base kind for a variant)."""
+        return self.streams.get(kind, self.streams.get(base_kind(kind)))
 
     def cost_at(self, node: str, kind: str, fraction: float) -> tuple[float, float]:
         """``(fwd_ms, bwd_ms)`` of ``node`` on ``kind`` for a slice holding ``fraction`` of the batch rows:
@@ -176,7 +183,7 @@ class CostGraph:
         for _, _, e in q.edges(data=True):
             e["bytes"] = sum(e["producers"].values())
         return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size, self.optimizer_ms,
-                         self.param_sizes)
+                         self.param_sizes, self.streams)
 
     def cut_bytes(self, before: Iterable[str]) -> int:
         """Bytes crossing from the node set ``before`` to the rest; a tensor read by
@@ -231,8 +238,10 @@ def build(profile: Profile) -> CostGraph:
             size = g.nodes[inp]["output_bytes"]
             g.add_edge(inp, n.name, bytes=size, producers={inp: size}, tensors=tensor_out[inp])
         tensor_out[n.name] = n.tensor_output
+    streams = {k: (float(d["stream_gbps"]), float(d["host_stream_gbps"])) for k, d in profile.devices.items()
+               if d.get("stream_gbps") and d.get("host_stream_gbps")}
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
-                     dict(profile.optimizer_ms), dict(profile.parameters))
+                     dict(profile.optimizer_ms), dict(profile.parameters), streams)
 
 
 def _ram_gib() -> float:

@@ -35,6 +35,19 @@ Approximations, stated once:
 - Then each stage runs its optimizer step: the graph's measured (or
   predicted) step time per parameter byte times the stage's parameter bytes
   (a ZeRO-sharded state: its shard); none when the graph has no optimizer time.
+- CPU ranks of one host share its memory bandwidth (GPUs have their own).
+  Every phase has a memory-streaming part: a microbatch's forward reads the
+  stage's weights and writes its activations, its backward about twice that,
+  a replicated stage's gradient sync copies the gradients into a flat buffer
+  and back, and the optimizer step is all streaming. At the profile's
+  one-thread rate a part takes ``bytes / stream_gbps``; while ``k`` ranks of
+  the host are busy at once, a part stretches by
+  ``max(1, k * stream_gbps / host_stream_gbps)`` (both rates measured by
+  :func:`hpml_compile.profile.timing.time_streams`), averaged over the time
+  it overlaps the other ranks' work. The schedule is played three times, each
+  time with the stretches of the previous timeline. Without measured rates (a
+  GPU, an old profile), nothing stretches and the copies run at the catalog's
+  memory bandwidth.
 - The bubble is the idle fraction of the stages' compute time between 0 and
   the end of the last backward.
 
@@ -60,12 +73,12 @@ import cost_models
 from .cluster import host_link_spec, link_spec
 from .costgraph import CostGraph
 from .errors import UnknownDeviceError
-from .ir import Cluster
+from .ir import Cluster, base_kind
 from .memory import MemoryBreakdown, ZeroStage, device_memory, dtype_bytes
 from .plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "stage_costs", "annotate",
-           "idle_intervals", "op_order", "tied_syncs"]
+           "idle_intervals", "op_order", "tied_syncs", "stream_bytes_per_ms"]
 
 
 class EventKind(str, enum.Enum):
@@ -105,6 +118,9 @@ class StageCost:
         sync_ms: gradient synchronisation after the last backward.
         memory: the memory breakdown of each device of the stage.
         optimizer_ms: the optimizer step after the sync.
+        fwd_stream_ms: the memory-streaming part of ``fwd_ms`` (weights read, activations written).
+        bwd_stream_ms: the memory-streaming part of ``bwd_ms``.
+        sync_copy_ms: the part of ``sync_ms`` spent copying gradients into the flat buffer and back.
     """
 
     fwd_ms: float
@@ -115,6 +131,9 @@ class StageCost:
     sync_ms: float
     memory: MemoryBreakdown
     optimizer_ms: float = 0.0
+    fwd_stream_ms: float = 0.0
+    bwd_stream_ms: float = 0.0
+    sync_copy_ms: float = 0.0
 
     @property
     def compute_ms(self) -> float:
@@ -136,6 +155,8 @@ class SimResult:
         stages: the costs the simulation used, per stage.
         step_without_optimizer_ms: the step up to the end of the last gradient sync (no optimizer step).
         tied_ms: the all-reduces of parameters shared between stages, ``(stages, ms)`` each.
+        contention: per stage, how much longer its microbatches took on average because CPU ranks of its
+            host streamed memory at the same time (1.0: not at all).
     """
 
     step_ms: float
@@ -147,6 +168,7 @@ class SimResult:
     stages: tuple[StageCost, ...]
     step_without_optimizer_ms: float = 0.0
     tied_ms: tuple[tuple[tuple[int, ...], float], ...] = ()
+    contention: tuple[float, ...] = ()
 
 
 def op_order(schedule: Schedule, stage: int, stages: int, microbatches: int) -> list[tuple[bool, int]]:
@@ -193,6 +215,22 @@ def _kind_cost(graph: CostGraph, node: str, kinds: list[str], fraction: float = 
                                      "hpml_compile.profile.predict_kinds before planning")
     at = [graph.cost_at(node, k, fraction) for k in kinds]
     return max(a[0] for a in at), max(a[1] for a in at)
+
+
+def stream_bytes_per_ms(graph: CostGraph, kinds: list[str]) -> float:
+    """Bytes per millisecond one rank streams on the slowest of ``kinds``: the profile's one-thread rate where
+    measured, else the catalog's memory bandwidth (inf for a kind the catalog does not know)."""
+    rates = []
+    for k in kinds:
+        measured = graph.stream_gbps(k)
+        if measured:
+            rates.append(measured[0] * 1e6)
+            continue
+        try:
+            rates.append(cost_models.get_device(base_kind(k)).mem_bw / 1e3)
+        except cost_models.UnknownDeviceKind:
+            rates.append(float("inf"))
+    return min(rates)
 
 
 def _sync_ms(cluster: Cluster, stage: Stage, param_bytes: int) -> float:
@@ -266,8 +304,12 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         swap_ms = 0.0 if host.gbps == float("inf") or not swapped else cost_models.p2p_ms(swapped / (m * d), host)
         opt_bytes = params // d if st.zero >= ZeroStage.OS else params
         opt_ms = max(graph.optimizer_ms_per_byte(k) for k in kinds) * opt_bytes
+        rate = stream_bytes_per_ms(graph, kinds)
+        moved = params + acts / (m * d)
+        copy_ms = 4 * params / rate if d > 1 else 0.0  # gradients into the flat buffer and back: read + write
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms),
-                             _sync_ms(c, st, params), mem, opt_ms))
+                             _sync_ms(c, st, params) + copy_ms, mem, opt_ms, min(fwd, moved / rate),
+                             min(bwd, 2 * moved / rate), copy_ms))
     return tuple(out)
 
 
@@ -293,8 +335,13 @@ def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], floa
     return out
 
 
-def _run(plan: Plan, costs: tuple[StageCost, ...]) -> tuple[dict[tuple[bool, int, int], tuple[float, float]], list[Interval]]:
-    """List-schedule every stage's operations; returns ``(fwd?, stage, mb) -> (start, end)`` and send bars."""
+Op = tuple[bool, int, int]  # (forward?, stage, microbatch)
+
+
+def _run(plan: Plan, costs: tuple[StageCost, ...], stretch: dict[Op, float] | None = None
+         ) -> tuple[dict[Op, tuple[float, float]], list[Interval]]:
+    """List-schedule every stage's operations; returns ``(fwd?, stage, mb) -> (start, end)`` and send bars.
+    ``stretch`` multiplies an operation's duration (host memory contention)."""
     s_count, m = len(plan.stages), plan.microbatches
     orders = [op_order(plan.schedule, i, s_count, m) for i in range(s_count)]
     senders: list[list[tuple[int, float]]] = [[] for _ in range(s_count)]
@@ -314,7 +361,7 @@ def _run(plan: Plan, costs: tuple[StageCost, ...]) -> tuple[dict[tuple[bool, int
                 if ready is None:
                     break
                 cst = costs[i]
-                dur = cst.fwd_ms if fwd else cst.recompute_ms + cst.bwd_ms
+                dur = (cst.fwd_ms if fwd else cst.recompute_ms + cst.bwd_ms) * (stretch or {}).get((fwd, i, k), 1.0)
                 start = max(free[i], ready)
                 done[(fwd, i, k)] = (start, start + dur)
                 free[i] = start + dur
@@ -354,6 +401,75 @@ def _ready(fwd: bool, i: int, k: int, costs: tuple[StageCost, ...], senders: lis
     return t
 
 
+class _HostShare:
+    """Which stages' CPU ranks share a host's memory bandwidth, and how much a streaming part stretches."""
+
+    def __init__(self, plan: Plan, graph: CostGraph) -> None:
+        # per stage: {host: ranks of the stage there}, only CPU devices whose kind has measured rates
+        self.ranks: list[dict[str, int]] = []
+        self.rates: dict[str, tuple[float, float]] = {}
+        for st in plan.stages:
+            here: dict[str, int] = {}
+            for name in st.devices:
+                dev = plan.cluster.device(name)
+                rates = graph.stream_gbps(dev.kind) if dev.is_cpu else None
+                if rates and rates[1] > 0:
+                    here[dev.host] = here.get(dev.host, 0) + 1
+                    self.rates[dev.host] = rates
+            self.ranks.append(here)
+        self.active = any(sum(r.get(h, 0) for r in self.ranks) > 1 for h in self.rates)
+
+    def _slowdown(self, host: str, streams: float) -> float:
+        one, whole = self.rates[host]
+        return max(1.0, streams * one / whole)
+
+    def factor(self, i: int, start: float, end: float, busy: list[list[tuple[float, float]]]) -> float:
+        """Mean slow-down of a streaming part of stage ``i`` over ``[start, end]``, the worst of its hosts,
+        given each stage's busy intervals."""
+        if end <= start or not self.ranks[i]:
+            return 1.0
+        worst = 1.0
+        for host, own in self.ranks[i].items():
+            cuts = {start, end}
+            others = [(j, a, b) for j, iv in enumerate(busy) if j != i and self.ranks[j].get(host)
+                      for a, b in iv if b > start and a < end]
+            for _, a, b in others:
+                cuts.update((max(a, start), min(b, end)))
+            edges = sorted(cuts)
+            total = 0.0
+            for a, b in zip(edges, edges[1:]):
+                mid = (a + b) / 2
+                streams = own + sum(self.ranks[j][host] for j, x, y in others if x <= mid < y)
+                total += (b - a) * self._slowdown(host, streams)
+            worst = max(worst, total / (end - start))
+        return worst
+
+
+def _busy(done: dict[Op, tuple[float, float]], stages: int) -> list[list[tuple[float, float]]]:
+    out: list[list[tuple[float, float]]] = [[] for _ in range(stages)]
+    for (_, i, _), span in done.items():
+        out[i].append(span)
+    return out
+
+
+def _contended(plan: Plan, costs: tuple[StageCost, ...], share: _HostShare, passes: int = 3
+               ) -> tuple[dict[Op, tuple[float, float]], list[Interval], dict[Op, float]]:
+    """Play the schedule ``passes`` times, each time stretching every operation's streaming part by the
+    contention its host saw in the previous timeline."""
+    stretch: dict[Op, float] = {}
+    done, bars = _run(plan, costs)
+    for _ in range(passes - 1):
+        busy = _busy(done, len(plan.stages))
+        for (fwd, i, k), (a, b) in done.items():
+            cst = costs[i]
+            dur = cst.fwd_ms if fwd else cst.recompute_ms + cst.bwd_ms
+            part = cst.fwd_stream_ms if fwd else cst.bwd_stream_ms + (cst.fwd_stream_ms if cst.recompute_ms else 0)
+            f = share.factor(i, a, b, busy)
+            stretch[(fwd, i, k)] = 1.0 + (part / dur) * (f - 1.0) if dur > 0 else 1.0
+        done, bars = _run(plan, costs, stretch)
+    return done, bars, stretch
+
+
 def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
     """Play ``plan`` on its cluster and predict one training step.
 
@@ -370,11 +486,24 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
         RuntimeError: if the schedule deadlocks (a malformed plan).
     """
     costs = stage_costs(plan, graph, dtype)
-    done, bars = _run(plan, costs)
+    share = _HostShare(plan, graph)
+    if share.active:
+        done, bars, stretch = _contended(plan, costs, share)
+    else:
+        (done, bars), stretch = _run(plan, costs), {}
     s_count, m = len(plan.stages), plan.microbatches
     pipe_end = max((end for _, end in done.values()), default=0.0)
     lasts = [max(done[(False, i, k)][1] for k in range(m)) for i in range(s_count)]
-    synced = [lasts[i] + costs[i].sync_ms for i in range(s_count)]
+    busy = _busy(done, s_count)
+    # after its last backward each stage syncs, then steps its optimizer; the streaming parts of both stretch
+    # with what the other stages of the host do meanwhile (their compute, and their own sync and step)
+    tails = [[(lasts[j], lasts[j] + costs[j].sync_ms + costs[j].optimizer_ms)] for j in range(s_count)]
+    sync = []
+    for i, cst in enumerate(costs):
+        end = lasts[i] + cst.sync_ms
+        f = share.factor(i, lasts[i], end, [b + t for b, t in zip(busy, tails)]) if share.active else 1.0
+        sync.append(cst.sync_ms + cst.sync_copy_ms * (f - 1.0))
+    synced = [lasts[i] + sync[i] for i in range(s_count)]
     tied = tied_syncs(plan, graph)
     for stages, ms in tied:  # one collective: it starts when every stage in it is ready
         start = max(synced[i] for i in stages)
@@ -384,7 +513,11 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
                     bars.append(Interval(dev, start, start + ms, EventKind.SYNC, -1, i))
             synced[i] = start + ms
     step_no_opt = max(synced, default=0.0)
-    step = max((synced[i] + costs[i].optimizer_ms for i in range(s_count)), default=0.0)
+    tails = [[(synced[j], synced[j] + costs[j].optimizer_ms)] for j in range(s_count)]
+    optim = [cst.optimizer_ms * (share.factor(i, synced[i], synced[i] + cst.optimizer_ms,
+                                              [b + t for b, t in zip(busy, tails)]) if share.active else 1.0)
+             for i, cst in enumerate(costs)]
+    step = max((synced[i] + optim[i] for i in range(s_count)), default=0.0)
     deltas: dict[str, list[tuple[float, int]]] = {}
     for i, st in enumerate(plan.stages):
         cst = costs[i]
@@ -399,10 +532,10 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
                 b_start, b_end = done[(False, i, k)]
                 ev += [(f_end, mem.stored_per_microbatch), (b_start, mem.working),
                        (b_end, -(mem.stored_per_microbatch + mem.working))]
-            if cst.sync_ms > 0:
-                bars.append(Interval(dev, last, last + cst.sync_ms, EventKind.SYNC, -1, i))
-            if cst.optimizer_ms > 0:
-                bars.append(Interval(dev, synced[i], synced[i] + cst.optimizer_ms, EventKind.OPTIMIZER, -1, i))
+            if sync[i] > 0:
+                bars.append(Interval(dev, last, last + sync[i], EventKind.SYNC, -1, i))
+            if optim[i] > 0:
+                bars.append(Interval(dev, synced[i], synced[i] + optim[i], EventKind.OPTIMIZER, -1, i))
     curves, peaks = {}, {}
     for dev, ev in deltas.items():
         # Frees before allocations at the same instant: a backward's buffers go before the next one's arrive.
@@ -412,11 +545,14 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
             cur += delta
             curve.append((t, cur))
         curves[dev], peaks[dev] = tuple(curve), max(b for _, b in curve)
-    busy = sum(m * cst.compute_ms for cst in costs)
-    bubble = 1.0 - busy / (s_count * pipe_end) if pipe_end > 0 else 0.0
-    bottleneck = max(range(s_count), key=lambda i: costs[i].compute_ms)
+    worked = sum(b - a for a, b in done.values())
+    bubble = 1.0 - worked / (s_count * pipe_end) if pipe_end > 0 else 0.0
+    took = [sum(done[(f, i, k)][1] - done[(f, i, k)][0] for f in (True, False) for k in range(m))
+            for i in range(s_count)]
+    contention = tuple(t / (m * cst.compute_ms) if cst.compute_ms > 0 else 1.0 for t, cst in zip(took, costs))
+    bottleneck = max(range(s_count), key=lambda i: took[i])
     return SimResult(step, max(0.0, bubble), bottleneck, tuple(sorted(bars, key=lambda b: (b.device, b.start_ms))),
-                     curves, peaks, costs, step_no_opt, tuple(tied))
+                     curves, peaks, costs, step_no_opt, tuple(tied), contention)
 
 
 def _stage_bars(dev: str, i: int, cst: StageCost, done: dict[tuple[bool, int, int], tuple[float, float]],
@@ -469,8 +605,8 @@ def annotate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[Plan
     r = simulate(plan, graph, dtype)
     stages = tuple(
         Stage(st.index, st.devices, st.nodes, st.zero, st.recompute, st.swap, st.offload_optimizer,
-              StagePrediction(c.fwd_ms, c.recompute_ms + c.bwd_ms, c.memory.total))
-        for st, c in zip(plan.stages, r.stages))
+              StagePrediction(c.fwd_ms * x, (c.recompute_ms + c.bwd_ms) * x, c.memory.total))
+        for st, c, x in zip(plan.stages, r.stages, r.contention))
     new = Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, stages,
                PlanPrediction(r.step_ms, r.bottleneck_stage, r.bubble), plan.solver)
     return new, r

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -41,7 +42,7 @@ from ..ir import NodeCost
 from ..trace import buffers_restored
 from .static import is_inplace
 
-__all__ = ["measure", "Timer", "time_loss", "time_optimizer", "slice_rows"]
+__all__ = ["measure", "Timer", "time_loss", "time_optimizer", "slice_rows", "time_streams"]
 
 
 class Timer:
@@ -231,6 +232,61 @@ def time_optimizer(params: Sequence[torch.Tensor], device: torch.device | str,
     opt = make(copies)
     ms, _ = Timer(dev).stats(opt.step, repeats, warmup)
     return ms * total / nbytes
+
+
+def time_streams(threads: int | None = None, nbytes: int = 64 * 2**20, repeats: int = 5) -> dict[str, float]:
+    """Host memory bandwidth: one thread streaming alone, and ``threads`` threads streaming at once.
+
+    Each thread copies its own ``nbytes`` tensor (read + write counted, twice the last-level cache of a
+    typical CPU) ``repeats`` times at one torch thread; the median copy gives the rate. CPU ranks on one host
+    share this bandwidth: an optimizer step that streams at the one-thread rate alone slows by
+    ``threads * stream_gbps / host_stream_gbps`` when every rank streams at once (on the 2-core development VM:
+    ~1.5x). The simulator uses both figures (:mod:`hpml_compile.simulate`).
+
+    Args:
+        threads: concurrent streams for the host figure (default: the CPU count, at most 8).
+        nbytes: bytes per stream.
+        repeats: copies per stream (median kept).
+
+    Returns:
+        ``{"stream_gbps": one thread, "host_stream_gbps": all threads together, "stream_threads": threads}``
+        in GB/s (1e9 bytes/s).
+    """
+    import threading
+
+    k = max(1, min(8, threads or os.cpu_count() or 1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def stream(out: list[float], i: int, start: threading.Barrier | None) -> None:
+            src = torch.ones(nbytes // 4)
+            dst = torch.empty_like(src)
+            dst.copy_(src)
+            if start is not None:
+                start.wait()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                times.append(time.perf_counter() - t0)
+            out[i] = statistics.median(times)
+
+        alone = [0.0]
+        stream(alone, 0, None)
+        one = 2 * nbytes / alone[0] / 1e9
+        host = one
+        if k > 1:  # torch releases the GIL inside copy_: the threads stream at once
+            took = [0.0] * k
+            barrier = threading.Barrier(k)
+            workers = [threading.Thread(target=stream, args=(took, i, barrier)) for i in range(k)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            host = min(k * one, 2 * nbytes * k / max(took) / 1e9)  # the slowest stream paces the host
+    finally:
+        torch.set_num_threads(before)
+    return {"stream_gbps": one, "host_stream_gbps": host, "stream_threads": k}
 
 
 def measure(

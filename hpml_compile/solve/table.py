@@ -43,6 +43,7 @@ from ..errors import UnknownDeviceError
 from ..ir import Cluster
 from ..memory import MemoryBreakdown, ZeroStage, dtype_bytes
 from ..plan import Schedule
+from ..simulate import stream_bytes_per_ms
 from .candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees, group_link,
                          kind_counts)
 
@@ -253,6 +254,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         ffix = ffx[b] - ffx[a]
         fwd = ffix + (fw[b] - fw[a] - ffix) / (m * d)
         opt_rate = chain.graph.optimizer_ms_per_byte(kind)
+        copy_ms = 4 * params / stream_bytes_per_ms(chain.graph, [kind]) if d > 1 else 0.0  # the flat gradient buffer
         comm = np.where(a > 0, 2 * _affine(cost_models.p2p_ms, boundary_link(cluster, kind))(inputs / (m * d)), 0.0)
         glink = group_link(cluster, kind, d)
         cfg_ids = [i for i, c in enumerate(CONFIGS) if (d > 1 or c.zero == ZeroStage.NONE)
@@ -267,7 +269,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
                        big_j)
             ts.append(t)
             opt_ms = opt_rate * (params // d if cfg.zero >= ZeroStage.OS else params)
-            ests.append(m * t + _sync(cfg.zero, cfg.offload, params, d, glink, host) + opt_ms)
+            ests.append(m * t + _sync(cfg.zero, cfg.offload, params, d, glink, host) + copy_ms + opt_ms)
             jms.append(jm)
             mems.append(mem)
         est, jmx = np.stack(ests, 1), np.stack(jms, 1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+import cost_models
+
 from hpml_compile.costgraph import build
 from hpml_compile.ir import Cluster, Device, Link
 from hpml_compile.plan import Plan, Schedule, Stage, ZeroStage, stage_memory
@@ -82,12 +84,14 @@ def test_allreduce_tail_in_replicated_stage() -> None:
     g = build(prof)
     c = Cluster(devices=(Device("d0", "cpu", 8), Device("d1", "cpu", 8)), links=(Link("d0", "d1", 1.0, 0.0),))
     r = simulate(_plan(g, c, [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE), g)
-    # compute halves (F 0-1, B 1-3); ring all-reduce of 2 MB over 2 ranks: 2 (n-1)/n * 2 MB / 1 GB/s = 2 ms
-    assert r.step_ms == pytest.approx(5.0)
+    # compute halves (F 0-1, B 1-3); ring all-reduce of 2 MB over 2 ranks: 2 (n-1)/n * 2 MB / 1 GB/s = 2 ms;
+    # the gradients are copied into the flat buffer and back (2 MB read + written twice) at the memory bandwidth
+    copy = 4 * 2e6 / (cost_models.get_device("cpu").mem_bw / 1e3)
+    assert r.step_ms == pytest.approx(5.0 + copy)
     assert [b.kind for b in r.intervals if b.device == "d1"][-1] is EventKind.SYNC
     # ZeRO-3 adds one all-gather of the parameters: (n-1)/n * 2 MB / 1 GB/s = 1 ms more
     r3 = simulate(_plan(g, c, [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE, zero=ZeroStage.OS_G_P), g)
-    assert r3.step_ms == pytest.approx(6.0)
+    assert r3.step_ms == pytest.approx(6.0 + copy)
 
 
 def test_recompute_is_an_extra_forward() -> None:
@@ -176,3 +180,48 @@ def test_tied_parameter_all_reduce_between_stages() -> None:
     assert r.step_ms == pytest.approx(base.step_ms + r.tied_ms[0][1])
     one = _plan(g, cluster, [(("d0",), ["n0", "n1"])], 1, Schedule.GPIPE)
     assert simulate(one, g).tied_ms == ()  # one stage holds both users: nothing to reduce
+
+
+def _streaming(prof, one: float = 10.0, host: float = 12.5, optimizer_ms: float = 4.0):
+    """The profile as measured on a host whose one thread streams ``one`` GB/s and all its threads ``host``."""
+    from dataclasses import replace
+
+    return build(replace(prof, optimizer="adamw", optimizer_ms={"cpu": optimizer_ms},
+                         devices={"cpu": {"measured": True, "stream_gbps": one, "host_stream_gbps": host}}))
+
+
+def _pair(same_host: bool) -> Cluster:
+    devs = (Device("d0", "cpu", 8), Device("d1", "cpu", 8, host="node0" if same_host else "node1"))
+    return Cluster(devices=devs, links=(Link("d0", "d1", 1.0, 0.0),))
+
+
+def test_replicas_on_one_host_share_its_memory_bandwidth() -> None:
+    g = _streaming(chain_profile([(2.0, 4.0)], param_bytes=2 * 10**6))
+    alone = simulate(_plan(g, _pair(False), [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE), g)
+    shared = simulate(_plan(g, _pair(True), [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE), g)
+    c = shared.stages[0]
+    # 2 MB of weights at 10 GB/s: 0.2 ms of the forward streams, 0.4 ms of the backward; copies 4 x 2 MB
+    assert (c.fwd_stream_ms, c.bwd_stream_ms, c.sync_copy_ms) == pytest.approx((0.2, 0.4, 0.8))
+    assert alone.step_ms == pytest.approx(1.0 + 2.0 + 2.0 + 0.8 + 4.0)  # different hosts: nothing stretches
+    assert alone.contention == (1.0,)
+    # both replicas stream at once, all the time: each streaming part takes 2 x 10 / 12.5 = 1.6x as long
+    assert shared.step_ms == pytest.approx(1.0 + 0.2 * 0.6 + 2.0 + 0.4 * 0.6 + 2.0 + 0.8 * 1.6 + 4.0 * 1.6)
+    assert shared.contention[0] == pytest.approx((3.0 + 0.6 * 0.6) / 3.0)
+    optim = [b for b in shared.intervals if b.kind is EventKind.OPTIMIZER]
+    assert {round(b.end_ms - b.start_ms, 9) for b in optim} == {6.4}
+
+
+def test_pipeline_stages_stretch_only_while_they_overlap() -> None:
+    m = 4
+    prof = chain_profile([(1.0 * m, 2.0 * m), (1.0 * m, 2.0 * m)], param_bytes=10**7)
+    g = _streaming(prof, optimizer_ms=0.0)
+    r = simulate(_plan(g, _pair(True), [(("d0",), ["n0"]), (("d1",), ["n1"])], m, Schedule.GPIPE), g)
+    plain = simulate(_plan(g, _pair(False), [(("d0",), ["n0"]), (("d1",), ["n1"])], m, Schedule.GPIPE), g)
+    fwd = {(b.stage, b.microbatch): b.end_ms - b.start_ms for b in r.intervals if b.kind is EventKind.FORWARD}
+    # stage 0's first forward runs while stage 1 waits for it: alone, at its own pace
+    assert fwd[(0, 0)] == pytest.approx(1.0)
+    # later forwards overlap stage 1's: their streaming part (10 MB at 10 GB/s = 1 ms, all of it) is 1.6x
+    assert fwd[(0, 1)] > 1.3
+    assert r.step_ms > plain.step_ms
+    assert 1.0 < r.contention[0] < 1.6 and 1.0 < r.contention[1] < 1.6
+    assert plain.contention == (1.0, 1.0)

@@ -23,6 +23,7 @@ from hpml_compile.plan import Schedule
 from hpml_compile.solve.candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees,
                                            enumerate_candidates, group_link, in_flight, kind_counts)
 from hpml_compile.solve.dp import objective, solve_chain
+from hpml_compile.simulate import stream_bytes_per_ms
 from hpml_compile.solve.testing import dag_profile
 
 MiB = 2**20
@@ -72,7 +73,8 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
                     for cfg in cfgs:
                         swap = 2 * _ms(cost_models.p2p_ms, acts / (m * d), host) if cfg.swap else 0.0
                         t = base + (fwd if cfg.recompute else 0.0) + swap
-                        scored.append((m * t + _sync(cfg, params, d, glink, host), t, cfg))
+                        copy = 4 * params / stream_bytes_per_ms(chain.graph, [kind]) if d > 1 else 0.0
+                        scored.append((m * t + _sync(cfg, params, d, glink, host) + copy, t, cfg))
                     scored.sort(key=lambda x: x[0])
                     best_j = -1
                     for est, t, cfg in scored:
