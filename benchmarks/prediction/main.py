@@ -140,10 +140,21 @@ def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, in
     return out
 
 
-def _cases(model_names: list[str], root: Path) -> list[Case]:
-    grid = [("pipe", 2, Schedule.GPIPE, 2), ("pipe", 2, Schedule.GPIPE, 4), ("pipe", 2, Schedule.ONE_F_ONE_B, 2),
-            ("pipe", 2, Schedule.ONE_F_ONE_B, 4), ("pipe", 2, Schedule.ONE_F_ONE_B, 8), ("dp", 2, Schedule.GPIPE, 1),
-            ("single", 1, Schedule.GPIPE, 1)]
+GRID = "pipe:gpipe:2,pipe:gpipe:4,pipe:1f1b:2,pipe:1f1b:4,pipe:1f1b:8,dp:gpipe:1,single:gpipe:1"
+
+
+def _grid(text: str) -> list[tuple[str, int, Schedule, int]]:
+    """``kind:schedule:M,...`` (kind: pipe | dp | single) as ``(kind, ranks, schedule, M)``."""
+    out = []
+    for item in text.split(","):
+        kind, sched, m = item.split(":")
+        if kind not in ("pipe", "dp", "single"):
+            raise SystemExit(f"--grid: unknown plan kind {kind!r} in {item!r}; use pipe, dp or single")
+        out.append((kind, 1 if kind == "single" else 2, Schedule(sched), int(m)))
+    return out
+
+
+def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedule, int]]) -> list[Case]:
     cases = []
     torch.set_num_threads(1)  # what each rank will have: profile at it
     for name in model_names:
@@ -222,7 +233,9 @@ def _summarise(cases: list[Case], root: Path) -> list[dict[str, Any]]:
                      "background_cpu": ranks[0]["background_cpu"], "attempts": ranks[0]["attempts"],
                      "compute_ms_by_stage": [statistics.median(f + b for f, b in zip(r["fwd_ms"], r["bwd_ms"]))
                                              for r in ranks],
-                     "predicted_compute_ms_by_stage": c.predicted_compute})
+                     "predicted_compute_ms_by_stage": c.predicted_compute,
+                     "fwd_ms_by_stage": [statistics.median(r["fwd_ms"]) for r in ranks],
+                     "bwd_ms_by_stage": [statistics.median(r["bwd_ms"]) for r in ranks]})
     return rows
 
 
@@ -236,10 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="gpt-mini,mlp", help="comma-separated zoo names")
     p.add_argument("--steps", type=int, default=6, help="measured steps per plan")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--grid", default=GRID, help="plans per model, kind:schedule:microbatches (default: %(default)s)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="hpml-prediction-"))
-    cases = _cases(args.models.split(","), root)
+    cases = _cases(args.models.split(","), root, _grid(args.grid))
     for world in sorted({c.ranks for c in cases}):
         launch(_worker, world, root, cases, args.steps, args.warmup, str(root))
     rows = _summarise(cases, root)
