@@ -35,6 +35,9 @@ Approximations, stated once:
 - Then each stage runs its optimizer step: the graph's measured (or
   predicted) step time per parameter byte times the stage's parameter bytes
   (a ZeRO-sharded state: its shard); none when the graph has no optimizer time.
+  Every stage starts it when the last stage has synchronised: the runtime's
+  ranks agree that the step succeeded (the loss all-reduce) before any of them
+  changes its weights, so that a failed step can be retried on all of them.
 - CPU ranks of one host share its memory bandwidth (GPUs have their own).
   Every phase has a memory-streaming part: a microbatch's forward reads the
   stage's weights and writes its activations, its backward about twice that,
@@ -513,11 +516,13 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
                     bars.append(Interval(dev, start, start + ms, EventKind.SYNC, -1, i))
             synced[i] = start + ms
     step_no_opt = max(synced, default=0.0)
-    tails = [[(synced[j], synced[j] + costs[j].optimizer_ms)] for j in range(s_count)]
-    optim = [cst.optimizer_ms * (share.factor(i, synced[i], synced[i] + cst.optimizer_ms,
+    # the ranks agree that the step succeeded (the loss all-reduce) before any of them changes its weights
+    begin = step_no_opt
+    tails = [[(begin, begin + costs[j].optimizer_ms)] for j in range(s_count)]
+    optim = [cst.optimizer_ms * (share.factor(i, begin, begin + cst.optimizer_ms,
                                               [b + t for b, t in zip(busy, tails)]) if share.active else 1.0)
              for i, cst in enumerate(costs)]
-    step = max((synced[i] + optim[i] for i in range(s_count)), default=0.0)
+    step = begin + max(optim, default=0.0)
     deltas: dict[str, list[tuple[float, int]]] = {}
     for i, st in enumerate(plan.stages):
         cst = costs[i]
@@ -535,7 +540,7 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
             if sync[i] > 0:
                 bars.append(Interval(dev, last, last + sync[i], EventKind.SYNC, -1, i))
             if optim[i] > 0:
-                bars.append(Interval(dev, synced[i], synced[i] + optim[i], EventKind.OPTIMIZER, -1, i))
+                bars.append(Interval(dev, begin, begin + optim[i], EventKind.OPTIMIZER, -1, i))
     curves, peaks = {}, {}
     for dev, ev in deltas.items():
         # Frees before allocations at the same instant: a backward's buffers go before the next one's arrive.

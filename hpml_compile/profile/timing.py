@@ -234,11 +234,13 @@ def time_optimizer(params: Sequence[torch.Tensor], device: torch.device | str,
     return ms * total / nbytes
 
 
-def time_streams(threads: int | None = None, nbytes: int = 64 * 2**20, repeats: int = 5) -> dict[str, float]:
+def time_streams(threads: int | None = None, nbytes: int = 64 * 2**20, repeats: int = 5,
+                 rounds: int = 3) -> dict[str, float]:
     """Host memory bandwidth: one thread streaming alone, and ``threads`` threads streaming at once.
 
     Each thread copies its own ``nbytes`` tensor (read + write counted, twice the last-level cache of a
-    typical CPU) ``repeats`` times at one torch thread; the median copy gives the rate. CPU ranks on one host
+    typical CPU) ``repeats`` times at one torch thread; the median copy gives the rate. One thread alone,
+    then ``threads`` together, ``rounds`` times. CPU ranks on one host
     share this bandwidth: an optimizer step that streams at the one-thread rate alone slows by
     ``threads * stream_gbps / host_stream_gbps`` when every rank streams at once (on the 2-core development VM:
     ~1.5x). The simulator uses both figures (:mod:`hpml_compile.simulate`).
@@ -247,6 +249,7 @@ def time_streams(threads: int | None = None, nbytes: int = 64 * 2**20, repeats: 
         threads: concurrent streams for the host figure (default: the CPU count, at most 8).
         nbytes: bytes per stream.
         repeats: copies per stream (median kept).
+        rounds: alone-then-together rounds; the medians of the one-thread rate and of the slow-down are kept.
 
     Returns:
         ``{"stream_gbps": one thread, "host_stream_gbps": all threads together, "stream_threads": threads}``
@@ -271,21 +274,24 @@ def time_streams(threads: int | None = None, nbytes: int = 64 * 2**20, repeats: 
                 times.append(time.perf_counter() - t0)
             out[i] = statistics.median(times)
 
-        alone = [0.0]
-        stream(alone, 0, None)
-        one = 2 * nbytes / alone[0] / 1e9
-        host = one
-        if k > 1:  # torch releases the GIL inside copy_: the threads stream at once
-            took = [0.0] * k
-            barrier = threading.Barrier(k)
-            workers = [threading.Thread(target=stream, args=(took, i, barrier)) for i in range(k)]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join()
-            host = min(k * one, 2 * nbytes * k / max(took) / 1e9)  # the slowest stream paces the host
+        ones, slows = [], []
+        for _ in range(rounds):  # alternate alone and together: a busy moment of the machine hits both
+            alone = [0.0]
+            stream(alone, 0, None)
+            ones.append(2 * nbytes / alone[0] / 1e9)
+            if k > 1:  # torch releases the GIL inside copy_: the threads stream at once
+                took = [0.0] * k
+                barrier = threading.Barrier(k)
+                workers = [threading.Thread(target=stream, args=(took, i, barrier)) for i in range(k)]
+                for w in workers:
+                    w.start()
+                for w in workers:
+                    w.join()
+                slows.append(max(1.0, max(took) / alone[0]))  # the slowest stream paces the host
     finally:
         torch.set_num_threads(before)
+    one = statistics.median(ones)
+    host = k * one / statistics.median(slows) if slows else one
     return {"stream_gbps": one, "host_stream_gbps": host, "stream_threads": k}
 
 
