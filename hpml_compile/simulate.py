@@ -498,9 +498,9 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
     pipe_end = max((end for _, end in done.values()), default=0.0)
     lasts = [max(done[(False, i, k)][1] for k in range(m)) for i in range(s_count)]
     busy = _busy(done, s_count)
-    # after its last backward each stage syncs, then steps its optimizer; the streaming parts of both stretch
-    # with what the other stages of the host do meanwhile (their compute, and their own sync and step)
-    tails = [[(lasts[j], lasts[j] + costs[j].sync_ms + costs[j].optimizer_ms)] for j in range(s_count)]
+    # after its last backward each stage syncs; the copies stretch with what the other stages of the host do
+    # meanwhile (their compute and their own sync)
+    tails = [[(lasts[j], lasts[j] + costs[j].sync_ms)] for j in range(s_count)]
     sync = []
     for i, cst in enumerate(costs):
         end = lasts[i] + cst.sync_ms
