@@ -67,6 +67,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import enum
 from dataclasses import dataclass
 from typing import Iterator
@@ -422,29 +423,40 @@ class _HostShare:
             self.ranks.append(here)
         self.active = any(sum(r.get(h, 0) for r in self.ranks) > 1 for h in self.rates)
 
-    def _slowdown(self, host: str, streams: float) -> float:
-        one, whole = self.rates[host]
-        return max(1.0, streams * one / whole)
+    def load(self, busy: list[list[tuple[float, float]]]) -> dict[str, tuple[list[float], list[int]]]:
+        """Per host, the busy ranks over time as a step function: ``(times, count from each time on)``."""
+        out = {}
+        for host in self.rates:
+            delta: dict[float, int] = {}
+            for i, spans in enumerate(busy):
+                n = self.ranks[i].get(host, 0)
+                for a, b in spans if n else ():
+                    delta[a] = delta.get(a, 0) + n
+                    delta[b] = delta.get(b, 0) - n
+            times, counts, c = [], [], 0
+            for t in sorted(delta):
+                c += delta[t]
+                times.append(t)
+                counts.append(c)
+            out[host] = (times, counts)
+        return out
 
-    def factor(self, i: int, start: float, end: float, busy: list[list[tuple[float, float]]]) -> float:
-        """Mean slow-down of a streaming part of stage ``i`` over ``[start, end]``, the worst of its hosts,
-        given each stage's busy intervals."""
+    def factor(self, i: int, start: float, end: float, load: dict[str, tuple[list[float], list[int]]]) -> float:
+        """Mean slow-down of a streaming part of stage ``i`` over ``[start, end]`` (a span ``load`` counts
+        stage ``i`` busy in), the worst of its hosts."""
         if end <= start or not self.ranks[i]:
             return 1.0
         worst = 1.0
-        for host, own in self.ranks[i].items():
-            cuts = {start, end}
-            others = [(j, a, b) for j, iv in enumerate(busy) if j != i and self.ranks[j].get(host)
-                      for a, b in iv if b > start and a < end]
-            for _, a, b in others:
-                cuts.update((max(a, start), min(b, end)))
-            edges = sorted(cuts)
-            total = 0.0
-            for a, b in zip(edges, edges[1:]):
-                mid = (a + b) / 2
-                streams = own + sum(self.ranks[j][host] for j, x, y in others if x <= mid < y)
-                total += (b - a) * self._slowdown(host, streams)
-            worst = max(worst, total / (end - start))
+        for host in self.ranks[i]:
+            one, whole = self.rates[host]
+            times, counts = load[host]
+            k = max(0, bisect.bisect_right(times, start) - 1)
+            total, t = 0.0, start
+            while t < end and k < len(times):
+                nxt = min(end, times[k + 1]) if k + 1 < len(times) else end
+                total += (nxt - t) * max(1.0, counts[k] * one / whole)
+                t, k = nxt, k + 1
+            worst = max(worst, (total + max(0.0, end - t)) / (end - start))
         return worst
 
 
@@ -456,21 +468,20 @@ def _busy(done: dict[Op, tuple[float, float]], stages: int) -> list[list[tuple[f
 
 
 def _contended(plan: Plan, costs: tuple[StageCost, ...], share: _HostShare, passes: int = 3
-               ) -> tuple[dict[Op, tuple[float, float]], list[Interval], dict[Op, float]]:
+               ) -> tuple[dict[Op, tuple[float, float]], list[Interval]]:
     """Play the schedule ``passes`` times, each time stretching every operation's streaming part by the
     contention its host saw in the previous timeline."""
-    stretch: dict[Op, float] = {}
     done, bars = _run(plan, costs)
     for _ in range(passes - 1):
-        busy = _busy(done, len(plan.stages))
+        load = share.load(_busy(done, len(plan.stages)))
+        stretch: dict[Op, float] = {}
         for (fwd, i, k), (a, b) in done.items():
             cst = costs[i]
             dur = cst.fwd_ms if fwd else cst.recompute_ms + cst.bwd_ms
             part = cst.fwd_stream_ms if fwd else cst.bwd_stream_ms + (cst.fwd_stream_ms if cst.recompute_ms else 0)
-            f = share.factor(i, a, b, busy)
-            stretch[(fwd, i, k)] = 1.0 + (part / dur) * (f - 1.0) if dur > 0 else 1.0
+            stretch[(fwd, i, k)] = 1.0 + (part / dur) * (share.factor(i, a, b, load) - 1.0) if dur > 0 else 1.0
         done, bars = _run(plan, costs, stretch)
-    return done, bars, stretch
+    return done, bars
 
 
 def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
@@ -490,10 +501,7 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
     """
     costs = stage_costs(plan, graph, dtype)
     share = _HostShare(plan, graph)
-    if share.active:
-        done, bars, stretch = _contended(plan, costs, share)
-    else:
-        (done, bars), stretch = _run(plan, costs), {}
+    done, bars = _contended(plan, costs, share) if share.active else _run(plan, costs)
     s_count, m = len(plan.stages), plan.microbatches
     pipe_end = max((end for _, end in done.values()), default=0.0)
     lasts = [max(done[(False, i, k)][1] for k in range(m)) for i in range(s_count)]
@@ -501,11 +509,9 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
     # after its last backward each stage syncs; the copies stretch with what the other stages of the host do
     # meanwhile (their compute and their own sync)
     tails = [[(lasts[j], lasts[j] + costs[j].sync_ms)] for j in range(s_count)]
-    sync = []
-    for i, cst in enumerate(costs):
-        end = lasts[i] + cst.sync_ms
-        f = share.factor(i, lasts[i], end, [b + t for b, t in zip(busy, tails)]) if share.active else 1.0
-        sync.append(cst.sync_ms + cst.sync_copy_ms * (f - 1.0))
+    load = share.load([b + t for b, t in zip(busy, tails)]) if share.active else {}
+    sync = [cst.sync_ms + cst.sync_copy_ms * (share.factor(i, lasts[i], lasts[i] + cst.sync_ms, load) - 1.0)
+            if share.active else cst.sync_ms for i, cst in enumerate(costs)]
     synced = [lasts[i] + sync[i] for i in range(s_count)]
     tied = tied_syncs(plan, graph)
     for stages, ms in tied:  # one collective: it starts when every stage in it is ready
@@ -518,9 +524,8 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
     step_no_opt = max(synced, default=0.0)
     # the ranks agree that the step succeeded (the loss all-reduce) before any of them changes its weights
     begin = step_no_opt
-    tails = [[(begin, begin + costs[j].optimizer_ms)] for j in range(s_count)]
-    optim = [cst.optimizer_ms * (share.factor(i, begin, begin + cst.optimizer_ms,
-                                              [b + t for b, t in zip(busy, tails)]) if share.active else 1.0)
+    load = share.load([[(begin, begin + cst.optimizer_ms)] for cst in costs]) if share.active else {}
+    optim = [cst.optimizer_ms * (share.factor(i, begin, begin + cst.optimizer_ms, load) if share.active else 1.0)
              for i, cst in enumerate(costs)]
     step = begin + max(optim, default=0.0)
     deltas: dict[str, list[tuple[float, int]]] = {}
