@@ -70,11 +70,14 @@ class PlanError(HpmlError):
 
 @dataclass(frozen=True, slots=True)
 class StagePrediction:
-    """Predicted per-microbatch times of a stage and the peak memory of each of its devices."""
+    """Predicted per-microbatch times of a stage, the peak memory of each of its devices, and its bubble as a
+    rank measures it: the idle share of its own pipeline phase, from the step's start to its last backward
+    (None: not predicted)."""
 
     fwd_ms: float = 0.0
     bwd_ms: float = 0.0
     memory_bytes: int = 0
+    bubble: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +115,8 @@ class Stage:
             "zero": int(self.zero), "recompute": self.recompute, "swap": list(self.swap),
             "offload_optimizer": self.offload_optimizer,
             "predicted": {"fwd_ms": self.predicted.fwd_ms, "bwd_ms": self.predicted.bwd_ms,
-                          "memory_bytes": self.predicted.memory_bytes},
+                          "memory_bytes": self.predicted.memory_bytes,
+                          **({} if self.predicted.bubble is None else {"bubble": self.predicted.bubble})},
         }
 
     @classmethod
@@ -120,7 +124,8 @@ class Stage:
         pr = d.get("predicted", {})
         return cls(d["index"], tuple(d["devices"]), tuple(d["nodes"]), ZeroStage(d.get("zero", 0)),
                    d.get("recompute", False), tuple(d.get("swap", ())), d.get("offload_optimizer", False),
-                   StagePrediction(pr.get("fwd_ms", 0.0), pr.get("bwd_ms", 0.0), pr.get("memory_bytes", 0)))
+                   StagePrediction(pr.get("fwd_ms", 0.0), pr.get("bwd_ms", 0.0), pr.get("memory_bytes", 0),
+                                   pr.get("bubble")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +227,8 @@ PLAN_SCHEMA: dict[str, Any] = {
                     "swap": _NAMES,
                     "offload_optimizer": {"type": "boolean"},
                     "predicted": {"type": "object", "properties": {
-                        "fwd_ms": _NUM, "bwd_ms": _NUM, "memory_bytes": {"type": "integer", "minimum": 0}}},
+                        "fwd_ms": _NUM, "bwd_ms": _NUM, "memory_bytes": {"type": "integer", "minimum": 0},
+                        "bubble": {"type": "number", "minimum": 0, "maximum": 1}}},
                 },
             },
         },

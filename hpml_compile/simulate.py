@@ -161,6 +161,8 @@ class SimResult:
         tied_ms: the all-reduces of parameters shared between stages, ``(stages, ms)`` each.
         contention: per stage, how much longer its microbatches took on average because CPU ranks of its
             host streamed memory at the same time (1.0: not at all).
+        stage_bubbles: per stage, the idle share of its own pipeline phase (from 0 to its last backward),
+            which is what a rank measures (``bubble`` is over the whole pipeline phase of every stage).
     """
 
     step_ms: float
@@ -173,6 +175,7 @@ class SimResult:
     step_without_optimizer_ms: float = 0.0
     tied_ms: tuple[tuple[tuple[int, ...], float], ...] = ()
     contention: tuple[float, ...] = ()
+    stage_bubbles: tuple[float, ...] = ()
 
 
 def op_order(schedule: Schedule, stage: int, stages: int, microbatches: int) -> list[tuple[bool, int]]:
@@ -561,8 +564,9 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
             for i in range(s_count)]
     contention = tuple(t / (m * cst.compute_ms) if cst.compute_ms > 0 else 1.0 for t, cst in zip(took, costs))
     bottleneck = max(range(s_count), key=lambda i: took[i])
+    own = tuple(max(0.0, 1.0 - t / end) if end > 0 else 0.0 for t, end in zip(took, lasts))
     return SimResult(step, max(0.0, bubble), bottleneck, tuple(sorted(bars, key=lambda b: (b.device, b.start_ms))),
-                     curves, peaks, costs, step_no_opt, tuple(tied), contention)
+                     curves, peaks, costs, step_no_opt, tuple(tied), contention, own)
 
 
 def _stage_bars(dev: str, i: int, cst: StageCost, done: dict[tuple[bool, int, int], tuple[float, float]],
@@ -615,8 +619,8 @@ def annotate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[Plan
     r = simulate(plan, graph, dtype)
     stages = tuple(
         Stage(st.index, st.devices, st.nodes, st.zero, st.recompute, st.swap, st.offload_optimizer,
-              StagePrediction(c.fwd_ms * x, (c.recompute_ms + c.bwd_ms) * x, c.memory.total))
-        for st, c, x in zip(plan.stages, r.stages, r.contention))
+              StagePrediction(c.fwd_ms * x, (c.recompute_ms + c.bwd_ms) * x, c.memory.total, b))
+        for st, c, x, b in zip(plan.stages, r.stages, r.contention, r.stage_bubbles))
     new = Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, stages,
                PlanPrediction(r.step_ms, r.bottleneck_stage, r.bubble), plan.solver)
     return new, r

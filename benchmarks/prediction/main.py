@@ -48,6 +48,7 @@ from hpml_compile.costgraph import CostGraph
 from hpml_compile.costgraph import build as build_costgraph
 from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.runtime import Pipeline, launch
+from hpml_compile.runtime.summary import predicted_bubble
 from hpml_compile.simulate import annotate
 from hpml_compile.trace import trace
 
@@ -170,7 +171,7 @@ def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedu
             ranks = sum(len(s.devices) for s in plan.stages)
             per_rank = tuple((st.predicted.fwd_ms + st.predicted.bwd_ms) * plan.microbatches
                              for st in plan.stages for _ in st.devices)
-            cases.append(Case(label, name, ranks, str(out), plan.predicted.step_ms, plan.predicted.bubble, per_rank,
+            cases.append(Case(label, name, ranks, str(out), plan.predicted.step_ms, predicted_bubble(plan), per_rank,
                               no_opt))
     return cases
 

@@ -31,7 +31,7 @@ from ..profile import load_profile, save_profile
 from ..report import human_bytes
 from .monitor import StepMetrics, read_metrics
 
-__all__ = ["StageSummary", "RunSummary", "analyse", "format_summary", "measured_profile", "export_profile",
+__all__ = ["StageSummary", "RunSummary", "analyse", "format_summary", "predicted_bubble", "measured_profile", "export_profile",
            "suggest_microbatches", "summarise", "device_slowdowns", "measured_setup"]
 
 
@@ -197,6 +197,13 @@ def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: in
                       tuple(stages), bottleneck, tuple(advice))
 
 
+def predicted_bubble(plan: Plan) -> float:
+    """The bubble the plan predicts as the ranks measure it: the mean over stages of the idle share of each
+    stage's own pipeline phase (a plan without per-stage bubbles: its whole-pipeline bubble)."""
+    own = [st.predicted.bubble for st in plan.stages]
+    return plan.predicted.bubble if any(b is None for b in own) else sum(own) / len(own)  # type: ignore[arg-type]
+
+
 def format_summary(s: RunSummary) -> str:
     """The per-stage table, measured against predicted, then the bottleneck and the advice."""
     p = s.plan
@@ -214,7 +221,7 @@ def format_summary(s: RunSummary) -> str:
     step_pred = s.predicted_step_ms
     vs = f"predicted {step_pred:.1f} ms ({s.error:+.1%})" if step_pred > 0 else "no prediction in the plan"
     lines.append(f"  step: measured {s.step_ms:.1f} ms, {vs}; {s.samples_per_s:.1f} samples/s; "
-                 f"bubble {s.bubble:.1%}" + (f" (predicted {p.predicted.bubble:.1%})" if step_pred > 0 else ""))
+                 f"bubble {s.bubble:.1%}" + (f" (predicted {predicted_bubble(p):.1%})" if step_pred > 0 else ""))
     b = s.stages[s.bottleneck]
     lines.append(f"bottleneck: stage {b.stage} on {', '.join(b.devices)}, {b.compute_ms:.1f} ms of compute per step"
                  + (f" (predicted {b.predicted_compute_ms:.1f} ms)" if b.predicted_compute_ms > 0 else ""))

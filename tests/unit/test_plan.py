@@ -30,7 +30,7 @@ def _plan(stages, cluster=None, m=4, schedule=Schedule.ONE_F_ONE_B) -> Plan:
 
 
 def _good() -> Plan:
-    return _plan([Stage(0, ("d0",), ("n0", "n1"), ZeroStage.NONE, True, ("n1",), False, StagePrediction(1, 2, 3)),
+    return _plan([Stage(0, ("d0",), ("n0", "n1"), ZeroStage.NONE, True, ("n1",), False, StagePrediction(1, 2, 3, 0.4)),
                   Stage(1, ("d1", "d2"), ("n2", "n3"), ZeroStage.OS_G, False, (), True)])
 
 
@@ -40,6 +40,7 @@ def test_round_trip(tmp_path) -> None:
     assert load_plan(path) == p
     d = json.loads(path.read_text())
     assert d["schedule"] == "1f1b" and d["stages"][1]["zero"] == 2 and d["solver"]["status"] == "optimal"
+    assert d["stages"][0]["predicted"]["bubble"] == 0.4 and "bubble" not in d["stages"][1]["predicted"]
     assert set(d) >= {"schema_version", "model", "cluster", "microbatches", "stages", "predicted", "solver"}
 
 
@@ -48,6 +49,7 @@ def test_round_trip(tmp_path) -> None:
     (("stages", 0, "zero"), 7, "stages[0].zero"),
     (("stages", 1, "devices"), [], "stages[1].devices"),
     (("predicted", "bubble"), "big", "predicted.bubble"),
+    (("stages", 0, "predicted", "bubble"), 1.5, "stages[0].predicted.bubble"),
     (("cluster", "devices", 0, "memory_gib"), -1, "cluster.devices[0].memory_gib"),
     (("microbatches",), 0, "microbatches"),
 ])

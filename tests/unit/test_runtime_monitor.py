@@ -117,3 +117,15 @@ def test_a_balanced_run_gets_no_alarm(tmp_path: Path) -> None:
     save_plan(replace(plan, predicted=PlanPrediction(110.0, 0, 0.2)), run / "plan.json")
     s = analyse(run)
     assert not any("imbalance" in a or "re-plan" in a for a in s.advice)
+
+
+def test_the_report_compares_the_bubble_the_ranks_measure() -> None:
+    from hpml_compile.runtime.summary import predicted_bubble
+
+    c = load_cluster("local-cpu-2")
+    stages = (Stage(0, ("cpu0",), ("a",), predicted=StagePrediction(1, 2, 0, 0.4)),
+              Stage(1, ("cpu1",), ("b",), predicted=StagePrediction(1, 2, 0, 0.1)))
+    plan = Plan("toy", c, Schedule.GPIPE, 2, stages, PlanPrediction(10.0, 0, 0.3))
+    assert predicted_bubble(plan) == pytest.approx(0.25)  # the mean of the stages' own, not the pipeline's 0.3
+    old = replace(plan, stages=tuple(replace(s, predicted=StagePrediction(1, 2, 0)) for s in stages))
+    assert predicted_bubble(old) == pytest.approx(0.3)  # a plan from before per-stage bubbles

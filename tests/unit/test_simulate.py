@@ -38,6 +38,8 @@ def test_two_stage_hand_computed(schedule: Schedule) -> None:
     assert r.step_ms == pytest.approx(21.0)
     busy = 3 * (3 + 6)
     assert r.bubble == pytest.approx(1 - busy / (2 * 21))
+    # as each rank measures it: stage 0 computes 9 ms of its 21, stage 1 18 ms of the 19 up to its last backward
+    assert r.stage_bubbles == pytest.approx((1 - 9 / 21, 1 - 18 / 19))
     assert r.bottleneck_stage == 1
     fwd0 = sorted((b.start_ms, b.end_ms) for b in r.intervals
                   if b.device == "d0" and b.kind is EventKind.FORWARD)
