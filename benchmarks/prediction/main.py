@@ -147,7 +147,7 @@ GRID = "pipe:gpipe:2,pipe:gpipe:4,pipe:1f1b:2,pipe:1f1b:4,pipe:1f1b:8,dp:gpipe:1
 def _grid(text: str) -> list[tuple[str, int, Schedule, int]]:
     """``kind:schedule:M,...`` (kind: pipe | dp | single) as ``(kind, ranks, schedule, M)``."""
     out = []
-    for item in text.split(","):
+    for item in dict.fromkeys(text.split(",")):  # a plan named twice is measured once
         kind, sched, m = item.split(":")
         if kind not in ("pipe", "dp", "single"):
             raise SystemExit(f"--grid: unknown plan kind {kind!r} in {item!r}; use pipe, dp or single")
