@@ -223,6 +223,10 @@ def profile(
             over the parameters is timed (kinds not present: predicted from
             the measured kind's bytes per memory bandwidth).
 
+    Measuring on the CPU also measures the host's memory bandwidth (one
+    thread, all threads) and leaves this process keeping freed memory, as
+    the runtime's CPU ranks do (:mod:`hpml_compile.hostmem`).
+
     Returns:
         The Profile, nodes in topological order.
 
