@@ -152,7 +152,7 @@ class SimResult:
     Attributes:
         step_ms: time of the whole step, gradient sync and optimizer step included.
         bubble: idle fraction of the stages during the pipeline phase.
-        bottleneck_stage: the stage with the most compute per microbatch.
+        bottleneck_stage: the stage with the most compute per step (host memory contention included).
         intervals: every bar of the timeline, all devices.
         memory: per device, ``(time_ms, bytes)`` after each change.
         peak: per device, the peak bytes.

@@ -239,11 +239,11 @@ def time_streams(threads: int | None = None, nbytes: int = 64 * 2**20, repeats: 
     """Host memory bandwidth: one thread streaming alone, and ``threads`` threads streaming at once.
 
     Each thread copies its own ``nbytes`` tensor (read + write counted, twice the last-level cache of a
-    typical CPU) ``repeats`` times at one torch thread; the median copy gives the rate. One thread alone,
-    then ``threads`` together, ``rounds`` times. CPU ranks on one host
-    share this bandwidth: an optimizer step that streams at the one-thread rate alone slows by
-    ``threads * stream_gbps / host_stream_gbps`` when every rank streams at once (on the 2-core development VM:
-    ~1.5x). The simulator uses both figures (:mod:`hpml_compile.simulate`).
+    typical CPU) ``repeats`` times at one torch thread; the median copy gives the rate. One thread streams
+    alone, then ``threads`` together, ``rounds`` times. CPU ranks on one host share this bandwidth: a phase
+    that streams at the one-thread rate alone slows by ``threads * stream_gbps / host_stream_gbps`` when
+    every rank streams at once (on the 2-core development VM: 1.1-2x, mostly ~1.5x). The simulator uses
+    both figures (:mod:`hpml_compile.simulate`).
 
     Args:
         threads: concurrent streams for the host figure (default: the CPU count, at most 8).
