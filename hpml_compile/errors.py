@@ -19,6 +19,7 @@ __all__ = [
     "UnknownDeviceError",
     "InfeasibleError",
     "BuildMismatchError",
+    "OutputError",
 ]
 
 
@@ -59,3 +60,7 @@ class InfeasibleError(HpmlError):
 
 class BuildMismatchError(HpmlError):
     """A build folder no longer matches its model or its own manifest."""
+
+
+class OutputError(HpmlError):
+    """An output path that may not be written: it holds what the tool did not make, or cannot be created."""
