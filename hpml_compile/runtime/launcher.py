@@ -33,10 +33,12 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 from ..errors import HpmlError
 from ..plan import Plan
@@ -47,6 +49,7 @@ __all__ = ["LaunchError", "RankFailure", "LaunchSpec", "torchrun_args", "check_w
            "explain_failure", "prepare_run_dir", "preflight", "RUN_FILE"]
 
 RUN_FILE = "run.json"
+RANK_ENTRY = Path(__file__).with_name("rank_entry.py")  # a script: see its docstring
 
 
 class LaunchError(HpmlError):
@@ -127,7 +130,7 @@ def torchrun_args(spec: LaunchSpec) -> list[str]:
         else:
             args += ["--rdzv-backend=c10d", f"--rdzv-id={spec.rdzv_id}"]
         args += [f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--nproc-per-node={spec.nproc}"]
-    args += [f"--max-restarts={spec.max_restarts}", "--monitor-interval=0.2", "-m", "hpml_compile.runtime.worker",
+    args += [f"--max-restarts={spec.max_restarts}", "--monitor-interval=0.2", str(RANK_ENTRY),
              str(spec.build_dir), str(spec.run_dir), *spec.worker_args]
     return args
 
@@ -185,13 +188,17 @@ def _is_local(host: str) -> bool:
 @contextlib.contextmanager
 def _quiet_elastic() -> Iterator[None]:
     # torchrun's agent logs every worker failure with a traceback banner; explain_failure says it better.
-    log = logging.getLogger("torch.distributed.elastic")
-    old = log.level
-    log.setLevel(logging.CRITICAL)
+    # Its loggers set their own levels, so each is quietened by name (the agent's says "Received 2 death
+    # signal" on Ctrl-C, which the launcher's own line says better).
+    logs = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.distributed.elastic.agent.server.api")]
+    old = [log.level for log in logs]
+    for log in logs:
+        log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        log.setLevel(old)
+        for log, level in zip(logs, old):
+            log.setLevel(level)
 
 
 def explain_failure(run_dir: Path, failures: dict[int, tuple[int, str]]) -> str:
@@ -231,6 +238,54 @@ def preflight(spec: LaunchSpec) -> None:
         check_port(spec.rdzv_endpoint)  # node 0 hosts the store: fail now, with a port that is free
 
 
+@contextlib.contextmanager
+def _ranks_stop_with_sigterm(seen: list[int]) -> Iterator[None]:
+    """While torchrun runs, whatever signal stops it is passed on to the ranks as SIGTERM (``seen`` gets the real one).
+
+    torchrun's agent sends every rank the signal it received. A rank whose
+    Python is still starting (before :mod:`.rank_entry` runs its first line)
+    turns SIGINT into a "Fatal Python error ... KeyboardInterrupt" traceback,
+    while SIGTERM ends it silently. The agent installs its handler from a
+    module attribute at start-up (``_terminate_process_handler``), so the
+    replacement is swapped in there for the launch and restored after; if a
+    later torch renames it, nothing is patched and only the message differs.
+    """
+    try:
+        from torch.distributed.elastic.multiprocessing import api as mp_api
+    except ImportError:  # pragma: no cover -- torch without elastic
+        yield
+        return
+    original = getattr(mp_api, "_terminate_process_handler", None)
+    if original is None or not hasattr(mp_api, "SignalException"):
+        yield
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        seen.append(signum)
+        raise mp_api.SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.SIGTERM)
+
+    mp_api._terminate_process_handler = handler
+    try:
+        yield
+    finally:
+        mp_api._terminate_process_handler = original
+
+
+def stopped(sig: int, run_dir: Path) -> NoReturn:
+    """End the launch that ``sig`` stopped (torchrun stopped the ranks): one line, no traceback.
+
+    Raises:
+        KeyboardInterrupt: for SIGINT (the CLI prints ``interrupted`` and exits 130).
+        SystemExit: ``128 + sig`` for any other signal.
+    """
+    name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+    print(f"hpml-compile: stopped by {name}; every rank was stopped; what was measured is in {run_dir}",
+          file=sys.stderr, flush=True)
+    if sig == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + int(sig))
+
+
 def launch(spec: LaunchSpec) -> None:
     """Run the worker on ``spec.nproc`` ranks of this host under torchrun; return when all have finished.
 
@@ -238,6 +293,7 @@ def launch(spec: LaunchSpec) -> None:
         LaunchError: a bad endpoint or a port in use, a rank that failed
             (which one first, and why), or a rendezvous that did not form.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -246,12 +302,15 @@ def launch(spec: LaunchSpec) -> None:
     # Ranks share this host's cores; torchrun would otherwise warn and pick 1.
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(spec.nproc)))
     mark_launcher()  # every rank exits when this process is gone, SIGKILL included (see .lifeline)
+    seen: list[int] = []
     try:
-        with _quiet_elastic():
+        with _quiet_elastic(), _ranks_stop_with_sigterm(seen):
             run(parse_args(torchrun_args(spec)))
     except ChildFailedError as e:
         failures = {rank: (f.exitcode, f.message) for rank, f in e.failures.items()}
         raise RankFailure(explain_failure(spec.run_dir, failures), failures) from None
+    except SignalException as e:  # torchrun has already stopped the ranks
+        stopped(seen[0] if seen else e.sigval, spec.run_dir)
     except Exception as e:  # noqa: BLE001 -- rendezvous and store errors come in several types
         text = str(e)
         if "EADDRINUSE" in text or "address already in use" in text.lower():

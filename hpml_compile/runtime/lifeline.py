@@ -17,6 +17,8 @@ at start, which exits the rank (``os._exit``, no cleanup that could block on
 a dead peer) as soon as its parent is no longer the process it started under
 or the launcher's PID is gone. Checkpoints are published atomically, so a
 rank that dies mid-write leaves the previous one whole.
+(:mod:`.rank_entry` makes a rank that torchrun stops with SIGINT or SIGTERM
+end without a traceback.)
 
 Example:
     >>> import os
@@ -93,3 +95,5 @@ def watch_launcher(interval_s: float = 0.25, *, rank: int | None = None) -> thre
     t = threading.Thread(target=watch, name="hpml-launcher-watch", daemon=True)
     t.start()
     return t
+
+

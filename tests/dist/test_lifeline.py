@@ -68,3 +68,39 @@ def test_sigkilled_launcher_leaves_no_rank_alive(tmp_path: Path, adapt: bool) ->
             os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()
+
+
+@pytest.mark.parametrize("sig, code, when", [(signal.SIGINT, 130, "training"), (signal.SIGINT, 130, "starting"),
+                                             (signal.SIGTERM, 143, "training")],
+                         ids=["ctrl-c-training", "ctrl-c-starting", "sigterm-training"])
+def test_a_stopped_run_says_so_in_one_line_and_leaves_a_readable_run_folder(
+        tmp_path: Path, sig: int, code: int, when: str) -> None:
+    build = tmp_path / "build"
+    subprocess.run([*CLI, "compile", "gpt-tiny", "--cluster", "local-cpu-2", "--solver", "uniform",
+                    "--microbatches", "2", "--repeats", "1", "-o", str(build)], check=True, capture_output=True)
+    run = tmp_path / "run"
+    launcher = subprocess.Popen([*CLI, "run", str(build), "--steps", "100000", "--run-dir", str(run)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if when == "training":
+            started = _wait(lambda: any((run / "metrics").glob("*.jsonl")) and
+                            all(p.stat().st_size for p in (run / "metrics").glob("*.jsonl")), 120)
+        else:  # the ranks exist but are still importing torch and building the model
+            started = _wait(lambda: len(_ranks_of(launcher.pid)) == 2, 120)
+        assert started, "the run did not get that far"
+        launcher.send_signal(sig)
+        out, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == code
+        assert "Traceback" not in err and "Traceback" not in out
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) <= 3, err
+        assert f"stopped by {signal.Signals(sig).name}" in err
+        assert _wait(lambda: not _ranks_of(launcher.pid), 10)
+        if when == "training":
+            r = subprocess.run([*CLI, "report", str(run)], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0 and "step: measured" in r.stdout, r.stdout + r.stderr
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in _ranks_of(launcher.pid):
+            os.kill(pid, signal.SIGKILL)

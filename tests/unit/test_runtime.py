@@ -19,7 +19,7 @@ from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.runtime import Pipeline, compile
 from hpml_compile.runtime.comm import CommFault, InjectedFault, OpKind, is_transient, pair_backend, rank_devices
 from hpml_compile.runtime.gather import tensor_owners
-from hpml_compile.runtime.launcher import (LaunchError, LaunchSpec, check_port, check_world, explain_failure,
+from hpml_compile.runtime.launcher import (RANK_ENTRY, LaunchError, LaunchSpec, check_port, check_world, explain_failure,
                                          torchrun_args)
 from hpml_compile.runtime.recipe import ModelRecipe, absolute_model_spec, read_recipe, write_recipe
 from hpml_compile.runtime.session import RetryPolicy
@@ -128,7 +128,7 @@ def test_transient_errors_are_told_from_bugs() -> None:
 def test_torchrun_command_lines() -> None:
     one = torchrun_args(LaunchSpec(Path("b"), Path("r"), 2, worker_args=("--steps", "3")))
     assert one[:3] == ["--standalone", "--nnodes=1", "--nproc-per-node=2"]
-    assert one[-6:] == ["-m", "hpml_compile.runtime.worker", "b", "r", "--steps", "3"]
+    assert one[-5:] == [str(RANK_ENTRY), "b", "r", "--steps", "3"] and RANK_ENTRY.is_file()
     static = torchrun_args(LaunchSpec(Path("b"), Path("r"), 1, nnodes=2, node_rank=0, rdzv_endpoint="h:29400"))
     assert "--rdzv-backend=static" in static and "--node-rank=0" in static and "--rdzv-endpoint=h:29400" in static
     dyn = torchrun_args(LaunchSpec(Path("b"), Path("r"), 4, nnodes=2, rdzv_endpoint="h:29400", rdzv_id="job"))
