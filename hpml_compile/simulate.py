@@ -59,7 +59,7 @@ Example:
     >>> from hpml_compile.plan import Plan, Stage, Schedule
     >>> g = chain_graph([(2.0, 4.0), (2.0, 4.0)], kind="cpu")
     >>> c = uniform_cluster(2)
-    >>> st = (Stage(0, ("d0",), g.graph.nodes["n0"]["members"]), Stage(1, ("d1",), g.graph.nodes["n1"]["members"]))
+    >>> st = (Stage(0, ("d0",), g.node("n0").members), Stage(1, ("d1",), g.node("n1").members))
     >>> r = simulate(Plan("toy", c, Schedule.GPIPE, 2, st), g)
     >>> r.step_ms, round(r.bubble, 4)
     (9.0, 0.3333)
@@ -204,7 +204,7 @@ def _stage_of_graph_nodes(plan: Plan, graph: CostGraph) -> dict[str, int]:
     fx_stage = {n: st.index for st in plan.stages for n in st.nodes}
     out: dict[str, int] = {}
     for g in graph.order:
-        owners = {fx_stage.get(m, -1) for m in graph.graph.nodes[g]["members"]}
+        owners = {fx_stage.get(m, -1) for m in graph.node(g).members}
         if len(owners) != 1 or -1 in owners:
             raise ValueError(f"graph node {g!r} has members in stages {sorted(owners)}; simulate with a graph "
                              "whose nodes each lie in one stage (e.g. costgraph.build(profile))")
@@ -214,7 +214,7 @@ def _stage_of_graph_nodes(plan: Plan, graph: CostGraph) -> dict[str, int]:
 
 def _kind_cost(graph: CostGraph, node: str, kinds: list[str], fraction: float = 1.0) -> tuple[float, float]:
     """``(fwd_ms, bwd_ms)`` of ``node`` for ``fraction`` of the batch rows on the slowest of ``kinds``."""
-    costs = graph.graph.nodes[node]["cost"]
+    costs = graph.node(node).cost
     for k in kinds:
         if k not in costs:
             raise UnknownDeviceError(f"the cost graph of {graph.model} has no costs for device kind {k!r} "
@@ -282,11 +282,11 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         d = len(st.devices)
         per_mb = [_kind_cost(graph, n, kinds, 1.0 / (m * d)) for n in nodes]
         fwd, bwd = sum(f for f, _ in per_mb), sum(b for _, b in per_mb)
-        params = sum(g.nodes[n]["param_bytes"] for n in nodes)
-        acts = sum(g.nodes[n]["activation_bytes"] for n in nodes)
+        recs = [graph.node(n) for n in nodes]
+        params = sum(r.param_bytes for r in recs)
+        acts = sum(r.activation_bytes for r in recs)
         swap_set = set(st.swap)
-        swapped = sum(g.nodes[n]["activation_bytes"] for n in nodes if set(g.nodes[n]["members"]) <= swap_set
-                      and swap_set)
+        swapped = sum(r.activation_bytes for r in recs if set(r.members) <= swap_set and swap_set)
         inputs: dict[str, int] = {}
         sends: dict[int, dict[str, int]] = {}
         for u, v, e in g.edges(data=True):
@@ -326,7 +326,7 @@ def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], floa
     owner = _stage_of_graph_nodes(plan, graph)
     users: dict[str, set[int]] = {}
     for n in graph.order:
-        for name in graph.graph.nodes[n]["params"]:
+        for name in graph.node(n).params:
             users.setdefault(name, set()).add(owner[n])
     buckets: dict[tuple[int, ...], int] = {}
     for name, stages in users.items():

@@ -206,9 +206,9 @@ def diagnose(chain: Chain, cluster: Cluster, setting: Setting) -> str:
     Returns:
         The message of an InfeasibleError.
     """
-    g, order = chain.graph.graph, chain.graph.order
+    order = chain.graph.order
     devs = cluster.devices
-    cuts = balanced_cuts(chain, len(devs), [g.nodes[v]["param_bytes"] for v in order])
+    cuts = balanced_cuts(chain, len(devs), [chain.graph.node(v).param_bytes for v in order])
     bpe = dtype_bytes(setting.dtype)
     lines, s = [], len(cuts) - 1
     for i in range(s):

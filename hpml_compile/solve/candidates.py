@@ -70,17 +70,13 @@ class Chain:
         g, order = graph.graph, graph.order
         n = len(order)
         pos = {v: i for i, v in enumerate(order)}
-        fwd = {k: tuple(itertools.accumulate((g.nodes[v]["cost"][k][0] for v in order), initial=0.0))
-               for k in graph.kinds}
-        bwd = {k: tuple(itertools.accumulate((g.nodes[v]["cost"][k][1] for v in order), initial=0.0))
-               for k in graph.kinds}
-        zero = (0.0, 0.0)
-        ffix = {k: tuple(itertools.accumulate((g.nodes[v].get("fixed", {}).get(k, zero)[0] for v in order),
-                                              initial=0.0)) for k in graph.kinds}
-        bfix = {k: tuple(itertools.accumulate((g.nodes[v].get("fixed", {}).get(k, zero)[1] for v in order),
-                                              initial=0.0)) for k in graph.kinds}
-        params = tuple(itertools.accumulate((g.nodes[v]["param_bytes"] for v in order), initial=0))
-        acts = tuple(itertools.accumulate((g.nodes[v]["activation_bytes"] for v in order), initial=0))
+        recs = [graph.node(v) for v in order]
+        fwd = {k: tuple(itertools.accumulate((r.cost[k][0] for r in recs), initial=0.0)) for k in graph.kinds}
+        bwd = {k: tuple(itertools.accumulate((r.cost[k][1] for r in recs), initial=0.0)) for k in graph.kinds}
+        ffix = {k: tuple(itertools.accumulate((r.fixed_at(k)[0] for r in recs), initial=0.0)) for k in graph.kinds}
+        bfix = {k: tuple(itertools.accumulate((r.fixed_at(k)[1] for r in recs), initial=0.0)) for k in graph.kinds}
+        params = tuple(itertools.accumulate((r.param_bytes for r in recs), initial=0))
+        acts = tuple(itertools.accumulate((r.activation_bytes for r in recs), initial=0))
         # A producer's bytes cross every cut between its node and its last consumer (counted once).
         last: dict[str, tuple[int, int, int]] = {}
         blocked = [0] * (n + 2)
@@ -106,8 +102,7 @@ class Chain:
 
     def nodes(self, a: int, b: int) -> tuple[str, ...]:
         """The fx node names (members) of ``order[a:b]``."""
-        g = self.graph.graph
-        return tuple(m for v in self.graph.order[a:b] for m in g.nodes[v]["members"])
+        return tuple(m for v in self.graph.order[a:b] for m in self.graph.node(v).members)
 
 
 @dataclass(frozen=True, slots=True)

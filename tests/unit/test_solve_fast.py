@@ -232,7 +232,7 @@ def test_plan_from_cuts_scores_a_split_like_the_baselines() -> None:
     g = build(prof)
     cluster = load_cluster("hetero-4")
     chain = Chain.of(g)
-    cuts = balanced_cuts(chain, 4, [sum(g.graph.nodes[v]["cost"]["A100-80GB"]) for v in g.order])
+    cuts = balanced_cuts(chain, 4, [sum(g.node(v).cost["A100-80GB"]) for v in g.order])
     mine = plan_from_cuts(g, cluster, cuts, name="torchgpipe")
     base = solve(g, cluster, solver="time")
     assert mine.predicted.step_ms == pytest.approx(base.predicted.step_ms)
