@@ -35,9 +35,10 @@ from ..cluster import check_kinds
 from ..costgraph import CostGraph
 from ..errors import InfeasibleError
 from ..ir import Cluster
-from ..memory import GiB, device_memory, dtype_bytes
+from ..memory import GiB, dtype_bytes
 from ..plan import Plan, Schedule, SolverInfo, SolverStatus
 from ..simulate import annotate
+from ..stagecost import device_memory, in_flight
 from .baselines import Baseline, balanced_cuts, baseline_stages, stages_from_cuts
 from .candidates import Candidate, Chain, Setting, to_plan
 from .dp import solve_chain
@@ -216,7 +217,7 @@ def diagnose(chain: Chain, cluster: Cluster, setting: Setting) -> str:
         a, b = cuts[i], cuts[i + 1]
         params, acts = chain.params[b] - chain.params[a], chain.acts[b] - chain.acts[a]
         cpu = dev.is_cpu
-        fl = setting.microbatches if setting.schedule is Schedule.GPIPE else min(setting.microbatches, s - i)
+        fl = in_flight(setting.schedule, setting.microbatches, s - i - 1)
         kw = dict(param_bytes=params, activation_bytes=acts, input_bytes=chain.cut[a], dtype_bytes=bpe,
                   replicas=1, zero=0, microbatches=setting.microbatches, in_flight=fl, host_is_device=cpu)
         plain = device_memory(**kw)  # type: ignore[arg-type]

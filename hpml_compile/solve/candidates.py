@@ -25,6 +25,7 @@ import numpy as np
 
 import cost_models
 
+from .. import stagecost
 from ..cluster import link_spec
 from ..costgraph import CostGraph
 from ..ir import Cluster
@@ -177,10 +178,8 @@ def classes(setting: Setting, devices: int) -> int:
 
 
 def in_flight(setting: Setting, j: int) -> int:
-    """Microbatches in flight for a stage with ``j`` stages after it (Narayanan et al. 2021: ``S - i``)."""
-    if setting.schedule is Schedule.GPIPE:
-        return setting.microbatches
-    return min(setting.microbatches, j + 1)
+    """Microbatches in flight for a stage with ``j`` stages after it (:func:`hpml_compile.stagecost.in_flight`)."""
+    return int(stagecost.in_flight(setting.schedule, setting.microbatches, j))
 
 
 def degrees(count: int, rows: int) -> list[int]:
