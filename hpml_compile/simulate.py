@@ -9,7 +9,9 @@ inputs have arrived. We write this small list scheduler rather than use
 ``torch.distributed.pipelining``'s ``_simulate_comms_compute`` because that
 one has no durations, links or memory.
 
-Approximations, stated once:
+A stage's costs (microbatches in flight, memory, gradient sync, copies,
+optimizer step) come from :mod:`hpml_compile.stagecost`, the formulas the
+solvers' candidate table prices candidates with. Approximations, stated once:
 
 - Times in the cost graph are for the profile's full batch. A node's time
   is a fixed part (its ``fixed`` cost: reading the weights, launching
