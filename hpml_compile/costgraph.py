@@ -23,8 +23,8 @@ Example:
     >>> cg = build(p).coarsen()
     >>> cg.order  # the input placeholder joins the first block
     ('l.0', 'l.1', 'output')
-    >>> cg.graph.nodes["l.0"]["cost"]["cpu"], cg.graph.edges["l.0", "l.1"]["bytes"]
-    ((1.5, 3.0), 8)
+    >>> cg.node("l.0").cost["cpu"], cg.node("l.0").members, cg.graph.edges["l.0", "l.1"]["bytes"]
+    ((1.5, 3.0), ('x', 'l0_fc', 'l0_act'), 8)
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import networkx as nx
 
 import cost_models
 
-from .ir import Cluster, Device, Link, NodeOp, Profile, base_kind
+from .ir import Cluster, CostGraphNode, Device, Link, NodeOp, Profile, base_kind
 
 __all__ = ["CostGraph", "build", "block_key", "discover"]
 
@@ -64,7 +64,9 @@ def block_key(scope: str) -> str:
 class CostGraph:
     """A DAG of (possibly merged) nodes with costs per device kind.
 
-    Node attributes: ``members`` (fx node names, topological order), ``cost``
+    Read a node with :meth:`node` (a typed :class:`~hpml_compile.ir.CostGraphNode`); only this
+    module reads the networkx attributes behind it. Node attributes: ``members`` (fx node names,
+    topological order), ``cost``
     (``{kind: (fwd_ms, bwd_ms)}`` for the full batch), ``fixed`` (``{kind:
     (fwd_ms, bwd_ms)}``, the part of ``cost`` that a slice of the batch
     still costs in full; absent means 0), ``params`` (parameter names used), the
@@ -95,6 +97,27 @@ class CostGraph:
     optimizer_ms: Mapping[str, float] = field(default_factory=dict)
     param_sizes: Mapping[str, int] = field(default_factory=dict)
     streams: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def node(self, name: str) -> CostGraphNode:
+        """The typed record of graph node ``name`` (read it rather than the networkx attributes).
+
+        Args:
+            name: a node of ``graph``.
+
+        Returns:
+            Its members, costs, parameters and sizes (made once per node, then reused).
+
+        Raises:
+            KeyError: if ``name`` is not a node of the graph.
+        """
+        rec = self._records.get(name)
+        if rec is None:
+            a = self.graph.nodes[name]
+            rec = CostGraphNode(a["members"], a["cost"], a["params"], a["scope"], a["op"],
+                                *(a[f] for f in _SIZE_ATTRS), fixed=a.get("fixed", {}))
+            self._records[name] = rec
+        return rec
 
     def stream_gbps(self, kind: str) -> tuple[float, float] | None:
         """``(one thread's, the host's)`` measured memory bandwidth for ``kind`` (its base kind for a variant)."""
@@ -103,9 +126,9 @@ class CostGraph:
     def cost_at(self, node: str, kind: str, fraction: float) -> tuple[float, float]:
         """``(fwd_ms, bwd_ms)`` of ``node`` on ``kind`` for a slice holding ``fraction`` of the batch rows:
         ``fixed + (full - fixed) * fraction``."""
-        attrs = self.graph.nodes[node]
-        fwd, bwd = attrs["cost"][kind]
-        ff, bf = attrs.get("fixed", {}).get(kind, (0.0, 0.0))
+        rec = self.node(node)
+        fwd, bwd = rec.cost[kind]
+        ff, bf = rec.fixed_at(kind)
         return ff + (fwd - ff) * fraction, bf + (bwd - bf) * fraction
 
     def optimizer_ms_per_byte(self, kind: str) -> float:
@@ -118,13 +141,8 @@ class CostGraph:
         """Sum of a size attribute, or with ``kind``, of fwd+bwd time on that kind."""
         g = self.graph
         if kind is not None:
-            return sum(sum(g.nodes[n]["cost"][kind]) for n in g)
-        return sum(g.nodes[n][attr] for n in g)
-
-    def time_ms(self, node: str, kind: str) -> float:
-        """Forward + backward time of ``node`` on ``kind``."""
-        fwd, bwd = self.graph.nodes[node]["cost"][kind]
-        return fwd + bwd
+            return sum(sum(self.node(n).cost[kind]) for n in g)
+        return sum(getattr(self.node(n), attr) for n in g)
 
     def coarsen(self, key: Callable[[str], str] | None = None) -> "CostGraph":
         """Merge contiguous runs (in ``order``) of nodes with the same block key.

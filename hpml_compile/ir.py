@@ -31,6 +31,7 @@ __all__ = [
     "NodeCost",
     "ProfileNode",
     "Profile",
+    "CostGraphNode",
     "Device",
     "Link",
     "Cluster",
@@ -295,6 +296,54 @@ class Profile:
             parameters=d.get("parameters", {}),
             nodes=tuple(ProfileNode.from_dict(n) for n in d["nodes"]),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class CostGraphNode:
+    """What a cost-graph node carries: one fx node, or a block of merged ones.
+
+    Read with :meth:`hpml_compile.costgraph.CostGraph.node`; the graph stores these
+    fields as networkx node attributes, and only ``costgraph`` reads those.
+
+    Attributes:
+        members: the fx node names, in topological order.
+        cost: ``{kind: (fwd_ms, bwd_ms)}`` for the profile's full batch.
+        params: the parameter names the members use.
+        scope: the module path of the first member.
+        op: the fx op of a single member (a :class:`NodeOp` value), ``"block"`` for merged nodes.
+        flops, bwd_flops: forward and backward FLOPs (sums over the members).
+        param_bytes, activation_bytes, output_bytes, mem_bytes: bytes (sums over the members).
+        fixed: ``{kind: (fwd_ms, bwd_ms)}``, the part of ``cost`` that a slice of the batch still
+            costs in full (a kind absent: 0).
+
+    Raises:
+        ValueError: for a node without members.
+
+    >>> n = CostGraphNode(("fc",), {"cpu": (1.0, 2.0)}, ("fc.weight",), "fc", "call_module", 8, 16, 4, 4, 4, 12)
+    >>> n.fixed_at("cpu"), sum(n.cost["cpu"])
+    ((0.0, 0.0), 3.0)
+    """
+
+    members: tuple[str, ...]
+    cost: Mapping[str, tuple[float, float]]
+    params: tuple[str, ...]
+    scope: str
+    op: str
+    flops: int
+    bwd_flops: int
+    param_bytes: int
+    activation_bytes: int
+    output_bytes: int
+    mem_bytes: int
+    fixed: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            raise ValueError("a cost-graph node needs at least one member (fx node)")
+
+    def fixed_at(self, kind: str) -> tuple[float, float]:
+        """``(fwd_ms, bwd_ms)`` of the fixed part on ``kind`` (0 when the node has none there)."""
+        return self.fixed.get(kind, (0.0, 0.0))
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from typing import Any
 
 from .errors import HpmlError
 from .ir import Cluster, Profile
-from .memory import GiB, ZeroStage, device_memory, dtype_bytes
+from .memory import GiB, ZeroStage, dtype_bytes
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
 
 __all__ = [
@@ -243,7 +243,7 @@ PLAN_SCHEMA: dict[str, Any] = {
 
 
 def stage_memory(plan: Plan, profile: Profile, stage: Stage) -> int:
-    """Peak bytes on each device of ``stage`` under the memory model of :mod:`hpml_compile.memory`.
+    """Peak bytes on each device of ``stage`` under the memory model of :mod:`hpml_compile.stagecost`.
 
     Args:
         plan: the plan (for the schedule, microbatches and stage count).
@@ -253,17 +253,19 @@ def stage_memory(plan: Plan, profile: Profile, stage: Stage) -> int:
     Returns:
         Peak bytes per device of the stage.
     """
+    from .stagecost import device_memory, in_flight  # stagecost builds on this module's Schedule
+
     names = set(stage.nodes)
     nodes = [n for n in profile.nodes if n.name in names]
     swapped = set(stage.swap)
     m = plan.microbatches
-    in_flight = m if plan.schedule is Schedule.GPIPE else min(m, len(plan.stages) - stage.index)
     return device_memory(
         param_bytes=sum(n.param_bytes for n in nodes),
         activation_bytes=sum(n.activation_bytes for n in nodes),
         input_bytes=_input_bytes(profile, names),
         dtype_bytes=dtype_bytes(profile.dtype), replicas=len(stage.devices), zero=stage.zero,
-        microbatches=m, in_flight=in_flight, recompute=stage.recompute,
+        microbatches=m, in_flight=in_flight(plan.schedule, m, len(plan.stages) - stage.index - 1),
+        recompute=stage.recompute,
         swapped_bytes=sum(n.activation_bytes for n in nodes if n.name in swapped),
         offload_optimizer=stage.offload_optimizer,
         host_is_device=all(plan.cluster.device(d).is_cpu for d in stage.devices),

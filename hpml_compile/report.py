@@ -66,13 +66,12 @@ def blocks_summary(cg: CostGraph, limit: int = 24) -> str:
     head = f"  {'block':16s} {'nodes':>5s} " + " ".join(f"{k + ' ms':>14s}" for k in kinds) + \
         f" {'params':>10s} {'saved act':>10s} {'out':>10s}"
     lines = [head]
-    g = cg.graph
     shown = cg.order if len(cg.order) <= limit else cg.order[: limit - 1]
     for name in shown:
-        a = g.nodes[name]
-        times = " ".join(f"{sum(a['cost'][k]):14.2f}" for k in kinds)
-        lines.append(f"  {name[:16]:16s} {len(a['members']):5d} {times} {human_bytes(a['param_bytes']):>10s} "
-                     f"{human_bytes(a['activation_bytes']):>10s} {human_bytes(a['output_bytes']):>10s}")
+        a = cg.node(name)
+        times = " ".join(f"{sum(a.cost[k]):14.2f}" for k in kinds)
+        lines.append(f"  {name[:16]:16s} {len(a.members):5d} {times} {human_bytes(a.param_bytes):>10s} "
+                     f"{human_bytes(a.activation_bytes):>10s} {human_bytes(a.output_bytes):>10s}")
     if len(shown) < len(cg.order):
         lines.append(f"  ... {len(cg.order) - len(shown)} more blocks")
     lines.append(f"  {len(cg.order)} blocks, acyclic: edges only run forward in this order")

@@ -109,7 +109,7 @@ def plan_costgraph(plan: Plan, profile: Profile) -> CostGraph:
     groups: list[list[str]] = []
     keys: list[str] = []
     for v in coarse.order:
-        members = list(coarse.graph.nodes[v]["members"])
+        members = list(coarse.node(v).members)
         start = len(groups)
         for m in members:  # split a block where the stage changes
             if len(groups) > start and where[groups[-1][-1]] == where[m]:
@@ -199,7 +199,7 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
                         f", swap {len(st.swap)} nodes" if st.swap else "",
                         ", optimizer offload" if st.offload_optimizer else ""])
         members = set(st.nodes)
-        blocks = [v for v in graph.order if members.intersection(graph.graph.nodes[v]["members"])]
+        blocks = [v for v in graph.order if members.intersection(graph.node(v).members)]
         span = f"{blocks[0]} .. {blocks[-1]}" if len(blocks) > 1 else (blocks[0] if blocks else "-")
         send = sum(ms for _, ms in c.sends)
         lines.append(f"  stage {st.index}: {device_names(st.devices)}: {len(st.devices)} x {kinds[0]}{opts}; "

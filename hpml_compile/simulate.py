@@ -9,7 +9,9 @@ inputs have arrived. We write this small list scheduler rather than use
 ``torch.distributed.pipelining``'s ``_simulate_comms_compute`` because that
 one has no durations, links or memory.
 
-Approximations, stated once:
+A stage's costs (microbatches in flight, memory, gradient sync, copies,
+optimizer step) come from :mod:`hpml_compile.stagecost`, the formulas the
+solvers' candidate table prices candidates with. Approximations, stated once:
 
 - Times in the cost graph are for the profile's full batch. A node's time
   is a fixed part (its ``fixed`` cost: reading the weights, launching
@@ -59,7 +61,7 @@ Example:
     >>> from hpml_compile.plan import Plan, Stage, Schedule
     >>> g = chain_graph([(2.0, 4.0), (2.0, 4.0)], kind="cpu")
     >>> c = uniform_cluster(2)
-    >>> st = (Stage(0, ("d0",), g.graph.nodes["n0"]["members"]), Stage(1, ("d1",), g.graph.nodes["n1"]["members"]))
+    >>> st = (Stage(0, ("d0",), g.node("n0").members), Stage(1, ("d1",), g.node("n1").members))
     >>> r = simulate(Plan("toy", c, Schedule.GPIPE, 2, st), g)
     >>> r.step_ms, round(r.bubble, 4)
     (9.0, 0.3333)
@@ -77,12 +79,13 @@ import cost_models
 from .cluster import host_link_spec, link_spec
 from .costgraph import CostGraph
 from .errors import UnknownDeviceError
-from .ir import Cluster, base_kind
-from .memory import MemoryBreakdown, ZeroStage, device_memory, dtype_bytes
+from .memory import MemoryBreakdown, dtype_bytes
 from .plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction
+from .stagecost import (copy_ms, device_memory, in_flight, optimizer_ms, stream_bytes_per_ms, stream_ms,
+                        sync_ms, transfer_ms)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "stage_costs", "annotate",
-           "idle_intervals", "op_order", "tied_syncs", "stream_bytes_per_ms"]
+           "idle_intervals", "op_order", "tied_syncs"]
 
 
 class EventKind(str, enum.Enum):
@@ -204,7 +207,7 @@ def _stage_of_graph_nodes(plan: Plan, graph: CostGraph) -> dict[str, int]:
     fx_stage = {n: st.index for st in plan.stages for n in st.nodes}
     out: dict[str, int] = {}
     for g in graph.order:
-        owners = {fx_stage.get(m, -1) for m in graph.graph.nodes[g]["members"]}
+        owners = {fx_stage.get(m, -1) for m in graph.node(g).members}
         if len(owners) != 1 or -1 in owners:
             raise ValueError(f"graph node {g!r} has members in stages {sorted(owners)}; simulate with a graph "
                              "whose nodes each lie in one stage (e.g. costgraph.build(profile))")
@@ -214,7 +217,7 @@ def _stage_of_graph_nodes(plan: Plan, graph: CostGraph) -> dict[str, int]:
 
 def _kind_cost(graph: CostGraph, node: str, kinds: list[str], fraction: float = 1.0) -> tuple[float, float]:
     """``(fwd_ms, bwd_ms)`` of ``node`` for ``fraction`` of the batch rows on the slowest of ``kinds``."""
-    costs = graph.graph.nodes[node]["cost"]
+    costs = graph.node(node).cost
     for k in kinds:
         if k not in costs:
             raise UnknownDeviceError(f"the cost graph of {graph.model} has no costs for device kind {k!r} "
@@ -222,41 +225,6 @@ def _kind_cost(graph: CostGraph, node: str, kinds: list[str], fraction: float = 
                                      "hpml_compile.profile.predict_kinds before planning")
     at = [graph.cost_at(node, k, fraction) for k in kinds]
     return max(a[0] for a in at), max(a[1] for a in at)
-
-
-def stream_bytes_per_ms(graph: CostGraph, kinds: list[str]) -> float:
-    """Bytes per millisecond one rank streams on the slowest of ``kinds``: the profile's one-thread rate where
-    measured, else the catalog's memory bandwidth (inf for a kind the catalog does not know)."""
-    rates = []
-    for k in kinds:
-        measured = graph.stream_gbps(k)
-        if measured:
-            rates.append(measured[0] * 1e6)
-            continue
-        try:
-            rates.append(cost_models.get_device(base_kind(k)).mem_bw / 1e3)
-        except cost_models.UnknownDeviceKind:
-            rates.append(float("inf"))
-    return min(rates)
-
-
-def _sync_ms(cluster: Cluster, stage: Stage, param_bytes: int) -> float:
-    d = len(stage.devices)
-    total = 0.0
-    if d > 1:
-        link = min((link_spec(cluster, stage.devices[0], x) for x in stage.devices[1:]), key=lambda s: s.gbps)
-        if stage.zero == ZeroStage.NONE:
-            total += cost_models.allreduce_ms(param_bytes, d, link)
-        else:
-            total += cost_models.reduce_scatter_ms(param_bytes, d, link) + cost_models.all_gather_ms(
-                param_bytes, d, link)
-            if stage.zero == ZeroStage.OS_G_P:
-                total += cost_models.all_gather_ms(param_bytes, d, link)
-    if stage.offload_optimizer:
-        host = host_link_spec(cluster.device(stage.devices[0]))
-        shard = param_bytes // d if stage.zero >= ZeroStage.OS else param_bytes
-        total += 2 * cost_models.p2p_ms(shard, host) if host.gbps != float("inf") else 0.0
-    return total
 
 
 def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[StageCost, ...]:
@@ -282,11 +250,11 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         d = len(st.devices)
         per_mb = [_kind_cost(graph, n, kinds, 1.0 / (m * d)) for n in nodes]
         fwd, bwd = sum(f for f, _ in per_mb), sum(b for _, b in per_mb)
-        params = sum(g.nodes[n]["param_bytes"] for n in nodes)
-        acts = sum(g.nodes[n]["activation_bytes"] for n in nodes)
+        recs = [graph.node(n) for n in nodes]
+        params = sum(r.param_bytes for r in recs)
+        acts = sum(r.activation_bytes for r in recs)
         swap_set = set(st.swap)
-        swapped = sum(g.nodes[n]["activation_bytes"] for n in nodes if set(g.nodes[n]["members"]) <= swap_set
-                      and swap_set)
+        swapped = sum(r.activation_bytes for r in recs if set(r.members) <= swap_set and swap_set)
         inputs: dict[str, int] = {}
         sends: dict[int, dict[str, int]] = {}
         for u, v, e in g.edges(data=True):
@@ -294,29 +262,29 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
                 inputs.update(e["producers"])
             if owner[u] == st.index and owner[v] != st.index:
                 sends.setdefault(owner[v], {}).update(e["producers"])
-        in_flight = m if plan.schedule is Schedule.GPIPE else min(m, s_count - st.index)
         host_is_device = all(c.device(x).is_cpu for x in st.devices)
         mem = device_memory(param_bytes=params, activation_bytes=acts, input_bytes=sum(inputs.values()),
                             dtype_bytes=dtype_bytes(dtype), replicas=d, zero=st.zero, microbatches=m,
-                            in_flight=in_flight, recompute=st.recompute, swapped_bytes=swapped,
+                            in_flight=in_flight(plan.schedule, m, s_count - st.index - 1),
+                            recompute=st.recompute, swapped_bytes=swapped,
                             offload_optimizer=st.offload_optimizer, host_is_device=host_is_device)
         send_ms = []
         for j, prods in sorted(sends.items()):
             dst = plan.stages[j]
             pieces = min(d, len(dst.devices))
             link = link_spec(c, st.devices[0], dst.devices[0])
-            nbytes = sum(prods.values()) / (m * pieces)
-            send_ms.append((j, cost_models.p2p_ms(nbytes, link) if link.gbps != float("inf") else 0.0))
+            send_ms.append((j, transfer_ms(cost_models.p2p_ms, sum(prods.values()) / (m * pieces), link)))
         host = host_link_spec(c.device(st.devices[0]))
-        swap_ms = 0.0 if host.gbps == float("inf") or not swapped else cost_models.p2p_ms(swapped / (m * d), host)
-        opt_bytes = params // d if st.zero >= ZeroStage.OS else params
-        opt_ms = max(graph.optimizer_ms_per_byte(k) for k in kinds) * opt_bytes
+        swap_ms = transfer_ms(cost_models.p2p_ms, swapped / (m * d), host) if swapped else 0.0
+        opt_ms = optimizer_ms(params, d, st.zero, max(graph.optimizer_ms_per_byte(k) for k in kinds))
         rate = stream_bytes_per_ms(graph, kinds)
-        moved = params + acts / (m * d)
-        copy_ms = 4 * params / rate if d > 1 else 0.0  # gradients into the flat buffer and back: read + write
+        copy = copy_ms(params, d, rate)
+        group = min((link_spec(c, st.devices[0], x) for x in st.devices[1:]), key=lambda sp: sp.gbps) \
+            if d > 1 else None
+        fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts, m, d, rate)
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms),
-                             _sync_ms(c, st, params) + copy_ms, mem, opt_ms, min(fwd, moved / rate),
-                             min(bwd, 2 * moved / rate), copy_ms))
+                             sync_ms(params, d, st.zero, st.offload_optimizer, group, host) + copy, mem, opt_ms,
+                             fwd_stream, bwd_stream, copy))
     return tuple(out)
 
 
@@ -326,7 +294,7 @@ def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], floa
     owner = _stage_of_graph_nodes(plan, graph)
     users: dict[str, set[int]] = {}
     for n in graph.order:
-        for name in graph.graph.nodes[n]["params"]:
+        for name in graph.node(n).params:
             users.setdefault(name, set()).add(owner[n])
     buckets: dict[tuple[int, ...], int] = {}
     for name, stages in users.items():

@@ -91,7 +91,7 @@ def stage_of_nodes(plan: Plan, graph: CostGraph) -> dict[str, int]:
     fx_stage = {n: st.index for st in plan.stages for n in st.nodes}
     out: dict[str, int] = {}
     for v in graph.order:
-        owners = {fx_stage.get(m, -1) for m in graph.graph.nodes[v]["members"]}
+        owners = {fx_stage.get(m, -1) for m in graph.node(v).members}
         if len(owners) != 1 or -1 in owners:
             raise ValueError(f"graph node {v!r} has members in stages {sorted(owners)}")
         out[v] = owners.pop()
@@ -187,11 +187,11 @@ def plan_graph(plan: Plan, graph: CostGraph, result: SimResult | None = None) ->
             sub.attr(label=_stage_label(plan, st, result), style="rounded", color=border, penwidth="2",
                      fontcolor=border, labeljust="l")
             for v in (v for v in graph.order if owner[v] == st.index):
-                a = g.nodes[v]
-                ms = max(sum(a["cost"][k]) for k in kinds) if all(k in a["cost"] for k in kinds) else 0.0
-                lines = [v, f"fwd+bwd {ms:.3g} ms/step, params {human_bytes(a['param_bytes'])}"]
+                a = graph.node(v)
+                ms = max(sum(a.cost[k]) for k in kinds) if all(k in a.cost for k in kinds) else 0.0
+                lines = [v, f"fwd+bwd {ms:.3g} ms/step, params {human_bytes(a.param_bytes)}"]
                 style, peripheries = "rounded,filled", "1"
-                if swapped and swapped & set(a["members"]):
+                if swapped and swapped & set(a.members):
                     lines.append("[swapped to host]")
                     style = "rounded,filled,dashed"
                 if st.recompute:

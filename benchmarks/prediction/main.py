@@ -107,14 +107,14 @@ def _wait_quiet(exclude: set[int], limit_s: float = 60.0) -> float:
 
 def _stages_of(graph: CostGraph, cut: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     coarse = graph.coarsen()
-    members = [coarse.graph.nodes[v]["members"] for v in coarse.order]
+    members = [coarse.node(v).members for v in coarse.order]
     return tuple(m for ms in members[:cut] for m in ms), tuple(m for ms in members[cut:] for m in ms)
 
 
 def _balanced_cut(graph: CostGraph) -> int:
     """The coarse block boundary that best balances the two halves' predicted CPU time."""
     coarse = graph.coarsen()
-    cost = [sum(coarse.graph.nodes[v]["cost"]["cpu"]) for v in coarse.order]
+    cost = [sum(coarse.node(v).cost["cpu"]) for v in coarse.order]
     total, run, best, where = sum(cost), 0.0, float("inf"), 1
     for i, c in enumerate(cost[:-1], start=1):
         run += c

@@ -35,12 +35,13 @@ from ..cluster import check_kinds
 from ..costgraph import CostGraph
 from ..errors import InfeasibleError
 from ..ir import Cluster
-from ..memory import GiB, device_memory, dtype_bytes
+from ..memory import GiB, dtype_bytes
 from ..plan import Plan, Schedule, SolverInfo, SolverStatus
 from ..simulate import annotate
+from ..stagecost import device_memory, in_flight
 from .baselines import Baseline, balanced_cuts, baseline_stages, stages_from_cuts
 from .candidates import Candidate, Chain, Setting, to_plan
-from .dp import solve_chain
+from .dp import objective, solve_chain
 from .ilp import solve_ilp
 from .table import build_table
 
@@ -121,6 +122,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         if res.picked:
             ilp_plan, r = annotate(to_plan(chain, cluster, setting, res.picked, SolverInfo(name.value)),
                                    costgraph, dtype)
+            proxy = objective(res.picked, setting.microbatches)  # what the ILP minimised, not the simulated step
+            say(f"ilp: M={setting.microbatches}: ILP proxy objective {proxy:.4g} ms; simulated step {r.step_ms:.4g} ms")
             if r.step_ms <= step:
                 plan = ilp_plan
     info = SolverInfo(name.value, status, gap, time.perf_counter() - t0)
@@ -139,7 +142,7 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
         if not picked:
             continue
         plan, r = annotate(to_plan(chain, cluster, setting, picked, SolverInfo(name)), graph, dtype)
-        say(f"{name}: M={m}: {len(plan.stages)} stages, step {r.step_ms:.4g} ms")
+        say(f"{name}: M={m}: {len(plan.stages)} stages, simulated step {r.step_ms:.4g} ms")
         if best is None or r.step_ms < best[0]:
             best = (r.step_ms, plan, setting, picked)
     return best
@@ -206,9 +209,9 @@ def diagnose(chain: Chain, cluster: Cluster, setting: Setting) -> str:
     Returns:
         The message of an InfeasibleError.
     """
-    g, order = chain.graph.graph, chain.graph.order
+    order = chain.graph.order
     devs = cluster.devices
-    cuts = balanced_cuts(chain, len(devs), [g.nodes[v]["param_bytes"] for v in order])
+    cuts = balanced_cuts(chain, len(devs), [chain.graph.node(v).param_bytes for v in order])
     bpe = dtype_bytes(setting.dtype)
     lines, s = [], len(cuts) - 1
     for i in range(s):
@@ -216,7 +219,7 @@ def diagnose(chain: Chain, cluster: Cluster, setting: Setting) -> str:
         a, b = cuts[i], cuts[i + 1]
         params, acts = chain.params[b] - chain.params[a], chain.acts[b] - chain.acts[a]
         cpu = dev.is_cpu
-        fl = setting.microbatches if setting.schedule is Schedule.GPIPE else min(setting.microbatches, s - i)
+        fl = in_flight(setting.schedule, setting.microbatches, s - i - 1)
         kw = dict(param_bytes=params, activation_bytes=acts, input_bytes=chain.cut[a], dtype_bytes=bpe,
                   replicas=1, zero=0, microbatches=setting.microbatches, in_flight=fl, host_is_device=cpu)
         plain = device_memory(**kw)  # type: ignore[arg-type]

@@ -116,15 +116,15 @@ def baseline_stages(chain: Chain, cluster: Cluster, setting: Setting, which: Bas
         The candidates in pipeline order, or a message naming the stage and device that does not fit.
     """
     devs = cluster.devices
-    g, order = chain.graph.graph, chain.graph.order
+    graph, order = chain.graph, chain.graph.order
     s = min(len(devs), len(cut_points(chain)) - 1)
     if which is Baseline.UNIFORM:
         cuts = uniform_cuts(chain, s)
     elif which is Baseline.PARAMS:
-        cuts = balanced_cuts(chain, s, [g.nodes[v]["param_bytes"] for v in order])
+        cuts = balanced_cuts(chain, s, [graph.node(v).param_bytes for v in order])
     else:
         kind = devs[0].kind
-        cuts = balanced_cuts(chain, s, [sum(g.nodes[v]["cost"][kind]) for v in order])
+        cuts = balanced_cuts(chain, s, [sum(graph.node(v).cost[kind]) for v in order])
     return stages_from_cuts(chain, cluster, setting, cuts)
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 import cost_models
 
+from .. import stagecost
 from ..cluster import link_spec
 from ..costgraph import CostGraph
 from ..ir import Cluster
@@ -70,17 +71,13 @@ class Chain:
         g, order = graph.graph, graph.order
         n = len(order)
         pos = {v: i for i, v in enumerate(order)}
-        fwd = {k: tuple(itertools.accumulate((g.nodes[v]["cost"][k][0] for v in order), initial=0.0))
-               for k in graph.kinds}
-        bwd = {k: tuple(itertools.accumulate((g.nodes[v]["cost"][k][1] for v in order), initial=0.0))
-               for k in graph.kinds}
-        zero = (0.0, 0.0)
-        ffix = {k: tuple(itertools.accumulate((g.nodes[v].get("fixed", {}).get(k, zero)[0] for v in order),
-                                              initial=0.0)) for k in graph.kinds}
-        bfix = {k: tuple(itertools.accumulate((g.nodes[v].get("fixed", {}).get(k, zero)[1] for v in order),
-                                              initial=0.0)) for k in graph.kinds}
-        params = tuple(itertools.accumulate((g.nodes[v]["param_bytes"] for v in order), initial=0))
-        acts = tuple(itertools.accumulate((g.nodes[v]["activation_bytes"] for v in order), initial=0))
+        recs = [graph.node(v) for v in order]
+        fwd = {k: tuple(itertools.accumulate((r.cost[k][0] for r in recs), initial=0.0)) for k in graph.kinds}
+        bwd = {k: tuple(itertools.accumulate((r.cost[k][1] for r in recs), initial=0.0)) for k in graph.kinds}
+        ffix = {k: tuple(itertools.accumulate((r.fixed_at(k)[0] for r in recs), initial=0.0)) for k in graph.kinds}
+        bfix = {k: tuple(itertools.accumulate((r.fixed_at(k)[1] for r in recs), initial=0.0)) for k in graph.kinds}
+        params = tuple(itertools.accumulate((r.param_bytes for r in recs), initial=0))
+        acts = tuple(itertools.accumulate((r.activation_bytes for r in recs), initial=0))
         # A producer's bytes cross every cut between its node and its last consumer (counted once).
         last: dict[str, tuple[int, int, int]] = {}
         blocked = [0] * (n + 2)
@@ -106,8 +103,7 @@ class Chain:
 
     def nodes(self, a: int, b: int) -> tuple[str, ...]:
         """The fx node names (members) of ``order[a:b]``."""
-        g = self.graph.graph
-        return tuple(m for v in self.graph.order[a:b] for m in g.nodes[v]["members"])
+        return tuple(m for v in self.graph.order[a:b] for m in self.graph.node(v).members)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,10 +178,8 @@ def classes(setting: Setting, devices: int) -> int:
 
 
 def in_flight(setting: Setting, j: int) -> int:
-    """Microbatches in flight for a stage with ``j`` stages after it (Narayanan et al. 2021: ``S - i``)."""
-    if setting.schedule is Schedule.GPIPE:
-        return setting.microbatches
-    return min(setting.microbatches, j + 1)
+    """Microbatches in flight for a stage with ``j`` stages after it (:func:`hpml_compile.stagecost.in_flight`)."""
+    return int(stagecost.in_flight(setting.schedule, setting.microbatches, j))
 
 
 def degrees(count: int, rows: int) -> list[int]:

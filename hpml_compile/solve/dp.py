@@ -45,7 +45,7 @@ __all__ = ["solve_chain", "objective", "tile"]
 
 
 def objective(picked: list[Candidate], microbatches: int) -> float:
-    """The ILP's step-time estimate of a tiling: ``(M - 1) T + sum(t + comm) + max tail``."""
+    """The ILP's proxy of a tiling's step time (not the simulated step): ``(M - 1) T + sum(t + comm) + max tail``."""
     if not picked:
         return float("inf")
     t = max(c.t for c in picked)

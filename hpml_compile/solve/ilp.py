@@ -24,8 +24,15 @@ Variables:
     ``R >= 0``: the longest gradient-sync tail;
     ``after_p >= 0``: number of stages starting at or after position ``p``.
 
-Objective (the simulator's step time for a pipeline with overlapped sends):
+Objective, a proxy of the simulated step time (:func:`.dp.objective`):
     minimise ``(M - 1) T + sum_c (t_c + e_c) x_c + R``.
+    It is the step time of a pipeline whose slowest stage sets the pace, with
+    every boundary transfer on the critical path once and the longest tail at
+    the end; the simulator (:func:`hpml_compile.simulate.simulate`) plays the
+    real schedule instead (warm-up and drain per stage, sends overlapping
+    compute, the tied-parameter all-reduces, host memory contention), so the
+    two differ, and :func:`hpml_compile.solve.solve` logs both by name and keeps
+    the plan with the better simulated step.
 
 Constraints (each added by the function named):
     tiling, :func:`_add_tiling`: flow conservation over positions: one stage
@@ -255,7 +262,7 @@ def solve_ilp(chain: Chain, cluster: Cluster, setting: Setting, *, time_limit_s:
         b = objective_bounds(chain, cluster, setting, tab, start=warm, time_budget_s=2 * time_limit_s / 3)
         t_min, s_min, lower = b.t_min, b.s_min, b.lower
         warm = b.plan or warm
-        say(f"ilp: DP bounds after {b.evaluations} runs: {lower:.6g} <= objective <= {b.upper:.6g} ms")
+        say(f"ilp: DP bounds after {b.evaluations} runs: {lower:.6g} <= ILP proxy objective <= {b.upper:.6g} ms")
         if b.upper - lower <= 1e-6 * b.upper:  # the DP's plan is proven optimal: no MILP needed
             say("ilp: optimal by the DP bounds")
             return IlpResult(warm, SolverStatus.OPTIMAL, 0.0, time.perf_counter() - t0, 0)
@@ -299,7 +306,7 @@ def solve_ilp(chain: Chain, cluster: Cluster, setting: Setting, *, time_limit_s:
         say(f"ilp: no solution from HiGHS within {left:.3g} s; keeping the warm start")
         return IlpResult(warm, SolverStatus.FEASIBLE, gap, time.perf_counter() - t0, len(tab))
     chosen = sorted((tab.candidate(i) for i in range(len(tab)) if (x[i].varValue or 0.0) > 0.5), key=lambda c: c.a)
-    say(f"ilp: {status.value}, objective {pulp.value(prob.objective):.4g} ms, gap {gap:.2%}")
+    say(f"ilp: {status.value}, ILP proxy objective {pulp.value(prob.objective):.4g} ms, gap {gap:.2%}")
     return IlpResult(chosen, status, gap, time.perf_counter() - t0, len(tab))
 
 

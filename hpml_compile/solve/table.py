@@ -9,12 +9,11 @@ they are evaluated as ``(ranges x configurations)`` arrays:
 
 - times from the chain's prefix sums, ``t = time(a, b) / (M d)`` (+ one more
   forward under recompute, + two host transfers under swap);
-- communication from cost_models' alpha-beta functions, which are affine in
-  the bytes (``alpha + bytes * beta``, 0 for no bytes): each is evaluated at two
-  sizes and applied to arrays (:func:`_affine`);
-- memory with exactly the integer arithmetic of
-  :func:`hpml_compile.memory.device_memory` (floor divisions on int64), so that
-  a candidate fits exactly when the plan validator says it does. Memory grows
+- communication, gradient sync, optimizer step and memory from the formulas of
+  :mod:`hpml_compile.stagecost`, which the simulator uses too, applied to
+  arrays (alpha-beta costs as lines in the bytes; memory with exactly the
+  integer arithmetic of :func:`~hpml_compile.stagecost.device_memory`, so that
+  a candidate fits exactly when the plan validator says it does). Memory grows
   with the microbatches in flight, so the latest position ``jmax`` at which a
   configuration fits has a closed form instead of a loop.
 
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -43,7 +41,7 @@ from ..errors import UnknownDeviceError
 from ..ir import Cluster
 from ..memory import MemoryBreakdown, ZeroStage, dtype_bytes
 from ..plan import Schedule
-from ..simulate import stream_bytes_per_ms
+from ..stagecost import copy_ms, in_flight, memory_parts, optimizer_ms, stream_bytes_per_ms, sync_ms, transfer_ms
 from .candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees, group_link,
                          kind_counts)
 
@@ -128,62 +126,6 @@ class CandidateTable:
         return cls.concat(kinds, [{f: np.asarray(v) for f, v in row.items()}])
 
 
-def _affine(fn: Callable[..., float], link: cost_models.LinkSpec | None, *args: object
-            ) -> Callable[[np.ndarray], np.ndarray]:
-    """``fn(bytes, *args, link)`` for an array of byte counts, using that alpha-beta costs are affine in bytes.
-
-    Evaluated at two sizes (2^30 and 2^31 bytes, where the bandwidth term dominates and the
-    slope is exact to rounding); 0 bytes cost 0, as in cost_models. No link (a lone device)
-    or an infinitely fast one costs nothing.
-    """
-    if link is None or link.gbps == float("inf"):
-        return lambda x: np.zeros(np.shape(x))
-    x1, x2 = float(2**30), float(2**31)
-    y1, y2 = fn(x1, *args, link), fn(x2, *args, link)
-    slope = (y2 - y1) / (x2 - x1)
-    icpt = y1 - slope * x1
-    return lambda x: np.where(np.asarray(x) > 0, icpt + slope * np.asarray(x, dtype=np.float64), 0.0)
-
-
-def _sync(zero: ZeroStage, offload: bool, params: np.ndarray, d: int, glink: cost_models.LinkSpec | None,
-          host: cost_models.LinkSpec) -> np.ndarray:
-    """Gradient-sync ms after the last backward (the simulator's ``_sync_ms``), for arrays of parameter bytes."""
-    out = np.zeros(params.shape)
-    if d > 1:
-        if zero == ZeroStage.NONE:
-            out += _affine(cost_models.allreduce_ms, glink, d)(params)
-        else:
-            rounds = 3 if zero == ZeroStage.OS_G_P else 2
-            out += _affine(cost_models.reduce_scatter_ms, glink, d)(params) + (rounds - 1) * _affine(
-                cost_models.all_gather_ms, glink, d)(params)
-    if offload:
-        shard = params // d if zero >= ZeroStage.OS else params
-        out += 2 * _affine(cost_models.p2p_ms, host)(shard)
-    return out
-
-
-def _memory(zero: ZeroStage, recompute: bool, offload: bool, swap: bool, params: np.ndarray, acts: np.ndarray,
-            inputs: np.ndarray, d: int, setting: Setting, is_cpu: bool) -> dict[str, np.ndarray]:
-    """:func:`hpml_compile.memory.device_memory` on int64 arrays, without the in-flight count."""
-    bpe = dtype_bytes(setting.dtype)
-    p = params
-    prm = p // d if zero >= ZeroStage.OS_G_P else p
-    grd = p // d if zero >= ZeroStage.OS_G else p
-    opt_full = 8 * p // max(1, bpe)
-    opt = opt_full // d if zero >= ZeroStage.OS else opt_full
-    host = np.zeros_like(p)
-    if offload and not is_cpu:
-        host, opt = opt, np.zeros_like(p)
-    per = max(1, setting.microbatches) * d
-    act = acts // per
-    swapped = np.zeros_like(p) if (is_cpu or not swap) else acts // per
-    if recompute:
-        stored, working = np.minimum(inputs // per, act), act
-    else:
-        stored, working = act - swapped, swapped
-    return {"params": prm, "grads": grd, "optimizer": opt, "stored": stored, "working": working, "host": host}
-
-
 def _jmax(static: np.ndarray, stored: np.ndarray, working: np.ndarray, cap: int, setting: Setting,
           big_j: int) -> np.ndarray:
     """The most stages that may follow (up to ``big_j``) with the peak still within ``cap``; -1 if none.
@@ -254,22 +196,26 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         ffix = ffx[b] - ffx[a]
         fwd = ffix + (fw[b] - fw[a] - ffix) / (m * d)
         opt_rate = chain.graph.optimizer_ms_per_byte(kind)
-        copy_ms = 4 * params / stream_bytes_per_ms(chain.graph, [kind]) if d > 1 else 0.0  # the flat gradient buffer
-        comm = np.where(a > 0, 2 * _affine(cost_models.p2p_ms, boundary_link(cluster, kind))(inputs / (m * d)), 0.0)
+        copy = copy_ms(params, d, stream_bytes_per_ms(chain.graph, [kind]))
+        comm = np.where(a > 0, 2 * transfer_ms(cost_models.p2p_ms, inputs / (m * d), boundary_link(cluster, kind)),
+                        0.0)
         glink = group_link(cluster, kind, d)
+        bpe = dtype_bytes(setting.dtype)
         cfg_ids = [i for i, c in enumerate(CONFIGS) if (d > 1 or c.zero == ZeroStage.NONE)
                    and not (is_cpu and (c.offload or c.swap))]
         ts, ests, jms, mems = [], [], [], []
         for ci in cfg_ids:
             cfg = CONFIGS[ci]
-            swap_ms = 2 * _affine(cost_models.p2p_ms, host)(acts / (m * d)) if cfg.swap else 0.0
+            swap_ms = 2 * transfer_ms(cost_models.p2p_ms, acts / (m * d), host) if cfg.swap else 0.0
             t = base + (fwd if cfg.recompute else 0.0) + swap_ms
-            mem = _memory(cfg.zero, cfg.recompute, cfg.offload, cfg.swap, params, acts, inputs, d, setting, is_cpu)
-            jm = _jmax(mem["params"] + mem["grads"] + mem["optimizer"], mem["stored"], mem["working"], cap, setting,
-                       big_j)
+            mem = memory_parts(param_bytes=params, activation_bytes=acts, input_bytes=inputs, dtype_bytes=bpe,
+                               replicas=d, zero=cfg.zero, microbatches=m, recompute=cfg.recompute,
+                               swapped_bytes=acts if cfg.swap else acts * 0, offload_optimizer=cfg.offload,
+                               host_is_device=is_cpu)
+            jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)
-            opt_ms = opt_rate * (params // d if cfg.zero >= ZeroStage.OS else params)
-            ests.append(m * t + _sync(cfg.zero, cfg.offload, params, d, glink, host) + copy_ms + opt_ms)
+            ests.append(m * t + sync_ms(params, d, cfg.zero, cfg.offload, glink, host) + copy
+                        + optimizer_ms(params, d, cfg.zero, opt_rate))
             jms.append(jm)
             mems.append(mem)
         est, jmx = np.stack(ests, 1), np.stack(jms, 1)
@@ -283,9 +229,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         part = {"a": a[rows], "b": b[rows], "kind": np.full(len(rows), kinds.index(kind)), "d": np.full(len(rows), d),
                 "cfg": np.asarray(cfg_ids)[cols], "jmax": jm, "t": t_all[rows, cols],
                 "tail": est[rows, cols] - m * t_all[rows, cols], "comm": comm[rows],
-                "in_flight": (np.full(len(rows), max(1, m)) if setting.schedule is Schedule.GPIPE
-                              else np.minimum(m, jm + 1))}
+                "in_flight": in_flight(setting.schedule, m, jm)}
         for f in ("params", "grads", "optimizer", "stored", "working", "host"):
-            part[f] = np.stack([mm[f] for mm in mems], 1)[rows, cols]
+            part[f] = np.stack([getattr(mm, f) for mm in mems], 1)[rows, cols]
         parts.append(part)
     return CandidateTable.concat(kinds, parts)

@@ -46,7 +46,7 @@ def test_coarsen_gpt_into_layers(tiny: Profile) -> None:
         blocks.order.index(u) < blocks.order.index(v) for u, v in blocks.graph.edges)
     for attr, value in _totals(cg).items():
         assert _totals(blocks)[attr] == pytest.approx(value), attr
-    members = [m for b in blocks.order for m in blocks.graph.nodes[b]["members"]]
+    members = [m for b in blocks.order for m in blocks.node(b).members]
     assert members == list(cg.order)
 
 
@@ -113,7 +113,7 @@ def test_coarsening_keeps_dags_acyclic_and_totals(p: Profile) -> None:
         assert _totals(blocks)[attr] == pytest.approx(value)
     # a cut after any block prefix carries the same bytes in both views
     for i in range(1, len(blocks.order)):
-        members = [m for b in blocks.order[:i] for m in blocks.graph.nodes[b]["members"]]
+        members = [m for b in blocks.order[:i] for m in blocks.node(b).members]
         assert blocks.cut_bytes(blocks.order[:i]) == cg.cut_bytes(members)
 
 
@@ -137,3 +137,20 @@ def test_discover_without_nvml_is_cpu_only() -> None:
     except Exception:
         has_gpu = False
     assert (len(cluster.devices) > 1) == has_gpu
+
+
+def test_node_records_carry_what_the_profile_says(tiny: Profile) -> None:
+    cg = build_costgraph(tiny)
+    for n in tiny.nodes:
+        rec = cg.node(n.name)
+        assert rec.members == (n.name,) and rec.op == n.op.value and rec.params == n.params
+        assert rec.param_bytes == n.param_bytes and rec.activation_bytes == n.activation_bytes
+        assert rec.cost == {k: (c.fwd_ms, c.bwd_ms) for k, c in n.cost.items()}
+        assert rec.fixed_at("cpu") == (n.cost["cpu"].fwd_fixed_ms, n.cost["cpu"].bwd_fixed_ms)
+    assert cg.node(tiny.nodes[0].name) is cg.node(tiny.nodes[0].name)  # made once
+    blocks = cg.coarsen()
+    first = blocks.node(blocks.order[0])
+    assert first.op == "block" and len(first.members) > 1
+    assert sum(blocks.node(b).param_bytes for b in blocks.order) == cg.total("param_bytes")
+    with pytest.raises(KeyError):
+        cg.node("no such node")

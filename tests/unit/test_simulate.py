@@ -16,7 +16,7 @@ from hpml_compile.solve.testing import chain_profile, uniform_cluster
 def _plan(graph, cluster, groups, m, schedule, **stage_kw) -> Plan:
     stages = []
     for i, (devs, nodes) in enumerate(groups):
-        members = tuple(x for n in nodes for x in graph.graph.nodes[n]["members"])
+        members = tuple(x for n in nodes for x in graph.node(n).members)
         stages.append(Stage(i, devs, members, **stage_kw))
     return Plan("toy", cluster, schedule, m, tuple(stages))
 

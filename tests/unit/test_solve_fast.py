@@ -1,7 +1,7 @@
 """The fast paths of the solver agree with the plain definitions they replace.
 
 - ``build_table`` (numpy) against a one-candidate-at-a-time reference written from the definition
-  in ``enumerate_candidates``'s docstring, with ``hpml_compile.memory.device_memory`` for memory;
+  in ``enumerate_candidates``'s docstring, with ``hpml_compile.stagecost.device_memory`` for memory;
 - the vectorised DP against a dictionary DP over the same candidates;
 - the solver's pruning never changes the optimum (checked by the brute-force tests in test_solve.py).
 """
@@ -18,12 +18,12 @@ import cost_models
 from hpml_compile.cluster import host_link_spec
 from hpml_compile.costgraph import build
 from hpml_compile.ir import Cluster, Device, Link
-from hpml_compile.memory import ZeroStage, device_memory, dtype_bytes
+from hpml_compile.memory import ZeroStage, dtype_bytes
 from hpml_compile.plan import Schedule
 from hpml_compile.solve.candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees,
                                            enumerate_candidates, group_link, in_flight, kind_counts)
 from hpml_compile.solve.dp import objective, solve_chain
-from hpml_compile.simulate import stream_bytes_per_ms
+from hpml_compile.stagecost import device_memory, stream_bytes_per_ms
 from hpml_compile.solve.testing import dag_profile
 
 MiB = 2**20
@@ -232,7 +232,7 @@ def test_plan_from_cuts_scores_a_split_like_the_baselines() -> None:
     g = build(prof)
     cluster = load_cluster("hetero-4")
     chain = Chain.of(g)
-    cuts = balanced_cuts(chain, 4, [sum(g.graph.nodes[v]["cost"]["A100-80GB"]) for v in g.order])
+    cuts = balanced_cuts(chain, 4, [sum(g.node(v).cost["A100-80GB"]) for v in g.order])
     mine = plan_from_cuts(g, cluster, cuts, name="torchgpipe")
     base = solve(g, cluster, solver="time")
     assert mine.predicted.step_ms == pytest.approx(base.predicted.step_ms)

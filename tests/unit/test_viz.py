@@ -119,7 +119,7 @@ def test_blocks_spanning_stages_are_split() -> None:
     cluster = Cluster(devices=(Device("g0", "A100-80GB", 80), Device("g1", "A100-80GB", 80)))
     plan = Plan("toy", cluster, Schedule.GPIPE, 2, (Stage(0, ("g0",), ("n0",)), Stage(1, ("g1",), ("n1", "n2", "n3"))))
     g = plan_costgraph(plan, prof)
-    assert [g.graph.nodes[v]["members"] for v in g.order] == [("n0",), ("n1",), ("n2", "n3")]
+    assert [g.node(v).members for v in g.order] == [("n0",), ("n1",), ("n2", "n3")]
     assert g.order[:2] == ("blk.0", "blk.0#2")
     assert simulate(plan, g).step_ms > 0
 

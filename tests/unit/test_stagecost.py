@@ -1,0 +1,113 @@
+"""stagecost: each formula gives the same figure on scalars and on arrays, and the simulator and the
+candidate table, which both read it, agree on the stages of a plan."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import cost_models
+from hpml_compile.ir import Cluster, Device
+from hpml_compile.memory import ZeroStage
+from hpml_compile.plan import Schedule, SolverInfo
+from hpml_compile.simulate import stage_costs
+from hpml_compile.solve.candidates import CONFIGS, Chain, Setting, to_plan
+from hpml_compile.solve.table import build_table
+from hpml_compile.solve.testing import dag_profile
+from hpml_compile.costgraph import build
+from hpml_compile import stagecost
+
+MiB = 2**20
+PARAMS = np.asarray([0, 1, 7 * MiB + 3, 300 * MiB + 11], dtype=np.int64)
+ACTS = np.asarray([0, 5, 40 * MiB + 1, 9 * MiB], dtype=np.int64)
+INPUTS = np.asarray([0, 3, 2 * MiB, 20 * MiB], dtype=np.int64)
+NVLINK, PCIE = cost_models.get_link("nvlink3"), cost_models.get_link("pcie4")
+
+
+@pytest.mark.parametrize("zero,recompute,offload,swap,host_is_device",
+                         [(z, r, o, s, h) for z in ZeroStage for r, o, s, h in itertools.product((False, True),
+                                                                                                  repeat=4)])
+def test_memory_scalar_and_array_agree(zero: ZeroStage, recompute: bool, offload: bool, swap: bool,
+                                       host_is_device: bool) -> None:
+    common = dict(dtype_bytes=4, replicas=4, zero=zero, microbatches=8, recompute=recompute,
+                  offload_optimizer=offload, host_is_device=host_is_device)
+    arr = stagecost.memory_parts(param_bytes=PARAMS, activation_bytes=ACTS, input_bytes=INPUTS,
+                                 swapped_bytes=ACTS if swap else ACTS * 0, **common)
+    for i in range(len(PARAMS)):
+        one = stagecost.memory_parts(param_bytes=int(PARAMS[i]), activation_bytes=int(ACTS[i]),
+                                     input_bytes=int(INPUTS[i]), swapped_bytes=int(ACTS[i]) if swap else 0, **common)
+        assert all(type(v) is int for v in one), one  # plain ints on the scalar path (plans serialise them)
+        assert tuple(int(col[i]) for col in arr) == one
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_in_flight_scalar_and_array_agree(schedule: Schedule) -> None:
+    after = np.arange(0, 12)
+    arr = stagecost.in_flight(schedule, 5, after)
+    assert arr.tolist() == [stagecost.in_flight(schedule, 5, int(j)) for j in after]
+    assert stagecost.in_flight(schedule, 5, 0) == (5 if schedule is Schedule.GPIPE else 1)
+
+
+@pytest.mark.parametrize("zero,offload,d,link", [(z, o, d, link) for z in ZeroStage for o in (False, True)
+                                                 for d in (1, 2, 8) for link in (NVLINK, PCIE)])
+def test_times_scalar_and_array_agree(zero: ZeroStage, offload: bool, d: int, link: cost_models.LinkSpec) -> None:
+    group = link if d > 1 else None
+    sync = stagecost.sync_ms(PARAMS, d, zero, offload, group, PCIE)
+    copy = stagecost.copy_ms(PARAMS, d, 1e7)
+    opt = stagecost.optimizer_ms(PARAMS, d, zero, 1e-9)
+    for i, p in enumerate(PARAMS.tolist()):
+        # alpha-beta costs are applied to arrays as lines through two sizes: equal up to rounding
+        assert sync[i] == pytest.approx(stagecost.sync_ms(p, d, zero, offload, group, PCIE), rel=1e-9, abs=1e-12)
+        assert (copy[i] if d > 1 else copy) == stagecost.copy_ms(p, d, 1e7)
+        assert opt[i] == stagecost.optimizer_ms(p, d, zero, 1e-9)
+    assert stagecost.sync_ms(0, d, zero, offload, group, PCIE) == 0.0
+
+
+def test_transfer_is_free_without_a_link_or_over_an_infinite_one() -> None:
+    free = cost_models.LinkSpec("local", float("inf"), 0.0, "same device")
+    for link in (None, free):
+        assert stagecost.transfer_ms(cost_models.p2p_ms, 1e6, link) == 0.0
+        assert stagecost.transfer_ms(cost_models.p2p_ms, np.asarray([1e6, 0.0]), link).tolist() == [0.0, 0.0]
+    assert stagecost.transfer_ms(cost_models.p2p_ms, 1e6, PCIE) == cost_models.p2p_ms(1e6, PCIE)
+
+
+def _graph():
+    costs = [{"A100-80GB": (1.0 + i, 2.0 + i), "V100-32GB": (2.5 + i, 5.0 + i)} for i in range(6)]
+    return build(dag_profile(costs, [[i - 1] if i else [] for i in range(6)], param_bytes=[64 * MiB] * 6,
+                             activation_bytes=[512 * MiB, 256 * MiB, 256 * MiB, 128 * MiB, 64 * MiB, 32 * MiB],
+                             output_bytes=16 * MiB, batch_size=64))
+
+
+def _cluster() -> Cluster:
+    # little memory, so that the table prices ZeRO, recompute, offload and swap, not only the plain stage
+    devs = tuple(Device(f"a{i}", "A100-80GB", 1.5) for i in range(4)) + \
+        tuple(Device(f"v{i}", "V100-32GB", 0.9) for i in range(4))
+    return Cluster(devices=devs, name="mixed")
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+def test_simulator_and_table_price_a_plans_stages_alike(schedule: Schedule) -> None:
+    """Two-stage plans made of table candidates: each stage's memory (at its position) and its tail
+    (gradient sync, copies, optimizer step) are what the simulator computes for it."""
+    graph, cluster = _graph(), _cluster()
+    chain, setting = Chain.of(graph), Setting(4, schedule, 64)
+    tab = build_table(chain, cluster, setting).candidates()
+    firsts = [c for c in tab if c.a == 0 and c.b == 3 and c.kind == "A100-80GB"]
+    seconds = [c for c in tab if c.a == 3 and c.b == 6 and c.kind == "V100-32GB"]
+    assert {c.config for c in firsts + seconds} - {CONFIGS[0]} and len(firsts) > 1 and len(seconds) > 1
+    checked = 0
+    for first, second in itertools.product(firsts, seconds):
+        plan = to_plan(chain, cluster, setting, [first, second], SolverInfo("test"))
+        for i, (cand, cost) in enumerate(zip((first, second), stage_costs(plan, graph))):
+            got, want = cost.memory, cand.memory
+            assert (got.params, got.grads, got.optimizer, got.stored_per_microbatch, got.working, got.host_bytes) \
+                == (want.params, want.grads, want.optimizer, want.stored_per_microbatch, want.working,
+                    want.host_bytes)
+            assert got.in_flight == stagecost.in_flight(schedule, 4, 1 - i)
+            assert cost.sync_ms + cost.optimizer_ms == pytest.approx(cand.tail, rel=1e-9, abs=1e-12)
+            # the table's per-microbatch time comes from prefix sums: equal up to rounding
+            assert cost.compute_ms + 2 * cost.swap_ms == pytest.approx(cand.t, rel=1e-9)
+            checked += 1
+    assert checked >= 8
