@@ -333,6 +333,11 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Mod
         tmp.mkdir()
     _barrier()
     state = {**_flat(model, optimizer), **(_rng_state(_rank()) if rng else {})}
+    odd = next((k for k, v in state.items() if not isinstance(v, torch.Tensor)), None)
+    if odd is not None:
+        raise CheckpointError(f"save_checkpoint: {odd!r} is a {type(state[odd]).__name__}, not a tensor: only "
+                              "tensors are saved, so that loading never unpickles objects; make it a tensor "
+                              "(or keep it in extra, as JSON)")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
