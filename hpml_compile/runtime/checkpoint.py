@@ -187,6 +187,9 @@ def _read_meta(path: Path) -> dict[str, Any]:
     if meta["format"] != FORMAT:
         raise CheckpointError(f"{source}: format {meta['format']!r} is not known (this version reads format "
                               f"{FORMAT}); was it written by a newer hpml-compile?")
+    if not isinstance(meta.get("step"), int) or not isinstance(meta.get("world_size"), int):
+        raise CheckpointError(f"{source}: step and world_size: expected integers, got {meta.get('step')!r} and "
+                              f"{meta.get('world_size')!r}; it is damaged")
     files = meta.get("files")
     if not isinstance(files, dict) or not all(isinstance(v, dict) and isinstance(v.get("bytes"), int)
                                               and isinstance(v.get("sha256"), str) for v in files.values()):

@@ -50,7 +50,7 @@ from .session import CommFailure, RetryPolicy, env_rank
 PROGRESS_FILE = "started.json"
 _STARTED = time.perf_counter()  # the process's start, near enough: the cost of a restart is measured from it
 
-__all__ = ["OptimizerName", "parse_args", "main", "error_path", "threads_per_rank", "PROGRESS_FILE"]
+__all__ = ["OptimizerName", "ResumeMode", "parse_args", "main", "error_path", "threads_per_rank", "PROGRESS_FILE"]
 
 
 class OptimizerName(str, enum.Enum):
@@ -58,6 +58,14 @@ class OptimizerName(str, enum.Enum):
 
     ADAMW = "adamw"
     SGD = "sgd"
+
+
+class ResumeMode(str, enum.Enum):
+    """Whether a rank starts from a checkpoint: never, always (an error without one), or when there is one."""
+
+    NO = "no"
+    REQUIRED = "required"
+    IF_ANY = "if-any"
 
 
 def error_path(run_dir: str | Path, rank: int) -> Path:
@@ -166,9 +174,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=_non_negative, default=0, dest="checkpoint_every",
                    help="checkpoint every K steps (0: only at the end and before a switch)")
     p.add_argument("--keep-checkpoints", type=int, default=3, dest="keep", help="complete checkpoints kept")
-    p.add_argument("--resume", action="store_const", const="required", default="no",
+    p.add_argument("--resume", action="store_const", const=ResumeMode.REQUIRED, default=ResumeMode.NO,
                    help="start from the latest intact checkpoint in --checkpoint-dir (an error when there is none)")
-    p.add_argument("--resume-if-any", action="store_const", const="if-any", dest="resume",
+    p.add_argument("--resume-if-any", action="store_const", const=ResumeMode.IF_ANY, dest="resume",
                    help="as --resume, but start at step 0 when there is no checkpoint yet (the supervisor's "
                         "segments: a failure may come before the first checkpoint)")
     p.add_argument("--adapt", action="store_true", help="re-plan on a sustained gap to the plan (see adapt.py)")
@@ -221,12 +229,12 @@ def _resume_point(args: argparse.Namespace, rank: int) -> Path | None:
     Raises:
         CheckpointError: ``--resume`` without ``--checkpoint-dir``, or with nothing intact to resume from.
     """
-    if args.resume == "no":
+    if args.resume is ResumeMode.NO:
         return None
     if args.checkpoint_dir is None:
         raise CheckpointError("--resume needs --checkpoint-dir DIR (the folder the checkpoints were written to)")
     log = _say if rank == 0 else (lambda _line: None)
-    if args.resume == "if-any":
+    if args.resume is ResumeMode.IF_ANY:
         return latest(args.checkpoint_dir, log=log)
     return resume_from(args.checkpoint_dir, log=log)
 
