@@ -1,4 +1,4 @@
-"""Checkpoints that survive a crash and load under another plan.
+"""Checkpoints that survive a crash, load under another plan, never run code and notice damage.
 
 Storage is torch.distributed.checkpoint (DCP): every rank writes the tensors it
 holds, keyed by the *original* model's parameter names (``layers.3.attn.q_proj.weight``)
@@ -13,6 +13,30 @@ does rank 0 write ``meta.json`` and rename the folder to ``step_<N>/`` (rename i
 atomic on POSIX) and then point ``latest`` at it. A crash mid-write leaves a
 ``.tmp`` folder that :func:`latest` ignores and the next save removes, so the
 previous checkpoint stays whole. The last ``keep`` checkpoints are kept.
+
+Trust: loading never unpickles anything from the folder. DCP's own index
+(``.metadata``) is a pickle, so it is neither written nor read: the index is
+JSON (``index.json``, see :mod:`.safe_dcp`, which says why a digest of the
+pickle would not do) and tensors are read with ``torch.load(weights_only=True)``.
+Only tensors are saved (non-tensor items are refused by name). A checkpoint of
+an older version (no ``index.json``) is refused, not unpickled.
+
+Damage: ``meta.json`` holds the size and sha256 of every other file of the
+checkpoint; :func:`load_checkpoint` checks them first and names the damage
+(a missing file, a truncated ``.distcp``, a digest mismatch). :func:`latest`
+and :func:`resume_from` skip a damaged checkpoint for the newest intact one
+and say so. The digests guard against damage, not against an attacker (who
+can recompute them): the JSON index is what keeps a crafted checkpoint from
+running code.
+
+RNG: each rank saves its Python ``random``, NumPy, torch CPU and (when there
+is one) CUDA generator states as tensors (``rng.rank<r>.*``), and loading
+restores this rank's, so a model with dropout continues as an uninterrupted
+run would. ``meta.json`` (format 2)::
+
+    {"format": 2, "step": 10, "world_size": 2,
+     "files": {"index.json": {"bytes": 812, "sha256": "..."}, "__0_0.distcp": {...}},
+     ...extra (plan hash, loss, ...)}
 
 Optimizer state goes through ``torch.distributed.checkpoint.state_dict``
 (``get_optimizer_state_dict``/``set_optimizer_state_dict``), which maps it to
@@ -33,17 +57,22 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -54,11 +83,16 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..errors import HpmlError
 from ..schema import write_json_atomic
+from .safe_dcp import INDEX_FILE, IndexFormatError, JsonReader, JsonWriter
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest", "list_checkpoints"]
+__all__ = ["CheckpointError", "FORMAT", "save_checkpoint", "load_checkpoint", "latest", "list_checkpoints",
+           "damage", "resume_from"]
 
+FORMAT = 2  # meta.json's "format": 1 was DCP's pickled .metadata, refused since
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _OPTS = StateDictOptions(strict=False)
+_META = "meta.json"
+_RESERVED = {"format", "step", "world_size", "files"}
 
 
 class CheckpointError(HpmlError):
@@ -84,25 +118,192 @@ def _flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> di
     return state
 
 
+def _rng_state(rank: int) -> dict[str, torch.Tensor]:
+    """This process's generator states as tensors (no pickle), keyed ``rng.rank<r>.<generator>``."""
+    version, words, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": torch.tensor([version, *words], dtype=torch.int64),
+             "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+             "numpy": torch.tensor(np.asarray(keys, dtype=np.int64)),
+             "numpy_pos": torch.tensor([pos, has_gauss], dtype=torch.int64),
+             "numpy_gauss": torch.tensor([cached], dtype=torch.float64),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    return {f"rng.rank{rank}.{k}": v for k, v in state.items()}
+
+
+def _set_rng_state(state: dict[str, torch.Tensor], rank: int) -> bool:
+    """Restore the generators from what :func:`_rng_state` saved for ``rank``; False when it saved none."""
+    mine = {k.removeprefix(f"rng.rank{rank}."): v for k, v in state.items() if k.startswith(f"rng.rank{rank}.")}
+    if "torch" not in mine:
+        return False
+    py = mine["python"].tolist()
+    has, gauss = mine["python_gauss"].tolist()
+    random.setstate((int(py[0]), tuple(int(x) for x in py[1:]), gauss if has else None))
+    pos, has_gauss = mine["numpy_pos"].tolist()
+    np.random.set_state(("MT19937", mine["numpy"].numpy().astype(np.uint32), int(pos), int(has_gauss),
+                         float(mine["numpy_gauss"].item())))
+    torch.set_rng_state(mine["torch"])
+    cuda = [mine[f"cuda{i}"] for i in range(len(mine)) if f"cuda{i}" in mine]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    return True
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _digests(folder: Path) -> dict[str, dict[str, Any]]:
+    return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name != _META}
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    """``meta.json``, checked for what loading relies on.
+
+    Raises:
+        CheckpointError: missing, not JSON, of an older or unknown format, or without file digests.
+    """
+    source = path / _META
+    try:
+        meta = json.loads(source.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"no complete checkpoint at {path}: expected a step_<N> folder with {_META} "
+                              "(written by save_checkpoint)") from e
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{source} is not valid JSON ({e}): the checkpoint is damaged") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{source}: expected a JSON object, got {type(meta).__name__}: it is damaged")
+    if "format" not in meta or not (path / INDEX_FILE).is_file():
+        raise CheckpointError(f"{path} was written by an older version of hpml-compile: its index is a pickle "
+                              "(.metadata) that cannot be loaded safely (unpickling runs whatever it holds); "
+                              "start again without --resume, or resume from a checkpoint written by this version")
+    if meta["format"] != FORMAT:
+        raise CheckpointError(f"{source}: format {meta['format']!r} is not known (this version reads format "
+                              f"{FORMAT}); was it written by a newer hpml-compile?")
+    if not isinstance(meta.get("step"), int) or not isinstance(meta.get("world_size"), int):
+        raise CheckpointError(f"{source}: step and world_size: expected integers, got {meta.get('step')!r} and "
+                              f"{meta.get('world_size')!r}; it is damaged")
+    files = meta.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, dict) and isinstance(v.get("bytes"), int)
+                                              and isinstance(v.get("sha256"), str) for v in files.values()):
+        raise CheckpointError(f"{source}: files: expected {{name: {{bytes, sha256}}}} for every file of the "
+                              "checkpoint; it is damaged")
+    return meta
+
+
+def damage(path: str | os.PathLike[str]) -> str | None:
+    """What is wrong with checkpoint ``path``, or None when every file is there with its size and digest.
+
+    Args:
+        path: a ``step_<N>`` folder.
+
+    Returns:
+        None for an intact checkpoint, else the first problem found, e.g.
+        ``"__0_0.distcp is truncated (1200 of 2400 bytes)"``.
+    """
+    p = Path(path)
+    try:
+        meta = _read_meta(p)
+    except CheckpointError as e:
+        return str(e)
+    for name, want in meta["files"].items():
+        f = p / name
+        if "/" in name or not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} is {'truncated' if size < want['bytes'] else 'longer than written'} " \
+                   f"({size} of {want['bytes']} bytes)"
+        if _sha256(f) != want["sha256"]:
+            return f"{name} does not match its sha256 in {_META} (changed since it was written)"
+    return None
+
+
 def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
     """Complete checkpoints under ``root``, oldest first (``.tmp`` folders are not checkpoints)."""
     r = Path(root)
     if not r.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in r.iterdir() if (m := _STEP_DIR.match(p.name)) and
-             (p / "meta.json").is_file()]
+             (p / _META).is_file()]
     return [p for _, p in sorted(found)]
 
 
-def latest(root: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under ``root``, or None."""
-    done = list_checkpoints(root)
-    return done[-1] if done else None
+def _warn(line: str) -> None:
+    warnings.warn(line, stacklevel=3)
+
+
+def latest(root: str | os.PathLike[str], *, log: Callable[[str], None] | None = None) -> Path | None:
+    """The newest intact checkpoint under ``root``, or None; a damaged newer one is skipped with a line saying why.
+
+    Args:
+        root: the checkpoint folder.
+        log: where to say that a checkpoint was skipped (default: a Python warning).
+
+    Returns:
+        The ``step_<N>`` folder, or None when there is no intact checkpoint.
+    """
+    for path in reversed(list_checkpoints(root)):
+        why = damage(path)
+        if why is None:
+            return path
+        (log or _warn)(f"checkpoint {path} is damaged ({why}); trying the one before it")
+    return None
+
+
+def resume_from(root: str | os.PathLike[str], *, log: Callable[[str], None] | None = None) -> Path:
+    """The checkpoint to resume from: :func:`latest`, or an error saying what ``root`` holds instead.
+
+    Args:
+        root: the checkpoint folder.
+        log: where to say that a damaged checkpoint was skipped (default: a Python warning).
+
+    Returns:
+        The newest intact ``step_<N>`` folder.
+
+    Raises:
+        CheckpointError: no intact checkpoint in ``root``; the message says whether the folder is missing,
+            empty, holds other things, or only damaged checkpoints.
+    """
+    found = latest(root, log=log)
+    if found is not None:
+        return found
+    r = Path(root)
+    if not r.exists():
+        holds = "the folder does not exist (mistyped?)"
+    elif not r.is_dir():
+        holds = "it is a file, not a folder"
+    elif not (entries := sorted(p.name for p in r.iterdir())):
+        holds = "the folder is empty"
+    elif done := list_checkpoints(r):
+        holds = "every checkpoint in it is damaged: " + "; ".join(f"{p.name}: {damage(p)}" for p in done)
+    else:
+        holds = (f"it holds no step_<N> checkpoint, only {', '.join(entries[:5])}"
+                 + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+                 + (" (a .tmp folder is an unfinished save)" if any(e.endswith(".tmp") for e in entries) else ""))
+    raise CheckpointError(f"--resume: nothing to resume from in {r}: {holds}. Point --checkpoint-dir at the "
+                          "folder the checkpoints were written to, or start without --resume")
+
+
+def _unwrap(e: CheckpointException) -> BaseException:
+    """The first rank's own error inside DCP's wrapper (our errors name the file; DCP's wrapper does not)."""
+    for failure in e.failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException):
+            return inner
+    return e
 
 
 def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, extra: dict[str, Any] | None = None,
-                    keep: int = 3) -> Path:
+                    keep: int = 3, rng: bool = True) -> Path:
     """Write checkpoint ``step`` of the parameters and optimizer state this rank holds.
 
     Call on every rank (collective when a process group is initialised).
@@ -114,10 +315,18 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Mod
         optimizer: its optimizer, or None.
         extra: JSON-serialisable facts to keep with it (plan hash, losses, ...).
         keep: how many complete checkpoints to keep (older ones are deleted).
+        rng: also save this process's RNG states (Python, NumPy, torch CPU and CUDA).
 
     Returns:
         The folder of the completed checkpoint.
+
+    Raises:
+        CheckpointError: ``extra`` uses a name the checkpoint keeps for itself, or a state item is not a tensor.
     """
+    clash = _RESERVED & set(extra or {})
+    if clash:
+        raise CheckpointError(f"save_checkpoint: extra may not use {sorted(clash)} (kept by the checkpoint "
+                              f"itself in {_META}); rename them")
     r = Path(root)
     final, tmp = r / f"step_{step:08d}", r / f"step_{step:08d}.tmp"
     if _rank() == 0:
@@ -126,13 +335,26 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Mod
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(_flat(model, optimizer), checkpoint_id=str(tmp))
+    state = {**_flat(model, optimizer), **(_rng_state(_rank()) if rng else {})}
+    odd = next((k for k, v in state.items() if not isinstance(v, torch.Tensor)), None)
+    if odd is not None:
+        raise CheckpointError(f"save_checkpoint: {odd!r} is a {type(state[odd]).__name__}, not a tensor: only "
+                              "tensors are saved, so that loading never unpickles objects; make it a tensor "
+                              "(or keep it in extra, as JSON)")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save(state, storage_writer=JsonWriter(str(tmp)))
+    except CheckpointException as e:
+        inner = _unwrap(e)
+        if isinstance(inner, IndexFormatError):
+            raise CheckpointError(str(inner)) from inner
+        raise
     _barrier()
     if _rank() == 0:
-        write_json_atomic({"step": step, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                           **(extra or {})}, tmp / "meta.json")
+        write_json_atomic({"format": FORMAT, "step": step,
+                           "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                           "files": _digests(tmp), **(extra or {})}, tmp / _META)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -143,30 +365,55 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Mod
 
 
 def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+                    optimizer: torch.optim.Optimizer | None = None, *, rng: bool = True) -> dict[str, Any]:
     """Load into this rank's module (and optimizer) the names it holds, from a checkpoint of any plan.
 
+    Nothing in the folder is unpickled (see the module docstring); every file's digest is checked first.
+
+    Args:
+        path: a ``step_<N>`` folder (from :func:`latest` or :func:`resume_from`).
+        model: this rank's module, parameters named as in the original model.
+        optimizer: its optimizer, or None.
+        rng: also restore this rank's RNG states, when the checkpoint holds them.
+
     Returns:
-        The checkpoint's ``meta.json`` (``step``, ``world_size`` and the ``extra`` saved with it).
+        The checkpoint's ``meta.json`` (``step``, ``world_size`` and the ``extra`` saved with it),
+        without its file digests.
 
     Raises:
-        CheckpointError: no checkpoint, or it lacks a parameter this rank needs (named).
+        CheckpointError: no checkpoint; one of an older version (never unpickled); a damaged one (the file
+            and what is wrong named); or one that lacks a parameter this rank needs (named).
     """
-    if path is None or not (Path(path) / "meta.json").is_file():
-        raise CheckpointError(f"no complete checkpoint at {path}: expected a step_<N> folder with meta.json "
+    if path is None:
+        raise CheckpointError("no complete checkpoint to load (None): expected a step_<N> folder with meta.json "
                               "(written by save_checkpoint)")
     p = Path(path)
-    meta = json.loads((p / "meta.json").read_text())
+    meta = _read_meta(p)
+    why = damage(p)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {p} is damaged: {why}; load an earlier one (latest() skips it)")
+    files = set(meta["files"])
+    try:
+        stored = JsonReader(p, files).read_metadata().state_dict_metadata
+    except IndexFormatError as e:
+        raise CheckpointError(str(e)) from e
     state = _flat(model, optimizer)  # the shapes to read into: what this rank holds now
-    stored = dcp.FileSystemReader(str(p)).read_metadata().state_dict_metadata
     missing = sorted(k for k in state if k.startswith("model.") and k not in stored)
     if missing:
         raise CheckpointError(f"checkpoint {p} has no {missing[0][6:]}" + (f" (and {len(missing) - 1} more)"
                               if len(missing) > 1 else "") + "; was it written for another model?")
     wanted = {k: v for k, v in state.items() if k in stored}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(wanted, checkpoint_id=str(p))
+    mine = f"rng.rank{_rank()}."
+    if rng:
+        wanted.update({k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in stored.items()
+                       if k.startswith(mine) and isinstance(v, TensorStorageMetadata)})
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(wanted, storage_reader=JsonReader(p, files))
+    except CheckpointException as e:
+        inner = _unwrap(e)
+        raise CheckpointError(f"checkpoint {p} could not be read: {inner}") from inner
     set_model_state_dict(model, {k[6:]: v for k, v in wanted.items() if k.startswith("model.")}, options=_OPTS)
     if optimizer is not None:
         per: dict[str, dict[str, Any]] = {}
@@ -177,4 +424,6 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
         osd = get_optimizer_state_dict(model, optimizer, options=_OPTS)
         osd["state"] = {**osd["state"], **per}
         set_optimizer_state_dict(model, optimizer, osd, options=_OPTS)
-    return meta
+    if rng:
+        _set_rng_state(wanted, _rank())
+    return {k: v for k, v in meta.items() if k != "files"}

@@ -228,7 +228,7 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
         prepare_run_dir(build, seg_dir, {"steps": steps, "nproc": len(devices), "segment": seg, "reason": reason,
                                          **(run_info or {})})
         args = [*worker_args, "--steps", str(steps), "--checkpoint-dir", str(checkpoints), "--checkpoint-every",
-                str(checkpoint_every), "--keep-checkpoints", str(keep), "--resume", "--launched-at", str(time.time())]
+                str(checkpoint_every), "--keep-checkpoints", str(keep), "--resume-if-any", "--launched-at", str(time.time())]
         if adapt is not None:
             args += ["--adapt", "--adapt-threshold", str(adapt.threshold), "--adapt-patience", str(adapt.patience),
                      "--adapt-cooldown", str(adapt.cooldown)]

@@ -39,7 +39,7 @@ from ..codegen.build import sha256
 from ..errors import HpmlError
 from ..schema import write_json_atomic
 from .adapt import NEXT_FILE, AdaptOptions, Adapter
-from .checkpoint import latest, load_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, latest, load_checkpoint, resume_from, save_checkpoint
 from .lifeline import watch_launcher
 from .comm import CommFault, OpKind
 from .monitor import metrics_path
@@ -50,7 +50,7 @@ from .session import CommFailure, RetryPolicy, env_rank
 PROGRESS_FILE = "started.json"
 _STARTED = time.perf_counter()  # the process's start, near enough: the cost of a restart is measured from it
 
-__all__ = ["OptimizerName", "parse_args", "main", "error_path", "threads_per_rank", "PROGRESS_FILE"]
+__all__ = ["OptimizerName", "ResumeMode", "parse_args", "main", "error_path", "threads_per_rank", "PROGRESS_FILE"]
 
 
 class OptimizerName(str, enum.Enum):
@@ -58,6 +58,14 @@ class OptimizerName(str, enum.Enum):
 
     ADAMW = "adamw"
     SGD = "sgd"
+
+
+class ResumeMode(str, enum.Enum):
+    """Whether a rank starts from a checkpoint: never, always (an error without one), or when there is one."""
+
+    NO = "no"
+    REQUIRED = "required"
+    IF_ANY = "if-any"
 
 
 def error_path(run_dir: str | Path, rank: int) -> Path:
@@ -111,6 +119,16 @@ def _slow(text: str) -> tuple[int, float, int]:
     return out
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps, got {text!r}") from e
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (only at the end and before a switch) or more, got {value}")
+    return value
+
+
 def _slow_down(module: torch.nn.Module, factor: float) -> None:
     """Make a stage ``factor`` times slower, as a slower device would be.
 
@@ -153,10 +171,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
     p.add_argument("--checkpoint-dir", type=Path, default=None, dest="checkpoint_dir",
                    help="where checkpoints go (none written without it)")
-    p.add_argument("--checkpoint-every", type=int, default=0, dest="checkpoint_every",
+    p.add_argument("--checkpoint-every", type=_non_negative, default=0, dest="checkpoint_every",
                    help="checkpoint every K steps (0: only at the end and before a switch)")
     p.add_argument("--keep-checkpoints", type=int, default=3, dest="keep", help="complete checkpoints kept")
-    p.add_argument("--resume", action="store_true", help="start from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--resume", action="store_const", const=ResumeMode.REQUIRED, default=ResumeMode.NO,
+                   help="start from the latest intact checkpoint in --checkpoint-dir (an error when there is none)")
+    p.add_argument("--resume-if-any", action="store_const", const=ResumeMode.IF_ANY, dest="resume",
+                   help="as --resume, but start at step 0 when there is no checkpoint yet (the supervisor's "
+                        "segments: a failure may come before the first checkpoint)")
     p.add_argument("--adapt", action="store_true", help="re-plan on a sustained gap to the plan (see adapt.py)")
     p.add_argument("--adapt-threshold", type=float, default=AdaptOptions().threshold, dest="adapt_threshold")
     p.add_argument("--adapt-patience", type=int, default=AdaptOptions().patience, dest="adapt_patience")
@@ -201,6 +223,22 @@ def _save(args: argparse.Namespace, pipe: Pipeline, step: int, loss: float | Non
     return time.perf_counter() - t0
 
 
+def _resume_point(args: argparse.Namespace, rank: int) -> Path | None:
+    """The checkpoint to start from (None: step 0); rank 0 says which damaged ones it skipped.
+
+    Raises:
+        CheckpointError: ``--resume`` without ``--checkpoint-dir``, or with nothing intact to resume from.
+    """
+    if args.resume is ResumeMode.NO:
+        return None
+    if args.checkpoint_dir is None:
+        raise CheckpointError("--resume needs --checkpoint-dir DIR (the folder the checkpoints were written to)")
+    log = _say if rank == 0 else (lambda _line: None)
+    if args.resume is ResumeMode.IF_ANY:
+        return latest(args.checkpoint_dir, log=log)
+    return resume_from(args.checkpoint_dir, log=log)
+
+
 def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
     from .. import models  # the zoo: only a worker of a `compile`d build needs it
 
@@ -214,7 +252,7 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
                                optimizer=_optimizer(args.optimizer, args.lr), run_dir=args.run_dir,
                                tensorboard=args.tensorboard, faults=args.faults, log=_say)
     start = 0
-    found = latest(args.checkpoint_dir) if args.resume and args.checkpoint_dir else None
+    found = _resume_point(args, rank)
     if found is not None:
         start = int(load_checkpoint(found, pipe.local_module(), pipe.optimizer)["step"])
         pipe.steps_done = start
