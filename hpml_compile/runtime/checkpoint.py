@@ -86,7 +86,7 @@ from ..schema import write_json_atomic
 from .safe_dcp import INDEX_FILE, IndexFormatError, JsonReader, JsonWriter
 
 __all__ = ["CheckpointError", "FORMAT", "save_checkpoint", "load_checkpoint", "latest", "list_checkpoints",
-           "damage", "resume_from"]
+           "damage", "resume_from", "seed_rngs"]
 
 FORMAT = 2  # meta.json's "format": 1 was DCP's pickled .metadata, refused since
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -131,6 +131,20 @@ def _rng_state(rank: int) -> dict[str, torch.Tensor]:
     if torch.cuda.is_available():
         state.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     return {f"rng.rank{rank}.{k}": v for k, v in state.items()}
+
+
+def seed_rngs(seed: int, rank: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (CPU and CUDA) for training on ``rank``.
+
+    Called by every rank once its pipeline is built and before the first step,
+    so that dropout draws the same masks in two runs of the same job (building
+    and tracing the model may consume random numbers in ways that depend on
+    the build). Each rank gets its own stream: ``seed * 1_000_003 + rank``.
+    """
+    value = (seed * 1_000_003 + rank) % 2**63
+    random.seed(value)
+    np.random.seed(value % 2**32)
+    torch.manual_seed(value)  # also every CUDA device's generator
 
 
 def _set_rng_state(state: dict[str, torch.Tensor], rank: int) -> bool:

@@ -39,7 +39,7 @@ from ..codegen.build import sha256
 from ..errors import HpmlError
 from ..schema import write_json_atomic
 from .adapt import NEXT_FILE, AdaptOptions, Adapter
-from .checkpoint import CheckpointError, latest, load_checkpoint, resume_from, save_checkpoint
+from .checkpoint import CheckpointError, latest, load_checkpoint, resume_from, save_checkpoint, seed_rngs
 from .lifeline import watch_launcher
 from .comm import CommFault, OpKind
 from .monitor import metrics_path
@@ -251,6 +251,7 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
                                                  rejoin_timeout_s=min(RetryPolicy().rejoin_timeout_s, args.timeout)),
                                optimizer=_optimizer(args.optimizer, args.lr), run_dir=args.run_dir,
                                tensorboard=args.tensorboard, faults=args.faults, log=_say)
+    seed_rngs(recipe.seed, rank)  # dropout draws the same masks in two runs; a resume restores the states
     start = 0
     found = _resume_point(args, rank)
     if found is not None:
