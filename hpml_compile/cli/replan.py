@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cluster import load_cluster
-from .errors import HpmlError
-from .plan import load_plan, save_plan
-from .profile import load_profile
-from .replan import replan, without_devices
-from .schema import read_json
-from .solve import SolverName
+from ..cluster import load_cluster
+from ..errors import HpmlError
+from ..plan import load_plan, save_plan
+from ..profile import load_profile
+from ..replan import replan, without_devices
+from ..schema import read_json
+from ..solve import SolverName
 
 __all__ = ["add_parsers", "run_replan"]
 
@@ -48,7 +48,7 @@ def _say(line: str) -> None:
 
 def run_replan(args: argparse.Namespace) -> int:
     """Handle ``hpml-compile replan`` (raises HpmlError for bad input; InfeasibleError when nothing fits)."""
-    from .runtime.api import rebuild
+    from ..runtime.api import rebuild
 
     old = load_plan(args.plan)
     measured = load_profile(args.profile)
