@@ -52,17 +52,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..errors import HpmlError
+from ..errors import CheckpointError
 from ..schema import write_json_atomic
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest", "list_checkpoints"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _OPTS = StateDictOptions(strict=False)
-
-
-class CheckpointError(HpmlError):
-    """No usable checkpoint, or one that does not hold what the current plan needs."""
 
 
 def _rank() -> int:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..costgraph import build as build_costgraph
-from ..errors import HpmlError, InfeasibleError
+from ..errors import HpmlError, InfeasibleError, SupervisorError
 from ..plan import Plan, load_plan
 from ..profile import load_profile, predict_kinds
 from ..replan import without_devices
@@ -58,10 +58,6 @@ __all__ = ["Culprit", "SupervisorError", "blame", "supervise", "timings", "plan_
 
 EVENTS_FILE = "events.jsonl"
 _SIGTERM = -15
-
-
-class SupervisorError(HpmlError):
-    """The job cannot go on (no device left, nothing fits, or a failure that is not the devices')."""
 
 
 def plan_devices(plan: Plan) -> list[str]:
