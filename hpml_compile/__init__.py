@@ -17,7 +17,8 @@ Example:
 """
 
 from .codegen import Build, generate, load_build
-from .costgraph import CostGraph, discover
+from .cluster import discover
+from .costgraph import CostGraph
 from .costgraph import build as build_costgraph
 from .errors import (
     BuildMismatchError,

@@ -69,10 +69,10 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 def _run_profile(args: argparse.Namespace) -> int:
     from .. import models
-    from ..profile import check_kinds, local_kinds, profile, save_profile
+    from ..profile import check_known_kinds, local_kinds, profile, save_profile
     from ..report import profile_summary
 
-    check_kinds(args.device_kinds, known=list(local_kinds()), where="this machine's devices")  # before any work
+    check_known_kinds(args.device_kinds, known=list(local_kinds()), where="this machine's devices")  # before any work
     loaded = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                          device="meta" if args.meta else "cpu", seed=args.seed)
     prof = profile(loaded.module, loaded.example_inputs, name=loaded.name, device_kinds=args.device_kinds,
@@ -98,7 +98,7 @@ def _add_devices(sub: argparse._SubParsersAction) -> None:
 def _run_devices(args: argparse.Namespace) -> int:
     import cost_models
 
-    from ..costgraph import discover
+    from ..cluster import discover
     from ..schema import write_json_atomic
 
     cluster = discover()

@@ -18,7 +18,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..cluster import check_kinds, load_cluster
+from ..cluster import check_devices_costed, load_cluster
 from ..costgraph import CostGraph, build
 from ..errors import HpmlError, InfeasibleError
 from ..ir import Cluster, Profile
@@ -54,7 +54,7 @@ def add_parsers(subparsers: Any) -> None:
 def _inputs(args: argparse.Namespace) -> tuple[Profile, Cluster, CostGraph]:
     profile = Profile.from_dict(read_json(args.profile), source=str(args.profile))
     cluster = load_cluster(args.cluster)
-    check_kinds(cluster, profile.device_kinds)
+    check_devices_costed(cluster, profile.device_kinds)
     missing = sorted({d.kind for d in cluster.devices} - set(profile.device_kinds))
     if missing:
         profile = predict_kinds(profile, missing)  # from the file alone, calibrated on its measured kinds

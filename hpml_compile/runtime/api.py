@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from ..cluster import check_kinds, load_cluster
+from ..cluster import check_devices_costed, load_cluster
 from ..codegen import Build, generate, load_build
 from ..codegen.build import sha256
 from ..costgraph import build as build_costgraph
@@ -109,7 +109,7 @@ def compile_build(module: nn.Module, example_inputs: Sequence[Any], out_dir: str
          f"predicting {', '.join(kinds[1:]) or 'nothing else'}")
     prof = profile(gm, inputs, name=label, device_kinds=kinds, batch_size=batch_size, seq_len=seq_len,
                    repeats=repeats, warmup=warmup, progress=False)                              # 2. costs
-    check_kinds(cluster, prof.device_kinds)
+    check_devices_costed(cluster, prof.device_kinds)
     tell(f"[3/4] planning on {cluster.name} ({len(cluster.devices)} devices) with {SolverName(solver).value}")
     plan = solve(build_costgraph(prof).coarsen(), cluster, solver=solver, microbatches=microbatches,
                  schedule=Schedule(schedule), time_limit_s=time_limit_s, dtype=prof.dtype, progress=say)  # 3. plan
