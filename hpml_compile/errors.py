@@ -21,6 +21,7 @@ __all__ = [
     "UnknownDeviceError",
     "InfeasibleError",
     "BuildMismatchError",
+    "OutputError",
     "PlanError",
     "LaunchError",
     "RankFailure",
@@ -67,6 +68,10 @@ class InfeasibleError(HpmlError):
 
 class BuildMismatchError(HpmlError):
     """A build folder no longer matches its model or its own manifest."""
+
+
+class OutputError(HpmlError):
+    """An output path that may not be written: it holds what the tool did not make, or cannot be created."""
 
 
 class PlanError(HpmlError):

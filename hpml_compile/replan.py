@@ -1,4 +1,4 @@
-"""Re-plan: ``solve`` fed with a measured profile, and what changed.
+"""Re-plan: ``solve`` fed with measured costs, and what changed (:func:`hpml_compile.driver.replan` runs it).
 
 Measurements from the runtime are a Profile too, so re-planning is the solver
 run on that profile (on the same cluster, or on what is left of it after a
@@ -24,14 +24,13 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 from .costgraph import CostGraph, block_key
-from .costgraph import build as build_costgraph
 from .errors import HpmlError
 from .ir import Cluster, Profile
 from .plan import Plan, Schedule
 from .simulate import annotate
 from .solve import SolverName, solve
 
-__all__ = ["PlanDiff", "ReplanResult", "plan_diff", "replan", "replan_graph", "without_devices"]
+__all__ = ["PlanDiff", "ReplanResult", "plan_diff", "replan_graph", "without_devices"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,13 +146,3 @@ def replan_graph(old: Plan, graph: CostGraph, *, cluster: Cluster | None = None,
     if same_devices and old_ms <= new.predicted.step_ms:
         return ReplanResult(rescored, plan_diff(old, rescored, old_ms), switched=False)
     return ReplanResult(new, plan_diff(old, new, old_ms), switched=True)
-
-
-def replan(old: Plan, measured: Profile, **kwargs: object) -> ReplanResult:
-    """:func:`replan_graph` on a measured profile (predicting any device kind it lacks)."""
-    from .profile import predict_kinds
-
-    cluster = kwargs.get("cluster") or old.cluster
-    assert isinstance(cluster, Cluster)
-    prof = predict_kinds(measured, sorted({d.kind for d in cluster.devices}))
-    return replan_graph(old, build_costgraph(prof).coarsen(), dtype=prof.dtype, **kwargs)  # type: ignore[arg-type]

@@ -76,7 +76,7 @@ def run_compile(args: argparse.Namespace) -> int:
         HpmlError: for a bad model, cluster or option, a model that fits nowhere, or a plan codegen cannot carry out.
     """
     from .. import models  # the zoo is only needed here
-    from ..runtime.api import compile_build, local_threads
+    from .. import driver
     from ..runtime.recipe import ModelRecipe, absolute_model_spec, write_recipe
 
     if args.microbatches is not None and args.microbatches < 1:
@@ -84,15 +84,17 @@ def run_compile(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     loaded = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
     # Ranks of a local CPU cluster share this host's cores: profile at the thread count each rank will have.
-    threads = local_threads(cluster)
+    threads = driver.local_threads(cluster)
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
-        build, _ = compile_build(loaded.module, loaded.example_inputs, args.output, cluster=cluster, name=loaded.name,
-                                 solver=args.solver, microbatches=args.microbatches, schedule=args.schedule,
-                                 time_limit_s=args.time_limit, batch_size=loaded.batch_size, seq_len=loaded.seq_len,
-                                 repeats=args.repeats, warmup=args.warmup, leaf_modules=args.leaf,
-                                 front_end=args.front_end, say=_say)
+        build, _ = driver.compile(
+            loaded.module, loaded.example_inputs, args.output, cluster=cluster, name=loaded.name, say=_say,
+            opts=driver.Options(solver=args.solver, microbatches=args.microbatches, schedule=args.schedule,
+                                time_limit_s=args.time_limit),
+            prof_opts=driver.ProfileOptions(repeats=args.repeats, warmup=args.warmup, batch_size=loaded.batch_size,
+                                            seq_len=loaded.seq_len, leaf_modules=args.leaf,
+                                            front_end=args.front_end))
     finally:
         torch.set_num_threads(before)
     # How `hpml-compile run` ranks rebuild this model (not hashed: it names the model, it is not code).

@@ -79,7 +79,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from .. import models
     from ..cluster import load_cluster
     from ..profile import load_profile
-    from ..runtime.api import compile_build, local_threads
+    from .. import driver
     from ..runtime.launcher import LaunchSpec, launch, prepare_run_dir
     from ..runtime.recipe import ModelRecipe, write_recipe
     from ..runtime.summary import analyse, export_profile, format_summary
@@ -89,16 +89,16 @@ def run_demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     cluster = load_cluster(opt["cluster"])
     loaded = models.load(opt["model"])
-    threads = local_threads(cluster)
+    threads = driver.local_threads(cluster)
     print(f"[1/4] compiling {loaded.name} (batch {loaded.batch_size}, seq {loaded.seq_len}) onto {cluster.name} "
           f"({len(cluster.devices)} CPU processes, {threads or torch.get_num_threads()} thread(s) each)", flush=True)
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
-        build, _ = compile_build(loaded.module, loaded.example_inputs, out / "build", cluster=cluster,
-                                 name=loaded.name, batch_size=loaded.batch_size, seq_len=loaded.seq_len,
-                                 time_limit_s=20.0, say=lambda line: print("  " + line, flush=True)
-                                 if line.startswith("[") else None)
+        build, _ = driver.compile(loaded.module, loaded.example_inputs, out / "build", cluster=cluster,
+                                  name=loaded.name, opts=driver.Options(time_limit_s=20.0),
+                                  prof_opts=driver.ProfileOptions(batch_size=loaded.batch_size, seq_len=loaded.seq_len),
+                                  say=lambda line: print("  " + line, flush=True) if line.startswith("[") else None)
     finally:
         torch.set_num_threads(before)
     write_recipe(build.out_dir, ModelRecipe(loaded.name, loaded.batch_size, loaded.seq_len, 0, (), "auto", threads))

@@ -18,13 +18,13 @@ import argparse
 import sys
 from typing import Any
 
-from ..cluster import check_devices_costed, load_cluster
-from ..costgraph import CostGraph, build
+from .. import driver
+from ..cluster import load_cluster
+from ..costgraph import CostGraph
 from ..errors import HpmlError, InfeasibleError
 from ..ir import Cluster, Profile
 from ..memory import GiB
 from ..plan import Plan, Schedule, save_plan, validate_plan
-from ..profile import predict_kinds
 from ..schema import read_json
 from ..simulate import simulate
 from ..solve import SolverName, solve
@@ -51,14 +51,8 @@ def add_parsers(subparsers: Any) -> None:
     p.set_defaults(run=run_plan)
 
 
-def _inputs(args: argparse.Namespace) -> tuple[Profile, Cluster, CostGraph]:
-    profile = Profile.from_dict(read_json(args.profile), source=str(args.profile))
-    cluster = load_cluster(args.cluster)
-    check_devices_costed(cluster, profile.device_kinds)
-    missing = sorted({d.kind for d in cluster.devices} - set(profile.device_kinds))
-    if missing:
-        profile = predict_kinds(profile, missing)  # from the file alone, calibrated on its measured kinds
-    return profile, cluster, build(profile).coarsen()
+def _inputs(args: argparse.Namespace) -> tuple[Profile, Cluster]:
+    return Profile.from_dict(read_json(args.profile), source=str(args.profile)), load_cluster(args.cluster)
 
 
 def _progress(line: str) -> None:
@@ -125,9 +119,11 @@ def run_plan(args: argparse.Namespace) -> int:
         raise HpmlError("plan: -o/--output is required (where to write plan.json), unless --compare")
     if args.microbatches is not None and args.microbatches < 1:
         raise HpmlError(f"plan: --microbatches must be >= 1, got {args.microbatches}")
-    profile, cluster, graph = _inputs(args)
+    profile, cluster = _inputs(args)
     schedule = Schedule(args.schedule)
     if args.compare:
+        # kinds the file lacks are predicted from it alone, calibrated on its measured kinds
+        profile, graph = driver.cost_graph(profile, cluster)
         rows = compare(graph, cluster, microbatches=args.microbatches, schedule=schedule,
                        time_limit_s=args.time_limit, dtype=profile.dtype)
         print(format_table(rows))
@@ -137,11 +133,10 @@ def run_plan(args: argparse.Namespace) -> int:
             save_plan(plan, args.output)
             print(f"wrote {args.output}")
         return 0
-    _progress(f"plan: {profile.model} on {cluster.name} ({len(cluster.devices)} devices), "
-              f"{len(graph.order)} blocks, solver {args.solver}")
-    plan = solve(graph, cluster, solver=args.solver, microbatches=args.microbatches, schedule=schedule,
-                 time_limit_s=args.time_limit, dtype=profile.dtype, progress=_progress)
-    validate_plan(plan, profile)
+    _progress(f"plan: {profile.model} on {cluster.name} ({len(cluster.devices)} devices), solver {args.solver}")
+    plan = driver.plan(profile, cluster, driver.Options(solver=args.solver, microbatches=args.microbatches,
+                                                        schedule=schedule, time_limit_s=args.time_limit),
+                       progress=_progress)
     save_plan(plan, args.output)
     pr, so = plan.predicted, plan.solver
     print(f"{len(plan.stages)} stages, {plan.microbatches} microbatches ({plan.schedule.value}): step "

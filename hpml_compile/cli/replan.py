@@ -13,11 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import driver
 from ..cluster import load_cluster
 from ..errors import HpmlError
 from ..plan import load_plan, save_plan
 from ..profile import load_profile
-from ..replan import replan, without_devices
 from ..schema import read_json
 from ..solve import SolverName
 
@@ -48,18 +48,15 @@ def _say(line: str) -> None:
 
 def run_replan(args: argparse.Namespace) -> int:
     """Handle ``hpml-compile replan`` (raises HpmlError for bad input; InfeasibleError when nothing fits)."""
-    from ..runtime.api import rebuild
-
     old = load_plan(args.plan)
     measured = load_profile(args.profile)
     if measured.model != old.model:
         raise HpmlError(f"{args.profile} profiles {measured.model!r} but {args.plan} places {old.model!r}")
     cluster = load_cluster(args.cluster) if args.cluster else old.cluster
-    if args.drop_device:
-        cluster = without_devices(cluster, args.drop_device)
-    _say(f"replan: {old.model} on {cluster.name} ({len(cluster.devices)} devices) from {args.profile}")
-    result = replan(old, measured, cluster=cluster, solver=args.solver, time_limit_s=args.time_limit,
-                    progress=_say)
+    left = len(cluster.devices) - len(set(args.drop_device))
+    _say(f"replan: {old.model} on {cluster.name} ({left} devices) from {args.profile}")
+    result = driver.replan(old, measured, cluster=cluster, lost=args.drop_device, progress=_say,
+                           opts=driver.Options(solver=args.solver, time_limit_s=args.time_limit))
     scopes = {n.name: n.scope for n in measured.nodes}
     print(result.diff.summary(scope_of=lambda n: scopes.get(n, "")))
     print("switch: yes, the new plan is predicted faster" if result.switched
@@ -73,7 +70,7 @@ def run_replan(args: argparse.Namespace) -> int:
         print(f"wrote {args.output / 'plan.json'} only: {build_dir} has no model.json to rebuild the model from "
               "(generate the stage files with hpml_compile.generate(graph_module, plan, out_dir))")
         return 0
-    build = rebuild(build_dir, result.plan, measured, args.output)
+    build = driver.rebuild(build_dir, result.plan, measured, args.output)
     print(f"wrote {len(result.plan.stages)} stage(s), predicted step {result.plan.predicted.step_ms:.4g} ms, to "
           f"{build.out_dir}")
     return 0

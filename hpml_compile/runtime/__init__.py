@@ -17,7 +17,7 @@ Example:
     True
 """
 
-from .api import compile, compile_build
+from .api import compile
 from .comm import Backend, CommFault, OpKind, PipeComm, pair_backend, rank_devices
 from .executor import (
     DistComm,
@@ -38,7 +38,6 @@ from .session import CommFailure, RetryPolicy, Session
 
 __all__ = [
     "compile",
-    "compile_build",
     "Pipeline",
     "RetryPolicy",
     "Session",

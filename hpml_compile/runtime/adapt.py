@@ -12,7 +12,7 @@ When it fires:
    (:func:`~.summary.device_slowdowns`: the nodes did not change, so the
    device did), and builds the measured profile and cluster
    (:func:`~.summary.measured_setup`: a slowed device gets a kind of its own);
-3. rank 0 re-solves (:func:`~hpml_compile.replan.replan_graph`: the running
+3. rank 0 re-solves (:func:`~hpml_compile.driver.replan`: the running
    plan is scored on the same measured costs) and weighs the predicted gain,
    applied to the measured step, against the cost of switching (this
    segment's start-up plus a checkpoint) over the steps left
@@ -43,9 +43,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ..costgraph import build as build_costgraph
+from .. import driver
 from ..profile import load_profile
-from ..replan import replan_graph
 from .monitor import StepMetrics
 from .policy import DEFAULT_PATIENCE, DEFAULT_THRESHOLD, ImbalanceWatch, worth_switching
 from .summary import device_slowdowns, measured_setup, summarise
@@ -169,8 +168,8 @@ class Adapter:
         prof, cluster = measured_setup(load_profile(self.build_dir / "profile.json"), s, slow,
                                        source=f"{self.run_dir} steps {step - o.patience + 1}..{step}")
         t0 = time.perf_counter()
-        result = replan_graph(plan, build_costgraph(prof).coarsen(), cluster=cluster, solver=o.solver,
-                              time_limit_s=o.time_limit_s, dtype=prof.dtype)
+        result = driver.replan(plan, prof, cluster=cluster,
+                               opts=driver.Options(solver=o.solver, time_limit_s=o.time_limit_s))
         solve_s = time.perf_counter() - t0
         diff = result.diff
         steps_left = self.total_steps - step
@@ -191,9 +190,7 @@ class Adapter:
         build = None
         if switch:
             t1 = time.perf_counter()
-            from .api import rebuild
-
-            build = str(rebuild(self.build_dir, result.plan, prof, self.run_dir / "next_build").out_dir)
+            build = str(driver.rebuild(self.build_dir, result.plan, prof, self.run_dir / "next_build").out_dir)
             event.update(codegen_s=time.perf_counter() - t1, build=build)
         elif not result.switched:
             event["why"] = "no plan is predicted faster on the measured costs"

@@ -40,6 +40,7 @@ from typing import Any, Iterator
 
 from ..errors import LaunchError, RankFailure
 from ..plan import Plan
+from .lifeline import mark_launcher
 from .worker import error_path, threads_per_rank
 
 __all__ = ["LaunchError", "RankFailure", "LaunchSpec", "torchrun_args", "check_world", "check_port", "free_port", "launch",
@@ -227,6 +228,7 @@ def launch(spec: LaunchSpec) -> None:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     # Ranks share this host's cores; torchrun would otherwise warn and pick 1.
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(spec.nproc)))
+    mark_launcher()  # every rank exits when this process is gone, SIGKILL included (see .lifeline)
     try:
         with _quiet_elastic():
             run(parse_args(torchrun_args(spec)))

@@ -40,13 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..costgraph import build as build_costgraph
+from .. import driver
 from ..errors import HpmlError, InfeasibleError, SupervisorError
 from ..plan import Plan, load_plan
-from ..profile import load_profile, predict_kinds
-from ..replan import without_devices
+from ..profile import load_profile
 from ..schema import read_json
-from ..solve import solve
 from .adapt import NEXT_FILE, AdaptOptions
 from .checkpoint import latest
 from .launcher import LaunchSpec, RankFailure, launch, prepare_run_dir
@@ -149,26 +147,22 @@ def _measured_or_planned(seg_dir: Path, build: Path, plan: Plan) -> tuple[Any, s
 
 def _replan_without(job: _Job, plan: Plan, build: Path, seg_dir: Path, lost: str, out: Path,
                     solver: str, time_limit_s: float) -> tuple[Path, dict[str, Any]]:
-    from .api import rebuild
-
     last = latest(job.run_dir / "checkpoints")
     keep = f"; the last checkpoint, {last}, is intact" if last else "; no checkpoint was written yet"
-    try:
-        cluster = without_devices(plan.cluster, [lost])
-    except HpmlError as e:
-        raise SupervisorError(f"cannot go on: {e}{keep}") from None
     prof, source = _measured_or_planned(seg_dir, build, plan)
-    prof = predict_kinds(prof, sorted({d.kind for d in cluster.devices}))
     t0 = time.perf_counter()
     try:
-        new = solve(build_costgraph(prof).coarsen(), cluster, solver=solver, microbatches=plan.microbatches,
-                    schedule=plan.schedule, time_limit_s=time_limit_s, dtype=prof.dtype)
+        new = driver.replan(plan, prof, lost=[lost],
+                            opts=driver.Options(solver=solver, time_limit_s=time_limit_s)).plan
     except InfeasibleError as e:
         raise SupervisorError(f"cannot go on without {lost}: no plan fits on {', '.join(plan_devices(plan))} "
                               f"less {lost}: {e}{keep}") from None
+    except HpmlError as e:  # an unknown device, or none left
+        raise SupervisorError(f"cannot go on: {e}{keep}") from None
     solve_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    built = rebuild(build, new, prof, out).out_dir
+    built = driver.rebuild(build, new, prof, out).out_dir
+    cluster = new.cluster
     info = {"lost": lost, "devices": [d.name for d in cluster.devices], "costs": source, "solve_s": solve_s,
             "codegen_s": time.perf_counter() - t1, "predicted_step_ms": new.predicted.step_ms,
             "stages": [list(st.devices) for st in new.stages]}

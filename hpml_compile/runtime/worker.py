@@ -40,6 +40,7 @@ from ..errors import HpmlError
 from ..schema import write_json_atomic
 from .adapt import NEXT_FILE, AdaptOptions, Adapter
 from .checkpoint import latest, load_checkpoint, save_checkpoint
+from .lifeline import watch_launcher
 from .comm import CommFault, OpKind
 from .monitor import metrics_path
 from .pipeline import Pipeline
@@ -284,6 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if env is None:
         raise SystemExit("hpml_compile.runtime.worker runs under torchrun: use `hpml-compile run BUILD`")
     rank, _, local_world = env
+    watch_launcher(rank=rank)  # no orphan rank when the launcher is killed
     try:
         _train(args, rank, local_world)
     except Exception as e:

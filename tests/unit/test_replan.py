@@ -6,7 +6,8 @@ import pytest
 
 from hpml_compile.errors import HpmlError
 from hpml_compile.plan import validate_plan
-from hpml_compile.replan import plan_diff, replan, replan_graph, without_devices
+from hpml_compile.driver import Options, replan
+from hpml_compile.replan import plan_diff, replan_graph, without_devices
 from hpml_compile.solve import solve
 from hpml_compile.solve.testing import chain_graph, chain_profile, cluster_of
 
@@ -54,7 +55,7 @@ def test_without_devices_errors() -> None:
 def test_replan_from_a_profile_predicts_missing_kinds() -> None:
     prof = chain_profile(EVEN)
     old = solve(chain_graph(EVEN), cluster_of(["cpu", "cpu"]), solver="dp", microbatches=4)
-    r = replan(old, prof, solver="dp")
+    r = replan(old, prof, opts=Options(solver="dp"))
     assert r.plan.microbatches == 4 and r.plan.schedule == old.schedule
 
 

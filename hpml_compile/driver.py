@@ -1,0 +1,353 @@
+"""The compiler driver: the flat, commented list of pass calls, and the only module that imports every pass.
+
+Every way into the compiler goes through here: the CLIs (``compile``,
+``plan``, ``replan``, ``demo``), the Python API (:func:`hpml_compile.compile`)
+and the closed loop (an imbalance re-plan in :mod:`.runtime.adapt`, a failure
+re-plan in :mod:`.runtime.supervisor`). None of them calls a pass by itself,
+so a change to the chain is made once, here::
+
+    compile:  model -> trace -> profile -> costgraph -> coarsen -> solve -> codegen -> Build
+    plan:              profile -> costgraph -> coarsen -> solve -> Plan
+    replan:   (old plan, measured profile, devices lost) -> costgraph -> coarsen -> solve
+              -> the faster of old and new, scored on the same costs -> Plan (+ rebuild -> Build)
+
+Between passes the driver checks the intermediate result (the graph lints,
+the profile covers the cluster's device kinds, the coarsened graph keeps the
+profile's total time, the plan passes :func:`~hpml_compile.plan.validate_plan`)
+so that a broken pass is named where it broke, not three passes later. With
+``dump_dir`` (or the environment variable ``HPML_DUMP``), each pass's output
+is written there: ``1-graph.txt``, ``2-profile.json``, ``3-costgraph.json``,
+``4-plan.json``; the build folder is the fifth.
+
+Example:
+    >>> import torch
+    >>> from hpml_compile.cluster import load_cluster
+    >>> from hpml_compile.profile import profile
+    >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    >>> prof = profile(m, (torch.randn(4, 8),), repeats=1, progress=False)
+    >>> p = plan(prof, load_cluster("local-cpu-2"), Options(solver="dp", microbatches=1))
+    >>> sorted(n for st in p.stages for n in st.nodes) == sorted(n.name for n in prof.nodes)
+    True
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .cluster import check_devices_costed, load_cluster
+from .codegen import Build, generate
+from .costgraph import CostGraph
+from .costgraph import build as build_costgraph
+from .errors import BuildMismatchError, HpmlError
+from .ir import Cluster, FrontEnd, Profile
+from .plan import Plan, Schedule, save_plan, validate_plan
+from .profile import predict_kinds, profile, save_profile
+from .replan import ReplanResult, replan_graph, without_devices
+from .schema import write_json_atomic
+from .solve import SolverName, solve
+from .trace import trace
+
+__all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "rebuild", "cost_graph", "local_threads"]
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """How to solve: what every entry point passes to :func:`plan`, :func:`compile` and :func:`replan`.
+
+    Attributes:
+        solver: which solver (``ilp``, ``dp``, or a baseline).
+        microbatches: ``M``; None searches the solver's choices (a re-plan keeps the old plan's).
+        schedule: GPipe or 1F1B (a re-plan keeps the old plan's unless given).
+        time_limit_s: the ILP's time limit.
+        dump_dir: write each pass's output here (default: ``$HPML_DUMP``, else nothing).
+    """
+
+    solver: SolverName | str = SolverName.ILP
+    microbatches: int | None = None
+    schedule: Schedule | str | None = None
+    time_limit_s: float = 30.0
+    dump_dir: str | Path | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "solver", SolverName(self.solver))
+        if self.schedule is not None:
+            object.__setattr__(self, "schedule", Schedule(self.schedule))
+        if self.microbatches is not None and self.microbatches < 1:
+            raise HpmlError(f"microbatches must be >= 1, got {self.microbatches}")
+        if not (self.time_limit_s > 0 and math.isfinite(self.time_limit_s)):
+            raise HpmlError(f"the solver's time limit must be a positive number of seconds, got {self.time_limit_s}")
+
+    @property
+    def dump(self) -> Path | None:
+        """Where pass outputs are dumped, or None."""
+        where = self.dump_dir if self.dump_dir is not None else os.environ.get("HPML_DUMP") or None
+        return Path(where) if where else None
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileOptions:
+    """How to trace and measure a model (what :func:`compile` passes to trace and profile).
+
+    Attributes:
+        repeats: timed runs per node.
+        warmup: untimed runs per node first.
+        batch_size: recorded in the profile (default: the inputs' first dimension).
+        seq_len: recorded in the profile.
+        leaf_modules: modules kept as one opaque node.
+        front_end: fx, torch.export or auto.
+    """
+
+    repeats: int = 3
+    warmup: int = 1
+    batch_size: int | None = None
+    seq_len: int | None = None
+    leaf_modules: Sequence[type | str] = field(default_factory=tuple)
+    front_end: FrontEnd | str = FrontEnd.AUTO
+
+
+def local_threads(cluster: Cluster, cores: int | None = None) -> int | None:
+    """Torch threads per rank when every device of ``cluster`` is a CPU process on this host, else None.
+
+    The ranks share this host's cores, so the plan must be profiled at the
+    thread count each rank will have (``cores // ranks``), not at all of them.
+    """
+    if all(d.is_cpu and d.host in ("localhost", "127.0.0.1") for d in cluster.devices):
+        return max(1, (cores or os.cpu_count() or 1) // len(cluster.devices))
+    return None
+
+
+def _dump(opts: Options, name: str, write: Callable[[Path], Any]) -> None:
+    where = opts.dump
+    if where is not None:
+        where.mkdir(parents=True, exist_ok=True)
+        write(where / name)
+
+
+def _graph_json(cg: CostGraph) -> dict[str, Any]:
+    """A cost graph as plain JSON for the dump: its order, each block's members and per-kind costs, its edges."""
+    g = cg.graph
+    return {"model": cg.model, "batch_size": cg.batch_size, "kinds": list(cg.kinds), "order": list(cg.order),
+            "edges": [[a, b, int(g.edges[a, b].get("bytes", 0))] for a, b in g.edges],
+            "totals_ms": {k: cg.total("", k) for k in cg.kinds}}
+
+
+def cost_graph(prof: Profile, cluster: Cluster, opts: Options = Options()) -> tuple[Profile, CostGraph]:
+    """Passes 3-4 for ``cluster``: predict the kinds the profile lacks, build the cost graph, coarsen it.
+
+    Args:
+        prof: a measured (or meta) profile.
+        cluster: the devices the plan is for.
+        opts: where to dump.
+
+    Returns:
+        The profile with every kind of ``cluster`` and the coarsened cost graph.
+
+    Raises:
+        UnknownDeviceError: a device kind that is neither in the profile nor in the catalog.
+        HpmlError: coarsening lost time (a bug in the pass, named).
+    """
+    check_devices_costed(cluster, prof.device_kinds)                                # kinds are known
+    prof = predict_kinds(prof, sorted({d.kind for d in cluster.devices}))           # 2b. the kinds not measured
+    fine = build_costgraph(prof)                                                    # 3. costgraph
+    graph = fine.coarsen()                                                          # 4. blocks
+    for kind in graph.kinds:  # coarsening merges nodes: it may not lose or invent time
+        before, after = fine.total("", kind), graph.total("", kind)
+        if not math.isclose(before, after, rel_tol=1e-6, abs_tol=1e-9):
+            raise HpmlError(f"coarsening {prof.model} changed its total {kind} time from {before:.6g} ms to "
+                            f"{after:.6g} ms; this is a bug in hpml_compile.costgraph.CostGraph.coarsen")
+    _dump(opts, "3-costgraph.json", lambda p: write_json_atomic(_graph_json(graph), p))
+    return prof, graph
+
+
+def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress: Say | None = None) -> Plan:
+    """Passes 3-5: place a profiled model on ``cluster``.
+
+    Args:
+        prof: the profile (a file's, or measured by a run).
+        cluster: the devices.
+        opts: solver, microbatches, schedule, time limit, dump.
+        progress: the solver's progress lines.
+
+    Returns:
+        The plan, with the simulator's predictions, checked against the profile.
+
+    Raises:
+        UnknownDeviceError, InfeasibleError, HpmlError: as :func:`hpml_compile.solve.solve`.
+    """
+    prof, graph = cost_graph(prof, cluster, opts)
+    if progress:
+        progress(f"{prof.model}: {len(graph.order)} blocks after coarsening ({len(prof.nodes)} nodes)")
+    result = solve(graph, cluster, solver=opts.solver, microbatches=opts.microbatches,               # 5. solve
+                   schedule=opts.schedule or Schedule.ONE_F_ONE_B, time_limit_s=opts.time_limit_s,
+                   dtype=prof.dtype, progress=progress)
+    validate_plan(result, prof)                                                     # every node placed once
+    _dump(opts, "4-plan.json", lambda p: save_plan(result, p))
+    return result
+
+
+def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Path, *,  # noqa: A001
+            cluster: Cluster | str, opts: Options = Options(), prof_opts: ProfileOptions = ProfileOptions(),
+            name: str | None = None, measured: Profile | None = None,
+            say: Say | None = None) -> tuple[Build, fx.GraphModule]:
+    """The whole chain: trace, profile, plan and generate a build of ``module`` for ``cluster``.
+
+    Args:
+        module: the model.
+        example_inputs: positional inputs of one training batch.
+        out_dir: the build folder to write.
+        cluster: the devices (a Cluster, a built-in name or a cluster.json path).
+        opts: how to solve.
+        prof_opts: how to trace and measure.
+        name: the model's name in the files (default: its class name).
+        measured: a profile of this very model to plan from instead of measuring it again.
+        say: progress lines.
+
+    Returns:
+        The build (bound to ``module``) and the graph it was generated from.
+
+    Raises:
+        HpmlError: a model that cannot be traced, fits nowhere, or cannot be split as planned.
+    """
+    tell = say or (lambda line: None)
+    c = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
+    inputs = tuple(example_inputs)
+    label = name or type(module).__name__
+    kinds = ["cpu", *sorted({d.kind for d in c.devices} - {"cpu"})]
+    tell(f"[1/4] tracing {label}")
+    gm = trace(module, inputs, leaf_modules=prof_opts.leaf_modules, front_end=prof_opts.front_end)  # 1. trace
+    gm.graph.lint()
+    _dump(opts, "1-graph.txt", lambda p: p.write_text(str(gm.graph)))
+    if measured is None:
+        tell(f"[2/4] profiling {len(gm.graph.nodes)} nodes on the CPU ({torch.get_num_threads()} thread(s)); "
+             f"predicting {', '.join(kinds[1:]) or 'nothing else'}")
+        measured = profile(gm, inputs, name=label, device_kinds=kinds, batch_size=prof_opts.batch_size,  # 2. profile
+                           seq_len=prof_opts.seq_len, repeats=prof_opts.repeats, warmup=prof_opts.warmup,
+                           progress=False)
+    else:
+        tell(f"[2/4] planning from the given profile of {measured.model} (batch {measured.batch_size})")
+        _check_profile_matches(measured, gm, label)
+    _dump(opts, "2-profile.json", lambda p: save_profile(measured, p))
+    tell(f"[3/4] planning on {c.name} ({len(c.devices)} devices) with {SolverName(opts.solver).value}")
+    placed = plan(measured, c, opts, progress=say)                                  # 3-5. costgraph, solve
+    tell(f"[4/4] generating {len(placed.stages)} stage(s) into {out_dir}")
+    return _generate(module, inputs, gm, placed, predict_kinds(measured, kinds), out_dir, label)  # 6. codegen
+
+
+def _check_profile_matches(prof: Profile, gm: fx.GraphModule, label: str) -> None:
+    names = {n.name for n in gm.graph.nodes}
+    missing = sorted({n.name for n in prof.nodes} - names)
+    if missing:
+        raise BuildMismatchError(f"the profile of {prof.model} has nodes that {label}'s graph lacks "
+                                 f"({', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''}): "
+                                 "it profiles another model; profile this one again")
+
+
+def _first_rows(inputs: tuple[Any, ...], rows: int) -> tuple[Any, ...]:
+    return tuple(x[:rows] if isinstance(x, torch.Tensor) and x.dim() else x for x in inputs)
+
+
+def _generate(module: nn.Module, inputs: tuple[Any, ...], gm: fx.GraphModule, placed: Plan, prof: Profile,
+              out_dir: str | Path, label: str) -> tuple[Build, fx.GraphModule]:
+    """Pass 6, codegen: the build of ``placed`` (checked against ``prof``) from the traced ``gm``.
+
+    torch.export fixes every shape, so an exported model is traced again at the
+    size one replica of one stage runs (a slice of a microbatch).
+
+    Raises:
+        HpmlError: the plan breaks a rule of the profile, or an exported model cannot run at that size.
+    """
+    validate_plan(placed, prof)
+    graph = gm
+    replicas = {len(st.devices) for st in placed.stages}
+    if gm.meta.get("hpml_front_end") is FrontEnd.EXPORT and (placed.microbatches > 1 or replicas != {1}):
+        if len(replicas) > 1:
+            raise HpmlError(f"{label} traces with torch.export, whose shapes are fixed, but the plan gives its "
+                            f"stages different replica counts {sorted(replicas)}; use a cluster or solver that "
+                            "gives every stage the same number of devices")
+        rows = prof.batch_size // (placed.microbatches * replicas.pop())
+        graph = trace(module, _first_rows(inputs, rows), front_end=FrontEnd.EXPORT)
+        if [n.name for n in graph.graph.nodes] != [n.name for n in gm.graph.nodes]:
+            raise BuildMismatchError(
+                f"{label}: torch.export gives a different graph at batch {rows} (one microbatch of one replica) "
+                f"than at batch {prof.batch_size}: it specialises sizes 0 and 1. Use a batch giving at least 2 "
+                "rows per microbatch and replica, or one microbatch")
+    return generate(graph, placed, out_dir, profile=prof), graph
+
+
+def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost: Iterable[str] = (),
+           opts: Options = Options(), progress: Say | None = None) -> ReplanResult:
+    """Re-solve a running plan on measured costs, for the devices it has now.
+
+    The one re-plan of the tool: ``hpml-compile replan``, an imbalance seen by
+    the closed loop, and a device lost to a failure all come here. The new
+    plan keeps the old one's microbatches and schedule unless ``opts`` names
+    them; the old plan is scored on the same costs and kept unless the new one
+    is predicted faster (when it can no longer run, any plan that fits wins).
+
+    Args:
+        old: the plan running now.
+        measured: the measured profile (kinds the cluster has and it lacks are predicted).
+        cluster: the devices as they are now (default: the old plan's; a slowed device may have a kind of
+            its own, see :func:`hpml_compile.runtime.summary.measured_setup`).
+        lost: devices to plan without (dead or failing).
+        opts: solver, time limit, dump; microbatches and schedule default to the old plan's.
+        progress: the solver's progress lines.
+
+    Returns:
+        The plan to run, its diff against the old one, and whether it switched.
+
+    Raises:
+        HpmlError: ``measured`` profiles another model, or ``lost`` names an unknown device or all of them.
+        InfeasibleError: nothing fits on what is left.
+    """
+    if measured.model != old.model:
+        raise HpmlError(f"the measured profile is of {measured.model!r} but the plan places {old.model!r}")
+    target = cluster or old.cluster
+    gone = list(lost)
+    if gone:
+        target = without_devices(target, gone)
+    prof, graph = cost_graph(measured, target, opts)
+    result = replan_graph(old, graph, cluster=target, solver=opts.solver,
+                          microbatches=opts.microbatches or old.microbatches,
+                          schedule=opts.schedule or old.schedule, time_limit_s=opts.time_limit_s,
+                          dtype=prof.dtype, progress=progress)
+    validate_plan(result.plan, prof)
+    _dump(opts, "4-plan.json", lambda p: save_plan(result.plan, p))
+    return result
+
+
+def rebuild(recipe_dir: str | Path, placed: Plan, prof: Profile, out_dir: str | Path) -> Build:
+    """Passes 1 and 6 again: the build of ``placed`` for the model that ``recipe_dir/model.json`` describes.
+
+    What ``replan`` and the closed loop use after :func:`replan`: the model is
+    built again from its recipe (same seed, batch, sequence length), traced the
+    same way, and the new stage files go to ``out_dir`` with the recipe beside them.
+
+    Raises:
+        BuildMismatchError: ``recipe_dir`` has no (valid) model.json.
+        HpmlError: the plan breaks a rule of the profile.
+    """
+    import shutil
+
+    from . import models
+    from .runtime.recipe import read_recipe, write_recipe
+
+    recipe = read_recipe(recipe_dir)
+    loaded = models.load(recipe.model, batch_size=recipe.batch_size, seq_len=recipe.seq_len, seed=recipe.seed)
+    gm = trace(loaded.module, loaded.example_inputs, leaf_modules=recipe.leaf_modules, front_end=recipe.front_end)
+    out = Path(out_dir)
+    if out.exists() and out.resolve() != Path(recipe_dir).resolve():
+        shutil.rmtree(out)
+    build, _ = _generate(loaded.module, loaded.example_inputs, gm, placed, prof, out, loaded.name)
+    write_recipe(out, recipe)
+    return build

@@ -1,0 +1,70 @@
+"""No orphan ranks: a launcher killed with SIGKILL takes its torchrun ranks with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpml_compile.runtime.lifeline import LAUNCHER_PID_ENV
+
+pytestmark = pytest.mark.dist
+
+CLI = [sys.executable, "-m", "hpml_compile"]
+
+
+def _ranks_of(launcher: int) -> list[int]:
+    """PIDs of live processes whose environment names ``launcher`` as theirs (the ranks it started)."""
+    mark = f"{LAUNCHER_PID_ENV}={launcher}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == launcher:
+            continue
+        try:
+            env = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if mark in env.split(b"\0") and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _wait(cond, timeout: float) -> bool:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.2)
+    return bool(cond())
+
+
+@pytest.mark.parametrize("adapt", [False, True], ids=["run", "run-adapt"])
+def test_sigkilled_launcher_leaves_no_rank_alive(tmp_path: Path, adapt: bool) -> None:
+    build = tmp_path / "build"
+    subprocess.run([*CLI, "compile", "gpt-tiny", "--cluster", "local-cpu-2", "--solver", "uniform",
+                    "--microbatches", "2", "--repeats", "1", "-o", str(build)], check=True, capture_output=True)
+    run = tmp_path / "run"
+    ck = run / "checkpoints" if adapt else tmp_path / "ck"
+    cmd = [*CLI, "run", str(build), "--steps", "100000", "--run-dir", str(run), "--checkpoint-every", "2",
+           *(["--adapt"] if adapt else ["--checkpoint-dir", str(ck)])]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert _wait(lambda: len(_ranks_of(launcher.pid)) == 2 and ck.is_dir() and any(ck.iterdir()), 120), \
+            "the ranks did not start training"
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)
+        assert _wait(lambda: not _ranks_of(launcher.pid), 10), f"orphan ranks: {_ranks_of(launcher.pid)}"
+        written = sorted(p.name for p in ck.iterdir())
+        time.sleep(2)
+        assert sorted(p.name for p in ck.iterdir()) == written, "checkpoints are still being written"
+    finally:
+        for pid in _ranks_of(launcher.pid):
+            os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()

@@ -1,0 +1,117 @@
+"""The driver: one list of passes for every entry point, checked between passes, dumped on request."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpml_compile import driver
+from hpml_compile.cluster import load_cluster
+from hpml_compile.errors import HpmlError, InfeasibleError
+from hpml_compile.plan import load_plan
+from hpml_compile.profile import load_profile, profile
+from hpml_compile.solve.testing import chain_profile, cluster_of
+
+EVEN = [{"cpu": (1.0, 2.0)}] * 4
+
+
+def _mlp() -> tuple[torch.nn.Module, tuple[torch.Tensor]]:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                            torch.nn.Linear(16, 1))
+    return m, (torch.randn(8, 8),)
+
+
+def test_compile_dumps_every_pass_and_the_dump_matches_the_build(tmp_path: Path) -> None:
+    m, x = _mlp()
+    opts = driver.Options(solver="dp", microbatches=2, dump_dir=tmp_path / "dump")
+    build, gm = driver.compile(m, x, tmp_path / "build", cluster="local-cpu-2", opts=opts,
+                               prof_opts=driver.ProfileOptions(repeats=1))
+    names = sorted(p.name for p in (tmp_path / "dump").iterdir())
+    assert names == ["1-graph.txt", "2-profile.json", "3-costgraph.json", "4-plan.json"]
+    assert load_plan(tmp_path / "dump" / "4-plan.json").to_dict() == build.plan.to_dict()
+    assert load_profile(tmp_path / "dump" / "2-profile.json").model == build.plan.model
+    graph = json.loads((tmp_path / "dump" / "3-costgraph.json").read_text())
+    placed = {n for st in build.plan.stages for n in st.nodes}
+    assert placed == {n.name for n in gm.graph.nodes}
+    assert graph["order"] and graph["kinds"] == ["cpu"]
+
+
+def test_dump_dir_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPML_DUMP", str(tmp_path / "env"))
+    driver.plan(chain_profile(EVEN), cluster_of(["cpu", "cpu"]), driver.Options(solver="dp", microbatches=2))
+    assert sorted(p.name for p in (tmp_path / "env").iterdir()) == ["3-costgraph.json", "4-plan.json"]
+
+
+def test_compile_from_a_given_profile_does_not_measure_again(tmp_path: Path) -> None:
+    m, x = _mlp()
+    prof = profile(m, x, repeats=1, progress=False)
+    lines: list[str] = []
+    build, _ = driver.compile(m, x, tmp_path / "b", cluster="local-cpu-2", measured=prof, say=lines.append,
+                              opts=driver.Options(solver="dp", microbatches=2))
+    assert any("from the given profile" in line for line in lines)
+    assert not any("profiling" in line for line in lines)
+    assert load_profile(build.out_dir / "profile.json").nodes == prof.nodes
+
+
+def test_compile_refuses_a_profile_of_another_model(tmp_path: Path) -> None:
+    m, x = _mlp()
+    other = profile(torch.nn.Sequential(torch.nn.Linear(8, 1), torch.nn.ReLU(), torch.nn.Linear(1, 1),
+                                        torch.nn.ReLU(), torch.nn.Linear(1, 1), torch.nn.ReLU(),
+                                        torch.nn.Linear(1, 1)), x, repeats=1, progress=False)
+    with pytest.raises(HpmlError, match="profiles another model"):
+        driver.compile(m, x, tmp_path / "b", cluster="local-cpu-2", measured=other,
+                       opts=driver.Options(solver="dp"))
+
+
+def test_replan_without_a_lost_device_plans_for_the_rest() -> None:
+    prof = chain_profile(EVEN)
+    cluster = cluster_of(["cpu", "cpu", "cpu"])
+    old = driver.plan(prof, cluster, driver.Options(solver="dp", microbatches=4))
+    used = sorted({d for st in old.stages for d in st.devices})
+    r = driver.replan(old, prof, lost=[used[0]], opts=driver.Options(solver="dp"))
+    assert r.switched
+    assert used[0] not in {d for st in r.plan.stages for d in st.devices}
+    assert r.plan.microbatches == old.microbatches and r.plan.schedule == old.schedule
+
+
+def test_replan_keeps_the_old_plan_when_nothing_is_faster() -> None:
+    prof = chain_profile(EVEN)
+    old = driver.plan(prof, cluster_of(["cpu", "cpu"]), driver.Options(solver="dp", microbatches=4))
+    r = driver.replan(old, prof, opts=driver.Options(solver="dp"))
+    assert not r.switched and [st.nodes for st in r.plan.stages] == [st.nodes for st in old.stages]
+
+
+def test_replan_errors_name_what_is_wrong() -> None:
+    prof = chain_profile(EVEN)
+    cluster = cluster_of(["cpu", "cpu"])
+    old = driver.plan(prof, cluster, driver.Options(solver="dp", microbatches=2))
+    with pytest.raises(HpmlError, match="measured profile is of 'other'"):
+        driver.replan(old, replace(prof, model="other"))
+    with pytest.raises(HpmlError, match="cannot drop"):
+        driver.replan(old, prof, lost=["gpu9"])
+    with pytest.raises(HpmlError, match="no device"):
+        driver.replan(old, prof, lost=[d.name for d in cluster.devices])
+
+
+def test_plan_infeasible_is_an_infeasible_error() -> None:
+    prof = chain_profile(EVEN, param_bytes=2**30)
+    with pytest.raises(InfeasibleError):
+        driver.plan(prof, cluster_of(["cpu"], memory_gib=0.5), driver.Options(solver="dp"))
+
+
+@pytest.mark.parametrize("kw, match", [({"microbatches": 0}, "microbatches must be >= 1"),
+                                       ({"time_limit_s": 0.0}, "time limit"),
+                                       ({"solver": "magic"}, "magic")])
+def test_options_are_checked(kw: dict, match: str) -> None:
+    with pytest.raises((HpmlError, ValueError), match=match):
+        driver.Options(**kw)
+
+
+def test_local_threads_only_for_local_cpu_ranks() -> None:
+    assert driver.local_threads(load_cluster("local-cpu-2"), cores=8) == 4
+    assert driver.local_threads(load_cluster("hetero-4"), cores=8) is None
