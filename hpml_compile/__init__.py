@@ -14,10 +14,16 @@ Example:
     >>> prof = hpml_compile.profile(m, (torch.randn(4, 16),), repeats=2, progress=False)
     >>> [n.name for n in prof.nodes]
     ['input_1', '_0', '_1', 'output']
+
+``compile`` (the whole pipeline, from :mod:`hpml_compile.runtime`) is imported
+on first use, not with the package: planning, showing or re-planning a model
+never starts torch.distributed, and a process that only reads a plan stays
+light.
 """
 
 from .codegen import Build, generate, load_build
-from .costgraph import CostGraph, discover
+from .cluster import discover
+from .costgraph import CostGraph
 from .costgraph import build as build_costgraph
 from .errors import (
     BuildMismatchError,
@@ -30,7 +36,6 @@ from .errors import (
 )
 from .ir import Cluster, Device, FrontEnd, Link, NodeCost, Profile, ProfileNode
 from .profile import load_profile, predict_kinds, profile, save_profile
-from .runtime import compile
 from .trace import trace
 
 __all__ = [
@@ -62,3 +67,32 @@ __all__ = [
     "BuildMismatchError",
 ]
 __version__ = "0.1.0"
+
+# Public names that live in the runtime, resolved by __getattr__ on first use.
+_LAZY = {"compile": "runtime"}
+
+
+def __getattr__(name: str) -> object:
+    """Import a runtime name on first use (PEP 562), so that ``import hpml_compile`` does not import the runtime.
+
+    Args:
+        name: the attribute asked for.
+
+    Returns:
+        The attribute, cached in the module afterwards.
+
+    Raises:
+        AttributeError: if the package has no such name.
+    """
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The module's names, the lazily imported ones included."""
+    return sorted({*globals(), *_LAZY})

@@ -3,7 +3,13 @@
 A cluster names its devices and, optionally, the links between pairs of them;
 a pair without an explicit link talks over the cost_models catalog default
 for its two device kinds (NVLink for two GPUs of one NVLink kind on one host,
-PCIe through the host otherwise, 100 GbE across hosts).
+PCIe through the host otherwise, 100 GbE across hosts). :func:`discover`
+describes this machine as a cluster (NVML for GPUs; no NVML means CPU only).
+
+The memory of a CPU device is what this process may use
+(:func:`usable_memory_gib`): physical RAM, or the container's cgroup limit
+where that is lower, since a process is killed at the limit, not at the
+RAM it sees in ``/proc/meminfo``.
 
 Example:
     >>> c = load_cluster("hetero-4")
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Iterable
 
@@ -26,7 +33,7 @@ import cost_models
 from cost_models import LinkSpec
 
 from .errors import HpmlError, UnknownDeviceError
-from .ir import Cluster, Device, base_kind
+from .ir import Cluster, Device, Link, base_kind
 from .schema import read_json
 
 __all__ = [
@@ -36,7 +43,9 @@ __all__ = [
     "link_between",
     "link_spec",
     "host_link_spec",
-    "check_kinds",
+    "check_devices_costed",
+    "discover",
+    "usable_memory_gib",
 ]
 
 BUILTIN_CLUSTERS: tuple[str, ...] = (
@@ -45,11 +54,53 @@ BUILTIN_CLUSTERS: tuple[str, ...] = (
 _LOCAL_CPU = re.compile(r"^local-cpu-(\d+)$")
 
 
-def _ram_gib() -> float:
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_FALLBACK_GIB = 8.0  # neither sysconf nor /proc/meminfo (not POSIX): assume a small laptop
+
+
+def _physical_bytes() -> int | None:
+    """Physical RAM from sysconf, else /proc/meminfo's MemTotal; None when neither answers."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError, AttributeError):  # not POSIX: assume a small laptop
-        return 8.0
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024  # the kernel writes kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_limit_bytes(root: Path) -> int | None:
+    """The memory limit of the cgroup mounted at ``root`` (v2 ``memory.max``, else v1's
+    ``memory/memory.limit_in_bytes``); None when there is none ("max", no file, unreadable)."""
+    for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # v1 writes "unlimited" as a huge number: the min with physical RAM drops it
+            return int(text)
+    return None
+
+
+def usable_memory_gib(cgroup_root: Path = _CGROUP_ROOT) -> float:
+    """The memory this process may use, in GiB: physical RAM, or the cgroup's memory limit where lower.
+
+    Args:
+        cgroup_root: where the cgroup file system is mounted (a folder holding a fake ``memory.max`` in
+            tests).
+
+    Returns:
+        ``min(physical RAM, cgroup limit)``; 8 GiB where physical RAM cannot be read (not POSIX).
+    """
+    physical = _physical_bytes()
+    limit = _cgroup_limit_bytes(cgroup_root)
+    if physical is None:
+        return limit / 2**30 if limit is not None else _FALLBACK_GIB
+    return min(physical, limit if limit is not None else physical) / 2**30
 
 
 def _gpus(kind: str, gib: float, names: Iterable[int], host: str = "node0") -> list[Device]:
@@ -71,7 +122,7 @@ def builtin_cluster(name: str) -> Cluster | None:
         if n < 1:
             return None
         # N ranks share this machine's RAM, so each gets an equal slice of it.
-        gib = round(_ram_gib() / n, 3)
+        gib = round(usable_memory_gib() / n, 3)
         devs = tuple(Device(name=f"cpu{i}", kind="cpu", memory_gib=gib, host="localhost") for i in range(n))
         return Cluster(devices=devs, name=name)
     if name == "dgx-a100-8":
@@ -82,7 +133,7 @@ def builtin_cluster(name: str) -> Cluster | None:
         return Cluster(devices=(*_gpus("A100-80GB", 80, range(2)), *_gpus("V100-32GB", 32, range(2, 4))), name=name)
     if name == "hetero-cpu":
         devs = (Device("gpu0", "A100-40GB", 40), Device("gpu1", "T4", 16),
-                Device("cpu0", "cpu", round(_ram_gib(), 3)))
+                Device("cpu0", "cpu", round(usable_memory_gib(), 3)))
         return Cluster(devices=devs, name=name)
     if name == "2node-a100-16":
         devs = (*_gpus("A100-80GB", 80, range(8), "node0"), *_gpus("A100-80GB", 80, range(8, 16), "node1"))
@@ -181,8 +232,8 @@ def host_link_spec(device: Device) -> LinkSpec:
         return _fallback_link(True)
 
 
-def check_kinds(cluster: Cluster, profile_kinds: Iterable[str]) -> None:
-    """Check that every device kind of ``cluster`` has costs somewhere.
+def check_devices_costed(cluster: Cluster, profile_kinds: Iterable[str]) -> None:
+    """Check that every device of ``cluster`` has costs: its kind is in the profile or the cost_models catalog.
 
     Args:
         cluster: the cluster.
@@ -202,3 +253,52 @@ def check_kinds(cluster: Cluster, profile_kinds: Iterable[str]) -> None:
                 f"profile (kinds: {', '.join(sorted(profile_kinds)) or 'none'}) nor in the cost_models catalog "
                 f"(known kinds: {', '.join(known)}); use a known kind or profile the model on that device")
 
+
+def _nvml_devices(host: str) -> tuple[list[Device], list[Link]]:
+    """GPUs and NVLink/PCIe links from NVML; empty when there is no NVIDIA driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound/DriverNotLoaded: no GPU here, CPU only
+        return [], []
+    try:
+        devices: list[Device] = []
+        handles = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            name = name.decode() if isinstance(name, bytes) else name
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h).total
+            kind = cost_models.kind_from_cuda_name(name, mem) or name
+            devices.append(Device(name=f"gpu{i}", kind=kind, memory_gib=mem / 2**30, host=host))
+            handles.append(h)
+        links: list[Link] = []
+        for i in range(len(handles)):
+            for j in range(i + 1, len(handles)):
+                try:
+                    nv = pynvml.nvmlDeviceGetP2PStatus(handles[i], handles[j], pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
+                    has_nvlink = nv == pynvml.NVML_P2P_STATUS_OK
+                except pynvml.NVMLError:
+                    has_nvlink = False
+                spec = (cost_models.default_link(devices[i].kind, devices[j].kind, True) if has_nvlink
+                        else cost_models.get_link("pcie4"))
+                links.append(Link(devices[i].name, devices[j].name, spec.gbps, spec.latency_us))
+        return devices, links
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def discover() -> Cluster:
+    """Describe this machine: its GPUs (via NVML) and its CPU, as a Cluster.
+
+    No NVIDIA driver means a CPU-only cluster, not an error.
+
+    Returns:
+        The cluster ``discovered:<host name>``: ``gpu<i>`` per GPU, with NVLink or PCIe links between
+        them, and ``cpu0`` with the memory this process may use.
+    """
+    host = socket.gethostname() or "localhost"
+    gpus, links = _nvml_devices(host)
+    cpu = Device(name="cpu0", kind="cpu", memory_gib=round(usable_memory_gib(), 2), host=host)
+    return Cluster(devices=(*gpus, cpu), links=tuple(links), name=f"discovered:{host}")

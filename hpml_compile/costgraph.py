@@ -8,9 +8,6 @@ topological order* that share a block key; because every edge goes forward
 in that order, the quotient graph is acyclic by construction, and sums of
 times, FLOPs and bytes are preserved exactly.
 
-:func:`discover` lists the devices of this machine as a :class:`~hpml_compile.ir.Cluster`
-(NVML for GPUs, no NVML means CPU only).
-
 Example:
     >>> from hpml_compile.ir import Profile, ProfileNode, NodeOp, NodeCost
     >>> c = lambda ms: {"cpu": NodeCost(ms, 2 * ms, True)}
@@ -29,19 +26,15 @@ Example:
 
 from __future__ import annotations
 
-import os
 import re
-import socket
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import networkx as nx
 
-import cost_models
+from .ir import CostGraphNode, NodeOp, Profile, base_kind
 
-from .ir import Cluster, CostGraphNode, Device, Link, NodeOp, Profile, base_kind
-
-__all__ = ["CostGraph", "build", "block_key", "discover"]
+__all__ = ["CostGraph", "build", "block_key"]
 
 _SIZE_ATTRS = ("flops", "bwd_flops", "param_bytes", "activation_bytes", "output_bytes", "mem_bytes")
 _NUMERIC = re.compile(r"^\d+$")
@@ -260,56 +253,3 @@ def build(profile: Profile) -> CostGraph:
                if d.get("stream_gbps") and d.get("host_stream_gbps")}
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
                      dict(profile.optimizer_ms), dict(profile.parameters), streams)
-
-
-def _ram_gib() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError, AttributeError):
-        return 8.0
-
-
-def _nvml_devices(host: str) -> tuple[list[Device], list[Link]]:
-    """GPUs and NVLink/PCIe links from NVML; empty when there is no NVIDIA driver."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # NVMLError_LibraryNotFound/DriverNotLoaded: no GPU here, CPU only
-        return [], []
-    try:
-        devices: list[Device] = []
-        handles = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            name = name.decode() if isinstance(name, bytes) else name
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h).total
-            kind = cost_models.kind_from_cuda_name(name, mem) or name
-            devices.append(Device(name=f"gpu{i}", kind=kind, memory_gib=mem / 2**30, host=host))
-            handles.append(h)
-        links: list[Link] = []
-        for i in range(len(handles)):
-            for j in range(i + 1, len(handles)):
-                try:
-                    nv = pynvml.nvmlDeviceGetP2PStatus(handles[i], handles[j], pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
-                    has_nvlink = nv == pynvml.NVML_P2P_STATUS_OK
-                except pynvml.NVMLError:
-                    has_nvlink = False
-                spec = (cost_models.default_link(devices[i].kind, devices[j].kind, True) if has_nvlink
-                        else cost_models.get_link("pcie4"))
-                links.append(Link(devices[i].name, devices[j].name, spec.gbps, spec.latency_us))
-        return devices, links
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def discover() -> Cluster:
-    """Describe this machine: its GPUs (via NVML) and its CPU, as a Cluster.
-
-    No NVIDIA driver means a CPU-only cluster, not an error.
-    """
-    host = socket.gethostname() or "localhost"
-    gpus, links = _nvml_devices(host)
-    cpu = Device(name="cpu0", kind="cpu", memory_gib=round(_ram_gib(), 2), host=host)
-    return Cluster(devices=(*gpus, cpu), links=tuple(links), name=f"discovered:{host}")

@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .cluster import check_kinds, load_cluster
+from .cluster import check_devices_costed, load_cluster
 from .codegen import Build, generate
 from .costgraph import CostGraph
 from .costgraph import build as build_costgraph
@@ -156,7 +156,7 @@ def cost_graph(prof: Profile, cluster: Cluster, opts: Options = Options()) -> tu
         UnknownDeviceError: a device kind that is neither in the profile nor in the catalog.
         HpmlError: coarsening lost time (a bug in the pass, named).
     """
-    check_kinds(cluster, prof.device_kinds)                                         # kinds are known
+    check_devices_costed(cluster, prof.device_kinds)                                # kinds are known
     prof = predict_kinds(prof, sorted({d.kind for d in cluster.devices}))           # 2b. the kinds not measured
     fine = build_costgraph(prof)                                                    # 3. costgraph
     graph = fine.coarsen()                                                          # 4. blocks

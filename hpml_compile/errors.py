@@ -2,6 +2,8 @@
 
 Every message states the rule that was broken, the values involved and what
 would fix it, so that the CLI can print it as-is (no traceback) and exit 2.
+Every error class of the package is here, the runtime's included, so that a
+caller finds them in one place and catching one never imports the runtime.
 
 >>> raise SchemaError("profile.json", "nodes[3].cost.A100-80GB.fwd_ms", "a number", "'fast'")
 Traceback (most recent call last):
@@ -20,6 +22,12 @@ __all__ = [
     "InfeasibleError",
     "BuildMismatchError",
     "OutputError",
+    "PlanError",
+    "LaunchError",
+    "RankFailure",
+    "SupervisorError",
+    "CheckpointError",
+    "CommFailure",
 ]
 
 
@@ -64,3 +72,41 @@ class BuildMismatchError(HpmlError):
 
 class OutputError(HpmlError):
     """An output path that may not be written: it holds what the tool did not make, or cannot be created."""
+
+
+class PlanError(HpmlError):
+    """A plan breaks one of its rules (see :func:`hpml_compile.plan.validate_plan`), or does not fit the cost
+    graph or schedule it is used with (the simulator names the node or the operations)."""
+
+
+class LaunchError(HpmlError):
+    """The ranks could not be started, or one of them failed (the message names it and what to do)."""
+
+
+class RankFailure(LaunchError):
+    """A rank failed while the job ran.
+
+    Args:
+        message: what failed and what to do.
+        failures: rank -> (exit code, torchrun's message) of every rank torchrun saw fail (the ones it
+            stopped after the first failure exit with -15, SIGTERM).
+
+    Attributes:
+        failures: as given.
+    """
+
+    def __init__(self, message: str, failures: dict[int, tuple[int, str]]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+class SupervisorError(HpmlError):
+    """The job cannot go on (no device left, nothing fits, or a failure that is not the devices')."""
+
+
+class CheckpointError(HpmlError):
+    """No usable checkpoint, or one that does not hold what the current plan needs."""
+
+
+class CommFailure(HpmlError):
+    """A step's communication failed and retrying did not help (names the step, the error and what to do)."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import HpmlError
+from .errors import PlanError
 from .ir import Cluster, Profile
 from .memory import GiB, ZeroStage, dtype_bytes
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
@@ -62,10 +62,6 @@ class SolverStatus(str, enum.Enum):
     FEASIBLE = "feasible"  # a plan, with a gap to the best bound
     INFEASIBLE = "infeasible"
     HEURISTIC = "heuristic"  # a baseline: no optimality claim
-
-
-class PlanError(HpmlError):
-    """A plan breaks one of the rules of :func:`validate_plan`."""
 
 
 @dataclass(frozen=True, slots=True)

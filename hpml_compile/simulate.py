@@ -78,7 +78,7 @@ import cost_models
 
 from .cluster import host_link_spec, link_spec
 from .costgraph import CostGraph
-from .errors import UnknownDeviceError
+from .errors import PlanError, UnknownDeviceError
 from .memory import MemoryBreakdown, dtype_bytes
 from .plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction
 from .stagecost import (copy_ms, device_memory, in_flight, optimizer_ms, stream_bytes_per_ms, stream_ms,
@@ -209,8 +209,8 @@ def _stage_of_graph_nodes(plan: Plan, graph: CostGraph) -> dict[str, int]:
     for g in graph.order:
         owners = {fx_stage.get(m, -1) for m in graph.node(g).members}
         if len(owners) != 1 or -1 in owners:
-            raise ValueError(f"graph node {g!r} has members in stages {sorted(owners)}; simulate with a graph "
-                             "whose nodes each lie in one stage (e.g. costgraph.build(profile))")
+            raise PlanError(f"graph node {g!r} has members in stages {sorted(owners)}; simulate with a graph "
+                            "whose nodes each lie in one stage (e.g. costgraph.build(profile))")
         out[g] = owners.pop()
     return out
 
@@ -344,8 +344,9 @@ def _run(plan: Plan, costs: tuple[StageCost, ...], stretch: dict[Op, float] | No
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise RuntimeError(f"schedule {plan.schedule.value} deadlocks: stages wait at operations "
-                               f"{[orders[i][ptr[i]] if ptr[i] < len(orders[i]) else None for i in range(s_count)]}")
+            raise PlanError(f"schedule {plan.schedule.value} deadlocks: stages wait at operations "
+                            f"{[orders[i][ptr[i]] if ptr[i] < len(orders[i]) else None for i in range(s_count)]} "
+                            "(forward, microbatch) each; re-plan with schedule gpipe, whose order cannot deadlock")
     for i, cst in enumerate(costs):
         for j, ms in cst.sends:
             for k in range(m):
@@ -468,7 +469,7 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
 
     Raises:
         UnknownDeviceError: if a device kind has no costs in ``graph``.
-        RuntimeError: if the schedule deadlocks (a malformed plan).
+        PlanError: if the schedule deadlocks (a malformed plan) or a graph node spans stages.
     """
     costs = stage_costs(plan, graph, dtype)
     share = _HostShare(plan, graph)

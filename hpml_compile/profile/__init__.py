@@ -36,15 +36,24 @@ from ..trace import node_info, trace
 from .static import NodeFacts, analyze
 from .timing import measure, slice_rows, time_optimizer, time_streams
 
-__all__ = ["profile", "predict_kinds", "check_kinds", "local_kinds", "save_profile", "load_profile"]
+__all__ = ["profile", "predict_kinds", "check_known_kinds", "local_kinds", "save_profile", "load_profile"]
 
 # A backward pass reads the saved inputs and the output gradient and writes the
 # input and weight gradients: about twice the forward's traffic.
 _BWD_MEM_FACTOR = 2.0
 
 
-def check_kinds(kinds: Sequence[str], known: Sequence[str] = (), where: str = "the profile") -> None:
-    """Raise UnknownDeviceError unless every kind is in ``known`` (found in ``where``) or the catalog."""
+def check_known_kinds(kinds: Sequence[str], known: Sequence[str] = (), where: str = "the profile") -> None:
+    """Check that every requested device kind is known: in ``known`` or in the cost_models catalog.
+
+    Args:
+        kinds: the device kinds asked for.
+        known: kinds known besides the catalog's (this machine's devices, a profile's kinds).
+        where: where ``known`` comes from, for the message.
+
+    Raises:
+        UnknownDeviceError: naming the first unknown kind, ``known`` and the catalog's kinds.
+    """
     catalog = set(cost_models.known_kinds())
     for kind in kinds:
         if kind not in catalog and kind not in known:
@@ -237,7 +246,7 @@ def profile(
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     kinds = list(dict.fromkeys(device_kinds))
     present = local_kinds()
-    check_kinds(kinds, known=list(present), where="this machine's devices")
+    check_known_kinds(kinds, known=list(present), where="this machine's devices")
     gm = model if isinstance(model, fx.GraphModule) and "hpml_front_end" in model.meta else \
         trace(model, inputs, leaf_modules=leaf_modules, front_end=front_end)
     facts = analyze(gm)
@@ -341,7 +350,7 @@ def predict_kinds(p: Profile, kinds: Sequence[str]) -> Profile:
     missing = [k for k in dict.fromkeys(kinds) if k not in p.device_kinds]
     if not missing:
         return p
-    check_kinds(missing, known=p.device_kinds)
+    check_known_kinds(missing, known=p.device_kinds)
     calibs = _calibrations(p)
     source = "cpu" if "cpu" in calibs else next(iter(calibs), None)
     fwd_cal, bwd_cal = calibs[source] if source else (None, None)

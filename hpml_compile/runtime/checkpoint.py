@@ -81,7 +81,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..errors import HpmlError
+from ..errors import CheckpointError
 from ..schema import write_json_atomic
 from .safe_dcp import INDEX_FILE, IndexFormatError, JsonReader, JsonWriter
 
@@ -93,10 +93,6 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _OPTS = StateDictOptions(strict=False)
 _META = "meta.json"
 _RESERVED = {"format", "step", "world_size", "files"}
-
-
-class CheckpointError(HpmlError):
-    """No usable checkpoint, or one that does not hold what the current plan needs."""
 
 
 def _rank() -> int:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, NoReturn
 
-from ..errors import HpmlError
+from ..errors import LaunchError, RankFailure
 from ..plan import Plan
 from .lifeline import mark_launcher
 from .worker import error_path, threads_per_rank
@@ -50,23 +50,6 @@ __all__ = ["LaunchError", "RankFailure", "LaunchSpec", "torchrun_args", "check_w
 
 RUN_FILE = "run.json"
 RANK_ENTRY = Path(__file__).with_name("rank_entry.py")  # a script: see its docstring
-
-
-class LaunchError(HpmlError):
-    """The ranks could not be started, or one of them failed (the message names it and what to do)."""
-
-
-class RankFailure(LaunchError):
-    """A rank failed while the job ran.
-
-    Attributes:
-        failures: rank -> (exit code, torchrun's message) of every rank torchrun saw fail (the ones it
-            stopped after the first failure exit with -15, SIGTERM).
-    """
-
-    def __init__(self, message: str, failures: dict[int, tuple[int, str]]) -> None:
-        super().__init__(message)
-        self.failures = failures
 
 
 @dataclass(frozen=True, slots=True)

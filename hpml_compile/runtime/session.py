@@ -36,16 +36,12 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..errors import HpmlError
+from ..errors import CommFailure
 from .comm import Backend, is_transient
 
 __all__ = ["RetryPolicy", "Session", "CommFailure", "env_rank"]
 
 T = TypeVar("T")
-
-
-class CommFailure(HpmlError):
-    """A step's communication failed and retrying did not help (names the step, the error and what to do)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .. import driver
-from ..errors import HpmlError, InfeasibleError
+from ..errors import HpmlError, InfeasibleError, SupervisorError
 from ..plan import Plan, load_plan
 from ..profile import load_profile
 from ..schema import read_json
@@ -56,10 +56,6 @@ __all__ = ["Culprit", "SupervisorError", "blame", "supervise", "timings", "plan_
 
 EVENTS_FILE = "events.jsonl"
 _SIGTERM = -15
-
-
-class SupervisorError(HpmlError):
-    """The job cannot go on (no device left, nothing fits, or a failure that is not the devices')."""
 
 
 def plan_devices(plan: Plan) -> list[str]:

@@ -31,7 +31,7 @@ import math
 import time
 from typing import Callable, Sequence
 
-from ..cluster import check_kinds
+from ..cluster import check_devices_costed
 from ..costgraph import CostGraph
 from ..errors import InfeasibleError
 from ..ir import Cluster
@@ -96,7 +96,7 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
     """
     name, sched = SolverName(solver), Schedule(schedule)
     say = progress or (lambda _: None)
-    check_kinds(cluster, costgraph.kinds)
+    check_devices_costed(cluster, costgraph.kinds)
     if microbatches is not None and microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     t0 = time.perf_counter()

@@ -1,12 +1,15 @@
-"""Clusters: built-ins, cluster.json, links, unknown kinds."""
+"""Clusters: built-ins, cluster.json, links, unknown kinds, this machine (discover, its cgroup memory limit)."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
-from hpml_compile.cluster import BUILTIN_CLUSTERS, check_kinds, link_between, load_cluster
+from hpml_compile.cluster import (BUILTIN_CLUSTERS, check_devices_costed, discover, link_between, load_cluster,
+                                  usable_memory_gib)
 from hpml_compile.errors import HpmlError, SchemaError, UnknownDeviceError
 
 
@@ -21,7 +24,7 @@ from hpml_compile.errors import HpmlError, SchemaError, UnknownDeviceError
 def test_builtins(name: str, count: int, kinds: set[str]) -> None:
     c = load_cluster(name)
     assert len(c.devices) == count and {d.kind for d in c.devices} == kinds
-    check_kinds(c, ())  # every built-in kind is in the catalog
+    check_devices_costed(c, ())  # every built-in kind is in the catalog
 
 
 def test_builtin_names_listed() -> None:
@@ -73,6 +76,38 @@ def test_unknown_kind_named() -> None:
     from hpml_compile.ir import Cluster, Device
     c = Cluster(devices=(Device("x0", "TPU-v9", 16),))
     with pytest.raises(UnknownDeviceError, match="TPU-v9") as e:
-        check_kinds(c, ("cpu",))
+        check_devices_costed(c, ("cpu",))
     assert "A100-80GB" in str(e.value)  # lists the known kinds
-    check_kinds(c, ("TPU-v9",))  # a kind the profile has is fine
+    check_devices_costed(c, ("TPU-v9",))  # a kind the profile has is fine
+
+
+def _physical_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def test_cgroup_v2_limit_below_ram_wins(tmp_path: Path) -> None:
+    (tmp_path / "memory.max").write_text(f"{3 * 2**30}\n")  # 3 GiB: below any machine the tests run on
+    assert usable_memory_gib(tmp_path) == pytest.approx(min(3.0, _physical_gib()))
+
+
+def test_cgroup_v1_limit_below_ram_wins(tmp_path: Path) -> None:
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text(f"{2**30}\n")
+    assert usable_memory_gib(tmp_path) == pytest.approx(min(1.0, _physical_gib()))
+
+
+@pytest.mark.parametrize("v2,v1", [("max\n", None), (None, "9223372036854771712\n"), (None, None)])
+def test_no_cgroup_limit_is_physical_ram(tmp_path: Path, v2: str | None, v1: str | None) -> None:
+    if v2 is not None:
+        (tmp_path / "memory.max").write_text(v2)
+    if v1 is not None:  # cgroup v1 writes "no limit" as a huge number
+        (tmp_path / "memory").mkdir()
+        (tmp_path / "memory" / "memory.limit_in_bytes").write_text(v1)
+    assert usable_memory_gib(tmp_path) == pytest.approx(_physical_gib())
+
+
+def test_local_cpu_and_discover_use_usable_memory() -> None:
+    gib = usable_memory_gib()
+    assert load_cluster("local-cpu-2").devices[0].memory_gib == pytest.approx(gib / 2, abs=1e-3)
+    cpu = next(d for d in discover().devices if d.kind == "cpu")
+    assert cpu.memory_gib == pytest.approx(gib, abs=0.01)

@@ -138,7 +138,7 @@ def test_plan_cli_writes_valid_plan_and_compares(tmp_path, capsys) -> None:
     import argparse
 
     from hpml_compile.errors import HpmlError
-    from hpml_compile.plan_cli import add_parsers
+    from hpml_compile.cli.plan import add_parsers
     from hpml_compile.schema import write_json_atomic
 
     prof = _profile(batch_size=16)

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
+from hpml_compile.cli.show import add_parsers
 from hpml_compile.errors import HpmlError
+from hpml_compile.explain import plan_costgraph
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.plan import Plan, Schedule, Stage, save_plan
 from hpml_compile.schema import write_json_atomic
-from hpml_compile.show_cli import add_parsers, plan_costgraph
 from hpml_compile.simulate import simulate
 from hpml_compile.solve.testing import chain_profile
 from hpml_compile.viz import plan_graph, write_pictures

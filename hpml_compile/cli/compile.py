@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from .cluster import load_cluster
-from .errors import HpmlError
-from .ir import FrontEnd
-from .plan import Schedule
-from .solve import SolverName
+from ..cluster import load_cluster
+from ..errors import HpmlError
+from ..ir import FrontEnd
+from ..plan import Schedule
+from ..solve import SolverName
 
 __all__ = ["add_parsers", "run_compile"]
 
@@ -75,9 +75,9 @@ def run_compile(args: argparse.Namespace) -> int:
     Raises:
         HpmlError: for a bad model, cluster or option, a model that fits nowhere, or a plan codegen cannot carry out.
     """
-    from . import models  # the zoo is only needed here
-    from . import driver
-    from .runtime.recipe import ModelRecipe, absolute_model_spec, write_recipe
+    from .. import models  # the zoo is only needed here
+    from .. import driver
+    from ..runtime.recipe import ModelRecipe, absolute_model_spec, write_recipe
 
     if args.microbatches is not None and args.microbatches < 1:
         raise HpmlError(f"compile: --microbatches must be >= 1, got {args.microbatches}")

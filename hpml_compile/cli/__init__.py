@@ -1,8 +1,11 @@
-"""The ``hpml-compile`` command line.
+"""The ``hpml-compile`` command line: :func:`main` and the small commands (profile, devices, models, demo).
 
 Each sub-command is a thin shell over the Python API; errors meant for the
 user (:class:`~hpml_compile.errors.HpmlError`) print as one message and exit
-with status 2, never as a traceback.
+with status 2, never as a traceback. The larger commands have a module each
+(:mod:`.compile`, :mod:`.plan`, :mod:`.show`, :mod:`.run` with ``report``,
+:mod:`.replan`, :mod:`.demo`), imported only when the parser is built, so
+that the package holds the commands and nothing a library caller needs.
 
 Example:
     $ hpml-compile profile gpt2-small --batch-size 8 --seq-len 128 --device-kinds cpu,A100-80GB -o profile.json
@@ -18,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .errors import HpmlError
+from ..errors import HpmlError
 
 __all__ = ["main", "build_parser"]
 
@@ -65,11 +68,11 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_profile(args: argparse.Namespace) -> int:
-    from . import models
-    from .profile import check_kinds, local_kinds, profile, save_profile
-    from .report import profile_summary
+    from .. import models
+    from ..profile import check_known_kinds, local_kinds, profile, save_profile
+    from ..report import profile_summary
 
-    check_kinds(args.device_kinds, known=list(local_kinds()), where="this machine's devices")  # before any work
+    check_known_kinds(args.device_kinds, known=list(local_kinds()), where="this machine's devices")  # before any work
     loaded = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                          device="meta" if args.meta else "cpu", seed=args.seed)
     prof = profile(loaded.module, loaded.example_inputs, name=loaded.name, device_kinds=args.device_kinds,
@@ -95,8 +98,8 @@ def _add_devices(sub: argparse._SubParsersAction) -> None:
 def _run_devices(args: argparse.Namespace) -> int:
     import cost_models
 
-    from .costgraph import discover
-    from .schema import write_json_atomic
+    from ..cluster import discover
+    from ..schema import write_json_atomic
 
     cluster = discover()
     print("this machine:")
@@ -123,7 +126,7 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_models(args: argparse.Namespace) -> int:
-    from . import models
+    from .. import models
 
     for name in models.names():
         spec = models.get(name)
@@ -151,31 +154,31 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    from .plan_cli import add_parsers
+    from .plan import add_parsers
 
     add_parsers(sub)
 
 
 def _add_compile(sub: argparse._SubParsersAction) -> None:
-    from .codegen_cli import add_parsers
+    from .compile import add_parsers
 
     add_parsers(sub)
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
-    from .run_cli import add_parsers
+    from .run import add_parsers
 
     add_parsers(sub)
 
 
 def _add_replan(sub: argparse._SubParsersAction) -> None:
-    from .replan_cli import add_parsers
+    from .replan import add_parsers
 
     add_parsers(sub)
 
 
 def _add_show(sub: argparse._SubParsersAction) -> None:
-    from .show_cli import add_parsers
+    from .show import add_parsers
 
     add_parsers(sub)
 
@@ -186,6 +189,11 @@ _ADDERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``hpml-compile`` parser with every sub-command registered.
+
+    Returns:
+        The parser; each sub-command sets ``run`` (its handler) on the parsed namespace.
+    """
     parser = argparse.ArgumentParser(
         prog="hpml-compile",
         description="Compile a PyTorch model for many devices: trace it, profile every node, plan the "
@@ -197,7 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (2 for bad input, with a one-line message)."""
+    """Run the CLI.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: the command's (0 on success), 2 for bad input (a one-line message on stderr,
+        no traceback), 130 when interrupted.
+    """
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
@@ -212,7 +228,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

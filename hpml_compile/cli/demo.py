@@ -47,9 +47,9 @@ def _pictures(plan: Any, profile: Any, out: Path) -> None:
     try:
         import graphviz
 
-        from .show_cli import plan_costgraph, summary
-        from .simulate import simulate
-        from .viz import write_pictures
+        from ..explain import plan_costgraph, summary
+        from ..simulate import simulate
+        from ..viz import write_pictures
     except ImportError as e:
         print(f"  (plan pictures skipped: {e})")
         return
@@ -76,13 +76,13 @@ def run_demo(args: argparse.Namespace) -> int:
     Raises:
         HpmlError: if a step fails (a rank that cannot start, a port in use, ...), with what to do.
     """
-    from . import models
-    from .cluster import load_cluster
-    from .profile import load_profile
-    from . import driver
-    from .runtime.launcher import LaunchSpec, launch, prepare_run_dir
-    from .runtime.recipe import ModelRecipe, write_recipe
-    from .runtime.summary import analyse, export_profile, format_summary
+    from .. import models
+    from ..cluster import load_cluster
+    from ..profile import load_profile
+    from .. import driver
+    from ..runtime.launcher import LaunchSpec, launch, prepare_run_dir
+    from ..runtime.recipe import ModelRecipe, write_recipe
+    from ..runtime.summary import analyse, export_profile, format_summary
 
     opt = options(args)
     out: Path = opt["output"]

@@ -18,16 +18,16 @@ import argparse
 import sys
 from typing import Any
 
-from . import driver
-from .cluster import load_cluster
-from .costgraph import CostGraph
-from .errors import HpmlError, InfeasibleError
-from .ir import Cluster, Profile
-from .memory import GiB
-from .plan import Plan, Schedule, save_plan, validate_plan
-from .schema import read_json
-from .simulate import simulate
-from .solve import SolverName, solve
+from .. import driver
+from ..cluster import load_cluster
+from ..costgraph import CostGraph
+from ..errors import HpmlError, InfeasibleError
+from ..ir import Cluster, Profile
+from ..memory import GiB
+from ..plan import Plan, Schedule, save_plan, validate_plan
+from ..schema import read_json
+from ..simulate import simulate
+from ..solve import SolverName, solve
 
 __all__ = ["add_parsers", "run_plan", "compare", "format_table"]
 

@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import driver
-from .cluster import load_cluster
-from .errors import HpmlError
-from .plan import load_plan, save_plan
-from .profile import load_profile
-from .schema import read_json
-from .solve import SolverName
+from .. import driver
+from ..cluster import load_cluster
+from ..errors import HpmlError
+from ..plan import load_plan, save_plan
+from ..profile import load_profile
+from ..schema import read_json
+from ..solve import SolverName
 
 __all__ = ["add_parsers", "run_replan"]
 

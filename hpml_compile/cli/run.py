@@ -26,10 +26,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .errors import HpmlError
-from .plan import load_plan
-from .runtime.adapt import AdaptOptions
-from .runtime.comm import OpKind
+from ..errors import HpmlError
+from ..plan import load_plan
+from ..runtime.adapt import AdaptOptions
+from ..runtime.comm import OpKind
 
 __all__ = ["add_parsers", "run_run", "run_report", "default_run_dir"]
 
@@ -133,8 +133,8 @@ def run_run(args: argparse.Namespace) -> int:
         HpmlError: a missing or mismatched build, a world that does not fit
             the plan, a port in use, or a rank that failed (named, with why).
     """
-    from .runtime.launcher import LaunchSpec, check_world, launch, preflight, prepare_run_dir
-    from .runtime.recipe import read_recipe
+    from ..runtime.launcher import LaunchSpec, check_world, launch, preflight, prepare_run_dir
+    from ..runtime.recipe import read_recipe
 
     if not (args.build / "plan.json").is_file():
         raise HpmlError(f"run: {args.build} is not a build folder (no plan.json): run `hpml-compile compile MODEL "
@@ -179,7 +179,7 @@ def run_run(args: argparse.Namespace) -> int:
 
 def _parse_faults(args: argparse.Namespace) -> tuple[list[tuple[int, float, int]], list[tuple[int, int]],
                                                      list[tuple[int, int]]]:
-    from .runtime.worker import _kill, _slow
+    from ..runtime.worker import _kill, _slow
 
     try:
         return [_slow(x) for x in args.slow], [_kill(x) for x in args.kill_at], [_kill(x) for x in args.hang_at]
@@ -188,8 +188,8 @@ def _parse_faults(args: argparse.Namespace) -> tuple[list[tuple[int, float, int]
 
 
 def _run_adaptive(args: argparse.Namespace, worker: list[str], faults: list[str], nproc: int) -> int:
-    from .runtime.adapt import AdaptOptions
-    from .runtime.supervisor import supervise
+    from ..runtime.adapt import AdaptOptions
+    from ..runtime.supervisor import supervise
 
     if args.nnodes != 1:
         raise HpmlError("run --adapt runs on one host (it restarts every rank itself); across hosts use "
@@ -217,7 +217,7 @@ def _run_adaptive(args: argparse.Namespace, worker: list[str], faults: list[str]
 
 
 def _report(run_dir: Path, skip: int | None, *, export: bool) -> None:
-    from .runtime.summary import analyse, export_profile, format_summary
+    from ..runtime.summary import analyse, export_profile, format_summary
 
     s = analyse(run_dir, skip=skip)
     print(format_summary(s))
@@ -251,7 +251,7 @@ def _report_segments(run_dir: Path, segments: list[Path], skip: int | None, *, e
     """A run of `run --adapt`: each segment's table, then what happened between them."""
     import json
 
-    from .runtime.supervisor import EVENTS_FILE
+    from ..runtime.supervisor import EVENTS_FILE
 
     events = {e["segment"]: e for e in (json.loads(x) for x in (run_dir / EVENTS_FILE).read_text().splitlines()
                                         if x.strip()) if e["event"] == "segment"} \
@@ -269,7 +269,7 @@ def _report_segments(run_dir: Path, segments: list[Path], skip: int | None, *, e
 
 
 def _print_timings(run_dir: Path) -> None:
-    from .runtime.supervisor import timings
+    from ..runtime.supervisor import timings
 
     for t in timings(run_dir):
         resume = f"{t['resume_s']:.1f} s" if t.get("resume_s") is not None else "-"

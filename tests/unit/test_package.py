@@ -1,0 +1,46 @@
+"""The package's face: importing it stays light (no runtime), every public name resolves, errors live in errors.py."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import hpml_compile
+from hpml_compile import errors
+
+ROOT = Path(__file__).resolve().parents[2]
+# Exception classes allowed outside errors.py, and why.
+NOT_ERRORS = {
+    "InjectedFault": "a fault injected on purpose, a ConnectionError so that it is retried like a real one",
+}
+
+
+def test_import_does_not_import_the_runtime() -> None:
+    code = "import hpml_compile, sys; print('hpml_compile.runtime' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_every_public_name_resolves_and_compile_is_the_runtimes() -> None:
+    from hpml_compile.runtime import compile as runtime_compile
+
+    assert all(getattr(hpml_compile, name, None) is not None for name in hpml_compile.__all__)
+    assert hpml_compile.compile is runtime_compile
+    assert "compile" in dir(hpml_compile)
+
+
+def test_error_classes_are_defined_in_errors_only() -> None:
+    names = set(errors.__all__)
+    outside = []
+    for path in sorted((ROOT / "hpml_compile").rglob("*.py")):
+        if path.name == "errors.py" and path.parent.name == "hpml_compile":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name not in NOT_ERRORS:
+                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+                if bases & (names | {"Exception"}) or any(b.endswith("Error") for b in bases):
+                    outside.append(f"{path.relative_to(ROOT)}: {node.name}")
+    assert not outside, f"error classes outside hpml_compile/errors.py: {outside}"
+    assert all(issubclass(getattr(errors, n), errors.HpmlError) for n in names)
