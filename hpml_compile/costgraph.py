@@ -252,12 +252,13 @@ def _split_by_cost(cg: CostGraph, groups: list[tuple[str, list[str]]], share: fl
     def frac(members: list[str]) -> dict[str, float]:
         return {k: sum(sum(g.nodes[n]["cost"][k]) for n in members) / t for k, t in totals.items()}
 
+    over = share * (1 + 1e-9)  # sums in another order may differ in the last bits: share=1 must mean "whole"
     blocked: list[bool] = []
     pos = {n: i for i, n in enumerate(cg.order)}
     out: list[tuple[str, list[str]]] = []
     for key, members in groups:
         f = frac(members)
-        if not ((key == "" and max(f.values()) > share) or min(f.values()) > _WHOLE):
+        if not ((key == "" and max(f.values()) > over) or min(f.values()) > _WHOLE):
             out.append((key, members))
             continue
         blocked = blocked or _non_tensor_positions(cg)
@@ -265,7 +266,7 @@ def _split_by_cost(cg: CostGraph, groups: list[tuple[str, list[str]]], share: fl
         held = dict.fromkeys(totals, 0.0)
         for atom in _atoms(g, members):
             more = frac(atom)
-            if run and not blocked[pos[atom[0]]] and any(held[k] + more[k] > share for k in totals):
+            if run and not blocked[pos[atom[0]]] and any(held[k] + more[k] > over for k in totals):
                 out.append((key, run))
                 run, held = [], dict.fromkeys(totals, 0.0)
             run.extend(atom)
