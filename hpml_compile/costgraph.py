@@ -8,6 +8,14 @@ topological order* that share a block key; because every edge goes forward
 in that order, the quotient graph is acyclic by construction, and sums of
 times, FLOPs and bytes are preserved exactly.
 
+Scopes are the structure a person gave the model, so they are kept where they
+exist. Where they give none (nodes outside every module, as in a model of
+top-level parameters applied with ``F.linear``; or one block holding nearly
+the whole model), that run is cut by cost instead: into contiguous runs of at most
+``share`` of the model's time on every device kind, so that the solver can
+still cut it. Without that, such a model is one block and gets one stage on
+any cluster.
+
 Example:
     >>> from hpml_compile.ir import Profile, ProfileNode, NodeOp, NodeCost
     >>> c = lambda ms: {"cpu": NodeCost(ms, 2 * ms, True)}
@@ -26,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -38,6 +47,12 @@ __all__ = ["CostGraph", "build", "block_key"]
 
 _SIZE_ATTRS = ("flops", "bwd_flops", "param_bytes", "activation_bytes", "output_bytes", "mem_bytes")
 _NUMERIC = re.compile(r"^\d+$")
+# Where scopes give no structure, runs of at most this share of the model's time (about 32 blocks or more):
+# fine enough that the solver's best cut is rarely a block away from the optimum, coarse enough for the ILP.
+RUN_SHARE = 1 / 32
+# A block holding more than this share of the model's time gives no structure either (a model wrapped in one
+# module whose own code is functional calls): it is cut by cost too, so that no model is a single block.
+_WHOLE = 0.9
 
 
 def block_key(scope: str) -> str:
@@ -137,7 +152,7 @@ class CostGraph:
             return sum(sum(self.node(n).cost[kind]) for n in g)
         return sum(getattr(self.node(n), attr) for n in g)
 
-    def coarsen(self, key: Callable[[str], str] | None = None) -> "CostGraph":
+    def coarsen(self, key: Callable[[str], str] | None = None, *, share: float = RUN_SHARE) -> "CostGraph":
         """Merge contiguous runs (in ``order``) of nodes with the same block key.
 
         Args:
@@ -145,10 +160,19 @@ class CostGraph:
                 :func:`block_key` of the first member's module scope. Nodes of
                 cost zero with no scope (placeholders, shape reads) join the
                 block of the node after them so they do not fragment the chain.
+            share: where keys give no structure (a run with the empty key, or one
+                block holding nearly the whole model), that run is cut into runs of
+                at most this fraction of the model's time on every kind
+                (:func:`_split_by_cost`).
 
         Returns:
             A new CostGraph, acyclic, with the same totals.
+
+        Raises:
+            ValueError: if ``share`` is not in ``(0, 1]``.
         """
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"share must be in (0, 1], got {share}: it is a fraction of the model's time")
         g = self.graph
         keyf = key or (lambda n: block_key(g.nodes[n]["scope"]))
         keys = [keyf(n) for n in self.order]
@@ -163,6 +187,7 @@ class CostGraph:
                 groups[-1][1].append(n)
             else:
                 groups.append((k, [n]))
+        groups = _split_by_cost(self, groups, share)
         return self.merge([members for _, members in groups], [k for k, _ in groups])
 
     def merge(self, groups: list[list[str]], keys: list[str] | None = None) -> "CostGraph":
@@ -209,6 +234,84 @@ class CostGraph:
 
 def _is_free(attrs: dict[str, Any]) -> bool:
     return all(f == 0 and b == 0 for f, b in attrs["cost"].values()) and attrs["param_bytes"] == 0
+
+
+def _split_by_cost(cg: CostGraph, groups: list[tuple[str, list[str]]], share: float
+                   ) -> list[tuple[str, list[str]]]:
+    """Cut the groups whose keys give no structure into runs of at most ``share`` of the model's time.
+
+    A group gives no structure when its key is empty (its nodes are outside every
+    module) and it costs more than ``share`` of the model on some kind, or when it
+    alone is (nearly) the whole model: over 90% of its time on every kind. Other groups are kept
+    as they are, so models with scopes coarsen exactly as before. Runs are filled
+    greedily in order and never end where a non-tensor value crosses.
+
+    Args:
+        cg: the fine-grained graph the groups cover.
+        groups: ``(key, members)`` runs of ``cg.order``.
+        share: the largest fraction of a kind's total time a run may hold (a node
+            above it is a run alone).
+
+    Returns:
+        The groups, the unstructured ones replaced by their runs (same key).
+    """
+    g = cg.graph
+    totals = {k: t for k in cg.kinds if (t := cg.total("", kind=k)) > 0}
+    if not totals:
+        return groups
+
+    def frac(members: list[str]) -> dict[str, float]:
+        return {k: sum(sum(g.nodes[n]["cost"][k]) for n in members) / t for k, t in totals.items()}
+
+    over = share * (1 + 1e-9)  # sums in another order may differ in the last bits: share=1 must mean "whole"
+    blocked: list[bool] = []
+    pos = {n: i for i, n in enumerate(cg.order)}
+    out: list[tuple[str, list[str]]] = []
+    for key, members in groups:
+        f = frac(members)
+        if not ((key == "" and max(f.values()) > over) or min(f.values()) > _WHOLE):
+            out.append((key, members))
+            continue
+        blocked = blocked or _non_tensor_positions(cg)
+        run: list[str] = []
+        held = dict.fromkeys(totals, 0.0)
+        for atom in _atoms(g, members):
+            more = frac(atom)
+            if run and not blocked[pos[atom[0]]] and any(held[k] + more[k] > over for k in totals):
+                out.append((key, run))
+                run, held = [], dict.fromkeys(totals, 0.0)
+            run.extend(atom)
+            held = {k: held[k] + more[k] for k in totals}
+        out.append((key, run))
+    return out
+
+
+def _atoms(g: nx.DiGraph, members: list[str]) -> list[list[str]]:
+    """``members`` cut after each node that takes time: nodes of no time (a ``get_attr`` of a
+    weight, a placeholder) stay with the node after them, which reads them, so that a
+    weight is counted in the block that uses it. Trailing ones join the last atom."""
+    atoms: list[list[str]] = [[]]
+    for n in members:
+        atoms[-1].append(n)
+        if any(f or b for f, b in g.nodes[n]["cost"].values()):
+            atoms.append([])
+    if not atoms[-1]:
+        atoms.pop()
+    elif len(atoms) > 1:
+        atoms[-2].extend(atoms.pop())
+    return atoms
+
+
+def _non_tensor_positions(cg: CostGraph) -> list[bool]:
+    """Per position ``p`` of ``cg.order``: a non-tensor value crosses from ``order[:p]`` to
+    ``order[p:]``, so a block boundary there could never be a stage boundary and none is made."""
+    pos = {n: i for i, n in enumerate(cg.order)}
+    diff = [0] * (len(cg.order) + 2)
+    for u, v, data in cg.graph.edges(data=True):
+        if not data["tensors"]:
+            diff[pos[u] + 1] += 1
+            diff[pos[v] + 1] -= 1
+    return [c > 0 for c in itertools.accumulate(diff)]
 
 
 def _merge_attrs(nodes: list[dict[str, Any]], kinds: tuple[str, ...]) -> dict[str, Any]:

@@ -29,7 +29,8 @@ from hpml_compile.plan import load_plan
 from hpml_compile.runtime.checkpoint import latest, list_checkpoints, load_checkpoint
 from hpml_compile.runtime.monitor import read_metrics
 
-pytestmark = pytest.mark.dist
+# Each CLI call may take up to _cli's 600 s and a test makes two or three: longer than the default per-test limit.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(1800)]
 CLI = [sys.executable, "-m", "hpml_compile"]
 
 

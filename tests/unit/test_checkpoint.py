@@ -109,6 +109,7 @@ def test_error_mid_write_leaves_previous_whole(tmp_path: Path, monkeypatch: pyte
     assert not list(tmp_path.glob("*.tmp"))
 
 
+@pytest.mark.dist
 def test_process_killed_mid_write_leaves_previous_whole(tmp_path: Path) -> None:
     """A real crash: the writer is SIGKILLed after its shards are written, before the checkpoint is published."""
     script = tmp_path / "writer.py"

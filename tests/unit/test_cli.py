@@ -68,12 +68,14 @@ def test_models_lists_the_zoo(capsys: pytest.CaptureFixture[str]) -> None:
         assert name in text
 
 
+@pytest.mark.dist
 def test_help_explains_each_command() -> None:
     out = subprocess.run([sys.executable, "-m", "hpml_compile", "profile", "--help"], capture_output=True,
                          text=True, check=True).stdout
     assert "--meta" in out and "hf:<model_type>" in out and "--device-kinds" in out
 
 
+@pytest.mark.dist
 def test_llama_7b_meta_profile_fits_in_3_gb(tmp_path: Path) -> None:
     """The issue's acceptance command: predicted costs for a 7B model without its weights."""
     out = tmp_path / "p.json"

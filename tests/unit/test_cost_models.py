@@ -144,6 +144,7 @@ def test_host_cpu_is_measured_positive_and_cached() -> None:
     assert cpu.peak_flops["float64"] < cpu.peak_flops["float32"]
 
 
+@pytest.mark.dist
 def test_import_does_not_pull_in_hpml_compile_or_torch() -> None:
     code = ("import sys, cost_models; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('hpml_compile', 'torch')]; "

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
-                                reason="glibc's malloc thresholds only exist on Linux with glibc")
+pytestmark = [pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                 reason="glibc's malloc thresholds only exist on Linux with glibc"),
+              pytest.mark.dist]  # each test measures a fresh Python process
 
 # Ten 4 MiB tensors per "step", freed at its end: what a training step does with its activations.
 _LOOP = """

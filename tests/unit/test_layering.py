@@ -1,4 +1,22 @@
-"""Arrows run one way: a pass imports earlier passes, never a later one; cost_models imports no hpml_compile."""
+"""Arrows run one way, checked by parsing every module's imports (lazy ones inside functions included).
+
+Every module of ``hpml_compile`` belongs to one layer (``_kind``) and an
+unclassified module fails, so a new module is placed on purpose:
+
+- a *pass* (``PASSES``, in pipeline order) imports shared modules and earlier
+  passes only: never a later pass, the runtime, a CLI, the driver or a view;
+- *shared* modules (``SHARED``: types, errors, schemas) import only each other;
+- *views* (``VIEWS``: pictures and tables) read the passes' outputs, never the
+  runtime, the CLIs or the driver; *models* import only shared modules;
+- ``driver`` is the flat list of pass calls, the only module that assembles the
+  compile chain (``CHAIN``), and never imports the runtime or the CLIs;
+- ``runtime/`` reaches solving (``SOLVING``) only through the driver, and never
+  imports a CLI;
+- the package root does not import the runtime (``import hpml_compile`` stays light);
+- the CLIs sit on top and may import anything.
+
+And ``cost_models`` imports nothing from ``hpml_compile``.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +26,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# Each pass, and the modules it may never import (the passes after it).
-ORDER = ["trace", "profile", "costgraph", "cluster", "plan", "simulate", "solve", "codegen", "runtime"]
-SHARED = {"ir", "errors", "schema", "models", "report"}
+PASSES = ["trace", "profile", "costgraph", "cluster", "plan", "simulate", "solve", "replan", "codegen"]
+SHARED = {"ir", "errors", "schema", "memory", "hostmem"}
+VIEWS = {"viz", "report"}
+CLI = {"cli", "demo", "__main__"}  # and every ``*_cli`` module
+# What the runtime may reach only through hpml_compile.driver.
+SOLVING = {"solve", "simulate", "costgraph", "profile", "trace", "replan"}
+# The compile chain: a module importing all of these assembles it by hand, which is the driver's job.
+CHAIN = {"profile", "costgraph", "solve", "codegen"}
 
 
 def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, absolute; ``from a import b`` gives both ``a`` and ``a.b``."""
     tree = ast.parse(path.read_text())
     names: set[str] = set()
     for node in ast.walk(tree):
@@ -29,26 +53,122 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-def _pass_of(module: str) -> str | None:
+def _module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top(module: str) -> str | None:
+    """The first component under ``hpml_compile`` (``hpml_compile.solve.dp`` -> ``solve``); ``""`` for the
+    package root; None outside the package."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[0] == "hpml_compile" and parts[1] in ORDER else None
+    if parts[0] != "hpml_compile":
+        return None
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _kind(module: str) -> str | None:
+    """The layer of an ``hpml_compile`` module, None when it is not classified."""
+    top = _top(module)
+    if top is None:
+        return None
+    if top == "":
+        return "root"
+    if top in PASSES:
+        return "pass"
+    if top in SHARED:
+        return "shared"
+    if top in VIEWS:
+        return "view"
+    if top in CLI or top.endswith("_cli"):
+        return "cli"
+    return {"models": "models", "driver": "driver", "runtime": "runtime"}.get(top)
+
+
+def _internal(path: Path) -> dict[str, str]:
+    """The ``hpml_compile`` modules ``path`` imports, each with its top component (itself excluded)."""
+    me = _top(_module(path))
+    out: dict[str, str] = {}
+    for m in _imports(path):
+        top = _top(m)
+        if top is not None and top != me:
+            out[m] = top
+    return out
 
 
 def _files(top: str) -> list[Path]:
     return sorted((ROOT / top).rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", _files("cost_models"), ids=lambda p: str(p.relative_to(ROOT)))
+def _id(p: Path) -> str:
+    return str(p.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("path", _files("cost_models"), ids=_id)
 def test_cost_models_import_nothing_from_hpml_compile(path: Path) -> None:
     bad = [m for m in _imports(path) if m.split(".")[0] == "hpml_compile"]
     assert not bad, f"{path.name} imports {bad}"
 
 
-@pytest.mark.parametrize("path", _files("hpml_compile"), ids=lambda p: str(p.relative_to(ROOT)))
-def test_passes_never_import_later_passes(path: Path) -> None:
-    me = _pass_of(".".join(path.relative_to(ROOT).with_suffix("").parts))
-    if me is None:
-        return
-    later = set(ORDER[ORDER.index(me) + 1:])
-    bad = sorted({m for m in _imports(path) if _pass_of(m) in later})
-    assert not bad, f"{path.relative_to(ROOT)} ({me}) imports later passes: {bad}"
+@pytest.mark.parametrize("path", _files("hpml_compile"), ids=_id)
+def test_every_module_is_classified(path: Path) -> None:
+    module = _module(path)
+    assert _kind(module) is not None, (
+        f"{module} belongs to no layer: add its name to PASSES (in pipeline order), SHARED, VIEWS or CLI in "
+        f"{Path(__file__).name}, so that its imports are checked")
+
+
+def _forbidden(path: Path) -> list[str]:
+    """The imports of ``path`` its layer does not allow, each with the rule it breaks."""
+    module = _module(path)
+    kind = _kind(module)
+    me = _top(module)
+    bad: list[str] = []
+    imported = _internal(path)
+    for m, top in sorted(imported.items()):
+        parent = m.rpartition(".")[0]
+        if parent != "hpml_compile" and parent in imported:  # ``from x import name``: x is judged, named once
+            continue
+        other = _kind(m)
+        if kind == "pass":
+            if other == "pass" and PASSES.index(top) > PASSES.index(me):  # type: ignore[arg-type]
+                bad.append(f"{m} (a later pass)")
+            elif other not in ("pass", "shared"):
+                bad.append(f"{m} (a pass imports only shared modules and earlier passes)")
+        elif kind == "shared" and other != "shared":
+            bad.append(f"{m} (a shared module imports only shared modules)")
+        elif kind == "models" and other not in ("shared", "models"):
+            bad.append(f"{m} (the model zoo imports only shared modules)")
+        elif kind in ("view", "driver") and other in ("runtime", "cli", "driver"):
+            bad.append(f"{m} (a {kind} never imports the runtime, the CLIs or the driver)")
+        elif kind == "runtime" and top in SOLVING:
+            bad.append(f"{m} (the runtime reaches solving only through hpml_compile.driver)")
+        elif kind == "runtime" and other == "cli":
+            bad.append(f"{m} (the runtime never imports a CLI)")
+        elif kind == "root" and other == "runtime":
+            bad.append(f"{m} (importing hpml_compile must not import the runtime)")
+    return bad
+
+
+@pytest.mark.parametrize("path", _files("hpml_compile"), ids=_id)
+def test_imports_follow_the_layers(path: Path) -> None:
+    module = _module(path)
+    bad = _forbidden(path)
+    assert not bad, f"{module} ({_kind(module)}) imports " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("path", _files("hpml_compile"), ids=_id)
+def test_only_the_driver_assembles_the_compile_chain(path: Path) -> None:
+    module = _module(path)
+    chain = CHAIN & set(_internal(path).values())
+    assert module == "hpml_compile.driver" or chain != CHAIN, (
+        f"{module} imports every pass of the compile chain ({', '.join(sorted(CHAIN))}): call "
+        "hpml_compile.driver instead of assembling the passes by hand")
+
+
+def test_the_rules_catch_what_they_should() -> None:
+    """The classifier and the rules on made-up imports, so that a rule cannot silently stop applying."""
+    assert _kind("hpml_compile.solve.dp") == "pass" and _kind("hpml_compile.replan_cli") == "cli"
+    assert _kind("hpml_compile.cli.compile") == "cli" and _kind("hpml_compile.runtime.api") == "runtime"
+    assert _kind("hpml_compile") == "root" and _kind("hpml_compile.newthing") is None and _kind("torch") is None
+    assert PASSES.index("costgraph") < PASSES.index("solve") < PASSES.index("replan") < PASSES.index("codegen")

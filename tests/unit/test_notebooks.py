@@ -11,6 +11,10 @@ from nbclient import NotebookClient
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 
 
+# Each notebook runs in a kernel process, and 02/03 start torchrun jobs: the dist tier. Each cell may take up
+# to the client's 600 s, so the whole notebook gets longer than the suite's default per-test limit.
+@pytest.mark.dist
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path: Path, tmp_path: Path) -> None:
     nb = nbformat.read(path, as_version=4)

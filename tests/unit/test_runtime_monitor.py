@@ -62,6 +62,7 @@ def test_receive_waits_split_into_transfer_and_idle() -> None:
     assert total == pytest.approx(17.0) and transfer == pytest.approx(2 * 2.0 + 2 * 1.0)
 
 
+@pytest.mark.dist
 def test_peak_memory_of_a_process_follows_its_allocations() -> None:
     # A fresh process: in this one, freed memory that is still resident would absorb the allocation.
     code = ("import torch; from hpml_compile.runtime.monitor import peak_memory, reset_peak_memory; "
