@@ -19,6 +19,7 @@ __all__ = [
     "UnknownDeviceError",
     "InfeasibleError",
     "BuildMismatchError",
+    "ScheduleError",
 ]
 
 
@@ -59,3 +60,7 @@ class InfeasibleError(HpmlError):
 
 class BuildMismatchError(HpmlError):
     """A build folder no longer matches its model or its own manifest."""
+
+
+class ScheduleError(HpmlError):
+    """A build's per-rank action lists cannot run: an unmatched message, a rank waiting on itself, a deadlock."""
