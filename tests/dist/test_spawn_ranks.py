@@ -18,5 +18,6 @@ def _each_waits_for_the_other(rank: int, world: int) -> None:
 
 
 def test_a_deadlock_times_out_and_names_the_ranks_still_alive(tmp_path: Path) -> None:
-    with pytest.raises(RanksTimeout, match=r"ranks \[0, 1\] of 2 were still running _each_waits_for_the_other after 20 s"):
+    with pytest.raises(RanksTimeout, match=r"ranks \[0, 1\] of 2 were still running _each_waits_for_the_other "
+                                           r"after 20 s"):
         spawn_ranks(_each_waits_for_the_other, 2, tmp_path, timeout_s=20)
