@@ -340,7 +340,7 @@ def rebuild(recipe_dir: str | Path, placed: Plan, prof: Profile, out_dir: str | 
     import shutil
 
     from . import models
-    from .runtime.recipe import read_recipe, write_recipe
+    from .recipe import read_recipe, write_recipe
 
     recipe = read_recipe(recipe_dir)
     loaded = models.load(recipe.model, batch_size=recipe.batch_size, seq_len=recipe.seq_len, seed=recipe.seed)

@@ -28,6 +28,9 @@ __all__ = [
     "SupervisorError",
     "CheckpointError",
     "CommFailure",
+    "ScheduleError",
+    "IndexFormatError",
+    "RanksTimeout",
 ]
 
 
@@ -110,3 +113,15 @@ class CheckpointError(HpmlError):
 
 class CommFailure(HpmlError):
     """A step's communication failed and retrying did not help (names the step, the error and what to do)."""
+
+
+class ScheduleError(HpmlError):
+    """A build's per-rank action lists cannot run: an unmatched message, a rank waiting on itself, a deadlock."""
+
+
+class IndexFormatError(HpmlError):
+    """A checkpoint's ``index.json`` that does not describe tensors in its own folder."""
+
+
+class RanksTimeout(HpmlError):
+    """Spawned ranks did not finish in time (a deadlock, or a machine far slower than expected)."""

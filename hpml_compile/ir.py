@@ -26,6 +26,7 @@ __all__ = [
     "PROFILE_VERSION",
     "CLUSTER_VERSION",
     "NodeOp",
+    "Schedule",
     "FrontEnd",
     "BackwardTiming",
     "NodeCost",
@@ -63,6 +64,13 @@ def base_kind(kind: str) -> str:
 def variant_kind(kind: str, device: str) -> str:
     """The variant kind of ``device`` (see :func:`base_kind`): ``variant_kind("cpu", "cpu1") == "cpu~cpu1"``."""
     return f"{base_kind(kind)}{VARIANT_SEP}{device}"
+
+
+class Schedule(str, enum.Enum):
+    """Pipeline schedule: GPipe (Huang et al. 2019) or 1F1B (PipeDream-flush, Narayanan et al. 2021)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
 
 
 class NodeOp(str, enum.Enum):

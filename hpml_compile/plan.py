@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PlanError
-from .ir import Cluster, Profile
+from .ir import Cluster, Profile, Schedule
 from .memory import GiB, ZeroStage, dtype_bytes
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
+from .stagecost import device_memory, in_flight
 
 __all__ = [
     "PLAN_VERSION",
@@ -46,13 +47,6 @@ __all__ = [
 ]
 
 PLAN_VERSION = 1
-
-
-class Schedule(str, enum.Enum):
-    """Pipeline schedule: GPipe (Huang et al. 2019) or 1F1B (PipeDream-flush, Narayanan et al. 2021)."""
-
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
 
 
 class SolverStatus(str, enum.Enum):
@@ -249,7 +243,6 @@ def stage_memory(plan: Plan, profile: Profile, stage: Stage) -> int:
     Returns:
         Peak bytes per device of the stage.
     """
-    from .stagecost import device_memory, in_flight  # stagecost builds on this module's Schedule
 
     names = set(stage.nodes)
     nodes = [n for n in profile.nodes if n.name in names]

@@ -81,6 +81,7 @@ from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
 from .memory import MemoryBreakdown, dtype_bytes
 from .plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction
+from .schedule import op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (copy_ms, device_memory, in_flight, optimizer_ms, stream_bytes_per_ms, stream_ms,
                         sync_ms, transfer_ms)
 
@@ -179,28 +180,6 @@ class SimResult:
     tied_ms: tuple[tuple[tuple[int, ...], float], ...] = ()
     contention: tuple[float, ...] = ()
     stage_bubbles: tuple[float, ...] = ()
-
-
-def op_order(schedule: Schedule, stage: int, stages: int, microbatches: int) -> list[tuple[bool, int]]:
-    """The operations of one stage in execution order, as ``(is_forward, microbatch)``.
-
-    Args:
-        schedule: GPipe or 1F1B.
-        stage: stage index ``i``.
-        stages: stage count ``S``.
-        microbatches: ``M``.
-
-    Returns:
-        The order; under 1F1B at most ``S - i`` forwards are ahead of their backward.
-    """
-    m = microbatches
-    if schedule is Schedule.GPIPE:
-        return [(True, k) for k in range(m)] + [(False, k) for k in range(m)]
-    w = min(stages - stage - 1, m)
-    ops = [(True, k) for k in range(w)]
-    for k in range(m - w):
-        ops += [(True, w + k), (False, k)]
-    return ops + [(False, k) for k in range(m - w, m)]
 
 
 def _stage_of_graph_nodes(plan: Plan, graph: CostGraph) -> dict[str, int]:

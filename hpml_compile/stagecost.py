@@ -66,9 +66,8 @@ import numpy as np
 import cost_models
 
 from .costgraph import CostGraph
-from .ir import base_kind
+from .ir import Schedule, base_kind
 from .memory import MemoryBreakdown, ZeroStage
-from .plan import Schedule
 
 __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "copy_ms",
            "optimizer_ms", "stream_ms", "stream_bytes_per_ms"]

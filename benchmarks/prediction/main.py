@@ -47,7 +47,7 @@ from hpml_compile.codegen import generate
 from hpml_compile.costgraph import CostGraph
 from hpml_compile.costgraph import build as build_costgraph
 from hpml_compile.plan import Plan, Schedule, Stage
-from hpml_compile.runtime import Pipeline, launch
+from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.runtime.summary import predicted_bubble
 from hpml_compile.simulate import annotate
 from hpml_compile.trace import trace
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="hpml-prediction-"))
     cases = _cases(args.models.split(","), root, _grid(args.grid))
     for world in sorted({c.ranks for c in cases}):
-        launch(_worker, world, root, cases, args.steps, args.warmup, str(root))
+        spawn_ranks(_worker, world, root, cases, args.steps, args.warmup, str(root))
     rows = _summarise(cases, root)
     print(f"{len(rows)} plans on local CPU ranks (1 thread each); median of {args.steps} steps after {args.warmup} "
           "warm-up; error = (measured - predicted) / predicted")

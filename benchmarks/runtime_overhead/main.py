@@ -38,7 +38,7 @@ from hpml_compile import models
 from hpml_compile.codegen import generate
 from hpml_compile.codegen.testing import split_plan
 from hpml_compile.plan import Schedule
-from hpml_compile.runtime import Pipeline, launch
+from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.trace import trace
 
 HERE = Path(__file__).resolve().parent
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="hpml-overhead-"))
     build_dir = _build(args, root)
     t0 = time.perf_counter()
-    launch(_worker, 2, root, args, build_dir, str(root))
+    spawn_ranks(_worker, 2, root, args, build_dir, str(root))
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(2)]
     rows = {}
     loaded = _load(args.model)

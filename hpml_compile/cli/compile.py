@@ -77,7 +77,7 @@ def run_compile(args: argparse.Namespace) -> int:
     """
     from .. import models  # the zoo is only needed here
     from .. import driver
-    from ..runtime.recipe import ModelRecipe, absolute_model_spec, write_recipe
+    from ..recipe import ModelRecipe, absolute_model_spec, write_recipe
 
     if args.microbatches is not None and args.microbatches < 1:
         raise HpmlError(f"compile: --microbatches must be >= 1, got {args.microbatches}")

@@ -81,7 +81,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from ..profile import load_profile
     from .. import driver
     from ..runtime.launcher import LaunchSpec, launch, prepare_run_dir
-    from ..runtime.recipe import ModelRecipe, write_recipe
+    from ..recipe import ModelRecipe, write_recipe
     from ..runtime.summary import analyse, export_profile, format_summary
 
     opt = options(args)

@@ -29,7 +29,7 @@ from typing import Any
 from ..errors import HpmlError
 from ..plan import load_plan
 from ..runtime.adapt import AdaptOptions
-from ..runtime.comm import OpKind
+from ..runtime.comm import CommOp
 
 __all__ = ["add_parsers", "run_run", "run_report", "default_run_dir"]
 
@@ -66,7 +66,7 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--retries", type=int, default=3,
                    help="attempts per step when communication fails transiently (default 3)")
     p.add_argument("--inject-fault", action="append", default=[], dest="inject_fault", metavar="STEP:RANK:OP",
-                   help=f"fail the first {'|'.join(o.value for o in OpKind)} of rank RANK in step STEP (from 1) once, "
+                   help=f"fail the first {'|'.join(o.value for o in CommOp)} of rank RANK in step STEP (from 1) once, "
                         "to see the retry work; repeatable")
     p.add_argument("--kill-at", action="append", default=[], dest="kill_at", metavar="STEP:RANK",
                    help="fault injection: rank RANK dies abruptly when it reaches step STEP (from 1); repeatable")
@@ -134,7 +134,7 @@ def run_run(args: argparse.Namespace) -> int:
             the plan, a port in use, or a rank that failed (named, with why).
     """
     from ..runtime.launcher import LaunchSpec, check_world, launch, preflight, prepare_run_dir
-    from ..runtime.recipe import read_recipe
+    from ..recipe import read_recipe
 
     if not (args.build / "plan.json").is_file():
         raise HpmlError(f"run: {args.build} is not a build folder (no plan.json): run `hpml-compile compile MODEL "

@@ -14,7 +14,10 @@ steps, each a function whose output the next one reads (see :func:`generate`):
 5. :func:`~.lower.lower_stage`: one fx graph per stage with ``ops.recv``,
    ``ops.send``, ``ops.checkpoint``, ``ops.swap`` as real nodes (:mod:`.ops`);
 6. :func:`~.emit.stage_source`: each stage as Python source (``stage_<k>.py``);
-7. :func:`~.build.write_files`: the files and ``manifest.json`` with their hashes;
+7. :func:`hpml_compile.schedule.lower`: each rank's action list (forwards and
+   backwards in schedule order, messages, collectives, loss, optimizer step);
+8. :func:`~.build.write_files`: the files and ``manifest.json`` with their hashes
+   and the action lists;
 
 then :func:`load_build` imports what was written, as any later run will.
 
@@ -47,6 +50,8 @@ import torch.fx as fx
 from ..errors import HpmlError
 from ..ir import FrontEnd, Profile
 from ..plan import Plan, validate_plan
+from ..schedule import lower as lower_schedule
+from ..schedule import rank_layout
 from .actions import GradSync, StageActions, SyncKind, Transfer
 from .build import (Build, InputSpec, Manifest, file_hashes, input_specs, leaf_modules, load_build, sha256,
                     write_files)
@@ -108,6 +113,10 @@ def generate(graph_module: fx.GraphModule, plan: Plan, out_dir: str | Path, *, p
         files["lowering.json"] = json.dumps(_debug(owner, values, actions), indent=2) + "\n"
     collectives = list(dict.fromkeys(str(g) for a in actions for g in (*a.grad_sync, *a.after_step)))
     collectives.sort(key=lambda t: (GradSync.parse(t).stages, t))
+    ranks = lower_schedule(plan.schedule, plan.microbatches, [len(st.devices) for st in plan.stages],
+                           sends=[a.send is not None for a in actions],
+                           grad_sync=[[str(g) for g in a.grad_sync] for a in actions],
+                           after_step=[[str(g) for g in a.after_step] for a in actions])  # 7. per-rank actions
     manifest = Manifest(
         model=plan.model, graph_sha256=graph_sha,
         front_end=FrontEnd.EXPORT if gm.meta.get("hpml_front_end") is FrontEnd.EXPORT else FrontEnd.FX,
@@ -115,8 +124,10 @@ def generate(graph_module: fx.GraphModule, plan: Plan, out_dir: str | Path, *, p
         microbatches=plan.microbatches,
         stages=tuple({"index": a.index, "file": f"stage_{a.index}.py", "class": class_name(a.index),
                       "actions": a.tokens()} for a in actions),
-        collectives=tuple(collectives), files=file_hashes(files, sorted(files)))
-    write_files(out, files, manifest)                              # 7. files, then the manifest
+        collectives=tuple(collectives), files=file_hashes(files, sorted(files)),
+        ranks=tuple({"stage": k, "replica": r, "actions": [str(x) for x in acts]}
+                    for (k, r), acts in zip(rank_layout(plan), ranks)))
+    write_files(out, files, manifest)                              # 8. files, then the manifest
     return load_build(out, gm, graph_module=gm)
 
 

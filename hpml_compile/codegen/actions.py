@@ -4,7 +4,9 @@ Codegen decides nothing: the plan says which stage runs each node, which
 stages recompute, which nodes swap, how stages are replicated. Lowering turns
 that into the actions below, each a frozen record that prints as a short
 token and parses back (``0SEND1``, ``SWAP2``, ``ALLREDUCE(0,3)``), and the
-stage graphs are built from them.
+stage graphs are built from them. The order each rank runs them in, per
+microbatch (``0F3``, ``0SEND1:3``, ``1B3``, ``OPT0``), is the schedule's
+lowering: :class:`hpml_compile.schedule.Action`, re-exported here.
 
 Example:
     >>> t = Transfer(0, 1, ("add_2", "size"))
@@ -23,7 +25,9 @@ import enum
 import re
 from dataclasses import dataclass
 
-__all__ = ["SyncKind", "TokenKind", "Transfer", "GradSync", "StageActions", "parse_token"]
+from ..schedule import Action, ActionKind
+
+__all__ = ["SyncKind", "TokenKind", "Transfer", "GradSync", "StageActions", "parse_token", "Action", "ActionKind"]
 
 _TRANSFER = re.compile(r"^(\d+)SEND(\d+)$")
 _SYNC = re.compile(r"^([A-Z]+)\((\d+(?:,\d+)*)\)$")

@@ -2,11 +2,13 @@
 
 ``manifest.json`` records the sha256 of the model graph (its canonical text,
 also written as ``graph.txt``) and of every generated file, the model inputs
-at trace and at microbatch size, and the collectives of the build.
+at trace and at microbatch size, the collectives of the build, and each
+rank's action list (:mod:`hpml_compile.schedule`): what the executor runs.
 :func:`load_build` re-checks every hash and refuses, naming the file, a stage
 that was edited by hand or a model whose graph is not the one the build was
-made for; then it imports the stage files (they are the user's own build
-output, not data) and binds each stage to the user's model's weights.
+made for; then it validates the action lists (matched messages, no deadlock),
+imports the stage files (they are the user's own build output, not data) and
+binds each stage to the user's model's weights.
 
 Example:
     >>> spec = InputSpec("idx", (2, 32), "int64")
@@ -29,6 +31,8 @@ import torch.fx as fx
 from ..errors import BuildMismatchError
 from ..ir import FrontEnd
 from ..plan import Plan, load_plan
+from ..schedule import RankActions, lower, parse_actions
+from ..schedule import validate as validate_actions
 from ..schema import check_version, read_json, validate, write_json_atomic
 from ..trace import trace
 from .actions import GradSync
@@ -36,7 +40,7 @@ from .partition import GUARD_TARGETS, canonical_text
 from .stage import StageModule
 
 __all__ = ["MANIFEST_VERSION", "MANIFEST_SCHEMA", "InputSpec", "Manifest", "Build", "sha256", "write_files",
-           "load_build", "input_specs", "leaf_modules"]
+           "load_build", "rank_actions", "input_specs", "leaf_modules"]
 
 MANIFEST_VERSION = 1
 _STAGE_FILE = re.compile(r"^stage_\d+\.py$")
@@ -62,6 +66,11 @@ MANIFEST_SCHEMA: dict[str, Any] = {
                 "index": {"type": "integer", "minimum": 0}, "file": {"type": "string"},
                 "class": {"type": "string"}, "actions": {"type": "array", "items": {"type": "string"}}}}},
         "collectives": {"type": "array", "items": {"type": "string"}},
+        # optional: builds written before the schedule was lowered into the build have none
+        "ranks": {"type": "array", "items": {
+            "type": "object", "required": ["stage", "replica", "actions"], "properties": {
+                "stage": {"type": "integer", "minimum": 0}, "replica": {"type": "integer", "minimum": 0},
+                "actions": {"type": "array", "items": {"type": "string"}}}}},
         "files": {"type": "object", "additionalProperties": {"type": "string", "pattern": "^[0-9a-f]{64}$"}},
     },
 }
@@ -102,6 +111,7 @@ class Manifest:
     stages: tuple[dict[str, Any], ...]
     collectives: tuple[str, ...]
     files: dict[str, str]
+    ranks: tuple[dict[str, Any], ...] = ()
     schema_version: int = MANIFEST_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -110,7 +120,7 @@ class Manifest:
                 "trace_inputs": [i.to_dict() for i in self.trace_inputs],
                 "inputs": [i.to_dict() for i in self.inputs], "microbatches": self.microbatches,
                 "stages": [dict(s) for s in self.stages], "collectives": list(self.collectives),
-                "files": dict(self.files)}
+                "files": dict(self.files), **({"ranks": [dict(r) for r in self.ranks]} if self.ranks else {})}
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "manifest.json") -> "Manifest":
@@ -120,7 +130,7 @@ class Manifest:
         return cls(d["model"], d["graph_sha256"], FrontEnd(d["front_end"]), tuple(d.get("leaf_modules", ())),
                    tuple(InputSpec.from_dict(i) for i in d["trace_inputs"]),
                    tuple(InputSpec.from_dict(i) for i in d["inputs"]), d["microbatches"],
-                   tuple(d["stages"]), tuple(d["collectives"]), dict(d["files"]))
+                   tuple(d["stages"]), tuple(d["collectives"]), dict(d["files"]), tuple(d.get("ranks", ())))
 
     def groups(self) -> list[tuple[int, ...]]:
         """The stage groups of the build's collectives, in the order every rank runs them."""
@@ -136,12 +146,14 @@ class Build:
         plan: the plan it carries out.
         manifest: its manifest.
         stages: ``stages[k]`` runs stage ``k`` (``forward``, ``sync_grads``, ``after_step``).
+        actions: each rank's action list, validated (:mod:`hpml_compile.schedule`).
     """
 
     out_dir: Path
     plan: Plan
     manifest: Manifest
     stages: tuple[StageModule, ...]
+    actions: tuple[RankActions, ...] = ()
 
     def source(self, stage: int) -> str:
         """The generated Python of a stage."""
@@ -268,12 +280,53 @@ def load_build(out_dir: str | Path, model: torch.nn.Module, *,
     _check_files(out, manifest)
     _check_graph(out, manifest, graph_module if graph_module is not None else _retrace(model, manifest))
     plan = load_plan(out / "plan.json")
+    actions = rank_actions(manifest, plan)
     stages = []
     for entry in manifest.stages:
         path = out / entry["file"]
         cls = _import_stage(path, entry["class"], manifest.files[entry["file"]])
         stages.append(cls(model))
-    return Build(out, plan, manifest, tuple(stages))
+    return Build(out, plan, manifest, tuple(stages), tuple(actions))
+
+
+def rank_actions(manifest: Manifest, plan: Plan) -> list[RankActions]:
+    """Each rank's action list from the manifest, validated before anything runs.
+
+    A build written before the schedule was lowered into the manifest has no
+    ``ranks``: its lists are lowered here from plan.json (schedule,
+    microbatches, replicas) and the boundary and collective tokens of the
+    manifest's stages, as codegen would lower them now.
+
+    Args:
+        manifest: the build's manifest.
+        plan: its plan.
+
+    Returns:
+        One tuple of actions per rank.
+
+    Raises:
+        BuildMismatchError: the lists do not fit the plan's ranks, or a token does not parse.
+        ScheduleError: an unmatched send or receive, a rank waiting on itself, an order that deadlocks.
+    """
+    replicas = [len(st.devices) for st in plan.stages]
+    if manifest.ranks:
+        layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
+        got = [(r["stage"], r["replica"]) for r in manifest.ranks]
+        if got != layout:
+            raise BuildMismatchError(f"manifest.json: the action lists are for ranks (stage, replica) {got}, but "
+                                     f"plan.json places {layout}: regenerate the build with `hpml-compile compile`")
+        try:
+            ranks = parse_actions([r["actions"] for r in manifest.ranks])
+        except ValueError as e:
+            raise BuildMismatchError(f"manifest.json: {e}; regenerate the build") from None
+    else:
+        tokens = [list(entry["actions"]) for entry in manifest.stages]
+        ranks = lower(plan.schedule, plan.microbatches, replicas,
+                      sends=[f"{k}SEND{k + 1}" in t for k, t in enumerate(tokens)],
+                      grad_sync=[[x for x in t if x.startswith(("ALLREDUCE", "REDUCESCATTER"))] for t in tokens],
+                      after_step=[[x for x in t if x.startswith("ALLGATHER")] for t in tokens])
+    validate_actions(ranks, replicas)
+    return ranks
 
 
 def file_hashes(files: dict[str, str | bytes], names: Sequence[str]) -> dict[str, str]:

@@ -14,7 +14,8 @@ stage with ``d`` replicas and one with ``d'``:
 
 :class:`Comm` implements that on top of two primitives, a point-to-point
 ``_put``/``_get`` between endpoints ``(stage, replica)``: a local mailbox in
-one process (the executor's ``LocalComm``) or torch.distributed ranks.
+one process (:class:`hpml_compile.runtime.comm.LocalComm`) or torch.distributed
+ranks (:class:`hpml_compile.runtime.comm.DistComm`).
 
 Example:
     >>> pieces(rows=4, me=0, d_me=2, d_peer=4)  # replica 0 of 2 holds rows 0-3 of 8; peers hold 2 each

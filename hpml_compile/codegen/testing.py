@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Iterable, Sequence
 
 import torch
@@ -26,7 +25,7 @@ from ..cluster import load_cluster
 from ..memory import ZeroStage
 from ..plan import Plan, Schedule, Stage
 
-__all__ = ["SkipNet", "skipnet_batch", "skipnet_loss", "split_plan", "with_devices", "max_grad_diff", "max_buffer_diff"]
+__all__ = ["SkipNet", "skipnet_batch", "skipnet_loss", "split_plan", "max_grad_diff", "max_buffer_diff"]
 
 
 class SkipNet(nn.Module):
@@ -112,15 +111,6 @@ def split_plan(gm: fx.GraphModule, model: str, stages: int, *, microbatches: int
         out.append(Stage(i, devices[i], part, zero=ZeroStage(zero) if reps[i] > 1 else ZeroStage.NONE,
                          recompute=i in recompute, swap=part if i in swap else ()))
     return Plan(model, load_cluster(f"local-cpu-{k}"), schedule, microbatches, tuple(out))
-
-
-def with_devices(plan: Plan, replicas: Sequence[int]) -> Plan:
-    """The same stages on new devices: ``replicas[k]`` devices for stage ``k``."""
-    stages, k = [], 0
-    for st, d in zip(plan.stages, replicas):
-        stages.append(replace(st, devices=tuple(f"cpu{k + i}" for i in range(d))))
-        k += d
-    return replace(plan, cluster=load_cluster(f"local-cpu-{k}"), stages=tuple(stages))
 
 
 def max_grad_diff(model: nn.Module, reference: nn.Module, names: Iterable[str] | None = None) -> float:

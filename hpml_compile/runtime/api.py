@@ -45,8 +45,8 @@ from ..cluster import load_cluster
 from ..codegen import load_build
 from ..codegen.build import sha256
 from ..ir import Cluster
+from ..driver import SolverName
 from ..plan import Schedule
-from ..solve import SolverName
 from .pipeline import OptimizerArg, Pipeline
 from .session import RetryPolicy, Session
 

@@ -1,8 +1,10 @@
-"""The runtime's communicator: a backend per pair of devices, host staging, timings, transient-error detection.
+"""The runtime's communicators: a mailbox in one process, or torch.distributed with a backend per pair of devices.
 
 What the generated stages ask for (``ops.send``/``ops.recv``, gradient
-collectives) goes through :class:`PipeComm`, a :class:`~hpml_compile.codegen.comm.Comm`
-over torch.distributed:
+collectives) goes through a :class:`~hpml_compile.codegen.comm.Comm`:
+:class:`LocalComm` when every stage runs in this process (a message is a
+copy handed over through a mailbox; collectives have nothing to do), else
+:class:`DistComm`, over torch.distributed:
 
 - **Backend per pair** (:func:`pair_backend`): NCCL between two GPUs (a
   two-rank NCCL group per adjacent GPU pair), gloo wherever a CPU is
@@ -10,10 +12,10 @@ over torch.distributed:
   tensor through host memory: ``.cpu()`` before a gloo send, ``.to(cuda)``
   after a gloo receive. A collective's group is NCCL when every member is a
   GPU, gloo otherwise (GPU tensors staged the same way).
-- **Sends never block** (``isend``, kept alive until :meth:`PipeComm.flush` at
-  the end of the step); receives block. A stage waits only for an earlier
-  stage in forward and a later one in backward, so GPipe and 1F1B cannot
-  deadlock (the simulator checks the same orders).
+- **Sends never block** (``isend``, kept alive until :meth:`DistComm.flush` at
+  the end of the step); receives block. :func:`hpml_compile.schedule.validate`
+  replays each build's action lists under exactly these rules before a step
+  runs, so an order that could deadlock is refused.
 - **Timings** (:class:`CommStats`): seconds blocked in each receive, in
   collectives and in posting sends, and bytes moved; the monitor splits a
   receive's wait into transfer and idle.
@@ -47,12 +49,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..codegen import Build
 from ..codegen.comm import Comm, Direction
+from ..errors import HpmlError
 from ..plan import Plan
-from .executor import rank_layout, stage_ranks
+from ..schedule import rank_layout, stage_ranks
 
-__all__ = ["Backend", "OpKind", "CommStats", "CommFault", "InjectedFault", "PipeComm", "pair_backend",
-           "rank_devices", "is_transient", "make_groups"]
+__all__ = ["Backend", "CommOp", "CommStats", "CommFault", "InjectedFault", "LocalComm", "DistComm", "dist_comm",
+           "pair_backend", "rank_devices", "is_transient", "make_groups"]
 
 _MAX_TENSORS = 4096  # tensors per boundary message, for unique point-to-point tags
 # Substrings of the messages gloo/NCCL/the store give for a broken or timed-out link (not for a bug).
@@ -68,8 +72,8 @@ class Backend(str, enum.Enum):
     NCCL = "nccl"
 
 
-class OpKind(str, enum.Enum):
-    """A communication operation, for fault injection and error messages."""
+class CommOp(str, enum.Enum):
+    """A communication operation of a rank, for fault injection and error messages."""
 
     SEND = "send"
     RECV = "recv"
@@ -86,7 +90,7 @@ class CommFault:
 
     step: int
     rank: int
-    op: OpKind = OpKind.RECV
+    op: CommOp = CommOp.RECV
     index: int = 0
 
 
@@ -189,7 +193,49 @@ def make_groups(plan: Plan, devices: list[torch.device], collectives: list[tuple
     return pairs, groups
 
 
-class PipeComm(Comm):
+class LocalComm(Comm):
+    """Every stage and replica in one process: a message is a hand-off through a mailbox.
+
+    Args:
+        plan: the build's plan (replica counts, for resharding between stages).
+    """
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__()
+        self._reps = [len(st.devices) for st in plan.stages]
+        self._box: dict[tuple[Any, ...], Tensor] = {}
+        self.stats = CommStats()  # stays empty: nothing here waits or crosses a wire
+
+    def replicas(self, stage: int) -> int:
+        return self._reps[stage]
+
+    def _put(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], tensor: Tensor) -> None:
+        # A copy, as over a wire: the receiver must not share storage (or autograd history) with the sender.
+        self._box[(frm, to, key)] = tensor.detach().clone()
+
+    def _get(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], shape: tuple[int, ...],
+             dtype: torch.dtype) -> Tensor:
+        if (frm, to, key) not in self._box:
+            raise RuntimeError(f"stage replica {to} expects message {key} from {frm}, which was never sent: "
+                               "stages ran out of order")
+        return self._box.pop((frm, to, key))
+
+    def forget(self) -> None:
+        """Drop undelivered messages and owed gradients (after an evaluation pass)."""
+        self._box.clear()
+        self._owed.clear()
+
+    def all_reduce(self, stages: tuple[int, ...], flat: Tensor) -> None:
+        pass  # one process holds every replica and every use of a tied parameter
+
+    def reduce_scatter(self, stage: int, flat: Tensor) -> Tensor:
+        return flat
+
+    def all_gather(self, stage: int, shard: Tensor) -> Tensor:
+        return shard
+
+
+class DistComm(Comm):
     """One rank's communicator under torch.distributed (see the module docstring).
 
     Args:
@@ -212,7 +258,7 @@ class PipeComm(Comm):
         self.stats = CommStats()
         self.step_index = 0
         self.faults: list[CommFault] = []  # injected failures still to happen (shared with the pipeline)
-        self._op_count: dict[OpKind, int] = {}
+        self._op_count: dict[CommOp, int] = {}
         self._pending: list[tuple[Any, Tensor]] = []
 
     # -- plumbing ---------------------------------------------------------------------------------
@@ -230,7 +276,7 @@ class PipeComm(Comm):
     def _group(self, peer: int) -> Any:
         return self.pairs.get((min(self.rank, peer), max(self.rank, peer)))
 
-    def _maybe_fail(self, op: OpKind) -> None:
+    def _maybe_fail(self, op: CommOp) -> None:
         n = self._op_count.get(op, 0)
         self._op_count[op] = n + 1
         for f in self.faults:
@@ -255,7 +301,7 @@ class PipeComm(Comm):
 
     # -- point to point ---------------------------------------------------------------------------
     def _put(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], tensor: Tensor) -> None:
-        self._maybe_fail(OpKind.SEND)
+        self._maybe_fail(CommOp.SEND)
         t0 = time.perf_counter()
         peer = self.ranks[to[0]][to[1]]
         group = self._group(peer)
@@ -268,7 +314,7 @@ class PipeComm(Comm):
 
     def _get(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], shape: tuple[int, ...],
              dtype: torch.dtype) -> Tensor:
-        self._maybe_fail(OpKind.RECV)
+        self._maybe_fail(CommOp.RECV)
         peer = self.ranks[frm[0]][frm[1]]
         group = self._group(peer)
         t0 = time.perf_counter()
@@ -293,7 +339,7 @@ class PipeComm(Comm):
 
     # -- collectives ------------------------------------------------------------------------------
     def _collective(self, stages: tuple[int, ...], flat: Tensor, fn: Callable[[Tensor, Any], Tensor]) -> Tensor:
-        self._maybe_fail(OpKind.COLLECTIVE)
+        self._maybe_fail(CommOp.COLLECTIVE)
         group = self.groups.get(stages)
         t0 = time.perf_counter()
         nccl = group is not None and all(self.devices[r].type == "cuda"
@@ -340,3 +386,28 @@ class PipeComm(Comm):
             return torch.cat(parts)
 
         return self._collective((stage,), shard, run)
+
+
+def dist_comm(build: Build, device: torch.device | str = "cpu") -> DistComm:
+    """This rank's communicator for ``build``, every rank on ``device``, with a process group per collective.
+
+    Every rank must call it (creating a group is collective), after
+    ``dist.init_process_group`` with one rank per device of the plan.
+
+    Args:
+        build: the loaded build.
+        device: this rank's device (and, for choosing backends, every rank's).
+
+    Returns:
+        The communicator; set it as the rank's stage's ``hpml_comm`` (the executor does).
+
+    Raises:
+        HpmlError: if the world size is not the plan's device count.
+    """
+    world, want = dist.get_world_size(), sum(len(st.devices) for st in build.plan.stages)
+    if world != want:
+        raise HpmlError(f"the build's plan runs on {want} devices (one rank each), but the world has {world} "
+                        f"ranks: start {want} processes")
+    devices = [torch.device(device)] * world
+    pairs, groups = make_groups(build.plan, devices, build.manifest.groups())
+    return DistComm(build.plan, dist.get_rank(), devices, pairs, groups)

@@ -1,29 +1,36 @@
-"""A minimal executor: one GPipe training step of a build, in one process or across gloo ranks.
+"""The one executor: run a build's per-rank action lists, in one process or on this rank.
 
-GPipe (Huang et al., NeurIPS 2019): the batch is split along its first
-dimension into the plan's ``M`` microbatches; every stage runs all its
-forwards, then all its backwards; gradients accumulate over microbatches and
-the stage's collectives (``sync_grads``) run once at the end. Replica ``r``
-of a stage with ``d`` replicas runs slice ``r`` of ``d`` of every microbatch
-(data parallelism inside the pipeline, as the solver models it); the loss of
-a slice is scaled by ``1 / (M d)`` so that the gradients sum to the batch mean's.
+Codegen lowered the plan's schedule into one action list per rank
+(:mod:`hpml_compile.schedule`: ``0F3``, ``1RECV0:3``, ``1B3``,
+``ALLREDUCE(0,1)``, ``LOSS``, ``OPT0``); :func:`run_actions` carries them out
+and decides nothing:
 
-- :func:`step_local`: every stage (and replica) in this process, chained in
-  order; the generated ``ops.send``/``ops.recv`` hand tensors over through a
-  mailbox (:class:`LocalComm`).
-- :func:`step_rank`: this rank's stage (or replica) under torch.distributed;
-  :class:`DistComm` sends with ``isend`` and receives with blocking ``recv``
-  at the shapes the trace gave (gloo's ``batch_isend_irecv`` is avoided).
-  Because no send ever blocks, and a stage only waits for earlier stages in
-  forward and later stages in backward, no order of ranks can deadlock.
-- :func:`launch`: start ``world_size`` processes with
-  ``torch.multiprocessing.spawn`` and a ``file://`` rendezvous (no port).
+- ``kFj``: the forward of microbatch ``j`` on stage ``k`` (the last stage adds
+  the loss of its slice, scaled by ``1 / (microbatches x replicas)`` so that
+  the gradients sum to the batch mean's); ``kBj``: its backward, then the
+  zero gradients a replica still owes (:meth:`~hpml_compile.codegen.comm.Comm.settle`);
+- ``kSENDp:j`` / ``kRECVp:j``: nothing to do here: the ``ops.send`` /
+  ``ops.recv`` nodes of the generated stage move the values inside the
+  neighbouring forward or backward; the tokens say where, for the validator;
+- a collective before ``OPTk``: the stage's ``sync_grads`` (generated to run
+  its collectives in the order its tokens list them; called at the first);
+  ``LOSS``: wait for this process's sends, and agree on the loss (ranks);
+  ``OPTk``: the optimizer step (once per process); a collective after it:
+  the stage's ``after_step`` (ZeRO all-gather).
+
+On a rank the list is its own (:func:`step_rank`, :class:`~.pipeline.Pipeline`);
+in one process (:func:`step_local`, a Pipeline without a process group) the
+lists of all ranks are merged by :func:`local_order`, a replay of the
+validator's with every forward of a microbatch before the next and later
+stages first in backward (for GPipe the order of the single-process runs
+before the schedule was lowered), all stages chained through a mailbox
+(:class:`~.comm.LocalComm`). A batch of ``c`` build batches runs the lists
+lowered again for ``c x M`` microbatches (:func:`actions_for`).
 
 Why our own and not torch.distributed.pipelining: its ``PipelineStage`` does
 the point-to-point itself around a module, whereas codegen makes the
 communication explicit nodes of each stage's graph (so a reader sees it);
-this executor only calls the stages in schedule order and runs backward.
-The full runtime (1F1B, monitoring, torchrun) builds on these pieces.
+this executor only calls the stages in the lowered order and runs backward.
 
 Example:
     >>> import tempfile, torch
@@ -36,6 +43,8 @@ Example:
     >>> st = (Stage(0, ("cpu0",), ("input_1", "_0", "_1")), Stage(1, ("cpu1",), ("_2", "output")))
     >>> build = generate(trace(model, (x,)), Plan("seq", load_cluster("local-cpu-2"), "gpipe", 2, st),
     ...                  tempfile.mkdtemp())
+    >>> [str(a) for a in build.actions[1]][:4]
+    ['1RECV0:0', '1F0', '1RECV0:1', '1F1']
     >>> result = step_local(build, (x,), y, torch.nn.functional.mse_loss)
     >>> expected = torch.nn.functional.mse_loss(model(x), y)
     >>> bool(torch.isclose(result.loss, expected))
@@ -44,14 +53,11 @@ Example:
 
 from __future__ import annotations
 
-import os
+import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -59,27 +65,13 @@ from ..codegen import Build
 from ..codegen.comm import Comm
 from ..codegen.stage import StageModule
 from ..errors import HpmlError
-from ..hostmem import keep_freed_memory
-from ..plan import Plan
+from ..schedule import (COLLECTIVES, MARKERS, Action, ActionKind, RankActions, rank_layout, relower, replay,
+                        stage_ranks, validate)
+from .comm import DistComm, LocalComm, dist_comm
 
-__all__ = ["LocalComm", "DistComm", "StepResult", "stage_ranks", "rank_layout", "split_microbatches",
-           "merge_outputs", "step_local", "step_rank", "dist_comm", "launch"]
-
-_MAX_TENSORS = 4096  # tensors per boundary message, for unique point-to-point tags
-
-
-def stage_ranks(plan: Plan) -> list[list[int]]:
-    """The ranks of each stage: one rank per device, stages in order, replicas in device order."""
-    out, r = [], 0
-    for st in plan.stages:
-        out.append(list(range(r, r + len(st.devices))))
-        r += len(st.devices)
-    return out
-
-
-def rank_layout(plan: Plan) -> list[tuple[int, int]]:
-    """``(stage, replica)`` of each rank."""
-    return [(k, i) for k, ranks in enumerate(stage_ranks(plan)) for i, _ in enumerate(ranks)]
+__all__ = ["StepResult", "StepRun", "stage_ranks", "rank_layout", "split_microbatches", "merge_outputs",
+           "to_device", "forward_stage", "actions_for", "local_order", "run_actions", "step_local", "step_rank",
+           "LocalComm", "DistComm", "dist_comm"]
 
 
 def split_microbatches(value: Any, microbatches: int) -> list[Any]:
@@ -111,133 +103,187 @@ def merge_outputs(outputs: Sequence[Any]) -> Any:
     return tree_unflatten([torch.cat(c) if isinstance(c[0], Tensor) else c[0] for c in cols], spec)
 
 
-class LocalComm(Comm):
-    """Every stage and replica in one process: a message is a hand-off through a mailbox.
-
-    Args:
-        plan: the build's plan (replica counts, for resharding between stages).
-    """
-
-    def __init__(self, plan: Plan) -> None:
-        super().__init__()
-        self._reps = [len(st.devices) for st in plan.stages]
-        self._box: dict[tuple[Any, ...], Tensor] = {}
-
-    def replicas(self, stage: int) -> int:
-        return self._reps[stage]
-
-    def _put(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], tensor: Tensor) -> None:
-        # A copy, as over a wire: the receiver must not share storage (or autograd history) with the sender.
-        self._box[(frm, to, key)] = tensor.detach().clone()
-
-    def _get(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], shape: tuple[int, ...],
-             dtype: torch.dtype) -> Tensor:
-        if (frm, to, key) not in self._box:
-            raise RuntimeError(f"stage replica {to} expects message {key} from {frm}, which was never sent: "
-                               "stages ran out of order")
-        return self._box.pop((frm, to, key))
-
-    def forget(self) -> None:
-        """Drop undelivered messages and owed gradients (after an evaluation pass)."""
-        self._box.clear()
-        self._owed.clear()
-
-    def all_reduce(self, stages: tuple[int, ...], flat: Tensor) -> None:
-        pass  # one process holds every replica and every use of a tied parameter
-
-    def reduce_scatter(self, stage: int, flat: Tensor) -> Tensor:
-        return flat
-
-    def all_gather(self, stage: int, shard: Tensor) -> Tensor:
-        return shard
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor not on ``device`` moved there."""
+    return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) and t.device != device else t, value)
 
 
-class DistComm(Comm):
-    """One rank of a pipeline under torch.distributed (gloo on CPU).
-
-    Args:
-        plan: the build's plan (stage -> ranks).
-        rank: this process's rank.
-        groups: process group of each collective's stage set (None where one rank holds them all).
-        device: where received tensors are created.
-    """
-
-    def __init__(self, plan: Plan, rank: int, groups: dict[tuple[int, ...], Any],
-                 device: torch.device | str = "cpu") -> None:
-        super().__init__(device)
-        self.ranks = stage_ranks(plan)
-        self.rank = rank
-        self.stage, self.replica = rank_layout(plan)[rank]
-        self.groups = groups
-        self._pending: list[tuple[Any, Tensor]] = []
-
-    def replicas(self, stage: int) -> int:
-        return len(self.ranks[stage])
-
-    def _tag(self, key: tuple[int, ...]) -> int:
-        # key = (src, dst, direction, microbatch, tensor index): unique between two ranks within a step.
-        src, _, direction, microbatch, i = key
-        return ((microbatch * len(self.ranks) + src) * 2 + direction) * _MAX_TENSORS + i
-
-    def _put(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], tensor: Tensor) -> None:
-        # isend: a send never waits for its receiver (the tensor is kept alive until flush()).
-        peer = self.ranks[to[0]][to[1]]
-        self._pending.append((dist.isend(tensor, peer, tag=self._tag(key)), tensor))
-
-    def _get(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], shape: tuple[int, ...],
-             dtype: torch.dtype) -> Tensor:
-        t = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(t, self.ranks[frm[0]][frm[1]], tag=self._tag(key))
-        return t
-
-    def group_size(self, stages: tuple[int, ...]) -> int:
-        return len({r for k in stages for r in self.ranks[k]})
-
-    def all_reduce(self, stages: tuple[int, ...], flat: Tensor) -> None:
-        if self.groups.get(stages) is not None:
-            dist.all_reduce(flat, group=self.groups[stages])
-
-    def reduce_scatter(self, stage: int, flat: Tensor) -> Tensor:
-        parts = list(flat.chunk(len(self.ranks[stage])))
-        out = torch.empty_like(parts[0])
-        dist.reduce_scatter(out, parts, group=self.groups[(stage,)])
-        return out
-
-    def all_gather(self, stage: int, shard: Tensor) -> Tensor:
-        parts = [torch.empty_like(shard) for _ in self.ranks[stage]]
-        dist.all_gather(parts, shard, group=self.groups[(stage,)])
-        return torch.cat(parts)
-
-    def flush(self) -> None:
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+def forward_stage(build: Build, stage: StageModule, micro: Sequence[Any], device: torch.device) -> Any:
+    """Call a stage on the model inputs it reads, taken by name from one microbatch's positional inputs."""
+    names = [s.name for s in build.manifest.inputs]
+    by_name = dict(zip(names, [x for x in micro if isinstance(x, Tensor)]))
+    return stage(*[to_device(by_name[n], device) for n in stage.INPUTS])
 
 
-def dist_comm(build: Build, device: torch.device | str = "cpu") -> DistComm:
-    """This rank's communicator, with a process group per collective of the build.
-
-    Every rank must call it (creating a group is collective), after
-    ``dist.init_process_group`` with one rank per device of the plan.
+def actions_for(build: Build, microbatches: int) -> list[RankActions]:
+    """The build's action lists for a batch of ``microbatches`` (the manifest's own for the build's count).
 
     Raises:
-        HpmlError: if the world size is not the plan's device count.
+        ScheduleError: the lists lowered again do not validate.
     """
-    world, want = dist.get_world_size(), sum(len(st.devices) for st in build.plan.stages)
-    if world != want:
-        raise HpmlError(f"the build's plan runs on {want} devices (one rank each), but the world has {world} "
-                        f"ranks: start {want} processes")
-    ranks = stage_ranks(build.plan)
-    groups: dict[tuple[int, ...], Any] = {}
-    for stages in dict.fromkeys(build.manifest.groups()):  # the same order on every rank
-        members = sorted({r for k in stages for r in ranks[k]})
-        groups[stages] = dist.new_group(members) if len(members) > 1 else None
-    return DistComm(build.plan, dist.get_rank(), groups, device)
+    if microbatches == build.plan.microbatches and build.actions:
+        return list(build.actions)
+    replicas = [len(st.devices) for st in build.plan.stages]
+    out = relower(build.actions, replicas, build.plan.schedule, microbatches)
+    validate(out, replicas)
+    return out
+
+
+def _local_key(rank: int, a: Action) -> tuple[int, ...]:
+    if a.kind in MARKERS:
+        return (0,)  # bookkeeping: never holds anything up
+    if a.kind is ActionKind.FORWARD:
+        return (1, 0, a.microbatch or 0, a.stage, rank)
+    if a.kind is ActionKind.BACKWARD:
+        return (1, 1, a.microbatch or 0, -a.stage, rank)
+    return (2, rank)
+
+
+def local_order(build: Build, microbatches: int) -> list[tuple[int, Action]]:
+    """Every rank's actions merged into one order for a single process (see the module docstring).
+
+    Raises:
+        ScheduleError: the lists deadlock.
+    """
+    return replay(actions_for(build, microbatches), [len(st.devices) for st in build.plan.stages], _local_key)
+
+
+@dataclass
+class StepRun:
+    """What one run of action lists did on this process.
+
+    Attributes:
+        shares: ``(microbatch, replica, loss share)`` of each slice whose last stage ran here, in run order.
+        loss_sum: their sum in float64 on the CPU (after ``LOSS`` on ranks: what ``agree`` made of it).
+        outputs: ``(microbatch, replica, detached model output)`` where asked for.
+        busy: ``(stage, forward?)`` -> seconds computing, not counting receive waits.
+        t_start, t_pipe, t_synced, t_opt, t_end: ``perf_counter`` at the start, the end of the last
+            backward, the end of the gradient sync, after ``LOSS``, and the end.
+    """
+
+    shares: list[tuple[int, int, Tensor]] = field(default_factory=list)
+    loss_sum: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    outputs: list[tuple[int, int, Any]] = field(default_factory=list)
+    busy: dict[tuple[int, bool], float] = field(default_factory=dict)
+    t_start: float = 0.0
+    t_pipe: float = 0.0
+    t_synced: float = 0.0
+    t_opt: float = 0.0
+    t_end: float = 0.0
+
+
+class _Slices:
+    """Microbatch ``j``'s rows for replica ``r`` of ``d``, split once and kept."""
+
+    def __init__(self, value: Any, microbatches: int) -> None:
+        self._micro = split_microbatches(value, microbatches)
+        self._parts: dict[tuple[int, int], list[Any]] = {}
+
+    def get(self, j: int, d: int, r: int) -> Any:
+        if (d, j) not in self._parts:
+            self._parts[(d, j)] = split_microbatches(self._micro[j], d)
+        return self._parts[(d, j)][r]
+
+
+def _waited(comm: Comm) -> float:
+    stats = getattr(comm, "stats", None)
+    return sum(s for _, s in stats.recv_s) if stats is not None else 0.0
+
+
+def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[int, StageModule], comm: Comm,
+                inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Tensor], microbatches: int, *,
+                device: torch.device = torch.device("cpu"), optimizer: torch.optim.Optimizer | None = None,
+                agree: Callable[[Tensor], None] | None = None, keep_outputs: bool = False) -> StepRun:
+    """Carry out ``order`` (see the module docstring): the one code path of every training step.
+
+    Args:
+        build: the loaded build.
+        order: ``(rank, action)`` in the order to run them: one rank's list, or :func:`local_order`.
+        stages: the stage modules this process holds, by index (their ``hpml_comm`` set to ``comm``).
+        comm: this process's communicator.
+        inputs: the model's positional inputs for the whole batch.
+        targets: the targets for ``loss_fn`` (split like the inputs).
+        loss_fn: ``(output, targets) -> loss``, a mean over the rows it is given.
+        microbatches: how many microbatches the batch splits into (the lists were lowered for it).
+        device: where this process's stages run.
+        optimizer: stepped at ``OPT`` (None: gradients only; ``after_step`` is then skipped too).
+        agree: called at ``LOSS`` with the float64 loss sum, to make it the batch's (an all-reduce on ranks).
+        keep_outputs: keep the last stage's outputs.
+
+    Returns:
+        The losses, outputs, busy times and phase timestamps.
+    """
+    reps = [len(st.devices) for st in build.plan.stages]
+    layout = rank_layout(build.plan)
+    last, n = len(reps) - 1, microbatches
+    run = StepRun(t_start=time.perf_counter())
+    xs = _Slices(tuple(inputs), n)
+    ys = _Slices(targets, n) if last in stages else None
+    roots: dict[tuple[int, int, int], list[Tensor]] = {}
+    synced: set[int] = set()
+    stepped: set[int] = set()
+    optimized = done_compute = done_sync = False
+    cuda = device.type == "cuda"
+    for rank, a in order:
+        kind = a.kind
+        if kind in MARKERS:
+            continue  # moved by the stage's ops.send / ops.recv nodes inside F and B
+        k, r = layout[rank]
+        if kind is ActionKind.FORWARD or kind is ActionKind.BACKWARD:
+            j = a.microbatch or 0
+            comm.microbatch, comm.replica = j, r
+            w0, t0 = _waited(comm), time.perf_counter()
+            fwd = kind is ActionKind.FORWARD
+            if fwd:
+                out = forward_stage(build, stages[k], xs.get(j, reps[k], r), device)
+                if k == last:
+                    assert ys is not None
+                    loss = loss_fn(out, to_device(ys.get(j, reps[k], r), device)) / (n * reps[k])
+                    run.loss_sum += loss.detach().double().cpu()
+                    run.shares.append((j, r, loss.detach()))
+                    if keep_outputs:
+                        run.outputs.append((j, r, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t,
+                                                           out)))
+                    roots[(k, r, j)] = [loss]
+                else:
+                    roots[(k, r, j)] = [out] if isinstance(out, Tensor) and out.requires_grad else []
+            else:
+                root = roots.pop((k, r, j))
+                if root:
+                    torch.autograd.backward(root)
+                comm.settle(k, r, j)
+            if cuda:
+                torch.cuda.current_stream(device).synchronize()
+            run.busy[(k, fwd)] = run.busy.get((k, fwd), 0.0) + time.perf_counter() - t0 - (_waited(comm) - w0)
+            continue
+        if not done_compute:
+            run.t_pipe, done_compute = time.perf_counter(), True
+        if kind in COLLECTIVES and not optimized:
+            if k not in synced:  # sync_grads runs every collective of the stage, in the order of its tokens
+                synced.add(k)
+                stages[k].sync_grads()
+            continue
+        if not done_sync:
+            run.t_synced, done_sync = time.perf_counter(), True
+        if kind is ActionKind.LOSS:
+            comm.flush()
+            if agree is not None:
+                agree(run.loss_sum)
+            run.t_opt = time.perf_counter()
+        elif kind is ActionKind.OPTIMIZER:
+            if optimizer is not None and not optimized:
+                optimizer.step()  # over every parameter of this process: once, whatever the stages here
+            optimized = True
+        elif kind in COLLECTIVES and optimizer is not None and k not in stepped:
+            stepped.add(k)
+            stages[k].after_step()
+    run.t_end = time.perf_counter()
+    return run
 
 
 @dataclass
 class StepResult:
-    """What one step returns on this process.
+    """What :func:`step_local` and :func:`step_rank` return on this process.
 
     Attributes:
         loss: the batch loss (mean over the batch) where this process ran the
@@ -251,7 +297,8 @@ class StepResult:
     swap_bytes: int = 0
 
 
-def _check_inputs(build: Build, micro: Sequence[Any]) -> None:
+def _check_inputs(build: Build, inputs: Sequence[Any]) -> None:
+    micro = split_microbatches(tuple(inputs), build.plan.microbatches)[0]
     tensors = [x for x in micro if isinstance(x, Tensor)]
     for spec, x in zip(build.manifest.inputs, tensors):
         if tuple(x.shape) != spec.shape:
@@ -260,61 +307,16 @@ def _check_inputs(build: Build, micro: Sequence[Any]) -> None:
                             f"batch of {spec.shape[0] * build.manifest.microbatches} rows or recompile")
 
 
-def _forward(build: Build, stage: StageModule, micro: Sequence[Any]) -> Any:
-    names = [s.name for s in build.manifest.inputs]
-    by_name = dict(zip(names, [x for x in micro if isinstance(x, Tensor)]))
-    return stage(*[by_name[n] for n in stage.INPUTS])
-
-
-def _run(build: Build, stages: dict[int, StageModule], comm: Comm, inputs: Sequence[Any], targets: Any,
-         loss_fn: Callable[[Any, Any], Tensor], replicas: Callable[[int], Sequence[int]]) -> StepResult:
-    m, last = build.plan.microbatches, len(build.plan.stages) - 1
-    reps = [len(st.devices) for st in build.plan.stages]
-    micro_in = split_microbatches(tuple(inputs), m)
-    micro_tg = split_microbatches(targets, m)
-    _check_inputs(build, micro_in[0])
-    # slices[k][j][r]: replica r's rows of microbatch j, for stage k's replica count
-    slices_in = {d: [split_microbatches(x, d) for x in micro_in] for d in set(reps)}
-    slices_tg = [split_microbatches(y, reps[last]) for y in micro_tg]
-    result = StepResult()
-    roots: dict[tuple[int, int, int], list[Tensor]] = {}
-    for j in range(m):  # GPipe: every forward first
-        for k, stage in sorted(stages.items()):
-            for r in replicas(k):
-                comm.microbatch, comm.replica = j, r
-                out = _forward(build, stage, slices_in[reps[k]][j][r])
-                if k == last:
-                    loss = loss_fn(out, slices_tg[j][r]) / (m * reps[k])
-                    result.outputs.append((j, r, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)))
-                    result.loss = loss.detach() if result.loss is None else result.loss + loss.detach()
-                    roots[(k, r, j)] = [loss]
-                else:
-                    roots[(k, r, j)] = [out] if isinstance(out, Tensor) and out.requires_grad else []
-    for j in range(m):  # then every backward, later stages first
-        for k in sorted(stages, reverse=True):
-            for r in replicas(k):
-                root = roots.pop((k, r, j))
-                if root:
-                    torch.autograd.backward(root)
-                comm.settle(k, r, j)
-    for _, stage in sorted(stages.items()):
-        stage.sync_grads()
-        result.swap_bytes += stage.hpml_swap.bytes_out
-    comm.flush()
-    return result
-
-
-def _after_step(stages: dict[int, StageModule], optimizer: torch.optim.Optimizer | None) -> None:
-    if optimizer is None:
-        return
-    optimizer.step()
-    for stage in stages.values():
-        stage.after_step()
+def _result(run: StepRun, stages: dict[int, StageModule]) -> StepResult:
+    loss = None
+    for _, _, share in run.shares:
+        loss = share if loss is None else loss + share
+    return StepResult(loss, run.outputs, sum(st.hpml_swap.bytes_out for _, st in sorted(stages.items())))
 
 
 def step_local(build: Build, inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Tensor], *,
                optimizer: torch.optim.Optimizer | None = None) -> StepResult:
-    """One training step with every stage and replica in this process, chained in order.
+    """One training step with every stage and replica in this process, chained through a mailbox.
 
     Args:
         build: a loaded build.
@@ -325,15 +327,19 @@ def step_local(build: Build, inputs: Sequence[Any], targets: Any, loss_fn: Calla
 
     Returns:
         The loss, the outputs of every slice and the swap traffic.
+
+    Raises:
+        HpmlError: a batch whose microbatches have another shape than the build's.
     """
+    _check_inputs(build, inputs)
     comm = LocalComm(build.plan)
     stages = dict(enumerate(build.stages))
     for stage in stages.values():
         stage.hpml_comm = comm
-    reps = [len(st.devices) for st in build.plan.stages]
-    result = _run(build, stages, comm, inputs, targets, loss_fn, lambda k: range(reps[k]))
-    _after_step(stages, optimizer)
-    return result
+    m = build.plan.microbatches
+    run = run_actions(build, local_order(build, m), stages, comm, inputs, targets, loss_fn, m,
+                      optimizer=optimizer, keep_outputs=True)
+    return _result(run, stages)
 
 
 def step_rank(build: Build, comm: DistComm, inputs: Sequence[Any], targets: Any,
@@ -342,7 +348,7 @@ def step_rank(build: Build, comm: DistComm, inputs: Sequence[Any], targets: Any,
 
     Args:
         build: a loaded build.
-        comm: this rank's communicator (:func:`dist_comm`).
+        comm: this rank's communicator (:func:`~.comm.dist_comm`).
         inputs: the model's positional inputs for the whole batch.
         targets: the targets for ``loss_fn``.
         loss_fn: ``(output, targets) -> loss``, a mean over the batch.
@@ -350,37 +356,15 @@ def step_rank(build: Build, comm: DistComm, inputs: Sequence[Any], targets: Any,
 
     Returns:
         This rank's share: the loss and outputs where it runs the last stage.
-    """
-    stage = build.stages[comm.stage]
-    stage.hpml_comm = comm
-    result = _run(build, {comm.stage: stage}, comm, inputs, targets, loss_fn, lambda k: (comm.replica,))
-    _after_step({comm.stage: stage}, optimizer)
-    return result
-
-
-def _entry(rank: int, fn: Callable[..., None], world_size: int, init: str, threads: int, args: tuple[Any, ...]) -> None:
-    torch.set_num_threads(threads)  # ranks share the machine's cores
-    keep_freed_memory()
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def launch(fn: Callable[..., None], world_size: int, workdir: str | Path, *args: Any, threads: int = 1) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes on this machine.
-
-    Args:
-        fn: a module-level function (it is pickled to the children).
-        world_size: number of ranks.
-        workdir: a folder for the ``file://`` rendezvous (a fresh file in it; no port is opened).
-        args: passed to ``fn`` after the rank and world size.
-        threads: torch threads per rank.
 
     Raises:
-        torch.multiprocessing.ProcessRaisedException: if a rank fails (with its traceback).
+        HpmlError: a batch whose microbatches have another shape than the build's.
     """
-    path = Path(workdir).resolve() / f"rendezvous-{os.getpid()}-{id(fn)}"
-    path.unlink(missing_ok=True)
-    mp.spawn(_entry, args=(fn, world_size, f"file://{path}", threads, args), nprocs=world_size, join=True)
+    _check_inputs(build, inputs)
+    stages = {comm.stage: build.stages[comm.stage]}
+    stages[comm.stage].hpml_comm = comm
+    m = build.plan.microbatches
+    order = [(comm.rank, a) for a in actions_for(build, m)[comm.rank]]
+    run = run_actions(build, order, stages, comm, inputs, targets, loss_fn, m, device=comm.device,
+                      optimizer=optimizer, keep_outputs=True)
+    return _result(run, stages)

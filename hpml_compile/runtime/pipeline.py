@@ -8,9 +8,11 @@ sends by itself. ``PipelineStage`` wants to own that communication around a
 plain module (and passes only tensors between stages, with
 ``batch_isend_irecv``, which has known trouble on gloo); wrapping our stages
 in it would send everything twice. What remains for the runtime is small:
-call ``forward`` and ``backward`` of each microbatch in the schedule's order
-(:func:`hpml_compile.simulate.op_order`, the very order the simulator
-predicts), which is all this module does. GPipe (Huang et al., 2019): all
+call ``forward`` and ``backward`` of each microbatch in the order of the
+build's per-rank action lists (lowered from the plan by
+:mod:`hpml_compile.schedule`, replayed by the simulator, validated when the
+build loads), which the one executor (:func:`.executor.run_actions`) does;
+this module adds the process group, retries and measurements. GPipe (Huang et al., 2019): all
 forwards, then all backwards. 1F1B (PipeDream-flush, Narayanan et al., 2021):
 stage ``i`` runs ``S - i - 1`` warm-up forwards, then alternates, so at most
 ``S - i`` microbatches hold activations.
@@ -24,7 +26,8 @@ so the gradients are the batch mean's, and :meth:`Pipeline.step` returns the
 batch loss on every rank.
 
 Single process: without torchrun (no ``WORLD_SIZE``, no process group) every
-stage runs in this process, chained through a mailbox (for notebooks and tests).
+stage runs in this process, chained through a mailbox, every rank's list
+merged into one order (for notebooks and tests).
 
 Example:
     >>> import tempfile, torch
@@ -52,16 +55,15 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
 from ..codegen import Build, load_build
 from ..codegen.comm import DetachedComm
-from ..codegen.stage import StageModule
 from ..errors import HpmlError
 from ..hostmem import keep_freed_memory
-from ..simulate import op_order
-from .comm import CommFault, PipeComm, is_transient, make_groups, rank_devices
-from .executor import LocalComm, merge_outputs, split_microbatches, stage_ranks
+from ..schedule import Action, stage_ranks
+from .comm import CommFault, DistComm, LocalComm, is_transient, make_groups, rank_devices
+from .executor import (actions_for, forward_stage, local_order, merge_outputs, run_actions, split_microbatches,
+                       to_device)
 from .gather import gather_outputs, gather_state_dict
 from .monitor import Monitor, StepMetrics, peak_memory, reset_peak_memory, split_wait
 from .session import CommFailure, RetryPolicy, Session
@@ -69,10 +71,6 @@ from .session import CommFailure, RetryPolicy, Session
 __all__ = ["Pipeline", "OptimizerArg"]
 
 OptimizerArg = torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) and t.device != device else t, value)
 
 
 class Pipeline:
@@ -102,11 +100,12 @@ class Pipeline:
         self._ranks = stage_ranks(self.plan)
         self._reps = [len(st.devices) for st in self.plan.stages]
         self._mb_rows = build.manifest.inputs[0].shape[0] if build.manifest.inputs else None
+        self._orders: dict[int, list[tuple[int, Action]]] = {}  # microbatches -> what this process runs
         if session is None:
             self.rank, self.world_size = 0, 1
             self.device = torch.device("cpu")
             self._local = LocalComm(self.plan)
-            self.comm: PipeComm | None = None
+            self.comm: DistComm | None = None
             self.stages = dict(enumerate(build.stages))
             for st in self.stages.values():
                 st.hpml_comm = self._local
@@ -171,9 +170,9 @@ class Pipeline:
         """The stage a rank runs."""
         return next(k for k, rs in enumerate(self._ranks) if rank in rs)
 
-    def _connect(self) -> PipeComm:
+    def _connect(self) -> DistComm:
         pairs, groups = make_groups(self.plan, self._devices, self.build.manifest.groups())
-        comm = PipeComm(self.plan, self.rank, self._devices, pairs, groups)
+        comm = DistComm(self.plan, self.rank, self._devices, pairs, groups)
         comm.faults = self._faults
         self.build.stages[comm.stage].hpml_comm = comm
         return comm
@@ -302,123 +301,59 @@ class Pipeline:
         if snap["cuda_rng"] is not None:
             torch.cuda.set_rng_state(snap["cuda_rng"], self.device)
 
-    def _forward(self, stage: StageModule, micro: Sequence[Any]) -> Any:
-        names = [s.name for s in self.build.manifest.inputs]
-        by_name = dict(zip(names, [x for x in micro if isinstance(x, Tensor)]))
-        return stage(*[_to(by_name[n], self.device) for n in stage.INPUTS])
+    def _order(self, n: int) -> list[tuple[int, Action]]:
+        """What this process runs for ``n`` microbatches: its rank's list, or every rank's merged (cached)."""
+        if n not in self._orders:
+            if self.session is None:
+                self._orders[n] = local_order(self.build, n)
+            else:
+                self._orders[n] = [(self.rank, a) for a in actions_for(self.build, n)[self.rank]]
+        return self._orders[n]
 
     def _run_rank(self, inputs: tuple[Any, ...], targets: Any, loss_fn: Callable[[Any, Any], Tensor], n: int,
                   attempt: int) -> Tensor:
         comm, k, r = self.comm, self.stage_index, self.replica
         assert comm is not None
-        stage, last, d = self.stages[k], len(self.plan.stages) - 1, self._reps[k]
         comm.begin_step(self.steps_done)
         for p in self.parameters():
             p.grad = None
         reset_peak_memory(self.device)
-        t_start = time.perf_counter()
-        micro_in = [split_microbatches(x, d)[r] for x in split_microbatches(inputs, n)]
-        micro_tg = [split_microbatches(y, d)[r] for y in split_microbatches(targets, n)] if k == last else []
-        roots: dict[int, list[Tensor]] = {}
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        busy = {True: 0.0, False: 0.0}
-        for fwd, j in op_order(self.plan.schedule, k, len(self.plan.stages), n):
-            comm.microbatch, comm.replica = j, r
-            waited = sum(s for _, s in comm.stats.recv_s)
-            t0 = time.perf_counter()
-            if fwd:
-                out = self._forward(stage, micro_in[j])
-                if k == last:
-                    loss = loss_fn(out, _to(micro_tg[j], self.device)) / (n * d)
-                    loss_sum += loss.detach().double().cpu()
-                    roots[j] = [loss]
-                else:
-                    roots[j] = [out] if isinstance(out, Tensor) and out.requires_grad else []
-            else:
-                root = roots.pop(j)
-                if root:
-                    torch.autograd.backward(root)
-                comm.settle(k, r, j)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            busy[fwd] += time.perf_counter() - t0 - (sum(s for _, s in comm.stats.recv_s) - waited)
-        t_pipe = time.perf_counter()
-        stage.sync_grads()
-        t_synced = time.perf_counter()
-        comm.flush()
-        dist.all_reduce(loss_sum)  # the batch loss on every rank (non-last ranks add zero)
-        t_opt = time.perf_counter()
-        if self.optimizer is not None:
-            self.optimizer.step()
-            stage.after_step()
-        t_end = time.perf_counter()
+        run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
+                          device=self.device, optimizer=self.optimizer, agree=dist.all_reduce)
         wait_ms, p2p_ms = split_wait(comm.stats)
         mem, mem_kind = peak_memory(self.device)
         self.monitor.record(StepMetrics(
             step=self.steps_done, rank=self.rank, stage=k, replica=r, device=str(self.device), microbatches=n,
             samples=sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor)),
-            step_ms=(t_end - t_start) * 1e3, pipeline_ms=(t_pipe - t_start) * 1e3, fwd_ms=busy[True] * 1e3,
-            bwd_ms=busy[False] * 1e3, wait_ms=wait_ms, p2p_ms=p2p_ms,
+            step_ms=(run.t_end - run.t_start) * 1e3, pipeline_ms=(run.t_pipe - run.t_start) * 1e3,
+            fwd_ms=run.busy.get((k, True), 0.0) * 1e3, bwd_ms=run.busy.get((k, False), 0.0) * 1e3,
+            wait_ms=wait_ms, p2p_ms=p2p_ms,
             # the gradient sync as this rank pays it: packing the gradients, the collectives, unpacking
-            send_ms=comm.stats.send_s * 1e3, allreduce_ms=(t_synced - t_pipe - comm.stats.collective_wait_s) * 1e3,
+            send_ms=comm.stats.send_s * 1e3,
+            allreduce_ms=(run.t_synced - run.t_pipe - comm.stats.collective_wait_s) * 1e3,
             sync_wait_ms=comm.stats.collective_wait_s * 1e3,
-            optimizer_ms=(t_end - t_opt) * 1e3, peak_memory_bytes=mem, memory_kind=mem_kind,
+            optimizer_ms=(run.t_end - run.t_opt) * 1e3, peak_memory_bytes=mem, memory_kind=mem_kind,
             bytes_sent=comm.stats.bytes_sent, bytes_received=comm.stats.bytes_received,
-            loss=float(loss_sum), retries=attempt))
+            loss=float(run.loss_sum), retries=attempt))
         self.steps_done += 1
-        return loss_sum.float()
+        return run.loss_sum.float()
 
     def _run_local(self, inputs: tuple[Any, ...], targets: Any, loss_fn: Callable[[Any, Any], Tensor],
                    n: int) -> Tensor:
-        """Every stage here, in microbatch order: all forwards, then all backwards (the result of any schedule)."""
-        last = len(self.plan.stages) - 1
+        """Every stage here: every rank's action list, merged into one order (:func:`.executor.local_order`)."""
         for p in self.parameters():
             p.grad = None
-        t_start = time.perf_counter()
-        micro_in, micro_tg = split_microbatches(inputs, n), split_microbatches(targets, n)
-        roots: dict[tuple[int, int, int], list[Tensor]] = {}
-        busy = {k: [0.0, 0.0] for k in self.stages}
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for j in range(n):
-            for k, stage in sorted(self.stages.items()):
-                for r in range(self._reps[k]):
-                    self._local.microbatch, self._local.replica = j, r
-                    t0 = time.perf_counter()
-                    out = self._forward(stage, split_microbatches(micro_in[j], self._reps[k])[r])
-                    if k == last:
-                        tg = split_microbatches(micro_tg[j], self._reps[k])[r]
-                        loss = loss_fn(out, tg) / (n * self._reps[k])
-                        loss_sum += loss.detach().double()
-                        roots[(k, r, j)] = [loss]
-                    else:
-                        roots[(k, r, j)] = [out] if isinstance(out, Tensor) and out.requires_grad else []
-                    busy[k][0] += time.perf_counter() - t0
-        for j in range(n):
-            for k in sorted(self.stages, reverse=True):
-                for r in range(self._reps[k]):
-                    t0 = time.perf_counter()
-                    root = roots.pop((k, r, j))
-                    if root:
-                        torch.autograd.backward(root)
-                    self._local.settle(k, r, j)
-                    busy[k][1] += time.perf_counter() - t0
-        for stage in self.stages.values():
-            stage.sync_grads()
-        t_pipe = time.perf_counter()
-        if self.optimizer is not None:
-            self.optimizer.step()
-            for stage in self.stages.values():
-                stage.after_step()
-        t_end = time.perf_counter()
+        run = run_actions(self.build, self._order(n), self.stages, self._local, inputs, targets, loss_fn, n,
+                          optimizer=self.optimizer)
         rows = sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor))
         for k in self.stages:
             self.monitor.record(StepMetrics(
                 step=self.steps_done, rank=self._ranks[k][0], stage=k, replica=0, device="cpu", microbatches=n,
-                samples=rows, step_ms=(t_end - t_start) * 1e3, pipeline_ms=(t_pipe - t_start) * 1e3,
-                fwd_ms=busy[k][0] * 1e3, bwd_ms=busy[k][1] * 1e3, optimizer_ms=(t_end - t_pipe) * 1e3,
-                loss=float(loss_sum)))
+                samples=rows, step_ms=(run.t_end - run.t_start) * 1e3, pipeline_ms=(run.t_synced - run.t_start) * 1e3,
+                fwd_ms=run.busy.get((k, True), 0.0) * 1e3, bwd_ms=run.busy.get((k, False), 0.0) * 1e3,
+                optimizer_ms=(run.t_end - run.t_synced) * 1e3, loss=float(run.loss_sum)))
         self.steps_done += 1
-        return loss_sum.float()
+        return run.loss_sum.float()
 
     # -- inference and the full model -------------------------------------------------------------
     @torch.no_grad()
@@ -456,9 +391,10 @@ class Pipeline:
                 reps = range(self._reps[k]) if self.session is None else (self.replica,)
                 for r in reps:
                     comm.microbatch, comm.replica = j, r
-                    out = self._forward(stage, split_microbatches(micro_in[j], self._reps[k])[r])
+                    out = forward_stage(self.build, stage, split_microbatches(micro_in[j], self._reps[k])[r],
+                                        self.device)
                     if k == last:
-                        outs.append((j, r, _to(out, torch.device("cpu"))))
+                        outs.append((j, r, to_device(out, torch.device("cpu"))))
         comm.flush()
         comm.forget()  # receives owe gradients that no backward will ask for
         return outs

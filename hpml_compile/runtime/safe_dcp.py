@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..errors import HpmlError
+from ..errors import IndexFormatError
 from ..schema import write_json_atomic
 
 __all__ = ["INDEX_FILE", "INDEX_VERSION", "IndexFormatError", "JsonReader", "JsonWriter", "index_to_json",
@@ -66,9 +66,6 @@ INDEX_FILE = "index.json"
 INDEX_VERSION = 1
 _DTYPES = {name: v for name in dir(torch) if isinstance(v := getattr(torch, name), torch.dtype)}
 
-
-class IndexFormatError(HpmlError):
-    """A checkpoint's ``index.json`` that does not describe tensors in its own folder."""
 
 
 def index_to_json(md: Metadata) -> dict[str, Any]:

@@ -40,11 +40,11 @@ from ..errors import HpmlError
 from ..schema import write_json_atomic
 from .adapt import NEXT_FILE, AdaptOptions, Adapter
 from .checkpoint import CheckpointError, latest, load_checkpoint, resume_from, save_checkpoint, seed_rngs
+from .comm import CommFault, CommOp
 from .lifeline import watch_launcher
-from .comm import CommFault, OpKind
 from .monitor import metrics_path
 from .pipeline import Pipeline
-from .recipe import read_recipe
+from ..recipe import read_recipe
 from .session import CommFailure, RetryPolicy, env_rank
 
 PROGRESS_FILE = "started.json"
@@ -81,9 +81,9 @@ def threads_per_rank(local_world_size: int, cores: int | None = None) -> int:
 def _fault(text: str) -> CommFault:
     try:
         step, rank, op = text.split(":")
-        return CommFault(int(step) - 1, int(rank), OpKind(op))  # STEP counts from 1, as the progress lines do
+        return CommFault(int(step) - 1, int(rank), CommOp(op))  # STEP counts from 1, as the progress lines do
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected STEP:RANK:{'|'.join(o.value for o in OpKind)}, "
+        raise argparse.ArgumentTypeError(f"expected STEP:RANK:{'|'.join(o.value for o in CommOp)}, "
                                          f"got {text!r}") from e
 
 

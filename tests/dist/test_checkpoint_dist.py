@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hpml_compile.runtime import launch
+from hpml_compile.runtime import spawn_ranks
 from hpml_compile.runtime.checkpoint import latest, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.dist
@@ -57,9 +57,9 @@ def _load_on_one_rank(rank: int, world: int, root: str, out: str) -> None:
 
 def test_two_rank_checkpoint_loads_under_another_split(tmp_path: Path) -> None:
     root = str(tmp_path / "ck")
-    launch(_train_and_save, 2, tmp_path, root)
+    spawn_ranks(_train_and_save, 2, tmp_path, root)
     out = str(tmp_path / "loaded.pt")
-    launch(_load_on_one_rank, 1, tmp_path, root, out)
+    spawn_ranks(_load_on_one_rank, 1, tmp_path, root, out)
     ref = _full()
     opt = torch.optim.Adam(ref.parameters(), lr=0.05)
     for step in range(2):

@@ -21,7 +21,7 @@ import torch
 from hpml_compile import models
 from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.testing import SkipNet, max_grad_diff, skipnet_batch, skipnet_loss, split_plan
-from hpml_compile.runtime import dist_comm, launch, step_rank
+from hpml_compile.runtime import dist_comm, spawn_ranks, step_rank
 from hpml_compile.trace import trace
 
 pytestmark = pytest.mark.dist
@@ -85,7 +85,7 @@ def _worker(rank: int, world: int, cases: list[tuple[str, str, str, int]], out: 
 
 
 def _run(tmp: Path, world: int, cases: list[tuple[str, str, str, int]]) -> list[dict[str, Any]]:
-    launch(_worker, world, tmp, cases, str(tmp))
+    spawn_ranks(_worker, world, tmp, cases, str(tmp))
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
 

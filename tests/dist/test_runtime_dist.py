@@ -22,7 +22,7 @@ from hpml_compile import models
 from hpml_compile.codegen import generate
 from hpml_compile.codegen.testing import split_plan
 from hpml_compile.plan import Schedule
-from hpml_compile.runtime import Pipeline, launch
+from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.trace import trace
 
 pytestmark = pytest.mark.dist
@@ -99,7 +99,7 @@ def _worker(rank: int, world: int, cases: list[tuple[str, str, int]], out: str) 
 
 
 def _run(tmp: Path, world: int, cases: list[tuple[str, str, int]]) -> list[dict[str, Any]]:
-    launch(_worker, world, tmp, cases, str(tmp))
+    spawn_ranks(_worker, world, tmp, cases, str(tmp))
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -23,7 +23,7 @@ from hpml_compile.codegen import generate
 from hpml_compile.codegen.testing import split_plan
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.plan import Plan, Schedule
-from hpml_compile.runtime import Pipeline, launch, rank_devices
+from hpml_compile.runtime import Pipeline, spawn_ranks, rank_devices
 from hpml_compile.trace import trace
 
 pytestmark = pytest.mark.gpu
@@ -78,7 +78,7 @@ def _worker(rank: int, world: int, build_dir: str, out: str) -> None:
 
 
 def _run(build_dir: str, tmp: Path, world: int) -> list[dict[str, Any]]:
-    launch(_worker, world, tmp, build_dir, str(tmp))
+    spawn_ranks(_worker, world, tmp, build_dir, str(tmp))
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import hpml_compile
 from hpml_compile import errors
 
@@ -17,6 +19,7 @@ NOT_ERRORS = {
 }
 
 
+@pytest.mark.dist  # a fresh interpreter: the only way to see what a first import loads
 def test_import_does_not_import_the_runtime() -> None:
     code = "import hpml_compile, sys; print('hpml_compile.runtime' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

@@ -17,11 +17,11 @@ from hpml_compile.codegen.testing import SkipNet, skipnet_batch, skipnet_loss, s
 from hpml_compile.errors import BuildMismatchError, HpmlError
 from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.runtime import Pipeline, compile
-from hpml_compile.runtime.comm import CommFault, InjectedFault, OpKind, is_transient, pair_backend, rank_devices
+from hpml_compile.runtime.comm import CommFault, InjectedFault, CommOp, is_transient, pair_backend, rank_devices
 from hpml_compile.runtime.gather import tensor_owners
 from hpml_compile.runtime.launcher import (RANK_ENTRY, LaunchError, LaunchSpec, check_port, check_world, explain_failure,
                                          torchrun_args)
-from hpml_compile.runtime.recipe import ModelRecipe, absolute_model_spec, read_recipe, write_recipe
+from hpml_compile.recipe import ModelRecipe, absolute_model_spec, read_recipe, write_recipe
 from hpml_compile.runtime.session import RetryPolicy
 from hpml_compile.runtime.worker import error_path, parse_args, threads_per_rank
 from hpml_compile.trace import trace
@@ -122,7 +122,7 @@ def test_transient_errors_are_told_from_bugs() -> None:
     assert RetryPolicy(attempts=4, backoff_s=0.1).delay(3) == pytest.approx(0.8)
     with pytest.raises(ValueError):
         RetryPolicy(attempts=0)
-    assert CommFault(2, 1).op is OpKind.RECV
+    assert CommFault(2, 1).op is CommOp.RECV
 
 
 def test_torchrun_command_lines() -> None:
@@ -178,7 +178,7 @@ def test_recipe_round_trip_and_absence(tmp_path: Path) -> None:
 
 def test_worker_arguments() -> None:
     a = parse_args(["b", "r", "--inject-fault", "3:1:collective", "--optimizer", "sgd"])
-    assert a.faults == [CommFault(2, 1, OpKind.COLLECTIVE)] and a.optimizer.value == "sgd"
+    assert a.faults == [CommFault(2, 1, CommOp.COLLECTIVE)] and a.optimizer.value == "sgd"
     with pytest.raises(SystemExit):
         parse_args(["b", "r", "--inject-fault", "3-1"])
 

@@ -1,0 +1,79 @@
+"""Start gloo ranks on this machine for tests and benchmarks, with a deadline so that a deadlock fails.
+
+Why not ``torch.multiprocessing.spawn(join=True)`` alone: it waits forever,
+so one gloo deadlock hangs a CI job; :func:`spawn_ranks` joins with a
+deadline, terminates the children and names the ranks still alive. Jobs of
+users start with torchrun (:mod:`.launcher`), not this.
+
+Example:
+    >>> import tempfile
+    >>> spawn_ranks(_hello, 2, tempfile.mkdtemp(), timeout_s=120)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ..errors import RanksTimeout
+from ..hostmem import keep_freed_memory
+
+__all__ = ["spawn_ranks", "RanksTimeout", "DEFAULT_TIMEOUT_S"]
+
+DEFAULT_TIMEOUT_S = 900.0  # generous: the longest dist test runs about a minute on two shared cores
+
+
+def _entry(rank: int, fn: Callable[..., None], world_size: int, init: str, threads: int, args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(threads)  # ranks share the machine's cores
+    keep_freed_memory()
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _hello(rank: int, world_size: int) -> None:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world_size, t
+
+
+def spawn_ranks(fn: Callable[..., None], world_size: int, workdir: str | Path, *args: Any, threads: int = 1,
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes on this machine.
+
+    Args:
+        fn: a module-level function (it is pickled to the children).
+        world_size: number of ranks.
+        workdir: a folder for the ``file://`` rendezvous (a fresh file in it; no port is opened).
+        args: passed to ``fn`` after the rank and world size.
+        threads: torch threads per rank.
+        timeout_s: seconds all ranks together may take; then every child is terminated.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: if a rank fails (with its traceback).
+        RanksTimeout: if ranks are still alive at the deadline (naming them).
+    """
+    path = Path(workdir).resolve() / f"rendezvous-{os.getpid()}-{id(fn)}"
+    path.unlink(missing_ok=True)
+    ctx = mp.spawn(_entry, args=(fn, world_size, f"file://{path}", threads, args), nprocs=world_size, join=False)
+    assert ctx is not None
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            for p in ctx.processes:
+                p.join(timeout=10)
+            raise RanksTimeout(f"ranks {alive} of {world_size} were still running {fn.__name__} after {timeout_s:g} s "
+                               "(a deadlock between ranks?): they were terminated. Run the ranks' "
+                               "action lists through hpml_compile.schedule.validate, or raise timeout_s")

@@ -1,0 +1,409 @@
+"""The pipeline schedule lowered into per-rank action lists, and the validator that replays them.
+
+Why a lowering: the plan names a schedule (GPipe or 1F1B) and a microbatch
+count; the runtime, the simulator and a reader of the build all need the
+same thing from it, the order in which each rank runs its forwards,
+backwards, messages, gradient collectives and optimizer step. Lowering
+writes that order out once, as short tokens that print and parse back, so
+that codegen stores it in the build's manifest, the executor runs it as it
+is, and the simulator replays it (:func:`op_order` is its compute view).
+
+Tokens (``k``: a stage, ``j``: a microbatch):
+
+- ``kFj`` / ``kBj``: forward / backward of microbatch ``j`` on stage ``k``;
+- ``kSENDp:j`` / ``kRECVp:j``: stage ``k`` sends to / receives from stage
+  ``p`` the boundary values of microbatch ``j`` (activations when ``k < p``,
+  their gradients when ``k > p``); the stage's generated code moves them
+  inside the neighbouring forward or backward, the tokens say where;
+- ``ALLREDUCE(0,3)``, ``REDUCESCATTER(1)``, ``ALLGATHER(1)``: a collective
+  over every rank of those stages (before ``OPTk``: gradients; after it:
+  parameters);
+- ``LOSS``: every rank waits for its sends and agrees on the batch loss;
+- ``OPTk``: the optimizer step of stage ``k``.
+
+GPipe (Huang et al., NeurIPS 2019): all forwards, then all backwards. 1F1B
+(PipeDream-flush, Narayanan et al., SC 2021): stage ``i`` of ``S`` runs
+``S - i - 1`` warm-up forwards, then alternates, so at most ``S - i``
+microbatches hold activations.
+
+The validator (:func:`validate`) replays the lists with blocking receives,
+non-blocking sends and collectives that wait for all their members, until
+every rank is done or none can move; it names the rank, the action and why.
+A boundary message of a replicated stage reaches only some replicas of its
+peer; the replay waits for all of them, which is stricter than the
+runtime, so an order it accepts cannot deadlock.
+
+Example:
+    >>> from hpml_compile.plan import Schedule
+    >>> ranks = lower(Schedule.ONE_F_ONE_B, 2, (1, 1), sends=(True, False))
+    >>> " ".join(map(str, ranks[0]))
+    '0F0 0SEND1:0 0F1 0SEND1:1 0RECV1:0 0B0 0RECV1:1 0B1 LOSS OPT0'
+    >>> " ".join(map(str, ranks[1]))
+    '1RECV0:0 1F0 1B0 1SEND0:0 1RECV0:1 1F1 1B1 1SEND0:1 LOSS OPT1'
+    >>> Action.parse("ALLREDUCE(0,3)").stages, str(Action.parse("2B7"))
+    ((0, 3), '2B7')
+    >>> validate(ranks, (1, 1))
+    >>> replay(parse_actions([["0RECV1:0", "0SEND1:0"], ["1RECV0:0", "1SEND0:0"]]), (1, 1))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    hpml_compile.errors.ScheduleError: the action order deadlocks: rank 0 (stage 0, replica 0) waits at 0RECV1:0 ...
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .errors import ScheduleError
+from .plan import Plan, Schedule
+
+__all__ = ["ActionKind", "Action", "RankActions", "op_order", "lower", "relower", "parse_actions", "validate",
+           "replay", "stage_ranks", "rank_layout", "COLLECTIVES", "MARKERS"]
+
+
+class ActionKind(str, enum.Enum):
+    """What an action of a rank's list does."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND = "SEND"
+    RECV = "RECV"
+    ALL_REDUCE = "ALLREDUCE"
+    REDUCE_SCATTER = "REDUCESCATTER"
+    ALL_GATHER = "ALLGATHER"
+    LOSS = "LOSS"
+    OPTIMIZER = "OPT"
+
+
+COLLECTIVES = frozenset({ActionKind.ALL_REDUCE, ActionKind.REDUCE_SCATTER, ActionKind.ALL_GATHER})
+MARKERS = frozenset({ActionKind.SEND, ActionKind.RECV})  # carried out by the stage code around F/B
+
+_COMPUTE = re.compile(r"^(\d+)([FB])(\d+)$")
+_POINT = re.compile(r"^(\d+)(SEND|RECV)(\d+):(\d+)$")
+_SYNC = re.compile(r"^(ALLREDUCE|REDUCESCATTER|ALLGATHER)\((\d+(?:,\d+)*)\)$")
+_OPT = re.compile(r"^OPT(\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One action of a rank's list (see the module docstring for its token).
+
+    Attributes:
+        kind: what it does.
+        stages: ``(k,)`` for F, B and OPT; ``(k, peer)`` for SEND and RECV; the group of a
+            collective; ``()`` for LOSS.
+        microbatch: the microbatch of F, B, SEND and RECV; else None.
+    """
+
+    kind: ActionKind
+    stages: tuple[int, ...] = ()
+    microbatch: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ActionKind(self.kind))
+        want = {ActionKind.SEND: 2, ActionKind.RECV: 2, ActionKind.LOSS: 0}.get(self.kind, 1)
+        if (len(self.stages) != want and self.kind not in COLLECTIVES) or (self.kind in COLLECTIVES
+                                                                           and not self.stages):
+            raise ValueError(f"{self.kind.value} takes {want} stage(s), got {self.stages}")
+        if (self.microbatch is None) != (self.kind not in (ActionKind.FORWARD, ActionKind.BACKWARD, *MARKERS)):
+            raise ValueError(f"{self.kind.value}: microbatch {self.microbatch} given where "
+                             f"{'none' if self.microbatch is not None else 'one'} belongs")
+
+    @property
+    def stage(self) -> int:
+        """The stage that runs it (F, B, SEND, RECV, OPT), or the first of a collective's group."""
+        return self.stages[0] if self.stages else -1
+
+    def __str__(self) -> str:
+        k = self.kind
+        if k in (ActionKind.FORWARD, ActionKind.BACKWARD):
+            return f"{self.stages[0]}{k.value}{self.microbatch}"
+        if k in MARKERS:
+            return f"{self.stages[0]}{k.value}{self.stages[1]}:{self.microbatch}"
+        if k in COLLECTIVES:
+            return f"{k.value}({','.join(map(str, self.stages))})"
+        return "LOSS" if k is ActionKind.LOSS else f"OPT{self.stages[0]}"
+
+    @classmethod
+    def parse(cls, token: str) -> "Action":
+        """The action a token names.
+
+        Raises:
+            ValueError: for text that is no action token.
+        """
+        if m := _COMPUTE.match(token):
+            return cls(ActionKind(m.group(2)), (int(m.group(1)),), int(m.group(3)))
+        if m := _POINT.match(token):
+            return cls(ActionKind(m.group(2)), (int(m.group(1)), int(m.group(3))), int(m.group(4)))
+        if m := _SYNC.match(token):
+            return cls(ActionKind(m.group(1)), tuple(int(x) for x in m.group(2).split(",")))
+        if m := _OPT.match(token):
+            return cls(ActionKind.OPTIMIZER, (int(m.group(1)),))
+        if token == "LOSS":
+            return cls(ActionKind.LOSS)
+        raise ValueError(f"not a schedule action token: {token!r} (expected e.g. '0F3', '1B0', '0SEND1:3', "
+                         "'1RECV0:3', 'ALLREDUCE(0,3)', 'LOSS' or 'OPT0')")
+
+
+RankActions = tuple[Action, ...]
+
+
+def parse_actions(tokens: Sequence[Sequence[str]]) -> list[RankActions]:
+    """Per-rank token lists (as the manifest stores them) parsed into actions.
+
+    Raises:
+        ValueError: naming the rank and the token that does not parse.
+    """
+    out = []
+    for rank, row in enumerate(tokens):
+        try:
+            out.append(tuple(Action.parse(t) for t in row))
+        except ValueError as e:
+            raise ValueError(f"rank {rank}: {e}") from None
+    return out
+
+
+def stage_ranks(plan: Plan) -> list[list[int]]:
+    """The ranks of each stage: one rank per device, stages in order, replicas in device order."""
+    return _stage_ranks([len(st.devices) for st in plan.stages])
+
+
+def rank_layout(plan: Plan) -> list[tuple[int, int]]:
+    """``(stage, replica)`` of each rank."""
+    return [(k, i) for k, ranks in enumerate(stage_ranks(plan)) for i, _ in enumerate(ranks)]
+
+
+def _stage_ranks(replicas: Sequence[int]) -> list[list[int]]:
+    out, r = [], 0
+    for d in replicas:
+        out.append(list(range(r, r + d)))
+        r += d
+    return out
+
+
+def op_order(schedule: Schedule, stage: int, stages: int, microbatches: int) -> list[tuple[bool, int]]:
+    """The compute view of a stage's lowered list: ``(is_forward, microbatch)`` in execution order.
+
+    Args:
+        schedule: GPipe or 1F1B.
+        stage: stage index ``i``.
+        stages: stage count ``S``.
+        microbatches: ``M``.
+
+    Returns:
+        The order; under 1F1B at most ``S - i`` forwards are ahead of their backward.
+    """
+    m = microbatches
+    if schedule is Schedule.GPIPE:
+        return [(True, k) for k in range(m)] + [(False, k) for k in range(m)]
+    w = min(stages - stage - 1, m)
+    ops = [(True, k) for k in range(w)]
+    for k in range(m - w):
+        ops += [(True, w + k), (False, k)]
+    return ops + [(False, k) for k in range(m - w, m)]
+
+
+def lower(schedule: Schedule, microbatches: int, replicas: Sequence[int], *,
+          sends: Sequence[bool] | None = None, grad_sync: Sequence[Sequence[str]] | None = None,
+          after_step: Sequence[Sequence[str]] | None = None) -> list[RankActions]:
+    """Every rank's action list: compute in schedule order with its messages, then syncs, loss, optimizer.
+
+    Args:
+        schedule: GPipe or 1F1B.
+        microbatches: ``M``.
+        replicas: devices (ranks) of each stage.
+        sends: per stage, whether boundary ``k -> k+1`` carries values (default: every one but the last's).
+        grad_sync: per stage, its gradient collective tokens in the order its ``sync_grads`` runs them.
+        after_step: per stage, its parameter collective tokens after the optimizer step.
+
+    Returns:
+        One tuple of actions per rank (ranks as :func:`rank_layout` numbers them).
+
+    Raises:
+        ValueError: a malformed collective token.
+    """
+    s = len(replicas)
+    links = list(sends) if sends is not None else [k < s - 1 for k in range(s)]
+    per_stage = []
+    for k in range(s):
+        acts: list[Action] = []
+        for fwd, j in op_order(schedule, k, s, microbatches):
+            came, goes = (k - 1, k + 1) if fwd else (k + 1, k - 1)
+            if 0 <= came < s and links[min(k, came)]:
+                acts.append(Action(ActionKind.RECV, (k, came), j))
+            acts.append(Action(ActionKind.FORWARD if fwd else ActionKind.BACKWARD, (k,), j))
+            if 0 <= goes < s and links[min(k, goes)]:
+                acts.append(Action(ActionKind.SEND, (k, goes), j))
+        acts += [Action.parse(t) for t in (grad_sync[k] if grad_sync else ())]
+        acts += [Action(ActionKind.LOSS), Action(ActionKind.OPTIMIZER, (k,))]
+        acts += [Action.parse(t) for t in (after_step[k] if after_step else ())]
+        per_stage.append(tuple(acts))
+    return [per_stage[k] for k, d in enumerate(replicas) for _ in range(d)]
+
+
+def relower(ranks: Sequence[RankActions], replicas: Sequence[int], schedule: Schedule,
+            microbatches: int) -> list[RankActions]:
+    """The same lists lowered for another microbatch count (a batch of several build batches).
+
+    The boundaries and the collectives are read from each stage's first rank.
+    """
+    first = [ranks[r[0]] for r in _stage_ranks(replicas)]
+    sends = [any(a.kind is ActionKind.SEND and a.stages[1] == k + 1 for a in acts) for k, acts in enumerate(first)]
+    grad, after = [], []
+    for acts in first:
+        opt = next(i for i, a in enumerate(acts) if a.kind is ActionKind.OPTIMIZER)
+        grad.append([str(a) for a in acts[:opt] if a.kind in COLLECTIVES])
+        after.append([str(a) for a in acts[opt:] if a.kind in COLLECTIVES])
+    return lower(schedule, microbatches, replicas, sends=sends, grad_sync=grad, after_step=after)
+
+
+def _name(rank: int, layout: Sequence[tuple[int, int]]) -> str:
+    k, r = layout[rank]
+    return f"rank {rank} (stage {k}, replica {r})"
+
+
+def _check_shape(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
+    """Each action belongs to its rank's stage, no rank waits on itself, every F has one B after it."""
+    layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
+    if len(ranks) != len(layout):
+        raise ScheduleError(f"{len(ranks)} action lists for {len(layout)} ranks (replicas {list(replicas)}): "
+                            "one list per rank is needed; regenerate the build")
+    s = len(replicas)
+    for rank, acts in enumerate(ranks):
+        k = layout[rank][0]
+        seen: dict[tuple[ActionKind, int | None], int] = {}
+        for a in acts:
+            if a.kind in COLLECTIVES:
+                bad = k not in a.stages or any(not 0 <= x < s for x in a.stages)
+            else:
+                bad = a.kind is not ActionKind.LOSS and a.stage != k
+            if bad:
+                raise ScheduleError(f"{_name(rank, layout)}: action {a} is not one of stage {k}'s; "
+                                    "each rank runs only its own stage's actions")
+            if a.kind in MARKERS and a.stages[1] == k:
+                raise ScheduleError(f"{_name(rank, layout)}: action {a} waits on its own stage: a stage "
+                                    "never sends to or receives from itself")
+            if a.kind in MARKERS and abs(a.stages[1] - k) != 1:
+                raise ScheduleError(f"{_name(rank, layout)}: action {a} talks to stage {a.stages[1]}, "
+                                    f"not a neighbour of stage {k}: values skipping stages are relayed")
+            if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+                key = (a.kind, a.microbatch)
+                seen[key] = seen.get(key, 0) + 1
+                if a.kind is ActionKind.BACKWARD and (ActionKind.FORWARD, a.microbatch) not in seen:
+                    raise ScheduleError(f"{_name(rank, layout)}: {a} comes before its forward "
+                                        f"{k}F{a.microbatch}: a backward needs its forward's activations")
+        for (kind, j), n in seen.items():
+            if n != 1 or (ActionKind.BACKWARD, j) not in seen:
+                raise ScheduleError(f"{_name(rank, layout)}: microbatch {j} has {n} {kind.name.lower()}(s) and "
+                                    f"{seen.get((ActionKind.BACKWARD, j), 0)} backward(s): each needs exactly one")
+
+
+def _check_pairs(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
+    """Every send has its receive on every rank of the peer stage, and every receive its send."""
+    layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
+    groups = _stage_ranks(replicas)
+    counts = [Counter((a.kind, a.stages, a.microbatch) for a in acts if a.kind in MARKERS) for acts in ranks]
+    for rank, acts in enumerate(ranks):
+        k = layout[rank][0]
+        for a in dict.fromkeys(x for x in acts if x.kind in MARKERS):
+            peer_kind = ActionKind.RECV if a.kind is ActionKind.SEND else ActionKind.SEND
+            want = Action(peer_kind, (a.stages[1], k), a.microbatch)
+            mine = counts[rank][(a.kind, a.stages, a.microbatch)]
+            for q in groups[a.stages[1]]:
+                theirs = counts[q][(peer_kind, want.stages, want.microbatch)]
+                if theirs != mine:
+                    what = "receive" if a.kind is ActionKind.SEND else "send"
+                    raise ScheduleError(f"{_name(rank, layout)}: {a} (x{mine}) has no matching {what}: "
+                                        f"{_name(q, layout)} runs {want} {theirs} time(s); a send without its "
+                                        "receive is never delivered, a receive without its send waits forever")
+
+
+def replay(ranks: Sequence[RankActions], replicas: Sequence[int],
+           key: Callable[[int, Action], tuple[int, ...]] | None = None) -> list[tuple[int, Action]]:
+    """Play the lists with blocking receives, non-blocking sends and collectives that wait for all members.
+
+    Args:
+        ranks: each rank's actions.
+        replicas: ranks of each stage.
+        key: among the ranks whose next action can run, the smallest ``key(rank, action)`` goes first
+            (default: the lowest rank).
+
+    Returns:
+        Every action in one order that respects the waits, as ``(rank, action)`` (a collective once per member).
+
+    Raises:
+        ScheduleError: the order deadlocks; names each stuck rank, its action and what it waits for.
+    """
+    layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
+    groups = _stage_ranks(replicas)
+    everyone = list(range(len(layout)))
+    ptr = [0] * len(ranks)
+    sent: Counter[tuple[int, int, int | None]] = Counter()  # (sender rank, to stage, microbatch)
+    got: Counter[tuple[int, int, int | None]] = Counter()  # (receiver rank, from stage, microbatch)
+    order: list[tuple[int, Action]] = []
+
+    def members(a: Action) -> list[int]:
+        return everyone if a.kind is ActionKind.LOSS else [q for x in a.stages for q in groups[x]]
+
+    def ready(rank: int) -> bool:
+        a = ranks[rank][ptr[rank]]
+        if a.kind is ActionKind.RECV:
+            k, p = a.stages
+            return all(sent[(q, k, a.microbatch)] > got[(rank, p, a.microbatch)] for q in groups[p])
+        if a.kind in COLLECTIVES or a.kind is ActionKind.LOSS:
+            return all(ptr[q] < len(ranks[q]) and ranks[q][ptr[q]] == a for q in members(a))
+        return True
+
+    def at(q: int) -> str:
+        return str(ranks[q][ptr[q]]) if ptr[q] < len(ranks[q]) else "the end of its list"
+
+    def why(rank: int) -> str:
+        a = ranks[rank][ptr[rank]]
+        if a.kind is ActionKind.RECV:
+            k, p = a.stages
+            src = next(q for q in groups[p] if sent[(q, k, a.microbatch)] <= got[(rank, p, a.microbatch)])
+            return (f"{_name(rank, layout)} waits at {a} for {p}SEND{k}:{a.microbatch} from rank {src}, "
+                    f"which sits at {at(src)}")
+        late = [q for q in members(a) if ptr[q] >= len(ranks[q]) or ranks[q][ptr[q]] != a]
+        return (f"{_name(rank, layout)} waits at collective {a} for rank(s) {late}, which sit at "
+                f"{', '.join(at(q) for q in late)}")
+
+    pick = key or (lambda rank, a: (rank,))
+    while True:
+        live = [r for r in everyone if ptr[r] < len(ranks[r])]
+        if not live:
+            return order
+        can = [r for r in live if ready(r)]
+        if not can:
+            raise ScheduleError("the action order deadlocks: " + "; ".join(why(r) for r in live))
+        rank = min(can, key=lambda r: pick(r, ranks[r][ptr[r]]))
+        a = ranks[rank][ptr[rank]]
+        if a.kind in COLLECTIVES or a.kind is ActionKind.LOSS:
+            for q in members(a):
+                order.append((q, a))
+                ptr[q] += 1
+            continue
+        if a.kind is ActionKind.SEND:
+            sent[(rank, a.stages[1], a.microbatch)] += 1
+        elif a.kind is ActionKind.RECV:
+            got[(rank, a.stages[1], a.microbatch)] += 1
+        order.append((rank, a))
+        ptr[rank] += 1
+
+
+def validate(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
+    """Check per-rank lists before anything runs: own stage only, matched messages, no deadlock.
+
+    Args:
+        ranks: each rank's actions.
+        replicas: ranks of each stage.
+
+    Raises:
+        ScheduleError: naming the rank, the action and the rule it breaks.
+    """
+    _check_shape(ranks, replicas)
+    _check_pairs(ranks, replicas)
+    replay(ranks, replicas)
