@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import BuildMismatchError
-from ..schema import check_version, read_json, validate, write_json_atomic
+from .errors import BuildMismatchError
+from .schema import check_version, read_json, validate, write_json_atomic
 
 __all__ = ["RECIPE_FILE", "RECIPE_VERSION", "RECIPE_SCHEMA", "ModelRecipe", "write_recipe", "read_recipe",
            "absolute_model_spec"]
