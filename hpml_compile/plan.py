@@ -201,7 +201,10 @@ class Plan:
         """
         check_version(d, PLAN_VERSION, source)
         validate(d, PLAN_SCHEMA, source)
-        cluster = Cluster.from_dict(d["cluster"], source=f"{source}: cluster")
+        try:
+            cluster = Cluster.from_dict(d["cluster"], source=source)
+        except SchemaError as e:  # name the field from the top of plan.json
+            raise SchemaError(source, f"cluster.{e.field}", e.expected, e.got, e.fix) from None
         check_placement(d, source)
         pr, so = d["predicted"], d["solver"]
         return cls(
