@@ -196,8 +196,8 @@ class Plan:
             The plan.
 
         Raises:
-            hpml_compile.errors.SchemaError: naming the first bad field, e.g. ``plan.json: stages[0].zero: expected ...``,
-                or the first stage that breaks a rule of :func:`check_placement`.
+            hpml_compile.errors.SchemaError: naming the first bad field, e.g. ``plan.json: stages[0].zero:
+                expected ...``, or the first stage that breaks a rule of :func:`check_placement`.
         """
         check_version(d, PLAN_VERSION, source)
         validate(d, PLAN_SCHEMA, source)
@@ -289,8 +289,9 @@ def check_placement(d: Any, source: str = "plan") -> None:
                               fix=f"move nodes into stage {k} or remove it and renumber the later stages")
         for j, dev in enumerate(st["devices"]):
             if dev not in cluster:
-                raise SchemaError(source, f"{at}.devices[{j}]", f"a device of the plan's cluster ({', '.join(cluster)})",
-                                  repr(dev), fix=f"place stage {k} on one of them, or add {dev} to cluster.devices")
+                raise SchemaError(source, f"{at}.devices[{j}]",
+                                  f"a device of the plan's cluster ({', '.join(cluster)})", repr(dev),
+                                  fix=f"place stage {k} on one of them, or add {dev} to cluster.devices")
             if dev in device_stage:
                 raise SchemaError(source, f"{at}.devices[{j}]", "a device that no other stage uses",
                                   f"{dev!r}, which stage {device_stage[dev]} uses too",

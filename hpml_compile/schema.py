@@ -4,6 +4,10 @@ Files are plain JSON with a ``schema_version``; loading never runs code (no
 pickle). Structural checks use ``jsonschema`` (a well-kept validator; we only
 format its verdict so that the message names the field, e.g.
 ``profile.json: nodes[3].cost.cpu.fwd_ms: expected a number, got 'fast'``).
+The schemas are closed (``additionalProperties: false`` at every level): a
+misspelt or foreign field is named rather than ignored or passed on to a
+constructor. Numbers must be finite: Python's json reads ``NaN`` and
+``Infinity``, which would pass every ``minimum`` (:func:`check_finite`).
 
 Example:
     >>> validate({"schema_version": 1}, CLUSTER_SCHEMA, "cluster.json")
