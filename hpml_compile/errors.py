@@ -46,11 +46,12 @@ class SchemaError(HpmlError):
         field: the path of the bad field, e.g. ``"nodes[3].cost.cpu.fwd_ms"``.
         expected: what the field should hold.
         got: what it holds (already formatted).
+        fix: what would mend it, appended after a semicolon (optional).
     """
 
-    def __init__(self, source: str, field: str, expected: str, got: str) -> None:
-        self.source, self.field, self.expected, self.got = source, field, expected, got
-        super().__init__(f"{source}: {field}: expected {expected}, got {got}")
+    def __init__(self, source: str, field: str, expected: str, got: str, fix: str = "") -> None:
+        self.source, self.field, self.expected, self.got, self.fix = source, field, expected, got, fix
+        super().__init__(f"{source}: {field}: expected {expected}, got {got}" + (f"; {fix}" if fix else ""))
 
 
 class TraceError(HpmlError):

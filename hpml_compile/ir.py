@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from .errors import SchemaError
 from .schema import CLUSTER_SCHEMA, PROFILE_SCHEMA, check_version, validate
@@ -44,6 +44,7 @@ PROFILE_VERSION = 2
 PROFILE_READS = (1, 2)  # version 1 files have no fixed costs, loss, optimizer or parameter sizes
 CLUSTER_VERSION = 1
 VARIANT_SEP = "~"
+_T = TypeVar("_T")
 
 
 def base_kind(kind: str) -> str:
@@ -136,6 +137,28 @@ class NodeCost:
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "profile", where: str = "cost") -> "NodeCost":
+        """Build from a schema-checked dict (see :data:`~hpml_compile.schema.PROFILE_SCHEMA`).
+
+        Args:
+            d: the cost's fields.
+            source: the file, for the message.
+            where: the cost's field path, e.g. ``nodes[3].cost.cpu``.
+
+        Returns:
+            The cost.
+
+        Raises:
+            SchemaError: for a fixed part larger than its time.
+        """
+        for part in ("fwd", "bwd"):
+            fixed, ms = d.get(f"{part}_fixed_ms", 0.0), d[f"{part}_ms"]
+            if fixed > ms:
+                raise SchemaError(source, f"{where}.{part}_fixed_ms", f"at most {part}_ms ({ms})", repr(fixed),
+                                  fix="the fixed part of a time cannot exceed the time")
+        return cls(**d)
+
 
 @dataclass(frozen=True, slots=True)
 class ProfileNode:
@@ -176,14 +199,19 @@ class ProfileNode:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ProfileNode":
+    def from_dict(cls, d: Mapping[str, Any], source: str = "profile", where: str = "node") -> "ProfileNode":
+        """Build from a schema-checked dict; ``source`` and ``where`` (its field path) name it in errors.
+
+        Raises:
+            SchemaError: for a cost whose fixed part exceeds its time.
+        """
         kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
         kw["op"] = NodeOp(d["op"])
         kw["inputs"] = tuple(d["inputs"])
         kw["params"] = tuple(d.get("params", ()))
         shape = d.get("output_shape")
         kw["output_shape"] = None if shape is None else tuple(shape)
-        kw["cost"] = {k: NodeCost(**v) for k, v in d["cost"].items()}
+        kw["cost"] = {k: NodeCost.from_dict(v, source, f"{where}.cost.{k}") for k, v in d["cost"].items()}
         return cls(**kw)
 
 
@@ -282,11 +310,13 @@ class Profile:
         """Build from parsed JSON, checking the schema first.
 
         Raises:
-            SchemaError: naming the first field that is missing or of the wrong type.
+            SchemaError: naming ``source`` and the first field that is missing, unknown, of the wrong
+                type or not finite, or a node name that is repeated or used before it is defined.
         """
-        validate(d, PROFILE_SCHEMA, source)
         check_version(d, PROFILE_READS, source)
-        return cls(
+        validate(d, PROFILE_SCHEMA, source)
+        return _build(
+            source, cls,
             model=d["model"],
             batch_size=d["batch_size"],
             seq_len=d.get("seq_len"),
@@ -296,13 +326,13 @@ class Profile:
             repeats=d.get("repeats", 0),
             warmup=d.get("warmup", 0),
             devices=d.get("devices", {}),
-            totals={k: NodeCost(**v) for k, v in d.get("totals", {}).items()},
+            totals={k: NodeCost.from_dict(v, source, f"totals.{k}") for k, v in d.get("totals", {}).items()},
             micro_batch=d.get("micro_batch"),
             loss=d.get("loss"),
             optimizer=d.get("optimizer"),
             optimizer_ms=d.get("optimizer_ms", {}),
             parameters=d.get("parameters", {}),
-            nodes=tuple(ProfileNode.from_dict(n) for n in d["nodes"]),
+            nodes=tuple(ProfileNode.from_dict(n, source, f"nodes[{i}]") for i, n in enumerate(d["nodes"])),
         )
 
 
@@ -424,11 +454,33 @@ class Cluster:
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "cluster") -> "Cluster":
-        """Build from parsed JSON, checking the schema first (raises SchemaError)."""
-        validate(d, CLUSTER_SCHEMA, source)
+        """Build from parsed JSON, checking the schema first.
+
+        Args:
+            d: parsed cluster.json (or the ``cluster`` field of plan.json).
+            source: the file, for the message.
+
+        Returns:
+            The cluster.
+
+        Raises:
+            SchemaError: naming ``source`` and the first field that is missing, unknown, of the wrong
+                type or not finite, a repeated device name, or a link to a device not in the cluster.
+        """
         check_version(d, CLUSTER_VERSION, source)
-        return cls(
+        validate(d, CLUSTER_SCHEMA, source)
+        return _build(
+            source, cls,
             name=d.get("name", source),
             devices=tuple(Device(**dev) for dev in d["devices"]),
             links=tuple(Link(**x) for x in d.get("links", ())),
         )
+
+
+def _build(source: str, make: Callable[..., _T], **fields_: Any) -> _T:
+    """``make(**fields_)``, with a SchemaError from its ``__post_init__`` (which names the object, not the file)
+    re-raised naming ``source``, the file being read."""
+    try:
+        return make(**fields_)
+    except SchemaError as e:
+        raise SchemaError(source, e.field, e.expected, e.got, e.fix) from None

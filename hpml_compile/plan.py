@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import PlanError
+from .errors import PlanError, SchemaError
 from .ir import Cluster, Profile, Schedule
 from .memory import GiB, ZeroStage, dtype_bytes
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
@@ -40,6 +40,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "validate_plan",
+    "check_placement",
     "node_stages",
     "stage_memory",
     "save_plan",
@@ -176,14 +177,27 @@ class Plan:
     def from_dict(cls, d: Any, source: str = "plan") -> "Plan":
         """Build from parsed JSON, checking the schema first.
 
+        Args:
+            d: parsed plan.json.
+            source: the file, for the message.
+
+        Returns:
+            The plan.
+
         Raises:
-            hpml_compile.errors.SchemaError: naming the first bad field, e.g. ``plan.json: stages[0].zero: expected ...``.
+            hpml_compile.errors.SchemaError: naming the first bad field, e.g. ``plan.json: stages[0].zero:
+                expected ...``, or the first stage that breaks a rule of :func:`check_placement`.
         """
-        validate(d, PLAN_SCHEMA, source)
         check_version(d, PLAN_VERSION, source)
+        validate(d, PLAN_SCHEMA, source)
+        try:
+            cluster = Cluster.from_dict(d["cluster"], source=source)
+        except SchemaError as e:  # name the field from the top of plan.json
+            raise SchemaError(source, f"cluster.{e.field}", e.expected, e.got, e.fix) from None
+        check_placement(d, source)
         pr, so = d["predicted"], d["solver"]
         return cls(
-            model=d["model"], cluster=Cluster.from_dict(d["cluster"], source=f"{source}: cluster"),
+            model=d["model"], cluster=cluster,
             schedule=Schedule(d["schedule"]), microbatches=d["microbatches"],
             stages=tuple(Stage.from_dict(s) for s in d["stages"]),
             predicted=PlanPrediction(pr["step_ms"], pr["bottleneck_stage"], pr["bubble"]),
@@ -193,6 +207,7 @@ class Plan:
 
 _NUM = {"type": "number", "minimum": 0}
 _NAMES = {"type": "array", "items": {"type": "string", "minLength": 1}}
+_SHARE = {"type": "number", "minimum": 0, "maximum": 1}
 
 PLAN_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -216,20 +231,75 @@ PLAN_SCHEMA: dict[str, Any] = {
                     "recompute": {"type": "boolean"},
                     "swap": _NAMES,
                     "offload_optimizer": {"type": "boolean"},
-                    "predicted": {"type": "object", "properties": {
+                    "predicted": {"type": "object", "additionalProperties": False, "properties": {
                         "fwd_ms": _NUM, "bwd_ms": _NUM, "memory_bytes": {"type": "integer", "minimum": 0},
-                        "bubble": {"type": "number", "minimum": 0, "maximum": 1}}},
+                        "bubble": _SHARE}},
                 },
+                "additionalProperties": False,
             },
         },
         "predicted": {"type": "object", "required": ["step_ms", "bottleneck_stage", "bubble"], "properties": {
             "step_ms": _NUM, "bottleneck_stage": {"type": "integer", "minimum": 0},
-            "bubble": {"type": "number", "minimum": 0, "maximum": 1}}},
+            "bubble": _SHARE}, "additionalProperties": False},
         "solver": {"type": "object", "required": ["name", "status"], "properties": {
             "name": {"type": "string"}, "status": {"enum": [s.value for s in SolverStatus]},
-            "gap": _NUM, "seconds": _NUM}},
+            "gap": _NUM, "seconds": _NUM}, "additionalProperties": False},
     },
+    "additionalProperties": False,
 }
+
+
+def check_placement(d: Any, source: str = "plan") -> None:
+    """Check a schema-valid plan.json against itself and its own cluster, before anything uses it.
+
+    The rules that need no profile: stages are listed in order; every stage has
+    nodes; every device a stage names is in the plan's cluster, and in no other
+    stage; every node is in one stage only; a stage swaps only its own nodes;
+    the predicted bottleneck is one of the stages. (:func:`validate_plan` adds
+    the rules that need the profile: every node placed, edges, memory.)
+
+    Args:
+        d: parsed plan.json, already checked against :data:`PLAN_SCHEMA`.
+        source: the file, for the message.
+
+    Raises:
+        SchemaError: naming the file, the field (stage, device or node), what was found and the fix.
+    """
+    cluster = [dev["name"] for dev in d["cluster"]["devices"]]
+    device_stage: dict[str, int] = {}
+    node_stage: dict[str, int] = {}
+    for k, st in enumerate(d["stages"]):
+        at = f"stages[{k}]"
+        if st["index"] != k:
+            raise SchemaError(source, f"{at}.index", f"{k} (stages are listed in pipeline order)", repr(st["index"]),
+                              fix=f"number the stages 0 to {len(d['stages']) - 1} in the order they are listed")
+        if not st["nodes"]:
+            raise SchemaError(source, f"{at}.nodes", "at least one fx node", "none",
+                              fix=f"move nodes into stage {k} or remove it and renumber the later stages")
+        for j, dev in enumerate(st["devices"]):
+            if dev not in cluster:
+                raise SchemaError(source, f"{at}.devices[{j}]",
+                                  f"a device of the plan's cluster ({', '.join(cluster)})", repr(dev),
+                                  fix=f"place stage {k} on one of them, or add {dev} to cluster.devices")
+            if dev in device_stage:
+                raise SchemaError(source, f"{at}.devices[{j}]", "a device that no other stage uses",
+                                  f"{dev!r}, which stage {device_stage[dev]} uses too",
+                                  fix=f"give stage {k} a device of its own (a device runs one stage)")
+            device_stage[dev] = k
+        for j, node in enumerate(st["nodes"]):
+            if node in node_stage:
+                raise SchemaError(source, f"{at}.nodes[{j}]", "a node that no other stage holds",
+                                  f"{node!r}, which stage {node_stage[node]} holds too",
+                                  fix=f"keep {node} in one stage and remove it from the other")
+            node_stage[node] = k
+        for j, node in enumerate(st.get("swap", ())):
+            if node not in st["nodes"]:
+                raise SchemaError(source, f"{at}.swap[{j}]", f"one of stage {k}'s nodes", repr(node),
+                                  fix=f"swap only nodes that stage {k} runs")
+    bottleneck = d["predicted"]["bottleneck_stage"]
+    if bottleneck >= len(d["stages"]):
+        raise SchemaError(source, "predicted.bottleneck_stage", f"a stage index below {len(d['stages'])}",
+                          repr(bottleneck), fix="name one of the plan's stages")
 
 
 def stage_memory(plan: Plan, profile: Profile, stage: Stage) -> int:
@@ -337,10 +407,17 @@ def save_plan(plan: Plan, path: str | Path) -> Path:
 
 
 def load_plan(path: str | Path) -> Plan:
-    """Read and schema-check plan.json.
+    """Read plan.json, checking its schema and its stages against its own cluster.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The plan.
 
     Raises:
-        SchemaError: naming the file and the first bad field.
+        SchemaError: naming the file and the first bad field, or the stage, device or node that breaks a
+            rule of :func:`check_placement`, with the fix.
     """
     return Plan.from_dict(read_json(path), source=str(path))
 

@@ -4,6 +4,10 @@ Files are plain JSON with a ``schema_version``; loading never runs code (no
 pickle). Structural checks use ``jsonschema`` (a well-kept validator; we only
 format its verdict so that the message names the field, e.g.
 ``profile.json: nodes[3].cost.cpu.fwd_ms: expected a number, got 'fast'``).
+The schemas are closed (``additionalProperties: false`` at every level): a
+misspelt or foreign field is named rather than ignored or passed on to a
+constructor. Numbers must be finite: Python's json reads ``NaN`` and
+``Infinity``, which would pass every ``minimum`` (:func:`check_finite`).
 
 Example:
     >>> validate({"schema_version": 1}, CLUSTER_SCHEMA, "cluster.json")
@@ -15,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -28,6 +33,7 @@ __all__ = [
     "PROFILE_SCHEMA",
     "CLUSTER_SCHEMA",
     "validate",
+    "check_finite",
     "read_json",
     "write_json_atomic",
     "check_version",
@@ -35,6 +41,13 @@ __all__ = [
 
 _NUM = {"type": "number", "minimum": 0}
 _INT = {"type": "integer", "minimum": 0}
+_STR = {"type": "string"}
+_FWD_BWD = {  # a pair of forward/backward ratios
+    "type": "object",
+    "required": ["fwd", "bwd"],
+    "properties": {"fwd": _NUM, "bwd": _NUM},
+    "additionalProperties": False,
+}
 
 _NODE_COST = {
     "type": "object",
@@ -51,12 +64,81 @@ _NODE_COST = {
     "additionalProperties": False,
 }
 
+# cost_models.Calibration.to_dict, kept in profile.devices[kind] by predict_kinds.
+_CALIBRATION = {
+    "type": "object",
+    "required": ["version", "device_kind", "dtype", "overhead_ms", "multipliers"],
+    "properties": {
+        "version": {"type": "integer"},
+        "device_kind": _STR,
+        "dtype": _STR,
+        "overhead_ms": _NUM,
+        "multipliers": {"type": "object", "additionalProperties": _NUM},
+    },
+    "additionalProperties": False,
+}
+
+# What profile.devices[kind] says about a device kind: written by profile (measured: the device,
+# memory stream rates, scaling to the whole-model pass), predict_kinds (predicted_from, calibrations)
+# and the runtime's measured profiles (measured_from, and for a slow device's variant kind its
+# device, base_kind and slowdown).
+_DEVICE_INFO = {
+    "type": "object",
+    "properties": {
+        "measured": {"type": "boolean"},
+        "device": _STR,
+        "stream_gbps": _NUM,
+        "host_stream_gbps": _NUM,
+        "stream_threads": _INT,
+        "scaled_to_whole": _FWD_BWD,
+        "scaled_to_whole_micro": _FWD_BWD,
+        "predicted_from": _STR,
+        "calibration_fwd": _CALIBRATION,
+        "calibration_bwd": _CALIBRATION,
+        "measured_from": _STR,
+        "base_kind": _STR,
+        "slowdown": _NUM,
+    },
+    "additionalProperties": False,
+}
+
+_PROFILE_NODE = {
+    "type": "object",
+    "required": [
+        "name", "op", "target", "inputs", "flops", "param_bytes",
+        "output_bytes", "activation_bytes", "cost",
+    ],
+    "properties": {
+        "name": {"type": "string", "minLength": 1},
+        "op": {"enum": [
+            "placeholder", "get_attr", "call_function",
+            "call_method", "call_module", "output",
+        ]},
+        "target": _STR,
+        "inputs": {"type": "array", "items": _STR},
+        "scope": _STR,
+        "op_kind": _STR,
+        "flops": _INT,
+        "bwd_flops": _INT,
+        "param_bytes": _INT,
+        "params": {"type": "array", "items": _STR},
+        "output_bytes": _INT,
+        "activation_bytes": _INT,
+        "mem_bytes": _INT,
+        "output_shape": {"type": ["array", "null"], "items": _INT},
+        "output_dtype": {"type": ["string", "null"]},
+        "tensor_output": {"type": "boolean"},
+        "cost": {"type": "object", "additionalProperties": _NODE_COST},
+    },
+    "additionalProperties": False,
+}
+
 PROFILE_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["schema_version", "model", "batch_size", "dtype", "nodes"],
     "properties": {
         "schema_version": {"type": "integer"},
-        "model": {"type": "string"},
+        "model": _STR,
         "batch_size": {"type": "integer", "minimum": 1},
         "seq_len": {"type": ["integer", "null"], "minimum": 1},
         "dtype": {"enum": ["float32", "float16", "bfloat16", "float64"]},
@@ -64,46 +146,16 @@ PROFILE_SCHEMA: dict[str, Any] = {
         "backward_timing": {"enum": ["per_node", "apportioned", "predicted"]},
         "repeats": _INT,
         "warmup": _INT,
-        "devices": {"type": "object", "additionalProperties": {"type": "object"}},
+        "devices": {"type": "object", "additionalProperties": _DEVICE_INFO},
         "totals": {"type": "object", "additionalProperties": _NODE_COST},
         "micro_batch": {"type": ["integer", "null"], "minimum": 1},
         "loss": {"type": ["string", "null"]},
         "optimizer": {"type": ["string", "null"]},
         "optimizer_ms": {"type": "object", "additionalProperties": _NUM},
         "parameters": {"type": "object", "additionalProperties": _INT},
-        "nodes": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": [
-                    "name", "op", "target", "inputs", "flops", "param_bytes",
-                    "output_bytes", "activation_bytes", "cost",
-                ],
-                "properties": {
-                    "name": {"type": "string", "minLength": 1},
-                    "op": {"enum": [
-                        "placeholder", "get_attr", "call_function",
-                        "call_method", "call_module", "output",
-                    ]},
-                    "target": {"type": "string"},
-                    "inputs": {"type": "array", "items": {"type": "string"}},
-                    "scope": {"type": "string"},
-                    "op_kind": {"type": "string"},
-                    "flops": _INT,
-                    "bwd_flops": _INT,
-                    "param_bytes": _INT,
-                    "params": {"type": "array", "items": {"type": "string"}},
-                    "output_bytes": _INT,
-                    "activation_bytes": _INT,
-                    "mem_bytes": _INT,
-                    "output_shape": {"type": ["array", "null"]},
-                    "output_dtype": {"type": ["string", "null"]},
-                    "tensor_output": {"type": "boolean"},
-                    "cost": {"type": "object", "additionalProperties": _NODE_COST},
-                },
-            },
-        },
+        "nodes": {"type": "array", "items": _PROFILE_NODE},
     },
+    "additionalProperties": False,
 }
 
 CLUSTER_SCHEMA: dict[str, Any] = {
@@ -111,7 +163,7 @@ CLUSTER_SCHEMA: dict[str, Any] = {
     "required": ["schema_version", "devices"],
     "properties": {
         "schema_version": {"type": "integer"},
-        "name": {"type": "string"},
+        "name": _STR,
         "devices": {
             "type": "array",
             "minItems": 1,
@@ -122,8 +174,9 @@ CLUSTER_SCHEMA: dict[str, Any] = {
                     "name": {"type": "string", "minLength": 1},
                     "kind": {"type": "string", "minLength": 1},
                     "memory_gib": {"type": "number", "exclusiveMinimum": 0},
-                    "host": {"type": "string"},
+                    "host": _STR,
                 },
+                "additionalProperties": False,
             },
         },
         "links": {
@@ -132,14 +185,16 @@ CLUSTER_SCHEMA: dict[str, Any] = {
                 "type": "object",
                 "required": ["a", "b", "gbps"],
                 "properties": {
-                    "a": {"type": "string"},
-                    "b": {"type": "string"},
+                    "a": _STR,
+                    "b": _STR,
                     "gbps": {"type": "number", "exclusiveMinimum": 0},
                     "latency_us": _NUM,
                 },
+                "additionalProperties": False,
             },
         },
     },
+    "additionalProperties": False,
 }
 
 _TYPE_WORDS = {
@@ -163,19 +218,61 @@ def _expected(err: jsonschema.ValidationError) -> str:
         return " or ".join(_TYPE_WORDS.get(k, k) for k in kinds)
     if kind == "enum":
         return "one of " + ", ".join(repr(v) for v in value)
-    if kind in ("minimum", "exclusiveMinimum"):
-        return f"a value {'>=' if kind == 'minimum' else '>'} {value}"
+    if kind in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        op = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}[kind]
+        return f"a value {op} {value}"
     if kind in ("minItems", "minLength"):
         return f"at least {value} item(s)"
     return f"{kind} {value!r}"
 
 
+def _json_number(x: float) -> str:
+    """How JSON (as Python's json module writes it) spells a non-finite float."""
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
+def check_finite(data: Any, source: str) -> None:
+    """Reject NaN and infinities anywhere in ``data`` (JSON numbers must be finite).
+
+    Python's json reads and writes ``NaN``, ``Infinity`` and ``-Infinity``, and a
+    number too large for a float (``1e999``) reads as infinity; none of them is a
+    cost, a size or a time, and a schema's ``minimum`` lets them all through.
+
+    Args:
+        data: parsed JSON, or a dict built in Python.
+        source: the file or object, for the message.
+
+    Raises:
+        SchemaError: naming the field of the first non-finite number.
+    """
+    todo: list[tuple[Any, tuple[Any, ...]]] = [(data, ())]
+    while todo:  # iterative: a hostile file may nest deeper than Python's recursion limit
+        x, path = todo.pop()
+        if isinstance(x, float) and not math.isfinite(x):
+            raise SchemaError(source, _field_path(path), "a finite number (JSON has no NaN or infinity)",
+                              _json_number(x))
+        if isinstance(x, Mapping):
+            todo.extend((v, (*path, k)) for k, v in reversed(list(x.items())))
+        elif isinstance(x, (list, tuple)):
+            todo.extend((v, (*path, i)) for i, v in reversed(list(enumerate(x))))
+
+
 def validate(data: Any, schema: Mapping[str, Any], source: str) -> None:
     """Check ``data`` against ``schema``; raise SchemaError naming the first bad field.
+
+    Numbers must also be finite (:func:`check_finite`), whether ``data`` came
+    from a file or was built in Python; a field the schema does not name is an
+    error (a misspelt field would otherwise be ignored, or crash a constructor).
+
+    Args:
+        data: parsed JSON.
+        schema: a JSON schema (draft 7).
+        source: the file or object, for the message.
 
     Raises:
         SchemaError: with the dotted field path, what was expected and what was found.
     """
+    check_finite(data, source)
     validator = jsonschema.Draft7Validator(schema)
     err = jsonschema.exceptions.best_match(validator.iter_errors(data))
     if err is None:
@@ -184,30 +281,76 @@ def validate(data: Any, schema: Mapping[str, Any], source: str) -> None:
         missing = next((k for k in err.validator_value if k not in err.instance), "?")
         path = _field_path([*err.absolute_path, missing])
         raise SchemaError(source, path, "a required field", "nothing")
+    if err.validator == "additionalProperties" and err.validator_value is False:
+        known = list(err.schema.get("properties", {}))
+        extra = next(k for k in err.instance if k not in known)
+        raise SchemaError(source, _field_path([*err.absolute_path, extra]),
+                          f"one of the fields {', '.join(known)}", "an unknown field",
+                          fix="remove it or correct its spelling")
     raise SchemaError(source, _field_path(err.absolute_path), _expected(err), repr(err.instance)[:80])
 
 
-def check_version(data: Mapping[str, Any], supported: int | tuple[int, ...], source: str) -> None:
-    """Reject files written by an unknown schema version, by name (``supported``: one version or several)."""
+def check_version(data: Any, supported: int | tuple[int, ...], source: str) -> None:
+    """Reject files written by an unknown schema version, by name.
+
+    Called before :func:`validate`, so that a file from a newer hpml-compile
+    is refused for its version rather than for the fields that version added.
+
+    Args:
+        data: parsed JSON.
+        supported: one version or several.
+        source: the file or object, for the message.
+
+    Raises:
+        SchemaError: if ``data`` is not an object or its ``schema_version`` is not supported.
+    """
+    if not isinstance(data, Mapping):
+        raise SchemaError(source, "(top level)", "a JSON object", type(data).__name__)
     versions = (supported,) if isinstance(supported, int) else tuple(supported)
     version = data.get("schema_version")
-    if version not in versions:
+    if version not in versions or isinstance(version, bool):
         text = " or ".join(map(str, versions))
-        raise SchemaError(source, "schema_version", f"{text} (this hpml-compile reads version {text})",
-                          repr(version))
+        got = "nothing" if "schema_version" not in data else repr(version)[:80]
+        raise SchemaError(source, "schema_version", f"{text} (this hpml-compile reads version {text})", got)
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:
-    """Read a JSON file; a missing file or bad JSON becomes a SchemaError naming the file."""
+    """Read a JSON file that holds only finite numbers.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The parsed JSON.
+
+    Raises:
+        SchemaError: naming the file, for a missing or unreadable file, text that
+            is not JSON (with its line and column), or a NaN or infinity (with its field).
+    """
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise SchemaError(str(p), "(file)", "an existing JSON file", "no such file") from None
+    except UnicodeDecodeError as e:
+        raise SchemaError(str(p), f"byte {e.start}", "UTF-8 text", "bytes that are not UTF-8") from None
+    except OSError as e:
+        raise SchemaError(str(p), "(file)", "a readable JSON file", e.strerror or type(e).__name__) from None
     try:
-        return json.loads(text)
+        data = json.loads(text, parse_constant=_constant)
     except json.JSONDecodeError as e:
         raise SchemaError(str(p), f"line {e.lineno} column {e.colno}", "valid JSON", e.msg) from None
+    except RecursionError:
+        raise SchemaError(str(p), "(top level)", "JSON nested less than a few hundred levels deep",
+                          "deeper nesting") from None
+    check_finite(data, str(p))
+    return data
+
+
+def _constant(name: str) -> float:
+    # json calls this for the non-standard literals NaN, Infinity and -Infinity; they become floats here
+    # and check_finite then names the field that holds one (json itself does not say where it was).
+    return float(name)
 
 
 def write_json_atomic(data: Any, path: str | os.PathLike[str]) -> Path:
