@@ -31,6 +31,7 @@ __all__ = [
     "ScheduleError",
     "IndexFormatError",
     "RanksTimeout",
+    "BatchMismatchError",
 ]
 
 
@@ -126,3 +127,7 @@ class IndexFormatError(HpmlError):
 
 class RanksTimeout(HpmlError):
     """Spawned ranks did not finish in time (a deadlock, or a machine far slower than expected)."""
+
+
+class BatchMismatchError(HpmlError):
+    """Ranks that must read the same batch were given different ones (names the step and the data)."""

@@ -59,6 +59,7 @@ from torch import Tensor, nn
 from ..codegen import Build, load_build
 from ..codegen.comm import DetachedComm
 from ..errors import HpmlError
+from .batchcheck import agree_with_check, fingerprint
 from ..hostmem import keep_freed_memory
 from ..schedule import Action, stage_ranks
 from .comm import CommFault, DistComm, LocalComm, is_transient, make_groups, rank_devices
@@ -236,6 +237,8 @@ class Pipeline:
 
         Raises:
             CommFailure: communication kept failing after the retries.
+            BatchMismatchError: the ranks were given different batches (checked with the loss all-reduce,
+                before the optimizer step).
             HpmlError: a batch that does not split into the build's microbatches.
         """
         inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
@@ -318,8 +321,10 @@ class Pipeline:
         for p in self.parameters():
             p.grad = None
         reset_peak_memory(self.device)
+        # every rank must have been given this very batch: checked in the loss all-reduce (see .batchcheck)
+        agree = agree_with_check(dist.all_reduce, fingerprint([inputs, targets]), self.steps_done + 1)
         run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
-                          device=self.device, optimizer=self.optimizer, agree=dist.all_reduce)
+                          device=self.device, optimizer=self.optimizer, agree=agree)
         wait_ms, p2p_ms = split_wait(comm.stats)
         mem, mem_kind = peak_memory(self.device)
         self.monitor.record(StepMetrics(
