@@ -173,18 +173,9 @@ def device_memory(*, param_bytes: int, activation_bytes: int, input_bytes: int, 
     """Peak memory of one device of a stage: :func:`memory_parts` with the microbatches in flight.
 
     Args:
-        param_bytes: parameter bytes of the whole stage.
-        activation_bytes: activation bytes the stage saves for the whole batch.
-        input_bytes: bytes entering the stage for the whole batch (kept under recompute).
-        dtype_bytes: bytes per parameter element.
-        replicas: data-parallel degree ``d`` of the stage.
-        zero: ZeRO stage.
-        microbatches: ``M``.
         in_flight: microbatches whose activations are alive at the peak (:func:`in_flight`).
-        recompute: activation checkpointing of the whole stage.
-        swapped_bytes: activation bytes (whole batch) swapped to host memory.
-        offload_optimizer: keep the Adam state in host memory.
-        host_is_device: the device is the host CPU, so offload and swap save nothing.
+        param_bytes, activation_bytes, input_bytes, dtype_bytes, replicas, zero, microbatches, recompute,
+            swapped_bytes, offload_optimizer, host_is_device: as for :func:`memory_parts` (scalars here).
 
     Returns:
         The breakdown.
