@@ -35,6 +35,14 @@ def _ranks_of(launcher: int) -> list[int]:
     return found
 
 
+@pytest.fixture(scope="module")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("lifeline") / "build"
+    subprocess.run([*CLI, "compile", "gpt-tiny", "--cluster", "local-cpu-2", "--solver", "uniform",
+                    "--microbatches", "2", "--repeats", "1", "-o", str(out)], check=True, capture_output=True)
+    return out
+
+
 def _wait(cond, timeout: float) -> bool:  # type: ignore[no-untyped-def]
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -45,10 +53,7 @@ def _wait(cond, timeout: float) -> bool:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("adapt", [False, True], ids=["run", "run-adapt"])
-def test_sigkilled_launcher_leaves_no_rank_alive(tmp_path: Path, adapt: bool) -> None:
-    build = tmp_path / "build"
-    subprocess.run([*CLI, "compile", "gpt-tiny", "--cluster", "local-cpu-2", "--solver", "uniform",
-                    "--microbatches", "2", "--repeats", "1", "-o", str(build)], check=True, capture_output=True)
+def test_sigkilled_launcher_leaves_no_rank_alive(build: Path, tmp_path: Path, adapt: bool) -> None:
     run = tmp_path / "run"
     ck = run / "checkpoints" if adapt else tmp_path / "ck"
     cmd = [*CLI, "run", str(build), "--steps", "100000", "--run-dir", str(run), "--checkpoint-every", "2",
@@ -74,10 +79,7 @@ def test_sigkilled_launcher_leaves_no_rank_alive(tmp_path: Path, adapt: bool) ->
                                              (signal.SIGTERM, 143, "training")],
                          ids=["ctrl-c-training", "ctrl-c-starting", "sigterm-training"])
 def test_a_stopped_run_says_so_in_one_line_and_leaves_a_readable_run_folder(
-        tmp_path: Path, sig: int, code: int, when: str) -> None:
-    build = tmp_path / "build"
-    subprocess.run([*CLI, "compile", "gpt-tiny", "--cluster", "local-cpu-2", "--solver", "uniform",
-                    "--microbatches", "2", "--repeats", "1", "-o", str(build)], check=True, capture_output=True)
+        build: Path, tmp_path: Path, sig: int, code: int, when: str) -> None:
     run = tmp_path / "run"
     launcher = subprocess.Popen([*CLI, "run", str(build), "--steps", "100000", "--run-dir", str(run)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
