@@ -156,6 +156,12 @@ def cost_graph(prof: Profile, cluster: Cluster, opts: Options = Options()) -> tu
         UnknownDeviceError: a device kind that is neither in the profile nor in the catalog.
         HpmlError: coarsening lost time (a bug in the pass, named).
     """
+    prof, _, graph = _graphs(prof, cluster, opts)
+    return prof, graph
+
+
+def _graphs(prof: Profile, cluster: Cluster, opts: Options) -> tuple[Profile, CostGraph, CostGraph]:
+    """:func:`cost_graph`, also returning the graph of the profile's own nodes (before coarsening)."""
     check_devices_costed(cluster, prof.device_kinds)                                # kinds are known
     prof = predict_kinds(prof, sorted({d.kind for d in cluster.devices}))           # 2b. the kinds not measured
     fine = build_costgraph(prof)                                                    # 3. costgraph
@@ -166,7 +172,7 @@ def cost_graph(prof: Profile, cluster: Cluster, opts: Options = Options()) -> tu
             raise HpmlError(f"coarsening {prof.model} changed its total {kind} time from {before:.6g} ms to "
                             f"{after:.6g} ms; this is a bug in hpml_compile.costgraph.CostGraph.coarsen")
     _dump(opts, "3-costgraph.json", lambda p: write_json_atomic(_graph_json(graph), p))
-    return prof, graph
+    return prof, fine, graph
 
 
 def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress: Say | None = None) -> Plan:
@@ -316,11 +322,13 @@ def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost
     gone = list(lost)
     if gone:
         target = without_devices(target, gone)
-    prof, graph = cost_graph(measured, target, opts)
+    prof, fine, graph = _graphs(measured, target, opts)
+    # Blocks cut by cost follow the measured costs, so the old plan may split one of them: both plans are
+    # scored on the profile's own nodes, which any plan's stages respect.
     result = replan_graph(old, graph, cluster=target, solver=opts.solver,
                           microbatches=opts.microbatches or old.microbatches,
                           schedule=opts.schedule or old.schedule, time_limit_s=opts.time_limit_s,
-                          dtype=prof.dtype, progress=progress)
+                          dtype=prof.dtype, progress=progress, score_graph=fine)
     validate_plan(result.plan, prof)
     _dump(opts, "4-plan.json", lambda p: save_plan(result.plan, p))
     return result

@@ -117,15 +117,20 @@ def without_devices(cluster: Cluster, lost: Iterable[str]) -> Cluster:
 def replan_graph(old: Plan, graph: CostGraph, *, cluster: Cluster | None = None,
                  solver: SolverName | str = SolverName.ILP, microbatches: int | None = None,
                  schedule: Schedule | str | None = None, time_limit_s: float = 30.0, dtype: str = "float32",
-                 progress: Callable[[str], None] | None = None) -> ReplanResult:
+                 progress: Callable[[str], None] | None = None,
+                 score_graph: CostGraph | None = None) -> ReplanResult:
     """Re-solve on ``graph`` (new costs) and keep the old plan unless the new one is predicted faster.
 
     Args:
         old: the plan running now.
-        graph: the cost graph of the new (measured) profile, coarsened like the old one's.
+        graph: the cost graph of the new (measured) profile, coarsened, for the solver.
         cluster: the devices to plan for (default: the old plan's).
         solver, microbatches, schedule, time_limit_s, dtype, progress: as for :func:`hpml_compile.solve.solve`;
             microbatches and schedule default to the old plan's.
+        score_graph: the graph both plans are scored on (default ``graph``). Coarsening by cost depends on
+            the costs, so the old plan's stages need not align with ``graph``'s blocks; the profile's own
+            nodes (``costgraph.build(profile)``, not coarsened) score any plan, and give the same figures
+            as its blocks (coarsening keeps every sum).
 
     Returns:
         The plan to run, its diff against the old one, and whether it switched.
@@ -135,11 +140,14 @@ def replan_graph(old: Plan, graph: CostGraph, *, cluster: Cluster | None = None,
     """
     target = cluster or old.cluster
     sched = Schedule(schedule) if schedule else old.schedule
+    scorer = score_graph or graph
     new = solve(graph, target, solver=solver, microbatches=microbatches or old.microbatches, schedule=sched,
                 time_limit_s=time_limit_s, dtype=dtype, progress=progress)
+    if score_graph is not None:
+        new, _ = annotate(new, scorer, dtype)
     same_devices = {d.name for d in target.devices} >= {d for st in old.stages for d in st.devices}
     if same_devices:  # scored on the devices as they are now (a slowed device may have a kind of its own)
-        rescored, _ = annotate(replace(old, cluster=target), graph, dtype)
+        rescored, _ = annotate(replace(old, cluster=target), scorer, dtype)
         old_ms = rescored.predicted.step_ms
     else:  # the old plan cannot run any more: any feasible plan is a gain
         rescored, old_ms = old, float("inf")

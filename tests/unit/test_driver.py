@@ -115,3 +115,29 @@ def test_options_are_checked(kw: dict, match: str) -> None:
 def test_local_threads_only_for_local_cpu_ranks() -> None:
     assert driver.local_threads(load_cluster("local-cpu-2"), cores=8) == 4
     assert driver.local_threads(load_cluster("hetero-4"), cores=8) is None
+
+
+def _unscoped(costs: list[tuple[float, float]], **kw: object):  # type: ignore[no-untyped-def]
+    prof = chain_profile(costs, **kw)
+    return replace(prof, nodes=tuple(replace(n, scope="") for n in prof.nodes))
+
+
+def test_replan_scores_the_old_plan_on_nodes_when_new_blocks_straddle_its_stages() -> None:
+    """Blocks cut by cost move with the measured costs; an old stage boundary inside a new block must not
+    break the re-plan (the closed loop's imbalance re-plan failed with 'members in stages [0, 1]')."""
+    import random
+
+    from hpml_compile.costgraph import build as build_costgraph
+
+    rnd = random.Random(3)
+    planned = _unscoped([(rnd.uniform(0.5, 2.0), rnd.uniform(1.0, 4.0)) for _ in range(200)])
+    cluster = cluster_of(["cpu", "cpu", "cpu"])
+    old = driver.plan(planned, cluster, driver.Options(solver="dp", microbatches=4))
+    measured = _unscoped([(rnd.uniform(0.5, 2.0), rnd.uniform(1.0, 4.0)) for _ in range(200)])
+    stage_of = {n: st.index for st in old.stages for n in st.nodes}
+    blocks = build_costgraph(measured).coarsen()
+    assert any(len({stage_of[m] for m in blocks.node(b).members}) > 1 for b in blocks.order), \
+        "the case must have a new block across an old stage boundary"
+    r = driver.replan(old, measured, opts=driver.Options(solver="dp"))
+    assert r.diff.old_step_ms > 0 and r.plan.predicted.step_ms > 0
+    assert {n for st in r.plan.stages for n in st.nodes} == {n.name for n in measured.nodes}
