@@ -293,10 +293,10 @@ def _leg_steps(text: str) -> tuple[int, int]:
 
 
 def print_table(legs: list[Leg]) -> None:
-    print(f"{'leg':>3s} {'steps':>9s}  {'fault':22s} {'what the job did':58s} {'s':>6s} {'devices':>7s}  ok")
+    print(f"{'leg':>3s} {'steps':>9s}  {'fault':24s} {'what the job did':58s} {'s':>6s} {'devices':>7s}  ok")
     for g in legs:
         did = "; ".join(g.did) or "-"
-        print(f"{g.leg:3d} {g.start:4d}-{g.end:<4d}  {str(g.fault) if g.fault else 'none':22s} {did[:58]:58s} "
+        print(f"{g.leg:3d} {g.start:4d}-{g.end:<4d}  {str(g.fault) if g.fault else 'none':24s} {did[:58]:58s} "
               f"{g.wall_s:6.1f} {len(g.devices_end):7d}  {'yes' if g.survived else 'NO'}")
 
 
