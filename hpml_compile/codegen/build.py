@@ -23,8 +23,7 @@ unpickled; checkpoints hold tensors; the stage files are for people to read.
 A build's code is regenerated at load time from its ``plan.json`` and the
 user's model, so a build folder from someone else can choose a placement,
 never the code that runs -- except through ``model.json``, which names the
-model file to import: read it (``hpml-compile run`` prints the model it
-trains) as you would any script before you run it.
+model file to import: read it as you would any script before you run it.
 
 Publishing (:func:`publish_build`): a build goes to a new folder, or
 replaces an earlier build (recognised by its manifest: :func:`build_files`),
