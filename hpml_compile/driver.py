@@ -43,13 +43,14 @@ import torch.fx as fx
 from torch import nn
 
 from .cluster import check_devices_costed, load_cluster
-from .codegen import Build, generate
+from .codegen import Build, check_build_dir, generate
 from .costgraph import CostGraph
 from .costgraph import build as build_costgraph
 from .errors import BuildMismatchError, HpmlError
 from .ir import Cluster, FrontEnd, Profile
 from .plan import Plan, Schedule, save_plan, validate_plan
 from .profile import predict_kinds, profile, save_profile
+from .recipe import ModelRecipe, read_recipe
 from .replan import ReplanResult, replan_graph, without_devices
 from .schema import write_json_atomic
 from .solve import SolverName, solve
@@ -203,27 +204,30 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
 
 def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Path, *,  # noqa: A001
             cluster: Cluster | str, opts: Options = Options(), prof_opts: ProfileOptions = ProfileOptions(),
-            name: str | None = None, measured: Profile | None = None,
+            name: str | None = None, measured: Profile | None = None, recipe: ModelRecipe | None = None,
             say: Say | None = None) -> tuple[Build, fx.GraphModule]:
     """The whole chain: trace, profile, plan and generate a build of ``module`` for ``cluster``.
 
     Args:
         module: the model.
         example_inputs: positional inputs of one training batch.
-        out_dir: the build folder to write.
+        out_dir: the build folder to write: new, empty or an earlier build (checked before any work).
         cluster: the devices (a Cluster, a built-in name or a cluster.json path).
         opts: how to solve.
         prof_opts: how to trace and measure.
         name: the model's name in the files (default: its class name).
         measured: a profile of this very model to plan from instead of measuring it again.
+        recipe: how ``hpml-compile run`` rebuilds the model (``model.json``, hashed in the manifest).
         say: progress lines.
 
     Returns:
         The build (bound to ``module``) and the graph it was generated from.
 
     Raises:
+        OutputError: ``out_dir`` holds files no build wrote, or cannot be written (before any work).
         HpmlError: a model that cannot be traced, fits nowhere, or cannot be split as planned.
     """
+    check_build_dir(out_dir)                                                        # 0. never a user's folder
     tell = say or (lambda line: None)
     c = cluster if isinstance(cluster, Cluster) else load_cluster(cluster)
     inputs = tuple(example_inputs)
@@ -246,7 +250,8 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Pat
     tell(f"[3/4] planning on {c.name} ({len(c.devices)} devices) with {SolverName(opts.solver).value}")
     placed = plan(measured, c, opts, progress=say)                                  # 3-5. costgraph, solve
     tell(f"[4/4] generating {len(placed.stages)} stage(s) into {out_dir}")
-    return _generate(module, inputs, gm, placed, predict_kinds(measured, kinds), out_dir, label)  # 6. codegen
+    return _generate(module, inputs, gm, placed, predict_kinds(measured, kinds), out_dir, label,  # 6. codegen
+                     recipe)
 
 
 def _check_profile_matches(prof: Profile, gm: fx.GraphModule, label: str) -> None:
@@ -263,7 +268,7 @@ def _first_rows(inputs: tuple[Any, ...], rows: int) -> tuple[Any, ...]:
 
 
 def _generate(module: nn.Module, inputs: tuple[Any, ...], gm: fx.GraphModule, placed: Plan, prof: Profile,
-              out_dir: str | Path, label: str) -> tuple[Build, fx.GraphModule]:
+              out_dir: str | Path, label: str, recipe: ModelRecipe | None = None) -> tuple[Build, fx.GraphModule]:
     """Pass 6, codegen: the build of ``placed`` (checked against ``prof``) from the traced ``gm``.
 
     torch.export fixes every shape, so an exported model is traced again at the
@@ -287,7 +292,7 @@ def _generate(module: nn.Module, inputs: tuple[Any, ...], gm: fx.GraphModule, pl
                 f"{label}: torch.export gives a different graph at batch {rows} (one microbatch of one replica) "
                 f"than at batch {prof.batch_size}: it specialises sizes 0 and 1. Use a batch giving at least 2 "
                 "rows per microbatch and replica, or one microbatch")
-    return generate(graph, placed, out_dir, profile=prof), graph
+    return generate(graph, placed, out_dir, profile=prof, recipe=recipe), graph
 
 
 def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost: Iterable[str] = (),
@@ -339,23 +344,28 @@ def rebuild(recipe_dir: str | Path, placed: Plan, prof: Profile, out_dir: str | 
 
     What ``replan`` and the closed loop use after :func:`replan`: the model is
     built again from its recipe (same seed, batch, sequence length), traced the
-    same way, and the new stage files go to ``out_dir`` with the recipe beside them.
+    same way, and the new build, its recipe included, is published to ``out_dir``.
+
+    Args:
+        recipe_dir: the build whose ``model.json`` names the model (it may be ``out_dir`` itself).
+        placed: the plan to build.
+        prof: the profile it was made for.
+        out_dir: the new build folder: new, empty or an earlier build (replaced whole); never a folder with
+            anything else in it.
+
+    Returns:
+        The new build.
 
     Raises:
-        BuildMismatchError: ``recipe_dir`` has no (valid) model.json.
+        BuildMismatchError: ``recipe_dir`` has no model.json, or one that does not match its manifest.
+        OutputError: ``out_dir`` holds files no build wrote (named; nothing is deleted), or cannot be written.
         HpmlError: the plan breaks a rule of the profile.
     """
-    import shutil
-
-    from . import models
-    from .recipe import read_recipe, write_recipe
+    from . import models  # the zoo: only a rebuild from a recipe needs it
 
     recipe = read_recipe(recipe_dir)
+    check_build_dir(out_dir)                                        # before the model is built: refuse early
     loaded = models.load(recipe.model, batch_size=recipe.batch_size, seq_len=recipe.seq_len, seed=recipe.seed)
     gm = trace(loaded.module, loaded.example_inputs, leaf_modules=recipe.leaf_modules, front_end=recipe.front_end)
-    out = Path(out_dir)
-    if out.exists() and out.resolve() != Path(recipe_dir).resolve():
-        shutil.rmtree(out)
-    build, _ = _generate(loaded.module, loaded.example_inputs, gm, placed, prof, out, loaded.name)
-    write_recipe(out, recipe)
+    build, _ = _generate(loaded.module, loaded.example_inputs, gm, placed, prof, out_dir, loaded.name, recipe)
     return build

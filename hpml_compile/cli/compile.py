@@ -77,7 +77,7 @@ def run_compile(args: argparse.Namespace) -> int:
     """
     from .. import models  # the zoo is only needed here
     from .. import driver
-    from ..recipe import ModelRecipe, absolute_model_spec, write_recipe
+    from ..recipe import ModelRecipe, absolute_model_spec
 
     if args.microbatches is not None and args.microbatches < 1:
         raise HpmlError(f"compile: --microbatches must be >= 1, got {args.microbatches}")
@@ -87,9 +87,14 @@ def run_compile(args: argparse.Namespace) -> int:
     threads = driver.local_threads(cluster)
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
+    # How `hpml-compile run` ranks rebuild this model: written with the build and hashed in its manifest (it
+    # names the model file that run imports, so a changed one is refused).
+    recipe = ModelRecipe(absolute_model_spec(args.model), loaded.batch_size, loaded.seq_len, args.seed,
+                         tuple(map(str, args.leaf)), str(args.front_end), threads)
     try:
         build, _ = driver.compile(
             loaded.module, loaded.example_inputs, args.output, cluster=cluster, name=loaded.name, say=_say,
+            recipe=recipe,
             opts=driver.Options(solver=args.solver, microbatches=args.microbatches, schedule=args.schedule,
                                 time_limit_s=args.time_limit),
             prof_opts=driver.ProfileOptions(repeats=args.repeats, warmup=args.warmup, batch_size=loaded.batch_size,
@@ -97,9 +102,6 @@ def run_compile(args: argparse.Namespace) -> int:
                                             front_end=args.front_end))
     finally:
         torch.set_num_threads(before)
-    # How `hpml-compile run` ranks rebuild this model (not hashed: it names the model, it is not code).
-    write_recipe(build.out_dir, ModelRecipe(absolute_model_spec(args.model), loaded.batch_size, loaded.seq_len,
-                                            args.seed, tuple(map(str, args.leaf)), str(args.front_end), threads))
     plan = build.plan
     pr = plan.predicted
     print(f"{len(plan.stages)} stages, {plan.microbatches} microbatches ({plan.schedule.value}), predicted step "

@@ -81,7 +81,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from ..profile import load_profile
     from .. import driver
     from ..runtime.launcher import LaunchSpec, launch, prepare_run_dir
-    from ..recipe import ModelRecipe, write_recipe
+    from ..recipe import ModelRecipe
     from ..runtime.summary import analyse, export_profile, format_summary
 
     opt = options(args)
@@ -97,11 +97,12 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         build, _ = driver.compile(loaded.module, loaded.example_inputs, out / "build", cluster=cluster,
                                   name=loaded.name, opts=driver.Options(time_limit_s=20.0),
+                                  recipe=ModelRecipe(loaded.name, loaded.batch_size, loaded.seq_len, 0, (), "auto",
+                                                     threads),
                                   prof_opts=driver.ProfileOptions(batch_size=loaded.batch_size, seq_len=loaded.seq_len),
                                   say=lambda line: print("  " + line, flush=True) if line.startswith("[") else None)
     finally:
         torch.set_num_threads(before)
-    write_recipe(build.out_dir, ModelRecipe(loaded.name, loaded.batch_size, loaded.seq_len, 0, (), "auto", threads))
     plan = build.plan
     print(f"[2/4] the plan ({time.perf_counter() - t0:.0f} s so far):", flush=True)
     _pictures(plan, load_profile(build.out_dir / "profile.json"), out / "pictures")

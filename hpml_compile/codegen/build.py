@@ -1,140 +1,82 @@
-"""The build folder: stage files, plan.json, profile.json, graph.txt and a manifest of hashes.
+"""The build folder: load it by regenerating its code, and publish it without destroying anything.
 
-``manifest.json`` records the sha256 of the model graph (its canonical text,
-also written as ``graph.txt``) and of every generated file, the model inputs
-at trace and at microbatch size, the collectives of the build, and each
-rank's action list (:mod:`hpml_compile.schedule`): what the executor runs.
-:func:`load_build` re-checks every hash and refuses, naming the file, a stage
-that was edited by hand or a model whose graph is not the one the build was
-made for; then it validates the action lists (matched messages, no deadlock),
-imports the stage files (they are the user's own build output, not data) and
-binds each stage to the user's model's weights.
+A build folder holds ``plan.json``, ``profile.json``, ``graph.txt``,
+``model.json`` (:mod:`hpml_compile.recipe`), one ``stage_<k>.py`` per stage
+and ``manifest.json`` (:mod:`.manifest`). :func:`load_build` re-checks the
+hashes of the data files, re-traces the user's model and checks its graph
+against ``graph_sha256``, then regenerates every stage's source from
+``plan.json`` and that graph with the very functions
+:func:`hpml_compile.codegen.generate` used (:func:`.render.render`),
+compiles *that* source and binds it to the model's weights. The stage file
+on disk is only compared with it: a copy that differs was edited by hand
+(or written by another version) and the build is refused, naming the file;
+the file is never imported.
+
+Trust boundary. What runs is code the user chose to run: their model file
+and the factory it names (``MODEL`` on the command line, which the build
+records in ``model.json``; the manifest covers that file and ``hpml-compile
+run`` refuses a changed one), their own training script, and hpml-compile
+itself. Everything else is data: every JSON file (``profile.json``,
+``cluster.json``, ``plan.json``, ``manifest.json``, ``model.json``, run and
+checkpoint metadata) is parsed and schema-checked, never executed or
+unpickled; checkpoints hold tensors; the stage files are for people to read.
+A build's code is regenerated at load time from its ``plan.json`` and the
+user's model, so a build folder from someone else can choose a placement,
+never the code that runs -- except through ``model.json``, which names the
+model file to import: read it as you would any script before you run it.
+
+Publishing (:func:`publish_build`): a build goes to a new folder, or
+replaces an earlier build (recognised by its manifest: :func:`build_files`),
+through :func:`hpml_compile.publish.publish_dir`, so a folder with a user's
+files is refused with its path and nothing is deleted.
 
 Example:
-    >>> spec = InputSpec("idx", (2, 32), "int64")
-    >>> InputSpec.from_dict(spec.to_dict()) == spec
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> d = Path(tempfile.mkdtemp())
+    >>> build_files(d) is None  # an empty folder: no manifest, no build
     True
+    >>> check_build_dir(d / "new")  # a path that does not exist yet is fine
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
+import os
 import re
+import tempfile
+import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Mapping
 
 import torch
 import torch.fx as fx
 
-from ..errors import BuildMismatchError
-from ..ir import FrontEnd
+from ..errors import BuildMismatchError, HpmlError, OutputError
 from ..plan import Plan, load_plan
+from ..publish import check_output_dir, publish_dir
+from ..recipe import RECIPE_FILE
 from ..schedule import RankActions, lower, parse_actions
 from ..schedule import validate as validate_actions
-from ..schema import check_version, read_json, validate, write_json_atomic
+from ..schema import write_json_atomic
 from ..trace import trace
-from .actions import GradSync
-from .partition import GUARD_TARGETS, canonical_text
+from .emit import class_name
+from .manifest import (MANIFEST_FILE, MANIFEST_SCHEMA, MANIFEST_VERSION, InputSpec, Manifest, file_hashes,
+                       input_specs, leaf_modules, read_manifest, sha256)
+from .partition import canonical_text
+from .render import render
 from .stage import StageModule
 
 __all__ = ["MANIFEST_VERSION", "MANIFEST_SCHEMA", "InputSpec", "Manifest", "Build", "sha256", "write_files",
-           "load_build", "rank_actions", "input_specs", "leaf_modules"]
+           "load_build", "bind_build", "rank_actions", "input_specs", "leaf_modules", "file_hashes", "build_files",
+           "check_build_dir", "publish_build", "CODEGEN_FILES"]
 
-MANIFEST_VERSION = 1
 _STAGE_FILE = re.compile(r"^stage_\d+\.py$")
-
-_INPUT = {"type": "object", "required": ["name", "shape", "dtype"], "properties": {
-    "name": {"type": "string"}, "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-    "dtype": {"type": "string"}}}
-MANIFEST_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["schema_version", "model", "graph_sha256", "front_end", "trace_inputs", "inputs",
-                 "microbatches", "stages", "collectives", "files"],
-    "properties": {
-        "schema_version": {"type": "integer"},
-        "model": {"type": "string"},
-        "graph_sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
-        "front_end": {"enum": [FrontEnd.FX.value, FrontEnd.EXPORT.value]},
-        "leaf_modules": {"type": "array", "items": {"type": "string"}},
-        "trace_inputs": {"type": "array", "items": _INPUT},
-        "inputs": {"type": "array", "items": _INPUT},
-        "microbatches": {"type": "integer", "minimum": 1},
-        "stages": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["index", "file", "class", "actions"], "properties": {
-                "index": {"type": "integer", "minimum": 0}, "file": {"type": "string"},
-                "class": {"type": "string"}, "actions": {"type": "array", "items": {"type": "string"}}}}},
-        "collectives": {"type": "array", "items": {"type": "string"}},
-        # optional: builds written before the schedule was lowered into the build have none
-        "ranks": {"type": "array", "items": {
-            "type": "object", "required": ["stage", "replica", "actions"], "properties": {
-                "stage": {"type": "integer", "minimum": 0}, "replica": {"type": "integer", "minimum": 0},
-                "actions": {"type": "array", "items": {"type": "string"}}}}},
-        "files": {"type": "object", "additionalProperties": {"type": "string", "pattern": "^[0-9a-f]{64}$"}},
-    },
-}
-
-
-def sha256(data: bytes | str) -> str:
-    """Hex sha256 of bytes or of UTF-8 text."""
-    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
-
-
-@dataclass(frozen=True, slots=True)
-class InputSpec:
-    """A model input: placeholder name, shape, dtype name."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "InputSpec":
-        return cls(d["name"], tuple(d["shape"]), d["dtype"])
-
-
-@dataclass(frozen=True, slots=True)
-class Manifest:
-    """What manifest.json holds (see the module docstring)."""
-
-    model: str
-    graph_sha256: str
-    front_end: FrontEnd
-    leaf_modules: tuple[str, ...]
-    trace_inputs: tuple[InputSpec, ...]
-    inputs: tuple[InputSpec, ...]
-    microbatches: int
-    stages: tuple[dict[str, Any], ...]
-    collectives: tuple[str, ...]
-    files: dict[str, str]
-    ranks: tuple[dict[str, Any], ...] = ()
-    schema_version: int = MANIFEST_VERSION
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": self.schema_version, "model": self.model, "graph_sha256": self.graph_sha256,
-                "front_end": self.front_end.value, "leaf_modules": list(self.leaf_modules),
-                "trace_inputs": [i.to_dict() for i in self.trace_inputs],
-                "inputs": [i.to_dict() for i in self.inputs], "microbatches": self.microbatches,
-                "stages": [dict(s) for s in self.stages], "collectives": list(self.collectives),
-                "files": dict(self.files), **({"ranks": [dict(r) for r in self.ranks]} if self.ranks else {})}
-
-    @classmethod
-    def from_dict(cls, d: Any, source: str = "manifest.json") -> "Manifest":
-        """Build from parsed JSON, checking the schema first (raises SchemaError naming the field)."""
-        validate(d, MANIFEST_SCHEMA, source)
-        check_version(d, MANIFEST_VERSION, source)
-        return cls(d["model"], d["graph_sha256"], FrontEnd(d["front_end"]), tuple(d.get("leaf_modules", ())),
-                   tuple(InputSpec.from_dict(i) for i in d["trace_inputs"]),
-                   tuple(InputSpec.from_dict(i) for i in d["inputs"]), d["microbatches"],
-                   tuple(d["stages"]), tuple(d["collectives"]), dict(d["files"]), tuple(d.get("ranks", ())))
-
-    def groups(self) -> list[tuple[int, ...]]:
-        """The stage groups of the build's collectives, in the order every rank runs them."""
-        return [GradSync.parse(t).stages for t in self.collectives]
+# Every name codegen may write into a build folder besides the stage files (the optional ones included), and
+# __pycache__, which importing stage files from disk (as builds did before they were regenerated) left there.
+CODEGEN_FILES = frozenset({MANIFEST_FILE, RECIPE_FILE, "plan.json", "profile.json", "graph.txt", "lowering.json",
+                           "__pycache__"})
+_WHAT = "build folder"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -147,6 +89,7 @@ class Build:
         manifest: its manifest.
         stages: ``stages[k]`` runs stage ``k`` (``forward``, ``sync_grads``, ``after_step``).
         actions: each rank's action list, validated (:mod:`hpml_compile.schedule`).
+        sources: ``sources[k]`` is the Python that ``stages[k]`` was compiled from (regenerated, not read).
     """
 
     out_dir: Path
@@ -154,62 +97,107 @@ class Build:
     manifest: Manifest
     stages: tuple[StageModule, ...]
     actions: tuple[RankActions, ...] = ()
+    sources: tuple[str, ...] = ()
 
     def source(self, stage: int) -> str:
-        """The generated Python of a stage."""
+        """The Python a stage runs (the same text as its ``stage_<k>.py``, which load_build compared)."""
+        if self.sources:
+            return self.sources[stage]
         return (self.out_dir / self.manifest.stages[stage]["file"]).read_text()
 
 
-def input_specs(gm: fx.GraphModule, rows: int | None = None) -> tuple[InputSpec, ...]:
-    """The tensor placeholders of ``gm`` with their traced shapes (with ``rows`` rows if given)."""
-    out = []
-    for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(val, torch.Tensor):
-            shape = tuple(int(s) for s in val.shape)
-            if rows is not None and shape:
-                shape = (rows, *shape[1:])
-            out.append(InputSpec(n.name, shape, str(val.dtype).removeprefix("torch.")))
-    return tuple(out)
+# -- publishing -----------------------------------------------------------------------------------
 
 
-def leaf_modules(gm: fx.GraphModule) -> tuple[str, ...]:
-    """Modules the trace kept opaque beyond torch.nn's own (so that a re-trace does the same)."""
-    out = []
-    for n in gm.graph.nodes:
-        if n.op == "call_module" and n.target not in GUARD_TARGETS:
-            mod = gm.get_submodule(str(n.target))
-            if not type(mod).__module__.startswith(("torch.nn", "torch.ao.nn")):
-                out.append(str(n.target))
-    return tuple(dict.fromkeys(out))
+def build_files(folder: Path) -> set[str] | None:
+    """The names an earlier build wrote in ``folder`` (what may be replaced), or None when it holds no build.
+
+    A build is recognised by a ``manifest.json`` that parses; its names are
+    the files the manifest lists and :data:`CODEGEN_FILES`.
+
+    Args:
+        folder: an existing folder.
+
+    Returns:
+        The names, or None.
+    """
+    if not (folder / MANIFEST_FILE).is_file():
+        return None
+    try:
+        manifest = read_manifest(folder)
+    except HpmlError:
+        return None
+    return {*manifest.files, *(s["file"] for s in manifest.stages), *CODEGEN_FILES}
 
 
-def write_files(out_dir: Path, files: dict[str, str | bytes], manifest: Manifest) -> None:
-    """Write the generated files, then the manifest (last, so that a half-written build does not load)."""
+def check_build_dir(out_dir: str | os.PathLike[str]) -> None:
+    """Refuse, before any work, a build folder that may not be written (see :func:`publish_build`).
+
+    Args:
+        out_dir: the folder a build is about to be published to.
+
+    Raises:
+        OutputError: it holds files that no build wrote, is a file, or its nearest existing parent cannot be
+            written (the path is named).
+    """
+    out = Path(out_dir)
+    check_output_dir(out, made_by=build_files, what=_WHAT)
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:  # a probe: os.access says yes to root even where nothing can be created (/proc)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=parent))
+    except OSError as e:
+        raise OutputError(f"cannot write the {_WHAT} {out}: {parent} is not writable "
+                          f"({e.strerror or type(e).__name__}); choose a folder you can write with -o") from None
+
+
+def write_files(out_dir: Path, files: Mapping[str, str | bytes], manifest: Manifest) -> None:
+    """Write the generated files into a new, empty folder, then the manifest (last: a half-written build does not load).
+
+    Args:
+        out_dir: the folder (:func:`publish_build` gives a hidden one that is renamed into place).
+        files: name -> content.
+        manifest: the manifest listing them.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "manifest.json").unlink(missing_ok=True)
-    for old in out_dir.iterdir():  # stage files of an earlier build with more stages would only confuse
-        if _STAGE_FILE.match(old.name) and old.name not in files:
-            old.unlink()
     for name, data in files.items():
         path = out_dir / name
         if isinstance(data, str):
             path.write_text(data)
         else:
             path.write_bytes(data)
-    write_json_atomic(manifest.to_dict(), out_dir / "manifest.json")
+    write_json_atomic(manifest.to_dict(), out_dir / MANIFEST_FILE)
 
 
-def _read_manifest(out_dir: Path) -> Manifest:
-    path = out_dir / "manifest.json"
-    if not path.is_file():
-        raise BuildMismatchError(f"{path}: no manifest; {out_dir} is not a build folder (or its generation "
-                                 "did not finish): run `hpml-compile compile ... -o {out_dir}`")
-    return Manifest.from_dict(read_json(path), source=str(path))
+def publish_build(out_dir: str | os.PathLike[str], files: Mapping[str, str | bytes], manifest: Manifest) -> Path:
+    """Publish a build folder whole: written aside, renamed into place, replacing only an earlier build.
+
+    Args:
+        out_dir: the build folder: new, empty, or holding an earlier build (nothing else).
+        files: name -> content.
+        manifest: the manifest listing them.
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        OutputError: ``out_dir`` holds something no build wrote (nothing is written or deleted), is a file,
+            or cannot be written.
+    """
+    out = Path(out_dir)
+    publish_dir(out, lambda tmp: write_files(tmp, files, manifest), made_by=build_files, what=_WHAT)
+    return out
+
+
+# -- loading --------------------------------------------------------------------------------------
 
 
 def _check_files(out_dir: Path, manifest: Manifest) -> None:
+    """The data files the manifest lists: present and unchanged (the stage files are compared as source)."""
     for name, want in manifest.files.items():
+        if _STAGE_FILE.match(name):
+            continue
         path = out_dir / name
         if not path.is_file():
             raise BuildMismatchError(f"{path}: listed in manifest.json but missing; regenerate the build")
@@ -244,20 +232,77 @@ def _check_graph(out_dir: Path, manifest: Manifest, gm: fx.GraphModule) -> None:
         "The build (and its plan.json) belongs to another model: compile this model instead")
 
 
-def _import_stage(path: Path, class_name: str, digest: str) -> type[StageModule]:
-    spec = importlib.util.spec_from_file_location(f"hpml_build_{digest[:16]}_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cls = getattr(module, class_name, None)
+def _check_manifest(out_dir: Path, manifest: Manifest, fresh: Manifest) -> None:
+    """What the manifest says of the stages is what plan.json and the model give now."""
+    mine, theirs = fresh.to_dict(), manifest.to_dict()
+    for key in ("model", "front_end", "leaf_modules", "trace_inputs", "inputs", "microbatches", "stages",
+                "collectives"):
+        if mine[key] != theirs[key]:
+            raise BuildMismatchError(
+                f"{out_dir / MANIFEST_FILE}: its {key!r} is {theirs[key]!r}, but plan.json and this model give "
+                f"{mine[key]!r}: the manifest was edited or belongs to another build. Regenerate the build with "
+                "`hpml-compile compile`")
+
+
+def _check_stage_files(out_dir: Path, files: Mapping[str, str], manifest: Manifest) -> None:
+    """Each stage file on disk is the source regenerated now (it is for reading; a differing copy is refused)."""
+    for entry in manifest.stages:
+        name = entry["file"]
+        path = out_dir / name
+        if not path.is_file():
+            raise BuildMismatchError(f"{path}: listed in manifest.json but missing; regenerate the build")
+        disk, ours = path.read_bytes().decode("utf-8", "replace"), files[name]
+        if disk == ours:
+            continue
+        a, b = disk.splitlines(), ours.splitlines()
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        here = a[k].strip() if k < len(a) else "<end>"
+        there = b[k].strip() if k < len(b) else "<end>"
+        raise BuildMismatchError(
+            f"{path} was edited by hand: it is for reading; the build runs the code regenerated from plan.json "
+            f"and the model, which differs at line {k + 1} (the file has `{here[:80]}`, the regenerated code "
+            f"`{there[:80]}`). Regenerate the build with `hpml-compile compile` (or restore the file); to change "
+            "what a stage runs, change the model or the plan")
+
+
+def _compile_stage(path: Path, source: str, name: str) -> type[StageModule]:
+    """Compile regenerated source as a module of its own; its classes carry ``path`` for tracebacks."""
+    module = types.ModuleType(f"hpml_build_{sha256(source)[:16]}_{path.stem}")
+    module.__file__ = str(path)  # tracebacks show the file's lines, which are this very text (compared above)
+    exec(compile(source, str(path), "exec"), module.__dict__)  # noqa: S102 -- codegen's own output, just rendered
+    cls = getattr(module, name, None)
     if not (isinstance(cls, type) and issubclass(cls, StageModule)):
-        raise BuildMismatchError(f"{path}: defines no StageModule named {class_name}; regenerate the build")
+        raise HpmlError(f"the code regenerated for {path.name} defines no StageModule named {name}; this is a bug "
+                        "in hpml_compile.codegen")
     return cls
+
+
+def bind_build(out_dir: Path, plan: Plan, manifest: Manifest, files: Mapping[str, str],
+               model: torch.nn.Module) -> Build:
+    """Compile the stages' regenerated source and bind each to ``model``'s weights.
+
+    Args:
+        out_dir: the build folder (for file names in messages and tracebacks).
+        plan: the build's plan.
+        manifest: its manifest (the action lists are validated here).
+        files: the files :func:`.render.render` gave for ``plan`` (never read from ``out_dir``).
+        model: the user's model (or the graph traced from it).
+
+    Returns:
+        The build.
+
+    Raises:
+        BuildMismatchError, ScheduleError: the action lists do not fit the plan (see :func:`rank_actions`).
+    """
+    actions = rank_actions(manifest, plan)
+    sources = tuple(files[f"stage_{k}.py"] for k in range(len(plan.stages)))
+    classes = [_compile_stage(out_dir / f"stage_{k}.py", src, class_name(k)) for k, src in enumerate(sources)]
+    return Build(out_dir, plan, manifest, tuple(cls(model) for cls in classes), tuple(actions), sources)
 
 
 def load_build(out_dir: str | Path, model: torch.nn.Module, *,
                graph_module: fx.GraphModule | None = None) -> Build:
-    """Load a build folder and bind its stages to ``model``'s weights.
+    """Load a build folder: regenerate its stages' code from plan.json and ``model``, and bind it to the weights.
 
     Args:
         out_dir: the folder :func:`hpml_compile.codegen.generate` wrote.
@@ -267,26 +312,24 @@ def load_build(out_dir: str | Path, model: torch.nn.Module, *,
             the re-trace that checks the model graph).
 
     Returns:
-        The build, one stage module per stage.
+        The build, one stage module per stage, compiled from the regenerated source.
 
     Raises:
-        BuildMismatchError: naming the file: a stage file, plan.json or
-            profile.json changed since generation, a file missing, or a model
-            whose graph differs from the build's (a build for another model).
+        BuildMismatchError: naming the file: a stage file that differs from the code regenerated from
+            plan.json (edited by hand), plan.json, profile.json or model.json changed since generation, a file
+            missing, or a model whose graph differs from the build's (a build for another model).
         SchemaError: a malformed manifest.json or plan.json.
     """
     out = Path(out_dir)
-    manifest = _read_manifest(out)
-    _check_files(out, manifest)
-    _check_graph(out, manifest, graph_module if graph_module is not None else _retrace(model, manifest))
+    manifest = read_manifest(out)
+    _check_files(out, manifest)                                     # the data files are the ones generated
+    gm = graph_module if graph_module is not None else _retrace(model, manifest)
+    _check_graph(out, manifest, gm)                                 # the model is the one the build is for
     plan = load_plan(out / "plan.json")
-    actions = rank_actions(manifest, plan)
-    stages = []
-    for entry in manifest.stages:
-        path = out / entry["file"]
-        cls = _import_stage(path, entry["class"], manifest.files[entry["file"]])
-        stages.append(cls(model))
-    return Build(out, plan, manifest, tuple(stages), tuple(actions))
+    files, fresh = render(gm, plan)                                 # the code that runs, regenerated
+    _check_manifest(out, manifest, fresh)
+    _check_stage_files(out, files, manifest)                        # the copies for reading say the same
+    return bind_build(out, plan, manifest, files, model)
 
 
 def rank_actions(manifest: Manifest, plan: Plan) -> list[RankActions]:
@@ -327,8 +370,3 @@ def rank_actions(manifest: Manifest, plan: Plan) -> list[RankActions]:
                       after_step=[[x for x in t if x.startswith("ALLGATHER")] for t in tokens])
     validate_actions(ranks, replicas)
     return ranks
-
-
-def file_hashes(files: dict[str, str | bytes], names: Sequence[str]) -> dict[str, str]:
-    """sha256 of each named file's content."""
-    return {n: sha256(files[n]) for n in names}

@@ -32,7 +32,7 @@ from ..report import human_bytes
 from .monitor import StepMetrics, read_metrics
 
 __all__ = ["StageSummary", "RunSummary", "analyse", "format_summary", "predicted_bubble", "measured_profile", "export_profile",
-           "suggest_microbatches", "summarise", "device_slowdowns", "measured_setup"]
+           "suggest_microbatches", "summarise", "device_slowdowns", "measured_setup", "next_build_path"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +106,38 @@ def suggest_microbatches(stages: int, microbatches: int, bubble: float, rows: in
             f"{stages}-stage pipeline idles about {ideal:.0%} (hpml-compile compile ... --microbatches {target})")
 
 
+def next_build_path(run_dir: Path) -> Path:
+    """Where advice tells a re-planned build to go: a path next to the run's build that does not exist yet.
+
+    Args:
+        run_dir: the run folder (its ``run.json`` names the build it ran).
+
+    Returns:
+        ``build2`` beside ``build``, ``build4`` beside ``build3``, ...; beside ``run_dir`` without a run.json.
+    """
+    from ..errors import HpmlError
+    from ..publish import fresh_path
+    from ..schema import read_json
+
+    build = run_dir.parent / "build"
+    if (run_dir / "run.json").is_file():
+        try:
+            named = read_json(run_dir / "run.json").get("build")
+        except (HpmlError, AttributeError):
+            named = None
+        if isinstance(named, str) and named:
+            build = Path(named)
+    return fresh_path(build)
+
+
 def _advice(plan: Plan, stages: list[StageSummary], bubble: float, step_ms: float, comm_ms: float,
             error: float, rows: int, run_dir: Path) -> list[str]:
     out: list[str] = []
     compute = [s.compute_ms for s in stages]
     mean = sum(compute) / len(compute)
     ratios = [s.ratio for s in stages if s.ratio == s.ratio]
-    replan = f"hpml-compile replan {run_dir / 'plan.json'} --profile {run_dir / 'profile.json'} -o build2/"
+    replan = (f"hpml-compile replan {run_dir / 'plan.json'} --profile {run_dir / 'profile.json'} "
+              f"-o {next_build_path(run_dir)}")
     if len(stages) > 1 and max(compute) > 1.15 * mean:
         b = max(range(len(stages)), key=lambda i: compute[i])
         out.append(f"imbalance: stage {b} computes {compute[b] / mean - 1:+.0%} against the mean stage; re-plan "

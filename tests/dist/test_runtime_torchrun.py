@@ -96,5 +96,5 @@ def test_a_rank_that_cannot_start_is_named_with_the_fix(build: Path, tmp_path: P
     r = subprocess.run([*CLI, "run", str(bad), "--steps", "2", "--run-dir", str(tmp_path / "run")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
-    assert "failed" in r.stderr and "stage_1.py was changed after it was generated" in r.stderr
+    assert "failed" in r.stderr and "stage_1.py was edited by hand" in r.stderr
     assert "Regenerate the build" in r.stderr and "Traceback" not in r.stderr

@@ -231,7 +231,8 @@ def test_hand_edited_stage_file_is_refused(cases: dict[str, Case], tmp_path: Pat
     generate(case.gm, split_plan(case.gm, "mlp-tiny", 2, microbatches=2), tmp_path)
     stage = tmp_path / "stage_1.py"
     stage.write_text(stage.read_text().replace("def forward", "# tuned by hand\n    def forward"))
-    with pytest.raises(BuildMismatchError, match=r"stage_1\.py was changed after it was generated"):
+    with pytest.raises(BuildMismatchError, match=r"stage_1\.py was edited by hand: it is for reading; the build runs "
+                                                 r"the code regenerated from plan\.json .* differs at line \d+"):
         load_build(tmp_path, case.model, graph_module=case.gm)
 
 

@@ -21,16 +21,17 @@ from hpml_compile.runtime.comm import CommFault, InjectedFault, CommOp, is_trans
 from hpml_compile.runtime.gather import tensor_owners
 from hpml_compile.runtime.launcher import (RANK_ENTRY, LaunchError, LaunchSpec, check_port, check_world, explain_failure,
                                          torchrun_args)
-from hpml_compile.recipe import ModelRecipe, absolute_model_spec, read_recipe, write_recipe
+from hpml_compile.recipe import ModelRecipe, absolute_model_spec, read_recipe
 from hpml_compile.runtime.session import RetryPolicy
 from hpml_compile.runtime.worker import error_path, parse_args, threads_per_rank
 from hpml_compile.trace import trace
 
 
-def _gpt_build(tmp: Path, stages: int = 2, microbatches: int = 2) -> tuple[Path, models.LoadedModel]:
+def _gpt_build(tmp: Path, stages: int = 2, microbatches: int = 2,
+               recipe: ModelRecipe | None = None) -> tuple[Path, models.LoadedModel]:
     loaded = models.load("gpt-tiny", batch_size=4, seq_len=16)
     gm = trace(loaded.module, loaded.example_inputs)
-    generate(gm, split_plan(gm, "gpt-tiny", stages, microbatches=microbatches), tmp / "build")
+    generate(gm, split_plan(gm, "gpt-tiny", stages, microbatches=microbatches), tmp / "build", recipe=recipe)
     return tmp / "build", loaded
 
 
@@ -169,8 +170,8 @@ def test_failure_report_names_the_first_rank(tmp_path: Path) -> None:
 
 def test_recipe_round_trip_and_absence(tmp_path: Path) -> None:
     r = ModelRecipe(absolute_model_spec("m.py:make"), 4, None, 1, ("Block",), "fx", 2)
-    write_recipe(tmp_path, r)
-    assert read_recipe(tmp_path) == r and Path(r.model.rpartition(":")[0]).is_absolute()
+    build, _ = _gpt_build(tmp_path, recipe=r)
+    assert read_recipe(build) == r and Path(r.model.rpartition(":")[0]).is_absolute()
     assert absolute_model_spec("hf:gpt2?n_layer=2") == "hf:gpt2?n_layer=2"
     with pytest.raises(BuildMismatchError, match="no model recipe"):
         read_recipe(tmp_path / "elsewhere")
@@ -184,8 +185,7 @@ def test_worker_arguments() -> None:
 
 
 def test_run_refuses_a_mismatched_world_before_starting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    build, _ = _gpt_build(tmp_path)
-    write_recipe(build, ModelRecipe("gpt-tiny", 4, 16))
+    build, _ = _gpt_build(tmp_path, recipe=ModelRecipe("gpt-tiny", 4, 16))
     assert main(["run", str(build), "--nproc", "3", "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "runs on 2 devices" in err and "use --nproc 2" in err and "Traceback" not in err

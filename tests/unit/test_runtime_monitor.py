@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -130,3 +131,13 @@ def test_the_report_compares_the_bubble_the_ranks_measure() -> None:
     assert predicted_bubble(plan) == pytest.approx(0.25)  # the mean of the stages' own, not the pipeline's 0.3
     old = replace(plan, stages=tuple(replace(s, predicted=StagePrediction(1, 2, 0)) for s in stages))
     assert predicted_bubble(old) == pytest.approx(0.3)  # a plan from before per-stage bubbles
+
+
+def test_the_replan_advice_names_a_build_folder_that_does_not_exist(tmp_path: Path) -> None:
+    run = _run_dir(tmp_path, slow_stage=1)
+    for name in ("build3", "build4"):  # the run used build3; build4 is taken too
+        (tmp_path / name).mkdir()
+    (run / "run.json").write_text(json.dumps({"build": str(tmp_path / "build3")}))
+    advice = [a for a in analyse(run).advice if "hpml-compile replan" in a]
+    assert advice and all(f"-o {tmp_path / 'build5'}" in a for a in advice)
+    assert not any("build2" in a for a in advice)
