@@ -48,6 +48,9 @@ def _say(line: str) -> None:
 
 def run_replan(args: argparse.Namespace) -> int:
     """Handle ``hpml-compile replan`` (raises HpmlError for bad input; InfeasibleError when nothing fits)."""
+    from ..codegen.build import check_build_dir
+
+    check_build_dir(args.output)  # before solving: -o must be new, empty or an earlier build, never a user's folder
     old = load_plan(args.plan)
     measured = load_profile(args.profile)
     if measured.model != old.model:

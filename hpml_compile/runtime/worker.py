@@ -2,7 +2,7 @@
 
 Each rank reads the build's ``model.json`` (:mod:`.recipe`), builds the
 model from the same seed as every other rank, loads the build (hashes
-checked, model re-traced, stage files imported), joins the job through
+checked, model re-traced, stage code regenerated from plan.json), joins the job through
 torchrun's environment (:class:`~.pipeline.Pipeline`), and trains ``--steps``
 steps on the model's example batch (synthetic data: a fixed batch, so the
 loss visibly falls; train on your own data with the Python API). Rank 0
