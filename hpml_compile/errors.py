@@ -31,6 +31,7 @@ __all__ = [
     "ScheduleError",
     "IndexFormatError",
     "RanksTimeout",
+    "OptionError",
 ]
 
 
@@ -126,3 +127,9 @@ class IndexFormatError(HpmlError):
 
 class RanksTimeout(HpmlError):
     """Spawned ranks did not finish in time (a deadlock, or a machine far slower than expected)."""
+
+
+class OptionError(HpmlError):
+    """A command-line option (or the API argument behind it) out of range, badly formed, or naming a rank or a
+    step the job does not have; raised before any process starts. The message names the option, the value,
+    what is expected and how to fix it."""

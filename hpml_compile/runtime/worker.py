@@ -25,6 +25,7 @@ import argparse
 import enum
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -79,22 +80,48 @@ def threads_per_rank(local_world_size: int, cores: int | None = None) -> int:
 
 
 def _fault(text: str) -> CommFault:
+    """Parse ``--inject-fault STEP:RANK:OP`` (STEP from 1, as the progress lines count).
+
+    Raises:
+        argparse.ArgumentTypeError: not three fields, a field that is not a whole number or an operation,
+            a step below 1 or a negative rank.
+    """
+    ops = "|".join(o.value for o in CommOp)
     try:
         step, rank, op = text.split(":")
-        return CommFault(int(step) - 1, int(rank), CommOp(op))  # STEP counts from 1, as the progress lines do
+        fault = CommFault(int(step) - 1, int(rank), CommOp(op))
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected STEP:RANK:{'|'.join(o.value for o in CommOp)}, "
+        raise argparse.ArgumentTypeError(f"expected STEP:RANK:{ops} (e.g. 3:1:{CommOp.COLLECTIVE.value}), "
                                          f"got {text!r}") from e
+    _at_least(text, "STEP", fault.step + 1, 1)
+    _at_least(text, "RANK", fault.rank, 0)
+    return fault
+
+
+def _at_least(text: str, name: str, value: int, low: int) -> None:
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{name} must be {low} or more (steps count from 1, ranks from 0), "
+                                         f"got {value} in {text!r}")
 
 
 KILLED_EXIT = 137  # what a SIGKILLed process reports: the injected death looks like a real one
 
 
 def _kill(text: str) -> tuple[int, int]:
+    """Parse ``--kill-at``/``--hang-at STEP:RANK`` (STEP from 1).
+
+    Returns:
+        ``(step, rank)``.
+
+    Raises:
+        argparse.ArgumentTypeError: not two whole numbers, a step below 1 or a negative rank.
+    """
     try:
         step, rank = (int(x) for x in text.split(":"))
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected STEP:RANK (step from 1), got {text!r}") from e
+        raise argparse.ArgumentTypeError(f"expected STEP:RANK (e.g. 5:1; step from 1), got {text!r}") from e
+    _at_least(text, "STEP", step, 1)
+    _at_least(text, "RANK", rank, 0)
     return step, rank
 
 
@@ -109,13 +136,25 @@ def _die(run_dir: Path, rank: int, step: int) -> None:
 
 
 def _slow(text: str) -> tuple[int, float, int]:
+    """Parse ``--slow RANK:FACTOR:FROM_STEP`` (FROM_STEP from 1).
+
+    Returns:
+        ``(rank, factor, from_step)``.
+
+    Raises:
+        argparse.ArgumentTypeError: not three fields, a field of the wrong type, a factor below 1 or not
+            finite, a step below 1 or a negative rank.
+    """
     try:
         rank, factor, step = text.split(":")
         out = int(rank), float(factor), int(step)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"expected RANK:FACTOR:FROM_STEP, e.g. 1:3:10, got {text!r}") from e
-    if out[1] < 1:
-        raise argparse.ArgumentTypeError(f"the slow-down factor must be >= 1, got {out[1]}")
+    if not (math.isfinite(out[1]) and out[1] >= 1):
+        raise argparse.ArgumentTypeError(f"FACTOR must be a number >= 1 (how many times slower), got {factor!r} "
+                                         f"in {text!r}")
+    _at_least(text, "RANK", out[0], 0)
+    _at_least(text, "FROM_STEP", out[2], 1)
     return out
 
 
