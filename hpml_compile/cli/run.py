@@ -294,10 +294,14 @@ def _run_adaptive(args: argparse.Namespace, worker: list[str], faults: list[str]
     if args.checkpoint_dir is not None or args.resume:
         raise HpmlError("run --adapt keeps its checkpoints in RUN_DIR/checkpoints and always resumes from them; "
                         "drop --checkpoint-dir/--resume (or pass the same --run-dir to go on with a job)")
-    run_dir = args.run_dir or default_run_dir(args.build)
+    from ..runtime.launcher import keep_earlier_run
     from ..runtime.worker import _kill, _slow
 
-    slows, kills, hangs = [_slow(x) for x in args.slow], [_kill(x) for x in args.kill_at], [_kill(x) for x in args.hang_at]
+    run_dir = args.run_dir or default_run_dir(args.build)
+    keep_earlier_run(run_dir, log=lambda line: print(line, flush=True))  # a plain run's files: `report` reads segments
+
+    slows = [_slow(x) for x in args.slow]
+    kills, hangs = [_kill(x) for x in args.kill_at], [_kill(x) for x in args.hang_at]
     every = 5 if args.checkpoint_every is None else args.checkpoint_every  # 0 stays 0: only at the end and switches
     adapt = AdaptOptions(threshold=args.adapt_threshold, patience=args.adapt_patience,
                          cooldown=args.adapt_cooldown) if args.on_imbalance else None

@@ -53,7 +53,7 @@ from .worker import PROGRESS_FILE, error_path, threads_per_rank
 
 __all__ = ["LaunchError", "RankFailure", "LaunchSpec", "torchrun_args", "check_world", "check_port", "free_port", "launch",
            "explain_failure", "prepare_run_dir", "preflight", "RUN_FILE", "parse_endpoint", "wait_for_endpoint",
-           "RUN_FILES", "EARLIER"]
+           "RUN_FILES", "EARLIER", "keep_earlier_run"]
 
 RUN_FILE = "run.json"
 RANK_ENTRY = Path(__file__).with_name("rank_entry.py")  # a script: see its docstring
@@ -97,8 +97,15 @@ RUN_FILES = ("metrics", "errors", "tb", RUN_FILE, "plan.json", "plan_profile.jso
 EARLIER = "earlier"
 
 
-def _keep_earlier_run(run_dir: Path) -> Path | None:
-    """Move the files an earlier run left in ``run_dir`` to ``run_dir/earlier/<n>/`` (n = 1, 2, ...).
+def keep_earlier_run(run_dir: Path, log: Callable[[str], None] | None = None) -> Path | None:
+    """Move the files an earlier run left in ``run_dir`` to ``run_dir/earlier/<n>/`` (n = 1, 2, ...), and say so.
+
+    Only the files a run writes (:data:`RUN_FILES`) move; an ``--adapt`` job's segments, events and
+    checkpoints, and anything of the user's, stay where they are.
+
+    Args:
+        run_dir: the run folder.
+        log: where to say where they went (default: standard error).
 
     Returns:
         The folder they went to, or None when there was nothing to move.
@@ -111,6 +118,7 @@ def _keep_earlier_run(run_dir: Path) -> Path | None:
     dest.mkdir(parents=True)  # a new number: never into a folder that holds something
     for path in found:
         path.rename(dest / path.name)  # the same file system: a rename, nothing copied or lost
+    (log or _stderr)(f"run: {run_dir} held an earlier run; its files are now in {dest}")
     return dest
 
 
@@ -132,9 +140,7 @@ def prepare_run_dir(build_dir: Path, run_dir: Path, info: dict[str, Any], *,
         ``run_dir``.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    moved = _keep_earlier_run(run_dir)
-    if moved is not None:
-        (log or _stderr)(f"run: {run_dir} held an earlier run; its files are now in {moved}")
+    keep_earlier_run(run_dir, log)
     shutil.copyfile(build_dir / "plan.json", run_dir / "plan.json")
     if (build_dir / "profile.json").is_file():
         shutil.copyfile(build_dir / "profile.json", run_dir / "plan_profile.json")
