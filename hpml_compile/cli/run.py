@@ -135,7 +135,7 @@ def run_run(args: argparse.Namespace) -> int:
         HpmlError: a missing or mismatched build, a world that does not fit
             the plan, a port in use, or a rank that failed (named, with why).
     """
-    from ..runtime.launcher import LaunchSpec, check_world, launch, preflight, prepare_run_dir
+    from ..runtime.launcher import LaunchSpec, check_world, launch, owns_run_dir, preflight, prepare_run_dir
     from ..recipe import read_recipe
 
     check_options(args)  # every range and format first: nothing is read, nothing starts, on a typo
@@ -170,7 +170,7 @@ def run_run(args: argparse.Namespace) -> int:
     run_dir = prepare_run_dir(args.build, spec.run_dir,
                               {"steps": args.steps, "nproc": nproc, "nnodes": args.nnodes, "node_rank": args.node_rank,
                                "optimizer": args.optimizer, "lr": args.lr, "argv": sys.argv[1:]},
-                              log=lambda line: print(line, flush=True))
+                              log=lambda line: print(line, flush=True), keep_earlier=owns_run_dir(spec))
     print(f"run: {devices} ranks ({args.nnodes} node(s) x {nproc}) for {args.build} -> {run_dir}", flush=True)
     launch(spec)
     if args.report and args.node_rank in (None, 0):

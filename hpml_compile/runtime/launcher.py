@@ -53,7 +53,7 @@ from .worker import PROGRESS_FILE, error_path, threads_per_rank
 
 __all__ = ["LaunchError", "RankFailure", "LaunchSpec", "torchrun_args", "check_world", "check_port", "free_port", "launch",
            "explain_failure", "prepare_run_dir", "preflight", "RUN_FILE", "parse_endpoint", "wait_for_endpoint",
-           "RUN_FILES", "EARLIER", "keep_earlier_run"]
+           "RUN_FILES", "EARLIER", "keep_earlier_run", "owns_run_dir"]
 
 RUN_FILE = "run.json"
 RANK_ENTRY = Path(__file__).with_name("rank_entry.py")  # a script: see its docstring
@@ -123,7 +123,7 @@ def keep_earlier_run(run_dir: Path, log: Callable[[str], None] | None = None) ->
 
 
 def prepare_run_dir(build_dir: Path, run_dir: Path, info: dict[str, Any], *,
-                    log: Callable[[str], None] | None = None) -> Path:
+                    log: Callable[[str], None] | None = None, keep_earlier: bool = True) -> Path:
     """Make the run folder self-contained: ``run.json``, the plan, and the profile the plan was made for.
 
     An earlier run's files in the same folder are moved, never deleted or overwritten, to
@@ -135,12 +135,16 @@ def prepare_run_dir(build_dir: Path, run_dir: Path, info: dict[str, Any], *,
         run_dir: the run folder (created if needed).
         info: facts for ``run.json``.
         log: where to say that an earlier run was moved (default: standard error).
+        keep_earlier: move an earlier run away; False on the hosts of a multi-host job other than the
+            rendezvous host (:func:`owns_run_dir`), which would otherwise move the files of their own job
+            when the hosts share the folder.
 
     Returns:
         ``run_dir``.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    keep_earlier_run(run_dir, log)
+    if keep_earlier:
+        keep_earlier_run(run_dir, log)
     shutil.copyfile(build_dir / "plan.json", run_dir / "plan.json")
     if (build_dir / "profile.json").is_file():
         shutil.copyfile(build_dir / "profile.json", run_dir / "plan_profile.json")
@@ -347,6 +351,17 @@ def explain_failure(run_dir: Path, failures: dict[int, tuple[int, str]]) -> str:
         lines.append(f"  then rank {rank}: {msg.splitlines()[0][:160]}")
     lines.append(f"(measurements so far are in {run_dir})")
     return "\n".join(lines)
+
+
+def owns_run_dir(spec: LaunchSpec) -> bool:
+    """Whether this host sets up the run folder (moves an earlier run away): one host, or the rendezvous host.
+
+    The others join only once that host listens (:func:`preflight` waits for it), which is after it has
+    prepared the folder, so a folder the hosts share is never cleared under a running job.
+    """
+    if spec.standalone or not spec.rdzv_endpoint:
+        return True
+    return _hosts_store(spec, parse_endpoint(spec.rdzv_endpoint)[0])
 
 
 def preflight(spec: LaunchSpec, *, wait_s: float = RDZV_WAIT_S, log: Callable[[str], None] | None = None) -> None:

@@ -27,7 +27,7 @@ from hpml_compile.ir import Profile
 from hpml_compile.profile import profile, save_profile
 from hpml_compile.recipe import ModelRecipe, write_recipe
 from hpml_compile.runtime import launcher, supervisor
-from hpml_compile.runtime.launcher import LaunchSpec, check_port, preflight, prepare_run_dir
+from hpml_compile.runtime.launcher import LaunchSpec, check_port, owns_run_dir, preflight, prepare_run_dir
 from hpml_compile.trace import trace
 
 STEPS = 20
@@ -217,6 +217,14 @@ def test_a_reused_run_folder_keeps_the_earlier_runs(build: Path, tmp_path: Path)
     fresh = tmp_path / "fresh"
     prepare_run_dir(build, fresh, {}, log=said.append)
     assert len(said) == 3 and not (fresh / "earlier").exists()
+    # hosts of one job sharing the folder: only the rendezvous host moves an earlier run, before it listens
+    prepare_run_dir(build, fresh, {}, log=said.append, keep_earlier=False)
+    assert len(said) == 3 and not (fresh / "earlier").exists()
+    spec = lambda **kw: LaunchSpec(build, fresh, 1, **kw)  # noqa: E731
+    assert owns_run_dir(spec()) and owns_run_dir(spec(nnodes=2, node_rank=0, rdzv_endpoint="h:29400"))
+    assert not owns_run_dir(spec(nnodes=2, node_rank=1, rdzv_endpoint="localhost:29400"))
+    assert owns_run_dir(spec(nnodes=2, rdzv_endpoint="localhost:29400"))  # c10d: the endpoint's host
+    assert not owns_run_dir(spec(nnodes=2, rdzv_endpoint="192.0.2.1:29400"))
 
 
 def test_run_says_where_the_earlier_run_went(build: Path, tmp_path: Path, started: list[Any],
