@@ -25,7 +25,7 @@ import datetime
 import math
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 from ..errors import HpmlError, OptionError
 from ..plan import load_plan
@@ -178,6 +178,9 @@ def run_run(args: argparse.Namespace) -> int:
     return 0
 
 
+_DEST = {"--keep-checkpoints": "keep"}  # options whose attribute is not their name
+
+
 def _refuse(option: str, value: object, expected: str, fix: str) -> NoReturn:
     raise OptionError(f"{option} {value}: expected {expected}; {fix}")
 
@@ -196,9 +199,6 @@ def _positive(args: argparse.Namespace, option: str, meaning: str, example: str,
         _refuse(option, value, f"{meaning}: a finite number above {above:g}", f"pass e.g. {option} {example}")
 
 
-_DEST = {"--keep-checkpoints": "keep"}
-
-
 def check_options(args: argparse.Namespace) -> None:
     """Check every option of ``run`` that needs no build: ranges, formats and combinations.
 
@@ -210,7 +210,7 @@ def check_options(args: argparse.Namespace) -> None:
         LaunchError: a ``--rdzv-endpoint`` that is not ``HOST:PORT``.
     """
     from ..runtime.launcher import parse_endpoint
-    from ..runtime.worker import _fault, _kill, _slow
+    from ..runtime.worker import parse_fault, parse_step_rank, parse_slow
 
     _whole(args, "--steps", 1, "the number of training steps")
     _whole(args, "--nproc", 1, "ranks on this host")
@@ -237,8 +237,10 @@ def check_options(args: argparse.Namespace) -> None:
                     "add --checkpoint-dir DIR, or drop --checkpoint-every")
         if args.resume:
             raise OptionError("--resume needs --checkpoint-dir DIR (the folder the checkpoints were written to)")
-    for option, values, parse in (("--inject-fault", args.inject_fault, _fault), ("--kill-at", args.kill_at, _kill),
-                                  ("--hang-at", args.hang_at, _kill), ("--slow", args.slow, _slow)):
+    parsers: tuple[tuple[str, list[str], Callable[[str], object]], ...] = (
+        ("--inject-fault", args.inject_fault, parse_fault), ("--kill-at", args.kill_at, parse_step_rank),
+        ("--hang-at", args.hang_at, parse_step_rank), ("--slow", args.slow, parse_slow))
+    for option, values, parse in parsers:
         for text in values:
             try:
                 parse(text)
@@ -256,13 +258,13 @@ def check_faults(args: argparse.Namespace, ranks: int) -> None:
     Raises:
         OptionError: naming the option, the rank or step, and the ones that exist.
     """
-    from ..runtime.worker import _fault, _kill, _slow
+    from ..runtime.worker import parse_fault, parse_step_rank, parse_slow
 
     named: list[tuple[str, str, int, int]] = []  # (option, text, rank, step)
-    named += [("--inject-fault", t, f.rank, f.step + 1) for t in args.inject_fault for f in [_fault(t)]]
+    named += [("--inject-fault", t, f.rank, f.step + 1) for t in args.inject_fault for f in [parse_fault(t)]]
     named += [(o, t, r, st) for o, texts in (("--kill-at", args.kill_at), ("--hang-at", args.hang_at))
-              for t in texts for st, r in [_kill(t)]]
-    named += [("--slow", t, r, st) for t in args.slow for r, _, st in [_slow(t)]]
+              for t in texts for st, r in [parse_step_rank(t)]]
+    named += [("--slow", t, r, st) for t in args.slow for r, _, st in [parse_slow(t)]]
     for option, text, rank, step in named:
         if rank >= ranks:
             _refuse(option, text, f"a rank of the build, 0..{ranks - 1} (its plan has {ranks} devices, one rank "
@@ -295,13 +297,13 @@ def _run_adaptive(args: argparse.Namespace, worker: list[str], faults: list[str]
         raise HpmlError("run --adapt keeps its checkpoints in RUN_DIR/checkpoints and always resumes from them; "
                         "drop --checkpoint-dir/--resume (or pass the same --run-dir to go on with a job)")
     from ..runtime.launcher import keep_earlier_run
-    from ..runtime.worker import _kill, _slow
+    from ..runtime.worker import parse_step_rank, parse_slow
 
     run_dir = args.run_dir or default_run_dir(args.build)
     keep_earlier_run(run_dir, log=lambda line: print(line, flush=True))  # a plain run's files: `report` reads segments
 
-    slows = [_slow(x) for x in args.slow]
-    kills, hangs = [_kill(x) for x in args.kill_at], [_kill(x) for x in args.hang_at]
+    slows = [parse_slow(x) for x in args.slow]
+    kills, hangs = [parse_step_rank(x) for x in args.kill_at], [parse_step_rank(x) for x in args.hang_at]
     every = 5 if args.checkpoint_every is None else args.checkpoint_every  # 0 stays 0: only at the end and switches
     adapt = AdaptOptions(threshold=args.adapt_threshold, patience=args.adapt_patience,
                          cooldown=args.adapt_cooldown) if args.on_imbalance else None

@@ -51,7 +51,8 @@ from .session import CommFailure, RetryPolicy, env_rank
 PROGRESS_FILE = "started.json"
 _STARTED = time.perf_counter()  # the process's start, near enough: the cost of a restart is measured from it
 
-__all__ = ["OptimizerName", "ResumeMode", "parse_args", "main", "error_path", "threads_per_rank", "PROGRESS_FILE"]
+__all__ = ["OptimizerName", "ResumeMode", "parse_args", "main", "error_path", "threads_per_rank", "PROGRESS_FILE",
+           "parse_fault", "parse_step_rank", "parse_slow"]
 
 
 class OptimizerName(str, enum.Enum):
@@ -79,7 +80,7 @@ def threads_per_rank(local_world_size: int, cores: int | None = None) -> int:
     return max(1, (cores or os.cpu_count() or 1) // max(1, local_world_size))
 
 
-def _fault(text: str) -> CommFault:
+def parse_fault(text: str) -> CommFault:
     """Parse ``--inject-fault STEP:RANK:OP`` (STEP from 1, as the progress lines count).
 
     Raises:
@@ -107,7 +108,7 @@ def _at_least(text: str, name: str, value: int, low: int) -> None:
 KILLED_EXIT = 137  # what a SIGKILLed process reports: the injected death looks like a real one
 
 
-def _kill(text: str) -> tuple[int, int]:
+def parse_step_rank(text: str) -> tuple[int, int]:
     """Parse ``--kill-at``/``--hang-at STEP:RANK`` (STEP from 1).
 
     Returns:
@@ -135,7 +136,7 @@ def _die(run_dir: Path, rank: int, step: int) -> None:
     os._exit(KILLED_EXIT)
 
 
-def _slow(text: str) -> tuple[int, float, int]:
+def parse_slow(text: str) -> tuple[int, float, int]:
     """Parse ``--slow RANK:FACTOR:FROM_STEP`` (FROM_STEP from 1).
 
     Returns:
@@ -199,13 +200,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--log-every", type=int, default=1, dest="log_every")
     p.add_argument("--retries", type=int, default=3, help="attempts per step on transient communication errors")
-    p.add_argument("--inject-fault", type=_fault, action="append", default=[], dest="faults", metavar="STEP:RANK:OP",
+    p.add_argument("--inject-fault", type=parse_fault, action="append", default=[], dest="faults",
+                   metavar="STEP:RANK:OP",
                    help="fail one communication operation once (to exercise the retry); repeatable")
-    p.add_argument("--kill-at", type=_kill, action="append", default=[], dest="kills", metavar="STEP:RANK",
+    p.add_argument("--kill-at", type=parse_step_rank, action="append", default=[], dest="kills", metavar="STEP:RANK",
                    help="rank RANK dies (no clean-up, exit 137) when it reaches step STEP; repeatable")
-    p.add_argument("--hang-at", type=_kill, action="append", default=[], dest="hangs", metavar="STEP:RANK",
+    p.add_argument("--hang-at", type=parse_step_rank, action="append", default=[], dest="hangs", metavar="STEP:RANK",
                    help="rank RANK stops responding (sleeps for ever) when it reaches step STEP; repeatable")
-    p.add_argument("--slow", type=_slow, action="append", default=[], dest="slows", metavar="RANK:FACTOR:FROM_STEP",
+    p.add_argument("--slow", type=parse_slow, action="append", default=[], dest="slows",
+                   metavar="RANK:FACTOR:FROM_STEP",
                    help="rank RANK computes FACTOR times slower from step FROM_STEP on; repeatable")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
     p.add_argument("--checkpoint-dir", type=Path, default=None, dest="checkpoint_dir",
