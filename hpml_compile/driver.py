@@ -24,8 +24,9 @@ Example:
     >>> from hpml_compile.cluster import load_cluster
     >>> from hpml_compile.profile import profile
     >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    >>> prof = profile(m, (torch.randn(4, 8),), repeats=1, progress=False)
-    >>> p = plan(prof, load_cluster("local-cpu-2"), Options(solver="dp", microbatches=1))
+    >>> cluster = load_cluster("local-cpu-2")  # CPU ranks of this host: profile at each rank's thread count
+    >>> prof = profile(m, (torch.randn(4, 8),), repeats=1, progress=False, threads=local_threads(cluster))
+    >>> p = plan(prof, cluster, Options(solver="dp", microbatches=1))
     >>> sorted(n for st in p.stages for n in st.nodes) == sorted(n.name for n in prof.nodes)
     True
 """
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -46,7 +48,7 @@ from .cluster import check_devices_costed, load_cluster
 from .codegen import Build, check_build_dir, generate
 from .costgraph import CostGraph
 from .costgraph import build as build_costgraph
-from .errors import BuildMismatchError, HpmlError
+from .errors import BuildMismatchError, HpmlError, OptionError
 from .ir import Cluster, FrontEnd, Profile
 from .plan import Plan, Schedule, save_plan, validate_plan
 from .profile import predict_kinds, profile, save_profile
@@ -56,7 +58,8 @@ from .schema import write_json_atomic
 from .solve import SolverName, solve
 from .trace import trace
 
-__all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "rebuild", "cost_graph", "local_threads"]
+__all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "rebuild", "cost_graph", "local_threads",
+           "check_microbatches", "check_threads"]
 
 Say = Callable[[str], None]
 
@@ -127,6 +130,71 @@ def local_threads(cluster: Cluster, cores: int | None = None) -> int | None:
     return None
 
 
+def check_microbatches(prof: Profile, microbatches: int | None) -> None:
+    """Refuse a microbatch count that does not split the profile's batch into whole rows.
+
+    A microbatch holds ``batch / M`` rows and a stage replicated ``d`` ways gives each replica ``1 / d`` of
+    them (the solver replicates only where that divides), so ``M`` must divide the batch: 16 microbatches
+    of a batch of 8 would be half rows.
+
+    Args:
+        prof: the profile (its ``batch_size``).
+        microbatches: ``M``, or None (searched: only counts that divide are tried).
+
+    Raises:
+        OptionError: naming ``M``, the batch, and the largest count that works.
+    """
+    if microbatches is None:
+        return
+    batch = prof.batch_size
+    if microbatches >= 1 and batch % microbatches == 0:
+        return
+    valid = [m for m in range(1, batch + 1) if batch % m == 0]
+    best = max(m for m in valid if m <= max(1, microbatches))
+    shown = ", ".join(map(str, valid)) if len(valid) <= 12 else f"{', '.join(map(str, valid[:11]))}, ..."
+    bigger = max(1, microbatches) * -(-batch // max(1, microbatches))  # the next batch that M splits
+    raise OptionError(f"microbatches (--microbatches) {microbatches}: expected a count that splits the profile's "
+                      f"batch of {batch} rows into whole rows, a divisor of {batch} ({shown}): each microbatch holds "
+                      f"{batch}/M rows and a stage's replicas split those again. The largest valid count "
+                      f"{'is' if microbatches > batch else 'below it is'} {best}: pass --microbatches {best}, or "
+                      f"profile a batch of {bigger} rows")
+
+
+def check_threads(prof: Profile, cluster: Cluster, cores: int | None = None) -> None:
+    """Refuse a CPU profile measured with another torch thread count than the cluster's local CPU ranks use.
+
+    CPU times depend on the threads: a profile made with all cores' threads, planned for ranks of one
+    thread each, predicted 296 ms for a step that ran in 4 ms (issue 12). There is no honest way to rescale
+    it (how an op speeds up with threads depends on the op and the size), so it is refused.
+
+    Args:
+        prof: the profile (its ``threads`` and whether the CPU was measured).
+        cluster: the devices; only a cluster of CPU processes on this host is checked.
+        cores: this host's cores (default: ``os.cpu_count()``).
+
+    Raises:
+        HpmlError: the counts differ (both named, and how to profile at the right one).
+
+    Warns:
+        UserWarning: a measured CPU profile that does not record its threads (written before the field).
+    """
+    want = local_threads(cluster, cores)
+    if want is None or not prof.devices.get("cpu", {}).get("measured"):
+        return  # not local CPU ranks, or CPU costs predicted from the catalog: no thread count in them
+    if prof.threads is None:
+        warnings.warn(f"the profile of {prof.model} does not say how many torch threads its CPU times were measured "
+                      f"with (written before profiles recorded it); {cluster.name} runs each rank with {want}: "
+                      "if it was measured with more, its times are too low. Profile again to be sure", stacklevel=3)
+        return
+    if prof.threads != want:
+        raise HpmlError(f"the profile of {prof.model} was measured with {prof.threads} torch thread(s), but "
+                        f"{cluster.name} runs {len(cluster.devices)} CPU ranks on this host's "
+                        f"{cores or os.cpu_count()} cores with {want} thread(s) each, and CPU times change with the "
+                        f"thread count: profile again with `hpml-compile profile MODEL --threads {want} ...` (or "
+                        f"OMP_NUM_THREADS={want}), or compile the model with `hpml-compile compile`, which profiles "
+                        "at the ranks' thread count")
+
+
 def _dump(opts: Options, name: str, write: Callable[[Path], Any]) -> None:
     where = opts.dump
     if where is not None:
@@ -189,8 +257,12 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
         The plan, with the simulator's predictions, checked against the profile.
 
     Raises:
+        OptionError: ``opts.microbatches`` does not split the profile's batch (before solving).
+        HpmlError: a CPU profile measured with other threads than the cluster's local ranks run.
         UnknownDeviceError, InfeasibleError, HpmlError: as :func:`hpml_compile.solve.solve`.
     """
+    check_microbatches(prof, opts.microbatches)                                     # before any solving
+    check_threads(prof, cluster)                                                    # CPU times at the ranks' threads
     prof, graph = cost_graph(prof, cluster, opts)
     if progress:
         progress(f"{prof.model}: {len(graph.order)} blocks after coarsening ({len(prof.nodes)} nodes)")
@@ -238,11 +310,12 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Pat
     gm.graph.lint()
     _dump(opts, "1-graph.txt", lambda p: p.write_text(str(gm.graph)))
     if measured is None:
-        tell(f"[2/4] profiling {len(gm.graph.nodes)} nodes on the CPU ({torch.get_num_threads()} thread(s)); "
+        tell(f"[2/4] profiling {len(gm.graph.nodes)} nodes on the CPU ({local_threads(c) or torch.get_num_threads()} "
+             "thread(s)); "
              f"predicting {', '.join(kinds[1:]) or 'nothing else'}")
         measured = profile(gm, inputs, name=label, device_kinds=kinds, batch_size=prof_opts.batch_size,  # 2. profile
                            seq_len=prof_opts.seq_len, repeats=prof_opts.repeats, warmup=prof_opts.warmup,
-                           progress=False)
+                           progress=False, threads=local_threads(c))  # local CPU ranks: at their thread count
     else:
         tell(f"[2/4] planning from the given profile of {measured.model} (batch {measured.batch_size})")
         _check_profile_matches(measured, gm, label)
@@ -323,6 +396,7 @@ def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost
     """
     if measured.model != old.model:
         raise HpmlError(f"the measured profile is of {measured.model!r} but the plan places {old.model!r}")
+    check_microbatches(measured, opts.microbatches)
     target = cluster or old.cluster
     gone = list(lost)
     if gone:

@@ -32,6 +32,7 @@ __all__ = [
     "IndexFormatError",
     "RanksTimeout",
     "BatchMismatchError",
+    "OptionError",
 ]
 
 
@@ -131,3 +132,9 @@ class RanksTimeout(HpmlError):
 
 class BatchMismatchError(HpmlError):
     """Ranks that must read the same batch were given different ones (names the step and the data)."""
+
+
+class OptionError(HpmlError):
+    """A command-line option (or the API argument behind it) out of range, badly formed, or naming a rank or a
+    step the job does not have; raised before any process starts. The message names the option, the value,
+    what is expected and how to fix it."""

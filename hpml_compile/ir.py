@@ -229,6 +229,10 @@ class Profile:
     ``optimizer_ms`` is one optimizer step (``optimizer``) over all
     ``parameters`` (``{name: bytes}``, tied parameters once per name that
     the nodes use) per device kind; empty when not measured or predicted.
+    ``threads`` is the number of torch threads the CPU was measured with
+    (CPU times depend on it: a plan for ranks that run with fewer threads
+    must not use them); None when the CPU was not measured, or in a file
+    written before the field existed.
     """
 
     model: str
@@ -247,9 +251,13 @@ class Profile:
     optimizer: str | None = None
     optimizer_ms: Mapping[str, float] = field(default_factory=dict)
     parameters: Mapping[str, int] = field(default_factory=dict)
+    threads: int | None = None
     schema_version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise SchemaError("profile", "threads", "the number of torch threads measured with, 1 or more",
+                              repr(self.threads))
         seen: set[str] = set()
         for i, n in enumerate(self.nodes):
             if n.name in seen:
@@ -302,6 +310,7 @@ class Profile:
             "optimizer": self.optimizer,
             "optimizer_ms": dict(self.optimizer_ms),
             "parameters": dict(self.parameters),
+            "threads": self.threads,
             "nodes": [n.to_dict() for n in self.nodes],
         }
 
@@ -332,6 +341,7 @@ class Profile:
             optimizer=d.get("optimizer"),
             optimizer_ms=d.get("optimizer_ms", {}),
             parameters=d.get("parameters", {}),
+            threads=d.get("threads"),
             nodes=tuple(ProfileNode.from_dict(n, source, f"nodes[{i}]") for i, n in enumerate(d["nodes"])),
         )
 

@@ -153,6 +153,7 @@ PROFILE_SCHEMA: dict[str, Any] = {
         "optimizer": {"type": ["string", "null"]},
         "optimizer_ms": {"type": "object", "additionalProperties": _NUM},
         "parameters": {"type": "object", "additionalProperties": _INT},
+        "threads": {"type": ["integer", "null"], "minimum": 1},
         "nodes": {"type": "array", "items": _PROFILE_NODE},
     },
     "additionalProperties": False,

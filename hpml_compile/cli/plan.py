@@ -121,7 +121,9 @@ def run_plan(args: argparse.Namespace) -> int:
         raise HpmlError(f"plan: --microbatches must be >= 1, got {args.microbatches}")
     profile, cluster = _inputs(args)
     schedule = Schedule(args.schedule)
+    driver.check_microbatches(profile, args.microbatches)  # before any solving: --compare solves five times
     if args.compare:
+        driver.check_threads(profile, cluster)  # driver.plan checks it on the other path
         # kinds the file lacks are predicted from it alone, calibrated on its measured kinds
         profile, graph = driver.cost_graph(profile, cluster)
         rows = compare(graph, cluster, microbatches=args.microbatches, schedule=schedule,

@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NoReturn
 
-from ..errors import HpmlError
+from ..errors import HpmlError, OptionError
 from ..plan import load_plan
 from ..runtime.adapt import AdaptOptions
 from ..runtime.comm import CommOp
 
-__all__ = ["add_parsers", "run_run", "run_report", "default_run_dir"]
+__all__ = ["add_parsers", "run_run", "run_report", "default_run_dir", "check_options", "check_faults"]
 
 
 def add_parsers(subparsers: Any) -> None:
@@ -64,7 +65,7 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     p.add_argument("--log-every", type=int, default=1, dest="log_every", help="print every N steps (default 1)")
     p.add_argument("--retries", type=int, default=3,
-                   help="attempts per step when communication fails transiently (default 3)")
+                   help="attempts per step when communication fails transiently; 0 or 1: one attempt (default 3)")
     p.add_argument("--inject-fault", action="append", default=[], dest="inject_fault", metavar="STEP:RANK:OP",
                    help=f"fail the first {'|'.join(o.value for o in CommOp)} of rank RANK in step STEP (from 1) once, "
                         "to see the retry work; repeatable")
@@ -81,9 +82,10 @@ def add_parsers(subparsers: Any) -> None:
     c.add_argument("--checkpoint-dir", type=Path, default=None, dest="checkpoint_dir",
                    help="where checkpoints go (default: none; RUN_DIR/checkpoints with --adapt)")
     c.add_argument("--checkpoint-every", type=int, default=None, dest="checkpoint_every", metavar="K",
-                   help="checkpoint every K steps, and at the end (default 5 with --adapt, else only at the end)")
+                   help="checkpoint every K steps, and at the end; 0: only at the end (and, with --adapt, before "
+                        "a switch) (default 5 with --adapt, else 0)")
     c.add_argument("--keep-checkpoints", type=int, default=3, dest="keep", metavar="N",
-                   help="complete checkpoints kept (default 3)")
+                   help="complete checkpoints kept; 0: every one (default 3)")
     c.add_argument("--resume", action="store_true",
                    help="start from the latest checkpoint in --checkpoint-dir (any plan's: regrouped by name)")
     a = p.add_argument_group("closed loop (--adapt)")
@@ -133,21 +135,19 @@ def run_run(args: argparse.Namespace) -> int:
         HpmlError: a missing or mismatched build, a world that does not fit
             the plan, a port in use, or a rank that failed (named, with why).
     """
-    from ..runtime.launcher import LaunchSpec, check_world, launch, preflight, prepare_run_dir
+    from ..runtime.launcher import LaunchSpec, check_world, launch, owns_run_dir, preflight, prepare_run_dir
     from ..recipe import read_recipe
 
+    check_options(args)  # every range and format first: nothing is read, nothing starts, on a typo
     if not (args.build / "plan.json").is_file():
         raise HpmlError(f"run: {args.build} is not a build folder (no plan.json): run `hpml-compile compile MODEL "
                         f"--cluster C -o {args.build}` first")
     read_recipe(args.build)  # fail here, not in every rank, when the ranks cannot rebuild the model
     plan = load_plan(args.build / "plan.json")
-    if args.nnodes < 1 or args.steps < 1:
-        raise HpmlError(f"run: --nnodes and --steps must be >= 1, got {args.nnodes} and {args.steps}")
-    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
-        raise HpmlError(f"run: --node-rank must be in 0..{args.nnodes - 1}, got {args.node_rank}")
     devices = sum(len(st.devices) for st in plan.stages)
     nproc = args.nproc if args.nproc is not None else max(1, devices // args.nnodes)
     check_world(plan, nproc, args.nnodes)
+    check_faults(args, devices)  # ranks and steps that exist in this build and this run
     worker = ["--optimizer", args.optimizer, "--lr", str(args.lr), "--log-every", str(args.log_every),
               "--retries", str(args.retries)]
     worker += [] if args.tensorboard else ["--no-tensorboard"]
@@ -162,14 +162,15 @@ def run_run(args: argparse.Namespace) -> int:
     if args.checkpoint_dir:
         worker += ["--checkpoint-dir", str(args.checkpoint_dir), "--checkpoint-every", str(args.checkpoint_every or 0),
                    "--keep-checkpoints", str(args.keep)] + (["--resume"] if args.resume else [])
-    elif args.resume:
-        raise HpmlError("run: --resume needs --checkpoint-dir DIR (the folder the checkpoints were written to)")
+    if args.resume:
+        _check_resume(args.checkpoint_dir)
     spec = LaunchSpec(args.build, args.run_dir or default_run_dir(args.build), nproc, args.nnodes, args.node_rank,
                       args.rdzv_endpoint, args.rdzv_id, args.max_restarts, tuple(worker))
     preflight(spec)  # before the run folder exists: a refused launch leaves nothing behind
     run_dir = prepare_run_dir(args.build, spec.run_dir,
                               {"steps": args.steps, "nproc": nproc, "nnodes": args.nnodes, "node_rank": args.node_rank,
-                               "optimizer": args.optimizer, "lr": args.lr, "argv": sys.argv[1:]})
+                               "optimizer": args.optimizer, "lr": args.lr, "argv": sys.argv[1:]},
+                              log=lambda line: print(line, flush=True), keep_earlier=owns_run_dir(spec))
     print(f"run: {devices} ranks ({args.nnodes} node(s) x {nproc}) for {args.build} -> {run_dir}", flush=True)
     launch(spec)
     if args.report and args.node_rank in (None, 0):
@@ -177,14 +178,112 @@ def run_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_faults(args: argparse.Namespace) -> tuple[list[tuple[int, float, int]], list[tuple[int, int]],
-                                                     list[tuple[int, int]]]:
-    from ..runtime.worker import _kill, _slow
+_DEST = {"--keep-checkpoints": "keep"}  # options whose attribute is not their name
 
-    try:
-        return [_slow(x) for x in args.slow], [_kill(x) for x in args.kill_at], [_kill(x) for x in args.hang_at]
-    except argparse.ArgumentTypeError as e:
-        raise HpmlError(f"run: {e}") from None
+
+def _refuse(option: str, value: object, expected: str, fix: str) -> NoReturn:
+    raise OptionError(f"{option} {value}: expected {expected}; {fix}")
+
+
+def _whole(args: argparse.Namespace, option: str, low: int, meaning: str) -> None:
+    """Refuse ``option`` (an int attribute of ``args``, named as on the command line) below ``low``."""
+    value = getattr(args, _DEST.get(option, option.lstrip("-").replace("-", "_")))
+    if value is not None and value < low:
+        _refuse(option, value, f"{meaning}: a whole number, {low} or more", f"pass e.g. {option} {max(low, 1)}")
+
+
+def _positive(args: argparse.Namespace, option: str, meaning: str, example: str, *, above: float = 0.0) -> None:
+    """Refuse ``option`` (a float attribute of ``args``) that is not a finite number above ``above``."""
+    value = getattr(args, _DEST.get(option, option.lstrip("-").replace("-", "_")))
+    if value is not None and not (math.isfinite(value) and value > above):
+        _refuse(option, value, f"{meaning}: a finite number above {above:g}", f"pass e.g. {option} {example}")
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Check every option of ``run`` that needs no build: ranges, formats and combinations.
+
+    Args:
+        args: the parsed ``run`` arguments.
+
+    Raises:
+        OptionError: the first option out of range or badly formed (its name, value, what is expected, the fix).
+        LaunchError: a ``--rdzv-endpoint`` that is not ``HOST:PORT``.
+    """
+    from ..runtime.launcher import parse_endpoint
+    from ..runtime.worker import parse_fault, parse_step_rank, parse_slow
+
+    _whole(args, "--steps", 1, "the number of training steps")
+    _whole(args, "--nproc", 1, "ranks on this host")
+    _whole(args, "--nnodes", 1, "hosts taking part")
+    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
+        _refuse("--node-rank", args.node_rank, f"this host's rank among --nnodes {args.nnodes}, 0..{args.nnodes - 1}",
+                "give each host its own rank, node 0 the one at --rdzv-endpoint")
+    _whole(args, "--max-restarts", 0, "restarts after a failure")
+    _whole(args, "--log-every", 1, "steps between progress lines")
+    _whole(args, "--retries", 0, "attempts per step")
+    _whole(args, "--checkpoint-every", 0, "steps between checkpoints (0: only at the end)")
+    _whole(args, "--keep-checkpoints", 0, "checkpoints kept (0: every one)")
+    _whole(args, "--adapt-patience", 1, "slow steps in a row")
+    _whole(args, "--adapt-cooldown", 0, "quiet steps after a decision")
+    _whole(args, "--max-failures", 1, "failures of one device before it is dropped")
+    _positive(args, "--lr", "a learning rate", "1e-3")
+    _positive(args, "--timeout", "seconds a rank may block", "600")
+    _positive(args, "--adapt-threshold", "a ratio of measured to predicted step time", "1.25", above=1.0)
+    if args.rdzv_endpoint is not None:
+        parse_endpoint(args.rdzv_endpoint)
+    if not args.adapt and args.checkpoint_dir is None:
+        if args.checkpoint_every is not None:
+            _refuse("--checkpoint-every", args.checkpoint_every, "a --checkpoint-dir to write to",
+                    "add --checkpoint-dir DIR, or drop --checkpoint-every")
+        if args.resume:
+            raise OptionError("--resume needs --checkpoint-dir DIR (the folder the checkpoints were written to)")
+    parsers: tuple[tuple[str, list[str], Callable[[str], object]], ...] = (
+        ("--inject-fault", args.inject_fault, parse_fault), ("--kill-at", args.kill_at, parse_step_rank),
+        ("--hang-at", args.hang_at, parse_step_rank), ("--slow", args.slow, parse_slow))
+    for option, values, parse in parsers:
+        for text in values:
+            try:
+                parse(text)
+            except argparse.ArgumentTypeError as e:
+                raise OptionError(f"{option} {text}: {e}") from None
+
+
+def check_faults(args: argparse.Namespace, ranks: int) -> None:
+    """Refuse fault injections that name a rank the build lacks or a step the run never reaches.
+
+    Args:
+        args: the parsed ``run`` arguments (formats already checked by :func:`check_options`).
+        ranks: the build's rank count (its plan's devices).
+
+    Raises:
+        OptionError: naming the option, the rank or step, and the ones that exist.
+    """
+    from ..runtime.worker import parse_fault, parse_step_rank, parse_slow
+
+    named: list[tuple[str, str, int, int]] = []  # (option, text, rank, step)
+    named += [("--inject-fault", t, f.rank, f.step + 1) for t in args.inject_fault for f in [parse_fault(t)]]
+    named += [(o, t, r, st) for o, texts in (("--kill-at", args.kill_at), ("--hang-at", args.hang_at))
+              for t in texts for st, r in [parse_step_rank(t)]]
+    named += [("--slow", t, r, st) for t in args.slow for r, _, st in [parse_slow(t)]]
+    for option, text, rank, step in named:
+        if rank >= ranks:
+            _refuse(option, text, f"a rank of the build, 0..{ranks - 1} (its plan has {ranks} devices, one rank "
+                    f"each), got rank {rank}", "name one of those ranks")
+        if step > args.steps:
+            _refuse(option, text, f"a step the run reaches, 1..{args.steps} (--steps {args.steps}), got step {step}",
+                    f"use a step up to {args.steps}, or raise --steps")
+
+
+def _check_resume(checkpoint_dir: Path) -> None:
+    """``--resume``: refuse a folder with nothing intact to resume from before any rank starts.
+
+    Raises:
+        CheckpointError: the folder is missing, empty, holds no checkpoint or only damaged ones (which, said by
+            :func:`~hpml_compile.runtime.checkpoint.resume_from`).
+    """
+    from ..runtime.checkpoint import resume_from
+
+    resume_from(checkpoint_dir, log=lambda _line: None)  # rank 0 says which damaged ones it skips
 
 
 def _run_adaptive(args: argparse.Namespace, worker: list[str], faults: list[str], nproc: int) -> int:
@@ -197,14 +296,22 @@ def _run_adaptive(args: argparse.Namespace, worker: list[str], faults: list[str]
     if args.checkpoint_dir is not None or args.resume:
         raise HpmlError("run --adapt keeps its checkpoints in RUN_DIR/checkpoints and always resumes from them; "
                         "drop --checkpoint-dir/--resume (or pass the same --run-dir to go on with a job)")
+    from ..runtime.launcher import keep_earlier_run
+    from ..runtime.worker import parse_step_rank, parse_slow
+
     run_dir = args.run_dir or default_run_dir(args.build)
-    slows, kills, hangs = _parse_faults(args)
+    keep_earlier_run(run_dir, log=lambda line: print(line, flush=True))  # a plain run's files: `report` reads segments
+
+    slows = [parse_slow(x) for x in args.slow]
+    kills, hangs = [parse_step_rank(x) for x in args.kill_at], [parse_step_rank(x) for x in args.hang_at]
+    every = 5 if args.checkpoint_every is None else args.checkpoint_every  # 0 stays 0: only at the end and switches
     adapt = AdaptOptions(threshold=args.adapt_threshold, patience=args.adapt_patience,
                          cooldown=args.adapt_cooldown) if args.on_imbalance else None
-    print(f"run --adapt: {nproc} ranks for {args.build} -> {run_dir} (checkpoints every "
-          f"{args.checkpoint_every or 5} steps in {run_dir / 'checkpoints'})", flush=True)
+    when = f"every {every} steps" if every else "only at the end and before a switch"
+    print(f"run --adapt: {nproc} ranks for {args.build} -> {run_dir} (checkpoints {when} in "
+          f"{run_dir / 'checkpoints'})", flush=True)
     events = supervise(args.build, run_dir, steps=args.steps, worker_args=worker, slows=slows, kills=kills, hangs=hangs,
-                       first_only=faults, checkpoint_every=args.checkpoint_every or 5, keep=args.keep, adapt=adapt,
+                       first_only=faults, checkpoint_every=every, keep=args.keep, adapt=adapt,
                        max_failures=args.max_failures, run_info={"optimizer": args.optimizer, "lr": args.lr,
                                                                   "argv": sys.argv[1:]},
                        log=lambda line: print(line, flush=True))

@@ -119,7 +119,7 @@ def _scale_to_whole(costs: dict[str, NodeCost], whole: NodeCost, skip: str | Non
     if (use_f, use_b) != (rf, rb):
         warnings.warn(f"the whole-model pass took {rf:.2f}x (forward) and {rb:.2f}x (backward) the sum of the "
                       f"per-node times, outside {lo}-{hi}x: another job probably shared the device; that direction "
-                      "is left unscaled", stacklevel=4)
+                      "is left unscaled", stacklevel=5)
     out = {n: c if n == skip else NodeCost(c.fwd_ms * use_f, c.bwd_ms * use_b, c.measured, c.fwd_spread_ms * use_f,
                                            c.bwd_spread_ms * use_b) for n, c in costs.items()}
     return out, (rf, rb)
@@ -166,7 +166,7 @@ def _profile_kind(gm: fx.GraphModule, inputs: tuple[Any, ...], device: torch.dev
         small, small_whole = _measure_on(gm, small_inputs, device, repeats, warmup, progress, small_loss)
     except Exception as e:  # e.g. a graph whose shapes were specialised to the batch by torch.export
         warnings.warn(f"profiling at {micro} rows failed ({type(e).__name__}: {e}); node costs on {device} are "
-                      "taken as proportional to the rows", stacklevel=3)
+                      "taken as proportional to the rows", stacklevel=4)
         return costs, whole, info, False
     small, (sf, sb) = _scale_to_whole(small, small_whole, out_node)
     info["scaled_to_whole_micro"] = {"fwd": round(sf, 4), "bwd": round(sb, 4)}
@@ -206,6 +206,7 @@ def profile(
     targets: Any = None,
     micro_batch: int | None = None,
     optimizer: str | Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = "adamw",
+    threads: int | None = None,
 ) -> Profile:
     """Trace (unless given a traced GraphModule) and profile ``model``.
 
@@ -231,10 +232,16 @@ def profile(
             ``parameters -> torch.optim.Optimizer``, or None: one step of it
             over the parameters is timed (kinds not present: predicted from
             the measured kind's bytes per memory bandwidth).
+        threads: torch threads to measure the CPU with (restored after);
+            None: this process's current count. Use the count each rank
+            will run with (:func:`hpml_compile.driver.local_threads`).
 
     Measuring on the CPU also measures the host's memory bandwidth (one
     thread, all threads) and leaves this process keeping freed memory, as
-    the runtime's CPU ranks do (:mod:`hpml_compile.hostmem`).
+    the runtime's CPU ranks do (:mod:`hpml_compile.hostmem`). The CPU is
+    measured with this process's torch threads (``torch.set_num_threads``),
+    recorded as the profile's ``threads``: a plan for CPU ranks that run
+    with another count refuses the profile (:func:`hpml_compile.driver.plan`).
 
     Returns:
         The Profile, nodes in topological order.
@@ -242,7 +249,29 @@ def profile(
     Raises:
         UnknownDeviceError: a kind is neither present nor in the catalog.
         TraceError: the model cannot be traced.
+        HpmlError: ``threads`` below 1.
     """
+    if threads is None:
+        return _profile(model, example_inputs, name, device_kinds, batch_size, seq_len, repeats, warmup, leaf_modules,
+                        front_end, progress, loss_fn, targets, micro_batch, optimizer)
+    if threads < 1:
+        raise HpmlError(f"profile: threads {threads}: expected a number of torch threads, 1 or more; pass the "
+                        "count each rank will run with, or None for this process's")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _profile(model, example_inputs, name, device_kinds, batch_size, seq_len, repeats, warmup, leaf_modules,
+                        front_end, progress, loss_fn, targets, micro_batch, optimizer)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tensor, name: str | None,
+             device_kinds: Sequence[str], batch_size: int | None, seq_len: int | None, repeats: int, warmup: int,
+             leaf_modules: Sequence[type | str], front_end: FrontEnd | str, progress: bool,
+             loss_fn: Callable[[Any, Any], torch.Tensor] | None, targets: Any, micro_batch: int | None,
+             optimizer: str | Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None) -> Profile:
+    """:func:`profile` at this process's thread count."""
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     kinds = list(dict.fromkeys(device_kinds))
     present = local_kinds()
@@ -279,6 +308,7 @@ def profile(
         micro_batch=micro if micro_measured else None,
         loss=(getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__) if loss and measured else None,
         optimizer=opt_name, optimizer_ms=optimizer_ms, parameters=_param_sizes(gm, nodes),
+        threads=torch.get_num_threads() if "cpu" in measured else None,  # CPU times hold at this count only
     )
     return predict_kinds(prof, kinds)
 

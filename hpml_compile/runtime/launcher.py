@@ -12,8 +12,11 @@ one host (a private rendezvous on a free port); across hosts, each host runs
   assigns; right for clusters of identical hosts).
 
 Before anything starts, :func:`check_world` refuses a world that does not
-match the build's plan, and :func:`check_port` a rendezvous port that is in
-use on this host. After a failure, :func:`explain_failure` reads the
+match the build's plan, and :func:`preflight` a rendezvous port that is in
+use on a host that is to listen there (:func:`check_port`), or an endpoint
+that does not answer a host that is to join (:func:`wait_for_endpoint`,
+bounded). A run folder used before keeps the earlier run in
+``earlier/<n>/`` (:func:`prepare_run_dir`). After a failure, :func:`explain_failure` reads the
 ``errors/rank<r>.txt`` the workers wrote and names the rank that failed first.
 
 Example:
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import logging
 import os
@@ -36,17 +40,20 @@ import shutil
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 from ..errors import LaunchError, RankFailure
 from ..plan import Plan
 from .lifeline import mark_launcher
-from .worker import error_path, threads_per_rank
+from .adapt import NEXT_FILE
+from .worker import PROGRESS_FILE, error_path, threads_per_rank
 
 __all__ = ["LaunchError", "RankFailure", "LaunchSpec", "torchrun_args", "check_world", "check_port", "free_port", "launch",
-           "explain_failure", "prepare_run_dir", "preflight", "RUN_FILE"]
+           "explain_failure", "prepare_run_dir", "preflight", "RUN_FILE", "parse_endpoint", "wait_for_endpoint",
+           "RUN_FILES", "EARLIER", "keep_earlier_run", "owns_run_dir"]
 
 RUN_FILE = "run.json"
 RANK_ENTRY = Path(__file__).with_name("rank_entry.py")  # a script: see its docstring
@@ -83,14 +90,61 @@ class LaunchSpec:
         return self.nnodes == 1 and self.rdzv_endpoint is None
 
 
-def prepare_run_dir(build_dir: Path, run_dir: Path, info: dict[str, Any]) -> Path:
+# What a run writes into its folder (the workers, the launcher and `report`). Another run in the same folder
+# moves these to earlier/<n>/ first; anything else there (a checkpoint folder, the --adapt job's segments) stays.
+RUN_FILES = ("metrics", "errors", "tb", RUN_FILE, "plan.json", "plan_profile.json", "profile.json", PROGRESS_FILE,
+             NEXT_FILE, "next_build")
+EARLIER = "earlier"
+
+
+def keep_earlier_run(run_dir: Path, log: Callable[[str], None] | None = None) -> Path | None:
+    """Move the files an earlier run left in ``run_dir`` to ``run_dir/earlier/<n>/`` (n = 1, 2, ...), and say so.
+
+    Only the files a run writes (:data:`RUN_FILES`) move; an ``--adapt`` job's segments, events and
+    checkpoints, and anything of the user's, stay where they are.
+
+    Args:
+        run_dir: the run folder.
+        log: where to say where they went (default: standard error).
+
+    Returns:
+        The folder they went to, or None when there was nothing to move.
+    """
+    found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    if not found:
+        return None
+    taken = [int(p.name) for p in (run_dir / EARLIER).glob("*") if p.name.isdigit()]
+    dest = run_dir / EARLIER / str(max(taken, default=0) + 1)
+    dest.mkdir(parents=True)  # a new number: never into a folder that holds something
+    for path in found:
+        path.rename(dest / path.name)  # the same file system: a rename, nothing copied or lost
+    (log or _stderr)(f"run: {run_dir} held an earlier run; its files are now in {dest}")
+    return dest
+
+
+def prepare_run_dir(build_dir: Path, run_dir: Path, info: dict[str, Any], *,
+                    log: Callable[[str], None] | None = None, keep_earlier: bool = True) -> Path:
     """Make the run folder self-contained: ``run.json``, the plan, and the profile the plan was made for.
 
-    Measurements of an earlier run in the same folder are removed (a report must not mix two runs).
+    An earlier run's files in the same folder are moved, never deleted or overwritten, to
+    ``RUN_DIR/earlier/<n>/`` (``n`` counts up), so that a report reads this run alone and the earlier one
+    can still be reported on (``hpml-compile report RUN_DIR/earlier/<n>``).
+
+    Args:
+        build_dir: the build folder.
+        run_dir: the run folder (created if needed).
+        info: facts for ``run.json``.
+        log: where to say that an earlier run was moved (default: standard error).
+        keep_earlier: move an earlier run away; False on the hosts of a multi-host job other than the
+            rendezvous host (:func:`owns_run_dir`), which would otherwise move the files of their own job
+            when the hosts share the folder.
+
+    Returns:
+        ``run_dir``.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics", "errors", "tb"):
-        shutil.rmtree(run_dir / stale, ignore_errors=True)
+    if keep_earlier:
+        keep_earlier_run(run_dir, log)
     shutil.copyfile(build_dir / "plan.json", run_dir / "plan.json")
     if (build_dir / "profile.json").is_file():
         shutil.copyfile(build_dir / "profile.json", run_dir / "plan_profile.json")
@@ -98,6 +152,10 @@ def prepare_run_dir(build_dir: Path, run_dir: Path, info: dict[str, Any]) -> Pat
     (run_dir / RUN_FILE).write_text(json.dumps({"build": str(build_dir.resolve()), "started": stamp, **info},
                                                indent=2) + "\n")
     return run_dir
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def torchrun_args(spec: LaunchSpec) -> list[str]:
@@ -141,22 +199,95 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def check_port(endpoint: str) -> None:
-    """Refuse a rendezvous endpoint on this host whose port is already in use.
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """Split ``--rdzv-endpoint HOST:PORT``.
+
+    Returns:
+        ``(host, port)``; an IPv6 host loses its brackets.
+
+    Raises:
+        LaunchError: no host, or a port that is not a number in 1..65535.
+    """
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise LaunchError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT with a port in 1..65535, e.g. "
+                          f"localhost:29400 (the same on every host)")
+    return host.strip("[]"), int(port)
+
+
+def check_port(endpoint: str, *, peers_here: bool = False) -> None:
+    """Refuse a rendezvous endpoint whose port is already in use on this host (which is to listen there).
+
+    The store listens on every address of the host, so the port is tried on all of them, as the store
+    would take it (``SO_REUSEADDR``: a port left in TIME_WAIT by a finished run is free).
+
+    Args:
+        endpoint: ``HOST:PORT``.
+        peers_here: c10d rendezvous, where an agent on this host that finds the port taken joins whatever
+            holds it: the message then says how to run several nodes on one host.
 
     Raises:
         LaunchError: naming the port and a free one to use instead.
     """
-    host, _, port = endpoint.rpartition(":")
-    if not port.isdigit():
-        raise LaunchError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, e.g. localhost:29400")
+    host, port = parse_endpoint(endpoint)
+    for family, anywhere in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                s.bind((anywhere, port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                continue  # no IPv6 on this host: nothing to collide with there
+            also = (" (several nodes on one host: give each --node-rank, node 0 listens)") if peers_here else ""
+            raise LaunchError(f"rendezvous port {port} on {host} is already in use ({e.strerror}): another job, "
+                              f"or a previous run still shutting down{also}; pick a free port, e.g. "
+                              f"--rdzv-endpoint {host}:{free_port()}") from e
+
+
+RDZV_WAIT_S = 60.0  # how long a host that joins waits for the rendezvous host before it gives up
+
+
+def wait_for_endpoint(endpoint: str, wait_s: float = RDZV_WAIT_S, log: Callable[[str], None] | None = None) -> None:
+    """Wait, at most ``wait_s`` seconds, until something accepts connections at ``endpoint``.
+
+    A host that joins a rendezvous would otherwise wait in torchrun for up to 10 minutes without a word
+    when the endpoint is mistyped, the rendezvous host is not started, or a firewall is in the way.
+    Opening and closing a connection is all it does (the store takes that as a client that left).
+
+    Args:
+        endpoint: ``HOST:PORT``.
+        wait_s: the longest wait.
+        log: where to say that it is waiting (once; default: standard error).
+
+    Raises:
+        LaunchError: the host name does not resolve, or nothing answered in time.
+    """
+    host, port = parse_endpoint(endpoint)
     try:
-        with socket.socket() as s:
-            s.bind((socket.gethostbyname(host or "localhost"), int(port)))
-    except OSError as e:
-        raise LaunchError(f"rendezvous port {port} on {host or 'localhost'} is already in use ({e.strerror}): "
-                          f"another job, or a previous run still shutting down; pick a free port, e.g. "
-                          f"--rdzv-endpoint {host or 'localhost'}:{free_port()}") from e
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise LaunchError(f"--rdzv-endpoint {endpoint}: the host {host!r} cannot be found ({e.strerror}); check "
+                          "its name (the rendezvous host's name or address, the same on every host)") from None
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, left))):
+                return
+        except OSError as e:
+            why = e.strerror or type(e).__name__
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise LaunchError(f"nothing answers at --rdzv-endpoint {endpoint} after {wait_s:g} s ({why}): start the "
+                              "rendezvous host first (node 0 with --node-rank; the endpoint's host without), and "
+                              "check the host name, the port and any firewall between the hosts")
+        if not told:
+            (log or _stderr)(f"run: waiting up to {wait_s:g} s for the rendezvous at {endpoint} ({why})")
+            told = True
+        time.sleep(min(0.5, left))
 
 
 def _is_local(host: str) -> bool:
@@ -166,6 +297,18 @@ def _is_local(host: str) -> bool:
         return socket.gethostbyname(host).startswith("127.")
     except OSError:
         return False
+
+
+def _hosts_store(spec: LaunchSpec, host: str) -> bool:
+    """Whether this host's agent will listen at the endpoint: node 0 of a static rendezvous always; in a
+    c10d rendezvous the agent whose host the endpoint names (torch's own test, so the two cannot disagree)."""
+    if spec.node_rank is not None:
+        return spec.node_rank == 0
+    try:
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+    except ImportError:  # pragma: no cover -- a torch that moved it: the same test by name and address
+        return _is_local(host)
+    return bool(_matches_machine_hostname(host))
 
 
 @contextlib.contextmanager
@@ -210,15 +353,40 @@ def explain_failure(run_dir: Path, failures: dict[int, tuple[int, str]]) -> str:
     return "\n".join(lines)
 
 
-def preflight(spec: LaunchSpec) -> None:
-    """The checks that need no process: the command line, and the port node 0's store will listen on.
+def owns_run_dir(spec: LaunchSpec) -> bool:
+    """Whether this host sets up the run folder (moves an earlier run away): one host, or the rendezvous host.
+
+    The others join only once that host listens (:func:`preflight` waits for it), which is after it has
+    prepared the folder, so a folder the hosts share is never cleared under a running job.
+    """
+    if spec.standalone or not spec.rdzv_endpoint:
+        return True
+    return _hosts_store(spec, parse_endpoint(spec.rdzv_endpoint)[0])
+
+
+def preflight(spec: LaunchSpec, *, wait_s: float = RDZV_WAIT_S, log: Callable[[str], None] | None = None) -> None:
+    """The checks before any process starts: the command line, and the rendezvous endpoint.
+
+    On one host torchrun picks a free port itself. Across hosts, a host that will listen at the endpoint
+    (node 0 of a static rendezvous; the endpoint's own host in a c10d one) needs its port free; any other
+    host needs the endpoint to answer, within ``wait_s`` seconds.
+
+    Args:
+        spec: the launch.
+        wait_s: how long a joining host waits for the rendezvous host.
+        log: where to say that it is waiting.
 
     Raises:
-        LaunchError: a bad endpoint, or a port already in use on this host.
+        LaunchError: a bad endpoint, a port already in use on this host, or an endpoint that does not answer.
     """
     torchrun_args(spec)
-    if spec.rdzv_endpoint and spec.node_rank == 0 and _is_local(spec.rdzv_endpoint.rpartition(":")[0]):
-        check_port(spec.rdzv_endpoint)  # node 0 hosts the store: fail now, with a port that is free
+    if spec.standalone or not spec.rdzv_endpoint:
+        return
+    host, _ = parse_endpoint(spec.rdzv_endpoint)
+    if _hosts_store(spec, host):
+        check_port(spec.rdzv_endpoint, peers_here=spec.node_rank is None)  # fail now, with a port that is free
+    else:
+        wait_for_endpoint(spec.rdzv_endpoint, wait_s, log)
 
 
 @contextlib.contextmanager

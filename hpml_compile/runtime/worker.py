@@ -25,6 +25,7 @@ import argparse
 import enum
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -50,7 +51,8 @@ from .session import CommFailure, RetryPolicy, env_rank
 PROGRESS_FILE = "started.json"
 _STARTED = time.perf_counter()  # the process's start, near enough: the cost of a restart is measured from it
 
-__all__ = ["OptimizerName", "ResumeMode", "parse_args", "main", "error_path", "threads_per_rank", "PROGRESS_FILE"]
+__all__ = ["OptimizerName", "ResumeMode", "parse_args", "main", "error_path", "threads_per_rank", "PROGRESS_FILE",
+           "parse_fault", "parse_step_rank", "parse_slow"]
 
 
 class OptimizerName(str, enum.Enum):
@@ -78,23 +80,49 @@ def threads_per_rank(local_world_size: int, cores: int | None = None) -> int:
     return max(1, (cores or os.cpu_count() or 1) // max(1, local_world_size))
 
 
-def _fault(text: str) -> CommFault:
+def parse_fault(text: str) -> CommFault:
+    """Parse ``--inject-fault STEP:RANK:OP`` (STEP from 1, as the progress lines count).
+
+    Raises:
+        argparse.ArgumentTypeError: not three fields, a field that is not a whole number or an operation,
+            a step below 1 or a negative rank.
+    """
+    ops = "|".join(o.value for o in CommOp)
     try:
         step, rank, op = text.split(":")
-        return CommFault(int(step) - 1, int(rank), CommOp(op))  # STEP counts from 1, as the progress lines do
+        fault = CommFault(int(step) - 1, int(rank), CommOp(op))
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected STEP:RANK:{'|'.join(o.value for o in CommOp)}, "
+        raise argparse.ArgumentTypeError(f"expected STEP:RANK:{ops} (e.g. 3:1:{CommOp.COLLECTIVE.value}), "
                                          f"got {text!r}") from e
+    _at_least(text, "STEP", fault.step + 1, 1)
+    _at_least(text, "RANK", fault.rank, 0)
+    return fault
+
+
+def _at_least(text: str, name: str, value: int, low: int) -> None:
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{name} must be {low} or more (steps count from 1, ranks from 0), "
+                                         f"got {value} in {text!r}")
 
 
 KILLED_EXIT = 137  # what a SIGKILLed process reports: the injected death looks like a real one
 
 
-def _kill(text: str) -> tuple[int, int]:
+def parse_step_rank(text: str) -> tuple[int, int]:
+    """Parse ``--kill-at``/``--hang-at STEP:RANK`` (STEP from 1).
+
+    Returns:
+        ``(step, rank)``.
+
+    Raises:
+        argparse.ArgumentTypeError: not two whole numbers, a step below 1 or a negative rank.
+    """
     try:
         step, rank = (int(x) for x in text.split(":"))
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected STEP:RANK (step from 1), got {text!r}") from e
+        raise argparse.ArgumentTypeError(f"expected STEP:RANK (e.g. 5:1; step from 1), got {text!r}") from e
+    _at_least(text, "STEP", step, 1)
+    _at_least(text, "RANK", rank, 0)
     return step, rank
 
 
@@ -108,14 +136,26 @@ def _die(run_dir: Path, rank: int, step: int) -> None:
     os._exit(KILLED_EXIT)
 
 
-def _slow(text: str) -> tuple[int, float, int]:
+def parse_slow(text: str) -> tuple[int, float, int]:
+    """Parse ``--slow RANK:FACTOR:FROM_STEP`` (FROM_STEP from 1).
+
+    Returns:
+        ``(rank, factor, from_step)``.
+
+    Raises:
+        argparse.ArgumentTypeError: not three fields, a field of the wrong type, a factor below 1 or not
+            finite, a step below 1 or a negative rank.
+    """
     try:
         rank, factor, step = text.split(":")
         out = int(rank), float(factor), int(step)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"expected RANK:FACTOR:FROM_STEP, e.g. 1:3:10, got {text!r}") from e
-    if out[1] < 1:
-        raise argparse.ArgumentTypeError(f"the slow-down factor must be >= 1, got {out[1]}")
+    if not (math.isfinite(out[1]) and out[1] >= 1):
+        raise argparse.ArgumentTypeError(f"FACTOR must be a number >= 1 (how many times slower), got {factor!r} "
+                                         f"in {text!r}")
+    _at_least(text, "RANK", out[0], 0)
+    _at_least(text, "FROM_STEP", out[2], 1)
     return out
 
 
@@ -160,13 +200,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--log-every", type=int, default=1, dest="log_every")
     p.add_argument("--retries", type=int, default=3, help="attempts per step on transient communication errors")
-    p.add_argument("--inject-fault", type=_fault, action="append", default=[], dest="faults", metavar="STEP:RANK:OP",
+    p.add_argument("--inject-fault", type=parse_fault, action="append", default=[], dest="faults",
+                   metavar="STEP:RANK:OP",
                    help="fail one communication operation once (to exercise the retry); repeatable")
-    p.add_argument("--kill-at", type=_kill, action="append", default=[], dest="kills", metavar="STEP:RANK",
+    p.add_argument("--kill-at", type=parse_step_rank, action="append", default=[], dest="kills", metavar="STEP:RANK",
                    help="rank RANK dies (no clean-up, exit 137) when it reaches step STEP; repeatable")
-    p.add_argument("--hang-at", type=_kill, action="append", default=[], dest="hangs", metavar="STEP:RANK",
+    p.add_argument("--hang-at", type=parse_step_rank, action="append", default=[], dest="hangs", metavar="STEP:RANK",
                    help="rank RANK stops responding (sleeps for ever) when it reaches step STEP; repeatable")
-    p.add_argument("--slow", type=_slow, action="append", default=[], dest="slows", metavar="RANK:FACTOR:FROM_STEP",
+    p.add_argument("--slow", type=parse_slow, action="append", default=[], dest="slows",
+                   metavar="RANK:FACTOR:FROM_STEP",
                    help="rank RANK computes FACTOR times slower from step FROM_STEP on; repeatable")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
     p.add_argument("--checkpoint-dir", type=Path, default=None, dest="checkpoint_dir",

@@ -49,7 +49,8 @@ def test_dump_dir_from_the_environment(tmp_path: Path, monkeypatch: pytest.Monke
 
 def test_compile_from_a_given_profile_does_not_measure_again(tmp_path: Path) -> None:
     m, x = _mlp()
-    prof = profile(m, x, repeats=1, progress=False)
+    # at the thread count of local-cpu-2's ranks: a profile of other threads is refused (test_cli_validation)
+    prof = profile(m, x, repeats=1, progress=False, threads=driver.local_threads(load_cluster("local-cpu-2")))
     lines: list[str] = []
     build, _ = driver.compile(m, x, tmp_path / "b", cluster="local-cpu-2", measured=prof, say=lines.append,
                               opts=driver.Options(solver="dp", microbatches=2))
