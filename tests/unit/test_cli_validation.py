@@ -25,7 +25,7 @@ from hpml_compile.codegen.testing import split_plan
 from hpml_compile.errors import HpmlError, LaunchError, OptionError
 from hpml_compile.ir import Profile
 from hpml_compile.profile import profile, save_profile
-from hpml_compile.recipe import ModelRecipe, write_recipe
+from hpml_compile.recipe import ModelRecipe
 from hpml_compile.runtime import launcher, supervisor
 from hpml_compile.runtime.launcher import LaunchSpec, check_port, owns_run_dir, preflight, prepare_run_dir
 from hpml_compile.trace import trace
@@ -39,8 +39,7 @@ def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("opts") / "build"
     loaded = models.load("gpt-tiny", batch_size=4, seq_len=16)
     gm = trace(loaded.module, loaded.example_inputs)
-    generate(gm, split_plan(gm, "gpt-tiny", 2, microbatches=2), out)
-    write_recipe(out, ModelRecipe("gpt-tiny", 4, 16))
+    generate(gm, split_plan(gm, "gpt-tiny", 2, microbatches=2), out, recipe=ModelRecipe("gpt-tiny", 4, 16))
     return out
 
 
