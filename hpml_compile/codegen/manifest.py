@@ -41,13 +41,14 @@ __all__ = ["MANIFEST_FILE", "MANIFEST_VERSION", "MANIFEST_SCHEMA", "InputSpec", 
 MANIFEST_FILE = "manifest.json"
 MANIFEST_VERSION = 1
 
-_INPUT = {"type": "object", "required": ["name", "shape", "dtype"], "properties": {
+_INPUT = {"type": "object", "required": ["name", "shape", "dtype"], "additionalProperties": False, "properties": {
     "name": {"type": "string"}, "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     "dtype": {"type": "string"}}}
 MANIFEST_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["schema_version", "model", "graph_sha256", "front_end", "trace_inputs", "inputs",
                  "microbatches", "stages", "collectives", "files"],
+    "additionalProperties": False,  # an unknown field is named, never silently ignored
     "properties": {
         "schema_version": {"type": "integer"},
         "model": {"type": "string"},
@@ -58,13 +59,15 @@ MANIFEST_SCHEMA: dict[str, Any] = {
         "inputs": {"type": "array", "items": _INPUT},
         "microbatches": {"type": "integer", "minimum": 1},
         "stages": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["index", "file", "class", "actions"], "properties": {
+            "type": "object", "required": ["index", "file", "class", "actions"], "additionalProperties": False,
+            "properties": {
                 "index": {"type": "integer", "minimum": 0}, "file": {"type": "string"},
                 "class": {"type": "string"}, "actions": {"type": "array", "items": {"type": "string"}}}}},
         "collectives": {"type": "array", "items": {"type": "string"}},
         # optional: builds written before the schedule was lowered into the build have none
         "ranks": {"type": "array", "items": {
-            "type": "object", "required": ["stage", "replica", "actions"], "properties": {
+            "type": "object", "required": ["stage", "replica", "actions"], "additionalProperties": False,
+            "properties": {
                 "stage": {"type": "integer", "minimum": 0}, "replica": {"type": "integer", "minimum": 0},
                 "actions": {"type": "array", "items": {"type": "string"}}}}},
         "files": {"type": "object", "additionalProperties": {"type": "string", "pattern": "^[0-9a-f]{64}$"}},

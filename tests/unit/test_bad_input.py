@@ -1,4 +1,4 @@
-"""Bad input: every corrupted profile.json, cluster.json and plan.json is a SchemaError naming the file and field.
+"""Bad input: every corrupted profile.json, cluster.json, plan.json and manifest.json is a SchemaError naming the file and field.
 
 The files are the tool's own (a profiled zoo model, a built-in cluster with a
 link, a solved plan); hypothesis corrupts them the ways a hand edit or a
@@ -19,17 +19,22 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hpml_compile import driver, models, profile, save_profile
 from hpml_compile.cli import main as cli_main
 from hpml_compile.cluster import builtin_cluster, load_cluster
+from hpml_compile.codegen import generate
+from hpml_compile.codegen.manifest import Manifest
+from hpml_compile.codegen.testing import split_plan
 from hpml_compile.errors import SchemaError
 from hpml_compile.ir import Cluster, Link, Profile
 from hpml_compile.plan import Plan, load_plan, save_plan
 from hpml_compile.profile import load_profile
-from hpml_compile.schema import write_json_atomic
+from hpml_compile.schema import read_json, write_json_atomic
+from hpml_compile.trace import trace
 
 Path_ = tuple[Any, ...]  # keys and list indices from the top of a JSON document
 FAST = settings(max_examples=80, deadline=None, database=None,
@@ -52,15 +57,21 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     cluster = replace(base, links=(Link("gpu0", "gpu1", 300.0, 3.0),))
     plan = driver.plan(prof, cluster, driver.Options(solver="dp"))
     assert len(plan.stages) >= 2, "the corruptions below need a plan of several stages"
+    # a build's manifest: two stages, the first on two replicas (collectives and per-rank action lists)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    gm = trace(net, (torch.randn(4, 8),))
+    build = generate(gm, split_plan(gm, "seq", 2, microbatches=2, replicas=[2, 1]), out / "build")
     return {"profile": save_profile(prof, out / "profile.json"),
             "cluster": write_json_atomic(cluster.to_dict(), out / "cluster.json"),
-            "plan": save_plan(plan, out / "plan.json")}
+            "plan": save_plan(plan, out / "plan.json"),
+            "manifest": build.out_dir / "manifest.json"}
 
 
 LOADERS: dict[str, Callable[[Path], object]] = {
     "profile": load_profile,
     "cluster": lambda p: load_cluster(str(p)),
     "plan": load_plan,
+    "manifest": lambda p: Manifest.from_dict(read_json(p), source=str(p)),
 }
 
 
@@ -158,7 +169,7 @@ def _check_corruption(kind: str, good: Path, tmp: Path, what: str, path: Path_, 
         assert err.got in ("NaN", "Infinity", "-Infinity") and "finite" in err.expected
 
 
-@pytest.mark.parametrize("kind", ["profile", "cluster", "plan"])
+@pytest.mark.parametrize("kind", ["profile", "cluster", "plan", "manifest"])
 def test_corrupted_file_is_a_schema_error_naming_file_and_field(kind: str, files: dict[str, Path],
                                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
     good = files[kind]
@@ -173,7 +184,7 @@ def test_corrupted_file_is_a_schema_error_naming_file_and_field(kind: str, files
     check()
 
 
-@pytest.mark.parametrize("kind", ["profile", "cluster", "plan"])
+@pytest.mark.parametrize("kind", ["profile", "cluster", "plan"])  # manifest.json holds no floats
 def test_python_dicts_with_nan_are_refused_too(kind: str, files: dict[str, Path]) -> None:
     """from_dict checks finiteness itself: a dict built in Python never passes through read_json."""
     doc = json.loads(files[kind].read_text())
