@@ -104,14 +104,41 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _aliases(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Every name of a tied parameter -> all its names (``wte.weight`` and ``lm_head.weight``)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {n: names for names in by_id.values() if len(names) > 1 for n in names}
+
+
 def _flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The state this rank writes or reads, keyed by the original model's names.
+
+    A tied parameter's optimizer state is keyed under *every* name of it: a
+    stage that holds both uses (``wte`` and ``lm_head`` in one stage) knows
+    one optimizer entry for them, a plan that puts them on two stages holds
+    two parameters, each asking for its own name. Written under one name
+    only, a checkpoint of the first plan resumed under the second left the
+    last stage's copy with a fresh Adam state, and training diverged (seen
+    by ``benchmarks/soak``).
+    """
     state: dict[str, Any] = {f"model.{k}": v for k, v in get_model_state_dict(model, options=_OPTS).items()}
     if optimizer is not None:
         osd = get_optimizer_state_dict(model, optimizer, options=_OPTS)
+        aliases = _aliases(model)
         for name, per_param in osd["state"].items():
             for key, value in per_param.items():
-                state[f"optim.{name}.{key}"] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+                tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+                for alias in aliases.get(name, [name]):
+                    state[f"optim.{alias}.{key}"] = tensor
     return state
+
+
+def _optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> set[str]:
+    """The names the optimizer's state dict uses for this rank's parameters (one per tied group)."""
+    osd = get_optimizer_state_dict(model, optimizer, options=_OPTS)
+    return {n for g in osd["param_groups"] for n in g["params"]}
 
 
 def _rng_state(rank: int) -> dict[str, torch.Tensor]:
@@ -426,11 +453,20 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
         raise CheckpointError(f"checkpoint {p} could not be read: {inner}") from inner
     set_model_state_dict(model, {k[6:]: v for k, v in wanted.items() if k.startswith("model.")}, options=_OPTS)
     if optimizer is not None:
+        known = _optimizer_names(model, optimizer)
+        held = {k[6:].rsplit(".", 1)[0] for k in state if k.startswith("optim.")}
+        lacking = sorted(n for n in held & known if not any(k.startswith(f"optim.{n}.") for k in wanted))
+        if lacking and any(k.startswith("optim.") for k in stored):
+            raise CheckpointError(f"checkpoint {p} holds no optimizer state for {lacking[0]}"
+                                  + (f" (and {len(lacking) - 1} more)" if len(lacking) > 1 else "")
+                                  + ": it would restart from zero while the rest goes on; was it written by an "
+                                  "older version (tied parameters' state under one name)? Resume from a newer one")
         per: dict[str, dict[str, Any]] = {}
         for k, v in wanted.items():
             if k.startswith("optim."):
                 name, key = k[6:].rsplit(".", 1)
-                per.setdefault(name, {})[key] = v
+                if name in known:  # a tied parameter's other names carry the same state
+                    per.setdefault(name, {})[key] = v
         osd = get_optimizer_state_dict(model, optimizer, options=_OPTS)
         osd["state"] = {**osd["state"], **per}
         set_optimizer_state_dict(model, optimizer, osd, options=_OPTS)

@@ -346,3 +346,40 @@ def test_rng_states_make_a_resumed_dropout_run_equal_an_uninterrupted_one(tmp_pa
     load_checkpoint(latest(tmp_path), model, opt)
     second = _dropout_run(model, opt, 3)
     assert first + second == straight
+
+
+class _Tied(nn.Module):
+    """An embedding and an output layer sharing one weight (as GPT's wte and lm_head do)."""
+
+    def __init__(self, parts: tuple[str, ...] = ("emb", "mid", "head")) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        emb, mid, head = nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 10, bias=False)
+        head.weight = emb.weight
+        for name, m in (("emb", emb), ("mid", mid), ("head", head)):
+            if name in parts:
+                setattr(self, name, m)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(x))))
+
+
+def test_a_tied_parameters_optimizer_state_follows_it_to_a_stage_of_its_own(tmp_path: Path) -> None:
+    """Saved by a plan holding both uses in one stage, loaded by a plan whose last stage holds only the output
+    layer: that stage's copy gets the shared Adam state (it restarted from zero, and a resumed run diverged)."""
+    full = _Tied()
+    opt = torch.optim.Adam(full.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        full(torch.randint(0, 10, (8,))).pow(2).mean().backward()
+        opt.step()
+    save_checkpoint(tmp_path, 3, full, opt)
+    last = _Tied(("head",))
+    last_opt = torch.optim.Adam(last.parameters(), lr=0.01)
+    load_checkpoint(latest(tmp_path), last, last_opt)
+    want = opt.state[full.emb.weight]
+    got = last_opt.state[last.head.weight]
+    assert set(got) == set(want)
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
+    torch.testing.assert_close(last.head.weight, full.emb.weight, rtol=0, atol=0)
