@@ -1,0 +1,152 @@
+"""TrainSpec: the checks of its fields, items and batch split; loading it from a file; one rank's share of the data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import IterableDataset, TensorDataset
+
+import hpml_compile
+from hpml_compile.errors import CheckpointError, ModelError
+from hpml_compile.models import load
+from hpml_compile.runtime.data import RankData, epoch_order, global_batch
+from hpml_compile.trainspec import TrainSpec, check_batch_split, first_batch, rank_rows
+
+F = torch.nn.functional
+
+
+def _data(n: int = 24) -> TensorDataset:
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, 0.5 * x.sum(1, keepdim=True))  # something to learn that holds on held-out rows
+
+
+def _spec(**kw: object) -> TrainSpec:
+    args: dict[str, object] = {"module": torch.nn.Linear(4, 1), "dataset": _data(), "loss_fn": F.mse_loss,
+                               "batch_size": 4}
+    args.update(kw)
+    return TrainSpec(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("module", "net", "TrainSpec.module must be a torch.nn.Module, got str"),
+    ("dataset", 5, "TrainSpec.dataset must be a torch.utils.data.Dataset"),
+    ("val_dataset", 5, "TrainSpec.val_dataset must be a torch.utils.data.Dataset"),
+    ("loss_fn", "mse", "TrainSpec.loss_fn must be a callable"),
+    ("batch_size", 0, "TrainSpec.batch_size must be a whole number, 1 or more, got 0"),
+    ("batch_size", True, "got True"),
+    ("batch_size", 4.0, "got 4.0"),
+    ("batch_size", 25, "has 24 items, fewer than batch_size 25"),
+    ("optimizer", "adamw", "TrainSpec.optimizer must be None or a callable"),
+    ("lr_scheduler", 3, "TrainSpec.lr_scheduler must be None or a callable"),
+    ("collate_fn", 3, "TrainSpec.collate_fn must be None or a callable"),
+    ("seed", "0", "TrainSpec.seed must be an int"),
+])
+def test_a_bad_field_is_named(field: str, value: object, says: str) -> None:
+    with pytest.raises(ModelError, match=None) as e:
+        _spec(**{field: value})
+    assert says in str(e.value)
+
+
+class _Stream(IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        for i in range(self.n):
+            yield torch.full((2,), float(i)), torch.tensor([float(i)])
+
+
+@pytest.mark.parametrize("items,says", [
+    ([torch.zeros(4)] * 8, "an item is a Tensor; expected an item (inputs, target)"),
+    ([(torch.zeros(4), torch.zeros(1), torch.zeros(1))] * 8, "an item is a tuple of 3"),
+    ([("text", torch.zeros(1))] * 8, "an item's inputs are a str"),
+])
+def test_an_item_that_is_not_inputs_and_target_is_refused(items: list, says: str) -> None:
+    with pytest.raises(ModelError) as e:
+        first_batch(_spec(dataset=items))
+    assert says in str(e.value)
+
+
+def test_first_batch_is_the_first_items_in_order_and_streams_work() -> None:
+    data = _data()
+    inputs, target = first_batch(_spec(dataset=data))
+    assert torch.equal(inputs[0], data.tensors[0][:4]) and torch.equal(target, data.tensors[1][:4])
+    (x,), y = first_batch(_spec(dataset=_Stream(10), module=torch.nn.Linear(2, 1)))
+    assert x[:, 0].tolist() == [0, 1, 2, 3] and y.shape == (4, 1)
+    with pytest.raises(ModelError, match="yields 3 items, fewer than batch_size 4"):
+        first_batch(_spec(dataset=_Stream(3)))
+
+
+def test_the_batch_must_split_into_microbatches_and_replicas() -> None:
+    check_batch_split(8, 2, [2, 1])
+    with pytest.raises(ModelError, match=r"batch_size 6 does not split into the plan's 2 microbatches .*2, 1\).*"
+                                         r"multiple of 4"):
+        check_batch_split(6, 2, [2, 1])
+    with pytest.raises(ModelError, match="multiple of 3"):
+        check_batch_split(4, 3, [1])
+    rows = [rank_rows(8, 2, 2, r) for r in range(2)]
+    assert rows == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+SPEC_FILE = '''
+import torch
+from torch.utils.data import TensorDataset
+from hpml_compile import TrainSpec
+
+def make(batch_size=4):
+    data = TensorDataset(torch.arange(40.).view(10, 4), torch.zeros(10, 1))
+    return TrainSpec(torch.nn.Linear(4, 1), data, torch.nn.functional.mse_loss, batch_size=batch_size)
+
+SPEC = make(2)
+'''
+
+
+def test_a_file_names_a_trainspec_or_a_function_returning_one(tmp_path: Path) -> None:
+    path = tmp_path / "train.py"
+    path.write_text(SPEC_FILE)
+    m = load(f"{path}:make")
+    assert m.train is not None and m.batch_size == 4 and m.seq_len is None
+    assert torch.equal(m.example_inputs[0], torch.arange(16.).view(4, 4))
+    assert load(f"{path}:SPEC").batch_size == 2
+    assert load(f"{path}:make", batch_size=6).example_inputs[0].shape == (6, 4)  # make() takes batch_size=
+    with pytest.raises(ModelError, match="TrainSpec's batch_size is 2, but 6 was asked for"):
+        load(f"{path}:SPEC", batch_size=6)
+
+
+def test_compile_takes_a_trainspec_and_its_trainer_learns() -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    spec = _spec(module=net, batch_size=8, val_dataset=_data(16),
+                 optimizer=lambda ps: torch.optim.Adam(ps, lr=0.02))
+    pipe = hpml_compile.compile(spec, cluster="local-cpu-2", microbatches=2, solver="dp", profile_repeats=1)
+    first = pipe.trainer.validation_loss()
+    losses = [pipe.trainer.step().item() for _ in range(30)]
+    assert pipe.trainer.validation_loss() < 0.5 * first and sum(losses[-3:]) < 0.5 * sum(losses[:3])
+    with pytest.raises(ModelError, match="needs example_inputs"):
+        hpml_compile.compile(net)
+
+
+def test_a_rank_takes_its_rows_and_any_plan_resumes_at_the_next_batch() -> None:
+    spec = _spec(seed=3)  # 24 items, batch 4: 6 batches an epoch
+    assert sorted(epoch_order(24, 3, 0)) == list(range(24)) and epoch_order(24, 3, 0) != epoch_order(24, 3, 1)
+    halves = [RankData(spec, rank_rows(4, 1, 2, r), inputs=True, targets=True) for r in range(2)]
+    for step in range(8):  # across the epoch boundary
+        got = [h.next() for h in halves]
+        whole = global_batch(24, 4, 3, step)
+        assert got[0].indices == whole and got[1].indices == whole
+        rows = torch.cat([g.inputs[0] for g in got])
+        assert torch.equal(rows, spec.dataset.tensors[0][whole])
+    state = json.loads(json.dumps(halves[0].state_dict()))  # kept as JSON in a checkpoint
+    one = RankData(spec, list(range(4)), inputs=True, targets=False)  # another plan: one replica, all rows
+    one.load_state_dict(state)
+    b = one.next()
+    assert b.step == 8 and b.indices == global_batch(24, 4, 3, 8) and b.target is None
+    idle = RankData(spec, [0, 1], inputs=False, targets=False)  # a middle stage loads nothing
+    idle.load_state_dict(state)
+    assert idle.next().inputs is None and idle.batch == 9
+    with pytest.raises(CheckpointError, match="is not a version 1 state"):
+        one.load_state_dict({"batch": 3})
