@@ -15,6 +15,8 @@ Compile and train it on two local CPU ranks::
     hpml-compile compile examples/stdlib_lm.py:spec --cluster local-cpu-2 -o out/lm/build
     hpml-compile run out/lm/build --steps 300 --val-every 50 --run-dir out/lm/run
 
+(``hpml-compile demo`` does both, and prints the baseline below.)
+
 Example:
     >>> s = spec()
     >>> x, y = s.dataset[0]
@@ -38,7 +40,7 @@ from hpml_compile.models.gpt import GPT, GPTConfig, MLPKind, Norm, PosEncoding, 
 
 SEQ = 64
 TRAIN_BYTES = 3 << 20  # enough text for the demo's few hundred steps, read in well under a second
-VAL_WINDOWS = 512  # windows spread evenly over the held-out files: a validation pass of 16 batches
+VAL_WINDOWS = 256  # windows spread evenly over the held-out files: a validation pass of 16 batches
 STEPS = 300  # what the schedule below is laid out for
 
 
@@ -85,7 +87,7 @@ def _schedule(step: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - 20) / (STEPS - 20))))
 
 
-def spec(batch_size: int = 32) -> TrainSpec:
+def spec(batch_size: int = 16) -> TrainSpec:
     """The training spec: a 2-layer byte GPT (d_model 128), AdamW 3e-3 with warm-up and cosine decay."""
     train, val = stdlib_bytes()
     config = GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=4, d_model=128, d_ff=512, max_seq_len=SEQ,

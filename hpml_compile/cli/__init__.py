@@ -140,13 +140,16 @@ def _run_models(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="compile the built-in GPT for 2 CPU ranks, train it, compare with the plan",
-                       description="Runs the tool end to end on a built-in model, with nothing to download: "
-                                   "compiles gpt-mini onto local-cpu-2, prints the plan and writes its pictures, "
-                                   "trains a few dozen steps on 2 torchrun ranks, and prints measured against "
-                                   "predicted.")
+    p = sub.add_parser("demo", help="compile a byte GPT for 2 CPU ranks, train it on real text, compare with the plan",
+                       description="Runs the tool end to end, with nothing to download: compiles "
+                                   "examples/stdlib_lm.py (a byte-level GPT on the source of Python's standard "
+                                   "library) onto local-cpu-2, prints the plan and writes its pictures, trains it "
+                                   "on 2 torchrun ranks with the training and validation losses as it goes, and "
+                                   "prints measured against predicted and the loss against the byte-entropy "
+                                   "baseline.")
     p.add_argument("-o", "--output", type=Path, default=Path("out/demo"), help="output folder (out/demo)")
-    p.add_argument("--model", default="gpt-mini", help="zoo model to use (gpt-mini)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (300)")
+    p.add_argument("--spec", type=Path, default=None, help="the example file (the repository's examples/stdlib_lm.py)")
     p.set_defaults(run=_run_demo)
 
 
