@@ -481,6 +481,25 @@ class Pipeline:
             dist.all_reduce(total)  # only the last stage's replicas add anything
         return float(total)
 
+    # -- users who own their loop (see .trainer) ----------------------------------------------------
+    def save(self, root: str | Path, *, extra: dict[str, Any] | None = None, keep: int = 3) -> Path:
+        """Checkpoint what ``hpml-compile run`` keeps (:func:`.trainer.save_pipeline`); call on every rank."""
+        from .trainer import save_pipeline
+
+        return save_pipeline(self, root, extra=extra, keep=keep)
+
+    def load(self, root: str | Path) -> dict[str, Any]:
+        """Resume from the latest checkpoint in ``root`` under this plan; returns ``extra`` and ``step``."""
+        from .trainer import load_pipeline
+
+        return load_pipeline(self, root)
+
+    def evaluate(self, loader: Iterable[Any], loss_fn: Callable[[Any, Any], Tensor] | None = None) -> float:
+        """Mean eval-mode loss over ``loader``'s ``(inputs, target)`` batches (:func:`.trainer.evaluate_pipeline`)."""
+        from .trainer import evaluate_pipeline
+
+        return evaluate_pipeline(self, loader, loss_fn)
+
     def state_dict(self) -> dict[str, Tensor]:
         """The full model's state (original names, CPU tensors, current values); call on every rank."""
         if self.session is None:

@@ -45,16 +45,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from torch import Tensor
 
-from ..errors import CheckpointError
-from ..trainspec import TrainSpec
+from ..errors import CheckpointError, HpmlError
+from ..trainspec import TrainSpec, check_item
 from .data import RankData, check_json, val_batches
 from .pipeline import Pipeline
 
-__all__ = ["Trainer", "samples_path"]
+__all__ = ["Trainer", "samples_path", "save_pipeline", "load_pipeline", "evaluate_pipeline"]
 
 
 def samples_path(run_dir: str | Path, rank: int) -> Path:
@@ -157,3 +157,68 @@ class Trainer:
         if self._samples is not None:
             self._samples.close()
             self._samples = None
+
+
+_USER = "user_extra"  # where save_pipeline keeps the caller's own facts in meta.json
+
+
+def save_pipeline(pipe: Pipeline, root: str | Path, *, extra: dict[str, Any] | None = None,
+                  keep: int = 3) -> Path:
+    """:meth:`Pipeline.save`: a checkpoint of step ``pipe.steps_done`` with what ``hpml-compile run`` keeps.
+
+    Parameters and optimizer state (by the original names: it loads under any plan), RNG states, and with a
+    trainer (``compile(spec)``) the scheduler and the data position; ``extra`` (plain JSON) comes back from
+    :func:`load_pipeline`. Call on every rank.
+
+    Raises:
+        CheckpointError: ``extra`` is not plain JSON.
+    """
+    from .checkpoint import save_checkpoint
+
+    step = pipe.steps_done
+    facts: dict[str, Any] = {_USER: check_json(extra or {}, "save(extra=...)")}
+    if pipe.trainer is not None:
+        facts.update(pipe.trainer.state_dict(step))
+    return save_checkpoint(root, step, pipe.local_module(), pipe.optimizer, extra=facts, keep=keep)
+
+
+def load_pipeline(pipe: Pipeline, root: str | Path) -> dict[str, Any]:
+    """:meth:`Pipeline.load`: resume from the latest intact checkpoint in ``root`` (or a ``step_<N>`` folder).
+
+    Returns:
+        The ``extra`` given to :func:`save_pipeline`, plus ``step``.
+
+    Raises:
+        CheckpointError: nothing intact to load, or a checkpoint of another model.
+    """
+    from .checkpoint import load_checkpoint, resume_from
+
+    path = Path(root)
+    found = path if (path / "meta.json").is_file() else resume_from(path)
+    meta = load_checkpoint(found, pipe.local_module(), pipe.optimizer)
+    pipe.steps_done = int(meta["step"])
+    if pipe.trainer is not None:
+        pipe.trainer.load_state_dict(meta, found)
+    return {**meta.get(_USER, {}), "step": pipe.steps_done}
+
+
+def evaluate_pipeline(pipe: Pipeline, loader: Iterable[Any], loss_fn: Callable[[Any, Any], Tensor] | None) -> float:
+    """:meth:`Pipeline.evaluate`: the mean loss over ``loader``'s batches in eval mode, on every rank.
+
+    Args:
+        pipe: the pipeline.
+        loader: batches ``(inputs, target)``, the whole batch on every rank (as :meth:`Pipeline.step` takes them).
+        loss_fn: ``(output, target) -> loss``; None: the TrainSpec's, where ``compile`` was given one.
+
+    Raises:
+        HpmlError: no loss function; ModelError: a batch that is not ``(inputs, target)``.
+    """
+    fn = loss_fn or (pipe.trainer.spec.loss_fn if pipe.trainer is not None else None)
+    if fn is None:
+        raise HpmlError("evaluate(loader) needs loss_fn=(output, target) -> loss (or compile a TrainSpec)")
+    losses = []
+    for batch in loader:
+        check_item(batch, "evaluate(loader)")
+        inputs, target = batch
+        losses.append(pipe.eval_loss(inputs, target, fn))
+    return sum(losses) / len(losses) if losses else float("nan")

@@ -150,3 +150,36 @@ def test_a_rank_takes_its_rows_and_any_plan_resumes_at_the_next_batch() -> None:
     assert idle.next().inputs is None and idle.batch == 9
     with pytest.raises(CheckpointError, match="is not a version 1 state"):
         one.load_state_dict({"batch": 3})
+
+
+def test_save_load_resumes_the_same_run_and_evaluate_matches_validation(tmp_path: Path) -> None:
+    from hpml_compile.runtime.pipeline import Pipeline
+    from hpml_compile.runtime.trainer import Trainer
+
+    def make() -> TrainSpec:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        return _spec(module=net, batch_size=8, val_dataset=_data(16), seed=2,
+                     optimizer=lambda ps: torch.optim.Adam(ps, lr=0.02),
+                     lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 3, 0.5))
+
+    spec = make()
+    pipe = hpml_compile.compile(spec, cluster="local-cpu-2", microbatches=2, solver="dp", profile_repeats=1,
+                                out_dir=tmp_path / "build")
+    for _ in range(5):
+        pipe.trainer.step()
+    pipe.save(tmp_path / "ck", extra={"note": "after 5"})
+    want = [pipe.trainer.step().item() for _ in range(4)]  # across an epoch end (3 batches an epoch)
+    val = TensorDataset(*spec.val_dataset.tensors)
+    loader = [(val.tensors[0][i:i + 8], val.tensors[1][i:i + 8]) for i in (0, 8)]
+    assert pipe.evaluate(loader) == pytest.approx(pipe.trainer.validation_loss(), rel=1e-6)
+
+    again = make()  # a fresh process's model and pipeline, resumed
+    pipe2 = Pipeline.from_build(tmp_path / "build", again.module, optimizer=again.optimizer)
+    pipe2.trainer = Trainer(pipe2, again)
+    assert pipe2.load(tmp_path / "ck") == {"note": "after 5", "step": 5}
+    assert pipe2.optimizer.param_groups[0]["lr"] == pytest.approx(0.02 * 0.5)  # the schedule went on
+    got = [pipe2.trainer.step().item() for _ in range(4)]
+    assert got == pytest.approx(want, rel=1e-6)
+    with pytest.raises(CheckpointError, match="not plain JSON"):
+        pipe.save(tmp_path / "ck2", extra={"t": torch.zeros(1)})
