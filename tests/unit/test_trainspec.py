@@ -183,3 +183,48 @@ def test_save_load_resumes_the_same_run_and_evaluate_matches_validation(tmp_path
     assert got == pytest.approx(want, rel=1e-6)
     with pytest.raises(CheckpointError, match="not plain JSON"):
         pipe.save(tmp_path / "ck2", extra={"t": torch.zeros(1)})
+
+
+def test_run_data_options_are_checked_against_the_build(tmp_path: Path) -> None:
+    import argparse
+
+    from hpml_compile.cli.run import _data_options
+    from hpml_compile.codegen.testing import split_plan
+    from hpml_compile.errors import OptionError
+    from hpml_compile.recipe import ModelRecipe
+    from hpml_compile.trace import trace
+
+    def args(**kw: object) -> argparse.Namespace:
+        return argparse.Namespace(**{"epochs": None, "val_every": 0, "log_samples": False, "steps": None, **kw})
+
+    zoo = ModelRecipe("gpt-tiny", 4)
+    with pytest.raises(OptionError, match="--epochs 2: expected a build of a TrainSpec"):
+        _data_options(args(epochs=2), zoo, None)
+    plain = args()
+    _data_options(plain, zoo, None)
+    assert plain.steps == 20
+    path = tmp_path / "train.py"
+    path.write_text(SPEC_FILE)
+    recipe = ModelRecipe(f"{path}:make", 4)
+    gm = trace(torch.nn.Linear(4, 1), (torch.zeros(4, 4),))
+    plan = split_plan(gm, "lin", 1, microbatches=2, replicas=[2])  # 4 rows: 2 microbatches x 2 replicas
+    e = args(epochs=3)
+    _data_options(e, recipe, plan)
+    assert e.steps == 3 * (10 // 4)
+    with pytest.raises(OptionError, match="either --epochs or --steps"):
+        _data_options(args(epochs=3, steps=5), recipe, plan)
+    with pytest.raises(OptionError, match="--val-every 5: expected a TrainSpec with a val_dataset"):
+        _data_options(args(val_every=5), recipe, plan)
+    with pytest.raises(ModelError, match="batch_size 4 does not split .* multiple of 8"):
+        _data_options(args(), recipe, split_plan(gm, "lin", 1, microbatches=4, replicas=[2]))
+
+
+def test_a_stream_is_read_in_order_each_rank_keeping_its_rows_and_resumes() -> None:
+    spec = _spec(dataset=_Stream(10), module=torch.nn.Linear(2, 1))  # 2 full batches of 4 a pass
+    mine = RankData(spec, [2, 3], inputs=True, targets=True)
+    got = [mine.next() for _ in range(3)]  # the third starts the stream again
+    assert [b.inputs[0][:, 0].tolist() for b in got] == [[2, 3], [6, 7], [2, 3]] and mine.epoch == 1
+    state = json.loads(json.dumps(mine.state_dict()))
+    other = RankData(spec, [0, 1, 2, 3], inputs=True, targets=False)  # another plan's rows
+    other.load_state_dict(state)
+    assert other.next().inputs[0][:, 0].tolist() == [4, 5, 6, 7] and other.batch == 4
