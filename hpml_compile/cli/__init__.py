@@ -189,8 +189,35 @@ def _add_show(sub: argparse._SubParsersAction) -> None:
     add_parsers(sub)
 
 
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", help="run your own training script on N local ranks, restarting it after failures",
+                       description="Start SCRIPT on --nproc local ranks with torchrun; when a rank fails, start it "
+                                   "again from its checkpoint (one rank fewer when a rank died). The script finds "
+                                   "HPML_CLUSTER, HPML_CHECKPOINT_DIR, HPML_RUN_DIR and HPML_SEGMENT in its "
+                                   "environment (see the README's example).")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of the first start (default 2)")
+    p.add_argument("--run-dir", type=Path, default=Path("out/launch"), dest="run_dir", help="segments go here")
+    p.add_argument("--checkpoint-dir", type=Path, default=None, dest="checkpoint_dir",
+                   help="told to the script as HPML_CHECKPOINT_DIR (default RUN_DIR/checkpoints)")
+    p.add_argument("--max-failures", type=int, default=2, dest="max_failures",
+                   help="restarts after failures that killed no rank (default 2)")
+    p.add_argument("script", type=Path, metavar="SCRIPT")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
+    p.set_defaults(run=_run_launch)
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from ..runtime.scriptlaunch import launch_script
+
+    launch_script(args.script, args.script_args, nproc=args.nproc, run_dir=args.run_dir,
+                  checkpoint_dir=args.checkpoint_dir or args.run_dir / "checkpoints", max_failures=args.max_failures,
+                  log=lambda line: print(line, flush=True))
+    return 0
+
+
 _ADDERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_demo, _add_compile, _add_run, _add_profile, _add_plan, _add_show, _add_replan, _add_devices, _add_models,
+    _add_demo, _add_compile, _add_run, _add_launch, _add_profile, _add_plan, _add_show, _add_replan, _add_devices,
+    _add_models,
 )
 
 

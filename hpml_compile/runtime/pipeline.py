@@ -488,11 +488,12 @@ class Pipeline:
 
         return save_pipeline(self, root, extra=extra, keep=keep)
 
-    def load(self, root: str | Path) -> dict[str, Any]:
-        """Resume from the latest checkpoint in ``root`` under this plan; returns ``extra`` and ``step``."""
+    def load(self, root: str | Path, *, missing_ok: bool = False) -> dict[str, Any] | None:
+        """Resume from the latest checkpoint in ``root`` under this plan; returns ``extra`` and ``step``
+        (None with ``missing_ok`` when there is none yet)."""
         from .trainer import load_pipeline
 
-        return load_pipeline(self, root)
+        return load_pipeline(self, root, missing_ok=missing_ok)
 
     def evaluate(self, loader: Iterable[Any], loss_fn: Callable[[Any, Any], Tensor] | None = None) -> float:
         """Mean eval-mode loss over ``loader``'s ``(inputs, target)`` batches (:func:`.trainer.evaluate_pipeline`)."""

@@ -182,18 +182,25 @@ def save_pipeline(pipe: Pipeline, root: str | Path, *, extra: dict[str, Any] | N
     return save_checkpoint(root, step, pipe.local_module(), pipe.optimizer, extra=facts, keep=keep)
 
 
-def load_pipeline(pipe: Pipeline, root: str | Path) -> dict[str, Any]:
+def load_pipeline(pipe: Pipeline, root: str | Path, *, missing_ok: bool = False) -> dict[str, Any] | None:
     """:meth:`Pipeline.load`: resume from the latest intact checkpoint in ``root`` (or a ``step_<N>`` folder).
 
+    Args:
+        pipe: the pipeline.
+        root: the checkpoint folder.
+        missing_ok: return None when there is no checkpoint yet (a script's first start) instead of raising.
+
     Returns:
-        The ``extra`` given to :func:`save_pipeline`, plus ``step``.
+        The ``extra`` given to :func:`save_pipeline`, plus ``step``; None when there was nothing to load.
 
     Raises:
-        CheckpointError: nothing intact to load, or a checkpoint of another model.
+        CheckpointError: nothing intact to load (unless ``missing_ok``), or a checkpoint of another model.
     """
-    from .checkpoint import load_checkpoint, resume_from
+    from .checkpoint import latest, load_checkpoint, resume_from
 
     path = Path(root)
+    if missing_ok and not (path / "meta.json").is_file() and latest(path) is None:
+        return None
     found = path if (path / "meta.json").is_file() else resume_from(path)
     meta = load_checkpoint(found, pipe.local_module(), pipe.optimizer)
     pipe.steps_done = int(meta["step"])
