@@ -457,7 +457,7 @@ class Pipeline:
             The batch's mean loss (the mean of its microbatch slices' losses, as in training).
         """
         own = rank_batch is not None
-        if own:
+        if rank_batch is not None:
             inputs, targets, n = rank_batch.inputs or (), rank_batch.target, self.plan.microbatches
         else:
             inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
