@@ -362,7 +362,7 @@ class Pipeline:
                           device=self.device, optimizer=self.optimizer, agree=agree, own_rows=rank_batch is not None)
         wait_ms, p2p_ms = split_wait(comm.stats)
         mem, mem_kind = peak_memory(self.device)
-        val = validate() if validate is not None else None
+        val = self._validate(validate)
         self.monitor.record(StepMetrics(
             step=self.steps_done, rank=self.rank, stage=k, replica=r, device=str(self.device), microbatches=n,
             samples=(self.batch_rows if rank_batch is not None
@@ -379,6 +379,23 @@ class Pipeline:
             loss=float(run.loss_sum), retries=attempt, val_loss=val))
         self.steps_done += 1
         return run.loss_sum.float()
+
+    def _validate(self, validate: Callable[[], float] | None) -> float | None:
+        """Run ``validate`` after an update; a communication failure in it must not retry the (applied) step.
+
+        Raises:
+            CommFailure: communication failed during validation (not transient to the step's retry loop).
+        """
+        if validate is None:
+            return None
+        try:
+            return validate()
+        except Exception as e:  # noqa: BLE001 -- only transient communication errors are re-classified
+            if not is_transient(e):
+                raise
+            raise CommFailure(f"step {self.steps_done + 1}: communication failed on rank {self.rank} while measuring "
+                              f"the validation loss after the update ({str(e).splitlines()[0][:200]}); the update "
+                              "is applied, so the step is not retried: resume from the last checkpoint") from e
 
     def _run_local(self, inputs: tuple[Any, ...], targets: Any, loss_fn: Callable[[Any, Any], Tensor],
                    n: int, validate: Callable[[], float] | None = None) -> Tensor:
