@@ -37,6 +37,7 @@ from .errors import (
 from .ir import Cluster, Device, FrontEnd, Link, NodeCost, Profile, ProfileNode
 from .profile import load_profile, predict_kinds, profile, save_profile
 from .trace import trace
+from .trainspec import TrainSpec
 
 __all__ = [
     "trace",
@@ -48,6 +49,7 @@ __all__ = [
     "generate",
     "load_build",
     "compile",
+    "TrainSpec",
     "Build",
     "CostGraph",
     "discover",

@@ -140,13 +140,16 @@ def _run_models(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="compile the built-in GPT for 2 CPU ranks, train it, compare with the plan",
-                       description="Runs the tool end to end on a built-in model, with nothing to download: "
-                                   "compiles gpt-mini onto local-cpu-2, prints the plan and writes its pictures, "
-                                   "trains a few dozen steps on 2 torchrun ranks, and prints measured against "
-                                   "predicted.")
+    p = sub.add_parser("demo", help="compile a byte GPT for 2 CPU ranks, train it on real text, compare with the plan",
+                       description="Runs the tool end to end, with nothing to download: compiles "
+                                   "examples/stdlib_lm.py (a byte-level GPT on the source of Python's standard "
+                                   "library) onto local-cpu-2, prints the plan and writes its pictures, trains it "
+                                   "on 2 torchrun ranks with the training and validation losses as it goes, and "
+                                   "prints measured against predicted and the loss against the byte-entropy "
+                                   "baseline.")
     p.add_argument("-o", "--output", type=Path, default=Path("out/demo"), help="output folder (out/demo)")
-    p.add_argument("--model", default="gpt-mini", help="zoo model to use (gpt-mini)")
+    p.add_argument("--steps", type=int, default=None, help="training steps (300)")
+    p.add_argument("--spec", type=Path, default=None, help="the example file (the repository's examples/stdlib_lm.py)")
     p.set_defaults(run=_run_demo)
 
 
@@ -186,8 +189,35 @@ def _add_show(sub: argparse._SubParsersAction) -> None:
     add_parsers(sub)
 
 
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("launch", help="run your own training script on N local ranks, restarting it after failures",
+                       description="Start SCRIPT on --nproc local ranks with torchrun; when a rank fails, start it "
+                                   "again from its checkpoint (one rank fewer when a rank died). The script finds "
+                                   "HPML_CLUSTER, HPML_CHECKPOINT_DIR, HPML_RUN_DIR and HPML_SEGMENT in its "
+                                   "environment (see the README's example).")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of the first start (default 2)")
+    p.add_argument("--run-dir", type=Path, default=Path("out/launch"), dest="run_dir", help="segments go here")
+    p.add_argument("--checkpoint-dir", type=Path, default=None, dest="checkpoint_dir",
+                   help="told to the script as HPML_CHECKPOINT_DIR (default RUN_DIR/checkpoints)")
+    p.add_argument("--max-failures", type=int, default=2, dest="max_failures",
+                   help="restarts after failures that killed no rank (default 2)")
+    p.add_argument("script", type=Path, metavar="SCRIPT")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
+    p.set_defaults(run=_run_launch)
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from ..runtime.scriptlaunch import launch_script
+
+    launch_script(args.script, args.script_args, nproc=args.nproc, run_dir=args.run_dir,
+                  checkpoint_dir=args.checkpoint_dir or args.run_dir / "checkpoints", max_failures=args.max_failures,
+                  log=lambda line: print(line, flush=True))
+    return 0
+
+
 _ADDERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_demo, _add_compile, _add_run, _add_profile, _add_plan, _add_show, _add_replan, _add_devices, _add_models,
+    _add_demo, _add_compile, _add_run, _add_launch, _add_profile, _add_plan, _add_show, _add_replan, _add_devices,
+    _add_models,
 )
 
 

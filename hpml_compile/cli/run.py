@@ -32,6 +32,8 @@ from ..plan import load_plan
 from ..runtime.adapt import AdaptOptions
 from ..runtime.comm import CommOp
 
+DEFAULT_STEPS = 20
+
 __all__ = ["add_parsers", "run_run", "run_report", "default_run_dir", "check_options", "check_faults"]
 
 
@@ -49,7 +51,7 @@ def add_parsers(subparsers: Any) -> None:
                     "events in the run folder); at the end the measured-vs-predicted table is printed and the "
                     "measured profile written for `replan`.")
     p.add_argument("build", type=Path, help="the build folder written by `hpml-compile compile`")
-    p.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    p.add_argument("--steps", type=int, default=None, help=f"training steps (default {DEFAULT_STEPS}, or --epochs)")
     p.add_argument("--nproc", type=int, default=None, help="ranks on this host (default: the plan's devices / nnodes)")
     p.add_argument("--nnodes", type=int, default=1, help="hosts taking part (default 1)")
     p.add_argument("--node-rank", type=int, default=None, dest="node_rank",
@@ -78,6 +80,14 @@ def add_parsers(subparsers: Any) -> None:
                    help="fault injection: rank RANK computes FACTOR times slower from step FROM_STEP (from 1) on")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
     p.add_argument("--no-report", dest="report", action="store_false", help="skip the table at the end")
+    d = p.add_argument_group("data (a build of a TrainSpec: `compile path/to/train.py:NAME`)")
+    d.add_argument("--epochs", type=int, default=None, metavar="E",
+                   help="train E passes over the TrainSpec's dataset (instead of --steps)")
+    d.add_argument("--val-every", type=int, default=0, dest="val_every", metavar="K",
+                   help="the validation loss (eval mode, the whole val_dataset) every K steps and at the end; "
+                        "0: never (default)")
+    d.add_argument("--log-samples", action="store_true", dest="log_samples",
+                   help="first-stage ranks write the dataset indices of every step's rows to RUN_DIR/samples/")
     c = p.add_argument_group("checkpoints")
     c.add_argument("--checkpoint-dir", type=Path, default=None, dest="checkpoint_dir",
                    help="where checkpoints go (default: none; RUN_DIR/checkpoints with --adapt)")
@@ -142,8 +152,9 @@ def run_run(args: argparse.Namespace) -> int:
     if not (args.build / "plan.json").is_file():
         raise HpmlError(f"run: {args.build} is not a build folder (no plan.json): run `hpml-compile compile MODEL "
                         f"--cluster C -o {args.build}` first")
-    read_recipe(args.build)  # fail here, not in every rank, when the ranks cannot rebuild the model
+    recipe = read_recipe(args.build)  # fail here, not in every rank, when the ranks cannot rebuild the model
     plan = load_plan(args.build / "plan.json")
+    _data_options(args, recipe, plan)  # --epochs becomes --steps; a TrainSpec's batch must split as planned
     devices = sum(len(st.devices) for st in plan.stages)
     nproc = args.nproc if args.nproc is not None else max(1, devices // args.nnodes)
     check_world(plan, nproc, args.nnodes)
@@ -152,6 +163,8 @@ def run_run(args: argparse.Namespace) -> int:
               "--retries", str(args.retries)]
     worker += [] if args.tensorboard else ["--no-tensorboard"]
     worker += [] if args.timeout is None else ["--timeout", str(args.timeout)]
+    worker += (["--val-every", str(args.val_every)] if args.val_every else []) + (
+        ["--log-samples"] if args.log_samples else [])
     faults = [x for fault in args.inject_fault for x in ("--inject-fault", fault)]
     if args.adapt:
         return _run_adaptive(args, worker, faults, nproc)
@@ -274,6 +287,52 @@ def check_faults(args: argparse.Namespace, ranks: int) -> None:
                     f"use a step up to {args.steps}, or raise --steps")
 
 
+def _data_options(args: argparse.Namespace, recipe: Any, plan: Any) -> None:
+    """``--epochs``/``--val-every``/``--log-samples`` against the build's model, and ``--steps``' default.
+
+    A build of a TrainSpec (``compile path/to/train.py:NAME``) trains on its dataset: its batch must split
+    into the plan's microbatches and replicas (checked here, before any rank starts), and ``--epochs E``
+    becomes ``--steps`` (full batches per epoch x E). Without either, 20 steps.
+
+    Raises:
+        OptionError: a data option for a build without a TrainSpec, ``--epochs`` with ``--steps`` or over a
+            stream without a length, ``--val-every`` without a val_dataset.
+        ModelError: the TrainSpec's batch does not split into the plan's microbatches and replicas.
+    """
+    epochs, val_every, samples = (getattr(args, "epochs", None), getattr(args, "val_every", 0),
+                                  getattr(args, "log_samples", False))
+    _whole(args, "--epochs", 1, "passes over the dataset")
+    _whole(args, "--val-every", 0, "steps between validations (0: never)")
+    if epochs is not None and args.steps is not None:
+        _refuse("--epochs", epochs, "either --epochs or --steps", "drop one of them")
+    spec = None
+    if ".py:" in recipe.model:  # a user's file: it may be a TrainSpec (built here once, to check it)
+        from .. import models
+
+        spec = models.load(recipe.model, batch_size=recipe.batch_size, seq_len=recipe.seq_len, seed=recipe.seed).train
+    if spec is None:
+        for option, value in (("--epochs", epochs), ("--val-every", val_every or None),
+                              ("--log-samples", samples or None)):
+            if value is not None:
+                _refuse(option, value, "a build of a TrainSpec (compile path/to/train.py:NAME)",
+                        f"{recipe.model} trains on its example batch; use --steps")
+    else:
+        from ..trainspec import batches_per_epoch, check_batch_split
+
+        check_batch_split(spec.batch_size, plan.microbatches, [len(st.devices) for st in plan.stages])
+        if val_every and spec.val_dataset is None:
+            _refuse("--val-every", val_every, "a TrainSpec with a val_dataset",
+                    "give the TrainSpec a val_dataset, or drop --val-every")
+        if epochs is not None:
+            per = batches_per_epoch(spec)
+            if per is None:
+                _refuse("--epochs", epochs, "a dataset with a length", "the IterableDataset has no len(): use --steps")
+            args.steps = epochs * per
+            print(f"run: {epochs} epoch(s) of {per} batches of {spec.batch_size} = {args.steps} steps", flush=True)
+    if args.steps is None:
+        args.steps = DEFAULT_STEPS
+
+
 def _check_resume(checkpoint_dir: Path) -> None:
     """``--resume``: refuse a folder with nothing intact to resume from before any rank starts.
 
@@ -328,6 +387,7 @@ def _report(run_dir: Path, skip: int | None, *, export: bool) -> None:
 
     s = analyse(run_dir, skip=skip)
     print(format_summary(s))
+    _print_validation(run_dir)
     if export:
         path = export_profile(run_dir, s)
         if path is not None:
@@ -336,6 +396,17 @@ def _report(run_dir: Path, skip: int | None, *, export: bool) -> None:
     tb = run_dir / "tb"
     if tb.is_dir():
         print(f"TensorBoard: tensorboard --logdir {tb}")
+
+
+def _print_validation(run_dir: Path) -> None:
+    """The validation losses a TrainSpec run measured (``--val-every``), from rank 0's rows."""
+    from ..runtime.monitor import read_metrics
+
+    rows = read_metrics(run_dir).get(0, [])
+    vals = [(m.step + 1, m.val_loss, m.loss) for m in rows if m.val_loss is not None]
+    if vals:
+        print("validation loss (eval mode, after the step; training loss of that step):")
+        print("  " + ", ".join(f"step {s}: {v:.4f} ({t:.4f})" for s, v, t in vals))
 
 
 def run_report(args: argparse.Namespace) -> int:

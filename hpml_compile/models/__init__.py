@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from hpml_compile.errors import ModelError
+from hpml_compile.trainspec import TrainSpec
 from hpml_compile.models import gpt, mlp, resnet
 
 __all__ = ["Family", "ModelSpec", "LoadedModel", "names", "get", "load"]
@@ -95,6 +96,9 @@ class LoadedModel:
         seq_len: T of the example inputs; None without a sequence axis.
         is_hf: whether ``module`` is a transformers model (plain fx cannot
             trace those; use torch.export).
+        train: the user's training spec where the MODEL string named one
+            (``file.py:NAME`` giving a :class:`~hpml_compile.trainspec.TrainSpec`):
+            the example batch is its dataset's first batch.
     """
 
     name: str
@@ -105,6 +109,7 @@ class LoadedModel:
     batch_size: int
     seq_len: int | None
     is_hf: bool
+    train: TrainSpec | None = None
 
 
 _DESCRIPTIONS: Mapping[str, str] = MappingProxyType({

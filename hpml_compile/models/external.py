@@ -10,6 +10,9 @@ Two MODEL string forms resolve here (``hpml_compile.models.load`` dispatches):
 - ``path/to/file.py:factory``: ``factory(**kw)`` returns
   ``(module, example_inputs_tuple)``; ``kw`` holds those of ``batch_size``,
   ``seq_len`` and ``device`` that the factory's signature accepts.
+- ``path/to/train.py:NAME``: NAME is an :class:`hpml_compile.TrainSpec` (or
+  a function returning one, called like a factory): the model, the dataset
+  and the loss; the example batch is the dataset's first batch, in order.
 
 The functions here build under whatever ``torch.device`` context and RNG seed
 the caller set; ``load`` sets both.
@@ -39,11 +42,13 @@ from torch import Tensor, nn
 
 from hpml_compile.errors import ModelError
 from hpml_compile.models import LoadedModel
+from hpml_compile.trainspec import TrainSpec, first_batch
 
 __all__ = ["HFHead", "parse_hf", "load_hf", "is_file_spec", "load_file", "hf_loss", "surrogate_loss"]
 
 HF_FORM = "hf:<model_type>[?key=value,...] (e.g. hf:gpt2?n_layer=2,n_embd=64,n_head=2)"
-FILE_FORM = "path/to/file.py:factory, where factory(batch_size=, seq_len=, device=) returns (module, example_inputs_tuple)"
+FILE_FORM = ("path/to/file.py:factory, where factory(batch_size=, seq_len=, device=) returns (module, "
+             "example_inputs_tuple) or an hpml_compile.TrainSpec (or NAME is a TrainSpec itself)")
 _HF_DEFAULT_BATCH = 2
 _HF_DEFAULT_SEQ = 128
 
@@ -281,8 +286,11 @@ def load_file(model: str, batch_size: int | None, seq_len: int | None, device: t
         raise ModelError(f"{model!r}: file {path} does not exist; expected {FILE_FORM} (relative paths start at {Path.cwd()})")
     module = _import_file(model, path)
     factory = getattr(module, factory_name, None)
+    if isinstance(factory, TrainSpec):  # NAME is a spec itself, not a function making one
+        return _from_spec(model, factory, batch_size)
     if not callable(factory):
-        found = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__]
+        found = [n for n, v in vars(module).items()
+                 if (inspect.isfunction(v) and v.__module__ == module.__name__) or isinstance(v, TrainSpec)]
         raise ModelError(
             f"{model!r}: {path.name} defines no function {factory_name!r} (functions there: "
             f"{', '.join(found) or 'none'}); expected {FILE_FORM}"
@@ -299,6 +307,8 @@ def load_file(model: str, batch_size: int | None, seq_len: int | None, device: t
         result = factory(**kwargs)
     except Exception as e:
         raise ModelError(f"{model!r}: {factory_name}(**{kwargs}) raised {type(e).__name__}: {e}") from e
+    if isinstance(result, TrainSpec):
+        return _from_spec(model, result, batch_size)
     ok = (
         isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)
         and isinstance(result[1], tuple) and len(result[1]) > 0 and all(isinstance(t, Tensor) for t in result[1])
@@ -309,8 +319,26 @@ def load_file(model: str, batch_size: int | None, seq_len: int | None, device: t
             got = f"({_describe(result[0])}, {_describe(result[1])})"
         raise ModelError(
             f"{model!r}: {factory_name}() returned {got}; expected a pair (module: nn.Module, "
-            "example_inputs: a non-empty tuple of Tensors), e.g. `return net, (x,)`"
+            "example_inputs: a non-empty tuple of Tensors), e.g. `return net, (x,)`, or an hpml_compile.TrainSpec"
         )
     net, inputs = result
     batch = batch_size if batch_size is not None else (int(inputs[0].shape[0]) if inputs[0].dim() else 1)
     return LoadedModel(model, net, inputs, None, surrogate_loss, batch, seq_len, is_hf=False)
+
+
+def _from_spec(model: str, spec: TrainSpec, batch_size: int | None) -> LoadedModel:
+    """A TrainSpec as a loaded model: its first batch is the example batch, its loss the loss.
+
+    Raises:
+        ModelError: ``batch_size`` given and not the spec's, or a first batch of the wrong form.
+    """
+    if batch_size is not None and batch_size != spec.batch_size:
+        raise ModelError(f"{model!r}: the TrainSpec's batch_size is {spec.batch_size}, but {batch_size} was "
+                         "asked for (--batch-size); drop --batch-size, or accept batch_size= in the function "
+                         "and pass it on to the TrainSpec")
+    try:
+        inputs, target = first_batch(spec)
+    except ModelError as e:
+        raise ModelError(f"{model!r}: {e}") from e
+    return LoadedModel(model, spec.module, inputs, target, spec.loss_fn, spec.batch_size, None, is_hf=False,
+                       train=spec)

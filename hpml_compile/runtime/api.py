@@ -46,7 +46,9 @@ from ..codegen import load_build
 from ..codegen.build import sha256
 from ..ir import Cluster
 from ..driver import SolverName
+from ..errors import ModelError
 from ..plan import Schedule
+from ..trainspec import TrainSpec, first_batch
 from .pipeline import OptimizerArg, Pipeline
 from .session import RetryPolicy, Session
 
@@ -72,7 +74,7 @@ def _ship(src: Path | None, rank: int) -> Path:
     return mine
 
 
-def compile(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor, *,  # noqa: A001 -- the API's name
+def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.Tensor | None = None, *,  # noqa: A001
             cluster: str | Cluster | None = None, optimizer: OptimizerArg = None,
             schedule: Schedule | str = Schedule.ONE_F_ONE_B, microbatches: int | None = None,
             solver: SolverName | str = SolverName.ILP, out_dir: str | Path | None = None,
@@ -82,8 +84,11 @@ def compile(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor, *,  
     """Compile ``model`` for ``cluster`` and return the pipeline that trains it; call on every rank.
 
     Args:
-        model: the model, built identically (same seed) on every rank.
-        example_inputs: positional inputs of one training batch (fixes the batch and microbatch sizes).
+        model: the model, built identically (same seed) on every rank; or a :class:`~hpml_compile.TrainSpec`,
+            whose dataset's first batch is the example batch and whose optimizer is the default one (the
+            pipeline's ``trainer`` then trains on its dataset: ``pipe.trainer.step()``).
+        example_inputs: positional inputs of one training batch (fixes the batch and microbatch sizes); taken
+            from a TrainSpec's first batch when None.
         cluster: a built-in name, a cluster.json path or a Cluster (default ``local-cpu-<world size>``).
         optimizer: an optimizer over ``model.parameters()``, or a factory called with each rank's parameters.
         schedule: ``1f1b`` or ``gpipe``.
@@ -102,7 +107,18 @@ def compile(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor, *,  
 
     Raises:
         HpmlError: a model that cannot be compiled for ``cluster``, or a world that does not fit its plan.
+        ModelError: no example inputs for a plain module, or a TrainSpec whose batch does not split as planned.
     """
+    spec = model if isinstance(model, TrainSpec) else None
+    if spec is not None:
+        model = spec.module
+        if example_inputs is None:
+            example_inputs = first_batch(spec)[0]
+        if optimizer is None:
+            optimizer = spec.optimizer
+    if example_inputs is None:
+        raise ModelError("compile(model) needs example_inputs (one training batch's positional inputs), or pass "
+                         "an hpml_compile.TrainSpec, whose dataset's first batch is used")
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     distributed = dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1
     session = Session("env://", policy=retry, log=log) if distributed else None
@@ -128,4 +144,9 @@ def compile(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor, *,  
     build = load_build(where, model, graph_module=gm)
     if session is None and sum(len(st.devices) for st in build.plan.stages) > 1 and log:
         log(f"no torchrun environment: all {len(build.plan.stages)} stages run in this process")
-    return Pipeline(build, model, optimizer=optimizer, session=session, run_dir=run_dir, log=log)
+    pipe = Pipeline(build, model, optimizer=optimizer, session=session, run_dir=run_dir, log=log)
+    if spec is not None:
+        from .trainer import Trainer
+
+        pipe.trainer = Trainer(pipe, spec)
+    return pipe

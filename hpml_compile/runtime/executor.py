@@ -173,13 +173,20 @@ class StepRun:
 
 
 class _Slices:
-    """Microbatch ``j``'s rows for replica ``r`` of ``d``, split once and kept."""
+    """Microbatch ``j``'s rows for replica ``r`` of ``d``, split once and kept.
 
-    def __init__(self, value: Any, microbatches: int) -> None:
+    ``own``: ``value`` holds only this rank's rows already (its part of each microbatch, in microbatch order,
+    :func:`hpml_compile.trainspec.rank_rows`), so microbatch ``j`` is all a replica gets.
+    """
+
+    def __init__(self, value: Any, microbatches: int, own: bool = False) -> None:
         self._micro = split_microbatches(value, microbatches)
         self._parts: dict[tuple[int, int], list[Any]] = {}
+        self._own = own
 
     def get(self, j: int, d: int, r: int) -> Any:
+        if self._own:
+            return self._micro[j]
         if (d, j) not in self._parts:
             self._parts[(d, j)] = split_microbatches(self._micro[j], d)
         return self._parts[(d, j)][r]
@@ -193,7 +200,8 @@ def _waited(comm: Comm) -> float:
 def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[int, StageModule], comm: Comm,
                 inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Tensor], microbatches: int, *,
                 device: torch.device = torch.device("cpu"), optimizer: torch.optim.Optimizer | None = None,
-                agree: Callable[[Tensor], None] | None = None, keep_outputs: bool = False) -> StepRun:
+                agree: Callable[[Tensor], None] | None = None, keep_outputs: bool = False,
+                own_rows: bool = False) -> StepRun:
     """Carry out ``order`` (see the module docstring): the one code path of every training step.
 
     Args:
@@ -209,6 +217,8 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
         optimizer: stepped at ``OPT`` (None: gradients only; ``after_step`` is then skipped too).
         agree: called at ``LOSS`` with the float64 loss sum, to make it the batch's (an all-reduce on ranks).
         keep_outputs: keep the last stage's outputs.
+        own_rows: ``inputs`` and ``targets`` hold only this rank's rows (one stage replica on this process;
+            see :class:`_Slices`), not the whole batch.
 
     Returns:
         The losses, outputs, busy times and phase timestamps.
@@ -217,8 +227,8 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
     layout = rank_layout(build.plan)
     last, n = len(reps) - 1, microbatches
     run = StepRun(t_start=time.perf_counter())
-    xs = _Slices(tuple(inputs), n)
-    ys = _Slices(targets, n) if last in stages else None
+    xs = _Slices(tuple(inputs), n, own_rows)
+    ys = _Slices(targets, n, own_rows) if last in stages else None
     roots: dict[tuple[int, int, int], list[Tensor]] = {}
     synced: set[int] = set()
     stepped: set[int] = set()

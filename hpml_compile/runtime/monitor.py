@@ -84,6 +84,7 @@ class StepMetrics:
     bytes_received: int = 0
     loss: float | None = None
     retries: int = 0
+    val_loss: float | None = None  # validation loss after this step's update, where one was measured
 
     @property
     def comm_ms(self) -> float:
@@ -208,6 +209,8 @@ class Monitor:
                 self._tb.add_scalar(tag, d[key], m.step)
             if m.loss is not None:
                 self._tb.add_scalar("loss", m.loss, m.step)
+            if m.val_loss is not None:
+                self._tb.add_scalar("loss/validation", m.val_loss, m.step)
 
     def close(self) -> None:
         if self._file is not None:

@@ -61,8 +61,10 @@ from ..codegen.comm import DetachedComm
 from ..errors import HpmlError
 from .batchcheck import agree_with_check, fingerprint
 from ..hostmem import keep_freed_memory
+from ..trainspec import check_batch_split, rank_rows
 from ..schedule import Action, stage_ranks
 from .comm import CommFault, DistComm, LocalComm, is_transient, make_groups, rank_devices
+from .data import RankBatch
 from .executor import (actions_for, forward_stage, local_order, merge_outputs, run_actions, split_microbatches,
                        to_device)
 from .gather import gather_outputs, gather_state_dict
@@ -133,6 +135,7 @@ class Pipeline:
         self.optimizer = self._make_optimizer(optimizer)
         self.monitor = Monitor(run_dir, self.rank, tensorboard=tensorboard) if run_dir is not None else Monitor(
             None, self.rank)
+        self.trainer: Any = None  # a TrainSpec's loop (.trainer.Trainer) where compile() was given one
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
@@ -207,6 +210,24 @@ class Pipeline:
         return len(self.plan.stages) - 1 in self.stages
 
     @property
+    def batch_rows(self) -> int:
+        """Rows of one build batch (every microbatch's rows together)."""
+        return (self._mb_rows or 0) * self.plan.microbatches
+
+    def rows_role(self) -> tuple[list[int], bool, bool]:
+        """``(rows, needs inputs, needs targets)`` of this process's share of a batch (all of it without ranks).
+
+        Raises:
+            ModelError: the build batch does not split into the plan's microbatches and replicas.
+        """
+        b, m = self.batch_rows, self.plan.microbatches
+        check_batch_split(b, m, self._reps)
+        if self.session is None:
+            return list(range(b)), True, True
+        rows = rank_rows(b, m, self._reps[self.stage_index], self.replica)
+        return rows, bool(self.stages[self.stage_index].INPUTS), self.is_last
+
+    @property
     def metrics(self) -> list[StepMetrics]:
         """Every step's measurements on this process."""
         return self.monitor.rows
@@ -224,13 +245,18 @@ class Pipeline:
                             "several build batches), or recompile for this batch size")
         return rows // self._mb_rows
 
-    def step(self, inputs: Sequence[Any] | Tensor, targets: Any, loss_fn: Callable[[Any, Any], Tensor]) -> Tensor:
+    def step(self, inputs: Sequence[Any] | Tensor, targets: Any, loss_fn: Callable[[Any, Any], Tensor], *,
+             rank_batch: RankBatch | None = None, validate: Callable[[], float] | None = None) -> Tensor:
         """One training step on every rank: forward and backward of every microbatch, gradient sync, optimizer.
 
         Args:
             inputs: the model's positional inputs for the whole batch (the same on every rank).
             targets: the targets for ``loss_fn`` (split into microbatches like the inputs).
             loss_fn: ``(output, targets) -> loss``, a mean over the rows it is given.
+            rank_batch: instead of ``inputs`` and ``targets`` (pass ``()`` and None): only this rank's rows
+                (:mod:`.data`, with a process group); the ranks check that they agree on the batch's indices.
+            validate: called after the optimizer step (on every rank); what it returns, the validation loss
+                of the updated model, goes into this step's measurements (``val_loss``).
 
         Returns:
             The batch loss (a CPU scalar), on every rank.
@@ -242,14 +268,20 @@ class Pipeline:
             HpmlError: a batch that does not split into the build's microbatches.
         """
         inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
-        n = self._microbatches(inputs)
+        if rank_batch is not None:
+            if self.session is None:
+                raise HpmlError("step(rank_batch=...) is for ranks of a job; in one process pass the whole batch")
+            inputs, targets = rank_batch.inputs or (), rank_batch.target
+            n = self.plan.microbatches
+        else:
+            n = self._microbatches(inputs)
         if self.session is None:
-            return self._run_local(inputs, targets, loss_fn, n)
+            return self._run_local(inputs, targets, loss_fn, n, validate)
         policy = self.session.policy
         snapshot = self._snapshot() if self.session.can_retry else None
         for attempt in range(policy.attempts):
             try:
-                return self._run_rank(inputs, targets, loss_fn, n, attempt)
+                return self._run_rank(inputs, targets, loss_fn, n, attempt, rank_batch, validate)
             except Exception as e:  # noqa: BLE001 -- only transient communication errors are retried
                 if not is_transient(e):
                     raise
@@ -314,7 +346,8 @@ class Pipeline:
         return self._orders[n]
 
     def _run_rank(self, inputs: tuple[Any, ...], targets: Any, loss_fn: Callable[[Any, Any], Tensor], n: int,
-                  attempt: int) -> Tensor:
+                  attempt: int, rank_batch: RankBatch | None = None,
+                  validate: Callable[[], float] | None = None) -> Tensor:
         comm, k, r = self.comm, self.stage_index, self.replica
         assert comm is not None
         comm.begin_step(self.steps_done)
@@ -322,14 +355,18 @@ class Pipeline:
             p.grad = None
         reset_peak_memory(self.device)
         # every rank must have been given this very batch: checked in the loss all-reduce (see .batchcheck)
-        agree = agree_with_check(dist.all_reduce, fingerprint([inputs, targets]), self.steps_done + 1)
+        # (a rank given only its own rows checks the batch's dataset indices and number instead)
+        seen = [inputs, targets] if rank_batch is None else [rank_batch.step, rank_batch.indices]
+        agree = agree_with_check(dist.all_reduce, fingerprint(seen), self.steps_done + 1)
         run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
-                          device=self.device, optimizer=self.optimizer, agree=agree)
+                          device=self.device, optimizer=self.optimizer, agree=agree, own_rows=rank_batch is not None)
         wait_ms, p2p_ms = split_wait(comm.stats)
         mem, mem_kind = peak_memory(self.device)
+        val = self._validate(validate)
         self.monitor.record(StepMetrics(
             step=self.steps_done, rank=self.rank, stage=k, replica=r, device=str(self.device), microbatches=n,
-            samples=sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor)),
+            samples=(self.batch_rows if rank_batch is not None
+                     else sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor))),
             step_ms=(run.t_end - run.t_start) * 1e3, pipeline_ms=(run.t_pipe - run.t_start) * 1e3,
             fwd_ms=run.busy.get((k, True), 0.0) * 1e3, bwd_ms=run.busy.get((k, False), 0.0) * 1e3,
             wait_ms=wait_ms, p2p_ms=p2p_ms,
@@ -339,24 +376,42 @@ class Pipeline:
             sync_wait_ms=comm.stats.collective_wait_s * 1e3,
             optimizer_ms=(run.t_end - run.t_opt) * 1e3, peak_memory_bytes=mem, memory_kind=mem_kind,
             bytes_sent=comm.stats.bytes_sent, bytes_received=comm.stats.bytes_received,
-            loss=float(run.loss_sum), retries=attempt))
+            loss=float(run.loss_sum), retries=attempt, val_loss=val))
         self.steps_done += 1
         return run.loss_sum.float()
 
+    def _validate(self, validate: Callable[[], float] | None) -> float | None:
+        """Run ``validate`` after an update; a communication failure in it must not retry the (applied) step.
+
+        Raises:
+            CommFailure: communication failed during validation (not transient to the step's retry loop).
+        """
+        if validate is None:
+            return None
+        try:
+            return validate()
+        except Exception as e:  # noqa: BLE001 -- only transient communication errors are re-classified
+            if not is_transient(e):
+                raise
+            raise CommFailure(f"step {self.steps_done + 1}: communication failed on rank {self.rank} while measuring "
+                              f"the validation loss after the update ({str(e).splitlines()[0][:200]}); the update "
+                              "is applied, so the step is not retried: resume from the last checkpoint") from e
+
     def _run_local(self, inputs: tuple[Any, ...], targets: Any, loss_fn: Callable[[Any, Any], Tensor],
-                   n: int) -> Tensor:
+                   n: int, validate: Callable[[], float] | None = None) -> Tensor:
         """Every stage here: every rank's action list, merged into one order (:func:`.executor.local_order`)."""
         for p in self.parameters():
             p.grad = None
         run = run_actions(self.build, self._order(n), self.stages, self._local, inputs, targets, loss_fn, n,
                           optimizer=self.optimizer)
         rows = sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor))
+        val = validate() if validate is not None else None
         for k in self.stages:
             self.monitor.record(StepMetrics(
                 step=self.steps_done, rank=self._ranks[k][0], stage=k, replica=0, device="cpu", microbatches=n,
                 samples=rows, step_ms=(run.t_end - run.t_start) * 1e3, pipeline_ms=(run.t_synced - run.t_start) * 1e3,
                 fwd_ms=run.busy.get((k, True), 0.0) * 1e3, bwd_ms=run.busy.get((k, False), 0.0) * 1e3,
-                optimizer_ms=(run.t_end - run.t_synced) * 1e3, loss=float(run.loss_sum)))
+                optimizer_ms=(run.t_end - run.t_synced) * 1e3, loss=float(run.loss_sum), val_loss=val))
         self.steps_done += 1
         return run.loss_sum.float()
 
@@ -387,7 +442,7 @@ class Pipeline:
             return merge_outputs([o for _, _, o in sorted(outs, key=lambda t: (t[0], t[1]))])
         return gather_outputs(outs, self.plan, self.rank, everywhere)
 
-    def _eval(self, inputs: tuple[Any, ...], n: int) -> list[tuple[int, int, Any]]:
+    def _eval(self, inputs: tuple[Any, ...], n: int, own: bool = False) -> list[tuple[int, int, Any]]:
         last, outs = len(self.plan.stages) - 1, []
         comm = self.comm if self.comm is not None else self._local
         micro_in = split_microbatches(inputs, n)
@@ -396,13 +451,72 @@ class Pipeline:
                 reps = range(self._reps[k]) if self.session is None else (self.replica,)
                 for r in reps:
                     comm.microbatch, comm.replica = j, r
-                    out = forward_stage(self.build, stage, split_microbatches(micro_in[j], self._reps[k])[r],
-                                        self.device)
+                    part = micro_in[j] if own else split_microbatches(micro_in[j], self._reps[k])[r]
+                    out = forward_stage(self.build, stage, part, self.device)
                     if k == last:
                         outs.append((j, r, to_device(out, torch.device("cpu"))))
         comm.flush()
         comm.forget()  # receives owe gradients that no backward will ask for
         return outs
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: Sequence[Any] | Tensor, targets: Any, loss_fn: Callable[[Any, Any], Tensor], *,
+                  rank_batch: RankBatch | None = None) -> float:
+        """The loss of one batch in eval mode (dropout off, BatchNorm's running statistics), on every rank.
+
+        Args:
+            inputs: the whole batch's positional inputs (ignored with ``rank_batch``).
+            targets: the whole batch's targets (ignored with ``rank_batch``).
+            loss_fn: ``(output, targets) -> loss``, a mean over the rows it is given.
+            rank_batch: only this rank's rows (:mod:`.data`), with a process group.
+
+        Returns:
+            The batch's mean loss (the mean of its microbatch slices' losses, as in training).
+        """
+        own = rank_batch is not None
+        if rank_batch is not None:
+            inputs, targets, n = rank_batch.inputs or (), rank_batch.target, self.plan.microbatches
+        else:
+            inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+            n = self._microbatches(inputs)
+        modes = {k: st.training for k, st in self.stages.items()}
+        for st in self.stages.values():
+            st.eval()
+        try:
+            outs = self._eval(tuple(inputs), n, own=own)
+        finally:
+            for k, st in self.stages.items():
+                st.train(modes[k])
+        total = torch.zeros((), dtype=torch.float64)
+        if outs:
+            last = len(self.plan.stages) - 1
+            ys = split_microbatches(targets, n)
+            for j, r, out in outs:
+                y = ys[j] if own else split_microbatches(ys[j], self._reps[last])[r]
+                total += loss_fn(out, y).detach().double().cpu() / (n * self._reps[last])
+        if self.session is not None:
+            dist.all_reduce(total)  # only the last stage's replicas add anything
+        return float(total)
+
+    # -- users who own their loop (see .trainer) ----------------------------------------------------
+    def save(self, root: str | Path, *, extra: dict[str, Any] | None = None, keep: int = 3) -> Path:
+        """Checkpoint what ``hpml-compile run`` keeps (:func:`.trainer.save_pipeline`); call on every rank."""
+        from .trainer import save_pipeline
+
+        return save_pipeline(self, root, extra=extra, keep=keep)
+
+    def load(self, root: str | Path, *, missing_ok: bool = False) -> dict[str, Any] | None:
+        """Resume from the latest checkpoint in ``root`` under this plan; returns ``extra`` and ``step``
+        (None with ``missing_ok`` when there is none yet)."""
+        from .trainer import load_pipeline
+
+        return load_pipeline(self, root, missing_ok=missing_ok)
+
+    def evaluate(self, loader: Iterable[Any], loss_fn: Callable[[Any, Any], Tensor] | None = None) -> float:
+        """Mean eval-mode loss over ``loader``'s ``(inputs, target)`` batches (:func:`.trainer.evaluate_pipeline`)."""
+        from .trainer import evaluate_pipeline
+
+        return evaluate_pipeline(self, loader, loss_fn)
 
     def state_dict(self) -> dict[str, Tensor]:
         """The full model's state (original names, CPU tensors, current values); call on every rank."""

@@ -45,6 +45,7 @@ from .comm import CommFault, CommOp
 from .lifeline import watch_launcher
 from .monitor import metrics_path
 from .pipeline import Pipeline
+from .trainer import Trainer
 from ..recipe import read_recipe
 from .session import CommFailure, RetryPolicy, env_rank
 
@@ -227,6 +228,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adapt-cooldown", type=int, default=AdaptOptions().cooldown, dest="adapt_cooldown")
     p.add_argument("--launched-at", type=float, default=None, dest="launched_at",
                    help="when the launch began (epoch seconds): rank 0 records the time to the first step")
+    p.add_argument("--val-every", type=int, default=0, dest="val_every",
+                   help="a TrainSpec's validation loss every K steps and at the end (0: never)")
+    p.add_argument("--log-samples", action="store_true", dest="log_samples",
+                   help="first-stage ranks write each step's dataset indices to RUN_DIR/samples/rank<r>.jsonl")
     p.add_argument("--timeout", type=float, default=RetryPolicy().timeout_s,
                    help="seconds a collective or receive may block before the rank fails (a hung peer)")
     return p.parse_args(argv)
@@ -256,12 +261,14 @@ def _collect_rows(pipe: Pipeline, run_dir: Path) -> None:
             path.write_text(text + "\n")
 
 
-def _save(args: argparse.Namespace, pipe: Pipeline, step: int, loss: float | None) -> float:
+def _save(args: argparse.Namespace, pipe: Pipeline, step: int, loss: float | None,
+          trainer: Trainer | None = None) -> float:
     """Checkpoint ``step`` on every rank; returns the seconds it took."""
     t0 = time.perf_counter()
     plan_hash = sha256((Path(args.build) / "plan.json").read_bytes())
     save_checkpoint(args.checkpoint_dir, step, pipe.local_module(), pipe.optimizer, keep=args.keep,
-                    extra={"loss": loss, "build": str(Path(args.build).resolve()), "plan_sha256": plan_hash})
+                    extra={"loss": loss, "build": str(Path(args.build).resolve()), "plan_sha256": plan_hash,
+                           **(trainer.state_dict(step) if trainer is not None else {})})
     return time.perf_counter() - t0
 
 
@@ -288,17 +295,24 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
     threads = recipe.threads_per_rank or threads_per_rank(local_world)
     torch.set_num_threads(threads)
     loaded = models.load(recipe.model, batch_size=recipe.batch_size, seq_len=recipe.seq_len, seed=recipe.seed)
+    spec = loaded.train  # a TrainSpec: train on its dataset (else on the example batch)
+    optimizer = spec.optimizer if spec is not None and spec.optimizer is not None else _optimizer(args.optimizer,
+                                                                                                   args.lr)
     pipe = Pipeline.from_build(args.build, loaded.module, init_method="env://",
                                retry=RetryPolicy(attempts=max(1, args.retries), timeout_s=args.timeout,
                                                  rejoin_timeout_s=min(RetryPolicy().rejoin_timeout_s, args.timeout)),
-                               optimizer=_optimizer(args.optimizer, args.lr), run_dir=args.run_dir,
+                               optimizer=optimizer, run_dir=args.run_dir,
                                tensorboard=args.tensorboard, faults=args.faults, log=_say)
+    trainer = Trainer(pipe, spec, run_dir=args.run_dir, log_samples=args.log_samples) if spec is not None else None
     seed_rngs(recipe.seed, rank)  # dropout draws the same masks in two runs; a resume restores the states
     start = 0
     found = _resume_point(args, rank)
     if found is not None:
-        start = int(load_checkpoint(found, pipe.local_module(), pipe.optimizer)["step"])
+        meta = load_checkpoint(found, pipe.local_module(), pipe.optimizer)
+        start = int(meta["step"])
         pipe.steps_done = start
+        if trainer is not None:
+            trainer.load_state_dict(meta, found)
     if rank == 0:
         plan = pipe.plan
         print(f"training {recipe.model} for {args.steps} steps on {pipe.world_size} ranks: "
@@ -321,7 +335,11 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
             if r == rank and (begin == step + 1 or (step == start and begin <= start)):
                 for module in pipe.stages.values():
                     _slow_down(module, factor)
-        loss = pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
+        if trainer is not None:
+            validate = bool(args.val_every) and ((step + 1) % args.val_every == 0 or step + 1 == args.steps)
+            loss = trainer.step(validate=validate)
+        else:
+            loss = pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
         loss_value = float(loss.item())
         if step == start and rank == 0:  # how long a (re)start took, for the supervisor's figures
             write_json_atomic({"launched_at": args.launched_at, "first_step_at": time.time(), "start_step": start,
@@ -330,6 +348,8 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
             m = pipe.metrics[-1]
             print(f"step {step + 1:4d}/{args.steps}  loss {loss_value:9.4f}  {m.samples_per_s:8.1f} samples/s  "
                   f"{m.step_ms:8.1f} ms/step" + (f"  ({m.retries} retries)" if m.retries else ""), flush=True)
+        if rank == 0 and pipe.metrics and pipe.metrics[-1].val_loss is not None:
+            print(f"step {step + 1:4d}/{args.steps}  validation loss {pipe.metrics[-1].val_loss:9.4f}", flush=True)
         if args.adapt:
             if adapter is None:
                 began = time.time() - args.launched_at if args.launched_at else time.perf_counter() - _STARTED
@@ -343,7 +363,7 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
         done = step + 1
         if args.checkpoint_dir and (switched or done == args.steps
                                     or (args.checkpoint_every and done % args.checkpoint_every == 0)):
-            took = _save(args, pipe, done, loss_value)
+            took = _save(args, pipe, done, loss_value, trainer)
             if adapter is not None:
                 adapter.checkpoint_s = took
         if switched is not None:
@@ -352,6 +372,8 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
                                    "event": switched.event}, Path(args.run_dir) / NEXT_FILE)
                 print(f"step {done}: checkpointed; restarting on the new plan ({switched.build})", flush=True)
             break
+    if trainer is not None:
+        trainer.close()
     _collect_rows(pipe, args.run_dir)
     if rank == 0 and switched is None:
         print(f"done: {args.steps - start} steps in {time.perf_counter() - t0:.1f} s", flush=True)

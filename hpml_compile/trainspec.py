@@ -1,0 +1,227 @@
+"""A training job in the user's own file: model, data, loss, optimizer, schedule (:class:`TrainSpec`).
+
+``hpml-compile compile path/to/train.py:NAME`` and ``hpml_compile.compile(spec)``
+take a ``TrainSpec``; ``NAME`` is one or a function returning one (called with
+those of ``batch_size``, ``seq_len``, ``device`` it accepts, like a model
+factory). What it holds is checked here, once, with errors that name the field
+and what would be right, so that a bad spec fails at ``compile`` rather than in
+every rank of a run.
+
+An item of ``dataset`` is ``(inputs, target)``: inputs a tensor or a tuple of
+tensors (the model's positional inputs), target whatever ``loss_fn`` takes
+second. A batch is ``collate_fn`` of ``batch_size`` items (default: torch's
+``default_collate``), again ``(inputs, target)``. The example inputs that
+tracing and profiling use are the dataset's first ``batch_size`` items, in
+order (:func:`first_batch`); the build is made for exactly that batch shape,
+so every training batch has ``batch_size`` rows (an epoch's last, partial
+batch is dropped).
+
+Example:
+    >>> import torch
+    >>> from torch.utils.data import TensorDataset
+    >>> data = TensorDataset(torch.randn(10, 3), torch.randn(10, 1))
+    >>> spec = TrainSpec(torch.nn.Linear(3, 1), data, torch.nn.functional.mse_loss, batch_size=4)
+    >>> inputs, target = first_batch(spec)
+    >>> [tuple(x.shape) for x in inputs], tuple(target.shape), batches_per_epoch(spec)
+    ([(4, 3)], (4, 1), 2)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset, IterableDataset, default_collate
+
+from .errors import ModelError
+
+__all__ = ["TrainSpec", "Batch", "first_batch", "collate", "batches_per_epoch", "is_iterable", "check_item",
+           "rank_rows", "check_batch_split"]
+
+Batch = tuple[tuple[Tensor, ...], Any]  # (positional inputs, target)
+
+_ITEM = "an item (inputs, target): inputs a Tensor or a tuple of Tensors, e.g. `return x, y`"
+
+
+def _callable_or_none(name: str, value: Any, example: str) -> None:
+    if value is not None and not callable(value):
+        raise ModelError(f"TrainSpec.{name} must be None or a callable ({example}), got {type(value).__name__}")
+
+
+def _check_dataset(name: str, value: Any) -> None:
+    mapped = hasattr(value, "__getitem__") and hasattr(value, "__len__")
+    if not (isinstance(value, (Dataset, IterableDataset)) or mapped):
+        raise ModelError(f"TrainSpec.{name} must be a torch.utils.data.Dataset (map-style: __getitem__ and "
+                         f"__len__) or an IterableDataset, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What to train and on what: the form ``path/to/train.py:NAME`` and ``hpml_compile.compile`` take.
+
+    Attributes:
+        module: the model.
+        dataset: a map-style ``Dataset`` (shuffled per epoch from ``seed``) or an ``IterableDataset``
+            (read in its own order); items ``(inputs, target)``.
+        loss_fn: ``(output, target) -> loss``, a mean over the rows it is given.
+        batch_size: rows per training step (the build's batch; it must split into the plan's
+            microbatches and each stage's replicas).
+        optimizer: a factory over parameters, e.g. ``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``
+            (None: AdamW at ``hpml-compile run --lr``).
+        lr_scheduler: a factory over the optimizer, e.g. ``lambda o: torch.optim.lr_scheduler.StepLR(o, 10)``;
+            stepped once per training step.
+        val_dataset: items like ``dataset``'s, for the validation loss (``run --val-every K``).
+        collate_fn: ``list of items -> (inputs, target)`` (None: torch's ``default_collate``).
+        seed: the seed of the per-epoch shuffle.
+
+    Raises:
+        ModelError: a field of the wrong type (named, with what is expected).
+    """
+
+    module: nn.Module
+    dataset: Any
+    loss_fn: Callable[[Any, Any], Tensor]
+    batch_size: int
+    optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    val_dataset: Any = None
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.module, nn.Module):
+            raise ModelError(f"TrainSpec.module must be a torch.nn.Module, got {type(self.module).__name__}")
+        _check_dataset("dataset", self.dataset)
+        if self.val_dataset is not None:
+            _check_dataset("val_dataset", self.val_dataset)
+        if not callable(self.loss_fn):
+            raise ModelError(f"TrainSpec.loss_fn must be a callable (output, target) -> loss, e.g. "
+                             f"torch.nn.functional.cross_entropy, got {type(self.loss_fn).__name__}")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ModelError(f"TrainSpec.batch_size must be a whole number, 1 or more, got {self.batch_size!r}")
+        _callable_or_none("optimizer", self.optimizer, "parameters -> optimizer, e.g. "
+                          "lambda ps: torch.optim.AdamW(ps, lr=1e-3)")
+        _callable_or_none("lr_scheduler", self.lr_scheduler, "optimizer -> scheduler, e.g. "
+                          "lambda o: torch.optim.lr_scheduler.StepLR(o, 100)")
+        _callable_or_none("collate_fn", self.collate_fn, "list of items -> (inputs, target)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ModelError(f"TrainSpec.seed must be an int, got {self.seed!r}")
+        if not is_iterable(self.dataset) and len(self.dataset) < self.batch_size:
+            raise ModelError(f"TrainSpec.dataset has {len(self.dataset)} items, fewer than batch_size "
+                             f"{self.batch_size}: not one full batch; use a smaller batch_size or more data")
+
+
+def is_iterable(dataset: Any) -> bool:
+    """Whether ``dataset`` is read as a stream (an ``IterableDataset``) rather than by index."""
+    return isinstance(dataset, IterableDataset)
+
+
+def check_item(item: Any, where: str = "TrainSpec.dataset") -> None:
+    """Refuse an item that is not ``(inputs, target)`` with tensor inputs.
+
+    Raises:
+        ModelError: naming what the item is and what is expected.
+    """
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+        got = f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
+        raise ModelError(f"{where}: an item is {got}; expected {_ITEM}")
+    inputs = item[0]
+    ok = isinstance(inputs, Tensor) or (isinstance(inputs, (tuple, list)) and len(inputs) > 0
+                                        and all(isinstance(x, Tensor) for x in inputs))
+    if not ok:
+        raise ModelError(f"{where}: an item's inputs are a {type(inputs).__name__}; expected {_ITEM}")
+
+
+def collate(spec: TrainSpec, items: Sequence[Any], where: str = "TrainSpec.dataset") -> Batch:
+    """``collate_fn`` (or ``default_collate``) of ``items``, as ``(inputs tuple, target)``.
+
+    Raises:
+        ModelError: the collated batch is not ``(inputs, target)`` with tensor inputs.
+    """
+    if items:
+        check_item(items[0], where)
+    fn = spec.collate_fn or default_collate
+    try:
+        batch = fn(list(items))
+    except Exception as e:
+        raise ModelError(f"{where}: collating {len(items)} items failed ({type(e).__name__}: {e}); give "
+                         "TrainSpec a collate_fn(items) -> (inputs, target)") from e
+    check_item(batch, f"{where} (a collated batch)")
+    inputs, target = batch
+    return ((inputs,) if isinstance(inputs, Tensor) else tuple(inputs)), target
+
+
+def first_batch(spec: TrainSpec) -> Batch:
+    """The first ``batch_size`` items of the dataset, in order, collated: the example batch of the build.
+
+    Raises:
+        ModelError: an item or batch of the wrong form, or an iterable dataset with less than one batch.
+    """
+    if is_iterable(spec.dataset):
+        items: list[Any] = []
+        for item in spec.dataset:
+            items.append(item)
+            if len(items) == spec.batch_size:
+                break
+        if len(items) < spec.batch_size:
+            raise ModelError(f"TrainSpec.dataset yields {len(items)} items, fewer than batch_size "
+                             f"{spec.batch_size}: not one full batch")
+    else:
+        items = [spec.dataset[i] for i in range(spec.batch_size)]
+    return collate(spec, items)
+
+
+def batches_per_epoch(spec: TrainSpec, dataset: Any = None) -> int | None:
+    """Full batches in one pass over ``dataset`` (default the training set); None for a stream without a length."""
+    data = spec.dataset if dataset is None else dataset
+    if is_iterable(data):
+        try:
+            return len(data) // spec.batch_size
+        except TypeError:
+            return None
+    return len(data) // spec.batch_size
+
+
+def rank_rows(batch_size: int, microbatches: int, replicas: int, replica: int) -> list[int]:
+    """The rows of a batch that replica ``replica`` of a stage with ``replicas`` replicas trains on.
+
+    The executor splits a batch into ``microbatches`` equal microbatches and
+    each microbatch into ``replicas`` equal parts, so replica ``r`` takes part
+    ``r`` of every microbatch, in microbatch order.
+
+    Example:
+        >>> rank_rows(8, 2, 2, 1)
+        [2, 3, 6, 7]
+
+    Raises:
+        ModelError: the batch does not split so (see :func:`check_batch_split`).
+    """
+    check_batch_split(batch_size, microbatches, [replicas])
+    mb = batch_size // microbatches
+    per = mb // replicas
+    return [j * mb + replica * per + i for j in range(microbatches) for i in range(per)]
+
+
+def check_batch_split(batch_size: int, microbatches: int, replicas: Sequence[int]) -> None:
+    """Refuse a batch that does not split into ``microbatches`` equal microbatches, each into every stage's replicas.
+
+    Raises:
+        ModelError: naming the batch, the plan's split and batch sizes that would do.
+    """
+    lcm = 1
+    for d in replicas:
+        lcm = lcm * d // _gcd(lcm, d)
+    need = microbatches * lcm
+    bad = batch_size % microbatches or any((batch_size // microbatches) % d for d in replicas)
+    if bad:
+        raise ModelError(f"batch_size {batch_size} does not split into the plan's {microbatches} microbatches of "
+                         f"equal rows, each split among a stage's replicas ({', '.join(map(str, replicas))}): use a "
+                         f"batch_size that is a multiple of {need}, or recompile with --microbatches dividing it")
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
