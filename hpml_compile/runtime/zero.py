@@ -218,6 +218,8 @@ class FlatShard:
         """Per parameter, the optimizer state of the shard made whole (``gather=False``: empty tensors of its shape)."""
         out: list[dict[str, Tensor]] = [{} for _ in self.params]
         for key, value in state.items():
+            if value is None:
+                continue  # SGD without momentum keeps a None buffer: nothing to save
             t = value if isinstance(value, Tensor) else torch.tensor(value)
             if self._per_element(t):
                 whole = self._gather(t) if gather else torch.empty(self.flat.numel(), dtype=t.dtype,
@@ -232,7 +234,7 @@ class FlatShard:
     def load_state(self, state: dict[str, Any], per_param: list[dict[str, Tensor]]) -> None:
         """Set the shard's optimizer state (``state``, in place) from whole per-parameter tensors."""
         for key, value in list(state.items()):
-            if not all(key in s for s in per_param):
+            if value is None or not all(key in s for s in per_param):
                 continue
             t = value if isinstance(value, Tensor) else torch.tensor(value)
             if self._per_element(t):
@@ -328,7 +330,8 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, 
                 for p, s in zip(sh.params, sh.full_state(state, gather=gather)):
                     out[names[id(p)]] = s
             elif id(q) in names:
-                out[names[id(q)]] = {k: v if isinstance(v, Tensor) else torch.tensor(v) for k, v in state.items()}
+                out[names[id(q)]] = {k: v if isinstance(v, Tensor) else torch.tensor(v) for k, v in state.items()
+                                     if v is not None}
     return out
 
 
