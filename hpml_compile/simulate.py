@@ -29,7 +29,8 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   before the backward starts.
 - After its last backward a replicated stage synchronises gradients: a ring
   all-reduce (ZeRO-0), reduce-scatter + all-gather (ZeRO-1/2, Rajbhandari et
-  al. 2020), plus one more all-gather for ZeRO-3's parameter gathers; an
+  al. 2020; ZeRO-3 is refused by plan validation, the runtime does not
+  perform it); an
   offloaded optimizer moves gradients to the host and parameters back.
   Parameters shared by several stages (tied embeddings) are then summed by
   one all-reduce over the devices of those stages, which waits for all of
@@ -128,7 +129,7 @@ class StageCost:
         optimizer_ms: the optimizer step after the sync.
         fwd_stream_ms: the memory-streaming part of ``fwd_ms`` (weights read, activations written).
         bwd_stream_ms: the memory-streaming part of ``bwd_ms``.
-        sync_copy_ms: the part of ``sync_ms`` spent copying gradients into the flat buffer and back.
+        sync_copy_ms: the part of ``sync_ms`` spent copying (ZeRO-1/2: the gathered parameters into place).
     """
 
     fwd_ms: float
@@ -257,7 +258,7 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         swap_ms = transfer_ms(cost_models.p2p_ms, swapped / (m * d), host) if swapped else 0.0
         opt_ms = optimizer_ms(params, d, st.zero, max(graph.optimizer_ms_per_byte(k) for k in kinds))
         rate = stream_bytes_per_ms(graph, kinds)
-        copy = copy_ms(params, d, rate)
+        copy = copy_ms(params, d, rate, st.zero)
         group = min((link_spec(c, st.devices[0], x) for x in st.devices[1:]), key=lambda sp: sp.gbps) \
             if d > 1 else None
         fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts, m, d, rate)

@@ -10,12 +10,19 @@ numpy arrays (of byte counts) and returns the same kind; the memory model
 floors on integers in both forms, so a candidate fits exactly when the plan
 validator says it does.
 
-The memory of one device of a stage replicated over ``d`` devices:
+The memory of one device of a stage replicated over ``d`` devices, at its peak
+(the end of the step's last backward), as the runtime holds it
+(:mod:`hpml_compile.runtime.zero`):
 
-- parameters ``P`` (ZeRO-3 shards them: ``P / d``),
-- gradients ``P`` (ZeRO-2 and ZeRO-3 shard them: ``P / d``),
-- Adam state: two fp32 tensors per parameter, ``8 * P / dtype_bytes`` (ZeRO-1/2/3
-  shard it: ``/ d``; optimizer offload moves it to host memory: 0 on the device),
+- parameters ``P``: whole under every ZeRO stage, since a stage's compute uses
+  them whole (ZeRO-3, sharding them between uses, would save nothing at the
+  peak, and the runtime does not perform it);
+- gradients ``P``: they accumulate whole over all microbatches before the one
+  reduce-scatter of the step, so ZeRO-2, which keeps only the shard after it,
+  holds ``P`` at the peak like ZeRO-1;
+- Adam state: two fp32 tensors per parameter, ``8 * P / dtype_bytes`` (ZeRO-1 and
+  up shard it: ``/ d``, the optimizer being built over the replica's flat shard;
+  optimizer offload moves it to host memory: 0 on the device),
   following ZeRO (Rajbhandari et al., SC 2020). Mixed-precision fp32 master
   weights are not modelled.
 - activations: what autograd saves for one microbatch on one replica is
@@ -29,11 +36,12 @@ The memory of one device of a stage replicated over ``d`` devices:
 
 Times (milliseconds), per step:
 
-- gradient sync (:func:`sync_ms`): a ring all-reduce (ZeRO-0), reduce-scatter +
-  all-gather (ZeRO-1/2), plus one more all-gather for ZeRO-3's parameter
-  gathers; an offloaded optimizer moves its shard of gradients to the host and
-  parameters back. Plus the copies of the gradients into the flat buffer and
-  back (:func:`copy_ms`).
+- gradient sync (:func:`sync_ms`): a ring all-reduce (ZeRO-0), reduce-scatter of
+  the flat gradient + all-gather of the stepped shards (ZeRO-1/2; ZeRO-3 would
+  add one more all-gather, but plans never name it); an offloaded optimizer moves its shard of gradients to the host and
+  parameters back. Plus, under ZeRO-1/2, copying the gathered parameters into
+  their flat buffer (:func:`copy_ms`; gradients accumulate in the buffer the
+  collective reads, so they are not copied).
 - optimizer step (:func:`optimizer_ms`): the graph's step time per parameter
   byte times the bytes the device updates (its shard under ZeRO-1 and up).
 - memory streaming (:func:`stream_ms`): what part of a microbatch's forward and
@@ -149,8 +157,7 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
     z = ZeroStage(zero)
     d = max(1, replicas)
     p = param_bytes
-    params = p // d if z >= ZeroStage.OS_G_P else p
-    grads = p // d if z >= ZeroStage.OS_G else p
+    params = grads = p  # whole at the peak under every ZeRO stage (see the module docstring)
     opt_full = 8 * p // max(1, dtype_bytes)
     opt = opt_full // d if z >= ZeroStage.OS else opt_full
     host = p * 0
@@ -254,18 +261,26 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
     return total
 
 
-def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float) -> Value:
-    """Copying a replicated stage's gradients into the flat buffer and back (read + write, both ways).
+def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float, zero: ZeroStage | int = ZeroStage.NONE
+            ) -> Value:
+    """The memory copies of a replicated stage's gradient sync (:mod:`hpml_compile.runtime.zero`).
+
+    The gradients accumulate into the flat buffer the collective reads, so ZeRO-0's in-place all-reduce
+    copies nothing; under ZeRO-1/2 the all-gathered shards are concatenated and copied into the
+    parameters' flat buffer (read + write, twice).
 
     Args:
         param_bytes: parameter bytes of the stage.
         replicas: data-parallel degree (one device copies nothing).
         bytes_per_ms: the device's streaming rate (:func:`stream_bytes_per_ms`).
+        zero: the ZeRO stage.
 
     Returns:
-        Milliseconds, of the form of ``param_bytes`` (0.0 for one device).
+        Milliseconds, of the form of ``param_bytes`` (0.0 for one device or ZeRO-0).
     """
-    return 4 * param_bytes / bytes_per_ms if replicas > 1 else 0.0
+    if replicas <= 1:
+        return 0.0
+    return 4 * param_bytes / bytes_per_ms if ZeroStage(zero) >= ZeroStage.OS else param_bytes * 0.0
 
 
 def optimizer_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, ms_per_byte: float) -> Value:

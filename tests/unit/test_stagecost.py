@@ -55,12 +55,12 @@ def test_in_flight_scalar_and_array_agree(schedule: Schedule) -> None:
 def test_times_scalar_and_array_agree(zero: ZeroStage, offload: bool, d: int, link: cost_models.LinkSpec) -> None:
     group = link if d > 1 else None
     sync = stagecost.sync_ms(PARAMS, d, zero, offload, group, PCIE)
-    copy = stagecost.copy_ms(PARAMS, d, 1e7)
+    copy = stagecost.copy_ms(PARAMS, d, 1e7, zero)
     opt = stagecost.optimizer_ms(PARAMS, d, zero, 1e-9)
     for i, p in enumerate(PARAMS.tolist()):
         # alpha-beta costs are applied to arrays as lines through two sizes: equal up to rounding
         assert sync[i] == pytest.approx(stagecost.sync_ms(p, d, zero, offload, group, PCIE), rel=1e-9, abs=1e-12)
-        assert (copy[i] if d > 1 else copy) == stagecost.copy_ms(p, d, 1e7)
+        assert (copy[i] if d > 1 else copy) == stagecost.copy_ms(p, d, 1e7, zero)
         assert opt[i] == stagecost.optimizer_ms(p, d, zero, 1e-9)
     assert stagecost.sync_ms(0, d, zero, offload, group, PCIE) == 0.0
 
@@ -111,3 +111,18 @@ def test_simulator_and_table_price_a_plans_stages_alike(schedule: Schedule) -> N
             assert cost.compute_ms + 2 * cost.swap_ms == pytest.approx(cand.t, rel=1e-9)
             checked += 1
     assert checked >= 8
+
+
+def test_zero_shards_only_the_optimizer_state_at_the_peak() -> None:
+    """What the runtime (runtime/zero.py) holds at the end of the last backward: parameters and gradients whole
+    (accumulated over every microbatch before the one reduce-scatter), Adam's state / d from ZeRO-1 on."""
+    parts = {z: stagecost.memory_parts(param_bytes=800, activation_bytes=0, input_bytes=0, dtype_bytes=4,
+                                       replicas=4, zero=z, microbatches=2) for z in ZeroStage}
+    assert [(m.params, m.grads, m.optimizer) for m in parts.values()] == [
+        (800, 800, 1600), (800, 800, 400), (800, 800, 400), (800, 800, 400)]
+
+
+def test_the_solver_offers_only_the_zero_stages_that_save_memory() -> None:
+    from hpml_compile.solve.candidates import CONFIGS
+
+    assert {c.zero for c in CONFIGS} == {ZeroStage.NONE, ZeroStage.OS}
