@@ -28,7 +28,8 @@ open with ``tensorboard --logdir RUN_DIR/tb``). What is measured, per step:
   ``/proc/self/clear_refs`` where Linux allows it; else the process peak);
 - ``steal``, ``others_load``: the shares of the host's CPU stolen by the
   hypervisor and used by processes not of this job during the step, and
-  ``cpu_util``, this process's CPU time over the step (:mod:`.host`).
+  ``cpu_util``, this process's CPU time over the step, and ``contention_ms``,
+  the time it lost to other programs and the hypervisor (:mod:`.host`).
 
 With ``events=True`` the monitor also writes each step's events
 (:mod:`.events`: every forward, backward, message and collective, on one
@@ -96,6 +97,7 @@ class StepMetrics:
     steal: float = 0.0
     others_load: float = 0.0
     cpu_util: float = 0.0
+    contention_ms: float = 0.0
 
     @property
     def comm_ms(self) -> float:

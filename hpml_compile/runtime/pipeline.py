@@ -368,7 +368,8 @@ class Pipeline:
             optimizer_ms=(run.t_end - run.t_opt) * 1e3, peak_memory_bytes=mem, memory_kind=mem_kind,
             bytes_sent=comm.stats.bytes_sent, bytes_received=comm.stats.bytes_received,
             loss=float(run.loss_sum), retries=attempt, host=self._hostname, steal=busy.steal,
-            others_load=busy.others, cpu_util=busy.cpu_util),
+            others_load=busy.others, cpu_util=busy.cpu_util,
+            contention_ms=busy.contention_s * 1e3),
             self.events.finish(self.steps_done) if self.events is not None else None)
         self.steps_done += 1
         return run.loss_sum.float()
@@ -392,7 +393,8 @@ class Pipeline:
                 samples=rows, step_ms=(run.t_end - run.t_start) * 1e3, pipeline_ms=(run.t_synced - run.t_start) * 1e3,
                 fwd_ms=run.busy.get((k, True), 0.0) * 1e3, bwd_ms=run.busy.get((k, False), 0.0) * 1e3,
                 optimizer_ms=(run.t_end - run.t_synced) * 1e3, loss=float(run.loss_sum), host=self._hostname,
-                steal=busy.steal, others_load=busy.others, cpu_util=busy.cpu_util),
+                steal=busy.steal, others_load=busy.others, cpu_util=busy.cpu_util,
+            contention_ms=busy.contention_s * 1e3),
                 events if k == min(self.stages) else None)  # one process: one record of every stage's events
         self.steps_done += 1
         return run.loss_sum.float()
