@@ -132,10 +132,10 @@ class Adapter:
         if self._seen < self.opts.warmup + self.opts.baseline:
             self._lost.append(m.contention_ms)
         base = statistics.fmean(self._lost) if self._lost else 0.0
-        t = torch.tensor([contention_discount(plan_scope_ms(m, self.with_optimizer), m.contention_ms, base)],
-                         dtype=torch.float64)
+        # the slowest rank's step less the most any rank lost (the ranks wait for each other)
+        t = torch.tensor([plan_scope_ms(m, self.with_optimizer), m.contention_ms - base], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        measured = float(t.item())
+        measured = contention_discount(float(t[0]), float(t[1]))
         self._times.append(measured)
         self._seen += 1
         if self._seen <= self.opts.warmup + self.opts.baseline:

@@ -66,6 +66,7 @@ class StageSummary:
     memory_kind: str
     predicted_fwd_ms: float
     predicted_bwd_ms: float
+    lost_ms: float = 0.0  # time the stage's ranks waited for a core (other programs, steal), mostly inside compute
 
     @property
     def compute_ms(self) -> float:
@@ -149,8 +150,9 @@ def slow_ranks(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], factor: fl
         st = plan.stages[rs[0].stage].predicted
         pred[rank] = (st.fwd_ms + st.bwd_ms) * micro
         step[rank] = _median(list(rs), lambda m: m.step_ms)
-        if pred[rank] > 0:
-            ratio[rank] = _median(list(rs), lambda m: m.fwd_ms + m.bwd_ms) / pred[rank]
+        if pred[rank] > 0:  # what it computed less what it waited for a core: a busy host is not a slow device
+            ratio[rank] = _median(list(rs), lambda m: max(m.fwd_ms + m.bwd_ms - m.contention_ms,
+                                                          0.1 * (m.fwd_ms + m.bwd_ms))) / pred[rank]
     out = {}
     for rank, r in ratio.items():
         others = [v for k, v in ratio.items() if k != rank]
@@ -246,8 +248,9 @@ def _advice(plan: Plan, stages: list[StageSummary], bubble: float, step_ms: floa
     quiet_error = error if quiet_error is None else quiet_error  # the step without what contention took
     if len(stages) > 1 and max(compute) > 1.15 * mean:
         b = max(range(len(stages)), key=lambda i: compute[i])
-        out.append(f"imbalance: stage {b} computes {compute[b] / mean - 1:+.0%} against the mean stage; re-plan "
-                   f"with the measured costs: {replan}")
+        lost = f"; it waited {stages[b].lost_ms:.0f} ms a step for a core" if stages[b].lost_ms >= 1 else ""
+        out.append(f"imbalance: stage {b} computes {compute[b] / mean - 1:+.0%} against the mean stage{lost}; "
+                   f"re-plan with the measured costs: {replan}")
     elif ratios and max(ratios) > 1.2 * min(ratios):
         out.append(f"the cost model is off unevenly (measured/predicted {min(ratios):.2f}..{max(ratios):.2f} "
                    f"across stages): re-plan with the measured costs: {replan}")
@@ -321,7 +324,7 @@ def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: in
             med(lambda m: m.idle_ms), med(lambda m: m.allreduce_ms), med(lambda m: m.bubble),
             int(max((_median(rs, lambda m: m.peak_memory_bytes) for rs in ranks), default=0)),
             ranks[0][0].memory_kind if ranks else "rss",
-            st.predicted.fwd_ms * micro, st.predicted.bwd_ms * micro))
+            st.predicted.fwd_ms * micro, st.predicted.bwd_ms * micro, med(lambda m: m.contention_ms)))
     all_rows = [m for rs in kept.values() for m in rs]
     step_ms = max(_median(rs, lambda m: m.step_ms) for rs in kept.values())
     samples = all_rows[0].samples
@@ -332,8 +335,11 @@ def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: in
     error = (step_ms - pred) / pred if pred > 0 else 0.0  # no prediction: nothing to compare
     busy = host_contention(kept)
     slow = slow_ranks(plan, kept) if len(kept) > 1 else {}
-    # each rank's step less what it lost to other programs and the hypervisor; the slowest rank's, as step_ms
-    quiet_ms = max(_median(rs, lambda m: contention_discount(m.step_ms, m.contention_ms)) for rs in kept.values())
+    # per step: the slowest rank's time less the most any rank lost to other programs and the hypervisor (the
+    # ranks of a pipeline wait for each other, so one rank's lost time delays the step for all)
+    by_step = list(zip(*kept.values()))
+    quiet_ms = float(statistics.median(contention_discount(max(m.step_ms for m in ms), max(m.contention_ms for m in ms))
+                                       for ms in by_step)) if by_step else step_ms
     quiet_error = (quiet_ms - pred) / pred if pred > 0 else 0.0
     advice = _advice(plan, stages, bubble, step_ms, comm, error, samples, run_dir, busy, slow, quiet_error)
     return RunSummary(plan, n, k, micro, step_ms, samples / (step_ms / 1e3) if step_ms else 0.0, bubble,
