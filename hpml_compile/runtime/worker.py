@@ -241,7 +241,10 @@ def _live(args: argparse.Namespace, pipe: Pipeline) -> tuple[AlertWatch, RowTail
     plan = pipe.plan
     devices = [d for st in plan.stages for d in st.devices]
     if args.metrics_port:
-        serve_metrics(args.run_dir, args.metrics_port, devices, plan.predicted.step_ms)
+        try:
+            serve_metrics(args.run_dir, args.metrics_port, devices, plan.predicted.step_ms)
+        except OSError as e:
+            raise HpmlError(f"--metrics-port {args.metrics_port}: cannot serve there ({e}); pass a free port") from e
         _say(f"metrics: http://{socket.gethostname()}:{args.metrics_port}/metrics (Prometheus text format)")
     capacity = {r: plan.cluster.device(d).memory_bytes for r, d in enumerate(devices)}
     return AlertWatch(plan.predicted.step_ms, capacity), RowTail(args.run_dir)
