@@ -11,7 +11,8 @@ module per stage (embedding + first layers; last layers + head),
 ``Schedule1F1B``/``ScheduleGPipe``, and an all-reduce of the tied embedding's
 gradient (the build does the same: ``ALLREDUCE(0,1)``). Our side is
 :class:`hpml_compile.runtime.Pipeline` on a build cut at the same node, with
-its monitoring on.
+its monitoring on; a second copy of it with the per-step events and host
+sampling off (``Pipeline(events=False)``) gives the cost of those.
 
 Run:  .venv/bin/python benchmarks/runtime_overhead/main.py [--model gpt-mini] [--schedule 1f1b]
 Prints a table; writes benchmarks/runtime_overhead/results/runtime_overhead-<model>-<schedule>-m<M>.json.
@@ -42,6 +43,7 @@ from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.trace import trace
 
 HERE = Path(__file__).resolve().parent
+EVENTS_OFF = "ours, events off"
 
 
 class First(nn.Module):
@@ -77,10 +79,10 @@ def _load(model: str) -> models.LoadedModel:
     return models.load(model, seed=0)
 
 
-def _ours(build_dir: str, model: str, run_dir: str) -> tuple[Any, Any]:
+def _ours(build_dir: str, model: str, run_dir: str, events: bool = True) -> tuple[Any, Any]:
     loaded = _load(model)
     pipe = Pipeline.from_build(build_dir, loaded.module, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                               run_dir=run_dir)
+                               run_dir=run_dir, events=events)
 
     def step() -> float:
         return pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn).item()
@@ -119,11 +121,12 @@ def _theirs(model: str, k: int, schedule: str, microbatches: int, rank: int) -> 
 def _worker(rank: int, world: int, args: argparse.Namespace, build_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     ours, pipe = _ours(build_dir, args.model, str(Path(out) / "ours"))
+    quiet, pipe_quiet = _ours(build_dir, args.model, str(Path(out) / "ours-no-events"), events=False)
     theirs = _theirs(args.model, args.cut_layer, args.schedule, args.microbatches, rank)
-    times: dict[str, list[float]] = {"ours": [], "torch.distributed.pipelining": []}
+    times: dict[str, list[float]] = {"ours": [], EVENTS_OFF: [], "torch.distributed.pipelining": []}
     first: dict[str, float] = {}
-    for rnd in range(args.rounds + 1):  # round 0 warms both up and is not counted
-        for name, step in (("ours", ours), ("torch.distributed.pipelining", theirs)):
+    for rnd in range(args.rounds + 1):  # round 0 warms all up and is not counted
+        for name, step in (("ours", ours), (EVENTS_OFF, quiet), ("torch.distributed.pipelining", theirs)):
             dist.barrier()
             t0 = time.perf_counter()
             losses = [step() for _ in range(args.steps)]
@@ -134,6 +137,26 @@ def _worker(rank: int, world: int, args: argparse.Namespace, build_dir: str, out
                 times[name].append((time.perf_counter() - t0) / args.steps)
     Path(out, f"rank{rank}.json").write_text(json.dumps({"times": times, "first_loss": first}))
     pipe.monitor.close()
+    pipe_quiet.monitor.close()
+
+
+def _events_cost(root: Path, events: int = 40, steps: int = 200) -> float:
+    """Milliseconds per step of recording ``events`` events, sampling the host and writing, in isolation."""
+    from hpml_compile.runtime.events import EventLog, EventStore
+    from hpml_compile.runtime.host import HostSampler
+
+    log, store, host = EventLog(0), EventStore(root / "events-alone", 0), HostSampler([os.getpid()])
+    t0 = time.perf_counter()
+    for step in range(steps):
+        log.begin()
+        host.begin()
+        for i in range(events):
+            t = time.perf_counter()
+            log.add("F", t, time.perf_counter(), 0, i, 1, 4096, i)
+        host.end()
+        store.write(log.finish(step))
+    store.close()
+    return (time.perf_counter() - t0) / steps * 1e3
 
 
 def _build(args: argparse.Namespace, root: Path) -> str:
@@ -177,10 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in rows.items():
         print(f"  {name:30s} {r['step_ms_median']:9.1f} {r['samples_per_s']:10.2f} {r['first_loss']:11.4f}")
     print(f"  ours / hand-written throughput: {ratio:.3f} (goal >= 0.95)")
+    # paired by round (the two ran back to back): the machine's load changes between rounds more than this
+    events_cost = statistics.median(a / b for a, b in zip(ours["step_ms_rounds"], rows[EVENTS_OFF]["step_ms_rounds"])) - 1
+    alone_ms = _events_cost(root)
+    print(f"  per-step events and host sampling: {events_cost:+.1%} step time (median over rounds of ours against "
+          f"ours with them off); alone: {alone_ms:.2f} ms per step of 40 events")
     result = {"benchmark": "runtime_overhead", "command": " ".join([sys.executable, *sys.argv]),
               "model": args.model, "schedule": args.schedule, "microbatches": args.microbatches,
               "cut_layer": args.cut_layer, "steps_per_round": args.steps, "rounds": args.rounds, "batch": batch,
-              "runtimes": rows, "throughput_ratio": ratio, "goal": 0.95, "meets_goal": ratio >= 0.95,
+              "runtimes": rows, "throughput_ratio": ratio, "events_overhead": events_cost, "events_alone_ms": alone_ms, "goal": 0.95, "meets_goal": ratio >= 0.95,
               "wall_s": time.perf_counter() - t0,
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}}
     out = HERE / "results"

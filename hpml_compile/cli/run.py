@@ -79,6 +79,9 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR:FROM_STEP",
                    help="fault injection: rank RANK computes FACTOR times slower from step FROM_STEP (from 1) on")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
+    p.add_argument("--metrics-port", type=int, default=None, dest="metrics_port", metavar="P",
+                   help="rank 0 serves every rank's latest figures at http://HOST:P/metrics in the Prometheus text "
+                        "format while the job runs (ranks of other hosts only with a shared run folder)")
     p.add_argument("--no-report", dest="report", action="store_false", help="skip the table at the end")
     d = p.add_argument_group("data (a build of a TrainSpec: `compile path/to/train.py:NAME`)")
     d.add_argument("--epochs", type=int, default=None, metavar="E",
@@ -126,6 +129,12 @@ def add_parsers(subparsers: Any) -> None:
     r.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     r.add_argument("--skip", type=int, default=None, help="warm-up steps to leave out (default 2)")
     r.add_argument("--no-export", dest="export", action="store_false", help="do not write RUN_DIR/profile.json")
+    r.add_argument("--trace", type=Path, default=None, metavar="FILE.json",
+                   help="also write the recorded steps as a Chrome trace (one track per rank, an arrow per message; "
+                        "open in ui.perfetto.dev or chrome://tracing)")
+    r.add_argument("--html", type=Path, default=None, metavar="FILE.html",
+                   help="also write one self-contained page (no network needed) with the plan, the predicted and "
+                        "measured step side by side, step time and loss, utilization, bandwidth, memory and advice")
     r.set_defaults(run=run_report)
 
 
@@ -165,6 +174,7 @@ def run_run(args: argparse.Namespace) -> int:
     worker += [] if args.timeout is None else ["--timeout", str(args.timeout)]
     worker += (["--val-every", str(args.val_every)] if args.val_every else []) + (
         ["--log-samples"] if args.log_samples else [])
+    worker += [] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port)]
     faults = [x for fault in args.inject_fault for x in ("--inject-fault", fault)]
     if args.adapt:
         return _run_adaptive(args, worker, faults, nproc)
@@ -239,6 +249,8 @@ def check_options(args: argparse.Namespace) -> None:
     _whole(args, "--adapt-patience", 1, "slow steps in a row")
     _whole(args, "--adapt-cooldown", 0, "quiet steps after a decision")
     _whole(args, "--max-failures", 1, "failures of one device before it is dropped")
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        _refuse("--metrics-port", args.metrics_port, "a TCP port, 1..65535", "pass e.g. --metrics-port 9464")
     _positive(args, "--lr", "a learning rate", "1e-3")
     _positive(args, "--timeout", "seconds a rank may block", "600")
     _positive(args, "--adapt-threshold", "a ratio of measured to predicted step time", "1.25", above=1.0)
@@ -420,9 +432,39 @@ def run_report(args: argparse.Namespace) -> int:
     segments = sorted(args.run_dir.glob("seg*/plan.json"), key=lambda p: int(p.parent.name[3:]))
     if (args.run_dir / "metrics").is_dir() or not segments:
         _report(args.run_dir, args.skip, export=args.export)
-        return 0
-    _report_segments(args.run_dir, [p.parent for p in segments], args.skip, export=args.export)
+        last = args.run_dir
+    else:
+        _report_segments(args.run_dir, [p.parent for p in segments], args.skip, export=args.export)
+        last = next((p.parent for p in reversed(segments) if (p.parent / "metrics").is_dir()), args.run_dir)
+    if args.trace is not None:
+        from ..runtime.timeline import write_trace
+
+        info = write_trace(last, args.trace)
+        print(f"wrote {args.trace}: {info['ranks']} ranks, {info['messages']} messages of {last} "
+              "(open in ui.perfetto.dev or chrome://tracing)")
+    if args.html is not None:
+        from ..runtime.page import write_page
+
+        write_page(last, args.html, predicted=_predicted(last), skip=args.skip)
+        print(f"wrote {args.html} (the page of {last}; open it in a browser)")
     return 0
+
+
+def _predicted(run_dir: Path) -> tuple[Any, Any] | None:
+    """The run's plan's cost graph and simulation, from the profile copied beside it (None without one)."""
+    from ..explain import plan_costgraph
+    from ..profile import load_profile, predict_kinds
+    from ..simulate import simulate
+
+    if not (run_dir / "plan_profile.json").is_file():
+        return None
+    plan = load_plan(run_dir / "plan.json")
+    profile = load_profile(run_dir / "plan_profile.json")
+    missing = sorted({d.kind for d in plan.cluster.devices} - set(profile.device_kinds))
+    if missing:
+        profile = predict_kinds(profile, missing)
+    graph = plan_costgraph(plan, profile)
+    return graph, simulate(plan, graph, profile.dtype)
 
 
 def _report_segments(run_dir: Path, segments: list[Path], skip: int | None, *, export: bool) -> None:

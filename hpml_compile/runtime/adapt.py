@@ -46,7 +46,7 @@ import torch.distributed as dist
 from .. import driver
 from ..profile import load_profile
 from .monitor import StepMetrics
-from .policy import DEFAULT_PATIENCE, DEFAULT_THRESHOLD, ImbalanceWatch, worth_switching
+from .policy import DEFAULT_PATIENCE, DEFAULT_THRESHOLD, ImbalanceWatch, contention_discount, worth_switching
 from .summary import device_slowdowns, measured_setup, summarise
 
 __all__ = ["AdaptOptions", "Verdict", "Adapter", "REPLANS_FILE", "NEXT_FILE", "plan_scope_ms"]
@@ -122,13 +122,20 @@ class Adapter:
         self.checkpoint_s = 1.0  # until one is measured
         self._seen = 0
         self._times: deque[float] = deque(maxlen=options.patience)  # the latest steps' times
+        self._lost: list[float] = []  # ms lost to contention in the first steps (the contention's baseline)
 
     def observe(self) -> Verdict | None:
         """Feed the step just run (call on every rank); a verdict when the watch fired, else None."""
         m = self.pipe.metrics[-1]
-        t = torch.tensor([plan_scope_ms(m, self.with_optimizer)], dtype=torch.float64)
+        # a host busier than in the plan's first steps (steal, other programs) is not a wrong plan: the step at
+        # the first steps' contention
+        if self._seen < self.opts.warmup + self.opts.baseline:
+            self._lost.append(m.contention_ms)
+        base = statistics.fmean(self._lost) if self._lost else 0.0
+        # the slowest rank's step less the most any rank lost (the ranks wait for each other)
+        t = torch.tensor([plan_scope_ms(m, self.with_optimizer), m.contention_ms - base], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        measured = float(t.item())
+        measured = contention_discount(float(t[0]), float(t[1]))
         self._times.append(measured)
         self._seen += 1
         if self._seen <= self.opts.warmup + self.opts.baseline:

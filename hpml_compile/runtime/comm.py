@@ -258,6 +258,7 @@ class DistComm(Comm):
         self.stats = CommStats()
         self.step_index = 0
         self.faults: list[CommFault] = []  # injected failures still to happen (shared with the pipeline)
+        self.events: Any = None  # an .events.EventLog where the pipeline records each step's events
         self._op_count: dict[CommOp, int] = {}
         self._pending: list[tuple[Any, Tensor]] = []
 
@@ -308,9 +309,14 @@ class DistComm(Comm):
         wire = tensor if group is not None or tensor.device.type == "cpu" else tensor.cpu()  # gloo: via host
         while self._pending and self._pending[0][0].is_completed():
             self._pending.pop(0)  # delivered: its buffer need not live until the end of the step
-        self._pending.append((dist.isend(wire, peer, group=group, tag=self._tag(key)), wire))
-        self.stats.bytes_sent += wire.numel() * wire.element_size()
-        self.stats.send_s += time.perf_counter() - t0
+        tag = self._tag(key)
+        self._pending.append((dist.isend(wire, peer, group=group, tag=tag), wire))
+        nbytes = wire.numel() * wire.element_size()
+        self.stats.bytes_sent += nbytes
+        t1 = time.perf_counter()
+        self.stats.send_s += t1 - t0
+        if self.events is not None:
+            self.events.add("SEND", t0, t1, self.stage, key[3], peer, nbytes, tag)
 
     def _get(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], shape: tuple[int, ...],
              dtype: torch.dtype) -> Tensor:
@@ -319,15 +325,19 @@ class DistComm(Comm):
         group = self._group(peer)
         t0 = time.perf_counter()
         buf = torch.empty(shape, dtype=dtype, device=self.device if group is not None else "cpu")
-        work = dist.irecv(buf, peer, group=group, tag=self._tag(key))
+        tag = self._tag(key)
+        work = dist.irecv(buf, peer, group=group, tag=tag)
         assert work is not None  # None only for a rank outside the group, which this never is
         work.wait()
         if group is not None:
             self._sync_device()
         out = buf if buf.device == self.device else buf.to(self.device)
-        self.stats.recv_s.append((Direction.FORWARD if key[2] == 0 else Direction.BACKWARD,
-                                  time.perf_counter() - t0))
-        self.stats.bytes_received += buf.numel() * buf.element_size()
+        t1 = time.perf_counter()
+        self.stats.recv_s.append((Direction.FORWARD if key[2] == 0 else Direction.BACKWARD, t1 - t0))
+        nbytes = buf.numel() * buf.element_size()
+        self.stats.bytes_received += nbytes
+        if self.events is not None:
+            self.events.add("RECV", t0, t1, self.stage, key[3], peer, nbytes, tag)
         return out
 
     def flush(self) -> None:
@@ -335,10 +345,14 @@ class DistComm(Comm):
         for work, _ in self._pending:
             work.wait()
         self._pending.clear()
-        self.stats.send_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.stats.send_s += t1 - t0
+        if self.events is not None:
+            self.events.add("WAIT", t0, t1, self.stage)
 
     # -- collectives ------------------------------------------------------------------------------
-    def _collective(self, stages: tuple[int, ...], flat: Tensor, fn: Callable[[Tensor, Any], Tensor]) -> Tensor:
+    def _collective(self, stages: tuple[int, ...], flat: Tensor, fn: Callable[[Tensor, Any], Tensor],
+                    name: str = "ALLREDUCE") -> Tensor:
         self._maybe_fail(CommOp.COLLECTIVE)
         group = self.groups.get(stages)
         t0 = time.perf_counter()
@@ -354,8 +368,12 @@ class DistComm(Comm):
         out = fn(wire, group)
         if nccl:
             self._sync_device()
+        t2 = time.perf_counter()
         self.stats.collective_wait_s += t1 - t0
-        self.stats.collective_s += time.perf_counter() - t1
+        self.stats.collective_s += t2 - t1
+        if self.events is not None:  # the peer field holds the group's size, for the bandwidth of a ring
+            self.events.add("COLL_WAIT", t0, t1, self.stage)
+            self.events.add(name, t1, t2, self.stage, -1, self.group_size(stages), flat.numel() * flat.element_size())
         return out if out.device == flat.device else out.to(flat.device)
 
     def all_reduce(self, stages: tuple[int, ...], flat: Tensor) -> None:
@@ -377,7 +395,7 @@ class DistComm(Comm):
             dist.reduce_scatter(out, parts, group=g)
             return out
 
-        return self._collective((stage,), flat, run)
+        return self._collective((stage,), flat, run, "REDUCESCATTER")
 
     def all_gather(self, stage: int, shard: Tensor) -> Tensor:
         def run(t: Tensor, g: Any) -> Tensor:
@@ -385,7 +403,7 @@ class DistComm(Comm):
             dist.all_gather(parts, t, group=g)
             return torch.cat(parts)
 
-        return self._collective((stage,), shard, run)
+        return self._collective((stage,), shard, run, "ALLGATHER")
 
 
 def dist_comm(build: Build, device: torch.device | str = "cpu") -> DistComm:

@@ -234,6 +234,7 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
     stepped: set[int] = set()
     optimized = done_compute = done_sync = False
     cuda = device.type == "cuda"
+    ev = getattr(comm, "events", None)  # an EventLog (.events) where the pipeline records this step's events
     for rank, a in order:
         kind = a.kind
         if kind in MARKERS:
@@ -264,29 +265,42 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
                 comm.settle(k, r, j)
             if cuda:
                 torch.cuda.current_stream(device).synchronize()
-            run.busy[(k, fwd)] = run.busy.get((k, fwd), 0.0) + time.perf_counter() - t0 - (_waited(comm) - w0)
+            t1 = time.perf_counter()
+            run.busy[(k, fwd)] = run.busy.get((k, fwd), 0.0) + t1 - t0 - (_waited(comm) - w0)
+            if ev is not None:
+                ev.add("F" if fwd else "B", t0, t1, k, j)
             continue
         if not done_compute:
             run.t_pipe, done_compute = time.perf_counter(), True
         if kind in COLLECTIVES and not optimized:
             if k not in synced:  # sync_grads runs every collective of the stage, in the order of its tokens
                 synced.add(k)
+                t0 = time.perf_counter()
                 stages[k].sync_grads()
+                if ev is not None:
+                    ev.add("SYNC", t0, time.perf_counter(), k)
             continue
         if not done_sync:
             run.t_synced, done_sync = time.perf_counter(), True
+        t0 = time.perf_counter()
         if kind is ActionKind.LOSS:
             comm.flush()
             if agree is not None:
                 agree(run.loss_sum)
             run.t_opt = time.perf_counter()
+            if ev is not None:
+                ev.add("LOSS", t0, run.t_opt, k)
         elif kind is ActionKind.OPTIMIZER:
             if optimizer is not None and not optimized:
                 optimizer.step()  # over every parameter of this process: once, whatever the stages here
+                if ev is not None:
+                    ev.add("OPT", t0, time.perf_counter(), k)
             optimized = True
         elif kind in COLLECTIVES and optimizer is not None and k not in stepped:
             stepped.add(k)
             stages[k].after_step()
+            if ev is not None:
+                ev.add("GATHER", t0, time.perf_counter(), k)
     run.t_end = time.perf_counter()
     return run
 

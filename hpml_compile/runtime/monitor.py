@@ -25,7 +25,15 @@ open with ``tensorboard --logdir RUN_DIR/tb``). What is measured, per step:
 - ``peak_memory_bytes``: CUDA allocator peak of the step on a GPU rank
   (``torch.cuda.max_memory_allocated``), peak resident set size of the
   process on a CPU rank (``VmHWM``, reset each step through
-  ``/proc/self/clear_refs`` where Linux allows it; else the process peak).
+  ``/proc/self/clear_refs`` where Linux allows it; else the process peak);
+- ``steal``, ``others_load``: the shares of the host's CPU stolen by the
+  hypervisor and used by processes not of this job during the step, and
+  ``cpu_util``, this process's CPU time over the step, and ``contention_ms``,
+  the time it lost to other programs and the hypervisor (:mod:`.host`).
+
+With ``events=True`` the monitor also writes each step's events
+(:mod:`.events`: every forward, backward, message and collective, on one
+clock) under ``metrics/``.
 
 Example:
     >>> m = StepMetrics(step=0, rank=0, stage=0, replica=0, device="cpu", microbatches=2, samples=8,
@@ -49,6 +57,7 @@ import torch
 
 from ..codegen.comm import Direction
 from .comm import CommStats
+from .events import EventStore
 
 __all__ = ["StepMetrics", "Monitor", "peak_memory", "reset_peak_memory", "split_wait", "metrics_path",
            "read_metrics"]
@@ -85,6 +94,11 @@ class StepMetrics:
     loss: float | None = None
     retries: int = 0
     val_loss: float | None = None  # validation loss after this step's update, where one was measured
+    host: str = ""
+    steal: float = 0.0
+    others_load: float = 0.0
+    cpu_util: float = 0.0
+    contention_ms: float = 0.0
 
     @property
     def comm_ms(self) -> float:
@@ -170,7 +184,8 @@ _TB_TAGS = {
     "time/step_ms": "step_ms", "time/fwd_ms": "fwd_ms", "time/bwd_ms": "bwd_ms", "time/comm_ms": "comm_ms",
     "time/idle_ms": "idle_ms", "time/allreduce_ms": "allreduce_ms", "time/optimizer_ms": "optimizer_ms",
     "pipeline/bubble": "bubble", "throughput/samples_per_s": "samples_per_s",
-    "memory/peak_bytes": "peak_memory_bytes",
+    "memory/peak_bytes": "peak_memory_bytes", "host/steal": "steal", "host/others_load": "others_load",
+    "host/cpu_util": "cpu_util",
 }
 
 
@@ -183,26 +198,31 @@ class Monitor:
         tensorboard: also write TensorBoard event files.
     """
 
-    def __init__(self, run_dir: str | Path | None, rank: int, *, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: str | Path | None, rank: int, *, tensorboard: bool = True, events: bool = True) -> None:
         self.rows: list[StepMetrics] = []
         self._file = None
         self._tb: Any = None
+        self._events: EventStore | None = None
         if run_dir is None:
             return
         path = metrics_path(run_dir, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("w")
+        if events:
+            self._events = EventStore(run_dir, rank)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when asked
 
             self._tb = SummaryWriter(str(Path(run_dir) / "tb" / f"rank{rank}"))
 
-    def record(self, m: StepMetrics) -> None:
-        """Append one step (flushed at once, so a crash keeps what was measured)."""
+    def record(self, m: StepMetrics, events: dict[str, Any] | None = None) -> None:
+        """Append one step, and its events where given (flushed at once, so a crash keeps what was measured)."""
         self.rows.append(m)
         if self._file is not None:
             self._file.write(json.dumps(m.to_dict()) + "\n")
             self._file.flush()
+        if events is not None and self._events is not None:
+            self._events.write(events)
         if self._tb is not None:
             d = m.to_dict()
             for tag, key in _TB_TAGS.items():
@@ -216,6 +236,9 @@ class Monitor:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._events is not None:
+            self._events.close()
+            self._events = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None

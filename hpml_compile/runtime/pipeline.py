@@ -68,7 +68,9 @@ from .comm import CommFault, DistComm, LocalComm, is_transient, make_groups, ran
 from .data import RankBatch
 from .executor import (actions_for, forward_stage, local_order, merge_outputs, run_actions, split_microbatches,
                        to_device)
+from .events import EventLog, align_clock
 from .gather import gather_outputs, gather_state_dict
+from .host import HostBusy, HostSampler, hostname
 from .monitor import Monitor, StepMetrics, peak_memory, reset_peak_memory, split_wait
 from .session import CommFailure, RetryPolicy, Session
 from .zero import FlatGrads, FlatShard
@@ -94,11 +96,13 @@ class Pipeline:
         tensorboard: also write TensorBoard event files.
         faults: communication failures to inject, each once (tests and drills).
         log: where progress and retry notices go.
+        events: record every step's events (:mod:`.events`) and the host's load (:mod:`.host`).
     """
 
     def __init__(self, build: Build, model: nn.Module, *, optimizer: OptimizerArg = None,
                  session: Session | None = None, run_dir: str | Path | None = None, tensorboard: bool = True,
-                 faults: Sequence[CommFault] = (), log: Callable[[str], None] | None = None) -> None:
+                 faults: Sequence[CommFault] = (), log: Callable[[str], None] | None = None,
+                 events: bool = True) -> None:
         self.build, self.model, self.session = build, model, session
         self.plan = build.plan
         self._log = log or (lambda line: None)
@@ -139,9 +143,14 @@ class Pipeline:
         self._buckets: list[FlatShard | FlatGrads] = self._make_buckets(optimizer)
         self._shards = [b for b in self._buckets if isinstance(b, FlatShard)]
         self.optimizer = self._make_optimizer(optimizer)
-        self.monitor = Monitor(run_dir, self.rank, tensorboard=tensorboard) if run_dir is not None else Monitor(
-            None, self.rank)
+        self.monitor = Monitor(run_dir, self.rank, tensorboard=tensorboard, events=events) \
+            if run_dir is not None else Monitor(None, self.rank)
         self.trainer: Any = None  # a TrainSpec's loop (.trainer.Trainer) where compile() was given one
+        self.events: EventLog | None = None
+        self.host: HostSampler | None = None
+        self._hostname = hostname()
+        if events:
+            self._watch_host()
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
@@ -180,10 +189,25 @@ class Pipeline:
         """The stage a rank runs."""
         return next(k for k, rs in enumerate(self._ranks) if rank in rs)
 
+    def _watch_host(self) -> None:
+        """Align this rank's clock with rank 0's and find the job's processes on this host (every rank calls it)."""
+        pids = [os.getpid()]
+        if self.session is not None:
+            every: list[Any] = [None] * self.world_size
+            dist.all_gather_object(every, (self._hostname, os.getpid()))
+            pids = [pid for host, pid in every if host == self._hostname]
+        self.events = EventLog(self.rank, align_clock(self.rank, self.world_size))
+        self.host = HostSampler(pids)
+        if self.comm is not None:
+            self.comm.events = self.events
+        else:
+            self._local.events = self.events
+
     def _connect(self) -> DistComm:
         pairs, groups = make_groups(self.plan, self._devices, self.build.manifest.groups())
         comm = DistComm(self.plan, self.rank, self._devices, pairs, groups)
         comm.faults = self._faults
+        comm.events = getattr(self, "events", None)
         self.build.stages[comm.stage].hpml_comm = comm
         for b in getattr(self, "_buckets", ()):  # after a reconnect: the new communicator runs the collectives
             comm.shards[b.stage] = b
@@ -403,12 +427,16 @@ class Pipeline:
         for b in self._buckets:
             b.begin_step()  # gradients accumulate into the flat buffer the reduce-scatter reads
         reset_peak_memory(self.device)
+        if self.events is not None and self.host is not None:
+            self.events.begin()
+            self.host.begin()
         # every rank must have been given this very batch: checked in the loss all-reduce (see .batchcheck)
         # (a rank given only its own rows checks the batch's dataset indices and number instead)
         seen = [inputs, targets] if rank_batch is None else [rank_batch.step, rank_batch.indices]
         agree = agree_with_check(dist.all_reduce, fingerprint(seen), self.steps_done + 1)
         run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
                           device=self.device, optimizer=self.optimizer, agree=agree, own_rows=rank_batch is not None)
+        busy = self.host.end() if self.host is not None else HostBusy(0.0, 0.0, 0.0)
         wait_ms, p2p_ms = split_wait(comm.stats)
         mem, mem_kind = peak_memory(self.device)
         val = self._validate(validate)
@@ -425,7 +453,10 @@ class Pipeline:
             sync_wait_ms=comm.stats.collective_wait_s * 1e3,
             optimizer_ms=(run.t_end - run.t_opt) * 1e3, peak_memory_bytes=mem, memory_kind=mem_kind,
             bytes_sent=comm.stats.bytes_sent, bytes_received=comm.stats.bytes_received,
-            loss=float(run.loss_sum), retries=attempt, val_loss=val))
+            loss=float(run.loss_sum), retries=attempt, val_loss=val, host=self._hostname, steal=busy.steal,
+            others_load=busy.others, cpu_util=busy.cpu_util,
+            contention_ms=busy.contention_s * 1e3),
+            self.events.finish(self.steps_done) if self.events is not None else None)
         self.steps_done += 1
         return run.loss_sum.float()
 
@@ -451,8 +482,13 @@ class Pipeline:
         """Every stage here: every rank's action list, merged into one order (:func:`.executor.local_order`)."""
         for p in self.parameters():
             p.grad = None
+        if self.events is not None and self.host is not None:
+            self.events.begin()
+            self.host.begin()
         run = run_actions(self.build, self._order(n), self.stages, self._local, inputs, targets, loss_fn, n,
                           optimizer=self.optimizer)
+        busy = self.host.end() if self.host is not None else HostBusy(0.0, 0.0, 0.0)
+        events = self.events.finish(self.steps_done) if self.events is not None else None
         rows = sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor))
         val = validate() if validate is not None else None
         for k in self.stages:
@@ -460,7 +496,10 @@ class Pipeline:
                 step=self.steps_done, rank=self._ranks[k][0], stage=k, replica=0, device="cpu", microbatches=n,
                 samples=rows, step_ms=(run.t_end - run.t_start) * 1e3, pipeline_ms=(run.t_synced - run.t_start) * 1e3,
                 fwd_ms=run.busy.get((k, True), 0.0) * 1e3, bwd_ms=run.busy.get((k, False), 0.0) * 1e3,
-                optimizer_ms=(run.t_end - run.t_synced) * 1e3, loss=float(run.loss_sum), val_loss=val))
+                optimizer_ms=(run.t_end - run.t_synced) * 1e3, loss=float(run.loss_sum), val_loss=val, host=self._hostname,
+                steal=busy.steal, others_load=busy.others, cpu_util=busy.cpu_util,
+                contention_ms=busy.contention_s * 1e3),
+                events if k == min(self.stages) else None)  # one process: one record of every stage's events
         self.steps_done += 1
         return run.loss_sum.float()
 

@@ -9,6 +9,9 @@
   cost of switching (checkpoint, restart, reload) over the steps that are left.
 * :class:`FailureLedger` counts failures per device; a device that fails
   ``max_failures`` times is dropped rather than retried forever.
+* :func:`contention_discount` takes off a step's time what the rank lost to
+  other programs and the hypervisor during it, so that a busy host is not
+  mistaken for a wrong plan; :func:`lost_share` says how busy a host was.
 
 Example:
     >>> w = ImbalanceWatch(threshold=1.2, patience=3)
@@ -16,16 +19,20 @@ Example:
     [False, False, False, False, False, True]
     >>> worth_switching(old_step_ms=30, new_step_ms=20, switch_cost_ms=5_000, steps_left=1000)
     True
+    >>> contention_discount(150.0, contention_ms=60.0)
+    90.0
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ImbalanceWatch", "FailureLedger", "worth_switching", "DEFAULT_THRESHOLD", "DEFAULT_PATIENCE"]
+__all__ = ["ImbalanceWatch", "FailureLedger", "worth_switching", "contention_discount", "lost_share",
+           "DEFAULT_THRESHOLD", "DEFAULT_PATIENCE", "MAX_LOST"]
 
 DEFAULT_THRESHOLD = 1.25  # measured / predicted step time that counts as "worse than planned"
 DEFAULT_PATIENCE = 5  # consecutive such steps before re-planning
+MAX_LOST = 0.9  # a host's contention never explains more than this share of a step
 
 
 @dataclass(slots=True)
@@ -96,3 +103,30 @@ class FailureLedger:
 
     def failures(self, device: str) -> int:
         return self._count.get(device, 0)
+
+
+def lost_share(steal: float, others: float) -> float:
+    """The share of the host's CPU a job could not have had: stolen plus used by other processes (at most MAX_LOST).
+
+    Args:
+        steal: the share of the host's CPU time stolen by the hypervisor during the step.
+        others: the share used by processes that are not the job's.
+    """
+    return min(MAX_LOST, max(0.0, steal) + max(0.0, others))
+
+
+def contention_discount(measured_ms: float, contention_ms: float, baseline_ms: float = 0.0) -> float:
+    """The step time without the contention beyond the baseline's: ``measured_ms - (contention_ms - baseline_ms)``.
+
+    Args:
+        measured_ms: the step's time.
+        contention_ms: the time the rank lost to other programs and the hypervisor in the step (waiting on a
+            run queue while ready, and stolen: ``contention_ms`` of :mod:`hpml_compile.runtime.host`).
+        baseline_ms: the contention while the reference was measured (0 for a quiet host), so that a host
+            that was always this busy is not discounted twice.
+
+    Returns:
+        At least ``(1 - MAX_LOST) x measured_ms``: contention never explains a whole step.
+    """
+    lost = max(0.0, contention_ms - max(0.0, baseline_ms))
+    return max(measured_ms - lost, (1.0 - MAX_LOST) * measured_ms)

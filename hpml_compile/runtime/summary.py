@@ -12,6 +12,16 @@ on that stage's device kind scaled by stage ``k``'s measured / predicted
 ratio (forward and backward separately). The per-node split inside a stage
 stays the profiler's; the stage totals become the measured ones.
 
+A busy host is told apart from a slow plan: each rank recorded the host's
+CPU steal and the load of other processes per step, and the time it lost to
+them (:mod:`.host`). :func:`host_contention` finds the steps a host was busy;
+the advice then takes the time lost off each rank's step
+(:func:`~.policy.contention_discount`) before it compares the step with the
+prediction, and says "host busy: 22% steal ... during steps 3-12" instead of
+advising a re-plan the contention explains. A rank that alone computes far
+over its prediction (:func:`slow_ranks`) is named: contention slows every rank
+on a host alike, a slow device only its own.
+
 Example:
     >>> tip = suggest_microbatches(stages=2, microbatches=2, bubble=0.4, rows=8)
     >>> tip.split(":")[0], "with 8 microbatches a 2-stage pipeline idles about 11%" in tip
@@ -30,8 +40,13 @@ from ..plan import Plan, load_plan
 from ..profile import load_profile, save_profile
 from ..report import human_bytes
 from .monitor import StepMetrics, read_metrics
+from .policy import contention_discount, lost_share
 
-__all__ = ["StageSummary", "RunSummary", "analyse", "format_summary", "predicted_bubble", "measured_profile", "export_profile",
+BUSY = 0.10  # a step on a host that lost at least this share of its CPU to steal and other programs was "busy"
+SLOW_RANK = 1.5  # a rank computing this many times the others' measured/predicted ratio is slow itself ...
+MIN_SHARE = 0.1  # ... when the excess is at least this share of its step
+
+__all__ = ["StageSummary", "RunSummary", "HostContention", "host_contention", "slow_ranks", "BUSY", "analyse", "format_summary", "predicted_bubble", "measured_profile", "export_profile",
            "suggest_microbatches", "summarise", "device_slowdowns", "measured_setup", "next_build_path"]
 
 
@@ -51,6 +66,7 @@ class StageSummary:
     memory_kind: str
     predicted_fwd_ms: float
     predicted_bwd_ms: float
+    lost_ms: float = 0.0  # time the stage's ranks waited for a core (other programs, steal), mostly inside compute
 
     @property
     def compute_ms(self) -> float:
@@ -67,6 +83,88 @@ class StageSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class HostContention:
+    """How busy one host was over the measured steps (shares of its CPU; steps counted from 1)."""
+
+    host: str
+    steal: float
+    others: float
+    first_step: int
+    last_step: int
+    busy_steps: int
+    lost: float
+
+    def describe(self) -> str:
+        """``host busy: 22% steal and 31% other processes during steps 3-12 (on HOST)``."""
+        parts = [f"{self.steal:.0%} steal"] if self.steal >= 0.01 else []
+        parts += [f"{self.others:.0%} used by other processes"] if self.others >= 0.01 else []
+        return (f"host busy: {' and '.join(parts) or 'contended'} during steps {self.first_step}-{self.last_step} "
+                f"(on {self.host or 'this host'}; {self.busy_steps} busy steps)")
+
+
+def host_contention(rows: Mapping[int, Sequence[StepMetrics]], busy: float = BUSY) -> list[HostContention]:
+    """The hosts that were busy during the steps in ``rows`` (rank -> its measured steps).
+
+    Per step and host the largest steal and other-process load any of its ranks saw; a host is busy when at
+    least a third of the steps lost ``busy`` or more of its CPU.
+
+    >>> row = lambda s, st, o: StepMetrics(s, 0, 0, 0, "cpu", 1, 8, 10.0, 10.0, 3.0, 6.0, host="h", steal=st,
+    ...                                    others_load=o)
+    >>> [c.describe() for c in host_contention({0: [row(2, 0.0, 0.0), row(3, 0.2, 0.1), row(4, 0.24, 0.1)]})]
+    ['host busy: 22% steal and 10% used by other processes during steps 4-5 (on h; 2 busy steps)']
+    """
+    per: dict[str, dict[int, tuple[float, float]]] = {}
+    for rs in rows.values():
+        for m in rs:
+            old = per.setdefault(m.host, {}).get(m.step, (0.0, 0.0))
+            per[m.host][m.step] = (max(old[0], m.steal), max(old[1], m.others_load))
+    out = []
+    for host, steps in sorted(per.items()):
+        hot = sorted(s for s, (st, o) in steps.items() if lost_share(st, o) >= busy)
+        if not hot or len(hot) * 3 < len(steps):
+            continue
+        out.append(HostContention(
+            host, statistics.fmean(steps[s][0] for s in hot), statistics.fmean(steps[s][1] for s in hot),
+            hot[0] + 1, hot[-1] + 1, len(hot), statistics.fmean(lost_share(*v) for v in steps.values())))
+    return out
+
+
+def slow_ranks(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], factor: float = SLOW_RANK,
+               min_share: float = MIN_SHARE) -> dict[int, tuple[float, float]]:
+    """Ranks whose compute, against their stage's prediction, is ``factor`` times the other ranks' (median).
+
+    A rank is named only when what it computes beyond the others' ratio is at least ``min_share`` of its step:
+    a stage of a few small nodes is dominated by per-call overheads the cost model leaves out, so its ratio
+    can be large while the time it stands for is not.
+
+    Returns:
+        rank -> (its measured/predicted compute, the other ranks' median of it).
+    """
+    micro = next((rs[0].microbatches for rs in rows.values() if rs), plan.microbatches)
+    ratio: dict[int, float] = {}
+    pred: dict[int, float] = {}
+    step: dict[int, float] = {}
+    for rank, rs in rows.items():
+        if not rs:
+            continue
+        st = plan.stages[rs[0].stage].predicted
+        pred[rank] = (st.fwd_ms + st.bwd_ms) * micro
+        step[rank] = _median(list(rs), lambda m: m.step_ms)
+        if pred[rank] > 0:  # what it computed less what it waited for a core: a busy host is not a slow device
+            ratio[rank] = _median(list(rs), lambda m: max(m.fwd_ms + m.bwd_ms - m.contention_ms,
+                                                          0.1 * (m.fwd_ms + m.bwd_ms))) / pred[rank]
+    out = {}
+    for rank, r in ratio.items():
+        others = [v for k, v in ratio.items() if k != rank]
+        if not others:
+            continue
+        usual = statistics.median(others)
+        if r > factor * usual and (r - usual) * pred[rank] >= min_share * step[rank]:
+            out[rank] = (r, usual)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
 class RunSummary:
     """A run, summarised (see :func:`analyse`)."""
 
@@ -80,6 +178,8 @@ class RunSummary:
     stages: tuple[StageSummary, ...]
     bottleneck: int
     advice: tuple[str, ...]
+    contention: tuple[HostContention, ...] = ()
+    slow: tuple[tuple[int, float, float], ...] = ()
 
     @property
     def predicted_step_ms(self) -> float:
@@ -131,17 +231,26 @@ def next_build_path(run_dir: Path) -> Path:
 
 
 def _advice(plan: Plan, stages: list[StageSummary], bubble: float, step_ms: float, comm_ms: float,
-            error: float, rows: int, run_dir: Path) -> list[str]:
+            error: float, rows: int, run_dir: Path, busy: Sequence[HostContention] = (),
+            slow: Mapping[int, tuple[float, float]] | None = None, quiet_error: float | None = None) -> list[str]:
     out: list[str] = []
     compute = [s.compute_ms for s in stages]
     mean = sum(compute) / len(compute)
     ratios = [s.ratio for s in stages if s.ratio == s.ratio]
     replan = (f"hpml-compile replan {run_dir / 'plan.json'} --profile {run_dir / 'profile.json'} "
               f"-o {next_build_path(run_dir)}")
+    devices = [(st.index, d) for st in plan.stages for d in st.devices]
+    for rank, (r, others) in sorted((slow or {}).items()):
+        k, d = devices[rank] if rank < len(devices) else (-1, "?")
+        out.append(f"slow rank: rank {rank} ({d}, stage {k}) computes {r:.2f}x its prediction where the other ranks "
+                   f"run {others:.2f}x: that device is slow (a busy host slows all its ranks alike); re-plan with it "
+                   f"measured: {replan}")
+    quiet_error = error if quiet_error is None else quiet_error  # the step without what contention took
     if len(stages) > 1 and max(compute) > 1.15 * mean:
         b = max(range(len(stages)), key=lambda i: compute[i])
-        out.append(f"imbalance: stage {b} computes {compute[b] / mean - 1:+.0%} against the mean stage; re-plan "
-                   f"with the measured costs: {replan}")
+        lost = f"; it waited {stages[b].lost_ms:.0f} ms a step for a core" if stages[b].lost_ms >= 1 else ""
+        out.append(f"imbalance: stage {b} computes {compute[b] / mean - 1:+.0%} against the mean stage{lost}; "
+                   f"re-plan with the measured costs: {replan}")
     elif ratios and max(ratios) > 1.2 * min(ratios):
         out.append(f"the cost model is off unevenly (measured/predicted {min(ratios):.2f}..{max(ratios):.2f} "
                    f"across stages): re-plan with the measured costs: {replan}")
@@ -151,9 +260,16 @@ def _advice(plan: Plan, stages: list[StageSummary], bubble: float, step_ms: floa
     if step_ms > 0 and comm_ms / step_ms > 0.3:
         out.append(f"communication takes {comm_ms / step_ms:.0%} of the step: a bigger batch (more compute per "
                    "byte sent) or fewer stages")
-    if abs(error) > 0.25:
-        out.append(f"the measured step is {error:+.0%} against the prediction: re-plan from the measured "
-                   f"profile ({replan}) so the solver sees these costs")
+    explained = bool(busy) and error > 0.25 and quiet_error <= 0.25
+    for c in busy:
+        out.append(c.describe() + (f": the step's {error:+.0%} against the prediction is what it explains (about "
+                                   f"{max(quiet_error, -0.99):+.0%} on a quiet host), not the plan; run again on a "
+                                   "quiet host rather than re-planning" if explained else
+                                   "; its steps ran slower than its devices can"))
+    if abs(error) > 0.25 and not explained:
+        out.append(f"the measured step is {error:+.0%} against the prediction"
+                   + (f" ({quiet_error:+.0%} with the host's contention taken off)" if busy else "")
+                   + f": re-plan from the measured profile ({replan}) so the solver sees these costs")
     return out or ["balanced, and close to the plan: nothing to change"]
 
 
@@ -208,7 +324,7 @@ def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: in
             med(lambda m: m.idle_ms), med(lambda m: m.allreduce_ms), med(lambda m: m.bubble),
             int(max((_median(rs, lambda m: m.peak_memory_bytes) for rs in ranks), default=0)),
             ranks[0][0].memory_kind if ranks else "rss",
-            st.predicted.fwd_ms * micro, st.predicted.bwd_ms * micro))
+            st.predicted.fwd_ms * micro, st.predicted.bwd_ms * micro, med(lambda m: m.contention_ms)))
     all_rows = [m for rs in kept.values() for m in rs]
     step_ms = max(_median(rs, lambda m: m.step_ms) for rs in kept.values())
     samples = all_rows[0].samples
@@ -217,9 +333,18 @@ def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: in
     bottleneck = max(range(len(stages)), key=lambda i: stages[i].compute_ms)
     pred = plan.predicted.step_ms
     error = (step_ms - pred) / pred if pred > 0 else 0.0  # no prediction: nothing to compare
-    advice = _advice(plan, stages, bubble, step_ms, comm, error, samples, run_dir)
+    busy = host_contention(kept)
+    slow = slow_ranks(plan, kept) if len(kept) > 1 else {}
+    # per step: the slowest rank's time less the most any rank lost to other programs and the hypervisor (the
+    # ranks of a pipeline wait for each other, so one rank's lost time delays the step for all)
+    by_step = list(zip(*kept.values()))
+    quiet_ms = float(statistics.median(contention_discount(max(m.step_ms for m in ms), max(m.contention_ms for m in ms))
+                                       for ms in by_step)) if by_step else step_ms
+    quiet_error = (quiet_ms - pred) / pred if pred > 0 else 0.0
+    advice = _advice(plan, stages, bubble, step_ms, comm, error, samples, run_dir, busy, slow, quiet_error)
     return RunSummary(plan, n, k, micro, step_ms, samples / (step_ms / 1e3) if step_ms else 0.0, bubble,
-                      tuple(stages), bottleneck, tuple(advice))
+                      tuple(stages), bottleneck, tuple(advice), tuple(busy),
+                      tuple((r, a, b) for r, (a, b) in sorted(slow.items())))
 
 
 def predicted_bubble(plan: Plan) -> float:

@@ -27,6 +27,7 @@ import functools
 import json
 import math
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,7 @@ from .adapt import NEXT_FILE, AdaptOptions, Adapter
 from .checkpoint import CheckpointError, latest, load_checkpoint, resume_from, save_checkpoint, seed_rngs
 from .comm import CommFault, CommOp
 from .lifeline import watch_launcher
+from .live import AlertWatch, RowTail, serve_metrics
 from .monitor import metrics_path
 from .pipeline import Pipeline
 from .trainer import Trainer
@@ -234,7 +236,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="first-stage ranks write each step's dataset indices to RUN_DIR/samples/rank<r>.jsonl")
     p.add_argument("--timeout", type=float, default=RetryPolicy().timeout_s,
                    help="seconds a collective or receive may block before the rank fails (a hung peer)")
+    p.add_argument("--metrics-port", type=int, default=None, dest="metrics_port",
+                   help="rank 0 serves every rank's latest figures here (Prometheus text format)")
     return p.parse_args(argv)
+
+
+def _live(args: argparse.Namespace, pipe: Pipeline) -> tuple[AlertWatch, RowTail]:
+    """Rank 0: the metrics endpoint (with --metrics-port) and the alert watch, both over the run folder's rows."""
+    plan = pipe.plan
+    devices = [d for st in plan.stages for d in st.devices]
+    if args.metrics_port:
+        try:
+            serve_metrics(args.run_dir, args.metrics_port, devices, plan.predicted.step_ms)
+        except OSError as e:
+            raise HpmlError(f"--metrics-port {args.metrics_port}: cannot serve there ({e}); pass a free port") from e
+        _say(f"metrics: http://{socket.gethostname()}:{args.metrics_port}/metrics (Prometheus text format)")
+    capacity = {r: plan.cluster.device(d).memory_bytes for r, d in enumerate(devices)}
+    return AlertWatch(plan.predicted.step_ms, capacity), RowTail(args.run_dir)
 
 
 def _say(line: str) -> None:
@@ -323,6 +341,7 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
     kills = {step for step, r in args.kills if r == rank}
     hangs = {step for step, r in args.hangs if r == rank}
     adapter: Adapter | None = None
+    live = _live(args, pipe) if rank == 0 else None
     loss_value: float | None = None
     switched = None
     for step in range(start, args.steps):
@@ -350,6 +369,9 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
                   f"{m.step_ms:8.1f} ms/step" + (f"  ({m.retries} retries)" if m.retries else ""), flush=True)
         if rank == 0 and pipe.metrics and pipe.metrics[-1].val_loss is not None:
             print(f"step {step + 1:4d}/{args.steps}  validation loss {pipe.metrics[-1].val_loss:9.4f}", flush=True)
+        if live is not None:
+            for alert in live[0].observe(live[1].read()):
+                _say(f"ALERT {alert}")
         if args.adapt:
             if adapter is None:
                 began = time.time() - args.launched_at if args.launched_at else time.perf_counter() - _STARTED

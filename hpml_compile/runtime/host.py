@@ -1,0 +1,133 @@
+"""How busy the host was during a step: CPU stolen by the hypervisor, and CPU used by processes not of this job.
+
+A shared virtual machine loses CPU time to other tenants (``steal`` in
+``/proc/stat``), and a host runs other programs; either makes every step
+slower without anything being wrong with the plan. Each rank samples, at the
+start and end of every step (:class:`HostSampler`, through psutil, which
+reads ``/proc/stat`` and ``/proc/<pid>/stat`` on Linux):
+
+- ``steal``: the share of the host's CPU time (all cores) stolen during the step;
+- ``others``: the share used by processes other than this job's ranks on this
+  host (busy time of the host less the CPU time of the job's processes);
+- ``cpu_util``: this rank's own CPU time over the step's wall time (1.0 = one core busy throughout);
+- ``contention_s``: the time this rank lost to the others during the step: its
+  main thread (where the model computes) waiting on a run queue while ready to
+  run (``/proc/self/schedstat``, Linux), plus the steal's share of the time it
+  ran. This, not the host-wide shares, is what a slowdown is discounted by
+  (:func:`~.policy.contention_discount`): a host can be busy while a job that
+  mostly waits for messages loses nothing to it.
+
+:func:`~.policy.lost_share` turns the first two into the share of the
+host's CPU the job could not have had, which names a busy host.
+
+Example:
+    >>> a = HostSample(wall=0.0, total=100.0, idle=60.0, steal=10.0, job=20.0, own=10.0, runq=1.0)
+    >>> b = HostSample(wall=1.0, total=300.0, idle=100.0, steal=40.0, job=100.0, own=10.5, runq=1.25)
+    >>> busy = a.delta(b)
+    >>> round(busy.steal, 2), round(busy.others, 2), round(busy.cpu_util, 2), round(busy.contention_s, 3)
+    (0.15, 0.25, 0.5, 0.325)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import psutil
+
+__all__ = ["HostSample", "HostBusy", "HostSampler", "hostname"]
+
+_SCHEDSTAT = "/proc/self/schedstat"  # run time, run-queue wait (ns), time slices of the main thread
+
+
+def hostname() -> str:
+    """This host's name, as the per-step rows record it."""
+    return socket.gethostname()
+
+
+@dataclass(frozen=True, slots=True)
+class HostBusy:
+    """Shares of the host's CPU during one step (see the module docstring)."""
+
+    steal: float
+    others: float
+    cpu_util: float
+    contention_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class HostSample:
+    """Cumulative CPU seconds at one moment: the host's (all cores), the job's processes' and this one's."""
+
+    wall: float
+    total: float
+    idle: float
+    steal: float
+    job: float
+    own: float
+    runq: float = 0.0
+
+    def delta(self, later: "HostSample") -> HostBusy:
+        """What happened between this sample and ``later``."""
+        total = later.total - self.total
+        if total <= 0:
+            return HostBusy(0.0, 0.0, 0.0)
+        busy = total - (later.idle - self.idle) - (later.steal - self.steal)
+        others = max(0.0, busy - (later.job - self.job)) / total
+        wall = later.wall - self.wall
+        steal = max(0.0, (later.steal - self.steal) / total)
+        own = later.own - self.own
+        waited = max(0.0, later.runq - self.runq) + steal * min(own, wall)
+        return HostBusy(steal, min(1.0, others), own / wall if wall > 0 else 0.0, waited)
+
+
+def _run_queue_wait() -> float:
+    """Seconds this process's main thread has waited on a run queue while ready (0.0 where Linux does not say)."""
+    try:
+        with open(_SCHEDSTAT) as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class HostSampler:
+    """Samples the host and this job's processes (see the module docstring).
+
+    Args:
+        job_pids: the process ids of this job's ranks on this host (this process included).
+    """
+
+    def __init__(self, job_pids: Sequence[int] = ()) -> None:
+        self._me = psutil.Process(os.getpid())
+        self._job = [psutil.Process(p) for p in dict.fromkeys([*job_pids, os.getpid()]) if psutil.pid_exists(p)]
+        self._start: HostSample | None = None
+
+    def sample(self) -> HostSample:
+        t = psutil.cpu_times()
+        idle = t.idle + getattr(t, "iowait", 0.0)
+        steal = getattr(t, "steal", 0.0)
+        total = sum(t)  # user, nice, system, idle, iowait, irq, softirq, steal, guest (guest is in user)
+        total -= getattr(t, "guest", 0.0) + getattr(t, "guest_nice", 0.0)
+        job = 0.0
+        for p in list(self._job):
+            try:
+                c = p.cpu_times()
+            except psutil.Error:  # a rank that ended
+                self._job.remove(p)
+                continue
+            job += c.user + c.system
+        own = self._me.cpu_times()
+        return HostSample(time.monotonic(), total, idle, steal, job, own.user + own.system, _run_queue_wait())
+
+    def begin(self) -> None:
+        """Mark the start of a step."""
+        self._start = self.sample()
+
+    def end(self) -> HostBusy:
+        """The shares since :meth:`begin`."""
+        if self._start is None:
+            return HostBusy(0.0, 0.0, 0.0)
+        return self._start.delta(self.sample())

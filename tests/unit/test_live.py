@@ -1,0 +1,55 @@
+"""Live figures without a job: the rows' tail, the Prometheus text they give, the alerts (the dist test scrapes a run)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hpml_compile.runtime.live import AlertWatch, RowTail, RunCollector
+from hpml_compile.runtime.monitor import StepMetrics
+
+
+def _row(step: int, rank: int, step_ms: float = 50.0, cpu: float = 0.9) -> StepMetrics:
+    return StepMetrics(step, rank, rank, 0, "cpu", 2, 8, step_ms, step_ms, 10.0, 20.0, cpu_util=cpu,
+                       peak_memory_bytes=2**20, loss=1.5, steal=0.1)
+
+
+def _write(run: Path, rank: int, rows: list[StepMetrics], partial: str = "") -> None:
+    path = run / "metrics" / f"rank{rank}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write("".join(json.dumps(r.to_dict()) + "\n" for r in rows) + partial)
+
+
+def test_tail_reads_new_lines_only_and_waits_for_a_partial_one(tmp_path: Path) -> None:
+    tail = RowTail(tmp_path)
+    assert tail.read() == {}
+    _write(tmp_path, 0, [_row(0, 0), _row(1, 0)], partial='{"step": 2, "ra')
+    _write(tmp_path, 1, [_row(0, 1)])
+    assert {r: m.step for r, m in tail.read().items()} == {0: 1, 1: 0}
+    (tmp_path / "metrics" / "rank0.jsonl").write_text(
+        (tmp_path / "metrics" / "rank0.jsonl").read_text().rsplit("\n", 1)[0] + "\n" + json.dumps(_row(2, 0).to_dict())
+        + "\n")
+    assert {r: m.step for r, m in tail.read().items()} == {0: 2, 1: 0}
+
+
+def test_collector_gives_prometheus_text_per_rank(tmp_path: Path) -> None:
+    _write(tmp_path, 0, [_row(0, 0, 40.0)])
+    _write(tmp_path, 1, [_row(0, 1, 60.0)])
+    reg = CollectorRegistry()
+    reg.register(RunCollector(tmp_path, ["cpu0", "cpu1"], 45.0))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+    got = {(s.labels["rank"], s.labels["device"]): s.value for s in families["hpml_step_ms"].samples}
+    assert got == {("0", "cpu0"): 40.0, ("1", "cpu1"): 60.0}
+    assert families["hpml_predicted_step_ms"].samples[0].value == 45.0
+    assert {s.value for s in families["hpml_host_steal_ratio"].samples} == {0.1}
+
+
+def test_alerts_fire_once_when_a_condition_starts_and_again_after_it_ended() -> None:
+    w = AlertWatch(predicted_ms=10.0, capacity={}, k=2)
+    seq = [w.observe({0: _row(s, 0, 20.0 if s != 2 else 5.0, cpu=0.9)}) for s in range(5)]
+    assert [[a.split(":")[0] for a in alerts] for alerts in seq] == [[], ["StepOverPrediction"], [], [],
+                                                                        ["StepOverPrediction"]]
