@@ -21,6 +21,11 @@ The memory of one device of a stage replicated over ``d`` devices:
   master weights, gradients and moments; the activations below then come from
   a profile taken under autocast, which counts them in the compute dtype and
   includes the compute-dtype weight copies autocast keeps for the backward.
+  Those copies are counted once per batch and so divided among the
+  microbatches like the activations, whereas each microbatch in flight holds
+  a whole copy: with ``M * d > 1`` they are under-counted (by up to
+  ``in_flight * P / 2`` for bf16); a separate per-microbatch term is not
+  modelled yet.
 - activations: what autograd saves for one microbatch on one replica is
   ``A / (M * d)`` (the profile's ``A`` is for the whole batch), times the
   microbatches in flight (:func:`in_flight`): all ``M`` under GPipe (Huang et
