@@ -59,6 +59,7 @@ from torch import Tensor, nn
 from ..codegen import Build, load_build
 from ..codegen.comm import DetachedComm
 from ..errors import HpmlError
+from ..ir import Precision
 from .batchcheck import agree_with_check, fingerprint
 from ..hostmem import keep_freed_memory
 from ..memory import ZeroStage
@@ -71,6 +72,7 @@ from .executor import (actions_for, forward_stage, local_order, merge_outputs, r
 from .events import EventLog, align_clock
 from .gather import gather_outputs, gather_state_dict
 from .host import HostBusy, HostSampler, hostname
+from .scaler import LossScaler
 from .monitor import Monitor, StepMetrics, peak_memory, reset_peak_memory, split_wait
 from .session import CommFailure, RetryPolicy, Session
 from .zero import FlatGrads, FlatShard
@@ -97,13 +99,20 @@ class Pipeline:
         faults: communication failures to inject, each once (tests and drills).
         log: where progress and retry notices go.
         events: record every step's events (:mod:`.events`) and the host's load (:mod:`.host`).
+        scaler: the fp16 loss scaler (default for an fp16 build: :class:`~.scaler.LossScaler` with torch's
+            defaults; refused for a bf16 or fp32 build, which need none).
     """
 
     def __init__(self, build: Build, model: nn.Module, *, optimizer: OptimizerArg = None,
                  session: Session | None = None, run_dir: str | Path | None = None, tensorboard: bool = True,
                  faults: Sequence[CommFault] = (), log: Callable[[str], None] | None = None,
-                 events: bool = True) -> None:
+                 events: bool = True, scaler: LossScaler | None = None) -> None:
         self.build, self.model, self.session = build, model, session
+        fp16 = build.plan.precision is Precision.FP16
+        if scaler is not None and not fp16:
+            raise HpmlError(f"a loss scaler was given, but the build trains in {build.plan.precision.value}: loss "
+                            "scaling is for fp16 builds only (compile with --precision fp16)")
+        self.scaler = scaler if scaler is not None else LossScaler() if fp16 else None
         self.plan = build.plan
         self._log = log or (lambda line: None)
         self._faults = list(faults)
@@ -435,7 +444,9 @@ class Pipeline:
         seen = [inputs, targets] if rank_batch is None else [rank_batch.step, rank_batch.indices]
         agree = agree_with_check(dist.all_reduce, fingerprint(seen), self.steps_done + 1)
         run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
-                          device=self.device, optimizer=self.optimizer, agree=agree, own_rows=rank_batch is not None)
+                          device=self.device, optimizer=self.optimizer, agree=agree, own_rows=rank_batch is not None,
+                          scaler=self.scaler,
+                          agree_inf=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))  # every rank skips alike
         busy = self.host.end() if self.host is not None else HostBusy(0.0, 0.0, 0.0)
         wait_ms, p2p_ms = split_wait(comm.stats)
         mem, mem_kind = peak_memory(self.device)
@@ -486,7 +497,7 @@ class Pipeline:
             self.events.begin()
             self.host.begin()
         run = run_actions(self.build, self._order(n), self.stages, self._local, inputs, targets, loss_fn, n,
-                          optimizer=self.optimizer)
+                          optimizer=self.optimizer, scaler=self.scaler)
         busy = self.host.end() if self.host is not None else HostBusy(0.0, 0.0, 0.0)
         events = self.events.finish(self.steps_done) if self.events is not None else None
         rows = sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor))

@@ -284,7 +284,7 @@ def _save(args: argparse.Namespace, pipe: Pipeline, step: int, loss: float | Non
     """Checkpoint ``step`` on every rank; returns the seconds it took."""
     t0 = time.perf_counter()
     plan_hash = sha256((Path(args.build) / "plan.json").read_bytes())
-    save_checkpoint(args.checkpoint_dir, step, pipe.local_module(), pipe.optimizer, keep=args.keep,
+    save_checkpoint(args.checkpoint_dir, step, pipe.local_module(), pipe.optimizer, keep=args.keep, scaler=pipe.scaler,
                     extra={"loss": loss, "build": str(Path(args.build).resolve()), "plan_sha256": plan_hash,
                            **(trainer.state_dict(step) if trainer is not None else {})})
     return time.perf_counter() - t0
@@ -326,7 +326,7 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
     start = 0
     found = _resume_point(args, rank)
     if found is not None:
-        meta = load_checkpoint(found, pipe.local_module(), pipe.optimizer)
+        meta = load_checkpoint(found, pipe.local_module(), pipe.optimizer, scaler=pipe.scaler)
         start = int(meta["step"])
         pipe.steps_done = start
         if trainer is not None:
@@ -335,6 +335,7 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
         plan = pipe.plan
         print(f"training {recipe.model} for {args.steps} steps on {pipe.world_size} ranks: "
               f"{len(plan.stages)} stages, {plan.microbatches} microbatches, {plan.schedule.value}, "
+              f"{plan.precision.value}, "
               f"batch {recipe.batch_size}, {threads} thread(s) per rank"
               + (f"; resumed from {found} (step {start})" if found else ""), flush=True)
     t0 = time.perf_counter()
