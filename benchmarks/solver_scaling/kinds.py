@@ -1,0 +1,165 @@
+"""Planning time on clusters of many device kinds: kinds x devices per kind (issue 16).
+
+For each model (llama-70b at batch 512, sequence 2048; gpt2-xl at batch 512,
+both profiled on the meta device with costs predicted for every kind), each
+number of kinds (A100-80GB, + H100-80GB, + V100-32GB, + A100-40GB) and each
+count per kind (8, 32, 128, 256; hosts of 8), plus one mix with CPUs, one
+``solve(..., solver="ilp")`` runs in a fresh process (so that its peak
+resident memory is its own) and the row records, from the solver's log:
+
+- first plan: seconds from the start of the solve to its first feasible plan;
+- 1% gap: seconds until the certified gap (incumbent against the lower bound
+  of the relaxation, at the chosen microbatch count) is at most 1%;
+- final gap and status when the time limit stops it;
+- peak: the process's peak resident memory (``ru_maxrss``), profile loading
+  included.
+
+Goals (issue 16): first plan <= 1 s everywhere; 1% gap <= 10 s up to 3 kinds
+x 256, <= 60 s for 4 kinds x 256; peak < 4 GiB.
+
+Run:
+    python benchmarks/solver_scaling/kinds.py                      # the whole table
+    python benchmarks/solver_scaling/kinds.py --models gpt2-xl --per 8,32
+Writes benchmarks/solver_scaling/results/kinds.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+KINDS = ("A100-80GB", "H100-80GB", "V100-32GB", "A100-40GB")
+MEMORY_GIB = {"A100-80GB": 80, "H100-80GB": 80, "V100-32GB": 32, "A100-40GB": 40, "cpu": 64}
+MODELS = {"llama-70b": (512, 2048), "gpt2-xl": (512, None)}
+RESULTS = Path(__file__).parent / "results"
+
+
+def cluster_dict(counts: dict[str, int], per_host: int = 8) -> dict[str, Any]:
+    """A cluster.json dict: ``counts[kind]`` devices of each kind, ``per_host`` to a host of one kind."""
+    devs = []
+    for kind, count in counts.items():
+        for i in range(count):
+            devs.append({"name": f"{kind}-{i}", "kind": kind, "memory_gib": MEMORY_GIB[kind],
+                         "host": f"{kind}-node{i // per_host}"})
+    name = "+".join(f"{c}x{k}" for k, c in counts.items())
+    return {"schema_version": 1, "name": name, "devices": devs}
+
+
+def profile_path(model: str) -> Path:
+    """The meta profile of ``model`` with every kind's costs (written once, then reused)."""
+    path = RESULTS / f"profile-{model}.json"
+    if not path.exists():
+        batch, seq = MODELS[model]
+        cmd = [sys.executable, "-m", "hpml_compile", "profile", model, "--meta", "--batch-size", str(batch),
+               "--device-kinds", ",".join((*KINDS, "cpu")), "-o", str(path)]
+        if seq:
+            cmd[6:6] = ["--seq-len", str(seq)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return path
+
+
+def child(model: str, counts: dict[str, int], limit: float) -> dict[str, Any]:
+    """One solve in this process: the row (run as ``kinds.py --child``)."""
+    from hpml_compile.driver import cost_graph
+    from hpml_compile.ir import Cluster
+    from hpml_compile.profile import load_profile
+    from hpml_compile.solve import solve
+
+    cluster = Cluster.from_dict(cluster_dict(counts))
+    _, graph = cost_graph(load_profile(profile_path(model)), cluster)
+    lines: list[tuple[float, str]] = []
+    t0 = time.perf_counter()
+    plan = solve(graph, cluster, solver="ilp", time_limit_s=limit,
+                 progress=lambda s: lines.append((time.perf_counter() - t0, s)))
+    secs = time.perf_counter() - t0
+    first = next((t for t, s in lines if "first plan after" in s), None)
+    first = float(re.search(r"first plan after ([0-9.e+-]+) s", next(s for _, s in lines if "first plan after" in s)
+                            ).group(1)) if first is not None else None
+    gaps = [(float(m.group(1)), float(m.group(2)) / 100) for _, s in lines
+            if (m := re.match(r"anytime: ([0-9.]+) s: .* gap ([0-9.]+)%", s))]
+    gap = plan.solver.gap
+    one = next((t for t, g in gaps if g <= 0.01), None)
+    if not gaps and gap <= 0.01:  # the exact path (few devices): proven at the end
+        one = secs
+    return {"model": model, "kinds": len(counts), "counts": counts, "devices": sum(counts.values()),
+            "limit_s": limit, "first_plan_s": first, "gap_1pct_s": one, "seconds": round(secs, 3),
+            "status": plan.solver.status.value, "gap": float(gap), "microbatches": plan.microbatches,
+            "stages": len(plan.stages), "step_ms": plan.predicted.step_ms,
+            "peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+
+
+def _fmt(r: dict[str, Any]) -> str:
+    f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    mix = "+".join(f"{c} {k}" for k, c in r["counts"].items())
+    return (f"{r['model']:9s} {r['kinds']:5d} {r['devices']:7d}  {f(r['first_plan_s']):>7s} {f(r['gap_1pct_s']):>7s} "
+            f"{r['seconds']:8.2f} {r['status']:>9s} {r['gap']:7.2%} {r['peak_mib']:8.0f}  {mix}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="llama-70b,gpt2-xl")
+    ap.add_argument("--kinds", default="1,2,3,4", help="numbers of kinds")
+    ap.add_argument("--per", default="8,32,128,256", help="devices per kind")
+    ap.add_argument("--limit", type=float, default=10.0, help="solve time limit, 1-3 kinds")
+    ap.add_argument("--limit4", type=float, default=60.0, help="solve time limit, 4 kinds")
+    ap.add_argument("--no-cpu", action="store_true", help="skip the mix with CPUs")
+    ap.add_argument("--timeout", type=float, default=300.0, help="kill a row's process after this long")
+    ap.add_argument("--out", type=Path, default=RESULTS / "kinds.json")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        spec = json.loads(args.child)
+        print(json.dumps(child(spec["model"], spec["counts"], spec["limit"])))
+        return
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    grid = [(m, {k: p for k in KINDS[:n]}, args.limit4 if n == 4 else args.limit)
+            for m in args.models.split(",") for n in map(int, args.kinds.split(",")) for p in map(int, args.per.split(","))]
+    if not args.no_cpu:
+        grid.append(("gpt2-xl", {"A100-80GB": 32, "cpu": 8}, args.limit))
+    rows: list[dict[str, Any]] = []
+    t_start = time.time()
+    print(f"{'model':9s} {'kinds':>5s} {'devices':>7s}  {'first s':>7s} {'1% s':>7s} {'total s':>8s} {'status':>9s} "
+          f"{'gap':>7s} {'peak MiB':>8s}  cluster", flush=True)
+    for model, counts, limit in grid:
+        profile_path(model)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                            os.environ.get("PYTHONPATH", "")])}
+        spec = json.dumps({"model": model, "counts": counts, "limit": limit})
+        try:
+            done = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True, text=True,
+                                  timeout=args.timeout, env=env)
+            row = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {
+                "model": model, "counts": counts, "error": done.stderr.strip().splitlines()[-1:]}
+        except subprocess.TimeoutExpired:
+            row = {"model": model, "counts": counts, "error": f"killed after {args.timeout:g} s"}
+        rows.append(row)
+        print(_fmt(row) if "error" not in row else f"{model:9s} {counts}: {row['error']}", flush=True)
+    ok = [r for r in rows if "error" not in r]
+    goals = {
+        "first_plan_le_1s": all(r["first_plan_s"] is not None and r["first_plan_s"] <= 1.0 for r in ok),
+        "gap_1pct_le_10s_up_to_3_kinds": all(r["gap_1pct_s"] is not None and r["gap_1pct_s"] <= 10.0
+                                             for r in ok if r["kinds"] <= 3 and "cpu" not in r["counts"]),
+        "gap_1pct_le_60s_4_kinds": all(r["gap_1pct_s"] is not None and r["gap_1pct_s"] <= 60.0
+                                       for r in ok if r["kinds"] == 4),
+        "peak_lt_4gib": all(r["peak_mib"] < 4096 for r in ok),
+    }
+    print("goals:", ", ".join(f"{k} {'met' if v else 'MISSED'}" for k, v in goals.items()))
+    args.out.write_text(json.dumps({
+        "benchmark": "solver_scaling/kinds", "rows": rows, "goals": goals,
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "python": platform.python_version()},
+        "seconds": round(time.time() - t_start, 1)}, indent=1))
+    print(f"wrote {args.out} ({time.time() - t_start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
