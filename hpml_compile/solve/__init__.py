@@ -43,7 +43,7 @@ from .baselines import Baseline, balanced_cuts, baseline_stages, stages_from_cut
 from .candidates import Candidate, Chain, Setting, kind_counts, to_plan
 from .dp import objective, solve_chain
 from .ilp import IlpResult, milp, prune, solve_ilp
-from .lagrange import EXACT_VECTORS, coarse_chain, lagrangian_bounds, reduced_cost_prune, vectors
+from .lagrange import EXACT_VECTORS, coarse_chain, coarse_groups, lagrangian_bounds, reduced_cost_prune, vectors
 from .table import build_table
 
 #: Most candidates handed to HiGHS after pruning (beyond, the Lagrangian bounds alone decide; memory).
@@ -115,13 +115,14 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
 
     def pick(setting: Setting) -> list[Candidate] | None:
         if name in (SolverName.ILP, SolverName.DP):
-            tab = build_table(chain, cluster, setting)
-            return coarse_chain(chain, cluster, setting, tab) if large else solve_chain(chain, cluster, setting, tab)
+            if large:  # only the degrees the coarse DP can use: a small table, a first plan early
+                return coarse_chain(chain, cluster, setting,
+                                    build_table(chain, cluster, setting, groups=coarse_groups(cluster, setting)))
+            return solve_chain(chain, cluster, setting, build_table(chain, cluster, setting))
         got = baseline_stages(chain, cluster, setting, Baseline(name.value))
         return None if isinstance(got, str) else got
 
-    if large:  # the most microbatches first: least memory, so the likeliest to fit, for a first plan early
-        ms = ms[::-1]
+    ms = ms[::-1]  # the most microbatches first: least memory, so the likeliest to fit, for a first plan early
     best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0)
     if best is None:
         raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype)))
@@ -170,8 +171,8 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
             break
         first = "" if best is not None or t0 is None else f" (first plan after {time.perf_counter() - t0:.3g} s)"
         say(f"{name}: M={m}: {len(plan.stages)} stages, simulated step {r.step_ms:.4g} ms{first}")
-        if best is None or r.step_ms < best[0]:
-            best = (r.step_ms, plan, setting, picked)
+        if best is None or r.step_ms < best[0] or (r.step_ms == best[0] and m < best[2].microbatches):
+            best = (r.step_ms, plan, setting, picked)  # ties: the fewest microbatches
     return best
 
 

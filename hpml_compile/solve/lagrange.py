@@ -56,11 +56,11 @@ import numpy as np
 
 from ..ir import Cluster
 from .bounds import Bounds, exact_classes
-from .candidates import Candidate, Chain, Setting, classes, kind_counts
+from .candidates import Candidate, Chain, Setting, classes, degrees, kind_counts
 from .dp import objective, tile
 from .table import CandidateTable
 
-__all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "vectors", "units", "coarse_chain", "path_min", "lagrangian_bounds",
+__all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "vectors", "units", "coarse_groups", "coarse_chain", "path_min", "lagrangian_bounds",
            "reduced_cost_prune", "feasible"]
 
 #: Device-count vectors up to which the exact DP (and its bounds) are used as before.
@@ -106,6 +106,27 @@ def feasible(picked: list[Candidate], counts: dict[str, int], big_j: int) -> boo
     return all(c.jmax >= min(big_j, s - 1 - i) for i, c in enumerate(picked))
 
 
+def _units_at(counts: dict[str, int], setting: Setting, budget: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Units and unit counts of the coarse DP at this microbatch size.
+
+    A unit above the largest degree the microbatch's rows allow would leave a kind no candidate: it is
+    shrunk, and only as many units are used as before (fewer devices: still a restriction, so still plans).
+    """
+    g0 = units(counts, budget)
+    rows = max(1, setting.batch_size // setting.microbatches)
+    top = {k: max(degrees(c, rows), default=1) for k, c in counts.items()}
+    g = {k: min(g0[k], 2 ** int(math.log2(top[k]))) for k in counts}
+    return g, {k: min(counts[k] // g[k], counts[k] // g0[k]) for k in counts}
+
+
+def coarse_groups(cluster: Cluster, setting: Setting, budget: int = COARSE_VECTORS) -> list[tuple[str, int]]:
+    """The ``(kind, degree)`` groups :func:`coarse_chain` can use: build only these for a first plan."""
+    counts = kind_counts(cluster)
+    g, _ = _units_at(counts, setting, budget)
+    rows = max(1, setting.batch_size // setting.microbatches)
+    return [(k, d) for k, c in counts.items() for d in degrees(c, rows) if d % g[k] == 0]
+
+
 def coarse_chain(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, *,
                  budget: int = COARSE_VECTORS, max_classes: int = 4) -> list[Candidate] | None:
     """A plan from the exact DP over devices counted in units (see the module docstring); None if none.
@@ -122,12 +143,7 @@ def coarse_chain(chain: Chain, cluster: Cluster, setting: Setting, tab: Candidat
         The candidates in pipeline order.
     """
     counts = kind_counts(cluster)
-    g0 = units(counts, budget)
-    # A unit above the largest degree this microbatch size allows would leave a kind no candidate: shrink
-    # it, and use only as many units as before (fewer devices: still a restriction, so still a plan).
-    top = {k: max([int(x) for x in tab.d[tab.kind == i]], default=1) for i, k in enumerate(tab.kinds)}
-    g = {k: min(g0[k], 2 ** int(math.log2(top.get(k, 1)))) for k in counts}
-    ucounts = {k: min(counts[k] // g[k], counts[k] // g0[k]) for k in counts}
+    g, ucounts = _units_at(counts, setting, budget)
     gk = np.asarray([g[k] for k in tab.kinds], dtype=np.int64)
     keep = np.flatnonzero(tab.d % gk[tab.kind] == 0)
     if keep.size == 0:
