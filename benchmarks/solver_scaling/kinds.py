@@ -4,8 +4,9 @@ For each model (llama-70b at batch 512, sequence 2048; gpt2-xl at batch 512,
 both profiled on the meta device with costs predicted for every kind), each
 number of kinds (A100-80GB, + H100-80GB, + V100-32GB, + A100-40GB) and each
 count per kind (8, 32, 128, 256; hosts of 8), plus one mix with CPUs, one
-``solve(..., solver="ilp")`` runs in a fresh process (so that its peak
-resident memory is its own) and the row records, from the solver's log:
+``solve(..., solver="ilp")`` runs in a fork of the process that loaded the
+profile once (so its peak resident memory, the profile included, is the
+row's own), and the row records, from the solver's log:
 
 - first plan: seconds from the start of the solve to its first feasible plan;
 - 1% gap: seconds until the certified gap (incumbent against the lower bound
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import platform
 import re
@@ -69,17 +71,16 @@ def profile_path(model: str) -> Path:
     return path
 
 
-def child(model: str, counts: dict[str, int], limit: float) -> dict[str, Any]:
-    """One solve in this process: the row (run as ``kinds.py --child``)."""
+def child(prof: Any, model: str, counts: dict[str, int], limit: float) -> dict[str, Any]:
+    """One solve (in a forked process, so that ``ru_maxrss`` is this row's peak): the row."""
     from hpml_compile.driver import cost_graph
     from hpml_compile.errors import InfeasibleError
     from hpml_compile.ir import Cluster
-    from hpml_compile.profile import load_profile
     from hpml_compile.solve import solve
 
     load = os.getloadavg()[0]  # the machine is shared: how busy it was when the row began
     cluster = Cluster.from_dict(cluster_dict(counts))
-    _, graph = cost_graph(load_profile(profile_path(model)), cluster)
+    _, graph = cost_graph(prof, cluster)
     lines: list[tuple[float, float, str]] = []  # (wall s, this process's CPU s, line), from the solve's start
     t0, c0 = time.perf_counter(), time.process_time()
     say = lambda s: lines.append((time.perf_counter() - t0, time.process_time() - c0, s))  # noqa: E731
@@ -108,6 +109,14 @@ def child(model: str, counts: dict[str, int], limit: float) -> dict[str, Any]:
             "peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
+def _row(send: Any, prof: Any, model: str, counts: dict[str, int], limit: float) -> None:
+    """The forked process: one row, or the error that stopped it."""
+    try:
+        send.send(child(prof, model, counts, limit))
+    except Exception as e:  # noqa: BLE001 - reported as the row
+        send.send({"model": model, "counts": counts, "error": f"{type(e).__name__}: {e}"})
+
+
 def _fmt(r: dict[str, Any]) -> str:
     f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     mix = "+".join(f"{c} {k}" for k, c in r["counts"].items())
@@ -126,12 +135,9 @@ def main() -> None:
     ap.add_argument("--no-cpu", action="store_true", help="skip the mix with CPUs")
     ap.add_argument("--timeout", type=float, default=300.0, help="kill a row's process after this long")
     ap.add_argument("--out", type=Path, default=RESULTS / "kinds.json")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child:
-        spec = json.loads(args.child)
-        print(json.dumps(child(spec["model"], spec["counts"], spec["limit"])))
-        return
+    from hpml_compile.profile import load_profile
+
     RESULTS.mkdir(parents=True, exist_ok=True)
     grid = [(m, {k: p for k in KINDS[:n]}, args.limit4 if n == 4 else args.limit)
             for m in args.models.split(",") for n in map(int, args.kinds.split(",")) for p in map(int, args.per.split(","))]
@@ -141,18 +147,19 @@ def main() -> None:
     t_start = time.time()
     print(f"{'model':9s} {'kinds':>5s} {'devices':>7s}  {'first s':>7s} {'(cpu)':>7s} {'1% s':>7s} {'(cpu)':>7s} "
           f"{'total s':>8s} {'(cpu)':>7s} {'status':>10s} {'gap':>7s} {'peak MiB':>8s}  cluster", flush=True)
+    profiles: dict[str, Any] = {}
+    ctx = mp.get_context("fork")  # the profile is loaded once; each row's solve runs in a fork of this process
     for model, counts, limit in grid:
-        profile_path(model)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                            os.environ.get("PYTHONPATH", "")])}
-        spec = json.dumps({"model": model, "counts": counts, "limit": limit})
-        try:
-            done = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True, text=True,
-                                  timeout=args.timeout, env=env)
-            row = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {
-                "model": model, "counts": counts, "error": done.stderr.strip().splitlines()[-1:]}
-        except subprocess.TimeoutExpired:
-            row = {"model": model, "counts": counts, "error": f"killed after {args.timeout:g} s"}
+        if model not in profiles:
+            profiles[model] = load_profile(profile_path(model))
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_row, args=(send, profiles[model], model, counts, limit))
+        proc.start()
+        row: dict[str, Any] = {"model": model, "counts": counts, "error": f"killed after {args.timeout:g} s"}
+        if recv.poll(args.timeout):
+            row = recv.recv()
+        proc.kill() if proc.is_alive() else None
+        proc.join()
         rows.append(row)
         print(_fmt(row) if "error" not in row else f"{model:9s} {counts}: {row['error']}", flush=True)
     ok = [r for r in rows if "error" not in r and r["status"] != "infeasible"]

@@ -12,7 +12,21 @@ The microbatch count, when not given, is searched over powers of two up to
 numpy, :mod:`.table`, the vectorised DP, one simulation; ~0.1-0.2 s for
 llama-70b on 64 devices); the ILP then solves at the best count. ``ilp``
 returns the better, by simulated step time, of the ILP's plan and the DP's,
-so it is never worse than ``dp``. :func:`plan_from_cuts` scores any other
+so it is never worse than ``dp``.
+
+Clusters whose device-count vectors (``prod_k (count_k + 1)``) exceed
+:data:`~.lagrange.EXACT_VECTORS` (several kinds, or one kind past ~128
+devices) take the many-kind path of :mod:`.lagrange` instead of the exact DP
+over count vectors, whose state grew to 17 million vectors for 3 kinds x 256:
+the microbatch search runs a coarse exact DP over device units (its first plan
+is logged with the time it took), then :func:`_anytime` bounds the chosen
+count with a Lagrangian shortest path, streams every improvement as
+``anytime: <s> s: incumbent <u> ms, bound <l> ms, gap <g>%`` and hands HiGHS
+the candidates the bound has not ruled out. The time limit or Ctrl-C stops it
+with the best plan so far and its certified gap (the plan's status is
+``feasible`` with that gap, or ``optimal`` when the bounds meet). The
+microbatch counts are tried from the most down (the likeliest to fit first),
+and ties go to the fewest. :func:`plan_from_cuts` scores any other
 partitioner's split (e.g. DeepSpeed's or torchgpipe's) the way the
 baselines are scored.
 
@@ -87,7 +101,7 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         solver: which solver.
         microbatches: ``M``; None searches :func:`microbatch_choices`.
         schedule: GPipe or 1F1B.
-        time_limit_s: time limit of the ILP.
+        time_limit_s: time limit of the ILP (on the many-kind path: of the whole solve, from its start).
         dtype: parameter dtype (Adam state size).
         progress: called with a line of text as the solve goes on.
 
@@ -191,7 +205,7 @@ def _anytime(chain: Chain, cluster: Cluster, setting: Setting, warm: list[Candid
     gap <g>%``; the time limit or Ctrl-C stops it with the best plan so far and its certified gap.
     """
     start = time.perf_counter()
-    deadline = start + time_limit_s
+    deadline = max(t0 + time_limit_s, start + 0.5)  # the limit counts from the solve's start, search included
     m = setting.microbatches
     state = {"lower": 0.0, "upper": objective(warm, m), "plan": warm}
 
@@ -215,7 +229,7 @@ def _anytime(chain: Chain, cluster: Cluster, setting: Setting, warm: list[Candid
         if finer and objective(finer, m) < state["upper"]:
             report(0.0, objective(finer, m), finer)
         b, lam = lagrangian_bounds(chain, cluster, setting, tab, start=warm,
-                                   deadline=start + 0.6 * time_limit_s, progress=report)
+                                   deadline=start + 0.6 * (deadline - start), progress=report)
         report(b.lower, b.upper, b.plan)
         say(f"anytime: Lagrangian bounds after {b.evaluations} shortest paths")
         if _gap(state["lower"], state["upper"]) <= 1e-6 or time.perf_counter() >= deadline - 0.5:
