@@ -63,7 +63,7 @@ from .table import build_table
 #: Most candidates handed to HiGHS after pruning (beyond, the Lagrangian bounds alone decide; memory).
 MILP_CANDIDATES = 15000
 #: Device-count vectors of the finer coarse DP run once at the chosen microbatch count.
-REFINE_VECTORS = 600
+REFINE_VECTORS = 1100
 
 __all__ = ["SolverName", "solve", "microbatch_choices", "plan_from_cuts"]
 
@@ -137,7 +137,7 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         return None if isinstance(got, str) else got
 
     ms = ms[::-1]  # the most microbatches first: least memory, so the likeliest to fit, for a first plan early
-    best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0)
+    best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0, unimodal=large)
     if best is None:
         raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype)))
     step, plan, setting, picked = best
@@ -164,14 +164,21 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
 
 def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtype: str,
             pick: Callable[[Setting], list[Candidate] | None], name: str, say: Callable[[str], None],
-            t0: float | None = None) -> tuple[float, Plan, Setting, list[Candidate]] | None:
+            t0: float | None = None, unimodal: bool = False) -> tuple[float, Plan, Setting, list[Candidate]] | None:
     """The microbatch count whose stages (from ``pick``) simulate fastest: ``(step, plan, setting, stages)``.
 
-    Stopped by Ctrl-C (KeyboardInterrupt) after a first plan, it returns the best so far.
+    Stopped by Ctrl-C (KeyboardInterrupt) after a first plan, it returns the best so far. ``unimodal``:
+    stop once two counts in a row simulate slower than the best (the step time falls, then rises, as
+    the bubble shrinks and the per-microbatch fixed costs grow); a heuristic, used where the search is
+    not exact anyway (the many-kind path).
     """
     graph = chain.graph
     best: tuple[float, Plan, Setting, list[Candidate]] | None = None
+    worse = 0
     for m in ms:
+        if unimodal and worse >= 2:
+            say(f"{name}: M={m} and fewer not tried: two counts in a row were slower than M={best[2].microbatches}")  # type: ignore[index]
+            break
         try:
             setting = Setting(m, sched, graph.batch_size, dtype)
             picked = pick(setting)
@@ -186,7 +193,9 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
         first = "" if best is not None or t0 is None else f" (first plan after {time.perf_counter() - t0:.3g} s)"
         say(f"{name}: M={m}: {len(plan.stages)} stages, simulated step {r.step_ms:.4g} ms{first}")
         if best is None or r.step_ms < best[0] or (r.step_ms == best[0] and m < best[2].microbatches):
-            best = (r.step_ms, plan, setting, picked)  # ties: the fewest microbatches
+            best, worse = (r.step_ms, plan, setting, picked), 0  # ties: the fewest microbatches
+        else:
+            worse += 1
     return best
 
 
@@ -238,7 +247,13 @@ def _anytime(chain: Chain, cluster: Cluster, setting: Setting, warm: list[Candid
         small = tab.select(keep)
         small = prune(chain, cluster, setting, small, state["upper"], b.t_min)
         if len(small) > MILP_CANDIDATES:
-            say(f"anytime: {len(small)} candidates left after pruning (over {MILP_CANDIDATES}); no MILP")
+            # Too many for HiGHS: the bounds again, on the pruned table (faster paths) until the deadline.
+            # Every plan better than the incumbent is still in it, so its bound (capped at the incumbent) holds.
+            say(f"anytime: {len(small)} of {len(tab)} candidates left after pruning (over {MILP_CANDIDATES} for "
+                "the MILP); bounding the rest")
+            b2, _ = lagrangian_bounds(chain, cluster, setting, small, start=state["plan"], deadline=deadline,
+                                      progress=report)
+            report(b2.lower, b2.upper, b2.plan)
             return result()
         left = deadline - time.perf_counter() - len(small) * 2e-4  # building the model costs ~0.2 ms per candidate
         if left < 1.0:

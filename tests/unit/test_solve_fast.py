@@ -306,9 +306,9 @@ def test_lagrangian_bounds_coarse_plans_and_pruning_against_brute_force(case) ->
     from hpml_compile.solve.table import build_table
 
     chain, cluster, setting = _setup(case)
-    if chain.n > 6:  # keep the brute force small
-        return
     tab = build_table(chain, cluster, setting)
+    if chain.n > 5 or len(tab) > 150:  # keep the brute force small
+        return
     want = brute_force_objective(chain, cluster, setting, tab)
     m, counts, big_j = setting.microbatches, kind_counts(cluster), classes(setting, len(cluster.devices))
     coarse = coarse_chain(chain, cluster, setting, tab, budget=4)  # units > 1 whenever the cluster is not tiny
@@ -322,7 +322,7 @@ def test_lagrangian_bounds_coarse_plans_and_pruning_against_brute_force(case) ->
     if b.plan is not None:
         assert feasible(b.plan, counts, big_j) and b.upper == pytest.approx(objective(b.plan, m))
         assert b.upper >= want * (1 - 1e-9)
-        if b.complete:
+        if b.lower >= b.upper * (1 - 1e-9):  # the bounds met: a proof of optimality
             assert b.upper == pytest.approx(want, rel=1e-6)
     for lam in (None, prices):
         kept = tab.select(reduced_cost_prune(chain, cluster, setting, tab, want, lam))
@@ -356,7 +356,7 @@ def test_many_kinds_solve_with_a_certified_gap_and_stream_it() -> None:
 
     graph, cluster = _many_kinds()
     lines: list[str] = []
-    plan = solve(graph, cluster, solver="ilp", time_limit_s=20, progress=lines.append)
+    plan = solve(graph, cluster, solver="ilp", time_limit_s=4, progress=lines.append)
     assert any("first plan after" in x for x in lines)
     gaps = [x for x in lines if x.startswith("anytime:") and " gap " in x]
     assert gaps, lines
@@ -387,7 +387,7 @@ def test_anytime_stops_with_the_best_plan_and_its_gap() -> None:
             seen.append("<interrupt>")
             raise KeyboardInterrupt
 
-    plan = solve(graph, cluster, solver="ilp", time_limit_s=20, progress=interrupt)
+    plan = solve(graph, cluster, solver="ilp", time_limit_s=4, progress=interrupt)
     assert "<interrupt>" in seen and any("interrupted" in x for x in seen)
     assert plan.stages and plan.solver.status in (SolverStatus.OPTIMAL, SolverStatus.FEASIBLE)
     assert 0.0 <= plan.solver.gap <= 1.0
