@@ -139,8 +139,8 @@ def main() -> None:
     from hpml_compile.profile import load_profile
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    grid = [(m, {k: p for k in KINDS[:n]}, args.limit4 if n == 4 else args.limit)
-            for m in args.models.split(",") for n in map(int, args.kinds.split(",")) for p in map(int, args.per.split(","))]
+    grid = [(m, {k: p for k in KINDS[:n]}, args.limit4 if n == 4 else args.limit) for m in args.models.split(",")
+            for n in map(int, args.kinds.split(",")) for p in map(int, args.per.split(","))]
     if not args.no_cpu:
         grid.append(("gpt2-xl", {"A100-80GB": 32, "cpu": 8}, args.limit))
     rows: list[dict[str, Any]] = []

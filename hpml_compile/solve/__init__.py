@@ -26,7 +26,11 @@ the candidates the bound has not ruled out. The time limit or Ctrl-C stops it
 with the best plan so far and its certified gap (the plan's status is
 ``feasible`` with that gap, or ``optimal`` when the bounds meet). The
 microbatch counts are tried from the most down (the likeliest to fit first),
-and ties go to the fewest. :func:`plan_from_cuts` scores any other
+and ties go to the fewest. A solve's memory is bounded by construction: the
+DPs keep at most 1,100 count vectors (``REFINE_VECTORS``) per position and
+memory class, and HiGHS gets at most ``MILP_CANDIDATES`` candidates
+(benchmarks/solver_scaling/kinds.py measured at most 458 MiB per solving
+process, a 5 MB profile included, up to 4 kinds x 256). :func:`plan_from_cuts` scores any other
 partitioner's split (e.g. DeepSpeed's or torchgpipe's) the way the
 baselines are scored.
 
@@ -176,8 +180,8 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
     best: tuple[float, Plan, Setting, list[Candidate]] | None = None
     worse = 0
     for m in ms:
-        if unimodal and worse >= 2:
-            say(f"{name}: M={m} and fewer not tried: two counts in a row were slower than M={best[2].microbatches}")  # type: ignore[index]
+        if unimodal and worse >= 2 and best is not None:
+            say(f"{name}: M={m} and fewer not tried: two counts in a row were slower than M={best[2].microbatches}")
             break
         try:
             setting = Setting(m, sched, graph.batch_size, dtype)
@@ -228,7 +232,7 @@ def _anytime(chain: Chain, cluster: Cluster, setting: Setting, warm: list[Candid
     def result(status: SolverStatus | None = None, variables: int = 0) -> IlpResult:
         gap = _gap(state["lower"], state["upper"])
         st = status or (SolverStatus.OPTIMAL if gap <= 1e-6 else SolverStatus.FEASIBLE)
-        return IlpResult(state["plan"], st, 0.0 if st is SolverStatus.OPTIMAL else gap,
+        return IlpResult(state["plan"], st, 0.0 if st is SolverStatus.OPTIMAL else float(gap),
                          time.perf_counter() - start, variables)
 
     try:

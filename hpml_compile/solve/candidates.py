@@ -33,8 +33,8 @@ from ..memory import MemoryBreakdown, ZeroStage
 from ..plan import Plan, Schedule, SolverInfo, Stage
 
 __all__ = ["Chain", "StageConfig", "Candidate", "Setting", "CONFIGS", "enumerate_candidates", "kind_counts",
-           "assign_devices", "in_flight", "classes", "range_candidates", "to_plan", "degrees", "group_link", "group_links",
-           "boundary_link"]
+           "assign_devices", "in_flight", "classes", "range_candidates", "to_plan", "degrees", "group_link",
+           "group_links", "boundary_link"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,8 +60,8 @@ from .candidates import Candidate, Chain, Setting, classes, degrees, kind_counts
 from .dp import objective, tile
 from .table import CandidateTable
 
-__all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "vectors", "units", "coarse_groups", "coarse_chain", "path_min", "lagrangian_bounds",
-           "reduced_cost_prune", "feasible"]
+__all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "vectors", "units", "coarse_groups", "coarse_chain", "path_min",
+           "lagrangian_bounds", "reduced_cost_prune", "feasible"]
 
 #: Device-count vectors up to which the exact DP (and its bounds) are used as before.
 EXACT_VECTORS = 130
