@@ -12,7 +12,25 @@ The microbatch count, when not given, is searched over powers of two up to
 numpy, :mod:`.table`, the vectorised DP, one simulation; ~0.1-0.2 s for
 llama-70b on 64 devices); the ILP then solves at the best count. ``ilp``
 returns the better, by simulated step time, of the ILP's plan and the DP's,
-so it is never worse than ``dp``. :func:`plan_from_cuts` scores any other
+so it is never worse than ``dp``.
+
+Clusters whose device-count vectors (``prod_k (count_k + 1)``) exceed
+:data:`~.lagrange.EXACT_VECTORS` (several kinds, or one kind past ~128
+devices) take the many-kind path of :mod:`.lagrange` instead of the exact DP
+over count vectors, whose state grew to 17 million vectors for 3 kinds x 256:
+the microbatch search runs a coarse exact DP over device units (its first plan
+is logged with the time it took), then :func:`_anytime` bounds the chosen
+count with a Lagrangian shortest path, streams every improvement as
+``anytime: <s> s: incumbent <u> ms, bound <l> ms, gap <g>%`` and hands HiGHS
+the candidates the bound has not ruled out. The time limit or Ctrl-C stops it
+with the best plan so far and its certified gap (the plan's status is
+``feasible`` with that gap, or ``optimal`` when the bounds meet). The
+microbatch counts are tried from the most down (the likeliest to fit first),
+and ties go to the fewest. A solve's memory is bounded by construction: the
+DPs keep at most 1,100 count vectors (``REFINE_VECTORS``) per position and
+memory class, and HiGHS gets at most ``MILP_CANDIDATES`` candidates
+(benchmarks/solver_scaling/kinds.py measured at most 458 MiB per solving
+process, a 5 MB profile included, up to 4 kinds x 256). :func:`plan_from_cuts` scores any other
 partitioner's split (e.g. DeepSpeed's or torchgpipe's) the way the
 baselines are scored.
 
@@ -40,10 +58,16 @@ from ..plan import Plan, Schedule, SolverInfo, SolverStatus
 from ..simulate import annotate
 from ..stagecost import device_memory, in_flight
 from .baselines import Baseline, balanced_cuts, baseline_stages, stages_from_cuts
-from .candidates import Candidate, Chain, Setting, to_plan
+from .candidates import Candidate, Chain, Setting, kind_counts, to_plan
 from .dp import objective, solve_chain
-from .ilp import solve_ilp
+from .ilp import IlpResult, milp, prune, solve_ilp
+from .lagrange import EXACT_VECTORS, coarse_chain, coarse_groups, lagrangian_bounds, reduced_cost_prune, vectors
 from .table import build_table
+
+#: Most candidates handed to HiGHS after pruning (beyond, the Lagrangian bounds alone decide; memory).
+MILP_CANDIDATES = 15000
+#: Device-count vectors of the finer coarse DP run once at the chosen microbatch count.
+REFINE_VECTORS = 1100
 
 __all__ = ["SolverName", "solve", "microbatch_choices", "plan_from_cuts"]
 
@@ -81,7 +105,7 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         solver: which solver.
         microbatches: ``M``; None searches :func:`microbatch_choices`.
         schedule: GPipe or 1F1B.
-        time_limit_s: time limit of the ILP.
+        time_limit_s: time limit of the ILP (on the many-kind path: of the whole solve, from its start).
         dtype: parameter dtype (Adam state size).
         progress: called with a line of text as the solve goes on.
 
@@ -105,19 +129,31 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
     status = SolverStatus.HEURISTIC if name in (SolverName.UNIFORM, SolverName.PARAMS, SolverName.TIME) \
         else SolverStatus.OPTIMAL
 
+    large = vectors(kind_counts(cluster)) > EXACT_VECTORS  # many kinds or devices: no exact DP over counts
+
     def pick(setting: Setting) -> list[Candidate] | None:
         if name in (SolverName.ILP, SolverName.DP):
+            if large:  # only the degrees the coarse DP can use: a small table, a first plan early
+                return coarse_chain(chain, cluster, setting,
+                                    build_table(chain, cluster, setting, groups=coarse_groups(cluster, setting)))
             return solve_chain(chain, cluster, setting, build_table(chain, cluster, setting))
         got = baseline_stages(chain, cluster, setting, Baseline(name.value))
         return None if isinstance(got, str) else got
 
-    best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say)
+    ms = ms[::-1]  # the most microbatches first: least memory, so the likeliest to fit, for a first plan early
+    best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0, unimodal=large)
     if best is None:
         raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype)))
     step, plan, setting, picked = best
     gap = 0.0
+    if name is SolverName.DP and large:  # the coarse DP is exact only over its units: certify its gap
+        b, _ = lagrangian_bounds(chain, cluster, setting, build_table(chain, cluster, setting), start=picked,
+                                 deadline=time.perf_counter() + min(time_limit_s, 2.0))
+        gap = _gap(b.lower, objective(picked, setting.microbatches))
+        status = SolverStatus.OPTIMAL if gap <= 1e-6 else SolverStatus.FEASIBLE
     if name is SolverName.ILP:
-        res = solve_ilp(chain, cluster, setting, time_limit_s=time_limit_s, warm=picked, progress=say)
+        res = (_anytime(chain, cluster, setting, picked, time_limit_s, say, t0) if large else
+               solve_ilp(chain, cluster, setting, time_limit_s=time_limit_s, warm=picked, progress=say))
         status, gap = res.status, res.gap
         if res.picked:
             ilp_plan, r = annotate(to_plan(chain, cluster, setting, res.picked, SolverInfo(name.value)),
@@ -131,21 +167,112 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
 
 
 def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtype: str,
-            pick: Callable[[Setting], list[Candidate] | None], name: str, say: Callable[[str], None]
-            ) -> tuple[float, Plan, Setting, list[Candidate]] | None:
-    """The microbatch count whose stages (from ``pick``) simulate fastest: ``(step, plan, setting, stages)``."""
+            pick: Callable[[Setting], list[Candidate] | None], name: str, say: Callable[[str], None],
+            t0: float | None = None, unimodal: bool = False) -> tuple[float, Plan, Setting, list[Candidate]] | None:
+    """The microbatch count whose stages (from ``pick``) simulate fastest: ``(step, plan, setting, stages)``.
+
+    Stopped by Ctrl-C (KeyboardInterrupt) after a first plan, it returns the best so far. ``unimodal``:
+    stop once two counts in a row simulate slower than the best (the step time falls, then rises, as
+    the bubble shrinks and the per-microbatch fixed costs grow); a heuristic, used where the search is
+    not exact anyway (the many-kind path).
+    """
     graph = chain.graph
     best: tuple[float, Plan, Setting, list[Candidate]] | None = None
+    worse = 0
     for m in ms:
-        setting = Setting(m, sched, graph.batch_size, dtype)
-        picked = pick(setting)
-        if not picked:
-            continue
-        plan, r = annotate(to_plan(chain, cluster, setting, picked, SolverInfo(name)), graph, dtype)
-        say(f"{name}: M={m}: {len(plan.stages)} stages, simulated step {r.step_ms:.4g} ms")
-        if best is None or r.step_ms < best[0]:
-            best = (r.step_ms, plan, setting, picked)
+        if unimodal and worse >= 2 and best is not None:
+            say(f"{name}: M={m} and fewer not tried: two counts in a row were slower than M={best[2].microbatches}")
+            break
+        try:
+            setting = Setting(m, sched, graph.batch_size, dtype)
+            picked = pick(setting)
+            if not picked:
+                continue
+            plan, r = annotate(to_plan(chain, cluster, setting, picked, SolverInfo(name)), graph, dtype)
+        except KeyboardInterrupt:
+            if best is None:
+                raise
+            say(f"{name}: interrupted; keeping the best plan so far (M={best[2].microbatches})")
+            break
+        first = "" if best is not None or t0 is None else f" (first plan after {time.perf_counter() - t0:.3g} s)"
+        say(f"{name}: M={m}: {len(plan.stages)} stages, simulated step {r.step_ms:.4g} ms{first}")
+        if best is None or r.step_ms < best[0] or (r.step_ms == best[0] and m < best[2].microbatches):
+            best, worse = (r.step_ms, plan, setting, picked), 0  # ties: the fewest microbatches
+        else:
+            worse += 1
     return best
+
+
+def _gap(lower: float, upper: float) -> float:
+    """Relative gap of ``upper`` over ``lower`` (0 when they meet, 1 when nothing is known)."""
+    if not math.isfinite(upper) or upper <= 0:
+        return 0.0 if upper == lower else 1.0
+    return min(1.0, max(0.0, (upper - lower) / upper)) if math.isfinite(lower) else 0.0
+
+
+def _anytime(chain: Chain, cluster: Cluster, setting: Setting, warm: list[Candidate], time_limit_s: float,
+             say: Callable[[str], None], t0: float) -> IlpResult:
+    """Many kinds or devices: Lagrangian bounds, then HiGHS on the candidates that can still win.
+
+    Every improvement of either bound is logged as ``anytime: <s> s: incumbent <u> ms, bound <l> ms,
+    gap <g>%``; the time limit or Ctrl-C stops it with the best plan so far and its certified gap.
+    """
+    start = time.perf_counter()
+    deadline = max(t0 + time_limit_s, start + 0.5)  # the limit counts from the solve's start, search included
+    m = setting.microbatches
+    state = {"lower": 0.0, "upper": objective(warm, m), "plan": warm}
+
+    def report(lower: float, upper: float, plan: list[Candidate] | None) -> None:
+        if plan is not None and upper < state["upper"]:
+            state["upper"], state["plan"] = upper, plan
+        state["lower"] = max(state["lower"], min(lower, state["upper"]))
+        say(f"anytime: {time.perf_counter() - t0:.3f} s: incumbent {state['upper']:.7g} ms, bound "
+            f"{state['lower']:.7g} ms, gap {_gap(state['lower'], state['upper']):.3%}")
+
+    def result(status: SolverStatus | None = None, variables: int = 0) -> IlpResult:
+        gap = _gap(state["lower"], state["upper"])
+        st = status or (SolverStatus.OPTIMAL if gap <= 1e-6 else SolverStatus.FEASIBLE)
+        return IlpResult(state["plan"], st, 0.0 if st is SolverStatus.OPTIMAL else float(gap),
+                         time.perf_counter() - start, variables)
+
+    try:
+        report(0.0, state["upper"], warm)
+        tab = build_table(chain, cluster, setting, max_time=state["upper"] * (1 + 1e-9))
+        finer = coarse_chain(chain, cluster, setting, tab, budget=REFINE_VECTORS)  # a finer unit, a better plan
+        if finer and objective(finer, m) < state["upper"]:
+            report(0.0, objective(finer, m), finer)
+        b, lam = lagrangian_bounds(chain, cluster, setting, tab, start=warm,
+                                   deadline=start + 0.6 * (deadline - start), progress=report)
+        report(b.lower, b.upper, b.plan)
+        say(f"anytime: Lagrangian bounds after {b.evaluations} shortest paths")
+        if _gap(state["lower"], state["upper"]) <= 1e-6 or time.perf_counter() >= deadline - 0.5:
+            return result()
+        keep = reduced_cost_prune(chain, cluster, setting, tab, state["upper"], lam)
+        small = tab.select(keep)
+        small = prune(chain, cluster, setting, small, state["upper"], b.t_min)
+        if len(small) > MILP_CANDIDATES:
+            # Too many for HiGHS: the bounds again, on the pruned table (faster paths) until the deadline.
+            # Every plan better than the incumbent is still in it, so its bound (capped at the incumbent) holds.
+            say(f"anytime: {len(small)} of {len(tab)} candidates left after pruning (over {MILP_CANDIDATES} for "
+                "the MILP); bounding the rest")
+            b2, _ = lagrangian_bounds(chain, cluster, setting, small, start=state["plan"], deadline=deadline,
+                                      progress=report)
+            report(b2.lower, b2.upper, b2.plan)
+            return result()
+        left = deadline - time.perf_counter() - len(small) * 2e-4  # building the model costs ~0.2 ms per candidate
+        if left < 1.0:
+            say(f"anytime: {left + len(small) * 2e-4:.2g} s left; too little for the MILP over {len(small)} candidates")
+            return result()
+        res = milp(chain, cluster, setting, small, state["plan"], t_min=b.t_min, lower=state["lower"],
+                   time_limit_s=left, progress=say, full=len(tab), t0=start)
+        if res.picked and objective(res.picked, m) < state["upper"]:
+            state["upper"], state["plan"] = objective(res.picked, m), res.picked
+        bound = state["upper"] * (1 - res.gap) if res.status is not SolverStatus.OPTIMAL else state["upper"]
+        report(bound, state["upper"], None)
+        return result(SolverStatus.OPTIMAL if res.status is SolverStatus.OPTIMAL else None, res.variables)
+    except KeyboardInterrupt:
+        say("anytime: interrupted; returning the best plan so far with its certified gap")
+        return result()
 
 
 def plan_from_cuts(costgraph: CostGraph, cluster: Cluster, cuts: Sequence[int], *, name: str = "manual",

@@ -100,7 +100,7 @@ from .table import CandidateTable, build_table
 
 _COLUMNS = CandidateTable.__dataclass_fields__.keys() - {"kinds"}
 
-__all__ = ["IlpResult", "solve_ilp", "prune"]
+__all__ = ["IlpResult", "solve_ilp", "prune", "milp"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +267,37 @@ def solve_ilp(chain: Chain, cluster: Cluster, setting: Setting, *, time_limit_s:
             say("ilp: optimal by the DP bounds")
             return IlpResult(warm, SolverStatus.OPTIMAL, 0.0, time.perf_counter() - t0, 0)
         tab = prune(chain, cluster, setting, tab, b.upper, t_min)
+    return milp(chain, cluster, setting, tab, warm, t_min=t_min, s_min=s_min, lower=lower,
+                time_limit_s=max(1.0, time_limit_s - (time.perf_counter() - t0)), progress=say, cuts=cuts,
+                full=full, t0=t0)
+
+
+def milp(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, warm: list[Candidate], *,
+         t_min: float = 0.0, s_min: float = 0.0, lower: float = 0.0, time_limit_s: float = 30.0,
+         progress: Callable[[str], None] | None = None, cuts: bool = True, full: int | None = None,
+         t0: float | None = None) -> IlpResult:
+    """HiGHS over the candidates of ``tab``, from ``warm``, cut by bounds valid for every plan.
+
+    Args:
+        chain: the chain.
+        cluster: the cluster.
+        setting: microbatches, schedule, batch size, dtype.
+        tab: the (pruned) candidates; the warm start's are added if missing.
+        warm: a plan (the start, and the fallback).
+        t_min, s_min, lower: lower bounds on the bottleneck, on ``sum(t + comm)`` and on the objective.
+        time_limit_s: HiGHS's time limit.
+        progress: called with a line of text at each phase.
+        cuts: add the bounds as constraints.
+        full: candidates before pruning (for the log).
+        t0: when the solve began (``seconds`` counts from it).
+
+    Returns:
+        The result; the gap is against the better of HiGHS's bound and ``lower``.
+    """
+    say = progress or (lambda _: None)
+    t0 = time.perf_counter() if t0 is None else t0
+    m = setting.microbatches
+    full = len(tab) if full is None else full
     ub = objective(warm, m)
     missing = [c for c in warm if _find(tab, c) is None]
     if missing:  # the warm start always stays representable
@@ -286,7 +317,7 @@ def solve_ilp(chain: Chain, cluster: Cluster, setting: Setting, *, time_limit_s:
         prob += _expr(x, every, tab.t + tab.comm) >= s_min * (1 - 1e-9), "sum_bound"
         prob += (m - 1) * t_var + _expr(x, every, tab.t + tab.comm) + r_var >= lower * (1 - 1e-9), "objective_bound"
     start = _start(tab, warm, chain.n)
-    left = max(1.0, time_limit_s - (time.perf_counter() - t0))
+    left = max(0.5, time_limit_s)
     say(f"ilp: solving with HiGHS (time limit {left:.3g} s)")
     solver = _WarmHiGHS(start, msg=False, timeLimit=left, gapRel=1e-6)
     prob.solve(solver)

@@ -42,7 +42,7 @@ from ..ir import Cluster
 from ..memory import MemoryBreakdown, ZeroStage, dtype_bytes
 from ..plan import Schedule
 from ..stagecost import copy_ms, in_flight, memory_parts, optimizer_ms, stream_bytes_per_ms, sync_ms, transfer_ms
-from .candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees, group_link,
+from .candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees, group_links,
                          kind_counts)
 
 __all__ = ["CandidateTable", "build_table"]
@@ -180,6 +180,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
     if groups is None:
         groups = [(k, d) for k, c in counts.items() for d in degrees(c, max(1, setting.batch_size // m))]
     parts: list[dict[str, np.ndarray]] = []
+    glinks = {k: group_links(cluster, k, [d for kk, d in groups if kk == k]) for k in {k for k, _ in groups}}
+    blinks = {k: boundary_link(cluster, k) for k in glinks}
     for kind, d in groups:
         first = next(x for x in cluster.devices if x.kind == kind)
         cap, is_cpu = first.memory_bytes, first.is_cpu
@@ -197,9 +199,9 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         fwd = ffix + (fw[b] - fw[a] - ffix) / (m * d)
         opt_rate = chain.graph.optimizer_ms_per_byte(kind)
         rate = stream_bytes_per_ms(chain.graph, [kind])
-        comm = np.where(a > 0, 2 * transfer_ms(cost_models.p2p_ms, inputs / (m * d), boundary_link(cluster, kind)),
+        comm = np.where(a > 0, 2 * transfer_ms(cost_models.p2p_ms, inputs / (m * d), blinks[kind]),
                         0.0)
-        glink = group_link(cluster, kind, d)
+        glink = glinks[kind][d]
         bpe = dtype_bytes(setting.dtype)
         cfg_ids = [i for i, c in enumerate(CONFIGS) if (d > 1 or c.zero == ZeroStage.NONE)
                    and not (is_cpu and (c.offload or c.swap))]

@@ -270,3 +270,125 @@ def test_table_and_simulator_agree_on_fixed_parts_and_the_optimizer() -> None:
         r = simulate(Plan("toy", cluster, Schedule.GPIPE, 4, (Stage(0, devs, ("n0", "n1"), cand.config.zero),)), g)
         assert cand.t == pytest.approx(r.stages[0].compute_ms)
         assert cand.tail == pytest.approx(r.stages[0].sync_ms + r.stages[0].optimizer_ms)
+
+
+def brute_force_objective(chain: Chain, cluster: Cluster, setting: Setting, tab) -> float:
+    """Least ``(M - 1) T + S + R`` over every tiling by ``tab`` that fits the devices and memory, by recursion."""
+    from hpml_compile.solve.lagrange import feasible
+
+    counts, big_j, n, m = kind_counts(cluster), classes(setting, len(cluster.devices)), chain.n, setting.microbatches
+    cands = tab.candidates()
+    by_a: dict[int, list[Candidate]] = {}
+    for c in cands:
+        by_a.setdefault(c.a, []).append(c)
+    best = math.inf
+
+    def walk(a: int, picked: list[Candidate], used: dict[str, int]) -> None:
+        nonlocal best
+        if a == n:
+            if feasible(picked, counts, big_j):
+                best = min(best, objective(picked, m))
+            return
+        for c in by_a.get(a, []):
+            if used.get(c.kind, 0) + c.d <= counts[c.kind]:
+                walk(c.b, picked + [c], {**used, c.kind: used.get(c.kind, 0) + c.d})
+
+    walk(0, [], {})
+    return best
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_lagrangian_bounds_coarse_plans_and_pruning_against_brute_force(case) -> None:
+    """The many-kind path (lagrange.py) on small instances: the bound is below the brute-force optimum,
+    every plan it returns fits and is no better than the optimum, and reduced-cost pruning at the optimum
+    keeps an optimal plan (so pruning never cuts the optimum away)."""
+    from hpml_compile.solve.lagrange import coarse_chain, feasible, lagrangian_bounds, reduced_cost_prune
+    from hpml_compile.solve.table import build_table
+
+    chain, cluster, setting = _setup(case)
+    tab = build_table(chain, cluster, setting)
+    if chain.n > 5 or len(tab) > 150:  # keep the brute force small
+        return
+    want = brute_force_objective(chain, cluster, setting, tab)
+    m, counts, big_j = setting.microbatches, kind_counts(cluster), classes(setting, len(cluster.devices))
+    coarse = coarse_chain(chain, cluster, setting, tab, budget=4)  # units > 1 whenever the cluster is not tiny
+    if coarse is not None:
+        assert feasible(coarse, counts, big_j) and objective(coarse, m) >= want * (1 - 1e-9)
+    b, prices = lagrangian_bounds(chain, cluster, setting, tab, start=coarse)
+    if want == math.inf:
+        assert b.plan is None
+        return
+    assert b.lower <= want * (1 + 1e-9)
+    if b.plan is not None:
+        assert feasible(b.plan, counts, big_j) and b.upper == pytest.approx(objective(b.plan, m))
+        assert b.upper >= want * (1 - 1e-9)
+        if b.lower >= b.upper * (1 - 1e-9):  # the bounds met: a proof of optimality
+            assert b.upper == pytest.approx(want, rel=1e-6)
+    for lam in (None, prices):
+        kept = tab.select(reduced_cost_prune(chain, cluster, setting, tab, want, lam))
+        assert brute_force_objective(chain, cluster, setting, kept) == pytest.approx(want, rel=1e-9)
+
+
+def _many_kinds():
+    """llama-like chain of 24 equal blocks on 3 kinds x 6 devices (343 count vectors: the many-kind path)."""
+    from hpml_compile.solve.lagrange import EXACT_VECTORS, vectors
+
+    speeds = {"A100-80GB": 1.0, "H100-80GB": 0.5, "V100-32GB": 2.0}
+    prof = chain_profile_for([{k: (2.0 * s, 4.0 * s) for k, s in speeds.items()}] * 24)
+    kinds = [k for k in speeds for _ in range(6)]
+    cluster = Cluster(devices=tuple(Device(f"d{i}", k, 64.0, host=f"h{i // 6}") for i, k in enumerate(kinds)),
+                      name="three-kinds")
+    assert vectors(kind_counts(cluster)) > EXACT_VECTORS
+    return build(prof), cluster
+
+
+def chain_profile_for(costs):
+    from hpml_compile.solve.testing import chain_profile
+
+    return chain_profile(costs, param_bytes=[256 * MiB] * len(costs), activation_bytes=[64 * MiB] * len(costs),
+                         batch_size=64)
+
+
+def test_many_kinds_solve_with_a_certified_gap_and_stream_it() -> None:
+    """A 3-kind cluster takes the many-kind path: a plan, a gap certificate, and gap lines in the log."""
+    from hpml_compile.plan import SolverStatus
+    from hpml_compile.solve import solve
+
+    graph, cluster = _many_kinds()
+    lines: list[str] = []
+    plan = solve(graph, cluster, solver="ilp", time_limit_s=4, progress=lines.append)
+    assert any("first plan after" in x for x in lines)
+    gaps = [x for x in lines if x.startswith("anytime:") and " gap " in x]
+    assert gaps, lines
+    assert plan.solver.status in (SolverStatus.OPTIMAL, SolverStatus.FEASIBLE)
+    assert 0.0 <= plan.solver.gap <= 1.0
+    if plan.solver.status is SolverStatus.OPTIMAL:
+        assert plan.solver.gap == 0.0
+    assert sum(len(s.devices) for s in plan.stages) <= len(cluster.devices)
+    assert len({d for s in plan.stages for d in s.devices}) == sum(len(s.devices) for s in plan.stages)
+    dp = solve(graph, cluster, solver="dp", microbatches=plan.microbatches)
+    assert plan.predicted.step_ms <= dp.predicted.step_ms * (1 + 1e-9)  # ilp never worse than dp
+
+
+def test_anytime_stops_with_the_best_plan_and_its_gap() -> None:
+    """A time limit, and Ctrl-C in the middle of the bounds, both return a plan with a gap in [0, 1]."""
+    from hpml_compile.plan import SolverStatus
+    from hpml_compile.solve import solve
+
+    graph, cluster = _many_kinds()
+    quick = solve(graph, cluster, solver="ilp", time_limit_s=0.01)
+    assert quick.stages and 0.0 <= quick.solver.gap <= 1.0
+
+    seen: list[str] = []
+
+    def interrupt(line: str) -> None:
+        seen.append(line)
+        if line.startswith("anytime:") and "bound 0 ms" not in line and " gap " in line and "<interrupt>" not in seen:
+            seen.append("<interrupt>")
+            raise KeyboardInterrupt
+
+    plan = solve(graph, cluster, solver="ilp", time_limit_s=4, progress=interrupt)
+    assert "<interrupt>" in seen and any("interrupted" in x for x in seen)
+    assert plan.stages and plan.solver.status in (SolverStatus.OPTIMAL, SolverStatus.FEASIBLE)
+    assert 0.0 <= plan.solver.gap <= 1.0

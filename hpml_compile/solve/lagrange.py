@@ -1,0 +1,369 @@
+"""Clusters of many device kinds: a coarse exact DP for plans, a Lagrangian DP for the bound.
+
+The exact DP of :mod:`.dp` keeps the devices left of every kind in its
+state: ``prod_k (count_k + 1)`` vectors (17 million for 3 kinds x 256), times
+positions and memory classes, which is what ran llama-70b on 3 x 256 GPUs out
+of memory. Here neither side of the search keeps that product:
+
+- **Plans (upper bounds)**, :func:`coarse_chain`: each kind's devices are
+  counted in units of ``g_k`` (a power of two, the smallest that keeps
+  ``prod_k (count_k // g_k + 1)`` under :data:`COARSE_VECTORS`), and only
+  candidates whose degree is a multiple of ``g_k`` are kept. That is a
+  restriction of the problem, so the exact DP over the units returns real
+  plans (degree ``g_k`` or more per stage); it is the first plan, in well
+  under a second.
+- **Bounds (lower)**, :func:`lagrangian_bounds`: the per-kind device limits
+  ``sum d <= count_k`` are moved into the objective with prices
+  ``lambda_k >= 0`` (Lagrangian relaxation). What is left is a shortest path
+  over positions and memory classes (:func:`path_min`, no device state at
+  all: a few milliseconds), and for every ``lambda``,
+  ``Q(lambda) - lambda . count`` is below the least ``sum(t + comm)`` of any
+  plan. The bottleneck and tail are enumerated as thresholds in the
+  best-first branch and bound of :mod:`.bounds`; each box's bound is the
+  Lagrangian dual maximised by projected subgradient steps (Polyak's step
+  towards the incumbent), warm-started from the previous box's prices. Paths
+  the relaxation returns that happen to respect every limit and every memory
+  class are plans too, and improve the incumbent. With many stages the
+  duality gap is small (each kind's limit is one constraint against dozens of
+  stages), which is what makes the certificate tight at scale.
+- :func:`reduced_cost_prune` drops candidates that cannot be in a plan better
+  than the incumbent, by the Lagrangian bound of the best path through them,
+  before the MILP (:mod:`.ilp`) sees the table.
+
+Example:
+    >>> from hpml_compile.solve.candidates import Chain, Setting
+    >>> from hpml_compile.solve.table import build_table
+    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.plan import Schedule
+    >>> ch = Chain.of(chain_graph([{"a": (1.0, 1.0), "b": (3.0, 3.0)}] * 4))
+    >>> c, st = cluster_of(["a", "b"]), Setting(8, Schedule.ONE_F_ONE_B, 64)
+    >>> tab = build_table(ch, c, st)
+    >>> plan = coarse_chain(ch, c, st, tab)
+    >>> b, prices = lagrangian_bounds(ch, c, st, tab, start=plan)
+    >>> b.lower <= b.upper, sorted((x.b - x.a, x.kind) for x in b.plan)
+    (True, [(1, 'b'), (3, 'a')])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import time
+from typing import Callable
+
+import numpy as np
+
+from ..ir import Cluster
+from .bounds import Bounds, exact_classes
+from .candidates import Candidate, Chain, Setting, classes, degrees, kind_counts
+from .dp import objective, tile
+from .table import CandidateTable
+
+__all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "vectors", "units", "coarse_groups", "coarse_chain", "path_min",
+           "lagrangian_bounds", "reduced_cost_prune", "feasible"]
+
+#: Device-count vectors up to which the exact DP (and its bounds) are used as before.
+EXACT_VECTORS = 130
+#: Device-count vectors of the coarse DP's state (its memory is ~40 bytes x positions x 5 classes x this).
+COARSE_VECTORS = 100
+#: Memory classes of the Lagrangian DP (optimistic beyond: still a lower bound).
+LAGRANGE_CLASSES = 8
+
+
+def vectors(counts: dict[str, int]) -> int:
+    """States per position of the exact DP: ``prod (count_k + 1)``."""
+    return int(np.prod([c + 1 for c in counts.values()], dtype=np.float64))
+
+
+def units(counts: dict[str, int], budget: int = COARSE_VECTORS) -> dict[str, int]:
+    """Per kind, the unit ``g_k`` (a power of two) of the coarse DP: the largest count is halved first.
+
+    >>> units({"a": 256, "b": 256, "c": 256}, 400)
+    {'a': 64, 'b': 64, 'c': 32}
+    >>> units({"a": 32, "b": 32}, 100)
+    {'a': 4, 'b': 4}
+    >>> units({"a": 64}, 400)
+    {'a': 1}
+    """
+    g = {k: 1 for k in counts}
+    while np.prod([counts[k] // g[k] + 1 for k in counts], dtype=np.float64) > budget:
+        k = max(counts, key=lambda x: (counts[x] // g[x], -list(counts).index(x)))
+        if counts[k] // g[k] <= 1:
+            break
+        g[k] *= 2
+    return g
+
+
+def feasible(picked: list[Candidate], counts: dict[str, int], big_j: int) -> bool:
+    """A tiling respects every kind's device count and every stage's memory class."""
+    used: dict[str, int] = {}
+    for c in picked:
+        used[c.kind] = used.get(c.kind, 0) + c.d
+    if any(used[k] > counts.get(k, 0) for k in used):
+        return False
+    s = len(picked)
+    return all(c.jmax >= min(big_j, s - 1 - i) for i, c in enumerate(picked))
+
+
+def _units_at(counts: dict[str, int], setting: Setting, budget: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Units and unit counts of the coarse DP at this microbatch size.
+
+    A unit above the largest degree the microbatch's rows allow would leave a kind no candidate: it is
+    shrunk, and only as many units are used as before (fewer devices: still a restriction, so still plans).
+    """
+    g0 = units(counts, budget)
+    rows = max(1, setting.batch_size // setting.microbatches)
+    top = {k: max(degrees(c, rows), default=1) for k, c in counts.items()}
+    g = {k: min(g0[k], 2 ** int(math.log2(top[k]))) for k in counts}
+    return g, {k: min(counts[k] // g[k], counts[k] // g0[k]) for k in counts}
+
+
+def coarse_groups(cluster: Cluster, setting: Setting, budget: int = COARSE_VECTORS) -> list[tuple[str, int]]:
+    """The ``(kind, degree)`` groups :func:`coarse_chain` can use: build only these for a first plan."""
+    counts = kind_counts(cluster)
+    g, _ = _units_at(counts, setting, budget)
+    rows = max(1, setting.batch_size // setting.microbatches)
+    return [(k, d) for k, c in counts.items() for d in degrees(c, rows) if d % g[k] == 0]
+
+
+def coarse_chain(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, *,
+                 budget: int = COARSE_VECTORS, max_classes: int = 4) -> list[Candidate] | None:
+    """A plan from the exact DP over devices counted in units (see the module docstring); None if none.
+
+    Args:
+        chain: the chain.
+        cluster: the cluster.
+        setting: microbatches, schedule, batch size, dtype.
+        tab: the candidate stages.
+        budget: most device-count vectors of the DP.
+        max_classes: memory classes kept exactly (the rest as the worst case: never over memory).
+
+    Returns:
+        The candidates in pipeline order.
+    """
+    counts = kind_counts(cluster)
+    g, ucounts = _units_at(counts, setting, budget)
+    gk = np.asarray([g[k] for k in tab.kinds], dtype=np.int64)
+    keep = np.flatnonzero(tab.d % gk[tab.kind] == 0)
+    if keep.size == 0:
+        return None
+    sub = tab.select(keep)
+    sub = dataclasses.replace(sub, d=sub.d // gk[sub.kind])
+    big_j = classes(setting, len(cluster.devices))
+    got = tile(chain.n, ucounts, sub, sub.t, sub.t + sub.comm + sub.tail, sub.jmax, big_j, min(big_j, max_classes))
+    return None if got is None else [tab.candidate(int(keep[i])) for i in got[2]]
+
+
+class _Paths:
+    """Shortest paths over (position, memory class) for per-candidate weights; no device state.
+
+    Class ``j < J``: exactly ``j`` stages follow; class ``J``: at least ``J`` follow, and a candidate is
+    admitted there if ``jmax >= J`` (optimistic when ``J`` is below the exact class count, so still a
+    relaxation). Candidates are grouped by start once; each call is ``n`` numpy steps over
+    ``(candidates starting here) x (J + 1)`` arrays.
+    """
+
+    def __init__(self, n: int, tab: CandidateTable, big_j: int, max_classes: int = LAGRANGE_CLASSES) -> None:
+        self.n, self.tab = n, tab
+        self.J = min(exact_classes(tab, big_j), max_classes)
+        order = np.argsort(tab.a, kind="stable")
+        cuts = np.searchsorted(tab.a[order], np.arange(n + 2))
+        self.here = [order[cuts[k]:cuts[k + 1]] for k in range(n + 1)]
+        jr = np.arange(self.J + 1)
+        self.allowed = [tab.jmax[h][:, None] >= jr[None, :] for h in self.here]
+
+    def run(self, w: np.ndarray) -> tuple[float, list[int]] | None:
+        """Least ``sum w`` over tilings (``w = inf`` excludes a candidate) and its candidate indices."""
+        n, J, tab = self.n, self.J, self.tab
+        inf = np.inf
+        nx = np.full((n + 1, J + 1), inf)  # value of what follows a stage ending at b, per class of that stage
+        nx[n, 0] = 0.0
+        val = np.full((n + 1, J + 1), inf)
+        pick = np.full((n + 1, J + 1), -1, dtype=np.int64)
+        for k in range(n - 1, -1, -1):
+            h = self.here[k]
+            if h.size:
+                v = np.where(self.allowed[k], w[h][:, None] + nx[tab.b[h]], inf)
+                o = v.argmin(0)
+                val[k] = v[o, np.arange(J + 1)]
+                pick[k] = np.where(np.isfinite(val[k]), h[o], -1)
+            if k == 0:
+                break
+            if J == 0:
+                nx[k, 0] = val[k, 0]
+            else:
+                nx[k, 1:J] = val[k, 0:J - 1]
+                nx[k, J] = min(val[k, J], val[k, J - 1])
+        j = int(val[0].argmin())
+        if not np.isfinite(val[0, j]):
+            return None
+        total, out, k = float(val[0, j]), [], 0
+        while True:
+            c = int(pick[k, j])
+            out.append(c)
+            k = int(tab.b[c])
+            if k == n:
+                return total, out
+            if J > 0:
+                j = j - 1 if j < J or val[k, J - 1] <= val[k, J] else J
+
+
+def path_min(n: int, tab: CandidateTable, w: np.ndarray, big_j: int,
+             max_classes: int = LAGRANGE_CLASSES) -> tuple[float, list[int]] | None:
+    """Least ``sum w`` over tilings of ``[0, n)`` by ``tab``, ignoring device counts (see :class:`_Paths`)."""
+    return _Paths(n, tab, big_j, max_classes).run(w)
+
+
+def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, *,
+                      start: list[Candidate] | None = None, deadline: float = math.inf,
+                      target_gap: float = 1e-6, iterations: int = 12,
+                      progress: Callable[[float, float, list[Candidate] | None], None] | None = None
+                      ) -> tuple[Bounds, np.ndarray]:
+    """Lower and upper bounds on ``(M - 1) T + S + R`` without the device-count state (module docstring).
+
+    Args:
+        chain: the chain.
+        cluster: the cluster.
+        setting: microbatches, schedule, batch size, dtype.
+        tab: the candidate stages.
+        start: a known plan (the first incumbent).
+        deadline: ``time.perf_counter()`` value at which to stop (the bounds found so far stay valid).
+        target_gap: stop once ``(upper - lower) / upper`` is at most this.
+        iterations: subgradient steps per threshold box.
+        progress: called ``(lower, upper, plan)`` whenever either bound improves.
+
+    Returns:
+        The bounds with the best plan found (``evaluations`` counts shortest-path runs), and the last
+        box's prices (for :func:`reduced_cost_prune`).
+    """
+    m, n = setting.microbatches, chain.n
+    counts = kind_counts(cluster)
+    cap = np.asarray([counts[k] for k in tab.kinds], dtype=np.float64)
+    big_j = classes(setting, len(cluster.devices))
+    paths = _Paths(n, tab, big_j)
+    onehot = np.zeros((len(tab), len(tab.kinds)))
+    onehot[np.arange(len(tab)), tab.kind] = tab.d
+    base = tab.t + tab.comm
+    evals = 0
+    best = start
+    upper = objective(start, m) if start else math.inf
+    lam = np.zeros(len(tab.kinds))
+    say = progress or (lambda *_: None)
+
+    def consider(idx: list[int]) -> None:
+        nonlocal best, upper
+        plan = [tab.candidate(i) for i in idx]
+        if feasible(plan, counts, big_j) and objective(plan, m) < upper:
+            best, upper = plan, objective(plan, m)
+            say(lower_now, upper, best)
+
+    def dual(sel: np.ndarray, slack: float) -> float:
+        """The Lagrangian dual of the least ``sum(t + comm)`` among tilings by ``sel`` (a lower bound on it)."""
+        nonlocal lam, evals
+        w0 = np.where(sel, base, np.inf)
+        got_best, lam_best = -math.inf, lam
+        cur = lam.copy()
+        for _ in range(iterations):
+            evals += 1
+            got = paths.run(w0 + onehot @ cur)
+            if got is None:
+                return math.inf
+            used = onehot[got[1]].sum(0)
+            h = got[0] - float(cur @ cap)
+            if h > got_best:
+                got_best, lam_best = h, cur.copy()
+            if np.all(used <= cap):
+                consider(got[1])
+                if float(cur @ (cap - used)) <= 1e-12 * max(abs(got[0]), 1.0):
+                    break  # complementary slackness: this path is optimal for the box
+            g = used - cap
+            g = np.where((cur <= 0) & (g < 0), 0.0, g)
+            norm = float(g @ g)
+            if norm == 0 or got_best >= slack or time.perf_counter() > deadline:
+                break
+            step = max(slack - h, 1e-9 * max(abs(slack), 1.0)) / norm if math.isfinite(slack) else 1.0 / math.sqrt(norm)
+            cur = np.maximum(0.0, cur + step * g)
+        lam = lam_best
+        return got_best
+
+    lower_now = 0.0
+    us, vs = np.unique(tab.t), np.unique(tab.tail)
+    if us.size == 0:
+        return Bounds(math.inf, math.inf, math.inf, math.inf, math.inf, None, evals, True), lam
+    t_min = float(us[0])
+    lams: dict[tuple[int, int], float] = {}
+
+    def s_at(i: int, k: int, slack: float) -> float:
+        if (i, k) not in lams:
+            lams[(i, k)] = dual((tab.t <= us[i]) & (tab.tail <= vs[k]), slack)
+        return lams[(i, k)]
+
+    s_all = s_at(len(us) - 1, len(vs) - 1, upper - (m - 1) * us[0] - vs[0])
+    if not math.isfinite(s_all):
+        return Bounds(t_min, math.inf, float(vs[0]), math.inf, upper, best, evals, True), lam
+    lower_now = (m - 1) * us[0] + vs[0] + s_all
+    say(lower_now, upper, best)
+    heap = [(lower_now, 0, len(us) - 1, 0, len(vs) - 1)]
+    settled = math.inf
+    while heap and heap[0][0] < upper * (1 - target_gap):
+        if time.perf_counter() > deadline:
+            break
+        _, i, j, k, l = heapq.heappop(heap)
+        if j - i <= 1 and l - k <= 1:
+            for a in {i, j}:
+                for c in {k, l}:
+                    base_ac = (m - 1) * us[a] + vs[c]
+                    settled = min(settled, base_ac + s_at(a, c, upper - base_ac))
+        else:
+            if j - i >= l - k:
+                mid = (i + j) // 2
+                halves = [(i, mid, k, l), (mid, j, k, l)]
+            else:
+                mid = (k + l) // 2
+                halves = [(i, j, k, mid), (i, j, mid, l)]
+            for a, b, c, d in halves:
+                base_ac = (m - 1) * us[a] + vs[c]
+                heapq.heappush(heap, (base_ac + s_at(b, d, upper - base_ac), a, b, c, d))
+        now = min(min((h[0] for h in heap), default=math.inf), settled, upper)
+        if now > lower_now:
+            lower_now = now
+            say(lower_now, upper, best)
+    open_low = min((h[0] for h in heap), default=math.inf)
+    complete = bool(open_low >= upper * (1 - 1e-9))
+    lower = float(min(upper, settled, open_low))
+    return Bounds(t_min, s_all, float(vs[0]), lower, upper, best, evals, complete), lam
+
+
+def reduced_cost_prune(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, upper: float,
+                       lam: np.ndarray | None = None) -> np.ndarray:
+    """Mask of the candidates that may be in a plan with objective below ``upper``.
+
+    For prices ``lam`` (default 0) a plan holding candidate ``c`` costs at least ``(M - 1) t_c + r_min +
+    pre(a_c) + w_c + suf(b_c) - lam . count``, with ``w = t + comm + lam_kind d`` and ``pre``/``suf`` the
+    least ``sum w`` of tilings of ``[0, a)`` and ``[b, n)`` (memory classes and device counts relaxed).
+    """
+    m, n = setting.microbatches, chain.n
+    counts = kind_counts(cluster)
+    cap = np.asarray([counts[k] for k in tab.kinds], dtype=np.float64)
+    lam = np.zeros(len(tab.kinds)) if lam is None else lam
+    w = tab.t + tab.comm + lam[tab.kind] * tab.d
+    suf = np.full(n + 1, np.inf)
+    suf[n] = 0.0
+    by_a = np.argsort(tab.a, kind="stable")
+    cut_a = np.searchsorted(tab.a[by_a], np.arange(n + 2))
+    for k in range(n - 1, -1, -1):
+        h = by_a[cut_a[k]:cut_a[k + 1]]
+        if h.size:
+            suf[k] = float(np.min(w[h] + suf[tab.b[h]]))
+    pre = np.full(n + 1, np.inf)
+    pre[0] = 0.0
+    by_b = np.argsort(tab.b, kind="stable")
+    cut_b = np.searchsorted(tab.b[by_b], np.arange(n + 2))
+    for k in range(1, n + 1):
+        h = by_b[cut_b[k]:cut_b[k + 1]]
+        if h.size:
+            pre[k] = float(np.min(pre[tab.a[h]] + w[h]))
+    r_min = float(tab.tail.min()) if len(tab) else 0.0
+    bound = (m - 1) * tab.t + r_min + pre[tab.a] + w + suf[tab.b] - float(lam @ cap)
+    return bound <= upper * (1 + 1e-9)
