@@ -1,4 +1,5 @@
-"""``hpml-compile launch --adapt`` runs the README's own-loop script and survives a killed rank on the devices left."""
+"""``hpml-compile launch``: with ``--adapt`` the README's own-loop script survives a killed rank on the devices left;
+without it, a killed rank's script is started again on as many ranks."""
 
 from __future__ import annotations
 
@@ -38,3 +39,25 @@ def test_a_killed_rank_restarts_the_script_on_one_rank_from_its_checkpoint(tmp_p
 
     meta = load_checkpoint(last, net(), None, rng=False)
     assert meta["data"]["batch"] == 12 and meta["lr_scheduler"]["last_epoch"] == 12
+
+
+DRILL = '''
+import os, signal
+if os.environ["HPML_SEGMENT"] == "0" and os.environ["RANK"] == "1":
+    os.kill(os.getpid(), signal.SIGKILL)
+print(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} on {os.environ['HPML_CLUSTER']}", flush=True)
+'''
+
+
+def test_without_adapt_a_killed_rank_is_restarted_on_as_many_ranks(tmp_path: Path) -> None:
+    (tmp_path / "drill.py").write_text(DRILL)
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "hpml_compile", "launch", "--nproc", "2", "--max-failures", "1",
+                        "--run-dir", str(run), str(tmp_path / "drill.py")],
+                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "rank 1 of 2 on local-cpu-2" in r.stdout and "launch: done in 2 segment(s)" in r.stdout
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("cluster")) for e in events] == [("segment", "local-cpu-2"), ("failure", None),
+                                                                ("segment", "local-cpu-2"), ("done", None)]
+    assert (events[1]["ranks"], events[1]["dropped"]) == ([1], False)
