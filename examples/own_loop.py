@@ -1,9 +1,9 @@
 """Your own training loop, run by ``hpml-compile launch`` on every rank, resumed after a failure.
 
-    hpml-compile launch --nproc 2 --run-dir out/own examples/own_loop.py --steps 40
+    hpml-compile launch --adapt --nproc 2 --run-dir out/own examples/own_loop.py --steps 40
 
 Every rank runs this file. ``compile`` plans for the cluster ``launch`` names
-(``HPML_CLUSTER``: after a rank died, the devices left), the pipeline loads the
+(``HPML_CLUSTER``: under ``--adapt``, after a rank died, the devices left), the pipeline loads the
 latest checkpoint if there is one (and with it the lr schedule and the data
 position of the TrainSpec's trainer), and the loop saves every few steps. The
 model and data come from a TrainSpec (here the digits CNN); any ``nn.Module`` with

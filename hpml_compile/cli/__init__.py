@@ -194,15 +194,22 @@ def _add_show(sub: argparse._SubParsersAction) -> None:
 def _add_launch(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("launch", help="run your own training script on N local ranks, restarting it after failures",
                        description="Start SCRIPT on --nproc local ranks with torchrun; when a rank fails, start it "
-                                   "again from its checkpoint (one rank fewer when a rank died). The script finds "
-                                   "HPML_CLUSTER, HPML_CHECKPOINT_DIR, HPML_RUN_DIR and HPML_SEGMENT in its "
-                                   "environment (see the README's example).")
+                                   "again, on as many ranks, to resume from its checkpoint. With --adapt, a rank "
+                                   "that died (killed) loses its device: the next start has one rank fewer and "
+                                   "HPML_CLUSTER names the devices left, so the script's compile() re-plans for "
+                                   "them. --adapt does NOT re-plan on a measured imbalance under launch (run --adapt "
+                                   "does, for builds). The script finds HPML_CLUSTER, HPML_CHECKPOINT_DIR, "
+                                   "HPML_RUN_DIR and HPML_SEGMENT in its environment (see the README's example); "
+                                   "starts and failures go to RUN_DIR/events.jsonl.")
     p.add_argument("--nproc", type=int, default=2, help="ranks of the first start (default 2)")
     p.add_argument("--run-dir", type=Path, default=Path("out/launch"), dest="run_dir", help="segments go here")
     p.add_argument("--checkpoint-dir", type=Path, default=None, dest="checkpoint_dir",
                    help="told to the script as HPML_CHECKPOINT_DIR (default RUN_DIR/checkpoints)")
+    p.add_argument("--adapt", action="store_true",
+                   help="drop a dead rank's device and restart on the devices left (HPML_CLUSTER names them: the "
+                        "script's compile() re-plans); failure recovery only, no re-planning on imbalance")
     p.add_argument("--max-failures", type=int, default=2, dest="max_failures",
-                   help="restarts after failures that killed no rank (default 2)")
+                   help="restarts after failures (with --adapt: failures that killed no rank) (default 2)")
     p.add_argument("script", type=Path, metavar="SCRIPT")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
     p.set_defaults(run=_run_launch)
@@ -213,7 +220,7 @@ def _run_launch(args: argparse.Namespace) -> int:
 
     launch_script(args.script, args.script_args, nproc=args.nproc, run_dir=args.run_dir,
                   checkpoint_dir=args.checkpoint_dir or args.run_dir / "checkpoints", max_failures=args.max_failures,
-                  log=lambda line: print(line, flush=True))
+                  adapt=args.adapt, log=lambda line: print(line, flush=True))
     return 0
 
 

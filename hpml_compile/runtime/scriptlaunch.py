@@ -6,11 +6,16 @@ and saves now and then (``pipe.save(dir)``). ``launch`` starts it on ``N``
 local ranks with torchrun (``python -m torch.distributed.run --standalone``)
 and, when a rank fails, starts it again from the last checkpoint:
 
-- a rank that *died* (killed by a signal: its device is taken to be gone)
-  makes the next start one rank smaller, so the script's ``compile`` plans
-  for the devices left (``HPML_CLUSTER`` names them);
-- a rank that failed otherwise is restarted on as many ranks, at most
-  ``max_failures`` times in all.
+- without ``adapt``: on as many ranks as before, whatever the failure (as
+  torchrun's ``--max-restarts`` would), at most ``max_failures`` times;
+- with ``adapt`` (``launch --adapt``): a rank that *died* (killed by a
+  signal) is taken to have lost its device; the device is dropped and the
+  next start has one rank fewer, with ``HPML_CLUSTER`` naming the devices
+  left, so the script's ``compile`` re-plans for them and its ``load``
+  resumes there (checkpoints are regrouped by parameter name under any
+  plan). A rank that failed otherwise is restarted on as many ranks, at most
+  ``max_failures`` times in all. Every start and failure is a line of
+  ``RUN_DIR/events.jsonl``.
 
 The contract, through the environment of every rank (each start is a
 *segment* ``k``):
@@ -23,8 +28,11 @@ The contract, through the environment of every rank (each start is a
 - ``HPML_SEGMENT``: ``k``, from 0.
 
 What this does not do (said here so that nobody counts on it): re-plan on a
-measured imbalance (``run --adapt`` does, for builds that ``compile`` made
-from a model file), or run across hosts.
+measured imbalance, even with ``adapt`` (the script's step times are
+measured by its Pipeline, but nothing here reads them; ``run --adapt`` does
+re-plan on imbalance, for builds of a model file or TrainSpec), or run across
+hosts. Writing the re-planning into the supervisor rather than into the
+script is deliberate: the script stays an ordinary torchrun script.
 
 Example:
     >>> died_ranks("[0]:\\n  rank      : 1 (local_rank: 1)\\n  exitcode  : -9 (pid: 12)\\n[1]:\\n  rank : 0\\n"
@@ -34,8 +42,10 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +74,7 @@ def died_ranks(torchrun_stderr: str) -> list[int]:
 
 
 def launch_script(script: Path, script_args: Sequence[str], *, nproc: int, run_dir: Path, checkpoint_dir: Path,
-                  max_failures: int = 2, timeout_s: float | None = None,
+                  max_failures: int = 2, adapt: bool = False, timeout_s: float | None = None,
                   log: Callable[[str], None] = print) -> int:
     """Run ``script`` on ``nproc`` local ranks until it succeeds, restarting it after failures.
 
@@ -74,7 +84,8 @@ def launch_script(script: Path, script_args: Sequence[str], *, nproc: int, run_d
         nproc: ranks of the first segment.
         run_dir: the job's folder (segments in ``seg<k>``).
         checkpoint_dir: the checkpoint folder every segment is told about.
-        max_failures: restarts after failures that killed no rank.
+        max_failures: restarts after failures (with ``adapt``: failures that killed no rank).
+        adapt: drop a dead rank's device and re-plan for the devices left (see the module docstring).
         timeout_s: seconds each segment may take (None: no limit).
         log: progress lines.
 
@@ -90,6 +101,13 @@ def launch_script(script: Path, script_args: Sequence[str], *, nproc: int, run_d
     if nproc < 1:
         raise HpmlError(f"launch: --nproc {nproc}: expected 1 or more ranks")
     failures, segment, ranks = 0, 0, nproc
+    run_dir.mkdir(parents=True, exist_ok=True)
+    events = run_dir / "events.jsonl"
+
+    def event(kind: str, **fields: object) -> None:
+        with events.open("a") as f:  # one line per record, appended: a reader never sees half a job rewritten
+            f.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
+
     while True:
         seg = run_dir / f"seg{segment}"
         seg.mkdir(parents=True, exist_ok=True)
@@ -97,25 +115,31 @@ def launch_script(script: Path, script_args: Sequence[str], *, nproc: int, run_d
                ENV_RUN_DIR: str(seg), ENV_SEGMENT: str(segment)}
         log(f"launch: segment {segment}: {script.name} on {ranks} rank(s) ({env[ENV_CLUSTER]}); checkpoints in "
             f"{checkpoint_dir}")
+        event("segment", segment=segment, ranks=ranks, cluster=env[ENV_CLUSTER], adapt=adapt)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                str(script), *script_args]
         proc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               timeout=timeout_s)
         (seg / "torchrun.stderr").write_text(proc.stderr)
         if proc.returncode == 0:
+            event("done", segment=segment)
             log(f"launch: done in {segment + 1} segment(s)")
             return segment + 1
         dead = died_ranks(proc.stderr)
         tail = "\n".join(proc.stderr.strip().splitlines()[-3:])
-        if dead:
+        if dead and adapt:
             ranks -= len(dead)
-            log(f"launch: segment {segment}: rank(s) {dead} died; restarting on the {ranks} left from the last "
-                "checkpoint")
+            event("failure", segment=segment, ranks=dead, cause="died", dropped=True, ranks_left=ranks)
+            log(f"launch: segment {segment}: rank(s) {dead} died; re-planning for the {ranks} left "
+                f"(local-cpu-{ranks}) and restarting from the last checkpoint")
             if ranks < 1:
                 raise SupervisorError(f"launch: every rank is gone; the last checkpoint is in {checkpoint_dir}")
         else:
             failures += 1
-            log(f"launch: segment {segment} failed (exit {proc.returncode}): {tail}")
+            cause = f"rank(s) {dead} died" if dead else f"exit {proc.returncode}"
+            event("failure", segment=segment, ranks=dead, cause="died" if dead else "failed", dropped=False,
+                  ranks_left=ranks)
+            log(f"launch: segment {segment} failed ({cause}): {tail}; restarting on {ranks} rank(s)")
             if failures > max_failures:
                 raise SupervisorError(f"launch: {failures} failures (more than --max-failures {max_failures}); "
                                       f"the last checkpoint is in {checkpoint_dir}; see {seg / 'torchrun.stderr'}")
