@@ -362,7 +362,8 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
     Raises:
         PlanError: naming the first rule broken: a node placed twice, unknown
             or never; an edge from a later stage to an earlier one; a device
-            unknown or used twice; a device over its memory.
+            unknown or used twice; optimizer offload on a CPU device (the host is
+            the device); a device over its memory.
     """
     where = node_stages(plan)
     for st in plan.stages:
@@ -381,6 +382,13 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             if where[i] > where[n.name]:
                 raise PlanError(f"edge {i} -> {n.name} runs from stage {where[i]} back to stage {where[n.name]}; "
                                 "a producer must be in the same or an earlier stage")
+    for st in plan.stages:
+        cpus = [d for d in st.devices if d in {x.name for x in plan.cluster.devices} and plan.cluster.device(d).is_cpu]
+        if st.offload_optimizer and cpus:
+            raise PlanError(f"stage {st.index} offloads its optimizer to host memory, but runs on CPU device "
+                            f"{cpus[0]}, whose host memory is its own memory: offload would save nothing and is not "
+                            "performed there; set offload_optimizer to false for this stage (the solver offers "
+                            "offload only on GPUs)")
     used: dict[str, int] = {}
     devices = {d.name for d in plan.cluster.devices}
     for st in plan.stages:

@@ -67,6 +67,7 @@ from .executor import (actions_for, forward_stage, local_order, merge_outputs, r
                        to_device)
 from .gather import gather_outputs, gather_state_dict
 from .monitor import Monitor, StepMetrics, peak_memory, reset_peak_memory, split_wait
+from .offload import offload_optimizer
 from .session import CommFailure, RetryPolicy, Session
 
 __all__ = ["Pipeline", "OptimizerArg"]
@@ -130,7 +131,7 @@ class Pipeline:
             self.stages[self.stage_index].to(self.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's tensors reuse freed memory instead of faulting fresh pages in
-        self.optimizer = self._make_optimizer(optimizer)
+        self.optimizer = self._offloaded(self._make_optimizer(optimizer))
         self.monitor = Monitor(run_dir, self.rank, tensorboard=tensorboard) if run_dir is not None else Monitor(
             None, self.rank)
 
@@ -185,6 +186,12 @@ class Pipeline:
             raise HpmlError(f"optimizer must be a torch.optim.Optimizer or a factory called with the parameters "
                             f"(e.g. lambda ps: torch.optim.AdamW(ps, lr=1e-3)), got {optimizer!r}")
         return optimizer(self.parameters())
+
+    def _offloaded(self, optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+        """The optimizer with its state and step in host memory where the plan offloads this rank's stage."""
+        if optimizer is None or self.session is None or not self.plan.stages[self.stage_index].offload_optimizer:
+            return optimizer
+        return offload_optimizer(optimizer, self.parameters(), self.device)
 
     # -- what this rank holds ---------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
