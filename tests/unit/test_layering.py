@@ -182,6 +182,7 @@ def test_the_rules_catch_what_they_should() -> None:
     assert _kind("hpml_compile.solve.dp") == "pass" and _kind("hpml_compile.replan_cli") == "cli"
     assert _kind("hpml_compile.cli.compile") == "cli" and _kind("hpml_compile.runtime.api") == "runtime"
     assert _kind("hpml_compile") == "root" and _kind("hpml_compile.newthing") is None and _kind("torch") is None
+    assert _kind("hpml_compile.runtime.held") == "runtime"  # measures what a rank holds: runtime, not a pass
     assert PASSES.index("costgraph") < PASSES.index("solve") < PASSES.index("replan") < PASSES.index("codegen")
     assert _only_data_io("hpml_compile.profile", {"hpml_compile.profile": "profile",
                                                   "hpml_compile.profile.load_profile": "profile"})
