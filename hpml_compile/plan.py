@@ -23,7 +23,7 @@ from typing import Any
 
 from .errors import PlanError, SchemaError
 from .ir import Cluster, Profile, Schedule
-from .memory import GiB, ZeroStage, dtype_bytes
+from .memory import GiB, MemoryBreakdown, ZeroStage, dtype_bytes
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
 from .stagecost import device_memory, in_flight
 
@@ -43,6 +43,7 @@ __all__ = [
     "check_placement",
     "node_stages",
     "stage_memory",
+    "stage_breakdown",
     "save_plan",
     "load_plan",
 ]
@@ -313,7 +314,12 @@ def stage_memory(plan: Plan, profile: Profile, stage: Stage) -> int:
     Returns:
         Peak bytes per device of the stage.
     """
+    return stage_breakdown(plan, profile, stage).total
 
+
+def stage_breakdown(plan: Plan, profile: Profile, stage: Stage) -> MemoryBreakdown:
+    """:func:`stage_memory` by part (parameters, gradients, optimizer state, activations): what
+    benchmarks/memory_truth puts beside the bytes a rank holds."""
     names = set(stage.nodes)
     nodes = [n for n in profile.nodes if n.name in names]
     swapped = set(stage.swap)
@@ -328,7 +334,7 @@ def stage_memory(plan: Plan, profile: Profile, stage: Stage) -> int:
         swapped_bytes=sum(n.activation_bytes for n in nodes if n.name in swapped),
         offload_optimizer=stage.offload_optimizer,
         host_is_device=all(plan.cluster.device(d).is_cpu for d in stage.devices),
-    ).total
+    )
 
 
 def _input_bytes(profile: Profile, names: set[str]) -> int:

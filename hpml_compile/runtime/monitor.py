@@ -26,6 +26,11 @@ open with ``tensorboard --logdir RUN_DIR/tb``). What is measured, per step:
   (``torch.cuda.max_memory_allocated``), peak resident set size of the
   process on a CPU rank (``VmHWM``, reset each step through
   ``/proc/self/clear_refs`` where Linux allows it; else the process peak).
+- ``held_bytes``: what the rank's tensors hold at the step's peak, counted by
+  storage (:mod:`.held`: parameters, gradients, optimizer state after the
+  step; :mod:`.saved`: the most activation bytes saved for backward alive at
+  once, ``held_activation_bytes``), the figure the memory model predicts and
+  the device's capacity bounds (``report`` flags a device above it).
 
 Example:
     >>> m = StepMetrics(step=0, rank=0, stage=0, replica=0, device="cpu", microbatches=2, samples=8,
@@ -84,6 +89,8 @@ class StepMetrics:
     bytes_received: int = 0
     loss: float | None = None
     retries: int = 0
+    held_bytes: int = 0
+    held_activation_bytes: int = 0
 
     @property
     def comm_ms(self) -> float:

@@ -66,8 +66,10 @@ from .comm import CommFault, DistComm, LocalComm, is_transient, make_groups, ran
 from .executor import (actions_for, forward_stage, local_order, merge_outputs, run_actions, split_microbatches,
                        to_device)
 from .gather import gather_outputs, gather_state_dict
+from .held import Held, held_bytes
 from .monitor import Monitor, StepMetrics, peak_memory, reset_peak_memory, split_wait
 from .offload import offload_optimizer
+from .saved import SavedActivations
 from .session import CommFailure, RetryPolicy, Session
 
 __all__ = ["Pipeline", "OptimizerArg"]
@@ -132,6 +134,8 @@ class Pipeline:
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's tensors reuse freed memory instead of faulting fresh pages in
         self.optimizer = self._offloaded(self._make_optimizer(optimizer))
+        self.saved = SavedActivations(exclude=self.stages.values())  # what autograd keeps, measured each step
+        self.held: Held | None = None  # parameters, gradients, optimizer state after the last step
         self.monitor = Monitor(run_dir, self.rank, tensorboard=tensorboard) if run_dir is not None else Monitor(
             None, self.rank)
 
@@ -330,8 +334,11 @@ class Pipeline:
         reset_peak_memory(self.device)
         # every rank must have been given this very batch: checked in the loss all-reduce (see .batchcheck)
         agree = agree_with_check(dist.all_reduce, fingerprint([inputs, targets]), self.steps_done + 1)
-        run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
-                          device=self.device, optimizer=self.optimizer, agree=agree)
+        self.saved.reset_peak()
+        with self.saved:  # activations saved for backward, by storage, at their peak
+            run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
+                              device=self.device, optimizer=self.optimizer, agree=agree)
+        self.held = held_bytes(list(self.stages.values()), self.optimizer)
         wait_ms, p2p_ms = split_wait(comm.stats)
         mem, mem_kind = peak_memory(self.device)
         self.monitor.record(StepMetrics(
@@ -346,7 +353,8 @@ class Pipeline:
             sync_wait_ms=comm.stats.collective_wait_s * 1e3,
             optimizer_ms=(run.t_end - run.t_opt) * 1e3, peak_memory_bytes=mem, memory_kind=mem_kind,
             bytes_sent=comm.stats.bytes_sent, bytes_received=comm.stats.bytes_received,
-            loss=float(run.loss_sum), retries=attempt))
+            loss=float(run.loss_sum), retries=attempt, held_bytes=self.held.total + self.saved.peak,
+            held_activation_bytes=self.saved.peak))
         self.steps_done += 1
         return run.loss_sum.float()
 
