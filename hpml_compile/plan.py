@@ -23,7 +23,7 @@ from typing import Any
 
 from .errors import PlanError, SchemaError
 from .ir import Cluster, Profile, Schedule
-from .memory import GiB, MemoryBreakdown, ZeroStage, dtype_bytes
+from .memory import GiB, MemoryBreakdown, ZeroStage, dtype_bytes, tied_elsewhere
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
 from .stagecost import device_memory, in_flight
 
@@ -325,7 +325,8 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage) -> MemoryBreakdo
     swapped = set(stage.swap)
     m = plan.microbatches
     return device_memory(
-        param_bytes=sum(n.param_bytes for n in nodes),
+        param_bytes=sum(n.param_bytes for n in nodes)
+        + tied_elsewhere(((n.name, n.params) for n in profile.nodes), profile.parameters, names),
         activation_bytes=sum(n.activation_bytes for n in nodes),
         input_bytes=_input_bytes(profile, names),
         dtype_bytes=dtype_bytes(profile.dtype), replicas=len(stage.devices), zero=stage.zero,

@@ -79,7 +79,7 @@ import cost_models
 from .cluster import host_link_spec, link_spec
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
-from .memory import MemoryBreakdown, dtype_bytes
+from .memory import MemoryBreakdown, dtype_bytes, tied_elsewhere
 from .plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (copy_ms, device_memory, in_flight, optimizer_ms, stream_bytes_per_ms, stream_ms,
@@ -230,7 +230,8 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         per_mb = [_kind_cost(graph, n, kinds, 1.0 / (m * d)) for n in nodes]
         fwd, bwd = sum(f for f, _ in per_mb), sum(b for _, b in per_mb)
         recs = [graph.node(n) for n in nodes]
-        params = sum(r.param_bytes for r in recs)
+        params = sum(r.param_bytes for r in recs) + tied_elsewhere(
+            ((n, graph.node(n).params) for n in graph.order), graph.param_sizes, set(nodes))
         acts = sum(r.activation_bytes for r in recs)
         swap_set = set(st.swap)
         swapped = sum(r.activation_bytes for r in recs if set(r.members) <= swap_set and swap_set)

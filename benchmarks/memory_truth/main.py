@@ -50,11 +50,14 @@ import torch
 
 from hpml_compile import driver, models
 from hpml_compile.ir import Cluster, Device
-from hpml_compile.plan import Plan, load_plan, stage_breakdown
+from hpml_compile.codegen import generate
+from hpml_compile.codegen.testing import split_plan
+from hpml_compile.plan import Plan, Schedule, load_plan, stage_breakdown, validate_plan
 from hpml_compile.profile import load_profile
 from hpml_compile.schema import write_json_atomic
 from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.runtime.held import held_bytes
+from hpml_compile.trace import trace
 
 MiB = 2**20
 OPTIONS = ("zero0", "zero1", "zero2", "zero3", "recompute", "offload", "swap", "bf16")
@@ -108,6 +111,21 @@ class Case:
     cap_mib: float
     build: str
     plan_options: list[str]
+    forced: bool = False
+
+
+def _forced(gm: Any, prof: Any, name: str, opt: str, out: Path) -> float:
+    """A plan with ``opt`` made by hand (:func:`split_plan`), on 2 devices just large enough for it; its capacity."""
+    if opt == "recompute":
+        plan = split_plan(gm, name, 2, microbatches=2, recompute=(0, 1), schedule=Schedule.ONE_F_ONE_B)
+    else:
+        plan = split_plan(gm, name, 1, microbatches=2, replicas=[2], zero=int(opt[-1]), schedule=Schedule.ONE_F_ONE_B)
+    need = max(stage_breakdown(plan, prof, st).total for st in plan.stages)
+    cap = float(-(-int(need * 1.02) // (MiB // 10))) / 10
+    plan = replace(plan, cluster=_cluster(cap))
+    validate_plan(plan, prof)
+    generate(gm, plan, out, profile=prof)
+    return cap
 
 
 def _cuda_peak(device: torch.device) -> int:
@@ -170,6 +188,7 @@ def main() -> None:
         driver.compile(loaded.module, loaded.example_inputs, first, cluster=_cluster(big),
                        opts=driver.Options(time_limit_s=10))
         prof = load_profile(first / "profile.json")
+        gm = trace(loaded.module, loaded.example_inputs)
         p_mib = sum(n.param_bytes for n in prof.nodes) / MiB
         caps = _find_caps(prof, lo_mib=1.05 * p_mib, hi_mib=8 * p_mib, n=args.grid, microbatches=None)
         print(f"{name}: {p_mib:.1f} MiB of parameters; options found at caps {caps}", file=sys.stderr, flush=True)
@@ -180,10 +199,18 @@ def main() -> None:
             if opt == "bf16":
                 skipped.append({"model": name, "option": opt, "why": "no --precision option in this build yet"})
                 continue
-            if opt not in caps:
-                skipped.append({"model": name, "option": opt, "why": "the solver chose it at no capacity tried"})
-                continue
             out = root / f"{name}-{opt}"
+            if opt not in caps:  # the solver prefers another option at every capacity: the plan, made by hand
+                try:
+                    cap = _forced(gm, prof, name, opt, out)
+                except Exception as e:  # noqa: BLE001 -- a plan the tool refuses: say so, go on
+                    skipped.append({"model": name, "option": opt,
+                                    "why": f"the solver chose it at no capacity tried; a plan with it by hand is "
+                                           f"refused: {str(e).splitlines()[0][:160]}"})
+                    continue
+                plan = load_plan(out / "plan.json")
+                cases.append(Case(name, opt, cap, str(out), sorted(_options(plan)), forced=True))
+                continue
             driver.compile(loaded.module, loaded.example_inputs, out, cluster=_cluster(caps[opt]),
                            opts=driver.Options(time_limit_s=10), measured=prof)
             plan = load_plan(out / "plan.json")
@@ -208,20 +235,21 @@ def main() -> None:
             h = held[f"{c.option}@{c.model}#{dev}"]
             total = h["params"] + h["grads"] + h["optimizer"] + h["activations"] + h["other"]
             cap = plan.cluster.device(dev).memory_bytes
-            rows.append({"model": c.model, "option": c.option, "plan": "+".join(c.plan_options), "cap_mib": c.cap_mib,
+            rows.append({"model": c.model, "option": c.option, "cap_mib": c.cap_mib, "forced": c.forced,
+                         "plan": "+".join(c.plan_options) + (" (by hand)" if c.forced else ""),
                          "device": dev, "stage": p["stage"], "predicted": p, "held": {**h, "total": total},
                          "error": (p["total"] - total) / total, "under_of_cap": max(0, total - p["total"]) / cap,
                          "fits": total <= cap})
     print(f"predicted / held MiB per device at the peak, 2 CPU gloo ranks, {args.steps} AdamW steps; "
           "error = (predicted - held) / held; under = held above predicted, share of the capacity")
-    head = (f"{'model':9s} {'option':9s} {'plan':16s} {'cap':>6s} {'dev':4s} {'st':>2s} {'params':>11s} "
+    head = (f"{'model':9s} {'option':9s} {'plan':26s} {'cap':>6s} {'dev':4s} {'st':>2s} {'params':>11s} "
             f"{'grads':>11s} {'optim':>11s} {'acts':>11s} {'other':>5s} {'total':>13s} {'error':>7s} {'under':>6s} "
             f"{'rss':>6s}")
     print(head)
     for r in rows:
         p, h = r["predicted"], r["held"]
         pair = lambda k: f"{p[k] / MiB:5.1f}/{h[k] / MiB:<5.1f}"  # noqa: E731
-        print(f"{r['model']:9s} {r['option']:9s} {r['plan']:16s} {r['cap_mib']:6.1f} {r['device']:4s} {r['stage']:2d} "
+        print(f"{r['model']:9s} {r['option']:9s} {r['plan']:26s} {r['cap_mib']:6.1f} {r['device']:4s} {r['stage']:2d} "
               f"{pair('params')} {pair('grads')} {pair('optimizer')} {pair('activations')} "
               f"{h['other'] / MiB:5.1f} {p['total'] / MiB:6.1f}/{h['total'] / MiB:<6.1f} {r['error']:+7.1%} "
               f"{r['under_of_cap']:6.1%} {h['rss'] / MiB:6.0f}")

@@ -140,6 +140,23 @@ def _jmax(static: np.ndarray, stored: np.ndarray, working: np.ndarray, cap: int,
     return np.where(room < stored, -1, np.minimum(big_j, k - 1))
 
 
+def _tied_elsewhere(chain: Chain, ra: np.ndarray, rb: np.ndarray) -> np.ndarray:
+    """:func:`hpml_compile.memory.tied_elsewhere` for every range ``[a, b)`` of the chain at once: the bytes of
+    parameters a range uses whose first user (where the prefix sums count them) lies before it."""
+    sizes, uses = chain.graph.param_sizes, {}
+    for i, n in enumerate(chain.graph.order):
+        for name in chain.graph.node(n).params:
+            uses.setdefault(name, []).append(i)
+    extra = np.zeros(len(ra), np.int64)
+    for name, at in uses.items():
+        if len(at) < 2 or not sizes.get(name):
+            continue
+        pos = np.asarray(at[1:], np.int64)
+        later = ((pos[None, :] >= ra[:, None]) & (pos[None, :] < rb[:, None])).any(1)
+        extra += np.where(later & (ra > at[0]), sizes[name], 0)
+    return extra
+
+
 def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: float = math.inf,
                 ranges: tuple[np.ndarray, np.ndarray] | None = None,
                 groups: list[tuple[str, int]] | None = None) -> CandidateTable:
@@ -174,7 +191,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         ra, rb = pts[ia], pts[ib]
     else:
         ra, rb = np.asarray(ranges[0], np.int64), np.asarray(ranges[1], np.int64)
-    params_all = (np.asarray(chain.params, np.int64)[rb] - np.asarray(chain.params, np.int64)[ra])
+    params_all = (np.asarray(chain.params, np.int64)[rb] - np.asarray(chain.params, np.int64)[ra]
+                  + _tied_elsewhere(chain, ra, rb))
     acts_all = (np.asarray(chain.acts, np.int64)[rb] - np.asarray(chain.acts, np.int64)[ra])
     inputs_all = np.asarray(chain.cut, np.int64)[ra]
     if groups is None:
