@@ -370,10 +370,14 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
         PlanError: naming the first rule broken: a node placed twice, unknown
             or never; an edge from a later stage to an earlier one; a device
             unknown or used twice; optimizer offload on a CPU device (the host is
-            the device); a device over its memory.
+            the device); a device over its memory; ZeRO-3, which the runtime does not perform.
     """
     where = node_stages(plan)
     for st in plan.stages:
+        if st.zero > ZeroStage.OS_G:
+            raise PlanError(f"stage {st.index} asks for ZeRO-{int(st.zero)}, which the runtime does not perform "
+                            "(a stage's parameters are gathered whole for its compute, so it would save nothing at "
+                            "the peak): use zero 1 (optimizer state sharded) or 2")
         for s in st.swap:
             if s not in st.nodes:
                 raise PlanError(f"stage {st.index} swaps {s!r}, which is not one of its nodes")

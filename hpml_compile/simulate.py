@@ -29,7 +29,8 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   before the backward starts.
 - After its last backward a replicated stage synchronises gradients: a ring
   all-reduce (ZeRO-0), reduce-scatter + all-gather (ZeRO-1/2, Rajbhandari et
-  al. 2020), plus one more all-gather for ZeRO-3's parameter gathers; an
+  al. 2020; ZeRO-3 is refused by plan validation, the runtime does not
+  perform it); an
   offloaded optimizer moves gradients to the host and parameters back.
   Parameters shared by several stages (tied embeddings) are then summed by
   one all-reduce over the devices of those stages, which waits for all of

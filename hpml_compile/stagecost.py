@@ -10,12 +10,19 @@ numpy arrays (of byte counts) and returns the same kind; the memory model
 floors on integers in both forms, so a candidate fits exactly when the plan
 validator says it does.
 
-The memory of one device of a stage replicated over ``d`` devices:
+The memory of one device of a stage replicated over ``d`` devices, at its peak
+(the end of the step's last backward), as the runtime holds it
+(:mod:`hpml_compile.runtime.zero`):
 
-- parameters ``P`` (ZeRO-3 shards them: ``P / d``),
-- gradients ``P`` (ZeRO-2 and ZeRO-3 shard them: ``P / d``),
-- Adam state: two fp32 tensors per parameter, ``8 * P / dtype_bytes`` (ZeRO-1/2/3
-  shard it: ``/ d``; optimizer offload moves it to host memory: 0 on the device),
+- parameters ``P``: whole under every ZeRO stage, since a stage's compute uses
+  them whole (ZeRO-3, sharding them between uses, would save nothing at the
+  peak, and the runtime does not perform it);
+- gradients ``P``: they accumulate whole over all microbatches before the one
+  reduce-scatter of the step, so ZeRO-2, which keeps only the shard after it,
+  holds ``P`` at the peak like ZeRO-1;
+- Adam state: two fp32 tensors per parameter, ``8 * P / dtype_bytes`` (ZeRO-1 and
+  up shard it: ``/ d``, the optimizer being built over the replica's flat shard;
+  optimizer offload moves it to host memory: 0 on the device),
   following ZeRO (Rajbhandari et al., SC 2020). Mixed-precision fp32 master
   weights are not modelled.
 - activations: what autograd saves for one microbatch on one replica is
@@ -29,9 +36,9 @@ The memory of one device of a stage replicated over ``d`` devices:
 
 Times (milliseconds), per step:
 
-- gradient sync (:func:`sync_ms`): a ring all-reduce (ZeRO-0), reduce-scatter +
-  all-gather (ZeRO-1/2), plus one more all-gather for ZeRO-3's parameter
-  gathers; an offloaded optimizer moves its shard of gradients to the host and
+- gradient sync (:func:`sync_ms`): a ring all-reduce (ZeRO-0), reduce-scatter of
+  the flat gradient + all-gather of the stepped shards (ZeRO-1/2; ZeRO-3 would
+  add one more all-gather, but plans never name it); an offloaded optimizer moves its shard of gradients to the host and
   parameters back. Plus the copies of the gradients into the flat buffer and
   back (:func:`copy_ms`).
 - optimizer step (:func:`optimizer_ms`): the graph's step time per parameter
@@ -149,8 +156,7 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
     z = ZeroStage(zero)
     d = max(1, replicas)
     p = param_bytes
-    params = p // d if z >= ZeroStage.OS_G_P else p
-    grads = p // d if z >= ZeroStage.OS_G else p
+    params = grads = p  # whole at the peak under every ZeRO stage (see the module docstring)
     opt_full = 8 * p // max(1, dtype_bytes)
     opt = opt_full // d if z >= ZeroStage.OS else opt_full
     host = p * 0

@@ -65,9 +65,9 @@ def parse_token(token: str) -> tuple[TokenKind, tuple[int, ...]]:
 class SyncKind(str, enum.Enum):
     """A collective over parameters or their gradients."""
 
-    ALL_REDUCE = "ALLREDUCE"  # data parallel (ZeRO 0/1) and tied parameters: sum the gradients
-    REDUCE_SCATTER = "REDUCESCATTER"  # ZeRO 2/3: each replica keeps the summed gradient of its shard
-    ALL_GATHER = "ALLGATHER"  # ZeRO 2/3, after the optimizer step: every replica takes each owner's shard
+    ALL_REDUCE = "ALLREDUCE"  # data parallel (ZeRO 0) and tied parameters: sum the gradients
+    REDUCE_SCATTER = "REDUCESCATTER"  # ZeRO 1/2: each replica keeps the summed gradient of its shard
+    ALL_GATHER = "ALLGATHER"  # ZeRO 1/2, after the optimizer step: every replica takes each owner's shard
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,6 +88,9 @@ class Comm(abc.ABC):
         self.device = torch.device(device)
         # Gradients owed to senders for tensors received: (src, dst, replica, microbatch) -> specs.
         self._owed: dict[tuple[int, int, int, int], tuple[TensorSpec, ...]] = {}
+        # ZeRO shards by stage (runtime.zero.FlatShard), set by the pipeline on ranks: the gradient and
+        # parameter collectives of a sharded stage go through them.
+        self.shards: dict[int, Any] = {}
 
     @abc.abstractmethod
     def _put(self, frm: Endpoint, to: Endpoint, key: tuple[int, ...], tensor: Tensor) -> None:

@@ -331,54 +331,50 @@ def all_reduce_grads(comm: Comm, stages: tuple[int, ...], params: Sequence[Tenso
     """
     if not params or comm.group_size(stages) == 1:
         return  # one process holds every use: autograd already summed the gradients
+    bucket = comm.shards.get(stages[0]) if len(stages) == 1 else None
+    if bucket is not None:  # the runtime's flat gradient buffer (runtime.zero.FlatGrads): reduced in place
+        bucket.check(params)
+        bucket.all_reduce(comm)
+        return
     flat = _flat_grads(params)
     comm.all_reduce(stages, flat)
     _write_grads(params, flat)
 
 
-def _padded(flat: Tensor, parts: int) -> Tensor:
-    pad = (-flat.numel()) % parts
-    return torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
-
-
 def reduce_scatter_grads(comm: Comm, stage: int, params: Sequence[Tensor]) -> None:
-    """ZeRO-2/3 gradient sync: each replica keeps the summed gradient of its shard, zero elsewhere.
+    """ZeRO-1/2 gradient sync of a replicated stage.
 
-    The parameters are flattened in order and cut into as many equal shards
-    as the stage has replicas; replica ``r`` owns shard ``r``.
+    On ranks the runtime keeps the stage's parameters in one flat buffer and
+    builds the optimizer over this replica's shard (``comm.shards[stage]``, a
+    :class:`hpml_compile.runtime.zero.FlatShard`): one reduce-scatter leaves
+    the shard's summed gradient, and the parameters' full ``.grad`` are
+    dropped. Without a shard (no optimizer was given, so there is no state to
+    shard) every replica keeps the summed gradient, as after an all-reduce.
 
     Args:
         comm: the stage's communicator.
         stage: the replicated stage.
         params: its parameters, in the same order on every replica.
     """
-    me, d = comm.replica, comm.replicas(stage)
     if not params or comm.group_size((stage,)) == 1:
         return  # every replica in this process: the gradients are summed already
-    flat = _padded(_flat_grads(params), d)
-    shard = comm.reduce_scatter(stage, flat)
-    out = torch.zeros_like(flat)
-    n = flat.numel() // d
-    out[me * n:(me + 1) * n] = shard
-    _write_grads(params, out)
+    shard = comm.shards.get(stage)
+    if not hasattr(shard, "reduce_scatter"):  # no shard (a plain gradient buffer, or none)
+        all_reduce_grads(comm, (stage,), params)
+        return
+    shard.check(params)
+    shard.reduce_scatter(comm)
 
 
 def all_gather_params(comm: Comm, stage: int, params: Sequence[Tensor]) -> None:
-    """After the optimizer step under ZeRO-2/3: every replica takes each shard's owner's values.
+    """After the optimizer step under ZeRO-1/2: every replica takes each shard's owner's new values.
 
     Args:
         comm: the stage's communicator.
         stage: the replicated stage.
         params: its parameters, in the order of :func:`reduce_scatter_grads`.
     """
-    me, d = comm.replica, comm.replicas(stage)
-    if not params or comm.group_size((stage,)) == 1:
-        return
-    with torch.no_grad():
-        flat = _padded(torch.cat([p.detach().reshape(-1) for p in params]), d)
-        n = flat.numel() // d
-        full = comm.all_gather(stage, flat[me * n:(me + 1) * n].contiguous())
-        offset = 0
-        for p in params:
-            p.copy_(full[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+    shard = comm.shards.get(stage)
+    if not params or comm.group_size((stage,)) == 1 or not hasattr(shard, "all_gather"):
+        return  # no shard: every replica stepped the same summed gradients, the parameters agree already
+    shard.all_gather(comm)

@@ -84,6 +84,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..errors import CheckpointError
 from ..schema import write_json_atomic
 from .safe_dcp import INDEX_FILE, IndexFormatError, JsonReader, JsonWriter
+from .zero import full_optimizer_state, load_full_optimizer_state, optimizer_templates, shards_of
 
 __all__ = ["CheckpointError", "FORMAT", "save_checkpoint", "load_checkpoint", "latest", "list_checkpoints",
            "damage", "resume_from", "seed_rngs"]
@@ -112,7 +113,16 @@ def _aliases(model: torch.nn.Module) -> dict[str, list[str]]:
     return {n: names for names in by_id.values() if len(names) > 1 for n in names}
 
 
-def _flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, gather: bool = True
+                     ) -> dict[str, dict[str, Any]]:
+    """The optimizer state by parameter name: DCP's mapping, or ZeRO shards made whole (:mod:`.zero`)."""
+    if shards_of(optimizer):
+        return full_optimizer_state(model, optimizer, gather=gather)
+    return get_optimizer_state_dict(model, optimizer, options=_OPTS)["state"]
+
+
+def _flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, gather: bool = True
+          ) -> dict[str, Any]:
     """The state this rank writes or reads, keyed by the original model's names.
 
     A tied parameter's optimizer state is keyed under *every* name of it: a
@@ -122,12 +132,15 @@ def _flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> di
     only, a checkpoint of the first plan resumed under the second left the
     last stage's copy with a fresh Adam state, and training diverged (seen
     by ``benchmarks/soak``).
+
+    Under ZeRO the optimizer steps a flat shard; its state is gathered whole per parameter for saving
+    (``gather``, a collective over the stage's replicas) and read back whole, each replica keeping its slice,
+    so that the checkpoint stays the same for any plan.
     """
     state: dict[str, Any] = {f"model.{k}": v for k, v in get_model_state_dict(model, options=_OPTS).items()}
     if optimizer is not None:
-        osd = get_optimizer_state_dict(model, optimizer, options=_OPTS)
         aliases = _aliases(model)
-        for name, per_param in osd["state"].items():
+        for name, per_param in _optimizer_state(model, optimizer, gather=gather).items():
             for key, value in per_param.items():
                 tensor = value if isinstance(value, torch.Tensor) else torch.tensor(value)
                 for alias in aliases.get(name, [name]):
@@ -137,6 +150,8 @@ def _flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> di
 
 def _optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> set[str]:
     """The names the optimizer's state dict uses for this rank's parameters (one per tied group)."""
+    if shards_of(optimizer):
+        return set(optimizer_templates(model, optimizer))
     osd = get_optimizer_state_dict(model, optimizer, options=_OPTS)
     return {n for g in osd["param_groups"] for n in g["params"]}
 
@@ -434,7 +449,7 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
         stored = JsonReader(p, files).read_metadata().state_dict_metadata
     except IndexFormatError as e:
         raise CheckpointError(str(e)) from e
-    state = _flat(model, optimizer)  # the shapes to read into: what this rank holds now
+    state = _flat(model, optimizer, gather=False)  # the shapes to read into: what this rank holds now
     missing = sorted(k for k in state if k.startswith("model.") and k not in stored)
     if missing:
         raise CheckpointError(f"checkpoint {p} has no {missing[0][6:]}" + (f" (and {len(missing) - 1} more)"
@@ -467,9 +482,12 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
                 name, key = k[6:].rsplit(".", 1)
                 if name in known:  # a tied parameter's other names carry the same state
                     per.setdefault(name, {})[key] = v
-        osd = get_optimizer_state_dict(model, optimizer, options=_OPTS)
-        osd["state"] = {**osd["state"], **per}
-        set_optimizer_state_dict(model, optimizer, osd, options=_OPTS)
+        if shards_of(optimizer):
+            load_full_optimizer_state(model, optimizer, per)
+        else:
+            osd = get_optimizer_state_dict(model, optimizer, options=_OPTS)
+            osd["state"] = {**osd["state"], **per}
+            set_optimizer_state_dict(model, optimizer, osd, options=_OPTS)
     if rng:
         _set_rng_state(wanted, _rank())
     return {k: v for k, v in meta.items() if k != "files"}

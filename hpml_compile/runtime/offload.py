@@ -92,6 +92,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.bytes_to_device = 0
 
     # -- what an Optimizer exposes, the inner one's ------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """Any other attribute is the inner optimizer's (e.g. the runtime's ZeRO shards, ``hpml_zero``)."""
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.inner.param_groups

@@ -61,6 +61,7 @@ from ..codegen.comm import DetachedComm
 from ..errors import HpmlError
 from .batchcheck import agree_with_check, fingerprint
 from ..hostmem import keep_freed_memory
+from ..memory import ZeroStage
 from ..schedule import Action, stage_ranks
 from .comm import CommFault, DistComm, LocalComm, is_transient, make_groups, rank_devices
 from .executor import (actions_for, forward_stage, local_order, merge_outputs, run_actions, split_microbatches,
@@ -71,6 +72,7 @@ from .monitor import Monitor, StepMetrics, peak_memory, reset_peak_memory, split
 from .offload import offload_optimizer
 from .saved import SavedActivations
 from .session import CommFailure, RetryPolicy, Session
+from .zero import FlatGrads, FlatShard
 
 __all__ = ["Pipeline", "OptimizerArg"]
 
@@ -133,6 +135,8 @@ class Pipeline:
             self.stages[self.stage_index].to(self.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's tensors reuse freed memory instead of faulting fresh pages in
+        self._buckets: list[FlatShard | FlatGrads] = self._make_buckets(optimizer)
+        self._shards = [b for b in self._buckets if isinstance(b, FlatShard)]
         self.optimizer = self._offloaded(self._make_optimizer(optimizer))
         self.saved = SavedActivations(exclude=self.stages.values())  # what autograd keeps, measured each step
         self.held: Held | None = None  # parameters, gradients, optimizer state after the last step
@@ -181,7 +185,42 @@ class Pipeline:
         comm = DistComm(self.plan, self.rank, self._devices, pairs, groups)
         comm.faults = self._faults
         self.build.stages[comm.stage].hpml_comm = comm
+        for b in getattr(self, "_buckets", ()):  # after a reconnect: the new communicator runs the collectives
+            comm.shards[b.stage] = b
+            if isinstance(b, FlatShard):
+                b.comm = comm
         return comm
+
+    def _make_buckets(self, optimizer: OptimizerArg) -> list[FlatShard | FlatGrads]:
+        """The flat gradient buffer of this rank's replicated stage (:mod:`.zero`).
+
+        ZeRO-0: one buffer, all-reduced in place. ZeRO-1/2: the parameters in one flat buffer too, the
+        optimizer over this replica's shard. Parameters tied to another stage stay apart (all-reduced across
+        those stages). In one process nothing is replicated; without an optimizer there is no state to shard.
+        """
+        if self.session is None or self.comm is None:
+            return []
+        k = self.stage_index
+        st = self.plan.stages[k]
+        if self._reps[k] == 1:
+            return []
+        tied = {id(p) for j, other in enumerate(self.build.stages) if j != k for p in other.parameters()}
+        params = [p for p in self.parameters() if id(p) not in tied]
+        if not params:
+            return []
+        if st.zero == ZeroStage.NONE or optimizer is None:
+            bucket = FlatGrads(k, params)
+            self.comm.shards[k] = bucket
+            return [bucket]
+        if isinstance(optimizer, torch.optim.Optimizer):
+            raise HpmlError(f"stage {k} runs ZeRO-{int(st.zero)} over {self._reps[k]} replicas, which builds the "
+                            "optimizer over this rank's shard of the parameters: pass a factory called with the "
+                            "parameters (e.g. optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)), not an "
+                            "optimizer already built")
+        shard = FlatShard(k, params, replicas=self._reps[k], replica=self.replica, zero=st.zero)
+        shard.comm = self.comm
+        self.comm.shards[k] = shard
+        return [shard]
 
     def _make_optimizer(self, optimizer: OptimizerArg) -> torch.optim.Optimizer | None:
         if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
@@ -189,7 +228,13 @@ class Pipeline:
         if not callable(optimizer):
             raise HpmlError(f"optimizer must be a torch.optim.Optimizer or a factory called with the parameters "
                             f"(e.g. lambda ps: torch.optim.AdamW(ps, lr=1e-3)), got {optimizer!r}")
-        return optimizer(self.parameters())
+        if not self._shards:
+            return optimizer(self.parameters())
+        sharded = {id(p) for sh in self._shards for p in sh.params}
+        opt = optimizer([*(sh.param for sh in self._shards),
+                         *(p for p in self.parameters() if id(p) not in sharded)])
+        opt.hpml_zero = self._shards  # type: ignore[attr-defined]  # read by .zero.shards_of (checkpoints)
+        return opt
 
     def _offloaded(self, optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
         """The optimizer with its state and step in host memory where the plan offloads this rank's stage."""
@@ -331,6 +376,8 @@ class Pipeline:
         comm.begin_step(self.steps_done)
         for p in self.parameters():
             p.grad = None
+        for b in self._buckets:
+            b.begin_step()  # gradients accumulate into the flat buffer the reduce-scatter reads
         reset_peak_memory(self.device)
         # every rank must have been given this very batch: checked in the loss all-reduce (see .batchcheck)
         agree = agree_with_check(dist.all_reduce, fingerprint([inputs, targets]), self.steps_done + 1)

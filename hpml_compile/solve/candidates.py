@@ -117,9 +117,13 @@ class StageConfig:
 
 
 # Cheapest first within each family; enumerate_candidates keeps those that buy memory.
+# ZeRO-0 and ZeRO-1 only: the runtime accumulates a step's gradients whole before its one reduce-scatter,
+# so ZeRO-2 holds the same at the peak as ZeRO-1 (stagecost.memory_parts), and ZeRO-3 is not performed
+# (runtime/zero.py says why).
+OFFERED_ZERO: tuple[ZeroStage, ...] = (ZeroStage.NONE, ZeroStage.OS)
 CONFIGS: tuple[StageConfig, ...] = tuple(
-    StageConfig(ZeroStage(z), r, o, s)
-    for s in (False, True) for r in (False, True) for o in (False, True) for z in range(4))
+    StageConfig(z, r, o, s)
+    for s in (False, True) for r in (False, True) for o in (False, True) for z in OFFERED_ZERO)
 
 
 @dataclass(frozen=True, slots=True)

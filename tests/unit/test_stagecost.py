@@ -111,3 +111,18 @@ def test_simulator_and_table_price_a_plans_stages_alike(schedule: Schedule) -> N
             assert cost.compute_ms + 2 * cost.swap_ms == pytest.approx(cand.t, rel=1e-9)
             checked += 1
     assert checked >= 8
+
+
+def test_zero_shards_only_the_optimizer_state_at_the_peak() -> None:
+    """What the runtime (runtime/zero.py) holds at the end of the last backward: parameters and gradients whole
+    (accumulated over every microbatch before the one reduce-scatter), Adam's state / d from ZeRO-1 on."""
+    parts = {z: stagecost.memory_parts(param_bytes=800, activation_bytes=0, input_bytes=0, dtype_bytes=4,
+                                       replicas=4, zero=z, microbatches=2) for z in ZeroStage}
+    assert [(m.params, m.grads, m.optimizer) for m in parts.values()] == [
+        (800, 800, 1600), (800, 800, 400), (800, 800, 400), (800, 800, 400)]
+
+
+def test_the_solver_offers_only_the_zero_stages_that_save_memory() -> None:
+    from hpml_compile.solve.candidates import CONFIGS
+
+    assert {c.zero for c in CONFIGS} == {ZeroStage.NONE, ZeroStage.OS}

@@ -1,0 +1,358 @@
+"""ZeRO over a stage's replicas: one flat buffer per stage, the optimizer built over this replica's shard only.
+
+A stage replicated over ``d`` ranks with ZeRO-1 or ZeRO-2 (Rajbhandari et
+al., SC 2020) runs with a :class:`FlatShard`:
+
+- the stage's parameters (all but those tied to another stage, which stay
+  replicated and all-reduced) are *views* into one flat buffer of
+  ``n * d`` elements (``n = ceil(N / d)``), in the same order on every replica;
+- the optimizer is built over one parameter, the slice ``[r n, (r+1) n)`` of
+  that buffer (a view too), so its state (Adam's two moments) is ``1 / d`` of
+  the stage's: **ZeRO-1 and ZeRO-2 hold only the owned shard of the optimizer
+  state**;
+- gradients accumulate, over every microbatch of the step, into a flat
+  gradient buffer whose views are the parameters' ``.grad`` (autograd adds
+  into an existing ``.grad`` in place, as DDP's ``gradient_as_bucket_view``);
+  after the last backward one reduce-scatter leaves each replica the summed
+  gradient of its shard, the optimizer steps the shard in place, and one
+  all-gather brings every replica the other shards' new values;
+- ZeRO-1 keeps the flat gradient buffer from step to step (reused: no fresh
+  pages to fault in); **ZeRO-2 frees it after the reduce-scatter and keeps only
+  the owned shard of the gradients** until the optimizer step.
+
+ZeRO-0 (plain data parallel) on ranks uses :class:`FlatGrads`: the same flat
+gradient buffer, all-reduced in place, so that no second flattened copy of
+the gradients is made for the collective.
+
+What this does not lower, said plainly: the *peak*. The gradients of a step
+accumulate full-size over all microbatches before the one reduce-scatter, so
+at the end of the backward every replica holds the whole stage's gradients
+under ZeRO-2 as under ZeRO-1, and the parameters stay whole throughout. The
+memory model (:func:`hpml_compile.stagecost.memory_parts`) counts exactly that
+(parameters and gradients whole, optimizer state ``/ d``), so the solver does
+not choose ZeRO-2 (it saves nothing at the peak over ZeRO-1), and ZeRO-3,
+which would gather a whole stage's parameters for its compute and so save
+nothing at the peak either, is refused by plan validation and codegen: a plan
+never names it. Lowering the peak needs what FSDP2 does (per-layer gather
+units, a reduce-scatter per microbatch during the backward); see below.
+
+Why our own buffers and not torch's machinery:
+
+- ``torch.distributed.fsdp.fully_shard`` (FSDP2) runs on gloo and CPU (tried
+  with torch 2.13 on two gloo ranks: a sharded ``Sequential`` trains with
+  ``set_requires_gradient_sync`` over two microbatches). Fitting it to this
+  runtime is more than the sharding: every rank holds the whole model and
+  the stage modules *bind* the model's own submodules, so ``fully_shard``
+  would turn the model's parameters into DTensors, and the checkpoints
+  (saved by original names, loadable under any plan), the full state dict
+  gathered across stages, the evaluation pass, the retry snapshot and the
+  tied-parameter all-reduce between stages all read plain tensors. It is the
+  way to lower the peak (ZeRO-2 with a reduce-scatter per microbatch, ZeRO-3
+  per layer) and the next step; it is not done here.
+- ``torch.distributed.optim.ZeroRedundancyOptimizer`` shards by whole
+  parameters (a greedy partition by size), so a replica's share is uneven and
+  the memory model's ``1 / d`` would not hold; it also broadcasts every
+  parameter from its owner after the step instead of one all-gather.
+
+A flat shard keeps the hyper-parameters of one parameter group for the
+whole shard: the factory passed as ``optimizer`` is called with the shard and
+the stage's tied parameters, so per-parameter groups are not supported under
+ZeRO (a plain ``lambda ps: AdamW(ps, lr=...)`` is).
+
+Checkpoints stay plan-independent: :func:`full_optimizer_state` gathers the
+shard's state back to whole per-parameter tensors under the original names
+(what :mod:`.checkpoint` writes for any plan), and
+:func:`load_full_optimizer_state` takes this replica's slice of them, so a run
+saved under ZeRO resumes under another plan or replica count and the other
+way round.
+
+Example (one process: a stage "replicated" once, so the shard is everything):
+    >>> import torch
+    >>> lin = torch.nn.Linear(3, 2)
+    >>> sh = FlatShard(0, list(lin.parameters()), replicas=1, replica=0, zero=1)
+    >>> sh.numel, sh.shard_numel, lin.weight.untyped_storage().data_ptr() == sh.flat.untyped_storage().data_ptr()
+    (8, 8, True)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..codegen.comm import Comm
+from ..errors import HpmlError
+from ..memory import ZeroStage
+
+__all__ = ["FlatShard", "FlatGrads", "shards_of", "full_optimizer_state", "optimizer_templates", "load_full_optimizer_state"]
+
+
+class FlatShard:
+    """One stage's ZeRO-1/2 state on one replica (see the module docstring).
+
+    Args:
+        stage: the stage index.
+        params: the stage's parameters to shard, in the same order on every replica.
+        replicas: ``d``.
+        replica: this rank's replica index ``r``.
+        zero: the ZeRO stage (1 or 2).
+
+    Raises:
+        HpmlError: parameters of different dtypes or devices (one flat buffer holds them all), or ZeRO-3.
+    """
+
+    def __init__(self, stage: int, params: list[nn.Parameter], *, replicas: int, replica: int,
+                 zero: ZeroStage | int) -> None:
+        self.stage, self.replicas, self.replica = stage, replicas, replica
+        self.zero = ZeroStage(zero)
+        if self.zero not in (ZeroStage.OS, ZeroStage.OS_G):
+            raise HpmlError(f"stage {stage}: the runtime shards ZeRO-1 and ZeRO-2, not ZeRO-{int(self.zero)}")
+        if not params:
+            raise HpmlError(f"stage {stage}: ZeRO-{int(self.zero)} over no parameters")
+        kinds = {(p.dtype, p.device) for p in params}
+        if len(kinds) > 1:
+            raise HpmlError(f"stage {stage}: ZeRO keeps one flat buffer per stage, but its parameters have dtypes/"
+                            f"devices {sorted(map(str, kinds))}: give them one dtype and device")
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.shard_numel = math.ceil(self.numel / replicas)
+        dtype, device = params[0].dtype, params[0].device
+        self.flat = torch.zeros(self.shard_numel * replicas, dtype=dtype, device=device)
+        offset = 0
+        self._views: list[tuple[int, int]] = []
+        with torch.no_grad():
+            for p in params:
+                n = p.numel()
+                self.flat[offset:offset + n].copy_(p.detach().reshape(-1))
+                p.data = self.flat[offset:offset + n].view_as(p)
+                self._views.append((offset, n))
+                offset += n
+        lo = replica * self.shard_numel
+        self.param = nn.Parameter(self.flat[lo:lo + self.shard_numel])  # the optimizer steps this, in place
+        self.grad_flat: Tensor | None = None
+        self.comm: Comm | None = None  # the stage's communicator, set by the pipeline (and after a reconnect)
+        self._checked = False
+
+    @property
+    def owned(self) -> slice:
+        """This replica's elements of the flat buffers."""
+        lo = self.replica * self.shard_numel
+        return slice(lo, lo + self.shard_numel)
+
+    def begin_step(self) -> None:
+        """Point every parameter's ``.grad`` at its slice of a zeroed flat gradient buffer."""
+        if self.grad_flat is None:
+            self.grad_flat = torch.zeros_like(self.flat)
+        else:
+            self.grad_flat.zero_()
+        for p, (off, n) in zip(self.params, self._views):
+            p.grad = self.grad_flat[off:off + n].view_as(p)
+        self.param.grad = None
+
+    def check(self, params: Iterable[Tensor]) -> None:
+        """The generated code's parameter list must be this shard's (once)."""
+        if self._checked:
+            return
+        got = {id(p) for p in params}
+        if got != {id(p) for p in self.params}:
+            raise HpmlError(f"stage {self.stage}: the build reduce-scatters {len(got)} parameter(s) but the runtime "
+                            f"sharded {len(self.params)}: the build and the runtime disagree on the stage's "
+                            "parameters (regenerate the build)")
+        self._checked = True
+
+    def reduce_scatter(self, comm: Comm) -> None:
+        """After the last backward: this replica's shard of the summed gradient becomes the shard's ``.grad``."""
+        if self.grad_flat is None:
+            self.begin_step()  # no backward ran (an empty step): zero gradients
+        assert self.grad_flat is not None
+        for p in self.params:
+            p.grad = None  # the full gradient is not the summed one: nobody may read it as such
+        shard = comm.reduce_scatter(self.stage, self.grad_flat)
+        if self.zero is ZeroStage.OS:
+            own = self.grad_flat[self.owned]
+            own.copy_(shard)
+            self.param.grad = own  # the buffer stays for the next step
+        else:
+            self.param.grad = shard if shard.data_ptr() != self.grad_flat.data_ptr() else shard.clone()
+            self.grad_flat = None  # ZeRO-2: only the shard of the gradients is held from here on
+
+    def all_gather(self, comm: Comm) -> None:
+        """After the optimizer step: every replica takes the other shards' new values."""
+        with torch.no_grad():
+            full = comm.all_gather(self.stage, self.param.detach())
+            if full.data_ptr() != self.flat.data_ptr():
+                self.flat.copy_(full)
+        if self.zero is ZeroStage.OS_G:
+            self.param.grad = None  # ZeRO-2: the shard's gradient is used up (ZeRO-1 keeps its buffer, seen here)
+
+    # -- checkpoints: whole per-parameter state ------------------------------------------------------
+    def _gather(self, t: Tensor) -> Tensor:
+        """The whole flat tensor from every replica's shard (a collective over the stage's replicas)."""
+        if self.replicas == 1:
+            return t
+        comm = self.comm
+        group = getattr(comm, "groups", {}).get((self.stage,)) if comm is not None else None
+        parts = [torch.empty_like(t) for _ in range(self.replicas)]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return torch.cat(parts)
+
+    def _per_element(self, t: Tensor) -> bool:
+        if t.numel() == self.shard_numel and t.dim() == 1 and self.shard_numel > 1:
+            return True
+        if t.numel() <= 1:
+            return False
+        raise HpmlError(f"stage {self.stage}: optimizer state of shape {tuple(t.shape)} is neither per element "
+                        f"({self.shard_numel}) nor a scalar: ZeRO supports element-wise optimizers (Adam, SGD, ...)")
+
+    def full_state(self, state: dict[str, Any], *, gather: bool = True) -> list[dict[str, Tensor]]:
+        """Per parameter, the optimizer state of the shard made whole (``gather=False``: empty tensors of its shape)."""
+        out: list[dict[str, Tensor]] = [{} for _ in self.params]
+        for key, value in state.items():
+            t = value if isinstance(value, Tensor) else torch.tensor(value)
+            if self._per_element(t):
+                whole = self._gather(t) if gather else torch.empty(self.flat.numel(), dtype=t.dtype,
+                                                                   device=t.device)
+                for i, (p, (off, n)) in enumerate(zip(self.params, self._views)):
+                    out[i][key] = whole[off:off + n].view_as(p).clone() if gather else whole[off:off + n].view_as(p)
+            else:
+                for i in range(len(self.params)):
+                    out[i][key] = t.detach().clone()
+        return out
+
+    def load_state(self, state: dict[str, Any], per_param: list[dict[str, Tensor]]) -> None:
+        """Set the shard's optimizer state (``state``, in place) from whole per-parameter tensors."""
+        for key, value in list(state.items()):
+            if not all(key in s for s in per_param):
+                continue
+            t = value if isinstance(value, Tensor) else torch.tensor(value)
+            if self._per_element(t):
+                whole = torch.zeros(self.flat.numel(), dtype=t.dtype, device=t.device)
+                for (off, n), s in zip(self._views, per_param):
+                    whole[off:off + n].copy_(s[key].reshape(-1))
+                src = whole[self.owned]
+            else:
+                src = per_param[0][key].reshape(t.shape)
+            if isinstance(value, Tensor):
+                with torch.no_grad():
+                    value.copy_(src)
+            else:
+                state[key] = type(value)(src.item())
+
+
+class FlatGrads:
+    """ZeRO-0 of a replicated stage: gradients accumulate into one flat buffer, all-reduced in place.
+
+    The parameters' ``.grad`` are views of the buffer (as DDP's ``gradient_as_bucket_view``), so the
+    all-reduce needs no second, flattened copy of the gradients: the stage holds ``P`` bytes of gradients,
+    as the memory model says, not ``2 P``.
+
+    Args:
+        stage: the stage index.
+        params: its parameters not tied to another stage, in the same order on every replica.
+    """
+
+    def __init__(self, stage: int, params: list[nn.Parameter]) -> None:
+        kinds = {(p.dtype, p.device) for p in params}
+        if len(kinds) > 1:
+            raise HpmlError(f"stage {stage}: one gradient buffer per stage, but its parameters have dtypes/devices "
+                            f"{sorted(map(str, kinds))}: give them one dtype and device")
+        self.stage, self.params = stage, params
+        self.grad_flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        self._checked = False
+
+    def begin_step(self) -> None:
+        """Zero the buffer and point every parameter's ``.grad`` at its slice."""
+        self.grad_flat.zero_()
+        offset = 0
+        for p in self.params:
+            p.grad = self.grad_flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    check = FlatShard.check
+
+    def all_reduce(self, comm: Comm) -> None:
+        """Sum the gradients over the stage's replicas, in place."""
+        comm.all_reduce((self.stage,), self.grad_flat)
+
+
+def shards_of(optimizer: torch.optim.Optimizer | None) -> list[FlatShard]:
+    """The ZeRO shards an optimizer steps (set by the pipeline as ``optimizer.hpml_zero``); [] for none."""
+    return list(getattr(optimizer, "hpml_zero", ()) or ())
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    return names
+
+
+def _init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Materialise the optimizer state (a step with zero gradients and lr 0), as DCP's state_dict helpers do."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, gather: bool = True
+                         ) -> dict[str, dict[str, Tensor]]:
+    """The optimizer state per original parameter name, shards made whole (a collective when ``gather``).
+
+    Args:
+        model: this rank's module, parameters named as in the original model.
+        optimizer: an optimizer over ZeRO shards (:func:`shards_of`) and plain parameters.
+        gather: gather the shards (saving); False gives empty tensors of the right shapes (loading).
+
+    Returns:
+        ``{name: {state key: tensor}}``, one name per parameter (its first).
+    """
+    _init_state(optimizer)
+    names = _names(model)
+    shards = {id(s.param): s for s in shards_of(optimizer)}
+    out: dict[str, dict[str, Tensor]] = {}
+    for group in optimizer.param_groups:
+        for q in group["params"]:
+            state = optimizer.state.get(q, {})
+            sh = shards.get(id(q))
+            if sh is not None:
+                for p, s in zip(sh.params, sh.full_state(state, gather=gather)):
+                    out[names[id(p)]] = s
+            elif id(q) in names:
+                out[names[id(q)]] = {k: v if isinstance(v, Tensor) else torch.tensor(v) for k, v in state.items()}
+    return out
+
+
+def optimizer_templates(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Tensor]]:
+    """What :func:`load_full_optimizer_state` reads into: :func:`full_optimizer_state` without the collective."""
+    return full_optimizer_state(model, optimizer, gather=False)
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                              per_name: dict[str, dict[str, Tensor]]) -> None:
+    """Set the optimizer state from whole per-parameter tensors by original name (each shard takes its slice).
+
+    Args:
+        model: this rank's module.
+        optimizer: the optimizer (over shards and plain parameters).
+        per_name: ``{name: {state key: tensor}}``; names it lacks keep their current state.
+    """
+    _init_state(optimizer)
+    names = _names(model)
+    shards = {id(s.param): s for s in shards_of(optimizer)}
+    for group in optimizer.param_groups:
+        for q in group["params"]:
+            state = optimizer.state[q]
+            sh = shards.get(id(q))
+            if sh is not None:
+                per = [per_name.get(names[id(p)], {}) for p in sh.params]
+                sh.load_state(state, per)
+            elif id(q) in names and names[id(q)] in per_name:
+                for k, v in per_name[names[id(q)]].items():
+                    if k in state and isinstance(state[k], Tensor):
+                        with torch.no_grad():
+                            state[k].copy_(v.reshape(state[k].shape))
+                    elif k in state:
+                        state[k] = type(state[k])(v.item())
