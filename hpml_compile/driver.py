@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -49,7 +49,7 @@ from .codegen import Build, check_build_dir, generate
 from .costgraph import CostGraph
 from .costgraph import build as build_costgraph
 from .errors import BuildMismatchError, HpmlError, OptionError
-from .ir import Cluster, FrontEnd, Profile
+from .ir import Cluster, FrontEnd, Precision, Profile
 from .plan import Plan, Schedule, save_plan, validate_plan
 from .profile import predict_kinds, profile, save_profile
 from .recipe import ModelRecipe, read_recipe
@@ -59,7 +59,7 @@ from .solve import SolverName, solve
 from .trace import trace
 
 __all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "rebuild", "cost_graph", "local_threads",
-           "check_microbatches", "check_threads"]
+           "check_microbatches", "check_threads", "check_precision"]
 
 Say = Callable[[str], None]
 
@@ -74,6 +74,9 @@ class Options:
         schedule: GPipe or 1F1B (a re-plan keeps the old plan's unless given).
         time_limit_s: the ILP's time limit.
         dump_dir: write each pass's output here (default: ``$HPML_DUMP``, else nothing).
+        precision: ``fp32``, ``bf16`` or ``fp16`` (:class:`~hpml_compile.ir.Precision`): what :func:`compile`
+            profiles and trains in; for :func:`plan` and :func:`replan`, what the profile (the running plan)
+            must be in. None: fp32 for :func:`compile`, the profile's (the old plan's) otherwise.
     """
 
     solver: SolverName | str = SolverName.ILP
@@ -81,9 +84,12 @@ class Options:
     schedule: Schedule | str | None = None
     time_limit_s: float = 30.0
     dump_dir: str | Path | None = None
+    precision: Precision | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "solver", SolverName(self.solver))
+        if self.precision is not None:
+            object.__setattr__(self, "precision", Precision.parse(self.precision, "precision"))
         if self.schedule is not None:
             object.__setattr__(self, "schedule", Schedule(self.schedule))
         if self.microbatches is not None and self.microbatches < 1:
@@ -195,6 +201,19 @@ def check_threads(prof: Profile, cluster: Cluster, cores: int | None = None) -> 
                         "at the ranks' thread count")
 
 
+def check_precision(prof: Profile, wanted: Precision | str | None, what: str = "the plan") -> None:
+    """Refuse a profile timed in another precision than ``wanted`` (None: any).
+
+    Raises:
+        OptionError: naming both precisions and the two ways out.
+    """
+    if wanted is not None and Precision(wanted) is not prof.precision:
+        w = Precision(wanted).value
+        raise OptionError(f"--precision {w}: the profile of {prof.model} was timed in {prof.precision.value}, and "
+                          f"{what} must train in the precision its profile measured (times and activation sizes "
+                          f"differ): profile again with --precision {w}, or use --precision {prof.precision.value}")
+
+
 def _dump(opts: Options, name: str, write: Callable[[Path], Any]) -> None:
     where = opts.dump
     if where is not None:
@@ -257,11 +276,13 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
         The plan, with the simulator's predictions, checked against the profile.
 
     Raises:
-        OptionError: ``opts.microbatches`` does not split the profile's batch (before solving).
+        OptionError: ``opts.microbatches`` does not split the profile's batch, or ``opts.precision`` is not the
+            profile's (before solving).
         HpmlError: a CPU profile measured with other threads than the cluster's local ranks run.
         UnknownDeviceError, InfeasibleError, HpmlError: as :func:`hpml_compile.solve.solve`.
     """
     check_microbatches(prof, opts.microbatches)                                     # before any solving
+    check_precision(prof, opts.precision)                                           # trains as it was timed
     check_threads(prof, cluster)                                                    # CPU times at the ranks' threads
     prof, graph = cost_graph(prof, cluster, opts)
     if progress:
@@ -269,6 +290,7 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
     result = solve(graph, cluster, solver=opts.solver, microbatches=opts.microbatches,               # 5. solve
                    schedule=opts.schedule or Schedule.ONE_F_ONE_B, time_limit_s=opts.time_limit_s,
                    dtype=prof.dtype, progress=progress)
+    result = replace(result, precision=prof.precision)                              # trains as it was timed
     validate_plan(result, prof)                                                     # every node placed once
     _dump(opts, "4-plan.json", lambda p: save_plan(result, p))
     return result
@@ -310,15 +332,19 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Pat
     gm.graph.lint()
     _dump(opts, "1-graph.txt", lambda p: p.write_text(str(gm.graph)))
     if measured is None:
+        prec = Precision(opts.precision or Precision.FP32)
         tell(f"[2/4] profiling {len(gm.graph.nodes)} nodes on the CPU ({local_threads(c) or torch.get_num_threads()} "
-             "thread(s)); "
+             f"thread(s){', under ' + prec.value + ' autocast' if prec.is_mixed else ''}); "
              f"predicting {', '.join(kinds[1:]) or 'nothing else'}")
         measured = profile(gm, inputs, name=label, device_kinds=kinds, batch_size=prof_opts.batch_size,  # 2. profile
                            seq_len=prof_opts.seq_len, repeats=prof_opts.repeats, warmup=prof_opts.warmup,
-                           progress=False, threads=local_threads(c))  # local CPU ranks: at their thread count
+                           progress=False, threads=local_threads(c),  # local CPU ranks: at their thread count
+                           precision=prec)
     else:
-        tell(f"[2/4] planning from the given profile of {measured.model} (batch {measured.batch_size})")
+        tell(f"[2/4] planning from the given profile of {measured.model} (batch {measured.batch_size}, "
+             f"{measured.precision.value})")
         _check_profile_matches(measured, gm, label)
+        check_precision(measured, opts.precision)
     _dump(opts, "2-profile.json", lambda p: save_profile(measured, p))
     tell(f"[3/4] planning on {c.name} ({len(c.devices)} devices) with {SolverName(opts.solver).value}")
     placed = plan(measured, c, opts, progress=say)                                  # 3-5. costgraph, solve
@@ -396,6 +422,10 @@ def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost
     """
     if measured.model != old.model:
         raise HpmlError(f"the measured profile is of {measured.model!r} but the plan places {old.model!r}")
+    if opts.precision is not None and Precision(opts.precision) is not old.precision:
+        raise OptionError(f"--precision {Precision(opts.precision).value}: the running plan trains in "
+                          f"{old.precision.value}; a re-plan keeps its precision (compile again to change it)")
+    check_precision(measured, old.precision, "the running plan")
     check_microbatches(measured, opts.microbatches)
     target = cluster or old.cluster
     gone = list(lost)

@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .costgraph import CostGraph, build
 from .errors import HpmlError, InfeasibleError
@@ -122,9 +122,18 @@ def one_more_device(plan: Plan, graph: CostGraph, result: SimResult, *, time_lim
     try:
         new = solve(graph, bigger, solver=solver, microbatches=plan.microbatches, schedule=plan.schedule,
                     time_limit_s=time_limit_s, dtype=dtype)
+        new = replace(new, precision=plan.precision)
     except InfeasibleError as e:
         return WhatIf(dev, None, str(e).splitlines()[0])
     return WhatIf(dev, new)
+
+
+def _precision(plan: Plan) -> str:
+    p = plan.precision
+    if not p.is_mixed:
+        return "fp32"
+    return (f"{p.value} (autocast to {p.dtype}, fp32 master weights and optimizer state, boundaries in {p.dtype}"
+            + (", loss scaling" if p.value == "fp16" else "") + ")")
 
 
 def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | None = None) -> str:
@@ -141,8 +150,8 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
     """
     so, m = plan.solver, plan.microbatches
     lines = [f"{plan.model} on {plan.cluster.name} ({len(plan.cluster.devices)} devices): {len(plan.stages)} "
-             f"stages, {m} microbatches, {plan.schedule.value}; solver {so.name} {so.status.value} "
-             f"(gap {so.gap:.2%}) in {so.seconds:.2f} s",
+             f"stages, {m} microbatches, {plan.schedule.value}, {_precision(plan)}; solver {so.name} "
+             f"{so.status.value} (gap {so.gap:.2%}) in {so.seconds:.2f} s",
              f"predicted step {result.step_ms:.4g} ms, bubble {result.bubble:.1%} (idle share of the pipeline)",
              "stages (times per microbatch):"]
     for st, c in zip(plan.stages, result.stages):

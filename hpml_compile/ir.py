@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping, TypeVar
 
-from .errors import SchemaError
+from .errors import OptionError, SchemaError
 from .schema import CLUSTER_SCHEMA, PROFILE_SCHEMA, check_version, validate
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "Schedule",
     "FrontEnd",
     "BackwardTiming",
+    "Precision",
     "NodeCost",
     "ProfileNode",
     "Profile",
@@ -99,6 +100,47 @@ class BackwardTiming(str, enum.Enum):
     PER_NODE = "per_node"  # each node's backward timed in isolation
     APPORTIONED = "apportioned"  # timed per block, split by backward FLOPs
     PREDICTED = "predicted"  # no measurement: cost_models only
+
+
+class Precision(str, enum.Enum):
+    """How a model trains: in fp32, or under autocast to bf16 or fp16 (mixed precision).
+
+    Under ``bf16``/``fp16`` the parameters, their gradients and the optimizer
+    state stay fp32 (the master weights); the forward runs under
+    ``torch.autocast`` to the compute dtype, whose activations (and their
+    gradients) also cross stage boundaries in it. ``fp16`` adds loss scaling.
+
+    >>> Precision("bf16").dtype, Precision.FP16.bytes, Precision.FP32.is_mixed
+    ('bfloat16', 2, False)
+    """
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def dtype(self) -> str:
+        """The compute dtype's name (``float32``, ``bfloat16``, ``float16``): the catalog's key for its peak."""
+        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[self.value]
+
+    @property
+    def bytes(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return 4 if self is Precision.FP32 else 2
+
+    @property
+    def is_mixed(self) -> bool:
+        """Whether the forward runs under autocast (bf16 or fp16)."""
+        return self is not Precision.FP32
+
+    @classmethod
+    def parse(cls, value: "Precision | str", where: str = "precision") -> "Precision":
+        """``value`` as a Precision, or an OptionError naming ``where``, the value and the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise OptionError(f"{where}: {value!r} is not a precision; use one of "
+                              f"{', '.join(p.value for p in cls)}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +275,13 @@ class Profile:
     (CPU times depend on it: a plan for ranks that run with fewer threads
     must not use them); None when the CPU was not measured, or in a file
     written before the field existed.
+    ``precision`` is what the nodes were timed under (:class:`Precision`: fp32,
+    or autocast to bf16/fp16); under mixed precision ``activation_bytes`` are
+    what autograd saves under autocast (the compute-dtype copies of the
+    weights included) and a floating output's ``output_bytes`` is its size in
+    the compute dtype, what a stage boundary sends. ``dtype`` stays the
+    parameters' (the fp32 master weights). A file written before the field
+    existed is fp32.
     """
 
     model: str
@@ -252,9 +301,11 @@ class Profile:
     optimizer_ms: Mapping[str, float] = field(default_factory=dict)
     parameters: Mapping[str, int] = field(default_factory=dict)
     threads: int | None = None
+    precision: Precision = Precision.FP32
     schema_version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", Precision(self.precision))
         if self.threads is not None and self.threads < 1:
             raise SchemaError("profile", "threads", "the number of torch threads measured with, 1 or more",
                               repr(self.threads))
@@ -311,6 +362,7 @@ class Profile:
             "optimizer_ms": dict(self.optimizer_ms),
             "parameters": dict(self.parameters),
             "threads": self.threads,
+            "precision": self.precision.value,
             "nodes": [n.to_dict() for n in self.nodes],
         }
 
@@ -342,6 +394,7 @@ class Profile:
             optimizer_ms=d.get("optimizer_ms", {}),
             parameters=d.get("parameters", {}),
             threads=d.get("threads"),
+            precision=Precision(d.get("precision", "fp32")),
             nodes=tuple(ProfileNode.from_dict(n, source, f"nodes[{i}]") for i, n in enumerate(d["nodes"])),
         )
 

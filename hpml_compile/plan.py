@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PlanError, SchemaError
-from .ir import Cluster, Profile, Schedule
+from .ir import Cluster, Precision, Profile, Schedule
 from .memory import GiB, MemoryBreakdown, ZeroStage, dtype_bytes, tied_elsewhere
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
 from .stagecost import device_memory, in_flight
@@ -153,10 +153,12 @@ class Plan:
     stages: tuple[Stage, ...]
     predicted: PlanPrediction = field(default_factory=PlanPrediction)
     solver: SolverInfo = field(default_factory=SolverInfo)
+    precision: Precision = Precision.FP32
     schema_version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
+        object.__setattr__(self, "precision", Precision(self.precision))
         if self.microbatches < 1:
             raise ValueError(f"plan: microbatches must be >= 1, got {self.microbatches}")
         for i, st in enumerate(self.stages):
@@ -167,6 +169,7 @@ class Plan:
         return {
             "schema_version": self.schema_version, "model": self.model, "cluster": self.cluster.to_dict(),
             "schedule": self.schedule.value, "microbatches": self.microbatches,
+            "precision": self.precision.value,
             "stages": [s.to_dict() for s in self.stages],
             "predicted": {"step_ms": self.predicted.step_ms, "bottleneck_stage": self.predicted.bottleneck_stage,
                           "bubble": self.predicted.bubble},
@@ -203,6 +206,7 @@ class Plan:
             stages=tuple(Stage.from_dict(s) for s in d["stages"]),
             predicted=PlanPrediction(pr["step_ms"], pr["bottleneck_stage"], pr["bubble"]),
             solver=SolverInfo(so["name"], SolverStatus(so["status"]), so.get("gap", 0.0), so.get("seconds", 0.0)),
+            precision=Precision(d.get("precision", "fp32")),  # plans written before the field are fp32
         )
 
 
@@ -219,6 +223,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "cluster": CLUSTER_SCHEMA,
         "schedule": {"enum": [s.value for s in Schedule]},
         "microbatches": {"type": "integer", "minimum": 1},
+        "precision": {"enum": [p.value for p in Precision]},
         "stages": {
             "type": "array", "minItems": 1,
             "items": {
@@ -367,11 +372,17 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
         profile: the profile the plan was made for.
 
     Raises:
-        PlanError: naming the first rule broken: a node placed twice, unknown
-            or never; an edge from a later stage to an earlier one; a device
-            unknown or used twice; optimizer offload on a CPU device (the host is
-            the device); a device over its memory; ZeRO-3, which the runtime does not perform.
+        PlanError: naming the first rule broken: a precision other than the
+            profile's; a node placed twice, unknown or never; an edge from a
+            later stage to an earlier one; a device unknown or used twice;
+            optimizer offload on a CPU device (the host is the device); a device
+            over its memory; ZeRO-3, which the runtime does not perform.
     """
+    if plan.precision is not profile.precision:
+        raise PlanError(f"the plan trains in {plan.precision.value} but the profile of {profile.model} was timed in "
+                        f"{profile.precision.value}: its times and activation sizes are for that precision; profile "
+                        f"again with --precision {plan.precision.value}, or plan with --precision "
+                        f"{profile.precision.value}")
     where = node_stages(plan)
     for st in plan.stages:
         if st.zero > ZeroStage.OS_G:

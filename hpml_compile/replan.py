@@ -143,6 +143,7 @@ def replan_graph(old: Plan, graph: CostGraph, *, cluster: Cluster | None = None,
     scorer = score_graph or graph
     new = solve(graph, target, solver=solver, microbatches=microbatches or old.microbatches, schedule=sched,
                 time_limit_s=time_limit_s, dtype=dtype, progress=progress)
+    new = replace(new, precision=old.precision)  # the measured profile was timed as the old plan trains
     if score_graph is not None:
         new, _ = annotate(new, scorer, dtype)
     same_devices = {d.name for d in target.devices} >= {d for st in old.stages for d in st.devices}

@@ -154,6 +154,7 @@ PROFILE_SCHEMA: dict[str, Any] = {
         "optimizer_ms": {"type": "object", "additionalProperties": _NUM},
         "parameters": {"type": "object", "additionalProperties": _INT},
         "threads": {"type": ["integer", "null"], "minimum": 1},
+        "precision": {"enum": ["fp32", "bf16", "fp16"]},  # optional: files before it are fp32
         "nodes": {"type": "array", "items": _PROFILE_NODE},
     },
     "additionalProperties": False,

@@ -572,5 +572,5 @@ def annotate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[Plan
               StagePrediction(c.fwd_ms * x, (c.recompute_ms + c.bwd_ms) * x, c.memory.total, b))
         for st, c, x, b in zip(plan.stages, r.stages, r.contention, r.stage_bubbles))
     new = Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, stages,
-               PlanPrediction(r.step_ms, r.bottleneck_stage, r.bubble), plan.solver)
+               PlanPrediction(r.step_ms, r.bottleneck_stage, r.bubble), plan.solver, plan.precision)
     return new, r

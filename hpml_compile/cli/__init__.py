@@ -65,6 +65,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads to measure the CPU with (default: this process's); to plan for local-cpu-N "
                         "ranks use what each will have, cores // N (recorded in the profile, checked by `plan`)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="time every node under torch.autocast to this dtype (default fp32); recorded in the file")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     p.add_argument("-o", "--output", type=Path, default=Path("profile.json"), help="where to write (profile.json)")
     p.set_defaults(run=_run_profile)
@@ -82,7 +84,7 @@ def _run_profile(args: argparse.Namespace) -> int:
                    batch_size=loaded.batch_size, seq_len=loaded.seq_len, repeats=args.repeats, warmup=args.warmup,
                    leaf_modules=args.leaf, front_end=args.front_end, progress=not args.quiet,
                    loss_fn=loaded.loss_fn if loaded.example_targets is not None else None,
-                   targets=loaded.example_targets, threads=args.threads)
+                   targets=loaded.example_targets, threads=args.threads, precision=args.precision)
     path = save_profile(prof, args.output)
     if not args.quiet:
         print(profile_summary(prof))

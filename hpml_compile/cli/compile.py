@@ -23,7 +23,7 @@ import torch
 
 from ..cluster import load_cluster
 from ..errors import HpmlError
-from ..ir import FrontEnd
+from ..ir import FrontEnd, Precision
 from ..plan import Schedule
 from ..solve import SolverName
 
@@ -55,6 +55,10 @@ def add_parsers(subparsers: Any) -> None:
                    help="keep a module (class or qualified name) as one opaque node; repeatable")
     p.add_argument("--front-end", dest="front_end", choices=[f.value for f in FrontEnd], default="auto")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    p.add_argument("--precision", default=Precision.FP32.value, choices=[x.value for x in Precision],
+                   help="fp32 (default), or bf16/fp16 mixed precision: profiled and trained under autocast, fp32 "
+                        "master weights and optimizer state, stage boundaries in the compute dtype; fp16 adds "
+                        "loss scaling")
     p.add_argument("-o", "--output", type=Path, required=True, help="the build folder to write")
     p.set_defaults(run=run_compile)
 
@@ -96,7 +100,7 @@ def run_compile(args: argparse.Namespace) -> int:
             loaded.module, loaded.example_inputs, args.output, cluster=cluster, name=loaded.name, say=_say,
             recipe=recipe,
             opts=driver.Options(solver=args.solver, microbatches=args.microbatches, schedule=args.schedule,
-                                time_limit_s=args.time_limit),
+                                time_limit_s=args.time_limit, precision=args.precision),
             prof_opts=driver.ProfileOptions(repeats=args.repeats, warmup=args.warmup, batch_size=loaded.batch_size,
                                             seq_len=loaded.seq_len, leaf_modules=args.leaf,
                                             front_end=args.front_end))
@@ -104,7 +108,8 @@ def run_compile(args: argparse.Namespace) -> int:
         torch.set_num_threads(before)
     plan = build.plan
     pr = plan.predicted
-    print(f"{len(plan.stages)} stages, {plan.microbatches} microbatches ({plan.schedule.value}), predicted step "
+    print(f"{len(plan.stages)} stages, {plan.microbatches} microbatches ({plan.schedule.value}, "
+          f"{plan.precision.value}), predicted step "
           f"{pr.step_ms:.4g} ms (bottleneck stage {pr.bottleneck_stage}, bubble {pr.bubble:.1%}); wrote "
           f"{', '.join(sorted(p.name for p in build.out_dir.iterdir()))} to {build.out_dir}")
     for k, st in enumerate(plan.stages):

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from typing import Any
 
 from .. import driver
 from ..cluster import load_cluster
 from ..costgraph import CostGraph
 from ..errors import HpmlError, InfeasibleError
-from ..ir import Cluster, Profile
+from ..ir import Cluster, Precision, Profile
 from ..memory import GiB
 from ..plan import Plan, Schedule, save_plan, validate_plan
 from ..schema import read_json
@@ -47,6 +48,8 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, choices=[s.value for s in Schedule])
     p.add_argument("--time-limit", type=float, default=30.0, dest="time_limit", help="ILP time limit, seconds")
     p.add_argument("--compare", action="store_true", help="run every solver and print one table")
+    p.add_argument("--precision", default=None, choices=[x.value for x in Precision],
+                   help="the precision to train in; must be the profile's (default: the profile's)")
     p.add_argument("-o", "--output", default=None, help="plan.json to write (with --compare: the ilp plan)")
     p.set_defaults(run=run_plan)
 
@@ -122,6 +125,7 @@ def run_plan(args: argparse.Namespace) -> int:
     profile, cluster = _inputs(args)
     schedule = Schedule(args.schedule)
     driver.check_microbatches(profile, args.microbatches)  # before any solving: --compare solves five times
+    driver.check_precision(profile, args.precision)
     if args.compare:
         driver.check_threads(profile, cluster)  # driver.plan checks it on the other path
         # kinds the file lacks are predicted from it alone, calibrated on its measured kinds
@@ -131,17 +135,20 @@ def run_plan(args: argparse.Namespace) -> int:
         print(format_table(rows))
         plan = next((p for n, p, _ in rows if n == SolverName.ILP.value and isinstance(p, Plan)), None)
         if args.output and plan is not None:
+            plan = replace(plan, precision=profile.precision)
             validate_plan(plan, profile)
             save_plan(plan, args.output)
             print(f"wrote {args.output}")
         return 0
     _progress(f"plan: {profile.model} on {cluster.name} ({len(cluster.devices)} devices), solver {args.solver}")
     plan = driver.plan(profile, cluster, driver.Options(solver=args.solver, microbatches=args.microbatches,
-                                                        schedule=schedule, time_limit_s=args.time_limit),
+                                                        schedule=schedule, time_limit_s=args.time_limit,
+                                                        precision=args.precision),
                        progress=_progress)
     save_plan(plan, args.output)
     pr, so = plan.predicted, plan.solver
-    print(f"{len(plan.stages)} stages, {plan.microbatches} microbatches ({plan.schedule.value}): step "
+    print(f"{len(plan.stages)} stages, {plan.microbatches} microbatches ({plan.schedule.value}, "
+          f"{plan.precision.value}): step "
           f"{pr.step_ms:.4g} ms, bottleneck stage {pr.bottleneck_stage}, bubble {pr.bubble:.1%}; "
           f"{so.name} {so.status.value} (gap {so.gap:.2%}) in {so.seconds:.2f} s; wrote {args.output}")
     return 0

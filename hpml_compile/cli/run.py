@@ -63,6 +63,8 @@ def add_parsers(subparsers: Any) -> None:
                    help="let torchrun restart the ranks this often after a failure (default 0)")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                   help="the build's precision (a build runs as it was compiled; given, it must match)")
     p.add_argument("--log-every", type=int, default=1, dest="log_every", help="print every N steps (default 1)")
     p.add_argument("--retries", type=int, default=3,
                    help="attempts per step when communication fails transiently; 0 or 1: one attempt (default 3)")
@@ -144,6 +146,10 @@ def run_run(args: argparse.Namespace) -> int:
                         f"--cluster C -o {args.build}` first")
     read_recipe(args.build)  # fail here, not in every rank, when the ranks cannot rebuild the model
     plan = load_plan(args.build / "plan.json")
+    if args.precision is not None and args.precision != plan.precision.value:
+        raise OptionError(f"--precision {args.precision}: {args.build} was compiled for {plan.precision.value} (its "
+                          f"profile was timed so, its stages send {plan.precision.value} tensors); drop --precision, "
+                          f"or compile again with --precision {args.precision}")
     devices = sum(len(st.devices) for st in plan.stages)
     nproc = args.nproc if args.nproc is not None else max(1, devices // args.nnodes)
     check_world(plan, nproc, args.nnodes)

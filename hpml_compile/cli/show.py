@@ -97,6 +97,9 @@ def run_show(args: argparse.Namespace) -> int:
         raise HpmlError(f"show: {plan_path}: no such file; pass the plan.json written by `hpml-compile plan`")
     plan = load_plan(plan_path)
     profile = load_profile(find_profile(plan_path, args.profile))
+    if profile.precision is not plan.precision:
+        raise HpmlError(f"show: {plan_path} trains in {plan.precision.value} but the profile was timed in "
+                        f"{profile.precision.value}; pass the profile the plan was made from (--profile)")
     missing = sorted({d.kind for d in plan.cluster.devices} - set(profile.device_kinds))
     if missing:
         profile = predict_kinds(profile, missing)

@@ -235,7 +235,7 @@ def _check_graph(out_dir: Path, manifest: Manifest, gm: fx.GraphModule) -> None:
 def _check_manifest(out_dir: Path, manifest: Manifest, fresh: Manifest) -> None:
     """What the manifest says of the stages is what plan.json and the model give now."""
     mine, theirs = fresh.to_dict(), manifest.to_dict()
-    for key in ("model", "front_end", "leaf_modules", "trace_inputs", "inputs", "microbatches", "stages",
+    for key in ("model", "front_end", "leaf_modules", "trace_inputs", "inputs", "microbatches", "precision", "stages",
                 "collectives"):
         if mine[key] != theirs[key]:
             raise BuildMismatchError(

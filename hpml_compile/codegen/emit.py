@@ -34,6 +34,8 @@ import torch.fx as fx
 from torch.fx.node import _get_qualified_name
 
 from ..errors import HpmlError
+from ..ir import Precision
+from ..precision import wire_dtype
 from ..plan import Plan
 from . import ops
 from .actions import GradSync, StageActions, SyncKind
@@ -174,9 +176,9 @@ def _sync_method(name: str, doc: str, syncs: Sequence[GradSync], acts: StageActi
     return "\n".join(lines)
 
 
-def _describe(value: Any) -> str:
+def _describe(value: Any, precision: Precision = Precision.FP32) -> str:
     if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+        return f"{tuple(value.shape)} {str(wire_dtype(value.dtype, precision)).removeprefix('torch.')}"
     return f"tuple of {len(value)} tensors"
 
 
@@ -239,12 +241,15 @@ def _header(model: str, plan: Plan, acts: StageActions, values: dict[str, Any], 
              f"Model graph sha256: {graph_sha256}",
              f"Devices: {', '.join(st.devices)} ({len(st.devices)} replica(s), ZeRO {int(st.zero)}); "
              f"{plan.microbatches} microbatch(es), {plan.schedule.value}.",
+             *([f"Precision: {plan.precision.value}: the forward runs under torch.autocast to "
+                f"{plan.precision.dtype}; parameters, gradients and optimizer state stay float32; floating "
+                f"tensors cross stages in {plan.precision.dtype}."] if plan.precision.is_mixed else []),
              f"Actions: {' '.join(acts.tokens()) or 'none'}."]
     for label, tr in (("Receives from", acts.recv), ("Sends to", acts.send)):
         if tr is not None:
             peer = tr.src if label.startswith("Receives") else tr.dst
             lines.append(f"{label} stage {peer} (per microbatch):")
-            lines.extend(f"    {v}: {_describe(values[v])}" for v in tr.values)
+            lines.extend(f"    {v}: {_describe(values[v], plan.precision)}" for v in tr.values)
     if acts.remat:
         lines.append(f"Recomputed here (non-tensor values never cross a stage): {', '.join(acts.remat)}.")
     if acts.recompute:

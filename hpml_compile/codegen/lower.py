@@ -45,6 +45,8 @@ import torch.fx as fx
 
 from . import ops
 from .actions import StageActions
+from ..ir import Precision
+from ..precision import wire_dtype
 from .partition import specs_of
 
 __all__ = ["COMM_ATTR", "SWAP_ATTR", "RECOMPUTE_ATTR", "StageGraphs", "lower_stage", "targets_of"]
@@ -149,7 +151,8 @@ def _region(outer: _Builder, nodes: list[fx.Node], call: Callable[[list[fx.Node]
 
 def lower_stage(gm: fx.GraphModule, acts: StageActions, values: dict[str, Any], *, last: bool,
                 recv_dims: dict[str, tuple[int, ...]] | None = None,
-                send_dims: dict[str, tuple[int, ...]] | None = None) -> StageGraphs:
+                send_dims: dict[str, tuple[int, ...]] | None = None,
+                precision: Precision = Precision.FP32) -> StageGraphs:
     """The graphs of one stage.
 
     Args:
@@ -160,6 +163,8 @@ def lower_stage(gm: fx.GraphModule, acts: StageActions, values: dict[str, Any], 
         recv_dims: batch dimension of each received value's tensors, where the
             previous stage has another replica count (the boundary is resharded).
         send_dims: the same for the values sent to the next stage.
+        precision: the plan's; under bf16/fp16 a floating boundary tensor's spec carries the compute
+            dtype, the dtype it crosses in (:func:`hpml_compile.precision.wire_dtype`).
 
     Returns:
         The stage's forward graph and its region graphs, linted.
@@ -170,7 +175,8 @@ def lower_stage(gm: fx.GraphModule, acts: StageActions, values: dict[str, Any], 
         ph = orig[name]
         b.env[name] = b.graph.placeholder(name, default_value=ph.args[0] if ph.args else inspect.Signature.empty)
     if acts.recv:
-        specs = tuple(s for v in acts.recv.values for s in specs_of(values[v], (recv_dims or {}).get(v)))
+        specs = tuple((sh, wire_dtype(dt, precision), bd) for v in acts.recv.values
+                      for sh, dt, bd in specs_of(values[v], (recv_dims or {}).get(v)))
         r = b.graph.call_function(ops.recv, (b.attr(COMM_ATTR), acts.recv.src, acts.recv.dst, specs))
         _unpack(b, r, acts.recv.values, values)
     for name in acts.remat:  # cheap non-tensor values (sizes) recomputed from what crossed
@@ -200,7 +206,8 @@ def lower_stage(gm: fx.GraphModule, acts: StageActions, values: dict[str, Any], 
             b.copy(n)
     if acts.send:
         leaves = _leaves(b, acts.send.values, values)
-        specs = tuple(s for v in acts.send.values for s in specs_of(values[v], (send_dims or {}).get(v)))
+        specs = tuple((sh, wire_dtype(dt, precision), bd) for v in acts.send.values
+                      for sh, dt, bd in specs_of(values[v], (send_dims or {}).get(v)))
         token = b.graph.call_function(ops.send, (b.attr(COMM_ATTR), acts.send.src, acts.send.dst, specs,
                                                  tuple(leaves)))
         b.graph.output(token)

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import BuildMismatchError
-from ..ir import FrontEnd
+from ..ir import FrontEnd, Precision
 from ..schema import check_version, read_json, validate
 from .actions import GradSync
 from .partition import GUARD_TARGETS
@@ -58,6 +58,8 @@ MANIFEST_SCHEMA: dict[str, Any] = {
         "trace_inputs": {"type": "array", "items": _INPUT},
         "inputs": {"type": "array", "items": _INPUT},
         "microbatches": {"type": "integer", "minimum": 1},
+        # optional: builds written before mixed precision are fp32
+        "precision": {"enum": [p.value for p in Precision]},
         "stages": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["index", "file", "class", "actions"], "additionalProperties": False,
             "properties": {
@@ -111,13 +113,18 @@ class Manifest:
     collectives: tuple[str, ...]
     files: dict[str, str]
     ranks: tuple[dict[str, Any], ...] = ()
+    precision: Precision = Precision.FP32
     schema_version: int = MANIFEST_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "precision", Precision(self.precision))
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": self.schema_version, "model": self.model, "graph_sha256": self.graph_sha256,
                 "front_end": self.front_end.value, "leaf_modules": list(self.leaf_modules),
                 "trace_inputs": [i.to_dict() for i in self.trace_inputs],
                 "inputs": [i.to_dict() for i in self.inputs], "microbatches": self.microbatches,
+                "precision": self.precision.value,
                 "stages": [dict(s) for s in self.stages], "collectives": list(self.collectives),
                 "files": dict(self.files), **({"ranks": [dict(r) for r in self.ranks]} if self.ranks else {})}
 
@@ -129,7 +136,8 @@ class Manifest:
         return cls(d["model"], d["graph_sha256"], FrontEnd(d["front_end"]), tuple(d.get("leaf_modules", ())),
                    tuple(InputSpec.from_dict(i) for i in d["trace_inputs"]),
                    tuple(InputSpec.from_dict(i) for i in d["inputs"]), d["microbatches"],
-                   tuple(d["stages"]), tuple(d["collectives"]), dict(d["files"]), tuple(d.get("ranks", ())))
+                   tuple(d["stages"]), tuple(d["collectives"]), dict(d["files"]), tuple(d.get("ranks", ())),
+                   Precision(d.get("precision", "fp32")))
 
     def groups(self) -> list[tuple[int, ...]]:
         """The stage groups of the build's collectives, in the order every rank runs them."""

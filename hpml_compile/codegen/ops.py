@@ -14,7 +14,10 @@ live on the objects the stage owns.
   what was received back to the sender and receives the gradients of what was
   sent; only floating-point tensors carry gradients (zeros for a received
   tensor no path to the loss uses). ``send`` returns a scalar token: calling
-  ``backward()`` on a stage's tokens runs its backward.
+  ``backward()`` on a stage's tokens runs its backward. A floating tensor
+  crosses in its spec's dtype (the compute dtype under mixed precision,
+  :mod:`hpml_compile.precision`), and its gradient comes back in it and is
+  cast to the dtype the sender had.
 - :func:`swap`: runs a region with ``saved_tensors_hooks`` that copy every
   activation autograd saves to host memory (pinned, on a side CUDA stream so
   that the copy overlaps compute) when it is saved, and back to the device
@@ -87,7 +90,7 @@ class _Recv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[None, ...]:
-        out = [g.contiguous() if g is not None else torch.zeros(s[0], dtype=s[1], device=ctx.comm.device)
+        out = [g.to(s[1]).contiguous() if g is not None else torch.zeros(s[0], dtype=s[1], device=ctx.comm.device)
                for g, s in zip(grads, ctx.specs) if carries_grad(s)]
         ctx.comm.repay(ctx.src, ctx.dst, ctx.rep, ctx.mb, out)
         return (None,) * 5
@@ -98,20 +101,26 @@ class _Send(torch.autograd.Function):
     def forward(ctx: Any, anchor: Tensor, comm: Comm, src: int, dst: int,  # type: ignore[override]
                 specs: tuple[TensorSpec, ...], *tensors: Tensor) -> Tensor:
         mb, rep = comm.microbatch, comm.replica
+        wire = []
         for t, (shape, dtype, _) in zip(tensors, specs):
-            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            if tuple(t.shape) != tuple(shape) or (t.dtype != dtype and not (
+                    t.dtype.is_floating_point and dtype.is_floating_point)):
                 raise RuntimeError(f"send {src}->{dst}: tensor of shape {tuple(t.shape)} {t.dtype}, but the build "
                                    f"expects {tuple(shape)} {dtype}: feed microbatches of the shapes the build "
                                    "was generated for (see manifest.json 'inputs')")
-        comm.send(src, dst, Direction.FORWARD, mb, rep, [t.detach().contiguous() for t in tensors], specs)
+            # a floating tensor crosses in the spec's dtype: the compute dtype under mixed precision, whatever
+            # dtype autocast left it in (a norm's fp32 output goes as bf16)
+            wire.append(t.detach().to(dtype).contiguous())
+        comm.send(src, dst, Direction.FORWARD, mb, rep, wire, specs)
         ctx.comm, ctx.src, ctx.dst, ctx.mb, ctx.rep, ctx.specs = comm, src, dst, mb, rep, specs
+        ctx.dtypes = [t.dtype for t in tensors]
         return anchor.new_zeros(())  # the token: autograd links it to this function's backward
 
     @staticmethod
     def backward(ctx: Any, _token_grad: Tensor) -> tuple[Tensor | None, ...]:
         wanted = [s for s in ctx.specs if carries_grad(s)]
         got = iter(ctx.comm.recv(ctx.src, ctx.dst, Direction.BACKWARD, ctx.mb, ctx.rep, wanted))
-        grads = [next(got) if carries_grad(s) else None for s in ctx.specs]
+        grads = [next(got).to(d) if carries_grad(s) else None for s, d in zip(ctx.specs, ctx.dtypes)]
         return (None, None, None, None, None, *grads)
 
 

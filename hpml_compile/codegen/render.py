@@ -68,7 +68,7 @@ def render(gm: fx.GraphModule, plan: Plan, *, profile: Profile | None = None, re
     dims = _boundary_dims(plan, actions, values)
     last = len(plan.stages) - 1
     graphs = [lower_stage(gm, a, values[a.index], last=a.index == last, send_dims=dims[a.index],
-                          recv_dims=dims[a.index - 1] if a.index else None)
+                          recv_dims=dims[a.index - 1] if a.index else None, precision=plan.precision)
               for a in actions]                                    # 5. one graph per stage
     files: dict[str, str] = {
         f"stage_{a.index}.py": stage_source(plan.model, plan, a, g, values[a.index], graph_sha)
@@ -91,7 +91,7 @@ def render(gm: fx.GraphModule, plan: Plan, *, profile: Profile | None = None, re
         model=plan.model, graph_sha256=graph_sha,
         front_end=FrontEnd.EXPORT if gm.meta.get("hpml_front_end") is FrontEnd.EXPORT else FrontEnd.FX,
         leaf_modules=leaf_modules(gm), trace_inputs=input_specs(gm), inputs=input_specs(gm, rows=rows),
-        microbatches=plan.microbatches,
+        microbatches=plan.microbatches, precision=plan.precision,
         stages=tuple({"index": a.index, "file": f"stage_{a.index}.py", "class": class_name(a.index),
                       "actions": a.tokens()} for a in actions),
         collectives=tuple(collectives), files=file_hashes(files, sorted(files)),

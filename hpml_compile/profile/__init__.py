@@ -30,7 +30,8 @@ from cost_models.calibrate import Calibration, OpSample, fit, predict_ms
 
 from ..errors import HpmlError, UnknownDeviceError
 from ..hostmem import keep_freed_memory
-from ..ir import BackwardTiming, FrontEnd, NodeCost, NodeOp, Profile, ProfileNode
+from ..ir import BackwardTiming, FrontEnd, NodeCost, NodeOp, Precision, Profile, ProfileNode
+from ..precision import autocast
 from ..schema import read_json, write_json_atomic
 from ..trace import node_info, trace
 from .static import NodeFacts, analyze
@@ -207,6 +208,7 @@ def profile(
     micro_batch: int | None = None,
     optimizer: str | Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = "adamw",
     threads: int | None = None,
+    precision: Precision | str = Precision.FP32,
 ) -> Profile:
     """Trace (unless given a traced GraphModule) and profile ``model``.
 
@@ -235,6 +237,11 @@ def profile(
         threads: torch threads to measure the CPU with (restored after);
             None: this process's current count. Use the count each rank
             will run with (:func:`hpml_compile.driver.local_threads`).
+        precision: ``fp32``, or ``bf16``/``fp16``: every node (and the loss and
+            the whole-model pass) is timed under ``torch.autocast`` to that
+            dtype on its device, activation sizes are what autograd saves under
+            autocast, and predicted kinds use their datasheet peak for that
+            dtype (:mod:`hpml_compile.precision`). Recorded in the profile.
 
     Measuring on the CPU also measures the host's memory bandwidth (one
     thread, all threads) and leaves this process keeping freed memory, as
@@ -250,10 +257,12 @@ def profile(
         UnknownDeviceError: a kind is neither present nor in the catalog.
         TraceError: the model cannot be traced.
         HpmlError: ``threads`` below 1.
+        OptionError: ``precision`` is not one of fp32, bf16, fp16.
     """
+    prec = Precision.parse(precision)
     if threads is None:
         return _profile(model, example_inputs, name, device_kinds, batch_size, seq_len, repeats, warmup, leaf_modules,
-                        front_end, progress, loss_fn, targets, micro_batch, optimizer)
+                        front_end, progress, loss_fn, targets, micro_batch, optimizer, prec)
     if threads < 1:
         raise HpmlError(f"profile: threads {threads}: expected a number of torch threads, 1 or more; pass the "
                         "count each rank will run with, or None for this process's")
@@ -261,7 +270,7 @@ def profile(
     torch.set_num_threads(threads)
     try:
         return _profile(model, example_inputs, name, device_kinds, batch_size, seq_len, repeats, warmup, leaf_modules,
-                        front_end, progress, loss_fn, targets, micro_batch, optimizer)
+                        front_end, progress, loss_fn, targets, micro_batch, optimizer, prec)
     finally:
         torch.set_num_threads(before)
 
@@ -270,7 +279,8 @@ def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tenso
              device_kinds: Sequence[str], batch_size: int | None, seq_len: int | None, repeats: int, warmup: int,
              leaf_modules: Sequence[type | str], front_end: FrontEnd | str, progress: bool,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None, targets: Any, micro_batch: int | None,
-             optimizer: str | Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None) -> Profile:
+             optimizer: str | Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None,
+             precision: Precision = Precision.FP32) -> Profile:
     """:func:`profile` at this process's thread count."""
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     kinds = list(dict.fromkeys(device_kinds))
@@ -278,7 +288,7 @@ def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tenso
     check_known_kinds(kinds, known=list(present), where="this machine's devices")
     gm = model if isinstance(model, fx.GraphModule) and "hpml_front_end" in model.meta else \
         trace(model, inputs, leaf_modules=leaf_modules, front_end=front_end)
-    facts = analyze(gm)
+    facts = analyze(gm, precision)
     meta = _is_meta(gm, inputs)
     b, s = _infer_sizes(inputs)
     micro = max(1, b // 8) if micro_batch is None else micro_batch
@@ -293,13 +303,14 @@ def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tenso
     if not meta:
         for kind in kinds:
             if kind in present:
-                measured[kind], totals[kind], info, got = _profile_kind(gm, inputs, present[kind], b, micro, loss,
-                                                                        repeats, warmup, progress)
+                with autocast(present[kind].type, precision, cache=False):  # each call pays its casts
+                    measured[kind], totals[kind], info, got = _profile_kind(gm, inputs, present[kind], b, micro,
+                                                                            loss, repeats, warmup, progress)
                 micro_measured = micro_measured or got
                 devices[kind] = {"measured": True, "device": str(present[kind]), **info}
                 if make_opt is not None:
                     optimizer_ms[kind] = time_optimizer(_unique_params(gm), present[kind], make_opt, repeats, warmup)
-    nodes = _nodes(gm, facts, measured)
+    nodes = _nodes(gm, facts, measured, precision)
     prof = Profile(
         model=name or type(model).__name__, batch_size=batch_size or b, seq_len=seq_len if seq_len else s,
         dtype=_dtype(gm), nodes=nodes, front_end=gm.meta["hpml_front_end"],
@@ -309,6 +320,7 @@ def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tenso
         loss=(getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__) if loss and measured else None,
         optimizer=opt_name, optimizer_ms=optimizer_ms, parameters=_param_sizes(gm, nodes),
         threads=torch.get_num_threads() if "cpu" in measured else None,  # CPU times hold at this count only
+        precision=precision,
     )
     return predict_kinds(prof, kinds)
 
@@ -324,8 +336,15 @@ def _param_sizes(gm: fx.GraphModule, nodes: Sequence[ProfileNode]) -> dict[str, 
     return {name: sizes[name] for name in sorted(used) if name in sizes}
 
 
-def _nodes(gm: fx.GraphModule, facts: dict[str, NodeFacts], measured: dict[str, dict[str, NodeCost]]
-           ) -> tuple[ProfileNode, ...]:
+def _wire_bytes(info: Any, precision: Precision) -> int:
+    """Bytes of a node's output as a stage boundary sends it: a floating tensor in the compute dtype."""
+    if precision.is_mixed and info.tensor_output and info.dtype in ("float32", "float64"):
+        return info.output_bytes * precision.bytes // (8 if info.dtype == "float64" else 4)
+    return info.output_bytes
+
+
+def _nodes(gm: fx.GraphModule, facts: dict[str, NodeFacts], measured: dict[str, dict[str, NodeCost]],
+           precision: Precision = Precision.FP32) -> tuple[ProfileNode, ...]:
     out = []
     for node in gm.graph.nodes:
         info, f = node_info(node), facts[node.name]
@@ -333,7 +352,7 @@ def _nodes(gm: fx.GraphModule, facts: dict[str, NodeFacts], measured: dict[str, 
             name=node.name, op=NodeOp(node.op), target=_target_str(node),
             inputs=tuple(n.name for n in node.all_input_nodes), scope=info.scope, op_kind=f.op_kind,
             flops=f.flops, bwd_flops=f.bwd_flops, param_bytes=f.param_bytes, params=f.params,
-            output_bytes=info.output_bytes, activation_bytes=f.activation_bytes, mem_bytes=f.mem_bytes,
+            output_bytes=_wire_bytes(info, precision), activation_bytes=f.activation_bytes, mem_bytes=f.mem_bytes,
             output_shape=info.shape, output_dtype=info.dtype, tensor_output=info.tensor_output,
             cost={k: costs[node.name] for k, costs in measured.items()},
         ))
@@ -349,6 +368,11 @@ def _target_str(node: fx.Node) -> str:
     return f"{module}.{name}" if module and name else str(t)
 
 
+def _compute_dtype(p: Profile) -> str:
+    """The dtype whose datasheet peak prices a node: the autocast dtype under mixed precision, else the model's."""
+    return p.precision.dtype if p.precision.is_mixed else p.dtype
+
+
 def _calibrations(p: Profile) -> dict[str, tuple[Calibration, Calibration]]:
     """(forward, backward) calibrations fitted on each measured kind of a profile."""
     out = {}
@@ -362,7 +386,7 @@ def _calibrations(p: Profile) -> dict[str, tuple[Calibration, Calibration]]:
         bwd = [OpSample(n.op_kind, n.bwd_flops, _BWD_MEM_FACTOR * n.mem_bytes, n.cost[kind].bwd_ms)
                for n in live if n.cost[kind].bwd_ms > 0]
         if fwd and bwd:
-            out[kind] = (fit(fwd, spec, p.dtype), fit(bwd, spec, p.dtype))
+            out[kind] = (fit(fwd, spec, _compute_dtype(p)), fit(bwd, spec, _compute_dtype(p)))
     return out
 
 
@@ -393,8 +417,9 @@ def predict_kinds(p: Profile, kinds: Sequence[str]) -> Profile:
             if n.op in (NodeOp.PLACEHOLDER, NodeOp.OUTPUT, NodeOp.GET_ATTR):
                 cost[k] = NodeCost(0.0, 0.0, False)
                 continue
-            fwd = predict_ms(n.op_kind, n.flops, n.mem_bytes, specs[k], p.dtype, fwd_cal)
-            bwd = predict_ms(n.op_kind, n.bwd_flops, _BWD_MEM_FACTOR * n.mem_bytes, specs[k], p.dtype, bwd_cal) \
+            fwd = predict_ms(n.op_kind, n.flops, n.mem_bytes, specs[k], _compute_dtype(p), fwd_cal)
+            bwd = predict_ms(n.op_kind, n.bwd_flops, _BWD_MEM_FACTOR * n.mem_bytes, specs[k], _compute_dtype(p),
+                             bwd_cal) \
                 if n.bwd_flops or n.activation_bytes or n.param_bytes else 0.0
             cost[k] = NodeCost(fwd, bwd, False)
         new_nodes.append(ProfileNode(**{**{f: getattr(n, f) for f in ProfileNode.__slots__}, "cost": cost}))

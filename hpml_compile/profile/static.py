@@ -8,7 +8,12 @@ analysis allocates nothing and works for a 70B model. Per node:
   scaled-dot-product attention dispatches to kernels that have FLOP
   formulas; on CPU it would count 0);
 * ``activation_bytes``: what autograd saves for backward
-  (``saved_tensors_hooks``), parameters excluded;
+  (``saved_tensors_hooks``), parameters excluded; under mixed precision
+  (``analyze(gm, "bf16")``) the node runs a second time on fake CPU tensors
+  under ``torch.autocast`` (meta tensors bypass autocast, fake CPU ones do
+  not), so the sizes are autocast's: activations in the compute dtype where
+  autocast computes in it, and the compute-dtype copies of the weights that
+  autocast makes and autograd keeps for the backward;
 * ``mem_bytes``: bytes the forward reads (inputs, parameters) and writes
   (outputs), for the roofline;
 * parameters used, with ``param_bytes`` counted on first use only, so a tied
@@ -37,6 +42,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from cost_models import OpKind
 
+from ..ir import Precision
+from ..precision import autocast
 from ..trace import node_info, tensor_bytes
 
 __all__ = ["NodeFacts", "analyze", "op_kind", "is_inplace"]
@@ -220,8 +227,65 @@ def _run_one(gm: fx.GraphModule, node: fx.Node, inplace: bool) -> tuple[int, int
     return fwd, bwd, sum(saved.values()), (args, kwargs)
 
 
-def analyze(gm: fx.GraphModule) -> dict[str, NodeFacts]:
+def _saved_under_autocast(gm: fx.GraphModule, node: fx.Node, inplace: bool, precision: Precision,
+                          dtypes: dict[str, torch.dtype]) -> tuple[int, torch.dtype | None]:
+    """Bytes autograd saves for one node run under autocast (parameters excluded, their casts included), and the
+    dtype of its output there (a single tensor's; None otherwise).
+
+    ``dtypes`` holds the autocast output dtype of the nodes before, so that a node sees the inputs it gets
+    under autocast (a matmul's output arrives in the compute dtype), not the traced fp32 ones.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        originals: set[int] = set()
+
+        def fake(v: Any, dtype: torch.dtype | None = None, param: bool = False) -> Any:
+            if not isinstance(v, torch.Tensor):
+                return v
+            t = torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=dtype or v.dtype, device="cpu")
+            if param:
+                originals.add(id(t))
+            return t.requires_grad_(True) if t.is_floating_point() else t
+
+        def arg(n: fx.Node) -> Any:
+            val = _to_meta(n.meta.get("val"))
+            if isinstance(val, torch.Tensor):
+                return fake(val, dtypes.get(n.name) if val.is_floating_point() else None, n.op == "get_attr")
+            return map_aggregate(val, lambda v: fake(v, param=n.op == "get_attr"))
+
+        args, kwargs = map_arg((node.args, node.kwargs), arg)
+        if inplace:  # a leaf that requires grad cannot be written in place
+            args, kwargs = map_aggregate((args, kwargs), lambda v: v.clone() if isinstance(v, torch.Tensor)
+                                         and v.requires_grad else v)
+        if node.op == "call_module":
+            sub = gm.get_submodule(str(node.target))
+            state = {k: fake(v, param=True) if v.requires_grad else fake(v).detach()
+                     for k, v in sub.state_dict(keep_vars=True).items()}
+            call = lambda: torch.func.functional_call(sub, state, tuple(args), dict(kwargs))  # noqa: E731
+        elif node.op == "call_method":
+            self_obj, *rest = args
+            call = lambda: getattr(self_obj, str(node.target))(*rest, **kwargs)  # noqa: E731
+        else:
+            call = lambda: node.target(*args, **kwargs)  # type: ignore[operator]  # noqa: E731
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            base = t._base if t._base is not None else t
+            if id(base) not in originals:
+                saved[id(base)] = base.numel() * base.element_size()
+            return t
+
+        with torch.enable_grad(), autocast("cpu", precision), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = call()
+    return sum(saved.values()), out.dtype if isinstance(out, torch.Tensor) else None
+
+
+def analyze(gm: fx.GraphModule, precision: Precision | str = Precision.FP32) -> dict[str, NodeFacts]:
     """Static facts for every node of a traced GraphModule (see :func:`hpml_compile.trace`).
+
+    Under a mixed ``precision`` the activation sizes are autocast's (see the module docstring).
 
     A node that cannot run on meta (an op without a meta kernel) gets zero
     FLOPs and a warning naming it; its sizes still come from the trace.
@@ -230,6 +294,8 @@ def analyze(gm: fx.GraphModule) -> dict[str, NodeFacts]:
     seen_params: set[int] = set()
     canon = {id(p): name for name, p in gm.named_parameters()}
     failed: list[str] = []
+    prec = Precision(precision)
+    dtypes: dict[str, torch.dtype] = {}  # node -> its output's dtype under autocast (mixed precision)
     for node in gm.graph.nodes:
         module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
         used = list(_iter_used(gm, node, canon))
@@ -244,6 +310,13 @@ def analyze(gm: fx.GraphModule) -> dict[str, NodeFacts]:
                 _target_name(node, module) not in _DEVICE_MOVES:
             try:
                 fwd, bwd, act, _ = _run_one(gm, node, is_inplace(node, module))
+                if prec.is_mixed:
+                    try:
+                        act, low = _saved_under_autocast(gm, node, is_inplace(node, module), prec, dtypes)
+                        if low is not None:
+                            dtypes[node.name] = low
+                    except Exception:  # an op fake tensors cannot run: keep the fp32 count (an over-estimate)
+                        pass
             except Exception as exc:  # an op without a meta kernel: keep going, say which
                 failed.append(f"{node.name} ({type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''})")
         own_params = sum(p.numel() * p.element_size() for _, p in used) if node.op == "call_module" else 0

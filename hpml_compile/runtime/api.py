@@ -44,7 +44,7 @@ from .. import driver
 from ..cluster import load_cluster
 from ..codegen import load_build
 from ..codegen.build import sha256
-from ..ir import Cluster
+from ..ir import Cluster, Precision
 from ..driver import SolverName
 from ..plan import Schedule
 from .pipeline import OptimizerArg, Pipeline
@@ -78,7 +78,7 @@ def compile(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor, *,  
             solver: SolverName | str = SolverName.ILP, out_dir: str | Path | None = None,
             run_dir: str | Path | None = None, time_limit_s: float = 30.0, profile_repeats: int = 3,
             name: str | None = None, retry: RetryPolicy = RetryPolicy(),
-            log: Callable[[str], None] | None = None) -> Pipeline:
+            log: Callable[[str], None] | None = None, precision: Precision | str = Precision.FP32) -> Pipeline:
     """Compile ``model`` for ``cluster`` and return the pipeline that trains it; call on every rank.
 
     Args:
@@ -96,13 +96,17 @@ def compile(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor, *,  
         name: the model's name in the files.
         retry: how transient communication errors are retried.
         log: progress lines (default: none).
+        precision: ``fp32``, ``bf16`` or ``fp16``: profiled, planned and trained under autocast to that dtype
+            with fp32 master weights (:mod:`hpml_compile.precision`); fp16 adds loss scaling.
 
     Returns:
         The pipeline: ``step``, ``eval_forward``, ``state_dict``.
 
     Raises:
+        OptionError: ``precision`` is not one of fp32, bf16, fp16 (before anything runs).
         HpmlError: a model that cannot be compiled for ``cluster``, or a world that does not fit its plan.
     """
+    prec = Precision.parse(precision, "precision")
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     distributed = dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1
     session = Session("env://", policy=retry, log=log) if distributed else None
@@ -116,7 +120,8 @@ def compile(model: nn.Module, example_inputs: Sequence[Any] | torch.Tensor, *,  
         try:
             build, gm = driver.compile(model, inputs, folder, cluster=c, name=name, say=log,
                                        opts=driver.Options(solver=solver, microbatches=microbatches,
-                                                           schedule=schedule, time_limit_s=time_limit_s),
+                                                           schedule=schedule, time_limit_s=time_limit_s,
+                                                           precision=prec),
                                        prof_opts=driver.ProfileOptions(repeats=profile_repeats))
         except BaseException:
             if session is not None:  # the others wait in the broadcast below: let them fail too

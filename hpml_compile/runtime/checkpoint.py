@@ -29,6 +29,10 @@ and say so. The digests guard against damage, not against an attacker (who
 can recompute them): the JSON index is what keeps a crafted checkpoint from
 running code.
 
+Loss scale: an fp16 run's :class:`~.scaler.LossScaler` state (the same on
+every rank: the ranks agree on every overflow) is one float64 tensor,
+``amp.scaler``; a resumed run goes on with the scale it had.
+
 RNG: each rank saves its Python ``random``, NumPy, torch CPU and (when there
 is one) CUDA generator states as tensors (``rng.rank<r>.*``), and loading
 restores this rank's, so a model with dropout continues as an uninterrupted
@@ -84,6 +88,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..errors import CheckpointError
 from ..schema import write_json_atomic
 from .safe_dcp import INDEX_FILE, IndexFormatError, JsonReader, JsonWriter
+from .scaler import LossScaler
 from .zero import full_optimizer_state, load_full_optimizer_state, optimizer_templates, shards_of
 
 __all__ = ["CheckpointError", "FORMAT", "save_checkpoint", "load_checkpoint", "latest", "list_checkpoints",
@@ -94,6 +99,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _OPTS = StateDictOptions(strict=False)
 _META = "meta.json"
 _RESERVED = {"format", "step", "world_size", "files"}
+_SCALER = "amp.scaler"  # [scale, growth tracker, skipped steps] of the fp16 loss scaler
 
 
 def _rank() -> int:
@@ -355,7 +361,7 @@ def _unwrap(e: CheckpointException) -> BaseException:
 
 def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, extra: dict[str, Any] | None = None,
-                    keep: int = 3, rng: bool = True) -> Path:
+                    keep: int = 3, rng: bool = True, scaler: LossScaler | None = None) -> Path:
     """Write checkpoint ``step`` of the parameters and optimizer state this rank holds.
 
     Call on every rank (collective when a process group is initialised).
@@ -368,6 +374,7 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Mod
         extra: JSON-serialisable facts to keep with it (plan hash, losses, ...).
         keep: how many complete checkpoints to keep (older ones are deleted).
         rng: also save this process's RNG states (Python, NumPy, torch CPU and CUDA).
+        scaler: the fp16 loss scaler, saved as one float64 tensor ``amp.scaler`` (the same on every rank).
 
     Returns:
         The folder of the completed checkpoint.
@@ -387,7 +394,8 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Mod
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    state = {**_flat(model, optimizer), **(_rng_state(_rank()) if rng else {})}
+    state = {**_flat(model, optimizer), **(_rng_state(_rank()) if rng else {}),
+             **({_SCALER: scaler.state_tensor()} if scaler is not None else {})}
     odd = next((k for k, v in state.items() if not isinstance(v, torch.Tensor)), None)
     if odd is not None:
         raise CheckpointError(f"save_checkpoint: {odd!r} is a {type(state[odd]).__name__}, not a tensor: only "
@@ -417,7 +425,8 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Mod
 
 
 def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None, *, rng: bool = True) -> dict[str, Any]:
+                    optimizer: torch.optim.Optimizer | None = None, *, rng: bool = True,
+                    scaler: LossScaler | None = None) -> dict[str, Any]:
     """Load into this rank's module (and optimizer) the names it holds, from a checkpoint of any plan.
 
     Nothing in the folder is unpickled (see the module docstring); every file's digest is checked first.
@@ -427,6 +436,8 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
         model: this rank's module, parameters named as in the original model.
         optimizer: its optimizer, or None.
         rng: also restore this rank's RNG states, when the checkpoint holds them.
+        scaler: the fp16 loss scaler to restore (kept as it is when the checkpoint holds none: one written
+            by a bf16 or fp32 run).
 
     Returns:
         The checkpoint's ``meta.json`` (``step``, ``world_size`` and the ``extra`` saved with it),
@@ -459,6 +470,8 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
     if rng:
         wanted.update({k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in stored.items()
                        if k.startswith(mine) and isinstance(v, TensorStorageMetadata)})
+    if scaler is not None and _SCALER in stored:
+        wanted[_SCALER] = scaler.state_tensor()
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -490,4 +503,6 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
             set_optimizer_state_dict(model, optimizer, osd, options=_OPTS)
     if rng:
         _set_rng_state(wanted, _rank())
+    if scaler is not None and _SCALER in wanted:
+        scaler.load_state_tensor(wanted[_SCALER])
     return {k: v for k, v in meta.items() if k != "files"}

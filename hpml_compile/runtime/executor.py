@@ -65,9 +65,11 @@ from ..codegen import Build
 from ..codegen.comm import Comm
 from ..codegen.stage import StageModule
 from ..errors import HpmlError
+from ..precision import autocast
 from ..schedule import (COLLECTIVES, MARKERS, Action, ActionKind, RankActions, rank_layout, relower, replay,
                         stage_ranks, validate)
 from .comm import DistComm, LocalComm, dist_comm
+from .scaler import LossScaler
 
 __all__ = ["StepResult", "StepRun", "stage_ranks", "rank_layout", "split_microbatches", "merge_outputs",
            "to_device", "forward_stage", "actions_for", "local_order", "run_actions", "step_local", "step_rank",
@@ -109,10 +111,15 @@ def to_device(value: Any, device: torch.device) -> Any:
 
 
 def forward_stage(build: Build, stage: StageModule, micro: Sequence[Any], device: torch.device) -> Any:
-    """Call a stage on the model inputs it reads, taken by name from one microbatch's positional inputs."""
+    """Call a stage on the model inputs it reads, taken by name from one microbatch's positional inputs.
+
+    Under a mixed-precision plan the call runs under ``torch.autocast`` on ``device``'s type
+    (:func:`hpml_compile.precision.autocast`; the weight casts are cached for this one call).
+    """
     names = [s.name for s in build.manifest.inputs]
     by_name = dict(zip(names, [x for x in micro if isinstance(x, Tensor)]))
-    return stage(*[to_device(by_name[n], device) for n in stage.INPUTS])
+    with autocast(device.type, build.plan.precision):
+        return stage(*[to_device(by_name[n], device) for n in stage.INPUTS])
 
 
 def actions_for(build: Build, microbatches: int) -> list[RankActions]:
@@ -159,6 +166,7 @@ class StepRun:
         busy: ``(stage, forward?)`` -> seconds computing, not counting receive waits.
         t_start, t_pipe, t_synced, t_opt, t_end: ``perf_counter`` at the start, the end of the last
             backward, the end of the gradient sync, after ``LOSS``, and the end.
+        skipped: the optimizer step was skipped (fp16: a gradient overflowed on some rank).
     """
 
     shares: list[tuple[int, int, Tensor]] = field(default_factory=list)
@@ -170,6 +178,18 @@ class StepRun:
     t_synced: float = 0.0
     t_opt: float = 0.0
     t_end: float = 0.0
+    skipped: bool = False
+
+
+def _unscaled_finite(optimizer: torch.optim.Optimizer, scaler: LossScaler,
+                     agree_inf: Callable[[Tensor], None] | None, run: StepRun) -> bool:
+    """Unscale the gradients, agree on found-inf (one all-reduce), update the scale: whether to step."""
+    found = scaler.unscale_(p for g in optimizer.param_groups for p in g["params"])
+    if agree_inf is not None:
+        agree_inf(found)
+    run.skipped = bool(found.item() > 0)
+    scaler.update(run.skipped)
+    return not run.skipped
 
 
 class _Slices:
@@ -193,7 +213,8 @@ def _waited(comm: Comm) -> float:
 def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[int, StageModule], comm: Comm,
                 inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Tensor], microbatches: int, *,
                 device: torch.device = torch.device("cpu"), optimizer: torch.optim.Optimizer | None = None,
-                agree: Callable[[Tensor], None] | None = None, keep_outputs: bool = False) -> StepRun:
+                agree: Callable[[Tensor], None] | None = None, keep_outputs: bool = False,
+                scaler: LossScaler | None = None, agree_inf: Callable[[Tensor], None] | None = None) -> StepRun:
     """Carry out ``order`` (see the module docstring): the one code path of every training step.
 
     Args:
@@ -209,6 +230,10 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
         optimizer: stepped at ``OPT`` (None: gradients only; ``after_step`` is then skipped too).
         agree: called at ``LOSS`` with the float64 loss sum, to make it the batch's (an all-reduce on ranks).
         keep_outputs: keep the last stage's outputs.
+        scaler: fp16 loss scaling: the backward starts from the scaled loss; at ``OPT`` the gradients are
+            unscaled, ``agree_inf`` makes the found-inf flag the job's, and the step is taken or skipped
+            (``run.skipped``) and the scale updated alike on every rank (:mod:`.scaler`).
+        agree_inf: called with the float32 found-inf flag to make it every rank's (a MAX all-reduce on ranks).
 
     Returns:
         The losses, outputs, busy times and phase timestamps.
@@ -238,13 +263,14 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
                 out = forward_stage(build, stages[k], xs.get(j, reps[k], r), device)
                 if k == last:
                     assert ys is not None
-                    loss = loss_fn(out, to_device(ys.get(j, reps[k], r), device)) / (n * reps[k])
+                    with autocast(device.type, build.plan.precision):  # as an autocast training loop does
+                        loss = loss_fn(out, to_device(ys.get(j, reps[k], r), device)) / (n * reps[k])
                     run.loss_sum += loss.detach().double().cpu()
                     run.shares.append((j, r, loss.detach()))
                     if keep_outputs:
                         run.outputs.append((j, r, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t,
                                                            out)))
-                    roots[(k, r, j)] = [loss]
+                    roots[(k, r, j)] = [scaler.scale_loss(loss) if scaler is not None else loss]
                 else:
                     roots[(k, r, j)] = [out] if isinstance(out, Tensor) and out.requires_grad else []
             else:
@@ -272,7 +298,8 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
             run.t_opt = time.perf_counter()
         elif kind is ActionKind.OPTIMIZER:
             if optimizer is not None and not optimized:
-                optimizer.step()  # over every parameter of this process: once, whatever the stages here
+                if scaler is None or _unscaled_finite(optimizer, scaler, agree_inf, run):
+                    optimizer.step()  # over every parameter of this process: once, whatever the stages here
             optimized = True
         elif kind in COLLECTIVES and optimizer is not None and k not in stepped:
             stepped.add(k)
@@ -315,7 +342,7 @@ def _result(run: StepRun, stages: dict[int, StageModule]) -> StepResult:
 
 
 def step_local(build: Build, inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Tensor], *,
-               optimizer: torch.optim.Optimizer | None = None) -> StepResult:
+               optimizer: torch.optim.Optimizer | None = None, scaler: LossScaler | None = None) -> StepResult:
     """One training step with every stage and replica in this process, chained through a mailbox.
 
     Args:
@@ -324,6 +351,7 @@ def step_local(build: Build, inputs: Sequence[Any], targets: Any, loss_fn: Calla
         targets: the targets for ``loss_fn`` (split like the inputs).
         loss_fn: ``(output, targets) -> loss``, a mean over the batch.
         optimizer: stepped after the gradients are complete (None: gradients only).
+        scaler: fp16 loss scaling (see :func:`run_actions`).
 
     Returns:
         The loss, the outputs of every slice and the swap traffic.
@@ -338,7 +366,7 @@ def step_local(build: Build, inputs: Sequence[Any], targets: Any, loss_fn: Calla
         stage.hpml_comm = comm
     m = build.plan.microbatches
     run = run_actions(build, local_order(build, m), stages, comm, inputs, targets, loss_fn, m,
-                      optimizer=optimizer, keep_outputs=True)
+                      optimizer=optimizer, keep_outputs=True, scaler=scaler)
     return _result(run, stages)
 
 

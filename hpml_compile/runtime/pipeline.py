@@ -59,6 +59,7 @@ from torch import Tensor, nn
 from ..codegen import Build, load_build
 from ..codegen.comm import DetachedComm
 from ..errors import HpmlError
+from ..ir import Precision
 from .batchcheck import agree_with_check, fingerprint
 from ..hostmem import keep_freed_memory
 from ..memory import ZeroStage
@@ -68,6 +69,7 @@ from .executor import (actions_for, forward_stage, local_order, merge_outputs, r
                        to_device)
 from .gather import gather_outputs, gather_state_dict
 from .held import Held, held_bytes
+from .scaler import LossScaler
 from .monitor import Monitor, StepMetrics, peak_memory, reset_peak_memory, split_wait
 from .offload import offload_optimizer
 from .saved import SavedActivations
@@ -93,12 +95,20 @@ class Pipeline:
         tensorboard: also write TensorBoard event files.
         faults: communication failures to inject, each once (tests and drills).
         log: where progress and retry notices go.
+        scaler: the fp16 loss scaler (default for an fp16 build: :class:`~.scaler.LossScaler` with torch's
+            defaults; refused for a bf16 or fp32 build, which need none).
     """
 
     def __init__(self, build: Build, model: nn.Module, *, optimizer: OptimizerArg = None,
                  session: Session | None = None, run_dir: str | Path | None = None, tensorboard: bool = True,
-                 faults: Sequence[CommFault] = (), log: Callable[[str], None] | None = None) -> None:
+                 faults: Sequence[CommFault] = (), log: Callable[[str], None] | None = None,
+                 scaler: LossScaler | None = None) -> None:
         self.build, self.model, self.session = build, model, session
+        fp16 = build.plan.precision is Precision.FP16
+        if scaler is not None and not fp16:
+            raise HpmlError(f"a loss scaler was given, but the build trains in {build.plan.precision.value}: loss "
+                            "scaling is for fp16 builds only (compile with --precision fp16)")
+        self.scaler = scaler if scaler is not None else LossScaler() if fp16 else None
         self.plan = build.plan
         self._log = log or (lambda line: None)
         self._faults = list(faults)
@@ -384,7 +394,8 @@ class Pipeline:
         self.saved.reset_peak()
         with self.saved:  # activations saved for backward, by storage, at their peak
             run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
-                              device=self.device, optimizer=self.optimizer, agree=agree)
+                              device=self.device, optimizer=self.optimizer, agree=agree, scaler=self.scaler,
+                              agree_inf=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))  # every rank skips alike
         self.held = held_bytes(list(self.stages.values()), self.optimizer)
         wait_ms, p2p_ms = split_wait(comm.stats)
         mem, mem_kind = peak_memory(self.device)
@@ -411,7 +422,7 @@ class Pipeline:
         for p in self.parameters():
             p.grad = None
         run = run_actions(self.build, self._order(n), self.stages, self._local, inputs, targets, loss_fn, n,
-                          optimizer=self.optimizer)
+                          optimizer=self.optimizer, scaler=self.scaler)
         rows = sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor))
         for k in self.stages:
             self.monitor.record(StepMetrics(

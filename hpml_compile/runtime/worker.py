@@ -260,7 +260,7 @@ def _save(args: argparse.Namespace, pipe: Pipeline, step: int, loss: float | Non
     """Checkpoint ``step`` on every rank; returns the seconds it took."""
     t0 = time.perf_counter()
     plan_hash = sha256((Path(args.build) / "plan.json").read_bytes())
-    save_checkpoint(args.checkpoint_dir, step, pipe.local_module(), pipe.optimizer, keep=args.keep,
+    save_checkpoint(args.checkpoint_dir, step, pipe.local_module(), pipe.optimizer, keep=args.keep, scaler=pipe.scaler,
                     extra={"loss": loss, "build": str(Path(args.build).resolve()), "plan_sha256": plan_hash})
     return time.perf_counter() - t0
 
@@ -297,12 +297,13 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
     start = 0
     found = _resume_point(args, rank)
     if found is not None:
-        start = int(load_checkpoint(found, pipe.local_module(), pipe.optimizer)["step"])
+        start = int(load_checkpoint(found, pipe.local_module(), pipe.optimizer, scaler=pipe.scaler)["step"])
         pipe.steps_done = start
     if rank == 0:
         plan = pipe.plan
         print(f"training {recipe.model} for {args.steps} steps on {pipe.world_size} ranks: "
               f"{len(plan.stages)} stages, {plan.microbatches} microbatches, {plan.schedule.value}, "
+              f"{plan.precision.value}, "
               f"batch {recipe.batch_size}, {threads} thread(s) per rank"
               + (f"; resumed from {found} (step {start})" if found else ""), flush=True)
     t0 = time.perf_counter()
