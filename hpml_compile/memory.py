@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["ZeroStage", "MemoryBreakdown", "dtype_bytes", "GiB", "tied_elsewhere"]
+__all__ = ["ZeroStage", "MemoryBreakdown", "dtype_bytes", "GiB", "tied_elsewhere", "tied_shared"]
 
 GiB = 2**30
 
@@ -106,3 +106,27 @@ def tied_elsewhere(users: Iterable[tuple[str, Sequence[str]]], sizes: Mapping[st
             if node in members:
                 used.add(name)
     return sum(sizes.get(name, 0) for name in used if first[name] not in members)
+
+
+def tied_shared(users: Iterable[tuple[str, Sequence[str]]], sizes: Mapping[str, int], members: set[str]) -> int:
+    """Bytes of the parameters a stage shares with another stage: the flat buffer their gradients are
+    all-reduced in between the stages (``codegen.ops``), which the runtime keeps from step to step.
+
+    Args:
+        users: ``(node, parameter names it uses)`` for every node.
+        sizes: bytes per parameter name.
+        members: the stage's nodes.
+
+    Returns:
+        Bytes.
+
+    Example:
+        >>> order = [("wte", ["w"]), ("h", ["h.w"]), ("head", ["w"])]
+        >>> tied_shared(order, {"w": 40, "h.w": 8}, {"wte", "h"}), tied_shared(order, {"w": 40}, {"wte", "h", "head"})
+        (40, 0)
+    """
+    inside: set[str] = set()
+    outside: set[str] = set()
+    for node, names in users:
+        (inside if node in members else outside).update(names)
+    return sum(sizes.get(name, 0) for name in inside & outside)

@@ -17,13 +17,13 @@ Example:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .errors import PlanError, SchemaError
 from .ir import Cluster, Precision, Profile, Schedule
-from .memory import GiB, MemoryBreakdown, ZeroStage, dtype_bytes, tied_elsewhere
+from .memory import GiB, MemoryBreakdown, ZeroStage, dtype_bytes, tied_elsewhere, tied_shared
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
 from .stagecost import device_memory, in_flight
 
@@ -329,7 +329,7 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage) -> MemoryBreakdo
     nodes = [n for n in profile.nodes if n.name in names]
     swapped = set(stage.swap)
     m = plan.microbatches
-    return device_memory(
+    mem = device_memory(
         param_bytes=sum(n.param_bytes for n in nodes)
         + tied_elsewhere(((n.name, n.params) for n in profile.nodes), profile.parameters, names),
         activation_bytes=sum(n.activation_bytes for n in nodes),
@@ -341,6 +341,9 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage) -> MemoryBreakdo
         offload_optimizer=stage.offload_optimizer,
         host_is_device=all(plan.cluster.device(d).is_cpu for d in stage.devices),
     )
+    # the gradients of parameters tied to another stage are all-reduced through a flat buffer kept across steps
+    shared = tied_shared(((n.name, n.params) for n in profile.nodes), profile.parameters, names)
+    return replace(mem, grads=mem.grads + shared) if shared else mem
 
 
 def _input_bytes(profile: Profile, names: set[str]) -> int:

@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import bisect
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import cost_models
@@ -80,7 +80,7 @@ import cost_models
 from .cluster import host_link_spec, link_spec
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
-from .memory import MemoryBreakdown, dtype_bytes, tied_elsewhere
+from .memory import MemoryBreakdown, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (copy_ms, device_memory, in_flight, optimizer_ms, stream_bytes_per_ms, stream_ms,
@@ -249,6 +249,8 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
                             in_flight=in_flight(plan.schedule, m, s_count - st.index - 1),
                             recompute=st.recompute, swapped_bytes=swapped,
                             offload_optimizer=st.offload_optimizer, host_is_device=host_is_device)
+        shared = tied_shared(((n, graph.node(n).params) for n in graph.order), graph.param_sizes, set(nodes))
+        mem = replace(mem, grads=mem.grads + shared) if shared else mem  # the tied gradients' flat buffer
         send_ms = []
         for j, prods in sorted(sends.items()):
             dst = plan.stages[j]

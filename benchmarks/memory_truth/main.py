@@ -10,13 +10,15 @@ capacities), compiles a build for that cluster with
 and puts, per device and per part, the plan's memory breakdown
 (:func:`hpml_compile.plan.stage_breakdown`) beside what the rank held:
 
-- parameters, gradients, optimizer state: :func:`hpml_compile.runtime.held.held_bytes`
-  after the last step (each storage once);
+- parameters and optimizer state: :func:`hpml_compile.runtime.held.held_bytes`
+  after the last step (each storage once), as the pipeline records it (``Pipeline.held``);
 - activations: :class:`hpml_compile.runtime.saved.SavedActivations`, the most
   bytes saved for backward alive at once in any step (by storage);
-- ``other``: the runtime's own persistent buffers (the flat gradient buffer
-  of a replicated stage, ``codegen.ops._grad_buffer``), which the memory model
-  has no part for;
+- gradients at their peak, the end of the backward (:class:`~hpml_compile.runtime.saved.GradPeak`:
+  a ZeRO-2 rank frees its whole gradient buffer after the reduce-scatter), plus
+  ``other``: the flat buffer the gradients of parameters tied to another stage
+  are all-reduced through (``codegen.ops._grad_buffer``, kept across steps; the
+  memory model counts it with the gradients);
 - ``rss``: the process's peak resident set (psutil; the interpreter and torch
   included), for scale.
 
@@ -24,8 +26,9 @@ On a CUDA device the held figure would be ``torch.cuda.max_memory_allocated``
 (:func:`_cuda_peak`); this machine has none, and the rows say ``cpu``.
 
 Offload and swap are not offered on a CPU device (the host is the device:
-they would save nothing), so their rows say so instead of running; bf16 needs
-the ``--precision`` option (rows are added when the build takes it).
+they would save nothing), so their rows say so instead of running. The bf16
+row compiles with ``precision="bf16"`` (autocast, fp32 master weights and
+optimizer state) at the capacity where the solver first chose ZeRO-1.
 
 Error per device: ``(predicted - held) / held`` of the total, and the
 under-prediction as a share of the device's capacity. Goal: never
@@ -56,7 +59,6 @@ from hpml_compile.plan import Plan, Schedule, load_plan, stage_breakdown, valida
 from hpml_compile.profile import load_profile
 from hpml_compile.schema import write_json_atomic
 from hpml_compile.runtime import Pipeline, spawn_ranks
-from hpml_compile.runtime.held import held_bytes
 from hpml_compile.trace import trace
 
 MiB = 2**20
@@ -142,7 +144,8 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, out_dir: str) 
         pipe = Pipeline.from_build(case.build, loaded.module, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
         for _ in range(steps):
             pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
-        h = held_bytes(list(pipe.stages.values()), pipe.optimizer)
+        h = pipe.held  # parameters and optimizer state after the last step, gradients at their peak
+        assert h is not None
         keys = {id(p) for st in pipe.stages.values() for p in st.parameters()}
         other = sum(b.untyped_storage().nbytes() for k, b in ops._BUFFERS.items() if set(k) & keys)
         rows = pipe.metrics
@@ -191,13 +194,18 @@ def main() -> None:
         gm = trace(loaded.module, loaded.example_inputs)
         p_mib = sum(n.param_bytes for n in prof.nodes) / MiB
         caps = _find_caps(prof, lo_mib=1.05 * p_mib, hi_mib=8 * p_mib, n=args.grid, microbatches=None)
-        print(f"{name}: {p_mib:.1f} MiB of parameters; options found at caps {caps}", file=sys.stderr, flush=True)
+        print(f"{name}: {p_mib:.1f} MiB of parameters; options found at capacities (MiB) {caps}", file=sys.stderr, flush=True)
         for opt in OPTIONS:
             if opt in NOT_ON_CPU:
                 skipped.append({"model": name, "option": opt, "why": NOT_ON_CPU[opt]})
                 continue
-            if opt == "bf16":
-                skipped.append({"model": name, "option": opt, "why": "no --precision option in this build yet"})
+            if opt == "bf16":  # bf16 autocast, fp32 master weights, at the capacity of the first option found
+                cap = caps.get("zero1", max(caps.values()))
+                out = root / f"{name}-{opt}"
+                driver.compile(loaded.module, loaded.example_inputs, out, cluster=_cluster(cap),
+                               opts=driver.Options(time_limit_s=10, precision="bf16"))
+                plan = load_plan(out / "plan.json")
+                cases.append(Case(name, opt, cap, str(out), sorted(_options(plan) | {"bf16"})))
                 continue
             out = root / f"{name}-{opt}"
             if opt not in caps:  # the solver prefers another option at every capacity: the plan, made by hand
@@ -233,7 +241,8 @@ def main() -> None:
         pred = _predicted(plan, prof)
         for dev, p in sorted(pred.items()):
             h = held[f"{c.option}@{c.model}#{dev}"]
-            total = h["params"] + h["grads"] + h["optimizer"] + h["activations"] + h["other"]
+            h = {**h, "grads": h["grads"] + h["other"]}  # the model's gradients include the tied ones' flat buffer
+            total = h["params"] + h["grads"] + h["optimizer"] + h["activations"]
             cap = plan.cluster.device(dev).memory_bytes
             rows.append({"model": c.model, "option": c.option, "cap_mib": c.cap_mib, "forced": c.forced,
                          "plan": "+".join(c.plan_options) + (" (by hand)" if c.forced else ""),

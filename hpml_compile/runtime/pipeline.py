@@ -72,7 +72,7 @@ from .held import Held, held_bytes
 from .scaler import LossScaler
 from .monitor import Monitor, StepMetrics, peak_memory, reset_peak_memory, split_wait
 from .offload import offload_optimizer
-from .saved import SavedActivations
+from .saved import GradPeak, SavedActivations
 from .session import CommFailure, RetryPolicy, Session
 from .zero import FlatGrads, FlatShard
 
@@ -149,7 +149,8 @@ class Pipeline:
         self._shards = [b for b in self._buckets if isinstance(b, FlatShard)]
         self.optimizer = self._offloaded(self._make_optimizer(optimizer))
         self.saved = SavedActivations(exclude=self.stages.values())  # what autograd keeps, measured each step
-        self.held: Held | None = None  # parameters, gradients, optimizer state after the last step
+        self.grad_peak = GradPeak(self.parameters())  # gradients at the end of the backward, before any sync
+        self.held: Held | None = None  # parameters and optimizer state after the last step, gradients at their peak
         self.monitor = Monitor(run_dir, self.rank, tensorboard=tensorboard) if run_dir is not None else Monitor(
             None, self.rank)
 
@@ -392,11 +393,13 @@ class Pipeline:
         # every rank must have been given this very batch: checked in the loss all-reduce (see .batchcheck)
         agree = agree_with_check(dist.all_reduce, fingerprint([inputs, targets]), self.steps_done + 1)
         self.saved.reset_peak()
+        self.grad_peak.reset()
         with self.saved:  # activations saved for backward, by storage, at their peak
             run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
                               device=self.device, optimizer=self.optimizer, agree=agree, scaler=self.scaler,
                               agree_inf=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))  # every rank skips alike
-        self.held = held_bytes(list(self.stages.values()), self.optimizer)
+        h = held_bytes(list(self.stages.values()), self.optimizer)
+        self.held = Held(h.params, max(h.grads, self.grad_peak.bytes), h.optimizer)  # gradients at their peak
         wait_ms, p2p_ms = split_wait(comm.stats)
         mem, mem_kind = peak_memory(self.device)
         self.monitor.record(StepMetrics(

@@ -23,6 +23,15 @@ copies are in host memory, which is what swap is for on a GPU). So under
 recompute the count is what is saved *outside* the checkpoint, usually
 nothing; benchmarks/memory_truth says so beside those rows.
 
+:class:`GradPeak` counts the gradients at *their* peak, the end of the
+step's last backward: counted after the step, a ZeRO-2 rank has freed its
+whole gradient buffer already (it keeps only its shard until the optimizer
+step), yet it held all of it before the reduce-scatter. Every gradient
+storage a parameter's ``.grad`` had when autograd accumulated into it
+(``register_post_accumulate_grad_hook``) is alive at the end of the backward
+(gradients accumulate, nothing frees them before the sync), so their bytes,
+each storage once, are the peak.
+
 ``rss`` is the process's resident set (psutil) at the end of the context
 and its peak as seen at each pack: on a CPU rank the whole process (the
 Python interpreter, torch's libraries, gloo's buffers), not only the model.
@@ -47,7 +56,7 @@ import psutil
 import torch
 from torch import Tensor, nn
 
-__all__ = ["SavedActivations", "rss_bytes"]
+__all__ = ["SavedActivations", "GradPeak", "rss_bytes"]
 
 
 def rss_bytes() -> int:
@@ -136,3 +145,40 @@ class SavedActivations:
         self._hooks.__exit__(*exc)
         self._hooks = None
         self.rss_peak = max(self.rss_peak, rss_bytes())
+
+
+class GradPeak:
+    """The gradient bytes of ``params`` at the end of the backward: every ``.grad`` storage seen, once.
+
+    Args:
+        params: the rank's parameters (a hook is registered on each).
+
+    Attributes:
+        bytes: gradient bytes seen since the last :meth:`reset`.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        self._seen: dict[tuple[str, int], int] = {}
+        self.bytes = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params if p.requires_grad]
+
+    def _hook(self, p: Tensor) -> None:
+        g = p.grad
+        if g is None:
+            return
+        s = g.untyped_storage()
+        key = (str(g.device), s.data_ptr())
+        if key not in self._seen:
+            self._seen[key] = s.nbytes()
+            self.bytes += s.nbytes()
+
+    def reset(self) -> None:
+        """Start a new step."""
+        self._seen.clear()
+        self.bytes = 0
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
