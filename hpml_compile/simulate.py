@@ -129,7 +129,7 @@ class StageCost:
         optimizer_ms: the optimizer step after the sync.
         fwd_stream_ms: the memory-streaming part of ``fwd_ms`` (weights read, activations written).
         bwd_stream_ms: the memory-streaming part of ``bwd_ms``.
-        sync_copy_ms: the part of ``sync_ms`` spent copying gradients into the flat buffer and back.
+        sync_copy_ms: the part of ``sync_ms`` spent copying (ZeRO-1/2: the gathered parameters into place).
     """
 
     fwd_ms: float
@@ -261,7 +261,7 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         swap_ms = transfer_ms(cost_models.p2p_ms, swapped / (m * d), host) if swapped else 0.0
         opt_ms = optimizer_ms(params, d, st.zero, max(graph.optimizer_ms_per_byte(k) for k in kinds))
         rate = stream_bytes_per_ms(graph, kinds)
-        copy = copy_ms(params, d, rate)
+        copy = copy_ms(params, d, rate, st.zero)
         group = min((link_spec(c, st.devices[0], x) for x in st.devices[1:]), key=lambda sp: sp.gbps) \
             if d > 1 else None
         fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts, m, d, rate)

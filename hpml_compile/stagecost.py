@@ -39,8 +39,9 @@ Times (milliseconds), per step:
 - gradient sync (:func:`sync_ms`): a ring all-reduce (ZeRO-0), reduce-scatter of
   the flat gradient + all-gather of the stepped shards (ZeRO-1/2; ZeRO-3 would
   add one more all-gather, but plans never name it); an offloaded optimizer moves its shard of gradients to the host and
-  parameters back. Plus the copies of the gradients into the flat buffer and
-  back (:func:`copy_ms`).
+  parameters back. Plus, under ZeRO-1/2, copying the gathered parameters into
+  their flat buffer (:func:`copy_ms`; gradients accumulate in the buffer the
+  collective reads, so they are not copied).
 - optimizer step (:func:`optimizer_ms`): the graph's step time per parameter
   byte times the bytes the device updates (its shard under ZeRO-1 and up).
 - memory streaming (:func:`stream_ms`): what part of a microbatch's forward and
@@ -260,18 +261,26 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
     return total
 
 
-def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float) -> Value:
-    """Copying a replicated stage's gradients into the flat buffer and back (read + write, both ways).
+def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float, zero: ZeroStage | int = ZeroStage.NONE
+            ) -> Value:
+    """The memory copies of a replicated stage's gradient sync (:mod:`hpml_compile.runtime.zero`).
+
+    The gradients accumulate into the flat buffer the collective reads, so ZeRO-0's in-place all-reduce
+    copies nothing; under ZeRO-1/2 the all-gathered shards are concatenated and copied into the
+    parameters' flat buffer (read + write, twice).
 
     Args:
         param_bytes: parameter bytes of the stage.
         replicas: data-parallel degree (one device copies nothing).
         bytes_per_ms: the device's streaming rate (:func:`stream_bytes_per_ms`).
+        zero: the ZeRO stage.
 
     Returns:
-        Milliseconds, of the form of ``param_bytes`` (0.0 for one device).
+        Milliseconds, of the form of ``param_bytes`` (0.0 for one device or ZeRO-0).
     """
-    return 4 * param_bytes / bytes_per_ms if replicas > 1 else 0.0
+    if replicas <= 1:
+        return 0.0
+    return 4 * param_bytes / bytes_per_ms if ZeroStage(zero) >= ZeroStage.OS else param_bytes * 0.0
 
 
 def optimizer_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, ms_per_byte: float) -> Value:

@@ -11,7 +11,9 @@
 - :mod:`.launcher`: ``hpml-compile run`` starting the ranks with torchrun; :mod:`.worker`: one rank;
   :mod:`hpml_compile.recipe`: how a rank rebuilds the model (``model.json``);
 - :mod:`.gather`: the full state dict and evaluation outputs across ranks;
-- :mod:`.testing`: :func:`spawn_ranks`, gloo ranks with a deadline for tests; :mod:`.checkpoint`: DCP checkpoints.
+- :mod:`.testing`: :func:`spawn_ranks`, gloo ranks with a deadline for tests; :mod:`.checkpoint`: DCP checkpoints;
+- :mod:`.zero`: ZeRO-1/2 over a stage's replicas (flat buffers, the optimizer over this replica's shard);
+  :mod:`.held`: the parameter, gradient and optimizer bytes a rank holds, counted by storage.
 
 Example:
     >>> from hpml_compile.runtime import Pipeline, compile, step_local, spawn_ranks

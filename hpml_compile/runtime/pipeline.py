@@ -89,7 +89,9 @@ class Pipeline:
     Args:
         build: the loaded build, bound to ``model``.
         model: the user's model (every rank holds a copy; each trains its stage's part).
-        optimizer: an optimizer over ``model.parameters()``, or a factory called with this rank's parameters.
+        optimizer: an optimizer over ``model.parameters()``, or a factory called with this rank's parameters
+            (a factory is needed where the plan shards a replicated stage with ZeRO-1/2: it is called with
+            this replica's flat shard, see :mod:`.zero`).
         session: the process group (None: every stage in this process).
         run_dir: where the monitor writes (None: measurements kept in memory only).
         tensorboard: also write TensorBoard event files.

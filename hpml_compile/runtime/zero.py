@@ -38,17 +38,24 @@ units, a reduce-scatter per microbatch during the backward); see below.
 
 Why our own buffers and not torch's machinery:
 
-- ``torch.distributed.fsdp.fully_shard`` (FSDP2) runs on gloo and CPU (tried
-  with torch 2.13 on two gloo ranks: a sharded ``Sequential`` trains with
-  ``set_requires_gradient_sync`` over two microbatches). Fitting it to this
-  runtime is more than the sharding: every rank holds the whole model and
-  the stage modules *bind* the model's own submodules, so ``fully_shard``
-  would turn the model's parameters into DTensors, and the checkpoints
-  (saved by original names, loadable under any plan), the full state dict
-  gathered across stages, the evaluation pass, the retry snapshot and the
-  tied-parameter all-reduce between stages all read plain tensors. It is the
+- ``torch.distributed.fsdp.fully_shard`` (FSDP2), tried with torch 2.13 on
+  two gloo CPU ranks: ``fully_shard`` of a *whole* generated gpt-tiny stage
+  (1 stage x 2 replicas, 2 microbatches, our own gradient collectives turned
+  off) trains two AdamW steps to the reference losses to 5 digits, its hooks
+  working through our send/recv autograd functions. Per-layer units, the
+  ones that lower the peak, fail: ``fully_shard`` of the model's blocks and
+  then of the stage raises ``TypeError`` in ``DeviceMesh._concatenate``,
+  because a stage binds some parameters directly (fx ``get_attr`` targets
+  registered on container modules), which the stage's unit then meets as
+  DTensors already. A whole-stage unit gathers every parameter for the
+  compute, so it lowers no peak either. And every rank holds the whole model
+  whose parameters the stages bind, so DTensor parameters would reach the
+  checkpoints (saved by original names, loadable under any plan), the full
+  state dict gathered across stages, the evaluation pass, the retry snapshot
+  and the tied-parameter all-reduce between stages, which all read plain
+  tensors. FSDP2 with per-layer units (binding modules, not parameters) is the
   way to lower the peak (ZeRO-2 with a reduce-scatter per microbatch, ZeRO-3
-  per layer) and the next step; it is not done here.
+  per layer); it is not done here.
 - ``torch.distributed.optim.ZeroRedundancyOptimizer`` shards by whole
   parameters (a greedy partition by size), so a replica's share is uneven and
   the memory model's ``1 / d`` would not hold; it also broadcasts every
@@ -211,6 +218,8 @@ class FlatShard:
         """Per parameter, the optimizer state of the shard made whole (``gather=False``: empty tensors of its shape)."""
         out: list[dict[str, Tensor]] = [{} for _ in self.params]
         for key, value in state.items():
+            if value is None:
+                continue  # SGD without momentum keeps a None buffer: nothing to save
             t = value if isinstance(value, Tensor) else torch.tensor(value)
             if self._per_element(t):
                 whole = self._gather(t) if gather else torch.empty(self.flat.numel(), dtype=t.dtype,
@@ -225,7 +234,7 @@ class FlatShard:
     def load_state(self, state: dict[str, Any], per_param: list[dict[str, Tensor]]) -> None:
         """Set the shard's optimizer state (``state``, in place) from whole per-parameter tensors."""
         for key, value in list(state.items()):
-            if not all(key in s for s in per_param):
+            if value is None or not all(key in s for s in per_param):
                 continue
             t = value if isinstance(value, Tensor) else torch.tensor(value)
             if self._per_element(t):
@@ -321,7 +330,8 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, *, 
                 for p, s in zip(sh.params, sh.full_state(state, gather=gather)):
                     out[names[id(p)]] = s
             elif id(q) in names:
-                out[names[id(q)]] = {k: v if isinstance(v, Tensor) else torch.tensor(v) for k, v in state.items()}
+                out[names[id(q)]] = {k: v if isinstance(v, Tensor) else torch.tensor(v) for k, v in state.items()
+                                     if v is not None}
     return out
 
 

@@ -217,7 +217,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         ffix = ffx[b] - ffx[a]
         fwd = ffix + (fw[b] - fw[a] - ffix) / (m * d)
         opt_rate = chain.graph.optimizer_ms_per_byte(kind)
-        copy = copy_ms(params, d, stream_bytes_per_ms(chain.graph, [kind]))
+        rate = stream_bytes_per_ms(chain.graph, [kind])
         comm = np.where(a > 0, 2 * transfer_ms(cost_models.p2p_ms, inputs / (m * d), boundary_link(cluster, kind)),
                         0.0)
         glink = group_link(cluster, kind, d)
@@ -236,7 +236,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             mem = mem._replace(grads=mem.grads + shared)  # the flat buffer of gradients tied to other stages
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)
-            ests.append(m * t + sync_ms(params, d, cfg.zero, cfg.offload, glink, host) + copy
+            ests.append(m * t + sync_ms(params, d, cfg.zero, cfg.offload, glink, host)
+                        + copy_ms(params, d, rate, cfg.zero)
                         + optimizer_ms(params, d, cfg.zero, opt_rate))
             jms.append(jm)
             mems.append(mem)

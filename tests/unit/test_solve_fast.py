@@ -73,7 +73,8 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
                     for cfg in cfgs:
                         swap = 2 * _ms(cost_models.p2p_ms, acts / (m * d), host) if cfg.swap else 0.0
                         t = base + (fwd if cfg.recompute else 0.0) + swap
-                        copy = 4 * params / stream_bytes_per_ms(chain.graph, [kind]) if d > 1 else 0.0
+                        copy = 4 * params / stream_bytes_per_ms(chain.graph, [kind]) \
+                            if d > 1 and cfg.zero >= ZeroStage.OS else 0.0
                         scored.append((m * t + _sync(cfg, params, d, glink, host) + copy, t, cfg))
                     scored.sort(key=lambda x: x[0])
                     best_j = -1

@@ -55,12 +55,12 @@ def test_in_flight_scalar_and_array_agree(schedule: Schedule) -> None:
 def test_times_scalar_and_array_agree(zero: ZeroStage, offload: bool, d: int, link: cost_models.LinkSpec) -> None:
     group = link if d > 1 else None
     sync = stagecost.sync_ms(PARAMS, d, zero, offload, group, PCIE)
-    copy = stagecost.copy_ms(PARAMS, d, 1e7)
+    copy = stagecost.copy_ms(PARAMS, d, 1e7, zero)
     opt = stagecost.optimizer_ms(PARAMS, d, zero, 1e-9)
     for i, p in enumerate(PARAMS.tolist()):
         # alpha-beta costs are applied to arrays as lines through two sizes: equal up to rounding
         assert sync[i] == pytest.approx(stagecost.sync_ms(p, d, zero, offload, group, PCIE), rel=1e-9, abs=1e-12)
-        assert (copy[i] if d > 1 else copy) == stagecost.copy_ms(p, d, 1e7)
+        assert (copy[i] if d > 1 else copy) == stagecost.copy_ms(p, d, 1e7, zero)
         assert opt[i] == stagecost.optimizer_ms(p, d, zero, 1e-9)
     assert stagecost.sync_ms(0, d, zero, offload, group, PCIE) == 0.0
 
