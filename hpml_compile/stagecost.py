@@ -23,8 +23,16 @@ The memory of one device of a stage replicated over ``d`` devices, at its peak
 - Adam state: two fp32 tensors per parameter, ``8 * P / dtype_bytes`` (ZeRO-1 and
   up shard it: ``/ d``, the optimizer being built over the replica's flat shard;
   optimizer offload moves it to host memory: 0 on the device),
-  following ZeRO (Rajbhandari et al., SC 2020). Mixed-precision fp32 master
-  weights are not modelled.
+  following ZeRO (Rajbhandari et al., SC 2020). ``P`` is in the parameters'
+  dtype, so under mixed precision (bf16/fp16 autocast) these are the fp32
+  master weights, gradients and moments; the activations below then come from
+  a profile taken under autocast, which counts them in the compute dtype and
+  includes the compute-dtype weight copies autocast keeps for the backward.
+  Those copies are counted once per batch and so divided among the
+  microbatches like the activations, whereas each microbatch in flight holds
+  a whole copy: with ``M * d > 1`` they are under-counted (by up to
+  ``in_flight * P / 2`` for bf16); a separate per-microbatch term is not
+  modelled yet.
 - activations: what autograd saves for one microbatch on one replica is
   ``A / (M * d)`` (the profile's ``A`` is for the whole batch), times the
   microbatches in flight (:func:`in_flight`): all ``M`` under GPipe (Huang et

@@ -270,7 +270,9 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
                     if keep_outputs:
                         run.outputs.append((j, r, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t,
                                                            out)))
-                    roots[(k, r, j)] = [scaler.scale_loss(loss) if scaler is not None else loss]
+                    # fp16: backward from the scaled loss (unscaled at OPT; no optimizer: the true gradients)
+                    scaled = scaler is not None and optimizer is not None
+                    roots[(k, r, j)] = [scaler.scale_loss(loss) if scaled else loss]  # type: ignore[union-attr]
                 else:
                     roots[(k, r, j)] = [out] if isinstance(out, Tensor) and out.requires_grad else []
             else:
