@@ -194,7 +194,8 @@ def main() -> None:
         gm = trace(loaded.module, loaded.example_inputs)
         p_mib = sum(n.param_bytes for n in prof.nodes) / MiB
         caps = _find_caps(prof, lo_mib=1.05 * p_mib, hi_mib=8 * p_mib, n=args.grid, microbatches=None)
-        print(f"{name}: {p_mib:.1f} MiB of parameters; options found at capacities (MiB) {caps}", file=sys.stderr, flush=True)
+        print(f"{name}: {p_mib:.1f} MiB of parameters; options found at capacities (MiB) {caps}", file=sys.stderr,
+              flush=True)
         for opt in OPTIONS:
             if opt in NOT_ON_CPU:
                 skipped.append({"model": name, "option": opt, "why": NOT_ON_CPU[opt]})

@@ -252,7 +252,8 @@ class Adapter:
                            for d, b in short.items())
         event: dict[str, Any] = {"step": step, "time": time.time(), "trigger": "memory", "reason": reason,
                                  "shortfalls": short, "held": held,
-                                 "replan_memory_mib": {d.name: round(d.memory_bytes / 2**20, 1) for d in cluster.devices}}
+                                 "replan_memory_mib": {d.name: round(d.memory_bytes / 2**20, 1)
+                                                       for d in cluster.devices}}
         prof = load_profile(self.build_dir / "profile.json")
         t0 = time.perf_counter()
         build = None

@@ -33,7 +33,8 @@ from .monitor import StepMetrics, read_metrics
 from .policy import memory_shortfalls
 
 __all__ = ["StageSummary", "RunSummary", "analyse", "format_summary", "predicted_bubble", "measured_profile", "export_profile",
-           "suggest_microbatches", "summarise", "held_peaks", "format_memory", "device_slowdowns", "measured_setup", "next_build_path"]
+           "suggest_microbatches", "summarise", "held_peaks", "format_memory", "device_slowdowns", "measured_setup",
+           "next_build_path"]
 
 
 @dataclass(frozen=True, slots=True)
