@@ -120,8 +120,8 @@ def test_slowed_rank_is_replanned_within_20_steps(tmp_path: Path) -> None:
 
     def share(plan_path: Path) -> float:
         plan = load_plan(plan_path)
-        st = next(s for s in plan.stages if slow_dev in s.devices)
-        return len(st.nodes) / len(st.devices)
+        st = next((s for s in plan.stages if slow_dev in s.devices), None)
+        return len(st.nodes) / len(st.devices) if st is not None else 0.0  # a plan may leave the slow device out
 
     last = max(int(p.name[3:]) for p in run.glob("seg*"))
     assert share(run / f"seg{last}" / "plan.json") < share(build / "plan.json")
