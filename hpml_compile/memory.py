@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
 
-__all__ = ["ZeroStage", "MemoryBreakdown", "dtype_bytes", "GiB"]
+__all__ = ["ZeroStage", "MemoryBreakdown", "dtype_bytes", "GiB", "tied_elsewhere", "tied_shared"]
 
 GiB = 2**30
 
@@ -72,3 +73,60 @@ class MemoryBreakdown:
     def total(self) -> int:
         """Peak bytes on the device."""
         return self.static + self.activations
+
+
+def tied_elsewhere(users: Iterable[tuple[str, Sequence[str]]], sizes: Mapping[str, int], members: set[str]) -> int:
+    """Bytes of the parameters a stage uses whose first user (where ``param_bytes`` counts them) is elsewhere.
+
+    A profile counts a parameter once, on its first user, so a tied embedding
+    and LM head weigh on the first stage only; but a pipeline that puts the
+    head on another stage holds the weight there too (and its gradient and
+    optimizer state: codegen gives each stage its own copy and all-reduces
+    their gradients). A stage's parameter bytes are its nodes' ``param_bytes``
+    plus this.
+
+    Args:
+        users: ``(node, parameter names it uses)`` for every node, in topological order.
+        sizes: bytes per parameter name (a name without a size counts 0).
+        members: the stage's nodes.
+
+    Returns:
+        Bytes.
+
+    Example:
+        >>> order = [("wte", ["w"]), ("h", ["h.w"]), ("head", ["w"])]
+        >>> tied_elsewhere(order, {"w": 40, "h.w": 8}, {"h", "head"}), tied_elsewhere(order, {"w": 40}, {"wte"})
+        (40, 0)
+    """
+    first: dict[str, str] = {}
+    used: set[str] = set()
+    for node, names in users:
+        for name in names:
+            first.setdefault(name, node)
+            if node in members:
+                used.add(name)
+    return sum(sizes.get(name, 0) for name in used if first[name] not in members)
+
+
+def tied_shared(users: Iterable[tuple[str, Sequence[str]]], sizes: Mapping[str, int], members: set[str]) -> int:
+    """Bytes of the parameters a stage shares with another stage: the flat buffer their gradients are
+    all-reduced in between the stages (``codegen.ops``), which the runtime keeps from step to step.
+
+    Args:
+        users: ``(node, parameter names it uses)`` for every node.
+        sizes: bytes per parameter name.
+        members: the stage's nodes.
+
+    Returns:
+        Bytes.
+
+    Example:
+        >>> order = [("wte", ["w"]), ("h", ["h.w"]), ("head", ["w"])]
+        >>> tied_shared(order, {"w": 40, "h.w": 8}, {"wte", "h"}), tied_shared(order, {"w": 40}, {"wte", "h", "head"})
+        (40, 0)
+    """
+    inside: set[str] = set()
+    outside: set[str] = set()
+    for node, names in users:
+        (inside if node in members else outside).update(names)
+    return sum(sizes.get(name, 0) for name in inside & outside)

@@ -17,13 +17,13 @@ Example:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from .errors import PlanError, SchemaError
 from .ir import Cluster, Precision, Profile, Schedule
-from .memory import GiB, ZeroStage, dtype_bytes
+from .memory import GiB, MemoryBreakdown, ZeroStage, dtype_bytes, tied_elsewhere, tied_shared
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
 from .stagecost import device_memory, in_flight
 
@@ -43,6 +43,7 @@ __all__ = [
     "check_placement",
     "node_stages",
     "stage_memory",
+    "stage_breakdown",
     "save_plan",
     "load_plan",
 ]
@@ -318,13 +319,19 @@ def stage_memory(plan: Plan, profile: Profile, stage: Stage) -> int:
     Returns:
         Peak bytes per device of the stage.
     """
+    return stage_breakdown(plan, profile, stage).total
 
+
+def stage_breakdown(plan: Plan, profile: Profile, stage: Stage) -> MemoryBreakdown:
+    """:func:`stage_memory` by part (parameters, gradients, optimizer state, activations): what
+    benchmarks/memory_truth puts beside the bytes a rank holds."""
     names = set(stage.nodes)
     nodes = [n for n in profile.nodes if n.name in names]
     swapped = set(stage.swap)
     m = plan.microbatches
-    return device_memory(
-        param_bytes=sum(n.param_bytes for n in nodes),
+    mem = device_memory(
+        param_bytes=sum(n.param_bytes for n in nodes)
+        + tied_elsewhere(((n.name, n.params) for n in profile.nodes), profile.parameters, names),
         activation_bytes=sum(n.activation_bytes for n in nodes),
         input_bytes=_input_bytes(profile, names),
         dtype_bytes=dtype_bytes(profile.dtype), replicas=len(stage.devices), zero=stage.zero,
@@ -333,7 +340,10 @@ def stage_memory(plan: Plan, profile: Profile, stage: Stage) -> int:
         swapped_bytes=sum(n.activation_bytes for n in nodes if n.name in swapped),
         offload_optimizer=stage.offload_optimizer,
         host_is_device=all(plan.cluster.device(d).is_cpu for d in stage.devices),
-    ).total
+    )
+    # the gradients of parameters tied to another stage are all-reduced through a flat buffer kept across steps
+    shared = tied_shared(((n.name, n.params) for n in profile.nodes), profile.parameters, names)
+    return replace(mem, grads=mem.grads + shared) if shared else mem
 
 
 def _input_bytes(profile: Profile, names: set[str]) -> int:
@@ -367,8 +377,9 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
     Raises:
         PlanError: naming the first rule broken: a precision other than the
             profile's; a node placed twice, unknown or never; an edge from a
-            later stage to an earlier one; a device unknown or used twice; a
-            device over its memory; ZeRO-3, which the runtime does not perform.
+            later stage to an earlier one; a device unknown or used twice;
+            optimizer offload on a CPU device (the host is the device); a device
+            over its memory; ZeRO-3, which the runtime does not perform.
     """
     if plan.precision is not profile.precision:
         raise PlanError(f"the plan trains in {plan.precision.value} but the profile of {profile.model} was timed in "
@@ -396,6 +407,13 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             if where[i] > where[n.name]:
                 raise PlanError(f"edge {i} -> {n.name} runs from stage {where[i]} back to stage {where[n.name]}; "
                                 "a producer must be in the same or an earlier stage")
+    for st in plan.stages:
+        cpus = [d for d in st.devices if d in {x.name for x in plan.cluster.devices} and plan.cluster.device(d).is_cpu]
+        if st.offload_optimizer and cpus:
+            raise PlanError(f"stage {st.index} offloads its optimizer to host memory, but runs on CPU device "
+                            f"{cpus[0]}, whose host memory is its own memory: offload would save nothing and is not "
+                            "performed there; set offload_optimizer to false for this stage (the solver offers "
+                            "offload only on GPUs)")
     used: dict[str, int] = {}
     devices = {d.name for d in plan.cluster.devices}
     for st in plan.stages:

@@ -147,11 +147,16 @@ def replan_graph(old: Plan, graph: CostGraph, *, cluster: Cluster | None = None,
     if score_graph is not None:
         new, _ = annotate(new, scorer, dtype)
     same_devices = {d.name for d in target.devices} >= {d for st in old.stages for d in st.devices}
+    fits = same_devices
     if same_devices:  # scored on the devices as they are now (a slowed device may have a kind of its own)
         rescored, _ = annotate(replace(old, cluster=target), scorer, dtype)
         old_ms = rescored.predicted.step_ms
-    else:  # the old plan cannot run any more: any feasible plan is a gain
+        # a device whose memory is now less than the old plan needs there (the runtime measured more than
+        # predicted): the old plan cannot run either
+        fits = all(st.predicted.memory_bytes <= target.device(d).memory_bytes
+                   for st in rescored.stages for d in st.devices)
+    if not fits:  # the old plan cannot run any more: any feasible plan is a gain
         rescored, old_ms = old, float("inf")
-    if same_devices and old_ms <= new.predicted.step_ms:
+    if fits and old_ms <= new.predicted.step_ms:
         return ReplanResult(rescored, plan_diff(old, rescored, old_ms), switched=False)
     return ReplanResult(new, plan_diff(old, new, old_ms), switched=True)

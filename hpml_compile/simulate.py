@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import bisect
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import cost_models
@@ -80,7 +80,7 @@ import cost_models
 from .cluster import host_link_spec, link_spec
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
-from .memory import MemoryBreakdown, dtype_bytes
+from .memory import MemoryBreakdown, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (copy_ms, device_memory, in_flight, optimizer_ms, stream_bytes_per_ms, stream_ms,
@@ -231,7 +231,8 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         per_mb = [_kind_cost(graph, n, kinds, 1.0 / (m * d)) for n in nodes]
         fwd, bwd = sum(f for f, _ in per_mb), sum(b for _, b in per_mb)
         recs = [graph.node(n) for n in nodes]
-        params = sum(r.param_bytes for r in recs)
+        params = sum(r.param_bytes for r in recs) + tied_elsewhere(
+            ((n, graph.node(n).params) for n in graph.order), graph.param_sizes, set(nodes))
         acts = sum(r.activation_bytes for r in recs)
         swap_set = set(st.swap)
         swapped = sum(r.activation_bytes for r in recs if set(r.members) <= swap_set and swap_set)
@@ -248,6 +249,8 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
                             in_flight=in_flight(plan.schedule, m, s_count - st.index - 1),
                             recompute=st.recompute, swapped_bytes=swapped,
                             offload_optimizer=st.offload_optimizer, host_is_device=host_is_device)
+        shared = tied_shared(((n, graph.node(n).params) for n in graph.order), graph.param_sizes, set(nodes))
+        mem = replace(mem, grads=mem.grads + shared) if shared else mem  # the tied gradients' flat buffer
         send_ms = []
         for j, prods in sorted(sends.items()):
             dst = plan.stages[j]

@@ -26,6 +26,17 @@ When it fires:
    switch yet, the reference stays: the watch fires again after its
    cool-down, with cleaner measurements and fewer steps left.
 
+A plan the runtime cannot hold is the other reason to re-plan, at once
+(warm-up included, no patience): the same all-reduce carries each rank's
+peak held bytes above its device's capacity (:class:`~.monitor.StepMetrics`
+``held_bytes``); when some device is over, rank 0 re-plans on a cluster whose
+devices of that kind have their memory cut by what the memory model missed
+there (:func:`~.policy.replan_capacity`: measured peak less predicted), so
+the new plan's prediction plus the same miss fits. The running plan no
+longer fits that cluster, so any plan that does is taken
+(:func:`~hpml_compile.replan.replan_graph`); when none does, the job goes on
+and the decision says so.
+
 Every decision, switch or not, is appended to ``RUN_DIR/replans.jsonl`` with
 its reason, the plan diff and the times it took.
 """
@@ -36,7 +47,7 @@ import json
 import statistics
 from collections import deque
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,9 +55,11 @@ import torch
 import torch.distributed as dist
 
 from .. import driver
+from ..errors import HpmlError
 from ..profile import load_profile
 from .monitor import StepMetrics
-from .policy import DEFAULT_PATIENCE, DEFAULT_THRESHOLD, ImbalanceWatch, contention_discount, worth_switching
+from .policy import (DEFAULT_PATIENCE, DEFAULT_THRESHOLD, ImbalanceWatch, contention_discount, memory_shortfalls,
+                     replan_capacity, worth_switching)
 from .summary import device_slowdowns, measured_setup, summarise
 
 __all__ = ["AdaptOptions", "Verdict", "Adapter", "REPLANS_FILE", "NEXT_FILE", "plan_scope_ms"]
@@ -123,6 +136,9 @@ class Adapter:
         self._seen = 0
         self._times: deque[float] = deque(maxlen=options.patience)  # the latest steps' times
         self._lost: list[float] = []  # ms lost to contention in the first steps (the contention's baseline)
+        plan = pipe.plan
+        self._capacity = plan.cluster.device(plan.stages[pipe.stage_index].devices[pipe.replica]).memory_bytes
+        self._memory_tried = False  # one memory re-plan per plan: a second would be cut from the same miss
 
     def observe(self) -> Verdict | None:
         """Feed the step just run (call on every rank); a verdict when the watch fired, else None."""
@@ -132,25 +148,35 @@ class Adapter:
         if self._seen < self.opts.warmup + self.opts.baseline:
             self._lost.append(m.contention_ms)
         base = statistics.fmean(self._lost) if self._lost else 0.0
-        # the slowest rank's step less the most any rank lost (the ranks wait for each other)
-        t = torch.tensor([plan_scope_ms(m, self.with_optimizer), m.contention_ms - base], dtype=torch.float64)
+        over = m.held_bytes - self._capacity if m.held_bytes else -1
+        # the slowest rank's step less the most any rank lost (the ranks wait for each other); the most any
+        # device is over its memory
+        t = torch.tensor([plan_scope_ms(m, self.with_optimizer), m.contention_ms - base, float(over)],
+                         dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         measured = contention_discount(float(t[0]), float(t[1]))
         self._times.append(measured)
         self._seen += 1
+        if float(t[2].item()) > 0 and not self._memory_tried:  # some device held more than it has
+            self._memory_tried = True
+            return self._agree(self._decide_memory, [m.to_dict()])
         if self._seen <= self.opts.warmup + self.opts.baseline:
             return None
         if not self.watch.observe(measured, self.reference_ms):
             return None
-        detected = time.perf_counter()
-        every: list[Any] = [None] * self.pipe.world_size
         rows, head = self.pipe.metrics, self.opts.warmup + self.opts.baseline
         # what the decision reads: the plan's first steps (its baseline) and the latest ones, not the whole run
-        dist.all_gather_object(every, [r.to_dict() for r in [*rows[:head], *rows[-self.opts.patience:]]])
+        return self._agree(self._decide, [r.to_dict() for r in [*rows[:head], *rows[-self.opts.patience:]]])
+
+    def _agree(self, decide: Callable[[list[Any], float], Verdict], mine: list[dict[str, Any]]) -> Verdict:
+        """Gather every rank's rows to rank 0, which decides; every rank gets the verdict."""
+        detected = time.perf_counter()
+        every: list[Any] = [None] * self.pipe.world_size
+        dist.all_gather_object(every, mine)
         box: list[Any] = [None]
         if self.pipe.rank == 0:
             try:
-                box[0] = self._decide(every, detected)
+                box[0] = decide(every, detected)
             except Exception as e:  # noqa: BLE001 -- a failed re-plan must not stop training on the running plan
                 recent = statistics.median(self._times)
                 box[0] = Verdict(False, None, recent, {"step": self.pipe.steps_done, "switch": False,
@@ -215,6 +241,53 @@ class Adapter:
         # cost model's, not the placement's); unchanged when a faster plan did not pay yet (asked again later)
         ref = result.plan.predicted.step_ms if switch else measured if not result.switched else self.reference_ms
         return Verdict(switch, build, ref, event)
+
+    def _decide_memory(self, every: list[Any], detected: float) -> Verdict:
+        """Rank 0: some device held more than its capacity; re-plan with that kind's memory cut by the miss."""
+        plan, step = self.pipe.plan, self.pipe.steps_done
+        rows = [StepMetrics.from_dict(rs[-1]) for rs in every]
+        held = {plan.stages[m.stage].devices[m.replica]: m.held_bytes for m in rows if m.held_bytes}
+        caps = {d.name: d.memory_bytes for d in plan.cluster.devices}
+        short = memory_shortfalls(held, caps)
+        predicted = {d: st.predicted.memory_bytes for st in plan.stages for d in st.devices}
+        miss: dict[str, int] = {}  # per device kind: the largest (held - predicted) of its devices over capacity
+        for d in short:
+            kind = plan.cluster.device(d).kind
+            miss[kind] = max(miss.get(kind, 0), caps[d] - replan_capacity(caps[d], held[d], predicted.get(d, 0)))
+        cluster = replace(plan.cluster, devices=tuple(
+            replace(d, memory_gib=(d.memory_bytes - miss.get(d.kind, 0)) / 2**30) for d in plan.cluster.devices))
+        reason = "; ".join(f"{d} held {held[d] / 2**20:.1f} MiB, above its {caps[d] / 2**20:.1f} MiB by "
+                           f"{b / 2**20:.1f} MiB (predicted {predicted.get(d, 0) / 2**20:.1f} MiB)"
+                           for d, b in short.items())
+        event: dict[str, Any] = {"step": step, "time": time.time(), "trigger": "memory", "reason": reason,
+                                 "shortfalls": short, "held": held,
+                                 "replan_memory_mib": {d.name: round(d.memory_bytes / 2**20, 1)
+                                                       for d in cluster.devices}}
+        prof = load_profile(self.build_dir / "profile.json")
+        t0 = time.perf_counter()
+        build = None
+        try:
+            result = driver.replan(plan, prof, cluster=cluster,
+                                   opts=driver.Options(solver=self.opts.solver, time_limit_s=self.opts.time_limit_s))
+        except HpmlError as e:
+            event.update(switch=False, why=f"no plan fits with that much less memory: {e}",
+                         solve_s=time.perf_counter() - t0)
+        else:
+            event.update(solve_s=time.perf_counter() - t0, switch=result.switched,
+                         diff=result.diff.summary())
+            if result.switched:
+                t1 = time.perf_counter()
+                # the new plan runs on the real cluster: its capacities, the smaller budget only solved for
+                placed = replace(result.plan, cluster=plan.cluster)
+                build = str(driver.rebuild(self.build_dir, placed, prof, self.run_dir / "next_build").out_dir)
+                event.update(codegen_s=time.perf_counter() - t1, build=build)
+            else:
+                event["why"] = "the solver found no other plan"
+        event["decide_s"] = time.perf_counter() - detected
+        self._record(event)
+        self.log(f"re-plan at step {step}: over memory: {reason}\n"
+                 + (f"switching to the new plan ({build})" if build else f"keeping the plan: {event['why']}"))
+        return Verdict(build is not None, build, self.reference_ms, event)
 
     def _record(self, event: dict[str, Any]) -> None:
         path = self.run_dir / REPLANS_FILE

@@ -29,7 +29,12 @@ open with ``tensorboard --logdir RUN_DIR/tb``). What is measured, per step:
 - ``steal``, ``others_load``: the shares of the host's CPU stolen by the
   hypervisor and used by processes not of this job during the step, and
   ``cpu_util``, this process's CPU time over the step, and ``contention_ms``,
-  the time it lost to other programs and the hypervisor (:mod:`.host`).
+  the time it lost to other programs and the hypervisor (:mod:`.host`);
+- ``held_bytes``: what the rank's tensors hold at the step's peak, counted by
+  storage (:mod:`.held`: parameters, gradients, optimizer state after the
+  step; :mod:`.saved`: the most activation bytes saved for backward alive at
+  once, ``held_activation_bytes``), the figure the memory model predicts and
+  the device's capacity bounds (``report`` flags a device above it).
 
 With ``events=True`` the monitor also writes each step's events
 (:mod:`.events`: every forward, backward, message and collective, on one
@@ -99,6 +104,8 @@ class StepMetrics:
     others_load: float = 0.0
     cpu_util: float = 0.0
     contention_ms: float = 0.0
+    held_bytes: int = 0
+    held_activation_bytes: int = 0
 
     @property
     def comm_ms(self) -> float:

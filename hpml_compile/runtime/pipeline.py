@@ -72,8 +72,11 @@ from .executor import (actions_for, forward_stage, local_order, merge_outputs, r
 from .events import EventLog, align_clock
 from .gather import gather_outputs, gather_state_dict
 from .host import HostBusy, HostSampler, hostname
+from .held import Held, held_bytes
 from .scaler import LossScaler
 from .monitor import Monitor, StepMetrics, peak_memory, reset_peak_memory, split_wait
+from .offload import offload_optimizer
+from .saved import GradPeak, SavedActivations
 from .session import CommFailure, RetryPolicy, Session
 from .zero import FlatGrads, FlatShard
 
@@ -151,7 +154,10 @@ class Pipeline:
             keep_freed_memory()  # a step's tensors reuse freed memory instead of faulting fresh pages in
         self._buckets: list[FlatShard | FlatGrads] = self._make_buckets(optimizer)
         self._shards = [b for b in self._buckets if isinstance(b, FlatShard)]
-        self.optimizer = self._make_optimizer(optimizer)
+        self.optimizer = self._offloaded(self._make_optimizer(optimizer))
+        self.saved = SavedActivations(exclude=self.stages.values())  # what autograd keeps, measured each step
+        self.grad_peak = GradPeak(self.parameters())  # gradients at the end of the backward, before any sync
+        self.held: Held | None = None  # parameters and optimizer state after the last step, gradients at their peak
         self.monitor = Monitor(run_dir, self.rank, tensorboard=tensorboard, events=events) \
             if run_dir is not None else Monitor(None, self.rank)
         self.trainer: Any = None  # a TrainSpec's loop (.trainer.Trainer) where compile() was given one
@@ -268,6 +274,12 @@ class Pipeline:
                          *(p for p in self.parameters() if id(p) not in sharded)])
         opt.hpml_zero = self._shards  # type: ignore[attr-defined]  # read by .zero.shards_of (checkpoints)
         return opt
+
+    def _offloaded(self, optimizer: torch.optim.Optimizer | None) -> torch.optim.Optimizer | None:
+        """The optimizer with its state and step in host memory where the plan offloads this rank's stage."""
+        if optimizer is None or self.session is None or not self.plan.stages[self.stage_index].offload_optimizer:
+            return optimizer
+        return offload_optimizer(optimizer, self.parameters(), self.device)
 
     # -- what this rank holds ---------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -443,11 +455,16 @@ class Pipeline:
         # (a rank given only its own rows checks the batch's dataset indices and number instead)
         seen = [inputs, targets] if rank_batch is None else [rank_batch.step, rank_batch.indices]
         agree = agree_with_check(dist.all_reduce, fingerprint(seen), self.steps_done + 1)
-        run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
-                          device=self.device, optimizer=self.optimizer, agree=agree, own_rows=rank_batch is not None,
-                          scaler=self.scaler,
-                          agree_inf=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))  # every rank skips alike
+        self.saved.reset_peak()
+        self.grad_peak.reset()
+        with self.saved:  # activations saved for backward, by storage, at their peak
+            run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
+                              device=self.device, optimizer=self.optimizer, agree=agree,
+                              own_rows=rank_batch is not None, scaler=self.scaler,
+                              agree_inf=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))  # every rank skips alike
         busy = self.host.end() if self.host is not None else HostBusy(0.0, 0.0, 0.0)
+        h = held_bytes(list(self.stages.values()), self.optimizer)
+        self.held = Held(h.params, max(h.grads, self.grad_peak.bytes), h.optimizer)  # gradients at their peak
         wait_ms, p2p_ms = split_wait(comm.stats)
         mem, mem_kind = peak_memory(self.device)
         val = self._validate(validate)
@@ -466,7 +483,8 @@ class Pipeline:
             bytes_sent=comm.stats.bytes_sent, bytes_received=comm.stats.bytes_received,
             loss=float(run.loss_sum), retries=attempt, val_loss=val, host=self._hostname, steal=busy.steal,
             others_load=busy.others, cpu_util=busy.cpu_util,
-            contention_ms=busy.contention_s * 1e3),
+            contention_ms=busy.contention_s * 1e3, held_bytes=self.held.total + self.saved.peak,
+            held_activation_bytes=self.saved.peak),
             self.events.finish(self.steps_done) if self.events is not None else None)
         self.steps_done += 1
         return run.loss_sum.float()

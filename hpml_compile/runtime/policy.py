@@ -12,6 +12,12 @@
 * :func:`contention_discount` takes off a step's time what the rank lost to
   other programs and the hypervisor during it, so that a busy host is not
   mistaken for a wrong plan; :func:`lost_share` says how busy a host was.
+* :func:`memory_shortfalls` finds the devices whose measured peak (the bytes
+  the rank's tensors held, :mod:`.held` and :mod:`.saved`) exceeded their
+  capacity: a plan the runtime cannot hold there, a reason to re-plan at
+  once (no patience: on a GPU the next step may not allocate at all), with
+  that device's budget cut by what the memory model missed
+  (:func:`replan_capacity`).
 
 Example:
     >>> w = ImbalanceWatch(threshold=1.2, patience=3)
@@ -21,14 +27,19 @@ Example:
     True
     >>> contention_discount(150.0, contention_ms=60.0)
     90.0
+    >>> memory_shortfalls({"cpu0": 95, "cpu1": 80}, {"cpu0": 90, "cpu1": 90})
+    {'cpu0': 5}
+    >>> replan_capacity(capacity=90, held=95, predicted=85)
+    80
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Mapping
 
 __all__ = ["ImbalanceWatch", "FailureLedger", "worth_switching", "contention_discount", "lost_share",
-           "DEFAULT_THRESHOLD", "DEFAULT_PATIENCE", "MAX_LOST"]
+           "memory_shortfalls", "replan_capacity", "DEFAULT_THRESHOLD", "DEFAULT_PATIENCE", "MAX_LOST"]
 
 DEFAULT_THRESHOLD = 1.25  # measured / predicted step time that counts as "worse than planned"
 DEFAULT_PATIENCE = 5  # consecutive such steps before re-planning
@@ -130,3 +141,33 @@ def contention_discount(measured_ms: float, contention_ms: float, baseline_ms: f
     """
     lost = max(0.0, contention_ms - max(0.0, baseline_ms))
     return max(measured_ms - lost, (1.0 - MAX_LOST) * measured_ms)
+
+
+def memory_shortfalls(held: Mapping[str, int], capacity: Mapping[str, int]) -> dict[str, int]:
+    """The devices whose measured peak exceeds their capacity, each with the bytes it is short by.
+
+    Args:
+        held: device name -> the most bytes its rank held in a step (tensors, by storage).
+        capacity: device name -> its memory in bytes (the plan's cluster).
+
+    Returns:
+        device -> ``held - capacity`` for every device over; empty when the plan fits where it runs.
+    """
+    return {d: held[d] - capacity[d] for d in sorted(held) if d in capacity and held[d] > capacity[d]}
+
+
+def replan_capacity(capacity: int, held: int, predicted: int) -> int:
+    """The budget to re-plan a device with after its peak exceeded the prediction.
+
+    The memory model missed ``held - predicted`` bytes on that device; a new plan is solved with the
+    capacity less that miss, so that what it predicts, plus the same miss, fits.
+
+    Args:
+        capacity: the device's memory.
+        held: its measured peak.
+        predicted: the running plan's prediction for it.
+
+    Returns:
+        Bytes (the capacity itself when the prediction was not exceeded).
+    """
+    return capacity - max(0, held - predicted)

@@ -31,7 +31,7 @@ Example:
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -40,14 +40,14 @@ from ..plan import Plan, load_plan
 from ..profile import load_profile, save_profile
 from ..report import human_bytes
 from .monitor import StepMetrics, read_metrics
-from .policy import contention_discount, lost_share
+from .policy import contention_discount, lost_share, memory_shortfalls
 
 BUSY = 0.10  # a step on a host that lost at least this share of its CPU to steal and other programs was "busy"
 SLOW_RANK = 1.5  # a rank computing this many times the others' measured/predicted ratio is slow itself ...
 MIN_SHARE = 0.1  # ... when the excess is at least this share of its step
 
 __all__ = ["StageSummary", "RunSummary", "HostContention", "host_contention", "slow_ranks", "BUSY", "analyse", "format_summary", "predicted_bubble", "measured_profile", "export_profile",
-           "suggest_microbatches", "summarise", "device_slowdowns", "measured_setup", "next_build_path"]
+           "suggest_microbatches", "summarise", "held_peaks", "format_memory", "device_slowdowns", "measured_setup", "next_build_path"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +180,12 @@ class RunSummary:
     advice: tuple[str, ...]
     contention: tuple[HostContention, ...] = ()
     slow: tuple[tuple[int, float, float], ...] = ()
+    held: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def shortfalls(self) -> dict[str, int]:
+        """Devices whose measured peak (``held``) exceeded their capacity, with the bytes over."""
+        return memory_shortfalls(self.held, {d.name: d.memory_bytes for d in self.plan.cluster.devices})
 
     @property
     def predicted_step_ms(self) -> float:
@@ -344,7 +350,38 @@ def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: in
     advice = _advice(plan, stages, bubble, step_ms, comm, error, samples, run_dir, busy, slow, quiet_error)
     return RunSummary(plan, n, k, micro, step_ms, samples / (step_ms / 1e3) if step_ms else 0.0, bubble,
                       tuple(stages), bottleneck, tuple(advice), tuple(busy),
-                      tuple((r, a, b) for r, (a, b) in sorted(slow.items())))
+                      tuple((r, a, b) for r, (a, b) in sorted(slow.items())), held_peaks(plan, rows))
+
+
+def held_peaks(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]]) -> dict[str, int]:
+    """Each device's measured peak: the most bytes its rank's tensors held in any step (warm-up included:
+    the first step allocates the optimizer state, and a peak is a peak). Devices without the count are left out."""
+    out: dict[str, int] = {}
+    for rs in rows.values():
+        held = [m.held_bytes for m in rs if m.held_bytes > 0]
+        if held and rs[0].stage < len(plan.stages) and rs[0].replica < len(plan.stages[rs[0].stage].devices):
+            out[plan.stages[rs[0].stage].devices[rs[0].replica]] = max(held)
+    return out
+
+
+def format_memory(s: RunSummary) -> list[str]:
+    """The memory lines of :func:`format_summary`: each device's peak against its capacity and the prediction,
+    then every device over its capacity with the shortfall."""
+    if not s.held:
+        return []
+    where = {d: st for st in s.plan.stages for d in st.devices}
+    parts = []
+    for d, b in s.held.items():
+        pred = where[d].predicted.memory_bytes if d in where else 0
+        parts.append(f"{d} {human_bytes(b)} of {human_bytes(s.plan.cluster.device(d).memory_bytes)}"
+                     + (f" (predicted {human_bytes(pred)})" if pred else ""))
+    lines = ["  memory held at the peak (tensors, by storage): " + ", ".join(parts)]
+    for d, over in s.shortfalls.items():
+        dev = s.plan.cluster.device(d)
+        lines.append(f"over memory: {d} ({dev.kind}) held {human_bytes(s.held[d])} at its peak, above its capacity "
+                     f"of {human_bytes(dev.memory_bytes)}: short by {human_bytes(over)}; the plan does not fit "
+                     "there: re-plan with less memory for it (the closed loop, run --adapt, does), or give it more")
+    return lines
 
 
 def predicted_bubble(plan: Plan) -> float:
@@ -372,6 +409,7 @@ def format_summary(s: RunSummary) -> str:
     vs = f"predicted {step_pred:.1f} ms ({s.error:+.1%})" if step_pred > 0 else "no prediction in the plan"
     lines.append(f"  step: measured {s.step_ms:.1f} ms, {vs}; {s.samples_per_s:.1f} samples/s; "
                  f"bubble {s.bubble:.1%}" + (f" (predicted {predicted_bubble(p):.1%})" if step_pred > 0 else ""))
+    lines += format_memory(s)
     b = s.stages[s.bottleneck]
     lines.append(f"bottleneck: stage {b.stage} on {', '.join(b.devices)}, {b.compute_ms:.1f} ms of compute per step"
                  + (f" (predicted {b.predicted_compute_ms:.1f} ms)" if b.predicted_compute_ms > 0 else ""))

@@ -140,6 +140,26 @@ def _jmax(static: np.ndarray, stored: np.ndarray, working: np.ndarray, cap: int,
     return np.where(room < stored, -1, np.minimum(big_j, k - 1))
 
 
+def _tied(chain: Chain, ra: np.ndarray, rb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`hpml_compile.memory.tied_elsewhere` and :func:`~hpml_compile.memory.tied_shared` for every range
+    ``[a, b)`` of the chain at once: the bytes of parameters a range uses whose first user (where the prefix sums
+    count them) lies before it, and of those it shares with nodes outside it (their gradients' flat buffer)."""
+    sizes, uses = chain.graph.param_sizes, {}
+    for i, n in enumerate(chain.graph.order):
+        for name in chain.graph.node(n).params:
+            uses.setdefault(name, []).append(i)
+    elsewhere, shared = np.zeros(len(ra), np.int64), np.zeros(len(ra), np.int64)
+    for name, at in uses.items():
+        if len(at) < 2 or not sizes.get(name):
+            continue
+        pos = np.asarray(at, np.int64)
+        inside = (pos[None, :] >= ra[:, None]) & (pos[None, :] < rb[:, None])
+        used, out = inside.any(1), (~inside).any(1)
+        elsewhere += np.where(used & (ra > at[0]), sizes[name], 0)
+        shared += np.where(used & out, sizes[name], 0)
+    return elsewhere, shared
+
+
 def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: float = math.inf,
                 ranges: tuple[np.ndarray, np.ndarray] | None = None,
                 groups: list[tuple[str, int]] | None = None) -> CandidateTable:
@@ -174,7 +194,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         ra, rb = pts[ia], pts[ib]
     else:
         ra, rb = np.asarray(ranges[0], np.int64), np.asarray(ranges[1], np.int64)
-    params_all = (np.asarray(chain.params, np.int64)[rb] - np.asarray(chain.params, np.int64)[ra])
+    tied_all, shared_all = _tied(chain, ra, rb)
+    params_all = np.asarray(chain.params, np.int64)[rb] - np.asarray(chain.params, np.int64)[ra] + tied_all
     acts_all = (np.asarray(chain.acts, np.int64)[rb] - np.asarray(chain.acts, np.int64)[ra])
     inputs_all = np.asarray(chain.cut, np.int64)[ra]
     if groups is None:
@@ -194,7 +215,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         if keep.size == 0:
             continue
         a, b, base = ra[keep], rb[keep], base_all[keep]
-        params, acts, inputs = params_all[keep], acts_all[keep], inputs_all[keep]
+        params, acts, inputs, shared = params_all[keep], acts_all[keep], inputs_all[keep], shared_all[keep]
         ffix = ffx[b] - ffx[a]
         fwd = ffix + (fw[b] - fw[a] - ffix) / (m * d)
         opt_rate = chain.graph.optimizer_ms_per_byte(kind)
@@ -214,6 +235,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
                                replicas=d, zero=cfg.zero, microbatches=m, recompute=cfg.recompute,
                                swapped_bytes=acts if cfg.swap else acts * 0, offload_optimizer=cfg.offload,
                                host_is_device=is_cpu)
+            mem = mem._replace(grads=mem.grads + shared)  # the flat buffer of gradients tied to other stages
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)
             ests.append(m * t + sync_ms(params, d, cfg.zero, cfg.offload, glink, host)

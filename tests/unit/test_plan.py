@@ -30,8 +30,11 @@ def _plan(stages, cluster=None, m=4, schedule=Schedule.ONE_F_ONE_B) -> Plan:
 
 
 def _good() -> Plan:
+    # stage 1 offloads its optimizer, so it runs on GPUs (a CPU's host memory is its own)
+    gpus = Cluster(devices=(Device("d0", "cpu", 8.0), Device("d1", "A100-80GB", 8.0), Device("d2", "A100-80GB", 8.0)),
+                   name="t")
     return _plan([Stage(0, ("d0",), ("n0", "n1"), ZeroStage.NONE, True, ("n1",), False, StagePrediction(1, 2, 3, 0.4)),
-                  Stage(1, ("d1", "d2"), ("n2", "n3"), ZeroStage.OS_G, False, (), True)])
+                  Stage(1, ("d1", "d2"), ("n2", "n3"), ZeroStage.OS_G, False, (), True)], cluster=gpus)
 
 
 def test_round_trip(tmp_path) -> None:
@@ -118,6 +121,12 @@ def test_device_twice_and_unknown() -> None:
 def test_swap_outside_stage() -> None:
     p = _plan([Stage(0, ("d0",), ("n0", "n1"), swap=("n3",)), Stage(1, ("d1",), ("n2", "n3"))])
     with pytest.raises(PlanError, match="swaps 'n3'"):
+        validate_plan(p, _profile())
+
+
+def test_offload_on_cpu_refused() -> None:
+    p = _plan([Stage(0, ("d0",), ("n0", "n1")), Stage(1, ("d1", "d2"), ("n2", "n3"), ZeroStage.OS, offload_optimizer=True)])
+    with pytest.raises(PlanError, match=r"stage 1 offloads its optimizer.*CPU device d1.*set offload_optimizer to false"):
         validate_plan(p, _profile())
 
 

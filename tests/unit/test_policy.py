@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpml_compile.runtime.policy import FailureLedger, ImbalanceWatch, worth_switching
+from hpml_compile.runtime.policy import (FailureLedger, ImbalanceWatch, memory_shortfalls, replan_capacity,
+                                         worth_switching)
 
 
 def test_fires_after_patience_slow_steps_then_cools_down() -> None:
@@ -42,3 +43,30 @@ def test_failure_ledger_drops_a_repeat_offender() -> None:
     assert not ledger.record("cpu1")
     assert not ledger.record("cpu2")
     assert ledger.record("cpu1") and ledger.failures("cpu1") == 2
+
+
+def test_a_device_over_its_capacity_is_a_reason_to_replan_with_less_memory() -> None:
+    from dataclasses import replace
+
+    from hpml_compile.replan import replan_graph
+    from hpml_compile.solve import solve
+    from hpml_compile.solve.testing import chain_graph, cluster_of
+
+    assert memory_shortfalls({"d0": 90, "d1": 120}, {"d0": 100, "d1": 100}) == {"d1": 20}
+    assert memory_shortfalls({"d0": 100}, {"d0": 100}) == {}  # at the capacity is not over
+    assert replan_capacity(capacity=100, held=120, predicted=95) == 75  # cut by the 25 bytes the model missed
+    assert replan_capacity(capacity=100, held=90, predicted=95) == 100
+    # a plan solved with room to spare, then a device found to hold more than predicted: the cut budget is one the
+    # old plan no longer fits, so re-planning switches even though the new plan is slower
+    costs = [{"cpu": (1.0, 2.0)}] * 6
+    graph = chain_graph(costs, param_bytes=2**16, activation_bytes=2**22)  # recompute would save much
+    roomy = cluster_of(["cpu", "cpu"], memory_gib=1.0)
+    old = solve(graph, roomy, solver="ilp", microbatches=4, schedule="gpipe")  # GPipe: 4 microbatches in flight
+    need = max(st.predicted.memory_bytes for st in old.stages)
+    held = need + need // 4
+    cut = replan_capacity(need, held, need)  # as if the device had exactly what the plan predicted
+    smaller = replace(roomy, devices=tuple(replace(d, memory_gib=cut / 2**30) for d in roomy.devices))
+    r = replan_graph(old, graph, cluster=smaller, solver="ilp")
+    assert r.switched and r.diff.old_step_ms == float("inf")
+    assert all(st.predicted.memory_bytes <= cut for st in r.plan.stages)
+    assert r.plan.predicted.step_ms >= old.predicted.step_ms and any(st.recompute for st in r.plan.stages)

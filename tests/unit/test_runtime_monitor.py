@@ -141,3 +141,23 @@ def test_the_replan_advice_names_a_build_folder_that_does_not_exist(tmp_path: Pa
     advice = [a for a in analyse(run).advice if "hpml-compile replan" in a]
     assert advice and all(f"-o {tmp_path / 'build5'}" in a for a in advice)
     assert not any("build2" in a for a in advice)
+
+
+def test_report_names_a_device_whose_peak_exceeds_its_capacity(tmp_path: Path) -> None:
+    from hpml_compile.ir import Cluster, Device
+
+    run = _run_dir(tmp_path)
+    plan = analyse(run).plan
+    small = Cluster(devices=(Device("cpu0", "cpu", 64 / 1024), Device("cpu1", "cpu", 64 / 1024)), name="small")
+    stages = tuple(replace(st, predicted=replace(st.predicted, memory_bytes=60 * 2**20)) for st in plan.stages)
+    save_plan(replace(plan, cluster=small, stages=stages), run / "plan.json")
+    for rank, held in ((0, 50 * 2**20), (1, 70 * 2**20)):  # cpu1 holds 70 MiB of its 64
+        mon = Monitor(run, rank, tensorboard=False)
+        mon.record(replace(_row(6, rank, 20.0, 40.0), held_bytes=held, held_activation_bytes=2**20))
+        mon.close()
+    s = analyse(run)
+    assert s.held == {"cpu0": 50 * 2**20, "cpu1": 70 * 2**20} and s.shortfalls == {"cpu1": 6 * 2**20}
+    text = format_summary(s)
+    assert "cpu0 50.0 MiB of 64.0 MiB (predicted 60.0 MiB), cpu1 70.0 MiB of 64.0 MiB (predicted 60.0 MiB)" in text
+    assert ("over memory: cpu1 (cpu) held 70.0 MiB at its peak, above its capacity of 64.0 MiB: short by 6.0 MiB"
+            in text) and "over memory: cpu0" not in text

@@ -1,0 +1,184 @@
+"""Activation bytes a rank holds for backward, counted by storage at their peak (beside :mod:`.held`).
+
+:mod:`.held` counts what lives for the whole step (parameters, gradients,
+optimizer state); this module counts what autograd *saves for backward*, the
+activations of the memory model (:func:`hpml_compile.stagecost.memory_parts`:
+``in_flight x stored + working``). :class:`SavedActivations` is a context
+manager that installs ``torch.autograd.graph.saved_tensors_hooks``: every
+tensor autograd saves passes through its pack hook, which keys it by
+``untyped_storage().data_ptr()`` and counts the storage's bytes once however
+many nodes save it (a ReLU's output saved by the ReLU and the next matmul is
+one storage). The handle the hook returns holds the tensor; when autograd
+frees the node (after its backward), the handle dies and the storage's count
+drops. ``peak`` is the most bytes alive at once: the activations of the
+microbatches in flight at the schedule's peak. Parameters and buffers (a
+Linear saves its weight) are excluded: :mod:`.held` counts them.
+
+What it does not see: a region with saved-tensor hooks of its own hides its
+saved tensors from the outer hooks (PyTorch calls only the innermost). Two
+regions of a build do: ``ops.checkpoint`` (recompute: the checkpoint keeps
+its inputs in its own frame, and the recomputed activations of one
+microbatch's backward are kept there too) and ``ops.swap`` (the swapped
+copies are in host memory, which is what swap is for on a GPU). So under
+recompute the count is what is saved *outside* the checkpoint, usually
+nothing; benchmarks/memory_truth says so beside those rows.
+
+:class:`GradPeak` counts the gradients at *their* peak, the end of the
+step's last backward: counted after the step, a ZeRO-2 rank has freed its
+whole gradient buffer already (it keeps only its shard until the optimizer
+step), yet it held all of it before the reduce-scatter. Every gradient
+storage a parameter's ``.grad`` had when autograd accumulated into it
+(``register_post_accumulate_grad_hook``) is alive at the end of the backward
+(gradients accumulate, nothing frees them before the sync), so their bytes,
+each storage once, are the peak.
+
+``rss`` is the process's resident set (psutil) at the end of the context
+and its peak as seen at each pack: on a CPU rank the whole process (the
+Python interpreter, torch's libraries, gloo's buffers), not only the model.
+
+Example:
+    >>> import torch
+    >>> lin = torch.nn.Linear(256, 256)
+    >>> with SavedActivations(exclude=[lin]) as acts:
+    ...     y = torch.relu(lin(torch.randn(64, 256)))     # saves the input and relu's output
+    ...     mid = acts.current
+    ...     y.sum().backward()
+    >>> mid == 2 * 64 * 256 * 4, acts.peak == mid, acts.current
+    (True, True, 0)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable
+
+import psutil
+import torch
+from torch import Tensor, nn
+
+__all__ = ["SavedActivations", "GradPeak", "rss_bytes"]
+
+
+def rss_bytes() -> int:
+    """This process's resident set size in bytes."""
+    return int(psutil.Process(os.getpid()).memory_info().rss)
+
+
+class _Handle:
+    """What a saved tensor is packed into: the tensor, and a release of its count when autograd drops it."""
+
+    __slots__ = ("tensor", "_owner", "_key")
+
+    def __init__(self, owner: "SavedActivations", key: tuple[str, int], tensor: Tensor) -> None:
+        self.tensor, self._owner, self._key = tensor, owner, key
+
+    def __del__(self) -> None:
+        self._owner._release(self._key)
+
+
+class SavedActivations:
+    """Count the storage autograd saves for backward inside the ``with`` block: ``current`` and ``peak`` bytes.
+
+    Args:
+        exclude: modules or tensors whose storage is not an activation (the rank's parameters and buffers).
+
+    Attributes:
+        current: bytes of saved storage alive now.
+        peak: the most bytes alive at once since entering (or since :meth:`reset_peak`).
+        rss_peak: the largest process RSS seen at a pack (sampled every 64 packs and at exit).
+    """
+
+    def __init__(self, exclude: Iterable[nn.Module | Tensor] = ()) -> None:
+        self._exclude: set[int] = set()
+        for x in exclude:
+            ts = [*x.parameters(), *x.buffers()] if isinstance(x, nn.Module) else [x]
+            self._exclude.update(t.untyped_storage().data_ptr() for t in ts)
+        self._live: dict[tuple[str, int], list[int]] = {}
+        self.current = self.peak = 0
+        self.rss_peak = 0
+        self._packs = 0
+        self._hooks: Any = None
+
+    def reset_peak(self) -> None:
+        """Start a new peak from what is alive now."""
+        self.peak = self.current
+        self.rss_peak = rss_bytes()
+
+    def _pack(self, t: Tensor) -> Any:
+        s = t.untyped_storage()
+        ptr, n = s.data_ptr(), s.nbytes()
+        if n == 0 or ptr in self._exclude:
+            return t
+        key = (str(t.device), ptr)
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [n, 1]
+            self.current += n
+            self.peak = max(self.peak, self.current)
+        else:
+            entry[1] += 1
+        self._packs += 1
+        if self._packs % 64 == 1:
+            self.rss_peak = max(self.rss_peak, rss_bytes())
+        return _Handle(self, key, t)
+
+    @staticmethod
+    def _unpack(packed: Any) -> Tensor:
+        return packed.tensor if isinstance(packed, _Handle) else packed
+
+    def _release(self, key: tuple[str, int]) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._live[key]
+            self.current -= entry[0]
+
+    def __enter__(self) -> "SavedActivations":
+        self.rss_peak = max(self.rss_peak, rss_bytes())
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+        self.rss_peak = max(self.rss_peak, rss_bytes())
+
+
+class GradPeak:
+    """The gradient bytes of ``params`` at the end of the backward: every ``.grad`` storage seen, once.
+
+    Args:
+        params: the rank's parameters (a hook is registered on each).
+
+    Attributes:
+        bytes: gradient bytes seen since the last :meth:`reset`.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        self._seen: dict[tuple[str, int], int] = {}
+        self.bytes = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params if p.requires_grad]
+
+    def _hook(self, p: Tensor) -> None:
+        g = p.grad
+        if g is None:
+            return
+        s = g.untyped_storage()
+        key = (str(g.device), s.data_ptr())
+        if key not in self._seen:
+            self._seen[key] = s.nbytes()
+            self.bytes += s.nbytes()
+
+    def reset(self) -> None:
+        """Start a new step."""
+        self._seen.clear()
+        self.bytes = 0
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
