@@ -296,6 +296,8 @@ def _block_path(scope: str) -> str | None:
 
 
 def _relative(target: str, block: str | None) -> str:
+    if block and target == block:
+        return ""
     return target[len(block) + 1:] if block and target.startswith(block + ".") else target
 
 
@@ -331,8 +333,8 @@ def segments(gm: fx.GraphModule) -> list[Segment]:
         >>> from hpml_compile.trace import trace
         >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
         >>> segs = segments(trace(m, (torch.randn(4, 8),)))
-        >>> [s.block for s in segs], segs[0].signature == segs[1].signature != segs[2].signature
-        (['0', '1', '2'], True)
+        >>> [s.block for s in segs], segs[0].signature == segs[1].signature, segs[1].signature == segs[2].signature
+        (['0', '1', '2'], True, False)
     """
     runs: list[tuple[str | None, list[fx.Node]]] = []
     for node in gm.graph.nodes:
