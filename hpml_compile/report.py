@@ -45,8 +45,10 @@ def host_summary(p: Profile, kind: str = "cpu") -> str | None:
         >>> p = Profile(model="toy", batch_size=2, dtype="float32", nodes=(), threads=1, devices={"cpu": {
         ...     "measured": True, "cpu_model": "AMD EPYC", "cache_bytes": {"L2": 524288, "L3": 33554432},
         ...     "cpus": 2, "stream_gbps": 24.0, "host_stream_gbps": 33.5}})
-        >>> host_summary(p)
-        'profiled on AMD EPYC (L2 512.0 KiB, L3 32.0 MiB), 2 CPUs, 1 torch thread(s); memory stream 24.0 GB/s one thread, 33.5 GB/s the host'
+        >>> for part in host_summary(p).split("; "):
+        ...     print(part)
+        profiled on AMD EPYC (L2 512.0 KiB, L3 32.0 MiB), 2 CPUs, 1 torch thread(s)
+        memory stream 24.0 GB/s one thread, 33.5 GB/s the host
     """
     info = p.devices.get(kind, {})
     if not info.get("measured") or "cpu_model" not in info:

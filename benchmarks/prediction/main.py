@@ -99,7 +99,7 @@ def _background(exclude: set[int], window_s: float = 0.5) -> float:
     return _load_since(before, exclude, window_s)
 
 
-def _wait_quiet(exclude: set[int], limit_s: float = 60.0) -> float:
+def _wait_quiet(exclude: set[int], limit_s: float) -> float:
     t0 = time.perf_counter()
     load = _background(exclude)
     while load > QUIET and time.perf_counter() - t0 < limit_s:
@@ -182,7 +182,8 @@ def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedu
     return cases, facts
 
 
-def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, out: str) -> None:
+def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, out: str, wait_s: float = 60.0,
+            attempts: int = 3) -> None:
     torch.set_num_threads(1)
     mine = [os.getpid(), os.getppid()]
     every: list[Any] = [None] * world
@@ -196,9 +197,9 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, o
         pipe = Pipeline.from_build(case.build, loaded.module, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
         for _ in range(warmup):
             pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
-        for attempt in range(3):  # re-measure when another job shared the CPUs meanwhile
+        for attempt in range(attempts):  # re-measure when another job shared the CPUs meanwhile
             if rank == 0:
-                _wait_quiet(exclude)
+                _wait_quiet(exclude, wait_s)
             dist.barrier()
             start, before, t0 = len(pipe.metrics), _ticks(exclude), time.perf_counter()
             for _ in range(steps):
@@ -256,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="gpt-mini,mlp", help="comma-separated zoo names")
     p.add_argument("--steps", type=int, default=6, help="measured steps per plan")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--quiet-wait", type=float, default=60.0,
+                   help="seconds to wait for other processes to leave the CPUs before each plan (default: %(default)s)")
+    p.add_argument("--attempts", type=int, default=3,
+                   help="measurements of a plan while other processes keep the CPUs busy (default: %(default)s)")
     p.add_argument("--grid", default=GRID, help="plans per model, kind:schedule:microbatches (default: %(default)s)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
@@ -267,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     cases, facts = _cases(args.models.split(","), root, _grid(args.grid))
     for world in sorted({c.ranks for c in cases}):
-        spawn_ranks(_worker, world, root, cases, args.steps, args.warmup, str(root))
+        spawn_ranks(_worker, world, root, cases, args.steps, args.warmup, str(root), args.quiet_wait, args.attempts)
     rows = _summarise(cases, root)
     print(f"{len(rows)} plans on local CPU ranks (1 thread each); median of {args.steps} steps after {args.warmup} "
           "warm-up; error = (measured - predicted) / predicted")
@@ -300,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": "prediction", "command": " ".join([sys.executable, *sys.argv]), "plans": rows,
               "host": host, "profiles": facts,
               "summary": summary, "goal": {"median": 0.10, "p90": 0.20}, "noisy_plans": noisy,
-              "steps": args.steps, "warmup": args.warmup, "cpus": os.cpu_count(), "torch": torch.__version__,
+              "steps": args.steps, "warmup": args.warmup, "quiet_wait_s": args.quiet_wait, "attempts": args.attempts,
+              "cpus": os.cpu_count(), "torch": torch.__version__,
               "wall_s": time.perf_counter() - t0}
     out = HERE / "results"
     out.mkdir(exist_ok=True)

@@ -213,7 +213,8 @@ def _scale_to_segments(gm: fx.GraphModule, inputs: Sequence[Any], device: torch.
         rf, rb = sum(c[0] for c in seg) / node_f if node_f > 0 else 1.0, sum(c[1] for c in seg) / node_b \
             if node_b > 0 else 1.0
         if not (lo <= rf <= hi and lo <= rb <= hi):
-            note = (f"the model's blocks timed in sequence took {rf:.2f}x (forward) and {rb:.2f}x (backward) the sum "
+            note = (f"at {_infer_sizes(tuple(inputs))[0]} rows, the model's blocks timed in sequence took {rf:.2f}x "
+                    f"(forward) and {rb:.2f}x (backward) the sum "
                     f"of their nodes timed alone ({first[0]:.2f}x and {first[1]:.2f}x the first time), outside the "
                     f"{lo}-{hi}x seen on the development machine; believed: node costs are scaled to the blocks")
             warnings.warn(note, stacklevel=5)
