@@ -73,7 +73,8 @@ class AdaptOptions:
         patience: slow steps in a row that trigger a re-plan.
         cooldown: steps to stay quiet after a re-plan that did not switch.
         warmup: first steps of a plan not watched (allocator, caches, lazy initialisation).
-        baseline: steps after the warm-up that fix each device's own speed under the plan.
+        baseline: steps after the warm-up that fix each device's own speed under the plan, and the level of
+            measured / predicted step time the watch takes as healthy (the machine's constant misprediction).
         min_gain: predicted speed-up below which a switch is never worth its risk.
         solver: the solver for re-planning.
         time_limit_s: its time limit.
