@@ -104,9 +104,8 @@ def _measure_on(gm: fx.GraphModule, inputs: Sequence[Any], device: torch.device,
     costs, _ = measure(gm, inputs, device=device, repeats=repeats, warmup=warmup, progress=progress, loss=loss,
                        whole=False)
     skip = next((n.name for n in gm.graph.nodes if n.op == "output"), None) if loss else None
-    segs = segments(gm)
     try:
-        return _scale_to_segments(gm, inputs, device, costs, segs, skip, repeats, warmup)
+        return _scale_to_segments(gm, inputs, device, costs, segments(gm), skip, repeats, warmup)
     except Exception as e:  # noqa: BLE001 -- e.g. a segment whose first op writes into its (leaf) input
         warnings.warn(f"timing the model's blocks in sequence failed on {device} ({type(e).__name__}: {e}); node "
                       "costs are scaled to the whole-model pass instead", stacklevel=4)
