@@ -303,29 +303,59 @@ def test_a_scale_outside_the_expected_range_is_measured_again_then_believed(monk
     assert load_profile(save_profile(p, tmp_path / "p.json")).devices["cpu"]["scale_note"] == cpu["scale_note"]
 
 
+def _others_cpu_ticks() -> int:
+    """CPU ticks (user + system) every process but this one has used so far."""
+    import os
+
+    total = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+            except (OSError, IndexError):
+                pass
+    return total
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_profiles_of_gpt_mini_predict_the_same_data_parallel_step() -> None:
     """Issue 19: profiles of one model on one machine, taken one after the other, must agree on a plan.
 
     Before the blocks were timed in sequence, gpt-mini data parallel on 2 ranks was predicted 317 ms by one
-    profile and 246.6 ms by another (measured 316-322 ms).
+    profile and 246.6 ms by another (measured 316-322 ms). A profile measures the machine of its minute:
+    only profiles during which other processes left the CPUs alone (under 0.25 CPU-seconds per second, the
+    prediction benchmark's bar, as far as this process can see them) are compared, up to four profiles
+    until two in a row agree; on a machine that never is quiet, the test is skipped with what it saw.
     """
+    import os
+    import time
+
     from hpml_compile.cluster import load_cluster
     from hpml_compile.costgraph import build
     from hpml_compile.plan import Plan, Schedule, Stage
     from hpml_compile.simulate import annotate
 
     m = models.load("gpt-mini", seed=0)
-    steps: list[float] = []
-    for _ in range(3):  # a shared machine: another job may load one profile; a third one then decides
-        p = profile(m.module, m.example_inputs, name="gpt-mini", repeats=3, warmup=1, progress=False,
+    quiet: list[float] = []
+    seen: list[tuple[float, float]] = []
+    for _ in range(4):
+        before, t0 = _others_cpu_ticks(), time.perf_counter()
+        p = profile(m.module, m.example_inputs, name="gpt-mini", repeats=5, warmup=2, progress=False,
                     loss_fn=m.loss_fn, targets=m.example_targets, micro_batch=0, threads=1)
+        busy = (_others_cpu_ticks() - before) / os.sysconf("SC_CLK_TCK") / (time.perf_counter() - t0)
         graph = build(p)
         coarse = graph.coarsen()
         every = tuple(n for v in coarse.order for n in coarse.node(v).members)
         plan = Plan("gpt-mini", load_cluster("local-cpu-2"), Schedule.GPIPE, 1, (Stage(0, ("cpu0", "cpu1"), every),))
-        steps.append(annotate(plan, graph)[0].predicted.step_ms)
-        if len(steps) >= 2 and abs(steps[-1] - steps[-2]) <= 0.05 * min(steps[-2:]):
-            break
-    assert abs(steps[-1] - steps[-2]) <= 0.05 * min(steps[-2:]), f"data-parallel step predicted {steps} ms"
+        step = annotate(plan, graph)[0].predicted.step_ms
+        seen.append((round(step, 1), round(busy, 2)))
+        if busy <= 0.25:
+            quiet.append(step)
+        if len(quiet) >= 2 and abs(quiet[-1] - quiet[-2]) <= 0.05 * min(quiet[-2:]):
+            break  # a pair in a row agrees; else a burst of load may have hit one of them: one more
+    if len(quiet) < 2:
+        pytest.skip(f"the machine was busy: (predicted ms, other processes' CPUs) per profile {seen}")
+    print(f"data-parallel step predicted (ms, other processes' CPUs) per profile: {seen}")
+    assert abs(quiet[-1] - quiet[-2]) <= 0.05 * min(quiet[-2:]), f"data-parallel step predicted {seen}"
