@@ -15,7 +15,7 @@ from __future__ import annotations
 from .costgraph import CostGraph
 from .ir import Profile
 
-__all__ = ["profile_summary", "blocks_summary", "human_bytes", "human_count"]
+__all__ = ["profile_summary", "blocks_summary", "host_summary", "human_bytes", "human_count"]
 
 
 def human_bytes(n: float) -> str:
@@ -33,6 +33,37 @@ def human_count(n: float) -> str:
     return str(int(n))
 
 
+def host_summary(p: Profile, kind: str = "cpu") -> str | None:
+    """One line on the machine a profile measured ``kind`` on: CPU model, caches, CPUs, threads, stream rates.
+
+    CPU times hold on the CPU model they were measured on (issue 19: a profile from an AMD EPYC predicted an
+    Intel Xeon's steps 23-27% short), so a prediction is shown with where its costs came from. None when
+    ``kind`` was not measured, or the profile predates these facts.
+
+    Example:
+        >>> from hpml_compile.ir import Profile
+        >>> p = Profile(model="toy", batch_size=2, dtype="float32", nodes=(), threads=1, devices={"cpu": {
+        ...     "measured": True, "cpu_model": "AMD EPYC", "cache_bytes": {"L2": 524288, "L3": 33554432},
+        ...     "cpus": 2, "stream_gbps": 24.0, "host_stream_gbps": 33.5}})
+        >>> for part in host_summary(p).split("; "):
+        ...     print(part)
+        profiled on AMD EPYC (L2 512.0 KiB, L3 32.0 MiB), 2 CPUs, 1 torch thread(s)
+        memory stream 24.0 GB/s one thread, 33.5 GB/s the host
+    """
+    info = p.devices.get(kind, {})
+    if not info.get("measured") or "cpu_model" not in info:
+        return None
+    caches = ", ".join(f"{k} {human_bytes(v)}" for k, v in sorted(info.get("cache_bytes", {}).items()))
+    out = f"profiled on {info['cpu_model']}" + (f" ({caches})" if caches else "") + f", {info.get('cpus', '?')} CPUs"
+    if p.threads:
+        out += f", {p.threads} torch thread(s)"
+    if "stream_gbps" in info:
+        out += f"; memory stream {info['stream_gbps']:.1f} GB/s one thread"
+        if "host_stream_gbps" in info:
+            out += f", {info['host_stream_gbps']:.1f} GB/s the host"
+    return out
+
+
 def profile_summary(p: Profile, top: int = 5) -> str:
     """Totals per device kind, whole-model checks, and the costliest nodes."""
     params = sum(n.param_bytes for n in p.nodes) / (4 if p.dtype == "float32" else 2)
@@ -41,6 +72,7 @@ def profile_summary(p: Profile, top: int = 5) -> str:
     lines = [f"{p.model}: {len(p.nodes)} nodes ({p.front_end.value}), batch {p.batch_size}{seq}, {p.dtype}, "
              f"{human_count(params)} parameters, {flops / 1e9:.2f} GFLOP forward",
              f"  {'device kind':14s} {'fwd ms':>10s} {'bwd ms':>10s}  source"]
+    host = host_summary(p)
     for kind in p.device_kinds:
         t = p.total(kind)
         if kind in p.totals:
@@ -49,6 +81,11 @@ def profile_summary(p: Profile, top: int = 5) -> str:
         else:
             src = "predicted (" + str(p.devices.get(kind, {}).get("predicted_from", "cost_models")) + ")"
         lines.append(f"  {kind:14s} {t.fwd_ms:10.2f} {t.bwd_ms:10.2f}  {src}")
+    if host:
+        lines.append(f"  {host}")
+    note = p.devices.get("cpu", {}).get("scale_note")
+    if note:
+        lines.append(f"  note: {note}")
     kind = next((k for k in p.device_kinds if k in p.totals), p.device_kinds[0] if p.device_kinds else None)
     if kind:
         ranked = sorted(p.nodes, key=lambda n: -(n.cost[kind].fwd_ms + n.cost[kind].bwd_ms))[:top]

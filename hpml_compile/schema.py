@@ -79,7 +79,8 @@ _CALIBRATION = {
 }
 
 # What profile.devices[kind] says about a device kind: written by profile (measured: the device,
-# memory stream rates, scaling to the whole-model pass), predict_kinds (predicted_from, calibrations)
+# memory stream rates, scaling to the blocks timed in sequence, the segments, identical blocks and
+# re-measurements, a believed out-of-range scale; for the CPU, the host: model name, caches, CPUs), predict_kinds (predicted_from, calibrations)
 # and the runtime's measured profiles (measured_from, and for a slow device's variant kind its
 # device, base_kind and slowdown).
 _DEVICE_INFO = {
@@ -92,6 +93,14 @@ _DEVICE_INFO = {
         "stream_threads": _INT,
         "scaled_to_whole": _FWD_BWD,
         "scaled_to_whole_micro": _FWD_BWD,
+        "segments": _INT,
+        "identical_blocks": _INT,
+        "remeasured": _INT,
+        "scale_note": _STR,
+        "scale_note_micro": _STR,
+        "cpu_model": _STR,
+        "cache_bytes": {"type": "object", "additionalProperties": _INT},
+        "cpus": _INT,
         "predicted_from": _STR,
         "calibration_fwd": _CALIBRATION,
         "calibration_bwd": _CALIBRATION,

@@ -22,7 +22,9 @@ measures again, up to three times, when they were): this machine is shared,
 and a busy core doubles a rank's time.
 
 Run:  .venv/bin/python benchmarks/prediction/main.py [--models gpt-mini,mlp] [--steps 6]
-Prints a table; writes benchmarks/prediction/results/prediction.json.
+Prints a table; writes benchmarks/prediction/results/prediction.json, with the host it ran on (CPU model
+from /proc/cpuinfo, cache sizes, CPUs, memory stream rates, load average) and each profile's CPU facts:
+the README keeps one table per CPU model (issue 19).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from hpml_compile.codegen import generate
 from hpml_compile.costgraph import CostGraph
 from hpml_compile.costgraph import build as build_costgraph
 from hpml_compile.plan import Plan, Schedule, Stage
+from hpml_compile.profile.timing import host_facts
 from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.runtime.summary import predicted_bubble
 from hpml_compile.simulate import annotate
@@ -96,7 +99,7 @@ def _background(exclude: set[int], window_s: float = 0.5) -> float:
     return _load_since(before, exclude, window_s)
 
 
-def _wait_quiet(exclude: set[int], limit_s: float = 60.0) -> float:
+def _wait_quiet(exclude: set[int], limit_s: float) -> float:
     t0 = time.perf_counter()
     load = _background(exclude)
     while load > QUIET and time.perf_counter() - t0 < limit_s:
@@ -155,14 +158,17 @@ def _grid(text: str) -> list[tuple[str, int, Schedule, int]]:
     return out
 
 
-def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedule, int]]) -> list[Case]:
-    cases = []
+def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedule, int]]
+           ) -> tuple[list[Case], dict[str, Any]]:
+    """The plans to measure, and what each model's profile says about the CPU (profile.devices.cpu)."""
+    cases, facts = [], {}
     torch.set_num_threads(1)  # what each rank will have: profile at it
     for name in model_names:
         loaded = models.load(name, seed=0)
         print(f"profiling {name} at 1 thread ...", file=sys.stderr, flush=True)
         prof = profile(loaded.module, loaded.example_inputs, name=name, repeats=5, warmup=2, progress=False,
                        loss_fn=loaded.loss_fn, targets=loaded.example_targets)
+        facts[name] = dict(prof.devices["cpu"])
         graph = build_costgraph(prof)
         gm = trace(loaded.module, loaded.example_inputs)
         for label, plan, no_opt in _plans(name, graph, grid):
@@ -173,10 +179,11 @@ def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedu
                              for st in plan.stages for _ in st.devices)
             cases.append(Case(label, name, ranks, str(out), plan.predicted.step_ms, predicted_bubble(plan), per_rank,
                               no_opt))
-    return cases
+    return cases, facts
 
 
-def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, out: str) -> None:
+def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, out: str, wait_s: float = 60.0,
+            attempts: int = 3) -> None:
     torch.set_num_threads(1)
     mine = [os.getpid(), os.getppid()]
     every: list[Any] = [None] * world
@@ -190,9 +197,9 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, o
         pipe = Pipeline.from_build(case.build, loaded.module, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
         for _ in range(warmup):
             pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
-        for attempt in range(3):  # re-measure when another job shared the CPUs meanwhile
+        for attempt in range(attempts):  # re-measure when another job shared the CPUs meanwhile
             if rank == 0:
-                _wait_quiet(exclude)
+                _wait_quiet(exclude, wait_s)
             dist.barrier()
             start, before, t0 = len(pipe.metrics), _ticks(exclude), time.perf_counter()
             for _ in range(steps):
@@ -250,13 +257,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="gpt-mini,mlp", help="comma-separated zoo names")
     p.add_argument("--steps", type=int, default=6, help="measured steps per plan")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--quiet-wait", type=float, default=60.0,
+                   help="seconds to wait for other processes to leave the CPUs before each plan (default: %(default)s)")
+    p.add_argument("--attempts", type=int, default=3,
+                   help="measurements of a plan while other processes keep the CPUs busy (default: %(default)s)")
     p.add_argument("--grid", default=GRID, help="plans per model, kind:schedule:microbatches (default: %(default)s)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="hpml-prediction-"))
-    cases = _cases(args.models.split(","), root, _grid(args.grid))
+    host = host_facts()
+    print(f"host: {host['cpu_model']}, caches " + ", ".join(f"{k} {v // 1024} KiB" for k, v in
+                                                             sorted(host["cache_bytes"].items()))
+          + f", {host['cpus']} CPUs; load average {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
+    load_before = os.getloadavg()
+    cases, facts = _cases(args.models.split(","), root, _grid(args.grid))
     for world in sorted({c.ranks for c in cases}):
-        spawn_ranks(_worker, world, root, cases, args.steps, args.warmup, str(root))
+        spawn_ranks(_worker, world, root, cases, args.steps, args.warmup, str(root), args.quiet_wait, args.attempts)
     rows = _summarise(cases, root)
     print(f"{len(rows)} plans on local CPU ranks (1 thread each); median of {args.steps} steps after {args.warmup} "
           "warm-up; error = (measured - predicted) / predicted")
@@ -279,9 +295,18 @@ def main(argv: list[str] | None = None) -> int:
     noisy = [r["plan"] for r in rows if r["background_cpu"] > QUIET]
     if noisy:
         print(f"  measured while other processes were busy (> {QUIET} CPU): {', '.join(noisy)}")
+    print(f"  host: {host['cpu_model']}; " + "; ".join(
+        f"{m}: blocks/nodes {f.get('scaled_to_whole', {}).get('fwd', 0):.2f}x fwd "
+        f"{f.get('scaled_to_whole', {}).get('bwd', 0):.2f}x bwd, re-measured {f.get('remeasured', 0)}"
+        for m, f in facts.items()))
+    host.update({"stream_gbps": statistics.median(f["stream_gbps"] for f in facts.values()),
+                 "host_stream_gbps": statistics.median(f["host_stream_gbps"] for f in facts.values()),
+                 "load_average_before": load_before, "load_average_after": os.getloadavg()} if facts else {})
     result = {"benchmark": "prediction", "command": " ".join([sys.executable, *sys.argv]), "plans": rows,
+              "host": host, "profiles": facts,
               "summary": summary, "goal": {"median": 0.10, "p90": 0.20}, "noisy_plans": noisy,
-              "steps": args.steps, "warmup": args.warmup, "cpus": os.cpu_count(), "torch": torch.__version__,
+              "steps": args.steps, "warmup": args.warmup, "quiet_wait_s": args.quiet_wait, "attempts": args.attempts,
+              "cpus": os.cpu_count(), "torch": torch.__version__,
               "wall_s": time.perf_counter() - t0}
     out = HERE / "results"
     out.mkdir(exist_ok=True)

@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -46,7 +47,7 @@ from ..ir import Precision
 from ..precision import autocast
 from ..trace import node_info, tensor_bytes
 
-__all__ = ["NodeFacts", "analyze", "op_kind", "is_inplace"]
+__all__ = ["NodeFacts", "analyze", "op_kind", "is_inplace", "Segment", "segments"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,3 +339,92 @@ def analyze(gm: fx.GraphModule, precision: Precision | str = Precision.FP32) -> 
         warnings.warn("no FLOP count for nodes that cannot run on the meta device: " + "; ".join(failed[:5])
                       + (f" and {len(failed) - 5} more" if len(failed) > 5 else ""), stacklevel=2)
     return facts
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A contiguous run of graph nodes that is timed as a unit: one repeated block, or a region between blocks.
+
+    ``block`` is the module path of a repeated block (``"blocks.3"``), None for a region between blocks;
+    ``signature`` is equal for two segments exactly when they run the same modules (relative to their
+    block), the same ops, on the same shapes, wired the same way: such segments get one cost.
+    """
+
+    name: str
+    nodes: tuple[str, ...]
+    block: str | None
+    signature: tuple[Any, ...]
+
+
+_DIGITS = re.compile(r"^\d+$")
+
+
+def _block_path(scope: str) -> str | None:
+    """The module path up to the first numbered child: ``"blocks.3.attn.c_attn"`` -> ``"blocks.3"``."""
+    parts = scope.split(".") if scope else []
+    for i, part in enumerate(parts):
+        if _DIGITS.match(part):
+            return ".".join(parts[:i + 1])
+    return None
+
+
+def _relative(target: str, block: str | None) -> str:
+    if block and target == block:
+        return ""
+    return target[len(block) + 1:] if block and target.startswith(block + ".") else target
+
+
+def _node_signature(gm: fx.GraphModule, node: fx.Node, block: str | None, where: dict[str, int]) -> tuple[Any, ...]:
+    info = node_info(node)
+    if node.op in ("call_module", "get_attr"):
+        target = _relative(str(node.target), block)
+    elif node.op == "call_method":
+        target = str(node.target)
+    else:
+        target = getattr(node.target, "__qualname__", None) or str(node.target)
+    extra: tuple[Any, ...] = ()
+    if node.op == "call_module":
+        sub = gm.get_submodule(str(node.target))
+        extra = (type(sub).__qualname__, tuple((n, tuple(p.shape), str(p.dtype)) for n, p in sub.named_parameters()))
+    elif node.op == "get_attr":
+        val = node.meta.get("val")
+        extra = (tuple(val.shape),) if isinstance(val, torch.Tensor) else ()
+    wires = tuple(where.get(a.name, -1) for a in node.all_input_nodes)  # inside: position; outside: -1
+    consts = tuple(repr(a) for a in tree_leaves((node.args, node.kwargs)) if not isinstance(a, fx.Node))
+    return (node.op, target, info.shape, info.dtype, extra, wires, consts)
+
+
+def segments(gm: fx.GraphModule) -> list[Segment]:
+    """Split a traced graph into contiguous segments: each repeated block (the nodes whose module path runs
+    through a numbered child, ``layers.3``) and each run of nodes between blocks.
+
+    Placeholders, ``get_attr`` nodes (copied into every segment that reads them) and the output are in no
+    segment. Segments are in graph order, so timing them one after the other runs the model in order.
+
+    Example:
+        >>> import torch
+        >>> from hpml_compile.trace import trace
+        >>> m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        >>> segs = segments(trace(m, (torch.randn(4, 8),)))
+        >>> [s.block for s in segs], segs[0].signature == segs[1].signature, segs[1].signature == segs[2].signature
+        (['0', '1', '2'], True, False)
+    """
+    runs: list[tuple[str | None, list[fx.Node]]] = []
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        block = _block_path(node_info(node).scope)
+        if runs and runs[-1][0] == block:
+            runs[-1][1].append(node)
+        else:
+            runs.append((block, [node]))
+    out, regions = [], 0
+    for block, nodes in runs:
+        where = {n.name: i for i, n in enumerate(nodes)}
+        sig = tuple(_node_signature(gm, n, block, where) for n in nodes)
+        if block is None:
+            name, regions = f"region {regions}", regions + 1
+        else:
+            name = block if all(s.name != block for s in out) else f"{block} ({len(out)})"
+        out.append(Segment(name, tuple(n.name for n in nodes), block, sig))
+    return out

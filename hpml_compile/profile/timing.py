@@ -28,9 +28,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -42,27 +44,36 @@ from ..ir import NodeCost
 from ..trace import buffers_restored
 from .static import is_inplace
 
-__all__ = ["measure", "Timer", "time_loss", "time_optimizer", "slice_rows", "time_streams"]
+__all__ = ["measure", "Timer", "time_loss", "time_optimizer", "slice_rows", "time_streams", "time_segments",
+           "time_whole", "host_facts"]
 
 
 class Timer:
-    """Times a callable on one device: perf_counter on CPU, CUDA events on a GPU."""
+    """Times a callable on one device: perf_counter on CPU, CUDA events on a GPU.
 
-    def __init__(self, device: torch.device) -> None:
+    Every timed call of the profiler (a node, a segment, the loss, the optimizer) goes through
+    :meth:`once`, inside ``context()``: the one place to wrap what is timed (e.g. in autocast).
+    """
+
+    def __init__(self, device: torch.device,
+                 context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        self.context = context
 
     def once(self, fn: Callable[[], Any]) -> float:
         """Milliseconds of one call of ``fn``."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            with self.context():
+                fn()
             end.record()
             end.synchronize()
             return float(start.elapsed_time(end))
         t0 = time.perf_counter()
-        fn()
+        with self.context():
+            fn()
         return (time.perf_counter() - t0) * 1e3
 
     def stats(self, fn: Callable[[], Any], repeats: int, warmup: int,
@@ -175,6 +186,14 @@ def _time_whole(gm: fx.GraphModule, inputs: tuple[Any, ...], timer: Timer, repea
         for p, g in zip(params, saved):
             p.grad = g
     return NodeCost(fwd_ms=fwd_ms, bwd_ms=bwd_ms, measured=True, fwd_spread_ms=fwd_spread, bwd_spread_ms=bwd_spread)
+
+
+def time_whole(gm: fx.GraphModule, example_inputs: Sequence[Any], device: torch.device | str = "cpu",
+               repeats: int = 5, warmup: int = 2) -> NodeCost:
+    """Whole-model forward and backward ms (the backward accumulating into ``.grad``; the user's put back)."""
+    dev = torch.device(device)
+    with buffers_restored(gm):
+        return _time_whole(gm, tuple(_to_device(x, dev) for x in example_inputs), Timer(dev), repeats, warmup)
 
 
 def time_loss(output: Any, loss_fn: Callable[[Any, Any], torch.Tensor], targets: Any, device: torch.device | str,
@@ -295,6 +314,48 @@ def time_streams(threads: int | None = None, nbytes: int = 64 * 2**20, repeats: 
     return {"stream_gbps": one, "host_stream_gbps": host, "stream_threads": k}
 
 
+def _cache_bytes() -> dict[str, int]:
+    """Cache sizes of CPU 0 (``L1d``, ``L1i``, ``L2``, ``L3``) from sysfs, in bytes; empty where sysfs lacks them."""
+    out: dict[str, int] = {}
+    root = Path("/sys/devices/system/cpu/cpu0/cache")
+    for d in sorted(root.glob("index*")):
+        try:
+            level = (d / "level").read_text().strip()
+            kind = (d / "type").read_text().strip()
+            size = (d / "size").read_text().strip()
+        except OSError:
+            continue
+        name = f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:].upper(), 1)
+        digits = size.rstrip("KMGkmg")
+        if digits.isdigit():
+            out[name] = int(digits) * scale
+    return out
+
+
+def host_facts() -> dict[str, Any]:
+    """What a CPU time depends on besides the model: ``cpu_model`` (``/proc/cpuinfo``'s model name, else the
+    platform's processor), ``cache_bytes`` (per level, CPU 0's caches) and ``cpus`` (logical CPUs).
+
+    Example:
+        >>> f = host_facts()
+        >>> isinstance(f["cpu_model"], str) and f["cpus"] >= 1
+        True
+    """
+    import platform
+
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu_model": model or platform.processor() or platform.machine() or "unknown",
+            "cache_bytes": _cache_bytes(), "cpus": os.cpu_count() or 1}
+
+
 def measure(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -304,6 +365,7 @@ def measure(
     warmup: int = 2,
     progress: bool = True,
     loss: tuple[Callable[[Any, Any], torch.Tensor], Any] | None = None,
+    whole: bool = True,
 ) -> tuple[dict[str, NodeCost], NodeCost]:
     """Time every node of ``gm`` on ``device``, and the whole model for comparison.
 
@@ -342,8 +404,10 @@ def measure(
                 continue
             costs[node.name] = _time_node(gm, node, env, timer, repeats, warmup)
         del env, cap, result
-        total = _time_whole(gm, inputs, timer, repeats, warmup)
-    return costs, total
+        if whole:
+            return costs, _time_whole(gm, inputs, timer, repeats, warmup)
+    live = [c for n, c in costs.items() if not (loss is not None and n == nodes[-1].name)]
+    return costs, NodeCost(sum(c.fwd_ms for c in live), sum(c.bwd_ms for c in live), True)
 
 
 def slice_rows(x: Any, batch: int, rows: int) -> Any:
@@ -351,3 +415,121 @@ def slice_rows(x: Any, batch: int, rows: int) -> Any:
     batch into microbatches); everything else is kept whole."""
     return map_aggregate(x, lambda v: v[:rows] if isinstance(v, torch.Tensor) and v.dim() > 0
                          and v.shape[0] == batch else v)
+
+
+def _segment_module(gm: fx.GraphModule, nodes: Sequence[fx.Node], later: set[fx.Node]
+                    ) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+    """A GraphModule running ``nodes`` alone, as a pipeline stage would: ``(module, input nodes, output nodes)``.
+
+    Its inputs are the values it reads from outside (``get_attr`` nodes are copied in, not passed); its
+    outputs the values that nodes outside it (``later``: every node after it, the output included) read.
+    """
+    inside = set(nodes)
+    reads = [a for n in nodes for a in n.all_input_nodes if a not in inside]
+    inputs = [a for a in dict.fromkeys(reads) if a.op != "get_attr"]
+    attrs = [a for a in dict.fromkeys(reads) if a.op == "get_attr"]
+    outputs = [n for n in nodes if any(u not in inside and u in later for u in n.users)]
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = g.placeholder(a.name)
+    for a in attrs:
+        env[a] = g.node_copy(a)
+    for n in nodes:
+        env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(tuple(env[o] for o in outputs))
+    return fx.GraphModule(gm, g), inputs, outputs
+
+
+def time_segments(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Sequence[Sequence[str]], *,
+                  device: torch.device | str = "cpu", passes: int = 5, warmup: int = 2,
+                  timer: Timer | None = None) -> list[tuple[list[float], list[float]]]:
+    """Forward and backward ms of each segment, timed in sequence, as a pipeline of one stage per segment runs.
+
+    Each pass runs every segment's forward in graph order, each on the values the earlier ones made
+    (floating tensors detached into leaves that require grad, as a stage receives its inputs), then every
+    segment's backward in reverse order from the gradients the later ones produced, accumulating the
+    parameters' ``.grad`` as training does (the user's gradients are put back afterwards). A segment is
+    timed where it runs in a step, with the cache state the segments before it leave; a node timed alone
+    and repeatedly is not (NOTES.md: nodes timed alone on hot caches add up to less than a pass).
+
+    Args:
+        gm: a traced GraphModule whose parameters live on ``device``.
+        example_inputs: the model's inputs (moved to ``device``).
+        groups: each segment's node names, contiguous and in graph order (:func:`.static.segments`).
+        device: where to measure.
+        passes: timed passes (every segment gets one sample per pass).
+        warmup: untimed passes first.
+        timer: the timer to use (default: a plain one on ``device``).
+
+    Returns:
+        Per segment, ``(forward samples, backward samples)`` in ms, one of each per timed pass.
+    """
+    dev = torch.device(device)
+    timer = timer or Timer(dev)
+    inputs = tuple(_to_device(x, dev) for x in example_inputs)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    order = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(order)}
+    segs = []
+    for names in groups:
+        nodes = [by_name[n] for n in names]
+        segs.append(_segment_module(gm, nodes, {n for n in order if index[n] > index[nodes[-1]]}))
+    placeholders = [n for n in order if n.op == "placeholder"]
+    model_out = next(n for n in order if n.op == "output")
+    finals = set(model_out.all_input_nodes)
+    samples: list[tuple[list[float], list[float]]] = [([], []) for _ in segs]
+    params = [p for p in gm.parameters() if p.requires_grad]
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        with buffers_restored(gm), torch.enable_grad():
+            for i in range(warmup + passes):
+                fwd, bwd = _segment_pass(segs, placeholders, inputs, finals, timer)
+                if i >= warmup:
+                    for s, (f, b) in enumerate(zip(fwd, bwd)):
+                        samples[s][0].append(f)
+                        samples[s][1].append(b)
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+    return samples
+
+
+def _segment_pass(segs: list[tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]], placeholders: list[fx.Node],
+                  inputs: tuple[Any, ...], finals: set[fx.Node], timer: Timer) -> tuple[list[float], list[float]]:
+    """One forward of every segment in order, then one backward of every segment in reverse order."""
+    env: dict[fx.Node, Any] = dict(zip(placeholders, inputs))
+    leaves: list[list[Any]] = []
+    outs: list[tuple[Any, ...]] = []
+    fwd_ms: list[float] = []
+    for module, ins, outputs in segs:
+        args = [_leafify(env[a]) for a in ins]
+        box: list[Any] = [None]
+        fwd_ms.append(timer.once(lambda: box.__setitem__(0, module(*args))))
+        leaves.append(args)
+        outs.append(box[0])
+        env.update(zip(outputs, box[0]))
+    consumers: dict[fx.Node, list[Any]] = {}  # a value -> the leaf copies the later segments read it through
+    for (_, ins, _), args in zip(segs, leaves):
+        for a, leaf in zip(ins, args):
+            consumers.setdefault(a, []).append(leaf)
+    bwd_ms = [0.0] * len(segs)
+    for s in range(len(segs) - 1, -1, -1):
+        _, _, outputs = segs[s]
+        tensors, grads = [], []
+        for node, value in zip(outputs, outs[s]):
+            got = [tree_leaves(leaf) for leaf in consumers.get(node, [])]
+            for k, t in enumerate(tree_leaves(value)):
+                if not isinstance(t, torch.Tensor) or not t.requires_grad:
+                    continue
+                parts = [g[k].grad for g in got if isinstance(g[k], torch.Tensor) and g[k].grad is not None]
+                if node in finals:
+                    parts.append(torch.ones_like(t))
+                if parts:
+                    tensors.append(t)
+                    grads.append(parts[0] if len(parts) == 1 else torch.stack(parts).sum(0))
+        if tensors:
+            bwd_ms[s] = timer.once(lambda: torch.autograd.backward(tensors, grads))
+    return fwd_ms, bwd_ms

@@ -1,10 +1,14 @@
 """When to re-plan: the runtime's decisions, as small pure objects that tests can drive step by step.
 
-* :class:`ImbalanceWatch` fires when the measured step time exceeds the plan's
-  prediction by more than ``threshold`` for ``patience`` steps in a row (one
-  slow step, a GC pause or a noisy neighbour, must not trigger a re-plan).
-  After it fires it stays quiet for ``cooldown`` steps, so that a re-plan that
-  did not help cannot make the job thrash.
+* :class:`ImbalanceWatch` fires on a change, not on a level. Its first
+  ``baseline`` steps learn the machine's constant misprediction (measured /
+  predicted: a CPU model the cost model was not tuned on may run every step
+  30% slower than predicted, healthily); afterwards it fires when the
+  measured step exceeds ``threshold`` x that learned level x the prediction
+  for ``patience`` steps in a row (one slow step, a GC pause or a noisy
+  neighbour, must not trigger a re-plan). After it fires it stays quiet for
+  ``cooldown`` steps, so that a re-plan that did not help cannot make the
+  job thrash.
 * :func:`worth_switching` weighs the predicted gain of a new plan against the
   cost of switching (checkpoint, restart, reload) over the steps that are left.
 * :class:`FailureLedger` counts failures per device; a device that fails
@@ -23,6 +27,9 @@ Example:
     >>> w = ImbalanceWatch(threshold=1.2, patience=3)
     >>> [w.observe(measured_ms=m, predicted_ms=10.0) for m in (13, 13, 11, 13, 13, 13)]
     [False, False, False, False, False, True]
+    >>> w = ImbalanceWatch(threshold=1.25, patience=2, baseline=3)  # 30% slower than predicted, steadily
+    >>> [w.observe(m, 10.0) for m in (13, 13, 13, 13, 13, 13, 40, 40)], round(w.level, 2)
+    ([False, False, False, False, False, False, False, True], 1.3)
     >>> worth_switching(old_step_ms=30, new_step_ms=20, switch_cost_ms=5_000, steps_left=1000)
     True
     >>> contention_discount(150.0, contention_ms=60.0)
@@ -35,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -48,40 +56,59 @@ MAX_LOST = 0.9  # a host's contention never explains more than this share of a s
 
 @dataclass(slots=True)
 class ImbalanceWatch:
-    """Detects a sustained gap between measured and predicted step times.
+    """Detects a sustained change of the measured step time against the predicted one.
 
     Args:
-        threshold: a step is "slow" when measured > threshold * predicted.
+        threshold: a step is "slow" when measured > threshold * level * predicted.
         patience: how many slow steps in a row fire the watch.
         cooldown: steps to stay quiet after firing.
+        baseline: first steps that learn ``level``, the median measured / predicted ratio (never fire);
+            0: ``level`` stays 1 and the watch fires on the prediction itself.
     """
 
     threshold: float = DEFAULT_THRESHOLD
     patience: int = DEFAULT_PATIENCE
     cooldown: int = 10
+    baseline: int = 0
+    level: float = field(default=1.0, init=False)
+    _ratios: list[float] = field(default_factory=list, init=False)
     _streak: int = field(default=0, init=False)
     _quiet: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        if self.threshold <= 1.0 or self.patience < 1 or self.cooldown < 0:
-            raise ValueError(f"ImbalanceWatch needs threshold > 1, patience >= 1, cooldown >= 0; got "
-                             f"{self.threshold}, {self.patience}, {self.cooldown}")
+        if self.threshold <= 1.0 or self.patience < 1 or self.cooldown < 0 or self.baseline < 0:
+            raise ValueError(f"ImbalanceWatch needs threshold > 1, patience >= 1, cooldown >= 0, baseline >= 0; "
+                             f"got {self.threshold}, {self.patience}, {self.cooldown}, {self.baseline}")
+
+    @property
+    def learning(self) -> bool:
+        """True while the baseline steps are still being learned."""
+        return len(self._ratios) < self.baseline
 
     def observe(self, measured_ms: float, predicted_ms: float) -> bool:
         """Feed one step; True when the watch fires (re-plan now)."""
+        if self.learning:
+            if predicted_ms > 0 and measured_ms > 0:
+                self._ratios.append(measured_ms / predicted_ms)
+                if not self.learning:
+                    self.level = statistics.median(self._ratios)
+            return False
         if self._quiet > 0:
             self._quiet -= 1
             return False
-        slow = predicted_ms > 0 and measured_ms > self.threshold * predicted_ms
+        slow = predicted_ms > 0 and measured_ms > self.threshold * self.level * predicted_ms
         self._streak = self._streak + 1 if slow else 0
         if self._streak >= self.patience:
             self._streak, self._quiet = 0, self.cooldown
             return True
         return False
 
-    def rebase(self) -> None:
-        """Forget the streak (after a switch to a new plan, whose predictions differ)."""
+    def rebase(self, level: float | None = None) -> None:
+        """Forget the streak; with ``level``, also replace the learned level (1.0 when the reference the
+        watch is fed becomes a measured step time, which holds the misprediction already)."""
         self._streak = 0
+        if level is not None:
+            self.level = level
 
 
 def worth_switching(old_step_ms: float, new_step_ms: float, switch_cost_ms: float, steps_left: int,

@@ -38,7 +38,7 @@ from typing import Callable, Mapping, Sequence
 from ..ir import Cluster, NodeCost, Profile, variant_kind
 from ..plan import Plan, load_plan
 from ..profile import load_profile, save_profile
-from ..report import human_bytes
+from ..report import host_summary, human_bytes
 from .monitor import StepMetrics, read_metrics
 from .policy import contention_discount, lost_share, memory_shortfalls
 
@@ -181,6 +181,7 @@ class RunSummary:
     contention: tuple[HostContention, ...] = ()
     slow: tuple[tuple[int, float, float], ...] = ()
     held: Mapping[str, int] = field(default_factory=dict)
+    host: str | None = None  # where the plan's profile was measured (report.host_summary)
 
     @property
     def shortfalls(self) -> dict[str, int]:
@@ -298,7 +299,10 @@ def analyse(run_dir: str | Path, *, skip: int | None = None) -> RunSummary:
                         "--run-dir` wrote, and did a step finish?")
     if not (run / "plan.json").is_file():
         raise HpmlError(f"{run}: no plan.json; `hpml-compile run` copies the build's plan there")
-    return summarise(load_plan(run / "plan.json"), rows, skip=skip, run_dir=run)
+    s = summarise(load_plan(run / "plan.json"), rows, skip=skip, run_dir=run)
+    if (run / "plan_profile.json").is_file():  # the profile the plan was predicted from (launcher copies it)
+        s = replace(s, host=host_summary(load_profile(run / "plan_profile.json")))
+    return s
 
 
 def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: int | None = None,
@@ -410,6 +414,8 @@ def format_summary(s: RunSummary) -> str:
     lines.append(f"  step: measured {s.step_ms:.1f} ms, {vs}; {s.samples_per_s:.1f} samples/s; "
                  f"bubble {s.bubble:.1%}" + (f" (predicted {predicted_bubble(p):.1%})" if step_pred > 0 else ""))
     lines += format_memory(s)
+    if s.host:
+        lines.append(f"  prediction {s.host}")
     b = s.stages[s.bottleneck]
     lines.append(f"bottleneck: stage {b.stage} on {', '.join(b.devices)}, {b.compute_ms:.1f} ms of compute per step"
                  + (f" (predicted {b.predicted_compute_ms:.1f} ms)" if b.predicted_compute_ms > 0 else ""))

@@ -70,3 +70,58 @@ def test_a_device_over_its_capacity_is_a_reason_to_replan_with_less_memory() -> 
     assert r.switched and r.diff.old_step_ms == float("inf")
     assert all(st.predicted.memory_bytes <= cut for st in r.plan.stages)
     assert r.plan.predicted.step_ms >= old.predicted.step_ms and any(st.recompute for st in r.plan.stages)
+
+
+def _step_series(steps: int, predicted: float, misprediction: float, slow_rank: int | None = None,
+                 slow_from: int = 0, slowdown: float = 1.0, seed: int = 0) -> list[float]:
+    """Synthetic step times of a 2-rank job as the Adapter feeds them: the slowest rank's step, per step.
+
+    Each rank runs ``misprediction`` x the prediction with +-5% noise; from step ``slow_from`` rank
+    ``slow_rank`` runs ``slowdown`` x slower.
+    """
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for step in range(steps):
+        ranks = [predicted * misprediction * rng.uniform(0.95, 1.05) for _ in range(2)]
+        if slow_rank is not None and step >= slow_from:
+            ranks[slow_rank] *= slowdown
+        out.append(max(ranks))
+    return out
+
+
+def test_a_constant_misprediction_never_fires_once_learned() -> None:
+    """Issue 19: a healthy run on a machine that runs every step 30% over its prediction must not re-plan."""
+    series = _step_series(400, predicted=100.0, misprediction=1.3)
+    w = ImbalanceWatch(threshold=1.25, patience=5, cooldown=5, baseline=3)
+    assert not any(w.observe(m, 100.0) for m in series)
+    assert w.level == pytest.approx(1.3, rel=0.06)
+    # the same series against the level (the watch as it was) fires: the test can tell the two apart
+    level = ImbalanceWatch(threshold=1.25, patience=5, cooldown=5)
+    assert any(level.observe(m, 100.0) for m in series)
+
+
+def test_a_3x_slowdown_of_one_rank_after_the_baseline_fires() -> None:
+    series = _step_series(60, predicted=100.0, misprediction=1.3, slow_rank=1, slow_from=20, slowdown=3.0)
+    w = ImbalanceWatch(threshold=1.25, patience=5, cooldown=5, baseline=3)
+    fired = [i for i, m in enumerate(series) if w.observe(m, 100.0)]
+    assert fired and fired[0] == 20 + 5 - 1  # the fifth slow step in a row
+
+
+def test_a_small_change_and_a_fast_machine_are_watched_from_their_level() -> None:
+    small = _step_series(200, predicted=100.0, misprediction=1.3, slow_rank=0, slow_from=20, slowdown=1.1)
+    w = ImbalanceWatch(threshold=1.25, patience=5, baseline=3)
+    assert not any(w.observe(m, 100.0) for m in small)  # 10% slower: under the threshold
+    fast = _step_series(60, predicted=100.0, misprediction=0.6, slow_rank=0, slow_from=20, slowdown=1.5)
+    w = ImbalanceWatch(threshold=1.25, patience=5, baseline=3)
+    assert any(w.observe(m, 100.0) for m in fast)  # 0.9x the prediction, but 1.5x its own level
+
+
+def test_rebase_to_a_measured_reference_forgets_the_level() -> None:
+    w = ImbalanceWatch(threshold=1.25, patience=2, cooldown=0, baseline=2)
+    for m in (130.0, 130.0):
+        w.observe(m, 100.0)
+    assert w.level == pytest.approx(1.3) and not w.learning
+    w.rebase(level=1.0)  # the reference becomes the measured 130 ms
+    assert [w.observe(m, 130.0) for m in (150.0, 150.0, 170.0, 170.0)] == [False, False, False, True]

@@ -232,3 +232,130 @@ def test_version_1_file_still_loads(tiny: Profile, tmp_path: Path) -> None:
     p = load_profile(_write(tmp_path, data))
     assert p.micro_batch is None and not p.optimizer_ms
     assert all(c.fwd_fixed_ms == 0 for n in p.nodes for c in n.cost.values())
+
+
+def test_segments_find_the_identical_blocks_of_a_transformer() -> None:
+    from hpml_compile.profile.static import segments
+    from hpml_compile.trace import trace
+
+    m = models.load("gpt-mini")
+    segs = segments(trace(m.module, m.example_inputs))
+    blocks = [s for s in segs if s.block is not None]
+    assert [s.block for s in blocks] == [f"layers.{i}" for i in range(6)]
+    assert len({s.signature for s in blocks}) == 1  # the six layers: same modules, same shapes
+    assert len({s.signature for s in segs}) == len(segs) - 5  # the regions around them are unlike
+    names = [n for s in segs for n in s.nodes]
+    assert len(names) == len(set(names))  # contiguous, each node once
+
+
+def test_identical_blocks_get_one_cost_and_the_host_is_recorded(tiny: Profile) -> None:
+    by_layer: dict[str, list[tuple[float, float]]] = {}
+    for n in tiny.nodes:
+        parts = n.scope.split(".")
+        if len(parts) >= 2 and parts[1].isdigit():
+            c = n.cost["cpu"]
+            by_layer.setdefault(parts[1], []).append((c.fwd_ms, c.bwd_ms))
+    assert len(by_layer) >= 2
+    first = next(iter(by_layer.values()))
+    assert all(costs == first for costs in by_layer.values())  # node by node, the layers cost the same
+    cpu = tiny.devices["cpu"]
+    assert cpu["segments"] >= 3 and cpu["identical_blocks"] == len(by_layer)
+    assert cpu["cpu_model"] and cpu["cpus"] >= 1 and cpu["stream_gbps"] > 0
+    assert any(level.startswith("L") for level in cpu["cache_bytes"])
+    # the nodes add up to the blocks timed in sequence
+    live = sum(n.cost["cpu"].fwd_ms for n in tiny.nodes if n.op is not NodeOp.OUTPUT)
+    assert live == pytest.approx(tiny.totals["cpu"].fwd_ms, rel=1e-6)
+
+
+def test_time_segments_runs_the_blocks_in_sequence_and_leaves_the_model_alone() -> None:
+    from hpml_compile.profile.static import segments
+    from hpml_compile.profile.timing import time_segments
+    from hpml_compile.trace import trace
+
+    m = models.load("gpt-tiny")
+    gm = trace(m.module, m.example_inputs)
+    segs = segments(gm)
+    grads = {name: p.grad for name, p in gm.named_parameters()}
+    samples = time_segments(gm, m.example_inputs, [s.nodes for s in segs], passes=2, warmup=1)
+    assert len(samples) == len(segs) and all(len(f) == len(b) == 2 for f, b in samples)
+    assert all(x > 0 for f, _ in samples for x in f)
+    # every block with parameters runs a backward; the user's gradients are put back
+    assert all(x > 0 for s, (_, b) in zip(segs, samples) if s.block is not None for x in b)
+    assert all(p.grad is grads[name] for name, p in gm.named_parameters())
+
+
+def test_a_scale_outside_the_expected_range_is_measured_again_then_believed(monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path: Path) -> None:
+    """Issue 19: a whole-pass factor outside the range seen here was dropped; now it is re-measured, kept, said."""
+    import importlib
+
+    prof_mod = importlib.import_module("hpml_compile.profile")  # the package: hpml_compile.profile is the function
+
+    monkeypatch.setattr(prof_mod, "_SCALE_RANGE", (1e6, 2e6))  # every real measurement falls outside
+    m = models.load("mlp-tiny", batch_size=16)
+    with pytest.warns(UserWarning, match="believed"):
+        p = profile(m.module, m.example_inputs, repeats=2, warmup=1, progress=False, micro_batch=0, optimizer=None)
+    cpu = p.devices["cpu"]
+    assert cpu["remeasured"] >= 1 and "believed" in cpu["scale_note"]
+    live = [n.cost["cpu"] for n in p.nodes if n.op is not NodeOp.OUTPUT]
+    assert sum(c.fwd_ms for c in live) == pytest.approx(p.totals["cpu"].fwd_ms, rel=1e-6)  # scaled, not dropped
+    assert sum(c.bwd_ms for c in live) == pytest.approx(p.totals["cpu"].bwd_ms, rel=1e-6)
+    assert load_profile(save_profile(p, tmp_path / "p.json")).devices["cpu"]["scale_note"] == cpu["scale_note"]
+
+
+def _others_cpu_ticks() -> int:
+    """CPU ticks (user + system) every process but this one has used so far."""
+    import os
+
+    total = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+            except (OSError, IndexError):
+                pass
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_profiles_of_gpt_mini_predict_the_same_data_parallel_step() -> None:
+    """Issue 19: profiles of one model on one machine, taken one after the other, must agree on a plan.
+
+    Before the blocks were timed in sequence, gpt-mini data parallel on 2 ranks was predicted 317 ms by one
+    profile and 246.6 ms by another (measured 316-322 ms). A profile measures the machine of its minute:
+    only profiles during which other processes left the CPUs alone (under 0.25 CPU-seconds per second, the
+    prediction benchmark's bar, as far as this process can see them) are compared, up to four profiles
+    until two in a row agree; on a machine that never is quiet, the test is skipped with what it saw.
+    """
+    import os
+    import time
+
+    from hpml_compile.cluster import load_cluster
+    from hpml_compile.costgraph import build
+    from hpml_compile.plan import Plan, Schedule, Stage
+    from hpml_compile.simulate import annotate
+
+    m = models.load("gpt-mini", seed=0)
+    quiet: list[float] = []
+    seen: list[tuple[float, float]] = []
+    for _ in range(4):
+        before, t0 = _others_cpu_ticks(), time.perf_counter()
+        p = profile(m.module, m.example_inputs, name="gpt-mini", repeats=5, warmup=2, progress=False,
+                    loss_fn=m.loss_fn, targets=m.example_targets, micro_batch=0, threads=1)
+        busy = (_others_cpu_ticks() - before) / os.sysconf("SC_CLK_TCK") / (time.perf_counter() - t0)
+        graph = build(p)
+        coarse = graph.coarsen()
+        every = tuple(n for v in coarse.order for n in coarse.node(v).members)
+        plan = Plan("gpt-mini", load_cluster("local-cpu-2"), Schedule.GPIPE, 1, (Stage(0, ("cpu0", "cpu1"), every),))
+        step = annotate(plan, graph)[0].predicted.step_ms
+        seen.append((round(step, 1), round(busy, 2)))
+        if busy <= 0.25:
+            quiet.append(step)
+        if len(quiet) >= 2 and abs(quiet[-1] - quiet[-2]) <= 0.05 * min(quiet[-2:]):
+            break  # a pair in a row agrees; else a burst of load may have hit one of them: one more
+    if len(quiet) < 2:
+        pytest.skip(f"the machine was busy: (predicted ms, other processes' CPUs) per profile {seen}")
+    print(f"data-parallel step predicted (ms, other processes' CPUs) per profile: {seen}")
+    assert abs(quiet[-1] - quiet[-2]) <= 0.05 * min(quiet[-2:]), f"data-parallel step predicted {seen}"
