@@ -18,7 +18,9 @@ them (:mod:`.host`). :func:`host_contention` finds the steps a host was busy;
 the advice then takes the time lost off each rank's step
 (:func:`~.policy.contention_discount`) before it compares the step with the
 prediction, and says "host busy: 22% steal ... during steps 3-12" instead of
-advising a re-plan the contention explains. A rank that alone computes far
+advising a re-plan: on a busy host the step's error is not the plan's to
+answer for (a rank also waits for peers the host descheduled, which no
+counter sees), so the advice is to measure again on a quiet host. A rank that alone computes far
 over its prediction (:func:`slow_ranks`) is named: contention slows every rank
 on a host alike, a slow device only its own.
 
@@ -267,12 +269,22 @@ def _advice(plan: Plan, stages: list[StageSummary], bubble: float, step_ms: floa
     if step_ms > 0 and comm_ms / step_ms > 0.3:
         out.append(f"communication takes {comm_ms / step_ms:.0%} of the step: a bigger batch (more compute per "
                    "byte sent) or fewer stages")
-    explained = bool(busy) and error > 0.25 and quiet_error <= 0.25
+    # A busy host makes the step's error unattributable: the time a rank waited for a core is counted
+    # (quiet_error), but a rank that waits on a descheduled peer loses more than that, and nothing counts it. So
+    # a busy host never gets step-error re-plan advice: the prediction is checked on a quiet host.
+    explained = bool(busy) and error > 0.25
     for c in busy:
-        out.append(c.describe() + (f": the step's {error:+.0%} against the prediction is what it explains (about "
-                                   f"{max(quiet_error, -0.99):+.0%} on a quiet host), not the plan; run again on a "
-                                   "quiet host rather than re-planning" if explained else
-                                   "; its steps ran slower than its devices can"))
+        if not explained:
+            out.append(c.describe() + "; its steps ran slower than its devices can")
+        elif quiet_error <= 0.25:
+            out.append(c.describe() + f": the step's {error:+.0%} against the prediction is what it explains "
+                       f"(about {max(quiet_error, -0.99):+.0%} on a quiet host), not the plan; run again on a "
+                       "quiet host rather than re-planning")
+        else:
+            out.append(c.describe() + f": the step's {error:+.0%} against the prediction cannot be told from the "
+                       f"contention (the time ranks waited for a core leaves {quiet_error:+.0%}, but ranks also "
+                       "wait for peers the host descheduled, which is not counted); run again on a quiet host "
+                       "before re-planning")
     if abs(error) > 0.25 and not explained:
         out.append(f"the measured step is {error:+.0%} against the prediction"
                    + (f" ({quiet_error:+.0%} with the host's contention taken off)" if busy else "")

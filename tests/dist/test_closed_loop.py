@@ -106,7 +106,7 @@ def test_a_rank_that_keeps_hanging_is_retried_then_dropped(tmp_path: Path) -> No
 
 def test_slowed_rank_is_replanned_within_20_steps(tmp_path: Path) -> None:
     build = _compile(tmp_path / "b", "gpt-mini", "local-cpu-3")
-    run, slowed_from, steps = tmp_path / "run", 10, 50
+    run, slowed_from, steps = tmp_path / "run", 10, 36  # the switch by step 30, then a few steps on the new plan
     first = load_plan(build / "plan.json")
     r = _cli("run", str(build), "--steps", str(steps), "--adapt", "--slow", f"1:3:{slowed_from}", "--run-dir", str(run),
              "--no-tensorboard", "--no-report")

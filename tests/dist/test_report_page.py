@@ -60,7 +60,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("page")
     assert main(["compile", "gpt-tiny", "--cluster", "local-cpu-2", "--solver", "uniform", "-o", str(tmp / "b")]) == 0
     port = _free_port()
-    proc = subprocess.Popen([*CLI, "run", str(tmp / "b"), "--steps", "8", "--run-dir", str(tmp / "run"),
+    # long enough (~2-4 s of steps) for the scraper, polling every 0.3 s, to see both ranks' rows while it runs
+    proc = subprocess.Popen([*CLI, "run", str(tmp / "b"), "--steps", "100", "--run-dir", str(tmp / "run"),
                              "--no-tensorboard", "--no-report", "--metrics-port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     scraped = ""

@@ -51,11 +51,17 @@ def test_the_same_slowdown_on_a_quiet_host_is_a_reason_to_replan(plan: Plan) -> 
     assert any(a.startswith("the measured step is +56%") and "re-plan" in a for a in s.advice), s.advice
 
 
-def test_contention_that_explains_only_part_still_advises_a_replan(plan: Plan) -> None:
+def test_contention_that_explains_only_part_is_not_taken_for_the_plan(plan: Plan) -> None:
+    # Ranks on a busy host also wait for peers it descheduled, which no counter sees: what the counted time
+    # leaves is not the plan's to answer for either, so no step-error re-plan; measure again on a quiet host.
     p = plan.predicted.step_ms
     s = summarise(plan, _rows(plan, p * 2.5, steal=0.15, others=0.0, lost_ms=p * 0.3))
-    assert s.contention and "its steps ran slower" in next(a for a in s.advice if a.startswith("host busy"))
-    assert any("with the host's contention taken off" in a for a in s.advice), s.advice
+    busy = next(a for a in s.advice if a.startswith("host busy"))
+    assert s.contention and "cannot be told from the contention" in busy and "+120%" in busy, busy
+    assert not any(a.startswith("the measured step is") for a in s.advice), s.advice
+    # the same step on a quiet host is the plan's: re-plan advice
+    quiet = summarise(plan, _rows(plan, p * 2.5, steal=0.0, others=0.0))
+    assert any(a.startswith("the measured step is +150%") for a in quiet.advice), quiet.advice
 
 
 def test_a_slow_rank_is_named_whatever_the_host(plan: Plan) -> None:
@@ -74,11 +80,14 @@ def test_host_contention_needs_a_third_of_the_steps_busy() -> None:
     assert [(c.first_step, c.last_step, c.busy_steps) for c in busy] == [(1, 2, 2)]
 
 
-def test_a_busy_host_the_job_lost_nothing_to_explains_nothing(plan: Plan) -> None:
-    """Other programs kept the host busy, but the ranks never waited for a core (they waited for messages)."""
+def test_a_busy_host_the_ranks_lost_no_core_time_on_is_still_no_reason_to_replan(plan: Plan) -> None:
+    """Other programs kept the host busy and the ranks never waited for a core: they waited for messages from
+    peers the host descheduled (a 2-core CI VM with a core hog measured +385% so, +323% after the counted time).
+    The error is not the plan's to answer for: measure again on a quiet host."""
     s = summarise(plan, _rows(plan, plan.predicted.step_ms * 1.56, steal=0.0, others=0.6, lost_ms=0.0))
-    assert any(a.startswith("host busy: 60% used by other processes") for a in s.advice)
-    assert any(a.startswith("the measured step is +56%") for a in s.advice), s.advice
+    busy = next(a for a in s.advice if a.startswith("host busy: 60% used by other processes"))
+    assert "cannot be told from the contention" in busy, busy
+    assert not any(a.startswith("the measured step is") for a in s.advice), s.advice
 
 
 def test_discount_is_relative_to_the_baseline_contention() -> None:
