@@ -547,34 +547,35 @@ class Pipeline:
         """
         inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
         n = self._microbatches(inputs)
-        modes = {k: st.training for k, st in self.stages.items()}
-        for st in self.stages.values():
-            st.eval()
-        try:
-            outs = self._eval(inputs, n)
-        finally:
-            for k, st in self.stages.items():
-                st.train(modes[k])
+        outs = self._eval(inputs, n)
         if self.session is None:
             return merge_outputs([o for _, _, o in sorted(outs, key=lambda t: (t[0], t[1]))])
         return gather_outputs(outs, self.plan, self.rank, everywhere)
 
     def _eval(self, inputs: tuple[Any, ...], n: int, own: bool = False) -> list[tuple[int, int, Any]]:
-        last, outs = len(self.plan.stages) - 1, []
-        comm = self.comm if self.comm is not None else self._local
-        micro_in = split_microbatches(inputs, n)
-        for j in range(n):
-            for k, stage in sorted(self.stages.items()):
-                reps = range(self._reps[k]) if self.session is None else (self.replica,)
-                for r in reps:
-                    comm.microbatch, comm.replica = j, r
-                    part = micro_in[j] if own else split_microbatches(micro_in[j], self._reps[k])[r]
-                    out = forward_stage(self.build, stage, part, self.device)
-                    if k == last:
-                        outs.append((j, r, to_device(out, torch.device("cpu"))))
-        comm.flush()
-        comm.forget()  # receives owe gradients that no backward will ask for
-        return outs
+        """Forward ``inputs`` in eval mode (each stage's mode is restored after); the last stage's outputs."""
+        modes = {k: st.training for k, st in self.stages.items()}
+        for st in self.stages.values():
+            st.eval()
+        try:
+            last, outs = len(self.plan.stages) - 1, []
+            comm = self.comm if self.comm is not None else self._local
+            micro_in = split_microbatches(inputs, n)
+            for j in range(n):
+                for k, stage in sorted(self.stages.items()):
+                    reps = range(self._reps[k]) if self.session is None else (self.replica,)
+                    for r in reps:
+                        comm.microbatch, comm.replica = j, r
+                        part = micro_in[j] if own else split_microbatches(micro_in[j], self._reps[k])[r]
+                        out = forward_stage(self.build, stage, part, self.device)
+                        if k == last:
+                            outs.append((j, r, to_device(out, torch.device("cpu"))))
+            comm.flush()
+            comm.forget()  # receives owe gradients that no backward will ask for
+            return outs
+        finally:
+            for k, st in self.stages.items():
+                st.train(modes[k])
 
     @torch.no_grad()
     def eval_loss(self, inputs: Sequence[Any] | Tensor, targets: Any, loss_fn: Callable[[Any, Any], Tensor], *,
@@ -596,14 +597,7 @@ class Pipeline:
         else:
             inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
             n = self._microbatches(inputs)
-        modes = {k: st.training for k, st in self.stages.items()}
-        for st in self.stages.values():
-            st.eval()
-        try:
-            outs = self._eval(tuple(inputs), n, own=own)
-        finally:
-            for k, st in self.stages.items():
-                st.train(modes[k])
+        outs = self._eval(tuple(inputs), n, own=own)
         total = torch.zeros((), dtype=torch.float64)
         if outs:
             last = len(self.plan.stages) - 1
