@@ -85,6 +85,9 @@ class Stage:
         swap: fx nodes whose saved activations go to host memory between forward and backward.
         offload_optimizer: Adam state kept in host memory.
         predicted: the simulator's numbers for this stage.
+        rows: the rows of each microbatch that each device of ``devices`` trains on, in the same order
+            (uneven data parallelism: a faster or larger device takes more); ``()`` splits every
+            microbatch equally among the devices.
     """
 
     index: int
@@ -95,11 +98,16 @@ class Stage:
     swap: tuple[str, ...] = ()
     offload_optimizer: bool = False
     predicted: StagePrediction = field(default_factory=StagePrediction)
+    rows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero", ZeroStage(self.zero))
+        object.__setattr__(self, "rows", tuple(int(r) for r in self.rows))
         if self.index < 0 or not self.devices:
             raise ValueError(f"stage {self.index}: index must be >= 0 and devices non-empty")
+        if self.rows and (len(self.rows) != len(self.devices) or min(self.rows) < 1):
+            raise ValueError(f"stage {self.index}: rows must give each of its {len(self.devices)} devices at least "
+                             f"one row, got {list(self.rows)}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -109,6 +117,7 @@ class Stage:
             "predicted": {"fwd_ms": self.predicted.fwd_ms, "bwd_ms": self.predicted.bwd_ms,
                           "memory_bytes": self.predicted.memory_bytes,
                           **({} if self.predicted.bubble is None else {"bubble": self.predicted.bubble})},
+            **({"rows": list(self.rows)} if self.rows else {}),
         }
 
     @classmethod
@@ -117,7 +126,8 @@ class Stage:
         return cls(d["index"], tuple(d["devices"]), tuple(d["nodes"]), ZeroStage(d.get("zero", 0)),
                    d.get("recompute", False), tuple(d.get("swap", ())), d.get("offload_optimizer", False),
                    StagePrediction(pr.get("fwd_ms", 0.0), pr.get("bwd_ms", 0.0), pr.get("memory_bytes", 0),
-                                   pr.get("bubble")))
+                                   pr.get("bubble")),
+                   tuple(d.get("rows", ())))
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,6 +247,7 @@ PLAN_SCHEMA: dict[str, Any] = {
                     "recompute": {"type": "boolean"},
                     "swap": _NAMES,
                     "offload_optimizer": {"type": "boolean"},
+                    "rows": {"type": "array", "items": {"type": "integer", "minimum": 1}},
                     "predicted": {"type": "object", "additionalProperties": False, "properties": {
                         "fwd_ms": _NUM, "bwd_ms": _NUM, "memory_bytes": {"type": "integer", "minimum": 0},
                         "bubble": _SHARE}},
@@ -298,6 +309,11 @@ def check_placement(d: Any, source: str = "plan") -> None:
                                   f"{node!r}, which stage {node_stage[node]} holds too",
                                   fix=f"keep {node} in one stage and remove it from the other")
             node_stage[node] = k
+        rows = st.get("rows", [])
+        if rows and len(rows) != len(st["devices"]):
+            raise SchemaError(source, f"{at}.rows", f"one row count per device of stage {k} ({len(st['devices'])})",
+                              f"{len(rows)} counts", fix="give each device its rows per microbatch, in device order, "
+                              "or leave rows out for an equal split")
         for j, node in enumerate(st.get("swap", ())):
             if node not in st["nodes"]:
                 raise SchemaError(source, f"{at}.swap[{j}]", f"one of stage {k}'s nodes", repr(node),

@@ -176,3 +176,17 @@ def test_plan_cli_writes_valid_plan_and_compares(tmp_path, capsys) -> None:
     with pytest.raises(HpmlError, match="-o/--output"):
         args = parser.parse_args(["plan", str(tmp_path / "profile.json"), "--cluster", "local-cpu-2"])
         args.run(args)
+
+
+def test_uneven_rows_round_trip_and_checked(tmp_path) -> None:
+    p = _plan([Stage(0, ("d0",), ("n0", "n1")), Stage(1, ("d1", "d2"), ("n2", "n3"), rows=(3, 1))])
+    path = save_plan(p, tmp_path / "plan.json")
+    d = json.loads(path.read_text())
+    assert d["stages"][1]["rows"] == [3, 1] and "rows" not in d["stages"][0]  # an even split writes nothing
+    assert load_plan(path).stages[1].rows == (3, 1)
+    d["stages"][1]["rows"] = [3, 1, 2]
+    with pytest.raises(SchemaError, match=r"stages\[1\]\.rows"):
+        Plan.from_dict(d)
+    d["stages"][1]["rows"] = [3, 0]
+    with pytest.raises(SchemaError, match=r"stages\[1\]\.rows"):
+        Plan.from_dict(d)
