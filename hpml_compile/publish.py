@@ -41,11 +41,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, TypeVar
+import json
+from typing import Any, Callable, TypeVar
 
 from .errors import OutputError
 
-__all__ = ["check_output_dir", "publish_dir", "fresh_path"]
+__all__ = ["check_output_dir", "publish_dir", "fresh_path", "read_json_lines"]
 
 T = TypeVar("T")
 MadeBy = Callable[[Path], "set[str] | None"]
@@ -129,3 +130,23 @@ def fresh_path(p: Path) -> Path:
     while (p.parent / f"{stem}{k}").exists():
         k += 1
     return p.parent / f"{stem}{k}"
+
+
+def read_json_lines(path: Path) -> list[Any]:
+    """The rows of a JSON-lines file a rank appends to. A rank stopped mid-write (a kill, Ctrl-C) leaves its
+    last line without its newline: that line is left out and the steps before it are kept.
+
+    Raises:
+        OutputError: a complete line does not parse (the file was damaged, not cut short).
+    """
+    lines = path.read_text().split("\n")
+    rows = []
+    for i, line in enumerate(lines[:-1]):  # the part after the last newline is a line still being written
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            raise OutputError(f"{path}: line {i + 1} is not JSON ({line[:60]!r}); the file is damaged: remove "
+                              "that line to read the rest of the run") from None
+    return rows

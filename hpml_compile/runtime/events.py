@@ -60,6 +60,8 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..publish import read_json_lines
+
 __all__ = ["EventLog", "EventStore", "StepEvents", "align_clock", "estimate_offset", "read_events", "events_path",
            "tail_path", "FIELDS", "KINDS"]
 
@@ -226,10 +228,9 @@ def read_events(run_dir: str | Path) -> dict[int, dict[int, StepEvents]]:
     out: dict[int, dict[int, StepEvents]] = {}
     metrics = Path(run_dir) / "metrics"
     for path in sorted(metrics.glob("events_rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                r = _record(json.loads(line))
-                out.setdefault(r.rank, {})[r.step] = r
+        for d in read_json_lines(path):  # a line cut short by a stopped rank is left out
+            r = _record(d)
+            out.setdefault(r.rank, {})[r.step] = r
     for path in sorted(metrics.glob("events_rank*.tail.json")):
         for d in json.loads(path.read_text() or "[]"):
             r = _record(d)

@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from ..codegen.comm import Direction
+from ..publish import read_json_lines
 from .comm import CommStats
 from .events import EventStore
 
@@ -181,7 +182,7 @@ def read_metrics(run_dir: str | Path) -> dict[int, list[StepMetrics]]:
     """Every rank's steps from a run folder, by rank."""
     out: dict[int, list[StepMetrics]] = {}
     for path in sorted((Path(run_dir) / "metrics").glob("rank*.jsonl")):
-        rows = [StepMetrics.from_dict(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+        rows = [StepMetrics.from_dict(d) for d in read_json_lines(path)]
         if rows:
             out[rows[0].rank] = rows
     return out

@@ -85,8 +85,10 @@ def test_a_stopped_run_says_so_in_one_line_and_leaves_a_readable_run_folder(
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if when == "training":
-            started = _wait(lambda: any((run / "metrics").glob("*.jsonl")) and
-                            all(p.stat().st_size for p in (run / "metrics").glob("*.jsonl")), 120)
+            # a step recorded by both ranks (their step rows, not the event files beside them)
+            started = _wait(lambda: all((run / "metrics" / f"rank{r}.jsonl").is_file() and
+                                        "\n" in (run / "metrics" / f"rank{r}.jsonl").read_text() for r in (0, 1)),
+                            120)
         else:  # the ranks exist but are still importing torch and building the model
             started = _wait(lambda: len(_ranks_of(launcher.pid)) == 2, 120)
         assert started, "the run did not get that far"

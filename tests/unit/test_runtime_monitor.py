@@ -165,3 +165,16 @@ def test_report_names_a_device_whose_peak_exceeds_its_capacity(tmp_path: Path) -
     assert "cpu0 50.0 MiB of 64.0 MiB (predicted 60.0 MiB), cpu1 70.0 MiB of 64.0 MiB (predicted 60.0 MiB)" in text
     assert ("over memory: cpu1 (cpu) held 70.0 MiB at its peak, above its capacity of 64.0 MiB: short by 6.0 MiB"
             in text) and "over memory: cpu0" not in text
+
+
+def test_a_line_cut_short_by_a_stopped_rank_is_left_out_and_a_damaged_one_named(tmp_path: Path) -> None:
+    from hpml_compile.errors import OutputError
+    run = _run_dir(tmp_path)
+    path = run / "metrics" / "rank0.jsonl"
+    whole = path.read_text()
+    kept = len(read_metrics(run)[0])
+    path.write_text(whole + whole.splitlines()[0][:25])  # the rank was stopped while writing a line
+    assert len(read_metrics(run)[0]) == kept
+    path.write_text("{not json\n" + whole)
+    with pytest.raises(OutputError, match=r"rank0\.jsonl: line 1 is not JSON"):
+        read_metrics(run)
