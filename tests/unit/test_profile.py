@@ -154,15 +154,17 @@ def test_hf_gpt2_traces_and_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.slow
 def test_per_node_times_add_up_to_the_whole_model() -> None:
-    """gpt2-small, batch 8, seq 128 on the CPU: sums of per-node times within 25% of whole-model times.
+    """gpt-mini, batch 8, seq 128 on the CPU: sums of per-node times within 25% of whole-model times.
+
+    (It was gpt2-small until the suite outgrew its 20 minutes: the same check, a minute of the suite's time.)
 
     Per-node and whole-model times are taken minutes apart; on a shared machine
     another job can slow one of them, so a miss is measured once more before failing.
     """
-    m = models.load("gpt2-small", batch_size=8, seq_len=128)
+    m = models.load("gpt-mini", batch_size=8, seq_len=128)
     ratios = []
     for _ in range(2):
-        p = profile(m.module, m.example_inputs, name="gpt2-small", repeats=3, warmup=1, progress=False,
+        p = profile(m.module, m.example_inputs, name="gpt-mini", repeats=3, warmup=1, progress=False,
                     micro_batch=0, optimizer=None)
         scale = p.devices["cpu"]["scaled_to_whole"]  # whole / sum of the raw per-node times
         ratios.append((1 / scale["fwd"], 1 / scale["bwd"]))
