@@ -38,10 +38,8 @@ def test_dropout_reproduces_and_resumes(tmp_path: Path) -> None:
                     "uniform", "--microbatches", "2", "--repeats", "1", "-o", str(build)],
                    check=True, capture_output=True)
     first = _run(build, tmp_path / "a", "--steps", "6")
-    second = _run(build, tmp_path / "b", "--steps", "6")
-    assert first == second  # bitwise: same seed, same masks
-    ck = tmp_path / "ck"
+    ck = tmp_path / "ck"  # a second run of the first 3 steps, checkpointed, then resumed to the end
     head = _run(build, tmp_path / "c", "--steps", "3", "--checkpoint-dir", str(ck), "--checkpoint-every", "3")
     tail = _run(build, tmp_path / "d", "--steps", "6", "--checkpoint-dir", str(ck), "--resume")
-    assert head == first[:3]
+    assert len(first) == 6 and head == first[:3]  # bitwise: same seed, same masks
     assert tail == first[3:]  # the RNG states came back with the checkpoint
