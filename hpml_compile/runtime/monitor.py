@@ -34,7 +34,13 @@ open with ``tensorboard --logdir RUN_DIR/tb``). What is measured, per step:
   storage (:mod:`.held`: parameters, gradients, optimizer state after the
   step; :mod:`.saved`: the most activation bytes saved for backward alive at
   once, ``held_activation_bytes``), the figure the memory model predicts and
-  the device's capacity bounds (``report`` flags a device above it).
+  the device's capacity bounds (``report`` flags a device above it); by part,
+  ``held_params_bytes``, ``held_grads_bytes`` (at their peak) and
+  ``held_optimizer_bytes``;
+- ``reserved_bytes``: on a GPU rank the CUDA allocator's peak reserved bytes
+  (``torch.cuda.max_memory_reserved``): what it holds beyond the allocated
+  peak is fragmentation and cache. 0 on a CPU rank, whose figure beyond the
+  tensors is the resident set above ``held_bytes``.
 
 With ``events=True`` the monitor also writes each step's events
 (:mod:`.events`: every forward, backward, message and collective, on one
@@ -107,6 +113,10 @@ class StepMetrics:
     contention_ms: float = 0.0
     held_bytes: int = 0
     held_activation_bytes: int = 0
+    held_params_bytes: int = 0
+    held_grads_bytes: int = 0
+    held_optimizer_bytes: int = 0
+    reserved_bytes: int = 0
 
     @property
     def comm_ms(self) -> float:
@@ -157,6 +167,11 @@ def reset_peak_memory(device: torch.device) -> None:
         _CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
     except OSError:
         pass  # not Linux, or not allowed: the peak stays the process's lifetime peak
+
+
+def reserved_memory(device: torch.device) -> int:
+    """The CUDA allocator's peak reserved bytes of the step (0 off CUDA)."""
+    return int(torch.cuda.max_memory_reserved(device)) if device.type == "cuda" else 0
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:

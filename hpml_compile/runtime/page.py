@@ -21,7 +21,10 @@ page opens without a network), in sections:
   bandwidth) against the link's figure in the cluster;
 - ``memory``: each rank's peak memory per step (RSS on CPU ranks, the CUDA
   allocator on GPUs) against the simulator's peak for its device, and any
-  other per-kind byte counts the rows carry.
+  other per-kind byte counts the rows carry; then each device at its peak
+  split into parameters, gradients, optimizer state and activations, with
+  what the process holds beyond its tensors (resident set on a CPU, reserved
+  but unallocated bytes on a GPU), beside the memory model's split.
 
 Why plotly: interactive charts (zoom, hover) in a page a person opens
 anywhere, from Python figures, with no JavaScript of ours.
@@ -42,7 +45,7 @@ from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
 from ..cluster import link_between
-from ..errors import OutputError
+from ..errors import HpmlError, OutputError
 from ..plan import Plan, load_plan
 from .events import StepEvents, read_events
 from .monitor import StepMetrics, read_metrics
@@ -58,7 +61,8 @@ _COLOURS = {"F": "#4c78a8", "fwd": "#4c78a8", "B": "#f58518", "bwd": "#f58518", 
             "ALLGATHER": "#ff9da6", "OPT": "#72b7b2", "optim": "#72b7b2", "LOSS": "#eeca3b"}
 _MEASURED_KINDS = ("F", "B", "RECV", "SEND", "WAIT", "ALLREDUCE", "REDUCESCATTER", "ALLGATHER", "OPT")
 _LAYER = {"RECV": 1, "SEND": 2, "WAIT": 1, "ALLREDUCE": 1, "REDUCESCATTER": 1, "ALLGATHER": 1}
-_OWN_BYTES = {"peak_memory_bytes", "bytes_sent", "bytes_received"}
+_OWN_BYTES = {"peak_memory_bytes", "bytes_sent", "bytes_received", "reserved_bytes", "held_params_bytes",
+              "held_grads_bytes", "held_optimizer_bytes"}  # drawn by part, not as lines
 
 
 def _div(fig: go.Figure) -> str:
@@ -206,8 +210,8 @@ def _bandwidth(plan: Plan, events: Mapping[int, Mapping[int, StepEvents]]) -> st
             "waiting for the sender: the best one is closest to the link's speed.</p>")
 
 
-def _memory(rows: Mapping[int, Sequence[StepMetrics]], devices: Sequence[str], predicted: tuple[Any, Any] | None
-            ) -> str:
+def _memory(rows: Mapping[int, Sequence[StepMetrics]], devices: Sequence[str], predicted: tuple[Any, Any] | None,
+            predicted_parts: Mapping[str, Any]) -> str:
     fig = go.Figure()
     extra = sorted({k for rs in rows.values() for m in rs[:1] for k, v in m.to_dict().items()
                     if k.endswith("_bytes") and k not in _OWN_BYTES and isinstance(v, (int, float))})
@@ -226,7 +230,68 @@ def _memory(rows: Mapping[int, Sequence[StepMetrics]], devices: Sequence[str], p
     fig.update_layout(height=360, xaxis_title="step", yaxis_title="MiB")
     note = ("<p>CPU ranks: the process's peak resident set (the interpreter, libraries and allocator caches "
             "beyond the tensors the simulator counts); GPU ranks: the CUDA allocator's peak.</p>")
-    return _div(fig) + note
+    return _div(fig) + note + _memory_parts(rows, devices, predicted_parts)
+
+
+_PARTS = (("parameters", "held_params_bytes", "params"), ("gradients", "held_grads_bytes", "grads"),
+          ("optimizer state", "held_optimizer_bytes", "optimizer"),
+          ("activations", "held_activation_bytes", "activations"))
+
+
+def _memory_parts(rows: Mapping[int, Sequence[StepMetrics]], devices: Sequence[str],
+                  predicted: Mapping[str, Any]) -> str:
+    """Each device at its peak step, split by what holds the bytes, measured beside predicted.
+
+    Measured: the step whose tensors held the most (runtime.held, counted by storage), and above the tensors
+    the process's resident set (CPU) or the allocator's reserved bytes (CUDA: fragmentation and cache).
+    Predicted: the memory model's parts for the device (:func:`hpml_compile.plan.stage_breakdown`).
+    """
+    ranks = [(r, rs) for r, rs in sorted(rows.items()) if rs and any(m.held_params_bytes for m in rs)]
+    if not ranks:
+        return "<p>No split by part: the run was recorded before the rows carried it.</p>"
+    x: list[str] = []
+    parts: dict[str, list[float]] = {name: [] for name, _, _ in _PARTS}
+    beyond: list[float] = []
+    for rank, rs in ranks:
+        name = devices[rank] if rank < len(devices) else f"rank {rank}"
+        m = max(rs, key=lambda m: m.held_bytes)
+        tensors = m.held_bytes
+        over = (m.reserved_bytes if m.memory_kind == "cuda" else m.peak_memory_bytes) - tensors
+        x.append(f"{name} measured")
+        for label, field_name, _ in _PARTS:
+            parts[label].append(getattr(m, field_name) / 2**20)
+        beyond.append(max(0, over) / 2**20)
+        if name in predicted:
+            x.append(f"{name} predicted")
+            for label, _, attr in _PARTS:
+                parts[label].append(getattr(predicted[name], attr) / 2**20)
+            beyond.append(0.0)
+    fig = go.Figure()
+    for label, _, _ in _PARTS:
+        fig.add_trace(go.Bar(x=x, y=parts[label], name=label))
+    fig.add_trace(go.Bar(x=x, y=beyond, name="beyond the tensors (CPU: resident set; GPU: reserved, unallocated)",
+                         marker_color="#cccccc"))
+    fig.update_layout(barmode="stack", height=380, yaxis_title="MiB")
+    return ("<h3>At the peak, by part</h3>" + _div(fig) +
+            "<p>Measured: the step whose tensors held the most, counted by storage (each storage once). Beyond the "
+            "tensors: on a CPU rank the process's peak resident set above them (interpreter, libraries, allocator "
+            "caches); on a GPU rank the CUDA allocator's reserved bytes above them (fragmentation and cache). "
+            "Predicted: the memory model's parts for the device.</p>")
+
+
+def _predicted_parts(run: Path, plan: Plan) -> dict[str, Any]:
+    """Device -> the memory model's breakdown, from the profile the plan was made for (empty without it)."""
+    src = run / "plan_profile.json"
+    if not src.is_file():
+        return {}
+    from ..plan import stage_breakdown
+    from ..profile import load_profile
+
+    try:
+        prof = load_profile(src)
+        return {d: b for st in plan.stages for b in [stage_breakdown(plan, prof, st)] for d in st.devices}
+    except HpmlError:
+        return {}  # a profile that does not describe this plan: the chart shows the measured side only
 
 
 def page_html(run_dir: str | Path, *, predicted: tuple[Any, Any] | None = None, skip: int | None = None) -> str:
@@ -258,7 +323,7 @@ def page_html(run_dir: str | Path, *, predicted: tuple[Any, Any] | None = None, 
         "steps": _steps(s, rows, _marks(run, rows)),
         "utilization": _utilization(rows, devices),
         "bandwidth": _bandwidth(plan, events),
-        "memory": _memory(rows, devices, predicted),
+        "memory": _memory(rows, devices, predicted, _predicted_parts(run, plan)),
     }
     titles = {"summary": "Bottleneck and advice", "plan": "The plan", "gantt": "Predicted and measured step",
               "steps": "Step time and loss over the run", "utilization": "CPU utilization per rank, host load",

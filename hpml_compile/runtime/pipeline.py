@@ -74,7 +74,7 @@ from .gather import gather_outputs, gather_state_dict
 from .host import HostBusy, HostSampler, hostname
 from .held import Held, held_bytes
 from .scaler import LossScaler
-from .monitor import Monitor, StepMetrics, peak_memory, reset_peak_memory, split_wait
+from .monitor import Monitor, StepMetrics, peak_memory, reserved_memory, reset_peak_memory, split_wait
 from .offload import offload_optimizer
 from .saved import GradPeak, SavedActivations
 from .session import CommFailure, RetryPolicy, Session
@@ -484,7 +484,9 @@ class Pipeline:
             loss=float(run.loss_sum), retries=attempt, val_loss=val, host=self._hostname, steal=busy.steal,
             others_load=busy.others, cpu_util=busy.cpu_util,
             contention_ms=busy.contention_s * 1e3, held_bytes=self.held.total + self.saved.peak,
-            held_activation_bytes=self.saved.peak),
+            held_activation_bytes=self.saved.peak, held_params_bytes=self.held.params,
+            held_grads_bytes=self.held.grads, held_optimizer_bytes=self.held.optimizer,
+            reserved_bytes=reserved_memory(self.device)),
             self.events.finish(self.steps_done) if self.events is not None else None)
         self.steps_done += 1
         return run.loss_sum.float()

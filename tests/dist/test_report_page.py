@@ -26,7 +26,7 @@ from hpml_compile.cli import main
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 CLI = [sys.executable, "-m", "hpml_compile"]
-CHARTS = 5  # gantt, steps, utilization, bandwidth, memory
+CHARTS = 6  # gantt, steps, utilization, bandwidth, memory over the run, memory by part
 PROBE = """<script>
 window.__errors = [];
 window.addEventListener('error', e => window.__errors.push(String(e.message)));
@@ -111,6 +111,12 @@ def test_page_is_self_contained_with_every_section(run: Path, tmp_path: Path,
     # no network: nothing is fetched from elsewhere (plotly's JavaScript is inlined)
     assert not re.search(r"<script[^>]+src=|<link[^>]+href=\"?http", text)
     assert "predicted (simulator)" in text and "bottleneck" in text.lower()
+    memory = text[text.index('<section id="memory">'):]
+    assert "At the peak, by part" in memory
+    for part in ("parameters", "gradients", "optimizer state", "activations", "beyond the tensors"):
+        assert f'"name":"{part}' in memory, part
+    # each rank measured, each beside the memory model's prediction for its device
+    assert all(f"{d} measured" in memory and f"{d} predicted" in memory for d in _devices(run))
     other = tmp_path / "notes.html"
     other.write_text("<p>mine</p>")
     capsys.readouterr()
@@ -139,3 +145,8 @@ def test_page_opens_in_headless_chromium(run: Path, tmp_path: Path) -> None:
     shot = tmp_path / "report.png"
     subprocess.run([*flags, f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=180)
     assert shot.is_file() and shot.stat().st_size > 20_000  # a page with charts, not a blank one
+
+
+def _devices(run: Path) -> list[str]:
+    plan = json.loads((run / "plan.json").read_text())
+    return [d for st in plan["stages"] for d in st["devices"]]
