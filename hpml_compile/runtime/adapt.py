@@ -20,7 +20,10 @@ When it fires:
    devices whose own compute grew since the plan's first steps
    (:func:`~.summary.device_slowdowns`: the nodes did not change, so the
    device did), and builds the measured profile and cluster
-   (:func:`~.summary.measured_setup`: a slowed device gets a kind of its own);
+   (:func:`~.summary.measured_setup`: a slowed device gets a kind of its own).
+   When none stands out and the host was busy in those steps (steal, other
+   programs), it keeps the plan and says so (:func:`busy_host_hold`): every
+   rank slowed alike on a busy host cannot be told from the contention;
 3. rank 0 re-solves (:func:`~hpml_compile.driver.replan`: the running
    plan is scored on the same measured costs) and weighs the predicted gain,
    applied to the measured step, against the cost of switching (this
@@ -58,7 +61,7 @@ from collections import deque
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,12 +72,28 @@ from ..profile import load_profile
 from .monitor import StepMetrics
 from .policy import (DEFAULT_PATIENCE, DEFAULT_THRESHOLD, ImbalanceWatch, contention_discount, memory_shortfalls,
                      replan_capacity, worth_switching)
-from .summary import device_slowdowns, measured_setup, summarise
+from .summary import HostContention, device_slowdowns, host_contention, measured_setup, summarise
 
-__all__ = ["AdaptOptions", "Verdict", "Adapter", "REPLANS_FILE", "NEXT_FILE", "plan_scope_ms"]
+__all__ = ["AdaptOptions", "Verdict", "Adapter", "REPLANS_FILE", "NEXT_FILE", "plan_scope_ms", "busy_host_hold"]
 
 REPLANS_FILE = "replans.jsonl"
 NEXT_FILE = "next.json"
+
+
+def busy_host_hold(recent: Mapping[int, Sequence[StepMetrics]], slow: Mapping[str, float]) -> list[HostContention]:
+    """The busy hosts that stop a re-plan, or ``[]``: the latest steps ran on a host that other programs or the
+    hypervisor kept busy, and no device was singled out.
+
+    The watch already takes off each step the contention the counters see, but ranks also wait for peers the
+    host descheduled, which no counter sees; so a slowdown of every rank on a busy host cannot be told from the
+    contention, and ``report`` gives no re-plan advice for it either. A slowed device shows as its own rank
+    slower than the others (``slow``) and is re-planned, busy host or not.
+
+    Args:
+        recent: rank -> its latest steps (the watch's window).
+        slow: device -> slowdown of the devices singled out against the plan's first steps.
+    """
+    return [] if slow else host_contention(recent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,8 +234,11 @@ class Adapter:
         recent = {r: rs[-o.patience:] for r, rs in rows.items()}
         baseline = {r: rs[o.warmup:o.warmup + o.baseline] for r, rs in rows.items()}
         measured = statistics.median(self._times)
-        s = summarise(plan, recent, skip=0, run_dir=self.run_dir)
         slow = device_slowdowns(plan, baseline, recent, o.threshold)
+        busy = busy_host_hold(recent, slow)
+        if busy:  # every rank slower on a busy host: the report's rule, no re-plan on it
+            return self._hold_busy(step, measured, busy)
+        s = summarise(plan, recent, skip=0, run_dir=self.run_dir)
         prof, cluster = measured_setup(load_profile(self.build_dir / "profile.json"), s, slow,
                                        source=f"{self.run_dir} steps {step - o.patience + 1}..{step}")
         t0 = time.perf_counter()
@@ -261,6 +283,18 @@ class Adapter:
         # cost model's, not the placement's); unchanged when a faster plan did not pay yet (asked again later)
         ref = result.plan.predicted.step_ms if switch else measured if not result.switched else self.reference_ms
         return Verdict(switch, build, ref, event)
+
+    def _hold_busy(self, step: int, measured: float, busy: list[Any]) -> Verdict:
+        """Keep the plan: see :func:`busy_host_hold`."""
+        why = ("; ".join(c.describe() for c in busy) + ": every rank slowed alike, which cannot be told from the "
+               "host's contention; keeping the plan (a slowed device would stand out from the others)")
+        event = {"step": step, "time": time.time(), "trigger": "imbalance", "switch": False, "why": why,
+                 "reason": f"measured step {measured:.1f} ms > {self.opts.threshold:g} x {self.watch.level:.2f} x "
+                           f"reference {self.reference_ms:.1f} ms for {self.opts.patience} steps",
+                 "slow_devices": {}, "host_busy": [c.describe() for c in busy]}
+        self._record(event)
+        self.log(f"re-plan at step {step} not tried: {why}")
+        return Verdict(False, None, self.reference_ms, event)
 
     def _decide_memory(self, every: list[Any], detected: float) -> Verdict:
         """Rank 0: some device held more than its capacity; re-plan with that kind's memory cut by the miss."""

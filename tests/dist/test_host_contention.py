@@ -57,3 +57,4 @@ def test_a_slowed_rank_is_named(build: Path, tmp_path: Path) -> None:
     slow = [line for line in advice if line.startswith("advice: slow rank:")]
     assert len(slow) == 1 and "rank 1 (cpu1, stage 1)" in slow[0], out
     assert "re-plan" in slow[0]
+

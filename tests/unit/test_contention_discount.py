@@ -95,3 +95,21 @@ def test_discount_is_relative_to_the_baseline_contention() -> None:
     assert contention_discount(100.0, contention_ms=50.0, baseline_ms=50.0) == pytest.approx(100.0)
     assert contention_discount(100.0, contention_ms=100.0) == pytest.approx(10.0)  # never the whole step
     assert lost_share(0.8, 0.5) == 0.9
+
+
+def test_the_closed_loop_holds_on_a_busy_host_unless_a_device_stands_out(plan: Plan) -> None:
+    from hpml_compile.runtime.adapt import busy_host_hold
+    from hpml_compile.runtime.summary import device_slowdowns
+
+    p = plan.predicted.step_ms
+    base = _rows(plan, p, steal=0.0, others=0.0, steps=3)
+    busy = _rows(plan, p * 2, steal=0.05, others=0.6, steps=5)  # every rank twice as slow while others run
+    assert not device_slowdowns(plan, base, busy, 1.25)
+    held = busy_host_hold(busy, device_slowdowns(plan, base, busy, 1.25))
+    assert len(held) == 1 and held[0].describe().startswith("host busy: 5% steal and 60% used by other processes")
+    # the same busy host with rank 1 three times slower itself: its device stands out, the loop re-plans
+    slowed = _rows(plan, p * 3, steal=0.05, others=0.6, slow=3.0, steps=5)
+    slow = device_slowdowns(plan, base, slowed, 1.25)
+    assert list(slow) == [plan.stages[1].devices[0]] and busy_host_hold(slowed, slow) == []
+    # a quiet host: nothing to hold for
+    assert busy_host_hold(_rows(plan, p * 2, steal=0.0, others=0.0, steps=5), {}) == []
