@@ -59,6 +59,9 @@ GAUGES = {  # metric name -> (StepMetrics field, help)
     "hpml_host_steal_ratio": ("steal", "share of the host's CPU stolen by the hypervisor in the step"),
     "hpml_host_others_ratio": ("others_load", "share of the host's CPU used by other processes in the step"),
     "hpml_peak_memory_bytes": ("peak_memory_bytes", "peak memory of the step (RSS on CPU, CUDA allocator on GPU)"),
+    "hpml_gpu_utilization": ("gpu_util", "share of NVML's last sample period a kernel ran (GPU ranks)"),
+    "hpml_gpu_memory_bytes": ("gpu_memory_bytes", "memory in use on the GPU by every process (GPU ranks)"),
+    "hpml_gpu_power_watts": ("gpu_power_w", "the GPU board's power draw (GPU ranks)"),
     "hpml_loss": ("loss", "the batch loss of the step"),
 }
 
@@ -155,10 +158,13 @@ class AlertWatch:
         """The alerts that start with this step's rows (rank -> its latest row)."""
         out: list[str] = []
         for rank, m in sorted(rows.items()):
-            self._low[rank] = self._low.get(rank, 0) + 1 if m.cpu_util < self.low else 0
+            gpu = m.gpu_util is not None  # a GPU rank: its device's utilization, not its host thread's
+            util = m.gpu_util if gpu else m.cpu_util
+            self._low[rank] = self._low.get(rank, 0) + 1 if util < self.low else 0
             self._edge(("low", rank), self._low[rank] >= self.k,
-                       f"LowUtilization: rank {rank} used under {self.low:.0%} of a core for {self._low[rank]} steps "
-                       f"(now {m.cpu_util:.0%}): it mostly waits", out)
+                       f"LowUtilization: rank {rank} used under {self.low:.0%} of "
+                       f"{'its GPU' if gpu else 'a core'} for {self._low[rank]} steps (now {util:.0%}): it mostly "
+                       "waits", out)
             cap = self.capacity.get(rank, 0)
             self._edge(("mem", rank), cap > 0 and m.peak_memory_bytes >= 0.95 * cap,
                        f"MemoryNearCapacity: rank {rank} peaked at {m.peak_memory_bytes / 2**30:.2f} GiB of "

@@ -40,7 +40,10 @@ open with ``tensorboard --logdir RUN_DIR/tb``). What is measured, per step:
 - ``reserved_bytes``: on a GPU rank the CUDA allocator's peak reserved bytes
   (``torch.cuda.max_memory_reserved``): what it holds beyond the allocated
   peak is fragmentation and cache. 0 on a CPU rank, whose figure beyond the
-  tensors is the resident set above ``held_bytes``.
+  tensors is the resident set above ``held_bytes``;
+- ``gpu_util``, ``gpu_memory_bytes``, ``gpu_power_w``: the device's NVML
+  counters at the step's end on a GPU rank (:mod:`.gpustats`); None on a CPU
+  rank.
 
 With ``events=True`` the monitor also writes each step's events
 (:mod:`.events`: every forward, backward, message and collective, on one
@@ -117,6 +120,9 @@ class StepMetrics:
     held_grads_bytes: int = 0
     held_optimizer_bytes: int = 0
     reserved_bytes: int = 0
+    gpu_util: float | None = None
+    gpu_memory_bytes: int | None = None
+    gpu_power_w: float | None = None
 
     @property
     def comm_ms(self) -> float:

@@ -15,7 +15,9 @@ page opens without a network), in sections:
 - ``steps``: step time (slowest rank) and loss over the run, the predicted
   step as a line, re-plans, retried steps and restarts marked;
 - ``utilization``: each rank's CPU use (its process's CPU time over the
-  step: 1.0 is one core busy) and the host's steal and other processes' load;
+  step: 1.0 is one core busy), a GPU rank's device utilization (NVML, with
+  its power and memory in use on hover), and the host's steal and other
+  processes' load;
 - ``bandwidth``: achieved bandwidth of each link (messages: bytes over the
   receive's duration, the median and the best; collectives: the ring's bus
   bandwidth) against the link's figure in the cluster;
@@ -62,7 +64,7 @@ _COLOURS = {"F": "#4c78a8", "fwd": "#4c78a8", "B": "#f58518", "bwd": "#f58518", 
 _MEASURED_KINDS = ("F", "B", "RECV", "SEND", "WAIT", "ALLREDUCE", "REDUCESCATTER", "ALLGATHER", "OPT")
 _LAYER = {"RECV": 1, "SEND": 2, "WAIT": 1, "ALLREDUCE": 1, "REDUCESCATTER": 1, "ALLGATHER": 1}
 _OWN_BYTES = {"peak_memory_bytes", "bytes_sent", "bytes_received", "reserved_bytes", "held_params_bytes",
-              "held_grads_bytes", "held_optimizer_bytes"}  # drawn by part, not as lines
+              "held_grads_bytes", "held_optimizer_bytes", "gpu_memory_bytes"}  # drawn elsewhere
 
 
 def _div(fig: go.Figure) -> str:
@@ -164,6 +166,13 @@ def _utilization(rows: Mapping[int, Sequence[StepMetrics]], devices: Sequence[st
         name = devices[rank] if rank < len(devices) else f"rank {rank}"
         fig.add_trace(go.Scatter(x=[m.step + 1 for m in rs], y=[m.cpu_util for m in rs], mode="lines+markers",
                                  name=f"rank {rank} ({name}) CPU, cores"))
+        gpu = [m for m in rs if m.gpu_util is not None]
+        if gpu:  # a GPU rank: its device's NVML utilization, power and memory on hover
+            fig.add_trace(go.Scatter(
+                x=[m.step + 1 for m in gpu], y=[m.gpu_util for m in gpu], mode="lines+markers",
+                name=f"rank {rank} ({name}) GPU utilization",
+                hovertext=[f"{m.gpu_power_w or 0:.0f} W, {(m.gpu_memory_bytes or 0) / 2**30:.2f} GiB in use"
+                           for m in gpu]))
     hosts: dict[str, dict[int, tuple[float, float]]] = {}
     for rs in rows.values():
         for m in rs:

@@ -72,6 +72,7 @@ from .executor import (actions_for, forward_stage, local_order, merge_outputs, r
 from .events import EventLog, align_clock
 from .gather import gather_outputs, gather_state_dict
 from .host import HostBusy, HostSampler, hostname
+from .gpustats import GpuStats
 from .held import Held, held_bytes
 from .scaler import LossScaler
 from .monitor import Monitor, StepMetrics, peak_memory, reserved_memory, reset_peak_memory, split_wait
@@ -157,6 +158,7 @@ class Pipeline:
         self.optimizer = self._offloaded(self._make_optimizer(optimizer))
         self.saved = SavedActivations(exclude=self.stages.values())  # what autograd keeps, measured each step
         self.grad_peak = GradPeak(self.parameters())  # gradients at the end of the backward, before any sync
+        self.gpu = GpuStats(self.device)  # NVML counters on a GPU rank (reads nothing on a CPU)
         self.held: Held | None = None  # parameters and optimizer state after the last step, gradients at their peak
         self.monitor = Monitor(run_dir, self.rank, tensorboard=tensorboard, events=events) \
             if run_dir is not None else Monitor(None, self.rank)
@@ -467,6 +469,7 @@ class Pipeline:
         self.held = Held(h.params, max(h.grads, self.grad_peak.bytes), h.optimizer)  # gradients at their peak
         wait_ms, p2p_ms = split_wait(comm.stats)
         mem, mem_kind = peak_memory(self.device)
+        gpu = self.gpu.sample()
         val = self._validate(validate)
         self.monitor.record(StepMetrics(
             step=self.steps_done, rank=self.rank, stage=k, replica=r, device=str(self.device), microbatches=n,
@@ -486,7 +489,8 @@ class Pipeline:
             contention_ms=busy.contention_s * 1e3, held_bytes=self.held.total + self.saved.peak,
             held_activation_bytes=self.saved.peak, held_params_bytes=self.held.params,
             held_grads_bytes=self.held.grads, held_optimizer_bytes=self.held.optimizer,
-            reserved_bytes=reserved_memory(self.device)),
+            reserved_bytes=reserved_memory(self.device), gpu_util=gpu.util if gpu else None,
+            gpu_memory_bytes=gpu.memory_bytes if gpu else None, gpu_power_w=gpu.power_w if gpu else None),
             self.events.finish(self.steps_done) if self.events is not None else None)
         self.steps_done += 1
         return run.loss_sum.float()

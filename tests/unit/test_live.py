@@ -53,3 +53,23 @@ def test_alerts_fire_once_when_a_condition_starts_and_again_after_it_ended() -> 
     seq = [w.observe({0: _row(s, 0, 20.0 if s != 2 else 5.0, cpu=0.9)}) for s in range(5)]
     assert [[a.split(":")[0] for a in alerts] for alerts in seq] == [[], ["StepOverPrediction"], [], [],
                                                                         ["StepOverPrediction"]]
+
+
+def test_a_gpu_rank_is_judged_by_its_gpu_and_its_figures_are_served(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    # the host thread of a GPU rank spins at a full core while its GPU idles: the GPU's figure counts
+    gpu = lambda s: replace(_row(s, 1, cpu=1.0), device="cuda:0", gpu_util=0.2, gpu_memory_bytes=3 * 2**30,  # noqa: E731
+                            gpu_power_w=71.5)
+    w = AlertWatch(predicted_ms=100.0, capacity={}, k=2)
+    seq = [w.observe({0: _row(s, 0, cpu=0.9), 1: gpu(s)}) for s in range(3)]
+    assert seq[0] == [] and len(seq[1]) == 1 and seq[1][0].startswith("LowUtilization: rank 1 used under 50% of its GPU")
+    _write(tmp_path, 0, [_row(0, 0)])
+    _write(tmp_path, 1, [gpu(0)])
+    reg = CollectorRegistry()
+    reg.register(RunCollector(tmp_path, ["cpu0", "gpu0"], 45.0))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+    # only the GPU rank has GPU figures (a CPU rank's are absent, not 0)
+    assert [(s.labels["device"], s.value) for s in families["hpml_gpu_power_watts"].samples] == [("gpu0", 71.5)]
+    assert [s.value for s in families["hpml_gpu_utilization"].samples] == [0.2]
+    assert [s.value for s in families["hpml_gpu_memory_bytes"].samples] == [3 * 2**30]
