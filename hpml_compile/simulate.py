@@ -20,6 +20,12 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   devices holds ``1 / (M d)`` of the rows, so it takes
   ``fixed + (time - fixed) / (M d)`` (just ``time / (M d)`` without a fixed part).
 - A stage on devices of several kinds runs at the pace of its slowest kind.
+  A stage with ``rows`` (uneven data parallelism) runs each replica at its
+  own kind's pace on its own rows (``fixed + (time - fixed) * rows / batch``
+  per microbatch), and each operation ends when the slowest replica's does;
+  each device holds the activations of its own rows. A boundary tensor is
+  resharded between two stages' row splits; its send takes as long as the
+  largest piece one device sends or receives.
 - Sends run on their own stream and overlap compute; they delay the
   receiver only. A boundary tensor between stages with ``d_i`` and ``d_j``
   replicas moves in ``min(d_i, d_j)`` parallel pieces over the link between

@@ -23,6 +23,8 @@ least one row per replica:
   (a device too slow to pay its share of the fixed costs is better left out);
 - ``extend``: the solver's plan with each idle device added to the stage it
   helps most, greedily, until none helps;
+- ``merge``: the solver's plan with neighbouring stages merged into one over
+  both groups (a shorter pipeline, a smaller bubble, for a gradient sync);
 - ``mixed-pipeline``: ``S`` stages, each a group of devices of about equal
   total speed (devices dealt out fastest first, back and forth), the chain cut
   so that each stage's time is balanced.
@@ -58,7 +60,7 @@ from ..stagecost import choose_rows, device_memory, in_flight
 from .baselines import balanced_cuts
 from .candidates import Chain
 
-__all__ = ["CONFIGS", "Uneven", "stage_rows", "improve", "data_parallel", "extend", "mixed_pipeline"]
+__all__ = ["CONFIGS", "Uneven", "stage_rows", "improve", "data_parallel", "extend", "merge", "mixed_pipeline"]
 
 #: Memory configurations tried per stage, cheapest first: ``(ZeRO stage, recompute)``.
 CONFIGS: tuple[tuple[ZeroStage, bool], ...] = (
@@ -181,14 +183,15 @@ def _speed(graph: CostGraph, dev: Device) -> float:
 
 
 def _build(graph: CostGraph, cluster: Cluster, groups: Sequence[Sequence[str]], cuts: Sequence[int],
-           microbatches: int, schedule: Schedule, dtype: str, name: str) -> Plan | None:
+           microbatches: int, schedule: Schedule, dtype: str, name: str,
+           configs: Sequence[tuple[ZeroStage, bool]] = CONFIGS) -> Plan | None:
     """A plan of stage ``i`` = blocks ``order[cuts[i]:cuts[i+1]]`` on ``groups[i]``, each with the first
-    configuration of :data:`CONFIGS` whose rows fit (None if one stage fits under none)."""
+    configuration of ``configs`` whose rows fit (None if one stage fits under none)."""
     order = graph.order
     stages = []
     for i, devs in enumerate(groups):
         blocks = order[cuts[i]:cuts[i + 1]]
-        for zero, rec in CONFIGS:
+        for zero, rec in configs:
             if zero and len(devs) == 1:
                 continue
             rows = stage_rows(graph, cluster, blocks, devs, microbatches=microbatches, schedule=schedule, index=i,
@@ -224,8 +227,11 @@ def data_parallel(graph: CostGraph, cluster: Cluster, score: Score, *, microbatc
         devs = [d.name for d in fast[:k]]
         best: tuple[float, Plan] | None = None
         for m in _counts(graph, k, microbatches):
-            p = _build(graph, cluster, [devs], [0, len(graph.order)], m, schedule, dtype, "data-parallel")
-            if p is not None:
+            for first in range(len(CONFIGS)):  # one stage: each configuration that fits, not only the first
+                p = _build(graph, cluster, [devs], [0, len(graph.order)], m, schedule, dtype, "data-parallel",
+                           CONFIGS[first:])
+                if p is None:
+                    break
                 t = score(p)
                 if best is None or t < best[0]:
                     best = (t, p)
@@ -298,6 +304,41 @@ def extend(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, dtyp
     return [current] if improved else []
 
 
+def merge(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, microbatches: int | None = None,
+          dtype: str = "float32") -> list[Plan]:
+    """``base``'s stages with neighbours merged into one stage over both groups (rows chosen again, the
+    kinds mixed where they differ): a shorter pipeline, so a smaller bubble, for a gradient sync; greedily,
+    the merge that shortens the step most first, at every microbatch count that leaves the merged groups
+    a row per replica. [] when no merge helps."""
+    blocks_of = _stage_blocks(graph, base)
+    base_cuts = [0]
+    for blocks in blocks_of:
+        base_cuts.append(base_cuts[-1] + len(blocks))
+    best_t, out = score(base), []
+    for m in _counts(graph, 1, microbatches):
+        groups, cuts = [list(st.devices) for st in base.stages], list(base_cuts)
+        current: Plan | None = None
+        while len(groups) > 1:
+            found: tuple[float, Plan, int] | None = None
+            for i in range(len(groups) - 1):
+                g2 = [*groups[:i], groups[i] + groups[i + 1], *groups[i + 2:]]
+                if graph.batch_size // m < max(len(g) for g in g2):
+                    continue
+                p = _build(graph, cluster, g2, [*cuts[:i + 1], *cuts[i + 2:]], m, base.schedule, dtype, "merge")
+                t = score(p) if p is not None else float("inf")
+                if p is not None and (found is None or t < found[0]):
+                    found = (t, p, i)
+            if found is None or (current is not None and found[0] >= score(current)):
+                break
+            _, current, i = found
+            groups = [*groups[:i], groups[i] + groups[i + 1], *groups[i + 2:]]
+            cuts = [*cuts[:i + 1], *cuts[i + 2:]]
+        if current is not None and score(current) < best_t:
+            best_t = score(current)
+            out = [current]
+    return out
+
+
 def _stage_blocks(graph: CostGraph, plan: Plan) -> list[list[str]]:
     where = {n: st.index for st in plan.stages for n in st.nodes}
     out: list[list[str]] = [[] for _ in plan.stages]
@@ -344,7 +385,8 @@ def improve(graph: CostGraph, cluster: Cluster, base: Plan, *, dtype: str = "flo
                                 dtype=dtype),
                  *mixed_pipeline(graph, cluster, score, microbatches=microbatches, schedule=base.schedule,
                                  dtype=dtype),
-                 *extend(graph, cluster, base, score, dtype=dtype)]
+                 *extend(graph, cluster, base, score, dtype=dtype),
+                 *merge(graph, cluster, base, score, microbatches=microbatches, dtype=dtype)]
         for p in found:
             t = score(p)
             if t < best[0]:

@@ -16,7 +16,7 @@ from hpml_compile.plan import Plan, Schedule, Stage, stage_memory, validate_plan
 from hpml_compile.simulate import EventKind, annotate, simulate
 from hpml_compile.solve import solve
 from hpml_compile.solve.testing import chain_graph, chain_profile, cluster_of
-from hpml_compile.solve.uneven import improve, stage_rows
+from hpml_compile.solve.uneven import improve, merge, stage_rows
 from hpml_compile.stagecost import choose_rows
 from hpml_compile.viz import chart_rows, rows_text
 
@@ -173,3 +173,26 @@ def test_show_draws_and_explains_rows() -> None:
 
 def chain_rows_of(plan: Plan):
     return chart_rows(plan, per_device=True)
+
+
+def test_merge_shortens_the_pipeline_with_a_mixed_stage() -> None:
+    g = chain_graph([{"fast": (1.0, 2.0), "slow": (3.0, 6.0)}] * 4, param_bytes=1000)
+    c = cluster_of(["fast", "slow"])
+    # one microbatch through two stages: each waits for the other, so one mixed stage is faster
+    base = solve(g, c, solver="dp", microbatches=1)
+    assert len(base.stages) == 2
+    plans = merge(g, c, base, lambda p: annotate(p, g)[1].step_ms, microbatches=1)
+    assert len(plans) == 1 and len(plans[0].stages) == 1 and plans[0].stages[0].rows
+    assert annotate(plans[0], g)[1].step_ms < base.predicted.step_ms
+
+
+def test_driver_plan_returns_the_uneven_plan_and_can_be_told_not_to() -> None:
+    from hpml_compile.driver import Options, plan
+
+    prof = chain_profile([{"fast": (1.0, 2.0), "slow": (3.0, 6.0)}] * 4, param_bytes=1000)
+    c = cluster_of(["fast", "slow", "slow"])
+    got = plan(prof, c, Options(solver="dp", microbatches=4))
+    off = plan(prof, c, Options(solver="dp", microbatches=4, uneven=False))
+    assert got.predicted.step_ms < off.predicted.step_ms
+    assert "+uneven:" in got.solver.name and any(st.rows for st in got.stages)
+    assert not any(st.rows for st in off.stages) and "+uneven" not in off.solver.name
