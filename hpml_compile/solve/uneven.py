@@ -288,8 +288,9 @@ def extend(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, dtyp
                                       zero=zero, recompute=rec, dtype=dtype)
                     if rows is None:
                         continue
-                    new = replace(st, devices=tuple(devs), rows=rows, zero=zero, recompute=rec, swap=(),
-                                  offload_optimizer=False)
+                    even = len(set(rows)) == 1 and len({cluster.device(d).kind for d in devs}) == 1
+                    new = replace(st, devices=tuple(devs), rows=() if even else rows, zero=zero, recompute=rec,
+                                  swap=(), offload_optimizer=False)
                     cand = replace(current, stages=tuple(new if x.index == st.index else x for x in current.stages),
                                    solver=SolverInfo("extend"))
                     t = score(cand)
@@ -355,6 +356,9 @@ def improve(graph: CostGraph, cluster: Cluster, base: Plan, *, dtype: str = "flo
             microbatches: int | None = None, progress: Callable[[str], None] | None = None) -> Uneven:
     """The fastest of ``base`` and the uneven candidates (module docstring), all scored by the simulator.
 
+    On a cluster of one device kind nothing is tried and ``base`` comes back: equal rows are already what
+    choose_rows gives equal devices, and which of them to group is the solver's own search.
+
     Args:
         graph: the cost graph ``base`` was solved on (each block within one stage of ``base``).
         cluster: the devices.
@@ -380,7 +384,7 @@ def improve(graph: CostGraph, cluster: Cluster, base: Plan, *, dtype: str = "flo
 
     base_ms = base.predicted.step_ms if base.predicted.step_ms > 0 else score(base)
     best: tuple[float, Plan] = (base_ms, base)
-    if len({d.kind for d in cluster.devices}) > 1 or len(cluster.devices) > sum(len(s.devices) for s in base.stages):
+    if len({d.kind for d in cluster.devices}) > 1:  # one kind: equal rows and the solver's own groups already
         found = [*data_parallel(graph, cluster, score, microbatches=microbatches, schedule=base.schedule,
                                 dtype=dtype),
                  *mixed_pipeline(graph, cluster, score, microbatches=microbatches, schedule=base.schedule,
