@@ -40,7 +40,10 @@ The memory of one device of a stage replicated over ``d`` devices, at its peak
   (Narayanan et al., SOSP 2019). With recompute (checkpointing) only the
   stage's input is kept per microbatch in flight, plus one microbatch's
   activations while its backward runs; swapped activations leave the device
-  after the forward and come back for one microbatch's backward.
+  after the forward and come back for one microbatch's backward. A replica
+  given its own rows (uneven data parallelism, ``share``) holds
+  ``A * rows / batch`` per microbatch instead; :func:`choose_rows` picks those
+  rows so that the replicas finish together and each fits.
 
 Times (milliseconds), per step:
 

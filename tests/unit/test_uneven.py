@@ -18,7 +18,7 @@ from hpml_compile.solve import solve
 from hpml_compile.solve.testing import chain_graph, chain_profile, cluster_of
 from hpml_compile.solve.uneven import improve, merge, stage_rows
 from hpml_compile.stagecost import choose_rows
-from hpml_compile.viz import chart_rows, rows_text
+from hpml_compile.viz import chart_rows, rows_text, write_pictures
 
 
 def _brute(fixed, per_row, total, caps):
@@ -161,9 +161,12 @@ def test_improve_keeps_the_solver_plan_when_sync_costs_more_than_mixing_saves() 
     assert got.chosen == "solver" or got.plan.predicted.step_ms < base.predicted.step_ms
 
 
-def test_show_draws_and_explains_rows() -> None:
+def test_show_draws_and_explains_rows(tmp_path) -> None:
     _, g, plan = _mixed((3, 1))
     plan, r = annotate(plan, g)
+    written = write_pictures(plan, g, r, tmp_path, graph_formats=())
+    assert {p.name for p in written} >= {"timeline.png", "memory.png", "plan_graph.dot"}
+    assert "rows per microbatch: d0 3, d1 1" in (tmp_path / "plan_graph.dot").read_text()
     assert rows_text(plan.stages[0]) == "rows per microbatch: d0 3, d1 1"
     labels = [label for label, _, _ in chain_rows_of(plan)]
     assert "d0 (fast)\nstage 0, 3 rows" in labels and "d1 (slow)\nstage 0, 1 rows" in labels
