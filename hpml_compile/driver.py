@@ -296,7 +296,7 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
                    dtype=prof.dtype, progress=progress)
     if opts.uneven:                                                                 # 5b. mixed kinds, uneven rows
         result = improve_uneven(graph, cluster, result, dtype=prof.dtype, microbatches=opts.microbatches,
-                                progress=progress).plan
+                                time_limit_s=min(10.0, opts.time_limit_s), progress=progress).plan
     result = replace(result, precision=prof.precision)                              # trains as it was timed
     validate_plan(result, prof)                                                     # every node placed once
     _dump(opts, "4-plan.json", lambda p: save_plan(result, p))

@@ -52,7 +52,7 @@ CLUSTERS = ["hetero-4", "hetero-cpu", str(HERE / "mix3-8.json")]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="gpt2-xl only")
-    ap.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit per solve")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="ILP and uneven-search time limit per pair")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "uneven.json")
     args = ap.parse_args()
     t_start = time.time()
@@ -81,7 +81,7 @@ def main() -> None:
                 continue
             row["ilp_seconds"] = round(time.perf_counter() - t0, 2)
             t0 = time.perf_counter()
-            got = improve(graph, cluster, base)
+            got = improve(graph, cluster, base, time_limit_s=args.time_limit)
             row["uneven_seconds"] = round(time.perf_counter() - t0, 2)
             bound = compute_bound(graph, cluster)
             ilp, unev = base.predicted.step_ms, got.plan.predicted.step_ms

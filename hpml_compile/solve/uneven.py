@@ -352,12 +352,19 @@ def _stage_blocks(graph: CostGraph, plan: Plan) -> list[list[str]]:
     return out
 
 
+class _OutOfTime(Exception):
+    """The search's time limit passed: the best plan scored so far stands."""
+
+
 def improve(graph: CostGraph, cluster: Cluster, base: Plan, *, dtype: str = "float32",
-            microbatches: int | None = None, progress: Callable[[str], None] | None = None) -> Uneven:
+            microbatches: int | None = None, time_limit_s: float = 10.0,
+            progress: Callable[[str], None] | None = None) -> Uneven:
     """The fastest of ``base`` and the uneven candidates (module docstring), all scored by the simulator.
 
     On a cluster of one device kind nothing is tried and ``base`` comes back: equal rows are already what
-    choose_rows gives equal devices, and which of them to group is the solver's own search.
+    choose_rows gives equal devices, and which of them to group is the solver's own search. Every plan
+    scored counts, also one a family scores on its way, and past ``time_limit_s`` the search stops with the
+    best so far (many devices of several kinds make thousands of candidates).
 
     Args:
         graph: the cost graph ``base`` was solved on (each block within one stage of ``base``).
@@ -365,44 +372,58 @@ def improve(graph: CostGraph, cluster: Cluster, base: Plan, *, dtype: str = "flo
         base: the solver's plan (its schedule is kept; ``microbatches``, when given, is kept too).
         dtype: parameter dtype.
         microbatches: a count the user fixed (None: searched over the batch's divisors).
+        time_limit_s: when to stop trying candidates.
         progress: called with a line saying what won.
 
     Returns:
         The chosen plan (with the simulator's predictions and, when a candidate won, solver name
-        ``<base>+uneven:<family>``) and what was tried.
+        ``<base>+uneven:<family>``, status ``heuristic``) and what was tried.
     """
     t0 = time.perf_counter()
+    deadline = t0 + time_limit_s
     say = progress or (lambda _: None)
-    tried = [0]
+    seen: dict[int, tuple[Plan, float]] = {}
+    base_ms = base.predicted.step_ms if base.predicted.step_ms > 0 else annotate(base, graph, dtype)[1].step_ms
+    best: list[tuple[float, Plan]] = [(base_ms, base)]
+    seen[id(base)] = (base, base_ms)
 
     def score(p: Plan) -> float:
-        tried[0] += 1
+        if id(p) in seen:
+            return seen[id(p)][1]
+        if time.perf_counter() > deadline:
+            raise _OutOfTime
         try:
-            return annotate(p, graph, dtype)[1].step_ms
+            t = annotate(p, graph, dtype)[1].step_ms
         except HpmlError:
-            return float("inf")
+            t = float("inf")
+        seen[id(p)] = (p, t)  # the plan is kept, so its id is not reused
+        if t < best[0][0]:
+            best[0] = (t, p)
+        return t
 
-    base_ms = base.predicted.step_ms if base.predicted.step_ms > 0 else score(base)
-    best: tuple[float, Plan] = (base_ms, base)
     if len({d.kind for d in cluster.devices}) > 1:  # one kind: equal rows and the solver's own groups already
-        found = [*data_parallel(graph, cluster, score, microbatches=microbatches, schedule=base.schedule,
-                                dtype=dtype),
-                 *mixed_pipeline(graph, cluster, score, microbatches=microbatches, schedule=base.schedule,
-                                 dtype=dtype),
-                 *extend(graph, cluster, base, score, dtype=dtype),
-                 *merge(graph, cluster, base, score, microbatches=microbatches, dtype=dtype)]
-        for p in found:
-            t = score(p)
-            if t < best[0]:
-                best = (t, p)
-    if best[1] is base:
-        say(f"uneven: none of {tried[0]} candidate plans beat {base.solver.name}'s {base_ms:.4g} ms")
-        return Uneven(base, "solver", base_ms, tried[0])
-    family = best[1].solver.name
-    annotated, _ = annotate(best[1], graph, dtype)
-    info = SolverInfo(f"{base.solver.name}+uneven:{family}", SolverStatus.HEURISTIC, 0.0,
+        families: list[Callable[[], object]] = [
+            lambda: data_parallel(graph, cluster, score, microbatches=microbatches, schedule=base.schedule,
+                                  dtype=dtype),
+            lambda: extend(graph, cluster, base, score, dtype=dtype),
+            lambda: merge(graph, cluster, base, score, microbatches=microbatches, dtype=dtype),
+            lambda: mixed_pipeline(graph, cluster, score, microbatches=microbatches, schedule=base.schedule,
+                                   dtype=dtype)]
+        for family in families:
+            try:
+                family()
+            except _OutOfTime:
+                say(f"uneven: stopped at the time limit ({time_limit_s:g} s) after {len(seen)} candidate plans")
+                break
+    tried = len(seen)
+    if best[0][1] is base:
+        say(f"uneven: none of {tried} candidate plans beat {base.solver.name}'s {base_ms:.4g} ms")
+        return Uneven(base, "solver", base_ms, tried)
+    family_name = best[0][1].solver.name
+    annotated, _ = annotate(best[0][1], graph, dtype)
+    info = SolverInfo(f"{base.solver.name}+uneven:{family_name}", SolverStatus.HEURISTIC, 0.0,
                       base.solver.seconds + time.perf_counter() - t0)
     plan = replace(annotated, solver=info, precision=base.precision)
-    say(f"uneven: {family} {plan.predicted.step_ms:.4g} ms beats {base.solver.name}'s {base_ms:.4g} ms "
-        f"({tried[0]} candidate plans)")
-    return Uneven(plan, family, base_ms, tried[0])
+    say(f"uneven: {family_name} {plan.predicted.step_ms:.4g} ms beats {base.solver.name}'s {base_ms:.4g} ms "
+        f"({tried} candidate plans)")
+    return Uneven(plan, family_name, base_ms, tried)

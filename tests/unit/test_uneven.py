@@ -199,3 +199,13 @@ def test_driver_plan_returns_the_uneven_plan_and_can_be_told_not_to() -> None:
     assert got.predicted.step_ms < off.predicted.step_ms
     assert "+uneven:" in got.solver.name and any(st.rows for st in got.stages)
     assert not any(st.rows for st in off.stages) and "+uneven" not in off.solver.name
+
+
+def test_improve_stops_at_its_time_limit_with_the_best_so_far() -> None:
+    g = chain_graph([{"fast": (1.0, 2.0), "slow": (3.0, 6.0)}] * 4, param_bytes=1000)
+    c = cluster_of(["fast", "slow", "slow"])
+    base = solve(g, c, solver="dp", microbatches=4)
+    lines: list[str] = []
+    got = improve(g, c, base, time_limit_s=0.0, progress=lines.append)
+    assert got.plan is base and got.tried == 1  # only the solver's plan, scored before the search
+    assert any("time limit" in line for line in lines)
