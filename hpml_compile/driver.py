@@ -7,7 +7,7 @@ re-plan in :mod:`.runtime.supervisor`). None of them calls a pass by itself,
 so a change to the chain is made once, here::
 
     compile:  model -> trace -> profile -> costgraph -> coarsen -> solve -> codegen -> Build
-    plan:              profile -> costgraph -> coarsen -> solve -> Plan
+    plan:              profile -> costgraph -> coarsen -> solve -> uneven rows -> Plan
     replan:   (old plan, measured profile, devices lost) -> costgraph -> coarsen -> solve
               -> the faster of old and new, scored on the same costs -> Plan (+ rebuild -> Build)
 
@@ -56,6 +56,7 @@ from .recipe import ModelRecipe, read_recipe
 from .replan import ReplanResult, replan_graph, without_devices
 from .schema import write_json_atomic
 from .solve import SolverName, solve
+from .solve.uneven import improve as improve_uneven
 from .trace import trace
 
 __all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "rebuild", "cost_graph", "local_threads",
@@ -74,6 +75,8 @@ class Options:
         schedule: GPipe or 1F1B (a re-plan keeps the old plan's unless given).
         time_limit_s: the ILP's time limit.
         dump_dir: write each pass's output here (default: ``$HPML_DUMP``, else nothing).
+        uneven: after solving, also try plans whose stages mix device kinds with uneven rows per replica
+            (:mod:`hpml_compile.solve.uneven`) and keep the fastest (never slower than the solver's own).
         precision: ``fp32``, ``bf16`` or ``fp16`` (:class:`~hpml_compile.ir.Precision`): what :func:`compile`
             profiles and trains in; for :func:`plan` and :func:`replan`, what the profile (the running plan)
             must be in. None: fp32 for :func:`compile`, the profile's (the old plan's) otherwise.
@@ -85,6 +88,7 @@ class Options:
     time_limit_s: float = 30.0
     dump_dir: str | Path | None = None
     precision: Precision | str | None = None
+    uneven: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "solver", SolverName(self.solver))
@@ -290,6 +294,9 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
     result = solve(graph, cluster, solver=opts.solver, microbatches=opts.microbatches,               # 5. solve
                    schedule=opts.schedule or Schedule.ONE_F_ONE_B, time_limit_s=opts.time_limit_s,
                    dtype=prof.dtype, progress=progress)
+    if opts.uneven:                                                                 # 5b. mixed kinds, uneven rows
+        result = improve_uneven(graph, cluster, result, dtype=prof.dtype, microbatches=opts.microbatches,
+                                time_limit_s=min(10.0, opts.time_limit_s), progress=progress).plan
     result = replace(result, precision=prof.precision)                              # trains as it was timed
     validate_plan(result, prof)                                                     # every node placed once
     _dump(opts, "4-plan.json", lambda p: save_plan(result, p))
@@ -379,6 +386,10 @@ def _generate(module: nn.Module, inputs: tuple[Any, ...], gm: fx.GraphModule, pl
     validate_plan(placed, prof)
     graph = gm
     replicas = {len(st.devices) for st in placed.stages}
+    if gm.meta.get("hpml_front_end") is FrontEnd.EXPORT and any(st.rows for st in placed.stages):
+        raise HpmlError(f"{label} traces with torch.export, whose shapes are fixed, but the plan gives the replicas "
+                        "of a stage different rows per microbatch; plan with uneven rows off "
+                        "(Options(uneven=False)) or trace with fx")
     if gm.meta.get("hpml_front_end") is FrontEnd.EXPORT and (placed.microbatches > 1 or replicas != {1}):
         if len(replicas) > 1:
             raise HpmlError(f"{label} traces with torch.export, whose shapes are fixed, but the plan gives its "

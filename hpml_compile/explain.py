@@ -163,9 +163,14 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
         blocks = [v for v in graph.order if members.intersection(graph.node(v).members)]
         span = f"{blocks[0]} .. {blocks[-1]}" if len(blocks) > 1 else (blocks[0] if blocks else "-")
         send = sum(ms for _, ms in c.sends)
-        lines.append(f"  stage {st.index}: {device_names(st.devices)}: {len(st.devices)} x {kinds[0]}{opts}; "
+        kind_text = " + ".join(f"{kinds.count(k)} x {k}" for k in dict.fromkeys(kinds))
+        lines.append(f"  stage {st.index}: {device_names(st.devices)}: {kind_text}{opts}; "
                      f"{len(blocks)} blocks {span}; fwd {c.fwd_ms:.3g} + bwd {c.bwd_ms + c.recompute_ms:.3g} ms"
                      + (f", send {send:.3g} ms" if send else "") + (f", sync {c.sync_ms:.3g} ms" if c.sync_ms else ""))
+        if st.rows:  # uneven data parallelism: each replica's rows and its own time per microbatch
+            own = c.replica_ms or ((c.fwd_ms, c.bwd_ms),) * len(st.devices)
+            lines.append("    uneven rows per microbatch: " + ", ".join(
+                f"{d} {r} ({f + b:.3g} ms)" for d, r, (f, b) in zip(st.devices, st.rows, own)))
     b = result.bottleneck_stage
     bc = result.stages[b]
     mean = sum(c.compute_ms for c in result.stages) / len(result.stages)

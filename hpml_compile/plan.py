@@ -324,23 +324,28 @@ def check_placement(d: Any, source: str = "plan") -> None:
                           repr(bottleneck), fix="name one of the plan's stages")
 
 
-def stage_memory(plan: Plan, profile: Profile, stage: Stage) -> int:
-    """Peak bytes on each device of ``stage`` under the memory model of :mod:`hpml_compile.stagecost`.
+def stage_memory(plan: Plan, profile: Profile, stage: Stage, device: str | None = None) -> int:
+    """Peak bytes on a device of ``stage`` under the memory model of :mod:`hpml_compile.stagecost`.
 
     Args:
         plan: the plan (for the schedule, microbatches and stage count).
         profile: the profile the plan was made for.
         stage: one of ``plan.stages``.
+        device: one of the stage's devices (with uneven rows each holds the activations of its own rows);
+            None: the device that holds the most.
 
     Returns:
-        Peak bytes per device of the stage.
+        Peak bytes on that device.
     """
-    return stage_breakdown(plan, profile, stage).total
+    return stage_breakdown(plan, profile, stage, device).total
 
 
-def stage_breakdown(plan: Plan, profile: Profile, stage: Stage) -> MemoryBreakdown:
+def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | None = None) -> MemoryBreakdown:
     """:func:`stage_memory` by part (parameters, gradients, optimizer state, activations): what
     benchmarks/memory_truth puts beside the bytes a rank holds."""
+    if device is None:
+        return max((stage_breakdown(plan, profile, stage, d) for d in stage.devices), key=lambda b: b.total)
+    j = stage.devices.index(device)
     names = set(stage.nodes)
     nodes = [n for n in profile.nodes if n.name in names]
     swapped = set(stage.swap)
@@ -355,7 +360,8 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage) -> MemoryBreakdo
         recompute=stage.recompute,
         swapped_bytes=sum(n.activation_bytes for n in nodes if n.name in swapped),
         offload_optimizer=stage.offload_optimizer,
-        host_is_device=all(plan.cluster.device(d).is_cpu for d in stage.devices),
+        host_is_device=plan.cluster.device(device).is_cpu,
+        share=(stage.rows[j], profile.batch_size) if stage.rows else None,
     )
     # the gradients of parameters tied to another stage are all-reduced through a flat buffer kept across steps
     shared = tied_shared(((n.name, n.params) for n in profile.nodes), profile.parameters, names)
@@ -394,8 +400,10 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
         PlanError: naming the first rule broken: a precision other than the
             profile's; a node placed twice, unknown or never; an edge from a
             later stage to an earlier one; a device unknown or used twice;
-            optimizer offload on a CPU device (the host is the device); a device
-            over its memory; ZeRO-3, which the runtime does not perform.
+            optimizer offload on a CPU device (the host is the device); rows
+            per replica that do not sum to a microbatch's rows; a device over
+            its memory (with uneven rows, from its own rows); ZeRO-3, which the
+            runtime does not perform.
     """
     if plan.precision is not profile.precision:
         raise PlanError(f"the plan trains in {plan.precision.value} but the profile of {profile.model} was timed in "
@@ -441,13 +449,26 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                 raise PlanError(f"device {d} is used by stage {used[d]} and stage {st.index}; one stage per device")
             used[d] = st.index
     for st in plan.stages:
-        need = stage_memory(plan, profile, st)
+        if not st.rows:
+            continue
+        per_mb = profile.batch_size // plan.microbatches
+        if profile.batch_size % plan.microbatches or sum(st.rows) != per_mb:
+            raise PlanError(f"stage {st.index} splits each microbatch into rows {list(st.rows)} (sum {sum(st.rows)}) "
+                            f"over {', '.join(st.devices)}, but a microbatch of the profile's batch of "
+                            f"{profile.batch_size} in {plan.microbatches} microbatches holds "
+                            f"{profile.batch_size / plan.microbatches:g} rows: give rows summing to that (with a "
+                            "microbatch count that divides the batch), or leave rows out for an equal split")
+    for st in plan.stages:
         for name in st.devices:
+            need = stage_memory(plan, profile, st, name)
             dev = plan.cluster.device(name)
             if need > dev.memory_bytes:
+                rows = f" with its {st.rows[st.devices.index(name)]} rows per microbatch" if st.rows else ""
+                fix = ("give it fewer rows (more to the stage's other devices), or enable ZeRO, recompute, offload"
+                       if st.rows else "enable ZeRO, recompute, offload, or add a device")
                 raise PlanError(f"stage {st.index} needs {need / GiB:.2f} GiB on {name} ({dev.kind}, "
-                                f"{dev.memory_gib:.1f} GiB): over by {(need - dev.memory_bytes) / GiB:.2f} GiB; "
-                                "enable ZeRO, recompute, offload, or add a device")
+                                f"{dev.memory_gib:.1f} GiB){rows}: over by {(need - dev.memory_bytes) / GiB:.2f} "
+                                f"GiB; {fix}")
 
 
 def save_plan(plan: Plan, path: str | Path) -> Path:

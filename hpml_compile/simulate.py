@@ -20,6 +20,12 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   devices holds ``1 / (M d)`` of the rows, so it takes
   ``fixed + (time - fixed) / (M d)`` (just ``time / (M d)`` without a fixed part).
 - A stage on devices of several kinds runs at the pace of its slowest kind.
+  A stage with ``rows`` (uneven data parallelism) runs each replica at its
+  own kind's pace on its own rows (``fixed + (time - fixed) * rows / batch``
+  per microbatch), and each operation ends when the slowest replica's does;
+  each device holds the activations of its own rows. A boundary tensor is
+  resharded between two stages' row splits; its send takes as long as the
+  largest piece one device sends or receives.
 - Sends run on their own stream and overlap compute; they delay the
   receiver only. A boundary tensor between stages with ``d_i`` and ``d_j``
   replicas moves in ``min(d_i, d_j)`` parallel pieces over the link between
@@ -83,8 +89,8 @@ from .errors import PlanError, UnknownDeviceError
 from .memory import MemoryBreakdown, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
-from .stagecost import (copy_ms, device_memory, in_flight, optimizer_ms, stream_bytes_per_ms, stream_ms,
-                        sync_ms, transfer_ms)
+from .stagecost import (copy_ms, device_memory, even_rows, in_flight, optimizer_ms, stream_bytes_per_ms,
+                        stream_ms, sync_ms, transfer_ms)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "stage_costs", "annotate",
            "idle_intervals", "op_order", "tied_syncs"]
@@ -130,6 +136,10 @@ class StageCost:
         fwd_stream_ms: the memory-streaming part of ``fwd_ms`` (weights read, activations written).
         bwd_stream_ms: the memory-streaming part of ``bwd_ms``.
         sync_copy_ms: the part of ``sync_ms`` spent copying (ZeRO-1/2: the gathered parameters into place).
+        device_memory: the breakdown of each device of the stage, in the stage's device order (uneven rows:
+            each from its own rows); ``memory`` is the largest of them.
+        replica_ms: ``(fwd_ms, bwd_ms)`` of one microbatch on each device of the stage, at its own kind's
+            pace on its own rows; ``fwd_ms`` and ``bwd_ms`` are the slowest replica's.
     """
 
     fwd_ms: float
@@ -143,6 +153,8 @@ class StageCost:
     fwd_stream_ms: float = 0.0
     bwd_stream_ms: float = 0.0
     sync_copy_ms: float = 0.0
+    device_memory: tuple[MemoryBreakdown, ...] = ()
+    replica_ms: tuple[tuple[float, float], ...] = ()
 
     @property
     def compute_ms(self) -> float:
@@ -207,6 +219,17 @@ def _kind_cost(graph: CostGraph, node: str, kinds: list[str], fraction: float = 
     return max(a[0] for a in at), max(a[1] for a in at)
 
 
+def _replica_cost(graph: CostGraph, nodes: list[str], kind: str, fraction: float) -> tuple[float, float]:
+    """``(fwd_ms, bwd_ms)`` of ``nodes`` on one device of ``kind`` for ``fraction`` of the batch rows."""
+    at = [_kind_cost(graph, n, [kind], fraction) for n in nodes]
+    return sum(f for f, _ in at), sum(b for _, b in at)
+
+
+def _rows(st: Stage, microbatches: int, batch: int) -> tuple[float, ...]:
+    """Rows of one microbatch each replica of ``st`` trains on (the equal split where the plan gives none)."""
+    return tuple(float(r) for r in st.rows) if st.rows else even_rows(batch / microbatches, len(st.devices))
+
+
 def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[StageCost, ...]:
     """Per-microbatch times and per-device memory of every stage of ``plan``.
 
@@ -223,13 +246,18 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
     """
     owner = _stage_of_graph_nodes(plan, graph)
     g, c, m, s_count = graph.graph, plan.cluster, plan.microbatches, len(plan.stages)
+    batch = graph.batch_size
     out: list[StageCost] = []
     for st in plan.stages:
         nodes = [n for n in graph.order if owner[n] == st.index]
         kinds = sorted({c.device(d).kind for d in st.devices})
         d = len(st.devices)
-        per_mb = [_kind_cost(graph, n, kinds, 1.0 / (m * d)) for n in nodes]
-        fwd, bwd = sum(f for f, _ in per_mb), sum(b for _, b in per_mb)
+        if st.rows:  # uneven: each replica at its own kind's pace on its own rows; the stage waits for the slowest
+            own = [_replica_cost(graph, nodes, c.device(x).kind, r / batch) for x, r in zip(st.devices, st.rows)]
+        else:
+            per_mb = [_kind_cost(graph, n, kinds, 1.0 / (m * d)) for n in nodes]
+            own = [(sum(f for f, _ in per_mb), sum(b for _, b in per_mb))] * d
+        fwd, bwd = max(f for f, _ in own), max(b for _, b in own)
         recs = [graph.node(n) for n in nodes]
         params = sum(r.param_bytes for r in recs) + tied_elsewhere(
             ((n, graph.node(n).params) for n in graph.order), graph.param_sizes, set(nodes))
@@ -243,31 +271,41 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
                 inputs.update(e["producers"])
             if owner[u] == st.index and owner[v] != st.index:
                 sends.setdefault(owner[v], {}).update(e["producers"])
-        host_is_device = all(c.device(x).is_cpu for x in st.devices)
-        mem = device_memory(param_bytes=params, activation_bytes=acts, input_bytes=sum(inputs.values()),
-                            dtype_bytes=dtype_bytes(dtype), replicas=d, zero=st.zero, microbatches=m,
-                            in_flight=in_flight(plan.schedule, m, s_count - st.index - 1),
-                            recompute=st.recompute, swapped_bytes=swapped,
-                            offload_optimizer=st.offload_optimizer, host_is_device=host_is_device)
         shared = tied_shared(((n, graph.node(n).params) for n in graph.order), graph.param_sizes, set(nodes))
-        mem = replace(mem, grads=mem.grads + shared) if shared else mem  # the tied gradients' flat buffer
+        mems = []
+        for j, x in enumerate(st.devices):
+            mem = device_memory(param_bytes=params, activation_bytes=acts, input_bytes=sum(inputs.values()),
+                                dtype_bytes=dtype_bytes(dtype), replicas=d, zero=st.zero, microbatches=m,
+                                in_flight=in_flight(plan.schedule, m, s_count - st.index - 1),
+                                recompute=st.recompute, swapped_bytes=swapped,
+                                offload_optimizer=st.offload_optimizer, host_is_device=c.device(x).is_cpu,
+                                share=(st.rows[j], batch) if st.rows else None)
+            mems.append(replace(mem, grads=mem.grads + shared) if shared else mem)  # the tied gradients' buffer
+            if not st.rows and all(c.device(y).is_cpu == c.device(x).is_cpu for y in st.devices):
+                mems = [mems[0]] * d  # equal replicas hold equal bytes
+                break
         send_ms = []
         for j, prods in sorted(sends.items()):
             dst = plan.stages[j]
-            pieces = min(d, len(dst.devices))
+            # the largest piece one device sends or receives: its share of a microbatch's rows, in either split
+            nbytes = sum(prods.values()) * max(max(_rows(st, m, batch)), max(_rows(dst, m, batch))) / batch \
+                if st.rows or dst.rows else sum(prods.values()) / (m * min(d, len(dst.devices)))
             link = link_spec(c, st.devices[0], dst.devices[0])
-            send_ms.append((j, transfer_ms(cost_models.p2p_ms, sum(prods.values()) / (m * pieces), link)))
+            send_ms.append((j, transfer_ms(cost_models.p2p_ms, nbytes, link)))
         host = host_link_spec(c.device(st.devices[0]))
-        swap_ms = transfer_ms(cost_models.p2p_ms, swapped / (m * d), host) if swapped else 0.0
+        most = max(_rows(st, m, batch)) / batch  # the largest replica's share of the batch per microbatch
+        swap_ms = transfer_ms(cost_models.p2p_ms, swapped * most if st.rows else swapped / (m * d), host) \
+            if swapped else 0.0
         opt_ms = optimizer_ms(params, d, st.zero, max(graph.optimizer_ms_per_byte(k) for k in kinds))
         rate = stream_bytes_per_ms(graph, kinds)
         copy = copy_ms(params, d, rate, st.zero)
         group = min((link_spec(c, st.devices[0], x) for x in st.devices[1:]), key=lambda sp: sp.gbps) \
             if d > 1 else None
-        fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts, m, d, rate)
+        fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts * most * m * d if st.rows else acts, m, d, rate)
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms),
-                             sync_ms(params, d, st.zero, st.offload_optimizer, group, host) + copy, mem, opt_ms,
-                             fwd_stream, bwd_stream, copy))
+                             sync_ms(params, d, st.zero, st.offload_optimizer, group, host) + copy,
+                             max(mems, key=lambda b: b.total), opt_ms, fwd_stream, bwd_stream, copy,
+                             tuple(mems), tuple(own)))
     return tuple(out)
 
 
@@ -487,10 +525,10 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
     for i, st in enumerate(plan.stages):
         cst = costs[i]
         last = lasts[i]
-        mem = cst.memory
-        for dev in st.devices:
+        for j, dev in enumerate(st.devices):
+            mem = cst.device_memory[j] if cst.device_memory else cst.memory
             ev = deltas.setdefault(dev, [(0.0, mem.static)])
-            for bar in _stage_bars(dev, i, cst, done, m):
+            for bar in _stage_bars(dev, i, cst, done, m, j):
                 bars.append(bar)
             for k in range(m):
                 f_end = done[(True, i, k)][1]
@@ -522,7 +560,32 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
 
 
 def _stage_bars(dev: str, i: int, cst: StageCost, done: dict[tuple[bool, int, int], tuple[float, float]],
-                m: int) -> Iterator[Interval]:
+                m: int, replica: int = 0) -> Iterator[Interval]:
+    """The compute bars of replica ``replica`` of stage ``i``: a replica faster than the stage's slowest (uneven
+    rows, or a faster kind beside a slower one) ends each operation early and waits for the rest."""
+    own = cst.replica_ms[replica] if cst.replica_ms else (cst.fwd_ms, cst.bwd_ms)
+    if own == (cst.fwd_ms, cst.bwd_ms):
+        yield from _slowest_bars(dev, i, cst, done, m)
+        return
+    f_share = own[0] / cst.fwd_ms if cst.fwd_ms > 0 else 1.0
+    b_share = (own[0] * bool(cst.recompute_ms) + own[1]) / (cst.recompute_ms + cst.bwd_ms) \
+        if cst.recompute_ms + cst.bwd_ms > 0 else 1.0
+    for k in range(m):
+        fs, fe = done[(True, i, k)]
+        yield Interval(dev, fs, fs + (fe - fs) * f_share, EventKind.FORWARD, k, i)
+        bs, be = done[(False, i, k)]
+        be = bs + (be - bs) * b_share
+        rec = own[0] * (be - bs) / (own[0] + own[1]) if cst.recompute_ms and own[0] + own[1] > 0 else 0.0
+        if cst.recompute_ms:
+            yield Interval(dev, bs, bs + rec, EventKind.RECOMPUTE, k, i)
+        yield Interval(dev, bs + rec, be, EventKind.BACKWARD, k, i)
+        if cst.swap_ms:
+            yield Interval(dev, fe, fe + cst.swap_ms, EventKind.SWAP, k, i)
+            yield Interval(dev, bs - cst.swap_ms, bs, EventKind.SWAP, k, i)
+
+
+def _slowest_bars(dev: str, i: int, cst: StageCost, done: dict[tuple[bool, int, int], tuple[float, float]],
+                  m: int) -> Iterator[Interval]:
     for k in range(m):
         fs, fe = done[(True, i, k)]
         yield Interval(dev, fs, fe, EventKind.FORWARD, k, i)
@@ -570,8 +633,7 @@ def annotate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[Plan
     """
     r = simulate(plan, graph, dtype)
     stages = tuple(
-        Stage(st.index, st.devices, st.nodes, st.zero, st.recompute, st.swap, st.offload_optimizer,
-              StagePrediction(c.fwd_ms * x, (c.recompute_ms + c.bwd_ms) * x, c.memory.total, b))
+        replace(st, predicted=StagePrediction(c.fwd_ms * x, (c.recompute_ms + c.bwd_ms) * x, c.memory.total, b))
         for st, c, x, b in zip(plan.stages, r.stages, r.contention, r.stage_bubbles))
     new = Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, stages,
                PlanPrediction(r.step_ms, r.bottleneck_stage, r.bubble), plan.solver, plan.precision)

@@ -40,7 +40,10 @@ The memory of one device of a stage replicated over ``d`` devices, at its peak
   (Narayanan et al., SOSP 2019). With recompute (checkpointing) only the
   stage's input is kept per microbatch in flight, plus one microbatch's
   activations while its backward runs; swapped activations leave the device
-  after the forward and come back for one microbatch's backward.
+  after the forward and come back for one microbatch's backward. A replica
+  given its own rows (uneven data parallelism, ``share``) holds
+  ``A * rows / batch`` per microbatch instead; :func:`choose_rows` picks those
+  rows so that the replicas finish together and each fits.
 
 Times (milliseconds), per step:
 
@@ -75,7 +78,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Union
+import heapq
+from typing import Callable, NamedTuple, Sequence, Union
 
 import numpy as np
 
@@ -86,7 +90,7 @@ from .ir import Schedule, base_kind
 from .memory import MemoryBreakdown, ZeroStage
 
 __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "copy_ms",
-           "optimizer_ms", "stream_ms", "stream_bytes_per_ms"]
+           "optimizer_ms", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows"]
 
 # A count or a duration: a Python scalar for one stage, a numpy array for many candidates at once.
 Value = Union[int, float, np.ndarray]
@@ -143,7 +147,7 @@ class MemoryParts(NamedTuple):
 def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Value, dtype_bytes: int,
                  replicas: int, zero: ZeroStage | int, microbatches: int, recompute: bool = False,
                  swapped_bytes: Value = 0, offload_optimizer: bool = False,
-                 host_is_device: bool = False) -> MemoryParts:
+                 host_is_device: bool = False, share: tuple[int, int] | None = None) -> MemoryParts:
     """Per-device memory of a stage (see the module docstring), on ints or int64 arrays alike.
 
     Args:
@@ -158,6 +162,9 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
         swapped_bytes: activation bytes (whole batch) swapped to host memory.
         offload_optimizer: keep the Adam state in host memory.
         host_is_device: the device is the host CPU, so offload and swap save nothing.
+        share: ``(rows, batch)``: this replica trains on ``rows`` of each microbatch, of the ``batch`` rows of
+            the whole step (uneven data parallelism); its activations are ``rows / batch`` of the stage's.
+            None: the equal split, ``1 / (M d)``.
 
     Returns:
         The parts, each of the form of ``param_bytes`` and ``activation_bytes``.
@@ -172,10 +179,14 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
     if offload_optimizer and not host_is_device:
         host, opt = opt, p * 0
     per = max(1, microbatches) * d
-    act = activation_bytes // per
-    swapped = activation_bytes * 0 if host_is_device else _minimum(swapped_bytes, activation_bytes) // per
+
+    def one(x: Value) -> Value:  # what one microbatch on this replica holds of a whole-batch size
+        return x // per if share is None else x * share[0] // max(1, share[1])
+
+    act = one(activation_bytes)
+    swapped = activation_bytes * 0 if host_is_device else one(_minimum(swapped_bytes, activation_bytes))
     if recompute:
-        stored, working = _minimum(input_bytes // per, act), act
+        stored, working = _minimum(one(input_bytes), act), act
     else:
         stored, working = act - swapped, swapped
     return MemoryParts(params, grads, opt, stored, working, host)
@@ -184,13 +195,13 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
 def device_memory(*, param_bytes: int, activation_bytes: int, input_bytes: int, dtype_bytes: int,
                   replicas: int, zero: ZeroStage | int, microbatches: int, in_flight: int,
                   recompute: bool = False, swapped_bytes: int = 0, offload_optimizer: bool = False,
-                  host_is_device: bool = False) -> MemoryBreakdown:
+                  host_is_device: bool = False, share: tuple[int, int] | None = None) -> MemoryBreakdown:
     """Peak memory of one device of a stage: :func:`memory_parts` with the microbatches in flight.
 
     Args:
         in_flight: microbatches whose activations are alive at the peak (:func:`in_flight`).
         param_bytes, activation_bytes, input_bytes, dtype_bytes, replicas, zero, microbatches, recompute,
-            swapped_bytes, offload_optimizer, host_is_device: as for :func:`memory_parts` (scalars here).
+            swapped_bytes, offload_optimizer, host_is_device, share: as for :func:`memory_parts` (scalars here).
 
     Returns:
         The breakdown.
@@ -198,7 +209,7 @@ def device_memory(*, param_bytes: int, activation_bytes: int, input_bytes: int, 
     m = memory_parts(param_bytes=param_bytes, activation_bytes=activation_bytes, input_bytes=input_bytes,
                      dtype_bytes=dtype_bytes, replicas=replicas, zero=zero, microbatches=microbatches,
                      recompute=recompute, swapped_bytes=swapped_bytes, offload_optimizer=offload_optimizer,
-                     host_is_device=host_is_device)
+                     host_is_device=host_is_device, share=share)
     return MemoryBreakdown(m.params, m.grads, m.optimizer, m.stored, m.working, max(1, in_flight), m.host)
 
 
@@ -351,3 +362,76 @@ def stream_bytes_per_ms(graph: CostGraph, kinds: list[str]) -> float:
         except cost_models.UnknownDeviceKind:
             rates.append(float("inf"))
     return min(rates)
+
+
+def even_rows(total: int, replicas: int) -> tuple[float, ...]:
+    """The rows of one microbatch each of ``replicas`` equal replicas trains on (``total / replicas`` each; a
+    fraction where it does not divide, as the cost model's ``1 / (M d)`` assumes).
+
+    Example:
+        >>> even_rows(8, 2)
+        (4.0, 4.0)
+    """
+    return (total / max(1, replicas),) * max(1, replicas)
+
+
+def choose_rows(fixed_ms: Sequence[float], per_row_ms: Sequence[float], total: int,
+                caps: Sequence[int | None] | None = None) -> tuple[int, ...]:
+    """Integer rows of one microbatch for each replica of a stage, so that the slowest replica is as fast as it
+    can be and each holds no more rows than fit its memory (uneven data parallelism).
+
+    Replica ``i`` takes ``fixed_ms[i] + per_row_ms[i] * r`` for ``r`` rows (the cost model's fixed part per
+    microbatch plus a part per row, :meth:`hpml_compile.ir.NodeCost.at`), so with no fixed parts the best
+    rows are proportional to each replica's speed, ``1 / per_row_ms[i]``. Rounding those to integers is what
+    costs: this gives every replica one row (a replica with none would not be one) and then hands out the
+    remaining rows one at a time, each to the replica that would finish it soonest. Each replica's time grows
+    with its rows, so the times the rows are handed out at form, per replica, an increasing sequence, and the
+    ``total - n`` smallest values of all of them are what the greedy takes; any other split takes a value at
+    least as large somewhere, so no integer split has a faster slowest replica (this is exact, not a
+    rounding heuristic). Ties go to the replica listed first. ``O(total log n)``.
+
+    Args:
+        fixed_ms: per replica, the milliseconds a microbatch costs whatever its rows.
+        per_row_ms: per replica, the milliseconds per row (> 0 for a replica that may get more than one).
+        total: rows of one microbatch (the profile's batch over the microbatch count).
+        caps: per replica, the most rows that fit its memory (None: no limit).
+
+    Returns:
+        Rows per replica, in order, summing to ``total``, each at least 1 and at most its cap.
+
+    Raises:
+        ValueError: lengths differ, ``total`` is below the replica count, a cap is below 1, or the caps
+            together hold fewer than ``total`` rows (the message says which).
+
+    Example:
+        >>> choose_rows([0.0, 0.0], [1.0, 3.0], 8)  # 3x faster replica: 6 rows against 2
+        (6, 2)
+        >>> choose_rows([0.0, 0.0], [1.0, 3.0], 8, caps=[5, None])  # the fast one holds only 5
+        (5, 3)
+        >>> choose_rows([4.0, 0.0], [1.0, 1.0], 8)  # a fixed cost of 4 rows' time: the other takes 4 more
+        (2, 6)
+    """
+    n = len(fixed_ms)
+    limit = list(caps) if caps is not None else [None] * n
+    if len(per_row_ms) != n or len(limit) != n:
+        raise ValueError(f"choose_rows: {n} fixed costs, {len(per_row_ms)} per-row costs and {len(limit)} caps; "
+                         "give one of each per replica")
+    if n == 0 or total < n:
+        raise ValueError(f"choose_rows: {total} rows cannot give each of {n} replicas at least one; use fewer "
+                         "replicas or more rows per microbatch (fewer microbatches)")
+    bad = [i for i, c in enumerate(limit) if c is not None and c < 1]
+    if bad:
+        raise ValueError(f"choose_rows: replica {bad[0]} fits no row in its memory (cap {limit[bad[0]]})")
+    room = sum(total if c is None else min(c, total) for c in limit)
+    if room < total:
+        raise ValueError(f"choose_rows: the replicas' memories hold {room} rows together, fewer than the {total} "
+                         "of a microbatch; add a device, use more microbatches, or enable ZeRO or recompute")
+    rows = [1] * n
+    heap = [(fixed_ms[i] + per_row_ms[i] * 2, i) for i in range(n) if limit[i] is None or limit[i] > 1]
+    heapq.heapify(heap)
+    for _ in range(total - n):
+        _, i = heapq.heappop(heap)
+        rows[i] += 1
+        if limit[i] is None or rows[i] < limit[i]:
+            heapq.heappush(heap, (fixed_ms[i] + per_row_ms[i] * (rows[i] + 1), i))
+    return tuple(rows)

@@ -53,7 +53,7 @@ from .report import human_bytes
 from .simulate import EventKind, SimResult, idle_intervals
 
 __all__ = ["STAGE_COLOURS", "stage_of_nodes", "plan_graph", "timeline_figure", "memory_figure", "write_pictures",
-           "device_order", "chart_rows", "device_names"]
+           "device_order", "chart_rows", "device_names", "rows_text"]
 
 # Qualitative, colour-blind-friendly fills (Okabe-Ito, lightened); stage k takes colour k mod len.
 STAGE_COLOURS: tuple[str, ...] = ("#9ecae1", "#fdae6b", "#a1d99b", "#fc9fb5", "#c6b3e0", "#f6e58d", "#bcbddc",
@@ -124,16 +124,35 @@ def chart_rows(plan: Plan, per_device: bool | None = None) -> list[tuple[str, st
     c = plan.cluster
     if per_device if per_device is not None else len(c.devices) <= 16:
         stage_of = {d: st.index for st in plan.stages for d in st.devices}
-        return [(f"{d} ({c.device(d).kind})\n" + (f"stage {stage_of[d]}" if d in stage_of else "unused"),
+        rows = {d: r for st in plan.stages for d, r in zip(st.devices, st.rows)}
+        return [(f"{d} ({c.device(d).kind})\n" + (f"stage {stage_of[d]}" if d in stage_of else "unused")
+                 + (f", {rows[d]} rows" if d in rows else ""),
                  d if d in stage_of else None, stage_of.get(d)) for d in device_order(plan)]
     rows: list[tuple[str, str | None, int | None]] = [
-        (f"{device_names(st.devices)}\n{c.device(st.devices[0]).kind}, stage {st.index}", st.devices[0], st.index)
+        (f"{device_names(st.devices)}\n{c.device(st.devices[0]).kind}, stage {st.index}"
+         + (f", rows {min(st.rows)}-{max(st.rows)}" if st.rows else ""), st.devices[0], st.index)
         for st in plan.stages]
     used = {d for st in plan.stages for d in st.devices}
     for kind in dict.fromkeys(d.kind for d in c.devices if d.name not in used):
         idle = [d.name for d in c.devices if d.name not in used and d.kind == kind]
         rows.append((f"{device_names(idle)}\n{kind}, unused", None, None))
     return rows
+
+
+def rows_text(st: Stage) -> str:
+    """The rows of each microbatch each replica of ``st`` trains on, e.g. ``rows per microbatch: gpu0 12,
+    gpu2 4`` (uneven data parallelism), or ``equal rows`` for a stage without them.
+
+    Example:
+        >>> rows_text(Stage(0, ("gpu0", "gpu2"), ("x",), rows=(12, 4)))
+        'rows per microbatch: gpu0 12, gpu2 4'
+    """
+    if not st.rows:
+        return "equal rows"
+    pairs = [f"{d} {r}" for d, r in zip(st.devices, st.rows)]
+    if len(pairs) > 6:
+        pairs = [*pairs[:2], "..", *pairs[-2:], f"({len(pairs)} replicas, {min(st.rows)}-{max(st.rows)})"]
+    return "rows per microbatch: " + ", ".join(pairs)
 
 
 def _stage_label(plan: Plan, st: Stage, result: SimResult | None) -> str:
@@ -144,6 +163,8 @@ def _stage_label(plan: Plan, st: Stage, result: SimResult | None) -> str:
     opts += [f"swap {len(st.swap)} nodes"] if st.swap else []
     opts += ["optimizer offload"] if st.offload_optimizer else []
     head = f"stage {st.index}: {device_names(st.devices)} ({kind_text})" + (f" | {', '.join(opts)}" if opts else "")
+    if st.rows:
+        head += "\\n" + rows_text(st)
     if result is None:
         return head
     c = result.stages[st.index]

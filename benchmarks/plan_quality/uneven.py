@@ -1,0 +1,116 @@
+"""Uneven data parallelism on mixed-kind clusters: today's best plan, the plan with mixed stages, peers, bound.
+
+For each zoo model and each mixed-kind cluster (``hetero-4``, ``hetero-cpu``
+and ``mix3-8``, 2 x A100-80GB + 3 x V100-32GB + 3 x T4 in ``mix3-8.json``
+beside this file) it prints, all scored by the one simulator:
+
+- ``ilp``: today's best plan (every stage on devices of one kind, equal rows);
+- ``uneven``: what the driver now returns, the fastest of ``ilp`` and the
+  candidates of :mod:`hpml_compile.solve.uneven` (stages mixing kinds, rows per
+  replica chosen by :func:`hpml_compile.stagecost.choose_rows`), and which
+  family won;
+- the peers' partitioners where importable (DeepSpeed, torchgpipe, scored as
+  in ``main.py``);
+- ``bound``: :func:`main.compute_bound`, the whole step's compute spread over
+  every device in proportion to its speed, communication free;
+- ``closed``: the share of the distance from ``ilp`` to the bound that
+  ``uneven`` closes (the goal: at least 0.5 where kinds can share a stage,
+  never negative).
+
+Run:
+    python benchmarks/plan_quality/uneven.py            # ~3-6 min on 2 busy cores
+    python benchmarks/plan_quality/uneven.py --quick    # gpt2-xl only
+Writes benchmarks/plan_quality/results/uneven.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from main import _deepspeed, _torchgpipe, best_peer_plan, compute_bound, graph_of  # noqa: E402
+
+from hpml_compile.cluster import load_cluster  # noqa: E402
+from hpml_compile.errors import InfeasibleError  # noqa: E402
+from hpml_compile.solve import solve  # noqa: E402
+from hpml_compile.solve.uneven import improve  # noqa: E402
+
+HERE = Path(__file__).parent
+# (zoo name, batch): gpt2-xl at batch 32 is the issue's reference pair (hetero-4: 919.5 ms against 799.0 ms)
+MODELS = [("gpt2-xl", 32), ("gpt2-small", 32), ("resnet50", 64), ("llama-7b", 8), ("resnet50", 256), ("gpt2-small", 256)]
+CLUSTERS = ["hetero-4", "hetero-cpu", str(HERE / "mix3-8.json")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="gpt2-xl only")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="ILP and uneven-search time limit per pair")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "uneven.json")
+    args = ap.parse_args()
+    t_start = time.time()
+    peers = {}
+    for name, got in (("deepspeed", _deepspeed()), ("torchgpipe", _torchgpipe())):
+        if isinstance(got, str):
+            print(f"note: {got}")
+        else:
+            peers[name] = got
+    clusters = {load_cluster(c).name: load_cluster(c) for c in CLUSTERS}
+    kinds = sorted({d.kind for c in clusters.values() for d in c.devices})
+    head = (f"{'model':11s} {'cluster':11s} {'ilp ms':>9s} {'uneven ms':>10s} {'won':>15s} "
+            + "".join(f"{p:>11s}" for p in peers) + f" {'bound ms':>9s} {'closed':>7s}  uneven plan")
+    print(head + "\n" + "-" * len(head))
+    rows: list[dict[str, Any]] = []
+    for name, batch in (MODELS[:1] if args.quick else MODELS):
+        graph = graph_of(name, batch, kinds)
+        for cname, cluster in clusters.items():
+            row: dict[str, Any] = {"model": name, "batch": batch, "cluster": cname}
+            t0 = time.perf_counter()
+            try:
+                base = solve(graph, cluster, solver="ilp", time_limit_s=args.time_limit)
+            except InfeasibleError as e:
+                print(f"{name:11s} {cname:11s} infeasible for every planner: {str(e).splitlines()[0][:90]}")
+                rows.append({**row, "infeasible": str(e).splitlines()[0]})
+                continue
+            row["ilp_seconds"] = round(time.perf_counter() - t0, 2)
+            t0 = time.perf_counter()
+            got = improve(graph, cluster, base, time_limit_s=args.time_limit)
+            row["uneven_seconds"] = round(time.perf_counter() - t0, 2)
+            bound = compute_bound(graph, cluster)
+            ilp, unev = base.predicted.step_ms, got.plan.predicted.step_ms
+            row.update(ilp_ms=ilp, uneven_ms=unev, won=got.chosen, candidates=got.tried, bound_ms=bound,
+                       closed=(ilp - unev) / (ilp - bound) if ilp > bound else None,
+                       plan=[{"devices": list(s.devices), "rows": list(s.rows), "zero": int(s.zero),
+                              "recompute": s.recompute} for s in got.plan.stages],
+                       microbatches=got.plan.microbatches)
+            for p, fn in peers.items():
+                try:
+                    row[p] = best_peer_plan(graph, cluster, p, fn)[0].predicted.step_ms
+                except InfeasibleError:
+                    row[p] = None
+            rows.append(row)
+            shape = " | ".join(f"{','.join(s.devices)}" + (f" rows {list(s.rows)}" if s.rows else "")
+                               for s in got.plan.stages)
+            print(f"{name:11s} {cname:11s} {ilp:9.5g} {unev:10.5g} {got.chosen:>15s} "
+                  + "".join(f"{row[p]:11.5g}" if row[p] else f"{'-':>11s}" for p in peers)
+                  + f" {bound:9.5g} {row['closed'] if row['closed'] is not None else 0:7.2f}  "
+                  + f"M={got.plan.microbatches}: {shape}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "benchmark": "plan_quality/uneven", "models": MODELS[:1] if args.quick else MODELS, "clusters": list(clusters),
+        "time_limit_s": args.time_limit, "peers": list(peers), "rows": rows,
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                    "torch": torch.__version__},
+        "seconds": round(time.time() - t_start, 1)}, indent=1))
+    print(f"wrote {args.out} ({time.time() - t_start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,429 @@
+"""Uneven data parallelism: plans whose stages' replicas are devices of different kinds, each with its own rows.
+
+The solvers (:mod:`.ilp`, :mod:`.dp`, :mod:`.lagrange`) place a stage on
+devices of one kind with equal rows each, so on a mixed cluster an A100 and a
+V100 can never share a stage. This module proposes plans that do, and scores
+each with the simulator (:func:`hpml_compile.simulate.annotate`), the one cost
+model every plan is compared on; :func:`improve` returns the fastest of them
+and the solver's own plan, so its result is never slower than the solver's.
+It is a separate pass over the solver's result rather than a change to the
+candidate table: a mixed group's cost depends on the rows its replicas get,
+which the table's per-(range, kind, degree) prices cannot express.
+
+Rows come from :func:`hpml_compile.stagecost.choose_rows`: each replica's time
+for ``r`` rows is its kind's fixed part plus ``r`` times its per-row part
+(:meth:`hpml_compile.ir.NodeCost.at`), and each is capped at the most rows its
+memory holds (the plan validator's own memory model, so a plan made here
+passes :func:`hpml_compile.plan.validate_plan`).
+
+The candidates, for every microbatch count that splits the batch into at
+least one row per replica:
+
+- ``data-parallel``: one stage over every device, or over the fastest ``k``
+  (a device too slow to pay its share of the fixed costs is better left out);
+- ``extend``: the solver's plan with each idle device added to the stage it
+  helps most, greedily, until none helps;
+- ``merge``: the solver's plan with neighbouring stages merged into one over
+  both groups (a shorter pipeline, a smaller bubble, for a gradient sync);
+- ``mixed-pipeline``: ``S`` stages, each a group of devices of about equal
+  total speed (devices dealt out fastest first, back and forth), the chain cut
+  so that each stage's time is balanced.
+
+Each stage takes the first memory configuration (ZeRO 0, 1, 2, then recompute)
+under which every replica fits at least one row and the group all the rows;
+offload and swap are not tried. What was chosen is written into the plan's
+solver name (``ilp+uneven:data-parallel``) and returned by :func:`improve`.
+
+Example:
+    >>> from hpml_compile.solve import solve
+    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> g = chain_graph([{"fast": (1.0, 2.0), "slow": (3.0, 6.0)}] * 4)
+    >>> c = cluster_of(["fast", "slow"])
+    >>> best = improve(g, c, solve(g, c, solver="dp", microbatches=2))
+    >>> best.plan.stages[0].rows, best.chosen
+    ((768, 256), 'data-parallel')
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+from ..costgraph import CostGraph
+from ..errors import HpmlError
+from ..ir import Cluster, Device
+from ..memory import ZeroStage, dtype_bytes, tied_elsewhere, tied_shared
+from ..plan import Plan, Schedule, SolverInfo, SolverStatus, Stage
+from ..simulate import annotate
+from ..stagecost import choose_rows, device_memory, in_flight
+from .baselines import balanced_cuts
+from .candidates import Chain
+
+__all__ = ["CONFIGS", "Uneven", "stage_rows", "improve", "data_parallel", "extend", "merge", "mixed_pipeline"]
+
+#: Memory configurations tried per stage, cheapest first: ``(ZeRO stage, recompute)``.
+CONFIGS: tuple[tuple[ZeroStage, bool], ...] = (
+    (ZeroStage.NONE, False), (ZeroStage.OS, False), (ZeroStage.OS_G, False),
+    (ZeroStage.NONE, True), (ZeroStage.OS, True), (ZeroStage.OS_G, True))
+
+
+@dataclass(frozen=True, slots=True)
+class Uneven:
+    """What :func:`improve` chose.
+
+    Attributes:
+        plan: the fastest plan (the solver's own when nothing beat it).
+        chosen: ``"solver"``, or the family of the winning candidate (``data-parallel``, ``extend``,
+            ``mixed-pipeline``).
+        base_ms: the solver's plan's simulated step.
+        tried: candidate plans simulated.
+    """
+
+    plan: Plan
+    chosen: str
+    base_ms: float
+    tried: int
+
+
+def _members(graph: CostGraph, blocks: Sequence[str]) -> tuple[str, ...]:
+    return tuple(m for b in blocks for m in graph.node(b).members)
+
+
+def _sizes(graph: CostGraph, blocks: Sequence[str]) -> tuple[int, int, int, int]:
+    """``(parameter bytes with tied copies, activation bytes, input bytes, tied gradient buffer)`` of a stage
+    made of ``blocks``, as :func:`hpml_compile.simulate.stage_costs` counts them."""
+    inside = set(blocks)
+    users = [(n, graph.node(n).params) for n in graph.order]
+    params = sum(graph.node(b).param_bytes for b in blocks) + tied_elsewhere(users, graph.param_sizes, inside)
+    acts = sum(graph.node(b).activation_bytes for b in blocks)
+    inputs: dict[str, int] = {}
+    for u, v, e in graph.graph.edges(data=True):
+        if v in inside and u not in inside:
+            inputs.update(e["producers"])
+    return params, acts, sum(inputs.values()), tied_shared(users, graph.param_sizes, inside)
+
+
+def _cap(dev: Device, sizes: tuple[int, int, int, int], *, rows: int, batch: int, replicas: int, zero: ZeroStage,
+         recompute: bool, microbatches: int, flight: int, dtype: str) -> int:
+    """The most rows of a microbatch (up to ``rows``) whose activations fit ``dev`` beside the stage's
+    parameters, gradients and optimizer state (0: not even one)."""
+    params, acts, inputs, shared = sizes
+
+    def need(r: int) -> int:
+        return device_memory(param_bytes=params, activation_bytes=acts, input_bytes=inputs,
+                             dtype_bytes=dtype_bytes(dtype), replicas=replicas, zero=zero,
+                             microbatches=microbatches, in_flight=flight, recompute=recompute,
+                             host_is_device=dev.is_cpu, share=(r, batch)).total + shared
+
+    if need(1) > dev.memory_bytes:
+        return 0
+    lo, hi = 1, rows  # need grows with r: the largest r that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid) <= dev.memory_bytes else (lo, mid - 1)
+    return lo
+
+
+def stage_rows(graph: CostGraph, cluster: Cluster, blocks: Sequence[str], devices: Sequence[str], *,
+               microbatches: int, schedule: Schedule, index: int, stages: int, zero: ZeroStage | int = 0,
+               recompute: bool = False, dtype: str = "float32") -> tuple[int, ...] | None:
+    """Rows per microbatch for each of ``devices`` running the graph blocks ``blocks`` as stage ``index`` of
+    ``stages``: the replicas finish together (:func:`~hpml_compile.stagecost.choose_rows`) and each fits.
+
+    Args:
+        graph: the cost graph (its ``batch_size`` is the step's rows).
+        cluster: the devices.
+        blocks: graph nodes of the stage.
+        devices: the stage's devices, of any kinds.
+        microbatches: ``M`` (must divide the batch).
+        schedule: the pipeline schedule (how many microbatches a stage holds at its peak).
+        index: the stage's position.
+        stages: how many stages the plan has.
+        zero: the stage's ZeRO stage.
+        recompute: activation checkpointing of the stage.
+        dtype: parameter dtype.
+
+    Returns:
+        Rows per device, or None when they cannot fit (a device holds not even one row, or all of them hold
+        fewer than a microbatch).
+
+    Raises:
+        HpmlError: ``microbatches`` does not split the batch into whole rows.
+    """
+    batch = graph.batch_size
+    if batch % microbatches:
+        raise HpmlError(f"uneven rows: {microbatches} microbatches do not split the batch of {batch} into whole rows")
+    total = batch // microbatches
+    if total < len(devices):
+        return None
+    sizes = _sizes(graph, blocks)
+    flight = int(in_flight(Schedule(schedule), microbatches, stages - index - 1))
+    fixed, per_row, caps = [], [], []
+    for name in devices:
+        dev = cluster.device(name)
+        f = b = ff = bf = 0.0
+        for blk in blocks:
+            full, fix = graph.node(blk).cost[dev.kind], graph.node(blk).fixed_at(dev.kind)
+            f, b, ff, bf = f + full[0], b + full[1], ff + fix[0], bf + fix[1]
+        rec = 1.0 if recompute else 0.0
+        fixed.append(ff * (1 + rec) + bf)
+        per_row.append(((f - ff) * (1 + rec) + (b - bf)) / batch)
+        caps.append(_cap(dev, sizes, rows=total, batch=batch, replicas=len(devices), zero=ZeroStage(zero),
+                         recompute=recompute, microbatches=microbatches, flight=flight, dtype=dtype))
+    try:
+        return choose_rows(fixed, per_row, total, caps)
+    except ValueError:
+        return None
+
+
+def _speed(graph: CostGraph, dev: Device) -> float:
+    """Whole-batch steps per millisecond of ``dev`` on the model (fwd + bwd), the dealing order's key."""
+    return 1.0 / max(1e-12, graph.total("", kind=dev.kind))
+
+
+def _build(graph: CostGraph, cluster: Cluster, groups: Sequence[Sequence[str]], cuts: Sequence[int],
+           microbatches: int, schedule: Schedule, dtype: str, name: str,
+           configs: Sequence[tuple[ZeroStage, bool]] = CONFIGS) -> Plan | None:
+    """A plan of stage ``i`` = blocks ``order[cuts[i]:cuts[i+1]]`` on ``groups[i]``, each with the first
+    configuration of ``configs`` whose rows fit (None if one stage fits under none)."""
+    order = graph.order
+    stages = []
+    for i, devs in enumerate(groups):
+        blocks = order[cuts[i]:cuts[i + 1]]
+        for zero, rec in configs:
+            if zero and len(devs) == 1:
+                continue
+            rows = stage_rows(graph, cluster, blocks, devs, microbatches=microbatches, schedule=schedule, index=i,
+                              stages=len(groups), zero=zero, recompute=rec, dtype=dtype)
+            if rows is not None:
+                even = len(set(rows)) == 1 and len({cluster.device(d).kind for d in devs}) == 1
+                stages.append(Stage(i, tuple(devs), _members(graph, blocks), zero, rec,
+                                    rows=() if even else rows))
+                break
+        else:
+            return None
+    return Plan(graph.model, cluster, schedule, microbatches, tuple(stages), solver=SolverInfo(name))
+
+
+def _counts(graph: CostGraph, fewest_rows: int, microbatches: int | None) -> list[int]:
+    """Microbatch counts to try: the given one, else the divisors of the batch up to 64 that leave at least
+    ``fewest_rows`` rows per microbatch."""
+    if microbatches:
+        return [microbatches]
+    b = graph.batch_size
+    return [m for m in range(1, min(b, 64) + 1) if b % m == 0 and b // m >= fewest_rows]
+
+
+Score = Callable[[Plan], float]
+
+
+def data_parallel(graph: CostGraph, cluster: Cluster, score: Score, *, microbatches: int | None = None,
+                  schedule: Schedule = Schedule.ONE_F_ONE_B, dtype: str = "float32") -> list[Plan]:
+    """One stage over the fastest ``k`` devices (``k`` = 2 .. all), uneven rows; the best plan per ``k``."""
+    fast = sorted(cluster.devices, key=lambda d: -_speed(graph, d))
+    out = []
+    for k in range(2, len(fast) + 1):
+        devs = [d.name for d in fast[:k]]
+        best: tuple[float, Plan] | None = None
+        for m in _counts(graph, k, microbatches):
+            for first in range(len(CONFIGS)):  # one stage: each configuration that fits, not only the first
+                p = _build(graph, cluster, [devs], [0, len(graph.order)], m, schedule, dtype, "data-parallel",
+                           CONFIGS[first:])
+                if p is None:
+                    break
+                t = score(p)
+                if best is None or t < best[0]:
+                    best = (t, p)
+        if best:
+            out.append(best[1])
+    return out
+
+
+def mixed_pipeline(graph: CostGraph, cluster: Cluster, score: Score, *, microbatches: int | None = None,
+                   schedule: Schedule = Schedule.ONE_F_ONE_B, dtype: str = "float32",
+                   max_stages: int = 8) -> list[Plan]:
+    """``S`` stages (2 .. ``max_stages``, at most half the devices), each a group of about equal speed with
+    devices of several kinds, the chain cut to balance time; the best plan per ``S``."""
+    chain = Chain.of(graph)
+    fast = sorted(cluster.devices, key=lambda d: -_speed(graph, d))
+    kind = fast[0].kind
+    weights = [sum(graph.node(n).cost[kind]) for n in graph.order]
+    out = []
+    for s in range(2, min(max_stages, len(fast) // 2) + 1):
+        groups: list[list[str]] = [[] for _ in range(s)]
+        for i, d in enumerate(fast):  # deal fastest first, back and forth: groups of about equal speed
+            r = i % (2 * s)
+            groups[r if r < s else 2 * s - 1 - r].append(d.name)
+        cuts = balanced_cuts(chain, s, weights)
+        if len(cuts) - 1 != s:
+            continue
+        best: tuple[float, Plan] | None = None
+        for m in _counts(graph, max(len(g) for g in groups), microbatches):
+            p = _build(graph, cluster, groups, cuts, m, schedule, dtype, "mixed-pipeline")
+            if p is not None:
+                t = score(p)
+                if best is None or t < best[0]:
+                    best = (t, p)
+        if best:
+            out.append(best[1])
+    return out
+
+
+def extend(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, dtype: str = "float32") -> list[Plan]:
+    """``base`` with idle devices added, one at a time, each to the stage where it shortens the step most
+    (rows chosen again for that stage), until no idle device helps; [] when none ever does."""
+    blocks_of = _stage_blocks(graph, base)
+    current, best_t = base, score(base)
+    idle = [d.name for d in cluster.devices if d.name not in {x for st in base.stages for x in st.devices}]
+    improved = False
+    while idle:
+        found: tuple[float, Plan, str] | None = None
+        for dev in idle:
+            for st in current.stages:
+                devs = [*st.devices, dev]
+                for zero, rec in [(st.zero, st.recompute), *CONFIGS]:
+                    rows = stage_rows(graph, cluster, blocks_of[st.index], devs, microbatches=current.microbatches,
+                                      schedule=current.schedule, index=st.index, stages=len(current.stages),
+                                      zero=zero, recompute=rec, dtype=dtype)
+                    if rows is None:
+                        continue
+                    even = len(set(rows)) == 1 and len({cluster.device(d).kind for d in devs}) == 1
+                    new = replace(st, devices=tuple(devs), rows=() if even else rows, zero=zero, recompute=rec,
+                                  swap=(), offload_optimizer=False)
+                    cand = replace(current, stages=tuple(new if x.index == st.index else x for x in current.stages),
+                                   solver=SolverInfo("extend"))
+                    t = score(cand)
+                    if t < best_t and (found is None or t < found[0]):
+                        found = (t, cand, dev)
+                    break
+        if found is None:
+            break
+        best_t, current, _ = found
+        idle.remove(found[2])
+        improved = True
+    return [current] if improved else []
+
+
+def merge(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, microbatches: int | None = None,
+          dtype: str = "float32") -> list[Plan]:
+    """``base``'s stages with neighbours merged into one stage over both groups (rows chosen again, the
+    kinds mixed where they differ): a shorter pipeline, so a smaller bubble, for a gradient sync; greedily,
+    the merge that shortens the step most first, at every microbatch count that leaves the merged groups
+    a row per replica. [] when no merge helps."""
+    blocks_of = _stage_blocks(graph, base)
+    base_cuts = [0]
+    for blocks in blocks_of:
+        base_cuts.append(base_cuts[-1] + len(blocks))
+    best_t, out = score(base), []
+    for m in _counts(graph, 1, microbatches):
+        groups, cuts = [list(st.devices) for st in base.stages], list(base_cuts)
+        current: Plan | None = None
+        while len(groups) > 1:
+            found: tuple[float, Plan, int] | None = None
+            for i in range(len(groups) - 1):
+                g2 = [*groups[:i], groups[i] + groups[i + 1], *groups[i + 2:]]
+                if graph.batch_size // m < max(len(g) for g in g2):
+                    continue
+                p = _build(graph, cluster, g2, [*cuts[:i + 1], *cuts[i + 2:]], m, base.schedule, dtype, "merge")
+                t = score(p) if p is not None else float("inf")
+                if p is not None and (found is None or t < found[0]):
+                    found = (t, p, i)
+            if found is None or (current is not None and found[0] >= score(current)):
+                break
+            _, current, i = found
+            groups = [*groups[:i], groups[i] + groups[i + 1], *groups[i + 2:]]
+            cuts = [*cuts[:i + 1], *cuts[i + 2:]]
+        if current is not None and score(current) < best_t:
+            best_t = score(current)
+            out = [current]
+    return out
+
+
+def _stage_blocks(graph: CostGraph, plan: Plan) -> list[list[str]]:
+    where = {n: st.index for st in plan.stages for n in st.nodes}
+    out: list[list[str]] = [[] for _ in plan.stages]
+    for b in graph.order:
+        owners = {where[m] for m in graph.node(b).members}
+        if len(owners) != 1:
+            raise HpmlError(f"uneven rows: graph block {b!r} spans stages {sorted(owners)}; use the graph the plan "
+                            "was solved on")
+        out[owners.pop()].append(b)
+    return out
+
+
+class _OutOfTime(Exception):
+    """The search's time limit passed: the best plan scored so far stands."""
+
+
+def improve(graph: CostGraph, cluster: Cluster, base: Plan, *, dtype: str = "float32",
+            microbatches: int | None = None, time_limit_s: float = 10.0,
+            progress: Callable[[str], None] | None = None) -> Uneven:
+    """The fastest of ``base`` and the uneven candidates (module docstring), all scored by the simulator.
+
+    On a cluster of one device kind nothing is tried and ``base`` comes back: equal rows are already what
+    choose_rows gives equal devices, and which of them to group is the solver's own search. Every plan
+    scored counts, also one a family scores on its way, and past ``time_limit_s`` the search stops with the
+    best so far (many devices of several kinds make thousands of candidates).
+
+    Args:
+        graph: the cost graph ``base`` was solved on (each block within one stage of ``base``).
+        cluster: the devices.
+        base: the solver's plan (its schedule is kept; ``microbatches``, when given, is kept too).
+        dtype: parameter dtype.
+        microbatches: a count the user fixed (None: searched over the batch's divisors).
+        time_limit_s: when to stop trying candidates.
+        progress: called with a line saying what won.
+
+    Returns:
+        The chosen plan (with the simulator's predictions and, when a candidate won, solver name
+        ``<base>+uneven:<family>``, status ``heuristic``) and what was tried.
+    """
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit_s
+    say = progress or (lambda _: None)
+    seen: dict[int, tuple[Plan, float]] = {}
+    base_ms = base.predicted.step_ms if base.predicted.step_ms > 0 else annotate(base, graph, dtype)[1].step_ms
+    best: list[tuple[float, Plan]] = [(base_ms, base)]
+    seen[id(base)] = (base, base_ms)
+
+    def score(p: Plan) -> float:
+        if id(p) in seen:
+            return seen[id(p)][1]
+        if time.perf_counter() > deadline:
+            raise _OutOfTime
+        try:
+            t = annotate(p, graph, dtype)[1].step_ms
+        except HpmlError:
+            t = float("inf")
+        seen[id(p)] = (p, t)  # the plan is kept, so its id is not reused
+        if t < best[0][0]:
+            best[0] = (t, p)
+        return t
+
+    if len({d.kind for d in cluster.devices}) > 1:  # one kind: equal rows and the solver's own groups already
+        families: list[Callable[[], object]] = [
+            lambda: data_parallel(graph, cluster, score, microbatches=microbatches, schedule=base.schedule,
+                                  dtype=dtype),
+            lambda: extend(graph, cluster, base, score, dtype=dtype),
+            lambda: merge(graph, cluster, base, score, microbatches=microbatches, dtype=dtype),
+            lambda: mixed_pipeline(graph, cluster, score, microbatches=microbatches, schedule=base.schedule,
+                                   dtype=dtype)]
+        for family in families:
+            try:
+                family()
+            except _OutOfTime:
+                say(f"uneven: stopped at the time limit ({time_limit_s:g} s) after {len(seen)} candidate plans")
+                break
+    tried = len(seen)
+    if best[0][1] is base:
+        say(f"uneven: none of {tried} candidate plans beat {base.solver.name}'s {base_ms:.4g} ms")
+        return Uneven(base, "solver", base_ms, tried)
+    family_name = best[0][1].solver.name
+    annotated, _ = annotate(best[0][1], graph, dtype)
+    info = SolverInfo(f"{base.solver.name}+uneven:{family_name}", SolverStatus.HEURISTIC, 0.0,
+                      base.solver.seconds + time.perf_counter() - t0)
+    plan = replace(annotated, solver=info, precision=base.precision)
+    say(f"uneven: {family_name} {plan.predicted.step_ms:.4g} ms beats {base.solver.name}'s {base_ms:.4g} ms "
+        f"({tried} candidate plans)")
+    return Uneven(plan, family_name, base_ms, tried)
