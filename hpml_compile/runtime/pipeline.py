@@ -78,7 +78,8 @@ from .monitor import Monitor, StepMetrics, peak_memory, reset_peak_memory, split
 from .offload import offload_optimizer
 from .saved import GradPeak, SavedActivations
 from .session import CommFailure, RetryPolicy, Session
-from .zero import FIRST_BUCKET_BYTES, FlatGrads, FlatShard
+from ..memory import FIRST_BUCKET_BYTES
+from .zero import FlatGrads, FlatShard
 
 __all__ = ["Pipeline", "OptimizerArg"]
 

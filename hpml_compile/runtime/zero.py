@@ -116,29 +116,9 @@ from torch import Tensor, nn
 
 from ..codegen.comm import Comm
 from ..errors import HpmlError
-from ..memory import ZeroStage
+from ..memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, ZeroStage, bucket_ranges
 
-__all__ = ["FlatShard", "FlatGrads", "GradBuckets", "bucket_ranges", "shards_of", "full_optimizer_state", "optimizer_templates", "load_full_optimizer_state"]
-
-
-FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (small, so that the first launch comes early)
-BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb
-
-
-def bucket_ranges(numel: int, element_size: int, first_bytes: int = FIRST_BUCKET_BYTES,
-                  cap_bytes: int = BUCKET_BYTES) -> list[tuple[int, int]]:
-    """Element ranges ``[lo, hi)`` cutting ``[0, numel)`` from the top: the first of ``first_bytes``, then ``cap_bytes``.
-
-    >>> bucket_ranges(10, 4, first_bytes=8, cap_bytes=16)
-    [(8, 10), (4, 8), (0, 4)]
-    """
-    out: list[tuple[int, int]] = []
-    hi, size = numel, max(1, first_bytes // element_size)
-    while hi > 0:
-        lo = max(0, hi - size)
-        out.append((lo, hi))
-        hi, size = lo, max(1, cap_bytes // element_size)
-    return out
+__all__ = ["FlatShard", "FlatGrads", "GradBuckets", "shards_of", "full_optimizer_state", "optimizer_templates", "load_full_optimizer_state"]
 
 
 class GradBuckets:
