@@ -62,8 +62,8 @@ from ..errors import HpmlError
 from ..plan import Plan
 from ..schedule import rank_layout, stage_ranks
 
-__all__ = ["Backend", "CommOp", "CommStats", "PendingCollective", "CommFault", "InjectedFault", "LocalComm", "DistComm", "dist_comm",
-           "pair_backend", "rank_devices", "is_transient", "make_groups"]
+__all__ = ["Backend", "CommOp", "CommStats", "PendingCollective", "CommFault", "InjectedFault", "LocalComm", "DistComm",
+           "dist_comm", "pair_backend", "rank_devices", "is_transient", "make_groups"]
 
 _MAX_TENSORS = 4096  # tensors per boundary message, for unique point-to-point tags
 # Substrings of the messages gloo/NCCL/the store give for a broken or timed-out link (not for a bug).

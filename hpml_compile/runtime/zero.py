@@ -118,7 +118,8 @@ from ..codegen.comm import Comm
 from ..errors import HpmlError
 from ..memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, ZeroStage, bucket_ranges
 
-__all__ = ["FlatShard", "FlatGrads", "GradBuckets", "shards_of", "full_optimizer_state", "optimizer_templates", "load_full_optimizer_state"]
+__all__ = ["FlatShard", "FlatGrads", "GradBuckets", "shards_of", "full_optimizer_state", "optimizer_templates",
+           "load_full_optimizer_state"]
 
 
 class GradBuckets:
@@ -144,6 +145,8 @@ class GradBuckets:
         self._next = 0
         self.pending: list[Any] = []
         self.launched_in_backward = 0  # buckets started by a hook (not by finish) in the last step
+        self.launched_early = 0  # ... of them, while some parameter's gradient was still to come (overlapped)
+        self._count = len(params)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
 
     def _hook(self, i: int) -> Callable[[Tensor], None]:
@@ -166,7 +169,7 @@ class GradBuckets:
     def arm(self) -> None:
         """The step's last backward is next: launch each bucket as soon as its gradients are all accumulated."""
         self.reset()
-        self.launched_in_backward = 0
+        self.launched_in_backward = self.launched_early = 0
         self.armed = True
         self._drain(in_backward=True)  # a bucket of parameters no backward reaches (none) is ready at once
 
@@ -177,6 +180,7 @@ class GradBuckets:
                 self.pending.append(handle)
             self._next += 1
             self.launched_in_backward += in_backward
+            self.launched_early += in_backward and len(self._ready) < self._count
 
     def finish(self) -> None:
         """Launch what has not started (in order), then wait for every bucket."""

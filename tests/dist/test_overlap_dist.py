@@ -1,4 +1,4 @@
-"""Overlapped gradient buckets on real gloo ranks: launched during the last backward, and the model trains as the original.
+"""Overlapped gradient buckets on real gloo ranks: launched during the last backward; trains as the original.
 
 One spawned job of 3 ranks runs every case: gpt-tiny (tied embedding and
 output weights) cut into 2 stages, stage 0 replicated twice and stage 1 once,
@@ -9,11 +9,12 @@ Each rank checks, after a few SGD steps:
 
 - its stage's parameters equal the original model trained in one process
   on the same batches (transparency, through accumulation over microbatches);
-- on stage 0, there is more than one bucket and the hooks launched buckets
-  during the backward (every bucket under ZeRO-0; under ZeRO-1/2 a bucket
-  spans every replica's shard, so at least one), not all left to
-  ``sync_grads``. A bucket launched before the last microbatch's backward
-  would miss the later microbatches' gradients, which the first check sees;
+- on stage 0, there is more than one bucket, the hooks launched every bucket
+  during the backward (none left to ``sync_grads``), and launched some while
+  other gradients were still to come: all but the last under ZeRO-0, at least
+  one under ZeRO-1/2 (a bucket spans every replica's shard). A bucket launched
+  before the last microbatch's backward would miss the later microbatches'
+  gradients, which the first check sees;
 - the path without overlap (``overlap=False``: one collective after the whole
   backward), for ZeRO-0 and ZeRO-1, trains as the original too.
 """
@@ -82,13 +83,13 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
         loaded = _model()
         pipe = Pipeline.from_build(build, loaded.module, optimizer=_optimizer, overlap=overlap,
                                    bucket_mb=BUCKET_MB, events=False)
-        launches: list[int] = []
+        launches: list[tuple[int, int]] = []
         buckets = pipe.comm.shards.get(pipe.stage_index) if pipe.comm is not None else None
         grad_buckets = getattr(buckets, "buckets", None)
         for x, y in _batches():
             pipe.step((x,), y, loaded.loss_fn)
             if grad_buckets is not None:
-                launches.append(grad_buckets.launched_in_backward)
+                launches.append((grad_buckets.launched_in_backward, grad_buckets.launched_early))
         mine = {id(p) for p in pipe.parameters()}
         diff = max((p.detach() - want[n].detach()).abs().max().item()
                    for n, p in loaded.module.named_parameters() if id(p) in mine)
@@ -109,9 +110,11 @@ def test_overlapped_buckets_train_as_the_original_with_microbatches_ties_and_zer
             zero, overlap = key.split("-")
             if row["stage"] == 0 and overlap == "True":
                 assert row["buckets"] > 1, (rank, key, row)
-                # launched by the hooks during the backward: every bucket under ZeRO-0 (buckets in reverse
-                # order of use), at least one under ZeRO-1/2 (a bucket spans every replica's shard)
-                assert all(n >= (row["buckets"] if zero == "0" else 1) for n in row["launched_in_backward"]), \
+                # launched by the hooks during the backward, every one; and while gradients were still to come
+                # (overlapped): all but the last under ZeRO-0 (buckets in reverse order of use), at least one
+                # under ZeRO-1/2 (a bucket spans every replica's shard: ready from the middle of the backward on)
+                early = row["buckets"] - 1 if zero == "0" else 1
+                assert all(n == row["buckets"] and e >= early for n, e in row["launched_in_backward"]), \
                     (rank, key, row["launched_in_backward"], row["buckets"])
             else:  # no overlap asked, or a stage of one replica: nothing to bucket
                 assert row["buckets"] == 0, (rank, key, row)
