@@ -472,12 +472,19 @@ class Device:
 
 @dataclass(frozen=True, slots=True)
 class Link:
-    """A link between two devices: bandwidth in GB/s (one direction) and latency."""
+    """A link between two devices: bandwidth in GB/s (one direction) and latency.
+
+    ``shared``: the two ends draw on one pool of bandwidth (processes of one host over loopback), so a
+    collective costs the traffic of every rank (cost_models' ``LinkSpec.shared``). ``source``: where the
+    figures come from (``measured: ...`` where ``hpml-compile devices --measure`` timed them).
+    """
 
     a: str
     b: str
     gbps: float
     latency_us: float = 5.0
+    shared: bool = False
+    source: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,7 +519,9 @@ class Cluster:
             "name": self.name,
             "devices": [{"name": d.name, "kind": d.kind, "memory_gib": d.memory_gib, "host": d.host}
                         for d in self.devices],
-            "links": [{"a": x.a, "b": x.b, "gbps": x.gbps, "latency_us": x.latency_us} for x in self.links],
+            "links": [{"a": x.a, "b": x.b, "gbps": x.gbps, "latency_us": x.latency_us,
+                       **({"shared": True} if x.shared else {}), **({"source": x.source} if x.source else {})}
+                      for x in self.links],
         }
 
     @classmethod

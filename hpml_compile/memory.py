@@ -17,7 +17,8 @@ import enum
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["ZeroStage", "MemoryBreakdown", "dtype_bytes", "GiB", "tied_elsewhere", "tied_shared"]
+__all__ = ["ZeroStage", "MemoryBreakdown", "dtype_bytes", "GiB", "tied_elsewhere", "tied_shared", "bucket_ranges",
+           "FIRST_BUCKET_BYTES", "BUCKET_BYTES"]
 
 GiB = 2**30
 
@@ -130,3 +131,25 @@ def tied_shared(users: Iterable[tuple[str, Sequence[str]]], sizes: Mapping[str, 
     for node, names in users:
         (inside if node in members else outside).update(names)
     return sum(sizes.get(name, 0) for name in inside & outside)
+
+
+# The overlapped gradient buckets of a replicated stage (hpml_compile.runtime.zero.GradBuckets), here because the
+# cost model (hpml_compile.stagecost.overlapped_ms) prices the same buckets the runtime launches.
+FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (small, so that the first launch comes early)
+BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb
+
+
+def bucket_ranges(numel: int, element_size: int, first_bytes: int = FIRST_BUCKET_BYTES,
+                  cap_bytes: int = BUCKET_BYTES) -> list[tuple[int, int]]:
+    """Element ranges ``[lo, hi)`` cutting ``[0, numel)`` from the top: the first of ``first_bytes``, then ``cap_bytes``.
+
+    >>> bucket_ranges(10, 4, first_bytes=8, cap_bytes=16)
+    [(8, 10), (4, 8), (0, 4)]
+    """
+    out: list[tuple[int, int]] = []
+    hi, size = numel, max(1, first_bytes // element_size)
+    while hi > 0:
+        lo = max(0, hi - size)
+        out.append((lo, hi))
+        hi, size = lo, max(1, cap_bytes // element_size)
+    return out

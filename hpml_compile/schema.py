@@ -200,6 +200,8 @@ CLUSTER_SCHEMA: dict[str, Any] = {
                     "b": _STR,
                     "gbps": {"type": "number", "exclusiveMinimum": 0},
                     "latency_us": _NUM,
+                    "shared": {"type": "boolean"},
+                    "source": {"type": "string"},
                 },
                 "additionalProperties": False,
             },

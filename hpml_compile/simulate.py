@@ -36,7 +36,10 @@ solvers' candidate table prices candidates with. Approximations, stated once:
 - After its last backward a replicated stage synchronises gradients: a ring
   all-reduce (ZeRO-0), reduce-scatter + all-gather (ZeRO-1/2, Rajbhandari et
   al. 2020; ZeRO-3 is refused by plan validation, the runtime does not
-  perform it); an
+  perform it). The all-reduce or reduce-scatter runs bucket by bucket during
+  the last microbatch's backward, as the runtime launches it, so only what
+  that backward does not hide is on the tail
+  (:func:`hpml_compile.stagecost.overlapped_ms`); an
   offloaded optimizer moves gradients to the host and parameters back.
   Parameters shared by several stages (tied embeddings) are then summed by
   one all-reduce over the devices of those stages, which waits for all of
@@ -303,7 +306,7 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
             if d > 1 else None
         fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts * most * m * d if st.rows else acts, m, d, rate)
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms),
-                             sync_ms(params, d, st.zero, st.offload_optimizer, group, host) + copy,
+                             sync_ms(params, d, st.zero, st.offload_optimizer, group, host, bwd_ms=bwd) + copy,
                              max(mems, key=lambda b: b.total), opt_ms, fwd_stream, bwd_stream, copy,
                              tuple(mems), tuple(own)))
     return tuple(out)

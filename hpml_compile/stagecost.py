@@ -49,7 +49,10 @@ Times (milliseconds), per step:
 
 - gradient sync (:func:`sync_ms`): a ring all-reduce (ZeRO-0), reduce-scatter of
   the flat gradient + all-gather of the stepped shards (ZeRO-1/2; ZeRO-3 would
-  add one more all-gather, but plans never name it); an offloaded optimizer moves its shard of gradients to the host and
+  add one more all-gather, but plans never name it). The all-reduce or
+  reduce-scatter runs bucket by bucket during the last backward, as the
+  runtime launches it (:func:`overlapped_ms`): only what the backward does not
+  hide counts; an offloaded optimizer moves its shard of gradients to the host and
   parameters back. Plus, under ZeRO-1/2, copying the gathered parameters into
   their flat buffer (:func:`copy_ms`; gradients accumulate in the buffer the
   collective reads, so they are not copied).
@@ -79,6 +82,7 @@ Example:
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Callable, NamedTuple, Sequence, Union
 
 import numpy as np
@@ -87,10 +91,10 @@ import cost_models
 
 from .costgraph import CostGraph
 from .ir import Schedule, base_kind
-from .memory import MemoryBreakdown, ZeroStage
+from .memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, MemoryBreakdown, ZeroStage
 
-__all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "copy_ms",
-           "optimizer_ms", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows"]
+__all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "overlapped_ms",
+           "copy_ms", "optimizer_ms", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows"]
 
 # A count or a duration: a Python scalar for one stage, a numpy array for many candidates at once.
 Value = Union[int, float, np.ndarray]
@@ -249,9 +253,68 @@ def transfer_ms(fn: Callable[..., float], nbytes: Value, link: cost_models.LinkS
     return 0.0 if free else fn(nbytes, *args, link)
 
 
+def overlapped_ms(fn: Callable[..., float], param_bytes: Value, link: cost_models.LinkSpec | None, replicas: int,
+                  window_ms: Value) -> Value:
+    """What a gradient reduce launched bucket by bucket during the last backward adds to the step.
+
+    The runtime (:class:`hpml_compile.runtime.zero.GradBuckets`) cuts the ``P`` gradient bytes into a first
+    bucket of ``s = min(P, 1 MiB)`` and then buckets of 25 MiB, in reverse order of the parameters, and
+    launches each one as soon as its gradients are ready; the collectives run one after another. With the
+    gradients becoming ready evenly over a ``window_ms`` of backward, bucket ``i`` is ready at
+    ``r_i = W (1 - a_i / P)`` (``a_i``: bytes before it) and the last one ends at
+    ``max_i (r_i + sum_{j >= i} c_j)``; the bucket costs being affine in their bytes, the maximum is at the
+    first bucket or the last, so the step pays ``max(C - W (1 - s / P), c_last)`` past the backward: the whole
+    ``C`` (all buckets, one latency each) minus the backward that runs after the first launch, and never
+    less than the last bucket, which starts only when the backward ends.
+
+    Args:
+        fn: the collective's cost (``cost_models.allreduce_ms`` or ``cost_models.reduce_scatter_ms``).
+        param_bytes: the gradient bytes (a scalar or an array).
+        link: the slowest link of the group (None: one device, free).
+        replicas: ranks in the group.
+        window_ms: the backward over which the buckets become ready (the last microbatch's; ZeRO-1/2: its
+            last ``1 / d``, since a bucket spans every replica's shard).
+
+    Returns:
+        Milliseconds, of the form of ``param_bytes``.
+
+    >>> link = cost_models.LinkSpec("example", gbps=1.0, latency_us=0.0, source="example")
+    >>> mib51 = 51 << 20  # buckets of 1, 25 and 25 MiB
+    >>> round(transfer_ms(cost_models.allreduce_ms, mib51, link, 2), 3)  # after the backward
+    53.477
+    >>> [round(overlapped_ms(cost_models.allreduce_ms, mib51, link, 2, w), 3) for w in (0.0, 20.0, 100.0)]
+    [53.477, 33.87, 26.214]
+
+    (20 ms of backward hide 19.6 ms; 100 ms hide all but the last bucket.)
+    """
+    zero = param_bytes * 0.0
+    if replicas <= 1 or link is None:
+        return zero
+    c1 = transfer_ms(fn, float(BUCKET_BYTES), link, replicas)
+    c2 = transfer_ms(fn, 2.0 * BUCKET_BYTES, link, replicas)
+    beta = (c2 - c1) / BUCKET_BYTES
+    alpha = max(0.0, c1 - beta * BUCKET_BYTES)
+    first = np.minimum(param_bytes, FIRST_BUCKET_BYTES) if isinstance(param_bytes, np.ndarray) \
+        else min(param_bytes, FIRST_BUCKET_BYTES)
+    rest = param_bytes - first
+    if isinstance(rest, np.ndarray):
+        later = np.ceil(rest / BUCKET_BYTES)
+        tail_bytes = np.where(rest > 0, rest - (later - 1) * BUCKET_BYTES, first)
+    else:
+        later = math.ceil(rest / BUCKET_BYTES)
+        tail_bytes = rest - (later - 1) * BUCKET_BYTES if rest > 0 else first
+    total = (1 + later) * alpha + beta * param_bytes
+    last = alpha + beta * tail_bytes
+    safe = np.maximum(param_bytes, 1) if isinstance(param_bytes, np.ndarray) else max(param_bytes, 1)
+    hidden = window_ms * (1 - first / safe)
+    out = np.maximum(total - hidden, last) if isinstance(total, np.ndarray) or isinstance(hidden, np.ndarray) \
+        else max(total - hidden, last)
+    return np.where(param_bytes > 0, out, 0.0) if isinstance(out, np.ndarray) else (out if param_bytes > 0 else 0.0)
+
+
 def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_optimizer: bool,
-            link: cost_models.LinkSpec | None, host: cost_models.LinkSpec) -> Value:
-    """Gradient synchronisation of a stage after its last backward (the collectives and the offload copies).
+            link: cost_models.LinkSpec | None, host: cost_models.LinkSpec, bwd_ms: Value | None = None) -> Value:
+    """Gradient synchronisation of a stage past its last backward (the collectives and the offload copies).
 
     Args:
         param_bytes: parameter bytes of the stage (a scalar or an array).
@@ -260,6 +323,9 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         offload_optimizer: the Adam state lives in host memory.
         link: the slowest link between the stage's devices (None for one device).
         host: the link between the stage's devices and their host's memory.
+        bwd_ms: one microbatch's backward on one replica: the all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1/2)
+            overlaps it bucket by bucket (:func:`overlapped_ms`), as the runtime runs it on ranks. None: the
+            whole collective after the backward.
 
     Returns:
         Milliseconds, of the form of ``param_bytes``.
@@ -267,11 +333,14 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
     z = ZeroStage(zero)
     total: Value = param_bytes * 0.0
     if replicas > 1:
-        if z == ZeroStage.NONE:
-            total = total + transfer_ms(cost_models.allreduce_ms, param_bytes, link, replicas)
+        reduce = cost_models.allreduce_ms if z == ZeroStage.NONE else cost_models.reduce_scatter_ms
+        if bwd_ms is None:
+            total = total + transfer_ms(reduce, param_bytes, link, replicas)
         else:
-            total = total + (transfer_ms(cost_models.reduce_scatter_ms, param_bytes, link, replicas)
-                             + transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas))
+            window = bwd_ms if z == ZeroStage.NONE else bwd_ms / replicas
+            total = total + overlapped_ms(reduce, param_bytes, link, replicas, window)
+        if z != ZeroStage.NONE:
+            total = total + transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas)
             if z == ZeroStage.OS_G_P:
                 total = total + transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas)
     if offload_optimizer:

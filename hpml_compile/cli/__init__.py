@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import argparse
 import json
 import sys
@@ -96,7 +98,15 @@ def _add_devices(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("devices", help="list this machine's devices and the device kinds cost_models knows",
                        description="Discover the local devices (NVML for GPUs; CPU otherwise) as a cluster "
                                    "description, and list the catalog's device kinds and links.")
-    p.add_argument("-o", "--output", type=Path, help="also write the local devices as cluster.json")
+    p.add_argument("-o", "--output", type=Path,
+                   help="also write the local devices as cluster.json (with --measure: default cluster.json)")
+    p.add_argument("--measure", action="store_true",
+                   help="time send/recv and all-reduce between processes of this host (gloo between CPU ranks, "
+                        "NCCL between two GPUs, host<->GPU copies) and record the fitted links in the cluster file, "
+                        "so that plans for this machine use its own links (~10-30 s)")
+    p.add_argument("--cpu-ranks", type=int, default=2, dest="cpu_ranks",
+                   help="with --measure: CPU devices cpu0..cpuN-1 sharing this host's memory, as local-cpu-N "
+                        "(default 2); the links between them are the measured gloo link")
     p.set_defaults(run=_run_devices)
 
 
@@ -107,6 +117,19 @@ def _run_devices(args: argparse.Namespace) -> int:
     from ..schema import write_json_atomic
 
     cluster = discover()
+    if args.measure:
+        from ..errors import HpmlError
+        from ..ir import Cluster
+        from ..runtime.links import measure_cluster
+
+        if args.cpu_ranks < 1:
+            raise HpmlError(f"--cpu-ranks must be at least 1 (CPU processes the plan may use), got {args.cpu_ranks}")
+        cpu = next(d for d in cluster.devices if d.is_cpu)
+        cpus = tuple(replace(cpu, name=f"cpu{i}", memory_gib=round(cpu.memory_gib / args.cpu_ranks, 3))
+                     for i in range(args.cpu_ranks))
+        cluster = Cluster(devices=(*(d for d in cluster.devices if not d.is_cpu), *cpus), name=cluster.name)
+        cluster, _ = measure_cluster(cluster)
+        args.output = args.output or Path("cluster.json")
     print("this machine:")
     for d in cluster.devices:
         print(f"  {d.name:8s} {d.kind:14s} {d.memory_gib:8.1f} GiB  host {d.host}")
@@ -120,6 +143,8 @@ def _run_devices(args: argparse.Namespace) -> int:
         print(f"  {kind:14s} {spec.memory_bytes / 2**30:6.0f} GiB  {spec.mem_bw / 1e9:6.0f} GB/s  "
               f"{peak / 1e12:6.0f} TFLOP/s (16-bit)")
     print("links: " + ", ".join(cost_models.known_links()))
+    for x in cluster.links:
+        print(f"  link {x.a}-{x.b}: {x.gbps:g} GB/s, {x.latency_us:g} us{' (shared)' if x.shared else ''}")
     if args.output:
         print(f"wrote {write_json_atomic(cluster.to_dict(), args.output)}")
     return 0

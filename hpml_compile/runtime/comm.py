@@ -16,6 +16,13 @@ copy handed over through a mailbox; collectives have nothing to do), else
   the end of the step); receives block. :func:`hpml_compile.schedule.validate`
   replays each build's action lists under exactly these rules before a step
   runs, so an order that could deadlock is refused.
+- **Asynchronous collectives** (:meth:`DistComm.all_reduce_async`,
+  :meth:`DistComm.reduce_scatter_async`): launched with ``async_op=True`` on
+  the stage's group while the backward still runs (the overlapped gradient
+  buckets of :mod:`.zero`) and waited for by :meth:`PendingCollective.wait`,
+  which counts only the time spent waiting (what the overlap leaves exposed).
+  A GPU tensor in a gloo group is staged through a host copy, copied back on
+  the wait.
 - **Timings** (:class:`CommStats`): seconds blocked in each receive, in
   collectives and in posting sends, and bytes moved; the monitor splits a
   receive's wait into transfer and idle.
@@ -55,8 +62,8 @@ from ..errors import HpmlError
 from ..plan import Plan
 from ..schedule import rank_layout, stage_ranks
 
-__all__ = ["Backend", "CommOp", "CommStats", "CommFault", "InjectedFault", "LocalComm", "DistComm", "dist_comm",
-           "pair_backend", "rank_devices", "is_transient", "make_groups"]
+__all__ = ["Backend", "CommOp", "CommStats", "PendingCollective", "CommFault", "InjectedFault", "LocalComm", "DistComm",
+           "dist_comm", "pair_backend", "rank_devices", "is_transient", "make_groups"]
 
 _MAX_TENSORS = 4096  # tensors per boundary message, for unique point-to-point tags
 # Substrings of the messages gloo/NCCL/the store give for a broken or timed-out link (not for a bug).
@@ -119,6 +126,54 @@ class CommStats:
         self.recv_s.clear()
         self.send_s = self.collective_s = self.collective_wait_s = 0.0
         self.bytes_sent = self.bytes_received = 0
+
+
+@dataclass
+class PendingCollective:
+    """A collective launched asynchronously: :meth:`wait` blocks until it is done and puts the result in place.
+
+    Attributes:
+        work: the torch.distributed work handle.
+        wire: the tensor the collective writes (a host copy where a GPU tensor crosses a gloo group).
+        out: where the result must end up (``wire`` itself, or the GPU tensor it was staged from).
+        stats: the communicator's counters (the wait is added to ``collective_s``).
+        name: the event name (``ALLREDUCE``, ``REDUCESCATTER``).
+        start: ``perf_counter`` at the launch.
+        nbytes: bytes the collective reduces.
+        group_size: ranks in the group.
+        stage: the stage, for the event log.
+        events: the event log (None: none).
+        device: this rank's device, synchronised after an NCCL collective for the timings.
+    """
+
+    work: Any
+    wire: Tensor
+    out: Tensor
+    stats: CommStats
+    name: str
+    start: float
+    nbytes: int
+    group_size: int
+    stage: int
+    events: Any = None
+    device: torch.device = torch.device("cpu")
+    done: bool = False
+
+    def wait(self) -> None:
+        """Block until the collective is done; its result is then in :attr:`out`."""
+        if self.done:
+            return
+        t0 = time.perf_counter()
+        self.work.wait()
+        if self.wire is not self.out:
+            self.out.copy_(self.wire)  # a GPU tensor staged through the host for gloo
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        t1 = time.perf_counter()
+        self.done = True
+        self.stats.collective_s += t1 - t0
+        if self.events is not None:  # from the launch: the time it was in flight, overlapped or not
+            self.events.add(self.name, self.start, t1, self.stage, -1, self.group_size, self.nbytes)
 
 
 def pair_backend(a: torch.device, b: torch.device) -> Backend:
@@ -387,6 +442,54 @@ class DistComm(Comm):
         out = self._collective(stages, flat, run)
         if out is not flat:
             flat.copy_(out)
+
+    def _launch(self, stages: tuple[int, ...], flat: Tensor, out: Tensor, name: str,
+                fn: Callable[[Tensor, Any], Any]) -> PendingCollective:
+        """Start ``fn(wire, group)`` (a torch.distributed call with ``async_op=True``) without waiting for it."""
+        self._maybe_fail(CommOp.COLLECTIVE)
+        group = self.groups.get(stages)
+        nccl = group is not None and all(self.devices[r].type == "cuda" for k in stages for r in self.ranks[k])
+        t0 = time.perf_counter()
+        wire = flat if nccl or flat.device.type == "cpu" else flat.cpu()  # gloo: a GPU tensor via the host
+        work = fn(wire, group)
+        return PendingCollective(work, wire, out, self.stats, name, t0,
+                                 flat.numel() * flat.element_size(), self.group_size(stages), self.stage,
+                                 self.events, self.device if nccl else torch.device("cpu"))
+
+    def all_reduce_async(self, stages: tuple[int, ...], flat: Tensor) -> PendingCollective | None:
+        """Start summing ``flat`` in place over the ranks of ``stages``; None where one rank holds them all.
+
+        On a GPU in a gloo group the sum lands in a host copy and is copied back by the wait.
+        """
+        if self.groups.get(stages) is None:
+            return None
+        return self._launch(stages, flat, flat, "ALLREDUCE",
+                            lambda t, g: dist.all_reduce(t, group=g, async_op=True))
+
+    def reduce_scatter_async(self, stage: int, parts: list[Tensor], out: Tensor) -> PendingCollective | None:
+        """Start the reduce-scatter of ``parts`` (one per replica, equal sizes) into ``out`` (this replica's sum).
+
+        Args:
+            stage: the replicated stage.
+            parts: ``parts[s]`` is what replica ``s`` receives the sum of, on every replica.
+            out: this replica's result (the size of one part).
+
+        Returns:
+            The pending collective (None where the stage has one replica).
+        """
+        if self.groups.get((stage,)) is None:
+            return None
+        group = self.groups[(stage,)]
+        nccl = all(self.devices[r].type == "cuda" for r in self.ranks[stage])
+        staged = not nccl and out.device.type != "cpu"
+        wire_out = torch.empty(out.shape, dtype=out.dtype) if staged else out
+        wire_parts = [p.cpu() for p in parts] if staged else list(parts)
+        self._maybe_fail(CommOp.COLLECTIVE)
+        t0 = time.perf_counter()
+        work = dist.reduce_scatter(wire_out, wire_parts, group=group, async_op=True)
+        return PendingCollective(work, wire_out, out, self.stats, "REDUCESCATTER", t0,
+                                 sum(p.numel() * p.element_size() for p in parts), len(self.ranks[stage]), self.stage,
+                                 self.events, self.device if nccl else torch.device("cpu"))
 
     def reduce_scatter(self, stage: int, flat: Tensor) -> Tensor:
         def run(t: Tensor, g: Any) -> Tensor:

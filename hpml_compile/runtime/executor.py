@@ -222,7 +222,8 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
                 device: torch.device = torch.device("cpu"), optimizer: torch.optim.Optimizer | None = None,
                 agree: Callable[[Tensor], None] | None = None, keep_outputs: bool = False,
                 own_rows: bool = False, scaler: LossScaler | None = None,
-                agree_inf: Callable[[Tensor], None] | None = None) -> StepRun:
+                agree_inf: Callable[[Tensor], None] | None = None,
+                arm: Callable[[int], None] | None = None) -> StepRun:
     """Carry out ``order`` (see the module docstring): the one code path of every training step.
 
     Args:
@@ -244,6 +245,8 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
             unscaled, ``agree_inf`` makes the found-inf flag the job's, and the step is taken or skipped
             (``run.skipped``) and the scale updated alike on every rank (:mod:`.scaler`).
         agree_inf: called with the float32 found-inf flag to make it every rank's (a MAX all-reduce on ranks).
+        arm: called with stage ``k`` just before ``k``'s last backward in ``order`` (the overlapped gradient
+            buckets of :mod:`.zero` launch during it; earlier backwards only accumulate).
 
     Returns:
         The losses, outputs, busy times and phase timestamps.
@@ -259,8 +262,9 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
     stepped: set[int] = set()
     optimized = done_compute = done_sync = False
     cuda = device.type == "cuda"
+    last_bwd = {layout[rank][0]: i for i, (rank, a) in enumerate(order) if a.kind is ActionKind.BACKWARD}
     ev = getattr(comm, "events", None)  # an EventLog (.events) where the pipeline records this step's events
-    for rank, a in order:
+    for index, (rank, a) in enumerate(order):
         kind = a.kind
         if kind in MARKERS:
             continue  # moved by the stage's ops.send / ops.recv nodes inside F and B
@@ -288,6 +292,8 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
                     roots[(k, r, j)] = [out] if isinstance(out, Tensor) and out.requires_grad else []
             else:
                 root = roots.pop((k, r, j))
+                if arm is not None and last_bwd.get(k) == index:
+                    arm(k)
                 if root:
                     torch.autograd.backward(root)
                 comm.settle(k, r, j)

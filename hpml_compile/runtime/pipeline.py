@@ -79,6 +79,7 @@ from .monitor import Monitor, StepMetrics, peak_memory, reserved_memory, reset_p
 from .offload import offload_optimizer
 from .saved import GradPeak, SavedActivations
 from .session import CommFailure, RetryPolicy, Session
+from ..memory import FIRST_BUCKET_BYTES
 from .zero import FlatGrads, FlatShard
 
 __all__ = ["Pipeline", "OptimizerArg"]
@@ -105,13 +106,21 @@ class Pipeline:
         events: record every step's events (:mod:`.events`) and the host's load (:mod:`.host`).
         scaler: the fp16 loss scaler (default for an fp16 build: :class:`~.scaler.LossScaler` with torch's
             defaults; refused for a bf16 or fp32 build, which need none).
+        overlap: on ranks, a replicated stage's gradient collectives run bucket by bucket during the step's last
+            backward (:class:`~.zero.GradBuckets`); False: after the whole backward, in one collective.
+        bucket_mb: the size of an overlapped bucket after the first (1 MiB), as DDP's ``bucket_cap_mb``.
     """
 
     def __init__(self, build: Build, model: nn.Module, *, optimizer: OptimizerArg = None,
                  session: Session | None = None, run_dir: str | Path | None = None, tensorboard: bool = True,
                  faults: Sequence[CommFault] = (), log: Callable[[str], None] | None = None,
-                 events: bool = True, scaler: LossScaler | None = None) -> None:
+                 events: bool = True, scaler: LossScaler | None = None, overlap: bool = True,
+                 bucket_mb: float = 25.0) -> None:
         self.build, self.model, self.session = build, model, session
+        if bucket_mb <= 0:
+            raise HpmlError(f"bucket_mb must be positive (the size of an overlapped gradient bucket in MiB, DDP's "
+                            f"default is 25), got {bucket_mb}")
+        self._overlap, self._bucket_bytes = overlap, int(bucket_mb * (1 << 20))
         fp16 = build.plan.precision is Precision.FP16
         if scaler is not None and not fp16:
             raise HpmlError(f"a loss scaler was given, but the build trains in {build.plan.precision.value}: loss "
@@ -228,8 +237,7 @@ class Pipeline:
         self.build.stages[comm.stage].hpml_comm = comm
         for b in getattr(self, "_buckets", ()):  # after a reconnect: the new communicator runs the collectives
             comm.shards[b.stage] = b
-            if isinstance(b, FlatShard):
-                b.comm = comm
+            b.comm = comm
         return comm
 
     def _make_buckets(self, optimizer: OptimizerArg) -> list[FlatShard | FlatGrads]:
@@ -251,7 +259,10 @@ class Pipeline:
             return []
         if st.zero == ZeroStage.NONE or optimizer is None:
             bucket = FlatGrads(k, params)
+            bucket.comm = self.comm
             self.comm.shards[k] = bucket
+            if self._overlap and self.comm.groups.get((k,)) is not None:
+                bucket.enable_overlap(min(FIRST_BUCKET_BYTES, self._bucket_bytes), self._bucket_bytes)
             return [bucket]
         if isinstance(optimizer, torch.optim.Optimizer):
             raise HpmlError(f"stage {k} runs ZeRO-{int(st.zero)} over {self._reps[k]} replicas, which builds the "
@@ -261,6 +272,8 @@ class Pipeline:
         shard = FlatShard(k, params, replicas=self._reps[k], replica=self.replica, zero=st.zero)
         shard.comm = self.comm
         self.comm.shards[k] = shard
+        if self._overlap and self.comm.groups.get((k,)) is not None:
+            shard.enable_overlap(min(FIRST_BUCKET_BYTES, self._bucket_bytes), self._bucket_bytes)
         return [shard]
 
     def _make_optimizer(self, optimizer: OptimizerArg) -> torch.optim.Optimizer | None:
@@ -462,7 +475,7 @@ class Pipeline:
         with self.saved:  # activations saved for backward, by storage, at their peak
             run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
                               device=self.device, optimizer=self.optimizer, agree=agree,
-                              own_rows=rank_batch is not None, scaler=self.scaler,
+                              own_rows=rank_batch is not None, scaler=self.scaler, arm=self._arm,
                               agree_inf=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))  # every rank skips alike
         busy = self.host.end() if self.host is not None else HostBusy(0.0, 0.0, 0.0)
         h = held_bytes(list(self.stages.values()), self.optimizer)
@@ -494,6 +507,12 @@ class Pipeline:
             self.events.finish(self.steps_done) if self.events is not None else None)
         self.steps_done += 1
         return run.loss_sum.float()
+
+    def _arm(self, stage: int) -> None:
+        """Just before ``stage``'s last backward of the step: its gradient buckets launch as they become ready."""
+        for b in self._buckets:
+            if b.stage == stage and b.buckets is not None:
+                b.buckets.arm()
 
     def _validate(self, validate: Callable[[], float] | None) -> float | None:
         """Run ``validate`` after an update; a communication failure in it must not retry the (applied) step.

@@ -66,6 +66,30 @@ whole shard: the factory passed as ``optimizer`` is called with the shard and
 the stage's tied parameters, so per-parameter groups are not supported under
 ZeRO (a plain ``lambda ps: AdamW(ps, lr=...)`` is).
 
+**Overlapped sync** (:class:`GradBuckets`, as DDP's reducer): on ranks the
+flat gradient buffer is cut into buckets (by size, in reverse order of the
+parameters, which is roughly the order the backward finishes them: DDP's
+1 MiB first bucket, then 25 MiB). A ``post_accumulate_grad`` hook on each
+parameter marks it ready; during the step's *last* backward (the pipeline
+arms the buckets just before it: earlier microbatches only accumulate), a
+bucket whose gradients are all ready is launched at once with
+``async_op=True`` on the stage's group, so its collective runs while autograd
+computes the rest. Buckets launch strictly in their fixed order (a ready
+bucket waits for the ones before it), so every replica issues the same
+collectives in the same order whatever its hooks' timing; whatever did not
+launch during the backward (a parameter with no gradient this step) launches
+at ``sync_grads``, which then waits for all of them before the optimizer.
+Under ZeRO-0 a bucket is a contiguous range of the buffer, all-reduced in
+place. Under ZeRO-1/2 the shard layout (replica ``r`` owns ``[r n, (r+1) n)``)
+is kept, so a bucket is the same sub-range ``[a, b)`` *of every shard*: its
+reduce-scatter gives each replica the sum of its own ``[r n + a, r n + b)``,
+equal sizes on every rank. Such a bucket is ready only when every shard's
+piece is, so under ZeRO the first launch waits until the backward has reached
+the end of shard 0 (about ``(d-1)/d`` of it for the last buckets' pieces): less
+overlap than ZeRO-0's, with the layout (and the checkpoint mapping) unchanged.
+The collective of a bucket goes through one method, :meth:`GradBuckets.launch`
+(where a compressing reducer would plug in).
+
 Checkpoints stay plan-independent: :func:`full_optimizer_state` gathers the
 shard's state back to whole per-parameter tensors under the original names
 (what :mod:`.checkpoint` writes for any plan), and
@@ -84,7 +108,7 @@ Example (one process: a stage "replicated" once, so the shard is everything):
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -92,9 +116,84 @@ from torch import Tensor, nn
 
 from ..codegen.comm import Comm
 from ..errors import HpmlError
-from ..memory import ZeroStage
+from ..memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, ZeroStage, bucket_ranges
 
-__all__ = ["FlatShard", "FlatGrads", "shards_of", "full_optimizer_state", "optimizer_templates", "load_full_optimizer_state"]
+__all__ = ["FlatShard", "FlatGrads", "GradBuckets", "shards_of", "full_optimizer_state", "optimizer_templates",
+           "load_full_optimizer_state"]
+
+
+class GradBuckets:
+    """The buckets of one flat gradient buffer, each launched asynchronously once its gradients are ready.
+
+    Args:
+        params: the parameters whose ``.grad`` are views of the buffer.
+        members: per bucket (in launch order), the indices into ``params`` it needs ready.
+        launch: ``launch(i)`` starts bucket ``i``'s collective and returns its pending handle (or None).
+    """
+
+    def __init__(self, params: list[nn.Parameter], members: list[list[int]],
+                 launch: Callable[[int], Any]) -> None:
+        self.members = members
+        self.launch = launch
+        self._of: list[list[int]] = [[] for _ in params]
+        for b, ms in enumerate(members):
+            for i in ms:
+                self._of[i].append(b)
+        self.armed = False
+        self._ready: set[int] = set()
+        self._left: list[int] = []
+        self._next = 0
+        self.pending: list[Any] = []
+        self.launched_in_backward = 0  # buckets started by a hook (not by finish) in the last step
+        self.launched_early = 0  # ... of them, while some parameter's gradient was still to come (overlapped)
+        self._count = len(params)
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
+
+    def _hook(self, i: int) -> Callable[[Tensor], None]:
+        def ready(_: Tensor) -> None:
+            if self.armed and i not in self._ready:
+                self._ready.add(i)
+                for b in self._of[i]:
+                    self._left[b] -= 1
+                self._drain(in_backward=True)
+        return ready
+
+    def reset(self) -> None:
+        """Forget the last step (its handles too: a failed step's group is gone)."""
+        self.armed = False
+        self._ready.clear()
+        self._left = [len(ms) for ms in self.members]
+        self._next = 0
+        self.pending = []
+
+    def arm(self) -> None:
+        """The step's last backward is next: launch each bucket as soon as its gradients are all accumulated."""
+        self.reset()
+        self.launched_in_backward = self.launched_early = 0
+        self.armed = True
+        self._drain(in_backward=True)  # a bucket of parameters no backward reaches (none) is ready at once
+
+    def _drain(self, in_backward: bool) -> None:
+        while self._next < len(self.members) and (not in_backward or self._left[self._next] <= 0):
+            handle = self.launch(self._next)
+            if handle is not None:
+                self.pending.append(handle)
+            self._next += 1
+            self.launched_in_backward += in_backward
+            self.launched_early += in_backward and len(self._ready) < self._count
+
+    def finish(self) -> None:
+        """Launch what has not started (in order), then wait for every bucket."""
+        self._drain(in_backward=False)
+        for h in self.pending:
+            h.wait()
+        self.pending = []
+        self.armed = False
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters."""
+        for h in self._handles:
+            h.remove()
 
 
 class FlatShard:
@@ -142,6 +241,34 @@ class FlatShard:
         self.grad_flat: Tensor | None = None
         self.comm: Comm | None = None  # the stage's communicator, set by the pipeline (and after a reconnect)
         self._checked = False
+        self.buckets: GradBuckets | None = None  # overlapped reduce-scatter (enable_overlap)
+        self._ranges: list[tuple[int, int]] = []
+        self._out: Tensor | None = None  # this replica's summed shard, filled bucket by bucket
+
+    def enable_overlap(self, first_bytes: int = FIRST_BUCKET_BYTES, cap_bytes: int = BUCKET_BYTES) -> None:
+        """Reduce-scatter bucket by bucket during the last backward (see the module docstring).
+
+        A bucket is the sub-range ``[a, b)`` of every replica's shard; its size in bytes over all replicas
+        is about ``first_bytes`` for the first bucket and ``cap_bytes`` for the others.
+        """
+        d, n = self.replicas, self.shard_numel
+        size = self.flat.element_size()
+        self._ranges = bucket_ranges(n, size, max(size, first_bytes // d), max(size, cap_bytes // d))
+        members = []
+        for a, b in self._ranges:
+            members.append([i for i, (off, m) in enumerate(self._views)
+                            if any(off < s * n + b and off + m > s * n + a for s in range(d))])
+        self.buckets = GradBuckets(self.params, members, self.launch)
+
+    def launch(self, i: int) -> Any:
+        """Start bucket ``i``'s reduce-scatter into this replica's summed shard (the one collective call)."""
+        assert self.grad_flat is not None and self.comm is not None
+        if self._out is None:
+            self._out = torch.empty(self.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
+        a, b = self._ranges[i]
+        n = self.shard_numel
+        parts = [self.grad_flat[s * n + a:s * n + b] for s in range(self.replicas)]
+        return self.comm.reduce_scatter_async(self.stage, parts, self._out[a:b])  # type: ignore[attr-defined]
 
     @property
     def owned(self) -> slice:
@@ -158,6 +285,9 @@ class FlatShard:
         for p, (off, n) in zip(self.params, self._views):
             p.grad = self.grad_flat[off:off + n].view_as(p)
         self.param.grad = None
+        self._out = None
+        if self.buckets is not None:
+            self.buckets.reset()
 
     def check(self, params: Iterable[Tensor]) -> None:
         """The generated code's parameter list must be this shard's (once)."""
@@ -175,9 +305,15 @@ class FlatShard:
         if self.grad_flat is None:
             self.begin_step()  # no backward ran (an empty step): zero gradients
         assert self.grad_flat is not None
+        if self.buckets is not None:
+            self.comm = comm
+            self.buckets.finish()  # the buckets the backward did not launch, then the wait for all
+            assert self._out is not None
+            shard, self._out = self._out, None
         for p in self.params:
             p.grad = None  # the full gradient is not the summed one: nobody may read it as such
-        shard = comm.reduce_scatter(self.stage, self.grad_flat)
+        if self.buckets is None:
+            shard = comm.reduce_scatter(self.stage, self.grad_flat)
         if self.zero is ZeroStage.OS:
             own = self.grad_flat[self.owned]
             own.copy_(shard)
@@ -271,6 +407,25 @@ class FlatGrads:
         self.stage, self.params = stage, params
         self.grad_flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         self._checked = False
+        self.comm: Comm | None = None  # set by the pipeline (and after a reconnect)
+        self.buckets: GradBuckets | None = None  # overlapped all-reduce (enable_overlap)
+        self._ranges: list[tuple[int, int]] = []
+
+    def enable_overlap(self, first_bytes: int = FIRST_BUCKET_BYTES, cap_bytes: int = BUCKET_BYTES) -> None:
+        """All-reduce bucket by bucket during the last backward (see the module docstring)."""
+        self._ranges = bucket_ranges(self.grad_flat.numel(), self.grad_flat.element_size(), first_bytes, cap_bytes)
+        offsets, off = [], 0
+        for p in self.params:
+            offsets.append((off, p.numel()))
+            off += p.numel()
+        members = [[i for i, (o, m) in enumerate(offsets) if o < hi and o + m > lo] for lo, hi in self._ranges]
+        self.buckets = GradBuckets(self.params, members, self.launch)
+
+    def launch(self, i: int) -> Any:
+        """Start bucket ``i``'s all-reduce, in place in the buffer (the one collective call)."""
+        assert self.comm is not None
+        lo, hi = self._ranges[i]
+        return self.comm.all_reduce_async((self.stage,), self.grad_flat[lo:hi])  # type: ignore[attr-defined]
 
     def begin_step(self) -> None:
         """Zero the buffer and point every parameter's ``.grad`` at its slice."""
@@ -279,11 +434,17 @@ class FlatGrads:
         for p in self.params:
             p.grad = self.grad_flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
+        if self.buckets is not None:
+            self.buckets.reset()
 
     check = FlatShard.check
 
     def all_reduce(self, comm: Comm) -> None:
-        """Sum the gradients over the stage's replicas, in place."""
+        """Sum the gradients over the stage's replicas, in place (waiting for the buckets under overlap)."""
+        if self.buckets is not None:
+            self.comm = comm
+            self.buckets.finish()
+            return
         comm.all_reduce((self.stage,), self.grad_flat)
 
 

@@ -218,6 +218,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         params, acts, inputs, shared = params_all[keep], acts_all[keep], inputs_all[keep], shared_all[keep]
         ffix = ffx[b] - ffx[a]
         fwd = ffix + (fw[b] - fw[a] - ffix) / (m * d)
+        bfix = bfx[b] - bfx[a]
+        bwd = bfix + (bw[b] - bw[a] - bfix) / (m * d)  # one microbatch's: the gradient sync overlaps the last
         opt_rate = chain.graph.optimizer_ms_per_byte(kind)
         rate = stream_bytes_per_ms(chain.graph, [kind])
         comm = np.where(a > 0, 2 * transfer_ms(cost_models.p2p_ms, inputs / (m * d), blinks[kind]),
@@ -238,7 +240,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             mem = mem._replace(grads=mem.grads + shared)  # the flat buffer of gradients tied to other stages
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)
-            ests.append(m * t + sync_ms(params, d, cfg.zero, cfg.offload, glink, host)
+            ests.append(m * t + sync_ms(params, d, cfg.zero, cfg.offload, glink, host, bwd_ms=bwd)
                         + copy_ms(params, d, rate, cfg.zero)
                         + optimizer_ms(params, d, cfg.zero, opt_rate))
             jms.append(jm)

@@ -23,7 +23,7 @@ from hpml_compile.plan import Schedule
 from hpml_compile.solve.candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees,
                                            enumerate_candidates, group_link, in_flight, kind_counts)
 from hpml_compile.solve.dp import objective, solve_chain
-from hpml_compile.stagecost import device_memory, stream_bytes_per_ms
+from hpml_compile.stagecost import device_memory, overlapped_ms, stream_bytes_per_ms
 from hpml_compile.solve.testing import dag_profile
 
 MiB = 2**20
@@ -37,14 +37,14 @@ def _ms(fn, *args) -> float:
     return float(fn(*args))
 
 
-def _sync(cfg, params: int, d: int, glink, host) -> float:
+def _sync(cfg, params: int, d: int, glink, host, bwd: float) -> float:
     t = 0.0
-    if d > 1:
+    if d > 1:  # the all-reduce / reduce-scatter overlaps one microbatch's backward (the last), bucket by bucket
         if cfg.zero == ZeroStage.NONE:
-            t += _ms(cost_models.allreduce_ms, params, d, glink)
+            t += overlapped_ms(cost_models.allreduce_ms, params, glink, d, bwd)
         else:
             rounds = 3 if cfg.zero == ZeroStage.OS_G_P else 2
-            t += _ms(cost_models.reduce_scatter_ms, params, d, glink) + (rounds - 1) * _ms(
+            t += overlapped_ms(cost_models.reduce_scatter_ms, params, glink, d, bwd / d) + (rounds - 1) * _ms(
                 cost_models.all_gather_ms, params, d, glink)
     if cfg.offload:
         shard = params // d if cfg.zero >= ZeroStage.OS else params
@@ -69,13 +69,15 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
                     params, acts = chain.params[b] - chain.params[a], chain.acts[b] - chain.acts[a]
                     base = chain.time(a, b, kind) / (m * d)
                     fwd = (chain.fwd[kind][b] - chain.fwd[kind][a]) / (m * d)
+                    bfix = chain.bwd_fixed[kind][b] - chain.bwd_fixed[kind][a]
+                    bwd = bfix + (chain.bwd[kind][b] - chain.bwd[kind][a] - bfix) / (m * d)
                     scored = []
                     for cfg in cfgs:
                         swap = 2 * _ms(cost_models.p2p_ms, acts / (m * d), host) if cfg.swap else 0.0
                         t = base + (fwd if cfg.recompute else 0.0) + swap
                         copy = 4 * params / stream_bytes_per_ms(chain.graph, [kind]) \
                             if d > 1 and cfg.zero >= ZeroStage.OS else 0.0
-                        scored.append((m * t + _sync(cfg, params, d, glink, host) + copy, t, cfg))
+                        scored.append((m * t + _sync(cfg, params, d, glink, host, bwd) + copy, t, cfg))
                     scored.sort(key=lambda x: x[0])
                     best_j = -1
                     for est, t, cfg in scored:

@@ -65,6 +65,28 @@ def test_times_scalar_and_array_agree(zero: ZeroStage, offload: bool, d: int, li
     assert stagecost.sync_ms(0, d, zero, offload, group, PCIE) == 0.0
 
 
+@pytest.mark.parametrize("d,link", [(2, PCIE), (8, NVLINK), (2, cost_models.get_link("gloo-loopback"))])
+def test_the_overlapped_sync_lies_between_the_last_bucket_and_the_whole_collective(d: int, link) -> None:
+    sizes = np.asarray([0, 2**19, 2**20, 3 * 2**20, 30 * 2**20, 80 * 2**20])
+    for window in (0.0, 1.0, 10.0, 1e4):
+        got = stagecost.sync_ms(sizes, d, ZeroStage.NONE, False, link, PCIE, bwd_ms=window)
+        whole = stagecost.sync_ms(sizes, d, ZeroStage.NONE, False, link, PCIE)
+        for i, p in enumerate(sizes.tolist()):
+            one = stagecost.sync_ms(p, d, ZeroStage.NONE, False, link, PCIE, bwd_ms=window)
+            assert got[i] == pytest.approx(one, rel=1e-9, abs=1e-12)  # scalar and array agree
+            later = -(-max(0, p - 2**20) // (25 * 2**20))  # buckets after the first (1 MiB, then 25 MiB each)
+            last = p - 2**20 - 25 * 2**20 * (later - 1) if later else p
+            alpha = cost_models.allreduce_ms(1, d, link)  # one more collective's latency per extra bucket
+            # never more than after the backward plus the extra buckets' latencies, never less than the last bucket
+            assert one <= whole[i] + later * alpha + 1e-9
+            assert one >= (cost_models.allreduce_ms(last, d, link) if p else 0.0) - 1e-9
+        if window == 0.0:  # no backward to hide in: every bucket's latency on top of the whole
+            assert np.all(got >= whole * (1 - 1e-9))
+    # a longer backward hides more, down to the last bucket
+    ws = [stagecost.sync_ms(80 * 2**20, d, ZeroStage.NONE, False, link, PCIE, bwd_ms=w) for w in (0, 5, 50, 500)]
+    assert ws == sorted(ws, reverse=True) and ws[-1] < ws[0]
+
+
 def test_transfer_is_free_without_a_link_or_over_an_infinite_one() -> None:
     free = cost_models.LinkSpec("local", float("inf"), 0.0, "same device")
     for link in (None, free):

@@ -1,0 +1,263 @@
+"""Links measured, not assumed: this machine's send/recv and all-reduce timed between two ranks, fitted to alpha-beta.
+
+The planner prices every transfer with cost_models' alpha-beta model
+(``alpha + bytes * beta``) over the link a cluster names between two devices;
+without one it takes the catalog's default for the two kinds (for two CPU
+processes, ``gloo-loopback``, fitted once on another machine).
+:func:`measure_cluster` replaces those defaults by this machine's own
+figures, recorded as ``links`` of the cluster it returns (what
+``hpml-compile devices --measure`` writes):
+
+- **CPU ranks (gloo)**: two processes on this host (:func:`~.testing.spawn_ranks`),
+  one torch thread each as the runtime's ranks, time a ping-pong send/recv
+  (half the round trip) and an all-reduce at a few sizes, median of a few
+  repeats. One fit (:func:`fit_link`) gives the latency and bandwidth that
+  best predict both (relative least squares), and whether the link is
+  ``shared`` (both ranks' copies on one pool of cores and memory, so an
+  all-reduce costs the traffic of both ranks: cost_models' loopback model),
+  whichever of the two predicts the all-reduce better.
+- **GPU pairs (NCCL)**: the same two ranks, each on its own GPU, in a
+  two-rank NCCL group, time the same operations (CUDA synchronised around
+  each). Where there are fewer than two GPUs there is nothing to time.
+- **CPU <-> GPU**: a pinned host tensor copied to the GPU and back (what the
+  runtime does for a GPU rank talking to a CPU rank over gloo): the slower
+  direction's fit becomes the link between each CPU device and each GPU.
+
+The pairs of one kind share the figures of the pair measured (the first
+two GPUs for all GPU pairs of the host; the two CPU ranks for all CPU pairs).
+Why our own probe rather than ``torch.distributed``'s benchmarks or
+nccl-tests: those print tables for people; this needs the figures in the
+cluster file, fitted the way the cost model reads them, and gloo on CPU ranks
+has no stock benchmark.
+
+Example:
+    >>> rows = [("p2p", 1000, 0.06), ("p2p", 10**6, 1.05), ("allreduce", 1000, 0.12), ("allreduce", 10**6, 2.1)]
+    >>> link = fit_link(rows)
+    >>> round(link.gbps, 2), round(link.latency_us), link.shared
+    (1.01, 59, True)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import HpmlError
+from ..ir import Cluster, Device, Link
+from .testing import spawn_ranks
+
+__all__ = ["SIZES", "Fit", "fit_link", "measure_cluster", "probe_ranks", "probe_copies"]
+
+SIZES = (4 << 10, 256 << 10, 4 << 20, 32 << 20)  # bytes: latency-bound to bandwidth-bound
+REPEATS = 5
+
+Row = tuple[str, int, float]  # (operation: "p2p" | "allreduce" | "copy", bytes, median ms)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """An alpha-beta link fitted to measurements.
+
+    Attributes:
+        gbps: bandwidth, GB/s (1e9 bytes/s).
+        latency_us: per-message latency (alpha), microseconds.
+        shared: an all-reduce costs the traffic of both ranks (one pool of bandwidth, as over loopback).
+        rows: the measurements ``(operation, bytes, median ms)``.
+        worst: the largest relative error of the fit over the rows.
+    """
+
+    gbps: float
+    latency_us: float
+    shared: bool
+    rows: tuple[Row, ...]
+    worst: float
+
+
+def _solve(a: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Non-negative ``(alpha, beta)`` minimising the relative error of ``a @ (alpha, beta) ~ y``."""
+    w = a / y[:, None]
+    coef, *_ = np.linalg.lstsq(w, np.ones_like(y), rcond=None)
+    alpha, beta = float(coef[0]), float(coef[1])
+    if alpha < 0 or beta <= 0:  # latency below resolution: a line through the origin
+        alpha = 0.0
+        beta = float(np.linalg.lstsq(w[:, 1:], np.ones_like(y), rcond=None)[0][0])
+    return alpha, max(beta, 1e-15)
+
+
+def fit_link(rows: Sequence[Row]) -> Fit:
+    """The alpha-beta link (and whether it is shared) that best predicts ``rows`` between two ranks.
+
+    A point-to-point message costs ``alpha + b beta``; a two-rank ring all-reduce ``2 alpha + b beta``,
+    or ``2 alpha + 2 b beta`` on a shared link; a copy ``alpha + b beta``.
+
+    Args:
+        rows: ``(operation, bytes, median ms)``, operation ``p2p``, ``allreduce`` or ``copy``.
+
+    Returns:
+        The fit.
+
+    Raises:
+        HpmlError: fewer than two sizes, or a time that is not positive.
+    """
+    if len({b for _, b, _ in rows}) < 2 or any(not ms > 0 for _, _, ms in rows):
+        raise HpmlError(f"a link fit needs positive times at two sizes at least, got {list(rows)}")
+    y = np.array([ms for _, _, ms in rows])
+    best: Fit | None = None
+    for shared in (False, True):
+        a = np.array([[2.0, (2.0 if shared else 1.0) * b] if op == "allreduce" else [1.0, float(b)]
+                      for op, b, _ in rows])
+        alpha, beta = _solve(a, y)
+        worst = float(np.max(np.abs(a @ np.array([alpha, beta]) / y - 1)))
+        fit = Fit(gbps=1e-6 / beta, latency_us=alpha * 1e3, shared=shared, rows=tuple(rows), worst=worst)
+        if best is None or worst < best.worst:
+            best = fit
+        if not any(op == "allreduce" for op, _, _ in rows):
+            break  # shared or not says nothing about a copy or a send
+    assert best is not None
+    return best
+
+
+def _timed(fn: Any, cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequence[int], out: str) -> None:
+    """One rank of :func:`probe_ranks`: gloo between the CPU processes, then NCCL between two GPUs if given."""
+    backends: list[tuple[str, torch.device, Any]] = [("gloo", torch.device("cpu"), None)]
+    if len(gpus) >= 2:
+        dev = torch.device("cuda", gpus[rank])
+        torch.cuda.set_device(dev)
+        backends.append(("nccl", dev, dist.new_group([0, 1], backend="nccl")))
+    result: dict[str, list[Row]] = {}
+    for name, device, group in backends:
+        cuda = device.type == "cuda"
+        rows: list[Row] = []
+        for nbytes in sizes:
+            t = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+            peer = 1 - rank
+
+            def ping() -> None:
+                if rank == 0:
+                    dist.send(t, peer, group=group)
+                    dist.recv(t, peer, group=group)
+                else:
+                    dist.recv(t, peer, group=group)
+                    dist.send(t, peer, group=group)
+
+            def reduce() -> None:
+                dist.all_reduce(t, group=group)
+
+            for op, fn, share in (("p2p", ping, 0.5), ("allreduce", reduce, 1.0)):
+                fn()  # warm-up: connections, allocations
+                times = []
+                for _ in range(repeats):
+                    dist.barrier()
+                    times.append(_timed(fn, cuda) * share)
+                rows.append((op, t.numel() * 4, statistics.median(times)))
+        result[name] = rows
+    if rank == 0:
+        Path(out, "links.json").write_text(json.dumps(result))
+
+
+def probe_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS, gpus: Sequence[int] = ()
+                ) -> dict[str, list[Row]]:
+    """Time send/recv and all-reduce between two processes of this host (gloo; NCCL between ``gpus[:2]``).
+
+    Args:
+        sizes: message sizes in bytes.
+        repeats: timed repeats per size (the median is kept).
+        gpus: CUDA indices; with two or more, the first two are timed under NCCL too.
+
+    Returns:
+        ``{"gloo": rows, "nccl": rows}`` (``nccl`` only with two GPUs).
+    """
+    with tempfile.TemporaryDirectory(prefix="hpml-links-") as tmp:
+        spawn_ranks(_probe, 2, tmp, list(sizes), repeats, list(gpus), tmp, timeout_s=600)
+        raw = json.loads(Path(tmp, "links.json").read_text())
+    return {k: [(op, int(b), float(ms)) for op, b, ms in v] for k, v in raw.items()}
+
+
+def probe_copies(gpu: int, sizes: Sequence[int] = SIZES, repeats: int = REPEATS) -> dict[str, list[Row]]:
+    """Time pinned host -> GPU ``gpu`` and back, in this process: ``{"h2d": rows, "d2h": rows}``."""
+    dev = torch.device("cuda", gpu)
+    out: dict[str, list[Row]] = {"h2d": [], "d2h": []}
+    for nbytes in sizes:
+        host = torch.ones(max(1, nbytes // 4), dtype=torch.float32).pin_memory()
+        on_gpu = host.to(dev)
+        for name, fn in (("h2d", lambda: on_gpu.copy_(host, non_blocking=True)),
+                         ("d2h", lambda: host.copy_(on_gpu, non_blocking=True))):
+            fn()
+            times = [_timed(fn, True) for _ in range(repeats)]
+            out[name].append(("copy", host.numel() * 4, statistics.median(times)))
+    return out
+
+
+def measure_cluster(cluster: Cluster, sizes: Sequence[int] = SIZES, repeats: int = REPEATS,
+                    log: Any = print) -> tuple[Cluster, dict[str, Fit]]:
+    """``cluster`` (this machine's devices) with every pair's link measured here (see the module docstring).
+
+    Args:
+        cluster: this host's devices (CPU devices ``kind == "cpu"``, GPUs ``gpu<i>`` = CUDA index ``i``).
+        sizes: message sizes, bytes.
+        repeats: timed repeats per size.
+        log: where progress lines go.
+
+    Returns:
+        The cluster with measured ``links`` (each ``source`` saying what was timed) and the fits by backend.
+    """
+    cpus = [d for d in cluster.devices if d.is_cpu]
+    gpus = [d for d in cluster.devices if not d.is_cpu]
+    cuda = torch.cuda.is_available()
+    indices = [int(d.name[3:]) for d in gpus if d.name[3:].isdigit()] if cuda else []
+    log(f"timing send/recv and all-reduce between 2 processes (gloo{', NCCL on 2 GPUs' if len(indices) >= 2 else ''}) "
+        f"at {', '.join(_size(b) for b in sizes)} ...")
+    rows = probe_ranks(sizes, repeats, indices[:2])
+    fits = {name: fit_link(r) for name, r in rows.items()}
+    if indices:
+        copies = probe_copies(indices[0], sizes, repeats)
+        fits.update({name: fit_link(r) for name, r in copies.items()})
+    links: list[Link] = []
+
+    def add(a: Device, b: Device, fit: Fit, what: str) -> None:
+        links.append(Link(a.name, b.name, round(fit.gbps, 4), round(fit.latency_us, 2), shared=fit.shared,
+                          source=f"measured: {what} ({_summary(fit)})"))
+
+    for i, a in enumerate(cpus):
+        for b in cpus[i + 1:]:
+            add(a, b, fits["gloo"], "gloo send/recv and all-reduce between 2 CPU processes of this host")
+    if "nccl" in fits:
+        for i, a in enumerate(gpus):
+            for b in gpus[i + 1:]:
+                add(a, b, fits["nccl"], f"NCCL send/recv and all-reduce between {gpus[0].name} and {gpus[1].name}")
+    if "h2d" in fits:
+        slow = min((fits["h2d"], fits["d2h"]), key=lambda f: f.gbps)
+        for c in cpus:
+            for g in gpus:
+                add(c, g, slow, f"pinned host <-> {gpus[0].name} copies, the slower direction")
+    for name, fit in fits.items():
+        log(f"  {name:5s} {_summary(fit)}")
+    return Cluster(devices=cluster.devices, links=tuple(links), name=cluster.name), fits
+
+
+def _size(b: int) -> str:
+    return f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
+
+
+def _summary(fit: Fit) -> str:
+    return (f"{fit.gbps:.3g} GB/s, {fit.latency_us:.1f} us{', shared' if fit.shared else ''}; worst error "
+            f"{fit.worst:.0%} over {len(fit.rows)} timings")

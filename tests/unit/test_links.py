@@ -1,0 +1,72 @@
+"""Measured links: the alpha-beta fit, the cluster file that records it, and `devices --measure` on real gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cost_models
+from hpml_compile.cluster import link_spec, load_cluster
+from hpml_compile.errors import HpmlError
+from hpml_compile.ir import Cluster, Device, Link
+from hpml_compile.runtime.links import fit_link
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _rows(gbps: float, latency_us: float, shared: bool) -> list[tuple[str, int, float]]:
+    link = cost_models.LinkSpec("truth", gbps, latency_us, "test", shared=shared)
+    sizes = (4096, 1 << 18, 1 << 22, 1 << 25)
+    return ([("p2p", b, cost_models.p2p_ms(b, link)) for b in sizes]
+            + [("allreduce", b, cost_models.allreduce_ms(b, 2, link)) for b in sizes])
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_fit_recovers_the_link_that_made_the_timings(shared: bool) -> None:
+    fit = fit_link(_rows(3.1, 50.0, shared))
+    assert fit.shared is shared
+    assert fit.gbps == pytest.approx(3.1, rel=1e-6) and fit.latency_us == pytest.approx(50.0, rel=1e-6)
+    assert fit.worst < 1e-9
+
+
+def test_the_fit_refuses_one_size_and_non_positive_times() -> None:
+    with pytest.raises(HpmlError, match="two sizes"):
+        fit_link([("p2p", 100, 1.0), ("p2p", 100, 1.1)])
+    with pytest.raises(HpmlError, match="positive"):
+        fit_link([("p2p", 100, 0.0), ("p2p", 1000, 1.0)])
+
+
+def test_a_measured_link_round_trips_and_prices_as_measured(tmp_path: Path) -> None:
+    c = Cluster(devices=(Device("cpu0", "cpu", 4), Device("cpu1", "cpu", 4)),
+                links=(Link("cpu0", "cpu1", 0.8, 120.0, shared=True, source="measured: test"),), name="m")
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(c.to_dict()))
+    back = load_cluster(str(path))
+    assert back.links == c.links
+    spec = link_spec(back, "cpu1", "cpu0")
+    assert (spec.gbps, spec.latency_us, spec.shared, spec.source) == (0.8, 120.0, True, "measured: test")
+    # an older file (no shared, no source) reads as before
+    plain = Cluster(devices=c.devices, links=(Link("cpu0", "cpu1", 1.0, 5.0),)).to_dict()
+    assert set(plain["links"][0]) == {"a", "b", "gbps", "latency_us"}
+
+
+@pytest.mark.dist  # starts the CLI, which spawns two gloo ranks (~15 s quiet, 70 s on a busy host)
+@pytest.mark.slow
+def test_devices_measure_writes_this_machines_gloo_link(tmp_path: Path) -> None:
+    out = tmp_path / "cluster.json"
+    run = subprocess.run([sys.executable, "-m", "hpml_compile", "devices", "--measure", "--cpu-ranks", "3",
+                          "-o", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stderr
+    c = load_cluster(str(out))
+    cpus = [d.name for d in c.devices if d.is_cpu]
+    assert cpus == ["cpu0", "cpu1", "cpu2"]
+    pairs = {frozenset((x.a, x.b)) for x in c.links if x.a in cpus and x.b in cpus}
+    assert pairs == {frozenset(p) for p in (("cpu0", "cpu1"), ("cpu0", "cpu2"), ("cpu1", "cpu2"))}
+    link = next(x for x in c.links if {x.a, x.b} == {"cpu0", "cpu1"})
+    assert link.source.startswith("measured: gloo") and 0 < link.gbps < 1e3, link
+    assert "link cpu0-cpu1" in run.stdout
