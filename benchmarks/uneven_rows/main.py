@@ -22,7 +22,7 @@ step. Predicted, two ways (the simulator on this branch does not model
   wait for it, so its step holds no waiting), i.e. what the even run predicts
   for the uneven one (for the even split it gives back the even run's step).
 
-Run:  .venv/bin/python benchmarks/uneven_rows/main.py [--model gpt-tiny] [--batch-size 24] [--steps 30]
+Run:  .venv/bin/python benchmarks/uneven_rows/main.py [--model gpt-tiny] [--batch-size 96] [--steps 30]
 Prints a table; writes benchmarks/uneven_rows/results/uneven_rows.json.
 """
 
@@ -93,7 +93,7 @@ def _measured(rows_by_rank: dict[int, list[StepMetrics]], skip: int) -> dict[str
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt-tiny")
-    p.add_argument("--batch-size", type=int, default=24)
+    p.add_argument("--batch-size", type=int, default=96)
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
