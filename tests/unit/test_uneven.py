@@ -32,7 +32,8 @@ from hpml_compile.trainspec import check_batch_split, rank_rows, replica_rows
 
 TOL = 1e-5
 
-# (model, rows of each stage's replicas (() with one device: a single replica), microbatches, batch, schedule)
+# (model, rows of each stage's replicas (() with one device: a single replica), microbatches, batch, schedule,
+#  [stages that swap, stages that recompute])
 CASES = {
     "1 -> 3:1": ("gpt-tiny", [(), (3, 1)], 2, 8, Schedule.GPIPE),
     "1:2:5 -> 3:1": ("gpt-tiny", [(1, 2, 5), (6, 2)], 2, 16, Schedule.ONE_F_ONE_B),
@@ -40,15 +41,19 @@ CASES = {
     "3:1 -> 1:3": ("mlp-tiny", [(3, 1), (1, 3)], 1, 4, Schedule.ONE_F_ONE_B),
     "1:2:5 -> even 2": ("mlp-tiny", [(1, 2, 5), (4, 4)], 1, 8, Schedule.GPIPE),
     "3:1 -> 1": ("gpt-tiny", [(3, 1), ()], 2, 8, Schedule.GPIPE),
+    # swapped activations on the uneven stage, recompute on the next one
+    "3:1 swap -> 1:2:1 recompute": ("gpt-tiny", [(3, 1), (1, 2, 1)], 2, 8, Schedule.ONE_F_ONE_B, (0,), (1,)),
 }
 
 
-def _plan(key: str, rows: list[tuple[int, ...]], m: int, b: int, schedule: Schedule) -> tuple:
+def _plan(key: str, rows: list[tuple[int, ...]], m: int, b: int, schedule: Schedule, swap: tuple[int, ...] = (),
+          recompute: tuple[int, ...] = ()) -> tuple:
     loaded = models.load(key, batch_size=b)
     gm = trace(loaded.module, loaded.example_inputs)
     reps = [len(r) or 1 for r in rows]
     uneven = [r if len(set(r)) > 1 else () for r in rows]  # an equal split is written as no rows
-    plan = split_plan(gm, key, len(rows), microbatches=m, replicas=reps, rows=uneven, schedule=schedule)
+    plan = split_plan(gm, key, len(rows), microbatches=m, replicas=reps, rows=uneven, schedule=schedule, swap=swap,
+                      recompute=recompute)
     return loaded, gm, plan
 
 
@@ -68,6 +73,7 @@ def test_uneven_replicas_are_transparent_in_one_process(case: str, tmp_path: Pat
     for a, b in zip(tree_leaves(ours), tree_leaves(out)):
         assert a.shape == b.shape and torch.allclose(a, b, atol=TOL), (a - b).abs().max()
     assert max_grad_diff(model, ref) < TOL
+    assert (result.swap_bytes > 0) == any(st.swap for st in plan.stages)
     # each replica of the last stage ran its own rows of each microbatch
     last = plan.stages[-1]
     sizes = {r: tree_leaves(o)[0].shape[0] for _, r, o in result.outputs}
