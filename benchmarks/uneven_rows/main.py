@@ -8,7 +8,9 @@ profile: with each microbatch split equally (``rows`` left out) and split
 (rank 1 computes 2x slower from the first step, as a slower device would).
 
 Measured: the median over the steps after the warm-up of the slowest rank's
-step. Predicted, two ways (the simulator on this branch does not model
+step, in each of ``--repeats`` runs per split, the splits alternating (on a
+busy machine the load moves a run by more than the split does), and the
+median of those runs. Predicted, two ways (the simulator on this branch does not model
 ``Stage.rows``; the ``uplan`` branch's does):
 
 - *simulator*: ``hpml_compile.simulate.simulate`` of the even plan on the
@@ -16,7 +18,7 @@ step. Predicted, two ways (the simulator on this branch does not model
   microbatch's rows, the gradient sync and the optimizer step; each replica's
   compute is scaled by its rows and its slow-down (2x on rank 1), the slowest
   replica sets the step: ``max_r(M (fwd+bwd) rows_r/(mb/2) f_r) + sync + opt``.
-- *measured*: the same formula from the even run's own measurement: each
+- *measured*: the same formula from the first even run's own measurement: each
   rank's median forward+backward (already slowed) scaled by its rows, plus
   the rest of the slowed rank's step (sync, optimizer, overheads; the others
   wait for it, so its step holds no waiting), i.e. what the even run predicts
@@ -45,7 +47,7 @@ from hpml_compile.driver import cost_graph, rebuild
 from hpml_compile.plan import Plan, Stage, load_plan
 from hpml_compile.profile import load_profile
 from hpml_compile.runtime.monitor import StepMetrics, read_metrics
-from hpml_compile.simulate import simulate
+from hpml_compile.simulate import annotate, simulate
 
 HERE = Path(__file__).resolve().parent
 CLI = [sys.executable, "-m", "hpml_compile"]
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each split, alternating")
     p.add_argument("--out", type=Path, default=HERE / "results" / "uneven_rows.json")
     a = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="hpml-uneven-rows-"))
@@ -107,24 +110,36 @@ def main(argv: list[str] | None = None) -> int:
     prof = load_profile(work / "base" / "profile.json")
     plans = _plans(load_plan(work / "base" / "plan.json"), mb, m)
     _, graph = cost_graph(prof, plans["even"].cluster)
+    # the plans carry the simulator's predictions (for the uneven one those of its stages as the simulator on this
+    # branch sees them: without its rows), not the base plan's
+    plans = {name: dataclasses.replace(ann, stages=tuple(dataclasses.replace(a, rows=st.rows) for a, st in
+                                                        zip(ann.stages, plan.stages)))
+             for name, plan in plans.items() for ann in [annotate(plan, graph, prof.dtype)[0]]}
     sim = simulate(plans["even"], graph, prof.dtype)
     stage = sim.stages[0]
     results: dict[str, Any] = {}
     for name, plan in plans.items():
-        build = work / name
-        rebuild(work / "base", plan, prof, build)
+        rebuild(work / "base", plan, prof, work / name)
+        if load_plan(work / name / "plan.json").stages[0].rows != plan.stages[0].rows:
+            raise SystemExit(f"the {name} build lost its rows {list(plan.stages[0].rows)}")
         rows = plan.stages[0].rows or (mb // 2, mb // 2)
-        print(f"running {name} rows {list(rows)} with rank {SLOW_RANK} slowed {FACTOR:g}x ...", flush=True)
-        load0 = os.getloadavg()
-        t0 = time.perf_counter()
-        _cli("run", str(build), "--steps", str(a.steps), "--slow", f"{SLOW_RANK}:{FACTOR:g}:1", "--run-dir",
-             str(work / f"run-{name}"), "--no-tensorboard", "--no-report")
-        wall = time.perf_counter() - t0
-        metrics = read_metrics(work / f"run-{name}")
-        results[name] = {"rows": list(rows), "wall_s": wall, "loadavg_before": load0, "loadavg_after": os.getloadavg(),
-                         "measured": _measured(metrics, a.warmup),
-                         "predicted_simulator_ms": _predict(stage, m, mb, rows)}
-    ev = results["even"]["measured"]["per_rank"]
+        results[name] = {"rows": list(rows), "runs": [], "predicted_simulator_ms": _predict(stage, m, mb, rows)}
+    # alternate the splits (even, uneven, even, ...): this machine's load moves a run's step by more than the split
+    for rep in range(a.repeats):
+        for name in plans:
+            print(f"run {rep + 1}: {name} rows {results[name]['rows']} with rank {SLOW_RANK} slowed {FACTOR:g}x ...",
+                  flush=True)
+            load0 = os.getloadavg()
+            t0 = time.perf_counter()
+            run = work / f"run-{name}-{rep}"
+            _cli("run", str(work / name), "--steps", str(a.steps), "--slow", f"{SLOW_RANK}:{FACTOR:g}:1",
+                 "--run-dir", str(run), "--no-tensorboard", "--no-report")
+            results[name]["runs"].append({"wall_s": time.perf_counter() - t0, "loadavg_before": load0,
+                                          "loadavg_after": os.getloadavg(),
+                                          "measured": _measured(read_metrics(run), a.warmup)})
+    for r in results.values():
+        r["measured_step_ms"] = statistics.median(x["measured"]["step_ms"] for x in r["runs"])
+    ev = results["even"]["runs"][0]["measured"]["per_rank"]
     last = max(ev, key=lambda r: ev[r]["compute_ms"])  # the rank the others wait for: its step has no wait in it
     rest = ev[last]["step_ms"] - ev[last]["compute_ms"]  # sync, optimizer and overheads of a step
     for name in results:  # the even run's own measurement, scaled to each split's rows
@@ -136,18 +151,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"simulator (even plan, healthy profile): fwd {stage.fwd_ms:.2f} + bwd {stage.bwd_ms:.2f} ms per "
           f"microbatch per replica, sync {stage.sync_ms:.2f} ms, optimizer {stage.optimizer_ms:.2f} ms; "
           f"its own step {sim.step_ms:.2f} ms (healthy)")
-    print(f"{'split':8s} {'rows':>8s} {'measured ms':>12s} {'pred. sim ms':>13s} {'pred. meas ms':>14s} "
-          f"{'load avg':>10s}")
+    print(f"{'split':8s} {'rows':>8s} {'measured ms (each run)':>26s} {'median':>8s} {'pred. sim ms':>13s} "
+          f"{'pred. meas ms':>14s}  load avg (1 min) before each run")
     for name, r in results.items():
-        print(f"{name:8s} {':'.join(map(str, r['rows'])):>8s} {r['measured']['step_ms']:12.1f} "
-              f"{r['predicted_simulator_ms']:13.1f} {r['predicted_measured_ms']:14.1f} "
-              f"{r['loadavg_before'][0]:5.1f}/{r['loadavg_after'][0]:4.1f}")
-    gain = results["even"]["measured"]["step_ms"] / results["uneven"]["measured"]["step_ms"]
+        each = ", ".join(f"{x['measured']['step_ms']:.1f}" for x in r["runs"])
+        loads = ", ".join(f"{x['loadavg_before'][0]:.1f}" for x in r["runs"])
+        print(f"{name:8s} {':'.join(map(str, r['rows'])):>8s} {each:>26s} {r['measured_step_ms']:8.1f} "
+              f"{r['predicted_simulator_ms']:13.1f} {r['predicted_measured_ms']:14.1f}  {loads}")
+    gain = results["even"]["measured_step_ms"] / results["uneven"]["measured_step_ms"]
     pgain = results["even"]["predicted_simulator_ms"] / results["uneven"]["predicted_simulator_ms"]
-    print(f"uneven rows: {gain:.2f}x the even split's speed measured, {pgain:.2f}x predicted by the simulator")
+    print(f"uneven rows: {gain:.2f}x the even split's speed measured (medians), {pgain:.2f}x predicted by the "
+          "simulator")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({
         "model": a.model, "batch_size": a.batch_size, "microbatches": m, "steps": a.steps, "warmup": a.warmup,
+        "repeats": a.repeats,
         "slow": {"rank": SLOW_RANK, "factor": FACTOR}, "cpus": os.cpu_count(), "arch": platform.machine(),
         "simulator_even_stage": {"fwd_ms": stage.fwd_ms, "bwd_ms": stage.bwd_ms, "sync_ms": stage.sync_ms,
                                  "optimizer_ms": stage.optimizer_ms, "step_ms": sim.step_ms},
