@@ -38,7 +38,7 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 from .errors import ModelError
 
 __all__ = ["TrainSpec", "Batch", "first_batch", "collate", "batches_per_epoch", "is_iterable", "check_item",
-           "rank_rows", "check_batch_split"]
+           "Split", "split_of", "replica_rows", "rank_rows", "check_batch_split"]
 
 Batch = tuple[tuple[Tensor, ...], Any]  # (positional inputs, target)
 
@@ -184,37 +184,94 @@ def batches_per_epoch(spec: TrainSpec, dataset: Any = None) -> int | None:
     return len(data) // spec.batch_size
 
 
-def rank_rows(batch_size: int, microbatches: int, replicas: int, replica: int) -> list[int]:
-    """The rows of a batch that replica ``replica`` of a stage with ``replicas`` replicas trains on.
+Split = int | tuple[int, ...]  # a stage's replicas: their count (equal rows), or each one's rows (Stage.rows)
+
+
+def split_of(replicas: int, rows: Sequence[int] = ()) -> Split:
+    """A stage's split: ``rows`` (the plan's rows of each replica per microbatch) if given, else the count."""
+    return tuple(int(r) for r in rows) if rows else int(replicas)
+
+
+def replica_rows(split: Split, microbatch_rows: int) -> list[int]:
+    """Rows of a microbatch of ``microbatch_rows`` that each replica of a stage trains on.
+
+    Example:
+        >>> replica_rows(2, 8), replica_rows((3, 1), 4)
+        ([4, 4], [3, 1])
+
+    Raises:
+        ModelError: the microbatch does not split so (an equal split that does not divide, or rows that do
+            not add up to the microbatch).
+    """
+    if isinstance(split, int):
+        if microbatch_rows % split:
+            raise ModelError(f"a microbatch of {microbatch_rows} rows does not split equally among {split} "
+                             f"replicas: use microbatches of a multiple of {split} rows")
+        return [microbatch_rows // split] * split
+    if sum(split) != microbatch_rows:
+        raise ModelError(f"the plan gives its replicas rows {list(split)} of each microbatch ({sum(split)} rows), "
+                         f"but a microbatch has {microbatch_rows}: use microbatches of {sum(split)} rows")
+    return list(split)
+
+
+def rank_rows(batch_size: int, microbatches: int, replicas: Split, replica: int) -> list[int]:
+    """The rows of a batch that replica ``replica`` of a stage trains on.
 
     The executor splits a batch into ``microbatches`` equal microbatches and
-    each microbatch into ``replicas`` equal parts, so replica ``r`` takes part
+    each microbatch among the stage's replicas: ``replicas`` equal parts when it
+    is a count, or consecutive runs of the plan's rows when it is a tuple
+    (``Stage.rows``, uneven data parallelism), so replica ``r`` takes part
     ``r`` of every microbatch, in microbatch order.
 
     Example:
         >>> rank_rows(8, 2, 2, 1)
         [2, 3, 6, 7]
+        >>> rank_rows(8, 2, (3, 1), 0), rank_rows(8, 2, (3, 1), 1)
+        ([0, 1, 2, 4, 5, 6], [3, 7])
 
     Raises:
         ModelError: the batch does not split so (see :func:`check_batch_split`).
     """
     check_batch_split(batch_size, microbatches, [replicas])
     mb = batch_size // microbatches
-    per = mb // replicas
-    return [j * mb + replica * per + i for j in range(microbatches) for i in range(per)]
+    per = replica_rows(replicas, mb)
+    lo = sum(per[:replica])
+    return [j * mb + lo + i for j in range(microbatches) for i in range(per[replica])]
 
 
-def check_batch_split(batch_size: int, microbatches: int, replicas: Sequence[int]) -> None:
-    """Refuse a batch that does not split into ``microbatches`` equal microbatches, each into every stage's replicas.
+def check_batch_split(batch_size: int, microbatches: int, replicas: Sequence[Split]) -> None:
+    """Refuse a batch that does not split into ``microbatches`` equal microbatches, each among every stage's replicas.
+
+    ``replicas`` holds each stage's split (:data:`Split`): a replica count
+    (equal rows) or the plan's rows of each replica; a stage with rows fixes
+    the microbatch's rows to their sum.
 
     Raises:
-        ModelError: naming the batch, the plan's split and batch sizes that would do.
+        ModelError: naming the batch, the plan's split and a batch size that would do.
     """
+    fixed = sorted({sum(d) for d in replicas if not isinstance(d, int)})
+    counts = [d if isinstance(d, int) else 1 for d in replicas]
+    if len(fixed) > 1:
+        raise ModelError(f"the plan's stages give their replicas rows that add up to different microbatches "
+                         f"({', '.join(str(list(d)) for d in replicas if not isinstance(d, int))}): one microbatch "
+                         "has one size; recompile the plan")
     lcm = 1
-    for d in replicas:
+    for d in counts:
         lcm = lcm * d // _gcd(lcm, d)
+    if fixed:
+        mb = fixed[0]
+        rows = [list(d) for d in replicas if not isinstance(d, int)][0]
+        if any(mb % d for d in counts):
+            raise ModelError(f"the plan gives a stage's replicas rows {rows} of each microbatch ({mb} rows), which "
+                             f"another stage's replicas ({', '.join(map(str, counts))}) cannot split equally: "
+                             "recompile the plan")
+        if batch_size != mb * microbatches:
+            raise ModelError(f"batch_size {batch_size} does not split into the plan's {microbatches} microbatches "
+                             f"of {mb} rows (its replicas train on rows {rows} of each microbatch): use batch_size "
+                             f"{mb * microbatches}, or recompile the plan for this batch size")
+        return
     need = microbatches * lcm
-    bad = batch_size % microbatches or any((batch_size // microbatches) % d for d in replicas)
+    bad = batch_size % microbatches or any((batch_size // microbatches) % d for d in counts)
     if bad:
         raise ModelError(f"batch_size {batch_size} does not split into the plan's {microbatches} microbatches of "
                          f"equal rows, each split among a stage's replicas ({', '.join(map(str, replicas))}): use a "

@@ -335,9 +335,10 @@ def _data_options(args: argparse.Namespace, recipe: Any, plan: Any) -> None:
                 _refuse(option, value, "a build of a TrainSpec (compile path/to/train.py:NAME)",
                         f"{recipe.model} trains on its example batch; use --steps")
     else:
-        from ..trainspec import batches_per_epoch, check_batch_split
+        from ..trainspec import batches_per_epoch, check_batch_split, split_of
 
-        check_batch_split(spec.batch_size, plan.microbatches, [len(st.devices) for st in plan.stages])
+        check_batch_split(spec.batch_size, plan.microbatches, [split_of(len(st.devices), st.rows)
+                                                               for st in plan.stages])
         if val_every and spec.val_dataset is None:
             _refuse("--val-every", val_every, "a TrainSpec with a val_dataset",
                     "give the TrainSpec a val_dataset, or drop --val-every")

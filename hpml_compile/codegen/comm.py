@@ -12,6 +12,15 @@ stage with ``d`` replicas and one with ``d'``:
   producer replica ``q % d`` to consumer replica ``q``, and in backward the
   producer sums the gradients of the consumers it served.
 
+Uneven data parallelism (``Stage.rows``): replica ``r`` of such a stage runs
+``rows[r]`` consecutive rows of each microbatch (:meth:`Comm.ranges`), so the
+row ranges of the two sides are absolute, not proportional, and a boundary
+reshards whenever they differ (the same rule as above, on those ranges;
+:func:`overlaps`). The generated code of such a stage is traced at its first
+replica's rows; :meth:`Comm.shaped` scales the batch dimension of each
+boundary tensor's spec to this replica's rows, so one stage file serves
+every replica.
+
 :class:`Comm` implements that on top of two primitives, a point-to-point
 ``_put``/``_get`` between endpoints ``(stage, replica)``: a local mailbox in
 one process (:class:`hpml_compile.runtime.comm.LocalComm`) or torch.distributed
@@ -22,6 +31,8 @@ Example:
     [(0, 0, 2), (1, 2, 2)]
     >>> pieces(rows=2, me=3, d_me=4, d_peer=2)  # replica 3 of 4 (rows 6-7) -> peer 1 (rows 4-7) at offset 0
     [(1, 0, 2)]
+    >>> overlaps((0, 3), [(0, 1), (1, 3), (3, 4)])  # rows 0-2 of a microbatch against a 1:2:1 split
+    [(0, 0, 1), (1, 1, 2)]
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Direction", "TensorSpec", "carries_grad", "pieces", "Comm", "DetachedComm"]
+__all__ = ["Direction", "TensorSpec", "carries_grad", "pieces", "overlaps", "split_ranges", "Comm", "DetachedComm"]
 
 # One tensor crossing a boundary, as generated code spells it: (shape on this side, dtype,
 # batch dimension -- None when the two sides have the same replica count or the tensor has none).
@@ -75,6 +86,36 @@ def pieces(rows: int, me: int, d_me: int, d_peer: int) -> list[tuple[int, int, i
     return out
 
 
+def overlaps(mine: tuple[int, int], peers: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Rows of range ``mine`` that each peer's range shares: ``(peer, offset in mine, length)``.
+
+    Args:
+        mine: ``(first row, end)`` of this replica within a microbatch.
+        peers: the same for each replica of the other side.
+    """
+    lo, hi = mine
+    out = []
+    for q, (a, b) in enumerate(peers):
+        x, y = max(lo, a), min(hi, b)
+        if x < y:
+            out.append((q, x - lo, y - x))
+    return out
+
+
+def split_ranges(rows: Sequence[int]) -> list[tuple[int, int]]:
+    """``(first row, end)`` of each replica's consecutive run of a microbatch, from each one's row count.
+
+    Example:
+        >>> split_ranges([3, 1])
+        [(0, 3), (3, 4)]
+    """
+    out, lo = [], 0
+    for n in rows:
+        out.append((lo, lo + n))
+        lo += n
+    return out
+
+
 class Comm(abc.ABC):
     """Moves tensors between stages; an executor gives each stage module one (``stage.hpml_comm``).
 
@@ -91,6 +132,8 @@ class Comm(abc.ABC):
         # ZeRO shards by stage (runtime.zero.FlatShard), set by the pipeline on ranks: the gradient and
         # parameter collectives of a sharded stage go through them.
         self.shards: dict[int, Any] = {}
+        # The plan's rows of each replica per microbatch, by stage (Stage.rows; () for an equal split).
+        self.rows: list[tuple[int, ...]] = []
 
     @abc.abstractmethod
     def _put(self, frm: Endpoint, to: Endpoint, key: tuple[int, ...], tensor: Tensor) -> None:
@@ -124,6 +167,43 @@ class Comm(abc.ABC):
     def flush(self) -> None:
         """Wait for every message this process has sent (called at the end of a step)."""
 
+    def _rows(self, stage: int) -> tuple[int, ...]:
+        return self.rows[stage] if stage < len(self.rows) else ()
+
+    def ranges(self, a: int, b: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]] | None:
+        """Each replica's row range of a microbatch on stages ``a`` and ``b``; None when both split it equally.
+
+        A stage with plan rows fixes the microbatch (their sum); an equally split
+        neighbour divides that sum by its replica count.
+        """
+        ra, rb = self._rows(a), self._rows(b)
+        if not ra and not rb:
+            return None
+        mb = sum(ra or rb)
+        return tuple(split_ranges(r or [mb // self.replicas(k)] * self.replicas(k))  # type: ignore[return-value]
+                     for k, r in ((a, ra), (b, rb)))
+
+    def shaped(self, stage: int, replica: int, specs: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
+        """``specs`` (as generated: at the stage's first replica's rows) at ``replica``'s rows.
+
+        Only a stage with plan rows has replicas of different rows; the batch
+        dimension of each boundary tensor scales with them (a ``B*T`` row
+        dimension too: it is a whole number of elements per row).
+        """
+        rows = self._rows(stage)
+        if not rows or all(n == rows[0] for n in rows):
+            return tuple(specs)
+        out = []
+        for shape, dtype, bd in specs:
+            if bd is not None:
+                per, left = divmod(shape[bd], rows[0])
+                if left:
+                    raise RuntimeError(f"stage {stage}: a boundary tensor of shape {shape} has {shape[bd]} rows in "
+                                       f"dimension {bd}, not a multiple of the {rows[0]} rows it was generated for")
+                shape = tuple(per * rows[replica] if i == bd else n for i, n in enumerate(shape))
+            out.append((shape, dtype, bd))
+        return tuple(out)
+
     def _sides(self, src: int, dst: int, direction: Direction) -> tuple[int, int]:
         """(sending stage, receiving stage) of a message."""
         return (src, dst) if direction is Direction.FORWARD else (dst, src)
@@ -134,10 +214,16 @@ class Comm(abc.ABC):
         me, peer = self._sides(src, dst, direction)
         d_me, d_peer = self.replicas(me), self.replicas(peer)
         d_src = self.replicas(src)
+        rng = self.ranges(me, peer)
         for i, (t, (_, _, bd)) in enumerate(zip(tensors, specs)):
             key = (src, dst, 0 if direction is Direction.FORWARD else 1, microbatch, i)
-            if d_me == d_peer:
+            if (rng is None and d_me == d_peer) or (rng is not None and rng[0] == rng[1]):
                 self._put((me, replica), (peer, replica), key, t)
+            elif bd is not None and rng is not None:  # plan rows: absolute row ranges
+                lo, hi = rng[0][replica]
+                per = t.shape[bd] // (hi - lo)
+                for q, off, n in overlaps(rng[0][replica], rng[1]):
+                    self._put((me, replica), (peer, q), key, t.narrow(bd, off * per, n * per).contiguous())
             elif bd is not None:
                 for q, off, n in pieces(t.shape[bd], replica, d_me, d_peer):
                     self._put((me, replica), (peer, q), key, t.narrow(bd, off, n).contiguous())
@@ -154,11 +240,20 @@ class Comm(abc.ABC):
         peer, me = self._sides(src, dst, direction)
         d_me, d_peer = self.replicas(me), self.replicas(peer)
         d_src = self.replicas(src)
+        rng = self.ranges(me, peer)
         out = []
         for i, (shape, dtype, bd) in enumerate(specs):
             key = (src, dst, 0 if direction is Direction.FORWARD else 1, microbatch, i)
-            if d_me == d_peer:
+            if (rng is None and d_me == d_peer) or (rng is not None and rng[0] == rng[1]):
                 out.append(self._get((peer, replica), (me, replica), key, shape, dtype))
+            elif bd is not None and rng is not None:  # plan rows: absolute row ranges
+                lo, hi = rng[0][replica]
+                per = shape[bd] // (hi - lo)
+                parts = []
+                for q, _, n in overlaps(rng[0][replica], rng[1]):
+                    part_shape = tuple(n * per if j == bd else s for j, s in enumerate(shape))
+                    parts.append(self._get((peer, q), (me, replica), key, part_shape, dtype))
+                out.append(torch.cat(parts, dim=bd))
             elif bd is not None:
                 parts = []
                 for q, _, n in pieces(shape[bd], replica, d_me, d_peer):

@@ -241,6 +241,9 @@ def _header(model: str, plan: Plan, acts: StageActions, values: dict[str, Any], 
              f"Model graph sha256: {graph_sha256}",
              f"Devices: {', '.join(st.devices)} ({len(st.devices)} replica(s), ZeRO {int(st.zero)}); "
              f"{plan.microbatches} microbatch(es), {plan.schedule.value}.",
+             *([f"Rows of each microbatch per replica: {', '.join(map(str, st.rows))} (uneven data parallelism: "
+                f"this code is shaped for the first replica's {st.rows[0]} rows; each replica runs its own, its "
+                "loss weighted by them)."] if st.rows else []),
              *([f"Precision: {plan.precision.value}: the forward runs under torch.autocast to "
                 f"{plan.precision.dtype}; parameters, gradients and optimizer state stay float32; floating "
                 f"tensors cross stages in {plan.precision.dtype}."] if plan.precision.is_mixed else []),

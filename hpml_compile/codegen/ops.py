@@ -81,6 +81,7 @@ class _Recv(torch.autograd.Function):
     def forward(ctx: Any, anchor: Tensor, comm: Comm, src: int, dst: int,  # type: ignore[override]
                 specs: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
         mb, rep = comm.microbatch, comm.replica
+        specs = comm.shaped(dst, rep, specs)  # this replica's rows (uneven data parallelism)
         tensors = comm.recv(src, dst, Direction.FORWARD, mb, rep, specs)
         ctx.comm, ctx.src, ctx.dst, ctx.mb, ctx.rep, ctx.specs = comm, src, dst, mb, rep, specs
         if any(carries_grad(s) for s in specs):
@@ -101,6 +102,7 @@ class _Send(torch.autograd.Function):
     def forward(ctx: Any, anchor: Tensor, comm: Comm, src: int, dst: int,  # type: ignore[override]
                 specs: tuple[TensorSpec, ...], *tensors: Tensor) -> Tensor:
         mb, rep = comm.microbatch, comm.replica
+        specs = comm.shaped(src, rep, specs)  # this replica's rows (uneven data parallelism)
         wire = []
         for t, (shape, dtype, _) in zip(tensors, specs):
             if tuple(t.shape) != tuple(shape) or (t.dtype != dtype and not (

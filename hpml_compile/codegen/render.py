@@ -23,7 +23,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten
 
 from ..errors import HpmlError
 from ..ir import FrontEnd, Profile
@@ -65,7 +67,7 @@ def render(gm: fx.GraphModule, plan: Plan, *, profile: Profile | None = None, re
     owner = place(gm, plan)                                        # 2. node -> stage, as the plan says
     rows, values = _stage_values(gm, plan)                          # 3. shapes on each stage replica
     actions = plan_actions(gm, plan, owner, values[0])             # 4. explicit transfers, regions, collectives
-    dims = _boundary_dims(plan, actions, values)
+    dims = _boundary_dims(plan, actions, values, gm)
     last = len(plan.stages) - 1
     graphs = [lower_stage(gm, a, values[a.index], last=a.index == last, send_dims=dims[a.index],
                           recv_dims=dims[a.index - 1] if a.index else None, precision=plan.precision)
@@ -104,7 +106,10 @@ def _stage_values(gm: fx.GraphModule, plan: Plan) -> tuple[int, list[dict[str, A
     """Rows of one microbatch, and node values on one replica's slice of it, per stage.
 
     Replica ``r`` of a stage with ``d`` replicas runs rows ``r*b/d .. (r+1)*b/d``
-    of each microbatch of ``b`` rows.
+    of each microbatch of ``b`` rows; with plan rows (``Stage.rows``) it runs
+    ``rows[r]`` rows, and the stage is generated at its first replica's rows
+    (the runtime scales each boundary spec to the replica's own,
+    :meth:`~hpml_compile.codegen.comm.Comm.shaped`).
     """
     reps = [len(st.devices) for st in plan.stages]
     traced = trace_rows(gm)
@@ -112,25 +117,55 @@ def _stage_values(gm: fx.GraphModule, plan: Plan) -> tuple[int, list[dict[str, A
     rows = traced * reps[0] if static else traced // plan.microbatches  # export: traced at one replica's rows
     if not static and traced % plan.microbatches:
         raise HpmlError(f"a batch of {traced} rows does not split into {plan.microbatches} microbatches")
-    for k, d in enumerate(reps):
-        if rows % d:
-            raise HpmlError(f"stage {k} has {d} replicas, but a microbatch has {rows} rows: use a batch "
-                            f"divisible by microbatches x replicas ({plan.microbatches} x {d})")
-    by_d = {d: microbatch_values(gm, rows // d) for d in sorted(set(reps))}
-    return rows, [by_d[d] for d in reps]
+    for k, st in enumerate(plan.stages):
+        if st.rows and static:
+            raise HpmlError(f"stage {k} gives its replicas uneven rows {list(st.rows)}, but this graph came from "
+                            "torch.export, which fixes every shape: trace the model with torch.fx, or give the "
+                            "stage an equal split")
+        if st.rows and sum(st.rows) != rows:
+            raise HpmlError(f"stage {k} gives its replicas rows {list(st.rows)} of each microbatch "
+                            f"({sum(st.rows)} rows), but a microbatch of this build has {rows} rows (a batch of "
+                            f"{traced} in {plan.microbatches}): trace with a batch of "
+                            f"{sum(st.rows) * plan.microbatches} rows, or re-plan for this batch")
+        if not st.rows and rows % reps[k]:
+            raise HpmlError(f"stage {k} has {reps[k]} replicas, but a microbatch has {rows} rows: use a batch "
+                            f"divisible by microbatches x replicas ({plan.microbatches} x {reps[k]})")
+    per = [st.rows[0] if st.rows else rows // reps[k] for k, st in enumerate(plan.stages)]
+    by_n = {n: microbatch_values(gm, n) for n in sorted(set(per))}
+    return rows, [by_n[n] for n in per]
 
 
-def _boundary_dims(plan: Plan, actions: list[StageActions],
-                   values: list[dict[str, Any]]) -> list[dict[str, tuple[int, ...]] | None]:
-    """Per boundary ``k -> k+1``: batch dims of what it carries, where the replica counts differ."""
+def _boundary_dims(plan: Plan, actions: list[StageActions], values: list[dict[str, Any]],
+                   gm: fx.GraphModule | None = None) -> list[dict[str, tuple[int, ...]] | None]:
+    """Per boundary ``k -> k+1``: batch dims of what it carries, where the two sides split rows differently.
+
+    The dims come from the values at two different row counts: the two
+    stages' own where they differ, else one more (shapes only) run of the graph.
+    """
     out: list[dict[str, tuple[int, ...]] | None] = []
+    extra: dict[str, Any] | None = None
     for a in actions:
         k = a.index
-        if a.send is None or len(plan.stages[k].devices) == len(plan.stages[k + 1].devices):
+        if a.send is None:
             out.append(None)
             continue
-        out.append({v: batch_dims(values[k][v], values[k + 1][v], v) for v in a.send.values})
+        here, there = plan.stages[k], plan.stages[k + 1]
+        if len(here.devices) == len(there.devices) and not here.rows and not there.rows:
+            out.append(None)
+            continue
+        small, large = values[k], values[k + 1]
+        static = gm is None or gm.meta.get("hpml_front_end") is FrontEnd.EXPORT
+        if not static and all(_shapes(small[v]) == _shapes(large[v]) for v in a.send.values):
+            if extra is None:
+                assert gm is not None
+                extra = microbatch_values(gm, trace_rows(gm) + 1)  # more rows than any replica runs
+            large = extra
+        out.append({v: batch_dims(small[v], large[v], v) for v in a.send.values})
     return out
+
+
+def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(t.shape) for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
 
 
 def _debug(owner: dict[str, int], values: list[dict[str, Any]], actions: list[StageActions]) -> dict[str, object]:

@@ -74,7 +74,7 @@ def _executes(n: fx.Node) -> bool:
 def split_plan(gm: fx.GraphModule, model: str, stages: int, *, microbatches: int = 1,
                replicas: Sequence[int] | None = None, after: Sequence[str] | None = None,
                swap: Iterable[int] = (), recompute: Iterable[int] = (), zero: ZeroStage | int = 0,
-               schedule: Schedule = Schedule.GPIPE) -> Plan:
+               schedule: Schedule = Schedule.GPIPE, rows: Sequence[Sequence[int]] | None = None) -> Plan:
     """A plan cutting the graph's node order into ``stages`` contiguous ranges, on ``local-cpu-N``.
 
     Args:
@@ -88,6 +88,8 @@ def split_plan(gm: fx.GraphModule, model: str, stages: int, *, microbatches: int
         recompute: stages that recompute.
         zero: ZeRO stage of the replicated stages.
         schedule: the schedule written into the plan.
+        rows: per stage, each replica's rows of a microbatch (``Stage.rows``; ``()``: an equal split); given
+            alone, it sets the replica counts too.
 
     Returns:
         The plan.
@@ -99,7 +101,8 @@ def split_plan(gm: fx.GraphModule, model: str, stages: int, *, microbatches: int
     else:
         body = [i for i, n in enumerate(nodes) if _executes(n)]
         cuts = [0, *(body[round(i * len(body) / stages)] for i in range(1, stages)), len(nodes)]
-    reps = list(replicas or [1] * stages)
+    per = [tuple(r) for r in rows] if rows is not None else [()] * stages
+    reps = list(replicas or [len(r) or 1 for r in per])
     devices, k = [], 0
     for d in reps:
         devices.append(tuple(f"cpu{k + i}" for i in range(d)))
@@ -109,7 +112,7 @@ def split_plan(gm: fx.GraphModule, model: str, stages: int, *, microbatches: int
     for i in range(stages):
         part = tuple(names[cuts[i]:cuts[i + 1]])
         out.append(Stage(i, devices[i], part, zero=ZeroStage(zero) if reps[i] > 1 else ZeroStage.NONE,
-                         recompute=i in recompute, swap=part if i in swap else ()))
+                         recompute=i in recompute, swap=part if i in swap else (), rows=per[i]))
     return Plan(model, load_cluster(f"local-cpu-{k}"), schedule, microbatches, tuple(out))
 
 

@@ -258,6 +258,7 @@ class LocalComm(Comm):
     def __init__(self, plan: Plan) -> None:
         super().__init__()
         self._reps = [len(st.devices) for st in plan.stages]
+        self.rows = [st.rows for st in plan.stages]
         self._box: dict[tuple[Any, ...], Tensor] = {}
         self.stats = CommStats()  # stays empty: nothing here waits or crosses a wire
 
@@ -305,6 +306,7 @@ class DistComm(Comm):
                  groups: dict[tuple[int, ...], Any]) -> None:
         super().__init__(devices[rank])
         self.ranks = stage_ranks(plan)
+        self.rows = [st.rows for st in plan.stages]
         self.rank = rank
         self.stage, self.replica = rank_layout(plan)[rank]
         self.devices = devices

@@ -6,8 +6,10 @@ Codegen lowered the plan's schedule into one action list per rank
 and decides nothing:
 
 - ``kFj``: the forward of microbatch ``j`` on stage ``k`` (the last stage adds
-  the loss of its slice, scaled by ``1 / (microbatches x replicas)`` so that
-  the gradients sum to the batch mean's); ``kBj``: its backward, then the
+  the loss of its slice, scaled by ``1 / (microbatches x replicas)``, or by
+  ``rows[r] / (microbatches x microbatch rows)`` where the plan gives the
+  replicas uneven rows (``Stage.rows``), so that the gradients sum to the
+  batch mean's and the gradient all-reduce stays a plain sum); ``kBj``: its backward, then the
   zero gradients a replica still owes (:meth:`~hpml_compile.codegen.comm.Comm.settle`);
 - ``kSENDp:j`` / ``kRECVp:j``: nothing to do here: the ``ops.send`` /
   ``ops.recv`` nodes of the generated stage move the values inside the
@@ -68,10 +70,12 @@ from ..errors import HpmlError
 from ..precision import autocast
 from ..schedule import (COLLECTIVES, MARKERS, Action, ActionKind, RankActions, rank_layout, relower, replay,
                         stage_ranks, validate)
+from ..trainspec import Split, split_of
 from .comm import DistComm, LocalComm, dist_comm
 from .scaler import LossScaler
 
-__all__ = ["StepResult", "StepRun", "stage_ranks", "rank_layout", "split_microbatches", "merge_outputs",
+__all__ = ["StepResult", "StepRun", "stage_ranks", "rank_layout", "split_microbatches", "split_replicas",
+           "loss_share", "stage_splits", "merge_outputs",
            "to_device", "forward_stage", "actions_for", "local_order", "run_actions", "step_local", "step_rank",
            "LocalComm", "DistComm", "dist_comm"]
 
@@ -95,6 +99,52 @@ def split_microbatches(value: Any, microbatches: int) -> list[Any]:
         for j in range(microbatches):
             parts[j].append(chunks[j])
     return [tree_unflatten(p, spec) for p in parts]
+
+
+def split_replicas(value: Any, split: Split) -> list[Any]:
+    """Split every tensor in one microbatch ``value`` along dim 0 among a stage's replicas.
+
+    ``split`` is the stage's :data:`~hpml_compile.trainspec.Split`: a replica
+    count (equal parts) or the plan's rows of each replica (consecutive runs).
+
+    Example:
+        >>> [tuple(p.shape) for p in split_replicas(torch.zeros(4, 2), (3, 1))]
+        [(3, 2), (1, 2)]
+
+    Raises:
+        HpmlError: a tensor's rows do not split so.
+    """
+    if isinstance(split, int):
+        return split_microbatches(value, split)
+    leaves, spec = tree_flatten(value)
+    parts: list[list[Any]] = [[] for _ in split]
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            if leaf.dim() == 0 or leaf.shape[0] != sum(split):
+                raise HpmlError(f"a microbatch of shape {tuple(leaf.shape)} does not split into the plan's rows "
+                                f"{list(split)} per replica: its first dimension must be {sum(split)}")
+            chunks: Sequence[Any] = leaf.split(list(split), dim=0)
+        else:
+            chunks = [leaf] * len(split)
+        for r, c in enumerate(chunks):
+            parts[r].append(c)
+    return [tree_unflatten(p, spec) for p in parts]
+
+
+def loss_share(loss: Tensor, split: Split, replica: int, microbatches: int) -> Tensor:
+    """One slice's loss (a mean over its rows) as its share of the batch mean.
+
+    Equal replicas: ``/ (microbatches x replicas)``; plan rows: ``x rows[r] / (microbatches x sum(rows))``, so a
+    replica's gradient counts by its rows and their plain sum is the batch mean's gradient.
+    """
+    if isinstance(split, int):
+        return loss / (microbatches * split)
+    return loss * (split[replica] / (microbatches * sum(split)))
+
+
+def stage_splits(build: Build) -> list[Split]:
+    """Each stage's :data:`~hpml_compile.trainspec.Split` in ``build``'s plan."""
+    return [split_of(len(st.devices), st.rows) for st in build.plan.stages]
 
 
 def merge_outputs(outputs: Sequence[Any]) -> Any:
@@ -204,11 +254,11 @@ class _Slices:
         self._parts: dict[tuple[int, int], list[Any]] = {}
         self._own = own
 
-    def get(self, j: int, d: int, r: int) -> Any:
+    def get(self, j: int, d: Split, r: int) -> Any:
         if self._own:
             return self._micro[j]
         if (d, j) not in self._parts:
-            self._parts[(d, j)] = split_microbatches(self._micro[j], d)
+            self._parts[(d, j)] = split_replicas(self._micro[j], d)
         return self._parts[(d, j)][r]
 
 
@@ -251,7 +301,7 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
     Returns:
         The losses, outputs, busy times and phase timestamps.
     """
-    reps = [len(st.devices) for st in build.plan.stages]
+    reps = stage_splits(build)
     layout = rank_layout(build.plan)
     last, n = len(reps) - 1, microbatches
     run = StepRun(t_start=time.perf_counter())
@@ -279,7 +329,7 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
                 if k == last:
                     assert ys is not None
                     with autocast(device.type, build.plan.precision):  # as an autocast training loop does
-                        loss = loss_fn(out, to_device(ys.get(j, reps[k], r), device)) / (n * reps[k])
+                        loss = loss_share(loss_fn(out, to_device(ys.get(j, reps[k], r), device)), reps[k], r, n)
                     run.loss_sum += loss.detach().double().cpu()
                     run.shares.append((j, r, loss.detach()))
                     if keep_outputs:

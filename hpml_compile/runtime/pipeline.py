@@ -67,8 +67,8 @@ from ..trainspec import check_batch_split, rank_rows
 from ..schedule import Action, stage_ranks
 from .comm import CommFault, DistComm, LocalComm, is_transient, make_groups, rank_devices
 from .data import RankBatch
-from .executor import (actions_for, forward_stage, local_order, merge_outputs, run_actions, split_microbatches,
-                       to_device)
+from .executor import (actions_for, forward_stage, local_order, loss_share, merge_outputs, run_actions,
+                       split_microbatches, split_replicas, stage_splits, to_device)
 from .events import EventLog, align_clock
 from .gather import gather_outputs, gather_state_dict
 from .host import HostBusy, HostSampler, hostname
@@ -132,6 +132,7 @@ class Pipeline:
         self.steps_done = 0
         self._ranks = stage_ranks(self.plan)
         self._reps = [len(st.devices) for st in self.plan.stages]
+        self._splits = stage_splits(build)  # each stage's replica count, or its plan rows (uneven)
         self._mb_rows = build.manifest.inputs[0].shape[0] if build.manifest.inputs else None
         self._orders: dict[int, list[tuple[int, Action]]] = {}  # microbatches -> what this process runs
         if session is None:
@@ -328,10 +329,10 @@ class Pipeline:
             ModelError: the build batch does not split into the plan's microbatches and replicas.
         """
         b, m = self.batch_rows, self.plan.microbatches
-        check_batch_split(b, m, self._reps)
+        check_batch_split(b, m, self._splits)
         if self.session is None:
             return list(range(b)), True, True
-        rows = rank_rows(b, m, self._reps[self.stage_index], self.replica)
+        rows = rank_rows(b, m, self._splits[self.stage_index], self.replica)
         return rows, bool(self.stages[self.stage_index].INPUTS), self.is_last
 
     @property
@@ -591,7 +592,7 @@ class Pipeline:
                     reps = range(self._reps[k]) if self.session is None else (self.replica,)
                     for r in reps:
                         comm.microbatch, comm.replica = j, r
-                        part = micro_in[j] if own else split_microbatches(micro_in[j], self._reps[k])[r]
+                        part = micro_in[j] if own else split_replicas(micro_in[j], self._splits[k])[r]
                         out = forward_stage(self.build, stage, part, self.device)
                         if k == last:
                             outs.append((j, r, to_device(out, torch.device("cpu"))))
@@ -628,8 +629,8 @@ class Pipeline:
             last = len(self.plan.stages) - 1
             ys = split_microbatches(targets, n)
             for j, r, out in outs:
-                y = ys[j] if own else split_microbatches(ys[j], self._reps[last])[r]
-                total += loss_fn(out, y).detach().double().cpu() / (n * self._reps[last])
+                y = ys[j] if own else split_replicas(ys[j], self._splits[last])[r]
+                total += loss_share(loss_fn(out, y).detach().double().cpu(), self._splits[last], r, n)
         if self.session is not None:
             dist.all_reduce(total)  # only the last stage's replicas add anything
         return float(total)

@@ -1,0 +1,178 @@
+"""Uneven rows: a 2-rank data-parallel plan with one rank slowed 2x, even rows against uneven rows.
+
+One stage on ``cpu0`` and ``cpu1`` (every node of the model; gpt-tiny by
+default, AdamW at ``run``'s default learning rate), built twice from one
+profile: with each microbatch split equally (``rows`` left out) and split
+2:1 (``Stage.rows``: the slowed rank takes a third). Each build runs
+``hpml-compile run BUILD --slow 1:2:1`` on two gloo ranks of this machine
+(rank 1 computes 2x slower from the first step, as a slower device would).
+
+Measured: the median over the steps after the warm-up of the slowest rank's
+step, in each of ``--repeats`` runs per split, the splits alternating (on a
+busy machine the load moves a run by more than the split does), and the
+median of those runs. Predicted, two ways (the simulator on this branch does not model
+``Stage.rows``; the ``uplan`` branch's does):
+
+- *simulator*: ``hpml_compile.simulate.simulate`` of the even plan on the
+  healthy profile gives a replica's forward+backward per microbatch at half the
+  microbatch's rows, the gradient sync and the optimizer step; each replica's
+  compute is scaled by its rows and its slow-down (2x on rank 1), the slowest
+  replica sets the step: ``max_r(M (fwd+bwd) rows_r/(mb/2) f_r) + sync + opt``.
+- *measured*: the same formula from the first even run's own measurement: each
+  rank's median forward+backward (already slowed) scaled by its rows, plus
+  the rest of the slowed rank's step (sync, optimizer, overheads; the others
+  wait for it, so its step holds no waiting), i.e. what the even run predicts
+  for the uneven one (for the even split it gives back the even run's step).
+
+Run:  .venv/bin/python benchmarks/uneven_rows/main.py [--model gpt-tiny] [--batch-size 96] [--steps 30]
+Prints a table; writes benchmarks/uneven_rows/results/uneven_rows.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hpml_compile.driver import cost_graph, rebuild
+from hpml_compile.plan import Plan, Stage, load_plan
+from hpml_compile.profile import load_profile
+from hpml_compile.runtime.monitor import StepMetrics, read_metrics
+from hpml_compile.simulate import annotate, simulate
+
+HERE = Path(__file__).resolve().parent
+CLI = [sys.executable, "-m", "hpml_compile"]
+SLOW_RANK, FACTOR = 1, 2.0
+
+
+def _cli(*args: str) -> str:
+    r = subprocess.run([*CLI, *args], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if r.returncode:
+        raise SystemExit(f"hpml-compile {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}")
+    return r.stdout
+
+
+def _plans(base: Plan, mb: int, microbatches: int) -> dict[str, Plan]:
+    """The one-stage data-parallel plan on cpu0 and cpu1, with an even and a 2:1 split of each microbatch."""
+    nodes = tuple(n for st in base.stages for n in st.nodes)
+    devices = ("cpu0", "cpu1")
+    fast = round(mb * FACTOR / (FACTOR + 1))
+    out = {}
+    for name, rows in (("even", ()), ("uneven", (fast, mb - fast))):
+        st = Stage(0, devices, nodes, rows=rows)
+        out[name] = dataclasses.replace(base, microbatches=microbatches, stages=(st,))
+    return out
+
+
+def _predict(sim_stage: Any, microbatches: int, mb: int, rows: tuple[int, ...]) -> float:
+    """max over replicas of its compute scaled by its rows and slow-down, plus the sync and the optimizer."""
+    per = microbatches * (sim_stage.fwd_ms + sim_stage.bwd_ms) / (mb / 2)
+    slow = [FACTOR if r == SLOW_RANK else 1.0 for r in range(len(rows))]
+    return max(per * n * f for n, f in zip(rows, slow)) + sim_stage.sync_ms + sim_stage.optimizer_ms
+
+
+def _measured(rows_by_rank: dict[int, list[StepMetrics]], skip: int) -> dict[str, Any]:
+    steps = sorted({m.step for ms in rows_by_rank.values() for m in ms})[skip:]
+    by_step = {s: [m for ms in rows_by_rank.values() for m in ms if m.step == s] for s in steps}
+    slowest = [max(m.step_ms for m in ms) for ms in by_step.values() if len(ms) == len(rows_by_rank)]
+    per_rank = {r: {"compute_ms": statistics.median(m.fwd_ms + m.bwd_ms for m in ms if m.step in by_step),
+                    "allreduce_ms": statistics.median(m.allreduce_ms + m.sync_wait_ms for m in ms if m.step in by_step),
+                    "optimizer_ms": statistics.median(m.optimizer_ms for m in ms if m.step in by_step),
+                    "step_ms": statistics.median(m.step_ms for m in ms if m.step in by_step)}
+                for r, ms in sorted(rows_by_rank.items())}
+    return {"step_ms": statistics.median(slowest), "steps": len(slowest), "per_rank": per_rank}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt-tiny")
+    p.add_argument("--batch-size", type=int, default=96)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each split, alternating")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "uneven_rows.json")
+    a = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="hpml-uneven-rows-"))
+    m, mb = a.microbatches, a.batch_size // a.microbatches
+    print(f"compiling {a.model} (batch {a.batch_size}) for local-cpu-2 ...", flush=True)
+    _cli("compile", a.model, "--cluster", "local-cpu-2", "--batch-size", str(a.batch_size), "--microbatches",
+         str(m), "-o", str(work / "base"))
+    prof = load_profile(work / "base" / "profile.json")
+    plans = _plans(load_plan(work / "base" / "plan.json"), mb, m)
+    _, graph = cost_graph(prof, plans["even"].cluster)
+    # the plans carry the simulator's predictions (for the uneven one those of its stages as the simulator on this
+    # branch sees them: without its rows), not the base plan's
+    plans = {name: dataclasses.replace(ann, stages=tuple(dataclasses.replace(a, rows=st.rows) for a, st in
+                                                        zip(ann.stages, plan.stages)))
+             for name, plan in plans.items() for ann in [annotate(plan, graph, prof.dtype)[0]]}
+    sim = simulate(plans["even"], graph, prof.dtype)
+    stage = sim.stages[0]
+    results: dict[str, Any] = {}
+    for name, plan in plans.items():
+        rebuild(work / "base", plan, prof, work / name)
+        if load_plan(work / name / "plan.json").stages[0].rows != plan.stages[0].rows:
+            raise SystemExit(f"the {name} build lost its rows {list(plan.stages[0].rows)}")
+        rows = plan.stages[0].rows or (mb // 2, mb // 2)
+        results[name] = {"rows": list(rows), "runs": [], "predicted_simulator_ms": _predict(stage, m, mb, rows)}
+    # alternate the splits (even, uneven, even, ...): this machine's load moves a run's step by more than the split
+    for rep in range(a.repeats):
+        for name in plans:
+            print(f"run {rep + 1}: {name} rows {results[name]['rows']} with rank {SLOW_RANK} slowed {FACTOR:g}x ...",
+                  flush=True)
+            load0 = os.getloadavg()
+            t0 = time.perf_counter()
+            run = work / f"run-{name}-{rep}"
+            _cli("run", str(work / name), "--steps", str(a.steps), "--slow", f"{SLOW_RANK}:{FACTOR:g}:1",
+                 "--run-dir", str(run), "--no-tensorboard", "--no-report")
+            results[name]["runs"].append({"wall_s": time.perf_counter() - t0, "loadavg_before": load0,
+                                          "loadavg_after": os.getloadavg(),
+                                          "measured": _measured(read_metrics(run), a.warmup)})
+    for r in results.values():
+        r["measured_step_ms"] = statistics.median(x["measured"]["step_ms"] for x in r["runs"])
+    ev = results["even"]["runs"][0]["measured"]["per_rank"]
+    last = max(ev, key=lambda r: ev[r]["compute_ms"])  # the rank the others wait for: its step has no wait in it
+    rest = ev[last]["step_ms"] - ev[last]["compute_ms"]  # sync, optimizer and overheads of a step
+    for name in results:  # the even run's own measurement, scaled to each split's rows
+        rows = results[name]["rows"]
+        comp = max(ev[r]["compute_ms"] * n / (mb / 2) for r, n in enumerate(rows))
+        results[name]["predicted_measured_ms"] = comp + rest
+    print(f"\n{a.model}, batch {a.batch_size} in {m} microbatches, one stage on 2 gloo ranks, rank {SLOW_RANK} "
+          f"slowed {FACTOR:g}x; {a.steps} steps, median of the slowest rank's step after {a.warmup}")
+    print(f"simulator (even plan, healthy profile): fwd {stage.fwd_ms:.2f} + bwd {stage.bwd_ms:.2f} ms per "
+          f"microbatch per replica, sync {stage.sync_ms:.2f} ms, optimizer {stage.optimizer_ms:.2f} ms; "
+          f"its own step {sim.step_ms:.2f} ms (healthy)")
+    print(f"{'split':8s} {'rows':>8s} {'measured ms (each run)':>26s} {'median':>8s} {'pred. sim ms':>13s} "
+          f"{'pred. meas ms':>14s}  load avg (1 min) before each run")
+    for name, r in results.items():
+        each = ", ".join(f"{x['measured']['step_ms']:.1f}" for x in r["runs"])
+        loads = ", ".join(f"{x['loadavg_before'][0]:.1f}" for x in r["runs"])
+        print(f"{name:8s} {':'.join(map(str, r['rows'])):>8s} {each:>26s} {r['measured_step_ms']:8.1f} "
+              f"{r['predicted_simulator_ms']:13.1f} {r['predicted_measured_ms']:14.1f}  {loads}")
+    gain = results["even"]["measured_step_ms"] / results["uneven"]["measured_step_ms"]
+    pgain = results["even"]["predicted_simulator_ms"] / results["uneven"]["predicted_simulator_ms"]
+    print(f"uneven rows: {gain:.2f}x the even split's speed measured (medians), {pgain:.2f}x predicted by the "
+          "simulator")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({
+        "model": a.model, "batch_size": a.batch_size, "microbatches": m, "steps": a.steps, "warmup": a.warmup,
+        "repeats": a.repeats,
+        "slow": {"rank": SLOW_RANK, "factor": FACTOR}, "cpus": os.cpu_count(), "arch": platform.machine(),
+        "simulator_even_stage": {"fwd_ms": stage.fwd_ms, "bwd_ms": stage.bwd_ms, "sync_ms": stage.sync_ms,
+                                 "optimizer_ms": stage.optimizer_ms, "step_ms": sim.step_ms},
+        "results": results, "measured_speedup": gain, "predicted_speedup": pgain}, indent=2) + "\n")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
