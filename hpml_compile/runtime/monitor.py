@@ -106,6 +106,8 @@ class StepMetrics:
     contention_ms: float = 0.0
     held_bytes: int = 0
     held_activation_bytes: int = 0
+    sync_bytes: int = 0  # payload this rank put into its stage's gradient sync (compressed, or 0 on a local step)
+    sync_dense_bytes: int = 0  # what the uncompressed all-reduce of the same gradients would have put
 
     @property
     def comm_ms(self) -> float:

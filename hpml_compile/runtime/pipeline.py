@@ -78,6 +78,7 @@ from .monitor import Monitor, StepMetrics, peak_memory, reset_peak_memory, split
 from .offload import offload_optimizer
 from .saved import GradPeak, SavedActivations
 from .session import CommFailure, RetryPolicy, Session
+from .compress import Reducer, make_reducer
 from .zero import FlatGrads, FlatShard
 
 __all__ = ["Pipeline", "OptimizerArg"]
@@ -249,6 +250,7 @@ class Pipeline:
             return []
         if st.zero == ZeroStage.NONE or optimizer is None:
             bucket = FlatGrads(k, params)
+            bucket.reducer = make_reducer(self.plan, k, self.comm.groups.get((k,)))  # compression, local SGD
             self.comm.shards[k] = bucket
             return [bucket]
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -447,6 +449,8 @@ class Pipeline:
             p.grad = None
         for b in self._buckets:
             b.begin_step()  # gradients accumulate into the flat buffer the reduce-scatter reads
+        for red in self._reducers():
+            red.begin_step(self.steps_done)
         reset_peak_memory(self.device)
         if self.events is not None and self.host is not None:
             self.events.begin()
@@ -462,6 +466,10 @@ class Pipeline:
                               device=self.device, optimizer=self.optimizer, agree=agree,
                               own_rows=rank_batch is not None, scaler=self.scaler,
                               agree_inf=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))  # every rank skips alike
+            for b in self._buckets:  # local SGD: average the replicas' parameters after every H-th step
+                if getattr(b, "reducer", None) is not None and self.optimizer is not None:
+                    b.reducer.after_step(b.params)
+                    run.t_end = time.perf_counter()  # counted in the optimizer's time
         busy = self.host.end() if self.host is not None else HostBusy(0.0, 0.0, 0.0)
         h = held_bytes(list(self.stages.values()), self.optimizer)
         self.held = Held(h.params, max(h.grads, self.grad_peak.bytes), h.optimizer)  # gradients at their peak
@@ -481,6 +489,7 @@ class Pipeline:
             sync_wait_ms=comm.stats.collective_wait_s * 1e3,
             optimizer_ms=(run.t_end - run.t_opt) * 1e3, peak_memory_bytes=mem, memory_kind=mem_kind,
             bytes_sent=comm.stats.bytes_sent, bytes_received=comm.stats.bytes_received,
+            sync_bytes=self._sync_bytes(dense=False), sync_dense_bytes=self._sync_bytes(dense=True),
             loss=float(run.loss_sum), retries=attempt, val_loss=val, host=self._hostname, steal=busy.steal,
             others_load=busy.others, cpu_util=busy.cpu_util,
             contention_ms=busy.contention_s * 1e3, held_bytes=self.held.total + self.saved.peak,
@@ -488,6 +497,20 @@ class Pipeline:
             self.events.finish(self.steps_done) if self.events is not None else None)
         self.steps_done += 1
         return run.loss_sum.float()
+
+    def _reducers(self) -> list[Reducer]:
+        """The compression / local SGD reducers of this rank's stage (:mod:`.compress`)."""
+        return [b.reducer for b in self._buckets if getattr(b, "reducer", None) is not None]
+
+    def _sync_bytes(self, *, dense: bool) -> int:
+        """Payload this rank put into its stage's gradient sync this step (``dense``: uncompressed, every step)."""
+        total = 0
+        for b in self._buckets:
+            red = getattr(b, "reducer", None)
+            flat = b.grad_flat if isinstance(b, FlatGrads) else b.flat
+            nbytes = flat.numel() * flat.element_size()
+            total += nbytes if red is None else (red.dense if dense else red.sent) or (nbytes if dense else 0)
+        return total
 
     def _validate(self, validate: Callable[[], float] | None) -> float | None:
         """Run ``validate`` after an update; a communication failure in it must not retry the (applied) step.

@@ -269,6 +269,7 @@ class FlatGrads:
             raise HpmlError(f"stage {stage}: one gradient buffer per stage, but its parameters have dtypes/devices "
                             f"{sorted(map(str, kinds))}: give them one dtype and device")
         self.stage, self.params = stage, params
+        self.reducer: Any = None  # a .compress.Reducer where the plan compresses or runs local SGD
         self.grad_flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         self._checked = False
 
@@ -283,7 +284,9 @@ class FlatGrads:
     check = FlatShard.check
 
     def all_reduce(self, comm: Comm) -> None:
-        """Sum the gradients over the stage's replicas, in place."""
+        """Sum the gradients over the stage's replicas, in place (or what the plan's reducer leaves instead)."""
+        if self.reducer is not None:
+            return self.reducer.reduce(comm, self.stage, self.grad_flat, self.params)
         comm.all_reduce((self.stage,), self.grad_flat)
 
 
