@@ -41,6 +41,8 @@ __all__ = [
     "Plan",
     "PlanError",
     "validate_plan",
+    "with_comm",
+    "check_comm",
     "check_placement",
     "node_stages",
     "stage_memory",
@@ -476,6 +478,51 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                 raise PlanError(f"stage {st.index} needs {need / GiB:.2f} GiB on {name} ({dev.kind}, "
                                 f"{dev.memory_gib:.1f} GiB): over by {(need - dev.memory_bytes) / GiB:.2f} GiB; "
                                 "enable ZeRO, recompute, offload, or add a device")
+
+
+def with_comm(plan: Plan, *, compress: str | None = None, sync_every: int | None = None,
+              sync_warmup: int | None = None) -> Plan:
+    """``plan`` with the user's communication options: ``compress`` on every replicated ZeRO-0 stage, local SGD.
+
+    Args:
+        plan: the plan.
+        compress: ``powersgd:RANK`` / ``topk:RATIO`` for every replicated stage without ZeRO; ``"none"``
+            removes compression; None keeps the plan's.
+        sync_every: local SGD's period (1: per-step sync); None keeps the plan's.
+        sync_warmup: steps of per-step sync first; None keeps the plan's.
+
+    Returns:
+        The plan, checked by :func:`check_comm`.
+
+    Raises:
+        OptionError: a bad value, or compression asked of a plan with no replicated ZeRO-0 stage.
+        PlanError: a combination the runtime does not perform (:func:`check_comm`).
+    """
+    c = parse_compress(compress) if compress is not None else None
+    stages = plan.stages
+    if compress is not None:
+        fit = [st.index for st in plan.stages if len(st.devices) > 1 and st.zero == ZeroStage.NONE]
+        if c is not None and not fit:
+            raise OptionError(f"--compress {compress}: the plan has no replicated stage without ZeRO, so no gradient "
+                              "crosses between replicas: compress needs data parallelism (a stage on >= 2 devices)")
+        stages = tuple(replace(st, compress=str(c) if (c is not None and st.index in fit) else "")
+                       for st in plan.stages)
+    every = plan.sync_every if sync_every is None else sync_every
+    warm = plan.sync_warmup if sync_warmup is None else sync_warmup
+    check_sync(every, warm)
+    out = replace(plan, stages=stages, sync_every=every, sync_warmup=warm)
+    check_comm(out)
+    return out
+
+
+def check_comm(plan: Plan) -> None:
+    """The compression and local SGD of a plan are ones the runtime performs (see :func:`_check_comm_options`).
+
+    Raises:
+        PlanError: naming the stage and the fix.
+    """
+    for st in plan.stages:
+        _check_comm_options(plan, st)
 
 
 def _check_comm_options(plan: Plan, st: Stage) -> None:

@@ -84,8 +84,8 @@ from .errors import PlanError, UnknownDeviceError
 from .memory import MemoryBreakdown, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
-from .stagecost import (compressed_sync_ms, local_sgd_sync_ms, copy_ms, device_memory, in_flight, optimizer_ms, stream_bytes_per_ms, stream_ms,
-                        sync_ms, transfer_ms)
+from .stagecost import (compressed_sync_ms, copy_ms, device_memory, in_flight, local_sgd_sync_ms, optimizer_ms,
+                        stream_bytes_per_ms, stream_ms, sync_ms, transfer_ms)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "stage_costs", "annotate",
            "idle_intervals", "op_order", "tied_syncs"]
@@ -590,10 +590,8 @@ def annotate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[Plan
         ``(plan with predicted fields filled in, simulation result)``.
     """
     r = simulate(plan, graph, dtype)
-    stages = tuple(
-        Stage(st.index, st.devices, st.nodes, st.zero, st.recompute, st.swap, st.offload_optimizer,
-              StagePrediction(c.fwd_ms * x, (c.recompute_ms + c.bwd_ms) * x, c.memory.total, b))
+    stages = tuple(  # every other field kept as it is (compression, rows, ...)
+        replace(st, predicted=StagePrediction(c.fwd_ms * x, (c.recompute_ms + c.bwd_ms) * x, c.memory.total, b))
         for st, c, x, b in zip(plan.stages, r.stages, r.contention, r.stage_bubbles))
-    new = Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, stages,
-               PlanPrediction(r.step_ms, r.bottleneck_stage, r.bubble), plan.solver, plan.precision)
+    new = replace(plan, stages=stages, predicted=PlanPrediction(r.step_ms, r.bottleneck_stage, r.bubble))
     return new, r

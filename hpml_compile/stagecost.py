@@ -89,7 +89,7 @@ import numpy as np
 
 import cost_models
 
-from .compression import CompressKind, Compression
+from .compression import CompressKind, Compression, powersgd_fraction
 from .costgraph import CostGraph
 from .ir import Schedule, base_kind
 from .memory import MemoryBreakdown, ZeroStage
@@ -279,8 +279,8 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
     return total
 
 
-def compressed_sync_ms(param_bytes: float, replicas: int, compress: Compression, link: cost_models.LinkSpec | None,
-                       *, dtype_bytes: int, bytes_per_ms: float, fraction: float | None = None) -> float:
+def compressed_sync_ms(param_bytes: Value, replicas: int, compress: Compression, link: cost_models.LinkSpec | None,
+                       *, dtype_bytes: int, bytes_per_ms: float, fraction: float | None = None) -> Value:
     """A compressed stage's gradient sync: the collectives on the compressed payload plus the compression compute.
 
     Args:
@@ -304,17 +304,19 @@ def compressed_sync_ms(param_bytes: float, replicas: int, compress: Compression,
     >>> round(dense, 1), round(top, 1)
     (51.2, 1.3)
     """
-    if replicas <= 1 or param_bytes <= 0:
-        return 0.0
-    wire = compress.wire_bytes(param_bytes, dtype_bytes=dtype_bytes, replicas=replicas, fraction=fraction)
+    if replicas <= 1:
+        return param_bytes * 0.0
     if compress.kind is CompressKind.TOPK:
-        k_pairs = wire / (dtype_bytes + 4)
+        k_pairs = replicas * compress.ratio * param_bytes / dtype_bytes  # ceil(k) left out: arrays, and it is tiny
         comm = (transfer_ms(cost_models.all_gather_ms, k_pairs * dtype_bytes, link, replicas)
                 + transfer_ms(cost_models.all_gather_ms, k_pairs * 4, link, replicas))
     else:
-        comm = 2 * transfer_ms(cost_models.allreduce_ms, wire / 2, link, replicas) \
-            + transfer_ms(cost_models.allreduce_ms, 1.0, link, replicas)  # P, Q, and the uncompressed rest
-    return float(comm) + compress.passes * param_bytes / bytes_per_ms
+        if fraction is None:
+            fraction = powersgd_fraction([int(np.max(param_bytes)) // dtype_bytes], compress.rank)
+        one = param_bytes * 0.0 + (param_bytes > 0)  # one byte stands for the small uncompressed rest's latency
+        comm = 2 * transfer_ms(cost_models.allreduce_ms, fraction * param_bytes / 2, link, replicas) \
+            + transfer_ms(cost_models.allreduce_ms, one, link, replicas)  # P, Q, and the uncompressed rest
+    return comm + compress.passes * param_bytes / bytes_per_ms
 
 
 def local_sgd_sync_ms(param_bytes: float, replicas: int, every: int, link: cost_models.LinkSpec | None) -> float:
