@@ -60,6 +60,7 @@ from ..codegen import Build, load_build
 from ..codegen.comm import DetachedComm
 from ..errors import HpmlError
 from ..ir import Precision
+from ..plan import with_comm
 from .batchcheck import agree_with_check, fingerprint
 from ..hostmem import keep_freed_memory
 from ..memory import ZeroStage
@@ -105,19 +106,23 @@ class Pipeline:
         events: record every step's events (:mod:`.events`) and the host's load (:mod:`.host`).
         scaler: the fp16 loss scaler (default for an fp16 build: :class:`~.scaler.LossScaler` with torch's
             defaults; refused for a bf16 or fp32 build, which need none).
+        comm_options: ``compress`` / ``sync_every`` / ``sync_warmup`` overriding the build's plan
+            (:func:`hpml_compile.plan.with_comm`; None values keep the plan's): they change only how the
+            gradients of a replicated stage are synchronised (:mod:`.compress`), not the generated code.
     """
 
     def __init__(self, build: Build, model: nn.Module, *, optimizer: OptimizerArg = None,
                  session: Session | None = None, run_dir: str | Path | None = None, tensorboard: bool = True,
                  faults: Sequence[CommFault] = (), log: Callable[[str], None] | None = None,
-                 events: bool = True, scaler: LossScaler | None = None) -> None:
+                 events: bool = True, scaler: LossScaler | None = None,
+                 comm_options: dict[str, Any] | None = None) -> None:
         self.build, self.model, self.session = build, model, session
         fp16 = build.plan.precision is Precision.FP16
         if scaler is not None and not fp16:
             raise HpmlError(f"a loss scaler was given, but the build trains in {build.plan.precision.value}: loss "
                             "scaling is for fp16 builds only (compile with --precision fp16)")
         self.scaler = scaler if scaler is not None else LossScaler() if fp16 else None
-        self.plan = build.plan
+        self.plan = with_comm(build.plan, **comm_options) if comm_options else build.plan
         self._log = log or (lambda line: None)
         self._faults = list(faults)
         self.steps_done = 0
