@@ -10,10 +10,16 @@ token is the previous one plus one), AdamW, under each option:
 - local SGD with ``H = 4`` after 2 warm-up steps: the replicas' parameters
   differ between averages and agree right after each, the warm-up steps equal
   plain data parallelism exactly, and it converges;
-- Top-K (ratio 0.1) with error feedback: converges to within ``MARGIN`` of the
-  reference's final loss, sending at most ~20% of the dense bytes;
-- PowerSGD (rank 2): its first two steps are torch's plain all-reduce (equal to
-  the reference), then it converges to within ``MARGIN`` too, sending less.
+- Top-K (ratio 0.1) with error feedback: converges, its loss after ``STEPS``
+  steps no worse than the reference's after ``(1 - LAG) x STEPS`` steps
+  (measured: about 4 steps behind of 24), sending ~20% of the dense bytes;
+- PowerSGD (rank 4): its first two steps are torch's plain all-reduce (equal to
+  the reference), then it converges within the same lag, sending less.
+
+The margin is a lag in steps, not in loss: error feedback delays what a
+compressed step leaves out, so a compressed run follows the reference's curve
+some steps behind early in training (the measured curves are in
+benchmarks/comm_options/README.md).
 """
 
 from __future__ import annotations
@@ -35,13 +41,14 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]  # five runs of 24 steps in on
 
 STEPS = 24
 ROWS = 8  # per step, both replicas together
-MARGIN = 0.25  # a compressed run's final loss may exceed the reference's by this much (nats); see the asserts
+VOCAB = 32  # of gpt-tiny's 256 tokens: a few steps learn the sequence
+LAG = 0.35  # a compressed run may trail the reference's loss curve by this share of the steps
 OPTIONS: dict[str, dict[str, Any] | None] = {
     "dp": None,
     "sync1": {"sync_every": 1},
     "local4": {"sync_every": 4, "sync_warmup": 2},
     "topk": {"compress": "topk:0.1"},
-    "powersgd": {"compress": "powersgd:2"},
+    "powersgd": {"compress": "powersgd:4"},
 }
 
 
@@ -53,9 +60,9 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(STEPS):
-        start = torch.randint(0, 256, (ROWS, 1), generator=g)
-        x = (start + torch.arange(16)) % 256  # learnable: the next token is this one plus one
-        out.append((x, (x + 1) % 256))
+        start = torch.randint(0, VOCAB, (ROWS, 1), generator=g)
+        x = (start + torch.arange(16)) % VOCAB  # learnable: the next token is this one plus one
+        out.append((x, (x + 1) % VOCAB))
     return out
 
 
@@ -90,6 +97,12 @@ def _params(tmp: Path, name: str, rank: int) -> torch.Tensor:
     return torch.load(tmp / f"{name}-rank{rank}.pt", weights_only=True)
 
 
+def _lag(ref: list[float], got: list[float]) -> int:
+    """How many steps before its end the reference first reached the loss ``got`` ends with."""
+    first = next((i for i, x in enumerate(ref) if x <= got[-1]), len(ref) - 1)
+    return max(0, len(ref) - 1 - first)
+
+
 def test_sync_every_1_is_plain_data_parallelism(runs: tuple[list[dict[str, Any]], Path]) -> None:
     reports, tmp = runs
     for r, rep in enumerate(reports):
@@ -111,7 +124,7 @@ def test_local_sgd_averages_every_h_steps(runs: tuple[list[dict[str, Any]], Path
         else:
             assert not torch.allclose(a[step], b[step]), f"step {step}: the replicas step on their own gradients"
     local = reports[0]["local4"]
-    assert local["losses"][-1] < reports[0]["dp"]["losses"][-1] + MARGIN
+    assert _lag(reports[0]["dp"]["losses"], local["losses"]) <= LAG * STEPS
     assert local["sync_bytes"][5] == local["dense_bytes"][5]  # an average: the parameters, as many bytes
     assert local["sync_bytes"][3] == 0 and local["sync_bytes"][0] == local["dense_bytes"][0]
 
@@ -124,7 +137,8 @@ def test_compression_converges_within_the_margin(runs: tuple[list[dict[str, Any]
     assert got == reports[1][name]["losses"]  # every replica steps the same sum
     torch.testing.assert_close(_params(tmp, name, 0), _params(tmp, name, 1), rtol=0, atol=0)
     assert got[-1] < 0.5 * got[0], f"{name} does not converge: {got}"
-    assert got[-1] < ref[-1] + MARGIN, f"{name}: final loss {got[-1]:.4f} against {ref[-1]:.4f} uncompressed"
+    lag = _lag(ref, got)
+    assert lag <= LAG * STEPS, f"{name}: final loss {got[-1]:.4f}, {lag} steps behind the uncompressed {ref}"
     sent, dense = reports[0][name]["sync_bytes"][-1], reports[0][name]["dense_bytes"][-1]
     assert 0 < sent <= most * dense, f"{name} sent {sent} of {dense} bytes"
     if name == "powersgd":  # torch's hook runs plain all-reduce for its first two steps
