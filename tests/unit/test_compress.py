@@ -141,3 +141,28 @@ def test_the_solver_compresses_only_when_allowed_and_it_pays() -> None:
     fast = solve(g, _two_hosts(1e5), solver="dp", microbatches=4, compress="topk:0.01")
     assert not any(st.compress for st in fast.stages)
     assert CompressKind("topk") is CompressKind.TOPK
+
+
+def test_show_and_report_name_them() -> None:
+    from hpml_compile.explain import summary
+    from hpml_compile.runtime.monitor import StepMetrics
+    from hpml_compile.runtime.summary import format_summary, summarise
+
+    g = chain_graph([{"cpu": (1.0, 2.0)}] * 4, param_bytes=4_000_000, batch_size=8)
+    names = tuple(g.order)
+    c = Cluster(devices=(Device("cpu0", "cpu", 4.0), Device("cpu1", "cpu", 4.0)), name="two")
+    plan = Plan("toy", c, Schedule.ONE_F_ONE_B, 1, (Stage(0, ("cpu0", "cpu1"), names),))
+    topk, plan, local = with_comm(plan, compress="topk:0.05"), plan, with_comm(plan, sync_every=4, sync_warmup=1)
+    assert "gradients topk:0.05" in summary(topk, g, simulate(topk, g))
+    assert "local SGD every 4 steps after 1" in summary(local, g, simulate(local, g))
+
+    def rows(sent: list[int]) -> dict[int, list[StepMetrics]]:  # 16 MiB dense
+        return {r: [StepMetrics(step=i, rank=r, stage=0, replica=r, device="cpu", microbatches=1, samples=8,
+                                step_ms=10.0, pipeline_ms=8.0, fwd_ms=3.0, bwd_ms=5.0, sync_bytes=s,
+                                sync_dense_bytes=16 << 20) for i, s in enumerate(sent)] for r in range(2)}
+
+    text = format_summary(summarise(topk, rows([(16 << 20) // 10] * 6), skip=2))
+    assert "gradient sync, stage 0 (topk:0.05): 1.6 MiB per step per rank against 16.0 MiB uncompressed (10.0%)" \
+        in text, text
+    text = format_summary(summarise(local, rows([0, 0, 0, 16 << 20] * 2), skip=0))
+    assert "(local SGD every 4): 4.0 MiB per step per rank against 16.0 MiB uncompressed (25.0%)" in text, text
