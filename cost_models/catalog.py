@@ -188,6 +188,7 @@ _LINKS: tuple[LinkSpec, ...] = (
     LinkSpec("pcie3", 15.75, 5.0, "PCI Express 3.0 x16: 8 GT/s x 16 lanes, 128b/130b"),
     LinkSpec("pcie4", 31.5, 5.0, "PCI Express 4.0 x16: 16 GT/s x 16 lanes, 128b/130b"),
     LinkSpec("pcie5", 63.0, 5.0, "PCI Express 5.0 x16: 32 GT/s x 16 lanes, 128b/130b"),
+    LinkSpec("eth10", 1.25, 25.0, "10 Gb/s Ethernet (IEEE 802.3); TCP socket latency as eth100"),
     LinkSpec("eth100", 12.5, 25.0, "100 Gb/s Ethernet (IEEE 802.3); TCP socket latency"),
     LinkSpec("ib-hdr", 25.0, 5.0, "InfiniBand HDR 200 Gb/s (NVIDIA ConnectX-6 datasheet)"),
     LinkSpec("ib-ndr", 50.0, 5.0, "InfiniBand NDR 400 Gb/s (NVIDIA ConnectX-7 datasheet)"),

@@ -50,11 +50,13 @@ from .costgraph import CostGraph
 from .costgraph import build as build_costgraph
 from .errors import BuildMismatchError, HpmlError, OptionError
 from .ir import Cluster, FrontEnd, Precision, Profile
-from .plan import Plan, Schedule, save_plan, validate_plan
+from .compression import check_sync, parse_compress
+from .plan import Plan, Schedule, save_plan, validate_plan, with_comm
 from .profile import predict_kinds, profile, save_profile
 from .recipe import ModelRecipe, read_recipe
 from .replan import ReplanResult, replan_graph, without_devices
 from .schema import write_json_atomic
+from .simulate import annotate
 from .solve import SolverName, solve
 from .solve.uneven import improve as improve_uneven
 from .trace import trace
@@ -80,6 +82,11 @@ class Options:
         precision: ``fp32``, ``bf16`` or ``fp16`` (:class:`~hpml_compile.ir.Precision`): what :func:`compile`
             profiles and trains in; for :func:`plan` and :func:`replan`, what the profile (the running plan)
             must be in. None: fp32 for :func:`compile`, the profile's (the old plan's) otherwise.
+        compress: gradient compression on every replicated ZeRO-0 stage (``powersgd:RANK`` / ``topk:RATIO``,
+            :mod:`hpml_compile.compression`), whatever it costs; None: none unless allowed.
+        allow_compress: a compression the solver may choose per stage where it makes the step faster.
+        sync_every: local SGD: average the replicas' parameters every H steps (1: plain data parallelism).
+        sync_warmup: steps of per-step gradient sync before local SGD starts.
     """
 
     solver: SolverName | str = SolverName.ILP
@@ -89,9 +96,22 @@ class Options:
     dump_dir: str | Path | None = None
     precision: Precision | str | None = None
     uneven: bool = True
+    compress: str | None = None
+    allow_compress: str | None = None
+    sync_every: int = 1
+    sync_warmup: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "solver", SolverName(self.solver))
+        parse_compress(self.compress, "--compress")  # OptionError naming the forms, before any work
+        parse_compress(self.allow_compress, "--allow-compress")
+        check_sync(self.sync_every, self.sync_warmup)
+        if self.compress and self.allow_compress:
+            raise OptionError(f"--compress {self.compress} and --allow-compress {self.allow_compress}: give one "
+                              "(--compress puts it on every replicated stage; --allow-compress lets the solver choose)")
+        if self.sync_every > 1 and (self.compress or self.allow_compress):
+            raise OptionError(f"--sync-every {self.sync_every} with compression: local SGD sends no gradients "
+                              "between its averages, so there is nothing to compress; choose one")
         if self.precision is not None:
             object.__setattr__(self, "precision", Precision.parse(self.precision, "precision"))
         if self.schedule is not None:
@@ -293,11 +313,15 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
         progress(f"{prof.model}: {len(graph.order)} blocks after coarsening ({len(prof.nodes)} nodes)")
     result = solve(graph, cluster, solver=opts.solver, microbatches=opts.microbatches,               # 5. solve
                    schedule=opts.schedule or Schedule.ONE_F_ONE_B, time_limit_s=opts.time_limit_s,
-                   dtype=prof.dtype, progress=progress)
+                   dtype=prof.dtype, progress=progress, compress=opts.allow_compress)
     if opts.uneven:                                                                 # 5b. mixed kinds, uneven rows
         result = improve_uneven(graph, cluster, result, dtype=prof.dtype, microbatches=opts.microbatches,
                                 time_limit_s=min(10.0, opts.time_limit_s), progress=progress).plan
     result = replace(result, precision=prof.precision)                              # trains as it was timed
+    if opts.compress or opts.sync_every > 1:                                        # the user's comm options
+        result = with_comm(result, compress=opts.compress, sync_every=opts.sync_every,
+                           sync_warmup=opts.sync_warmup)
+        result = annotate(result, graph, prof.dtype)[0]                             # re-simulated with them
     validate_plan(result, prof)                                                     # every node placed once
     _dump(opts, "4-plan.json", lambda p: save_plan(result, p))
     return result

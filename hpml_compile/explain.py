@@ -158,7 +158,10 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
         kinds = [plan.cluster.device(d).kind for d in st.devices]
         opts = "".join([f", ZeRO-{int(st.zero)}" if st.zero else "", ", recompute" if st.recompute else "",
                         f", swap {len(st.swap)} nodes" if st.swap else "",
-                        ", optimizer offload" if st.offload_optimizer else ""])
+                        ", optimizer offload" if st.offload_optimizer else "",
+                        f", gradients {st.compress}" if st.compress else "",
+                        f", local SGD every {plan.sync_every} steps after {plan.sync_warmup}"
+                        if plan.sync_every > 1 and len(st.devices) > 1 else ""])
         members = set(st.nodes)
         blocks = [v for v in graph.order if members.intersection(graph.node(v).members)]
         span = f"{blocks[0]} .. {blocks[-1]}" if len(blocks) > 1 else (blocks[0] if blocks else "-")

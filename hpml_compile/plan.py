@@ -21,8 +21,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .errors import PlanError, SchemaError
+from .errors import OptionError, PlanError, SchemaError
 from .ir import Cluster, Precision, Profile, Schedule
+from .compression import check_sync, parse_compress
 from .memory import GiB, MemoryBreakdown, ZeroStage, dtype_bytes, tied_elsewhere, tied_shared
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
 from .stagecost import device_memory, in_flight
@@ -40,6 +41,8 @@ __all__ = [
     "Plan",
     "PlanError",
     "validate_plan",
+    "with_comm",
+    "check_comm",
     "check_placement",
     "node_stages",
     "stage_memory",
@@ -88,6 +91,8 @@ class Stage:
         rows: the rows of each microbatch that each device of ``devices`` trains on, in the same order
             (uneven data parallelism: a faster or larger device takes more); ``()`` splits every
             microbatch equally among the devices.
+        compress: the gradient compression of a replicated stage (``powersgd:RANK`` or ``topk:RATIO``,
+            :mod:`hpml_compile.compression`); ``""`` sends the gradients whole.
     """
 
     index: int
@@ -99,10 +104,13 @@ class Stage:
     offload_optimizer: bool = False
     predicted: StagePrediction = field(default_factory=StagePrediction)
     rows: tuple[int, ...] = ()
+    compress: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero", ZeroStage(self.zero))
         object.__setattr__(self, "rows", tuple(int(r) for r in self.rows))
+        c = parse_compress(self.compress, f"stage {self.index}: compress")  # OptionError naming the forms
+        object.__setattr__(self, "compress", str(c) if c is not None else "")
         if self.index < 0 or not self.devices:
             raise ValueError(f"stage {self.index}: index must be >= 0 and devices non-empty")
         if self.rows and (len(self.rows) != len(self.devices) or min(self.rows) < 1):
@@ -118,6 +126,7 @@ class Stage:
                           "memory_bytes": self.predicted.memory_bytes,
                           **({} if self.predicted.bubble is None else {"bubble": self.predicted.bubble})},
             **({"rows": list(self.rows)} if self.rows else {}),
+            **({"compress": self.compress} if self.compress else {}),
         }
 
     @classmethod
@@ -127,7 +136,7 @@ class Stage:
                    d.get("recompute", False), tuple(d.get("swap", ())), d.get("offload_optimizer", False),
                    StagePrediction(pr.get("fwd_ms", 0.0), pr.get("bwd_ms", 0.0), pr.get("memory_bytes", 0),
                                    pr.get("bubble")),
-                   tuple(d.get("rows", ())))
+                   tuple(d.get("rows", ())), d.get("compress", ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +163,13 @@ class SolverInfo:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """A placement plan: what plan.json holds."""
+    """A placement plan: what plan.json holds.
+
+    ``sync_every`` > 1 is local SGD (post-local SGD, Lin et al., ICLR 2020): after ``sync_warmup`` steps of
+    per-step gradient sync, the replicas of every replicated stage step on their own gradients and average
+    their parameters every ``sync_every`` steps (:mod:`hpml_compile.runtime.compress`). 1: every step, plain
+    data parallelism (the default; written to plan.json only when set).
+    """
 
     model: str
     cluster: Cluster
@@ -165,10 +180,13 @@ class Plan:
     solver: SolverInfo = field(default_factory=SolverInfo)
     precision: Precision = Precision.FP32
     schema_version: int = PLAN_VERSION
+    sync_every: int = 1
+    sync_warmup: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
         object.__setattr__(self, "precision", Precision(self.precision))
+        check_sync(self.sync_every, self.sync_warmup)
         if self.microbatches < 1:
             raise ValueError(f"plan: microbatches must be >= 1, got {self.microbatches}")
         for i, st in enumerate(self.stages):
@@ -185,6 +203,7 @@ class Plan:
                           "bubble": self.predicted.bubble},
             "solver": {"name": self.solver.name, "status": self.solver.status.value, "gap": self.solver.gap,
                        "seconds": self.solver.seconds},
+            **({"sync_every": self.sync_every, "sync_warmup": self.sync_warmup} if self.sync_every > 1 else {}),
         }
 
     @classmethod
@@ -210,6 +229,12 @@ class Plan:
             raise SchemaError(source, f"cluster.{e.field}", e.expected, e.got, e.fix) from None
         check_placement(d, source)
         pr, so = d["predicted"], d["solver"]
+        for k, st in enumerate(d["stages"]):
+            try:
+                parse_compress(st.get("compress"))
+            except OptionError as e:
+                raise SchemaError(source, f"stages[{k}].compress", "powersgd:RANK (>= 1) or topk:RATIO (0 < RATIO < 1)",
+                                  repr(st.get("compress")), fix=str(e)) from None
         return cls(
             model=d["model"], cluster=cluster,
             schedule=Schedule(d["schedule"]), microbatches=d["microbatches"],
@@ -217,6 +242,7 @@ class Plan:
             predicted=PlanPrediction(pr["step_ms"], pr["bottleneck_stage"], pr["bubble"]),
             solver=SolverInfo(so["name"], SolverStatus(so["status"]), so.get("gap", 0.0), so.get("seconds", 0.0)),
             precision=Precision(d.get("precision", "fp32")),  # plans written before the field are fp32
+            sync_every=d.get("sync_every", 1), sync_warmup=d.get("sync_warmup", 0),
         )
 
 
@@ -248,6 +274,7 @@ PLAN_SCHEMA: dict[str, Any] = {
                     "swap": _NAMES,
                     "offload_optimizer": {"type": "boolean"},
                     "rows": {"type": "array", "items": {"type": "integer", "minimum": 1}},
+                    "compress": {"type": "string", "pattern": "^(powersgd:[0-9]+|topk:[0-9.eE+-]+)$"},
                     "predicted": {"type": "object", "additionalProperties": False, "properties": {
                         "fwd_ms": _NUM, "bwd_ms": _NUM, "memory_bytes": {"type": "integer", "minimum": 0},
                         "bubble": _SHARE}},
@@ -261,6 +288,8 @@ PLAN_SCHEMA: dict[str, Any] = {
         "solver": {"type": "object", "required": ["name", "status"], "properties": {
             "name": {"type": "string"}, "status": {"enum": [s.value for s in SolverStatus]},
             "gap": _NUM, "seconds": _NUM}, "additionalProperties": False},
+        "sync_every": {"type": "integer", "minimum": 1},
+        "sync_warmup": {"type": "integer", "minimum": 0},
     },
     "additionalProperties": False,
 }
@@ -419,6 +448,7 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
         for s in st.swap:
             if s not in st.nodes:
                 raise PlanError(f"stage {st.index} swaps {s!r}, which is not one of its nodes")
+        _check_comm_options(plan, st)
     names = [n.name for n in profile.nodes]
     unknown = [n for n in where if n not in set(names)]
     if unknown:
@@ -469,6 +499,72 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                 raise PlanError(f"stage {st.index} needs {need / GiB:.2f} GiB on {name} ({dev.kind}, "
                                 f"{dev.memory_gib:.1f} GiB){rows}: over by {(need - dev.memory_bytes) / GiB:.2f} "
                                 f"GiB; {fix}")
+
+
+def with_comm(plan: Plan, *, compress: str | None = None, sync_every: int | None = None,
+              sync_warmup: int | None = None) -> Plan:
+    """``plan`` with the user's communication options: ``compress`` on every replicated ZeRO-0 stage, local SGD.
+
+    Args:
+        plan: the plan.
+        compress: ``powersgd:RANK`` / ``topk:RATIO`` for every replicated stage without ZeRO; ``"none"``
+            removes compression; None keeps the plan's.
+        sync_every: local SGD's period (1: per-step sync); None keeps the plan's.
+        sync_warmup: steps of per-step sync first; None keeps the plan's.
+
+    Returns:
+        The plan, checked by :func:`check_comm`.
+
+    Raises:
+        OptionError: a bad value, or compression asked of a plan with no replicated ZeRO-0 stage.
+        PlanError: a combination the runtime does not perform (:func:`check_comm`).
+    """
+    c = parse_compress(compress) if compress is not None else None
+    stages = plan.stages
+    if compress is not None:
+        fit = [st.index for st in plan.stages if len(st.devices) > 1 and st.zero == ZeroStage.NONE]
+        if c is not None and not fit:
+            raise OptionError(f"--compress {compress}: the plan has no replicated stage without ZeRO, so no gradient "
+                              "crosses between replicas: compress needs data parallelism (a stage on >= 2 devices)")
+        stages = tuple(replace(st, compress=str(c) if (c is not None and st.index in fit) else "")
+                       for st in plan.stages)
+    every = plan.sync_every if sync_every is None else sync_every
+    warm = plan.sync_warmup if sync_warmup is None else sync_warmup
+    check_sync(every, warm)
+    out = replace(plan, stages=stages, sync_every=every, sync_warmup=warm)
+    check_comm(out)
+    return out
+
+
+def check_comm(plan: Plan) -> None:
+    """The compression and local SGD of a plan are ones the runtime performs (see :func:`_check_comm_options`).
+
+    Raises:
+        PlanError: naming the stage and the fix.
+    """
+    for st in plan.stages:
+        _check_comm_options(plan, st)
+
+
+def _check_comm_options(plan: Plan, st: Stage) -> None:
+    """Compression and local SGD are performed on a ZeRO-0 stage's flat gradient buffer only."""
+    if st.compress and len(st.devices) < 2:
+        raise PlanError(f"stage {st.index} compresses its gradients ({st.compress}), but runs on one device, so "
+                        "it sends none: drop compress from this stage (it applies to replicated stages only)")
+    if st.compress and st.zero != ZeroStage.NONE:
+        raise PlanError(f"stage {st.index} compresses its gradients ({st.compress}) under ZeRO-{int(st.zero)}, "
+                        "whose reduce-scatter the runtime does not compress: use zero 0 for a compressed stage")
+    if plan.sync_every > 1 and len(st.devices) > 1 and st.zero != ZeroStage.NONE:
+        raise PlanError(f"the plan averages parameters every {plan.sync_every} steps (local SGD), but stage "
+                        f"{st.index} shards its optimizer (ZeRO-{int(st.zero)}), so its replicas cannot step on "
+                        "their own: use zero 0 with --sync-every, or --sync-every 1")
+    if plan.sync_every > 1 and len(st.devices) > 1 and st.rows and len(set(st.rows)) > 1:
+        raise PlanError(f"the plan runs local SGD (sync every {plan.sync_every}), but stage {st.index} splits its "
+                        f"rows unevenly ({list(st.rows)}), so its replicas' gradients are not means over equal "
+                        "shares: split evenly, or use --sync-every 1")
+    if plan.sync_every > 1 and st.compress:
+        raise PlanError(f"stage {st.index} compresses its gradients ({st.compress}) and the plan runs local SGD "
+                        f"(sync every {plan.sync_every}): choose one of them")
 
 
 def save_plan(plan: Plan, path: str | Path) -> Path:

@@ -87,13 +87,14 @@ from typing import Iterator
 import cost_models
 
 from .cluster import host_link_spec, link_spec
+from .compression import CompressKind, parse_compress, powersgd_fraction
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
 from .memory import MemoryBreakdown, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
-from .stagecost import (copy_ms, device_memory, even_rows, in_flight, optimizer_ms, stream_bytes_per_ms,
-                        stream_ms, sync_ms, transfer_ms)
+from .stagecost import (compressed_sync_ms, copy_ms, device_memory, even_rows, in_flight, local_sgd_sync_ms,
+                        optimizer_ms, stream_bytes_per_ms, stream_ms, sync_ms, transfer_ms)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "stage_costs", "annotate",
            "idle_intervals", "op_order", "tied_syncs"]
@@ -305,11 +306,32 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         group = min((link_spec(c, st.devices[0], x) for x in st.devices[1:]), key=lambda sp: sp.gbps) \
             if d > 1 else None
         fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts * most * m * d if st.rows else acts, m, d, rate)
-        out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms),
-                             sync_ms(params, d, st.zero, st.offload_optimizer, group, host, bwd_ms=bwd) + copy,
+        sync = _sync_cost(plan, graph, st, nodes, params, group, host, dtype, rate, bwd) + copy
+        out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms), sync,
                              max(mems, key=lambda b: b.total), opt_ms, fwd_stream, bwd_stream, copy,
                              tuple(mems), tuple(own)))
     return tuple(out)
+
+
+def _sync_cost(plan: Plan, graph: CostGraph, st: Stage, nodes: list[str], params: int,
+               group: cost_models.LinkSpec | None, host: cost_models.LinkSpec, dtype: str, rate: float,
+               bwd_ms: float) -> float:
+    """A stage's gradient sync per step: dense (:func:`sync_ms`, overlapped with the last backward ``bwd_ms``),
+    compressed, or local SGD's amortised average (neither overlapped: the runtime runs them after the backward)."""
+    d = len(st.devices)
+    comp = parse_compress(st.compress)
+    if comp is not None and d > 1:
+        frac = None
+        if comp.kind is CompressKind.POWERSGD:
+            names = {name for n in nodes for name in graph.node(n).params}
+            b = dtype_bytes(dtype)
+            frac = powersgd_fraction([graph.param_sizes[x] // b for x in names if x in graph.param_sizes], comp.rank) \
+                if names & set(graph.param_sizes) else None
+        return compressed_sync_ms(params, d, comp, group, dtype_bytes=dtype_bytes(dtype), bytes_per_ms=rate,
+                                  fraction=frac)
+    if plan.sync_every > 1 and d > 1:
+        return local_sgd_sync_ms(params, d, plan.sync_every, group)
+    return float(sync_ms(params, d, st.zero, st.offload_optimizer, group, host, bwd_ms=bwd_ms))
 
 
 def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], float]]:
@@ -635,9 +657,8 @@ def annotate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[Plan
         ``(plan with predicted fields filled in, simulation result)``.
     """
     r = simulate(plan, graph, dtype)
-    stages = tuple(
+    stages = tuple(  # every other field kept as it is (compression, rows, ...)
         replace(st, predicted=StagePrediction(c.fwd_ms * x, (c.recompute_ms + c.bwd_ms) * x, c.memory.total, b))
         for st, c, x, b in zip(plan.stages, r.stages, r.contention, r.stage_bubbles))
-    new = Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, stages,
-               PlanPrediction(r.step_ms, r.bottleneck_stage, r.bubble), plan.solver, plan.precision)
+    new = replace(plan, stages=stages, predicted=PlanPrediction(r.step_ms, r.bottleneck_stage, r.bubble))
     return new, r

@@ -56,6 +56,14 @@ Times (milliseconds), per step:
   parameters back. Plus, under ZeRO-1/2, copying the gathered parameters into
   their flat buffer (:func:`copy_ms`; gradients accumulate in the buffer the
   collective reads, so they are not copied).
+- compressed gradient sync (:func:`compressed_sync_ms`, a stage with
+  ``compress``, :mod:`hpml_compile.compression`): Top-K's two all-gathers of
+  ``d k`` values and int32 indices, or PowerSGD's all-reduces of its ``P`` and
+  ``Q`` factors (plus the small uncompressed rest as one more latency), and
+  the compression compute as passes over the gradient at the device's
+  streaming rate. Local SGD (:func:`local_sgd_sync_ms`, ``Plan.sync_every = H``)
+  pays one parameter all-reduce every ``H`` steps: ``1 / H`` of it per step
+  (the steady state, after the warm-up's per-step sync).
 - optimizer step (:func:`optimizer_ms`): the graph's step time per parameter
   byte times the bytes the device updates (its shard under ZeRO-1 and up).
 - memory streaming (:func:`stream_ms`): what part of a microbatch's forward and
@@ -89,12 +97,14 @@ import numpy as np
 
 import cost_models
 
+from .compression import CompressKind, Compression, powersgd_fraction
 from .costgraph import CostGraph
 from .ir import Schedule, base_kind
 from .memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, MemoryBreakdown, ZeroStage
 
 __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "overlapped_ms",
-           "copy_ms", "optimizer_ms", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows"]
+           "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms", "optimizer_ms", "stream_ms", "stream_bytes_per_ms",
+           "choose_rows", "even_rows"]
 
 # A count or a duration: a Python scalar for one stage, a numpy array for many candidates at once.
 Value = Union[int, float, np.ndarray]
@@ -347,6 +357,59 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         shard = param_bytes // replicas if z >= ZeroStage.OS else param_bytes
         total = total + 2 * transfer_ms(cost_models.p2p_ms, shard, host)
     return total
+
+
+def compressed_sync_ms(param_bytes: Value, replicas: int, compress: Compression, link: cost_models.LinkSpec | None,
+                       *, dtype_bytes: int, bytes_per_ms: float, fraction: float | None = None) -> Value:
+    """A compressed stage's gradient sync: the collectives on the compressed payload plus the compression compute.
+
+    Args:
+        param_bytes: the stage's gradient bytes (ZeRO-0: the flat buffer).
+        replicas: ``d`` (one device: 0).
+        compress: the compression.
+        link: the slowest link between the stage's devices.
+        dtype_bytes: bytes per gradient element.
+        bytes_per_ms: the device's streaming rate (:func:`stream_bytes_per_ms`).
+        fraction: PowerSGD's share of elements on the wire (:func:`hpml_compile.compression.powersgd_fraction`
+            over the stage's parameters; None: the stage as one square matrix).
+
+    Returns:
+        Milliseconds per step.
+
+    >>> import cost_models
+    >>> eth = cost_models.get_link("eth10")
+    >>> dense = sync_ms(64e6, 2, 0, False, eth, eth)
+    >>> hbm = 1.5e9  # bytes per ms: an A100's memory, so compressing costs ~0.3 ms here
+    >>> top = compressed_sync_ms(64e6, 2, Compression.parse("topk:0.01"), eth, dtype_bytes=4, bytes_per_ms=hbm)
+    >>> round(dense, 1), round(top, 1)
+    (51.2, 1.3)
+    """
+    if replicas <= 1:
+        return param_bytes * 0.0
+    if compress.kind is CompressKind.TOPK:
+        k_pairs = replicas * compress.ratio * param_bytes / dtype_bytes  # ceil(k) left out: arrays, and it is tiny
+        comm = (transfer_ms(cost_models.all_gather_ms, k_pairs * dtype_bytes, link, replicas)
+                + transfer_ms(cost_models.all_gather_ms, k_pairs * 4, link, replicas))
+    else:
+        if fraction is None:
+            fraction = powersgd_fraction([int(np.max(param_bytes)) // dtype_bytes], compress.rank)
+        one = param_bytes * 0.0 + (param_bytes > 0)  # one byte stands for the small uncompressed rest's latency
+        comm = 2 * transfer_ms(cost_models.allreduce_ms, fraction * param_bytes / 2, link, replicas) \
+            + transfer_ms(cost_models.allreduce_ms, one, link, replicas)  # P, Q, and the uncompressed rest
+    return comm + compress.passes * param_bytes / bytes_per_ms
+
+
+def local_sgd_sync_ms(param_bytes: float, replicas: int, every: int, link: cost_models.LinkSpec | None) -> float:
+    """Local SGD's gradient sync per step: one parameter all-reduce every ``every`` steps (the steady state).
+
+    >>> import cost_models
+    >>> eth = cost_models.get_link("eth10")
+    >>> round(local_sgd_sync_ms(64e6, 2, 4, eth) * 4, 6) == round(sync_ms(64e6, 2, 0, False, eth, eth), 6)
+    True
+    """
+    if replicas <= 1:
+        return 0.0
+    return float(transfer_ms(cost_models.allreduce_ms, param_bytes, link, replicas)) / every
 
 
 def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float, zero: ZeroStage | int = ZeroStage.NONE

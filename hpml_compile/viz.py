@@ -162,6 +162,9 @@ def _stage_label(plan: Plan, st: Stage, result: SimResult | None) -> str:
     opts += ["recompute"] if st.recompute else []
     opts += [f"swap {len(st.swap)} nodes"] if st.swap else []
     opts += ["optimizer offload"] if st.offload_optimizer else []
+    opts += [f"grads {st.compress}"] if st.compress else []
+    opts += [f"local SGD every {plan.sync_every} (warm-up {plan.sync_warmup})"] \
+        if plan.sync_every > 1 and len(st.devices) > 1 else []
     head = f"stage {st.index}: {device_names(st.devices)} ({kind_text})" + (f" | {', '.join(opts)}" if opts else "")
     if st.rows:
         head += "\\n" + rows_text(st)

@@ -26,6 +26,7 @@ from ..errors import HpmlError
 from ..ir import FrontEnd, Precision
 from ..plan import Schedule
 from ..solve import SolverName
+from .plan import add_comm_options, comm_options
 
 __all__ = ["add_parsers", "run_compile"]
 
@@ -60,6 +61,7 @@ def add_parsers(subparsers: Any) -> None:
                         "master weights and optimizer state, stage boundaries in the compute dtype; fp16 adds "
                         "loss scaling")
     p.add_argument("-o", "--output", type=Path, required=True, help="the build folder to write")
+    add_comm_options(p)
     p.set_defaults(run=run_compile)
 
 
@@ -100,7 +102,7 @@ def run_compile(args: argparse.Namespace) -> int:
             loaded.module, loaded.example_inputs, args.output, cluster=cluster, name=loaded.name, say=_say,
             recipe=recipe,
             opts=driver.Options(solver=args.solver, microbatches=args.microbatches, schedule=args.schedule,
-                                time_limit_s=args.time_limit, precision=args.precision),
+                                time_limit_s=args.time_limit, precision=args.precision, **comm_options(args)),
             prof_opts=driver.ProfileOptions(repeats=args.repeats, warmup=args.warmup, batch_size=loaded.batch_size,
                                             seq_len=loaded.seq_len, leaf_modules=args.leaf,
                                             front_end=args.front_end))

@@ -51,7 +51,31 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--precision", default=None, choices=[x.value for x in Precision],
                    help="the precision to train in; must be the profile's (default: the profile's)")
     p.add_argument("-o", "--output", default=None, help="plan.json to write (with --compare: the ilp plan)")
+    add_comm_options(p)
     p.set_defaults(run=run_plan)
+
+
+def add_comm_options(p: argparse.ArgumentParser, *, solver: bool = True) -> None:
+    """``--compress``, ``--allow-compress`` (``solver``), ``--sync-every``, ``--sync-warmup`` (issue 18)."""
+    g = p.add_argument_group("communication (less of it across slow links)")
+    g.add_argument("--compress", default=None, metavar="powersgd:RANK|topk:RATIO",
+                   help="compress the gradients of every replicated stage: PowerSGD of RANK or Top-K of RATIO, "
+                        "with error feedback (default: none)")
+    if solver:
+        g.add_argument("--allow-compress", default=None, dest="allow_compress", metavar="powersgd:RANK|topk:RATIO",
+                       help="let the solver compress a replicated stage's gradients so where it makes the step faster")
+    g.add_argument("--sync-every", type=int, default=None, dest="sync_every", metavar="H",
+                   help="local SGD: replicas step on their own gradients and average parameters every H steps "
+                        "(default 1: every step, plain data parallelism)")
+    g.add_argument("--sync-warmup", type=int, default=None, dest="sync_warmup", metavar="K",
+                   help="steps of per-step gradient sync before local SGD starts (default 0)")
+
+
+def comm_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~hpml_compile.driver.Options` fields of :func:`add_comm_options`."""
+    return {"compress": args.compress, "allow_compress": getattr(args, "allow_compress", None),
+            "sync_every": 1 if args.sync_every is None else args.sync_every,
+            "sync_warmup": 0 if args.sync_warmup is None else args.sync_warmup}
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Profile, Cluster]:
@@ -143,7 +167,7 @@ def run_plan(args: argparse.Namespace) -> int:
     _progress(f"plan: {profile.model} on {cluster.name} ({len(cluster.devices)} devices), solver {args.solver}")
     plan = driver.plan(profile, cluster, driver.Options(solver=args.solver, microbatches=args.microbatches,
                                                         schedule=schedule, time_limit_s=args.time_limit,
-                                                        precision=args.precision),
+                                                        precision=args.precision, **comm_options(args)),
                        progress=_progress)
     save_plan(plan, args.output)
     pr, so = plan.predicted, plan.solver

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from ..errors import HpmlError, OptionError
-from ..plan import load_plan
+from ..plan import load_plan, with_comm
 from ..runtime.adapt import AdaptOptions
 from ..runtime.comm import CommOp
+from .plan import add_comm_options
 
 DEFAULT_STEPS = 20
 
@@ -85,6 +86,7 @@ def add_parsers(subparsers: Any) -> None:
                    help="rank 0 serves every rank's latest figures at http://HOST:P/metrics in the Prometheus text "
                         "format while the job runs (ranks of other hosts only with a shared run folder)")
     p.add_argument("--no-report", dest="report", action="store_false", help="skip the table at the end")
+    add_comm_options(p, solver=False)
     d = p.add_argument_group("data (a build of a TrainSpec: `compile path/to/train.py:NAME`)")
     d.add_argument("--epochs", type=int, default=None, metavar="E",
                    help="train E passes over the TrainSpec's dataset (instead of --steps)")
@@ -170,6 +172,7 @@ def run_run(args: argparse.Namespace) -> int:
                           f"profile was timed so, its stages send {plan.precision.value} tensors); drop --precision, "
                           f"or compile again with --precision {args.precision}")
     _data_options(args, recipe, plan)  # --epochs becomes --steps; a TrainSpec's batch must split as planned
+    with_comm(plan, compress=args.compress, sync_every=args.sync_every, sync_warmup=args.sync_warmup)  # checked
     devices = sum(len(st.devices) for st in plan.stages)
     nproc = args.nproc if args.nproc is not None else max(1, devices // args.nnodes)
     check_world(plan, nproc, args.nnodes)
@@ -181,6 +184,9 @@ def run_run(args: argparse.Namespace) -> int:
     worker += (["--val-every", str(args.val_every)] if args.val_every else []) + (
         ["--log-samples"] if args.log_samples else [])
     worker += [] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port)]
+    worker += [] if args.compress is None else ["--compress", args.compress]
+    worker += [] if args.sync_every is None else ["--sync-every", str(args.sync_every)]
+    worker += [] if args.sync_warmup is None else ["--sync-warmup", str(args.sync_warmup)]
     faults = [x for fault in args.inject_fault for x in ("--inject-fault", fault)]
     if args.adapt:
         return _run_adaptive(args, worker, faults, nproc)

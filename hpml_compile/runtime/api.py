@@ -80,7 +80,9 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
             solver: SolverName | str = SolverName.ILP, out_dir: str | Path | None = None,
             run_dir: str | Path | None = None, time_limit_s: float = 30.0, profile_repeats: int = 3,
             name: str | None = None, retry: RetryPolicy = RetryPolicy(),
-            log: Callable[[str], None] | None = None, precision: Precision | str = Precision.FP32) -> Pipeline:
+            log: Callable[[str], None] | None = None, precision: Precision | str = Precision.FP32,
+            compress: str | None = None, allow_compress: str | None = None, sync_every: int = 1,
+            sync_warmup: int = 0) -> Pipeline:
     """Compile ``model`` for ``cluster`` and return the pipeline that trains it; call on every rank.
 
     Args:
@@ -103,6 +105,12 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
         log: progress lines (default: none).
         precision: ``fp32``, ``bf16`` or ``fp16``: profiled, planned and trained under autocast to that dtype
             with fp32 master weights (:mod:`hpml_compile.precision`); fp16 adds loss scaling.
+        compress: gradient compression on every replicated stage, ``powersgd:RANK`` or ``topk:RATIO``
+            (:mod:`hpml_compile.compression`).
+        allow_compress: a compression the solver may choose, stage by stage, where it makes the step faster.
+        sync_every: local SGD: the replicas step on their own gradients and average parameters every H steps
+            (1: plain data parallelism).
+        sync_warmup: steps of per-step gradient sync before local SGD starts.
 
     Returns:
         The pipeline: ``step``, ``eval_forward``, ``state_dict``.
@@ -113,6 +121,9 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
         ModelError: no example inputs for a plain module, or a TrainSpec whose batch does not split as planned.
     """
     prec = Precision.parse(precision, "precision")
+    opts = driver.Options(solver=solver, microbatches=microbatches, schedule=schedule, time_limit_s=time_limit_s,
+                          precision=prec, compress=compress, allow_compress=allow_compress, sync_every=sync_every,
+                          sync_warmup=sync_warmup)  # every option checked before anything runs
     spec = model if isinstance(model, TrainSpec) else None
     if spec is not None:
         model = spec.module
@@ -135,9 +146,7 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
         folder = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="hpml-build-"))
         try:
             build, gm = driver.compile(model, inputs, folder, cluster=c, name=name, say=log,
-                                       opts=driver.Options(solver=solver, microbatches=microbatches,
-                                                           schedule=schedule, time_limit_s=time_limit_s,
-                                                           precision=prec),
+                                       opts=opts,
                                        prof_opts=driver.ProfileOptions(repeats=profile_repeats))
         except BaseException:
             if session is not None:  # the others wait in the broadcast below: let them fail too

@@ -123,6 +123,8 @@ class StepMetrics:
     gpu_util: float | None = None
     gpu_memory_bytes: int | None = None
     gpu_power_w: float | None = None
+    sync_bytes: int = 0  # payload this rank put into its stage's gradient sync (compressed, or 0 on a local step)
+    sync_dense_bytes: int = 0  # what the uncompressed all-reduce of the same gradients would have put
 
     @property
     def comm_ms(self) -> float:

@@ -60,6 +60,7 @@ from ..codegen import Build, load_build
 from ..codegen.comm import DetachedComm
 from ..errors import HpmlError
 from ..ir import Precision
+from ..plan import with_comm
 from .batchcheck import agree_with_check, fingerprint
 from ..hostmem import keep_freed_memory
 from ..memory import ZeroStage
@@ -80,6 +81,7 @@ from .offload import offload_optimizer
 from .saved import GradPeak, SavedActivations
 from .session import CommFailure, RetryPolicy, Session
 from ..memory import FIRST_BUCKET_BYTES
+from .compress import Reducer, make_reducer
 from .zero import FlatGrads, FlatShard
 
 __all__ = ["Pipeline", "OptimizerArg"]
@@ -109,13 +111,16 @@ class Pipeline:
         overlap: on ranks, a replicated stage's gradient collectives run bucket by bucket during the step's last
             backward (:class:`~.zero.GradBuckets`); False: after the whole backward, in one collective.
         bucket_mb: the size of an overlapped bucket after the first (1 MiB), as DDP's ``bucket_cap_mb``.
+        comm_options: ``compress`` / ``sync_every`` / ``sync_warmup`` overriding the build's plan
+            (:func:`hpml_compile.plan.with_comm`; None values keep the plan's): they change only how the
+            gradients of a replicated stage are synchronised (:mod:`.compress`), not the generated code.
     """
 
     def __init__(self, build: Build, model: nn.Module, *, optimizer: OptimizerArg = None,
                  session: Session | None = None, run_dir: str | Path | None = None, tensorboard: bool = True,
                  faults: Sequence[CommFault] = (), log: Callable[[str], None] | None = None,
                  events: bool = True, scaler: LossScaler | None = None, overlap: bool = True,
-                 bucket_mb: float = 25.0) -> None:
+                 bucket_mb: float = 25.0, comm_options: dict[str, Any] | None = None) -> None:
         self.build, self.model, self.session = build, model, session
         if bucket_mb <= 0:
             raise HpmlError(f"bucket_mb must be positive (the size of an overlapped gradient bucket in MiB, DDP's "
@@ -126,7 +131,7 @@ class Pipeline:
             raise HpmlError(f"a loss scaler was given, but the build trains in {build.plan.precision.value}: loss "
                             "scaling is for fp16 builds only (compile with --precision fp16)")
         self.scaler = scaler if scaler is not None else LossScaler() if fp16 else None
-        self.plan = build.plan
+        self.plan = with_comm(build.plan, **comm_options) if comm_options else build.plan
         self._log = log or (lambda line: None)
         self._faults = list(faults)
         self.steps_done = 0
@@ -261,8 +266,9 @@ class Pipeline:
         if st.zero == ZeroStage.NONE or optimizer is None:
             bucket = FlatGrads(k, params)
             bucket.comm = self.comm
+            bucket.reducer = make_reducer(self.plan, k, self.comm.groups.get((k,)))  # compression, local SGD
             self.comm.shards[k] = bucket
-            if self._overlap and self.comm.groups.get((k,)) is not None:
+            if self._overlap and self.comm.groups.get((k,)) is not None and bucket.reducer is None:
                 bucket.enable_overlap(min(FIRST_BUCKET_BYTES, self._bucket_bytes), self._bucket_bytes)
             return [bucket]
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -463,6 +469,8 @@ class Pipeline:
             p.grad = None
         for b in self._buckets:
             b.begin_step()  # gradients accumulate into the flat buffer the reduce-scatter reads
+        for red in self._reducers():
+            red.begin_step(self.steps_done)
         reset_peak_memory(self.device)
         if self.events is not None and self.host is not None:
             self.events.begin()
@@ -478,6 +486,10 @@ class Pipeline:
                               device=self.device, optimizer=self.optimizer, agree=agree,
                               own_rows=rank_batch is not None, scaler=self.scaler, arm=self._arm,
                               agree_inf=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))  # every rank skips alike
+            for b in self._buckets:  # local SGD: average the replicas' parameters after every H-th step
+                if getattr(b, "reducer", None) is not None and self.optimizer is not None:
+                    b.reducer.after_step(b.params)
+                    run.t_end = time.perf_counter()  # counted in the optimizer's time
         busy = self.host.end() if self.host is not None else HostBusy(0.0, 0.0, 0.0)
         h = held_bytes(list(self.stages.values()), self.optimizer)
         self.held = Held(h.params, max(h.grads, self.grad_peak.bytes), h.optimizer)  # gradients at their peak
@@ -498,6 +510,7 @@ class Pipeline:
             sync_wait_ms=comm.stats.collective_wait_s * 1e3,
             optimizer_ms=(run.t_end - run.t_opt) * 1e3, peak_memory_bytes=mem, memory_kind=mem_kind,
             bytes_sent=comm.stats.bytes_sent, bytes_received=comm.stats.bytes_received,
+            sync_bytes=self._sync_bytes(dense=False), sync_dense_bytes=self._sync_bytes(dense=True),
             loss=float(run.loss_sum), retries=attempt, val_loss=val, host=self._hostname, steal=busy.steal,
             others_load=busy.others, cpu_util=busy.cpu_util,
             contention_ms=busy.contention_s * 1e3, held_bytes=self.held.total + self.saved.peak,
@@ -514,6 +527,20 @@ class Pipeline:
         for b in self._buckets:
             if b.stage == stage and b.buckets is not None:
                 b.buckets.arm()
+
+    def _reducers(self) -> list[Reducer]:
+        """The compression / local SGD reducers of this rank's stage (:mod:`.compress`)."""
+        return [b.reducer for b in self._buckets if getattr(b, "reducer", None) is not None]
+
+    def _sync_bytes(self, *, dense: bool) -> int:
+        """Payload this rank put into its stage's gradient sync this step (``dense``: uncompressed, every step)."""
+        total = 0
+        for b in self._buckets:
+            red = getattr(b, "reducer", None)
+            flat = b.grad_flat if isinstance(b, FlatGrads) else b.flat
+            nbytes = flat.numel() * flat.element_size()
+            total += nbytes if red is None else (red.dense if dense else red.sent) or (nbytes if dense else 0)
+        return total
 
     def _validate(self, validate: Callable[[], float] | None) -> float | None:
         """Run ``validate`` after an update; a communication failure in it must not retry the (applied) step.

@@ -184,6 +184,9 @@ class RunSummary:
     slow: tuple[tuple[int, float, float], ...] = ()
     held: Mapping[str, int] = field(default_factory=dict)
     host: str | None = None  # where the plan's profile was measured (report.host_summary)
+    # per replicated stage: (stage, bytes its ranks put into the gradient sync per step, uncompressed figure),
+    # means over the measured steps and the stage's ranks (local SGD: its averages amortised over the steps)
+    sync_bytes: tuple[tuple[int, float, float], ...] = ()
 
     @property
     def shortfalls(self) -> dict[str, int]:
@@ -366,7 +369,30 @@ def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: in
     advice = _advice(plan, stages, bubble, step_ms, comm, error, samples, run_dir, busy, slow, quiet_error)
     return RunSummary(plan, n, k, micro, step_ms, samples / (step_ms / 1e3) if step_ms else 0.0, bubble,
                       tuple(stages), bottleneck, tuple(advice), tuple(busy),
-                      tuple((r, a, b) for r, (a, b) in sorted(slow.items())), held_peaks(plan, rows))
+                      tuple((r, a, b) for r, (a, b) in sorted(slow.items())), held_peaks(plan, rows),
+                      sync_bytes=sync_bytes(plan, kept))
+
+
+def sync_bytes(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]]) -> tuple[tuple[int, float, float], ...]:
+    """``(stage, sent, uncompressed)`` bytes per step and rank of each replicated stage's gradient sync."""
+    out = []
+    for st in plan.stages:
+        mine = [m for rs in rows.values() for m in rs if m.stage == st.index]
+        if len(st.devices) > 1 and mine and any(m.sync_dense_bytes for m in mine):
+            out.append((st.index, sum(m.sync_bytes for m in mine) / len(mine),
+                        sum(m.sync_dense_bytes for m in mine) / len(mine)))
+    return tuple(out)
+
+
+def format_sync(s: RunSummary) -> list[str]:
+    """One line per replicated stage: the bytes its gradient sync sent per step against the uncompressed figure."""
+    p = s.plan
+    lines = []
+    for k, sent, dense in s.sync_bytes:
+        how = p.stages[k].compress or (f"local SGD every {p.sync_every}" if p.sync_every > 1 else "all-reduce")
+        lines.append(f"  gradient sync, stage {k} ({how}): {human_bytes(sent)} per step per rank against "
+                     f"{human_bytes(dense)} uncompressed ({sent / dense:.1%})")
+    return lines
 
 
 def held_peaks(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]]) -> dict[str, int]:
@@ -426,6 +452,7 @@ def format_summary(s: RunSummary) -> str:
     lines.append(f"  step: measured {s.step_ms:.1f} ms, {vs}; {s.samples_per_s:.1f} samples/s; "
                  f"bubble {s.bubble:.1%}" + (f" (predicted {predicted_bubble(p):.1%})" if step_pred > 0 else ""))
     lines += format_memory(s)
+    lines += format_sync(s)
     if s.host:
         lines.append(f"  prediction {s.host}")
     b = s.stages[s.bottleneck]

@@ -238,6 +238,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="seconds a collective or receive may block before the rank fails (a hung peer)")
     p.add_argument("--metrics-port", type=int, default=None, dest="metrics_port",
                    help="rank 0 serves every rank's latest figures here (Prometheus text format)")
+    p.add_argument("--compress", default=None, help="override the plan's gradient compression (powersgd:R, topk:X)")
+    p.add_argument("--sync-every", type=int, default=None, dest="sync_every", help="override the plan's local SGD period")
+    p.add_argument("--sync-warmup", type=int, default=None, dest="sync_warmup", help="and its warm-up steps")
     return p.parse_args(argv)
 
 
@@ -320,7 +323,9 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
                                retry=RetryPolicy(attempts=max(1, args.retries), timeout_s=args.timeout,
                                                  rejoin_timeout_s=min(RetryPolicy().rejoin_timeout_s, args.timeout)),
                                optimizer=optimizer, run_dir=args.run_dir,
-                               tensorboard=args.tensorboard, faults=args.faults, log=_say)
+                               tensorboard=args.tensorboard, faults=args.faults, log=_say,
+                               comm_options={"compress": args.compress, "sync_every": args.sync_every,
+                                             "sync_warmup": args.sync_warmup})
     trainer = Trainer(pipe, spec, run_dir=args.run_dir, log_samples=args.log_samples) if spec is not None else None
     seed_rngs(recipe.seed, rank)  # dropout draws the same masks in two runs; a resume restores the states
     start = 0

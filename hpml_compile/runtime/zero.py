@@ -405,6 +405,7 @@ class FlatGrads:
             raise HpmlError(f"stage {stage}: one gradient buffer per stage, but its parameters have dtypes/devices "
                             f"{sorted(map(str, kinds))}: give them one dtype and device")
         self.stage, self.params = stage, params
+        self.reducer: Any = None  # a .compress.Reducer where the plan compresses or runs local SGD
         self.grad_flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         self._checked = False
         self.comm: Comm | None = None  # set by the pipeline (and after a reconnect)
@@ -440,7 +441,10 @@ class FlatGrads:
     check = FlatShard.check
 
     def all_reduce(self, comm: Comm) -> None:
-        """Sum the gradients over the stage's replicas, in place (waiting for the buckets under overlap)."""
+        """Sum the gradients over the stage's replicas, in place: what the plan's reducer leaves (compression,
+        local SGD: never overlapped), else the buckets' all-reduces under overlap, else one all-reduce."""
+        if self.reducer is not None:
+            return self.reducer.reduce(comm, self.stage, self.grad_flat, self.params)
         if self.buckets is not None:
             self.comm = comm
             self.buckets.finish()

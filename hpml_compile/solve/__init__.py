@@ -34,6 +34,16 @@ process, a 5 MB profile included, up to 4 kinds x 256). :func:`plan_from_cuts` s
 partitioner's split (e.g. DeepSpeed's or torchgpipe's) the way the
 baselines are scored.
 
+Gradient compression is chosen only when the user allows one (``compress``):
+every replicated ZeRO-0 candidate's sync is then priced as the cheaper of the
+dense all-reduce and the compressed collectives plus the compression compute
+(:func:`hpml_compile.stagecost.compressed_sync_ms`), so placement (how much
+data parallelism pays) sees it, and :func:`choose_compression` names it on the
+stages of the chosen plan where the simulator agrees it is faster. The
+solver's math is otherwise unchanged: compression only lowers a candidate's
+tail cost. Its effect on convergence is not in the objective; that is the
+user's side of the trade (benchmarks/comm_options measures it).
+
 Example:
     >>> from hpml_compile.solve.testing import chain_graph, cluster_of
     >>> g = chain_graph([{"fast": (1.0, 2.0), "slow": (2.0, 4.0)}] * 6)
@@ -50,12 +60,15 @@ import time
 from typing import Callable, Sequence
 
 from ..cluster import check_devices_costed
+from dataclasses import replace
+
+from ..compression import CompressKind, Compression, parse_compress, powersgd_fraction
 from ..costgraph import CostGraph
 from ..errors import InfeasibleError
 from ..ir import Cluster
-from ..memory import GiB, dtype_bytes
+from ..memory import GiB, ZeroStage, dtype_bytes
 from ..plan import Plan, Schedule, SolverInfo, SolverStatus
-from ..simulate import annotate
+from ..simulate import annotate, stage_costs
 from ..stagecost import device_memory, in_flight
 from .baselines import Baseline, balanced_cuts, baseline_stages, stages_from_cuts
 from .candidates import Candidate, Chain, Setting, kind_counts, to_plan
@@ -69,7 +82,7 @@ MILP_CANDIDATES = 15000
 #: Device-count vectors of the finer coarse DP run once at the chosen microbatch count.
 REFINE_VECTORS = 1100
 
-__all__ = ["SolverName", "solve", "microbatch_choices", "plan_from_cuts"]
+__all__ = ["SolverName", "solve", "microbatch_choices", "plan_from_cuts", "choose_compression"]
 
 
 class SolverName(str, enum.Enum):
@@ -96,7 +109,7 @@ def microbatch_choices(batch_size: int, cap: int = 64) -> list[int]:
 def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = SolverName.ILP,
           microbatches: int | None = None, schedule: Schedule | str = Schedule.ONE_F_ONE_B,
           time_limit_s: float = 30.0, dtype: str = "float32",
-          progress: Callable[[str], None] | None = None) -> Plan:
+          progress: Callable[[str], None] | None = None, compress: Compression | str | None = None) -> Plan:
     """Place ``costgraph`` on ``cluster``.
 
     Args:
@@ -108,6 +121,9 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         time_limit_s: time limit of the ILP (on the many-kind path: of the whole solve, from its start).
         dtype: parameter dtype (Adam state size).
         progress: called with a line of text as the solve goes on.
+        compress: a gradient compression the user allows (``powersgd:RANK`` / ``topk:RATIO``): priced for every
+            replicated ZeRO-0 candidate stage, which takes it where its sync is faster so (:func:`choose_compression`);
+            None: never compressed.
 
     Returns:
         The plan, with the simulator's predictions and the solver's status.
@@ -120,6 +136,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
     """
     name, sched = SolverName(solver), Schedule(schedule)
     say = progress or (lambda _: None)
+    allowed = parse_compress(compress) if isinstance(compress, str) else compress
+    frac = _powersgd_fraction(costgraph, dtype, allowed)
     check_devices_costed(cluster, costgraph.kinds)
     if microbatches is not None and microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
@@ -141,9 +159,10 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         return None if isinstance(got, str) else got
 
     ms = ms[::-1]  # the most microbatches first: least memory, so the likeliest to fit, for a first plan early
-    best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0, unimodal=large)
+    best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0, unimodal=large, compress=allowed,
+                   fraction=frac)
     if best is None:
-        raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype)))
+        raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype, allowed, frac)))
     step, plan, setting, picked = best
     gap = 0.0
     if name is SolverName.DP and large:  # the coarse DP is exact only over its units: certify its gap
@@ -156,19 +175,53 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
                solve_ilp(chain, cluster, setting, time_limit_s=time_limit_s, warm=picked, progress=say))
         status, gap = res.status, res.gap
         if res.picked:
-            ilp_plan, r = annotate(to_plan(chain, cluster, setting, res.picked, SolverInfo(name.value)),
+            ilp_plan, r = annotate(choose_compression(to_plan(chain, cluster, setting, res.picked,
+                                                              SolverInfo(name.value)), costgraph, dtype, allowed),
                                    costgraph, dtype)
             proxy = objective(res.picked, setting.microbatches)  # what the ILP minimised, not the simulated step
             say(f"ilp: M={setting.microbatches}: ILP proxy objective {proxy:.4g} ms; simulated step {r.step_ms:.4g} ms")
             if r.step_ms <= step:
                 plan = ilp_plan
     info = SolverInfo(name.value, status, gap, time.perf_counter() - t0)
+    if allowed is not None:
+        chosen = [f"stage {st.index}: {st.compress}" for st in plan.stages if st.compress]
+        say(f"{name.value}: compression {allowed} allowed: " + ("; ".join(chosen) if chosen else
+            "no stage syncs faster with it, none compressed"))
     return Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, plan.stages, plan.predicted, info)
+
+
+def _powersgd_fraction(graph: CostGraph, dtype: str, allowed: Compression | None) -> float | None:
+    """PowerSGD's share of the model's gradient elements on the wire (each parameter a square matrix)."""
+    if allowed is None or allowed.kind is not CompressKind.POWERSGD or not graph.param_sizes:
+        return None
+    b = dtype_bytes(dtype)
+    return powersgd_fraction([v // b for v in graph.param_sizes.values()], allowed.rank)
+
+
+def choose_compression(plan: Plan, graph: CostGraph, dtype: str, allowed: Compression | None) -> Plan:
+    """``plan`` with ``allowed`` on each replicated ZeRO-0 stage whose simulated sync it makes faster.
+
+    The candidate table priced each stage's sync as the cheaper of the two (:mod:`.table`); this names
+    the choice in the plan, stage by stage, with the simulator's own costs.
+    """
+    if allowed is None:
+        return plan
+    fit = [st.index for st in plan.stages if len(st.devices) > 1 and st.zero == ZeroStage.NONE]
+    if not fit:
+        return plan
+    dense = stage_costs(plan, graph, dtype)
+    trial = replace(plan, stages=tuple(replace(st, compress=str(allowed)) if st.index in fit else st
+                                       for st in plan.stages))
+    comp = stage_costs(trial, graph, dtype)
+    stages = tuple(replace(st, compress=str(allowed)) if st.index in fit and comp[st.index].sync_ms
+                   < dense[st.index].sync_ms else st for st in plan.stages)
+    return replace(plan, stages=stages)
 
 
 def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtype: str,
             pick: Callable[[Setting], list[Candidate] | None], name: str, say: Callable[[str], None],
-            t0: float | None = None, unimodal: bool = False) -> tuple[float, Plan, Setting, list[Candidate]] | None:
+            t0: float | None = None, unimodal: bool = False, compress: Compression | None = None,
+            fraction: float | None = None) -> tuple[float, Plan, Setting, list[Candidate]] | None:
     """The microbatch count whose stages (from ``pick``) simulate fastest: ``(step, plan, setting, stages)``.
 
     Stopped by Ctrl-C (KeyboardInterrupt) after a first plan, it returns the best so far. ``unimodal``:
@@ -184,11 +237,12 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
             say(f"{name}: M={m} and fewer not tried: two counts in a row were slower than M={best[2].microbatches}")
             break
         try:
-            setting = Setting(m, sched, graph.batch_size, dtype)
+            setting = Setting(m, sched, graph.batch_size, dtype, compress, fraction)
             picked = pick(setting)
             if not picked:
                 continue
-            plan, r = annotate(to_plan(chain, cluster, setting, picked, SolverInfo(name)), graph, dtype)
+            plan, r = annotate(choose_compression(to_plan(chain, cluster, setting, picked, SolverInfo(name)), graph,
+                                                  dtype, compress), graph, dtype)
         except KeyboardInterrupt:
             if best is None:
                 raise

@@ -17,6 +17,8 @@ Example:
 
 from __future__ import annotations
 
+from ..compression import Compression
+
 import itertools
 import math
 from dataclasses import dataclass
@@ -128,12 +130,15 @@ CONFIGS: tuple[StageConfig, ...] = tuple(
 
 @dataclass(frozen=True, slots=True)
 class Setting:
-    """The global choices a candidate set is built for."""
+    """The global choices a candidate set is built for (``compress``: the gradient compression the user allowed,
+    which a replicated ZeRO-0 stage takes where it syncs faster than without)."""
 
     microbatches: int
     schedule: Schedule
     batch_size: int
     dtype: str = "float32"
+    compress: Compression | None = None
+    compress_fraction: float | None = None  # PowerSGD's share of elements on the wire, over the model's parameters
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,8 @@ from ..errors import UnknownDeviceError
 from ..ir import Cluster
 from ..memory import MemoryBreakdown, ZeroStage, dtype_bytes
 from ..plan import Schedule
-from ..stagecost import copy_ms, in_flight, memory_parts, optimizer_ms, stream_bytes_per_ms, sync_ms, transfer_ms
+from ..stagecost import (compressed_sync_ms, copy_ms, in_flight, memory_parts, optimizer_ms, stream_bytes_per_ms,
+                         sync_ms, transfer_ms)
 from .candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees, group_links,
                          kind_counts)
 
@@ -240,7 +241,11 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             mem = mem._replace(grads=mem.grads + shared)  # the flat buffer of gradients tied to other stages
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)
-            ests.append(m * t + sync_ms(params, d, cfg.zero, cfg.offload, glink, host, bwd_ms=bwd)
+            sync = sync_ms(params, d, cfg.zero, cfg.offload, glink, host, bwd_ms=bwd)
+            if setting.compress is not None and d > 1 and cfg.zero == ZeroStage.NONE:  # allowed: where it pays
+                sync = np.minimum(sync, compressed_sync_ms(params, d, setting.compress, glink, dtype_bytes=bpe,
+                                                           bytes_per_ms=rate, fraction=setting.compress_fraction))
+            ests.append(m * t + sync
                         + copy_ms(params, d, rate, cfg.zero)
                         + optimizer_ms(params, d, cfg.zero, opt_rate))
             jms.append(jm)

@@ -107,6 +107,9 @@ BAD = [
     (["--adapt", "--kill-at", "3:5"], "--kill-at 3:5", "0..1"),
     (["--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", "localhost"], "localhost", "HOST:PORT"),
     (["--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", "localhost:70000"], "localhost:70000", "1..65535"),
+    (["--compress", "gzip:1"], "--compress 'gzip:1'", "powersgd:RANK"),
+    (["--compress", "topk:0.1"], "--compress topk:0.1", "no replicated stage"),
+    (["--sync-every", "0"], "--sync-every must be an integer >= 1", "got 0"),
 ]
 
 
