@@ -32,6 +32,7 @@ __all__ = [
     "PLAN_SCHEMA",
     "Schedule",
     "SolverStatus",
+    "AllReduce",
     "ZeroStage",
     "StagePrediction",
     "Stage",
@@ -41,6 +42,7 @@ __all__ = [
     "PlanError",
     "validate_plan",
     "check_placement",
+    "hierarchy_problem",
     "node_stages",
     "stage_memory",
     "stage_breakdown",
@@ -58,6 +60,19 @@ class SolverStatus(str, enum.Enum):
     FEASIBLE = "feasible"  # a plan, with a gap to the best bound
     INFEASIBLE = "infeasible"
     HEURISTIC = "heuristic"  # a baseline: no optimality claim
+
+
+class AllReduce(str, enum.Enum):
+    """How a ZeRO-0 stage's replicas sum their gradients.
+
+    ``flat``: one ring all-reduce over all of them. ``hierarchical``: for replicas spread over hosts, each
+    holding the same number, a reduce-scatter inside each host, an all-reduce of each shard between the
+    hosts, an all-gather inside each host (:func:`hpml_compile.runtime.comm.hierarchical_all_reduce`): the
+    same sum, with only ``1 / h`` of the bytes crossing each link between hosts.
+    """
+
+    FLAT = "flat"
+    HIERARCHICAL = "hierarchical"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +103,7 @@ class Stage:
         rows: the rows of each microbatch that each device of ``devices`` trains on, in the same order
             (uneven data parallelism: a faster or larger device takes more); ``()`` splits every
             microbatch equally among the devices.
+        allreduce: how the replicas all-reduce their gradients (:class:`AllReduce`).
     """
 
     index: int
@@ -99,9 +115,11 @@ class Stage:
     offload_optimizer: bool = False
     predicted: StagePrediction = field(default_factory=StagePrediction)
     rows: tuple[int, ...] = ()
+    allreduce: AllReduce = AllReduce.FLAT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero", ZeroStage(self.zero))
+        object.__setattr__(self, "allreduce", AllReduce(self.allreduce))
         object.__setattr__(self, "rows", tuple(int(r) for r in self.rows))
         if self.index < 0 or not self.devices:
             raise ValueError(f"stage {self.index}: index must be >= 0 and devices non-empty")
@@ -118,6 +136,7 @@ class Stage:
                           "memory_bytes": self.predicted.memory_bytes,
                           **({} if self.predicted.bubble is None else {"bubble": self.predicted.bubble})},
             **({"rows": list(self.rows)} if self.rows else {}),
+            **({"allreduce": self.allreduce.value} if self.allreduce is not AllReduce.FLAT else {}),
         }
 
     @classmethod
@@ -127,7 +146,7 @@ class Stage:
                    d.get("recompute", False), tuple(d.get("swap", ())), d.get("offload_optimizer", False),
                    StagePrediction(pr.get("fwd_ms", 0.0), pr.get("bwd_ms", 0.0), pr.get("memory_bytes", 0),
                                    pr.get("bubble")),
-                   tuple(d.get("rows", ())))
+                   tuple(d.get("rows", ())), AllReduce(d.get("allreduce", "flat")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +267,7 @@ PLAN_SCHEMA: dict[str, Any] = {
                     "swap": _NAMES,
                     "offload_optimizer": {"type": "boolean"},
                     "rows": {"type": "array", "items": {"type": "integer", "minimum": 1}},
+                    "allreduce": {"enum": [a.value for a in AllReduce]},
                     "predicted": {"type": "object", "additionalProperties": False, "properties": {
                         "fwd_ms": _NUM, "bwd_ms": _NUM, "memory_bytes": {"type": "integer", "minimum": 0},
                         "bubble": _SHARE}},
@@ -314,6 +334,13 @@ def check_placement(d: Any, source: str = "plan") -> None:
             raise SchemaError(source, f"{at}.rows", f"one row count per device of stage {k} ({len(st['devices'])})",
                               f"{len(rows)} counts", fix="give each device its rows per microbatch, in device order, "
                               "or leave rows out for an equal split")
+        if st.get("allreduce", "flat") == AllReduce.HIERARCHICAL.value:
+            hosts = {dev["name"]: dev.get("host", "node0") for dev in d["cluster"]["devices"]}
+            why = hierarchy_problem(st["devices"], hosts, ZeroStage(st.get("zero", 0)))
+            if why:
+                raise SchemaError(source, f"{at}.allreduce", "flat, or hierarchical for a ZeRO-0 stage whose devices "
+                                  "span hosts, each holding the same number", f"hierarchical, but {why}",
+                                  fix=f"set stage {k}'s allreduce to flat (or leave it out)")
         for j, node in enumerate(st.get("swap", ())):
             if node not in st["nodes"]:
                 raise SchemaError(source, f"{at}.swap[{j}]", f"one of stage {k}'s nodes", repr(node),
@@ -322,6 +349,33 @@ def check_placement(d: Any, source: str = "plan") -> None:
     if bottleneck >= len(d["stages"]):
         raise SchemaError(source, "predicted.bottleneck_stage", f"a stage index below {len(d['stages'])}",
                           repr(bottleneck), fix="name one of the plan's stages")
+
+
+def hierarchy_problem(devices: list[str] | tuple[str, ...], hosts: dict[str, str], zero: ZeroStage) -> str | None:
+    """Why a stage on ``devices`` cannot all-reduce hierarchically (None: it can).
+
+    Args:
+        devices: the stage's devices.
+        hosts: each device's host.
+        zero: the stage's ZeRO stage (ZeRO-1/2 reduce-scatter instead: no all-reduce to make hierarchical).
+
+    Returns:
+        The reason, naming the hosts, or None.
+
+    >>> hierarchy_problem(["a", "b"], {"a": "n0", "b": "n0"}, ZeroStage.NONE)
+    'its 2 devices are all on host n0'
+    """
+    by_host: dict[str, list[str]] = {}
+    for name in devices:
+        by_host.setdefault(hosts.get(name, "node0"), []).append(name)
+    if zero != ZeroStage.NONE:
+        return f"it uses ZeRO-{int(zero)}, whose reduce-scatter and all-gather are flat"
+    if len(by_host) < 2:
+        return f"its {len(devices)} devices are all on host {next(iter(by_host))}"
+    counts = {h: len(v) for h, v in by_host.items()}
+    if len(set(counts.values())) > 1:
+        return f"its hosts hold different numbers of its devices ({counts})"
+    return None
 
 
 def stage_memory(plan: Plan, profile: Profile, stage: Stage) -> int:
@@ -395,7 +449,9 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             profile's; a node placed twice, unknown or never; an edge from a
             later stage to an earlier one; a device unknown or used twice;
             optimizer offload on a CPU device (the host is the device); a device
-            over its memory; ZeRO-3, which the runtime does not perform.
+            over its memory; ZeRO-3, which the runtime does not perform; a
+            hierarchical all-reduce on a stage whose devices are on one host
+            (or unevenly spread, or ZeRO-sharded).
     """
     if plan.precision is not profile.precision:
         raise PlanError(f"the plan trains in {plan.precision.value} but the profile of {profile.model} was timed in "
@@ -411,6 +467,12 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
         for s in st.swap:
             if s not in st.nodes:
                 raise PlanError(f"stage {st.index} swaps {s!r}, which is not one of its nodes")
+        if st.allreduce is AllReduce.HIERARCHICAL:
+            why = hierarchy_problem(st.devices, {x.name: x.host for x in plan.cluster.devices}, st.zero)
+            if why:
+                raise PlanError(f"stage {st.index} asks for a hierarchical all-reduce, but {why}: it needs a ZeRO-0 "
+                                "stage whose devices span two or more hosts, each holding the same number; set "
+                                "its allreduce to flat")
     names = [n.name for n in profile.nodes]
     unknown = [n for n in where if n not in set(names)]
     if unknown:

@@ -28,7 +28,9 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   activations go out over the host link after the forward and must be back
   before the backward starts.
 - After its last backward a replicated stage synchronises gradients: a ring
-  all-reduce (ZeRO-0), reduce-scatter + all-gather (ZeRO-1/2, Rajbhandari et
+  all-reduce (ZeRO-0; a stage whose plan says ``hierarchical``: reduce-scatter
+  inside each host, all-reduce between hosts, all-gather inside each host, each
+  priced on its own link), reduce-scatter + all-gather (ZeRO-1/2, Rajbhandari et
   al. 2020; ZeRO-3 is refused by plan validation, the runtime does not
   perform it); an
   offloaded optimizer moves gradients to the host and parameters back.
@@ -77,11 +79,11 @@ from typing import Iterator
 
 import cost_models
 
-from .cluster import host_link_spec, link_spec
+from .cluster import hierarchy, host_link_spec, link_spec
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
 from .memory import MemoryBreakdown, dtype_bytes, tied_elsewhere, tied_shared
-from .plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction
+from .plan import AllReduce, Plan, PlanPrediction, Schedule, Stage, StagePrediction
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (copy_ms, device_memory, in_flight, optimizer_ms, stream_bytes_per_ms, stream_ms,
                         sync_ms, transfer_ms)
@@ -264,9 +266,10 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         copy = copy_ms(params, d, rate, st.zero)
         group = min((link_spec(c, st.devices[0], x) for x in st.devices[1:]), key=lambda sp: sp.gbps) \
             if d > 1 else None
+        hier = hierarchy(c, st.devices) if st.allreduce is AllReduce.HIERARCHICAL else None
         fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts, m, d, rate)
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms),
-                             sync_ms(params, d, st.zero, st.offload_optimizer, group, host) + copy, mem, opt_ms,
+                             sync_ms(params, d, st.zero, st.offload_optimizer, group, host, hier) + copy, mem, opt_ms,
                              fwd_stream, bwd_stream, copy))
     return tuple(out)
 
@@ -570,8 +573,7 @@ def annotate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[Plan
     """
     r = simulate(plan, graph, dtype)
     stages = tuple(
-        Stage(st.index, st.devices, st.nodes, st.zero, st.recompute, st.swap, st.offload_optimizer,
-              StagePrediction(c.fwd_ms * x, (c.recompute_ms + c.bwd_ms) * x, c.memory.total, b))
+        replace(st, predicted=StagePrediction(c.fwd_ms * x, (c.recompute_ms + c.bwd_ms) * x, c.memory.total, b))
         for st, c, x, b in zip(plan.stages, r.stages, r.contention, r.stage_bubbles))
     new = Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, stages,
                PlanPrediction(r.step_ms, r.bottleneck_stage, r.bubble), plan.solver, plan.precision)

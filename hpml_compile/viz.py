@@ -48,7 +48,7 @@ from matplotlib.patches import Patch
 
 from .costgraph import CostGraph
 from .memory import GiB
-from .plan import Plan, Stage
+from .plan import AllReduce, Plan, Stage
 from .report import human_bytes
 from .simulate import EventKind, SimResult, idle_intervals
 
@@ -136,6 +136,12 @@ def chart_rows(plan: Plan, per_device: bool | None = None) -> list[tuple[str, st
     return rows
 
 
+def allreduce_label(plan: Plan, st: Stage) -> str:
+    """``hierarchical all-reduce (2 hosts x 8)``: how a stage sums its gradients, for the pictures and the summary."""
+    hosts = len({plan.cluster.device(d).host for d in st.devices})
+    return f"{st.allreduce.value} all-reduce ({hosts} hosts x {len(st.devices) // max(1, hosts)})"
+
+
 def _stage_label(plan: Plan, st: Stage, result: SimResult | None) -> str:
     kinds = [plan.cluster.device(d).kind for d in st.devices]
     kind_text = " + ".join(f"{kinds.count(k)} x {k}" for k in dict.fromkeys(kinds))
@@ -143,6 +149,7 @@ def _stage_label(plan: Plan, st: Stage, result: SimResult | None) -> str:
     opts += ["recompute"] if st.recompute else []
     opts += [f"swap {len(st.swap)} nodes"] if st.swap else []
     opts += ["optimizer offload"] if st.offload_optimizer else []
+    opts += [allreduce_label(plan, st)] if st.allreduce is AllReduce.HIERARCHICAL else []
     head = f"stage {st.index}: {device_names(st.devices)} ({kind_text})" + (f" | {', '.join(opts)}" if opts else "")
     if result is None:
         return head

@@ -96,7 +96,7 @@ def microbatch_choices(batch_size: int, cap: int = 64) -> list[int]:
 def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = SolverName.ILP,
           microbatches: int | None = None, schedule: Schedule | str = Schedule.ONE_F_ONE_B,
           time_limit_s: float = 30.0, dtype: str = "float32",
-          progress: Callable[[str], None] | None = None) -> Plan:
+          progress: Callable[[str], None] | None = None, hierarchical: bool = True) -> Plan:
     """Place ``costgraph`` on ``cluster``.
 
     Args:
@@ -108,6 +108,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         time_limit_s: time limit of the ILP (on the many-kind path: of the whole solve, from its start).
         dtype: parameter dtype (Adam state size).
         progress: called with a line of text as the solve goes on.
+        hierarchical: let a ZeRO-0 stage whose replicas span hosts all-reduce hierarchically where the cost
+            model says it is faster (exact: the same sum); False keeps every all-reduce flat.
 
     Returns:
         The plan, with the simulator's predictions and the solver's status.
@@ -141,7 +143,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         return None if isinstance(got, str) else got
 
     ms = ms[::-1]  # the most microbatches first: least memory, so the likeliest to fit, for a first plan early
-    best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0, unimodal=large)
+    best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0, unimodal=large,
+                   hierarchical=hierarchical)
     if best is None:
         raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype)))
     step, plan, setting, picked = best
@@ -168,7 +171,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
 
 def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtype: str,
             pick: Callable[[Setting], list[Candidate] | None], name: str, say: Callable[[str], None],
-            t0: float | None = None, unimodal: bool = False) -> tuple[float, Plan, Setting, list[Candidate]] | None:
+            t0: float | None = None, unimodal: bool = False, hierarchical: bool = True
+            ) -> tuple[float, Plan, Setting, list[Candidate]] | None:
     """The microbatch count whose stages (from ``pick``) simulate fastest: ``(step, plan, setting, stages)``.
 
     Stopped by Ctrl-C (KeyboardInterrupt) after a first plan, it returns the best so far. ``unimodal``:
@@ -184,7 +188,7 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
             say(f"{name}: M={m} and fewer not tried: two counts in a row were slower than M={best[2].microbatches}")
             break
         try:
-            setting = Setting(m, sched, graph.batch_size, dtype)
+            setting = Setting(m, sched, graph.batch_size, dtype, hierarchical)
             picked = pick(setting)
             if not picked:
                 continue
