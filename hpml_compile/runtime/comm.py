@@ -235,7 +235,6 @@ def make_hierarchy(plan: Plan, devices: list[torch.device]) -> dict[int, HierGro
         HpmlError: a hierarchical stage whose hosts hold different numbers of its devices.
     """
     ranks = stage_ranks(plan)
-    me = dist.get_rank()
     out: dict[int, HierGroups] = {}
 
     def group(members: list[int]) -> Any:
@@ -263,6 +262,7 @@ def make_hierarchy(plan: Plan, devices: list[torch.device]) -> dict[int, HierGro
             column = [x[i] for x in hosts]
             made = group(column)
             inter.update((r, made) for r in column)
+        me = dist.get_rank()
         if me in intra:
             out[st.index] = HierGroups(intra[me] if h > 1 else None, inter[me], h)
     return out

@@ -18,10 +18,12 @@ import cost_models
 from hpml_compile.cluster import hierarchy, load_cluster
 from hpml_compile.codegen.testing import SkipNet, skipnet_batch, split_plan
 from hpml_compile.errors import PlanError, SchemaError
+from hpml_compile.explain import summary
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.memory import ZeroStage
 from hpml_compile.plan import AllReduce, Plan, Stage, load_plan, save_plan, validate_plan
 from hpml_compile.profile import profile
+from hpml_compile.simulate import simulate
 from hpml_compile.solve import solve
 from hpml_compile.solve.testing import chain_graph
 from hpml_compile.stagecost import hierarchical_allreduce_ms, level_bytes, sync_ms
@@ -93,5 +95,7 @@ def test_the_solver_picks_hierarchical_across_hosts_only_where_faster() -> None:
     flat = solve(g, two, solver="dp", microbatches=1, hierarchical=False)
     assert all(st.allreduce is AllReduce.FLAT for st in flat.stages)
     assert plan.predicted.step_ms < flat.predicted.step_ms
+    text = summary(plan, g, simulate(plan, g))  # what `show` prints: the scheme and the bytes of each level
+    assert "hierarchical all-reduce (2 hosts x 2)" in text and "between hosts" in text, text
     one = Cluster(devices=tuple(d for d in c.devices if d.host == "node0")[:4], name="1x4")
     assert all(st.allreduce is AllReduce.FLAT for st in solve(g, one, solver="dp", microbatches=1).stages)
