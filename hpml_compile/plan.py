@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 from .errors import PlanError, SchemaError
 from .ir import Cluster, Precision, Profile, Schedule
@@ -44,6 +44,7 @@ __all__ = [
     "check_placement",
     "hierarchy_problem",
     "node_stages",
+    "tied_groups",
     "stage_memory",
     "stage_breakdown",
     "save_plan",
@@ -173,7 +174,13 @@ class SolverInfo:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """A placement plan: what plan.json holds."""
+    """A placement plan: what plan.json holds.
+
+    ``tied_allreduce``: how the gradients of parameters shared by several stages (a tied embedding and LM
+    head) are summed over the devices of those stages: ``hierarchical`` makes every such group whose
+    devices span hosts, each holding the same number, reduce-scatter inside each host, all-reduce between
+    hosts and all-gather (:class:`AllReduce`); a group on one host stays flat.
+    """
 
     model: str
     cluster: Cluster
@@ -183,11 +190,13 @@ class Plan:
     predicted: PlanPrediction = field(default_factory=PlanPrediction)
     solver: SolverInfo = field(default_factory=SolverInfo)
     precision: Precision = Precision.FP32
+    tied_allreduce: AllReduce = AllReduce.FLAT
     schema_version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
         object.__setattr__(self, "precision", Precision(self.precision))
+        object.__setattr__(self, "tied_allreduce", AllReduce(self.tied_allreduce))
         if self.microbatches < 1:
             raise ValueError(f"plan: microbatches must be >= 1, got {self.microbatches}")
         for i, st in enumerate(self.stages):
@@ -204,6 +213,7 @@ class Plan:
                           "bubble": self.predicted.bubble},
             "solver": {"name": self.solver.name, "status": self.solver.status.value, "gap": self.solver.gap,
                        "seconds": self.solver.seconds},
+            **({"tied_allreduce": self.tied_allreduce.value} if self.tied_allreduce is not AllReduce.FLAT else {}),
         }
 
     @classmethod
@@ -236,6 +246,7 @@ class Plan:
             predicted=PlanPrediction(pr["step_ms"], pr["bottleneck_stage"], pr["bubble"]),
             solver=SolverInfo(so["name"], SolverStatus(so["status"]), so.get("gap", 0.0), so.get("seconds", 0.0)),
             precision=Precision(d.get("precision", "fp32")),  # plans written before the field are fp32
+            tied_allreduce=AllReduce(d.get("tied_allreduce", "flat")),
         )
 
 
@@ -253,6 +264,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "schedule": {"enum": [s.value for s in Schedule]},
         "microbatches": {"type": "integer", "minimum": 1},
         "precision": {"enum": [p.value for p in Precision]},
+        "tied_allreduce": {"enum": [a.value for a in AllReduce]},
         "stages": {
             "type": "array", "minItems": 1,
             "items": {
@@ -421,6 +433,25 @@ def _input_bytes(profile: Profile, names: set[str]) -> int:
     return sum(profile.node(i).output_bytes for i in outside)
 
 
+def tied_groups(plan: Plan, users: Iterable[tuple[str, Sequence[str]]]) -> list[tuple[int, ...]]:
+    """The groups of stages that share a parameter (each group's gradients are all-reduced over its devices).
+
+    Args:
+        plan: the plan.
+        users: ``(fx node, parameter names it uses)`` for every node.
+
+    Returns:
+        The stage tuples, sorted, each once.
+    """
+    where = {n: st.index for st in plan.stages for n in st.nodes}
+    stages: dict[str, set[int]] = {}
+    for node, names in users:
+        for name in names:
+            if node in where:
+                stages.setdefault(name, set()).add(where[node])
+    return sorted({tuple(sorted(v)) for v in stages.values() if len(v) > 1})
+
+
 def node_stages(plan: Plan) -> dict[str, int]:
     """Each fx node's stage index.
 
@@ -473,6 +504,15 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                 raise PlanError(f"stage {st.index} asks for a hierarchical all-reduce, but {why}: it needs a ZeRO-0 "
                                 "stage whose devices span two or more hosts, each holding the same number; set "
                                 "its allreduce to flat")
+    if plan.tied_allreduce is AllReduce.HIERARCHICAL:
+        hosts = {x.name: x.host for x in plan.cluster.devices}
+        groups = tied_groups(plan, ((n.name, n.params) for n in profile.nodes))
+        spans = [g for g in groups if hierarchy_problem([d for k in g for d in plan.stages[k].devices], hosts,
+                                                        ZeroStage.NONE) is None]
+        if not spans:
+            raise PlanError(f"the plan asks for a hierarchical all-reduce of tied parameters, but none of its groups "
+                            f"of stages sharing parameters ({[list(g) for g in groups]}) has devices spread over "
+                            "hosts holding the same number of them; set tied_allreduce to flat")
     names = [n.name for n in profile.nodes]
     unknown = [n for n in where if n not in set(names)]
     if unknown:

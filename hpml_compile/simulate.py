@@ -85,8 +85,8 @@ from .errors import PlanError, UnknownDeviceError
 from .memory import MemoryBreakdown, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import AllReduce, Plan, PlanPrediction, Schedule, Stage, StagePrediction
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
-from .stagecost import (copy_ms, device_memory, in_flight, optimizer_ms, stream_bytes_per_ms, stream_ms,
-                        sync_ms, transfer_ms)
+from .stagecost import (copy_ms, device_memory, hierarchical_allreduce_ms, in_flight, optimizer_ms,
+                        stream_bytes_per_ms, stream_ms, sync_ms, transfer_ms)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "stage_costs", "annotate",
            "idle_intervals", "op_order", "tied_syncs"]
@@ -276,7 +276,8 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
 
 def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], float]]:
     """The all-reduces of parameters used by several stages, ``(stages, ms)``, one per group of stages
-    (as codegen buckets them); the sizes come from the graph's ``param_sizes`` (none known: none)."""
+    (as codegen buckets them); the sizes come from the graph's ``param_sizes`` (none known: none). Under
+    ``plan.tied_allreduce == hierarchical`` a group spread evenly over hosts is priced per level."""
     owner = _stage_of_graph_nodes(plan, graph)
     users: dict[str, set[int]] = {}
     for n in graph.order:
@@ -290,6 +291,10 @@ def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], floa
     out = []
     for stages, nbytes in sorted(buckets.items()):
         devices = [d for i in stages for d in plan.stages[i].devices]
+        hier = hierarchy(plan.cluster, devices) if plan.tied_allreduce is AllReduce.HIERARCHICAL else None
+        if hier is not None:
+            out.append((stages, float(hierarchical_allreduce_ms(nbytes, hier))))
+            continue
         link = min((link_spec(plan.cluster, devices[0], x) for x in devices[1:]), key=lambda sp: sp.gbps)
         out.append((stages, cost_models.allreduce_ms(nbytes, len(devices), link)
                     if link.gbps != float("inf") else 0.0))
@@ -575,6 +580,5 @@ def annotate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[Plan
     stages = tuple(
         replace(st, predicted=StagePrediction(c.fwd_ms * x, (c.recompute_ms + c.bwd_ms) * x, c.memory.total, b))
         for st, c, x, b in zip(plan.stages, r.stages, r.contention, r.stage_bubbles))
-    new = Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, stages,
-               PlanPrediction(r.step_ms, r.bottleneck_stage, r.bubble), plan.solver, plan.precision)
+    new = replace(plan, stages=stages, predicted=PlanPrediction(r.step_ms, r.bottleneck_stage, r.bubble))
     return new, r

@@ -17,7 +17,9 @@ copy handed over through a mailbox; collectives have nothing to do), else
   replays each build's action lists under exactly these rules before a step
   runs, so an order that could deadlock is refused.
 - **Hierarchical all-reduce** (:func:`hierarchical_all_reduce`): a stage whose
-  plan says ``allreduce: hierarchical`` sums its gradients in three
+  plan says ``allreduce: hierarchical`` (and, under the plan's
+  ``tied_allreduce: hierarchical``, a group of stages sharing parameters
+  spread over hosts) sums its gradients in three
   collectives on sub-groups made once per stage (:func:`make_hierarchy`): a
   reduce-scatter among the ranks of each host, an all-reduce of each shard
   among the ranks holding it on the other hosts, an all-gather inside each
@@ -52,7 +54,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -218,41 +220,52 @@ class HierGroups:
     per_host: int
 
 
-def make_hierarchy(plan: Plan, devices: list[torch.device]) -> dict[int, HierGroups]:
-    """Sub-groups for every stage whose plan asks for a hierarchical all-reduce; this rank's, by stage.
+def make_hierarchy(plan: Plan, devices: list[torch.device], collectives: Sequence[tuple[int, ...]] = ()
+                   ) -> dict[tuple[int, ...], HierGroups]:
+    """Sub-groups for every all-reduce the plan makes hierarchical; this rank's, by stage set.
 
-    Every rank must call it, in the same order relative to other group creations (creating a group is
-    collective: every rank of the world takes part in every ``new_group``, even one it is not in).
+    That is each stage whose ``allreduce`` is hierarchical (its replicas), and, under the plan's
+    ``tied_allreduce: hierarchical``, each group of stages sharing parameters (``collectives`` of more than one
+    stage) whose devices span hosts evenly. Every rank must call it, in the same order relative to other
+    group creations (creating a group is collective: every rank of the world takes part in every
+    ``new_group``, even one it is not in).
 
     Args:
         plan: the plan (each stage's devices and their hosts).
         devices: every rank's torch device (:func:`rank_devices`): NCCL for a sub-group of GPUs, gloo otherwise.
+        collectives: the stage sets of the build's collectives, in manifest order (for the tied groups).
 
     Returns:
-        For each hierarchical stage this rank belongs to, its groups.
+        For each hierarchical all-reduce this rank takes part in, its groups, keyed by the stage set
+        (``(k,)`` for stage ``k``'s replicas).
 
     Raises:
         HpmlError: a hierarchical stage whose hosts hold different numbers of its devices.
     """
     ranks = stage_ranks(plan)
-    out: dict[int, HierGroups] = {}
+    out: dict[tuple[int, ...], HierGroups] = {}
 
     def group(members: list[int]) -> Any:
         nccl = all(devices[r].type == "cuda" for r in members)
         return dist.new_group(members, backend=(Backend.NCCL if nccl else Backend.GLOO).value)
 
-    for st in plan.stages:
-        if st.allreduce is not AllReduce.HIERARCHICAL or len(st.devices) < 2:
-            continue
+    wanted: list[tuple[int, ...]] = [(st.index,) for st in plan.stages
+                                     if st.allreduce is AllReduce.HIERARCHICAL and len(st.devices) > 1]
+    if plan.tied_allreduce is AllReduce.HIERARCHICAL:
+        wanted += [s for s in dict.fromkeys(collectives) if len(s) > 1]
+    for stages in wanted:
         by_host: dict[str, list[int]] = {}
-        for replica, name in enumerate(st.devices):
-            by_host.setdefault(plan.cluster.device(name).host, []).append(ranks[st.index][replica])
+        for k in stages:
+            for replica, name in enumerate(plan.stages[k].devices):
+                by_host.setdefault(plan.cluster.device(name).host, []).append(ranks[k][replica])
         hosts = list(by_host.values())
         h = len(hosts[0])
-        if any(len(x) != h for x in hosts):
-            raise HpmlError(f"stage {st.index} asks for a hierarchical all-reduce, but its hosts hold different "
-                            f"numbers of its ranks ({ {k: len(v) for k, v in by_host.items()} }); set its allreduce "
-                            "to flat")
+        if len(hosts) < 2 or any(len(x) != h for x in hosts):
+            if len(stages) > 1:
+                continue  # a tied group on one host, or uneven: it stays flat
+            raise HpmlError(f"stage {stages[0]} asks for a hierarchical all-reduce, but its ranks are not spread "
+                            f"evenly over two or more hosts ({ {k: len(v) for k, v in by_host.items()} }); set its "
+                            "allreduce to flat")
         intra: dict[int, Any] = {}
         inter: dict[int, Any] = {}
         for x in hosts:  # every rank creates every group, once each, in one order
@@ -264,7 +277,7 @@ def make_hierarchy(plan: Plan, devices: list[torch.device]) -> dict[int, HierGro
             inter.update((r, made) for r in column)
         me = dist.get_rank()
         if me in intra:
-            out[st.index] = HierGroups(intra[me] if h > 1 else None, inter[me], h)
+            out[stages] = HierGroups(intra[me] if h > 1 else None, inter[me], h)
     return out
 
 
@@ -349,7 +362,7 @@ class DistComm(Comm):
         devices: every rank's device (:func:`rank_devices`).
         pairs: NCCL groups of GPU pairs, from :func:`make_groups`.
         groups: collective groups, from :func:`make_groups`.
-        hierarchy: the sub-groups of this rank's hierarchical all-reduce, by stage; None makes them here
+        hierarchy: the sub-groups of this rank's hierarchical all-reduces, by stage set; None makes them here
             (:func:`make_hierarchy`, collective: every rank builds its DistComm at the same point).
     """
 
@@ -362,7 +375,7 @@ class DistComm(Comm):
         self.devices = devices
         self.pairs = pairs
         self.groups = groups
-        self.hierarchy = make_hierarchy(plan, devices) if hierarchy is None else hierarchy
+        self.hierarchy = make_hierarchy(plan, devices, list(groups)) if hierarchy is None else hierarchy
         self.stats = CommStats()
         self.step_index = 0
         self.faults: list[CommFault] = []  # injected failures still to happen (shared with the pipeline)
@@ -488,7 +501,7 @@ class DistComm(Comm):
         if self.groups.get(stages) is None:
             return
 
-        hier = self.hierarchy.get(stages[0]) if len(stages) == 1 else None
+        hier = self.hierarchy.get(stages)
 
         def run(t: Tensor, g: Any) -> Tensor:
             if hier is not None:  # the plan asked for it: reduce-scatter in the host, all-reduce between, gather

@@ -47,6 +47,7 @@ from __future__ import annotations
 import enum
 import math
 import time
+from dataclasses import replace
 from typing import Callable, Sequence
 
 from ..cluster import check_devices_costed
@@ -166,7 +167,7 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
             if r.step_ms <= step:
                 plan = ilp_plan
     info = SolverInfo(name.value, status, gap, time.perf_counter() - t0)
-    return Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, plan.stages, plan.predicted, info)
+    return replace(plan, solver=info)
 
 
 def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtype: str,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from ..costgraph import CostGraph
 from ..ir import Cluster
 from ..memory import MemoryBreakdown, ZeroStage
 from ..plan import AllReduce, Plan, Schedule, SolverInfo, Stage
+from ..simulate import tied_syncs
 
 __all__ = ["Chain", "StageConfig", "Candidate", "Setting", "CONFIGS", "enumerate_candidates", "kind_counts",
            "assign_devices", "in_flight", "classes", "range_candidates", "to_plan", "degrees", "group_link",
@@ -309,7 +310,12 @@ def to_plan(chain: Chain, cluster: Cluster, setting: Setting, picked: list[Candi
             how = allreduce_choice(cluster, devs, int(chain.params[c.b] - chain.params[c.a]))
         stages.append(Stage(i, devs, nodes, c.config.zero, c.config.recompute, nodes if c.config.swap else (),
                             c.config.offload, allreduce=how))
-    return Plan(chain.graph.model, cluster, setting.schedule, setting.microbatches, tuple(stages), solver=solver)
+    plan = Plan(chain.graph.model, cluster, setting.schedule, setting.microbatches, tuple(stages), solver=solver)
+    if setting.hierarchical:  # the all-reduce of tied parameters too, where it spans hosts and is faster
+        hier = replace(plan, tied_allreduce=AllReduce.HIERARCHICAL)
+        if sum(ms for _, ms in tied_syncs(hier, chain.graph)) < sum(ms for _, ms in tied_syncs(plan, chain.graph)):
+            plan = hier
+    return plan
 
 
 def allreduce_choice(cluster: Cluster, devices: tuple[str, ...], param_bytes: int) -> AllReduce:

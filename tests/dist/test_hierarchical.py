@@ -10,7 +10,9 @@ agents) checks every case:
   that split into the hosts' ranks and lengths that need padding;
 - one SGD step of the hierarchical build moves every parameter as the flat
   build and as the original model trained in this process do (so the
-  gradients agree), and every rank ends with the same parameters.
+  gradients agree), and every rank ends with the same parameters;
+- the same for gpt-tiny on two stages, one per host, whose tied embedding and
+  LM head are summed over both stages with ``tied_allreduce: hierarchical``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from hpml_compile.runtime.launcher import free_port
 from hpml_compile.trace import trace
 
 WORKER = Path(__file__).with_name("hier_worker.py")
+sys.path.insert(0, str(WORKER.parent))
+from hier_worker import gpt_tiny  # noqa: E402  (the worker's model, built the same way here)
 ROOT = Path(__file__).resolve().parents[2]
 LR = 0.5  # as in hier_worker.py
 
@@ -54,6 +58,14 @@ def _reference() -> dict[str, torch.Tensor]:
     return {k: v.detach().flatten() for k, v in model.named_parameters()}
 
 
+def _tied_reference() -> dict[str, torch.Tensor]:
+    loaded = gpt_tiny()
+    opt = torch.optim.SGD(loaded.module.parameters(), lr=LR)
+    loaded.loss_fn(loaded.module(*loaded.example_inputs), loaded.example_targets).backward()
+    opt.step()
+    return {k: v.detach().flatten() for k, v in loaded.module.named_parameters(remove_duplicate=False)}
+
+
 @pytest.mark.dist
 @pytest.mark.slow  # two torchrun agents, four gloo ranks, two builds: ~30-60 s on 2 shared cores
 def test_hierarchical_allreduce_on_two_torchrun_hosts_equals_flat_and_the_model(tmp_path: Path) -> None:
@@ -64,6 +76,14 @@ def test_hierarchical_allreduce_on_two_torchrun_hosts_equals_flat_and_the_model(
         builds[how] = tmp_path / how.value
         generate(gm, two_hosts(base, how), builds[how])
     assert load_plan(builds[AllReduce.HIERARCHICAL] / "plan.json").stages[0].allreduce is AllReduce.HIERARCHICAL
+    tiny = gpt_tiny()
+    gm_tiny = trace(tiny.module, tiny.example_inputs)
+    two = split_plan(gm_tiny, "gpt-tiny", 2, microbatches=2, replicas=[2, 2])  # cpu0-1 | cpu2-3: one per host
+    tied = {}
+    for how in AllReduce:
+        tied[how] = tmp_path / f"tied-{how.value}"
+        on_hosts = replace(two, cluster=two_hosts(base, AllReduce.FLAT).cluster, tied_allreduce=how)
+        generate(gm_tiny, on_hosts, tied[how])
     out = tmp_path / "out"
     out.mkdir()
     endpoint = f"localhost:{free_port()}"
@@ -73,7 +93,8 @@ def test_hierarchical_allreduce_on_two_torchrun_hosts_equals_flat_and_the_model(
         return subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
              "--rdzv-backend=static", f"--rdzv-endpoint={endpoint}", "--nproc-per-node=2", str(WORKER),
-             str(builds[AllReduce.FLAT]), str(builds[AllReduce.HIERARCHICAL]), str(out)],
+             str(builds[AllReduce.FLAT]), str(builds[AllReduce.HIERARCHICAL]), str(tied[AllReduce.FLAT]),
+             str(tied[AllReduce.HIERARCHICAL]), str(out)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
     agents = [agent(1), agent(0)]
@@ -88,7 +109,7 @@ def test_hierarchical_allreduce_on_two_torchrun_hosts_equals_flat_and_the_model(
     ref = _reference()
     for rep in ranks:
         assert rep["world"] == 4 and rep["per_host"] == 2
-        assert rep["flat_hierarchy"] == [] and rep["hierarchical_hierarchy"] == [0]  # the runtime did as planned
+        assert rep["flat_hierarchy"] == [] and rep["hierarchical_hierarchy"] == [[0]]  # the runtime did as planned
         assert all(rep["integers_equal"]), rep["integers_equal"]
         assert max(rep["random_max_diff"]) < 1e-12, rep["random_max_diff"]
         assert rep["hierarchical_loss"] == pytest.approx(rep["flat_loss"], abs=1e-6)
@@ -98,3 +119,11 @@ def test_hierarchical_allreduce_on_two_torchrun_hosts_equals_flat_and_the_model(
             assert torch.allclose(hier, flat, atol=1e-6), name  # the same gradients, summed in another order
             assert torch.allclose(hier, want, atol=1e-5), name  # ... and the original model's
             assert hier.equal(torch.tensor(ranks[0]["hierarchical"][name])), name  # every replica the same
+    tied_ref = _tied_reference()
+    for r, rep in enumerate(ranks):  # ranks 0-1 run stage 0 on hostA, 2-3 stage 1 on hostB
+        assert rep["tied_flat_hierarchy"] == [] and rep["tied_hierarchical_hierarchy"] == [[0, 1]]
+        assert set(rep["tied_hierarchical"]) == set(rep["tied_flat"]) and rep["tied_hierarchical"]
+        for name, got in rep["tied_hierarchical"].items():
+            hier, flat = torch.tensor(got), torch.tensor(rep["tied_flat"][name])
+            assert torch.allclose(hier, flat, atol=1e-6), (r, name)
+            assert torch.allclose(hier, tied_ref[name], atol=1e-5), (r, name)  # the tied weight: both uses summed

@@ -4,7 +4,10 @@
 - a plan asking it for a stage on one host, on hosts holding different numbers
   of the stage's devices, or for a ZeRO-sharded stage is refused by name;
 - the cost model prices each level on its own link, and the solver picks
-  hierarchical on two hosts where it is faster and never on one host.
+  hierarchical on two hosts where it is faster and never on one host;
+- ``Plan.tied_allreduce`` (the all-reduce of a tied embedding over the stages
+  using it) round-trips, is priced per level, and is refused where no such
+  group spans hosts.
 """
 
 from __future__ import annotations
@@ -15,15 +18,17 @@ from pathlib import Path
 import pytest
 
 import cost_models
+from hpml_compile import models
 from hpml_compile.cluster import hierarchy, load_cluster
+from hpml_compile.costgraph import build
 from hpml_compile.codegen.testing import SkipNet, skipnet_batch, split_plan
 from hpml_compile.errors import PlanError, SchemaError
 from hpml_compile.explain import summary
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.memory import ZeroStage
-from hpml_compile.plan import AllReduce, Plan, Stage, load_plan, save_plan, validate_plan
+from hpml_compile.plan import AllReduce, Plan, load_plan, save_plan, tied_groups, validate_plan
 from hpml_compile.profile import profile
-from hpml_compile.simulate import simulate
+from hpml_compile.simulate import simulate, tied_syncs
 from hpml_compile.solve import solve
 from hpml_compile.solve.testing import chain_graph
 from hpml_compile.stagecost import hierarchical_allreduce_ms, level_bytes, sync_ms
@@ -99,3 +104,28 @@ def test_the_solver_picks_hierarchical_across_hosts_only_where_faster() -> None:
     assert "hierarchical all-reduce (2 hosts x 2)" in text and "between hosts" in text, text
     one = Cluster(devices=tuple(d for d in c.devices if d.host == "node0")[:4], name="1x4")
     assert all(st.allreduce is AllReduce.FLAT for st in solve(g, one, solver="dp", microbatches=1).stages)
+
+
+def test_the_tied_allreduce_is_recorded_priced_per_level_and_refused_where_no_group_spans_hosts(
+        tmp_path: Path) -> None:
+    loaded = models.load("gpt-tiny", batch_size=8, seq_len=16, device="meta")
+    prof = profile(loaded.module, loaded.example_inputs, name="gpt-tiny", device_kinds=["A100-80GB"],
+                   batch_size=8, seq_len=16, progress=False)
+    graph = build(prof)
+    gm = trace(models.load("gpt-tiny", batch_size=8, seq_len=16).module, loaded.example_inputs)
+    two = split_plan(gm, "gpt-tiny", 2, microbatches=2, replicas=[2, 2])  # cpu0-1 | cpu2-3
+    gpus = tuple(Device(f"cpu{i}", "A100-80GB", 80.0, host="n0" if i < 2 else "n1") for i in range(4))
+    flat = replace(two, cluster=Cluster(devices=gpus, name="2x2"))
+    hier = replace(flat, tied_allreduce=AllReduce.HIERARCHICAL)
+    assert "tied_allreduce" not in flat.to_dict() and hier.to_dict()["tied_allreduce"] == "hierarchical"
+    assert load_plan(save_plan(hier, tmp_path / "p.json")).tied_allreduce is AllReduce.HIERARCHICAL
+    assert tied_groups(hier, ((n.name, n.params) for n in prof.nodes)) == [(0, 1)]
+    (stages_f, ms_f), = tied_syncs(flat, graph)
+    (stages_h, ms_h), = tied_syncs(hier, graph)
+    nbytes = sum(size for name, size in graph.param_sizes.items() if "wte" in name or "head" in name)
+    h = hierarchy(hier.cluster, [f"cpu{i}" for i in range(4)])
+    assert stages_f == stages_h == (0, 1) and ms_h == pytest.approx(hierarchical_allreduce_ms(nbytes, h)) and ms_h < ms_f
+    validate_plan(hier, prof)
+    one_host = replace(hier, cluster=Cluster(devices=tuple(replace(d, host="n0") for d in gpus), name="1x4"))
+    with pytest.raises(PlanError, match=r"tied parameters, but none of its groups of stages sharing parameters \(\[\[0, 1\]\]\)"):
+        validate_plan(one_host, prof)
