@@ -181,6 +181,12 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
         lines.append(f"  stage {st.index}: {device_names(st.devices)}: {len(st.devices)} x {kinds[0]}{opts}; "
                      f"{len(blocks)} blocks {span}; fwd {c.fwd_ms:.3g} + bwd {c.bwd_ms + c.recompute_ms:.3g} ms"
                      + (f", send {send:.3g} ms" if send else "") + (f", sync {c.sync_ms:.3g} ms" if c.sync_ms else ""))
+    for stages, ms in result.tied_ms:  # the gradients of parameters shared by several stages
+        devs = [d for k in stages for d in plan.stages[k].devices]
+        hier = hierarchy(plan.cluster, devs) if plan.tied_allreduce is AllReduce.HIERARCHICAL else None
+        how = f"hierarchical all-reduce ({len(hier.hosts)} hosts x {hier.per_host})" if hier else "flat all-reduce"
+        lines.append(f"  tied parameters of stages {', '.join(map(str, stages))}: {how} over {len(devs)} devices, "
+                     f"{ms:.3g} ms")
     b = result.bottleneck_stage
     bc = result.stages[b]
     mean = sum(c.compute_ms for c in result.stages) / len(result.stages)

@@ -126,6 +126,8 @@ def test_the_tied_allreduce_is_recorded_priced_per_level_and_refused_where_no_gr
     h = hierarchy(hier.cluster, [f"cpu{i}" for i in range(4)])
     assert stages_f == stages_h == (0, 1) and ms_h == pytest.approx(hierarchical_allreduce_ms(nbytes, h)) and ms_h < ms_f
     validate_plan(hier, prof)
+    assert "tied parameters of stages 0, 1: hierarchical all-reduce (2 hosts x 2) over 4 devices" in summary(
+        hier, graph, simulate(hier, graph))
     one_host = replace(hier, cluster=Cluster(devices=tuple(replace(d, host="n0") for d in gpus), name="1x4"))
     with pytest.raises(PlanError, match=r"tied parameters, but none of its groups of stages sharing parameters \(\[\[0, 1\]\]\)"):
         validate_plan(one_host, prof)
