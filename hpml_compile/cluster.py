@@ -19,6 +19,13 @@ Example:
     (300, 3.0)
     >>> link_between(load_cluster("2node-a100-16"), "gpu0", "gpu8")
     (12.5, 25.0)
+    >>> h = hierarchy(load_cluster("2node-a100-16"), [f"gpu{i}" for i in range(16)])
+    >>> (len(h.hosts), h.per_host, h.intra.gbps, h.inter.gbps)
+    (2, 8, 300, 12.5)
+
+A group of devices spread over hosts (:func:`hierarchy`) is what a
+hierarchical all-reduce works on: its devices by host, the slowest link
+inside a host and the slowest between hosts.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import os
 import re
 import socket
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, NamedTuple, Sequence
 
 import cost_models
 from cost_models import LinkSpec
@@ -44,6 +51,9 @@ __all__ = [
     "link_spec",
     "host_link_spec",
     "check_devices_costed",
+    "Hierarchy",
+    "hierarchy",
+    "hosts_of",
     "discover",
     "usable_memory_gib",
 ]
@@ -212,6 +222,58 @@ def link_between(cluster: Cluster, a: str, b: str) -> tuple[float, float]:
     """
     s = link_spec(cluster, a, b)
     return s.gbps, s.latency_us
+
+
+class Hierarchy(NamedTuple):
+    """A group of devices by host, for a hierarchical all-reduce.
+
+    Attributes:
+        hosts: the group's devices on each host, hosts in order of first appearance, devices in group order.
+        intra: the slowest link between two devices of one host (None: one device per host).
+        inter: the slowest link between devices of the same position on two hosts (the pairs that
+            all-reduce a shard together).
+    """
+
+    hosts: tuple[tuple[str, ...], ...]
+    intra: LinkSpec | None
+    inter: LinkSpec
+
+    @property
+    def per_host(self) -> int:
+        """Devices on each host (the hosts hold the same number: :func:`hierarchy` returns None otherwise)."""
+        return len(self.hosts[0])
+
+
+def hosts_of(cluster: Cluster, devices: Sequence[str]) -> dict[str, list[str]]:
+    """``devices`` grouped by their host, hosts in order of first appearance."""
+    out: dict[str, list[str]] = {}
+    for name in devices:
+        out.setdefault(cluster.device(name).host, []).append(name)
+    return out
+
+
+def hierarchy(cluster: Cluster, devices: Sequence[str]) -> Hierarchy | None:
+    """``devices`` as a two-level group, or None where a hierarchical all-reduce does not apply.
+
+    It applies when the devices span at least two hosts, each host holding the same number of them
+    (each device of a host owns one shard of the reduce-scatter inside it and all-reduces that shard
+    with the devices of the same position on the other hosts).
+
+    Args:
+        cluster: the cluster (each device names its host).
+        devices: the group, e.g. a stage's devices.
+
+    Returns:
+        The hierarchy, or None (one host, or hosts holding different numbers of the devices).
+    """
+    by_host = hosts_of(cluster, devices)
+    groups = tuple(tuple(v) for v in by_host.values())
+    if len(groups) < 2 or len({len(g) for g in groups}) != 1:
+        return None
+    intra = [link_spec(cluster, g[0], x) for g in groups for x in g[1:]]
+    inter = [link_spec(cluster, groups[0][i], g[i]) for g in groups[1:] for i in range(len(g))]
+    return Hierarchy(groups, min(intra, key=lambda s: s.gbps) if intra else None,
+                     min(inter, key=lambda s: s.gbps))
 
 
 def host_link_spec(device: Device) -> LinkSpec:

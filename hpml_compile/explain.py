@@ -28,10 +28,14 @@ from .costgraph import CostGraph, build
 from .errors import HpmlError, InfeasibleError
 from .ir import Cluster, Device, Profile
 from .memory import GiB
-from .plan import Plan
+from .plan import Plan, Stage
 from .simulate import SimResult
 from .solve import SolverName, solve
-from .viz import device_names, device_order
+from .cluster import hierarchy
+from .plan import AllReduce
+from .report import human_bytes
+from .stagecost import level_bytes
+from .viz import allreduce_label, device_names, device_order
 
 __all__ = ["plan_costgraph", "WhatIf", "one_more_device", "summary"]
 
@@ -136,6 +140,15 @@ def _precision(plan: Plan) -> str:
             + (", loss scaling" if p.value == "fp16" else "") + ")")
 
 
+def _level_text(plan: Plan, st: Stage, graph: CostGraph, blocks: list[str]) -> str:
+    """Bytes one device sends per step at each level of a hierarchical all-reduce, against the flat ring."""
+    nbytes = sum(graph.node(v).param_bytes for v in blocks)
+    lv = level_bytes(nbytes, len(st.devices), hierarchy(plan.cluster, st.devices))
+    flat = level_bytes(nbytes, len(st.devices), None)["flat"]
+    return (f"{human_bytes(lv['inter'])} between hosts + {human_bytes(lv['intra'])} inside per device and step "
+            f"(flat ring: {human_bytes(flat)}, its slowest link between hosts)")
+
+
 def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | None = None) -> str:
     """A text explanation of the plan: stages, the bottleneck and why, memory slack, one more device.
 
@@ -164,6 +177,8 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
                         if plan.sync_every > 1 and len(st.devices) > 1 else ""])
         members = set(st.nodes)
         blocks = [v for v in graph.order if members.intersection(graph.node(v).members)]
+        if st.allreduce is AllReduce.HIERARCHICAL:
+            opts += f", {allreduce_label(plan, st)}: {_level_text(plan, st, graph, blocks)}"
         span = f"{blocks[0]} .. {blocks[-1]}" if len(blocks) > 1 else (blocks[0] if blocks else "-")
         send = sum(ms for _, ms in c.sends)
         kind_text = " + ".join(f"{kinds.count(k)} x {k}" for k in dict.fromkeys(kinds))
@@ -174,6 +189,12 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
             own = c.replica_ms or ((c.fwd_ms, c.bwd_ms),) * len(st.devices)
             lines.append("    uneven rows per microbatch: " + ", ".join(
                 f"{d} {r} ({f + b:.3g} ms)" for d, r, (f, b) in zip(st.devices, st.rows, own)))
+    for stages, ms in result.tied_ms:  # the gradients of parameters shared by several stages
+        devs = [d for k in stages for d in plan.stages[k].devices]
+        hier = hierarchy(plan.cluster, devs) if plan.tied_allreduce is AllReduce.HIERARCHICAL else None
+        how = f"hierarchical all-reduce ({len(hier.hosts)} hosts x {hier.per_host})" if hier else "flat all-reduce"
+        lines.append(f"  tied parameters of stages {', '.join(map(str, stages))}: {how} over {len(devs)} devices, "
+                     f"{ms:.3g} ms")
     b = result.bottleneck_stage
     bc = result.stages[b]
     mean = sum(c.compute_ms for c in result.stages) / len(result.stages)

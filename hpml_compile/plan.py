@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 from .errors import OptionError, PlanError, SchemaError
 from .ir import Cluster, Precision, Profile, Schedule
@@ -33,6 +33,7 @@ __all__ = [
     "PLAN_SCHEMA",
     "Schedule",
     "SolverStatus",
+    "AllReduce",
     "ZeroStage",
     "StagePrediction",
     "Stage",
@@ -44,7 +45,9 @@ __all__ = [
     "with_comm",
     "check_comm",
     "check_placement",
+    "hierarchy_problem",
     "node_stages",
+    "tied_groups",
     "stage_memory",
     "stage_breakdown",
     "save_plan",
@@ -61,6 +64,19 @@ class SolverStatus(str, enum.Enum):
     FEASIBLE = "feasible"  # a plan, with a gap to the best bound
     INFEASIBLE = "infeasible"
     HEURISTIC = "heuristic"  # a baseline: no optimality claim
+
+
+class AllReduce(str, enum.Enum):
+    """How a ZeRO-0 stage's replicas sum their gradients.
+
+    ``flat``: one ring all-reduce over all of them. ``hierarchical``: for replicas spread over hosts, each
+    holding the same number, a reduce-scatter inside each host, an all-reduce of each shard between the
+    hosts, an all-gather inside each host (:func:`hpml_compile.runtime.comm.hierarchical_all_reduce`): the
+    same sum, with only ``1 / h`` of the bytes crossing each link between hosts.
+    """
+
+    FLAT = "flat"
+    HIERARCHICAL = "hierarchical"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +109,7 @@ class Stage:
             microbatch equally among the devices.
         compress: the gradient compression of a replicated stage (``powersgd:RANK`` or ``topk:RATIO``,
             :mod:`hpml_compile.compression`); ``""`` sends the gradients whole.
+        allreduce: how the replicas all-reduce their gradients (:class:`AllReduce`).
     """
 
     index: int
@@ -105,9 +122,11 @@ class Stage:
     predicted: StagePrediction = field(default_factory=StagePrediction)
     rows: tuple[int, ...] = ()
     compress: str = ""
+    allreduce: AllReduce = AllReduce.FLAT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero", ZeroStage(self.zero))
+        object.__setattr__(self, "allreduce", AllReduce(self.allreduce))
         object.__setattr__(self, "rows", tuple(int(r) for r in self.rows))
         c = parse_compress(self.compress, f"stage {self.index}: compress")  # OptionError naming the forms
         object.__setattr__(self, "compress", str(c) if c is not None else "")
@@ -127,6 +146,7 @@ class Stage:
                           **({} if self.predicted.bubble is None else {"bubble": self.predicted.bubble})},
             **({"rows": list(self.rows)} if self.rows else {}),
             **({"compress": self.compress} if self.compress else {}),
+            **({"allreduce": self.allreduce.value} if self.allreduce is not AllReduce.FLAT else {}),
         }
 
     @classmethod
@@ -136,7 +156,7 @@ class Stage:
                    d.get("recompute", False), tuple(d.get("swap", ())), d.get("offload_optimizer", False),
                    StagePrediction(pr.get("fwd_ms", 0.0), pr.get("bwd_ms", 0.0), pr.get("memory_bytes", 0),
                                    pr.get("bubble")),
-                   tuple(d.get("rows", ())), d.get("compress", ""))
+                   tuple(d.get("rows", ())), d.get("compress", ""), AllReduce(d.get("allreduce", "flat")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +189,10 @@ class Plan:
     per-step gradient sync, the replicas of every replicated stage step on their own gradients and average
     their parameters every ``sync_every`` steps (:mod:`hpml_compile.runtime.compress`). 1: every step, plain
     data parallelism (the default; written to plan.json only when set).
+    ``tied_allreduce``: how the gradients of parameters shared by several stages (a tied embedding and LM
+    head) are summed over the devices of those stages: ``hierarchical`` makes every such group whose
+    devices span hosts, each holding the same number, reduce-scatter inside each host, all-reduce between
+    hosts and all-gather (:class:`AllReduce`); a group on one host stays flat.
     """
 
     model: str
@@ -179,6 +203,7 @@ class Plan:
     predicted: PlanPrediction = field(default_factory=PlanPrediction)
     solver: SolverInfo = field(default_factory=SolverInfo)
     precision: Precision = Precision.FP32
+    tied_allreduce: AllReduce = AllReduce.FLAT
     schema_version: int = PLAN_VERSION
     sync_every: int = 1
     sync_warmup: int = 0
@@ -187,6 +212,7 @@ class Plan:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
         object.__setattr__(self, "precision", Precision(self.precision))
         check_sync(self.sync_every, self.sync_warmup)
+        object.__setattr__(self, "tied_allreduce", AllReduce(self.tied_allreduce))
         if self.microbatches < 1:
             raise ValueError(f"plan: microbatches must be >= 1, got {self.microbatches}")
         for i, st in enumerate(self.stages):
@@ -204,6 +230,7 @@ class Plan:
             "solver": {"name": self.solver.name, "status": self.solver.status.value, "gap": self.solver.gap,
                        "seconds": self.solver.seconds},
             **({"sync_every": self.sync_every, "sync_warmup": self.sync_warmup} if self.sync_every > 1 else {}),
+            **({"tied_allreduce": self.tied_allreduce.value} if self.tied_allreduce is not AllReduce.FLAT else {}),
         }
 
     @classmethod
@@ -243,6 +270,7 @@ class Plan:
             solver=SolverInfo(so["name"], SolverStatus(so["status"]), so.get("gap", 0.0), so.get("seconds", 0.0)),
             precision=Precision(d.get("precision", "fp32")),  # plans written before the field are fp32
             sync_every=d.get("sync_every", 1), sync_warmup=d.get("sync_warmup", 0),
+            tied_allreduce=AllReduce(d.get("tied_allreduce", "flat")),
         )
 
 
@@ -260,6 +288,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "schedule": {"enum": [s.value for s in Schedule]},
         "microbatches": {"type": "integer", "minimum": 1},
         "precision": {"enum": [p.value for p in Precision]},
+        "tied_allreduce": {"enum": [a.value for a in AllReduce]},
         "stages": {
             "type": "array", "minItems": 1,
             "items": {
@@ -275,6 +304,7 @@ PLAN_SCHEMA: dict[str, Any] = {
                     "offload_optimizer": {"type": "boolean"},
                     "rows": {"type": "array", "items": {"type": "integer", "minimum": 1}},
                     "compress": {"type": "string", "pattern": "^(powersgd:[0-9]+|topk:[0-9.eE+-]+)$"},
+                    "allreduce": {"enum": [a.value for a in AllReduce]},
                     "predicted": {"type": "object", "additionalProperties": False, "properties": {
                         "fwd_ms": _NUM, "bwd_ms": _NUM, "memory_bytes": {"type": "integer", "minimum": 0},
                         "bubble": _SHARE}},
@@ -343,6 +373,13 @@ def check_placement(d: Any, source: str = "plan") -> None:
             raise SchemaError(source, f"{at}.rows", f"one row count per device of stage {k} ({len(st['devices'])})",
                               f"{len(rows)} counts", fix="give each device its rows per microbatch, in device order, "
                               "or leave rows out for an equal split")
+        if st.get("allreduce", "flat") == AllReduce.HIERARCHICAL.value:
+            hosts = {dev["name"]: dev.get("host", "node0") for dev in d["cluster"]["devices"]}
+            why = hierarchy_problem(st["devices"], hosts, ZeroStage(st.get("zero", 0)))
+            if why:
+                raise SchemaError(source, f"{at}.allreduce", "flat, or hierarchical for a ZeRO-0 stage whose devices "
+                                  "span hosts, each holding the same number", f"hierarchical, but {why}",
+                                  fix=f"set stage {k}'s allreduce to flat (or leave it out)")
         for j, node in enumerate(st.get("swap", ())):
             if node not in st["nodes"]:
                 raise SchemaError(source, f"{at}.swap[{j}]", f"one of stage {k}'s nodes", repr(node),
@@ -351,6 +388,33 @@ def check_placement(d: Any, source: str = "plan") -> None:
     if bottleneck >= len(d["stages"]):
         raise SchemaError(source, "predicted.bottleneck_stage", f"a stage index below {len(d['stages'])}",
                           repr(bottleneck), fix="name one of the plan's stages")
+
+
+def hierarchy_problem(devices: list[str] | tuple[str, ...], hosts: dict[str, str], zero: ZeroStage) -> str | None:
+    """Why a stage on ``devices`` cannot all-reduce hierarchically (None: it can).
+
+    Args:
+        devices: the stage's devices.
+        hosts: each device's host.
+        zero: the stage's ZeRO stage (ZeRO-1/2 reduce-scatter instead: no all-reduce to make hierarchical).
+
+    Returns:
+        The reason, naming the hosts, or None.
+
+    >>> hierarchy_problem(["a", "b"], {"a": "n0", "b": "n0"}, ZeroStage.NONE)
+    'its 2 devices are all on host n0'
+    """
+    by_host: dict[str, list[str]] = {}
+    for name in devices:
+        by_host.setdefault(hosts.get(name, "node0"), []).append(name)
+    if zero != ZeroStage.NONE:
+        return f"it uses ZeRO-{int(zero)}, whose reduce-scatter and all-gather are flat"
+    if len(by_host) < 2:
+        return f"its {len(devices)} devices are all on host {next(iter(by_host))}"
+    counts = {h: len(v) for h, v in by_host.items()}
+    if len(set(counts.values())) > 1:
+        return f"its hosts hold different numbers of its devices ({counts})"
+    return None
 
 
 def stage_memory(plan: Plan, profile: Profile, stage: Stage, device: str | None = None) -> int:
@@ -402,6 +466,25 @@ def _input_bytes(profile: Profile, names: set[str]) -> int:
     return sum(profile.node(i).output_bytes for i in outside)
 
 
+def tied_groups(plan: Plan, users: Iterable[tuple[str, Sequence[str]]]) -> list[tuple[int, ...]]:
+    """The groups of stages that share a parameter (each group's gradients are all-reduced over its devices).
+
+    Args:
+        plan: the plan.
+        users: ``(fx node, parameter names it uses)`` for every node.
+
+    Returns:
+        The stage tuples, sorted, each once.
+    """
+    where = {n: st.index for st in plan.stages for n in st.nodes}
+    stages: dict[str, set[int]] = {}
+    for node, names in users:
+        for name in names:
+            if node in where:
+                stages.setdefault(name, set()).add(where[node])
+    return sorted({tuple(sorted(v)) for v in stages.values() if len(v) > 1})
+
+
 def node_stages(plan: Plan) -> dict[str, int]:
     """Each fx node's stage index.
 
@@ -432,7 +515,8 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             optimizer offload on a CPU device (the host is the device); rows
             per replica that do not sum to a microbatch's rows; a device over
             its memory (with uneven rows, from its own rows); ZeRO-3, which the
-            runtime does not perform.
+            runtime does not perform; a hierarchical all-reduce on a stage
+            whose devices are on one host (or unevenly spread, or ZeRO-sharded).
     """
     if plan.precision is not profile.precision:
         raise PlanError(f"the plan trains in {plan.precision.value} but the profile of {profile.model} was timed in "
@@ -449,6 +533,21 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             if s not in st.nodes:
                 raise PlanError(f"stage {st.index} swaps {s!r}, which is not one of its nodes")
         _check_comm_options(plan, st)
+        if st.allreduce is AllReduce.HIERARCHICAL:
+            why = hierarchy_problem(st.devices, {x.name: x.host for x in plan.cluster.devices}, st.zero)
+            if why:
+                raise PlanError(f"stage {st.index} asks for a hierarchical all-reduce, but {why}: it needs a ZeRO-0 "
+                                "stage whose devices span two or more hosts, each holding the same number; set "
+                                "its allreduce to flat")
+    if plan.tied_allreduce is AllReduce.HIERARCHICAL:
+        hosts = {x.name: x.host for x in plan.cluster.devices}
+        groups = tied_groups(plan, ((n.name, n.params) for n in profile.nodes))
+        spans = [g for g in groups if hierarchy_problem([d for k in g for d in plan.stages[k].devices], hosts,
+                                                        ZeroStage.NONE) is None]
+        if not spans:
+            raise PlanError(f"the plan asks for a hierarchical all-reduce of tied parameters, but none of its groups "
+                            f"of stages sharing parameters ({[list(g) for g in groups]}) has devices spread over "
+                            "hosts holding the same number of them; set tied_allreduce to flat")
     names = [n.name for n in profile.nodes]
     unknown = [n for n in where if n not in set(names)]
     if unknown:

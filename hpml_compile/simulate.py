@@ -34,7 +34,9 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   activations go out over the host link after the forward and must be back
   before the backward starts.
 - After its last backward a replicated stage synchronises gradients: a ring
-  all-reduce (ZeRO-0), reduce-scatter + all-gather (ZeRO-1/2, Rajbhandari et
+  all-reduce (ZeRO-0; a stage whose plan says ``hierarchical``: reduce-scatter
+  inside each host, all-reduce between hosts, all-gather inside each host, each
+  priced on its own link), reduce-scatter + all-gather (ZeRO-1/2, Rajbhandari et
   al. 2020; ZeRO-3 is refused by plan validation, the runtime does not
   perform it). The all-reduce or reduce-scatter runs bucket by bucket during
   the last microbatch's backward, as the runtime launches it, so only what
@@ -82,19 +84,19 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import dataclass, replace
-from typing import Iterator
+from typing import Any, Iterator
 
 import cost_models
 
-from .cluster import host_link_spec, link_spec
+from .cluster import hierarchy, host_link_spec, link_spec
 from .compression import CompressKind, parse_compress, powersgd_fraction
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
 from .memory import MemoryBreakdown, dtype_bytes, tied_elsewhere, tied_shared
-from .plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction
+from .plan import AllReduce, Plan, PlanPrediction, Schedule, Stage, StagePrediction
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
-from .stagecost import (compressed_sync_ms, copy_ms, device_memory, even_rows, in_flight, local_sgd_sync_ms,
-                        optimizer_ms, stream_bytes_per_ms, stream_ms, sync_ms, transfer_ms)
+from .stagecost import (compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
+                        local_sgd_sync_ms, optimizer_ms, stream_bytes_per_ms, stream_ms, sync_ms, transfer_ms)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "stage_costs", "annotate",
            "idle_intervals", "op_order", "tied_syncs"]
@@ -305,8 +307,9 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         copy = copy_ms(params, d, rate, st.zero)
         group = min((link_spec(c, st.devices[0], x) for x in st.devices[1:]), key=lambda sp: sp.gbps) \
             if d > 1 else None
+        hier = hierarchy(c, st.devices) if st.allreduce is AllReduce.HIERARCHICAL else None
         fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts * most * m * d if st.rows else acts, m, d, rate)
-        sync = _sync_cost(plan, graph, st, nodes, params, group, host, dtype, rate, bwd) + copy
+        sync = _sync_cost(plan, graph, st, nodes, params, group, host, dtype, rate, bwd, hier) + copy
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms), sync,
                              max(mems, key=lambda b: b.total), opt_ms, fwd_stream, bwd_stream, copy,
                              tuple(mems), tuple(own)))
@@ -315,7 +318,7 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
 
 def _sync_cost(plan: Plan, graph: CostGraph, st: Stage, nodes: list[str], params: int,
                group: cost_models.LinkSpec | None, host: cost_models.LinkSpec, dtype: str, rate: float,
-               bwd_ms: float) -> float:
+               bwd_ms: float, hier: Any = None) -> float:
     """A stage's gradient sync per step: dense (:func:`sync_ms`, overlapped with the last backward ``bwd_ms``),
     compressed, or local SGD's amortised average (neither overlapped: the runtime runs them after the backward)."""
     d = len(st.devices)
@@ -331,12 +334,13 @@ def _sync_cost(plan: Plan, graph: CostGraph, st: Stage, nodes: list[str], params
                                   fraction=frac)
     if plan.sync_every > 1 and d > 1:
         return local_sgd_sync_ms(params, d, plan.sync_every, group)
-    return float(sync_ms(params, d, st.zero, st.offload_optimizer, group, host, bwd_ms=bwd_ms))
+    return float(sync_ms(params, d, st.zero, st.offload_optimizer, group, host, hier, bwd_ms=bwd_ms))
 
 
 def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], float]]:
     """The all-reduces of parameters used by several stages, ``(stages, ms)``, one per group of stages
-    (as codegen buckets them); the sizes come from the graph's ``param_sizes`` (none known: none)."""
+    (as codegen buckets them); the sizes come from the graph's ``param_sizes`` (none known: none). Under
+    ``plan.tied_allreduce == hierarchical`` a group spread evenly over hosts is priced per level."""
     owner = _stage_of_graph_nodes(plan, graph)
     users: dict[str, set[int]] = {}
     for n in graph.order:
@@ -350,6 +354,10 @@ def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], floa
     out = []
     for stages, nbytes in sorted(buckets.items()):
         devices = [d for i in stages for d in plan.stages[i].devices]
+        hier = hierarchy(plan.cluster, devices) if plan.tied_allreduce is AllReduce.HIERARCHICAL else None
+        if hier is not None:
+            out.append((stages, float(hierarchical_allreduce_ms(nbytes, hier))))
+            continue
         link = min((link_spec(plan.cluster, devices[0], x) for x in devices[1:]), key=lambda sp: sp.gbps)
         out.append((stages, cost_models.allreduce_ms(nbytes, len(devices), link)
                     if link.gbps != float("inf") else 0.0))

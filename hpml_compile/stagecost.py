@@ -47,7 +47,8 @@ The memory of one device of a stage replicated over ``d`` devices, at its peak
 
 Times (milliseconds), per step:
 
-- gradient sync (:func:`sync_ms`): a ring all-reduce (ZeRO-0), reduce-scatter of
+- gradient sync (:func:`sync_ms`): a ring all-reduce (ZeRO-0; for a group
+  spread over hosts, optionally hierarchical, :func:`hierarchical_allreduce_ms`), reduce-scatter of
   the flat gradient + all-gather of the stepped shards (ZeRO-1/2; ZeRO-3 would
   add one more all-gather, but plans never name it). The all-reduce or
   reduce-scatter runs bucket by bucket during the last backward, as the
@@ -68,6 +69,18 @@ Times (milliseconds), per step:
   byte times the bytes the device updates (its shard under ZeRO-1 and up).
 - memory streaming (:func:`stream_ms`): what part of a microbatch's forward and
   backward is reading the weights and writing the activations.
+
+A hierarchical all-reduce over ``H`` hosts of ``h`` devices each (the 2D
+scheme of Horovod's hierarchical all-reduce and of Mikami et al., "Massively
+Distributed SGD", 2018) is three collectives, each priced on its own link: a
+ring reduce-scatter inside each host (``B`` bytes, the intra-host link), a
+ring all-reduce of each ``B / h`` shard among the ``H`` devices holding it
+(the link between hosts), and a ring all-gather inside each host. The ``h``
+shard all-reduces run at once, each over its own pair of devices, as the
+cluster's pairwise links describe them; where a host's devices share one
+network card, the ``h`` shards share it and the middle term is ``h`` times
+longer (then it equals a leader per host all-reducing all ``B`` bytes).
+:func:`level_bytes` says what each level moves.
 
 Communication is cost_models' alpha-beta model, which is affine in the bytes
 (``alpha + bytes * beta``, 0 for no bytes); on arrays each function is
@@ -98,13 +111,14 @@ import numpy as np
 import cost_models
 
 from .compression import CompressKind, Compression, powersgd_fraction
+from .cluster import Hierarchy
 from .costgraph import CostGraph
 from .ir import Schedule, base_kind
 from .memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, MemoryBreakdown, ZeroStage
 
 __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "overlapped_ms",
-           "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms", "optimizer_ms", "stream_ms", "stream_bytes_per_ms",
-           "choose_rows", "even_rows"]
+           "hierarchical_allreduce_ms", "level_bytes", "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
+           "optimizer_ms", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows"]
 
 # A count or a duration: a Python scalar for one stage, a numpy array for many candidates at once.
 Value = Union[int, float, np.ndarray]
@@ -322,8 +336,53 @@ def overlapped_ms(fn: Callable[..., float], param_bytes: Value, link: cost_model
     return np.where(param_bytes > 0, out, 0.0) if isinstance(out, np.ndarray) else (out if param_bytes > 0 else 0.0)
 
 
+def hierarchical_allreduce_ms(nbytes: Value, hier: Hierarchy) -> Value:
+    """A hierarchical all-reduce of ``nbytes`` per device (see the module docstring).
+
+    Args:
+        nbytes: bytes each device contributes (a scalar or an array).
+        hier: the group by host (:func:`hpml_compile.cluster.hierarchy`).
+
+    Returns:
+        Milliseconds: reduce-scatter and all-gather inside the hosts, all-reduce of a shard between them.
+
+    Example:
+        >>> from hpml_compile.cluster import hierarchy, load_cluster
+        >>> c = load_cluster("2node-a100-16")
+        >>> h = hierarchy(c, [f"gpu{i}" for i in range(16)])  # 2 hosts x 8, NVLink inside, 100 GbE between
+        >>> round(hierarchical_allreduce_ms(2**30, h), 2), round(cost_models.allreduce_ms(2**30, 16, h.inter), 2)
+        (17.09, 161.81)
+    """
+    h, hosts = hier.per_host, len(hier.hosts)
+    return (transfer_ms(cost_models.reduce_scatter_ms, nbytes, hier.intra, h)
+            + transfer_ms(cost_models.allreduce_ms, nbytes / h, hier.inter, hosts)
+            + transfer_ms(cost_models.all_gather_ms, nbytes, hier.intra, h))
+
+
+def level_bytes(nbytes: int, replicas: int, hier: Hierarchy | None) -> dict[str, int]:
+    """Bytes one device sends per all-reduce of ``nbytes``, by level (ring algorithms).
+
+    Args:
+        nbytes: bytes each device contributes.
+        replicas: devices in the group.
+        hier: the group by host for a hierarchical all-reduce; None for a flat ring.
+
+    Returns:
+        ``{"flat": ...}`` for a flat ring (``2 (d-1)/d B``, every hop over the slowest link it crosses), or
+        ``{"intra": ..., "inter": ...}``: ``2 (h-1)/h B`` inside the host and ``2 (H-1)/H B / h`` between hosts.
+
+    >>> level_bytes(1600, 4, None)
+    {'flat': 2400}
+    """
+    if hier is None:
+        return {"flat": 2 * (replicas - 1) * nbytes // max(1, replicas)}
+    h, hosts = hier.per_host, len(hier.hosts)
+    return {"intra": 2 * (h - 1) * nbytes // h, "inter": 2 * (hosts - 1) * nbytes // (hosts * h)}
+
+
 def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_optimizer: bool,
-            link: cost_models.LinkSpec | None, host: cost_models.LinkSpec, bwd_ms: Value | None = None) -> Value:
+            link: cost_models.LinkSpec | None, host: cost_models.LinkSpec, hier: Hierarchy | None = None,
+            bwd_ms: Value | None = None) -> Value:
     """Gradient synchronisation of a stage past its last backward (the collectives and the offload copies).
 
     Args:
@@ -333,6 +392,8 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         offload_optimizer: the Adam state lives in host memory.
         link: the slowest link between the stage's devices (None for one device).
         host: the link between the stage's devices and their host's memory.
+        hier: the stage's devices by host, for a hierarchical all-reduce (ZeRO-0 only, run after the backward,
+            not overlapped); None: a flat ring.
         bwd_ms: one microbatch's backward on one replica: the all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1/2)
             overlaps it bucket by bucket (:func:`overlapped_ms`), as the runtime runs it on ranks. None: the
             whole collective after the backward.
@@ -344,7 +405,9 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
     total: Value = param_bytes * 0.0
     if replicas > 1:
         reduce = cost_models.allreduce_ms if z == ZeroStage.NONE else cost_models.reduce_scatter_ms
-        if bwd_ms is None:
+        if z == ZeroStage.NONE and hier is not None:  # three collectives after the backward (the runtime's order)
+            total = total + hierarchical_allreduce_ms(param_bytes, hier)
+        elif bwd_ms is None:
             total = total + transfer_ms(reduce, param_bytes, link, replicas)
         else:
             window = bwd_ms if z == ZeroStage.NONE else bwd_ms / replicas

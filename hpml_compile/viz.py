@@ -48,7 +48,7 @@ from matplotlib.patches import Patch
 
 from .costgraph import CostGraph
 from .memory import GiB
-from .plan import Plan, Stage
+from .plan import AllReduce, Plan, Stage
 from .report import human_bytes
 from .simulate import EventKind, SimResult, idle_intervals
 
@@ -155,6 +155,12 @@ def rows_text(st: Stage) -> str:
     return "rows per microbatch: " + ", ".join(pairs)
 
 
+def allreduce_label(plan: Plan, st: Stage) -> str:
+    """``hierarchical all-reduce (2 hosts x 8)``: how a stage sums its gradients, for the pictures and the summary."""
+    hosts = len({plan.cluster.device(d).host for d in st.devices})
+    return f"{st.allreduce.value} all-reduce ({hosts} hosts x {len(st.devices) // max(1, hosts)})"
+
+
 def _stage_label(plan: Plan, st: Stage, result: SimResult | None) -> str:
     kinds = [plan.cluster.device(d).kind for d in st.devices]
     kind_text = " + ".join(f"{kinds.count(k)} x {k}" for k in dict.fromkeys(kinds))
@@ -165,6 +171,7 @@ def _stage_label(plan: Plan, st: Stage, result: SimResult | None) -> str:
     opts += [f"grads {st.compress}"] if st.compress else []
     opts += [f"local SGD every {plan.sync_every} (warm-up {plan.sync_warmup})"] \
         if plan.sync_every > 1 and len(st.devices) > 1 else []
+    opts += [allreduce_label(plan, st)] if st.allreduce is AllReduce.HIERARCHICAL else []
     head = f"stage {st.index}: {device_names(st.devices)} ({kind_text})" + (f" | {', '.join(opts)}" if opts else "")
     if st.rows:
         head += "\\n" + rows_text(st)

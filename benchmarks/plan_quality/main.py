@@ -27,6 +27,15 @@ each plan's ratio to ``ilp`` (> 1: slower than ilp), and a compute bound
 that no plan can beat (:func:`compute_bound`): where the best peer is
 already within 1.25x of it, no planner could be 1.25x faster than the peer.
 
+A second table (:func:`hierarchical_rows`, issue 18) places each model on
+``2node-a100-16`` with ``ilp`` twice: every all-reduce flat, and with the
+solver free to make a ZeRO-0 stage spread over both hosts all-reduce
+hierarchically, and the all-reduce of tied parameters spread over both hosts
+too (exact: the same sum); it prints both against the compute
+bound and the share of the distance to the bound that the hierarchical
+all-reduce closes. (The first table's ``ilp`` column is the solver's default,
+hierarchical allowed.)
+
 Run:
     python benchmarks/plan_quality/main.py             # ~2-4 min on 2 cores
     python benchmarks/plan_quality/main.py --quick     # gpt2-small only
@@ -165,6 +174,46 @@ def _entry(fn: Callable[[], Any]) -> dict[str, Any]:
             "gap": plan.solver.gap, "bubble": plan.predicted.bubble, "seconds": round(time.perf_counter() - t0, 3)}
 
 
+HIER_CLUSTER = "2node-a100-16"
+
+
+def _shape(plan: Plan) -> str:
+    """``8 ZeRO-1 | 8 ZeRO-1, tied hier``: each stage's degree, ZeRO stage and all-reduce, and the tied
+    parameters' all-reduce, for the table."""
+    text = " | ".join(f"{len(s.devices)}" + (f" ZeRO-{int(s.zero)}" if s.zero else "")
+                      + (" hier" if s.allreduce.value == "hierarchical" else "") for s in plan.stages)
+    return text + (", tied hier" if plan.tied_allreduce.value == "hierarchical" else "")
+
+
+def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit: float) -> list[dict[str, Any]]:
+    """``ilp`` with every all-reduce flat against ``ilp`` free to all-reduce hierarchically, on one cluster.
+
+    Prints one row per model: both predicted steps, each over the compute bound, and the share of the flat
+    plan's distance to the bound that the hierarchical all-reduce closes, ``(flat - hier) / (flat - bound)``.
+
+    Returns:
+        The rows, for the JSON.
+    """
+    head = f"{'model':11s} {'flat ms':>9s} {'hier ms':>9s} {'bound ms':>9s} {'flat/bnd':>8s} {'hier/bnd':>8s} " \
+           f"{'closed':>7s}  stages flat -> hierarchical"
+    print(f"\nhierarchical all-reduce on {cluster.name} (ilp, M searched; stages: devices, ZeRO, all-reduce)")
+    print(head + "\n" + "-" * len(head))
+    rows = []
+    for name, graph in graphs.items():
+        bound = compute_bound(graph, cluster)
+        flat = solve(graph, cluster, solver="ilp", time_limit_s=time_limit, hierarchical=False)
+        hier = solve(graph, cluster, solver="ilp", time_limit_s=time_limit, hierarchical=True)
+        f, h = flat.predicted.step_ms, hier.predicted.step_ms
+        closed = (f - h) / (f - bound) if f > bound else 0.0
+        rows.append({"model": name, "cluster": cluster.name, "flat_ms": f, "hierarchical_ms": h, "bound_ms": bound,
+                     "flat_vs_bound": f / bound, "hierarchical_vs_bound": h / bound, "closed": closed,
+                     "flat_stages": _shape(flat), "hierarchical_stages": _shape(hier),
+                     "flat_microbatches": flat.microbatches, "hierarchical_microbatches": hier.microbatches})
+        print(f"{name:11s} {f:9.4g} {h:9.4g} {bound:9.4g} {f / bound:7.2f}x {h / bound:7.2f}x {closed:6.0%}  "
+              f"{_shape(flat)} (M={flat.microbatches}) -> {_shape(hier)} (M={hier.microbatches})", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="gpt2-small only")
@@ -188,8 +237,9 @@ def main() -> None:
     head = (f"{'model':11s} {'cluster':14s} " + " ".join(f"{c:>11s}" for c in cols)
             + "  best peer/ilp  ilp/bound  peer/bound")
     print(head + "\n" + "-" * len(head))
+    graphs: dict[str, CostGraph] = {}
     for name, batch in (MODELS[:1] if args.quick else MODELS):
-        graph = graph_of(name, batch, kinds)
+        graph = graphs[name] = graph_of(name, batch, kinds)
         for cname, cluster in clusters.items():
             row: dict[str, Any] = {"model": name, "batch": batch, "blocks": len(graph.order), "cluster": cname,
                                    "solvers": {}}
@@ -229,8 +279,10 @@ def main() -> None:
                 print(f"  {r['model']} on {r['cluster']}: the best peer is within {r['best_peer_vs_bound']:.2f}x of "
                       f"the compute bound, so no plan can be {GOAL}x faster than it; ilp is "
                       f"{r['ilp_vs_bound']:.2f}x the bound")
+    hier_rows = hierarchical_rows(graphs, clusters[HIER_CLUSTER], args.time_limit)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
+        "hierarchical": hier_rows,
         "benchmark": "plan_quality", "models": MODELS[:1] if args.quick else MODELS, "clusters": CLUSTERS,
         "time_limit_s": args.time_limit, "peers": list(peers), "notes": notes, "rows": results, "summary": summary,
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),

@@ -60,7 +60,7 @@ from ..codegen import Build, load_build
 from ..codegen.comm import DetachedComm
 from ..errors import HpmlError
 from ..ir import Precision
-from ..plan import with_comm
+from ..plan import AllReduce, with_comm
 from .batchcheck import agree_with_check, fingerprint
 from ..hostmem import keep_freed_memory
 from ..memory import ZeroStage
@@ -268,7 +268,10 @@ class Pipeline:
             bucket.comm = self.comm
             bucket.reducer = make_reducer(self.plan, k, self.comm.groups.get((k,)))  # compression, local SGD
             self.comm.shards[k] = bucket
-            if self._overlap and self.comm.groups.get((k,)) is not None and bucket.reducer is None:
+            # overlapped buckets are flat all-reduces: a compressed, local-SGD or hierarchical stage syncs after
+            # its backward, as the cost model prices it
+            if (self._overlap and self.comm.groups.get((k,)) is not None and bucket.reducer is None
+                    and st.allreduce is AllReduce.FLAT):
                 bucket.enable_overlap(min(FIRST_BUCKET_BYTES, self._bucket_bytes), self._bucket_bytes)
             return [bucket]
         if isinstance(optimizer, torch.optim.Optimizer):

@@ -57,10 +57,10 @@ from __future__ import annotations
 import enum
 import math
 import time
+from dataclasses import replace
 from typing import Callable, Sequence
 
 from ..cluster import check_devices_costed
-from dataclasses import replace
 
 from ..compression import CompressKind, Compression, parse_compress, powersgd_fraction
 from ..costgraph import CostGraph
@@ -109,7 +109,8 @@ def microbatch_choices(batch_size: int, cap: int = 64) -> list[int]:
 def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = SolverName.ILP,
           microbatches: int | None = None, schedule: Schedule | str = Schedule.ONE_F_ONE_B,
           time_limit_s: float = 30.0, dtype: str = "float32",
-          progress: Callable[[str], None] | None = None, compress: Compression | str | None = None) -> Plan:
+          progress: Callable[[str], None] | None = None, compress: Compression | str | None = None,
+          hierarchical: bool = True) -> Plan:
     """Place ``costgraph`` on ``cluster``.
 
     Args:
@@ -124,6 +125,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         compress: a gradient compression the user allows (``powersgd:RANK`` / ``topk:RATIO``): priced for every
             replicated ZeRO-0 candidate stage, which takes it where its sync is faster so (:func:`choose_compression`);
             None: never compressed.
+        hierarchical: let a ZeRO-0 stage whose replicas span hosts all-reduce hierarchically where the cost
+            model says it is faster (exact: the same sum); False keeps every all-reduce flat.
 
     Returns:
         The plan, with the simulator's predictions and the solver's status.
@@ -160,7 +163,7 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
 
     ms = ms[::-1]  # the most microbatches first: least memory, so the likeliest to fit, for a first plan early
     best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0, unimodal=large, compress=allowed,
-                   fraction=frac)
+                   fraction=frac, hierarchical=hierarchical)
     if best is None:
         raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype, allowed, frac)))
     step, plan, setting, picked = best
@@ -187,7 +190,7 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         chosen = [f"stage {st.index}: {st.compress}" for st in plan.stages if st.compress]
         say(f"{name.value}: compression {allowed} allowed: " + ("; ".join(chosen) if chosen else
             "no stage syncs faster with it, none compressed"))
-    return Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, plan.stages, plan.predicted, info)
+    return replace(plan, solver=info)
 
 
 def _powersgd_fraction(graph: CostGraph, dtype: str, allowed: Compression | None) -> float | None:
@@ -221,7 +224,8 @@ def choose_compression(plan: Plan, graph: CostGraph, dtype: str, allowed: Compre
 def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtype: str,
             pick: Callable[[Setting], list[Candidate] | None], name: str, say: Callable[[str], None],
             t0: float | None = None, unimodal: bool = False, compress: Compression | None = None,
-            fraction: float | None = None) -> tuple[float, Plan, Setting, list[Candidate]] | None:
+            fraction: float | None = None, hierarchical: bool = True
+            ) -> tuple[float, Plan, Setting, list[Candidate]] | None:
     """The microbatch count whose stages (from ``pick``) simulate fastest: ``(step, plan, setting, stages)``.
 
     Stopped by Ctrl-C (KeyboardInterrupt) after a first plan, it returns the best so far. ``unimodal``:
@@ -237,7 +241,7 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
             say(f"{name}: M={m} and fewer not tried: two counts in a row were slower than M={best[2].microbatches}")
             break
         try:
-            setting = Setting(m, sched, graph.batch_size, dtype, compress, fraction)
+            setting = Setting(m, sched, graph.batch_size, dtype, compress, fraction, hierarchical)
             picked = pick(setting)
             if not picked:
                 continue

@@ -21,18 +21,19 @@ from ..compression import Compression
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 import cost_models
 
 from .. import stagecost
-from ..cluster import link_spec
+from ..cluster import Hierarchy, hierarchy, link_spec
 from ..costgraph import CostGraph
 from ..ir import Cluster
 from ..memory import MemoryBreakdown, ZeroStage
-from ..plan import Plan, Schedule, SolverInfo, Stage
+from ..plan import AllReduce, Plan, Schedule, SolverInfo, Stage
+from ..simulate import tied_syncs
 
 __all__ = ["Chain", "StageConfig", "Candidate", "Setting", "CONFIGS", "enumerate_candidates", "kind_counts",
            "assign_devices", "in_flight", "classes", "range_candidates", "to_plan", "degrees", "group_link",
@@ -139,6 +140,7 @@ class Setting:
     dtype: str = "float32"
     compress: Compression | None = None
     compress_fraction: float | None = None  # PowerSGD's share of elements on the wire, over the model's parameters
+    hierarchical: bool = True  # a ZeRO-0 stage spread over hosts may all-reduce hierarchically where faster
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +203,12 @@ def degrees(count: int, rows: int) -> list[int]:
     """
     ds = {1, count} | {2**i for i in range(1, int(math.log2(max(count, 1))) + 1)}
     return sorted(d for d in ds if 1 <= d <= count and rows % d == 0)
+
+
+def group_hierarchies(cluster: Cluster, kind: str, ds: list[int]) -> dict[int, Hierarchy | None]:
+    """The first ``d`` devices of ``kind`` by host (:func:`hpml_compile.cluster.hierarchy`), for each ``d``."""
+    devs = [x.name for x in cluster.devices if x.kind == kind]
+    return {d: (hierarchy(cluster, devs[:d]) if d > 1 else None) for d in ds}
 
 
 def group_link(cluster: Cluster, kind: str, d: int) -> cost_models.LinkSpec | None:
@@ -302,9 +310,35 @@ def to_plan(chain: Chain, cluster: Cluster, setting: Setting, picked: list[Candi
     stages = []
     for i, (c, devs) in enumerate(zip(picked, devices)):
         nodes = chain.nodes(c.a, c.b)
+        how = AllReduce.FLAT
+        if setting.hierarchical and c.config.zero == ZeroStage.NONE:
+            how = allreduce_choice(cluster, devs, int(chain.params[c.b] - chain.params[c.a]))
         stages.append(Stage(i, devs, nodes, c.config.zero, c.config.recompute, nodes if c.config.swap else (),
-                            c.config.offload))
-    return Plan(chain.graph.model, cluster, setting.schedule, setting.microbatches, tuple(stages), solver=solver)
+                            c.config.offload, allreduce=how))
+    plan = Plan(chain.graph.model, cluster, setting.schedule, setting.microbatches, tuple(stages), solver=solver)
+    if setting.hierarchical:  # the all-reduce of tied parameters too, where it spans hosts and is faster
+        hier = replace(plan, tied_allreduce=AllReduce.HIERARCHICAL)
+        if sum(ms for _, ms in tied_syncs(hier, chain.graph)) < sum(ms for _, ms in tied_syncs(plan, chain.graph)):
+            plan = hier
+    return plan
+
+
+def allreduce_choice(cluster: Cluster, devices: tuple[str, ...], param_bytes: int) -> AllReduce:
+    """The faster all-reduce for a ZeRO-0 stage on ``devices``: hierarchical where they span hosts (each
+    holding the same number) and :func:`hpml_compile.stagecost.hierarchical_allreduce_ms` beats the flat ring
+    over the slowest link; flat otherwise (ties included: the flat ring is one collective, not three).
+
+    >>> from hpml_compile.cluster import load_cluster
+    >>> c = load_cluster("2node-a100-16")
+    >>> allreduce_choice(c, ("gpu0", "gpu1", "gpu8", "gpu9"), 2**30).value, allreduce_choice(c, ("gpu0", "gpu1"), 2**30).value
+    ('hierarchical', 'flat')
+    """
+    hier = hierarchy(cluster, devices)
+    if hier is None or param_bytes <= 0:
+        return AllReduce.FLAT
+    slowest = min((link_spec(cluster, devices[0], x) for x in devices[1:]), key=lambda sp: sp.gbps)
+    flat = stagecost.transfer_ms(cost_models.allreduce_ms, param_bytes, slowest, len(devices))
+    return AllReduce.HIERARCHICAL if stagecost.hierarchical_allreduce_ms(param_bytes, hier) < flat else AllReduce.FLAT
 
 
 def assign_devices(cluster: Cluster, stages: list[tuple[str, int]]) -> list[tuple[str, ...]]:

@@ -43,7 +43,8 @@ from ..memory import MemoryBreakdown, ZeroStage, dtype_bytes
 from ..plan import Schedule
 from ..stagecost import (compressed_sync_ms, copy_ms, in_flight, memory_parts, optimizer_ms, stream_bytes_per_ms,
                          sync_ms, transfer_ms)
-from .candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees, group_links,
+from .candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees, group_hierarchies,
+                         group_links,
                          kind_counts)
 
 __all__ = ["CandidateTable", "build_table"]
@@ -203,6 +204,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         groups = [(k, d) for k, c in counts.items() for d in degrees(c, max(1, setting.batch_size // m))]
     parts: list[dict[str, np.ndarray]] = []
     glinks = {k: group_links(cluster, k, [d for kk, d in groups if kk == k]) for k in {k for k, _ in groups}}
+    hiers = {k: group_hierarchies(cluster, k, [d for kk, d in groups if kk == k]) if setting.hierarchical else {}
+             for k in glinks}
     blinks = {k: boundary_link(cluster, k) for k in glinks}
     for kind, d in groups:
         first = next(x for x in cluster.devices if x.kind == kind)
@@ -226,6 +229,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         comm = np.where(a > 0, 2 * transfer_ms(cost_models.p2p_ms, inputs / (m * d), blinks[kind]),
                         0.0)
         glink = glinks[kind][d]
+        hier = hiers[kind].get(d)
         bpe = dtype_bytes(setting.dtype)
         cfg_ids = [i for i, c in enumerate(CONFIGS) if (d > 1 or c.zero == ZeroStage.NONE)
                    and not (is_cpu and (c.offload or c.swap))]
@@ -242,6 +246,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)
             sync = sync_ms(params, d, cfg.zero, cfg.offload, glink, host, bwd_ms=bwd)
+            if hier is not None and cfg.zero == ZeroStage.NONE:  # the faster of flat and hierarchical (to_plan picks)
+                sync = np.minimum(sync, sync_ms(params, d, cfg.zero, cfg.offload, glink, host, hier))
             if setting.compress is not None and d > 1 and cfg.zero == ZeroStage.NONE:  # allowed: where it pays
                 sync = np.minimum(sync, compressed_sync_ms(params, d, setting.compress, glink, dtype_bytes=bpe,
                                                            bytes_per_ms=rate, fraction=setting.compress_fraction))

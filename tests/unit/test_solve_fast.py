@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cost_models
-from hpml_compile.cluster import host_link_spec
+from hpml_compile.cluster import hierarchy, host_link_spec
 from hpml_compile.costgraph import build
 from hpml_compile.ir import Cluster, Device, Link
 from hpml_compile.memory import ZeroStage, dtype_bytes
@@ -37,11 +37,16 @@ def _ms(fn, *args) -> float:
     return float(fn(*args))
 
 
-def _sync(cfg, params: int, d: int, glink, host, bwd: float) -> float:
+def _sync(cfg, params: int, d: int, glink, host, bwd: float, hier=None) -> float:
     t = 0.0
     if d > 1:  # the all-reduce / reduce-scatter overlaps one microbatch's backward (the last), bucket by bucket
         if cfg.zero == ZeroStage.NONE:
             t += overlapped_ms(cost_models.allreduce_ms, params, glink, d, bwd)
+            if hier is not None:  # two hosts or more, the same number on each: the faster of flat and hierarchical
+                h, hosts = hier.per_host, len(hier.hosts)
+                t = min(t, _ms(cost_models.reduce_scatter_ms, params, h, hier.intra)
+                        + _ms(cost_models.allreduce_ms, params / h, hosts, hier.inter)
+                        + _ms(cost_models.all_gather_ms, params, h, hier.intra))
         else:
             rounds = 3 if cfg.zero == ZeroStage.OS_G_P else 2
             t += overlapped_ms(cost_models.reduce_scatter_ms, params, glink, d, bwd / d) + (rounds - 1) * _ms(
@@ -61,6 +66,8 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
         cap, is_cpu, host = first.memory_bytes, kind.lower() == "cpu", host_link_spec(first)
         for d in degrees(count, max(1, setting.batch_size // m)):
             glink = group_link(cluster, kind, d)
+            devs = [x.name for x in cluster.devices if x.kind == kind][:d]
+            hier = hierarchy(cluster, devs) if d > 1 and setting.hierarchical else None
             cfgs = [c for c in CONFIGS if (d > 1 or c.zero == ZeroStage.NONE)
                     and not (is_cpu and (c.offload or c.swap))]
             for a in (a for a in range(n) if chain.cuttable[a]):
@@ -77,7 +84,7 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
                         t = base + (fwd if cfg.recompute else 0.0) + swap
                         copy = 4 * params / stream_bytes_per_ms(chain.graph, [kind]) \
                             if d > 1 and cfg.zero >= ZeroStage.OS else 0.0
-                        scored.append((m * t + _sync(cfg, params, d, glink, host, bwd) + copy, t, cfg))
+                        scored.append((m * t + _sync(cfg, params, d, glink, host, bwd, hier) + copy, t, cfg))
                     scored.sort(key=lambda x: x[0])
                     best_j = -1
                     for est, t, cfg in scored:
