@@ -45,6 +45,7 @@ Example:
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import time
 from typing import Callable, Sequence
@@ -61,13 +62,16 @@ from .baselines import Baseline, balanced_cuts, baseline_stages, stages_from_cut
 from .candidates import Candidate, Chain, Setting, kind_counts, to_plan
 from .dp import objective, solve_chain
 from .ilp import IlpResult, milp, prune, solve_ilp
-from .lagrange import EXACT_VECTORS, coarse_chain, coarse_groups, lagrangian_bounds, reduced_cost_prune, vectors
+from .lagrange import (EXACT_VECTORS, coarse_chain, coarse_groups, lagrangian_bounds, ordered_chain, ordered_groups,
+                       ordered_units, reduced_cost_prune, speed_order, vectors)
 from .table import build_table
 
 #: Most candidates handed to HiGHS after pruning (beyond, the Lagrangian bounds alone decide; memory).
 MILP_CANDIDATES = 15000
 #: Device-count vectors of the finer coarse DP run once at the chosen microbatch count.
 REFINE_VECTORS = 1100
+#: Orders of the kinds along the pipeline tried by the blocked DP at the chosen count (fastest first first).
+ORDERS = 6
 
 __all__ = ["SolverName", "solve", "microbatch_choices", "plan_from_cuts"]
 
@@ -133,9 +137,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
 
     def pick(setting: Setting) -> list[Candidate] | None:
         if name in (SolverName.ILP, SolverName.DP):
-            if large:  # only the degrees the coarse DP can use: a small table, a first plan early
-                return coarse_chain(chain, cluster, setting,
-                                    build_table(chain, cluster, setting, groups=coarse_groups(cluster, setting)))
+            if large:  # only the degrees the two restricted DPs use: a small table, a first plan early
+                return _first_plan(chain, cluster, setting)
             return solve_chain(chain, cluster, setting, build_table(chain, cluster, setting))
         got = baseline_stages(chain, cluster, setting, Baseline(name.value))
         return None if isinstance(got, str) else got
@@ -203,6 +206,18 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
     return best
 
 
+def _first_plan(chain: Chain, cluster: Cluster, setting: Setting) -> list[Candidate] | None:
+    """The better of the two restrictions' plans (None if neither fits): the coarse DP over device units of
+    every kind at once, and the DP with the kinds in blocks (fastest first), whose state is one kind's
+    devices, so its units stay small and it finds a plan where the coarse units leave too few devices."""
+    groups = sorted(set(coarse_groups(cluster, setting)) | set(ordered_groups(cluster, setting)))
+    tab = build_table(chain, cluster, setting, groups=groups)
+    plans = [coarse_chain(chain, cluster, setting, tab),
+             ordered_chain(chain, cluster, setting, tab, speed_order(chain, tab.kinds),
+                           unit=ordered_units(cluster, setting))]
+    return min((p for p in plans if p), key=lambda p: objective(p, setting.microbatches), default=None)
+
+
 def _gap(lower: float, upper: float) -> float:
     """Relative gap of ``upper`` over ``lower`` (0 when they meet, 1 when nothing is known)."""
     if not math.isfinite(upper) or upper <= 0:
@@ -241,6 +256,12 @@ def _anytime(chain: Chain, cluster: Cluster, setting: Setting, warm: list[Candid
         finer = coarse_chain(chain, cluster, setting, tab, budget=REFINE_VECTORS)  # a finer unit, a better plan
         if finer and objective(finer, m) < state["upper"]:
             report(0.0, objective(finer, m), finer)
+        for order in itertools.islice(itertools.permutations(speed_order(chain, tab.kinds)), ORDERS):
+            if time.perf_counter() > start + 0.25 * (deadline - start):
+                break
+            got = ordered_chain(chain, cluster, setting, tab, order)  # every degree, kinds in blocks
+            if got and objective(got, m) < state["upper"]:
+                report(0.0, objective(got, m), got)
         b, lam = lagrangian_bounds(chain, cluster, setting, tab, start=warm,
                                    deadline=start + 0.6 * (deadline - start), progress=report)
         report(b.lower, b.upper, b.plan)
