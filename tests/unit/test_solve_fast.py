@@ -453,3 +453,28 @@ def test_ordered_dp_matches_reference_and_fits(case, rnd) -> None:
     assert sum(c.t + c.comm + c.tail for c in got) == pytest.approx(want[1], rel=1e-9)
     if len(order) == 1:
         assert want == pytest.approx(reference_dp(chain, cluster, setting, tab.candidates()), rel=1e-9)
+
+
+def test_many_kinds_plan_where_the_coarse_units_leave_too_few_devices() -> None:
+    """12 blocks that fit one to a device, 3 kinds x 8 devices, one row per microbatch (degree 1 only): the
+    coarse DP's units leave it fewer than 12 devices, so it finds nothing; the solve still plans (the DP with
+    kinds in blocks counts every device) and proves it optimal, where it used to raise InfeasibleError."""
+    from hpml_compile.plan import SolverStatus
+    from hpml_compile.solve import solve
+    from hpml_compile.solve.lagrange import coarse_chain, coarse_groups
+    from hpml_compile.solve.table import build_table
+    from hpml_compile.solve.testing import chain_profile
+
+    speeds = {"A100-80GB": 1.0, "H100-80GB": 0.5, "V100-32GB": 2.0}
+    graph = build(chain_profile([{k: (2.0 * s, 4.0 * s) for k, s in speeds.items()}] * 12,
+                                param_bytes=[200 * MiB] * 12, activation_bytes=[MiB] * 12, batch_size=64))
+    cluster = Cluster(devices=tuple(Device(f"d{i}", k, 0.5, host=f"h{i // 8}")
+                                    for i, k in enumerate(k for k in speeds for _ in range(8))), name="tight")
+    chain, setting = Chain.of(graph), Setting(64, Schedule.ONE_F_ONE_B, 64)
+    tab = build_table(chain, cluster, setting)
+    assert int((tab.b - tab.a).max()) == 1  # one block per device
+    assert coarse_chain(chain, cluster, setting, build_table(chain, cluster, setting,
+                                                             groups=coarse_groups(cluster, setting))) is None
+    plan = solve(graph, cluster, solver="ilp", microbatches=64, time_limit_s=4)
+    assert len(plan.stages) == 12 and plan.solver.status is SolverStatus.OPTIMAL
+    assert sum(len(s.devices) for s in plan.stages) == 12
