@@ -18,19 +18,22 @@ Clusters whose device-count vectors (``prod_k (count_k + 1)``) exceed
 :data:`~.lagrange.EXACT_VECTORS` (several kinds, or one kind past ~128
 devices) take the many-kind path of :mod:`.lagrange` instead of the exact DP
 over count vectors, whose state grew to 17 million vectors for 3 kinds x 256:
-the microbatch search runs a coarse exact DP over device units (its first plan
-is logged with the time it took), then :func:`_anytime` bounds the chosen
+the microbatch search runs two restricted exact DPs (device units; kinds in
+blocks along the pipeline) and ranks the counts by the ILP's proxy objective,
+the one the gap certifies, simulating only the chosen plan (its first plan is
+logged with the time it took), then :func:`_anytime` bounds the chosen
 count with a Lagrangian shortest path, streams every improvement as
 ``anytime: <s> s: incumbent <u> ms, bound <l> ms, gap <g>%`` and hands HiGHS
-the candidates the bound has not ruled out. The time limit or Ctrl-C stops it
+the candidates the bound has not ruled out if time is left. The time limit or Ctrl-C stops it
 with the best plan so far and its certified gap (the plan's status is
 ``feasible`` with that gap, or ``optimal`` when the bounds meet). The
 microbatch counts are tried from the most down (the likeliest to fit first),
 and ties go to the fewest. A solve's memory is bounded by construction: the
-DPs keep at most 1,100 count vectors (``REFINE_VECTORS``) per position and
-memory class, and HiGHS gets at most ``MILP_CANDIDATES`` candidates
-(benchmarks/solver_scaling/kinds.py measured at most 458 MiB per solving
-process, a 5 MB profile included, up to 4 kinds x 256). :func:`plan_from_cuts` scores any other
+coarse DP keeps at most 100 count vectors and the blocked DP at most 33 per
+kind (``lagrange.ORDERED_STATES``) per position and memory class, the
+Lagrangian paths none, and HiGHS gets at most ``MILP_CANDIDATES`` candidates
+(benchmarks/solver_scaling/kinds.py measures the peak per solving process,
+the profile included). :func:`plan_from_cuts` scores any other
 partitioner's split (e.g. DeepSpeed's or torchgpipe's) the way the
 baselines are scored.
 
