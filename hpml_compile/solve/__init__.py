@@ -214,10 +214,7 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
                 raise
             say(f"{name}: interrupted; keeping the best plan so far (M={best[2].microbatches})")
             break
-        if not picked:
-            if unimodal and best is not None:  # fewer microbatches hold more memory: the rest will not fit either
-                say(f"{name}: M={m} fits nowhere; fewer microbatches not tried")
-                break
+        if not picked:  # not a reason to stop: fewer microbatches allow larger replica groups (and ZeRO)
             continue
         first = "" if best is not None or t0 is None else f" (first plan after {time.perf_counter() - t0:.3g} s)"
         what = "proxy objective" if proxy else "simulated step"

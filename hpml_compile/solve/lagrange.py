@@ -82,6 +82,8 @@ EXACT_VECTORS = 130
 COARSE_VECTORS = 100
 #: Device-count states per kind of the first plan's :func:`ordered_chain` (devices counted in units beyond).
 ORDERED_STATES = 32
+#: Subgradient steps without a better dual value after which the target level comes closer (halved delta).
+STALE_STEPS = 8
 #: Memory classes of the Lagrangian DP (optimistic beyond: still a lower bound).
 LAGRANGE_CLASSES = 8
 
@@ -450,7 +452,7 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
         the least ``sum(t + comm)`` among tilings by its candidates).
 
         The step is Polyak's towards a target level: ``slack`` (the value that would settle the box) at first,
-        then the best value plus ``delta``, halved after three steps without improvement, so that the steps
+        then the best value plus ``delta``, halved after ``STALE_STEPS`` steps without improvement, so that the steps
         shrink where the target cannot be reached (the target-level method of Brannlund / Goffin and
         Kiwiel) instead of circling the optimum. ``done`` once a path respects the limits at zero
         complementary slack (optimal), the value reaches ``slack``, or ``delta`` is negligible.
@@ -486,13 +488,11 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
             if not math.isfinite(st.delta):
                 st.delta = max(slack - st.value, 1e-3 * max(abs(st.value), 1.0)) if math.isfinite(slack) \
                     else max(abs(h), 1.0)
-            if stale >= 3:
+            if stale >= STALE_STEPS:
                 st.delta, stale = st.delta / 2, 0
-                cur = st.lam.copy()  # restart from the best prices with the shorter step
                 if st.delta <= 1e-7 * max(abs(st.value), 1.0):
                     st.done = True
                     break
-                continue
             target = min(slack, st.value + st.delta) if math.isfinite(slack) else st.value + st.delta
             cur = np.maximum(0.0, cur + max(target - h, 0.0) / norm * g)
         lam = st.lam
@@ -505,13 +505,14 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
     t_min = float(us[0])
     duals: dict[tuple[int, int], _Dual] = {}
 
-    def s_at(i: int, k: int, slack: float, steps: int = iterations) -> float:
+    def s_at(i: int, k: int, slack: float, more: int = 0) -> float:
+        """The dual of pair ``(i, k)``: ``iterations`` steps when first asked, then ``more`` per call."""
         st = duals.get((i, k))
         if st is None:
             st = duals[(i, k)] = _Dual((tab.t <= us[i]) & (tab.tail <= vs[k]))
-            return dual(st, slack, steps)
-        if steps and not st.done:
-            dual(st, slack, steps)
+            return dual(st, slack, iterations)
+        if more and not st.done:
+            dual(st, slack, more)
         return st.value
 
     s_all = s_at(len(us) - 1, len(vs) - 1, upper - (m - 1) * us[0] - vs[0])
