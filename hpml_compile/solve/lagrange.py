@@ -84,6 +84,8 @@ COARSE_VECTORS = 100
 ORDERED_STATES = 32
 #: Subgradient steps without a better dual value after which the target level comes closer (halved delta).
 STALE_STEPS = 8
+#: Most subgradient steps spent on one threshold pair's dual.
+DUAL_STEPS = 240
 #: Memory classes of the Lagrangian DP (optimistic beyond: still a lower bound).
 LAGRANGE_CLASSES = 8
 
@@ -441,11 +443,11 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
     class _Dual:
         """One threshold pair's Lagrangian dual, maximised a few steps at a time (resumable)."""
 
-        __slots__ = ("w0", "value", "lam", "delta", "done")
+        __slots__ = ("w0", "value", "lam", "delta", "done", "steps")
 
         def __init__(self, sel: np.ndarray) -> None:
             self.w0 = np.where(sel, base, np.inf)
-            self.value, self.lam, self.delta, self.done = -math.inf, lam.copy(), math.inf, False
+            self.value, self.lam, self.delta, self.done, self.steps = -math.inf, lam.copy(), math.inf, False, 0
 
     def dual(st: _Dual, slack: float, steps: int) -> float:
         """``steps`` more projected subgradient steps on ``st``; its best dual value so far (a lower bound on
@@ -455,13 +457,18 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
         then the best value plus ``delta``, halved after ``STALE_STEPS`` steps without improvement, so that the steps
         shrink where the target cannot be reached (the target-level method of Brannlund / Goffin and
         Kiwiel) instead of circling the optimum. ``done`` once a path respects the limits at zero
-        complementary slack (optimal), the value reaches ``slack``, or ``delta`` is negligible.
+        complementary slack (optimal), the value reaches ``slack``, ``delta`` is negligible, or after
+        ``DUAL_STEPS`` steps in all.
         """
         nonlocal lam, evals
         cur = st.lam.copy()
         stale = 0
         for _ in range(steps):
+            if st.steps >= DUAL_STEPS:
+                st.done = True  # enough: its bound stands as it is
+                break
             evals += 1
+            st.steps += 1
             got = paths.run(st.w0 + onehot @ cur)
             if got is None:
                 st.value, st.done = math.inf, True
@@ -490,7 +497,7 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
                     else max(abs(h), 1.0)
             if stale >= STALE_STEPS:
                 st.delta, stale = st.delta / 2, 0
-                if st.delta <= 1e-7 * max(abs(st.value), 1.0):
+                if st.delta <= 1e-6 * max(abs(st.value), 1.0):
                     st.done = True
                     break
             target = min(slack, st.value + st.delta) if math.isfinite(slack) else st.value + st.delta
