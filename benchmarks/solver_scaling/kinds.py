@@ -15,7 +15,8 @@ row's own), and the row records, from the solver's log:
 - peak: the process's peak resident memory (``ru_maxrss``), profile loading
   included;
 - each time also as this process's CPU seconds, since the machine is shared
-  (the wall times include waiting for a core).
+  (the wall times include waiting for a core), and the one-minute load
+  average when the row began (``load``).
 
 Goals (issue 16): first plan <= 1 s everywhere; 1% gap <= 10 s up to 3 kinds
 x 256, <= 60 s for 4 kinds x 256; peak < 4 GiB.
@@ -90,7 +91,7 @@ def child(prof: Any, model: str, counts: dict[str, int], limit: float) -> dict[s
         secs = time.perf_counter() - t0
         return {"model": model, "kinds": len(counts), "counts": counts, "devices": sum(counts.values()),
                 "limit_s": limit, "first_plan_s": None, "gap_1pct_s": None, "seconds": round(secs, 3),
-                "status": "infeasible", "gap": 0.0, "cpu_s": round(time.process_time() - c0, 2),
+                "status": "infeasible", "gap": 0.0, "cpu_s": round(time.process_time() - c0, 2), "load1": load,
                 "peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
     secs, cpu = time.perf_counter() - t0, time.process_time() - c0
     first = next(((w, c) for w, c, s in lines if "first plan after" in s), (None, None))
@@ -122,7 +123,8 @@ def _fmt(r: dict[str, Any]) -> str:
     mix = "+".join(f"{c} {k}" for k, c in r["counts"].items())
     return (f"{r['model']:9s} {r['kinds']:5d} {r['devices']:7d}  {f(r['first_plan_s']):>7s} "
             f"{f(r.get('first_plan_cpu_s')):>7s} {f(r['gap_1pct_s']):>7s} {f(r.get('gap_1pct_cpu_s')):>7s} "
-            f"{r['seconds']:8.2f} {r['cpu_s']:7.2f} {r['status']:>10s} {r['gap']:7.2%} {r['peak_mib']:8.0f}  {mix}")
+            f"{r['seconds']:8.2f} {r['cpu_s']:7.2f} {r['status']:>10s} {r['gap']:7.2%} {r['peak_mib']:8.0f} "
+            f"{r.get('load1', 0.0):5.1f}  {mix}")
 
 
 def main() -> None:
@@ -146,7 +148,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     t_start = time.time()
     print(f"{'model':9s} {'kinds':>5s} {'devices':>7s}  {'first s':>7s} {'(cpu)':>7s} {'1% s':>7s} {'(cpu)':>7s} "
-          f"{'total s':>8s} {'(cpu)':>7s} {'status':>10s} {'gap':>7s} {'peak MiB':>8s}  cluster", flush=True)
+          f"{'total s':>8s} {'(cpu)':>7s} {'status':>10s} {'gap':>7s} {'peak MiB':>8s} {'load':>5s}  cluster", flush=True)
     profiles: dict[str, Any] = {}
     ctx = mp.get_context("fork")  # the profile is loaded once; each row's solve runs in a fork of this process
     for model, counts, limit in grid:

@@ -18,19 +18,22 @@ Clusters whose device-count vectors (``prod_k (count_k + 1)``) exceed
 :data:`~.lagrange.EXACT_VECTORS` (several kinds, or one kind past ~128
 devices) take the many-kind path of :mod:`.lagrange` instead of the exact DP
 over count vectors, whose state grew to 17 million vectors for 3 kinds x 256:
-the microbatch search runs a coarse exact DP over device units (its first plan
-is logged with the time it took), then :func:`_anytime` bounds the chosen
+the microbatch search runs two restricted exact DPs (device units; kinds in
+blocks along the pipeline) and ranks the counts by the ILP's proxy objective,
+the one the gap certifies, simulating only the chosen plan (its first plan is
+logged with the time it took), then :func:`_anytime` bounds the chosen
 count with a Lagrangian shortest path, streams every improvement as
 ``anytime: <s> s: incumbent <u> ms, bound <l> ms, gap <g>%`` and hands HiGHS
-the candidates the bound has not ruled out. The time limit or Ctrl-C stops it
+the candidates the bound has not ruled out if time is left. The time limit or Ctrl-C stops it
 with the best plan so far and its certified gap (the plan's status is
 ``feasible`` with that gap, or ``optimal`` when the bounds meet). The
 microbatch counts are tried from the most down (the likeliest to fit first),
 and ties go to the fewest. A solve's memory is bounded by construction: the
-DPs keep at most 1,100 count vectors (``REFINE_VECTORS``) per position and
-memory class, and HiGHS gets at most ``MILP_CANDIDATES`` candidates
-(benchmarks/solver_scaling/kinds.py measured at most 458 MiB per solving
-process, a 5 MB profile included, up to 4 kinds x 256). :func:`plan_from_cuts` scores any other
+coarse DP keeps at most 100 count vectors and the blocked DP at most 33 per
+kind (``lagrange.ORDERED_STATES``) per position and memory class, the
+Lagrangian paths none, and HiGHS gets at most ``MILP_CANDIDATES`` candidates
+(benchmarks/solver_scaling/kinds.py measures the peak per solving process,
+the profile included). :func:`plan_from_cuts` scores any other
 partitioner's split (e.g. DeepSpeed's or torchgpipe's) the way the
 baselines are scored.
 
@@ -74,13 +77,14 @@ from .baselines import Baseline, balanced_cuts, baseline_stages, stages_from_cut
 from .candidates import Candidate, Chain, Setting, kind_counts, to_plan
 from .dp import objective, solve_chain
 from .ilp import IlpResult, milp, prune, solve_ilp
-from .lagrange import EXACT_VECTORS, coarse_chain, coarse_groups, lagrangian_bounds, reduced_cost_prune, vectors
+from .lagrange import (EXACT_VECTORS, coarse_chain, coarse_groups, lagrangian_bounds, ordered_chain, ordered_groups,
+                       ordered_units, reduced_cost_prune, speed_order, vectors)
 from .table import build_table
 
 #: Most candidates handed to HiGHS after pruning (beyond, the Lagrangian bounds alone decide; memory).
 MILP_CANDIDATES = 15000
-#: Device-count vectors of the finer coarse DP run once at the chosen microbatch count.
-REFINE_VECTORS = 1100
+#: Share of the many-kind path's time left after the search that the Lagrangian bounds may take (then HiGHS).
+BOUNDS_SHARE = 0.85
 
 __all__ = ["SolverName", "solve", "microbatch_choices", "plan_from_cuts", "choose_compression"]
 
@@ -154,19 +158,26 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
 
     def pick(setting: Setting) -> list[Candidate] | None:
         if name in (SolverName.ILP, SolverName.DP):
-            if large:  # only the degrees the coarse DP can use: a small table, a first plan early
-                return coarse_chain(chain, cluster, setting,
-                                    build_table(chain, cluster, setting, groups=coarse_groups(cluster, setting)))
+            if large:  # only the degrees the two restricted DPs use: a small table, a first plan early
+                return _first_plan(chain, cluster, setting)
             return solve_chain(chain, cluster, setting, build_table(chain, cluster, setting))
         got = baseline_stages(chain, cluster, setting, Baseline(name.value))
         return None if isinstance(got, str) else got
 
     ms = ms[::-1]  # the most microbatches first: least memory, so the likeliest to fit, for a first plan early
     best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0, unimodal=large, compress=allowed,
-                   fraction=frac, hierarchical=hierarchical)
+                   fraction=frac, hierarchical=hierarchical, proxy=large and name in (SolverName.ILP, SolverName.DP))
     if best is None:
         raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype, allowed, frac)))
     step, plan, setting, picked = best
+
+    def simulated() -> tuple[float, Plan]:  # the search's plan, simulated now if the search ranked by the proxy
+        if plan is not None:
+            return step, plan
+        p, r = annotate(choose_compression(to_plan(chain, cluster, setting, picked, SolverInfo(name.value)),
+                                           costgraph, dtype, allowed), costgraph, dtype)
+        return r.step_ms, p
+
     gap = 0.0
     if name is SolverName.DP and large:  # the coarse DP is exact only over its units: certify its gap
         b, _ = lagrangian_bounds(chain, cluster, setting, build_table(chain, cluster, setting), start=picked,
@@ -183,8 +194,9 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
                                    costgraph, dtype)
             proxy = objective(res.picked, setting.microbatches)  # what the ILP minimised, not the simulated step
             say(f"ilp: M={setting.microbatches}: ILP proxy objective {proxy:.4g} ms; simulated step {r.step_ms:.4g} ms")
-            if r.step_ms <= step:
-                plan = ilp_plan
+            if res.picked == picked or r.step_ms <= simulated()[0]:
+                step, plan = r.step_ms, ilp_plan
+    step, plan = simulated()
     info = SolverInfo(name.value, status, gap, time.perf_counter() - t0)
     if allowed is not None:
         chosen = [f"stage {st.index}: {st.compress}" for st in plan.stages if st.compress]
@@ -224,17 +236,20 @@ def choose_compression(plan: Plan, graph: CostGraph, dtype: str, allowed: Compre
 def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtype: str,
             pick: Callable[[Setting], list[Candidate] | None], name: str, say: Callable[[str], None],
             t0: float | None = None, unimodal: bool = False, compress: Compression | None = None,
-            fraction: float | None = None, hierarchical: bool = True
-            ) -> tuple[float, Plan, Setting, list[Candidate]] | None:
+            fraction: float | None = None, hierarchical: bool = True, proxy: bool = False
+            ) -> tuple[float, Plan | None, Setting, list[Candidate]] | None:
     """The microbatch count whose stages (from ``pick``) simulate fastest: ``(step, plan, setting, stages)``.
 
     Stopped by Ctrl-C (KeyboardInterrupt) after a first plan, it returns the best so far. ``unimodal``:
-    stop once two counts in a row simulate slower than the best (the step time falls, then rises, as
-    the bubble shrinks and the per-microbatch fixed costs grow); a heuristic, used where the search is
-    not exact anyway (the many-kind path).
+    stop once two counts in a row are worse than the best (the step time falls, then rises, as the
+    bubble shrinks and the per-microbatch fixed costs grow); a heuristic, used where the search is not
+    exact anyway (the many-kind path). ``proxy`` (the many-kind path's ILP and DP): the counts are ranked
+    by the ILP's proxy objective (what the gap certifies) and only the chosen plan is simulated
+    (simulating every count cost ~0.4 s each on 3 x 256 devices, more than finding the plans); the plan
+    is then None (the caller simulates it).
     """
     graph = chain.graph
-    best: tuple[float, Plan, Setting, list[Candidate]] | None = None
+    best: tuple[float, Plan | None, Setting, list[Candidate]] | None = None
     worse = 0
     for m in ms:
         if unimodal and worse >= 2 and best is not None:
@@ -244,21 +259,40 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
             setting = Setting(m, sched, graph.batch_size, dtype, compress, fraction, hierarchical)
             picked = pick(setting)
             if not picked:
-                continue
-            plan, r = annotate(choose_compression(to_plan(chain, cluster, setting, picked, SolverInfo(name)), graph,
-                                                  dtype, compress), graph, dtype)
+                plan, step = None, math.inf
+            elif proxy:  # ranked by the proxy the bounds certify; only the chosen plan is simulated
+                plan, step = None, objective(picked, m)
+            else:
+                plan, r = annotate(choose_compression(to_plan(chain, cluster, setting, picked, SolverInfo(name)),
+                                                      graph, dtype, compress), graph, dtype)
+                step = r.step_ms
         except KeyboardInterrupt:
             if best is None:
                 raise
             say(f"{name}: interrupted; keeping the best plan so far (M={best[2].microbatches})")
             break
+        if not picked:  # not a reason to stop: fewer microbatches allow larger replica groups (and ZeRO)
+            continue
         first = "" if best is not None or t0 is None else f" (first plan after {time.perf_counter() - t0:.3g} s)"
-        say(f"{name}: M={m}: {len(plan.stages)} stages, simulated step {r.step_ms:.4g} ms{first}")
-        if best is None or r.step_ms < best[0] or (r.step_ms == best[0] and m < best[2].microbatches):
-            best, worse = (r.step_ms, plan, setting, picked), 0  # ties: the fewest microbatches
+        what = "proxy objective" if proxy else "simulated step"
+        say(f"{name}: M={m}: {len(picked)} stages, {what} {step:.4g} ms{first}")
+        if best is None or step < best[0] or (step == best[0] and m < best[2].microbatches):
+            best, worse = (step, plan, setting, picked), 0  # ties: the fewest microbatches
         else:
             worse += 1
     return best
+
+
+def _first_plan(chain: Chain, cluster: Cluster, setting: Setting) -> list[Candidate] | None:
+    """The better of the two restrictions' plans (None if neither fits): the coarse DP over device units of
+    every kind at once, and the DP with the kinds in blocks (fastest first), whose state is one kind's
+    devices, so its units stay small and it finds a plan where the coarse units leave too few devices."""
+    groups = sorted(set(coarse_groups(cluster, setting)) | set(ordered_groups(cluster, setting)))
+    tab = build_table(chain, cluster, setting, groups=groups)
+    plans = [coarse_chain(chain, cluster, setting, tab),
+             ordered_chain(chain, cluster, setting, tab, speed_order(chain, tab.kinds),
+                           unit=ordered_units(cluster, setting))]
+    return min((p for p in plans if p), key=lambda p: objective(p, setting.microbatches), default=None)
 
 
 def _gap(lower: float, upper: float) -> float:
@@ -296,11 +330,10 @@ def _anytime(chain: Chain, cluster: Cluster, setting: Setting, warm: list[Candid
     try:
         report(0.0, state["upper"], warm)
         tab = build_table(chain, cluster, setting, max_time=state["upper"] * (1 + 1e-9))
-        finer = coarse_chain(chain, cluster, setting, tab, budget=REFINE_VECTORS)  # a finer unit, a better plan
-        if finer and objective(finer, m) < state["upper"]:
-            report(0.0, objective(finer, m), finer)
+        # The bounds first: their shortest paths that respect the limits are the best plans found at scale
+        # (3 x 256: 74,734 ms where the restricted DPs' best was 79,548), and they prune for the MILP.
         b, lam = lagrangian_bounds(chain, cluster, setting, tab, start=warm,
-                                   deadline=start + 0.6 * (deadline - start), progress=report)
+                                   deadline=start + BOUNDS_SHARE * (deadline - start), progress=report)
         report(b.lower, b.upper, b.plan)
         say(f"anytime: Lagrangian bounds after {b.evaluations} shortest paths")
         if _gap(state["lower"], state["upper"]) <= 1e-6 or time.perf_counter() >= deadline - 0.5:
@@ -375,6 +408,7 @@ def plan_from_cuts(costgraph: CostGraph, cluster: Cluster, cuts: Sequence[int], 
     if best is None:
         raise InfeasibleError(f"{name}: the split {list(cuts)} fits at no microbatch count in {ms}: {why[-1]}")
     plan = best[1]
+    assert plan is not None  # simulated: proxy ranking is off here
     return Plan(plan.model, plan.cluster, plan.schedule, plan.microbatches, plan.stages, plan.predicted,
                 SolverInfo(name, SolverStatus.HEURISTIC, 0.0, time.perf_counter() - t0))
 

@@ -401,3 +401,89 @@ def test_anytime_stops_with_the_best_plan_and_its_gap() -> None:
     assert "<interrupt>" in seen and any("interrupted" in x for x in seen)
     assert plan.stages and plan.solver.status in (SolverStatus.OPTIMAL, SolverStatus.FEASIBLE)
     assert 0.0 <= plan.solver.gap <= 1.0
+
+
+def reference_ordered(chain: Chain, cluster: Cluster, setting: Setting, cands: list[Candidate],
+                      order: tuple[str, ...], max_classes: int = 4) -> tuple[float, float]:
+    """Min over tilings whose kinds come in blocks in ``order`` of (bottleneck, sum of t + comm + tail), by recursion."""
+    counts = kind_counts(cluster)
+    big_j = classes(setting, len(cluster.devices))
+    jc = min(big_j, max_classes)
+    need = (lambda j: j if j < jc else big_j)
+    nexts = (lambda j: (0,) if jc == 0 else (() if j == 0 else ((j - 1,) if j < jc else (jc, jc - 1))))
+    memo: dict = {}
+
+    def best(k: int, i: int, left: int, j: int) -> tuple[float, float]:
+        key = (k, i, left, j)
+        if key in memo:
+            return memo[key]
+        top = best(k, i + 1, counts[order[i + 1]], j) if i + 1 < len(order) else (math.inf, math.inf)
+        for c in cands:
+            if c.a != k or c.kind != order[i] or c.d > left or c.jmax < need(j):
+                continue
+            own = c.t + c.comm + c.tail
+            if c.b == chain.n:
+                if jc == 0 or j == 0:
+                    top = min(top, (c.t, own))
+                continue
+            for nj in nexts(j):
+                sub = best(c.b, i, left - c.d, nj)
+                if sub[0] < math.inf:
+                    top = min(top, (max(c.t, sub[0]), own + sub[1]))
+        memo[key] = top
+        return top
+
+    return min(best(0, 0, counts[order[0]], j) for j in range(jc + 1))
+
+
+@HYP
+@given(cases(), st.randoms(use_true_random=False))
+def test_ordered_dp_matches_reference_and_fits(case, rnd) -> None:
+    """The first-plan DP with kinds in blocks (lagrange.ordered_chain) finds the least (bottleneck, sum) of the
+    blocked tilings, exactly as a plain recursion does; its plan fits; with one kind it is the exact DP."""
+    from hpml_compile.solve.lagrange import feasible, ordered_chain
+    from hpml_compile.solve.table import build_table
+
+    chain, cluster, setting = _setup(case)
+    tab = build_table(chain, cluster, setting)
+    order = list(kind_counts(cluster))
+    rnd.shuffle(order)
+    want = reference_ordered(chain, cluster, setting, tab.candidates(), tuple(order))
+    got = ordered_chain(chain, cluster, setting, tab, tuple(order))
+    if want[0] == math.inf:
+        assert got is None
+        return
+    assert got is not None
+    assert got[0].a == 0 and got[-1].b == chain.n and all(x.b == y.a for x, y in zip(got, got[1:]))
+    assert feasible(got, kind_counts(cluster), classes(setting, len(cluster.devices)))
+    seen = [c.kind for c in got]
+    assert [k for i, k in enumerate(seen) if i == 0 or seen[i - 1] != k] == [k for k in order if k in seen]
+    assert max(c.t for c in got) == pytest.approx(want[0], rel=1e-12)
+    assert sum(c.t + c.comm + c.tail for c in got) == pytest.approx(want[1], rel=1e-9)
+    if len(order) == 1:
+        assert want == pytest.approx(reference_dp(chain, cluster, setting, tab.candidates()), rel=1e-9)
+
+
+def test_many_kinds_plan_where_the_coarse_units_leave_too_few_devices() -> None:
+    """12 blocks that fit one to a device, 3 kinds x 8 devices, one row per microbatch (degree 1 only): the
+    coarse DP's units leave it fewer than 12 devices, so it finds nothing; the solve still plans (the DP with
+    kinds in blocks counts every device) and proves it optimal, where it used to raise InfeasibleError."""
+    from hpml_compile.plan import SolverStatus
+    from hpml_compile.solve import solve
+    from hpml_compile.solve.lagrange import coarse_chain, coarse_groups
+    from hpml_compile.solve.table import build_table
+    from hpml_compile.solve.testing import chain_profile
+
+    speeds = {"A100-80GB": 1.0, "H100-80GB": 0.5, "V100-32GB": 2.0}
+    graph = build(chain_profile([{k: (2.0 * s, 4.0 * s) for k, s in speeds.items()}] * 12,
+                                param_bytes=[200 * MiB] * 12, activation_bytes=[MiB] * 12, batch_size=64))
+    cluster = Cluster(devices=tuple(Device(f"d{i}", k, 0.5, host=f"h{i // 8}")
+                                    for i, k in enumerate(k for k in speeds for _ in range(8))), name="tight")
+    chain, setting = Chain.of(graph), Setting(64, Schedule.ONE_F_ONE_B, 64)
+    tab = build_table(chain, cluster, setting)
+    assert int((tab.b - tab.a).max()) == 1  # one block per device
+    assert coarse_chain(chain, cluster, setting, build_table(chain, cluster, setting,
+                                                             groups=coarse_groups(cluster, setting))) is None
+    plan = solve(graph, cluster, solver="ilp", microbatches=64, time_limit_s=4)
+    assert len(plan.stages) == 12 and plan.solver.status is SolverStatus.OPTIMAL
+    assert sum(len(s.devices) for s in plan.stages) == 12
