@@ -79,6 +79,7 @@ class Options:
         dump_dir: write each pass's output here (default: ``$HPML_DUMP``, else nothing).
         uneven: after solving, also try plans whose stages mix device kinds with uneven rows per replica
             (:mod:`hpml_compile.solve.uneven`) and keep the fastest (never slower than the solver's own).
+        hierarchical: let a stage whose replicas span hosts all-reduce hierarchically where faster (exact).
         precision: ``fp32``, ``bf16`` or ``fp16`` (:class:`~hpml_compile.ir.Precision`): what :func:`compile`
             profiles and trains in; for :func:`plan` and :func:`replan`, what the profile (the running plan)
             must be in. None: fp32 for :func:`compile`, the profile's (the old plan's) otherwise.
@@ -96,6 +97,7 @@ class Options:
     dump_dir: str | Path | None = None
     precision: Precision | str | None = None
     uneven: bool = True
+    hierarchical: bool = True
     compress: str | None = None
     allow_compress: str | None = None
     sync_every: int = 1
@@ -313,7 +315,8 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
         progress(f"{prof.model}: {len(graph.order)} blocks after coarsening ({len(prof.nodes)} nodes)")
     result = solve(graph, cluster, solver=opts.solver, microbatches=opts.microbatches,               # 5. solve
                    schedule=opts.schedule or Schedule.ONE_F_ONE_B, time_limit_s=opts.time_limit_s,
-                   dtype=prof.dtype, progress=progress, compress=opts.allow_compress)
+                   dtype=prof.dtype, progress=progress, compress=opts.allow_compress,
+                   hierarchical=opts.hierarchical)
     if opts.uneven:                                                                 # 5b. mixed kinds, uneven rows
         result = improve_uneven(graph, cluster, result, dtype=prof.dtype, microbatches=opts.microbatches,
                                 time_limit_s=min(10.0, opts.time_limit_s), progress=progress).plan

@@ -69,13 +69,21 @@ def add_comm_options(p: argparse.ArgumentParser, *, solver: bool = True) -> None
                         "(default 1: every step, plain data parallelism)")
     g.add_argument("--sync-warmup", type=int, default=None, dest="sync_warmup", metavar="K",
                    help="steps of per-step gradient sync before local SGD starts (default 0)")
+    if solver:
+        g.add_argument("--no-hierarchical", action="store_false", dest="hierarchical",
+                       help="keep every all-reduce flat (default: a stage whose replicas span hosts, each holding the "
+                            "same number, all-reduces hierarchically where the cost model says it is faster)")
+        p.add_argument("--no-uneven", action="store_false", dest="uneven",
+                       help="do not try stages that mix device kinds with uneven rows per replica (default: tried on "
+                            "clusters of several kinds, kept only when faster than the solver's plan)")
 
 
 def comm_options(args: argparse.Namespace) -> dict[str, Any]:
     """The :class:`~hpml_compile.driver.Options` fields of :func:`add_comm_options`."""
     return {"compress": args.compress, "allow_compress": getattr(args, "allow_compress", None),
             "sync_every": 1 if args.sync_every is None else args.sync_every,
-            "sync_warmup": 0 if args.sync_warmup is None else args.sync_warmup}
+            "sync_warmup": 0 if args.sync_warmup is None else args.sync_warmup,
+            **({"hierarchical": args.hierarchical, "uneven": args.uneven} if hasattr(args, "uneven") else {})}
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Profile, Cluster]:

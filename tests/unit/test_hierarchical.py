@@ -131,3 +131,24 @@ def test_the_tied_allreduce_is_recorded_priced_per_level_and_refused_where_no_gr
     one_host = replace(hier, cluster=Cluster(devices=tuple(replace(d, host="n0") for d in gpus), name="1x4"))
     with pytest.raises(PlanError, match=r"tied parameters, but none of its groups of stages sharing parameters \(\[\[0, 1\]\]\)"):
         validate_plan(one_host, prof)
+
+
+def test_the_plan_command_keeps_every_allreduce_flat_when_told() -> None:
+    import argparse
+
+    from hpml_compile import driver
+    from hpml_compile.cli.plan import add_comm_options, comm_options
+    from hpml_compile.solve.testing import dag_profile
+
+    p = argparse.ArgumentParser()
+    add_comm_options(p)
+    assert comm_options(p.parse_args([]))["hierarchical"] is True
+    opts = comm_options(p.parse_args(["--no-hierarchical", "--no-uneven"]))
+    assert opts["hierarchical"] is False and opts["uneven"] is False
+    c = load_cluster("2node-a100-16")
+    two = Cluster(devices=tuple(d for d in c.devices if d.name in {"gpu0", "gpu1", "gpu8", "gpu9"}), name="2x2")
+    prof = dag_profile([(1.0, 2.0)] * 4, [[], [0], [1], [2]], kind="A100-80GB", param_bytes=2**20, batch_size=64)
+    made = {h: driver.plan(prof, two, driver.Options(solver="dp", microbatches=1, **({} if h else opts)))
+            for h in (True, False)}
+    assert any(st.allreduce is AllReduce.HIERARCHICAL for st in made[True].stages), made[True].stages
+    assert all(st.allreduce is AllReduce.FLAT for st in made[False].stages)
