@@ -50,6 +50,7 @@ from .costgraph import CostGraph
 from .costgraph import build as build_costgraph
 from .errors import BuildMismatchError, HpmlError, OptionError
 from .ir import Cluster, FrontEnd, Precision, Profile
+from .memory import compute_bytes
 from .plan import Plan, Schedule, save_plan, validate_plan
 from .profile import predict_kinds, profile, save_profile
 from .recipe import ModelRecipe, read_recipe
@@ -289,7 +290,7 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
         progress(f"{prof.model}: {len(graph.order)} blocks after coarsening ({len(prof.nodes)} nodes)")
     result = solve(graph, cluster, solver=opts.solver, microbatches=opts.microbatches,               # 5. solve
                    schedule=opts.schedule or Schedule.ONE_F_ONE_B, time_limit_s=opts.time_limit_s,
-                   dtype=prof.dtype, progress=progress)
+                   dtype=prof.dtype, compute_bytes=compute_bytes(prof.precision.value), progress=progress)
     result = replace(result, precision=prof.precision)                              # trains as it was timed
     validate_plan(result, prof)                                                     # every node placed once
     _dump(opts, "4-plan.json", lambda p: save_plan(result, p))

@@ -23,7 +23,7 @@ from typing import Any
 
 from .errors import PlanError, SchemaError
 from .ir import Cluster, Precision, Profile, Schedule
-from .memory import GiB, MemoryBreakdown, ZeroStage, dtype_bytes, tied_elsewhere, tied_shared
+from .memory import GiB, MemoryBreakdown, ZeroStage, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
 from .stagecost import device_memory, in_flight
 
@@ -356,6 +356,7 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage) -> MemoryBreakdo
         swapped_bytes=sum(n.activation_bytes for n in nodes if n.name in swapped),
         offload_optimizer=stage.offload_optimizer,
         host_is_device=all(plan.cluster.device(d).is_cpu for d in stage.devices),
+        compute_bytes=compute_bytes(plan.precision.value),  # autocast's weight copies per microbatch in flight
     )
     # the gradients of parameters tied to another stage are all-reduced through a flat buffer kept across steps
     shared = tied_shared(((n.name, n.params) for n in profile.nodes), profile.parameters, names)
@@ -395,7 +396,7 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             profile's; a node placed twice, unknown or never; an edge from a
             later stage to an earlier one; a device unknown or used twice;
             optimizer offload on a CPU device (the host is the device); a device
-            over its memory; ZeRO-3, which the runtime does not perform.
+            over its memory; ZeRO-3 together with optimizer offload, which the runtime does not combine.
     """
     if plan.precision is not profile.precision:
         raise PlanError(f"the plan trains in {plan.precision.value} but the profile of {profile.model} was timed in "
@@ -404,10 +405,9 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                         f"{profile.precision.value}")
     where = node_stages(plan)
     for st in plan.stages:
-        if st.zero > ZeroStage.OS_G:
-            raise PlanError(f"stage {st.index} asks for ZeRO-{int(st.zero)}, which the runtime does not perform "
-                            "(a stage's parameters are gathered whole for its compute, so it would save nothing at "
-                            "the peak): use zero 1 (optimizer state sharded) or 2")
+        if st.zero == ZeroStage.OS_G_P and st.offload_optimizer:
+            raise PlanError(f"stage {st.index} asks for ZeRO-3 with optimizer offload, which the runtime does not "
+                            "combine (runtime/zero3.py): use ZeRO-3 without offload, or ZeRO-1 with it")
         for s in st.swap:
             if s not in st.nodes:
                 raise PlanError(f"stage {st.index} swaps {s!r}, which is not one of its nodes")

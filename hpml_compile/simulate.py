@@ -29,8 +29,8 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   before the backward starts.
 - After its last backward a replicated stage synchronises gradients: a ring
   all-reduce (ZeRO-0), reduce-scatter + all-gather (ZeRO-1/2, Rajbhandari et
-  al. 2020; ZeRO-3 is refused by plan validation, the runtime does not
-  perform it); an
+  al. 2020; ZeRO-3: reduce-scatter, and the parameters' all-gathers before
+  each microbatch's forward and backward, counted here with the tail); an
   offloaded optimizer moves gradients to the host and parameters back.
   Parameters shared by several stages (tied embeddings) are then summed by
   one all-reduce over the devices of those stages, which waits for all of
@@ -80,7 +80,7 @@ import cost_models
 from .cluster import host_link_spec, link_spec
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
-from .memory import MemoryBreakdown, dtype_bytes, tied_elsewhere, tied_shared
+from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (copy_ms, device_memory, in_flight, optimizer_ms, stream_bytes_per_ms, stream_ms,
@@ -248,7 +248,8 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
                             dtype_bytes=dtype_bytes(dtype), replicas=d, zero=st.zero, microbatches=m,
                             in_flight=in_flight(plan.schedule, m, s_count - st.index - 1),
                             recompute=st.recompute, swapped_bytes=swapped,
-                            offload_optimizer=st.offload_optimizer, host_is_device=host_is_device)
+                            offload_optimizer=st.offload_optimizer, host_is_device=host_is_device,
+                            compute_bytes=compute_bytes(plan.precision.value))
         shared = tied_shared(((n, graph.node(n).params) for n in graph.order), graph.param_sizes, set(nodes))
         mem = replace(mem, grads=mem.grads + shared) if shared else mem  # the tied gradients' flat buffer
         send_ms = []
@@ -266,7 +267,7 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
             if d > 1 else None
         fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts, m, d, rate)
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms),
-                             sync_ms(params, d, st.zero, st.offload_optimizer, group, host) + copy, mem, opt_ms,
+                             sync_ms(params, d, st.zero, st.offload_optimizer, group, host, m) + copy, mem, opt_ms,
                              fwd_stream, bwd_stream, copy))
     return tuple(out)
 

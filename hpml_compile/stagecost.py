@@ -15,8 +15,11 @@ The memory of one device of a stage replicated over ``d`` devices, at its peak
 (:mod:`hpml_compile.runtime.zero`):
 
 - parameters ``P``: whole under every ZeRO stage, since a stage's compute uses
-  them whole (ZeRO-3, sharding them between uses, would save nothing at the
-  peak, and the runtime does not perform it);
+  them whole; ZeRO-3 (:mod:`hpml_compile.runtime.zero3`) holds only the owned
+  shard ``P / d`` between uses, but gathers the whole stage (its one unit) for
+  each microbatch's forward and backward, so at the peak ``P + P / d``: more
+  than ZeRO-1/2, and the solver never prefers it for memory (it is offered; a
+  plan may name it);
 - gradients ``P``: they accumulate whole over all microbatches before the one
   reduce-scatter of the step, so ZeRO-2, which keeps only the shard after it,
   holds ``P`` at the peak like ZeRO-1;
@@ -30,9 +33,8 @@ The memory of one device of a stage replicated over ``d`` devices, at its peak
   includes the compute-dtype weight copies autocast keeps for the backward.
   Those copies are counted once per batch and so divided among the
   microbatches like the activations, whereas each microbatch in flight holds
-  a whole copy: with ``M * d > 1`` they are under-counted (by up to
-  ``in_flight * P / 2`` for bf16); a separate per-microbatch term is not
-  modelled yet.
+  a whole copy: the rest of it is a term of its own per microbatch in flight
+  (:func:`hpml_compile.memory.autocast_copy_bytes`, ``compute_bytes``).
 - activations: what autograd saves for one microbatch on one replica is
   ``A / (M * d)`` (the profile's ``A`` is for the whole batch), times the
   microbatches in flight (:func:`in_flight`): all ``M`` under GPipe (Huang et
@@ -45,8 +47,9 @@ The memory of one device of a stage replicated over ``d`` devices, at its peak
 Times (milliseconds), per step:
 
 - gradient sync (:func:`sync_ms`): a ring all-reduce (ZeRO-0), reduce-scatter of
-  the flat gradient + all-gather of the stepped shards (ZeRO-1/2; ZeRO-3 would
-  add one more all-gather, but plans never name it); an offloaded optimizer moves its shard of gradients to the host and
+  the flat gradient + all-gather of the stepped shards (ZeRO-1/2; ZeRO-3 instead
+  all-gathers the stage's parameters twice per microbatch, for its forward and
+  its backward, counted here with the step's tail); an offloaded optimizer moves its shard of gradients to the host and
   parameters back. Plus, under ZeRO-1/2, copying the gathered parameters into
   their flat buffer (:func:`copy_ms`; gradients accumulate in the buffer the
   collective reads, so they are not copied).
@@ -83,7 +86,7 @@ import cost_models
 
 from .costgraph import CostGraph
 from .ir import Schedule, base_kind
-from .memory import MemoryBreakdown, ZeroStage
+from .memory import MemoryBreakdown, ZeroStage, autocast_copy_bytes
 
 __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "copy_ms",
            "optimizer_ms", "stream_ms", "stream_bytes_per_ms"]
@@ -143,7 +146,7 @@ class MemoryParts(NamedTuple):
 def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Value, dtype_bytes: int,
                  replicas: int, zero: ZeroStage | int, microbatches: int, recompute: bool = False,
                  swapped_bytes: Value = 0, offload_optimizer: bool = False,
-                 host_is_device: bool = False) -> MemoryParts:
+                 host_is_device: bool = False, compute_bytes: int = 0) -> MemoryParts:
     """Per-device memory of a stage (see the module docstring), on ints or int64 arrays alike.
 
     Args:
@@ -158,6 +161,8 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
         swapped_bytes: activation bytes (whole batch) swapped to host memory.
         offload_optimizer: keep the Adam state in host memory.
         host_is_device: the device is the host CPU, so offload and swap save nothing.
+        compute_bytes: bytes per element of the autocast compute dtype (0: fp32, no autocast): each
+            microbatch in flight then also holds its weight copies (:func:`~hpml_compile.memory.autocast_copy_bytes`).
 
     Returns:
         The parts, each of the form of ``param_bytes`` and ``activation_bytes``.
@@ -166,6 +171,8 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
     d = max(1, replicas)
     p = param_bytes
     params = grads = p  # whole at the peak under every ZeRO stage (see the module docstring)
+    if z == ZeroStage.OS_G_P:
+        params = p + p // d  # ZeRO-3: the owned shard, plus the whole stage gathered while a microbatch computes
     opt_full = 8 * p // max(1, dtype_bytes)
     opt = opt_full // d if z >= ZeroStage.OS else opt_full
     host = p * 0
@@ -178,19 +185,25 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
         stored, working = _minimum(input_bytes // per, act), act
     else:
         stored, working = act - swapped, swapped
+    copies = autocast_copy_bytes(p, dtype_bytes, compute_bytes, microbatches, d)
+    if recompute:  # the copies of the one microbatch whose forward is recomputed
+        working = working + copies
+    else:
+        stored = stored + copies
     return MemoryParts(params, grads, opt, stored, working, host)
 
 
 def device_memory(*, param_bytes: int, activation_bytes: int, input_bytes: int, dtype_bytes: int,
                   replicas: int, zero: ZeroStage | int, microbatches: int, in_flight: int,
                   recompute: bool = False, swapped_bytes: int = 0, offload_optimizer: bool = False,
-                  host_is_device: bool = False) -> MemoryBreakdown:
+                  host_is_device: bool = False, compute_bytes: int = 0) -> MemoryBreakdown:
     """Peak memory of one device of a stage: :func:`memory_parts` with the microbatches in flight.
 
     Args:
         in_flight: microbatches whose activations are alive at the peak (:func:`in_flight`).
         param_bytes, activation_bytes, input_bytes, dtype_bytes, replicas, zero, microbatches, recompute,
-            swapped_bytes, offload_optimizer, host_is_device: as for :func:`memory_parts` (scalars here).
+            swapped_bytes, offload_optimizer, host_is_device, compute_bytes: as for :func:`memory_parts`
+            (scalars here).
 
     Returns:
         The breakdown.
@@ -198,7 +211,7 @@ def device_memory(*, param_bytes: int, activation_bytes: int, input_bytes: int, 
     m = memory_parts(param_bytes=param_bytes, activation_bytes=activation_bytes, input_bytes=input_bytes,
                      dtype_bytes=dtype_bytes, replicas=replicas, zero=zero, microbatches=microbatches,
                      recompute=recompute, swapped_bytes=swapped_bytes, offload_optimizer=offload_optimizer,
-                     host_is_device=host_is_device)
+                     host_is_device=host_is_device, compute_bytes=compute_bytes)
     return MemoryBreakdown(m.params, m.grads, m.optimizer, m.stored, m.working, max(1, in_flight), m.host)
 
 
@@ -239,7 +252,7 @@ def transfer_ms(fn: Callable[..., float], nbytes: Value, link: cost_models.LinkS
 
 
 def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_optimizer: bool,
-            link: cost_models.LinkSpec | None, host: cost_models.LinkSpec) -> Value:
+            link: cost_models.LinkSpec | None, host: cost_models.LinkSpec, microbatches: int = 1) -> Value:
     """Gradient synchronisation of a stage after its last backward (the collectives and the offload copies).
 
     Args:
@@ -249,6 +262,7 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         offload_optimizer: the Adam state lives in host memory.
         link: the slowest link between the stage's devices (None for one device).
         host: the link between the stage's devices and their host's memory.
+        microbatches: ``M`` (ZeRO-3 gathers the parameters for each microbatch's forward and backward).
 
     Returns:
         Milliseconds, of the form of ``param_bytes``.
@@ -259,10 +273,9 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         if z == ZeroStage.NONE:
             total = total + transfer_ms(cost_models.allreduce_ms, param_bytes, link, replicas)
         else:
+            gathers = 2 * max(1, microbatches) if z == ZeroStage.OS_G_P else 1
             total = total + (transfer_ms(cost_models.reduce_scatter_ms, param_bytes, link, replicas)
-                             + transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas))
-            if z == ZeroStage.OS_G_P:
-                total = total + transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas)
+                             + gathers * transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas))
     if offload_optimizer:
         shard = param_bytes // replicas if z >= ZeroStage.OS else param_bytes
         total = total + 2 * transfer_ms(cost_models.p2p_ms, shard, host)

@@ -95,7 +95,7 @@ def microbatch_choices(batch_size: int, cap: int = 64) -> list[int]:
 
 def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = SolverName.ILP,
           microbatches: int | None = None, schedule: Schedule | str = Schedule.ONE_F_ONE_B,
-          time_limit_s: float = 30.0, dtype: str = "float32",
+          time_limit_s: float = 30.0, dtype: str = "float32", compute_bytes: int = 0,
           progress: Callable[[str], None] | None = None) -> Plan:
     """Place ``costgraph`` on ``cluster``.
 
@@ -107,6 +107,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         schedule: GPipe or 1F1B.
         time_limit_s: time limit of the ILP (on the many-kind path: of the whole solve, from its start).
         dtype: parameter dtype (Adam state size).
+        compute_bytes: bytes per element of the autocast compute dtype (0: fp32; see
+            :func:`hpml_compile.memory.autocast_copy_bytes`).
         progress: called with a line of text as the solve goes on.
 
     Returns:
@@ -141,9 +143,11 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         return None if isinstance(got, str) else got
 
     ms = ms[::-1]  # the most microbatches first: least memory, so the likeliest to fit, for a first plan early
-    best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0, unimodal=large)
+    best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0, unimodal=large,
+                   compute_bytes=compute_bytes)
     if best is None:
-        raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype)))
+        raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype,
+                                                               compute_bytes)))
     step, plan, setting, picked = best
     gap = 0.0
     if name is SolverName.DP and large:  # the coarse DP is exact only over its units: certify its gap
@@ -168,7 +172,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
 
 def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtype: str,
             pick: Callable[[Setting], list[Candidate] | None], name: str, say: Callable[[str], None],
-            t0: float | None = None, unimodal: bool = False) -> tuple[float, Plan, Setting, list[Candidate]] | None:
+            t0: float | None = None, unimodal: bool = False, compute_bytes: int = 0
+            ) -> tuple[float, Plan, Setting, list[Candidate]] | None:
     """The microbatch count whose stages (from ``pick``) simulate fastest: ``(step, plan, setting, stages)``.
 
     Stopped by Ctrl-C (KeyboardInterrupt) after a first plan, it returns the best so far. ``unimodal``:
@@ -184,7 +189,7 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
             say(f"{name}: M={m} and fewer not tried: two counts in a row were slower than M={best[2].microbatches}")
             break
         try:
-            setting = Setting(m, sched, graph.batch_size, dtype)
+            setting = Setting(m, sched, graph.batch_size, dtype, compute_bytes)
             picked = pick(setting)
             if not picked:
                 continue

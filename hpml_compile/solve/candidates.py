@@ -117,13 +117,16 @@ class StageConfig:
 
 
 # Cheapest first within each family; enumerate_candidates keeps those that buy memory.
-# ZeRO-0 and ZeRO-1 only: the runtime accumulates a step's gradients whole before its one reduce-scatter,
-# so ZeRO-2 holds the same at the peak as ZeRO-1 (stagecost.memory_parts), and ZeRO-3 is not performed
-# (runtime/zero.py says why).
-OFFERED_ZERO: tuple[ZeroStage, ...] = (ZeroStage.NONE, ZeroStage.OS)
+# Not ZeRO-2: the runtime accumulates a step's gradients whole before its one reduce-scatter, so ZeRO-2
+# holds the same at the peak as ZeRO-1 (stagecost.memory_parts). ZeRO-3 is performed (runtime/zero3.py)
+# and offered, but gathers the whole stage for its compute, so at the peak it holds more than ZeRO-1 and
+# the table keeps it only where it would buy memory (never, with one gather unit per stage). It is not
+# combined with optimizer offload, which the runtime does not do.
+OFFERED_ZERO: tuple[ZeroStage, ...] = (ZeroStage.NONE, ZeroStage.OS, ZeroStage.OS_G_P)
 CONFIGS: tuple[StageConfig, ...] = tuple(
     StageConfig(z, r, o, s)
-    for s in (False, True) for r in (False, True) for o in (False, True) for z in OFFERED_ZERO)
+    for s in (False, True) for r in (False, True) for o in (False, True) for z in OFFERED_ZERO
+    if not (o and z == ZeroStage.OS_G_P))
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +137,7 @@ class Setting:
     schedule: Schedule
     batch_size: int
     dtype: str = "float32"
+    compute_bytes: int = 0  # the autocast compute dtype's (0: fp32), for the weight copies per microbatch
 
 
 @dataclass(frozen=True, slots=True)

@@ -234,11 +234,11 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             mem = memory_parts(param_bytes=params, activation_bytes=acts, input_bytes=inputs, dtype_bytes=bpe,
                                replicas=d, zero=cfg.zero, microbatches=m, recompute=cfg.recompute,
                                swapped_bytes=acts if cfg.swap else acts * 0, offload_optimizer=cfg.offload,
-                               host_is_device=is_cpu)
+                               host_is_device=is_cpu, compute_bytes=setting.compute_bytes)
             mem = mem._replace(grads=mem.grads + shared)  # the flat buffer of gradients tied to other stages
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)
-            ests.append(m * t + sync_ms(params, d, cfg.zero, cfg.offload, glink, host)
+            ests.append(m * t + sync_ms(params, d, cfg.zero, cfg.offload, glink, host, m)
                         + copy_ms(params, d, rate, cfg.zero)
                         + optimizer_ms(params, d, cfg.zero, opt_rate))
             jms.append(jm)
