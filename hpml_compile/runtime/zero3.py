@@ -22,8 +22,9 @@ parameter buffer is *freed* between uses:
   that backward, while the parameters are gathered;
 - gradients accumulate into the flat gradient buffer over the step's
   microbatches, then one reduce-scatter leaves this replica its shard's summed
-  gradient and the buffer is freed (as ZeRO-2); after the optimizer step
-  nothing is all-gathered: the next forward gathers the new values.
+  gradient and the buffer is freed (as ZeRO-2; not overlapped with the
+  backward); after the optimizer step nothing is all-gathered: the next
+  forward gathers the new values.
 
 Writing the gathered values must not bump the autograd version counter of the
 parameters (autograd saved them, or views of them, for the backward): the
@@ -178,6 +179,10 @@ class FlatShard3(FlatShard):
             self.free()
 
     # -- the step -----------------------------------------------------------------------------------
+    def enable_overlap(self, *_: Any, **__: Any) -> None:
+        """Not overlapped: the gradients are reduce-scattered once, after the step's last backward (a bucketed
+        sync during the backward, as ZeRO-1/2 may have, is not combined with the gathers here, nor tested)."""
+
     def all_gather(self, comm: Comm) -> None:
         """After the optimizer step: nothing to gather (the next forward does); the shard's gradient is used up."""
         self.param.grad = None
