@@ -105,6 +105,7 @@ class FlatShard3(FlatShard):
         self.gathered = True
         self.gathers = 0  # all-gathers since the last reset_peak (a step's gathers, for held bytes at the peak)
         self._pending = False  # a backward holds the gathered parameters; its end frees them
+        self._holds = 0  # open whole() blocks (they nest: a checkpoint inside Pipeline.whole)
         self.free()
 
     @property
@@ -135,7 +136,7 @@ class FlatShard3(FlatShard):
 
     def free(self) -> None:
         """Let go of the whole parameters (their storage to 0 bytes); the shard stays."""
-        if not self.gathered or self._pending:
+        if not self.gathered or self._pending or self._holds:
             return
         self.flat.untyped_storage().resize_(0)
         self.gathered = False
@@ -170,12 +171,14 @@ class FlatShard3(FlatShard):
         """The parameters gathered for the block (a collective); ``changed``: they were written (a checkpoint
         load), so this replica's shard takes its part of them after."""
         self.gather()
+        self._holds += 1
         try:
             yield
         finally:
             if changed:
                 with torch.no_grad():
                     self.param.copy_(self._alias()[self.owned])
+            self._holds -= 1
             self.free()
 
     # -- the step -----------------------------------------------------------------------------------

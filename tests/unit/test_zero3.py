@@ -87,3 +87,28 @@ class _NoComm:
 
     def reduce_scatter(self, stage: int, flat: torch.Tensor) -> torch.Tensor:
         return flat
+
+
+def test_checkpoint_functions_gather_the_shard_and_load_it_back(tmp_path) -> None:
+    from hpml_compile.runtime.checkpoint import latest, load_checkpoint, save_checkpoint
+
+    torch.manual_seed(0)
+    nets = [_Net(False), _Net(False)]
+    opts = []
+    for net in nets:
+        sh = FlatShard3(0, list(net.parameters()), replicas=1, replica=0)
+        sh.attach(net)
+        opt = torch.optim.AdamW([sh.param], lr=0.1)
+        opt.hpml_zero = [sh]  # as the pipeline marks an optimizer over shards
+        opts.append(opt)
+    sh0 = opts[0].hpml_zero[0]
+    sh0.begin_step()
+    nets[0](torch.randn(4, 6)).sum().backward()
+    sh0.reduce_scatter(_NoComm())
+    opts[0].step()
+    save_checkpoint(tmp_path, 1, nets[0], opts[0], rng=False)  # whole parameters by name, though freed here
+    assert not sh0.gathered
+    load_checkpoint(latest(tmp_path), nets[1], opts[1], rng=False)
+    assert torch.equal(opts[1].hpml_zero[0].param, sh0.param) and not opts[1].hpml_zero[0].gathered
+    state = [o.state[o.param_groups[0]["params"][0]] for o in opts]
+    assert torch.equal(state[0]["exp_avg"], state[1]["exp_avg"])
