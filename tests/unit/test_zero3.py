@@ -112,3 +112,21 @@ def test_checkpoint_functions_gather_the_shard_and_load_it_back(tmp_path) -> Non
     assert torch.equal(opts[1].hpml_zero[0].param, sh0.param) and not opts[1].hpml_zero[0].gathered
     state = [o.state[o.param_groups[0]["params"][0]] for o in opts]
     assert torch.equal(state[0]["exp_avg"], state[1]["exp_avg"])
+
+
+def test_saved_activations_do_not_count_the_gathered_weights() -> None:
+    from hpml_compile.runtime.saved import SavedActivations
+
+    torch.manual_seed(0)
+    plain, ours = _Net(False), _Net(False)
+    sh = FlatShard3(0, list(ours.parameters()), replicas=1, replica=0)  # freed before the count starts,
+    sh.attach(ours)  # re-allocated at another address for each forward
+    x = torch.randn(4, 6)
+    peaks = []
+    for net in (plain, ours):
+        with SavedActivations(exclude=[net]) as acts:
+            outs = [net(x) for _ in range(2)]
+            peaks.append(acts.peak)
+            for out in outs:
+                out.sum().backward()
+    assert peaks[0] == peaks[1] > 0
