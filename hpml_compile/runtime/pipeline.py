@@ -96,8 +96,8 @@ class Pipeline:
         build: the loaded build, bound to ``model``.
         model: the user's model (every rank holds a copy; each trains its stage's part).
         optimizer: an optimizer over ``model.parameters()``, or a factory called with this rank's parameters
-            (a factory is needed where the plan shards a replicated stage with ZeRO-1/2: it is called with
-            this replica's flat shard, see :mod:`.zero`).
+            (a factory is needed where the plan shards a replicated stage with ZeRO-1/2/3: it is called with
+            this replica's flat shard, see :mod:`.zero` and :mod:`.zero3`).
         session: the process group (None: every stage in this process).
         run_dir: where the monitor writes (None: measurements kept in memory only).
         tensorboard: also write TensorBoard event files.
@@ -457,8 +457,6 @@ class Pipeline:
             p.grad = None
         for b in self._buckets:
             b.begin_step()  # gradients accumulate into the flat buffer the reduce-scatter reads
-            if isinstance(b, FlatShard3):
-                b.gathers = 0
         reset_peak_memory(self.device)
         if self.events is not None and self.host is not None:
             self.events.begin()

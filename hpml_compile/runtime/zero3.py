@@ -182,6 +182,14 @@ class FlatShard3(FlatShard):
             self.free()
 
     # -- the step -----------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Zero the flat gradient buffer; parameters a failed attempt left gathered (its backward never ended,
+        so its callback never ran) are freed."""
+        super().begin_step()
+        self._pending = False
+        self.gathers = 0
+        self.free()
+
     def enable_overlap(self, *_: Any, **__: Any) -> None:
         """Not overlapped: the gradients are reduce-scattered once, after the step's last backward (a bucketed
         sync during the backward, as ZeRO-1/2 may have, is not combined with the gathers here, nor tested)."""
