@@ -263,7 +263,6 @@ class Pipeline:
                 raise HpmlError(f"stage {k} asks for ZeRO-3 with optimizer offload, which the runtime does not "
                                 "combine: use ZeRO-3 or offload (ZeRO-1 with offload)")
             shard: FlatShard = FlatShard3(k, params, replicas=self._reps[k], replica=self.replica)
-            shard.comm = self.comm
             shard.attach(self.stages[k])
         else:
             shard = FlatShard(k, params, replicas=self._reps[k], replica=self.replica, zero=st.zero)
