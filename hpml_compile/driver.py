@@ -51,6 +51,7 @@ from .costgraph import build as build_costgraph
 from .errors import BuildMismatchError, HpmlError, OptionError
 from .ir import Cluster, FrontEnd, Precision, Profile
 from .compression import check_sync, parse_compress
+from .memory import compute_bytes
 from .plan import Plan, Schedule, save_plan, validate_plan, with_comm
 from .profile import predict_kinds, profile, save_profile
 from .recipe import ModelRecipe, read_recipe
@@ -315,8 +316,8 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
         progress(f"{prof.model}: {len(graph.order)} blocks after coarsening ({len(prof.nodes)} nodes)")
     result = solve(graph, cluster, solver=opts.solver, microbatches=opts.microbatches,               # 5. solve
                    schedule=opts.schedule or Schedule.ONE_F_ONE_B, time_limit_s=opts.time_limit_s,
-                   dtype=prof.dtype, progress=progress, compress=opts.allow_compress,
-                   hierarchical=opts.hierarchical)
+                   dtype=prof.dtype, compute_bytes=compute_bytes(prof.precision.value), progress=progress,
+                   compress=opts.allow_compress, hierarchical=opts.hierarchical)
     if opts.uneven:                                                                 # 5b. mixed kinds, uneven rows
         result = improve_uneven(graph, cluster, result, dtype=prof.dtype, microbatches=opts.microbatches,
                                 time_limit_s=min(10.0, opts.time_limit_s), progress=progress).plan

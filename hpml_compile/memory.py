@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["ZeroStage", "MemoryBreakdown", "dtype_bytes", "GiB", "tied_elsewhere", "tied_shared", "bucket_ranges",
-           "FIRST_BUCKET_BYTES", "BUCKET_BYTES"]
+__all__ = ["ZeroStage", "MemoryBreakdown", "dtype_bytes", "compute_bytes", "GiB", "tied_elsewhere", "tied_shared",
+           "autocast_copy_bytes", "bucket_ranges", "FIRST_BUCKET_BYTES", "BUCKET_BYTES"]
 
 GiB = 2**30
 
@@ -35,6 +35,46 @@ class ZeroStage(enum.IntEnum):
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of a profile dtype name (``"float32"`` -> 4)."""
     return {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}.get(dtype, 4)
+
+
+def compute_bytes(precision: str) -> int:
+    """Bytes per element of a plan's compute dtype under autocast (``"bf16"``, ``"fp16"``: 2); 0 for ``"fp32"``
+    (no autocast, no weight copies: see :func:`autocast_copy_bytes`)."""
+    return {"bf16": 2, "fp16": 2}.get(str(getattr(precision, "value", precision)), 0)
+
+
+def autocast_copy_bytes(param_bytes: Any, dtype_bytes: int, compute_bytes: int, microbatches: int,
+                        replicas: int) -> Any:
+    """The autocast weight copies a microbatch in flight holds beyond what the profile's activations count.
+
+    Under autocast every matmul casts its weight to the compute dtype and
+    saves that copy for the backward; the cache lives for one forward call, so
+    each microbatch in flight (each replica's, each microbatch's forward) holds
+    a whole copy of the stage's weights, ``C = P * compute_bytes / dtype_bytes``.
+    The profile, taken once over the whole batch under autocast, counts ``C``
+    once among the activations, which the memory model divides among the
+    ``M * d`` microbatch slices; this is the rest, ``C - C / (M d)``, to add per
+    microbatch in flight. Every parameter is counted as cast (norm weights and
+    embedding tables are not, so this errs high, by their share).
+
+    Args:
+        param_bytes: the stage's parameter bytes in the parameters' dtype (an int or an int64 array).
+        dtype_bytes: bytes per parameter element.
+        compute_bytes: bytes per element of the compute dtype (:func:`compute_bytes`; 0: no autocast).
+        microbatches: ``M``.
+        replicas: ``d``.
+
+    Returns:
+        Bytes, of the form of ``param_bytes`` (0 without autocast).
+
+    Example:
+        >>> autocast_copy_bytes(400, 4, 2, microbatches=2, replicas=2), autocast_copy_bytes(400, 4, 0, 2, 2)
+        (150, 0)
+    """
+    if not compute_bytes or compute_bytes >= dtype_bytes:
+        return param_bytes * 0
+    copies = param_bytes * compute_bytes // dtype_bytes
+    return copies - copies // (max(1, microbatches) * max(1, replicas))
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 from .errors import OptionError, PlanError, SchemaError
 from .ir import Cluster, Precision, Profile, Schedule
 from .compression import check_sync, parse_compress
-from .memory import GiB, MemoryBreakdown, ZeroStage, dtype_bytes, tied_elsewhere, tied_shared
+from .memory import GiB, MemoryBreakdown, ZeroStage, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
 from .stagecost import device_memory, in_flight
 
@@ -455,6 +455,7 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | No
         offload_optimizer=stage.offload_optimizer,
         host_is_device=plan.cluster.device(device).is_cpu,
         share=(stage.rows[j], profile.batch_size) if stage.rows else None,
+        compute_bytes=compute_bytes(plan.precision.value),  # autocast's weight copies per microbatch in flight
     )
     # the gradients of parameters tied to another stage are all-reduced through a flat buffer kept across steps
     shared = tied_shared(((n.name, n.params) for n in profile.nodes), profile.parameters, names)
@@ -514,9 +515,10 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             later stage to an earlier one; a device unknown or used twice;
             optimizer offload on a CPU device (the host is the device); rows
             per replica that do not sum to a microbatch's rows; a device over
-            its memory (with uneven rows, from its own rows); ZeRO-3, which the
-            runtime does not perform; a hierarchical all-reduce on a stage
-            whose devices are on one host (or unevenly spread, or ZeRO-sharded).
+            its memory (with uneven rows, from its own rows); ZeRO-3 together
+            with optimizer offload, which the runtime does not combine; a
+            hierarchical all-reduce on a stage whose devices are on one host
+            (or unevenly spread, or ZeRO-sharded).
     """
     if plan.precision is not profile.precision:
         raise PlanError(f"the plan trains in {plan.precision.value} but the profile of {profile.model} was timed in "
@@ -525,10 +527,9 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                         f"{profile.precision.value}")
     where = node_stages(plan)
     for st in plan.stages:
-        if st.zero > ZeroStage.OS_G:
-            raise PlanError(f"stage {st.index} asks for ZeRO-{int(st.zero)}, which the runtime does not perform "
-                            "(a stage's parameters are gathered whole for its compute, so it would save nothing at "
-                            "the peak): use zero 1 (optimizer state sharded) or 2")
+        if st.zero == ZeroStage.OS_G_P and st.offload_optimizer:
+            raise PlanError(f"stage {st.index} asks for ZeRO-3 with optimizer offload, which the runtime does not "
+                            "combine (runtime/zero3.py): use ZeRO-3 without offload, or ZeRO-1 with it")
         for s in st.swap:
             if s not in st.nodes:
                 raise PlanError(f"stage {st.index} swaps {s!r}, which is not one of its nodes")

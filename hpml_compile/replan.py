@@ -26,6 +26,7 @@ from typing import Callable, Iterable
 from .costgraph import CostGraph, block_key
 from .errors import HpmlError
 from .ir import Cluster, Profile
+from .memory import compute_bytes
 from .plan import Plan, Schedule
 from .simulate import annotate
 from .solve import SolverName, solve
@@ -142,7 +143,8 @@ def replan_graph(old: Plan, graph: CostGraph, *, cluster: Cluster | None = None,
     sched = Schedule(schedule) if schedule else old.schedule
     scorer = score_graph or graph
     new = solve(graph, target, solver=solver, microbatches=microbatches or old.microbatches, schedule=sched,
-                time_limit_s=time_limit_s, dtype=dtype, progress=progress)
+                time_limit_s=time_limit_s, dtype=dtype, compute_bytes=compute_bytes(old.precision.value),
+                progress=progress)
     new = replace(new, precision=old.precision)  # the measured profile was timed as the old plan trains
     if score_graph is not None:
         new, _ = annotate(new, scorer, dtype)

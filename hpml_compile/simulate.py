@@ -37,8 +37,9 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   all-reduce (ZeRO-0; a stage whose plan says ``hierarchical``: reduce-scatter
   inside each host, all-reduce between hosts, all-gather inside each host, each
   priced on its own link), reduce-scatter + all-gather (ZeRO-1/2, Rajbhandari et
-  al. 2020; ZeRO-3 is refused by plan validation, the runtime does not
-  perform it). The all-reduce or reduce-scatter runs bucket by bucket during
+  al. 2020; ZeRO-3: reduce-scatter, and the parameters' all-gathers before
+  each microbatch's forward and backward, counted here with the tail). The
+  ZeRO-0/1/2 all-reduce or reduce-scatter runs bucket by bucket during
   the last microbatch's backward, as the runtime launches it, so only what
   that backward does not hide is on the tail
   (:func:`hpml_compile.stagecost.overlapped_ms`); an
@@ -92,7 +93,7 @@ from .cluster import hierarchy, host_link_spec, link_spec
 from .compression import CompressKind, parse_compress, powersgd_fraction
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
-from .memory import MemoryBreakdown, dtype_bytes, tied_elsewhere, tied_shared
+from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import AllReduce, Plan, PlanPrediction, Schedule, Stage, StagePrediction
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
@@ -285,7 +286,8 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
                                 in_flight=in_flight(plan.schedule, m, s_count - st.index - 1),
                                 recompute=st.recompute, swapped_bytes=swapped,
                                 offload_optimizer=st.offload_optimizer, host_is_device=c.device(x).is_cpu,
-                                share=(st.rows[j], batch) if st.rows else None)
+                                share=(st.rows[j], batch) if st.rows else None,
+                                compute_bytes=compute_bytes(plan.precision.value))
             mems.append(replace(mem, grads=mem.grads + shared) if shared else mem)  # the tied gradients' buffer
             if not st.rows and all(c.device(y).is_cpu == c.device(x).is_cpu for y in st.devices):
                 mems = [mems[0]] * d  # equal replicas hold equal bytes
@@ -309,7 +311,7 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
             if d > 1 else None
         hier = hierarchy(c, st.devices) if st.allreduce is AllReduce.HIERARCHICAL else None
         fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts * most * m * d if st.rows else acts, m, d, rate)
-        sync = _sync_cost(plan, graph, st, nodes, params, group, host, dtype, rate, bwd, hier) + copy
+        sync = _sync_cost(plan, graph, st, nodes, params, group, host, dtype, rate, bwd, hier, m) + copy
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms), sync,
                              max(mems, key=lambda b: b.total), opt_ms, fwd_stream, bwd_stream, copy,
                              tuple(mems), tuple(own)))
@@ -318,7 +320,7 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
 
 def _sync_cost(plan: Plan, graph: CostGraph, st: Stage, nodes: list[str], params: int,
                group: cost_models.LinkSpec | None, host: cost_models.LinkSpec, dtype: str, rate: float,
-               bwd_ms: float, hier: Any = None) -> float:
+               bwd_ms: float, hier: Any = None, microbatches: int = 1) -> float:
     """A stage's gradient sync per step: dense (:func:`sync_ms`, overlapped with the last backward ``bwd_ms``),
     compressed, or local SGD's amortised average (neither overlapped: the runtime runs them after the backward)."""
     d = len(st.devices)
@@ -334,7 +336,8 @@ def _sync_cost(plan: Plan, graph: CostGraph, st: Stage, nodes: list[str], params
                                   fraction=frac)
     if plan.sync_every > 1 and d > 1:
         return local_sgd_sync_ms(params, d, plan.sync_every, group)
-    return float(sync_ms(params, d, st.zero, st.offload_optimizer, group, host, hier, bwd_ms=bwd_ms))
+    return float(sync_ms(params, d, st.zero, st.offload_optimizer, group, host, hier, bwd_ms=bwd_ms,
+                         microbatches=microbatches))
 
 
 def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], float]]:

@@ -15,8 +15,11 @@ The memory of one device of a stage replicated over ``d`` devices, at its peak
 (:mod:`hpml_compile.runtime.zero`):
 
 - parameters ``P``: whole under every ZeRO stage, since a stage's compute uses
-  them whole (ZeRO-3, sharding them between uses, would save nothing at the
-  peak, and the runtime does not perform it);
+  them whole; ZeRO-3 (:mod:`hpml_compile.runtime.zero3`) holds only the owned
+  shard ``P / d`` between uses, but gathers the whole stage (its one unit) for
+  each microbatch's forward and backward, so at the peak ``P + P / d``: more
+  than ZeRO-1/2, and the solver never prefers it for memory (it is offered; a
+  plan may name it);
 - gradients ``P``: they accumulate whole over all microbatches before the one
   reduce-scatter of the step, so ZeRO-2, which keeps only the shard after it,
   holds ``P`` at the peak like ZeRO-1;
@@ -30,9 +33,8 @@ The memory of one device of a stage replicated over ``d`` devices, at its peak
   includes the compute-dtype weight copies autocast keeps for the backward.
   Those copies are counted once per batch and so divided among the
   microbatches like the activations, whereas each microbatch in flight holds
-  a whole copy: with ``M * d > 1`` they are under-counted (by up to
-  ``in_flight * P / 2`` for bf16); a separate per-microbatch term is not
-  modelled yet.
+  a whole copy: the rest of it is a term of its own per microbatch in flight
+  (:func:`hpml_compile.memory.autocast_copy_bytes`, ``compute_bytes``).
 - activations: what autograd saves for one microbatch on one replica is
   ``A / (M * d)`` (the profile's ``A`` is for the whole batch), times the
   microbatches in flight (:func:`in_flight`): all ``M`` under GPipe (Huang et
@@ -49,8 +51,9 @@ Times (milliseconds), per step:
 
 - gradient sync (:func:`sync_ms`): a ring all-reduce (ZeRO-0; for a group
   spread over hosts, optionally hierarchical, :func:`hierarchical_allreduce_ms`), reduce-scatter of
-  the flat gradient + all-gather of the stepped shards (ZeRO-1/2; ZeRO-3 would
-  add one more all-gather, but plans never name it). The all-reduce or
+  the flat gradient + all-gather of the stepped shards (ZeRO-1/2; ZeRO-3 instead
+  all-gathers the stage's parameters twice per microbatch, for its forward and
+  its backward, counted here with the step's tail). The ZeRO-0/1/2 all-reduce or
   reduce-scatter runs bucket by bucket during the last backward, as the
   runtime launches it (:func:`overlapped_ms`): only what the backward does not
   hide counts; an offloaded optimizer moves its shard of gradients to the host and
@@ -114,7 +117,7 @@ from .compression import CompressKind, Compression, powersgd_fraction
 from .cluster import Hierarchy
 from .costgraph import CostGraph
 from .ir import Schedule, base_kind
-from .memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, MemoryBreakdown, ZeroStage
+from .memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, MemoryBreakdown, ZeroStage, autocast_copy_bytes
 
 __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "overlapped_ms",
            "hierarchical_allreduce_ms", "level_bytes", "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
@@ -175,7 +178,8 @@ class MemoryParts(NamedTuple):
 def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Value, dtype_bytes: int,
                  replicas: int, zero: ZeroStage | int, microbatches: int, recompute: bool = False,
                  swapped_bytes: Value = 0, offload_optimizer: bool = False,
-                 host_is_device: bool = False, share: tuple[int, int] | None = None) -> MemoryParts:
+                 host_is_device: bool = False, share: tuple[int, int] | None = None,
+                 compute_bytes: int = 0) -> MemoryParts:
     """Per-device memory of a stage (see the module docstring), on ints or int64 arrays alike.
 
     Args:
@@ -193,6 +197,8 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
         share: ``(rows, batch)``: this replica trains on ``rows`` of each microbatch, of the ``batch`` rows of
             the whole step (uneven data parallelism); its activations are ``rows / batch`` of the stage's.
             None: the equal split, ``1 / (M d)``.
+        compute_bytes: bytes per element of the autocast compute dtype (0: fp32, no autocast): each
+            microbatch in flight then also holds its weight copies (:func:`~hpml_compile.memory.autocast_copy_bytes`).
 
     Returns:
         The parts, each of the form of ``param_bytes`` and ``activation_bytes``.
@@ -201,6 +207,8 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
     d = max(1, replicas)
     p = param_bytes
     params = grads = p  # whole at the peak under every ZeRO stage (see the module docstring)
+    if z == ZeroStage.OS_G_P:
+        params = p + p // d  # ZeRO-3: the owned shard, plus the whole stage gathered while a microbatch computes
     opt_full = 8 * p // max(1, dtype_bytes)
     opt = opt_full // d if z >= ZeroStage.OS else opt_full
     host = p * 0
@@ -217,19 +225,26 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
         stored, working = _minimum(one(input_bytes), act), act
     else:
         stored, working = act - swapped, swapped
+    copies = autocast_copy_bytes(p, dtype_bytes, compute_bytes, microbatches, d)
+    if recompute:  # the copies of the one microbatch whose forward is recomputed
+        working = working + copies
+    else:
+        stored = stored + copies
     return MemoryParts(params, grads, opt, stored, working, host)
 
 
 def device_memory(*, param_bytes: int, activation_bytes: int, input_bytes: int, dtype_bytes: int,
                   replicas: int, zero: ZeroStage | int, microbatches: int, in_flight: int,
                   recompute: bool = False, swapped_bytes: int = 0, offload_optimizer: bool = False,
-                  host_is_device: bool = False, share: tuple[int, int] | None = None) -> MemoryBreakdown:
+                  host_is_device: bool = False, share: tuple[int, int] | None = None,
+                  compute_bytes: int = 0) -> MemoryBreakdown:
     """Peak memory of one device of a stage: :func:`memory_parts` with the microbatches in flight.
 
     Args:
         in_flight: microbatches whose activations are alive at the peak (:func:`in_flight`).
         param_bytes, activation_bytes, input_bytes, dtype_bytes, replicas, zero, microbatches, recompute,
-            swapped_bytes, offload_optimizer, host_is_device, share: as for :func:`memory_parts` (scalars here).
+            swapped_bytes, offload_optimizer, host_is_device, share, compute_bytes: as for :func:`memory_parts`
+            (scalars here).
 
     Returns:
         The breakdown.
@@ -237,7 +252,7 @@ def device_memory(*, param_bytes: int, activation_bytes: int, input_bytes: int, 
     m = memory_parts(param_bytes=param_bytes, activation_bytes=activation_bytes, input_bytes=input_bytes,
                      dtype_bytes=dtype_bytes, replicas=replicas, zero=zero, microbatches=microbatches,
                      recompute=recompute, swapped_bytes=swapped_bytes, offload_optimizer=offload_optimizer,
-                     host_is_device=host_is_device, share=share)
+                     host_is_device=host_is_device, share=share, compute_bytes=compute_bytes)
     return MemoryBreakdown(m.params, m.grads, m.optimizer, m.stored, m.working, max(1, in_flight), m.host)
 
 
@@ -382,7 +397,7 @@ def level_bytes(nbytes: int, replicas: int, hier: Hierarchy | None) -> dict[str,
 
 def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_optimizer: bool,
             link: cost_models.LinkSpec | None, host: cost_models.LinkSpec, hier: Hierarchy | None = None,
-            bwd_ms: Value | None = None) -> Value:
+            bwd_ms: Value | None = None, microbatches: int = 1) -> Value:
     """Gradient synchronisation of a stage past its last backward (the collectives and the offload copies).
 
     Args:
@@ -397,6 +412,7 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         bwd_ms: one microbatch's backward on one replica: the all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1/2)
             overlaps it bucket by bucket (:func:`overlapped_ms`), as the runtime runs it on ranks. None: the
             whole collective after the backward.
+        microbatches: ``M`` (ZeRO-3 gathers the parameters for each microbatch's forward and backward).
 
     Returns:
         Milliseconds, of the form of ``param_bytes``.
@@ -407,15 +423,14 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         reduce = cost_models.allreduce_ms if z == ZeroStage.NONE else cost_models.reduce_scatter_ms
         if z == ZeroStage.NONE and hier is not None:  # three collectives after the backward (the runtime's order)
             total = total + hierarchical_allreduce_ms(param_bytes, hier)
-        elif bwd_ms is None:
+        elif bwd_ms is None or z == ZeroStage.OS_G_P:  # ZeRO-3's reduce-scatter is not overlapped (runtime.zero3)
             total = total + transfer_ms(reduce, param_bytes, link, replicas)
         else:
             window = bwd_ms if z == ZeroStage.NONE else bwd_ms / replicas
             total = total + overlapped_ms(reduce, param_bytes, link, replicas, window)
-        if z != ZeroStage.NONE:
-            total = total + transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas)
-            if z == ZeroStage.OS_G_P:
-                total = total + transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas)
+        if z != ZeroStage.NONE:  # ZeRO-1/2: the stepped shards once; ZeRO-3: the parameters twice per microbatch
+            gathers = 2 * max(1, microbatches) if z == ZeroStage.OS_G_P else 1
+            total = total + gathers * transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas)
     if offload_optimizer:
         shard = param_bytes // replicas if z >= ZeroStage.OS else param_bytes
         total = total + 2 * transfer_ms(cost_models.p2p_ms, shard, host)

@@ -28,14 +28,17 @@ On a CUDA device the held figure would be ``torch.cuda.max_memory_allocated``
 Offload and swap are not offered on a CPU device (the host is the device:
 they would save nothing), so their rows say so instead of running. The bf16
 row compiles with ``precision="bf16"`` (autocast, fp32 master weights and
-optimizer state) at the capacity where the solver first chose ZeRO-1.
+optimizer state) at the capacity where the solver first chose ZeRO-1, and
+once more by hand (``bf16-dp``): one stage replicated on both devices under
+ZeRO-1, where every microbatch in flight holds its own autocast weight copies.
 
 Error per device: ``(predicted - held) / held`` of the total, and the
 under-prediction as a share of the device's capacity. Goal: never
 under-predicted by more than 5% of the capacity, median |error| <= 10%.
 
-Run:  .venv/bin/python benchmarks/memory_truth/main.py [--models gpt-mini,mlp] [--steps 3]
-Prints a table; writes benchmarks/memory_truth/results/memory_truth.json.
+Run:  .venv/bin/python benchmarks/memory_truth/main.py [--models gpt-mini,mlp] [--steps 3] [--options bf16,zero3]
+Prints a table; writes benchmarks/memory_truth/results/memory_truth.json (memory_truth-<options>.json with
+--options).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from typing import Any
 import torch
 
 from hpml_compile import driver, models
-from hpml_compile.ir import Cluster, Device
+from hpml_compile.ir import Cluster, Device, Precision
 from hpml_compile.codegen import generate
 from hpml_compile.codegen.testing import split_plan
 from hpml_compile.plan import Plan, Schedule, load_plan, stage_breakdown, validate_plan
@@ -178,6 +181,8 @@ def main() -> None:
     ap.add_argument("--models", default="gpt-mini,mlp")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--grid", type=int, default=14, help="capacities tried per model when looking for each option")
+    ap.add_argument("--options", default="", help="only these options (comma-separated, from " + ",".join(OPTIONS)
+                    + "; default all)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="memory-truth-"))
@@ -197,6 +202,8 @@ def main() -> None:
         print(f"{name}: {p_mib:.1f} MiB of parameters; options found at capacities (MiB) {caps}", file=sys.stderr,
               flush=True)
         for opt in OPTIONS:
+            if args.options and opt not in args.options.split(","):
+                continue
             if opt in NOT_ON_CPU:
                 skipped.append({"model": name, "option": opt, "why": NOT_ON_CPU[opt]})
                 continue
@@ -207,6 +214,17 @@ def main() -> None:
                                opts=driver.Options(time_limit_s=10, precision="bf16"))
                 plan = load_plan(out / "plan.json")
                 cases.append(Case(name, opt, cap, str(out), sorted(_options(plan) | {"bf16"})))
+                # and bf16 on one stage replicated on both devices, ZeRO-1, by hand: every microbatch in flight
+                # holds its own weight copies (memory.autocast_copy_bytes), the case the model once missed
+                prof16 = load_profile(out / "profile.json")
+                dp = replace(split_plan(gm, name, 1, microbatches=2, replicas=[2], zero=1,
+                                        schedule=Schedule.ONE_F_ONE_B), precision=Precision.BF16)
+                need = max(stage_breakdown(dp, prof16, st).total for st in dp.stages)
+                dp = replace(dp, cluster=_cluster(float(-(-int(need * 1.02) // (MiB // 10))) / 10))
+                validate_plan(dp, prof16)
+                generate(gm, dp, root / f"{name}-bf16-dp", profile=prof16)
+                cases.append(Case(name, "bf16-dp", dp.cluster.devices[0].memory_bytes / MiB,
+                                  str(root / f"{name}-bf16-dp"), sorted(_options(dp) | {"bf16"}), forced=True))
                 continue
             out = root / f"{name}-{opt}"
             if opt not in caps:  # the solver prefers another option at every capacity: the plan, made by hand
@@ -274,7 +292,8 @@ def main() -> None:
     res.mkdir(exist_ok=True)
     write_json_atomic({"steps": args.steps, "rows": rows, "skipped": skipped,
                        "median_abs_error": statistics.median(errs) if errs else None,
-                       "worst_under_of_capacity": worst}, res / "memory_truth.json")
+                       "worst_under_of_capacity": worst},
+                      res / (f"memory_truth-{args.options.replace(',', '-')}.json" if args.options else "memory_truth.json"))
 
 
 if __name__ == "__main__":

@@ -312,11 +312,8 @@ def _syncs(plan: Plan, params: list[dict[int, str]], canon: dict[int, str]) -> t
         st = plan.stages[stages[0]]
         if len(st.devices) == 1:
             continue
-        if st.zero > ZeroStage.OS_G:
-            raise HpmlError(f"stage {st.index} asks for ZeRO-{int(st.zero)}, which the runtime does not perform "
-                            "(a stage's parameters are gathered whole for its compute, so ZeRO-3 would save "
-                            "nothing at the peak): use ZeRO-1 or ZeRO-2")
-        # ZeRO-1/2: reduce-scatter into this replica's shard, step it, all-gather (runtime.zero.FlatShard)
+        # ZeRO-1/2: reduce-scatter into this replica's shard, step it, all-gather (runtime.zero.FlatShard);
+        # ZeRO-3: the same collectives, the all-gather after the step left to the next forward (runtime.zero3)
         kind = SyncKind.REDUCE_SCATTER if st.zero >= ZeroStage.OS else SyncKind.ALL_REDUCE
         buckets.setdefault((kind, tuple(stages)), []).append(pid)
     order = {pid: i for i, pid in enumerate(canon)}

@@ -13,6 +13,7 @@
 - :mod:`.gather`: the full state dict and evaluation outputs across ranks;
 - :mod:`.testing`: :func:`spawn_ranks`, gloo ranks with a deadline for tests; :mod:`.checkpoint`: DCP checkpoints;
 - :mod:`.zero`: ZeRO-1/2 over a stage's replicas (flat buffers, the optimizer over this replica's shard);
+  :mod:`.zero3`: ZeRO-3 (the parameters' flat buffer freed between uses, gathered around the stage's compute);
   :mod:`.held`: the parameter, gradient and optimizer bytes a rank holds, counted by storage;
   :mod:`.saved`: the activations saved for backward and the gradients, at their peaks;
 - :mod:`.offload`: optimizer offload (state and step in host memory) for GPU stages.

@@ -61,7 +61,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import inspect
 import json
 import os
 import random
@@ -152,6 +155,28 @@ def _flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, ga
                 for alias in aliases.get(name, [name]):
                     state[f"optim.{alias}.{key}"] = tensor
     return state
+
+
+def _gathering(*, changed: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run a checkpoint function with the ZeRO-3 shards of its ``optimizer`` argument gathered
+    (:mod:`.zero3`: parameters freed between uses), so that it saves or loads whole parameters by name, as
+    under any plan; ``changed``: it writes them, and each replica's shard takes its part after."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            optimizer = sig.bind(*args, **kwargs).arguments.get("optimizer")
+            with contextlib.ExitStack() as stack:
+                for shard in shards_of(optimizer):
+                    if hasattr(shard, "whole"):
+                        stack.enter_context(shard.whole(changed=changed))
+                return fn(*args, **kwargs)
+
+        return run
+
+    return wrap
 
 
 def _optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> set[str]:
@@ -359,6 +384,7 @@ def _unwrap(e: CheckpointException) -> BaseException:
     return e
 
 
+@_gathering(changed=False)
 def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, extra: dict[str, Any] | None = None,
                     keep: int = 3, rng: bool = True, scaler: LossScaler | None = None) -> Path:
@@ -424,6 +450,7 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Mod
     return final
 
 
+@_gathering(changed=True)
 def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, rng: bool = True,
                     scaler: LossScaler | None = None) -> dict[str, Any]:

@@ -46,11 +46,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,6 +84,7 @@ from .session import CommFailure, RetryPolicy, Session
 from ..memory import FIRST_BUCKET_BYTES
 from .compress import Reducer, make_reducer
 from .zero import FlatGrads, FlatShard
+from .zero3 import FlatShard3
 
 __all__ = ["Pipeline", "OptimizerArg"]
 
@@ -98,8 +100,8 @@ class Pipeline:
         build: the loaded build, bound to ``model``.
         model: the user's model (every rank holds a copy; each trains its stage's part).
         optimizer: an optimizer over ``model.parameters()``, or a factory called with this rank's parameters
-            (a factory is needed where the plan shards a replicated stage with ZeRO-1/2: it is called with
-            this replica's flat shard, see :mod:`.zero`).
+            (a factory is needed where the plan shards a replicated stage with ZeRO-1/2/3: it is called with
+            this replica's flat shard, see :mod:`.zero` and :mod:`.zero3`).
         session: the process group (None: every stage in this process).
         run_dir: where the monitor writes (None: measurements kept in memory only).
         tensorboard: also write TensorBoard event files.
@@ -279,7 +281,14 @@ class Pipeline:
                             "optimizer over this rank's shard of the parameters: pass a factory called with the "
                             "parameters (e.g. optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)), not an "
                             "optimizer already built")
-        shard = FlatShard(k, params, replicas=self._reps[k], replica=self.replica, zero=st.zero)
+        if st.zero == ZeroStage.OS_G_P:  # parameters sharded too, gathered around the stage's compute
+            if st.offload_optimizer:
+                raise HpmlError(f"stage {k} asks for ZeRO-3 with optimizer offload, which the runtime does not "
+                                "combine: use ZeRO-3 or offload (ZeRO-1 with offload)")
+            shard: FlatShard = FlatShard3(k, params, replicas=self._reps[k], replica=self.replica)
+            shard.attach(self.stages[k])
+        else:
+            shard = FlatShard(k, params, replicas=self._reps[k], replica=self.replica, zero=st.zero)
         shard.comm = self.comm
         self.comm.shards[k] = shard
         if self._overlap and self.comm.groups.get((k,)) is not None:
@@ -495,7 +504,9 @@ class Pipeline:
                     run.t_end = time.perf_counter()  # counted in the optimizer's time
         busy = self.host.end() if self.host is not None else HostBusy(0.0, 0.0, 0.0)
         h = held_bytes(list(self.stages.values()), self.optimizer)
-        self.held = Held(h.params, max(h.grads, self.grad_peak.bytes), h.optimizer)  # gradients at their peak
+        # gradients at their peak; ZeRO-3 parameters too: the whole stage's while a microbatch computes
+        gathered = sum(s.gathered_bytes for s in self._shards if isinstance(s, FlatShard3) and s.gathers)
+        self.held = Held(h.params + gathered, max(h.grads, self.grad_peak.bytes), h.optimizer)
         wait_ms, p2p_ms = split_wait(comm.stats)
         mem, mem_kind = peak_memory(self.device)
         gpu = self.gpu.sample()
@@ -689,7 +700,22 @@ class Pipeline:
         """The full model's state (original names, CPU tensors, current values); call on every rank."""
         if self.session is None:
             return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-        return gather_state_dict(self.model, self.build, self.rank)
+        with self.whole():
+            return gather_state_dict(self.model, self.build, self.rank)
+
+    @contextlib.contextmanager
+    def whole(self, *, changed: bool = False) -> Iterator[None]:
+        """This rank's ZeRO-3 parameters gathered for the block (a collective over the stage's replicas; a no-op
+        without ZeRO-3), for what reads or writes parameters outside a step: the state dict, checkpoints.
+
+        Args:
+            changed: the block writes the parameters (a checkpoint load): each replica's shard takes its part.
+        """
+        with contextlib.ExitStack() as stack:
+            for s in self._shards:
+                if isinstance(s, FlatShard3):
+                    stack.enter_context(s.whole(changed=changed))
+            yield
 
     def close(self) -> None:
         """Flush the measurements and leave the process group (if this pipeline made it)."""

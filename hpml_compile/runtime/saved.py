@@ -90,9 +90,11 @@ class SavedActivations:
 
     def __init__(self, exclude: Iterable[nn.Module | Tensor] = ()) -> None:
         self._exclude: set[int] = set()
-        for x in exclude:
+        self._exclude_impl: set[int] = set()  # the storages themselves: a ZeRO-3 parameter's (runtime.zero3)
+        for x in exclude:  # is freed between uses and re-allocated at another address for each
             ts = [*x.parameters(), *x.buffers()] if isinstance(x, nn.Module) else [x]
             self._exclude.update(t.untyped_storage().data_ptr() for t in ts)
+            self._exclude_impl.update(t.untyped_storage()._cdata for t in ts)
         self._live: dict[tuple[str, int], list[int]] = {}
         self.current = self.peak = 0
         self.rss_peak = 0
@@ -107,7 +109,7 @@ class SavedActivations:
     def _pack(self, t: Tensor) -> Any:
         s = t.untyped_storage()
         ptr, n = s.data_ptr(), s.nbytes()
-        if n == 0 or ptr in self._exclude:
+        if n == 0 or ptr in self._exclude or s._cdata in self._exclude_impl:
             return t
         key = (str(t.device), ptr)
         entry = self._live.get(key)

@@ -30,11 +30,11 @@ at the end of the backward every replica holds the whole stage's gradients
 under ZeRO-2 as under ZeRO-1, and the parameters stay whole throughout. The
 memory model (:func:`hpml_compile.stagecost.memory_parts`) counts exactly that
 (parameters and gradients whole, optimizer state ``/ d``), so the solver does
-not choose ZeRO-2 (it saves nothing at the peak over ZeRO-1), and ZeRO-3,
-which would gather a whole stage's parameters for its compute and so save
-nothing at the peak either, is refused by plan validation and codegen: a plan
-never names it. Lowering the peak needs what FSDP2 does (per-layer gather
-units, a reduce-scatter per microbatch during the backward); see below.
+not choose ZeRO-2 (it saves nothing at the peak over ZeRO-1). ZeRO-3 is
+:class:`~.zero3.FlatShard3` (a subclass: the parameters sharded between uses,
+gathered whole for the stage's compute, so not lower at the peak either).
+Lowering the peak needs what FSDP2 does (per-layer gather units, a
+reduce-scatter per microbatch during the backward); see below.
 
 Why our own buffers and not torch's machinery:
 
@@ -55,7 +55,7 @@ Why our own buffers and not torch's machinery:
   and the tied-parameter all-reduce between stages, which all read plain
   tensors. FSDP2 with per-layer units (binding modules, not parameters) is the
   way to lower the peak (ZeRO-2 with a reduce-scatter per microbatch, ZeRO-3
-  per layer); it is not done here.
+  per layer); it is not done here (:mod:`.zero3` gathers one unit per stage).
 - ``torch.distributed.optim.ZeroRedundancyOptimizer`` shards by whole
   parameters (a greedy partition by size), so a replica's share is uneven and
   the memory model's ``1 / d`` would not hold; it also broadcasts every
@@ -215,7 +215,8 @@ class FlatShard:
         self.stage, self.replicas, self.replica = stage, replicas, replica
         self.zero = ZeroStage(zero)
         if self.zero not in (ZeroStage.OS, ZeroStage.OS_G):
-            raise HpmlError(f"stage {stage}: the runtime shards ZeRO-1 and ZeRO-2, not ZeRO-{int(self.zero)}")
+            raise HpmlError(f"stage {stage}: FlatShard shards ZeRO-1 and ZeRO-2, not ZeRO-{int(self.zero)} (ZeRO-3 is "
+                            "runtime.zero3.FlatShard3)")
         if not params:
             raise HpmlError(f"stage {stage}: ZeRO-{int(self.zero)} over no parameters")
         kinds = {(p.dtype, p.device) for p in params}

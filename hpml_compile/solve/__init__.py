@@ -112,7 +112,7 @@ def microbatch_choices(batch_size: int, cap: int = 64) -> list[int]:
 
 def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = SolverName.ILP,
           microbatches: int | None = None, schedule: Schedule | str = Schedule.ONE_F_ONE_B,
-          time_limit_s: float = 30.0, dtype: str = "float32",
+          time_limit_s: float = 30.0, dtype: str = "float32", compute_bytes: int = 0,
           progress: Callable[[str], None] | None = None, compress: Compression | str | None = None,
           hierarchical: bool = True) -> Plan:
     """Place ``costgraph`` on ``cluster``.
@@ -125,6 +125,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         schedule: GPipe or 1F1B.
         time_limit_s: time limit of the ILP (on the many-kind path: of the whole solve, from its start).
         dtype: parameter dtype (Adam state size).
+        compute_bytes: bytes per element of the autocast compute dtype (0: fp32; see
+            :func:`hpml_compile.memory.autocast_copy_bytes`).
         progress: called with a line of text as the solve goes on.
         compress: a gradient compression the user allows (``powersgd:RANK`` / ``topk:RATIO``): priced for every
             replicated ZeRO-0 candidate stage, which takes it where its sync is faster so (:func:`choose_compression`);
@@ -166,9 +168,11 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
 
     ms = ms[::-1]  # the most microbatches first: least memory, so the likeliest to fit, for a first plan early
     best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0, unimodal=large, compress=allowed,
-                   fraction=frac, hierarchical=hierarchical, proxy=large and name in (SolverName.ILP, SolverName.DP))
+                   fraction=frac, hierarchical=hierarchical, proxy=large and name in (SolverName.ILP, SolverName.DP),
+                   compute_bytes=compute_bytes)
     if best is None:
-        raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype, allowed, frac)))
+        raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype, allowed,
+                                                               frac, compute_bytes=compute_bytes)))
     step, plan, setting, picked = best
 
     def simulated() -> tuple[float, Plan]:  # the search's plan, simulated now if the search ranked by the proxy
@@ -236,7 +240,7 @@ def choose_compression(plan: Plan, graph: CostGraph, dtype: str, allowed: Compre
 def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtype: str,
             pick: Callable[[Setting], list[Candidate] | None], name: str, say: Callable[[str], None],
             t0: float | None = None, unimodal: bool = False, compress: Compression | None = None,
-            fraction: float | None = None, hierarchical: bool = True, proxy: bool = False
+            fraction: float | None = None, hierarchical: bool = True, proxy: bool = False, compute_bytes: int = 0
             ) -> tuple[float, Plan | None, Setting, list[Candidate]] | None:
     """The microbatch count whose stages (from ``pick``) simulate fastest: ``(step, plan, setting, stages)``.
 
@@ -256,7 +260,7 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
             say(f"{name}: M={m} and fewer not tried: two counts in a row were slower than M={best[2].microbatches}")
             break
         try:
-            setting = Setting(m, sched, graph.batch_size, dtype, compress, fraction, hierarchical)
+            setting = Setting(m, sched, graph.batch_size, dtype, compress, fraction, hierarchical, compute_bytes)
             picked = pick(setting)
             if not picked:
                 plan, step = None, math.inf

@@ -120,13 +120,16 @@ class StageConfig:
 
 
 # Cheapest first within each family; enumerate_candidates keeps those that buy memory.
-# ZeRO-0 and ZeRO-1 only: the runtime accumulates a step's gradients whole before its one reduce-scatter,
-# so ZeRO-2 holds the same at the peak as ZeRO-1 (stagecost.memory_parts), and ZeRO-3 is not performed
-# (runtime/zero.py says why).
-OFFERED_ZERO: tuple[ZeroStage, ...] = (ZeroStage.NONE, ZeroStage.OS)
+# Not ZeRO-2: the runtime accumulates a step's gradients whole before its one reduce-scatter, so ZeRO-2
+# holds the same at the peak as ZeRO-1 (stagecost.memory_parts). ZeRO-3 is performed (runtime/zero3.py)
+# and offered, but gathers the whole stage for its compute, so at the peak it holds more than ZeRO-1 and
+# the table keeps it only where it would buy memory (never, with one gather unit per stage). It is not
+# combined with optimizer offload, which the runtime does not do.
+OFFERED_ZERO: tuple[ZeroStage, ...] = (ZeroStage.NONE, ZeroStage.OS, ZeroStage.OS_G_P)
 CONFIGS: tuple[StageConfig, ...] = tuple(
     StageConfig(z, r, o, s)
-    for s in (False, True) for r in (False, True) for o in (False, True) for z in OFFERED_ZERO)
+    for s in (False, True) for r in (False, True) for o in (False, True) for z in OFFERED_ZERO
+    if not (o and z == ZeroStage.OS_G_P))
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +144,7 @@ class Setting:
     compress: Compression | None = None
     compress_fraction: float | None = None  # PowerSGD's share of elements on the wire, over the model's parameters
     hierarchical: bool = True  # a ZeRO-0 stage spread over hosts may all-reduce hierarchically where faster
+    compute_bytes: int = 0  # the autocast compute dtype's (0: fp32), for the weight copies per microbatch
 
 
 @dataclass(frozen=True, slots=True)

@@ -241,13 +241,13 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             mem = memory_parts(param_bytes=params, activation_bytes=acts, input_bytes=inputs, dtype_bytes=bpe,
                                replicas=d, zero=cfg.zero, microbatches=m, recompute=cfg.recompute,
                                swapped_bytes=acts if cfg.swap else acts * 0, offload_optimizer=cfg.offload,
-                               host_is_device=is_cpu)
+                               host_is_device=is_cpu, compute_bytes=setting.compute_bytes)
             mem = mem._replace(grads=mem.grads + shared)  # the flat buffer of gradients tied to other stages
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)
-            sync = sync_ms(params, d, cfg.zero, cfg.offload, glink, host, bwd_ms=bwd)
+            sync = sync_ms(params, d, cfg.zero, cfg.offload, glink, host, bwd_ms=bwd, microbatches=m)
             if hier is not None and cfg.zero == ZeroStage.NONE:  # the faster of flat and hierarchical (to_plan picks)
-                sync = np.minimum(sync, sync_ms(params, d, cfg.zero, cfg.offload, glink, host, hier))
+                sync = np.minimum(sync, sync_ms(params, d, cfg.zero, cfg.offload, glink, host, hier, microbatches=m))
             if setting.compress is not None and d > 1 and cfg.zero == ZeroStage.NONE:  # allowed: where it pays
                 sync = np.minimum(sync, compressed_sync_ms(params, d, setting.compress, glink, dtype_bytes=bpe,
                                                            bytes_per_ms=rate, fraction=setting.compress_fraction))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -142,10 +143,20 @@ def test_memory_over_budget() -> None:
     with pytest.raises(PlanError, match="needs 12.00 GiB on d0"):
         validate_plan(two, prof)
     validate_plan(two, _profile(param_bytes=GiB // 4))  # 1 GiB of params: 1 + 1 + 2 / 2 = 3 GiB fits
-    # ZeRO-3 is refused by name: the runtime does not perform it, so no plan may count on it
+    # ZeRO-3 holds its shard and gathers the whole stage for its compute: 1 + 1/2 + 1 + 2 / 2 = 3.5 GiB fits,
+    # and with 1.25 GiB of params 1.875 + 1.25 + 1.25 = 4.375 GiB does not (ZeRO-2 would need 3.75 GiB)
     three = _plan([Stage(0, ("d0", "d1"), ("n0", "n1", "n2", "n3"), ZeroStage.OS_G_P)], cluster=small)
-    with pytest.raises(PlanError, match="ZeRO-3, which the runtime does not perform"):
-        validate_plan(three, _profile(param_bytes=GiB // 4))
+    validate_plan(three, _profile(param_bytes=GiB // 4))
+    with pytest.raises(PlanError, match=r"needs 4\.38 GiB on d0"):
+        validate_plan(three, _profile(param_bytes=5 * GiB // 16))
+    validate_plan(replace(two, stages=(replace(two.stages[0], zero=ZeroStage.OS_G),)), _profile(param_bytes=5 * GiB // 16))
+
+
+def test_zero3_with_offload_refused() -> None:
+    p = _plan([Stage(0, ("d0",), ("n0", "n1")), Stage(1, ("d1", "d2"), ("n2", "n3"), ZeroStage.OS_G_P,
+                                                     offload_optimizer=True)])
+    with pytest.raises(PlanError, match="ZeRO-3 with optimizer offload, which the runtime does not combine"):
+        validate_plan(p, _profile())
 
 
 def test_plan_cli_writes_valid_plan_and_compares(tmp_path, capsys) -> None:

@@ -136,6 +136,20 @@ def test_stagecost_counts_fp32_master_weights_and_the_bf16_casts() -> None:
     assert m["bf16"].stored < 0.75 * m["fp32"].stored
 
 
+def test_each_microbatch_in_flight_holds_its_own_weight_copies() -> None:
+    from hpml_compile.stagecost import device_memory
+
+    # 400 B of fp32 weights: a bf16 copy of 200 B per microbatch in flight; the profile counted it once per
+    # batch, which the model's activations divide among M * d = 4 slices (50 B each): 150 B more per slice
+    kw = dict(param_bytes=400, activation_bytes=800, input_bytes=40, dtype_bytes=4, replicas=2, zero=1,
+              microbatches=2, in_flight=2)
+    plain, bf = device_memory(**kw), device_memory(**kw, compute_bytes=2)  # type: ignore[arg-type]
+    assert bf.stored_per_microbatch - plain.stored_per_microbatch == 150 and bf.total - plain.total == 300
+    rc = device_memory(**kw, recompute=True, compute_bytes=2)  # type: ignore[arg-type]
+    assert rc.working - device_memory(**kw, recompute=True).working == 150  # only the recomputed one's
+    assert device_memory(**kw, compute_bytes=4).total == plain.total  # no cast to a dtype as wide
+
+
 # -- codegen and the runtime in one process ----------------------------------------------------------------------
 def _build(tmp_path: Path, precision: str, replicas: list[int] | None = None) -> Path:
     gm = trace(_mlp(), _data()[:1])

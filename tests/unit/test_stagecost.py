@@ -137,14 +137,26 @@ def test_simulator_and_table_price_a_plans_stages_alike(schedule: Schedule) -> N
 
 def test_zero_shards_only_the_optimizer_state_at_the_peak() -> None:
     """What the runtime (runtime/zero.py) holds at the end of the last backward: parameters and gradients whole
-    (accumulated over every microbatch before the one reduce-scatter), Adam's state / d from ZeRO-1 on."""
+    (accumulated over every microbatch before the one reduce-scatter), Adam's state / d from ZeRO-1 on; ZeRO-3
+    (runtime/zero3.py) its shard of the parameters too, beside the whole stage gathered for the compute."""
     parts = {z: stagecost.memory_parts(param_bytes=800, activation_bytes=0, input_bytes=0, dtype_bytes=4,
                                        replicas=4, zero=z, microbatches=2) for z in ZeroStage}
     assert [(m.params, m.grads, m.optimizer) for m in parts.values()] == [
-        (800, 800, 1600), (800, 800, 400), (800, 800, 400), (800, 800, 400)]
+        (800, 800, 1600), (800, 800, 400), (800, 800, 400), (1000, 800, 400)]
 
 
-def test_the_solver_offers_only_the_zero_stages_that_save_memory() -> None:
+def test_the_solver_offers_the_zero_stages_the_runtime_performs_but_zero2() -> None:
     from hpml_compile.solve.candidates import CONFIGS
 
-    assert {c.zero for c in CONFIGS} == {ZeroStage.NONE, ZeroStage.OS}
+    # ZeRO-2 holds what ZeRO-1 holds at the peak; ZeRO-3 is offered, never with optimizer offload
+    assert {c.zero for c in CONFIGS} == {ZeroStage.NONE, ZeroStage.OS, ZeroStage.OS_G_P}
+    assert not any(c.offload for c in CONFIGS if c.zero == ZeroStage.OS_G_P)
+
+
+def test_zero3_gathers_the_parameters_for_each_microbatch_forward_and_backward() -> None:
+    link = host = cost_models.LinkSpec("test", 10.0, 5.0, "a test link")
+    rs = stagecost.transfer_ms(cost_models.reduce_scatter_ms, 1 << 20, link, 2)
+    ag = stagecost.transfer_ms(cost_models.all_gather_ms, 1 << 20, link, 2)
+    z3 = stagecost.sync_ms(1 << 20, 2, ZeroStage.OS_G_P, False, link, host, microbatches=3)
+    assert ag > 0 and z3 == pytest.approx(rs + 6 * ag)
+    assert stagecost.sync_ms(1 << 20, 2, ZeroStage.OS, False, link, host, microbatches=3) == pytest.approx(rs + ag)
