@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Exception classes allowed outside errors.py, and why.
 NOT_ERRORS = {
     "InjectedFault": "a fault injected on purpose, a ConnectionError so that it is retried like a real one",
+    "_OutOfTime": "solve/uneven's search stops on it at its time limit and catches it itself: never a user's error",
 }
 
 
