@@ -1,4 +1,4 @@
-"""One rank of tests/dist/test_hierarchical.py, started by torchrun (two agents standing in for two hosts).
+"""One rank of tests/dist/test_hierarchical_dist.py, started by torchrun (two agents standing in for two hosts).
 
 Writes ``rank<r>.json``: the hierarchical all-reduce against the flat one on
 random and integer tensors, and the parameters after one SGD step of the flat

@@ -1,4 +1,4 @@
-"""Hierarchical all-reduce in the plan, the cost model and the solver (the collective itself: tests/dist/test_hierarchical.py).
+"""Hierarchical all-reduce in the plan, the cost model and the solver (the collective itself: tests/dist/test_hierarchical_dist.py).
 
 - ``Stage.allreduce`` round-trips through plan.json, written only when not flat;
 - a plan asking it for a stage on one host, on hosts holding different numbers

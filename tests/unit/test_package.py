@@ -48,3 +48,15 @@ def test_error_classes_are_defined_in_errors_only() -> None:
                     outside.append(f"{path.relative_to(ROOT)}: {node.name}")
     assert not outside, f"error classes outside hpml_compile/errors.py: {outside}"
     assert all(issubclass(getattr(errors, n), errors.HpmlError) for n in names)
+
+
+def test_no_two_test_files_share_a_name() -> None:
+    """pytest imports test files by basename (no __init__.py): a file in tests/unit and one in tests/dist of the
+    same name stop the whole collection, as a fresh clone's CI found twice."""
+    seen: dict[str, str] = {}
+    clashes = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name]} and {path.relative_to(ROOT)}")
+        seen[path.name] = str(path.relative_to(ROOT))
+    assert not clashes, f"test files sharing a name (rename one, e.g. *_dist.py): {clashes}"
