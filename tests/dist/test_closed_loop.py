@@ -5,7 +5,8 @@
   checkpoint, loses no more steps than the checkpoint interval, and from the
   resumed step on its losses equal a plain 2-rank run started from that same
   checkpoint;
-- a rank slowed 3x: the job re-plans within 20 steps and moves work off it;
+- a rank slowed 3x: the job re-plans within 20 steps and moves work off it
+  (asserted by notebooks/03_closed_loop.ipynb, which runs that job);
 - a loss that leaves too little memory for any plan: a clear stop, the last
   checkpoint intact.
 
@@ -104,28 +105,9 @@ def test_a_rank_that_keeps_hanging_is_retried_then_dropped(tmp_path: Path) -> No
     assert max(_losses(run / "seg2")) == 6
 
 
-def test_slowed_rank_is_replanned_within_20_steps(tmp_path: Path) -> None:
-    build = _compile(tmp_path / "b", "gpt-mini", "local-cpu-3")
-    run, slowed_from, steps = tmp_path / "run", 10, 36  # the switch by step 30, then a few steps on the new plan
-    first = load_plan(build / "plan.json")
-    r = _cli("run", str(build), "--steps", str(steps), "--adapt", "--slow", f"1:3:{slowed_from}", "--run-dir", str(run),
-             "--no-tensorboard", "--no-report")
-    assert r.returncode == 0, r.stdout + r.stderr
-    switches = [e for e in _events(run) if e["event"] == "switch"]
-    assert switches, f"no re-plan; decisions: {(run / 'seg0' / 'replans.jsonl').read_text()}"
-    assert slowed_from < switches[0]["step"] <= slowed_from + 20
-    assert "moved" in switches[0]["decision"]["diff"] and switches[0]["decision"]["gain"] > 1.05
-    # the device rank 1 had is the slow one, whatever rank it has now; it is given less to compute
-    slow_dev = [d for st in first.stages for d in st.devices][1]
-
-    def share(plan_path: Path) -> float:
-        plan = load_plan(plan_path)
-        st = next((s for s in plan.stages if slow_dev in s.devices), None)
-        return 0.0 if st is None else len(st.nodes) / len(st.devices)  # dropped: nothing left to compute
-
-    last = max(int(p.name[3:]) for p in run.glob("seg*"))
-    assert share(run / f"seg{last}" / "plan.json") < share(build / "plan.json")
-    assert max(_losses(run / f"seg{last}")) == steps, "the job reached its last step on the new plan"
+# A rank slowed 3x is re-planned within 20 steps, moving work off its device: notebooks/03_closed_loop.ipynb runs
+# exactly that run (gpt-mini on 3 ranks, --slow 1:3:8, 45 steps) and asserts it (tests/unit/test_notebooks.py);
+# the same run here cost the suite another 80-130 s.
 
 
 def test_too_little_memory_left_stops_with_the_checkpoint_intact(tmp_path: Path) -> None:
