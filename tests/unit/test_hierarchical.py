@@ -26,7 +26,7 @@ from hpml_compile.errors import PlanError, SchemaError
 from hpml_compile.explain import summary
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.memory import ZeroStage
-from hpml_compile.plan import AllReduce, Plan, load_plan, save_plan, tied_groups, validate_plan
+from hpml_compile.plan import AllReduce, Plan, check_comm, load_plan, save_plan, tied_groups, validate_plan, with_comm
 from hpml_compile.profile import profile
 from hpml_compile.simulate import simulate, tied_syncs
 from hpml_compile.solve import solve
@@ -152,3 +152,21 @@ def test_the_plan_command_keeps_every_allreduce_flat_when_told() -> None:
             for h in (True, False)}
     assert any(st.allreduce is AllReduce.HIERARCHICAL for st in made[True].stages), made[True].stages
     assert all(st.allreduce is AllReduce.FLAT for st in made[False].stages)
+
+
+def test_a_compressed_stage_is_flat_since_the_runtime_compresses_over_the_stage_group() -> None:
+    c = load_cluster("2node-a100-16")
+    two = Cluster(devices=tuple(d for d in c.devices if d.name in {"gpu0", "gpu1", "gpu8", "gpu9"}), name="2x2")
+    g = chain_graph([(10.0, 20.0)] * 4, kind="A100-80GB", param_bytes=2**26, batch_size=64)
+    dense = solve(g, two, solver="dp", microbatches=1)
+    assert any(st.allreduce is AllReduce.HIERARCHICAL for st in dense.stages), dense.stages
+    plan = solve(g, two, solver="dp", microbatches=1, compress="topk:0.01")
+    squeezed = [st for st in plan.stages if st.compress]
+    assert squeezed and all(st.allreduce is AllReduce.FLAT for st in squeezed), plan.stages
+    assert plan.predicted.step_ms < dense.predicted.step_ms  # chosen because the cost model says it is faster
+    both = replace(plan, stages=tuple(replace(st, allreduce=AllReduce.HIERARCHICAL) if st.compress else st
+                                      for st in plan.stages))
+    with pytest.raises(PlanError, match=r"stage \d compresses its gradients \(topk:0.01\) and asks for a hierarchical"):
+        check_comm(both)
+    forced = with_comm(dense, compress="topk:0.01")  # the user's --compress on a hierarchical plan
+    assert all(st.allreduce is AllReduce.FLAT for st in forced.stages if st.compress), forced.stages
