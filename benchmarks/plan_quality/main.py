@@ -28,18 +28,22 @@ that no plan can beat (:func:`compute_bound`): where the best peer is
 already within 1.25x of it, no planner could be 1.25x faster than the peer.
 
 A second table (:func:`hierarchical_rows`, issue 18) places each model on
-``2node-a100-16`` with ``ilp`` twice: every all-reduce flat, and with the
-solver free to make a ZeRO-0 stage spread over both hosts all-reduce
-hierarchically, and the all-reduce of tied parameters spread over both hosts
-too (exact: the same sum); it prints both against the compute
-bound and the share of the distance to the bound that the hierarchical
-all-reduce closes. (The first table's ``ilp`` column is the solver's default,
-hierarchical allowed.)
+``2node-a100-16`` with ``ilp``: every all-reduce flat; with the solver free to
+make a ZeRO-0 stage spread over both hosts all-reduce hierarchically, and the
+all-reduce of tied parameters spread over both hosts too (exact: the same
+sum); and with a compression allowed as well (:data:`COMPRESSIONS`). It prints
+each against the compute bound and against :func:`tight_bound` (which adds one
+row's pass through the model and the least optimizer step: still a bound no
+plan beats, closer to what plans reach), the share of the distance that each
+closes, where each plan's step goes (:func:`step_terms`), and a what-if that is
+not a plan the tool makes (:func:`what_if_overlapped`). (The first table's
+``ilp`` column is the solver's default, hierarchical allowed.)
 
 Run:
-    python benchmarks/plan_quality/main.py             # ~2-4 min on 2 cores
-    python benchmarks/plan_quality/main.py --quick     # gpt2-small only
-Writes benchmarks/plan_quality/results/quality.json.
+    python benchmarks/plan_quality/main.py                        # ~5-8 min on 2 busy cores
+    python benchmarks/plan_quality/main.py --quick                # gpt2-small only
+    python benchmarks/plan_quality/main.py --hierarchical-only    # the second table, ~3 min
+Writes benchmarks/plan_quality/results/quality.json (``--hierarchical-only``: hierarchical.json).
 """
 
 from __future__ import annotations
@@ -320,8 +324,8 @@ def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit
         print(f"{r['model']:11s} flat {_terms_text(r['flat_terms'])}")
         print(f"{'':11s} hier {_terms_text(r['hierarchical_terms'])}")
         for c, e in r["compressed"].items():
-            print(f"{'':11s} {c:>10s}: {e['step_ms']:.4g} ms, closed {e['closed']:.0%} (tight {e['closed_tight']:.0%}), "
-                  f"{e['stages']} (M={e['microbatches']}), compressed stages {e['compressed']}: "
+            print(f"{'':11s} {c:>10s}: {e['step_ms']:.4g} ms, closed {e['closed']:.0%} "
+                  f"(tight {e['closed_tight']:.0%}), {e['stages']} (M={e['microbatches']}), compressed stages {e['compressed']}: "
                   f"{_terms_text(e['terms'])}")
         w = r["what_if_overlapped"]
         if w:
