@@ -78,3 +78,22 @@ def test_the_terms_of_a_step_add_up_to_it(pq: ModuleType) -> None:
         assert t["step"] == pytest.approx(plan.predicted.step_ms) and min(t.values()) >= -1e-9, t
     pipe = solve(g, c, solver="uniform", microbatches=2)
     assert len(pipe.stages) > 1 and pq.step_terms(pipe, g)["bubble"] > 0  # a pipeline of 2 microbatches idles
+
+
+def test_the_hierarchical_table_orders_its_plans_and_bounds(pq: ModuleType, capsys: pytest.CaptureFixture[str]
+                                                            ) -> None:
+    c = two_by_two()
+    g = chain_graph([(10.0, 20.0)] * 4, kind="A100-80GB", param_bytes=2**26, batch_size=64)
+    (row,) = pq.hierarchical_rows({"toy": g}, c, 10.0)
+    assert row["tight_bound_ms"] >= row["bound_ms"] and row["flat_ms"] >= row["tight_bound_ms"]
+    assert row["hierarchical_ms"] <= row["flat_ms"] * (1 + 1e-9)  # the exact solver's space only grew
+    assert row["hierarchical_ms"] < row["flat_ms"] and "hier" in row["hierarchical_stages"]  # 1 GB over 2 hosts
+    for e in row["compressed"].values():
+        assert e["step_ms"] <= row["hierarchical_ms"] * (1 + 1e-9)
+        assert e["step_ms"] == pytest.approx(e["terms"]["step"])
+    want = (row["flat_ms"] - row["hierarchical_ms"]) / (row["flat_ms"] - row["bound_ms"])
+    assert row["closed"] == pytest.approx(want) and 0 < row["closed"] <= 1
+    w = row["what_if_overlapped"]  # one stage over the 4 GPUs, its all-reduce hidden behind the backward
+    assert w["overlapped_sync_ms"] < w["sync_ms"]
+    assert w["what_if_step_ms"] == pytest.approx(w["step_ms"] - w["sync_ms"] + w["overlapped_sync_ms"])
+    assert "not performed by the runtime" in capsys.readouterr().out
