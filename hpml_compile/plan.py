@@ -626,8 +626,9 @@ def with_comm(plan: Plan, *, compress: str | None = None, sync_every: int | None
         if c is not None and not fit:
             raise OptionError(f"--compress {compress}: the plan has no replicated stage without ZeRO, so no gradient "
                               "crosses between replicas: compress needs data parallelism (a stage on >= 2 devices)")
-        stages = tuple(replace(st, compress=str(c) if (c is not None and st.index in fit) else "")
-                       for st in plan.stages)
+        # a compressed stage's sync replaces its all-reduce, and the runtime compresses over the flat group
+        stages = tuple(replace(st, compress=str(c), allreduce=AllReduce.FLAT) if (c is not None and st.index in fit)
+                       else replace(st, compress="") for st in plan.stages)
     every = plan.sync_every if sync_every is None else sync_every
     warm = plan.sync_warmup if sync_warmup is None else sync_warmup
     check_sync(every, warm)
@@ -654,6 +655,10 @@ def _check_comm_options(plan: Plan, st: Stage) -> None:
     if st.compress and st.zero != ZeroStage.NONE:
         raise PlanError(f"stage {st.index} compresses its gradients ({st.compress}) under ZeRO-{int(st.zero)}, "
                         "whose reduce-scatter the runtime does not compress: use zero 0 for a compressed stage")
+    if st.compress and st.allreduce is AllReduce.HIERARCHICAL:
+        raise PlanError(f"stage {st.index} compresses its gradients ({st.compress}) and asks for a hierarchical "
+                        "all-reduce, but the runtime runs the compressed collectives over the stage's flat group: "
+                        "use allreduce flat for a compressed stage (or drop compress)")
     if plan.sync_every > 1 and len(st.devices) > 1 and st.zero != ZeroStage.NONE:
         raise PlanError(f"the plan averages parameters every {plan.sync_every} steps (local SGD), but stage "
                         f"{st.index} shards its optimizer (ZeRO-{int(st.zero)}), so its replicas cannot step on "

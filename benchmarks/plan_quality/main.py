@@ -28,18 +28,22 @@ that no plan can beat (:func:`compute_bound`): where the best peer is
 already within 1.25x of it, no planner could be 1.25x faster than the peer.
 
 A second table (:func:`hierarchical_rows`, issue 18) places each model on
-``2node-a100-16`` with ``ilp`` twice: every all-reduce flat, and with the
-solver free to make a ZeRO-0 stage spread over both hosts all-reduce
-hierarchically, and the all-reduce of tied parameters spread over both hosts
-too (exact: the same sum); it prints both against the compute
-bound and the share of the distance to the bound that the hierarchical
-all-reduce closes. (The first table's ``ilp`` column is the solver's default,
-hierarchical allowed.)
+``2node-a100-16`` with ``ilp``: every all-reduce flat; with the solver free to
+make a ZeRO-0 stage spread over both hosts all-reduce hierarchically, and the
+all-reduce of tied parameters spread over both hosts too (exact: the same
+sum); and with a compression allowed as well (:data:`COMPRESSIONS`). It prints
+each against the compute bound and against :func:`tight_bound` (which adds one
+row's pass through the model and the least optimizer step: still a bound no
+plan beats, closer to what plans reach), the share of the distance that each
+closes, where each plan's step goes (:func:`step_terms`), and a what-if that is
+not a plan the tool makes (:func:`what_if_overlapped`). (The first table's
+``ilp`` column is the solver's default, hierarchical allowed.)
 
 Run:
-    python benchmarks/plan_quality/main.py             # ~2-4 min on 2 cores
-    python benchmarks/plan_quality/main.py --quick     # gpt2-small only
-Writes benchmarks/plan_quality/results/quality.json.
+    python benchmarks/plan_quality/main.py                        # ~5-8 min on 2 busy cores
+    python benchmarks/plan_quality/main.py --quick                # gpt2-small only
+    python benchmarks/plan_quality/main.py --hierarchical-only    # the second table, ~3 min
+Writes benchmarks/plan_quality/results/quality.json (``--hierarchical-only``: hierarchical.json).
 """
 
 from __future__ import annotations
@@ -56,11 +60,13 @@ from typing import Any, Callable
 import torch
 
 from hpml_compile import models, profile
-from hpml_compile.cluster import load_cluster
+from hpml_compile.cluster import hierarchy, load_cluster
 from hpml_compile.costgraph import CostGraph, build
 from hpml_compile.errors import InfeasibleError
 from hpml_compile.ir import Cluster
-from hpml_compile.plan import Plan
+from hpml_compile.plan import AllReduce, Plan, Schedule, Stage
+from hpml_compile.simulate import EventKind, simulate
+from hpml_compile.stagecost import hierarchical_allreduce_ms, overlapped_ms
 from hpml_compile.solve import SolverName, plan_from_cuts, solve
 from hpml_compile.solve.baselines import cut_points
 from hpml_compile.solve.candidates import Chain
@@ -153,6 +159,34 @@ def compute_bound(graph: CostGraph, cluster: Cluster) -> float:
     return 1.0 / sum(1.0 / graph.total("", kind=d.kind) for d in cluster.devices)
 
 
+def row_bound(graph: CostGraph, cluster: Cluster) -> float:
+    """A second lower bound: one row's forward and backward through the whole model, on the fastest kind.
+
+    A row is never split between devices (a replica trains on whole rows, at least one per microbatch; the
+    plans have no tensor parallelism), and a stage is a range of the graph's order that runs its nodes one
+    after another, so every row goes forward through every node and back, in order: no step is shorter than
+    that chain. A node run on ``r >= 1`` of the batch's ``B`` rows costs ``fixed + (full - fixed) r / B``
+    (the simulator's rule), at least its cost at ``r = 1``. This bound binds where the batch is small against
+    the device count: llama-7b at batch 8 on 16 devices, where :func:`compute_bound` is half of it.
+    """
+    return min(sum(sum(graph.cost_at(n, kind, 1.0 / graph.batch_size)) for n in graph.order)
+               for kind in {d.kind for d in cluster.devices})
+
+
+def optimizer_floor(graph: CostGraph, cluster: Cluster) -> float:
+    """The shortest optimizer step any plan can take: every parameter byte stepped once, spread over all devices
+    at the fastest kind's rate (ZeRO sharding over every device). The runtime steps only after every stage has
+    synchronised (the ranks agree that the step succeeded first), so this adds to the compute bounds."""
+    rate = min(graph.optimizer_ms_per_byte(d.kind) for d in cluster.devices)
+    return rate * graph.total("param_bytes") / len(cluster.devices)
+
+
+def tight_bound(graph: CostGraph, cluster: Cluster) -> float:
+    """``max(compute_bound, row_bound) + optimizer_floor``: still no plan can beat it (each term is a lower bound
+    on a phase that follows the other), and it is closer to what a plan can reach."""
+    return max(compute_bound(graph, cluster), row_bound(graph, cluster)) + optimizer_floor(graph, cluster)
+
+
 def graph_of(name: str, batch: int, kinds: list[str]) -> CostGraph:
     m = models.load(name, batch_size=batch, device="meta")
     p = profile(m.module, m.example_inputs, name=name, device_kinds=kinds, batch_size=m.batch_size,
@@ -185,41 +219,133 @@ def _shape(plan: Plan) -> str:
     return text + (", tied hier" if plan.tied_allreduce.value == "hierarchical" else "")
 
 
-def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit: float) -> list[dict[str, Any]]:
-    """``ilp`` with every all-reduce flat against ``ilp`` free to all-reduce hierarchically, on one cluster.
+# The compressions priced in the "compression allowed" rows: the two whose loss benchmarks/comm_options measures.
+COMPRESSIONS = ("topk:0.1", "powersgd:4")
 
-    Prints one row per model: both predicted steps, each over the compute bound, and the share of the flat
-    plan's distance to the bound that the hierarchical all-reduce closes, ``(flat - hier) / (flat - bound)``.
+
+def _closed(flat: float, step: float, bound: float) -> float:
+    """The share of the flat plan's distance to ``bound`` that ``step`` closes (negative: slower than flat)."""
+    return (flat - step) / (flat - bound) if flat > bound else 0.0
+
+
+def step_terms(plan: Plan, graph: CostGraph) -> dict[str, float]:
+    """Where a plan's simulated step goes, in ms, summing to the step.
+
+    ``compute``: the busiest stage's forwards and backwards (what a device of it computes in the step);
+    ``bubble``: the rest of the pipeline phase (0 to the last backward's end: fill, drain, waiting on sends);
+    ``sync``: from there to the end of the stages' gradient syncs, before the tied parameters' all-reduce;
+    ``tied``: that all-reduce; ``optimizer``: the optimizer step after them.
+    """
+    r = simulate(plan, graph)
+    m = plan.microbatches
+    compute = max(m * c.compute_ms * x for c, x in zip(r.stages, r.contention or (1.0,) * len(r.stages)))
+    pipe = max(b.end_ms for b in r.intervals if b.kind in (EventKind.FORWARD, EventKind.BACKWARD,
+                                                           EventKind.RECOMPUTE))
+    tied = sum(ms for _, ms in r.tied_ms)
+    return {"compute": compute, "bubble": pipe - compute, "sync": r.step_without_optimizer_ms - pipe - tied,
+            "tied": tied, "optimizer": r.step_ms - r.step_without_optimizer_ms, "step": r.step_ms}
+
+
+def _terms_text(t: dict[str, float]) -> str:
+    return " + ".join(f"{k} {t[k]:.3g}" for k in ("compute", "bubble", "sync", "tied", "optimizer"))
+
+
+def what_if_overlapped(graph: CostGraph, cluster: Cluster) -> dict[str, Any] | None:
+    """What-if, not a plan the tool makes: one ZeRO-0 stage over every device at ``M = 1`` whose hierarchical
+    all-reduce runs bucket by bucket during the backward, as the flat one does
+    (:func:`hpml_compile.stagecost.overlapped_ms` with the three levels as the bucket's collective). The
+    runtime runs a hierarchical stage's three collectives after its backward (``runtime/pipeline.py``), so the
+    solver must not price it so; this says what that runtime change would be worth. None where the stage does not
+    fit or does not span hosts.
+    """
+    devs = tuple(d.name for d in cluster.devices)
+    hier = hierarchy(cluster, devs)
+    if hier is None:
+        return None
+    st = Stage(0, devs, tuple(m for v in graph.order for m in graph.node(v).members), allreduce=AllReduce.HIERARCHICAL)
+    plan = Plan(graph.model, cluster, Schedule.ONE_F_ONE_B, 1, (st,))
+    r = simulate(plan, graph)
+    if any(r.peak[d.name] > d.memory_bytes for d in cluster.devices):
+        return None
+    cost = r.stages[0]
+    params = graph.total("param_bytes")
+    levels = lambda nbytes, _ranks, _link: float(hierarchical_allreduce_ms(nbytes, hier))  # noqa: E731
+    hidden = float(overlapped_ms(levels, params, hier.inter, len(devs), cost.bwd_ms))
+    return {"step_ms": r.step_ms, "sync_ms": cost.sync_ms, "overlapped_sync_ms": hidden,
+            "what_if_step_ms": r.step_ms - cost.sync_ms + hidden, "optimizer_ms": cost.optimizer_ms}
+
+
+def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit: float) -> list[dict[str, Any]]:
+    """``ilp`` with every all-reduce flat against ``ilp`` free to all-reduce hierarchically, on one cluster, and
+    with each of :data:`COMPRESSIONS` allowed too.
+
+    Prints one row per model: the predicted steps, the compute bound and the tighter bound (:func:`tight_bound`),
+    and the share of the flat plan's distance to each bound that the hierarchical all-reduce closes,
+    ``(flat - hier) / (flat - bound)``; then per model where the hierarchical plan's step goes
+    (:func:`step_terms`) and the what-if of :func:`what_if_overlapped`.
 
     Returns:
         The rows, for the JSON.
     """
-    head = f"{'model':11s} {'flat ms':>9s} {'hier ms':>9s} {'bound ms':>9s} {'flat/bnd':>8s} {'hier/bnd':>8s} " \
-           f"{'closed':>7s}  stages flat -> hierarchical"
+    head = f"{'model':11s} {'flat ms':>9s} {'hier ms':>9s} {'bound ms':>9s} {'tight ms':>9s} {'flat/bnd':>8s} " \
+           f"{'hier/bnd':>8s} {'closed':>7s} {'tight':>6s}  stages flat -> hierarchical"
     print(f"\nhierarchical all-reduce on {cluster.name} (ilp, M searched; stages: devices, ZeRO, all-reduce)")
     print(head + "\n" + "-" * len(head))
     rows = []
     for name, graph in graphs.items():
-        bound = compute_bound(graph, cluster)
+        bound, tight = compute_bound(graph, cluster), tight_bound(graph, cluster)
         flat = solve(graph, cluster, solver="ilp", time_limit_s=time_limit, hierarchical=False)
         hier = solve(graph, cluster, solver="ilp", time_limit_s=time_limit, hierarchical=True)
         f, h = flat.predicted.step_ms, hier.predicted.step_ms
-        closed = (f - h) / (f - bound) if f > bound else 0.0
+        closed = partial(_closed, f)
+        comp = {}
+        for c in COMPRESSIONS:
+            p = solve(graph, cluster, solver="ilp", time_limit_s=time_limit, hierarchical=True, compress=c)
+            comp[c] = {"step_ms": p.predicted.step_ms, "closed": closed(p.predicted.step_ms, bound),
+                       "closed_tight": closed(p.predicted.step_ms, tight), "stages": _shape(p),
+                       "compressed": [s.index for s in p.stages if s.compress], "microbatches": p.microbatches,
+                       "terms": step_terms(p, graph)}
+        w = what_if_overlapped(graph, cluster)
+        if w is not None:
+            w["closed_what_if"] = closed(min(w["what_if_step_ms"], h), bound)
         rows.append({"model": name, "cluster": cluster.name, "flat_ms": f, "hierarchical_ms": h, "bound_ms": bound,
-                     "flat_vs_bound": f / bound, "hierarchical_vs_bound": h / bound, "closed": closed,
+                     "row_bound_ms": row_bound(graph, cluster), "optimizer_floor_ms": optimizer_floor(graph, cluster),
+                     "tight_bound_ms": tight, "flat_vs_bound": f / bound, "hierarchical_vs_bound": h / bound,
+                     "closed": closed(h, bound), "closed_tight": closed(h, tight),
                      "flat_stages": _shape(flat), "hierarchical_stages": _shape(hier),
-                     "flat_microbatches": flat.microbatches, "hierarchical_microbatches": hier.microbatches})
-        print(f"{name:11s} {f:9.4g} {h:9.4g} {bound:9.4g} {f / bound:7.2f}x {h / bound:7.2f}x {closed:6.0%}  "
+                     "flat_microbatches": flat.microbatches, "hierarchical_microbatches": hier.microbatches,
+                     "flat_terms": step_terms(flat, graph), "hierarchical_terms": step_terms(hier, graph),
+                     "compressed": comp, "what_if_overlapped": w})
+        print(f"{name:11s} {f:9.4g} {h:9.4g} {bound:9.4g} {tight:9.4g} {f / bound:7.2f}x {h / bound:7.2f}x "
+              f"{closed(h, bound):6.0%} {closed(h, tight):6.0%}  "
               f"{_shape(flat)} (M={flat.microbatches}) -> {_shape(hier)} (M={hier.microbatches})", flush=True)
+    print("\nwhere the step goes (ms), and with compression allowed (hierarchical allowed too):")
+    for r in rows:
+        print(f"{r['model']:11s} flat {_terms_text(r['flat_terms'])}")
+        print(f"{'':11s} hier {_terms_text(r['hierarchical_terms'])}")
+        for c, e in r["compressed"].items():
+            print(f"{'':11s} {c:>10s}: {e['step_ms']:.4g} ms, closed {e['closed']:.0%} "
+                  f"(tight {e['closed_tight']:.0%}), {e['stages']} (M={e['microbatches']}), compressed stages {e['compressed']}: "
+                  f"{_terms_text(e['terms'])}")
+        w = r["what_if_overlapped"]
+        if w:
+            print(f"{'':11s} what-if, one stage of {len(cluster.devices)} with its hierarchical all-reduce overlapped "
+                  f"with the backward (not performed by the runtime): sync {w['sync_ms']:.3g} -> "
+                  f"{w['overlapped_sync_ms']:.3g} ms, step {w['step_ms']:.4g} -> {w['what_if_step_ms']:.4g} ms; the "
+                  f"best of it and the hierarchical plan closes {w['closed_what_if']:.0%}")
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="gpt2-small only")
+    ap.add_argument("--hierarchical-only", action="store_true",
+                    help=f"only the hierarchical all-reduce table on {HIER_CLUSTER} (~2 min on 2 cores)")
     ap.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit per solve")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quality.json")
     args = ap.parse_args()
+    if args.hierarchical_only and args.out == ap.get_default("out"):
+        args.out = args.out.with_name("hierarchical.json")  # the full run's file stays whole
     t_start = time.time()
     peers: dict[str, Callable[[list[float], int], list[int]]] = {}
     notes = []
@@ -241,6 +367,8 @@ def main() -> None:
     for name, batch in (MODELS[:1] if args.quick else MODELS):
         graph = graphs[name] = graph_of(name, batch, kinds)
         for cname, cluster in clusters.items():
+            if args.hierarchical_only:
+                break
             row: dict[str, Any] = {"model": name, "batch": batch, "blocks": len(graph.order), "cluster": cname,
                                    "solvers": {}}
             for s in ours:

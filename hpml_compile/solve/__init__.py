@@ -70,7 +70,7 @@ from ..costgraph import CostGraph
 from ..errors import InfeasibleError
 from ..ir import Cluster
 from ..memory import GiB, ZeroStage, dtype_bytes
-from ..plan import Plan, Schedule, SolverInfo, SolverStatus
+from ..plan import AllReduce, Plan, Schedule, SolverInfo, SolverStatus
 from ..simulate import annotate, stage_costs
 from ..stagecost import device_memory, in_flight
 from .baselines import Baseline, balanced_cuts, baseline_stages, stages_from_cuts
@@ -232,8 +232,9 @@ def choose_compression(plan: Plan, graph: CostGraph, dtype: str, allowed: Compre
     trial = replace(plan, stages=tuple(replace(st, compress=str(allowed)) if st.index in fit else st
                                        for st in plan.stages))
     comp = stage_costs(trial, graph, dtype)
-    stages = tuple(replace(st, compress=str(allowed)) if st.index in fit and comp[st.index].sync_ms
-                   < dense[st.index].sync_ms else st for st in plan.stages)
+    # a compressed stage is flat: the runtime compresses over the stage's one group, not level by level
+    stages = tuple(replace(st, compress=str(allowed), allreduce=AllReduce.FLAT) if st.index in fit
+                   and comp[st.index].sync_ms < dense[st.index].sync_ms else st for st in plan.stages)
     return replace(plan, stages=stages)
 
 

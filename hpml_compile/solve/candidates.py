@@ -33,11 +33,11 @@ from ..costgraph import CostGraph
 from ..ir import Cluster
 from ..memory import MemoryBreakdown, ZeroStage
 from ..plan import AllReduce, Plan, Schedule, SolverInfo, Stage
-from ..simulate import tied_syncs
+from ..simulate import stage_costs, tied_syncs
 
 __all__ = ["Chain", "StageConfig", "Candidate", "Setting", "CONFIGS", "enumerate_candidates", "kind_counts",
            "assign_devices", "in_flight", "classes", "range_candidates", "to_plan", "degrees", "group_link",
-           "group_links", "boundary_link"]
+           "group_links", "boundary_link", "faster_allreduce", "allreduce_choice"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,12 +314,11 @@ def to_plan(chain: Chain, cluster: Cluster, setting: Setting, picked: list[Candi
     stages = []
     for i, (c, devs) in enumerate(zip(picked, devices)):
         nodes = chain.nodes(c.a, c.b)
-        how = AllReduce.FLAT
-        if setting.hierarchical and c.config.zero == ZeroStage.NONE:
-            how = allreduce_choice(cluster, devs, int(chain.params[c.b] - chain.params[c.a]))
         stages.append(Stage(i, devs, nodes, c.config.zero, c.config.recompute, nodes if c.config.swap else (),
-                            c.config.offload, allreduce=how))
+                            c.config.offload))
     plan = Plan(chain.graph.model, cluster, setting.schedule, setting.microbatches, tuple(stages), solver=solver)
+    if setting.hierarchical:
+        plan = faster_allreduce(plan, chain.graph, setting.dtype)
     if setting.hierarchical:  # the all-reduce of tied parameters too, where it spans hosts and is faster
         hier = replace(plan, tied_allreduce=AllReduce.HIERARCHICAL)
         if sum(ms for _, ms in tied_syncs(hier, chain.graph)) < sum(ms for _, ms in tied_syncs(plan, chain.graph)):
@@ -327,10 +326,43 @@ def to_plan(chain: Chain, cluster: Cluster, setting: Setting, picked: list[Candi
     return plan
 
 
+def faster_allreduce(plan: Plan, graph: CostGraph, dtype: str = "float32") -> Plan:
+    """``plan`` with each ZeRO-0 stage whose replicas span hosts set to the faster of its flat and hierarchical
+    all-reduce as the simulator prices them (:func:`hpml_compile.simulate.stage_costs`): the flat one runs in
+    buckets overlapped with the last backward, the hierarchical one after it (as the runtime runs each), so
+    comparing the two collectives alone (:func:`allreduce_choice`) would pick hierarchical where the overlapped
+    flat sync is the faster. Ties stay flat (one collective, not three).
+
+    Args:
+        plan: a plan (its stages' ``allreduce`` is replaced where a stage spans hosts).
+        graph: its cost graph.
+        dtype: the parameters' dtype.
+
+    Returns:
+        The plan, each stage that spans hosts flat or hierarchical.
+    """
+    spans = {st.index for st in plan.stages if st.zero == ZeroStage.NONE and len(st.devices) > 1
+             and not st.compress and hierarchy(plan.cluster, st.devices) is not None}
+    if not spans:
+        return plan
+
+    def every(how: AllReduce) -> Plan:
+        return replace(plan, stages=tuple(replace(st, allreduce=how) if st.index in spans else st
+                                          for st in plan.stages))
+
+    flat = stage_costs(every(AllReduce.FLAT), graph, dtype)
+    hier = stage_costs(every(AllReduce.HIERARCHICAL), graph, dtype)
+    return replace(plan, stages=tuple(
+        replace(st, allreduce=AllReduce.HIERARCHICAL if hier[st.index].sync_ms < flat[st.index].sync_ms
+                else AllReduce.FLAT) if st.index in spans else st for st in plan.stages))
+
+
 def allreduce_choice(cluster: Cluster, devices: tuple[str, ...], param_bytes: int) -> AllReduce:
     """The faster all-reduce for a ZeRO-0 stage on ``devices``: hierarchical where they span hosts (each
     holding the same number) and :func:`hpml_compile.stagecost.hierarchical_allreduce_ms` beats the flat ring
-    over the slowest link; flat otherwise (ties included: the flat ring is one collective, not three).
+    over the slowest link; flat otherwise (ties included: the flat ring is one collective, not three). The two
+    collectives alone, both after the backward; the solver decides with :func:`faster_allreduce`, which counts
+    the flat one's overlap with the backward.
 
     >>> from hpml_compile.cluster import load_cluster
     >>> c = load_cluster("2node-a100-16")

@@ -26,10 +26,12 @@ from hpml_compile.errors import PlanError, SchemaError
 from hpml_compile.explain import summary
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.memory import ZeroStage
-from hpml_compile.plan import AllReduce, Plan, load_plan, save_plan, tied_groups, validate_plan
+from hpml_compile.plan import (AllReduce, Plan, Schedule, Stage, check_comm, load_plan, save_plan, tied_groups,
+                               validate_plan, with_comm)
 from hpml_compile.profile import profile
 from hpml_compile.simulate import simulate, tied_syncs
 from hpml_compile.solve import solve
+from hpml_compile.solve.candidates import faster_allreduce
 from hpml_compile.solve.testing import chain_graph
 from hpml_compile.stagecost import hierarchical_allreduce_ms, level_bytes, sync_ms
 from hpml_compile.trace import trace
@@ -152,3 +154,43 @@ def test_the_plan_command_keeps_every_allreduce_flat_when_told() -> None:
             for h in (True, False)}
     assert any(st.allreduce is AllReduce.HIERARCHICAL for st in made[True].stages), made[True].stages
     assert all(st.allreduce is AllReduce.FLAT for st in made[False].stages)
+
+
+def test_a_compressed_stage_is_flat_since_the_runtime_compresses_over_the_stage_group() -> None:
+    c = load_cluster("2node-a100-16")
+    two = Cluster(devices=tuple(d for d in c.devices if d.name in {"gpu0", "gpu1", "gpu8", "gpu9"}), name="2x2")
+    g = chain_graph([(10.0, 20.0)] * 4, kind="A100-80GB", param_bytes=2**26, batch_size=64)
+    dense = solve(g, two, solver="dp", microbatches=1)
+    assert any(st.allreduce is AllReduce.HIERARCHICAL for st in dense.stages), dense.stages
+    plan = solve(g, two, solver="dp", microbatches=1, compress="topk:0.01")
+    squeezed = [st for st in plan.stages if st.compress]
+    assert squeezed and all(st.allreduce is AllReduce.FLAT for st in squeezed), plan.stages
+    assert plan.predicted.step_ms < dense.predicted.step_ms  # chosen because the cost model says it is faster
+    both = replace(plan, stages=tuple(replace(st, allreduce=AllReduce.HIERARCHICAL) if st.compress else st
+                                      for st in plan.stages))
+    with pytest.raises(PlanError, match=r"stage \d compresses its gradients \(topk:0.01\) and asks for a hierarchical"):
+        check_comm(both)
+    forced = with_comm(dense, compress="topk:0.01")  # the user's --compress on a hierarchical plan
+    assert all(st.allreduce is AllReduce.FLAT for st in forced.stages if st.compress), forced.stages
+
+
+@pytest.mark.parametrize("ms,param_bytes,batch", [(10.0, 2**26, 4), (50.0, 2**26, 4), (50.0, 2**26, 64),
+                                                  (10.0, 2**22, 64)])
+def test_allowing_hierarchical_never_makes_the_plan_slower(ms: float, param_bytes: int, batch: int) -> None:
+    """The flat all-reduce is overlapped with the last backward and the hierarchical one is not (as the runtime
+    runs them): the choice is the simulator's, stage by stage, not the two collectives' bare times."""
+    c = load_cluster("2node-a100-16")
+    two = Cluster(devices=tuple(d for d in c.devices if d.name in {"gpu0", "gpu1", "gpu8", "gpu9"}), name="2x2")
+    g = chain_graph([(ms, 2 * ms)] * 4, kind="A100-80GB", param_bytes=param_bytes, batch_size=batch)
+    flat = solve(g, two, solver="ilp", hierarchical=False)
+    hier = solve(g, two, solver="ilp")
+    assert hier.predicted.step_ms <= flat.predicted.step_ms * (1 + 1e-9), (flat.stages, hier.stages)
+    wide = Plan("toy", two, Schedule.ONE_F_ONE_B, 1, (Stage(0, ("gpu0", "gpu1", "gpu8", "gpu9"),
+                                                            tuple(f"n{i}" for i in range(4))),))
+    chosen = faster_allreduce(wide, g)
+    costs = {how: simulate(replace(wide, stages=(replace(wide.stages[0], allreduce=how),)), g).stages[0].sync_ms
+             for how in AllReduce}
+    want = AllReduce.HIERARCHICAL if costs[AllReduce.HIERARCHICAL] < costs[AllReduce.FLAT] else AllReduce.FLAT
+    assert chosen.stages[0].allreduce is want
+    # the bare collectives always favour hierarchical here; with 50 ms of backward to hide it, flat wins
+    assert (want is AllReduce.FLAT) == (ms == 50.0), costs
