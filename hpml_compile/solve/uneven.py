@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from ..costgraph import CostGraph
 from ..errors import HpmlError
@@ -57,7 +57,7 @@ from ..memory import ZeroStage, dtype_bytes, tied_elsewhere, tied_shared
 from ..plan import Plan, Schedule, SolverInfo, SolverStatus, Stage
 from ..simulate import annotate
 from ..stagecost import choose_rows, device_memory, in_flight
-from .baselines import balanced_cuts
+from .baselines import balanced_cuts, cut_points
 from .candidates import Chain
 
 __all__ = ["CONFIGS", "Uneven", "stage_rows", "improve", "data_parallel", "extend", "merge", "mixed_pipeline"]
@@ -218,6 +218,17 @@ def _counts(graph: CostGraph, fewest_rows: int, microbatches: int | None) -> lis
 Score = Callable[[Plan], float]
 
 
+def _fastest(plans: Iterable[Plan | None], score: Score) -> Plan | None:
+    """The plan of ``plans`` with the shortest score (None entries, plans that did not fit, skipped)."""
+    best: tuple[float, Plan] | None = None
+    for p in plans:
+        if p is not None:
+            t = score(p)
+            if best is None or t < best[0]:
+                best = (t, p)
+    return best[1] if best else None
+
+
 def data_parallel(graph: CostGraph, cluster: Cluster, score: Score, *, microbatches: int | None = None,
                   schedule: Schedule = Schedule.ONE_F_ONE_B, dtype: str = "float32") -> list[Plan]:
     """One stage over the fastest ``k`` devices (``k`` = 2 .. all), uneven rows; the best plan per ``k``."""
@@ -225,18 +236,12 @@ def data_parallel(graph: CostGraph, cluster: Cluster, score: Score, *, microbatc
     out = []
     for k in range(2, len(fast) + 1):
         devs = [d.name for d in fast[:k]]
-        best: tuple[float, Plan] | None = None
-        for m in _counts(graph, k, microbatches):
-            for first in range(len(CONFIGS)):  # one stage: each configuration that fits, not only the first
-                p = _build(graph, cluster, [devs], [0, len(graph.order)], m, schedule, dtype, "data-parallel",
-                           CONFIGS[first:])
-                if p is None:
-                    break
-                t = score(p)
-                if best is None or t < best[0]:
-                    best = (t, p)
-        if best:
-            out.append(best[1])
+        # one stage: each configuration that fits, not only the first (the first that fits may sync more)
+        best = _fastest((_build(graph, cluster, [devs], [0, len(graph.order)], m, schedule, dtype, "data-parallel",
+                                CONFIGS[first:])
+                         for m in _counts(graph, k, microbatches) for first in range(len(CONFIGS))), score)
+        if best is not None:
+            out.append(best)
     return out
 
 
@@ -258,15 +263,10 @@ def mixed_pipeline(graph: CostGraph, cluster: Cluster, score: Score, *, microbat
         cuts = balanced_cuts(chain, s, weights)
         if len(cuts) - 1 != s:
             continue
-        best: tuple[float, Plan] | None = None
-        for m in _counts(graph, max(len(g) for g in groups), microbatches):
-            p = _build(graph, cluster, groups, cuts, m, schedule, dtype, "mixed-pipeline")
-            if p is not None:
-                t = score(p)
-                if best is None or t < best[0]:
-                    best = (t, p)
-        if best:
-            out.append(best[1])
+        best = _fastest((_build(graph, cluster, groups, cuts, m, schedule, dtype, "mixed-pipeline")
+                         for m in _counts(graph, max(len(g) for g in groups), microbatches)), score)
+        if best is not None:
+            out.append(best)
     return out
 
 
@@ -340,6 +340,106 @@ def merge(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, micro
     return out
 
 
+#: A plan's shape for the local search: devices per stage, stage boundaries (positions in ``graph.order``),
+#: microbatch count.
+Shape = tuple[tuple[tuple[str, ...], ...], tuple[int, ...], int]
+
+
+def shape_of(graph: CostGraph, plan: Plan) -> Shape:
+    """``plan``'s devices per stage, boundaries in ``graph.order`` and microbatch count (its rows, memory
+    configurations and communication options are chosen again when the shape is built)."""
+    cuts = [0]
+    for blocks in _stage_blocks(graph, plan):
+        cuts.append(cuts[-1] + len(blocks))
+    return tuple(st.devices for st in plan.stages), tuple(cuts), plan.microbatches
+
+
+def moved_devices(shape: Shape, devices: Sequence[str]) -> Iterator[Shape]:
+    """Every shape with one device moved: from a stage of several devices to another stage or out of the plan,
+    or from ``devices`` not in the plan into a stage; and with two devices of different stages swapped."""
+    groups, cuts, m = shape
+    used = {d for g in groups for d in g}
+    idle = [d for d in devices if d not in used]
+
+    def put(i: int, group: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+        return tuple(group if j == i else g for j, g in enumerate(groups))
+
+    for i, g in enumerate(groups):
+        if len(g) < 2:
+            continue  # a stage keeps at least one device (the cut search removes stages: merge)
+        for d in g:
+            rest = tuple(x for x in g if x != d)
+            yield put(i, rest), cuts, m
+            for j, h in enumerate(groups):
+                if j != i:
+                    yield tuple(rest if k == i else (*h, d) if k == j else x for k, x in enumerate(groups)), cuts, m
+    for d in idle:
+        for j, h in enumerate(groups):
+            yield put(j, (*h, d)), cuts, m
+    for i, g in enumerate(groups):
+        for j in range(i + 1, len(groups)):
+            for a in g:
+                for b in groups[j]:
+                    yield tuple(tuple(b if x == a else x for x in g) if k == i else
+                                tuple(a if x == b else x for x in groups[j]) if k == j else x
+                                for k, x in enumerate(groups)), cuts, m
+
+
+def shifted_cuts(shape: Shape, points: Sequence[int], steps: Sequence[int] = (1, 2)) -> Iterator[Shape]:
+    """Every shape with one stage boundary moved ``steps`` cut points (of ``points``, the positions where a
+    stage may end) earlier or later, the stages keeping at least one block each."""
+    groups, cuts, m = shape
+    where = {p: k for k, p in enumerate(points)}
+    for i in range(1, len(cuts) - 1):
+        k = where.get(cuts[i])
+        if k is None:
+            continue
+        for step in steps:
+            for j in (k - step, k + step):
+                if 0 <= j < len(points) and cuts[i - 1] < points[j] < cuts[i + 1]:
+                    yield groups, (*cuts[:i], points[j], *cuts[i + 1:]), m
+
+
+def other_counts(shape: Shape, counts: Sequence[int]) -> Iterator[Shape]:
+    """The shape at the next smaller and the next larger microbatch count of ``counts`` (fewer, larger
+    microbatches give the rows of a stage finer steps; more shrink the pipeline's bubble)."""
+    groups, cuts, m = shape
+    smaller = [c for c in counts if c < m]
+    larger = [c for c in counts if c > m]
+    for c in ([smaller[-1]] if smaller else []) + ([larger[0]] if larger else []):
+        yield groups, cuts, c
+
+
+def local_search(graph: CostGraph, cluster: Cluster, start: Plan, score: Score, *, microbatches: int | None = None,
+                 dtype: str = "float32") -> list[Plan]:
+    """Steepest descent from ``start`` over plan shapes: each round builds every neighbour (a device moved
+    or two swapped, :func:`moved_devices`; a stage boundary moved, :func:`shifted_cuts`; the microbatch count
+    changed, :func:`other_counts`, unless the user fixed it), rows and memory configuration chosen again by
+    :func:`_build`, and moves to the fastest if it beats the current plan. [] when no neighbour of ``start``
+    is faster. The caller's ``score`` stops it at the time limit (its best so far is kept there)."""
+    points = cut_points(Chain.of(graph))
+    counts = _counts(graph, 1, microbatches)
+    names = [d.name for d in cluster.devices]
+    shape, best_t, current = shape_of(graph, start), score(start), None
+    seen = {shape}
+    while True:
+        found: tuple[float, Plan, Shape] | None = None
+        moves = [*moved_devices(shape, names), *shifted_cuts(shape, points),
+                 *(other_counts(shape, counts) if microbatches is None else ())]
+        for nxt in moves:
+            groups, cuts, m = nxt
+            if nxt in seen or graph.batch_size // m < max(len(g) for g in groups):
+                continue
+            seen.add(nxt)
+            p = _build(graph, cluster, groups, cuts, m, start.schedule, dtype, "local-search")
+            t = score(p) if p is not None else float("inf")
+            if p is not None and t < best_t and (found is None or t < found[0]):
+                found = (t, p, nxt)
+        if found is None:
+            return [current] if current is not None else []
+        best_t, current, shape = found
+
+
 def _stage_blocks(graph: CostGraph, plan: Plan) -> list[list[str]]:
     where = {n: st.index for st in plan.stages for n in st.nodes}
     out: list[list[str]] = [[] for _ in plan.stages]
@@ -408,7 +508,10 @@ def improve(graph: CostGraph, cluster: Cluster, base: Plan, *, dtype: str = "flo
             lambda: extend(graph, cluster, base, score, dtype=dtype),
             lambda: merge(graph, cluster, base, score, microbatches=microbatches, dtype=dtype),
             lambda: mixed_pipeline(graph, cluster, score, microbatches=microbatches, schedule=base.schedule,
-                                   dtype=dtype)]
+                                   dtype=dtype),
+            # from the fastest plan so far, then from the solver's when that is another
+            lambda: local_search(graph, cluster, best[0][1], score, microbatches=microbatches, dtype=dtype),
+            lambda: local_search(graph, cluster, base, score, microbatches=microbatches, dtype=dtype)]
         for family in families:
             try:
                 family()
