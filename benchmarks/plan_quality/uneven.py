@@ -26,20 +26,19 @@ Writes benchmarks/plan_quality/results/uneven.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
-from main import _deepspeed, _torchgpipe, best_peer_plan, compute_bound, graph_of  # noqa: E402
+from main import best_peer_plan, compute_bound, graph_of, load_peers, write_result  # noqa: E402
 
 from hpml_compile.cluster import load_cluster  # noqa: E402
+from hpml_compile.costgraph import CostGraph  # noqa: E402
 from hpml_compile.errors import InfeasibleError  # noqa: E402
+from hpml_compile.plan import Plan  # noqa: E402
+from hpml_compile.simulate import EventKind, simulate  # noqa: E402
 from hpml_compile.solve import solve  # noqa: E402
 from hpml_compile.solve.uneven import improve  # noqa: E402
 
@@ -49,6 +48,16 @@ MODELS = [("gpt2-xl", 32), ("gpt2-small", 32), ("resnet50", 64), ("llama-7b", 8)
 CLUSTERS = ["hetero-4", "hetero-cpu", str(HERE / "mix3-8.json")]
 
 
+def parts(plan: Plan, graph: CostGraph) -> dict[str, float]:
+    """Where a plan's simulated step goes: ``pipeline`` (0 to the end of the last backward: compute, bubble,
+    replicas waiting for the slowest), ``sync`` (gradient and tied all-reduces past it) and ``optimizer``."""
+    r = simulate(plan, graph)
+    compute = (EventKind.FORWARD, EventKind.BACKWARD, EventKind.RECOMPUTE)
+    pipe = max(b.end_ms for b in r.intervals if b.kind in compute)
+    return {"pipeline": pipe, "sync": r.step_without_optimizer_ms - pipe,
+            "optimizer": r.step_ms - r.step_without_optimizer_ms}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="gpt2-xl only")
@@ -56,16 +65,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "uneven.json")
     args = ap.parse_args()
     t_start = time.time()
-    peers = {}
-    for name, got in (("deepspeed", _deepspeed()), ("torchgpipe", _torchgpipe())):
-        if isinstance(got, str):
-            print(f"note: {got}")
-        else:
-            peers[name] = got
+    peers, notes = load_peers()
     clusters = {load_cluster(c).name: load_cluster(c) for c in CLUSTERS}
     kinds = sorted({d.kind for c in clusters.values() for d in c.devices})
     head = (f"{'model':11s} {'cluster':11s} {'ilp ms':>9s} {'uneven ms':>10s} {'won':>15s} "
-            + "".join(f"{p:>11s}" for p in peers) + f" {'bound ms':>9s} {'closed':>7s}  uneven plan")
+            + "".join(f"{p:>11s}" for p in peers) + f" {'bound ms':>9s} {'target':>8s} {'closed':>7s}  {'pipe+sync+opt':>20s}  uneven plan")
     print(head + "\n" + "-" * len(head))
     rows: list[dict[str, Any]] = []
     for name, batch in (MODELS[:1] if args.quick else MODELS):
@@ -85,8 +89,10 @@ def main() -> None:
             row["uneven_seconds"] = round(time.perf_counter() - t0, 2)
             bound = compute_bound(graph, cluster)
             ilp, unev = base.predicted.step_ms, got.plan.predicted.step_ms
+            split = parts(got.plan, graph)
             row.update(ilp_ms=ilp, uneven_ms=unev, won=got.chosen, candidates=got.tried, bound_ms=bound,
-                       closed=(ilp - unev) / (ilp - bound) if ilp > bound else None,
+                       target_ms=(ilp + bound) / 2, closed=(ilp - unev) / (ilp - bound) if ilp > bound else None,
+                       ilp_parts=parts(base, graph), uneven_parts=split,
                        plan=[{"devices": list(s.devices), "rows": list(s.rows), "zero": int(s.zero),
                               "recompute": s.recompute} for s in got.plan.stages],
                        microbatches=got.plan.microbatches)
@@ -100,16 +106,12 @@ def main() -> None:
                                for s in got.plan.stages)
             print(f"{name:11s} {cname:11s} {ilp:9.5g} {unev:10.5g} {got.chosen:>15s} "
                   + "".join(f"{row[p]:11.5g}" if row[p] else f"{'-':>11s}" for p in peers)
-                  + f" {bound:9.5g} {row['closed'] if row['closed'] is not None else 0:7.2f}  "
+                  + f" {bound:9.5g} {row['target_ms']:8.5g} {row['closed'] if row['closed'] is not None else 0:7.2f}  "
+                  + f"{'+'.join(f'{split[k]:.4g}' for k in ('pipeline', 'sync', 'optimizer')):>20s}  "
                   + f"M={got.plan.microbatches}: {shape}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    write_result(args.out, t_start, {
         "benchmark": "plan_quality/uneven", "models": MODELS[:1] if args.quick else MODELS, "clusters": list(clusters),
-        "time_limit_s": args.time_limit, "peers": list(peers), "rows": rows,
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
-        "seconds": round(time.time() - t_start, 1)}, indent=1))
-    print(f"wrote {args.out} ({time.time() - t_start:.0f} s)")
+        "time_limit_s": args.time_limit, "peers": list(peers), "notes": notes, "rows": rows})
 
 
 if __name__ == "__main__":
