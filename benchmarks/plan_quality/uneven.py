@@ -11,14 +11,17 @@ beside this file) it prints, all scored by the one simulator:
   family won;
 - the peers' partitioners where importable (DeepSpeed, torchgpipe, scored as
   in ``main.py``);
-- ``bound``: :func:`main.compute_bound`, the whole step's compute spread over
-  every device in proportion to its speed, communication free;
+- ``bound``: :func:`main.compute_bound`, the whole step's compute (forward,
+  backward, optimizer step) spread over every device in proportion to its
+  speed, communication free; ``target``, half way from ``ilp`` to it;
+- ``1-stage``: :func:`one_stage_floor`, below which no one-stage plan can go
+  (where it is above ``target``, only a pipeline could meet the goal);
 - ``closed``: the share of the distance from ``ilp`` to the bound that
   ``uneven`` closes (the goal: at least 0.5 where kinds can share a stage,
-  never negative).
+  never negative), and where ``uneven``'s step goes (:func:`parts`).
 
 Run:
-    python benchmarks/plan_quality/uneven.py            # ~3-6 min on 2 busy cores
+    python benchmarks/plan_quality/uneven.py            # ~5 min on 2 busy cores
     python benchmarks/plan_quality/uneven.py --quick    # gpt2-xl only
 Writes benchmarks/plan_quality/results/uneven.json.
 """
@@ -34,11 +37,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 from main import best_peer_plan, compute_bound, graph_of, load_peers, write_result  # noqa: E402
 
-from hpml_compile.cluster import load_cluster  # noqa: E402
+import cost_models  # noqa: E402
+from hpml_compile.cluster import link_spec, load_cluster  # noqa: E402
 from hpml_compile.costgraph import CostGraph  # noqa: E402
 from hpml_compile.errors import InfeasibleError  # noqa: E402
+from hpml_compile.ir import Cluster  # noqa: E402
 from hpml_compile.plan import Plan  # noqa: E402
 from hpml_compile.simulate import EventKind, simulate  # noqa: E402
+from hpml_compile.stagecost import overlapped_ms, transfer_ms  # noqa: E402
 from hpml_compile.solve import solve  # noqa: E402
 from hpml_compile.solve.uneven import improve  # noqa: E402
 
@@ -58,6 +64,35 @@ def parts(plan: Plan, graph: CostGraph) -> dict[str, float]:
             "optimizer": r.step_ms - r.step_without_optimizer_ms}
 
 
+def one_stage_floor(graph: CostGraph, cluster: Cluster) -> float:
+    """A lower bound on the simulated step of any one-stage plan (every device a replica of the whole model,
+    ZeRO 0 to 3, no offload), over every subset of the devices.
+
+    Such a plan's step is at least its forward and backward spread over its devices in proportion to their
+    speed (``1 / sum 1 / W_i``), plus what follows the last backward. Under ZeRO-0: the last gradient bucket's
+    all-reduce, which starts when the backward ends (:func:`hpml_compile.stagecost.overlapped_ms` with the
+    rest hidden), and every replica stepping every parameter at the pace of the slowest kind (``max O_k``,
+    the simulator's rule for a mixed stage). Under ZeRO-1 to 3: the shards' step (``max O_k / d``) after an
+    all-gather of the parameters that no backward hides. Links: the fastest choice of the stage's first
+    device, whose slowest link the simulator prices the group's collectives on.
+    """
+    everything = graph.total("param_bytes")
+    devs = list(cluster.devices)
+    best = float("inf")
+    for mask in range(1, 2 ** len(devs)):
+        sub = [d for i, d in enumerate(devs) if mask >> i & 1]
+        compute = 1.0 / sum(1.0 / graph.total("", kind=d.kind) for d in sub)
+        step = max(graph.optimizer_ms_per_byte(d.kind) for d in sub) * everything
+        if len(sub) > 1:
+            link = max((min((link_spec(cluster, a.name, b.name) for b in sub if b is not a), key=lambda x: x.gbps)
+                        for a in sub), key=lambda x: x.gbps)
+            last = overlapped_ms(cost_models.allreduce_ms, everything, link, len(sub), float("inf"))
+            gather = transfer_ms(cost_models.all_gather_ms, everything, link, len(sub))
+            step = min(last + step, gather + step / len(sub))
+        best = min(best, compute + step)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="gpt2-xl only")
@@ -69,7 +104,7 @@ def main() -> None:
     clusters = {load_cluster(c).name: load_cluster(c) for c in CLUSTERS}
     kinds = sorted({d.kind for c in clusters.values() for d in c.devices})
     head = (f"{'model':11s} {'cluster':11s} {'ilp ms':>9s} {'uneven ms':>10s} {'won':>15s} "
-            + "".join(f"{p:>11s}" for p in peers) + f" {'bound ms':>9s} {'target':>8s} {'closed':>7s}  {'pipe+sync+opt':>20s}  uneven plan")
+            + "".join(f"{p:>11s}" for p in peers) + f" {'bound ms':>9s} {'target':>8s} {'1-stage':>8s} {'closed':>7s}  {'pipe+sync+opt':>20s}  uneven plan")
     print(head + "\n" + "-" * len(head))
     rows: list[dict[str, Any]] = []
     for name, batch in (MODELS[:1] if args.quick else MODELS):
@@ -89,9 +124,9 @@ def main() -> None:
             row["uneven_seconds"] = round(time.perf_counter() - t0, 2)
             bound = compute_bound(graph, cluster)
             ilp, unev = base.predicted.step_ms, got.plan.predicted.step_ms
-            split = parts(got.plan, graph)
+            split, floor = parts(got.plan, graph), one_stage_floor(graph, cluster)
             row.update(ilp_ms=ilp, uneven_ms=unev, won=got.chosen, candidates=got.tried, bound_ms=bound,
-                       target_ms=(ilp + bound) / 2, closed=(ilp - unev) / (ilp - bound) if ilp > bound else None,
+                       target_ms=(ilp + bound) / 2, one_stage_floor_ms=floor, closed=(ilp - unev) / (ilp - bound) if ilp > bound else None,
                        ilp_parts=parts(base, graph), uneven_parts=split,
                        plan=[{"devices": list(s.devices), "rows": list(s.rows), "zero": int(s.zero),
                               "recompute": s.recompute} for s in got.plan.stages],
@@ -106,7 +141,7 @@ def main() -> None:
                                for s in got.plan.stages)
             print(f"{name:11s} {cname:11s} {ilp:9.5g} {unev:10.5g} {got.chosen:>15s} "
                   + "".join(f"{row[p]:11.5g}" if row[p] else f"{'-':>11s}" for p in peers)
-                  + f" {bound:9.5g} {row['target_ms']:8.5g} {row['closed'] if row['closed'] is not None else 0:7.2f}  "
+                  + f" {bound:9.5g} {row['target_ms']:8.5g} {floor:8.5g} {row['closed'] if row['closed'] is not None else 0:7.2f}  "
                   + f"{'+'.join(f'{split[k]:.4g}' for k in ('pipeline', 'sync', 'optimizer')):>20s}  "
                   + f"M={got.plan.microbatches}: {shape}", flush=True)
     write_result(args.out, t_start, {

@@ -27,7 +27,15 @@ least one row per replica:
   both groups (a shorter pipeline, a smaller bubble, for a gradient sync);
 - ``mixed-pipeline``: ``S`` stages, each a group of devices of about equal
   total speed (devices dealt out fastest first, back and forth), the chain cut
-  so that each stage's time is balanced.
+  so that each stage's time is balanced;
+- ``local-search``: steepest descent over plan shapes (:func:`local_search`)
+  from the fastest plan the families above found, then from the solver's: a
+  device moved to another stage, left out, brought in, or swapped with one of
+  another stage (:func:`moved_devices`); a stage boundary moved one or two cut
+  points (:func:`shifted_cuts`); the microbatch count changed to the next
+  divisor of the batch (:func:`other_counts`), which moves the rows and the
+  bubble together. Each neighbour's rows and memory configuration are chosen
+  again, so the search sees rows, groups, cuts and ``M`` jointly.
 
 Each stage takes the first memory configuration (ZeRO 0, 1, 2, then recompute)
 under which every replica fits at least one row and the group all the rows;
@@ -60,7 +68,8 @@ from ..stagecost import choose_rows, device_memory, in_flight
 from .baselines import balanced_cuts, cut_points
 from .candidates import Chain
 
-__all__ = ["CONFIGS", "Uneven", "stage_rows", "improve", "data_parallel", "extend", "merge", "mixed_pipeline"]
+__all__ = ["CONFIGS", "Uneven", "Shape", "stage_rows", "improve", "data_parallel", "extend", "merge", "mixed_pipeline",
+           "local_search", "shape_of", "moved_devices", "shifted_cuts", "other_counts"]
 
 #: Memory configurations tried per stage, cheapest first: ``(ZeRO stage, recompute)``.
 CONFIGS: tuple[tuple[ZeroStage, bool], ...] = (
@@ -75,7 +84,7 @@ class Uneven:
     Attributes:
         plan: the fastest plan (the solver's own when nothing beat it).
         chosen: ``"solver"``, or the family of the winning candidate (``data-parallel``, ``extend``,
-            ``mixed-pipeline``).
+            ``merge``, ``mixed-pipeline``, ``local-search``).
         base_ms: the solver's plan's simulated step.
         tried: candidate plans simulated.
     """
@@ -412,11 +421,24 @@ def other_counts(shape: Shape, counts: Sequence[int]) -> Iterator[Shape]:
 
 def local_search(graph: CostGraph, cluster: Cluster, start: Plan, score: Score, *, microbatches: int | None = None,
                  dtype: str = "float32") -> list[Plan]:
-    """Steepest descent from ``start`` over plan shapes: each round builds every neighbour (a device moved
-    or two swapped, :func:`moved_devices`; a stage boundary moved, :func:`shifted_cuts`; the microbatch count
-    changed, :func:`other_counts`, unless the user fixed it), rows and memory configuration chosen again by
-    :func:`_build`, and moves to the fastest if it beats the current plan. [] when no neighbour of ``start``
-    is faster. The caller's ``score`` stops it at the time limit (its best so far is kept there)."""
+    """Steepest descent from ``start`` over plan shapes.
+
+    Each round builds every neighbour of the current shape (a device moved or two swapped,
+    :func:`moved_devices`; a stage boundary moved, :func:`shifted_cuts`; the microbatch count changed,
+    :func:`other_counts`, unless the user fixed it), rows and memory configuration chosen again by
+    :func:`_build`, and moves to the fastest if it beats the current plan; a shape is built once.
+
+    Args:
+        graph: the cost graph.
+        cluster: the devices (those ``start`` leaves idle may be brought in).
+        start: where to start (its schedule is kept).
+        score: a plan's simulated step; the caller's stops the search at its time limit by raising.
+        microbatches: a count the user fixed (None: searched).
+        dtype: parameter dtype.
+
+    Returns:
+        The plan where the descent stopped, or [] when no neighbour of ``start`` is faster.
+    """
     points = cut_points(Chain.of(graph))
     counts = _counts(graph, 1, microbatches)
     names = [d.name for d in cluster.devices]
