@@ -23,6 +23,7 @@ beside this file) it prints, all scored by the one simulator:
 Run:
     python benchmarks/plan_quality/uneven.py            # ~5 min on 2 busy cores
     python benchmarks/plan_quality/uneven.py --quick    # gpt2-xl only
+    python benchmarks/plan_quality/uneven.py --two-stage  # every 2-stage plan of gpt2-xl on hetero-4
 Writes benchmarks/plan_quality/results/uneven.json.
 """
 
@@ -42,11 +43,13 @@ from hpml_compile.cluster import link_spec, load_cluster  # noqa: E402
 from hpml_compile.costgraph import CostGraph  # noqa: E402
 from hpml_compile.errors import InfeasibleError  # noqa: E402
 from hpml_compile.ir import Cluster  # noqa: E402
-from hpml_compile.plan import Plan  # noqa: E402
+from hpml_compile.plan import Plan, Schedule  # noqa: E402
 from hpml_compile.simulate import EventKind, simulate  # noqa: E402
 from hpml_compile.stagecost import overlapped_ms, transfer_ms  # noqa: E402
 from hpml_compile.solve import solve  # noqa: E402
-from hpml_compile.solve.uneven import improve  # noqa: E402
+from hpml_compile.solve.baselines import cut_points  # noqa: E402
+from hpml_compile.solve.candidates import Chain  # noqa: E402
+from hpml_compile.solve.uneven import build_plan, improve  # noqa: E402
 
 HERE = Path(__file__).parent
 # (zoo name, batch): gpt2-xl at batch 32 is the issue's reference pair (hetero-4: 919.5 ms against 799.0 ms)
@@ -66,7 +69,7 @@ def parts(plan: Plan, graph: CostGraph) -> dict[str, float]:
 
 def one_stage_floor(graph: CostGraph, cluster: Cluster) -> float:
     """A lower bound on the simulated step of any one-stage plan (every device a replica of the whole model,
-    ZeRO 0 to 3, no offload), over every subset of the devices.
+    ZeRO 0 to 3; no offload, compression or local SGD), over every subset of the devices.
 
     Such a plan's step is at least its forward and backward spread over its devices in proportion to their
     speed (``1 / sum 1 / W_i``), plus what follows the last backward. Under ZeRO-0: the last gradient bucket's
@@ -93,18 +96,62 @@ def one_stage_floor(graph: CostGraph, cluster: Cluster) -> float:
     return best
 
 
+def two_stage_best(graph: CostGraph, cluster: Cluster) -> tuple[Plan | None, int]:
+    """The fastest two-stage plan by exhaustion: every ordered split of the devices into two groups (of any
+    kinds), every boundary where a stage may end, every microbatch count leaving a row per replica, each
+    stage with the first memory configuration that fits (:func:`hpml_compile.solve.uneven.build_plan`: ZeRO 0-2,
+    recompute; rows by :func:`hpml_compile.stagecost.choose_rows`).
+
+    Returns:
+        The fastest plan (None if none fits) and how many plans fitted and were simulated.
+    """
+    points = cut_points(Chain.of(graph))
+    names = [d.name for d in cluster.devices]
+    batch = graph.batch_size
+    best: tuple[float, Plan | None] = (float("inf"), None)
+    fitted = 0
+    for mask in range(1, 2 ** len(names) - 1):
+        first = [x for i, x in enumerate(names) if mask >> i & 1]
+        second = [x for x in names if x not in first]
+        for m in (m for m in range(1, min(batch, 64) + 1) if batch % m == 0 and batch // m >= max(len(first),
+                                                                                                    len(second))):
+            for cut in points[1:-1]:
+                plan = build_plan(graph, cluster, [first, second], [0, cut, len(graph.order)], m, Schedule.ONE_F_ONE_B,
+                              "float32", "two-stage")
+                if plan is not None:
+                    fitted += 1
+                    t = simulate(plan, graph).step_ms
+                    if t < best[0]:
+                        best = (t, plan)
+    return best[1], fitted
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="gpt2-xl only")
     ap.add_argument("--time-limit", type=float, default=30.0, help="ILP and uneven-search time limit per pair")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "uneven.json")
+    ap.add_argument("--two-stage", action="store_true",
+                    help="only: every two-stage plan of gpt2-xl (batch 32) on hetero-4, the fastest (~1-2 min)")
     args = ap.parse_args()
+    if args.two_stage:
+        c4 = load_cluster("hetero-4")
+        g = graph_of("gpt2-xl", 32, sorted({d.kind for d in c4.devices}))
+        t0 = time.perf_counter()
+        plan, fitted = two_stage_best(g, c4)
+        shape = " | ".join(",".join(st.devices) + (f" rows {list(st.rows)}" if st.rows else "") for st in plan.stages) \
+            if plan else "none fits"
+        print(f"gpt2-xl (32) on hetero-4, every two-stage plan: {fitted} fit; the fastest "
+              f"{simulate(plan, g).step_ms if plan else float('nan'):.5g} ms, M={plan.microbatches if plan else 0}: "
+              f"{shape} ({time.perf_counter() - t0:.0f} s)")
+        return
     t_start = time.time()
     peers, notes = load_peers()
     clusters = {load_cluster(c).name: load_cluster(c) for c in CLUSTERS}
     kinds = sorted({d.kind for c in clusters.values() for d in c.devices})
     head = (f"{'model':11s} {'cluster':11s} {'ilp ms':>9s} {'uneven ms':>10s} {'won':>15s} "
-            + "".join(f"{p:>11s}" for p in peers) + f" {'bound ms':>9s} {'target':>8s} {'1-stage':>8s} {'closed':>7s}  {'pipe+sync+opt':>20s}  uneven plan")
+            + "".join(f"{p:>11s}" for p in peers)
+            + f" {'bound ms':>9s} {'target':>8s} {'1-stage':>8s} {'closed':>7s}  {'pipe+sync+opt':>20s}  uneven plan")
     print(head + "\n" + "-" * len(head))
     rows: list[dict[str, Any]] = []
     for name, batch in (MODELS[:1] if args.quick else MODELS):
@@ -126,7 +173,8 @@ def main() -> None:
             ilp, unev = base.predicted.step_ms, got.plan.predicted.step_ms
             split, floor = parts(got.plan, graph), one_stage_floor(graph, cluster)
             row.update(ilp_ms=ilp, uneven_ms=unev, won=got.chosen, candidates=got.tried, bound_ms=bound,
-                       target_ms=(ilp + bound) / 2, one_stage_floor_ms=floor, closed=(ilp - unev) / (ilp - bound) if ilp > bound else None,
+                       target_ms=(ilp + bound) / 2, one_stage_floor_ms=floor,
+                       closed=(ilp - unev) / (ilp - bound) if ilp > bound else None,
                        ilp_parts=parts(base, graph), uneven_parts=split,
                        plan=[{"devices": list(s.devices), "rows": list(s.rows), "zero": int(s.zero),
                               "recompute": s.recompute} for s in got.plan.stages],
@@ -141,7 +189,8 @@ def main() -> None:
                                for s in got.plan.stages)
             print(f"{name:11s} {cname:11s} {ilp:9.5g} {unev:10.5g} {got.chosen:>15s} "
                   + "".join(f"{row[p]:11.5g}" if row[p] else f"{'-':>11s}" for p in peers)
-                  + f" {bound:9.5g} {row['target_ms']:8.5g} {floor:8.5g} {row['closed'] if row['closed'] is not None else 0:7.2f}  "
+                  + f" {bound:9.5g} {row['target_ms']:8.5g} {floor:8.5g} "
+                  + f"{row['closed'] if row['closed'] is not None else 0:7.2f}  "
                   + f"{'+'.join(f'{split[k]:.4g}' for k in ('pipeline', 'sync', 'optimizer')):>20s}  "
                   + f"M={got.plan.microbatches}: {shape}", flush=True)
     write_result(args.out, t_start, {

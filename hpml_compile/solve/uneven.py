@@ -68,8 +68,8 @@ from ..stagecost import choose_rows, device_memory, in_flight
 from .baselines import balanced_cuts, cut_points
 from .candidates import Chain
 
-__all__ = ["CONFIGS", "Uneven", "Shape", "stage_rows", "improve", "data_parallel", "extend", "merge", "mixed_pipeline",
-           "local_search", "shape_of", "moved_devices", "shifted_cuts", "other_counts"]
+__all__ = ["CONFIGS", "Uneven", "Shape", "stage_rows", "build_plan", "improve", "data_parallel", "extend", "merge",
+           "mixed_pipeline", "local_search", "shape_of", "moved_devices", "shifted_cuts", "other_counts"]
 
 #: Memory configurations tried per stage, cheapest first: ``(ZeRO stage, recompute)``.
 CONFIGS: tuple[tuple[ZeroStage, bool], ...] = (
@@ -191,11 +191,26 @@ def _speed(graph: CostGraph, dev: Device) -> float:
     return 1.0 / max(1e-12, graph.total("", kind=dev.kind))
 
 
-def _build(graph: CostGraph, cluster: Cluster, groups: Sequence[Sequence[str]], cuts: Sequence[int],
-           microbatches: int, schedule: Schedule, dtype: str, name: str,
-           configs: Sequence[tuple[ZeroStage, bool]] = CONFIGS) -> Plan | None:
+def build_plan(graph: CostGraph, cluster: Cluster, groups: Sequence[Sequence[str]], cuts: Sequence[int],
+               microbatches: int, schedule: Schedule, dtype: str, name: str,
+               configs: Sequence[tuple[ZeroStage, bool]] = CONFIGS) -> Plan | None:
     """A plan of stage ``i`` = blocks ``order[cuts[i]:cuts[i+1]]`` on ``groups[i]``, each with the first
-    configuration of ``configs`` whose rows fit (None if one stage fits under none)."""
+    configuration of ``configs`` whose rows fit (:func:`stage_rows`).
+
+    Args:
+        graph: the cost graph.
+        cluster: the devices.
+        groups: the devices of each stage, of any kinds.
+        cuts: stage boundaries, positions in ``graph.order`` from 0 to its length.
+        microbatches: ``M`` (must divide the batch).
+        schedule: the pipeline schedule.
+        dtype: parameter dtype.
+        name: the plan's solver name (the family that made it).
+        configs: memory configurations to try per stage, in order.
+
+    Returns:
+        The plan (not yet simulated), or None if one stage fits under none of ``configs``.
+    """
     order = graph.order
     stages = []
     for i, devs in enumerate(groups):
@@ -246,8 +261,8 @@ def data_parallel(graph: CostGraph, cluster: Cluster, score: Score, *, microbatc
     for k in range(2, len(fast) + 1):
         devs = [d.name for d in fast[:k]]
         # one stage: each configuration that fits, not only the first (the first that fits may sync more)
-        best = _fastest((_build(graph, cluster, [devs], [0, len(graph.order)], m, schedule, dtype, "data-parallel",
-                                CONFIGS[first:])
+        best = _fastest((build_plan(graph, cluster, [devs], [0, len(graph.order)], m, schedule, dtype,
+                                    "data-parallel", CONFIGS[first:])
                          for m in _counts(graph, k, microbatches) for first in range(len(CONFIGS))), score)
         if best is not None:
             out.append(best)
@@ -272,7 +287,7 @@ def mixed_pipeline(graph: CostGraph, cluster: Cluster, score: Score, *, microbat
         cuts = balanced_cuts(chain, s, weights)
         if len(cuts) - 1 != s:
             continue
-        best = _fastest((_build(graph, cluster, groups, cuts, m, schedule, dtype, "mixed-pipeline")
+        best = _fastest((build_plan(graph, cluster, groups, cuts, m, schedule, dtype, "mixed-pipeline")
                          for m in _counts(graph, max(len(g) for g in groups), microbatches)), score)
         if best is not None:
             out.append(best)
@@ -334,7 +349,7 @@ def merge(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, micro
                 g2 = [*groups[:i], groups[i] + groups[i + 1], *groups[i + 2:]]
                 if graph.batch_size // m < max(len(g) for g in g2):
                     continue
-                p = _build(graph, cluster, g2, [*cuts[:i + 1], *cuts[i + 2:]], m, base.schedule, dtype, "merge")
+                p = build_plan(graph, cluster, g2, [*cuts[:i + 1], *cuts[i + 2:]], m, base.schedule, dtype, "merge")
                 t = score(p) if p is not None else float("inf")
                 if p is not None and (found is None or t < found[0]):
                     found = (t, p, i)
@@ -426,7 +441,7 @@ def local_search(graph: CostGraph, cluster: Cluster, start: Plan, score: Score, 
     Each round builds every neighbour of the current shape (a device moved or two swapped,
     :func:`moved_devices`; a stage boundary moved, :func:`shifted_cuts`; the microbatch count changed,
     :func:`other_counts`, unless the user fixed it), rows and memory configuration chosen again by
-    :func:`_build`, and moves to the fastest if it beats the current plan; a shape is built once.
+    :func:`build_plan`, and moves to the fastest if it beats the current plan; a shape is built once.
 
     Args:
         graph: the cost graph.
@@ -453,7 +468,7 @@ def local_search(graph: CostGraph, cluster: Cluster, start: Plan, score: Score, 
             if nxt in seen or graph.batch_size // m < max(len(g) for g in groups):
                 continue
             seen.add(nxt)
-            p = _build(graph, cluster, groups, cuts, m, start.schedule, dtype, "local-search")
+            p = build_plan(graph, cluster, groups, cuts, m, start.schedule, dtype, "local-search")
             t = score(p) if p is not None else float("inf")
             if p is not None and t < best_t and (found is None or t < found[0]):
                 found = (t, p, nxt)

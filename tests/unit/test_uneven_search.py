@@ -13,7 +13,7 @@ import pytest
 from hpml_compile.plan import Plan, Schedule, SolverInfo, Stage, validate_plan
 from hpml_compile.simulate import annotate
 from hpml_compile.solve.testing import chain_graph, chain_profile, cluster_of
-from hpml_compile.solve.uneven import (_build, _fastest, improve, local_search, moved_devices, other_counts,
+from hpml_compile.solve.uneven import (build_plan, _fastest, improve, local_search, moved_devices, other_counts,
                                        shape_of, shifted_cuts)
 
 COSTS = [{"fast": (1.0, 2.0), "slow": (3.0, 6.0)}] * 4
@@ -52,7 +52,7 @@ def test_other_counts_are_the_neighbouring_divisors() -> None:
 def test_shape_of_reads_the_plan_back() -> None:
     g = chain_graph(COSTS, param_bytes=1000)
     c = cluster_of(["fast", "slow", "slow"])
-    p = _build(g, c, [["d0"], ["d1", "d2"]], [0, 1, 4], 2, Schedule.ONE_F_ONE_B, "float32", "x")
+    p = build_plan(g, c, [["d0"], ["d1", "d2"]], [0, 1, 4], 2, Schedule.ONE_F_ONE_B, "float32", "x")
     assert p is not None and shape_of(g, p) == ((("d0",), ("d1", "d2")), (0, 1, 4), 2)
 
 
@@ -64,7 +64,7 @@ def test_local_search_descends_to_a_faster_valid_plan_and_stops_at_a_local_optim
         return annotate(p, g)[1].step_ms
 
     # a poor start: the fast device on three blocks, a slow one on one, the other slow device idle
-    start = _build(g, c, [["d0"], ["d1"]], [0, 3, 4], 2, Schedule.ONE_F_ONE_B, "float32", "start")
+    start = build_plan(g, c, [["d0"], ["d1"]], [0, 3, 4], 2, Schedule.ONE_F_ONE_B, "float32", "start")
     assert start is not None
     found = local_search(g, c, start, score)
     assert len(found) == 1 and score(found[0]) < score(start)
@@ -88,7 +88,7 @@ def test_local_search_improves_on_every_random_start_or_proves_it_cannot() -> No
 
     for _ in range(2):
         cut = rng.randint(1, 3)
-        start = _build(g, c, [["d0", "d1"], ["d2"]], [0, cut, 4], rng.choice([1, 2, 4]), Schedule.ONE_F_ONE_B,
+        start = build_plan(g, c, [["d0", "d1"], ["d2"]], [0, cut, 4], rng.choice([1, 2, 4]), Schedule.ONE_F_ONE_B,
                        "float32", "start")
         assert start is not None
         found = local_search(g, c, start, score)
@@ -100,8 +100,8 @@ def test_local_search_improves_on_every_random_start_or_proves_it_cannot() -> No
 def test_fastest_skips_plans_that_did_not_fit() -> None:
     g = chain_graph(COSTS, param_bytes=1000)
     c = cluster_of(["fast", "slow"])
-    slow = _build(g, c, [["d1"]], [0, 4], 1, Schedule.ONE_F_ONE_B, "float32", "slow")
-    both = _build(g, c, [["d0", "d1"]], [0, 4], 1, Schedule.ONE_F_ONE_B, "float32", "both")
+    slow = build_plan(g, c, [["d1"]], [0, 4], 1, Schedule.ONE_F_ONE_B, "float32", "slow")
+    both = build_plan(g, c, [["d0", "d1"]], [0, 4], 1, Schedule.ONE_F_ONE_B, "float32", "both")
 
     def score(p: Plan) -> float:
         return annotate(p, g)[1].step_ms
