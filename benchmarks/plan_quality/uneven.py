@@ -49,7 +49,8 @@ from hpml_compile.stagecost import overlapped_ms, transfer_ms  # noqa: E402
 from hpml_compile.solve import solve  # noqa: E402
 from hpml_compile.solve.baselines import cut_points  # noqa: E402
 from hpml_compile.solve.candidates import Chain  # noqa: E402
-from hpml_compile.solve.uneven import build_plan, improve  # noqa: E402
+from hpml_compile.solve.mixed import build_plan  # noqa: E402
+from hpml_compile.solve.uneven import improve  # noqa: E402
 
 HERE = Path(__file__).parent
 # (zoo name, batch): gpt2-xl at batch 32 is the issue's reference pair (hetero-4: 919.5 ms against 799.0 ms)
@@ -99,7 +100,7 @@ def one_stage_floor(graph: CostGraph, cluster: Cluster) -> float:
 def two_stage_best(graph: CostGraph, cluster: Cluster) -> tuple[Plan | None, int]:
     """The fastest two-stage plan by exhaustion: every ordered split of the devices into two groups (of any
     kinds), every boundary where a stage may end, every microbatch count leaving a row per replica, each
-    stage with the first memory configuration that fits (:func:`hpml_compile.solve.uneven.build_plan`: ZeRO 0-2,
+    stage with the first memory configuration that fits (:func:`hpml_compile.solve.mixed.build_plan`: ZeRO 0-2,
     recompute; rows by :func:`hpml_compile.stagecost.choose_rows`).
 
     Returns:

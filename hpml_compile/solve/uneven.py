@@ -10,11 +10,10 @@ It is a separate pass over the solver's result rather than a change to the
 candidate table: a mixed group's cost depends on the rows its replicas get,
 which the table's per-(range, kind, degree) prices cannot express.
 
-Rows come from :func:`hpml_compile.stagecost.choose_rows`: each replica's time
-for ``r`` rows is its kind's fixed part plus ``r`` times its per-row part
-(:meth:`hpml_compile.ir.NodeCost.at`), and each is capped at the most rows its
-memory holds (the plan validator's own memory model, so a plan made here
-passes :func:`hpml_compile.plan.validate_plan`).
+Every candidate is built by :func:`.mixed.build_plan`: rows per replica from
+:func:`hpml_compile.stagecost.choose_rows`, each capped at what its memory
+holds, and each stage the first memory configuration that fits (offload and
+swap are not tried).
 
 The candidates, for every microbatch count that splits the batch into at
 least one row per replica:
@@ -37,10 +36,7 @@ least one row per replica:
   bubble together. Each neighbour's rows and memory configuration are chosen
   again, so the search sees rows, groups, cuts and ``M`` jointly.
 
-Each stage takes the first memory configuration (ZeRO 0, 1, 2, then recompute)
-under which every replica fits at least one row and the group all the rows;
-offload and swap are not tried. What was chosen is written into the plan's
-solver name (``ilp+uneven:data-parallel``) and returned by :func:`improve`.
+What was chosen is written into the plan's solver name (``ilp+uneven:data-parallel``) and returned by :func:`improve`.
 
 Example:
     >>> from hpml_compile.solve import solve
@@ -56,26 +52,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..costgraph import CostGraph
 from ..errors import HpmlError
 from ..ir import Cluster, Device
-from ..memory import ZeroStage, dtype_bytes, tied_elsewhere, tied_shared
-from ..plan import Plan, Schedule, SolverInfo, SolverStatus, Stage
+from ..plan import Plan, Schedule, SolverInfo, SolverStatus
 from ..simulate import annotate
-from ..stagecost import choose_rows, device_memory, in_flight
 from .baselines import balanced_cuts, cut_points
 from .candidates import Chain
+from .mixed import CONFIGS, Score, build_plan, fastest, microbatch_counts, stage_blocks, stage_rows
 
 __all__ = ["CONFIGS", "Uneven", "Shape", "stage_rows", "build_plan", "improve", "data_parallel", "extend", "merge",
            "mixed_pipeline", "local_search", "shape_of", "moved_devices", "shifted_cuts", "other_counts"]
-
-#: Memory configurations tried per stage, cheapest first: ``(ZeRO stage, recompute)``.
-CONFIGS: tuple[tuple[ZeroStage, bool], ...] = (
-    (ZeroStage.NONE, False), (ZeroStage.OS, False), (ZeroStage.OS_G, False),
-    (ZeroStage.NONE, True), (ZeroStage.OS, True), (ZeroStage.OS_G, True))
-
 
 @dataclass(frozen=True, slots=True)
 class Uneven:
@@ -95,162 +84,9 @@ class Uneven:
     tried: int
 
 
-def _members(graph: CostGraph, blocks: Sequence[str]) -> tuple[str, ...]:
-    return tuple(m for b in blocks for m in graph.node(b).members)
-
-
-def _sizes(graph: CostGraph, blocks: Sequence[str]) -> tuple[int, int, int, int]:
-    """``(parameter bytes with tied copies, activation bytes, input bytes, tied gradient buffer)`` of a stage
-    made of ``blocks``, as :func:`hpml_compile.simulate.stage_costs` counts them."""
-    inside = set(blocks)
-    users = [(n, graph.node(n).params) for n in graph.order]
-    params = sum(graph.node(b).param_bytes for b in blocks) + tied_elsewhere(users, graph.param_sizes, inside)
-    acts = sum(graph.node(b).activation_bytes for b in blocks)
-    inputs: dict[str, int] = {}
-    for u, v, e in graph.graph.edges(data=True):
-        if v in inside and u not in inside:
-            inputs.update(e["producers"])
-    return params, acts, sum(inputs.values()), tied_shared(users, graph.param_sizes, inside)
-
-
-def _cap(dev: Device, sizes: tuple[int, int, int, int], *, rows: int, batch: int, replicas: int, zero: ZeroStage,
-         recompute: bool, microbatches: int, flight: int, dtype: str) -> int:
-    """The most rows of a microbatch (up to ``rows``) whose activations fit ``dev`` beside the stage's
-    parameters, gradients and optimizer state (0: not even one)."""
-    params, acts, inputs, shared = sizes
-
-    def need(r: int) -> int:
-        return device_memory(param_bytes=params, activation_bytes=acts, input_bytes=inputs,
-                             dtype_bytes=dtype_bytes(dtype), replicas=replicas, zero=zero,
-                             microbatches=microbatches, in_flight=flight, recompute=recompute,
-                             host_is_device=dev.is_cpu, share=(r, batch)).total + shared
-
-    if need(1) > dev.memory_bytes:
-        return 0
-    lo, hi = 1, rows  # need grows with r: the largest r that fits
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if need(mid) <= dev.memory_bytes else (lo, mid - 1)
-    return lo
-
-
-def stage_rows(graph: CostGraph, cluster: Cluster, blocks: Sequence[str], devices: Sequence[str], *,
-               microbatches: int, schedule: Schedule, index: int, stages: int, zero: ZeroStage | int = 0,
-               recompute: bool = False, dtype: str = "float32") -> tuple[int, ...] | None:
-    """Rows per microbatch for each of ``devices`` running the graph blocks ``blocks`` as stage ``index`` of
-    ``stages``: the replicas finish together (:func:`~hpml_compile.stagecost.choose_rows`) and each fits.
-
-    Args:
-        graph: the cost graph (its ``batch_size`` is the step's rows).
-        cluster: the devices.
-        blocks: graph nodes of the stage.
-        devices: the stage's devices, of any kinds.
-        microbatches: ``M`` (must divide the batch).
-        schedule: the pipeline schedule (how many microbatches a stage holds at its peak).
-        index: the stage's position.
-        stages: how many stages the plan has.
-        zero: the stage's ZeRO stage.
-        recompute: activation checkpointing of the stage.
-        dtype: parameter dtype.
-
-    Returns:
-        Rows per device, or None when they cannot fit (a device holds not even one row, or all of them hold
-        fewer than a microbatch).
-
-    Raises:
-        HpmlError: ``microbatches`` does not split the batch into whole rows.
-    """
-    batch = graph.batch_size
-    if batch % microbatches:
-        raise HpmlError(f"uneven rows: {microbatches} microbatches do not split the batch of {batch} into whole rows")
-    total = batch // microbatches
-    if total < len(devices):
-        return None
-    sizes = _sizes(graph, blocks)
-    flight = int(in_flight(Schedule(schedule), microbatches, stages - index - 1))
-    fixed, per_row, caps = [], [], []
-    for name in devices:
-        dev = cluster.device(name)
-        f = b = ff = bf = 0.0
-        for blk in blocks:
-            full, fix = graph.node(blk).cost[dev.kind], graph.node(blk).fixed_at(dev.kind)
-            f, b, ff, bf = f + full[0], b + full[1], ff + fix[0], bf + fix[1]
-        rec = 1.0 if recompute else 0.0
-        fixed.append(ff * (1 + rec) + bf)
-        per_row.append(((f - ff) * (1 + rec) + (b - bf)) / batch)
-        caps.append(_cap(dev, sizes, rows=total, batch=batch, replicas=len(devices), zero=ZeroStage(zero),
-                         recompute=recompute, microbatches=microbatches, flight=flight, dtype=dtype))
-    try:
-        return choose_rows(fixed, per_row, total, caps)
-    except ValueError:
-        return None
-
-
 def _speed(graph: CostGraph, dev: Device) -> float:
     """Whole-batch steps per millisecond of ``dev`` on the model (fwd + bwd), the dealing order's key."""
     return 1.0 / max(1e-12, graph.total("", kind=dev.kind))
-
-
-def build_plan(graph: CostGraph, cluster: Cluster, groups: Sequence[Sequence[str]], cuts: Sequence[int],
-               microbatches: int, schedule: Schedule, dtype: str, name: str,
-               configs: Sequence[tuple[ZeroStage, bool]] = CONFIGS) -> Plan | None:
-    """A plan of stage ``i`` = blocks ``order[cuts[i]:cuts[i+1]]`` on ``groups[i]``, each with the first
-    configuration of ``configs`` whose rows fit (:func:`stage_rows`).
-
-    Args:
-        graph: the cost graph.
-        cluster: the devices.
-        groups: the devices of each stage, of any kinds.
-        cuts: stage boundaries, positions in ``graph.order`` from 0 to its length.
-        microbatches: ``M`` (must divide the batch).
-        schedule: the pipeline schedule.
-        dtype: parameter dtype.
-        name: the plan's solver name (the family that made it).
-        configs: memory configurations to try per stage, in order.
-
-    Returns:
-        The plan (not yet simulated), or None if one stage fits under none of ``configs``.
-    """
-    order = graph.order
-    stages = []
-    for i, devs in enumerate(groups):
-        blocks = order[cuts[i]:cuts[i + 1]]
-        for zero, rec in configs:
-            if zero and len(devs) == 1:
-                continue
-            rows = stage_rows(graph, cluster, blocks, devs, microbatches=microbatches, schedule=schedule, index=i,
-                              stages=len(groups), zero=zero, recompute=rec, dtype=dtype)
-            if rows is not None:
-                even = len(set(rows)) == 1 and len({cluster.device(d).kind for d in devs}) == 1
-                stages.append(Stage(i, tuple(devs), _members(graph, blocks), zero, rec,
-                                    rows=() if even else rows))
-                break
-        else:
-            return None
-    return Plan(graph.model, cluster, schedule, microbatches, tuple(stages), solver=SolverInfo(name))
-
-
-def _counts(graph: CostGraph, fewest_rows: int, microbatches: int | None) -> list[int]:
-    """Microbatch counts to try: the given one, else the divisors of the batch up to 64 that leave at least
-    ``fewest_rows`` rows per microbatch."""
-    if microbatches:
-        return [microbatches]
-    b = graph.batch_size
-    return [m for m in range(1, min(b, 64) + 1) if b % m == 0 and b // m >= fewest_rows]
-
-
-Score = Callable[[Plan], float]
-
-
-def _fastest(plans: Iterable[Plan | None], score: Score) -> Plan | None:
-    """The plan of ``plans`` with the shortest score (None entries, plans that did not fit, skipped)."""
-    best: tuple[float, Plan] | None = None
-    for p in plans:
-        if p is not None:
-            t = score(p)
-            if best is None or t < best[0]:
-                best = (t, p)
-    return best[1] if best else None
 
 
 def data_parallel(graph: CostGraph, cluster: Cluster, score: Score, *, microbatches: int | None = None,
@@ -261,9 +97,9 @@ def data_parallel(graph: CostGraph, cluster: Cluster, score: Score, *, microbatc
     for k in range(2, len(fast) + 1):
         devs = [d.name for d in fast[:k]]
         # one stage: each configuration that fits, not only the first (the first that fits may sync more)
-        best = _fastest((build_plan(graph, cluster, [devs], [0, len(graph.order)], m, schedule, dtype,
+        best = fastest((build_plan(graph, cluster, [devs], [0, len(graph.order)], m, schedule, dtype,
                                     "data-parallel", CONFIGS[first:])
-                         for m in _counts(graph, k, microbatches) for first in range(len(CONFIGS))), score)
+                         for m in microbatch_counts(graph, k, microbatches) for first in range(len(CONFIGS))), score)
         if best is not None:
             out.append(best)
     return out
@@ -287,8 +123,8 @@ def mixed_pipeline(graph: CostGraph, cluster: Cluster, score: Score, *, microbat
         cuts = balanced_cuts(chain, s, weights)
         if len(cuts) - 1 != s:
             continue
-        best = _fastest((build_plan(graph, cluster, groups, cuts, m, schedule, dtype, "mixed-pipeline")
-                         for m in _counts(graph, max(len(g) for g in groups), microbatches)), score)
+        best = fastest((build_plan(graph, cluster, groups, cuts, m, schedule, dtype, "mixed-pipeline")
+                         for m in microbatch_counts(graph, max(len(g) for g in groups), microbatches)), score)
         if best is not None:
             out.append(best)
     return out
@@ -297,7 +133,7 @@ def mixed_pipeline(graph: CostGraph, cluster: Cluster, score: Score, *, microbat
 def extend(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, dtype: str = "float32") -> list[Plan]:
     """``base`` with idle devices added, one at a time, each to the stage where it shortens the step most
     (rows chosen again for that stage), until no idle device helps; [] when none ever does."""
-    blocks_of = _stage_blocks(graph, base)
+    blocks_of = stage_blocks(graph, base)
     current, best_t = base, score(base)
     idle = [d.name for d in cluster.devices if d.name not in {x for st in base.stages for x in st.devices}]
     improved = False
@@ -335,12 +171,12 @@ def merge(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, micro
     kinds mixed where they differ): a shorter pipeline, so a smaller bubble, for a gradient sync; greedily,
     the merge that shortens the step most first, at every microbatch count that leaves the merged groups
     a row per replica. [] when no merge helps."""
-    blocks_of = _stage_blocks(graph, base)
+    blocks_of = stage_blocks(graph, base)
     base_cuts = [0]
     for blocks in blocks_of:
         base_cuts.append(base_cuts[-1] + len(blocks))
     best_t, out = score(base), []
-    for m in _counts(graph, 1, microbatches):
+    for m in microbatch_counts(graph, 1, microbatches):
         groups, cuts = [list(st.devices) for st in base.stages], list(base_cuts)
         current: Plan | None = None
         while len(groups) > 1:
@@ -373,7 +209,7 @@ def shape_of(graph: CostGraph, plan: Plan) -> Shape:
     """``plan``'s devices per stage, boundaries in ``graph.order`` and microbatch count (its rows, memory
     configurations and communication options are chosen again when the shape is built)."""
     cuts = [0]
-    for blocks in _stage_blocks(graph, plan):
+    for blocks in stage_blocks(graph, plan):
         cuts.append(cuts[-1] + len(blocks))
     return tuple(st.devices for st in plan.stages), tuple(cuts), plan.microbatches
 
@@ -455,7 +291,7 @@ def local_search(graph: CostGraph, cluster: Cluster, start: Plan, score: Score, 
         The plan where the descent stopped, or [] when no neighbour of ``start`` is faster.
     """
     points = cut_points(Chain.of(graph))
-    counts = _counts(graph, 1, microbatches)
+    counts = microbatch_counts(graph, 1, microbatches)
     names = [d.name for d in cluster.devices]
     shape, best_t, current = shape_of(graph, start), score(start), None
     seen = {shape}
@@ -475,18 +311,6 @@ def local_search(graph: CostGraph, cluster: Cluster, start: Plan, score: Score, 
         if found is None:
             return [current] if current is not None else []
         best_t, current, shape = found
-
-
-def _stage_blocks(graph: CostGraph, plan: Plan) -> list[list[str]]:
-    where = {n: st.index for st in plan.stages for n in st.nodes}
-    out: list[list[str]] = [[] for _ in plan.stages]
-    for b in graph.order:
-        owners = {where[m] for m in graph.node(b).members}
-        if len(owners) != 1:
-            raise HpmlError(f"uneven rows: graph block {b!r} spans stages {sorted(owners)}; use the graph the plan "
-                            "was solved on")
-        out[owners.pop()].append(b)
-    return out
 
 
 class _OutOfTime(Exception):

@@ -1,5 +1,5 @@
-"""The local search of solve/uneven (its moves, one test each, and the descent), the keep-best helper, and the
-plan_quality benchmark's compute bound (issue 15)."""
+"""The local search of solve/uneven (its moves, one test each, and the descent), solve/mixed's plan builder and
+keep-best helper, and the plan_quality benchmark's compute bound (issue 15)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from hpml_compile.plan import Plan, Schedule, SolverInfo, Stage, validate_plan
 from hpml_compile.simulate import annotate
 from hpml_compile.solve.testing import chain_graph, chain_profile, cluster_of
-from hpml_compile.solve.uneven import (build_plan, _fastest, improve, local_search, moved_devices, other_counts,
-                                       shape_of, shifted_cuts)
+from hpml_compile.solve.mixed import build_plan, fastest
+from hpml_compile.solve.uneven import improve, local_search, moved_devices, other_counts, shape_of, shifted_cuts
 
 COSTS = [{"fast": (1.0, 2.0), "slow": (3.0, 6.0)}] * 4
 
@@ -97,7 +97,7 @@ def test_local_search_improves_on_every_random_start_or_proves_it_cannot() -> No
             assert local_search(g, c, found[0], score) == []
 
 
-def test_fastest_skips_plans_that_did_not_fit() -> None:
+def testfastest_skips_plans_that_did_not_fit() -> None:
     g = chain_graph(COSTS, param_bytes=1000)
     c = cluster_of(["fast", "slow"])
     slow = build_plan(g, c, [["d1"]], [0, 4], 1, Schedule.ONE_F_ONE_B, "float32", "slow")
@@ -106,8 +106,8 @@ def test_fastest_skips_plans_that_did_not_fit() -> None:
     def score(p: Plan) -> float:
         return annotate(p, g)[1].step_ms
 
-    assert _fastest([None, slow, None, both], score) is both
-    assert _fastest([None], score) is None
+    assert fastest([None, slow, None, both], score) is both
+    assert fastest([None], score) is None
 
 
 def test_improve_reports_the_local_search_when_it_wins() -> None:
