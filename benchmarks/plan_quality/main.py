@@ -102,6 +102,34 @@ def _torchgpipe() -> Callable[[list[float], int], list[int]] | str:
     return cuts
 
 
+Peer = Callable[[list[float], int], list[int]]
+
+
+def load_peers() -> tuple[dict[str, Peer], list[str]]:
+    """The peers' partitioners that import here, and a note (printed) for each that does not."""
+    peers: dict[str, Peer] = {}
+    notes = []
+    for name, got in (("deepspeed", _deepspeed()), ("torchgpipe", _torchgpipe())):
+        if isinstance(got, str):
+            print(f"note: {got}")
+            notes.append(got)
+        else:
+            peers[name] = got
+    return peers, notes
+
+
+def write_result(path: Path, t_start: float, payload: dict[str, Any]) -> None:
+    """Write ``payload`` with the machine and the run's seconds as JSON at ``path``, whole (a temporary file
+    renamed over it), and say so."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({**payload, "machine": {"cpu": platform.processor() or platform.machine(),
+                                                      "threads": torch.get_num_threads(), "torch": torch.__version__},
+                               "seconds": round(time.time() - t_start, 1)}, indent=1))
+    os.replace(tmp, path)
+    print(f"wrote {path} ({time.time() - t_start:.0f} s)")
+
+
 def peer_cuts(graph: CostGraph, cluster: Cluster, which: str, fn: Callable[[list[float], int], list[int]],
               parts: int) -> list[int]:
     """A peer's split of the chain's cuttable segments into ``parts`` stages, as positions of the graph's order."""
@@ -150,13 +178,50 @@ def best_peer_plan(graph: CostGraph, cluster: Cluster, which: str, fn: Callable[
 
 
 def compute_bound(graph: CostGraph, cluster: Cluster) -> float:
-    """A lower bound on any plan's simulated step: all devices busy all the time, no bubble, no communication.
+    """A lower bound on any plan's simulated step: the whole step's compute (forward, backward and optimizer
+    step) spread over every device in proportion to its speed, no bubble, no communication, no replica
+    repeating another's work.
 
-    Device ``i`` of kind ``k`` doing a share ``f_i`` of the model's work takes ``f_i W_k`` (``W_k``: forward +
-    backward of the whole batch on one device of kind ``k``; the simulator divides time by ``M d`` with no
-    loss), and the shares sum to at least 1, so no plan beats ``1 / sum_i 1 / W_k(i)``.
+    Device ``i`` doing a share ``f_i`` of the forward and backward and ``g_i`` of the optimizer step is busy
+    ``f_i W_i + g_i O_i`` (``W_i``: forward + backward of the whole batch on one device of its kind, the
+    simulator dividing time by ``M d`` with no loss; ``O_i``: the optimizer step over every parameter on that
+    kind); the shares sum to at least 1 each, so no plan beats the least ``T`` with
+    ``f_i W_i + g_i O_i <= T`` for every ``i`` (:func:`spread_bound`). Without optimizer times this is
+    ``1 / sum_i 1 / W_i``.
     """
-    return 1.0 / sum(1.0 / graph.total("", kind=d.kind) for d in cluster.devices)
+    everything = graph.total("param_bytes")
+    return spread_bound([(graph.total("", kind=d.kind), graph.optimizer_ms_per_byte(d.kind) * everything)
+                         for d in cluster.devices])
+
+
+def spread_bound(work: list[tuple[float, float]]) -> float:
+    """The least ``T`` such that two divisible jobs fit on devices whose ``i``-th takes ``work[i] = (W_i, O_i)``
+    for the whole of each: ``min T`` s.t. ``f_i W_i + g_i O_i <= T``, ``sum f = sum g = 1``, ``f, g >= 0``.
+
+    For a given ``T`` the optimizer job goes first to the devices that lose the least of the other job per
+    unit of it (smallest ``O_i / W_i``), each up to ``T / O_i``; ``T`` is feasible when what is left of
+    every device still covers the forward and backward. Bisection on ``T`` (a linear program this small needs
+    no solver).
+
+    >>> spread_bound([(3.0, 1.0), (3.0, 1.0)])  # two equal devices: (3 + 1) / 2
+    2.0
+    >>> round(spread_bound([(2.0, 0.0), (6.0, 0.0)]), 6)  # no optimizer time: 1 / (1/2 + 1/6)
+    1.5
+    """
+    def feasible(t: float) -> bool:
+        left = 1.0  # optimizer share still to place
+        covered = 0.0  # forward/backward share the devices' remaining time covers
+        for w, o in sorted(work, key=lambda x: x[1] / x[0]):
+            g = min(left, t / o) if o > 0 else left
+            left -= g
+            covered += max(0.0, t - g * o) / w
+        return left <= 1e-12 and covered >= 1.0
+
+    lo, hi = 0.0, min(w + o for w, o in work)
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
+    return hi
 
 
 def row_bound(graph: CostGraph, cluster: Cluster) -> float:
@@ -347,14 +412,7 @@ def main() -> None:
     if args.hierarchical_only and args.out == ap.get_default("out"):
         args.out = args.out.with_name("hierarchical.json")  # the full run's file stays whole
     t_start = time.time()
-    peers: dict[str, Callable[[list[float], int], list[int]]] = {}
-    notes = []
-    for name, got in (("deepspeed", _deepspeed()), ("torchgpipe", _torchgpipe())):
-        if isinstance(got, str):
-            print(f"note: {got}")
-            notes.append(got)
-        else:
-            peers[name] = got
+    peers, notes = load_peers()
     clusters = {c: load_cluster(c) for c in CLUSTERS}
     kinds = sorted({d.kind for c in clusters.values() for d in c.devices})
     ours = [s.value for s in SolverName]
@@ -408,15 +466,10 @@ def main() -> None:
                       f"the compute bound, so no plan can be {GOAL}x faster than it; ilp is "
                       f"{r['ilp_vs_bound']:.2f}x the bound")
     hier_rows = hierarchical_rows(graphs, clusters[HIER_CLUSTER], args.time_limit)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    write_result(args.out, t_start, {
         "hierarchical": hier_rows,
         "benchmark": "plan_quality", "models": MODELS[:1] if args.quick else MODELS, "clusters": CLUSTERS,
-        "time_limit_s": args.time_limit, "peers": list(peers), "notes": notes, "rows": results, "summary": summary,
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                    "torch": torch.__version__},
-        "seconds": round(time.time() - t_start, 1)}, indent=1))
-    print(f"wrote {args.out} ({time.time() - t_start:.0f} s)")
+        "time_limit_s": args.time_limit, "peers": list(peers), "notes": notes, "rows": results, "summary": summary})
 
 
 if __name__ == "__main__":

@@ -10,11 +10,10 @@ It is a separate pass over the solver's result rather than a change to the
 candidate table: a mixed group's cost depends on the rows its replicas get,
 which the table's per-(range, kind, degree) prices cannot express.
 
-Rows come from :func:`hpml_compile.stagecost.choose_rows`: each replica's time
-for ``r`` rows is its kind's fixed part plus ``r`` times its per-row part
-(:meth:`hpml_compile.ir.NodeCost.at`), and each is capped at the most rows its
-memory holds (the plan validator's own memory model, so a plan made here
-passes :func:`hpml_compile.plan.validate_plan`).
+Every candidate is built by :func:`.mixed.build_plan`: rows per replica from
+:func:`hpml_compile.stagecost.choose_rows`, each capped at what its memory
+holds, and each stage the first memory configuration that fits (offload and
+swap are not tried).
 
 The candidates, for every microbatch count that splits the batch into at
 least one row per replica:
@@ -27,12 +26,17 @@ least one row per replica:
   both groups (a shorter pipeline, a smaller bubble, for a gradient sync);
 - ``mixed-pipeline``: ``S`` stages, each a group of devices of about equal
   total speed (devices dealt out fastest first, back and forth), the chain cut
-  so that each stage's time is balanced.
+  so that each stage's time is balanced;
+- ``local-search``: steepest descent over plan shapes (:func:`local_search`)
+  from the fastest plan the families above found, then from the solver's: a
+  device moved to another stage, left out, brought in, or swapped with one of
+  another stage (:func:`moved_devices`); a stage boundary moved one or two cut
+  points (:func:`shifted_cuts`); the microbatch count changed to the next
+  divisor of the batch (:func:`other_counts`), which moves the rows and the
+  bubble together. Each neighbour's rows and memory configuration are chosen
+  again, so the search sees rows, groups, cuts and ``M`` jointly.
 
-Each stage takes the first memory configuration (ZeRO 0, 1, 2, then recompute)
-under which every replica fits at least one row and the group all the rows;
-offload and swap are not tried. What was chosen is written into the plan's
-solver name (``ilp+uneven:data-parallel``) and returned by :func:`improve`.
+What was chosen is written into the plan's solver name (``ilp+uneven:data-parallel``) and returned by :func:`improve`.
 
 Example:
     >>> from hpml_compile.solve import solve
@@ -48,25 +52,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..costgraph import CostGraph
 from ..errors import HpmlError
 from ..ir import Cluster, Device
-from ..memory import ZeroStage, dtype_bytes, tied_elsewhere, tied_shared
-from ..plan import Plan, Schedule, SolverInfo, SolverStatus, Stage
+from ..plan import Plan, Schedule, SolverInfo, SolverStatus
 from ..simulate import annotate
-from ..stagecost import choose_rows, device_memory, in_flight
-from .baselines import balanced_cuts
+from .baselines import balanced_cuts, cut_points
 from .candidates import Chain
+from .mixed import CONFIGS, Score, build_plan, fastest, microbatch_counts, stage_blocks, stage_rows
 
-__all__ = ["CONFIGS", "Uneven", "stage_rows", "improve", "data_parallel", "extend", "merge", "mixed_pipeline"]
-
-#: Memory configurations tried per stage, cheapest first: ``(ZeRO stage, recompute)``.
-CONFIGS: tuple[tuple[ZeroStage, bool], ...] = (
-    (ZeroStage.NONE, False), (ZeroStage.OS, False), (ZeroStage.OS_G, False),
-    (ZeroStage.NONE, True), (ZeroStage.OS, True), (ZeroStage.OS_G, True))
-
+__all__ = ["CONFIGS", "Uneven", "Shape", "stage_rows", "build_plan", "improve", "data_parallel", "extend", "merge",
+           "mixed_pipeline", "local_search", "shape_of", "moved_devices", "shifted_cuts", "other_counts"]
 
 @dataclass(frozen=True, slots=True)
 class Uneven:
@@ -75,7 +73,7 @@ class Uneven:
     Attributes:
         plan: the fastest plan (the solver's own when nothing beat it).
         chosen: ``"solver"``, or the family of the winning candidate (``data-parallel``, ``extend``,
-            ``mixed-pipeline``).
+            ``merge``, ``mixed-pipeline``, ``local-search``).
         base_ms: the solver's plan's simulated step.
         tried: candidate plans simulated.
     """
@@ -86,136 +84,9 @@ class Uneven:
     tried: int
 
 
-def _members(graph: CostGraph, blocks: Sequence[str]) -> tuple[str, ...]:
-    return tuple(m for b in blocks for m in graph.node(b).members)
-
-
-def _sizes(graph: CostGraph, blocks: Sequence[str]) -> tuple[int, int, int, int]:
-    """``(parameter bytes with tied copies, activation bytes, input bytes, tied gradient buffer)`` of a stage
-    made of ``blocks``, as :func:`hpml_compile.simulate.stage_costs` counts them."""
-    inside = set(blocks)
-    users = [(n, graph.node(n).params) for n in graph.order]
-    params = sum(graph.node(b).param_bytes for b in blocks) + tied_elsewhere(users, graph.param_sizes, inside)
-    acts = sum(graph.node(b).activation_bytes for b in blocks)
-    inputs: dict[str, int] = {}
-    for u, v, e in graph.graph.edges(data=True):
-        if v in inside and u not in inside:
-            inputs.update(e["producers"])
-    return params, acts, sum(inputs.values()), tied_shared(users, graph.param_sizes, inside)
-
-
-def _cap(dev: Device, sizes: tuple[int, int, int, int], *, rows: int, batch: int, replicas: int, zero: ZeroStage,
-         recompute: bool, microbatches: int, flight: int, dtype: str) -> int:
-    """The most rows of a microbatch (up to ``rows``) whose activations fit ``dev`` beside the stage's
-    parameters, gradients and optimizer state (0: not even one)."""
-    params, acts, inputs, shared = sizes
-
-    def need(r: int) -> int:
-        return device_memory(param_bytes=params, activation_bytes=acts, input_bytes=inputs,
-                             dtype_bytes=dtype_bytes(dtype), replicas=replicas, zero=zero,
-                             microbatches=microbatches, in_flight=flight, recompute=recompute,
-                             host_is_device=dev.is_cpu, share=(r, batch)).total + shared
-
-    if need(1) > dev.memory_bytes:
-        return 0
-    lo, hi = 1, rows  # need grows with r: the largest r that fits
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if need(mid) <= dev.memory_bytes else (lo, mid - 1)
-    return lo
-
-
-def stage_rows(graph: CostGraph, cluster: Cluster, blocks: Sequence[str], devices: Sequence[str], *,
-               microbatches: int, schedule: Schedule, index: int, stages: int, zero: ZeroStage | int = 0,
-               recompute: bool = False, dtype: str = "float32") -> tuple[int, ...] | None:
-    """Rows per microbatch for each of ``devices`` running the graph blocks ``blocks`` as stage ``index`` of
-    ``stages``: the replicas finish together (:func:`~hpml_compile.stagecost.choose_rows`) and each fits.
-
-    Args:
-        graph: the cost graph (its ``batch_size`` is the step's rows).
-        cluster: the devices.
-        blocks: graph nodes of the stage.
-        devices: the stage's devices, of any kinds.
-        microbatches: ``M`` (must divide the batch).
-        schedule: the pipeline schedule (how many microbatches a stage holds at its peak).
-        index: the stage's position.
-        stages: how many stages the plan has.
-        zero: the stage's ZeRO stage.
-        recompute: activation checkpointing of the stage.
-        dtype: parameter dtype.
-
-    Returns:
-        Rows per device, or None when they cannot fit (a device holds not even one row, or all of them hold
-        fewer than a microbatch).
-
-    Raises:
-        HpmlError: ``microbatches`` does not split the batch into whole rows.
-    """
-    batch = graph.batch_size
-    if batch % microbatches:
-        raise HpmlError(f"uneven rows: {microbatches} microbatches do not split the batch of {batch} into whole rows")
-    total = batch // microbatches
-    if total < len(devices):
-        return None
-    sizes = _sizes(graph, blocks)
-    flight = int(in_flight(Schedule(schedule), microbatches, stages - index - 1))
-    fixed, per_row, caps = [], [], []
-    for name in devices:
-        dev = cluster.device(name)
-        f = b = ff = bf = 0.0
-        for blk in blocks:
-            full, fix = graph.node(blk).cost[dev.kind], graph.node(blk).fixed_at(dev.kind)
-            f, b, ff, bf = f + full[0], b + full[1], ff + fix[0], bf + fix[1]
-        rec = 1.0 if recompute else 0.0
-        fixed.append(ff * (1 + rec) + bf)
-        per_row.append(((f - ff) * (1 + rec) + (b - bf)) / batch)
-        caps.append(_cap(dev, sizes, rows=total, batch=batch, replicas=len(devices), zero=ZeroStage(zero),
-                         recompute=recompute, microbatches=microbatches, flight=flight, dtype=dtype))
-    try:
-        return choose_rows(fixed, per_row, total, caps)
-    except ValueError:
-        return None
-
-
 def _speed(graph: CostGraph, dev: Device) -> float:
     """Whole-batch steps per millisecond of ``dev`` on the model (fwd + bwd), the dealing order's key."""
     return 1.0 / max(1e-12, graph.total("", kind=dev.kind))
-
-
-def _build(graph: CostGraph, cluster: Cluster, groups: Sequence[Sequence[str]], cuts: Sequence[int],
-           microbatches: int, schedule: Schedule, dtype: str, name: str,
-           configs: Sequence[tuple[ZeroStage, bool]] = CONFIGS) -> Plan | None:
-    """A plan of stage ``i`` = blocks ``order[cuts[i]:cuts[i+1]]`` on ``groups[i]``, each with the first
-    configuration of ``configs`` whose rows fit (None if one stage fits under none)."""
-    order = graph.order
-    stages = []
-    for i, devs in enumerate(groups):
-        blocks = order[cuts[i]:cuts[i + 1]]
-        for zero, rec in configs:
-            if zero and len(devs) == 1:
-                continue
-            rows = stage_rows(graph, cluster, blocks, devs, microbatches=microbatches, schedule=schedule, index=i,
-                              stages=len(groups), zero=zero, recompute=rec, dtype=dtype)
-            if rows is not None:
-                even = len(set(rows)) == 1 and len({cluster.device(d).kind for d in devs}) == 1
-                stages.append(Stage(i, tuple(devs), _members(graph, blocks), zero, rec,
-                                    rows=() if even else rows))
-                break
-        else:
-            return None
-    return Plan(graph.model, cluster, schedule, microbatches, tuple(stages), solver=SolverInfo(name))
-
-
-def _counts(graph: CostGraph, fewest_rows: int, microbatches: int | None) -> list[int]:
-    """Microbatch counts to try: the given one, else the divisors of the batch up to 64 that leave at least
-    ``fewest_rows`` rows per microbatch."""
-    if microbatches:
-        return [microbatches]
-    b = graph.batch_size
-    return [m for m in range(1, min(b, 64) + 1) if b % m == 0 and b // m >= fewest_rows]
-
-
-Score = Callable[[Plan], float]
 
 
 def data_parallel(graph: CostGraph, cluster: Cluster, score: Score, *, microbatches: int | None = None,
@@ -225,18 +96,12 @@ def data_parallel(graph: CostGraph, cluster: Cluster, score: Score, *, microbatc
     out = []
     for k in range(2, len(fast) + 1):
         devs = [d.name for d in fast[:k]]
-        best: tuple[float, Plan] | None = None
-        for m in _counts(graph, k, microbatches):
-            for first in range(len(CONFIGS)):  # one stage: each configuration that fits, not only the first
-                p = _build(graph, cluster, [devs], [0, len(graph.order)], m, schedule, dtype, "data-parallel",
-                           CONFIGS[first:])
-                if p is None:
-                    break
-                t = score(p)
-                if best is None or t < best[0]:
-                    best = (t, p)
-        if best:
-            out.append(best[1])
+        # one stage: each configuration that fits, not only the first (the first that fits may sync more)
+        best = fastest((build_plan(graph, cluster, [devs], [0, len(graph.order)], m, schedule, dtype,
+                                    "data-parallel", CONFIGS[first:])
+                         for m in microbatch_counts(graph, k, microbatches) for first in range(len(CONFIGS))), score)
+        if best is not None:
+            out.append(best)
     return out
 
 
@@ -258,22 +123,17 @@ def mixed_pipeline(graph: CostGraph, cluster: Cluster, score: Score, *, microbat
         cuts = balanced_cuts(chain, s, weights)
         if len(cuts) - 1 != s:
             continue
-        best: tuple[float, Plan] | None = None
-        for m in _counts(graph, max(len(g) for g in groups), microbatches):
-            p = _build(graph, cluster, groups, cuts, m, schedule, dtype, "mixed-pipeline")
-            if p is not None:
-                t = score(p)
-                if best is None or t < best[0]:
-                    best = (t, p)
-        if best:
-            out.append(best[1])
+        best = fastest((build_plan(graph, cluster, groups, cuts, m, schedule, dtype, "mixed-pipeline")
+                         for m in microbatch_counts(graph, max(len(g) for g in groups), microbatches)), score)
+        if best is not None:
+            out.append(best)
     return out
 
 
 def extend(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, dtype: str = "float32") -> list[Plan]:
     """``base`` with idle devices added, one at a time, each to the stage where it shortens the step most
     (rows chosen again for that stage), until no idle device helps; [] when none ever does."""
-    blocks_of = _stage_blocks(graph, base)
+    blocks_of = stage_blocks(graph, base)
     current, best_t = base, score(base)
     idle = [d.name for d in cluster.devices if d.name not in {x for st in base.stages for x in st.devices}]
     improved = False
@@ -311,12 +171,12 @@ def merge(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, micro
     kinds mixed where they differ): a shorter pipeline, so a smaller bubble, for a gradient sync; greedily,
     the merge that shortens the step most first, at every microbatch count that leaves the merged groups
     a row per replica. [] when no merge helps."""
-    blocks_of = _stage_blocks(graph, base)
+    blocks_of = stage_blocks(graph, base)
     base_cuts = [0]
     for blocks in blocks_of:
         base_cuts.append(base_cuts[-1] + len(blocks))
     best_t, out = score(base), []
-    for m in _counts(graph, 1, microbatches):
+    for m in microbatch_counts(graph, 1, microbatches):
         groups, cuts = [list(st.devices) for st in base.stages], list(base_cuts)
         current: Plan | None = None
         while len(groups) > 1:
@@ -325,7 +185,7 @@ def merge(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, micro
                 g2 = [*groups[:i], groups[i] + groups[i + 1], *groups[i + 2:]]
                 if graph.batch_size // m < max(len(g) for g in g2):
                     continue
-                p = _build(graph, cluster, g2, [*cuts[:i + 1], *cuts[i + 2:]], m, base.schedule, dtype, "merge")
+                p = build_plan(graph, cluster, g2, [*cuts[:i + 1], *cuts[i + 2:]], m, base.schedule, dtype, "merge")
                 t = score(p) if p is not None else float("inf")
                 if p is not None and (found is None or t < found[0]):
                     found = (t, p, i)
@@ -340,16 +200,117 @@ def merge(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, micro
     return out
 
 
-def _stage_blocks(graph: CostGraph, plan: Plan) -> list[list[str]]:
-    where = {n: st.index for st in plan.stages for n in st.nodes}
-    out: list[list[str]] = [[] for _ in plan.stages]
-    for b in graph.order:
-        owners = {where[m] for m in graph.node(b).members}
-        if len(owners) != 1:
-            raise HpmlError(f"uneven rows: graph block {b!r} spans stages {sorted(owners)}; use the graph the plan "
-                            "was solved on")
-        out[owners.pop()].append(b)
-    return out
+#: A plan's shape for the local search: devices per stage, stage boundaries (positions in ``graph.order``),
+#: microbatch count.
+Shape = tuple[tuple[tuple[str, ...], ...], tuple[int, ...], int]
+
+
+def shape_of(graph: CostGraph, plan: Plan) -> Shape:
+    """``plan``'s devices per stage, boundaries in ``graph.order`` and microbatch count (its rows, memory
+    configurations and communication options are chosen again when the shape is built)."""
+    cuts = [0]
+    for blocks in stage_blocks(graph, plan):
+        cuts.append(cuts[-1] + len(blocks))
+    return tuple(st.devices for st in plan.stages), tuple(cuts), plan.microbatches
+
+
+def moved_devices(shape: Shape, devices: Sequence[str]) -> Iterator[Shape]:
+    """Every shape with one device moved: from a stage of several devices to another stage or out of the plan,
+    or from ``devices`` not in the plan into a stage; and with two devices of different stages swapped."""
+    groups, cuts, m = shape
+    used = {d for g in groups for d in g}
+    idle = [d for d in devices if d not in used]
+
+    def put(i: int, group: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+        return tuple(group if j == i else g for j, g in enumerate(groups))
+
+    for i, g in enumerate(groups):
+        if len(g) < 2:
+            continue  # a stage keeps at least one device (the cut search removes stages: merge)
+        for d in g:
+            rest = tuple(x for x in g if x != d)
+            yield put(i, rest), cuts, m
+            for j, h in enumerate(groups):
+                if j != i:
+                    yield tuple(rest if k == i else (*h, d) if k == j else x for k, x in enumerate(groups)), cuts, m
+    for d in idle:
+        for j, h in enumerate(groups):
+            yield put(j, (*h, d)), cuts, m
+    for i, g in enumerate(groups):
+        for j in range(i + 1, len(groups)):
+            for a in g:
+                for b in groups[j]:
+                    yield tuple(tuple(b if x == a else x for x in g) if k == i else
+                                tuple(a if x == b else x for x in groups[j]) if k == j else x
+                                for k, x in enumerate(groups)), cuts, m
+
+
+def shifted_cuts(shape: Shape, points: Sequence[int], steps: Sequence[int] = (1, 2)) -> Iterator[Shape]:
+    """Every shape with one stage boundary moved ``steps`` cut points (of ``points``, the positions where a
+    stage may end) earlier or later, the stages keeping at least one block each."""
+    groups, cuts, m = shape
+    where = {p: k for k, p in enumerate(points)}
+    for i in range(1, len(cuts) - 1):
+        k = where.get(cuts[i])
+        if k is None:
+            continue
+        for step in steps:
+            for j in (k - step, k + step):
+                if 0 <= j < len(points) and cuts[i - 1] < points[j] < cuts[i + 1]:
+                    yield groups, (*cuts[:i], points[j], *cuts[i + 1:]), m
+
+
+def other_counts(shape: Shape, counts: Sequence[int]) -> Iterator[Shape]:
+    """The shape at the next smaller and the next larger microbatch count of ``counts`` (fewer, larger
+    microbatches give the rows of a stage finer steps; more shrink the pipeline's bubble)."""
+    groups, cuts, m = shape
+    smaller = [c for c in counts if c < m]
+    larger = [c for c in counts if c > m]
+    for c in ([smaller[-1]] if smaller else []) + ([larger[0]] if larger else []):
+        yield groups, cuts, c
+
+
+def local_search(graph: CostGraph, cluster: Cluster, start: Plan, score: Score, *, microbatches: int | None = None,
+                 dtype: str = "float32") -> list[Plan]:
+    """Steepest descent from ``start`` over plan shapes.
+
+    Each round builds every neighbour of the current shape (a device moved or two swapped,
+    :func:`moved_devices`; a stage boundary moved, :func:`shifted_cuts`; the microbatch count changed,
+    :func:`other_counts`, unless the user fixed it), rows and memory configuration chosen again by
+    :func:`build_plan`, and moves to the fastest if it beats the current plan; a shape is built once.
+
+    Args:
+        graph: the cost graph.
+        cluster: the devices (those ``start`` leaves idle may be brought in).
+        start: where to start (its schedule is kept).
+        score: a plan's simulated step; the caller's stops the search at its time limit by raising.
+        microbatches: a count the user fixed (None: searched).
+        dtype: parameter dtype.
+
+    Returns:
+        The plan where the descent stopped, or [] when no neighbour of ``start`` is faster.
+    """
+    points = cut_points(Chain.of(graph))
+    counts = microbatch_counts(graph, 1, microbatches)
+    names = [d.name for d in cluster.devices]
+    shape, best_t, current = shape_of(graph, start), score(start), None
+    seen = {shape}
+    while True:
+        found: tuple[float, Plan, Shape] | None = None
+        moves = [*moved_devices(shape, names), *shifted_cuts(shape, points),
+                 *(other_counts(shape, counts) if microbatches is None else ())]
+        for nxt in moves:
+            groups, cuts, m = nxt
+            if nxt in seen or graph.batch_size // m < max(len(g) for g in groups):
+                continue
+            seen.add(nxt)
+            p = build_plan(graph, cluster, groups, cuts, m, start.schedule, dtype, "local-search")
+            t = score(p) if p is not None else float("inf")
+            if p is not None and t < best_t and (found is None or t < found[0]):
+                found = (t, p, nxt)
+        if found is None:
+            return [current] if current is not None else []
+        best_t, current, shape = found
 
 
 class _OutOfTime(Exception):
@@ -408,7 +369,10 @@ def improve(graph: CostGraph, cluster: Cluster, base: Plan, *, dtype: str = "flo
             lambda: extend(graph, cluster, base, score, dtype=dtype),
             lambda: merge(graph, cluster, base, score, microbatches=microbatches, dtype=dtype),
             lambda: mixed_pipeline(graph, cluster, score, microbatches=microbatches, schedule=base.schedule,
-                                   dtype=dtype)]
+                                   dtype=dtype),
+            # from the fastest plan so far, then from the solver's when that is another
+            lambda: local_search(graph, cluster, best[0][1], score, microbatches=microbatches, dtype=dtype),
+            lambda: local_search(graph, cluster, base, score, microbatches=microbatches, dtype=dtype)]
         for family in families:
             try:
                 family()
