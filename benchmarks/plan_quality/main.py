@@ -177,7 +177,7 @@ def best_peer_plan(graph: CostGraph, cluster: Cluster, which: str, fn: Callable[
     return best, every
 
 
-def compute_bound(graph: CostGraph, cluster: Cluster) -> float:
+def compute_bound(graph: CostGraph, cluster: Cluster, optimizer: bool = True) -> float:
     """A lower bound on any plan's simulated step: the whole step's compute (forward, backward and optimizer
     step) spread over every device in proportion to its speed, no bubble, no communication, no replica
     repeating another's work.
@@ -187,9 +187,9 @@ def compute_bound(graph: CostGraph, cluster: Cluster) -> float:
     simulator dividing time by ``M d`` with no loss; ``O_i``: the optimizer step over every parameter on that
     kind); the shares sum to at least 1 each, so no plan beats the least ``T`` with
     ``f_i W_i + g_i O_i <= T`` for every ``i`` (:func:`spread_bound`). Without optimizer times this is
-    ``1 / sum_i 1 / W_i``.
+    ``1 / sum_i 1 / W_i`` (``optimizer=False``: the forward and backward alone).
     """
-    everything = graph.total("param_bytes")
+    everything = graph.total("param_bytes") if optimizer else 0
     return spread_bound([(graph.total("", kind=d.kind), graph.optimizer_ms_per_byte(d.kind) * everything)
                          for d in cluster.devices])
 
@@ -247,9 +247,12 @@ def optimizer_floor(graph: CostGraph, cluster: Cluster) -> float:
 
 
 def tight_bound(graph: CostGraph, cluster: Cluster) -> float:
-    """``max(compute_bound, row_bound) + optimizer_floor``: still no plan can beat it (each term is a lower bound
-    on a phase that follows the other), and it is closer to what a plan can reach."""
-    return max(compute_bound(graph, cluster), row_bound(graph, cluster)) + optimizer_floor(graph, cluster)
+    """``max(compute_bound without the optimizer, row_bound) + optimizer_floor``, and never below
+    :func:`compute_bound`: still no plan can beat it (the forward and backward, then the optimizer step, are
+    phases one after the other: each term is a lower bound on its phase), and it is closer to what a plan can
+    reach. The forward/backward term leaves the optimizer out so that it is not counted twice."""
+    phases = max(compute_bound(graph, cluster, optimizer=False), row_bound(graph, cluster))
+    return max(compute_bound(graph, cluster), phases + optimizer_floor(graph, cluster))
 
 
 def graph_of(name: str, batch: int, kinds: list[str]) -> CostGraph:
