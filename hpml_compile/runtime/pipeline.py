@@ -82,7 +82,7 @@ from .offload import offload_optimizer
 from .saved import GradPeak, SavedActivations
 from .session import CommFailure, RetryPolicy, Session
 from ..memory import FIRST_BUCKET_BYTES
-from .compress import Reducer, make_reducer
+from .compress import Feedback, Reducer, feedback_of, make_reducer
 from .zero import FlatGrads, FlatShard
 from .zero3 import FlatShard3
 
@@ -545,6 +545,10 @@ class Pipeline:
     def _reducers(self) -> list[Reducer]:
         """The compression / local SGD reducers of this rank's stage (:mod:`.compress`)."""
         return [b.reducer for b in self._buckets if getattr(b, "reducer", None) is not None]
+
+    def feedback(self) -> list[Feedback]:
+        """This rank's error-feedback state (compressed stages), for checkpoints (:class:`.compress.Feedback`)."""
+        return feedback_of(self._buckets, self.local_module(), self.replica) if self._buckets else []
 
     def _sync_bytes(self, *, dense: bool) -> int:
         """Payload this rank put into its stage's gradient sync this step (``dense``: uncompressed, every step)."""
