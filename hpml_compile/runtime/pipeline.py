@@ -525,6 +525,8 @@ class Pipeline:
             optimizer_ms=(run.t_end - run.t_opt) * 1e3, peak_memory_bytes=mem, memory_kind=mem_kind,
             bytes_sent=comm.stats.bytes_sent, bytes_received=comm.stats.bytes_received,
             sync_bytes=self._sync_bytes(dense=False), sync_dense_bytes=self._sync_bytes(dense=True),
+            sync_intra_bytes=comm.stats.intra_bytes, sync_inter_bytes=comm.stats.inter_bytes,
+            sync_flat_bytes=comm.stats.flat_bytes,
             loss=float(run.loss_sum), retries=attempt, val_loss=val, host=self._hostname, steal=busy.steal,
             others_load=busy.others, cpu_util=busy.cpu_util,
             contention_ms=busy.contention_s * 1e3, held_bytes=self.held.total + self.saved.peak,
