@@ -45,7 +45,7 @@ run would. ``meta.json`` (format 2)::
 Error feedback: a compressed stage's error (Top-K's, PowerSGD's) and
 PowerSGD's step count and warm-start factors are saved per rank
 (``comm.error.r<replica>of<d>.<parameter name>``, ``comm.powersgd<R>.<layout>.*``,
-:class:`~.compress.Feedback` says what and why), so that a resumed run goes
+:class:`~.feedback.Feedback` says what and why), so that a resumed run goes
 on with the error it had. Keyed by parameter name, the error loads under a
 plan that moves the parameter to another stage; what a new plan cannot use
 (it does not compress that stage; PowerSGD's factors of another stage
@@ -100,7 +100,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..errors import CheckpointError
 from ..schema import write_json_atomic
 from .safe_dcp import INDEX_FILE, IndexFormatError, JsonReader, JsonWriter
-from .compress import FEEDBACK_PREFIX, Feedback, parse_error_key
+from .feedback import FEEDBACK_PREFIX, Feedback, parse_error_key
 from .scaler import LossScaler
 from .zero import full_optimizer_state, load_full_optimizer_state, optimizer_templates, shards_of
 
@@ -562,7 +562,7 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
 
 def _load_feedback(path: Path, feedback: Sequence[Feedback], reads: list[dict[str, torch.Tensor]],
                    got: dict[str, Any], shapes: dict[str, Any], held: set[str], log: Callable[[str], None]) -> None:
-    """Give each :class:`~.compress.Feedback` what was read for it; say what was not carried as it was, and
+    """Give each :class:`~.feedback.Feedback` what was read for it; say what was not carried as it was, and
     which of this rank's parameters had an error saved that this plan does not compress (dropped)."""
     for fb, r in zip(feedback, reads):
         for note in fb.load({k: got[k] for k in r}):

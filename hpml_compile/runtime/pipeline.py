@@ -82,7 +82,8 @@ from .offload import offload_optimizer
 from .saved import GradPeak, SavedActivations
 from .session import CommFailure, RetryPolicy, Session
 from ..memory import FIRST_BUCKET_BYTES
-from .compress import Feedback, Reducer, feedback_of, make_reducer
+from .compress import Reducer, make_reducer
+from .feedback import Feedback, feedback_of
 from .zero import FlatGrads, FlatShard
 from .zero3 import FlatShard3
 
@@ -549,7 +550,7 @@ class Pipeline:
         return [b.reducer for b in self._buckets if getattr(b, "reducer", None) is not None]
 
     def feedback(self) -> list[Feedback]:
-        """This rank's error-feedback state (compressed stages), for checkpoints (:class:`.compress.Feedback`)."""
+        """This rank's error-feedback state (compressed stages), for checkpoints (:class:`.feedback.Feedback`)."""
         return feedback_of(self._buckets, self.local_module(), self.replica) if self._buckets else []
 
     def _sync_bytes(self, *, dense: bool) -> int:

@@ -20,7 +20,8 @@ from hpml_compile.errors import OptionError, PlanError, SchemaError
 from hpml_compile.ir import Cluster, Device, Link
 from hpml_compile.plan import Plan, Schedule, Stage, check_comm, with_comm
 from hpml_compile.runtime.checkpoint import latest, load_checkpoint, save_checkpoint
-from hpml_compile.runtime.compress import Feedback, TopK
+from hpml_compile.runtime.compress import TopK
+from hpml_compile.runtime.feedback import Feedback
 from hpml_compile.simulate import simulate
 from hpml_compile.solve import solve
 from hpml_compile.solve.testing import chain_graph
