@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from hpml_compile.cli import main
 from hpml_compile.errors import HpmlError
 from hpml_compile.ir import Cluster, Device, Link
-from hpml_compile.plan import Plan, Schedule, Stage, validate_plan, with_comm
+from hpml_compile.plan import Plan, Schedule, Stage, load_plan, save_plan, validate_plan, with_comm
+from hpml_compile.profile import save_profile
 from hpml_compile.simulate import annotate, simulate
 from hpml_compile.driver import Options, replan
 from hpml_compile.replan import plan_diff, replan_graph, without_devices
@@ -116,3 +119,17 @@ def test_a_compression_or_local_sgd_the_user_chose_stays_after_losing_a_device(o
     assert (r.plan.sync_every, r.plan.sync_warmup) == (opts.get("sync_every", 1), opts.get("sync_warmup", 0))
     assert not r.plan.allow_compress  # chosen by the user, not left to the solver
     assert r.plan.predicted.step_ms == pytest.approx(simulate(r.plan, chain_graph(_COST, **_KW)).step_ms)
+
+
+def test_the_replan_command_keeps_the_compression_of_the_plan_it_reads(tmp_path: Path) -> None:
+    g, prof = chain_graph(_COST, **_KW), chain_profile(_COST, **_KW)
+    every = tuple(n.name for n in prof.nodes)
+    old = annotate(with_comm(Plan("toy", _hosts(2), Schedule.ONE_F_ONE_B, 4,
+                                  (Stage(0, ("g0", "g1", "g2", "g3"), every),)), compress="topk:0.01"), g)[0]
+    save_plan(old, tmp_path / "plan.json")
+    save_profile(prof, tmp_path / "measured.json")
+    assert main(["replan", str(tmp_path / "plan.json"), "--profile", str(tmp_path / "measured.json"),
+                 "--drop-device", "g3", "--solver", "dp", "-o", str(tmp_path / "new")]) == 0
+    new = load_plan(tmp_path / "new" / "plan.json")
+    replicated = [st for st in new.stages if len(st.devices) > 1]
+    assert replicated and all(st.compress == "topk:0.01" for st in replicated)
