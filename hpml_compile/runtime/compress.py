@@ -47,11 +47,11 @@ Error-feedback state lives per rank (``state_dict`` / ``load_state_dict``:
 plain tensors, no pickle; :meth:`Reducer.residual` in gradient-sum units), and
 checkpoints carry it (:mod:`.feedback`), so that a resumed run goes on with
 the error it had; local SGD has no state: its schedule follows the resumed
-step count.
-A checkpoint taken by local SGD between two averages holds one replica's
-parameters (the checkpoint keys parameters by name, and the replicas differ
-until the next average): the resumed replicas start equal, as after an
-average. A retried step (a transient communication failure) may leave
+step count. A checkpoint taken by local SGD between two averages keeps one
+replica's parameters and optimizer state (it keys them by name, DCP writes one
+copy of a key that several ranks hold, and the replicas differ until the next
+average), so the resumed replicas start equal, as after an average, not as
+the uninterrupted run goes on (not tested). A retried step (a transient communication failure) may leave
 PowerSGD's warm-start factors from the failed attempt; the gradient it
 recomputes is the same.
 
