@@ -55,7 +55,7 @@ from .memory import compute_bytes
 from .plan import Plan, Schedule, save_plan, validate_plan, with_comm
 from .profile import predict_kinds, profile, save_profile
 from .recipe import ModelRecipe, read_recipe
-from .replan import ReplanResult, replan_graph, without_devices
+from .replan import ReplanResult, carried_comm, replan_graph, without_devices
 from .schema import write_json_atomic
 from .simulate import annotate
 from .solve import SolverName, solve
@@ -321,7 +321,8 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
     if opts.uneven:                                                                 # 5b. mixed kinds, uneven rows
         result = improve_uneven(graph, cluster, result, dtype=prof.dtype, microbatches=opts.microbatches,
                                 time_limit_s=min(10.0, opts.time_limit_s), progress=progress).plan
-    result = replace(result, precision=prof.precision)                              # trains as it was timed
+    result = replace(result, precision=prof.precision,                              # trains as it was timed
+                     allow_compress=opts.allow_compress or "")                      # a re-plan offers it again
     if opts.compress or opts.sync_every > 1:                                        # the user's comm options
         result = with_comm(result, compress=opts.compress, sync_every=opts.sync_every,
                            sync_warmup=opts.sync_warmup)
@@ -442,6 +443,10 @@ def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost
     plan keeps the old one's microbatches and schedule unless ``opts`` names
     them; the old plan is scored on the same costs and kept unless the new one
     is predicted faster (when it can no longer run, any plan that fits wins).
+    It keeps the user's communication options the old plan records
+    (:func:`hpml_compile.replan.carried_comm`: the compression the solver may
+    choose, a compression on every replicated stage, local SGD) unless
+    ``opts`` names others (``compress``, ``allow_compress``, ``sync_every`` > 1).
 
     Args:
         old: the plan running now.
@@ -473,10 +478,18 @@ def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost
     prof, fine, graph = _graphs(measured, target, opts)
     # Blocks cut by cost follow the measured costs, so the old plan may split one of them: both plans are
     # scored on the profile's own nodes, which any plan's stages respect.
+    allowed, forced = carried_comm(old)                                             # the user's comm options
+    if opts.compress or opts.allow_compress:
+        allowed = opts.allow_compress
+        forced = {k: v for k, v in forced.items() if k != "compress"} | (
+            {"compress": opts.compress} if opts.compress else {})
+    if opts.sync_every > 1:
+        forced.update(sync_every=opts.sync_every, sync_warmup=opts.sync_warmup)
     result = replan_graph(old, graph, cluster=target, solver=opts.solver,
                           microbatches=opts.microbatches or old.microbatches,
                           schedule=opts.schedule or old.schedule, time_limit_s=opts.time_limit_s,
-                          dtype=prof.dtype, progress=progress, score_graph=fine)
+                          dtype=prof.dtype, progress=progress, score_graph=fine, allow_compress=allowed,
+                          comm=forced, hierarchical=opts.hierarchical)
     validate_plan(result.plan, prof)
     _dump(opts, "4-plan.json", lambda p: save_plan(result.plan, p))
     return result

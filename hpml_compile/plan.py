@@ -193,6 +193,9 @@ class Plan:
     head) are summed over the devices of those stages: ``hierarchical`` makes every such group whose
     devices span hosts, each holding the same number, reduce-scatter inside each host, all-reduce between
     hosts and all-gather (:class:`AllReduce`); a group on one host stays flat.
+    ``allow_compress``: the gradient compression the user let the solver choose per stage
+    (``--allow-compress``; ``""``: none), kept so that a re-plan offers it again
+    (:func:`hpml_compile.driver.replan`); the stages it was chosen for say so in their ``compress``.
     """
 
     model: str
@@ -207,9 +210,12 @@ class Plan:
     schema_version: int = PLAN_VERSION
     sync_every: int = 1
     sync_warmup: int = 0
+    allow_compress: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
+        allowed = parse_compress(self.allow_compress, "allow_compress")  # OptionError naming the forms
+        object.__setattr__(self, "allow_compress", str(allowed) if allowed is not None else "")
         object.__setattr__(self, "precision", Precision(self.precision))
         check_sync(self.sync_every, self.sync_warmup)
         object.__setattr__(self, "tied_allreduce", AllReduce(self.tied_allreduce))
@@ -231,6 +237,7 @@ class Plan:
                        "seconds": self.solver.seconds},
             **({"sync_every": self.sync_every, "sync_warmup": self.sync_warmup} if self.sync_every > 1 else {}),
             **({"tied_allreduce": self.tied_allreduce.value} if self.tied_allreduce is not AllReduce.FLAT else {}),
+            **({"allow_compress": self.allow_compress} if self.allow_compress else {}),
         }
 
     @classmethod
@@ -262,6 +269,11 @@ class Plan:
             except OptionError as e:
                 raise SchemaError(source, f"stages[{k}].compress", "powersgd:RANK (>= 1) or topk:RATIO (0 < RATIO < 1)",
                                   repr(st.get("compress")), fix=str(e)) from None
+        try:
+            parse_compress(d.get("allow_compress"), "allow_compress")
+        except OptionError as e:
+            raise SchemaError(source, "allow_compress", "powersgd:RANK (>= 1) or topk:RATIO (0 < RATIO < 1)",
+                              repr(d.get("allow_compress")), fix=str(e)) from None
         return cls(
             model=d["model"], cluster=cluster,
             schedule=Schedule(d["schedule"]), microbatches=d["microbatches"],
@@ -271,6 +283,7 @@ class Plan:
             precision=Precision(d.get("precision", "fp32")),  # plans written before the field are fp32
             sync_every=d.get("sync_every", 1), sync_warmup=d.get("sync_warmup", 0),
             tied_allreduce=AllReduce(d.get("tied_allreduce", "flat")),
+            allow_compress=d.get("allow_compress", ""),
         )
 
 
@@ -320,6 +333,7 @@ PLAN_SCHEMA: dict[str, Any] = {
             "gap": _NUM, "seconds": _NUM}, "additionalProperties": False},
         "sync_every": {"type": "integer", "minimum": 1},
         "sync_warmup": {"type": "integer", "minimum": 0},
+        "allow_compress": {"type": "string", "pattern": "^(powersgd:[0-9]+|topk:[0-9.eE+-]+)$"},
     },
     "additionalProperties": False,
 }

@@ -7,6 +7,15 @@ costs, so the comparison is fair: the switch is worth it only when the new
 plan beats the old one under the costs the job actually sees. If it does not,
 the old plan is kept (re-annotated with the new predictions).
 
+The user's communication options carry over (:func:`carried_comm`): a
+compression the user let the solver choose (``Plan.allow_compress``) is
+offered to the solver again, one the user put on every replicated stage
+(``--compress``: stages compressed without an allowance) is put on the new
+plan's replicated stages, and local SGD (``sync_every``, ``sync_warmup``)
+stays; the new plan is scored with them, as it will run. A new plan that
+cannot run them (local SGD on a stage the solver shards with ZeRO) is not
+taken while the old plan can still run.
+
 Example:
     >>> from hpml_compile.solve.testing import chain_graph, cluster_of
     >>> from hpml_compile.solve import solve
@@ -20,18 +29,20 @@ Example:
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from .costgraph import CostGraph, block_key
-from .errors import HpmlError
+from .compression import Compression
+from .errors import HpmlError, OptionError, PlanError
 from .ir import Cluster, Profile
 from .memory import compute_bytes
-from .plan import Plan, Schedule
+from .plan import Plan, Schedule, with_comm
 from .simulate import annotate
 from .solve import SolverName, solve
 
-__all__ = ["PlanDiff", "ReplanResult", "plan_diff", "replan_graph", "without_devices"]
+__all__ = ["PlanDiff", "ReplanResult", "plan_diff", "replan_graph", "without_devices", "carried_comm"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,11 +126,40 @@ def without_devices(cluster: Cluster, lost: Iterable[str]) -> Cluster:
     return Cluster(devices, links, f"{cluster.name}-minus-{'-'.join(sorted(gone))}")
 
 
+def carried_comm(old: Plan) -> tuple[str | None, dict[str, Any]]:
+    """The user's communication options a running plan records, which its re-plan must keep.
+
+    Args:
+        old: the running plan.
+
+    Returns:
+        ``(allowed, forced)``: the compression the solver may choose again (``Plan.allow_compress``, None for
+        none), and the :func:`hpml_compile.plan.with_comm` options to put on the new plan: ``compress`` where
+        stages were compressed without an allowance (the user's ``--compress``; the most common value if a
+        hand-edited plan mixes them), ``sync_every`` / ``sync_warmup`` under local SGD.
+
+    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.solve import solve
+    >>> p = with_comm(solve(chain_graph([{"cpu": (1.0, 2.0)}] * 2), cluster_of(["cpu", "cpu"]), solver="uniform",
+    ...               microbatches=1), sync_every=4, sync_warmup=2)
+    >>> carried_comm(p)
+    (None, {'sync_every': 4, 'sync_warmup': 2})
+    """
+    forced: dict[str, Any] = {}
+    chosen = Counter(st.compress for st in old.stages if st.compress)
+    if chosen and not old.allow_compress:
+        forced["compress"] = chosen.most_common(1)[0][0]
+    if old.sync_every > 1:
+        forced.update(sync_every=old.sync_every, sync_warmup=old.sync_warmup)
+    return old.allow_compress or None, forced
+
+
 def replan_graph(old: Plan, graph: CostGraph, *, cluster: Cluster | None = None,
                  solver: SolverName | str = SolverName.ILP, microbatches: int | None = None,
                  schedule: Schedule | str | None = None, time_limit_s: float = 30.0, dtype: str = "float32",
                  progress: Callable[[str], None] | None = None,
-                 score_graph: CostGraph | None = None) -> ReplanResult:
+                 score_graph: CostGraph | None = None, allow_compress: Compression | str | None = None,
+                 comm: Mapping[str, Any] | None = None, hierarchical: bool = True) -> ReplanResult:
     """Re-solve on ``graph`` (new costs) and keep the old plan unless the new one is predicted faster.
 
     Args:
@@ -132,21 +172,35 @@ def replan_graph(old: Plan, graph: CostGraph, *, cluster: Cluster | None = None,
             the costs, so the old plan's stages need not align with ``graph``'s blocks; the profile's own
             nodes (``costgraph.build(profile)``, not coarsened) score any plan, and give the same figures
             as its blocks (coarsening keeps every sum).
+        allow_compress: a compression the solver may choose per stage (recorded in the new plan).
+        comm: the user's options to put on the new plan (:func:`hpml_compile.plan.with_comm`: ``compress`` on
+            every replicated stage, local SGD), before it is scored.
+        hierarchical: let a stage whose replicas span hosts all-reduce hierarchically where faster.
 
     Returns:
         The plan to run, its diff against the old one, and whether it switched.
 
     Raises:
         InfeasibleError: nothing fits on ``cluster``.
+        PlanError: the old plan cannot run on ``cluster`` and the new one cannot run the user's ``comm``.
     """
     target = cluster or old.cluster
     sched = Schedule(schedule) if schedule else old.schedule
     scorer = score_graph or graph
     new = solve(graph, target, solver=solver, microbatches=microbatches or old.microbatches, schedule=sched,
                 time_limit_s=time_limit_s, dtype=dtype, compute_bytes=compute_bytes(old.precision.value),
-                progress=progress)
-    new = replace(new, precision=old.precision)  # the measured profile was timed as the old plan trains
-    if score_graph is not None:
+                progress=progress, compress=allow_compress, hierarchical=hierarchical)
+    new = replace(new, precision=old.precision,  # the measured profile was timed as the old plan trains
+                  allow_compress=str(allow_compress or ""))
+    refused: PlanError | None = None
+    if comm:  # the user's options, on the new plan as it will run
+        try:
+            new = with_comm(new, **comm)
+        except OptionError:  # compression, but the new plan has no replicated stage: nothing to compress
+            new = with_comm(new, **{k: v for k, v in comm.items() if k != "compress"})
+        except PlanError as e:  # local SGD on a stage the solver sharded: not a plan the runtime performs
+            refused = e
+    if score_graph is not None or comm:
         new, _ = annotate(new, scorer, dtype)
     same_devices = {d.name for d in target.devices} >= {d for st in old.stages for d in st.devices}
     fits = same_devices
@@ -158,7 +212,10 @@ def replan_graph(old: Plan, graph: CostGraph, *, cluster: Cluster | None = None,
         fits = all(st.predicted.memory_bytes <= target.device(d).memory_bytes
                    for st in rescored.stages for d in st.devices)
     if not fits:  # the old plan cannot run any more: any feasible plan is a gain
+        if refused is not None:
+            raise PlanError(f"re-plan: the running plan no longer fits, and the new one cannot keep the user's "
+                            f"communication options: {refused}") from refused
         rescored, old_ms = old, float("inf")
-    if fits and old_ms <= new.predicted.step_ms:
+    if fits and (refused is not None or old_ms <= new.predicted.step_ms):
         return ReplanResult(rescored, plan_diff(old, rescored, old_ms), switched=False)
     return ReplanResult(new, plan_diff(old, new, old_ms), switched=True)

@@ -42,6 +42,15 @@ run would. ``meta.json`` (format 2)::
      "files": {"index.json": {"bytes": 812, "sha256": "..."}, "__0_0.distcp": {...}},
      ...extra (plan hash, loss, ...)}
 
+Error feedback: a compressed stage's error (Top-K's, PowerSGD's) and
+PowerSGD's step count and warm-start factors are saved per rank
+(``comm.error.r<replica>of<d>.<parameter name>``, ``comm.powersgd<R>.<layout>.*``,
+:class:`~.feedback.Feedback` says what and why), so that a resumed run goes
+on with the error it had. Keyed by parameter name, the error loads under a
+plan that moves the parameter to another stage; what a new plan cannot use
+(it does not compress that stage; PowerSGD's factors of another stage
+layout) is dropped and the ``log`` of :func:`load_checkpoint` says so.
+
 Optimizer state goes through ``torch.distributed.checkpoint.state_dict``
 (``get_optimizer_state_dict``/``set_optimizer_state_dict``), which maps it to
 parameter names; hyper-parameters (``param_groups``) are not saved: the
@@ -72,7 +81,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -91,6 +100,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..errors import CheckpointError
 from ..schema import write_json_atomic
 from .safe_dcp import INDEX_FILE, IndexFormatError, JsonReader, JsonWriter
+from .feedback import FEEDBACK_PREFIX, Feedback, parse_error_key
 from .scaler import LossScaler
 from .zero import full_optimizer_state, load_full_optimizer_state, optimizer_templates, shards_of
 
@@ -387,7 +397,8 @@ def _unwrap(e: CheckpointException) -> BaseException:
 @_gathering(changed=False)
 def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, extra: dict[str, Any] | None = None,
-                    keep: int = 3, rng: bool = True, scaler: LossScaler | None = None) -> Path:
+                    keep: int = 3, rng: bool = True, scaler: LossScaler | None = None,
+                    feedback: Sequence[Feedback] = ()) -> Path:
     """Write checkpoint ``step`` of the parameters and optimizer state this rank holds.
 
     Call on every rank (collective when a process group is initialised).
@@ -401,6 +412,7 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Mod
         keep: how many complete checkpoints to keep (older ones are deleted).
         rng: also save this process's RNG states (Python, NumPy, torch CPU and CUDA).
         scaler: the fp16 loss scaler, saved as one float64 tensor ``amp.scaler`` (the same on every rank).
+        feedback: this rank's error-feedback state (``Pipeline.feedback()``), saved per rank.
 
     Returns:
         The folder of the completed checkpoint.
@@ -422,6 +434,8 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Mod
     _barrier()
     state = {**_flat(model, optimizer), **(_rng_state(_rank()) if rng else {}),
              **({_SCALER: scaler.state_tensor()} if scaler is not None else {})}
+    for fb in feedback:
+        state.update(fb.state())
     odd = next((k for k, v in state.items() if not isinstance(v, torch.Tensor)), None)
     if odd is not None:
         raise CheckpointError(f"save_checkpoint: {odd!r} is a {type(state[odd]).__name__}, not a tensor: only "
@@ -453,7 +467,8 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Mod
 @_gathering(changed=True)
 def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, rng: bool = True,
-                    scaler: LossScaler | None = None) -> dict[str, Any]:
+                    scaler: LossScaler | None = None, feedback: Sequence[Feedback] = (),
+                    log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Load into this rank's module (and optimizer) the names it holds, from a checkpoint of any plan.
 
     Nothing in the folder is unpickled (see the module docstring); every file's digest is checked first.
@@ -465,6 +480,9 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
         rng: also restore this rank's RNG states, when the checkpoint holds them.
         scaler: the fp16 loss scaler to restore (kept as it is when the checkpoint holds none: one written
             by a bf16 or fp32 run).
+        feedback: this rank's error-feedback state to restore (``Pipeline.feedback()``); what the checkpoint
+            holds for it that this plan cannot use is dropped and said.
+        log: where that is said (default: a Python warning).
 
     Returns:
         The checkpoint's ``meta.json`` (``step``, ``world_size`` and the ``extra`` saved with it),
@@ -499,6 +517,11 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
                        if k.startswith(mine) and isinstance(v, TensorStorageMetadata)})
     if scaler is not None and _SCALER in stored:
         wanted[_SCALER] = scaler.state_tensor()
+    shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in stored.items()
+              if k.startswith(FEEDBACK_PREFIX) and isinstance(v, TensorStorageMetadata)}
+    reads = [fb.wanted(shapes) for fb in feedback]
+    for r in reads:
+        wanted.update(r)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -532,4 +555,22 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
         _set_rng_state(wanted, _rank())
     if scaler is not None and _SCALER in wanted:
         scaler.load_state_tensor(wanted[_SCALER])
+    _load_feedback(p, feedback, reads, wanted, shapes, {k[6:] for k in state if k.startswith("model.")},
+                   log or _warn)
     return {k: v for k, v in meta.items() if k != "files"}
+
+
+def _load_feedback(path: Path, feedback: Sequence[Feedback], reads: list[dict[str, torch.Tensor]],
+                   got: dict[str, Any], shapes: dict[str, Any], held: set[str], log: Callable[[str], None]) -> None:
+    """Give each :class:`~.feedback.Feedback` what was read for it; say what was not carried as it was, and
+    which of this rank's parameters had an error saved that this plan does not compress (dropped)."""
+    for fb, r in zip(feedback, reads):
+        for note in fb.load({k: got[k] for k in r}):
+            log(f"rank {_rank()}: checkpoint {path.name}: {note}")
+    covered = {n for fb in feedback for n in fb.names}
+    dropped = sorted({parsed[2] for k in shapes if (parsed := parse_error_key(k)) is not None
+                      and parsed[2] in held and parsed[2] not in covered})
+    if dropped:
+        log(f"rank {_rank()}: checkpoint {path.name}: the error feedback of {len(dropped)} parameter(s) of this rank "
+            f"(e.g. {dropped[0]}) is dropped: this plan does not compress the gradients of the stage that holds "
+            "them (what compression left unsent there is lost)")

@@ -75,7 +75,7 @@ from ..schedule import rank_layout, stage_ranks
 
 __all__ = ["Backend", "CommOp", "CommStats", "PendingCollective", "CommFault", "InjectedFault", "LocalComm", "DistComm",
            "dist_comm", "pair_backend", "rank_devices", "is_transient", "make_groups", "HierGroups", "make_hierarchy",
-           "hierarchical_all_reduce"]
+           "hierarchical_all_reduce", "level_bytes"]
 
 _MAX_TENSORS = 4096  # tensors per boundary message, for unique point-to-point tags
 # Substrings of the messages gloo/NCCL/the store give for a broken or timed-out link (not for a bug).
@@ -125,6 +125,9 @@ class CommStats:
         collective_wait_s: seconds waiting at a collective for the other members to arrive (pipeline skew).
         bytes_sent: bytes handed to sends.
         bytes_received: bytes received.
+        intra_bytes, inter_bytes: what this rank's hierarchical all-reduces sent inside its host and between hosts
+            (:func:`level_bytes`, from the sizes of the collectives it ran).
+        flat_bytes: what flat rings of the same all-reduces would have sent.
     """
 
     recv_s: list[tuple[Direction, float]] = field(default_factory=list)
@@ -133,11 +136,14 @@ class CommStats:
     collective_wait_s: float = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
+    intra_bytes: int = 0
+    inter_bytes: int = 0
+    flat_bytes: int = 0
 
     def reset(self) -> None:
         self.recv_s.clear()
         self.send_s = self.collective_s = self.collective_wait_s = 0.0
-        self.bytes_sent = self.bytes_received = 0
+        self.bytes_sent = self.bytes_received = self.intra_bytes = self.inter_bytes = self.flat_bytes = 0
 
 
 @dataclass
@@ -334,6 +340,23 @@ def make_hierarchy(plan: Plan, devices: list[torch.device], collectives: Sequenc
         if me in intra:
             out[stages] = HierGroups(intra[me] if h > 1 else None, inter[me], h)
     return out
+
+
+def level_bytes(numel: int, element_size: int, groups: HierGroups, hosts: int) -> tuple[int, int, int]:
+    """``(inside the host, between hosts, flat)``: bytes one rank sends in :func:`hierarchical_all_reduce` of
+    ``numel`` elements, and in a flat ring all-reduce of them, counted as rings send them: a reduce-scatter and an
+    all-gather of the padded tensor inside the host (``2 (h-1)/h``), an all-reduce of its ``1/h`` shard between
+    the ``hosts`` (``2 (H-1)/H``); a flat ring over all ``h H`` ranks sends ``2 (hH-1)/(hH)`` of it.
+
+    >>> level_bytes(1000, 4, HierGroups(None, None, 2), hosts=2)  # 2 hosts x 2 ranks, 4000 bytes each
+    (4000, 2000, 6000)
+
+    Between hosts a rank sends 2000 bytes where a flat ring's hop between the hosts carries 6000 (a ring is as
+    fast as its slowest hop)."""
+    h = groups.per_host
+    padded = -(-numel // h) * h * element_size
+    n, world = numel * element_size, h * hosts
+    return 2 * (h - 1) * padded // h, 2 * (hosts - 1) * (padded // h) // hosts, 2 * (world - 1) * n // world
 
 
 def hierarchical_all_reduce(flat: Tensor, groups: HierGroups) -> Tensor:
@@ -569,6 +592,12 @@ class DistComm(Comm):
         out = self._collective(stages, flat, run)
         if out is not flat:
             flat.copy_(out)
+        if hier is not None:  # the bytes of each level, from what ran (for report: issue 18)
+            hosts = self.group_size(stages) // hier.per_host
+            intra, inter, ring = level_bytes(flat.numel(), flat.element_size(), hier, hosts)
+            self.stats.intra_bytes += intra
+            self.stats.inter_bytes += inter
+            self.stats.flat_bytes += ring
 
     def _launch(self, stages: tuple[int, ...], flat: Tensor, out: Tensor, name: str,
                 fn: Callable[[Tensor, Any], Any]) -> PendingCollective:

@@ -44,11 +44,15 @@ the collectives; ``dense``: what the uncompressed all-reduce would have put),
 which the monitor records as ``sync_bytes`` / ``sync_dense_bytes``.
 
 Error-feedback state lives per rank (``state_dict`` / ``load_state_dict``:
-plain tensors, no pickle). Checkpoints do not carry it: a resumed run starts
-with zero error (Top-K, PowerSGD), PowerSGD's warm-start factors re-drawn and
-its two plain all-reduce steps again, and local SGD's schedule taken from the
-resumed step count. A retried step (a transient communication failure) may
-leave PowerSGD's warm-start factors from the failed attempt; the gradient it
+plain tensors, no pickle; :meth:`Reducer.residual` in gradient-sum units), and
+checkpoints carry it (:mod:`.feedback`), so that a resumed run goes on with
+the error it had; local SGD has no state: its schedule follows the resumed
+step count. A checkpoint taken by local SGD between two averages keeps one
+replica's parameters and optimizer state (it keys them by name, DCP writes one
+copy of a key that several ranks hold, and the replicas differ until the next
+average), so the resumed replicas start equal, as after an average, not as
+the uninterrupted run goes on (not tested). A retried step (a transient communication failure) may leave
+PowerSGD's warm-start factors from the failed attempt; the gradient it
 recomputes is the same.
 
 Example (one process: the collectives of a group of one):
@@ -63,7 +67,7 @@ Example (one process: the collectives of a group of one):
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -110,6 +114,23 @@ class Reducer:
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         """Take back :meth:`state_dict`."""
 
+    keeps_error = False  # whether it carries an error from step to step (what a checkpoint must keep)
+
+    def residual(self) -> Tensor | None:
+        """The error this replica still owes the replicas' sum, over the flat gradient, in gradient-sum units
+        (None: none kept yet)."""
+        return None
+
+    def set_residual(self, flat: Tensor) -> None:
+        """Take back :meth:`residual` (a checkpoint's)."""
+
+    def layout_state(self) -> dict[str, Tensor]:
+        """State whose layout follows the stage's parameters (PowerSGD's step count and factors)."""
+        return {}
+
+    def load_layout_state(self, state: Mapping[str, Tensor]) -> None:
+        """Take back :meth:`layout_state`."""
+
 
 class TopK(Reducer):
     """Top-K sparsification with error feedback (module docstring).
@@ -154,6 +175,14 @@ class TopK(Reducer):
         flat.index_add_(0, all_idx.long().to(flat.device), all_vals.to(flat.device))
         self.sent += vals.numel() * (vals.element_size() + INDEX_BYTES)
         self.dense += flat.numel() * flat.element_size()
+
+    keeps_error = True
+
+    def residual(self) -> Tensor | None:
+        return self.error  # the replicas' slices are already 1/d-scaled to be summed: gradient-sum units
+
+    def set_residual(self, flat: Tensor) -> None:
+        self.error = flat.clone()
 
     def state_dict(self) -> dict[str, Tensor]:
         return {} if self.error is None else {"error": self.error.detach().cpu().clone()}
@@ -220,6 +249,28 @@ class PowerSGD(Reducer):
         else:
             self.sent += (self.state.total_numel_after_compression - before[1]) * flat.element_size()
         self.dense += flat.numel() * flat.element_size()
+
+    keeps_error = True
+
+    def residual(self) -> Tensor | None:
+        err = self.state.error_dict.get(0)
+        return None if err is None else err / self.replicas  # the hook keeps it in d-times units (see reduce)
+
+    def set_residual(self, flat: Tensor) -> None:
+        self.state.error_dict[0] = flat * self.replicas
+
+    def layout_state(self) -> dict[str, Tensor]:
+        out = {"iter": torch.tensor(self.state.iter)}
+        for name, d in (("p", self.state.p_memory_dict), ("q", self.state.q_memory_dict)):
+            if 0 in d:
+                out[name] = d[0].detach().cpu().clone()
+        return out
+
+    def load_layout_state(self, state: Mapping[str, Tensor]) -> None:
+        self.state.iter = int(state["iter"]) if "iter" in state else self.state.iter
+        for name, d in (("p", self.state.p_memory_dict), ("q", self.state.q_memory_dict)):
+            if name in state:
+                d[0] = state[name].clone()
 
     def state_dict(self) -> dict[str, Tensor]:
         out = {"iter": torch.tensor(self.state.iter)}
@@ -298,3 +349,4 @@ def make_reducer(plan: Any, stage: int, group: Any) -> Reducer | None:
     if plan.sync_every > 1:
         return LocalSGD(plan.sync_every, plan.sync_warmup, d, group)
     return None
+

@@ -83,6 +83,7 @@ from .saved import GradPeak, SavedActivations
 from .session import CommFailure, RetryPolicy, Session
 from ..memory import FIRST_BUCKET_BYTES
 from .compress import Reducer, make_reducer
+from .feedback import Feedback, feedback_of
 from .zero import FlatGrads, FlatShard
 from .zero3 import FlatShard3
 
@@ -525,6 +526,8 @@ class Pipeline:
             optimizer_ms=(run.t_end - run.t_opt) * 1e3, peak_memory_bytes=mem, memory_kind=mem_kind,
             bytes_sent=comm.stats.bytes_sent, bytes_received=comm.stats.bytes_received,
             sync_bytes=self._sync_bytes(dense=False), sync_dense_bytes=self._sync_bytes(dense=True),
+            sync_intra_bytes=comm.stats.intra_bytes, sync_inter_bytes=comm.stats.inter_bytes,
+            sync_flat_bytes=comm.stats.flat_bytes,
             loss=float(run.loss_sum), retries=attempt, val_loss=val, host=self._hostname, steal=busy.steal,
             others_load=busy.others, cpu_util=busy.cpu_util,
             contention_ms=busy.contention_s * 1e3, held_bytes=self.held.total + self.saved.peak,
@@ -545,6 +548,10 @@ class Pipeline:
     def _reducers(self) -> list[Reducer]:
         """The compression / local SGD reducers of this rank's stage (:mod:`.compress`)."""
         return [b.reducer for b in self._buckets if getattr(b, "reducer", None) is not None]
+
+    def feedback(self) -> list[Feedback]:
+        """This rank's error-feedback state (compressed stages), for checkpoints (:class:`.feedback.Feedback`)."""
+        return feedback_of(self._buckets, self.local_module(), self.replica) if self._buckets else []
 
     def _sync_bytes(self, *, dense: bool) -> int:
         """Payload this rank put into its stage's gradient sync this step (``dense``: uncompressed, every step)."""

@@ -187,6 +187,9 @@ class RunSummary:
     # per replicated stage: (stage, bytes its ranks put into the gradient sync per step, uncompressed figure),
     # means over the measured steps and the stage's ranks (local SGD: its averages amortised over the steps)
     sync_bytes: tuple[tuple[int, float, float], ...] = ()
+    # per hierarchical all-reduce's stage: (stage, bytes a rank sent inside its host, between hosts, what a flat
+    # ring would have sent) per step, means over the measured steps and the stage's ranks, as the runtime counted
+    sync_levels: tuple[tuple[int, float, float, float], ...] = ()
 
     @property
     def shortfalls(self) -> dict[str, int]:
@@ -370,7 +373,7 @@ def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: in
     return RunSummary(plan, n, k, micro, step_ms, samples / (step_ms / 1e3) if step_ms else 0.0, bubble,
                       tuple(stages), bottleneck, tuple(advice), tuple(busy),
                       tuple((r, a, b) for r, (a, b) in sorted(slow.items())), held_peaks(plan, rows),
-                      sync_bytes=sync_bytes(plan, kept))
+                      sync_bytes=sync_bytes(plan, kept), sync_levels=sync_levels(plan, kept))
 
 
 def sync_bytes(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]]) -> tuple[tuple[int, float, float], ...]:
@@ -384,6 +387,20 @@ def sync_bytes(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]]) -> tuple[t
     return tuple(out)
 
 
+def sync_levels(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]]
+                ) -> tuple[tuple[int, float, float, float], ...]:
+    """``(stage, inside the host, between hosts, flat ring)`` bytes per step and rank of each stage whose ranks ran
+    hierarchical all-reduces (its own, or a tied group's), as the runtime counted them."""
+    out = []
+    for st in plan.stages:
+        mine = [m for rs in rows.values() for m in rs if m.stage == st.index]
+        if mine and any(m.sync_flat_bytes for m in mine):
+            n = len(mine)
+            out.append((st.index, sum(m.sync_intra_bytes for m in mine) / n, sum(m.sync_inter_bytes for m in mine) / n,
+                        sum(m.sync_flat_bytes for m in mine) / n))
+    return tuple(out)
+
+
 def format_sync(s: RunSummary) -> list[str]:
     """One line per replicated stage: the bytes its gradient sync sent per step against the uncompressed figure."""
     p = s.plan
@@ -392,6 +409,10 @@ def format_sync(s: RunSummary) -> list[str]:
         how = p.stages[k].compress or (f"local SGD every {p.sync_every}" if p.sync_every > 1 else "all-reduce")
         lines.append(f"  gradient sync, stage {k} ({how}): {human_bytes(sent)} per step per rank against "
                      f"{human_bytes(dense)} uncompressed ({sent / dense:.1%})")
+    for k, intra, inter, flat in s.sync_levels:
+        lines.append(f"  hierarchical all-reduce, stage {k}: {human_bytes(inter)} between hosts + {human_bytes(intra)} "
+                     f"inside the host per step per rank; a flat ring: {human_bytes(flat)}, every byte over its "
+                     f"slowest hop, between hosts ({inter / flat:.1%} of it crosses the hosts now)")
     return lines
 
 

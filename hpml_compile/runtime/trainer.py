@@ -179,7 +179,8 @@ def save_pipeline(pipe: Pipeline, root: str | Path, *, extra: dict[str, Any] | N
     facts: dict[str, Any] = {_USER: check_json(extra or {}, "save(extra=...)")}
     if pipe.trainer is not None:
         facts.update(pipe.trainer.state_dict(step))
-    return save_checkpoint(root, step, pipe.local_module(), pipe.optimizer, extra=facts, keep=keep)
+    return save_checkpoint(root, step, pipe.local_module(), pipe.optimizer, extra=facts, keep=keep,
+                           feedback=pipe.feedback())
 
 
 def load_pipeline(pipe: Pipeline, root: str | Path, *, missing_ok: bool = False) -> dict[str, Any] | None:
@@ -202,7 +203,7 @@ def load_pipeline(pipe: Pipeline, root: str | Path, *, missing_ok: bool = False)
     if missing_ok and not (path / "meta.json").is_file() and latest(path) is None:
         return None
     found = path if (path / "meta.json").is_file() else resume_from(path)
-    meta = load_checkpoint(found, pipe.local_module(), pipe.optimizer)
+    meta = load_checkpoint(found, pipe.local_module(), pipe.optimizer, feedback=pipe.feedback())
     pipe.steps_done = int(meta["step"])
     if pipe.trainer is not None:
         pipe.trainer.load_state_dict(meta, found)

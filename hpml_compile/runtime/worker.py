@@ -288,6 +288,7 @@ def _save(args: argparse.Namespace, pipe: Pipeline, step: int, loss: float | Non
     t0 = time.perf_counter()
     plan_hash = sha256((Path(args.build) / "plan.json").read_bytes())
     save_checkpoint(args.checkpoint_dir, step, pipe.local_module(), pipe.optimizer, keep=args.keep, scaler=pipe.scaler,
+                    feedback=pipe.feedback(),
                     extra={"loss": loss, "build": str(Path(args.build).resolve()), "plan_sha256": plan_hash,
                            **(trainer.state_dict(step) if trainer is not None else {})})
     return time.perf_counter() - t0
@@ -331,7 +332,8 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
     start = 0
     found = _resume_point(args, rank)
     if found is not None:
-        meta = load_checkpoint(found, pipe.local_module(), pipe.optimizer, scaler=pipe.scaler)
+        meta = load_checkpoint(found, pipe.local_module(), pipe.optimizer, scaler=pipe.scaler,
+                               feedback=pipe.feedback(), log=_say)
         start = int(meta["step"])
         pipe.steps_done = start
         if trainer is not None:

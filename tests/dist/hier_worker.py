@@ -63,6 +63,8 @@ def main(flat_build: str, hier_build: str, tied_flat: str, tied_hier: str, out: 
         report[name] = {k: v.detach().flatten().tolist() for k, v in pipe.local_module().named_parameters()}
         assert pipe.comm is not None
         report[f"{name}_hierarchy"] = sorted(pipe.comm.hierarchy)  # the stages whose all-reduce is hierarchical
+        m = pipe.metrics[-1]  # the bytes of each level, as the runtime counted them
+        report[f"{name}_levels"] = [m.sync_intra_bytes, m.sync_inter_bytes, m.sync_flat_bytes]
     for name, build in (("tied_flat", tied_flat), ("tied_hierarchical", tied_hier)):
         loaded = gpt_tiny()
         pipe = Pipeline.from_build(build, loaded.module, optimizer=lambda ps: torch.optim.SGD(ps, lr=LR))

@@ -14,7 +14,12 @@ token is the previous one plus one), AdamW, under each option:
   steps no worse than the reference's after ``(1 - LAG) x STEPS`` steps
   (measured: about 4 steps behind of 24), sending ~20% of the dense bytes;
 - PowerSGD (rank 4): its first two steps are torch's plain all-reduce (equal to
-  the reference), then it converges within the same lag, sending less.
+  the reference), then it converges within the same lag, sending less;
+- a checkpoint halfway through the Top-K and PowerSGD runs, resumed in a new
+  pipeline: the resumed half equals the uninterrupted run bit for bit (the
+  error feedback, and PowerSGD's step count and factors, are in the
+  checkpoint); resumed without the error feedback, Top-K's half differs (the
+  control: the test can fail).
 
 The margin is a lag in steps, not in loss: error feedback delays what a
 compressed step leaves out, so a compressed run follows the reference's curve
@@ -35,11 +40,14 @@ from hpml_compile import models
 from hpml_compile.codegen import generate
 from hpml_compile.codegen.testing import split_plan
 from hpml_compile.runtime import Pipeline, spawn_ranks
+from hpml_compile.runtime.checkpoint import latest, load_checkpoint, save_checkpoint
 from hpml_compile.trace import trace
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]  # five runs of 24 steps in one spawn: ~40 s on 2 shared cores
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # five runs of 24 steps, three resumed halves: ~50 s on 2 cores
 
 STEPS = 24
+HALF = 12  # where the Top-K and PowerSGD runs are checkpointed and resumed
+RESUMED = {"topk-resumed": ("topk", True), "topk-no-feedback": ("topk", False), "powersgd-resumed": ("powersgd", True)}
 ROWS = 8  # per step, both replicas together
 VOCAB = 32  # of gpt-tiny's 256 tokens: a few steps learn the sequence
 LAG = 0.35  # a compressed run may trail the reference's loss curve by this share of the steps
@@ -66,20 +74,35 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def _run(name: str, build: str, out: str, rank: int, report: dict[str, Any], opts: dict[str, Any] | None,
+         resume: str | None = None, feedback: bool = True) -> None:
+    loaded = _model()
+    pipe = Pipeline.from_build(build, loaded.module, comm_options=opts,
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3))
+    first = 0
+    if resume is not None:  # a new pipeline, as a restarted job builds it, from the halfway checkpoint
+        load_checkpoint(latest(resume), pipe.local_module(), pipe.optimizer,
+                        feedback=pipe.feedback() if feedback else (), log=lambda line: None)
+        pipe.steps_done = first = HALF
+    losses, flats = [], []
+    for step, (x, y) in enumerate(_batches()[first:], start=first):
+        losses.append(pipe.step((x,), y, loaded.loss_fn).item())
+        flats.append(torch.cat([p.detach().reshape(-1) for p in pipe.parameters()]).clone())
+        if step + 1 == HALF and resume is None and name in ("topk", "powersgd"):
+            save_checkpoint(Path(out) / f"ck-{name}", HALF, pipe.local_module(), pipe.optimizer,
+                            feedback=pipe.feedback())
+    torch.save(torch.stack(flats), Path(out) / f"{name}-rank{rank}.pt")
+    report[name] = {"losses": losses, "sync_bytes": [m.sync_bytes for m in pipe.metrics],
+                    "dense_bytes": [m.sync_dense_bytes for m in pipe.metrics]}
+
+
 def _train(rank: int, world: int, build: str, out: str) -> None:
     torch.set_num_threads(1)
     report: dict[str, Any] = {}
     for name, opts in OPTIONS.items():
-        loaded = _model()
-        pipe = Pipeline.from_build(build, loaded.module, comm_options=opts,
-                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3))
-        losses, flats = [], []
-        for x, y in _batches():
-            losses.append(pipe.step((x,), y, loaded.loss_fn).item())
-            flats.append(torch.cat([p.detach().reshape(-1) for p in pipe.parameters()]).clone())
-        torch.save(torch.stack(flats), Path(out) / f"{name}-rank{rank}.pt")
-        report[name] = {"losses": losses, "sync_bytes": [m.sync_bytes for m in pipe.metrics],
-                        "dense_bytes": [m.sync_dense_bytes for m in pipe.metrics]}
+        _run(name, build, out, rank, report, opts)
+    for name, (of, feedback) in RESUMED.items():
+        _run(name, build, out, rank, report, OPTIONS[of], resume=str(Path(out) / f"ck-{of}"), feedback=feedback)
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
 
 
@@ -143,3 +166,16 @@ def test_compression_converges_within_the_margin(runs: tuple[list[dict[str, Any]
     assert 0 < sent <= most * dense, f"{name} sent {sent} of {dense} bytes"
     if name == "powersgd":  # torch's hook runs plain all-reduce for its first two steps
         assert got[:2] == ref[:2]
+
+
+def test_a_resumed_run_equals_the_uninterrupted_one_with_its_error_feedback(
+        runs: tuple[list[dict[str, Any]], Path]) -> None:
+    reports, tmp = runs
+    for r, rep in enumerate(reports):
+        for of in ("topk", "powersgd"):
+            assert rep[f"{of}-resumed"]["losses"] == rep[of]["losses"][HALF:], (r, of)
+            assert torch.equal(_params(tmp, f"{of}-resumed", r), _params(tmp, of, r)[HALF:]), (r, of)
+        # the control: without its error the resumed Top-K run leaves the uninterrupted one
+        assert rep["topk-no-feedback"]["losses"][0] == rep["topk"]["losses"][HALF]  # the same parameters to start
+        assert rep["topk-no-feedback"]["losses"] != rep["topk"]["losses"][HALF:]
+        assert not torch.equal(_params(tmp, "topk-no-feedback", r), _params(tmp, "topk", r)[HALF:])

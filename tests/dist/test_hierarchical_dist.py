@@ -10,7 +10,8 @@ agents) checks every case:
   that split into the hosts' ranks and lengths that need padding;
 - one SGD step of the hierarchical build moves every parameter as the flat
   build and as the original model trained in this process do (so the
-  gradients agree), and every rank ends with the same parameters;
+  gradients agree), and every rank ends with the same parameters; the bytes
+  the runtime counted at each level (what ``report`` prints) are the ring's;
 - the same for gpt-tiny on two stages, one per host, whose tied embedding and
   LM head are summed over both stages with ``tied_allreduce: hierarchical``.
 """
@@ -110,6 +111,9 @@ def test_hierarchical_allreduce_on_two_torchrun_hosts_equals_flat_and_the_model(
     for rep in ranks:
         assert rep["world"] == 4 and rep["per_host"] == 2
         assert rep["flat_hierarchy"] == [] and rep["hierarchical_hierarchy"] == [[0]]  # the runtime did as planned
+        n = sum(v.numel() for v in ref.values()) * 4  # fp32 gradient bytes; even: no padding for 2 ranks a host
+        assert rep["hierarchical_levels"] == [n, n // 2, 3 * n // 2]  # inside 2(h-1)/h, between 2(H-1)/H / h, ring
+        assert rep["flat_levels"] == [0, 0, 0]
         assert all(rep["integers_equal"]), rep["integers_equal"]
         assert max(rep["random_max_diff"]) < 1e-12, rep["random_max_diff"]
         assert rep["hierarchical_loss"] == pytest.approx(rep["flat_loss"], abs=1e-6)

@@ -7,6 +7,7 @@ data parallelism) is tests/dist/test_compress_dist.py.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -18,7 +19,9 @@ from hpml_compile.driver import Options
 from hpml_compile.errors import OptionError, PlanError, SchemaError
 from hpml_compile.ir import Cluster, Device, Link
 from hpml_compile.plan import Plan, Schedule, Stage, check_comm, with_comm
+from hpml_compile.runtime.checkpoint import latest, load_checkpoint, save_checkpoint
 from hpml_compile.runtime.compress import TopK
+from hpml_compile.runtime.feedback import Feedback
 from hpml_compile.simulate import simulate
 from hpml_compile.solve import solve
 from hpml_compile.solve.testing import chain_graph
@@ -100,6 +103,48 @@ def test_topk_error_feedback_sends_everything_eventually() -> None:
     assert int((t.compress_local(torch.zeros(1000)) != 0).sum()) == 100  # k = ratio x N entries a step
 
 
+def _feedback(model: torch.nn.Module, replica: int, replicas: int, names: list[str] | None = None,
+              error: torch.Tensor | None = None) -> Feedback:
+    named = dict(model.named_parameters())
+    names = names or list(named)
+    t = TopK(ratio=0.1, replicas=replicas)
+    t.error = error
+    return Feedback(t, names, [named[n].numel() for n in names], replica)
+
+
+def test_error_feedback_survives_a_checkpoint_by_name_and_across_replica_counts(tmp_path: Path) -> None:
+    """Each replica's error comes back bit for bit; under another plan by parameter name (a stage of its own),
+    under another replica count as the sum on replica 0; a plan that does not compress drops it, and says so."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    n = sum(p.numel() for p in model.parameters())
+    errors = [torch.randn(n), torch.randn(n)]
+    saved = [_feedback(model, r, 2, error=errors[r]) for r in range(2)]  # both replicas' keys, as two ranks write
+    save_checkpoint(tmp_path, 5, model, feedback=saved, rng=False)
+    path = latest(tmp_path)
+    notes: list[str] = []
+    for r in range(2):  # the same plan: each replica its own error, bit for bit
+        back = _feedback(model, r, 2)
+        load_checkpoint(path, model, feedback=[back], rng=False, log=notes.append)
+        assert back.reducer.residual() is not None and torch.equal(back.reducer.residual(), errors[r])
+    assert notes == []
+    second = ["1.weight", "1.bias"]  # another plan: the second layer is a stage of its own, 2 replicas
+    back = _feedback(model, 1, 2, names=second)
+    load_checkpoint(path, model, feedback=[back], rng=False, log=notes.append)
+    assert torch.equal(back.reducer.residual(), errors[1][3 * 4 + 4:])
+    assert len(notes) == 1 and "of 2 parameter(s) of this rank (e.g. 0.bias) is dropped" in notes[0]  # uncompressed
+    notes.clear()
+    three = [_feedback(model, r, 3) for r in range(3)]  # another replica count: the sum is what is still owed
+    for fb in three:
+        load_checkpoint(path, model, feedback=[fb], rng=False, log=notes.append)
+    torch.testing.assert_close(three[0].reducer.residual(), errors[0] + errors[1], rtol=0, atol=0)
+    assert three[1].reducer.residual() is None and three[2].reducer.residual() is None
+    assert len(notes) == 1 and "saved by 2 replicas, this stage has 3: replica 0 takes their sum" in notes[0]
+    notes.clear()
+    load_checkpoint(path, model, rng=False, log=notes.append)  # a plan that does not compress
+    assert len(notes) == 1 and "error feedback of 4 parameter(s)" in notes[0] and "dropped" in notes[0]
+
+
 def test_prices() -> None:
     eth = cost_models.get_link("eth10")
     p = 400e6  # 100M fp32 gradients
@@ -166,3 +211,8 @@ def test_show_and_report_name_them() -> None:
         in text, text
     text = format_summary(summarise(local, rows([0, 0, 0, 16 << 20] * 2), skip=0))
     assert "(local SGD every 4): 4.0 MiB per step per rank against 16.0 MiB uncompressed (25.0%)" in text, text
+    hier = {r: [replace(m, sync_intra_bytes=16 << 20, sync_inter_bytes=8 << 20, sync_flat_bytes=24 << 20)
+                for m in ms] for r, ms in rows([16 << 20] * 4).items()}  # 2 hosts x 2 ranks, as the runtime counts
+    text = format_summary(summarise(plan, hier, skip=1))
+    assert ("hierarchical all-reduce, stage 0: 8.0 MiB between hosts + 16.0 MiB inside the host per step per rank; "
+            "a flat ring: 24.0 MiB") in text and "(33.3% of it crosses the hosts now)" in text, text

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
 import pytest
 
+from hpml_compile.cli import main
 from hpml_compile.errors import HpmlError
-from hpml_compile.plan import validate_plan
+from hpml_compile.ir import Cluster, Device, Link
+from hpml_compile.plan import Plan, Schedule, Stage, load_plan, save_plan, validate_plan, with_comm
+from hpml_compile.profile import save_profile
+from hpml_compile.simulate import annotate, simulate
 from hpml_compile.driver import Options, replan
 from hpml_compile.replan import plan_diff, replan_graph, without_devices
 from hpml_compile.solve import solve
@@ -69,3 +77,59 @@ def test_diff_lists_each_moved_node_once() -> None:
     before = {n: st.index for st in old.stages for n in st.nodes}
     after = {n: st.index for st in new.stages for n in st.nodes}
     assert set(names) == {n for n in before if before[n] != after[n]}
+
+
+# The user's communication options carry into the re-plan (issue 18): 8 layers of 50 MB of parameters over two
+# hosts joined by 10 GbE, where a dense all-reduce costs ~320 ms and compressing pays.
+_KW = {"param_bytes": 50_000_000, "activation_bytes": 1_000_000, "output_bytes": 20_000_000, "batch_size": 64}
+_COST = [{"A100-80GB": (1.0, 2.0)}] * 8
+
+
+def _hosts(per_host: int) -> Cluster:
+    devs = tuple(Device(f"g{h * per_host + i}", "A100-80GB", 80, host="ab"[h]) for h in range(2)
+                 for i in range(per_host))
+    links = tuple(Link(a.name, b.name, 1.25 if a.host != b.host else 300.0, 25.0)
+                  for i, a in enumerate(devs) for b in devs[i + 1:])
+    return Cluster(devices=devs, links=links, name="two-hosts-10gbe")
+
+
+def test_an_allowed_compression_is_offered_to_the_solver_again() -> None:
+    g, prof = chain_graph(_COST, **_KW), chain_profile(_COST, **_KW)
+    old = replace(solve(g, _hosts(1), solver="uniform", microbatches=4), allow_compress="topk:0.01")
+    assert [st.compress for st in old.stages] == ["", ""]  # a pipeline: nothing to compress yet
+    r = replan(old, prof, opts=Options(solver="dp"))  # as the closed loop and the supervisor call it
+    assert r.switched and r.plan.allow_compress == "topk:0.01"
+    assert [(st.devices, st.compress) for st in r.plan.stages] == [(("g0", "g1"), "topk:0.01")]
+    again = Plan.from_dict(r.plan.to_dict())
+    assert again.allow_compress == "topk:0.01"  # recorded in plan.json, for the next re-plan
+    plain = replan(replace(old, allow_compress=""), prof, opts=Options(solver="dp"))
+    assert not any(st.compress for st in plain.plan.stages)  # never chosen where the user did not allow it
+
+
+@pytest.mark.parametrize("opts", [{"compress": "topk:0.01"}, {"sync_every": 4, "sync_warmup": 2}])
+def test_a_compression_or_local_sgd_the_user_chose_stays_after_losing_a_device(opts: dict[str, Any]) -> None:
+    g, prof = chain_graph(_COST, **_KW), chain_profile(_COST, **_KW)
+    every = tuple(n.name for n in prof.nodes)
+    old = annotate(with_comm(Plan("toy", _hosts(2), Schedule.ONE_F_ONE_B, 4,
+                                  (Stage(0, ("g0", "g1", "g2", "g3"), every),)), **opts), g)[0]
+    r = replan(old, prof, lost=["g3"], opts=Options(solver="dp"))
+    replicated = [st for st in r.plan.stages if len(st.devices) > 1]
+    assert r.switched and replicated and "g3" not in {d for st in r.plan.stages for d in st.devices}
+    assert all(st.compress == opts.get("compress", "") for st in replicated)
+    assert (r.plan.sync_every, r.plan.sync_warmup) == (opts.get("sync_every", 1), opts.get("sync_warmup", 0))
+    assert not r.plan.allow_compress  # chosen by the user, not left to the solver
+    assert r.plan.predicted.step_ms == pytest.approx(simulate(r.plan, chain_graph(_COST, **_KW)).step_ms)
+
+
+def test_the_replan_command_keeps_the_compression_of_the_plan_it_reads(tmp_path: Path) -> None:
+    g, prof = chain_graph(_COST, **_KW), chain_profile(_COST, **_KW)
+    every = tuple(n.name for n in prof.nodes)
+    old = annotate(with_comm(Plan("toy", _hosts(2), Schedule.ONE_F_ONE_B, 4,
+                                  (Stage(0, ("g0", "g1", "g2", "g3"), every),)), compress="topk:0.01"), g)[0]
+    save_plan(old, tmp_path / "plan.json")
+    save_profile(prof, tmp_path / "measured.json")
+    assert main(["replan", str(tmp_path / "plan.json"), "--profile", str(tmp_path / "measured.json"),
+                 "--drop-device", "g3", "--solver", "dp", "-o", str(tmp_path / "new")]) == 0
+    new = load_plan(tmp_path / "new" / "plan.json")
+    replicated = [st for st in new.stages if len(st.devices) > 1]
+    assert replicated and all(st.compress == "topk:0.01" for st in replicated)
