@@ -425,7 +425,9 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
     >>> lo = cost_models.LinkSpec("loopback", gbps=3.1, latency_us=50.0, source="example")
     >>> mib23 = 23 << 20
     >>> [round(sync_ms(mib23, 2, 0, False, lo, lo, bwd_ms=10.0, overlap=w), 3) for w in (1.0, 0.0)]
-    [7.011, 7.88]
+    [7.542, 7.88]
+
+    (A GPU group hides what the last bucket leaves; a CPU group, overlap 0, pays the whole all-reduce.)
     """
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be a fraction of the backward in [0, 1], got {overlap}")
