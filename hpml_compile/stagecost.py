@@ -427,7 +427,8 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
     >>> [round(sync_ms(mib23, 2, 0, False, lo, lo, bwd_ms=10.0, overlap=w), 3) for w in (1.0, 0.0)]
     [7.542, 7.88]
 
-    (A GPU group hides what the last bucket leaves; a CPU group, overlap 0, pays the whole all-reduce.)
+    (Overlap 1 hides only the first 1 MiB bucket here: the other 22 MiB start when the backward ends. Overlap
+    0, a CPU group, pays the whole all-reduce once, as the runtime runs it.)
     """
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be a fraction of the backward in [0, 1], got {overlap}")
