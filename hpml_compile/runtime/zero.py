@@ -66,7 +66,10 @@ whole shard: the factory passed as ``optimizer`` is called with the shard and
 the stage's tied parameters, so per-parameter groups are not supported under
 ZeRO (a plain ``lambda ps: AdamW(ps, lr=...)`` is).
 
-**Overlapped sync** (:class:`GradBuckets`, as DDP's reducer): on ranks the
+**Overlapped sync** (:class:`GradBuckets`, as DDP's reducer), where the plan
+overlaps the stage's sync (:func:`hpml_compile.plan.sync_overlap` above 0: GPU
+groups; CPU ranks sync after the backward, since gloo's threads would take the
+backward's cores) or ``Pipeline(overlap=True)`` forces it: on ranks the
 flat gradient buffer is cut into buckets (by size, in reverse order of the
 parameters, which is roughly the order the backward finishes them: DDP's
 1 MiB first bucket, then 25 MiB). A ``post_accumulate_grad`` hook on each
