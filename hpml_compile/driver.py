@@ -55,14 +55,14 @@ from .memory import compute_bytes
 from .plan import Plan, Schedule, save_plan, validate_plan, with_comm
 from .profile import predict_kinds, profile, save_profile
 from .recipe import ModelRecipe, read_recipe
-from .replan import ReplanResult, replan_graph, without_devices
+from .replan import ReplanResult, move_rows as move_plan_rows, replan_graph, without_devices
 from .schema import write_json_atomic
 from .simulate import annotate
 from .solve import SolverName, solve
 from .solve.uneven import improve as improve_uneven
 from .trace import trace
 
-__all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "rebuild", "cost_graph", "local_threads",
+__all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "move_rows", "rebuild", "cost_graph", "local_threads",
            "check_microbatches", "check_threads", "check_precision"]
 
 Say = Callable[[str], None]
@@ -479,6 +479,33 @@ def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost
                           dtype=prof.dtype, progress=progress, score_graph=fine)
     validate_plan(result.plan, prof)
     _dump(opts, "4-plan.json", lambda p: save_plan(result.plan, p))
+    return result
+
+
+def move_rows(old: Plan, measured: Profile, *, cluster: Cluster | None = None,
+              stages: Iterable[int] | None = None) -> ReplanResult:
+    """The running plan with its replicated stages' rows moved on measured costs (no solve; see
+    :func:`hpml_compile.replan.move_rows`): the closed loop's cheap candidate beside :func:`replan`.
+
+    Args:
+        old: the plan running now.
+        measured: the measured profile.
+        cluster: the devices as they are now (a slowed device may have a kind of its own).
+        stages: the stages whose rows may change (default: every replicated stage).
+
+    Returns:
+        The plan with new rows (``switched``: predicted faster) or the old one rescored.
+
+    Raises:
+        HpmlError: ``measured`` profiles another model, or its batch does not split into rows per replica.
+        PlanError: the new rows put a device over its memory.
+    """
+    if measured.model != old.model:
+        raise HpmlError(f"the measured profile is of {measured.model!r} but the plan places {old.model!r}")
+    target = cluster or old.cluster
+    prof, fine, _ = _graphs(measured, target, Options())
+    result = move_plan_rows(old, fine, cluster=target, stages=stages, dtype=prof.dtype)
+    validate_plan(result.plan, prof)
     return result
 
 

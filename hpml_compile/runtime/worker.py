@@ -384,7 +384,9 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
                 adapter = Adapter(pipe, build_dir=args.build, run_dir=args.run_dir, total_steps=args.steps,
                                   startup_s=began, log=_say,
                                   options=AdaptOptions(threshold=args.adapt_threshold, patience=args.adapt_patience,
-                                                       cooldown=args.adapt_cooldown))
+                                                       cooldown=args.adapt_cooldown,
+                                                       # which candidates: a benchmark forces each (AdaptOptions)
+                                                       candidates=os.environ.get("HPML_ADAPT_CANDIDATES", "both")))
             verdict = adapter.observe()
             if verdict is not None and verdict.switch:
                 switched = verdict
