@@ -38,7 +38,7 @@ import os
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -49,7 +49,7 @@ from .codegen import Build, check_build_dir, generate
 from .costgraph import CostGraph
 from .costgraph import build as build_costgraph
 from .errors import BuildMismatchError, HpmlError, OptionError
-from .ir import Cluster, FrontEnd, Precision, Profile
+from .ir import Cluster, FrontEnd, Link, Precision, Profile
 from .compression import check_sync, parse_compress
 from .memory import compute_bytes
 from .plan import Plan, Schedule, save_plan, validate_plan, with_comm
@@ -62,7 +62,8 @@ from .solve import SolverName, solve
 from .solve.uneven import improve as improve_uneven
 from .trace import trace
 
-__all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "move_rows", "rebuild", "cost_graph", "local_threads",
+__all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "move_rows", "with_link", "profile_links",
+           "rebuild", "cost_graph", "local_threads",
            "check_microbatches", "check_threads", "check_precision"]
 
 Say = Callable[[str], None]
@@ -142,6 +143,9 @@ class ProfileOptions:
         seq_len: recorded in the profile.
         leaf_modules: modules kept as one opaque node.
         front_end: fx, torch.export or auto.
+        link: the link between two CPU processes of this host, measured by the caller
+            (:func:`hpml_compile.runtime.links.measure_local_link`; the driver never starts processes), recorded
+            in the profile (:func:`with_link`); None: not measured.
     """
 
     repeats: int = 3
@@ -150,6 +154,34 @@ class ProfileOptions:
     seq_len: int | None = None
     leaf_modules: Sequence[type | str] = field(default_factory=tuple)
     front_end: FrontEnd | str = FrontEnd.AUTO
+    link: Mapping[str, Any] | None = None
+
+
+def with_link(prof: Profile, link: Mapping[str, Any]) -> Profile:
+    """``prof`` with ``link`` recorded as the link between two CPU processes of the host it was measured on
+    (``devices["cpu"]["link"]``), which :func:`profile_links` gives the plans made from it."""
+    devices = {k: dict(v) for k, v in prof.devices.items()}
+    devices.setdefault("cpu", {})["link"] = dict(link)
+    return replace(prof, devices=devices)
+
+
+def profile_links(cluster: Cluster, prof: Profile) -> Cluster:
+    """``cluster`` with the profile's measured CPU link (:func:`with_link`) between every two CPU devices of one
+    host that it names no link between; the cluster itself when the profile has none.
+
+    A link the cluster names (a cluster.json of ``devices --measure``, or written by hand) is kept: it was
+    measured or chosen for those very devices.
+    """
+    link = (prof.devices.get("cpu") or {}).get("link")
+    if not link:
+        return cluster
+    named = {frozenset((x.a, x.b)) for x in cluster.links}
+    cpus = [d for d in cluster.devices if d.is_cpu]
+    extra = tuple(Link(a.name, b.name, float(link["gbps"]), float(link["latency_us"]),
+                       shared=bool(link.get("shared", False)), source=str(link.get("source", "measured by profile")))
+                  for i, a in enumerate(cpus) for b in cpus[i + 1:]
+                  if a.host == b.host and frozenset((a.name, b.name)) not in named)
+    return replace(cluster, links=(*cluster.links, *extra)) if extra else cluster
 
 
 def local_threads(cluster: Cluster, cores: int | None = None) -> int | None:
@@ -311,6 +343,7 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
     check_microbatches(prof, opts.microbatches)                                     # before any solving
     check_precision(prof, opts.precision)                                           # trains as it was timed
     check_threads(prof, cluster)                                                    # CPU times at the ranks' threads
+    cluster = profile_links(cluster, prof)                                          # this host's measured link
     prof, graph = cost_graph(prof, cluster, opts)
     if progress:
         progress(f"{prof.model}: {len(graph.order)} blocks after coarsening ({len(prof.nodes)} nodes)")
@@ -375,6 +408,8 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Pat
                            seq_len=prof_opts.seq_len, repeats=prof_opts.repeats, warmup=prof_opts.warmup,
                            progress=False, threads=local_threads(c),  # local CPU ranks: at their thread count
                            precision=prec)
+        if prof_opts.link:                                                          # 2b. measured by the caller
+            measured = with_link(measured, prof_opts.link)
     else:
         tell(f"[2/4] planning from the given profile of {measured.model} (batch {measured.batch_size}, "
              f"{measured.precision.value})")

@@ -125,6 +125,9 @@ class AdaptOptions:
             replica, weighed against a full re-plan), ``rows`` (the row move alone, the re-plan only when no
             row move applies) or ``replan`` (the full re-plan alone); ``rows`` and ``replan`` let a benchmark
             measure each (the ``HPML_ADAPT_CANDIDATES`` environment variable of ``run --adapt``).
+        switch_cost_s: the cost of a restart to price the candidates with, instead of the one measured (this
+            segment's start-up plus its last checkpoint); None: measured. Lets a short test or benchmark switch
+            (``HPML_ADAPT_SWITCH_COST_S``); the decision records which it used.
     """
 
     threshold: float = DEFAULT_THRESHOLD
@@ -136,6 +139,7 @@ class AdaptOptions:
     solver: str = "ilp"
     time_limit_s: float = 20.0
     candidates: str = "both"
+    switch_cost_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.candidates not in CANDIDATES:
@@ -262,7 +266,7 @@ class Adapter:
         prof, cluster = measured_setup(load_profile(self.build_dir / "profile.json"), s, slow,
                                        source=f"{self.run_dir} steps {step - o.patience + 1}..{step}")
         steps_left = self.total_steps - step
-        restart_ms = (self.startup_s + self.checkpoint_s) * 1e3
+        restart_ms = (self.startup_s + self.checkpoint_s if o.switch_cost_s is None else o.switch_cost_s) * 1e3
         tried: dict[str, tuple[Any, float]] = {}  # candidate -> (its ReplanResult, seconds to make it)
         # the stages where a slowed device is one of several replicas: rows can move off it there
         replicated = {st.index for st in plan.stages if len(st.devices) > 1 and set(st.devices) & set(slow)}
@@ -298,6 +302,7 @@ class Adapter:
             "old_step_ms": diff.old_step_ms, "new_step_ms": diff.new_step_ms, "gain": diff.gain,
             "steps_left": steps_left, "switch_cost_s": (cands[chosen].switch_cost_ms if chosen else restart_ms) / 1e3,
             "switch": switch, "chosen": chosen,
+            "restart_cost": "measured" if o.switch_cost_s is None else "given (HPML_ADAPT_SWITCH_COST_S)",
             "candidates": {name: {"predicted_step_ms": r.diff.new_step_ms, "old_step_ms": r.diff.old_step_ms,
                                   "gain": r.diff.gain, "faster": r.switched, "made_s": took,
                                   "switch_cost_s": (restart_ms + (took * 1e3 if name == "replan" else 0.0)) / 1e3,
@@ -324,7 +329,9 @@ class Adapter:
             head += "; slowed: " + ", ".join(f"{d} {f:.2f}x" for d, f in slow.items())
         priced = "\n".join(
             f"  candidate {name}: predicted step {r.diff.new_step_ms:.4g} ms against {r.diff.old_step_ms:.4g} ms "
-            f"({r.diff.gain:.2f}x), switch cost {event['candidates'][name]['switch_cost_s']:.1f} s"
+            f"({r.diff.gain:.2f}x), switch cost {event['candidates'][name]['switch_cost_s']:.1f} s; "
+            + " | ".join(",".join(st.devices) + (f" rows {':'.join(map(str, st.rows))}" if st.rows else "")
+                         for st in r.plan.stages)
             + ("" if r.switched else " (not faster)") for name, (r, took) in tried.items())
         self.log(head + "\n" + priced + "\n" + diff.summary(scope_of=lambda n: scopes.get(n, "")) + "\n"
                  + (f"switching by {chosen} to the new plan ({build}): {why_best}" if switch

@@ -55,10 +55,13 @@ from ..errors import HpmlError
 from ..ir import Cluster, Device, Link
 from .testing import spawn_ranks
 
-__all__ = ["SIZES", "Fit", "fit_link", "measure_cluster", "probe_ranks", "probe_copies"]
+__all__ = ["SIZES", "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link", "probe_ranks",
+           "probe_copies"]
 
 SIZES = (4 << 10, 256 << 10, 4 << 20, 32 << 20)  # bytes: latency-bound to bandwidth-bound
 REPEATS = 5
+QUICK_SIZES = (64 << 10, 4 << 20)  # what `profile` times: one latency-bound and one bandwidth-bound size
+QUICK_REPEATS = 3
 
 Row = tuple[str, int, float]  # (operation: "p2p" | "allreduce" | "copy", bytes, median ms)
 
@@ -252,6 +255,24 @@ def measure_cluster(cluster: Cluster, sizes: Sequence[int] = SIZES, repeats: int
     for name, fit in fits.items():
         log(f"  {name:5s} {_summary(fit)}")
     return Cluster(devices=cluster.devices, links=tuple(links), name=cluster.name), fits
+
+
+def measure_local_link(sizes: Sequence[int] = QUICK_SIZES, repeats: int = QUICK_REPEATS,
+                       log: Any = print) -> dict[str, Any]:
+    """The gloo link between two CPU processes of this host, as ``profile`` records it in the profile.
+
+    The probe of :func:`measure_cluster` at fewer sizes and repeats (``profile`` must stay cheap: most of
+    its cost is starting the two processes), fitted the same way.
+
+    Returns:
+        ``{"gbps", "latency_us", "shared", "source"}``: the profile's ``devices["cpu"]["link"]``.
+    """
+    t0 = time.perf_counter()
+    fit = fit_link(probe_ranks(sizes, repeats)["gloo"])
+    log(f"  gloo link between 2 processes of this host: {_summary(fit)} ({time.perf_counter() - t0:.1f} s)")
+    return {"gbps": round(fit.gbps, 4), "latency_us": round(fit.latency_us, 2), "shared": fit.shared,
+            "source": f"measured by profile: gloo send/recv and all-reduce between 2 CPU processes at "
+                      f"{', '.join(_size(b) for b in sizes)} ({_summary(fit)})"}
 
 
 def _size(b: int) -> str:
