@@ -13,7 +13,7 @@ from hpml_compile import driver
 from hpml_compile.cluster import load_cluster
 from hpml_compile.profile import load_profile
 
-pytestmark = [pytest.mark.dist]
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 CLI = [sys.executable, "-m", "hpml_compile"]
 
 
