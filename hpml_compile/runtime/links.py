@@ -40,7 +40,9 @@ Example:
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -177,20 +179,23 @@ def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequ
         Path(out, "links.json").write_text(json.dumps(result))
 
 
-def probe_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS, gpus: Sequence[int] = ()
-                ) -> dict[str, list[Row]]:
+def probe_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS, gpus: Sequence[int] = (),
+                start_method: str = "spawn", timeout_s: float = 600) -> dict[str, list[Row]]:
     """Time send/recv and all-reduce between two processes of this host (gloo; NCCL between ``gpus[:2]``).
 
     Args:
         sizes: message sizes in bytes.
         repeats: timed repeats per size (the median is kept).
         gpus: CUDA indices; with two or more, the first two are timed under NCCL too.
+        start_method: how the two processes start (:func:`~.testing.spawn_ranks`; ``fork`` for gloo only).
+        timeout_s: how long the probe may take.
 
     Returns:
         ``{"gloo": rows, "nccl": rows}`` (``nccl`` only with two GPUs).
     """
     with tempfile.TemporaryDirectory(prefix="hpml-links-") as tmp:
-        spawn_ranks(_probe, 2, tmp, list(sizes), repeats, list(gpus), tmp, timeout_s=600)
+        spawn_ranks(_probe, 2, tmp, list(sizes), repeats, list(gpus), tmp, timeout_s=timeout_s,
+                    start_method=start_method)
         raw = json.loads(Path(tmp, "links.json").read_text())
     return {k: [(op, int(b), float(ms)) for op, b, ms in v] for k, v in raw.items()}
 
@@ -261,14 +266,24 @@ def measure_local_link(sizes: Sequence[int] = QUICK_SIZES, repeats: int = QUICK_
                        log: Any = print) -> dict[str, Any]:
     """The gloo link between two CPU processes of this host, as ``profile`` records it in the profile.
 
-    The probe of :func:`measure_cluster` at fewer sizes and repeats (``profile`` must stay cheap: most of
-    its cost is starting the two processes), fitted the same way.
+    The probe of :func:`measure_cluster` at fewer sizes and repeats, fitted the same way. ``profile`` must
+    stay cheap, and starting two fresh interpreters that import torch costs seconds (29-35 s measured on a
+    busy 2-core host), so on Linux the two processes are forked from this one (0.4 s there): they time
+    gloo between two processes all the same. Should a forked probe fail or hang (60 s), it is run again
+    with fresh interpreters.
 
     Returns:
         ``{"gbps", "latency_us", "shared", "source"}``: the profile's ``devices["cpu"]["link"]``.
     """
     t0 = time.perf_counter()
-    fit = fit_link(probe_ranks(sizes, repeats)["gloo"])
+    rows = None
+    if sys.platform == "linux" and "fork" in mp.get_all_start_methods():
+        try:
+            rows = probe_ranks(sizes, repeats, start_method="fork", timeout_s=60)
+        except Exception as e:  # noqa: BLE001 -- a forked probe that fails is run again in fresh interpreters
+            log(f"  the forked link probe failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                "timing again in fresh processes")
+    fit = fit_link((rows or probe_ranks(sizes, repeats))["gloo"])
     log(f"  gloo link between 2 processes of this host: {_summary(fit)} ({time.perf_counter() - t0:.1f} s)")
     return {"gbps": round(fit.gbps, 4), "latency_us": round(fit.latency_us, 2), "shared": fit.shared,
             "source": f"measured by profile: gloo send/recv and all-reduce between 2 CPU processes at "
