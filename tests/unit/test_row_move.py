@@ -127,3 +127,19 @@ def test_rows_are_refused_for_a_batch_that_does_not_split() -> None:
     odd = replace(plan, microbatches=5)
     with pytest.raises(HpmlError, match="does not split into 5 microbatches"):
         move_rows(odd, build_costgraph(prof))  # type: ignore[arg-type]
+
+
+def test_the_forcing_knobs_refuse_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpml_compile.errors import HpmlError
+    from hpml_compile.runtime.adapt import AdaptOptions
+    from hpml_compile.runtime.worker import _env_seconds
+
+    with pytest.raises(HpmlError, match="candidates must be one of both, rows, replan"):
+        AdaptOptions(candidates="fast")
+    monkeypatch.setenv("HPML_ADAPT_SWITCH_COST_S", "soon")
+    with pytest.raises(HpmlError, match="HPML_ADAPT_SWITCH_COST_S='soon': expected a number of seconds"):
+        _env_seconds("HPML_ADAPT_SWITCH_COST_S")
+    monkeypatch.setenv("HPML_ADAPT_SWITCH_COST_S", "0.5")
+    assert _env_seconds("HPML_ADAPT_SWITCH_COST_S") == 0.5
+    monkeypatch.delenv("HPML_ADAPT_SWITCH_COST_S")
+    assert _env_seconds("HPML_ADAPT_SWITCH_COST_S") is None
