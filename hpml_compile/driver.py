@@ -38,7 +38,7 @@ import os
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -49,20 +49,21 @@ from .codegen import Build, check_build_dir, generate
 from .costgraph import CostGraph
 from .costgraph import build as build_costgraph
 from .errors import BuildMismatchError, HpmlError, OptionError
-from .ir import Cluster, FrontEnd, Precision, Profile
+from .ir import Cluster, FrontEnd, Link, Precision, Profile
 from .compression import check_sync, parse_compress
 from .memory import compute_bytes
 from .plan import Plan, Schedule, save_plan, validate_plan, with_comm
 from .profile import predict_kinds, profile, save_profile
 from .recipe import ModelRecipe, read_recipe
-from .replan import ReplanResult, carried_comm, replan_graph, without_devices
+from .replan import ReplanResult, carried_comm, move_rows as move_plan_rows, replan_graph, without_devices
 from .schema import write_json_atomic
 from .simulate import annotate
 from .solve import SolverName, solve
 from .solve.uneven import improve as improve_uneven
 from .trace import trace
 
-__all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "rebuild", "cost_graph", "local_threads",
+__all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "move_rows", "with_link", "profile_links",
+           "rebuild", "cost_graph", "local_threads",
            "check_microbatches", "check_threads", "check_precision"]
 
 Say = Callable[[str], None]
@@ -142,6 +143,9 @@ class ProfileOptions:
         seq_len: recorded in the profile.
         leaf_modules: modules kept as one opaque node.
         front_end: fx, torch.export or auto.
+        link: the link between two CPU processes of this host, measured by the caller
+            (:func:`hpml_compile.runtime.links.measure_local_link`; the driver never starts processes), recorded
+            in the profile (:func:`with_link`); None: not measured.
     """
 
     repeats: int = 3
@@ -150,6 +154,34 @@ class ProfileOptions:
     seq_len: int | None = None
     leaf_modules: Sequence[type | str] = field(default_factory=tuple)
     front_end: FrontEnd | str = FrontEnd.AUTO
+    link: Mapping[str, Any] | None = None
+
+
+def with_link(prof: Profile, link: Mapping[str, Any]) -> Profile:
+    """``prof`` with ``link`` recorded as the link between two CPU processes of the host it was measured on
+    (``devices["cpu"]["link"]``), which :func:`profile_links` gives the plans made from it."""
+    devices = {k: dict(v) for k, v in prof.devices.items()}
+    devices.setdefault("cpu", {})["link"] = dict(link)
+    return replace(prof, devices=devices)
+
+
+def profile_links(cluster: Cluster, prof: Profile) -> Cluster:
+    """``cluster`` with the profile's measured CPU link (:func:`with_link`) between every two CPU devices of one
+    host that it names no link between; the cluster itself when the profile has none.
+
+    A link the cluster names (a cluster.json of ``devices --measure``, or written by hand) is kept: it was
+    measured or chosen for those very devices.
+    """
+    link = (prof.devices.get("cpu") or {}).get("link")
+    if not link:
+        return cluster
+    named = {frozenset((x.a, x.b)) for x in cluster.links}
+    cpus = [d for d in cluster.devices if d.is_cpu]
+    extra = tuple(Link(a.name, b.name, float(link["gbps"]), float(link["latency_us"]),
+                       shared=bool(link.get("shared", False)), source=str(link.get("source", "measured by profile")))
+                  for i, a in enumerate(cpus) for b in cpus[i + 1:]
+                  if a.host == b.host and frozenset((a.name, b.name)) not in named)
+    return replace(cluster, links=(*cluster.links, *extra)) if extra else cluster
 
 
 def local_threads(cluster: Cluster, cores: int | None = None) -> int | None:
@@ -311,6 +343,7 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
     check_microbatches(prof, opts.microbatches)                                     # before any solving
     check_precision(prof, opts.precision)                                           # trains as it was timed
     check_threads(prof, cluster)                                                    # CPU times at the ranks' threads
+    cluster = profile_links(cluster, prof)                                          # this host's measured link
     prof, graph = cost_graph(prof, cluster, opts)
     if progress:
         progress(f"{prof.model}: {len(graph.order)} blocks after coarsening ({len(prof.nodes)} nodes)")
@@ -376,6 +409,8 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Pat
                            seq_len=prof_opts.seq_len, repeats=prof_opts.repeats, warmup=prof_opts.warmup,
                            progress=False, threads=local_threads(c),  # local CPU ranks: at their thread count
                            precision=prec)
+        if prof_opts.link:                                                          # 2b. measured by the caller
+            measured = with_link(measured, prof_opts.link)
     else:
         tell(f"[2/4] planning from the given profile of {measured.model} (batch {measured.batch_size}, "
              f"{measured.precision.value})")
@@ -492,6 +527,33 @@ def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost
                           comm=forced, hierarchical=opts.hierarchical)
     validate_plan(result.plan, prof)
     _dump(opts, "4-plan.json", lambda p: save_plan(result.plan, p))
+    return result
+
+
+def move_rows(old: Plan, measured: Profile, *, cluster: Cluster | None = None,
+              stages: Iterable[int] | None = None) -> ReplanResult:
+    """The running plan with its replicated stages' rows moved on measured costs (no solve; see
+    :func:`hpml_compile.replan.move_rows`): the closed loop's cheap candidate beside :func:`replan`.
+
+    Args:
+        old: the plan running now.
+        measured: the measured profile.
+        cluster: the devices as they are now (a slowed device may have a kind of its own).
+        stages: the stages whose rows may change (default: every replicated stage).
+
+    Returns:
+        The plan with new rows (``switched``: predicted faster) or the old one rescored.
+
+    Raises:
+        HpmlError: ``measured`` profiles another model, or its batch does not split into rows per replica.
+        PlanError: the new rows put a device over its memory.
+    """
+    if measured.model != old.model:
+        raise HpmlError(f"the measured profile is of {measured.model!r} but the plan places {old.model!r}")
+    target = cluster or old.cluster
+    prof, fine, _ = _graphs(measured, target, Options())
+    result = move_plan_rows(old, fine, cluster=target, stages=stages, dtype=prof.dtype)
+    validate_plan(result.plan, prof)
     return result
 
 

@@ -16,6 +16,13 @@ stays; the new plan is scored with them, as it will run. A new plan that
 cannot run them (local SGD on a stage the solver shards with ZeRO) is not
 taken while the old plan can still run.
 
+A device that slows down inside a replicated stage has a cheaper answer than a
+new solve: :func:`move_rows` keeps the stages and their devices and only gives
+that stage's replicas new rows per microbatch (:func:`~hpml_compile.stagecost.choose_rows`
+on the measured costs, where the slowed device has a kind of its own), scored
+by the same simulator, so the closed loop can weigh it against the full
+re-plan (:mod:`hpml_compile.runtime.adapt`).
+
 Example:
     >>> from hpml_compile.solve.testing import chain_graph, cluster_of
     >>> from hpml_compile.solve import solve
@@ -25,6 +32,11 @@ Example:
     >>> r = replan_graph(old, slow, solver="dp")
     >>> r.diff.new_step_ms < r.diff.old_step_ms
     True
+    >>> dp = solve(g, cluster_of(["cpu", "cpu"]), solver="dp", microbatches=1)
+    >>> slowed = replace(dp.cluster, devices=(dp.cluster.devices[0], replace(dp.cluster.devices[1], kind="cpu~d1")))
+    >>> g2 = chain_graph([{"cpu": (1.0, 2.0), "cpu~d1": (3.0, 6.0)}] * 4, batch_size=8)
+    >>> [st.rows for st in dp.stages], [st.rows for st in move_rows(dp, g2, cluster=slowed).plan.stages]
+    ([()], [(6, 2)])
 """
 
 from __future__ import annotations
@@ -41,8 +53,9 @@ from .memory import compute_bytes
 from .plan import Plan, Schedule, with_comm
 from .simulate import annotate
 from .solve import SolverName, solve
+from .stagecost import choose_rows
 
-__all__ = ["PlanDiff", "ReplanResult", "plan_diff", "replan_graph", "without_devices", "carried_comm"]
+__all__ = ["PlanDiff", "ReplanResult", "plan_diff", "replan_graph", "without_devices", "carried_comm", "move_rows"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +68,7 @@ class PlanDiff:
         old_step_ms: the old plan's predicted step time on the new costs.
         new_step_ms: the new plan's predicted step time.
         old_claimed_ms: what the old plan predicted when it was made.
+        old_rows, new_rows: per stage, its replicas' rows per microbatch (``()``: an equal split).
     """
 
     moved: tuple[tuple[str, int, int], ...]
@@ -63,6 +77,8 @@ class PlanDiff:
     old_step_ms: float
     new_step_ms: float
     old_claimed_ms: float
+    old_rows: tuple[tuple[int, ...], ...] = ()
+    new_rows: tuple[tuple[int, ...], ...] = ()
 
     @property
     def gain(self) -> float:
@@ -71,7 +87,7 @@ class PlanDiff:
 
     @property
     def changed(self) -> bool:
-        return bool(self.moved) or self.old_stages != self.new_stages
+        return bool(self.moved) or self.old_stages != self.new_stages or self.old_rows != self.new_rows
 
     def summary(self, scope_of: Callable[[str], str] | None = None) -> str:
         """Text for a person: stage devices, the blocks that moved, step time old -> new."""
@@ -80,6 +96,11 @@ class PlanDiff:
         if self.old_stages != self.new_stages:
             lines.append("stages: " + " | ".join(",".join(d) for d in self.old_stages) + "  ->  "
                          + " | ".join(",".join(d) for d in self.new_stages))
+        if self.old_rows != self.new_rows and self.old_stages == self.new_stages:
+            for k, (a, b) in enumerate(zip(self.old_rows, self.new_rows)):
+                if a != b:
+                    lines.append(f"  rows of stage {k} ({','.join(self.new_stages[k])}): "
+                                 f"{':'.join(map(str, a)) or 'even'} -> {':'.join(map(str, b)) or 'even'}")
         groups: dict[tuple[str, int, int], int] = {}
         for node, a, b in self.moved:
             key = (block_key(scope_of(node)) if scope_of else node, a, b)
@@ -88,6 +109,8 @@ class PlanDiff:
             lines.append(f"  moved {block or '(top level)'} ({n} node{'s' if n > 1 else ''}): stage {a} -> stage {b}")
         if not self.changed:
             lines.append("  no node moved: the old plan is still the best one predicted")
+        elif not self.moved and self.old_stages == self.new_stages:
+            lines.append("  no node moved: the same stages on the same devices")
         return "\n".join(lines)
 
 
@@ -106,7 +129,8 @@ def plan_diff(old: Plan, new: Plan, old_step_ms: float) -> PlanDiff:
     moved = tuple((n, where[n], st.index) for st in new.stages for n in st.nodes
                   if n in where and where[n] != st.index)
     return PlanDiff(moved, tuple(st.devices for st in old.stages), tuple(st.devices for st in new.stages),
-                    old_step_ms, new.predicted.step_ms, old.predicted.step_ms)
+                    old_step_ms, new.predicted.step_ms, old.predicted.step_ms,
+                    tuple(st.rows for st in old.stages), tuple(st.rows for st in new.stages))
 
 
 def without_devices(cluster: Cluster, lost: Iterable[str]) -> Cluster:
@@ -219,3 +243,68 @@ def replan_graph(old: Plan, graph: CostGraph, *, cluster: Cluster | None = None,
     if fits and (refused is not None or old_ms <= new.predicted.step_ms):
         return ReplanResult(rescored, plan_diff(old, rescored, old_ms), switched=False)
     return ReplanResult(new, plan_diff(old, new, old_ms), switched=True)
+
+
+def move_rows(old: Plan, graph: CostGraph, *, cluster: Cluster | None = None, stages: Iterable[int] | None = None,
+              dtype: str = "float32") -> ReplanResult:
+    """The old plan with new rows per replica in its replicated stages, and nothing else changed.
+
+    Each chosen stage's replicas get the integer rows per microbatch that make
+    the slowest of them fastest on ``graph``'s costs
+    (:func:`~hpml_compile.stagecost.choose_rows` with each replica's fixed and
+    per-row time on its own kind: a slowed device, a kind of its own, gets
+    fewer); stages, devices, microbatches and schedule stay. Both plans are
+    scored by the simulator on ``graph`` (as :func:`replan_graph` scores), so
+    the two candidates of the closed loop compare on the same costs.
+
+    Args:
+        old: the plan running now.
+        graph: the costs to move rows on: a graph whose nodes each lie in one stage of ``old`` (the
+            profile's own nodes, ``costgraph.build(profile)``), with costs for every kind of ``cluster``.
+        cluster: the devices as they are now (default the old plan's; a slowed device may have a kind of its own).
+        stages: the stages whose rows may change (default: every stage with more than one device).
+        dtype: parameter dtype.
+
+    Returns:
+        The plan with the new rows (``switched`` when some rows changed and it is predicted faster), or the old
+        plan rescored (``switched`` False).
+
+    Raises:
+        HpmlError: a microbatch of ``graph``'s batch does not split into whole rows, or has fewer rows than
+            a stage has replicas.
+    """
+    target = cluster or old.cluster
+    m = old.microbatches
+    if graph.batch_size % m:
+        raise HpmlError(f"a batch of {graph.batch_size} rows does not split into {m} microbatches: no rows to move")
+    per_mb = graph.batch_size // m
+    chosen = {st.index for st in old.stages if len(st.devices) > 1} if stages is None else set(stages)
+    fx_stage = {n: st.index for st in old.stages for n in st.nodes}
+    nodes: dict[int, list[str]] = {}
+    for g in graph.order:
+        nodes.setdefault(fx_stage.get(graph.node(g).members[0], -1), []).append(g)
+    new_stages = []
+    for st in old.stages:
+        if st.index not in chosen or len(st.devices) < 2:
+            new_stages.append(st)
+            continue
+        fixed, per_row = [], []
+        for d in st.devices:
+            kind = target.device(d).kind
+            zero = [graph.cost_at(n, kind, 0.0) for n in nodes.get(st.index, [])]
+            one = [graph.cost_at(n, kind, 1.0 / graph.batch_size) for n in nodes.get(st.index, [])]
+            fixed.append(sum(f + b for f, b in zero))
+            per_row.append(max(sum(f + b for f, b in one) - fixed[-1], 1e-12))
+        try:
+            rows = choose_rows(fixed, per_row, per_mb)
+        except ValueError as e:
+            raise HpmlError(f"cannot move rows in stage {st.index}: {e}") from None
+        even = len(set(rows)) == 1
+        new_stages.append(replace(st, rows=() if even and not st.rows else rows))
+    rescored, _ = annotate(replace(old, cluster=target), graph, dtype)
+    candidate, _ = annotate(replace(old, cluster=target, stages=tuple(new_stages)), graph, dtype)
+    changed = any(a.rows != b.rows for a, b in zip(old.stages, candidate.stages))
+    old_ms = rescored.predicted.step_ms
+    if changed and candidate.predicted.step_ms < old_ms:
+        return ReplanResult(candidate, plan_diff(old, candidate, old_ms), switched=True)
+    return ReplanResult(rescored, plan_diff(old, rescored, old_ms), switched=False)

@@ -26,6 +26,17 @@ median of those runs. Predicted, two ways (the simulator on this branch does not
 
 Run:  .venv/bin/python benchmarks/uneven_rows/main.py [--model gpt-tiny] [--batch-size 96] [--steps 30]
 Prints a table; writes benchmarks/uneven_rows/results/uneven_rows.json.
+
+``--adapt``: the closed loop instead. The even build runs ``run --adapt
+--slow 1:2:S`` once per candidate, the row move and the full re-plan each
+forced (``HPML_ADAPT_CANDIDATES``), with the restart priced at
+``--switch-cost`` seconds (``HPML_ADAPT_SWITCH_COST_S``) so that both switch
+within the run. Measured per candidate (:func:`hpml_compile.runtime.supervisor.timings`):
+the time to choose it (row choice, or the solve), the codegen of its build,
+from the decision to the first step on it (checkpoint, torchrun restart,
+model rebuild, checkpoint load), and the median slowest rank's step after it
+(leaving out the new segment's first ``--warmup`` steps) against its
+prediction and the step before the switch. Writes results/uneven_rows_adapt.json.
 """
 
 from __future__ import annotations
@@ -92,6 +103,83 @@ def _measured(rows_by_rank: dict[int, list[StepMetrics]], skip: int) -> dict[str
     return {"step_ms": statistics.median(slowest), "steps": len(slowest), "per_rank": per_rank}
 
 
+def _segment_steps(run: Path, skip: int) -> list[float]:
+    """The slowest rank's step, per step of one segment, after its first ``skip`` steps."""
+    rows = read_metrics(run)
+    steps = sorted({m.step for ms in rows.values() for m in ms})[skip:]
+    return [max(m.step_ms for ms in rows.values() for m in ms if m.step == s) for s in steps]
+
+
+def adapt_main(a: argparse.Namespace, work: Path) -> int:
+    """The closed loop's two candidates, each forced, on the even build (see the module docstring)."""
+    from hpml_compile.runtime.supervisor import timings
+
+    m = a.microbatches
+    print(f"compiling {a.model} (batch {a.batch_size}) for local-cpu-2 ...", flush=True)
+    _cli("compile", a.model, "--cluster", "local-cpu-2", "--batch-size", str(a.batch_size), "--microbatches",
+         str(m), "-o", str(work / "base"))
+    prof = load_profile(work / "base" / "profile.json")
+    even = _plans(load_plan(work / "base" / "plan.json"), a.batch_size // m, m)["even"]
+    _, graph = cost_graph(prof, even.cluster)
+    rebuild(work / "base", annotate(even, graph, prof.dtype)[0], prof, work / "even")
+    results: dict[str, Any] = {}
+    for rep in range(a.repeats):
+        for cand in ("rows", "replan"):
+            run = work / f"adapt-{cand}-{rep}"
+            print(f"run {rep + 1}: --adapt, {cand} forced, rank {SLOW_RANK} slowed {FACTOR:g}x from step "
+                  f"{a.slow_from} ...", flush=True)
+            load0 = os.getloadavg()
+            env = {**os.environ, "HPML_ADAPT_CANDIDATES": cand, "HPML_ADAPT_SWITCH_COST_S": str(a.switch_cost)}
+            r = subprocess.run([*CLI, "run", str(work / "even"), "--steps", str(a.steps), "--adapt",
+                                "--adapt-patience", "3", "--slow", f"{SLOW_RANK}:{FACTOR:g}:{a.slow_from}",
+                                "--run-dir", str(run), "--no-tensorboard", "--no-report"],
+                               capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env)
+            if r.returncode:
+                raise SystemExit(f"run --adapt ({cand}) failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+            events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
+            switch = next((e for e in events if e["event"] == "switch"), None)
+            row: dict[str, Any] = {"loadavg_before": load0, "loadavg_after": os.getloadavg(), "switched": bool(switch)}
+            if switch:
+                d = switch["decision"]
+                t = next(x for x in timings(run) if x["kind"].startswith("switch"))
+                new_plan = load_plan(Path(switch["build"]) / "plan.json")
+                last = max(e["segment"] for e in events if e["event"] == "segment")
+                after = _segment_steps(run / f"seg{last}", a.warmup)
+                before = _segment_steps(run / "seg0", 0)[-3:]
+                row.update(chosen=d["chosen"], step=d["step"], choose_s=d["solve_s"], codegen_s=d["codegen_s"],
+                           resume_s=t["resume_s"], switch_s=d["solve_s"] + d["codegen_s"] + (t["resume_s"] or 0),
+                           stages=[list(st.devices) for st in new_plan.stages],
+                           rows=[list(st.rows) for st in new_plan.stages],
+                           predicted_after_ms=new_plan.predicted.step_ms,
+                           predicted_old_on_measured_ms=d["old_step_ms"],
+                           measured_before_ms=statistics.median(before) if before else None,
+                           measured_after_ms=statistics.median(after) if after else None, steps_after=len(after),
+                           candidates=d["candidates"])
+            results.setdefault(cand, []).append(row)
+    print(f"\n{a.model}, batch {a.batch_size} in {m} microbatches, one stage on 2 gloo ranks, rank {SLOW_RANK} "
+          f"slowed {FACTOR:g}x from step {a.slow_from}; {a.steps} steps; restart priced at {a.switch_cost:g} s")
+    print(f"{'forced':7s} {'new plan':22s} {'choose s':>8s} {'codegen s':>9s} {'resume s':>8s} {'switch s':>8s} "
+          f"{'before ms':>9s} {'after ms':>8s} {'pred. ms':>8s}  load avg before")
+    for cand, rows in results.items():
+        for x in rows:
+            if not x["switched"]:
+                print(f"{cand:7s} did not switch (load {x['loadavg_before'][0]:.1f})")
+                continue
+            plan_txt = " | ".join(",".join(st) + (f" {':'.join(map(str, r))}" if r else "")
+                                  for st, r in zip(x["stages"], x["rows"]))
+            print(f"{cand:7s} {plan_txt[:22]:22s} {x['choose_s']:8.2f} {x['codegen_s']:9.2f} "
+                  f"{x['resume_s'] or float('nan'):8.1f} {x['switch_s']:8.1f} {x['measured_before_ms'] or 0:9.1f} "
+                  f"{x['measured_after_ms'] or 0:8.1f} {x['predicted_after_ms']:8.1f}  {x['loadavg_before'][0]:.1f}")
+    out = a.out.with_name("uneven_rows_adapt.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": a.model, "batch_size": a.batch_size, "microbatches": m, "steps": a.steps,
+                               "slow": {"rank": SLOW_RANK, "factor": FACTOR, "from_step": a.slow_from},
+                               "switch_cost_s": a.switch_cost, "warmup": a.warmup, "cpus": os.cpu_count(),
+                               "arch": platform.machine(), "results": results}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt-tiny")
@@ -101,8 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
     p.add_argument("--repeats", type=int, default=2, help="runs of each split, alternating")
     p.add_argument("--out", type=Path, default=HERE / "results" / "uneven_rows.json")
+    p.add_argument("--adapt", action="store_true", help="the closed loop: row move against full re-plan, each forced")
+    p.add_argument("--slow-from", type=int, default=6, dest="slow_from", help="with --adapt: the first slowed step")
+    p.add_argument("--switch-cost", type=float, default=0.5, dest="switch_cost",
+                   help="with --adapt: the restart cost the candidates are priced with, seconds")
     a = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="hpml-uneven-rows-"))
+    if a.adapt:
+        return adapt_main(a, work)
     m, mb = a.microbatches, a.batch_size // a.microbatches
     print(f"compiling {a.model} (batch {a.batch_size}) for local-cpu-2 ...", flush=True)
     _cli("compile", a.model, "--cluster", "local-cpu-2", "--batch-size", str(a.batch_size), "--microbatches",

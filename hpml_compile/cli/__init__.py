@@ -70,6 +70,10 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="time every node under torch.autocast to this dtype (default fp32); recorded in the file")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
+    p.add_argument("--no-measure-links", dest="measure_links", action="store_false",
+                   help="do not time the gloo link between two processes of this host (by default it is timed "
+                        "after the nodes, a few seconds, and recorded in the profile: plans for CPU devices of one "
+                        "host then use it where their cluster names no link)")
     p.add_argument("-o", "--output", type=Path, default=Path("profile.json"), help="where to write (profile.json)")
     p.set_defaults(run=_run_profile)
 
@@ -87,6 +91,11 @@ def _run_profile(args: argparse.Namespace) -> int:
                    leaf_modules=args.leaf, front_end=args.front_end, progress=not args.quiet,
                    loss_fn=loaded.loss_fn if loaded.example_targets is not None else None,
                    targets=loaded.example_targets, threads=args.threads, precision=args.precision)
+    if args.measure_links and not args.meta:  # after the nodes: the probe's processes must not disturb their timing
+        from ..driver import with_link
+        from ..runtime.links import measure_local_link
+
+        prof = with_link(prof, measure_local_link(log=(lambda line: None) if args.quiet else print))
     path = save_profile(prof, args.output)
     if not args.quiet:
         print(profile_summary(prof))
@@ -177,6 +186,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", type=Path, default=Path("out/demo"), help="output folder (out/demo)")
     p.add_argument("--steps", type=int, default=None, help="training steps (300)")
     p.add_argument("--spec", type=Path, default=None, help="the example file (the repository's examples/stdlib_lm.py)")
+    p.add_argument("--no-measure-links", dest="measure_links", action="store_false",
+                   help="plan with the catalog's gloo link instead of timing this host's (a few seconds)")
     p.set_defaults(run=_run_demo)
 
 

@@ -60,6 +60,9 @@ def add_parsers(subparsers: Any) -> None:
                    help="fp32 (default), or bf16/fp16 mixed precision: profiled and trained under autocast, fp32 "
                         "master weights and optimizer state, stage boundaries in the compute dtype; fp16 adds "
                         "loss scaling")
+    p.add_argument("--measure-links", dest="measure_links", action="store_true",
+                   help="time the gloo link between two processes of this host first (a few seconds; `profile` and "
+                        "`demo` do by default) and plan with it where the cluster names no link")
     p.add_argument("-o", "--output", type=Path, required=True, help="the build folder to write")
     add_comm_options(p)
     p.set_defaults(run=run_compile)
@@ -97,6 +100,11 @@ def run_compile(args: argparse.Namespace) -> int:
     # names the model file that run imports, so a changed one is refused).
     recipe = ModelRecipe(absolute_model_spec(args.model), loaded.batch_size, loaded.seq_len, args.seed,
                          tuple(map(str, args.leaf)), str(args.front_end), threads)
+    link = None
+    if args.measure_links:  # before the threads are set for profiling; the probe starts its own processes
+        from ..runtime.links import measure_local_link
+
+        link = measure_local_link(log=_say)
     try:
         build, _ = driver.compile(
             loaded.module, loaded.example_inputs, args.output, cluster=cluster, name=loaded.name, say=_say,
@@ -105,7 +113,7 @@ def run_compile(args: argparse.Namespace) -> int:
                                 time_limit_s=args.time_limit, precision=args.precision, **comm_options(args)),
             prof_opts=driver.ProfileOptions(repeats=args.repeats, warmup=args.warmup, batch_size=loaded.batch_size,
                                             seq_len=loaded.seq_len, leaf_modules=args.leaf,
-                                            front_end=args.front_end))
+                                            front_end=args.front_end, link=link))
     finally:
         torch.set_num_threads(before)
     plan = build.plan

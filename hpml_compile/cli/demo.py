@@ -44,7 +44,8 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     """The demo's settings: what the CLI gave, defaults for the rest."""
     return {"output": Path(getattr(args, "output", "out/demo")), "spec": Path(getattr(args, "spec", None) or EXAMPLE),
             "steps": int(getattr(args, "steps", None) or DEMO_STEPS),
-            "cluster": getattr(args, "cluster", None) or DEMO_CLUSTER}
+            "cluster": getattr(args, "cluster", None) or DEMO_CLUSTER,
+            "measure_links": bool(getattr(args, "measure_links", True))}
 
 
 def _baseline(spec_file: Path) -> float:
@@ -118,13 +119,18 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"[1/4] compiling {opt['spec'].name}: a byte-level GPT ({sum(p.numel() for p in loaded.module.parameters()):,} "
           f"parameters), batch {loaded.batch_size} x {loaded.example_inputs[0].shape[1]} bytes, onto {cluster.name} "
           f"({len(cluster.devices)} CPU processes, {threads or torch.get_num_threads()} thread(s) each)", flush=True)
+    link = None
+    if opt["measure_links"]:  # this host's gloo link, for the plan (profile does the same; --no-measure-links)
+        from ..runtime.links import measure_local_link
+
+        link = measure_local_link(log=lambda line: print("  " + line.strip(), flush=True))
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
         build, _ = driver.compile(loaded.module, loaded.example_inputs, out / "build", cluster=cluster,
                                   name=loaded.name, opts=driver.Options(time_limit_s=20.0),
                                   recipe=ModelRecipe(model, loaded.batch_size, None, 0, (), "auto", threads),
-                                  prof_opts=driver.ProfileOptions(batch_size=loaded.batch_size),
+                                  prof_opts=driver.ProfileOptions(batch_size=loaded.batch_size, link=link),
                                   say=lambda line: print("  " + line, flush=True) if line.startswith("[") else None)
     finally:
         torch.set_num_threads(before)

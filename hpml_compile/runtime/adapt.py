@@ -24,11 +24,21 @@ When it fires:
    When none stands out and the host was busy in those steps (steal, other
    programs), it keeps the plan and says so (:func:`busy_host_hold`): every
    rank slowed alike on a busy host cannot be told from the contention;
-3. rank 0 re-solves (:func:`~hpml_compile.driver.replan`: the running
-   plan is scored on the same measured costs) and weighs the predicted gain,
-   applied to the measured step, against the cost of switching (this
-   segment's start-up plus a checkpoint) over the steps left
-   (:func:`~.policy.worth_switching`);
+3. rank 0 prices the candidates on the measured costs: where a slowed
+   device is one replica of a stage, a *row move* (:func:`~hpml_compile.driver.move_rows`:
+   the same stages on the same devices, that stage's rows per replica chosen
+   for the devices' measured speeds; no solve), and the *full re-plan*
+   (:func:`~hpml_compile.driver.replan`); the running plan is scored on the
+   same costs. Each one's predicted gain, applied to the measured step, is
+   weighed against the cost of switching to it (this segment's start-up plus
+   a checkpoint; plus the solve for the re-plan) over the steps left, and of
+   those that pay the cheapest to switch to wins (:func:`~.policy.choose_switch`).
+   The decision names both, with their predicted steps and switch costs.
+   A row move still restarts the ranks on a regenerated build: the stage
+   code is one file for every replica, but the build records the first
+   replica's rows (its boundary specs and the stage files' header), and each
+   rank regenerates the code from plan.json at load and checks it against
+   the build, so the restart's codegen is the same as a re-plan's;
 4. if it pays, rank 0 generates the new build; every rank learns the
    verdict (one broadcast). The caller then checkpoints and stops, and the
    supervisor (:mod:`.supervisor`) restarts the ranks on the new build.
@@ -70,12 +80,13 @@ from .. import driver
 from ..errors import HpmlError
 from ..profile import load_profile
 from .monitor import StepMetrics
-from .policy import (DEFAULT_PATIENCE, DEFAULT_THRESHOLD, ImbalanceWatch, contention_discount, memory_shortfalls,
-                     replan_capacity, worth_switching)
+from .policy import (DEFAULT_PATIENCE, DEFAULT_THRESHOLD, Candidate, ImbalanceWatch, choose_switch,
+                     contention_discount, memory_shortfalls, replan_capacity)
 from .summary import HostContention, device_slowdowns, host_contention, measured_setup, summarise
 
-__all__ = ["AdaptOptions", "Verdict", "Adapter", "REPLANS_FILE", "NEXT_FILE", "plan_scope_ms", "busy_host_hold"]
+__all__ = ["AdaptOptions", "Verdict", "CANDIDATES", "Adapter", "REPLANS_FILE", "NEXT_FILE", "plan_scope_ms", "busy_host_hold"]
 
+CANDIDATES = ("both", "rows", "replan")
 REPLANS_FILE = "replans.jsonl"
 NEXT_FILE = "next.json"
 
@@ -110,6 +121,13 @@ class AdaptOptions:
         min_gain: predicted speed-up below which a switch is never worth its risk.
         solver: the solver for re-planning.
         time_limit_s: its time limit.
+        candidates: what a slowed device may be answered with: ``both`` (a row move where the device is a
+            replica, weighed against a full re-plan), ``rows`` (the row move alone, the re-plan only when no
+            row move applies) or ``replan`` (the full re-plan alone); ``rows`` and ``replan`` let a benchmark
+            measure each (the ``HPML_ADAPT_CANDIDATES`` environment variable of ``run --adapt``).
+        switch_cost_s: the cost of a restart to price the candidates with, instead of the one measured (this
+            segment's start-up plus its last checkpoint); None: measured. Lets a short test or benchmark switch
+            (``HPML_ADAPT_SWITCH_COST_S``); the decision records which it used.
     """
 
     threshold: float = DEFAULT_THRESHOLD
@@ -120,6 +138,12 @@ class AdaptOptions:
     min_gain: float = 1.05
     solver: str = "ilp"
     time_limit_s: float = 20.0
+    candidates: str = "both"
+    switch_cost_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.candidates not in CANDIDATES:
+            raise HpmlError(f"adapt candidates must be one of {', '.join(CANDIDATES)}, got {self.candidates!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,16 +265,33 @@ class Adapter:
         s = summarise(plan, recent, skip=0, run_dir=self.run_dir)
         prof, cluster = measured_setup(load_profile(self.build_dir / "profile.json"), s, slow,
                                        source=f"{self.run_dir} steps {step - o.patience + 1}..{step}")
-        t0 = time.perf_counter()
-        result = driver.replan(plan, prof, cluster=cluster,
-                               opts=driver.Options(solver=o.solver, time_limit_s=o.time_limit_s))
-        solve_s = time.perf_counter() - t0
-        diff = result.diff
         steps_left = self.total_steps - step
-        cost_ms = (self.startup_s + self.checkpoint_s) * 1e3
-        # the pay-off in real time: the step as measured, sped up by the predicted gain
-        pays = worth_switching(measured, measured / diff.gain, cost_ms, steps_left, o.min_gain)
-        switch = result.switched and pays
+        restart_ms = (self.startup_s + self.checkpoint_s if o.switch_cost_s is None else o.switch_cost_s) * 1e3
+        tried: dict[str, tuple[Any, float]] = {}  # candidate -> (its ReplanResult, seconds to make it)
+        # the stages where a slowed device is one of several replicas: rows can move off it there
+        replicated = {st.index for st in plan.stages if len(st.devices) > 1 and set(st.devices) & set(slow)}
+        if replicated and o.candidates in ("both", "rows"):
+            t0 = time.perf_counter()
+            try:
+                tried["rows"] = (driver.move_rows(plan, prof, cluster=cluster, stages=replicated),
+                                 time.perf_counter() - t0)
+            except HpmlError as e:  # new rows that do not fit: the full re-plan may still
+                self.log(f"no row move at step {step}: {e}")
+        if o.candidates in ("both", "replan") or not tried:
+            t0 = time.perf_counter()
+            tried["replan"] = (driver.replan(plan, prof, cluster=cluster,
+                                             opts=driver.Options(solver=o.solver, time_limit_s=o.time_limit_s)),
+                               time.perf_counter() - t0)
+        # what switching to each costs: a checkpoint and a restart (this segment's start-up) for both; a full
+        # re-plan also its solve (a row move needs none); both regenerate the build (codegen_s, measured below)
+        cands = {name: Candidate(name, r.diff.new_step_ms, r.diff.gain,
+                                 restart_ms + (took * 1e3 if name == "replan" else 0.0))
+                 for name, (r, took) in tried.items() if r.switched}
+        best, why_best = choose_switch(list(cands.values()), measured, steps_left, o.min_gain)
+        chosen = best.name if best is not None else None
+        result, solve_s = tried[chosen or ("replan" if "replan" in tried else "rows")]
+        diff = result.diff
+        switch = best is not None
         scopes = {n.name: n.scope for n in prof.nodes}
         event: dict[str, Any] = {
             "step": step, "time": time.time(), "trigger": "imbalance",
@@ -259,29 +300,45 @@ class Adapter:
             "learned_level": round(self.watch.level, 4),
             "slow_devices": {d: round(f, 3) for d, f in slow.items()},
             "old_step_ms": diff.old_step_ms, "new_step_ms": diff.new_step_ms, "gain": diff.gain,
-            "steps_left": steps_left, "switch_cost_s": cost_ms / 1e3, "switch": switch,
+            "steps_left": steps_left, "switch_cost_s": (cands[chosen].switch_cost_ms if chosen else restart_ms) / 1e3,
+            "switch": switch, "chosen": chosen,
+            "restart_cost": "measured" if o.switch_cost_s is None else "given (HPML_ADAPT_SWITCH_COST_S)",
+            "candidates": {name: {"predicted_step_ms": r.diff.new_step_ms, "old_step_ms": r.diff.old_step_ms,
+                                  "gain": r.diff.gain, "faster": r.switched, "made_s": took,
+                                  "switch_cost_s": (restart_ms + (took * 1e3 if name == "replan" else 0.0)) / 1e3,
+                                  "pays": name in cands and cands[name].pays(measured, steps_left, o.min_gain),
+                                  "rows": [list(st.rows) for st in r.plan.stages],
+                                  "stages": [list(st.devices) for st in r.plan.stages]}
+                           for name, (r, took) in tried.items()},
             "diff": diff.summary(scope_of=lambda n: scopes.get(n, "")), "solve_s": solve_s,
         }
         build = None
         if switch:
             t1 = time.perf_counter()
             build = str(driver.rebuild(self.build_dir, result.plan, prof, self.run_dir / "next_build").out_dir)
-            event.update(codegen_s=time.perf_counter() - t1, build=build)
-        elif not result.switched:
+            event.update(codegen_s=time.perf_counter() - t1, build=build, why_chosen=why_best)
+        elif not cands:
             event["why"] = "no plan is predicted faster on the measured costs"
         else:
-            event["why"] = (f"the gain ({diff.gain:.2f}x of a {measured:.0f} ms step) does not pay for a switch of "
-                            f"{cost_ms / 1e3:.1f} s over {steps_left} steps (or is under {o.min_gain:g}x)")
+            event["why"] = (f"no candidate pays for its switch over {steps_left} steps of a {measured:.0f} ms step "
+                            f"(or gains under {o.min_gain:g}x): {why_best}")
         event["decide_s"] = time.perf_counter() - detected
         self._record(event)
         head = f"re-plan at step {step}: {event['reason']}"
         if slow:
             head += "; slowed: " + ", ".join(f"{d} {f:.2f}x" for d, f in slow.items())
-        self.log(head + "\n" + diff.summary(scope_of=lambda n: scopes.get(n, "")) + "\n"
-                 + (f"switching to the new plan ({build})" if switch else f"keeping the plan: {event['why']}"))
+        priced = "\n".join(
+            f"  candidate {name}: predicted step {r.diff.new_step_ms:.4g} ms against {r.diff.old_step_ms:.4g} ms "
+            f"({r.diff.gain:.2f}x), switch cost {event['candidates'][name]['switch_cost_s']:.1f} s; "
+            + " | ".join(",".join(st.devices) + (f" rows {':'.join(map(str, st.rows))}" if st.rows else "")
+                         for st in r.plan.stages)
+            + ("" if r.switched else " (not faster)") for name, (r, took) in tried.items())
+        self.log(head + "\n" + priced + "\n" + diff.summary(scope_of=lambda n: scopes.get(n, "")) + "\n"
+                 + (f"switching by {chosen} to the new plan ({build}): {why_best}" if switch
+                    else f"keeping the plan: {event['why']}"))
         # the new reference: the new plan's prediction; the measured step when no plan is faster (the gap is the
         # cost model's, not the placement's); unchanged when a faster plan did not pay yet (asked again later)
-        ref = result.plan.predicted.step_ms if switch else measured if not result.switched else self.reference_ms
+        ref = result.plan.predicted.step_ms if switch else measured if not cands else self.reference_ms
         return Verdict(switch, build, ref, event)
 
     def _hold_busy(self, step: int, measured: float, busy: list[Any]) -> Verdict:

@@ -40,7 +40,9 @@ Example:
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -55,10 +57,13 @@ from ..errors import HpmlError
 from ..ir import Cluster, Device, Link
 from .testing import spawn_ranks
 
-__all__ = ["SIZES", "Fit", "fit_link", "measure_cluster", "probe_ranks", "probe_copies"]
+__all__ = ["SIZES", "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link", "probe_ranks",
+           "probe_copies"]
 
 SIZES = (4 << 10, 256 << 10, 4 << 20, 32 << 20)  # bytes: latency-bound to bandwidth-bound
 REPEATS = 5
+QUICK_SIZES = (64 << 10, 4 << 20)  # what `profile` times: one latency-bound and one bandwidth-bound size
+QUICK_REPEATS = 3
 
 Row = tuple[str, int, float]  # (operation: "p2p" | "allreduce" | "copy", bytes, median ms)
 
@@ -174,20 +179,23 @@ def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequ
         Path(out, "links.json").write_text(json.dumps(result))
 
 
-def probe_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS, gpus: Sequence[int] = ()
-                ) -> dict[str, list[Row]]:
+def probe_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS, gpus: Sequence[int] = (),
+                start_method: str = "spawn", timeout_s: float = 600) -> dict[str, list[Row]]:
     """Time send/recv and all-reduce between two processes of this host (gloo; NCCL between ``gpus[:2]``).
 
     Args:
         sizes: message sizes in bytes.
         repeats: timed repeats per size (the median is kept).
         gpus: CUDA indices; with two or more, the first two are timed under NCCL too.
+        start_method: how the two processes start (:func:`~.testing.spawn_ranks`; ``fork`` for gloo only).
+        timeout_s: how long the probe may take.
 
     Returns:
         ``{"gloo": rows, "nccl": rows}`` (``nccl`` only with two GPUs).
     """
     with tempfile.TemporaryDirectory(prefix="hpml-links-") as tmp:
-        spawn_ranks(_probe, 2, tmp, list(sizes), repeats, list(gpus), tmp, timeout_s=600)
+        spawn_ranks(_probe, 2, tmp, list(sizes), repeats, list(gpus), tmp, timeout_s=timeout_s,
+                    start_method=start_method)
         raw = json.loads(Path(tmp, "links.json").read_text())
     return {k: [(op, int(b), float(ms)) for op, b, ms in v] for k, v in raw.items()}
 
@@ -252,6 +260,34 @@ def measure_cluster(cluster: Cluster, sizes: Sequence[int] = SIZES, repeats: int
     for name, fit in fits.items():
         log(f"  {name:5s} {_summary(fit)}")
     return Cluster(devices=cluster.devices, links=tuple(links), name=cluster.name), fits
+
+
+def measure_local_link(sizes: Sequence[int] = QUICK_SIZES, repeats: int = QUICK_REPEATS,
+                       log: Any = print) -> dict[str, Any]:
+    """The gloo link between two CPU processes of this host, as ``profile`` records it in the profile.
+
+    The probe of :func:`measure_cluster` at fewer sizes and repeats, fitted the same way. ``profile`` must
+    stay cheap, and starting two fresh interpreters that import torch costs seconds (29-35 s measured on a
+    busy 2-core host), so on Linux the two processes are forked from this one (0.4 s there): they time
+    gloo between two processes all the same. Should a forked probe fail or hang (60 s), it is run again
+    with fresh interpreters.
+
+    Returns:
+        ``{"gbps", "latency_us", "shared", "source"}``: the profile's ``devices["cpu"]["link"]``.
+    """
+    t0 = time.perf_counter()
+    rows = None
+    if sys.platform == "linux" and "fork" in mp.get_all_start_methods():
+        try:
+            rows = probe_ranks(sizes, repeats, start_method="fork", timeout_s=60)
+        except Exception as e:  # noqa: BLE001 -- a forked probe that fails is run again in fresh interpreters
+            log(f"  the forked link probe failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                "timing again in fresh processes")
+    fit = fit_link((rows or probe_ranks(sizes, repeats))["gloo"])
+    log(f"  gloo link between 2 processes of this host: {_summary(fit)} ({time.perf_counter() - t0:.1f} s)")
+    return {"gbps": round(fit.gbps, 4), "latency_us": round(fit.latency_us, 2), "shared": fit.shared,
+            "source": f"measured by profile: gloo send/recv and all-reduce between 2 CPU processes at "
+                      f"{', '.join(_size(b) for b in sizes)} ({_summary(fit)})"}
 
 
 def _size(b: int) -> str:

@@ -10,7 +10,11 @@
   ``cooldown`` steps, so that a re-plan that did not help cannot make the
   job thrash.
 * :func:`worth_switching` weighs the predicted gain of a new plan against the
-  cost of switching (checkpoint, restart, reload) over the steps that are left.
+  cost of switching (checkpoint, restart, reload) over the steps that are left;
+  :func:`choose_switch` picks among several candidates (the closed loop's
+  row move and full re-plan): of those that pay, the cheapest to switch to,
+  so a cheap row move that pays is not passed over for a re-plan that
+  predicts a little more but costs a solve.
 * :class:`FailureLedger` counts failures per device; a device that fails
   ``max_failures`` times is dropped rather than retried forever.
 * :func:`contention_discount` takes off a step's time what the rank lost to
@@ -32,6 +36,10 @@ Example:
     ([False, False, False, False, False, False, False, True], 1.3)
     >>> worth_switching(old_step_ms=30, new_step_ms=20, switch_cost_ms=5_000, steps_left=1000)
     True
+    >>> rows = Candidate("rows", step_ms=20.0, gain=1.5, switch_cost_ms=4_000)
+    >>> full = Candidate("replan", step_ms=19.0, gain=1.58, switch_cost_ms=5_000)
+    >>> choose_switch([full, rows], measured_ms=30.0, steps_left=1000)[0].name
+    'rows'
     >>> contention_discount(150.0, contention_ms=60.0)
     90.0
     >>> memory_shortfalls({"cpu0": 95, "cpu1": 80}, {"cpu0": 90, "cpu1": 90})
@@ -46,7 +54,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Mapping
 
-__all__ = ["ImbalanceWatch", "FailureLedger", "worth_switching", "contention_discount", "lost_share",
+__all__ = ["ImbalanceWatch", "FailureLedger", "worth_switching", "Candidate", "choose_switch", "contention_discount", "lost_share",
            "memory_shortfalls", "replan_capacity", "DEFAULT_THRESHOLD", "DEFAULT_PATIENCE", "MAX_LOST"]
 
 DEFAULT_THRESHOLD = 1.25  # measured / predicted step time that counts as "worse than planned"
@@ -125,6 +133,54 @@ def worth_switching(old_step_ms: float, new_step_ms: float, switch_cost_ms: floa
     if new_step_ms <= 0 or old_step_ms / new_step_ms < min_gain:
         return False
     return (old_step_ms - new_step_ms) * steps_left > switch_cost_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One way to switch, priced.
+
+    Attributes:
+        name: what it changes (``rows``: the same stages with new rows per replica; ``replan``: a new solve).
+        step_ms: its predicted step on the measured costs.
+        gain: the running plan's predicted step on the same costs over ``step_ms`` (1.0: no gain).
+        switch_cost_ms: what switching to it costs (solve, checkpoint, restart).
+    """
+
+    name: str
+    step_ms: float
+    gain: float
+    switch_cost_ms: float
+
+    def pays(self, measured_ms: float, steps_left: int, min_gain: float = 1.05) -> bool:
+        """Whether it pays over the steps left, its gain applied to the step as measured."""
+        return self.gain > 1.0 and worth_switching(measured_ms, measured_ms / self.gain, self.switch_cost_ms,
+                                                   steps_left, min_gain)
+
+
+def choose_switch(candidates: list[Candidate], measured_ms: float, steps_left: int,
+                  min_gain: float = 1.05) -> tuple[Candidate | None, str]:
+    """The candidate to switch to, or None, and why.
+
+    Of the candidates that pay (:meth:`Candidate.pays`), the cheapest to switch to; between equal costs, the
+    faster. A candidate predicted faster but dearer to switch to loses to one that pays: its extra gain is a
+    prediction, its extra cost is not.
+
+    Args:
+        candidates: the priced candidates.
+        measured_ms: the step as measured now.
+        steps_left: training steps still to run.
+        min_gain: below this speed-up a switch is not worth its risk.
+    """
+    paying = [c for c in candidates if c.pays(measured_ms, steps_left, min_gain)]
+    if not paying:
+        return None, "no candidate pays: " + "; ".join(
+            f"{c.name} predicts {c.gain:.2f}x for a switch of {c.switch_cost_ms / 1e3:.1f} s" for c in candidates)
+    best = min(paying, key=lambda c: (c.switch_cost_ms, c.step_ms))
+    others = [c for c in candidates if c is not best]
+    why = f"{best.name} pays ({best.gain:.2f}x, switch {best.switch_cost_ms / 1e3:.1f} s)" + "".join(
+        f"; {c.name}: {c.gain:.2f}x, switch {c.switch_cost_ms / 1e3:.1f} s"
+        + ("" if c in paying else ", does not pay") for c in others)
+    return best, why + (" (the cheapest to switch to that pays)" if len(paying) > 1 else "")
 
 
 @dataclass(slots=True)

@@ -3,7 +3,11 @@
 :func:`analyse` takes every rank's ``metrics/rank<r>.jsonl``, drops the
 first steps (warm-up: allocator, caches, lazy initialisation), takes each
 rank's median per quantity, and averages the replicas of a stage (peak
-memory: the largest). Predicted per-stage times come from the plan in the
+memory: the largest). A stage whose replicas train on different rows
+(``Stage.rows``) is not averaged: its replicas are not alike, so a mean would
+blur a slowed replica with the others; the stage is summarised by its slowest
+replica (the one the others wait for, which is what the simulator predicts
+for the stage), and each replica gets its own line (:class:`ReplicaSummary`). Predicted per-stage times come from the plan in the
 run folder: the simulator's per-microbatch times x the microbatches run.
 
 :func:`measured_profile` turns the measurements into a profile ``replan`` can
@@ -48,8 +52,29 @@ BUSY = 0.10  # a step on a host that lost at least this share of its CPU to stea
 SLOW_RANK = 1.5  # a rank computing this many times the others' measured/predicted ratio is slow itself ...
 MIN_SHARE = 0.1  # ... when the excess is at least this share of its step
 
-__all__ = ["StageSummary", "RunSummary", "HostContention", "host_contention", "slow_ranks", "BUSY", "analyse", "format_summary", "predicted_bubble", "measured_profile", "export_profile",
+__all__ = ["StageSummary", "ReplicaSummary", "RunSummary", "HostContention", "host_contention", "slow_ranks", "BUSY", "analyse", "format_summary", "predicted_bubble", "measured_profile", "export_profile",
            "suggest_microbatches", "summarise", "held_peaks", "format_memory", "device_slowdowns", "measured_setup", "next_build_path"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSummary:
+    """Medians of one replica of a stage with uneven rows (ms per step)."""
+
+    device: str
+    rows: int
+    fwd_ms: float
+    bwd_ms: float
+    allreduce_ms: float
+    lost_ms: float = 0.0
+
+    @property
+    def compute_ms(self) -> float:
+        return self.fwd_ms + self.bwd_ms
+
+    @property
+    def per_row_ms(self) -> float:
+        """Compute per row of a microbatch (comparable across replicas whatever their rows)."""
+        return self.compute_ms / self.rows if self.rows else float("nan")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +94,16 @@ class StageSummary:
     predicted_fwd_ms: float
     predicted_bwd_ms: float
     lost_ms: float = 0.0  # time the stage's ranks waited for a core (other programs, steal), mostly inside compute
+    replicas: tuple[ReplicaSummary, ...] = ()  # uneven rows: each replica (the stage's figures: its slowest one's)
 
     @property
     def compute_ms(self) -> float:
         return self.fwd_ms + self.bwd_ms
+
+    @property
+    def slowest(self) -> str | None:
+        """The device of the slowest replica (uneven rows; None for a stage summarised by its mean)."""
+        return max(self.replicas, key=lambda r: r.compute_ms).device if self.replicas else None
 
     @property
     def predicted_compute_ms(self) -> float:
@@ -344,15 +375,27 @@ def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: in
     for st in plan.stages:
         ranks = by_stage.get(st.index, [])
 
+        uneven = bool(st.rows) and len(set(st.rows)) > 1 and len(ranks) == len(st.devices)
+        replicas: tuple[ReplicaSummary, ...] = ()
+        if uneven:  # replicas with different rows are not alike: summarise the stage by its slowest one
+            by_replica = sorted(ranks, key=lambda rs: rs[0].replica)
+            replicas = tuple(ReplicaSummary(st.devices[j], st.rows[j], _median(rs, lambda m: m.fwd_ms),
+                                            _median(rs, lambda m: m.bwd_ms), _median(rs, lambda m: m.allreduce_ms),
+                                            _median(rs, lambda m: m.contention_ms))
+                             for j, rs in enumerate(by_replica))
+            slowest = max(range(len(replicas)), key=lambda j: replicas[j].compute_ms)
+            ranks = [by_replica[slowest]]
+
         def med(get: Callable[[StepMetrics], float], ranks: list[list[StepMetrics]] = ranks) -> float:
             return sum(_median(rs, get) for rs in ranks) / len(ranks) if ranks else 0.0
 
+        every = by_stage.get(st.index, [])
         stages.append(StageSummary(
             st.index, st.devices, med(lambda m: m.fwd_ms), med(lambda m: m.bwd_ms), med(lambda m: m.comm_ms),
             med(lambda m: m.idle_ms), med(lambda m: m.allreduce_ms), med(lambda m: m.bubble),
-            int(max((_median(rs, lambda m: m.peak_memory_bytes) for rs in ranks), default=0)),
+            int(max((_median(rs, lambda m: m.peak_memory_bytes) for rs in every), default=0)),
             ranks[0][0].memory_kind if ranks else "rss",
-            st.predicted.fwd_ms * micro, st.predicted.bwd_ms * micro, med(lambda m: m.contention_ms)))
+            st.predicted.fwd_ms * micro, st.predicted.bwd_ms * micro, med(lambda m: m.contention_ms), replicas))
     all_rows = [m for rs in kept.values() for m in rs]
     step_ms = max(_median(rs, lambda m: m.step_ms) for rs in kept.values())
     samples = all_rows[0].samples
@@ -468,6 +511,10 @@ def format_summary(s: RunSummary) -> str:
                      f"{pred} {st.comm_ms:8.1f} {st.idle_ms:8.1f} "
                      f"{st.allreduce_ms:7.1f} {st.bubble:7.1%} {human_bytes(st.peak_memory_bytes):>10s}"
                      + (" (RSS)" if st.memory_kind == "rss" else ""))
+        for r in st.replicas:  # uneven rows: each replica, the stage's line being its slowest one's
+            lines.append(f"  {'':5s}   {r.device[:10]:10s} {r.fwd_ms:8.1f} {r.bwd_ms:8.1f}   rows {r.rows}, "
+                         f"{r.per_row_ms:.2f} ms per row{' (the slowest: the stage line)' if r.device == st.slowest else ''}"
+                         + (f", waited {r.lost_ms:.0f} ms for a core" if r.lost_ms >= 1 else ""))
     step_pred = s.predicted_step_ms
     vs = f"predicted {step_pred:.1f} ms ({s.error:+.1%})" if step_pred > 0 else "no prediction in the plan"
     lines.append(f"  step: measured {s.step_ms:.1f} ms, {vs}; {s.samples_per_s:.1f} samples/s; "
@@ -501,7 +548,8 @@ def measured_profile(profile: Profile, s: RunSummary, *, source: str = "runtime"
     scale: dict[str, tuple[str, float, float]] = {}
     for st, m in zip(plan.stages, s.stages):
         kinds = {plan.cluster.device(d).kind for d in st.devices}
-        own = statistics.fmean(slow.get(d, 1.0) for d in st.devices)
+        # the stage's figures are its slowest replica's under uneven rows, the mean of its replicas otherwise
+        own = slow.get(m.slowest, 1.0) if m.slowest else statistics.fmean(slow.get(d, 1.0) for d in st.devices)
         f = m.fwd_ms / m.predicted_fwd_ms / own if m.predicted_fwd_ms > 0 else 1.0
         b = m.bwd_ms / m.predicted_bwd_ms / own if m.predicted_bwd_ms > 0 else 1.0
         for node in st.nodes:

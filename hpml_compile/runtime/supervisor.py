@@ -278,7 +278,8 @@ def timings(run_dir: Path) -> list[dict[str, Any]]:
     - a failure: detection = torchrun saw it - the rank's report of it; re-plan = solve + codegen (0 when the
       same devices are restarted); resume = the next segment's first step done - the failure.
     - a switch: detection is in steps (``decided_at_step``; the watch needs ``patience`` slow steps); re-plan =
-      solve + codegen; resume = the next segment's first step done - the decision.
+      solve + codegen (a row move's "solve" is choosing its rows); resume = the next segment's first step done -
+      the decision; ``move`` says which candidate it was (``rows`` or ``replan``).
     """
     events = [json.loads(line) for line in (run_dir / EVENTS_FILE).read_text().splitlines() if line.strip()]
     out = []
@@ -298,7 +299,9 @@ def timings(run_dir: Path) -> list[dict[str, Any]]:
             d = e["decision"]
             t0 = d.get("time", e["time"])
             row = {"kind": "switch (imbalance)", "detect_s": None, "decided_at_step": d.get("step"),
-                   "replan_s": d.get("solve_s", 0.0) + d.get("codegen_s", 0.0), "step": e["step"]}
+                   "replan_s": d.get("solve_s", 0.0) + d.get("codegen_s", 0.0), "step": e["step"],
+                   "move": d.get("chosen") or "replan", "solve_s": d.get("solve_s", 0.0),
+                   "codegen_s": d.get("codegen_s", 0.0)}
         row["resume_s"] = first_step - t0 if first_step else None
         out.append(row)
     return out

@@ -46,7 +46,7 @@ def _hello(rank: int, world_size: int) -> None:
 
 
 def spawn_ranks(fn: Callable[..., None], world_size: int, workdir: str | Path, *args: Any, threads: int = 1,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str = "spawn") -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes on this machine.
 
     Args:
@@ -56,6 +56,9 @@ def spawn_ranks(fn: Callable[..., None], world_size: int, workdir: str | Path, *
         args: passed to ``fn`` after the rank and world size.
         threads: torch threads per rank.
         timeout_s: seconds all ranks together may take; then every child is terminated.
+        start_method: ``spawn`` (fresh interpreters: safe whatever the parent did), or ``fork`` (children of
+            this process: no second import of torch, a fraction of a second instead of seconds; for short
+            probes on Linux, whose ranks run one torch thread, so no OpenMP pool is used after the fork).
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: if a rank fails (with its traceback).
@@ -63,7 +66,8 @@ def spawn_ranks(fn: Callable[..., None], world_size: int, workdir: str | Path, *
     """
     path = Path(workdir).resolve() / f"rendezvous-{os.getpid()}-{id(fn)}"
     path.unlink(missing_ok=True)
-    ctx = mp.spawn(_entry, args=(fn, world_size, f"file://{path}", threads, args), nprocs=world_size, join=False)
+    ctx = mp.start_processes(_entry, args=(fn, world_size, f"file://{path}", threads, args), nprocs=world_size,
+                             join=False, start_method=start_method)
     assert ctx is not None
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):

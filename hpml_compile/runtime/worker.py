@@ -310,6 +310,20 @@ def _resume_point(args: argparse.Namespace, rank: int) -> Path | None:
     return resume_from(args.checkpoint_dir, log=log)
 
 
+def _env_seconds(name: str) -> float | None:
+    """A number of seconds from the environment variable ``name``, or None when it is not set."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise HpmlError(f"{name}={text!r}: expected a number of seconds, e.g. {name}=0.5") from None
+    if value < 0:
+        raise HpmlError(f"{name}={text!r}: a cost cannot be negative; give 0 or more seconds")
+    return value
+
+
 def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
     from .. import models  # the zoo: only a worker of a `compile`d build needs it
 
@@ -386,7 +400,10 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
                 adapter = Adapter(pipe, build_dir=args.build, run_dir=args.run_dir, total_steps=args.steps,
                                   startup_s=began, log=_say,
                                   options=AdaptOptions(threshold=args.adapt_threshold, patience=args.adapt_patience,
-                                                       cooldown=args.adapt_cooldown))
+                                                       cooldown=args.adapt_cooldown,
+                                                       # which candidates: a benchmark forces each (AdaptOptions)
+                                                       candidates=os.environ.get("HPML_ADAPT_CANDIDATES", "both"),
+                                                       switch_cost_s=_env_seconds("HPML_ADAPT_SWITCH_COST_S")))
             verdict = adapter.observe()
             if verdict is not None and verdict.switch:
                 switched = verdict
