@@ -58,6 +58,7 @@ Example:
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import time
 from dataclasses import replace
@@ -79,12 +80,14 @@ from .dp import objective, solve_chain
 from .ilp import IlpResult, milp, prune, solve_ilp
 from .lagrange import (EXACT_VECTORS, coarse_chain, coarse_groups, lagrangian_bounds, ordered_chain, ordered_groups,
                        ordered_units, reduced_cost_prune, speed_order, vectors)
-from .table import build_table
+from .table import CandidateTable, build_table
 
 #: Most candidates handed to HiGHS after pruning (beyond, the Lagrangian bounds alone decide; memory).
 MILP_CANDIDATES = 15000
 #: Share of the many-kind path's time left after the search that the Lagrangian bounds may take (then HiGHS).
 BOUNDS_SHARE = 0.85
+#: Share of that time the blocked DP may take in the other kind orders, for a better incumbent first.
+ORDERS_SHARE = 0.2
 
 __all__ = ["SolverName", "solve", "microbatch_choices", "plan_from_cuts", "choose_compression"]
 
@@ -300,6 +303,27 @@ def _first_plan(chain: Chain, cluster: Cluster, setting: Setting) -> list[Candid
     return min((p for p in plans if p), key=lambda p: objective(p, setting.microbatches), default=None)
 
 
+def _other_orders(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, upper: float,
+                  report: Callable[[float, float, list[Candidate] | None], None], until: float) -> None:
+    """Better incumbents from the blocked DP in the other kind orders (the first plan tried the fastest first).
+
+    Where memory binds, the kind with the least memory wants the end of the pipeline (fewest microbatches in
+    flight) whatever its speed: llama-70b on 3 x 32 at 64 microbatches, H100, V100, A100 is 3.4% better than
+    fastest first. Each order is one DP of ``sum_k`` states (~0.15 s there); they are tried until ``until``.
+    """
+    m, first = setting.microbatches, speed_order(chain, tab.kinds)
+    unit = ordered_units(cluster, setting)
+    for order in itertools.permutations(first):
+        if order == first:
+            continue
+        if time.perf_counter() >= until:
+            break
+        got = ordered_chain(chain, cluster, setting, tab, order, unit=unit)
+        if got and objective(got, m) < upper:
+            upper = objective(got, m)
+            report(0.0, upper, got)
+
+
 def _gap(lower: float, upper: float) -> float:
     """Relative gap of ``upper`` over ``lower`` (0 when they meet, 1 when nothing is known)."""
     if not math.isfinite(upper) or upper <= 0:
@@ -335,9 +359,10 @@ def _anytime(chain: Chain, cluster: Cluster, setting: Setting, warm: list[Candid
     try:
         report(0.0, state["upper"], warm)
         tab = build_table(chain, cluster, setting, max_time=state["upper"] * (1 + 1e-9))
+        _other_orders(chain, cluster, setting, tab, state["upper"], report, start + ORDERS_SHARE * (deadline - start))
         # The bounds first: their shortest paths that respect the limits are the best plans found at scale
         # (3 x 256: 74,734 ms where the restricted DPs' best was 79,548), and they prune for the MILP.
-        b, lam = lagrangian_bounds(chain, cluster, setting, tab, start=warm,
+        b, lam = lagrangian_bounds(chain, cluster, setting, tab, start=state["plan"],
                                    deadline=start + BOUNDS_SHARE * (deadline - start), progress=report)
         report(b.lower, b.upper, b.plan)
         say(f"anytime: Lagrangian bounds after {b.evaluations} shortest paths")

@@ -38,6 +38,14 @@ of memory. Here neither side of the search keeps that product:
   plans found. With many stages the duality gap is small (each kind's limit
   is one constraint against dozens of stages), which is what makes the
   certificate tight at scale.
+- **Floored-units DPs** (:class:`_Floored`): where the prices stall on a threshold pair (its dual converged
+  below the incumbent, or at once where the first plan has few stages per kind, :data:`FEW_STAGES`), the
+  pair's bound is raised by exact DPs over device counts kept in the state in units rounded down (each
+  kind alone, the others priced; then every kind in coarse units), over only the candidates on a path
+  that may beat the incumbent at the pair's prices (:func:`through`). Rounding down admits every plan, so
+  each is a relaxation, and it has no duality gap from the prices: gpt2-xl on 3 x 32 (six stages of 16
+  devices) sat at 1.9% with prices alone and reaches 1% in ~4 CPU s with them. A box's bound also keeps its
+  parent's (its plans are among the parent's), so the least open box never falls.
 - :func:`reduced_cost_prune` drops candidates that cannot be in a plan better
   than the incumbent, by the Lagrangian bound of the best path through them,
   before the MILP (:mod:`.ilp`) sees the table.
@@ -74,7 +82,7 @@ from .table import CandidateTable
 
 __all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "vectors", "units", "coarse_groups", "coarse_chain", "ordered_units", "ordered_groups",
            "speed_order", "ordered_chain", "path_min",
-           "lagrangian_bounds", "reduced_cost_prune", "feasible"]
+           "lagrangian_bounds", "reduced_cost_prune", "through", "floor_variants", "feasible"]
 
 #: Device-count vectors up to which the exact DP (and its bounds) are used as before.
 EXACT_VECTORS = 130
@@ -88,6 +96,20 @@ STALE_STEPS = 8
 DUAL_STEPS = 240
 #: Memory classes of the Lagrangian DP (optimistic beyond: still a lower bound).
 LAGRANGE_CLASSES = 8
+#: Device-count vectors of the floored-units DP over every kind that raises a threshold pair's bound (:class:`_Floored`).
+FLOOR_VECTORS = 1000
+#: Units of the one kind kept in the state of the cheaper floored DPs.
+FLOOR_ONE = 128
+#: Most candidates x count vectors of one floored DP (beyond, it is skipped: time).
+FLOOR_WORK = 4_000_000
+#: Subgradient steps on one threshold pair after which its bound is raised by the floored-units DPs, where the
+#: first plan has at most :data:`FEW_STAGES` stages per kind (else only once its prices have converged: with
+#: many stages per kind the prices' duality gap is small and the floored DPs cost more than they raise:
+#: llama-70b on 3 x 256 reached 1% after 6.8 CPU s this way and not within 11 s when floored at once).
+FLOOR_AFTER = 12
+#: Stages per kind of the first plan up to which the floored DPs come early (gpt2-xl on 3 x 32: six stages,
+#: 1% after 4.9 CPU s with them early, 11.6 s when only converged pairs get them).
+FEW_STAGES = 3
 
 
 def vectors(counts: dict[str, int]) -> int:
@@ -397,6 +419,60 @@ def path_min(n: int, tab: CandidateTable, w: np.ndarray, big_j: int,
     return _Paths(n, tab, big_j, max_classes).run(w)
 
 
+class _Floored:
+    """A stronger relaxation for one threshold pair: device limits kept in the DP's state, in floored units.
+
+    Every plan within the limits has ``sum_i floor(d_i / g_k) <= floor(sum_i d_i / g_k) <= floor(count_k /
+    g_k)`` per kind, so the exact DP of :func:`~.dp.tile` over device *units*, where a stage takes
+    ``floor(d / g_k)`` of them and kind ``k`` has ``floor(count_k / g_k)``, admits every plan: its least sum
+    is a lower bound. A kind left out of the state (``g_k`` None) is only priced, as in the Lagrangian. With
+    prices ``lam`` the weights are ``t + comm + lam_kind d`` and ``lam . count`` is subtracted (any
+    ``lam >= 0`` gives a bound; prices on the kinds in the state are usually best left at zero). Where the
+    stages are a large share of a kind's devices (gpt2-xl on 3 x 32: six stages of 16) the prices alone
+    leave a duality gap (1.9% there: two stages of 24 H100 cost the prices what one of 48 does) that the
+    state closes. Memory classes as in :class:`_Paths` (optimistic beyond ``J``).
+    """
+
+    def __init__(self, n: int, tab: CandidateTable, counts: dict[str, int], big_j: int, J: int,
+                 g: dict[str, int | None]) -> None:
+        self.n, self.tab, self.big_j, self.J = n, tab, big_j, J
+        self.kept = np.asarray([g[k] is not None for k in tab.kinds])
+        gk = np.asarray([g[k] or max(counts[k], 1) + 1 for k in tab.kinds], dtype=np.int64)
+        self.ucounts = {k: counts[k] // int(gk[i]) for i, k in enumerate(tab.kinds)}
+        self.ud = tab.d // gk[tab.kind]
+        self.jmax = np.where(tab.jmax >= J, big_j, tab.jmax)  # class J admits jmax >= J: optimistic, a relaxation
+        self.vectors = vectors(self.ucounts)
+        self.useful = bool(np.any(self.ud > 0))  # else every stage is free in the units: the prices' bound again
+
+    def run(self, sel: np.ndarray, w: np.ndarray) -> tuple[float, list[int]] | None:
+        """Least ``sum w`` over tilings by the candidates of ``sel`` within the floored unit counts."""
+        idx = np.flatnonzero(sel & np.isfinite(w))
+        if idx.size == 0:
+            return None
+        sub = dataclasses.replace(self.tab.select(idx), d=self.ud[idx])
+        got = tile(self.n, self.ucounts, sub, np.zeros(idx.size), w[idx], self.jmax[idx], self.big_j, self.J)
+        return None if got is None else (got[1], [int(idx[i]) for i in got[2]])
+
+
+def floor_variants(counts: dict[str, int], kinds: tuple[str, ...]) -> list[dict[str, int | None]]:
+    """The state units of the floored DPs tried on a stalled pair: each kind alone in the state (at most
+    :data:`FLOOR_ONE` units, the others priced), then every kind in units (:func:`units`, at most
+    :data:`FLOOR_VECTORS` count vectors).
+
+    >>> floor_variants({"a": 32, "b": 256}, ("a", "b"))
+    [{'a': 1, 'b': None}, {'a': None, 'b': 2}, {'a': 2, 'b': 8}]
+    """
+    out: list[dict[str, int | None]] = []
+    for k in kinds:
+        g = 1
+        while counts[k] // g > FLOOR_ONE:
+            g *= 2
+        out.append({x: (g if x == k else None) for x in kinds})
+    if len(kinds) > 1:
+        out.append(dict(units({k: counts[k] for k in kinds}, FLOOR_VECTORS)))
+    return out
+
+
 def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, *,
                       start: list[Candidate] | None = None, deadline: float = math.inf,
                       target_gap: float = 1e-6, iterations: int = 12,
@@ -443,11 +519,12 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
     class _Dual:
         """One threshold pair's Lagrangian dual, maximised a few steps at a time (resumable)."""
 
-        __slots__ = ("w0", "value", "lam", "delta", "done", "steps")
+        __slots__ = ("w0", "value", "lam", "delta", "done", "steps", "floored")
 
         def __init__(self, sel: np.ndarray) -> None:
             self.w0 = np.where(sel, base, np.inf)
             self.value, self.lam, self.delta, self.done, self.steps = -math.inf, lam.copy(), math.inf, False, 0
+            self.floored = False
 
     def dual(st: _Dual, slack: float, steps: int) -> float:
         """``steps`` more projected subgradient steps on ``st``; its best dual value so far (a lower bound on
@@ -505,6 +582,35 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
         lam = st.lam
         return st.value
 
+    floor_after = FLOOR_AFTER if start is not None and len(start) <= FEW_STAGES * len(tab.kinds) else DUAL_STEPS
+    floors = [f for g in floor_variants(counts, tab.kinds) if (f := _Floored(n, tab, counts, big_j, paths.J, g)).useful]
+
+    def floor(st: _Dual, slack: float) -> None:
+        """Raise ``st``'s bound by the floored-units DPs (:class:`_Floored`), each at its best prices with the
+        kinds in its state at zero, and at zero prices; the pair is then settled."""
+        nonlocal evals
+        st.floored = st.done = True
+        if not floors:
+            return
+        sel = np.isfinite(st.w0)
+        if math.isfinite(slack):  # only candidates on a path that may beat the incumbent, at the pair's prices
+            sel &= through(n, tab, st.w0 + onehot @ st.lam) - float(st.lam @ cap) <= slack + 1e-9 * max(1.0, slack)
+        work = int(sel.sum())
+        for f in floors:
+            if work * f.vectors > FLOOR_WORK or st.value >= slack:
+                continue
+            options = [np.where(f.kept, 0.0, st.lam)]
+            if not np.all(f.kept) and np.any(st.lam > 0):
+                options.append(np.zeros_like(st.lam))
+            for prices in options:
+                evals += 1
+                got = f.run(sel, st.w0 + onehot @ prices)
+                if got is None:
+                    st.value = math.inf
+                    return
+                st.value = max(st.value, got[0] - float(prices @ cap))
+                consider(got[1])
+
     lower_now = 0.0
     us, vs = np.unique(tab.t), np.unique(tab.tail)
     if us.size == 0:
@@ -532,14 +638,18 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
     while heap and heap[0][0] < upper * (1 - target_gap):
         if time.perf_counter() > deadline:
             break
-        _, i, j, k, l = heapq.heappop(heap)
+        was, i, j, k, l = heapq.heappop(heap)  # its bound so far holds for every part of it
         if i == j and k == l:  # one threshold pair: more dual steps, unless its dual is done
             base_ik = (m - 1) * us[i] + vs[k]
             got = base_ik + s_at(i, k, upper - base_ik, 2 * iterations)
-            if duals[(i, k)].done:
-                settled = min(settled, got)
+            st = duals[(i, k)]
+            if (st.done or st.steps >= floor_after) and not st.floored and got < upper * (1 - target_gap):
+                floor(st, upper - base_ik)  # the prices alone stall here: keep the devices in the state, in floored units
+                got = base_ik + st.value
+            if st.done:
+                settled = min(settled, max(got, was))
             else:
-                heapq.heappush(heap, (got, i, i, k, k))
+                heapq.heappush(heap, (max(got, was), i, i, k, k))
         else:
             if j - i <= 1 and l - k <= 1:  # the (up to four) threshold pairs of the box
                 halves = [(a, a, c, c) for a in {i, j} for c in {k, l}]
@@ -552,17 +662,21 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
             for a, b, c, d in halves:
                 base_ac = (m - 1) * us[a] + vs[c]
                 got = base_ac + s_at(b, d, upper - base_ac)
+                if a == b and c == d and duals[(b, d)].done and not duals[(b, d)].floored \
+                        and got < upper * (1 - target_gap):
+                    floor(duals[(b, d)], upper - base_ac)
+                    got = base_ac + duals[(b, d)].value
                 if a == b and c == d and duals[(b, d)].done:
-                    settled = min(settled, got)
+                    settled = min(settled, max(got, was))
                 else:
-                    heapq.heappush(heap, (got, a, b, c, d))
+                    heapq.heappush(heap, (max(got, was), a, b, c, d))
         now = min(min((h[0] for h in heap), default=math.inf), settled, upper)
         if now > lower_now:
             lower_now = now
             say(lower_now, upper, best)
     open_low = min((h[0] for h in heap), default=math.inf)
     complete = bool(open_low >= upper * (1 - 1e-9))
-    lower = float(min(upper, settled, open_low))
+    lower = float(max(lower_now, min(upper, settled, open_low)))
     return Bounds(t_min, s_all, float(vs[0]), lower, upper, best, evals, complete), lam
 
 
@@ -579,6 +693,15 @@ def reduced_cost_prune(chain: Chain, cluster: Cluster, setting: Setting, tab: Ca
     cap = np.asarray([counts[k] for k in tab.kinds], dtype=np.float64)
     lam = np.zeros(len(tab.kinds)) if lam is None else lam
     w = tab.t + tab.comm + lam[tab.kind] * tab.d
+    r_min = float(tab.tail.min()) if len(tab) else 0.0
+    bound = (m - 1) * tab.t + r_min + through(n, tab, w) - float(lam @ cap)
+    return bound <= upper * (1 + 1e-9)
+
+
+def through(n: int, tab: CandidateTable, w: np.ndarray) -> np.ndarray:
+    """Per candidate, the least ``sum w`` of a tiling of ``[0, n)`` that holds it (``inf`` where none does):
+    ``pre(a) + w + suf(b)``, with ``pre`` and ``suf`` the least ``sum w`` of tilings of ``[0, a)`` and ``[b, n)``
+    (memory classes and device counts relaxed)."""
     suf = np.full(n + 1, np.inf)
     suf[n] = 0.0
     by_a = np.argsort(tab.a, kind="stable")
@@ -595,6 +718,4 @@ def reduced_cost_prune(chain: Chain, cluster: Cluster, setting: Setting, tab: Ca
         h = by_b[cut_b[k]:cut_b[k + 1]]
         if h.size:
             pre[k] = float(np.min(pre[tab.a[h]] + w[h]))
-    r_min = float(tab.tail.min()) if len(tab) else 0.0
-    bound = (m - 1) * tab.t + r_min + pre[tab.a] + w + suf[tab.b] - float(lam @ cap)
-    return bound <= upper * (1 + 1e-9)
+    return pre[tab.a] + w + suf[tab.b]

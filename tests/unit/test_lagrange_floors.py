@@ -1,0 +1,75 @@
+"""The floored-units DPs of the many-kind bound (lagrange._Floored) against brute force.
+
+Each floored DP keeps some kinds' devices in its state in units rounded down and prices the rest; it is a
+relaxation, so at any prices its value (minus ``prices . count``) must stay below the least ``sum(t + comm)``
+of every plan that fits; and where every unit is one device and every kind is in the state, it is that least
+sum exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hpml_compile.solve.candidates import Candidate, classes, kind_counts
+from hpml_compile.solve.table import build_table
+from test_solve_fast import _setup, cases  # the random DAGs, clusters and memory limits of the solver tests
+
+
+def brute_force_sum(chain, cluster, setting, tab) -> float:
+    """Least ``sum(t + comm)`` over every tiling by ``tab`` that fits the devices and memory."""
+    from hpml_compile.solve.lagrange import feasible
+
+    counts, big_j, n = kind_counts(cluster), classes(setting, len(cluster.devices)), chain.n
+    by_a: dict[int, list[Candidate]] = {}
+    for c in tab.candidates():
+        by_a.setdefault(c.a, []).append(c)
+    best = math.inf
+
+    def walk(a: int, picked: list[Candidate], used: dict[str, int]) -> None:
+        nonlocal best
+        if a == n:
+            if feasible(picked, counts, big_j):
+                best = min(best, sum(c.t + c.comm for c in picked))
+            return
+        for c in by_a.get(a, []):
+            if used.get(c.kind, 0) + c.d <= counts[c.kind]:
+                walk(c.b, picked + [c], {**used, c.kind: used.get(c.kind, 0) + c.d})
+
+    walk(0, [], {})
+    return best
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.lists(st.floats(0.0, 3.0), min_size=4, max_size=4), st.sampled_from([1, 2, 4]))
+def test_floored_dps_are_relaxations(case, raw_prices, unit) -> None:
+    from hpml_compile.solve.bounds import exact_classes
+    from hpml_compile.solve.lagrange import LAGRANGE_CLASSES, _Floored, floor_variants
+
+    chain, cluster, setting = _setup(case)
+    tab = build_table(chain, cluster, setting)
+    if chain.n > 5 or len(tab) > 150 or len(tab) == 0:  # keep the brute force small
+        return
+    want = brute_force_sum(chain, cluster, setting, tab)
+    counts, big_j = kind_counts(cluster), classes(setting, len(cluster.devices))
+    J = min(exact_classes(tab, big_j), LAGRANGE_CLASSES)
+    cap = np.asarray([counts[k] for k in tab.kinds], dtype=np.float64)
+    base = tab.t + tab.comm
+    onehot = np.zeros((len(tab), len(tab.kinds)))
+    onehot[np.arange(len(tab)), tab.kind] = tab.d
+    prices = np.asarray(raw_prices[:len(tab.kinds)] + [0.0] * max(0, len(tab.kinds) - 4))
+    variants = floor_variants(counts, tab.kinds) + [{k: unit for k in tab.kinds}]
+    every = np.ones(len(tab), dtype=bool)
+    for g in variants:
+        f = _Floored(chain.n, tab, counts, big_j, J, g)
+        got = f.run(every, base + onehot @ prices)
+        if want == math.inf and got is None:
+            continue
+        assert got is not None, f"{g}: no tiling where a plan fits"
+        assert got[0] - float(prices @ cap) <= want + 1e-6 * max(1.0, abs(want)), g
+        if all(g[k] == 1 for k in tab.kinds) and J >= exact_classes(tab, big_j) and not prices.any():
+            assert got[0] == pytest.approx(want, rel=1e-9)  # single-device units, every kind, exact classes
