@@ -17,31 +17,12 @@ from hypothesis import strategies as st
 
 from hpml_compile.solve.candidates import Candidate, classes, kind_counts
 from hpml_compile.solve.table import build_table
-from test_solve_fast import _setup, cases  # the random DAGs, clusters and memory limits of the solver tests
+from test_solve_fast import _setup, brute_force_objective, cases  # the random DAGs, clusters and memory limits of the solver tests
 
 
 def brute_force_sum(chain, cluster, setting, tab) -> float:
     """Least ``sum(t + comm)`` over every tiling by ``tab`` that fits the devices and memory."""
-    from hpml_compile.solve.lagrange import feasible
-
-    counts, big_j, n = kind_counts(cluster), classes(setting, len(cluster.devices)), chain.n
-    by_a: dict[int, list[Candidate]] = {}
-    for c in tab.candidates():
-        by_a.setdefault(c.a, []).append(c)
-    best = math.inf
-
-    def walk(a: int, picked: list[Candidate], used: dict[str, int]) -> None:
-        nonlocal best
-        if a == n:
-            if feasible(picked, counts, big_j):
-                best = min(best, sum(c.t + c.comm for c in picked))
-            return
-        for c in by_a.get(a, []):
-            if used.get(c.kind, 0) + c.d <= counts[c.kind]:
-                walk(c.b, picked + [c], {**used, c.kind: used.get(c.kind, 0) + c.d})
-
-    walk(0, [], {})
-    return best
+    return brute_force_objective(chain, cluster, setting, tab, score=lambda picked: sum(c.t + c.comm for c in picked))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -285,14 +285,15 @@ def test_table_and_simulator_agree_on_fixed_parts_and_the_optimizer() -> None:
         assert cand.tail == pytest.approx(r.stages[0].sync_ms + r.stages[0].optimizer_ms)
 
 
-def brute_force_objective(chain: Chain, cluster: Cluster, setting: Setting, tab) -> float:
-    """Least ``(M - 1) T + S + R`` over every tiling by ``tab`` that fits the devices and memory, by recursion."""
+def brute_force_objective(chain: Chain, cluster: Cluster, setting: Setting, tab, score=None) -> float:
+    """Least ``score(picked)`` (default the objective ``(M - 1) T + S + R``) over every tiling by ``tab`` that
+    fits the devices and memory, by recursion."""
     from hpml_compile.solve.lagrange import feasible
 
     counts, big_j, n, m = kind_counts(cluster), classes(setting, len(cluster.devices)), chain.n, setting.microbatches
-    cands = tab.candidates()
+    score = score or (lambda picked: objective(picked, m))
     by_a: dict[int, list[Candidate]] = {}
-    for c in cands:
+    for c in tab.candidates():
         by_a.setdefault(c.a, []).append(c)
     best = math.inf
 
@@ -300,7 +301,7 @@ def brute_force_objective(chain: Chain, cluster: Cluster, setting: Setting, tab)
         nonlocal best
         if a == n:
             if feasible(picked, counts, big_j):
-                best = min(best, objective(picked, m))
+                best = min(best, score(picked))
             return
         for c in by_a.get(a, []):
             if used.get(c.kind, 0) + c.d <= counts[c.kind]:
