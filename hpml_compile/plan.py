@@ -23,6 +23,7 @@ from typing import Any, Iterable, Sequence
 
 from .errors import OptionError, PlanError, SchemaError
 from .ir import Cluster, Precision, Profile, Schedule
+from .cluster import overlap_efficiency
 from .compression import check_sync, parse_compress
 from .memory import GiB, MemoryBreakdown, ZeroStage, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
@@ -44,6 +45,7 @@ __all__ = [
     "validate_plan",
     "with_comm",
     "check_comm",
+    "sync_overlap",
     "check_placement",
     "hierarchy_problem",
     "node_stages",
@@ -670,6 +672,39 @@ def _check_comm_options(plan: Plan, st: Stage) -> None:
     if plan.sync_every > 1 and st.compress:
         raise PlanError(f"stage {st.index} compresses its gradients ({st.compress}) and the plan runs local SGD "
                         f"(sync every {plan.sync_every}): choose one of them")
+
+
+def sync_overlap(plan: Plan, k: int) -> float:
+    """The fraction of stage ``k``'s last backward that hides its gradient sync: one rule for plan and runtime.
+
+    The cost model hides that much of the backward behind the stage's bucketed collective
+    (:func:`hpml_compile.stagecost.sync_ms`, through :mod:`hpml_compile.simulate`), and the runtime
+    launches the stage's buckets during the backward exactly where it is above 0
+    (:class:`hpml_compile.runtime.Pipeline`, unless told otherwise), else runs one collective after the
+    backward, which is what the cost model then prices.
+
+    Args:
+        plan: the plan.
+        k: a stage index.
+
+    Returns:
+        0 where the stage's sync is not bucketed (one device; compressed; local SGD; a hierarchical
+        all-reduce; ZeRO-3: all run after the backward), else the overlap efficiency of its devices
+        (:func:`hpml_compile.cluster.overlap_efficiency`: 0 with a CPU in the group, 1 for GPUs).
+
+    Example:
+        >>> from hpml_compile.cluster import load_cluster
+        >>> from hpml_compile.ir import Schedule
+        >>> c = load_cluster("local-cpu-2")
+        >>> p = Plan("mlp", c, Schedule.GPIPE, 1, (Stage(0, ("cpu0", "cpu1"), ("x",)),))
+        >>> sync_overlap(p, 0)
+        0.0
+    """
+    st = plan.stages[k]
+    if (len(st.devices) < 2 or st.compress or plan.sync_every > 1 or st.allreduce is AllReduce.HIERARCHICAL
+            or st.zero == ZeroStage.OS_G_P):
+        return 0.0
+    return overlap_efficiency(plan.cluster, st.devices)
 
 
 def save_plan(plan: Plan, path: str | Path) -> Path:

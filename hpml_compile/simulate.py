@@ -42,7 +42,9 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   ZeRO-0/1/2 all-reduce or reduce-scatter runs bucket by bucket during
   the last microbatch's backward, as the runtime launches it, so only what
   that backward does not hide is on the tail
-  (:func:`hpml_compile.stagecost.overlapped_ms`); an
+  (:func:`hpml_compile.stagecost.overlapped_ms`), the backward scaled by the
+  stage's :func:`hpml_compile.plan.sync_overlap` (0 on CPU ranks: there the
+  runtime runs the collective after the backward, and it is priced so); an
   offloaded optimizer moves gradients to the host and parameters back.
   Parameters shared by several stages (tied embeddings) are then summed by
   one all-reduce over the devices of those stages, which waits for all of
@@ -94,7 +96,7 @@ from .compression import CompressKind, parse_compress, powersgd_fraction
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
 from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
-from .plan import AllReduce, Plan, PlanPrediction, Schedule, Stage, StagePrediction
+from .plan import AllReduce, Plan, PlanPrediction, Schedule, Stage, StagePrediction, sync_overlap
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
                         local_sgd_sync_ms, optimizer_ms, stream_bytes_per_ms, stream_ms, sync_ms, transfer_ms)
@@ -337,7 +339,7 @@ def _sync_cost(plan: Plan, graph: CostGraph, st: Stage, nodes: list[str], params
     if plan.sync_every > 1 and d > 1:
         return local_sgd_sync_ms(params, d, plan.sync_every, group)
     return float(sync_ms(params, d, st.zero, st.offload_optimizer, group, host, hier, bwd_ms=bwd_ms,
-                         microbatches=microbatches))
+                         microbatches=microbatches, overlap=sync_overlap(plan, st.index)))
 
 
 def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], float]]:

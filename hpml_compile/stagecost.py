@@ -56,7 +56,9 @@ Times (milliseconds), per step:
   its backward, counted here with the step's tail). The ZeRO-0/1/2 all-reduce or
   reduce-scatter runs bucket by bucket during the last backward, as the
   runtime launches it (:func:`overlapped_ms`): only what the backward does not
-  hide counts; an offloaded optimizer moves its shard of gradients to the host and
+  hide counts, the backward scaled by the stage's overlap efficiency
+  (:func:`hpml_compile.plan.sync_overlap`: 0 on CPU ranks, whose gloo threads
+  share the backward's cores, where the runtime syncs after the backward); an offloaded optimizer moves its shard of gradients to the host and
   parameters back. Plus, under ZeRO-1/2, copying the gathered parameters into
   their flat buffer (:func:`copy_ms`; gradients accumulate in the buffer the
   collective reads, so they are not copied).
@@ -397,7 +399,7 @@ def level_bytes(nbytes: int, replicas: int, hier: Hierarchy | None) -> dict[str,
 
 def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_optimizer: bool,
             link: cost_models.LinkSpec | None, host: cost_models.LinkSpec, hier: Hierarchy | None = None,
-            bwd_ms: Value | None = None, microbatches: int = 1) -> Value:
+            bwd_ms: Value | None = None, microbatches: int = 1, overlap: float = 1.0) -> Value:
     """Gradient synchronisation of a stage past its last backward (the collectives and the offload copies).
 
     Args:
@@ -413,20 +415,30 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
             overlaps it bucket by bucket (:func:`overlapped_ms`), as the runtime runs it on ranks. None: the
             whole collective after the backward.
         microbatches: ``M`` (ZeRO-3 gathers the parameters for each microbatch's forward and backward).
+        overlap: the fraction of ``bwd_ms`` that hides the collective (:func:`hpml_compile.plan.sync_overlap`,
+            the rule the runtime follows); 0: the runtime does not bucket this stage's sync, so it is priced
+            as one collective after the backward.
 
     Returns:
         Milliseconds, of the form of ``param_bytes``.
+
+    >>> lo = cost_models.LinkSpec("loopback", gbps=3.1, latency_us=50.0, source="example")
+    >>> mib23 = 23 << 20
+    >>> [round(sync_ms(mib23, 2, 0, False, lo, lo, bwd_ms=10.0, overlap=w), 3) for w in (1.0, 0.0)]
+    [7.011, 7.88]
     """
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap must be a fraction of the backward in [0, 1], got {overlap}")
     z = ZeroStage(zero)
     total: Value = param_bytes * 0.0
     if replicas > 1:
         reduce = cost_models.allreduce_ms if z == ZeroStage.NONE else cost_models.reduce_scatter_ms
         if z == ZeroStage.NONE and hier is not None:  # three collectives after the backward (the runtime's order)
             total = total + hierarchical_allreduce_ms(param_bytes, hier)
-        elif bwd_ms is None or z == ZeroStage.OS_G_P:  # ZeRO-3's reduce-scatter is not overlapped (runtime.zero3)
-            total = total + transfer_ms(reduce, param_bytes, link, replicas)
+        elif bwd_ms is None or z == ZeroStage.OS_G_P or overlap <= 0:  # ZeRO-3's is not overlapped (zero3)
+            total = total + transfer_ms(reduce, param_bytes, link, replicas)  # one collective after the backward
         else:
-            window = bwd_ms if z == ZeroStage.NONE else bwd_ms / replicas
+            window = overlap * (bwd_ms if z == ZeroStage.NONE else bwd_ms / replicas)
             total = total + overlapped_ms(reduce, param_bytes, link, replicas, window)
         if z != ZeroStage.NONE:  # ZeRO-1/2: the stepped shards once; ZeRO-3: the parameters twice per microbatch
             gathers = 2 * max(1, microbatches) if z == ZeroStage.OS_G_P else 1

@@ -61,7 +61,7 @@ from ..codegen import Build, load_build
 from ..codegen.comm import DetachedComm
 from ..errors import HpmlError
 from ..ir import Precision
-from ..plan import AllReduce, with_comm
+from ..plan import AllReduce, sync_overlap, with_comm
 from .batchcheck import agree_with_check, fingerprint
 from ..hostmem import keep_freed_memory
 from ..memory import ZeroStage
@@ -110,8 +110,12 @@ class Pipeline:
         events: record every step's events (:mod:`.events`) and the host's load (:mod:`.host`).
         scaler: the fp16 loss scaler (default for an fp16 build: :class:`~.scaler.LossScaler` with torch's
             defaults; refused for a bf16 or fp32 build, which need none).
-        overlap: on ranks, a replicated stage's gradient collectives run bucket by bucket during the step's last
-            backward (:class:`~.zero.GradBuckets`); False: after the whole backward, in one collective.
+        overlap: None (the default) does what the plan says: a replicated stage's gradient collectives run
+            bucket by bucket during the step's last backward (:class:`~.zero.GradBuckets`) where
+            :func:`hpml_compile.plan.sync_overlap` is above 0 (GPU groups), after the whole backward in one
+            collective where it is 0 (CPU ranks: gloo's threads would take the backward's cores), as the cost
+            model prices it. True forces the buckets on (where the stage's sync is a flat all-reduce or a
+            ZeRO-1/2 reduce-scatter), False off; either departs from the plan's prediction.
         bucket_mb: the size of an overlapped bucket after the first (1 MiB), as DDP's ``bucket_cap_mb``.
         comm_options: ``compress`` / ``sync_every`` / ``sync_warmup`` overriding the build's plan
             (:func:`hpml_compile.plan.with_comm`; None values keep the plan's): they change only how the
@@ -121,7 +125,7 @@ class Pipeline:
     def __init__(self, build: Build, model: nn.Module, *, optimizer: OptimizerArg = None,
                  session: Session | None = None, run_dir: str | Path | None = None, tensorboard: bool = True,
                  faults: Sequence[CommFault] = (), log: Callable[[str], None] | None = None,
-                 events: bool = True, scaler: LossScaler | None = None, overlap: bool = True,
+                 events: bool = True, scaler: LossScaler | None = None, overlap: bool | None = None,
                  bucket_mb: float = 25.0, comm_options: dict[str, Any] | None = None) -> None:
         self.build, self.model, self.session = build, model, session
         if bucket_mb <= 0:
@@ -272,7 +276,7 @@ class Pipeline:
             self.comm.shards[k] = bucket
             # overlapped buckets are flat all-reduces: a compressed, local-SGD or hierarchical stage syncs after
             # its backward, as the cost model prices it
-            if (self._overlap and self.comm.groups.get((k,)) is not None and bucket.reducer is None
+            if (self._overlaps(k) and self.comm.groups.get((k,)) is not None and bucket.reducer is None
                     and st.allreduce is AllReduce.FLAT):
                 bucket.enable_overlap(min(FIRST_BUCKET_BYTES, self._bucket_bytes), self._bucket_bytes)
             return [bucket]
@@ -291,9 +295,13 @@ class Pipeline:
             shard = FlatShard(k, params, replicas=self._reps[k], replica=self.replica, zero=st.zero)
         shard.comm = self.comm
         self.comm.shards[k] = shard
-        if self._overlap and self.comm.groups.get((k,)) is not None:
+        if self._overlaps(k) and self.comm.groups.get((k,)) is not None:
             shard.enable_overlap(min(FIRST_BUCKET_BYTES, self._bucket_bytes), self._bucket_bytes)
         return [shard]
+
+    def _overlaps(self, k: int) -> bool:
+        """Whether stage ``k``'s gradient buckets launch during the backward: the plan's rule unless forced."""
+        return sync_overlap(self.plan, k) > 0 if self._overlap is None else self._overlap
 
     def _make_optimizer(self, optimizer: OptimizerArg) -> torch.optim.Optimizer | None:
         if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):

@@ -36,7 +36,7 @@ import numpy as np
 
 import cost_models
 
-from ..cluster import host_link_spec
+from ..cluster import host_link_spec, overlap_efficiency
 from ..errors import UnknownDeviceError
 from ..ir import Cluster
 from ..memory import MemoryBreakdown, ZeroStage, dtype_bytes
@@ -211,6 +211,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         first = next(x for x in cluster.devices if x.kind == kind)
         cap, is_cpu = first.memory_bytes, first.is_cpu
         host = host_link_spec(first)
+        overlap = overlap_efficiency(cluster, [first.name])  # the runtime's rule (plan.sync_overlap), by kind
         fw, bw = np.asarray(chain.fwd[kind]), np.asarray(chain.bwd[kind])
         ffx, bfx = np.asarray(chain.fwd_fixed[kind]), np.asarray(chain.bwd_fixed[kind])
         fixed_all = ffx[rb] - ffx[ra] + bfx[rb] - bfx[ra]
@@ -245,7 +246,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             mem = mem._replace(grads=mem.grads + shared)  # the flat buffer of gradients tied to other stages
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)
-            sync = sync_ms(params, d, cfg.zero, cfg.offload, glink, host, bwd_ms=bwd, microbatches=m)
+            sync = sync_ms(params, d, cfg.zero, cfg.offload, glink, host, bwd_ms=bwd, microbatches=m,
+                           overlap=overlap)
             if hier is not None and cfg.zero == ZeroStage.NONE:  # the faster of flat and hierarchical (to_plan picks)
                 sync = np.minimum(sync, sync_ms(params, d, cfg.zero, cfg.offload, glink, host, hier, microbatches=m))
             if setting.compress is not None and d > 1 and cfg.zero == ZeroStage.NONE:  # allowed: where it pays

@@ -16,7 +16,11 @@ Each rank checks, after a few SGD steps:
   before the last microbatch's backward would miss the later microbatches'
   gradients, which the first check sees;
 - the path without overlap (``overlap=False``: one collective after the whole
-  backward), for ZeRO-0 and ZeRO-1, trains as the original too.
+  backward), for ZeRO-0 and ZeRO-1, trains as the original too;
+- left to the plan (``overlap=None``), these CPU ranks sync after the backward
+  (no buckets), as :func:`hpml_compile.plan.sync_overlap` says and the cost
+  model prices; the overlapped cases above force the buckets on
+  (``overlap=True``) to test that path here.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ STEPS = 3
 MICRO = 3
 ROWS = 12  # 3 microbatches of 4 rows, 2 rows per replica of stage 0
 TOL = 1e-5
-CASES = [("0", True), ("1", True), ("2", True), ("0", False), ("1", False)]
+# (zero, overlap): True forces the buckets on (the plan would not: these ranks are CPUs), False off, None
+# follows the plan (plan.sync_overlap: 0 on CPU ranks, so no buckets)
+CASES = [("0", True), ("1", True), ("2", True), ("0", False), ("1", False), ("0", None)]
 BUCKET_MB = 0.05  # ~52 KB buckets: gpt-tiny's 474 KB of gradients in ~9 of them
 
 
@@ -116,5 +122,5 @@ def test_overlapped_buckets_train_as_the_original_with_microbatches_ties_and_zer
                 early = row["buckets"] - 1 if zero == "0" else 1
                 assert all(n == row["buckets"] and e >= early for n, e in row["launched_in_backward"]), \
                     (rank, key, row["launched_in_backward"], row["buckets"])
-            else:  # no overlap asked, or a stage of one replica: nothing to bucket
+            else:  # no overlap asked, the plan's rule on CPU ranks, or a stage of one replica: nothing to bucket
                 assert row["buckets"] == 0, (rank, key, row)

@@ -81,24 +81,29 @@ def test_send_delay_over_link() -> None:
     assert any(b.kind is EventKind.SEND for b in r.intervals)
 
 
-def test_allreduce_tail_in_replicated_stage() -> None:
-    prof = chain_profile([(2.0, 4.0)], param_bytes=2 * 10**6)
+@pytest.mark.parametrize("kind", ["A100-80GB", "cpu"])
+def test_allreduce_tail_in_replicated_stage(kind: str) -> None:
+    prof = chain_profile([(2.0, 4.0)], param_bytes=2 * 10**6, kind=kind)
     g = build(prof)
-    c = Cluster(devices=(Device("d0", "cpu", 8), Device("d1", "cpu", 8)), links=(Link("d0", "d1", 1.0, 0.0),))
+    c = Cluster(devices=(Device("d0", kind, 8), Device("d1", kind, 8)), links=(Link("d0", "d1", 1.0, 0.0),))
     r = simulate(_plan(g, c, [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE), g)
     # compute halves (F 0-1, B 1-3); ring all-reduce of 2 MB over 2 ranks: 2 (n-1)/n * 2 MB / 1 GB/s = 2 ms,
-    # in place on the buffer the gradients accumulate in (no copies), in two buckets (1 MiB, then the rest)
-    # launched during the 2 ms backward: the first is ready after 1 MiB of it, so the backward hides
-    # 2 ms * (1 - 1 MiB / 2 MB) and the tail is the rest (more than the last bucket alone)
+    # in place on the buffer the gradients accumulate in (no copies). On GPUs (plan.sync_overlap 1) in two
+    # buckets (1 MiB, then the rest) launched during the 2 ms backward: the first is ready after 1 MiB of it,
+    # so the backward hides 2 ms * (1 - 1 MiB / 2 MB) and the tail is the rest (more than the last bucket
+    # alone). On CPU ranks (sync_overlap 0: gloo's threads would share the backward's cores) the runtime
+    # all-reduces once after the backward: the whole 2 ms.
+    hides = 1.0 if kind != "cpu" else 0.0
     first = 2**20 / 2e6
-    assert r.step_ms == pytest.approx(3.0 + 2.0 - 2.0 * (1 - first))
+    assert r.step_ms == pytest.approx(3.0 + 2.0 - hides * 2.0 * (1 - first))
     assert [b.kind for b in r.intervals if b.device == "d1"][-1] is EventKind.SYNC
     # ZeRO-1: reduce-scatter + all-gather, (n-1)/n * 2 MB / 1 GB/s each = 1 ms, and the gathered parameters
     # copied into place (2 MB read + written twice) at the memory bandwidth; the reduce-scatter's buckets span
-    # both shards, so only the last half of the backward (1 ms) hides it; the all-gather follows the optimizer
-    copy = 4 * 2e6 / (cost_models.get_device("cpu").mem_bw / 1e3)
+    # both shards, so only the last half of the backward (1 ms) hides it (on GPUs); the all-gather follows
+    # the optimizer
+    copy = 4 * 2e6 / (cost_models.get_device(kind).mem_bw / 1e3)
     r1 = simulate(_plan(g, c, [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE, zero=ZeroStage.OS), g)
-    assert r1.step_ms == pytest.approx(3.0 + 1.0 - 1.0 * (1 - first) + 1.0 + copy)
+    assert r1.step_ms == pytest.approx(3.0 + 1.0 - hides * 1.0 * (1 - first) + 1.0 + copy)
 
 
 def test_recompute_is_an_extra_forward() -> None:
@@ -214,10 +219,9 @@ def test_replicas_on_one_host_share_its_memory_bandwidth() -> None:
     c = shared.stages[0]
     # 2 MB of weights at 10 GB/s: 0.2 ms of the forward streams, 0.4 ms of the backward; copies 4 x 2 MB
     assert (c.fwd_stream_ms, c.bwd_stream_ms, c.sync_copy_ms) == pytest.approx((0.2, 0.4, 0.8))
-    # reduce-scatter + all-gather of 2 MB over 1 GB/s: 1 + 1 ms; different hosts: nothing stretches. The
-    # reduce-scatter overlaps the last half of the backward from its first bucket (1 MiB) on: 1 ms x 1 MiB / 2 MB
-    # of it is left
-    rs = 2**20 / 2e6
+    # reduce-scatter + all-gather of 2 MB over 1 GB/s: 1 + 1 ms; different hosts: nothing stretches. CPU
+    # ranks do not overlap the reduce-scatter with the backward (plan.sync_overlap): all of it after
+    rs = 1.0
     assert alone.step_ms == pytest.approx(1.0 + 2.0 + rs + 1.0 + 0.8 + 2.0)
     assert alone.contention == (1.0,)
     # ZeRO-0 accumulates gradients in the buffer it all-reduces in place: no copies

@@ -37,11 +37,15 @@ def _ms(fn, *args) -> float:
     return float(fn(*args))
 
 
-def _sync(cfg, params: int, d: int, glink, host, bwd: float, hier=None) -> float:
+def _sync(cfg, params: int, d: int, glink, host, bwd: float, hier=None, is_cpu: bool = False) -> float:
     t = 0.0
-    if d > 1:  # the all-reduce / reduce-scatter overlaps one microbatch's backward (the last), bucket by bucket
+    if d > 1:  # the all-reduce / reduce-scatter overlaps one microbatch's backward (the last), bucket by bucket,
+        # on GPUs; CPU ranks run it after the backward (cluster.overlap_efficiency 0), as one collective
+        if is_cpu:
+            bwd = 0.0
+        reduce = overlapped_ms if not is_cpu else (lambda fn, p, link, n, _w: _ms(fn, p, n, link))
         if cfg.zero == ZeroStage.NONE:
-            t += overlapped_ms(cost_models.allreduce_ms, params, glink, d, bwd)
+            t += reduce(cost_models.allreduce_ms, params, glink, d, bwd)
             if hier is not None:  # two hosts or more, the same number on each: the faster of flat and hierarchical
                 h, hosts = hier.per_host, len(hier.hosts)
                 t = min(t, _ms(cost_models.reduce_scatter_ms, params, h, hier.intra)
@@ -49,7 +53,7 @@ def _sync(cfg, params: int, d: int, glink, host, bwd: float, hier=None) -> float
                         + _ms(cost_models.all_gather_ms, params, h, hier.intra))
         else:
             rounds = 3 if cfg.zero == ZeroStage.OS_G_P else 2
-            t += overlapped_ms(cost_models.reduce_scatter_ms, params, glink, d, bwd / d) + (rounds - 1) * _ms(
+            t += reduce(cost_models.reduce_scatter_ms, params, glink, d, bwd / d) + (rounds - 1) * _ms(
                 cost_models.all_gather_ms, params, d, glink)
     if cfg.offload:
         shard = params // d if cfg.zero >= ZeroStage.OS else params
@@ -84,7 +88,7 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
                         t = base + (fwd if cfg.recompute else 0.0) + swap
                         copy = 4 * params / stream_bytes_per_ms(chain.graph, [kind]) \
                             if d > 1 and cfg.zero >= ZeroStage.OS else 0.0
-                        scored.append((m * t + _sync(cfg, params, d, glink, host, bwd, hier) + copy, t, cfg))
+                        scored.append((m * t + _sync(cfg, params, d, glink, host, bwd, hier, is_cpu) + copy, t, cfg))
                     scored.sort(key=lambda x: x[0])
                     best_j = -1
                     for est, t, cfg in scored:

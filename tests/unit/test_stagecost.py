@@ -4,14 +4,16 @@ candidate table, which both read it, agree on the stages of a plan."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 import cost_models
+from hpml_compile.cluster import CPU_OVERLAP, GPU_OVERLAP, host_link_spec, link_spec
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.memory import ZeroStage
-from hpml_compile.plan import Schedule, SolverInfo
+from hpml_compile.plan import AllReduce, Plan, Schedule, SolverInfo, Stage, sync_overlap
 from hpml_compile.simulate import stage_costs
 from hpml_compile.solve.candidates import CONFIGS, Chain, Setting, to_plan
 from hpml_compile.solve.table import build_table
@@ -160,3 +162,56 @@ def test_zero3_gathers_the_parameters_for_each_microbatch_forward_and_backward()
     z3 = stagecost.sync_ms(1 << 20, 2, ZeroStage.OS_G_P, False, link, host, microbatches=3)
     assert ag > 0 and z3 == pytest.approx(rs + 6 * ag)
     assert stagecost.sync_ms(1 << 20, 2, ZeroStage.OS, False, link, host, microbatches=3) == pytest.approx(rs + ag)
+
+
+def _dp_plan(kind: str, **stage: object) -> tuple[Plan, object]:
+    """One stage of 3 nodes replicated on two devices of ``kind`` (a GPU kind or "cpu"), and its cost graph."""
+    devs = tuple(Device(f"d{i}", kind, 64.0, host="h0") for i in range(2))
+    graph = build(dag_profile([{kind: (4.0, 8.0)}] * 3, [[], [0], [1]], param_bytes=[40 * MiB] * 3,
+                              activation_bytes=[MiB] * 3, batch_size=8))
+    plan = Plan("toy", Cluster(devices=devs, name=kind), Schedule.GPIPE, 2,
+                (Stage(0, ("d0", "d1"), ("n0", "n1", "n2"), **stage),))  # type: ignore[arg-type]
+    return plan, graph
+
+
+def test_plan_simulator_and_runtime_share_one_overlap_rule() -> None:
+    """CPU ranks (gloo on the backward's cores) sync after the backward, priced so; GPU groups overlap."""
+    cpu, cpu_graph = _dp_plan("cpu")
+    gpu, gpu_graph = _dp_plan("A100-80GB")
+    assert sync_overlap(cpu, 0) == CPU_OVERLAP == 0.0 and sync_overlap(gpu, 0) == GPU_OVERLAP == 1.0
+    # what the runtime does not bucket is not overlapped, whatever the devices
+    for kw in ({"compress": "topk:0.01"}, {"zero": ZeroStage.OS_G_P}, {"allreduce": AllReduce.HIERARCHICAL}):
+        assert sync_overlap(_dp_plan("A100-80GB", **kw)[0], 0) == 0.0, kw
+    assert sync_overlap(replace(gpu, sync_every=4), 0) == 0.0
+    one = replace(gpu, stages=(replace(gpu.stages[0], devices=("d0",)),))
+    assert sync_overlap(one, 0) == 0.0
+    params = 120 * MiB
+    for plan, graph, hides in ((cpu, cpu_graph, False), (gpu, gpu_graph, True)):
+        st, c = plan.stages[0], plan.cluster
+        cost = stage_costs(plan, graph)[0]
+        link, host = link_spec(c, "d0", "d1"), host_link_spec(c.devices[0])
+        after = stagecost.sync_ms(params, 2, ZeroStage.NONE, False, link, host)  # one collective after the backward
+        if hides:
+            assert cost.sync_ms < after
+        else:
+            assert cost.sync_ms == pytest.approx(after, rel=1e-9)
+    # the solver's table prices a CPU group the same way (its candidates' tails match the simulator's)
+    chain = Chain.of(cpu_graph)
+    tab = build_table(chain, cpu.cluster, Setting(2, Schedule.GPIPE, 8)).candidates()
+    cand = next(x for x in tab if x.a == 0 and x.b == 3 and x.d == 2 and x.config == CONFIGS[0])
+    planned = to_plan(chain, cpu.cluster, Setting(2, Schedule.GPIPE, 8), [cand], SolverInfo("test"))
+    got = stage_costs(planned, cpu_graph)[0]
+    assert got.sync_ms + got.optimizer_ms == pytest.approx(cand.tail, rel=1e-9)
+
+
+def test_overlap_scales_the_backward_that_hides_the_sync() -> None:
+    link = cost_models.get_link("gloo-loopback")
+    whole = stagecost.sync_ms(80 * MiB, 2, ZeroStage.NONE, False, link, PCIE)
+    got = [stagecost.sync_ms(80 * MiB, 2, ZeroStage.NONE, False, link, PCIE, bwd_ms=50.0, overlap=w)
+           for w in (0.0, 0.5, 1.0)]
+    assert got[0] == whole and got[0] > got[1] > got[2]  # 0: one collective after the backward, as the runtime
+    for z in (ZeroStage.OS, ZeroStage.OS_G):
+        assert stagecost.sync_ms(80 * MiB, 2, z, False, link, PCIE, bwd_ms=50.0, overlap=0.0) \
+            == stagecost.sync_ms(80 * MiB, 2, z, False, link, PCIE)
+    with pytest.raises(ValueError, match="overlap"):
+        stagecost.sync_ms(MiB, 2, ZeroStage.NONE, False, link, PCIE, bwd_ms=5.0, overlap=1.5)
