@@ -482,14 +482,14 @@ class PendingChain:
             return
         t0 = time.perf_counter()
         self.queue.advance(until=self)
+        if self.device.type == "cuda":  # here only, not in a poll: a hook must not stall the backward's queue
+            torch.cuda.current_stream(self.device).synchronize()
         self.stats.collective_s += time.perf_counter() - t0
 
     def _finish(self) -> None:
         self.done()
         if self.wire is not self.out:
             self.out.copy_(self.wire)  # a GPU tensor staged through the host for gloo
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
         self.finished = True
         if self.events is not None:  # from the launch: the time it was in flight, overlapped or not
             self.events.add("ALLREDUCE", self.start, time.perf_counter(), self.stage, -1, self.group_size,
@@ -500,7 +500,7 @@ class ChainQueue:
     """A stage's pending hierarchical chains, whose collectives start in one fixed order on every rank.
 
     The order is bucket by bucket and, within a bucket, level by level: a bucket's reduce-scatter starts
-    only once the bucket before it has started its all-gather. So each sub-group sees its collectives in
+    only once the bucket before it is done (its all-gather included). So each sub-group sees its collectives in
     bucket order whatever the timing of a rank's hooks and of the network (see the module docstring), and
     the collectives run one after another, as :func:`hpml_compile.stagecost.sync_ms` prices them.
     """
