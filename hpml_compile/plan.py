@@ -702,9 +702,10 @@ def sync_overlap(plan: Plan, k: int) -> float:
         k: a stage index.
 
     Returns:
-        0 where the stage's sync is not bucketed (one device; compressed; local SGD; a hierarchical
-        all-reduce; ZeRO-3: all run after the backward), else the overlap efficiency of its devices
-        (:func:`hpml_compile.cluster.overlap_efficiency`: 0 with a CPU in the group, 1 for GPUs).
+        0 where the stage's sync is not bucketed (one device; compressed; local SGD; ZeRO-3: all run after
+        the backward), else the overlap efficiency of its devices (:func:`hpml_compile.cluster.overlap_efficiency`:
+        0 with a CPU in the group, 1 for GPUs), for a flat all-reduce as for a hierarchical one (each bucket
+        a chain of three collectives, :class:`hpml_compile.runtime.comm.ChainQueue`).
 
     Example:
         >>> from hpml_compile.cluster import load_cluster
@@ -715,8 +716,7 @@ def sync_overlap(plan: Plan, k: int) -> float:
         0.0
     """
     st = plan.stages[k]
-    if (len(st.devices) < 2 or st.compress or plan.sync_every > 1 or st.allreduce is AllReduce.HIERARCHICAL
-            or st.zero == ZeroStage.OS_G_P):
+    if len(st.devices) < 2 or st.compress or plan.sync_every > 1 or st.zero == ZeroStage.OS_G_P:
         return 0.0
     return overlap_efficiency(plan.cluster, st.devices)
 

@@ -39,7 +39,9 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   priced on its own link), reduce-scatter + all-gather (ZeRO-1/2, Rajbhandari et
   al. 2020; ZeRO-3: reduce-scatter, and the parameters' all-gathers before
   each microbatch's forward and backward, counted here with the tail). The
-  ZeRO-0/1/2 all-reduce or reduce-scatter runs bucket by bucket during
+  ZeRO-0/1/2 all-reduce (flat, or hierarchical: each bucket's three
+  collectives in a chain, :func:`hpml_compile.stagecost.hierarchical_overlapped_ms`)
+  or reduce-scatter runs bucket by bucket during
   the last microbatch's backward, as the runtime launches it, so only what
   that backward does not hide is on the tail
   (:func:`hpml_compile.stagecost.overlapped_ms`), the backward scaled by the

@@ -122,7 +122,7 @@ from .ir import Schedule, base_kind
 from .memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, MemoryBreakdown, ZeroStage, autocast_copy_bytes
 
 __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "overlapped_ms",
-           "hierarchical_allreduce_ms", "level_bytes", "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
+           "hierarchical_overlapped_ms", "hierarchical_allreduce_ms", "level_bytes", "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
            "optimizer_ms", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows"]
 
 # A count or a duration: a Python scalar for one stage, a numpy array for many candidates at once.
@@ -328,11 +328,46 @@ def overlapped_ms(fn: Callable[..., float], param_bytes: Value, link: cost_model
 
     (20 ms of backward hide 19.6 ms; 100 ms hide all but the last bucket.)
     """
-    zero = param_bytes * 0.0
     if replicas <= 1 or link is None:
-        return zero
-    c1 = transfer_ms(fn, float(BUCKET_BYTES), link, replicas)
-    c2 = transfer_ms(fn, 2.0 * BUCKET_BYTES, link, replicas)
+        return param_bytes * 0.0
+    return _bucketed(lambda b: transfer_ms(fn, b, link, replicas), param_bytes, window_ms)
+
+
+def hierarchical_overlapped_ms(param_bytes: Value, hier: Hierarchy, window_ms: Value) -> Value:
+    """What a hierarchical all-reduce launched bucket by bucket during the last backward adds to the step.
+
+    :func:`overlapped_ms` with a bucket's collective being its chain of three
+    (:func:`hierarchical_allreduce_ms`: reduce-scatter in the host, all-reduce between hosts, all-gather), as
+    the runtime runs it (:class:`hpml_compile.runtime.comm.ChainQueue`: the chains one after another, each
+    level after the previous one), so what stays exposed is at least the last bucket's whole chain.
+
+    Args:
+        param_bytes: the gradient bytes (a scalar or an array).
+        hier: the group by host (:func:`hpml_compile.cluster.hierarchy`).
+        window_ms: the backward over which the buckets become ready (the last microbatch's, scaled by the
+            stage's overlap efficiency).
+
+    Returns:
+        Milliseconds, of the form of ``param_bytes``.
+
+    >>> from hpml_compile.cluster import hierarchy, load_cluster
+    >>> h = hierarchy(load_cluster("2node-a100-16"), [f"gpu{i}" for i in range(16)])
+    >>> mib100 = 100 << 20  # 1 MiB, then 25 MiB buckets: the last of 24 MiB
+    >>> round(hierarchical_allreduce_ms(mib100, h), 2)  # after the backward, one chain
+    1.75
+    >>> [round(hierarchical_overlapped_ms(mib100, h, w), 2) for w in (0.0, 1.0, 100.0)]
+    [2.12, 1.13, 0.49]
+
+    (No backward to hide behind: five chains' latencies; 1 ms hides about 1 ms; a long one all but the last
+    bucket's chain, 0.49 ms.)
+    """
+    return _bucketed(lambda b: hierarchical_allreduce_ms(b, hier), param_bytes, window_ms)
+
+
+def _bucketed(cost: Callable[[float], float], param_bytes: Value, window_ms: Value) -> Value:
+    """:func:`overlapped_ms` for any bucket cost affine in its bytes (``cost(bytes)``, milliseconds)."""
+    c1 = float(cost(float(BUCKET_BYTES)))
+    c2 = float(cost(2.0 * BUCKET_BYTES))
     beta = (c2 - c1) / BUCKET_BYTES
     alpha = max(0.0, c1 - beta * BUCKET_BYTES)
     first = np.minimum(param_bytes, FIRST_BUCKET_BYTES) if isinstance(param_bytes, np.ndarray) \
@@ -409,8 +444,8 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         offload_optimizer: the Adam state lives in host memory.
         link: the slowest link between the stage's devices (None for one device).
         host: the link between the stage's devices and their host's memory.
-        hier: the stage's devices by host, for a hierarchical all-reduce (ZeRO-0 only, run after the backward,
-            not overlapped); None: a flat ring.
+        hier: the stage's devices by host, for a hierarchical all-reduce (ZeRO-0 only; overlapped as the flat
+            one is, :func:`hierarchical_overlapped_ms`); None: a flat ring.
         bwd_ms: one microbatch's backward on one replica: the all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1/2)
             overlaps it bucket by bucket (:func:`overlapped_ms`), as the runtime runs it on ranks. None: the
             whole collective after the backward.
@@ -436,8 +471,10 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
     total: Value = param_bytes * 0.0
     if replicas > 1:
         reduce = cost_models.allreduce_ms if z == ZeroStage.NONE else cost_models.reduce_scatter_ms
-        if z == ZeroStage.NONE and hier is not None:  # three collectives after the backward (the runtime's order)
-            total = total + hierarchical_allreduce_ms(param_bytes, hier)
+        if z == ZeroStage.NONE and hier is not None and (bwd_ms is None or overlap <= 0):
+            total = total + hierarchical_allreduce_ms(param_bytes, hier)  # three collectives after the backward
+        elif z == ZeroStage.NONE and hier is not None:  # each bucket's chain of three during the backward
+            total = total + hierarchical_overlapped_ms(param_bytes, hier, overlap * bwd_ms)
         elif bwd_ms is None or z == ZeroStage.OS_G_P or overlap <= 0:  # ZeRO-3's is not overlapped (zero3)
             total = total + transfer_ms(reduce, param_bytes, link, replicas)  # one collective after the backward
         else:

@@ -35,9 +35,11 @@ sum); and with a compression allowed as well (:data:`COMPRESSIONS`). It prints
 each against the compute bound and against :func:`tight_bound` (which adds one
 row's pass through the model and the least optimizer step: still a bound no
 plan beats, closer to what plans reach), the share of the distance that each
-closes, where each plan's step goes (:func:`step_terms`), and a what-if that is
-not a plan the tool makes (:func:`what_if_overlapped`). (The first table's
-``ilp`` column is the solver's default, hierarchical allowed.)
+closes, and where each plan's step goes (:func:`step_terms`). A hierarchical
+stage's all-reduce is priced bucket by bucket during the last backward, each
+bucket a chain of its three collectives, as the runtime runs it on GPUs (the
+what-if of an earlier session, now the hierarchical column itself). (The first
+table's ``ilp`` column is the solver's default, hierarchical allowed.)
 
 Run:
     python benchmarks/plan_quality/main.py                        # ~5-8 min on 2 busy cores
@@ -60,13 +62,12 @@ from typing import Any, Callable
 import torch
 
 from hpml_compile import models, profile
-from hpml_compile.cluster import hierarchy, load_cluster
+from hpml_compile.cluster import load_cluster
 from hpml_compile.costgraph import CostGraph, build
 from hpml_compile.errors import InfeasibleError
 from hpml_compile.ir import Cluster
-from hpml_compile.plan import AllReduce, Plan, Schedule, Stage
+from hpml_compile.plan import Plan
 from hpml_compile.simulate import EventKind, simulate
-from hpml_compile.stagecost import hierarchical_allreduce_ms, overlapped_ms
 from hpml_compile.solve import SolverName, plan_from_cuts, solve
 from hpml_compile.solve.baselines import cut_points
 from hpml_compile.solve.candidates import Chain
@@ -318,31 +319,6 @@ def _terms_text(t: dict[str, float]) -> str:
     return " + ".join(f"{k} {t[k]:.3g}" for k in ("compute", "bubble", "sync", "tied", "optimizer"))
 
 
-def what_if_overlapped(graph: CostGraph, cluster: Cluster) -> dict[str, Any] | None:
-    """What-if, not a plan the tool makes: one ZeRO-0 stage over every device at ``M = 1`` whose hierarchical
-    all-reduce runs bucket by bucket during the backward, as the flat one does
-    (:func:`hpml_compile.stagecost.overlapped_ms` with the three levels as the bucket's collective). The
-    runtime runs a hierarchical stage's three collectives after its backward (``runtime/pipeline.py``), so the
-    solver must not price it so; this says what that runtime change would be worth. None where the stage does not
-    fit or does not span hosts.
-    """
-    devs = tuple(d.name for d in cluster.devices)
-    hier = hierarchy(cluster, devs)
-    if hier is None:
-        return None
-    st = Stage(0, devs, tuple(m for v in graph.order for m in graph.node(v).members), allreduce=AllReduce.HIERARCHICAL)
-    plan = Plan(graph.model, cluster, Schedule.ONE_F_ONE_B, 1, (st,))
-    r = simulate(plan, graph)
-    if any(r.peak[d.name] > d.memory_bytes for d in cluster.devices):
-        return None
-    cost = r.stages[0]
-    params = graph.total("param_bytes")
-    levels = lambda nbytes, _ranks, _link: float(hierarchical_allreduce_ms(nbytes, hier))  # noqa: E731
-    hidden = float(overlapped_ms(levels, params, hier.inter, len(devs), cost.bwd_ms))
-    return {"step_ms": r.step_ms, "sync_ms": cost.sync_ms, "overlapped_sync_ms": hidden,
-            "what_if_step_ms": r.step_ms - cost.sync_ms + hidden, "optimizer_ms": cost.optimizer_ms}
-
-
 def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit: float) -> list[dict[str, Any]]:
     """``ilp`` with every all-reduce flat against ``ilp`` free to all-reduce hierarchically, on one cluster, and
     with each of :data:`COMPRESSIONS` allowed too.
@@ -350,7 +326,7 @@ def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit
     Prints one row per model: the predicted steps, the compute bound and the tighter bound (:func:`tight_bound`),
     and the share of the flat plan's distance to each bound that the hierarchical all-reduce closes,
     ``(flat - hier) / (flat - bound)``; then per model where the hierarchical plan's step goes
-    (:func:`step_terms`) and the what-if of :func:`what_if_overlapped`.
+    (:func:`step_terms`).
 
     Returns:
         The rows, for the JSON.
@@ -373,9 +349,6 @@ def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit
                        "closed_tight": closed(p.predicted.step_ms, tight), "stages": _shape(p),
                        "compressed": [s.index for s in p.stages if s.compress], "microbatches": p.microbatches,
                        "terms": step_terms(p, graph)}
-        w = what_if_overlapped(graph, cluster)
-        if w is not None:
-            w["closed_what_if"] = closed(min(w["what_if_step_ms"], h), bound)
         rows.append({"model": name, "cluster": cluster.name, "flat_ms": f, "hierarchical_ms": h, "bound_ms": bound,
                      "row_bound_ms": row_bound(graph, cluster), "optimizer_floor_ms": optimizer_floor(graph, cluster),
                      "tight_bound_ms": tight, "flat_vs_bound": f / bound, "hierarchical_vs_bound": h / bound,
@@ -383,7 +356,7 @@ def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit
                      "flat_stages": _shape(flat), "hierarchical_stages": _shape(hier),
                      "flat_microbatches": flat.microbatches, "hierarchical_microbatches": hier.microbatches,
                      "flat_terms": step_terms(flat, graph), "hierarchical_terms": step_terms(hier, graph),
-                     "compressed": comp, "what_if_overlapped": w})
+                     "compressed": comp})
         print(f"{name:11s} {f:9.4g} {h:9.4g} {bound:9.4g} {tight:9.4g} {f / bound:7.2f}x {h / bound:7.2f}x "
               f"{closed(h, bound):6.0%} {closed(h, tight):6.0%}  "
               f"{_shape(flat)} (M={flat.microbatches}) -> {_shape(hier)} (M={hier.microbatches})", flush=True)
@@ -395,12 +368,6 @@ def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit
             print(f"{'':11s} {c:>10s}: {e['step_ms']:.4g} ms, closed {e['closed']:.0%} "
                   f"(tight {e['closed_tight']:.0%}), {e['stages']} (M={e['microbatches']}), compressed stages {e['compressed']}: "
                   f"{_terms_text(e['terms'])}")
-        w = r["what_if_overlapped"]
-        if w:
-            print(f"{'':11s} what-if, one stage of {len(cluster.devices)} with its hierarchical all-reduce overlapped "
-                  f"with the backward (not performed by the runtime): sync {w['sync_ms']:.3g} -> "
-                  f"{w['overlapped_sync_ms']:.3g} ms, step {w['step_ms']:.4g} -> {w['what_if_step_ms']:.4g} ms; the "
-                  f"best of it and the hierarchical plan closes {w['closed_what_if']:.0%}")
     return rows
 
 

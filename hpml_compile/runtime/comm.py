@@ -34,6 +34,24 @@ copy handed over through a mailbox; collectives have nothing to do), else
   as the flat all-reduce, with ``1 / h`` of the bytes on each link between
   hosts. torch.distributed has no such collective (NCCL picks its own rings
   and trees inside one communicator, gloo has none), hence these few lines.
+  Overlapped with the backward (:meth:`DistComm.all_reduce_async` on such a
+  stage, the buckets of :mod:`.zero`), each bucket is a chain of those three
+  collectives (:class:`PendingChain`), each level started only once the
+  previous one's work is done; a stage's chains go through one
+  :class:`ChainQueue`, which issues every collective in one fixed order,
+  bucket by bucket and level by level, advanced without blocking at each
+  gradient hook (``is_completed``) and by blocking at the final wait.
+  Why not torch futures (``work.get_future().then(...)``, as DDP's PowerSGD
+  hook chains its all-reduces): a callback runs when its work completes, on
+  the backend's thread, so two buckets' next levels would reach a group in
+  the order they happen to complete, which may differ between ranks, and
+  collectives on one group must be issued in one order on every rank (gloo
+  matches them by a per-group sequence number, NCCL by call order); and
+  gloo's reduce-scatter work has no future at all (torch 2.13: "getFuture
+  not implemented") and reports completion only once waited for, so on a
+  gloo host group the reduce-scatter is an all-to-all plus a local sum. The
+  fixed order also keeps the plan's price true: the collectives run one
+  after another, the last bucket's chain after the backward.
 - **Timings** (:class:`CommStats`): seconds blocked in each receive, in
   collectives and in posting sends, and bytes moved; the monitor splits a
   receive's wait into transfer and idle.
@@ -75,7 +93,7 @@ from ..schedule import rank_layout, stage_ranks
 
 __all__ = ["Backend", "CommOp", "CommStats", "PendingCollective", "CommFault", "InjectedFault", "LocalComm", "DistComm",
            "dist_comm", "pair_backend", "rank_devices", "is_transient", "make_groups", "HierGroups", "make_hierarchy",
-           "hierarchical_all_reduce", "level_bytes"]
+           "hierarchical_all_reduce", "hierarchical_levels", "PendingChain", "ChainQueue", "level_bytes"]
 
 _MAX_TENSORS = 4096  # tensors per boundary message, for unique point-to-point tags
 # Substrings of the messages gloo/NCCL/the store give for a broken or timed-out link (not for a bug).
@@ -176,6 +194,11 @@ class PendingCollective:
     events: Any = None
     device: torch.device = torch.device("cpu")
     done: bool = False
+
+    started = True  # launched at once (a :class:`PendingChain` may wait for the buckets before it)
+
+    def poll(self) -> None:
+        """Nothing to advance: the one collective runs on its own."""
 
     def wait(self) -> None:
         """Block until the collective is done; its result is then in :attr:`out`."""
@@ -359,6 +382,55 @@ def level_bytes(numel: int, element_size: int, groups: HierGroups, hosts: int) -
     return 2 * (h - 1) * padded // h, 2 * (hosts - 1) * (padded // h) // hosts, 2 * (world - 1) * n // world
 
 
+def hierarchical_levels(flat: Tensor, groups: HierGroups) -> tuple[list[Callable[[], Any]], Callable[[], None]]:
+    """The collectives of a hierarchical all-reduce of ``flat``, to be started in order, each after the last is done.
+
+    Args:
+        flat: a 1-D tensor, the same length on every rank of the stage (padded here to a multiple of the
+            ranks per host).
+        groups: this rank's sub-groups (:func:`make_hierarchy`).
+
+    Returns:
+        ``(levels, done)``: each level, called, starts one collective with ``async_op=True`` and returns its
+        work (reduce-scatter in the host, all-reduce of the shard between hosts, all-gather in the host; only
+        the middle one where this rank is alone on its host); ``done()`` then puts the sum in ``flat``. On a
+        gloo host group the reduce-scatter is an all-to-all whose pieces the next level sums (see below).
+    """
+    n, h = flat.numel(), groups.per_host
+    if groups.intra is None:
+        return [lambda: dist.all_reduce(flat, group=groups.inter, async_op=True)], lambda: None
+    pad = (-n) % h
+    buf = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+    parts = list(buf.chunk(h))  # equal chunks: len(buf) is a multiple of h
+    shard = torch.empty_like(parts[0])
+    gathered = [torch.empty_like(shard) for _ in range(h)]
+
+    def done() -> None:
+        flat.copy_(torch.cat(gathered)[:n])
+
+    if dist.get_backend(groups.intra) == Backend.GLOO.value:
+        # gloo's reduce-scatter work never reports completion before its wait() (is_completed stays False,
+        # get_future is not implemented: torch 2.13), so a poll could not tell when to start the next level. An
+        # all-to-all (each rank's chunk j to rank j, the same bytes as a ring reduce-scatter) does report it; the
+        # next level first sums what arrived, in rank order.
+        recv = torch.empty_like(buf)
+
+        def scatter() -> Any:
+            return dist.all_to_all_single(recv, buf, group=groups.intra, async_op=True)
+
+        def between() -> Any:
+            torch.sum(recv.view(h, -1), 0, out=shard)
+            return dist.all_reduce(shard, group=groups.inter, async_op=True)
+    else:
+        def scatter() -> Any:
+            return dist.reduce_scatter(shard, parts, group=groups.intra, async_op=True)
+
+        def between() -> Any:
+            return dist.all_reduce(shard, group=groups.inter, async_op=True)
+
+    return [scatter, between, lambda: dist.all_gather(gathered, shard, group=groups.intra, async_op=True)], done
+
+
 def hierarchical_all_reduce(flat: Tensor, groups: HierGroups) -> Tensor:
     """Sum ``flat`` over a stage's ranks in place: reduce-scatter in the host, all-reduce between hosts, all-gather.
 
@@ -373,20 +445,115 @@ def hierarchical_all_reduce(flat: Tensor, groups: HierGroups) -> Tensor:
     Returns:
         ``flat``, now holding the sum.
     """
-    n, h = flat.numel(), groups.per_host
-    if groups.intra is None:
-        dist.all_reduce(flat, group=groups.inter)
-        return flat
-    pad = (-n) % h
-    buf = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
-    parts = list(buf.chunk(h))  # equal chunks: len(buf) is a multiple of h
-    shard = torch.empty_like(parts[0])
-    dist.reduce_scatter(shard, parts, group=groups.intra)
-    dist.all_reduce(shard, group=groups.inter)
-    gathered = [torch.empty_like(shard) for _ in range(h)]
-    dist.all_gather(gathered, shard, group=groups.intra)
-    flat.copy_(torch.cat(gathered)[:n])
+    levels, done = hierarchical_levels(flat, groups)
+    for start in levels:  # the same collectives as the overlapped chain (PendingChain), waited one by one
+        start().wait()
+    done()
     return flat
+
+
+@dataclass(eq=False)
+class PendingChain:
+    """One bucket's hierarchical all-reduce launched during the backward: its levels run through a :class:`ChainQueue`.
+
+    Attributes:
+        queue: the stage's queue, which starts each level (in one order on every rank).
+        levels: the collectives still to start, in order (:func:`hierarchical_levels`).
+        done: puts the sum in :attr:`wire` once the last level is done.
+        wire: the tensor summed (a host copy where a GPU tensor crosses gloo groups).
+        out: where the sum must end up (``wire``, or the GPU tensor it was staged from).
+        stats: the communicator's counters (the blocked wait is added to ``collective_s``).
+        start: ``perf_counter`` at the launch.
+        nbytes: bytes summed.
+        group_size: ranks of the stage.
+        stage: the stage, for the event log.
+        events: the event log (None: none).
+        device: this rank's device, synchronised after NCCL collectives for the timings.
+        work: the level in flight (None: none yet, or between levels).
+        issued: levels started so far (:attr:`started`: at least one).
+        finished: the sum is in :attr:`out`.
+    """
+
+    queue: ChainQueue
+    levels: list[Callable[[], Any]]
+    done: Callable[[], None]
+    wire: Tensor
+    out: Tensor
+    stats: CommStats
+    start: float
+    nbytes: int
+    group_size: int
+    stage: int
+    events: Any = None
+    device: torch.device = torch.device("cpu")
+    work: Any = None
+    issued: int = 0
+    finished: bool = False
+
+    @property
+    def started(self) -> bool:
+        """Whether its first collective has been started."""
+        return self.issued > 0
+
+    def poll(self) -> None:
+        """Start whatever the finished levels allow, without blocking (called at each gradient hook)."""
+        self.queue.advance()
+
+    def wait(self) -> None:
+        """Block until this bucket's sum is in :attr:`out` (the buckets before it finish first: one order)."""
+        if self.finished:
+            return
+        t0 = time.perf_counter()
+        self.queue.advance(until=self)
+        if self.device.type == "cuda":  # here only, not in a poll: a hook must not stall the backward's queue
+            torch.cuda.current_stream(self.device).synchronize()
+        self.stats.collective_s += time.perf_counter() - t0
+
+    def _finish(self) -> None:
+        self.done()
+        if self.wire is not self.out:
+            self.out.copy_(self.wire)  # a GPU tensor staged through the host for gloo
+        self.finished = True
+        if self.events is not None:  # from the launch: the time it was in flight, overlapped or not
+            self.events.add("ALLREDUCE", self.start, time.perf_counter(), self.stage, -1, self.group_size,
+                            self.nbytes)
+
+
+class ChainQueue:
+    """A stage's pending hierarchical chains, whose collectives start in one fixed order on every rank.
+
+    The order is bucket by bucket and, within a bucket, level by level: a bucket's reduce-scatter starts
+    only once the bucket before it is done (its all-gather included). So each sub-group sees its collectives in
+    bucket order whatever the timing of a rank's hooks and of the network (see the module docstring), and
+    the collectives run one after another, as :func:`hpml_compile.stagecost.sync_ms` prices them.
+    """
+
+    def __init__(self) -> None:
+        self.chains: list[PendingChain] = []
+
+    def add(self, chain: PendingChain) -> PendingChain:
+        """Queue ``chain`` after the others and start what can start now."""
+        self.chains.append(chain)
+        self.advance()
+        return chain
+
+    def advance(self, until: PendingChain | None = None) -> None:
+        """Start each level whose predecessor is done, in order; ``until``: block until that chain finishes."""
+        while self.chains:
+            c = self.chains[0]
+            if c.work is not None:
+                if until is None and not c.work.is_completed():
+                    return  # the level in flight is not done: nothing after it may start
+                c.work.wait()  # done already (a no-op), or block: a later chain is waited for
+                c.work = None
+            if c.issued < len(c.levels):
+                c.work = c.levels[c.issued]()
+                c.issued += 1
+                continue
+            c._finish()
+            self.chains.pop(0)
+            if c is until:
+                return
 
 
 class LocalComm(Comm):
@@ -462,6 +629,7 @@ class DistComm(Comm):
         self.events: Any = None  # an .events.EventLog where the pipeline records each step's events
         self._op_count: dict[CommOp, int] = {}
         self._pending: list[tuple[Any, Tensor]] = []
+        self._chains: dict[tuple[int, ...], ChainQueue] = {}  # overlapped hierarchical buckets
 
     # -- plumbing ---------------------------------------------------------------------------------
     def replicas(self, stage: int) -> int:
@@ -496,6 +664,7 @@ class DistComm(Comm):
         """Drop owed gradients and pending sends (after an evaluation pass or a failed step)."""
         self._owed.clear()
         self._pending.clear()
+        self._chains.clear()  # a failed step's chains: their groups may be gone
 
     def _sync_device(self) -> None:
         if self.device.type == "cuda":
@@ -592,12 +761,16 @@ class DistComm(Comm):
         out = self._collective(stages, flat, run)
         if out is not flat:
             flat.copy_(out)
-        if hier is not None:  # the bytes of each level, from what ran (for report: issue 18)
-            hosts = self.group_size(stages) // hier.per_host
-            intra, inter, ring = level_bytes(flat.numel(), flat.element_size(), hier, hosts)
-            self.stats.intra_bytes += intra
-            self.stats.inter_bytes += inter
-            self.stats.flat_bytes += ring
+        if hier is not None:
+            self._count_levels(stages, flat, hier)
+
+    def _count_levels(self, stages: tuple[int, ...], flat: Tensor, hier: HierGroups) -> None:
+        """Add the bytes of each level of one hierarchical all-reduce of ``flat`` (for report: issue 18)."""
+        hosts = self.group_size(stages) // hier.per_host
+        intra, inter, ring = level_bytes(flat.numel(), flat.element_size(), hier, hosts)
+        self.stats.intra_bytes += intra
+        self.stats.inter_bytes += inter
+        self.stats.flat_bytes += ring
 
     def _launch(self, stages: tuple[int, ...], flat: Tensor, out: Tensor, name: str,
                 fn: Callable[[Tensor, Any], Any]) -> PendingCollective:
@@ -615,12 +788,30 @@ class DistComm(Comm):
     def all_reduce_async(self, stages: tuple[int, ...], flat: Tensor) -> PendingCollective | None:
         """Start summing ``flat`` in place over the ranks of ``stages``; None where one rank holds them all.
 
-        On a GPU in a gloo group the sum lands in a host copy and is copied back by the wait.
+        On a GPU in a gloo group the sum lands in a host copy and is copied back by the wait. Where the plan
+        makes the all-reduce hierarchical, a :class:`PendingChain` (its three collectives one after another,
+        after the stage's earlier chains); else one all-reduce.
         """
         if self.groups.get(stages) is None:
             return None
+        hier = self.hierarchy.get(stages)
+        if hier is not None:  # the plan asked for it: a chain of three collectives (PendingChain)
+            return self._chain(stages, flat, hier)
         return self._launch(stages, flat, flat, "ALLREDUCE",
                             lambda t, g: dist.all_reduce(t, group=g, async_op=True))
+
+    def _chain(self, stages: tuple[int, ...], flat: Tensor, hier: HierGroups) -> PendingChain:
+        """Queue the hierarchical all-reduce of ``flat`` on the stage set's :class:`ChainQueue`."""
+        self._maybe_fail(CommOp.COLLECTIVE)
+        nccl = all(self.devices[r].type == "cuda" for k in stages for r in self.ranks[k])
+        t0 = time.perf_counter()
+        wire = flat if nccl or flat.device.type == "cpu" else flat.cpu()  # gloo: a GPU tensor via the host
+        levels, done = hierarchical_levels(wire, hier)
+        self._count_levels(stages, flat, hier)
+        queue = self._chains.setdefault(stages, ChainQueue())
+        return queue.add(PendingChain(queue, levels, done, wire, flat, self.stats, t0,
+                                      flat.numel() * flat.element_size(), self.group_size(stages), self.stage,
+                                      self.events, self.device if nccl else torch.device("cpu")))
 
     def reduce_scatter_async(self, stage: int, parts: list[Tensor], out: Tensor) -> PendingCollective | None:
         """Start the reduce-scatter of ``parts`` (one per replica, equal sizes) into ``out`` (this replica's sum).

@@ -61,7 +61,7 @@ from ..codegen import Build, load_build
 from ..codegen.comm import DetachedComm
 from ..errors import HpmlError
 from ..ir import Precision
-from ..plan import AllReduce, sync_overlap, with_comm
+from ..plan import sync_overlap, with_comm
 from .batchcheck import agree_with_check, fingerprint
 from ..hostmem import keep_freed_memory
 from ..memory import ZeroStage
@@ -115,8 +115,8 @@ class Pipeline:
             bucket by bucket during the step's last backward (:class:`~.zero.GradBuckets`) where
             :func:`hpml_compile.plan.sync_overlap` is above 0 (GPU groups), after the whole backward in one
             collective where it is 0 (CPU ranks: gloo's threads would take the backward's cores), as the cost
-            model prices it. True forces the buckets on (where the stage's sync is a flat all-reduce or a
-            ZeRO-1/2 reduce-scatter), False off; either departs from the plan's prediction.
+            model prices it. True forces the buckets on (where the stage's sync is a flat or hierarchical
+            all-reduce or a ZeRO-1/2 reduce-scatter), False off; either departs from the plan's prediction.
         bucket_mb: the size of an overlapped bucket after the first (1 MiB), as DDP's ``bucket_cap_mb``.
         comm_options: ``compress`` / ``sync_every`` / ``sync_warmup`` overriding the build's plan
             (:func:`hpml_compile.plan.with_comm`; None values keep the plan's): they change only how the
@@ -275,10 +275,9 @@ class Pipeline:
             bucket.comm = self.comm
             bucket.reducer = make_reducer(self.plan, k, self.comm.groups.get((k,)))  # compression, local SGD
             self.comm.shards[k] = bucket
-            # overlapped buckets are flat all-reduces: a compressed, local-SGD or hierarchical stage syncs after
-            # its backward, as the cost model prices it
-            if (self._overlaps(k) and self.comm.groups.get((k,)) is not None and bucket.reducer is None
-                    and st.allreduce is AllReduce.FLAT):
+            # overlapped buckets are flat or hierarchical all-reduces (comm.all_reduce_async picks by the plan): a
+            # compressed or local-SGD stage syncs after its backward, as the cost model prices it
+            if self._overlaps(k) and self.comm.groups.get((k,)) is not None and bucket.reducer is None:
                 bucket.enable_overlap(min(FIRST_BUCKET_BYTES, self._bucket_bytes), self._bucket_bytes)
             return [bucket]
         if isinstance(optimizer, torch.optim.Optimizer):

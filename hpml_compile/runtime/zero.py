@@ -83,7 +83,11 @@ collectives in the same order whatever its hooks' timing; whatever did not
 launch during the backward (a parameter with no gradient this step) launches
 at ``sync_grads``, which then waits for all of them before the optimizer.
 Under ZeRO-0 a bucket is a contiguous range of the buffer, all-reduced in
-place. Under ZeRO-1/2 the shard layout (replica ``r`` owns ``[r n, (r+1) n)``)
+place (where the plan makes the stage's all-reduce hierarchical, each bucket
+is a chain of a reduce-scatter in the host, an all-reduce between hosts and an
+all-gather in the host, started level by level in one order on every rank by
+:class:`~.comm.ChainQueue`; each gradient hook polls it, so a bucket's next
+level starts during the backward once its previous one is done). Under ZeRO-1/2 the shard layout (replica ``r`` owns ``[r n, (r+1) n)``)
 is kept, so a bucket is the same sub-range ``[a, b)`` *of every shard*: its
 reduce-scatter gives each replica the sum of its own ``[r n + a, r n + b)``,
 equal sizes on every rank. Such a bucket is ready only when every shard's
@@ -131,7 +135,9 @@ class GradBuckets:
     Args:
         params: the parameters whose ``.grad`` are views of the buffer.
         members: per bucket (in launch order), the indices into ``params`` it needs ready.
-        launch: ``launch(i)`` starts bucket ``i``'s collective and returns its pending handle (or None).
+        launch: ``launch(i)`` starts bucket ``i``'s collective and returns its pending handle (or None): a
+            :class:`~.comm.PendingCollective`, or a :class:`~.comm.PendingChain` (a hierarchical all-reduce,
+            whose later levels start as earlier ones finish: each hook polls it, without blocking).
     """
 
     def __init__(self, params: list[nn.Parameter], members: list[list[int]],
@@ -149,6 +155,8 @@ class GradBuckets:
         self.pending: list[Any] = []
         self.launched_in_backward = 0  # buckets started by a hook (not by finish) in the last step
         self.launched_early = 0  # ... of them, while some parameter's gradient was still to come (overlapped)
+        self.started_in_backward = 0  # buckets whose first collective had started when the backward ended
+        self.levels_in_backward = 0  # collectives started by then (a hierarchical bucket has three)
         self._count = len(params)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(params)]
 
@@ -159,6 +167,8 @@ class GradBuckets:
                 for b in self._of[i]:
                     self._left[b] -= 1
                 self._drain(in_backward=True)
+                if self.pending:
+                    self.pending[-1].poll()  # a hierarchical chain: start the levels its finished ones allow
         return ready
 
     def reset(self) -> None:
@@ -173,6 +183,7 @@ class GradBuckets:
         """The step's last backward is next: launch each bucket as soon as its gradients are all accumulated."""
         self.reset()
         self.launched_in_backward = self.launched_early = 0
+        self.started_in_backward = self.levels_in_backward = 0
         self.armed = True
         self._drain(in_backward=True)  # a bucket of parameters no backward reaches (none) is ready at once
 
@@ -187,6 +198,9 @@ class GradBuckets:
 
     def finish(self) -> None:
         """Launch what has not started (in order), then wait for every bucket."""
+        if self.armed:  # the backward is over: what it overlapped
+            self.started_in_backward = sum(bool(getattr(h, "started", True)) for h in self.pending)
+            self.levels_in_backward = sum(getattr(h, "issued", 1) for h in self.pending)
         self._drain(in_backward=False)
         for h in self.pending:
             h.wait()

@@ -328,10 +328,11 @@ def to_plan(chain: Chain, cluster: Cluster, setting: Setting, picked: list[Candi
 
 def faster_allreduce(plan: Plan, graph: CostGraph, dtype: str = "float32") -> Plan:
     """``plan`` with each ZeRO-0 stage whose replicas span hosts set to the faster of its flat and hierarchical
-    all-reduce as the simulator prices them (:func:`hpml_compile.simulate.stage_costs`): the flat one runs in
-    buckets overlapped with the last backward, the hierarchical one after it (as the runtime runs each), so
-    comparing the two collectives alone (:func:`allreduce_choice`) would pick hierarchical where the overlapped
-    flat sync is the faster. Ties stay flat (one collective, not three).
+    all-reduce as the simulator prices them (:func:`hpml_compile.simulate.stage_costs`): both run in buckets
+    overlapped with the last backward where the stage's devices overlap (GPU groups; a hierarchical bucket is
+    a chain of three collectives, so it pays three latencies and exposes its last chain), both after it on CPU
+    ranks, as the runtime runs each; comparing the two collectives alone (:func:`allreduce_choice`) ignores
+    that. Ties stay flat (one collective, not three).
 
     Args:
         plan: a plan (its stages' ``allreduce`` is replaced where a stage spans hosts).
@@ -362,7 +363,7 @@ def allreduce_choice(cluster: Cluster, devices: tuple[str, ...], param_bytes: in
     holding the same number) and :func:`hpml_compile.stagecost.hierarchical_allreduce_ms` beats the flat ring
     over the slowest link; flat otherwise (ties included: the flat ring is one collective, not three). The two
     collectives alone, both after the backward; the solver decides with :func:`faster_allreduce`, which counts
-    the flat one's overlap with the backward.
+    each one's overlap with the backward.
 
     >>> from hpml_compile.cluster import load_cluster
     >>> c = load_cluster("2node-a100-16")

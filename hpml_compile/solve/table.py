@@ -249,7 +249,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             sync = sync_ms(params, d, cfg.zero, cfg.offload, glink, host, bwd_ms=bwd, microbatches=m,
                            overlap=overlap)
             if hier is not None and cfg.zero == ZeroStage.NONE:  # the faster of flat and hierarchical (to_plan picks)
-                sync = np.minimum(sync, sync_ms(params, d, cfg.zero, cfg.offload, glink, host, hier, microbatches=m))
+                sync = np.minimum(sync, sync_ms(params, d, cfg.zero, cfg.offload, glink, host, hier, bwd_ms=bwd,
+                                                microbatches=m, overlap=overlap))
             if setting.compress is not None and d > 1 and cfg.zero == ZeroStage.NONE:  # allowed: where it pays
                 sync = np.minimum(sync, compressed_sync_ms(params, d, setting.compress, glink, dtype_bytes=bpe,
                                                            bytes_per_ms=rate, fraction=setting.compress_fraction))

@@ -5,6 +5,9 @@
   of the stage's devices, or for a ZeRO-sharded stage is refused by name;
 - the cost model prices each level on its own link, and the solver picks
   hierarchical on two hosts where it is faster and never on one host;
+- on GPUs the hierarchical all-reduce is priced overlapped with the last
+  backward as the runtime now runs it (each bucket a chain of the three
+  collectives: the last bucket's chain stays exposed), on CPU ranks after it;
 - ``Plan.tied_allreduce`` (the all-reduce of a tied embedding over the stages
   using it) round-trips, is priced per level, and is refused where no such
   group spans hosts.
@@ -26,14 +29,14 @@ from hpml_compile.errors import PlanError, SchemaError
 from hpml_compile.explain import summary
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.memory import ZeroStage
-from hpml_compile.plan import (AllReduce, Plan, Schedule, Stage, check_comm, load_plan, save_plan, tied_groups,
-                               validate_plan, with_comm)
+from hpml_compile.plan import (AllReduce, Plan, Schedule, Stage, check_comm, load_plan, save_plan, sync_overlap,
+                               tied_groups, validate_plan, with_comm)
 from hpml_compile.profile import profile
-from hpml_compile.simulate import simulate, tied_syncs
+from hpml_compile.simulate import simulate, stage_costs, tied_syncs
 from hpml_compile.solve import solve
 from hpml_compile.solve.candidates import faster_allreduce
-from hpml_compile.solve.testing import chain_graph
-from hpml_compile.stagecost import hierarchical_allreduce_ms, level_bytes, sync_ms
+from hpml_compile.solve.testing import chain_graph, dag_profile
+from hpml_compile.stagecost import hierarchical_allreduce_ms, hierarchical_overlapped_ms, level_bytes, sync_ms
 from hpml_compile.trace import trace
 
 
@@ -159,7 +162,8 @@ def test_the_plan_command_keeps_every_allreduce_flat_when_told() -> None:
 def test_a_compressed_stage_is_flat_since_the_runtime_compresses_over_the_stage_group() -> None:
     c = load_cluster("2node-a100-16")
     two = Cluster(devices=tuple(d for d in c.devices if d.name in {"gpu0", "gpu1", "gpu8", "gpu9"}), name="2x2")
-    g = chain_graph([(10.0, 20.0)] * 4, kind="A100-80GB", param_bytes=2**26, batch_size=64)
+    # 128 MiB per layer: enough that Top-K 0.01 beats even the hierarchical all-reduce overlapped with the backward
+    g = chain_graph([(10.0, 20.0)] * 4, kind="A100-80GB", param_bytes=2**27, batch_size=64)
     dense = solve(g, two, solver="dp", microbatches=1)
     assert any(st.allreduce is AllReduce.HIERARCHICAL for st in dense.stages), dense.stages
     plan = solve(g, two, solver="dp", microbatches=1, compress="topk:0.01")
@@ -177,8 +181,9 @@ def test_a_compressed_stage_is_flat_since_the_runtime_compresses_over_the_stage_
 @pytest.mark.parametrize("ms,param_bytes,batch", [(10.0, 2**26, 4), (50.0, 2**26, 4), (50.0, 2**26, 64),
                                                   (10.0, 2**22, 64)])
 def test_allowing_hierarchical_never_makes_the_plan_slower(ms: float, param_bytes: int, batch: int) -> None:
-    """The flat all-reduce is overlapped with the last backward and the hierarchical one is not (as the runtime
-    runs them): the choice is the simulator's, stage by stage, not the two collectives' bare times."""
+    """Both all-reduces are overlapped with the last backward on GPUs (as the runtime runs them; a hierarchical
+    bucket is a chain of three collectives): the choice is the simulator's, stage by stage, not the two
+    collectives' bare times."""
     c = load_cluster("2node-a100-16")
     two = Cluster(devices=tuple(d for d in c.devices if d.name in {"gpu0", "gpu1", "gpu8", "gpu9"}), name="2x2")
     g = chain_graph([(ms, 2 * ms)] * 4, kind="A100-80GB", param_bytes=param_bytes, batch_size=batch)
@@ -192,5 +197,33 @@ def test_allowing_hierarchical_never_makes_the_plan_slower(ms: float, param_byte
              for how in AllReduce}
     want = AllReduce.HIERARCHICAL if costs[AllReduce.HIERARCHICAL] < costs[AllReduce.FLAT] else AllReduce.FLAT
     assert chosen.stages[0].allreduce is want
-    # the bare collectives always favour hierarchical here; with 50 ms of backward to hide it, flat wins
-    assert (want is AllReduce.FLAT) == (ms == 50.0), costs
+    # overlapped alike, the hierarchical one (1/h of the bytes between hosts, a last chain shorter than the flat
+    # ring's last bucket) wins here even behind 50 ms of backward, where it lost while only flat was overlapped
+    assert want is AllReduce.HIERARCHICAL and costs[AllReduce.HIERARCHICAL] < costs[AllReduce.FLAT], costs
+
+
+def test_a_hierarchical_stage_is_priced_overlapped_on_gpus_its_last_chain_exposed_and_after_the_backward_on_cpus(
+        ) -> None:
+    mib = 2**20
+    params = 3 * 40 * mib  # buckets of 1, 25, 25, 25, 25 and 19 MiB
+    for kind, overlaps in (("A100-80GB", True), ("cpu", False)):
+        devs = tuple(Device(f"d{i}", kind, 80.0, host="h0" if i < 2 else "h1") for i in range(4))
+        graph = build(dag_profile([{kind: (4.0, 8.0)}] * 3, [[], [0], [1]], param_bytes=[40 * mib] * 3,
+                                  activation_bytes=[mib] * 3, batch_size=8))
+        stage = Stage(0, tuple(d.name for d in devs), ("n0", "n1", "n2"), allreduce=AllReduce.HIERARCHICAL)
+        plan = Plan("toy", Cluster(devices=devs, name=f"2x2-{kind}"), Schedule.GPIPE, 2, (stage,))
+        hier = hierarchy(plan.cluster, stage.devices)
+        assert hier is not None
+        cost = stage_costs(plan, graph)[0]
+        after = hierarchical_allreduce_ms(params, hier)  # the three collectives after the backward
+        assert sync_overlap(plan, 0) == (1.0 if overlaps else 0.0)  # the runtime buckets it where this is > 0
+        if overlaps:
+            assert cost.sync_ms == pytest.approx(hierarchical_overlapped_ms(params, hier, cost.bwd_ms), rel=1e-9)
+            assert cost.sync_ms < after
+        else:
+            assert cost.sync_ms == pytest.approx(after, rel=1e-9)
+    # what a long backward leaves exposed is the last bucket's whole chain; with none, every chain in turn
+    last = hierarchical_allreduce_ms(params - mib - 4 * 25 * mib, hier)
+    assert hierarchical_overlapped_ms(params, hier, 1e6) == pytest.approx(last, rel=1e-9)
+    assert hierarchical_overlapped_ms(params, hier, 0.0) == pytest.approx(
+        hierarchical_allreduce_ms(mib, hier) + 4 * hierarchical_allreduce_ms(25 * mib, hier) + last, rel=1e-9)

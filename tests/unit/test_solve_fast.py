@@ -23,7 +23,7 @@ from hpml_compile.plan import Schedule
 from hpml_compile.solve.candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees,
                                            enumerate_candidates, group_link, in_flight, kind_counts)
 from hpml_compile.solve.dp import objective, solve_chain
-from hpml_compile.stagecost import device_memory, overlapped_ms, stream_bytes_per_ms
+from hpml_compile.stagecost import device_memory, hierarchical_overlapped_ms, overlapped_ms, stream_bytes_per_ms
 from hpml_compile.solve.testing import dag_profile
 
 MiB = 2**20
@@ -48,9 +48,11 @@ def _sync(cfg, params: int, d: int, glink, host, bwd: float, hier=None, is_cpu: 
             t += reduce(cost_models.allreduce_ms, params, glink, d, bwd)
             if hier is not None:  # two hosts or more, the same number on each: the faster of flat and hierarchical
                 h, hosts = hier.per_host, len(hier.hosts)
-                t = min(t, _ms(cost_models.reduce_scatter_ms, params, h, hier.intra)
-                        + _ms(cost_models.allreduce_ms, params / h, hosts, hier.inter)
-                        + _ms(cost_models.all_gather_ms, params, h, hier.intra))
+                chain = (_ms(cost_models.reduce_scatter_ms, params, h, hier.intra)
+                         + _ms(cost_models.allreduce_ms, params / h, hosts, hier.inter)
+                         + _ms(cost_models.all_gather_ms, params, h, hier.intra))
+                # bucketed during the backward as the flat one is (each bucket a chain of three) on GPUs
+                t = min(t, chain if is_cpu else hierarchical_overlapped_ms(params, hier, bwd))
         else:
             rounds = 3 if cfg.zero == ZeroStage.OS_G_P else 2
             t += reduce(cost_models.reduce_scatter_ms, params, glink, d, bwd / d) + (rounds - 1) * _ms(

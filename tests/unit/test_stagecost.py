@@ -13,7 +13,7 @@ import cost_models
 from hpml_compile.cluster import CPU_OVERLAP, GPU_OVERLAP, host_link_spec, link_spec
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.memory import ZeroStage
-from hpml_compile.plan import AllReduce, Plan, Schedule, SolverInfo, Stage, sync_overlap
+from hpml_compile.plan import Plan, Schedule, SolverInfo, Stage, sync_overlap
 from hpml_compile.simulate import stage_costs
 from hpml_compile.solve.candidates import CONFIGS, Chain, Setting, to_plan
 from hpml_compile.solve.table import build_table
@@ -180,7 +180,7 @@ def test_plan_simulator_and_runtime_share_one_overlap_rule() -> None:
     gpu, gpu_graph = _dp_plan("A100-80GB")
     assert sync_overlap(cpu, 0) == CPU_OVERLAP == 0.0 and sync_overlap(gpu, 0) == GPU_OVERLAP == 1.0
     # what the runtime does not bucket is not overlapped, whatever the devices
-    for kw in ({"compress": "topk:0.01"}, {"zero": ZeroStage.OS_G_P}, {"allreduce": AllReduce.HIERARCHICAL}):
+    for kw in ({"compress": "topk:0.01"}, {"zero": ZeroStage.OS_G_P}):
         assert sync_overlap(_dp_plan("A100-80GB", **kw)[0], 0) == 0.0, kw
     assert sync_overlap(replace(gpu, sync_every=4), 0) == 0.0
     one = replace(gpu, stages=(replace(gpu.stages[0], devices=("d0",)),))
