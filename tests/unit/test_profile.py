@@ -305,19 +305,18 @@ def test_a_scale_outside_the_expected_range_is_measured_again_then_believed(monk
     assert load_profile(save_profile(p, tmp_path / "p.json")).devices["cpu"]["scale_note"] == cpu["scale_note"]
 
 
-def _others_cpu_ticks() -> int:
-    """CPU ticks (user + system) every process but this one has used so far."""
+def _others_cpu_seconds() -> float:
+    """CPU seconds (user + system) every process but this one and its children has used since boot.
+
+    From the machine's own total in ``/proc/stat``, not a sum over ``/proc/<pid>``: a process that exits
+    between two readings takes its ticks out of such a sum, which then goes down (a busy machine read as quiet).
+    """
     import os
 
-    total = 0
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])
-            except (OSError, IndexError):
-                pass
-    return total
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    busy = sum(fields[:3]) + sum(fields[5:7])  # user, nice, system, irq, softirq (not idle, iowait, steal)
+    own = sum(os.times()[:4])  # this process and the children it waited for
+    return busy / os.sysconf("SC_CLK_TCK") - own
 
 
 @pytest.mark.slow
@@ -343,10 +342,10 @@ def test_two_profiles_of_gpt_mini_predict_the_same_data_parallel_step() -> None:
     quiet: list[float] = []
     seen: list[tuple[float, float]] = []
     for _ in range(4):
-        before, t0 = _others_cpu_ticks(), time.perf_counter()
+        before, t0 = _others_cpu_seconds(), time.perf_counter()
         p = profile(m.module, m.example_inputs, name="gpt-mini", repeats=5, warmup=2, progress=False,
                     loss_fn=m.loss_fn, targets=m.example_targets, micro_batch=0, threads=1)
-        busy = (_others_cpu_ticks() - before) / os.sysconf("SC_CLK_TCK") / (time.perf_counter() - t0)
+        busy = (_others_cpu_seconds() - before) / (time.perf_counter() - t0)
         graph = build(p)
         coarse = graph.coarsen()
         every = tuple(n for v in coarse.order for n in coarse.node(v).members)
