@@ -10,9 +10,10 @@ torch.distributed (with DTensor and sympy) and this package afresh, about 3 s
 of CPU on a 2-core VM, which made start-up most of a small distributed test.
 The fork server (one per process, started by the first call) imports them once;
 each rank is forked from it and unpickles only its function, so a rank's CPU
-before its first line fell from about 4.7 s to 1.5 s. A rank is still a fresh
-process of its own (no state shared with the caller); it gets the caller's
-environment, working directory and ``sys.path`` as of this call, as with spawn.
+before its first line fell from about 4.7 s to 0.2-1.5 s (by what its test
+module imports). A rank is still a fresh process of its own (no state shared
+with the caller); it gets the caller's environment, working directory and
+``sys.path`` as of this call, as with spawn.
 
 Example:
     >>> import tempfile
