@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from hpml_compile.cli import main
 from hpml_compile.runtime.monitor import read_metrics
 
-pytestmark = pytest.mark.dist
+# The build is compiled in this process, where profiling's notes on a busy machine's timing (which a CLI
+# subprocess kept to its own stderr) would fill the summary: they are about the host, not what is tested here.
+QUIET_PROFILE = [pytest.mark.filterwarnings("ignore:.*the model's blocks timed in sequence took:UserWarning"),
+                 pytest.mark.filterwarnings("ignore:.*the whole-model pass took:UserWarning")]
+pytestmark = [pytest.mark.dist, *QUIET_PROFILE]
 
 CLI = [sys.executable, "-m", "hpml_compile"]
 MODEL = '''
@@ -34,9 +39,9 @@ def _run(build: Path, run: Path, *extra: str) -> list[float]:
 def test_dropout_reproduces_and_resumes(tmp_path: Path) -> None:
     (tmp_path / "m.py").write_text(MODEL)
     build = tmp_path / "build"
-    subprocess.run([*CLI, "compile", f"{tmp_path / 'm.py'}:factory", "--cluster", "local-cpu-2", "--solver",
-                    "uniform", "--microbatches", "2", "--repeats", "1", "-o", str(build)],
-                   check=True, capture_output=True)
+    # compiled in this process (a CLI subprocess would import torch once more); the runs are the ranks' business
+    assert main(["compile", f"{tmp_path / 'm.py'}:factory", "--cluster", "local-cpu-2", "--solver", "uniform",
+                 "--microbatches", "2", "--repeats", "1", "-o", str(build)]) == 0
     first = _run(build, tmp_path / "a", "--steps", "6")
     ck = tmp_path / "ck"  # a second run of the first 3 steps, checkpointed, then resumed to the end
     head = _run(build, tmp_path / "c", "--steps", "3", "--checkpoint-dir", str(ck), "--checkpoint-every", "3")
