@@ -147,6 +147,13 @@ _SCALE_RANGE = (0.5, 2.0)
 _OUTLIER = 0.25
 
 
+# The blocks-in-sequence passes decide every block's cost, so they get more runs than a node does: gpt-mini's
+# data-parallel step, predicted by four profiles in fresh processes on a quiet 2-core VM, spread 333-406 ms with
+# 5 passes after 2 warm-up ones, and 316-333 ms (measured: 316-322 ms) with 9 after 3, for about 2 s more.
+_SEGMENT_PASSES = 9
+_SEGMENT_WARMUP = 3
+
+
 def _med(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
@@ -173,7 +180,8 @@ def _scale_to_segments(gm: fx.GraphModule, inputs: Sequence[Any], device: torch.
     for i, s in enumerate(segs):
         groups.setdefault(s.signature, []).append(i)
     shared = [g for g in groups.values() if len(g) > 1]
-    samples = time_segments(gm, inputs, names, device=device, passes=repeats, warmup=warmup)
+    samples = time_segments(gm, inputs, names, device=device, passes=max(repeats, _SEGMENT_PASSES),
+                            warmup=max(warmup, _SEGMENT_WARMUP))
     remeasured = 0
 
     def outliers() -> list[int]:

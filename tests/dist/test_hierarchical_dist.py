@@ -127,9 +127,12 @@ def test_hierarchical_allreduce_on_two_torchrun_hosts_equals_flat_and_the_model(
         assert rep["flat_levels"] == [0, 0, 0]
         assert all(rep["integers_equal"]), rep["integers_equal"]
         assert max(rep["random_max_diff"]) < 1e-12, rep["random_max_diff"]
-        # the first chain's reduce-scatter starts when queued, the others wait their turn; polls alone (no
-        # blocking wait) start every later level and finish every chain, with the sums of the blocking path
-        assert rep["chain_started_at_add"] == [1, 0, 0], rep["chain_started_at_add"]
+        # the first chain's reduce-scatter starts when queued, the others wait their turn (a chain starts only
+        # once the one before it has started all 3 levels: how far the first got while the others were queued
+        # is timing); polls alone (no blocking wait) start every later level and finish every chain, with the
+        # sums of the blocking path
+        started = rep["chain_started_at_add"]
+        assert started[0] >= 1 and all(s == 0 or before == 3 for before, s in zip(started, started[1:])), started
         assert all(rep["chains_finished_by_polls"]) and all(rep["chains_equal"]), rep
         assert rep["hierarchical_loss"] == pytest.approx(rep["flat_loss"], abs=1e-6)
         for name, want in ref.items():

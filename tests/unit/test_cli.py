@@ -18,7 +18,7 @@ from hpml_compile.cli import main
 def test_profile_writes_a_loadable_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "p.json"
     rc = main(["profile", "gpt-tiny", "--batch-size", "2", "--seq-len", "16", "--device-kinds", "cpu,A100-80GB",
-               "--repeats", "2", "--warmup", "1", "-o", str(out)])
+               "--repeats", "2", "--warmup", "1", "--no-measure-links", "-o", str(out)])
     assert rc == 0
     p = load_profile(out)
     assert (p.model, p.batch_size, p.seq_len) == ("gpt-tiny", 2, 16)
@@ -35,7 +35,7 @@ def test_profile_from_a_factory_file(tmp_path: Path) -> None:
             return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()), (torch.randn(batch_size, 8),)
     """))
     out = tmp_path / "p.json"
-    assert main(["profile", f"{src}:make", "--batch-size", "3", "-q", "-o", str(out)]) == 0
+    assert main(["profile", f"{src}:make", "--batch-size", "3", "--no-measure-links", "-q", "-o", str(out)]) == 0
     assert load_profile(out).batch_size == 3
 
 
