@@ -28,7 +28,6 @@ from typing import Any
 import pytest
 import torch
 
-from hpml_compile import models
 from hpml_compile.codegen import generate
 from hpml_compile.codegen.testing import split_plan
 from hpml_compile.runtime import Pipeline, spawn_ranks
@@ -36,25 +35,12 @@ from hpml_compile.runtime.held import held_bytes
 from hpml_compile.runtime.zero3 import FlatShard3
 from hpml_compile.stagecost import memory_parts
 from hpml_compile.trace import trace
+from test_zero_dist import _batches, _model, _optimizer  # the same gpt-tiny, AdamW and token batches as ZeRO-1/2
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # gpt-tiny, two to four builds per spawn
 
 STEPS = 2
 TOL = 1e-5
-
-
-def _model(world: int) -> models.LoadedModel:
-    return models.load("gpt-tiny", batch_size=4 * world, seq_len=16, seed=0)
-
-
-def _optimizer(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
-
-
-def _batches(rows: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    xs = [torch.randint(0, 256, (rows, 16), generator=g) for _ in range(steps)]
-    return [(x, torch.roll(x, -1, dims=1)) for x in xs]
 
 
 def _compile(tmp: Path, world: int, name: str, replicas: list[int], zero: int, recompute: tuple[int, ...] = ()
