@@ -310,7 +310,10 @@ class Pipeline:
             raise HpmlError(f"optimizer must be a torch.optim.Optimizer or a factory called with the parameters "
                             f"(e.g. lambda ps: torch.optim.AdamW(ps, lr=1e-3)), got {optimizer!r}")
         if not self._shards:
-            return optimizer(self.parameters())
+            params = list(self.parameters())
+            # a stage without parameters (a loss-only tail, say) has nothing to step, and torch's optimizers
+            # refuse an empty parameter list
+            return optimizer(params) if params else None
         sharded = {id(p) for sh in self._shards for p in sh.params}
         opt = optimizer([*(sh.param for sh in self._shards),
                          *(p for p in self.parameters() if id(p) not in sharded)])
