@@ -31,8 +31,8 @@ Example:
     >>> from cost_models.catalog import get_device
     >>> a100 = get_device("A100-80GB")
     >>> big = op_time_ms("matmul", 2 * 8192**3, 3 * 8192**2 * 2, a100, "bfloat16")
-    >>> round(big, 1)  # compute-bound: 1.1e12 FLOP at 0.7 * 312 TFLOP/s
-    5.0
+    >>> round(big, 1)  # compute-bound: 1.1e12 FLOP at 0.7 * 312 TFLOP/s, plus the eager per-op cost
+    5.1
     >>> op_time_ms("view", 0, 0, a100) < op_time_ms("elementwise", 1e3, 8e3, a100)
     True
 """

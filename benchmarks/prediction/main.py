@@ -212,6 +212,8 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, o
         report[case.name] = {"step_ms": [m.step_ms for m in rows], "optimizer_ms": [m.optimizer_ms for m in rows],
                              "allreduce_ms": [m.allreduce_ms for m in rows], "bubble": [m.bubble for m in rows],
                              "fwd_ms": [m.fwd_ms for m in rows], "bwd_ms": [m.bwd_ms for m in rows],
+                             "peak_memory_bytes": max(m.peak_memory_bytes for m in rows),
+                             "memory_kind": rows[-1].memory_kind,
                              "background_cpu": float(load[0]), "attempts": attempt + 1}
     Path(out, f"rank{rank}-w{world}.json").write_text(json.dumps(report))
 

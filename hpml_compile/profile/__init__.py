@@ -555,7 +555,12 @@ def predict_kinds(p: Profile, kinds: Sequence[str]) -> Profile:
             bwd = predict_ms(n.op_kind, n.bwd_flops, _BWD_MEM_FACTOR * n.mem_bytes, specs[k], _compute_dtype(p),
                              bwd_cal) \
                 if n.bwd_flops or n.activation_bytes or n.param_bytes else 0.0
-            cost[k] = NodeCost(fwd, bwd, False)
+            extra = cost_models.backward_extra_overhead_ms(specs[k]) if bwd else 0.0
+            bwd += extra  # a GPU node's backward issues about two kernels, each paying the per-op cost
+            # the per-op overhead does not shrink with the rows: a microbatch pays all of it (the fixed part)
+            f_over = fwd_cal.overhead_for(specs[k]) if fwd_cal else specs[k].launch_overhead_ms
+            b_over = (bwd_cal.overhead_for(specs[k]) if bwd_cal else specs[k].launch_overhead_ms) + extra
+            cost[k] = NodeCost(fwd, bwd, False, fwd_fixed_ms=min(fwd, f_over), bwd_fixed_ms=min(bwd, b_over))
         new_nodes.append(ProfileNode(**{**{f: getattr(n, f) for f in ProfileNode.__slots__}, "cost": cost}))
     optimizer_ms = {**p.optimizer_ms, **_predict_optimizer(p, missing)}
     for k in missing:
