@@ -51,6 +51,12 @@ plan that moves the parameter to another stage; what a new plan cannot use
 (it does not compress that stage; PowerSGD's factors of another stage
 layout) is dropped and the ``log`` of :func:`load_checkpoint` says so.
 
+Local SGD: its replicas differ between two averages, so a rank of a local
+SGD stage also writes its entries under per-replica keys
+(``comm.replica.r<replica>of<d>.model.<name>``, ...) and reads its own copy
+back under the same replica count; elsewhere the ranks start from the saved
+replicas' average, and the ``log`` says so (:mod:`.feedback` says why).
+
 Optimizer state goes through ``torch.distributed.checkpoint.state_dict``
 (``get_optimizer_state_dict``/``set_optimizer_state_dict``), which maps it to
 parameter names; hyper-parameters (``param_groups``) are not saved: the
@@ -100,7 +106,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ..errors import CheckpointError
 from ..schema import write_json_atomic
 from .safe_dcp import INDEX_FILE, IndexFormatError, JsonReader, JsonWriter
-from .feedback import FEEDBACK_PREFIX, Feedback, parse_error_key
+from .feedback import FEEDBACK_PREFIX, CommState, Feedback, Replica, merge_replicas, parse_error_key, replica_reads
 from .scaler import LossScaler
 from .zero import full_optimizer_state, load_full_optimizer_state, optimizer_templates, shards_of
 
@@ -398,7 +404,7 @@ def _unwrap(e: CheckpointException) -> BaseException:
 def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, extra: dict[str, Any] | None = None,
                     keep: int = 3, rng: bool = True, scaler: LossScaler | None = None,
-                    feedback: Sequence[Feedback] = ()) -> Path:
+                    feedback: Sequence[CommState] = ()) -> Path:
     """Write checkpoint ``step`` of the parameters and optimizer state this rank holds.
 
     Call on every rank (collective when a process group is initialised).
@@ -412,7 +418,8 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Mod
         keep: how many complete checkpoints to keep (older ones are deleted).
         rng: also save this process's RNG states (Python, NumPy, torch CPU and CUDA).
         scaler: the fp16 loss scaler, saved as one float64 tensor ``amp.scaler`` (the same on every rank).
-        feedback: this rank's error-feedback state (``Pipeline.feedback()``), saved per rank.
+        feedback: this rank's error-feedback state, and its place among a local SGD stage's replicas
+            (``Pipeline.feedback()``), saved per rank.
 
     Returns:
         The folder of the completed checkpoint.
@@ -432,10 +439,11 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Mod
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    state = {**_flat(model, optimizer), **(_rng_state(_rank()) if rng else {}),
+    entries = _flat(model, optimizer)
+    state = {**entries, **(_rng_state(_rank()) if rng else {}),
              **({_SCALER: scaler.state_tensor()} if scaler is not None else {})}
-    for fb in feedback:
-        state.update(fb.state())
+    for fb in feedback:  # error feedback; a local SGD replica's own copy of every entry (they differ)
+        state.update(fb.state(entries) if isinstance(fb, Replica) else fb.state())
     odd = next((k for k, v in state.items() if not isinstance(v, torch.Tensor)), None)
     if odd is not None:
         raise CheckpointError(f"save_checkpoint: {odd!r} is a {type(state[odd]).__name__}, not a tensor: only "
@@ -467,7 +475,7 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Mod
 @_gathering(changed=True)
 def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, *, rng: bool = True,
-                    scaler: LossScaler | None = None, feedback: Sequence[Feedback] = (),
+                    scaler: LossScaler | None = None, feedback: Sequence[CommState] = (),
                     log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Load into this rank's module (and optimizer) the names it holds, from a checkpoint of any plan.
 
@@ -480,8 +488,10 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
         rng: also restore this rank's RNG states, when the checkpoint holds them.
         scaler: the fp16 loss scaler to restore (kept as it is when the checkpoint holds none: one written
             by a bf16 or fp32 run).
-        feedback: this rank's error-feedback state to restore (``Pipeline.feedback()``); what the checkpoint
-            holds for it that this plan cannot use is dropped and said.
+        feedback: this rank's error-feedback state to restore, and its place among a local SGD stage's
+            replicas (``Pipeline.feedback()``); what the checkpoint holds for it that this plan cannot use is
+            dropped and said. Entries saved per local SGD replica are read from this rank's own replica
+            where it has one in the checkpoint, else averaged over the saved replicas (and said).
         log: where that is said (default: a Python warning).
 
     Returns:
@@ -519,7 +529,13 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
         wanted[_SCALER] = scaler.state_tensor()
     shapes = {k: (tuple(v.size), v.properties.dtype) for k, v in stored.items()
               if k.startswith(FEEDBACK_PREFIX) and isinstance(v, TensorStorageMetadata)}
-    reads = [fb.wanted(shapes) for fb in feedback]
+    errors = [fb for fb in feedback if isinstance(fb, Feedback)]
+    place = next((fb for fb in feedback if isinstance(fb, Replica)), None)
+    copies = replica_reads(shapes, [k for k in wanted if k.startswith(("model.", "optim."))], place)
+    for entry, keys in copies.items():  # a local SGD replica's copy instead of the one DCP kept by name
+        del wanted[entry]
+        wanted.update(keys)
+    reads = [fb.wanted(shapes) for fb in errors]
     for r in reads:
         wanted.update(r)
     try:
@@ -529,6 +545,10 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
     except CheckpointException as e:
         inner = _unwrap(e)
         raise CheckpointError(f"checkpoint {p} could not be read: {inner}") from inner
+    merged, notes = merge_replicas({e: {k: wanted[k] for k in keys} for e, keys in copies.items()}, place)
+    wanted.update(merged)
+    for note in notes:
+        (log or _warn)(f"rank {_rank()}: checkpoint {p.name}: {note}")
     set_model_state_dict(model, {k[6:]: v for k, v in wanted.items() if k.startswith("model.")}, options=_OPTS)
     if optimizer is not None:
         known = _optimizer_names(model, optimizer)
@@ -555,7 +575,7 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
         _set_rng_state(wanted, _rank())
     if scaler is not None and _SCALER in wanted:
         scaler.load_state_tensor(wanted[_SCALER])
-    _load_feedback(p, feedback, reads, wanted, shapes, {k[6:] for k in state if k.startswith("model.")},
+    _load_feedback(p, errors, reads, wanted, shapes, {k[6:] for k in state if k.startswith("model.")},
                    log or _warn)
     return {k: v for k, v in meta.items() if k != "files"}
 

@@ -46,12 +46,14 @@ which the monitor records as ``sync_bytes`` / ``sync_dense_bytes``.
 Error-feedback state lives per rank (``state_dict`` / ``load_state_dict``:
 plain tensors, no pickle; :meth:`Reducer.residual` in gradient-sum units), and
 checkpoints carry it (:mod:`.feedback`), so that a resumed run goes on with
-the error it had; local SGD has no state: its schedule follows the resumed
-step count. A checkpoint taken by local SGD between two averages keeps one
-replica's parameters and optimizer state (it keys them by name, DCP writes one
-copy of a key that several ranks hold, and the replicas differ until the next
-average), so the resumed replicas start equal, as after an average, not as
-the uninterrupted run goes on (not tested). A retried step (a transient communication failure) may leave
+the error it had. Local SGD keeps no state of its own (its schedule follows
+the resumed step count), but its replicas' parameters, buffers and optimizer
+state differ between two averages (``diverges``): a checkpoint keeps every
+replica's copy and each replica resumes from its own, so a run resumed
+between two averages goes on as the uninterrupted one, bit for bit; under
+another replica count, or a plan without local SGD, the ranks start from the
+replicas' average and the resume says so (:mod:`.feedback` says why this
+design). A retried step (a transient communication failure) may leave
 PowerSGD's warm-start factors from the failed attempt; the gradient it
 recomputes is the same.
 
@@ -115,6 +117,7 @@ class Reducer:
         """Take back :meth:`state_dict`."""
 
     keeps_error = False  # whether it carries an error from step to step (what a checkpoint must keep)
+    diverges = False  # whether the replicas' parameters and optimizer state differ between steps (local SGD)
 
     def residual(self) -> Tensor | None:
         """The error this replica still owes the replicas' sum, over the flat gradient, in gradient-sum units
@@ -304,6 +307,8 @@ class LocalSGD(Reducer):
             raise HpmlError(f"local SGD averages every H >= 2 steps, got {every}: --sync-every 1 is plain data "
                             "parallelism and needs no reducer")
         self.every, self.warmup, self.group = every, warmup, group
+
+    diverges = True  # between two averages: a checkpoint keeps each replica's copy (.feedback.Replica)
 
     @property
     def local(self) -> bool:

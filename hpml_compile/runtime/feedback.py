@@ -1,4 +1,4 @@
-"""Error feedback in checkpoints: what a compressed stage's replicas still owe, kept across a resume or a re-plan.
+"""What a stage's replicas keep apart, in checkpoints: error feedback, and local SGD's diverged copies.
 
 Top-K and PowerSGD (:mod:`.compress`) keep, per replica, the part of its
 gradient that compression has not sent yet and add it to the next step's
@@ -30,12 +30,44 @@ Written here because torch keeps PowerSGD's state by pickling it whole
 (``PowerSGDState.__getstate__``), which no checkpoint here does, in a layout
 tied to one bucket of parameters; Top-K is ours.
 
+**Local SGD's replicas** (:class:`.compress.LocalSGD`, ``Plan.sync_every =
+H > 1``) step on their own gradients between two averages, so their
+parameters, buffers and optimizer state differ there. The checkpoint keys them
+by name (``model.<name>``, ``optim.<name>.<state>``), and DCP writes one copy
+of a key that several ranks hold: alone, that kept one replica's state, and a
+resumed run started with equal replicas (as after an average), not as the
+uninterrupted run goes on. A :class:`Replica` (one per rank of a local SGD
+stage, from :func:`feedback_of`) makes :mod:`.checkpoint` also write every
+entry of the rank under a per-replica key (``comm.replica.r<replica>of<d>.``
+followed by the entry's own key), always, not only between averages (simpler,
+and the buffers, which are never averaged, differ at an average too); the
+by-name copy stays, so that any plan can read the checkpoint. On a resume:
+
+- **same replica count** and a :class:`Replica` for the rank: each replica
+  reads its own copy instead of the by-name one, so the resumed run is the
+  uninterrupted one, step for step (tests/dist/test_compress_dist.py);
+- **another replica count**, or a plan that does not run local SGD on the
+  stage that now holds the entry (a re-plan after a lost device, a run
+  without ``--sync-every``): no replica's copy is more right than another,
+  so every saved replica's copy is read and the rank starts from their
+  average (parameters, buffers and optimizer state; exactly the copies where
+  they agree), as if the replicas had averaged at the checkpoint, and the
+  resume says so (:func:`merge_replicas`). Not an error, so that the closed
+  loop can go on after losing a replica.
+
+This is chosen over "checkpoint only at an average step" (the other simple
+design): that loses the buffers, which are never averaged, and makes a user's
+``--checkpoint-every`` depend on ``H``; the price here is ``d`` more copies of
+the stage's state on disk (each rank writes its own, in parallel).
+
 Example (one process, two replicas' keys as two ranks write them):
     >>> import torch
     >>> from hpml_compile.runtime.compress import TopK
     >>> t = TopK(ratio=0.5, replicas=2); t.error = torch.tensor([1.0, 2.0, 3.0])
     >>> sorted(Feedback(t, ["w", "b"], [2, 1], replica=1).state())
     ['comm.error.r1of2.b', 'comm.error.r1of2.w']
+    >>> list(Replica(1, 2).state({"model.w": torch.zeros(2)}))
+    ['comm.replica.r1of2.model.w']
 """
 
 from __future__ import annotations
@@ -43,19 +75,22 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 from .compress import PowerSGD, Reducer
 
-__all__ = ["Feedback", "FEEDBACK_PREFIX", "feedback_of", "error_key", "parse_error_key"]
+__all__ = ["Feedback", "FEEDBACK_PREFIX", "feedback_of", "error_key", "parse_error_key", "Replica", "CommState",
+           "REPLICA_PREFIX", "replica_key", "parse_replica_key", "replica_reads", "merge_replicas"]
 
 FEEDBACK_PREFIX = "comm."  # checkpoint keys of error-feedback state (see the module docstring)
 
 
 _ERROR_KEY = re.compile(r"^" + re.escape(FEEDBACK_PREFIX) + r"error\.r(\d+)of(\d+)\.(.+)$")
+REPLICA_PREFIX = f"{FEEDBACK_PREFIX}replica."  # checkpoint keys of local SGD's per-replica copies
+_REPLICA_KEY = re.compile(r"^" + re.escape(REPLICA_PREFIX) + r"r(\d+)of(\d+)\.(.+)$")
 
 
 def error_key(replica: int, replicas: int, name: str) -> str:
@@ -67,6 +102,106 @@ def parse_error_key(key: str) -> tuple[int, int, str] | None:
     """``(replica, replicas, parameter name)`` of an :func:`error_key`, None for any other key."""
     m = _ERROR_KEY.match(key)
     return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+def replica_key(replica: int, replicas: int, key: str) -> str:
+    """The checkpoint key of one local SGD replica's copy of an entry (``comm.replica.r1of2.model.fc.weight``)."""
+    return f"{REPLICA_PREFIX}r{replica}of{replicas}.{key}"
+
+
+def parse_replica_key(key: str) -> tuple[int, int, str] | None:
+    """``(replica, replicas, the entry's own key)`` of a :func:`replica_key`, None for any other key."""
+    m = _REPLICA_KEY.match(key)
+    return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
+
+
+@dataclass(frozen=True)
+class Replica:
+    """This rank's place among the replicas of a local SGD stage, whose copies differ between averages.
+
+    Attributes:
+        replica: this rank's replica of its stage.
+        replicas: the stage's replica count ``d``.
+    """
+
+    replica: int
+    replicas: int
+
+    def state(self, entries: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """This rank's checkpoint entries (``model.*``, ``optim.*``) again, under its per-replica keys."""
+        return {replica_key(self.replica, self.replicas, k): v for k, v in entries.items()}
+
+    def __str__(self) -> str:
+        return f"replica {self.replica} of {self.replicas}"
+
+
+def replica_reads(stored: Mapping[str, tuple[tuple[int, ...], torch.dtype]], held: Iterable[str],
+                  mine: Replica | None) -> dict[str, dict[str, Tensor]]:
+    """What to read instead of each entry this rank holds that the checkpoint keeps per local SGD replica.
+
+    Args:
+        stored: the checkpoint's ``comm.`` keys -> shape and dtype.
+        held: the entries this rank reads (``model.<name>``, ``optim.<name>.<state>``).
+        mine: this rank's place among its stage's replicas; None where it runs no local SGD.
+
+    Returns:
+        entry -> {per-replica key: a tensor to read it into}: this replica's own copy when the checkpoint has
+        one for it (the same replica count), else every saved replica's copy (to be averaged by
+        :func:`merge_replicas`). Entries the checkpoint keeps only by name are absent.
+    """
+    copies: dict[str, list[str]] = {}
+    for key in stored:
+        parsed = parse_replica_key(key)
+        if parsed is not None:
+            copies.setdefault(parsed[2], []).append(key)
+    out: dict[str, dict[str, Tensor]] = {}
+    for entry in held:
+        keys = copies.get(entry)
+        if not keys:
+            continue
+        own = replica_key(mine.replica, mine.replicas, entry) if mine is not None else None
+        chosen = [own] if own in keys else sorted(keys)
+        out[entry] = {k: torch.empty(stored[k][0], dtype=stored[k][1]) for k in chosen if k is not None}
+    return out
+
+
+def merge_replicas(reads: Mapping[str, Mapping[str, Tensor]], mine: Replica | None
+                   ) -> tuple[dict[str, Tensor], list[str]]:
+    """Each entry's value from what :func:`replica_reads` asked for, once read.
+
+    Args:
+        reads: entry -> {per-replica key: the tensor read}.
+        mine: this rank's place among its stage's replicas (None: no local SGD here).
+
+    Returns:
+        ``(entry -> value, notes)``: this replica's own copy; otherwise the saved replicas' copy where they
+        agree and their mean where they differ (computed in float64; an integer entry that differs takes
+        replica 0's), with a note for a person when any was averaged.
+    """
+    out: dict[str, Tensor] = {}
+    averaged: list[str] = []
+    counts: set[int] = set()
+    for entry, got in reads.items():
+        if mine is not None and replica_key(mine.replica, mine.replicas, entry) in got:
+            out[entry] = got[replica_key(mine.replica, mine.replicas, entry)]
+            continue
+        counts.update(p[1] for k in got if (p := parse_replica_key(k)) is not None)
+        values = [got[k] for k in sorted(got, key=lambda k: parse_replica_key(k) or (0, 0, ""))]
+        if all(torch.equal(v, values[0]) for v in values[1:]):
+            out[entry] = values[0]
+        else:
+            averaged.append(entry)
+            out[entry] = (torch.stack([v.double() for v in values]).mean(0).to(values[0].dtype)
+                          if values[0].is_floating_point() else values[0])
+    notes = []
+    if averaged:
+        here = (f"this rank is {mine} of its stage" if mine is not None
+                else "this rank's stage does not run local SGD")
+        notes.append(f"taken between two local SGD averages by {'/'.join(map(str, sorted(counts)))} replicas, "
+                     f"whose copies differ there, and {here}: it starts from their average for {len(averaged)} "
+                     f"parameter, buffer and optimizer entries (e.g. {averaged[0]}), as if the replicas had "
+                     "averaged at the checkpoint; the run goes on from there, not as the uninterrupted run would")
+    return out, notes
 
 
 @dataclass
@@ -163,8 +298,12 @@ class Feedback:
         return notes
 
 
-def feedback_of(buckets: Sequence[Any], module: nn.Module, replica: int) -> list[Feedback]:
-    """The :class:`Feedback` of a rank's flat gradient buffers whose reducer keeps an error.
+CommState = Union[Feedback, Replica]  # what Pipeline.feedback() gives a checkpoint, one per reducer that needs it
+
+
+def feedback_of(buckets: Sequence[Any], module: nn.Module, replica: int) -> list[CommState]:
+    """The :class:`Feedback` of a rank's flat gradient buffers whose reducer keeps an error, and its
+    :class:`Replica` where one runs local SGD (its replicas' copies differ between averages).
 
     Args:
         buckets: the rank's :class:`.zero.FlatGrads` (others are skipped).
@@ -174,10 +313,12 @@ def feedback_of(buckets: Sequence[Any], module: nn.Module, replica: int) -> list
     names: dict[int, str] = {}
     for name, p in module.named_parameters():
         names.setdefault(id(p), name)
-    out = []
+    out: list[CommState] = []
     for b in buckets:
         red = getattr(b, "reducer", None)
         if red is not None and red.keeps_error:
             out.append(Feedback(red, [names[id(p)] for p in b.params], [p.numel() for p in b.params], replica,
                                 b.grad_flat.device))
+        elif red is not None and red.diverges:
+            out.append(Replica(replica, red.replicas))
     return out

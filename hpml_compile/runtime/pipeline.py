@@ -83,7 +83,7 @@ from .saved import GradPeak, SavedActivations
 from .session import CommFailure, RetryPolicy, Session
 from ..memory import FIRST_BUCKET_BYTES
 from .compress import Reducer, make_reducer
-from .feedback import Feedback, feedback_of
+from .feedback import CommState, feedback_of
 from .zero import FlatGrads, FlatShard
 from .zero3 import FlatShard3
 
@@ -559,8 +559,9 @@ class Pipeline:
         """The compression / local SGD reducers of this rank's stage (:mod:`.compress`)."""
         return [b.reducer for b in self._buckets if getattr(b, "reducer", None) is not None]
 
-    def feedback(self) -> list[Feedback]:
-        """This rank's error-feedback state (compressed stages), for checkpoints (:class:`.feedback.Feedback`)."""
+    def feedback(self) -> list[CommState]:
+        """This rank's error-feedback state (compressed stages) and its place among a local SGD stage's replicas,
+        for checkpoints (:class:`.feedback.Feedback`, :class:`.feedback.Replica`)."""
         return feedback_of(self._buckets, self.local_module(), self.replica) if self._buckets else []
 
     def _sync_bytes(self, *, dense: bool) -> int:

@@ -19,7 +19,14 @@ token is the previous one plus one), AdamW, under each option:
   pipeline: the resumed half equals the uninterrupted run bit for bit (the
   error feedback, and PowerSGD's step count and factors, are in the
   checkpoint); resumed without the error feedback, Top-K's half differs (the
-  control: the test can fail).
+  control: the test can fail);
+- a checkpoint of the local SGD run after step 12, between two averages (after
+  steps 10 and 14) where the replicas differ, resumed in a new pipeline: each
+  rank's losses and parameters of every later step equal the uninterrupted
+  run's bit for bit (each replica reads its own copy); resumed without its
+  replica's place (the control), both ranks start from the replicas' average,
+  say so, and differ; loaded into one process (another replica count) the
+  parameters are the two replicas' average.
 
 The margin is a lag in steps, not in loss: error feedback delays what a
 compressed step leaves out, so a compressed run follows the reference's curve
@@ -43,11 +50,13 @@ from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.runtime.checkpoint import latest, load_checkpoint, save_checkpoint
 from hpml_compile.trace import trace
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]  # five runs of 24 steps, three resumed halves: ~50 s on 2 cores
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # five runs of 24 steps, five resumed halves: ~60 s on 2 cores
 
 STEPS = 24
-HALF = 12  # where the Top-K and PowerSGD runs are checkpointed and resumed
-RESUMED = {"topk-resumed": ("topk", True), "topk-no-feedback": ("topk", False), "powersgd-resumed": ("powersgd", True)}
+HALF = 12  # where the Top-K, PowerSGD and local SGD runs are checkpointed and resumed
+CHECKPOINTED = ("topk", "powersgd", "local4")
+RESUMED = {"topk-resumed": ("topk", True), "topk-no-feedback": ("topk", False), "powersgd-resumed": ("powersgd", True),
+           "local4-resumed": ("local4", True), "local4-no-replica": ("local4", False)}
 ROWS = 8  # per step, both replicas together
 VOCAB = 32  # of gpt-tiny's 256 tokens: a few steps learn the sequence
 LAG = 0.35  # a compressed run may trail the reference's loss curve by this share of the steps
@@ -80,20 +89,21 @@ def _run(name: str, build: str, out: str, rank: int, report: dict[str, Any], opt
     pipe = Pipeline.from_build(build, loaded.module, comm_options=opts,
                                optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3))
     first = 0
+    notes: list[str] = []
     if resume is not None:  # a new pipeline, as a restarted job builds it, from the halfway checkpoint
         load_checkpoint(latest(resume), pipe.local_module(), pipe.optimizer,
-                        feedback=pipe.feedback() if feedback else (), log=lambda line: None)
+                        feedback=pipe.feedback() if feedback else (), log=notes.append)
         pipe.steps_done = first = HALF
     losses, flats = [], []
     for step, (x, y) in enumerate(_batches()[first:], start=first):
         losses.append(pipe.step((x,), y, loaded.loss_fn).item())
         flats.append(torch.cat([p.detach().reshape(-1) for p in pipe.parameters()]).clone())
-        if step + 1 == HALF and resume is None and name in ("topk", "powersgd"):
+        if step + 1 == HALF and resume is None and name in CHECKPOINTED:
             save_checkpoint(Path(out) / f"ck-{name}", HALF, pipe.local_module(), pipe.optimizer,
                             feedback=pipe.feedback())
     torch.save(torch.stack(flats), Path(out) / f"{name}-rank{rank}.pt")
     report[name] = {"losses": losses, "sync_bytes": [m.sync_bytes for m in pipe.metrics],
-                    "dense_bytes": [m.sync_dense_bytes for m in pipe.metrics]}
+                    "dense_bytes": [m.sync_dense_bytes for m in pipe.metrics], "notes": notes}
 
 
 def _train(rank: int, world: int, build: str, out: str) -> None:
@@ -179,3 +189,36 @@ def test_a_resumed_run_equals_the_uninterrupted_one_with_its_error_feedback(
         assert rep["topk-no-feedback"]["losses"][0] == rep["topk"]["losses"][HALF]  # the same parameters to start
         assert rep["topk-no-feedback"]["losses"] != rep["topk"]["losses"][HALF:]
         assert not torch.equal(_params(tmp, "topk-no-feedback", r), _params(tmp, "topk", r)[HALF:])
+
+
+def test_local_sgd_resumed_between_averages_equals_the_uninterrupted_run(
+        runs: tuple[list[dict[str, Any]], Path]) -> None:
+    reports, tmp = runs
+    assert not torch.allclose(_params(tmp, "local4", 0)[HALF - 1], _params(tmp, "local4", 1)[HALF - 1]), \
+        "the checkpoint must be taken where the replicas differ"
+    for r, rep in enumerate(reports):
+        assert rep["local4-resumed"]["losses"] == rep["local4"]["losses"][HALF:], r
+        assert torch.equal(_params(tmp, "local4-resumed", r), _params(tmp, "local4", r)[HALF:]), r
+        assert rep["local4-resumed"]["notes"] == []
+        # the control: without its replica's place, a rank starts from the replicas' average, and says so
+        assert len(rep["local4-no-replica"]["notes"]) == 1 and "their average" in rep["local4-no-replica"]["notes"][0]
+        assert rep["local4-no-replica"]["losses"] != rep["local4"]["losses"][HALF:], r
+    # ... the same average on both ranks: after the next average (step 14) they agree as the uninterrupted ones do
+    a, b = _params(tmp, "local4-no-replica", 0), _params(tmp, "local4-no-replica", 1)
+    assert not torch.equal(a[0], b[0])
+    torch.testing.assert_close(a[13 - HALF], b[13 - HALF], rtol=0, atol=1e-6)
+
+
+def test_local_sgd_checkpoint_under_another_replica_count_averages(runs: tuple[list[dict[str, Any]], Path]) -> None:
+    """One process (one replica, no local SGD): the replicas' average of every parameter, said once."""
+    _, tmp = runs
+    loaded = _model()
+    notes: list[str] = []
+    meta = load_checkpoint(latest(tmp / "ck-local4"), loaded.module, rng=False, log=notes.append)
+    assert meta["step"] == HALF
+    got = torch.cat([p.detach().reshape(-1) for p in loaded.module.parameters()])
+    a, b = _params(tmp, "local4", 0)[HALF - 1], _params(tmp, "local4", 1)[HALF - 1]
+    assert got.shape == a.shape
+    torch.testing.assert_close(got, (a.double() + b.double()).div(2).float(), rtol=0, atol=0)
+    assert not torch.equal(got, a) and not torch.equal(got, b)
+    assert len(notes) == 1 and "by 2 replicas" in notes[0] and "does not run local SGD" in notes[0], notes

@@ -21,7 +21,7 @@ from hpml_compile.ir import Cluster, Device, Link
 from hpml_compile.plan import Plan, Schedule, Stage, check_comm, with_comm
 from hpml_compile.runtime.checkpoint import latest, load_checkpoint, save_checkpoint
 from hpml_compile.runtime.compress import TopK
-from hpml_compile.runtime.feedback import Feedback
+from hpml_compile.runtime.feedback import Feedback, Replica, merge_replicas, replica_key, replica_reads
 from hpml_compile.simulate import simulate
 from hpml_compile.solve import solve
 from hpml_compile.solve.testing import chain_graph
@@ -143,6 +143,32 @@ def test_error_feedback_survives_a_checkpoint_by_name_and_across_replica_counts(
     notes.clear()
     load_checkpoint(path, model, rng=False, log=notes.append)  # a plan that does not compress
     assert len(notes) == 1 and "error feedback of 4 parameter(s)" in notes[0] and "dropped" in notes[0]
+
+
+def test_local_sgd_replicas_read_their_own_copy_or_start_from_the_average() -> None:
+    """A checkpoint's per-replica copies (as two ranks of a local SGD stage write them): under the same replica
+    count each replica reads its own; under another, or without local SGD, the average where they differ (said
+    once), the copy where they agree; an entry kept only by name is read by name."""
+    w = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0])]  # the replicas' parameter: they differ
+    step = torch.tensor(7.0)  # Adam's step: the same on both
+    saved = {**Replica(0, 2).state({"model.w": w[0], "optim.w.step": step}),
+             **Replica(1, 2).state({"model.w": w[1], "optim.w.step": step})}
+    stored = {k: (tuple(v.shape), v.dtype) for k, v in saved.items()}
+    held = ["model.w", "optim.w.step", "model.b"]
+    for r in range(2):
+        mine = Replica(r, 2)
+        reads = replica_reads(stored, held, mine)
+        assert set(reads) == {"model.w", "optim.w.step"}  # model.b: by name only
+        assert list(reads["model.w"]) == [replica_key(r, 2, "model.w")]  # its own copy, nothing else
+        got, notes = merge_replicas({e: {k: saved[k] for k in ks} for e, ks in reads.items()}, mine)
+        assert torch.equal(got["model.w"], w[r]) and notes == []
+    for mine in (Replica(0, 3), None):  # another replica count; a plan without local SGD
+        reads = replica_reads(stored, held, mine)
+        assert len(reads["model.w"]) == 2  # every saved replica's copy
+        got, notes = merge_replicas({e: {k: saved[k] for k in ks} for e, ks in reads.items()}, mine)
+        assert torch.equal(got["model.w"], torch.tensor([2.0, 3.5])) and torch.equal(got["optim.w.step"], step)
+        assert len(notes) == 1 and "by 2 replicas" in notes[0] and "1 parameter, buffer and optimizer" in notes[0]
+        assert ("replica 0 of 3" if mine else "does not run local SGD") in notes[0]
 
 
 def test_prices() -> None:
