@@ -432,7 +432,7 @@ class Adapter:
             head += "; slowed: " + ", ".join(f"{d} {f:.2f}x" for d, f in slow.items())
         priced = "\n".join(
             f"  candidate {name}: predicted step {r.diff.new_step_ms:.4g} ms against {r.diff.old_step_ms:.4g} ms "
-            f"({r.diff.gain:.2f}x), switch cost {event['candidates'][name]['switch_cost_s']:.1f} s; "
+            f"({r.diff.gain:.2f}x), switch cost {event['candidates'][name]['switch_cost_s']:.3g} s; "
             + " | ".join(",".join(st.devices) + (f" rows {':'.join(map(str, st.rows))}" if st.rows else "")
                          for st in r.plan.stages)
             + ("" if r.switched else " (not faster)") for name, (r, took) in tried.items())

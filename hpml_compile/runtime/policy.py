@@ -182,11 +182,11 @@ def choose_switch(candidates: list[Candidate], measured_ms: float, steps_left: i
     paying = [c for c in candidates if c.pays(measured_ms, steps_left, min_gain)]
     if not paying:
         return None, "no candidate pays: " + "; ".join(
-            f"{c.name} predicts {c.gain:.2f}x for a switch of {c.switch_cost_ms / 1e3:.1f} s" for c in candidates)
+            f"{c.name} predicts {c.gain:.2f}x for a switch of {c.switch_cost_ms / 1e3:.3g} s" for c in candidates)
     best = min(paying, key=lambda c: (c.switch_cost_ms, c.step_ms))
     others = [c for c in candidates if c is not best]
-    why = f"{best.name} pays ({best.gain:.2f}x, switch {best.switch_cost_ms / 1e3:.1f} s)" + "".join(
-        f"; {c.name}: {c.gain:.2f}x, switch {c.switch_cost_ms / 1e3:.1f} s"
+    why = f"{best.name} pays ({best.gain:.2f}x, switch {best.switch_cost_ms / 1e3:.3g} s)" + "".join(
+        f"; {c.name}: {c.gain:.2f}x, switch {c.switch_cost_ms / 1e3:.3g} s"
         + ("" if c in paying else ", does not pay") for c in others)
     return best, why + (" (the cheapest to switch to that pays)" if len(paying) > 1 else "")
 

@@ -8,13 +8,15 @@ by step: the loss and every parameter's gradient after each step, with the
 rows changed before steps 2, 3 and 4 (even -> 3:1 -> 1:3 -> even again, on
 code generated at an even split or at uneven rows). What the running code
 cannot serve (a boundary generated without batch dimensions, a graph from
-torch.export) is named by :func:`in_place_refusal`, and the data loader of a
-TrainSpec takes the new rows at the same global position.
+torch.export) is named by :func:`in_place_refusal`, the data loader of a
+TrainSpec takes the new rows at the same global position, and ``report``
+summarises only the steps run on the rows its plan.json holds.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,14 +24,17 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from hpml_compile import models
+from hpml_compile import models, profile
+from hpml_compile.cluster import load_cluster
 from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.testing import max_grad_diff, split_plan
 from hpml_compile.errors import HpmlError
-from hpml_compile.plan import Plan
+from hpml_compile.plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction, save_plan
 from hpml_compile.runtime.adapt import in_place_refusal
 from hpml_compile.runtime.data import RankData, global_batch
+from hpml_compile.runtime.monitor import Monitor, StepMetrics
 from hpml_compile.runtime.pipeline import Pipeline
+from hpml_compile.runtime.summary import analyse
 from hpml_compile.trace import trace
 from hpml_compile.trainspec import TrainSpec
 
@@ -116,3 +121,30 @@ def test_rank_data_takes_new_rows_at_the_same_position() -> None:
     assert second.step == 1 and second.indices == want
     assert second.target.view(-1).tolist() == [float(i) for i in want[1:]]
     assert loader.state_dict()["batch"] == 2
+
+
+def test_report_summarises_the_steps_since_rows_moved_in_place(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    prof = profile(model, (torch.randn(8, 8),), name="toy", repeats=1, warmup=0, progress=False)
+    names = tuple(n.name for n in prof.nodes)
+    plan = Plan("toy", load_cluster("local-cpu-2"), Schedule.GPIPE, 2,
+                (Stage(0, ("cpu0", "cpu1"), names, rows=(6, 2), predicted=StagePrediction(5.0, 10.0)),),
+                PlanPrediction(40.0, 0, 0.0))
+    run = tmp_path / "run"
+    run.mkdir()
+    save_plan(plan, run / "plan.json")
+    for rank in (0, 1):
+        mon = Monitor(run, rank, tensorboard=False)
+        for step in range(8):  # rank 1 computes 3x before the move at step 4 (4 done), its even share after
+            c = 30.0 * (3.0 if rank == 1 and step < 4 else 1.0)
+            mon.record(StepMetrics(step=step, rank=rank, stage=0, replica=rank, device=f"cpu{rank}", microbatches=2,
+                                   samples=16, step_ms=100.0, pipeline_ms=90.0, fwd_ms=c / 3, bwd_ms=2 * c / 3))
+        mon.close()
+    (run / "replans.jsonl").write_text(json.dumps({"step": 2, "switch": False}) + "\n"
+                                       + json.dumps({"step": 4, "switch": True, "in_place": True}) + "\n")
+    s = analyse(run, skip=1)
+    assert s.steps == 4 and s.skipped == 1  # steps 5..8 ran on plan.json's rows; the first of them as warm-up
+    assert s.stages[0].compute_ms == pytest.approx(30.0)  # not the 90 ms of the steps before the move
+    (run / "replans.jsonl").write_text(json.dumps({"step": 4, "switch": False}) + "\n")
+    assert analyse(run, skip=1).steps == 8  # no move: every step
