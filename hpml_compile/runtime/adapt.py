@@ -178,6 +178,10 @@ def in_place_refusal(generated: Plan, old: Plan, new: Plan, front_end: str = "fx
         new: the plan with the new rows (the same stages on the same devices).
         front_end: how the build's graph was traced (``fx`` or ``export``: ``build.manifest.front_end``).
 
+    Returns:
+        None when the running code serves ``new``'s rows; else what needs new code (the switch then restarts the
+        ranks on a regenerated build, as a re-plan does).
+
     Example:
         >>> from hpml_compile.plan import Stage
         >>> from hpml_compile.solve.testing import cluster_of
