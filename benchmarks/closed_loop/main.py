@@ -7,7 +7,9 @@ machine (gpt-mini, batch 8 x 128 tokens, AdamW; the plan ``compile`` makes for
 - **slowdown**: rank 1 computes 3x slower from step 10 (``--slow 1:3:10``).
   Reported: detection (steps and seconds from the first slow step to the
   decision), re-plan (solve + codegen), resume (decision to the first step on
-  the new plan, checkpoint and restart included), and the throughput after
+  the new plan, checkpoint and restart included; where the closed loop moved
+  rows off the slowed replica in place instead, re-plan is choosing the rows
+  and resume the move's ``switch_s``: no restart), and the throughput after
   the switch against (a) what the new plan predicts for the slowed devices
   (goal: >= 85%) and (b) staying on the old plan with the slow device, which
   is what every peer (torch.distributed.pipelining, DeepSpeed, torchgpipe)
@@ -83,30 +85,42 @@ def slowdown(build: Path, work: Path, steps: int, slow_from: int, factor: float)
     wall = time.perf_counter() - t0
     events = _events(run)
     switch = next((e for e in events if e["event"] == "switch"), None)
+    decisions = [json.loads(x) for x in (run / "seg0" / "replans.jsonl").read_text().splitlines() if x.strip()]
+    moved = next((d for d in decisions if d.get("in_place")), None)  # rows moved off the slowed replica in place
     seg0 = _steps(run / "seg0")
     batch = next(iter(seg0.values()))[0].samples
     out: dict[str, Any] = {"scenario": "slowdown", "slow_rank": 1, "factor": factor, "from_step": slow_from,
-                           "steps": steps, "wall_s": wall, "switched": switch is not None}
+                           "steps": steps, "wall_s": wall, "switched": switch is not None or moved is not None,
+                           "in_place": switch is None and moved is not None}
     healthy = _median_step(seg0, range(3, slow_from), scope=False)
-    if switch is None:
-        out["decisions"] = [json.loads(x) for x in (run / "seg0" / "replans.jsonl").read_text().splitlines()]
+    if switch is None and moved is None:
+        out["decisions"] = decisions
         return out
-    d = switch["decision"]
+    d = switch["decision"] if switch is not None else moved
     at = d["step"]
     slowed = _median_step(seg0, range(slow_from + 1, at + 1), scope=False)
     detect_s = sum(max(m.step_ms for m in seg0[s]) for s in range(slow_from, at + 1) if s in seg0) / 1e3
-    last = max(e["segment"] for e in events if e["event"] == "segment")
-    after_rows = _steps(run / f"seg{last}")
-    first = min(after_rows)
+    if switch is not None:  # a restart on a new build: the last segment runs it
+        last = max(e["segment"] for e in events if e["event"] == "segment")
+        after_rows = _steps(run / f"seg{last}")
+        first = min(after_rows)
+        predicted = load_plan(run / f"seg{last}" / "plan.json").predicted.step_ms
+        profile_of = Path(switch["build"]) / "profile.json"
+        t = next(x for x in timings(run) if x["kind"].startswith("switch"))
+        replan_s, resume_s = t["replan_s"], t["resume_s"]
+    else:  # in place: the same segment goes on with the rows its plan.json now holds
+        after_rows, first = seg0, at + 1
+        predicted = load_plan(run / "seg0" / "plan.json").predicted.step_ms
+        profile_of = build / "profile.json"
+        replan_s, resume_s = d["solve_s"], d["switch_s"]  # choosing the rows; the move itself
     after = _median_step(after_rows, range(first + 2, steps + 1), scope=False)
-    predicted = load_plan(run / f"seg{last}" / "plan.json").predicted.step_ms
     # the prediction's scope: the whole step when the profile timed the optimizer
-    whole = bool(load_profile(Path(switch["build"]) / "profile.json").optimizer_ms)
+    whole = bool(load_profile(profile_of).optimizer_ms)
     after_scope = after if whole else _median_step(after_rows, range(first + 2, steps + 1), scope=True)
-    t = next(x for x in timings(run) if x["kind"].startswith("switch"))
     out.update(
         decided_at_step=at, detect_steps=at - slow_from + 1, detect_s=detect_s, slow_devices=d["slow_devices"],
-        replan_s=t["replan_s"], solve_s=d["solve_s"], codegen_s=d.get("codegen_s", 0.0), resume_s=t["resume_s"],
+        replan_s=replan_s, solve_s=d["solve_s"], codegen_s=d.get("codegen_s", 0.0), resume_s=resume_s,
+        chosen=d.get("chosen"),
         predicted_gain=d["gain"], diff=d["diff"],
         healthy_samples_s=batch / healthy * 1e3, slowed_samples_s=batch / slowed * 1e3,
         after_samples_s=batch / after * 1e3, after_step_ms=after, after_step_in_prediction_scope_ms=after_scope,
@@ -149,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'scenario':10s} {'detect':>16s} {'re-plan s':>10s} {'resume s':>9s}  notes")
     if s["switched"]:
         print(f"{'slowdown':10s} {s['detect_steps']:5d} st {s['detect_s']:6.1f} s {s['replan_s']:10.2f} "
-              f"{s['resume_s']:9.1f}  slowed {s['slow_devices']}; after the switch {s['after_samples_s']:.1f} "
+              f"{s['resume_s']:9.3f}  by {s['chosen']}{' in place' if s['in_place'] else ''}; "
+              f"slowed {s['slow_devices']}; after the switch {s['after_samples_s']:.1f} "
               f"samples/s = {s['throughput_vs_prediction']:.0%} of the new plan's prediction, "
               f"{s['speedup_vs_staying']:.2f}x staying on the old plan ({s['slowed_samples_s']:.1f}); healthy "
               f"{s['healthy_samples_s']:.1f}")

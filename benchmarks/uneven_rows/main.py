@@ -30,13 +30,18 @@ Prints a table; writes benchmarks/uneven_rows/results/uneven_rows.json.
 ``--adapt``: the closed loop instead. The even build runs ``run --adapt
 --slow 1:2:S`` once per candidate, the row move and the full re-plan each
 forced (``HPML_ADAPT_CANDIDATES``), with the restart priced at
-``--switch-cost`` seconds (``HPML_ADAPT_SWITCH_COST_S``) so that both switch
-within the run. Measured per candidate (:func:`hpml_compile.runtime.supervisor.timings`):
-the time to choose it (row choice, or the solve), the codegen of its build,
-from the decision to the first step on it (checkpoint, torchrun restart,
-model rebuild, checkpoint load), and the median slowest rank's step after it
-(leaving out the new segment's first ``--warmup`` steps) against its
-prediction and the step before the switch. Writes results/uneven_rows_adapt.json.
+``--switch-cost`` seconds (``HPML_ADAPT_SWITCH_COST_S``) so that the re-plan
+switches within the run (the row move is priced at its in-place cost).
+Measured per candidate: the time to choose it (row choice, or the solve),
+and the switch: for the row move, which the running ranks take in place,
+its ``switch_s`` in ``replans.jsonl`` (from the decision to the rows in
+force on every rank and the run's plan.json re-published); for the re-plan,
+the codegen of its build plus the time from the decision to the first step
+on it (checkpoint, torchrun restart, model rebuild, checkpoint load;
+:func:`hpml_compile.runtime.supervisor.timings`). Also the median slowest
+rank's step after the switch (leaving out its first ``--warmup`` steps)
+against its prediction and the steps before it. Writes
+results/uneven_rows_adapt.json.
 """
 
 from __future__ import annotations
@@ -138,8 +143,27 @@ def adapt_main(a: argparse.Namespace, work: Path) -> int:
                 raise SystemExit(f"run --adapt ({cand}) failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
             events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines() if x.strip()]
             switch = next((e for e in events if e["event"] == "switch"), None)
-            row: dict[str, Any] = {"loadavg_before": load0, "loadavg_after": os.getloadavg(), "switched": bool(switch)}
-            if switch:
+            decisions = [json.loads(x) for x in (run / "seg0" / "replans.jsonl").read_text().splitlines()
+                         if x.strip()] if (run / "seg0" / "replans.jsonl").is_file() else []
+            moved = next((d for d in decisions if d.get("in_place")), None)
+            row: dict[str, Any] = {"loadavg_before": load0, "loadavg_after": os.getloadavg(),
+                                   "switched": bool(switch or moved), "in_place": bool(moved),
+                                   "segments": sum(e["event"] == "segment" for e in events)}
+            if moved:  # the running ranks took the rows: the steps before and after it are in segment 0
+                steps = _segment_steps(run / "seg0", 0)
+                new_plan = load_plan(run / "seg0" / "plan.json")
+                before, after = steps[:moved["step"]][-3:], steps[moved["step"] + a.warmup:]
+                row.update(chosen=moved["chosen"], step=moved["step"], choose_s=moved["solve_s"], codegen_s=0.0,
+                           resume_s=None, switch_s=moved["switch_s"], apply_s=moved["apply_s"],
+                           first_after_ms=steps[moved["step"]] if len(steps) > moved["step"] else None,
+                           stages=[list(st.devices) for st in new_plan.stages],
+                           rows=[list(st.rows) for st in new_plan.stages],
+                           predicted_after_ms=new_plan.predicted.step_ms,
+                           predicted_old_on_measured_ms=moved["old_step_ms"],
+                           measured_before_ms=statistics.median(before) if before else None,
+                           measured_after_ms=statistics.median(after) if after else None, steps_after=len(after),
+                           candidates=moved["candidates"])
+            elif switch:
                 d = switch["decision"]
                 t = next(x for x in timings(run) if x["kind"].startswith("switch"))
                 new_plan = load_plan(Path(switch["build"]) / "plan.json")
@@ -158,8 +182,8 @@ def adapt_main(a: argparse.Namespace, work: Path) -> int:
             results.setdefault(cand, []).append(row)
     print(f"\n{a.model}, batch {a.batch_size} in {m} microbatches, one stage on 2 gloo ranks, rank {SLOW_RANK} "
           f"slowed {FACTOR:g}x from step {a.slow_from}; {a.steps} steps; restart priced at {a.switch_cost:g} s")
-    print(f"{'forced':7s} {'new plan':22s} {'choose s':>8s} {'codegen s':>9s} {'resume s':>8s} {'switch s':>8s} "
-          f"{'before ms':>9s} {'after ms':>8s} {'pred. ms':>8s}  load avg before")
+    print(f"{'forced':7s} {'new plan':22s} {'in place':8s} {'choose s':>8s} {'codegen s':>9s} {'resume s':>8s} "
+          f"{'switch s':>8s} {'before ms':>9s} {'after ms':>8s} {'pred. ms':>8s}  load avg before")
     for cand, rows in results.items():
         for x in rows:
             if not x["switched"]:
@@ -167,9 +191,15 @@ def adapt_main(a: argparse.Namespace, work: Path) -> int:
                 continue
             plan_txt = " | ".join(",".join(st) + (f" {':'.join(map(str, r))}" if r else "")
                                   for st, r in zip(x["stages"], x["rows"]))
-            print(f"{cand:7s} {plan_txt[:22]:22s} {x['choose_s']:8.2f} {x['codegen_s']:9.2f} "
-                  f"{x['resume_s'] or float('nan'):8.1f} {x['switch_s']:8.1f} {x['measured_before_ms'] or 0:9.1f} "
+            print(f"{cand:7s} {plan_txt[:22]:22s} {'yes' if x['in_place'] else 'no':8s} {x['choose_s']:8.2f} "
+                  f"{x['codegen_s']:9.2f} {x['resume_s'] or float('nan'):8.1f} {x['switch_s']:8.3f} "
+                  f"{x['measured_before_ms'] or 0:9.1f} "
                   f"{x['measured_after_ms'] or 0:8.1f} {x['predicted_after_ms']:8.1f}  {x['loadavg_before'][0]:.1f}")
+    for x in results.get("rows", []):
+        if x.get("in_place"):
+            print(f"rows moved in place at step {x['step']} in {x['switch_s'] * 1e3:.1f} ms (applied on the slowest rank "
+                  f"in {x['apply_s'] * 1e3:.2f} ms), {x['segments']} segment(s); the first step on the new rows "
+                  f"{x['first_after_ms'] or float('nan'):.1f} ms")
     out = a.out.with_name("uneven_rows_adapt.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": a.model, "batch_size": a.batch_size, "microbatches": m, "steps": a.steps,

@@ -134,6 +134,9 @@ class Comm(abc.ABC):
         self.shards: dict[int, Any] = {}
         # The plan's rows of each replica per microbatch, by stage (Stage.rows; () for an equal split).
         self.rows: list[tuple[int, ...]] = []
+        # The rows each stage's code was generated at (its first replica's), by stage; empty: ``rows[0]``.
+        # Set by a runtime that moves rows between replicas without regenerating the code.
+        self.spec_rows: list[int] = []
 
     @abc.abstractmethod
     def _put(self, frm: Endpoint, to: Endpoint, key: tuple[int, ...], tensor: Tensor) -> None:
@@ -184,22 +187,23 @@ class Comm(abc.ABC):
                      for k, r in ((a, ra), (b, rb)))
 
     def shaped(self, stage: int, replica: int, specs: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
-        """``specs`` (as generated: at the stage's first replica's rows) at ``replica``'s rows.
+        """``specs`` (as generated: at the stage's first replica's rows, ``spec_rows``) at ``replica``'s rows.
 
         Only a stage with plan rows has replicas of different rows; the batch
         dimension of each boundary tensor scales with them (a ``B*T`` row
         dimension too: it is a whole number of elements per row).
         """
         rows = self._rows(stage)
-        if not rows or all(n == rows[0] for n in rows):
+        made = self.spec_rows[stage] if stage < len(self.spec_rows) else rows[0] if rows else 0
+        if not rows or rows[replica] == made:
             return tuple(specs)
         out = []
         for shape, dtype, bd in specs:
             if bd is not None:
-                per, left = divmod(shape[bd], rows[0])
+                per, left = divmod(shape[bd], made)
                 if left:
                     raise RuntimeError(f"stage {stage}: a boundary tensor of shape {shape} has {shape[bd]} rows in "
-                                       f"dimension {bd}, not a multiple of the {rows[0]} rows it was generated for")
+                                       f"dimension {bd}, not a multiple of the {made} rows it was generated for")
                 shape = tuple(per * rows[replica] if i == bd else n for i, n in enumerate(shape))
             out.append((shape, dtype, bd))
         return tuple(out)

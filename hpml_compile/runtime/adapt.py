@@ -34,13 +34,24 @@ When it fires:
    a checkpoint; plus the solve for the re-plan) over the steps left, and of
    those that pay the cheapest to switch to wins (:func:`~.policy.choose_switch`).
    The decision names both, with their predicted steps and switch costs.
-   A row move still restarts the ranks on a regenerated build: the stage
-   code is one file for every replica, but the build records the first
-   replica's rows (its boundary specs and the stage files' header), and each
-   rank regenerates the code from plan.json at load and checks it against
-   the build, so the restart's codegen is the same as a re-plan's;
-4. if it pays, rank 0 generates the new build; every rank learns the
-   verdict (one broadcast). The caller then checkpoints and stops, and the
+   A row move needs no restart where the running code serves the new rows
+   (:func:`in_place_refusal`: one stage file serves every replica, each
+   boundary spec scaled to a replica's rows, wherever the code was
+   generated with the batch dimensions of the boundaries next to the moved
+   stage; always for a one-stage data-parallel plan). Its switch cost is
+   then the in-place move's, measured (the last one of this run, else
+   :data:`~.policy.ROW_MOVE_PRIOR_S`), not a restart's;
+4. every rank learns the verdict (one broadcast, at this step boundary).
+   An in-place row move: every rank gives its running pipeline the new rows
+   (:meth:`~.pipeline.Pipeline.move_rows`: the split of each microbatch, the
+   loss weights, the boundaries' row ranges, the rows a TrainSpec's loader
+   reads) and the ranks check in one all-reduce that they took the same
+   rows; rank 0 re-publishes the run folder's plan.json with them (atomic)
+   and records the move with its measured cost (``switch_s``: from the
+   decision to the rows in force on every rank and the plan published). The
+   next step runs on the new rows: no checkpoint, no restart; the watch then
+   learns the new plan's first steps afresh. Otherwise, if a switch pays,
+   rank 0 generates the new build, the caller checkpoints and stops, and the
    supervisor (:mod:`.supervisor`) restarts the ranks on the new build.
    When no plan is predicted faster, the measured step time becomes the new
    reference (the gap is the cost model's, not the placement's), so the same
@@ -67,8 +78,9 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections import deque
 import time
+import zlib
+from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -78,13 +90,15 @@ import torch.distributed as dist
 
 from .. import driver
 from ..errors import HpmlError
+from ..plan import Plan, save_plan
 from ..profile import load_profile
 from .monitor import StepMetrics
-from .policy import (DEFAULT_PATIENCE, DEFAULT_THRESHOLD, Candidate, ImbalanceWatch, choose_switch,
-                     contention_discount, memory_shortfalls, replan_capacity)
+from .policy import (DEFAULT_PATIENCE, DEFAULT_THRESHOLD, ROW_MOVE_PRIOR_S, Candidate, ImbalanceWatch,
+                     choose_switch, contention_discount, memory_shortfalls, replan_capacity)
 from .summary import HostContention, device_slowdowns, host_contention, measured_setup, summarise
 
-__all__ = ["AdaptOptions", "Verdict", "CANDIDATES", "Adapter", "REPLANS_FILE", "NEXT_FILE", "plan_scope_ms", "busy_host_hold"]
+__all__ = ["AdaptOptions", "Verdict", "CANDIDATES", "Adapter", "REPLANS_FILE", "NEXT_FILE", "plan_scope_ms", "busy_host_hold",
+           "in_place_refusal"]
 
 CANDIDATES = ("both", "rows", "replan")
 REPLANS_FILE = "replans.jsonl"
@@ -146,14 +160,78 @@ class AdaptOptions:
             raise HpmlError(f"adapt candidates must be one of {', '.join(CANDIDATES)}, got {self.candidates!r}")
 
 
+def in_place_refusal(generated: Plan, old: Plan, new: Plan, front_end: str = "fx") -> str | None:
+    """Why running ranks cannot take ``new``'s rows without new code, or None when they can.
+
+    The stage code serves any rows of its stage's replicas: it was generated at
+    its first replica's rows, and each boundary spec is scaled to a replica's
+    own (:meth:`~hpml_compile.codegen.comm.Comm.shaped`). A boundary reshards
+    rows between its two sides only along the batch dimensions codegen
+    recorded, and it records them only where the generated plan split the two
+    sides differently (another replica count, or rows on either side:
+    ``codegen.render._boundary_dims``); a graph from torch.export fixes every
+    shape.
+
+    Args:
+        generated: the plan the running stage code was generated for (the build's).
+        old: the running plan.
+        new: the plan with the new rows (the same stages on the same devices).
+        front_end: how the build's graph was traced (``fx`` or ``export``: ``build.manifest.front_end``).
+
+    Returns:
+        None when the running code serves ``new``'s rows; else what needs new code (the switch then restarts the
+        ranks on a regenerated build, as a re-plan does).
+
+    Example:
+        >>> from hpml_compile.plan import Stage
+        >>> from hpml_compile.solve.testing import cluster_of
+        >>> st = lambda k, devs, rows=(): Stage(k, devs, (f"n{k}",), rows=rows)
+        >>> two = Plan("toy", cluster_of(["cpu"] * 4), "gpipe", 2, (st(0, ("d0", "d1")), st(1, ("d2", "d3"))))
+        >>> moved = replace(two, stages=(st(0, ("d0", "d1"), (3, 1)), two.stages[1]))
+        >>> in_place_refusal(two, two, moved)[:62]
+        'the boundary between stage 0 and stage 1 was generated without'
+        >>> one = Plan("toy", cluster_of(["cpu"] * 2), "gpipe", 2, (st(0, ("d0", "d1")),))
+        >>> in_place_refusal(one, one, replace(one, stages=(st(0, ("d0", "d1"), (3, 1)),))) is None
+        True
+    """
+    moved = {a.index for a, b in zip(old.stages, new.stages) if a.rows != b.rows}
+    if moved and front_end == "export":
+        return "the build's graph came from torch.export, which fixes every shape"
+    gen = generated.stages
+    for k in range(len(gen) - 1):
+        if not {k, k + 1} & moved:
+            continue
+        here, there = gen[k], gen[k + 1]
+        if len(here.devices) == len(there.devices) and not here.rows and not there.rows:
+            return (f"the boundary between stage {k} and stage {k + 1} was generated without its batch dimensions "
+                    f"(both sides split each microbatch equally over {len(here.devices)} replicas), so rows moved "
+                    "there need new code")
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """What rank 0 decided, sent to every rank."""
+    """What rank 0 decided, sent to every rank.
+
+    Attributes:
+        switch: the job switches plans (a restart on ``build``, or rows moved in place: ``plan``).
+        build: the new build to restart on; None for no switch or an in-place row move.
+        reference_ms: the step time the watch compares with from now on.
+        event: the decision as recorded in ``replans.jsonl``.
+        plan: an in-place row move's plan (the running one with new rows), which every rank runs from the next
+            step on.
+    """
 
     switch: bool
     build: str | None
     reference_ms: float
     event: dict[str, Any] = field(default_factory=dict)
+    plan: Plan | None = None
+
+    @property
+    def restart(self) -> bool:
+        """Whether the caller must checkpoint and stop, for the supervisor to restart the ranks on ``build``."""
+        return self.switch and self.build is not None
 
 
 def plan_scope_ms(m: StepMetrics, with_optimizer: bool = True) -> float:
@@ -182,20 +260,33 @@ class Adapter:
                  total_steps: int, startup_s: float, log: Callable[[str], None] = lambda line: None) -> None:
         self.pipe, self.build_dir, self.run_dir, self.opts = pipe, Path(build_dir), Path(run_dir), options
         self.total_steps, self.startup_s, self.log = total_steps, startup_s, log
-        self.watch = ImbalanceWatch(options.threshold, options.patience, options.cooldown, baseline=options.baseline)
-        self.reference_ms = pipe.plan.predicted.step_ms
-        self.with_optimizer = bool(load_profile(self.build_dir / "profile.json").optimizer_ms)
+        self._profile = load_profile(self.build_dir / "profile.json")  # the costs the running plan was made on
+        self.with_optimizer = bool(self._profile.optimizer_ms)
         self.checkpoint_s = 1.0  # until one is measured
-        self._seen = 0
-        self._times: deque[float] = deque(maxlen=options.patience)  # the latest steps' times
-        self._lost: list[float] = []  # ms lost to contention in the first steps (the contention's baseline)
+        self.move_s: float | None = None  # the last in-place row move's measured switch (None: none yet)
+        self._generated = pipe.build.plan  # the plan the running stage code was generated for
+        self._front_end = pipe.build.manifest.front_end.value
+        self._next_profile = self._profile  # rank 0: the measured costs of an in-place move being made
         plan = pipe.plan
         self._capacity = plan.cluster.device(plan.stages[pipe.stage_index].devices[pipe.replica]).memory_bytes
+        self._begin_plan(plan.predicted.step_ms)
+
+    def _begin_plan(self, reference_ms: float) -> None:
+        """Watch a plan from its first step: warm-up, the baseline steps, then the watch against ``reference_ms``."""
+        o = self.opts
+        self.watch = ImbalanceWatch(o.threshold, o.patience, o.cooldown, baseline=o.baseline)
+        self.reference_ms = reference_ms
+        self._seen = 0
+        self._start: int | None = None  # index in pipe.metrics of the plan's first step (set when it is observed)
+        self._times: deque[float] = deque(maxlen=o.patience)  # the latest steps' times
+        self._lost: list[float] = []  # ms lost to contention in the first steps (the contention's baseline)
         self._memory_tried = False  # one memory re-plan per plan: a second would be cut from the same miss
 
     def observe(self) -> Verdict | None:
         """Feed the step just run (call on every rank); a verdict when the watch fired, else None."""
         m = self.pipe.metrics[-1]
+        if self._start is None:
+            self._start = len(self.pipe.metrics) - 1
         # a host busier than in the plan's first steps (steal, other programs) is not a wrong plan: the step at
         # the first steps' contention
         if self._seen < self.opts.warmup + self.opts.baseline:
@@ -223,7 +314,7 @@ class Adapter:
                      f"for {self.opts.patience} steps")
         if not fired:
             return None
-        rows, head = self.pipe.metrics, self.opts.warmup + self.opts.baseline
+        rows, head = self.pipe.metrics[self._start:], self.opts.warmup + self.opts.baseline
         # what the decision reads: the plan's first steps (its baseline) and the latest ones, not the whole run
         return self._agree(self._decide, [r.to_dict() for r in [*rows[:head], *rows[-self.opts.patience:]]])
 
@@ -242,8 +333,11 @@ class Adapter:
                                                        "why": f"re-planning failed: {type(e).__name__}: {e}"})
                 self._record(box[0].event)
                 self.log(f"re-plan at step {self.pipe.steps_done} failed ({e}); going on with the running plan")
+        decided = time.perf_counter()
         dist.broadcast_object_list(box, src=0)
         verdict: Verdict = box[0]
+        if verdict.plan is not None:
+            return self._move_in_place(verdict, decided)
         if not verdict.switch:
             if verdict.reference_ms != self.reference_ms:  # a measured step: it holds the misprediction already
                 self.reference_ms = verdict.reference_ms
@@ -263,7 +357,7 @@ class Adapter:
         if busy:  # every rank slower on a busy host: the report's rule, no re-plan on it
             return self._hold_busy(step, measured, busy)
         s = summarise(plan, recent, skip=0, run_dir=self.run_dir)
-        prof, cluster = measured_setup(load_profile(self.build_dir / "profile.json"), s, slow,
+        prof, cluster = measured_setup(self._profile, s, slow,
                                        source=f"{self.run_dir} steps {step - o.patience + 1}..{step}")
         steps_left = self.total_steps - step
         restart_ms = (self.startup_s + self.checkpoint_s if o.switch_cost_s is None else o.switch_cost_s) * 1e3
@@ -282,10 +376,15 @@ class Adapter:
             tried["replan"] = (driver.replan(plan, prof, cluster=cluster,
                                              opts=driver.Options(solver=o.solver, time_limit_s=o.time_limit_s)),
                                time.perf_counter() - t0)
-        # what switching to each costs: a checkpoint and a restart (this segment's start-up) for both; a full
-        # re-plan also its solve (a row move needs none); both regenerate the build (codegen_s, measured below)
-        cands = {name: Candidate(name, r.diff.new_step_ms, r.diff.gain,
-                                 restart_ms + (took * 1e3 if name == "replan" else 0.0))
+        # what switching to each costs: a row move the running code serves, its in-place move (measured: the
+        # last one of this run, else the prior); else a checkpoint and a restart (this segment's start-up), and
+        # for a full re-plan also its solve (a row move needs none); a restart regenerates the build (codegen_s)
+        refusal = (in_place_refusal(self._generated, plan, tried["rows"][0].plan, self._front_end)
+                   if "rows" in tried else None)
+        move_ms = (self.move_s if self.move_s is not None else ROW_MOVE_PRIOR_S) * 1e3
+        cost_ms = {name: (move_ms if name == "rows" and refusal is None else restart_ms)
+                   + (took * 1e3 if name == "replan" else 0.0) for name, (_, took) in tried.items()}
+        cands = {name: Candidate(name, r.diff.new_step_ms, r.diff.gain, cost_ms[name])
                  for name, (r, took) in tried.items() if r.switched}
         best, why_best = choose_switch(list(cands.values()), measured, steps_left, o.min_gain)
         chosen = best.name if best is not None else None
@@ -303,9 +402,12 @@ class Adapter:
             "steps_left": steps_left, "switch_cost_s": (cands[chosen].switch_cost_ms if chosen else restart_ms) / 1e3,
             "switch": switch, "chosen": chosen,
             "restart_cost": "measured" if o.switch_cost_s is None else "given (HPML_ADAPT_SWITCH_COST_S)",
+            "row_move_cost": "measured in this run" if self.move_s is not None else "prior (policy.ROW_MOVE_PRIOR_S)",
             "candidates": {name: {"predicted_step_ms": r.diff.new_step_ms, "old_step_ms": r.diff.old_step_ms,
                                   "gain": r.diff.gain, "faster": r.switched, "made_s": took,
-                                  "switch_cost_s": (restart_ms + (took * 1e3 if name == "replan" else 0.0)) / 1e3,
+                                  "switch_cost_s": cost_ms[name] / 1e3,
+                                  **({"in_place": refusal is None, "why_not_in_place": refusal}
+                                     if name == "rows" else {}),
                                   "pays": name in cands and cands[name].pays(measured, steps_left, o.min_gain),
                                   "rows": [list(st.rows) for st in r.plan.stages],
                                   "stages": [list(st.devices) for st in r.plan.stages]}
@@ -313,7 +415,11 @@ class Adapter:
             "diff": diff.summary(scope_of=lambda n: scopes.get(n, "")), "solve_s": solve_s,
         }
         build = None
-        if switch:
+        in_place = switch and chosen == "rows" and refusal is None
+        if in_place:  # the running ranks take the rows at this step boundary (_move_in_place records it)
+            event.update(in_place=True, codegen_s=0.0, why_chosen=why_best)
+            self._next_profile = prof
+        elif switch:
             t1 = time.perf_counter()
             build = str(driver.rebuild(self.build_dir, result.plan, prof, self.run_dir / "next_build").out_dir)
             event.update(codegen_s=time.perf_counter() - t1, build=build, why_chosen=why_best)
@@ -323,23 +429,60 @@ class Adapter:
             event["why"] = (f"no candidate pays for its switch over {steps_left} steps of a {measured:.0f} ms step "
                             f"(or gains under {o.min_gain:g}x): {why_best}")
         event["decide_s"] = time.perf_counter() - detected
-        self._record(event)
+        if not in_place:
+            self._record(event)
         head = f"re-plan at step {step}: {event['reason']}"
         if slow:
             head += "; slowed: " + ", ".join(f"{d} {f:.2f}x" for d, f in slow.items())
         priced = "\n".join(
             f"  candidate {name}: predicted step {r.diff.new_step_ms:.4g} ms against {r.diff.old_step_ms:.4g} ms "
-            f"({r.diff.gain:.2f}x), switch cost {event['candidates'][name]['switch_cost_s']:.1f} s; "
+            f"({r.diff.gain:.2f}x), switch cost {event['candidates'][name]['switch_cost_s']:.3g} s; "
             + " | ".join(",".join(st.devices) + (f" rows {':'.join(map(str, st.rows))}" if st.rows else "")
                          for st in r.plan.stages)
             + ("" if r.switched else " (not faster)") for name, (r, took) in tried.items())
         self.log(head + "\n" + priced + "\n" + diff.summary(scope_of=lambda n: scopes.get(n, "")) + "\n"
-                 + (f"switching by {chosen} to the new plan ({build}): {why_best}" if switch
+                 + (f"switching by rows in place (no restart): {why_best}" if in_place
+                    else f"switching by {chosen} to the new plan ({build}): {why_best}" if switch
                     else f"keeping the plan: {event['why']}"))
         # the new reference: the new plan's prediction; the measured step when no plan is faster (the gap is the
         # cost model's, not the placement's); unchanged when a faster plan did not pay yet (asked again later)
         ref = result.plan.predicted.step_ms if switch else measured if not cands else self.reference_ms
-        return Verdict(switch, build, ref, event)
+        return Verdict(switch, build, ref, event, plan=result.plan if in_place else None)
+
+    def _move_in_place(self, verdict: Verdict, decided: float) -> Verdict:
+        """Every rank: run the verdict's rows from the next step on; rank 0 publishes and records the move.
+
+        Args:
+            verdict: the in-place row move (its ``plan``), as broadcast.
+            decided: when this rank had the verdict (rank 0: before the broadcast).
+
+        Raises:
+            HpmlError: the ranks took different rows (they all run one broadcast verdict: a bug if ever).
+        """
+        assert verdict.plan is not None
+        t0 = time.perf_counter()
+        self.pipe.move_rows(verdict.plan)
+        applied = time.perf_counter() - t0
+        rows = [list(st.rows) for st in verdict.plan.stages]
+        sig = float(zlib.crc32(json.dumps(rows).encode()))
+        t = torch.tensor([sig, -sig, applied], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the same rows on every rank (max = min); the slowest to apply
+        if float(t[0]) != -float(t[1]):
+            raise HpmlError(f"step {self.pipe.steps_done}: the ranks took different rows in an in-place row move "
+                            f"(this rank {rows}); the job cannot go on consistently: restart it")
+        if self.pipe.rank == 0:
+            save_plan(verdict.plan, self.run_dir / "plan.json")  # report and show read the rows in force
+            self.move_s = time.perf_counter() - decided
+            self._profile = self._next_profile
+            event = {**verdict.event, "switch_s": self.move_s, "apply_s": float(t[2]),
+                     "rows": rows, "plan": str(self.run_dir / "plan.json")}
+            self._record(event)
+            self.log(f"step {self.pipe.steps_done}: rows moved in place in {self.move_s * 1e3:.1f} ms (no restart): "
+                     + " | ".join(",".join(st.devices) + (f" rows {':'.join(map(str, st.rows))}" if st.rows else "")
+                                  for st in verdict.plan.stages))
+            verdict = replace(verdict, event=event)
+        self._begin_plan(verdict.reference_ms)
+        return verdict
 
     def _hold_busy(self, step: int, measured: float, busy: list[Any]) -> Verdict:
         """Keep the plan: see :func:`busy_host_hold`."""

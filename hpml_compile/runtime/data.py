@@ -14,6 +14,10 @@ trains on (:func:`hpml_compile.trainspec.rank_rows`) and only when it needs
 them: inputs where its stage reads a model input (the first stage), targets on
 the last stage; other ranks load nothing and only count batches. A stream has
 no index, so a rank that needs rows reads each batch whole and keeps its own.
+A rank's rows may change between two batches (the closed loop moving rows off
+a slowed replica without a restart, :meth:`RankData.set_rows`): the position
+is the global batch number, so the next batch is the same whatever the rows,
+and only which of its rows this rank loads changes.
 
 Position: loading goes through torchdata's ``StatefulDataLoader``, whose
 ``state_dict`` says where it stands; the batch sampler here keeps its position
@@ -172,6 +176,15 @@ class RankData:
                 self._sampler = _RankBatches(len(spec.dataset), spec.batch_size, spec.seed, rows)
                 self._loader = StatefulDataLoader(spec.dataset, batch_sampler=self._sampler,
                                                   collate_fn=lambda items: collate(spec, items))
+
+    def set_rows(self, rows: list[int]) -> None:
+        """Load ``rows`` of every batch from the next one on (the plan moved rows between replicas in place);
+        the position does not change."""
+        self.rows = rows
+        if self._sampler is not None:
+            self._sampler.rows = rows
+            self._sampler.batch = self.batch
+            self._it = None  # a new iterator from the position: nothing fetched under the old rows is served
 
     def _next_stream(self) -> Any:
         for _ in range(2):

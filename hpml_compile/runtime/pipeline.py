@@ -50,6 +50,7 @@ import contextlib
 import gc
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -61,7 +62,7 @@ from ..codegen import Build, load_build
 from ..codegen.comm import DetachedComm
 from ..errors import HpmlError
 from ..ir import Precision
-from ..plan import sync_overlap, with_comm
+from ..plan import Plan, sync_overlap, with_comm
 from .batchcheck import agree_with_check, fingerprint
 from ..hostmem import keep_freed_memory
 from ..memory import ZeroStage
@@ -146,11 +147,15 @@ class Pipeline:
         self._reps = [len(st.devices) for st in self.plan.stages]
         self._splits = stage_splits(build)  # each stage's replica count, or its plan rows (uneven)
         self._mb_rows = build.manifest.inputs[0].shape[0] if build.manifest.inputs else None
+        # the rows each stage's code was generated at (its first replica's): the boundary specs' (move_rows)
+        self._spec_rows = [st.rows[0] if st.rows else (self._mb_rows or 0) // len(st.devices)
+                           for st in build.plan.stages]
         self._orders: dict[int, list[tuple[int, Action]]] = {}  # microbatches -> what this process runs
         if session is None:
             self.rank, self.world_size = 0, 1
             self.device = torch.device("cpu")
             self._local = LocalComm(self.plan)
+            self._local.spec_rows = self._spec_rows
             self.comm: DistComm | None = None
             self.stages = dict(enumerate(build.stages))
             for st in self.stages.values():
@@ -247,6 +252,7 @@ class Pipeline:
         comm = DistComm(self.plan, self.rank, self._devices, pairs, groups)
         comm.faults = self._faults
         comm.events = getattr(self, "events", None)
+        comm.spec_rows = self._spec_rows
         self.build.stages[comm.stage].hpml_comm = comm
         for b in getattr(self, "_buckets", ()):  # after a reconnect: the new communicator runs the collectives
             comm.shards[b.stage] = b
@@ -363,6 +369,35 @@ class Pipeline:
             return list(range(b)), True, True
         rows = rank_rows(b, m, self._splits[self.stage_index], self.replica)
         return rows, bool(self.stages[self.stage_index].INPUTS), self.is_last
+
+    def move_rows(self, plan: Plan) -> None:
+        """Train on ``plan`` from the next step on: the running plan with new rows per replica, nothing else changed.
+
+        The closed loop's in-place row move (:mod:`.adapt`); call it on every rank between two steps, with the
+        same plan. The stage code stays: one stage file serves any rows (each boundary spec is scaled to a
+        replica's rows, :meth:`~hpml_compile.codegen.comm.Comm.shaped`); what takes the new rows is the split
+        of each microbatch, each replica's loss weight, the boundaries' row ranges and, with a TrainSpec, the
+        rows this rank loads (:meth:`.trainer.Trainer.rows_moved`).
+
+        Raises:
+            HpmlError: ``plan`` changes more than rows, or its rows do not split a microbatch of this build.
+        """
+        old = self.plan
+        if ([(st.devices, st.nodes) for st in plan.stages] != [(st.devices, st.nodes) for st in old.stages]
+                or (plan.microbatches, plan.schedule) != (old.microbatches, old.schedule)):
+            raise HpmlError("move_rows takes the running plan with new rows per replica and nothing else changed: "
+                            "the stages, their devices and nodes, the microbatches and the schedule must stay")
+        for st in plan.stages:
+            if st.rows and (len(st.rows) != len(st.devices) or sum(st.rows) != self._mb_rows):
+                raise HpmlError(f"stage {st.index}: rows {list(st.rows)} for {len(st.devices)} replicas do not split "
+                                f"a microbatch of this build ({self._mb_rows} rows)")
+        self.plan = plan
+        self.build = replace(self.build, plan=replace(self.build.plan, stages=tuple(
+            replace(b, rows=n.rows) for b, n in zip(self.build.plan.stages, plan.stages))))
+        self._splits = stage_splits(self.build)
+        (self.comm if self.comm is not None else self._local).rows = [st.rows for st in plan.stages]
+        if self.trainer is not None:
+            self.trainer.rows_moved()
 
     @property
     def metrics(self) -> list[StepMetrics]:

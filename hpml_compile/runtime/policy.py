@@ -14,7 +14,10 @@
   :func:`choose_switch` picks among several candidates (the closed loop's
   row move and full re-plan): of those that pay, the cheapest to switch to,
   so a cheap row move that pays is not passed over for a re-plan that
-  predicts a little more but costs a solve.
+  predicts a little more but costs a solve. A row move the running ranks
+  take in place costs what the last such move of the run measured
+  (milliseconds: no checkpoint, no restart), :data:`ROW_MOVE_PRIOR_S` before
+  the first; a switch that restarts the ranks costs the restart.
 * :class:`FailureLedger` counts failures per device; a device that fails
   ``max_failures`` times is dropped rather than retried forever.
 * :func:`contention_discount` takes off a step's time what the rank lost to
@@ -55,11 +58,16 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 __all__ = ["ImbalanceWatch", "FailureLedger", "worth_switching", "Candidate", "choose_switch", "contention_discount", "lost_share",
-           "memory_shortfalls", "replan_capacity", "DEFAULT_THRESHOLD", "DEFAULT_PATIENCE", "MAX_LOST"]
+           "memory_shortfalls", "replan_capacity", "DEFAULT_THRESHOLD", "DEFAULT_PATIENCE", "MAX_LOST",
+           "ROW_MOVE_PRIOR_S"]
 
 DEFAULT_THRESHOLD = 1.25  # measured / predicted step time that counts as "worse than planned"
 DEFAULT_PATIENCE = 5  # consecutive such steps before re-planning
 MAX_LOST = 0.9  # a host's contention never explains more than this share of a step
+# An in-place row move's switch cost before the run has measured one (seconds): above what
+# benchmarks/uneven_rows --adapt measured on a shared 2-core VM (10-13 ms, see its README), so the first move is not
+# under-priced; every later decision of the run uses the move it measured.
+ROW_MOVE_PRIOR_S = 0.05
 
 
 @dataclass(slots=True)
@@ -174,11 +182,11 @@ def choose_switch(candidates: list[Candidate], measured_ms: float, steps_left: i
     paying = [c for c in candidates if c.pays(measured_ms, steps_left, min_gain)]
     if not paying:
         return None, "no candidate pays: " + "; ".join(
-            f"{c.name} predicts {c.gain:.2f}x for a switch of {c.switch_cost_ms / 1e3:.1f} s" for c in candidates)
+            f"{c.name} predicts {c.gain:.2f}x for a switch of {c.switch_cost_ms / 1e3:.3g} s" for c in candidates)
     best = min(paying, key=lambda c: (c.switch_cost_ms, c.step_ms))
     others = [c for c in candidates if c is not best]
-    why = f"{best.name} pays ({best.gain:.2f}x, switch {best.switch_cost_ms / 1e3:.1f} s)" + "".join(
-        f"; {c.name}: {c.gain:.2f}x, switch {c.switch_cost_ms / 1e3:.1f} s"
+    why = f"{best.name} pays ({best.gain:.2f}x, switch {best.switch_cost_ms / 1e3:.3g} s)" + "".join(
+        f"; {c.name}: {c.gain:.2f}x, switch {c.switch_cost_ms / 1e3:.3g} s"
         + ("" if c in paying else ", does not pay") for c in others)
     return best, why + (" (the cheapest to switch to that pays)" if len(paying) > 1 else "")
 

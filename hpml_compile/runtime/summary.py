@@ -44,6 +44,7 @@ from typing import Callable, Mapping, Sequence
 from ..ir import Cluster, NodeCost, Profile, variant_kind
 from ..plan import Plan, load_plan
 from ..profile import load_profile, save_profile
+from ..publish import read_json_lines
 from ..report import host_summary, human_bytes
 from .monitor import StepMetrics, read_metrics
 from .policy import contention_discount, lost_share, memory_shortfalls
@@ -332,6 +333,9 @@ def _advice(plan: Plan, stages: list[StageSummary], bubble: float, step_ms: floa
 def analyse(run_dir: str | Path, *, skip: int | None = None) -> RunSummary:
     """Summarise a run folder.
 
+    Where the closed loop moved rows in place (``replans.jsonl``), plan.json holds the new rows: only the steps
+    since the last move are summarised against it (their first ``skip`` as warm-up).
+
     Args:
         run_dir: the folder ``hpml-compile run`` wrote.
         skip: warm-up steps to leave out (default: 2, or fewer for short runs).
@@ -348,6 +352,11 @@ def analyse(run_dir: str | Path, *, skip: int | None = None) -> RunSummary:
                         "--run-dir` wrote, and did a step finish?")
     if not (run / "plan.json").is_file():
         raise HpmlError(f"{run}: no plan.json; `hpml-compile run` copies the build's plan there")
+    moved = [e["step"] for e in (read_json_lines(run / "replans.jsonl") if (run / "replans.jsonl").is_file() else [])
+             if isinstance(e, dict) and e.get("in_place")]
+    if moved:  # plan.json holds the rows moved in place at that step (runtime/adapt.py): the steps run on them
+        since = {r: [m for m in ms if m.step >= moved[-1]] for r, ms in rows.items()}
+        rows = since if all(since.values()) else rows
     s = summarise(load_plan(run / "plan.json"), rows, skip=skip, run_dir=run)
     if (run / "plan_profile.json").is_file():  # the profile the plan was predicted from (launcher copies it)
         s = replace(s, host=host_summary(load_profile(run / "plan_profile.json")))

@@ -107,6 +107,12 @@ class Trainer:
             self.scheduler.step()
         return loss
 
+    def rows_moved(self) -> None:
+        """Take this rank's new rows from the pipeline (after :meth:`.pipeline.Pipeline.move_rows`): from the
+        next batch on the data loads them; the position stays."""
+        self.rows = self.pipe.rows_role()[0]
+        self.data.set_rows(self.rows)
+
     def validation_loss(self) -> float:
         """The mean loss over every full batch of ``val_dataset`` in eval mode (the same on every rank)."""
         losses = []

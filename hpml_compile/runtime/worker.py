@@ -342,6 +342,7 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
                                comm_options={"compress": args.compress, "sync_every": args.sync_every,
                                              "sync_warmup": args.sync_warmup})
     trainer = Trainer(pipe, spec, run_dir=args.run_dir, log_samples=args.log_samples) if spec is not None else None
+    pipe.trainer = trainer  # rows moved in place (the closed loop) reach its data loader
     seed_rngs(recipe.seed, rank)  # dropout draws the same masks in two runs; a resume restores the states
     start = 0
     found = _resume_point(args, rank)
@@ -405,7 +406,7 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
                                                        candidates=os.environ.get("HPML_ADAPT_CANDIDATES", "both"),
                                                        switch_cost_s=_env_seconds("HPML_ADAPT_SWITCH_COST_S")))
             verdict = adapter.observe()
-            if verdict is not None and verdict.switch:
+            if verdict is not None and verdict.restart:  # an in-place row move goes on here
                 switched = verdict
         done = step + 1
         if args.checkpoint_dir and (switched or done == args.steps
