@@ -70,7 +70,7 @@ import dataclasses
 import heapq
 import math
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -82,7 +82,7 @@ from .table import CandidateTable
 
 __all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "vectors", "units", "coarse_groups", "coarse_chain", "ordered_units", "ordered_groups",
            "speed_order", "ordered_chain", "path_min",
-           "lagrangian_bounds", "reduced_cost_prune", "through", "floor_variants", "feasible"]
+           "lagrangian_bounds", "LagrangianRun", "reduced_cost_prune", "through", "floor_variants", "feasible"]
 
 #: Device-count vectors up to which the exact DP (and its bounds) are used as before.
 EXACT_VECTORS = 130
@@ -495,6 +495,48 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
         The bounds with the best plan found (``evaluations`` counts shortest-path runs), and the last
         box's prices (for :func:`reduced_cost_prune`).
     """
+    return LagrangianRun(chain, cluster, setting, tab, start=start, target_gap=target_gap, iterations=iterations,
+                         progress=progress).advance(deadline)
+
+
+class LagrangianRun:
+    """:func:`lagrangian_bounds`, resumable: each :meth:`advance` goes on where the last one stopped.
+
+    ``cutoff`` gives the least objective known elsewhere (the best plan at another microbatch count, which
+    may improve between calls): a box whose bound reaches it is not split further, since no plan in it can
+    beat that plan. ``lower`` is then a lower bound on this count's optimum or at least the cutoff (either
+    way, a bound on what this count could add), which is what the search over microbatch counts
+    (:mod:`.msearch`) needs to drop a count. ``prices``: the first box's starting prices (another count's,
+    for instance; any start is valid, a good one only saves steps). ``done``: the branch and bound has nothing
+    left to do.
+    """
+
+    def __init__(self, chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, *,
+                 start: list[Candidate] | None = None, target_gap: float = 1e-6, iterations: int = 12,
+                 progress: Callable[[float, float, list[Candidate] | None], None] | None = None,
+                 cutoff: Callable[[], float] | None = None, prices: np.ndarray | None = None) -> None:
+        self.deadline = math.inf
+        self.done = False
+        self.result: tuple[Bounds, np.ndarray] | None = None
+        self._steps = _lagrangian(self, chain, cluster, setting, tab, start, target_gap, iterations,
+                                  progress or (lambda *_: None), cutoff or (lambda: math.inf), prices)
+
+    def advance(self, deadline: float = math.inf) -> tuple[Bounds, np.ndarray]:
+        """Go on until ``deadline`` (a ``time.perf_counter()`` value; at least one step is taken) or the end;
+        the bounds so far and the last box's prices."""
+        self.deadline = deadline
+        if not self.done:
+            self.result = next(self._steps)
+        assert self.result is not None
+        return self.result
+
+
+def _lagrangian(run: LagrangianRun, chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable,
+                start: list[Candidate] | None, target_gap: float, iterations: int,
+                say: Callable[[float, float, list[Candidate] | None], None], cutoff: Callable[[], float],
+                prices: np.ndarray | None = None) -> Iterator[tuple[Bounds, np.ndarray]]:
+    """The body of :class:`LagrangianRun`: yields its bounds each time ``run.deadline`` passes, and at the end
+    (``run.done`` set)."""
     m, n = setting.microbatches, chain.n
     counts = kind_counts(cluster)
     cap = np.asarray([counts[k] for k in tab.kinds], dtype=np.float64)
@@ -506,8 +548,11 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
     evals = 0
     best = start
     upper = objective(start, m) if start else math.inf
-    lam = np.zeros(len(tab.kinds))
-    say = progress or (lambda *_: None)
+    lam = np.zeros(len(tab.kinds)) if prices is None else np.maximum(0.0, np.asarray(prices, dtype=np.float64))
+
+    def limit() -> float:
+        """What a box must beat to be split: this count's best plan, or a better one elsewhere."""
+        return min(upper, cutoff())
 
     def consider(idx: list[int]) -> None:
         nonlocal best, upper
@@ -567,7 +612,7 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
             if norm == 0 or st.value >= slack:
                 st.done = True
                 break
-            if time.perf_counter() > deadline:
+            if time.perf_counter() > run.deadline:
                 break
             if not math.isfinite(st.delta):
                 st.delta = max(slack - st.value, 1e-3 * max(abs(st.value), 1.0)) if math.isfinite(slack) \
@@ -614,7 +659,9 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
     lower_now = 0.0
     us, vs = np.unique(tab.t), np.unique(tab.tail)
     if us.size == 0:
-        return Bounds(math.inf, math.inf, math.inf, math.inf, math.inf, None, evals, True), lam
+        run.done = True
+        yield Bounds(math.inf, math.inf, math.inf, math.inf, math.inf, None, evals, True), lam
+        return
     t_min = float(us[0])
     duals: dict[tuple[int, int], _Dual] = {}
 
@@ -628,23 +675,33 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
             dual(st, slack, more)
         return st.value
 
-    s_all = s_at(len(us) - 1, len(vs) - 1, upper - (m - 1) * us[0] - vs[0])
+    s_all = s_at(len(us) - 1, len(vs) - 1, limit() - (m - 1) * us[0] - vs[0])
     if not math.isfinite(s_all):
-        return Bounds(t_min, math.inf, float(vs[0]), math.inf, upper, best, evals, True), lam
+        run.done = True
+        yield Bounds(t_min, math.inf, float(vs[0]), math.inf, upper, best, evals, True), lam
+        return
     lower_now = (m - 1) * us[0] + vs[0] + s_all
     say(lower_now, upper, best)
     heap = [(lower_now, 0, len(us) - 1, 0, len(vs) - 1)]
     settled = math.inf  # the least bound of the threshold pairs whose duals are done
-    while heap and heap[0][0] < upper * (1 - target_gap):
-        if time.perf_counter() > deadline:
-            break
+
+    def bounds() -> tuple[Bounds, np.ndarray]:
+        open_low = min((h[0] for h in heap), default=math.inf)
+        complete = bool(open_low >= limit() * (1 - 1e-9))
+        lower = float(max(lower_now, min(limit(), settled, open_low)))
+        return Bounds(t_min, s_all, float(vs[0]), lower, upper, best, evals, complete), lam
+
+    while heap and heap[0][0] < limit() * (1 - target_gap):
+        if time.perf_counter() > run.deadline:
+            yield bounds()  # paused: resumed by the next advance()
+            continue
         was, i, j, k, l = heapq.heappop(heap)  # its bound so far holds for every part of it
         if i == j and k == l:  # one threshold pair: more dual steps, unless its dual is done
             base_ik = (m - 1) * us[i] + vs[k]
-            got = base_ik + s_at(i, k, upper - base_ik, 2 * iterations)
+            got = base_ik + s_at(i, k, limit() - base_ik, 2 * iterations)
             st = duals[(i, k)]
-            if (st.done or st.steps >= floor_after) and not st.floored and got < upper * (1 - target_gap):
-                floor(st, upper - base_ik)  # the prices alone stall here: keep the devices in the state, in floored units
+            if (st.done or st.steps >= floor_after) and not st.floored and got < limit() * (1 - target_gap):
+                floor(st, limit() - base_ik)  # the prices alone stall here: keep the devices in the state, in floored units
                 got = base_ik + st.value
             if st.done:
                 settled = min(settled, max(got, was))
@@ -661,23 +718,21 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
                 halves = [(i, j, k, mid), (i, j, mid, l)]
             for a, b, c, d in halves:
                 base_ac = (m - 1) * us[a] + vs[c]
-                got = base_ac + s_at(b, d, upper - base_ac)
+                got = base_ac + s_at(b, d, limit() - base_ac)
                 if a == b and c == d and duals[(b, d)].done and not duals[(b, d)].floored \
-                        and got < upper * (1 - target_gap):
-                    floor(duals[(b, d)], upper - base_ac)
+                        and got < limit() * (1 - target_gap):
+                    floor(duals[(b, d)], limit() - base_ac)
                     got = base_ac + duals[(b, d)].value
                 if a == b and c == d and duals[(b, d)].done:
                     settled = min(settled, max(got, was))
                 else:
                     heapq.heappush(heap, (max(got, was), a, b, c, d))
-        now = min(min((h[0] for h in heap), default=math.inf), settled, upper)
+        now = min(min((h[0] for h in heap), default=math.inf), settled, limit())
         if now > lower_now:
             lower_now = now
             say(lower_now, upper, best)
-    open_low = min((h[0] for h in heap), default=math.inf)
-    complete = bool(open_low >= upper * (1 - 1e-9))
-    lower = float(max(lower_now, min(upper, settled, open_low)))
-    return Bounds(t_min, s_all, float(vs[0]), lower, upper, best, evals, complete), lam
+    run.done = True
+    yield bounds()
 
 
 def reduced_cost_prune(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, upper: float,
