@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 
 from hpml_compile.costgraph import CostGraph
 from hpml_compile.ir import Cluster
-from hpml_compile.plan import Plan, SolverStatus
+from hpml_compile.plan import Plan, Schedule, SolverStatus
 from hpml_compile.solve.candidates import Candidate, Chain, Setting, classes, kind_counts
 from hpml_compile.solve.dp import objective
 from hpml_compile.solve.table import build_table
@@ -122,3 +122,57 @@ def test_every_count_is_bounded_against_brute_force(case) -> None:
         assert out.upper == pytest.approx(want, rel=1e-6) and out.gap == 0.0
     else:
         assert 0.0 < out.gap <= 1.0 and not math.isclose(out.lower, out.upper)
+
+
+def _ranked_wrong() -> tuple[CostGraph, Cluster]:
+    """8 blocks on 3 kinds x 8 devices (hosts of 2, 32 GiB) where the first plans rank M=64 best but M=32 holds a
+    plan 7.8% better on the proxy, which simulates slower than M=64's (found by a random search)."""
+    from hpml_compile.costgraph import build
+    from hpml_compile.ir import Device
+    from hpml_compile.solve.testing import chain_profile
+
+    mib = 2**20
+    costs = [{"A100-80GB": (1.43, 4.66), "H100-80GB": (1.17, 1.78), "V100-32GB": (5.24, 8.15)},
+             {"A100-80GB": (1.95, 4.24), "H100-80GB": (0.65, 1.49), "V100-32GB": (1.06, 4.0)},
+             {"A100-80GB": (2.8, 3.74), "H100-80GB": (1.06, 1.9), "V100-32GB": (5.24, 5.53)},
+             {"A100-80GB": (2.77, 4.3), "H100-80GB": (1.42, 3.25), "V100-32GB": (2.92, 10.57)},
+             {"A100-80GB": (2.89, 5.69), "H100-80GB": (1.25, 1.15), "V100-32GB": (4.89, 4.05)},
+             {"A100-80GB": (2.87, 3.41), "H100-80GB": (0.99, 2.64), "V100-32GB": (5.71, 6.13)},
+             {"A100-80GB": (2.53, 3.07), "H100-80GB": (0.35, 2.59), "V100-32GB": (4.93, 5.31)},
+             {"A100-80GB": (2.0, 5.02), "H100-80GB": (1.46, 2.63), "V100-32GB": (1.9, 2.92)}]
+    prof = chain_profile(costs, param_bytes=[p * mib for p in (256, 16, 16, 16, 16, 1024, 16, 256)],
+                         activation_bytes=[a * mib for a in (16, 64, 16, 256, 16, 64, 64, 16)],
+                         output_bytes=4 * mib, batch_size=64)
+    kinds = [k for k in costs[0] for _ in range(8)]
+    cluster = Cluster(devices=tuple(Device(f"d{i}", k, 32.0, host=f"h{i // 2}") for i, k in enumerate(kinds)),
+                      name="ranked-wrong")
+    return build(prof), cluster
+
+
+def test_a_count_ranked_last_by_its_first_plan_still_wins_and_the_gap_is_the_returned_plans() -> None:
+    """The first plans rank M=64 best, and M=64 alone is proven optimal at 5.044 ms (what the solver used to
+    report as ``optimal``); bounding every count finds 4.651 ms at M=32 and proves nothing is better. The plan
+    that simulates fastest is still M=64's, so the solve returns it with *its* gap against the bound (7.8%),
+    not the incumbent's 0%."""
+    from hpml_compile.solve import _first_plan
+    from hpml_compile.solve.lagrange import lagrangian_bounds
+    from hpml_compile.solve.msearch import anytime
+
+    graph, cluster = _ranked_wrong()
+    chain = Chain.of(graph)
+    sets = [Setting(m, Schedule.ONE_F_ONE_B, graph.batch_size) for m in (64, 32, 16, 8, 4, 2, 1)]
+    firsts = {s.microbatches: p for s in sets if (p := _first_plan(chain, cluster, s))}
+    ranked = min(firsts, key=lambda m: objective(firsts[m], m))
+    assert ranked == 64
+    at64 = sets[0]
+    b, _ = lagrangian_bounds(chain, cluster, at64, build_table(chain, cluster, at64), start=firsts[64])
+    assert b.complete and b.lower == pytest.approx(b.upper, rel=1e-6)  # M=64's optimum, proven
+    out = anytime(chain, cluster, sets, firsts, 30.0, lambda _: None, time.perf_counter())
+    assert out.setting.microbatches == 32 and out.upper < b.upper * 0.95
+    assert out.status is SolverStatus.OPTIMAL and out.lower == pytest.approx(out.upper, rel=1e-6)
+    plan, _, proxy, lower = _check_returned(graph, cluster, time_limit_s=30)
+    assert lower == pytest.approx(out.upper, rel=1e-6)
+    assert plan.microbatches == 64  # it simulates faster than the incumbent: its own gap, not the incumbent's 0%
+    assert proxy == pytest.approx(b.upper, rel=1e-6)
+    assert plan.solver.status is SolverStatus.FEASIBLE
+    assert plan.solver.gap == pytest.approx((b.upper - out.upper) / b.upper, rel=1e-4)
