@@ -278,8 +278,10 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
 
     Stopped by Ctrl-C (KeyboardInterrupt) after a first plan, it returns the best so far. ``unimodal``:
     stop once two counts in a row are worse than the best (the step time falls, then rises, as the
-    bubble shrinks and the per-microbatch fixed costs grow); a heuristic, used where the search is not
-    exact anyway (the many-kind path). ``proxy`` (the many-kind path's ILP and DP): the counts are ranked
+    bubble shrinks and the per-microbatch fixed costs grow; a count without a plan after the first plan
+    counts as worse); a heuristic, used only on the many-kind path, where the ``ilp`` solver's bounds then
+    cover every count (:mod:`.msearch`): a count skipped here loses its first plan, not its place in the
+    certificate (the ``dp`` solver's gap is at its chosen count only). ``proxy`` (the many-kind path's ILP and DP): the counts are ranked
     by the ILP's proxy objective (what the gap certifies) and only the chosen plan is simulated
     (simulating every count cost ~0.4 s each on 3 x 256 devices, more than finding the plans); the plan
     is then None (the caller simulates it). ``seen`` collects every count's plan.
@@ -289,7 +291,8 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
     worse = 0
     for m in ms:
         if unimodal and worse >= 2 and best is not None:
-            say(f"{name}: M={m} and fewer not tried: two counts in a row were slower than M={best[2].microbatches}")
+            say(f"{name}: M={m} and fewer: no first plan tried (two counts in a row were slower than "
+                f"M={best[2].microbatches} or had none)")
             break
         try:
             setting = Setting(m, sched, graph.batch_size, dtype, compress, fraction, hierarchical, compute_bytes)
@@ -308,6 +311,8 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
             say(f"{name}: interrupted; keeping the best plan so far (M={best[2].microbatches})")
             break
         if not picked:  # not a reason to stop: fewer microbatches allow larger replica groups (and ZeRO)
+            if unimodal and best is not None:
+                worse += 1  # but after a first plan it counts as worse: the many-kind path bounds every count anyway
             continue
         if seen is not None:
             seen[m] = (setting, picked)
