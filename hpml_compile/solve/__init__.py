@@ -63,7 +63,6 @@ Example:
 from __future__ import annotations
 
 import enum
-import itertools
 import math
 import time
 from dataclasses import replace
@@ -86,7 +85,7 @@ from .ilp import solve_ilp
 from .lagrange import (EXACT_VECTORS, coarse_chain, coarse_groups, lagrangian_bounds, ordered_chain, ordered_groups,
                        ordered_units, speed_order, vectors)
 from .msearch import MILP_CANDIDATES, anytime, relative_gap
-from .table import CandidateTable, build_table
+from .table import build_table
 
 
 __all__ = ["SolverName", "solve", "microbatch_choices", "plan_from_cuts", "choose_compression"]
