@@ -105,8 +105,10 @@ FLOOR_WORK = 4_000_000
 #: llama-70b on 3 x 256 reached 1% after 6.8 CPU s this way and not within 11 s when floored at once).
 FLOOR_AFTER = 12
 #: Stages per kind of the first plan up to which the floored DPs come early (gpt2-xl on 3 x 32: six stages,
-#: 1% after 4.9 CPU s with them early, 11.6 s when only converged pairs get them).
-FEW_STAGES = 3
+#: 1% after 4.9 CPU s with them early, 11.6 s when only converged pairs get them; at M=64, ten stages, cut off at
+#: the M=32 incumbent 363.69 ms: 343.2 ms after 12.5 CPU s with 3, 349.8 ms against its own 350.6 ms plan after
+#: 9.5 s with 4).
+FEW_STAGES = 4
 
 
 class _Paths:
