@@ -19,14 +19,19 @@ Clusters whose device-count vectors (``prod_k (count_k + 1)``) exceed
 devices) take the many-kind path of :mod:`.lagrange` instead of the exact DP
 over count vectors, whose state grew to 17 million vectors for 3 kinds x 256:
 the microbatch search runs two restricted exact DPs (device units; kinds in
-blocks along the pipeline) and ranks the counts by the ILP's proxy objective,
-the one the gap certifies, simulating only the chosen plan (its first plan is
-logged with the time it took), then :func:`_anytime` bounds the chosen
-count with a Lagrangian shortest path, streams every improvement as
-``anytime: <s> s: incumbent <u> ms, bound <l> ms, gap <g>%`` and hands HiGHS
-the candidates the bound has not ruled out if time is left. The time limit or Ctrl-C stops it
-with the best plan so far and its certified gap (the plan's status is
-``feasible`` with that gap, or ``optimal`` when the bounds meet). The
+blocks along the pipeline) per count, ranks the counts by the ILP's proxy
+objective, the one the gap certifies (its first plan is logged with the time
+it took), then :func:`.msearch.anytime` bounds *every* count with a resumable
+Lagrangian shortest path, best first, against one incumbent over all counts
+(so the certified gap covers the microbatch count too), streams every
+improvement as ``anytime: <s> s: incumbent <u> ms, bound <l> ms, gap <g>%
+(...)`` and hands HiGHS the candidates the bound has not ruled out at the
+count that limits the bound, if time is left. The time limit or Ctrl-C stops
+it with the best plan so far and its certified gap. The plan returned is the
+one that simulates fastest among the incumbent and the search's plans, and
+its status and gap are *its own* proxy objective's against the bound
+(``optimal`` only when they meet), logged as ``ilp: returned M=<m>: ILP proxy
+objective <u> ms, bound <l> ms, gap <g>%``. The
 microbatch counts are tried from the most down (the likeliest to fit first),
 and ties go to the fewest. A solve's memory is bounded by construction: the
 coarse DP keeps at most 100 count vectors and the blocked DP at most 33 per
@@ -58,7 +63,6 @@ Example:
 from __future__ import annotations
 
 import enum
-import itertools
 import math
 import time
 from dataclasses import replace
@@ -77,17 +81,12 @@ from ..stagecost import device_memory, in_flight
 from .baselines import Baseline, balanced_cuts, baseline_stages, stages_from_cuts
 from .candidates import Candidate, Chain, Setting, kind_counts, to_plan
 from .dp import objective, solve_chain
-from .ilp import IlpResult, milp, prune, solve_ilp
+from .ilp import solve_ilp
 from .lagrange import (EXACT_VECTORS, coarse_chain, coarse_groups, lagrangian_bounds, ordered_chain, ordered_groups,
-                       ordered_units, reduced_cost_prune, speed_order, vectors)
-from .table import CandidateTable, build_table
+                       ordered_units, speed_order, vectors)
+from .msearch import MILP_CANDIDATES, anytime, relative_gap
+from .table import build_table
 
-#: Most candidates handed to HiGHS after pruning (beyond, the Lagrangian bounds alone decide; memory).
-MILP_CANDIDATES = 15000
-#: Share of the many-kind path's time left after the search that the Lagrangian bounds may take (then HiGHS).
-BOUNDS_SHARE = 0.85
-#: Share of that time the blocked DP may take in the other kind orders, for a better incumbent first.
-ORDERS_SHARE = 0.2
 
 __all__ = ["SolverName", "solve", "microbatch_choices", "plan_from_cuts", "choose_compression"]
 
@@ -170,40 +169,67 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         return None if isinstance(got, str) else got
 
     ms = ms[::-1]  # the most microbatches first: least memory, so the likeliest to fit, for a first plan early
+    seen: dict[int, tuple[Setting, list[Candidate]]] = {}
     best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0, unimodal=large, compress=allowed,
                    fraction=frac, hierarchical=hierarchical, proxy=large and name in (SolverName.ILP, SolverName.DP),
-                   compute_bytes=compute_bytes)
+                   compute_bytes=compute_bytes, seen=seen)
     if best is None:
         raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype, allowed,
                                                                frac, compute_bytes=compute_bytes)))
     step, plan, setting, picked = best
+    sims: dict[tuple[int, tuple[Candidate, ...]], tuple[float, Plan]] = {}
+    if plan is not None:
+        sims[(setting.microbatches, tuple(picked))] = (step, plan)
 
-    def simulated() -> tuple[float, Plan]:  # the search's plan, simulated now if the search ranked by the proxy
-        if plan is not None:
-            return step, plan
-        p, r = annotate(choose_compression(to_plan(chain, cluster, setting, picked, SolverInfo(name.value)),
-                                           costgraph, dtype, allowed), costgraph, dtype)
-        return r.step_ms, p
+    def simulated(st: Setting, cands: list[Candidate]) -> tuple[float, Plan]:
+        """A plan's simulated step (each plan simulated once)."""
+        key = (st.microbatches, tuple(cands))
+        if key not in sims:
+            p, r = annotate(choose_compression(to_plan(chain, cluster, st, cands, SolverInfo(name.value)),
+                                               costgraph, dtype, allowed), costgraph, dtype)
+            sims[key] = (r.step_ms, p)
+        return sims[key]
 
     gap = 0.0
     if name is SolverName.DP and large:  # the coarse DP is exact only over its units: certify its gap
         b, _ = lagrangian_bounds(chain, cluster, setting, build_table(chain, cluster, setting), start=picked,
                                  deadline=time.perf_counter() + min(time_limit_s, 2.0))
-        gap = _gap(b.lower, objective(picked, setting.microbatches))
+        gap = relative_gap(b.lower, objective(picked, setting.microbatches))
         status = SolverStatus.OPTIMAL if gap <= 1e-6 else SolverStatus.FEASIBLE
     if name is SolverName.ILP:
-        res = (_anytime(chain, cluster, setting, picked, time_limit_s, say, t0) if large else
-               solve_ilp(chain, cluster, setting, time_limit_s=time_limit_s, warm=picked, progress=say))
-        status, gap = res.status, res.gap
-        if res.picked:
-            ilp_plan, r = annotate(choose_compression(to_plan(chain, cluster, setting, res.picked,
-                                                              SolverInfo(name.value)), costgraph, dtype, allowed),
-                                   costgraph, dtype)
-            proxy = objective(res.picked, setting.microbatches)  # what the ILP minimised, not the simulated step
-            say(f"ilp: M={setting.microbatches}: ILP proxy objective {proxy:.4g} ms; simulated step {r.step_ms:.4g} ms")
-            if res.picked == picked or r.step_ms <= simulated()[0]:
-                step, plan = r.step_ms, ilp_plan
-    step, plan = simulated()
+        # options: the bounded plan first, then the search's plans at its count and at the search's best count;
+        # the one that simulates fastest is returned, with the gap of *its* proxy objective against the bound
+        if large:
+            every = [Setting(m, sched, costgraph.batch_size, dtype, allowed, frac, hierarchical, compute_bytes)
+                     for m in ms]
+            out = anytime(chain, cluster, every, {m: p for m, (_, p) in seen.items()}, time_limit_s, say, t0)
+            lower, proven = out.lower, out.status is SolverStatus.OPTIMAL
+            options = [(out.setting, out.picked)] + [seen[m] for m in (out.setting.microbatches,
+                                                                        setting.microbatches) if m in seen]
+        else:
+            res = solve_ilp(chain, cluster, setting, time_limit_s=time_limit_s, warm=picked, progress=say)
+            top = objective(res.picked, setting.microbatches) if res.picked else math.inf
+            proven = res.status is SolverStatus.OPTIMAL
+            lower = top if proven else top * (1 - res.gap) if res.picked else 0.0
+            options = ([(setting, res.picked)] if res.picked else []) + [(setting, picked)]
+        chosen: tuple[float, Plan, Setting, list[Candidate]] | None = None
+        for st, cands in options:
+            sim, p = simulated(st, cands)
+            if chosen is None or sim < chosen[0]:
+                chosen = (sim, p, st, cands)
+        assert chosen is not None
+        if len({(st.microbatches, tuple(c)) for st, c in options}) > 1:
+            say("ilp: simulated " + "; ".join(sorted({f"M={st.microbatches} proxy {objective(c, st.microbatches):.7g} "
+                                                       f"ms: step {simulated(st, c)[0]:.7g} ms" for st, c in options})))
+        step, plan, setting, picked = chosen
+        proxy = objective(picked, setting.microbatches)  # what the bounds certify, not the simulated step
+        gap = 0.0 if proven and proxy <= lower * (1 + 1e-9) else float(relative_gap(lower, proxy))
+        status = SolverStatus.OPTIMAL if gap <= 1e-6 else SolverStatus.FEASIBLE
+        gap = 0.0 if status is SolverStatus.OPTIMAL else gap
+        say(f"ilp: returned M={setting.microbatches}: ILP proxy objective {proxy:.7g} ms, bound {lower:.7g} ms, "
+            f"gap {gap:.3%}; simulated step {step:.4g} ms")
+    else:
+        step, plan = simulated(setting, picked)
     info = SolverInfo(name.value, status, gap, time.perf_counter() - t0)
     if allowed is not None:
         chosen = [f"stage {st.index}: {st.compress}" for st in plan.stages if st.compress]
@@ -244,24 +270,28 @@ def choose_compression(plan: Plan, graph: CostGraph, dtype: str, allowed: Compre
 def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtype: str,
             pick: Callable[[Setting], list[Candidate] | None], name: str, say: Callable[[str], None],
             t0: float | None = None, unimodal: bool = False, compress: Compression | None = None,
-            fraction: float | None = None, hierarchical: bool = True, proxy: bool = False, compute_bytes: int = 0
+            fraction: float | None = None, hierarchical: bool = True, proxy: bool = False, compute_bytes: int = 0,
+            seen: dict[int, tuple[Setting, list[Candidate]]] | None = None
             ) -> tuple[float, Plan | None, Setting, list[Candidate]] | None:
     """The microbatch count whose stages (from ``pick``) simulate fastest: ``(step, plan, setting, stages)``.
 
     Stopped by Ctrl-C (KeyboardInterrupt) after a first plan, it returns the best so far. ``unimodal``:
     stop once two counts in a row are worse than the best (the step time falls, then rises, as the
-    bubble shrinks and the per-microbatch fixed costs grow); a heuristic, used where the search is not
-    exact anyway (the many-kind path). ``proxy`` (the many-kind path's ILP and DP): the counts are ranked
+    bubble shrinks and the per-microbatch fixed costs grow; a count without a plan after the first plan
+    counts as worse); a heuristic, used only on the many-kind path, where the ``ilp`` solver's bounds then
+    cover every count (:mod:`.msearch`): a count skipped here loses its first plan, not its place in the
+    certificate (the ``dp`` solver's gap is at its chosen count only). ``proxy`` (the many-kind path's ILP and DP): the counts are ranked
     by the ILP's proxy objective (what the gap certifies) and only the chosen plan is simulated
     (simulating every count cost ~0.4 s each on 3 x 256 devices, more than finding the plans); the plan
-    is then None (the caller simulates it).
+    is then None (the caller simulates it). ``seen`` collects every count's plan.
     """
     graph = chain.graph
     best: tuple[float, Plan | None, Setting, list[Candidate]] | None = None
     worse = 0
     for m in ms:
         if unimodal and worse >= 2 and best is not None:
-            say(f"{name}: M={m} and fewer not tried: two counts in a row were slower than M={best[2].microbatches}")
+            say(f"{name}: M={m} and fewer: no first plan tried (two counts in a row were slower than "
+                f"M={best[2].microbatches} or had none)")
             break
         try:
             setting = Setting(m, sched, graph.batch_size, dtype, compress, fraction, hierarchical, compute_bytes)
@@ -280,7 +310,11 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
             say(f"{name}: interrupted; keeping the best plan so far (M={best[2].microbatches})")
             break
         if not picked:  # not a reason to stop: fewer microbatches allow larger replica groups (and ZeRO)
+            if unimodal and best is not None:
+                worse += 1  # but after a first plan it counts as worse: the many-kind path bounds every count anyway
             continue
+        if seen is not None:
+            seen[m] = (setting, picked)
         first = "" if best is not None or t0 is None else f" (first plan after {time.perf_counter() - t0:.3g} s)"
         what = "proxy objective" if proxy else "simulated step"
         say(f"{name}: M={m}: {len(picked)} stages, {what} {step:.4g} ms{first}")
@@ -301,99 +335,6 @@ def _first_plan(chain: Chain, cluster: Cluster, setting: Setting) -> list[Candid
              ordered_chain(chain, cluster, setting, tab, speed_order(chain, tab.kinds),
                            unit=ordered_units(cluster, setting))]
     return min((p for p in plans if p), key=lambda p: objective(p, setting.microbatches), default=None)
-
-
-def _other_orders(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, upper: float,
-                  report: Callable[[float, float, list[Candidate] | None], None], until: float) -> None:
-    """Better incumbents from the blocked DP in the other kind orders (the first plan tried the fastest first).
-
-    Where memory binds, the kind with the least memory wants the end of the pipeline (fewest microbatches in
-    flight) whatever its speed: llama-70b on 3 x 32 at 64 microbatches, H100, V100, A100 is 3.4% better than
-    fastest first. Each order is one DP of ``sum_k`` states (~0.15 s there); they are tried until ``until``.
-    """
-    m, first = setting.microbatches, speed_order(chain, tab.kinds)
-    unit = ordered_units(cluster, setting)
-    for order in itertools.permutations(first):
-        if order == first:
-            continue
-        if time.perf_counter() >= until:
-            break
-        got = ordered_chain(chain, cluster, setting, tab, order, unit=unit)
-        if got and objective(got, m) < upper:
-            upper = objective(got, m)
-            report(0.0, upper, got)
-
-
-def _gap(lower: float, upper: float) -> float:
-    """Relative gap of ``upper`` over ``lower`` (0 when they meet, 1 when nothing is known)."""
-    if not math.isfinite(upper) or upper <= 0:
-        return 0.0 if upper == lower else 1.0
-    return min(1.0, max(0.0, (upper - lower) / upper)) if math.isfinite(lower) else 0.0
-
-
-def _anytime(chain: Chain, cluster: Cluster, setting: Setting, warm: list[Candidate], time_limit_s: float,
-             say: Callable[[str], None], t0: float) -> IlpResult:
-    """Many kinds or devices: Lagrangian bounds, then HiGHS on the candidates that can still win.
-
-    Every improvement of either bound is logged as ``anytime: <s> s: incumbent <u> ms, bound <l> ms,
-    gap <g>%``; the time limit or Ctrl-C stops it with the best plan so far and its certified gap.
-    """
-    start = time.perf_counter()
-    deadline = max(t0 + time_limit_s, start + 0.5)  # the limit counts from the solve's start, search included
-    m = setting.microbatches
-    state = {"lower": 0.0, "upper": objective(warm, m), "plan": warm}
-
-    def report(lower: float, upper: float, plan: list[Candidate] | None) -> None:
-        if plan is not None and upper < state["upper"]:
-            state["upper"], state["plan"] = upper, plan
-        state["lower"] = max(state["lower"], min(lower, state["upper"]))
-        say(f"anytime: {time.perf_counter() - t0:.3f} s: incumbent {state['upper']:.7g} ms, bound "
-            f"{state['lower']:.7g} ms, gap {_gap(state['lower'], state['upper']):.3%}")
-
-    def result(status: SolverStatus | None = None, variables: int = 0) -> IlpResult:
-        gap = _gap(state["lower"], state["upper"])
-        st = status or (SolverStatus.OPTIMAL if gap <= 1e-6 else SolverStatus.FEASIBLE)
-        return IlpResult(state["plan"], st, 0.0 if st is SolverStatus.OPTIMAL else float(gap),
-                         time.perf_counter() - start, variables)
-
-    try:
-        report(0.0, state["upper"], warm)
-        tab = build_table(chain, cluster, setting, max_time=state["upper"] * (1 + 1e-9))
-        _other_orders(chain, cluster, setting, tab, state["upper"], report, start + ORDERS_SHARE * (deadline - start))
-        # The bounds first: their shortest paths that respect the limits are the best plans found at scale
-        # (3 x 256: 74,734 ms where the restricted DPs' best was 79,548), and they prune for the MILP.
-        b, lam = lagrangian_bounds(chain, cluster, setting, tab, start=state["plan"],
-                                   deadline=start + BOUNDS_SHARE * (deadline - start), progress=report)
-        report(b.lower, b.upper, b.plan)
-        say(f"anytime: Lagrangian bounds after {b.evaluations} shortest paths")
-        if _gap(state["lower"], state["upper"]) <= 1e-6 or time.perf_counter() >= deadline - 0.5:
-            return result()
-        keep = reduced_cost_prune(chain, cluster, setting, tab, state["upper"], lam)
-        small = tab.select(keep)
-        small = prune(chain, cluster, setting, small, state["upper"], b.t_min)
-        if len(small) > MILP_CANDIDATES:
-            # Too many for HiGHS: the bounds again, on the pruned table (faster paths) until the deadline.
-            # Every plan better than the incumbent is still in it, so its bound (capped at the incumbent) holds.
-            say(f"anytime: {len(small)} of {len(tab)} candidates left after pruning (over {MILP_CANDIDATES} for "
-                "the MILP); bounding the rest")
-            b2, _ = lagrangian_bounds(chain, cluster, setting, small, start=state["plan"], deadline=deadline,
-                                      progress=report)
-            report(b2.lower, b2.upper, b2.plan)
-            return result()
-        left = deadline - time.perf_counter() - len(small) * 2e-4  # building the model costs ~0.2 ms per candidate
-        if left < 1.0:
-            say(f"anytime: {left + len(small) * 2e-4:.2g} s left; too little for the MILP over {len(small)} candidates")
-            return result()
-        res = milp(chain, cluster, setting, small, state["plan"], t_min=b.t_min, lower=state["lower"],
-                   time_limit_s=left, progress=say, full=len(tab), t0=start)
-        if res.picked and objective(res.picked, m) < state["upper"]:
-            state["upper"], state["plan"] = objective(res.picked, m), res.picked
-        bound = state["upper"] * (1 - res.gap) if res.status is not SolverStatus.OPTIMAL else state["upper"]
-        report(bound, state["upper"], None)
-        return result(SolverStatus.OPTIMAL if res.status is SolverStatus.OPTIMAL else None, res.variables)
-    except KeyboardInterrupt:
-        say("anytime: interrupted; returning the best plan so far with its certified gap")
-        return result()
 
 
 def plan_from_cuts(costgraph: CostGraph, cluster: Cluster, cuts: Sequence[int], *, name: str = "manual",

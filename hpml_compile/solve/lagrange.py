@@ -1,4 +1,4 @@
-"""Clusters of many device kinds: restricted exact DPs for plans, a Lagrangian DP for the bound.
+"""Clusters of many device kinds: restricted exact DPs for plans (:mod:`.restricted`), a Lagrangian DP for the bound.
 
 The exact DP of :mod:`.dp` keeps the devices left of every kind in its
 state: ``prod_k (count_k + 1)`` vectors (17 million for 3 kinds x 256), times
@@ -70,26 +70,23 @@ import dataclasses
 import heapq
 import math
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from ..ir import Cluster
 from .bounds import Bounds, exact_classes
-from .candidates import Candidate, Chain, Setting, classes, degrees, kind_counts
+from .candidates import Candidate, Chain, Setting, classes, kind_counts
 from .dp import objective, tile
+from .restricted import (COARSE_VECTORS, EXACT_VECTORS, ORDERED_STATES, coarse_chain, coarse_groups, feasible,
+                         ordered_chain, ordered_groups, ordered_units, speed_order, units, vectors)
 from .table import CandidateTable
 
-__all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "vectors", "units", "coarse_groups", "coarse_chain", "ordered_units", "ordered_groups",
-           "speed_order", "ordered_chain", "path_min",
-           "lagrangian_bounds", "reduced_cost_prune", "through", "floor_variants", "feasible"]
+# the restricted DPs moved to .restricted; their names stay importable from here
+__all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "ORDERED_STATES", "vectors", "units", "coarse_groups", "coarse_chain",
+           "ordered_units", "ordered_groups", "speed_order", "ordered_chain", "path_min",
+           "lagrangian_bounds", "LagrangianRun", "reduced_cost_prune", "through", "floor_variants", "feasible"]
 
-#: Device-count vectors up to which the exact DP (and its bounds) are used as before.
-EXACT_VECTORS = 130
-#: Device-count vectors of the coarse DP's state (its memory is ~40 bytes x positions x 5 classes x this).
-COARSE_VECTORS = 100
-#: Device-count states per kind of the first plan's :func:`ordered_chain` (devices counted in units beyond).
-ORDERED_STATES = 32
 #: Subgradient steps without a better dual value after which the target level comes closer (halved delta).
 STALE_STEPS = 8
 #: Most subgradient steps spent on one threshold pair's dual.
@@ -108,250 +105,10 @@ FLOOR_WORK = 4_000_000
 #: llama-70b on 3 x 256 reached 1% after 6.8 CPU s this way and not within 11 s when floored at once).
 FLOOR_AFTER = 12
 #: Stages per kind of the first plan up to which the floored DPs come early (gpt2-xl on 3 x 32: six stages,
-#: 1% after 4.9 CPU s with them early, 11.6 s when only converged pairs get them).
-FEW_STAGES = 3
-
-
-def vectors(counts: dict[str, int]) -> int:
-    """States per position of the exact DP: ``prod (count_k + 1)``."""
-    return int(np.prod([c + 1 for c in counts.values()], dtype=np.float64))
-
-
-def units(counts: dict[str, int], budget: int = COARSE_VECTORS) -> dict[str, int]:
-    """Per kind, the unit ``g_k`` (a power of two) of the coarse DP: the largest count is halved first.
-
-    >>> units({"a": 256, "b": 256, "c": 256}, 400)
-    {'a': 64, 'b': 64, 'c': 32}
-    >>> units({"a": 32, "b": 32}, 100)
-    {'a': 4, 'b': 4}
-    >>> units({"a": 64}, 400)
-    {'a': 1}
-    """
-    g = {k: 1 for k in counts}
-    while np.prod([counts[k] // g[k] + 1 for k in counts], dtype=np.float64) > budget:
-        k = max(counts, key=lambda x: (counts[x] // g[x], -list(counts).index(x)))
-        if counts[k] // g[k] <= 1:
-            break
-        g[k] *= 2
-    return g
-
-
-def feasible(picked: list[Candidate], counts: dict[str, int], big_j: int) -> bool:
-    """A tiling respects every kind's device count and every stage's memory class."""
-    used: dict[str, int] = {}
-    for c in picked:
-        used[c.kind] = used.get(c.kind, 0) + c.d
-    if any(used[k] > counts.get(k, 0) for k in used):
-        return False
-    s = len(picked)
-    return all(c.jmax >= min(big_j, s - 1 - i) for i, c in enumerate(picked))
-
-
-def _units_at(counts: dict[str, int], setting: Setting, budget: int) -> tuple[dict[str, int], dict[str, int]]:
-    """Units and unit counts of the coarse DP at this microbatch size.
-
-    A unit above the largest degree the microbatch's rows allow would leave a kind no candidate: it is
-    shrunk, and only as many units are used as before (fewer devices: still a restriction, so still plans).
-    """
-    g0 = units(counts, budget)
-    rows = max(1, setting.batch_size // setting.microbatches)
-    top = {k: max(degrees(c, rows), default=1) for k, c in counts.items()}
-    g = {k: min(g0[k], 2 ** int(math.log2(top[k]))) for k in counts}
-    return g, {k: min(counts[k] // g[k], counts[k] // g0[k]) for k in counts}
-
-
-def coarse_groups(cluster: Cluster, setting: Setting, budget: int = COARSE_VECTORS) -> list[tuple[str, int]]:
-    """The ``(kind, degree)`` groups :func:`coarse_chain` can use: build only these for a first plan."""
-    counts = kind_counts(cluster)
-    g, _ = _units_at(counts, setting, budget)
-    rows = max(1, setting.batch_size // setting.microbatches)
-    return [(k, d) for k, c in counts.items() for d in degrees(c, rows) if d % g[k] == 0]
-
-
-def coarse_chain(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, *,
-                 budget: int = COARSE_VECTORS, max_classes: int = 4) -> list[Candidate] | None:
-    """A plan from the exact DP over devices counted in units (see the module docstring); None if none.
-
-    Args:
-        chain: the chain.
-        cluster: the cluster.
-        setting: microbatches, schedule, batch size, dtype.
-        tab: the candidate stages.
-        budget: most device-count vectors of the DP.
-        max_classes: memory classes kept exactly (the rest as the worst case: never over memory).
-
-    Returns:
-        The candidates in pipeline order.
-    """
-    counts = kind_counts(cluster)
-    g, ucounts = _units_at(counts, setting, budget)
-    gk = np.asarray([g[k] for k in tab.kinds], dtype=np.int64)
-    keep = np.flatnonzero(tab.d % gk[tab.kind] == 0)
-    if keep.size == 0:
-        return None
-    sub = tab.select(keep)
-    sub = dataclasses.replace(sub, d=sub.d // gk[sub.kind])
-    big_j = classes(setting, len(cluster.devices))
-    got = tile(chain.n, ucounts, sub, sub.t, sub.t + sub.comm + sub.tail, sub.jmax, big_j, min(big_j, max_classes))
-    return None if got is None else [tab.candidate(int(keep[i])) for i in got[2]]
-
-
-def ordered_units(cluster: Cluster, setting: Setting, states: int = ORDERED_STATES) -> dict[str, int]:
-    """Per kind, the device unit of :func:`ordered_chain`: a power of two, the least that keeps
-    ``count / unit`` at most ``states``, but no more than the largest degree the microbatch's rows allow.
-
-    >>> from hpml_compile.plan import Schedule
-    >>> from hpml_compile.solve.testing import cluster_of
-    >>> ordered_units(cluster_of(["a"] * 256), Setting(64, Schedule.ONE_F_ONE_B, 512), 32)
-    {'a': 8}
-    """
-    rows = max(1, setting.batch_size // setting.microbatches)
-    out = {}
-    for k, c in kind_counts(cluster).items():
-        top = max(degrees(c, rows), default=1)
-        g = 1
-        while c // g > states and g * 2 <= top:
-            g *= 2
-        out[k] = g
-    return out
-
-
-def ordered_groups(cluster: Cluster, setting: Setting, states: int = ORDERED_STATES) -> list[tuple[str, int]]:
-    """The ``(kind, degree)`` groups :func:`ordered_chain` uses with :func:`ordered_units`: build only these."""
-    g = ordered_units(cluster, setting, states)
-    rows = max(1, setting.batch_size // setting.microbatches)
-    return [(k, d) for k, c in kind_counts(cluster).items() for d in degrees(c, rows) if d % g[k] == 0]
-
-
-def speed_order(chain: Chain, kinds: tuple[str, ...]) -> tuple[str, ...]:
-    """The kinds from the fastest (least forward + backward time of the whole chain) to the slowest."""
-    return tuple(sorted(kinds, key=lambda k: chain.fwd[k][-1] + chain.bwd[k][-1]))
-
-
-def ordered_chain(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable,
-                  order: tuple[str, ...] | None = None, *, max_classes: int = 4,
-                  unit: dict[str, int] | None = None) -> list[Candidate] | None:
-    """The min-bottleneck tiling (then least sum) whose kinds come in blocks, in ``order``, along the pipeline.
-
-    A restriction of the problem (each kind's stages are contiguous, kinds in the given order; a kind may be
-    skipped), so its answer is a plan; but every degree is kept, so unlike :func:`coarse_chain` it never
-    loses feasibility to a device unit. The state holds only the devices left of the kind in use:
-    ``sum_k (count_k + 1)`` vectors instead of ``prod_k``, so 3 kinds x 256 cost 771 where the exact
-    DP needs 17 million. Memory classes as in :func:`~.dp.tile`.
-
-    Args:
-        chain: the chain.
-        cluster: the cluster.
-        setting: microbatches, schedule, batch size, dtype.
-        tab: the candidate stages.
-        order: the kinds in pipeline order (default: the table's).
-        max_classes: memory classes kept exactly (the rest as the worst case: never over memory).
-        unit: per kind, count devices in units of this many (only degrees that are multiples of it are used;
-            default 1: every degree, exact within the order).
-
-    Returns:
-        The candidates in pipeline order, or None if no such tiling fits.
-    """
-    n, counts = chain.n, kind_counts(cluster)
-    order = tuple(order or tab.kinds)
-    big_j = classes(setting, len(cluster.devices))
-    jc = min(big_j, max_classes)
-    inf = np.inf
-    full = tab
-    g = np.asarray([(unit or {}).get(k, 1) for k in tab.kinds], dtype=np.int64)
-    keep = np.flatnonzero(tab.d % g[tab.kind] == 0)
-    tab = dataclasses.replace(tab.select(keep), d=tab.d[keep] // g[tab.kind[keep]])
-    kinds = [tab.kinds.index(k) for k in order]
-    caps = [counts[k] // int(g[tab.kinds.index(k)]) for k in order]
-    nk = len(kinds)
-    # per kind in order: (n + 1, jc + 1, cap + 2) values; the last column is a sentinel that stays inf
-    vt = [np.full((n + 1, jc + 1, c + 2), inf) for c in caps]
-    vs = [np.full((n + 1, jc + 1, c + 2), inf) for c in caps]
-    pk = [np.full((n + 1, jc + 1, c + 1), -1, dtype=np.int64) for c in caps]  # candidate, -2: next kind
-    pj = [np.full((n + 1, jc + 1, c + 1), -1, dtype=np.int64) for c in caps]
-    own = tab.t + tab.comm + tab.tail
-    groups = []
-    for ki in kinds:
-        idx = np.flatnonzero(tab.kind == ki)
-        idx = idx[np.argsort(tab.a[idx], kind="stable")]
-        cuts = np.searchsorted(tab.a[idx], np.arange(n + 2))
-        groups.append([idx[cuts[k]:cuts[k + 1]] for k in range(n + 1)])
-    j1 = jc + 1
-    need = np.asarray([j if j < jc else big_j for j in range(j1)])  # least jmax admitted at each class
-    jr = np.arange(j1)
-    for k in range(n - 1, -1, -1):
-        for i in range(nk - 1, -1, -1):  # a kind's value at k may switch to the next kind's at k
-            cap, here = caps[i], groups[i][k]
-            cols = np.arange(cap + 1)
-            ot, os_, oc, oj = [], [], [], []  # options: (x, j1, cap + 1) values, (x, j1) candidate and next class
-            if here.size:
-                ok = cols[None, :] >= tab.d[here][:, None]
-                rem = np.where(ok, cols[None, :] - tab.d[here][:, None], cap + 1)
-                adm = tab.jmax[here][:, None] >= need[None, :]
-                t_h, own_h = tab.t[here][:, None, None], own[here][:, None, None]
-                last = tab.b[here] == n
-                if last.any():  # the last stage: class 0 only
-                    x = int(last.sum())
-                    v = np.full((x, j1, cap + 1), inf)
-                    v[:, 0] = np.where(ok[last] & adm[last, :1], tab.t[here[last]][:, None], inf)
-                    ot.append(v)
-                    os_.append(np.broadcast_to(own_h[last], v.shape))
-                    oc.append(np.broadcast_to(here[last][:, None], (x, j1)))
-                    oj.append(np.full((x, j1), -1))
-                mid = ~last
-                if mid.any():
-                    h, x = here[mid], int(mid.sum())
-                    at = ((tab.b[h][:, None] * j1 + jr[None, :]) * (cap + 2))[:, :, None] + rem[mid][:, None, :]
-                    gt, gs = vt[i].reshape(-1)[at], vs[i].reshape(-1)[at]  # (x, next class, cap + 1)
-                    shifted = [(0, 0)] if jc == 0 else [(j, j - 1) for j in range(1, j1)]  # (class, next class)
-                    if jc > 0:
-                        shifted.append((jc, jc))
-                    for pairs in ([p for p in shifted if p != (jc, jc) or jc == 0], [(jc, jc)] if jc > 0 else []):
-                        if not pairs:
-                            continue
-                        v_t, v_s = np.full((x, j1, cap + 1), inf), np.full((x, j1, cap + 1), inf)
-                        nj = np.full((x, j1), -1)
-                        for j, q in pairs:
-                            v_t[:, j] = np.where(adm[mid, j:j + 1], np.maximum(t_h[mid, 0], gt[:, q]), inf)
-                            v_s[:, j] = own_h[mid, 0] + gs[:, q]
-                            nj[:, j] = q
-                        ot.append(v_t)
-                        os_.append(v_s)
-                        oc.append(np.broadcast_to(h[:, None], (x, j1)))
-                        oj.append(nj)
-            if i + 1 < nk:  # this kind's blocks end before k: the next kind's value with all its devices
-                nxt = caps[i + 1]
-                ot.append(np.broadcast_to(vt[i + 1][k, :, nxt][None, :, None], (1, j1, cap + 1)))
-                os_.append(np.broadcast_to(vs[i + 1][k, :, nxt][None, :, None], (1, j1, cap + 1)))
-                oc.append(np.full((1, j1), -2))
-                oj.append(jr[None, :])
-            if not ot:
-                continue
-            at_, as_ = np.concatenate(ot), np.concatenate(os_)
-            tmin = at_.min(0)
-            as_ = np.where(at_ == tmin, as_, inf)  # among the options at the least bottleneck, the least sum
-            o = as_.argmin(0)  # (j1, cap + 1)
-            found = np.isfinite(tmin)
-            vt[i][k, :, :cap + 1] = tmin
-            vs[i][k, :, :cap + 1] = np.where(found, np.take_along_axis(as_, o[None], 0)[0], inf)
-            pk[i][k] = np.where(found, np.concatenate(oc)[o, jr[:, None]], -1)
-            pj[i][k] = np.where(found, np.concatenate(oj)[o, jr[:, None]], -1)
-    starts = [(vt[0][0, j, caps[0]], vs[0][0, j, caps[0]], j) for j in range(jc + 1) if pk[0][0, j, caps[0]] != -1]
-    if not starts:
-        return None
-    _, _, j = min(starts)
-    i, k, c, out = 0, 0, caps[0], []
-    while True:
-        p = int(pk[i][k, j, c])
-        if p == -2:
-            i += 1
-            c = caps[i]
-            continue
-        out.append(full.candidate(int(keep[p])))
-        nj = int(pj[i][k, j, c])
-        if nj < 0:
-            return out
-        k, c, j = int(tab.b[p]), c - int(tab.d[p]), nj
+#: 1% after 4.9 CPU s with them early, 11.6 s when only converged pairs get them; at M=64, ten stages, cut off at
+#: the M=32 incumbent 363.69 ms: 343.2 ms after 12.5 CPU s with 3, 349.8 ms against its own 350.6 ms plan after
+#: 9.5 s with 4).
+FEW_STAGES = 4
 
 
 class _Paths:
@@ -495,6 +252,48 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
         The bounds with the best plan found (``evaluations`` counts shortest-path runs), and the last
         box's prices (for :func:`reduced_cost_prune`).
     """
+    return LagrangianRun(chain, cluster, setting, tab, start=start, target_gap=target_gap, iterations=iterations,
+                         progress=progress).advance(deadline)
+
+
+class LagrangianRun:
+    """:func:`lagrangian_bounds`, resumable: each :meth:`advance` goes on where the last one stopped.
+
+    ``cutoff`` gives the least objective known elsewhere (the best plan at another microbatch count, which
+    may improve between calls): a box whose bound reaches it is not split further, since no plan in it can
+    beat that plan. ``lower`` is then a lower bound on this count's optimum or at least the cutoff (either
+    way, a bound on what this count could add), which is what the search over microbatch counts
+    (:mod:`.msearch`) needs to drop a count. ``prices``: the first box's starting prices (another count's,
+    for instance; any start is valid, a good one only saves steps). ``done``: the branch and bound has nothing
+    left to do.
+    """
+
+    def __init__(self, chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, *,
+                 start: list[Candidate] | None = None, target_gap: float = 1e-6, iterations: int = 12,
+                 progress: Callable[[float, float, list[Candidate] | None], None] | None = None,
+                 cutoff: Callable[[], float] | None = None, prices: np.ndarray | None = None) -> None:
+        self.deadline = math.inf
+        self.done = False
+        self.result: tuple[Bounds, np.ndarray] | None = None
+        self._steps = _lagrangian(self, chain, cluster, setting, tab, start, target_gap, iterations,
+                                  progress or (lambda *_: None), cutoff or (lambda: math.inf), prices)
+
+    def advance(self, deadline: float = math.inf) -> tuple[Bounds, np.ndarray]:
+        """Go on until ``deadline`` (a ``time.perf_counter()`` value; at least one step is taken) or the end;
+        the bounds so far and the last box's prices."""
+        self.deadline = deadline
+        if not self.done:
+            self.result = next(self._steps)
+        assert self.result is not None
+        return self.result
+
+
+def _lagrangian(run: LagrangianRun, chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable,
+                start: list[Candidate] | None, target_gap: float, iterations: int,
+                say: Callable[[float, float, list[Candidate] | None], None], cutoff: Callable[[], float],
+                prices: np.ndarray | None = None) -> Iterator[tuple[Bounds, np.ndarray]]:
+    """The body of :class:`LagrangianRun`: yields its bounds each time ``run.deadline`` passes, and at the end
+    (``run.done`` set)."""
     m, n = setting.microbatches, chain.n
     counts = kind_counts(cluster)
     cap = np.asarray([counts[k] for k in tab.kinds], dtype=np.float64)
@@ -506,8 +305,11 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
     evals = 0
     best = start
     upper = objective(start, m) if start else math.inf
-    lam = np.zeros(len(tab.kinds))
-    say = progress or (lambda *_: None)
+    lam = np.zeros(len(tab.kinds)) if prices is None else np.maximum(0.0, np.asarray(prices, dtype=np.float64))
+
+    def limit() -> float:
+        """What a box must beat to be split: this count's best plan, or a better one elsewhere."""
+        return min(upper, cutoff())
 
     def consider(idx: list[int]) -> None:
         nonlocal best, upper
@@ -567,7 +369,7 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
             if norm == 0 or st.value >= slack:
                 st.done = True
                 break
-            if time.perf_counter() > deadline:
+            if time.perf_counter() > run.deadline:
                 break
             if not math.isfinite(st.delta):
                 st.delta = max(slack - st.value, 1e-3 * max(abs(st.value), 1.0)) if math.isfinite(slack) \
@@ -614,7 +416,9 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
     lower_now = 0.0
     us, vs = np.unique(tab.t), np.unique(tab.tail)
     if us.size == 0:
-        return Bounds(math.inf, math.inf, math.inf, math.inf, math.inf, None, evals, True), lam
+        run.done = True
+        yield Bounds(math.inf, math.inf, math.inf, math.inf, math.inf, None, evals, True), lam
+        return
     t_min = float(us[0])
     duals: dict[tuple[int, int], _Dual] = {}
 
@@ -628,23 +432,33 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
             dual(st, slack, more)
         return st.value
 
-    s_all = s_at(len(us) - 1, len(vs) - 1, upper - (m - 1) * us[0] - vs[0])
+    s_all = s_at(len(us) - 1, len(vs) - 1, limit() - (m - 1) * us[0] - vs[0])
     if not math.isfinite(s_all):
-        return Bounds(t_min, math.inf, float(vs[0]), math.inf, upper, best, evals, True), lam
+        run.done = True
+        yield Bounds(t_min, math.inf, float(vs[0]), math.inf, upper, best, evals, True), lam
+        return
     lower_now = (m - 1) * us[0] + vs[0] + s_all
     say(lower_now, upper, best)
     heap = [(lower_now, 0, len(us) - 1, 0, len(vs) - 1)]
     settled = math.inf  # the least bound of the threshold pairs whose duals are done
-    while heap and heap[0][0] < upper * (1 - target_gap):
-        if time.perf_counter() > deadline:
-            break
+
+    def bounds() -> tuple[Bounds, np.ndarray]:
+        open_low = min((h[0] for h in heap), default=math.inf)
+        complete = bool(open_low >= limit() * (1 - 1e-9))
+        lower = float(max(lower_now, min(limit(), settled, open_low)))
+        return Bounds(t_min, s_all, float(vs[0]), lower, upper, best, evals, complete), lam
+
+    while heap and heap[0][0] < limit() * (1 - target_gap):
+        if time.perf_counter() > run.deadline:
+            yield bounds()  # paused: resumed by the next advance()
+            continue
         was, i, j, k, l = heapq.heappop(heap)  # its bound so far holds for every part of it
         if i == j and k == l:  # one threshold pair: more dual steps, unless its dual is done
             base_ik = (m - 1) * us[i] + vs[k]
-            got = base_ik + s_at(i, k, upper - base_ik, 2 * iterations)
+            got = base_ik + s_at(i, k, limit() - base_ik, 2 * iterations)
             st = duals[(i, k)]
-            if (st.done or st.steps >= floor_after) and not st.floored and got < upper * (1 - target_gap):
-                floor(st, upper - base_ik)  # the prices alone stall here: keep the devices in the state, in floored units
+            if (st.done or st.steps >= floor_after) and not st.floored and got < limit() * (1 - target_gap):
+                floor(st, limit() - base_ik)  # the prices alone stall here: keep the devices in the state, in floored units
                 got = base_ik + st.value
             if st.done:
                 settled = min(settled, max(got, was))
@@ -661,23 +475,21 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
                 halves = [(i, j, k, mid), (i, j, mid, l)]
             for a, b, c, d in halves:
                 base_ac = (m - 1) * us[a] + vs[c]
-                got = base_ac + s_at(b, d, upper - base_ac)
+                got = base_ac + s_at(b, d, limit() - base_ac)
                 if a == b and c == d and duals[(b, d)].done and not duals[(b, d)].floored \
-                        and got < upper * (1 - target_gap):
-                    floor(duals[(b, d)], upper - base_ac)
+                        and got < limit() * (1 - target_gap):
+                    floor(duals[(b, d)], limit() - base_ac)
                     got = base_ac + duals[(b, d)].value
                 if a == b and c == d and duals[(b, d)].done:
                     settled = min(settled, max(got, was))
                 else:
                     heapq.heappush(heap, (max(got, was), a, b, c, d))
-        now = min(min((h[0] for h in heap), default=math.inf), settled, upper)
+        now = min(min((h[0] for h in heap), default=math.inf), settled, limit())
         if now > lower_now:
             lower_now = now
             say(lower_now, upper, best)
-    open_low = min((h[0] for h in heap), default=math.inf)
-    complete = bool(open_low >= upper * (1 - 1e-9))
-    lower = float(max(lower_now, min(upper, settled, open_low)))
-    return Bounds(t_min, s_all, float(vs[0]), lower, upper, best, evals, complete), lam
+    run.done = True
+    yield bounds()
 
 
 def reduced_cost_prune(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, upper: float,

@@ -1,0 +1,318 @@
+"""The many-kind path's anytime solve over every microbatch count, each bounded: a gap that covers ``M`` too.
+
+The microbatch search of :func:`hpml_compile.solve.solve` finds a first plan per count ``M`` with the
+restricted DPs of :mod:`.lagrange` and used to keep the count whose first plan had the least proxy
+objective, then bound that count alone. The first plans are upper bounds of uneven quality, so that
+ranking is not a proof and can be wrong: llama-70b on 3 x 256 (batch 512) has first plans of 77,408 ms at
+M=32 and 78,515 ms at M=16, but 2 CPU s of Lagrangian bounds at each find a 71,293 ms plan at M=16
+(0.8% from its bound) and none below 77,408 at M=32 (bound 67,142: 13%). The restricted DPs lose 10% at
+M=16 and possibly nothing at M=32; only a bound per count tells.
+
+Here every count is a node of one best-first branch and bound:
+
+- each count gets its candidate table (only stages with ``M t`` below the incumbent: :func:`~.table.build_table`'s
+  ``max_time``) and a resumable Lagrangian bound (:class:`~.lagrange.LagrangianRun`) whose cutoff is the
+  best plan at *any* count, so a count is closed as soon as its bound reaches that plan;
+- the count with the least bound is advanced a slice at a time (and, when first advanced, tries the
+  blocked DP's other kind orders for a better plan, as the single-count path did); plans found at any count
+  improve the one incumbent;
+- the certified gap is the incumbent's proxy against the least bound over all counts (a count whose
+  bound passed the incumbent no longer limits it), so ``optimal`` means optimal over every microbatch count
+  searched, on the proxy ``(M - 1) T + S + R``;
+- with time left, HiGHS gets the count that still limits the bound, on the candidates its prices and the
+  incumbent have not ruled out (at most :data:`~.MILP_CANDIDATES`), as before.
+
+Bounding a count costs its table (0.05-0.35 CPU s on 3 x 256) and a few shortest paths for its root bound;
+counts whose root bound is already above the incumbent cost nothing more (at batch 512, M=1-4 on
+llama-70b: their root bounds are 4-260 times the incumbent).
+
+Example:
+    >>> from hpml_compile.solve.candidates import Chain, Setting
+    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.plan import Schedule
+    >>> ch = Chain.of(chain_graph([{"a": (1.0, 1.0), "b": (3.0, 3.0)}] * 4, batch_size=64))
+    >>> from hpml_compile.solve.dp import solve_chain
+    >>> c, sets = cluster_of(["a", "b"]), [Setting(m, Schedule.ONE_F_ONE_B, 64) for m in (1, 2, 4, 8)]
+    >>> firsts = {s.microbatches: solve_chain(ch, c, s, build_table(ch, c, s)) for s in sets}
+    >>> out = anytime(ch, c, sets, firsts, 5.0, lambda _: None, time.perf_counter())
+    >>> out.setting.microbatches, out.status.value, out.gap
+    (8, 'optimal', 0.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from typing import Callable
+
+import numpy as np
+
+from ..ir import Cluster
+from ..plan import SolverStatus
+from .candidates import Candidate, Chain, Setting
+from .dp import objective
+from .ilp import milp, prune
+from .lagrange import LagrangianRun, ordered_chain, ordered_units, reduced_cost_prune, speed_order
+from .table import CandidateTable, build_table
+
+__all__ = ["MILP_CANDIDATES", "BOUNDS_SHARE", "ORDERS_SHARE", "Outcome", "anytime", "relative_gap"]
+
+#: Most candidates handed to HiGHS after pruning (beyond, the Lagrangian bounds alone decide; memory).
+MILP_CANDIDATES = 15000
+#: Share of the time left after the search that the Lagrangian bounds may take (then HiGHS, if it may help).
+BOUNDS_SHARE = 0.85
+#: Share of the time that the blocked DP may take in the other kind orders at the incumbent's count (half of it at
+#: each count that comes to hold the incumbent), for a better plan.
+ORDERS_SHARE = 0.2
+#: Wall seconds a count is advanced before the next count is chosen.
+SLICE_S = 0.2
+#: A slice that raises a count's bound by less than this share of the incumbent stalls the count: the next slices
+#: go to the other open counts (least bound first) until every open count has stalled. Best first by the bound
+#: alone spent a 60 s solve of llama-70b on 3 x 256 on M=32 (its bound crept from 68,646 to 68,888 ms) while
+#: M=16, whose shortest paths find a 71,293 ms plan within 2 CPU s, was never advanced again.
+STALL = 1e-3
+
+
+def relative_gap(lower: float, upper: float) -> float:
+    """Relative gap of ``upper`` over ``lower`` (0 when they meet, 1 when nothing is known).
+
+    >>> relative_gap(99.0, 100.0), relative_gap(0.0, math.inf)
+    (0.01, 1.0)
+    """
+    if not math.isfinite(upper) or upper <= 0:
+        return 0.0 if upper == lower else 1.0
+    return min(1.0, max(0.0, (upper - lower) / upper)) if math.isfinite(lower) else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """The best plan over the counts, and what is proved about it.
+
+    Attributes:
+        picked: the incumbent's candidates in pipeline order.
+        setting: its count (and the rest of the setting).
+        upper: its proxy objective.
+        lower: a lower bound on the proxy objective of every plan at every count searched.
+        status: optimal (the bounds met) or feasible.
+        variables: binaries of the MILP (0 when none was built).
+    """
+
+    picked: list[Candidate]
+    setting: Setting
+    upper: float
+    lower: float
+    status: SolverStatus
+    variables: int = 0
+
+    @property
+    def gap(self) -> float:
+        """The certified gap of the incumbent (0 when optimal)."""
+        return 0.0 if self.status is SolverStatus.OPTIMAL else relative_gap(self.lower, self.upper)
+
+
+@dataclasses.dataclass
+class _Count:
+    """One microbatch count's node: its best plan, its bound, and its resumable Lagrangian run."""
+
+    setting: Setting
+    plan: list[Candidate] | None
+    upper: float
+    lower: float = 0.0
+    tab: CandidateTable | None = None
+    run: LagrangianRun | None = None
+    prices: np.ndarray | None = None
+    orders: bool = False
+    t_min: float = 0.0
+    stalled: bool = False
+
+    @property
+    def m(self) -> int:
+        return self.setting.microbatches
+
+
+def other_orders(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, upper: float,
+                 report: Callable[[list[Candidate]], None], until: float) -> None:
+    """Better plans from the blocked DP in the other kind orders (the first plan tried the fastest first).
+
+    Where memory binds, the kind with the least memory wants the end of the pipeline (fewest microbatches in
+    flight) whatever its speed: llama-70b on 3 x 32 at 64 microbatches, H100, V100, A100 is 3.4% better than
+    fastest first. Each order is one DP of ``sum_k`` states (~0.15 s there); they are tried until ``until``.
+    """
+    m, first = setting.microbatches, speed_order(chain, tab.kinds)
+    unit = ordered_units(cluster, setting)
+    for order in itertools.permutations(first):
+        if order == first:
+            continue
+        if time.perf_counter() >= until:
+            break
+        got = ordered_chain(chain, cluster, setting, tab, order, unit=unit)
+        if got and objective(got, m) < upper:
+            upper = objective(got, m)
+            report(got)
+
+
+def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dict[int, list[Candidate]],
+            time_limit_s: float, say: Callable[[str], None], t0: float) -> Outcome:
+    """The best plan over ``settings``' microbatch counts, with a gap certified over all of them.
+
+    Every improvement of the incumbent or of the bound is logged as ``anytime: <s> s: incumbent <u> ms,
+    bound <l> ms, gap <g>% (M=<m>)``; the time limit (counted from ``t0``, the solve's start) or Ctrl-C stops
+    it with the best plan so far and its certified gap.
+
+    Args:
+        chain: the chain.
+        cluster: the cluster.
+        settings: one per microbatch count searched (the rest of the setting alike).
+        firsts: the first plan found at a count, by count (the restricted DPs' plans of the search).
+        time_limit_s: seconds from ``t0``.
+        say: where the log lines go.
+        t0: ``time.perf_counter()`` at the solve's start.
+
+    Returns:
+        The incumbent and its bound.
+
+    Raises:
+        ValueError: if no count has a first plan (the caller reports infeasibility before).
+    """
+    start = time.perf_counter()
+    deadline = max(t0 + time_limit_s, start + 0.5)
+    nodes = [_Count(s, firsts.get(s.microbatches), objective(firsts[s.microbatches], s.microbatches)
+                    if firsts.get(s.microbatches) else math.inf) for s in settings]
+    if not any(c.plan for c in nodes):
+        raise ValueError("anytime needs a first plan at some microbatch count")
+    node = min((c for c in nodes if c.plan), key=lambda c: (c.upper, c.m))  # the incumbent's count
+    best: list[Candidate] = node.plan  # type: ignore[assignment]
+    shown = (-1.0, math.inf)  # the (lower, upper) last logged
+    variables = 0
+
+    def upper() -> float:
+        return node.upper
+
+    def lower() -> float:
+        return min(min(c.lower, node.upper) for c in nodes)
+
+    def log() -> None:
+        nonlocal shown
+        lo, up = lower(), upper()
+        if (lo, up) != shown:
+            shown = (lo, up)
+            weakest = min(nodes, key=lambda c: (c.lower, c.m))
+            say(f"anytime: {time.perf_counter() - t0:.3f} s: incumbent {up:.7g} ms, bound {lo:.7g} ms, "
+                f"gap {relative_gap(lo, up):.3%} (incumbent at M={node.m}, bound at M={weakest.m})")
+
+    def found(c: _Count, plan: list[Candidate]) -> None:
+        nonlocal node, best
+        value = objective(plan, c.m)
+        better = value < node.upper
+        if value < c.upper:
+            c.upper, c.plan = value, plan
+        if better:
+            node, best = c, plan
+        log()
+
+    def progress(c: _Count) -> Callable[[float, float, list[Candidate] | None], None]:
+        def got(lo: float, up: float, plan: list[Candidate] | None) -> None:
+            c.lower = max(c.lower, lo)
+            if plan is not None and up < c.upper:
+                found(c, plan)
+            log()
+        return got
+
+    def outcome(status: SolverStatus | None = None) -> Outcome:
+        lo = lower()
+        if status is None:
+            status = SolverStatus.OPTIMAL if relative_gap(lo, upper()) <= 1e-6 else SolverStatus.FEASIBLE
+        return Outcome(list(best), node.setting, upper(), lo, status, variables)
+
+    def root(c: _Count) -> None:
+        """The count's table (stages that could be in a plan below the incumbent) and its root bound."""
+        c.tab = build_table(chain, cluster, c.setting, max_time=upper() * (1 + 1e-9))
+        if len(c.tab) == 0:  # no stage fits below the incumbent: nothing here can beat it
+            c.lower = math.inf
+            return
+        c.run = LagrangianRun(chain, cluster, c.setting, c.tab, start=c.plan, progress=progress(c), cutoff=upper,
+                              prices=node.prices)  # the incumbent count's prices: a closer start than zero
+        b, c.prices = c.run.advance(time.perf_counter())  # the root box only
+        c.lower, c.t_min = max(c.lower, b.lower), b.t_min
+        if c.lower >= upper() * (1 - 1e-6) and c is not node:
+            say(f"anytime: M={c.m} cannot beat the incumbent: its bound is {c.lower:.7g} ms")
+        log()
+
+    def step(c: _Count, until: float) -> None:
+        """Advance the count's bound until ``until`` (its root first, if it has none yet)."""
+        if c.run is None:
+            root(c)
+            return
+        was = c.lower
+        b, c.prices = c.run.advance(until)
+        c.lower = max(c.lower, b.lower)
+        c.stalled = c.lower - was < STALL * upper()
+        log()
+
+    def open_nodes() -> list[_Count]:
+        return [c for c in nodes if c.lower < upper() * (1 - 1e-6) and not (c.run is not None and c.run.done)]
+
+    def pick() -> _Count | None:
+        """The open count with the least bound, stalled ones last (all fresh again once all have stalled)."""
+        live = open_nodes()
+        if live and all(c.stalled for c in live):
+            for c in live:
+                c.stalled = False
+        return min(live, key=lambda x: (x.stalled, x.lower, x.m), default=None)
+
+    try:
+        log()
+        # Each count's root, from the best first plan down; the rest in the loop below if time runs out.
+        for c in sorted(nodes, key=lambda c: (c.upper, -c.m)):
+            if time.perf_counter() < deadline or c is node:
+                root(c)
+        # Best first: the count with the least bound is advanced, a slice at a time.
+        share = start + BOUNDS_SHARE * (deadline - start)
+        while time.perf_counter() < share and relative_gap(lower(), upper()) > 1e-6:
+            c = pick()
+            if c is None:
+                break
+            if c.run is None:
+                root(c)
+                continue
+            assert c.tab is not None
+            if not node.orders and node.tab is not None:  # the blocked DP in the other kind orders, at the
+                node.orders = True  # incumbent's count (once per count that holds the incumbent)
+                other_orders(chain, cluster, node.setting, node.tab, node.upper, lambda p, c=node: found(c, p),
+                             time.perf_counter() + ORDERS_SHARE * (share - start) / 2)
+                continue
+            step(c, min(share, time.perf_counter() + SLICE_S))
+        if relative_gap(lower(), upper()) <= 1e-6:
+            return outcome()
+        # HiGHS on the count that limits the bound, over the candidates that can still beat the incumbent.
+        c = min((x for x in nodes if x.tab is not None), key=lambda x: (x.lower, x.m))
+        if c.plan is None or c.tab is None:
+            return outcome()
+        small = c.tab.select(reduced_cost_prune(chain, cluster, c.setting, c.tab, upper(), c.prices))
+        small = prune(chain, cluster, c.setting, small, upper(), c.t_min)
+        left = deadline - time.perf_counter() - len(small) * 2e-4  # building the model costs ~0.2 ms a candidate
+        if len(small) > MILP_CANDIDATES or left < 1.0:
+            say(f"anytime: M={c.m}: {len(small)} of {len(c.tab)} candidates left after pruning; "
+                + ("over the MILP's limit" if len(small) > MILP_CANDIDATES else f"{left:.2g} s left, too little "
+                   "for the MILP") + "; bounding on")
+            while time.perf_counter() < deadline - 0.05 and relative_gap(lower(), upper()) > 1e-6:
+                x = pick()
+                if x is None:
+                    break
+                step(x, min(deadline, time.perf_counter() + SLICE_S))
+            return outcome()
+        res = milp(chain, cluster, c.setting, small, c.plan, t_min=c.t_min, lower=c.lower, time_limit_s=left,
+                   progress=say, full=len(c.tab), t0=start)
+        variables = res.variables
+        if res.picked:
+            found(c, res.picked)
+            # HiGHS's gap is against its own incumbent at this count (no worse than c.plan was)
+            c.lower = max(c.lower, objective(res.picked, c.m) * (1 - (0.0 if res.status is SolverStatus.OPTIMAL
+                                                                           else res.gap)))
+        log()
+        return outcome()
+    except KeyboardInterrupt:
+        say("anytime: interrupted; returning the best plan so far with its certified gap")
+        return outcome()
