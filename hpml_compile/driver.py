@@ -52,7 +52,7 @@ from .errors import BuildMismatchError, HpmlError, OptionError
 from .ir import Cluster, FrontEnd, Link, Precision, Profile
 from .compression import check_sync, parse_compress
 from .memory import compute_bytes
-from .plan import Plan, Schedule, save_plan, validate_plan, with_comm
+from .plan import Plan, Schedule, ZeroStage, save_plan, validate_plan, with_comm
 from .profile import predict_kinds, profile, save_profile
 from .recipe import ModelRecipe, read_recipe
 from .replan import ReplanResult, carried_comm, move_rows as move_plan_rows, replan_graph, without_devices
@@ -357,12 +357,39 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
     result = replace(result, precision=prof.precision,                              # trains as it was timed
                      allow_compress=opts.allow_compress or "")                      # a re-plan offers it again
     if opts.compress or opts.sync_every > 1:                                        # the user's comm options
+        result = _unsharded(result, graph, prof.dtype, opts)
         result = with_comm(result, compress=opts.compress, sync_every=opts.sync_every,
                            sync_warmup=opts.sync_warmup)
         result = annotate(result, graph, prof.dtype)[0]                             # re-simulated with them
     validate_plan(result, prof)                                                     # every node placed once
     _dump(opts, "4-plan.json", lambda p: save_plan(result, p))
     return result
+
+
+def _unsharded(plan: Plan, graph: CostGraph, dtype: str, opts: Options) -> Plan:
+    """``plan`` with every replicated stage at ZeRO-0, what ``--compress`` and ``--sync-every`` act on.
+
+    The solver may shard a replicated stage's optimizer (ZeRO-1/3) where that is faster or needed for
+    memory; a compressed all-reduce and local SGD (whose replicas step on their own) need each replica to
+    hold its whole optimizer, so the user's option wins: the stages are unsharded and re-simulated.
+
+    Raises:
+        OptionError: an unsharded stage would not fit its devices' memory (naming it and what would).
+    """
+    sharded = [st.index for st in plan.stages if len(st.devices) > 1 and st.zero != ZeroStage.NONE]
+    if not sharded:
+        return plan
+    plan = annotate(replace(plan, stages=tuple(replace(st, zero=ZeroStage.NONE) if st.index in sharded else st
+                                               for st in plan.stages)), graph, dtype)[0]
+    what = f"--compress {opts.compress}" if opts.compress else f"--sync-every {opts.sync_every}"
+    for st in plan.stages:
+        cap = min(plan.cluster.device(d).memory_bytes for d in st.devices)
+        if st.index in sharded and st.predicted.memory_bytes > cap:
+            raise OptionError(f"{what} needs every replica of stage {st.index} to hold its whole optimizer state "
+                              f"(ZeRO-0), which would take {st.predicted.memory_bytes / 2**30:.2f} GiB on a device "
+                              f"of {cap / 2**30:.2f} GiB: use devices with more memory, or leave {what.split()[0]} "
+                              "out and let the solver shard the optimizer")
+    return plan
 
 
 def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Path, *,  # noqa: A001

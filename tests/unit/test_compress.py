@@ -22,7 +22,7 @@ from hpml_compile.plan import Plan, Schedule, Stage, check_comm, with_comm
 from hpml_compile.runtime.checkpoint import latest, load_checkpoint, save_checkpoint
 from hpml_compile.runtime.compress import TopK
 from hpml_compile.runtime.feedback import Feedback, Replica, merge_replicas, replica_key, replica_reads
-from hpml_compile.simulate import simulate
+from hpml_compile.simulate import annotate, simulate
 from hpml_compile.solve import solve
 from hpml_compile.solve.testing import chain_graph
 from hpml_compile.stagecost import compressed_sync_ms, local_sgd_sync_ms, sync_ms
@@ -242,3 +242,27 @@ def test_show_and_report_name_them() -> None:
     text = format_summary(summarise(plan, hier, skip=1))
     assert ("hierarchical all-reduce, stage 0: 8.0 MiB between hosts + 16.0 MiB inside the host per step per rank; "
             "a flat ring: 24.0 MiB") in text and "(33.3% of it crosses the hosts now)" in text, text
+
+
+def test_local_sgd_and_compression_unshard_what_the_solver_sharded() -> None:
+    """The solver may pick ZeRO-1 for a replicated stage; --sync-every / --compress need ZeRO-0 there, and say
+    so when it does not fit (found: ``compile gpt-mini --cluster local-cpu-2 --sync-every 4`` refused itself)."""
+    from hpml_compile.driver import _unsharded
+    from hpml_compile.solve.testing import cluster_of
+
+    g = chain_graph([{"cpu": (1.0, 2.0)}] * 4, param_bytes=50_000_000, activation_bytes=1_000_000,
+                    output_bytes=1_000_000, batch_size=8)
+    devices = ("d0", "d1")
+    for memory_gib, fits in ((64.0, True), (0.7, False)):
+        cluster = cluster_of(["cpu", "cpu"], memory_gib=memory_gib)
+        sharded = Plan("toy", cluster, Schedule.ONE_F_ONE_B, 1,
+                       (Stage(0, devices, tuple(g.order), zero=1),))
+        sharded = annotate(sharded, g)[0]
+        assert sharded.stages[0].predicted.memory_bytes < 0.7 * 2**30  # ZeRO-1 fits either device
+        if fits:
+            plan = with_comm(_unsharded(sharded, g, "float32", Options(sync_every=4)), sync_every=4)
+            assert plan.stages[0].zero == 0 and plan.sync_every == 4
+            assert plan.stages[0].predicted.memory_bytes > sharded.stages[0].predicted.memory_bytes
+        else:
+            with pytest.raises(OptionError, match=r"--sync-every 4 needs every replica of stage 0 .*ZeRO-0"):
+                _unsharded(sharded, g, "float32", Options(sync_every=4))
