@@ -276,7 +276,7 @@ def fit(samples: Iterable[OpSample], device: DeviceSpec, dtype: str = "float32"
 
 
 def predict_ms(kind: OpKind | str, flops: float, mem_bytes: float, device: DeviceSpec,
-               dtype: str = "float32", calib: Calibration | None = None) -> float:
+               dtype: str = "float32", calib: Calibration | None = None, ops: float = 1.0) -> float:
     """Predict one op's time; ``op_time_ms`` with a calibration.
 
     Args:
@@ -286,8 +286,9 @@ def predict_ms(kind: OpKind | str, flops: float, mem_bytes: float, device: Devic
         device: the target device (the measured one or another).
         dtype: the compute dtype.
         calib: the fitted calibration, or None for the bare roofline.
+        ops: kernels the host issues for the op (see :func:`cost_models.roofline.op_time_ms`).
 
     Returns:
         Milliseconds.
     """
-    return op_time_ms(kind, flops, mem_bytes, device, dtype, calib)
+    return op_time_ms(kind, flops, mem_bytes, device, dtype, calib, ops)

@@ -143,7 +143,8 @@ class LinkSpec:
 # fp32, generated fx stages run by hpml_compile.runtime.Pipeline, one step of one microbatch: forward 58-83
 # us per op (gpt-mini: 139 fx nodes, 63 of them views at a tenth; mlp: 17 ops), backward 92-203 us per node
 # with a backward (the gradients of the input and of the weight: about two kernels), on two machines whose
-# hosts differed by ~35%. With the bare 5 us launch the catalog predicted those steps 9-10x too fast.
+# hosts differed by ~35%. With the bare 5 us launch the catalog predicted those steps 9-10x too fast. An op
+# predicted on a GPU takes max(its roofline, the host's work): cost_models.roofline.op_time_ms.
 EAGER_GPU_OP_MS = 0.060
 BACKWARD_OPS_PER_NODE = 2.0
 
@@ -154,19 +155,6 @@ def _gpu(kind: str, mem_gib: float, bw_gbs: float, tflops: Mapping[str, float],
                       {k: v * _T for k, v in tflops.items()}, EAGER_GPU_OP_MS, host_link,
                       peer_link, source=source)
 
-
-def backward_extra_overhead_ms(device: DeviceSpec) -> float:
-    """Per-op overhead a node's backward pays beyond the one :func:`cost_models.predict_ms` adds.
-
-    On a GPU the backward of a node issues about :data:`BACKWARD_OPS_PER_NODE` kernels, each paying the
-    eager per-op cost; on the CPU a measured backward calibration carries its own overhead, so 0.
-
-    >>> backward_extra_overhead_ms(get_device("H100-80GB")) == EAGER_GPU_OP_MS
-    True
-    """
-    if device.category is not DeviceCategory.GPU:
-        return 0.0
-    return (BACKWARD_OPS_PER_NODE - 1.0) * device.launch_overhead_ms
 
 
 # float64 on V100/A100/H100 is the DGEMM rate (tensor-core FP64 on A100/H100);

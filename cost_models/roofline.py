@@ -10,6 +10,11 @@ bytes to and from device memory takes (Williams, Waterman, Patterson,
 ``multiplier`` is 1 unless a :class:`~cost_models.calibrate.Calibration` is
 given; ``overhead`` is the device's launch overhead (or the calibrated one).
 Shape-only ops (``view``) launch no kernel and cost a tenth of the overhead.
+On a GPU the host issues an op while the GPU runs the ones before it, so an
+op predicted there (not measured) takes ``max(roofline * multiplier,
+ops * overhead)``: the host sets the pace of small kernels, the GPU of large
+ones (``ops``: the kernels the host issues for it, 2 for a node's backward;
+measured in ``benchmarks/prediction/gpu.py``).
 
 Efficiency priors (:func:`prior_efficiency`), per device category:
 
@@ -31,8 +36,8 @@ Example:
     >>> from cost_models.catalog import get_device
     >>> a100 = get_device("A100-80GB")
     >>> big = op_time_ms("matmul", 2 * 8192**3, 3 * 8192**2 * 2, a100, "bfloat16")
-    >>> round(big, 1)  # compute-bound: 1.1e12 FLOP at 0.7 * 312 TFLOP/s, plus the eager per-op cost
-    5.1
+    >>> round(big, 1)  # compute-bound: 1.1e12 FLOP at 0.7 * 312 TFLOP/s
+    5.0
     >>> op_time_ms("view", 0, 0, a100) < op_time_ms("elementwise", 1e3, 8e3, a100)
     True
 """
@@ -196,7 +201,7 @@ def ridge_point(device: DeviceSpec, dtype: str = "float32",
 
 
 def op_time_ms(kind: OpKind | str, flops: float, mem_bytes: float, device: DeviceSpec,
-               dtype: str = "float32", calib: Calibration | None = None) -> float:
+               dtype: str = "float32", calib: Calibration | None = None, ops: float = 1.0) -> float:
     """Predicted time of one op on one device.
 
     Args:
@@ -207,10 +212,11 @@ def op_time_ms(kind: OpKind | str, flops: float, mem_bytes: float, device: Devic
         dtype: the compute dtype.
         calib: multipliers fitted on a measured device; on another device they
             are transferred (see ``cost_models.calibrate``).
+        ops: kernels the host issues for the op (a GPU's pace-setting host work is ``ops * overhead``).
 
     Returns:
-        Milliseconds: roofline * multiplier + overhead; a view costs
-        ``VIEW_OVERHEAD_FRACTION`` of the overhead.
+        Milliseconds: roofline * multiplier + overhead, on a GPU not measured by ``calib``
+        ``max(roofline * multiplier, ops * overhead)``; a view costs ``VIEW_OVERHEAD_FRACTION`` of the overhead.
 
     Raises:
         ValueError: on an unknown kind or dtype, or negative/non-finite sizes.
@@ -223,4 +229,6 @@ def op_time_ms(kind: OpKind | str, flops: float, mem_bytes: float, device: Devic
         multiplier, overhead = calib.multiplier(op, device), calib.overhead_for(device)
     if op is OpKind.VIEW:
         return VIEW_OVERHEAD_FRACTION * overhead
+    if device.category is DeviceCategory.GPU and (calib is None or calib.device_kind != device.kind):
+        return max(core * multiplier, ops * overhead)  # the host issues while the GPU works: the slower paces
     return core * multiplier + overhead

@@ -551,15 +551,15 @@ def predict_kinds(p: Profile, kinds: Sequence[str]) -> Profile:
             if n.op in (NodeOp.PLACEHOLDER, NodeOp.OUTPUT, NodeOp.GET_ATTR):
                 cost[k] = NodeCost(0.0, 0.0, False)
                 continue
+            # a GPU node's backward issues about two kernels (the gradients of the input and of the weight)
+            ops = cost_models.BACKWARD_OPS_PER_NODE if specs[k].category is cost_models.DeviceCategory.GPU else 1.0
             fwd = predict_ms(n.op_kind, n.flops, n.mem_bytes, specs[k], _compute_dtype(p), fwd_cal)
             bwd = predict_ms(n.op_kind, n.bwd_flops, _BWD_MEM_FACTOR * n.mem_bytes, specs[k], _compute_dtype(p),
-                             bwd_cal) \
+                             bwd_cal, ops) \
                 if n.bwd_flops or n.activation_bytes or n.param_bytes else 0.0
-            extra = cost_models.backward_extra_overhead_ms(specs[k]) if bwd else 0.0
-            bwd += extra  # a GPU node's backward issues about two kernels, each paying the per-op cost
             # the per-op overhead does not shrink with the rows: a microbatch pays all of it (the fixed part)
             f_over = fwd_cal.overhead_for(specs[k]) if fwd_cal else specs[k].launch_overhead_ms
-            b_over = (bwd_cal.overhead_for(specs[k]) if bwd_cal else specs[k].launch_overhead_ms) + extra
+            b_over = ops * (bwd_cal.overhead_for(specs[k]) if bwd_cal else specs[k].launch_overhead_ms)
             cost[k] = NodeCost(fwd, bwd, False, fwd_fixed_ms=min(fwd, f_over), bwd_fixed_ms=min(bwd, b_over))
         new_nodes.append(ProfileNode(**{**{f: getattr(n, f) for f in ProfileNode.__slots__}, "cost": cost}))
     optimizer_ms = {**p.optimizer_ms, **_predict_optimizer(p, missing)}

@@ -70,7 +70,9 @@ def test_measured_and_predicted_kinds(tiny: Profile) -> None:
 def test_predict_kinds_from_the_file_alone(tiny: Profile) -> None:
     more = predict_kinds(tiny, ["T4"])
     assert "T4" in more.device_kinds and not more.total("T4").measured
-    assert more.total("T4").fwd_ms > tiny.total("A100-80GB").fwd_ms  # a T4 is slower than an A100
+    # a T4 is never faster than an A100; gpt-tiny's ops are so small that both are host-bound (the eager per-op
+    # cost, cost_models.EAGER_GPU_OP_MS), so here they are equal
+    assert more.total("T4").fwd_ms >= tiny.total("A100-80GB").fwd_ms
     assert predict_kinds(tiny, ["cpu"]) is tiny
 
 
