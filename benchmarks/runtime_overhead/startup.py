@@ -5,8 +5,8 @@ that spawns ranks pays a rank's imports again, so they are measured here, not
 guessed: each figure is the median over ``--repeats`` fresh processes.
 
 - *import*: ``time.process_time()`` around ``import MODULE`` in a fresh
-  interpreter (``torch`` alone is the floor), for the worker (what
-  ``rank_entry.py`` imports after its signal handlers) and the package;
+  interpreter (``torch`` alone is the floor), for the package, its runtime and
+  the worker (what ``rank_entry.py`` imports after its signal handlers);
 - *--help*: the CPU (user + system) of ``python -m hpml_compile --help``;
 - *run* (with ``--build``): ``hpml-compile run BUILD --steps 3`` end to end:
   the CPU of the launcher and its ranks together, the wall time, and the time
@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODULES = ("torch", "hpml_compile", "hpml_compile.runtime.worker")
+# torch alone is the floor; rank_entry.py, run as torchrun's script, imports the worker and nothing else.
+MODULES = ("torch", "hpml_compile", "hpml_compile.runtime", "hpml_compile.runtime.worker")
 
 
 def _cpu_of(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
