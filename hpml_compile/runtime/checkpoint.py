@@ -57,9 +57,9 @@ parameter names; hyper-parameters (``param_groups``) are not saved: the
 optimizer a rank builds for the new plan supplies them.
 
 DCP is imported where a checkpoint is written, read or checked, not with
-this module: it imports DTensor and FSDP, about a second of CPU per rank on a
-small machine, which a rank that does not resume should not pay before its
-first step (nor a process that never checkpoints at all).
+this module: it imports DTensor and FSDP, about a second of CPU on a small
+machine, which a process that imports this module and never checkpoints (the
+``run`` launcher, through the worker module) should not pay.
 
 Example:
     >>> import tempfile, torch

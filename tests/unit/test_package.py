@@ -28,8 +28,8 @@ def test_import_does_not_import_the_runtime() -> None:
 
 
 # What a rank's start must not import (a rank runs a build: it neither solves nor, unless it resumes, reads a
-# checkpoint), each with where it is imported on first use instead. Importing them cost every (re)start of every
-# rank about 1.5 s of CPU on a 2-core machine (benchmarks/runtime_overhead/README.md).
+# checkpoint), each with where it is imported on first use instead. With them, importing the worker took ~1.2 s
+# more CPU on the 2-core VM, paid by every `run` launcher and rank start (benchmarks/runtime_overhead/README.md).
 LAZY_FOR_RANKS = {
     "torch.distributed.checkpoint": "runtime/checkpoint.py, where a checkpoint is written or read",
     "hpml_compile.driver": "runtime/adapt.py's Adapter (rank 0 of run --adapt) and runtime.compile",
