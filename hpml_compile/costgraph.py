@@ -37,11 +37,12 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
-
-import networkx as nx
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from .ir import CostGraphNode, NodeOp, Profile, base_kind
+
+if TYPE_CHECKING:  # networkx is imported where a graph is made: a rank that only reads its plan never makes one
+    import networkx as nx
 
 __all__ = ["CostGraph", "build", "block_key"]
 
@@ -202,6 +203,8 @@ class CostGraph:
             base = (keys[i] if keys else "") or (grp[0] if len(grp) == 1 else f"top{i}")
             used[base] = used.get(base, 0) + 1
             names.append(base if used[base] == 1 else f"{base}#{used[base]}")
+        import networkx as nx
+
         owner = {n: names[i] for i, grp in enumerate(groups) for n in grp}
         q = nx.DiGraph()
         for name, grp in zip(names, groups):
@@ -334,6 +337,8 @@ def build(profile: Profile) -> CostGraph:
     Edge ``u -> v`` exists when ``v`` reads ``u``'s output; its ``bytes`` is
     ``u``'s output size.
     """
+    import networkx as nx
+
     kinds = profile.device_kinds
     g = nx.DiGraph()
     tensor_out: dict[str, bool] = {}

@@ -23,11 +23,12 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
-
-import jsonschema
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .errors import SchemaError
+
+if TYPE_CHECKING:  # imported by validate(), its one user: a process that writes JSON or only asks --help needs none
+    import jsonschema
 
 __all__ = [
     "PROFILE_SCHEMA",
@@ -290,6 +291,8 @@ def validate(data: Any, schema: Mapping[str, Any], source: str) -> None:
     Raises:
         SchemaError: with the dotted field path, what was expected and what was found.
     """
+    import jsonschema
+
     check_finite(data, source)
     validator = jsonschema.Draft7Validator(schema)
     err = jsonschema.exceptions.best_match(validator.iter_errors(data))

@@ -20,6 +20,9 @@ same work at the same times, and 64 identical rows are not readable.
 :func:`write_pictures` writes them all into a folder. Figures are built with
 ``matplotlib.figure.Figure`` and saved by the Agg canvas directly, never
 through ``pyplot``, so nothing global (backend, current figure) changes.
+matplotlib is imported by the two functions that draw with it (about half a
+second of CPU), not with this module, which every ``hpml-compile`` command
+imports through ``show``.
 
 Example:
     >>> import tempfile
@@ -40,17 +43,18 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import graphviz
-from matplotlib.figure import Figure
-from matplotlib.patches import Patch
 
 from .costgraph import CostGraph
 from .memory import GiB
 from .plan import AllReduce, Plan, Stage
 from .report import human_bytes
 from .simulate import EventKind, SimResult, idle_intervals
+
+if TYPE_CHECKING:  # matplotlib is imported where a figure is drawn (see the module docstring)
+    from matplotlib.figure import Figure
 
 __all__ = ["STAGE_COLOURS", "stage_of_nodes", "plan_graph", "timeline_figure", "memory_figure", "write_pictures",
            "device_order", "chart_rows", "device_names", "rows_text"]
@@ -274,6 +278,9 @@ def timeline_figure(plan: Plan, result: SimResult) -> Figure:
     Returns:
         A matplotlib Figure (save it with ``fig.savefig(path)``).
     """
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
     rows = chart_rows(plan)
     fig = Figure(figsize=(13, min(40.0, 1.6 + 0.55 * len(rows))), layout="constrained")
     ax = fig.add_subplot()
@@ -330,6 +337,8 @@ def memory_figure(plan: Plan, result: SimResult) -> Figure:
     Returns:
         A matplotlib Figure.
     """
+    from matplotlib.figure import Figure
+
     panels = chart_rows(plan)
     cols = min(4, len(panels))
     rows = math.ceil(len(panels) / cols)

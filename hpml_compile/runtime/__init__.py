@@ -18,13 +18,17 @@
   :mod:`.saved`: the activations saved for backward and the gradients, at their peaks;
 - :mod:`.offload`: optimizer offload (state and step in host memory) for GPU stages.
 
+``compile`` (:mod:`.api`, which imports :mod:`hpml_compile.driver` and with it
+the solvers) is imported on first use, not with the package: a rank
+(:mod:`.worker`) runs a build and never solves, so it does not pay for PuLP,
+HiGHS and the solver modules at every (re)start.
+
 Example:
     >>> from hpml_compile.runtime import Pipeline, compile, step_local, spawn_ranks
     >>> callable(compile) and callable(step_local) and callable(spawn_ranks) and hasattr(Pipeline, "step")
     True
 """
 
-from .api import compile
 from .comm import Backend, CommFault, CommOp, DistComm, LocalComm, dist_comm, pair_backend, rank_devices
 from .executor import (
     StepResult,
@@ -67,3 +71,32 @@ __all__ = [
     "split_microbatches",
     "merge_outputs",
 ]
+
+# Public names imported on first use (PEP 562): ``compile`` pulls in the driver and the solvers.
+_LAZY = {"compile": "api"}
+
+
+def __getattr__(name: str) -> object:
+    """Import a lazily exported name on first use, so that importing the runtime does not import the solvers.
+
+    Args:
+        name: the attribute asked for.
+
+    Returns:
+        The attribute, cached in the module afterwards.
+
+    Raises:
+        AttributeError: if the package has no such name.
+    """
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The module's names, the lazily imported ones included."""
+    return sorted({*globals(), *_LAZY})

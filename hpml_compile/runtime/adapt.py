@@ -88,7 +88,6 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import driver
 from ..errors import HpmlError
 from ..plan import Plan, save_plan
 from ..profile import load_profile
@@ -281,6 +280,10 @@ class Adapter:
         self._times: deque[float] = deque(maxlen=o.patience)  # the latest steps' times
         self._lost: list[float] = []  # ms lost to contention in the first steps (the contention's baseline)
         self._memory_tried = False  # one memory re-plan per plan: a second would be cut from the same miss
+        if pipe.rank == 0:
+            # the decider loads the driver and its solvers here, after the first step, rather than every rank at
+            # its start (a restart's cost) or inside a decision's timing
+            from .. import driver  # noqa: F401
 
     def observe(self) -> Verdict | None:
         """Feed the step just run (call on every rank); a verdict when the watch fired, else None."""
@@ -347,6 +350,8 @@ class Adapter:
         return verdict
 
     def _decide(self, every: list[Any], detected: float) -> Verdict:
+        from .. import driver  # loaded by __init__: see there
+
         o, plan, step = self.opts, self.pipe.plan, self.pipe.steps_done
         rows = {r: [StepMetrics.from_dict(d) for d in rs] for r, rs in enumerate(every)}
         recent = {r: rs[-o.patience:] for r, rs in rows.items()}
@@ -498,6 +503,8 @@ class Adapter:
 
     def _decide_memory(self, every: list[Any], detected: float) -> Verdict:
         """Rank 0: some device held more than its capacity; re-plan with that kind's memory cut by the miss."""
+        from .. import driver  # loaded by __init__: see there
+
         plan, step = self.pipe.plan, self.pipe.steps_done
         rows = [StepMetrics.from_dict(rs[-1]) for rs in every]
         held = {plan.stages[m.stage].devices[m.replica]: m.held_bytes for m in rows if m.held_bytes}

@@ -62,6 +62,11 @@ Optimizer state goes through ``torch.distributed.checkpoint.state_dict``
 parameter names; hyper-parameters (``param_groups``) are not saved: the
 optimizer a rank builds for the new plan supplies them.
 
+DCP is imported where a checkpoint is written, read or checked, not with
+this module: it imports DTensor and FSDP, about a second of CPU on a small
+machine, which a process that imports this module and never checkpoints (the
+``run`` launcher, through the worker module) should not pay.
+
 Example:
     >>> import tempfile, torch
     >>> m = torch.nn.Linear(2, 2); opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -87,38 +92,38 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, IndexFormatError
 from ..schema import write_json_atomic
-from .safe_dcp import INDEX_FILE, IndexFormatError, JsonReader, JsonWriter
 from .feedback import FEEDBACK_PREFIX, CommState, Feedback, Replica, merge_replicas, parse_error_key, replica_reads
 from .scaler import LossScaler
 from .zero import full_optimizer_state, load_full_optimizer_state, optimizer_templates, shards_of
+
+if TYPE_CHECKING:  # DCP itself is imported on first use (see the module docstring)
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 __all__ = ["CheckpointError", "FORMAT", "save_checkpoint", "load_checkpoint", "latest", "list_checkpoints",
            "damage", "resume_from", "seed_rngs"]
 
 FORMAT = 2  # meta.json's "format": 1 was DCP's pickled .metadata, refused since
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_OPTS = StateDictOptions(strict=False)
 _META = "meta.json"
 _RESERVED = {"format", "step", "world_size", "files"}
 _SCALER = "amp.scaler"  # [scale, growth tracker, skipped steps] of the fp16 loss scaler
+
+
+@functools.cache
+def _opts() -> StateDictOptions:
+    """The options of every ``torch.distributed.checkpoint.state_dict`` call: names this rank lacks are no error."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(strict=False)
 
 
 def _rank() -> int:
@@ -141,9 +146,11 @@ def _aliases(model: torch.nn.Module) -> dict[str, list[str]]:
 def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, gather: bool = True
                      ) -> dict[str, dict[str, Any]]:
     """The optimizer state by parameter name: DCP's mapping, or ZeRO shards made whole (:mod:`.zero`)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     if shards_of(optimizer):
         return full_optimizer_state(model, optimizer, gather=gather)
-    return get_optimizer_state_dict(model, optimizer, options=_OPTS)["state"]
+    return get_optimizer_state_dict(model, optimizer, options=_opts())["state"]
 
 
 def _flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, gather: bool = True
@@ -162,7 +169,9 @@ def _flat(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, ga
     (``gather``, a collective over the stage's replicas) and read back whole, each replica keeping its slice,
     so that the checkpoint stays the same for any plan.
     """
-    state: dict[str, Any] = {f"model.{k}": v for k, v in get_model_state_dict(model, options=_OPTS).items()}
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state: dict[str, Any] = {f"model.{k}": v for k, v in get_model_state_dict(model, options=_opts()).items()}
     if optimizer is not None:
         aliases = _aliases(model)
         for name, per_param in _optimizer_state(model, optimizer, gather=gather).items():
@@ -197,9 +206,11 @@ def _gathering(*, changed: bool) -> Callable[[Callable[..., Any]], Callable[...,
 
 def _optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> set[str]:
     """The names the optimizer's state dict uses for this rank's parameters (one per tied group)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     if shards_of(optimizer):
         return set(optimizer_templates(model, optimizer))
-    osd = get_optimizer_state_dict(model, optimizer, options=_OPTS)
+    osd = get_optimizer_state_dict(model, optimizer, options=_opts())
     return {n for g in osd["param_groups"] for n in g["params"]}
 
 
@@ -269,6 +280,8 @@ def _read_meta(path: Path) -> dict[str, Any]:
     Raises:
         CheckpointError: missing, not JSON, of an older or unknown format, or without file digests.
     """
+    from .safe_dcp import INDEX_FILE
+
     source = path / _META
     try:
         meta = json.loads(source.read_text())
@@ -427,6 +440,11 @@ def save_checkpoint(root: str | os.PathLike[str], step: int, model: torch.nn.Mod
     Raises:
         CheckpointError: ``extra`` uses a name the checkpoint keeps for itself, or a state item is not a tensor.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .safe_dcp import JsonWriter
+
     clash = _RESERVED & set(extra or {})
     if clash:
         raise CheckpointError(f"save_checkpoint: extra may not use {sorted(clash)} (kept by the checkpoint "
@@ -502,6 +520,14 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
         CheckpointError: no checkpoint; one of an older version (never unpickled); a damaged one (the file
             and what is wrong named); or one that lacks a parameter this rank needs (named).
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from .safe_dcp import JsonReader
+
     if path is None:
         raise CheckpointError("no complete checkpoint to load (None): expected a step_<N> folder with meta.json "
                               "(written by save_checkpoint)")
@@ -549,7 +575,7 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
     wanted.update(merged)
     for note in notes:
         (log or _warn)(f"rank {_rank()}: checkpoint {p.name}: {note}")
-    set_model_state_dict(model, {k[6:]: v for k, v in wanted.items() if k.startswith("model.")}, options=_OPTS)
+    set_model_state_dict(model, {k[6:]: v for k, v in wanted.items() if k.startswith("model.")}, options=_opts())
     if optimizer is not None:
         known = _optimizer_names(model, optimizer)
         held = {k[6:].rsplit(".", 1)[0] for k in state if k.startswith("optim.")}
@@ -568,9 +594,9 @@ def load_checkpoint(path: str | os.PathLike[str] | None, model: torch.nn.Module,
         if shards_of(optimizer):
             load_full_optimizer_state(model, optimizer, per)
         else:
-            osd = get_optimizer_state_dict(model, optimizer, options=_OPTS)
+            osd = get_optimizer_state_dict(model, optimizer, options=_opts())
             osd["state"] = {**osd["state"], **per}
-            set_optimizer_state_dict(model, optimizer, osd, options=_OPTS)
+            set_optimizer_state_dict(model, optimizer, osd, options=_opts())
     if rng:
         _set_rng_state(wanted, _rank())
     if scaler is not None and _SCALER in wanted:

@@ -38,8 +38,11 @@ from ..hostmem import keep_freed_memory
 __all__ = ["spawn_ranks", "RanksTimeout", "DEFAULT_TIMEOUT_S"]
 
 # What the fork server imports once, so that each rank forked from it does not (about 5 s of CPU per rank on a
-# 2-core VM: torch, torch.distributed.checkpoint and this package).
-_PRELOAD = ["torch", "torch.distributed", "hpml_compile", "hpml_compile.runtime"]
+# 2-core VM): torch, this package, and what a rank's start no longer imports but a test's rank usually does:
+# torch._dynamo (FakeTensorMode imports it, so every rank that traces or loads a build: ~2 s), DCP (checkpoints)
+# and the driver with its solvers (ranks that compile).
+_PRELOAD = ["torch", "torch.distributed", "hpml_compile", "hpml_compile.runtime", "torch._dynamo",
+            "torch.distributed.checkpoint", "hpml_compile.driver"]
 DEFAULT_TIMEOUT_S = 900.0  # generous: the longest dist test runs about a minute on two shared cores
 
 

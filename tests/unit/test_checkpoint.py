@@ -90,12 +90,12 @@ def test_missing_parameter_is_named(tmp_path: Path) -> None:
 def test_error_mid_write_leaves_previous_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     m = _full()
     save_checkpoint(tmp_path, 1, m)
-    import hpml_compile.runtime.checkpoint as ck
+    import torch.distributed.checkpoint as dcp  # save_checkpoint imports it on first use and calls dcp.save
 
     def broken(*args: object, **kwargs: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(ck.dcp, "save", broken)
+    monkeypatch.setattr(dcp, "save", broken)
     with torch.no_grad():
         m[0].weight.add_(1.0)
     with pytest.raises(OSError):

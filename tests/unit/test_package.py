@@ -27,6 +27,30 @@ def test_import_does_not_import_the_runtime() -> None:
     assert out.stdout.strip() == "False", out.stdout + out.stderr
 
 
+# What a rank's start must not import (a rank runs a build: it neither solves nor, unless it resumes, reads a
+# checkpoint), each with where it is imported on first use instead. With them, importing the worker took ~1.2 s
+# more CPU on the 2-core VM, paid by every `run` launcher and rank start (benchmarks/runtime_overhead/README.md).
+LAZY_FOR_RANKS = {
+    "torch.distributed.checkpoint": "runtime/checkpoint.py, where a checkpoint is written or read",
+    "hpml_compile.driver": "runtime/adapt.py's Adapter (rank 0 of run --adapt) and runtime.compile",
+    "hpml_compile.solve": "the driver",
+    "pulp": "solve/ilp.py, through the driver",
+    "highspy": "solve/ilp.py, through the driver",
+    "matplotlib": "viz.py, for a picture",
+    "plotly": "runtime/page.py, for the report page",
+}
+
+
+@pytest.mark.dist  # a fresh interpreter: the only way to see what a first import loads
+def test_a_rank_start_imports_no_solver_and_no_checkpoint_library() -> None:
+    code = ("import sys, hpml_compile.runtime.worker; "
+            f"print(' '.join(m for m in {sorted(LAZY_FOR_RANKS)!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    loaded = out.stdout.split()
+    assert not loaded, "importing hpml_compile.runtime.worker imported " + "; ".join(
+        f"{m} (import it where it is used: {LAZY_FOR_RANKS[m]})" for m in loaded) + "\n" + out.stderr
+
+
 def test_every_public_name_resolves_and_compile_is_the_runtimes() -> None:
     from hpml_compile.runtime import compile as runtime_compile
 
