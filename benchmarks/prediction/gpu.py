@@ -94,15 +94,12 @@ def _cluster(gpu: str) -> Cluster:
     return Cluster((Device("gpu0", gpu, round(mem, 1)), Device("cpu0", "cpu", 16.0)), name="local-gpu-cpu")
 
 
-memory: dict[str, list[int]] = {}  # plan -> each stage's predicted peak bytes
-
-
 def _cases(names: list[str], gpu: str, root: Path, bf16: bool, microbatches: int
-           ) -> tuple[list[Case], dict[str, float], dict[str, Any]]:
-    """The plans, and each plan's CPU-calibrated prediction (ms), and what the profiles recorded."""
-    cases, calibrated, facts = [], {}, {}
+           ) -> tuple[list[Case], dict[str, float], dict[str, list[int]], dict[str, Any]]:
+    """The plans; per plan its CPU-calibrated prediction (ms) and each stage's predicted peak bytes; what the
+    profiles recorded."""
+    cases, calibrated, memory, facts = [], {}, {}, {}
     torch.set_num_threads(1)
-    memory.clear()
     cluster = _cluster(gpu)
     for name in names:
         for precision in ("fp32", "bf16") if bf16 else ("fp32",):
@@ -136,7 +133,7 @@ def _cases(names: list[str], gpu: str, root: Path, bf16: bool, microbatches: int
                 memory[label] = [st.predicted.memory_bytes for st in plan.stages]
                 cases.append(Case(label, name, len(plan.stages), str(out), plan.predicted.step_ms,
                                   predicted_bubble(plan), per_rank, r.step_without_optimizer_ms))
-    return cases, calibrated, facts
+    return cases, calibrated, memory, facts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="hpml-prediction-gpu-"))
     host = host_facts()
-    cases, calibrated, facts = _cases(args.models.split(","), gpu, root, args.bf16, args.microbatches)
+    cases, calibrated, memory, facts = _cases(args.models.split(","), gpu, root, args.bf16, args.microbatches)
     for world in sorted({c.ranks for c in cases}):
         spawn_ranks(_worker, world, root, cases, args.steps, args.warmup, str(root), 5.0, 1)
     rows = _summarise(cases, root)

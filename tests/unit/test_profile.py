@@ -73,6 +73,9 @@ def test_predict_kinds_from_the_file_alone(tiny: Profile) -> None:
     # a T4 is never faster than an A100; gpt-tiny's ops are so small that both are host-bound (the eager per-op
     # cost, cost_models.EAGER_GPU_OP_MS), so here they are equal
     assert more.total("T4").fwd_ms >= tiny.total("A100-80GB").fwd_ms
+    # the host's per-op work does not shrink with the rows: a quarter of the batch costs a host-bound op the same
+    live = [n.cost["T4"] for n in more.nodes if n.cost["T4"].fwd_ms > 0]
+    assert live and all(c.fwd_fixed_ms > 0 and c.at(0.25)[0] == pytest.approx(c.fwd_ms) for c in live)
     assert predict_kinds(tiny, ["cpu"]) is tiny
 
 
