@@ -269,6 +269,10 @@ class Adapter:
         plan = pipe.plan
         self._capacity = plan.cluster.device(plan.stages[pipe.stage_index].devices[pipe.replica]).memory_bytes
         self._begin_plan(plan.predicted.step_ms)
+        if pipe.rank == 0:
+            # the decider loads the driver and its solvers here, after the first step, rather than every rank at
+            # its start (a restart's cost) or inside a decision's timing
+            from .. import driver  # noqa: F401
 
     def _begin_plan(self, reference_ms: float) -> None:
         """Watch a plan from its first step: warm-up, the baseline steps, then the watch against ``reference_ms``."""
@@ -280,10 +284,6 @@ class Adapter:
         self._times: deque[float] = deque(maxlen=o.patience)  # the latest steps' times
         self._lost: list[float] = []  # ms lost to contention in the first steps (the contention's baseline)
         self._memory_tried = False  # one memory re-plan per plan: a second would be cut from the same miss
-        if pipe.rank == 0:
-            # the decider loads the driver and its solvers here, after the first step, rather than every rank at
-            # its start (a restart's cost) or inside a decision's timing
-            from .. import driver  # noqa: F401
 
     def observe(self) -> Verdict | None:
         """Feed the step just run (call on every rank); a verdict when the watch fired, else None."""
