@@ -355,8 +355,13 @@ def test_two_profiles_of_gpt_mini_predict_the_same_data_parallel_step() -> None:
     user's `hpml-compile profile` does: profiled inside the test process after a thousand other tests, the
     same model's step varied by 20% on a quiet machine (373-470 ms; a fresh process: 318-334 ms). A profile
     measures the machine of its minute: only profiles during which other processes left the CPUs alone
-    (under 0.25 CPU-seconds per second, the prediction benchmark's bar) are compared, up to four profiles
+    (under 0.25 CPU-seconds per second, the prediction benchmark's bar) are compared, up to six profiles
     until two in a row agree; on a machine that never is quiet, the test is skipped with what it saw.
+
+    Six, not four: the VM's own speed drifts with nothing else of ours running (session 8, quiet: fresh
+    profiles predicted 357-411 ms within five minutes, the previous session's code alike, and a fresh-clone
+    run saw 356, 328, 390 and 416 ms in a row); normalising by a plain step timed in the same minute did not
+    help (that step moved 670-771 ms).
     """
     import os
     import subprocess
@@ -367,7 +372,7 @@ def test_two_profiles_of_gpt_mini_predict_the_same_data_parallel_step() -> None:
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     quiet: list[float] = []
     seen: list[tuple[float, float]] = []
-    for _ in range(4):
+    for _ in range(6):
         before, t0 = _others_cpu_seconds(), time.perf_counter()
         done = subprocess.run([sys.executable, "-c", _PROFILE_ONCE], capture_output=True, text=True, env=env,
                               timeout=600)
