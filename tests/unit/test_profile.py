@@ -340,7 +340,8 @@ graph = build(p)
 coarse = graph.coarsen()
 every = tuple(n for v in coarse.order for n in coarse.node(v).members)
 plan = Plan("gpt-mini", load_cluster("local-cpu-2"), Schedule.GPIPE, 1, (Stage(0, ("cpu0", "cpu1"), every),))
-print(annotate(plan, graph)[0].predicted.step_ms)
+whole = p.totals["cpu"]
+print(annotate(plan, graph)[0].predicted.step_ms, whole.fwd_ms + whole.bwd_ms + p.optimizer_ms["cpu"])
 """
 
 
@@ -358,10 +359,13 @@ def test_two_profiles_of_gpt_mini_predict_the_same_data_parallel_step() -> None:
     (under 0.25 CPU-seconds per second, the prediction benchmark's bar) are compared, up to six profiles
     until two in a row agree; on a machine that never is quiet, the test is skipped with what it saw.
 
-    Six, not four: the VM's own speed drifts with nothing else of ours running (session 8, quiet: fresh
-    profiles predicted 357-411 ms within five minutes, the previous session's code alike, and a fresh-clone
-    run saw 356, 328, 390 and 416 ms in a row); normalising by a plain step timed in the same minute did not
-    help (that step moved 670-771 ms).
+    The VM's own speed moves with nothing else of ours running (session 8, quiet: fresh profiles predicted
+    357-420 ms within minutes, the previous session's code alike, and every part of a profile moved with
+    it: the whole model's forward 205-249 ms, backward 406-475 ms, the optimizer step 22.7-27.3 ms). So
+    each profile's prediction is compared relative to that profile's own measured whole step (the
+    whole-model forward and backward and the optimizer step, timed in the same minute): what must agree
+    is what the profile makes of its measurements (segments, identical blocks, the microbatch's fixed
+    parts), not the machine's minute. Those ratios spread 0.541-0.554 where the raw predictions spread 16%.
     """
     import os
     import subprocess
@@ -370,21 +374,22 @@ def test_two_profiles_of_gpt_mini_predict_the_same_data_parallel_step() -> None:
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    quiet: list[float] = []
-    seen: list[tuple[float, float]] = []
+    quiet: list[float] = []  # predicted data-parallel step / the profile's own measured whole step
+    seen: list[tuple[float, float, float]] = []
     for _ in range(6):
         before, t0 = _others_cpu_seconds(), time.perf_counter()
         done = subprocess.run([sys.executable, "-c", _PROFILE_ONCE], capture_output=True, text=True, env=env,
                               timeout=600)
         busy = (_others_cpu_seconds() - before) / (time.perf_counter() - t0)
         assert done.returncode == 0, done.stderr[-3000:]
-        step = float(done.stdout.split()[-1])
-        seen.append((round(step, 1), round(busy, 2)))
+        step, whole = (float(v) for v in done.stdout.split()[-2:])
+        seen.append((round(step, 1), round(whole, 1), round(busy, 2)))
         if busy <= 0.25:
-            quiet.append(step)
+            quiet.append(step / whole)
         if len(quiet) >= 2 and abs(quiet[-1] - quiet[-2]) <= 0.05 * min(quiet[-2:]):
             break  # a pair in a row agrees; else a burst of load may have hit one of them: one more
     if len(quiet) < 2:
-        pytest.skip(f"the machine was busy: (predicted ms, other processes' CPUs) per profile {seen}")
-    print(f"data-parallel step predicted (ms, other processes' CPUs) per profile: {seen}")
-    assert abs(quiet[-1] - quiet[-2]) <= 0.05 * min(quiet[-2:]), f"data-parallel step predicted {seen}"
+        pytest.skip(f"the machine was busy: (predicted ms, whole step ms, other processes' CPUs) per profile {seen}")
+    print(f"data-parallel step predicted, the profile's whole step (ms), other processes' CPUs: {seen}")
+    assert abs(quiet[-1] - quiet[-2]) <= 0.05 * min(quiet[-2:]), \
+        f"predicted data-parallel step / the profile's whole step: {[round(q, 3) for q in quiet]} ({seen})"
