@@ -62,8 +62,8 @@ __all__ = ["SIZES", "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measur
 
 SIZES = (4 << 10, 256 << 10, 4 << 20, 32 << 20)  # bytes: latency-bound to bandwidth-bound
 REPEATS = 5
-QUICK_SIZES = (64 << 10, 4 << 20)  # what `profile` times: one latency-bound and one bandwidth-bound size
-QUICK_REPEATS = 3
+QUICK_SIZES = (64 << 10, 4 << 20, 32 << 20)  # what `profile` times: latency-bound to the size of a gradient
+QUICK_REPEATS = 5
 
 Row = tuple[str, int, float]  # (operation: "p2p" | "allreduce" | "copy", bytes, median ms)
 
