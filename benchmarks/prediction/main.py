@@ -16,10 +16,12 @@ of the same span (``plan.predicted.step_ms`` and
 costs with fixed parts (timed at the batch and at batch // 8 rows), scaled to
 the whole-model pass, the loss timed with the output node, the AdamW step timed.
 
-Before each plan the benchmark waits (up to a minute) for other processes to
-leave the CPUs alone, and records how busy they were while it measured (and
-measures again, up to three times, when they were): this machine is shared,
-and a busy core doubles a rank's time.
+Before each profile and each plan the benchmark waits (up to a minute) for
+other processes to leave the CPUs alone, and records how busy they were while
+it measured (and measures again, up to three times, when they were): this
+machine is shared, and a busy core doubles a rank's time. The plans are priced
+with this host's gloo link, measured first as ``profile`` and ``compile``
+measure it, not with the catalog's default.
 
 Run:  .venv/bin/python benchmarks/prediction/main.py [--models gpt-mini,mlp] [--steps 6]
 Prints a table; writes benchmarks/prediction/results/prediction.json, with the host it ran on (CPU model
@@ -48,9 +50,11 @@ from hpml_compile.cluster import load_cluster
 from hpml_compile.codegen import generate
 from hpml_compile.costgraph import CostGraph
 from hpml_compile.costgraph import build as build_costgraph
+from hpml_compile.driver import profile_links, with_link
 from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.profile.timing import host_facts
 from hpml_compile.runtime import Pipeline, spawn_ranks
+from hpml_compile.runtime.links import measure_local_link
 from hpml_compile.runtime.summary import predicted_bubble
 from hpml_compile.simulate import annotate
 from hpml_compile.trace import trace
@@ -73,23 +77,31 @@ class Case:
     predicted_without_optimizer_ms: float
 
 
-def _ticks(exclude: set[int]) -> dict[int, int]:
-    """CPU ticks (user + system) of every process not in ``exclude``."""
-    out = {}
-    for p in os.listdir("/proc"):
-        if p.isdigit() and int(p) not in exclude:
-            try:
-                f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-                out[int(p)] = int(f[11]) + int(f[12])
-            except (OSError, IndexError):
-                pass
-    return out
+def _ticks(exclude: set[int]) -> tuple[int, int]:
+    """``(busy, ours)``: CPU ticks the whole machine spent busy (user, nice, system, irq, softirq and steal, from
+    ``/proc/stat``) and ticks the processes in ``exclude`` used (``/proc/<pid>/stat``, every thread).
+
+    The difference of two snapshots is what everything else used, short-lived processes included (a test
+    suite's subprocesses start and end between two snapshots: counting live processes alone missed them), and
+    the hypervisor's steal.
+    """
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    ours = 0
+    for p in exclude:
+        try:
+            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            ours += int(f[11]) + int(f[12])
+        except (OSError, IndexError):
+            pass
+    return user + nice + system + irq + softirq + steal, ours
 
 
-def _load_since(before: dict[int, int], exclude: set[int], seconds: float) -> float:
-    """CPU-seconds per second other processes used since ``before`` was taken ``seconds`` ago."""
-    after = _ticks(exclude)
-    return sum(v - before.get(p, v) for p, v in after.items()) / os.sysconf("SC_CLK_TCK") / max(seconds, 1e-3)
+def _load_since(before: tuple[int, int], exclude: set[int], seconds: float) -> float:
+    """CPU-seconds per second everything but ``exclude`` used since ``before`` was taken ``seconds`` ago."""
+    busy, ours = _ticks(exclude)
+    other = (busy - before[0]) - (ours - before[1])
+    return max(0, other) / os.sysconf("SC_CLK_TCK") / max(seconds, 1e-3)
 
 
 def _background(exclude: set[int], window_s: float = 0.5) -> float:
@@ -126,7 +138,7 @@ def _balanced_cut(graph: CostGraph) -> int:
     return where
 
 
-def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, int]]
+def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, int]], prof: Any
            ) -> list[tuple[str, Plan, float]]:
     out = []
     cut = _balanced_cut(graph)
@@ -139,7 +151,8 @@ def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, in
             st = (Stage(0, ("cpu0", "cpu1"), every),)
         else:
             st = (Stage(0, ("cpu0",), every),)
-        plan, r = annotate(Plan(name, load_cluster(f"local-cpu-{devices}"), sched, m, st), graph)
+        cluster = profile_links(load_cluster(f"local-cpu-{devices}"), prof)  # this host's link, as `compile` uses
+        plan, r = annotate(Plan(name, cluster, sched, m, st), graph)
         out.append((f"{name} {kind} {sched.value} M={m}", plan, r.step_without_optimizer_ms))
     return out
 
@@ -158,20 +171,36 @@ def _grid(text: str) -> list[tuple[str, int, Schedule, int]]:
     return out
 
 
-def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedule, int]]
-           ) -> tuple[list[Case], dict[str, Any]]:
-    """The plans to measure, and what each model's profile says about the CPU (profile.devices.cpu)."""
+def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedule, int]], link: dict[str, Any],
+           wait_s: float = 60.0, attempts: int = 3) -> tuple[list[Case], dict[str, Any]]:
+    """The plans to measure, and what each model's profile says about the CPU (profile.devices.cpu).
+
+    ``link`` is this host's gloo link between two processes (:func:`measure_local_link`), recorded in each
+    profile as ``profile`` and ``compile`` record it, so the plans are priced with it and not with the
+    catalog's ``gloo-loopback`` (fitted once on another machine).
+    """
     cases, facts = [], {}
     torch.set_num_threads(1)  # what each rank will have: profile at it
     for name in model_names:
         loaded = models.load(name, seed=0)
-        print(f"profiling {name} at 1 thread ...", file=sys.stderr, flush=True)
-        prof = profile(loaded.module, loaded.example_inputs, name=name, repeats=5, warmup=2, progress=False,
-                       loss_fn=loaded.loss_fn, targets=loaded.example_targets)
-        facts[name] = dict(prof.devices["cpu"])
+        # The plans are measured on a quiet machine (the workers wait for one); the profile they are predicted
+        # from must see the same machine, or the comparison measures the load, not the cost model.
+        me = {os.getpid()}
+        for attempt in range(attempts):
+            _wait_quiet(me, wait_s)
+            print(f"profiling {name} at 1 thread ...", file=sys.stderr, flush=True)
+            before, t0 = _ticks(me), time.perf_counter()
+            prof = profile(loaded.module, loaded.example_inputs, name=name, repeats=5, warmup=2, progress=False,
+                           loss_fn=loaded.loss_fn, targets=loaded.example_targets)
+            load = _load_since(before, me, time.perf_counter() - t0)
+            if load <= QUIET:
+                break
+            print(f"  other processes used {load:.2f} CPUs while profiling {name}", file=sys.stderr, flush=True)
+        prof = with_link(prof, link)
+        facts[name] = {**prof.devices["cpu"], "background_cpu": round(load, 3), "attempts": attempt + 1}
         graph = build_costgraph(prof)
         gm = trace(loaded.module, loaded.example_inputs)
-        for label, plan, no_opt in _plans(name, graph, grid):
+        for label, plan, no_opt in _plans(name, graph, grid, prof):
             out = root / label.replace(" ", "_").replace("=", "")
             generate(gm, plan, out, profile=prof)
             ranks = sum(len(s.devices) for s in plan.stages)
@@ -272,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                                                              sorted(host["cache_bytes"].items()))
           + f", {host['cpus']} CPUs; load average {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
     load_before = os.getloadavg()
-    cases, facts = _cases(args.models.split(","), root, _grid(args.grid))
+    _wait_quiet({os.getpid()}, args.quiet_wait)
+    link = measure_local_link(log=lambda line: print(line.strip(), file=sys.stderr, flush=True))
+    cases, facts = _cases(args.models.split(","), root, _grid(args.grid), link, args.quiet_wait, args.attempts)
     for world in sorted({c.ranks for c in cases}):
         spawn_ranks(_worker, world, root, cases, args.steps, args.warmup, str(root), args.quiet_wait, args.attempts)
     rows = _summarise(cases, root)
@@ -299,13 +330,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  measured while other processes were busy (> {QUIET} CPU): {', '.join(noisy)}")
     print(f"  host: {host['cpu_model']}; " + "; ".join(
         f"{m}: blocks/nodes {f.get('scaled_to_whole', {}).get('fwd', 0):.2f}x fwd "
-        f"{f.get('scaled_to_whole', {}).get('bwd', 0):.2f}x bwd, re-measured {f.get('remeasured', 0)}"
+        f"{f.get('scaled_to_whole', {}).get('bwd', 0):.2f}x bwd, re-measured {f.get('remeasured', 0)}, "
+        f"bg cpu {f['background_cpu']:.2f}"
         for m, f in facts.items()))
     host.update({"stream_gbps": statistics.median(f["stream_gbps"] for f in facts.values()),
                  "host_stream_gbps": statistics.median(f["host_stream_gbps"] for f in facts.values()),
                  "load_average_before": load_before, "load_average_after": os.getloadavg()} if facts else {})
     result = {"benchmark": "prediction", "command": " ".join([sys.executable, *sys.argv]), "plans": rows,
-              "host": host, "profiles": facts,
+              "host": host, "profiles": facts, "link": link,
               "summary": summary, "goal": {"median": 0.10, "p90": 0.20}, "noisy_plans": noisy,
               "steps": args.steps, "warmup": args.warmup, "quiet_wait_s": args.quiet_wait, "attempts": args.attempts,
               "cpus": os.cpu_count(), "torch": torch.__version__,
