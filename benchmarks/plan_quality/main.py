@@ -420,7 +420,8 @@ def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit
         print(f"{'':11s} hier {_terms_text(r['hierarchical_terms'])}")
         for c, e in r["compressed"].items():
             print(f"{'':11s} {c:>10s}: {e['step_ms']:.4g} ms, closed {e['closed']:.0%} "
-                  f"(tight {e['closed_tight']:.0%}, fixed {e['closed_fixed']:.0%}), {e['stages']} (M={e['microbatches']}), compressed stages {e['compressed']}: "
+                  f"(tight {e['closed_tight']:.0%}, fixed {e['closed_fixed']:.0%}), {e['stages']} "
+                  f"(M={e['microbatches']}), compressed stages {e['compressed']}: "
                   f"{_terms_text(e['terms'])}")
     return rows
 

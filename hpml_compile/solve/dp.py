@@ -188,8 +188,8 @@ def proxy_chain(chain: Chain, cluster: Cluster, setting: Setting, candidates: Ca
     >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
     >>> from hpml_compile.plan import Schedule
     >>> ch = Chain.of(chain_graph([(1.0, 2.0)] * 4))
-    >>> st = Setting(microbatches=1, schedule=Schedule.ONE_F_ONE_B, batch_size=64)
-    >>> [(c.a, c.b, c.d) for c in proxy_chain(ch, uniform_cluster(2), st, enumerate_candidates(ch, uniform_cluster(2), st))]
+    >>> st, two = Setting(microbatches=1, schedule=Schedule.ONE_F_ONE_B, batch_size=64), uniform_cluster(2)
+    >>> [(c.a, c.b, c.d) for c in proxy_chain(ch, two, st, enumerate_candidates(ch, two, st))]
     [(0, 4, 2)]
     """
     counts, tab = _table(cluster, candidates)
