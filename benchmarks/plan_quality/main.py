@@ -34,8 +34,10 @@ all-reduce of tied parameters spread over both hosts too (exact: the same
 sum); and with a compression allowed as well (:data:`COMPRESSIONS`). It prints
 each against the compute bound and against :func:`tight_bound` (which adds one
 row's pass through the model and the least optimizer step: still a bound no
-plan beats, closer to what plans reach), the share of the distance that each
-closes, and where each plan's step goes (:func:`step_terms`). A hierarchical
+plan beats, closer to what plans reach) and :func:`fixed_bound` (which counts each
+node's fixed part once per microbatch per replica, as the simulator does: the
+GPU's per-op cost does not shrink with the rows), the share of the distance that
+each closes, and where each plan's step goes (:func:`step_terms`). A hierarchical
 stage's all-reduce is priced bucket by bucket during the last backward, each
 bucket a chain of its three collectives, as the runtime runs it on GPUs (the
 what-if of an earlier session, now the hierarchical column itself). (The first
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import time
@@ -256,6 +259,55 @@ def tight_bound(graph: CostGraph, cluster: Cluster) -> float:
     return max(compute_bound(graph, cluster), phases + optimizer_floor(graph, cluster))
 
 
+def fixed_bound(graph: CostGraph, cluster: Cluster) -> float:
+    """A lower bound that counts the fixed parts as the simulator does: once per microbatch per replica.
+
+    :func:`compute_bound` spreads a node's fixed part (a GPU's per-op cost, ``cost_models.EAGER_GPU_OP_MS``)
+    over the devices as if it shrank with the rows; it does not: a stage of ``d`` replicas at ``M``
+    microbatches pays it ``M d`` times. Write ``x = M d`` for the stage holding node ``n`` (fixed part
+    ``f_n``, per-row part ``w_n`` for the whole batch ``B``, both forward + backward on the fastest kind).
+    Two phases' lower bounds hold for every plan of the solvers' space:
+
+    - ``path``: one microbatch goes forward through every stage and back, its largest replica on at least
+      ``B / x`` rows: ``sum_n f_n + w_n / x_n``;
+    - ``busy``: the devices' work, ``sum_n x_n f_n + w_n``, spread over all ``D`` of them.
+
+    The step is at least ``max(path, busy) >= l path + (1 - l) busy`` for every ``l`` in [0, 1], and at least
+    the least of that over ``x_n`` in ``[1, B]`` (every replica trains on at least one row per microbatch, as
+    in :func:`row_bound`), node by node: ``x_n = sqrt(l w_n D / ((1 - l) f_n))`` clamped. The best ``l`` is
+    found by ternary search (the bound is concave in ``l``: a least of functions linear in it). ``l = 1``
+    gives :func:`row_bound`, ``l = 0`` the forward and backward of :func:`compute_bound` on one kind, so on
+    one kind it is at least both; the optimizer step follows (:func:`optimizer_floor`). Returned as the
+    larger of that and :func:`tight_bound` (whose speed-weighted compute bound is tighter on mixed kinds).
+
+    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> g = chain_graph([(1.0, 2.0)] * 4, batch_size=4)  # no fixed parts: the compute bound, 12 ms over 4
+    >>> round(fixed_bound(g, uniform_cluster(4)), 6)
+    3.0
+    """
+    kinds = {d.kind for d in cluster.devices}
+    devices, batch = len(cluster.devices), graph.batch_size
+    parts = []
+    for n in graph.order:
+        f = min(sum(graph.cost_at(n, k, 0.0)) for k in kinds)
+        parts.append((f, min(sum(graph.cost_at(n, k, 1.0)) - sum(graph.cost_at(n, k, 0.0)) for k in kinds)))
+
+    def at(lam: float) -> float:
+        total = 0.0
+        for f, w in parts:
+            x = math.sqrt(lam * w * devices / ((1 - lam) * f)) if f > 0 and lam < 1 else (batch if lam > 0 else 1.0)
+            x = min(float(batch), max(1.0, x))
+            total += lam * (f + w / x) + (1 - lam) * (x * f + w) / devices
+        return total
+
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        lo, hi = (a, hi) if at(a) < at(b) else (lo, b)
+    phases = max(at(0.0), at(1.0), at((lo + hi) / 2))
+    return max(tight_bound(graph, cluster), phases + optimizer_floor(graph, cluster))
+
+
 def graph_of(name: str, batch: int, kinds: list[str]) -> CostGraph:
     m = models.load(name, batch_size=batch, device="meta")
     p = profile(m.module, m.example_inputs, name=name, device_kinds=kinds, batch_size=m.batch_size,
@@ -331,13 +383,13 @@ def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit
     Returns:
         The rows, for the JSON.
     """
-    head = f"{'model':11s} {'flat ms':>9s} {'hier ms':>9s} {'bound ms':>9s} {'tight ms':>9s} {'flat/bnd':>8s} " \
-           f"{'hier/bnd':>8s} {'closed':>7s} {'tight':>6s}  stages flat -> hierarchical"
+    head = f"{'model':11s} {'flat ms':>9s} {'hier ms':>9s} {'bound ms':>9s} {'tight ms':>9s} {'fixed ms':>9s} " \
+           f"{'flat/bnd':>8s} {'hier/bnd':>8s} {'closed':>7s} {'tight':>6s} {'fixed':>6s}  stages flat -> hierarchical"
     print(f"\nhierarchical all-reduce on {cluster.name} (ilp, M searched; stages: devices, ZeRO, all-reduce)")
     print(head + "\n" + "-" * len(head))
     rows = []
     for name, graph in graphs.items():
-        bound, tight = compute_bound(graph, cluster), tight_bound(graph, cluster)
+        bound, tight, fixed = compute_bound(graph, cluster), tight_bound(graph, cluster), fixed_bound(graph, cluster)
         flat = solve(graph, cluster, solver="ilp", time_limit_s=time_limit, hierarchical=False)
         hier = solve(graph, cluster, solver="ilp", time_limit_s=time_limit, hierarchical=True)
         f, h = flat.predicted.step_ms, hier.predicted.step_ms
@@ -346,19 +398,21 @@ def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit
         for c in COMPRESSIONS:
             p = solve(graph, cluster, solver="ilp", time_limit_s=time_limit, hierarchical=True, compress=c)
             comp[c] = {"step_ms": p.predicted.step_ms, "closed": closed(p.predicted.step_ms, bound),
-                       "closed_tight": closed(p.predicted.step_ms, tight), "stages": _shape(p),
+                       "closed_tight": closed(p.predicted.step_ms, tight),
+                       "closed_fixed": closed(p.predicted.step_ms, fixed), "stages": _shape(p),
                        "compressed": [s.index for s in p.stages if s.compress], "microbatches": p.microbatches,
                        "terms": step_terms(p, graph)}
         rows.append({"model": name, "cluster": cluster.name, "flat_ms": f, "hierarchical_ms": h, "bound_ms": bound,
                      "row_bound_ms": row_bound(graph, cluster), "optimizer_floor_ms": optimizer_floor(graph, cluster),
-                     "tight_bound_ms": tight, "flat_vs_bound": f / bound, "hierarchical_vs_bound": h / bound,
-                     "closed": closed(h, bound), "closed_tight": closed(h, tight),
+                     "tight_bound_ms": tight, "fixed_bound_ms": fixed, "flat_vs_bound": f / bound,
+                     "hierarchical_vs_bound": h / bound, "closed": closed(h, bound), "closed_tight": closed(h, tight),
+                     "closed_fixed": closed(h, fixed),
                      "flat_stages": _shape(flat), "hierarchical_stages": _shape(hier),
                      "flat_microbatches": flat.microbatches, "hierarchical_microbatches": hier.microbatches,
                      "flat_terms": step_terms(flat, graph), "hierarchical_terms": step_terms(hier, graph),
                      "compressed": comp})
-        print(f"{name:11s} {f:9.4g} {h:9.4g} {bound:9.4g} {tight:9.4g} {f / bound:7.2f}x {h / bound:7.2f}x "
-              f"{closed(h, bound):6.0%} {closed(h, tight):6.0%}  "
+        print(f"{name:11s} {f:9.4g} {h:9.4g} {bound:9.4g} {tight:9.4g} {fixed:9.4g} {f / bound:7.2f}x "
+              f"{h / bound:7.2f}x {closed(h, bound):6.0%} {closed(h, tight):6.0%} {closed(h, fixed):6.0%}  "
               f"{_shape(flat)} (M={flat.microbatches}) -> {_shape(hier)} (M={hier.microbatches})", flush=True)
     print("\nwhere the step goes (ms), and with compression allowed (hierarchical allowed too):")
     for r in rows:
@@ -366,7 +420,8 @@ def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit
         print(f"{'':11s} hier {_terms_text(r['hierarchical_terms'])}")
         for c, e in r["compressed"].items():
             print(f"{'':11s} {c:>10s}: {e['step_ms']:.4g} ms, closed {e['closed']:.0%} "
-                  f"(tight {e['closed_tight']:.0%}), {e['stages']} (M={e['microbatches']}), compressed stages {e['compressed']}: "
+                  f"(tight {e['closed_tight']:.0%}, fixed {e['closed_fixed']:.0%}), {e['stages']} "
+                  f"(M={e['microbatches']}), compressed stages {e['compressed']}: "
                   f"{_terms_text(e['terms'])}")
     return rows
 

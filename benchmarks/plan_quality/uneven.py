@@ -18,7 +18,10 @@ beside this file) it prints, all scored by the one simulator:
   (where it is above ``target``, only a pipeline could meet the goal);
 - ``closed``: the share of the distance from ``ilp`` to the bound that
   ``uneven`` closes (the goal: at least 0.5 where kinds can share a stage,
-  never negative), and where ``uneven``'s step goes (:func:`parts`).
+  never negative), and where ``uneven``'s step goes (:func:`parts`);
+- ``fixed``: :func:`main.fixed_bound`, which charges each node's fixed part
+  (a GPU's per-op cost) once per microbatch per replica, as the simulator
+  does, and the share of the distance to it that ``uneven`` closes.
 
 Run:
     python benchmarks/plan_quality/uneven.py            # ~5 min on 2 busy cores
@@ -36,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from main import best_peer_plan, compute_bound, graph_of, load_peers, write_result  # noqa: E402
+from main import best_peer_plan, compute_bound, fixed_bound, graph_of, load_peers, write_result  # noqa: E402
 
 import cost_models  # noqa: E402
 from hpml_compile.cluster import link_spec, load_cluster  # noqa: E402
@@ -152,7 +155,8 @@ def main() -> None:
     kinds = sorted({d.kind for c in clusters.values() for d in c.devices})
     head = (f"{'model':11s} {'cluster':11s} {'ilp ms':>9s} {'uneven ms':>10s} {'won':>15s} "
             + "".join(f"{p:>11s}" for p in peers)
-            + f" {'bound ms':>9s} {'target':>8s} {'1-stage':>8s} {'closed':>7s}  {'pipe+sync+opt':>20s}  uneven plan")
+            + f" {'bound ms':>9s} {'target':>8s} {'1-stage':>8s} {'closed':>7s} {'fixed':>8s} {'closed':>7s}"
+            + f"  {'pipe+sync+opt':>20s}  uneven plan")
     print(head + "\n" + "-" * len(head))
     rows: list[dict[str, Any]] = []
     for name, batch in (MODELS[:1] if args.quick else MODELS):
@@ -170,12 +174,13 @@ def main() -> None:
             t0 = time.perf_counter()
             got = improve(graph, cluster, base, time_limit_s=args.time_limit)
             row["uneven_seconds"] = round(time.perf_counter() - t0, 2)
-            bound = compute_bound(graph, cluster)
+            bound, fixed = compute_bound(graph, cluster), fixed_bound(graph, cluster)
             ilp, unev = base.predicted.step_ms, got.plan.predicted.step_ms
             split, floor = parts(got.plan, graph), one_stage_floor(graph, cluster)
             row.update(ilp_ms=ilp, uneven_ms=unev, won=got.chosen, candidates=got.tried, bound_ms=bound,
                        target_ms=(ilp + bound) / 2, one_stage_floor_ms=floor,
-                       closed=(ilp - unev) / (ilp - bound) if ilp > bound else None,
+                       closed=(ilp - unev) / (ilp - bound) if ilp > bound else None, fixed_bound_ms=fixed,
+                       closed_fixed=(ilp - unev) / (ilp - fixed) if ilp > fixed else None,
                        ilp_parts=parts(base, graph), uneven_parts=split,
                        plan=[{"devices": list(s.devices), "rows": list(s.rows), "zero": int(s.zero),
                               "recompute": s.recompute} for s in got.plan.stages],
@@ -191,7 +196,8 @@ def main() -> None:
             print(f"{name:11s} {cname:11s} {ilp:9.5g} {unev:10.5g} {got.chosen:>15s} "
                   + "".join(f"{row[p]:11.5g}" if row[p] else f"{'-':>11s}" for p in peers)
                   + f" {bound:9.5g} {row['target_ms']:8.5g} {floor:8.5g} "
-                  + f"{row['closed'] if row['closed'] is not None else 0:7.2f}  "
+                  + f"{row['closed'] if row['closed'] is not None else 0:7.2f} {fixed:8.5g} "
+                  + f"{row['closed_fixed'] if row['closed_fixed'] is not None else 0:7.2f}  "
                   + f"{'+'.join(f'{split[k]:.4g}' for k in ('pipeline', 'sync', 'optimizer')):>20s}  "
                   + f"M={got.plan.microbatches}: {shape}", flush=True)
     write_result(args.out, t_start, {

@@ -10,7 +10,12 @@ written into the plan.
 The microbatch count, when not given, is searched over powers of two up to
 ``min(batch_size, 64)`` with the DP (each count: the candidate table in
 numpy, :mod:`.table`, the vectorised DP, one simulation; ~0.1-0.2 s for
-llama-70b on 64 devices); the ILP then solves at the best count. ``ilp``
+llama-70b on 64 devices); the ILP then solves at the best count. For ``ilp``
+each count is ranked by the better, on the ILP's objective, of the DP's
+min-bottleneck tiling and its least-sum tiling (:func:`.dp.proxy_chain`): at
+few microbatches the bottleneck buys nothing, and with fixed per-op parts the
+min-bottleneck tiling at ``M = 1`` is a pipeline several times slower than one
+stage of every device. ``ilp``
 returns the better, by simulated step time, of the ILP's plan and the DP's,
 so it is never worse than ``dp``.
 
@@ -80,7 +85,7 @@ from ..simulate import annotate, stage_costs
 from ..stagecost import device_memory, in_flight
 from .baselines import Baseline, balanced_cuts, baseline_stages, stages_from_cuts
 from .candidates import Candidate, Chain, Setting, kind_counts, to_plan
-from .dp import objective, solve_chain
+from .dp import objective, proxy_chain, solve_chain
 from .ilp import solve_ilp
 from .lagrange import (EXACT_VECTORS, coarse_chain, coarse_groups, lagrangian_bounds, ordered_chain, ordered_groups,
                        ordered_units, speed_order, vectors)
@@ -164,7 +169,10 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         if name in (SolverName.ILP, SolverName.DP):
             if large:  # only the degrees the two restricted DPs use: a small table, a first plan early
                 return _first_plan(chain, cluster, setting)
-            return solve_chain(chain, cluster, setting, build_table(chain, cluster, setting))
+            # ilp: each count ranked by a plan chosen on the ILP's own objective (the min-bottleneck tiling
+            # alone ranked M = 1 by a pipeline where one stage of every device was fastest); dp: min-bottleneck
+            exact = proxy_chain if name is SolverName.ILP else solve_chain
+            return exact(chain, cluster, setting, build_table(chain, cluster, setting))
         got = baseline_stages(chain, cluster, setting, Baseline(name.value))
         return None if isinstance(got, str) else got
 

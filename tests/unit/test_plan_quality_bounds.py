@@ -95,3 +95,29 @@ def test_the_hierarchical_table_orders_its_plans_and_bounds(pq: ModuleType, caps
     want = (row["flat_ms"] - row["hierarchical_ms"]) / (row["flat_ms"] - row["bound_ms"])
     assert row["closed"] == pytest.approx(want) and 0 < row["closed"] <= 1
     assert "hierarchical all-reduce on" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("batch", [4, 16, 64])
+def test_no_plan_beats_the_fixed_part_bound_and_it_is_above_the_tight_bound(pq: ModuleType, batch: int) -> None:
+    """Nodes mostly fixed (a GPU's per-op cost): ``fixed_bound`` is above ``tight_bound`` once the batch is more
+    than a row per device, no plan of any solver simulates below it, and the best comes near it."""
+    from dataclasses import replace
+
+    from hpml_compile.costgraph import build
+    from hpml_compile.ir import NodeCost
+    from hpml_compile.solve.testing import chain_profile
+
+    c = two_by_two()
+    full = [(4.0, 8.0), (2.0, 4.0), (6.0, 12.0), (1.0, 2.0)]
+    prof = chain_profile(full, kind="A100-80GB", param_bytes=2**24, batch_size=batch)
+    nodes = tuple(replace(n, cost={"A100-80GB": NodeCost(f, b, False, fwd_fixed_ms=f / 2, bwd_fixed_ms=b / 2)})
+                  for n, (f, b) in zip(prof.nodes, full))
+    g = build(replace(prof, nodes=nodes))
+    bound, tight = pq.fixed_bound(g, c), pq.tight_bound(g, c)
+    assert bound >= tight * (1 - 1e-12)
+    if batch > len(c.devices):
+        assert bound > 1.05 * tight  # the fixed halves are paid per microbatch per replica, not spread
+    steps = {(s, h): solve(g, c, solver=s, hierarchical=h).predicted.step_ms
+             for s in ("ilp", "dp", "uniform") for h in (False, True)}
+    assert all(s >= bound * (1 - 1e-9) for s in steps.values()), (bound, steps)
+    assert min(steps.values()) < 1.25 * bound, (bound, steps)

@@ -239,3 +239,28 @@ def test_uniform_respects_non_tensor_edges() -> None:
         validate_plan(plan, prof)
         where = {n: st.index for st in plan.stages for n in st.nodes}
         assert where["n1"] == where["n2"], s  # the int from .size() never crosses a stage
+
+
+def test_ilp_ranks_microbatch_counts_by_its_objective_not_the_bottleneck() -> None:
+    """Nodes with fixed parts (the eager per-op cost of a GPU): one stage of all four devices at one
+    microbatch has no bubble and is the fastest plan, but its per-microbatch time (every fixed part, plus a
+    quarter of the rest) is above a pipeline stage's. The microbatch count is searched with the DP's plan per
+    count: its min-bottleneck tiling at M = 1 is a four-stage pipeline run one stage after another (24 ms),
+    which ranked M = 1 below M = 2 and hid the one-stage plan (7.8 ms) from the ILP (11.7 ms returned)."""
+    from dataclasses import replace
+
+    from hpml_compile.ir import NodeCost
+    from hpml_compile.plan import Plan, Stage
+
+    prof = chain_profile([(1.0, 2.0)] * 8, batch_size=4)
+    nodes = tuple(replace(n, cost={"cpu": NodeCost(1.0, 2.0, False, fwd_fixed_ms=0.1, bwd_fixed_ms=0.2)})
+                  for n in prof.nodes)
+    g = build(replace(prof, nodes=nodes))
+    cluster = cluster_of(["cpu"] * 4)
+    one = Plan("toy", cluster, Schedule.ONE_F_ONE_B, 1,
+               (Stage(0, tuple(d.name for d in cluster.devices), tuple(n.name for n in nodes)),))
+    best = simulate(one, g).step_ms
+    assert best == pytest.approx(8 * (0.3 + 2.7 / 4))  # every fixed part once, a quarter of the rest
+    plan = solve(g, cluster, solver="ilp")
+    assert (plan.microbatches, [len(s.devices) for s in plan.stages]) == (1, [4])
+    assert plan.predicted.step_ms == pytest.approx(best)
