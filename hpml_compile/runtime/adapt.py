@@ -106,7 +106,7 @@ from .policy import (DEFAULT_PATIENCE, DEFAULT_THRESHOLD, ROW_MOVE_PRIOR_S, Cand
 from .summary import HostContention, device_slowdowns, host_contention, measured_setup, summarise
 
 __all__ = ["AdaptOptions", "Verdict", "CANDIDATES", "Adapter", "REPLANS_FILE", "NEXT_FILE", "plan_scope_ms", "busy_host_hold",
-           "in_place_refusal", "take_rows"]
+           "in_place_refusal", "take_rows", "row_move_stages"]
 
 CANDIDATES = ("both", "rows", "replan")
 REPLANS_FILE = "replans.jsonl"
@@ -166,6 +166,39 @@ class AdaptOptions:
     def __post_init__(self) -> None:
         if self.candidates not in CANDIDATES:
             raise HpmlError(f"adapt candidates must be one of {', '.join(CANDIDATES)}, got {self.candidates!r}")
+
+
+def row_move_stages(plan: Plan, slow: Mapping[str, float], front_end: str = "fx") -> tuple[set[int], str | None]:
+    """The stages whose rows may move off the slowed devices, and why none may where a build forbids it.
+
+    A row move applies where a slowed device is one replica of a stage. A build traced with torch.export has
+    fixed shapes: no code of it serves uneven rows (codegen refuses them, so neither a move in place nor a
+    restart on a regenerated build could run them), and such a build is offered no row move.
+
+    Args:
+        plan: the running plan.
+        slow: device -> slow-down of the devices singled out.
+        front_end: how the build's graph was traced (``fx`` or ``export``).
+
+    Returns:
+        ``(stages, why_not)``: the replicated stages holding a slowed device, and None; or no stages and the
+        reason when some exist but the build cannot move rows.
+
+    Example:
+        >>> from hpml_compile.plan import Stage
+        >>> from hpml_compile.solve.testing import cluster_of
+        >>> p = Plan("toy", cluster_of(["cpu"] * 3), "gpipe", 2, (Stage(0, ("d0",), ("a",)),
+        ...                                                       Stage(1, ("d1", "d2"), ("b",))))
+        >>> row_move_stages(p, {"d2": 3.0}), row_move_stages(p, {"d0": 3.0})
+        (({1}, None), (set(), None))
+        >>> row_move_stages(p, {"d2": 3.0}, "export")[1]
+        "the build's graph came from torch.export, which fixes every shape: its code serves no uneven rows"
+    """
+    stages = {st.index for st in plan.stages if len(st.devices) > 1 and set(st.devices) & set(slow)}
+    if stages and front_end == "export":
+        return set(), ("the build's graph came from torch.export, which fixes every shape: its code serves no "
+                       "uneven rows")
+    return stages, None
 
 
 def in_place_refusal(generated: Plan, old: Plan, new: Plan, front_end: str = "fx") -> str | None:
@@ -429,10 +462,9 @@ class Adapter:
         steps_left = self.total_steps - step
         restart_ms = (self.startup_s + self.checkpoint_s if o.switch_cost_s is None else o.switch_cost_s) * 1e3
         tried: dict[str, tuple[Any, float]] = {}  # candidate -> (its ReplanResult, seconds to make it)
-        # the stages where a slowed device is one of several replicas: rows can move off it there
-        replicated = {st.index for st in plan.stages if len(st.devices) > 1 and set(st.devices) & set(slow)}
-        if replicated and self._front_end == "export":  # fixed shapes: no code serves uneven rows (codegen refuses)
-            self.log(f"no row move at step {step}: the build's graph came from torch.export, which fixes every shape")
+        replicated, why_no_rows = row_move_stages(plan, slow, self._front_end)
+        if why_no_rows is not None:
+            self.log(f"no row move at step {step}: {why_no_rows}")
         elif replicated and o.candidates in ("both", "rows"):
             t0 = time.perf_counter()
             try:
