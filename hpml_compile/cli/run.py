@@ -505,5 +505,10 @@ def _print_timings(run_dir: Path) -> None:
     from ..runtime.supervisor import timings
 
     for t in timings(run_dir):
+        if t.get("in_place"):  # no restart: the measured switch is milliseconds
+            rows = " | ".join(":".join(map(str, r)) or "even" for r in t.get("rows") or [])
+            print(f"  {t['kind']} at step {t['step']} (segment {t['segment']}, rows {rows}): chosen in "
+                  f"{t['replan_s']:.2f} s, switched in {t['switch_s'] * 1e3:.1f} ms (measured)")
+            continue
         resume = f"{t['resume_s']:.1f} s" if t.get("resume_s") is not None else "-"
         print(f"  {t['kind']}: re-plan {t['replan_s']:.2f} s, back to training after {resume}")

@@ -71,7 +71,16 @@ longer fits that cluster, so any plan that does is taken
 and the decision says so.
 
 Every decision, switch or not, is appended to ``RUN_DIR/replans.jsonl`` with
-its reason, the plan diff and the times it took.
+its reason, the plan diff and the times it took; the supervisor copies the
+in-place moves into the job's ``events.jsonl`` (``rows_moved``), where
+``report`` shows them beside the restarts.
+
+Rows moved in place outlive a failure: the run folder's plan.json holds the
+rows in force, and when the supervisor restarts the ranks on the same build
+it hands them that plan (the worker's ``--rows-from``); each rank takes its
+rows before the first step (:func:`take_rows`: the same checks and the same
+:meth:`~.pipeline.Pipeline.move_rows` as the move itself, and the same
+one all-reduce that every rank took the same rows).
 """
 
 from __future__ import annotations
@@ -89,7 +98,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import HpmlError
-from ..plan import Plan, save_plan
+from ..plan import Plan, load_plan, save_plan
 from ..profile import load_profile
 from .monitor import StepMetrics
 from .policy import (DEFAULT_PATIENCE, DEFAULT_THRESHOLD, ROW_MOVE_PRIOR_S, Candidate, ImbalanceWatch,
@@ -97,7 +106,7 @@ from .policy import (DEFAULT_PATIENCE, DEFAULT_THRESHOLD, ROW_MOVE_PRIOR_S, Cand
 from .summary import HostContention, device_slowdowns, host_contention, measured_setup, summarise
 
 __all__ = ["AdaptOptions", "Verdict", "CANDIDATES", "Adapter", "REPLANS_FILE", "NEXT_FILE", "plan_scope_ms", "busy_host_hold",
-           "in_place_refusal"]
+           "in_place_refusal", "take_rows", "row_move_stages"]
 
 CANDIDATES = ("both", "rows", "replan")
 REPLANS_FILE = "replans.jsonl"
@@ -159,6 +168,39 @@ class AdaptOptions:
             raise HpmlError(f"adapt candidates must be one of {', '.join(CANDIDATES)}, got {self.candidates!r}")
 
 
+def row_move_stages(plan: Plan, slow: Mapping[str, float], front_end: str = "fx") -> tuple[set[int], str | None]:
+    """The stages whose rows may move off the slowed devices, and why none may where a build forbids it.
+
+    A row move applies where a slowed device is one replica of a stage. A build traced with torch.export has
+    fixed shapes: no code of it serves uneven rows (codegen refuses them, so neither a move in place nor a
+    restart on a regenerated build could run them), and such a build is offered no row move.
+
+    Args:
+        plan: the running plan.
+        slow: device -> slow-down of the devices singled out.
+        front_end: how the build's graph was traced (``fx`` or ``export``).
+
+    Returns:
+        ``(stages, why_not)``: the replicated stages holding a slowed device, and None; or no stages and the
+        reason when some exist but the build cannot move rows.
+
+    Example:
+        >>> from hpml_compile.plan import Stage
+        >>> from hpml_compile.solve.testing import cluster_of
+        >>> p = Plan("toy", cluster_of(["cpu"] * 3), "gpipe", 2, (Stage(0, ("d0",), ("a",)),
+        ...                                                       Stage(1, ("d1", "d2"), ("b",))))
+        >>> row_move_stages(p, {"d2": 3.0}), row_move_stages(p, {"d0": 3.0})
+        (({1}, None), (set(), None))
+        >>> row_move_stages(p, {"d2": 3.0}, "export")[1]
+        "the build's graph came from torch.export, which fixes every shape: its code serves no uneven rows"
+    """
+    stages = {st.index for st in plan.stages if len(st.devices) > 1 and set(st.devices) & set(slow)}
+    if stages and front_end == "export":
+        return set(), ("the build's graph came from torch.export, which fixes every shape: its code serves no "
+                       "uneven rows")
+    return stages, None
+
+
 def in_place_refusal(generated: Plan, old: Plan, new: Plan, front_end: str = "fx") -> str | None:
     """Why running ranks cannot take ``new``'s rows without new code, or None when they can.
 
@@ -206,6 +248,58 @@ def in_place_refusal(generated: Plan, old: Plan, new: Plan, front_end: str = "fx
                     f"(both sides split each microbatch equally over {len(here.devices)} replicas), so rows moved "
                     "there need new code")
     return None
+
+
+def _same_rows(plan: Plan, step: int, took_s: float = 0.0) -> float:
+    """Check in one all-reduce that every rank runs ``plan``'s rows; returns the slowest rank's ``took_s``.
+
+    Raises:
+        HpmlError: the ranks hold different rows (they all read one verdict or one plan: a bug if ever).
+    """
+    if not dist.is_initialized():  # every stage in this one process: nothing to agree on
+        return took_s
+    rows = [list(st.rows) for st in plan.stages]
+    sig = float(zlib.crc32(json.dumps(rows).encode()))
+    t = torch.tensor([sig, -sig, took_s], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the same rows on every rank (max = min); the slowest to apply
+    if float(t[0]) != -float(t[1]):
+        raise HpmlError(f"step {step}: the ranks took different rows per replica (this rank {rows}); the job "
+                        "cannot go on consistently: restart it")
+    return float(t[2])
+
+
+def take_rows(pipe: Any, path: str | Path) -> Plan:
+    """A restarted rank (every rank, before its first step): train with the rows per replica of ``path``'s plan.
+
+    What the supervisor's restart after a failure runs when rows were moved in place before it (``--rows-from``
+    of the worker): ``path`` is the running build's plan with other rows (the failed segment's re-published
+    plan.json). Only the rows and the predictions made for them are taken; everything else stays the build's.
+
+    Args:
+        pipe: this rank's pipeline, as loaded from the build (no rows moved yet).
+        path: the plan whose rows to take.
+
+    Returns:
+        The plan now running (``pipe.plan``).
+
+    Raises:
+        HpmlError: ``path``'s plan has other stages, devices, nodes, microbatches or schedule than the build's, its
+            rows do not split a microbatch, the build's code cannot serve them (:func:`in_place_refusal`), or the
+            ranks took different rows.
+    """
+    given, plan, built = load_plan(path), pipe.plan, pipe.build.plan
+    if ([(st.devices, st.nodes) for st in given.stages] != [(st.devices, st.nodes) for st in plan.stages]
+            or (given.microbatches, given.schedule) != (plan.microbatches, plan.schedule)):
+        raise HpmlError(f"{path}: not the running build's plan with other rows (its stages, devices, nodes, "
+                        "microbatches or schedule differ): --rows-from takes the plan.json of a run of this build")
+    moved = replace(plan, predicted=given.predicted, stages=tuple(
+        replace(st, rows=g.rows, predicted=g.predicted) for st, g in zip(plan.stages, given.stages)))
+    refusal = in_place_refusal(built, plan, moved, pipe.build.manifest.front_end.value)
+    if refusal is not None:
+        raise HpmlError(f"{path}: its rows per replica cannot run on this build's code: {refusal}")
+    pipe.move_rows(moved)
+    _same_rows(moved, pipe.steps_done)
+    return moved
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,7 +357,8 @@ class Adapter:
         self.with_optimizer = bool(self._profile.optimizer_ms)
         self.checkpoint_s = 1.0  # until one is measured
         self.move_s: float | None = None  # the last in-place row move's measured switch (None: none yet)
-        self._generated = pipe.build.plan  # the plan the running stage code was generated for
+        # the plan the running stage code was generated for (pipe.build.plan takes moved rows: Pipeline.move_rows)
+        self._generated = load_plan(self.build_dir / "plan.json")
         self._front_end = pipe.build.manifest.front_end.value
         self._next_profile = self._profile  # rank 0: the measured costs of an in-place move being made
         plan = pipe.plan
@@ -367,9 +462,10 @@ class Adapter:
         steps_left = self.total_steps - step
         restart_ms = (self.startup_s + self.checkpoint_s if o.switch_cost_s is None else o.switch_cost_s) * 1e3
         tried: dict[str, tuple[Any, float]] = {}  # candidate -> (its ReplanResult, seconds to make it)
-        # the stages where a slowed device is one of several replicas: rows can move off it there
-        replicated = {st.index for st in plan.stages if len(st.devices) > 1 and set(st.devices) & set(slow)}
-        if replicated and o.candidates in ("both", "rows"):
+        replicated, why_no_rows = row_move_stages(plan, slow, self._front_end)
+        if why_no_rows is not None:
+            self.log(f"no row move at step {step}: {why_no_rows}")
+        elif replicated and o.candidates in ("both", "rows"):
             t0 = time.perf_counter()
             try:
                 tried["rows"] = (driver.move_rows(plan, prof, cluster=cluster, stages=replicated),
@@ -467,19 +563,13 @@ class Adapter:
         assert verdict.plan is not None
         t0 = time.perf_counter()
         self.pipe.move_rows(verdict.plan)
-        applied = time.perf_counter() - t0
+        slowest = _same_rows(verdict.plan, self.pipe.steps_done, time.perf_counter() - t0)
         rows = [list(st.rows) for st in verdict.plan.stages]
-        sig = float(zlib.crc32(json.dumps(rows).encode()))
-        t = torch.tensor([sig, -sig, applied], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the same rows on every rank (max = min); the slowest to apply
-        if float(t[0]) != -float(t[1]):
-            raise HpmlError(f"step {self.pipe.steps_done}: the ranks took different rows in an in-place row move "
-                            f"(this rank {rows}); the job cannot go on consistently: restart it")
         if self.pipe.rank == 0:
             save_plan(verdict.plan, self.run_dir / "plan.json")  # report and show read the rows in force
             self.move_s = time.perf_counter() - decided
             self._profile = self._next_profile
-            event = {**verdict.event, "switch_s": self.move_s, "apply_s": float(t[2]),
+            event = {**verdict.event, "switch_s": self.move_s, "apply_s": slowest,
                      "rows": rows, "plan": str(self.run_dir / "plan.json")}
             self._record(event)
             self.log(f"step {self.pipe.steps_done}: rows moved in place in {self.move_s * 1e3:.1f} ms (no restart): "

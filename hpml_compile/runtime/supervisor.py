@@ -15,7 +15,14 @@ every segment resumes from the latest one. A segment ends in one of three ways:
   device: the device is dropped. A rank that failed (a communication
   time-out, a crash) is restarted on the same devices from the last
   checkpoint, until its device has failed ``max_failures`` times
-  (:class:`~.policy.FailureLedger`); then it is dropped. Dropping a device
+  (:class:`~.policy.FailureLedger`); then it is dropped. A restart on the
+  same devices keeps the rows per replica in force when the ranks failed:
+  rows the closed loop moved in place (:mod:`.adapt`) are in the failed
+  segment's plan.json, which each move re-publishes; the next segment's
+  plan.json is that plan, and its ranks take its rows before their first
+  step (the worker's ``--rows-from``; :func:`rows_in_force`). Without it the
+  restart would run the build's rows again, the very split the closed loop
+  had moved away from a slowed replica. Dropping a device
   re-plans for the devices left (the measured profile of the failed
   segment, when it has one), and the next segment runs on fewer ranks. When
   nothing fits on what is left, the job stops with a message naming the
@@ -29,7 +36,14 @@ the next plan whatever rank it then has, and a killed device is gone.
 Run again with the same ``RUN_DIR`` (after the supervisor itself was stopped),
 a job goes on from its latest checkpoint in new segments. Every segment and
 decision is logged to ``RUN_DIR/events.jsonl``;
-:func:`timings` turns it into detection, re-plan and resume times.
+:func:`timings` turns it into detection, re-plan and resume times. Rows moved
+in place do not end a segment: the ranks record each move in the segment's
+``replans.jsonl`` as it happens, and when the segment ends (done, switch or
+failure) the supervisor copies each into ``events.jsonl`` as a
+``rows_moved`` event at the time it was decided, with its measured cost
+(``switch_s``), before the event that ended the segment. (A supervisor
+stopped while a segment runs has written none of that segment's moves yet;
+its ``replans.jsonl`` has them.)
 """
 
 from __future__ import annotations
@@ -42,17 +56,18 @@ from typing import Any, Callable, Sequence
 
 from .. import driver
 from ..errors import HpmlError, InfeasibleError, SupervisorError
-from ..plan import Plan, load_plan
+from ..plan import Plan, load_plan, save_plan
 from ..profile import load_profile
 from ..schema import read_json
-from .adapt import NEXT_FILE, AdaptOptions
+from .adapt import NEXT_FILE, REPLANS_FILE, AdaptOptions
 from .checkpoint import latest
 from .launcher import LaunchSpec, RankFailure, launch, prepare_run_dir
 from .monitor import read_metrics
 from .policy import FailureLedger
 from .worker import KILLED_EXIT, PROGRESS_FILE, error_path
 
-__all__ = ["Culprit", "SupervisorError", "blame", "supervise", "timings", "plan_devices", "EVENTS_FILE"]
+__all__ = ["Culprit", "SupervisorError", "blame", "supervise", "timings", "plan_devices", "EVENTS_FILE",
+           "in_place_moves", "rows_in_force"]
 
 EVENTS_FILE = "events.jsonl"
 _SIGTERM = -15
@@ -130,6 +145,70 @@ class _Job:
         self.events.append(e)
         with (self.run_dir / EVENTS_FILE).open("a") as f:
             f.write(json.dumps(e) + "\n")
+
+
+def in_place_moves(seg_dir: Path) -> list[dict[str, Any]]:
+    """The rows a segment's ranks moved in place, in order: its ``replans.jsonl`` decisions that were carried out.
+
+    Rank 0 records an in-place move once every rank has taken the rows (with ``switch_s``, its measured cost), so
+    each such line is a move that happened; a line cut short by a failure is not one.
+    """
+    path = seg_dir / REPLANS_FILE
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a rank that died while writing it
+            continue
+        if isinstance(d, dict) and d.get("in_place") and "switch_s" in d:
+            out.append(d)
+    return out
+
+
+def rows_in_force(seg_dir: Path, built: Plan) -> Plan | None:
+    """The plan a segment's ranks ran when it ended, where its rows per replica are not the build's; else None.
+
+    Each in-place row move re-publishes the segment's plan.json with the new rows (and a restart that carried
+    rows wrote them there before its ranks started), so it holds the rows in force at the end. A plan that
+    differs from the build's in more than rows is not a row move of this build and is not carried (None).
+
+    Args:
+        seg_dir: the segment's run folder.
+        built: the plan of the build the segment ran (its generated code).
+
+    Example:
+        >>> import tempfile
+        >>> from dataclasses import replace
+        >>> from hpml_compile.plan import Stage
+        >>> from hpml_compile.solve.testing import cluster_of
+        >>> p = Plan("toy", cluster_of(["cpu"] * 2), "gpipe", 2, (Stage(0, ("d0", "d1"), ("n",)),))
+        >>> seg = Path(tempfile.mkdtemp())
+        >>> _ = save_plan(p, seg / "plan.json"); rows_in_force(seg, p) is None
+        True
+        >>> _ = save_plan(replace(p, stages=(replace(p.stages[0], rows=(3, 1)),)), seg / "plan.json")
+        >>> rows_in_force(seg, p).stages[0].rows
+        (3, 1)
+    """
+    path = seg_dir / "plan.json"
+    if not path.is_file():
+        return None
+    ran = load_plan(path)
+    if [st.rows for st in ran.stages] == [st.rows for st in built.stages]:
+        return None
+    if ([(st.devices, st.nodes) for st in ran.stages] != [(st.devices, st.nodes) for st in built.stages]
+            or (ran.microbatches, ran.schedule) != (built.microbatches, built.schedule)):
+        return None
+    return ran
+
+
+def _record_moves(job: _Job, seg: int, seg_dir: Path) -> None:
+    """Copy a segment's in-place row moves into the job's events (see the module docstring)."""
+    for d in in_place_moves(seg_dir):
+        job.event("rows_moved", segment=seg, step=d["step"], time=d.get("time", time.time()), rows=d.get("rows"),
+                  switch_s=d["switch_s"], apply_s=d.get("apply_s"), choose_s=d.get("solve_s", 0.0),
+                  predicted_step_ms=d.get("new_step_ms"), decision=d)
 
 
 def _measured_or_planned(seg_dir: Path, build: Path, plan: Plan) -> tuple[Any, str]:
@@ -217,12 +296,15 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
     earlier = [int(p.name[3:]) for p in run_dir.glob("seg*") if p.name[3:].isdigit()]
     build, seg, reason = build_dir, max(earlier, default=-1) + 1, "start"
     checkpoints = run_dir / "checkpoints"
+    carried: Plan | None = None  # rows moved in place before a failure, for the restart on the same build
     while True:
         plan = load_plan(build / "plan.json")
         devices = plan_devices(plan)
         seg_dir = run_dir / f"seg{seg}"
         prepare_run_dir(build, seg_dir, {"steps": steps, "nproc": len(devices), "segment": seg, "reason": reason,
                                          **(run_info or {})})
+        if carried is not None:  # the segment's plan is the one in force: its ranks take its rows, report reads it
+            save_plan(carried, seg_dir / "plan.json")
         args = [*worker_args, "--steps", str(steps), "--checkpoint-dir", str(checkpoints), "--checkpoint-every",
                 str(checkpoint_every), "--keep-checkpoints", str(keep), "--resume-if-any", "--launched-at", str(time.time())]
         if adapt is not None:
@@ -231,17 +313,22 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
         args += [x for d, f, s in slow_dev if d in devices for x in ("--slow", f"{devices.index(d)}:{f:g}:{s}")]
         args += [x for flag, s, d in step_faults if d in devices for x in (flag, f"{s}:{devices.index(d)}")]
         args += list(first_only) if reason == "start" else []
+        args += ["--rows-from", str(seg_dir / "plan.json")] if carried is not None else []
         resumed = latest(checkpoints)
+        rows = {"rows": [list(st.rows) for st in carried.stages]} if carried is not None else {}
         job.event("segment", segment=seg, reason=reason, build=str(build), devices=devices,
-                  resume_from=str(resumed) if resumed else None)
+                  resume_from=str(resumed) if resumed else None, **rows)
         log(f"segment {seg} ({reason}): {len(devices)} rank(s) on {', '.join(devices)}"
-            + (f", resuming from {resumed.name}" if resumed else ""))
+            + (f", resuming from {resumed.name}" if resumed else "")
+            + (" with the rows moved in place before the failure: " + _rows_text(carried) if carried else ""))
+        carried = None
         try:
             launch(LaunchSpec(build, seg_dir, len(devices), worker_args=tuple(args)))
         except RankFailure as e:
             seen = time.time()
             c = blame(e.failures, seg_dir)
             device = devices[c.rank]
+            _record_moves(job, seg, seg_dir)
             if c.cause == "user":
                 raise
             dropped = c.cause == "killed" or ledger.record(device)
@@ -259,8 +346,10 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
                 log(f"restarting on the same {len(devices)} device(s) from the last checkpoint "
                     f"({device} has failed {ledger.failures(device)}/{max_failures} times)")
                 reason = f"{device} failed ({c.cause})"
+                carried = rows_in_force(seg_dir, plan)  # the same build: the rows its ranks ran when they failed
             seg += 1
             continue
+        _record_moves(job, seg, seg_dir)
         nxt = seg_dir / NEXT_FILE
         if nxt.is_file():
             info = read_json(nxt)
@@ -272,6 +361,11 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
         return job.events
 
 
+def _rows_text(plan: Plan) -> str:
+    return " | ".join(",".join(st.devices) + (f" rows {':'.join(map(str, st.rows))}" if st.rows else "")
+                      for st in plan.stages)
+
+
 def timings(run_dir: Path) -> list[dict[str, Any]]:
     """Per recovery in a supervised run: what happened, and its detection, re-plan and resume times (seconds).
 
@@ -280,10 +374,19 @@ def timings(run_dir: Path) -> list[dict[str, Any]]:
     - a switch: detection is in steps (``decided_at_step``; the watch needs ``patience`` slow steps); re-plan =
       solve + codegen (a row move's "solve" is choosing its rows); resume = the next segment's first step done -
       the decision; ``move`` says which candidate it was (``rows`` or ``replan``).
+    - rows moved in place (``in_place``: no restart): re-plan = choosing the rows (no codegen); resume = its
+      measured ``switch_s``, from rank 0's decision to the rows in force on every rank and plan.json re-published
+      (the next step then runs on them).
     """
     events = [json.loads(line) for line in (run_dir / EVENTS_FILE).read_text().splitlines() if line.strip()]
     out = []
     for i, e in enumerate(events):
+        if e["event"] == "rows_moved":
+            out.append({"kind": "rows moved in place (no restart)", "detect_s": None, "decided_at_step": e["step"],
+                        "replan_s": e.get("choose_s", 0.0), "step": e["step"], "move": "rows", "in_place": True,
+                        "solve_s": e.get("choose_s", 0.0), "codegen_s": 0.0, "resume_s": e["switch_s"],
+                        "switch_s": e["switch_s"], "rows": e.get("rows"), "segment": e["segment"]})
+            continue
         if e["event"] not in ("failure", "switch"):
             continue
         nxt = next((x for x in events[i + 1:] if x["event"] == "segment"), None)

@@ -40,7 +40,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ..codegen.build import sha256
 from ..errors import HpmlError
 from ..schema import write_json_atomic
-from .adapt import NEXT_FILE, AdaptOptions, Adapter
+from .adapt import NEXT_FILE, AdaptOptions, Adapter, take_rows
 from .checkpoint import CheckpointError, latest, load_checkpoint, resume_from, save_checkpoint, seed_rngs
 from .comm import CommFault, CommOp
 from .lifeline import watch_launcher
@@ -228,6 +228,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adapt-threshold", type=float, default=AdaptOptions().threshold, dest="adapt_threshold")
     p.add_argument("--adapt-patience", type=int, default=AdaptOptions().patience, dest="adapt_patience")
     p.add_argument("--adapt-cooldown", type=int, default=AdaptOptions().cooldown, dest="adapt_cooldown")
+    p.add_argument("--rows-from", type=Path, default=None, dest="rows_from", metavar="PLAN",
+                   help="train with this plan's rows per replica (the build's plan with rows moved in place: the "
+                        "supervisor's restart after a failure)")
     p.add_argument("--launched-at", type=float, default=None, dest="launched_at",
                    help="when the launch began (epoch seconds): rank 0 records the time to the first step")
     p.add_argument("--val-every", type=int, default=0, dest="val_every",
@@ -353,6 +356,12 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
         pipe.steps_done = start
         if trainer is not None:
             trainer.load_state_dict(meta, found)
+    if args.rows_from is not None:  # rows the closed loop moved in place before a failure: in force from the start
+        took = take_rows(pipe, args.rows_from)
+        if rank == 0:
+            _say("rows per replica from " + str(args.rows_from) + ", on every rank: " + " | ".join(
+                ",".join(st.devices) + (f" rows {':'.join(map(str, st.rows))}" if st.rows else "")
+                for st in took.stages))
     if rank == 0:
         plan = pipe.plan
         print(f"training {recipe.model} for {args.steps} steps on {pipe.world_size} ranks: "

@@ -30,7 +30,7 @@ from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.testing import max_grad_diff, split_plan
 from hpml_compile.errors import HpmlError
 from hpml_compile.plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction, save_plan
-from hpml_compile.runtime.adapt import in_place_refusal
+from hpml_compile.runtime.adapt import in_place_refusal, take_rows
 from hpml_compile.runtime.data import RankData, global_batch
 from hpml_compile.runtime.monitor import Monitor, StepMetrics
 from hpml_compile.runtime.pipeline import Pipeline
@@ -148,3 +148,37 @@ def test_report_summarises_the_steps_since_rows_moved_in_place(tmp_path: Path) -
     assert s.stages[0].compute_ms == pytest.approx(30.0)  # not the 90 ms of the steps before the move
     (run / "replans.jsonl").write_text(json.dumps({"step": 4, "switch": False}) + "\n")
     assert analyse(run, skip=1).steps == 8  # no move: every step
+
+
+def test_a_restart_takes_the_rows_moved_before_it(tmp_path: Path) -> None:
+    """``take_rows``: what a rank restarted after a failure runs first (the worker's ``--rows-from``)."""
+    loaded = models.load("mlp-tiny", batch_size=8)
+    gm = trace(loaded.module, loaded.example_inputs)
+    plan = split_plan(gm, "mlp-tiny", 2, replicas=[1, 2])  # stage 1 generated at an even split: rows may move
+
+    def fresh(out: Path) -> Pipeline:
+        generate(gm, plan, out)
+        return Pipeline(load_build(out, loaded.module, graph_module=gm), loaded.module, run_dir=None,
+                        tensorboard=False)
+
+    pipe = fresh(tmp_path / "b")
+    moved = replace(_with_rows(plan, [(), (6, 2)]), predicted=PlanPrediction(12.5, 0, 0.0))
+    save_plan(moved, tmp_path / "plan.json")
+    took = take_rows(pipe, tmp_path / "plan.json")
+    assert [st.rows for st in took.stages] == [(), (6, 2)] == [st.rows for st in pipe.plan.stages]
+    assert pipe.plan.predicted.step_ms == 12.5  # the predictions made for those rows come along
+    assert in_place_refusal(plan, plan, took) is None and pipe.rows_role()[0] == list(range(8))
+    # not this build's plan with other rows: named, nothing taken
+    pipe = fresh(tmp_path / "c")
+    save_plan(replace(moved, microbatches=2), tmp_path / "other.json")
+    with pytest.raises(HpmlError, match="not the running build's plan with other rows"):
+        take_rows(pipe, tmp_path / "other.json")
+    assert pipe.plan.stages[1].rows == ()
+    # rows the build's code cannot serve (stage 0 moved: its boundary was generated without batch dimensions)
+    two = split_plan(gm, "mlp-tiny", 2, replicas=[2, 2])
+    generate(gm, two, tmp_path / "d")
+    pipe = Pipeline(load_build(tmp_path / "d", loaded.module, graph_module=gm), loaded.module, run_dir=None,
+                    tensorboard=False)
+    save_plan(_with_rows(two, [(6, 2), ()]), tmp_path / "refused.json")
+    with pytest.raises(HpmlError, match="cannot run on this build's code: the boundary between stage 0 and stage 1"):
+        take_rows(pipe, tmp_path / "refused.json")

@@ -1,9 +1,11 @@
 """The closed loop's decisions without processes: who is blamed for a failure, which device slowed down,
-what the solver is told about it, and the times read back from a run's events."""
+what the solver is told about it, the times read back from a run's events, and the rows moved in place that a
+restart carries."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,8 @@ from hpml_compile.ir import base_kind
 from hpml_compile.replan import replan_graph
 from hpml_compile.runtime.monitor import StepMetrics
 from hpml_compile.runtime.summary import device_slowdowns, measured_setup, summarise
-from hpml_compile.runtime.supervisor import blame, plan_devices, timings
+from hpml_compile.plan import Stage, save_plan
+from hpml_compile.runtime.supervisor import blame, in_place_moves, plan_devices, rows_in_force, timings
 from hpml_compile.runtime.worker import error_path
 from hpml_compile.solve import solve
 from hpml_compile.solve.testing import chain_profile, cluster_of
@@ -119,3 +122,44 @@ def test_timings_read_a_failure_and_a_switch(tmp_path: Path) -> None:
     assert switch["replan_s"] == pytest.approx(1.5) and switch["resume_s"] == pytest.approx(10.0)
     assert failure["detect_s"] == pytest.approx(0.2) and failure["replan_s"] == pytest.approx(0.8)
     assert failure["resume_s"] == pytest.approx(9.0) and "cpu2" in failure["kind"]
+
+
+def test_timings_read_rows_moved_in_place_beside_a_restart(tmp_path: Path) -> None:
+    events = [
+        {"event": "segment", "segment": 0, "time": 0.0},
+        {"event": "rows_moved", "segment": 0, "time": 9.0, "step": 9, "rows": [[35, 13]], "switch_s": 0.012,
+         "choose_s": 0.01, "decision": {"step": 9}},
+        {"event": "failure", "segment": 0, "time": 30.2, "cause": "comm", "device": "cpu0",
+         "failed_at": 30.0, "detected_at": 30.2},
+        {"event": "segment", "segment": 1, "time": 30.5, "rows": [[35, 13]]},
+    ]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "seg1").mkdir()
+    (tmp_path / "seg1" / "started.json").write_text(json.dumps({"first_step_at": 45.0}))
+    moved, failure = timings(tmp_path)
+    assert moved["in_place"] and moved["move"] == "rows" and moved["rows"] == [[35, 13]] and moved["step"] == 9
+    assert moved["resume_s"] == moved["switch_s"] == 0.012 and moved["codegen_s"] == 0.0  # no restart to wait for
+    assert not moved["kind"].startswith("switch")  # the benchmarks take a "switch" for a restart on a new build
+    assert failure["resume_s"] == pytest.approx(15.0)  # the restart after it still finds its own next segment
+
+
+def test_the_rows_in_force_are_what_a_segment_moved_in_place(tmp_path: Path) -> None:
+    plan = solve(build_costgraph(chain_profile([(1.0, 2.0)] * 4)).coarsen(), cluster_of(["cpu"] * 2),
+                 solver="uniform", microbatches=2)
+    one = replace(plan, stages=(Stage(0, tuple(plan_devices(plan)), tuple(n for st in plan.stages for n in st.nodes)),))
+    seg = tmp_path / "seg0"
+    seg.mkdir()
+    assert in_place_moves(seg) == [] and rows_in_force(seg, one) is None  # nothing ran
+    save_plan(one, seg / "plan.json")
+    assert rows_in_force(seg, one) is None  # the build's own rows
+    moved = replace(one, stages=(replace(one.stages[0], rows=(5, 3)),))
+    save_plan(moved, seg / "plan.json")
+    assert rows_in_force(seg, one) == moved
+    save_plan(replace(moved, microbatches=4), seg / "plan.json")
+    assert rows_in_force(seg, one) is None  # more than rows changed: not a row move of this build
+    # the decisions carried out in place, in order; kept plans and a line cut short by a failure are not moves
+    (seg / "replans.jsonl").write_text(json.dumps({"step": 8, "switch": False}) + "\n"
+                                       + json.dumps({"step": 9, "in_place": True, "switch_s": 0.01}) + "\n"
+                                       + json.dumps({"step": 14, "in_place": True, "switch_s": 0.02}) + "\n"
+                                       + '{"step": 19, "in_pl')
+    assert [d["step"] for d in in_place_moves(seg)] == [9, 14]
