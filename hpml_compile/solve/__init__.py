@@ -11,13 +11,12 @@ The microbatch count, when not given, is searched over powers of two up to
 ``min(batch_size, 64)`` with the DP (each count: the candidate table in
 numpy, :mod:`.table`, the vectorised DP, one simulation; ~0.1-0.2 s for
 llama-70b on 64 devices); the ILP then solves at the best count. For ``ilp``
-each count is ranked by the better, on the ILP's objective, of the DP's
-min-bottleneck tiling and its least-sum tiling (:func:`.dp.proxy_chain`): at
-few microbatches the bottleneck buys nothing, and with fixed per-op parts the
+each count is ranked by the faster, simulated, of the DP's min-bottleneck
+tiling (``dp``'s plan) and its least-sum tiling (:func:`.dp.tilings`): at few
+microbatches the bottleneck buys nothing, and with fixed per-op parts the
 min-bottleneck tiling at ``M = 1`` is a pipeline several times slower than one
-stage of every device. ``ilp``
-returns the better, by simulated step time, of the ILP's plan and the DP's,
-so it is never worse than ``dp``.
+stage of every device. ``ilp`` returns the better, by simulated step time, of
+the ILP's plan and that DP plan, so it is never worse than ``dp``.
 
 Clusters whose device-count vectors (``prod_k (count_k + 1)``) exceed
 :data:`~.lagrange.EXACT_VECTORS` (several kinds, or one kind past ~128
@@ -85,7 +84,7 @@ from ..simulate import annotate, stage_costs
 from ..stagecost import device_memory, in_flight
 from .baselines import Baseline, balanced_cuts, baseline_stages, stages_from_cuts
 from .candidates import Candidate, Chain, Setting, kind_counts, to_plan
-from .dp import objective, proxy_chain, solve_chain
+from .dp import objective, solve_chain, tilings
 from .ilp import solve_ilp
 from .lagrange import (EXACT_VECTORS, coarse_chain, coarse_groups, lagrangian_bounds, ordered_chain, ordered_groups,
                        ordered_units, speed_order, vectors)
@@ -169,10 +168,15 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         if name in (SolverName.ILP, SolverName.DP):
             if large:  # only the degrees the two restricted DPs use: a small table, a first plan early
                 return _first_plan(chain, cluster, setting)
-            # ilp: each count ranked by a plan chosen on the ILP's own objective (the min-bottleneck tiling
-            # alone ranked M = 1 by a pipeline where one stage of every device was fastest); dp: min-bottleneck
-            exact = proxy_chain if name is SolverName.ILP else solve_chain
-            return exact(chain, cluster, setting, build_table(chain, cluster, setting))
+            table = build_table(chain, cluster, setting)
+            if name is SolverName.DP:
+                return solve_chain(chain, cluster, setting, table)
+            # ilp: each count ranked by the faster, simulated, of the min-bottleneck tiling (dp's plan, so ilp
+            # is never worse than dp) and the least-sum one (the min-bottleneck tiling alone ranked M = 1 by a
+            # pipeline run stage after stage where one stage of every device was fastest)
+            plans = tilings(chain, cluster, setting, table)
+            return min(plans, key=lambda c: _simulated_step(chain, cluster, setting, c, name.value, dtype, allowed),
+                       default=None) if len(plans) > 1 else (plans[0] if plans else None)
         got = baseline_stages(chain, cluster, setting, Baseline(name.value))
         return None if isinstance(got, str) else got
 
@@ -273,6 +277,15 @@ def choose_compression(plan: Plan, graph: CostGraph, dtype: str, allowed: Compre
     stages = tuple(replace(st, compress=str(allowed), allreduce=AllReduce.FLAT) if st.index in fit
                    and comp[st.index].sync_ms < dense[st.index].sync_ms else st for st in plan.stages)
     return replace(plan, stages=stages)
+
+
+def _simulated_step(chain: Chain, cluster: Cluster, setting: Setting, picked: list[Candidate], name: str,
+                    dtype: str, compress: Compression | None) -> float:
+    """The simulated step of ``picked`` at ``setting``, as :func:`_search` scores a count's plan."""
+    graph = chain.graph
+    _, r = annotate(choose_compression(to_plan(chain, cluster, setting, picked, SolverInfo(name)), graph, dtype,
+                                       compress), graph, dtype)
+    return r.step_ms
 
 
 def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtype: str,

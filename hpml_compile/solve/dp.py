@@ -41,7 +41,7 @@ from ..ir import Cluster
 from .candidates import Candidate, Chain, Setting, classes, kind_counts
 from .table import CandidateTable
 
-__all__ = ["solve_chain", "proxy_chain", "objective", "tile"]
+__all__ = ["solve_chain", "proxy_chain", "tilings", "objective", "tile"]
 
 
 def objective(picked: list[Candidate], microbatches: int) -> float:
@@ -192,10 +192,23 @@ def proxy_chain(chain: Chain, cluster: Cluster, setting: Setting, candidates: Ca
     >>> [(c.a, c.b, c.d) for c in proxy_chain(ch, two, st, enumerate_candidates(ch, two, st))]
     [(0, 4, 2)]
     """
+    return min(tilings(chain, cluster, setting, candidates, max_classes=max_classes),
+               key=lambda p: objective(p, setting.microbatches), default=None)
+
+
+def tilings(chain: Chain, cluster: Cluster, setting: Setting, candidates: CandidateTable | list[Candidate], *,
+            max_classes: int = 4) -> list[list[Candidate]]:
+    """The min-bottleneck tiling (what :func:`solve_chain` returns) and the least-sum tiling, in that order,
+    each once (one when they are the same, none when nothing fits): the two plans :func:`proxy_chain` chooses
+    from, for a caller that ranks them by another measure (``solve``'s ``ilp`` by the simulated step, so that
+    it is never worse than ``dp``, whose plan is the first)."""
     counts, tab = _table(cluster, candidates)
     big_j = classes(setting, len(cluster.devices))
     jc = min(big_j, max_classes)
     own = tab.t + tab.comm + tab.tail
     got = [tile(chain.n, counts, tab, t, own, tab.jmax, big_j, jc) for t in (tab.t, np.zeros(len(tab)))]
-    plans = [[tab.candidate(i) for i in g[2]] for g in got if g is not None]
-    return min(plans, key=lambda p: objective(p, setting.microbatches), default=None)
+    plans: list[list[Candidate]] = []
+    for g in got:
+        if g is not None and [tab.candidate(i) for i in g[2]] not in plans:
+            plans.append([tab.candidate(i) for i in g[2]])
+    return plans
