@@ -612,7 +612,7 @@ def device_slowdowns(plan: Plan, baseline: Mapping[int, Sequence[StepMetrics]],
     (``contention_ms``, as :func:`slow_ranks` counts it): that waiting comes
     and goes with the host's other programs, and in the few steps of a
     window it moved the ratio, which is the slowed kind's cost multiplier
-    and so decides a row move's split, from 2.3x to 6.2x for one injected
+    and so decides a row move's split, from 2.6x to 6.2x for one injected
     slow-down (benchmarks/uneven_rows, ``--splits``).
 
     Args:

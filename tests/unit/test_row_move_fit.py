@@ -2,7 +2,7 @@
 part of its work, the fixed part included, and the rows chosen balance the replicas on those costs.
 
 On CPU the per-call part of a replica's time (Python, kernel launches, reading the weights) is large: gpt-tiny's
-profile for local-cpu-2 at batch 48 puts a microbatch's fixed part at about 7 rows' worth of its per-row part.
+profiles for local-cpu-2 at batch 48 put a microbatch's fixed part at 2 to 7 rows' worth of its per-row part.
 A slowed replica pays its fixed part slowed too, so at one row it still takes ``slowdown x fixed``: the fast
 replica can take far more than the ``1 / (1 + slowdown)`` share that per-row costs alone would give it. If the
 measured graph put the whole slowdown in the per-row part instead, the move would give the slowed replica too
@@ -28,7 +28,7 @@ from hpml_compile.solve.testing import chain_profile, cluster_of
 
 BATCH, MICRO, NODES = 48, 2, 6
 FWD, BWD = 2.0, 3.0  # per node, ms, at the profile's batch
-FIXED = 0.125  # of each time, the part a call pays whatever its rows: ~7 rows' worth, as gpt-tiny's on CPU
+FIXED = 0.125  # of each time, the part a call pays whatever its rows: ~7 rows' worth, gpt-tiny's most on CPU
 
 
 def _profile() -> Profile:
@@ -110,7 +110,7 @@ def test_the_rows_chosen_are_the_fastest_split_on_the_fixed_and_per_row_costs(fa
 
 def test_the_slowdown_leaves_out_the_time_the_slowed_rank_waited_for_a_core() -> None:
     """On a shared host a rank's compute includes waiting for a core, which comes and goes with the host's other
-    programs: in the few baseline steps it made a 3x-slowed rank look 2.3x (rows 17:7 chosen, the rank's own
+    programs: in the few baseline steps it made a 3x-slowed rank look 2.6x (rows 17:7 chosen, the rank's own
     compute then 4x the other's). The slowed kind's multiplier is its compute less that waiting."""
     prof = _profile()
     plan = _plan(prof)
