@@ -42,6 +42,24 @@ on it (checkpoint, torchrun restart, model rebuild, checkpoint load;
 rank's step after the switch (leaving out its first ``--warmup`` steps)
 against its prediction and the steps before it. Writes
 results/uneven_rows_adapt.json.
+
+``--splits 12:12,16:8,...``: which rows a row move should choose (issue 15).
+The test's job (``tests/dist/test_row_move_dist.py``: gpt-tiny, batch 48 in 2
+microbatches, compiled for local-cpu-2) runs ``run --adapt --slow
+1:F:S`` once (``--slow-factor`` F, both candidates, a restart priced at
+``--switch-cost``) and records the rows the move chose, its prediction and
+the step after it; then the same build with each split fixed by hand runs
+``--slow 1:F:1``, ``--repeats`` times, alternating. Per split: the slowest
+rank's median step, each rank's compute and its *net* compute (less the time
+it waited for a core, ``contention_ms``: on a shared host that waiting moves
+a run by more than a row does), and the simulator's prediction on the costs
+the closed loop measured when it decided (*rebuilt ms*: the measured profile
+and the slowed device's kind, with the slowdowns the decision recorded,
+rebuilt from the run's metrics files as ``adapt.Adapter._decide`` builds
+them from the rows it gathers). The rebuilt costs' prediction for the
+chosen rows is printed beside the decision's own: they have differed (153
+against 116 ms), so the decision's figure is the one to quote; the rebuilt
+column only ranks the splits. Writes results/uneven_rows_splits.json.
 """
 
 from __future__ import annotations
@@ -63,6 +81,7 @@ from hpml_compile.driver import cost_graph, rebuild
 from hpml_compile.plan import Plan, Stage, load_plan
 from hpml_compile.profile import load_profile
 from hpml_compile.runtime.monitor import StepMetrics, read_metrics
+from hpml_compile.runtime.summary import measured_setup, summarise
 from hpml_compile.simulate import annotate, simulate
 
 HERE = Path(__file__).resolve().parent
@@ -210,6 +229,141 @@ def adapt_main(a: argparse.Namespace, work: Path) -> int:
     return 0
 
 
+def _split_plan(base: Plan, rows: tuple[int, ...]) -> Plan:
+    """``base``'s one stage on cpu0 and cpu1 with ``rows`` per microbatch (an even split writes no rows)."""
+    st = Stage(0, ("cpu0", "cpu1"), tuple(n for s in base.stages for n in s.nodes),
+               rows=() if len(set(rows)) == 1 else rows)
+    return dataclasses.replace(base, stages=(st,))
+
+
+def _decision_costs(seg: Path, plan: Plan, step: int, slow: dict[str, float]) -> tuple[Any, Any]:
+    """The measured profile and cluster the closed loop decided on at ``step`` (steps done) with the slowdowns
+    ``slow`` it recorded, rebuilt from the segment's metrics as ``adapt.Adapter._decide`` builds them (the last
+    ``AdaptOptions().patience`` steps)."""
+    from hpml_compile.runtime.adapt import AdaptOptions
+
+    every = {r: [m for m in ms if m.step < step] for r, ms in read_metrics(seg).items()}
+    recent = {r: ms[-AdaptOptions().patience:] for r, ms in every.items()}
+    return measured_setup(load_profile(seg / "plan_profile.json"), summarise(plan, recent, skip=0), slow)
+
+
+def _net(run: Path, skip: int) -> dict[int, dict[str, float]]:
+    """Per rank: median compute, and compute less the time the rank waited for a core, after ``skip`` steps."""
+    out = {}
+    for r, ms in sorted(read_metrics(run).items()):
+        kept = [m for m in ms if m.step >= skip]
+        out[r] = {"compute_ms": statistics.median(m.fwd_ms + m.bwd_ms for m in kept),
+                  "net_compute_ms": statistics.median(m.fwd_ms + m.bwd_ms - m.contention_ms for m in kept)}
+    return out
+
+
+def splits_main(a: argparse.Namespace, work: Path) -> int:
+    """The row move's choice against splits fixed by hand, on the test's job (see the module docstring)."""
+    m, f = a.microbatches, a.slow_factor
+    mb = a.batch_size // m
+    splits = [tuple(int(x) for x in s.split(":")) for s in a.splits.split(",")]
+    for sp in splits:
+        if len(sp) != 2 or sum(sp) != mb or min(sp) < 1:
+            raise SystemExit(f"--splits: {':'.join(map(str, sp))} is not 2 rows of at least 1 summing to {mb} "
+                             f"(batch {a.batch_size} over {m} microbatches)")
+    print(f"compiling {a.model} (batch {a.batch_size}, {m} microbatches) for local-cpu-2 ...", flush=True)
+    _cli("compile", a.model, "--cluster", "local-cpu-2", "--batch-size", str(a.batch_size), "--microbatches",
+         str(m), "--repeats", "1", "-o", str(work / "base"))
+    base = load_plan(work / "base" / "plan.json")
+    prof = load_profile(work / "base" / "profile.json")
+    if [st.devices for st in base.stages] != [("cpu0", "cpu1")] or base.stages[0].rows:
+        raise SystemExit(f"compile made {[st.devices for st in base.stages]}, not one even stage on cpu0, cpu1")
+    print(f"run --adapt --slow {SLOW_RANK}:{f:g}:{a.slow_from} ...", flush=True)
+    run = work / "adapt"
+    load0 = os.getloadavg()
+    r = subprocess.run([*CLI, "run", str(work / "base"), "--steps", str(a.steps), "--adapt", "--adapt-patience",
+                        "3", "--slow", f"{SLOW_RANK}:{f:g}:{a.slow_from}", "--run-dir", str(run),
+                        "--no-tensorboard", "--no-report"], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, env={**os.environ, "HPML_ADAPT_SWITCH_COST_S": str(a.switch_cost)})
+    if r.returncode:
+        raise SystemExit(f"run --adapt failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    decisions = [json.loads(x) for x in (run / "seg0" / "replans.jsonl").read_text().splitlines() if x.strip()]
+    moved = next((d for d in decisions if d.get("in_place")), None)
+    if moved is None:
+        raise SystemExit(f"the closed loop moved no rows in place: {decisions}")
+    steps = _segment_steps(run / "seg0", 0)
+    after = steps[moved["step"] + a.warmup:]
+    chosen = tuple(moved["rows"][0])
+    adapt = {"loadavg_before": load0, "step": moved["step"], "slow_devices": moved["slow_devices"],
+             "rows": list(chosen), "predicted_ms": moved["new_step_ms"], "predicted_old_ms": moved["old_step_ms"],
+             "measured_before_ms": statistics.median(steps[moved["step"] - 3:moved["step"]]),
+             "measured_after_ms": statistics.median(after), "steps_after": len(after),
+             "after": {r: x for r, x in _net(run / "seg0", moved["step"] + a.warmup).items()}}
+    slow = {d: float(x) for d, x in moved["slow_devices"].items()}
+    mprof, cluster = _decision_costs(run / "seg0", base, moved["step"], slow)
+    _, graph = cost_graph(mprof, cluster)
+    kinds = [cluster.device(d).kind for d in ("cpu0", "cpu1")]
+    fit = {}
+    for d, k in zip(("cpu0", "cpu1"), kinds):
+        fixed = sum(sum(graph.cost_at(n, k, 0.0)) for n in graph.order)
+        per_row = (sum(sum(graph.cost_at(n, k, 1.0)) for n in graph.order) - fixed) / graph.batch_size
+        fit[d] = {"kind": k, "fixed_ms_per_microbatch": fixed, "per_row_ms": per_row}
+    again, _ = annotate(dataclasses.replace(_split_plan(base, chosen), cluster=cluster), graph, mprof.dtype)
+    adapt["predicted_rebuilt_ms"] = again.predicted.step_ms  # the decision's costs rebuilt: its prediction again?
+    results: dict[str, Any] = {}
+    for sp in splits:
+        name = ":".join(map(str, sp))
+        plan = _split_plan(base, sp)
+        pred, _ = annotate(dataclasses.replace(plan, cluster=cluster), graph, mprof.dtype)
+        ann, _ = annotate(plan, cost_graph(prof, plan.cluster)[1], prof.dtype)
+        ann = dataclasses.replace(ann, stages=tuple(dataclasses.replace(x, rows=st.rows)  # the rows, as main()
+                                                    for x, st in zip(ann.stages, plan.stages)))
+        rebuild(work / "base", ann, prof, work / f"split-{sp[0]}-{sp[1]}")
+        if load_plan(work / f"split-{sp[0]}-{sp[1]}" / "plan.json").stages[0].rows != plan.stages[0].rows:
+            raise SystemExit(f"the {name} build lost its rows")
+        results[name] = {"rows": list(sp), "predicted_rebuilt_ms": pred.predicted.step_ms, "runs": []}
+    for rep in range(a.repeats):
+        for name, res in results.items():
+            print(f"run {rep + 1}: rows {name} with rank {SLOW_RANK} slowed {f:g}x ...", flush=True)
+            load0 = os.getloadavg()
+            run = work / f"split-{'-'.join(map(str, res['rows']))}-run{rep}"
+            _cli("run", str(work / f"split-{res['rows'][0]}-{res['rows'][1]}"), "--steps", str(a.steps), "--slow",
+                 f"{SLOW_RANK}:{f:g}:1", "--run-dir", str(run), "--no-tensorboard", "--no-report")
+            res["runs"].append({"loadavg_before": load0, "step_ms": statistics.median(_segment_steps(run, a.warmup)),
+                                "per_rank": _net(run, a.warmup)})
+    for res in results.values():
+        res["step_ms"] = statistics.median(x["step_ms"] for x in res["runs"])
+        res["net_compute_ms"] = {str(r): statistics.median(x["per_rank"][r]["net_compute_ms"] for x in res["runs"])
+                                 for r in (0, 1)}
+    print(f"\n{a.model}, batch {a.batch_size} in {m} microbatches, one stage on cpu0 and cpu1, rank {SLOW_RANK} "
+          f"slowed {f:g}x (--slow); {a.steps} steps, medians after {a.warmup}")
+    print(f"closed loop: slowed {', '.join(f'{d} {x:.2f}x' for d, x in slow.items())} (measured) at step "
+          f"{adapt['step']}: rows {':'.join(map(str, chosen))}, predicted {adapt['predicted_ms']:.1f} ms, measured "
+          f"{adapt['measured_after_ms']:.1f} ms after the move ({adapt['measured_before_ms']:.1f} ms before); "
+          f"net compute after: " + ", ".join(f"rank {r} {x['net_compute_ms']:.1f} ms" for r, x in
+                                             adapt["after"].items()))
+    print(f"the decision's costs rebuilt from the metrics predict {adapt['predicted_rebuilt_ms']:.1f} ms for its rows "
+          f"(it predicted {adapt['predicted_ms']:.1f} ms); the column rebuilt ms is on them")
+    print("its costs per microbatch: " + "; ".join(f"{d} ({x['kind']}) fixed {x['fixed_ms_per_microbatch']:.2f} ms "
+                                                  f"+ {x['per_row_ms']:.3f} ms per row" for d, x in fit.items()))
+    print(f"{'rows':>6s} {'measured ms (each run)':>24s} {'median':>7s} {'rebuilt ms':>10s} {'net r0':>7s} "
+          f"{'net r1':>7s}  load avg before each run")
+    for name, res in results.items():
+        each = ", ".join(f"{x['step_ms']:.1f}" for x in res["runs"])
+        print(f"{name:>6s} {each:>24s} {res['step_ms']:7.1f} {res['predicted_rebuilt_ms']:10.1f} "
+              f"{res['net_compute_ms']['0']:7.1f} {res['net_compute_ms']['1']:7.1f}  "
+              + ", ".join(f"{x['loadavg_before'][0]:.1f}" for x in res["runs"]))
+    fastest = min(results, key=lambda k: results[k]["step_ms"])
+    balanced = min(results, key=lambda k: max(results[k]["net_compute_ms"].values()))
+    print(f"chosen {':'.join(map(str, chosen))}; fastest measured step {fastest}; smallest slowest net compute "
+          f"{balanced}")
+    out = a.out.with_name("uneven_rows_splits.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": a.model, "batch_size": a.batch_size, "microbatches": m, "steps": a.steps,
+                               "warmup": a.warmup, "repeats": a.repeats,
+                               "slow": {"rank": SLOW_RANK, "factor": f, "from_step": a.slow_from},
+                               "cpus": os.cpu_count(), "arch": platform.machine(), "adapt": adapt,
+                               "decision_costs": fit, "splits": results, "fastest_measured": fastest,
+                               "smallest_net_bottleneck": balanced}, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt-tiny")
@@ -223,8 +377,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slow-from", type=int, default=6, dest="slow_from", help="with --adapt: the first slowed step")
     p.add_argument("--switch-cost", type=float, default=0.5, dest="switch_cost",
                    help="with --adapt: the restart cost the candidates are priced with, seconds")
+    p.add_argument("--splits", default=None,
+                   help="rows per microbatch to time by hand against the row move's choice, e.g. 12:12,18:6,23:1 "
+                        "(use with --batch-size 48 --steps 20 --slow-factor 3)")
+    p.add_argument("--slow-factor", type=float, default=3.0, dest="slow_factor",
+                   help="with --splits: the --slow factor of rank 1")
     a = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="hpml-uneven-rows-"))
+    if a.splits:
+        return splits_main(a, work)
     if a.adapt:
         return adapt_main(a, work)
     m, mb = a.microbatches, a.batch_size // a.microbatches

@@ -596,6 +596,11 @@ def _with_totals(p: Profile, kinds: set[str]) -> Profile:
     return replace(p, totals=totals)
 
 
+def _own_compute(m: StepMetrics) -> float:
+    """A step's compute less what the rank waited for a core (at least a tenth of it), as :func:`slow_ranks`."""
+    return max(m.fwd_ms + m.bwd_ms - m.contention_ms, 0.1 * (m.fwd_ms + m.bwd_ms))
+
+
 def device_slowdowns(plan: Plan, baseline: Mapping[int, Sequence[StepMetrics]],
                      recent: Mapping[int, Sequence[StepMetrics]], threshold: float) -> dict[str, float]:
     """Devices whose own compute grew by more than ``threshold`` since the baseline steps.
@@ -603,6 +608,12 @@ def device_slowdowns(plan: Plan, baseline: Mapping[int, Sequence[StepMetrics]],
     Each rank runs the same nodes in every step of a plan, so a stage whose
     compute time grows while the plan stays the same is a device that became
     slower (throttled, shared, failing), not a cost model that was wrong.
+    A step's compute counts less the time the rank waited for a core
+    (``contention_ms``, as :func:`slow_ranks` counts it): that waiting comes
+    and goes with the host's other programs, and in the few steps of a
+    window it moved the ratio, which is the slowed kind's cost multiplier
+    and so decides a row move's split, from 2.6x to 6.2x for one injected
+    slow-down (benchmarks/uneven_rows, ``--splits``).
 
     Args:
         plan: the plan both windows ran (ranks in its device order).
@@ -623,8 +634,8 @@ def device_slowdowns(plan: Plan, baseline: Mapping[int, Sequence[StepMetrics]],
     devices = [d for st in plan.stages for d in st.devices]
     out: dict[str, float] = {}
     for rank, rs in recent.items():
-        before = statistics.median(m.fwd_ms + m.bwd_ms for m in baseline.get(rank, ())) if baseline.get(rank) else 0
-        now = statistics.median(m.fwd_ms + m.bwd_ms for m in rs) if rs else 0.0
+        before = statistics.median(_own_compute(m) for m in baseline.get(rank, ())) if baseline.get(rank) else 0
+        now = statistics.median(_own_compute(m) for m in rs) if rs else 0.0
         if before > 0 and now / before > threshold:
             out[devices[rank]] = now / before
     return out
