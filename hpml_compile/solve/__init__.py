@@ -89,11 +89,18 @@ from .dp import objective, proxy_chain, solve_chain
 from .ilp import solve_ilp
 from .lagrange import (EXACT_VECTORS, coarse_chain, coarse_groups, lagrangian_bounds, ordered_chain, ordered_groups,
                        ordered_units, speed_order, vectors)
+from .restricted import SWEEP, proxy_sweep
 from .msearch import MILP_CANDIDATES, anytime, relative_gap
 from .table import build_table
 
 
 __all__ = ["SolverName", "solve", "microbatch_choices", "plan_from_cuts", "choose_compression"]
+
+
+#: Share of the time limit after which the many-kind ``ilp`` solve's microbatch search tries no further count (its
+#: bounds cover every count, first plan or not): with the first plans swept over bottlenecks a count costs 0.4-0.9
+#: CPU s, and gpt2-xl on 3 x 32 spent all of a 10 s limit (on a loaded machine) in the search, leaving counts unbounded.
+SEARCH_SHARE = 0.3
 
 
 class SolverName(str, enum.Enum):
@@ -167,8 +174,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
 
     def pick(setting: Setting) -> list[Candidate] | None:
         if name in (SolverName.ILP, SolverName.DP):
-            if large:  # only the degrees the two restricted DPs use: a small table, a first plan early
-                return _first_plan(chain, cluster, setting)
+            if large:  # only the degrees the two restricted DPs use: a small table, a first plan early (the
+                return _first_plan(chain, cluster, setting, sweep=bool(seen))  # first count's is swept after)
             # ilp: each count ranked by a plan chosen on the ILP's own objective (the min-bottleneck tiling
             # alone ranked M = 1 by a pipeline where one stage of every device was fastest); dp: min-bottleneck
             exact = proxy_chain if name is SolverName.ILP else solve_chain
@@ -180,10 +187,13 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
     seen: dict[int, tuple[Setting, list[Candidate]]] = {}
     best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0, unimodal=large, compress=allowed,
                    fraction=frac, hierarchical=hierarchical, proxy=large and name in (SolverName.ILP, SolverName.DP),
-                   compute_bytes=compute_bytes, seen=seen)
+                   compute_bytes=compute_bytes, seen=seen,
+                   until=t0 + SEARCH_SHARE * time_limit_s if large and name is SolverName.ILP else math.inf)
     if best is None:
         raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype, allowed,
                                                                frac, compute_bytes=compute_bytes)))
+    if large and name in (SolverName.ILP, SolverName.DP):
+        best = _sweep_first(chain, cluster, seen, name.value, say) or best
     step, plan, setting, picked = best
     sims: dict[tuple[int, tuple[Candidate, ...]], tuple[float, Plan]] = {}
     if plan is not None:
@@ -279,7 +289,7 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
             pick: Callable[[Setting], list[Candidate] | None], name: str, say: Callable[[str], None],
             t0: float | None = None, unimodal: bool = False, compress: Compression | None = None,
             fraction: float | None = None, hierarchical: bool = True, proxy: bool = False, compute_bytes: int = 0,
-            seen: dict[int, tuple[Setting, list[Candidate]]] | None = None
+            seen: dict[int, tuple[Setting, list[Candidate]]] | None = None, until: float = math.inf
             ) -> tuple[float, Plan | None, Setting, list[Candidate]] | None:
     """The microbatch count whose stages (from ``pick``) simulate fastest: ``(step, plan, setting, stages)``.
 
@@ -291,7 +301,9 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
     certificate (the ``dp`` solver's gap is at its chosen count only). ``proxy`` (the many-kind path's ILP and DP): the counts are ranked
     by the ILP's proxy objective (what the gap certifies) and only the chosen plan is simulated
     (simulating every count cost ~0.4 s each on 3 x 256 devices, more than finding the plans); the plan
-    is then None (the caller simulates it). ``seen`` collects every count's plan.
+    is then None (the caller simulates it). ``seen`` collects every count's plan. ``until``: a
+    ``time.perf_counter()`` value after which no further count is tried once there is a plan (the many-kind
+    path's ``ilp``, whose bounds cover the counts left without a first plan).
     """
     graph = chain.graph
     best: tuple[float, Plan | None, Setting, list[Candidate]] | None = None
@@ -300,6 +312,9 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
         if unimodal and worse >= 2 and best is not None:
             say(f"{name}: M={m} and fewer: no first plan tried (two counts in a row were slower than "
                 f"M={best[2].microbatches} or had none)")
+            break
+        if best is not None and time.perf_counter() > until:
+            say(f"{name}: M={m} and fewer: no first plan tried (the search's share of the time limit is spent)")
             break
         try:
             setting = Setting(m, sched, graph.batch_size, dtype, compress, fraction, hierarchical, compute_bytes)
@@ -333,16 +348,41 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
     return best
 
 
-def _first_plan(chain: Chain, cluster: Cluster, setting: Setting) -> list[Candidate] | None:
-    """The better of the two restrictions' plans (None if neither fits): the coarse DP over device units of
-    every kind at once, and the DP with the kinds in blocks (fastest first), whose state is one kind's
-    devices, so its units stay small and it finds a plan where the coarse units leave too few devices."""
+def _sweep_first(chain: Chain, cluster: Cluster, seen: dict[int, tuple[Setting, list[Candidate]]], name: str,
+                 say: Callable[[str], None]) -> tuple[float, Plan | None, Setting, list[Candidate]] | None:
+    """The first count with a plan took its min-bottleneck tilings alone (a first plan early); sweep it now
+    (:func:`_first_plan`), and the best count again by the proxy objective (None: nothing changed)."""
+    if not seen:
+        return None
+    m = next(iter(seen))
+    setting, picked = seen[m]
+    swept = _first_plan(chain, cluster, setting)
+    if not swept or objective(swept, m) >= objective(picked, m):
+        return None
+    seen[m] = (setting, swept)
+    say(f"{name}: M={m}: {len(swept)} stages, proxy objective {objective(swept, m):.4g} ms (its first plan swept "
+        "over bottlenecks)")
+    top = min(seen.values(), key=lambda x: (objective(x[1], x[0].microbatches), x[0].microbatches))
+    return objective(top[1], top[0].microbatches), None, top[0], top[1]
+
+
+def _first_plan(chain: Chain, cluster: Cluster, setting: Setting, sweep: bool = True) -> list[Candidate] | None:
+    """The best, on the ILP's proxy objective, of the two restrictions' plans (None if neither fits): the coarse
+    DP over device units of every kind at once, and the DP with the kinds in blocks (fastest first), whose state
+    is one kind's devices, so its units stay small and it finds a plan where the coarse units leave too few
+    devices. Each is taken at several bottlenecks (:func:`~.restricted.proxy_sweep`: its min-bottleneck tiling,
+    its least-sum tiling and the least-sum tilings under thresholds between), since the min-bottleneck tiling
+    alone ranked counts by plans up to 25% over the restriction's best (llama-70b on 3 x 256 at M=32: 94,568 ms
+    against 75,565) and gpt2-xl on 3 x 32 at M=1 by a pipeline 2.2 times slower than one stage of all devices.
+    ``sweep`` False: the min-bottleneck tilings alone (half the time or less: the first count's first plan)."""
     groups = sorted(set(coarse_groups(cluster, setting)) | set(ordered_groups(cluster, setting)))
     tab = build_table(chain, cluster, setting, groups=groups)
-    plans = [coarse_chain(chain, cluster, setting, tab),
-             ordered_chain(chain, cluster, setting, tab, speed_order(chain, tab.kinds),
-                           unit=ordered_units(cluster, setting))]
-    return min((p for p in plans if p), key=lambda p: objective(p, setting.microbatches), default=None)
+    m, order, unit = setting.microbatches, speed_order(chain, tab.kinds), ordered_units(cluster, setting)
+    levels = SWEEP if sweep else None
+    plans = [proxy_sweep(lambda t, b: coarse_chain(chain, cluster, setting, t, bottleneck=b), tab, m, levels),
+             proxy_sweep(lambda t, b: ordered_chain(chain, cluster, setting, t, order, unit=unit, bottleneck=b),
+                         tab, m, levels)]
+    return min((p for p in plans if p), key=lambda p: objective(p, m), default=None)
 
 
 def plan_from_cuts(costgraph: CostGraph, cluster: Cluster, cuts: Sequence[int], *, name: str = "manual",
