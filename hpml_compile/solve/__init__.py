@@ -178,8 +178,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
 
     def pick(setting: Setting) -> list[Candidate] | None:
         if name in (SolverName.ILP, SolverName.DP):
-            if large:  # only the degrees the two restricted DPs use: a small table, a first plan early (the
-                return _first_plan(chain, cluster, setting, sweep=bool(seen))  # first count's is swept after)
+            if large:  # only the degrees the two restricted DPs use: a small table, a first plan early
+                return _first_plan(chain, cluster, setting)
             # ilp: each count ranked by a plan chosen on the ILP's own objective (the min-bottleneck tiling
             # alone ranked M = 1 by a pipeline where one stage of every device was fastest); dp: min-bottleneck
             exact = proxy_chain if name is SolverName.ILP else solve_chain
@@ -189,7 +189,15 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
 
     ms = ms[::-1]  # the most microbatches first: least memory, so the likeliest to fit, for a first plan early
     seen: dict[int, tuple[Setting, list[Candidate]]] = {}
-    best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0, unimodal=large, compress=allowed,
+
+    def search(setting: Setting) -> list[Candidate] | None:
+        """``pick``; on the many-kind path the first count with a plan from the min-bottleneck tilings alone (a
+        first plan early; swept after the search, :func:`_sweep_first`), the others swept over bottlenecks."""
+        if large and name in (SolverName.ILP, SolverName.DP):
+            return _first_plan(chain, cluster, setting, sweep=bool(seen))
+        return pick(setting)
+
+    best = _search(chain, cluster, ms, sched, dtype, search, name.value, say, t0, unimodal=large, compress=allowed,
                    fraction=frac, hierarchical=hierarchical, proxy=large and name in (SolverName.ILP, SolverName.DP),
                    compute_bytes=compute_bytes, seen=seen,
                    until=t0 + SEARCH_SHARE * time_limit_s if large and name is SolverName.ILP else math.inf)
