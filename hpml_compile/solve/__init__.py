@@ -23,9 +23,13 @@ Clusters whose device-count vectors (``prod_k (count_k + 1)``) exceed
 devices) take the many-kind path of :mod:`.lagrange` instead of the exact DP
 over count vectors, whose state grew to 17 million vectors for 3 kinds x 256:
 the microbatch search runs two restricted exact DPs (device units; kinds in
-blocks along the pipeline) per count, ranks the counts by the ILP's proxy
-objective, the one the gap certifies (its first plan is logged with the time
-it took), then :func:`.msearch.anytime` bounds *every* count with a resumable
+blocks along the pipeline) per count, each at several bottlenecks (its
+min-bottleneck tiling, its least-sum tiling and least-sum tilings under
+thresholds between: :func:`.restricted.proxy_sweep`; the first count's at its
+min-bottleneck alone, for a first plan early, swept right after), ranks the
+counts by the ILP's proxy objective, the one the gap certifies (its first plan
+is logged with the time it took; the search stops trying counts after
+:data:`SEARCH_SHARE` of the time limit), then :func:`.msearch.anytime` bounds *every* count with a resumable
 Lagrangian shortest path, best first, against one incumbent over all counts
 (so the certified gap covers the microbatch count too), streams every
 improvement as ``anytime: <s> s: incumbent <u> ms, bound <l> ms, gap <g>%
@@ -88,11 +92,18 @@ from .dp import objective, solve_chain, tilings
 from .ilp import solve_ilp
 from .lagrange import (EXACT_VECTORS, coarse_chain, coarse_groups, lagrangian_bounds, ordered_chain, ordered_groups,
                        ordered_units, speed_order, vectors)
+from .restricted import SWEEP, proxy_sweep
 from .msearch import MILP_CANDIDATES, anytime, relative_gap
 from .table import build_table
 
 
 __all__ = ["SolverName", "solve", "microbatch_choices", "plan_from_cuts", "choose_compression"]
+
+
+#: Share of the time limit after which the many-kind ``ilp`` solve's microbatch search tries no further count (its
+#: bounds cover every count, first plan or not): with the first plans swept over bottlenecks a count costs 0.4-0.9
+#: CPU s, and gpt2-xl on 3 x 32 spent all of a 10 s limit (on a loaded machine) in the search, leaving counts unbounded.
+SEARCH_SHARE = 0.3
 
 
 class SolverName(str, enum.Enum):
@@ -182,12 +193,23 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
 
     ms = ms[::-1]  # the most microbatches first: least memory, so the likeliest to fit, for a first plan early
     seen: dict[int, tuple[Setting, list[Candidate]]] = {}
-    best = _search(chain, cluster, ms, sched, dtype, pick, name.value, say, t0, unimodal=large, compress=allowed,
+
+    def search(setting: Setting) -> list[Candidate] | None:
+        """``pick``; on the many-kind path the first count with a plan from the min-bottleneck tilings alone (a
+        first plan early; swept after the search, :func:`_sweep_first`), the others swept over bottlenecks."""
+        if large and name in (SolverName.ILP, SolverName.DP):
+            return _first_plan(chain, cluster, setting, sweep=bool(seen))
+        return pick(setting)
+
+    best = _search(chain, cluster, ms, sched, dtype, search, name.value, say, t0, unimodal=large, compress=allowed,
                    fraction=frac, hierarchical=hierarchical, proxy=large and name in (SolverName.ILP, SolverName.DP),
-                   compute_bytes=compute_bytes, seen=seen)
+                   compute_bytes=compute_bytes, seen=seen,
+                   until=t0 + SEARCH_SHARE * time_limit_s if large and name is SolverName.ILP else math.inf)
     if best is None:
         raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype, allowed,
                                                                frac, compute_bytes=compute_bytes)))
+    if large and name in (SolverName.ILP, SolverName.DP):
+        best = _sweep_first(chain, cluster, seen, name.value, say) or best
     step, plan, setting, picked = best
     sims: dict[tuple[int, tuple[Candidate, ...]], tuple[float, Plan]] = {}
     if plan is not None:
@@ -216,8 +238,14 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
                      for m in ms]
             out = anytime(chain, cluster, every, {m: p for m, (_, p) in seen.items()}, time_limit_s, say, t0)
             lower, proven = out.lower, out.status is SolverStatus.OPTIMAL
-            options = [(out.setting, out.picked)] + [seen[m] for m in (out.setting.microbatches,
-                                                                        setting.microbatches) if m in seen]
+            # with the first plan at the incumbent's count, the best first plan at another count (by the proxy;
+            # the search's best count is one of the two): the swept first plans rank the counts as the bounds do,
+            # so the search's best is mostly the incumbent's count, and the other count's plan is the likeliest
+            # to simulate faster (the proxy and the simulator disagree by 1-40%: test_lagrange_msearch's 8-block
+            # instance, where M=64's plan simulates 28% faster than M=32's proxy-optimal one). At most 3 plans.
+            here = out.setting.microbatches
+            other = min((k for k in seen if k != here), key=lambda k: (objective(seen[k][1], k), k), default=None)
+            options = [(out.setting, out.picked)] + [seen[m] for m in (here, other) if m in seen]
         else:
             res = solve_ilp(chain, cluster, setting, time_limit_s=time_limit_s, warm=picked, progress=say)
             top = objective(res.picked, setting.microbatches) if res.picked else math.inf
@@ -292,7 +320,7 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
             pick: Callable[[Setting], list[Candidate] | None], name: str, say: Callable[[str], None],
             t0: float | None = None, unimodal: bool = False, compress: Compression | None = None,
             fraction: float | None = None, hierarchical: bool = True, proxy: bool = False, compute_bytes: int = 0,
-            seen: dict[int, tuple[Setting, list[Candidate]]] | None = None
+            seen: dict[int, tuple[Setting, list[Candidate]]] | None = None, until: float = math.inf
             ) -> tuple[float, Plan | None, Setting, list[Candidate]] | None:
     """The microbatch count whose stages (from ``pick``) simulate fastest: ``(step, plan, setting, stages)``.
 
@@ -304,7 +332,9 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
     certificate (the ``dp`` solver's gap is at its chosen count only). ``proxy`` (the many-kind path's ILP and DP): the counts are ranked
     by the ILP's proxy objective (what the gap certifies) and only the chosen plan is simulated
     (simulating every count cost ~0.4 s each on 3 x 256 devices, more than finding the plans); the plan
-    is then None (the caller simulates it). ``seen`` collects every count's plan.
+    is then None (the caller simulates it). ``seen`` collects every count's plan. ``until``: a
+    ``time.perf_counter()`` value after which no further count is tried once there is a plan (the many-kind
+    path's ``ilp``, whose bounds cover the counts left without a first plan).
     """
     graph = chain.graph
     best: tuple[float, Plan | None, Setting, list[Candidate]] | None = None
@@ -313,6 +343,9 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
         if unimodal and worse >= 2 and best is not None:
             say(f"{name}: M={m} and fewer: no first plan tried (two counts in a row were slower than "
                 f"M={best[2].microbatches} or had none)")
+            break
+        if best is not None and time.perf_counter() > until:
+            say(f"{name}: M={m} and fewer: no first plan tried (the search's share of the time limit is spent)")
             break
         try:
             setting = Setting(m, sched, graph.batch_size, dtype, compress, fraction, hierarchical, compute_bytes)
@@ -346,16 +379,41 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
     return best
 
 
-def _first_plan(chain: Chain, cluster: Cluster, setting: Setting) -> list[Candidate] | None:
-    """The better of the two restrictions' plans (None if neither fits): the coarse DP over device units of
-    every kind at once, and the DP with the kinds in blocks (fastest first), whose state is one kind's
-    devices, so its units stay small and it finds a plan where the coarse units leave too few devices."""
+def _sweep_first(chain: Chain, cluster: Cluster, seen: dict[int, tuple[Setting, list[Candidate]]], name: str,
+                 say: Callable[[str], None]) -> tuple[float, Plan | None, Setting, list[Candidate]] | None:
+    """The first count with a plan took its min-bottleneck tilings alone (a first plan early); sweep it now
+    (:func:`_first_plan`), and the best count again by the proxy objective (None: nothing changed)."""
+    if not seen:
+        return None
+    m = next(iter(seen))
+    setting, picked = seen[m]
+    swept = _first_plan(chain, cluster, setting)
+    if not swept or objective(swept, m) >= objective(picked, m):
+        return None
+    seen[m] = (setting, swept)
+    say(f"{name}: M={m}: {len(swept)} stages, proxy objective {objective(swept, m):.4g} ms (its first plan swept "
+        "over bottlenecks)")
+    top = min(seen.values(), key=lambda x: (objective(x[1], x[0].microbatches), x[0].microbatches))
+    return objective(top[1], top[0].microbatches), None, top[0], top[1]
+
+
+def _first_plan(chain: Chain, cluster: Cluster, setting: Setting, sweep: bool = True) -> list[Candidate] | None:
+    """The best, on the ILP's proxy objective, of the two restrictions' plans (None if neither fits): the coarse
+    DP over device units of every kind at once, and the DP with the kinds in blocks (fastest first), whose state
+    is one kind's devices, so its units stay small and it finds a plan where the coarse units leave too few
+    devices. Each is taken at several bottlenecks (:func:`~.restricted.proxy_sweep`: its min-bottleneck tiling,
+    its least-sum tiling and the least-sum tilings under thresholds between), since the min-bottleneck tiling
+    alone ranked counts by plans up to 25% over the restriction's best (llama-70b on 3 x 256 at M=32: 94,568 ms
+    against 75,565) and gpt2-xl on 3 x 32 at M=1 by a pipeline 2.2 times slower than one stage of all devices.
+    ``sweep`` False: the min-bottleneck tilings alone (half the time or less: the first count's first plan)."""
     groups = sorted(set(coarse_groups(cluster, setting)) | set(ordered_groups(cluster, setting)))
     tab = build_table(chain, cluster, setting, groups=groups)
-    plans = [coarse_chain(chain, cluster, setting, tab),
-             ordered_chain(chain, cluster, setting, tab, speed_order(chain, tab.kinds),
-                           unit=ordered_units(cluster, setting))]
-    return min((p for p in plans if p), key=lambda p: objective(p, setting.microbatches), default=None)
+    m, order, unit = setting.microbatches, speed_order(chain, tab.kinds), ordered_units(cluster, setting)
+    levels = SWEEP if sweep else None
+    plans = [proxy_sweep(lambda t, b: coarse_chain(chain, cluster, setting, t, bottleneck=b), tab, m, levels),
+             proxy_sweep(lambda t, b: ordered_chain(chain, cluster, setting, t, order, unit=unit, bottleneck=b),
+                         tab, m, levels)]
+    return min((p for p in plans if p), key=lambda p: objective(p, m), default=None)
 
 
 def plan_from_cuts(costgraph: CostGraph, cluster: Cluster, cuts: Sequence[int], *, name: str = "manual",

@@ -36,13 +36,16 @@ import math
 
 import numpy as np
 
+from typing import Callable
+
 from ..ir import Cluster
 from .candidates import Candidate, Chain, Setting, classes, degrees, kind_counts
-from .dp import tile
+from .dp import objective, tile
 from .table import CandidateTable
 
-__all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "ORDERED_STATES", "vectors", "units", "feasible", "coarse_groups",
-           "coarse_chain", "ordered_units", "ordered_groups", "speed_order", "ordered_chain"]
+__all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "ORDERED_STATES", "SWEEP", "vectors", "units", "feasible",
+           "coarse_groups", "coarse_chain", "ordered_units", "ordered_groups", "speed_order", "ordered_chain",
+           "least_sum", "proxy_sweep"]
 
 #: Device-count vectors up to which the exact DP (and its bounds) are used as before.
 EXACT_VECTORS = 130
@@ -50,6 +53,9 @@ EXACT_VECTORS = 130
 COARSE_VECTORS = 100
 #: Device-count states per kind of the first plan's :func:`ordered_chain` (devices counted in units beyond).
 ORDERED_STATES = 32
+#: Where between the min-bottleneck tiling's bottleneck ``T0`` and the least-sum tiling's ``T1`` (on a log scale:
+#: ``T0 (T1 / T0) ** q``) :func:`proxy_sweep` also takes the least-sum tiling of the stages at most that slow.
+SWEEP = (0.35, 0.7)
 
 
 def vectors(counts: dict[str, int]) -> int:
@@ -109,7 +115,8 @@ def coarse_groups(cluster: Cluster, setting: Setting, budget: int = COARSE_VECTO
 
 
 def coarse_chain(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, *,
-                 budget: int = COARSE_VECTORS, max_classes: int = 4) -> list[Candidate] | None:
+                 budget: int = COARSE_VECTORS, max_classes: int = 4, bottleneck: bool = True
+                 ) -> list[Candidate] | None:
     """A plan from the exact DP over devices counted in units (see the module docstring); None if none.
 
     Args:
@@ -119,6 +126,8 @@ def coarse_chain(chain: Chain, cluster: Cluster, setting: Setting, tab: Candidat
         tab: the candidate stages.
         budget: most device-count vectors of the DP.
         max_classes: memory classes kept exactly (the rest as the worst case: never over memory).
+        bottleneck: the min-bottleneck tiling (then least sum); False: the least-sum tiling, the bottleneck
+            ignored (:func:`~.dp.proxy_chain`'s other extreme).
 
     Returns:
         The candidates in pipeline order.
@@ -132,7 +141,8 @@ def coarse_chain(chain: Chain, cluster: Cluster, setting: Setting, tab: Candidat
     sub = tab.select(keep)
     sub = dataclasses.replace(sub, d=sub.d // gk[sub.kind])
     big_j = classes(setting, len(cluster.devices))
-    got = tile(chain.n, ucounts, sub, sub.t, sub.t + sub.comm + sub.tail, sub.jmax, big_j, min(big_j, max_classes))
+    key = sub.t if bottleneck else np.zeros(len(sub))
+    got = tile(chain.n, ucounts, sub, key, sub.t + sub.comm + sub.tail, sub.jmax, big_j, min(big_j, max_classes))
     return None if got is None else [tab.candidate(int(keep[i])) for i in got[2]]
 
 
@@ -170,7 +180,7 @@ def speed_order(chain: Chain, kinds: tuple[str, ...]) -> tuple[str, ...]:
 
 def ordered_chain(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable,
                   order: tuple[str, ...] | None = None, *, max_classes: int = 4,
-                  unit: dict[str, int] | None = None) -> list[Candidate] | None:
+                  unit: dict[str, int] | None = None, bottleneck: bool = True) -> list[Candidate] | None:
     """The min-bottleneck tiling (then least sum) whose kinds come in blocks, in ``order``, along the pipeline.
 
     A restriction of the problem (each kind's stages are contiguous, kinds in the given order; a kind may be
@@ -188,6 +198,8 @@ def ordered_chain(chain: Chain, cluster: Cluster, setting: Setting, tab: Candida
         max_classes: memory classes kept exactly (the rest as the worst case: never over memory).
         unit: per kind, count devices in units of this many (only degrees that are multiples of it are used;
             default 1: every degree, exact within the order).
+        bottleneck: the min-bottleneck tiling (then least sum); False: the least-sum tiling within the order,
+            the bottleneck ignored.
 
     Returns:
         The candidates in pipeline order, or None if no such tiling fits.
@@ -210,6 +222,7 @@ def ordered_chain(chain: Chain, cluster: Cluster, setting: Setting, tab: Candida
     pk = [np.full((n + 1, jc + 1, c + 1), -1, dtype=np.int64) for c in caps]  # candidate, -2: next kind
     pj = [np.full((n + 1, jc + 1, c + 1), -1, dtype=np.int64) for c in caps]
     own = tab.t + tab.comm + tab.tail
+    key = tab.t if bottleneck else np.zeros(len(tab))  # what is minimised first (then the sum of ``own``)
     groups = []
     for ki in kinds:
         idx = np.flatnonzero(tab.kind == ki)
@@ -228,12 +241,12 @@ def ordered_chain(chain: Chain, cluster: Cluster, setting: Setting, tab: Candida
                 ok = cols[None, :] >= tab.d[here][:, None]
                 rem = np.where(ok, cols[None, :] - tab.d[here][:, None], cap + 1)
                 adm = tab.jmax[here][:, None] >= need[None, :]
-                t_h, own_h = tab.t[here][:, None, None], own[here][:, None, None]
+                t_h, own_h = key[here][:, None, None], own[here][:, None, None]
                 last = tab.b[here] == n
                 if last.any():  # the last stage: class 0 only
                     x = int(last.sum())
                     v = np.full((x, j1, cap + 1), inf)
-                    v[:, 0] = np.where(ok[last] & adm[last, :1], tab.t[here[last]][:, None], inf)
+                    v[:, 0] = np.where(ok[last] & adm[last, :1], key[here[last]][:, None], inf)
                     ot.append(v)
                     os_.append(np.broadcast_to(own_h[last], v.shape))
                     oc.append(np.broadcast_to(here[last][:, None], (x, j1)))
@@ -292,3 +305,88 @@ def ordered_chain(chain: Chain, cluster: Cluster, setting: Setting, tab: Candida
         if nj < 0:
             return out
         k, c, j = int(tab.b[p]), c - int(tab.d[p]), nj
+
+
+def least_sum(tab: CandidateTable, weight: np.ndarray) -> float:
+    """Least ``sum weight`` over tilings of ``[0, n)`` by ``tab``'s candidates (``n``: where the last ends), device
+    counts and memory classes ignored: a lower bound for every plan's (``inf`` if nothing tiles).
+
+    >>> from hpml_compile.solve.table import build_table
+    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.plan import Schedule
+    >>> tab = build_table(Chain.of(chain_graph([(1.0, 2.0)] * 2)), uniform_cluster(1), Setting(1, Schedule.GPIPE, 8))
+    >>> least_sum(tab, tab.t)  # one stage of both blocks: forward and backward, 3 ms each
+    6.0
+    """
+    if len(tab) == 0:
+        return math.inf
+    n = int(tab.b.max())
+    suf = np.full(n + 1, np.inf)
+    suf[n] = 0.0
+    by_a = np.argsort(tab.a, kind="stable")
+    cut = np.searchsorted(tab.a[by_a], np.arange(n + 2))
+    for k in range(n - 1, -1, -1):
+        h = by_a[cut[k]:cut[k + 1]]
+        if h.size:
+            suf[k] = float(np.min(weight[h] + suf[tab.b[h]]))
+    return float(suf[0])
+
+
+def proxy_sweep(dp: Callable[[CandidateTable, bool], list[Candidate] | None], tab: CandidateTable, microbatches: int,
+                levels: tuple[float, ...] | None = SWEEP) -> list[Candidate] | None:
+    """The best, on the ILP's proxy objective ``(M - 1) T + S + R``, of a restricted DP's tilings at several
+    bottlenecks: the min-bottleneck one (``dp(tab, True)``), the least-sum one (``dp(tab, False)``), and the
+    least-sum tilings of the stages no slower than thresholds between the two's bottlenecks (``levels``;
+    None: the min-bottleneck tiling alone, as before the sweep).
+
+    The restricted DPs minimise the bottleneck ``T`` first, which is the proxy's choice only when ``(M - 1) T``
+    dominates; with a GPU's fixed per-op costs, at few microbatches (or where a wide stage is cheap) a plan
+    with a larger bottleneck and a much smaller sum is better (:func:`~.dp.proxy_chain` makes the same choice on
+    the exact path). The proxy's optimum within the restriction is ``min over T of (M - 1) T + S(T)`` (``S(T)``:
+    the least sum with every stage at most ``T``), so each threshold is one point of that curve, and the two
+    ends are the DP's own extremes. Every tiling returned fits (the thresholds only remove candidates, and the
+    min-bottleneck plan is in each restricted set), so it is a plan, an upper bound; None when nothing fits.
+
+    Only stages faster than ``T_max = (u - s) / (M - 1)`` are offered to the least-sum runs, ``u`` the
+    min-bottleneck plan's objective and ``s`` the least ``sum(t + comm) + min tail`` of any tiling with devices
+    and memory ignored (:func:`least_sum`): a plan holding a slower stage has an objective of at least
+    ``(M - 1) T_max + s = u``. At many microbatches that leaves few candidates, so the sweep costs little
+    there (the unrestricted least-sum run costs as much as the min-bottleneck one).
+
+    >>> from hpml_compile.solve.table import build_table
+    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.plan import Schedule
+    >>> ch, c, st = Chain.of(chain_graph([(1.0, 2.0)] * 6)), uniform_cluster(3), Setting(1, Schedule.ONE_F_ONE_B, 64)
+    >>> tab = build_table(ch, c, st)
+    >>> run = lambda t, b: ordered_chain(ch, c, st, t, bottleneck=b)
+    >>> [(x.b - x.a, x.d) for x in run(tab, True)], objective(run(tab, True), 1)  # two stages, one after the other
+    ([(2, 1), (4, 2)], 12.0)
+    >>> [(x.b - x.a, x.d) for x in proxy_sweep(run, tab, 1)], objective(proxy_sweep(run, tab, 1), 1)
+    ([(6, 2)], 9.0)
+    """
+    best = dp(tab, True)
+    if best is None or levels is None:  # the least-sum tilings have the same stages to choose from
+        return best
+    m, upper = microbatches, objective(best, microbatches)
+    lo = max(c.t for c in best)
+    if m > 1:
+        top = (upper - least_sum(tab, tab.t + tab.comm) - float(tab.tail.min())) / (m - 1)
+        if top <= lo:  # no plan with a larger bottleneck can beat it
+            return best
+        if top < float(tab.t.max()):
+            tab = tab.select(np.flatnonzero(tab.t < top))
+    plans = [best]
+    least = dp(tab, False)
+    if least is not None:
+        plans.append(least)
+        hi = max(c.t for c in least)
+        seen = len(tab)
+        for q in levels if 0 < lo < hi else ():
+            keep = np.flatnonzero(tab.t <= lo * (hi / lo) ** q * (1 + 1e-12))
+            if keep.size == seen:  # the same stages as the last threshold: the same tiling
+                continue
+            seen = keep.size
+            got = dp(tab.select(keep), False)
+            if got is not None:
+                plans.append(got)
+    return min(plans, key=lambda p: objective(p, m))
