@@ -79,7 +79,7 @@ from .bounds import Bounds, exact_classes
 from .candidates import Candidate, Chain, Setting, classes, kind_counts
 from .dp import objective, tile
 from .restricted import (COARSE_VECTORS, EXACT_VECTORS, ORDERED_STATES, coarse_chain, coarse_groups, feasible,
-                         ordered_chain, ordered_groups, ordered_units, speed_order, units, vectors)
+                         ordered_chain, ordered_groups, ordered_units, speed_order, suffix_sums, units, vectors)
 from .table import CandidateTable
 
 # the restricted DPs moved to .restricted; their names stay importable from here
@@ -514,14 +514,7 @@ def through(n: int, tab: CandidateTable, w: np.ndarray) -> np.ndarray:
     """Per candidate, the least ``sum w`` of a tiling of ``[0, n)`` that holds it (``inf`` where none does):
     ``pre(a) + w + suf(b)``, with ``pre`` and ``suf`` the least ``sum w`` of tilings of ``[0, a)`` and ``[b, n)``
     (memory classes and device counts relaxed)."""
-    suf = np.full(n + 1, np.inf)
-    suf[n] = 0.0
-    by_a = np.argsort(tab.a, kind="stable")
-    cut_a = np.searchsorted(tab.a[by_a], np.arange(n + 2))
-    for k in range(n - 1, -1, -1):
-        h = by_a[cut_a[k]:cut_a[k + 1]]
-        if h.size:
-            suf[k] = float(np.min(w[h] + suf[tab.b[h]]))
+    suf = suffix_sums(n, tab, w)
     pre = np.full(n + 1, np.inf)
     pre[0] = 0.0
     by_b = np.argsort(tab.b, kind="stable")

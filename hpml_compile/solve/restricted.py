@@ -45,7 +45,7 @@ from .table import CandidateTable
 
 __all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "ORDERED_STATES", "SWEEP", "vectors", "units", "feasible",
            "coarse_groups", "coarse_chain", "ordered_units", "ordered_groups", "speed_order", "ordered_chain",
-           "least_sum", "proxy_sweep"]
+           "least_sum", "suffix_sums", "proxy_sweep"]
 
 #: Device-count vectors up to which the exact DP (and its bounds) are used as before.
 EXACT_VECTORS = 130
@@ -320,7 +320,12 @@ def least_sum(tab: CandidateTable, weight: np.ndarray) -> float:
     """
     if len(tab) == 0:
         return math.inf
-    n = int(tab.b.max())
+    return float(suffix_sums(int(tab.b.max()), tab, weight)[0])
+
+
+def suffix_sums(n: int, tab: CandidateTable, w: np.ndarray) -> np.ndarray:
+    """Per block ``k`` (``0..n``), the least ``sum w`` of a tiling of ``[k, n)`` by ``tab``'s candidates (``inf``
+    where none tiles; ``0`` at ``n``), device counts and memory classes ignored."""
     suf = np.full(n + 1, np.inf)
     suf[n] = 0.0
     by_a = np.argsort(tab.a, kind="stable")
@@ -328,8 +333,8 @@ def least_sum(tab: CandidateTable, weight: np.ndarray) -> float:
     for k in range(n - 1, -1, -1):
         h = by_a[cut[k]:cut[k + 1]]
         if h.size:
-            suf[k] = float(np.min(weight[h] + suf[tab.b[h]]))
-    return float(suf[0])
+            suf[k] = float(np.min(w[h] + suf[tab.b[h]]))
+    return suf
 
 
 def proxy_sweep(dp: Callable[[CandidateTable, bool], list[Candidate] | None], tab: CandidateTable, microbatches: int,
