@@ -175,13 +175,7 @@ def adapt_main(a: argparse.Namespace, work: Path) -> int:
                 row.update(chosen=moved["chosen"], step=moved["step"], choose_s=moved["solve_s"], codegen_s=0.0,
                            resume_s=None, switch_s=moved["switch_s"], apply_s=moved["apply_s"],
                            first_after_ms=steps[moved["step"]] if len(steps) > moved["step"] else None,
-                           stages=[list(st.devices) for st in new_plan.stages],
-                           rows=[list(st.rows) for st in new_plan.stages],
-                           predicted_after_ms=new_plan.predicted.step_ms,
-                           predicted_old_on_measured_ms=moved["old_step_ms"],
-                           measured_before_ms=statistics.median(before) if before else None,
-                           measured_after_ms=statistics.median(after) if after else None, steps_after=len(after),
-                           candidates=moved["candidates"])
+                           **_outcome(new_plan, moved, before, after))
             elif switch:
                 d = switch["decision"]
                 t = next(x for x in timings(run) if x["kind"].startswith("switch"))
@@ -191,13 +185,7 @@ def adapt_main(a: argparse.Namespace, work: Path) -> int:
                 before = _segment_steps(run / "seg0", 0)[-3:]
                 row.update(chosen=d["chosen"], step=d["step"], choose_s=d["solve_s"], codegen_s=d["codegen_s"],
                            resume_s=t["resume_s"], switch_s=d["solve_s"] + d["codegen_s"] + (t["resume_s"] or 0),
-                           stages=[list(st.devices) for st in new_plan.stages],
-                           rows=[list(st.rows) for st in new_plan.stages],
-                           predicted_after_ms=new_plan.predicted.step_ms,
-                           predicted_old_on_measured_ms=d["old_step_ms"],
-                           measured_before_ms=statistics.median(before) if before else None,
-                           measured_after_ms=statistics.median(after) if after else None, steps_after=len(after),
-                           candidates=d["candidates"])
+                           **_outcome(new_plan, d, before, after))
             results.setdefault(cand, []).append(row)
     print(f"\n{a.model}, batch {a.batch_size} in {m} microbatches, one stage on 2 gloo ranks, rank {SLOW_RANK} "
           f"slowed {FACTOR:g}x from step {a.slow_from}; {a.steps} steps; restart priced at {a.switch_cost:g} s")
@@ -363,6 +351,14 @@ def splits_main(a: argparse.Namespace, work: Path) -> int:
     print(f"wrote {out}")
     return 0
 
+
+def _outcome(new_plan: Any, decision: dict[str, Any], before: list[float], after: list[float]) -> dict[str, Any]:
+    """What a row move and a restart both report: the plan switched to, its prediction, the steps around it."""
+    return {"stages": [list(st.devices) for st in new_plan.stages], "rows": [list(st.rows) for st in new_plan.stages],
+            "predicted_after_ms": new_plan.predicted.step_ms, "predicted_old_on_measured_ms": decision["old_step_ms"],
+            "measured_before_ms": statistics.median(before) if before else None,
+            "measured_after_ms": statistics.median(after) if after else None, "steps_after": len(after),
+            "candidates": decision["candidates"]}
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
