@@ -113,7 +113,7 @@ def device_names(names: Sequence[str]) -> str:
     return ", ".join(names) if len(names) <= 3 else f"{names[0]} .. {names[-1]} ({len(names)})"
 
 
-def chart_rows(plan: Plan, per_device: bool | None = None) -> list[tuple[str, str | None, int | None]]:
+def chart_rows(plan: Plan, per_device: bool | None = None) -> list[tuple[str, str, int | None]]:
     """The rows of the timeline and the panels of the memory chart: ``(label, device drawn, stage)``.
 
     Args:
@@ -123,7 +123,8 @@ def chart_rows(plan: Plan, per_device: bool | None = None) -> list[tuple[str, st
             and one per kind of unused device.
 
     Returns:
-        The rows, in pipeline order; the device is None for a row of unused devices.
+        The rows, in pipeline order. A row of unused devices has stage None and names its first device
+        (which gives the row's kind and capacity).
     """
     c = plan.cluster
     if per_device if per_device is not None else len(c.devices) <= 16:
@@ -131,15 +132,15 @@ def chart_rows(plan: Plan, per_device: bool | None = None) -> list[tuple[str, st
         rows = {d: r for st in plan.stages for d, r in zip(st.devices, st.rows)}
         return [(f"{d} ({c.device(d).kind})\n" + (f"stage {stage_of[d]}" if d in stage_of else "unused")
                  + (f", {rows[d]} rows" if d in rows else ""),
-                 d if d in stage_of else None, stage_of.get(d)) for d in device_order(plan)]
-    rows: list[tuple[str, str | None, int | None]] = [
+                 d, stage_of.get(d)) for d in device_order(plan)]
+    rows: list[tuple[str, str, int | None]] = [
         (f"{device_names(st.devices)}\n{c.device(st.devices[0]).kind}, stage {st.index}"
          + (f", rows {min(st.rows)}-{max(st.rows)}" if st.rows else ""), st.devices[0], st.index)
         for st in plan.stages]
     used = {d for st in plan.stages for d in st.devices}
     for kind in dict.fromkeys(d.kind for d in c.devices if d.name not in used):
         idle = [d.name for d in c.devices if d.name not in used and d.kind == kind]
-        rows.append((f"{device_names(idle)}\n{kind}, unused", None, None))
+        rows.append((f"{device_names(idle)}\n{kind}, unused", idle[0], None))
     return rows
 
 
@@ -286,9 +287,9 @@ def timeline_figure(plan: Plan, result: SimResult) -> Figure:
     ax = fig.add_subplot()
     end = max(result.step_ms, max((b.end_ms for b in result.intervals), default=0.0))
     m = plan.microbatches
-    for row, (_, dev, _) in enumerate(rows):
-        bars = _row_bars(result, dev) if dev else {}
-        gaps = [(s, e - s) for s, e in idle_intervals(result, dev)] if dev else [(0.0, end)]
+    for row, (_, dev, st) in enumerate(rows):
+        bars = _row_bars(result, dev) if st is not None else {}
+        gaps = [(s, e - s) for s, e in idle_intervals(result, dev)] if st is not None else [(0.0, end)]
         ax.broken_barh(gaps, (row - 0.3, 0.6), facecolors=_IDLE, edgecolor="#bbbbbb", hatch="///", linewidth=0)
         for kind in (EventKind.FORWARD, EventKind.RECOMPUTE, EventKind.BACKWARD):
             if kind in bars:
@@ -299,7 +300,7 @@ def timeline_figure(plan: Plan, result: SimResult) -> Figure:
             if kind in bars:
                 ax.broken_barh(bars[kind], (row + y, h), facecolors=_EVENT_COLOURS[kind], alpha=0.85,
                                linewidth=0)
-        if m <= 16 and dev:
+        if m <= 16 and st is not None:
             _label_microbatches(ax, result, dev, row, end)
     ax.set_yticks(range(len(rows)), [label for label, _, _ in rows], fontsize=8)
     ax.set_ylim(len(rows) - 0.5, -0.7)
@@ -348,13 +349,14 @@ def memory_figure(plan: Plan, result: SimResult) -> Figure:
     for i, (label, dev, st) in enumerate(panels):
         ax = axes[i // cols][i % cols]
         first = label.split("\n")[0]
-        if dev is not None and st is not None:
-            d = plan.cluster.device(dev)
+        d = plan.cluster.device(dev)
+        who = first if first.endswith(f"({d.kind})") else f"{first} ({d.kind})"  # per device: the label has it
+        if st is not None:
             cap = min(plan.cluster.device(x).memory_bytes for x in plan.stages[st].devices) / GiB
             peak = result.peak.get(dev, 0) / GiB
             mem = result.stages[st].memory
             each = " each" if len(plan.stages[st].devices) > 1 else ""
-            title = (f"{first} ({d.kind}), stage {st}\n"
+            title = (f"{who}, stage {st}\n"
                      f"peak {peak:.2f} of {cap:.1f} GiB{each}, slack {1 - peak / cap:.0%}\n"
                      f"P {mem.params / GiB:.2f} + G {mem.grads / GiB:.2f} + O {mem.optimizer / GiB:.2f} + "
                      f"A {mem.activations / GiB:.2f} GiB")
@@ -366,10 +368,9 @@ def memory_figure(plan: Plan, result: SimResult) -> Figure:
                 inset.set_title("zoom", fontsize=6, pad=2)
                 inset.tick_params(labelsize=5)
         else:
-            kind = label.split("\n")[1].split(",")[0]
-            cap = max(x.memory_gib for x in plan.cluster.devices if x.kind == kind)
+            cap = max(x.memory_gib for x in plan.cluster.devices if x.kind == d.kind)
             peak = 0.0
-            title = f"{first} ({kind}), unused\n0 of {cap:.1f} GiB\n"
+            title = f"{who}, unused\n0 of {cap:.1f} GiB\n"
         ax.axhline(cap, color="#d62728", linewidth=1.5, linestyle="--")
         ax.text(0.01, cap, f"capacity {cap:.1f} GiB", transform=ax.get_yaxis_transform(), color="#d62728",
                 fontsize=7, va="bottom")

@@ -141,3 +141,18 @@ def test_large_clusters_draw_one_row_per_stage() -> None:
     r = simulate(plan, g)
     assert len(timeline_figure(plan, r).axes[0].get_yticks()) == 3
     assert sum(ax.get_visible() for ax in memory_figure(plan, r).axes if ax.get_title()) == 3
+
+
+def test_a_device_the_plan_leaves_unused_gets_its_own_panel_with_its_capacity() -> None:
+    # CI on another machine: the solver left one of three CPUs unused and `show` failed in the memory chart
+    from hpml_compile.viz import chart_rows, memory_figure, timeline_figure
+
+    prof, plan = _case()
+    small = Plan("toy", plan.cluster, Schedule.ONE_F_ONE_B, 4, (Stage(0, ("gpu0",), ("n0", "n1", "n2")),
+                                                                Stage(1, ("gpu2",), ("n3", "n4", "n5"))))
+    r = simulate(small, plan_costgraph(small, prof))
+    assert [(dev, st) for _, dev, st in chart_rows(small)] == [("gpu0", 0), ("gpu2", 1), ("gpu1", None)]
+    titles = [ax.get_title() for ax in memory_figure(small, r).axes if ax.get_title()]
+    assert any(t.startswith("gpu1 (A100-80GB), unused\n0 of 80.0 GiB") for t in titles), titles
+    assert any(t.startswith("gpu0 (A100-80GB), stage 0\n") for t in titles), titles
+    assert len(timeline_figure(small, r).axes[0].get_yticks()) == 3
