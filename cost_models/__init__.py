@@ -34,6 +34,7 @@ from cost_models.catalog import (
                                    UnknownDeviceKind,
                                    UnknownLink,
                                    BACKWARD_OPS_PER_NODE,
+                                   COLLECTIVE_OPS,
                                    EAGER_GPU_OP_MS,
                                    default_link,
                                    get_device,
@@ -65,7 +66,7 @@ from cost_models.roofline import (
 __all__ = [
     # catalog
     "DTYPES", "DeviceCategory", "DeviceSpec", "LinkSpec", "UnknownDeviceKind", "UnknownLink",
-    "BACKWARD_OPS_PER_NODE", "EAGER_GPU_OP_MS", "default_link", "get_device", "get_link", "host_cpu", "kind_from_cuda_name",
+    "BACKWARD_OPS_PER_NODE", "COLLECTIVE_OPS", "EAGER_GPU_OP_MS", "default_link", "get_device", "get_link", "host_cpu", "kind_from_cuda_name",
     "known_kinds", "known_links",
     # roofline
     "VIEW_OVERHEAD_FRACTION", "Efficiency", "OpKind", "op_time_ms", "peak_rate",

@@ -122,6 +122,11 @@ class LinkSpec:
         shared: True when all ranks on the link draw from one bandwidth pool
             (processes on one host over loopback): a collective then costs its
             total traffic over ``gbps`` rather than one rank's traffic.
+        collectives: ``(op, gbps, latency_us)`` fitted for a collective that the
+            backend runs slower than the ring the model assumes, timed on its own
+            (:data:`COLLECTIVE_OPS`; see :meth:`for_collective`). Measured: gloo's
+            reduce-scatter and all-gather between two CPU processes took 1.2-1.7x and
+            2-3x its all-reduce of the same bytes, where the ring model says half.
     """
 
     name: str
@@ -129,11 +134,33 @@ class LinkSpec:
     latency_us: float
     source: str
     shared: bool = False
+    collectives: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.gbps > 0 or self.latency_us < 0:
             raise ValueError(f"link {self.name}: gbps must be > 0 and latency_us >= 0, "
                              f"got {self.gbps}, {self.latency_us}")
+        for op, gbps, lat in self.collectives:
+            if op not in COLLECTIVE_OPS or not gbps > 0 or lat < 0:
+                raise ValueError(f"link {self.name}: collective fit ({op!r}, {gbps}, {lat}) needs an op in "
+                                 f"{COLLECTIVE_OPS}, gbps > 0 and latency_us >= 0")
+
+    def for_collective(self, op: str) -> "LinkSpec":
+        """The link as collective ``op`` sees it: its own fit where one was measured, else the link itself.
+
+        Example:
+            >>> lo = LinkSpec("lo", 2.0, 50.0, "example", shared=True, collectives=(("all_gather", 0.8, 90.0),))
+            >>> lo.for_collective("all_gather").gbps, lo.for_collective("reduce_scatter").gbps
+            (0.8, 2.0)
+        """
+        for name, gbps, lat in self.collectives:
+            if name == op:
+                return LinkSpec(f"{self.name} ({op})", gbps, lat, self.source, shared=self.shared)
+        return self
+
+
+# The collectives a link may carry a fit of its own for (LinkSpec.collectives): the ZeRO pair.
+COLLECTIVE_OPS = ("reduce_scatter", "all_gather")
 
 
 # What one op of an eager PyTorch program costs on a GPU when its kernel is small: the host's work to issue

@@ -20,7 +20,9 @@ On a ``shared`` link (ranks on one host over loopback, one pool of
 bandwidth) the bandwidth term is instead the traffic of all ranks together,
 ``(n-1) B beta`` per pass (two passes for all-reduce): the ranks' copies run
 on the same cores and memory, so they do not overlap. One rank, or zero
-bytes, costs nothing.
+bytes, costs nothing. A link may carry a measured fit of its own for the
+reduce-scatter and the all-gather (``LinkSpec.collectives``) where the
+backend runs them slower than this ring (gloo does); they then use it.
 
 Example:
     >>> from cost_models.catalog import get_link
@@ -119,6 +121,10 @@ def reduce_scatter_ms(nbytes: float, n: int, link: LinkSpec) -> float:
     Raises:
         ValueError: on negative bytes or ``n < 1``.
     """
+    return _ring_pass(nbytes, n, link.for_collective("reduce_scatter"))
+
+
+def _ring_pass(nbytes: float, n: int, link: LinkSpec) -> float:
     _check(nbytes, n)
     if n == 1 or nbytes == 0:
         return 0.0
@@ -139,8 +145,9 @@ def all_gather_ms(nbytes: float, n: int, link: LinkSpec) -> float:
     Raises:
         ValueError: on negative bytes or ``n < 1``.
     """
-    # The ring all-gather is the reduce-scatter run backwards: same steps, same bytes per step.
-    return reduce_scatter_ms(nbytes, n, link)
+    # The ring all-gather is the reduce-scatter run backwards: same steps, same bytes per step (a link may
+    # carry a measured fit of its own for each: LinkSpec.collectives).
+    return _ring_pass(nbytes, n, link.for_collective("all_gather"))
 
 
 def broadcast_ms(nbytes: float, n: int, link: LinkSpec) -> float:

@@ -222,7 +222,8 @@ def link_spec(cluster: Cluster, a: str, b: str) -> LinkSpec:
         return LinkSpec("local", float("inf"), 0.0, "same device: no transfer")
     for x in cluster.links:
         if {x.a, x.b} == {a, b}:
-            return LinkSpec(f"{a}-{b}", x.gbps, x.latency_us, x.source or "cluster.json", shared=x.shared)
+            return LinkSpec(f"{a}-{b}", x.gbps, x.latency_us, x.source or "cluster.json", shared=x.shared,
+                            collectives=x.collectives)
     same = da.host == db.host
     try:
         return cost_models.default_link(base_kind(da.kind), base_kind(db.kind), same)

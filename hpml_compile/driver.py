@@ -177,8 +177,7 @@ def profile_links(cluster: Cluster, prof: Profile) -> Cluster:
         return cluster
     named = {frozenset((x.a, x.b)) for x in cluster.links}
     cpus = [d for d in cluster.devices if d.is_cpu]
-    extra = tuple(Link(a.name, b.name, float(link["gbps"]), float(link["latency_us"]),
-                       shared=bool(link.get("shared", False)), source=str(link.get("source", "measured by profile")))
+    extra = tuple(Link.from_dict({"a": a.name, "b": b.name, "source": "measured by profile", **link})
                   for i, a in enumerate(cpus) for b in cpus[i + 1:]
                   if a.host == b.host and frozenset((a.name, b.name)) not in named)
     return replace(cluster, links=(*cluster.links, *extra)) if extra else cluster

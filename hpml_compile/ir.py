@@ -477,6 +477,9 @@ class Link:
     ``shared``: the two ends draw on one pool of bandwidth (processes of one host over loopback), so a
     collective costs the traffic of every rank (cost_models' ``LinkSpec.shared``). ``source``: where the
     figures come from (``measured: ...`` where ``hpml-compile devices --measure`` timed them).
+    ``collectives``: ``(op, gbps, latency_us)`` measured for the reduce-scatter and the all-gather on their
+    own, where the backend runs them slower than the link's ring (``LinkSpec.collectives``); in JSON
+    ``{"reduce_scatter": {"gbps": .., "latency_us": ..}, ...}``.
     """
 
     a: str
@@ -485,6 +488,24 @@ class Link:
     latency_us: float = 5.0
     shared: bool = False
     source: str = ""
+    collectives: tuple[tuple[str, float, float], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "gbps": self.gbps, "latency_us": self.latency_us,
+                **({"shared": True} if self.shared else {}), **({"source": self.source} if self.source else {}),
+                **({"collectives": collectives_dict(self.collectives)} if self.collectives else {})}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Link":
+        """From a validated JSON object (``collectives`` as an object of fits)."""
+        fits = d.get("collectives") or {}
+        return cls(**{**d, "collectives": tuple((op, float(f["gbps"]), float(f["latency_us"]))
+                                                 for op, f in fits.items())})
+
+
+def collectives_dict(fits: tuple[tuple[str, float, float], ...]) -> dict[str, dict[str, float]]:
+    """``Link.collectives`` as JSON: ``{op: {"gbps", "latency_us"}}``."""
+    return {op: {"gbps": gbps, "latency_us": lat} for op, gbps, lat in fits}
 
 
 @dataclass(frozen=True, slots=True)
@@ -519,9 +540,7 @@ class Cluster:
             "name": self.name,
             "devices": [{"name": d.name, "kind": d.kind, "memory_gib": d.memory_gib, "host": d.host}
                         for d in self.devices],
-            "links": [{"a": x.a, "b": x.b, "gbps": x.gbps, "latency_us": x.latency_us,
-                       **({"shared": True} if x.shared else {}), **({"source": x.source} if x.source else {})}
-                      for x in self.links],
+            "links": [x.to_dict() for x in self.links],
         }
 
     @classmethod
@@ -545,7 +564,7 @@ class Cluster:
             source, cls,
             name=d.get("name", source),
             devices=tuple(Device(**dev) for dev in d["devices"]),
-            links=tuple(Link(**x) for x in d.get("links", ())),
+            links=tuple(Link.from_dict(x) for x in d.get("links", ())),
         )
 
 

@@ -66,6 +66,12 @@ _NODE_COST = {
 }
 
 # cost_models.Calibration.to_dict, kept in profile.devices[kind] by predict_kinds.
+_FIT = {"type": "object", "required": ["gbps", "latency_us"],
+        "properties": {"gbps": {"type": "number", "exclusiveMinimum": 0}, "latency_us": _NUM},
+        "additionalProperties": False}
+# a link's own fits for the collectives its backend runs slower than the ring (cost_models LinkSpec.collectives)
+COLLECTIVE_FITS = {"type": "object", "properties": {"reduce_scatter": _FIT, "all_gather": _FIT},
+                   "additionalProperties": False}
 _CALIBRATION = {
     "type": "object",
     "required": ["version", "device_kind", "dtype", "overhead_ms", "multipliers"],
@@ -111,7 +117,8 @@ _DEVICE_INFO = {
         # the link between two processes of this host, measured when profiling (runtime/links.py): what plans
         # for CPU devices of one host use where their cluster names no link
         "link": {"type": "object", "required": ["gbps", "latency_us"],
-                 "properties": {"gbps": _NUM, "latency_us": _NUM, "shared": {"type": "boolean"}, "source": _STR},
+                 "properties": {"gbps": _NUM, "latency_us": _NUM, "shared": {"type": "boolean"}, "source": _STR,
+                                "collectives": COLLECTIVE_FITS},
                  "additionalProperties": False},
     },
     "additionalProperties": False,
@@ -208,6 +215,7 @@ CLUSTER_SCHEMA: dict[str, Any] = {
                     "latency_us": _NUM,
                     "shared": {"type": "boolean"},
                     "source": {"type": "string"},
+                    "collectives": COLLECTIVE_FITS,
                 },
                 "additionalProperties": False,
             },

@@ -45,16 +45,17 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from cost_models import COLLECTIVE_OPS
 
 from ..errors import HpmlError
-from ..ir import Cluster, Device, Link
+from ..ir import Cluster, Device, Link, collectives_dict
 from .testing import spawn_ranks
 
 __all__ = ["SIZES", "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link", "probe_ranks",
@@ -65,7 +66,7 @@ REPEATS = 5
 QUICK_SIZES = (64 << 10, 4 << 20, 32 << 20)  # what `profile` times: latency-bound to the size of a gradient
 QUICK_REPEATS = 5
 
-Row = tuple[str, int, float]  # (operation: "p2p" | "allreduce" | "copy", bytes, median ms)
+Row = tuple[str, int, float]  # (operation: "p2p" | "allreduce" | "copy" | a COLLECTIVE_OPS one, bytes, median ms)
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,9 @@ class Fit:
         latency_us: per-message latency (alpha), microseconds.
         shared: an all-reduce costs the traffic of both ranks (one pool of bandwidth, as over loopback).
         rows: the measurements ``(operation, bytes, median ms)``.
-        worst: the largest relative error of the fit over the rows.
+        worst: the largest relative error of the fit over the send/recv and all-reduce rows.
+        collectives: ``(op, gbps, latency_us)``: the reduce-scatter's and the all-gather's own fits, where
+            they were timed (``LinkSpec.collectives``).
     """
 
     gbps: float
@@ -85,6 +88,7 @@ class Fit:
     shared: bool
     rows: tuple[Row, ...]
     worst: float
+    collectives: tuple[tuple[str, float, float], ...] = ()
 
 
 def _solve(a: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -113,22 +117,32 @@ def fit_link(rows: Sequence[Row]) -> Fit:
     Raises:
         HpmlError: fewer than two sizes, or a time that is not positive.
     """
-    if len({b for _, b, _ in rows}) < 2 or any(not ms > 0 for _, _, ms in rows):
+    if any(not ms > 0 for _, _, ms in rows):
         raise HpmlError(f"a link fit needs positive times at two sizes at least, got {list(rows)}")
-    y = np.array([ms for _, _, ms in rows])
+    main = [r for r in rows if r[0] not in COLLECTIVE_OPS]
+    if len({b for _, b, _ in main}) < 2:
+        raise HpmlError(f"a link fit needs positive times at two sizes at least, got {list(rows)}")
+    y = np.array([ms for _, _, ms in main])
     best: Fit | None = None
     for shared in (False, True):
         a = np.array([[2.0, (2.0 if shared else 1.0) * b] if op == "allreduce" else [1.0, float(b)]
-                      for op, b, _ in rows])
+                      for op, b, _ in main])
         alpha, beta = _solve(a, y)
         worst = float(np.max(np.abs(a @ np.array([alpha, beta]) / y - 1)))
         fit = Fit(gbps=1e-6 / beta, latency_us=alpha * 1e3, shared=shared, rows=tuple(rows), worst=worst)
         if best is None or worst < best.worst:
             best = fit
-        if not any(op == "allreduce" for op, _, _ in rows):
+        if not any(op == "allreduce" for op, _, _ in main):
             break  # shared or not says nothing about a copy or a send
     assert best is not None
-    return best
+    own = []
+    for op in COLLECTIVE_OPS:  # two ranks: one step of the ring, the whole buffer (shared) or half of it moved
+        mine = [(b, ms) for o, b, ms in rows if o == op]
+        if len({b for b, _ in mine}) >= 2:
+            alpha, beta = _solve(np.array([[1.0, b if best.shared else b / 2] for b, _ in mine]),
+                                 np.array([ms for _, ms in mine]))
+            own.append((op, round(1e-6 / beta, 4), round(alpha * 1e3, 2)))
+    return replace(best, collectives=tuple(own))
 
 
 def _timed(fn: Any, cuda: bool) -> float:
@@ -167,7 +181,16 @@ def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequ
             def reduce() -> None:
                 dist.all_reduce(t, group=group)
 
-            for op, fn, share in (("p2p", ping, 0.5), ("allreduce", reduce, 1.0)):
+            halves, half = list(t.chunk(2)), torch.empty_like(t.chunk(2)[0])
+
+            def scatter() -> None:  # the ZeRO pair: each rank ends with the sum of its half ...
+                dist.reduce_scatter(half, halves, group=group)
+
+            def gather() -> None:  # ... and gathers the other's half back
+                dist.all_gather(halves, half, group=group)
+
+            for op, fn, share in (("p2p", ping, 0.5), ("allreduce", reduce, 1.0),
+                                  ("reduce_scatter", scatter, 1.0), ("all_gather", gather, 1.0)):
                 fn()  # warm-up: connections, allocations
                 times = []
                 for _ in range(repeats):
@@ -243,7 +266,7 @@ def measure_cluster(cluster: Cluster, sizes: Sequence[int] = SIZES, repeats: int
 
     def add(a: Device, b: Device, fit: Fit, what: str) -> None:
         links.append(Link(a.name, b.name, round(fit.gbps, 4), round(fit.latency_us, 2), shared=fit.shared,
-                          source=f"measured: {what} ({_summary(fit)})"))
+                          source=f"measured: {what} ({_summary(fit)})", collectives=fit.collectives))
 
     for i, a in enumerate(cpus):
         for b in cpus[i + 1:]:
@@ -287,7 +310,8 @@ def measure_local_link(sizes: Sequence[int] = QUICK_SIZES, repeats: int = QUICK_
     log(f"  gloo link between 2 processes of this host: {_summary(fit)} ({time.perf_counter() - t0:.1f} s)")
     return {"gbps": round(fit.gbps, 4), "latency_us": round(fit.latency_us, 2), "shared": fit.shared,
             "source": f"measured by profile: gloo send/recv and all-reduce between 2 CPU processes at "
-                      f"{', '.join(_size(b) for b in sizes)} ({_summary(fit)})"}
+                      f"{', '.join(_size(b) for b in sizes)} ({_summary(fit)})",
+            **({"collectives": collectives_dict(fit.collectives)} if fit.collectives else {})}
 
 
 def _size(b: int) -> str:
@@ -295,5 +319,6 @@ def _size(b: int) -> str:
 
 
 def _summary(fit: Fit) -> str:
+    own = "".join(f"; {op.replace('_', '-')} {g:.3g} GB/s, {lat:.1f} us" for op, g, lat in fit.collectives)
     return (f"{fit.gbps:.3g} GB/s, {fit.latency_us:.1f} us{', shared' if fit.shared else ''}; worst error "
-            f"{fit.worst:.0%} over {len(fit.rows)} timings")
+            f"{fit.worst:.0%} over {sum(op not in COLLECTIVE_OPS for op, _, _ in fit.rows)} timings{own}")

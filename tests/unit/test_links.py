@@ -33,6 +33,29 @@ def test_the_fit_recovers_the_link_that_made_the_timings(shared: bool) -> None:
     assert fit.worst < 1e-9
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_reduce_scatter_and_all_gather_get_fits_of_their_own(shared: bool) -> None:
+    # gloo runs them slower than its all-reduce: a ring priced with the link's own figures says half of it
+    link = cost_models.LinkSpec("truth", 3.1, 50.0, "test", shared=shared)
+    slow = {"reduce_scatter": cost_models.LinkSpec("rs", 0.9, 400.0, "test", shared=shared),
+            "all_gather": cost_models.LinkSpec("ag", 0.5, 200.0, "test", shared=shared)}
+    sizes = (1 << 16, 1 << 22, 1 << 25)
+    rows = (_rows(3.1, 50.0, shared) + [("reduce_scatter", b, cost_models.reduce_scatter_ms(b, 2, slow["reduce_scatter"]))
+                                       for b in sizes]
+            + [("all_gather", b, cost_models.all_gather_ms(b, 2, slow["all_gather"])) for b in sizes])
+    fit = fit_link(rows)
+    assert (fit.shared, fit.worst < 1e-9) == (shared, True) and fit.gbps == pytest.approx(3.1, rel=1e-6)
+    got = {op: (g, lat) for op, g, lat in fit.collectives}
+    assert got["reduce_scatter"] == pytest.approx((0.9, 400.0), rel=1e-3)
+    assert got["all_gather"] == pytest.approx((0.5, 200.0), rel=1e-3)
+    spec = cost_models.LinkSpec("m", fit.gbps, fit.latency_us, "test", shared=shared, collectives=fit.collectives)
+    for b in sizes:  # priced as timed, and the all-reduce as before
+        want = cost_models.reduce_scatter_ms(b, 2, slow["reduce_scatter"])
+        assert cost_models.reduce_scatter_ms(b, 2, spec) == pytest.approx(want, rel=1e-3)
+        assert cost_models.allreduce_ms(b, 2, spec) == pytest.approx(cost_models.allreduce_ms(b, 2, link), rel=1e-6)
+    assert fit_link(_rows(3.1, 50.0, shared)).collectives == ()  # not timed: none
+
+
 def test_the_fit_refuses_one_size_and_non_positive_times() -> None:
     with pytest.raises(HpmlError, match="two sizes"):
         fit_link([("p2p", 100, 1.0), ("p2p", 100, 1.1)])
@@ -49,6 +72,18 @@ def test_a_measured_link_round_trips_and_prices_as_measured(tmp_path: Path) -> N
     assert back.links == c.links
     spec = link_spec(back, "cpu1", "cpu0")
     assert (spec.gbps, spec.latency_us, spec.shared, spec.source) == (0.8, 120.0, True, "measured: test")
+    # the reduce-scatter's and the all-gather's own fits travel with the link and price those collectives
+    own = Cluster(devices=c.devices, links=(Link("cpu0", "cpu1", 0.8, 120.0, shared=True,
+                                                 collectives=(("reduce_scatter", 0.3, 500.0),)),), name="m")
+    path.write_text(json.dumps(own.to_dict()))
+    spec = link_spec(load_cluster(str(path)), "cpu0", "cpu1")
+    assert spec.for_collective("reduce_scatter").gbps == 0.3 and spec.for_collective("all_gather").gbps == 0.8
+    assert cost_models.reduce_scatter_ms(1e6, 2, spec) > 2 * cost_models.all_gather_ms(1e6, 2, spec)
+    bad = own.to_dict()
+    bad["links"][0]["collectives"]["broadcast"] = {"gbps": 1.0, "latency_us": 1.0}
+    path.write_text(json.dumps(bad))
+    with pytest.raises(HpmlError, match="broadcast"):
+        load_cluster(str(path))
     # an older file (no shared, no source) reads as before
     plain = Cluster(devices=c.devices, links=(Link("cpu0", "cpu1", 1.0, 5.0),)).to_dict()
     assert set(plain["links"][0]) == {"a", "b", "gbps", "latency_us"}
@@ -69,4 +104,5 @@ def test_devices_measure_writes_this_machines_gloo_link(tmp_path: Path) -> None:
     assert pairs == {frozenset(p) for p in (("cpu0", "cpu1"), ("cpu0", "cpu2"), ("cpu1", "cpu2"))}
     link = next(x for x in c.links if {x.a, x.b} == {"cpu0", "cpu1"})
     assert link.source.startswith("measured: gloo") and 0 < link.gbps < 1e3, link
+    assert {op for op, _, _ in link.collectives} == set(cost_models.COLLECTIVE_OPS), link  # the ZeRO pair timed
     assert "link cpu0-cpu1" in run.stdout

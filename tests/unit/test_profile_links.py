@@ -49,3 +49,29 @@ def test_the_measured_link_changes_what_the_plan_predicts() -> None:
     slow = driver.plan(driver.with_link(prof, {**LINK, "gbps": 0.05}), cluster, opts)
     assert slow.cluster.links[0].gbps == 0.05 and fast.cluster.links[0].gbps == 50.0
     assert slow.predicted.step_ms > fast.predicted.step_ms
+
+
+def test_the_zero_pairs_own_fits_price_a_sharded_stage_and_leave_the_all_reduce_alone(tmp_path: Path) -> None:
+    # gloo's reduce-scatter and all-gather are slower than its all-reduce (measured, runtime/links.py): a ZeRO-1
+    # stage on a link that records their fits is priced with them; a ZeRO-0 stage's all-reduce is not
+    from hpml_compile.memory import ZeroStage
+    from hpml_compile.plan import Plan, Schedule, Stage
+    from hpml_compile.simulate import simulate
+    from hpml_compile.costgraph import build
+
+    slow = {**LINK, "collectives": {"reduce_scatter": {"gbps": 0.1, "latency_us": 900.0},
+                                    "all_gather": {"gbps": 0.05, "latency_us": 900.0}}}
+    prof = chain_profile([(1.0, 2.0)] * 4, param_bytes=4 << 20, batch_size=8)
+    assert load_profile(save_profile(driver.with_link(prof, slow), tmp_path / "p.json")).devices["cpu"]["link"] == slow
+    g = build(prof)
+    nodes = tuple(n for name in g.order for n in g.node(name).members)
+    cluster = load_cluster("local-cpu-2")
+
+    def step(link: dict, zero: ZeroStage) -> float:
+        c = driver.profile_links(cluster, driver.with_link(prof, link))
+        return simulate(Plan("toy", c, Schedule.GPIPE, 1, (Stage(0, ("cpu0", "cpu1"), nodes, zero=zero),)), g).step_ms
+
+    assert step(slow, ZeroStage.NONE) == step(LINK, ZeroStage.NONE)
+    # 16 MiB of gradients: each collective moves them once over the shared link (0.1 and 0.05 GB/s)
+    extra = (16 << 20) / 0.1e6 + (16 << 20) / 0.05e6 - 2 * (16 << 20) / 0.42e6 + 2 * (0.9 - 0.321)
+    assert step(slow, ZeroStage.OS) - step(LINK, ZeroStage.OS) == pytest.approx(extra, rel=0.02)
