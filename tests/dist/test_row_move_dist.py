@@ -153,7 +153,8 @@ def test_rows_moved_in_place_are_recorded_and_survive_a_failure_restart(tmp_path
     # events.jsonl: the moves where they happened, then the failure and the restart on the same build
     events = _jsonl(run / "events.jsonl")
     kinds = [e["event"] for e in events]
-    assert kinds == ["segment", *["rows_moved"] * len(moves), "failure", "segment", "done"], kinds
+    assert kinds == ["segment", *["rows_moved"] * len(moves), "failure", "segment", "done"], \
+        f"{kinds}\n{[e for e in events if e['event'] == 'failure']}\n{out[-3000:]}"  # which rank, and why
     assert events[0]["resume_from"] is None  # the move itself restarted nothing
     for e, m in zip(events[1:], moves):
         assert (e["segment"], e["step"], e["rows"], e["switch_s"]) == (0, m["step"], m["rows"], m["switch_s"])
