@@ -3,7 +3,7 @@
 For each model, the profile is measured once at one torch thread (what each
 rank gets), then plans are made over it: 2-stage pipelines cut where the
 predicted compute is balanced (GPipe and 1F1B, several microbatch counts),
-1 stage on 2 data-parallel ranks, and 1 stage on 1 rank. Each plan carries
+1 stage on 2 data-parallel ranks (ZeRO-0 and ZeRO-1), and 1 stage on 1 rank. Each plan carries
 the simulator's prediction (:func:`hpml_compile.simulate.annotate`), is
 generated into a build and trained with :class:`hpml_compile.runtime.Pipeline`
 (AdamW) for a few steps on 1 or 2 gloo ranks; the measured step is the
@@ -51,6 +51,7 @@ from hpml_compile.codegen import generate
 from hpml_compile.costgraph import CostGraph
 from hpml_compile.costgraph import build as build_costgraph
 from hpml_compile.driver import profile_links, with_link
+from hpml_compile.memory import ZeroStage
 from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.profile.timing import host_facts
 from hpml_compile.runtime import Pipeline, spawn_ranks
@@ -149,6 +150,8 @@ def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, in
             st = (Stage(0, ("cpu0",), first), Stage(1, ("cpu1",), second))
         elif kind == "dp":
             st = (Stage(0, ("cpu0", "cpu1"), every),)
+        elif kind == "zero1":  # the same, ZeRO-1: gloo's reduce-scatter + all-gather, priced by their own fits
+            st = (Stage(0, ("cpu0", "cpu1"), every, zero=ZeroStage.OS),)
         else:
             st = (Stage(0, ("cpu0",), every),)
         cluster = profile_links(load_cluster(f"local-cpu-{devices}"), prof)  # this host's link, as `compile` uses
@@ -157,16 +160,16 @@ def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, in
     return out
 
 
-GRID = "pipe:gpipe:2,pipe:gpipe:4,pipe:1f1b:2,pipe:1f1b:4,pipe:1f1b:8,dp:gpipe:1,single:gpipe:1"
+GRID = "pipe:gpipe:2,pipe:gpipe:4,pipe:1f1b:2,pipe:1f1b:4,pipe:1f1b:8,dp:gpipe:1,zero1:gpipe:1,single:gpipe:1"
 
 
 def _grid(text: str) -> list[tuple[str, int, Schedule, int]]:
-    """``kind:schedule:M,...`` (kind: pipe | dp | single) as ``(kind, ranks, schedule, M)``."""
+    """``kind:schedule:M,...`` (kind: pipe | dp | zero1 | single) as ``(kind, ranks, schedule, M)``."""
     out = []
     for item in dict.fromkeys(text.split(",")):  # a plan named twice is measured once
         kind, sched, m = item.split(":")
-        if kind not in ("pipe", "dp", "single"):
-            raise SystemExit(f"--grid: unknown plan kind {kind!r} in {item!r}; use pipe, dp or single")
+        if kind not in ("pipe", "dp", "zero1", "single"):
+            raise SystemExit(f"--grid: unknown plan kind {kind!r} in {item!r}; use pipe, dp, zero1 or single")
         out.append((kind, 1 if kind == "single" else 2, Schedule(sched), int(m)))
     return out
 
