@@ -51,7 +51,9 @@ Times (milliseconds), per step:
 
 - gradient sync (:func:`sync_ms`): a ring all-reduce (ZeRO-0; for a group
   spread over hosts, optionally hierarchical, :func:`hierarchical_allreduce_ms`), reduce-scatter of
-  the flat gradient + all-gather of the stepped shards (ZeRO-1/2; ZeRO-3 instead
+  the flat gradient + all-gather of the stepped shards (ZeRO-1/2; a hierarchical ZeRO-1 runs the
+  hierarchical all-reduce's three levels, the third on parameters, after the backward, its optimizer
+  state and step ``1 / L`` for ``L`` devices per host instead of ``1 / d``; ZeRO-3 instead
   all-gathers the stage's parameters twice per microbatch, for its forward and
   its backward, counted here with the step's tail). The ZeRO-0/1/2 all-reduce or
   reduce-scatter runs bucket by bucket during the last backward, as the
@@ -181,7 +183,7 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
                  replicas: int, zero: ZeroStage | int, microbatches: int, recompute: bool = False,
                  swapped_bytes: Value = 0, offload_optimizer: bool = False,
                  host_is_device: bool = False, share: tuple[int, int] | None = None,
-                 compute_bytes: int = 0) -> MemoryParts:
+                 compute_bytes: int = 0, shards: int | None = None) -> MemoryParts:
     """Per-device memory of a stage (see the module docstring), on ints or int64 arrays alike.
 
     Args:
@@ -201,6 +203,8 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
             None: the equal split, ``1 / (M d)``.
         compute_bytes: bytes per element of the autocast compute dtype (0: fp32, no autocast): each
             microbatch in flight then also holds its weight copies (:func:`~hpml_compile.memory.autocast_copy_bytes`).
+        shards: the ranks the optimizer state is split over under ZeRO-1 and up (None: ``replicas``; a
+            hierarchical ZeRO-1, :func:`hpml_compile.plan.zero_shards`: the ranks of one host, ``L``).
 
     Returns:
         The parts, each of the form of ``param_bytes`` and ``activation_bytes``.
@@ -212,7 +216,7 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
     if z == ZeroStage.OS_G_P:
         params = p + p // d  # ZeRO-3: the owned shard, plus the whole stage gathered while a microbatch computes
     opt_full = 8 * p // max(1, dtype_bytes)
-    opt = opt_full // d if z >= ZeroStage.OS else opt_full
+    opt = opt_full // max(1, shards or d) if z >= ZeroStage.OS else opt_full
     host = p * 0
     if offload_optimizer and not host_is_device:
         host, opt = opt, p * 0
@@ -239,14 +243,14 @@ def device_memory(*, param_bytes: int, activation_bytes: int, input_bytes: int, 
                   replicas: int, zero: ZeroStage | int, microbatches: int, in_flight: int,
                   recompute: bool = False, swapped_bytes: int = 0, offload_optimizer: bool = False,
                   host_is_device: bool = False, share: tuple[int, int] | None = None,
-                  compute_bytes: int = 0) -> MemoryBreakdown:
+                  compute_bytes: int = 0, shards: int | None = None) -> MemoryBreakdown:
     """Peak memory of one device of a stage: :func:`memory_parts` with the microbatches in flight.
 
     Args:
         in_flight: microbatches whose activations are alive at the peak (:func:`in_flight`).
         param_bytes, activation_bytes, input_bytes, dtype_bytes, replicas, zero, microbatches, recompute,
-            swapped_bytes, offload_optimizer, host_is_device, share, compute_bytes: as for :func:`memory_parts`
-            (scalars here).
+            swapped_bytes, offload_optimizer, host_is_device, share, compute_bytes, shards: as for
+            :func:`memory_parts` (scalars here).
 
     Returns:
         The breakdown.
@@ -254,7 +258,7 @@ def device_memory(*, param_bytes: int, activation_bytes: int, input_bytes: int, 
     m = memory_parts(param_bytes=param_bytes, activation_bytes=activation_bytes, input_bytes=input_bytes,
                      dtype_bytes=dtype_bytes, replicas=replicas, zero=zero, microbatches=microbatches,
                      recompute=recompute, swapped_bytes=swapped_bytes, offload_optimizer=offload_optimizer,
-                     host_is_device=host_is_device, share=share, compute_bytes=compute_bytes)
+                     host_is_device=host_is_device, share=share, compute_bytes=compute_bytes, shards=shards)
     return MemoryBreakdown(m.params, m.grads, m.optimizer, m.stored, m.working, max(1, in_flight), m.host)
 
 
@@ -444,8 +448,10 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         offload_optimizer: the Adam state lives in host memory.
         link: the slowest link between the stage's devices (None for one device).
         host: the link between the stage's devices and their host's memory.
-        hier: the stage's devices by host, for a hierarchical all-reduce (ZeRO-0 only; overlapped as the flat
-            one is, :func:`hierarchical_overlapped_ms`); None: a flat ring.
+        hier: the stage's devices by host, for a hierarchical all-reduce (ZeRO-0: overlapped as the flat
+            one is, :func:`hierarchical_overlapped_ms`; ZeRO-1: its three levels after the backward, the
+            reduce-scatter in the host and the shard's all-reduce between hosts on the gradients, the all-gather
+            in the host on the stepped parameters, :func:`hierarchical_allreduce_ms`); None: a flat ring.
         bwd_ms: one microbatch's backward on one replica: the all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1/2)
             overlaps it bucket by bucket (:func:`overlapped_ms`), as the runtime runs it on ranks. None: the
             whole collective after the backward.
@@ -469,7 +475,9 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         raise ValueError(f"overlap must be a fraction of the backward in [0, 1], got {overlap}")
     z = ZeroStage(zero)
     total: Value = param_bytes * 0.0
-    if replicas > 1:
+    if replicas > 1 and z == ZeroStage.OS and hier is not None:  # hierarchical ZeRO-1 (runtime.zero): not bucketed
+        total = total + hierarchical_allreduce_ms(param_bytes, hier)
+    elif replicas > 1:
         reduce = cost_models.allreduce_ms if z == ZeroStage.NONE else cost_models.reduce_scatter_ms
         if z == ZeroStage.NONE and hier is not None and (bwd_ms is None or overlap <= 0):
             total = total + hierarchical_allreduce_ms(param_bytes, hier)  # three collectives after the backward
@@ -484,7 +492,8 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
             gathers = 2 * max(1, microbatches) if z == ZeroStage.OS_G_P else 1
             total = total + gathers * transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas)
     if offload_optimizer:
-        shard = param_bytes // replicas if z >= ZeroStage.OS else param_bytes
+        shards = hier.per_host if hier is not None and z == ZeroStage.OS else replicas
+        shard = param_bytes // shards if z >= ZeroStage.OS else param_bytes
         total = total + 2 * transfer_ms(cost_models.p2p_ms, shard, host)
     return total
 
@@ -564,7 +573,8 @@ def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float, zero: ZeroSt
     return 4 * param_bytes / bytes_per_ms if ZeroStage(zero) >= ZeroStage.OS else param_bytes * 0.0
 
 
-def optimizer_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, ms_per_byte: float) -> Value:
+def optimizer_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, ms_per_byte: float,
+                 shards: int | None = None) -> Value:
     """The optimizer step of one device of a stage: its parameter bytes (its shard under ZeRO-1 and up).
 
     Args:
@@ -572,11 +582,13 @@ def optimizer_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, ms_pe
         replicas: data-parallel degree.
         zero: ZeRO stage.
         ms_per_byte: step time per parameter byte (:meth:`CostGraph.optimizer_ms_per_byte`).
+        shards: the ranks the shards are spread over (None: ``replicas``; a hierarchical ZeRO-1: one host's).
 
     Returns:
         Milliseconds, of the form of ``param_bytes``.
     """
-    return ms_per_byte * (param_bytes // replicas if ZeroStage(zero) >= ZeroStage.OS else param_bytes)
+    return ms_per_byte * (param_bytes // max(1, shards or replicas) if ZeroStage(zero) >= ZeroStage.OS
+                          else param_bytes)
 
 
 def stream_ms(fwd_ms: Value, bwd_ms: Value, param_bytes: Value, activation_bytes: Value, microbatches: int,

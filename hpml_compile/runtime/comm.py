@@ -26,7 +26,8 @@ copy handed over through a mailbox; collectives have nothing to do), else
 - **Hierarchical all-reduce** (:mod:`.hierarchy`): a stage whose plan says
   ``allreduce: hierarchical`` sums its gradients in three collectives on
   sub-groups (inside each host, between hosts), blocking after the backward
-  or bucket by bucket during it.
+  or bucket by bucket during it; under ZeRO-1 its reduce-scatter is the first
+  two levels and its all-gather the third, on the host's ranks.
 - **Timings** (:class:`CommStats`): seconds blocked in each receive, in
   collectives and in posting sends, and bytes moved; the monitor splits a
   receive's wait into transfer and idle.
@@ -65,8 +66,8 @@ from ..codegen.comm import Comm, Direction
 from ..errors import HpmlError
 from ..plan import AllReduce, Plan
 from ..schedule import rank_layout, stage_ranks
-from .hierarchy import (ChainQueue, HierGroups, PendingChain, hierarchical_all_reduce, hierarchical_levels,
-                        level_bytes, make_hierarchy)
+from .hierarchy import (ChainQueue, HierGroups, PendingChain, hierarchical_all_gather, hierarchical_all_reduce,
+                        hierarchical_levels, hierarchical_reduce_scatter, level_bytes, make_hierarchy)
 
 __all__ = ["Backend", "CommOp", "CommStats", "PendingCollective", "CommFault", "InjectedFault", "LocalComm", "DistComm",
            "dist_comm", "pair_backend", "rank_devices", "is_transient", "make_groups", "HierGroups", "make_hierarchy",
@@ -476,10 +477,17 @@ class DistComm(Comm):
         if hier is not None:
             self._count_levels(stages, flat, hier)
 
-    def _count_levels(self, stages: tuple[int, ...], flat: Tensor, hier: HierGroups) -> None:
-        """Add the bytes of each level of one hierarchical all-reduce of ``flat`` (for report: issue 18)."""
+    def _count_levels(self, stages: tuple[int, ...], flat: Tensor, hier: HierGroups, gather: bool | None = None
+                      ) -> None:
+        """Add the bytes of each level of one hierarchical all-reduce of ``flat`` (for report: issue 18).
+
+        ``gather``: a hierarchical ZeRO-1's halves of it, False for the reduce-scatter in the host and the
+        all-reduce between hosts, True for the all-gather in the host (and half the flat ring, each); None: all.
+        """
         hosts = self.group_size(stages) // hier.per_host
         intra, inter, ring = level_bytes(flat.numel(), flat.element_size(), hier, hosts)
+        if gather is not None:
+            intra, inter, ring = intra // 2, (0 if gather else inter), ring // 2
         self.stats.intra_bytes += intra
         self.stats.inter_bytes += inter
         self.stats.flat_bytes += ring
@@ -551,21 +559,38 @@ class DistComm(Comm):
                                  self.events, self.device if nccl else torch.device("cpu"))
 
     def reduce_scatter(self, stage: int, flat: Tensor) -> Tensor:
+        """This replica's shard of the sum; where the plan makes a ZeRO-1 stage hierarchical, the shard of this
+        rank's host position, reduce-scattered in the host and all-reduced between hosts (:mod:`.hierarchy`)."""
+        hier = self.hierarchy.get((stage,))
+
         def run(t: Tensor, g: Any) -> Tensor:
+            if hier is not None:
+                return hierarchical_reduce_scatter(t, hier)
             parts = list(t.chunk(len(self.ranks[stage])))
             out = torch.empty_like(parts[0])
             dist.reduce_scatter(out, parts, group=g)
             return out
 
-        return self._collective((stage,), flat, run, "REDUCESCATTER")
+        out = self._collective((stage,), flat, run, "REDUCESCATTER")
+        if hier is not None:  # the host's reduce-scatter and the shard's all-reduce between hosts
+            self._count_levels((stage,), flat, hier, gather=False)
+        return out
 
     def all_gather(self, stage: int, shard: Tensor) -> Tensor:
+        """Every replica's shard in order; under a hierarchical ZeRO-1 stage, the host's ranks' shards."""
+        hier = self.hierarchy.get((stage,))
+
         def run(t: Tensor, g: Any) -> Tensor:
+            if hier is not None:
+                return hierarchical_all_gather(t, hier)
             parts = [torch.empty_like(t) for _ in self.ranks[stage]]
             dist.all_gather(parts, t, group=g)
             return torch.cat(parts)
 
-        return self._collective((stage,), shard, run, "ALLGATHER")
+        out = self._collective((stage,), shard, run, "ALLGATHER")
+        if hier is not None:
+            self._count_levels((stage,), out, hier, gather=True)
+        return out
 
 
 def dist_comm(build: Build, device: torch.device | str = "cpu") -> DistComm:

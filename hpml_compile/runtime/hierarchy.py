@@ -29,6 +29,18 @@ not implemented") and reports completion only once waited for, so on a
 gloo host group the reduce-scatter is an all-to-all plus a local sum. The
 fixed order also keeps the plan's price true: the collectives run one
 after another, the last bucket's chain after the backward.
+
+A ZeRO-1 stage whose plan says ``hierarchical`` (HSDP-like: the optimizer
+sharded over the ``L`` ranks of each host, replicated across hosts) uses
+the first two levels and the third apart:
+:func:`hierarchical_reduce_scatter` (reduce-scatter in the host, then the
+all-reduce of each shard between hosts: each rank holds the global sum of
+its shard), the optimizer steps that shard, and
+:func:`hierarchical_all_gather` brings the host's ranks the other shards'
+new values (:class:`~.zero.FlatShard` with ``hier``). The bytes between hosts
+are the hierarchical all-reduce's; inside the host a reduce-scatter and an
+all-gather, of gradients then of parameters. They run after the backward
+(not bucketed), as :func:`hpml_compile.stagecost.sync_ms` prices them.
 """
 
 from __future__ import annotations
@@ -48,7 +60,7 @@ if TYPE_CHECKING:
     from .comm import CommStats
 
 __all__ = ["HierGroups", "make_hierarchy", "level_bytes", "hierarchical_levels", "hierarchical_all_reduce",
-           "PendingChain", "ChainQueue"]
+           "hierarchical_reduce_scatter", "hierarchical_all_gather", "PendingChain", "ChainQueue"]
 
 _GLOO, _NCCL = "gloo", "nccl"  # torch.distributed's backend names (comm.Backend's values; comm imports this module)
 
@@ -61,11 +73,14 @@ class HierGroups:
         intra: the ranks of the stage on this rank's host (None: this rank is alone on its host).
         inter: the ranks at this rank's position on every host.
         per_host: ranks per host (``h``).
+        local: this rank's index among the stage's ranks on its host (the shard it owns under a hierarchical
+            ZeRO-1, :func:`hierarchical_reduce_scatter`).
     """
 
     intra: Any
     inter: Any
     per_host: int
+    local: int = 0
 
 
 def make_hierarchy(plan: Plan, devices: list[torch.device], collectives: Sequence[tuple[int, ...]] = ()
@@ -125,7 +140,8 @@ def make_hierarchy(plan: Plan, devices: list[torch.device], collectives: Sequenc
             inter.update((r, made) for r in column)
         me = dist.get_rank()
         if me in intra:
-            out[stages] = HierGroups(intra[me] if h > 1 else None, inter[me], h)
+            host = next(x for x in hosts if me in x)
+            out[stages] = HierGroups(intra[me] if h > 1 else None, inter[me], h, host.index(me))
     return out
 
 
@@ -214,6 +230,49 @@ def hierarchical_all_reduce(flat: Tensor, groups: HierGroups) -> Tensor:
         start().wait()
     done()
     return flat
+
+
+def hierarchical_reduce_scatter(flat: Tensor, groups: HierGroups) -> Tensor:
+    """This rank's shard of the sum of ``flat`` over a stage's ranks: reduce-scatter in the host, all-reduce between.
+
+    The first two levels of :func:`hierarchical_all_reduce`: shard ``l`` (``flat``'s ``l``-th of ``h`` equal
+    chunks, ``l`` = :attr:`HierGroups.local`) summed over the host's ranks, then over the ranks holding shard ``l``
+    on the other hosts. Blocking.
+
+    Args:
+        flat: a 1-D tensor whose length is a multiple of the ranks per host, the same on every rank.
+        groups: this rank's sub-groups (:func:`make_hierarchy`).
+
+    Returns:
+        A new tensor of ``len(flat) / h`` elements: the global sum of this rank's shard.
+    """
+    h = groups.per_host
+    if flat.numel() % h:
+        raise ValueError(f"hierarchical_reduce_scatter: {flat.numel()} elements do not split into {h} shards")
+    if groups.intra is None:
+        shard = flat.clone()
+    else:
+        shard = torch.empty(flat.numel() // h, dtype=flat.dtype, device=flat.device)
+        dist.reduce_scatter(shard, list(flat.chunk(h)), group=groups.intra)
+    dist.all_reduce(shard, group=groups.inter)
+    return shard
+
+
+def hierarchical_all_gather(shard: Tensor, groups: HierGroups) -> Tensor:
+    """Every shard of the host's ranks, concatenated in local order (the third level, on parameters). Blocking.
+
+    Args:
+        shard: this rank's shard, the same length on every rank.
+        groups: this rank's sub-groups (:func:`make_hierarchy`).
+
+    Returns:
+        ``h * len(shard)`` elements (``shard`` itself where the rank is alone on its host).
+    """
+    if groups.intra is None:
+        return shard
+    parts = [torch.empty_like(shard) for _ in range(groups.per_host)]
+    dist.all_gather(parts, shard.contiguous(), group=groups.intra)
+    return torch.cat(parts)
 
 
 @dataclass(eq=False)

@@ -97,6 +97,20 @@ overlap than ZeRO-0's, with the layout (and the checkpoint mapping) unchanged.
 The collective of a bucket goes through one method, :meth:`GradBuckets.launch`
 (where a compressing reducer would plug in).
 
+**Hierarchical ZeRO-1** (a ZeRO-1 stage whose plan says ``allreduce:
+hierarchical``, its replicas spread evenly over hosts; HSDP-like): the flat
+buffer is split over the ``L`` ranks of each host, not over all ``d``, so
+each rank owns the shard of its position on its host and holds ``1 / L`` of
+the optimizer state (the same shard on every host). After the last backward
+the gradients are reduce-scattered inside the host and each shard
+all-reduced between hosts (:func:`~.hierarchy.hierarchical_reduce_scatter`:
+the same bytes between hosts as the hierarchical all-reduce), the optimizer
+steps the shard, and the host's ranks all-gather the new values
+(:func:`~.hierarchy.hierarchical_all_gather`). Not bucketed: the two levels
+run after the backward (:meth:`FlatShard.enable_overlap` is a no-op for it,
+and :func:`hpml_compile.plan.sync_overlap` is 0, which the cost model
+prices). The same exact sum as the flat reduce-scatter, added in another order.
+
 Checkpoints stay plan-independent: :func:`full_optimizer_state` gathers the
 shard's state back to whole per-parameter tensors under the original names
 (what :mod:`.checkpoint` writes for any plan), and
@@ -124,6 +138,7 @@ from torch import Tensor, nn
 from ..codegen.comm import Comm
 from ..errors import HpmlError
 from ..memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, ZeroStage, bucket_ranges
+from .hierarchy import HierGroups
 
 __all__ = ["FlatShard", "FlatGrads", "GradBuckets", "shards_of", "full_optimizer_state", "optimizer_templates",
            "load_full_optimizer_state"]
@@ -219,21 +234,30 @@ class FlatShard:
     Args:
         stage: the stage index.
         params: the stage's parameters to shard, in the same order on every replica.
-        replicas: ``d``.
-        replica: this rank's replica index ``r``.
+        replicas: ``d``, the ranks the shards are spread over (under ``hier``: the ranks of one host, ``L``).
+        replica: this rank's replica index ``r`` (under ``hier``: its index on its host).
         zero: the ZeRO stage (1 or 2).
+        hier: this rank's sub-groups where the plan makes the ZeRO-1 stage hierarchical (HSDP-like: the shards
+            over the host's ``L`` ranks, every host holding all of them; the gradient reduce-scatter is
+            :func:`~.hierarchy.hierarchical_reduce_scatter`, the gather :func:`~.hierarchy.hierarchical_all_gather`,
+            both through the communicator, after the backward). None: flat, over all ``d`` replicas.
 
     Raises:
-        HpmlError: parameters of different dtypes or devices (one flat buffer holds them all), or ZeRO-3.
+        HpmlError: parameters of different dtypes or devices (one flat buffer holds them all), ZeRO-3, or
+            ``hier`` not ZeRO-1 or not matching ``replicas``/``replica``.
     """
 
     def __init__(self, stage: int, params: list[nn.Parameter], *, replicas: int, replica: int,
-                 zero: ZeroStage | int) -> None:
+                 zero: ZeroStage | int, hier: HierGroups | None = None) -> None:
         self.stage, self.replicas, self.replica = stage, replicas, replica
         self.zero = ZeroStage(zero)
+        self.hier = hier
         if self.zero not in (ZeroStage.OS, ZeroStage.OS_G):
             raise HpmlError(f"stage {stage}: FlatShard shards ZeRO-1 and ZeRO-2, not ZeRO-{int(self.zero)} (ZeRO-3 is "
                             "runtime.zero3.FlatShard3)")
+        if hier is not None and (self.zero != ZeroStage.OS or (hier.per_host, hier.local) != (replicas, replica)):
+            raise HpmlError(f"stage {stage}: a hierarchical shard is ZeRO-1 over the {hier.per_host} ranks of a host "
+                            f"(this one at {hier.local}), but got ZeRO-{int(self.zero)} over {replicas} at {replica}")
         if not params:
             raise HpmlError(f"stage {stage}: ZeRO-{int(self.zero)} over no parameters")
         kinds = {(p.dtype, p.device) for p in params}
@@ -267,8 +291,11 @@ class FlatShard:
         """Reduce-scatter bucket by bucket during the last backward (see the module docstring).
 
         A bucket is the sub-range ``[a, b)`` of every replica's shard; its size in bytes over all replicas
-        is about ``first_bytes`` for the first bucket and ``cap_bytes`` for the others.
+        is about ``first_bytes`` for the first bucket and ``cap_bytes`` for the others. A hierarchical shard
+        (``hier``) is not bucketed (its two-level reduce-scatter runs after the backward): a no-op.
         """
+        if self.hier is not None:
+            return
         d, n = self.replicas, self.shard_numel
         size = self.flat.element_size()
         self._ranges = bucket_ranges(n, size, max(size, first_bytes // d), max(size, cap_bytes // d))
@@ -356,6 +383,8 @@ class FlatShard:
             return t
         comm = self.comm
         group = getattr(comm, "groups", {}).get((self.stage,)) if comm is not None else None
+        if self.hier is not None:
+            group = self.hier.intra  # every host holds every shard: gather inside this one
         parts = [torch.empty_like(t) for _ in range(self.replicas)]
         dist.all_gather(parts, t.contiguous(), group=group)
         return torch.cat(parts)

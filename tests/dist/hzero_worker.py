@@ -1,0 +1,72 @@
+"""One rank of tests/dist/test_hier_zero_dist.py, started by torchrun (two agents standing in for two hosts).
+
+Trains SkipNet (one stage on four CPU ranks, two per host) under a plan whose stage is ZeRO-1 with
+``allreduce: hierarchical`` for a few AdamW steps, then saves a checkpoint, takes two more steps, and resumes
+the checkpoint under the flat ZeRO-0 build for the same two steps. Writes ``rank<r>.json``: the losses, the
+final parameters, this rank's shard and optimizer-state sizes, its Adam moments (every host holds the same
+shards), the bytes the runtime counted at each level, and the resumed losses.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpml_compile.codegen.testing import SkipNet, skipnet_batch, skipnet_loss
+from hpml_compile.runtime import Pipeline
+from hpml_compile.runtime.zero import FlatShard
+
+LR = 0.01
+STEPS = 3  # then a checkpoint, then 2 more
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The step batches (16 rows each), the same in the test's one-process reference."""
+    return [skipnet_batch(rows=16, seed=s) for s in range(STEPS + 2)]
+
+
+def optimizer(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(ps, lr=LR)
+
+
+def main(hz_build: str, dp_build: str, out: str) -> None:
+    faulthandler.dump_traceback_later(150, exit=True)  # a hang ends as a traceback, not a test time-out
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    data = batches()
+    torch.manual_seed(0)
+    pipe = Pipeline.from_build(hz_build, SkipNet(), optimizer=optimizer)
+    losses = [float(pipe.step((x,), y, skipnet_loss)) for x, y in data[:STEPS]]
+    assert pipe.comm is not None
+    shard = pipe.comm.shards[pipe.stage_index]
+    assert isinstance(shard, FlatShard) and pipe.optimizer is not None
+    state = pipe.optimizer.state[shard.param]
+    m = pipe.metrics[-1]
+    report: dict[str, object] = {
+        "losses": losses, "hierarchy": sorted(pipe.comm.hierarchy), "replicas": shard.replicas,
+        "local": shard.replica, "numel": shard.numel, "shard_numel": shard.param.numel(),
+        "state_numel": {k: v.numel() for k, v in state.items() if isinstance(v, torch.Tensor)},
+        "exp_avg": state["exp_avg"].tolist(), "buckets": shard.buckets is not None,
+        "levels": [m.sync_intra_bytes, m.sync_inter_bytes, m.sync_flat_bytes],
+        "params": {k: v.flatten().tolist() for k, v in pipe.state_dict().items()},
+    }
+    pipe.save(Path(out) / "ck")
+    report["continued"] = [float(pipe.step((x,), y, skipnet_loss)) for x, y in data[STEPS:]]
+    torch.manual_seed(1)  # other initial values: the checkpoint must bring them back
+    flat = Pipeline.from_build(dp_build, SkipNet(), optimizer=optimizer)
+    flat.load(Path(out) / "ck")
+    report["resumed"] = [float(flat.step((x,), y, skipnet_loss)) for x, y in data[STEPS:]]
+    report["resumed_params"] = {k: v.flatten().tolist() for k, v in flat.state_dict().items()}
+    report["continued_params"] = {k: v.flatten().tolist() for k, v in pipe.state_dict().items()}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
