@@ -3,7 +3,8 @@
 Trains SkipNet (one stage on four CPU ranks, two per host) under a plan whose stage is ZeRO-1 with
 ``allreduce: hierarchical`` for a few AdamW steps, then saves a checkpoint, takes two more steps, and resumes
 the checkpoint under the flat ZeRO-0 build for the same two steps. Writes ``rank<r>.json``: the losses, the
-final parameters, this rank's shard and optimizer-state sizes, its Adam moments (every host holds the same
+final parameters, this rank's shard and optimizer-state sizes, the bytes it holds by part
+(:mod:`hpml_compile.runtime.held`), its Adam moments (every host holds the same
 shards), the bytes the runtime counted at each level, and the resumed losses.
 """
 
@@ -47,8 +48,10 @@ def main(hz_build: str, dp_build: str, out: str) -> None:
     shard = pipe.comm.shards[pipe.stage_index]
     assert isinstance(shard, FlatShard) and pipe.optimizer is not None
     state = pipe.optimizer.state[shard.param]
-    m = pipe.metrics[-1]
+    m, held = pipe.metrics[-1], pipe.held
+    assert held is not None
     report: dict[str, object] = {
+        "held": [held.params, held.grads, held.optimizer], "optimizer_params": len(pipe.optimizer.param_groups[0]["params"]),
         "losses": losses, "hierarchy": sorted(pipe.comm.hierarchy), "replicas": shard.replicas,
         "local": shard.replica, "numel": shard.numel, "shard_numel": shard.param.numel(),
         "state_numel": {k: v.numel() for k, v in state.items() if isinstance(v, torch.Tensor)},

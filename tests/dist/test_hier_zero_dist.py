@@ -7,7 +7,8 @@ all-reduce of the shard between hosts, AdamW on the shard, all-gather in the hos
 - transparency: three AdamW steps give the one-process model's losses and parameters (within float
   tolerance: the same sums, added in another order), on every rank;
 - the shard is ``1 / L`` of the stage (``L = 2`` ranks per host, not ``1 / d = 1 / 4``), and so is every
-  Adam moment; ranks at the same position on the two hosts hold the same moments;
+  Adam moment; ranks at the same position on the two hosts hold the same moments; the bytes a rank holds by
+  part (parameters, gradients, optimizer state) are :func:`hpml_compile.plan.stage_breakdown`'s;
 - the bytes the runtime counted per level are the hierarchical all-reduce's (between hosts ``1 / L`` of a
   ring's share);
 - a checkpoint saved under it resumes under the flat ZeRO-0 build of the same model: the two steps after it
@@ -31,7 +32,8 @@ from hpml_compile.codegen import generate
 from hpml_compile.codegen.testing import SkipNet, skipnet_loss, split_plan
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.memory import ZeroStage
-from hpml_compile.plan import AllReduce, Plan, load_plan
+from hpml_compile.plan import AllReduce, Plan, load_plan, stage_breakdown
+from hpml_compile.profile import profile
 from hpml_compile.runtime.launcher import free_port
 from hpml_compile.trace import trace
 
@@ -99,7 +101,15 @@ def test_hierarchical_zero1_on_two_torchrun_hosts_is_transparent_sharded_per_hos
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     losses, params, later, final = _reference()
     n = sum(v.numel() for v in params.values())
+    prof = profile(SkipNet(), batches()[0][:1], name="skipnet", progress=False, repeats=1)
+    hz_plan = load_plan(hz / "plan.json")
+    held = stage_breakdown(hz_plan, prof, hz_plan.stages[0])
+    assert held.optimizer == 2 * n * 4 // 2  # Adam's two fp32 moments, / L = 2 (flat ZeRO-1 would be / 4)
     for r, rep in enumerate(ranks):
+        # what the rank holds is the prediction: parameters and gradients whole, the moments 1/L, plus the step
+        # counter of the one parameter the optimizer steps (the shard)
+        assert rep["optimizer_params"] == 1, rep
+        assert rep["held"] == [held.params, held.grads, held.optimizer + 4], rep["held"]
         assert rep["hierarchy"] == [[0]] and not rep["buckets"]  # the runtime did as planned: after the backward
         assert (rep["replicas"], rep["local"]) == (2, r % 2)  # sharded over the host's 2 ranks, by host position
         assert rep["numel"] == n and rep["shard_numel"] == -(-n // 2)  # 1/L of the stage, not 1/d
