@@ -103,3 +103,17 @@ def test_the_solver_takes_it_where_it_is_the_fastest_that_fits() -> None:
     # one host: nothing to make hierarchical, no such candidate
     one = Cluster(devices=tuple(d for d in load_cluster("2node-a100-16").devices if d.host == "node0")[:4], name="1x4")
     assert not [x for x in enumerate_candidates(Chain.of(g), one, setting) if x.config.hierarchical]
+
+
+def test_show_and_explain_name_it() -> None:
+    from hpml_compile.explain import summary
+    from hpml_compile.viz import allreduce_label
+
+    c, g = _two_by_two(), _graph(20.0)
+    hz = _one_stage(c, ZeroStage.OS, AllReduce.HIERARCHICAL)
+    label = allreduce_label(hz, hz.stages[0])
+    assert label == "hierarchical reduce-scatter + all-gather (2 hosts x 2, optimizer sharded per host)"
+    text = summary(hz, g, simulate(hz, g))
+    assert "ZeRO-1, " + label in text and "between hosts" in text, text
+    hier0 = _one_stage(c, ZeroStage.NONE, AllReduce.HIERARCHICAL)
+    assert allreduce_label(hier0, hier0.stages[0]) == "hierarchical all-reduce (2 hosts x 2)"
