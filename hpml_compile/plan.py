@@ -729,10 +729,11 @@ def sync_overlap(plan: Plan, k: int) -> float:
         k: a stage index.
 
     Returns:
-        0 where the stage's sync is not bucketed (one device; compressed; local SGD; ZeRO-3; a hierarchical
-        ZeRO-1: all run after the backward), else the overlap efficiency of its devices (:func:`hpml_compile.cluster.overlap_efficiency`:
+        0 where the stage's sync is not bucketed (one device; compressed; local SGD; ZeRO-3: all run after
+        the backward), else the overlap efficiency of its devices (:func:`hpml_compile.cluster.overlap_efficiency`:
         0 with a CPU in the group, 1 for GPUs), for a flat all-reduce as for a hierarchical one (each bucket
-        a chain of three collectives, :class:`hpml_compile.runtime.comm.ChainQueue`).
+        a chain of three collectives, :class:`hpml_compile.runtime.comm.ChainQueue`; a hierarchical ZeRO-1's of
+        two, its parameter all-gather after the optimizer step).
 
     Example:
         >>> from hpml_compile.cluster import load_cluster
@@ -745,8 +746,6 @@ def sync_overlap(plan: Plan, k: int) -> float:
     st = plan.stages[k]
     if len(st.devices) < 2 or st.compress or plan.sync_every > 1 or st.zero == ZeroStage.OS_G_P:
         return 0.0
-    if st.zero != ZeroStage.NONE and st.allreduce is AllReduce.HIERARCHICAL:
-        return 0.0  # a hierarchical ZeRO-1 reduces after the backward (runtime.zero: not bucketed)
     return overlap_efficiency(plan.cluster, st.devices)
 
 

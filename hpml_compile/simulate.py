@@ -313,7 +313,7 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         opt_ms = optimizer_ms(params, d, st.zero, max(graph.optimizer_ms_per_byte(k) for k in kinds),
                               zero_shards(c, st))
         rate = stream_bytes_per_ms(graph, kinds)
-        copy = copy_ms(params, d, rate, st.zero)
+        copy = copy_ms(params, d, rate, st.zero, st.allreduce is AllReduce.HIERARCHICAL)
         group = min((link_spec(c, st.devices[0], x) for x in st.devices[1:]), key=lambda sp: sp.gbps) \
             if d > 1 else None
         hier = hierarchy(c, st.devices) if st.allreduce is AllReduce.HIERARCHICAL else None

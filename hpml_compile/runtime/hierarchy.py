@@ -32,15 +32,15 @@ after another, the last bucket's chain after the backward.
 
 A ZeRO-1 stage whose plan says ``hierarchical`` (HSDP-like: the optimizer
 sharded over the ``L`` ranks of each host, replicated across hosts) uses
-the first two levels and the third apart:
-:func:`hierarchical_reduce_scatter` (reduce-scatter in the host, then the
-all-reduce of each shard between hosts: each rank holds the global sum of
-its shard), the optimizer steps that shard, and
-:func:`hierarchical_all_gather` brings the host's ranks the other shards'
-new values (:class:`~.zero.FlatShard` with ``hier``). The bytes between hosts
-are the hierarchical all-reduce's; inside the host a reduce-scatter and an
-all-gather, of gradients then of parameters. They run after the backward
-(not bucketed), as :func:`hpml_compile.stagecost.sync_ms` prices them.
+the first two levels and the third apart: the reduce-scatter in the host and
+the all-reduce of each piece between hosts (each rank then holds the global
+sum of its shard: :func:`hierarchical_levels` with ``shard_out``, chained per
+bucket during the backward, or :func:`hierarchical_reduce_scatter` after it),
+the optimizer steps that shard, and :func:`hierarchical_gather_into` brings
+the host's ranks the other pieces' new values, in place in the flat buffer
+(:class:`~.zero.FlatShard` with ``hier``). The bytes between hosts are the
+hierarchical all-reduce's; inside the host a reduce-scatter and an
+all-gather, of gradients then of parameters.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ if TYPE_CHECKING:
     from .comm import CommStats
 
 __all__ = ["HierGroups", "make_hierarchy", "level_bytes", "hierarchical_levels", "hierarchical_all_reduce",
-           "hierarchical_reduce_scatter", "hierarchical_all_gather", "PendingChain", "ChainQueue"]
+           "hierarchical_reduce_scatter", "hierarchical_all_gather", "hierarchical_gather_into", "PendingChain",
+           "ChainQueue"]
 
 _GLOO, _NCCL = "gloo", "nccl"  # torch.distributed's backend names (comm.Backend's values; comm imports this module)
 
@@ -162,13 +163,16 @@ def level_bytes(numel: int, element_size: int, groups: HierGroups, hosts: int) -
     return 2 * (h - 1) * padded // h, 2 * (hosts - 1) * (padded // h) // hosts, 2 * (world - 1) * n // world
 
 
-def hierarchical_levels(flat: Tensor, groups: HierGroups) -> tuple[list[Callable[[], Any]], Callable[[], None]]:
+def hierarchical_levels(flat: Tensor, groups: HierGroups, shard_out: Tensor | None = None
+                        ) -> tuple[list[Callable[[], Any]], Callable[[], None]]:
     """The collectives of a hierarchical all-reduce of ``flat``, to be started in order, each after the last is done.
 
     Args:
         flat: a 1-D tensor, the same length on every rank of the stage (padded here to a multiple of the
             ranks per host).
         groups: this rank's sub-groups (:func:`make_hierarchy`).
+        shard_out: a hierarchical ZeRO-1's reduce-scatter instead: only the first two levels, leaving the global
+            sum of this rank's ``1 / h`` of ``flat`` (whose length must then split into ``h``) in ``shard_out``.
 
     Returns:
         ``(levels, done)``: each level, called, starts one collective with ``async_op=True`` and returns its
@@ -177,13 +181,17 @@ def hierarchical_levels(flat: Tensor, groups: HierGroups) -> tuple[list[Callable
         gloo host group the reduce-scatter is an all-to-all whose pieces the next level sums (see below).
     """
     n, h = flat.numel(), groups.per_host
+    if shard_out is not None and (n % h or shard_out.numel() * h != n):
+        raise ValueError(f"hierarchical_levels: {n} elements do not split into {h} shards of {shard_out.numel()}")
     if groups.intra is None:
+        if shard_out is not None:
+            return [lambda: dist.all_reduce(shard_out.copy_(flat), group=groups.inter, async_op=True)], lambda: None
         return [lambda: dist.all_reduce(flat, group=groups.inter, async_op=True)], lambda: None
     pad = (-n) % h
     buf = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
     parts = list(buf.chunk(h))  # equal chunks: len(buf) is a multiple of h
-    shard = torch.empty_like(parts[0])
-    gathered = [torch.empty_like(shard) for _ in range(h)]
+    shard = torch.empty_like(parts[0]) if shard_out is None else shard_out
+    gathered = [torch.empty_like(shard) for _ in range(h)] if shard_out is None else []
 
     def done() -> None:
         flat.copy_(torch.cat(gathered)[:n])
@@ -208,6 +216,8 @@ def hierarchical_levels(flat: Tensor, groups: HierGroups) -> tuple[list[Callable
         def between() -> Any:
             return dist.all_reduce(shard, group=groups.inter, async_op=True)
 
+    if shard_out is not None:
+        return [scatter, between], lambda: None
     return [scatter, between, lambda: dist.all_gather(gathered, shard, group=groups.intra, async_op=True)], done
 
 
@@ -256,6 +266,26 @@ def hierarchical_reduce_scatter(flat: Tensor, groups: HierGroups) -> Tensor:
         dist.reduce_scatter(shard, list(flat.chunk(h)), group=groups.intra)
     dist.all_reduce(shard, group=groups.inter)
     return shard
+
+
+def hierarchical_gather_into(pieces: Sequence[tuple[Tensor, Tensor]], groups: HierGroups) -> None:
+    """The third level on parameters, in place: for each ``(shard piece, out)``, ``out`` (``h`` times as long) gets
+    the host's ranks' pieces in local order (``all_gather_into_tensor``: no copy). Blocking, one after another.
+
+    Args:
+        pieces: ``(this rank's piece, where the host's pieces go)``, the same sizes on every rank.
+        groups: this rank's sub-groups (:func:`make_hierarchy`).
+    """
+    for piece, out in pieces:
+        if groups.intra is None:
+            out.copy_(piece)
+            continue
+        if out.device.type != "cpu" and dist.get_backend(groups.intra) == _GLOO:  # a GPU tensor over gloo: via host
+            host = torch.empty(out.shape, dtype=out.dtype)
+            dist.all_gather_into_tensor(host, piece.detach().cpu(), group=groups.intra)
+            out.copy_(host)
+        else:
+            dist.all_gather_into_tensor(out, piece.detach().contiguous(), group=groups.intra)
 
 
 def hierarchical_all_gather(shard: Tensor, groups: HierGroups) -> Tensor:

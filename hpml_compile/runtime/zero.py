@@ -98,18 +98,26 @@ The collective of a bucket goes through one method, :meth:`GradBuckets.launch`
 (where a compressing reducer would plug in).
 
 **Hierarchical ZeRO-1** (a ZeRO-1 stage whose plan says ``allreduce:
-hierarchical``, its replicas spread evenly over hosts; HSDP-like): the flat
-buffer is split over the ``L`` ranks of each host, not over all ``d``, so
-each rank owns the shard of its position on its host and holds ``1 / L`` of
-the optimizer state (the same shard on every host). After the last backward
-the gradients are reduce-scattered inside the host and each shard
-all-reduced between hosts (:func:`~.hierarchy.hierarchical_reduce_scatter`:
-the same bytes between hosts as the hierarchical all-reduce), the optimizer
-steps the shard, and the host's ranks all-gather the new values
-(:func:`~.hierarchy.hierarchical_all_gather`). Not bucketed: the two levels
-run after the backward (:meth:`FlatShard.enable_overlap` is a no-op for it,
-and :func:`hpml_compile.plan.sync_overlap` is 0, which the cost model
-prices). The same exact sum as the flat reduce-scatter, added in another order.
+hierarchical``, its replicas spread evenly over hosts; HSDP-like): the
+optimizer is sharded over the ``L`` ranks of each host, not over all ``d``,
+so each rank holds ``1 / L`` of the optimizer state (the same shard as the
+rank at its position on every other host). The flat buffer is cut into
+contiguous buckets, as ZeRO-0's (``[L a, L b)`` for the shard sub-range
+``[a, b)``), each split into ``L`` pieces; a rank's shard is its piece of
+every bucket, a tensor of its own (``P / L`` bytes, beside the flat
+buffer), and so is the shard's summed gradient. A bucket's gradients are
+reduce-scattered inside the host and the piece all-reduced between hosts
+(the first two levels of the hierarchical all-reduce, :meth:`.comm.DistComm.reduce_scatter_chain`,
+through the stage's :class:`~.comm.ChainQueue`), launched by the gradient
+hooks during the last backward where the stage overlaps (GPU groups; since
+the buckets are contiguous ranges of the buffer they are ready as early as
+ZeRO-0's), after it otherwise (one bucket: the contiguous layout,
+:func:`~.hierarchy.hierarchical_reduce_scatter`). The optimizer steps the
+shard, and the host's ranks all-gather each bucket's pieces straight into
+the flat buffer (``all_gather_into_tensor``: no copy), after the step, not
+overlapped. Between hosts: the hierarchical all-reduce's bytes; inside: a
+reduce-scatter of gradients and an all-gather of parameters. The same exact
+sum as the flat reduce-scatter, added in another order.
 
 Checkpoints stay plan-independent: :func:`full_optimizer_state` gathers the
 shard's state back to whole per-parameter tensors under the original names
@@ -280,11 +288,15 @@ class FlatShard:
                 offset += n
         lo = replica * self.shard_numel
         self.param = nn.Parameter(self.flat[lo:lo + self.shard_numel])  # the optimizer steps this, in place
+        if hier is not None:  # its own storage: one piece of every bucket (enable_overlap), gathered into the flat
+            self.param = nn.Parameter(self.flat[lo:lo + self.shard_numel].clone())
         self.grad_flat: Tensor | None = None
         self.comm: Comm | None = None  # the stage's communicator, set by the pipeline (and after a reconnect)
         self._checked = False
         self.buckets: GradBuckets | None = None  # overlapped reduce-scatter (enable_overlap)
-        self._ranges: list[tuple[int, int]] = []
+        # shard sub-ranges in launch order; a hierarchical shard's bucket ``[a, b)`` is the flat range ``[L a, L b)``,
+        # of which this rank owns piece ``replica`` (:meth:`_piece`); one bucket: the contiguous layout
+        self._ranges: list[tuple[int, int]] = [(0, self.shard_numel)] if hier is not None else []
         self._out: Tensor | None = None  # this replica's summed shard, filled bucket by bucket
 
     def enable_overlap(self, first_bytes: int = FIRST_BUCKET_BYTES, cap_bytes: int = BUCKET_BYTES) -> None:
@@ -292,10 +304,11 @@ class FlatShard:
 
         A bucket is the sub-range ``[a, b)`` of every replica's shard; its size in bytes over all replicas
         is about ``first_bytes`` for the first bucket and ``cap_bytes`` for the others. A hierarchical shard
-        (``hier``) is not bucketed (its two-level reduce-scatter runs after the backward): a no-op.
+        (``hier``) cuts the flat buffer into contiguous buckets instead (as ZeRO-0 does), each split into the
+        host's ``L`` pieces: its shard is this rank's piece of every bucket (see the module docstring).
         """
         if self.hier is not None:
-            return
+            return self._enable_hier_overlap(first_bytes, cap_bytes)
         d, n = self.replicas, self.shard_numel
         size = self.flat.element_size()
         self._ranges = bucket_ranges(n, size, max(size, first_bytes // d), max(size, cap_bytes // d))
@@ -314,6 +327,31 @@ class FlatShard:
         n = self.shard_numel
         parts = [self.grad_flat[s * n + a:s * n + b] for s in range(self.replicas)]
         return self.comm.reduce_scatter_async(self.stage, parts, self._out[a:b])  # type: ignore[attr-defined]
+
+    def _piece(self, a: int, b: int, replica: int | None = None) -> slice:
+        """The flat elements of ``replica``'s (default: this one's) piece of the hierarchical bucket ``[a, b)``."""
+        r = self.replica if replica is None else replica
+        return slice(self.replicas * a + r * (b - a), self.replicas * a + (r + 1) * (b - a))
+
+    def _enable_hier_overlap(self, first_bytes: int, cap_bytes: int) -> None:
+        L, n = self.replicas, self.shard_numel
+        size = self.flat.element_size()
+        self._ranges = bucket_ranges(n, size, max(size, first_bytes // L), max(size, cap_bytes // L))
+        with torch.no_grad():  # the shard is now this rank's piece of every bucket
+            for a, b in self._ranges:
+                self.param[a:b].copy_(self.flat[self._piece(a, b)])
+        members = [[i for i, (off, m) in enumerate(self._views) if off < L * b and off + m > L * a]
+                   for a, b in self._ranges]
+        self.buckets = GradBuckets(self.params, members, self._launch_hier)
+
+    def _launch_hier(self, i: int) -> Any:
+        """Start bucket ``i``'s reduce-scatter in the host and all-reduce between hosts into its part of the shard."""
+        assert self.grad_flat is not None and self.comm is not None
+        if self._out is None:
+            self._out = torch.empty(self.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
+        a, b = self._ranges[i]
+        return self.comm.reduce_scatter_chain(self.stage, self.grad_flat[self.replicas * a:self.replicas * b],  # type: ignore[attr-defined]
+                                              self._out[a:b])
 
     @property
     def owned(self) -> slice:
@@ -358,7 +396,10 @@ class FlatShard:
         for p in self.params:
             p.grad = None  # the full gradient is not the summed one: nobody may read it as such
         if self.buckets is None:
-            shard = comm.reduce_scatter(self.stage, self.grad_flat)
+            shard = comm.reduce_scatter(self.stage, self.grad_flat)  # hierarchical: one bucket, contiguous pieces
+        if self.hier is not None:
+            self.param.grad = shard  # the shard is not a view of the flat buffer: its gradient is not either
+            return
         if self.zero is ZeroStage.OS:
             own = self.grad_flat[self.owned]
             own.copy_(shard)
@@ -368,7 +409,14 @@ class FlatShard:
             self.grad_flat = None  # ZeRO-2: only the shard of the gradients is held from here on
 
     def all_gather(self, comm: Comm) -> None:
-        """After the optimizer step: every replica takes the other shards' new values."""
+        """After the optimizer step: every replica takes the other shards' new values (hierarchical: the host's
+        ranks' pieces of each bucket, gathered into the flat buffer in place)."""
+        if self.hier is not None:
+            L = self.replicas
+            with torch.no_grad():
+                comm.gather_into(self.stage, [(self.param.detach()[a:b], self.flat[L * a:L * b])  # type: ignore[attr-defined]
+                                              for a, b in self._ranges])
+            return
         with torch.no_grad():
             full = comm.all_gather(self.stage, self.param.detach())
             if full.data_ptr() != self.flat.data_ptr():
@@ -387,7 +435,19 @@ class FlatShard:
             group = self.hier.intra  # every host holds every shard: gather inside this one
         parts = [torch.empty_like(t) for _ in range(self.replicas)]
         dist.all_gather(parts, t.contiguous(), group=group)
-        return torch.cat(parts)
+        if self.hier is None:
+            return torch.cat(parts)
+        whole = torch.empty(self.flat.numel(), dtype=t.dtype, device=t.device)  # each bucket's pieces in place
+        for a, b in self._ranges:
+            for r, part in enumerate(parts):
+                whole[self._piece(a, b, r)] = part[a:b]
+        return whole
+
+    def _own(self, whole: Tensor) -> Tensor:
+        """This replica's shard of a tensor laid out as the flat buffer."""
+        if self.hier is None:
+            return whole[self.owned]
+        return torch.cat([whole[self._piece(a, b)] for a, b in self._ranges])
 
     def _per_element(self, t: Tensor) -> bool:
         if t.numel() == self.shard_numel and t.dim() == 1 and self.shard_numel > 1:
@@ -424,7 +484,7 @@ class FlatShard:
                 whole = torch.zeros(self.flat.numel(), dtype=t.dtype, device=t.device)
                 for (off, n), s in zip(self._views, per_param):
                     whole[off:off + n].copy_(s[key].reshape(-1))
-                src = whole[self.owned]
+                src = self._own(whole)
             else:
                 src = per_param[0][key].reshape(t.shape)
             if isinstance(value, Tensor):

@@ -256,7 +256,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
                 sync = np.minimum(sync, compressed_sync_ms(params, d, setting.compress, glink, dtype_bytes=bpe,
                                                            bytes_per_ms=rate, fraction=setting.compress_fraction))
             ests.append(m * t + sync
-                        + copy_ms(params, d, rate, cfg.zero)
+                        + copy_ms(params, d, rate, cfg.zero, cfg.hierarchical)
                         + optimizer_ms(params, d, cfg.zero, opt_rate, shards))
             jms.append(jm)
             mems.append(mem)

@@ -5,13 +5,17 @@ SkipNet on one stage of four CPU devices, two on each of two hosts, ZeRO-1 with 
 all-reduce of the shard between hosts, AdamW on the shard, all-gather in the host). One job checks:
 
 - transparency: three AdamW steps give the one-process model's losses and parameters (within float
-  tolerance: the same sums, added in another order), on every rank;
+  tolerance: the same sums, added in another order), on every rank, both as the plan runs it on CPU ranks
+  (after the backward) and with the buckets forced on (``overlap=True``, as on GPU groups: each bucket's
+  reduce-scatter and all-reduce chained during the backward, every bucket launched by a gradient hook);
 - the shard is ``1 / L`` of the stage (``L = 2`` ranks per host, not ``1 / d = 1 / 4``), and so is every
   Adam moment; ranks at the same position on the two hosts hold the same moments; the bytes a rank holds by
-  part (parameters, gradients, optimizer state) are :func:`hpml_compile.plan.stage_breakdown`'s;
+  part (parameters and gradients: the flat buffers plus the shard's own, ``P + P / L``; optimizer state)
+  are :func:`hpml_compile.plan.stage_breakdown`'s;
 - the bytes the runtime counted per level are the hierarchical all-reduce's (between hosts ``1 / L`` of a
   ring's share);
-- a checkpoint saved under it resumes under the flat ZeRO-0 build of the same model: the two steps after it
+- a checkpoint saved under it (the bucketed layout: each shard a piece of every bucket) resumes under the
+  flat ZeRO-0 build of the same model: the two steps after it
   give the losses and parameters of the run that went on under the hierarchical ZeRO-1 plan (so the Adam
   moments came back whole).
 """
@@ -105,30 +109,44 @@ def test_hierarchical_zero1_on_two_torchrun_hosts_is_transparent_sharded_per_hos
     hz_plan = load_plan(hz / "plan.json")
     held = stage_breakdown(hz_plan, prof, hz_plan.stages[0])
     assert held.optimizer == 2 * n * 4 // 2  # Adam's two fp32 moments, / L = 2 (flat ZeRO-1 would be / 4)
-    for r, rep in enumerate(ranks):
-        # what the rank holds is the prediction: parameters and gradients whole, the moments 1/L, plus the step
-        # counter of the one parameter the optimizer steps (the shard)
-        assert rep["optimizer_params"] == 1, rep
-        assert rep["held"] == [held.params, held.grads, held.optimizer + 4], rep["held"]
-        assert rep["hierarchy"] == [[0]] and not rep["buckets"]  # the runtime did as planned: after the backward
-        assert (rep["replicas"], rep["local"]) == (2, r % 2)  # sharded over the host's 2 ranks, by host position
-        assert rep["numel"] == n and rep["shard_numel"] == -(-n // 2)  # 1/L of the stage, not 1/d
-        assert rep["state_numel"]["exp_avg"] == rep["state_numel"]["exp_avg_sq"] == rep["shard_numel"]
-        assert rep["losses"] == pytest.approx(losses, abs=1e-6), r
-        for name, want in params.items():
-            assert torch.allclose(torch.tensor(rep["params"][name]), want, atol=1e-6), (r, name)
-            assert torch.tensor(rep["params"][name]).equal(torch.tensor(ranks[0]["params"][name])), (r, name)
-        padded = -(-n // 2) * 2 * 4  # fp32 bytes of the flat buffer, padded to the host's 2 ranks
-        # per step: reduce-scatter + all-gather in the host (each (L-1)/L), the shard's all-reduce between the
-        # 2 hosts (2 (H-1)/H of 1/L), against a flat ring's 2 (d-1)/d of the buffer
-        assert rep["levels"] == [padded, padded // 2, 3 * padded // 2]
-        # resumed under the flat ZeRO-0 build: the same steps as going on under this plan, and the model's
+    assert held.params == held.grads == n * 4 + n * 4 // 2  # the flat buffers, and the shard's own of each
+    padded = -(-n // 2) * 2 * 4  # fp32 bytes of the flat buffer, padded to the host's 2 ranks
+    for run in ("after", "buckets"):
+        for r, rank in enumerate(ranks):
+            rep = rank[run]
+            assert rep["hierarchy"] == [[0]], run  # the runtime did as planned
+            assert (rep["replicas"], rep["local"]) == (2, r % 2)  # sharded over the host's 2 ranks, by position
+            assert rep["numel"] == n and rep["shard_numel"] == -(-n // 2)  # 1/L of the stage, not 1/d
+            assert rep["state_numel"]["exp_avg"] == rep["state_numel"]["exp_avg_sq"] == rep["shard_numel"]
+            # what the rank holds is the prediction: the flat parameters and the shard's own, the flat gradient
+            # buffer and the shard's summed gradient (its own storage), the moments 1/L, plus the step counter of
+            # the one parameter the optimizer steps (the shard)
+            assert rep["optimizer_params"] == 1, rep
+            assert rep["held_params"] == held.params and rep["held_optimizer"] == held.optimizer + 4, (run, rep)
+            assert rep["grad_storage"] == [n * 4, n * 4 // 2, True] and sum(rep["grad_storage"][:2]) == held.grads
+            assert rep["losses"] == pytest.approx(losses, abs=1e-6), (run, r)
+            for name, want in params.items():
+                got = torch.tensor(rep["params"][name])
+                assert torch.allclose(got, want, atol=1e-6), (run, r, name)
+                assert got.equal(torch.tensor(ranks[0][run]["params"][name])), (run, r, name)  # every rank alike
+            # per step: reduce-scatter + all-gather in the host (each (L-1)/L), the shard's all-reduce between the
+            # 2 hosts (2 (H-1)/H of 1/L), against a flat ring's 2 (d-1)/d of the buffer; buckets: at least that
+            if run == "after":
+                assert rep["levels"] == [padded, padded // 2, 3 * padded // 2], rep["levels"]
+                assert rep["buckets"] is None  # CPU ranks: after the backward, as the plan prices it
+            else:
+                assert all(a >= b > 0 for a, b in zip(rep["levels"], [padded, padded // 2, 3 * padded // 2]))
+                count, in_backward, early = rep["buckets"]
+                assert count > 2 and in_backward == count and early >= 1, rep["buckets"]  # launched by the hooks
+        for a, b in ((0, 2), (1, 3)):  # the same shard on both hosts: the same Adam moments
+            assert torch.allclose(torch.tensor(ranks[a][run]["exp_avg"]), torch.tensor(ranks[b][run]["exp_avg"]),
+                                  atol=1e-9)
+        assert not torch.allclose(torch.tensor(ranks[0][run]["exp_avg"]), torch.tensor(ranks[1][run]["exp_avg"]))
+    for r, rank in enumerate(ranks):  # saved from the bucketed layout, resumed under the flat ZeRO-0 build
+        rep = rank["buckets"]
         assert rep["resumed"] == pytest.approx(rep["continued"], abs=1e-6), r
         assert rep["continued"] == pytest.approx(later, abs=1e-6), r
         for name, want in final.items():
             assert torch.allclose(torch.tensor(rep["resumed_params"][name]),
                                   torch.tensor(rep["continued_params"][name]), atol=1e-6), (r, name)
             assert torch.allclose(torch.tensor(rep["continued_params"][name]), want, atol=1e-6), (r, name)
-    for a, b in ((0, 2), (1, 3)):  # the same shard on both hosts: the same Adam moments
-        assert torch.allclose(torch.tensor(ranks[a]["exp_avg"]), torch.tensor(ranks[b]["exp_avg"]), atol=1e-9)
-    assert not torch.allclose(torch.tensor(ranks[0]["exp_avg"]), torch.tensor(ranks[1]["exp_avg"]))

@@ -2,12 +2,14 @@
 
 A ZeRO-1 stage whose devices span hosts evenly may say ``allreduce: hierarchical``: its optimizer is
 sharded over the ``L`` devices of each host (replicated across hosts), its gradients reduce-scattered in the
-host and all-reduced between hosts, its parameters all-gathered in the host, after the backward.
+host and all-reduced between hosts (bucket by bucket during the backward on GPU groups), its parameters
+all-gathered in the host after the optimizer step.
 
 - the plan accepts it (validation and plan.json), ZeRO-2/3 stay refused (tests/unit/test_hierarchical.py);
-  ``zero_shards`` is the host's device count; ``sync_overlap`` is 0 (the runtime does not bucket it);
-- the cost model: optimizer state and step ``1 / L`` (not ``1 / d``), sync the hierarchical all-reduce's three
-  levels after the backward (plus ZeRO-1's copy), on every device kind;
+  ``zero_shards`` is the host's device count; ``sync_overlap`` buckets it where ZeRO-0's would be;
+- the cost model: optimizer state and step ``1 / L`` (not ``1 / d``), parameters and gradients ``P + P / L``
+  (the shard's own tensors), sync: the two gradient levels overlapped with the backward as ZeRO-0's chains
+  (after it on CPU ranks), then the parameter all-gather in the host, whole; no copy;
 - the solver takes it where it is the fastest that fits (a stage over 2 hosts x 2 whose ZeRO-0 state does not
   fit and whose flat ZeRO-1 crosses the slow link), never where the setting forbids hierarchical syncs, and the
   table prices its candidate as the simulator prices the plan.
@@ -30,7 +32,7 @@ from hpml_compile.simulate import simulate, stage_costs
 from hpml_compile.solve import solve
 from hpml_compile.solve.candidates import Chain, Setting, StageConfig, enumerate_candidates
 from hpml_compile.solve.testing import chain_profile
-from hpml_compile.stagecost import copy_ms, hierarchical_allreduce_ms, stream_bytes_per_ms
+from hpml_compile.stagecost import copy_ms, hierarchical_allreduce_ms, stream_bytes_per_ms, sync_ms
 
 GB = 10**9
 KIND = "A100-80GB"
@@ -41,10 +43,11 @@ def _two_by_two() -> Cluster:
     return Cluster(devices=tuple(d for d in c.devices if d.name in {"gpu0", "gpu1", "gpu8", "gpu9"}), name="2x2")
 
 
-def _graph(param_gb: float):
-    """Four nodes of heavy compute (data parallelism pays) and ``param_gb`` GB of parameters, AdamW 40 ms/GB."""
+def _graph(param_gb: float, opt_ms_per_gb: float = 40.0):
+    """Four nodes of heavy compute (data parallelism pays) and ``param_gb`` GB of parameters, AdamW at
+    ``opt_ms_per_gb`` (whole, on one device)."""
     prof = chain_profile([(1000.0, 2000.0)] * 4, kind=KIND, param_bytes=int(param_gb * GB / 4), batch_size=64)
-    return build(replace(prof, optimizer="adamw", optimizer_ms={KIND: 40.0 * param_gb}))
+    return build(replace(prof, optimizer="adamw", optimizer_ms={KIND: opt_ms_per_gb * param_gb}))
 
 
 def _one_stage(cluster: Cluster, zero: ZeroStage, how: AllReduce) -> Plan:
@@ -57,10 +60,9 @@ def test_the_plan_accepts_it_and_it_shards_over_one_host(tmp_path: Path) -> None
     hz = _one_stage(c, ZeroStage.OS, AllReduce.HIERARCHICAL)
     assert load_plan(save_plan(hz, tmp_path / "plan.json")) == hz
     assert zero_shards(c, hz.stages[0]) == 2 and zero_shards(c, _one_stage(c, ZeroStage.OS, AllReduce.FLAT).stages[0]) == 4
-    # not bucketed on GPUs (the flat ZeRO-1 and the hierarchical ZeRO-0 are): priced after the backward
-    assert sync_overlap(hz, 0) == 0.0
-    assert sync_overlap(_one_stage(c, ZeroStage.OS, AllReduce.FLAT), 0) == 1.0
-    assert sync_overlap(_one_stage(c, ZeroStage.NONE, AllReduce.HIERARCHICAL), 0) == 1.0
+    assert sync_overlap(hz, 0) == 1.0  # bucketed on GPUs, as ZeRO-0's
+    cpus = Cluster(devices=tuple(replace(d, kind="cpu") for d in c.devices), name="cpus")
+    assert sync_overlap(replace(hz, cluster=cpus), 0) == 0.0  # after the backward on CPU ranks
 
 
 def test_the_cost_model_shards_the_optimizer_per_host_and_prices_the_three_levels() -> None:
@@ -70,21 +72,30 @@ def test_the_cost_model_shards_the_optimizer_per_host_and_prices_the_three_level
         (ZeroStage.OS, AllReduce.HIERARCHICAL), (ZeroStage.OS, AllReduce.FLAT), (ZeroStage.NONE, AllReduce.HIERARCHICAL)))
     # Adam's two fp32 moments: / L = 2 here, / d = 4 flat, whole under ZeRO-0
     assert (hz.memory.optimizer, flat1.memory.optimizer, hier0.memory.optimizer) == (2 * p // 2, 2 * p // 4, 2 * p)
-    assert hz.memory.params == hz.memory.grads == p
+    assert hz.memory.params == hz.memory.grads == p + p // 2  # the shard's own parameters and summed gradient
+    assert flat1.memory.params == flat1.memory.grads == p
     assert hz.optimizer_ms == pytest.approx(40.0 * 20 / 2) and flat1.optimizer_ms == pytest.approx(40.0 * 20 / 4)
     h = hierarchy(c, [d.name for d in c.devices])
     assert h is not None and h.per_host == 2
-    want = (cost_models.reduce_scatter_ms(p, 2, h.intra) + cost_models.allreduce_ms(p / 2, 2, h.inter)
-            + cost_models.all_gather_ms(p, 2, h.intra))
+    levels = cost_models.reduce_scatter_ms(p, 2, h.intra) + cost_models.allreduce_ms(p / 2, 2, h.inter)
+    buckets = 1 + -(-(p - 2**20) // (25 * 2**20))  # 1 MiB, then 25 MiB: each gathered on its own after the step
+    gather = cost_models.all_gather_ms(p, 2, h.intra) + (buckets - 1) * cost_models.all_gather_ms(1, 2, h.intra)
+    assert levels + cost_models.all_gather_ms(p, 2, h.intra) == pytest.approx(hierarchical_allreduce_ms(p, h))
     copy = copy_ms(p, 4, stream_bytes_per_ms(g, [KIND]), ZeroStage.OS)
-    assert hz.sync_copy_ms == pytest.approx(copy) and copy > 0
-    assert hz.sync_ms == pytest.approx(want + copy)  # after the backward: nothing hidden
-    assert want == pytest.approx(hierarchical_allreduce_ms(p, h))
+    assert hz.sync_copy_ms == 0.0 and flat1.sync_copy_ms == pytest.approx(copy) and copy > 0  # gathered in place
+    # the gradient levels run bucket by bucket during the last backward (as ZeRO-0's chains), the parameter
+    # all-gather after the step: exposed whole
+    assert gather < hz.sync_ms < levels + gather
+    assert hz.sync_ms == pytest.approx(sync_ms(p, 4, ZeroStage.OS, False, h.inter, h.inter, h, bwd_ms=hz.bwd_ms))
+    on_cpu = sync_ms(p, 4, ZeroStage.OS, False, h.inter, h.inter, h, bwd_ms=hz.bwd_ms, overlap=0.0)
+    assert on_cpu == pytest.approx(hierarchical_allreduce_ms(p, h))  # one bucket: the three levels after it
     assert hz.sync_ms < flat1.sync_ms / 2  # the flat reduce-scatter and all-gather cross 100 GbE with 3/4 of P each
 
 
 def test_the_solver_takes_it_where_it_is_the_fastest_that_fits() -> None:
-    c, g = _two_by_two(), _graph(22.0)  # ZeRO-0 holds 4 P = 88 GB > 80: a stage of 4 needs ZeRO (or offload)
+    # a slow optimizer step (400 ms unsharded): ZeRO-0 steps it whole, flat ZeRO-1 crosses 100 GbE with 3/4 of P
+    # twice (~480 ms), the hierarchical ZeRO-1 steps half of it behind the overlapped levels and a 7 ms gather
+    c, g = _two_by_two(), _graph(4.0, 100.0)
     plan = solve(g, c, solver="dp", microbatches=1)
     wide = [st for st in plan.stages if len(st.devices) == 4]
     assert wide and wide[0].zero == ZeroStage.OS and wide[0].allreduce is AllReduce.HIERARCHICAL, plan.stages
@@ -92,7 +103,8 @@ def test_the_solver_takes_it_where_it_is_the_fastest_that_fits() -> None:
     assert all(st.allreduce is AllReduce.FLAT for st in no.stages)
     assert plan.predicted.step_ms < no.predicted.step_ms
     assert simulate(plan, g).step_ms == pytest.approx(plan.predicted.step_ms)
-    # its candidate's tail is what the simulator prices: sync (three levels + copy) and the optimizer on 1/L
+    # its candidate's tail is what the simulator prices: sync (two levels overlapped + the gather) and the
+    # optimizer on 1/L
     setting = Setting(1, Schedule.GPIPE, 64)
     cands = [x for x in enumerate_candidates(Chain.of(g), c, setting) if x.config.hierarchical and x.a == 0 and x.b == 4]
     assert cands and all(x.config.zero == ZeroStage.OS and x.d == 4 for x in cands)

@@ -23,7 +23,7 @@ from hpml_compile.plan import Schedule
 from hpml_compile.solve.candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees,
                                            enumerate_candidates, group_link, in_flight, kind_counts)
 from hpml_compile.solve.dp import objective, solve_chain
-from hpml_compile.stagecost import device_memory, hierarchical_overlapped_ms, overlapped_ms, stream_bytes_per_ms
+from hpml_compile.stagecost import _bucketed, device_memory, hierarchical_overlapped_ms, overlapped_ms, stream_bytes_per_ms
 from hpml_compile.solve.testing import dag_profile
 
 MiB = 2**20
@@ -44,11 +44,16 @@ def _sync(cfg, params: int, d: int, glink, host, bwd: float, hier=None, is_cpu: 
         if is_cpu:
             bwd = 0.0
         reduce = overlapped_ms if not is_cpu else (lambda fn, p, link, n, _w: _ms(fn, p, n, link))
-        if cfg.hierarchical:  # ZeRO-1 sharded per host: the three levels after the backward, whatever the device
+        if cfg.hierarchical:  # ZeRO-1 sharded per host: reduce-scatter in the host + all-reduce between, per
+            # bucket during the backward (GPUs) or after it (CPUs); the parameters' all-gather in the host after
             h, hosts = hier.per_host, len(hier.hosts)
-            t += (_ms(cost_models.reduce_scatter_ms, params, h, hier.intra)
-                  + _ms(cost_models.allreduce_ms, params / h, hosts, hier.inter)
-                  + _ms(cost_models.all_gather_ms, params, h, hier.intra))
+
+            def two(b):
+                return (_ms(cost_models.reduce_scatter_ms, b, h, hier.intra)
+                        + _ms(cost_models.allreduce_ms, b / h, hosts, hier.inter))
+            gather = (lambda b: _ms(cost_models.all_gather_ms, b, h, hier.intra))
+            t += (two(params) + gather(params)) if is_cpu else (_bucketed(two, params, bwd)
+                                                                 + _bucketed(gather, params, 0.0))
         elif cfg.zero == ZeroStage.NONE:
             t += reduce(cost_models.allreduce_ms, params, glink, d, bwd)
             if hier is not None:  # two hosts or more, the same number on each: the faster of flat and hierarchical
@@ -94,7 +99,7 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
                         swap = 2 * _ms(cost_models.p2p_ms, acts / (m * d), host) if cfg.swap else 0.0
                         t = base + (fwd if cfg.recompute else 0.0) + swap
                         copy = 4 * params / stream_bytes_per_ms(chain.graph, [kind]) \
-                            if d > 1 and cfg.zero >= ZeroStage.OS else 0.0
+                            if d > 1 and cfg.zero >= ZeroStage.OS and not cfg.hierarchical else 0.0
                         shards = hier.per_host if cfg.hierarchical else d  # the optimizer's step: its shard
                         opt = chain.graph.optimizer_ms_per_byte(kind) * (params // shards if cfg.zero >= ZeroStage.OS
                                                                          else params)
