@@ -441,7 +441,7 @@ def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit
     for r in rows:
         print(f"{r['model']:11s} flat {_terms_text(r['flat_terms'])}")
         print(f"{'':11s} hier {_terms_text(r['hierarchical_terms'])}")
-        if r["hier_zero1_terms"] is not None:
+        if r["hier_zero1_terms"] is not None and not r["hier_zero1_chosen"]:  # chosen: it is the line above
             t = r["hier_zero1_terms"]
             print(f"{'':11s} hier ZeRO-1 what-if ({r['hier_zero1_stages']}): {t['step']:.4g} ms, closed "
                   f"{r['hier_zero1_closed']:.0%}: {_terms_text(t)}")
