@@ -246,9 +246,10 @@ class FlatShard:
         replica: this rank's replica index ``r`` (under ``hier``: its index on its host).
         zero: the ZeRO stage (1 or 2).
         hier: this rank's sub-groups where the plan makes the ZeRO-1 stage hierarchical (HSDP-like: the shards
-            over the host's ``L`` ranks, every host holding all of them; the gradient reduce-scatter is
-            :func:`~.hierarchy.hierarchical_reduce_scatter`, the gather :func:`~.hierarchy.hierarchical_all_gather`,
-            both through the communicator, after the backward). None: flat, over all ``d`` replicas.
+            over the host's ``L`` ranks, every host holding all of them; each bucket's reduce-scatter in the host
+            and all-reduce between hosts through the communicator's ``reduce_scatter_chain``, or one
+            ``reduce_scatter`` after the backward where not bucketed; the parameters gathered in place by its
+            ``gather_into``). None: flat, over all ``d`` replicas.
 
     Raises:
         HpmlError: parameters of different dtypes or devices (one flat buffer holds them all), ZeRO-3, or
