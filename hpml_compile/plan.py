@@ -450,8 +450,8 @@ def zero_shards(cluster: Cluster, stage: Stage) -> int:
     >>> from hpml_compile.cluster import load_cluster
     >>> c = load_cluster("2node-a100-16")
     >>> devs = tuple(f"gpu{i}" for i in range(16))
-    >>> zero_shards(c, Stage(0, devs, ("x",), ZeroStage.OS)), zero_shards(c, Stage(0, devs, ("x",), ZeroStage.OS,
-    ...                                                          allreduce=AllReduce.HIERARCHICAL))
+    >>> hier = Stage(0, devs, ("x",), ZeroStage.OS, allreduce=AllReduce.HIERARCHICAL)
+    >>> zero_shards(c, Stage(0, devs, ("x",), ZeroStage.OS)), zero_shards(c, hier)
     (16, 8)
     """
     if stage.zero == ZeroStage.OS and stage.allreduce is AllReduce.HIERARCHICAL and len(stage.devices) > 1:
@@ -492,7 +492,8 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | No
         activation_bytes=sum(n.activation_bytes for n in nodes),
         input_bytes=_input_bytes(profile, names),
         dtype_bytes=dtype_bytes(profile.dtype), replicas=len(stage.devices), zero=stage.zero,
-        shards=zero_shards(plan.cluster, stage), microbatches=m, in_flight=in_flight(plan.schedule, m, len(plan.stages) - stage.index - 1),
+        shards=zero_shards(plan.cluster, stage), microbatches=m,
+        in_flight=in_flight(plan.schedule, m, len(plan.stages) - stage.index - 1),
         recompute=stage.recompute,
         swapped_bytes=sum(n.activation_bytes for n in nodes if n.name in swapped),
         offload_optimizer=stage.offload_optimizer,

@@ -107,8 +107,9 @@ contiguous buckets, as ZeRO-0's (``[L a, L b)`` for the shard sub-range
 every bucket, a tensor of its own (``P / L`` bytes, beside the flat
 buffer), and so is the shard's summed gradient. A bucket's gradients are
 reduce-scattered inside the host and the piece all-reduced between hosts
-(the first two levels of the hierarchical all-reduce, :meth:`.comm.DistComm.reduce_scatter_chain`,
-through the stage's :class:`~.comm.ChainQueue`), launched by the gradient
+(the first two levels of the hierarchical all-reduce,
+:meth:`.comm.DistComm.reduce_scatter_chain`, through the stage's
+:class:`~.comm.ChainQueue`), launched by the gradient
 hooks during the last backward where the stage overlaps (GPU groups; since
 the buckets are contiguous ranges of the buffer they are ready as early as
 ZeRO-0's), after it otherwise (one bucket: the contiguous layout,
@@ -351,8 +352,8 @@ class FlatShard:
         if self._out is None:
             self._out = torch.empty(self.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
         a, b = self._ranges[i]
-        return self.comm.reduce_scatter_chain(self.stage, self.grad_flat[self.replicas * a:self.replicas * b],  # type: ignore[attr-defined]
-                                              self._out[a:b])
+        bucket = self.grad_flat[self.replicas * a:self.replicas * b]
+        return self.comm.reduce_scatter_chain(self.stage, bucket, self._out[a:b])  # type: ignore[attr-defined]
 
     @property
     def owned(self) -> slice:
@@ -414,9 +415,9 @@ class FlatShard:
         ranks' pieces of each bucket, gathered into the flat buffer in place)."""
         if self.hier is not None:
             L = self.replicas
+            pieces = [(self.param.detach()[a:b], self.flat[L * a:L * b]) for a, b in self._ranges]
             with torch.no_grad():
-                comm.gather_into(self.stage, [(self.param.detach()[a:b], self.flat[L * a:L * b])  # type: ignore[attr-defined]
-                                              for a, b in self._ranges])
+                comm.gather_into(self.stage, pieces)  # type: ignore[attr-defined]
             return
         with torch.no_grad():
             full = comm.all_gather(self.stage, self.param.detach())

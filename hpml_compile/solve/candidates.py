@@ -112,7 +112,7 @@ class Chain:
 @dataclass(frozen=True, slots=True)
 class StageConfig:
     """Memory options of one stage (``hierarchical``: a ZeRO-1 stage spread evenly over hosts, its optimizer
-    sharded over each host's devices behind the hierarchical sync, HSDP-like: :class:`hpml_compile.plan.AllReduce`)."""
+    sharded over each host's devices behind the hierarchical sync, HSDP-like: :class:`~hpml_compile.plan.AllReduce`)."""
 
     zero: ZeroStage = ZeroStage.NONE
     recompute: bool = False

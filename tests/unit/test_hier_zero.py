@@ -1,4 +1,6 @@
-"""Hierarchical ZeRO-1 (HSDP-like) in the plan, the cost model and the solver (the runtime: tests/dist/test_hier_zero_dist.py).
+"""Hierarchical ZeRO-1 (HSDP-like) in the plan, the cost model and the solver.
+
+The runtime: tests/dist/test_hier_zero_dist.py.
 
 A ZeRO-1 stage whose devices span hosts evenly may say ``allreduce: hierarchical``: its optimizer is
 sharded over the ``L`` devices of each host (replicated across hosts), its gradients reduce-scattered in the
@@ -59,7 +61,8 @@ def test_the_plan_accepts_it_and_it_shards_over_one_host(tmp_path: Path) -> None
     c = _two_by_two()
     hz = _one_stage(c, ZeroStage.OS, AllReduce.HIERARCHICAL)
     assert load_plan(save_plan(hz, tmp_path / "plan.json")) == hz
-    assert zero_shards(c, hz.stages[0]) == 2 and zero_shards(c, _one_stage(c, ZeroStage.OS, AllReduce.FLAT).stages[0]) == 4
+    assert zero_shards(c, hz.stages[0]) == 2
+    assert zero_shards(c, _one_stage(c, ZeroStage.OS, AllReduce.FLAT).stages[0]) == 4
     assert sync_overlap(hz, 0) == 1.0  # bucketed on GPUs, as ZeRO-0's
     cpus = Cluster(devices=tuple(replace(d, kind="cpu") for d in c.devices), name="cpus")
     assert sync_overlap(replace(hz, cluster=cpus), 0) == 0.0  # after the backward on CPU ranks
@@ -69,7 +72,8 @@ def test_the_cost_model_shards_the_optimizer_per_host_and_prices_the_three_level
     c, g = _two_by_two(), _graph(20.0)
     p = 20 * GB
     hz, flat1, hier0 = (stage_costs(_one_stage(c, z, how), g)[0] for z, how in (
-        (ZeroStage.OS, AllReduce.HIERARCHICAL), (ZeroStage.OS, AllReduce.FLAT), (ZeroStage.NONE, AllReduce.HIERARCHICAL)))
+        (ZeroStage.OS, AllReduce.HIERARCHICAL), (ZeroStage.OS, AllReduce.FLAT),
+        (ZeroStage.NONE, AllReduce.HIERARCHICAL)))
     # Adam's two fp32 moments: / L = 2 here, / d = 4 flat, whole under ZeRO-0
     assert (hz.memory.optimizer, flat1.memory.optimizer, hier0.memory.optimizer) == (2 * p // 2, 2 * p // 4, 2 * p)
     assert hz.memory.params == hz.memory.grads == p + p // 2  # the shard's own parameters and summed gradient
@@ -106,14 +110,16 @@ def test_the_solver_takes_it_where_it_is_the_fastest_that_fits() -> None:
     # its candidate's tail is what the simulator prices: sync (two levels overlapped + the gather) and the
     # optimizer on 1/L
     setting = Setting(1, Schedule.GPIPE, 64)
-    cands = [x for x in enumerate_candidates(Chain.of(g), c, setting) if x.config.hierarchical and x.a == 0 and x.b == 4]
+    cands = [x for x in enumerate_candidates(Chain.of(g), c, setting)
+             if x.config.hierarchical and x.a == 0 and x.b == 4]
     assert cands and all(x.config.zero == ZeroStage.OS and x.d == 4 for x in cands)
     cost = stage_costs(_one_stage(c, ZeroStage.OS, AllReduce.HIERARCHICAL), g)[0]
     plain = next(x for x in cands if x.config == StageConfig(ZeroStage.OS, hierarchical=True))
     assert plain.tail == pytest.approx(cost.sync_ms + cost.optimizer_ms, rel=1e-6)
     assert plain.memory.optimizer == cost.memory.optimizer
     # one host: nothing to make hierarchical, no such candidate
-    one = Cluster(devices=tuple(d for d in load_cluster("2node-a100-16").devices if d.host == "node0")[:4], name="1x4")
+    one = Cluster(devices=tuple(d for d in load_cluster("2node-a100-16").devices if d.host == "node0")[:4],
+                  name="1x4")
     assert not [x for x in enumerate_candidates(Chain.of(g), one, setting) if x.config.hierarchical]
 
 
