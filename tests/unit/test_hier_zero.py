@@ -135,3 +135,17 @@ def test_show_and_explain_name_it() -> None:
     assert "ZeRO-1, " + label in text and "between hosts" in text, text
     hier0 = _one_stage(c, ZeroStage.NONE, AllReduce.HIERARCHICAL)
     assert allreduce_label(hier0, hier0.stages[0]) == "hierarchical all-reduce (2 hosts x 2)"
+
+
+def test_report_names_the_levels_of_a_hierarchical_zero1_stage() -> None:
+    from hpml_compile.runtime.monitor import StepMetrics
+    from hpml_compile.runtime.summary import format_summary, summarise
+
+    hz = _one_stage(_two_by_two(), ZeroStage.OS, AllReduce.HIERARCHICAL)
+    rows = {r: [StepMetrics(step=i, rank=r, stage=0, replica=r, device=hz.stages[0].devices[r], microbatches=1,
+                            samples=16, step_ms=10.0, pipeline_ms=8.0, fwd_ms=3.0, bwd_ms=5.0,
+                            sync_intra_bytes=16 << 20, sync_inter_bytes=8 << 20, sync_flat_bytes=24 << 20)
+                for i in range(3)] for r in range(4)}  # as the runtime counts one step: 2 hosts x 2 ranks
+    text = format_summary(summarise(hz, rows, skip=1))
+    assert ("hierarchical reduce-scatter + all-gather (ZeRO-1), stage 0: 8.0 MiB between hosts + 16.0 MiB inside "
+            "the host per step per rank; a flat ring: 24.0 MiB") in text, text
