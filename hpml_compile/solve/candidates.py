@@ -321,9 +321,13 @@ def to_plan(chain: Chain, cluster: Cluster, setting: Setting, picked: list[Candi
     for i, (c, devs) in enumerate(zip(picked, devices)):
         nodes = chain.nodes(c.a, c.b)
         # a hierarchical ZeRO-1 candidate was priced on the kind's first devices; on the devices it gets, where
-        # those do not span hosts evenly, it stays flat (sharded over all of them: less memory, so it fits)
-        how = AllReduce.HIERARCHICAL if c.config.hierarchical and hierarchy(cluster, devs) is not None \
-            else AllReduce.FLAT
+        # those do not span hosts evenly, or with fewer per host (larger shards: more memory than priced), it
+        # stays flat (sharded over all of them: less memory than either, so it fits)
+        how = AllReduce.FLAT
+        if c.config.hierarchical:
+            got, priced = hierarchy(cluster, devs), group_hierarchies(cluster, c.kind, [c.d])[c.d]
+            if got is not None and priced is not None and got.per_host >= priced.per_host:
+                how = AllReduce.HIERARCHICAL
         stages.append(Stage(i, devs, nodes, c.config.zero, c.config.recompute, nodes if c.config.swap else (),
                             c.config.offload, allreduce=how))
     plan = Plan(chain.graph.model, cluster, setting.schedule, setting.microbatches, tuple(stages), solver=solver)

@@ -12,6 +12,7 @@ all-gathered in the host after the optimizer step.
 - the cost model: optimizer state and step ``1 / L`` (not ``1 / d``), parameters and gradients ``P + P / L``
   (the shard's own tensors), sync: the two gradient levels overlapped with the backward as ZeRO-0's chains
   (after it on CPU ranks), then the parameter all-gather in the host, whole; no copy;
+- ``to_plan`` keeps it only on devices that shard at least as finely as the candidate was priced for;
 - the solver takes it where it is the fastest that fits (a stage over 2 hosts x 2 whose ZeRO-0 state does not
   fit and whose flat ZeRO-1 crosses the slow link), never where the setting forbids hierarchical syncs, and the
   table prices its candidate as the simulator prices the plan.
@@ -149,3 +150,27 @@ def test_report_names_the_levels_of_a_hierarchical_zero1_stage() -> None:
     text = format_summary(summarise(hz, rows, skip=1))
     assert ("hierarchical reduce-scatter + all-gather (ZeRO-1), stage 0: 8.0 MiB between hosts + 16.0 MiB inside "
             "the host per step per rank; a flat ring: 24.0 MiB") in text, text
+
+
+def test_to_plan_keeps_it_only_on_devices_that_shard_as_finely_as_priced() -> None:
+    from hpml_compile.ir import Device
+    from hpml_compile.plan import SolverInfo
+    from hpml_compile.solve.candidates import to_plan
+
+    g = _graph(4.0, 100.0)
+    ch = Chain.of(g)
+    # six hosts: the kind's first 4 devices are 2 hosts x 2 (priced L = 2); a second stage of 4 gets the rest
+    devs = tuple(Device(f"g{i}", KIND, 80.0, host=f"h{i // 2}") for i in range(4)) \
+        + tuple(Device(f"g{i}", KIND, 80.0, host=f"h{2 + (i - 4) % 4}") for i in range(4, 8))
+    c = Cluster(devices=devs, name="uneven-hosts")
+    setting = Setting(1, Schedule.GPIPE, 64)
+    cand = next(x for x in enumerate_candidates(ch, c, setting)
+                if x.config == StageConfig(ZeroStage.OS, hierarchical=True) and x.d == 4 and (x.a, x.b) == (0, 2))
+    later = next(x for x in enumerate_candidates(ch, c, setting)
+                 if x.config == cand.config and x.d == 4 and (x.a, x.b) == (2, 4))
+    plan = to_plan(ch, c, setting, [cand, later], SolverInfo("test"))
+    first, second = plan.stages
+    assert first.devices == ("g0", "g1", "g2", "g3") and first.allreduce is AllReduce.HIERARCHICAL
+    # g4..g7 sit one per host (h2..h5): L = 1, coarser than the priced 2 (more memory), so flat (1/4 shards)
+    assert second.devices == ("g4", "g5", "g6", "g7") and second.allreduce is AllReduce.FLAT, plan.stages
+    assert second.zero == ZeroStage.OS
