@@ -767,9 +767,8 @@ class Pipeline:
             changed: the block writes the parameters (a checkpoint load): each replica's shard takes its part.
         """
         with contextlib.ExitStack() as stack:
-            for s in self._shards:
-                if isinstance(s, FlatShard3):
-                    stack.enter_context(s.whole(changed=changed))
+            for s in self._shards:  # ZeRO-3 gathers; a hierarchical ZeRO-1 shard takes its pieces of a write after
+                stack.enter_context(s.whole(changed=changed))
             yield
 
     def close(self) -> None:

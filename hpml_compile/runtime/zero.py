@@ -137,8 +137,9 @@ Example (one process: a stage "replicated" once, so the shard is everything):
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -426,6 +427,16 @@ class FlatShard:
         if self.zero is ZeroStage.OS_G:
             self.param.grad = None  # ZeRO-2: the shard's gradient is used up (ZeRO-1 keeps its buffer, seen here)
 
+    @contextlib.contextmanager
+    def whole(self, *, changed: bool = False) -> Iterator[None]:
+        """A block that reads or writes the stage's parameters outside a step (checkpoints, as
+        :class:`~.zero3.FlatShard3`'s); ``changed``: it wrote them, so a hierarchical shard, a tensor of its own,
+        takes its pieces of the flat buffer after (a flat shard is a view of it: nothing to do)."""
+        yield
+        if changed and self.hier is not None:
+            with torch.no_grad():
+                self.param.copy_(self._own(self.flat))
+
     # -- checkpoints: whole per-parameter state ------------------------------------------------------
     def _gather(self, t: Tensor) -> Tensor:
         """The whole flat tensor from every replica's shard (a collective over the stage's replicas)."""
@@ -449,7 +460,10 @@ class FlatShard:
         """This replica's shard of a tensor laid out as the flat buffer."""
         if self.hier is None:
             return whole[self.owned]
-        return torch.cat([whole[self._piece(a, b)] for a, b in self._ranges])
+        out = torch.empty(self.shard_numel, dtype=whole.dtype, device=whole.device)
+        for a, b in self._ranges:  # bucket [a, b)'s piece at [a, b) of the shard (the ranges run from the top)
+            out[a:b] = whole[self._piece(a, b)]
+        return out
 
     def _per_element(self, t: Tensor) -> bool:
         if t.numel() == self.shard_numel and t.dim() == 1 and self.shard_numel > 1:

@@ -4,7 +4,7 @@ Trains SkipNet (one stage on four CPU ranks, two per host) under a plan whose st
 ``allreduce: hierarchical`` for a few AdamW steps, twice: as the plan runs it on CPU ranks (the two levels after
 the backward, one bucket) and with the buckets forced on (``overlap=True``, buckets of 393 floats: each rank's
 shard is then its piece of every bucket). The bucketed run then saves a checkpoint, takes two more steps, and
-the checkpoint is resumed under the flat ZeRO-0 build for the same two steps. Writes ``rank<r>.json``: per
+the checkpoint is resumed under the flat ZeRO-0 build, and under this build again, for the same two steps. Writes ``rank<r>.json``: per
 run the losses, the final parameters, this rank's shard and optimizer-state sizes, the bytes it holds by part
 (parameters as :mod:`hpml_compile.runtime.held` counts them; gradients: the flat buffer and the shard's own),
 its Adam moments (every host holds the same shards), the bytes the runtime counted at each level, the
@@ -72,6 +72,10 @@ def _run(hz_build: str, dp_build: str, out: Path, overlap: bool | None) -> dict[
         flat.load(out / "ck")
         report["resumed"] = [float(flat.step((x,), y, skipnet_loss)) for x, y in data[STEPS:]]
         report["resumed_params"] = {k: v.flatten().tolist() for k, v in flat.state_dict().items()}
+        torch.manual_seed(2)  # and under this plan again, bucketed: each shard must take its pieces of the load
+        again = Pipeline.from_build(hz_build, SkipNet(), optimizer=optimizer, overlap=True, bucket_mb=BUCKET_MB)
+        again.load(out / "ck")
+        report["resumed_here"] = [float(again.step((x,), y, skipnet_loss)) for x, y in data[STEPS:]]
         report["continued_params"] = {k: v.flatten().tolist() for k, v in pipe.state_dict().items()}
     return report
 

@@ -17,7 +17,8 @@ all-reduce of the shard between hosts, AdamW on the shard, all-gather in the hos
 - a checkpoint saved under it (the bucketed layout: each shard a piece of every bucket) resumes under the
   flat ZeRO-0 build of the same model: the two steps after it
   give the losses and parameters of the run that went on under the hierarchical ZeRO-1 plan (so the Adam
-  moments came back whole).
+  moments came back whole), and so does resuming it under the hierarchical ZeRO-1 plan again (each shard,
+  its own tensor, takes its pieces of the loaded parameters).
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ def test_hierarchical_zero1_on_two_torchrun_hosts_is_transparent_sharded_per_hos
     for r, rank in enumerate(ranks):  # saved from the bucketed layout, resumed under the flat ZeRO-0 build
         rep = rank["buckets"]
         assert rep["resumed"] == pytest.approx(rep["continued"], abs=1e-6), r
+        assert rep["resumed_here"] == pytest.approx(rep["continued"], abs=1e-6), r  # and under this plan again
         assert rep["continued"] == pytest.approx(later, abs=1e-6), r
         for name, want in final.items():
             assert torch.allclose(torch.tensor(rep["resumed_params"][name]),
