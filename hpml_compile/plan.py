@@ -48,6 +48,7 @@ __all__ = [
     "sync_overlap",
     "check_placement",
     "hierarchy_problem",
+    "zero_shards",
     "node_stages",
     "tied_groups",
     "stage_memory",
@@ -69,12 +70,17 @@ class SolverStatus(str, enum.Enum):
 
 
 class AllReduce(str, enum.Enum):
-    """How a ZeRO-0 stage's replicas sum their gradients.
+    """How a replicated stage's replicas sum their gradients (ZeRO-0 or ZeRO-1).
 
-    ``flat``: one ring all-reduce over all of them. ``hierarchical``: for replicas spread over hosts, each
-    holding the same number, a reduce-scatter inside each host, an all-reduce of each shard between the
+    ``flat``: one ring all-reduce over all of them (ZeRO-1: one reduce-scatter and one all-gather over all
+    ``d``, the optimizer sharded ``1 / d``). ``hierarchical``: for replicas spread over hosts, each
+    holding the same number ``L``, a reduce-scatter inside each host, an all-reduce of each shard between the
     hosts, an all-gather inside each host (:func:`hpml_compile.runtime.comm.hierarchical_all_reduce`): the
-    same sum, with only ``1 / h`` of the bytes crossing each link between hosts.
+    same sum, with only ``1 / L`` of the bytes crossing each link between hosts. Under ZeRO-1 it is HSDP-like:
+    the optimizer state and step are sharded over the ``L`` ranks of each host (``1 / L`` each, replicated
+    across hosts); the first two levels leave each rank the summed gradient of its shard, it steps the shard,
+    and the third level all-gathers the new parameters inside the host (:mod:`hpml_compile.runtime.zero`). Not
+    for ZeRO-2/3, whose reduce-scatter and parameter gathers stay flat.
     """
 
     FLAT = "flat"
@@ -393,8 +399,8 @@ def check_placement(d: Any, source: str = "plan") -> None:
             hosts = {dev["name"]: dev.get("host", "node0") for dev in d["cluster"]["devices"]}
             why = hierarchy_problem(st["devices"], hosts, ZeroStage(st.get("zero", 0)))
             if why:
-                raise SchemaError(source, f"{at}.allreduce", "flat, or hierarchical for a ZeRO-0 stage whose devices "
-                                  "span hosts, each holding the same number", f"hierarchical, but {why}",
+                raise SchemaError(source, f"{at}.allreduce", "flat, or hierarchical for a ZeRO-0 or ZeRO-1 stage whose "
+                                  "devices span hosts, each holding the same number", f"hierarchical, but {why}",
                                   fix=f"set stage {k}'s allreduce to flat (or leave it out)")
         for j, node in enumerate(st.get("swap", ())):
             if node not in st["nodes"]:
@@ -412,25 +418,46 @@ def hierarchy_problem(devices: list[str] | tuple[str, ...], hosts: dict[str, str
     Args:
         devices: the stage's devices.
         hosts: each device's host.
-        zero: the stage's ZeRO stage (ZeRO-1/2 reduce-scatter instead: no all-reduce to make hierarchical).
+        zero: the stage's ZeRO stage (ZeRO-0, or ZeRO-1 sharded over each host's devices; ZeRO-2/3 are flat).
 
     Returns:
         The reason, naming the hosts, or None.
 
     >>> hierarchy_problem(["a", "b"], {"a": "n0", "b": "n0"}, ZeroStage.NONE)
     'its 2 devices are all on host n0'
+    >>> hierarchy_problem(["a", "b"], {"a": "n0", "b": "n1"}, ZeroStage.OS_G)
+    'it uses ZeRO-2, whose reduce-scatter and all-gather are flat (hierarchical is ZeRO-0 or ZeRO-1)'
     """
     by_host: dict[str, list[str]] = {}
     for name in devices:
         by_host.setdefault(hosts.get(name, "node0"), []).append(name)
-    if zero != ZeroStage.NONE:
-        return f"it uses ZeRO-{int(zero)}, whose reduce-scatter and all-gather are flat"
+    if zero not in (ZeroStage.NONE, ZeroStage.OS):
+        return (f"it uses ZeRO-{int(zero)}, whose reduce-scatter and all-gather are flat (hierarchical is ZeRO-0 or "
+                "ZeRO-1)")
     if len(by_host) < 2:
         return f"its {len(devices)} devices are all on host {next(iter(by_host))}"
     counts = {h: len(v) for h, v in by_host.items()}
     if len(set(counts.values())) > 1:
         return f"its hosts hold different numbers of its devices ({counts})"
     return None
+
+
+def zero_shards(cluster: Cluster, stage: Stage) -> int:
+    """The ranks a stage's optimizer state is split over: all its devices under flat ZeRO-1 and up, the devices
+    of one host under a hierarchical ZeRO-1 (each host holds every shard), its devices otherwise too (ZeRO-0
+    divides nothing: :func:`hpml_compile.stagecost.memory_parts` reads the ZeRO stage).
+
+    >>> from hpml_compile.cluster import load_cluster
+    >>> c = load_cluster("2node-a100-16")
+    >>> devs = tuple(f"gpu{i}" for i in range(16))
+    >>> hier = Stage(0, devs, ("x",), ZeroStage.OS, allreduce=AllReduce.HIERARCHICAL)
+    >>> zero_shards(c, Stage(0, devs, ("x",), ZeroStage.OS)), zero_shards(c, hier)
+    (16, 8)
+    """
+    if stage.zero == ZeroStage.OS and stage.allreduce is AllReduce.HIERARCHICAL and len(stage.devices) > 1:
+        hosts = {x.name: x.host for x in cluster.devices}
+        return len(stage.devices) // len({hosts.get(d, "node0") for d in stage.devices})
+    return len(stage.devices)
 
 
 def stage_memory(plan: Plan, profile: Profile, stage: Stage, device: str | None = None) -> int:
@@ -465,7 +492,8 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | No
         activation_bytes=sum(n.activation_bytes for n in nodes),
         input_bytes=_input_bytes(profile, names),
         dtype_bytes=dtype_bytes(profile.dtype), replicas=len(stage.devices), zero=stage.zero,
-        microbatches=m, in_flight=in_flight(plan.schedule, m, len(plan.stages) - stage.index - 1),
+        shards=zero_shards(plan.cluster, stage), microbatches=m,
+        in_flight=in_flight(plan.schedule, m, len(plan.stages) - stage.index - 1),
         recompute=stage.recompute,
         swapped_bytes=sum(n.activation_bytes for n in nodes if n.name in swapped),
         offload_optimizer=stage.offload_optimizer,
@@ -554,8 +582,8 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             why = hierarchy_problem(st.devices, {x.name: x.host for x in plan.cluster.devices}, st.zero)
             if why:
                 raise PlanError(f"stage {st.index} asks for a hierarchical all-reduce, but {why}: it needs a ZeRO-0 "
-                                "stage whose devices span two or more hosts, each holding the same number; set "
-                                "its allreduce to flat")
+                                "or ZeRO-1 stage whose devices span two or more hosts, each holding the same number; "
+                                "set its allreduce to flat")
     if plan.tied_allreduce is AllReduce.HIERARCHICAL:
         hosts = {x.name: x.host for x in plan.cluster.devices}
         groups = tied_groups(plan, ((n.name, n.params) for n in profile.nodes))
@@ -705,7 +733,8 @@ def sync_overlap(plan: Plan, k: int) -> float:
         0 where the stage's sync is not bucketed (one device; compressed; local SGD; ZeRO-3: all run after
         the backward), else the overlap efficiency of its devices (:func:`hpml_compile.cluster.overlap_efficiency`:
         0 with a CPU in the group, 1 for GPUs), for a flat all-reduce as for a hierarchical one (each bucket
-        a chain of three collectives, :class:`hpml_compile.runtime.comm.ChainQueue`).
+        a chain of three collectives, :class:`hpml_compile.runtime.comm.ChainQueue`; a hierarchical ZeRO-1's of
+        two, its parameter all-gather after the optimizer step).
 
     Example:
         >>> from hpml_compile.cluster import load_cluster

@@ -37,7 +37,8 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   all-reduce (ZeRO-0; a stage whose plan says ``hierarchical``: reduce-scatter
   inside each host, all-reduce between hosts, all-gather inside each host, each
   priced on its own link), reduce-scatter + all-gather (ZeRO-1/2, Rajbhandari et
-  al. 2020; ZeRO-3: reduce-scatter, and the parameters' all-gathers before
+  al. 2020; a hierarchical ZeRO-1: those three levels after the backward, the
+  last on the stepped parameters, its optimizer sharded over one host's devices; ZeRO-3: reduce-scatter, and the parameters' all-gathers before
   each microbatch's forward and backward, counted here with the tail). The
   ZeRO-0/1/2 all-reduce (flat, or hierarchical: each bucket's three
   collectives in a chain, :func:`hpml_compile.stagecost.hierarchical_overlapped_ms`)
@@ -98,7 +99,7 @@ from .compression import CompressKind, parse_compress, powersgd_fraction
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
 from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
-from .plan import AllReduce, Plan, PlanPrediction, Schedule, Stage, StagePrediction, sync_overlap
+from .plan import AllReduce, Plan, PlanPrediction, Schedule, Stage, StagePrediction, sync_overlap, zero_shards
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
                         local_sgd_sync_ms, optimizer_ms, stream_bytes_per_ms, stream_ms, sync_ms, transfer_ms)
@@ -286,7 +287,8 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         mems = []
         for j, x in enumerate(st.devices):
             mem = device_memory(param_bytes=params, activation_bytes=acts, input_bytes=sum(inputs.values()),
-                                dtype_bytes=dtype_bytes(dtype), replicas=d, zero=st.zero, microbatches=m,
+                                dtype_bytes=dtype_bytes(dtype), replicas=d, zero=st.zero,
+                                shards=zero_shards(c, st), microbatches=m,
                                 in_flight=in_flight(plan.schedule, m, s_count - st.index - 1),
                                 recompute=st.recompute, swapped_bytes=swapped,
                                 offload_optimizer=st.offload_optimizer, host_is_device=c.device(x).is_cpu,
@@ -308,9 +310,10 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         most = max(_rows(st, m, batch)) / batch  # the largest replica's share of the batch per microbatch
         swap_ms = transfer_ms(cost_models.p2p_ms, swapped * most if st.rows else swapped / (m * d), host) \
             if swapped else 0.0
-        opt_ms = optimizer_ms(params, d, st.zero, max(graph.optimizer_ms_per_byte(k) for k in kinds))
+        opt_ms = optimizer_ms(params, d, st.zero, max(graph.optimizer_ms_per_byte(k) for k in kinds),
+                              zero_shards(c, st))
         rate = stream_bytes_per_ms(graph, kinds)
-        copy = copy_ms(params, d, rate, st.zero)
+        copy = copy_ms(params, d, rate, st.zero, st.allreduce is AllReduce.HIERARCHICAL)
         group = min((link_spec(c, st.devices[0], x) for x in st.devices[1:]), key=lambda sp: sp.gbps) \
             if d > 1 else None
         hier = hierarchy(c, st.devices) if st.allreduce is AllReduce.HIERARCHICAL else None

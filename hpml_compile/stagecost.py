@@ -51,7 +51,10 @@ Times (milliseconds), per step:
 
 - gradient sync (:func:`sync_ms`): a ring all-reduce (ZeRO-0; for a group
   spread over hosts, optionally hierarchical, :func:`hierarchical_allreduce_ms`), reduce-scatter of
-  the flat gradient + all-gather of the stepped shards (ZeRO-1/2; ZeRO-3 instead
+  the flat gradient + all-gather of the stepped shards (ZeRO-1/2; a hierarchical ZeRO-1 runs the
+  hierarchical all-reduce's first two levels bucket by bucket during the backward and the third on the
+  stepped parameters after it, its optimizer state and step ``1 / L`` for ``L`` devices per host instead
+  of ``1 / d``, plus ``P / L`` of parameters and of gradients for its shard; ZeRO-3 instead
   all-gathers the stage's parameters twice per microbatch, for its forward and
   its backward, counted here with the step's tail). The ZeRO-0/1/2 all-reduce or
   reduce-scatter runs bucket by bucket during the last backward, as the
@@ -181,7 +184,7 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
                  replicas: int, zero: ZeroStage | int, microbatches: int, recompute: bool = False,
                  swapped_bytes: Value = 0, offload_optimizer: bool = False,
                  host_is_device: bool = False, share: tuple[int, int] | None = None,
-                 compute_bytes: int = 0) -> MemoryParts:
+                 compute_bytes: int = 0, shards: int | None = None) -> MemoryParts:
     """Per-device memory of a stage (see the module docstring), on ints or int64 arrays alike.
 
     Args:
@@ -201,6 +204,10 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
             None: the equal split, ``1 / (M d)``.
         compute_bytes: bytes per element of the autocast compute dtype (0: fp32, no autocast): each
             microbatch in flight then also holds its weight copies (:func:`~hpml_compile.memory.autocast_copy_bytes`).
+        shards: the ranks the optimizer state is split over under ZeRO-1 and up (None: ``replicas``; a
+            hierarchical ZeRO-1, :func:`hpml_compile.plan.zero_shards`: the ranks of one host, ``L``, fewer than
+            ``replicas``: it also holds its shard of the parameters and of the summed gradients apart from the
+            flat buffers, ``P / L`` each, :mod:`hpml_compile.runtime.zero`).
 
     Returns:
         The parts, each of the form of ``param_bytes`` and ``activation_bytes``.
@@ -212,7 +219,9 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
     if z == ZeroStage.OS_G_P:
         params = p + p // d  # ZeRO-3: the owned shard, plus the whole stage gathered while a microbatch computes
     opt_full = 8 * p // max(1, dtype_bytes)
-    opt = opt_full // d if z >= ZeroStage.OS else opt_full
+    opt = opt_full // max(1, shards or d) if z >= ZeroStage.OS else opt_full
+    if z == ZeroStage.OS and shards is not None and shards < d:  # hierarchical ZeRO-1: the shard's own tensors
+        params, grads = p + p // shards, p + p // shards
     host = p * 0
     if offload_optimizer and not host_is_device:
         host, opt = opt, p * 0
@@ -239,14 +248,14 @@ def device_memory(*, param_bytes: int, activation_bytes: int, input_bytes: int, 
                   replicas: int, zero: ZeroStage | int, microbatches: int, in_flight: int,
                   recompute: bool = False, swapped_bytes: int = 0, offload_optimizer: bool = False,
                   host_is_device: bool = False, share: tuple[int, int] | None = None,
-                  compute_bytes: int = 0) -> MemoryBreakdown:
+                  compute_bytes: int = 0, shards: int | None = None) -> MemoryBreakdown:
     """Peak memory of one device of a stage: :func:`memory_parts` with the microbatches in flight.
 
     Args:
         in_flight: microbatches whose activations are alive at the peak (:func:`in_flight`).
         param_bytes, activation_bytes, input_bytes, dtype_bytes, replicas, zero, microbatches, recompute,
-            swapped_bytes, offload_optimizer, host_is_device, share, compute_bytes: as for :func:`memory_parts`
-            (scalars here).
+            swapped_bytes, offload_optimizer, host_is_device, share, compute_bytes, shards: as for
+            :func:`memory_parts` (scalars here).
 
     Returns:
         The breakdown.
@@ -254,7 +263,7 @@ def device_memory(*, param_bytes: int, activation_bytes: int, input_bytes: int, 
     m = memory_parts(param_bytes=param_bytes, activation_bytes=activation_bytes, input_bytes=input_bytes,
                      dtype_bytes=dtype_bytes, replicas=replicas, zero=zero, microbatches=microbatches,
                      recompute=recompute, swapped_bytes=swapped_bytes, offload_optimizer=offload_optimizer,
-                     host_is_device=host_is_device, share=share, compute_bytes=compute_bytes)
+                     host_is_device=host_is_device, share=share, compute_bytes=compute_bytes, shards=shards)
     return MemoryBreakdown(m.params, m.grads, m.optimizer, m.stored, m.working, max(1, in_flight), m.host)
 
 
@@ -444,8 +453,10 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         offload_optimizer: the Adam state lives in host memory.
         link: the slowest link between the stage's devices (None for one device).
         host: the link between the stage's devices and their host's memory.
-        hier: the stage's devices by host, for a hierarchical all-reduce (ZeRO-0 only; overlapped as the flat
-            one is, :func:`hierarchical_overlapped_ms`); None: a flat ring.
+        hier: the stage's devices by host, for a hierarchical all-reduce (ZeRO-0: overlapped as the flat
+            one is, :func:`hierarchical_overlapped_ms`; ZeRO-1: the reduce-scatter in the host and the shard's
+            all-reduce between hosts on the gradients, bucket by bucket during the backward as ZeRO-0's chains,
+            then the all-gather in the host of the stepped parameters, whole); None: a flat ring.
         bwd_ms: one microbatch's backward on one replica: the all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1/2)
             overlaps it bucket by bucket (:func:`overlapped_ms`), as the runtime runs it on ranks. None: the
             whole collective after the backward.
@@ -469,7 +480,19 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         raise ValueError(f"overlap must be a fraction of the backward in [0, 1], got {overlap}")
     z = ZeroStage(zero)
     total: Value = param_bytes * 0.0
-    if replicas > 1:
+    if replicas > 1 and z == ZeroStage.OS and hier is not None:  # hierarchical ZeRO-1 (runtime.zero)
+        h, hosts = hier.per_host, len(hier.hosts)
+
+        def chain(b: Value) -> Value:  # one bucket: reduce-scatter in the host, its shard's all-reduce between
+            return (transfer_ms(cost_models.reduce_scatter_ms, b, hier.intra, h)
+                    + transfer_ms(cost_models.allreduce_ms, b / h, hier.inter, hosts))
+        def gather(b: Value) -> Value:  # the stepped parameters, in the host
+            return transfer_ms(cost_models.all_gather_ms, b, hier.intra, h)
+        if bwd_ms is None or overlap <= 0:  # one bucket, after the backward
+            total = total + chain(param_bytes) + gather(param_bytes)
+        else:  # the levels during the backward; after the step one all-gather per bucket, nothing to hide behind
+            total = total + _bucketed(chain, param_bytes, overlap * bwd_ms) + _bucketed(gather, param_bytes, 0.0)
+    elif replicas > 1:
         reduce = cost_models.allreduce_ms if z == ZeroStage.NONE else cost_models.reduce_scatter_ms
         if z == ZeroStage.NONE and hier is not None and (bwd_ms is None or overlap <= 0):
             total = total + hierarchical_allreduce_ms(param_bytes, hier)  # three collectives after the backward
@@ -484,7 +507,8 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
             gathers = 2 * max(1, microbatches) if z == ZeroStage.OS_G_P else 1
             total = total + gathers * transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas)
     if offload_optimizer:
-        shard = param_bytes // replicas if z >= ZeroStage.OS else param_bytes
+        shards = hier.per_host if hier is not None and z == ZeroStage.OS else replicas
+        shard = param_bytes // shards if z >= ZeroStage.OS else param_bytes
         total = total + 2 * transfer_ms(cost_models.p2p_ms, shard, host)
     return total
 
@@ -542,8 +566,8 @@ def local_sgd_sync_ms(param_bytes: float, replicas: int, every: int, link: cost_
     return float(transfer_ms(cost_models.allreduce_ms, param_bytes, link, replicas)) / every
 
 
-def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float, zero: ZeroStage | int = ZeroStage.NONE
-            ) -> Value:
+def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float, zero: ZeroStage | int = ZeroStage.NONE,
+            hierarchical: bool = False) -> Value:
     """The memory copies of a replicated stage's gradient sync (:mod:`hpml_compile.runtime.zero`).
 
     The gradients accumulate into the flat buffer the collective reads, so ZeRO-0's in-place all-reduce
@@ -555,16 +579,19 @@ def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float, zero: ZeroSt
         replicas: data-parallel degree (one device copies nothing).
         bytes_per_ms: the device's streaming rate (:func:`stream_bytes_per_ms`).
         zero: the ZeRO stage.
+        hierarchical: a hierarchical ZeRO-1, whose pieces are gathered straight into the flat buffer and whose
+            summed shard is reduced straight into the shard's gradient: no copy.
 
     Returns:
-        Milliseconds, of the form of ``param_bytes`` (0.0 for one device or ZeRO-0).
+        Milliseconds, of the form of ``param_bytes`` (0.0 for one device, ZeRO-0 or a hierarchical ZeRO-1).
     """
-    if replicas <= 1:
-        return 0.0
+    if replicas <= 1 or (hierarchical and ZeroStage(zero) == ZeroStage.OS):
+        return param_bytes * 0.0 if replicas > 1 else 0.0
     return 4 * param_bytes / bytes_per_ms if ZeroStage(zero) >= ZeroStage.OS else param_bytes * 0.0
 
 
-def optimizer_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, ms_per_byte: float) -> Value:
+def optimizer_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, ms_per_byte: float,
+                 shards: int | None = None) -> Value:
     """The optimizer step of one device of a stage: its parameter bytes (its shard under ZeRO-1 and up).
 
     Args:
@@ -572,11 +599,13 @@ def optimizer_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, ms_pe
         replicas: data-parallel degree.
         zero: ZeRO stage.
         ms_per_byte: step time per parameter byte (:meth:`CostGraph.optimizer_ms_per_byte`).
+        shards: the ranks the shards are spread over (None: ``replicas``; a hierarchical ZeRO-1: one host's).
 
     Returns:
         Milliseconds, of the form of ``param_bytes``.
     """
-    return ms_per_byte * (param_bytes // replicas if ZeroStage(zero) >= ZeroStage.OS else param_bytes)
+    return ms_per_byte * (param_bytes // max(1, shards or replicas) if ZeroStage(zero) >= ZeroStage.OS
+                          else param_bytes)
 
 
 def stream_ms(fwd_ms: Value, bwd_ms: Value, param_bytes: Value, activation_bytes: Value, microbatches: int,

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import graphviz
 
 from .costgraph import CostGraph
-from .memory import GiB
+from .memory import GiB, ZeroStage
 from .plan import AllReduce, Plan, Stage
 from .report import human_bytes
 from .simulate import EventKind, SimResult, idle_intervals
@@ -161,9 +161,13 @@ def rows_text(st: Stage) -> str:
 
 
 def allreduce_label(plan: Plan, st: Stage) -> str:
-    """``hierarchical all-reduce (2 hosts x 8)``: how a stage sums its gradients, for the pictures and the summary."""
+    """``hierarchical all-reduce (2 hosts x 8)``: how a stage sums its gradients, for the pictures and the summary
+    (a ZeRO-1 stage: ``hierarchical reduce-scatter + all-gather (2 hosts x 8, optimizer sharded per host)``)."""
     hosts = len({plan.cluster.device(d).host for d in st.devices})
-    return f"{st.allreduce.value} all-reduce ({hosts} hosts x {len(st.devices) // max(1, hosts)})"
+    shape = f"{hosts} hosts x {len(st.devices) // max(1, hosts)}"
+    if st.zero != ZeroStage.NONE and st.allreduce is AllReduce.HIERARCHICAL:
+        return f"hierarchical reduce-scatter + all-gather ({shape}, optimizer sharded per host)"
+    return f"{st.allreduce.value} all-reduce ({shape})"
 
 
 def _stage_label(plan: Plan, st: Stage, result: SimResult | None) -> str:

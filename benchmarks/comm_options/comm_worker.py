@@ -4,11 +4,12 @@ Trains the benchmark's MLP under every option in turn, from the same seed on
 the same batches, in one process group: ``flat`` and every compression / local
 SGD option on the flat build (the options as ``comm_options``, as ``hpml-compile
 run --compress/--sync-every`` gives them), ``hierarchical`` on the build whose
-stage all-reduces hierarchically. Writes ``rank<r>.json``: per option, the
+stage all-reduces hierarchically, ``hier ZeRO-1`` on the build whose ZeRO-1 stage
+does (optimizer sharded per host). Writes ``rank<r>.json``: per option, the
 per-step losses, step times, gradient-sync times and the bytes the runtime
 counted (sync payload, and for the hierarchical build each level's bytes).
 
-Usage (what main.py runs): torchrun --nnodes 2 --nproc-per-node 2 ... comm_worker.py FLAT HIER STEPS OUT
+Usage (what main.py runs): torchrun --nnodes 2 --nproc-per-node 2 ... comm_worker.py FLAT HIER HZERO STEPS OUT
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from hpml_compile.models.mlp import loss  # noqa: E402
 from hpml_compile.runtime import Pipeline  # noqa: E402
 
 
-def main(flat_build: str, hier_build: str, steps: str, out: str) -> None:
+def main(flat_build: str, hier_build: str, hzero_build: str, steps: str, out: str) -> None:
     faulthandler.dump_traceback_later(1500, exit=True)  # a hang ends as a traceback
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -37,7 +38,7 @@ def main(flat_build: str, hier_build: str, steps: str, out: str) -> None:
     report: dict[str, Any] = {}
     data = batches(int(steps))
     for name, opts in OPTIONS.items():
-        build = hier_build if name == "hierarchical" else flat_build
+        build = {"hierarchical": hier_build, "hier ZeRO-1": hzero_build}.get(name, flat_build)
         pipe = Pipeline.from_build(build, mlp(), comm_options=opts or None,
                                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
         losses = [pipe.step((x,), y, loss).item() for x, y in data]
@@ -53,4 +54,4 @@ def main(flat_build: str, hier_build: str, steps: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

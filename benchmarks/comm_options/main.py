@@ -11,6 +11,10 @@ fixed random linear teacher: the loss is a training loss), under each option:
 - flat: the plain all-reduce over the four ranks;
 - hierarchical: the same stage with ``allreduce: hierarchical`` (reduce-scatter
   inside each host, all-reduce between them, all-gather inside);
+- hier ZeRO-1: the same stage with ZeRO-1 and ``allreduce: hierarchical`` (the
+  optimizer sharded over the two ranks of each host: reduce-scatter inside,
+  all-reduce of the shard between hosts, AdamW on the shard, all-gather of
+  the parameters inside; after the backward on these CPU ranks);
 - PowerSGD rank 2 and 4 (torch's hook: two plain all-reduce steps first);
 - Top-K ratio 0.1 and 0.01, with error feedback;
 - local SGD with H = 4 and 16 (after 2 steps of per-step sync).
@@ -59,6 +63,7 @@ from hpml_compile.cluster import link_spec, load_cluster
 from hpml_compile.codegen import generate
 from hpml_compile.costgraph import build as build_costgraph
 from hpml_compile.ir import Cluster, Device, Link
+from hpml_compile.memory import ZeroStage
 from hpml_compile.models.mlp import MLP, MLPConfig, loss
 from hpml_compile.plan import AllReduce, Plan, Schedule, Stage, with_comm
 from hpml_compile.profile import predict_kinds, profile
@@ -73,6 +78,7 @@ ROWS = 64
 OPTIONS: dict[str, dict[str, Any]] = {
     "flat": {},
     "hierarchical": {},  # the hierarchical build, no other option
+    "hier ZeRO-1": {},  # the hierarchical ZeRO-1 build (optimizer sharded over each host's 2 ranks), no other option
     "powersgd:2": {"compress": "powersgd:2"},
     "powersgd:4": {"compress": "powersgd:4"},
     "topk:0.1": {"compress": "topk:0.1"},
@@ -127,11 +133,15 @@ def option_plan(dp: Plan, name: str) -> Plan:
     """``dp`` (one stage on every device) under option ``name``."""
     if name == "hierarchical":
         return replace(dp, stages=tuple(replace(st, allreduce=AllReduce.HIERARCHICAL) for st in dp.stages))
+    if name == "hier ZeRO-1":
+        return replace(dp, stages=tuple(replace(st, zero=ZeroStage.OS, allreduce=AllReduce.HIERARCHICAL)
+                                        for st in dp.stages))
     return with_comm(dp, **OPTIONS[name])
 
 
 def _describe(plan: Plan) -> str:
     parts = [f"{len(st.devices)}x" + (f"[{st.compress}]" if st.compress else "")
+             + (f"[ZeRO-{int(st.zero)}]" if st.zero else "")
              + ("[hier]" if st.allreduce is AllReduce.HIERARCHICAL else "") for st in plan.stages]
     return f"{len(plan.stages)} stage(s) " + " | ".join(parts) + f", M={plan.microbatches}"
 
@@ -153,7 +163,7 @@ def _predictions(prof: Any) -> dict[str, Any]:
     return out
 
 
-def _run_agents(flat: Path, hier: Path, steps: int, out: Path) -> None:
+def _run_agents(flat: Path, hier: Path, hzero: Path, steps: int, out: Path) -> None:
     """Two torchrun agents of two ranks each on this machine: the two simulated hosts."""
     root = Path(__file__).resolve().parents[2]
     endpoint = f"localhost:{free_port()}"
@@ -161,7 +171,7 @@ def _run_agents(flat: Path, hier: Path, steps: int, out: Path) -> None:
     worker = Path(__file__).with_name("comm_worker.py")
     agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
                                 "--rdzv-backend=static", f"--rdzv-endpoint={endpoint}", "--nproc-per-node=2",
-                                str(worker), str(flat), str(hier), str(steps), str(out)],
+                                str(worker), str(flat), str(hier), str(hzero), str(steps), str(out)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
               for node in (1, 0)]
     try:
@@ -194,11 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     gm = trace(model, (x,))
     generate(gm, plans["flat"], root / "flat", profile=prof)
     generate(gm, plans["hierarchical"], root / "hier", profile=prof)
+    generate(gm, plans["hier ZeRO-1"], root / "hzero", profile=prof)
     print(f"training {len(OPTIONS)} options x {args.steps} steps on 2 simulated hosts x 2 gloo ranks ...",
           file=sys.stderr, flush=True)
     load0 = os.getloadavg()
     t1 = time.perf_counter()
-    _run_agents(root / "flat", root / "hier", args.steps, root)
+    _run_agents(root / "flat", root / "hier", root / "hzero", args.steps, root)
     train_s = time.perf_counter() - t1
     load1 = os.getloadavg()
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(4)]
@@ -214,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                "loss_final": a["losses"][-1], "loss_last5": statistics.mean(a["losses"][-5:]), "losses": a["losses"],
                "same_loss_on_every_rank": all(q["losses"] == a["losses"] for q in per),
                "hierarchical_groups": a["hierarchical"]}
-        if name == "hierarchical":
+        if name in ("hierarchical", "hier ZeRO-1"):
             row.update(intra_bytes_per_step=statistics.mean(a["intra_bytes"]),
                        inter_bytes_per_step=statistics.mean(a["inter_bytes"]),
                        flat_ring_bytes_per_step=statistics.mean(a["flat_bytes"]))
@@ -244,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{h['flat_ring_bytes_per_step'] / 1e6:.3f} MB (groups made: {h['hierarchical_groups']}); step measured "
           f"{h['measured_step_ms']:.1f} ms against {h['predicted_step_ms']:.1f} ms predicted (flat: "
           f"{flat['measured_step_ms']:.1f} against {flat['predicted_step_ms']:.1f})")
+    z = next(r for r in rows if r["option"] == "hier ZeRO-1")
+    print(f"hier ZeRO-1, as the runtime counted it per rank and step: {z['inter_bytes_per_step'] / 1e6:.3f} MB between "
+          f"the hosts + {z['intra_bytes_per_step'] / 1e6:.3f} MB inside (flat ring: "
+          f"{z['flat_ring_bytes_per_step'] / 1e6:.3f} MB); step measured {z['measured_step_ms']:.1f} ms against "
+          f"{z['predicted_step_ms']:.1f} ms predicted; loss {z['loss_final']:.4f} (flat {flat['loss_final']:.4f})")
     for cname, res in remote.items():
         print(f"{cname}: predicted step of a data-parallel plan of the mlp zoo model over all 16 GPUs (batch 1024)")
         print("  " + "  ".join(f"{k}: {v:.2f} ms" for k, v in res["dp16"].items()))

@@ -58,6 +58,7 @@ import math
 import os
 import platform
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -69,7 +70,8 @@ from hpml_compile.cluster import load_cluster
 from hpml_compile.costgraph import CostGraph, build
 from hpml_compile.errors import InfeasibleError
 from hpml_compile.ir import Cluster
-from hpml_compile.plan import Plan
+from hpml_compile.memory import ZeroStage
+from hpml_compile.plan import AllReduce, Plan, hierarchy_problem
 from hpml_compile.simulate import EventKind, simulate
 from hpml_compile.solve import SolverName, plan_from_cuts, solve
 from hpml_compile.solve.baselines import cut_points
@@ -371,6 +373,20 @@ def _terms_text(t: dict[str, float]) -> str:
     return " + ".join(f"{k} {t[k]:.3g}" for k in ("compute", "bubble", "sync", "tied", "optimizer"))
 
 
+def as_hier_zero1(plan: Plan) -> Plan | None:
+    """``plan`` with every replicated stage whose devices span hosts evenly made a hierarchical ZeRO-1 (issue 18,
+    session 10: the optimizer sharded over each host's devices, its sync the three hierarchical levels after the
+    backward), devices and microbatches unchanged; None where no stage spans hosts. A what-if beside the
+    solver's plan, which may take it itself (``solve(..., hierarchical=True)`` offers it)."""
+    hosts = {d.name: d.host for d in plan.cluster.devices}
+    spans = [s.index for s in plan.stages if len(s.devices) > 1 and s.zero in (ZeroStage.NONE, ZeroStage.OS)
+             and not s.compress and hierarchy_problem(s.devices, hosts, ZeroStage.OS) is None]
+    if not spans:
+        return None
+    return replace(plan, stages=tuple(replace(s, zero=ZeroStage.OS, allreduce=AllReduce.HIERARCHICAL)
+                                      if s.index in spans else s for s in plan.stages))
+
+
 def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit: float) -> list[dict[str, Any]]:
     """``ilp`` with every all-reduce flat against ``ilp`` free to all-reduce hierarchically, on one cluster, and
     with each of :data:`COMPRESSIONS` allowed too.
@@ -378,7 +394,8 @@ def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit
     Prints one row per model: the predicted steps, the compute bound and the tighter bound (:func:`tight_bound`),
     and the share of the flat plan's distance to each bound that the hierarchical all-reduce closes,
     ``(flat - hier) / (flat - bound)``; then per model where the hierarchical plan's step goes
-    (:func:`step_terms`).
+    (:func:`step_terms`), and the same plan with its stages across hosts made hierarchical ZeRO-1
+    (:func:`as_hier_zero1`).
 
     Returns:
         The rows, for the JSON.
@@ -402,7 +419,13 @@ def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit
                        "closed_fixed": closed(p.predicted.step_ms, fixed), "stages": _shape(p),
                        "compressed": [s.index for s in p.stages if s.compress], "microbatches": p.microbatches,
                        "terms": step_terms(p, graph)}
+        hz = as_hier_zero1(hier)
+        hz_terms = step_terms(hz, graph) if hz is not None else None
         rows.append({"model": name, "cluster": cluster.name, "flat_ms": f, "hierarchical_ms": h, "bound_ms": bound,
+                     "hier_zero1_terms": hz_terms, "hier_zero1_stages": _shape(hz) if hz is not None else None,
+                     "hier_zero1_closed": closed(hz_terms["step"], bound) if hz_terms else None,
+                     "hier_zero1_chosen": any(s.zero == ZeroStage.OS and s.allreduce is AllReduce.HIERARCHICAL
+                                              for s in hier.stages),
                      "row_bound_ms": row_bound(graph, cluster), "optimizer_floor_ms": optimizer_floor(graph, cluster),
                      "tight_bound_ms": tight, "fixed_bound_ms": fixed, "flat_vs_bound": f / bound,
                      "hierarchical_vs_bound": h / bound, "closed": closed(h, bound), "closed_tight": closed(h, tight),
@@ -418,6 +441,10 @@ def hierarchical_rows(graphs: dict[str, CostGraph], cluster: Cluster, time_limit
     for r in rows:
         print(f"{r['model']:11s} flat {_terms_text(r['flat_terms'])}")
         print(f"{'':11s} hier {_terms_text(r['hierarchical_terms'])}")
+        if r["hier_zero1_terms"] is not None and not r["hier_zero1_chosen"]:  # chosen: it is the line above
+            t = r["hier_zero1_terms"]
+            print(f"{'':11s} hier ZeRO-1 what-if ({r['hier_zero1_stages']}): {t['step']:.4g} ms, closed "
+                  f"{r['hier_zero1_closed']:.0%}: {_terms_text(t)}")
         for c, e in r["compressed"].items():
             print(f"{'':11s} {c:>10s}: {e['step_ms']:.4g} ms, closed {e['closed']:.0%} "
                   f"(tight {e['closed_tight']:.0%}, fixed {e['closed_fixed']:.0%}), {e['stages']} "

@@ -26,7 +26,8 @@ copy handed over through a mailbox; collectives have nothing to do), else
 - **Hierarchical all-reduce** (:mod:`.hierarchy`): a stage whose plan says
   ``allreduce: hierarchical`` sums its gradients in three collectives on
   sub-groups (inside each host, between hosts), blocking after the backward
-  or bucket by bucket during it.
+  or bucket by bucket during it; under ZeRO-1 its reduce-scatter is the first
+  two levels and its all-gather the third, on the host's ranks.
 - **Timings** (:class:`CommStats`): seconds blocked in each receive, in
   collectives and in posting sends, and bytes moved; the monitor splits a
   receive's wait into transfer and idle.
@@ -65,8 +66,9 @@ from ..codegen.comm import Comm, Direction
 from ..errors import HpmlError
 from ..plan import AllReduce, Plan
 from ..schedule import rank_layout, stage_ranks
-from .hierarchy import (ChainQueue, HierGroups, PendingChain, hierarchical_all_reduce, hierarchical_levels,
-                        level_bytes, make_hierarchy)
+from .hierarchy import (ChainQueue, HierGroups, PendingChain, hierarchical_all_gather, hierarchical_all_reduce,
+                        hierarchical_gather_into, hierarchical_levels, hierarchical_reduce_scatter, level_bytes,
+                        make_hierarchy)
 
 __all__ = ["Backend", "CommOp", "CommStats", "PendingCollective", "CommFault", "InjectedFault", "LocalComm", "DistComm",
            "dist_comm", "pair_backend", "rank_devices", "is_transient", "make_groups", "HierGroups", "make_hierarchy",
@@ -476,10 +478,17 @@ class DistComm(Comm):
         if hier is not None:
             self._count_levels(stages, flat, hier)
 
-    def _count_levels(self, stages: tuple[int, ...], flat: Tensor, hier: HierGroups) -> None:
-        """Add the bytes of each level of one hierarchical all-reduce of ``flat`` (for report: issue 18)."""
+    def _count_levels(self, stages: tuple[int, ...], flat: Tensor, hier: HierGroups, gather: bool | None = None
+                      ) -> None:
+        """Add the bytes of each level of one hierarchical all-reduce of ``flat`` (for report: issue 18).
+
+        ``gather``: a hierarchical ZeRO-1's halves of it, False for the reduce-scatter in the host and the
+        all-reduce between hosts, True for the all-gather in the host (and half the flat ring, each); None: all.
+        """
         hosts = self.group_size(stages) // hier.per_host
         intra, inter, ring = level_bytes(flat.numel(), flat.element_size(), hier, hosts)
+        if gather is not None:
+            intra, inter, ring = intra // 2, (0 if gather else inter), ring // 2
         self.stats.intra_bytes += intra
         self.stats.inter_bytes += inter
         self.stats.flat_bytes += ring
@@ -512,18 +521,57 @@ class DistComm(Comm):
         return self._launch(stages, flat, flat, "ALLREDUCE",
                             lambda t, g: dist.all_reduce(t, group=g, async_op=True))
 
-    def _chain(self, stages: tuple[int, ...], flat: Tensor, hier: HierGroups) -> PendingChain:
-        """Queue the hierarchical all-reduce of ``flat`` on the stage set's :class:`ChainQueue`."""
+    def _chain(self, stages: tuple[int, ...], flat: Tensor, hier: HierGroups, shard_out: Tensor | None = None
+               ) -> PendingChain:
+        """Queue the hierarchical all-reduce of ``flat`` on the stage set's :class:`ChainQueue` (``shard_out``: its
+        first two levels only, a hierarchical ZeRO-1's reduce-scatter into this rank's shard of it)."""
         self._maybe_fail(CommOp.COLLECTIVE)
         nccl = all(self.devices[r].type == "cuda" for k in stages for r in self.ranks[k])
         t0 = time.perf_counter()
-        wire = flat if nccl or flat.device.type == "cpu" else flat.cpu()  # gloo: a GPU tensor via the host
-        levels, done = hierarchical_levels(wire, hier)
-        self._count_levels(stages, flat, hier)
+        staged = not nccl and flat.device.type != "cpu"  # gloo: a GPU tensor via the host
+        wire = flat.cpu() if staged else flat
+        out = flat if shard_out is None else shard_out
+        wire_out = None if shard_out is None else (torch.empty(shard_out.shape, dtype=shard_out.dtype) if staged
+                                                   else shard_out)
+        levels, done = hierarchical_levels(wire, hier, wire_out)
+        self._count_levels(stages, flat, hier, gather=None if shard_out is None else False)
         queue = self._chains.setdefault(stages, ChainQueue())
-        return queue.add(PendingChain(queue, levels, done, wire, flat, self.stats, t0,
-                                      flat.numel() * flat.element_size(), self.group_size(stages), self.stage,
+        return queue.add(PendingChain(queue, levels, done, wire if wire_out is None else wire_out, out, self.stats,
+                                      t0, flat.numel() * flat.element_size(), self.group_size(stages), self.stage,
                                       self.events, self.device if nccl else torch.device("cpu")))
+
+    def reduce_scatter_chain(self, stage: int, bucket: Tensor, out: Tensor) -> PendingChain | None:
+        """Start a hierarchical ZeRO-1 bucket's reduce-scatter: ``out`` (``1 / L`` of ``bucket``) gets the global sum
+        of this rank's piece, in the host then between hosts, queued after the stage's earlier buckets."""
+        hier = self.hierarchy.get((stage,))
+        if hier is None:
+            raise HpmlError(f"stage {stage}: a hierarchical reduce-scatter, but the plan does not make the stage "
+                            "hierarchical (no sub-groups): rebuild the pipeline from the build's plan")
+        return self._chain((stage,), bucket, hier, out)
+
+    def gather_into(self, stage: int, pieces: Sequence[tuple[Tensor, Tensor]]) -> None:
+        """A hierarchical ZeRO-1's parameter all-gather in the host, in place: each ``(piece, out)`` pair's ``out``
+        gets the host's pieces in order (:func:`~.hierarchy.hierarchical_gather_into`), after the skew barrier."""
+        hier = self.hierarchy[(stage,)]
+        self._maybe_fail(CommOp.COLLECTIVE)
+        t0 = time.perf_counter()
+        dist.all_reduce(torch.zeros(1, device=self.device if self.device.type == "cuda" and all(
+            self.devices[r].type == "cuda" for r in self.ranks[stage]) else "cpu"), group=self.groups.get((stage,)))
+        t1 = time.perf_counter()
+        hierarchical_gather_into(pieces, hier)
+        self._sync_device()
+        t2 = time.perf_counter()
+        self.stats.collective_wait_s += t1 - t0
+        self.stats.collective_s += t2 - t1
+        nbytes = sum(o.numel() * o.element_size() for _, o in pieces)
+        if self.events is not None:
+            self.events.add("COLL_WAIT", t0, t1, self.stage)
+            self.events.add("ALLGATHER", t1, t2, self.stage, -1, self.group_size((stage,)), nbytes)
+        hosts = self.group_size((stage,)) // hier.per_host
+        for _, o in pieces:
+            intra, _, ring = level_bytes(o.numel(), o.element_size(), hier, hosts)
+            self.stats.intra_bytes += intra // 2
+            self.stats.flat_bytes += ring // 2
 
     def reduce_scatter_async(self, stage: int, parts: list[Tensor], out: Tensor) -> PendingCollective | None:
         """Start the reduce-scatter of ``parts`` (one per replica, equal sizes) into ``out`` (this replica's sum).
@@ -551,21 +599,38 @@ class DistComm(Comm):
                                  self.events, self.device if nccl else torch.device("cpu"))
 
     def reduce_scatter(self, stage: int, flat: Tensor) -> Tensor:
+        """This replica's shard of the sum; where the plan makes a ZeRO-1 stage hierarchical, the shard of this
+        rank's host position, reduce-scattered in the host and all-reduced between hosts (:mod:`.hierarchy`)."""
+        hier = self.hierarchy.get((stage,))
+
         def run(t: Tensor, g: Any) -> Tensor:
+            if hier is not None:
+                return hierarchical_reduce_scatter(t, hier)
             parts = list(t.chunk(len(self.ranks[stage])))
             out = torch.empty_like(parts[0])
             dist.reduce_scatter(out, parts, group=g)
             return out
 
-        return self._collective((stage,), flat, run, "REDUCESCATTER")
+        out = self._collective((stage,), flat, run, "REDUCESCATTER")
+        if hier is not None:  # the host's reduce-scatter and the shard's all-reduce between hosts
+            self._count_levels((stage,), flat, hier, gather=False)
+        return out
 
     def all_gather(self, stage: int, shard: Tensor) -> Tensor:
+        """Every replica's shard in order; under a hierarchical ZeRO-1 stage, the host's ranks' shards."""
+        hier = self.hierarchy.get((stage,))
+
         def run(t: Tensor, g: Any) -> Tensor:
+            if hier is not None:
+                return hierarchical_all_gather(t, hier)
             parts = [torch.empty_like(t) for _ in self.ranks[stage]]
             dist.all_gather(parts, t, group=g)
             return torch.cat(parts)
 
-        return self._collective((stage,), shard, run, "ALLGATHER")
+        out = self._collective((stage,), shard, run, "ALLGATHER")
+        if hier is not None:
+            self._count_levels((stage,), out, hier, gather=True)
+        return out
 
 
 def dist_comm(build: Build, device: torch.device | str = "cpu") -> DistComm:

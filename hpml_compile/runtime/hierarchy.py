@@ -29,6 +29,18 @@ not implemented") and reports completion only once waited for, so on a
 gloo host group the reduce-scatter is an all-to-all plus a local sum. The
 fixed order also keeps the plan's price true: the collectives run one
 after another, the last bucket's chain after the backward.
+
+A ZeRO-1 stage whose plan says ``hierarchical`` (HSDP-like: the optimizer
+sharded over the ``L`` ranks of each host, replicated across hosts) uses
+the first two levels and the third apart: the reduce-scatter in the host and
+the all-reduce of each piece between hosts (each rank then holds the global
+sum of its shard: :func:`hierarchical_levels` with ``shard_out``, chained per
+bucket during the backward, or :func:`hierarchical_reduce_scatter` after it),
+the optimizer steps that shard, and :func:`hierarchical_gather_into` brings
+the host's ranks the other pieces' new values, in place in the flat buffer
+(:class:`~.zero.FlatShard` with ``hier``). The bytes between hosts are the
+hierarchical all-reduce's; inside the host a reduce-scatter and an
+all-gather, of gradients then of parameters.
 """
 
 from __future__ import annotations
@@ -48,7 +60,8 @@ if TYPE_CHECKING:
     from .comm import CommStats
 
 __all__ = ["HierGroups", "make_hierarchy", "level_bytes", "hierarchical_levels", "hierarchical_all_reduce",
-           "PendingChain", "ChainQueue"]
+           "hierarchical_reduce_scatter", "hierarchical_all_gather", "hierarchical_gather_into", "PendingChain",
+           "ChainQueue"]
 
 _GLOO, _NCCL = "gloo", "nccl"  # torch.distributed's backend names (comm.Backend's values; comm imports this module)
 
@@ -61,11 +74,14 @@ class HierGroups:
         intra: the ranks of the stage on this rank's host (None: this rank is alone on its host).
         inter: the ranks at this rank's position on every host.
         per_host: ranks per host (``h``).
+        local: this rank's index among the stage's ranks on its host (the shard it owns under a hierarchical
+            ZeRO-1, :func:`hierarchical_reduce_scatter`).
     """
 
     intra: Any
     inter: Any
     per_host: int
+    local: int = 0
 
 
 def make_hierarchy(plan: Plan, devices: list[torch.device], collectives: Sequence[tuple[int, ...]] = ()
@@ -125,7 +141,8 @@ def make_hierarchy(plan: Plan, devices: list[torch.device], collectives: Sequenc
             inter.update((r, made) for r in column)
         me = dist.get_rank()
         if me in intra:
-            out[stages] = HierGroups(intra[me] if h > 1 else None, inter[me], h)
+            host = next(x for x in hosts if me in x)
+            out[stages] = HierGroups(intra[me] if h > 1 else None, inter[me], h, host.index(me))
     return out
 
 
@@ -146,13 +163,16 @@ def level_bytes(numel: int, element_size: int, groups: HierGroups, hosts: int) -
     return 2 * (h - 1) * padded // h, 2 * (hosts - 1) * (padded // h) // hosts, 2 * (world - 1) * n // world
 
 
-def hierarchical_levels(flat: Tensor, groups: HierGroups) -> tuple[list[Callable[[], Any]], Callable[[], None]]:
+def hierarchical_levels(flat: Tensor, groups: HierGroups, shard_out: Tensor | None = None
+                        ) -> tuple[list[Callable[[], Any]], Callable[[], None]]:
     """The collectives of a hierarchical all-reduce of ``flat``, to be started in order, each after the last is done.
 
     Args:
         flat: a 1-D tensor, the same length on every rank of the stage (padded here to a multiple of the
             ranks per host).
         groups: this rank's sub-groups (:func:`make_hierarchy`).
+        shard_out: a hierarchical ZeRO-1's reduce-scatter instead: only the first two levels, leaving the global
+            sum of this rank's ``1 / h`` of ``flat`` (whose length must then split into ``h``) in ``shard_out``.
 
     Returns:
         ``(levels, done)``: each level, called, starts one collective with ``async_op=True`` and returns its
@@ -161,13 +181,17 @@ def hierarchical_levels(flat: Tensor, groups: HierGroups) -> tuple[list[Callable
         gloo host group the reduce-scatter is an all-to-all whose pieces the next level sums (see below).
     """
     n, h = flat.numel(), groups.per_host
+    if shard_out is not None and (n % h or shard_out.numel() * h != n):
+        raise ValueError(f"hierarchical_levels: {n} elements do not split into {h} shards of {shard_out.numel()}")
     if groups.intra is None:
+        if shard_out is not None:
+            return [lambda: dist.all_reduce(shard_out.copy_(flat), group=groups.inter, async_op=True)], lambda: None
         return [lambda: dist.all_reduce(flat, group=groups.inter, async_op=True)], lambda: None
     pad = (-n) % h
     buf = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
     parts = list(buf.chunk(h))  # equal chunks: len(buf) is a multiple of h
-    shard = torch.empty_like(parts[0])
-    gathered = [torch.empty_like(shard) for _ in range(h)]
+    shard = torch.empty_like(parts[0]) if shard_out is None else shard_out
+    gathered = [torch.empty_like(shard) for _ in range(h)] if shard_out is None else []
 
     def done() -> None:
         flat.copy_(torch.cat(gathered)[:n])
@@ -192,6 +216,8 @@ def hierarchical_levels(flat: Tensor, groups: HierGroups) -> tuple[list[Callable
         def between() -> Any:
             return dist.all_reduce(shard, group=groups.inter, async_op=True)
 
+    if shard_out is not None:
+        return [scatter, between], lambda: None
     return [scatter, between, lambda: dist.all_gather(gathered, shard, group=groups.intra, async_op=True)], done
 
 
@@ -214,6 +240,69 @@ def hierarchical_all_reduce(flat: Tensor, groups: HierGroups) -> Tensor:
         start().wait()
     done()
     return flat
+
+
+def hierarchical_reduce_scatter(flat: Tensor, groups: HierGroups) -> Tensor:
+    """This rank's shard of the sum of ``flat`` over a stage's ranks: reduce-scatter in the host, all-reduce between.
+
+    The first two levels of :func:`hierarchical_all_reduce`: shard ``l`` (``flat``'s ``l``-th of ``h`` equal
+    chunks, ``l`` = :attr:`HierGroups.local`) summed over the host's ranks, then over the ranks holding shard ``l``
+    on the other hosts. Blocking.
+
+    Args:
+        flat: a 1-D tensor whose length is a multiple of the ranks per host, the same on every rank.
+        groups: this rank's sub-groups (:func:`make_hierarchy`).
+
+    Returns:
+        A new tensor of ``len(flat) / h`` elements: the global sum of this rank's shard.
+    """
+    h = groups.per_host
+    if flat.numel() % h:
+        raise ValueError(f"hierarchical_reduce_scatter: {flat.numel()} elements do not split into {h} shards")
+    if groups.intra is None:
+        shard = flat.clone()
+    else:
+        shard = torch.empty(flat.numel() // h, dtype=flat.dtype, device=flat.device)
+        dist.reduce_scatter(shard, list(flat.chunk(h)), group=groups.intra)
+    dist.all_reduce(shard, group=groups.inter)
+    return shard
+
+
+def hierarchical_gather_into(pieces: Sequence[tuple[Tensor, Tensor]], groups: HierGroups) -> None:
+    """The third level on parameters, in place: for each ``(shard piece, out)``, ``out`` (``h`` times as long) gets
+    the host's ranks' pieces in local order (``all_gather_into_tensor``: no copy). Blocking, one after another.
+
+    Args:
+        pieces: ``(this rank's piece, where the host's pieces go)``, the same sizes on every rank.
+        groups: this rank's sub-groups (:func:`make_hierarchy`).
+    """
+    for piece, out in pieces:
+        if groups.intra is None:
+            out.copy_(piece)
+            continue
+        if out.device.type != "cpu" and dist.get_backend(groups.intra) == _GLOO:  # a GPU tensor over gloo: via host
+            host = torch.empty(out.shape, dtype=out.dtype)
+            dist.all_gather_into_tensor(host, piece.detach().cpu(), group=groups.intra)
+            out.copy_(host)
+        else:
+            dist.all_gather_into_tensor(out, piece.detach().contiguous(), group=groups.intra)
+
+
+def hierarchical_all_gather(shard: Tensor, groups: HierGroups) -> Tensor:
+    """Every shard of the host's ranks, concatenated in local order (the third level, on parameters). Blocking.
+
+    Args:
+        shard: this rank's shard, the same length on every rank.
+        groups: this rank's sub-groups (:func:`make_hierarchy`).
+
+    Returns:
+        ``h * len(shard)`` elements (``shard`` itself where the rank is alone on its host).
+    """
+    if groups.intra is None:
+        return shard
+    parts = [torch.empty_like(shard) for _ in range(groups.per_host)]
+    dist.all_gather(parts, shard.contiguous(), group=groups.intra)
+    return torch.cat(parts)
 
 
 @dataclass(eq=False)

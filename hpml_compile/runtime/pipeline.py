@@ -297,6 +297,8 @@ class Pipeline:
                                 "combine: use ZeRO-3 or offload (ZeRO-1 with offload)")
             shard: FlatShard = FlatShard3(k, params, replicas=self._reps[k], replica=self.replica)
             shard.attach(self.stages[k])
+        elif (hier := getattr(self.comm, "hierarchy", {}).get((k,))) is not None:  # ZeRO-1 over the host's ranks (plan: hierarchical)
+            shard = FlatShard(k, params, replicas=hier.per_host, replica=hier.local, zero=st.zero, hier=hier)
         else:
             shard = FlatShard(k, params, replicas=self._reps[k], replica=self.replica, zero=st.zero)
         shard.comm = self.comm
@@ -765,9 +767,8 @@ class Pipeline:
             changed: the block writes the parameters (a checkpoint load): each replica's shard takes its part.
         """
         with contextlib.ExitStack() as stack:
-            for s in self._shards:
-                if isinstance(s, FlatShard3):
-                    stack.enter_context(s.whole(changed=changed))
+            for s in self._shards:  # ZeRO-3 gathers; a hierarchical ZeRO-1 shard takes its pieces of a write after
+                stack.enter_context(s.whole(changed=changed))
             yield
 
     def close(self) -> None:

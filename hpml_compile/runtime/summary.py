@@ -462,7 +462,8 @@ def format_sync(s: RunSummary) -> list[str]:
         lines.append(f"  gradient sync, stage {k} ({how}): {human_bytes(sent)} per step per rank against "
                      f"{human_bytes(dense)} uncompressed ({sent / dense:.1%})")
     for k, intra, inter, flat in s.sync_levels:
-        lines.append(f"  hierarchical all-reduce, stage {k}: {human_bytes(inter)} between hosts + {human_bytes(intra)} "
+        what = "hierarchical reduce-scatter + all-gather (ZeRO-1)" if p.stages[k].zero else "hierarchical all-reduce"
+        lines.append(f"  {what}, stage {k}: {human_bytes(inter)} between hosts + {human_bytes(intra)} "
                      f"inside the host per step per rank; a flat ring: {human_bytes(flat)}, every byte over its "
                      f"slowest hop, between hosts ({inter / flat:.1%} of it crosses the hosts now)")
     return lines

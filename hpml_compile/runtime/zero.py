@@ -97,6 +97,29 @@ overlap than ZeRO-0's, with the layout (and the checkpoint mapping) unchanged.
 The collective of a bucket goes through one method, :meth:`GradBuckets.launch`
 (where a compressing reducer would plug in).
 
+**Hierarchical ZeRO-1** (a ZeRO-1 stage whose plan says ``allreduce:
+hierarchical``, its replicas spread evenly over hosts; HSDP-like): the
+optimizer is sharded over the ``L`` ranks of each host, not over all ``d``,
+so each rank holds ``1 / L`` of the optimizer state (the same shard as the
+rank at its position on every other host). The flat buffer is cut into
+contiguous buckets, as ZeRO-0's (``[L a, L b)`` for the shard sub-range
+``[a, b)``), each split into ``L`` pieces; a rank's shard is its piece of
+every bucket, a tensor of its own (``P / L`` bytes, beside the flat
+buffer), and so is the shard's summed gradient. A bucket's gradients are
+reduce-scattered inside the host and the piece all-reduced between hosts
+(the first two levels of the hierarchical all-reduce,
+:meth:`.comm.DistComm.reduce_scatter_chain`, through the stage's
+:class:`~.comm.ChainQueue`), launched by the gradient
+hooks during the last backward where the stage overlaps (GPU groups; since
+the buckets are contiguous ranges of the buffer they are ready as early as
+ZeRO-0's), after it otherwise (one bucket: the contiguous layout,
+:func:`~.hierarchy.hierarchical_reduce_scatter`). The optimizer steps the
+shard, and the host's ranks all-gather each bucket's pieces straight into
+the flat buffer (``all_gather_into_tensor``: no copy), after the step, not
+overlapped. Between hosts: the hierarchical all-reduce's bytes; inside: a
+reduce-scatter of gradients and an all-gather of parameters. The same exact
+sum as the flat reduce-scatter, added in another order.
+
 Checkpoints stay plan-independent: :func:`full_optimizer_state` gathers the
 shard's state back to whole per-parameter tensors under the original names
 (what :mod:`.checkpoint` writes for any plan), and
@@ -114,8 +137,9 @@ Example (one process: a stage "replicated" once, so the shard is everything):
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -124,6 +148,7 @@ from torch import Tensor, nn
 from ..codegen.comm import Comm
 from ..errors import HpmlError
 from ..memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, ZeroStage, bucket_ranges
+from .hierarchy import HierGroups
 
 __all__ = ["FlatShard", "FlatGrads", "GradBuckets", "shards_of", "full_optimizer_state", "optimizer_templates",
            "load_full_optimizer_state"]
@@ -219,21 +244,31 @@ class FlatShard:
     Args:
         stage: the stage index.
         params: the stage's parameters to shard, in the same order on every replica.
-        replicas: ``d``.
-        replica: this rank's replica index ``r``.
+        replicas: ``d``, the ranks the shards are spread over (under ``hier``: the ranks of one host, ``L``).
+        replica: this rank's replica index ``r`` (under ``hier``: its index on its host).
         zero: the ZeRO stage (1 or 2).
+        hier: this rank's sub-groups where the plan makes the ZeRO-1 stage hierarchical (HSDP-like: the shards
+            over the host's ``L`` ranks, every host holding all of them; each bucket's reduce-scatter in the host
+            and all-reduce between hosts through the communicator's ``reduce_scatter_chain``, or one
+            ``reduce_scatter`` after the backward where not bucketed; the parameters gathered in place by its
+            ``gather_into``). None: flat, over all ``d`` replicas.
 
     Raises:
-        HpmlError: parameters of different dtypes or devices (one flat buffer holds them all), or ZeRO-3.
+        HpmlError: parameters of different dtypes or devices (one flat buffer holds them all), ZeRO-3, or
+            ``hier`` not ZeRO-1 or not matching ``replicas``/``replica``.
     """
 
     def __init__(self, stage: int, params: list[nn.Parameter], *, replicas: int, replica: int,
-                 zero: ZeroStage | int) -> None:
+                 zero: ZeroStage | int, hier: HierGroups | None = None) -> None:
         self.stage, self.replicas, self.replica = stage, replicas, replica
         self.zero = ZeroStage(zero)
+        self.hier = hier
         if self.zero not in (ZeroStage.OS, ZeroStage.OS_G):
             raise HpmlError(f"stage {stage}: FlatShard shards ZeRO-1 and ZeRO-2, not ZeRO-{int(self.zero)} (ZeRO-3 is "
                             "runtime.zero3.FlatShard3)")
+        if hier is not None and (self.zero != ZeroStage.OS or (hier.per_host, hier.local) != (replicas, replica)):
+            raise HpmlError(f"stage {stage}: a hierarchical shard is ZeRO-1 over the {hier.per_host} ranks of a host "
+                            f"(this one at {hier.local}), but got ZeRO-{int(self.zero)} over {replicas} at {replica}")
         if not params:
             raise HpmlError(f"stage {stage}: ZeRO-{int(self.zero)} over no parameters")
         kinds = {(p.dtype, p.device) for p in params}
@@ -256,19 +291,27 @@ class FlatShard:
                 offset += n
         lo = replica * self.shard_numel
         self.param = nn.Parameter(self.flat[lo:lo + self.shard_numel])  # the optimizer steps this, in place
+        if hier is not None:  # its own storage: one piece of every bucket (enable_overlap), gathered into the flat
+            self.param = nn.Parameter(self.flat[lo:lo + self.shard_numel].clone())
         self.grad_flat: Tensor | None = None
         self.comm: Comm | None = None  # the stage's communicator, set by the pipeline (and after a reconnect)
         self._checked = False
         self.buckets: GradBuckets | None = None  # overlapped reduce-scatter (enable_overlap)
-        self._ranges: list[tuple[int, int]] = []
+        # shard sub-ranges in launch order; a hierarchical shard's bucket ``[a, b)`` is the flat range ``[L a, L b)``,
+        # of which this rank owns piece ``replica`` (:meth:`_piece`); one bucket: the contiguous layout
+        self._ranges: list[tuple[int, int]] = [(0, self.shard_numel)] if hier is not None else []
         self._out: Tensor | None = None  # this replica's summed shard, filled bucket by bucket
 
     def enable_overlap(self, first_bytes: int = FIRST_BUCKET_BYTES, cap_bytes: int = BUCKET_BYTES) -> None:
         """Reduce-scatter bucket by bucket during the last backward (see the module docstring).
 
         A bucket is the sub-range ``[a, b)`` of every replica's shard; its size in bytes over all replicas
-        is about ``first_bytes`` for the first bucket and ``cap_bytes`` for the others.
+        is about ``first_bytes`` for the first bucket and ``cap_bytes`` for the others. A hierarchical shard
+        (``hier``) cuts the flat buffer into contiguous buckets instead (as ZeRO-0 does), each split into the
+        host's ``L`` pieces: its shard is this rank's piece of every bucket (see the module docstring).
         """
+        if self.hier is not None:
+            return self._enable_hier_overlap(first_bytes, cap_bytes)
         d, n = self.replicas, self.shard_numel
         size = self.flat.element_size()
         self._ranges = bucket_ranges(n, size, max(size, first_bytes // d), max(size, cap_bytes // d))
@@ -287,6 +330,31 @@ class FlatShard:
         n = self.shard_numel
         parts = [self.grad_flat[s * n + a:s * n + b] for s in range(self.replicas)]
         return self.comm.reduce_scatter_async(self.stage, parts, self._out[a:b])  # type: ignore[attr-defined]
+
+    def _piece(self, a: int, b: int, replica: int | None = None) -> slice:
+        """The flat elements of ``replica``'s (default: this one's) piece of the hierarchical bucket ``[a, b)``."""
+        r = self.replica if replica is None else replica
+        return slice(self.replicas * a + r * (b - a), self.replicas * a + (r + 1) * (b - a))
+
+    def _enable_hier_overlap(self, first_bytes: int, cap_bytes: int) -> None:
+        L, n = self.replicas, self.shard_numel
+        size = self.flat.element_size()
+        self._ranges = bucket_ranges(n, size, max(size, first_bytes // L), max(size, cap_bytes // L))
+        with torch.no_grad():  # the shard is now this rank's piece of every bucket
+            for a, b in self._ranges:
+                self.param[a:b].copy_(self.flat[self._piece(a, b)])
+        members = [[i for i, (off, m) in enumerate(self._views) if off < L * b and off + m > L * a]
+                   for a, b in self._ranges]
+        self.buckets = GradBuckets(self.params, members, self._launch_hier)
+
+    def _launch_hier(self, i: int) -> Any:
+        """Start bucket ``i``'s reduce-scatter in the host and all-reduce between hosts into its part of the shard."""
+        assert self.grad_flat is not None and self.comm is not None
+        if self._out is None:
+            self._out = torch.empty(self.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
+        a, b = self._ranges[i]
+        bucket = self.grad_flat[self.replicas * a:self.replicas * b]
+        return self.comm.reduce_scatter_chain(self.stage, bucket, self._out[a:b])  # type: ignore[attr-defined]
 
     @property
     def owned(self) -> slice:
@@ -331,7 +399,10 @@ class FlatShard:
         for p in self.params:
             p.grad = None  # the full gradient is not the summed one: nobody may read it as such
         if self.buckets is None:
-            shard = comm.reduce_scatter(self.stage, self.grad_flat)
+            shard = comm.reduce_scatter(self.stage, self.grad_flat)  # hierarchical: one bucket, contiguous pieces
+        if self.hier is not None:
+            self.param.grad = shard  # the shard is not a view of the flat buffer: its gradient is not either
+            return
         if self.zero is ZeroStage.OS:
             own = self.grad_flat[self.owned]
             own.copy_(shard)
@@ -341,13 +412,30 @@ class FlatShard:
             self.grad_flat = None  # ZeRO-2: only the shard of the gradients is held from here on
 
     def all_gather(self, comm: Comm) -> None:
-        """After the optimizer step: every replica takes the other shards' new values."""
+        """After the optimizer step: every replica takes the other shards' new values (hierarchical: the host's
+        ranks' pieces of each bucket, gathered into the flat buffer in place)."""
+        if self.hier is not None:
+            L = self.replicas
+            pieces = [(self.param.detach()[a:b], self.flat[L * a:L * b]) for a, b in self._ranges]
+            with torch.no_grad():
+                comm.gather_into(self.stage, pieces)  # type: ignore[attr-defined]
+            return
         with torch.no_grad():
             full = comm.all_gather(self.stage, self.param.detach())
             if full.data_ptr() != self.flat.data_ptr():
                 self.flat.copy_(full)
         if self.zero is ZeroStage.OS_G:
             self.param.grad = None  # ZeRO-2: the shard's gradient is used up (ZeRO-1 keeps its buffer, seen here)
+
+    @contextlib.contextmanager
+    def whole(self, *, changed: bool = False) -> Iterator[None]:
+        """A block that reads or writes the stage's parameters outside a step (checkpoints, as
+        :class:`~.zero3.FlatShard3`'s); ``changed``: it wrote them, so a hierarchical shard, a tensor of its own,
+        takes its pieces of the flat buffer after (a flat shard is a view of it: nothing to do)."""
+        yield
+        if changed and self.hier is not None:
+            with torch.no_grad():
+                self.param.copy_(self._own(self.flat))
 
     # -- checkpoints: whole per-parameter state ------------------------------------------------------
     def _gather(self, t: Tensor) -> Tensor:
@@ -356,9 +444,26 @@ class FlatShard:
             return t
         comm = self.comm
         group = getattr(comm, "groups", {}).get((self.stage,)) if comm is not None else None
+        if self.hier is not None:
+            group = self.hier.intra  # every host holds every shard: gather inside this one
         parts = [torch.empty_like(t) for _ in range(self.replicas)]
         dist.all_gather(parts, t.contiguous(), group=group)
-        return torch.cat(parts)
+        if self.hier is None:
+            return torch.cat(parts)
+        whole = torch.empty(self.flat.numel(), dtype=t.dtype, device=t.device)  # each bucket's pieces in place
+        for a, b in self._ranges:
+            for r, part in enumerate(parts):
+                whole[self._piece(a, b, r)] = part[a:b]
+        return whole
+
+    def _own(self, whole: Tensor) -> Tensor:
+        """This replica's shard of a tensor laid out as the flat buffer."""
+        if self.hier is None:
+            return whole[self.owned]
+        out = torch.empty(self.shard_numel, dtype=whole.dtype, device=whole.device)
+        for a, b in self._ranges:  # bucket [a, b)'s piece at [a, b) of the shard (the ranges run from the top)
+            out[a:b] = whole[self._piece(a, b)]
+        return out
 
     def _per_element(self, t: Tensor) -> bool:
         if t.numel() == self.shard_numel and t.dim() == 1 and self.shard_numel > 1:
@@ -395,7 +500,7 @@ class FlatShard:
                 whole = torch.zeros(self.flat.numel(), dtype=t.dtype, device=t.device)
                 for (off, n), s in zip(self._views, per_param):
                     whole[off:off + n].copy_(s[key].reshape(-1))
-                src = whole[self.owned]
+                src = self._own(whole)
             else:
                 src = per_param[0][key].reshape(t.shape)
             if isinstance(value, Tensor):

@@ -148,8 +148,9 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         compress: a gradient compression the user allows (``powersgd:RANK`` / ``topk:RATIO``): priced for every
             replicated ZeRO-0 candidate stage, which takes it where its sync is faster so (:func:`choose_compression`);
             None: never compressed.
-        hierarchical: let a ZeRO-0 stage whose replicas span hosts all-reduce hierarchically where the cost
-            model says it is faster (exact: the same sum); False keeps every all-reduce flat.
+        hierarchical: let a ZeRO-0 stage whose replicas span hosts all-reduce hierarchically, and a ZeRO-1 one
+            shard its optimizer per host behind the hierarchical levels, where the cost model says it is faster
+            (exact: the same sum); False keeps every all-reduce flat.
 
     Returns:
         The plan, with the simulator's predictions and the solver's status.

@@ -111,12 +111,14 @@ class Chain:
 
 @dataclass(frozen=True, slots=True)
 class StageConfig:
-    """Memory options of one stage."""
+    """Memory options of one stage (``hierarchical``: a ZeRO-1 stage spread evenly over hosts, its optimizer
+    sharded over each host's devices behind the hierarchical sync, HSDP-like: :class:`~hpml_compile.plan.AllReduce`)."""
 
     zero: ZeroStage = ZeroStage.NONE
     recompute: bool = False
     offload: bool = False
     swap: bool = False
+    hierarchical: bool = False
 
 
 # Cheapest first within each family; enumerate_candidates keeps those that buy memory.
@@ -126,10 +128,14 @@ class StageConfig:
 # the table keeps it only where it would buy memory (never, with one gather unit per stage). It is not
 # combined with optimizer offload, which the runtime does not do.
 OFFERED_ZERO: tuple[ZeroStage, ...] = (ZeroStage.NONE, ZeroStage.OS, ZeroStage.OS_G_P)
+# The hierarchical ZeRO-1 configurations come last (existing indices unchanged); the table offers them only
+# for a group whose devices span hosts evenly, where the setting allows hierarchical syncs.
 CONFIGS: tuple[StageConfig, ...] = tuple(
     StageConfig(z, r, o, s)
     for s in (False, True) for r in (False, True) for o in (False, True) for z in OFFERED_ZERO
-    if not (o and z == ZeroStage.OS_G_P))
+    if not (o and z == ZeroStage.OS_G_P)) + tuple(
+    StageConfig(ZeroStage.OS, r, o, s, hierarchical=True) for s in (False, True) for r in (False, True)
+    for o in (False, True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +149,7 @@ class Setting:
     dtype: str = "float32"
     compress: Compression | None = None
     compress_fraction: float | None = None  # PowerSGD's share of elements on the wire, over the model's parameters
-    hierarchical: bool = True  # a ZeRO-0 stage spread over hosts may all-reduce hierarchically where faster
+    hierarchical: bool = True  # a ZeRO-0/1 stage spread over hosts may sync hierarchically where faster
     compute_bytes: int = 0  # the autocast compute dtype's (0: fp32), for the weight copies per microbatch
 
 
@@ -314,8 +320,16 @@ def to_plan(chain: Chain, cluster: Cluster, setting: Setting, picked: list[Candi
     stages = []
     for i, (c, devs) in enumerate(zip(picked, devices)):
         nodes = chain.nodes(c.a, c.b)
+        # a hierarchical ZeRO-1 candidate was priced on the kind's first devices; on the devices it gets, where
+        # those do not span hosts evenly, or with fewer per host (larger shards: more memory than priced), it
+        # stays flat (sharded over all of them: less memory than either, so it fits)
+        how = AllReduce.FLAT
+        if c.config.hierarchical:
+            got, priced = hierarchy(cluster, devs), group_hierarchies(cluster, c.kind, [c.d])[c.d]
+            if got is not None and priced is not None and got.per_host >= priced.per_host:
+                how = AllReduce.HIERARCHICAL
         stages.append(Stage(i, devs, nodes, c.config.zero, c.config.recompute, nodes if c.config.swap else (),
-                            c.config.offload))
+                            c.config.offload, allreduce=how))
     plan = Plan(chain.graph.model, cluster, setting.schedule, setting.microbatches, tuple(stages), solver=solver)
     if setting.hierarchical:
         plan = faster_allreduce(plan, chain.graph, setting.dtype)

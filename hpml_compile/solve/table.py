@@ -233,21 +233,22 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         hier = hiers[kind].get(d)
         bpe = dtype_bytes(setting.dtype)
         cfg_ids = [i for i, c in enumerate(CONFIGS) if (d > 1 or c.zero == ZeroStage.NONE)
-                   and not (is_cpu and (c.offload or c.swap))]
+                   and not (is_cpu and (c.offload or c.swap)) and (hier is not None or not c.hierarchical)]
         ts, ests, jms, mems = [], [], [], []
         for ci in cfg_ids:
             cfg = CONFIGS[ci]
             swap_ms = 2 * transfer_ms(cost_models.p2p_ms, acts / (m * d), host) if cfg.swap else 0.0
             t = base + (fwd if cfg.recompute else 0.0) + swap_ms
+            shards = hier.per_host if cfg.hierarchical and hier is not None else d  # HSDP-like: one host's
             mem = memory_parts(param_bytes=params, activation_bytes=acts, input_bytes=inputs, dtype_bytes=bpe,
                                replicas=d, zero=cfg.zero, microbatches=m, recompute=cfg.recompute,
                                swapped_bytes=acts if cfg.swap else acts * 0, offload_optimizer=cfg.offload,
-                               host_is_device=is_cpu, compute_bytes=setting.compute_bytes)
+                               host_is_device=is_cpu, compute_bytes=setting.compute_bytes, shards=shards)
             mem = mem._replace(grads=mem.grads + shared)  # the flat buffer of gradients tied to other stages
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)
-            sync = sync_ms(params, d, cfg.zero, cfg.offload, glink, host, bwd_ms=bwd, microbatches=m,
-                           overlap=overlap)
+            sync = sync_ms(params, d, cfg.zero, cfg.offload, glink, host, hier if cfg.hierarchical else None,
+                           bwd_ms=bwd, microbatches=m, overlap=overlap)
             if hier is not None and cfg.zero == ZeroStage.NONE:  # the faster of flat and hierarchical (to_plan picks)
                 sync = np.minimum(sync, sync_ms(params, d, cfg.zero, cfg.offload, glink, host, hier, bwd_ms=bwd,
                                                 microbatches=m, overlap=overlap))
@@ -255,8 +256,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
                 sync = np.minimum(sync, compressed_sync_ms(params, d, setting.compress, glink, dtype_bytes=bpe,
                                                            bytes_per_ms=rate, fraction=setting.compress_fraction))
             ests.append(m * t + sync
-                        + copy_ms(params, d, rate, cfg.zero)
-                        + optimizer_ms(params, d, cfg.zero, opt_rate))
+                        + copy_ms(params, d, rate, cfg.zero, cfg.hierarchical)
+                        + optimizer_ms(params, d, cfg.zero, opt_rate, shards))
             jms.append(jm)
             mems.append(mem)
         est, jmx = np.stack(ests, 1), np.stack(jms, 1)

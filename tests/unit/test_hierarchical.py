@@ -2,7 +2,8 @@
 
 - ``Stage.allreduce`` round-trips through plan.json, written only when not flat;
 - a plan asking it for a stage on one host, on hosts holding different numbers
-  of the stage's devices, or for a ZeRO-sharded stage is refused by name;
+  of the stage's devices, or for a ZeRO-2/3 stage is refused by name (ZeRO-1 is
+  accepted: tests/unit/test_hier_zero.py);
 - the cost model prices each level on its own link, and the solver picks
   hierarchical on two hosts where it is faster and never on one host;
 - on GPUs the hierarchical all-reduce is priced overlapped with the last
@@ -75,9 +76,13 @@ def test_a_hierarchical_allreduce_where_it_cannot_run_is_refused_by_name(base: P
         validate_plan(uneven, prof)
     with pytest.raises(SchemaError, match="different numbers"):
         Plan.from_dict(uneven.to_dict())
-    sharded = replace(hier, stages=(replace(hier.stages[0], zero=ZeroStage.OS),))
-    with pytest.raises(PlanError, match="ZeRO-1"):
-        validate_plan(sharded, prof)
+    validate_plan(replace(hier, stages=(replace(hier.stages[0], zero=ZeroStage.OS),)), prof)  # HSDP-like ZeRO-1
+    for z in (ZeroStage.OS_G, ZeroStage.OS_G_P):
+        sharded = replace(hier, stages=(replace(hier.stages[0], zero=z),))
+        with pytest.raises(PlanError, match=f"ZeRO-{int(z)}, whose reduce-scatter and all-gather are flat"):
+            validate_plan(sharded, prof)
+        with pytest.raises(SchemaError, match=f"ZeRO-{int(z)}"):
+            Plan.from_dict(sharded.to_dict())
 
 
 def test_each_level_is_priced_on_its_own_link() -> None:

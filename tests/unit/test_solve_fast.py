@@ -23,7 +23,7 @@ from hpml_compile.plan import Schedule
 from hpml_compile.solve.candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees,
                                            enumerate_candidates, group_link, in_flight, kind_counts)
 from hpml_compile.solve.dp import objective, solve_chain
-from hpml_compile.stagecost import device_memory, hierarchical_overlapped_ms, overlapped_ms, stream_bytes_per_ms
+from hpml_compile.stagecost import _bucketed, device_memory, hierarchical_overlapped_ms, overlapped_ms, stream_bytes_per_ms
 from hpml_compile.solve.testing import dag_profile
 
 MiB = 2**20
@@ -44,7 +44,17 @@ def _sync(cfg, params: int, d: int, glink, host, bwd: float, hier=None, is_cpu: 
         if is_cpu:
             bwd = 0.0
         reduce = overlapped_ms if not is_cpu else (lambda fn, p, link, n, _w: _ms(fn, p, n, link))
-        if cfg.zero == ZeroStage.NONE:
+        if cfg.hierarchical:  # ZeRO-1 sharded per host: reduce-scatter in the host + all-reduce between, per
+            # bucket during the backward (GPUs) or after it (CPUs); the parameters' all-gather in the host after
+            h, hosts = hier.per_host, len(hier.hosts)
+
+            def two(b):
+                return (_ms(cost_models.reduce_scatter_ms, b, h, hier.intra)
+                        + _ms(cost_models.allreduce_ms, b / h, hosts, hier.inter))
+            gather = (lambda b: _ms(cost_models.all_gather_ms, b, h, hier.intra))
+            t += (two(params) + gather(params)) if is_cpu else (_bucketed(two, params, bwd)
+                                                                 + _bucketed(gather, params, 0.0))
+        elif cfg.zero == ZeroStage.NONE:
             t += reduce(cost_models.allreduce_ms, params, glink, d, bwd)
             if hier is not None:  # two hosts or more, the same number on each: the faster of flat and hierarchical
                 h, hosts = hier.per_host, len(hier.hosts)
@@ -58,7 +68,7 @@ def _sync(cfg, params: int, d: int, glink, host, bwd: float, hier=None, is_cpu: 
             t += reduce(cost_models.reduce_scatter_ms, params, glink, d, bwd / d) + (rounds - 1) * _ms(
                 cost_models.all_gather_ms, params, d, glink)
     if cfg.offload:
-        shard = params // d if cfg.zero >= ZeroStage.OS else params
+        shard = params // (hier.per_host if cfg.hierarchical else d) if cfg.zero >= ZeroStage.OS else params
         t += 2 * _ms(cost_models.p2p_ms, shard, host)
     return t
 
@@ -75,7 +85,7 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
             devs = [x.name for x in cluster.devices if x.kind == kind][:d]
             hier = hierarchy(cluster, devs) if d > 1 and setting.hierarchical else None
             cfgs = [c for c in CONFIGS if (d > 1 or c.zero == ZeroStage.NONE)
-                    and not (is_cpu and (c.offload or c.swap))]
+                    and not (is_cpu and (c.offload or c.swap)) and (hier is not None or not c.hierarchical)]
             for a in (a for a in range(n) if chain.cuttable[a]):
                 comm = 2 * _ms(cost_models.p2p_ms, chain.cut[a] / (m * d), boundary_link(cluster, kind)) if a else 0.0
                 for b in (b for b in range(a + 1, n + 1) if chain.cuttable[b]):
@@ -89,8 +99,12 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
                         swap = 2 * _ms(cost_models.p2p_ms, acts / (m * d), host) if cfg.swap else 0.0
                         t = base + (fwd if cfg.recompute else 0.0) + swap
                         copy = 4 * params / stream_bytes_per_ms(chain.graph, [kind]) \
-                            if d > 1 and cfg.zero >= ZeroStage.OS else 0.0
-                        scored.append((m * t + _sync(cfg, params, d, glink, host, bwd, hier, is_cpu) + copy, t, cfg))
+                            if d > 1 and cfg.zero >= ZeroStage.OS and not cfg.hierarchical else 0.0
+                        shards = hier.per_host if cfg.hierarchical else d  # the optimizer's step: its shard
+                        opt = chain.graph.optimizer_ms_per_byte(kind) * (params // shards if cfg.zero >= ZeroStage.OS
+                                                                         else params)
+                        scored.append((m * t + _sync(cfg, params, d, glink, host, bwd, hier, is_cpu) + copy + opt, t,
+                                       cfg))
                     scored.sort(key=lambda x: x[0])
                     best_j = -1
                     for est, t, cfg in scored:
@@ -100,7 +114,8 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
                                                 dtype_bytes=dtype_bytes(setting.dtype), replicas=d, zero=cfg.zero,
                                                 microbatches=m, in_flight=in_flight(setting, j),
                                                 recompute=cfg.recompute, swapped_bytes=acts if cfg.swap else 0,
-                                                offload_optimizer=cfg.offload, host_is_device=is_cpu)
+                                                offload_optimizer=cfg.offload, host_is_device=is_cpu,
+                                                shards=hier.per_host if cfg.hierarchical else d)
                             if mem.total <= cap:
                                 jmax = j
                                 break
