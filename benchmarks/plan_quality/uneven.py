@@ -22,6 +22,13 @@ beside this file) it prints, all scored by the one simulator:
 - ``fixed``: :func:`main.fixed_bound`, which charges each node's fixed part
   (a GPU's per-op cost) once per microbatch per replica, as the simulator
   does, and the share of the distance to it that ``uneven`` closes.
+- ``charged``: :func:`charged_bound`, which also charges rows rounded to whole
+  ones, the optimizer step at a mixed stage's slowest kind's pace, the
+  gradient syncs and the tied embedding's all-reduce on the links they cross,
+  and memory, as the simulator does; no plan simulates below it, so where it
+  is above ``target`` the goal is out of reach on that pair. The ``closed``
+  after it is the share of the distance from ``ilp`` to it that ``uneven``
+  closes (scipy's HiGHS linear programs; up to ~40 s a pair on mix3-8).
 
 Run:
     python benchmarks/plan_quality/uneven.py            # ~5 min on 2 busy cores
@@ -142,35 +149,48 @@ def _slope(fn: Callable[..., float], replicas: int, link: cost_models.LinkSpec |
 
 def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -> Any:
     """A lower bound on the simulated step of every plan of the solvers' space (stages of any devices and kinds,
-    rows even or uneven, GPipe or 1F1B, ZeRO 0-3, recompute, offload, swap; no compression, local SGD or
-    hierarchical all-reduce), which charges what the simulator charges and the compute bound does not.
+    rows even or uneven, GPipe or 1F1B, ZeRO 0-3, recompute, offload, swap, ``M`` dividing the batch, float32;
+    no compression, local SGD or hierarchical all-reduce), which charges what the simulator charges and the
+    compute bound does not. The compute bound spreads every node's fixed part over the devices as if it
+    shrank with the rows, lets a V100 step the optimizer beside an A100 at its own pace and moves gradients for
+    free; the simulator does none of that, and a goal set against the compute bound may be out of reach of
+    every plan. Where this bound is above the goal, that is proved (under the cost model).
 
     For every way to deal the devices into ``S`` groups (by kind counts, unordered; devices may stay idle) and
-    every microbatch count ``M`` leaving each replica a row, a linear program over how much of each node each
-    stage holds (``x_{n,s}``, fractions: stage contiguity and order relaxed, so it is below every plan of that
-    shape) finds the least step that these inequalities allow; the bound is the least over all shapes:
+    every ``M`` leaving each replica a row, a linear program over how much of each node each stage holds
+    (``x_{n,s}``, fractions; order and contiguity relaxed but for the tied parameter below, so it is below
+    every plan of that shape) finds the least step that these inequalities allow; the bound is the least over
+    all shapes (one stage first, a quick bound and branch and bound skipping most):
 
-    - a stage's forward (backward) per microbatch is at least ``sum_n x_{n,s} (f_n + R_s w_n)``: the node's
-      fixed part (the least over the group's kinds), charged once per microbatch per replica, plus its per-row
-      part on a reference kind times ``R_s`` = the least ``max_i r_i a_i`` over the ways to split a microbatch's
-      ``B / M`` rows between the replicas (integer rows at least one each, or the equal split at the slowest
-      kind's pace; ``a_i``: the least ratio of a node's per-row time on replica ``i``'s kind to the reference);
-    - the pipeline: with ``t_s = f_s + b_s``, for every stage ``k``:
+    - a stage's forward (backward) per microbatch is at least three expressions linear in ``x``: the nodes'
+      fixed parts (the least over the group's kinds: charged once per microbatch per replica) plus their
+      per-row parts on a reference kind times ``R`` = the least ``max_i r_i a_i`` over the ways to split a
+      microbatch's ``B / M`` rows (integer rows, one at least, or the equal split at the slowest kind's pace:
+      :func:`_row_factor`) with ``a_i`` the least per-row ratio of replica ``i``'s kind over all nodes; the
+      same with the ratios of the heaviest node type for it and one row on the fastest kind for the others;
+      and the replicas' times weighted by ``mu_i ~ 1 / ratio`` (a weighted mean is below their max);
+    - each stage holds at least one whole node;
+    - the pipeline, ``t_s = f_s + b_s``, for every stage ``k``:
       ``step >= sum_s t_s + (M - 1) b_k + max(0, M - S) f_k`` (microbatch 1 goes forward through every stage
-      and back; stage ``k`` runs its ``M`` backwards in between, and its forwards too but for at most ``S - 1``
-      warm-up forwards that 1F1B may run while it waits), and ``step >= M t_k`` (its own work);
-    - then the gradient syncs, the tied parameters' all-reduce and the optimizer step, one after the other
-      (the simulator's order): a stage of ``d >= 2`` replicas syncs its ``P_s`` parameter bytes, at least
-      ``C(P_s)`` after its last backward starts (ZeRO-0: the ring all-reduce, each bucket started when its
-      gradients are ready; at best link) and steps at its slowest kind's pace ``o`` (``o P_s``), or after its
-      last backward ends gathers the parameters (ZeRO >= 1: ``G(P_s)``, then ``o P_s / d``); collectives are
-      bounded below by their per-byte slope. Every stage steps: ``O >= min(o P_s, o P_s / d + G(P_s))``.
-      A parameter used by the graph's first and last node (tied embeddings) is in two stages whenever
-      ``S >= 2``: its all-reduce over at least 2 devices on the fastest link between two groups;
-    - one stage (``S = 1``) holds the whole model, so its sync is charged exactly as the one-stage floor does
-      (the last gradient bucket's all-reduce, which starts when the backward ends);
-    - memory: a stage's devices hold at least their shard of its parameters, ``P_s / d <= `` the smallest
-      memory of the group.
+      and back; stage ``k`` runs its ``M`` backwards in between, and its forwards but for the at most
+      ``S - 1`` warm-up forwards that 1F1B may run while it waits; GPipe gives more) and ``step >= M t_k``;
+    - then the syncs, the tied all-reduce and the optimizer step, one after the other as the simulator runs
+      them. A stage on one device steps ``o P_s`` (``o``: its kind's ms per parameter byte). A replicated
+      stage branches on ZeRO-0 (its ring all-reduce ``>= slope * P_s`` from its last backward's start, each
+      bucket launched when ready, and ``o P_s`` at its slowest kind's pace; any offload copies after its last
+      backward) or ZeRO >= 1 (from its last backward's end: the parameters' all-gather, ``o P_s / d``; ZeRO-3
+      pays more of both), each with and without the Adam state offloaded (two copies of what is stepped over
+      the fastest host link of the group). Memory as :func:`hpml_compile.stagecost.memory_parts` counts it:
+      parameters and gradients whole under every ZeRO stage, the Adam state ``2 P_s`` (ZeRO-0) or
+      ``2 P_s / d`` unless offloaded, at least one row's activations, within the smallest memory of the group
+      (one device: offload costs ``>= 2 h (P - room)``, linear, where ``room`` fits without it);
+    - the largest parameter used by several nodes (GPT-2's tied embedding): either its all-reduce between two
+      stages (over at least 2 devices on the fastest link between two groups), or one stage holds every node
+      between its users, and if that stage is replicated under ZeRO-0 its last gradient bucket's all-reduce
+      starts when its backward ends (the least over the bytes it may hold);
+    - one stage (``S = 1``) holds the whole model, so its tail is the one-stage floor's, exact: the last
+      bucket's all-reduce and ``o P`` (ZeRO-0), or the gather and ``o P / d`` (ZeRO >= 1), with the offload
+      copies where only offload fits.
 
     Args:
         graph: the cost graph.
