@@ -57,7 +57,8 @@ from hpml_compile.errors import InfeasibleError  # noqa: E402
 from hpml_compile.ir import Cluster  # noqa: E402
 from hpml_compile.plan import Plan, Schedule  # noqa: E402
 from hpml_compile.simulate import EventKind, simulate  # noqa: E402
-from hpml_compile.stagecost import BUCKET_BYTES, FIRST_BUCKET_BYTES, overlapped_ms, transfer_ms  # noqa: E402
+from hpml_compile.stagecost import (BUCKET_BYTES, FIRST_BUCKET_BYTES, overlapped_ms,  # noqa: E402
+                                    transfer_ms)
 from hpml_compile.solve import solve  # noqa: E402
 from hpml_compile.solve.baselines import cut_points  # noqa: E402
 from hpml_compile.solve.candidates import Chain  # noqa: E402
