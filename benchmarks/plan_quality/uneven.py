@@ -22,6 +22,13 @@ beside this file) it prints, all scored by the one simulator:
 - ``fixed``: :func:`main.fixed_bound`, which charges each node's fixed part
   (a GPU's per-op cost) once per microbatch per replica, as the simulator
   does, and the share of the distance to it that ``uneven`` closes.
+- ``charged``: :func:`charged_bound`, which also charges rows rounded to whole
+  ones, the optimizer step at a mixed stage's slowest kind's pace, the
+  gradient syncs and the tied embedding's all-reduce on the links they cross,
+  and memory, as the simulator does; no plan simulates below it, so where it
+  is above ``target`` the goal is out of reach on that pair. The ``closed``
+  after it is the share of the distance from ``ilp`` to it that ``uneven``
+  closes (scipy's HiGHS linear programs; up to ~40 s a pair on mix3-8).
 
 Run:
     python benchmarks/plan_quality/uneven.py            # ~5 min on 2 busy cores
@@ -33,22 +40,25 @@ Writes benchmarks/plan_quality/results/uneven.json.
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).parent))
 from main import best_peer_plan, compute_bound, fixed_bound, graph_of, load_peers, write_result  # noqa: E402
 
 import cost_models  # noqa: E402
-from hpml_compile.cluster import link_spec, load_cluster  # noqa: E402
+from hpml_compile.cluster import host_link_spec, link_spec, load_cluster  # noqa: E402
 from hpml_compile.costgraph import CostGraph  # noqa: E402
 from hpml_compile.errors import InfeasibleError  # noqa: E402
 from hpml_compile.ir import Cluster  # noqa: E402
 from hpml_compile.plan import Plan, Schedule  # noqa: E402
 from hpml_compile.simulate import EventKind, simulate  # noqa: E402
-from hpml_compile.stagecost import overlapped_ms, transfer_ms  # noqa: E402
+from hpml_compile.stagecost import (BUCKET_BYTES, FIRST_BUCKET_BYTES, overlapped_ms,  # noqa: E402
+                                    transfer_ms)
 from hpml_compile.solve import solve  # noqa: E402
 from hpml_compile.solve.baselines import cut_points  # noqa: E402
 from hpml_compile.solve.candidates import Chain  # noqa: E402
@@ -98,6 +108,452 @@ def one_stage_floor(graph: CostGraph, cluster: Cluster) -> float:
             step = min(last + step, gather + step / len(sub))
         best = min(best, compute + step)
     return best
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A bound that counts what the simulator charges (session 10)
+
+
+def _row_factor(alphas: list[float], rows: int) -> float:
+    """The least ``max_i r_i a_i`` over the rows of one microbatch split between replicas whose per-row times
+    are ``a_i`` times a reference: integer rows, at least one each, summing to ``rows`` (uneven rows,
+    :func:`hpml_compile.stagecost.choose_rows`), or the equal split ``rows / d`` each, a fraction where it does
+    not divide, at the slowest replica's pace (a stage without rows: the simulator's ``even_rows``).
+
+    >>> _row_factor([1.0, 1.0, 2.0], 4)  # even: 4/3 rows at pace 2; uneven: rows 2, 1, 1 at most 2
+    2.0
+    >>> _row_factor([1.0, 1.0], 3)  # even: 1.5 rows each
+    1.5
+    """
+    even = rows / len(alphas) * max(alphas)
+    lo = max(alphas)  # every replica holds a row
+    candidates = sorted({r * a for a in alphas for r in range(1, rows + 1) if r * a >= lo})
+    uneven = next(t for t in candidates if sum(int(t / a + 1e-9) for a in alphas) >= rows)
+    return min(even, uneven)
+
+
+def _best_link(cluster: Cluster, names: list[str]) -> cost_models.LinkSpec | None:
+    """The fastest link the simulator could price a collective of ``names`` on: it takes the slowest link from
+    the group's first device, so the best first device's (None for one device)."""
+    if len(names) < 2:
+        return None
+    return max((min((link_spec(cluster, a, b) for b in names if b != a), key=lambda x: x.gbps) for a in names),
+               key=lambda x: x.gbps)
+
+
+def _slope(fn: Callable[..., float], replicas: int, link: cost_models.LinkSpec | None) -> float:
+    """ms per byte of a collective affine in its bytes (its latency left out: ``fn(P) >= slope * P``)."""
+    if link is None or replicas < 2:
+        return 0.0
+    return (transfer_ms(fn, 2.0 * 2**30, link, replicas) - transfer_ms(fn, 2.0**30, link, replicas)) / 2**30
+
+
+def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -> Any:
+    """A lower bound on the simulated step of every plan of the solvers' space (stages of any devices and kinds,
+    rows even or uneven, GPipe or 1F1B, ZeRO 0-3, recompute, offload, swap, ``M`` dividing the batch, float32;
+    no compression, local SGD or hierarchical all-reduce), which charges what the simulator charges and the
+    compute bound does not. The compute bound spreads every node's fixed part over the devices as if it
+    shrank with the rows, lets a V100 step the optimizer beside an A100 at its own pace and moves gradients for
+    free; the simulator does none of that, and a goal set against the compute bound may be out of reach of
+    every plan. Where this bound is above the goal, that is proved (under the cost model).
+
+    For every way to deal the devices into ``S`` groups (by kind counts, unordered; devices may stay idle) and
+    every ``M`` leaving each replica a row, a linear program over how much of each node each stage holds
+    (``x_{n,s}``, fractions; order and contiguity relaxed but for the tied parameter below, so it is below
+    every plan of that shape) finds the least step that these inequalities allow; the bound is the least over
+    all shapes (one stage first, a quick bound and branch and bound skipping most):
+
+    - a stage's forward (backward) per microbatch is at least three expressions linear in ``x``: the nodes'
+      fixed parts (the least over the group's kinds: charged once per microbatch per replica) plus their
+      per-row parts on a reference kind times ``R`` = the least ``max_i r_i a_i`` over the ways to split a
+      microbatch's ``B / M`` rows (integer rows, one at least, or the equal split at the slowest kind's pace:
+      :func:`_row_factor`) with ``a_i`` the least per-row ratio of replica ``i``'s kind over all nodes; the
+      same with the ratios of the heaviest node type for it and one row on the fastest kind for the others;
+      and the replicas' times weighted by ``mu_i ~ 1 / ratio`` (a weighted mean is below their max);
+    - each stage holds at least one whole node;
+    - the pipeline, ``t_s = f_s + b_s``, for every stage ``k``:
+      ``step >= sum_s t_s + (M - 1) b_k + max(0, M - S) f_k`` (microbatch 1 goes forward through every stage
+      and back; stage ``k`` runs its ``M`` backwards in between, and its forwards but for the at most
+      ``S - 1`` warm-up forwards that 1F1B may run while it waits; GPipe gives more) and ``step >= M t_k``;
+    - then the syncs, the tied all-reduce and the optimizer step, one after the other as the simulator runs
+      them. A stage on one device steps ``o P_s`` (``o``: its kind's ms per parameter byte). A replicated
+      stage branches on ZeRO-0 (its ring all-reduce ``>= slope * P_s`` from its last backward's start, each
+      bucket launched when ready, and ``o P_s`` at its slowest kind's pace; any offload copies after its last
+      backward) or ZeRO >= 1 (from its last backward's end: the parameters' all-gather, ``o P_s / d``; ZeRO-3
+      pays more of both), each with and without the Adam state offloaded (two copies of what is stepped over
+      the fastest host link of the group). Memory as :func:`hpml_compile.stagecost.memory_parts` counts it:
+      parameters and gradients whole under every ZeRO stage, the Adam state ``2 P_s`` (ZeRO-0) or
+      ``2 P_s / d`` unless offloaded, at least one row's activations, within the smallest memory of the group
+      (one device: offload costs ``>= 2 h (P - room)``, linear, where ``room`` fits without it);
+    - the largest parameter used by several nodes (GPT-2's tied embedding): either its all-reduce between two
+      stages (over at least 2 devices on the fastest link between two groups), or one stage holds every node
+      between its users, and if that stage is replicated under ZeRO-0 its last gradient bucket's all-reduce
+      starts when its backward ends (the least over the bytes it may hold);
+    - one stage (``S = 1``) holds the whole model, so its tail is the one-stage floor's, exact: the last
+      bucket's all-reduce and ``o P`` (ZeRO-0), or the gather and ``o P / d`` (ZeRO >= 1), with the offload
+      copies where only offload fits.
+
+    Args:
+        graph: the cost graph.
+        cluster: the devices.
+        detail: also return the shape that attains the bound.
+
+    Returns:
+        The bound in ms (with ``detail``: ``(bound, {"groups": ..., "microbatches": ...})``).
+    """
+    import numpy as np
+    from scipy.optimize import linprog
+
+    batch, kinds_all = graph.batch_size, sorted({d.kind for d in cluster.devices})
+    ref = min(kinds_all, key=lambda k: graph.total("", kind=k))
+    # node data, identical nodes merged (the relaxation is symmetric in them, so nothing is lost)
+    merged: dict[tuple, int] = {}
+
+    def key_of(n: str) -> tuple:
+        rec = graph.node(n)
+        return (rec.param_bytes, rec.activation_bytes) + tuple(v for k in kinds_all
+                                                              for v in (*rec.cost[k], *rec.fixed_at(k)))
+
+    for n in graph.order:
+        merged[key_of(n)] = merged.get(key_of(n), 0) + 1
+    types = list(merged)
+    counts = [merged[t] for t in types]
+
+    def part(t: tuple, k: str) -> tuple[float, float, float, float]:
+        i = 2 + 4 * kinds_all.index(k)
+        f, b, ff, bf = t[i:i + 4]
+        return ff, bf, (f - ff) / batch, (b - bf) / batch  # fixed fwd, fixed bwd, per-row fwd, per-row bwd
+
+    alpha_f, alpha_b = {}, {}
+    for k in kinds_all:
+        rf = [part(t, k)[2] / part(t, ref)[2] for t in types if part(t, ref)[2] > 0]
+        rb = [part(t, k)[3] / part(t, ref)[3] for t in types if part(t, ref)[3] > 0]
+        alpha_f[k], alpha_b[k] = min(rf, default=1.0), min(rb, default=1.0)
+    heavy = max(types, key=lambda t: merged[t] * (part(t, ref)[2] + part(t, ref)[3]))
+    ratio = {k: (part(heavy, k)[2] + part(heavy, k)[3]) / max(1e-12, part(heavy, ref)[2] + part(heavy, ref)[3])
+             for k in kinds_all}
+    params = [t[0] for t in types]
+    acts = [t[1] / batch for t in types]  # one row's activations: every replica holds at least one row's
+    total_params = graph.total("param_bytes")
+    # the largest parameter used by several nodes (tied embeddings): the span of its users in the order, and
+    # how many nodes of each type lie in it (a stage that holds both users holds all of them)
+    users: dict[str, list[int]] = {}
+    for i, n in enumerate(graph.order):
+        for name in graph.node(n).params:
+            users.setdefault(name, []).append(i)
+    shared = [(graph.param_sizes.get(p, 0), min(u), max(u)) for p, u in users.items() if len(set(u)) > 1]
+    tied_bytes, lo_pos, hi_pos = max(shared, default=(0, 0, -1))
+    inside = [0] * len(types)
+    for i, n in enumerate(graph.order):
+        if lo_pos <= i <= hi_pos:
+            inside[types.index(key_of(n))] += 1
+
+    span_params = sum(graph.node(n).param_bytes for n in graph.order[lo_pos:hi_pos + 1])
+
+    def last_bucket_least(link: cost_models.LinkSpec | None, d: int) -> float:
+        """The least last-bucket all-reduce (:func:`hpml_compile.stagecost.overlapped_ms` past the backward)
+        of a stage whose parameter bytes are between ``span_params`` and every parameter: the last bucket grows
+        with the bytes but for where a new bucket starts, just past a multiple of the bucket size."""
+        lo, hi = float(span_params), float(max(total_params, span_params))
+        least = overlapped_ms(cost_models.allreduce_ms, lo, link, d, float("inf"))
+        first = float(FIRST_BUCKET_BYTES)
+        k = math.floor(max(0.0, lo - first) / BUCKET_BYTES) + 1  # the next bucket boundary above lo
+        if lo > 0 and first + k * BUCKET_BYTES + 1 <= hi:
+            least = min(least, overlapped_ms(cost_models.allreduce_ms, first + k * BUCKET_BYTES + 1, link, d,
+                                             float("inf")))
+        return least
+
+    by_kind: dict[str, list[str]] = {}
+    for d in cluster.devices:
+        by_kind.setdefault(d.kind, []).append(d.name)
+    kinds = sorted(by_kind)
+    avail = tuple(len(by_kind[k]) for k in kinds)
+
+    def names_of(groups: tuple[tuple[int, ...], ...]) -> list[list[str]]:
+        used = [0] * len(kinds)
+        out = []
+        for g in groups:
+            names = []
+            for j, c in enumerate(g):
+                names += by_kind[kinds[j]][used[j]:used[j] + c]
+                used[j] += c
+            out.append(names)
+        return out
+
+    vectors = [v for v in itertools.product(*(range(a + 1) for a in avail)) if sum(v)]
+
+    def groupings(left: tuple[int, ...], start: int) -> Iterator[tuple[tuple[int, ...], ...]]:
+        for i in range(start, len(vectors)):
+            v = vectors[i]
+            if all(a <= b for a, b in zip(v, left)):
+                rest = tuple(b - a for a, b in zip(v, left))
+                yield (v,)
+                for more in groupings(rest, i):
+                    yield (v, *more)
+
+    nt = len(types)
+    a_eq = None
+    best: tuple[float, Any] = (float("inf"), None)
+    shapes = sorted(groupings(avail, 0), key=len)  # one stage first: its bound is the tightest, and prunes most
+    for groups in shapes:
+        s_count = len(groups)
+        members = names_of(groups)
+        sizes = [len(m) for m in members]
+        gk = [[cluster.device(x).kind for x in m] for m in members]
+        opt = [max(graph.optimizer_ms_per_byte(k) for k in set(ks)) for ks in gk]
+        links = [_best_link(cluster, m) for m in members]
+        ar = [_slope(cost_models.allreduce_ms, d, ln) for d, ln in zip(sizes, links)]
+        rs = [_slope(cost_models.reduce_scatter_ms, d, ln) for d, ln in zip(sizes, links)]
+        ag = [_slope(cost_models.all_gather_ms, d, ln) for d, ln in zip(sizes, links)]
+        mem = [float(min(cluster.device(x).memory_bytes for x in m)) for m in members]
+        # offload copies: ms per byte over the fastest host link of the group (a CPU's: none to cross)
+        host = [0.0 if any(cluster.device(x).is_cpu for x in mm) else min(
+            _slope(lambda b, n, ln: cost_models.p2p_ms(b, ln), 2, host_link_spec(cluster.device(x))) for x in mm)
+            for mm in members]
+        tied = 0.0
+        if s_count > 1 and tied_bytes:
+            cross = max((link_spec(cluster, a, b) for i, m in enumerate(members) for a in m
+                         for j, m2 in enumerate(members) if j != i for b in m2), key=lambda x: x.gbps)
+            tied = transfer_ms(cost_models.allreduce_ms, tied_bytes, cross, 2)
+        nx = nt * s_count  # x[s * nt + j]; then Z, O, then per stage: offload copies, forward, backward (ms)
+        iz, io = nx, nx + 1
+        jf, jb = nx + 2 + s_count, nx + 2 + 2 * s_count
+        it = nx + 2 + 3 * s_count  # the tied parameters' all-reduce (ms)
+        nv = it + 1
+        # a second bound on each stage's time, exact in the per-node kind ratios: the replicas' times weighted
+        # by mu_i ~ 1 / (the kind's ratio on the heaviest node type), a weighted mean being below their max
+        mu = []
+        for ks in gk:
+            inv = [1.0 / ratio[k] for k in ks]
+            mu.append([v / sum(inv) for v in inv])
+        a_eq = np.zeros((nt, nv))
+        for j in range(nt):
+            for s in range(s_count):
+                a_eq[j, s * nt + j] = 1.0
+        cost = np.zeros(nv)
+        cost[iz] = 1.0
+        for m in (m for m in range(1, batch + 1) if batch % m == 0 and batch // m >= max(sizes)):
+            rows = batch // m
+            rf = [_row_factor([alpha_f[k] for k in ks], rows) for ks in gk]
+            rb = [_row_factor([alpha_b[k] for k in ks], rows) for ks in gk]
+            # per stage, per node type: forward and backward of one microbatch on it
+            af = [[min(part(t, k)[0] for k in set(ks)) + rf[s] * part(t, ref)[2] for t in types]
+                  for s, ks in enumerate(gk)]
+            ab = [[min(part(t, k)[1] for k in set(ks)) + rb[s] * part(t, ref)[3] for t in types]
+                  for s, ks in enumerate(gk)]
+            # a quick bound before any linear program: every node on its cheapest stage, and the stages' work
+            # at least M / S of that on the busiest
+            cheap = sum(n * min(af[s][j] + ab[s][j] for s in range(s_count)) for j, n in enumerate(counts))
+            if max(1.0, m / s_count) * cheap >= best[0]:
+                continue
+            base_ub: list[np.ndarray] = []
+            base_b: list[float] = []
+
+            def weighted(s: int, t: tuple, which: int) -> float:
+                """mu-weighted time of node type ``t`` in stage ``s`` (``which``: 0 forward, 1 backward)."""
+                ks, w, d = gk[s], mu[s], len(gk[s])
+                fixed = sum(wi * part(t, k)[which] for wi, k in zip(w, ks))
+                per = [wi * part(t, k)[2 + which] for wi, k in zip(w, ks)]
+                uneven = sum(per) + (rows - d) * min(per) if rows >= d else float("inf")
+                return fixed + min(uneven, rows / d * sum(per))
+
+            # a third: the heaviest node type's rows rounded as the whole stage's are (its kind ratios), every other
+            # node at least one row on the group's fastest kind for it
+            h = types.index(heavy)
+            third = []
+            for which in (0, 1):
+                per_stage_vals = []
+                for s, ks in enumerate(gk):
+                    r_h = _row_factor([part(heavy, k)[2 + which] / max(1e-12, part(heavy, ref)[2 + which])
+                                       for k in ks], rows)
+                    per_stage_vals.append([
+                        min(part(t, k)[which] for k in set(ks))
+                        + (r_h * part(heavy, ref)[2 + which] if j == h else min(part(t, k)[2 + which] for k in ks))
+                        for j, t in enumerate(types)])
+                third.append(per_stage_vals)
+            for s in range(s_count):  # a stage holds at least one whole node of the graph
+                r = np.zeros(nv)
+                r[s * nt:(s + 1) * nt] = -1.0
+                base_ub.append(r)
+                base_b.append(-1.0)
+                for which, (var, first_bound) in enumerate(((jf, af), (jb, ab))):
+                    for vals in (first_bound[s], [weighted(s, t, which) for t in types], third[which][s]):
+                        r = np.zeros(nv)
+                        r[s * nt:(s + 1) * nt] = vals
+                        r[var + s] = -1.0
+                        base_ub.append(r)
+                        base_b.append(0.0)
+
+            def row(coef: dict[int, float], const: float, into_a: list, into_b: list) -> None:
+                """``sum coef * vars <= -const`` (``const``: what is added to the right side of ``Z >= ...``)."""
+                r = np.zeros(nv)
+                for i, v in coef.items():
+                    r[i] += v
+                into_a.append(r)
+                into_b.append(-const)
+
+            def lin(vals: list[float], s: int, scale: float, into: dict[int, float]) -> None:
+                for j in range(nt):
+                    into[s * nt + j] = into.get(s * nt + j, 0.0) + scale * vals[j]
+
+            def tv(var: int, s: int, scale: float, into: dict[int, float]) -> None:
+                into[var + s] = into.get(var + s, 0.0) + scale
+
+            for k in range(s_count):
+                # the pipeline: sum_s t_s + (M-1) b_k + max(0, M-S) f_k, then tied, then the step O
+                c: dict[int, float] = {}
+                for s in range(s_count):
+                    tv(jf, s, 1.0, c)
+                    tv(jb, s, 1.0, c)
+                tv(jb, k, m - 1, c)
+                tv(jf, k, max(0, m - s_count), c)
+                c[iz], c[io] = -1.0, 1.0
+                c[it] = 1.0
+                row(c, 0.0, base_ub, base_b)
+                c = {}
+                tv(jf, k, m, c)
+                tv(jb, k, m, c)
+                c[iz], c[io] = -1.0, 1.0
+                c[it] = 1.0
+                row(c, 0.0, base_ub, base_b)
+                if sizes[k] == 1:  # one device: its whole step after its compute and its offload copies
+                    c = {io: -1.0}
+                    lin(params, k, opt[k], c)
+                    row(c, 0.0, base_ub, base_b)
+                    c = {}
+                    tv(jf, k, m, c)
+                    tv(jb, k, m, c)
+                    c[iz], c[io], c[nx + 2 + k] = -1.0, 1.0, 1.0
+                    c[it] = 1.0
+                    row(c, 0.0, base_ub, base_b)
+                    # memory: parameters and gradients whole, the Adam state (2 P) unless offloaded, a row's
+                    # activations; offloading costs 2 copies of P over the host link: copies >= 2 h (P - room)
+                    # where room = (memory - activations) / 4 is what fits without offload
+                    c = {}
+                    lin(params, k, 2.0, c)
+                    lin(acts, k, 1.0, c)
+                    row(c, -mem[k], base_ub, base_b)
+                    c = {nx + 2 + k: -1.0}
+                    lin(params, k, 2 * host[k], c)
+                    lin(acts, k, 2 * host[k] / 4, c)
+                    row(c, -2 * host[k] * mem[k] / 4, base_ub, base_b)
+
+            def options(k: int) -> list[tuple[list[dict[int, float]], list[float]]]:
+                """For a replicated stage ``k``, each ZeRO choice's rows (coefficients, right sides): its step,
+                its sync, its memory and its offload copies (the model of :func:`hpml_compile.stagecost.memory_parts`:
+                parameters and gradients whole under every ZeRO stage, the Adam state ``2 P`` or ``2 P / d``
+                unless offloaded, at least a row's activations)."""
+                d, out, cp = sizes[k], [], nx + 2 + k
+                for zero in (0, 1):  # ZeRO-3 holds and moves more than ZeRO-1/2: their rows bound it too
+                    ca: list[dict[int, float]] = []  # each of the two with and without offload
+                    cb: list[float] = []
+                    c = {io: -1.0}  # the step: O >= o P (ZeRO-0) or o P / d
+                    lin(params, k, opt[k] if zero == 0 else opt[k] / d, c)
+                    ca.append(c)
+                    cb.append(0.0)
+                    c = {iz: -1.0, cp: 1.0}
+                    if zero == 0:  # all-reduce from the last backward's start
+                        tv(jf, k, 1.0, c)
+                        tv(jb, k, m - 1, c)
+                        lin(params, k, ar[k] + opt[k], c)
+                    else:  # from the last backward's end: the parameters gathered once (ZeRO-3: more)
+                        tv(jf, k, m, c)
+                        tv(jb, k, m, c)
+                        lin(params, k, ag[k] + opt[k] / d, c)
+                    ca.append(c)
+                    c[it] = 1.0
+                    cb.append(0.0)
+                    if zero == 0:  # and the offload copies start when the backward ends
+                        c = {iz: -1.0, cp: 1.0}
+                        tv(jf, k, m, c)
+                        tv(jb, k, m, c)
+                        lin(params, k, opt[k], c)
+                        ca.append(c)
+                        c[it] = 1.0
+                        cb.append(0.0)
+                    state = 2.0 if zero == 0 else 2.0 / d  # Adam state per parameter byte on the device
+                    moved = 1.0 if zero == 0 else 1.0 / d  # what an offloaded step copies each way
+                    for offload in (False, True):  # memory: P + gradients + (Adam state unless offloaded) + a row
+                        c = {}
+                        lin(params, k, 2.0 if offload else 2.0 + state, c)
+                        lin(acts, k, 1.0, c)
+                        oa, ob = [*ca, c], [*cb, mem[k]]
+                        if offload:  # two copies of the (sharded) state's parameters over the host link
+                            c = {cp: -1.0}
+                            lin(params, k, 2 * host[k] * moved, c)
+                            oa.append(c)
+                            ob.append(0.0)
+                        out.append((oa, ob))
+                return out
+
+            replicated = [k for k in range(s_count) if sizes[k] > 1]
+            per_stage = [options(k) for k in replicated]
+
+            def solve_lp(extra_a: list[np.ndarray], extra_b: list[float]) -> float:
+                res = linprog(cost, A_ub=np.array(base_ub + extra_a), b_ub=np.array(base_b + extra_b), A_eq=a_eq,
+                              b_eq=np.array(counts, float), bounds=[(0, None)] * nv, method="highs")
+                return float(res.fun) if res.status == 0 else float("inf")
+
+            def dense(c: dict[int, float]) -> np.ndarray:
+                r = np.zeros(nv)
+                for i, v in c.items():
+                    r[i] += v
+                return r
+
+            if s_count == 1 and sizes[0] > 1:  # the whole model: the one-stage floor's exact tail
+                link, d, act = links[0], sizes[0], sum(n * a for n, a in zip(counts, acts))
+                last_bucket = overlapped_ms(cost_models.allreduce_ms, total_params, link, d, float("inf"))
+                gather = transfer_ms(cost_models.all_gather_ms, total_params, link, d)
+                tails = []
+                for zero, sync, state, moved in ((0, last_bucket, 2.0, 1.0), (1, gather, 2.0 / d, 1.0 / d)):
+                    step = opt[0] * total_params * moved
+                    if (2 + state) * total_params + act <= mem[0]:
+                        tails.append(sync + step)
+                    elif 2 * total_params + act <= mem[0]:  # only with the Adam state offloaded: two copies
+                        tails.append(sync + step + 2 * host[0] * moved * total_params)
+                for tail in tails:
+                    c = {iz: -1.0}
+                    tv(jf, 0, m, c)
+                    tv(jb, 0, m, c)
+                    v = solve_lp([dense(c)], [-tail])
+                    if v < best[0]:
+                        best = (v, {"groups": members, "microbatches": m})
+                continue
+            # the tied parameter: its all-reduce, or one stage holding every node between its users
+            variants: list[tuple[list[np.ndarray], list[float]]] = [([], [])]
+            if s_count > 1 and tied_bytes:
+                variants = [([dense({it: -1.0})], [-tied])]
+                for s in range(s_count):
+                    rows_in = []
+                    for j in range(nt):
+                        if inside[j]:
+                            rows_in.append(dense({s * nt + j: -1.0}))
+                    variants.append((rows_in, [-float(inside[j]) for j in range(nt) if inside[j]]))
+            # the ZeRO choices of the replicated stages, branch and bound: a choice's rows only add constraints
+            if solve_lp([], []) >= best[0]:
+                continue
+            alive = [vi for vi, (va, vb) in enumerate(variants) if len(variants) == 1 or solve_lp(va, vb) < best[0]]
+            for vi, picks in itertools.product(alive, itertools.product(*(range(len(o)) for o in per_stage))):
+                va, vb = variants[vi]
+                choice = [per_stage[i][p] for i, p in enumerate(picks)]
+                extra_a = [*va, *(dense(c) for ca, _ in choice for c in ca)]
+                extra_b = [*vb, *(b for _, cb in choice for b in cb)]
+                holder = vi - 1  # the stage that holds every user of the tied parameter (-1: none)
+                if holder >= 0 and holder in replicated and picks[replicated.index(holder)] < 2:
+                    # its ZeRO-0 all-reduce: the last bucket starts when the backward ends (its bytes known to
+                    # within the span's parameters and the whole model's)
+                    c = {iz: -1.0, it: 1.0, nx + 2 + holder: 1.0}
+                    tv(jf, holder, m, c)
+                    tv(jb, holder, m, c)
+                    lin(params, holder, opt[holder], c)
+                    extra_a.append(dense(c))
+                    extra_b.append(-last_bucket_least(links[holder], sizes[holder]))
+                v = solve_lp(extra_a, extra_b)
+                if v < best[0]:
+                    best = (v, {"groups": members, "microbatches": m})
+    # the LP's optimum is exact up to the solver's tolerance: stay on the safe side of it
+    bound = best[0] * (1 - 1e-6)
+    return (bound, best[1]) if detail else bound
 
 
 def two_stage_best(graph: CostGraph, cluster: Cluster) -> tuple[Plan | None, int]:
@@ -156,6 +612,7 @@ def main() -> None:
     head = (f"{'model':11s} {'cluster':11s} {'ilp ms':>9s} {'uneven ms':>10s} {'won':>15s} "
             + "".join(f"{p:>11s}" for p in peers)
             + f" {'bound ms':>9s} {'target':>8s} {'1-stage':>8s} {'closed':>7s} {'fixed':>8s} {'closed':>7s}"
+            + f" {'charged':>8s} {'closed':>7s}"
             + f"  {'pipe+sync+opt':>20s}  uneven plan")
     print(head + "\n" + "-" * len(head))
     rows: list[dict[str, Any]] = []
@@ -175,12 +632,18 @@ def main() -> None:
             got = improve(graph, cluster, base, time_limit_s=args.time_limit)
             row["uneven_seconds"] = round(time.perf_counter() - t0, 2)
             bound, fixed = compute_bound(graph, cluster), fixed_bound(graph, cluster)
+            t0 = time.perf_counter()
+            charged, shape_at = charged_bound(graph, cluster, detail=True)
+            row["charged_seconds"] = round(time.perf_counter() - t0, 2)
             ilp, unev = base.predicted.step_ms, got.plan.predicted.step_ms
             split, floor = parts(got.plan, graph), one_stage_floor(graph, cluster)
             row.update(ilp_ms=ilp, uneven_ms=unev, won=got.chosen, candidates=got.tried, bound_ms=bound,
                        target_ms=(ilp + bound) / 2, one_stage_floor_ms=floor,
                        closed=(ilp - unev) / (ilp - bound) if ilp > bound else None, fixed_bound_ms=fixed,
                        closed_fixed=(ilp - unev) / (ilp - fixed) if ilp > fixed else None,
+                       charged_bound_ms=charged, charged_at=shape_at,
+                       closed_charged=(ilp - unev) / (ilp - charged) if ilp > charged else None,
+                       target_below_charged=(ilp + bound) / 2 < charged,
                        ilp_parts=parts(base, graph), uneven_parts=split,
                        plan=[{"devices": list(s.devices), "rows": list(s.rows), "zero": int(s.zero),
                               "recompute": s.recompute} for s in got.plan.stages],
@@ -197,7 +660,8 @@ def main() -> None:
                   + "".join(f"{row[p]:11.5g}" if row[p] else f"{'-':>11s}" for p in peers)
                   + f" {bound:9.5g} {row['target_ms']:8.5g} {floor:8.5g} "
                   + f"{row['closed'] if row['closed'] is not None else 0:7.2f} {fixed:8.5g} "
-                  + f"{row['closed_fixed'] if row['closed_fixed'] is not None else 0:7.2f}  "
+                  + f"{row['closed_fixed'] if row['closed_fixed'] is not None else 0:7.2f} "
+                  + f"{charged:8.5g} {row['closed_charged'] if row['closed_charged'] is not None else 1:7.2f}  "
                   + f"{'+'.join(f'{split[k]:.4g}' for k in ('pipeline', 'sync', 'optimizer')):>20s}  "
                   + f"M={got.plan.microbatches}: {shape}", flush=True)
     write_result(args.out, t_start, {

@@ -1,0 +1,131 @@
+"""The bound of benchmarks/plan_quality/uneven.py that charges what the simulator charges (``charged_bound``,
+issue 15, session 10): no plan simulates below it, it is above the compute bound where the simulator charges
+fixed parts, memory or syncs, and the best one-stage plan meets it where that plan has nothing else to pay."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from hpml_compile.cluster import load_cluster
+from hpml_compile.costgraph import CostGraph, build
+from hpml_compile.errors import PlanError
+from hpml_compile.ir import NodeCost, Profile
+from hpml_compile.memory import ZeroStage
+from hpml_compile.plan import Schedule, validate_plan
+from hpml_compile.simulate import simulate
+from hpml_compile.solve import solve
+from hpml_compile.solve.baselines import cut_points
+from hpml_compile.solve.candidates import Chain
+from hpml_compile.solve.mixed import CONFIGS, build_plan
+from hpml_compile.solve.testing import chain_profile, cluster_of
+from hpml_compile.solve.uneven import improve
+
+UNEVEN = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_quality" / "uneven.py"
+A100, V100 = "A100-80GB", "V100-32GB"
+
+
+@pytest.fixture(scope="module")
+def ub() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("plan_quality_uneven", UNEVEN)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def toy_profile(batch: int, param_bytes: int, fixed: float) -> Profile:
+    """Four nodes on an A100 and a V100 (1.3x slower per row), each with a fixed part per microbatch, parameters,
+    activations, and an Adam step that the V100 takes 2.3x as long for."""
+    full = [(4.0, 8.0), (2.0, 4.0), (6.0, 12.0), (1.0, 2.0)]
+    prof = chain_profile(full, kind=A100, param_bytes=param_bytes, activation_bytes=2**26, batch_size=batch)
+    nodes = tuple(replace(n, cost={A100: NodeCost(f, b, False, fwd_fixed_ms=fixed, bwd_fixed_ms=fixed),
+                                   V100: NodeCost(1.3 * f, 1.3 * b, False, fwd_fixed_ms=fixed, bwd_fixed_ms=fixed)})
+                  for n, (f, b) in zip(prof.nodes, full))
+    return replace(prof, nodes=nodes, optimizer_ms={A100: 3.0, V100: 7.0})
+
+
+def toy(batch: int, param_bytes: int, fixed: float) -> CostGraph:
+    return build(toy_profile(batch, param_bytes, fixed))
+
+
+def every_plan_of_two_stages(graph: CostGraph, cluster, profile: Profile | None = None  # type: ignore[no-untyped-def]
+                             ) -> list[float]:
+    """The simulated step of every plan of one or two stages over any devices (idle ones too), every boundary,
+    every microbatch count, both schedules, each stage the first fitting configuration of each tail of CONFIGS;
+    with ``profile``, also each such plan with every stage's Adam state offloaded, and with its replicated
+    stages under ZeRO-3, where the plan still fits (``validate_plan``)."""
+    names = [d.name for d in cluster.devices]
+    points = cut_points(Chain.of(graph))
+    n = len(graph.order)
+    out = []
+    for assign in itertools.product(range(3), repeat=len(names)):  # 0 idle, 1 first stage, 2 second stage
+        first = [x for x, a in zip(names, assign) if a == 1]
+        second = [x for x, a in zip(names, assign) if a == 2]
+        if not first or (not second and 2 in assign):
+            continue
+        shapes = [([first], [0, n])] if not second else [([first, second], [0, p, n]) for p in points[1:-1]]
+        for (groups, cuts), m, sched, i in itertools.product(shapes, (1, 2, 4), Schedule, range(0, len(CONFIGS), 2)):
+            if graph.batch_size // m < max(len(g) for g in groups):
+                continue
+            plan = build_plan(graph, cluster, groups, cuts, m, sched, "float32", "every", CONFIGS[i:])
+            if plan is None:
+                continue
+            out.append(simulate(plan, graph).step_ms)
+            if profile is None:
+                continue
+            for stages in ([replace(st, offload_optimizer=True) for st in plan.stages],
+                           [replace(st, zero=ZeroStage.OS_G_P) if len(st.devices) > 1 else st for st in plan.stages]):
+                other = replace(plan, stages=tuple(stages))
+                try:
+                    validate_plan(other, profile)
+                except PlanError:
+                    continue
+                out.append(simulate(other, graph).step_ms)
+    return out
+
+
+# the third: 8 GiB of parameters a node, so that a V100 holds no node's Adam state (memory binds, offload/ZeRO)
+@pytest.mark.parametrize("batch,param_bytes,fixed,slack", [(8, 2**27, 0.5, 1.3), (4, 2**29, 0.0, 1.3),
+                                                          (8, 2**33, 0.5, 1.6)])
+def test_no_plan_simulates_below_the_charged_bound(ub: ModuleType, batch: int, param_bytes: int,
+                                                   fixed: float, slack: float) -> None:
+    c = load_cluster("hetero-4")  # 2 x A100 (NVLink), 2 x V100 (NVLink), PCIe between the kinds
+    prof = toy_profile(batch, param_bytes, fixed)
+    g = build(prof)
+    bound = ub.charged_bound(g, c)
+    steps = every_plan_of_two_stages(g, c, prof)
+    base = solve(g, c, solver="ilp")
+    steps += [base.predicted.step_ms, improve(g, c, base).plan.predicted.step_ms,
+              solve(g, c, solver="dp").predicted.step_ms]
+    assert len(steps) > 100 and min(steps) >= bound * (1 - 1e-9), (bound, min(steps))
+    assert min(steps) < slack * bound  # and not far below the best plan: not a vacuous bound
+
+
+def test_the_charged_bound_counts_the_fixed_parts_and_the_rounded_rows(ub: ModuleType) -> None:
+    """Nothing to sync or step (no parameters): two A100s and a V100 share 8 rows. The compute bound spreads
+    every node's fixed part over the devices as if it shrank with the rows (14.08 ms); the simulator charges it
+    once per microbatch per replica and rounds rows to whole ones, and so does the charged bound, which the best
+    plan (one stage of all three at M = 1, rows 3, 3, 2) then meets exactly: 17.125 ms."""
+    import sys
+
+    sys.path.insert(0, str(UNEVEN.parent))
+    from main import compute_bound
+
+    c = cluster_of([A100, A100, V100], memory_gib=32, free_links=False)
+    g = toy(8, 0, 0.5)
+    bound, at = ub.charged_bound(g, c, detail=True)
+    assert bound > 1.2 * compute_bound(g, c)
+    assert min(every_plan_of_two_stages(g, c)) == pytest.approx(bound, rel=1e-5) == 17.125
+    assert at == {"groups": [["d0", "d1", "d2"]], "microbatches": 1}
+
+
+def test_rows_are_rounded_as_a_stage_can_split_them(ub: ModuleType) -> None:
+    assert ub._row_factor([1.0, 1.0, 2.0], 4) == 2.0  # rows 2, 1, 1 (uneven) or 4/3 each at pace 2 (even)
+    assert ub._row_factor([1.0, 1.0], 3) == 1.5  # the even split may be a fraction
+    assert ub._row_factor([1.0, 1.3, 1.3], 7) == 3.0  # rows 3, 2, 2 (max(3, 2.6)); even: 7/3 at 1.3 is more
