@@ -1,6 +1,6 @@
 """The Lagrangian bound of one microbatch count with the memory classes capped, against every class kept (session 10).
 
-One count ``M`` of llama-70b on ``kinds`` x ``per`` devices (the profiles and clusters of ``kinds.py``): its first
+One count ``M`` of ``--model`` (llama-70b) on ``kinds`` x ``per`` devices (the profiles and clusters of ``kinds.py``): its first
 plan (``solve._first_plan``), then ``--wall`` seconds of ``lagrange.LagrangianRun`` on its table (stages under
 ``--cutoff``, the best plan known at any count), with the shortest paths' memory classes capped at ``--classes``
 (``lagrange._Paths``' default is set for the run; the solver's own cap is ``lagrange.LAGRANGE_CLASSES``). Prints
@@ -32,6 +32,7 @@ def main() -> None:
     from hpml_compile.solve.table import build_table
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-70b", choices=("llama-70b", "gpt2-xl"))
     ap.add_argument("--kinds", type=int, default=3)
     ap.add_argument("--per", type=int, default=256)
     ap.add_argument("-M", type=int, default=32, help="microbatch count")
@@ -41,7 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     lagrange._Paths.__init__.__defaults__ = (args.classes,)
     cluster = Cluster.from_dict(cluster_dict({k: args.per for k in KINDS[:args.kinds]}))
-    _, graph = cost_graph(load_profile(profile_path("llama-70b")), cluster)
+    _, graph = cost_graph(load_profile(profile_path(args.model)), cluster)
     chain, m = Chain.of(graph), args.M
     st = Setting(m, Schedule.ONE_F_ONE_B, graph.batch_size)
     plan = _first_plan(chain, cluster, st)
