@@ -91,8 +91,13 @@ __all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "ORDERED_STATES", "vectors", "unit
 STALE_STEPS = 8
 #: Most subgradient steps spent on one threshold pair's dual.
 DUAL_STEPS = 240
-#: Memory classes of the Lagrangian DP (optimistic beyond: still a lower bound).
-LAGRANGE_CLASSES = 8
+#: Memory classes of the Lagrangian DP (optimistic beyond: still a lower bound). Every class the table needs
+#: (:func:`~.bounds.exact_classes`, at most ``M - 1``) up to 64 microbatches: with 8 (before session 10) a stage that
+#: fits only with at most 8-30 stages after it was admitted anywhere past the 8th, so on pipelines of 16-32 stages
+#: the shortest paths broke memory, were never plans, and the bound stopped below the optimum. llama-70b on 3 x 256
+#: at M=32 (31 classes): with 8, 38 CPU s gave bound 70,830 ms and no plan below 74,356; with every class the
+#: paths proved the optimum, 70,830.38 ms, in 3.1 CPU s (each shortest path costs more, far fewer are needed).
+LAGRANGE_CLASSES = 64
 #: Device-count vectors of the floored-units DP over every kind that raises a threshold pair's bound (:class:`_Floored`).
 FLOOR_VECTORS = 1000
 #: Units of the one kind kept in the state of the cheaper floored DPs.

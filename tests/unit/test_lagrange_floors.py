@@ -54,3 +54,30 @@ def test_floored_dps_are_relaxations(case, raw_prices, unit) -> None:
         assert got[0] - float(prices @ cap) <= want + 1e-6 * max(1.0, abs(want)), g
         if all(g[k] == 1 for k in tab.kinds) and J >= exact_classes(tab, big_j) and not prices.any():
             assert got[0] == pytest.approx(want, rel=1e-9)  # single-device units, every kind, exact classes
+
+
+@pytest.mark.parametrize("memory_gib", [0.16, 0.18])
+def test_lagrangian_bound_is_exact_where_memory_binds_deep_in_the_pipeline(memory_gib) -> None:
+    """Twelve one-block stages, one device each (a microbatch of one row allows no replicas): a stage fits only
+    with at most 9-10 stages after it, so memory binds past class 8. The Lagrangian paths keep every memory class
+    (``LAGRANGE_CLASSES``): with the classes past 8 merged (optimistic, as before session 10) the bound stopped at
+    7.03 ms and no plan was found below 7.97 ms, where the exact DP's optimum is 7.16 / 7.09 ms. Now the bound
+    meets the optimum from no start plan, and never passes it."""
+    from hpml_compile.plan import Schedule
+    from hpml_compile.solve.bounds import exact_classes, objective_bounds
+    from hpml_compile.solve.candidates import Chain, Setting
+    from hpml_compile.solve.dp import objective
+    from hpml_compile.solve.lagrange import LAGRANGE_CLASSES, lagrangian_bounds
+    from hpml_compile.solve.testing import chain_graph, cluster_of
+
+    graph = chain_graph([{"a": (1.0, 2.0), "b": (1.5, 3.0)}] * 12, activation_bytes=2**28, batch_size=16)
+    cluster = cluster_of(["a"] * 6 + ["b"] * 6, memory_gib=memory_gib)
+    chain, setting = Chain.of(graph), Setting(16, Schedule.ONE_F_ONE_B, 16)
+    tab = build_table(chain, cluster, setting)
+    assert exact_classes(tab, classes(setting, 12)) > 8 and LAGRANGE_CLASSES >= exact_classes(tab, 12)
+    exact = objective_bounds(chain, cluster, setting, tab, time_budget_s=60.0, max_evaluations=10**5)
+    assert exact.complete and exact.lower == pytest.approx(exact.upper, rel=1e-9)
+    b, _ = lagrangian_bounds(chain, cluster, setting, tab)
+    assert b.lower <= exact.upper * (1 + 1e-9)  # a bound
+    assert b.lower == pytest.approx(exact.upper, rel=1e-6) and b.upper == pytest.approx(exact.upper, rel=1e-6)
+    assert b.plan is not None and objective(b.plan, 16) == pytest.approx(exact.upper, rel=1e-6)
