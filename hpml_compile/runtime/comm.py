@@ -623,9 +623,12 @@ class DistComm(Comm):
         def run(t: Tensor, g: Any) -> Tensor:
             if hier is not None:
                 return hierarchical_all_gather(t, hier)
-            parts = [torch.empty_like(t) for _ in self.ranks[stage]]
-            dist.all_gather(parts, t, group=g)
-            return torch.cat(parts)
+            # straight into views of one buffer: gathering into separate tensors and concatenating them took
+            # 55-65 ms for 30 MB on two gloo ranks here, against 30-33 ms into views (session 10)
+            n = len(self.ranks[stage])
+            out = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+            dist.all_gather(list(out.chunk(n)), t.contiguous(), group=g)
+            return out
 
         out = self._collective((stage,), shard, run, "ALLGATHER")
         if hier is not None:
