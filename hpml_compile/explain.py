@@ -195,6 +195,10 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
         how = f"hierarchical all-reduce ({len(hier.hosts)} hosts x {hier.per_host})" if hier else "flat all-reduce"
         lines.append(f"  tied parameters of stages {', '.join(map(str, stages))}: {how} over {len(devs)} devices, "
                      f"{ms:.3g} ms")
+    if result.agree_ms > 0:  # the runtime's loss all-reduce (with the batch check) before any optimizer step
+        ranks = sum(len(st.devices) for st in plan.stages)
+        lines.append(f"  loss agreement: one 32-byte all-reduce over the {ranks} ranks before the optimizer steps, "
+                     f"{result.agree_ms:.3g} ms")
     b = result.bottleneck_stage
     bc = result.stages[b]
     mean = sum(c.compute_ms for c in result.stages) / len(result.stages)

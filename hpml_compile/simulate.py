@@ -55,9 +55,11 @@ solvers' candidate table prices candidates with. Approximations, stated once:
 - Then each stage runs its optimizer step: the graph's measured (or
   predicted) step time per parameter byte times the stage's parameter bytes
   (a ZeRO-sharded state: its shard); none when the graph has no optimizer time.
-  Every stage starts it when the last stage has synchronised: the runtime's
-  ranks agree that the step succeeded (the loss all-reduce) before any of them
-  changes its weights, so that a failed step can be retried on all of them.
+  Every stage starts it when the last stage has synchronised and the ranks
+  have agreed that the step succeeded: the runtime's loss all-reduce (32
+  bytes with the batch check, :func:`hpml_compile.stagecost.agree_ms`, priced
+  as a tree of latencies over every rank) runs before any of them changes its
+  weights, so that a failed step can be retried on all of them.
 - CPU ranks of one host share its memory bandwidth (GPUs have their own).
   Every phase has a memory-streaming part: a microbatch's forward reads the
   stage's weights and writes its activations, its backward about twice that,
@@ -90,22 +92,22 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import cost_models
 
-from .cluster import hierarchy, host_link_spec, link_spec
+from .cluster import Cluster, hierarchy, host_link_spec, link_spec
 from .compression import CompressKind, parse_compress, powersgd_fraction
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
 from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import AllReduce, Plan, PlanPrediction, Schedule, Stage, StagePrediction, sync_overlap, zero_shards
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
-from .stagecost import (compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
+from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
                         local_sgd_sync_ms, optimizer_ms, stream_bytes_per_ms, stream_ms, sync_ms, transfer_ms)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "stage_costs", "annotate",
-           "idle_intervals", "op_order", "tied_syncs"]
+           "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms"]
 
 
 class EventKind(str, enum.Enum):
@@ -192,6 +194,8 @@ class SimResult:
             host streamed memory at the same time (1.0: not at all).
         stage_bubbles: per stage, the idle share of its own pipeline phase (from 0 to its last backward),
             which is what a rank measures (``bubble`` is over the whole pipeline phase of every stage).
+        agree_ms: the loss agreement between the last sync and the optimizer steps (in
+            ``step_without_optimizer_ms``; :func:`loss_agreement_ms`).
     """
 
     step_ms: float
@@ -205,6 +209,7 @@ class SimResult:
     tied_ms: tuple[tuple[tuple[int, ...], float], ...] = ()
     contention: tuple[float, ...] = ()
     stage_bubbles: tuple[float, ...] = ()
+    agree_ms: float = 0.0
 
 
 def _stage_of_graph_nodes(plan: Plan, graph: CostGraph) -> dict[str, int]:
@@ -557,8 +562,9 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
                 if ms > 0:
                     bars.append(Interval(dev, start, start + ms, EventKind.SYNC, -1, i))
             synced[i] = start + ms
-    step_no_opt = max(synced, default=0.0)
     # the ranks agree that the step succeeded (the loss all-reduce) before any of them changes its weights
+    agree = loss_agreement_ms(plan.cluster, [d for st in plan.stages for d in st.devices])
+    step_no_opt = max(synced, default=0.0) + agree
     begin = step_no_opt
     load = share.load([[(begin, begin + cst.optimizer_ms)] for cst in costs]) if share.active else {}
     optim = [cst.optimizer_ms * (share.factor(i, begin, begin + cst.optimizer_ms, load) if share.active else 1.0)
@@ -599,7 +605,16 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
     bottleneck = max(range(s_count), key=lambda i: took[i])
     own = tuple(max(0.0, 1.0 - t / end) if end > 0 else 0.0 for t, end in zip(took, lasts))
     return SimResult(step, max(0.0, bubble), bottleneck, tuple(sorted(bars, key=lambda b: (b.device, b.start_ms))),
-                     curves, peaks, costs, step_no_opt, tuple(tied), contention, own)
+                     curves, peaks, costs, step_no_opt, tuple(tied), contention, own, agree)
+
+
+def loss_agreement_ms(cluster: Cluster, devices: Sequence[str]) -> float:
+    """The loss agreement of a plan on ``devices`` (:func:`hpml_compile.stagecost.agree_ms`): one rank each, on
+    the link from the first device that takes longest for a small message (the tree's messages cross it)."""
+    if len(devices) <= 1:
+        return 0.0
+    links = {link_spec(cluster, devices[0], x) for x in devices[1:]}
+    return max(agree_ms(len(devices), sp) for sp in links)
 
 
 def _stage_bars(dev: str, i: int, cst: StageCost, done: dict[tuple[bool, int, int], tuple[float, float]],

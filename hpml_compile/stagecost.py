@@ -126,7 +126,7 @@ from .memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, MemoryBreakdown, ZeroStage
 
 __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "overlapped_ms",
            "hierarchical_overlapped_ms", "hierarchical_allreduce_ms", "level_bytes", "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
-           "optimizer_ms", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows"]
+           "optimizer_ms", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows", "agree_ms", "AGREE_BYTES"]
 
 # A count or a duration: a Python scalar for one stage, a numpy array for many candidates at once.
 Value = Union[int, float, np.ndarray]
@@ -511,6 +511,35 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         shard = param_bytes // shards if z >= ZeroStage.OS else param_bytes
         total = total + 2 * transfer_ms(cost_models.p2p_ms, shard, host)
     return total
+
+
+# The loss agreement's vector (hpml_compile.runtime.batchcheck): the loss sum and three float64s of the batch check.
+AGREE_BYTES = 4 * 8
+
+
+def agree_ms(ranks: int, link: cost_models.LinkSpec | None) -> float:
+    """The step's loss agreement: one all-reduce of ``AGREE_BYTES`` over every rank of the job.
+
+    Before any rank steps its optimizer, the runtime's ranks all-reduce the step's loss together with the
+    batch check (:mod:`hpml_compile.runtime.batchcheck`, :func:`hpml_compile.runtime.executor.run_actions`'
+    ``LOSS`` action), so that every rank reports the batch's loss and a failed step can be retried on all of
+    them. 32 bytes are all latency: priced as a binomial tree (``2 ceil(log2 n)`` messages), which is how
+    gloo and NCCL run messages this small, on the slowest link between the job's ranks. One process (one
+    rank, or every stage in one process) pays nothing.
+
+    Args:
+        ranks: the job's ranks (the plan's devices).
+        link: the slowest link between them (None: one rank).
+
+    >>> lo = cost_models.LinkSpec("loopback", gbps=1.6, latency_us=500.0, source="example")
+    >>> round(agree_ms(2, lo), 3), round(agree_ms(8, lo), 3), agree_ms(1, None)
+    (1.0, 3.0, 0.0)
+    """
+    if ranks <= 1 or link is None:
+        return 0.0
+    if link.gbps == float("inf"):
+        return 0.0
+    return cost_models.allreduce_ms(AGREE_BYTES, ranks, link, cost_models.CollectiveAlgo.TREE)
 
 
 def compressed_sync_ms(param_bytes: Value, replicas: int, compress: Compression, link: cost_models.LinkSpec | None,

@@ -357,7 +357,8 @@ def step_terms(plan: Plan, graph: CostGraph) -> dict[str, float]:
     ``compute``: the busiest stage's forwards and backwards (what a device of it computes in the step);
     ``bubble``: the rest of the pipeline phase (0 to the last backward's end: fill, drain, waiting on sends);
     ``sync``: from there to the end of the stages' gradient syncs, before the tied parameters' all-reduce;
-    ``tied``: that all-reduce; ``optimizer``: the optimizer step after them.
+    ``tied``: that all-reduce; ``agree``: the ranks' loss agreement (:func:`hpml_compile.simulate.loss_agreement_ms`);
+    ``optimizer``: the optimizer step after them.
     """
     r = simulate(plan, graph)
     m = plan.microbatches
@@ -365,12 +366,13 @@ def step_terms(plan: Plan, graph: CostGraph) -> dict[str, float]:
     pipe = max(b.end_ms for b in r.intervals if b.kind in (EventKind.FORWARD, EventKind.BACKWARD,
                                                            EventKind.RECOMPUTE))
     tied = sum(ms for _, ms in r.tied_ms)
-    return {"compute": compute, "bubble": pipe - compute, "sync": r.step_without_optimizer_ms - pipe - tied,
-            "tied": tied, "optimizer": r.step_ms - r.step_without_optimizer_ms, "step": r.step_ms}
+    return {"compute": compute, "bubble": pipe - compute,
+            "sync": r.step_without_optimizer_ms - pipe - tied - r.agree_ms, "tied": tied, "agree": r.agree_ms,
+            "optimizer": r.step_ms - r.step_without_optimizer_ms, "step": r.step_ms}
 
 
 def _terms_text(t: dict[str, float]) -> str:
-    return " + ".join(f"{k} {t[k]:.3g}" for k in ("compute", "bubble", "sync", "tied", "optimizer"))
+    return " + ".join(f"{k} {t.get(k, 0.0):.3g}" for k in ("compute", "bubble", "sync", "tied", "agree", "optimizer"))
 
 
 def as_hier_zero1(plan: Plan) -> Plan | None:

@@ -56,7 +56,7 @@ from hpml_compile.costgraph import CostGraph  # noqa: E402
 from hpml_compile.errors import InfeasibleError  # noqa: E402
 from hpml_compile.ir import Cluster  # noqa: E402
 from hpml_compile.plan import Plan, Schedule  # noqa: E402
-from hpml_compile.simulate import EventKind, simulate  # noqa: E402
+from hpml_compile.simulate import EventKind, loss_agreement_ms, simulate  # noqa: E402
 from hpml_compile.stagecost import (BUCKET_BYTES, FIRST_BUCKET_BYTES, overlapped_ms,  # noqa: E402
                                     transfer_ms)
 from hpml_compile.solve import solve  # noqa: E402
@@ -191,7 +191,9 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
       starts when its backward ends (the least over the bytes it may hold);
     - one stage (``S = 1``) holds the whole model, so its tail is the one-stage floor's, exact: the last
       bucket's all-reduce and ``o P`` (ZeRO-0), or the gather and ``o P / d`` (ZeRO >= 1), with the offload
-      copies where only offload fits.
+      copies where only offload fits;
+    - and the loss agreement between the syncs and the steps (:func:`hpml_compile.simulate.loss_agreement_ms`),
+      which depends only on the devices the shape uses, so it is added to each shape's least step.
 
     Args:
         graph: the cost graph.
@@ -302,6 +304,7 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
         gk = [[cluster.device(x).kind for x in m] for m in members]
         opt = [max(graph.optimizer_ms_per_byte(k) for k in set(ks)) for ks in gk]
         links = [_best_link(cluster, m) for m in members]
+        agree = loss_agreement_ms(cluster, [x for names in members for x in names])  # the same on every plan of them
         ar = [_slope(cost_models.allreduce_ms, d, ln) for d, ln in zip(sizes, links)]
         rs = [_slope(cost_models.reduce_scatter_ms, d, ln) for d, ln in zip(sizes, links)]
         ag = [_slope(cost_models.all_gather_ms, d, ln) for d, ln in zip(sizes, links)]
@@ -492,7 +495,7 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
             def solve_lp(extra_a: list[np.ndarray], extra_b: list[float]) -> float:
                 res = linprog(cost, A_ub=np.array(base_ub + extra_a), b_ub=np.array(base_b + extra_b), A_eq=a_eq,
                               b_eq=np.array(counts, float), bounds=[(0, None)] * nv, method="highs")
-                return float(res.fun) if res.status == 0 else float("inf")
+                return float(res.fun) + agree if res.status == 0 else float("inf")
 
             def dense(c: dict[int, float]) -> np.ndarray:
                 r = np.zeros(nv)

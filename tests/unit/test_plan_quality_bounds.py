@@ -49,7 +49,8 @@ def test_one_row_through_the_model_bounds_a_small_batch_and_is_reached(pq: Modul
     assert pq.compute_bound(g8, c) == pytest.approx(3.0)  # what the device count alone allows: half of it
     everyone = Plan("toy", c, Schedule.ONE_F_ONE_B, 1, (Stage(0, ("gpu0", "gpu1", "gpu8", "gpu9"),
                                                               tuple(f"n{i}" for i in range(4))),))
-    assert simulate(everyone, g).step_ms == pytest.approx(pq.row_bound(g, c))  # data parallel, a row each: exact
+    r = simulate(everyone, g)  # data parallel, a row each: exact but for the ranks' loss agreement
+    assert r.agree_ms > 0 and r.step_ms == pytest.approx(pq.row_bound(g, c) + r.agree_ms)
     assert pq.optimizer_floor(g, c) == 0.0  # the toy graph times no optimizer
 
 
@@ -75,7 +76,7 @@ def test_the_terms_of_a_step_add_up_to_it(pq: ModuleType) -> None:
                     batch_size=8)
     for plan in (solve(g, c, solver="ilp", microbatches=4), solve(g, c, solver="uniform", microbatches=2)):
         t = pq.step_terms(plan, g)
-        assert sum(t[k] for k in ("compute", "bubble", "sync", "tied", "optimizer")) == pytest.approx(t["step"])
+        assert sum(t[k] for k in ("compute", "bubble", "sync", "tied", "agree", "optimizer")) == pytest.approx(t["step"])
         assert t["step"] == pytest.approx(plan.predicted.step_ms) and min(t.values()) >= -1e-9, t
     pipe = solve(g, c, solver="uniform", microbatches=2)
     assert len(pipe.stages) > 1 and pq.step_terms(pipe, g)["bubble"] > 0  # a pipeline of 2 microbatches idles

@@ -76,8 +76,9 @@ def test_send_delay_over_link() -> None:
     g = build(prof)
     c = Cluster(devices=(Device("d0", "cpu", 8), Device("d1", "cpu", 8)), links=(Link("d0", "d1", 1.0, 0.0),))
     r = simulate(_plan(g, c, [(("d0",), ["n0"]), (("d1",), ["n1"])], 1, Schedule.GPIPE), g)
-    # F0 0-1, 1 MB over 1 GB/s = 1 ms, F1 2-4, B1 4-8, gradient back 1 ms, B0 9-11
-    assert r.step_ms == pytest.approx(11.0)
+    # F0 0-1, 1 MB over 1 GB/s = 1 ms, F1 2-4, B1 4-8, gradient back 1 ms, B0 9-11; then the ranks' loss
+    # agreement (32 bytes: 64 ns on this latency-free link)
+    assert r.step_ms == pytest.approx(11.0 + r.agree_ms) and 0 < r.agree_ms < 1e-4
     assert any(b.kind is EventKind.SEND for b in r.intervals)
 
 
@@ -95,7 +96,7 @@ def test_allreduce_tail_in_replicated_stage(kind: str) -> None:
     # all-reduces once after the backward: the whole 2 ms.
     hides = 1.0 if kind != "cpu" else 0.0
     first = 2**20 / 2e6
-    assert r.step_ms == pytest.approx(3.0 + 2.0 - hides * 2.0 * (1 - first))
+    assert r.step_ms == pytest.approx(3.0 + 2.0 - hides * 2.0 * (1 - first) + r.agree_ms)
     assert [b.kind for b in r.intervals if b.device == "d1"][-1] is EventKind.SYNC
     # ZeRO-1: reduce-scatter + all-gather, (n-1)/n * 2 MB / 1 GB/s each = 1 ms, and the gathered parameters
     # copied into place (2 MB read + written twice) at the memory bandwidth; the reduce-scatter's buckets span
@@ -103,7 +104,7 @@ def test_allreduce_tail_in_replicated_stage(kind: str) -> None:
     # the optimizer
     copy = 4 * 2e6 / (cost_models.get_device(kind).mem_bw / 1e3)
     r1 = simulate(_plan(g, c, [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE, zero=ZeroStage.OS), g)
-    assert r1.step_ms == pytest.approx(3.0 + 1.0 - hides * 1.0 * (1 - first) + 1.0 + copy)
+    assert r1.step_ms == pytest.approx(3.0 + 1.0 - hides * 1.0 * (1 - first) + 1.0 + copy + r1.agree_ms)
 
 
 def test_recompute_is_an_extra_forward() -> None:
@@ -222,13 +223,14 @@ def test_replicas_on_one_host_share_its_memory_bandwidth() -> None:
     # reduce-scatter + all-gather of 2 MB over 1 GB/s: 1 + 1 ms; different hosts: nothing stretches. CPU
     # ranks do not overlap the reduce-scatter with the backward (plan.sync_overlap): all of it after
     rs = 1.0
-    assert alone.step_ms == pytest.approx(1.0 + 2.0 + rs + 1.0 + 0.8 + 2.0)
+    agree = alone.agree_ms  # the ranks' loss agreement, between the sync and the optimizer
+    assert alone.step_ms == pytest.approx(1.0 + 2.0 + rs + 1.0 + 0.8 + agree + 2.0)
     assert alone.contention == (1.0,)
     # ZeRO-0 accumulates gradients in the buffer it all-reduces in place: no copies
     plain = simulate(_plan(g, _pair(False), [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE), g)
-    assert plain.stages[0].sync_copy_ms == 0.0 and plain.step_ms == pytest.approx(1.0 + 2.0 + 2.0 * rs + 4.0)
+    assert plain.stages[0].sync_copy_ms == 0.0 and plain.step_ms == pytest.approx(1.0 + 2.0 + 2.0 * rs + agree + 4.0)
     # both replicas stream at once, all the time: each streaming part takes 2 x 10 / 12.5 = 1.6x as long
-    assert shared.step_ms == pytest.approx(1.0 + 0.2 * 0.6 + 2.0 + 0.4 * 0.6 + rs + 1.0 + 0.8 * 1.6 + 2.0 * 1.6)
+    assert shared.step_ms == pytest.approx(1.0 + 0.2 * 0.6 + 2.0 + 0.4 * 0.6 + rs + 1.0 + 0.8 * 1.6 + agree + 2.0 * 1.6)
     assert shared.contention[0] == pytest.approx((3.0 + 0.6 * 0.6) / 3.0)
     optim = [b for b in shared.intervals if b.kind is EventKind.OPTIMIZER]
     assert {round(b.end_ms - b.start_ms, 9) for b in optim} == {3.2}  # ZeRO-1: half the step, 1.6x as long
@@ -248,3 +250,25 @@ def test_pipeline_stages_stretch_only_while_they_overlap() -> None:
     assert r.step_ms > plain.step_ms
     assert 1.0 < r.contention[0] < 1.6 and 1.0 < r.contention[1] < 1.6
     assert plain.contention == (1.0, 1.0)
+
+
+def test_the_ranks_agree_on_the_loss_between_the_sync_and_the_optimizer() -> None:
+    """The runtime all-reduces the loss and the batch check (32 bytes) over every rank after the last sync and
+    before any optimizer step: a tree of latencies, priced on the slowest link; one device pays nothing."""
+    g = _streaming(chain_profile([(2.0, 4.0)], param_bytes=2 * 10**6), one=1e9, host=2e9)
+    slow = (Device("d0", "cpu", 8), Device("d1", "cpu", 8, host="node1"), Device("d2", "cpu", 8, host="node2"))
+    c = Cluster(devices=slow, links=(Link("d0", "d1", 1e6, 500.0), Link("d0", "d2", 1e6, 800.0)))
+    from hpml_compile.explain import summary
+
+    plans = [_plan(g, c, [(devs, ["n0"])], 1, Schedule.GPIPE) for devs in (("d0",), ("d0", "d1"), ("d0", "d1", "d2"))]
+    one, two, three = (simulate(p, g) for p in plans)
+    assert one.agree_ms == 0.0 and "loss agreement" not in summary(plans[0], g, one)
+    assert "loss agreement: one 32-byte all-reduce over the 3 ranks before the optimizer steps, 3.2 ms" in summary(
+        plans[2], g, three)
+    assert two.agree_ms == pytest.approx(2 * 0.5, rel=1e-4)  # 2 ceil(log2 2) messages of 0.5 ms
+    assert three.agree_ms == pytest.approx(4 * 0.8, rel=1e-4)  # 4 messages, on the slower link
+    for r in (two, three):
+        sync_end = max(b.end_ms for b in r.intervals if b.kind is EventKind.SYNC)
+        opt = [b for b in r.intervals if b.kind is EventKind.OPTIMIZER]
+        assert opt and all(b.start_ms == pytest.approx(sync_end + r.agree_ms) for b in opt)
+        assert r.step_without_optimizer_ms == pytest.approx(sync_end + r.agree_ms)
