@@ -125,7 +125,8 @@ from .ir import Schedule, base_kind
 from .memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, MemoryBreakdown, ZeroStage, autocast_copy_bytes
 
 __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "overlapped_ms",
-           "hierarchical_overlapped_ms", "prefetched_gather_ms", "hierarchical_allreduce_ms", "level_bytes", "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
+           "hierarchical_overlapped_ms", "prefetched_gather_ms", "hierarchical_allreduce_ms", "level_bytes",
+           "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
            "optimizer_ms", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows"]
 
 # A count or a duration: a Python scalar for one stage, a numpy array for many candidates at once.

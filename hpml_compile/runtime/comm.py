@@ -607,8 +607,9 @@ class DistComm(Comm):
             work = dist.all_gather(outs, src, group=group, async_op=True)
         nbytes = sum(o.numel() * o.element_size() for o in outs)
         if hier is not None:  # the third level of the hierarchical all-reduce, on parameters (report: issue 18)
+            hosts = self.group_size((stage,)) // hier.per_host
             for o in outs:
-                intra, _, ring = level_bytes(o.numel(), o.element_size(), hier, self.group_size((stage,)) // hier.per_host)
+                intra, _, ring = level_bytes(o.numel(), o.element_size(), hier, hosts)
                 self.stats.intra_bytes += intra // 2
                 self.stats.flat_bytes += ring // 2
         return PendingCollective(work, src, src, self.stats, "ALLGATHER", t0, nbytes,

@@ -122,7 +122,8 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
         report[f"{zero}-{overlap}"] = {
             "stage": pipe.stage_index, "diff": diff, "launched_in_backward": launches,
             "buckets": len(grad_buckets.members) if grad_buckets is not None else 0,
-            "pending": pending, "train_waits": train_waits, "forward_waits": forward_waits, "sd_diff": sd_diff, "eval_diff": eval_diff}
+            "pending": pending, "train_waits": train_waits, "forward_waits": forward_waits, "sd_diff": sd_diff,
+            "eval_diff": eval_diff}
         pipe.close()
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
 

@@ -110,8 +110,8 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
                         shards = hier.per_host if cfg.hierarchical else d  # the optimizer's step: its shard
                         opt = chain.graph.optimizer_ms_per_byte(kind) * (params // shards if cfg.zero >= ZeroStage.OS
                                                                          else params)
-                        scored.append((m * t + _sync(cfg, params, d, glink, host, bwd, hier, is_cpu, fwd) + copy + opt, t,
-                                       cfg))
+                        sync = _sync(cfg, params, d, glink, host, bwd, hier, is_cpu, fwd)
+                        scored.append((m * t + sync + copy + opt, t, cfg))
                     scored.sort(key=lambda x: x[0])
                     best_j = -1
                     for est, t, cfg in scored:
