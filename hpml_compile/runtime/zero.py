@@ -115,10 +115,22 @@ the buckets are contiguous ranges of the buffer they are ready as early as
 ZeRO-0's), after it otherwise (one bucket: the contiguous layout,
 :func:`~.hierarchy.hierarchical_reduce_scatter`). The optimizer steps the
 shard, and the host's ranks all-gather each bucket's pieces straight into
-the flat buffer (``all_gather_into_tensor``: no copy), after the step, not
-overlapped. Between hosts: the hierarchical all-reduce's bytes; inside: a
+the flat buffer (``all_gather_into_tensor``: no copy), after the step (prefetched
+where the stage overlaps, below). Between hosts: the hierarchical all-reduce's bytes; inside: a
 reduce-scatter of gradients and an all-gather of parameters. The same exact
 sum as the flat reduce-scatter, added in another order.
+
+**Prefetched parameter all-gather** (issue 18; ZeRO-1/2 where the stage overlaps its sync, as the buckets):
+after the optimizer step each bucket's all-gather is launched with ``async_op=True``
+(:meth:`.comm.DistComm.gather_async`) in the order the forward reads the flat buffer (from its bottom), and
+waited in a forward pre-hook on the first submodule of the stage that owns the bucket's parameters (parameters
+the stage reads directly wait at its own pre-hook), as FSDP2's forward prefetch and DeepSpeed's ZeRO-3
+prefetch hide theirs; our own hooks because the gather goes into our flat buffer (see above for why not FSDP2).
+Every other reader waits for all of them first (:meth:`FlatShard.settle`: the state dict and checkpoints through
+``whole``, the optimizer-state gather, the next reduce-scatter, ``Pipeline.close``/``settle``); an eval forward
+goes through the hooks. A failed step drops its pending gathers (:meth:`FlatShard.forget`) and the retry gathers
+again, blocking, before its forward. Code that reads the model's parameters directly between steps must call
+``Pipeline.settle()`` first; a gather left pending when the process group is destroyed can abort the rank.
 
 Checkpoints stay plan-independent: :func:`full_optimizer_state` gathers the
 shard's state back to whole per-parameter tensors under the original names
