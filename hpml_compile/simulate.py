@@ -323,7 +323,7 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
             if d > 1 else None
         hier = hierarchy(c, st.devices) if st.allreduce is AllReduce.HIERARCHICAL else None
         fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts * most * m * d if st.rows else acts, m, d, rate)
-        sync = _sync_cost(plan, graph, st, nodes, params, group, host, dtype, rate, bwd, hier, m) + copy
+        sync = _sync_cost(plan, graph, st, nodes, params, group, host, dtype, rate, bwd, hier, m, fwd_ms=fwd) + copy
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms), sync,
                              max(mems, key=lambda b: b.total), opt_ms, fwd_stream, bwd_stream, copy,
                              tuple(mems), tuple(own)))
@@ -332,9 +332,11 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
 
 def _sync_cost(plan: Plan, graph: CostGraph, st: Stage, nodes: list[str], params: int,
                group: cost_models.LinkSpec | None, host: cost_models.LinkSpec, dtype: str, rate: float,
-               bwd_ms: float, hier: Any = None, microbatches: int = 1) -> float:
-    """A stage's gradient sync per step: dense (:func:`sync_ms`, overlapped with the last backward ``bwd_ms``),
-    compressed, or local SGD's amortised average (neither overlapped: the runtime runs them after the backward)."""
+               bwd_ms: float, hier: Any = None, microbatches: int = 1, *, fwd_ms: float | None = None) -> float:
+    """A stage's gradient sync per step: dense (:func:`sync_ms`, overlapped with the last backward ``bwd_ms``; a
+    ZeRO-1/2 stage's parameter all-gather, where bucketed, prefetched under the next step's first forward
+    ``fwd_ms``), compressed, or local SGD's amortised average (neither overlapped: the runtime runs them after
+    the backward)."""
     d = len(st.devices)
     comp = parse_compress(st.compress)
     if comp is not None and d > 1:
@@ -349,7 +351,7 @@ def _sync_cost(plan: Plan, graph: CostGraph, st: Stage, nodes: list[str], params
     if plan.sync_every > 1 and d > 1:
         return local_sgd_sync_ms(params, d, plan.sync_every, group)
     return float(sync_ms(params, d, st.zero, st.offload_optimizer, group, host, hier, bwd_ms=bwd_ms,
-                         microbatches=microbatches, overlap=sync_overlap(plan, st.index)))
+                         microbatches=microbatches, overlap=sync_overlap(plan, st.index), fwd_ms=fwd_ms))
 
 
 def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], float]]:

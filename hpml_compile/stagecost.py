@@ -125,8 +125,10 @@ from .ir import Schedule, base_kind
 from .memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, MemoryBreakdown, ZeroStage, autocast_copy_bytes
 
 __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "overlapped_ms",
-           "hierarchical_overlapped_ms", "hierarchical_allreduce_ms", "level_bytes", "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
-           "optimizer_ms", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows", "agree_ms", "AGREE_BYTES"]
+           "hierarchical_overlapped_ms", "prefetched_gather_ms", "hierarchical_allreduce_ms", "level_bytes",
+           "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
+           "optimizer_ms", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows", "agree_ms",
+           "AGREE_BYTES"]
 
 # A count or a duration: a Python scalar for one stage, a numpy array for many candidates at once.
 Value = Union[int, float, np.ndarray]
@@ -342,6 +344,45 @@ def overlapped_ms(fn: Callable[..., float], param_bytes: Value, link: cost_model
     return _bucketed(lambda b: transfer_ms(fn, b, link, replicas), param_bytes, window_ms)
 
 
+def prefetched_gather_ms(param_bytes: Value, link: cost_models.LinkSpec | None, replicas: int,
+                         window_ms: Value) -> Value:
+    """What a flat ZeRO-1/2 parameter all-gather prefetched under the next forward adds to the step.
+
+    The runtime (:meth:`hpml_compile.runtime.zero.FlatShard.enable_prefetch`) launches each bucket's
+    all-gather after the optimizer step, in the forward's order (from the bottom of the flat buffer), and the
+    next step's forward waits for a bucket just before the first module reading it. Assumed here, as for the
+    gradient buckets (:func:`overlapped_ms`): the gathers run one after another at the link's rate, the
+    forward reads the parameters evenly over its ``window_ms``, and only the stage's first microbatch's
+    forward hides them (later microbatches find them gathered; the pipeline's fill before a later stage's
+    first forward, which would hide more, is not counted). The step pays what that forward does not cover:
+    never less than the first bucket's gather (nothing runs before the forward needs it), and
+    ``max(0, C - window)`` overall (``C``: every bucket's gather, one latency each), by
+    :func:`overlapped_ms`'s arithmetic with the roles of the first and last bucket swapped. A flat bucket is the
+    same sub-range of every replica's shard, so the forward has read all of them once it is ``1 / d`` through
+    the stage: the window is ``1 / d`` of the forward (the hierarchical shard's buckets are contiguous, its
+    window the whole forward: :func:`sync_ms`).
+
+    Args:
+        param_bytes: the stage's parameter bytes.
+        link: the slowest link of the group (None: one device, free).
+        replicas: ranks in the group.
+        window_ms: the forward that hides the gathers (one microbatch's, times the overlap efficiency).
+
+    >>> link = cost_models.LinkSpec("example", gbps=1.0, latency_us=0.0, source="example")
+    >>> mib51 = 51 << 20
+    >>> serial = transfer_ms(cost_models.all_gather_ms, mib51, link, 2)
+    >>> [round(prefetched_gather_ms(mib51, link, 2, w), 3) for w in (0.0, 20.0, 1000.0)], round(serial, 3)
+    ([26.739, 16.935, 13.107], 26.739)
+
+    (No forward: the serial gather. 20 ms of forward over 2 replicas: its first 10 ms read every bucket, hiding 9.8 ms.
+    A long forward hides all but the first bucket gathered, the bottom of the buffer: 25 MiB here.)
+    """
+    if replicas <= 1 or link is None:
+        return param_bytes * 0.0
+    return _bucketed(lambda b: transfer_ms(cost_models.all_gather_ms, b, link, replicas), param_bytes,
+                     window_ms / replicas)
+
+
 def hierarchical_overlapped_ms(param_bytes: Value, hier: Hierarchy, window_ms: Value) -> Value:
     """What a hierarchical all-reduce launched bucket by bucket during the last backward adds to the step.
 
@@ -443,7 +484,8 @@ def level_bytes(nbytes: int, replicas: int, hier: Hierarchy | None) -> dict[str,
 
 def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_optimizer: bool,
             link: cost_models.LinkSpec | None, host: cost_models.LinkSpec, hier: Hierarchy | None = None,
-            bwd_ms: Value | None = None, microbatches: int = 1, overlap: float = 1.0) -> Value:
+            bwd_ms: Value | None = None, microbatches: int = 1, overlap: float = 1.0,
+            fwd_ms: Value | None = None) -> Value:
     """Gradient synchronisation of a stage past its last backward (the collectives and the offload copies).
 
     Args:
@@ -464,6 +506,11 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         overlap: the fraction of ``bwd_ms`` that hides the collective (:func:`hpml_compile.plan.sync_overlap`,
             the rule the runtime follows); 0: the runtime does not bucket this stage's sync, so it is priced
             as one collective after the backward.
+        fwd_ms: one microbatch's forward on one replica, where the ZeRO-1/2 parameter all-gather is prefetched
+            (the runtime does it where it buckets: ``overlap > 0``; :meth:`hpml_compile.runtime.zero.FlatShard.
+            enable_prefetch`): each bucket's gather launched after the optimizer step, in the forward's order,
+            one after another, and waited where the next step's first forward reads the bucket. Priced by
+            :func:`prefetched_gather_ms`. None: the gather after the step, serial (as before).
 
     Returns:
         Milliseconds, of the form of ``param_bytes``.
@@ -490,8 +537,9 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
             return transfer_ms(cost_models.all_gather_ms, b, hier.intra, h)
         if bwd_ms is None or overlap <= 0:  # one bucket, after the backward
             total = total + chain(param_bytes) + gather(param_bytes)
-        else:  # the levels during the backward; after the step one all-gather per bucket, nothing to hide behind
-            total = total + _bucketed(chain, param_bytes, overlap * bwd_ms) + _bucketed(gather, param_bytes, 0.0)
+        else:  # the levels during the backward; after the step one all-gather per bucket, under the next forward
+            window = 0.0 if fwd_ms is None else overlap * fwd_ms  # contiguous buckets: the whole forward reads them
+            total = total + _bucketed(chain, param_bytes, overlap * bwd_ms) + _bucketed(gather, param_bytes, window)
     elif replicas > 1:
         reduce = cost_models.allreduce_ms if z == ZeroStage.NONE else cost_models.reduce_scatter_ms
         if z == ZeroStage.NONE and hier is not None and (bwd_ms is None or overlap <= 0):
@@ -503,7 +551,10 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         else:
             window = overlap * (bwd_ms if z == ZeroStage.NONE else bwd_ms / replicas)
             total = total + overlapped_ms(reduce, param_bytes, link, replicas, window)
-        if z != ZeroStage.NONE:  # ZeRO-1/2: the stepped shards once; ZeRO-3: the parameters twice per microbatch
+        prefetch = z in (ZeroStage.OS, ZeroStage.OS_G) and bwd_ms is not None and overlap > 0 and fwd_ms is not None
+        if prefetch:  # ZeRO-1/2 bucketed: the stepped shards' gathers under the next forward (prefetched_gather_ms)
+            total = total + prefetched_gather_ms(param_bytes, link, replicas, overlap * fwd_ms)
+        elif z != ZeroStage.NONE:  # ZeRO-1/2: the stepped shards once; ZeRO-3: the parameters twice per microbatch
             gathers = 2 * max(1, microbatches) if z == ZeroStage.OS_G_P else 1
             total = total + gathers * transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas)
     if offload_optimizer:

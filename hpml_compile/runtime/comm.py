@@ -573,6 +573,49 @@ class DistComm(Comm):
             self.stats.intra_bytes += intra // 2
             self.stats.flat_bytes += ring // 2
 
+    def gather_async(self, stage: int, piece: Tensor, outs: Sequence[Tensor]) -> PendingCollective | None:
+        """Start a ZeRO parameter all-gather without waiting for it (the prefetch of :class:`~.zero.FlatShard`):
+        ``outs`` (one per rank of the group, in rank order, each the size of ``piece``) get every rank's piece.
+
+        The group is the stage's replicas, or the host's ranks where the plan makes the ZeRO-1 stage hierarchical
+        (every host holds every shard). Only where no staging is needed (CPU tensors over gloo, or an NCCL group:
+        the result lands in ``outs`` themselves); None where nothing is to be gathered (one rank). Unlike the
+        blocking collectives there is no skew barrier before it: it is launched to run under the next forward.
+
+        Raises:
+            HpmlError: a GPU tensor over a gloo group (stage it and gather blocking instead, as
+                :meth:`gather_into` and :meth:`all_gather` do).
+        """
+        hier = self.hierarchy.get((stage,))
+        group = hier.intra if hier is not None else self.groups.get((stage,))
+        if group is None:
+            if len(outs) == 1:
+                outs[0].copy_(piece)
+            return None
+        nccl = all(self.devices[r].type == "cuda" for r in self.ranks[stage])
+        if not nccl and piece.device.type != "cpu":
+            raise HpmlError(f"stage {stage}: an asynchronous all-gather of a {piece.device.type} tensor over gloo "
+                            "needs a host copy: gather it blocking (FlatShard.all_gather does)")
+        self._maybe_fail(CommOp.COLLECTIVE)
+        t0 = time.perf_counter()
+        src = piece.detach().contiguous()
+        outs = list(outs)
+        whole = outs[0] if len(outs) == 1 else None
+        if whole is not None:  # a hierarchical bucket: one contiguous range, the host's pieces in local order
+            work = dist.all_gather_into_tensor(whole, src, group=group, async_op=True)
+        else:
+            work = dist.all_gather(outs, src, group=group, async_op=True)
+        nbytes = sum(o.numel() * o.element_size() for o in outs)
+        if hier is not None:  # the third level of the hierarchical all-reduce, on parameters (report: issue 18)
+            hosts = self.group_size((stage,)) // hier.per_host
+            for o in outs:
+                intra, _, ring = level_bytes(o.numel(), o.element_size(), hier, hosts)
+                self.stats.intra_bytes += intra // 2
+                self.stats.flat_bytes += ring // 2
+        return PendingCollective(work, src, src, self.stats, "ALLGATHER", t0, nbytes,
+                                 hier.per_host if hier is not None else len(self.ranks[stage]), self.stage,
+                                 self.events, self.device if nccl else torch.device("cpu"))
+
     def reduce_scatter_async(self, stage: int, parts: list[Tensor], out: Tensor) -> PendingCollective | None:
         """Start the reduce-scatter of ``parts`` (one per replica, equal sizes) into ``out`` (this replica's sum).
 

@@ -305,6 +305,8 @@ class Pipeline:
         self.comm.shards[k] = shard
         if self._overlaps(k) and self.comm.groups.get((k,)) is not None:
             shard.enable_overlap(min(FIRST_BUCKET_BYTES, self._bucket_bytes), self._bucket_bytes)
+            if shard.buckets is not None:  # ZeRO-1/2 (not 3): the parameter all-gather under the next forward
+                shard.enable_prefetch(self.stages[k])
         return [shard]
 
     def _overlaps(self, k: int) -> bool:
@@ -482,6 +484,8 @@ class Pipeline:
         A gloo group closes its sockets only when the last reference goes; a
         peer blocked in a collective on it is released only then.
         """
+        for s in getattr(self, "_shards", ()):
+            s.forget()  # prefetched parameter gathers on the failed groups: gathered again by the retry
         if self.comm is not None:
             self.comm.forget()
             self.comm.groups.clear()
@@ -771,8 +775,18 @@ class Pipeline:
                 stack.enter_context(s.whole(changed=changed))
             yield
 
+    def settle(self) -> None:
+        """Wait for the parameters' prefetched all-gathers (ZeRO-1/2 where the sync overlaps: launched after the
+        optimizer step, waited by the next forward, see :meth:`.zero.FlatShard.enable_prefetch`). Call it before
+        reading the model's parameters directly between steps; the state dict, checkpoints, evaluation and
+        :meth:`close` wait on their own. A no-op elsewhere."""
+        for s in getattr(self, "_shards", ()):
+            s.settle()
+
     def close(self) -> None:
-        """Flush the measurements and leave the process group (if this pipeline made it)."""
+        """Flush the measurements and leave the process group (if this pipeline made it); the parameters'
+        prefetched all-gathers are waited first (none is left in flight)."""
+        self.settle()
         self.monitor.close()
         if self.session is not None:
             self.session.close()

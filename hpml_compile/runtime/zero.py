@@ -115,10 +115,22 @@ the buckets are contiguous ranges of the buffer they are ready as early as
 ZeRO-0's), after it otherwise (one bucket: the contiguous layout,
 :func:`~.hierarchy.hierarchical_reduce_scatter`). The optimizer steps the
 shard, and the host's ranks all-gather each bucket's pieces straight into
-the flat buffer (``all_gather_into_tensor``: no copy), after the step, not
-overlapped. Between hosts: the hierarchical all-reduce's bytes; inside: a
+the flat buffer (``all_gather_into_tensor``: no copy), after the step (prefetched
+where the stage overlaps, below). Between hosts: the hierarchical all-reduce's bytes; inside: a
 reduce-scatter of gradients and an all-gather of parameters. The same exact
 sum as the flat reduce-scatter, added in another order.
+
+**Prefetched parameter all-gather** (issue 18; ZeRO-1/2 where the stage overlaps its sync, as the buckets):
+after the optimizer step each bucket's all-gather is launched with ``async_op=True``
+(:meth:`.comm.DistComm.gather_async`) in the order the forward reads the flat buffer (from its bottom), and
+waited in a forward pre-hook on the first submodule of the stage that owns the bucket's parameters (parameters
+the stage reads directly wait at its own pre-hook), as FSDP2's forward prefetch and DeepSpeed's ZeRO-3
+prefetch hide theirs; our own hooks because the gather goes into our flat buffer (see above for why not FSDP2).
+Every other reader waits for all of them first (:meth:`FlatShard.settle`: the state dict and checkpoints through
+``whole``, the optimizer-state gather, the next reduce-scatter, ``Pipeline.close``/``settle``); an eval forward
+goes through the hooks. A failed step drops its pending gathers (:meth:`FlatShard.forget`) and the retry gathers
+again, blocking, before its forward. Code that reads the model's parameters directly between steps must call
+``Pipeline.settle()`` first; a gather left pending when the process group is destroyed can abort the rank.
 
 Checkpoints stay plan-independent: :func:`full_optimizer_state` gathers the
 shard's state back to whole per-parameter tensors under the original names
@@ -301,6 +313,13 @@ class FlatShard:
         # of which this rank owns piece ``replica`` (:meth:`_piece`); one bucket: the contiguous layout
         self._ranges: list[tuple[int, int]] = [(0, self.shard_numel)] if hier is not None else []
         self._out: Tensor | None = None  # this replica's summed shard, filled bucket by bucket
+        # the prefetch (enable_prefetch): per bucket, its pending parameter all-gather; per parameter, its buckets
+        self.prefetch = False
+        self._gathers: dict[int, Any] = {}
+        self._buckets_of: list[list[int]] = []
+        self._owed = False  # a failed step may have lost gathers: re-gather (blocking) before the next forward
+        self._hooks: list[Any] = []
+        self.prefetched = 0  # bucket gathers waited by a forward pre-hook (launched after a step, not waited there)
 
     def enable_overlap(self, first_bytes: int = FIRST_BUCKET_BYTES, cap_bytes: int = BUCKET_BYTES) -> None:
         """Reduce-scatter bucket by bucket during the last backward (see the module docstring).
@@ -323,6 +342,7 @@ class FlatShard:
 
     def launch(self, i: int) -> Any:
         """Start bucket ``i``'s reduce-scatter into this replica's summed shard (the one collective call)."""
+        self.settle()  # a parameter the forward never read: its gather goes first (the same order on every rank)
         assert self.grad_flat is not None and self.comm is not None
         if self._out is None:
             self._out = torch.empty(self.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
@@ -349,12 +369,85 @@ class FlatShard:
 
     def _launch_hier(self, i: int) -> Any:
         """Start bucket ``i``'s reduce-scatter in the host and all-reduce between hosts into its part of the shard."""
+        self.settle()  # a parameter the forward never read: its gather goes first (the same order on every rank)
         assert self.grad_flat is not None and self.comm is not None
         if self._out is None:
             self._out = torch.empty(self.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
         a, b = self._ranges[i]
         bucket = self.grad_flat[self.replicas * a:self.replicas * b]
         return self.comm.reduce_scatter_chain(self.stage, bucket, self._out[a:b])  # type: ignore[attr-defined]
+
+    # -- the prefetch: the parameter all-gather under the next forward ------------------------------
+    def enable_prefetch(self, module: nn.Module) -> None:
+        """Launch each bucket's parameter all-gather after the optimizer step without waiting for it, and wait for
+        it just before the first module of ``module`` (the stage) that reads the bucket's parameters computes.
+
+        Needs the buckets (:meth:`enable_overlap`). A forward pre-hook on each submodule the stage calls
+        (its ``TARGETS`` that are modules; any module where it has none) waits for the buckets of the parameters
+        under it; one on ``module`` itself waits, before anything, for those no called submodule owns (read
+        directly, as fx ``get_attr`` does). Every other reader waits for all of them first (:meth:`settle`).
+        """
+        if self.buckets is None:
+            raise HpmlError(f"stage {self.stage}: the parameter prefetch gathers by bucket: enable_overlap first")
+        self._buckets_of = [[] for _ in self.params]
+        for b, ms in enumerate(self.buckets.members):
+            for i in ms:
+                self._buckets_of[i].append(b)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        called: list[nn.Module] = []
+        for t in getattr(module, "TARGETS", None) or ():
+            try:
+                m = module.get_submodule(t)
+            except AttributeError:
+                continue  # a parameter or buffer target: read directly, waited at the stage's start
+            called.append(m)
+        covered: set[int] = set()
+        for m in called:
+            mine = sorted({b for p in m.parameters() if id(p) in index for b in self._buckets_of[index[id(p)]]})
+            covered.update(index[id(p)] for p in m.parameters() if id(p) in index)
+            if mine:
+                self._hooks.append(m.register_forward_pre_hook(self._waiter(mine)))
+        rest = sorted({b for i in range(len(self.params)) if i not in covered for b in self._buckets_of[i]})
+        if rest or not called:
+            self._hooks.append(module.register_forward_pre_hook(
+                self._waiter(rest if called else list(range(len(self.buckets.members))))))
+        self.prefetch = True
+
+    def _waiter(self, buckets: list[int]) -> Callable[[nn.Module, Any], None]:
+        def pre(_m: nn.Module, _args: Any) -> None:
+            if self._gathers:
+                self.wait_buckets(buckets, forward=True)
+        return pre
+
+    def wait_buckets(self, buckets: Iterable[int], *, forward: bool = False) -> None:
+        """Wait for these buckets' pending parameter all-gathers (each at most once); ``forward``: a forward
+        pre-hook asks (counted in :attr:`prefetched`)."""
+        for b in buckets:
+            h = self._gathers.pop(b, None)
+            if h is not None:
+                self.prefetched += forward
+                try:
+                    h.wait()
+                except BaseException:
+                    self.forget()
+                    raise
+
+    def settle(self) -> None:
+        """Wait for every pending parameter all-gather: whoever reads or writes the parameters other than the
+        stage's forward (checkpoints, the state dict, the next collective on the group, the end of the run)."""
+        if self._gathers:
+            self.wait_buckets(sorted(self._gathers))
+
+    def forget(self) -> None:
+        """A failed step: drop the pending gathers (their group may be gone); the next step gathers again first."""
+        if self.prefetch:
+            self._gathers.clear()
+            self._owed = True
+
+    def _gather_order(self) -> list[int]:
+        """The buckets in the order the forward reads them: from the bottom of the buffer (:attr:`_ranges`
+        run from the top, the backward's order)."""
+        return sorted(range(len(self._ranges)), key=lambda i: self._ranges[i][0])
 
     @property
     def owned(self) -> slice:
@@ -374,6 +467,9 @@ class FlatShard:
         self._out = None
         if self.buckets is not None:
             self.buckets.reset()
+        if self._owed and self.comm is not None:  # a retried step: the parameters from the shards again, blocking
+            self._owed = False
+            self._gather_now(self.comm)
 
     def check(self, params: Iterable[Tensor]) -> None:
         """The generated code's parameter list must be this shard's (once)."""
@@ -388,6 +484,7 @@ class FlatShard:
 
     def reduce_scatter(self, comm: Comm) -> None:
         """After the last backward: this replica's shard of the summed gradient becomes the shard's ``.grad``."""
+        self.settle()
         if self.grad_flat is None:
             self.begin_step()  # no backward ran (an empty step): zero gradients
         assert self.grad_flat is not None
@@ -413,7 +510,29 @@ class FlatShard:
 
     def all_gather(self, comm: Comm) -> None:
         """After the optimizer step: every replica takes the other shards' new values (hierarchical: the host's
-        ranks' pieces of each bucket, gathered into the flat buffer in place)."""
+        ranks' pieces of each bucket, gathered into the flat buffer in place). With the prefetch on, each bucket's
+        gather is only launched here, in the forward's order, and waited where the next forward first reads it."""
+        self.settle()
+        self._owed = False
+        launch = getattr(comm, "gather_async", None)
+        if self.prefetch and launch is not None and (self.flat.device.type == "cpu" or all(
+                comm.devices[r].type == "cuda" for r in comm.ranks[self.stage])):  # type: ignore[attr-defined]
+            L, n = self.replicas, self.shard_numel
+            for i in self._gather_order():
+                a, b = self._ranges[i]
+                piece = self.param.detach()[a:b]
+                outs = [self.flat[L * a:L * b]] if self.hier is not None else [
+                    self.flat[s * n + a:s * n + b] for s in range(L)]
+                handle = launch(self.stage, piece, outs)
+                if handle is not None:
+                    self._gathers[i] = handle
+            if self.zero is ZeroStage.OS_G:
+                self.param.grad = None
+            return
+        self._gather_now(comm)
+
+    def _gather_now(self, comm: Comm) -> None:
+        """The parameter all-gather, blocking."""
         if self.hier is not None:
             L = self.replicas
             pieces = [(self.param.detach()[a:b], self.flat[L * a:L * b]) for a, b in self._ranges]
@@ -431,7 +550,9 @@ class FlatShard:
     def whole(self, *, changed: bool = False) -> Iterator[None]:
         """A block that reads or writes the stage's parameters outside a step (checkpoints, as
         :class:`~.zero3.FlatShard3`'s); ``changed``: it wrote them, so a hierarchical shard, a tensor of its own,
-        takes its pieces of the flat buffer after (a flat shard is a view of it: nothing to do)."""
+        takes its pieces of the flat buffer after (a flat shard is a view of it: nothing to do). Pending prefetched
+        gathers are waited first."""
+        self.settle()
         yield
         if changed and self.hier is not None:
             with torch.no_grad():
@@ -442,6 +563,7 @@ class FlatShard:
         """The whole flat tensor from every replica's shard (a collective over the stage's replicas)."""
         if self.replicas == 1:
             return t
+        self.settle()  # the same group: every rank's pending gathers first, in one order
         comm = self.comm
         group = getattr(comm, "groups", {}).get((self.stage,)) if comm is not None else None
         if self.hier is not None:

@@ -248,7 +248,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)
             sync = sync_ms(params, d, cfg.zero, cfg.offload, glink, host, hier if cfg.hierarchical else None,
-                           bwd_ms=bwd, microbatches=m, overlap=overlap)
+                           bwd_ms=bwd, microbatches=m, overlap=overlap, fwd_ms=fwd)  # ZeRO-1/2: prefetched gather
             if hier is not None and cfg.zero == ZeroStage.NONE:  # the faster of flat and hierarchical (to_plan picks)
                 sync = np.minimum(sync, sync_ms(params, d, cfg.zero, cfg.offload, glink, host, hier, bwd_ms=bwd,
                                                 microbatches=m, overlap=overlap))

@@ -47,6 +47,10 @@ def _run(hz_build: str, dp_build: str, out: Path, overlap: bool | None) -> dict[
     assert pipe.comm is not None
     shard = pipe.comm.shards[pipe.stage_index]
     assert isinstance(shard, FlatShard) and pipe.optimizer is not None and shard.grad_flat is not None
+    # the prefetch (overlap): the last step's gathers in flight now, the earlier steps' waited by the next forward
+    prefetch = [len(shard._gathers), shard.prefetched]
+    if overlap:
+        pipe.save(out / "ck")  # with the gathers in flight: the save waits for them
     state = pipe.optimizer.state[shard.param]
     m, held = pipe.metrics[-1], pipe.held
     assert held is not None and shard.param.grad is not None
@@ -61,12 +65,13 @@ def _run(hz_build: str, dp_build: str, out: Path, overlap: bool | None) -> dict[
         "state_numel": {k: v.numel() for k, v in state.items() if isinstance(v, torch.Tensor)},
         "exp_avg": state["exp_avg"].tolist(),
         "buckets": None if b is None else [len(b.members), b.launched_in_backward, b.launched_early],
-        "levels": [m.sync_intra_bytes, m.sync_inter_bytes, m.sync_flat_bytes],
+        "levels": [m.sync_intra_bytes, m.sync_inter_bytes, m.sync_flat_bytes], "prefetch": prefetch,
         "params": {k: v.flatten().tolist() for k, v in pipe.state_dict().items()},
     }
     if overlap:
-        pipe.save(out / "ck")
         report["continued"] = [float(pipe.step((x,), y, skipnet_loss)) for x, y in data[STEPS:]]
+        x, y = data[-1]  # an eval forward with the last step's gathers in flight: its hooks wait for them
+        report["eval"] = [len(shard._gathers), pipe.eval_loss((x,), y, skipnet_loss), len(shard._gathers)]
         torch.manual_seed(1)  # other initial values: the checkpoint must bring them back
         flat = Pipeline.from_build(dp_build, SkipNet(), optimizer=optimizer)
         flat.load(out / "ck")
@@ -77,6 +82,9 @@ def _run(hz_build: str, dp_build: str, out: Path, overlap: bool | None) -> dict[
         again.load(out / "ck")
         report["resumed_here"] = [float(again.step((x,), y, skipnet_loss)) for x, y in data[STEPS:]]
         report["continued_params"] = {k: v.flatten().tolist() for k, v in pipe.state_dict().items()}
+        flat.close()
+        again.close()  # its last step's gathers in flight: a gather left pending at the group's end aborts the rank
+    pipe.close()
     return report
 
 

@@ -14,6 +14,10 @@ all-reduce of the shard between hosts, AdamW on the shard, all-gather in the hos
   are :func:`hpml_compile.plan.stage_breakdown`'s;
 - the bytes the runtime counted per level are the hierarchical all-reduce's (between hosts ``1 / L`` of a
   ring's share);
+- the parameter all-gather after the step is prefetched with the buckets on (each bucket's launched after the
+  optimizer step, waited by the next forward's pre-hooks): the steps leave every bucket's gather in flight, the
+  next step's forward waits for them, an eval forward with them in flight gives the reference's eval loss,
+  and the checkpoint below is saved with them in flight (the save waits for them);
 - a checkpoint saved under it (the bucketed layout: each shard a piece of every bucket) resumes under the
   flat ZeRO-0 build of the same model: the two steps after it
   give the losses and parameters of the run that went on under the hierarchical ZeRO-1 plan (so the Adam
@@ -55,8 +59,9 @@ def two_hosts(plan: Plan, zero: ZeroStage, how: AllReduce) -> Plan:
                    stages=(replace(plan.stages[0], zero=zero, allreduce=how),))
 
 
-def _reference() -> tuple[list[float], dict[str, torch.Tensor], list[float], dict[str, torch.Tensor]]:
-    """The model in this process: losses and parameters after STEPS AdamW steps, and after two more."""
+def _reference() -> tuple[list[float], dict[str, torch.Tensor], list[float], dict[str, torch.Tensor], float]:
+    """The model in this process: losses and parameters after STEPS AdamW steps, and after two more, and then
+    its eval loss on the last batch."""
     torch.manual_seed(0)
     model = SkipNet()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -69,7 +74,12 @@ def _reference() -> tuple[list[float], dict[str, torch.Tensor], list[float], dic
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    return losses[:STEPS], first, losses[STEPS:], {k: v.detach().flatten() for k, v in model.named_parameters()}
+    model.eval()
+    with torch.no_grad():
+        x, y = batches()[-1]
+        last_eval = float(skipnet_loss(model(x), y))
+    return (losses[:STEPS], first, losses[STEPS:], {k: v.detach().flatten() for k, v in model.named_parameters()},
+            last_eval)
 
 
 @pytest.mark.dist
@@ -104,7 +114,7 @@ def test_hierarchical_zero1_on_two_torchrun_hosts_is_transparent_sharded_per_hos
                 a.kill()
     assert all(a.returncode == 0 for a in agents), [r[1][-3000:] for r in results]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
-    losses, params, later, final = _reference()
+    losses, params, later, final, last_eval = _reference()
     n = sum(v.numel() for v in params.values())
     prof = profile(SkipNet(), batches()[0][:1], name="skipnet", progress=False, repeats=1)
     hz_plan = load_plan(hz / "plan.json")
@@ -139,6 +149,13 @@ def test_hierarchical_zero1_on_two_torchrun_hosts_is_transparent_sharded_per_hos
                 assert all(a >= b > 0 for a, b in zip(rep["levels"], [padded, padded // 2, 3 * padded // 2]))
                 count, in_backward, early = rep["buckets"]
                 assert count > 2 and in_backward == count and early >= 1, rep["buckets"]  # launched by the hooks
+                # the prefetch: the last step's parameter gathers still in flight after it, one per bucket, and
+                # every earlier step's waited by the next step's forward (pre-hooks), not by the step itself
+                assert rep["prefetch"] == [count, (STEPS - 1) * count], (r, rep["prefetch"])
+                pending, got_eval, left = rep["eval"]  # an eval forward with the gathers in flight sees the step
+                assert (pending, left) == (count, 0) and got_eval == pytest.approx(last_eval, abs=1e-6), rep["eval"]
+            if run == "after":
+                assert rep["prefetch"] == [0, 0]  # CPU ranks by the plan's rule: gathered in the step, blocking
         for a, b in ((0, 2), (1, 3)):  # the same shard on both hosts: the same Adam moments
             assert torch.allclose(torch.tensor(ranks[a][run]["exp_avg"]), torch.tensor(ranks[b][run]["exp_avg"]),
                                   atol=1e-9)

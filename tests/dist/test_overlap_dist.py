@@ -79,10 +79,19 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
     report: dict[str, Any] = {}
     ref = _model()
     ref_opt = _optimizer(ref.module.parameters())
-    for x, y in _batches():
+    after_two: dict[str, torch.Tensor] = {}
+    eval_last = 0.0
+    for i, (x, y) in enumerate(_batches()):
         ref_opt.zero_grad()
         ref.loss_fn(ref.module(x), y).backward()
         ref_opt.step()
+        if i == 1:
+            after_two = {n: p.detach().clone() for n, p in ref.module.state_dict().items()}
+        if i == STEPS - 1:
+            ref.module.eval()
+            with torch.no_grad():
+                eval_last = float(ref.loss_fn(ref.module(x), y))
+            ref.module.train()
     want = dict(ref.module.named_parameters())
     for zero, overlap in CASES:
         build = builds[zero]
@@ -92,16 +101,29 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
         launches: list[tuple[int, int]] = []
         buckets = pipe.comm.shards.get(pipe.stage_index) if pipe.comm is not None else None
         grad_buckets = getattr(buckets, "buckets", None)
-        for x, y in _batches():
+        pending, sd_diff, eval_diff, train_waits = [], 0.0, 0.0, 0
+        for i, (x, y) in enumerate(_batches()):
             pipe.step((x,), y, loaded.loss_fn)
             if grad_buckets is not None:
                 launches.append((grad_buckets.launched_in_backward, grad_buckets.launched_early))
+            pending.append(len(getattr(buckets, "_gathers", ())))  # prefetched gathers in flight after the step
+            if i == 1:
+                train_waits = getattr(buckets, "prefetched", 0)  # step 1's gathers, waited by step 2's forward
+                # the state dict (as a checkpoint reads it) with step 2's gathers in flight: the new parameters
+                sd = pipe.state_dict()
+                sd_diff = max((sd[n] - v).abs().max().item() for n, v in after_two.items())
+            if i == STEPS - 1:  # an eval forward after a step, its gathers in flight: its hooks wait for them
+                eval_diff = abs(pipe.eval_loss((x,), y, loaded.loss_fn) - eval_last)
+        forward_waits = getattr(buckets, "prefetched", 0)
+        pipe.settle()  # read the parameters directly below: the last step's gathers first
         mine = {id(p) for p in pipe.parameters()}
         diff = max((p.detach() - want[n].detach()).abs().max().item()
                    for n, p in loaded.module.named_parameters() if id(p) in mine)
         report[f"{zero}-{overlap}"] = {
             "stage": pipe.stage_index, "diff": diff, "launched_in_backward": launches,
-            "buckets": len(grad_buckets.members) if grad_buckets is not None else 0}
+            "buckets": len(grad_buckets.members) if grad_buckets is not None else 0,
+            "pending": pending, "train_waits": train_waits, "forward_waits": forward_waits, "sd_diff": sd_diff,
+            "eval_diff": eval_diff}
         pipe.close()
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
 
@@ -113,7 +135,16 @@ def test_overlapped_buckets_train_as_the_original_with_microbatches_ties_and_zer
     for rank, rep in enumerate(reports):
         for key, row in rep.items():
             assert row["diff"] < TOL, (rank, key, row["diff"])
+            assert row["sd_diff"] < TOL and row["eval_diff"] < TOL, (rank, key, row)  # mid-run readers see the step
             zero, overlap = key.split("-")
+            if row["stage"] == 0 and overlap == "True" and zero in "12":
+                # ZeRO-1/2 overlapped: every bucket's parameter all-gather left in flight by the step (prefetched),
+                # and the next forward's hooks waited for them (none left to settle() but the last step's)
+                assert row["pending"] == [row["buckets"]] * STEPS, (rank, key, row)
+                assert row["train_waits"] == row["buckets"], (rank, key, row)  # by the training forward
+                assert row["forward_waits"] == 2 * row["buckets"], (rank, key, row)  # and by the eval forward
+            else:
+                assert set(row["pending"]) == {0} and row["forward_waits"] == 0, (rank, key, row)
             if row["stage"] == 0 and overlap == "True":
                 assert row["buckets"] > 1, (rank, key, row)
                 # launched by the hooks during the backward, every one; and while gradients were still to come

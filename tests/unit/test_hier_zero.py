@@ -35,7 +35,8 @@ from hpml_compile.simulate import simulate, stage_costs
 from hpml_compile.solve import solve
 from hpml_compile.solve.candidates import Chain, Setting, StageConfig, enumerate_candidates
 from hpml_compile.solve.testing import chain_profile
-from hpml_compile.stagecost import copy_ms, hierarchical_allreduce_ms, stream_bytes_per_ms, sync_ms
+from hpml_compile.stagecost import (copy_ms, hierarchical_allreduce_ms, prefetched_gather_ms, stream_bytes_per_ms,
+                                   sync_ms, transfer_ms)
 
 GB = 10**9
 KIND = "A100-80GB"
@@ -46,10 +47,11 @@ def _two_by_two() -> Cluster:
     return Cluster(devices=tuple(d for d in c.devices if d.name in {"gpu0", "gpu1", "gpu8", "gpu9"}), name="2x2")
 
 
-def _graph(param_gb: float, opt_ms_per_gb: float = 40.0):
+def _graph(param_gb: float, opt_ms_per_gb: float = 40.0, fwd_ms: float = 1000.0):
     """Four nodes of heavy compute (data parallelism pays) and ``param_gb`` GB of parameters, AdamW at
-    ``opt_ms_per_gb`` (whole, on one device)."""
-    prof = chain_profile([(1000.0, 2000.0)] * 4, kind=KIND, param_bytes=int(param_gb * GB / 4), batch_size=64)
+    ``opt_ms_per_gb`` (whole, on one device); ``fwd_ms`` per node's forward (short: the forward hides no
+    prefetched parameter gather)."""
+    prof = chain_profile([(fwd_ms, 2000.0)] * 4, kind=KIND, param_bytes=int(param_gb * GB / 4), batch_size=64)
     return build(replace(prof, optimizer="adamw", optimizer_ms={KIND: opt_ms_per_gb * param_gb}))
 
 
@@ -88,10 +90,17 @@ def test_the_cost_model_shards_the_optimizer_per_host_and_prices_the_three_level
     assert levels + cost_models.all_gather_ms(p, 2, h.intra) == pytest.approx(hierarchical_allreduce_ms(p, h))
     copy = copy_ms(p, 4, stream_bytes_per_ms(g, [KIND]), ZeroStage.OS)
     assert hz.sync_copy_ms == 0.0 and flat1.sync_copy_ms == pytest.approx(copy) and copy > 0  # gathered in place
-    # the gradient levels run bucket by bucket during the last backward (as ZeRO-0's chains), the parameter
-    # all-gather after the step: exposed whole
-    assert gather < hz.sync_ms < levels + gather
-    assert hz.sync_ms == pytest.approx(sync_ms(p, 4, ZeroStage.OS, False, h.inter, h.inter, h, bwd_ms=hz.bwd_ms))
+    # the gradient levels run bucket by bucket during the last backward (as ZeRO-0's chains); the parameter
+    # all-gather after the step serial (session 10, no forward given), or prefetched under the next forward
+    serial = sync_ms(p, 4, ZeroStage.OS, False, h.inter, h.inter, h, bwd_ms=hz.bwd_ms)
+    assert gather < serial < levels + gather
+    assert hz.sync_ms == pytest.approx(sync_ms(p, 4, ZeroStage.OS, False, h.inter, h.inter, h, bwd_ms=hz.bwd_ms,
+                                               fwd_ms=hz.fwd_ms))
+    # 1 s of forward hides every bucket's gather but the first one gathered (the bottom of the buffer, which the
+    # forward reads first): the tail of the 1 MiB + 25 MiB cut
+    tail = (p - 2**20) - (buckets - 2) * 25 * 2**20
+    assert 0 < tail <= 25 * 2**20
+    assert serial - hz.sync_ms == pytest.approx(gather - cost_models.all_gather_ms(tail, 2, h.intra), rel=1e-6)
     on_cpu = sync_ms(p, 4, ZeroStage.OS, False, h.inter, h.inter, h, bwd_ms=hz.bwd_ms, overlap=0.0)
     assert on_cpu == pytest.approx(hierarchical_allreduce_ms(p, h))  # one bucket: the three levels after it
     assert hz.sync_ms < flat1.sync_ms / 2  # the flat reduce-scatter and all-gather cross 100 GbE with 3/4 of P each
@@ -100,7 +109,8 @@ def test_the_cost_model_shards_the_optimizer_per_host_and_prices_the_three_level
 def test_the_solver_takes_it_where_it_is_the_fastest_that_fits() -> None:
     # a slow optimizer step (400 ms unsharded): ZeRO-0 steps it whole, flat ZeRO-1 crosses 100 GbE with 3/4 of P
     # twice (~480 ms), the hierarchical ZeRO-1 steps half of it behind the overlapped levels and a 7 ms gather
-    c, g = _two_by_two(), _graph(4.0, 100.0)
+    # (a short forward: neither gather hides under it, so the comparison is the gradients' and optimizer's)
+    c, g = _two_by_two(), _graph(4.0, 100.0, fwd_ms=1.0)
     plan = solve(g, c, solver="dp", microbatches=1)
     wide = [st for st in plan.stages if len(st.devices) == 4]
     assert wide and wide[0].zero == ZeroStage.OS and wide[0].allreduce is AllReduce.HIERARCHICAL, plan.stages
@@ -157,7 +167,7 @@ def test_to_plan_keeps_it_only_on_devices_that_shard_as_finely_as_priced() -> No
     from hpml_compile.plan import SolverInfo
     from hpml_compile.solve.candidates import to_plan
 
-    g = _graph(4.0, 100.0)
+    g = _graph(4.0, 100.0, fwd_ms=1.0)  # a short forward: the hierarchical candidate is not dominated
     ch = Chain.of(g)
     # six hosts: the kind's first 4 devices are 2 hosts x 2 (priced L = 2); a second stage of 4 gets the rest
     devs = tuple(Device(f"g{i}", KIND, 80.0, host=f"h{i // 2}") for i in range(4)) \
@@ -174,3 +184,49 @@ def test_to_plan_keeps_it_only_on_devices_that_shard_as_finely_as_priced() -> No
     # g4..g7 sit one per host (h2..h5): L = 1, coarser than the priced 2 (more memory), so flat (1/4 shards)
     assert second.devices == ("g4", "g5", "g6", "g7") and second.allreduce is AllReduce.FLAT, plan.stages
     assert second.zero == ZeroStage.OS
+
+
+def test_the_prefetched_parameter_gather_is_priced_under_the_next_forward_only_where_the_runtime_prefetches() -> None:
+    # issue 18: ZeRO-1/2's all-gather after the step, launched per bucket and waited by the next forward
+    # (runtime.zero.FlatShard.enable_prefetch, where the stage's sync overlaps): only what the first
+    # microbatch's forward cannot cover is paid; nothing changes where the runtime does not prefetch
+    c = _two_by_two()
+    h = hierarchy(c, [d.name for d in c.devices])
+    assert h is not None
+    p, bwd, link = 2 * GB, 50.0, h.inter
+    serial_gather = transfer_ms(cost_models.all_gather_ms, p, link, 4)
+    for fwd in (0.0, 40.0, 400.0, 10_000.0):  # flat ZeRO-1/2: the forward's first 1/d reads every bucket
+        for z in (ZeroStage.OS, ZeroStage.OS_G):
+            got = sync_ms(p, 4, z, False, link, link, bwd_ms=bwd, fwd_ms=fwd)
+            base = sync_ms(p, 4, z, False, link, link, bwd_ms=bwd)  # serial gather
+            hidden = base - got
+            assert hidden == pytest.approx(serial_gather - prefetched_gather_ms(p, link, 4, fwd), abs=1e-9)
+            # never below the first bucket gathered; without a forward, the buckets' gathers one after another
+            # (one latency each: a little more than one gather); with one, less
+            assert hidden < serial_gather
+            assert (hidden > 0) == (fwd > 0), (fwd, hidden)
+    whole = prefetched_gather_ms(p, link, 4, 0.0)  # C: every bucket's gather, serial
+    buckets = 1 + -(-(p - 2**20) // (25 * 2**20))
+    assert serial_gather < whole < 1.1 * serial_gather  # one latency per bucket more than one gather
+    tail = transfer_ms(cost_models.all_gather_ms, (p - 2**20) - (buckets - 2) * 25 * 2**20, link, 4)
+    for window in (10.0, 40.0, 400.0, 1e5):  # max(C - window / d (1 - 1 MiB / P), the first bucket gathered)
+        assert prefetched_gather_ms(p, link, 4, window) == pytest.approx(
+            max(whole - window / 4 * (1 - 2**20 / p), tail), rel=1e-6), window
+    # not prefetched: CPU ranks (overlap 0), ZeRO-0 (no gather), ZeRO-3 (its own per-microbatch gathers)
+    for z, ov in ((ZeroStage.OS, 0.0), (ZeroStage.NONE, 1.0), (ZeroStage.OS_G_P, 1.0)):
+        assert sync_ms(p, 4, z, False, link, link, bwd_ms=bwd, overlap=ov, fwd_ms=1e4) == \
+            sync_ms(p, 4, z, False, link, link, bwd_ms=bwd, overlap=ov)
+    # the hierarchical ZeRO-1's in-host gather: contiguous buckets, the whole forward hides them
+    hz = [sync_ms(p, 4, ZeroStage.OS, False, link, link, h, bwd_ms=bwd, fwd_ms=f) for f in (0.0, 1.0, 1e4)]
+    assert hz[0] > hz[1] >= hz[2] > 0
+    assert hz[0] == pytest.approx(sync_ms(p, 4, ZeroStage.OS, False, link, link, h, bwd_ms=bwd))
+    # the simulator prices a GPU stage's gather so (its sync is sync_ms with the stage's forward)
+    g = _graph(20.0)
+    for how in (AllReduce.HIERARCHICAL, AllReduce.FLAT):
+        cost = stage_costs(_one_stage(c, ZeroStage.OS, how), g)[0]
+        hh = h if how is AllReduce.HIERARCHICAL else None
+        grp = h.inter
+        with_fwd = sync_ms(20 * GB, 4, ZeroStage.OS, False, grp, grp, hh, bwd_ms=cost.bwd_ms, fwd_ms=cost.fwd_ms)
+        without = sync_ms(20 * GB, 4, ZeroStage.OS, False, grp, grp, hh, bwd_ms=cost.bwd_ms)
+        assert with_fwd < without
+        assert cost.sync_ms - cost.sync_copy_ms == pytest.approx(with_fwd, rel=1e-9), how

@@ -101,10 +101,13 @@ def test_allreduce_tail_in_replicated_stage(kind: str) -> None:
     # ZeRO-1: reduce-scatter + all-gather, (n-1)/n * 2 MB / 1 GB/s each = 1 ms, and the gathered parameters
     # copied into place (2 MB read + written twice) at the memory bandwidth; the reduce-scatter's buckets span
     # both shards, so only the last half of the backward (1 ms) hides it (on GPUs); the all-gather follows
-    # the optimizer
+    # the optimizer, on GPUs prefetched per bucket under the next forward (issue 18): a bucket spans both
+    # shards, so the forward's first half (0.5 ms) reads them all and hides 0.5 ms * (1 - 1 MiB / 2 MB) (the
+    # first bucket gathered, the bottom 0.95 MB, costs more than what is left exposed: not the bound here)
     copy = 4 * 2e6 / (cost_models.get_device(kind).mem_bw / 1e3)
     r1 = simulate(_plan(g, c, [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE, zero=ZeroStage.OS), g)
-    assert r1.step_ms == pytest.approx(3.0 + 1.0 - hides * 1.0 * (1 - first) + 1.0 + copy + r1.agree_ms)
+    assert r1.step_ms == pytest.approx(3.0 + 1.0 - hides * 1.0 * (1 - first) + 1.0 - hides * 0.5 * (1 - first) + copy
+                                       + r1.agree_ms)
 
 
 def test_recompute_is_an_extra_forward() -> None:

@@ -37,8 +37,11 @@ def _ms(fn, *args) -> float:
     return float(fn(*args))
 
 
-def _sync(cfg, params: int, d: int, glink, host, bwd: float, hier=None, is_cpu: bool = False) -> float:
+def _sync(cfg, params: int, d: int, glink, host, bwd: float, hier=None, is_cpu: bool = False,
+          fwd: float = 0.0) -> float:
     t = 0.0
+    if is_cpu:
+        fwd = 0.0  # CPU ranks: the parameter all-gather in the step, not prefetched
     if d > 1:  # the all-reduce / reduce-scatter overlaps one microbatch's backward (the last), bucket by bucket,
         # on GPUs; CPU ranks run it after the backward (cluster.overlap_efficiency 0), as one collective
         if is_cpu:
@@ -53,7 +56,7 @@ def _sync(cfg, params: int, d: int, glink, host, bwd: float, hier=None, is_cpu: 
                         + _ms(cost_models.allreduce_ms, b / h, hosts, hier.inter))
             gather = (lambda b: _ms(cost_models.all_gather_ms, b, h, hier.intra))
             t += (two(params) + gather(params)) if is_cpu else (_bucketed(two, params, bwd)
-                                                                 + _bucketed(gather, params, 0.0))
+                                                                 + _bucketed(gather, params, fwd))
         elif cfg.zero == ZeroStage.NONE:
             t += reduce(cost_models.allreduce_ms, params, glink, d, bwd)
             if hier is not None:  # two hosts or more, the same number on each: the faster of flat and hierarchical
@@ -65,8 +68,11 @@ def _sync(cfg, params: int, d: int, glink, host, bwd: float, hier=None, is_cpu: 
                 t = min(t, chain if is_cpu else hierarchical_overlapped_ms(params, hier, bwd))
         else:
             rounds = 3 if cfg.zero == ZeroStage.OS_G_P else 2
-            t += reduce(cost_models.reduce_scatter_ms, params, glink, d, bwd / d) + (rounds - 1) * _ms(
-                cost_models.all_gather_ms, params, d, glink)
+            t += reduce(cost_models.reduce_scatter_ms, params, glink, d, bwd / d)
+            if rounds == 2 and not is_cpu:  # ZeRO-1/2 on GPUs: the gather prefetched under the next forward's 1/d
+                t += _bucketed(lambda b: _ms(cost_models.all_gather_ms, b, d, glink), params, fwd / d)
+            else:
+                t += (rounds - 1) * _ms(cost_models.all_gather_ms, params, d, glink)
     if cfg.offload:
         shard = params // (hier.per_host if cfg.hierarchical else d) if cfg.zero >= ZeroStage.OS else params
         t += 2 * _ms(cost_models.p2p_ms, shard, host)
@@ -91,7 +97,8 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
                 for b in (b for b in range(a + 1, n + 1) if chain.cuttable[b]):
                     params, acts = chain.params[b] - chain.params[a], chain.acts[b] - chain.acts[a]
                     base = chain.time(a, b, kind) / (m * d)
-                    fwd = (chain.fwd[kind][b] - chain.fwd[kind][a]) / (m * d)
+                    ffix = chain.fwd_fixed[kind][b] - chain.fwd_fixed[kind][a]
+                    fwd = ffix + (chain.fwd[kind][b] - chain.fwd[kind][a] - ffix) / (m * d)
                     bfix = chain.bwd_fixed[kind][b] - chain.bwd_fixed[kind][a]
                     bwd = bfix + (chain.bwd[kind][b] - chain.bwd[kind][a] - bfix) / (m * d)
                     scored = []
@@ -103,8 +110,8 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
                         shards = hier.per_host if cfg.hierarchical else d  # the optimizer's step: its shard
                         opt = chain.graph.optimizer_ms_per_byte(kind) * (params // shards if cfg.zero >= ZeroStage.OS
                                                                          else params)
-                        scored.append((m * t + _sync(cfg, params, d, glink, host, bwd, hier, is_cpu) + copy + opt, t,
-                                       cfg))
+                        sync = _sync(cfg, params, d, glink, host, bwd, hier, is_cpu, fwd)
+                        scored.append((m * t + sync + copy + opt, t, cfg))
                     scored.sort(key=lambda x: x[0])
                     best_j = -1
                     for est, t, cfg in scored:
