@@ -182,6 +182,9 @@ class Pipeline:
             keep_freed_memory()  # a step's tensors reuse freed memory instead of faulting fresh pages in
         self._buckets: list[FlatShard | FlatGrads] = self._make_buckets(optimizer)
         self._shards = [b for b in self._buckets if isinstance(b, FlatShard)]
+        if any(s.prefetch for s in self._shards):  # the user's own reads of the model wait for the gathers too
+            self._user_hooks = [model.register_forward_pre_hook(lambda *_: self.settle()),
+                                model.register_state_dict_pre_hook(lambda *_: self.settle())]
         self.optimizer = self._offloaded(self._make_optimizer(optimizer))
         self.saved = SavedActivations(exclude=self.stages.values())  # what autograd keeps, measured each step
         self.grad_peak = GradPeak(self.parameters())  # gradients at the end of the backward, before any sync
@@ -778,8 +781,9 @@ class Pipeline:
     def settle(self) -> None:
         """Wait for the parameters' prefetched all-gathers (ZeRO-1/2 where the sync overlaps: launched after the
         optimizer step, waited by the next forward, see :meth:`.zero.FlatShard.enable_prefetch`). Call it before
-        reading the model's parameters directly between steps; the state dict, checkpoints, evaluation and
-        :meth:`close` wait on their own. A no-op elsewhere."""
+        reading the model's parameters directly between steps; the state dict, checkpoints, evaluation,
+        :meth:`close`, and a forward or ``state_dict()`` of the user's model itself (hooks on its root module)
+        wait on their own. A no-op elsewhere."""
         for s in getattr(self, "_shards", ()):
             s.settle()
 
