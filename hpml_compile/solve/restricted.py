@@ -416,7 +416,8 @@ class Polisher:
         self.w = tab.t + tab.comm
         order = np.lexsort((tab.b, tab.a))
         keys = tab.a[order] * (int(tab.b.max(initial=0)) + 1) + tab.b[order]
-        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
+        # an empty table (no candidate fits at this count) has no ranges: every plan is then "not in it"
+        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]]) if keys.size else np.zeros(0, dtype=np.int64)
         ends = np.r_[starts[1:], keys.size]
         self.ranges = {(int(tab.a[order[s]]), int(tab.b[order[s]])): order[s:e] for s, e in zip(starts, ends)}
 

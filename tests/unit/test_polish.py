@@ -85,3 +85,18 @@ def _plan(tab, cuts):
     """The one-device, plain-options candidates of ``cuts`` ((a, b, kind) each)."""
     ones = [i for i in range(len(tab)) if tab.d[i] == 1 and tab.cfg[i] == 0]
     return [next(tab.candidate(i) for i in ones if (tab.a[i], tab.b[i], tab.kinds[tab.kind[i]]) == c) for c in cuts]
+
+
+def test_a_count_where_nothing_fits_leaves_the_plan_as_it_is() -> None:
+    """Moved to a count whose table is empty (one microbatch: the whole batch's activations fit on no device),
+    the plan is returned as it is, not an IndexError (the property test above found it on the CI machine)."""
+    from hpml_compile.solve import _first_plan
+
+    chain, cluster, two = _setup((1, [[]], ["A100-80GB", "A100-80GB"], [{"A100-80GB": (1.0, 1.0)}], [271], [965],
+                                  1.0, 1, 2, Schedule.GPIPE, 0, False))
+    first = _first_plan(chain, cluster, two)
+    one = Setting(1, two.schedule, two.batch_size)
+    tab = build_table(chain, cluster, one)
+    assert first is not None and len(tab) == 0
+    got = polish(tab, first, kind_counts(cluster), classes(one, 2), 1, until=float("inf"), same=False)
+    assert got is first
