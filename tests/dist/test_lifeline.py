@@ -102,7 +102,8 @@ def test_a_stopped_run_says_so_in_one_line_and_leaves_a_readable_run_folder(
         out, err = launcher.communicate(timeout=60)
         assert launcher.returncode == code
         assert "Traceback" not in err and "Traceback" not in out
-        lines = [line for line in err.splitlines() if line.strip()]
+        # the stop's own lines; the monitor's alerts of a run that got far enough (a loaded CI host) are not it
+        lines = [line for line in err.splitlines() if line.strip() and not line.startswith("ALERT ")]
         assert len(lines) <= 3, err
         assert f"stopped by {signal.Signals(sig).name}" in err
         assert _wait(lambda: not _ranks_of(launcher.pid), 10)
