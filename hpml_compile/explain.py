@@ -184,7 +184,8 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
         kind_text = " + ".join(f"{kinds.count(k)} x {k}" for k in dict.fromkeys(kinds))
         lines.append(f"  stage {st.index}: {device_names(st.devices)}: {kind_text}{opts}; "
                      f"{len(blocks)} blocks {span}; fwd {c.fwd_ms:.3g} + bwd {c.bwd_ms + c.recompute_ms:.3g} ms"
-                     + (f", send {send:.3g} ms" if send else "") + (f", sync {c.sync_ms:.3g} ms" if c.sync_ms else ""))
+                     + (f", send {send:.3g} ms" if send else "") + (f", sync {c.sync_ms:.3g} ms" if c.sync_ms else "")
+                     + (f", parameter all-gather {c.gather_ms:.3g} ms after the optimizer step" if c.gather_ms else ""))
         if st.rows:  # uneven data parallelism: each replica's rows and its own time per microbatch
             own = c.replica_ms or ((c.fwd_ms, c.bwd_ms),) * len(st.devices)
             lines.append("    uneven rows per microbatch: " + ", ".join(

@@ -47,7 +47,11 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   that backward does not hide is on the tail
   (:func:`hpml_compile.stagecost.overlapped_ms`), the backward scaled by the
   stage's :func:`hpml_compile.plan.sync_overlap` (0 on CPU ranks: there the
-  runtime runs the collective after the backward, and it is priced so); an
+  runtime runs the collective after the backward, and it is priced so). ZeRO-1/2's
+  all-gather of the stepped parameters runs where the runtime runs it: prefetched
+  under the next forward where the sync is bucketed, else whole after the stage's
+  own optimizer step (:func:`hpml_compile.stagecost.stepped_gather_ms`; the step
+  ends when the slowest stage's optimizer step and gather do). An
   offloaded optimizer moves gradients to the host and parameters back.
   Parameters shared by several stages (tied embeddings) are then summed by
   one all-reduce over the devices of those stages, which waits for all of
@@ -104,7 +108,8 @@ from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere,
 from .plan import AllReduce, Plan, PlanPrediction, Schedule, Stage, StagePrediction, sync_overlap, zero_shards
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
-                        local_sgd_sync_ms, optimizer_ms, stream_bytes_per_ms, stream_ms, sync_ms, transfer_ms)
+                        local_sgd_sync_ms, optimizer_ms, stepped_gather_ms, stream_bytes_per_ms, stream_ms, sync_ms,
+                        transfer_ms)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "stage_costs", "annotate",
            "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms"]
@@ -144,7 +149,7 @@ class StageCost:
         recompute_ms: the extra forward under recompute (0 without).
         swap_ms: one way of the swap traffic of one microbatch.
         sends: ``(receiving stage, ms)`` for each later stage this one feeds.
-        sync_ms: gradient synchronisation after the last backward.
+        sync_ms: gradient synchronisation after the last backward (``gather_ms`` excluded).
         memory: the memory breakdown of each device of the stage.
         optimizer_ms: the optimizer step after the sync.
         fwd_stream_ms: the memory-streaming part of ``fwd_ms`` (weights read, activations written).
@@ -154,6 +159,8 @@ class StageCost:
             each from its own rows); ``memory`` is the largest of them.
         replica_ms: ``(fwd_ms, bwd_ms)`` of one microbatch on each device of the stage, at its own kind's
             pace on its own rows; ``fwd_ms`` and ``bwd_ms`` are the slowest replica's.
+        gather_ms: ZeRO-1/2's parameter all-gather after this stage's optimizer step, where the runtime runs it
+            whole there (not prefetched: :func:`hpml_compile.stagecost.stepped_gather_ms`).
     """
 
     fwd_ms: float
@@ -169,11 +176,17 @@ class StageCost:
     sync_copy_ms: float = 0.0
     device_memory: tuple[MemoryBreakdown, ...] = ()
     replica_ms: tuple[tuple[float, float], ...] = ()
+    gather_ms: float = 0.0
 
     @property
     def compute_ms(self) -> float:
         """Busy time per microbatch: forward, recompute and backward."""
         return self.fwd_ms + self.recompute_ms + self.bwd_ms
+
+    @property
+    def synced_ms(self) -> float:
+        """The stage's whole gradient sync per step: before the optimizer step and after it (``gather_ms``)."""
+        return self.sync_ms + self.gather_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,20 +336,22 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
             if d > 1 else None
         hier = hierarchy(c, st.devices) if st.allreduce is AllReduce.HIERARCHICAL else None
         fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts * most * m * d if st.rows else acts, m, d, rate)
-        sync = _sync_cost(plan, graph, st, nodes, params, group, host, dtype, rate, bwd, hier, m, fwd_ms=fwd) + copy
-        out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms), sync,
+        sync, gather = _sync_cost(plan, graph, st, nodes, params, group, host, dtype, rate, bwd, hier, m, fwd_ms=fwd)
+        out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms), sync - gather + copy,
                              max(mems, key=lambda b: b.total), opt_ms, fwd_stream, bwd_stream, copy,
-                             tuple(mems), tuple(own)))
+                             tuple(mems), tuple(own), gather))
     return tuple(out)
 
 
 def _sync_cost(plan: Plan, graph: CostGraph, st: Stage, nodes: list[str], params: int,
                group: cost_models.LinkSpec | None, host: cost_models.LinkSpec, dtype: str, rate: float,
-               bwd_ms: float, hier: Any = None, microbatches: int = 1, *, fwd_ms: float | None = None) -> float:
+               bwd_ms: float, hier: Any = None, microbatches: int = 1, *, fwd_ms: float | None = None
+               ) -> tuple[float, float]:
     """A stage's gradient sync per step: dense (:func:`sync_ms`, overlapped with the last backward ``bwd_ms``; a
     ZeRO-1/2 stage's parameter all-gather, where bucketed, prefetched under the next step's first forward
     ``fwd_ms``), compressed, or local SGD's amortised average (neither overlapped: the runtime runs them after
-    the backward)."""
+    the backward). Returns ``(sync, gather)``: the whole, and the part of it that runs after the optimizer step
+    (:func:`hpml_compile.stagecost.stepped_gather_ms`: ZeRO-1/2's gather where it is not prefetched)."""
     d = len(st.devices)
     comp = parse_compress(st.compress)
     if comp is not None and d > 1:
@@ -346,12 +361,15 @@ def _sync_cost(plan: Plan, graph: CostGraph, st: Stage, nodes: list[str], params
             b = dtype_bytes(dtype)
             frac = powersgd_fraction([graph.param_sizes[x] // b for x in names if x in graph.param_sizes], comp.rank) \
                 if names & set(graph.param_sizes) else None
-        return compressed_sync_ms(params, d, comp, group, dtype_bytes=dtype_bytes(dtype), bytes_per_ms=rate,
-                                  fraction=frac)
+        return float(compressed_sync_ms(params, d, comp, group, dtype_bytes=dtype_bytes(dtype), bytes_per_ms=rate,
+                                        fraction=frac)), 0.0
     if plan.sync_every > 1 and d > 1:
-        return local_sgd_sync_ms(params, d, plan.sync_every, group)
-    return float(sync_ms(params, d, st.zero, st.offload_optimizer, group, host, hier, bwd_ms=bwd_ms,
-                         microbatches=microbatches, overlap=sync_overlap(plan, st.index), fwd_ms=fwd_ms))
+        return local_sgd_sync_ms(params, d, plan.sync_every, group), 0.0
+    overlap = sync_overlap(plan, st.index)
+    whole = float(sync_ms(params, d, st.zero, st.offload_optimizer, group, host, hier, bwd_ms=bwd_ms,
+                          microbatches=microbatches, overlap=overlap, fwd_ms=fwd_ms))
+    bucketed = bwd_ms is not None and overlap > 0
+    return whole, 0.0 if bucketed else float(stepped_gather_ms(params, d, st.zero, group, hier))
 
 
 def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], float]]:
@@ -571,7 +589,8 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
     load = share.load([[(begin, begin + cst.optimizer_ms)] for cst in costs]) if share.active else {}
     optim = [cst.optimizer_ms * (share.factor(i, begin, begin + cst.optimizer_ms, load) if share.active else 1.0)
              for i, cst in enumerate(costs)]
-    step = begin + max(optim, default=0.0)
+    # ZeRO-1/2's parameter all-gather follows each stage's own optimizer step where it is not prefetched
+    step = begin + max((o + cst.gather_ms for o, cst in zip(optim, costs)), default=0.0)
     deltas: dict[str, list[tuple[float, int]]] = {}
     for i, st in enumerate(plan.stages):
         cst = costs[i]
@@ -590,6 +609,8 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
                 bars.append(Interval(dev, last, last + sync[i], EventKind.SYNC, -1, i))
             if optim[i] > 0:
                 bars.append(Interval(dev, begin, begin + optim[i], EventKind.OPTIMIZER, -1, i))
+            if cst.gather_ms > 0:
+                bars.append(Interval(dev, begin + optim[i], begin + optim[i] + cst.gather_ms, EventKind.SYNC, -1, i))
     curves, peaks = {}, {}
     for dev, ev in deltas.items():
         # Frees before allocations at the same instant: a backward's buffers go before the next one's arrive.

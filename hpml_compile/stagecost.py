@@ -125,7 +125,8 @@ from .ir import Schedule, base_kind
 from .memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, MemoryBreakdown, ZeroStage, autocast_copy_bytes
 
 __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "overlapped_ms",
-           "hierarchical_overlapped_ms", "prefetched_gather_ms", "hierarchical_allreduce_ms", "level_bytes",
+           "hierarchical_overlapped_ms", "prefetched_gather_ms", "stepped_gather_ms", "hierarchical_allreduce_ms",
+           "level_bytes",
            "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
            "optimizer_ms", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows", "agree_ms",
            "AGREE_BYTES"]
@@ -535,8 +536,8 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
                     + transfer_ms(cost_models.allreduce_ms, b / h, hier.inter, hosts))
         def gather(b: Value) -> Value:  # the stepped parameters, in the host
             return transfer_ms(cost_models.all_gather_ms, b, hier.intra, h)
-        if bwd_ms is None or overlap <= 0:  # one bucket, after the backward
-            total = total + chain(param_bytes) + gather(param_bytes)
+        if bwd_ms is None or overlap <= 0:  # one bucket, after the backward; the gather after the step
+            total = total + chain(param_bytes) + stepped_gather_ms(param_bytes, replicas, z, None, hier)
         else:  # the levels during the backward; after the step one all-gather per bucket, under the next forward
             window = 0.0 if fwd_ms is None else overlap * fwd_ms  # contiguous buckets: the whole forward reads them
             total = total + _bucketed(chain, param_bytes, overlap * bwd_ms) + _bucketed(gather, param_bytes, window)
@@ -554,14 +555,48 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         prefetch = z in (ZeroStage.OS, ZeroStage.OS_G) and bwd_ms is not None and overlap > 0 and fwd_ms is not None
         if prefetch:  # ZeRO-1/2 bucketed: the stepped shards' gathers under the next forward (prefetched_gather_ms)
             total = total + prefetched_gather_ms(param_bytes, link, replicas, overlap * fwd_ms)
-        elif z != ZeroStage.NONE:  # ZeRO-1/2: the stepped shards once; ZeRO-3: the parameters twice per microbatch
-            gathers = 2 * max(1, microbatches) if z == ZeroStage.OS_G_P else 1
-            total = total + gathers * transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas)
+        elif z == ZeroStage.OS_G_P:  # ZeRO-3: the parameters twice per microbatch
+            total = total + 2 * max(1, microbatches) * transfer_ms(cost_models.all_gather_ms, param_bytes, link,
+                                                                   replicas)
+        elif z != ZeroStage.NONE:  # ZeRO-1/2: the stepped shards once, after the optimizer step
+            total = total + stepped_gather_ms(param_bytes, replicas, z, link)
     if offload_optimizer:
         shards = hier.per_host if hier is not None and z == ZeroStage.OS else replicas
         shard = param_bytes // shards if z >= ZeroStage.OS else param_bytes
         total = total + 2 * transfer_ms(cost_models.p2p_ms, shard, host)
     return total
+
+
+def stepped_gather_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, link: cost_models.LinkSpec | None,
+                      hier: Hierarchy | None = None) -> Value:
+    """ZeRO-1/2's all-gather of the stepped parameters where it runs whole, after the optimizer step.
+
+    The runtime (:meth:`hpml_compile.runtime.zero.FlatShard.all_gather`) gathers the shards once the optimizer
+    has stepped them. Where it buckets the stage's sync, the gathers are prefetched under the next forward
+    (:func:`prefetched_gather_ms`); elsewhere (CPU ranks, which sync after the backward) it is one blocking
+    collective after the step, which :func:`sync_ms` counts in the stage's sync and
+    :func:`hpml_compile.simulate.simulate` places after the optimizer step, where the runtime does it.
+
+    Args:
+        param_bytes: parameter bytes of the stage.
+        replicas: data-parallel degree ``d``.
+        zero: ZeRO stage (0 and 3 have no such gather: 0.0).
+        link: the slowest link between the stage's devices (a flat gather).
+        hier: a hierarchical ZeRO-1's devices by host: the gather runs inside each host.
+
+    Returns:
+        Milliseconds, of the form of ``param_bytes``.
+
+    >>> lo = cost_models.LinkSpec("loopback", gbps=2.0, latency_us=100.0, source="example")
+    >>> [round(float(stepped_gather_ms(64e6, 2, z, lo)), 3) for z in (0, 1, 2, 3)]
+    [0.0, 16.1, 16.1, 0.0]
+    """
+    z = ZeroStage(zero)
+    if replicas <= 1 or z not in (ZeroStage.OS, ZeroStage.OS_G):
+        return param_bytes * 0.0
+    if hier is not None:
+        return transfer_ms(cost_models.all_gather_ms, param_bytes, hier.intra, hier.per_host)
+    return transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas)
 
 
 # The loss agreement's vector (hpml_compile.runtime.batchcheck): the loss sum and three float64s of the batch check.

@@ -304,7 +304,7 @@ def choose_compression(plan: Plan, graph: CostGraph, dtype: str, allowed: Compre
     comp = stage_costs(trial, graph, dtype)
     # a compressed stage is flat: the runtime compresses over the stage's one group, not level by level
     stages = tuple(replace(st, compress=str(allowed), allreduce=AllReduce.FLAT) if st.index in fit
-                   and comp[st.index].sync_ms < dense[st.index].sync_ms else st for st in plan.stages)
+                   and comp[st.index].synced_ms < dense[st.index].synced_ms else st for st in plan.stages)
     return replace(plan, stages=stages)
 
 

@@ -368,7 +368,7 @@ def faster_allreduce(plan: Plan, graph: CostGraph, dtype: str = "float32") -> Pl
     flat = stage_costs(every(AllReduce.FLAT), graph, dtype)
     hier = stage_costs(every(AllReduce.HIERARCHICAL), graph, dtype)
     return replace(plan, stages=tuple(
-        replace(st, allreduce=AllReduce.HIERARCHICAL if hier[st.index].sync_ms < flat[st.index].sync_ms
+        replace(st, allreduce=AllReduce.HIERARCHICAL if hier[st.index].synced_ms < flat[st.index].synced_ms
                 else AllReduce.FLAT) if st.index in spans else st for st in plan.stages))
 
 

@@ -275,3 +275,38 @@ def test_the_ranks_agree_on_the_loss_between_the_sync_and_the_optimizer() -> Non
         opt = [b for b in r.intervals if b.kind is EventKind.OPTIMIZER]
         assert opt and all(b.start_ms == pytest.approx(sync_end + r.agree_ms) for b in opt)
         assert r.step_without_optimizer_ms == pytest.approx(sync_end + r.agree_ms)
+
+
+def test_zero1s_parameter_gather_follows_its_own_optimizer_step_where_the_runtime_runs_it() -> None:
+    """On CPU ranks (no prefetch) the runtime all-gathers ZeRO-1's stepped shards after the optimizer step
+    (``FlatShard.all_gather``), so the simulator puts the gather there: out of the sync before the loss
+    agreement, after each stage's own step; the step ends with the slowest stage's step and gather."""
+    from hpml_compile.cluster import link_spec
+    from hpml_compile.explain import summary
+    from hpml_compile.stagecost import stepped_gather_ms
+
+    g = _streaming(chain_profile([(2.0, 4.0), (2.0, 4.0)], param_bytes=2 * 10**6), optimizer_ms=4.0)
+    devs = tuple(Device(f"d{i}", "cpu", 8, host=f"node{i}") for i in range(3))
+    c = Cluster(devices=devs, links=(Link("d0", "d1", 0.5, 100.0), Link("d0", "d2", 1.0, 50.0),
+                                     Link("d1", "d2", 1.0, 50.0)))
+    stages = (Stage(0, ("d0", "d1"), g.node("n0").members, zero=ZeroStage.OS),
+              Stage(1, ("d2",), g.node("n1").members))
+    plan = Plan("toy", c, Schedule.GPIPE, 1, stages)
+    r = simulate(plan, g)
+    s0, s1 = r.stages
+    gather = float(stepped_gather_ms(2 * 10**6, 2, ZeroStage.OS, link_spec(c, "d0", "d1")))
+    assert gather > 1.0 and s0.gather_ms == pytest.approx(gather) and s1.gather_ms == 0.0
+    assert s0.synced_ms == pytest.approx(s0.sync_ms + gather)
+    for dev in ("d0", "d1"):
+        opt = [b for b in r.intervals if b.device == dev and b.kind is EventKind.OPTIMIZER]
+        after = [b for b in r.intervals if b.device == dev and b.kind is EventKind.SYNC and b.start_ms >= opt[0].end_ms]
+        assert len(opt) == 1 and len(after) == 1
+        assert after[0].start_ms == pytest.approx(opt[0].end_ms)
+        assert after[0].end_ms - after[0].start_ms == pytest.approx(gather)
+    # the sync before the agreement is the reduce-scatter (and the copies) alone: stage 0's backward ends last
+    sync = [b for b in r.intervals if b.device == "d0" and b.kind is EventKind.SYNC][0]
+    assert sync.end_ms - sync.start_ms == pytest.approx(s0.sync_ms)
+    assert r.step_without_optimizer_ms == pytest.approx(sync.end_ms + r.agree_ms)
+    opt_ms = {b.stage: b.end_ms - b.start_ms for b in r.intervals if b.kind is EventKind.OPTIMIZER}
+    assert r.step_ms == pytest.approx(r.step_without_optimizer_ms + max(opt_ms[0] + gather, opt_ms[1]))
+    assert "parameter all-gather" in summary(plan, g, r)
