@@ -55,6 +55,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch
@@ -235,8 +236,8 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in _TRANSIENT_TEXT)
 
 
-def make_groups(plan: Plan, devices: list[torch.device], collectives: list[tuple[int, ...]]
-                ) -> tuple[dict[tuple[int, int], Any], dict[tuple[int, ...], Any]]:
+def make_groups(plan: Plan, devices: list[torch.device], collectives: list[tuple[int, ...]],
+                timeout: timedelta | None = None) -> tuple[dict[tuple[int, int], Any], dict[tuple[int, ...], Any]]:
     """Process groups for NCCL pairs and for each collective's stage set.
 
     Every rank must call it in the same order (creating a group is collective).
@@ -245,6 +246,9 @@ def make_groups(plan: Plan, devices: list[torch.device], collectives: list[tuple
         plan: the plan.
         devices: :func:`rank_devices` of the plan.
         collectives: the stage sets of the build's collectives, in manifest order.
+        timeout: the time-out of every operation on these groups: the session's (a new group does not take the
+            default group's, but torch's default, 30 minutes, so an operation left pending on a failed group, a
+            prefetched parameter gather, say, would hold the group's teardown that long); None: torch's default.
 
     Returns:
         ``(pairs, groups)``: a 2-rank NCCL group per adjacent GPU pair
@@ -256,7 +260,7 @@ def make_groups(plan: Plan, devices: list[torch.device], collectives: list[tuple
         for a in ranks[k]:
             for b in ranks[k + 1]:
                 if pair_backend(devices[a], devices[b]) is Backend.NCCL:
-                    pairs[(a, b)] = dist.new_group([a, b], backend=Backend.NCCL.value)
+                    pairs[(a, b)] = dist.new_group([a, b], backend=Backend.NCCL.value, timeout=timeout)
     groups: dict[tuple[int, ...], Any] = {}
     for stages in dict.fromkeys(collectives):
         members = sorted({r for k in stages for r in ranks[k]})
@@ -264,7 +268,8 @@ def make_groups(plan: Plan, devices: list[torch.device], collectives: list[tuple
             groups[stages] = None
             continue
         nccl = all(devices[r].type == "cuda" for r in members)
-        groups[stages] = dist.new_group(members, backend=(Backend.NCCL if nccl else Backend.GLOO).value)
+        groups[stages] = dist.new_group(members, backend=(Backend.NCCL if nccl else Backend.GLOO).value,
+                                        timeout=timeout)
     return pairs, groups
 
 
@@ -324,10 +329,12 @@ class DistComm(Comm):
         groups: collective groups, from :func:`make_groups`.
         hierarchy: the sub-groups of this rank's hierarchical all-reduces, by stage set; None makes them here
             (:func:`make_hierarchy`, collective: every rank builds its DistComm at the same point).
+        timeout: the time-out of the sub-groups made here (as :func:`make_groups`'); None: torch's default.
     """
 
     def __init__(self, plan: Plan, rank: int, devices: list[torch.device], pairs: dict[tuple[int, int], Any],
-                 groups: dict[tuple[int, ...], Any], hierarchy: dict[int, HierGroups] | None = None) -> None:
+                 groups: dict[tuple[int, ...], Any], hierarchy: dict[int, HierGroups] | None = None,
+                 timeout: timedelta | None = None) -> None:
         super().__init__(devices[rank])
         self.ranks = stage_ranks(plan)
         self.rows = [st.rows for st in plan.stages]
@@ -336,7 +343,7 @@ class DistComm(Comm):
         self.devices = devices
         self.pairs = pairs
         self.groups = groups
-        self.hierarchy = make_hierarchy(plan, devices, list(groups)) if hierarchy is None else hierarchy
+        self.hierarchy = make_hierarchy(plan, devices, list(groups), timeout) if hierarchy is None else hierarchy
         self.stats = CommStats()
         self.step_index = 0
         self.faults: list[CommFault] = []  # injected failures still to happen (shared with the pipeline)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -84,8 +85,8 @@ class HierGroups:
     local: int = 0
 
 
-def make_hierarchy(plan: Plan, devices: list[torch.device], collectives: Sequence[tuple[int, ...]] = ()
-                   ) -> dict[tuple[int, ...], HierGroups]:
+def make_hierarchy(plan: Plan, devices: list[torch.device], collectives: Sequence[tuple[int, ...]] = (),
+                   timeout: timedelta | None = None) -> dict[tuple[int, ...], HierGroups]:
     """Sub-groups for every all-reduce the plan makes hierarchical; this rank's, by stage set.
 
     That is each stage whose ``allreduce`` is hierarchical (its replicas), and, under the plan's
@@ -98,6 +99,8 @@ def make_hierarchy(plan: Plan, devices: list[torch.device], collectives: Sequenc
         plan: the plan (each stage's devices and their hosts).
         devices: every rank's torch device (:func:`rank_devices`): NCCL for a sub-group of GPUs, gloo otherwise.
         collectives: the stage sets of the build's collectives, in manifest order (for the tied groups).
+        timeout: the time-out of every operation on the sub-groups (:func:`~.comm.make_groups`'); None: torch's
+            default for a new group.
 
     Returns:
         For each hierarchical all-reduce this rank takes part in, its groups, keyed by the stage set
@@ -111,7 +114,7 @@ def make_hierarchy(plan: Plan, devices: list[torch.device], collectives: Sequenc
 
     def group(members: list[int]) -> Any:
         nccl = all(devices[r].type == "cuda" for r in members)
-        return dist.new_group(members, backend=(_NCCL if nccl else _GLOO))
+        return dist.new_group(members, backend=(_NCCL if nccl else _GLOO), timeout=timeout)
 
     wanted: list[tuple[int, ...]] = [(st.index,) for st in plan.stages
                                      if st.allreduce is AllReduce.HIERARCHICAL and len(st.devices) > 1]

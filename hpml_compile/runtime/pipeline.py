@@ -251,8 +251,11 @@ class Pipeline:
             self._local.events = self.events
 
     def _connect(self) -> DistComm:
-        pairs, groups = make_groups(self.plan, self._devices, self.build.manifest.groups())
-        comm = DistComm(self.plan, self.rank, self._devices, pairs, groups)
+        # the session's time-out on the sub-groups too: a gather a failed step left pending holds the teardown
+        # (Session.reopen) until it ends, which on a dead peer is that time-out (torch's default is 30 minutes)
+        timeout = self.session.timeout if self.session is not None else None
+        pairs, groups = make_groups(self.plan, self._devices, self.build.manifest.groups(), timeout)
+        comm = DistComm(self.plan, self.rank, self._devices, pairs, groups, timeout=timeout)
         comm.faults = self._faults
         comm.events = getattr(self, "events", None)
         comm.spec_rows = self._spec_rows

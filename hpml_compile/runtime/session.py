@@ -53,7 +53,7 @@ class RetryPolicy:
         backoff_s: wait before the first retry; doubled (``factor``) each time.
         factor: back-off growth.
         rejoin_timeout_s: how long a rank waits for the others to re-form the process group.
-        timeout_s: time-out of every operation of the process group.
+        timeout_s: time-out of every operation of the process group (and of the sub-groups a pipeline makes on it).
     """
 
     attempts: int = 3
@@ -123,6 +123,12 @@ class Session:
                           f"retrying in {wait:g} s")
                 time.sleep(wait)
         raise AssertionError("unreachable")
+
+    @property
+    def timeout(self) -> datetime.timedelta | None:
+        """The time-out of every operation of a group this session made, the sub-groups a pipeline makes on it
+        included (:func:`~.comm.make_groups`); None for a group it borrows (the script's: its own choice)."""
+        return datetime.timedelta(seconds=self.policy.timeout_s) if self.owned else None
 
     def _open(self) -> None:
         timeout = datetime.timedelta(seconds=self.policy.timeout_s)

@@ -129,7 +129,8 @@ prefetch hide theirs; our own hooks because the gather goes into our flat buffer
 Every other reader waits for all of them first (:meth:`FlatShard.settle`: the state dict and checkpoints through
 ``whole``, the optimizer-state gather, the next reduce-scatter, ``Pipeline.close``/``settle``); an eval forward
 goes through the hooks. A failed step drops its pending gathers (:meth:`FlatShard.forget`) and the retry gathers
-again, blocking, before its forward. Code that reads the model's parameters directly between steps must call
+again, blocking, before its forward (a dropped gather is not cancelled: the group's teardown waits for it to finish
+or time out, see :meth:`FlatShard.forget`). Code that reads the model's parameters directly between steps must call
 ``Pipeline.settle()`` first; a gather left pending when the process group is destroyed can abort the rank.
 
 Checkpoints stay plan-independent: :func:`full_optimizer_state` gathers the
@@ -439,7 +440,16 @@ class FlatShard:
             self.wait_buckets(sorted(self._gathers))
 
     def forget(self) -> None:
-        """A failed step: drop the pending gathers (their group may be gone); the next step gathers again first."""
+        """A failed step: drop the pending gathers (their group is broken, about to be torn down); the step's retry
+        gathers again, blocking, before its forward (:meth:`begin_step`), even where its forward had waited them all.
+
+        Dropping a handle does not cancel its collective. On gloo (seen on two ranks, torch 2.13) it runs on, and
+        tearing the group down (:meth:`.session.Session.reopen`) waits for it: it finishes once every peer has
+        launched its side (the values land in the flat buffer before the retry), or fails at the group's time-out
+        (the session's: :func:`.comm.make_groups`), and the retry's gather brings the values. Nothing may keep a
+        dropped handle: it holds the group's gloo context, whose open sockets would keep a peer's pending collective
+        on the failed group from failing, so the peer would not join the retry until its time-out
+        (tests/dist/test_zero_retry_dist.py)."""
         if self.prefetch:
             self._gathers.clear()
             self._owed = True
