@@ -66,7 +66,7 @@ from hpml_compile.runtime.session import RetryPolicy, Session
 from hpml_compile.runtime.zero import FlatShard
 from hpml_compile.trace import trace
 
-pytestmark = [pytest.mark.dist]
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # ~25 s on 2 cores: six failed-and-retried cases
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
