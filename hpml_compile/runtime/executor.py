@@ -74,7 +74,7 @@ from ..trainspec import Split, split_of
 from .comm import DistComm, LocalComm, dist_comm
 from .scaler import LossScaler
 
-__all__ = ["StepResult", "StepRun", "stage_ranks", "rank_layout", "split_microbatches", "split_replicas",
+__all__ = ["StepResult", "StepRun", "UpdateApplied", "stage_ranks", "rank_layout", "split_microbatches", "split_replicas",
            "loss_share", "stage_splits", "merge_outputs",
            "to_device", "forward_stage", "actions_for", "local_order", "run_actions", "step_local", "step_rank",
            "LocalComm", "DistComm", "dist_comm"]
@@ -231,6 +231,19 @@ class StepRun:
     skipped: bool = False
 
 
+class UpdateApplied(HpmlError):
+    """A step failed after its optimizer update: the parameters on this rank hold it, so the step must not be
+    run again (that would train on its batch twice). ``run`` is what the step measured up to the failure; the
+    failure itself is ``__cause__``. The ranks agreed on the loss before the update (``LOSS``), so they all
+    took it; what failed is a collective after it (ZeRO-1/2's blocking parameter all-gather, local SGD's
+    average), which the pipeline completes on the re-formed group before the next step
+    (:meth:`hpml_compile.runtime.zero.FlatShard.forget`)."""
+
+    def __init__(self, run: StepRun) -> None:
+        super().__init__("the step failed after its optimizer update")
+        self.run = run
+
+
 def _unscaled_finite(optimizer: torch.optim.Optimizer, scaler: LossScaler,
                      agree_inf: Callable[[Tensor], None] | None, run: StepRun) -> bool:
     """Unscale the gradients, agree on found-inf (one all-reduce), update the scale: whether to step."""
@@ -383,7 +396,13 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
             optimized = True
         elif kind in COLLECTIVES and optimizer is not None and k not in stepped:
             stepped.add(k)
-            stages[k].after_step()
+            try:
+                stages[k].after_step()
+            except Exception as e:
+                if not optimized:
+                    raise
+                run.t_end = time.perf_counter()
+                raise UpdateApplied(run) from e
             if ev is not None:
                 ev.add("GATHER", t0, time.perf_counter(), k)
     run.t_end = time.perf_counter()

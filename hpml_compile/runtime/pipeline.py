@@ -70,8 +70,8 @@ from ..trainspec import check_batch_split, rank_rows
 from ..schedule import Action, stage_ranks
 from .comm import CommFault, DistComm, LocalComm, is_transient, make_groups, rank_devices
 from .data import RankBatch
-from .executor import (actions_for, forward_stage, local_order, loss_share, merge_outputs, run_actions,
-                       split_microbatches, split_replicas, stage_splits, to_device)
+from .executor import (UpdateApplied, actions_for, forward_stage, local_order, loss_share, merge_outputs,
+                       run_actions, split_microbatches, split_replicas, stage_splits, to_device)
 from .events import EventLog, align_clock
 from .gather import gather_outputs, gather_state_dict
 from .host import HostBusy, HostSampler, hostname
@@ -484,6 +484,29 @@ class Pipeline:
             self.comm = self._connect()
         raise AssertionError("unreachable")
 
+    def _reform_after_update(self, failure: UpdateApplied) -> None:
+        """A collective after the optimizer update failed (:class:`.executor.UpdateApplied`): the update stands,
+        so the step is not re-run; the group is re-formed and the next step begins by gathering the parameters
+        from their shards (:meth:`.zero.FlatShard.forget`). A rank whose own side of that collective succeeded
+        fails in the next step's first collective instead and retries that step from its start: both re-form the
+        group at the same step number, the one after this one (:meth:`.session.Session.reopen` checks it), and
+        both gather first.
+
+        Raises:
+            The failure's cause: not a transient communication error, or this process group cannot be re-formed
+            (``step`` turns a transient one into :class:`~hpml_compile.errors.CommFailure`).
+        """
+        cause = failure.__cause__
+        if cause is None or not is_transient(cause) or self.session is None or not self.session.can_retry:
+            raise cause if cause is not None else failure
+        reason = str(cause).splitlines()[0][:160]
+        self._log(f"rank {self.rank}: step {self.steps_done + 1}: {reason} after the optimizer update, which stands "
+                  "(the step is not run again); re-forming the process group; the next step gathers the parameters "
+                  "first")
+        self._drop_groups()
+        self.session.reopen(self.steps_done + 1)
+        self.comm = self._connect()
+
     def _drop_groups(self) -> None:
         """Let go of every reference to the failed groups, so that destroying them closes their connections.
 
@@ -552,14 +575,21 @@ class Pipeline:
         self.saved.reset_peak()
         self.grad_peak.reset()
         with self.saved:  # activations saved for backward, by storage, at their peak
-            run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
-                              device=self.device, optimizer=self.optimizer, agree=agree,
-                              own_rows=rank_batch is not None, scaler=self.scaler, arm=self._arm,
-                              agree_inf=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))  # every rank skips alike
-            for b in self._buckets:  # local SGD: average the replicas' parameters after every H-th step
-                if getattr(b, "reducer", None) is not None and self.optimizer is not None:
-                    b.reducer.after_step(b.params)
-                    run.t_end = time.perf_counter()  # counted in the optimizer's time
+            try:
+                run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
+                                  device=self.device, optimizer=self.optimizer, agree=agree,
+                                  own_rows=rank_batch is not None, scaler=self.scaler, arm=self._arm,
+                                  agree_inf=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))  # all skip alike
+                for b in self._buckets:  # local SGD: average the replicas' parameters after every H-th step
+                    if getattr(b, "reducer", None) is not None and self.optimizer is not None:
+                        try:
+                            b.reducer.after_step(b.params)
+                        except Exception as e:
+                            raise UpdateApplied(run) from e
+                        run.t_end = time.perf_counter()  # counted in the optimizer's time
+            except UpdateApplied as e:
+                run = e.run
+                self._reform_after_update(e)
         busy = self.host.end() if self.host is not None else HostBusy(0.0, 0.0, 0.0)
         h = held_bytes(list(self.stages.values()), self.optimizer)
         # gradients at their peak; ZeRO-3 parameters too: the whole stage's while a microbatch computes

@@ -449,10 +449,14 @@ class FlatShard:
         (the session's: :func:`.comm.make_groups`), and the retry's gather brings the values. Nothing may keep a
         dropped handle: it holds the group's gloo context, whose open sockets would keep a peer's pending collective
         on the failed group from failing, so the peer would not join the retry until its time-out
-        (tests/dist/test_zero_retry_dist.py)."""
-        if self.prefetch:
-            self._gathers.clear()
-            self._owed = True
+        (tests/dist/test_zero_retry_dist.py).
+
+        Without the prefetch the gather is blocking, after the optimizer step; a step that failed there has its
+        update applied and is not re-run (:class:`.executor.UpdateApplied`), but this replica may still hold the
+        other shards' old values: the next step gathers them first. Every rank that re-forms the group owes the
+        gather, whatever failed, so that the replicas of the stage all run it."""
+        self._gathers.clear()
+        self._owed = True
 
     def _gather_order(self) -> list[int]:
         """The buckets in the order the forward reads them: from the bottom of the buffer (:attr:`_ranges`
@@ -477,8 +481,7 @@ class FlatShard:
         self._out = None
         if self.buckets is not None:
             self.buckets.reset()
-        if self._owed and self.comm is not None:  # a retried step: the parameters from the shards again, blocking
-            self._owed = False
+        if self._owed and self.comm is not None:  # after a failure: the parameters from the shards again, blocking
             self._gather_now(self.comm)
 
     def check(self, params: Iterable[Tensor]) -> None:
@@ -542,17 +545,20 @@ class FlatShard:
         self._gather_now(comm)
 
     def _gather_now(self, comm: Comm) -> None:
-        """The parameter all-gather, blocking."""
+        """The parameter all-gather, blocking; owed (:meth:`forget`) until it has succeeded."""
+        self._owed = True
         if self.hier is not None:
             L = self.replicas
             pieces = [(self.param.detach()[a:b], self.flat[L * a:L * b]) for a, b in self._ranges]
             with torch.no_grad():
                 comm.gather_into(self.stage, pieces)  # type: ignore[attr-defined]
+            self._owed = False
             return
         with torch.no_grad():
             full = comm.all_gather(self.stage, self.param.detach())
             if full.data_ptr() != self.flat.data_ptr():
                 self.flat.copy_(full)
+        self._owed = False
         if self.zero is ZeroStage.OS_G:
             self.param.grad = None  # ZeRO-2: the shard's gradient is used up (ZeRO-1 keeps its buffer, seen here)
 

@@ -190,6 +190,10 @@ class FlatShard3(FlatShard):
         self.gathers = 0
         self.free()
 
+    def forget(self) -> None:
+        """A failed step: nothing is owed (no gather follows the optimizer step; each forward gathers anew)."""
+        self._gathers.clear()
+
     def enable_overlap(self, *_: Any, **__: Any) -> None:
         """Not overlapped: the gradients are reduce-scattered once, after the step's last backward (a bucketed
         sync during the backward, as ZeRO-1/2 may have, is not combined with the gathers here, nor tested)."""
