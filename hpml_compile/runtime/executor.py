@@ -74,7 +74,8 @@ from ..trainspec import Split, split_of
 from .comm import DistComm, LocalComm, dist_comm
 from .scaler import LossScaler
 
-__all__ = ["StepResult", "StepRun", "UpdateApplied", "stage_ranks", "rank_layout", "split_microbatches", "split_replicas",
+__all__ = ["StepResult", "StepRun", "UpdateApplied", "stage_ranks", "rank_layout", "split_microbatches",
+           "split_replicas",
            "loss_share", "stage_splits", "merge_outputs",
            "to_device", "forward_stage", "actions_for", "local_order", "run_actions", "step_local", "step_rank",
            "LocalComm", "DistComm", "dist_comm"]
