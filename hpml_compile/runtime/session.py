@@ -10,7 +10,10 @@ What torch lacks, and this adds: a *generation* of the process group. gloo
 cannot retry a send, a receive or a collective in place (a time-out closes
 the pair), so when a step fails with a transient error (:func:`~.comm.is_transient`)
 every rank tears its group down, which makes every peer's pending operation
-fail at once (measured: within ~10 ms on localhost), waits a back-off, and
+fail at once (measured: within ~10 ms on localhost; but a rank with an async
+collective of its own still pending, a prefetched parameter gather, waits in
+the teardown for it to finish or reach the groups' time-out, the session's:
+tests/dist/test_zero_retry_dist.py), waits a back-off, and
 initialises generation ``g + 1`` on the same store under the prefix
 ``hpml/gen<g+1>/``; the pipeline then re-runs the step from the same
 parameters. Ranks check that they all re-run the same step before going on.
