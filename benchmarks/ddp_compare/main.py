@@ -60,6 +60,9 @@ HERE = Path(__file__).resolve().parent
 DDP, FSDP2 = "torch DDP", "torch FSDP2 (fully_shard)"
 OURS = {0: "ours ZeRO-0", 1: "ours ZeRO-1", 2: "ours ZeRO-2", 3: "ours ZeRO-3"}
 FORCED = "ours ZeRO-0, overlap forced"
+# --only: short names of the runtimes, in the table's order
+SHORT = {"ddp": DDP, "fsdp2": FSDP2, "zero0": OURS[0], "zero0-overlap": FORCED, "zero1": OURS[1], "zero2": OURS[2],
+         "zero3": OURS[3]}
 
 
 def _load(model: str) -> models.LoadedModel:
@@ -140,15 +143,18 @@ def _ours(build_dir: str, model: str, overlap: bool | None = None) -> Callable[[
 
 def _worker(rank: int, world: int, args: argparse.Namespace, builds: dict[int, str], out: str) -> None:
     torch.set_num_threads(1)
-    runs: dict[str, Callable[[], float]] = {DDP: _ddp(args.model, rank)}
+    want = set(args.only)
+    runs: dict[str, Callable[[], float]] = {DDP: _ddp(args.model, rank)} if DDP in want else {}
     errors: dict[str, str] = {}
-    try:
-        runs[FSDP2] = _fsdp2(args.model, rank)
-    except Exception as e:  # noqa: BLE001 -- reported in the table, not hidden
-        errors[FSDP2] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if FSDP2 in want:
+        try:
+            runs[FSDP2] = _fsdp2(args.model, rank)
+        except Exception as e:  # noqa: BLE001 -- reported in the table, not hidden
+            errors[FSDP2] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
     for z, build in builds.items():
-        runs[OURS[z]] = _ours(build, args.model)
-        if z == 0:
+        if OURS[z] in want:
+            runs[OURS[z]] = _ours(build, args.model)
+        if z == 0 and FORCED in want:
             runs[FORCED] = _ours(build, args.model, overlap=True)
     times: dict[str, list[float]] = {name: [] for name in runs}
     first: dict[str, float] = {}
@@ -173,6 +179,8 @@ def _builds(args: argparse.Namespace, root: Path) -> dict[int, str]:
     gm = trace(loaded.module, loaded.example_inputs)
     out = {}
     for z in (0, 1, 2, 3):
+        if OURS[z] not in args.only and (z or FORCED not in args.only):
+            continue
         generate(gm, split_plan(gm, args.model, 1, replicas=[2], zero=z), root / f"zero{z}")
         out[z] = str(root / f"zero{z}")
     return out
@@ -183,7 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="gpt-mini", choices=["gpt-mini", "gpt-tiny", "mlp"])
     p.add_argument("--steps", type=int, default=3, help="steps per round")
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--only", default=",".join(SHORT),
+                   help=f"comma-separated runtimes to run (default: all): {', '.join(SHORT)}; fewer runtimes share "
+                   "each rank process's memory and caches (e.g. --only ddp,zero0 for the two alone)")
     args = p.parse_args(argv)
+    names = [x.strip() for x in args.only.split(",") if x.strip()]
+    unknown = [x for x in names if x not in SHORT]
+    if unknown or not names:
+        p.error(f"--only: unknown runtime(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SHORT)}")
+    args.only = [SHORT[x] for x in names]
     root = Path(tempfile.mkdtemp(prefix="hpml-ddp-compare-"))
     builds = _builds(args, root)
     t0 = time.perf_counter()
@@ -195,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         per_round = [max(a, b) * 1e3 for a, b in zip(ranks[0]["times"][name], ranks[1]["times"][name])]
         rows[name] = {"step_ms_median": statistics.median(per_round), "step_ms_rounds": per_round,
                       "first_loss": ranks[0]["first_loss"][name]}
-    pairs = [(DDP, OURS[0]), (FORCED, OURS[0])] + ([(FSDP2, OURS[1]), (FSDP2, OURS[2]), (FSDP2, OURS[3])] if FSDP2 in rows else [])
+    pairs = [(a, b) for a, b in ((DDP, OURS[0]), (FORCED, OURS[0]), (FSDP2, OURS[1]), (FSDP2, OURS[2]),
+                                 (FSDP2, OURS[3])) if a in rows and b in rows]
     ratios, paired = {}, {}
     for a, b in pairs:
         ratios[f"{a} / {b}"] = rows[a]["step_ms_median"] / rows[b]["step_ms_median"]
@@ -212,9 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:28s} {'failed':>9s}   {err}")
     for name, v in ratios.items():
         print(f"  ratio {name}: {v:.3f} (of the medians); {paired[name]:.3f} (median of the rounds' ratios)")
-    goal = ratios[f"{DDP} / {OURS[0]}"] >= 1.0
-    print(f"  goal DDP / ours ZeRO-0 >= 1.0: {'met' if goal else 'NOT met'}")
-    if FSDP2 in rows:
+    goal = ratios[f"{DDP} / {OURS[0]}"] >= 1.0 if f"{DDP} / {OURS[0]}" in ratios else None
+    if goal is not None:
+        print(f"  goal DDP / ours ZeRO-0 >= 1.0: {'met' if goal else 'NOT met'}")
+    if f"{FSDP2} / {OURS[3]}" in ratios:
         goal3 = ratios[f"{FSDP2} / {OURS[3]}"] >= 1.0
         print(f"  goal FSDP2 / ours ZeRO-3 >= 1.0: {'met' if goal3 else 'NOT met'}")
     result = {"benchmark": "ddp_compare", "command": " ".join([sys.executable, *sys.argv]), "model": args.model,
@@ -225,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}}
     out = HERE / "results"
     out.mkdir(exist_ok=True)
-    path = out / f"ddp_compare-{args.model}.json"
+    subset = "" if len(args.only) == len(SHORT) else "-" + "-".join(k for k, v in SHORT.items() if v in args.only)
+    path = out / f"ddp_compare-{args.model}{subset}.json"  # a subset's run leaves the whole table's file alone
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, path)  # published whole
