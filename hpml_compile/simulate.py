@@ -154,7 +154,7 @@ class StageCost:
         optimizer_ms: the optimizer step after the sync.
         fwd_stream_ms: the memory-streaming part of ``fwd_ms`` (weights read, activations written).
         bwd_stream_ms: the memory-streaming part of ``bwd_ms``.
-        sync_copy_ms: the part of ``sync_ms`` spent copying (ZeRO-1/2: the gathered parameters into place).
+        sync_copy_ms: the part of ``sync_ms`` spent copying (:func:`hpml_compile.stagecost.copy_ms`).
         device_memory: the breakdown of each device of the stage, in the stage's device order (uneven rows:
             each from its own rows); ``memory`` is the largest of them.
         replica_ms: ``(fwd_ms, bwd_ms)`` of one microbatch on each device of the stage, at its own kind's

@@ -62,9 +62,10 @@ Times (milliseconds), per step:
   hide counts, the backward scaled by the stage's overlap efficiency
   (:func:`hpml_compile.plan.sync_overlap`: 0 on CPU ranks, whose gloo threads
   share the backward's cores, where the runtime syncs after the backward); an offloaded optimizer moves its shard of gradients to the host and
-  parameters back. Plus, under ZeRO-1/2, copying the gathered parameters into
-  their flat buffer (:func:`copy_ms`; gradients accumulate in the buffer the
-  collective reads, so they are not copied).
+  parameters back. Plus the copies the runtime makes (:func:`copy_ms`: ZeRO-1's
+  summed gradient shard into its buffer; ZeRO-3's gathered parameters into place;
+  gradients accumulate in the buffer the collective reads and ZeRO-1/2's gather
+  writes into the parameters' buffer, so neither is copied).
 - compressed gradient sync (:func:`compressed_sync_ms`, a stage with
   ``compress``, :mod:`hpml_compile.compression`): Top-K's two all-gathers of
   ``d k`` values and int32 indices, or PowerSGD's all-reduces of its ``P`` and
@@ -686,8 +687,11 @@ def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float, zero: ZeroSt
     """The memory copies of a replicated stage's gradient sync (:mod:`hpml_compile.runtime.zero`).
 
     The gradients accumulate into the flat buffer the collective reads, so ZeRO-0's in-place all-reduce
-    copies nothing; under ZeRO-1/2 the all-gathered shards are concatenated and copied into the
-    parameters' flat buffer (read + write, twice).
+    copies nothing, and ZeRO-1/2's parameter all-gather writes straight into the parameters' flat buffer
+    (the backend's own copies are in the link's fitted all-gather, which the probe times that way). ZeRO-1
+    copies its summed shard of the gradients into the gradient buffer it keeps (read + write of ``P / d``);
+    ZeRO-2 keeps the collective's shard as it is. ZeRO-3 (:mod:`hpml_compile.runtime.zero3`) is counted as
+    before: the gathered parameters copied into place, read + write, twice.
 
     Args:
         param_bytes: parameter bytes of the stage.
@@ -700,9 +704,12 @@ def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float, zero: ZeroSt
     Returns:
         Milliseconds, of the form of ``param_bytes`` (0.0 for one device, ZeRO-0 or a hierarchical ZeRO-1).
     """
-    if replicas <= 1 or (hierarchical and ZeroStage(zero) == ZeroStage.OS):
+    z = ZeroStage(zero)
+    if replicas <= 1 or (hierarchical and z == ZeroStage.OS):
         return param_bytes * 0.0 if replicas > 1 else 0.0
-    return 4 * param_bytes / bytes_per_ms if ZeroStage(zero) >= ZeroStage.OS else param_bytes * 0.0
+    if z == ZeroStage.OS:
+        return 2 * param_bytes / replicas / bytes_per_ms
+    return 4 * param_bytes / bytes_per_ms if z == ZeroStage.OS_G_P else param_bytes * 0.0
 
 
 def optimizer_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, ms_per_byte: float,

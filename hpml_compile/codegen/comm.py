@@ -160,8 +160,10 @@ class Comm(abc.ABC):
         """Sum ``flat`` (length divisible by the replicas) over ``stage``'s replicas; return this replica's shard."""
 
     @abc.abstractmethod
-    def all_gather(self, stage: int, shard: Tensor) -> Tensor:
-        """Concatenate every replica's ``shard`` of ``stage`` in replica order."""
+    def all_gather(self, stage: int, shard: Tensor, into: Tensor | None = None) -> Tensor:
+        """Concatenate every replica's ``shard`` of ``stage`` in replica order; ``into``, a contiguous buffer of
+        that size (``shard`` may be a view of it), is written in place where the communicator can, and returned
+        then (the caller copies otherwise)."""
 
     def group_size(self, stages: tuple[int, ...]) -> int:
         """How many processes run one of ``stages`` (1: a collective over them is a no-op)."""

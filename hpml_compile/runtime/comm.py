@@ -314,7 +314,7 @@ class LocalComm(Comm):
     def reduce_scatter(self, stage: int, flat: Tensor) -> Tensor:
         return flat
 
-    def all_gather(self, stage: int, shard: Tensor) -> Tensor:
+    def all_gather(self, stage: int, shard: Tensor, into: Tensor | None = None) -> Tensor:
         return shard
 
 
@@ -666,17 +666,23 @@ class DistComm(Comm):
             self._count_levels((stage,), flat, hier, gather=False)
         return out
 
-    def all_gather(self, stage: int, shard: Tensor) -> Tensor:
-        """Every replica's shard in order; under a hierarchical ZeRO-1 stage, the host's ranks' shards."""
+    def all_gather(self, stage: int, shard: Tensor, into: Tensor | None = None) -> Tensor:
+        """Every replica's shard in order; under a hierarchical ZeRO-1 stage, the host's ranks' shards. ``into``
+        (the caller's flat buffer, of which ``shard`` may be this replica's chunk) is gathered into in place
+        where it is on the collective's device: no copy after, as the link probe times it (``runtime.links``)."""
         hier = self.hierarchy.get((stage,))
 
         def run(t: Tensor, g: Any) -> Tensor:
             if hier is not None:
                 return hierarchical_all_gather(t, hier)
             # straight into views of one buffer: gathering into separate tensors and concatenating them took
-            # 55-65 ms for 30 MB on two gloo ranks here, against 30-33 ms into views (session 10)
+            # 55-65 ms for 30 MB on two gloo ranks here, against 30-33 ms into views (session 10); the backends
+            # read this replica's input before they write its chunk, so the input may alias it
             n = len(self.ranks[stage])
-            out = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+            size = (n * t.shape[0], *t.shape[1:])
+            out = into if into is not None and into.device == t.device and into.dtype == t.dtype \
+                and tuple(into.shape) == size and into.is_contiguous() else \
+                torch.empty(size, dtype=t.dtype, device=t.device)
             dist.all_gather(list(out.chunk(n)), t.contiguous(), group=g)
             return out
 

@@ -555,7 +555,7 @@ class FlatShard:
             self._owed = False
             return
         with torch.no_grad():
-            full = comm.all_gather(self.stage, self.param.detach())
+            full = comm.all_gather(self.stage, self.param.detach(), into=self.flat)
             if full.data_ptr() != self.flat.data_ptr():
                 self.flat.copy_(full)
         self._owed = False
