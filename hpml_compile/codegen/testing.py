@@ -25,7 +25,8 @@ from ..cluster import load_cluster
 from ..memory import ZeroStage
 from ..plan import Plan, Schedule, Stage
 
-__all__ = ["SkipNet", "skipnet_batch", "skipnet_loss", "split_plan", "max_grad_diff", "max_buffer_diff"]
+__all__ = ["SkipNet", "skipnet_batch", "skipnet_batches", "skipnet_loss", "seeded_skipnet", "split_plan",
+           "max_grad_diff", "max_buffer_diff"]
 
 
 class SkipNet(nn.Module):
@@ -60,6 +61,17 @@ def skipnet_batch(rows: int = 8, width: int = 16, classes: int = 4, seed: int = 
     """A deterministic ``(inputs, class targets)`` batch for :class:`SkipNet`."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(rows, width, generator=g), torch.randint(0, classes, (rows,), generator=g)
+
+
+def skipnet_batches(steps: int, rows: int = 8) -> list[tuple[Tensor, Tensor]]:
+    """One :func:`skipnet_batch` per step, seeded by the step: a run's data, the same in every process."""
+    return [skipnet_batch(rows=rows, seed=s) for s in range(steps)]
+
+
+def seeded_skipnet(seed: int = 0) -> SkipNet:
+    """A :class:`SkipNet` whose weights depend only on ``seed`` (the reference and every rank build it alike)."""
+    torch.manual_seed(seed)
+    return SkipNet()
 
 
 def skipnet_loss(logits: Tensor, targets: Tensor) -> Tensor:

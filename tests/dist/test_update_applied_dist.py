@@ -22,10 +22,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from hpml_compile.codegen import generate, load_build
-from hpml_compile.codegen.testing import SkipNet, skipnet_batch, skipnet_loss, split_plan
+from hpml_compile.codegen.testing import SkipNet, seeded_skipnet, skipnet_batches, skipnet_loss, split_plan
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
 from hpml_compile.runtime.session import RetryPolicy, Session
 from hpml_compile.runtime.zero import FlatShard
@@ -40,24 +39,15 @@ ROWS = 8
 TOL = 1e-5
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [skipnet_batch(rows=ROWS, seed=s) for s in range(STEPS)]
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return SkipNet()
-
-
 def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 def _reference() -> tuple[list[float], dict[str, list[float]]]:
-    model = _model()
+    model = seeded_skipnet()
     opt = _optimizer(model.parameters())
     losses = []
-    for x, y in _batches():
+    for x, y in skipnet_batches(STEPS, ROWS):
         opt.zero_grad()
         loss = skipnet_loss(model(x), y)
         loss.backward()
@@ -67,7 +57,7 @@ def _reference() -> tuple[list[float], dict[str, list[float]]]:
 
 
 def _case(rank: int, world: int, build: str, out: str, name: str) -> dict[str, Any]:
-    model = _model()
+    model = seeded_skipnet()
     session = Session(f"file://{out}/store-{name}", rank=rank, world_size=world,
                       policy=RetryPolicy(attempts=3, backoff_s=0.1, rejoin_timeout_s=60.0, timeout_s=60.0))
     lines: list[str] = []
@@ -77,7 +67,7 @@ def _case(rank: int, world: int, build: str, out: str, name: str) -> dict[str, A
     shard = pipe.comm.shards[pipe.stage_index]
     assert isinstance(shard, FlatShard) and not shard.prefetch  # CPU ranks: the blocking gather after the step
     losses, owed = [], []
-    for x, y in _batches():
+    for x, y in skipnet_batches(STEPS, ROWS):
         losses.append(float(pipe.step((x,), y, skipnet_loss)))
         owed.append(shard._owed)
     mine = {id(p) for p in pipe.parameters()}
@@ -96,7 +86,7 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
 
 
 def test_a_gather_that_fails_after_the_update_keeps_it_and_the_next_step_gathers_first(tmp_path: Path) -> None:
-    gm = trace(SkipNet(), _batches()[0][:1])
+    gm = trace(SkipNet(), skipnet_batches(STEPS, ROWS)[0][:1])
     builds = {}
     for z in (1, 2):
         builds[str(z)] = str(tmp_path / f"zero{z}")

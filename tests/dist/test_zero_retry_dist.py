@@ -59,7 +59,7 @@ from torch import nn
 
 import hpml_compile
 from hpml_compile.codegen import generate, load_build
-from hpml_compile.codegen.testing import SkipNet, skipnet_batch, skipnet_loss, split_plan
+from hpml_compile.codegen.testing import SkipNet, seeded_skipnet, skipnet_batches, skipnet_loss, split_plan
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
 from hpml_compile.runtime.comm import InjectedFault
 from hpml_compile.runtime.session import RetryPolicy, Session
@@ -81,25 +81,16 @@ LOST_CAP_S = 20.0  # ... and rank 1 launches its side only once rank 0 has left 
 CASES = [("1", "collective"), ("2", "collective"), ("1", "before"), ("2", "before"), ("1", "lost"), ("2", "lost")]
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [skipnet_batch(rows=ROWS, seed=s) for s in range(STEPS)]
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return SkipNet()
-
-
 def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 def _reference() -> tuple[list[float], list[dict[str, list[float]]]]:
     """The losses, and the parameters before every step and after the last, of the model in one process."""
-    model = _model()
+    model = seeded_skipnet()
     opt = _optimizer(model.parameters())
     losses, params = [], []
-    for x, y in _batches():
+    for x, y in skipnet_batches(STEPS, ROWS):
         params.append({n: p.detach().flatten().tolist() for n, p in model.named_parameters()})
         opt.zero_grad()
         loss = skipnet_loss(model(x), y)
@@ -129,7 +120,7 @@ def _reads(pipe: Pipeline, session: Session, names: dict[int, str]) -> list[tupl
 
 
 def _case(rank: int, world: int, build: str, out: str, name: str, fault: str) -> dict[str, Any]:
-    model = _model()
+    model = seeded_skipnet()
     session = Session(f"file://{out}/store-{name}", rank=rank, world_size=world,
                       policy=RetryPolicy(attempts=3, backoff_s=0.1, rejoin_timeout_s=60.0,
                                          timeout_s=LOST_TIMEOUT_S if fault == "lost" else 60.0))
@@ -168,7 +159,7 @@ def _case(rank: int, world: int, build: str, out: str, name: str, fault: str) ->
         stage.register_forward_pre_hook(fail_before, prepend=True)  # before the shard's waiter on the stage
         pipe.optimizer.register_step_pre_hook(hold)
     losses, dropped, after = [], [], {}
-    for i, (x, y) in enumerate(_batches()):
+    for i, (x, y) in enumerate(skipnet_batches(STEPS, ROWS)):
         if i == FAIL_AT:
             # step 0's gathers, in flight as step FAIL_AT starts; weakly: a handle holds its gloo context (the
             # sockets), and a rank that kept one would keep its peer's pending collective from failing
@@ -210,7 +201,7 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
 
 def test_a_step_retried_with_prefetched_zero_gathers_in_flight_regathers_and_trains_as_the_original(
         tmp_path: Path) -> None:
-    gm = trace(SkipNet(), _batches()[0][:1])
+    gm = trace(SkipNet(), skipnet_batches(STEPS, ROWS)[0][:1])
     builds = {}
     for z in (1, 2):
         builds[str(z)] = str(tmp_path / f"zero{z}")
