@@ -442,6 +442,8 @@ def _lagrangian(run: LagrangianRun, chain: Chain, cluster: Cluster, setting: Set
         yield Bounds(math.inf, math.inf, math.inf, math.inf, math.inf, None, evals, True), lam
         return
     t_min = float(us[0])
+    if m == 1:  # (M - 1) T is 0: every bottleneck threshold bounds alike, so only the largest is kept (as in .bounds);
+        us = us[-1:]  # else thousands of pairs of one bound each, all to be settled before the least open box rises
     duals: dict[tuple[int, int], _Dual] = {}
 
     def s_at(i: int, k: int, slack: float, more: int = 0) -> float:

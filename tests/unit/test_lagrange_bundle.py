@@ -63,3 +63,33 @@ def test_many_kind_bound_proves_the_exact_optimum_in_few_paths(blocks, per, micr
     assert b.lower <= exact.upper * (1 + 1e-9)  # a bound, never above the optimum
     assert b.lower == pytest.approx(exact.upper, rel=1e-6) and b.upper == pytest.approx(exact.upper, rel=1e-6)
     assert b.evaluations <= 100, b.evaluations
+
+
+def test_one_microbatch_bound_keeps_one_bottleneck_threshold(monkeypatch) -> None:
+    """At M = 1 the objective has no ``(M - 1) T`` term, so every bottleneck threshold gives a box the same bound
+    and only the largest can settle one. Where the duals stop below the optimum (here: the floored DPs switched off,
+    as they are too costly at scale, on a random 8-block chain with memory limits) the branch and bound used to
+    settle every one of the 180 stage-time thresholds against every tail one: 43,512 shortest paths to reach the
+    bound it now reaches in ~100, and no higher."""
+    from hpml_compile.plan import Schedule
+    from hpml_compile.solve import lagrange
+    from hpml_compile.solve.bounds import objective_bounds
+    from hpml_compile.solve.candidates import Chain, Setting
+    from hpml_compile.solve.table import build_table
+    from hpml_compile.solve.testing import chain_graph, cluster_of
+
+    rng = np.random.default_rng(0)
+    nb, na, nbb = int(rng.integers(4, 9)), int(rng.integers(1, 8)), int(rng.integers(0, 6))
+    costs = [{"a": (float(rng.uniform(0.5, 3)), float(rng.uniform(0.5, 3))),
+              "b": (float(rng.uniform(1, 5)), float(rng.uniform(1, 5)))} for _ in range(nb)]
+    graph = chain_graph(costs, batch_size=64, param_bytes=[int(x) for x in rng.integers(2**24, 2**27, nb)])
+    cluster = cluster_of(["a"] * na + ["b"] * nbb, memory_gib=float(rng.uniform(0.5, 3)), free_links=False)
+    chain, setting = Chain.of(graph), Setting(1, Schedule.ONE_F_ONE_B, 64)
+    tab = build_table(chain, cluster, setting)
+    assert np.unique(tab.t).size > 100  # many bottleneck thresholds
+    exact = objective_bounds(chain, cluster, setting, tab, time_budget_s=60.0, max_evaluations=10**5)
+    monkeypatch.setattr(lagrange, "floor_variants", lambda counts, kinds: [])
+    b, _ = lagrange.lagrangian_bounds(chain, cluster, setting, tab)
+    assert b.complete and b.lower <= exact.upper * (1 + 1e-9)
+    assert b.lower >= exact.upper * 0.97  # the prices' bound (a duality gap of ~3% here, which the floors close)
+    assert b.evaluations <= 1000, b.evaluations
