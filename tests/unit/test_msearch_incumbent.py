@@ -43,3 +43,30 @@ def test_other_kind_orders_are_tried_only_where_memory_binds(monkeypatch, memory
     assert bool(calls) is tried, calls
     assert out.lower == pytest.approx(out.upper, rel=1e-6)
     assert out.upper == pytest.approx(6.46875 if tried else 6.375, rel=1e-9)
+
+
+def test_a_new_incumbent_is_moved_to_the_other_open_counts(monkeypatch) -> None:
+    """The 8-block instance of test_lagrange_msearch whose first plans rank M=64 best (5.044 ms) while M=32 holds
+    4.651: once the search finds the better plans at M=32, each is moved to the counts still open and polished
+    there (before: only the incumbent of each count's root time was, so the final one never was)."""
+    from hpml_compile.solve import _first_plan
+    from hpml_compile.solve import msearch
+    from test_lagrange_msearch import _ranked_wrong
+
+    graph, cluster = _ranked_wrong()
+    chain = Chain.of(graph)
+    sets = [Setting(m, Schedule.ONE_F_ONE_B, graph.batch_size) for m in (64, 32, 16, 8, 4, 2, 1)]
+    firsts = {s.microbatches: p for s in sets if (p := _first_plan(chain, cluster, s, sweep=False))}
+    moved: list[tuple[int, tuple[tuple[int, int, str, int], ...]]] = []
+    real = msearch.polish
+
+    def recorded(tab, plan, counts, big_j, m, **kw):  # type: ignore[no-untyped-def]
+        if not kw.get("same", True):
+            moved.append((m, tuple((c.a, c.b, c.kind, c.d) for c in plan)))
+        return real(tab, plan, counts, big_j, m, **kw)
+
+    monkeypatch.setattr(msearch, "polish", recorded)
+    out = msearch.anytime(chain, cluster, sets, firsts, 30.0, lambda _: None, time.perf_counter())
+    assert out.setting.microbatches == 32 and out.upper == pytest.approx(4.651238, rel=1e-6)
+    tiling = tuple((c.a, c.b, c.kind, c.d) for c in out.picked)
+    assert {m for m, t in moved if t == tiling} - {32}, moved  # the final incumbent was tried at another count
