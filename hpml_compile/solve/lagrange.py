@@ -257,7 +257,7 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
         start: a known plan (the first incumbent).
         deadline: ``time.perf_counter()`` value at which to stop (the bounds found so far stay valid).
         target_gap: stop once ``(upper - lower) / upper`` is at most this.
-        iterations: subgradient steps per threshold box.
+        iterations: shortest paths (dual steps) per threshold box when it is first bounded.
         progress: called ``(lower, upper, plan)`` whenever either bound improves.
 
     Returns:
