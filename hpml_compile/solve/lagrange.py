@@ -43,7 +43,7 @@ of memory. Here neither side of the search keeps that product:
   plans found. With many stages the duality gap is small (each kind's limit
   is one constraint against dozens of stages), which is what makes the
   certificate tight at scale.
-- **Floored-units DPs** (:class:`_Floored`): where the prices stall on a threshold pair (its dual converged
+- **Floored-units DPs** (:class:`~.floored._Floored`): where the prices stall on a threshold pair (its dual converged
   below the incumbent, or at once where the first plan has few stages per kind, :data:`FEW_STAGES`), the
   pair's bound is raised by exact DPs over device counts kept in the state in units rounded down (each
   kind alone, the others priced; then every kind in coarse units), over only the candidates on a path
@@ -71,7 +71,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 import time
@@ -83,12 +82,13 @@ from ..ir import Cluster
 from .bounds import Bounds, exact_classes
 from .bundle import Planes, box_argmax
 from .candidates import Candidate, Chain, Setting, classes, kind_counts
-from .dp import objective, tile
+from .dp import objective
+from .floored import FLOOR_WORK, _Floored, floor_variants
 from .restricted import (COARSE_VECTORS, EXACT_VECTORS, ORDERED_STATES, coarse_chain, coarse_groups, feasible,
                          ordered_chain, ordered_groups, ordered_units, speed_order, suffix_sums, units, vectors)
 from .table import CandidateTable
 
-# the restricted DPs moved to .restricted; their names stay importable from here
+# the restricted DPs moved to .restricted, the floored-units DPs to .floored; their names stay importable from here
 __all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "ORDERED_STATES", "vectors", "units", "coarse_groups", "coarse_chain",
            "ordered_units", "ordered_groups", "speed_order", "ordered_chain", "path_min",
            "lagrangian_bounds", "LagrangianRun", "reduced_cost_prune", "through", "floor_variants", "feasible"]
@@ -105,12 +105,6 @@ DUAL_TOL = 1e-6
 #: at M=32 (31 classes): with 8, 38 CPU s gave bound 70,830 ms and no plan below 74,356; with every class the
 #: paths proved the optimum, 70,830.38 ms, in 3.1 CPU s (each shortest path costs more, far fewer are needed).
 LAGRANGE_CLASSES = 64
-#: Device-count vectors of the floored-units DP over every kind that raises a threshold pair's bound (:class:`_Floored`).
-FLOOR_VECTORS = 1000
-#: Units of the one kind kept in the state of the cheaper floored DPs.
-FLOOR_ONE = 128
-#: Most candidates x count vectors of one floored DP (beyond, it is skipped: time).
-FLOOR_WORK = 4_000_000
 #: Subgradient steps on one threshold pair after which its bound is raised by the floored-units DPs, where the
 #: first plan has at most :data:`FEW_STAGES` stages per kind (else only once its prices have converged: with
 #: many stages per kind the prices' duality gap is small and the floored DPs cost more than they raise:
@@ -186,60 +180,6 @@ def path_min(n: int, tab: CandidateTable, w: np.ndarray, big_j: int,
              max_classes: int = LAGRANGE_CLASSES) -> tuple[float, list[int]] | None:
     """Least ``sum w`` over tilings of ``[0, n)`` by ``tab``, ignoring device counts (see :class:`_Paths`)."""
     return _Paths(n, tab, big_j, max_classes).run(w)
-
-
-class _Floored:
-    """A stronger relaxation for one threshold pair: device limits kept in the DP's state, in floored units.
-
-    Every plan within the limits has ``sum_i floor(d_i / g_k) <= floor(sum_i d_i / g_k) <= floor(count_k /
-    g_k)`` per kind, so the exact DP of :func:`~.dp.tile` over device *units*, where a stage takes
-    ``floor(d / g_k)`` of them and kind ``k`` has ``floor(count_k / g_k)``, admits every plan: its least sum
-    is a lower bound. A kind left out of the state (``g_k`` None) is only priced, as in the Lagrangian. With
-    prices ``lam`` the weights are ``t + comm + lam_kind d`` and ``lam . count`` is subtracted (any
-    ``lam >= 0`` gives a bound; prices on the kinds in the state are usually best left at zero). Where the
-    stages are a large share of a kind's devices (gpt2-xl on 3 x 32: six stages of 16) the prices alone
-    leave a duality gap (1.9% there: two stages of 24 H100 cost the prices what one of 48 does) that the
-    state closes. Memory classes as in :class:`_Paths` (optimistic beyond ``J``).
-    """
-
-    def __init__(self, n: int, tab: CandidateTable, counts: dict[str, int], big_j: int, J: int,
-                 g: dict[str, int | None]) -> None:
-        self.n, self.tab, self.big_j, self.J = n, tab, big_j, J
-        self.kept = np.asarray([g[k] is not None for k in tab.kinds])
-        gk = np.asarray([g[k] or max(counts[k], 1) + 1 for k in tab.kinds], dtype=np.int64)
-        self.ucounts = {k: counts[k] // int(gk[i]) for i, k in enumerate(tab.kinds)}
-        self.ud = tab.d // gk[tab.kind]
-        self.jmax = np.where(tab.jmax >= J, big_j, tab.jmax)  # class J admits jmax >= J: optimistic, a relaxation
-        self.vectors = vectors(self.ucounts)
-        self.useful = bool(np.any(self.ud > 0))  # else every stage is free in the units: the prices' bound again
-
-    def run(self, sel: np.ndarray, w: np.ndarray) -> tuple[float, list[int]] | None:
-        """Least ``sum w`` over tilings by the candidates of ``sel`` within the floored unit counts."""
-        idx = np.flatnonzero(sel & np.isfinite(w))
-        if idx.size == 0:
-            return None
-        sub = dataclasses.replace(self.tab.select(idx), d=self.ud[idx])
-        got = tile(self.n, self.ucounts, sub, np.zeros(idx.size), w[idx], self.jmax[idx], self.big_j, self.J)
-        return None if got is None else (got[1], [int(idx[i]) for i in got[2]])
-
-
-def floor_variants(counts: dict[str, int], kinds: tuple[str, ...]) -> list[dict[str, int | None]]:
-    """The state units of the floored DPs tried on a stalled pair: each kind alone in the state (at most
-    :data:`FLOOR_ONE` units, the others priced), then every kind in units (:func:`units`, at most
-    :data:`FLOOR_VECTORS` count vectors).
-
-    >>> floor_variants({"a": 32, "b": 256}, ("a", "b"))
-    [{'a': 1, 'b': None}, {'a': None, 'b': 2}, {'a': 2, 'b': 8}]
-    """
-    out: list[dict[str, int | None]] = []
-    for k in kinds:
-        g = 1
-        while counts[k] // g > FLOOR_ONE:
-            g *= 2
-        out.append({x: (g if x == k else None) for x in kinds})
-    if len(kinds) > 1:
-        out.append(dict(units({k: counts[k] for k in kinds}, FLOOR_VECTORS)))
-    return out
 
 
 def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, *,
