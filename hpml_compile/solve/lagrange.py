@@ -25,20 +25,25 @@ of memory. Here neither side of the search keeps that product:
   ``Q(lambda) - lambda . count`` is below the least ``sum(t + comm)`` of any
   plan. The bottleneck and tail are enumerated as thresholds in the
   best-first branch and bound of :mod:`.bounds`; each box's bound is the
-  Lagrangian dual maximised by projected subgradient steps, warm-started
-  from the previous box's prices. The step is Polyak's towards a target level
-  that shrinks when it is not reached (the target-level method), and a
-  box of one threshold pair is not settled after its first dozen steps: it
-  goes back on the heap with its bound and prices and is stepped again when
-  it is the least open box, until its dual converges. (Settling after twelve
-  steps froze llama-70b on 3 x 256 at a 6.1% gap for the last 10 s of a
+  Lagrangian dual of its threshold pair, maximised by cutting planes (the
+  box-step method of :mod:`.bundle`: every shortest path is a plane above the
+  dual, the planes are shared by every pair whose thresholds admit the path,
+  and the next prices maximise the planes near the best prices found; since
+  session 12, before which projected subgradient steps aimed at the value
+  that would settle the box, far above what the dual can reach, and left
+  llama-70b on 3 x 32 at 64 microbatches 11% under its optimum after 20 CPU
+  s, where the planes prove it in 3). A box of one threshold pair is not
+  settled after its first dozen paths: it goes back on the heap with its
+  bound and prices and is advanced again when it is the least open box,
+  until its dual converges. (Settling after twelve steps froze llama-70b on
+  3 x 256 at a 6.1% gap for the last 10 s of a
   60 s solve; resumed, the same table reaches 0.7% in 3.8 CPU s.) Paths
   the relaxation returns that happen to respect every limit and every memory
   class are plans too, and improve the incumbent: at scale they are the best
   plans found. With many stages the duality gap is small (each kind's limit
   is one constraint against dozens of stages), which is what makes the
   certificate tight at scale.
-- **Floored-units DPs** (:class:`_Floored`): where the prices stall on a threshold pair (its dual converged
+- **Floored-units DPs** (:class:`~.floored._Floored`): where the prices stall on a threshold pair (its dual converged
   below the incumbent, or at once where the first plan has few stages per kind, :data:`FEW_STAGES`), the
   pair's bound is raised by exact DPs over device counts kept in the state in units rounded down (each
   kind alone, the others priced; then every kind in coarse units), over only the candidates on a path
@@ -66,7 +71,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 import time
@@ -76,21 +80,24 @@ import numpy as np
 
 from ..ir import Cluster
 from .bounds import Bounds, exact_classes
+from .bundle import Planes, box_argmax
 from .candidates import Candidate, Chain, Setting, classes, kind_counts
-from .dp import objective, tile
+from .dp import objective
+from .floored import FLOOR_WORK, _Floored, floor_variants
 from .restricted import (COARSE_VECTORS, EXACT_VECTORS, ORDERED_STATES, coarse_chain, coarse_groups, feasible,
                          ordered_chain, ordered_groups, ordered_units, speed_order, suffix_sums, units, vectors)
 from .table import CandidateTable
 
-# the restricted DPs moved to .restricted; their names stay importable from here
+# the restricted DPs moved to .restricted, the floored-units DPs to .floored; their names stay importable from here
 __all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "ORDERED_STATES", "vectors", "units", "coarse_groups", "coarse_chain",
            "ordered_units", "ordered_groups", "speed_order", "ordered_chain", "path_min",
            "lagrangian_bounds", "LagrangianRun", "reduced_cost_prune", "through", "floor_variants", "feasible"]
 
-#: Subgradient steps without a better dual value after which the target level comes closer (halved delta).
-STALE_STEPS = 8
-#: Most subgradient steps spent on one threshold pair's dual.
+#: Most shortest paths spent on one threshold pair's dual.
 DUAL_STEPS = 240
+#: A pair's dual is converged once the cutting-plane model (:mod:`.bundle`) promises no more than this share of its
+#: value near the best prices.
+DUAL_TOL = 1e-6
 #: Memory classes of the Lagrangian DP (optimistic beyond: still a lower bound). Every class the table needs
 #: (:func:`~.bounds.exact_classes`, at most ``M - 1``) up to 64 microbatches: with 8 (before session 10) a stage that
 #: fits only with at most 8-30 stages after it was admitted anywhere past the 8th, so on pipelines of 16-32 stages
@@ -98,12 +105,6 @@ DUAL_STEPS = 240
 #: at M=32 (31 classes): with 8, 38 CPU s gave bound 70,830 ms and no plan below 74,356; with every class the
 #: paths proved the optimum, 70,830.38 ms, in 3.1 CPU s (each shortest path costs more, far fewer are needed).
 LAGRANGE_CLASSES = 64
-#: Device-count vectors of the floored-units DP over every kind that raises a threshold pair's bound (:class:`_Floored`).
-FLOOR_VECTORS = 1000
-#: Units of the one kind kept in the state of the cheaper floored DPs.
-FLOOR_ONE = 128
-#: Most candidates x count vectors of one floored DP (beyond, it is skipped: time).
-FLOOR_WORK = 4_000_000
 #: Subgradient steps on one threshold pair after which its bound is raised by the floored-units DPs, where the
 #: first plan has at most :data:`FEW_STAGES` stages per kind (else only once its prices have converged: with
 #: many stages per kind the prices' duality gap is small and the floored DPs cost more than they raise:
@@ -181,60 +182,6 @@ def path_min(n: int, tab: CandidateTable, w: np.ndarray, big_j: int,
     return _Paths(n, tab, big_j, max_classes).run(w)
 
 
-class _Floored:
-    """A stronger relaxation for one threshold pair: device limits kept in the DP's state, in floored units.
-
-    Every plan within the limits has ``sum_i floor(d_i / g_k) <= floor(sum_i d_i / g_k) <= floor(count_k /
-    g_k)`` per kind, so the exact DP of :func:`~.dp.tile` over device *units*, where a stage takes
-    ``floor(d / g_k)`` of them and kind ``k`` has ``floor(count_k / g_k)``, admits every plan: its least sum
-    is a lower bound. A kind left out of the state (``g_k`` None) is only priced, as in the Lagrangian. With
-    prices ``lam`` the weights are ``t + comm + lam_kind d`` and ``lam . count`` is subtracted (any
-    ``lam >= 0`` gives a bound; prices on the kinds in the state are usually best left at zero). Where the
-    stages are a large share of a kind's devices (gpt2-xl on 3 x 32: six stages of 16) the prices alone
-    leave a duality gap (1.9% there: two stages of 24 H100 cost the prices what one of 48 does) that the
-    state closes. Memory classes as in :class:`_Paths` (optimistic beyond ``J``).
-    """
-
-    def __init__(self, n: int, tab: CandidateTable, counts: dict[str, int], big_j: int, J: int,
-                 g: dict[str, int | None]) -> None:
-        self.n, self.tab, self.big_j, self.J = n, tab, big_j, J
-        self.kept = np.asarray([g[k] is not None for k in tab.kinds])
-        gk = np.asarray([g[k] or max(counts[k], 1) + 1 for k in tab.kinds], dtype=np.int64)
-        self.ucounts = {k: counts[k] // int(gk[i]) for i, k in enumerate(tab.kinds)}
-        self.ud = tab.d // gk[tab.kind]
-        self.jmax = np.where(tab.jmax >= J, big_j, tab.jmax)  # class J admits jmax >= J: optimistic, a relaxation
-        self.vectors = vectors(self.ucounts)
-        self.useful = bool(np.any(self.ud > 0))  # else every stage is free in the units: the prices' bound again
-
-    def run(self, sel: np.ndarray, w: np.ndarray) -> tuple[float, list[int]] | None:
-        """Least ``sum w`` over tilings by the candidates of ``sel`` within the floored unit counts."""
-        idx = np.flatnonzero(sel & np.isfinite(w))
-        if idx.size == 0:
-            return None
-        sub = dataclasses.replace(self.tab.select(idx), d=self.ud[idx])
-        got = tile(self.n, self.ucounts, sub, np.zeros(idx.size), w[idx], self.jmax[idx], self.big_j, self.J)
-        return None if got is None else (got[1], [int(idx[i]) for i in got[2]])
-
-
-def floor_variants(counts: dict[str, int], kinds: tuple[str, ...]) -> list[dict[str, int | None]]:
-    """The state units of the floored DPs tried on a stalled pair: each kind alone in the state (at most
-    :data:`FLOOR_ONE` units, the others priced), then every kind in units (:func:`units`, at most
-    :data:`FLOOR_VECTORS` count vectors).
-
-    >>> floor_variants({"a": 32, "b": 256}, ("a", "b"))
-    [{'a': 1, 'b': None}, {'a': None, 'b': 2}, {'a': 2, 'b': 8}]
-    """
-    out: list[dict[str, int | None]] = []
-    for k in kinds:
-        g = 1
-        while counts[k] // g > FLOOR_ONE:
-            g *= 2
-        out.append({x: (g if x == k else None) for x in kinds})
-    if len(kinds) > 1:
-        out.append(dict(units({k: counts[k] for k in kinds}, FLOOR_VECTORS)))
-    return out
-
-
 def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, *,
                       start: list[Candidate] | None = None, deadline: float = math.inf,
                       target_gap: float = 1e-6, iterations: int = 12,
@@ -250,7 +197,7 @@ def lagrangian_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Can
         start: a known plan (the first incumbent).
         deadline: ``time.perf_counter()`` value at which to stop (the bounds found so far stay valid).
         target_gap: stop once ``(upper - lower) / upper`` is at most this.
-        iterations: subgradient steps per threshold box.
+        iterations: shortest paths (dual steps) per threshold box when it is first bounded.
         progress: called ``(lower, upper, plan)`` whenever either bound improves.
 
     Returns:
@@ -323,69 +270,79 @@ def _lagrangian(run: LagrangianRun, chain: Chain, cluster: Cluster, setting: Set
             best, upper = plan, objective(plan, m)
             say(lower_now, upper, best)
 
+    planes = Planes(len(tab.kinds))  # every path's plane, shared by the pairs whose thresholds admit the path
+
     class _Dual:
-        """One threshold pair's Lagrangian dual, maximised a few steps at a time (resumable)."""
+        """One threshold pair's Lagrangian dual, maximised a few paths at a time (resumable): its thresholds
+        ``u`` (stage time) and ``v`` (tail), best value and prices, the prices to evaluate next (``cur``), the
+        box-step radius and the model's last prediction (:mod:`.bundle`)."""
 
-        __slots__ = ("w0", "value", "lam", "delta", "done", "steps", "floored")
+        __slots__ = ("w0", "u", "v", "value", "lam", "cur", "radius", "pred", "edge", "done", "steps", "floored")
 
-        def __init__(self, sel: np.ndarray) -> None:
+        def __init__(self, sel: np.ndarray, u: float, v: float) -> None:
             self.w0 = np.where(sel, base, np.inf)
-            self.value, self.lam, self.delta, self.done, self.steps = -math.inf, lam.copy(), math.inf, False, 0
+            self.u, self.v = u, v
+            self.value, self.lam, self.cur, self.done, self.steps = -math.inf, lam.copy(), lam.copy(), False, 0
+            self.radius, self.pred, self.edge = math.inf, math.inf, False
             self.floored = False
 
     def dual(st: _Dual, slack: float, steps: int) -> float:
-        """``steps`` more projected subgradient steps on ``st``; its best dual value so far (a lower bound on
-        the least ``sum(t + comm)`` among tilings by its candidates).
+        """``steps`` more shortest paths on ``st``; its best dual value so far (a lower bound on the least
+        ``sum(t + comm)`` among tilings by its candidates).
 
-        The step is Polyak's towards a target level: ``slack`` (the value that would settle the box) at first,
-        then the best value plus ``delta``, halved after ``STALE_STEPS`` steps without improvement, so that the steps
-        shrink where the target cannot be reached (the target-level method of Brannlund / Goffin and
-        Kiwiel) instead of circling the optimum. ``done`` once a path respects the limits at zero
-        complementary slack (optimal), the value reaches ``slack``, ``delta`` is negligible, or after
-        ``DUAL_STEPS`` steps in all.
+        The prices come from the box-step method (:mod:`.bundle`): each path adds its plane to the shared
+        model, and the next prices maximise the model within ``radius`` of the best prices (doubled when a
+        step that reached the box's edge gained at least half what the model predicted, halved when it
+        gained less than a tenth: a null step). ``done`` once a path respects the limits at zero
+        complementary slack (optimal), the value reaches ``slack``, the model's maximum near the best
+        prices is within :data:`DUAL_TOL` of their value (a local maximum of a concave model is its
+        global one, and the model is above the dual: the best prices are optimal), or after
+        :data:`DUAL_STEPS` paths in all.
         """
         nonlocal lam, evals
-        cur = st.lam.copy()
-        stale = 0
         for _ in range(steps):
             if st.steps >= DUAL_STEPS:
                 st.done = True  # enough: its bound stands as it is
                 break
             evals += 1
             st.steps += 1
+            cur = st.cur
             got = paths.run(st.w0 + onehot @ cur)
             if got is None:
                 st.value, st.done = math.inf, True
                 return math.inf
-            used = onehot[got[1]].sum(0)
+            idx = np.asarray(got[1])
+            used = onehot[idx].sum(0)
+            g = used - cap
             h = got[0] - float(cur @ cap)
+            planes.add(got[0] - float(cur @ used), g, float(tab.t[idx].max()), float(tab.tail[idx].max()))
+            was, moved = st.value, bool(np.any(cur != st.lam))
             if h > st.value + 1e-9 * max(1.0, abs(h)):
-                st.value, st.lam, stale = h, cur.copy(), 0
-            else:
-                stale += 1
+                st.value, st.lam = h, cur.copy()
             if np.all(used <= cap):
                 consider(got[1])
                 if float(cur @ (cap - used)) <= 1e-12 * max(abs(got[0]), 1.0):
                     st.done = True  # complementary slackness: this path is optimal for the box
                     break
-            g = used - cap
-            g = np.where((cur <= 0) & (g < 0), 0.0, g)
-            norm = float(g @ g)
-            if norm == 0 or st.value >= slack:
+            if st.value >= slack:
                 st.done = True
+                break
+            if not math.isfinite(st.radius):  # the first path: a price that makes its excess cost its value
+                st.radius = max(float(cur.max()), max(abs(h), 1.0) / max(float(np.abs(g).max()), 1.0))
+            elif moved and math.isfinite(was) and math.isfinite(st.pred) and st.pred > was:
+                gain = (h - was) / (st.pred - was)
+                if gain >= 0.5 and st.edge:
+                    st.radius *= 2.0
+                elif gain < 0.1:
+                    st.radius = max(st.radius / 2.0, 1e-9 * max(1.0, float(st.lam.max())))
+            c, gs = planes.valid(st.u, st.v, st.lam)
+            st.cur, st.pred = box_argmax(c, gs, st.lam, st.radius)
+            st.edge = float(np.abs(st.cur - st.lam).max()) >= 0.999 * st.radius
+            if st.pred <= st.value + DUAL_TOL * max(abs(st.value), 1.0):
+                st.done = True  # the model has nothing better near the best prices: they are optimal
                 break
             if time.perf_counter() > run.deadline:
                 break
-            if not math.isfinite(st.delta):
-                st.delta = max(slack - st.value, 1e-3 * max(abs(st.value), 1.0)) if math.isfinite(slack) \
-                    else max(abs(h), 1.0)
-            if stale >= STALE_STEPS:
-                st.delta, stale = st.delta / 2, 0
-                if st.delta <= 1e-6 * max(abs(st.value), 1.0):
-                    st.done = True
-                    break
-            target = min(slack, st.value + st.delta) if math.isfinite(slack) else st.value + st.delta
-            cur = np.maximum(0.0, cur + max(target - h, 0.0) / norm * g)
         lam = st.lam
         return st.value
 
@@ -425,13 +382,15 @@ def _lagrangian(run: LagrangianRun, chain: Chain, cluster: Cluster, setting: Set
         yield Bounds(math.inf, math.inf, math.inf, math.inf, math.inf, None, evals, True), lam
         return
     t_min = float(us[0])
+    if m == 1:  # (M - 1) T is 0: every bottleneck threshold bounds alike, so only the largest is kept (as in .bounds);
+        us = us[-1:]  # else thousands of pairs of one bound each, all to be settled before the least open box rises
     duals: dict[tuple[int, int], _Dual] = {}
 
     def s_at(i: int, k: int, slack: float, more: int = 0) -> float:
         """The dual of pair ``(i, k)``: ``iterations`` steps when first asked, then ``more`` per call."""
         st = duals.get((i, k))
         if st is None:
-            st = duals[(i, k)] = _Dual((tab.t <= us[i]) & (tab.tail <= vs[k]))
+            st = duals[(i, k)] = _Dual((tab.t <= us[i]) & (tab.tail <= vs[k]), float(us[i]), float(vs[k]))
             return dual(st, slack, iterations)
         if more and not st.done:
             dual(st, slack, more)
