@@ -112,7 +112,7 @@ def _predict(sim_stage: Any, microbatches: int, mb: int, rows: tuple[int, ...]) 
     """max over replicas of its compute scaled by its rows and slow-down, plus the sync and the optimizer."""
     per = microbatches * (sim_stage.fwd_ms + sim_stage.bwd_ms) / (mb / 2)
     slow = [FACTOR if r == SLOW_RANK else 1.0 for r in range(len(rows))]
-    return max(per * n * f for n, f in zip(rows, slow)) + sim_stage.sync_ms + sim_stage.optimizer_ms
+    return max(per * n * f for n, f in zip(rows, slow)) + sim_stage.synced_ms + sim_stage.optimizer_ms
 
 
 def _measured(rows_by_rank: dict[int, list[StepMetrics]], skip: int) -> dict[str, Any]:
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{a.model}, batch {a.batch_size} in {m} microbatches, one stage on 2 gloo ranks, rank {SLOW_RANK} "
           f"slowed {FACTOR:g}x; {a.steps} steps, median of the slowest rank's step after {a.warmup}")
     print(f"simulator (even plan, healthy profile): fwd {stage.fwd_ms:.2f} + bwd {stage.bwd_ms:.2f} ms per "
-          f"microbatch per replica, sync {stage.sync_ms:.2f} ms, optimizer {stage.optimizer_ms:.2f} ms; "
+          f"microbatch per replica, sync {stage.synced_ms:.2f} ms, optimizer {stage.optimizer_ms:.2f} ms; "
           f"its own step {sim.step_ms:.2f} ms (healthy)")
     print(f"{'split':8s} {'rows':>8s} {'measured ms (each run)':>26s} {'median':>8s} {'pred. sim ms':>13s} "
           f"{'pred. meas ms':>14s}  load avg (1 min) before each run")
@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": a.model, "batch_size": a.batch_size, "microbatches": m, "steps": a.steps, "warmup": a.warmup,
         "repeats": a.repeats,
         "slow": {"rank": SLOW_RANK, "factor": FACTOR}, "cpus": os.cpu_count(), "arch": platform.machine(),
-        "simulator_even_stage": {"fwd_ms": stage.fwd_ms, "bwd_ms": stage.bwd_ms, "sync_ms": stage.sync_ms,
+        "simulator_even_stage": {"fwd_ms": stage.fwd_ms, "bwd_ms": stage.bwd_ms, "sync_ms": stage.synced_ms,
                                  "optimizer_ms": stage.optimizer_ms, "step_ms": sim.step_ms},
         "results": results, "measured_speedup": gain, "predicted_speedup": pgain}, indent=2) + "\n")
     print(f"wrote {a.out}")

@@ -126,7 +126,7 @@ def test_the_solver_takes_it_where_it_is_the_fastest_that_fits() -> None:
     assert cands and all(x.config.zero == ZeroStage.OS and x.d == 4 for x in cands)
     cost = stage_costs(_one_stage(c, ZeroStage.OS, AllReduce.HIERARCHICAL), g)[0]
     plain = next(x for x in cands if x.config == StageConfig(ZeroStage.OS, hierarchical=True))
-    assert plain.tail == pytest.approx(cost.sync_ms + cost.optimizer_ms, rel=1e-6)
+    assert plain.tail == pytest.approx(cost.synced_ms + cost.optimizer_ms, rel=1e-6)
     assert plain.memory.optimizer == cost.memory.optimizer
     # one host: nothing to make hierarchical, no such candidate
     one = Cluster(devices=tuple(d for d in load_cluster("2node-a100-16").devices if d.host == "node0")[:4],

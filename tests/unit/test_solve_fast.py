@@ -105,8 +105,10 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
                     for cfg in cfgs:
                         swap = 2 * _ms(cost_models.p2p_ms, acts / (m * d), host) if cfg.swap else 0.0
                         t = base + (fwd if cfg.recompute else 0.0) + swap
-                        copy = 4 * params / stream_bytes_per_ms(chain.graph, [kind]) \
-                            if d > 1 and cfg.zero >= ZeroStage.OS and not cfg.hierarchical else 0.0
+                        # the runtime's copies: ZeRO-1's summed gradient shard; ZeRO-3's gathered parameters
+                        rate = stream_bytes_per_ms(chain.graph, [kind])
+                        copy = 0.0 if d == 1 or cfg.hierarchical else 2 * params / d / rate \
+                            if cfg.zero == ZeroStage.OS else 4 * params / rate if cfg.zero == ZeroStage.OS_G_P else 0.0
                         shards = hier.per_host if cfg.hierarchical else d  # the optimizer's step: its shard
                         opt = chain.graph.optimizer_ms_per_byte(kind) * (params // shards if cfg.zero >= ZeroStage.OS
                                                                          else params)
@@ -306,7 +308,7 @@ def test_table_and_simulator_agree_on_fixed_parts_and_the_optimizer() -> None:
         devs = ("d0", "d1")[:d]
         r = simulate(Plan("toy", cluster, Schedule.GPIPE, 4, (Stage(0, devs, ("n0", "n1"), cand.config.zero),)), g)
         assert cand.t == pytest.approx(r.stages[0].compute_ms)
-        assert cand.tail == pytest.approx(r.stages[0].sync_ms + r.stages[0].optimizer_ms)
+        assert cand.tail == pytest.approx(r.stages[0].synced_ms + r.stages[0].optimizer_ms)
 
 
 def brute_force_objective(chain: Chain, cluster: Cluster, setting: Setting, tab, score=None) -> float:

@@ -130,7 +130,7 @@ def test_simulator_and_table_price_a_plans_stages_alike(schedule: Schedule) -> N
                 == (want.params, want.grads, want.optimizer, want.stored_per_microbatch, want.working,
                     want.host_bytes)
             assert got.in_flight == stagecost.in_flight(schedule, 4, 1 - i)
-            assert cost.sync_ms + cost.optimizer_ms == pytest.approx(cand.tail, rel=1e-9, abs=1e-12)
+            assert cost.synced_ms + cost.optimizer_ms == pytest.approx(cand.tail, rel=1e-9, abs=1e-12)
             # the table's per-microbatch time comes from prefix sums: equal up to rounding
             assert cost.compute_ms + 2 * cost.swap_ms == pytest.approx(cand.t, rel=1e-9)
             checked += 1
@@ -201,7 +201,7 @@ def test_plan_simulator_and_runtime_share_one_overlap_rule() -> None:
     cand = next(x for x in tab if x.a == 0 and x.b == 3 and x.d == 2 and x.config == CONFIGS[0])
     planned = to_plan(chain, cpu.cluster, Setting(2, Schedule.GPIPE, 8), [cand], SolverInfo("test"))
     got = stage_costs(planned, cpu_graph)[0]
-    assert got.sync_ms + got.optimizer_ms == pytest.approx(cand.tail, rel=1e-9)
+    assert got.synced_ms + got.optimizer_ms == pytest.approx(cand.tail, rel=1e-9)
 
 
 def test_overlap_scales_the_backward_that_hides_the_sync() -> None:
