@@ -13,6 +13,8 @@ hpml_compile.errors.SchemaError: profile.json: nodes[3].cost.A100-80GB.fwd_ms: e
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "HpmlError",
     "SchemaError",
@@ -33,6 +35,7 @@ __all__ = [
     "RanksTimeout",
     "BatchMismatchError",
     "OptionError",
+    "UpdateApplied",
 ]
 
 
@@ -138,3 +141,16 @@ class OptionError(HpmlError):
     """A command-line option (or the API argument behind it) out of range, badly formed, or naming a rank or a
     step the job does not have; raised before any process starts. The message names the option, the value,
     what is expected and how to fix it."""
+
+
+class UpdateApplied(HpmlError):
+    """A step failed after its optimizer update: the parameters on this rank hold it, so the step must not be
+    run again (that would train on its batch twice). ``run`` is what the step measured up to the failure (the
+    executor's ``StepRun``); the failure itself is ``__cause__``. The ranks agreed on the loss before the update
+    (``LOSS``), so they all took it; what failed is a collective after it (ZeRO-1/2's blocking parameter
+    all-gather, local SGD's average), which the pipeline completes on the re-formed group before the next step
+    (:meth:`hpml_compile.runtime.zero.FlatShard.forget`)."""
+
+    def __init__(self, run: Any) -> None:
+        super().__init__("the step failed after its optimizer update")
+        self.run = run

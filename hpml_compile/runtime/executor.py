@@ -66,7 +66,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ..codegen import Build
 from ..codegen.comm import Comm
 from ..codegen.stage import StageModule
-from ..errors import HpmlError
+from ..errors import HpmlError, UpdateApplied
 from ..precision import autocast
 from ..schedule import (COLLECTIVES, MARKERS, Action, ActionKind, RankActions, rank_layout, relower, replay,
                         stage_ranks, validate)
@@ -74,8 +74,7 @@ from ..trainspec import Split, split_of
 from .comm import DistComm, LocalComm, dist_comm
 from .scaler import LossScaler
 
-__all__ = ["StepResult", "StepRun", "UpdateApplied", "stage_ranks", "rank_layout", "split_microbatches",
-           "split_replicas",
+__all__ = ["StepResult", "StepRun", "stage_ranks", "rank_layout", "split_microbatches", "split_replicas",
            "loss_share", "stage_splits", "merge_outputs",
            "to_device", "forward_stage", "actions_for", "local_order", "run_actions", "step_local", "step_rank",
            "LocalComm", "DistComm", "dist_comm"]
@@ -230,19 +229,6 @@ class StepRun:
     t_opt: float = 0.0
     t_end: float = 0.0
     skipped: bool = False
-
-
-class UpdateApplied(HpmlError):
-    """A step failed after its optimizer update: the parameters on this rank hold it, so the step must not be
-    run again (that would train on its batch twice). ``run`` is what the step measured up to the failure; the
-    failure itself is ``__cause__``. The ranks agreed on the loss before the update (``LOSS``), so they all
-    took it; what failed is a collective after it (ZeRO-1/2's blocking parameter all-gather, local SGD's
-    average), which the pipeline completes on the re-formed group before the next step
-    (:meth:`hpml_compile.runtime.zero.FlatShard.forget`)."""
-
-    def __init__(self, run: StepRun) -> None:
-        super().__init__("the step failed after its optimizer update")
-        self.run = run
 
 
 def _unscaled_finite(optimizer: torch.optim.Optimizer, scaler: LossScaler,

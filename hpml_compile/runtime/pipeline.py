@@ -60,7 +60,7 @@ from torch import Tensor, nn
 
 from ..codegen import Build, load_build
 from ..codegen.comm import DetachedComm
-from ..errors import HpmlError
+from ..errors import HpmlError, UpdateApplied
 from ..ir import Precision
 from ..plan import Plan, sync_overlap, with_comm
 from .batchcheck import agree_with_check, fingerprint
@@ -70,8 +70,8 @@ from ..trainspec import check_batch_split, rank_rows
 from ..schedule import Action, stage_ranks
 from .comm import CommFault, DistComm, LocalComm, is_transient, make_groups, rank_devices
 from .data import RankBatch
-from .executor import (UpdateApplied, actions_for, forward_stage, local_order, loss_share, merge_outputs,
-                       run_actions, split_microbatches, split_replicas, stage_splits, to_device)
+from .executor import (actions_for, forward_stage, local_order, loss_share, merge_outputs, run_actions,
+                       split_microbatches, split_replicas, stage_splits, to_device)
 from .events import EventLog, align_clock
 from .gather import gather_outputs, gather_state_dict
 from .host import HostBusy, HostSampler, hostname
@@ -485,12 +485,12 @@ class Pipeline:
         raise AssertionError("unreachable")
 
     def _reform_after_update(self, failure: UpdateApplied) -> None:
-        """A collective after the optimizer update failed (:class:`.executor.UpdateApplied`): the update stands,
-        so the step is not re-run; the group is re-formed and the next step begins by gathering the parameters
-        from their shards (:meth:`.zero.FlatShard.forget`). A rank whose own side of that collective succeeded
-        fails in the next step's first collective instead and retries that step from its start: both re-form the
-        group at the same step number, the one after this one (:meth:`.session.Session.reopen` checks it), and
-        both gather first.
+        """A collective after the optimizer update failed (:class:`~hpml_compile.errors.UpdateApplied`): the update
+        stands, so the step is not re-run; the group is re-formed and the next step begins by gathering the parameters
+        from their shards (:meth:`.zero.FlatShard.forget`). A rank whose own side of that collective succeeded fails
+        in the next step's first collective instead and retries that step from its start: both re-form the group at
+        the same step number, the one after this one (:meth:`.session.Session.reopen` checks it), and both gather
+        first.
 
         Raises:
             The failure's cause: not a transient communication error, or this process group cannot be re-formed

@@ -451,8 +451,8 @@ class FlatShard:
         on the failed group from failing, so the peer would not join the retry until its time-out
         (tests/dist/test_zero_retry_dist.py).
 
-        Without the prefetch the gather is blocking, after the optimizer step; a step that failed there has its
-        update applied and is not re-run (:class:`.executor.UpdateApplied`), but this replica may still hold the
+        Without the prefetch the gather is blocking, after the optimizer step; a step that failed there has its update
+        applied and is not re-run (:class:`~hpml_compile.errors.UpdateApplied`), but this replica may still hold the
         other shards' old values: the next step gathers them first. Every rank that re-forms the group owes the
         gather, whatever failed, so that the replicas of the stage all run it."""
         self._gathers.clear()

@@ -6,7 +6,7 @@ then one blocking all-gather of the stepped shards (:meth:`hpml_compile.runtime.
 In step 1 (from 0) rank 0's all-gather fails (``CommFault(1, 0, COLLECTIVE, 1)``: its second collective of the
 step; the first is the reduce-scatter); rank 1's fails with it when rank 0 tears the group down.
 
-The update is in the shards by then. Before :class:`hpml_compile.runtime.executor.UpdateApplied`, the pipeline
+The update is in the shards by then. Before :class:`hpml_compile.errors.UpdateApplied`, the pipeline
 retried the whole step: each replica ran it again on its own stepped shard beside the other shard's old values
 (the gather that would have brought them had failed, and a non-prefetching shard owed none), and stepped a
 second time on the same batch. Now the step ends there, the group is re-formed at the next step's number, and
