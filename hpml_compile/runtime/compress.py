@@ -109,6 +109,11 @@ class Reducer:
     def after_step(self, params: Sequence[nn.Parameter]) -> None:
         """After the optimizer step (local SGD averages parameters here)."""
 
+    def rebind(self, group: Any) -> None:
+        """The stage's process group was re-formed (a retried step): collectives go to ``group`` from now on.
+        A reducer that kept the old group would also keep its gloo context alive, whose open sockets can keep a
+        peer's pending collective on it from failing."""
+
     def state_dict(self) -> dict[str, Tensor]:
         """Per-rank state as plain tensors."""
         return {}
@@ -240,6 +245,9 @@ class PowerSGD(Reducer):
                                    start_powerSGD_iter=self.START, min_compression_rate=2, use_error_feedback=True,
                                    warm_start=True, random_seed=seed)
 
+    def rebind(self, group: Any) -> None:
+        self.state.process_group = group
+
     def reduce(self, comm: Any, stage: int, flat: Tensor, params: Sequence[nn.Parameter]) -> None:
         before = (self.state.total_numel_before_compression, self.state.total_numel_after_compression)
         plain = self.state.iter < self.state.start_powerSGD_iter
@@ -309,6 +317,9 @@ class LocalSGD(Reducer):
         self.every, self.warmup, self.group = every, warmup, group
 
     diverges = True  # between two averages: a checkpoint keeps each replica's copy (.feedback.Replica)
+
+    def rebind(self, group: Any) -> None:
+        self.group = group
 
     @property
     def local(self) -> bool:

@@ -263,6 +263,8 @@ class Pipeline:
         for b in getattr(self, "_buckets", ()):  # after a reconnect: the new communicator runs the collectives
             comm.shards[b.stage] = b
             b.comm = comm
+            if getattr(b, "reducer", None) is not None:  # PowerSGD's state and local SGD hold the group itself
+                b.reducer.rebind(comm.groups.get((b.stage,)))
         return comm
 
     def _make_buckets(self, optimizer: OptimizerArg) -> list[FlatShard | FlatGrads]:

@@ -85,6 +85,42 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out}/store-end", rank=rank, world_size=world)
 
 
+REDUCERS = {"local2": {"sync_every": 2, "sync_warmup": 0}, "powersgd": {"compress": "powersgd:2"}}
+
+
+def _reducer_run(rank: int, world: int, build: str, out: str, name: str, opts: dict[str, Any], reform: bool
+                 ) -> dict[str, Any]:
+    """Train with a reducer that holds the stage's group itself; with ``reform``, re-form the process group
+    between steps 2 and 3 as a retried step does (drop the groups, the next generation, a new communicator)."""
+    model = seeded_skipnet()
+    session = Session(f"file://{out}/store-{name}-{reform}", rank=rank, world_size=world,
+                      policy=RetryPolicy(attempts=3, backoff_s=0.1, rejoin_timeout_s=60.0, timeout_s=60.0))
+    pipe = Pipeline(load_build(build, model), model, optimizer=_optimizer, session=session, comm_options=opts,
+                    events=False)
+    losses = []
+    for i, (x, y) in enumerate(skipnet_batches(STEPS + 2, ROWS)):
+        if reform and i == 3:
+            pipe._drop_groups()
+            session.reopen(pipe.steps_done)
+            pipe.comm = pipe._connect()
+        losses.append(float(pipe.step((x,), y, skipnet_loss)))
+    assert pipe.comm is not None
+    red = pipe._reducers()[0]
+    held = red.group if hasattr(red, "group") else red.state.process_group
+    row = {"losses": losses, "generation": session.generation,
+           "current": held is pipe.comm.groups.get((pipe.stage_index,))}
+    pipe.close()
+    return row
+
+
+def _train_reducers(rank: int, world: int, build: str, out: str) -> None:
+    dist.destroy_process_group()
+    report = {f"{name}-{reform}": _reducer_run(rank, world, build, out, name, opts, reform)
+              for name, opts in REDUCERS.items() for reform in (False, True)}
+    Path(out, f"reducers{rank}.json").write_text(json.dumps(report))
+    dist.init_process_group("gloo", init_method=f"file://{out}/store-end2", rank=rank, world_size=world)
+
+
 def test_a_gather_that_fails_after_the_update_keeps_it_and_the_next_step_gathers_first(tmp_path: Path) -> None:
     gm = trace(SkipNet(), skipnet_batches(STEPS, ROWS)[0][:1])
     builds = {}
@@ -106,3 +142,23 @@ def test_a_gather_that_fails_after_the_update_keeps_it_and_the_next_step_gathers
             assert row["owed"] == [False, True, False, False], (where, row["owed"])
             said = [ln for ln in row["lines"] if "after the optimizer update, which stands" in ln]
             assert len(said) == 1 and f"step {FAIL_AT + 1}:" in said[0], (where, row["lines"])
+
+
+def test_a_re_formed_group_reaches_the_reducers_that_hold_it(tmp_path: Path) -> None:
+    """Local SGD averages parameters on the stage's group, and torch's PowerSGD state holds it too. After the
+    group was re-formed (a retried step), both kept the old one. Here it went on working, because both ranks'
+    references kept its gloo context and sockets alive (the losses were equal without the fix too); after a real
+    failure it is broken, and a kept context stops a peer's pending collective from failing at the teardown
+    (tests/dist/test_zero_retry_dist.py). Now the pipeline rebinds them (``Reducer.rebind``): they hold the
+    current group, and training goes on exactly as without the re-forming."""
+    gm = trace(SkipNet(), skipnet_batches(1, ROWS)[0][:1])
+    build = str(tmp_path / "build")
+    generate(gm, split_plan(gm, "skipnet", 1, microbatches=MICRO, replicas=[2]), build)
+    spawn_ranks(_train_reducers, 2, tmp_path, build, str(tmp_path), timeout_s=240)
+    for rank in range(2):
+        report = json.loads((tmp_path / f"reducers{rank}.json").read_text())
+        for name in REDUCERS:
+            plain, reformed = report[f"{name}-False"], report[f"{name}-True"]
+            assert reformed["generation"] == 1 and plain["generation"] == 0, (rank, name)
+            assert reformed["current"] and plain["current"], (rank, name)
+            assert reformed["losses"] == pytest.approx(plain["losses"], abs=TOL), (rank, name, reformed, plain)
