@@ -455,8 +455,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         kind = "comm" if isinstance(e, CommFailure) else "user" if isinstance(e, HpmlError) else "crash"
         path.write_text(json.dumps({"rank": rank, "time": time.time(), "message": f"{prefix}{e}", "kind": kind,
                                     "user_error": kind == "user"}))
-        if isinstance(e, HpmlError):
-            sys.exit(2)  # the launcher prints the message, naming the rank that failed first
+        if isinstance(e, HpmlError):  # the launcher prints the message, naming the rank that failed first
+            # os._exit, not sys.exit: an orderly interpreter exit destroys the threads gloo still runs for the
+            # failed group ("terminate called without an active exception"), and the rank then dies by SIGABRT,
+            # which the launcher reads as a killed rank (its device dropped, a re-plan) instead of this failure;
+            # what the rank wrote is on disk already (the per-step files are flushed as they are written)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         raise
     return 0
 
