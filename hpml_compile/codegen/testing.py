@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
@@ -26,7 +27,7 @@ from ..memory import ZeroStage
 from ..plan import Plan, Schedule, Stage
 
 __all__ = ["SkipNet", "skipnet_batch", "skipnet_batches", "skipnet_loss", "seeded_skipnet", "split_plan",
-           "max_grad_diff", "max_buffer_diff"]
+           "replicated_skipnet_builds", "max_grad_diff", "max_buffer_diff"]
 
 
 class SkipNet(nn.Module):
@@ -77,6 +78,21 @@ def seeded_skipnet(seed: int = 0) -> SkipNet:
 def skipnet_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Cross-entropy of :class:`SkipNet` logits."""
     return F.cross_entropy(logits, targets)
+
+
+def replicated_skipnet_builds(root: str | Path, zeros: Sequence[int], *, microbatches: int, rows: int = 8
+                               ) -> dict[str, str]:
+    """Builds of :class:`SkipNet` as one stage replicated on 2 ranks, one per ZeRO stage in ``zeros``, under
+    ``root/zero<z>``: ``{str(z): folder}``."""
+    from ..codegen import generate
+    from ..trace import trace
+
+    gm = trace(SkipNet(), skipnet_batch(rows=rows)[:1])
+    out = {}
+    for z in zeros:
+        out[str(z)] = str(Path(root) / f"zero{z}")
+        generate(gm, split_plan(gm, "skipnet", 1, microbatches=microbatches, replicas=[2], zero=z), out[str(z)])
+    return out
 
 
 def _executes(n: fx.Node) -> bool:

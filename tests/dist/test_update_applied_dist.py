@@ -23,12 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpml_compile.codegen import generate, load_build
-from hpml_compile.codegen.testing import SkipNet, seeded_skipnet, skipnet_batches, skipnet_loss, split_plan
+from hpml_compile.codegen import load_build
+from hpml_compile.codegen.testing import replicated_skipnet_builds, seeded_skipnet, skipnet_batches, skipnet_loss
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
 from hpml_compile.runtime.session import RetryPolicy, Session
 from hpml_compile.runtime.zero import FlatShard
-from hpml_compile.trace import trace
 
 pytestmark = [pytest.mark.dist]
 
@@ -122,11 +121,7 @@ def _train_reducers(rank: int, world: int, build: str, out: str) -> None:
 
 
 def test_a_gather_that_fails_after_the_update_keeps_it_and_the_next_step_gathers_first(tmp_path: Path) -> None:
-    gm = trace(SkipNet(), skipnet_batches(STEPS, ROWS)[0][:1])
-    builds = {}
-    for z in (1, 2):
-        builds[str(z)] = str(tmp_path / f"zero{z}")
-        generate(gm, split_plan(gm, "skipnet", 1, microbatches=MICRO, replicas=[2], zero=z), builds[str(z)])
+    builds = replicated_skipnet_builds(tmp_path, (1, 2), microbatches=MICRO, rows=ROWS)
     spawn_ranks(_train, 2, tmp_path, builds, str(tmp_path), timeout_s=240)
     losses, params = _reference()
     for rank in range(2):
@@ -151,9 +146,7 @@ def test_a_re_formed_group_reaches_the_reducers_that_hold_it(tmp_path: Path) -> 
     failure it is broken, and a kept context stops a peer's pending collective from failing at the teardown
     (tests/dist/test_zero_retry_dist.py). Now the pipeline rebinds them (``Reducer.rebind``): they hold the
     current group, and training goes on exactly as without the re-forming."""
-    gm = trace(SkipNet(), skipnet_batches(1, ROWS)[0][:1])
-    build = str(tmp_path / "build")
-    generate(gm, split_plan(gm, "skipnet", 1, microbatches=MICRO, replicas=[2]), build)
+    build = replicated_skipnet_builds(tmp_path, (0,), microbatches=MICRO, rows=ROWS)["0"]
     spawn_ranks(_train_reducers, 2, tmp_path, build, str(tmp_path), timeout_s=240)
     for rank in range(2):
         report = json.loads((tmp_path / f"reducers{rank}.json").read_text())

@@ -58,13 +58,12 @@ import torch.distributed as dist
 from torch import nn
 
 import hpml_compile
-from hpml_compile.codegen import generate, load_build
-from hpml_compile.codegen.testing import SkipNet, seeded_skipnet, skipnet_batches, skipnet_loss, split_plan
+from hpml_compile.codegen import load_build
+from hpml_compile.codegen.testing import replicated_skipnet_builds, seeded_skipnet, skipnet_batches, skipnet_loss
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
 from hpml_compile.runtime.comm import InjectedFault
 from hpml_compile.runtime.session import RetryPolicy, Session
 from hpml_compile.runtime.zero import FlatShard
-from hpml_compile.trace import trace
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # ~25 s on 2 cores: six failed-and-retried cases
 
@@ -201,11 +200,7 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
 
 def test_a_step_retried_with_prefetched_zero_gathers_in_flight_regathers_and_trains_as_the_original(
         tmp_path: Path) -> None:
-    gm = trace(SkipNet(), skipnet_batches(STEPS, ROWS)[0][:1])
-    builds = {}
-    for z in (1, 2):
-        builds[str(z)] = str(tmp_path / f"zero{z}")
-        generate(gm, split_plan(gm, "skipnet", 1, microbatches=MICRO, replicas=[2], zero=z), builds[str(z)])
+    builds = replicated_skipnet_builds(tmp_path, (1, 2), microbatches=MICRO, rows=ROWS)
     spawn_ranks(_train, 2, tmp_path, builds, str(tmp_path), timeout_s=240)
     losses, params = _reference()
     stale, fresh = params[FAIL_AT - 1], params[FAIL_AT]  # before step 0; after it (what step 1 must read)
