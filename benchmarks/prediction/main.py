@@ -23,7 +23,9 @@ machine is shared, and a busy core doubles a rank's time. The plans are priced
 with this host's gloo link, measured first as ``profile`` and ``compile``
 measure it, not with the catalog's default.
 
-Run:  .venv/bin/python benchmarks/prediction/main.py [--models gpt-mini,mlp] [--steps 6]
+Run:  .venv/bin/python benchmarks/prediction/main.py [--models gpt-mini,mlp] [--steps 6] [--rounds 3]
+``--rounds N`` repeats the whole run (link probe, profiles, plans, measurement) N times and compares each
+plan's median prediction with its median measurement; each round's rows stay in the JSON.
 Prints a table; writes benchmarks/prediction/results/prediction.json, with the host it ran on (CPU model
 from /proc/cpuinfo, cache sizes, CPUs, memory stream rates, load average) and each profile's CPU facts:
 the README keeps one table per CPU model (issue 19).
@@ -281,6 +283,28 @@ def _summarise(cases: list[Case], root: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _combine(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per plan from the rounds' rows: the median of each time over the rounds, the errors of those
+    medians, and each round's own row under ``rounds`` (nothing dropped)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    out = []
+    for i, first in enumerate(rounds[0]):
+        mine = [r[i] for r in rounds]
+        row = {"plan": first["plan"], "ranks": first["ranks"]}
+        for key in ("predicted_ms", "measured_ms", "predicted_without_optimizer_ms", "measured_without_optimizer_ms",
+                    "predicted_optimizer_ms", "optimizer_ms", "allreduce_ms", "predicted_bubble", "measured_bubble"):
+            row[key] = statistics.median(r[key] for r in mine)
+        row["error"] = (row["measured_ms"] - row["predicted_ms"]) / row["predicted_ms"]
+        row["error_without_optimizer"] = ((row["measured_without_optimizer_ms"] - row["predicted_without_optimizer_ms"])
+                                          / row["predicted_without_optimizer_ms"])
+        row["background_cpu"] = max(r["background_cpu"] for r in mine)
+        row["attempts"] = max(r["attempts"] for r in mine)
+        row["rounds"] = mine
+        out.append(row)
+    return out
+
+
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(abs(x) for x in xs)
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
@@ -295,8 +319,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds to wait for other processes to leave the CPUs before each plan (default: %(default)s)")
     p.add_argument("--attempts", type=int, default=3,
                    help="measurements of a plan while other processes keep the CPUs busy (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat the whole benchmark (link probe, profiles, plans, measurement) this many times and "
+                        "compare each plan's median prediction with its median measurement: this VM's speed moves "
+                        "10-40%% from minute to minute, and one round measures one minute (default: %(default)s)")
     p.add_argument("--grid", default=GRID, help="plans per model, kind:schedule:microbatches (default: %(default)s)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: give 1 or more (the times the whole benchmark runs)")
     t0 = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="hpml-prediction-"))
     host = host_facts()
@@ -304,22 +334,36 @@ def main(argv: list[str] | None = None) -> int:
                                                              sorted(host["cache_bytes"].items()))
           + f", {host['cpus']} CPUs; load average {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
     load_before = os.getloadavg()
-    _wait_quiet({os.getpid()}, args.quiet_wait)
-    link = measure_local_link(log=lambda line: print(line.strip(), file=sys.stderr, flush=True))
-    cases, facts = _cases(args.models.split(","), root, _grid(args.grid), link, args.quiet_wait, args.attempts)
-    for world in sorted({c.ranks for c in cases}):
-        spawn_ranks(_worker, world, root, cases, args.steps, args.warmup, str(root), args.quiet_wait, args.attempts)
-    rows = _summarise(cases, root)
+    rounds, links, facts_by_round = [], [], []
+    for n in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {n + 1} of {args.rounds}", file=sys.stderr, flush=True)
+        here = root / f"round{n}"
+        here.mkdir()
+        _wait_quiet({os.getpid()}, args.quiet_wait)
+        link = measure_local_link(log=lambda line: print(line.strip(), file=sys.stderr, flush=True))
+        cases, facts = _cases(args.models.split(","), here, _grid(args.grid), link, args.quiet_wait, args.attempts)
+        for world in sorted({c.ranks for c in cases}):
+            spawn_ranks(_worker, world, here, cases, args.steps, args.warmup, str(here), args.quiet_wait,
+                        args.attempts)
+        rounds.append(_summarise(cases, here))
+        links.append(link)
+        facts_by_round.append(facts)
+    rows = _combine(rounds)
+    link, facts = links[-1], facts_by_round[-1]
     print(f"{len(rows)} plans on local CPU ranks (1 thread each); median of {args.steps} steps after {args.warmup} "
-          "warm-up; error = (measured - predicted) / predicted")
+          "warm-up" + (f", then the median over {args.rounds} rounds (each its own link probe, profile and "
+                       "measurement)" if args.rounds > 1 else "") + "; error = (measured - predicted) / predicted")
     print(f"  {'plan':28s} {'ranks':>5s} {'pred ms':>8s} {'meas ms':>8s} {'error':>7s} {'no-opt':>7s} "
-          f"{'opt p/m':>11s} {'allred':>7s} {'bubble p/m':>11s} {'bg cpu':>6s}")
+          f"{'opt p/m':>11s} {'allred':>7s} {'bubble p/m':>11s} {'bg cpu':>6s}"
+          + ("  per round" if args.rounds > 1 else ""))
     for r in rows:
         print(f"  {r['plan']:28s} {r['ranks']:5d} {r['predicted_ms']:8.1f} {r['measured_ms']:8.1f} "
               f"{r['error']:+7.1%} {r['error_without_optimizer']:+7.1%} "
               f"{r['predicted_optimizer_ms']:5.1f}/{r['optimizer_ms']:<5.1f} "
               f"{r['allreduce_ms']:7.1f} {r['predicted_bubble']:5.0%}/{r['measured_bubble']:<5.0%} "
-              f"{r['background_cpu']:6.2f}")
+              f"{r['background_cpu']:6.2f}"
+              + ("  " + " ".join(f"{x['error']:+.0%}" for x in r["rounds"]) if args.rounds > 1 else ""))
     errs = [r["error"] for r in rows]
     errs_no = [r["error_without_optimizer"] for r in rows]
     summary = {"median_abs_error": _pct(errs, 0.5), "p90_abs_error": _pct(errs, 0.9),
@@ -341,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                  "load_average_before": load_before, "load_average_after": os.getloadavg()} if facts else {})
     result = {"benchmark": "prediction", "command": " ".join([sys.executable, *sys.argv]), "plans": rows,
               "host": host, "profiles": facts, "link": link,
-              "summary": summary, "goal": {"median": 0.10, "p90": 0.20}, "noisy_plans": noisy,
+              "summary": summary, "rounds": args.rounds, "links": links, "profiles_by_round": facts_by_round,
+              "goal": {"median": 0.10, "p90": 0.20}, "noisy_plans": noisy,
               "steps": args.steps, "warmup": args.warmup, "quiet_wait_s": args.quiet_wait, "attempts": args.attempts,
               "cpus": os.cpu_count(), "torch": torch.__version__,
               "wall_s": time.perf_counter() - t0}
