@@ -39,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import datetime
 import json
 import multiprocessing as mp
 import statistics
@@ -155,13 +156,16 @@ def _timed(fn: Any, cuda: bool) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequence[int], out: str) -> None:
-    """One rank of :func:`probe_ranks`: gloo between the CPU processes, then NCCL between two GPUs if given."""
+def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequence[int], out: str,
+           timeout_s: float = 600) -> None:
+    """One rank of :func:`probe_ranks`: gloo between the CPU processes, then NCCL between two GPUs if given (its
+    group with the probe's time-out, not torch's default of 10 minutes for NCCL)."""
     backends: list[tuple[str, torch.device, Any]] = [("gloo", torch.device("cpu"), None)]
     if len(gpus) >= 2:
         dev = torch.device("cuda", gpus[rank])
         torch.cuda.set_device(dev)
-        backends.append(("nccl", dev, dist.new_group([0, 1], backend="nccl")))
+        backends.append(("nccl", dev, dist.new_group([0, 1], backend="nccl",
+                                                       timeout=datetime.timedelta(seconds=timeout_s))))
     result: dict[str, list[Row]] = {}
     for name, device, group in backends:
         cuda = device.type == "cuda"
@@ -217,7 +221,7 @@ def probe_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS, gpus: Sequ
         ``{"gloo": rows, "nccl": rows}`` (``nccl`` only with two GPUs).
     """
     with tempfile.TemporaryDirectory(prefix="hpml-links-") as tmp:
-        spawn_ranks(_probe, 2, tmp, list(sizes), repeats, list(gpus), tmp, timeout_s=timeout_s,
+        spawn_ranks(_probe, 2, tmp, list(sizes), repeats, list(gpus), tmp, timeout_s, timeout_s=timeout_s,
                     start_method=start_method)
         raw = json.loads(Path(tmp, "links.json").read_text())
     return {k: [(op, int(b), float(ms)) for op, b, ms in v] for k, v in raw.items()}
