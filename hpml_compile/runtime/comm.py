@@ -95,6 +95,7 @@ class CommOp(str, enum.Enum):
     SEND = "send"
     RECV = "recv"
     COLLECTIVE = "collective"
+    AGREE = "agree"  # the loss agreement: index 0 fails before this rank's share goes out, 1 after it came back
 
 
 class InjectedFault(ConnectionError):
@@ -367,7 +368,8 @@ class DistComm(Comm):
     def _group(self, peer: int) -> Any:
         return self.pairs.get((min(self.rank, peer), max(self.rank, peer)))
 
-    def _maybe_fail(self, op: CommOp) -> None:
+    def maybe_fail(self, op: CommOp) -> None:
+        """Raise :class:`InjectedFault` where a :class:`CommFault` names this occurrence of ``op`` (each once)."""
         n = self._op_count.get(op, 0)
         self._op_count[op] = n + 1
         for f in self.faults:
@@ -393,7 +395,7 @@ class DistComm(Comm):
 
     # -- point to point ---------------------------------------------------------------------------
     def _put(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], tensor: Tensor) -> None:
-        self._maybe_fail(CommOp.SEND)
+        self.maybe_fail(CommOp.SEND)
         t0 = time.perf_counter()
         peer = self.ranks[to[0]][to[1]]
         group = self._group(peer)
@@ -411,7 +413,7 @@ class DistComm(Comm):
 
     def _get(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], shape: tuple[int, ...],
              dtype: torch.dtype) -> Tensor:
-        self._maybe_fail(CommOp.RECV)
+        self.maybe_fail(CommOp.RECV)
         peer = self.ranks[frm[0]][frm[1]]
         group = self._group(peer)
         t0 = time.perf_counter()
@@ -444,7 +446,7 @@ class DistComm(Comm):
     # -- collectives ------------------------------------------------------------------------------
     def _collective(self, stages: tuple[int, ...], flat: Tensor, fn: Callable[[Tensor, Any], Tensor],
                     name: str = "ALLREDUCE") -> Tensor:
-        self._maybe_fail(CommOp.COLLECTIVE)
+        self.maybe_fail(CommOp.COLLECTIVE)
         group = self.groups.get(stages)
         t0 = time.perf_counter()
         nccl = group is not None and all(self.devices[r].type == "cuda"
@@ -503,7 +505,7 @@ class DistComm(Comm):
     def _launch(self, stages: tuple[int, ...], flat: Tensor, out: Tensor, name: str,
                 fn: Callable[[Tensor, Any], Any]) -> PendingCollective:
         """Start ``fn(wire, group)`` (a torch.distributed call with ``async_op=True``) without waiting for it."""
-        self._maybe_fail(CommOp.COLLECTIVE)
+        self.maybe_fail(CommOp.COLLECTIVE)
         group = self.groups.get(stages)
         nccl = group is not None and all(self.devices[r].type == "cuda" for k in stages for r in self.ranks[k])
         t0 = time.perf_counter()
@@ -532,7 +534,7 @@ class DistComm(Comm):
                ) -> PendingChain:
         """Queue the hierarchical all-reduce of ``flat`` on the stage set's :class:`ChainQueue` (``shard_out``: its
         first two levels only, a hierarchical ZeRO-1's reduce-scatter into this rank's shard of it)."""
-        self._maybe_fail(CommOp.COLLECTIVE)
+        self.maybe_fail(CommOp.COLLECTIVE)
         nccl = all(self.devices[r].type == "cuda" for k in stages for r in self.ranks[k])
         t0 = time.perf_counter()
         staged = not nccl and flat.device.type != "cpu"  # gloo: a GPU tensor via the host
@@ -560,7 +562,7 @@ class DistComm(Comm):
         """A hierarchical ZeRO-1's parameter all-gather in the host, in place: each ``(piece, out)`` pair's ``out``
         gets the host's pieces in order (:func:`~.hierarchy.hierarchical_gather_into`), after the skew barrier."""
         hier = self.hierarchy[(stage,)]
-        self._maybe_fail(CommOp.COLLECTIVE)
+        self.maybe_fail(CommOp.COLLECTIVE)
         t0 = time.perf_counter()
         dist.all_reduce(torch.zeros(1, device=self.device if self.device.type == "cuda" and all(
             self.devices[r].type == "cuda" for r in self.ranks[stage]) else "cpu"), group=self.groups.get((stage,)))
@@ -603,7 +605,7 @@ class DistComm(Comm):
         if not nccl and piece.device.type != "cpu":
             raise HpmlError(f"stage {stage}: an asynchronous all-gather of a {piece.device.type} tensor over gloo "
                             "needs a host copy: gather it blocking (FlatShard.all_gather does)")
-        self._maybe_fail(CommOp.COLLECTIVE)
+        self.maybe_fail(CommOp.COLLECTIVE)
         t0 = time.perf_counter()
         src = piece.detach().contiguous()
         outs = list(outs)
@@ -641,7 +643,7 @@ class DistComm(Comm):
         staged = not nccl and out.device.type != "cpu"
         wire_out = torch.empty(out.shape, dtype=out.dtype) if staged else out
         wire_parts = [p.cpu() for p in parts] if staged else list(parts)
-        self._maybe_fail(CommOp.COLLECTIVE)
+        self.maybe_fail(CommOp.COLLECTIVE)
         t0 = time.perf_counter()
         work = dist.reduce_scatter(wire_out, wire_parts, group=group, async_op=True)
         return PendingCollective(work, wire_out, out, self.stats, "REDUCESCATTER", t0,

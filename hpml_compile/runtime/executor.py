@@ -217,6 +217,10 @@ class StepRun:
         t_start, t_pipe, t_synced, t_opt, t_end: ``perf_counter`` at the start, the end of the last
             backward, the end of the gradient sync, after ``LOSS``, and the end.
         skipped: the optimizer step was skipped (fp16: a gradient overflowed on some rank).
+        regrouped: the loss agreement failed here after reaching the others, who committed the step; the process
+            group was re-formed (``agree`` returned True), this rank takes the update too, and the parameter
+            collectives after the optimizer step are owed to the next step (as after
+            :class:`~hpml_compile.errors.UpdateApplied`).
     """
 
     shares: list[tuple[int, int, Tensor]] = field(default_factory=list)
@@ -229,6 +233,7 @@ class StepRun:
     t_opt: float = 0.0
     t_end: float = 0.0
     skipped: bool = False
+    regrouped: bool = False
 
 
 def _unscaled_finite(optimizer: torch.optim.Optimizer, scaler: LossScaler,
@@ -270,7 +275,7 @@ def _waited(comm: Comm) -> float:
 def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[int, StageModule], comm: Comm,
                 inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Tensor], microbatches: int, *,
                 device: torch.device = torch.device("cpu"), optimizer: torch.optim.Optimizer | None = None,
-                agree: Callable[[Tensor], None] | None = None, keep_outputs: bool = False,
+                agree: Callable[[Tensor], bool | None] | None = None, keep_outputs: bool = False,
                 own_rows: bool = False, scaler: LossScaler | None = None,
                 agree_inf: Callable[[Tensor], None] | None = None,
                 arm: Callable[[int], None] | None = None) -> StepRun:
@@ -287,7 +292,8 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
         microbatches: how many microbatches the batch splits into (the lists were lowered for it).
         device: where this process's stages run.
         optimizer: stepped at ``OPT`` (None: gradients only; ``after_step`` is then skipped too).
-        agree: called at ``LOSS`` with the float64 loss sum, to make it the batch's (an all-reduce on ranks).
+        agree: called at ``LOSS`` with the float64 loss sum, to make it the batch's (an all-reduce on ranks);
+            True when it had to re-form the process group to learn it (:attr:`StepRun.regrouped`).
         keep_outputs: keep the last stage's outputs.
         own_rows: ``inputs`` and ``targets`` hold only this rank's rows (one stage replica on this process;
             see :class:`_Slices`), not the whole batch.
@@ -370,7 +376,7 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
         if kind is ActionKind.LOSS:
             comm.flush()
             if agree is not None:
-                agree(run.loss_sum)
+                run.regrouped = bool(agree(run.loss_sum))
             run.t_opt = time.perf_counter()
             if ev is not None:
                 ev.add("LOSS", t0, run.t_opt, k)
@@ -383,6 +389,8 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
             optimized = True
         elif kind in COLLECTIVES and optimizer is not None and k not in stepped:
             stepped.add(k)
+            if run.regrouped:
+                continue  # the others ran these on the old group and failed there: the next step gathers first
             try:
                 stages[k].after_step()
             except Exception as e:

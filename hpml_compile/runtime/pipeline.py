@@ -68,7 +68,7 @@ from ..hostmem import keep_freed_memory
 from ..memory import ZeroStage
 from ..trainspec import check_batch_split, rank_rows
 from ..schedule import Action, stage_ranks
-from .comm import CommFault, DistComm, LocalComm, is_transient, make_groups, rank_devices
+from .comm import CommFault, CommOp, DistComm, LocalComm, is_transient, make_groups, rank_devices
 from .data import RankBatch
 from .executor import (actions_for, forward_stage, local_order, loss_share, merge_outputs, run_actions,
                        split_microbatches, split_replicas, stage_splits, to_device)
@@ -143,6 +143,8 @@ class Pipeline:
         self._log = log or (lambda line: None)
         self._faults = list(faults)
         self.steps_done = 0
+        self._agreed_loss: float | None = None  # the last step's agreed loss sum (ranks), for a peer behind
+        self._regrouped = False  # the loss agreement re-formed the group and nobody had committed: retry as is
         self._ranks = stage_ranks(self.plan)
         self._reps = [len(st.devices) for st in self.plan.stages]
         self._splits = stage_splits(build)  # each stage's replica count, or its plan rows (uneven)
@@ -476,15 +478,66 @@ class Pipeline:
                                       "(hpml-compile run --max-restarts N)") from e
                 reason = str(e).splitlines()[0][:160]
             # Out of the except block: the exception's frames, which hold the old groups, are gone now.
+            if self._regrouped:  # the loss agreement re-formed the group already, and nobody had committed
+                self._regrouped = False
+                self._log(f"rank {self.rank}: step {self.steps_done + 1}: {reason}; retrying the step on the "
+                          f"re-formed process group (attempt {attempt + 2}/{policy.attempts})")
+                self._restore(snapshot)
+                continue
             wait = policy.delay(attempt)
             self._log(f"rank {self.rank}: step {self.steps_done + 1}: {reason}; re-forming the process group and "
                       f"retrying the step in {wait:g} s (attempt {attempt + 2}/{policy.attempts})")
             self._restore(snapshot)
             self._drop_groups()
             time.sleep(wait)
-            self.session.reopen(self.steps_done)
+            if self.session.reopen(self.steps_done, self._agreed_loss) is not None:
+                raise CommFailure(f"step {self.steps_done + 1}: after a communication error on rank {self.rank} the "
+                                  "other ranks had finished this step, and this rank failed before its loss agreement, "
+                                  "so it cannot take their update: restart the job from the last checkpoint")
             self.comm = self._connect()
         raise AssertionError("unreachable")
+
+    def _agreement(self, inner: Callable[[Tensor], None]) -> Callable[[Tensor], bool]:
+        """The executor's ``agree``: ``inner`` (the loss all-reduce with the batch check), and what to do when it fails.
+
+        The agreement is where a step commits, and its all-reduce may complete on some ranks and fail on others:
+        those that completed step their optimizers and go on; one that failed cannot tell whether anyone agreed. It
+        re-forms the group at once and asks (:meth:`.session.Session.reopen`): if the others are a step ahead they
+        agreed, with this rank's share, so this rank takes the same update (its gradients are synchronised: every
+        sync comes before the agreement), adopts their loss, and owes the parameter gathers after the optimizer
+        step to the next step, as the others do after failing in theirs (returns True). If nobody is ahead, nobody
+        committed: the step runs again on the re-formed group. Before, the ranks re-formed on different steps and
+        the job stopped.
+        """
+        assert self.session is not None
+
+        def agree(loss_sum: Tensor) -> bool:
+            comm = self.comm
+            assert comm is not None and self.session is not None
+            try:
+                comm.maybe_fail(CommOp.AGREE)  # a drill: before this rank's share goes out
+                inner(loss_sum)
+                comm.maybe_fail(CommOp.AGREE)  # a drill: after the answer came back (the others may have agreed)
+                return False
+            except Exception as e:  # noqa: BLE001 -- only transient communication errors are handled here
+                if not is_transient(e) or not self.session.can_retry:
+                    raise
+                reason = str(e).splitlines()[0][:160]
+            step = self.steps_done + 1
+            self._log(f"rank {self.rank}: step {step}: {reason} in the loss agreement; re-forming the process group "
+                      "to learn whether the other ranks agreed")
+            self._drop_groups()
+            agreed = self.session.reopen(self.steps_done, self._agreed_loss)
+            self.comm = self._connect()
+            if agreed is None:
+                self._regrouped = True
+                raise ConnectionError(f"the loss agreement of step {step} failed on every rank ({reason})")
+            loss_sum.fill_(agreed)
+            self._log(f"rank {self.rank}: step {step}: the other ranks had agreed; this rank takes the same update "
+                      "(the step is not run again) and gathers the parameters at the next step")
+            return True
+
+        return agree
 
     def _reform_after_update(self, failure: UpdateApplied) -> None:
         """A collective after the optimizer update failed (:class:`~hpml_compile.errors.UpdateApplied`): the update
@@ -506,7 +559,7 @@ class Pipeline:
                   "(the step is not run again); re-forming the process group; the next step gathers the parameters "
                   "first")
         self._drop_groups()
-        self.session.reopen(self.steps_done + 1)
+        self.session.reopen(self.steps_done + 1, float(failure.run.loss_sum))  # this rank agreed: never behind
         self.comm = self._connect()
 
     def _drop_groups(self) -> None:
@@ -573,7 +626,7 @@ class Pipeline:
         # every rank must have been given this very batch: checked in the loss all-reduce (see .batchcheck)
         # (a rank given only its own rows checks the batch's dataset indices and number instead)
         seen = [inputs, targets] if rank_batch is None else [rank_batch.step, rank_batch.indices]
-        agree = agree_with_check(dist.all_reduce, fingerprint(seen), self.steps_done + 1)
+        agree = self._agreement(agree_with_check(dist.all_reduce, fingerprint(seen), self.steps_done + 1))
         self.saved.reset_peak()
         self.grad_peak.reset()
         with self.saved:  # activations saved for backward, by storage, at their peak
@@ -582,8 +635,9 @@ class Pipeline:
                                   device=self.device, optimizer=self.optimizer, agree=agree,
                                   own_rows=rank_batch is not None, scaler=self.scaler, arm=self._arm,
                                   agree_inf=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))  # all skip alike
+                self._agreed_loss = float(run.loss_sum)  # a peer behind may ask for it (Session.reopen)
                 for b in self._buckets:  # local SGD: average the replicas' parameters after every H-th step
-                    if getattr(b, "reducer", None) is not None and self.optimizer is not None:
+                    if getattr(b, "reducer", None) is not None and self.optimizer is not None and not run.regrouped:
                         try:
                             b.reducer.after_step(b.params)
                         except Exception as e:

@@ -139,12 +139,28 @@ class Session:
         self._with_retry("process group", lambda: dist.init_process_group(
             Backend.GLOO.value, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout))
 
-    def reopen(self, step: int) -> None:
-        """Tear the group down and form the next generation; all ranks must be re-running ``step``.
+    def reopen(self, step: int, agreed_loss: float | None = None) -> float | None:
+        """Tear the group down and form the next generation; all ranks must be re-running ``step``, or be one
+        step apart after a loss agreement that reached some ranks and not others.
+
+        The loss agreement (the all-reduce of the loss and the batch check before any optimizer step) is where a
+        step commits. Its all-reduce can complete on one rank and fail on another (the failing rank's share went
+        out; the answer did not come back): the first steps its optimizer and goes on to the next step, the second
+        does not know whether anyone agreed. After re-forming, the ranks compare steps: equal, nobody committed
+        and the step is run again; one apart, the ranks ahead committed ``step`` with every rank's share, so a rank
+        behind may take the update too (its gradients are synchronised: the agreement comes after every sync).
+        The ranks ahead send the agreed loss sum for that, and this returns it to a rank behind.
+
+        Args:
+            step: the steps this rank has completed (the step it re-runs, from 0).
+            agreed_loss: on a rank whose last step committed, that step's agreed loss sum (sent to a rank behind).
+
+        Returns:
+            None on ranks at the newest step; on a rank one step behind, the agreed loss sum of its step.
 
         Raises:
             CommFailure: if the group is not this session's, the others do not
-                rejoin in time, or they are on another step.
+                rejoin in time, or they are more than one step apart.
         """
         if not self.owned:
             raise CommFailure("the process group belongs to your script (it was initialised before compile), so "
@@ -162,16 +178,25 @@ class Session:
             self._open()
             seen = torch.tensor([step, -step], dtype=torch.int64)
             dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+            newest, oldest = int(seen[0]), int(-seen[1])
+            share = None
+            if newest == oldest + 1:  # the ranks ahead tell the others what they agreed
+                ahead = step == newest and agreed_loss is not None
+                share = torch.tensor([agreed_loss if ahead else 0.0, 1.0 if ahead else 0.0], dtype=torch.float64)
+                dist.all_reduce(share)
         except Exception as e:
             raise CommFailure(f"step {step}: the ranks did not re-form the process group within "
                               f"{self.policy.rejoin_timeout_s:g} s after a communication error ({e}); a rank has "
                               "probably died: see its log. `hpml-compile run --max-restarts N` lets torchrun "
                               "restart the job") from e
-        if int(seen[0]) != step or int(-seen[1]) != step:
-            raise CommFailure(f"after a communication error the ranks re-formed the group on different steps "
-                              f"({int(-seen[1])}..{int(seen[0])}, this rank {step}); the job cannot continue "
-                              "consistently: restart it from the last checkpoint")
         self._store.set_timeout(datetime.timedelta(seconds=self.policy.timeout_s))
+        if newest == oldest:
+            return None
+        if share is None or share[1] < 1:
+            raise CommFailure(f"after a communication error the ranks re-formed the group on different steps "
+                              f"({oldest}..{newest}, this rank {step}); the job cannot continue "
+                              "consistently: restart it from the last checkpoint")
+        return float(share[0] / share[1]) if step == oldest else None
 
     def close(self) -> None:
         """Destroy the group if this session made it."""

@@ -1,0 +1,117 @@
+"""A loss agreement that fails on one rank after reaching the other: the step commits once, on every rank.
+
+The loss agreement (one all-reduce of the loss sum and the batch check, after every gradient sync and before any
+optimizer step) is where a step commits. Its all-reduce can complete on one rank and fail on another, whose share
+went out but whose answer did not come back. The first steps its optimizer and goes on; the second cannot tell
+whether anyone agreed. Before, the second retried the step, the first re-formed the group one step later, and
+the job stopped with "the ranks re-formed the group on different steps". Now the failing rank re-forms the group
+at once and asks (:meth:`hpml_compile.runtime.session.Session.reopen`): the others are a step ahead, so it takes
+the same update with their agreed loss. When the agreement fails before a rank's share goes out, nobody can
+commit, and every rank runs the step again.
+
+Two gloo ranks, SkipNet, three plans: one stage replicated twice under ZeRO-0 and ZeRO-1 (whose parameter
+all-gather after the optimizer step the ranks ahead fail in, and owe to the next step), and a 2-stage pipeline.
+``CommFault(1, 1, AGREE, 1)``: rank 1's agreement of step 1 (from 0) fails after its all-reduce returned;
+``CommFault(1, 1, AGREE, 0)``: before it. The losses and final parameters must equal the one-process run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpml_compile.codegen import generate, load_build
+from hpml_compile.codegen.testing import (SkipNet, replicated_skipnet_builds, seeded_skipnet, skipnet_batch,
+                                          skipnet_batches, skipnet_loss, split_plan)
+from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
+from hpml_compile.runtime.session import RetryPolicy, Session
+from hpml_compile.trace import trace
+
+pytestmark = [pytest.mark.dist]
+
+STEPS = 4
+FAIL_AT = 1
+MICRO = 2
+ROWS = 8
+TOL = 1e-5
+WHEN = {"after": 1, "before": 0}  # the AGREE occurrence that fails: after the all-reduce returned, or before it
+
+
+def _optimizer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _reference() -> tuple[list[float], dict[str, list[float]]]:
+    model = seeded_skipnet()
+    opt = _optimizer(model.parameters())
+    losses = []
+    for x, y in skipnet_batches(STEPS, ROWS):
+        opt.zero_grad()
+        loss = skipnet_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}
+
+
+def _builds(root: Path) -> dict[str, str]:
+    out = {f"zero{z}": b for z, b in replicated_skipnet_builds(root, (0, 1), microbatches=MICRO, rows=ROWS).items()}
+    gm = trace(SkipNet(), skipnet_batch(rows=ROWS)[:1])
+    out["pipe"] = str(root / "pipe")
+    generate(gm, split_plan(gm, "skipnet", 2, microbatches=MICRO), out["pipe"])
+    return out
+
+
+def _case(rank: int, world: int, build: str, out: str, name: str, index: int) -> dict[str, Any]:
+    model = seeded_skipnet()
+    session = Session(f"file://{out}/store-{name}", rank=rank, world_size=world,
+                      policy=RetryPolicy(attempts=3, backoff_s=0.1, rejoin_timeout_s=60.0, timeout_s=60.0))
+    lines: list[str] = []
+    pipe = Pipeline(load_build(build, model), model, optimizer=_optimizer, session=session,
+                    faults=[CommFault(FAIL_AT, 1, CommOp.AGREE, index)], events=False, log=lines.append)
+    losses = [float(pipe.step((x,), y, skipnet_loss)) for x, y in skipnet_batches(STEPS, ROWS)]
+    mine = {id(p) for p in pipe.parameters()}
+    final = {n: p.detach().flatten().tolist() for n, p in model.named_parameters() if id(p) in mine}
+    report = {"losses": losses, "final": final, "steps": pipe.steps_done, "lines": lines,
+              "retries": [m.retries for m in pipe.metrics], "generation": session.generation}
+    pipe.close()
+    return report
+
+
+def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
+    dist.destroy_process_group()  # spawn_ranks' group: not a session's, so it could not be re-formed
+    report = {f"{name}-{when}": _case(rank, world, b, out, f"{name}-{when}", index)
+              for name, b in builds.items() for when, index in WHEN.items()}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.init_process_group("gloo", init_method=f"file://{out}/store-end", rank=rank, world_size=world)
+
+
+def test_a_loss_agreement_that_fails_on_one_rank_commits_the_step_once_everywhere(tmp_path: Path) -> None:
+    spawn_ranks(_train, 2, tmp_path, _builds(tmp_path), str(tmp_path), timeout_s=300)
+    losses, params = _reference()
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for case in reports[0]:
+        for rank in range(2):
+            row, where = reports[rank][case], (case, rank)
+            # trained exactly as the original: step 1's update counted once on both ranks, the loss the batch's
+            assert row["steps"] == STEPS and row["generation"] == 1, (where, row["steps"], row["generation"])
+            assert row["losses"] == pytest.approx(losses, abs=TOL), (where, row["losses"], losses)
+            for name, got in row["final"].items():
+                assert torch.allclose(torch.tensor(got), torch.tensor(params[name]), atol=TOL), (where, name)
+        ahead, behind = reports[0][case], reports[1][case]
+        if case.endswith("-before"):  # nobody committed: both ran step 1 again, on the group rank 1 re-formed
+            assert ahead["retries"] == behind["retries"] == [0, 1, 0, 0], (case, ahead["retries"], behind["retries"])
+            continue
+        # rank 1 took rank 0's update and ran nothing twice; it says so once
+        assert behind["retries"] == [0] * STEPS, (case, behind["retries"])
+        said = [ln for ln in behind["lines"] if "the other ranks had agreed" in ln]
+        assert len(said) == 1 and f"step {FAIL_AT + 1}:" in said[0], (case, behind["lines"])
+        # rank 0 had committed step 1: it failed in the next collective of the old group, the ZeRO-1 gather after its
+        # optimizer step (the update stands) or step 2's first, which it ran again on the new group
+        expected = [0] * STEPS if case.startswith("zero1") else [0, 0, 1, 0]
+        assert ahead["retries"] == expected, (case, ahead["retries"], ahead["lines"])
