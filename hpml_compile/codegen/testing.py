@@ -27,7 +27,7 @@ from ..memory import ZeroStage
 from ..plan import Plan, Schedule, Stage
 
 __all__ = ["SkipNet", "skipnet_batch", "skipnet_batches", "skipnet_loss", "seeded_skipnet", "split_plan",
-           "replicated_skipnet_builds", "max_grad_diff", "max_buffer_diff"]
+           "replicated_skipnet_builds", "skipnet_sgd", "trained_skipnet", "max_grad_diff", "max_buffer_diff"]
 
 
 class SkipNet(nn.Module):
@@ -78,6 +78,26 @@ def seeded_skipnet(seed: int = 0) -> SkipNet:
 def skipnet_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Cross-entropy of :class:`SkipNet` logits."""
     return F.cross_entropy(logits, targets)
+
+
+def skipnet_sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer of the retry tests: SGD with momentum, whose state a step applied twice would show."""
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def trained_skipnet(steps: int, rows: int = 8) -> tuple[list[float], dict[str, list[float]]]:
+    """The one-process run the distributed tests compare with: :func:`seeded_skipnet` trained by
+    :func:`skipnet_sgd` on :func:`skipnet_batches`; the loss of each step and the final parameters (flat lists)."""
+    model = seeded_skipnet()
+    opt = skipnet_sgd(model.parameters())
+    losses = []
+    for x, y in skipnet_batches(steps, rows):
+        opt.zero_grad()
+        loss = skipnet_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}
 
 
 def replicated_skipnet_builds(root: str | Path, zeros: Sequence[int], *, microbatches: int, rows: int = 8

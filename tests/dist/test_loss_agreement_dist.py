@@ -27,36 +27,15 @@ import torch.distributed as dist
 
 from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.testing import (SkipNet, replicated_skipnet_builds, seeded_skipnet, skipnet_batch,
-                                          skipnet_batches, skipnet_loss, split_plan)
+                                          skipnet_batches, skipnet_loss, skipnet_sgd, split_plan, trained_skipnet)
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
 from hpml_compile.runtime.session import RetryPolicy, Session
 from hpml_compile.trace import trace
 
 pytestmark = [pytest.mark.dist]
 
-STEPS = 4
-FAIL_AT = 1
-MICRO = 2
-ROWS = 8
-TOL = 1e-5
+STEPS, FAIL_AT, MICRO, ROWS, TOL = 4, 1, 2, 8, 1e-5  # steps, the failing step (from 0), microbatches, rows, tolerance
 WHEN = {"after": 1, "before": 0}  # the AGREE occurrence that fails: after the all-reduce returned, or before it
-
-
-def _optimizer(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def _reference() -> tuple[list[float], dict[str, list[float]]]:
-    model = seeded_skipnet()
-    opt = _optimizer(model.parameters())
-    losses = []
-    for x, y in skipnet_batches(STEPS, ROWS):
-        opt.zero_grad()
-        loss = skipnet_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}
 
 
 def _builds(root: Path) -> dict[str, str]:
@@ -72,7 +51,7 @@ def _case(rank: int, world: int, build: str, out: str, name: str, index: int) ->
     session = Session(f"file://{out}/store-{name}", rank=rank, world_size=world,
                       policy=RetryPolicy(attempts=3, backoff_s=0.1, rejoin_timeout_s=60.0, timeout_s=60.0))
     lines: list[str] = []
-    pipe = Pipeline(load_build(build, model), model, optimizer=_optimizer, session=session,
+    pipe = Pipeline(load_build(build, model), model, optimizer=skipnet_sgd, session=session,
                     faults=[CommFault(FAIL_AT, 1, CommOp.AGREE, index)], events=False, log=lines.append)
     losses = [float(pipe.step((x,), y, skipnet_loss)) for x, y in skipnet_batches(STEPS, ROWS)]
     mine = {id(p) for p in pipe.parameters()}
@@ -93,7 +72,7 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
 
 def test_a_loss_agreement_that_fails_on_one_rank_commits_the_step_once_everywhere(tmp_path: Path) -> None:
     spawn_ranks(_train, 2, tmp_path, _builds(tmp_path), str(tmp_path), timeout_s=300)
-    losses, params = _reference()
+    losses, params = trained_skipnet(STEPS, ROWS)
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for case in reports[0]:
         for rank in range(2):

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from hpml_compile.codegen import load_build
-from hpml_compile.codegen.testing import replicated_skipnet_builds, seeded_skipnet, skipnet_batches, skipnet_loss
+from hpml_compile.codegen.testing import (replicated_skipnet_builds, seeded_skipnet, skipnet_batches, skipnet_loss,
+                                          skipnet_sgd, trained_skipnet)
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
 from hpml_compile.runtime.session import RetryPolicy, Session
 from hpml_compile.runtime.zero import FlatShard
@@ -38,29 +39,12 @@ ROWS = 8
 TOL = 1e-5
 
 
-def _optimizer(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def _reference() -> tuple[list[float], dict[str, list[float]]]:
-    model = seeded_skipnet()
-    opt = _optimizer(model.parameters())
-    losses = []
-    for x, y in skipnet_batches(STEPS, ROWS):
-        opt.zero_grad()
-        loss = skipnet_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}
-
-
 def _case(rank: int, world: int, build: str, out: str, name: str) -> dict[str, Any]:
     model = seeded_skipnet()
     session = Session(f"file://{out}/store-{name}", rank=rank, world_size=world,
                       policy=RetryPolicy(attempts=3, backoff_s=0.1, rejoin_timeout_s=60.0, timeout_s=60.0))
     lines: list[str] = []
-    pipe = Pipeline(load_build(build, model), model, optimizer=_optimizer, session=session,
+    pipe = Pipeline(load_build(build, model), model, optimizer=skipnet_sgd, session=session,
                     faults=[CommFault(FAIL_AT, 0, CommOp.COLLECTIVE, 1)], events=False, log=lines.append)
     assert pipe.comm is not None
     shard = pipe.comm.shards[pipe.stage_index]
@@ -94,7 +78,7 @@ def _reducer_run(rank: int, world: int, build: str, out: str, name: str, opts: d
     model = seeded_skipnet()
     session = Session(f"file://{out}/store-{name}-{reform}", rank=rank, world_size=world,
                       policy=RetryPolicy(attempts=3, backoff_s=0.1, rejoin_timeout_s=60.0, timeout_s=60.0))
-    pipe = Pipeline(load_build(build, model), model, optimizer=_optimizer, session=session, comm_options=opts,
+    pipe = Pipeline(load_build(build, model), model, optimizer=skipnet_sgd, session=session, comm_options=opts,
                     events=False)
     losses = []
     for i, (x, y) in enumerate(skipnet_batches(STEPS + 2, ROWS)):
@@ -123,7 +107,7 @@ def _train_reducers(rank: int, world: int, build: str, out: str) -> None:
 def test_a_gather_that_fails_after_the_update_keeps_it_and_the_next_step_gathers_first(tmp_path: Path) -> None:
     builds = replicated_skipnet_builds(tmp_path, (1, 2), microbatches=MICRO, rows=ROWS)
     spawn_ranks(_train, 2, tmp_path, builds, str(tmp_path), timeout_s=240)
-    losses, params = _reference()
+    losses, params = trained_skipnet(STEPS, ROWS)
     for rank in range(2):
         for zero, row in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():
             where = (rank, f"ZeRO-{zero}")
