@@ -157,6 +157,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, builds: dict[int, s
         if z == 0 and FORCED in want:
             runs[FORCED] = _ours(build, args.model, overlap=True)
     times: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}  # (this thread, the others) s per step
     first: dict[str, float] = {}
     for rnd in range(args.rounds + 1):  # round 0 warms every runtime up and is not counted
         order = list(runs.items())
@@ -164,14 +165,17 @@ def _worker(rank: int, world: int, args: argparse.Namespace, builds: dict[int, s
             order.reverse()  # no runtime always follows the same one
         for name, step in order:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
             losses = [step() for _ in range(args.steps)]
+            main_s, all_s = time.thread_time() - c0, time.process_time() - p0
             dist.barrier()
             if rnd == 0:
                 first[name] = losses[0]
             else:
                 times[name].append((time.perf_counter() - t0) / args.steps)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"times": times, "first_loss": first, "errors": errors}))
+                cpu[name].append((main_s / args.steps, (all_s - main_s) / args.steps))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"times": times, "cpu": cpu, "first_loss": first,
+                                                         "errors": errors}))
 
 
 def _builds(args: argparse.Namespace, root: Path) -> dict[int, str]:
@@ -209,8 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, Any]] = {}
     for name in ranks[0]["times"]:
         per_round = [max(a, b) * 1e3 for a, b in zip(ranks[0]["times"][name], ranks[1]["times"][name])]
+        # CPU time per step, which another job's load does not change (it stretches the wall time only): the
+        # rank's main thread (the step itself) and its other threads (gloo's, the autograd engine's), summed
+        # over both ranks, median over rounds
+        main = [a[0] + b[0] for a, b in zip(ranks[0]["cpu"][name], ranks[1]["cpu"][name])]
+        other = [a[1] + b[1] for a, b in zip(ranks[0]["cpu"][name], ranks[1]["cpu"][name])]
         rows[name] = {"step_ms_median": statistics.median(per_round), "step_ms_rounds": per_round,
-                      "first_loss": ranks[0]["first_loss"][name]}
+                      "first_loss": ranks[0]["first_loss"][name],
+                      "main_thread_cpu_ms": statistics.median(main) * 1e3,
+                      "other_threads_cpu_ms": statistics.median(other) * 1e3}
     pairs = [(a, b) for a, b in ((DDP, OURS[0]), (FORCED, OURS[0]), (FSDP2, OURS[1]), (FSDP2, OURS[2]),
                                  (FSDP2, OURS[3])) if a in rows and b in rows]
     ratios, paired = {}, {}
@@ -221,10 +232,12 @@ def main(argv: list[str] | None = None) -> int:
                                                                     rows[b]["step_ms_rounds"]))
     print(f"{args.model}, batch {batch} ({batch // 2} rows per rank), 2 gloo ranks (1 thread each), AdamW; "
           f"{args.rounds} rounds x {args.steps} steps, interleaved; step ms = slower rank, median over rounds")
-    print(f"  {'runtime':28s} {'step ms':>9s} {'first loss':>11s}   rounds")
+    print(f"  {'runtime':28s} {'step ms':>9s} {'first loss':>11s} {'cpu main':>9s} {'cpu other':>9s}   rounds")
     for name, r in rows.items():
-        print(f"  {name:28s} {r['step_ms_median']:9.1f} {r['first_loss']:11.4f}   "
-              + " ".join(f"{t:.0f}" for t in r["step_ms_rounds"]))
+        print(f"  {name:28s} {r['step_ms_median']:9.1f} {r['first_loss']:11.4f} {r['main_thread_cpu_ms']:9.1f} "
+              f"{r['other_threads_cpu_ms']:9.1f}   " + " ".join(f"{t:.0f}" for t in r["step_ms_rounds"]))
+    print("  (cpu main / other: CPU ms per step of the ranks' main threads / their other threads, both ranks "
+          "summed: what another job's load does not change)")
     for name, err in ranks[0]["errors"].items():
         print(f"  {name:28s} {'failed':>9s}   {err}")
     for name, v in ratios.items():
