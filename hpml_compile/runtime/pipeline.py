@@ -710,8 +710,13 @@ class Pipeline:
     def _validate(self, validate: Callable[[], float] | None) -> float | None:
         """Run ``validate`` after an update; a communication failure in it must not retry the (applied) step.
 
+        A transient failure re-forms the process group at the next step's number, as a failure after the update
+        does (:meth:`_reform_after_update`): the update stands, this step has no validation loss (None), and a
+        peer whose validation succeeded fails in the next step's first collective and joins there.
+
         Raises:
-            CommFailure: communication failed during validation (not transient to the step's retry loop).
+            CommFailure: communication failed during validation and this process group cannot be re-formed (the
+                script's own), or the others did not rejoin.
         """
         if validate is None:
             return None
@@ -720,9 +725,18 @@ class Pipeline:
         except Exception as e:  # noqa: BLE001 -- only transient communication errors are re-classified
             if not is_transient(e):
                 raise
-            raise CommFailure(f"step {self.steps_done + 1}: communication failed on rank {self.rank} while measuring "
-                              f"the validation loss after the update ({str(e).splitlines()[0][:200]}); the update "
-                              "is applied, so the step is not retried: resume from the last checkpoint") from e
+            if self.session is None or not self.session.can_retry:
+                raise CommFailure(f"step {self.steps_done + 1}: communication failed on rank {self.rank} while "
+                                  f"measuring the validation loss after the update ({str(e).splitlines()[0][:200]}); "
+                                  "the update is applied, so the step is not retried: resume from the last "
+                                  "checkpoint") from e
+            reason = str(e).splitlines()[0][:160]
+        self._log(f"rank {self.rank}: step {self.steps_done + 1}: {reason} while measuring the validation loss after "
+                  "the update, which stands; re-forming the process group; this step has no validation loss")
+        self._drop_groups()
+        self.session.reopen(self.steps_done + 1, self._agreed_loss)
+        self.comm = self._connect()
+        return None
 
     def _run_local(self, inputs: tuple[Any, ...], targets: Any, loss_fn: Callable[[Any, Any], Tensor],
                    n: int, validate: Callable[[], float] | None = None) -> Tensor:
