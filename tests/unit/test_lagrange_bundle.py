@@ -93,3 +93,20 @@ def test_one_microbatch_bound_keeps_one_bottleneck_threshold(monkeypatch) -> Non
     assert b.complete and b.lower <= exact.upper * (1 + 1e-9)
     assert b.lower >= exact.upper * 0.97  # the prices' bound (a duality gap of ~3% here, which the floors close)
     assert b.evaluations <= 1000, b.evaluations
+
+
+@pytest.mark.dist  # a fresh process: HiGHS prints its banner once per process
+def test_the_cutting_plane_lp_prints_no_banner() -> None:
+    """HiGHS prints two banner lines on its first instance in a process, before any option can be set; ``plan``'s
+    log had them in its middle. A fresh process that solves one box LP prints nothing."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np\n"
+            "from hpml_compile.solve.bundle import Planes, box_argmax\n"
+            "pl = Planes(2)\n"
+            "pl.add(6.0, np.array([-1.0, 0.0]), 1.0, 1.0)\n"
+            "box_argmax(*pl.valid(2.0, 2.0, np.zeros(2)), np.zeros(2), 5.0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "HiGHS" not in out.stdout and out.stdout == "", out.stdout
