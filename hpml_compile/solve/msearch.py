@@ -277,11 +277,13 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
         """Repair pooled paths into plans (:meth:`~.restricted.Polisher.repair`, then :func:`found`, which polishes
         them), fewest devices over first, within :data:`REPAIR_SHARE` of the time since the search began.
 
-        gpt2-xl on 4 x 256 at M=8 (session 13): the bound met 266.33 ms at 5.6 s of a 60 s solve, but every path
-        at the prices that hold it puts 32-300 devices too many on some kinds, and only paths within every count
-        were plans, so the incumbent stayed at 270.70 ms (1.6%) to the end. Of 106 such paths below 270.70 ms and
-        at most 256 devices over, the three fewest over (16-64) repair to 266.33 ms (the bound: optimal) or 267.56;
-        by proxy objective the first such was the 44th. Each repair costs ~0.1 CPU s there."""
+        gpt2-xl on 4 x 256 at M=8 (session 13): the bound met 266.33 ms at 5.6 s of a 60 s solve, but the paths
+        at the prices that hold it put some kind over its count (by 32 devices or more in those seen), and only
+        paths within every count were plans, so the incumbent stayed at 270.70 ms (1.6%) to the end. Of 106 such
+        paths (from 25 s of M=8's bound alone, cutoff 270.70 ms) at most 256 devices over, the four fewest over
+        (32-80 devices) repair to
+        270.99, 267.56, 266.33 (the bound: optimal) and 267.56 ms; by proxy objective the first path that repairs
+        below 267.6 ms was the 44th. A repair and its polish cost ~0.12 s there."""
         nonlocal repair_s
         while pool and time.perf_counter() < until:
             now = time.perf_counter()
