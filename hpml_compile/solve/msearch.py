@@ -259,6 +259,7 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
     repair_s = 0.0  # wall seconds spent repairing paths
     total = float(sum(counts.values()))
     pools: dict[int, list[tuple[float, float, int, list[int]]]] = {}  # by count's index: (over, proxy, tie, path)
+    turn = False
 
     def repairer(c: _Count) -> Callable[[list[int], float, np.ndarray], None]:
         """Collect the count's shortest paths that break a device count by at most :data:`REPAIR_EXCESS` of the
@@ -276,19 +277,20 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
 
     def repair_some(until: float) -> None:
         """Repair pooled paths into plans (:meth:`~.restricted.Polisher.repair`, then :func:`found`, which polishes
-        them), within :data:`REPAIR_SHARE` of the time since the search began: the paths of the open count with the
-        least bound first (where a plan at the bound closes the gap), fewest devices over first. (One pool over
-        every count, fewest over first, spent most repairs at M=4 on gpt2-xl 4 x 256, where paths are fewer
-        devices over, while M=8 held the bound and the optimum.)
+        them), within :data:`REPAIR_SHARE` of the time since the search began, fewest devices over first, taking
+        in turn the open count with the least bound (where a plan at the bound closes the gap) and the path fewest
+        over at any open count.
 
         gpt2-xl on 4 x 256 at M=8 (session 13): the bound met 266.33 ms at 5.6 s of a 60 s solve, but the paths
         at the prices that hold it put some kind over its count (by 32 devices or more in those seen), and only
         paths within every count were plans, so the incumbent stayed at 270.70 ms (1.6%) to the end. Of 106 such
         paths (from 25 s of M=8's bound alone, cutoff 270.70 ms) at most 256 devices over, the four fewest over
-        (32-80 devices) repair to
-        270.99, 267.56, 266.33 (the bound: optimal) and 267.56 ms; by proxy objective the first path that repairs
-        below 267.6 ms was the 44th. A repair and its polish cost ~0.12 s there."""
-        nonlocal repair_s
+        (32-80 devices) repair to 270.99, 267.56, 266.33 (the bound: optimal) and 267.56 ms; by proxy objective
+        the first path that repairs below 267.6 ms was the 44th. A repair and its polish cost ~0.12 s there. The
+        paths of M=4 are fewer devices over than M=8's and repair to 268.58 ms (1% early): one pool, fewest over
+        first, reached 1% at 5.0-6.7 s but 266.33 at 6.3-19 s in three runs and not within 60 s in two; the
+        bound's count alone found 266.33 but reached 1% only at 17-35 s (three runs, load 1.1-3.2)."""
+        nonlocal repair_s, turn
         while time.perf_counter() < until:
             now = time.perf_counter()
             if repair_s > max(REPAIR_SHARE * (now - start), POLISH_S):  # a few repairs even in a short search
@@ -297,7 +299,8 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
                 del pools[at]  # a closed count's paths cannot beat the incumbent
             if not pools:
                 return
-            at = min(pools, key=lambda i: (nodes[i].lower, nodes[i].m))  # the count that holds the bound first
+            turn ^= True  # in turn: the count that holds the bound, and the path fewest over at any open count
+            at = min(pools, key=lambda i: (nodes[i].lower, nodes[i].m) if turn else (pools[i][0][0], nodes[i].m))
             _, value, _, idx = heapq.heappop(pools[at])
             c = nodes[at]
             if value >= min(c.upper, upper()) * (1 - 1e-9) or c.tab is None:
