@@ -60,8 +60,8 @@ from .lagrange import LagrangianRun, ordered_chain, ordered_units, reduced_cost_
 from .restricted import POLISH_S, Polisher, feasible, polish, proxy_sweep
 from .table import CandidateTable, build_table
 
-__all__ = ["MILP_CANDIDATES", "BOUNDS_SHARE", "ORDERS_SHARE", "REPAIR_SHARE", "REPAIR_EXCESS", "Outcome", "anytime",
-           "relative_gap"]
+__all__ = ["MILP_CANDIDATES", "BOUNDS_SHARE", "ORDERS_SHARE", "REPAIR_SHARE", "REPAIR_EXCESS", "REPAIR_GAP", "Outcome",
+           "anytime", "relative_gap"]
 
 #: Most candidates handed to HiGHS after pruning (beyond, the Lagrangian bounds alone decide; memory).
 MILP_CANDIDATES = 15000
@@ -76,6 +76,11 @@ REPAIR_SHARE = 0.25
 #: Paths over the device counts by more than this share of the cluster's devices are not repaired (the paths at
 #: zero prices put every stage on the fastest kind: thousands of devices over, far from any plan).
 REPAIR_EXCESS = 0.25
+#: Only the paths of counts whose bound is within this share of the incumbent are repaired (the others stay pooled):
+#: far from the bound's optimum the prices, and so the paths, are far from a plan, and the time is the bound's.
+#: llama-70b on 3 x 256 has its bound at 21,815 ms against a 70,456 ms incumbent until 7 s into its 10 s solve, then
+#: at the optimum; repairs before that cost it its 1% in one run.
+REPAIR_GAP = 0.1
 #: Paths kept for repair (the fewest devices over).
 REPAIR_POOL = 2048
 #: Wall seconds a count is advanced before the next count is chosen.
@@ -277,9 +282,9 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
 
     def repair_some(until: float) -> None:
         """Repair pooled paths into plans (:meth:`~.restricted.Polisher.repair`, then :func:`found`, which polishes
-        them), within :data:`REPAIR_SHARE` of the time since the search began, fewest devices over first, taking
-        in turn the open count with the least bound (where a plan at the bound closes the gap) and the path fewest
-        over at any open count.
+        them), within :data:`REPAIR_SHARE` of the time since the search began, at counts whose bound is within
+        :data:`REPAIR_GAP` of the incumbent, fewest devices over first, taking in turn the open count with the least
+        bound (where a plan at the bound closes the gap) and the path fewest over at any open count.
 
         gpt2-xl on 4 x 256 at M=8 (session 13): the bound met 266.33 ms at 5.6 s of a 60 s solve, but the paths
         at the prices that hold it put some kind over its count (by 32 devices or more in those seen), and only
@@ -297,10 +302,11 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
                 return
             for at in [at for at, pool in pools.items() if not pool or nodes[at].lower >= upper() * (1 - 1e-6)]:
                 del pools[at]  # a closed count's paths cannot beat the incumbent
-            if not pools:
+            near = [at for at in pools if nodes[at].lower >= upper() * (1 - REPAIR_GAP)]
+            if not near:
                 return
             turn ^= True  # in turn: the count that holds the bound, and the path fewest over at any open count
-            at = min(pools, key=lambda i: (nodes[i].lower, nodes[i].m) if turn else (pools[i][0][0], nodes[i].m))
+            at = min(near, key=lambda i: (nodes[i].lower, nodes[i].m) if turn else (pools[i][0][0], nodes[i].m))
             _, value, _, idx = heapq.heappop(pools[at])
             c = nodes[at]
             if value >= min(c.upper, upper()) * (1 - 1e-9) or c.tab is None:
