@@ -71,16 +71,17 @@ BOUNDS_SHARE = 0.85
 #: each count that comes to hold the incumbent), for a better plan.
 ORDERS_SHARE = 0.2
 #: Share of the wall time (since the anytime search began) that repairing the Lagrangian paths over a device count
-#: into plans may take (:func:`anytime`'s ``repair_some``).
-REPAIR_SHARE = 0.25
+#: into plans may take (:func:`anytime`'s ``repair_some``; at least :data:`~.restricted.POLISH_S` in all).
+REPAIR_SHARE = 0.15
 #: Paths over the device counts by more than this share of the cluster's devices are not repaired (the paths at
 #: zero prices put every stage on the fastest kind: thousands of devices over, far from any plan).
 REPAIR_EXCESS = 0.25
 #: Only the paths of counts whose bound is within this share of the incumbent are repaired (the others stay pooled):
 #: far from the bound's optimum the prices, and so the paths, are far from a plan, and the time is the bound's.
-#: llama-70b on 3 x 256 has its bound at 21,815 ms against a 70,456 ms incumbent until 7 s into its 10 s solve, then
-#: at the optimum; repairs before that cost it its 1% in one run.
-REPAIR_GAP = 0.1
+#: llama-70b on 3 x 256 has its bound at 21,815 ms against a 70,456 ms incumbent until 5-7 s into its 10 s solve,
+#: then at the optimum; repairs before that cost it its 1% in one run, and with 10% (and a share of 25%) it reached
+#: 1% at ~7.0 s in three runs against 5.0-6.3 s before.
+REPAIR_GAP = 0.05
 #: Paths kept for repair (the fewest devices over).
 REPAIR_POOL = 2048
 #: Wall seconds a count is advanced before the next count is chosen.
