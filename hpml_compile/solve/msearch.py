@@ -144,6 +144,7 @@ class _Count:
     orders: bool = False
     t_min: float = 0.0
     stalled: bool = False
+    flat: bool = False
     polisher: Polisher | None = None
 
     @property
@@ -284,7 +285,10 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
     def repair_some(until: float) -> None:
         """Repair pooled paths into plans (:meth:`~.restricted.Polisher.repair`, then :func:`found`, which polishes
         them), within :data:`REPAIR_SHARE` of the time since the search began, at counts whose bound is within
-        :data:`REPAIR_GAP` of the incumbent, fewest devices over first, taking in turn the open count with the least
+        :data:`REPAIR_GAP` of the incumbent and has stopped rising (its last slice raised it by less than
+        :data:`STALL`, or its branch and bound is done: the prices have done what they can, and a plan at the
+        bound must come from elsewhere; llama-70b's rows, whose bounds rise to their plans, lost 0.5-3 s to
+        repairs before), fewest devices over first, taking in turn the open count with the least
         bound (where a plan at the bound closes the gap) and the path fewest over at any open count.
 
         gpt2-xl on 4 x 256 at M=8 (session 13): the bound met 266.33 ms at 5.6 s of a 60 s solve, but the paths
@@ -303,7 +307,8 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
                 return
             for at in [at for at, pool in pools.items() if not pool or nodes[at].lower >= upper() * (1 - 1e-6)]:
                 del pools[at]  # a closed count's paths cannot beat the incumbent
-            near = [at for at in pools if nodes[at].lower >= upper() * (1 - REPAIR_GAP)]
+            near = [at for at in pools if nodes[at].lower >= upper() * (1 - REPAIR_GAP)
+                    and (nodes[at].flat or (nodes[at].run is not None and nodes[at].run.done))]
             if not near:
                 return
             turn ^= True  # in turn: the count that holds the bound, and the path fewest over at any open count
@@ -369,7 +374,7 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
         was = c.lower
         b, c.prices = c.run.advance(until)
         c.lower = max(c.lower, b.lower)
-        c.stalled = c.lower - was < STALL * upper()
+        c.stalled = c.flat = c.lower - was < STALL * upper()
         log()
 
     def open_nodes() -> list[_Count]:
