@@ -217,18 +217,22 @@ class LagrangianRun:
     way, a bound on what this count could add), which is what the search over microbatch counts
     (:mod:`.msearch`) needs to drop a count. ``prices``: the first box's starting prices (another count's,
     for instance; any start is valid, a good one only saves steps). ``done``: the branch and bound has nothing
-    left to do.
+    left to do. ``repair``: called ``(path, proxy, excess)`` once per distinct shortest path that breaks some
+    kind's device count (``excess`` per kind) with a proxy objective below what a box must beat: near the dual's
+    optimum such paths are a few stages from a plan (:meth:`~.restricted.Polisher.repair`); the caller decides
+    whether to spend the time, and reports a plan it finds through its own incumbent (which ``cutoff`` sees).
     """
 
     def __init__(self, chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, *,
                  start: list[Candidate] | None = None, target_gap: float = 1e-6, iterations: int = 12,
                  progress: Callable[[float, float, list[Candidate] | None], None] | None = None,
-                 cutoff: Callable[[], float] | None = None, prices: np.ndarray | None = None) -> None:
+                 cutoff: Callable[[], float] | None = None, prices: np.ndarray | None = None,
+                 repair: Callable[[list[int], float, np.ndarray], None] | None = None) -> None:
         self.deadline = math.inf
         self.done = False
         self.result: tuple[Bounds, np.ndarray] | None = None
         self._steps = _lagrangian(self, chain, cluster, setting, tab, start, target_gap, iterations,
-                                  progress or (lambda *_: None), cutoff or (lambda: math.inf), prices)
+                                  progress or (lambda *_: None), cutoff or (lambda: math.inf), prices, repair)
 
     def advance(self, deadline: float = math.inf) -> tuple[Bounds, np.ndarray]:
         """Go on until ``deadline`` (a ``time.perf_counter()`` value; at least one step is taken) or the end;
@@ -243,7 +247,9 @@ class LagrangianRun:
 def _lagrangian(run: LagrangianRun, chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable,
                 start: list[Candidate] | None, target_gap: float, iterations: int,
                 say: Callable[[float, float, list[Candidate] | None], None], cutoff: Callable[[], float],
-                prices: np.ndarray | None = None) -> Iterator[tuple[Bounds, np.ndarray]]:
+                prices: np.ndarray | None = None,
+                repair: Callable[[list[int], float, np.ndarray], None] | None = None
+                ) -> Iterator[tuple[Bounds, np.ndarray]]:
     """The body of :class:`LagrangianRun`: yields its bounds each time ``run.deadline`` passes, and at the end
     (``run.done`` set)."""
     m, n = setting.microbatches, chain.n
@@ -269,6 +275,21 @@ def _lagrangian(run: LagrangianRun, chain: Chain, cluster: Cluster, setting: Set
         if feasible(plan, counts, big_j) and objective(plan, m) < upper:
             best, upper = plan, objective(plan, m)
             say(lower_now, upper, best)
+
+    offered: set[bytes] = set()
+
+    def offer(idx: np.ndarray, used: np.ndarray) -> None:
+        """A path over some kind's count whose proxy is below what a box must beat, to ``repair`` (once)."""
+        if repair is None:
+            return
+        value = (m - 1) * float(tab.t[idx].max()) + float(base[idx].sum()) + float(tab.tail[idx].max())
+        if value >= limit() * (1 - 1e-9):
+            return
+        key = idx.tobytes()
+        if key in offered:
+            return
+        offered.add(key)
+        repair([int(i) for i in idx], value, np.maximum(used - cap, 0.0))
 
     planes = Planes(len(tab.kinds))  # every path's plane, shared by the pairs whose thresholds admit the path
 
@@ -324,6 +345,8 @@ def _lagrangian(run: LagrangianRun, chain: Chain, cluster: Cluster, setting: Set
                 if float(cur @ (cap - used)) <= 1e-12 * max(abs(got[0]), 1.0):
                     st.done = True  # complementary slackness: this path is optimal for the box
                     break
+            else:
+                offer(idx, used)
             if st.value >= slack:
                 st.done = True
                 break

@@ -42,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import math
 import time
@@ -59,7 +60,8 @@ from .lagrange import LagrangianRun, ordered_chain, ordered_units, reduced_cost_
 from .restricted import POLISH_S, Polisher, feasible, polish, proxy_sweep
 from .table import CandidateTable, build_table
 
-__all__ = ["MILP_CANDIDATES", "BOUNDS_SHARE", "ORDERS_SHARE", "Outcome", "anytime", "relative_gap"]
+__all__ = ["MILP_CANDIDATES", "BOUNDS_SHARE", "ORDERS_SHARE", "REPAIR_SHARE", "REPAIR_EXCESS", "REPAIR_GAP", "Outcome",
+           "anytime", "relative_gap"]
 
 #: Most candidates handed to HiGHS after pruning (beyond, the Lagrangian bounds alone decide; memory).
 MILP_CANDIDATES = 15000
@@ -68,6 +70,20 @@ BOUNDS_SHARE = 0.85
 #: Share of the time that the blocked DP may take in the other kind orders at the incumbent's count (half of it at
 #: each count that comes to hold the incumbent), for a better plan.
 ORDERS_SHARE = 0.2
+#: Share of the wall time (since the anytime search began) that repairing the Lagrangian paths over a device count
+#: into plans may take (:func:`anytime`'s ``repair_some``; at least :data:`~.restricted.POLISH_S` in all).
+REPAIR_SHARE = 0.15
+#: Paths over the device counts by more than this share of the cluster's devices are not repaired (the paths at
+#: zero prices put every stage on the fastest kind: thousands of devices over, far from any plan).
+REPAIR_EXCESS = 0.25
+#: Only the paths of counts whose bound is within this share of the incumbent are repaired (the others stay pooled):
+#: far from the bound's optimum the prices, and so the paths, are far from a plan, and the time is the bound's.
+#: llama-70b on 3 x 256 has its bound at 21,815 ms against a 70,456 ms incumbent until 5-7 s into its 10 s solve,
+#: then at the optimum; repairs before that cost it its 1% in one run, and with 10% (and a share of 25%) it reached
+#: 1% at ~7.0 s in three runs against 5.0-6.3 s before.
+REPAIR_GAP = 0.05
+#: Paths kept for repair (the fewest devices over).
+REPAIR_POOL = 2048
 #: Wall seconds a count is advanced before the next count is chosen.
 SLICE_S = 0.2
 #: A slice that raises a count's bound by less than this share of the incumbent stalls the count: the next slices
@@ -128,6 +144,7 @@ class _Count:
     orders: bool = False
     t_min: float = 0.0
     stalled: bool = False
+    flat: bool = False
     polisher: Polisher | None = None
 
     @property
@@ -246,6 +263,71 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
                     and objective(moved, x.m) < x.upper:
                 found(x, moved, spread=False)
 
+    repair_s = 0.0  # wall seconds spent repairing paths
+    total = float(sum(counts.values()))
+    pools: dict[int, list[tuple[float, float, int, list[int]]]] = {}  # by count's index: (over, proxy, tie, path)
+    turn = False
+
+    def repairer(c: _Count) -> Callable[[list[int], float, np.ndarray], None]:
+        """Collect the count's shortest paths that break a device count by at most :data:`REPAIR_EXCESS` of the
+        devices, for :func:`repair_some`."""
+        at = nodes.index(c)
+
+        def rep(idx: list[int], value: float, excess: np.ndarray) -> None:
+            over = float(excess.sum())
+            if over <= REPAIR_EXCESS * total:
+                pool = pools.setdefault(at, [])
+                heapq.heappush(pool, (over, value, len(pool), idx))
+                if len(pool) > 2 * REPAIR_POOL:  # keep the fewest devices over
+                    pool[:] = heapq.nsmallest(REPAIR_POOL, pool)
+        return rep
+
+    def repair_some(until: float) -> None:
+        """Repair pooled paths into plans (:meth:`~.restricted.Polisher.repair`, then :func:`found`, which polishes
+        them), within :data:`REPAIR_SHARE` of the time since the search began, at counts whose bound is within
+        :data:`REPAIR_GAP` of the incumbent and has stopped rising (its last slice raised it by less than
+        :data:`STALL`, or its branch and bound is done: the prices have done what they can, and a plan at the
+        bound must come from elsewhere; llama-70b's rows, whose bounds rise to their plans, lost 0.5-3 s to
+        repairs before), fewest devices over first, taking in turn the open count with the least
+        bound (where a plan at the bound closes the gap) and the path fewest over at any open count.
+
+        gpt2-xl on 4 x 256 at M=8 (session 13): the bound met 266.33 ms at 5.6 s of a 60 s solve, but the paths
+        at the prices that hold it put some kind over its count (by 32 devices or more in those seen), and only
+        paths within every count were plans, so the incumbent stayed at 270.70 ms (1.6%) to the end. Of 106 such
+        paths (from 25 s of M=8's bound alone, cutoff 270.70 ms) at most 256 devices over, the four fewest over
+        (32-80 devices) repair to 270.99, 267.56, 266.33 (the bound: optimal) and 267.56 ms; by proxy objective
+        the first path that repairs below 267.6 ms was the 44th. A repair and its polish cost ~0.12 s there. The
+        paths of M=4 are fewer devices over than M=8's and repair to 268.58 ms (1% early): one pool, fewest over
+        first, reached 1% at 5.0-6.7 s but 266.33 at 6.3-19 s in three runs and not within 60 s in two; the
+        bound's count alone found 266.33 but reached 1% only at 17-35 s (three runs, load 1.1-3.2)."""
+        nonlocal repair_s, turn
+        while time.perf_counter() < until:
+            now = time.perf_counter()
+            if repair_s > max(REPAIR_SHARE * (now - start), POLISH_S):  # a few repairs even in a short search
+                return
+            for at in [at for at, pool in pools.items() if not pool or nodes[at].lower >= upper() * (1 - 1e-6)]:
+                del pools[at]  # a closed count's paths cannot beat the incumbent
+            near = [at for at in pools if nodes[at].lower >= upper() * (1 - REPAIR_GAP)
+                    and (nodes[at].flat or (nodes[at].run is not None and nodes[at].run.done))]
+            if not near:
+                return
+            turn ^= True  # in turn: the count that holds the bound, and the path fewest over at any open count
+            at = min(near, key=lambda i: (nodes[i].lower, nodes[i].m) if turn else (pools[i][0][0], nodes[i].m))
+            _, value, _, idx = heapq.heappop(pools[at])
+            c = nodes[at]
+            if value >= min(c.upper, upper()) * (1 - 1e-9) or c.tab is None:
+                continue
+            if c.polisher is None:
+                c.polisher = Polisher(c.tab, counts, classes(c.setting, len(cluster.devices)), c.m)
+            try:
+                got = c.polisher.repair(idx, until=min(deadline, now + POLISH_S))
+                if got is not None:
+                    plan = [c.tab.candidate(i) for i in got]
+                    if feasible(plan, counts, c.polisher.big_j):
+                        found(c, plan)
+            finally:
+                repair_s += time.perf_counter() - now
+
     def progress(c: _Count) -> Callable[[float, float, list[Candidate] | None], None]:
         def got(lo: float, up: float, plan: list[Candidate] | None) -> None:
             c.lower = max(c.lower, lo)
@@ -276,7 +358,8 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
                     and objective(moved, c.m) < c.upper:
                 found(c, moved)
         c.run = LagrangianRun(chain, cluster, c.setting, c.tab, start=c.plan, progress=progress(c), cutoff=upper,
-                              prices=node.prices)  # the incumbent count's prices: a closer start than zero
+                              prices=node.prices,  # the incumbent count's prices: a closer start than zero
+                              repair=repairer(c))
         b, c.prices = c.run.advance(time.perf_counter())  # the root box only
         c.lower, c.t_min = max(c.lower, b.lower), b.t_min
         if c.lower >= upper() * (1 - 1e-6) and c is not node:
@@ -291,7 +374,7 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
         was = c.lower
         b, c.prices = c.run.advance(until)
         c.lower = max(c.lower, b.lower)
-        c.stalled = c.lower - was < STALL * upper()
+        c.stalled = c.flat = c.lower - was < STALL * upper()
         log()
 
     def open_nodes() -> list[_Count]:
@@ -329,6 +412,8 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
                              time.perf_counter() + ORDERS_SHARE * (share - start) / 2)
                 continue
             step(c, min(share, time.perf_counter() + SLICE_S))
+            repair_some(share)
+        repair_some(share)  # the bounds may have ended with paths still pooled (small tables: at the roots)
         if relative_gap(lower(), upper()) <= 1e-6:
             return outcome()
         # HiGHS on the count that limits the bound, over the candidates that can still beat the incumbent.
@@ -347,6 +432,7 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
                 if x is None:
                     break
                 step(x, min(deadline, time.perf_counter() + SLICE_S))
+                repair_some(deadline - 0.05)
             return outcome()
         res = milp(chain, cluster, c.setting, small, c.plan, t_min=c.t_min, lower=c.lower, time_limit_s=left,
                    progress=say, full=len(c.tab), t0=start)

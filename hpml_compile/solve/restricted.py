@@ -45,7 +45,8 @@ from .table import CandidateTable
 
 __all__ = ["COARSE_VECTORS", "EXACT_VECTORS", "ORDERED_STATES", "SWEEP", "vectors", "units", "feasible",
            "coarse_groups", "coarse_chain", "ordered_units", "ordered_groups", "speed_order", "ordered_chain",
-           "least_sum", "suffix_sums", "proxy_sweep", "POLISH_S", "POLISH_SHIFT", "Polisher", "polish"]
+           "least_sum", "suffix_sums", "proxy_sweep", "POLISH_S", "POLISH_SHIFT", "REPAIR_PENALTY", "Polisher",
+           "polish"]
 
 #: Device-count vectors up to which the exact DP (and its bounds) are used as before.
 EXACT_VECTORS = 130
@@ -456,9 +457,12 @@ class Polisher:
             return np.zeros(0, np.int64)
         return idx[self.tab.jmax[idx] >= min(self.big_j, after)]
 
-    def _best(self, rest: list[int], opts: list[np.ndarray]) -> tuple[tuple[float, int], tuple[int, ...]] | None:
+    def _best(self, rest: list[int], opts: list[np.ndarray],
+              penalty: float = 0.0) -> tuple[tuple[float, int], tuple[int, ...]] | None:
         """The best choice of one option per array in ``opts`` beside the stages ``rest``: ((score, stages at the
-        bottleneck), choice); the second breaks ties, so that a plateau of equal bottlenecks is walked down."""
+        bottleneck), choice); the second breaks ties, so that a plateau of equal bottlenecks is walked down.
+        ``penalty`` > 0: a choice over a kind's device count is not ruled out but scores ``penalty`` more per device
+        over (what :meth:`repair` descends on); 0: it scores ``inf``."""
         tab, m = self.tab, self.m
         if any(o.size == 0 for o in opts):
             return None
@@ -481,7 +485,8 @@ class Polisher:
                 dev[k] = dev[k] + np.where(tab.kind[o] == k, tab.d[o], 0).reshape(view)
         val = (m - 1) * tmax + ssum + rmax
         for k in range(len(tab.kinds)):
-            val = np.where(dev[k] <= self.cap[k], val, np.inf)
+            val = val + penalty * np.maximum(dev[k] - self.cap[k], 0.0) if penalty > 0 else \
+                np.where(dev[k] <= self.cap[k], val, np.inf)
         least = float(val.min())
         if not math.isfinite(least):
             return None
@@ -496,15 +501,42 @@ class Polisher:
         pick = np.unravel_index(at, val.shape)
         return (float(val.flat[at]), int(ties.flat[at])), tuple(int(o[i]) for o, i in zip(opts, pick))
 
-    def key(self, p: list[int]) -> tuple[float, int]:
-        """The score of ``p`` and its stages at the bottleneck (what a move must lower, in that order)."""
+    def key(self, p: list[int], penalty: float = 0.0) -> tuple[float, int]:
+        """The score of ``p`` and its stages at the bottleneck (what a move must lower, in that order); with a
+        ``penalty``, plus that much per device over a kind's count (see :meth:`_best`)."""
         t = self.tab.t[p]
-        return self.score(p), int(np.sum(t >= t.max()))
+        return self.score(p) + penalty * float(self.excess(p).sum()), int(np.sum(t >= t.max()))
 
-    def moves(self, p: list[int]) -> tuple[tuple[float, int], list[int]] | None:
+    def excess(self, p: list[int]) -> np.ndarray:
+        """Per kind, the devices ``p`` uses beyond the kind's count (0 where it fits)."""
+        tab = self.tab
+        used = np.bincount(tab.kind[p], weights=tab.d[p], minlength=len(tab.kinds))
+        return np.maximum(used - self.cap, 0.0)
+
+    def repair(self, p: list[int], until: float) -> list[int] | None:
+        """A tiling within every kind's device count near ``p``, a tiling (indices) that may use too many devices
+        (a Lagrangian shortest path: the prices let it break the counts): steepest descent over the moves of
+        :meth:`moves` on the score plus :data:`REPAIR_PENALTY` times the score per device over, so each move takes
+        the cheapest way to fewer devices over and, once none is, the best move as :func:`polish` does. None if
+        it still uses too many devices when no move helps or ``until`` passes. The moves keep memory classes only
+        for the stages they place: the caller checks the result (:func:`feasible`)."""
+        import time
+
+        if not np.any(self.excess(p) > 0):
+            return p
+        penalty = REPAIR_PENALTY * max(self.score(p), 1e-9)
+        value = self.key(p, penalty)
+        while time.perf_counter() < until and np.any(self.excess(p) > 0):
+            got = self.moves(p, penalty)
+            if got is None or not _less(got[0], value):
+                return None
+            value, p = got
+        return None if np.any(self.excess(p) > 0) else p
+
+    def moves(self, p: list[int], penalty: float = 0.0) -> tuple[tuple[float, int], list[int]] | None:
         """The best neighbour of ``p``: one stage replaced (kind, degree, memory options), one boundary shifted by
         up to :data:`POLISH_SHIFT` positions (each side any candidate of its new range), two neighbours merged, or
-        one stage split in two. None if no neighbour fits."""
+        one stage split in two. None if no neighbour fits. ``penalty``: as :meth:`_best`'s."""
         tab, s = self.tab, len(p)
         a = [int(tab.a[i]) for i in p]
         b = [int(tab.b[i]) for i in p]
@@ -517,23 +549,24 @@ class Polisher:
                 best = (got[0], new(got[1]))
 
         for i in range(s):  # replace stage i
-            take(self._best(p[:i] + p[i + 1:], [self._options(a[i], b[i], s - 1 - i)]),
+            take(self._best(p[:i] + p[i + 1:], [self._options(a[i], b[i], s - 1 - i)], penalty),
                  lambda c, i=i: p[:i] + [c[0]] + p[i + 1:])
         for i in range(s - 1):  # shift the boundary between i and i + 1
             for cut in range(max(a[i] + 1, b[i] - POLISH_SHIFT), min(b[i + 1] - 1, b[i] + POLISH_SHIFT) + 1):
                 if cut != b[i]:
                     take(self._best(p[:i] + p[i + 2:], [self._options(a[i], cut, s - 1 - i),
-                                                          self._options(cut, b[i + 1], s - 2 - i)]),
+                                                          self._options(cut, b[i + 1], s - 2 - i)], penalty),
                          lambda c, i=i: p[:i] + list(c) + p[i + 2:])
         for i in range(s - 1):  # merge i and i + 1 (the stages before need one class less: they still fit)
             q = p[:i] + p[i + 2:]
-            take(self._best(q, [self._options(a[i], b[i + 1], s - 2 - i)]),
+            take(self._best(q, [self._options(a[i], b[i + 1], s - 2 - i)], penalty),
                  lambda c, i=i: p[:i] + [c[0]] + p[i + 2:])
         for i in range(s):  # split i (the stages before must fit with one more after them)
             if any(int(tab.jmax[p[j]]) < min(self.big_j, s - j) for j in range(i)):
                 continue
             for cut in range(a[i] + 1, b[i]):
-                take(self._best(p[:i] + p[i + 1:], [self._options(a[i], cut, s - i), self._options(cut, b[i], s - 1 - i)]),
+                take(self._best(p[:i] + p[i + 1:], [self._options(a[i], cut, s - i), self._options(cut, b[i], s - 1 - i)],
+                                penalty),
                      lambda c, i=i: p[:i] + list(c) + p[i + 1:])
         return best
 
@@ -547,6 +580,10 @@ def _less(x: tuple[float, int], y: tuple[float, int]) -> bool:
 
 #: Positions a boundary moves at most in one :func:`polish` move.
 POLISH_SHIFT = 2
+#: :meth:`Polisher.repair`'s price of one device over a kind's count, as a share of the starting plan's score: at
+#: 1 every move that frees a device beats every move that does not (bar one that doubles the score), so the
+#: descent first ends the excess, each move the cheapest for the devices it frees, then polishes.
+REPAIR_PENALTY = 1.0
 
 
 def polish(tab: CandidateTable, plan: list[Candidate], counts: dict[str, int], big_j: int, microbatches: int, *,
