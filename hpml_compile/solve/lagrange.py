@@ -219,7 +219,7 @@ class LagrangianRun:
     for instance; any start is valid, a good one only saves steps). ``done``: the branch and bound has nothing
     left to do. ``repair``: called ``(path, proxy, excess)`` once per distinct shortest path that breaks some
     kind's device count (``excess`` per kind) with a proxy objective below what a box must beat: near the dual's
-    optimum such paths are a few stages from a plan (:meth:`~.restricted.Polisher.repair`); the caller decides
+    optimum such paths are a few stages from a plan (:meth:`~.polish.Polisher.repair`); the caller decides
     whether to spend the time, and reports a plan it finds through its own incumbent (which ``cutoff`` sees).
     """
 

@@ -57,7 +57,8 @@ from .candidates import Candidate, Chain, Setting, classes, kind_counts
 from .dp import objective
 from .ilp import milp, prune
 from .lagrange import LagrangianRun, ordered_chain, ordered_units, reduced_cost_prune, speed_order
-from .restricted import POLISH_S, Polisher, feasible, polish, proxy_sweep
+from .polish import POLISH_S, Polisher, polish
+from .restricted import feasible, proxy_sweep
 from .table import CandidateTable, build_table
 
 __all__ = ["MILP_CANDIDATES", "BOUNDS_SHARE", "ORDERS_SHARE", "REPAIR_SHARE", "REPAIR_EXCESS", "REPAIR_GAP", "Outcome",
@@ -71,7 +72,7 @@ BOUNDS_SHARE = 0.85
 #: each count that comes to hold the incumbent), for a better plan.
 ORDERS_SHARE = 0.2
 #: Share of the wall time (since the anytime search began) that repairing the Lagrangian paths over a device count
-#: into plans may take (:func:`anytime`'s ``repair_some``; at least :data:`~.restricted.POLISH_S` in all).
+#: into plans may take (:func:`anytime`'s ``repair_some``; at least :data:`~.polish.POLISH_S` in all).
 REPAIR_SHARE = 0.15
 #: Paths over the device counts by more than this share of the cluster's devices are not repaired (the paths at
 #: zero prices put every stage on the fastest kind: thousands of devices over, far from any plan).
@@ -228,9 +229,9 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
     counts = kind_counts(cluster)
 
     def polished(c: _Count, plan: list[Candidate], same: bool = True) -> list[Candidate]:
-        """``plan`` after the local search of :func:`~.restricted.polish` in the count's table (session 11: gpt2-xl
+        """``plan`` after the local search of :func:`~.polish.polish` in the count's table (session 11: gpt2-xl
         on 3 x 256 at M=8, the first plan's 318.8 ms becomes 286.7 in 0.2 CPU s, where 10 s of bounds had found
-        289.0), within :data:`~.restricted.POLISH_S` and the deadline."""
+        289.0), within :data:`~.polish.POLISH_S` and the deadline."""
         if c.tab is None or len(c.tab) == 0:
             return plan
         if c.polisher is None:
@@ -283,7 +284,7 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
         return rep
 
     def repair_some(until: float) -> None:
-        """Repair pooled paths into plans (:meth:`~.restricted.Polisher.repair`, then :func:`found`, which polishes
+        """Repair pooled paths into plans (:meth:`~.polish.Polisher.repair`, then :func:`found`, which polishes
         them), within :data:`REPAIR_SHARE` of the time since the search began, at counts whose bound is within
         :data:`REPAIR_GAP` of the incumbent and has stopped rising (its last slice raised it by less than
         :data:`STALL`, or its branch and bound is done: the prices have done what they can, and a plan at the

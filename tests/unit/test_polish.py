@@ -1,4 +1,4 @@
-"""The local search on plans (:func:`hpml_compile.solve.restricted.polish`, session 11 of issue 16).
+"""The local search on plans (:func:`hpml_compile.solve.polish.polish`, session 11 of issue 16).
 
 Each move must keep a plan a plan (a tiling of the chain within every kind's devices and every stage's memory
 class), never make it worse, and never beat brute force; moved to another microbatch count (``same=False``)
@@ -12,7 +12,8 @@ from hypothesis import given
 from hpml_compile.plan import Schedule
 from hpml_compile.solve.candidates import Chain, Setting, classes, kind_counts
 from hpml_compile.solve.dp import objective
-from hpml_compile.solve.restricted import feasible, polish
+from hpml_compile.solve.polish import polish
+from hpml_compile.solve.restricted import feasible
 from hpml_compile.solve.table import build_table
 from hpml_compile.solve.testing import chain_graph, cluster_of
 from test_solve_fast import HYP, _setup, brute_force_objective, cases

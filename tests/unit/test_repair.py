@@ -21,7 +21,8 @@ from hpml_compile.plan import Schedule
 from hpml_compile.solve.candidates import Chain, Setting, classes, kind_counts
 from hpml_compile.solve.dp import objective
 from hpml_compile.solve.lagrange import path_min
-from hpml_compile.solve.restricted import Polisher, feasible
+from hpml_compile.solve.polish import Polisher
+from hpml_compile.solve.restricted import feasible
 from hpml_compile.solve.table import build_table
 from hpml_compile.solve.testing import chain_graph, cluster_of
 from test_solve_fast import HYP, _setup, brute_force_objective, cases
@@ -76,7 +77,7 @@ def test_the_lagrangian_run_offers_its_paths_over_the_counts(monkeypatch) -> Non
     every count give no plan at the optimum; those it offers (each once, proxy below the cutoff, over some count),
     repaired, give the optimum."""
     from hpml_compile.solve import lagrange
-    from hpml_compile.solve.restricted import polish
+    from hpml_compile.solve.polish import polish
 
     monkeypatch.setattr(lagrange, "floor_variants", lambda *_: [])
     chain, cluster, setting = _instance()
