@@ -35,39 +35,15 @@ Example:
 
 from __future__ import annotations
 
-import os
-import sys
-
 import highspy
 import numpy as np
+
+from .highs import quiet_highs
 
 __all__ = ["Planes", "box_argmax", "MODEL_PLANES"]
 
 #: Planes of one model handed to the linear program: those lowest at the center (the ones that bind near it).
 MODEL_PLANES = 64
-_banner_shown = False
-
-
-def _quiet_highs() -> highspy.Highs:
-    """A HiGHS instance that prints nothing. Its first construction in a process prints HiGHS's two banner lines
-    to file descriptor 1 before any option can be set (highspy 1.16), in the middle of ``plan``'s log; that one is
-    made with the descriptor pointed at /dev/null."""
-    global _banner_shown
-    if _banner_shown:
-        h = highspy.Highs()
-    else:
-        sys.stdout.flush()
-        saved = os.dup(1)
-        try:
-            with open(os.devnull, "w") as null:
-                os.dup2(null.fileno(), 1)
-                h = highspy.Highs()
-        finally:
-            os.dup2(saved, 1)
-            os.close(saved)
-        _banner_shown = True
-    h.setOptionValue("output_flag", False)
-    return h
 
 
 class Planes:
@@ -127,7 +103,7 @@ def box_argmax(c: np.ndarray, g: np.ndarray, center: np.ndarray, radius: float) 
     lp.a_matrix_.start_ = np.arange(p + 1, dtype=np.int32) * (k + 1)
     lp.a_matrix_.index_ = np.tile(np.arange(k + 1, dtype=np.int32), p)
     lp.a_matrix_.value_ = np.c_[-g, np.ones(p)].ravel()
-    h = _quiet_highs()
+    h = quiet_highs()
     h.passModel(lp)
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:  # numerical trouble: stay at the center

@@ -96,6 +96,7 @@ from ..plan import SolverStatus
 from .candidates import CONFIGS, Candidate, Chain, Setting, classes, kind_counts
 from .bounds import objective_bounds
 from .dp import objective, solve_chain
+from .highs import quiet_banner
 from .table import CandidateTable, build_table
 
 _COLUMNS = CandidateTable.__dataclass_fields__.keys() - {"kinds"}
@@ -319,6 +320,7 @@ def milp(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, 
     start = _start(tab, warm, chain.n)
     left = max(0.5, time_limit_s)
     say(f"ilp: solving with HiGHS (time limit {left:.3g} s)")
+    quiet_banner()  # PuLP makes its HiGHS before it sets msg=False
     solver = _WarmHiGHS(start, msg=False, timeLimit=left, gapRel=1e-6)
     prob.solve(solver)
     sol = prob.sol_status

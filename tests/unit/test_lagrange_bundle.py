@@ -96,17 +96,29 @@ def test_one_microbatch_bound_keeps_one_bottleneck_threshold(monkeypatch) -> Non
 
 
 @pytest.mark.dist  # a fresh process: HiGHS prints its banner once per process
-def test_the_cutting_plane_lp_prints_no_banner() -> None:
+@pytest.mark.parametrize("path", ["bundle", "ilp"])
+def test_a_solve_prints_no_highs_banner(path: str) -> None:
     """HiGHS prints two banner lines on its first instance in a process, before any option can be set; ``plan``'s
-    log had them in its middle. A fresh process that solves one box LP prints nothing."""
+    log had them in its middle (from the many-kind bound's box LP, or from PuLP's MILP). A fresh process that
+    solves one of each prints nothing."""
     import subprocess
     import sys
 
-    code = ("import numpy as np\n"
-            "from hpml_compile.solve.bundle import Planes, box_argmax\n"
-            "pl = Planes(2)\n"
-            "pl.add(6.0, np.array([-1.0, 0.0]), 1.0, 1.0)\n"
-            "box_argmax(*pl.valid(2.0, 2.0, np.zeros(2)), np.zeros(2), 5.0)\n")
+    code = {"bundle": ("import numpy as np\n"
+                       "from hpml_compile.solve.bundle import Planes, box_argmax\n"
+                       "pl = Planes(2)\n"
+                       "pl.add(6.0, np.array([-1.0, 0.0]), 1.0, 1.0)\n"
+                       "box_argmax(*pl.valid(2.0, 2.0, np.zeros(2)), np.zeros(2), 5.0)\n"),
+            "ilp": ("from hpml_compile.plan import Schedule\n"
+                    "from hpml_compile.solve.candidates import Chain, Setting\n"
+                    "from hpml_compile.solve.ilp import milp\n"
+                    "from hpml_compile.solve.table import build_table\n"
+                    "from hpml_compile.solve.testing import chain_graph, uniform_cluster\n"
+                    "ch, c = Chain.of(chain_graph([(1.0, 2.0)] * 6)), uniform_cluster(2)\n"
+                    "st = Setting(4, Schedule.ONE_F_ONE_B, 64)\n"
+                    "tab = build_table(ch, c, st)\n"
+                    "warm = [tab.candidate(i) for i in range(len(tab)) if (tab.a[i], tab.b[i], tab.d[i]) == (0, 6, 2)]\n"
+                    "milp(ch, c, st, tab, warm, time_limit_s=5)\n")}[path]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "HiGHS" not in out.stdout and out.stdout == "", out.stdout
+    assert out.stdout == "", out.stdout
