@@ -95,8 +95,9 @@ def child(prof: Any, model: str, counts: dict[str, int], limit: float) -> dict[s
                 "peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
     secs, cpu = time.perf_counter() - t0, time.process_time() - c0
     first = next(((w, c) for w, c, s in lines if "first plan after" in s), (None, None))
+    # the certified gap as it closes: the many-kind search's lines, and the exact path's DP bounds at its count
     gaps = [(w, c, float(m.group(1)) / 100) for w, c, s in lines
-            if (m := re.match(r"anytime: [0-9.]+ s: .* gap ([0-9.]+)%", s))]
+            if (m := re.match(r"(?:anytime: [0-9.]+ s|ilp: DP bounds so far): .* gap ([0-9.]+)%", s))]
     gap = plan.solver.gap
     one = next(((w, c) for w, c, g in gaps if g <= 0.01), (None, None))
     if not gaps and gap <= 0.01:  # the exact path (few devices): proven at the end

@@ -34,6 +34,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -82,7 +83,8 @@ def exact_classes(tab: CandidateTable, big_j: int) -> int:
 
 def objective_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: CandidateTable, *,
                      start: list[Candidate] | None = None, time_budget_s: float = 10.0,
-                     max_evaluations: int = 400) -> Bounds:
+                     max_evaluations: int = 400,
+                     progress: Callable[[float, float], None] | None = None) -> Bounds:
     """Lower and upper bounds on ``(M - 1) T + S + R`` over tilings by ``tab`` (see the module docstring).
 
     Args:
@@ -93,6 +95,8 @@ def objective_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Cand
         start: a known plan (its objective is the first upper bound).
         time_budget_s: stop splitting threshold intervals after this long.
         max_evaluations: stop after this many DP runs.
+        progress: called with ``(lower, upper)`` whenever the gap between them has at least halved since the last
+            call (and once at the start of the branch and bound): the certified gap as it closes, for the log.
 
     Returns:
         The bounds and the best plan found.
@@ -156,7 +160,13 @@ def objective_bounds(chain: Chain, cluster: Cluster, setting: Setting, tab: Cand
     # rises as fast as it can within the budget.
     settled = math.inf
     heap = [((m - 1) * us[0] + vs[0] + s_at(len(us) - 1, len(vs) - 1), 0, len(us) - 1, 0, len(vs) - 1)]
+    told = math.inf  # the gap last reported
     while heap and heap[0][0] < upper * (1 - 1e-9):
+        if progress is not None:
+            low = max(floor, min(upper, settled, heap[0][0]))
+            if upper - low <= told / 2:
+                told = upper - low
+                progress(low, upper)
         if evals >= max_evaluations or time.perf_counter() - t0 > time_budget_s:
             break
         _, i, j, k, l = heapq.heappop(heap)

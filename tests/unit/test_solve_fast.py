@@ -246,7 +246,8 @@ def test_dp_bounds_and_plain_milp_agree(case) -> None:
 
     chain, cluster, setting = _setup(case)
     tab = build_table(chain, cluster, setting)
-    b = objective_bounds(chain, cluster, setting, tab)
+    seen: list[tuple[float, float]] = []  # the gap as it closes (the log's "DP bounds so far")
+    b = objective_bounds(chain, cluster, setting, tab, progress=lambda lo, up: seen.append((lo, up)))
     plain = solve_ilp(chain, cluster, setting, time_limit_s=20, cuts=False)
     if b.plan is None:
         assert plain.picked is None
@@ -256,10 +257,30 @@ def test_dp_bounds_and_plain_milp_agree(case) -> None:
     assert plain.status is SolverStatus.OPTIMAL
     best = objective(plain.picked, m)
     assert b.lower <= best * (1 + 1e-6)  # a valid lower bound
+    for lo, up in seen:  # and so was every one reported on the way, each gap at most half the one before
+        assert lo <= best * (1 + 1e-6) and up >= best * (1 - 1e-6), (lo, up, best)
+    assert all(u1 - l1 <= (u0 - l0) / 2 + 1e-9 for (l0, u0), (l1, u1) in zip(seen, seen[1:])), seen
     if b.complete:
         assert b.upper == pytest.approx(best, rel=1e-6)  # and, when complete, the optimum
     dp = solve_chain(chain, cluster, setting, tab)
     assert b.upper <= objective(dp, m) * (1 + 1e-9)
+
+
+def test_a_warm_start_is_not_returned_as_the_optimum() -> None:
+    """HiGHS 1.16, given the DP's plan as a start on this instance, ended "optimal" with the start itself (3.5 ms)
+    and reported an objective (1.5) that is neither the start's nor the optimum's (2.51: one stage on two A100s):
+    the ILP returned a plan 40% slower than the optimum as proven optimal. Found by
+    test_dp_bounds_and_plain_milp_agree; the solve now checks the reported objective against the solution's."""
+    from hpml_compile.plan import SolverStatus
+    from hpml_compile.solve.ilp import solve_ilp
+
+    case = (2, [[], [0]], ["A100-80GB", "A100-80GB", "A100-80GB", "V100-32GB"],
+            [{"V100-32GB": (1.0, 3.0), "A100-80GB": (1.0, 2.0)}, {"V100-32GB": (1.0, 1.0), "A100-80GB": (1.0, 1.0)}],
+            [0, 1], [0, 0], 1.0, 1, 1, Schedule.GPIPE, 0, False)
+    chain, cluster, setting = _setup(case)
+    got = solve_ilp(chain, cluster, setting, time_limit_s=20, cuts=False)
+    assert got.status is SolverStatus.OPTIMAL
+    assert objective(got.picked, 1) == pytest.approx(2.5094952533, rel=1e-6), [(c.a, c.b, c.d) for c in got.picked]
 
 
 def test_plan_from_cuts_scores_a_split_like_the_baselines() -> None:
