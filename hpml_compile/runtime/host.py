@@ -73,13 +73,13 @@ class HostSample:
     def delta(self, later: "HostSample") -> HostBusy:
         """What happened between this sample and ``later``."""
         total = later.total - self.total
-        if total <= 0:
-            return HostBusy(0.0, 0.0, 0.0)
+        wall = later.wall - self.wall
+        own = later.own - self.own
+        if total <= 0:  # the host's counters did not move (ticks): nothing to say of the others
+            return HostBusy(0.0, 0.0, own / wall if wall > 0 else 0.0)
         busy = total - (later.idle - self.idle) - (later.steal - self.steal)
         others = max(0.0, busy - (later.job - self.job)) / total
-        wall = later.wall - self.wall
         steal = max(0.0, (later.steal - self.steal) / total)
-        own = later.own - self.own
         waited = max(0.0, later.runq - self.runq) + steal * min(own, wall)
         return HostBusy(steal, min(1.0, others), own / wall if wall > 0 else 0.0, waited)
 
@@ -101,7 +101,6 @@ class HostSampler:
     """
 
     def __init__(self, job_pids: Sequence[int] = ()) -> None:
-        self._me = psutil.Process(os.getpid())
         self._job = [psutil.Process(p) for p in dict.fromkeys([*job_pids, os.getpid()]) if psutil.pid_exists(p)]
         self._start: HostSample | None = None
 
@@ -119,8 +118,9 @@ class HostSampler:
                 self._job.remove(p)
                 continue
             job += c.user + c.system
-        own = self._me.cpu_times()
-        return HostSample(time.monotonic(), total, idle, steal, job, own.user + own.system, _run_queue_wait())
+        # this process's own CPU time from the kernel's exact account (CLOCK_PROCESS_CPUTIME_ID), not psutil's
+        # tick-sampled one: a 24 ms step could read 0 ticks of its own CPU (cpu_util 0.0, seen in CI)
+        return HostSample(time.monotonic(), total, idle, steal, job, time.process_time(), _run_queue_wait())
 
     def begin(self) -> None:
         """Mark the start of a step."""
