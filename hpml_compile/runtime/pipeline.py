@@ -526,9 +526,7 @@ class Pipeline:
             step = self.steps_done + 1
             self._log(f"rank {self.rank}: step {step}: {reason} in the loss agreement; re-forming the process group "
                       "to learn whether the other ranks agreed")
-            self._drop_groups()
-            agreed = self.session.reopen(self.steps_done, self._agreed_loss)
-            self.comm = self._connect()
+            agreed = self._reform(self.steps_done)
             if agreed is None:
                 self._regrouped = True
                 raise ConnectionError(f"the loss agreement of step {step} failed on every rank ({reason})")
@@ -558,9 +556,17 @@ class Pipeline:
         self._log(f"rank {self.rank}: step {self.steps_done + 1}: {reason} after the optimizer update, which stands "
                   "(the step is not run again); re-forming the process group; the next step gathers the parameters "
                   "first")
+        self._agreed_loss = float(failure.run.loss_sum)  # this rank agreed: never behind
+        self._reform(self.steps_done + 1)
+
+    def _reform(self, step: int) -> float | None:
+        """Let go of the failed groups, re-form the process group at ``step`` (:meth:`.session.Session.reopen`, with
+        the last agreed loss for a peer one step behind) and connect again; what ``reopen`` returns."""
+        assert self.session is not None
         self._drop_groups()
-        self.session.reopen(self.steps_done + 1, float(failure.run.loss_sum))  # this rank agreed: never behind
+        got = self.session.reopen(step, self._agreed_loss)
         self.comm = self._connect()
+        return got
 
     def _drop_groups(self) -> None:
         """Let go of every reference to the failed groups, so that destroying them closes their connections.
@@ -733,9 +739,7 @@ class Pipeline:
             reason = str(e).splitlines()[0][:160]
         self._log(f"rank {self.rank}: step {self.steps_done + 1}: {reason} while measuring the validation loss after "
                   "the update, which stands; re-forming the process group; this step has no validation loss")
-        self._drop_groups()
-        self.session.reopen(self.steps_done + 1, self._agreed_loss)
-        self.comm = self._connect()
+        self._reform(self.steps_done + 1)
         return None
 
     def _run_local(self, inputs: tuple[Any, ...], targets: Any, loss_fn: Callable[[Any, Any], Tensor],
