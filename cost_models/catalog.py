@@ -122,11 +122,12 @@ class LinkSpec:
         shared: True when all ranks on the link draw from one bandwidth pool
             (processes on one host over loopback): a collective then costs its
             total traffic over ``gbps`` rather than one rank's traffic.
-        collectives: ``(op, gbps, latency_us)`` fitted for a collective that the
-            backend runs slower than the ring the model assumes, timed on its own
-            (:data:`COLLECTIVE_OPS`; see :meth:`for_collective`). Measured: gloo's
-            reduce-scatter and all-gather between two CPU processes took 1.2-1.7x and
-            2-3x its all-reduce of the same bytes, where the ring model says half.
+        collectives: ``(op, gbps, latency_us)`` fitted for a collective timed on its
+            own (:data:`COLLECTIVE_OPS`; see :meth:`for_collective`), which prices it
+            instead of the link's figures. Measured: gloo's reduce-scatter and
+            all-gather between two CPU processes took 1.2-1.7x and 2-3x its all-reduce
+            of the same bytes, where the ring model says half; and the all-reduce's own
+            timings are what an all-reduce is priced by, not a fit shared with send/recv.
     """
 
     name: str
@@ -159,8 +160,11 @@ class LinkSpec:
         return self
 
 
-# The collectives a link may carry a fit of its own for (LinkSpec.collectives): the ZeRO pair.
-COLLECTIVE_OPS = ("reduce_scatter", "all_gather")
+# The collectives a link may carry a fit of its own for (LinkSpec.collectives): the ZeRO pair, and the
+# all-reduce, which a probe times directly (a gloo link's joint fit of send/recv and all-reduce chose
+# between "shared" and not on a few noisy timings, and priced mlp's 30 MiB gradient all-reduce at 9 ms
+# once where the same probe's all-reduces, and the step's, took 23-27 ms: benchmarks/prediction run AE).
+COLLECTIVE_OPS = ("reduce_scatter", "all_gather", "all_reduce")
 
 
 # What one op of an eager PyTorch program costs on a GPU when its kernel is small: the host's work to issue

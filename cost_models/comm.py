@@ -21,8 +21,9 @@ bandwidth) the bandwidth term is instead the traffic of all ranks together,
 ``(n-1) B beta`` per pass (two passes for all-reduce): the ranks' copies run
 on the same cores and memory, so they do not overlap. One rank, or zero
 bytes, costs nothing. A link may carry a measured fit of its own for the
-reduce-scatter and the all-gather (``LinkSpec.collectives``) where the
-backend runs them slower than this ring (gloo does); they then use it.
+reduce-scatter, the all-gather and the all-reduce (``LinkSpec.collectives``),
+timed on their own (gloo runs the first two slower than this ring); they then
+use it.
 
 Example:
     >>> from cost_models.catalog import get_link
@@ -100,6 +101,7 @@ def allreduce_ms(nbytes: float, n: int, link: LinkSpec,
     algo = CollectiveAlgo(algo)
     if n == 1 or nbytes == 0:
         return 0.0
+    link = link.for_collective("all_reduce")  # the backend's all-reduce as timed, whichever algorithm it runs
     total = 2 * (n - 1) * nbytes  # every rank's traffic, both passes
     if algo is CollectiveAlgo.RING:
         return _ms(2 * (n - 1), 2 * (n - 1) / n * nbytes, total, link)

@@ -70,7 +70,7 @@ _FIT = {"type": "object", "required": ["gbps", "latency_us"],
         "properties": {"gbps": {"type": "number", "exclusiveMinimum": 0}, "latency_us": _NUM},
         "additionalProperties": False}
 # a link's own fits for the collectives its backend runs slower than the ring (cost_models LinkSpec.collectives)
-COLLECTIVE_FITS = {"type": "object", "properties": {"reduce_scatter": _FIT, "all_gather": _FIT},
+COLLECTIVE_FITS = {"type": "object", "properties": {"reduce_scatter": _FIT, "all_gather": _FIT, "all_reduce": _FIT},
                    "additionalProperties": False}
 _CALIBRATION = {
     "type": "object",

@@ -80,8 +80,8 @@ class Fit:
         shared: an all-reduce costs the traffic of both ranks (one pool of bandwidth, as over loopback).
         rows: the measurements ``(operation, bytes, median ms)``.
         worst: the largest relative error of the fit over the send/recv and all-reduce rows.
-        collectives: ``(op, gbps, latency_us)``: the reduce-scatter's and the all-gather's own fits, where
-            they were timed (``LinkSpec.collectives``).
+        collectives: ``(op, gbps, latency_us)``: the reduce-scatter's, the all-gather's and the all-reduce's
+            own fits, where they were timed at two sizes or more (``LinkSpec.collectives``).
     """
 
     gbps: float
@@ -137,10 +137,13 @@ def fit_link(rows: Sequence[Row]) -> Fit:
             break  # shared or not says nothing about a copy or a send
     assert best is not None
     own = []
-    for op in COLLECTIVE_OPS:  # two ranks: one step of the ring, the whole buffer (shared) or half of it moved
-        mine = [(b, ms) for o, b, ms in rows if o == op]
+    for op in COLLECTIVE_OPS:
+        # two ranks: a reduce-scatter or all-gather is one step of the ring, the whole buffer (shared) or half of
+        # it moved; an all-reduce two steps, both buffers (shared) or one (the probe's rows say "allreduce")
+        mine = [(b, ms) for o, b, ms in rows if o == ("allreduce" if op == "all_reduce" else op)]
+        steps = 2.0 if op == "all_reduce" else 1.0
         if len({b for b, _ in mine}) >= 2:
-            alpha, beta = _solve(np.array([[1.0, b if best.shared else b / 2] for b, _ in mine]),
+            alpha, beta = _solve(np.array([[steps, steps * (b if best.shared else b / 2)] for b, _ in mine]),
                                  np.array([ms for _, ms in mine]))
             own.append((op, round(1e-6 / beta, 4), round(alpha * 1e3, 2)))
     return replace(best, collectives=tuple(own))

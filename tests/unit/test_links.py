@@ -53,7 +53,27 @@ def test_the_reduce_scatter_and_all_gather_get_fits_of_their_own(shared: bool) -
         want = cost_models.reduce_scatter_ms(b, 2, slow["reduce_scatter"])
         assert cost_models.reduce_scatter_ms(b, 2, spec) == pytest.approx(want, rel=1e-3)
         assert cost_models.allreduce_ms(b, 2, spec) == pytest.approx(cost_models.allreduce_ms(b, 2, link), rel=1e-6)
-    assert fit_link(_rows(3.1, 50.0, shared)).collectives == ()  # not timed: none
+    alone = fit_link(_rows(3.1, 50.0, shared)).collectives  # the ZeRO pair not timed: the all-reduce's only
+    assert [op for op, _, _ in alone] == ["all_reduce"] and alone[0][1:] == pytest.approx((3.1, 50.0), rel=1e-3)
+
+
+def test_the_all_reduce_is_priced_by_its_own_timings_not_the_joint_fit() -> None:
+    # run AE of benchmarks/prediction: the joint fit of send/recv and all-reduce took the link as not shared
+    # (3.7 GB/s) and priced a 30 MiB all-reduce at half what the probe's own all-reduces took
+    sends = cost_models.LinkSpec("p2p", 6.0, 150.0, "test")
+    reduces = cost_models.LinkSpec("ar", 2.7, 200.0, "test", shared=True)
+    sizes = (1 << 16, 1 << 22, 1 << 25)
+    rows = ([("p2p", b, cost_models.p2p_ms(b, sends)) for b in sizes]
+            + [("allreduce", b, cost_models.allreduce_ms(b, 2, reduces)) for b in sizes])
+    fit = fit_link(rows)
+    spec = cost_models.LinkSpec("m", fit.gbps, fit.latency_us, "test", shared=fit.shared, collectives=fit.collectives)
+    bare = cost_models.LinkSpec("m", fit.gbps, fit.latency_us, "test", shared=fit.shared)
+    b = 30 << 20
+    want = cost_models.allreduce_ms(b, 2, reduces)
+    assert abs(cost_models.allreduce_ms(b, 2, bare) / want - 1) > 0.2  # the joint fit alone misses it ...
+    assert cost_models.allreduce_ms(b, 2, spec) == pytest.approx(want, rel=0.02)  # ... its own fit does not
+    for b in sizes:  # and the sends keep the joint fit
+        assert cost_models.p2p_ms(b, spec) == cost_models.p2p_ms(b, bare)
 
 
 def test_the_fit_refuses_one_size_and_non_positive_times() -> None:
