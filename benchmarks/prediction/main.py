@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -236,8 +237,15 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, o
                 _wait_quiet(exclude, wait_s)
             dist.barrier()
             start, before, t0 = len(pipe.metrics), _ticks(exclude), time.perf_counter()
+            c0, p0 = time.thread_time(), time.process_time()
+            ru0 = resource.getrusage(resource.RUSAGE_THREAD)
             for _ in range(steps):
                 pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
+            main_ms = (time.thread_time() - c0) * 1e3 / steps  # the step's own thread: the compute, and waits
+            other_ms = (time.process_time() - p0) * 1e3 / steps - main_ms  # gloo's and autograd's threads
+            ru1 = resource.getrusage(resource.RUSAGE_THREAD)
+            sys_ms = (ru1.ru_stime - ru0.ru_stime) * 1e3 / steps  # the kernel's share: page faults, copies
+            faults = (ru1.ru_minflt - ru0.ru_minflt) / steps
             load = torch.tensor([_load_since(before, exclude, time.perf_counter() - t0) if rank == 0 else 0.0])
             dist.broadcast(load, 0)
             if float(load[0]) <= QUIET:
@@ -248,7 +256,9 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, o
                              "fwd_ms": [m.fwd_ms for m in rows], "bwd_ms": [m.bwd_ms for m in rows],
                              "peak_memory_bytes": max(m.peak_memory_bytes for m in rows),
                              "memory_kind": rows[-1].memory_kind,
-                             "background_cpu": float(load[0]), "attempts": attempt + 1}
+                             "background_cpu": float(load[0]), "attempts": attempt + 1,
+                             "main_thread_cpu_ms": main_ms, "other_threads_cpu_ms": other_ms,
+                             "main_thread_sys_ms": sys_ms, "main_thread_faults": faults}
     Path(out, f"rank{rank}-w{world}.json").write_text(json.dumps(report))
 
 
@@ -275,6 +285,9 @@ def _summarise(cases: list[Case], root: Path) -> list[dict[str, Any]]:
                      "measured_bubble": statistics.median(statistics.mean(r["bubble"][i] for r in ranks)
                                                           for i in range(len(full))),
                      "background_cpu": ranks[0]["background_cpu"], "attempts": ranks[0]["attempts"],
+                     # CPU ms per step of each rank's main thread and of its other threads (gloo's transfers)
+                     "main_thread_cpu_ms": [r.get("main_thread_cpu_ms", 0.0) for r in ranks],
+                     "other_threads_cpu_ms": [r.get("other_threads_cpu_ms", 0.0) for r in ranks],
                      "compute_ms_by_stage": [statistics.median(f + b for f, b in zip(r["fwd_ms"], r["bwd_ms"]))
                                              for r in ranks],
                      "predicted_compute_ms_by_stage": c.predicted_compute,
@@ -299,6 +312,8 @@ def _combine(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         row["error_without_optimizer"] = ((row["measured_without_optimizer_ms"] - row["predicted_without_optimizer_ms"])
                                           / row["predicted_without_optimizer_ms"])
         row["background_cpu"] = max(r["background_cpu"] for r in mine)
+        for key in ("main_thread_cpu_ms", "other_threads_cpu_ms"):
+            row[key] = [statistics.median(r[key][k] for r in mine) for k in range(first["ranks"])]
         row["attempts"] = max(r["attempts"] for r in mine)
         row["rounds"] = mine
         out.append(row)
@@ -355,14 +370,14 @@ def main(argv: list[str] | None = None) -> int:
           "warm-up" + (f", then the median over {args.rounds} rounds (each its own link probe, profile and "
                        "measurement)" if args.rounds > 1 else "") + "; error = (measured - predicted) / predicted")
     print(f"  {'plan':28s} {'ranks':>5s} {'pred ms':>8s} {'meas ms':>8s} {'error':>7s} {'no-opt':>7s} "
-          f"{'opt p/m':>11s} {'allred':>7s} {'bubble p/m':>11s} {'bg cpu':>6s}"
+          f"{'opt p/m':>11s} {'allred':>7s} {'bubble p/m':>11s} {'bg cpu':>6s} {'thr cpu':>11s}"
           + ("  per round" if args.rounds > 1 else ""))
     for r in rows:
         print(f"  {r['plan']:28s} {r['ranks']:5d} {r['predicted_ms']:8.1f} {r['measured_ms']:8.1f} "
               f"{r['error']:+7.1%} {r['error_without_optimizer']:+7.1%} "
               f"{r['predicted_optimizer_ms']:5.1f}/{r['optimizer_ms']:<5.1f} "
               f"{r['allreduce_ms']:7.1f} {r['predicted_bubble']:5.0%}/{r['measured_bubble']:<5.0%} "
-              f"{r['background_cpu']:6.2f}"
+              f"{r['background_cpu']:6.2f} {'/'.join(f'{x:.0f}' for x in r.get('other_threads_cpu_ms', [])):>11s}"
               + ("  " + " ".join(f"{x['error']:+.0%}" for x in r["rounds"]) if args.rounds > 1 else ""))
     errs = [r["error"] for r in rows]
     errs_no = [r["error_without_optimizer"] for r in rows]
