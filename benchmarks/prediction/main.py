@@ -288,6 +288,8 @@ def _summarise(cases: list[Case], root: Path) -> list[dict[str, Any]]:
                      # CPU ms per step of each rank's main thread and of its other threads (gloo's transfers)
                      "main_thread_cpu_ms": [r.get("main_thread_cpu_ms", 0.0) for r in ranks],
                      "other_threads_cpu_ms": [r.get("other_threads_cpu_ms", 0.0) for r in ranks],
+                     "main_thread_sys_ms": [r.get("main_thread_sys_ms", 0.0) for r in ranks],
+                     "main_thread_faults": [r.get("main_thread_faults", 0.0) for r in ranks],
                      "compute_ms_by_stage": [statistics.median(f + b for f, b in zip(r["fwd_ms"], r["bwd_ms"]))
                                              for r in ranks],
                      "predicted_compute_ms_by_stage": c.predicted_compute,
@@ -312,7 +314,7 @@ def _combine(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         row["error_without_optimizer"] = ((row["measured_without_optimizer_ms"] - row["predicted_without_optimizer_ms"])
                                           / row["predicted_without_optimizer_ms"])
         row["background_cpu"] = max(r["background_cpu"] for r in mine)
-        for key in ("main_thread_cpu_ms", "other_threads_cpu_ms"):
+        for key in ("main_thread_cpu_ms", "other_threads_cpu_ms", "main_thread_sys_ms", "main_thread_faults"):
             row[key] = [statistics.median(r[key][k] for r in mine) for k in range(first["ranks"])]
         row["attempts"] = max(r["attempts"] for r in mine)
         row["rounds"] = mine
