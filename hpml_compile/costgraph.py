@@ -96,6 +96,9 @@ class CostGraph:
         param_sizes: bytes per parameter name (for tied parameters shared by stages; may be empty).
         streams: per measured CPU kind, ``(one thread's, the whole host's)`` memory bandwidth in GB/s
             (:func:`hpml_compile.profile.timing.time_streams`; empty: not measured).
+        cores: per measured CPU kind, the logical CPUs of the host it was profiled on
+            (:func:`hpml_compile.profile.timing.host_facts`; empty: not recorded): the simulator takes each
+            host of a cluster to have as many, so that ranks beyond them share cores.
     """
 
     graph: nx.DiGraph
@@ -106,6 +109,7 @@ class CostGraph:
     optimizer_ms: Mapping[str, float] = field(default_factory=dict)
     param_sizes: Mapping[str, int] = field(default_factory=dict)
     streams: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    cores: Mapping[str, int] = field(default_factory=dict)
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -131,6 +135,10 @@ class CostGraph:
     def stream_gbps(self, kind: str) -> tuple[float, float] | None:
         """``(one thread's, the host's)`` measured memory bandwidth for ``kind`` (its base kind for a variant)."""
         return self.streams.get(kind, self.streams.get(base_kind(kind)))
+
+    def host_cores(self, kind: str) -> int | None:
+        """Logical CPUs of the host ``kind`` was profiled on (its base kind for a variant); None: not recorded."""
+        return self.cores.get(kind, self.cores.get(base_kind(kind)))
 
     def cost_at(self, node: str, kind: str, fraction: float) -> tuple[float, float]:
         """``(fwd_ms, bwd_ms)`` of ``node`` on ``kind`` for a slice holding ``fraction`` of the batch rows:
@@ -222,7 +230,7 @@ class CostGraph:
         for _, _, e in q.edges(data=True):
             e["bytes"] = sum(e["producers"].values())
         return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size, self.optimizer_ms,
-                         self.param_sizes, self.streams)
+                         self.param_sizes, self.streams, self.cores)
 
     def cut_bytes(self, before: Iterable[str]) -> int:
         """Bytes crossing from the node set ``before`` to the rest; a tensor read by
@@ -359,5 +367,6 @@ def build(profile: Profile) -> CostGraph:
         tensor_out[n.name] = n.tensor_output
     streams = {k: (float(d["stream_gbps"]), float(d["host_stream_gbps"])) for k, d in profile.devices.items()
                if d.get("stream_gbps") and d.get("host_stream_gbps")}
+    cores = {k: int(d["cpus"]) for k, d in profile.devices.items() if isinstance(d.get("cpus"), int) and d["cpus"] > 0}
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
-                     dict(profile.optimizer_ms), dict(profile.parameters), streams)
+                     dict(profile.optimizer_ms), dict(profile.parameters), streams, cores)

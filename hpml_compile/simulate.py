@@ -77,6 +77,14 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   time with the stretches of the previous timeline. Without measured rates (a
   GPU, an old profile), nothing stretches and the copies run at the catalog's
   memory bandwidth.
+- CPU ranks of one host share its cores: each host is taken to have the
+  logical CPUs of the host the profile was taken on (``profile.devices[kind]
+  ["cpus"]``). While ``k`` of a host's ranks are busy at once on ``c`` cores,
+  any of their work, compute included, stretches by ``max(1, k / c)`` (the
+  larger of this and the bandwidth stretch), averaged the same way: four
+  ranks on two cores take about twice as long as one rank per core (measured,
+  gpt-mini data parallel on 4 ranks of a 2-core VM: 1.8x the compute of a
+  core per rank, which the simulator had predicted: ``benchmarks/prediction``).
 - The bubble is the idle fraction of the stages' compute time between 0 and
   the end of the last backward.
 
@@ -96,7 +104,7 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import cost_models
 
@@ -467,27 +475,37 @@ def _ready(fwd: bool, i: int, k: int, costs: tuple[StageCost, ...], senders: lis
 
 
 class _HostShare:
-    """Which stages' CPU ranks share a host's memory bandwidth, and how much a streaming part stretches."""
+    """Which stages' CPU ranks share a host, and how much their work stretches there: a streaming part by the
+    host's memory bandwidth, and any work by its cores while more of its ranks are busy than it has."""
 
     def __init__(self, plan: Plan, graph: CostGraph) -> None:
-        # per stage: {host: ranks of the stage there}, only CPU devices whose kind has measured rates
+        # per stage: {host: ranks of the stage there}, only CPU devices whose kind has measured rates or cores
         self.ranks: list[dict[str, int]] = []
         self.rates: dict[str, tuple[float, float]] = {}
+        self.cores: dict[str, int] = {}
         for st in plan.stages:
             here: dict[str, int] = {}
             for name in st.devices:
                 dev = plan.cluster.device(name)
-                rates = graph.stream_gbps(dev.kind) if dev.is_cpu else None
+                if not dev.is_cpu:
+                    continue
+                rates, cores = graph.stream_gbps(dev.kind), graph.host_cores(dev.kind)
                 if rates and rates[1] > 0:
-                    here[dev.host] = here.get(dev.host, 0) + 1
                     self.rates[dev.host] = rates
+                if cores:
+                    self.cores[dev.host] = cores
+                if (rates and rates[1] > 0) or cores:
+                    here[dev.host] = here.get(dev.host, 0) + 1
             self.ranks.append(here)
-        self.active = any(sum(r.get(h, 0) for r in self.ranks) > 1 for h in self.rates)
+        self.hosts = sorted(set(self.rates) | set(self.cores))
+        total = {h: sum(r.get(h, 0) for r in self.ranks) for h in self.hosts}
+        self.active = any((h in self.rates and total[h] > 1) or total[h] > self.cores.get(h, total[h])
+                          for h in self.hosts)
 
     def load(self, busy: list[list[tuple[float, float]]]) -> dict[str, tuple[list[float], list[int]]]:
         """Per host, the busy ranks over time as a step function: ``(times, count from each time on)``."""
         out = {}
-        for host in self.rates:
+        for host in self.hosts:
             delta: dict[float, int] = {}
             for i, spans in enumerate(busy):
                 n = self.ranks[i].get(host, 0)
@@ -502,22 +520,35 @@ class _HostShare:
             out[host] = (times, counts)
         return out
 
-    def factor(self, i: int, start: float, end: float, load: dict[str, tuple[list[float], list[int]]]) -> float:
-        """Mean slow-down of a streaming part of stage ``i`` over ``[start, end]`` (a span ``load`` counts
-        stage ``i`` busy in), the worst of its hosts."""
+    @staticmethod
+    def _mean(start: float, end: float, steps: tuple[list[float], list[int]], slow: Callable[[int], float]) -> float:
+        """The mean of ``slow(busy ranks)`` over ``[start, end]`` (1 where the step function says nothing)."""
+        times, counts = steps
+        k = max(0, bisect.bisect_right(times, start) - 1)
+        total, t = 0.0, start
+        while t < end and k < len(times):
+            nxt = min(end, times[k + 1]) if k + 1 < len(times) else end
+            total += (nxt - t) * slow(counts[k])
+            t, k = nxt, k + 1
+        return (total + max(0.0, end - t)) / (end - start)
+
+    def factor(self, i: int, start: float, end: float, load: dict[str, tuple[list[float], list[int]]],
+               streaming: float = 1.0) -> float:
+        """Mean slow-down over ``[start, end]`` (a span ``load`` counts stage ``i`` busy in) of work of stage ``i``
+        whose ``streaming`` share is memory streaming, the worst of its hosts: the streaming share stretches by
+        the host's bandwidth shared among its busy ranks, and all of it by its cores shared among them (the
+        larger of the two)."""
         if end <= start or not self.ranks[i]:
             return 1.0
         worst = 1.0
         for host in self.ranks[i]:
-            one, whole = self.rates[host]
-            times, counts = load[host]
-            k = max(0, bisect.bisect_right(times, start) - 1)
-            total, t = 0.0, start
-            while t < end and k < len(times):
-                nxt = min(end, times[k + 1]) if k + 1 < len(times) else end
-                total += (nxt - t) * max(1.0, counts[k] * one / whole)
-                t, k = nxt, k + 1
-            worst = max(worst, (total + max(0.0, end - t)) / (end - start))
+            if host in self.rates:
+                one, whole = self.rates[host]
+                bw = self._mean(start, end, load[host], lambda c: max(1.0, c * one / whole))
+                worst = max(worst, 1.0 + streaming * (bw - 1.0))
+            if host in self.cores:
+                cores = self.cores[host]
+                worst = max(worst, self._mean(start, end, load[host], lambda c: max(1.0, c / cores)))
         return worst
 
 
@@ -540,7 +571,7 @@ def _contended(plan: Plan, costs: tuple[StageCost, ...], share: _HostShare, pass
             cst = costs[i]
             dur = cst.fwd_ms if fwd else cst.recompute_ms + cst.bwd_ms
             part = cst.fwd_stream_ms if fwd else cst.bwd_stream_ms + (cst.fwd_stream_ms if cst.recompute_ms else 0)
-            stretch[(fwd, i, k)] = 1.0 + (part / dur) * (share.factor(i, a, b, load) - 1.0) if dur > 0 else 1.0
+            stretch[(fwd, i, k)] = share.factor(i, a, b, load, part / dur) if dur > 0 else 1.0
         done, bars = _run(plan, costs, stretch)
     return done, bars
 

@@ -155,6 +155,8 @@ def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, in
             st = (Stage(0, ("cpu0", "cpu1"), every),)
         elif kind == "zero1":  # the same, ZeRO-1: gloo's reduce-scatter + all-gather, priced by their own fits
             st = (Stage(0, ("cpu0", "cpu1"), every, zero=ZeroStage.OS),)
+        elif kind == "dp4":  # four replicas: on a host of fewer cores, ranks that share a core
+            st = (Stage(0, ("cpu0", "cpu1", "cpu2", "cpu3"), every),)
         else:
             st = (Stage(0, ("cpu0",), every),)
         cluster = profile_links(load_cluster(f"local-cpu-{devices}"), prof)  # this host's link, as `compile` uses
@@ -163,17 +165,18 @@ def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, in
     return out
 
 
+RANKS = {"pipe": 2, "dp": 2, "zero1": 2, "dp4": 4, "single": 1}  # the ranks each plan kind runs on
 GRID = "pipe:gpipe:2,pipe:gpipe:4,pipe:1f1b:2,pipe:1f1b:4,pipe:1f1b:8,dp:gpipe:1,zero1:gpipe:1,single:gpipe:1"
 
 
 def _grid(text: str) -> list[tuple[str, int, Schedule, int]]:
-    """``kind:schedule:M,...`` (kind: pipe | dp | zero1 | single) as ``(kind, ranks, schedule, M)``."""
+    """``kind:schedule:M,...`` (kind: pipe | dp | zero1 | dp4 | single) as ``(kind, ranks, schedule, M)``."""
     out = []
     for item in dict.fromkeys(text.split(",")):  # a plan named twice is measured once
         kind, sched, m = item.split(":")
-        if kind not in ("pipe", "dp", "zero1", "single"):
-            raise SystemExit(f"--grid: unknown plan kind {kind!r} in {item!r}; use pipe, dp, zero1 or single")
-        out.append((kind, 1 if kind == "single" else 2, Schedule(sched), int(m)))
+        if kind not in RANKS:
+            raise SystemExit(f"--grid: unknown plan kind {kind!r} in {item!r}; use {', '.join(RANKS)}")
+        out.append((kind, RANKS[kind], Schedule(sched), int(m)))
     return out
 
 

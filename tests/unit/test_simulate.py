@@ -256,6 +256,53 @@ def test_pipeline_stages_stretch_only_while_they_overlap() -> None:
     assert plain.contention == (1.0, 1.0)
 
 
+def _cored(prof, cpus: int | None, optimizer_ms: float = 4.0):
+    """The profile as taken on a host of ``cpus`` logical CPUs (None: not recorded), memory rates not measured."""
+    from dataclasses import replace
+
+    facts = {"measured": True, **({"cpus": cpus} if cpus else {})}
+    return build(replace(prof, optimizer="adamw", optimizer_ms={"cpu": optimizer_ms}, devices={"cpu": facts}))
+
+
+def _bars(r, kind: EventKind) -> dict[tuple[str, int], float]:
+    return {(b.device, b.microbatch): b.end_ms - b.start_ms for b in r.intervals if b.kind is kind}
+
+
+def test_ranks_beyond_the_hosts_cores_share_them() -> None:
+    # measured: gpt-mini on 4 data-parallel ranks of a 2-core VM computed 1.8-2.5x as long as with a core each
+    prof = chain_profile([(2.0, 4.0)], param_bytes=2 * 10**6)
+    four = Cluster(devices=tuple(Device(f"d{i}", "cpu", 8) for i in range(4)),
+                   links=tuple(Link("d0", f"d{i}", 1e6, 0.0) for i in range(1, 4)))
+    devs = tuple(d.name for d in four.devices)
+    runs = {c: simulate(_plan(g, four, [(devs, ["n0"])], 1, Schedule.GPIPE), g)
+            for c, g in ((None, _cored(prof, None)), (4, _cored(prof, 4)), (2, _cored(prof, 2)),
+                         (1, _cored(prof, 1)))}
+    for kind in (EventKind.FORWARD, EventKind.BACKWARD, EventKind.OPTIMIZER):
+        base = _bars(runs[None], kind)
+        assert base and _bars(runs[4], kind) == pytest.approx(base)  # a core per rank: as if not recorded
+        assert _bars(runs[2], kind) == pytest.approx({k: 2 * v for k, v in base.items()})  # 4 ranks, 2 cores
+        assert _bars(runs[1], kind) == pytest.approx({k: 4 * v for k, v in base.items()})
+    assert runs[2].step_ms > runs[4].step_ms and runs[4].step_ms == pytest.approx(runs[None].step_ms)
+    # ranks on other hosts do not share this one's cores: one rank per host of one core
+    apart = Cluster(devices=tuple(Device(f"d{i}", "cpu", 8, host=f"node{i}") for i in range(4)), links=four.links)
+    g1 = _cored(prof, 1)
+    assert simulate(_plan(g1, apart, [(devs, ["n0"])], 1, Schedule.GPIPE), g1).step_ms == pytest.approx(
+        runs[None].step_ms)
+
+
+def test_pipeline_ranks_share_a_core_only_while_both_compute() -> None:
+    m = 4
+    prof = chain_profile([(1.0 * m, 2.0 * m), (1.0 * m, 2.0 * m)])
+    plans = {c: (g, _plan(g, _pair(True), [(("d0",), ["n0"]), (("d1",), ["n1"])], m, Schedule.GPIPE))
+             for c, g in ((1, _cored(prof, 1, 0.0)), (2, _cored(prof, 2, 0.0)))}
+    one, two = (simulate(p, g) for g, p in plans.values())
+    fwd = {(b.stage, b.microbatch): b.end_ms - b.start_ms for b in one.intervals if b.kind is EventKind.FORWARD}
+    assert fwd[(0, 0)] == pytest.approx(1.0)  # stage 1 waits for it: stage 0 has the core to itself
+    assert fwd[(0, 1)] > 1.3  # then both compute: each has half of it
+    assert one.step_ms > two.step_ms
+    assert all(b.end_ms - b.start_ms == pytest.approx(1.0) for b in two.intervals if b.kind is EventKind.FORWARD)
+
+
 def test_the_ranks_agree_on_the_loss_between_the_sync_and_the_optimizer() -> None:
     """The runtime all-reduces the loss and the batch check (32 bytes) over every rank after the last sync and
     before any optimizer step: a tree of latencies, priced on the slowest link; one device pays nothing."""
