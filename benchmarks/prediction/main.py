@@ -3,10 +3,11 @@
 For each model, the profile is measured once at one torch thread (what each
 rank gets), then plans are made over it: 2-stage pipelines cut where the
 predicted compute is balanced (GPipe and 1F1B, several microbatch counts),
-1 stage on 2 data-parallel ranks (ZeRO-0 and ZeRO-1), and 1 stage on 1 rank. Each plan carries
+1 stage on 2 data-parallel ranks (ZeRO-0 and ZeRO-1), 1 stage on 4 (``dp4``: on a 2-core host, ranks
+that share cores), and 1 stage on 1 rank. Each plan carries
 the simulator's prediction (:func:`hpml_compile.simulate.annotate`), is
 generated into a build and trained with :class:`hpml_compile.runtime.Pipeline`
-(AdamW) for a few steps on 1 or 2 gloo ranks; the measured step is the
+(AdamW) for a few steps on 1, 2 or 4 gloo ranks; the measured step is the
 median over the steps after warm-up of the slowest rank's step.
 
 Two measured times per plan: the whole step as a user sees it, and the same
@@ -166,7 +167,7 @@ def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, in
 
 
 RANKS = {"pipe": 2, "dp": 2, "zero1": 2, "dp4": 4, "single": 1}  # the ranks each plan kind runs on
-GRID = "pipe:gpipe:2,pipe:gpipe:4,pipe:1f1b:2,pipe:1f1b:4,pipe:1f1b:8,dp:gpipe:1,zero1:gpipe:1,single:gpipe:1"
+GRID = "pipe:gpipe:2,pipe:gpipe:4,pipe:1f1b:2,pipe:1f1b:4,pipe:1f1b:8,dp:gpipe:1,zero1:gpipe:1,dp4:gpipe:1,single:gpipe:1"
 
 
 def _grid(text: str) -> list[tuple[str, int, Schedule, int]]:
