@@ -204,7 +204,7 @@ class SimResult:
     Attributes:
         step_ms: time of the whole step, gradient sync and optimizer step included.
         bubble: idle fraction of the stages during the pipeline phase.
-        bottleneck_stage: the stage with the most compute per step (host memory contention included).
+        bottleneck_stage: the stage with the most compute per step (a host's shared memory and cores included).
         intervals: every bar of the timeline, all devices.
         memory: per device, ``(time_ms, bytes)`` after each change.
         peak: per device, the peak bytes.
@@ -212,7 +212,7 @@ class SimResult:
         step_without_optimizer_ms: the step up to the end of the last gradient sync (no optimizer step).
         tied_ms: the all-reduces of parameters shared between stages, ``(stages, ms)`` each.
         contention: per stage, how much longer its microbatches took on average because CPU ranks of its
-            host streamed memory at the same time (1.0: not at all).
+            host streamed memory at the same time, or were more than its cores (1.0: not at all).
         stage_bubbles: per stage, the idle share of its own pipeline phase (from 0 to its last backward),
             which is what a rank measures (``bubble`` is over the whole pipeline phase of every stage).
         agree_ms: the loss agreement between the last sync and the optimizer steps (in
@@ -413,7 +413,7 @@ Op = tuple[bool, int, int]  # (forward?, stage, microbatch)
 def _run(plan: Plan, costs: tuple[StageCost, ...], stretch: dict[Op, float] | None = None
          ) -> tuple[dict[Op, tuple[float, float]], list[Interval]]:
     """List-schedule every stage's operations; returns ``(fwd?, stage, mb) -> (start, end)`` and send bars.
-    ``stretch`` multiplies an operation's duration (host memory contention)."""
+    ``stretch`` multiplies an operation's duration (a host's shared memory bandwidth and cores)."""
     s_count, m = len(plan.stages), plan.microbatches
     orders = [op_order(plan.schedule, i, s_count, m) for i in range(s_count)]
     senders: list[list[tuple[int, float]]] = [[] for _ in range(s_count)]
@@ -561,8 +561,8 @@ def _busy(done: dict[Op, tuple[float, float]], stages: int) -> list[list[tuple[f
 
 def _contended(plan: Plan, costs: tuple[StageCost, ...], share: _HostShare, passes: int = 3
                ) -> tuple[dict[Op, tuple[float, float]], list[Interval]]:
-    """Play the schedule ``passes`` times, each time stretching every operation's streaming part by the
-    contention its host saw in the previous timeline."""
+    """Play the schedule ``passes`` times, each time stretching every operation by the contention its host saw
+    in the previous timeline (:meth:`_HostShare.factor`)."""
     done, bars = _run(plan, costs)
     for _ in range(passes - 1):
         load = share.load(_busy(done, len(plan.stages)))
