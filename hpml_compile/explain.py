@@ -149,6 +149,25 @@ def _level_text(plan: Plan, st: Stage, graph: CostGraph, blocks: list[str]) -> s
             f"(flat ring: {human_bytes(flat)}, its slowest link between hosts)")
 
 
+def _host_sharing(plan: Plan, graph: CostGraph, result: SimResult) -> list[str]:
+    """Where CPU ranks of one host slow each other (:mod:`hpml_compile.simulate`): the stages whose microbatches
+    take longer than alone, and the hosts with more ranks than cores."""
+    slowed = [(st.index, x) for st, x in zip(plan.stages, result.contention) if x > 1.01]
+    if not slowed:
+        return []
+    ranks: dict[str, list[str]] = {}
+    for st in plan.stages:
+        for d in st.devices:
+            dev = plan.cluster.device(d)
+            if dev.is_cpu:
+                ranks.setdefault(dev.host, []).append(dev.kind)
+    crowded = [f"{host} runs {len(kinds)} ranks on {cores} cores" for host, kinds in ranks.items()
+               for cores in [graph.host_cores(kinds[0])] if cores and len(kinds) > cores]
+    return ["  sharing a host: " + ", ".join(f"stage {i} x{x:.2f}" for i, x in slowed)
+            + " as long per microbatch as alone (CPU ranks of a host share its memory bandwidth"
+            + (f", and its cores: {'; '.join(crowded)}" if crowded else "") + ")"]
+
+
 def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | None = None) -> str:
     """A text explanation of the plan: stages, the bottleneck and why, memory slack, one more device.
 
@@ -200,6 +219,7 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
         ranks = sum(len(st.devices) for st in plan.stages)
         lines.append(f"  loss agreement: one 32-byte all-reduce over the {ranks} ranks before the optimizer steps, "
                      f"{result.agree_ms:.3g} ms")
+    lines += _host_sharing(plan, graph, result)
     b = result.bottleneck_stage
     bc = result.stages[b]
     mean = sum(c.compute_ms for c in result.stages) / len(result.stages)

@@ -283,6 +283,14 @@ def test_ranks_beyond_the_hosts_cores_share_them() -> None:
         assert _bars(runs[2], kind) == pytest.approx({k: 2 * v for k, v in base.items()})  # 4 ranks, 2 cores
         assert _bars(runs[1], kind) == pytest.approx({k: 4 * v for k, v in base.items()})
     assert runs[2].step_ms > runs[4].step_ms and runs[4].step_ms == pytest.approx(runs[None].step_ms)
+    from hpml_compile.explain import summary  # explain says where and why
+
+    g2 = _cored(prof, 2)
+    plan = _plan(g2, four, [(devs, ["n0"])], 1, Schedule.GPIPE)
+    assert "sharing a host: stage 0 x2.00 as long per microbatch as alone (CPU ranks of a host share its memory " \
+           "bandwidth, and its cores: node0 runs 4 ranks on 2 cores)" in summary(plan, g2, runs[2])
+    g4 = _cored(prof, 4)
+    assert "sharing a host" not in summary(_plan(g4, four, [(devs, ["n0"])], 1, Schedule.GPIPE), g4, runs[4])
     # ranks on other hosts do not share this one's cores: one rank per host of one core
     apart = Cluster(devices=tuple(Device(f"d{i}", "cpu", 8, host=f"node{i}") for i in range(4)), links=four.links)
     g1 = _cored(prof, 1)
