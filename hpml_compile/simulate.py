@@ -494,7 +494,7 @@ class _HostShare:
                     self.rates[dev.host] = rates
                 if cores:
                     self.cores[dev.host] = cores
-                if (rates and rates[1] > 0) or cores:
+                if dev.host in self.rates or dev.host in self.cores:
                     here[dev.host] = here.get(dev.host, 0) + 1
             self.ranks.append(here)
         self.hosts = sorted(set(self.rates) | set(self.cores))

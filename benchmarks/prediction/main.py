@@ -167,7 +167,8 @@ def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, in
 
 
 RANKS = {"pipe": 2, "dp": 2, "zero1": 2, "dp4": 4, "single": 1}  # the ranks each plan kind runs on
-GRID = "pipe:gpipe:2,pipe:gpipe:4,pipe:1f1b:2,pipe:1f1b:4,pipe:1f1b:8,dp:gpipe:1,zero1:gpipe:1,dp4:gpipe:1,single:gpipe:1"
+GRID = ("pipe:gpipe:2,pipe:gpipe:4,pipe:1f1b:2,pipe:1f1b:4,pipe:1f1b:8,dp:gpipe:1,zero1:gpipe:1,dp4:gpipe:1,"
+        "single:gpipe:1")
 
 
 def _grid(text: str) -> list[tuple[str, int, Schedule, int]]:
