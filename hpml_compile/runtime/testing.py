@@ -57,7 +57,8 @@ def _entry(rank: int, fn: Callable[..., None], world_size: int, init: str, threa
     try:
         fn(rank, world_size, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # ``fn`` may have destroyed it (a test that re-forms its own groups)
+            dist.destroy_process_group()
 
 
 def _hello(rank: int, world_size: int) -> None:

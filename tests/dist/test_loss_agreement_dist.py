@@ -68,7 +68,6 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
     report = {f"{name}-{when}": _case(rank, world, b, out, f"{name}-{when}", index)
               for name, b in builds.items() for when, index in WHEN.items()}
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
-    dist.init_process_group("gloo", init_method=f"file://{out}/store-end", rank=rank, world_size=world)
 
 
 def test_a_loss_agreement_that_fails_on_one_rank_commits_the_step_once_everywhere(tmp_path: Path) -> None:

@@ -65,7 +65,6 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
     dist.destroy_process_group()  # spawn_ranks' group: not a session's, so it could not be re-formed
     report = {z: _case(rank, world, b, out, f"zero{z}") for z, b in builds.items()}
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
-    dist.init_process_group("gloo", init_method=f"file://{out}/store-end", rank=rank, world_size=world)
 
 
 REDUCERS = {"local2": {"sync_every": 2, "sync_warmup": 0}, "powersgd": {"compress": "powersgd:2"}}
@@ -101,7 +100,6 @@ def _train_reducers(rank: int, world: int, build: str, out: str) -> None:
     report = {f"{name}-{reform}": _reducer_run(rank, world, build, out, name, opts, reform)
               for name, opts in REDUCERS.items() for reform in (False, True)}
     Path(out, f"reducers{rank}.json").write_text(json.dumps(report))
-    dist.init_process_group("gloo", init_method=f"file://{out}/store-end2", rank=rank, world_size=world)
 
 
 def test_a_gather_that_fails_after_the_update_keeps_it_and_the_next_step_gathers_first(tmp_path: Path) -> None:

@@ -195,7 +195,6 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
     dist.destroy_process_group()  # spawn_ranks' group: not a session's, so a failed step could not re-form it
     report = {f"{z}-{f}": _case(rank, world, builds[z], out, f"{z}-{f}", f) for z, f in CASES}
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
-    dist.init_process_group("gloo", init_method=f"file://{out}/store-end", rank=rank, world_size=world)
 
 
 def test_a_step_retried_with_prefetched_zero_gathers_in_flight_regathers_and_trains_as_the_original(
