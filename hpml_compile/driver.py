@@ -90,6 +90,9 @@ class Options:
         allow_compress: a compression the solver may choose per stage where it makes the step faster.
         sync_every: local SGD: average the replicas' parameters every H steps (1: plain data parallelism).
         sync_warmup: steps of per-step gradient sync before local SGD starts.
+        every_device: give every device of the cluster work. By default (``ilp`` and ``dp``), where a host has
+            more CPU devices than the profile's cores, the solver also plans on only as many of them as there are
+            cores (the rest idle) and keeps that plan where it simulates faster (:func:`within_cores`).
     """
 
     solver: SolverName | str = SolverName.ILP
@@ -104,6 +107,7 @@ class Options:
     allow_compress: str | None = None
     sync_every: int = 1
     sync_warmup: int = 0
+    every_device: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "solver", SolverName(self.solver))
@@ -353,6 +357,12 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
     if opts.uneven:                                                                 # 5b. mixed kinds, uneven rows
         result = improve_uneven(graph, cluster, result, dtype=prof.dtype, microbatches=opts.microbatches,
                                 time_limit_s=min(10.0, opts.time_limit_s), progress=progress).plan
+    if not opts.every_device and opts.solver in (SolverName.ILP, SolverName.DP):   # 5c. no more ranks than cores
+        result = within_cores(result, graph, cluster, lambda c: solve(
+            graph, c, solver=opts.solver, microbatches=opts.microbatches,
+            schedule=opts.schedule or Schedule.ONE_F_ONE_B, time_limit_s=opts.time_limit_s, dtype=prof.dtype,
+            compute_bytes=compute_bytes(prof.precision.value), compress=opts.allow_compress,
+            hierarchical=opts.hierarchical), dtype=prof.dtype, progress=progress)
     result = replace(result, precision=prof.precision,                              # trains as it was timed
                      allow_compress=opts.allow_compress or "")                      # a re-plan offers it again
     if opts.compress or opts.sync_every > 1:                                        # the user's comm options
@@ -363,6 +373,71 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
     validate_plan(result, prof)                                                     # every node placed once
     _dump(opts, "4-plan.json", lambda p: save_plan(result, p))
     return result
+
+
+def crowded_devices(cluster: Cluster, graph: CostGraph) -> list[str]:
+    """The CPU devices of each host beyond its cores (the last ones listed), where the profile recorded them.
+
+    Ranks beyond a host's cores share them (the simulator stretches their work by ``ranks / cores``,
+    :mod:`hpml_compile.simulate`): on the 2-core VM four data-parallel ranks of gpt-mini stepped in 476 ms
+    against 350 ms for two (``benchmarks/prediction``, session 14).
+    """
+    by_host: dict[str, list[str]] = {}
+    kind: dict[str, str] = {}
+    for d in cluster.devices:
+        if d.is_cpu:
+            by_host.setdefault(d.host, []).append(d.name)
+            kind[d.host] = d.kind
+    out: list[str] = []
+    for host, names in by_host.items():
+        cores = graph.host_cores(kind[host])
+        if cores and len(names) > cores:
+            out += names[cores:]
+    return out
+
+
+def within_cores(result: Plan, graph: CostGraph, cluster: Cluster, solve_on: Callable[[Cluster], Plan], *,
+                 dtype: str = "float32", progress: Say | None = None) -> Plan:
+    """``result``, or a plan that leaves the CPU devices beyond their host's cores idle where that simulates faster.
+
+    The solvers give every device of the cluster work, and do not see that CPU ranks beyond a host's cores
+    share them: on this 2-core VM, ``compile gpt-tiny --cluster local-cpu-4`` placed 2 stages of 2 replicas
+    (simulated 4.94 ms, cores shared) where one stage on 2 of the devices simulates 4.29 ms. So the solver
+    runs again on the cluster less those devices (:func:`crowded_devices`), and the faster plan of the two,
+    by the simulator (which prices the sharing), is kept, on the whole cluster (its idle devices get no rank).
+
+    Args:
+        result: the solver's plan on ``cluster``.
+        graph: the cost graph (its ``cores``).
+        cluster: the cluster ``result`` was solved on.
+        solve_on: the same solve on another cluster.
+        dtype: parameter dtype, for the simulator.
+        progress: where to say what was compared.
+
+    Returns:
+        The faster plan; ``result`` when no host has more CPU devices than cores, when ``result`` leaves them
+        idle already, or when no plan fits the fewer devices.
+    """
+    extra = crowded_devices(cluster, graph)
+    used = {d for st in result.stages for d in st.devices}
+    if not extra or not used & set(extra):
+        return result
+    fewer = without_devices(cluster, extra)
+    try:
+        alt = solve_on(fewer)
+    except HpmlError as e:  # e.g. the model does not fit on fewer devices
+        if progress:
+            progress(f"cores: no plan on {len(fewer.devices)} of the {len(cluster.devices)} devices ({e}); "
+                     "keeping every device")
+        return result
+    alt = annotate(replace(alt, cluster=cluster), graph, dtype)[0]
+    faster = alt.predicted.step_ms < result.predicted.step_ms
+    if progress:
+        progress(f"cores: {len(extra)} CPU device(s) beyond their host's cores ({', '.join(extra)}); the plan "
+                 f"without them simulates {alt.predicted.step_ms:.4g} ms against {result.predicted.step_ms:.4g} ms "
+                 f"with them: {'kept, the rest idle' if faster else 'every device kept'} (--every-device keeps "
+                 "them all)")
+    return alt if faster else result
 
 
 def _unsharded(plan: Plan, graph: CostGraph, dtype: str, opts: Options) -> Plan:

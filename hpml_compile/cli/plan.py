@@ -76,6 +76,10 @@ def add_comm_options(p: argparse.ArgumentParser, *, solver: bool = True) -> None
         p.add_argument("--no-uneven", action="store_false", dest="uneven",
                        help="do not try stages that mix device kinds with uneven rows per replica (default: tried on "
                             "clusters of several kinds, kept only when faster than the solver's plan)")
+        p.add_argument("--every-device", action="store_true", dest="every_device",
+                       help="give every device work (default, with the ilp and dp solvers: where a host has more CPU "
+                            "devices than cores, a plan on only as many as it has cores is tried as well and kept, "
+                            "the rest idle, when it simulates faster: ranks beyond the cores share them)")
 
 
 def comm_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -83,7 +87,8 @@ def comm_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"compress": args.compress, "allow_compress": getattr(args, "allow_compress", None),
             "sync_every": 1 if args.sync_every is None else args.sync_every,
             "sync_warmup": 0 if args.sync_warmup is None else args.sync_warmup,
-            **({"hierarchical": args.hierarchical, "uneven": args.uneven} if hasattr(args, "uneven") else {})}
+            **({"hierarchical": args.hierarchical, "uneven": args.uneven, "every_device": args.every_device}
+               if hasattr(args, "uneven") else {})}
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Profile, Cluster]:
