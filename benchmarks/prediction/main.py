@@ -327,6 +327,39 @@ def _combine(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
+def machine_adjusted(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Each plan's error with the machine's minute taken out: per round, divided by that round's single-rank
+    plan of the same model (its measured / predicted step), then the median over the rounds.
+
+    Why: this VM's speed moves 10-40% from minute to minute (runs W-AI), and a round's profile and its
+    measurements are minutes apart, so every plan of a round can miss in one direction, single ranks included.
+    The single-rank plan has no communication, no pipeline and no sharing of the host: what it misses is the
+    machine's drift since the profile (and the profile's own error). What a plan misses beyond it is what the
+    simulator adds: communication, bubbles, ranks sharing the host. Not the goal's figure, which stays the raw
+    error: a user's plan meets the machine as it is.
+
+    Args:
+        rows: :func:`_combine`'s rows (or one round's), named ``"<model> <kind> ..."``.
+
+    Returns:
+        ``{plan: adjusted error}`` for every plan but the single-rank ones, of models that have one.
+    """
+    rounds = [[r] for r in rows] if not rows or "rounds" not in rows[0] else [r["rounds"] for r in rows]
+    index: list[dict[str, float]] = [{} for _ in rounds[0]] if rounds else []
+    for row, per_round in zip(rows, rounds):
+        model, kind = row["plan"].split()[:2]
+        if kind == "single":
+            for k, x in enumerate(per_round):
+                index[k][model] = x["measured_ms"] / x["predicted_ms"]
+    out = {}
+    for row, per_round in zip(rows, rounds):
+        model, kind = row["plan"].split()[:2]
+        if kind != "single" and all(model in index[k] for k in range(len(per_round))):
+            out[row["plan"]] = statistics.median(x["measured_ms"] / (x["predicted_ms"] * index[k][model]) - 1
+                                                 for k, x in enumerate(per_round))
+    return out
+
+
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(abs(x) for x in xs)
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
@@ -394,6 +427,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  |error| whole step: median {summary['median_abs_error']:.1%}, p90 {summary['p90_abs_error']:.1%}; "
           f"without the optimizer step: median {summary['median_abs_error_without_optimizer']:.1%}, "
           f"p90 {summary['p90_abs_error_without_optimizer']:.1%} (goal: median <= 10%, p90 <= 20%)")
+    adjusted = machine_adjusted(rows)
+    if adjusted:
+        summary.update(median_abs_error_machine_adjusted=_pct(list(adjusted.values()), 0.5),
+                       p90_abs_error_machine_adjusted=_pct(list(adjusted.values()), 0.9))
+        for r in rows:
+            r["error_machine_adjusted"] = adjusted.get(r["plan"])
+        print(f"  with each round's single-rank plan of the model as the machine's speed of that minute "
+              f"({len(adjusted)} plans): median {summary['median_abs_error_machine_adjusted']:.1%}, p90 "
+              f"{summary['p90_abs_error_machine_adjusted']:.1%}: what the simulator misses beyond the machine's "
+              "drift (not the goal's figure)")
     noisy = [r["plan"] for r in rows if r["background_cpu"] > QUIET]
     if noisy:
         print(f"  measured while other processes were busy (> {QUIET} CPU): {', '.join(noisy)}")
