@@ -168,6 +168,25 @@ def _host_sharing(plan: Plan, graph: CostGraph, result: SimResult) -> list[str]:
             + (f", and its cores: {'; '.join(crowded)}" if crowded else "") + ")"]
 
 
+def _idle_cpus(plan: Plan, graph: CostGraph) -> list[str]:
+    """The cluster's CPU devices no stage uses, where their host has more CPU devices than cores: what the
+    driver leaves idle on purpose (:func:`hpml_compile.driver.within_cores`), said so that ``show`` explains them."""
+    used = {d for st in plan.stages for d in st.devices}
+    by_host: dict[str, list[str]] = {}
+    for dev in plan.cluster.devices:
+        if dev.is_cpu:
+            by_host.setdefault(dev.host, []).append(dev.name)
+    out = []
+    for host, names in by_host.items():
+        idle = [n for n in names if n not in used]
+        cores = graph.host_cores(plan.cluster.device(names[0]).kind)
+        if idle and cores and len(names) > cores:
+            out.append(f"  idle: {', '.join(idle)} (no stage uses them; {host} has {cores} cores for {len(names)} "
+                       "CPU devices, and ranks beyond its cores would share them; --every-device gives every "
+                       "device work)")
+    return out
+
+
 def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | None = None) -> str:
     """A text explanation of the plan: stages, the bottleneck and why, memory slack, one more device.
 
@@ -220,6 +239,7 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
         lines.append(f"  loss agreement: one 32-byte all-reduce over the {ranks} ranks before the optimizer steps, "
                      f"{result.agree_ms:.3g} ms")
     lines += _host_sharing(plan, graph, result)
+    lines += _idle_cpus(plan, graph)
     b = result.bottleneck_stage
     bc = result.stages[b]
     mean = sum(c.compute_ms for c in result.stages) / len(result.stages)

@@ -168,5 +168,11 @@ def test_cpu_devices_beyond_the_hosts_cores_are_left_idle_where_that_is_faster()
     assert fewer.cluster.to_dict() == every.cluster.to_dict()  # the user's cluster, two of its devices idle
     line = next(s for s in said if s.startswith("cores:"))
     assert "(d2, d3)" in line and "kept, the rest idle" in line
+    from hpml_compile.explain import summary
+    from hpml_compile.simulate import simulate
+
+    graph = driver.cost_graph(replace(base, devices={"cpu": {"measured": True, "cpus": 2}}), four)[1]
+    assert "  idle: d2, d3 (no stage uses them; node0 has 2 cores for 4 CPU devices" in summary(
+        fewer, graph, simulate(fewer, graph))  # show says why
     roomy, said4 = plan_for(4)  # a core per device: nothing to compare
     assert len(used(roomy)) == 4 and not any(s.startswith("cores:") for s in said4)
