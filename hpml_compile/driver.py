@@ -91,8 +91,8 @@ class Options:
         sync_every: local SGD: average the replicas' parameters every H steps (1: plain data parallelism).
         sync_warmup: steps of per-step gradient sync before local SGD starts.
         every_device: give every device of the cluster work. By default (``ilp`` and ``dp``), where a host has
-            more CPU devices than the profile's cores, the solver also plans on only as many of them as there are
-            cores (the rest idle) and keeps that plan where it simulates faster (:func:`within_cores`).
+            more CPU devices than the profile's cores, the plan uses only as many of them as there are cores, the
+            rest idle (:func:`within_cores`), unless nothing fits on those.
     """
 
     solver: SolverName | str = SolverName.ILP
@@ -398,13 +398,17 @@ def crowded_devices(cluster: Cluster, graph: CostGraph) -> list[str]:
 
 def within_cores(result: Plan, graph: CostGraph, cluster: Cluster, solve_on: Callable[[Cluster], Plan], *,
                  dtype: str = "float32", progress: Say | None = None) -> Plan:
-    """``result``, or a plan that leaves the CPU devices beyond their host's cores idle where that simulates faster.
+    """``result``, or the plan on no more CPU devices per host than it has cores (the rest idle).
 
-    The solvers give every device of the cluster work, and do not see that CPU ranks beyond a host's cores
-    share them: on this 2-core VM, ``compile gpt-tiny --cluster local-cpu-4`` placed 2 stages of 2 replicas
-    (simulated 4.94 ms, cores shared) where one stage on 2 of the devices simulates 4.29 ms. So the solver
-    runs again on the cluster less those devices (:func:`crowded_devices`), and the faster plan of the two,
-    by the simulator (which prices the sharing), is kept, on the whole cluster (its idle devices get no rank).
+    The solvers give every device of the cluster work. CPU ranks beyond a host's cores share them, and what
+    that costs is far more than the simulator's stretch of their work (``max(1, ranks / cores)``) says: a rank
+    that waits for a peer's message or collective waits for the peer to be scheduled too. On this 2-core VM
+    (``run --steps 60``): gpt-tiny on 4 ranks (2 stages x 2) 42.2 ms a step against 16.0 ms for one stage on 2,
+    predicted 5.82 and 5.17 ms; on 3 ranks (``cpu0 | cpu1, cpu2``) 28.0-30.4 ms against 14.1-14.4 ms for 2
+    stages on 2, although the 3-rank plan simulated 4% faster; gpt-mini data parallel on 4 ranks 476 ms against
+    350 ms on 2 (``benchmarks/prediction``, session 14). So the solver runs again on the cluster less those
+    devices (:func:`crowded_devices`) and that plan is kept, on the whole cluster (its idle devices get no rank),
+    whatever the two simulate; both predictions are said.
 
     Args:
         result: the solver's plan on ``cluster``.
@@ -412,11 +416,11 @@ def within_cores(result: Plan, graph: CostGraph, cluster: Cluster, solve_on: Cal
         cluster: the cluster ``result`` was solved on.
         solve_on: the same solve on another cluster.
         dtype: parameter dtype, for the simulator.
-        progress: where to say what was compared.
+        progress: where to say what was done.
 
     Returns:
-        The faster plan; ``result`` when no host has more CPU devices than cores, when ``result`` leaves them
-        idle already, or when no plan fits the fewer devices.
+        The plan within the cores; ``result`` when no host has more CPU devices than cores, when ``result``
+        leaves them idle already, or when no plan fits the fewer devices (said).
     """
     extra = crowded_devices(cluster, graph)
     used = {d for st in result.stages for d in st.devices}
@@ -427,17 +431,16 @@ def within_cores(result: Plan, graph: CostGraph, cluster: Cluster, solve_on: Cal
         alt = solve_on(fewer)
     except HpmlError as e:  # e.g. the model does not fit on fewer devices
         if progress:
-            progress(f"cores: no plan on {len(fewer.devices)} of the {len(cluster.devices)} devices ({e}); "
-                     "keeping every device")
+            progress(f"cores: no plan fits on {len(fewer.devices)} of the {len(cluster.devices)} devices ({e}); "
+                     f"every device kept, {', '.join(extra)} beyond their host's cores")
         return result
     alt = annotate(replace(alt, cluster=cluster), graph, dtype)[0]
-    faster = alt.predicted.step_ms < result.predicted.step_ms
     if progress:
-        progress(f"cores: {len(extra)} CPU device(s) beyond their host's cores ({', '.join(extra)}); the plan "
-                 f"without them simulates {alt.predicted.step_ms:.4g} ms against {result.predicted.step_ms:.4g} ms "
-                 f"with them: {'kept, the rest idle' if faster else 'every device kept'} (--every-device keeps "
-                 "them all)")
-    return alt if faster else result
+        progress(f"cores: {', '.join(extra)} left idle: their host has fewer cores than CPU devices, and ranks "
+                 "beyond its cores wait for each other's turns far more than the simulator prices; the plan "
+                 f"without them is predicted {alt.predicted.step_ms:.4g} ms, with them {result.predicted.step_ms:.4g} "
+                 "ms (--every-device gives every device work)")
+    return alt
 
 
 def _unsharded(plan: Plan, graph: CostGraph, dtype: str, opts: Options) -> Plan:

@@ -78,8 +78,8 @@ def add_comm_options(p: argparse.ArgumentParser, *, solver: bool = True) -> None
                             "clusters of several kinds, kept only when faster than the solver's plan)")
         p.add_argument("--every-device", action="store_true", dest="every_device",
                        help="give every device work (default, with the ilp and dp solvers: where a host has more CPU "
-                            "devices than cores, a plan on only as many as it has cores is tried as well and kept, "
-                            "the rest idle, when it simulates faster: ranks beyond the cores share them)")
+                            "devices than cores, only as many as it has cores get ranks, the rest idle, unless "
+                            "nothing fits on them: ranks beyond the cores wait for each other's turns)")
 
 
 def comm_options(args: argparse.Namespace) -> dict[str, Any]:
