@@ -49,7 +49,7 @@ from .codegen import Build, check_build_dir, generate
 from .costgraph import CostGraph
 from .costgraph import build as build_costgraph
 from .errors import BuildMismatchError, HpmlError, OptionError
-from .ir import Cluster, FrontEnd, Link, Precision, Profile
+from .ir import Cluster, Device, FrontEnd, Link, Precision, Profile
 from .compression import check_sync, parse_compress
 from .memory import compute_bytes
 from .plan import Plan, Schedule, ZeroStage, save_plan, validate_plan, with_comm
@@ -376,23 +376,28 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
 
 
 def crowded_devices(cluster: Cluster, graph: CostGraph) -> list[str]:
-    """The CPU devices of each host beyond its cores (the last ones listed), where the profile recorded them.
+    """The CPU devices of each host beyond its cores, where the profile recorded them: the slowest kinds (by the
+    whole graph's forward and backward), and among equals the last ones listed.
 
     Ranks beyond a host's cores share them (the simulator stretches their work by ``ranks / cores``,
     :mod:`hpml_compile.simulate`): on the 2-core VM four data-parallel ranks of gpt-mini stepped in 476 ms
     against 350 ms for two (``benchmarks/prediction``, session 14).
     """
-    by_host: dict[str, list[str]] = {}
-    kind: dict[str, str] = {}
+    def pace(kind: str) -> float:  # ms of one whole forward and backward on ``kind``; not costed: last
+        if kind not in graph.kinds:
+            return math.inf
+        return sum(sum(graph.cost_at(n, kind, 1.0)) for n in graph.order)
+
+    by_host: dict[str, list[Device]] = {}
     for d in cluster.devices:
         if d.is_cpu:
-            by_host.setdefault(d.host, []).append(d.name)
-            kind[d.host] = d.kind
+            by_host.setdefault(d.host, []).append(d)
     out: list[str] = []
-    for host, names in by_host.items():
-        cores = graph.host_cores(kind[host])
-        if cores and len(names) > cores:
-            out += names[cores:]
+    for devs in by_host.values():
+        cores = graph.host_cores(devs[0].kind)
+        if cores and len(devs) > cores:
+            ranked = sorted(range(len(devs)), key=lambda i: (pace(devs[i].kind), i))
+            out += [devs[i].name for i in sorted(ranked[cores:])]
     return out
 
 

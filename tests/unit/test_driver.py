@@ -190,3 +190,8 @@ def test_cpu_devices_beyond_the_hosts_cores_are_left_idle() -> None:
     assert pipe.predicted.step_ms > pipe_every.predicted.step_ms  # what the simulator prefers, measured slower
     roomy, said4 = plan_for(one_node, 4)  # a core per device: nothing to do
     assert len(used(roomy)) == 4 and not any(s.startswith("cores:") for s in said4)
+    # a device measured slow (its own variant kind) is the one left idle, not the last one listed
+    slow = Cluster(tuple(replace(d, kind="cpu~d0") if d.name == "d0" else d for d in devs), four.links)
+    mixed = replace(chain_profile([{"cpu": (2.0, 4.0), "cpu~d0": (6.0, 12.0)}], param_bytes=8 * 10**6,
+                                  batch_size=8), devices={"cpu": {"measured": True, "cpus": 2}})
+    assert driver.crowded_devices(slow, driver.cost_graph(mixed, slow)[1]) == ["d0", "d3"]
