@@ -350,19 +350,20 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
     prof, graph = cost_graph(prof, cluster, opts)
     if progress:
         progress(f"{prof.model}: {len(graph.order)} blocks after coarsening ({len(prof.nodes)} nodes)")
-    result = solve(graph, cluster, solver=opts.solver, microbatches=opts.microbatches,               # 5. solve
-                   schedule=opts.schedule or Schedule.ONE_F_ONE_B, time_limit_s=opts.time_limit_s,
-                   dtype=prof.dtype, compute_bytes=compute_bytes(prof.precision.value), progress=progress,
-                   compress=opts.allow_compress, hierarchical=opts.hierarchical)
-    if opts.uneven:                                                                 # 5b. mixed kinds, uneven rows
-        result = improve_uneven(graph, cluster, result, dtype=prof.dtype, microbatches=opts.microbatches,
-                                time_limit_s=min(10.0, opts.time_limit_s), progress=progress).plan
+
+    def solve_on(devices: Cluster) -> Plan:
+        placed = solve(graph, devices, solver=opts.solver, microbatches=opts.microbatches,          # 5. solve
+                       schedule=opts.schedule or Schedule.ONE_F_ONE_B, time_limit_s=opts.time_limit_s,
+                       dtype=prof.dtype, compute_bytes=compute_bytes(prof.precision.value), progress=progress,
+                       compress=opts.allow_compress, hierarchical=opts.hierarchical)
+        if opts.uneven:                                                             # 5b. mixed kinds, uneven rows
+            placed = improve_uneven(graph, devices, placed, dtype=prof.dtype, microbatches=opts.microbatches,
+                                    time_limit_s=min(10.0, opts.time_limit_s), progress=progress).plan
+        return placed
+
+    result = solve_on(cluster)
     if not opts.every_device and opts.solver in (SolverName.ILP, SolverName.DP):   # 5c. no more ranks than cores
-        result = within_cores(result, graph, cluster, lambda c: solve(
-            graph, c, solver=opts.solver, microbatches=opts.microbatches,
-            schedule=opts.schedule or Schedule.ONE_F_ONE_B, time_limit_s=opts.time_limit_s, dtype=prof.dtype,
-            compute_bytes=compute_bytes(prof.precision.value), compress=opts.allow_compress,
-            hierarchical=opts.hierarchical), dtype=prof.dtype, progress=progress)
+        result = within_cores(result, graph, cluster, solve_on, dtype=prof.dtype, progress=progress)
     result = replace(result, precision=prof.precision,                              # trains as it was timed
                      allow_compress=opts.allow_compress or "")                      # a re-plan offers it again
     if opts.compress or opts.sync_every > 1:                                        # the user's comm options
