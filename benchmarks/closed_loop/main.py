@@ -154,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="hpml-closed-loop-"))
     build = work / "build"
     print(f"compiling {a.model} for local-cpu-3 ...", flush=True)
-    _cli("compile", a.model, "--cluster", "local-cpu-3", "-o", str(build))
+    # three ranks whatever the host's cores (the scenarios slow rank 1 and kill rank 2): on a 2-core host the
+    # planner would otherwise leave the third device idle (driver.within_cores)
+    _cli("compile", a.model, "--cluster", "local-cpu-3", "--every-device", "-o", str(build))
     print("scenario 1: rank 1 slowed 3x from step 10 ...", flush=True)
     s = slowdown(build, work, a.steps, 10, 3.0)
     print("scenario 2: rank 2 killed at step 15 ...", flush=True)
