@@ -380,9 +380,8 @@ def crowded_devices(cluster: Cluster, graph: CostGraph) -> list[str]:
     """The CPU devices of each host beyond its cores, where the profile recorded them: the slowest kinds (by the
     whole graph's forward and backward), and among equals the last ones listed.
 
-    Ranks beyond a host's cores share them (the simulator stretches their work by ``ranks / cores``,
-    :mod:`hpml_compile.simulate`): on the 2-core VM four data-parallel ranks of gpt-mini stepped in 476 ms
-    against 350 ms for two (``benchmarks/prediction``, session 14).
+    Every host is taken to have the profiled host's logical CPUs (``devices.cpu.cpus``), as the simulator takes
+    it (:mod:`hpml_compile.simulate`): profile on the hosts the plan is for, or pass ``--every-device``.
     """
     def pace(kind: str) -> float:  # ms of one whole forward and backward on ``kind``; not costed: last
         if kind not in graph.kinds:
