@@ -26,7 +26,9 @@ measure it, not with the catalog's default.
 
 Run:  .venv/bin/python benchmarks/prediction/main.py [--models gpt-mini,mlp] [--steps 6] [--rounds 3]
 ``--rounds N`` repeats the whole run (link probe, profiles, plans, measurement) N times and compares each
-plan's median prediction with its median measurement; each round's rows stay in the JSON.
+plan's median prediction with its median measurement; each round's rows stay in the JSON. Each plan runs in
+rank processes started for it alone, as a user's run does (``--shared-ranks``: every plan of one rank count in
+the same processes, one after the other, as before session 15, when later plans computed up to 30% slower).
 Prints a table; writes benchmarks/prediction/results/prediction.json, with the host it ran on (CPU model
 from /proc/cpuinfo, cache sizes, CPUs, memory stream rates, load average) and each profile's CPU facts:
 the README keeps one table per CPU model (issue 19).
@@ -223,7 +225,7 @@ def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedu
 
 
 def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, out: str, wait_s: float = 60.0,
-            attempts: int = 3) -> None:
+            attempts: int = 3, tag: str = "all") -> None:
     torch.set_num_threads(1)
     mine = [os.getpid(), os.getppid()]
     every: list[Any] = [None] * world
@@ -264,13 +266,14 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, o
                              "background_cpu": float(load[0]), "attempts": attempt + 1,
                              "main_thread_cpu_ms": main_ms, "other_threads_cpu_ms": other_ms,
                              "main_thread_sys_ms": sys_ms, "main_thread_faults": faults}
-    Path(out, f"rank{rank}-w{world}.json").write_text(json.dumps(report))
+    Path(out, f"rank{rank}-w{world}-{tag}.json").write_text(json.dumps(report))
 
 
-def _summarise(cases: list[Case], root: Path) -> list[dict[str, Any]]:
+def _summarise(cases: list[Case], root: Path, fresh: bool = True) -> list[dict[str, Any]]:
     rows = []
-    for c in cases:
-        ranks = [json.loads((root / f"rank{r}-w{c.ranks}.json").read_text())[c.name] for r in range(c.ranks)]
+    for i, c in enumerate(cases):
+        tag = f"c{i}" if fresh else "all"
+        ranks = [json.loads((root / f"rank{r}-w{c.ranks}-{tag}.json").read_text())[c.name] for r in range(c.ranks)]
         full = [max(v) for v in zip(*(r["step_ms"] for r in ranks))]
         no_opt = [max(vals) for vals in zip(*([s - o for s, o in zip(r["step_ms"], r["optimizer_ms"])]
                                               for r in ranks))]
@@ -378,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="repeat the whole benchmark (link probe, profiles, plans, measurement) this many times and "
                         "compare each plan's median prediction with its median measurement: this VM's speed moves "
                         "10-40%% from minute to minute, and one round measures one minute (default: %(default)s)")
+    p.add_argument("--shared-ranks", action="store_true",
+                   help="measure every plan of one rank count in the same rank processes, one after the other (as "
+                        "before session 15); default: each plan in freshly started ranks of its own, as a run is")
     p.add_argument("--grid", default=GRID, help="plans per model, kind:schedule:microbatches (default: %(default)s)")
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -398,10 +404,15 @@ def main(argv: list[str] | None = None) -> int:
         _wait_quiet({os.getpid()}, args.quiet_wait)
         link = measure_local_link(log=lambda line: print(line.strip(), file=sys.stderr, flush=True))
         cases, facts = _cases(args.models.split(","), here, _grid(args.grid), link, args.quiet_wait, args.attempts)
-        for world in sorted({c.ranks for c in cases}):
-            spawn_ranks(_worker, world, here, cases, args.steps, args.warmup, str(here), args.quiet_wait,
-                        args.attempts)
-        rounds.append(_summarise(cases, here))
+        if args.shared_ranks:
+            for world in sorted({c.ranks for c in cases}):
+                spawn_ranks(_worker, world, here, cases, args.steps, args.warmup, str(here), args.quiet_wait,
+                            args.attempts)
+        else:  # each plan in ranks of its own, as a user's run is
+            for i, c in enumerate(cases):
+                spawn_ranks(_worker, c.ranks, here, [c], args.steps, args.warmup, str(here), args.quiet_wait,
+                            args.attempts, f"c{i}")
+        rounds.append(_summarise(cases, here, fresh=not args.shared_ranks))
         links.append(link)
         facts_by_round.append(facts)
     rows = _combine(rounds)
