@@ -49,7 +49,7 @@ from .codegen import Build, check_build_dir, generate
 from .costgraph import CostGraph
 from .costgraph import build as build_costgraph
 from .errors import BuildMismatchError, HpmlError, OptionError
-from .ir import Cluster, Device, FrontEnd, Link, Precision, Profile
+from .ir import Cluster, FrontEnd, Link, Precision, Profile
 from .compression import check_sync, parse_compress
 from .memory import compute_bytes
 from .plan import Plan, Schedule, ZeroStage, save_plan, validate_plan, with_comm
@@ -57,7 +57,7 @@ from .profile import predict_kinds, profile, save_profile
 from .recipe import ModelRecipe, read_recipe
 from .replan import ReplanResult, carried_comm, move_rows as move_plan_rows, replan_graph, without_devices
 from .schema import write_json_atomic
-from .simulate import annotate
+from .simulate import annotate, crowded_devices
 from .solve import SolverName, solve
 from .solve.uneven import improve as improve_uneven
 from .trace import trace
@@ -374,31 +374,6 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
     validate_plan(result, prof)                                                     # every node placed once
     _dump(opts, "4-plan.json", lambda p: save_plan(result, p))
     return result
-
-
-def crowded_devices(cluster: Cluster, graph: CostGraph) -> list[str]:
-    """The CPU devices of each host beyond its cores, where the profile recorded them: the slowest kinds (by the
-    whole graph's forward and backward), and among equals the last ones listed.
-
-    Every host is taken to have the profiled host's logical CPUs (``devices.cpu.cpus``), as the simulator takes
-    it (:mod:`hpml_compile.simulate`): profile on the hosts the plan is for, or pass ``--every-device``.
-    """
-    def pace(kind: str) -> float:  # ms of one whole forward and backward on ``kind``; not costed: last
-        if kind not in graph.kinds:
-            return math.inf
-        return sum(sum(graph.cost_at(n, kind, 1.0)) for n in graph.order)
-
-    by_host: dict[str, list[Device]] = {}
-    for d in cluster.devices:
-        if d.is_cpu:
-            by_host.setdefault(d.host, []).append(d)
-    out: list[str] = []
-    for devs in by_host.values():
-        cores = graph.host_cores(devs[0].kind)
-        if cores and len(devs) > cores:
-            ranked = sorted(range(len(devs)), key=lambda i: (pace(devs[i].kind), i))
-            out += [devs[i].name for i in sorted(ranked[cores:])]
-    return out
 
 
 def within_cores(result: Plan, graph: CostGraph, cluster: Cluster, solve_on: Callable[[Cluster], Plan], *,

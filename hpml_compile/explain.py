@@ -29,7 +29,7 @@ from .errors import HpmlError, InfeasibleError
 from .ir import Cluster, Device, Profile
 from .memory import GiB
 from .plan import Plan, Stage
-from .simulate import SimResult
+from .simulate import SimResult, crowded_devices
 from .solve import SolverName, solve
 from .cluster import hierarchy
 from .plan import AllReduce
@@ -169,18 +169,16 @@ def _host_sharing(plan: Plan, graph: CostGraph, result: SimResult) -> list[str]:
 
 
 def _idle_cpus(plan: Plan, graph: CostGraph) -> list[str]:
-    """The cluster's CPU devices no stage uses, where their host has more CPU devices than cores: what the
-    driver leaves idle on purpose (:func:`hpml_compile.driver.within_cores`), said so that ``show`` explains them."""
+    """The CPU devices no stage uses on hosts with more CPU devices than cores (:func:`hpml_compile.simulate.
+    crowded_devices`): what the driver leaves idle on purpose (:func:`hpml_compile.driver.within_cores`), said so
+    that ``show`` explains them."""
     used = {d for st in plan.stages for d in st.devices}
-    by_host: dict[str, list[str]] = {}
-    for dev in plan.cluster.devices:
-        if dev.is_cpu:
-            by_host.setdefault(dev.host, []).append(dev.name)
     out = []
-    for host, names in by_host.items():
+    for host in dict.fromkeys(plan.cluster.device(n).host for n in crowded_devices(plan.cluster, graph)):
+        names = [d.name for d in plan.cluster.devices if d.is_cpu and d.host == host]
         idle = [n for n in names if n not in used]
         cores = graph.host_cores(plan.cluster.device(names[0]).kind)
-        if idle and cores and len(names) > cores:
+        if idle:
             out.append(f"  idle: {', '.join(idle)} (no stage uses them; {host} has {cores} cores for {len(names)} "
                        "CPU devices, and ranks beyond its cores would share them; --every-device gives every "
                        "device work)")

@@ -103,6 +103,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
@@ -112,6 +113,7 @@ from .cluster import Cluster, hierarchy, host_link_spec, link_spec
 from .compression import CompressKind, parse_compress, powersgd_fraction
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
+from .ir import Device
 from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_overlap, zero_shards
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
@@ -119,7 +121,7 @@ from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, ev
                         local_sgd_sync_ms, optimizer_ms, stepped_gather_ms, stream_bytes_per_ms, stream_ms, sync_ms,
                         transfer_ms)
 
-__all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "stage_costs", "annotate",
+__all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "stage_costs", "annotate", "crowded_devices",
            "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms"]
 
 
@@ -472,6 +474,31 @@ def _ready(fwd: bool, i: int, k: int, costs: tuple[StageCost, ...], senders: lis
             return None
         t = max(t, done[(False, j, k)][1] + ms)
     return t
+
+
+def crowded_devices(cluster: Cluster, graph: CostGraph) -> list[str]:
+    """The CPU devices of each host beyond its cores, where the profile recorded them: the slowest kinds (by the
+    whole graph's forward and backward), and among equals the last ones listed.
+
+    Every host is taken to have the profiled host's logical CPUs (``devices.cpu.cpus``), as the simulator takes
+    it (:mod:`hpml_compile.simulate`): profile on the hosts the plan is for, or pass ``--every-device``.
+    """
+    def pace(kind: str) -> float:  # ms of one whole forward and backward on ``kind``; not costed: last
+        if kind not in graph.kinds:
+            return math.inf
+        return sum(sum(graph.cost_at(n, kind, 1.0)) for n in graph.order)
+
+    by_host: dict[str, list[Device]] = {}
+    for d in cluster.devices:
+        if d.is_cpu:
+            by_host.setdefault(d.host, []).append(d)
+    out: list[str] = []
+    for devs in by_host.values():
+        cores = graph.host_cores(devs[0].kind)
+        if cores and len(devs) > cores:
+            ranked = sorted(range(len(devs)), key=lambda i: (pace(devs[i].kind), i))
+            out += [devs[i].name for i in sorted(ranked[cores:])]
+    return out
 
 
 class _HostShare:
