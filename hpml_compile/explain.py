@@ -168,6 +168,14 @@ def _host_sharing(plan: Plan, graph: CostGraph, result: SimResult) -> list[str]:
             + (f", and its cores: {'; '.join(crowded)}" if crowded else "") + ")"]
 
 
+def _shared_memory(plan: Plan, st: Stage) -> bool:
+    """Whether the runtime sums this stage's gradients through shared memory (``runtime.shm``): a flat
+    all-reduce of ZeRO-0 between CPU devices of one host."""
+    devs = [plan.cluster.device(d) for d in st.devices]
+    return (len(devs) > 1 and not st.zero and not st.compress and st.allreduce is AllReduce.FLAT
+            and all(d.is_cpu for d in devs) and len({d.host for d in devs}) == 1)
+
+
 def _idle_cpus(plan: Plan, graph: CostGraph) -> list[str]:
     """The CPU devices no stage uses on hosts with more CPU devices than cores (:func:`hpml_compile.simulate.
     crowded_devices`): what the driver leaves idle on purpose (:func:`hpml_compile.driver.within_cores`), said so
@@ -210,7 +218,8 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
                         ", optimizer offload" if st.offload_optimizer else "",
                         f", gradients {st.compress}" if st.compress else "",
                         f", local SGD every {plan.sync_every} steps after {plan.sync_warmup}"
-                        if plan.sync_every > 1 and len(st.devices) > 1 else ""])
+                        if plan.sync_every > 1 and len(st.devices) > 1 else "",
+                        ", all-reduce through the host's shared memory" if _shared_memory(plan, st) else ""])
         members = set(st.nodes)
         blocks = [v for v in graph.order if members.intersection(graph.node(v).members)]
         if st.allreduce is AllReduce.HIERARCHICAL:

@@ -22,7 +22,9 @@ shares more of the machine's noise).
   after the backward, as the cost model prices it), and ZeRO-0 once more with
   the overlapped gradient buckets forced on (``overlap=True``,
   :class:`hpml_compile.runtime.zero.GradBuckets`; DDP's bucket sizes) to show
-  what the overlap does here.
+  what the overlap does here, and once with its all-reduce through gloo
+  (``shared_memory=False``) instead of the host's shared memory
+  (:mod:`hpml_compile.runtime.shm`), to show what that does.
 - **ours ZeRO-3**: the same plan with ZeRO-3 (``runtime.zero3.FlatShard3``:
   the parameters sharded between uses, the stage gathered for each
   microbatch's forward and backward), against FSDP2.
@@ -60,9 +62,10 @@ HERE = Path(__file__).resolve().parent
 DDP, FSDP2 = "torch DDP", "torch FSDP2 (fully_shard)"
 OURS = {0: "ours ZeRO-0", 1: "ours ZeRO-1", 2: "ours ZeRO-2", 3: "ours ZeRO-3"}
 FORCED = "ours ZeRO-0, overlap forced"
+GLOO = "ours ZeRO-0, through gloo"
 # --only: short names of the runtimes, in the table's order
-SHORT = {"ddp": DDP, "fsdp2": FSDP2, "zero0": OURS[0], "zero0-overlap": FORCED, "zero1": OURS[1], "zero2": OURS[2],
-         "zero3": OURS[3]}
+SHORT = {"ddp": DDP, "fsdp2": FSDP2, "zero0": OURS[0], "zero0-overlap": FORCED, "zero0-gloo": GLOO, "zero1": OURS[1],
+         "zero2": OURS[2], "zero3": OURS[3]}
 
 
 def _load(model: str) -> models.LoadedModel:
@@ -131,9 +134,11 @@ def _fsdp2(model: str, rank: int) -> Callable[[], float]:
     return step
 
 
-def _ours(build_dir: str, model: str, overlap: bool | None = None) -> Callable[[], float]:
+def _ours(build_dir: str, model: str, overlap: bool | None = None, shared_memory: bool = True
+          ) -> Callable[[], float]:
     loaded = _load(model)
-    pipe = Pipeline.from_build(build_dir, loaded.module, optimizer=_adamw, overlap=overlap, events=False)
+    pipe = Pipeline.from_build(build_dir, loaded.module, optimizer=_adamw, overlap=overlap, events=False,
+                               shared_memory=shared_memory)
 
     def step() -> float:
         return pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn).item()
@@ -156,6 +161,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, builds: dict[int, s
             runs[OURS[z]] = _ours(build, args.model)
         if z == 0 and FORCED in want:
             runs[FORCED] = _ours(build, args.model, overlap=True)
+        if z == 0 and GLOO in want:
+            runs[GLOO] = _ours(build, args.model, shared_memory=False)
     times: dict[str, list[float]] = {name: [] for name in runs}
     cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}  # (this thread, the others) s per step
     first: dict[str, float] = {}
@@ -183,7 +190,7 @@ def _builds(args: argparse.Namespace, root: Path) -> dict[int, str]:
     gm = trace(loaded.module, loaded.example_inputs)
     out = {}
     for z in (0, 1, 2, 3):
-        if OURS[z] not in args.only and (z or FORCED not in args.only):
+        if OURS[z] not in args.only and (z or not {FORCED, GLOO} & set(args.only)):
             continue
         generate(gm, split_plan(gm, args.model, 1, replicas=[2], zero=z), root / f"zero{z}")
         out[z] = str(root / f"zero{z}")
@@ -222,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                       "first_loss": ranks[0]["first_loss"][name],
                       "main_thread_cpu_ms": statistics.median(main) * 1e3,
                       "other_threads_cpu_ms": statistics.median(other) * 1e3}
-    pairs = [(a, b) for a, b in ((DDP, OURS[0]), (FORCED, OURS[0]), (FSDP2, OURS[1]), (FSDP2, OURS[2]),
+    pairs = [(a, b) for a, b in ((DDP, OURS[0]), (FORCED, OURS[0]), (GLOO, OURS[0]), (DDP, GLOO), (FSDP2, OURS[1]), (FSDP2, OURS[2]),
                                  (FSDP2, OURS[3])) if a in rows and b in rows]
     ratios, paired = {}, {}
     for a, b in pairs:

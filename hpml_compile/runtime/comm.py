@@ -65,11 +65,12 @@ from torch import Tensor
 from ..codegen import Build
 from ..codegen.comm import Comm, Direction
 from ..errors import HpmlError
-from ..plan import AllReduce, Plan
+from ..plan import Plan
 from ..schedule import rank_layout, stage_ranks
 from .hierarchy import (ChainQueue, HierGroups, PendingChain, hierarchical_all_gather, hierarchical_all_reduce,
                         hierarchical_gather_into, hierarchical_levels, hierarchical_reduce_scatter, level_bytes,
                         make_hierarchy)
+from .shm import SLOT_BYTES, HostReduce
 
 __all__ = ["Backend", "CommOp", "CommStats", "PendingCollective", "CommFault", "InjectedFault", "LocalComm", "DistComm",
            "dist_comm", "pair_backend", "rank_devices", "is_transient", "make_groups", "HierGroups", "make_hierarchy",
@@ -352,6 +353,11 @@ class DistComm(Comm):
         self._op_count: dict[CommOp, int] = {}
         self._pending: list[tuple[Any, Tensor]] = []
         self._chains: dict[tuple[int, ...], ChainQueue] = {}  # overlapped hierarchical buckets
+        # all-reduces among CPU ranks the plan puts on one host go through shared memory (:mod:`.shm`)
+        self.shared_memory = True
+        self._hosts = {r: plan.cluster.device(plan.stages[k].devices[i]).host
+                       for r, (k, i) in enumerate(rank_layout(plan))}
+        self._host_reduce: dict[tuple[int, ...], tuple[Any, HostReduce | None]] = {}
 
     # -- plumbing ---------------------------------------------------------------------------------
     def replicas(self, stage: int) -> int:
@@ -478,7 +484,11 @@ class DistComm(Comm):
         def run(t: Tensor, g: Any) -> Tensor:
             if hier is not None:  # the plan asked for it: reduce-scatter in the host, all-reduce between, gather
                 return hierarchical_all_reduce(t, hier)
-            dist.all_reduce(t, group=g)
+            host = self.host_reduce(stages, t.numel() * t.element_size()) if t.is_contiguous() else None
+            if host is not None:
+                host.all_reduce(t)
+            else:
+                dist.all_reduce(t, group=g)
             return t
 
         out = self._collective(stages, flat, run)
@@ -486,6 +496,28 @@ class DistComm(Comm):
             flat.copy_(out)
         if hier is not None:
             self._count_levels(stages, flat, hier)
+
+    def host_reduce(self, stages: tuple[int, ...], nbytes: int = SLOT_BYTES) -> HostReduce | None:
+        """The shared mapping of the group of ``stages`` where its ranks are CPU ranks of one host, else None.
+
+        Made at the group's first all-reduce (collective: every member reaches it there), with a slot of that
+        all-reduce's ``nbytes`` (at most :data:`~.shm.SLOT_BYTES`), and again for a new group (a re-formed one
+        after a failure).
+        """
+        group = self.groups.get(stages)
+        if group is None or not self.shared_memory:
+            return None
+        held = self._host_reduce.get(stages)
+        if held is not None and held[0] is group:
+            return held[1]
+        if held is not None and held[1] is not None:
+            held[1].close()
+        members = sorted({r for k in stages for r in self.ranks[k]})
+        kinds = {r: self.devices[r].type for r in members}
+        made = (HostReduce.open(group, min(nbytes, SLOT_BYTES)) if HostReduce.eligible(members, self._hosts, kinds)
+                else None)
+        self._host_reduce[stages] = (group, made)
+        return made
 
     def _count_levels(self, stages: tuple[int, ...], flat: Tensor, hier: HierGroups, gather: bool | None = None
                       ) -> None:

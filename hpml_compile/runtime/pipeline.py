@@ -122,14 +122,19 @@ class Pipeline:
         comm_options: ``compress`` / ``sync_every`` / ``sync_warmup`` overriding the build's plan
             (:func:`hpml_compile.plan.with_comm`; None values keep the plan's): they change only how the
             gradients of a replicated stage are synchronised (:mod:`.compress`), not the generated code.
+        shared_memory: all-reduce a replicated stage's gradients through shared memory where its replicas are
+            CPU ranks the plan puts on one host (:mod:`.shm`; what ``devices --measure`` and ``profile`` time);
+            False: through gloo, as before.
     """
 
     def __init__(self, build: Build, model: nn.Module, *, optimizer: OptimizerArg = None,
                  session: Session | None = None, run_dir: str | Path | None = None, tensorboard: bool = True,
                  faults: Sequence[CommFault] = (), log: Callable[[str], None] | None = None,
                  events: bool = True, scaler: LossScaler | None = None, overlap: bool | None = None,
-                 bucket_mb: float = 25.0, comm_options: dict[str, Any] | None = None) -> None:
+                 bucket_mb: float = 25.0, comm_options: dict[str, Any] | None = None,
+                 shared_memory: bool = True) -> None:
         self.build, self.model, self.session = build, model, session
+        self._shared_memory = shared_memory
         if bucket_mb <= 0:
             raise HpmlError(f"bucket_mb must be positive (the size of an overlapped gradient bucket in MiB, DDP's "
                             f"default is 25), got {bucket_mb}")
@@ -259,6 +264,7 @@ class Pipeline:
         pairs, groups = make_groups(self.plan, self._devices, self.build.manifest.groups(), timeout)
         comm = DistComm(self.plan, self.rank, self._devices, pairs, groups, timeout=timeout)
         comm.faults = self._faults
+        comm.shared_memory = self._shared_memory
         comm.events = getattr(self, "events", None)
         comm.spec_rows = self._spec_rows
         self.build.stages[comm.stage].hpml_comm = comm

@@ -692,12 +692,26 @@ class FlatGrads:
     def begin_step(self) -> None:
         """Zero the buffer and point every parameter's ``.grad`` at its slice."""
         self.grad_flat.zero_()
+        self._point()
+        if self.buckets is not None:
+            self.buckets.reset()
+
+    def _point(self) -> None:
         offset = 0
         for p in self.params:
             p.grad = self.grad_flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
-        if self.buckets is not None:
-            self.buckets.reset()
+
+    def _move_to_host_slot(self, comm: Comm) -> None:
+        """After the first all-reduce through shared memory: the buffer moves into this rank's slot of it, so
+        that the next steps' gradients accumulate where the sum reads them (no copy in; one buffer, as before)."""
+        host = getattr(comm, "host_reduce", None)
+        mapped = host((self.stage,), self.grad_flat.numel() * self.grad_flat.element_size()) if host else None
+        slot = mapped.own(self.grad_flat.numel(), self.grad_flat.dtype) if mapped is not None else None
+        if slot is not None and slot.data_ptr() != self.grad_flat.data_ptr():
+            slot.copy_(self.grad_flat)
+            self.grad_flat = slot
+            self._point()
 
     check = FlatShard.check
 
@@ -711,6 +725,7 @@ class FlatGrads:
             self.buckets.finish()
             return
         comm.all_reduce((self.stage,), self.grad_flat)
+        self._move_to_host_slot(comm)
 
 
 def shards_of(optimizer: torch.optim.Optimizer | None) -> list[FlatShard]:

@@ -13,7 +13,7 @@ import cost_models
 from hpml_compile.cluster import link_spec, load_cluster
 from hpml_compile.errors import HpmlError
 from hpml_compile.ir import Cluster, Device, Link
-from hpml_compile.runtime.links import fit_link
+from hpml_compile.runtime.links import SHM_ALLREDUCE, fit_link
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -74,6 +74,25 @@ def test_the_all_reduce_is_priced_by_its_own_timings_not_the_joint_fit() -> None
     assert cost_models.allreduce_ms(b, 2, spec) == pytest.approx(want, rel=0.02)  # ... its own fit does not
     for b in sizes:  # and the sends keep the joint fit
         assert cost_models.p2p_ms(b, spec) == cost_models.p2p_ms(b, bare)
+
+
+def test_the_all_reduce_through_shared_memory_prices_the_all_reduce() -> None:
+    # the runtime sums a stage's gradients between CPU ranks of one host through shared memory (runtime.shm), so
+    # the probe's rows of that all-reduce price it; gloo's all-reduce rows stay in the joint fit with send/recv
+    sends = cost_models.LinkSpec("p2p", 2.0, 150.0, "test")
+    gloo = cost_models.LinkSpec("ar", 1.1, 230.0, "test", shared=True)
+    shm = cost_models.LinkSpec("shm", 4.5, 700.0, "test", shared=True)
+    sizes = (1 << 16, 1 << 22, 1 << 25)
+    rows = ([("p2p", b, cost_models.p2p_ms(b, sends)) for b in sizes]
+            + [("allreduce", b, cost_models.allreduce_ms(b, 2, gloo)) for b in sizes])
+    both = fit_link(rows + [(SHM_ALLREDUCE, b, cost_models.allreduce_ms(b, 2, shm)) for b in sizes])
+    alone = fit_link(rows)
+    assert (both.gbps, both.latency_us, both.shared) == (alone.gbps, alone.latency_us, alone.shared)
+    priced = cost_models.LinkSpec("m", both.gbps, both.latency_us, "test", shared=both.shared,
+                                  collectives=both.collectives)
+    b = 25 << 20
+    assert cost_models.allreduce_ms(b, 2, priced) == pytest.approx(cost_models.allreduce_ms(b, 2, shm), rel=0.02)
+    assert cost_models.allreduce_ms(b, 2, priced) < 0.5 * cost_models.allreduce_ms(b, 2, gloo)
 
 
 def test_the_fit_refuses_one_size_and_non_positive_times() -> None:

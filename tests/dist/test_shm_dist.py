@@ -1,0 +1,149 @@
+"""All-reduce through shared memory between CPU ranks of one host (:mod:`hpml_compile.runtime.shm`), on gloo ranks.
+
+One job of three ranks checks the collective alone against ``dist.all_reduce``:
+
+- integer-valued float32 tensors: the same sums bit for bit; random ones within
+  float rounding (three ranks may add in another order than gloo's ring);
+- lengths that fill several slots (a slot of 1 KiB), that leave a rank no chunk
+  (2 elements over 3 ranks), and bf16;
+- a two-rank sub-group beside the third rank, which is not in it;
+- a tensor in the rank's own slot (:meth:`HostReduce.own`, where a stage's
+  gradient buffer lives), summed with no copy in: the same sums;
+- the file is removed as soon as every member has mapped it, and where the
+  directory cannot hold it every member goes on without it (``open`` -> None).
+
+A second job trains gpt-tiny data-parallel on two ranks, through shared memory
+and through gloo: the losses and parameters agree bit for bit (two ranks add in
+one order either way), the communicator says which path it took, and through
+shared memory the stage's gradient buffer has moved into the rank's own slot
+(one buffer still, the parameters' gradients views of it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpml_compile import models
+from hpml_compile.codegen import generate
+from hpml_compile.codegen.testing import split_plan
+from hpml_compile.runtime import Pipeline, spawn_ranks
+from hpml_compile.runtime.shm import HostReduce
+from hpml_compile.trace import trace
+
+pytestmark = pytest.mark.dist
+
+
+def _collectives(rank: int, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    here = Path(tmp, "shm")
+    host = HostReduce.open(dist.group.WORLD, slot_bytes=1024, directory=here)
+    assert host is not None
+    out["left_in_dir"] = sorted(p.name for p in here.iterdir())
+    g = torch.Generator().manual_seed(rank)
+    cases = {"ints": torch.randint(-50, 50, (2500,), generator=g).float(),
+             "random": torch.randn(2500, generator=g),
+             "tiny": torch.randn(2, generator=g),
+             "bf16": torch.randn(777, generator=g).bfloat16()}
+    for name, t in cases.items():
+        ref = t.clone()
+        dist.all_reduce(ref)
+        mine = t.clone()
+        host.all_reduce(mine)
+        out[name] = {"equal": bool(torch.equal(mine, ref)),
+                     "max_err": float((mine.double() - ref.double()).abs().max()),
+                     "scale": float(ref.double().abs().max())}
+    # a tensor held in the rank's own slot (as a stage's gradient buffer is): summed with no copy in, twice
+    slotted = host.own(250, torch.float32)
+    assert slotted is not None and host.own(257, torch.float32) is None  # 1 KiB holds 256
+    for rep in range(2):
+        slotted.copy_(torch.randint(-50, 50, (250,), generator=g).float())
+        ref = slotted.clone()
+        dist.all_reduce(ref)
+        host.all_reduce(slotted)
+        out[f"slotted{rep}"] = bool(torch.equal(slotted, ref))
+    pair = dist.new_group([0, 1])
+    if rank < 2:
+        sub = HostReduce.open(pair, slot_bytes=4096, directory=here)
+        assert sub is not None and sub.size == 2
+        t = torch.randn(3000, generator=g)
+        ref = t.clone()
+        dist.all_reduce(ref, group=pair)
+        host2 = t.clone()
+        sub.all_reduce(host2)
+        out["pair_equal"] = bool(torch.equal(host2, ref))
+    out["missing_dir"] = HostReduce.open(dist.group.WORLD, directory=Path(tmp, "no", "such")) is None
+    Path(tmp, f"coll{rank}.json").write_text(json.dumps(out))
+
+
+def test_host_all_reduce_equals_gloos(tmp_path: Path) -> None:
+    (tmp_path / "shm").mkdir()
+    spawn_ranks(_collectives, 3, tmp_path, str(tmp_path))
+    for rank in range(3):
+        r = json.loads((tmp_path / f"coll{rank}.json").read_text())
+        assert r["left_in_dir"] == [], r  # removed once mapped by all three
+        assert r["ints"]["equal"], r["ints"]
+        assert r["slotted0"] and r["slotted1"], r
+        for name, tol in (("random", 1e-6), ("tiny", 1e-6), ("bf16", 1e-2)):
+            assert r[name]["max_err"] <= tol * max(1.0, r[name]["scale"]), (name, r[name])
+        assert r["missing_dir"] is True
+        if rank < 2:
+            assert r["pair_equal"] is True
+    assert not any((tmp_path / "shm").iterdir())
+
+
+STEPS = 3
+
+
+def _model() -> models.LoadedModel:
+    return models.load("gpt-tiny", batch_size=8, seq_len=16, seed=0)
+
+
+def _train(rank: int, world: int, build: str, out: str) -> None:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randint(0, 256, (8, 16), generator=g) for _ in range(STEPS)]
+    report: dict[str, Any] = {}
+    for shared in (True, False):
+        loaded = _model()
+        pipe = Pipeline.from_build(build, loaded.module, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                   shared_memory=shared, events=False)
+        losses = [pipe.step((x,), torch.roll(x, -1, dims=1), loaded.loss_fn).item() for x in xs]
+        assert pipe.comm is not None
+        used = [v[1] is not None for v in pipe.comm._host_reduce.values()]
+        grads = pipe._buckets[0].grad_flat
+        held = [v[1] for v in pipe.comm._host_reduce.values() if v[1] is not None]
+        slot = held[0].own(grads.numel(), grads.dtype) if held else None
+        report[str(shared)] = {"losses": losses, "used": used,
+                               "in_slot": slot is not None and slot.data_ptr() == grads.data_ptr(),
+                               "grad_bytes": grads.numel() * grads.element_size(),
+                               "grad_storage": grads.untyped_storage().nbytes(),
+                               "grads_in_buffer": all(p.grad.untyped_storage().data_ptr() == grads.data_ptr()
+                                                      for p in pipe._buckets[0].params),
+                               "params": [p.detach().clone().tolist() for p in pipe.parameters()][:3]}
+    Path(out, f"train{rank}.json").write_text(json.dumps(report))
+
+
+def test_data_parallel_through_shared_memory_equals_gloo(tmp_path: Path) -> None:
+    loaded = _model()
+    gm = trace(loaded.module, loaded.example_inputs)
+    build = tmp_path / "dp2"
+    generate(gm, split_plan(gm, "gpt-tiny", 1, microbatches=2, replicas=[2]), build)
+    spawn_ranks(_train, 2, tmp_path, str(build), str(tmp_path))
+    reports = [json.loads((tmp_path / f"train{r}.json").read_text()) for r in range(2)]
+    for r in reports:
+        assert r["True"]["used"] == [True], r["True"]["used"]  # the stage's all-reduce went through the mapping
+        assert r["False"]["used"] == [], r["False"]["used"]
+        assert r["True"]["in_slot"] and not r["False"]["in_slot"]
+        assert r["True"]["losses"] == r["False"]["losses"]
+        assert r["True"]["params"] == r["False"]["params"]
+        for how in ("True", "False"):  # one gradient buffer, the parameters' .grad views of it (in the slot: a mapping
+            assert r[how]["grads_in_buffer"], how  # of its own, of the gradients' bytes)
+            assert r[how]["grad_storage"] == r[how]["grad_bytes"], (how, r[how])
+    assert reports[0]["True"]["params"] == reports[1]["True"]["params"]
