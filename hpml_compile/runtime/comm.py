@@ -451,16 +451,20 @@ class DistComm(Comm):
 
     # -- collectives ------------------------------------------------------------------------------
     def _collective(self, stages: tuple[int, ...], flat: Tensor, fn: Callable[[Tensor, Any], Tensor],
-                    name: str = "ALLREDUCE") -> Tensor:
+                    name: str = "ALLREDUCE", meet: Callable[[], None] | None = None) -> Tensor:
         self.maybe_fail(CommOp.COLLECTIVE)
         group = self.groups.get(stages)
         t0 = time.perf_counter()
         nccl = group is not None and all(self.devices[r].type == "cuda"
                                          for k in stages for r in self.ranks[k])
         wire = flat if nccl or flat.device.type == "cpu" else flat.cpu()
-        # A one-element all-reduce first: the members leave their pipelines at different times, and the
-        # monitor must not count waiting for the slowest as communication (it is pipeline skew).
-        dist.all_reduce(torch.zeros(1, device=wire.device), group=group)
+        # A one-element all-reduce first (or ``meet``, the members meeting another way): the members leave their
+        # pipelines at different times, and the monitor must not count waiting for the slowest as communication
+        # (it is pipeline skew).
+        if meet is not None:
+            meet()
+        else:
+            dist.all_reduce(torch.zeros(1, device=wire.device), group=group)
         if nccl:
             self._sync_device()
         t1 = time.perf_counter()
@@ -480,15 +484,32 @@ class DistComm(Comm):
             return
 
         hier = self.hierarchy.get(stages)
+        host = (self.host_reduce(stages, flat.numel() * flat.element_size())
+                if hier is None and flat.device.type == "cpu" and flat.is_contiguous() else None)
+        if host is not None:  # through shared memory: the members meet at its first barrier, the tensor staged
+            if host.elsewhere(flat):  # a piece of the slot itself, not from its start: summed from a copy
+                tmp = flat.clone()
+                self.all_reduce(stages, tmp)
+                flat.copy_(tmp)
+                return
+            fits = host.fits(flat)
+
+            def meet() -> None:
+                if fits:
+                    host.stage(flat)
+                host.barrier()
+
+            def shared(t: Tensor, g: Any) -> Tensor:
+                host.all_reduce(t, met=fits)
+                return t
+
+            self._collective(stages, flat, shared, meet=meet)
+            return
 
         def run(t: Tensor, g: Any) -> Tensor:
             if hier is not None:  # the plan asked for it: reduce-scatter in the host, all-reduce between, gather
                 return hierarchical_all_reduce(t, hier)
-            host = self.host_reduce(stages, t.numel() * t.element_size()) if t.is_contiguous() else None
-            if host is not None:
-                host.all_reduce(t)
-            else:
-                dist.all_reduce(t, group=g)
+            dist.all_reduce(t, group=g)
             return t
 
         out = self._collective(stages, flat, run)

@@ -147,19 +147,38 @@ class HostReduce:
         """Drop this rank's hold on the mapping (the memory goes when the last hold on it does)."""
         self._slots = []
 
-    def _barrier(self) -> None:
+    def barrier(self) -> None:
+        """Wait for every member (the group's gloo barrier)."""
         dist.barrier(group=self.group)
 
-    def all_reduce(self, t: Tensor) -> None:
-        """Sum ``t`` (contiguous, on the CPU) in place over the group (see the module docstring)."""
+    def fits(self, t: Tensor) -> bool:
+        """Whether ``t`` fits in one slot (the same answer on every member: the same sizes everywhere)."""
+        return t.numel() * t.element_size() <= self.slot_bytes
+
+    def elsewhere(self, t: Tensor) -> bool:
+        """Whether ``t`` lies in this rank's slot, but not from its start (to be summed from a copy)."""
+        start = self._slots[self.index].data_ptr()
+        lo = t.data_ptr()
+        return lo != start and start < lo + t.numel() * t.element_size() and lo < start + self.slot_bytes
+
+    def stage(self, t: Tensor) -> None:
+        """Put ``t`` (which :meth:`fits`) into this rank's slot, unless it is there already (:meth:`own`)."""
+        mine = self._slots[self.index]
+        if t.data_ptr() != mine.data_ptr():
+            mine[:t.numel() * t.element_size()].view(t.dtype).copy_(t.view(-1))
+
+    def all_reduce(self, t: Tensor, met: bool = False) -> None:
+        """Sum ``t`` (contiguous, on the CPU) in place over the group (see the module docstring).
+
+        ``met``: every member put its ``t`` (which :meth:`fits`) in its slot (:meth:`stage`), then met the others
+        at :meth:`barrier`: the first copy and barrier are done.
+        """
         flat = t.view(-1)
         width = flat.element_size()
         per = self.slot_bytes // width
         slots = [s[:per * width].view(flat.dtype) for s in self._slots]
         mine = slots[self.index]
-        start, end = mine.data_ptr(), mine.data_ptr() + self.slot_bytes
-        if flat.data_ptr() != start and start < flat.data_ptr() + flat.numel() * flat.element_size() and \
-                flat.data_ptr() < end:  # a part of the slot elsewhere than at its start: summed from a copy
+        if not met and self.elsewhere(flat):  # a part of the slot elsewhere than at its start: summed from a copy
             tmp = flat.clone()
             self.all_reduce(tmp)
             flat.copy_(tmp)
@@ -169,9 +188,10 @@ class HostReduce:
             piece = flat[lo:lo + per]
             m = piece.numel()
             bounds = [j * m // d for j in range(d + 1)]
-            if piece.data_ptr() != mine.data_ptr():  # else it is already there (own())
-                mine[:m].copy_(piece)
-            self._barrier()
+            if not met:
+                if piece.data_ptr() != mine.data_ptr():  # else it is already there (own())
+                    mine[:m].copy_(piece)
+                self.barrier()
             a, b = bounds[i], bounds[i + 1]
             if b > a:
                 own = piece[a:b]  # the chunk's sum in slot order, then published in the slot
@@ -184,11 +204,11 @@ class HostReduce:
                     own.copy_(acc)
                 if own.data_ptr() != mine.data_ptr() + a * width:
                     mine[a:b].copy_(own)
-            self._barrier()
+            self.barrier()
             for j in range(d):
                 if j != i and bounds[j + 1] > bounds[j]:
                     piece[bounds[j]:bounds[j + 1]].copy_(slots[j][bounds[j]:bounds[j + 1]])
-            self._barrier()
+            self.barrier()
 
 
 def _make(directory: Path, nbytes: int) -> str:
