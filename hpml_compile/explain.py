@@ -168,12 +168,17 @@ def _host_sharing(plan: Plan, graph: CostGraph, result: SimResult) -> list[str]:
             + (f", and its cores: {'; '.join(crowded)}" if crowded else "") + ")"]
 
 
-def _shared_memory(plan: Plan, st: Stage) -> bool:
-    """Whether the runtime sums this stage's gradients through shared memory (``runtime.shm``): a flat
-    all-reduce of ZeRO-0 between CPU devices of one host."""
+def _shared_memory(plan: Plan, st: Stage) -> str:
+    """What of this stage's gradient sync the runtime runs through shared memory (``runtime.shm``), as an option
+    of its line: between CPU devices of one host, the flat all-reduce (ZeRO-0), the reduce-scatter and the
+    parameter all-gather (ZeRO-1/2), the reduce-scatter (ZeRO-3, which gathers through gloo)."""
     devs = [plan.cluster.device(d) for d in st.devices]
-    return (len(devs) > 1 and not st.zero and not st.compress and st.allreduce is AllReduce.FLAT
-            and all(d.is_cpu for d in devs) and len({d.host for d in devs}) == 1)
+    if (len(devs) < 2 or st.compress or st.allreduce is not AllReduce.FLAT or not all(d.is_cpu for d in devs)
+            or len({d.host for d in devs}) > 1):
+        return ""
+    what = {0: "all-reduce", 1: "reduce-scatter and all-gather", 2: "reduce-scatter and all-gather",
+            3: "reduce-scatter"}[int(st.zero)]
+    return f", {what} through the host's shared memory"
 
 
 def _idle_cpus(plan: Plan, graph: CostGraph) -> list[str]:
@@ -219,7 +224,7 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
                         f", gradients {st.compress}" if st.compress else "",
                         f", local SGD every {plan.sync_every} steps after {plan.sync_warmup}"
                         if plan.sync_every > 1 and len(st.devices) > 1 else "",
-                        ", all-reduce through the host's shared memory" if _shared_memory(plan, st) else ""])
+                        _shared_memory(plan, st)])
         members = set(st.nodes)
         blocks = [v for v in graph.order if members.intersection(graph.node(v).members)]
         if st.allreduce is AllReduce.HIERARCHICAL:

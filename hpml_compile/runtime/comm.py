@@ -518,6 +518,14 @@ class DistComm(Comm):
         if hier is not None:
             self._count_levels(stages, flat, hier)
 
+    def _host_for(self, stages: tuple[int, ...], t: Tensor, times: int = 1) -> HostReduce | None:
+        """The shared mapping for a reduce-scatter or all-gather of ``t`` (gathered ``times`` over), where there is
+        one and its slot is not lent to a gradient buffer (:meth:`~.shm.HostReduce.own`)."""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        host = self.host_reduce(stages, t.numel() * t.element_size() * times)
+        return host if host is not None and not host.lent else None
+
     def host_reduce(self, stages: tuple[int, ...], nbytes: int = SLOT_BYTES) -> HostReduce | None:
         """The shared mapping of the group of ``stages`` where its ranks are CPU ranks of one host, else None.
 
@@ -707,6 +715,15 @@ class DistComm(Comm):
         """This replica's shard of the sum; where the plan makes a ZeRO-1 stage hierarchical, the shard of this
         rank's host position, reduce-scattered in the host and all-reduced between hosts (:mod:`.hierarchy`)."""
         hier = self.hierarchy.get((stage,))
+        d = len(self.ranks[stage])
+        host = self._host_for((stage,), flat) if hier is None and flat.numel() % d == 0 else None
+        if host is not None:  # through shared memory (.shm): the members meet at its barrier
+            def shared(t: Tensor, g: Any) -> Tensor:
+                out = torch.empty(t.numel() // d, dtype=t.dtype, device=t.device)
+                host.reduce_scatter(t, out)
+                return out
+
+            return self._collective((stage,), flat, shared, "REDUCESCATTER", meet=host.barrier)
 
         def run(t: Tensor, g: Any) -> Tensor:
             if hier is not None:
@@ -726,6 +743,8 @@ class DistComm(Comm):
         (the caller's flat buffer, of which ``shard`` may be this replica's chunk) is gathered into in place
         where it is on the collective's device: no copy after, as the link probe times it (``runtime.links``)."""
         hier = self.hierarchy.get((stage,))
+        n = len(self.ranks[stage])
+        host = self._host_for((stage,), shard, n) if hier is None else None
 
         def run(t: Tensor, g: Any) -> Tensor:
             if hier is not None:
@@ -733,15 +752,17 @@ class DistComm(Comm):
             # straight into views of one buffer: gathering into separate tensors and concatenating them took
             # 55-65 ms for 30 MB on two gloo ranks here, against 30-33 ms into views (session 10); the backends
             # read this replica's input before they write its chunk, so the input may alias it
-            n = len(self.ranks[stage])
             size = (n * t.shape[0], *t.shape[1:])
             out = into if into is not None and into.device == t.device and into.dtype == t.dtype \
                 and tuple(into.shape) == size and into.is_contiguous() else \
                 torch.empty(size, dtype=t.dtype, device=t.device)
-            dist.all_gather(list(out.chunk(n)), t.contiguous(), group=g)
+            if host is not None:  # through shared memory (.shm)
+                host.all_gather(t, out)
+            else:
+                dist.all_gather(list(out.chunk(n)), t.contiguous(), group=g)
             return out
 
-        out = self._collective((stage,), shard, run, "ALLGATHER")
+        out = self._collective((stage,), shard, run, "ALLGATHER", meet=host.barrier if host is not None else None)
         if hier is not None:
             self._count_levels((stage,), out, hier, gather=True)
         return out

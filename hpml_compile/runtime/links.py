@@ -16,10 +16,11 @@ figures, recorded as ``links`` of the cluster it returns (what
   ``shared`` (both ranks' copies on one pool of cores and memory, so an
   all-reduce costs the traffic of both ranks: cost_models' loopback model),
   whichever of the two predicts the all-reduce better. The all-reduce is
-  timed once more through shared memory (:mod:`.shm`), which is how the
-  runtime sums a stage's gradients between CPU ranks of one host: those rows
-  (``allreduce_shm``) give the all-reduce's own fit, which prices it; gloo's
-  all-reduce rows stay in the link's fit beside send/recv.
+  timed once more through shared memory (:mod:`.shm`), and so are the
+  reduce-scatter and the all-gather, which is how the runtime runs them
+  between CPU ranks of one host: those rows (``SHM_ROWS``) give each its own
+  fit, which prices it; gloo's all-reduce rows stay in the link's fit beside
+  send/recv.
 - **GPU pairs (NCCL)**: the same two ranks, each on its own GPU, in a
   two-rank NCCL group, time the same operations (CUDA synchronised around
   each). Where there are fewer than two GPUs there is nothing to time.
@@ -64,7 +65,7 @@ from ..ir import Cluster, Device, Link, collectives_dict
 from .shm import HostReduce
 from .testing import spawn_ranks
 
-__all__ = ["SIZES", "SHM_ALLREDUCE", "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link",
+__all__ = ["SIZES", "SHM_ALLREDUCE", "SHM_ROWS", "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link",
            "probe_ranks", "probe_copies"]
 
 SIZES = (4 << 10, 256 << 10, 4 << 20, 32 << 20)  # bytes: latency-bound to bandwidth-bound
@@ -74,6 +75,8 @@ QUICK_REPEATS = 5
 
 Row = tuple[str, int, float]  # (operation: "p2p" | "allreduce" | "copy" | a COLLECTIVE_OPS one, bytes, median ms)
 SHM_ALLREDUCE = "allreduce_shm"  # a row of the all-reduce through shared memory (.shm), as the runtime runs it
+# ... and of each collective so timed: what prices it where the probe could map the memory
+SHM_ROWS = {"all_reduce": SHM_ALLREDUCE, "reduce_scatter": "reduce_scatter_shm", "all_gather": "all_gather_shm"}
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,7 @@ def fit_link(rows: Sequence[Row]) -> Fit:
     """
     if any(not ms > 0 for _, _, ms in rows):
         raise HpmlError(f"a link fit needs positive times at two sizes at least, got {list(rows)}")
-    main = [r for r in rows if r[0] not in COLLECTIVE_OPS and r[0] != SHM_ALLREDUCE]
+    main = [r for r in rows if r[0] not in COLLECTIVE_OPS and r[0] not in SHM_ROWS.values()]
     if len({b for _, b, _ in main}) < 2:
         raise HpmlError(f"a link fit needs positive times at two sizes at least, got {list(rows)}")
     y = np.array([ms for _, _, ms in main])
@@ -146,10 +149,9 @@ def fit_link(rows: Sequence[Row]) -> Fit:
     for op in COLLECTIVE_OPS:
         # two ranks: a reduce-scatter or all-gather is one step of the ring, the whole buffer (shared) or half of
         # it moved; an all-reduce two steps, both buffers (shared) or one (the probe's rows say "allreduce")
-        mine = [(b, ms) for o, b, ms in rows if o == op]
-        if op == "all_reduce":  # the runtime's: through shared memory where the probe could map it (.shm)
-            mine = ([(b, ms) for o, b, ms in rows if o == SHM_ALLREDUCE]
-                    or [(b, ms) for o, b, ms in rows if o == "allreduce"])
+        # the runtime's: through shared memory where the probe could map it (.shm), else gloo's
+        mine = ([(b, ms) for o, b, ms in rows if o == SHM_ROWS[op]]
+                or [(b, ms) for o, b, ms in rows if o == ("allreduce" if op == "all_reduce" else op)])
         steps = 2.0 if op == "all_reduce" else 1.0
         if len({b for b, _ in mine}) >= 2:
             alpha, beta = _solve(np.array([[steps, steps * (b if best.shared else b / 2)] for b, _ in mine]),
@@ -206,14 +208,25 @@ def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequ
             def gather() -> None:  # ... and gathers the other's half back
                 dist.all_gather(halves, half, group=group)
 
+            whole = torch.empty_like(t)
+
             def reduce_shm() -> None:
                 assert host is not None
                 host.all_reduce(t)
 
+            def scatter_shm() -> None:
+                assert host is not None
+                host.reduce_scatter(t, half)
+
+            def gather_shm() -> None:
+                assert host is not None
+                host.all_gather(half, whole)
+
             ops = [("p2p", ping, 0.5), ("allreduce", reduce, 1.0), ("reduce_scatter", scatter, 1.0),
                    ("all_gather", gather, 1.0)]
-            if host is not None and not cuda:
-                ops.append((SHM_ALLREDUCE, reduce_shm, 1.0))
+            if host is not None and not cuda and t.numel() % 2 == 0:
+                ops += [(SHM_ALLREDUCE, reduce_shm, 1.0), (SHM_ROWS["reduce_scatter"], scatter_shm, 1.0),
+                        (SHM_ROWS["all_gather"], gather_shm, 1.0)]
             for op, fn, share in ops:
                 fn()  # warm-up: connections, allocations
                 times = []

@@ -5,33 +5,41 @@ TCP over loopback: every byte is copied into a socket, through the kernel and
 out again, and summed on the way in a ring. On the 2-core development VM an
 all-reduce of gpt-mini's 25 MiB of gradients between two ranks takes 23-26 ms
 that way; through a shared mapping the same sum takes 12.5 ms (and a
-one-element one 1.3 ms against gloo's 3.4), measured with
-``benchmarks/ddp_compare``'s ranks. Why our own: torch ships no
-shared-memory backend for CPU collectives; DeepSpeed's shared-memory
-all-reduce is C++ inside its inference engine, and oneCCL is not on PyPI for
-this torch. This is a few tensor copies and additions over one mapping, with
-the group's gloo barrier between them.
+one-element one 1.3 ms against gloo's 3.4; two gloo ranks timing both in a
+``/tmp`` script, session 16). Why our own: torch ships no shared-memory
+backend for CPU collectives; DeepSpeed's CPU all-reduce through shared memory
+is a C++ op of its own build, made for its tensor-parallel inference, and
+oneCCL's torch bindings are not on PyPI for this torch. This is a few tensor
+copies and additions over one mapping, with the group's gloo barrier between
+them.
 
 How one all-reduce of ``n`` elements over ``d`` ranks runs (:meth:`HostReduce.all_reduce`):
 
-1. each rank copies its tensor into its own slot of the mapping;
+1. each rank copies its tensor into its own slot of the mapping (or it is
+   there already: :meth:`HostReduce.own`, where ZeRO-0's gradient buffer lives);
 2. barrier; rank ``i`` sums the ``i``-th of ``d`` chunks over every slot, in
    slot order, into its own slot (each chunk is summed once, by one rank, so
    every rank ends with the same bits);
 3. barrier; each rank copies every chunk's sum out of its owner's slot;
 4. barrier (no rank writes its slot again before every peer has read it).
 
-A tensor larger than a slot goes in pieces of a slot's size. The mapping is a
-file under ``/dev/shm``, made by the group's first rank with ``O_EXCL`` and
-removed by it as soon as every member has mapped it: the memory lives as long
-as a member holds it, and nothing is left behind however the ranks end.
-Where any member cannot make, fill or map it (no ``/dev/shm``, too little
-room, members on different machines after all), every member agrees to go on
-with gloo (:meth:`HostReduce.open` returns None).
+A reduce-scatter is steps 1-2 (each rank keeps its own chunk's sum) and a
+barrier; an all-gather puts each rank's shard in its slot, meets, copies the
+others' and meets again (:meth:`HostReduce.reduce_scatter`,
+:meth:`HostReduce.all_gather`: ZeRO-1/2's pair). A tensor larger than a slot
+goes in windows of a slot's size.
 
-Numerics: the sum is the same sum gloo computes (each element added in rank
-order), so results agree with ``dist.all_reduce`` to the last bit for two
-ranks and within float rounding for more.
+The mapping is a file under ``/dev/shm``, made by the group's first rank with
+``O_EXCL`` and removed by it as soon as every member has mapped it: the memory
+lives as long as a member holds it, and nothing is left behind however the
+ranks end. Each slot is a mapping of its own, so a buffer held in one counts
+its own bytes, not the group's. Where any member cannot make, fill or map it
+(no ``/dev/shm``, too little room, members on different machines after all),
+every member agrees to go on with gloo (:meth:`HostReduce.open` returns None).
+
+Numerics: every element is summed in rank order. For two ranks that is the
+sum gloo computes, bit for bit; for more, gloo's ring adds in another order,
+so the two agree within float rounding.
 
 Example (one rank: nothing to share, so no mapping):
     >>> HostReduce.eligible([0], {0: "h"}, {0: "cpu"})
@@ -78,6 +86,7 @@ class HostReduce:
         self._slots = slots  # uint8, one mapping each: a rank's own slot is a storage of its own (held_bytes)
         self.slot_bytes = int(slots[0].numel())
         self.path = path
+        self.lent = False  # the slot holds a buffer of the caller's (own()): only all_reduce may use it
 
     @staticmethod
     def eligible(members: Sequence[int], hosts: Mapping[int, str], kinds: Mapping[int, str]) -> bool:
@@ -141,6 +150,7 @@ class HostReduce:
         width = torch.empty(0, dtype=dtype).element_size()
         if numel * width > self.slot_bytes:
             return None
+        self.lent = True
         return self._slots[self.index][:numel * width].view(dtype)
 
     def close(self) -> None:
@@ -208,6 +218,52 @@ class HostReduce:
             for j in range(d):
                 if j != i and bounds[j + 1] > bounds[j]:
                     piece[bounds[j]:bounds[j + 1]].copy_(slots[j][bounds[j]:bounds[j + 1]])
+            self.barrier()
+
+
+    def reduce_scatter(self, t: Tensor, out: Tensor) -> None:
+        """``out`` = this rank's chunk (the ``index``-th of ``size`` equal ones) of ``t`` summed over the group.
+
+        Each rank puts a window of every chunk into its slot (``size`` windows side by side), the ranks meet, each
+        sums its own chunk's window over the slots in slot order into ``out``, and meet again before the slots
+        are written again: two barriers a window (one where the whole tensor fits in a slot's windows).
+        """
+        flat, d, i = t.view(-1), self.size, self.index
+        c = flat.numel() // d
+        width = flat.element_size()
+        w = max(1, self.slot_bytes // width // d)
+        slots = [s[:(self.slot_bytes // width) * width].view(flat.dtype) for s in self._slots]
+        mine = slots[i]
+        for o in range(0, c, w):
+            n = min(w, c - o)
+            for j in range(d):
+                mine[j * n:(j + 1) * n].copy_(flat[j * c + o:j * c + o + n])
+            self.barrier()
+            torch.add(slots[0][i * n:(i + 1) * n], slots[1][i * n:(i + 1) * n], out=out[o:o + n])
+            for j in range(2, d):
+                out[o:o + n].add_(slots[j][i * n:(i + 1) * n])
+            self.barrier()
+
+    def all_gather(self, shard: Tensor, out: Tensor) -> None:
+        """``out`` (``size`` chunks, each the size of ``shard``) gets every rank's ``shard``, in rank order.
+
+        ``shard`` may be ``out``'s own chunk (read before anything is written there). Each rank puts a window of its
+        shard in its slot, the ranks meet, each copies the others' windows, and they meet again.
+        """
+        src, dst, d, i = shard.reshape(-1), out.view(-1), self.size, self.index
+        c = src.numel()
+        width = src.element_size()
+        w = max(1, self.slot_bytes // width)
+        slots = [s[:w * width].view(src.dtype) for s in self._slots]
+        if src.data_ptr() != dst[i * c:].data_ptr():
+            dst[i * c:(i + 1) * c].copy_(src)
+        for o in range(0, c, w):
+            n = min(w, c - o)
+            slots[i][:n].copy_(src[o:o + n])
+            self.barrier()
+            for j in range(d):
+                if j != i:
+                    dst[j * c + o:j * c + o + n].copy_(slots[j][:n])
             self.barrier()
 
 

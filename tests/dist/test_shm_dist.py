@@ -7,6 +7,8 @@ One job of three ranks checks the collective alone against ``dist.all_reduce``:
 - lengths that fill several slots (a slot of 1 KiB), that leave a rank no chunk
   (2 elements over 3 ranks), and bf16;
 - a two-rank sub-group beside the third rank, which is not in it;
+- reduce-scatter and all-gather (ZeRO-1/2's pair) against gloo's, in one
+  window and in several, the gather into a buffer whose chunk is the shard;
 - a tensor in the rank's own slot (:meth:`HostReduce.own`, where a stage's
   gradient buffer lives), summed with no copy in: the same sums;
 - the file is removed as soon as every member has mapped it, and where the
@@ -16,7 +18,9 @@ A second job trains gpt-tiny data-parallel on two ranks, through shared memory
 and through gloo: the losses and parameters agree bit for bit (two ranks add in
 one order either way), the communicator says which path it took, and through
 shared memory the stage's gradient buffer has moved into the rank's own slot
-(one buffer still, the parameters' gradients views of it).
+(one buffer still, the parameters' gradients views of it). A third trains it
+under ZeRO-1 both ways: its reduce-scatter and parameter all-gather through
+shared memory give the same losses and parameters bit for bit.
 """
 
 from __future__ import annotations
@@ -68,6 +72,23 @@ def _collectives(rank: int, world: int, tmp: str) -> None:
         dist.all_reduce(ref)
         host.all_reduce(slotted)
         out[f"slotted{rep}"] = bool(torch.equal(slotted, ref))
+    # reduce-scatter and all-gather (ZeRO-1/2's pair): in windows of the 1 KiB slot, and the gather into a buffer
+    # whose own chunk is the shard itself
+    for name, n in (("rs_small", 3 * 20), ("rs_windows", 3 * 500)):
+        t = torch.randint(-50, 50, (n,), generator=g).float()
+        ref = torch.empty(n // 3)
+        dist.reduce_scatter(ref, list(t.chunk(3)))
+        mine = torch.empty(n // 3)
+        host.reduce_scatter(t, mine)
+        out[name] = bool(torch.equal(mine, ref))
+    for name, n in (("ag_small", 20), ("ag_windows", 700)):
+        whole = torch.zeros(3 * n)
+        shard = whole[rank * n:(rank + 1) * n]
+        shard.copy_(torch.randn(n, generator=g))
+        ref = [torch.empty(n) for _ in range(3)]
+        dist.all_gather(ref, shard.clone())
+        host.all_gather(shard, whole)
+        out[name] = bool(torch.equal(whole, torch.cat(ref)))
     pair = dist.new_group([0, 1])
     if rank < 2:
         sub = HostReduce.open(pair, slot_bytes=4096, directory=here)
@@ -90,6 +111,8 @@ def test_host_all_reduce_equals_gloos(tmp_path: Path) -> None:
         assert r["left_in_dir"] == [], r  # removed once mapped by all three
         assert r["ints"]["equal"], r["ints"]
         assert r["slotted0"] and r["slotted1"], r
+        for name in ("rs_small", "rs_windows", "ag_small", "ag_windows"):
+            assert r[name], (name, r)
         for name, tol in (("random", 1e-6), ("tiny", 1e-6), ("bf16", 1e-2)):
             assert r[name]["max_err"] <= tol * max(1.0, r[name]["scale"]), (name, r[name])
         assert r["missing_dir"] is True
@@ -128,6 +151,35 @@ def _train(rank: int, world: int, build: str, out: str) -> None:
                                                       for p in pipe._buckets[0].params),
                                "params": [p.detach().clone().tolist() for p in pipe.parameters()][:3]}
     Path(out, f"train{rank}.json").write_text(json.dumps(report))
+
+
+def _zero1(rank: int, world: int, build: str, out: str) -> None:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randint(0, 256, (8, 16), generator=g) for _ in range(STEPS)]
+    report = {}
+    for shared in (True, False):
+        loaded = _model()
+        pipe = Pipeline.from_build(build, loaded.module, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                   shared_memory=shared, events=False)
+        losses = [pipe.step((x,), torch.roll(x, -1, dims=1), loaded.loss_fn).item() for x in xs]
+        assert pipe.comm is not None
+        report[str(shared)] = {"losses": losses, "used": [v[1] is not None for v in pipe.comm._host_reduce.values()],
+                               "flat": pipe._buckets[0].flat.tolist()[:2000]}
+    Path(out, f"zero1-{rank}.json").write_text(json.dumps(report))
+
+
+def test_zero1_through_shared_memory_equals_gloo(tmp_path: Path) -> None:
+    loaded = _model()
+    gm = trace(loaded.module, loaded.example_inputs)
+    build = tmp_path / "zero1"
+    generate(gm, split_plan(gm, "gpt-tiny", 1, microbatches=2, replicas=[2], zero=1), build)
+    spawn_ranks(_zero1, 2, tmp_path, str(build), str(tmp_path))
+    for r in range(2):
+        rep = json.loads((tmp_path / f"zero1-{r}.json").read_text())
+        assert rep["True"]["used"] == [True] and rep["False"]["used"] == []
+        assert rep["True"]["losses"] == rep["False"]["losses"]
+        assert rep["True"]["flat"] == rep["False"]["flat"]  # the parameters after the last gather, bit for bit
 
 
 def test_data_parallel_through_shared_memory_equals_gloo(tmp_path: Path) -> None:

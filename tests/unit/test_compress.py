@@ -18,7 +18,7 @@ from hpml_compile.compression import CompressKind, Compression, check_sync, pars
 from hpml_compile.driver import Options
 from hpml_compile.errors import OptionError, PlanError, SchemaError
 from hpml_compile.ir import Cluster, Device, Link
-from hpml_compile.plan import Plan, Schedule, Stage, check_comm, with_comm
+from hpml_compile.plan import Plan, Schedule, Stage, ZeroStage, check_comm, with_comm
 from hpml_compile.runtime.checkpoint import latest, load_checkpoint, save_checkpoint
 from hpml_compile.runtime.compress import TopK
 from hpml_compile.runtime.feedback import Feedback, Replica, merge_replicas, replica_key, replica_reads
@@ -226,6 +226,14 @@ def test_show_and_report_name_them() -> None:
     topk, plan, local = with_comm(plan, compress="topk:0.05"), plan, with_comm(plan, sync_every=4, sync_warmup=1)
     assert "gradients topk:0.05" in summary(topk, g, simulate(topk, g))
     assert "local SGD every 4 steps after 1" in summary(local, g, simulate(local, g))
+    # what the runtime runs through shared memory (runtime.shm): CPU replicas of one host, not a compressed stage
+    assert "all-reduce through the host's shared memory" in summary(plan, g, simulate(plan, g))
+    assert "shared memory" not in summary(topk, g, simulate(topk, g))
+    zero1 = replace(plan, stages=(replace(plan.stages[0], zero=ZeroStage.OS),))
+    assert "reduce-scatter and all-gather through the host's shared memory" in summary(zero1, g, simulate(zero1, g))
+    apart = replace(plan, cluster=Cluster(devices=(Device("cpu0", "cpu", 4.0, host="a"),
+                                                   Device("cpu1", "cpu", 4.0, host="b")), name="apart"))
+    assert "shared memory" not in summary(apart, g, simulate(apart, g))
 
     def rows(sent: list[int]) -> dict[int, list[StepMetrics]]:  # 16 MiB dense
         return {r: [StepMetrics(step=i, rank=r, stage=0, replica=r, device="cpu", microbatches=1, samples=8,

@@ -13,7 +13,7 @@ import cost_models
 from hpml_compile.cluster import link_spec, load_cluster
 from hpml_compile.errors import HpmlError
 from hpml_compile.ir import Cluster, Device, Link
-from hpml_compile.runtime.links import SHM_ALLREDUCE, fit_link
+from hpml_compile.runtime.links import SHM_ALLREDUCE, SHM_ROWS, fit_link
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,6 +93,12 @@ def test_the_all_reduce_through_shared_memory_prices_the_all_reduce() -> None:
     b = 25 << 20
     assert cost_models.allreduce_ms(b, 2, priced) == pytest.approx(cost_models.allreduce_ms(b, 2, shm), rel=0.02)
     assert cost_models.allreduce_ms(b, 2, priced) < 0.5 * cost_models.allreduce_ms(b, 2, gloo)
+    # the ZeRO pair likewise: gloo's rows alone, then beside the shared-memory ones, which win
+    pair = [("reduce_scatter", x, 4.0 * cost_models.p2p_ms(x, sends)) for x in sizes]
+    fast = [(SHM_ROWS["reduce_scatter"], x, 0.5 * cost_models.p2p_ms(x, sends)) for x in sizes]
+    slow_fit = dict((op, g) for op, g, _ in fit_link(rows + pair).collectives)
+    fast_fit = dict((op, g) for op, g, _ in fit_link(rows + pair + fast).collectives)
+    assert fast_fit["reduce_scatter"] == pytest.approx(8 * slow_fit["reduce_scatter"], rel=0.05)
 
 
 def test_the_fit_refuses_one_size_and_non_positive_times() -> None:
