@@ -358,4 +358,6 @@ def _size(b: int) -> str:
 def _summary(fit: Fit) -> str:
     own = "".join(f"; {op.replace('_', '-')} {g:.3g} GB/s, {lat:.1f} us" for op, g, lat in fit.collectives)
     return (f"{fit.gbps:.3g} GB/s, {fit.latency_us:.1f} us{', shared' if fit.shared else ''}; worst error "
-            f"{fit.worst:.0%} over {sum(op not in COLLECTIVE_OPS for op, _, _ in fit.rows)} timings{own}")
+            f"{fit.worst:.0%} over {sum(op in ('p2p', 'allreduce', 'copy') for op, _, _ in fit.rows)} timings{own}"
+            + ("; the collectives through shared memory" if any(op in SHM_ROWS.values() for op, _, _ in fit.rows)
+               else ""))
