@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from main import best_peer_plan, compute_bound, fixed_bound, graph_of, load_peers, write_result  # noqa: E402
 
 import cost_models  # noqa: E402
-from hpml_compile.cluster import host_link_spec, link_spec, load_cluster  # noqa: E402
+from hpml_compile.cluster import host_link_spec, link_spec, load_cluster, overlap_efficiency  # noqa: E402
 from hpml_compile.costgraph import CostGraph  # noqa: E402
 from hpml_compile.errors import InfeasibleError  # noqa: E402
 from hpml_compile.ir import Cluster  # noqa: E402
@@ -81,6 +81,14 @@ def parts(plan: Plan, graph: CostGraph) -> dict[str, float]:
             "optimizer": r.step_ms - r.step_without_optimizer_ms}
 
 
+def _exposed_gather(cluster: Cluster, devices: Any, ms: float) -> float:
+    """What of a ZeRO >= 1 stage's parameter all-gather a bound may charge: all of it where the stage gathers
+    after its optimizer step (a group with a CPU), none where the runtime prefetches it under the next forward
+    (GPU groups, since session 11; the simulator charges only what that forward leaves exposed, which this
+    relaxes to nothing)."""
+    return 0.0 if overlap_efficiency(cluster, list(devices)) > 0 else ms
+
+
 def one_stage_floor(graph: CostGraph, cluster: Cluster) -> float:
     """A lower bound on the simulated step of any one-stage plan (every device a replica of the whole model,
     ZeRO 0 to 3; no offload, compression or local SGD), over every subset of the devices.
@@ -104,7 +112,8 @@ def one_stage_floor(graph: CostGraph, cluster: Cluster) -> float:
             link = max((min((link_spec(cluster, a.name, b.name) for b in sub if b is not a), key=lambda x: x.gbps)
                         for a in sub), key=lambda x: x.gbps)
             last = overlapped_ms(cost_models.allreduce_ms, everything, link, len(sub), float("inf"))
-            gather = transfer_ms(cost_models.all_gather_ms, everything, link, len(sub))
+            gather = _exposed_gather(cluster, [d.name for d in sub],
+                                     transfer_ms(cost_models.all_gather_ms, everything, link, len(sub)))
             step = min(last + step, gather + step / len(sub))
         best = min(best, compute + step)
     return best
@@ -180,7 +189,8 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
       stage branches on ZeRO-0 (its ring all-reduce ``>= slope * P_s`` from its last backward's start, each
       bucket launched when ready, and ``o P_s`` at its slowest kind's pace; any offload copies after its last
       backward) or ZeRO >= 1 (from its last backward's end: the parameters' all-gather, ``o P_s / d``; ZeRO-3
-      pays more of both), each with and without the Adam state offloaded (two copies of what is stepped over
+      pays more of both; on a group of GPUs the gather is charged nothing, :func:`_exposed_gather`, since the
+      runtime prefetches it under the next forward), each with and without the Adam state offloaded (two copies of what is stepped over
       the fastest host link of the group). Memory as :func:`hpml_compile.stagecost.memory_parts` counts it:
       parameters and gradients whole under every ZeRO stage, the Adam state ``2 P_s`` (ZeRO-0) or
       ``2 P_s / d`` unless offloaded, at least one row's activations, within the smallest memory of the group
@@ -307,7 +317,8 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
         agree = loss_agreement_ms(cluster, [x for names in members for x in names])  # the same on every plan of them
         ar = [_slope(cost_models.allreduce_ms, d, ln) for d, ln in zip(sizes, links)]
         rs = [_slope(cost_models.reduce_scatter_ms, d, ln) for d, ln in zip(sizes, links)]
-        ag = [_slope(cost_models.all_gather_ms, d, ln) for d, ln in zip(sizes, links)]
+        ag = [_exposed_gather(cluster, m, _slope(cost_models.all_gather_ms, d, ln))
+              for m, d, ln in zip(members, sizes, links)]
         mem = [float(min(cluster.device(x).memory_bytes for x in m)) for m in members]
         # offload copies: ms per byte over the fastest host link of the group (a CPU's: none to cross)
         host = [0.0 if any(cluster.device(x).is_cpu for x in mm) else min(
@@ -506,7 +517,8 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
             if s_count == 1 and sizes[0] > 1:  # the whole model: the one-stage floor's exact tail
                 link, d, act = links[0], sizes[0], sum(n * a for n, a in zip(counts, acts))
                 last_bucket = overlapped_ms(cost_models.allreduce_ms, total_params, link, d, float("inf"))
-                gather = transfer_ms(cost_models.all_gather_ms, total_params, link, d)
+                gather = _exposed_gather(cluster, members[0], transfer_ms(cost_models.all_gather_ms, total_params,
+                                                                          link, d))
                 tails = []
                 for zero, sync, state, moved in ((0, last_bucket, 2.0, 1.0), (1, gather, 2.0 / d, 1.0 / d)):
                     step = opt[0] * total_params * moved
