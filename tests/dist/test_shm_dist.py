@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -128,22 +128,33 @@ def _model() -> models.LoadedModel:
     return models.load("gpt-tiny", batch_size=8, seq_len=16, seed=0)
 
 
-def _train(rank: int, world: int, build: str, out: str) -> None:
+def _runs(build: str, seed: int) -> Iterator[tuple[bool, Pipeline, list[float]]]:
+    """The build trained ``STEPS`` steps through shared memory, then through gloo: each pipeline and its losses."""
     torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     xs = [torch.randint(0, 256, (8, 16), generator=g) for _ in range(STEPS)]
-    report: dict[str, Any] = {}
     for shared in (True, False):
         loaded = _model()
         pipe = Pipeline.from_build(build, loaded.module, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                                    shared_memory=shared, events=False)
         losses = [pipe.step((x,), torch.roll(x, -1, dims=1), loaded.loss_fn).item() for x in xs]
         assert pipe.comm is not None
-        used = [v[1] is not None for v in pipe.comm._host_reduce.values()]
+        yield shared, pipe, losses
+
+
+def _used(pipe: Pipeline) -> list[bool]:
+    assert pipe.comm is not None
+    return [v[1] is not None for v in pipe.comm._host_reduce.values()]
+
+
+def _train(rank: int, world: int, build: str, out: str) -> None:
+    report: dict[str, Any] = {}
+    for shared, pipe, losses in _runs(build, 1):
+        assert pipe.comm is not None
         grads = pipe._buckets[0].grad_flat
         held = [v[1] for v in pipe.comm._host_reduce.values() if v[1] is not None]
         slot = held[0].own(grads.numel(), grads.dtype) if held else None
-        report[str(shared)] = {"losses": losses, "used": used,
+        report[str(shared)] = {"losses": losses, "used": _used(pipe),
                                "in_slot": slot is not None and slot.data_ptr() == grads.data_ptr(),
                                "grad_bytes": grads.numel() * grads.element_size(),
                                "grad_storage": grads.untyped_storage().nbytes(),
@@ -154,18 +165,8 @@ def _train(rank: int, world: int, build: str, out: str) -> None:
 
 
 def _zero1(rank: int, world: int, build: str, out: str) -> None:
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(2)
-    xs = [torch.randint(0, 256, (8, 16), generator=g) for _ in range(STEPS)]
-    report = {}
-    for shared in (True, False):
-        loaded = _model()
-        pipe = Pipeline.from_build(build, loaded.module, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                                   shared_memory=shared, events=False)
-        losses = [pipe.step((x,), torch.roll(x, -1, dims=1), loaded.loss_fn).item() for x in xs]
-        assert pipe.comm is not None
-        report[str(shared)] = {"losses": losses, "used": [v[1] is not None for v in pipe.comm._host_reduce.values()],
-                               "flat": pipe._buckets[0].flat.tolist()[:2000]}
+    report = {str(shared): {"losses": losses, "used": _used(pipe), "flat": pipe._buckets[0].flat.tolist()[:2000]}
+              for shared, pipe, losses in _runs(build, 2)}
     Path(out, f"zero1-{rank}.json").write_text(json.dumps(report))
 
 
