@@ -82,10 +82,10 @@ def parts(plan: Plan, graph: CostGraph) -> dict[str, float]:
 
 
 def _exposed_gather(cluster: Cluster, devices: Any, ms: float) -> float:
-    """What of a ZeRO >= 1 stage's parameter all-gather a bound may charge: all of it where the stage gathers
-    after its optimizer step (a group with a CPU), none where the runtime prefetches it under the next forward
-    (GPU groups, since session 11; the simulator charges only what that forward leaves exposed, which this
-    relaxes to nothing)."""
+    """What of a ZeRO >= 1 stage's parameter all-gather a bound may charge regardless of its forward: all of it
+    where the stage gathers after its optimizer step (a group with a CPU), none where the runtime prefetches it
+    under the next forward (GPU groups, since session 11; the simulator charges what that forward leaves
+    exposed: :func:`charged_bound` adds a row for that, with the forward as the linear program has it)."""
     return 0.0 if overlap_efficiency(cluster, list(devices)) > 0 else ms
 
 
@@ -189,8 +189,9 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
       stage branches on ZeRO-0 (its ring all-reduce ``>= slope * P_s`` from its last backward's start, each
       bucket launched when ready, and ``o P_s`` at its slowest kind's pace; any offload copies after its last
       backward) or ZeRO >= 1 (from its last backward's end: the parameters' all-gather, ``o P_s / d``; ZeRO-3
-      pays more of both; on a group of GPUs the gather is charged nothing, :func:`_exposed_gather`, since the
-      runtime prefetches it under the next forward), each with and without the Adam state offloaded (two copies of what is stepped over
+      pays more of both; on a group of GPUs, where the runtime prefetches the gather under the next forward, only
+      what one microbatch's forward over ``d`` cannot hide, ``max(0, g P_s - f_k / d)``, as
+      :func:`hpml_compile.stagecost.prefetched_gather_ms` charges at least), each with and without the Adam state offloaded (two copies of what is stepped over
       the fastest host link of the group). Memory as :func:`hpml_compile.stagecost.memory_parts` counts it:
       parameters and gradients whole under every ZeRO stage, the Adam state ``2 P_s`` (ZeRO-0) or
       ``2 P_s / d`` unless offloaded, at least one row's activations, within the smallest memory of the group
@@ -317,8 +318,8 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
         agree = loss_agreement_ms(cluster, [x for names in members for x in names])  # the same on every plan of them
         ar = [_slope(cost_models.allreduce_ms, d, ln) for d, ln in zip(sizes, links)]
         rs = [_slope(cost_models.reduce_scatter_ms, d, ln) for d, ln in zip(sizes, links)]
-        ag = [_exposed_gather(cluster, m, _slope(cost_models.all_gather_ms, d, ln))
-              for m, d, ln in zip(members, sizes, links)]
+        ag_all = [_slope(cost_models.all_gather_ms, d, ln) for d, ln in zip(sizes, links)]
+        ag = [_exposed_gather(cluster, mm, a) for mm, a in zip(members, ag_all)]  # 0 where prefetched (GPUs)
         mem = [float(min(cluster.device(x).memory_bytes for x in m)) for m in members]
         # offload copies: ms per byte over the fastest host link of the group (a CPU's: none to cross)
         host = [0.0 if any(cluster.device(x).is_cpu for x in mm) else min(
@@ -477,6 +478,13 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
                     ca.append(c)
                     c[it] = 1.0
                     cb.append(0.0)
+                    if zero == 1 and ag[k] < ag_all[k]:  # prefetched: what one microbatch's forward / d leaves
+                        c = {iz: -1.0, cp: 1.0, it: 1.0}  # (stagecost.prefetched_gather_ms: >= C - window)
+                        tv(jf, k, m - 1.0 / d, c)
+                        tv(jb, k, m, c)
+                        lin(params, k, ag_all[k] + opt[k] / d, c)
+                        ca.append(c)
+                        cb.append(0.0)
                     if zero == 0:  # and the offload copies start when the backward ends
                         c = {iz: -1.0, cp: 1.0}
                         tv(jf, k, m, c)
@@ -517,20 +525,27 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
             if s_count == 1 and sizes[0] > 1:  # the whole model: the one-stage floor's exact tail
                 link, d, act = links[0], sizes[0], sum(n * a for n, a in zip(counts, acts))
                 last_bucket = overlapped_ms(cost_models.allreduce_ms, total_params, link, d, float("inf"))
-                gather = _exposed_gather(cluster, members[0], transfer_ms(cost_models.all_gather_ms, total_params,
-                                                                          link, d))
+                whole_gather = transfer_ms(cost_models.all_gather_ms, total_params, link, d)
+                gather = _exposed_gather(cluster, members[0], whole_gather)
                 tails = []
                 for zero, sync, state, moved in ((0, last_bucket, 2.0, 1.0), (1, gather, 2.0 / d, 1.0 / d)):
                     step = opt[0] * total_params * moved
                     if (2 + state) * total_params + act <= mem[0]:
-                        tails.append(sync + step)
+                        tails.append((zero, sync + step))
                     elif 2 * total_params + act <= mem[0]:  # only with the Adam state offloaded: two copies
-                        tails.append(sync + step + 2 * host[0] * moved * total_params)
-                for tail in tails:
+                        tails.append((zero, sync + step + 2 * host[0] * moved * total_params))
+                for zero, tail in tails:
                     c = {iz: -1.0}
                     tv(jf, 0, m, c)
                     tv(jb, 0, m, c)
-                    v = solve_lp([dense(c)], [-tail])
+                    lp_a, lp_b = [dense(c)], [-tail]
+                    if zero == 1 and gather < whole_gather:  # prefetched: what one microbatch's forward / d leaves
+                        c = {iz: -1.0}
+                        tv(jf, 0, m - 1.0 / d, c)
+                        tv(jb, 0, m, c)
+                        lp_a.append(dense(c))
+                        lp_b.append(-(tail + whole_gather))
+                    v = solve_lp(lp_a, lp_b)
                     if v < best[0]:
                         best = (v, {"groups": members, "microbatches": m})
                 continue

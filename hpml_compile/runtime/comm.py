@@ -518,6 +518,13 @@ class DistComm(Comm):
         if hier is not None:
             self._count_levels(stages, flat, hier)
 
+    def drop_host_memory(self) -> None:
+        """Let go of every shared mapping and, with it, of its group (the pipeline's re-forming of failed groups)."""
+        for _, made in self._host_reduce.values():
+            if made is not None:
+                made.close()
+        self._host_reduce.clear()
+
     def _host_for(self, stages: tuple[int, ...], t: Tensor, times: int = 1) -> HostReduce | None:
         """The shared mapping for a reduce-scatter or all-gather of ``t`` (gathered ``times`` over), where there is
         one and its slot is not lent to a gradient buffer (:meth:`~.shm.HostReduce.own`)."""

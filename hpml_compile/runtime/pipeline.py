@@ -586,6 +586,7 @@ class Pipeline:
             self.comm.forget()
             self.comm.groups.clear()
             self.comm.pairs.clear()
+            self.comm.drop_host_memory()  # the shared mappings hold their groups too
         self.comm = None
         self.build.stages[self.stage_index].hpml_comm = DetachedComm()
         gc.collect()

@@ -87,6 +87,7 @@ class HostReduce:
         self.slot_bytes = int(slots[0].numel())
         self.path = path
         self.lent = False  # the slot holds a buffer of the caller's (own()): only all_reduce may use it
+        self._meet = torch.zeros(1)
 
     @staticmethod
     def eligible(members: Sequence[int], hosts: Mapping[int, str], kinds: Mapping[int, str]) -> bool:
@@ -154,12 +155,16 @@ class HostReduce:
         return self._slots[self.index][:numel * width].view(dtype)
 
     def close(self) -> None:
-        """Drop this rank's hold on the mapping (the memory goes when the last hold on it does)."""
+        """Drop this rank's hold on the mapping (the memory goes when the last hold on it does) and on the group
+        (a gloo group closes its connections only when its last reference goes: a peer blocked on it is
+        released then, as a failed step's re-forming needs)."""
         self._slots = []
+        self.group = None
 
     def barrier(self) -> None:
-        """Wait for every member (the group's gloo barrier)."""
-        dist.barrier(group=self.group)
+        """Wait for every member: a one-element all-reduce on the group, the meeting the runtime's other
+        collectives start with (:meth:`~.comm.DistComm._collective`)."""
+        dist.all_reduce(self._meet, group=self.group)
 
     def fits(self, t: Tensor) -> bool:
         """Whether ``t`` fits in one slot (the same answer on every member: the same sizes everywhere)."""

@@ -91,11 +91,11 @@ def every_plan_of_two_stages(graph: CostGraph, cluster, profile: Profile | None 
 
 
 # the third: 8 GiB of parameters a node, so that a V100 holds no node's Adam state (memory binds, offload/ZeRO).
-# The slack: the bound lets a GPU group's ZeRO >= 1 parameter all-gather cost nothing (the runtime prefetches it
-# under the next forward; the simulator charges what that forward leaves exposed), which loosened it from 1.3, 1.3
-# and 1.6 (session 10) to 1.31, 1.41 and 1.75 (session 16): the bound is sound first, tight second.
-@pytest.mark.parametrize("batch,param_bytes,fixed,slack", [(8, 2**27, 0.5, 1.35), (4, 2**29, 0.0, 1.45),
-                                                          (8, 2**33, 0.5, 1.8)])
+# A GPU group's ZeRO >= 1 parameter all-gather is prefetched under the next forward (session 11): the bound charges
+# only what one microbatch's forward over d leaves of it (charging it whole, as session 10 did, let a plan beat the
+# bound on plan_quality's gpt2-small on hetero-cpu; charging nothing loosened the slack to 1.31, 1.41 and 1.75).
+@pytest.mark.parametrize("batch,param_bytes,fixed,slack", [(8, 2**27, 0.5, 1.3), (4, 2**29, 0.0, 1.3),
+                                                          (8, 2**33, 0.5, 1.6)])
 def test_no_plan_simulates_below_the_charged_bound(ub: ModuleType, batch: int, param_bytes: int,
                                                    fixed: float, slack: float) -> None:
     c = load_cluster("hetero-4")  # 2 x A100 (NVLink), 2 x V100 (NVLink), PCIe between the kinds
