@@ -353,7 +353,7 @@ class DistComm(Comm):
         self._op_count: dict[CommOp, int] = {}
         self._pending: list[tuple[Any, Tensor]] = []
         self._chains: dict[tuple[int, ...], ChainQueue] = {}  # overlapped hierarchical buckets
-        # all-reduces among CPU ranks the plan puts on one host go through shared memory (:mod:`.shm`)
+        # collectives among CPU ranks the plan puts on one host go through shared memory (:mod:`.shm`)
         self.shared_memory = True
         self._hosts = {r: plan.cluster.device(plan.stages[k].devices[i]).host
                        for r, (k, i) in enumerate(rank_layout(plan))}
@@ -536,9 +536,9 @@ class DistComm(Comm):
     def host_reduce(self, stages: tuple[int, ...], nbytes: int = SLOT_BYTES) -> HostReduce | None:
         """The shared mapping of the group of ``stages`` where its ranks are CPU ranks of one host, else None.
 
-        Made at the group's first all-reduce (collective: every member reaches it there), with a slot of that
-        all-reduce's ``nbytes`` (at most :data:`~.shm.SLOT_BYTES`), and again for a new group (a re-formed one
-        after a failure).
+        Made at the group's first collective (every member reaches it there), with a slot of that collective's
+        ``nbytes`` (at most :data:`~.shm.SLOT_BYTES`), and again for a new group (a re-formed one after a
+        failure).
         """
         group = self.groups.get(stages)
         if group is None or not self.shared_memory:
