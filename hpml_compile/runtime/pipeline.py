@@ -122,9 +122,10 @@ class Pipeline:
         comm_options: ``compress`` / ``sync_every`` / ``sync_warmup`` overriding the build's plan
             (:func:`hpml_compile.plan.with_comm`; None values keep the plan's): they change only how the
             gradients of a replicated stage are synchronised (:mod:`.compress`), not the generated code.
-        shared_memory: all-reduce a replicated stage's gradients through shared memory where its replicas are
-            CPU ranks the plan puts on one host (:mod:`.shm`; what ``devices --measure`` and ``profile`` time);
-            False: through gloo, as before.
+        shared_memory: a replicated stage's blocking gradient collectives (ZeRO-0's all-reduce, ZeRO-1/2's
+            reduce-scatter and parameter all-gather) through shared memory where its replicas are CPU ranks the
+            plan puts on one host (:mod:`.shm`; what ``devices --measure`` and ``profile`` time); False: through
+            gloo, as before.
     """
 
     def __init__(self, build: Build, model: nn.Module, *, optimizer: OptimizerArg = None,
