@@ -7,8 +7,9 @@ The building block of :mod:`.uneven`'s candidate plans. A stage whose replicas a
 memory holds (the plan validator's own memory model, so a plan made here passes
 :func:`hpml_compile.plan.validate_plan`). :func:`build_plan` makes a whole plan from devices per stage,
 stage boundaries and a microbatch count, each stage taking the first memory configuration of
-:data:`CONFIGS` (ZeRO 0, 1, 2, then recompute) under which every replica fits at least one row and the group
-all the rows; offload and swap are not tried.
+:data:`CONFIGS` (ZeRO 0, 1, 2, then recompute, then each of those with the Adam state offloaded to host
+memory, on a group without a CPU) under which every replica fits at least one row and the group all the rows;
+swap and ZeRO-3 are not tried.
 
 Example:
     >>> from hpml_compile.plan import Schedule
@@ -33,12 +34,18 @@ from ..memory import ZeroStage, dtype_bytes, tied_elsewhere, tied_shared
 from ..plan import Plan, Schedule, SolverInfo, Stage
 from ..stagecost import choose_rows, device_memory, in_flight
 
-__all__ = ["CONFIGS", "Score", "stage_rows", "build_plan", "microbatch_counts", "stage_blocks", "fastest"]
+__all__ = ["CONFIGS", "Config", "Score", "allowed", "stage_rows", "build_plan", "microbatch_counts", "stage_blocks", "fastest"]
 
-#: Memory configurations tried per stage, cheapest first: ``(ZeRO stage, recompute)``.
-CONFIGS: tuple[tuple[ZeroStage, bool], ...] = (
-    (ZeroStage.NONE, False), (ZeroStage.OS, False), (ZeroStage.OS_G, False),
-    (ZeroStage.NONE, True), (ZeroStage.OS, True), (ZeroStage.OS_G, True))
+#: A stage's memory configuration here: ``(ZeRO stage, recompute, Adam state offloaded to host memory)``.
+Config = tuple[ZeroStage, bool, bool]
+
+#: Memory configurations tried per stage, cheapest first. The offloaded ones come last (every step copies the
+#: state's parameters both ways over the host link) and are skipped for a group with a CPU, whose host memory is
+#: its own (:func:`hpml_compile.plan.validate_plan` refuses them there). Without them a group with a small GPU
+#: (a T4 beside an A100, for gpt2-xl) fits under no configuration and the search never mixes it in.
+CONFIGS: tuple[Config, ...] = tuple(
+    (z, rec, off) for off in (False, True) for rec in (False, True)
+    for z in (ZeroStage.NONE, ZeroStage.OS, ZeroStage.OS_G))
 
 
 def _members(graph: CostGraph, blocks: Sequence[str]) -> tuple[str, ...]:
@@ -60,7 +67,7 @@ def _sizes(graph: CostGraph, blocks: Sequence[str]) -> tuple[int, int, int, int]
 
 
 def _cap(dev: Device, sizes: tuple[int, int, int, int], *, rows: int, batch: int, replicas: int, zero: ZeroStage,
-         recompute: bool, microbatches: int, flight: int, dtype: str) -> int:
+         recompute: bool, microbatches: int, flight: int, dtype: str, offload: bool = False) -> int:
     """The most rows of a microbatch (up to ``rows``) whose activations fit ``dev`` beside the stage's
     parameters, gradients and optimizer state (0: not even one)."""
     params, acts, inputs, shared = sizes
@@ -69,7 +76,7 @@ def _cap(dev: Device, sizes: tuple[int, int, int, int], *, rows: int, batch: int
         return device_memory(param_bytes=params, activation_bytes=acts, input_bytes=inputs,
                              dtype_bytes=dtype_bytes(dtype), replicas=replicas, zero=zero,
                              microbatches=microbatches, in_flight=flight, recompute=recompute,
-                             host_is_device=dev.is_cpu, share=(r, batch)).total + shared
+                             offload_optimizer=offload, host_is_device=dev.is_cpu, share=(r, batch)).total + shared
 
     if need(1) > dev.memory_bytes:
         return 0
@@ -82,7 +89,7 @@ def _cap(dev: Device, sizes: tuple[int, int, int, int], *, rows: int, batch: int
 
 def stage_rows(graph: CostGraph, cluster: Cluster, blocks: Sequence[str], devices: Sequence[str], *,
                microbatches: int, schedule: Schedule, index: int, stages: int, zero: ZeroStage | int = 0,
-               recompute: bool = False, dtype: str = "float32") -> tuple[int, ...] | None:
+               recompute: bool = False, dtype: str = "float32", offload: bool = False) -> tuple[int, ...] | None:
     """Rows per microbatch for each of ``devices`` running the graph blocks ``blocks`` as stage ``index`` of
     ``stages``: the replicas finish together (:func:`~hpml_compile.stagecost.choose_rows`) and each fits.
 
@@ -98,6 +105,7 @@ def stage_rows(graph: CostGraph, cluster: Cluster, blocks: Sequence[str], device
         zero: the stage's ZeRO stage.
         recompute: activation checkpointing of the stage.
         dtype: parameter dtype.
+        offload: the Adam state in host memory (not counted on the devices).
 
     Returns:
         Rows per device, or None when they cannot fit (a device holds not even one row, or all of them hold
@@ -125,7 +133,8 @@ def stage_rows(graph: CostGraph, cluster: Cluster, blocks: Sequence[str], device
         fixed.append(ff * (1 + rec) + bf)
         per_row.append(((f - ff) * (1 + rec) + (b - bf)) / batch)
         caps.append(_cap(dev, sizes, rows=total, batch=batch, replicas=len(devices), zero=ZeroStage(zero),
-                         recompute=recompute, microbatches=microbatches, flight=flight, dtype=dtype))
+                         recompute=recompute, microbatches=microbatches, flight=flight, dtype=dtype,
+                         offload=offload))
     try:
         return choose_rows(fixed, per_row, total, caps)
     except ValueError:
@@ -134,7 +143,7 @@ def stage_rows(graph: CostGraph, cluster: Cluster, blocks: Sequence[str], device
 
 def build_plan(graph: CostGraph, cluster: Cluster, groups: Sequence[Sequence[str]], cuts: Sequence[int],
                microbatches: int, schedule: Schedule, dtype: str, name: str,
-               configs: Sequence[tuple[ZeroStage, bool]] = CONFIGS) -> Plan | None:
+               configs: Sequence[Config] = CONFIGS) -> Plan | None:
     """A plan of stage ``i`` = blocks ``order[cuts[i]:cuts[i+1]]`` on ``groups[i]``, each with the first
     configuration of ``configs`` whose rows fit (:func:`stage_rows`).
 
@@ -147,7 +156,7 @@ def build_plan(graph: CostGraph, cluster: Cluster, groups: Sequence[Sequence[str
         schedule: the pipeline schedule.
         dtype: parameter dtype.
         name: the plan's solver name (the family that made it).
-        configs: memory configurations to try per stage, in order.
+        configs: memory configurations to try per stage, in order (offloaded ones skipped on a group with a CPU).
 
     Returns:
         The plan (not yet simulated), or None if one stage fits under none of ``configs``.
@@ -156,19 +165,24 @@ def build_plan(graph: CostGraph, cluster: Cluster, groups: Sequence[Sequence[str
     stages = []
     for i, devs in enumerate(groups):
         blocks = order[cuts[i]:cuts[i + 1]]
-        for zero, rec in configs:
-            if zero and len(devs) == 1:
+        for zero, rec, off in configs:
+            if (zero and len(devs) == 1) or not allowed(cluster, devs, off):
                 continue
             rows = stage_rows(graph, cluster, blocks, devs, microbatches=microbatches, schedule=schedule, index=i,
-                              stages=len(groups), zero=zero, recompute=rec, dtype=dtype)
+                              stages=len(groups), zero=zero, recompute=rec, dtype=dtype, offload=off)
             if rows is not None:
                 even = len(set(rows)) == 1 and len({cluster.device(d).kind for d in devs}) == 1
-                stages.append(Stage(i, tuple(devs), _members(graph, blocks), zero, rec,
+                stages.append(Stage(i, tuple(devs), _members(graph, blocks), zero, rec, offload_optimizer=off,
                                     rows=() if even else rows))
                 break
         else:
             return None
     return Plan(graph.model, cluster, schedule, microbatches, tuple(stages), solver=SolverInfo(name))
+
+
+def allowed(cluster: Cluster, devices: Sequence[str], offload: bool) -> bool:
+    """Whether a group may take a configuration: optimizer offload only where no device is a CPU."""
+    return not offload or not any(cluster.device(d).is_cpu for d in devices)
 
 
 def microbatch_counts(graph: CostGraph, fewest_rows: int, microbatches: int | None) -> list[int]:

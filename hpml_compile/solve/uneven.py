@@ -12,8 +12,9 @@ which the table's per-(range, kind, degree) prices cannot express.
 
 Every candidate is built by :func:`.mixed.build_plan`: rows per replica from
 :func:`hpml_compile.stagecost.choose_rows`, each capped at what its memory
-holds, and each stage the first memory configuration that fits (offload and
-swap are not tried).
+holds, and each stage the first memory configuration of :data:`.mixed.CONFIGS`
+that fits (ZeRO 0-2, recompute, the Adam state offloaded on a group of GPUs;
+swap and ZeRO-3 are not tried).
 
 The candidates, for every microbatch count that splits the batch into at
 least one row per replica:
@@ -61,7 +62,7 @@ from ..plan import Plan, Schedule, SolverInfo, SolverStatus
 from ..simulate import annotate
 from .baselines import balanced_cuts, cut_points
 from .candidates import Chain
-from .mixed import CONFIGS, Score, build_plan, fastest, microbatch_counts, stage_blocks, stage_rows
+from .mixed import CONFIGS, Score, allowed, build_plan, fastest, microbatch_counts, stage_blocks, stage_rows
 
 __all__ = ["CONFIGS", "Uneven", "Shape", "stage_rows", "build_plan", "improve", "data_parallel", "extend", "merge",
            "mixed_pipeline", "local_search", "shape_of", "moved_devices", "shifted_cuts", "other_counts"]
@@ -142,15 +143,17 @@ def extend(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, dtyp
         for dev in idle:
             for st in current.stages:
                 devs = [*st.devices, dev]
-                for zero, rec in [(st.zero, st.recompute), *CONFIGS]:
+                for zero, rec, off in [(st.zero, st.recompute, st.offload_optimizer), *CONFIGS]:
+                    if not allowed(cluster, devs, off):
+                        continue
                     rows = stage_rows(graph, cluster, blocks_of[st.index], devs, microbatches=current.microbatches,
                                       schedule=current.schedule, index=st.index, stages=len(current.stages),
-                                      zero=zero, recompute=rec, dtype=dtype)
+                                      zero=zero, recompute=rec, dtype=dtype, offload=off)
                     if rows is None:
                         continue
                     even = len(set(rows)) == 1 and len({cluster.device(d).kind for d in devs}) == 1
                     new = replace(st, devices=tuple(devs), rows=() if even else rows, zero=zero, recompute=rec,
-                                  swap=(), offload_optimizer=False)
+                                  swap=(), offload_optimizer=off)
                     cand = replace(current, stages=tuple(new if x.index == st.index else x for x in current.stages),
                                    solver=SolverInfo("extend"))
                     t = score(cand)

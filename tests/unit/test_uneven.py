@@ -16,6 +16,7 @@ from hpml_compile.plan import Plan, Schedule, Stage, stage_memory, validate_plan
 from hpml_compile.simulate import EventKind, annotate, simulate
 from hpml_compile.solve import solve
 from hpml_compile.solve.testing import chain_graph, chain_profile, cluster_of
+from hpml_compile.solve.mixed import CONFIGS, build_plan
 from hpml_compile.solve.uneven import improve, merge, stage_rows
 from hpml_compile.stagecost import choose_rows
 from hpml_compile.viz import chart_rows, rows_text, write_pictures
@@ -209,3 +210,21 @@ def test_improve_stops_at_its_time_limit_with_the_best_so_far() -> None:
     got = improve(g, c, base, time_limit_s=0.0, progress=lines.append)
     assert got.plan is base and got.tried == 1  # only the solver's plan, scored before the search
     assert any("time limit" in line for line in lines)
+
+
+def test_a_mixed_stage_offloads_the_adam_state_where_nothing_else_fits() -> None:
+    """1 GiB of parameters on two 2.5 GiB devices: parameters and gradients fit, the Adam state does not (2 GiB
+    under ZeRO-0, 1 GiB a replica under ZeRO-1/2), recompute saves none of it. The uneven search offloads it to
+    host memory on a group of GPUs (session 17: a T4 beside an A100 for gpt2-xl), never on a group with a CPU,
+    whose host memory is its own (validate_plan refuses it there)."""
+    costs = [{"fast": (1.0, 2.0), "slow": (3.0, 6.0), "cpu": (3.0, 6.0)}] * 4
+    prof = chain_profile(costs, param_bytes=2**28, batch_size=8)
+    g = build(prof)
+    gpus = cluster_of(["fast", "slow"], memory_gib=2.5)
+    plan = build_plan(g, gpus, [["d0", "d1"]], [0, 4], 2, Schedule.ONE_F_ONE_B, "float32", "test")
+    assert plan is not None and plan.stages[0].offload_optimizer and plan.stages[0].rows == (3, 1)
+    validate_plan(plan, prof)
+    assert build_plan(g, gpus, [["d0", "d1"]], [0, 4], 2, Schedule.ONE_F_ONE_B, "float32", "test",
+                      CONFIGS[:6]) is None  # nothing fits without offload
+    with_cpu = cluster_of(["fast", "cpu"], memory_gib=2.5)
+    assert build_plan(g, with_cpu, [["d0", "d1"]], [0, 4], 2, Schedule.ONE_F_ONE_B, "float32", "test") is None
