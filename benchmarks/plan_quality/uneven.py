@@ -97,8 +97,9 @@ def one_stage_floor(graph: CostGraph, cluster: Cluster) -> float:
     speed (``1 / sum 1 / W_i``), plus what follows the last backward. Under ZeRO-0: the last gradient bucket's
     all-reduce, which starts when the backward ends (:func:`hpml_compile.stagecost.overlapped_ms` with the
     rest hidden), and every replica stepping every parameter at the pace of the slowest kind (``max O_k``,
-    the simulator's rule for a mixed stage). Under ZeRO-1 to 3: the shards' step (``max O_k / d``) after an
-    all-gather of the parameters that no backward hides. Links: the fastest choice of the stage's first
+    the simulator's rule for a mixed stage). Under ZeRO-1 to 3: the last bucket of the gradients'
+    reduce-scatter (a group with a CPU: all of it), then the shards' step (``max O_k / d``), and the parameters'
+    all-gather where no forward hides it (a group with a CPU). Links: the fastest choice of the stage's first
     device, whose slowest link the simulator prices the group's collectives on.
     """
     everything = graph.total("param_bytes")
@@ -112,9 +113,12 @@ def one_stage_floor(graph: CostGraph, cluster: Cluster) -> float:
             link = max((min((link_spec(cluster, a.name, b.name) for b in sub if b is not a), key=lambda x: x.gbps)
                         for a in sub), key=lambda x: x.gbps)
             last = overlapped_ms(cost_models.allreduce_ms, everything, link, len(sub), float("inf"))
-            gather = _exposed_gather(cluster, [d.name for d in sub],
-                                     transfer_ms(cost_models.all_gather_ms, everything, link, len(sub)))
-            step = min(last + step, gather + step / len(sub))
+            names = [d.name for d in sub]
+            gather = _exposed_gather(cluster, names, transfer_ms(cost_models.all_gather_ms, everything, link, len(sub)))
+            scatter = overlapped_ms(cost_models.reduce_scatter_ms, everything, link, len(sub), float("inf")) \
+                if overlap_efficiency(cluster, names) > 0 else transfer_ms(cost_models.reduce_scatter_ms, everything,
+                                                                           link, len(sub))
+            step = min(last + step, scatter + gather + step / len(sub))
         best = min(best, compute + step)
     return best
 
@@ -141,6 +145,36 @@ def _row_factor(alphas: list[float], rows: int) -> float:
     return min(even, uneven)
 
 
+def _row_classes(alpha_f: list[float], alpha_b: list[float], rows: int) -> list[tuple[float, float, tuple[float, ...]]]:
+    """Every split of a microbatch's ``rows`` among replicas with per-row paces ``alpha_f`` (forward) and
+    ``alpha_b`` (backward), as classes ``(F, B, least)``: each split lies in a class whose forward and backward
+    factors (as :func:`_row_factor`'s, ``max_i r_i a_i``) are at least ``F`` and ``B`` and whose replica ``i``
+    holds at least ``least[i]`` rows, so that a bound may charge the rows' activations to each replica's own
+    memory (a T4 beside an A100 can hold only so many of gpt2-xl's rows, and the A100 must then take the rest).
+
+    A split's forward factor is one of the values ``r a_i``; at that value ``F`` every replica holds at most
+    ``floor(F / a_i)`` rows, so replica ``i`` at least what the others cannot hold. Values giving the same
+    least rows make one class with the smallest of them. The even split (``rows / d`` each, a fraction where
+    it does not divide, at the slowest pace) is a class of its own.
+
+    >>> [(f, b, least) for f, b, least in _row_classes([1.0, 2.0], [1.0, 2.0], 3)]  # rows 2, 1; 1, 2; 1.5 each
+    [(2.0, 2.0, (2, 1)), (4.0, 2.0, (1, 1)), (3.0, 3.0, (1.5, 1.5))]
+    """
+    d, lo = len(alpha_f), max(alpha_f)
+    out: dict[tuple[int, ...], float] = {}
+    for f in sorted({r * a for a in alpha_f for r in range(1, rows + 1) if r * a >= lo}):
+        most = [int(f / a + 1e-9) for a in alpha_f]
+        if sum(most) < rows:
+            continue
+        least = tuple(max(1, rows - (sum(most) - mine)) for mine in most)
+        out.setdefault(least, f)
+    back = _row_factor(alpha_b, rows)
+    classes: list[tuple[float, float, tuple[float, ...]]] = [
+        (f, max(back, max(r * a for r, a in zip(least, alpha_b))), least) for least, f in out.items()]
+    classes.append((rows / d * lo, rows / d * max(alpha_b), (rows / d,) * d))
+    return classes
+
+
 def _best_link(cluster: Cluster, names: list[str]) -> cost_models.LinkSpec | None:
     """The fastest link the simulator could price a collective of ``names`` on: it takes the slowest link from
     the group's first device, so the best first device's (None for one device)."""
@@ -155,6 +189,10 @@ def _slope(fn: Callable[..., float], replicas: int, link: cost_models.LinkSpec |
     if link is None or replicas < 2:
         return 0.0
     return (transfer_ms(fn, 2.0 * 2**30, link, replicas) - transfer_ms(fn, 2.0**30, link, replicas)) / 2**30
+
+
+#: Most linear programs :func:`charged_bound` solves to refine one by the replicas' row classes.
+MAX_CLASS_LPS = 256
 
 
 def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -> Any:
@@ -320,6 +358,7 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
         rs = [_slope(cost_models.reduce_scatter_ms, d, ln) for d, ln in zip(sizes, links)]
         ag_all = [_slope(cost_models.all_gather_ms, d, ln) for d, ln in zip(sizes, links)]
         ag = [_exposed_gather(cluster, mm, a) for mm, a in zip(members, ag_all)]  # 0 where prefetched (GPUs)
+        hide = [overlap_efficiency(cluster, mm) for mm in members]  # of the backward a bucketed sync may hide
         mem = [float(min(cluster.device(x).memory_bytes for x in m)) for m in members]
         # offload copies: ms per byte over the fastest host link of the group (a CPU's: none to cross)
         host = [0.0 if any(cluster.device(x).is_cpu for x in mm) else min(
@@ -335,6 +374,7 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
         jf, jb = nx + 2 + s_count, nx + 2 + 2 * s_count
         it = nx + 2 + 3 * s_count  # the tied parameters' all-reduce (ms)
         nv = it + 1
+        dev_mem = [[float(cluster.device(x).memory_bytes) for x in mm] for mm in members]
         # a second bound on each stage's time, exact in the per-node kind ratios: the replicas' times weighted
         # by mu_i ~ 1 / (the kind's ratio on the heaviest node type), a weighted mean being below their max
         mu = []
@@ -414,6 +454,26 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
             def tv(var: int, s: int, scale: float, into: dict[int, float]) -> None:
                 into[var + s] = into.get(var + s, 0.0) + scale
 
+            def last_backward(k: int, *, start: bool = False) -> list[dict[int, float]]:
+                """Two lower bounds on when stage ``k``'s last backward ends (``start``: begins), each a row's
+                coefficients: the first microbatch forward through the stages before it, then its ``M``
+                forwards and ``M`` backwards (``M - 1`` before the last begins); or that, its ``M`` forwards, then
+                the last microbatch forward and back through the stages after it, then its own last backward
+                (the simulator runs a stage's microbatches one at a time, each when its input is there)."""
+                serial: dict[int, float] = {}
+                for s in range(k):
+                    tv(jf, s, 1.0, serial)
+                back = dict(serial)
+                tv(jf, k, m, serial)
+                tv(jb, k, m - 1 if start else m, serial)
+                tv(jf, k, m, back)
+                for s in range(k + 1, s_count):
+                    tv(jf, s, 1.0, back)
+                    tv(jb, s, 1.0, back)
+                if not start:
+                    tv(jb, k, 1.0, back)
+                return [serial, back]
+
             for k in range(s_count):
                 # the pipeline: sum_s t_s + (M-1) b_k + max(0, M-S) f_k, then tied, then the step O
                 c: dict[int, float] = {}
@@ -435,12 +495,10 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
                     c = {io: -1.0}
                     lin(params, k, opt[k], c)
                     row(c, 0.0, base_ub, base_b)
-                    c = {}
-                    tv(jf, k, m, c)
-                    tv(jb, k, m, c)
-                    c[iz], c[io], c[nx + 2 + k] = -1.0, 1.0, 1.0
-                    c[it] = 1.0
-                    row(c, 0.0, base_ub, base_b)
+                    for c in last_backward(k):
+                        c[iz], c[io], c[nx + 2 + k] = -1.0, 1.0, 1.0
+                        c[it] = 1.0
+                        row(c, 0.0, base_ub, base_b)
                     # memory: parameters and gradients whole, the Adam state (2 P) unless offloaded, a row's
                     # activations; offloading costs 2 copies of P over the host link: copies >= 2 h (P - room)
                     # where room = (memory - activations) / 4 is what fits without offload
@@ -466,33 +524,35 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
                     lin(params, k, opt[k] if zero == 0 else opt[k] / d, c)
                     ca.append(c)
                     cb.append(0.0)
-                    c = {iz: -1.0, cp: 1.0}
-                    if zero == 0:  # all-reduce from the last backward's start
-                        tv(jf, k, 1.0, c)
-                        tv(jb, k, m - 1, c)
-                        lin(params, k, ar[k] + opt[k], c)
-                    else:  # from the last backward's end: the parameters gathered once (ZeRO-3: more)
-                        tv(jf, k, m, c)
-                        tv(jb, k, m, c)
-                        lin(params, k, ag[k] + opt[k] / d, c)
-                    ca.append(c)
-                    c[it] = 1.0
-                    cb.append(0.0)
-                    if zero == 1 and ag[k] < ag_all[k]:  # prefetched: what one microbatch's forward / d leaves
-                        c = {iz: -1.0, cp: 1.0, it: 1.0}  # (stagecost.prefetched_gather_ms: >= C - window)
-                        tv(jf, k, m - 1.0 / d, c)
-                        tv(jb, k, m, c)
-                        lin(params, k, ag_all[k] + opt[k] / d, c)
+                    for c in last_backward(k, start=zero == 0):
+                        c.update({iz: -1.0, cp: 1.0, it: 1.0})
+                        if zero == 0:  # all-reduce from the last backward's start
+                            lin(params, k, ar[k] + opt[k], c)
+                        else:  # from the last backward's end: the parameters gathered once (ZeRO-3: more)
+                            lin(params, k, ag[k] + opt[k] / d, c)
                         ca.append(c)
                         cb.append(0.0)
+                    if zero == 1:
+                        # what one microbatch's forward / d leaves of a prefetched gather (GPUs;
+                        # stagecost.prefetched_gather_ms: >= C - window), and the gradients' reduce-scatter, bucketed
+                        # under at most the last backward / d (stagecost.overlapped_ms; a CPU group's: none of it)
+                        for hidden, gather, scatter in ((1.0 / d, ag_all[k], 0.0), (0.0, ag[k], rs[k]),
+                                                        (1.0 / d, ag_all[k], rs[k])):
+                            if hidden and ag[k] == ag_all[k]:
+                                continue  # not prefetched: the row above holds the whole gather
+                            for c in last_backward(k):
+                                c.update({iz: -1.0, cp: 1.0, it: 1.0})
+                                tv(jf, k, -hidden, c)
+                                tv(jb, k, -hide[k] / d if scatter else 0.0, c)
+                                lin(params, k, scatter + gather + opt[k] / d, c)
+                                ca.append(c)
+                                cb.append(0.0)
                     if zero == 0:  # and the offload copies start when the backward ends
-                        c = {iz: -1.0, cp: 1.0}
-                        tv(jf, k, m, c)
-                        tv(jb, k, m, c)
-                        lin(params, k, opt[k], c)
-                        ca.append(c)
-                        c[it] = 1.0
-                        cb.append(0.0)
+                        for c in last_backward(k):
+                            c.update({iz: -1.0, cp: 1.0, it: 1.0})
+                            lin(params, k, opt[k], c)
+                            ca.append(c)
+                            cb.append(0.0)
                     state = 2.0 if zero == 0 else 2.0 / d  # Adam state per parameter byte on the device
                     moved = 1.0 if zero == 0 else 1.0 / d  # what an offloaded step copies each way
                     for offload in (False, True):  # memory: P + gradients + (Adam state unless offloaded) + a row
@@ -522,13 +582,57 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
                     r[i] += v
                 return r
 
+            def class_rows(k: int, cls: tuple[float, float, tuple[float, ...]]) -> tuple[list[np.ndarray], list[float]]:
+                """Stage ``k``'s rows under one class of row splits (:func:`_row_classes`): its forward and
+                backward at the class's factors, and each replica's parameters, gradients and at least its rows'
+                activations within its own memory (the Adam state left out: it may be offloaded)."""
+                f_factor, b_factor, least = cls
+                out_a, out_b = [], []
+                for var, factor, which in ((jf, f_factor, 0), (jb, b_factor, 1)):
+                    c = {var + k: -1.0}
+                    lin([min(part(t, kk)[which] for kk in set(gk[k])) + factor * part(t, ref)[2 + which]
+                         for t in types], k, 1.0, c)
+                    out_a.append(dense(c))
+                    out_b.append(0.0)
+                for held, room in zip(least, dev_mem[k]):
+                    c = {}
+                    lin(params, k, 2.0, c)
+                    lin(acts, k, held, c)
+                    out_a.append(dense(c))
+                    out_b.append(room)
+                return out_a, out_b
+
+            classes = {k: _row_classes([alpha_f[x] for x in gk[k]], [alpha_b[x] for x in gk[k]], rows)
+                       for k in range(s_count) if sizes[k] > 1}
+            n_combos = math.prod(len(v) for v in classes.values())
+
+            def solve_refined(extra_a: list[np.ndarray], extra_b: list[float]) -> float:
+                """:func:`solve_lp`, then, where it would lower the bound, the least over every combination of the
+                replicated stages' row classes (each only adds rows, so this is still below every plan of the
+                shape; skipped past ``MAX_CLASS_LPS`` combinations, where the unrefined value stands)."""
+                v = solve_lp(extra_a, extra_b)
+                if v >= best[0] or not classes or n_combos > MAX_CLASS_LPS:
+                    return v
+                least = float("inf")
+                for combo in itertools.product(*(classes[k] for k in sorted(classes))):
+                    more = [class_rows(k, cls) for k, cls in zip(sorted(classes), combo)]
+                    least = min(least, solve_lp([*extra_a, *(r for a, _ in more for r in a)],
+                                                [*extra_b, *(b for _, bs in more for b in bs)]))
+                return least
+
             if s_count == 1 and sizes[0] > 1:  # the whole model: the one-stage floor's exact tail
                 link, d, act = links[0], sizes[0], sum(n * a for n, a in zip(counts, acts))
                 last_bucket = overlapped_ms(cost_models.allreduce_ms, total_params, link, d, float("inf"))
                 whole_gather = transfer_ms(cost_models.all_gather_ms, total_params, link, d)
                 gather = _exposed_gather(cluster, members[0], whole_gather)
                 tails = []
-                for zero, sync, state, moved in ((0, last_bucket, 2.0, 1.0), (1, gather, 2.0 / d, 1.0 / d)):
+                # ZeRO >= 1 also reduce-scatters the gradients: bucketed, at most the last backward / d hides it,
+                # never its last bucket (stagecost.overlapped_ms; a CPU group's runs whole after the backward)
+                scatter = transfer_ms(cost_models.reduce_scatter_ms, total_params, link, d)
+                last_scatter = overlapped_ms(cost_models.reduce_scatter_ms, total_params, link, d, float("inf")) \
+                    if hide[0] > 0 else scatter
+                for zero, sync, state, moved in ((0, last_bucket, 2.0, 1.0),
+                                                 (1, gather + last_scatter, 2.0 / d, 1.0 / d)):
                     step = opt[0] * total_params * moved
                     if (2 + state) * total_params + act <= mem[0]:
                         tails.append((zero, sync + step))
@@ -539,13 +643,16 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
                     tv(jf, 0, m, c)
                     tv(jb, 0, m, c)
                     lp_a, lp_b = [dense(c)], [-tail]
-                    if zero == 1 and gather < whole_gather:  # prefetched: what one microbatch's forward / d leaves
-                        c = {iz: -1.0}
-                        tv(jf, 0, m - 1.0 / d, c)
-                        tv(jb, 0, m, c)
-                        lp_a.append(dense(c))
-                        lp_b.append(-(tail + whole_gather))
-                    v = solve_lp(lp_a, lp_b)
+                    if zero == 1:  # the scatter less what the last backward / d hides, and the prefetched gather
+                        rest = tail - gather - last_scatter  # less what one microbatch's forward / d hides
+                        for f_coef, extra in ((m, gather), (m - 1.0 / d, whole_gather)):
+                            for b_coef, more in ((m, last_scatter), (m - hide[0] / d, scatter)):
+                                c = {iz: -1.0}
+                                tv(jf, 0, f_coef, c)
+                                tv(jb, 0, b_coef, c)
+                                lp_a.append(dense(c))
+                                lp_b.append(-(rest + extra + more))
+                    v = solve_refined(lp_a, lp_b)
                     if v < best[0]:
                         best = (v, {"groups": members, "microbatches": m})
                 continue
@@ -572,13 +679,12 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
                 if holder >= 0 and holder in replicated and picks[replicated.index(holder)] < 2:
                     # its ZeRO-0 all-reduce: the last bucket starts when the backward ends (its bytes known to
                     # within the span's parameters and the whole model's)
-                    c = {iz: -1.0, it: 1.0, nx + 2 + holder: 1.0}
-                    tv(jf, holder, m, c)
-                    tv(jb, holder, m, c)
-                    lin(params, holder, opt[holder], c)
-                    extra_a.append(dense(c))
-                    extra_b.append(-last_bucket_least(links[holder], sizes[holder]))
-                v = solve_lp(extra_a, extra_b)
+                    for c in last_backward(holder):
+                        c.update({iz: -1.0, it: 1.0, nx + 2 + holder: 1.0})
+                        lin(params, holder, opt[holder], c)
+                        extra_a.append(dense(c))
+                        extra_b.append(-last_bucket_least(links[holder], sizes[holder]))
+                v = solve_refined(extra_a, extra_b)
                 if v < best[0]:
                     best = (v, {"groups": members, "microbatches": m})
     # the LP's optimum is exact up to the solver's tolerance: stay on the safe side of it
@@ -676,7 +782,8 @@ def main() -> None:
                        target_below_charged=(ilp + bound) / 2 < charged,
                        ilp_parts=parts(base, graph), uneven_parts=split,
                        plan=[{"devices": list(s.devices), "rows": list(s.rows), "zero": int(s.zero),
-                              "recompute": s.recompute} for s in got.plan.stages],
+                              "recompute": s.recompute, "offload_optimizer": s.offload_optimizer}
+                             for s in got.plan.stages],
                        microbatches=got.plan.microbatches)
             for p, fn in peers.items():
                 try:
@@ -685,6 +792,7 @@ def main() -> None:
                     row[p] = None
             rows.append(row)
             shape = " | ".join(f"{','.join(s.devices)}" + (f" rows {list(s.rows)}" if s.rows else "")
+                               + (f" ZeRO-{int(s.zero)}" if s.zero else "") + (" offload" if s.offload_optimizer else "")
                                for s in got.plan.stages)
             print(f"{name:11s} {cname:11s} {ilp:9.5g} {unev:10.5g} {got.chosen:>15s} "
                   + "".join(f"{row[p]:11.5g}" if row[p] else f"{'-':>11s}" for p in peers)
