@@ -99,6 +99,9 @@ class CostGraph:
         cores: per measured CPU kind, the logical CPUs of the host it was profiled on
             (:func:`hpml_compile.profile.timing.host_facts`; empty: not recorded): the simulator takes each
             host of a cluster to have as many, so that ranks beyond them share cores.
+        coruns: per measured CPU kind, ``(forward, backward, ranks)``: how much slower its blocks ran while
+            ``ranks`` processes ran them at once on the host (:func:`hpml_compile.profile.timing.time_corun`;
+            empty: not measured): the simulator stretches CPU ranks' compute by it while they overlap.
     """
 
     graph: nx.DiGraph
@@ -110,6 +113,7 @@ class CostGraph:
     param_sizes: Mapping[str, int] = field(default_factory=dict)
     streams: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     cores: Mapping[str, int] = field(default_factory=dict)
+    coruns: Mapping[str, tuple[float, float, int]] = field(default_factory=dict)
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -135,6 +139,11 @@ class CostGraph:
     def stream_gbps(self, kind: str) -> tuple[float, float] | None:
         """``(one thread's, the host's)`` measured memory bandwidth for ``kind`` (its base kind for a variant)."""
         return self.streams.get(kind, self.streams.get(base_kind(kind)))
+
+    def corun(self, kind: str) -> tuple[float, float, int] | None:
+        """``(forward, backward, ranks)`` slow-down of ``kind``'s compute with ``ranks`` processes computing on its
+        host (its base kind for a variant); None: not measured."""
+        return self.coruns.get(kind, self.coruns.get(base_kind(kind)))
 
     def host_cores(self, kind: str) -> int | None:
         """Logical CPUs of the host ``kind`` was profiled on (its base kind for a variant); None: not recorded."""
@@ -230,7 +239,7 @@ class CostGraph:
         for _, _, e in q.edges(data=True):
             e["bytes"] = sum(e["producers"].values())
         return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size, self.optimizer_ms,
-                         self.param_sizes, self.streams, self.cores)
+                         self.param_sizes, self.streams, self.cores, self.coruns)
 
     def cut_bytes(self, before: Iterable[str]) -> int:
         """Bytes crossing from the node set ``before`` to the rest; a tensor read by
@@ -368,5 +377,7 @@ def build(profile: Profile) -> CostGraph:
     streams = {k: (float(d["stream_gbps"]), float(d["host_stream_gbps"])) for k, d in profile.devices.items()
                if d.get("stream_gbps") and d.get("host_stream_gbps")}
     cores = {k: int(d["cpus"]) for k, d in profile.devices.items() if isinstance(d.get("cpus"), int) and d["cpus"] > 0}
+    coruns = {k: (float(c["fwd"]), float(c["bwd"]), int(c["ranks"])) for k, d in profile.devices.items()
+              if isinstance(c := d.get("corun"), dict) and {"fwd", "bwd", "ranks"} <= set(c) and int(c["ranks"]) > 1}
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
-                     dict(profile.optimizer_ms), dict(profile.parameters), streams, cores)
+                     dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns)

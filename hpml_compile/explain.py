@@ -163,9 +163,13 @@ def _host_sharing(plan: Plan, graph: CostGraph, result: SimResult) -> list[str]:
                 ranks.setdefault(dev.host, []).append(dev.kind)
     crowded = [f"{host} runs {len(kinds)} ranks on {cores} cores" for host, kinds in ranks.items()
                for cores in [graph.host_cores(kinds[0])] if cores and len(kinds) > cores]
+    measured = [f"{kind}'s blocks ran x{c[0]:.2f} forward, x{c[1]:.2f} backward with {c[2]} processes at once"
+                for kind in dict.fromkeys(k for kinds in ranks.values() for k in kinds)
+                for c in [graph.corun(kind)] if c]
     return ["  sharing a host: " + ", ".join(f"stage {i} x{x:.2f}" for i, x in slowed)
             + " as long per microbatch as alone (CPU ranks of a host share its memory bandwidth"
-            + (f", and its cores: {'; '.join(crowded)}" if crowded else "") + ")"]
+            + (f", and its cores: {'; '.join(crowded)}" if crowded else "")
+            + (f"; measured by the profile: {'; '.join(measured)}" if measured else "") + ")"]
 
 
 def _shared_memory(plan: Plan, st: Stage) -> str:

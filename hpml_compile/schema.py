@@ -87,7 +87,8 @@ _CALIBRATION = {
 
 # What profile.devices[kind] says about a device kind: written by profile (measured: the device,
 # memory stream rates, scaling to the blocks timed in sequence, the segments, identical blocks and
-# re-measurements, a believed out-of-range scale; for the CPU, the host: model name, caches, CPUs), predict_kinds (predicted_from, calibrations)
+# re-measurements, a believed out-of-range scale; for the CPU, the host: model name, caches, CPUs, the co-run
+# slow-down), predict_kinds (predicted_from, calibrations)
 # and the runtime's measured profiles (measured_from, and for a slow device's variant kind its
 # device, base_kind and slowdown).
 _DEVICE_INFO = {
@@ -108,6 +109,12 @@ _DEVICE_INFO = {
         "cpu_model": _STR,
         "cache_bytes": {"type": "object", "additionalProperties": _INT},
         "cpus": _INT,
+        # the blocks' slow-down while other processes run them on the host's other cores (profile.timing.time_corun)
+        "corun": {"type": "object",
+                  "properties": {"fwd": _NUM, "bwd": _NUM, "ranks": {"type": "integer", "minimum": 2},
+                                 "rounds": {"type": "array", "items": {"type": "array", "items": _NUM}},
+                                 "skipped": _STR},
+                  "additionalProperties": False},
         "predicted_from": _STR,
         "calibration_fwd": _CALIBRATION,
         "calibration_bwd": _CALIBRATION,

@@ -503,31 +503,38 @@ def crowded_devices(cluster: Cluster, graph: CostGraph) -> list[str]:
 
 class _HostShare:
     """Which stages' CPU ranks share a host, and how much their work stretches there: a streaming part by the
-    host's memory bandwidth, and any work by its cores while more of its ranks are busy than it has."""
+    host's memory bandwidth, and any work by its cores while more of its ranks are busy than it has. Where the
+    profile measured how much slower the model's blocks run while other processes run them on the host's other
+    cores (:func:`hpml_compile.profile.timing.time_corun`: the shared cache and bandwidth, as they are), a
+    rank's forward and backward stretch by that instead of by the bandwidth: by ``1 + (x - 1) (c - 1) / (n - 1)``
+    while ``c`` of the host's ranks are busy, ``x`` measured with ``n`` processes (``c`` at most ``n``)."""
 
     def __init__(self, plan: Plan, graph: CostGraph) -> None:
         # per stage: {host: ranks of the stage there}, only CPU devices whose kind has measured rates or cores
         self.ranks: list[dict[str, int]] = []
         self.rates: dict[str, tuple[float, float]] = {}
         self.cores: dict[str, int] = {}
+        self.coruns: dict[str, tuple[float, float, int]] = {}
         for st in plan.stages:
             here: dict[str, int] = {}
             for name in st.devices:
                 dev = plan.cluster.device(name)
                 if not dev.is_cpu:
                     continue
-                rates, cores = graph.stream_gbps(dev.kind), graph.host_cores(dev.kind)
+                rates, cores, corun = graph.stream_gbps(dev.kind), graph.host_cores(dev.kind), graph.corun(dev.kind)
                 if rates and rates[1] > 0:
                     self.rates[dev.host] = rates
+                if corun:
+                    self.coruns[dev.host] = corun
                 if cores:
                     self.cores[dev.host] = cores
                 if dev.host in self.rates or dev.host in self.cores:
                     here[dev.host] = here.get(dev.host, 0) + 1
             self.ranks.append(here)
-        self.hosts = sorted(set(self.rates) | set(self.cores))
+        self.hosts = sorted(set(self.rates) | set(self.cores) | set(self.coruns))
         total = {h: sum(r.get(h, 0) for r in self.ranks) for h in self.hosts}
-        self.active = any((h in self.rates and total[h] > 1) or total[h] > self.cores.get(h, total[h])
-                          for h in self.hosts)
+        self.active = any(((h in self.rates or h in self.coruns) and total[h] > 1)
+                          or total[h] > self.cores.get(h, total[h]) for h in self.hosts)
 
     def load(self, busy: list[list[tuple[float, float]]]) -> dict[str, tuple[list[float], list[int]]]:
         """Per host, the busy ranks over time as a step function: ``(times, count from each time on)``."""
@@ -560,16 +567,21 @@ class _HostShare:
         return (total + max(0.0, end - t)) / (end - start)
 
     def factor(self, i: int, start: float, end: float, load: dict[str, tuple[list[float], list[int]]],
-               streaming: float = 1.0) -> float:
+               streaming: float = 1.0, compute: int | None = None) -> float:
         """Mean slow-down over ``[start, end]`` (a span ``load`` counts stage ``i`` busy in) of work of stage ``i``
         whose ``streaming`` share is memory streaming, the worst of its hosts: the streaming share stretches by
         the host's bandwidth shared among its busy ranks, and all of it by its cores shared among them (the
-        larger of the two)."""
+        larger of the two). ``compute`` (0 forward, 1 backward) marks a rank's compute: where the host's co-run
+        slow-down was measured, that replaces the bandwidth's stretch."""
         if end <= start or not self.ranks[i]:
             return 1.0
         worst = 1.0
         for host in self.ranks[i]:
-            if host in self.rates:
+            if compute is not None and host in self.coruns:
+                x, n = self.coruns[host][compute], self.coruns[host][2]
+                worst = max(worst, self._mean(start, end, load[host],
+                                              lambda c: 1.0 + (x - 1.0) * (min(max(c, 1), n) - 1) / (n - 1)))
+            elif host in self.rates:
                 one, whole = self.rates[host]
                 bw = self._mean(start, end, load[host], lambda c: max(1.0, c * one / whole))
                 worst = max(worst, 1.0 + streaming * (bw - 1.0))
@@ -598,7 +610,7 @@ def _contended(plan: Plan, costs: tuple[StageCost, ...], share: _HostShare, pass
             cst = costs[i]
             dur = cst.fwd_ms if fwd else cst.recompute_ms + cst.bwd_ms
             part = cst.fwd_stream_ms if fwd else cst.bwd_stream_ms + (cst.fwd_stream_ms if cst.recompute_ms else 0)
-            stretch[(fwd, i, k)] = share.factor(i, a, b, load, part / dur) if dur > 0 else 1.0
+            stretch[(fwd, i, k)] = share.factor(i, a, b, load, part / dur, 0 if fwd else 1) if dur > 0 else 1.0
         done, bars = _run(plan, costs, stretch)
     return done, bars
 

@@ -36,7 +36,8 @@ from ..precision import autocast
 from ..schema import read_json, write_json_atomic
 from ..trace import node_info, trace
 from .static import NodeFacts, Segment, analyze, segments
-from .timing import host_facts, measure, slice_rows, time_optimizer, time_segments, time_streams, time_whole
+from .timing import (host_facts, measure, slice_rows, time_corun, time_optimizer, time_segments, time_streams,
+                     time_whole)
 
 __all__ = ["profile", "predict_kinds", "check_known_kinds", "local_kinds", "save_profile", "load_profile"]
 
@@ -291,6 +292,7 @@ def _profile_kind(gm: fx.GraphModule, inputs: tuple[Any, ...], device: torch.dev
     costs, whole, facts = _measure_on(gm, inputs, device, repeats, warmup, progress, loss)
     info.update(facts)
     if not micro or micro >= batch:
+        info["corun"] = _corun(gm, inputs, device)
         return costs, whole, info, False
     small_inputs = tuple(slice_rows(x, batch, micro) for x in inputs)
     small_loss = (loss[0], slice_rows(loss[1], batch, micro)) if loss else None
@@ -301,6 +303,7 @@ def _profile_kind(gm: fx.GraphModule, inputs: tuple[Any, ...], device: torch.dev
         warnings.warn(f"profiling at {micro} rows failed ({type(e).__name__}: {e}); node costs on {device} are "
                       "taken as proportional to the rows", stacklevel=4)
         return costs, whole, info, False
+    info["corun"] = _corun(gm, small_inputs, device)
     info["scaled_to_whole_micro"] = small_facts["scaled_to_whole"]
     info["remeasured"] = info.get("remeasured", 0) + small_facts.get("remeasured", 0)
     if "scale_note" in small_facts:
@@ -407,6 +410,34 @@ def profile(
                         front_end, progress, loss_fn, targets, micro_batch, optimizer, prec)
     finally:
         torch.set_num_threads(before)
+
+
+# At most this many processes time the blocks together (:func:`_corun`), and their copies of the parameters may
+# take at most this share of the host's available memory.
+_CORUN_RANKS = 4
+_CORUN_MEMORY_SHARE = 0.25
+
+
+def _corun(gm: fx.GraphModule, inputs: Sequence[Any], device: torch.device) -> dict[str, Any]:
+    """The CPU blocks' slow-down while the host's other cores run them too (:func:`.timing.time_corun`), at the
+    microbatch's rows when measured there (what a rank runs, and 1/8 of the cost), for the simulator's CPU ranks
+    that compute at the same time (:mod:`hpml_compile.simulate`); ``{"skipped": why}`` where not measured."""
+    if device.type != "cpu":
+        return {"skipped": "not a CPU"}
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    neighbours = min(cpus, _CORUN_RANKS) - 1
+    if neighbours < 1:
+        return {"skipped": "one CPU"}
+    try:
+        import psutil
+
+        need = sum(p.numel() * p.element_size() for p in gm.parameters()) * neighbours
+        if need > _CORUN_MEMORY_SHARE * psutil.virtual_memory().available:
+            return {"skipped": f"{neighbours} copies of the parameters ({need / 2**30:.1f} GiB) would take more "
+                               f"than {_CORUN_MEMORY_SHARE:.0%} of the available memory"}
+        return time_corun(gm, inputs, [list(sg.nodes) for sg in segments(gm)], neighbours=neighbours)
+    except Exception as e:  # noqa: BLE001 -- a graph the segments cannot run: the plan stays without it
+        return {"skipped": f"{type(e).__name__}: {e}"}
 
 
 def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tensor, name: str | None,

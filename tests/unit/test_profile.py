@@ -294,6 +294,40 @@ def test_time_segments_runs_the_blocks_in_sequence_and_leaves_the_model_alone() 
     assert all(p.grad is grads[name] for name, p in gm.named_parameters())
 
 
+def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Profile) -> None:
+    """Issue 19, session 17: CPU ranks of a host compute at once and share its cache and bandwidth, which a
+    profile timing the blocks alone does not see. The profile times them again while forked processes run them
+    on the other cores (each on its own copy of the parameters) and records the slow-down, which the cost graph
+    carries to the simulator; every neighbour is gone afterwards."""
+    import os
+
+    import psutil
+
+    from hpml_compile.costgraph import build
+    from hpml_compile.profile.static import segments
+    from hpml_compile.profile.timing import time_corun
+    from hpml_compile.trace import trace
+
+    cpus = len(os.sched_getaffinity(0))
+    c = tiny.devices["cpu"]["corun"]
+    if cpus < 2:
+        assert c == {"skipped": "one CPU"}
+        return
+    assert c["ranks"] == min(cpus, 4) and 0.5 < c["fwd"] < 10 and 0.5 < c["bwd"] < 10 and len(c["rounds"]) == 2
+    assert build(tiny).corun("cpu") == (c["fwd"], c["bwd"], c["ranks"])
+    assert psutil.Process().children(recursive=True) == []
+    m = models.load("gpt-tiny")
+    gm = trace(m.module, m.example_inputs)
+    groups = [list(s.nodes) for s in segments(gm)]
+    before = {n: p.detach().clone() for n, p in gm.named_parameters()}
+    assert time_corun(gm, m.example_inputs, groups, neighbours=0) == {"skipped": "no other core"}
+    # neighbours that cannot start in time (a timeout of nothing): reported, and killed
+    slow = time_corun(gm, m.example_inputs, groups, neighbours=1, start_timeout_s=1e-9)
+    assert slow["skipped"].startswith("a neighbour process did not start")
+    assert psutil.Process().children(recursive=True) == []
+    assert all(torch.equal(p, before[n]) for n, p in gm.named_parameters())  # the model is left alone
+
+
 def test_a_scale_outside_the_expected_range_is_measured_again_then_believed(monkeypatch: pytest.MonkeyPatch,
                                                                             tmp_path: Path) -> None:
     """Issue 19: a whole-pass factor outside the range seen here was dropped; now it is re-measured, kept, said."""
