@@ -102,6 +102,8 @@ class CostGraph:
         coruns: per measured CPU kind, ``(forward, backward, ranks)``: how much slower its blocks ran while
             ``ranks`` processes ran them at once on the host (:func:`hpml_compile.profile.timing.time_corun`;
             empty: not measured): the simulator stretches CPU ranks' compute by it while they overlap.
+        flat_steps: per measured kind, its optimizer step over the parameters' bytes as one flat tensor (a ZeRO
+            shard's) over its step over the parameters one by one (``optimizer_ms``); 1 where not measured.
     """
 
     graph: nx.DiGraph
@@ -114,6 +116,7 @@ class CostGraph:
     streams: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     cores: Mapping[str, int] = field(default_factory=dict)
     coruns: Mapping[str, tuple[float, float, int]] = field(default_factory=dict)
+    flat_steps: Mapping[str, float] = field(default_factory=dict)
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -157,10 +160,14 @@ class CostGraph:
         ff, bf = rec.fixed_at(kind)
         return ff + (fwd - ff) * fraction, bf + (bwd - bf) * fraction
 
-    def optimizer_ms_per_byte(self, kind: str) -> float:
-        """Optimizer-step ms per parameter byte on ``kind`` (its base kind for a variant), 0 when not modelled."""
+    def optimizer_ms_per_byte(self, kind: str, flat: bool = False) -> float:
+        """Optimizer-step ms per parameter byte on ``kind`` (its base kind for a variant), 0 when not modelled;
+        ``flat``: of one flat tensor (a ZeRO-1/2/3 shard, ``runtime.zero``), the parameters-one-by-one rate times
+        the kind's measured ``flat_steps`` ratio (its base kind's for a variant, so a slowed variant keeps it)."""
         total = self.total("param_bytes")
         ms = self.optimizer_ms.get(kind, self.optimizer_ms.get(base_kind(kind), 0.0))
+        if flat:
+            ms *= self.flat_steps.get(kind, self.flat_steps.get(base_kind(kind), 1.0))
         return ms / total if total > 0 else 0.0
 
     def total(self, attr: str, kind: str | None = None) -> float:
@@ -239,7 +246,7 @@ class CostGraph:
         for _, _, e in q.edges(data=True):
             e["bytes"] = sum(e["producers"].values())
         return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size, self.optimizer_ms,
-                         self.param_sizes, self.streams, self.cores, self.coruns)
+                         self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps)
 
     def cut_bytes(self, before: Iterable[str]) -> int:
         """Bytes crossing from the node set ``before`` to the rest; a tensor read by
@@ -379,5 +386,7 @@ def build(profile: Profile) -> CostGraph:
     cores = {k: int(d["cpus"]) for k, d in profile.devices.items() if isinstance(d.get("cpus"), int) and d["cpus"] > 0}
     coruns = {k: (float(c["fwd"]), float(c["bwd"]), int(c["ranks"])) for k, d in profile.devices.items()
               if isinstance(c := d.get("corun"), dict) and {"fwd", "bwd", "ranks"} <= set(c) and int(c["ranks"]) > 1}
+    flat_steps = {k: float(d["optimizer_flat_ms"]) / profile.optimizer_ms[k] for k, d in profile.devices.items()
+                  if d.get("optimizer_flat_ms") and profile.optimizer_ms.get(k)}
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
-                     dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns)
+                     dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns, flat_steps)

@@ -109,6 +109,7 @@ _DEVICE_INFO = {
         "cpu_model": _STR,
         "cache_bytes": {"type": "object", "additionalProperties": _INT},
         "cpus": _INT,
+        "optimizer_flat_ms": _NUM,  # one optimizer step over the parameters' bytes as one tensor (a ZeRO shard)
         # the blocks' slow-down while other processes run them on the host's other cores (profile.timing.time_corun)
         "corun": {"type": "object",
                   "properties": {"fwd": _NUM, "bwd": _NUM, "ranks": {"type": "integer", "minimum": 2},

@@ -114,7 +114,7 @@ from .compression import CompressKind, parse_compress, powersgd_fraction
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
 from .ir import Device
-from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
+from .memory import MemoryBreakdown, ZeroStage, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_overlap, zero_shards
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
@@ -338,7 +338,8 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         most = max(_rows(st, m, batch)) / batch  # the largest replica's share of the batch per microbatch
         swap_ms = transfer_ms(cost_models.p2p_ms, swapped * most if st.rows else swapped / (m * d), host) \
             if swapped else 0.0
-        opt_ms = optimizer_ms(params, d, st.zero, max(graph.optimizer_ms_per_byte(k) for k in kinds),
+        flat = st.zero >= ZeroStage.OS and d > 1  # the runtime steps a ZeRO stage's flat shard (runtime.zero)
+        opt_ms = optimizer_ms(params, d, st.zero, max(graph.optimizer_ms_per_byte(k, flat) for k in kinds),
                               zero_shards(c, st))
         rate = stream_bytes_per_ms(graph, kinds)
         copy = copy_ms(params, d, rate, st.zero, st.allreduce is AllReduce.HIERARCHICAL)

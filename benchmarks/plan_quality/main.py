@@ -196,8 +196,14 @@ def compute_bound(graph: CostGraph, cluster: Cluster, optimizer: bool = True) ->
     ``1 / sum_i 1 / W_i`` (``optimizer=False``: the forward and backward alone).
     """
     everything = graph.total("param_bytes") if optimizer else 0
-    return spread_bound([(graph.total("", kind=d.kind), graph.optimizer_ms_per_byte(d.kind) * everything)
+    return spread_bound([(graph.total("", kind=d.kind), step_rate(graph, d.kind) * everything)
                          for d in cluster.devices])
+
+
+def step_rate(graph: CostGraph, kind: str) -> float:
+    """The least optimizer-step ms per parameter byte on ``kind`` of any plan: of the parameters one by one, or of
+    a ZeRO shard's flat tensor (:meth:`hpml_compile.costgraph.CostGraph.optimizer_ms_per_byte`)."""
+    return min(graph.optimizer_ms_per_byte(kind, flat) for flat in (False, True))
 
 
 def spread_bound(work: list[tuple[float, float]]) -> float:
@@ -248,7 +254,7 @@ def optimizer_floor(graph: CostGraph, cluster: Cluster) -> float:
     """The shortest optimizer step any plan can take: every parameter byte stepped once, spread over all devices
     at the fastest kind's rate (ZeRO sharding over every device). The runtime steps only after every stage has
     synchronised (the ranks agree that the step succeeded first), so this adds to the compute bounds."""
-    rate = min(graph.optimizer_ms_per_byte(d.kind) for d in cluster.devices)
+    rate = min(step_rate(graph, d.kind) for d in cluster.devices)
     return rate * graph.total("param_bytes") / len(cluster.devices)
 
 

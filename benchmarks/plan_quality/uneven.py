@@ -109,6 +109,7 @@ def one_stage_floor(graph: CostGraph, cluster: Cluster) -> float:
         sub = [d for i, d in enumerate(devs) if mask >> i & 1]
         compute = 1.0 / sum(1.0 / graph.total("", kind=d.kind) for d in sub)
         step = max(graph.optimizer_ms_per_byte(d.kind) for d in sub) * everything
+        flat = max(graph.optimizer_ms_per_byte(d.kind, True) for d in sub) * everything  # a ZeRO shard's step
         if len(sub) > 1:
             link = max((min((link_spec(cluster, a.name, b.name) for b in sub if b is not a), key=lambda x: x.gbps)
                         for a in sub), key=lambda x: x.gbps)
@@ -118,7 +119,7 @@ def one_stage_floor(graph: CostGraph, cluster: Cluster) -> float:
             scatter = overlapped_ms(cost_models.reduce_scatter_ms, everything, link, len(sub), float("inf")) \
                 if overlap_efficiency(cluster, names) > 0 else transfer_ms(cost_models.reduce_scatter_ms, everything,
                                                                            link, len(sub))
-            step = min(last + step, scatter + gather + step / len(sub))
+            step = min(last + step, scatter + gather + flat / len(sub))
         best = min(best, compute + step)
     return best
 
@@ -352,6 +353,7 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
         sizes = [len(m) for m in members]
         gk = [[cluster.device(x).kind for x in m] for m in members]
         opt = [max(graph.optimizer_ms_per_byte(k) for k in set(ks)) for ks in gk]
+        opt_flat = [max(graph.optimizer_ms_per_byte(k, True) for k in set(ks)) for ks in gk]  # a ZeRO shard's
         links = [_best_link(cluster, m) for m in members]
         agree = loss_agreement_ms(cluster, [x for names in members for x in names])  # the same on every plan of them
         ar = [_slope(cost_models.allreduce_ms, d, ln) for d, ln in zip(sizes, links)]
@@ -521,7 +523,7 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
                     ca: list[dict[int, float]] = []  # each of the two with and without offload
                     cb: list[float] = []
                     c = {io: -1.0}  # the step: O >= o P (ZeRO-0) or o P / d
-                    lin(params, k, opt[k] if zero == 0 else opt[k] / d, c)
+                    lin(params, k, opt[k] if zero == 0 else opt_flat[k] / d, c)
                     ca.append(c)
                     cb.append(0.0)
                     for c in last_backward(k, start=zero == 0):
@@ -529,7 +531,7 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
                         if zero == 0:  # all-reduce from the last backward's start
                             lin(params, k, ar[k] + opt[k], c)
                         else:  # from the last backward's end: the parameters gathered once (ZeRO-3: more)
-                            lin(params, k, ag[k] + opt[k] / d, c)
+                            lin(params, k, ag[k] + opt_flat[k] / d, c)
                         ca.append(c)
                         cb.append(0.0)
                     if zero == 1:
@@ -544,7 +546,7 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
                                 c.update({iz: -1.0, cp: 1.0, it: 1.0})
                                 tv(jf, k, -hidden, c)
                                 tv(jb, k, -hide[k] / d if scatter else 0.0, c)
-                                lin(params, k, scatter + gather + opt[k] / d, c)
+                                lin(params, k, scatter + gather + opt_flat[k] / d, c)
                                 ca.append(c)
                                 cb.append(0.0)
                     if zero == 0:  # and the offload copies start when the backward ends
@@ -633,7 +635,7 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
                     if hide[0] > 0 else scatter
                 for zero, sync, state, moved in ((0, last_bucket, 2.0, 1.0),
                                                  (1, gather + last_scatter, 2.0 / d, 1.0 / d)):
-                    step = opt[0] * total_params * moved
+                    step = (opt[0] if zero == 0 else opt_flat[0]) * total_params * moved
                     if (2 + state) * total_params + act <= mem[0]:
                         tails.append((zero, sync + step))
                     elif 2 * total_params + act <= mem[0]:  # only with the Adam state offloaded: two copies

@@ -475,6 +475,9 @@ def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tenso
                 devices[kind] = {"measured": True, "device": str(present[kind]), **info}
                 if make_opt is not None:
                     optimizer_ms[kind] = time_optimizer(_unique_params(gm), present[kind], make_opt, repeats, warmup)
+                    # a ZeRO shard is one flat tensor: its step without the per-tensor work (costgraph)
+                    devices[kind]["optimizer_flat_ms"] = round(time_optimizer(
+                        _unique_params(gm), present[kind], make_opt, repeats, warmup, flat=True), 4)
     nodes = _nodes(gm, facts, measured, precision)
     prof = Profile(
         model=name or type(model).__name__, batch_size=batch_size or b, seq_len=seq_len if seq_len else s,

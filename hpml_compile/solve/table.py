@@ -225,7 +225,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         fwd = ffix + (fw[b] - fw[a] - ffix) / (m * d)
         bfix = bfx[b] - bfx[a]
         bwd = bfix + (bw[b] - bw[a] - bfix) / (m * d)  # one microbatch's: the gradient sync overlaps the last
-        opt_rate = chain.graph.optimizer_ms_per_byte(kind)
+        opt_rates = {flat: chain.graph.optimizer_ms_per_byte(kind, flat) for flat in (False, True)}
         rate = stream_bytes_per_ms(chain.graph, [kind])
         comm = np.where(a > 0, 2 * transfer_ms(cost_models.p2p_ms, inputs / (m * d), blinks[kind]),
                         0.0)
@@ -257,7 +257,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
                                                            bytes_per_ms=rate, fraction=setting.compress_fraction))
             ests.append(m * t + sync
                         + copy_ms(params, d, rate, cfg.zero, cfg.hierarchical)
-                        + optimizer_ms(params, d, cfg.zero, opt_rate, shards))
+                        + optimizer_ms(params, d, cfg.zero, opt_rates[cfg.zero >= ZeroStage.OS and d > 1], shards))
             jms.append(jm)
             mems.append(mem)
         est, jmx = np.stack(ests, 1), np.stack(jms, 1)

@@ -203,6 +203,15 @@ def test_fixed_parts_loss_and_optimizer_are_measured() -> None:
                 loss_fn=m.loss_fn, targets=m.example_targets)
     assert p.micro_batch == 2 and p.loss and p.optimizer == "adamw"
     assert p.optimizer_ms["cpu"] > 0
+    # and the step over the same bytes as one flat tensor, as a ZeRO shard is stepped: without the per-tensor
+    # work, which is most of a tiny model's step (session 17: the demo's ZeRO-1 step was priced 3x too long)
+    flat = p.devices["cpu"]["optimizer_flat_ms"]
+    assert 0 < flat < p.optimizer_ms["cpu"]
+    from hpml_compile.costgraph import build
+
+    g = build(p)
+    assert g.optimizer_ms_per_byte("cpu", True) == pytest.approx(flat / sum(p.parameters.values()))
+    assert g.optimizer_ms_per_byte("cpu") == pytest.approx(p.optimizer_ms["cpu"] / sum(p.parameters.values()))
     assert p.parameters and sum(p.parameters.values()) == sum(n.param_bytes for n in p.nodes)
     live = [n.cost["cpu"] for n in p.nodes if n.op not in (NodeOp.PLACEHOLDER, NodeOp.OUTPUT)]
     assert all(0 <= c.fwd_fixed_ms <= c.fwd_ms and 0 <= c.bwd_fixed_ms <= c.bwd_ms for c in live)

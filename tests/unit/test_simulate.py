@@ -351,6 +351,26 @@ def test_ranks_computing_at_once_stretch_by_the_measured_corun() -> None:
         summary(_plan(g, _pair(True), [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE), g, both)
 
 
+def test_a_zero_stage_steps_its_flat_shard_at_the_flat_rate() -> None:
+    """The runtime steps a ZeRO-1/2/3 stage's shard as one flat tensor (runtime.zero): the profile's flat step
+    (``optimizer_flat_ms``) prices it; a ZeRO-0 stage steps its parameters one by one, at ``optimizer_ms``."""
+    from dataclasses import replace
+
+    prof = chain_profile([(2.0, 4.0)], param_bytes=2 * 10**6)
+    g = build(replace(prof, optimizer="adamw", optimizer_ms={"cpu": 8.0},
+                      devices={"cpu": {"measured": True, "optimizer_flat_ms": 2.0}}))
+    assert g.optimizer_ms_per_byte("cpu", True) == pytest.approx(g.optimizer_ms_per_byte("cpu") / 4)
+    # a slowed device's variant kind (its own, slower optimizer_ms) keeps its base kind's flat ratio
+    slowed = build(replace(prof, optimizer="adamw", optimizer_ms={"cpu": 8.0, "cpu~d1": 16.0},
+                           devices={"cpu": {"measured": True, "optimizer_flat_ms": 2.0}}))
+    assert slowed.optimizer_ms_per_byte("cpu~d1", True) == pytest.approx(2 * g.optimizer_ms_per_byte("cpu", True))
+    steps = {}
+    for zero in (ZeroStage.NONE, ZeroStage.OS, ZeroStage.OS_G_P):
+        r = simulate(_plan(g, _pair(False), [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE, zero=zero), g)
+        steps[zero] = {round(b.end_ms - b.start_ms, 9) for b in r.intervals if b.kind is EventKind.OPTIMIZER}
+    assert steps == {ZeroStage.NONE: {8.0}, ZeroStage.OS: {1.0}, ZeroStage.OS_G_P: {1.0}}  # flat, half each
+
+
 def test_pipeline_stages_stretch_by_the_corun_only_while_both_compute() -> None:
     m = 4
     prof = chain_profile([(1.0 * m, 2.0 * m), (1.0 * m, 2.0 * m)])
