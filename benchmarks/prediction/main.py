@@ -207,7 +207,7 @@ def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedu
             print(f"profiling {name} at 1 thread ...", file=sys.stderr, flush=True)
             before, t0 = _ticks(me), time.perf_counter()
             prof = profile(loaded.module, loaded.example_inputs, name=name, repeats=5, warmup=2, progress=False,
-                           loss_fn=loaded.loss_fn, targets=loaded.example_targets)
+                           loss_fn=loaded.loss_fn, targets=loaded.example_targets, corun=True)
             load = _load_since(before, me, time.perf_counter() - t0)
             if load <= QUIET:
                 break

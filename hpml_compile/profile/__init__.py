@@ -278,7 +278,8 @@ def _split_fixed(big: NodeCost, small: NodeCost, batch: int, rows: int) -> NodeC
 
 def _profile_kind(gm: fx.GraphModule, inputs: tuple[Any, ...], device: torch.device, batch: int,
                   micro: int | None, loss: tuple[Callable[[Any, Any], torch.Tensor], Any] | None, repeats: int,
-                  warmup: int, progress: bool) -> tuple[dict[str, NodeCost], NodeCost, dict[str, Any], bool]:
+                  warmup: int, progress: bool, corun: bool = False
+                  ) -> tuple[dict[str, NodeCost], NodeCost, dict[str, Any], bool]:
     """Costs on one present device: at the batch, scaled to its blocks timed in sequence, with fixed parts from
     ``micro`` rows.
 
@@ -292,7 +293,8 @@ def _profile_kind(gm: fx.GraphModule, inputs: tuple[Any, ...], device: torch.dev
     costs, whole, facts = _measure_on(gm, inputs, device, repeats, warmup, progress, loss)
     info.update(facts)
     if not micro or micro >= batch:
-        info["corun"] = _corun(gm, inputs, device)
+        if corun:
+            info["corun"] = _corun(gm, inputs, device)
         return costs, whole, info, False
     small_inputs = tuple(slice_rows(x, batch, micro) for x in inputs)
     small_loss = (loss[0], slice_rows(loss[1], batch, micro)) if loss else None
@@ -303,7 +305,8 @@ def _profile_kind(gm: fx.GraphModule, inputs: tuple[Any, ...], device: torch.dev
         warnings.warn(f"profiling at {micro} rows failed ({type(e).__name__}: {e}); node costs on {device} are "
                       "taken as proportional to the rows", stacklevel=4)
         return costs, whole, info, False
-    info["corun"] = _corun(gm, small_inputs, device)
+    if corun:
+        info["corun"] = _corun(gm, small_inputs, device)
     info["scaled_to_whole_micro"] = small_facts["scaled_to_whole"]
     info["remeasured"] = info.get("remeasured", 0) + small_facts.get("remeasured", 0)
     if "scale_note" in small_facts:
@@ -346,6 +349,7 @@ def profile(
     optimizer: str | Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = "adamw",
     threads: int | None = None,
     precision: Precision | str = Precision.FP32,
+    corun: bool = False,
 ) -> Profile:
     """Trace (unless given a traced GraphModule) and profile ``model``.
 
@@ -379,6 +383,13 @@ def profile(
             dtype on its device, activation sizes are what autograd saves under
             autocast, and predicted kinds use their datasheet peak for that
             dtype (:mod:`hpml_compile.precision`). Recorded in the profile.
+        corun: on a CPU of several cores, also time the blocks while forked
+            processes run them on the other cores (``devices.cpu.corun``,
+            :func:`.timing.time_corun`), which the simulator then prices CPU
+            ranks computing at once by. Off by default: on the 2-core
+            development VM that slow-down swung from 1.0x to 1.7x between
+            minutes, so two profiles of one model disagreed more with it, and
+            the prediction benchmark moved by at most a point (issue 19).
 
     Measuring on the CPU also measures the host's memory bandwidth (one
     thread, all threads) and leaves this process keeping freed memory, as
@@ -399,7 +410,7 @@ def profile(
     prec = Precision.parse(precision)
     if threads is None:
         return _profile(model, example_inputs, name, device_kinds, batch_size, seq_len, repeats, warmup, leaf_modules,
-                        front_end, progress, loss_fn, targets, micro_batch, optimizer, prec)
+                        front_end, progress, loss_fn, targets, micro_batch, optimizer, prec, corun)
     if threads < 1:
         raise HpmlError(f"profile: threads {threads}: expected a number of torch threads, 1 or more; pass the "
                         "count each rank will run with, or None for this process's")
@@ -407,7 +418,7 @@ def profile(
     torch.set_num_threads(threads)
     try:
         return _profile(model, example_inputs, name, device_kinds, batch_size, seq_len, repeats, warmup, leaf_modules,
-                        front_end, progress, loss_fn, targets, micro_batch, optimizer, prec)
+                        front_end, progress, loss_fn, targets, micro_batch, optimizer, prec, corun)
     finally:
         torch.set_num_threads(before)
 
@@ -445,7 +456,7 @@ def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tenso
              leaf_modules: Sequence[type | str], front_end: FrontEnd | str, progress: bool,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None, targets: Any, micro_batch: int | None,
              optimizer: str | Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None,
-             precision: Precision = Precision.FP32) -> Profile:
+             precision: Precision = Precision.FP32, corun: bool = False) -> Profile:
     """:func:`profile` at this process's thread count."""
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     kinds = list(dict.fromkeys(device_kinds))
@@ -470,7 +481,7 @@ def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tenso
             if kind in present:
                 with autocast(present[kind].type, precision, cache=False):  # each call pays its casts
                     measured[kind], totals[kind], info, got = _profile_kind(gm, inputs, present[kind], b, micro,
-                                                                            loss, repeats, warmup, progress)
+                                                                            loss, repeats, warmup, progress, corun)
                 micro_measured = micro_measured or got
                 devices[kind] = {"measured": True, "device": str(present[kind]), **info}
                 if make_opt is not None:

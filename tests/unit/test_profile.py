@@ -305,9 +305,9 @@ def test_time_segments_runs_the_blocks_in_sequence_and_leaves_the_model_alone() 
 
 def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Profile) -> None:
     """Issue 19, session 17: CPU ranks of a host compute at once and share its cache and bandwidth, which a
-    profile timing the blocks alone does not see. The profile times them again while forked processes run them
-    on the other cores (each on its own copy of the parameters) and records the slow-down, which the cost graph
-    carries to the simulator; every neighbour is gone afterwards."""
+    profile timing the blocks alone does not see. Asked to (``corun=True``), the profile times them again while
+    forked processes run them on the other cores (each on its own copy of the parameters) and records the
+    slow-down, which the cost graph carries to the simulator; every neighbour is gone afterwards."""
     import os
 
     import psutil
@@ -317,15 +317,17 @@ def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Pro
     from hpml_compile.profile.timing import time_corun
     from hpml_compile.trace import trace
 
+    assert "corun" not in tiny.devices["cpu"] and build(tiny).corun("cpu") is None  # asked for only
+    m = models.load("gpt-tiny")
+    p = profile(m.module, m.example_inputs, name="gpt-tiny", repeats=3, warmup=1, progress=False, corun=True)
     cpus = len(os.sched_getaffinity(0))
-    c = tiny.devices["cpu"]["corun"]
+    c = p.devices["cpu"]["corun"]
     if cpus < 2:
         assert c == {"skipped": "one CPU"}
         return
     assert c["ranks"] == min(cpus, 4) and 0.5 < c["fwd"] < 10 and 0.5 < c["bwd"] < 10 and len(c["rounds"]) == 2
-    assert build(tiny).corun("cpu") == (c["fwd"], c["bwd"], c["ranks"])
+    assert build(p).corun("cpu") == (c["fwd"], c["bwd"], c["ranks"])
     assert psutil.Process().children(recursive=True) == []
-    m = models.load("gpt-tiny")
     gm = trace(m.module, m.example_inputs)
     groups = [list(s.nodes) for s in segments(gm)]
     before = {n: p.detach().clone() for n, p in gm.named_parameters()}
