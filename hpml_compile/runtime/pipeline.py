@@ -272,6 +272,8 @@ class Pipeline:
         for b in getattr(self, "_buckets", ()):  # after a reconnect: the new communicator runs the collectives
             comm.shards[b.stage] = b
             b.comm = comm
+            if getattr(b, "hier", None) is not None:  # and the new sub-groups the hierarchical ZeRO-1 shard's
+                b.hier = comm.hierarchy[(b.stage,)]
             if getattr(b, "reducer", None) is not None:  # PowerSGD's state and local SGD hold the group itself
                 b.reducer.rebind(comm.groups.get((b.stage,)))
         return comm
@@ -583,10 +585,14 @@ class Pipeline:
         """
         for s in getattr(self, "_shards", ()):
             s.forget()  # prefetched parameter gathers on the failed groups: gathered again by the retry
+        for b in getattr(self, "_buckets", ()):  # a hierarchical ZeRO-1 shard holds its sub-groups: rebound
+            if getattr(b, "hier", None) is not None:  # to the new ones by _connect
+                b.hier = replace(b.hier, intra=None, inter=None)
         if self.comm is not None:
             self.comm.forget()
             self.comm.groups.clear()
             self.comm.pairs.clear()
+            self.comm.hierarchy.clear()  # the hierarchical all-reduces' sub-groups
             self.comm.drop_host_memory()  # the shared mappings hold their groups too
         self.comm = None
         self.build.stages[self.stage_index].hpml_comm = DetachedComm()
