@@ -30,7 +30,6 @@ import torch.distributed as dist
 from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.testing import seeded_skipnet, skipnet_batches, skipnet_loss, split_plan
 from hpml_compile.ir import Cluster, Device
-from hpml_compile.memory import ZeroStage
 from hpml_compile.plan import AllReduce
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
 from hpml_compile.runtime.session import RetryPolicy, Session
