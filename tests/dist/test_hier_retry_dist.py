@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from hpml_compile.codegen import generate, load_build
-from hpml_compile.codegen.testing import seeded_skipnet, skipnet_batches, skipnet_loss, split_plan
+from hpml_compile.codegen.testing import (seeded_skipnet, skipnet_batches, skipnet_loss, skipnet_sgd, split_plan,
+                                          trained_skipnet)
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.plan import AllReduce
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
@@ -42,28 +43,11 @@ STEPS, FAIL_AT, ROWS, TOL, TIMEOUT_S = 3, 1, 8, 1e-5, 60.0
 ZEROS = (0, 1)
 
 
-def _optimizer(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def _reference() -> tuple[list[float], dict[str, list[float]]]:
-    model = seeded_skipnet()
-    opt = _optimizer(model.parameters())
-    losses = []
-    for x, y in skipnet_batches(STEPS, ROWS):
-        opt.zero_grad()
-        loss = skipnet_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses, {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}
-
-
 def _case(rank: int, world: int, build: str, out: str, name: str) -> dict[str, Any]:
     model = seeded_skipnet()
     session = Session(f"file://{out}/store-{name}", rank=rank, world_size=world,
                       policy=RetryPolicy(attempts=3, backoff_s=0.1, rejoin_timeout_s=TIMEOUT_S, timeout_s=TIMEOUT_S))
-    pipe = Pipeline(load_build(build, model), model, optimizer=_optimizer, session=session,
+    pipe = Pipeline(load_build(build, model), model, optimizer=skipnet_sgd, session=session,
                     faults=[CommFault(FAIL_AT, 0, CommOp.COLLECTIVE, 0)], events=False)
     assert pipe.comm is not None and sorted(pipe.comm.hierarchy) == [(0,)]
     losses, seconds = [], []
@@ -98,7 +82,7 @@ def test_a_failed_step_of_a_hierarchical_plan_is_retried_on_new_sub_groups_at_on
         generate(gm, plan, tmp_path / f"zero{zero}")
         builds[f"zero{zero}"] = str(tmp_path / f"zero{zero}")
     spawn_ranks(_train, 4, tmp_path, builds, str(tmp_path), timeout_s=300)
-    losses, final = _reference()
+    losses, final = trained_skipnet(STEPS, ROWS)
     for rank in range(4):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for name, row in report.items():
