@@ -318,6 +318,7 @@ def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Pro
     from hpml_compile.trace import trace
 
     assert "corun" not in tiny.devices["cpu"] and build(tiny).corun("cpu") is None  # asked for only
+    others = {c.pid for c in psutil.Process().children(recursive=True)}  # others' (a forkserver of earlier tests)
     m = models.load("gpt-tiny")
     p = profile(m.module, m.example_inputs, name="gpt-tiny", repeats=3, warmup=1, progress=False, corun=True)
     cpus = len(os.sched_getaffinity(0))
@@ -327,7 +328,7 @@ def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Pro
         return
     assert c["ranks"] == min(cpus, 4) and 0.5 < c["fwd"] < 10 and 0.5 < c["bwd"] < 10 and len(c["rounds"]) == 2
     assert build(p).corun("cpu") == (c["fwd"], c["bwd"], c["ranks"])
-    assert psutil.Process().children(recursive=True) == []
+    assert {c.pid for c in psutil.Process().children(recursive=True)} <= others  # no neighbour left
     gm = trace(m.module, m.example_inputs)
     groups = [list(s.nodes) for s in segments(gm)]
     before = {n: p.detach().clone() for n, p in gm.named_parameters()}
@@ -335,7 +336,7 @@ def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Pro
     # neighbours that cannot start in time (a timeout of nothing): reported, and killed
     slow = time_corun(gm, m.example_inputs, groups, neighbours=1, start_timeout_s=1e-9)
     assert slow["skipped"].startswith("a neighbour process did not start")
-    assert psutil.Process().children(recursive=True) == []
+    assert {c.pid for c in psutil.Process().children(recursive=True)} <= others  # no neighbour left
     assert all(torch.equal(p, before[n]) for n, p in gm.named_parameters())  # the model is left alone
 
 
