@@ -114,12 +114,12 @@ from .compression import CompressKind, parse_compress, powersgd_fraction
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
 from .ir import Device
-from .memory import MemoryBreakdown, ZeroStage, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
+from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_overlap, zero_shards
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
-                        local_sgd_sync_ms, optimizer_ms, stepped_gather_ms, stream_bytes_per_ms, stream_ms, sync_ms,
-                        transfer_ms)
+                        local_sgd_sync_ms, optimizer_ms, stepped_gather_ms, steps_flat, stream_bytes_per_ms, stream_ms,
+                        sync_ms, transfer_ms)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "stage_costs", "annotate", "crowded_devices",
            "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms"]
@@ -338,7 +338,7 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         most = max(_rows(st, m, batch)) / batch  # the largest replica's share of the batch per microbatch
         swap_ms = transfer_ms(cost_models.p2p_ms, swapped * most if st.rows else swapped / (m * d), host) \
             if swapped else 0.0
-        flat = st.zero >= ZeroStage.OS and d > 1  # the runtime steps a ZeRO stage's flat shard (runtime.zero)
+        flat = steps_flat(st.zero, d)
         opt_ms = optimizer_ms(params, d, st.zero, max(graph.optimizer_ms_per_byte(k, flat) for k in kinds),
                               zero_shards(c, st))
         rate = stream_bytes_per_ms(graph, kinds)

@@ -129,7 +129,7 @@ __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfe
            "hierarchical_overlapped_ms", "prefetched_gather_ms", "stepped_gather_ms", "hierarchical_allreduce_ms",
            "level_bytes",
            "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
-           "optimizer_ms", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows", "agree_ms",
+           "optimizer_ms", "steps_flat", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows", "agree_ms",
            "AGREE_BYTES"]
 
 # A count or a duration: a Python scalar for one stage, a numpy array for many candidates at once.
@@ -710,6 +710,13 @@ def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float, zero: ZeroSt
     if z == ZeroStage.OS:
         return 2 * param_bytes / replicas / bytes_per_ms
     return 4 * param_bytes / bytes_per_ms if z == ZeroStage.OS_G_P else param_bytes * 0.0
+
+
+def steps_flat(zero: ZeroStage | int, replicas: int) -> bool:
+    """Whether a stage's optimizer steps one flat tensor (a ZeRO-1/2/3 shard, :mod:`hpml_compile.runtime.zero`),
+    priced at :meth:`hpml_compile.costgraph.CostGraph.optimizer_ms_per_byte`'s flat rate, rather than its
+    parameters one by one."""
+    return ZeroStage(zero) >= ZeroStage.OS and replicas > 1
 
 
 def optimizer_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, ms_per_byte: float,

@@ -241,14 +241,13 @@ def time_optimizer(params: Sequence[torch.Tensor], device: torch.device | str,
     dev = torch.device(device)
     make = make or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     total = sum(p.numel() * p.element_size() for p in params)
-    copies, nbytes = [], 0
     if flat and params:
         size = params[0].element_size()
-        c = torch.nn.Parameter(torch.randn(min(total, _OPTIMIZER_BYTES_CAP) // size, dtype=params[0].dtype,
-                                           device=dev))
-        c.grad = torch.randn_like(c)
-        copies, nbytes = [c], c.numel() * size
-    for p in () if flat else params:
+        sources = [torch.randn(min(total, _OPTIMIZER_BYTES_CAP) // size, dtype=params[0].dtype)]
+    else:
+        sources = list(params)
+    copies, nbytes = [], 0
+    for p in sources:
         if copies and nbytes + p.numel() * p.element_size() > _OPTIMIZER_BYTES_CAP:
             break
         c = torch.nn.Parameter(p.detach().to(dev, copy=True))

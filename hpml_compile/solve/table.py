@@ -42,7 +42,7 @@ from ..ir import Cluster
 from ..memory import MemoryBreakdown, ZeroStage, dtype_bytes
 from ..plan import Schedule
 from ..stagecost import (compressed_sync_ms, copy_ms, in_flight, memory_parts, optimizer_ms, stream_bytes_per_ms,
-                         sync_ms, transfer_ms)
+                         steps_flat, sync_ms, transfer_ms)
 from .candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees, group_hierarchies,
                          group_links,
                          kind_counts)
@@ -257,7 +257,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
                                                            bytes_per_ms=rate, fraction=setting.compress_fraction))
             ests.append(m * t + sync
                         + copy_ms(params, d, rate, cfg.zero, cfg.hierarchical)
-                        + optimizer_ms(params, d, cfg.zero, opt_rates[cfg.zero >= ZeroStage.OS and d > 1], shards))
+                        + optimizer_ms(params, d, cfg.zero, opt_rates[steps_flat(cfg.zero, d)], shards))
             jms.append(jm)
             mems.append(mem)
         est, jmx = np.stack(ests, 1), np.stack(jms, 1)
