@@ -458,7 +458,9 @@ def format_sync(s: RunSummary) -> list[str]:
     p = s.plan
     lines = []
     for k, sent, dense in s.sync_bytes:
-        how = p.stages[k].compress or (f"local SGD every {p.sync_every}" if p.sync_every > 1 else "all-reduce")
+        zero = int(p.stages[k].zero)
+        how = p.stages[k].compress or (f"local SGD every {p.sync_every}" if p.sync_every > 1 else
+                                       f"reduce-scatter, ZeRO-{zero}" if zero else "all-reduce")
         lines.append(f"  gradient sync, stage {k} ({how}): {human_bytes(sent)} per step per rank against "
                      f"{human_bytes(dense)} uncompressed ({sent / dense:.1%})")
     for k, intra, inter, flat in s.sync_levels:

@@ -245,6 +245,8 @@ def test_show_and_report_name_them() -> None:
         in text, text
     text = format_summary(summarise(local, rows([0, 0, 0, 16 << 20] * 2), skip=0))
     assert "(local SGD every 4): 4.0 MiB per step per rank against 16.0 MiB uncompressed (25.0%)" in text, text
+    text = format_summary(summarise(zero1, rows([16 << 20] * 4), skip=1))  # a ZeRO stage's sync is no all-reduce
+    assert "gradient sync, stage 0 (reduce-scatter, ZeRO-1): 16.0 MiB" in text and "all-reduce" not in text, text
     hier = {r: [replace(m, sync_intra_bytes=16 << 20, sync_inter_bytes=8 << 20, sync_flat_bytes=24 << 20)
                 for m in ms] for r, ms in rows([16 << 20] * 4).items()}  # 2 hosts x 2 ranks, as the runtime counts
     text = format_summary(summarise(plan, hier, skip=1))
