@@ -24,14 +24,17 @@ after each step and returns warnings, each once when it starts to hold:
   not on a level: the first ``baseline`` steps after the warm-up learn the
   run's own pace against the prediction (a machine the cost model misjudges
   by a constant runs healthily at, say, 1.2x it), and the alert holds while
-  the median of the last ``window`` steps is over ``threshold`` x that pace.
-  A median over a window, not ``k`` slow steps in a row: on a shared VM a
-  healthy run has stretches of five or six steps 1.3-1.4x its median (the
-  demo, session 18), which are the machine's minute, not the run's.
+  the median of the last ``window`` steps is over ``threshold`` x that pace,
+  and it is said once that has held for ``for_s`` seconds of steps (an
+  alerting rule's ``for`` clause). A median over a window, held for a while,
+  not ``k`` slow steps in a row: on a shared VM a healthy run has stretches
+  of five or six steps 1.3-1.4x its median, and once 25 steps (1.3 s) at
+  1.6x (the demo, session 18): the machine's minute, not the run's, and
+  nothing a person could act on.
 
 Example:
     >>> from hpml_compile.runtime.monitor import StepMetrics
-    >>> w = AlertWatch(predicted_ms=10.0, capacity={0: 1000}, k=2, warmup=0, baseline=2, window=3)
+    >>> w = AlertWatch(predicted_ms=10.0, capacity={0: 1000}, k=2, warmup=0, baseline=2, window=3, for_s=0)
     >>> row = lambda s, ms, cpu: StepMetrics(s, 0, 0, 0, "cpu", 1, 8, ms, ms, 1.0, 2.0, cpu_util=cpu,
     ...                                      peak_memory_bytes=990)
     >>> [a.split(":")[0] for a in w.observe({0: row(0, 12.0, 0.9)})]
@@ -155,15 +158,18 @@ class AlertWatch:
         baseline: steps after the warm-up whose median measured / predicted is the run's pace
             (0: the pace is the prediction itself).
         window: the latest steps whose median is compared with the pace.
+        for_s: seconds of steps the window's median must stay over before the alert is said.
     """
 
     def __init__(self, predicted_ms: float, capacity: Mapping[int, int], *, k: int = 5, threshold: float = 1.25,
-                 low: float = 0.5, warmup: int = 2, baseline: int = 10, window: int = 20) -> None:
-        if threshold <= 1.0 or k < 1 or warmup < 0 or baseline < 0 or window < 1:
-            raise ValueError(f"AlertWatch needs threshold > 1, k >= 1, warmup >= 0, baseline >= 0, window >= 1; "
-                             f"got {threshold}, {k}, {warmup}, {baseline}, {window}")
+                 low: float = 0.5, warmup: int = 2, baseline: int = 10, window: int = 20,
+                 for_s: float = 30.0) -> None:
+        if threshold <= 1.0 or k < 1 or warmup < 0 or baseline < 0 or window < 1 or for_s < 0:
+            raise ValueError(f"AlertWatch needs threshold > 1, k >= 1, warmup >= 0, baseline >= 0, window >= 1, "
+                             f"for_s >= 0; got {threshold}, {k}, {warmup}, {baseline}, {window}, {for_s}")
         self.predicted_ms, self.capacity, self.k, self.threshold, self.low = predicted_ms, capacity, k, threshold, low
-        self.warmup, self.baseline, self.level = warmup, baseline, 1.0
+        self.warmup, self.baseline, self.for_ms, self.level = warmup, baseline, 1000.0 * for_s, 1.0
+        self._held_ms = -1.0  # milliseconds of steps the window's median has been over (-1: it is not)
         self._low: dict[int, int] = {}
         self._firing: set[tuple[str, int]] = set()
         self._steps: list[float] = []  # the job's step times (the slowest rank's), one per step seen
@@ -208,7 +214,10 @@ class AlertWatch:
         median = statistics.median(self._recent)
         since = (f"its steps {self.warmup + 1}-{head} ran {self.level:.2f}x the predicted {self.predicted_ms:.1f} ms"
                  if self.baseline else "the prediction")
-        self._edge(("step", -1), len(self._recent) == self._recent.maxlen and median > self.threshold * pace,
-                   f"StepSlowdown: the last {len(self._recent)} steps took {median:.1f} ms (median), over "
-                   f"{self.threshold:g} x this run's pace of {pace:.1f} ms ({since})", out)
+        over = len(self._recent) == self._recent.maxlen and median > self.threshold * pace
+        self._held_ms = (max(0.0, self._held_ms) + ms) if over else -1.0
+        self._edge(("step", -1), over and self._held_ms >= self.for_ms,
+                   f"StepSlowdown: for {self._held_ms / 1e3:.0f} s the last {len(self._recent)} steps have taken "
+                   f"over {self.threshold:g} x this run's pace of {pace:.1f} ms (now {median:.1f} ms, the median; "
+                   f"{since})", out)
         return out
