@@ -130,6 +130,7 @@ __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfe
            "level_bytes",
            "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
            "optimizer_ms", "steps_flat", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows", "agree_ms",
+           "meet_ms",
            "AGREE_BYTES"]
 
 # A count or a duration: a Python scalar for one stage, a numpy array for many candidates at once.
@@ -520,10 +521,11 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
     >>> lo = cost_models.LinkSpec("loopback", gbps=3.1, latency_us=50.0, source="example")
     >>> mib23 = 23 << 20
     >>> [round(sync_ms(mib23, 2, 0, False, lo, lo, bwd_ms=10.0, overlap=w), 3) for w in (1.0, 0.0)]
-    [7.542, 7.88]
+    [7.542, 7.98]
 
     (Overlap 1 hides only the first 1 MiB bucket here: the other 22 MiB start when the backward ends. Overlap
-    0, a CPU group, pays the whole all-reduce once, as the runtime runs it.)
+    0, a CPU group, pays the whole all-reduce once, as the runtime runs it, after the members meet:
+    :func:`meet_ms`.)
     """
     if not 0.0 <= overlap <= 1.0:
         raise ValueError(f"overlap must be a fraction of the backward in [0, 1], got {overlap}")
@@ -538,18 +540,22 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         def gather(b: Value) -> Value:  # the stepped parameters, in the host
             return transfer_ms(cost_models.all_gather_ms, b, hier.intra, h)
         if bwd_ms is None or overlap <= 0:  # one bucket, after the backward; the gather after the step
-            total = total + chain(param_bytes) + stepped_gather_ms(param_bytes, replicas, z, None, hier)
+            total = (total + _met(param_bytes, replicas, hier.inter) + chain(param_bytes)
+                     + stepped_gather_ms(param_bytes, replicas, z, None, hier))
         else:  # the levels during the backward; after the step one all-gather per bucket, under the next forward
             window = 0.0 if fwd_ms is None else overlap * fwd_ms  # contiguous buckets: the whole forward reads them
             total = total + _bucketed(chain, param_bytes, overlap * bwd_ms) + _bucketed(gather, param_bytes, window)
     elif replicas > 1:
         reduce = cost_models.allreduce_ms if z == ZeroStage.NONE else cost_models.reduce_scatter_ms
         if z == ZeroStage.NONE and hier is not None and (bwd_ms is None or overlap <= 0):
-            total = total + hierarchical_allreduce_ms(param_bytes, hier)  # three collectives after the backward
+            # three collectives after the backward, after the members meet
+            total = total + _met(param_bytes, replicas, hier.inter) + hierarchical_allreduce_ms(param_bytes, hier)
         elif z == ZeroStage.NONE and hier is not None:  # each bucket's chain of three during the backward
             total = total + hierarchical_overlapped_ms(param_bytes, hier, overlap * bwd_ms)
         elif bwd_ms is None or z == ZeroStage.OS_G_P or overlap <= 0:  # ZeRO-3's is not overlapped (zero3)
-            total = total + transfer_ms(reduce, param_bytes, link, replicas)  # one collective after the backward
+            # one collective after the backward; but ZeRO-3's (runtime.zero3), after the members meet
+            meet = _met(param_bytes, replicas, link) if z != ZeroStage.OS_G_P else 0.0
+            total = total + meet + transfer_ms(reduce, param_bytes, link, replicas)
         else:
             window = overlap * (bwd_ms if z == ZeroStage.NONE else bwd_ms / replicas)
             total = total + overlapped_ms(reduce, param_bytes, link, replicas, window)
@@ -590,14 +596,37 @@ def stepped_gather_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, 
 
     >>> lo = cost_models.LinkSpec("loopback", gbps=2.0, latency_us=100.0, source="example")
     >>> [round(float(stepped_gather_ms(64e6, 2, z, lo)), 3) for z in (0, 1, 2, 3)]
-    [0.0, 16.1, 16.1, 0.0]
+    [0.0, 16.3, 16.3, 0.0]
     """
     z = ZeroStage(zero)
     if replicas <= 1 or z not in (ZeroStage.OS, ZeroStage.OS_G):
         return param_bytes * 0.0
-    if hier is not None:
-        return transfer_ms(cost_models.all_gather_ms, param_bytes, hier.intra, hier.per_host)
-    return transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas)
+    if hier is not None:  # the members of the stage meet, then each host gathers its ranks' shards
+        return _met(param_bytes, replicas, hier.inter) + transfer_ms(cost_models.all_gather_ms, param_bytes, hier.intra,
+                                                           hier.per_host)
+    return _met(param_bytes, replicas, link) + transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas)
+
+
+def meet_ms(replicas: int, link: cost_models.LinkSpec | None) -> float:
+    """The meeting before each of the runtime's blocking gradient collectives: one 4-byte all-reduce over the stage.
+
+    :meth:`hpml_compile.runtime.comm.DistComm._collective` has the members meet (a one-element all-reduce, or the
+    shared-memory collectives' barrier, which is one) before the transfer, so that waiting for the slowest member
+    is not counted as communication. On the 2-core development VM it measured 0.42 ms at least (the demo's
+    ``COLL_WAIT`` events, session 18), twice per step of a ZeRO-1 stage, and was priced at nothing before.
+    All latency: priced as :func:`agree_ms` prices the loss agreement, on the slowest link between the members.
+    The collectives launched during the backward (bucketed, on GPUs) do not meet, nor do ZeRO-3's.
+
+    >>> lo = cost_models.LinkSpec("loopback", gbps=1.6, latency_us=500.0, source="example")
+    >>> round(meet_ms(2, lo), 3), meet_ms(1, lo), meet_ms(2, None)
+    (1.0, 0.0, 0.0)
+    """
+    return _latency_bound_ms(4, replicas, link)
+
+
+def _met(param_bytes: Value, replicas: int, link: cost_models.LinkSpec | None) -> Value:
+    """:func:`meet_ms` where there are bytes to sync (a stage without parameters runs no collective)."""
+    return meet_ms(replicas, link) * (param_bytes > 0)
 
 
 # The loss agreement's vector (hpml_compile.runtime.batchcheck): the loss sum and three float64s of the batch check.
@@ -622,11 +651,14 @@ def agree_ms(ranks: int, link: cost_models.LinkSpec | None) -> float:
     >>> round(agree_ms(2, lo), 3), round(agree_ms(8, lo), 3), agree_ms(1, None)
     (1.0, 3.0, 0.0)
     """
-    if ranks <= 1 or link is None:
+    return _latency_bound_ms(AGREE_BYTES, ranks, link)
+
+
+def _latency_bound_ms(nbytes: int, ranks: int, link: cost_models.LinkSpec | None) -> float:
+    """An all-reduce of a few bytes over ``ranks``: a binomial tree of messages (nothing in one process)."""
+    if ranks <= 1 or link is None or link.gbps == float("inf"):
         return 0.0
-    if link.gbps == float("inf"):
-        return 0.0
-    return cost_models.allreduce_ms(AGREE_BYTES, ranks, link, cost_models.CollectiveAlgo.TREE)
+    return cost_models.allreduce_ms(nbytes, ranks, link, cost_models.CollectiveAlgo.TREE)
 
 
 def compressed_sync_ms(param_bytes: Value, replicas: int, compress: Compression, link: cost_models.LinkSpec | None,
@@ -652,14 +684,14 @@ def compressed_sync_ms(param_bytes: Value, replicas: int, compress: Compression,
     >>> hbm = 1.5e9  # bytes per ms: an A100's memory, so compressing costs ~0.3 ms here
     >>> top = compressed_sync_ms(64e6, 2, Compression.parse("topk:0.01"), eth, dtype_bytes=4, bytes_per_ms=hbm)
     >>> round(dense, 1), round(top, 1)
-    (51.2, 1.3)
+    (51.3, 1.4)
     """
     if replicas <= 1:
         return param_bytes * 0.0
     if compress.kind is CompressKind.TOPK:
         k_pairs = replicas * compress.ratio * param_bytes / dtype_bytes  # ceil(k) left out: arrays, and it is tiny
-        comm = (transfer_ms(cost_models.all_gather_ms, k_pairs * dtype_bytes, link, replicas)
-                + transfer_ms(cost_models.all_gather_ms, k_pairs * 4, link, replicas))
+        comm = (transfer_ms(cost_models.all_gather_ms, k_pairs * dtype_bytes, link, replicas)  # each after a meeting
+                + transfer_ms(cost_models.all_gather_ms, k_pairs * 4, link, replicas) + 2 * _met(param_bytes, replicas, link))
     else:
         if fraction is None:
             fraction = powersgd_fraction([int(np.max(param_bytes)) // dtype_bytes], compress.rank)
@@ -679,7 +711,7 @@ def local_sgd_sync_ms(param_bytes: float, replicas: int, every: int, link: cost_
     """
     if replicas <= 1:
         return 0.0
-    return float(transfer_ms(cost_models.allreduce_ms, param_bytes, link, replicas)) / every
+    return (float(_met(param_bytes, replicas, link)) + float(transfer_ms(cost_models.allreduce_ms, param_bytes, link, replicas))) / every
 
 
 def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float, zero: ZeroStage | int = ZeroStage.NONE,

@@ -35,7 +35,7 @@ from hpml_compile.simulate import simulate, stage_costs
 from hpml_compile.solve import solve
 from hpml_compile.solve.candidates import Chain, Setting, StageConfig, enumerate_candidates
 from hpml_compile.solve.testing import chain_profile
-from hpml_compile.stagecost import (copy_ms, hierarchical_allreduce_ms, prefetched_gather_ms, stream_bytes_per_ms,
+from hpml_compile.stagecost import (copy_ms, hierarchical_allreduce_ms, meet_ms, prefetched_gather_ms, stream_bytes_per_ms,
                                    sync_ms, transfer_ms)
 
 GB = 10**9
@@ -102,7 +102,8 @@ def test_the_cost_model_shards_the_optimizer_per_host_and_prices_the_three_level
     assert 0 < tail <= 25 * 2**20
     assert serial - hz.sync_ms == pytest.approx(gather - cost_models.all_gather_ms(tail, 2, h.intra), rel=1e-6)
     on_cpu = sync_ms(p, 4, ZeroStage.OS, False, h.inter, h.inter, h, bwd_ms=hz.bwd_ms, overlap=0.0)
-    assert on_cpu == pytest.approx(hierarchical_allreduce_ms(p, h))  # one bucket: the three levels after it
+    # one bucket: the three levels after it, each of the two blocking collectives after the members meet
+    assert on_cpu == pytest.approx(hierarchical_allreduce_ms(p, h) + 2 * meet_ms(4, h.inter))
     assert hz.sync_ms < flat1.sync_ms / 2  # the flat reduce-scatter and all-gather cross 100 GbE with 3/4 of P each
 
 
@@ -200,7 +201,9 @@ def test_the_prefetched_parameter_gather_is_priced_under_the_next_forward_only_w
             got = sync_ms(p, 4, z, False, link, link, bwd_ms=bwd, fwd_ms=fwd)
             base = sync_ms(p, 4, z, False, link, link, bwd_ms=bwd)  # serial gather
             hidden = base - got
-            assert hidden == pytest.approx(serial_gather - prefetched_gather_ms(p, link, 4, fwd), abs=1e-9)
+            # the serial gather meets first (stagecost.meet_ms); the prefetched one is launched without
+            assert hidden == pytest.approx(serial_gather + meet_ms(4, link) - prefetched_gather_ms(p, link, 4, fwd),
+                                           abs=1e-9)
             # never below the first bucket gathered; without a forward, the buckets' gathers one after another
             # (one latency each: a little more than one gather); with one, less
             assert hidden < serial_gather

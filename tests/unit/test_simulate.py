@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 
 import cost_models
+from cost_models import LinkSpec
 
 from hpml_compile.costgraph import build
 from hpml_compile.ir import Cluster, Device, Link
 from hpml_compile.plan import Plan, Schedule, Stage, ZeroStage, stage_memory
 from hpml_compile.simulate import EventKind, idle_intervals, op_order, simulate
+from hpml_compile.stagecost import meet_ms
 from hpml_compile.solve.testing import chain_profile, uniform_cluster
 
 
@@ -96,7 +98,8 @@ def test_allreduce_tail_in_replicated_stage(kind: str) -> None:
     # all-reduces once after the backward: the whole 2 ms.
     hides = 1.0 if kind != "cpu" else 0.0
     first = 2**20 / 2e6
-    assert r.step_ms == pytest.approx(3.0 + 2.0 - hides * 2.0 * (1 - first) + r.agree_ms)
+    meet = (1.0 - hides) * meet_ms(2, LinkSpec("d0-d1", 1.0, 0.0, "the test's link"))  # CPU: before the collective
+    assert r.step_ms == pytest.approx(3.0 + 2.0 - hides * 2.0 * (1 - first) + r.agree_ms + meet)
     assert [b.kind for b in r.intervals if b.device == "d1"][-1] is EventKind.SYNC
     # ZeRO-1: reduce-scatter + all-gather, (n-1)/n * 2 MB / 1 GB/s each = 1 ms, and the summed gradient shard
     # copied into the kept buffer (1 MB read + written; the gather writes into place) at the memory bandwidth;
@@ -108,7 +111,7 @@ def test_allreduce_tail_in_replicated_stage(kind: str) -> None:
     copy = 2 * 2e6 / 2 / (cost_models.get_device(kind).mem_bw / 1e3)
     r1 = simulate(_plan(g, c, [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE, zero=ZeroStage.OS), g)
     assert r1.step_ms == pytest.approx(3.0 + 1.0 - hides * 1.0 * (1 - first) + 1.0 - hides * 0.5 * (1 - first) + copy
-                                       + r1.agree_ms)
+                                       + r1.agree_ms + 2 * meet)
 
 
 def test_recompute_is_an_extra_forward() -> None:
@@ -228,13 +231,16 @@ def test_replicas_on_one_host_share_its_memory_bandwidth() -> None:
     # ranks do not overlap the reduce-scatter with the backward (plan.sync_overlap): all of it after
     rs = 1.0
     agree = alone.agree_ms  # the ranks' loss agreement, between the sync and the optimizer
-    assert alone.step_ms == pytest.approx(1.0 + 2.0 + rs + 1.0 + 0.2 + agree + 2.0)
+    meet = meet_ms(2, LinkSpec("d0-d1", 1.0, 0.0, "the test's link"))  # before each blocking collective
+    assert alone.step_ms == pytest.approx(1.0 + 2.0 + rs + 1.0 + 0.2 + agree + 2.0 + 2 * meet)
     assert alone.contention == (1.0,)
     # ZeRO-0 accumulates gradients in the buffer it all-reduces in place: no copies
     plain = simulate(_plan(g, _pair(False), [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE), g)
-    assert plain.stages[0].sync_copy_ms == 0.0 and plain.step_ms == pytest.approx(1.0 + 2.0 + 2.0 * rs + agree + 4.0)
+    assert plain.stages[0].sync_copy_ms == 0.0 and plain.step_ms == pytest.approx(1.0 + 2.0 + 2.0 * rs + agree + 4.0
+                                                                                   + meet)
     # both replicas stream at once, all the time: each streaming part takes 2 x 10 / 12.5 = 1.6x as long
-    assert shared.step_ms == pytest.approx(1.0 + 0.2 * 0.6 + 2.0 + 0.4 * 0.6 + rs + 1.0 + 0.2 * 1.6 + agree + 2.0 * 1.6)
+    assert shared.step_ms == pytest.approx(1.0 + 0.2 * 0.6 + 2.0 + 0.4 * 0.6 + rs + 1.0 + 0.2 * 1.6 + agree + 2.0 * 1.6
+                                           + 2 * meet)
     assert shared.contention[0] == pytest.approx((3.0 + 0.6 * 0.6) / 3.0)
     optim = [b for b in shared.intervals if b.kind is EventKind.OPTIMIZER]
     assert {round(b.end_ms - b.start_ms, 9) for b in optim} == {3.2}  # ZeRO-1: half the step, 1.6x as long

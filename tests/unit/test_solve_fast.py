@@ -23,7 +23,7 @@ from hpml_compile.plan import Schedule
 from hpml_compile.solve.candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees,
                                            enumerate_candidates, group_link, in_flight, kind_counts)
 from hpml_compile.solve.dp import objective, solve_chain
-from hpml_compile.stagecost import _bucketed, device_memory, hierarchical_overlapped_ms, overlapped_ms, stream_bytes_per_ms
+from hpml_compile.stagecost import _bucketed, device_memory, hierarchical_overlapped_ms, meet_ms, overlapped_ms, stream_bytes_per_ms
 from hpml_compile.solve.testing import dag_profile
 
 MiB = 2**20
@@ -35,6 +35,10 @@ def _ms(fn, *args) -> float:
     if link is None or link.gbps == float("inf"):
         return 0.0
     return float(fn(*args))
+
+
+def _meet(params: int, d: int, link) -> float:
+    return meet_ms(d, link) if params else 0.0
 
 
 def _sync(cfg, params: int, d: int, glink, host, bwd: float, hier=None, is_cpu: bool = False,
@@ -55,20 +59,23 @@ def _sync(cfg, params: int, d: int, glink, host, bwd: float, hier=None, is_cpu: 
                 return (_ms(cost_models.reduce_scatter_ms, b, h, hier.intra)
                         + _ms(cost_models.allreduce_ms, b / h, hosts, hier.inter))
             gather = (lambda b: _ms(cost_models.all_gather_ms, b, h, hier.intra))
-            t += (two(params) + gather(params)) if is_cpu else (_bucketed(two, params, bwd)
-                                                                 + _bucketed(gather, params, fwd))
+            # CPU: two blocking collectives, each after the stage's members meet (stagecost.meet_ms)
+            t += (two(params) + gather(params) + 2 * _meet(params, d, hier.inter)) if is_cpu else (
+                _bucketed(two, params, bwd) + _bucketed(gather, params, fwd))
         elif cfg.zero == ZeroStage.NONE:
-            t += reduce(cost_models.allreduce_ms, params, glink, d, bwd)
+            t += reduce(cost_models.allreduce_ms, params, glink, d, bwd) + (_meet(params, d, glink) if is_cpu else 0.0)
             if hier is not None:  # two hosts or more, the same number on each: the faster of flat and hierarchical
                 h, hosts = hier.per_host, len(hier.hosts)
                 chain = (_ms(cost_models.reduce_scatter_ms, params, h, hier.intra)
                          + _ms(cost_models.allreduce_ms, params / h, hosts, hier.inter)
                          + _ms(cost_models.all_gather_ms, params, h, hier.intra))
                 # bucketed during the backward as the flat one is (each bucket a chain of three) on GPUs
-                t = min(t, chain if is_cpu else hierarchical_overlapped_ms(params, hier, bwd))
+                t = min(t, chain + _meet(params, d, hier.inter) if is_cpu else hierarchical_overlapped_ms(params, hier, bwd))
         else:
             rounds = 3 if cfg.zero == ZeroStage.OS_G_P else 2
             t += reduce(cost_models.reduce_scatter_ms, params, glink, d, bwd / d)
+            if rounds == 2 and is_cpu:  # the reduce-scatter and the gather after the step: each after a meeting
+                t += 2 * _meet(params, d, glink)
             if rounds == 2 and not is_cpu:  # ZeRO-1/2 on GPUs: the gather prefetched under the next forward's 1/d
                 t += _bucketed(lambda b: _ms(cost_models.all_gather_ms, b, d, glink), params, fwd / d)
             else:
