@@ -192,7 +192,7 @@ def test_plan_simulator_and_runtime_share_one_overlap_rule() -> None:
     assert sync_overlap(one, 0) == 0.0
     params = 120 * MiB
     for plan, graph, hides in ((cpu, cpu_graph, False), (gpu, gpu_graph, True)):
-        st, c = plan.stages[0], plan.cluster
+        c = plan.cluster
         cost = stage_costs(plan, graph)[0]
         link, host = link_spec(c, "d0", "d1"), host_link_spec(c.devices[0])
         after = stagecost.sync_ms(params, 2, ZeroStage.NONE, False, link, host)  # one collective after the backward
