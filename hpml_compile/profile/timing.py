@@ -41,6 +41,7 @@ from torch.fx.node import map_aggregate, map_arg
 from torch.utils._pytree import tree_leaves
 
 from ..ir import NodeCost
+from ..runtime.saved import SavedActivations
 from ..trace import buffers_restored
 from .static import is_inplace
 
@@ -459,7 +460,10 @@ def time_segments(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Seq
     segment's backward in reverse order from the gradients the later ones produced, accumulating the
     parameters' ``.grad`` as training does (the user's gradients are put back afterwards). A segment is
     timed where it runs in a step, with the cache state the segments before it leave; a node timed alone
-    and repeatedly is not (NOTES.md: nodes timed alone on hot caches add up to less than a pass).
+    and repeatedly is not (NOTES.md: nodes timed alone on hot caches add up to less than a pass). Every
+    tensor autograd saves goes through the runtime's accounting of saved activations
+    (:class:`hpml_compile.runtime.saved.SavedActivations`), as it does in every training step the runtime runs:
+    a Python call per saved tensor, packed and unpacked, which cost mlp's step 2-4% here (session 18).
 
     Args:
         gm: a traced GraphModule whose parameters live on ``device``.
@@ -492,7 +496,7 @@ def time_segments(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Seq
     try:
         for p in params:
             p.grad = torch.zeros_like(p)
-        with buffers_restored(gm), torch.enable_grad():
+        with buffers_restored(gm), torch.enable_grad(), SavedActivations(exclude=[gm]):
             for i in range(warmup + passes):
                 fwd, bwd = _segment_pass(segs, placeholders, inputs, finals, timer)
                 if i >= warmup:
