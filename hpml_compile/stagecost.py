@@ -553,7 +553,7 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         elif z == ZeroStage.NONE and hier is not None:  # each bucket's chain of three during the backward
             total = total + hierarchical_overlapped_ms(param_bytes, hier, overlap * bwd_ms)
         elif bwd_ms is None or z == ZeroStage.OS_G_P or overlap <= 0:  # ZeRO-3's is not overlapped (zero3)
-            # one collective after the backward; but ZeRO-3's (runtime.zero3), after the members meet
+            # one collective after the backward, after the members meet (ZeRO-3's, runtime.zero3, without)
             meet = _met(param_bytes, replicas, link) if z != ZeroStage.OS_G_P else 0.0
             total = total + meet + transfer_ms(reduce, param_bytes, link, replicas)
         else:
@@ -602,8 +602,8 @@ def stepped_gather_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, 
     if replicas <= 1 or z not in (ZeroStage.OS, ZeroStage.OS_G):
         return param_bytes * 0.0
     if hier is not None:  # the members of the stage meet, then each host gathers its ranks' shards
-        return _met(param_bytes, replicas, hier.inter) + transfer_ms(cost_models.all_gather_ms, param_bytes, hier.intra,
-                                                           hier.per_host)
+        return (_met(param_bytes, replicas, hier.inter)
+                + transfer_ms(cost_models.all_gather_ms, param_bytes, hier.intra, hier.per_host))
     return _met(param_bytes, replicas, link) + transfer_ms(cost_models.all_gather_ms, param_bytes, link, replicas)
 
 

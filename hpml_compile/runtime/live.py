@@ -172,7 +172,8 @@ class AlertWatch:
         self._held_ms = -1.0  # milliseconds of steps the window's median has been over (-1: it is not)
         self._low: dict[int, int] = {}
         self._firing: set[tuple[str, int]] = set()
-        self._steps: list[float] = []  # the job's step times (the slowest rank's), one per step seen
+        self._seen = 0  # steps seen
+        self._first: list[float] = []  # the baseline steps' times (the slowest rank's: the job's)
         self._last = -1  # the latest step index seen
         self._recent: deque[float] = deque(maxlen=window)
 
@@ -201,13 +202,14 @@ class AlertWatch:
             return out  # no new step (the rows of a rank that has not written yet), or nothing to compare with
         self._last = step
         ms = max(m.step_ms for m in rows.values())  # the ranks wait for each other: the slowest is the job's
-        self._steps.append(ms)
+        self._seen += 1
         head = self.warmup + self.baseline
-        if len(self._steps) <= self.warmup:
+        if self._seen <= self.warmup:
             return out
-        if len(self._steps) <= head:
-            if len(self._steps) == head:
-                self.level = statistics.median(self._steps[self.warmup:]) / self.predicted_ms
+        if self._seen <= head:
+            self._first.append(ms)
+            if self._seen == head:
+                self.level = statistics.median(self._first) / self.predicted_ms
             return out
         self._recent.append(ms)
         pace = self.level * self.predicted_ms
