@@ -12,9 +12,9 @@ and puts, per device and per part, the plan's memory breakdown
 
 - parameters and optimizer state: :func:`hpml_compile.runtime.held.held_bytes`
   after the last step (each storage once), as the pipeline records it (``Pipeline.held``);
-- activations: :class:`hpml_compile.runtime.saved.SavedActivations`, the most
+- activations: :class:`hpml_compile.saved.SavedActivations`, the most
   bytes saved for backward alive at once in any step (by storage);
-- gradients at their peak, the end of the backward (:class:`~hpml_compile.runtime.saved.GradPeak`:
+- gradients at their peak, the end of the backward (:class:`~hpml_compile.saved.GradPeak`:
   a ZeRO-2 rank frees its whole gradient buffer after the reduce-scatter), plus
   ``other``: the flat buffer the gradients of parameters tied to another stage
   are all-reduced through (``codegen.ops._grad_buffer``, kept across steps; the

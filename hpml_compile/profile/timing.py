@@ -41,7 +41,7 @@ from torch.fx.node import map_aggregate, map_arg
 from torch.utils._pytree import tree_leaves
 
 from ..ir import NodeCost
-from ..runtime.saved import SavedActivations
+from ..saved import SavedActivations
 from ..trace import buffers_restored
 from .static import is_inplace
 
@@ -462,7 +462,7 @@ def time_segments(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Seq
     timed where it runs in a step, with the cache state the segments before it leave; a node timed alone
     and repeatedly is not (NOTES.md: nodes timed alone on hot caches add up to less than a pass). Every
     tensor autograd saves goes through the runtime's accounting of saved activations
-    (:class:`hpml_compile.runtime.saved.SavedActivations`), as it does in every training step the runtime runs:
+    (:class:`hpml_compile.saved.SavedActivations`), as it does in every training step the runtime runs:
     a Python call per saved tensor, packed and unpacked, which cost mlp's step 2-4% here (session 18).
 
     Args:

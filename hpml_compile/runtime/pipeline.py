@@ -80,7 +80,7 @@ from .held import Held, held_bytes
 from .scaler import LossScaler
 from .monitor import Monitor, StepMetrics, peak_memory, reserved_memory, reset_peak_memory, split_wait
 from .offload import offload_optimizer
-from .saved import GradPeak, SavedActivations
+from ..saved import GradPeak, SavedActivations
 from .session import CommFailure, RetryPolicy, Session
 from ..memory import FIRST_BUCKET_BYTES
 from .compress import Reducer, make_reducer

@@ -2,7 +2,7 @@
 
 Per device and per part: parameters, gradients and optimizer state counted by
 storage after AdamW steps (:mod:`hpml_compile.runtime.held`), activations
-saved for backward at their peak (:mod:`hpml_compile.runtime.saved`), against
+saved for backward at their peak (:mod:`hpml_compile.saved`), against
 :func:`hpml_compile.plan.stage_breakdown`. benchmarks/memory_truth does the
 same for every memory option and two models.
 """

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PASSES = ["trace", "profile", "costgraph", "cluster", "stagecost", "plan", "schedule", "simulate", "solve", "replan",
           "codegen"]
 SHARED = {"ir", "errors", "schema", "memory", "hostmem", "publish", "recipe", "trainspec", "precision",
-          "compression"}
+          "compression", "saved"}
 VIEWS = {"viz", "report", "explain"}
 CLI = {"cli", "demo", "__main__"}  # and every ``*_cli`` module
 # What the runtime may reach only through hpml_compile.driver ...

@@ -305,11 +305,11 @@ def test_time_segments_runs_the_blocks_in_sequence_and_leaves_the_model_alone() 
 
 def test_the_blocks_are_timed_through_the_runtimes_accounting_of_saved_activations(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Session 18: every training step the runtime runs counts what autograd saves (runtime.saved, a Python call
+    """Session 18: every training step the runtime runs counts what autograd saves (hpml_compile.saved, a Python call
     per saved tensor: 2-4% of mlp's step here), so the blocks are timed through it too; parameters excluded."""
     from hpml_compile.profile import timing
     from hpml_compile.profile.static import segments
-    from hpml_compile.runtime.saved import SavedActivations
+    from hpml_compile.saved import SavedActivations
     from hpml_compile.trace import trace
 
     packed: list[int] = []

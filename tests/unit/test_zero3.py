@@ -115,7 +115,7 @@ def test_checkpoint_functions_gather_the_shard_and_load_it_back(tmp_path) -> Non
 
 
 def test_saved_activations_do_not_count_the_gathered_weights() -> None:
-    from hpml_compile.runtime.saved import SavedActivations
+    from hpml_compile.saved import SavedActivations
 
     torch.manual_seed(0)
     plain, ours = _Net(False), _Net(False)

@@ -1,6 +1,10 @@
-"""Activation bytes a rank holds for backward, counted by storage at their peak (beside :mod:`.held`).
+"""Activation bytes a rank holds for backward, counted by storage at their peak.
 
-:mod:`.held` counts what lives for the whole step (parameters, gradients,
+The runtime counts them every step (beside :mod:`hpml_compile.runtime.held`), and the profile times the
+model's blocks through the same hooks (:func:`hpml_compile.profile.timing.time_segments`), since every step
+the runtime runs pays for them: a module shared by the two layers.
+
+:mod:`hpml_compile.runtime.held` counts what lives for the whole step (parameters, gradients,
 optimizer state); this module counts what autograd *saves for backward*, the
 activations of the memory model (:func:`hpml_compile.stagecost.memory_parts`:
 ``in_flight x stored + working``). :class:`SavedActivations` is a context
@@ -12,7 +16,7 @@ one storage). The handle the hook returns holds the tensor; when autograd
 frees the node (after its backward), the handle dies and the storage's count
 drops. ``peak`` is the most bytes alive at once: the activations of the
 microbatches in flight at the schedule's peak. Parameters and buffers (a
-Linear saves its weight) are excluded: :mod:`.held` counts them.
+Linear saves its weight) are excluded: :mod:`hpml_compile.runtime.held` counts them.
 
 What it does not see: a region with saved-tensor hooks of its own hides its
 saved tensors from the outer hooks (PyTorch calls only the innermost). Two
