@@ -169,7 +169,7 @@ class AlertWatch:
                              f"for_s >= 0; got {threshold}, {k}, {warmup}, {baseline}, {window}, {for_s}")
         self.predicted_ms, self.capacity, self.k, self.threshold, self.low = predicted_ms, capacity, k, threshold, low
         self.warmup, self.baseline, self.for_ms, self.level = warmup, baseline, 1000.0 * for_s, 1.0
-        self._held_ms = -1.0  # milliseconds of steps the window's median has been over (-1: it is not)
+        self._held_ms = 0.0  # milliseconds of steps the window's median has been over
         self._low: dict[int, int] = {}
         self._firing: set[tuple[str, int]] = set()
         self._seen = 0  # steps seen
@@ -214,12 +214,15 @@ class AlertWatch:
         self._recent.append(ms)
         pace = self.level * self.predicted_ms
         median = statistics.median(self._recent)
-        since = (f"its steps {self.warmup + 1}-{head} ran {self.level:.2f}x the predicted {self.predicted_ms:.1f} ms"
-                 if self.baseline else "the prediction")
         over = len(self._recent) == self._recent.maxlen and median > self.threshold * pace
-        self._held_ms = (max(0.0, self._held_ms) + ms) if over else -1.0
-        self._edge(("step", -1), over and self._held_ms >= self.for_ms,
-                   f"StepSlowdown: for {self._held_ms / 1e3:.0f} s the last {len(self._recent)} steps have taken "
-                   f"over {self.threshold:g} x this run's pace of {pace:.1f} ms (now {median:.1f} ms, the median; "
-                   f"{since})", out)
+        self._held_ms = self._held_ms + ms if over else 0.0
+        fire = over and self._held_ms >= self.for_ms
+        text = ""
+        if fire and ("step", -1) not in self._firing:  # the words only when they are said
+            since = (f"its steps {self.warmup + 1}-{head} ran {self.level:.2f}x the predicted "
+                     f"{self.predicted_ms:.1f} ms" if self.baseline else "the prediction")
+            text = (f"StepSlowdown: for {self._held_ms / 1e3:.0f} s the last {len(self._recent)} steps have taken "
+                    f"over {self.threshold:g} x this run's pace of {pace:.1f} ms (now {median:.1f} ms, the median; "
+                    f"{since})")
+        self._edge(("step", -1), fire, text, out)
         return out
