@@ -32,7 +32,8 @@ When it fires:
    same costs. Each one's predicted gain, applied to the measured step, is
    weighed against the cost of switching to it (this segment's start-up plus
    a checkpoint; plus the solve for the re-plan) over the steps left, and of
-   those that pay the cheapest to switch to wins (:func:`~.policy.choose_switch`).
+   those that pay the one with the largest net gain wins
+   (:func:`~.policy.choose_switch`).
    The decision names both, with their predicted steps and switch costs.
    A row move needs no restart where the running code serves the new rows
    (:func:`in_place_refusal`: one stage file serves every replica, each

@@ -76,16 +76,20 @@ def test_the_full_replan_is_scored_on_the_same_costs_as_the_row_move() -> None:
     assert rows.diff.old_step_ms == pytest.approx(full.diff.old_step_ms)
 
 
-def test_choose_switch_takes_the_cheapest_that_pays() -> None:
-    rows = Candidate("rows", step_ms=60.0, gain=1.5, switch_cost_ms=5_000)
+def test_choose_switch_takes_the_largest_net_gain_over_the_steps_left() -> None:
+    rows = Candidate("rows", step_ms=60.0, gain=1.5, switch_cost_ms=50)
     full = Candidate("replan", step_ms=55.0, gain=1.64, switch_cost_ms=6_000)
+    # 1,000 steps at 90 ms: rows save 30 s for 0.05 s; the re-plan saves 35.1 s for 6 s
     best, why = choose_switch([full, rows], measured_ms=90.0, steps_left=1000)
-    assert best is rows and "replan" in why and "cheapest" in why
-    # few steps left: the row move's 30 ms a step does not pay its 5 s; neither does the re-plan
-    best, why = choose_switch([full, rows], measured_ms=90.0, steps_left=100)
+    assert best is rows and "replan" in why and "net" in why
+    # 10,000 steps left: the re-plan's faster steps win back its dearer switch
+    assert choose_switch([full, rows], measured_ms=90.0, steps_left=10_000)[0] is full
+    # few steps left: neither pays for its switch
+    slow_rows = Candidate("rows", step_ms=60.0, gain=1.5, switch_cost_ms=5_000)
+    best, why = choose_switch([full, slow_rows], measured_ms=90.0, steps_left=100)
     assert best is None and why.startswith("no candidate pays")
     # a row move that gains too little is passed over for a re-plan that pays
-    weak = Candidate("rows", step_ms=88.0, gain=1.02, switch_cost_ms=5_000)
+    weak = Candidate("rows", step_ms=88.0, gain=1.02, switch_cost_ms=50)
     assert choose_switch([weak, full], measured_ms=90.0, steps_left=1000)[0] is full
 
 
