@@ -127,8 +127,12 @@ def blame(failures: dict[int, tuple[int, str]], run_dir: Path) -> Culprit:
         kind = reports[r].get("kind") or ("user" if reports[r].get("user_error") else "crash")
         return culprit(r, kind)
     silent = [r for r in failures if r not in reports]
-    if reports and silent:
-        return culprit(min(silent), "comm")
+    if reports and silent:  # torchrun's line for a rank it stopped says nothing: say what its peers saw
+        peer = min(reports, key=lambda r: reports[r]["time"])
+        said = str(reports[peer].get("message", "")).splitlines()[0] if reports[peer].get("message") else ""
+        hung = culprit(min(silent), "comm")
+        return Culprit(hung.rank, "comm", f"it stopped responding: it made no report while its peers' "
+                                          f"communication failed (rank {peer}: {said})", hung.time)
     if reports:
         return culprit(min(reports, key=lambda r: reports[r]["time"]), "comm")
     return culprit(min(failures), "unknown")

@@ -57,6 +57,8 @@ def test_blame_the_silent_rank_when_the_others_timed_out(tmp_path: Path) -> None
     _report(tmp_path, 2, 10.1, "comm", "timed out")
     c = blame({0: (2, ""), 1: (-15, "SIGTERM"), 2: (2, "")}, tmp_path)
     assert (c.rank, c.cause) == (1, "comm")
+    # its own line from torchrun says nothing; the message says what its peers saw
+    assert c.message.startswith("it stopped responding") and "rank 0: timed out" in c.message
 
 
 def test_blame_a_user_error_as_such(tmp_path: Path) -> None:
