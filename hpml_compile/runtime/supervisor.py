@@ -49,6 +49,7 @@ its ``replans.jsonl`` has them.)
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,6 +131,7 @@ def blame(failures: dict[int, tuple[int, str]], run_dir: Path) -> Culprit:
     if reports and silent:  # torchrun's line for a rank it stopped says nothing: say what its peers saw
         peer = min(reports, key=lambda r: reports[r]["time"])
         said = str(reports[peer].get("message", "")).splitlines()[0] if reports[peer].get("message") else ""
+        said = re.sub(r"\[[^\]\s]+:\d+\]\s*", "", said)  # gloo's source file and line: not the user's business
         hung = culprit(min(silent), "comm")
         return Culprit(hung.rank, "comm", f"it stopped responding: it made no report while its peers' "
                                           f"communication failed (rank {peer}: {said})", hung.time)

@@ -53,7 +53,7 @@ def test_blame_a_crash_before_the_echoes(tmp_path: Path) -> None:
 
 
 def test_blame_the_silent_rank_when_the_others_timed_out(tmp_path: Path) -> None:
-    _report(tmp_path, 0, 10.0, "comm", "timed out")
+    _report(tmp_path, 0, 10.0, "comm", "[/src/gloo/transport/tcp/unbound_buffer.cc:78] timed out")
     _report(tmp_path, 2, 10.1, "comm", "timed out")
     c = blame({0: (2, ""), 1: (-15, "SIGTERM"), 2: (2, "")}, tmp_path)
     assert (c.rank, c.cause) == (1, "comm")
