@@ -20,7 +20,7 @@ machine (gpt-mini, batch 8 x 128 tokens, AdamW; the plan ``compile`` makes for
   ranks), steps lost. Re-planning on imbalance is off in this scenario, so
   only the failure is timed.
 
-Goal (issue 6): training resumes in under 60 s in both cases.
+Goal: training resumes in under 60 s in both cases.
 
 Run:  .venv/bin/python benchmarks/closed_loop/main.py [--model gpt-mini] [--steps 50]
 Prints a table; writes benchmarks/closed_loop/results/closed_loop.json.

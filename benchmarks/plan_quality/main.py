@@ -27,7 +27,7 @@ each plan's ratio to ``ilp`` (> 1: slower than ilp), and a compute bound
 that no plan can beat (:func:`compute_bound`): where the best peer is
 already within 1.25x of it, no planner could be 1.25x faster than the peer.
 
-A second table (:func:`hierarchical_rows`, issue 18) places each model on
+A second table (:func:`hierarchical_rows`) places each model on
 ``2node-a100-16`` with ``ilp``: every all-reduce flat; with the solver free to
 make a ZeRO-0 stage spread over both hosts all-reduce hierarchically, and the
 all-reduce of tied parameters spread over both hosts too (exact: the same
@@ -382,8 +382,8 @@ def _terms_text(t: dict[str, float]) -> str:
 
 
 def as_hier_zero1(plan: Plan) -> Plan | None:
-    """``plan`` with every replicated stage whose devices span hosts evenly made a hierarchical ZeRO-1 (issue 18,
-    session 10: the optimizer sharded over each host's devices, its sync the three hierarchical levels after the
+    """``plan`` with every replicated stage whose devices span hosts evenly made a hierarchical ZeRO-1 (the
+    optimizer sharded over each host's devices, its sync the three hierarchical levels after the
     backward), devices and microbatches unchanged; None where no stage spans hosts. A what-if beside the
     solver's plan, which may take it itself (``solve(..., hierarchical=True)`` offers it)."""
     hosts = {d.name: d.host for d in plan.cluster.devices}

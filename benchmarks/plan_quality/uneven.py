@@ -84,7 +84,7 @@ def parts(plan: Plan, graph: CostGraph) -> dict[str, float]:
 def _exposed_gather(cluster: Cluster, devices: Any, ms: float) -> float:
     """What of a ZeRO >= 1 stage's parameter all-gather a bound may charge regardless of its forward: all of it
     where the stage gathers after its optimizer step (a group with a CPU), none where the runtime prefetches it
-    under the next forward (GPU groups, since session 11; the simulator charges what that forward leaves
+    under the next forward (GPU groups; the simulator charges what that forward leaves
     exposed: :func:`charged_bound` adds a row for that, with the forward as the linear program has it)."""
     return 0.0 if overlap_efficiency(cluster, list(devices)) > 0 else ms
 
@@ -125,7 +125,7 @@ def one_stage_floor(graph: CostGraph, cluster: Cluster) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# A bound that counts what the simulator charges (session 10)
+# A bound that counts what the simulator charges
 
 
 def _row_factor(alphas: list[float], rows: int) -> float:

@@ -43,7 +43,7 @@ rank's step after the switch (leaving out its first ``--warmup`` steps)
 against its prediction and the steps before it. Writes
 results/uneven_rows_adapt.json.
 
-``--splits 12:12,16:8,...``: which rows a row move should choose (issue 15).
+``--splits 12:12,16:8,...``: which rows a row move should choose.
 The test's job (``tests/dist/test_row_move_dist.py``: gpt-tiny, batch 48 in 2
 microbatches, compiled for local-cpu-2) runs ``run --adapt --slow
 1:F:S`` once (``--slow-factor`` F, both candidates, a restart priced at

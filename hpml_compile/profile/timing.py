@@ -463,7 +463,7 @@ def time_segments(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Seq
     and repeatedly is not (NOTES.md: nodes timed alone on hot caches add up to less than a pass). Every
     tensor autograd saves goes through the runtime's accounting of saved activations
     (:class:`hpml_compile.saved.SavedActivations`), as it does in every training step the runtime runs:
-    a Python call per saved tensor, packed and unpacked, which cost mlp's step 2-4% here (session 18).
+    a Python call per saved tensor, packed and unpacked, which cost mlp's step 2-4% here.
 
     Args:
         gm: a traced GraphModule whose parameters live on ``device``.
@@ -556,7 +556,7 @@ def time_corun(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Sequen
     share the last-level cache and the memory bandwidth. A profile that times the blocks alone does not see
     that: on the 2-core development VM mlp's forward and backward ran 1.10-1.14x slower beside a second process
     running the same model, gpt-mini's 1.02x, while the stream rates (:func:`time_streams`) predicted less
-    (issue 19). So the blocks are timed (:func:`time_segments`) alone, then with the neighbours running,
+    So the blocks are timed (:func:`time_segments`) alone, then with the neighbours running,
     alternately, ``rounds`` times; each round's ratio is its time with them over the mean of the alone times
     around it, and the medians over the rounds are returned.
 
