@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +52,11 @@ def test_version_is_the_installed_package_version(capsys: pytest.CaptureFixture[
         main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"hpml-compile {version('hpml-compile')}"
+
+
+def test_the_changelog_has_an_entry_for_the_version_in_pyproject() -> None:
+    root = Path(__file__).resolve().parents[2]
+    declared = re.search(r'^version = "([^"]+)"', (root / "pyproject.toml").read_text(), re.M)
+    assert declared, "pyproject.toml declares no version"
+    versions = re.findall(r"^## \[([^\]]+)\]", (root / "CHANGELOG.md").read_text(), re.M)
+    assert versions and versions[0] == declared[1], (versions, declared[1])
