@@ -235,7 +235,7 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
                                    "HPML_CLUSTER names the devices left, so the script's compile() re-plans for "
                                    "them. --adapt does NOT re-plan on a measured imbalance under launch (run --adapt "
                                    "does, for builds). The script finds HPML_CLUSTER, HPML_CHECKPOINT_DIR, "
-                                   "HPML_RUN_DIR and HPML_SEGMENT in its environment (see the README's example); "
+                                   "HPML_RUN_DIR and HPML_SEGMENT in its environment (examples/own_loop.py is one); "
                                    "starts and failures go to RUN_DIR/events.jsonl.")
     p.add_argument("--nproc", type=int, default=2, help="ranks of the first start (default 2)")
     p.add_argument("--run-dir", type=Path, default=Path("out/launch"), dest="run_dir", help="segments go here")

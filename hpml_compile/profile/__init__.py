@@ -140,8 +140,7 @@ def _scaled(c: NodeCost, f: float, b: float) -> NodeCost:
     return NodeCost(c.fwd_ms * f, c.bwd_ms * b, c.measured, c.fwd_spread_ms * f, c.bwd_spread_ms * b)
 
 
-# Whole-pass / per-node-sum ratios seen on the development machine (1.0-1.25 there: NOTES.md,
-# benchmarks/prediction/README.md). Outside it the segments are timed again; a ratio that persists is
+# Whole-pass / per-node-sum ratios seen on the development machine (1.0-1.25 there). Outside it the segments are timed again; a ratio that persists is
 # believed (another CPU model runs a pass differently from its nodes alone) and said.
 _SCALE_RANGE = (0.5, 2.0)
 # A block whose own median is this far from its identical siblings' is timed again.

@@ -98,3 +98,10 @@ def test_the_python_quick_start_trains(tmp_path: Path) -> None:
     found = re.search(r"loss after (\d+) steps: ([0-9.]+)", out.stdout)
     assert found, out.stdout[-1000:]
     assert int(found[1]) == 100 and float(found[2]) < 1.0  # from ln(10) = 2.3 at the start
+
+
+def test_every_relative_link_of_the_readme_exists() -> None:
+    links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", README.read_text())
+    assert links
+    missing = [link for link in links if not (ROOT / link).exists()]
+    assert not missing, missing
