@@ -39,8 +39,7 @@ node's fixed part once per microbatch per replica, as the simulator does: the
 GPU's per-op cost does not shrink with the rows), the share of the distance that
 each closes, and where each plan's step goes (:func:`step_terms`). A hierarchical
 stage's all-reduce is priced bucket by bucket during the last backward, each
-bucket a chain of its three collectives, as the runtime runs it on GPUs (the
-what-if of an earlier session, now the hierarchical column itself). (The first
+bucket a chain of its three collectives, as the runtime runs it on GPUs. (The first
 table's ``ilp`` column is the solver's default, hierarchical allowed.)
 
 Run:

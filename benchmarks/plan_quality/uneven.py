@@ -66,7 +66,7 @@ from hpml_compile.solve.mixed import build_plan  # noqa: E402
 from hpml_compile.solve.uneven import improve  # noqa: E402
 
 HERE = Path(__file__).parent
-# (zoo name, batch): gpt2-xl at batch 32 is the reference pair (hetero-4: 919.5 ms against 799.0 ms)
+# (zoo name, batch): gpt2-xl at batch 32 is the reference pair (hetero-4: 919.5 ms against 799.0 ms)
 MODELS = [("gpt2-xl", 32), ("gpt2-small", 32), ("resnet50", 64), ("llama-7b", 8), ("resnet50", 256), ("gpt2-small", 256)]
 CLUSTERS = ["hetero-4", "hetero-cpu", str(HERE / "mix3-8.json")]
 

@@ -10,7 +10,7 @@ input values. Then each node is timed *alone*, on those values:
   parameters is timed ``repeats`` times (``retain_graph=True``).
 
 Each cost is the median of the repeats, with the inter-quartile range as its
-spread (CPU timings of small ops vary by tens of per cent; NOTES.md). CPU
+spread (CPU timings of small ops vary by tens of per cent). CPU
 times use ``time.perf_counter``; CUDA times use CUDA events around each call
 so that asynchronous kernels are counted where they run.
 
@@ -460,7 +460,7 @@ def time_segments(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Seq
     segment's backward in reverse order from the gradients the later ones produced, accumulating the
     parameters' ``.grad`` as training does (the user's gradients are put back afterwards). A segment is
     timed where it runs in a step, with the cache state the segments before it leave; a node timed alone
-    and repeatedly is not (NOTES.md: nodes timed alone on hot caches add up to less than a pass). Every
+    and repeatedly is not (nodes timed alone on hot caches add up to less than a pass). Every
     tensor autograd saves goes through the runtime's accounting of saved activations
     (:class:`hpml_compile.saved.SavedActivations`), as it does in every training step the runtime runs:
     a Python call per saved tensor, packed and unpacked, which cost mlp's step 2-4% here.
