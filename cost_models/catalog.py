@@ -163,13 +163,13 @@ class LinkSpec:
 # The collectives a link may carry a fit of its own for (LinkSpec.collectives): the ZeRO pair, and the
 # all-reduce, which a probe times directly (a gloo link's joint fit of send/recv and all-reduce chose
 # between "shared" and not on a few noisy timings, and priced mlp's 30 MiB gradient all-reduce at 9 ms
-# once where the same probe's all-reduces, and the step's, took 23-27 ms: benchmarks/prediction run AE).
+# once where the same probe's all-reduces, and the step's, took 23-27 ms: benchmarks/prediction).
 COLLECTIVE_OPS = ("reduce_scatter", "all_gather", "all_reduce")
 
 
 # What one op of an eager PyTorch program costs on a GPU when its kernel is small: the host's work to issue
 # it (Python, the dispatcher, the caching allocator, then the ~5 us kernel launch of the CUDA C++ Best
-# Practices Guide), which sets the pace while the GPU waits. Measured in this project (session 8,
+# Practices Guide), which sets the pace while the GPU waits. Measured in this project (
 # benchmarks/prediction/gpu.py) on H100 80GB HBM3 machines behind 16-core Intel Xeon VM hosts, torch 2.11,
 # fp32, generated fx stages run by hpml_compile.runtime.Pipeline, one step of one microbatch: forward 58-83
 # us per op (gpt-mini: 139 fx nodes, 63 of them views at a tenth; mlp: 17 ops), backward 92-203 us per node

@@ -21,6 +21,8 @@ never starts torch.distributed, and a process that only reads a plan stays
 light.
 """
 
+from importlib import metadata as _metadata
+
 from .codegen import Build, generate, load_build
 from .cluster import discover
 from .costgraph import CostGraph
@@ -68,7 +70,10 @@ __all__ = [
     "InfeasibleError",
     "BuildMismatchError",
 ]
-__version__ = "0.1.0"
+try:  # the installed distribution's version, the one `hpml-compile --version` prints
+    __version__ = _metadata.version("hpml-compile")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 # Public names that live in the runtime, resolved by __getattr__ on first use.
 _LAZY = {"compile": "runtime"}

@@ -232,7 +232,7 @@ def check_threads(prof: Profile, cluster: Cluster, cores: int | None = None) -> 
     """Refuse a CPU profile measured with another torch thread count than the cluster's local CPU ranks use.
 
     CPU times depend on the threads: a profile made with all cores' threads, planned for ranks of one
-    thread each, predicted 296 ms for a step that ran in 4 ms (issue 12). There is no honest way to rescale
+    thread each, predicted 296 ms for a step that ran in 4 ms. There is no honest way to rescale
     it (how an op speeds up with threads depends on the op and the size), so it is refused.
 
     Args:
@@ -386,7 +386,7 @@ def within_cores(result: Plan, graph: CostGraph, cluster: Cluster, solve_on: Cal
     (``run --steps 60``): gpt-tiny on 4 ranks (2 stages x 2) 42.2 ms a step against 16.0 ms for one stage on 2,
     predicted 5.82 and 5.17 ms; on 3 ranks (``cpu0 | cpu1, cpu2``) 28.0-30.4 ms against 14.1-14.4 ms for 2
     stages on 2, although the 3-rank plan simulated 4% faster; gpt-mini data parallel on 4 ranks 476 ms against
-    350 ms on 2 (``benchmarks/prediction``, session 14). So the solver runs again on the cluster less those
+    350 ms on 2 (``benchmarks/prediction``). So the solver runs again on the cluster less those
     devices (:func:`crowded_devices`) and that plan is kept, on the whole cluster (its idle devices get no rank),
     whatever the two simulate; both predictions are said.
 
@@ -529,7 +529,7 @@ def _generate(module: nn.Module, inputs: tuple[Any, ...], gm: fx.GraphModule, pl
     size one replica of one stage runs (a slice of a microbatch).
 
     Raises:
-        HpmlError: the plan breaks a rule of the profile, or an exported model cannot run at that size.
+        HpmlError: the plan breaks a rule of the profile, or an exported model cannot execute at that size.
     """
     validate_plan(placed, prof)
     graph = gm

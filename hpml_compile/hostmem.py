@@ -13,8 +13,7 @@ instead, which needs nothing installed and works in an already running process.
 
 Measured on the 2-core development VM (one torch thread, torch 2.13.0), AdamW
 over the ``mlp`` zoo model's 31.5 MB: 15-40 ms per step, bimodal, with glibc's
-defaults; 14.6-15.4 ms, steady, after :func:`keep_freed_memory`
-(benchmarks/prediction/README.md has the effect on whole steps).
+defaults; 14.6-15.4 ms, steady, after :func:`keep_freed_memory`.
 
 The price: memory freed after a peak stays with the process (its RSS does not
 shrink), which is what a loop that reaches the same peak every step wants.

@@ -36,7 +36,7 @@ def human_count(n: float) -> str:
 def host_summary(p: Profile, kind: str = "cpu") -> str | None:
     """One line on the machine a profile measured ``kind`` on: CPU model, caches, CPUs, threads, stream rates.
 
-    CPU times hold on the CPU model they were measured on (issue 19: a profile from an AMD EPYC predicted an
+    CPU times hold on the CPU model they were measured on (a profile from an AMD EPYC predicted an
     Intel Xeon's steps 23-27% short), so a prediction is shown with where its costs came from. None when
     ``kind`` was not measured, or the profile predates these facts.
 

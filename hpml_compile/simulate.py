@@ -75,7 +75,7 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   :func:`hpml_compile.profile.timing.time_streams`), averaged over the time
   it overlaps the other ranks' work. The schedule is played three times, each
   time with the stretches of the previous timeline. Without measured rates (a
-  GPU, an old profile), nothing stretches and the copies run at the catalog's
+  GPU, an old profile), nothing stretches and the copies go at the catalog's
   memory bandwidth.
 - CPU ranks of one host share its cores: each host is taken to have the
   logical CPUs of the host the profile was taken on (``profile.devices[kind]

@@ -85,7 +85,7 @@ Distributed SGD", 2018) is three collectives, each priced on its own link: a
 ring reduce-scatter inside each host (``B`` bytes, the intra-host link), a
 ring all-reduce of each ``B / h`` shard among the ``H`` devices holding it
 (the link between hosts), and a ring all-gather inside each host. The ``h``
-shard all-reduces run at once, each over its own pair of devices, as the
+shard all-reduces go at once, each over its own pair of devices, as the
 cluster's pairwise links describe them; where a host's devices share one
 network card, the ``h`` shards share it and the middle term is ``h`` times
 longer (then it equals a leader per host all-reducing all ``B`` bytes).
@@ -613,7 +613,7 @@ def meet_ms(replicas: int, link: cost_models.LinkSpec | None) -> float:
     :meth:`hpml_compile.runtime.comm.DistComm._collective` has the members meet (a one-element all-reduce, or the
     shared-memory collectives' barrier, which is one) before the transfer, so that waiting for the slowest member
     is not counted as communication. On the 2-core development VM it measured 0.42 ms at least (the demo's
-    ``COLL_WAIT`` events, session 18), twice per step of a ZeRO-1 stage, and was priced at nothing before.
+    ``COLL_WAIT`` events), twice per step of a ZeRO-1 stage, and was priced at nothing before.
     All latency: priced as :func:`agree_ms` prices the loss agreement, on the slowest link between the members.
     The collectives launched during the backward (bucketed, on GPUs) do not meet, nor do ZeRO-3's.
 

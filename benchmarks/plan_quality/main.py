@@ -27,7 +27,7 @@ each plan's ratio to ``ilp`` (> 1: slower than ilp), and a compute bound
 that no plan can beat (:func:`compute_bound`): where the best peer is
 already within 1.25x of it, no planner could be 1.25x faster than the peer.
 
-A second table (:func:`hierarchical_rows`, issue 18) places each model on
+A second table (:func:`hierarchical_rows`) places each model on
 ``2node-a100-16`` with ``ilp``: every all-reduce flat; with the solver free to
 make a ZeRO-0 stage spread over both hosts all-reduce hierarchically, and the
 all-reduce of tied parameters spread over both hosts too (exact: the same
@@ -39,8 +39,7 @@ node's fixed part once per microbatch per replica, as the simulator does: the
 GPU's per-op cost does not shrink with the rows), the share of the distance that
 each closes, and where each plan's step goes (:func:`step_terms`). A hierarchical
 stage's all-reduce is priced bucket by bucket during the last backward, each
-bucket a chain of its three collectives, as the runtime runs it on GPUs (the
-what-if of an earlier session, now the hierarchical column itself). (The first
+bucket a chain of its three collectives, as the runtime runs it on GPUs. (The first
 table's ``ilp`` column is the solver's default, hierarchical allowed.)
 
 Run:
@@ -382,8 +381,8 @@ def _terms_text(t: dict[str, float]) -> str:
 
 
 def as_hier_zero1(plan: Plan) -> Plan | None:
-    """``plan`` with every replicated stage whose devices span hosts evenly made a hierarchical ZeRO-1 (issue 18,
-    session 10: the optimizer sharded over each host's devices, its sync the three hierarchical levels after the
+    """``plan`` with every replicated stage whose devices span hosts evenly made a hierarchical ZeRO-1 (the
+    optimizer sharded over each host's devices, its sync the three hierarchical levels after the
     backward), devices and microbatches unchanged; None where no stage spans hosts. A what-if beside the
     solver's plan, which may take it itself (``solve(..., hierarchical=True)`` offers it)."""
     hosts = {d.name: d.host for d in plan.cluster.devices}

@@ -66,7 +66,7 @@ from hpml_compile.solve.mixed import build_plan  # noqa: E402
 from hpml_compile.solve.uneven import improve  # noqa: E402
 
 HERE = Path(__file__).parent
-# (zoo name, batch): gpt2-xl at batch 32 is the issue's reference pair (hetero-4: 919.5 ms against 799.0 ms)
+# (zoo name, batch): gpt2-xl at batch 32 is the reference pair (hetero-4: 919.5 ms against 799.0 ms)
 MODELS = [("gpt2-xl", 32), ("gpt2-small", 32), ("resnet50", 64), ("llama-7b", 8), ("resnet50", 256), ("gpt2-small", 256)]
 CLUSTERS = ["hetero-4", "hetero-cpu", str(HERE / "mix3-8.json")]
 
@@ -84,7 +84,7 @@ def parts(plan: Plan, graph: CostGraph) -> dict[str, float]:
 def _exposed_gather(cluster: Cluster, devices: Any, ms: float) -> float:
     """What of a ZeRO >= 1 stage's parameter all-gather a bound may charge regardless of its forward: all of it
     where the stage gathers after its optimizer step (a group with a CPU), none where the runtime prefetches it
-    under the next forward (GPU groups, since session 11; the simulator charges what that forward leaves
+    under the next forward (GPU groups; the simulator charges what that forward leaves
     exposed: :func:`charged_bound` adds a row for that, with the forward as the linear program has it)."""
     return 0.0 if overlap_efficiency(cluster, list(devices)) > 0 else ms
 
@@ -125,7 +125,7 @@ def one_stage_floor(graph: CostGraph, cluster: Cluster) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# A bound that counts what the simulator charges (session 10)
+# A bound that counts what the simulator charges
 
 
 def _row_factor(alphas: list[float], rows: int) -> float:

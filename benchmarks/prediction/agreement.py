@@ -1,6 +1,6 @@
 """Agreement: profiles of gpt-mini taken one after the other, and the data-parallel step each predicts.
 
-Issue 19: the same plan (gpt-mini, one stage on 2 data-parallel CPU ranks) was predicted 317 ms by one
+Why: the same plan (gpt-mini, one stage on 2 data-parallel CPU ranks) was predicted 317 ms by one
 profile and 246.6 ms by another on the same machine. This profiles gpt-mini ``--profiles`` times at one
 torch thread (batch only, with the loss and AdamW), predicts that plan from each
 (:func:`hpml_compile.simulate.annotate`), and prints each prediction, each profile's transformer-layer

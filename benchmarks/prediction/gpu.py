@@ -1,4 +1,4 @@
-"""Prediction on a GPU: a GPU stage and a GPU + CPU pipeline, predicted against measured (issue 19).
+"""Prediction on a GPU: a GPU stage and a GPU + CPU pipeline, predicted against measured.
 
 Needs one CUDA GPU whose kind the catalog knows (``cost_models.kind_from_cuda_name``);
 without one it says so and exits 2. For each model, one profile measures the CPU (at

@@ -28,10 +28,10 @@ Run:  .venv/bin/python benchmarks/prediction/main.py [--models gpt-mini,mlp] [--
 ``--rounds N`` repeats the whole run (link probe, profiles, plans, measurement) N times and compares each
 plan's median prediction with its median measurement; each round's rows stay in the JSON. Each plan runs in
 rank processes started for it alone, as a user's run does (``--shared-ranks``: every plan of one rank count in
-the same processes, one after the other, as before session 15, when later plans computed up to 30% slower).
+the same processes, one after the other, where later plans computed up to 30% slower).
 Prints a table; writes benchmarks/prediction/results/prediction.json, with the host it ran on (CPU model
 from /proc/cpuinfo, cache sizes, CPUs, memory stream rates, load average) and each profile's CPU facts:
-the README keeps one table per CPU model (issue 19).
+the README keeps one table per CPU model.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class Case:
     predicted_bubble: float
     predicted_compute: tuple[float, ...]  # per rank: (fwd + bwd) per microbatch x microbatches
     predicted_without_optimizer_ms: float
-    predicted_without_corun_ms: float = 0.0  # the same plan, the profile's co-run slow-down left out (session 17)
+    predicted_without_corun_ms: float = 0.0  # the same plan, the profile's co-run slow-down left out
 
 
 def _ticks(exclude: set[int]) -> tuple[int, int]:
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                         "10-40%% from minute to minute, and one round measures one minute (default: %(default)s)")
     p.add_argument("--shared-ranks", action="store_true",
                    help="measure every plan of one rank count in the same rank processes, one after the other (as "
-                        "before session 15); default: each plan in freshly started ranks of its own, as a run is")
+                        "later plans ran slower there); default: each plan in freshly started ranks of its own, as a run is")
     p.add_argument("--grid", default=GRID, help="plans per model, kind:schedule:microbatches (default: %(default)s)")
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
              for r in rows if r.get("predicted_without_corun_ms")]
     if len(plain) == len(rows):  # the same plans and measurements, priced without the profile's co-run slow-down
         summary.update(median_abs_error_without_corun=_pct(plain, 0.5), p90_abs_error_without_corun=_pct(plain, 0.9))
-        print(f"  |error| whole step without the co-run slow-down (the simulator before session 17): median "
+        print(f"  |error| whole step without the co-run slow-down (the simulator without the co-run model): median "
               f"{summary['median_abs_error_without_corun']:.1%}, p90 {summary['p90_abs_error_without_corun']:.1%}")
     adjusted = machine_adjusted(rows)
     if adjusted:

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# torch alone is the floor; rank_entry.py, run as torchrun's script, imports the worker and nothing else.
+# torch alone is the floor; rank_entry.py, torchrun's script, imports the worker and nothing else.
 MODULES = ("torch", "hpml_compile", "hpml_compile.runtime", "hpml_compile.runtime.worker")
 
 

@@ -1,6 +1,6 @@
 """Soak: a 3-rank ``run --adapt`` job abused for a wall-clock duration, checked against an uninterrupted run.
 
-What it measures (issue 12, "How it is shown"): whether a closed-loop job that
+What it measures: whether a closed-loop job that
 has a random rank killed, hung or slowed again and again, for ``--minutes``
 (default 30), ends with
 

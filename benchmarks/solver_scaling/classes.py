@@ -1,4 +1,4 @@
-"""The Lagrangian bound of one microbatch count with the memory classes capped, against every class kept (session 10).
+"""The Lagrangian bound of one microbatch count with the memory classes capped, against every class kept.
 
 One count ``M`` of ``--model`` (llama-70b) on ``kinds`` x ``per`` devices (the profiles and clusters of ``kinds.py``): its first
 plan (``solve._first_plan``), then ``--wall`` seconds of ``lagrange.LagrangianRun`` on its table (stages under
@@ -8,7 +8,7 @@ every improvement (wall s, CPU s, lower, upper) and the end. Where the cap is be
 the paths may break memory, so they are not plans and the bound can stall below the optimum.
 
 Run:
-    python benchmarks/solver_scaling/classes.py --classes 8      # before session 10
+    python benchmarks/solver_scaling/classes.py --classes 8      # the classes past 8 merged
     python benchmarks/solver_scaling/classes.py --classes 64     # after: every class
 """
 

@@ -5,8 +5,8 @@ For one model on 3 kinds (A100-80GB, H100-80GB, V100-32GB) x ``--per`` devices (
 solve's microbatch search makes it) with its proxy objective ``(M - 1) T + S + R`` and the CPU seconds it took,
 then ``--bounds`` wall seconds of ``lagrange.lagrangian_bounds`` from it on the count's full candidate table: the
 best plan and the lower bound they reach. The first plans rank the counts and start their bounds; this shows
-how far each is from what the bounds then find (session 9 of the README: before and after the sweep over
-bottlenecks, run with ``PYTHONPATH`` at each commit).
+how far each is from what the bounds then find (to compare two versions of the
+solver, run it with ``PYTHONPATH`` at each commit).
 
 Run:
     python benchmarks/solver_scaling/first_plans.py llama-70b --per 256

@@ -1,4 +1,4 @@
-"""Planning time on clusters of many device kinds: kinds x devices per kind (issue 16).
+"""Planning time on clusters of many device kinds: kinds x devices per kind.
 
 For each model (llama-70b at batch 512, sequence 2048; gpt2-xl at batch 512,
 both profiled on the meta device with costs predicted for every kind), each
@@ -18,7 +18,7 @@ row's own), and the row records, from the solver's log:
   (the wall times include waiting for a core), and the one-minute load
   average when the row began (``load``).
 
-Goals (issue 16): first plan <= 1 s everywhere; 1% gap <= 10 s up to 3 kinds
+Goals: first plan <= 1 s everywhere; 1% gap <= 10 s up to 3 kinds
 x 256, <= 60 s for 4 kinds x 256; peak < 4 GiB.
 
 Run:

@@ -11,7 +11,7 @@ gap, and the chosen plan. ``--plain`` also runs the ILP without the DP bounds
 (HiGHS alone from the DP's warm start) at the two goal points, to show what
 the bounds buy.
 
-Goals (issue 3): under 10 s for gpt2-xl on 16 devices and under 60 s for
+Goals: under 10 s for gpt2-xl on 16 devices and under 60 s for
 llama-70b on 64 devices, on a 2-core machine, with the gap reported.
 
 Run:

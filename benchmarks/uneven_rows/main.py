@@ -10,8 +10,8 @@ profile: with each microbatch split equally (``rows`` left out) and split
 Measured: the median over the steps after the warm-up of the slowest rank's
 step, in each of ``--repeats`` runs per split, the splits alternating (on a
 busy machine the load moves a run by more than the split does), and the
-median of those runs. Predicted, two ways (the simulator on this branch does not model
-``Stage.rows``; the ``uplan`` branch's does):
+median of those runs. Predicted, two ways, each scaling a replica's compute by its rows and its
+slow-down (the slowest replica sets the step):
 
 - *simulator*: ``hpml_compile.simulate.simulate`` of the even plan on the
   healthy profile gives a replica's forward+backward per microbatch at half the
@@ -43,7 +43,7 @@ rank's step after the switch (leaving out its first ``--warmup`` steps)
 against its prediction and the steps before it. Writes
 results/uneven_rows_adapt.json.
 
-``--splits 12:12,16:8,...``: which rows a row move should choose (issue 15).
+``--splits 12:12,16:8,...``: which rows a row move should choose.
 The test's job (``tests/dist/test_row_move_dist.py``: gpt-tiny, batch 48 in 2
 microbatches, compiled for local-cpu-2) runs ``run --adapt --slow
 1:F:S`` once (``--slow-factor`` F, both candidates, a restart priced at
@@ -391,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     prof = load_profile(work / "base" / "profile.json")
     plans = _plans(load_plan(work / "base" / "plan.json"), mb, m)
     _, graph = cost_graph(prof, plans["even"].cluster)
-    # the plans carry the simulator's predictions (for the uneven one those of its stages as the simulator on this
-    # branch sees them: without its rows), not the base plan's
+    # the plans carry the simulator's predictions (for the uneven one, those of its stages without their rows),
+    # not the base plan's
     plans = {name: dataclasses.replace(ann, stages=tuple(dataclasses.replace(a, rows=st.rows) for a, st in
                                                         zip(ann.stages, plan.stages)))
              for name, plan in plans.items() for ann in [annotate(plan, graph, prof.dtype)[0]]}

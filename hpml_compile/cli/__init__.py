@@ -235,7 +235,7 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
                                    "HPML_CLUSTER names the devices left, so the script's compile() re-plans for "
                                    "them. --adapt does NOT re-plan on a measured imbalance under launch (run --adapt "
                                    "does, for builds). The script finds HPML_CLUSTER, HPML_CHECKPOINT_DIR, "
-                                   "HPML_RUN_DIR and HPML_SEGMENT in its environment (see the README's example); "
+                                   "HPML_RUN_DIR and HPML_SEGMENT in its environment (examples/own_loop.py is one); "
                                    "starts and failures go to RUN_DIR/events.jsonl.")
     p.add_argument("--nproc", type=int, default=2, help="ranks of the first start (default 2)")
     p.add_argument("--run-dir", type=Path, default=Path("out/launch"), dest="run_dir", help="segments go here")
@@ -260,6 +260,41 @@ def _run_launch(args: argparse.Namespace) -> int:
     return 0
 
 
+#: One worked example per command, printed at the end of its ``--help`` (a test checks that every command has one).
+EXAMPLES: dict[str, str] = {
+    "demo": "hpml-compile demo -o out/demo",
+    "compile": "hpml-compile compile examples/digits_cnn.py:spec --cluster local-cpu-2 -o build/",
+    "run": "hpml-compile run build/ --epochs 2 --checkpoint-dir ck --checkpoint-every 20\n"
+           "  hpml-compile run build/ --steps 50 --adapt --slow 1:3:10     # a drill: rank 1 three times slower",
+    "report": "hpml-compile report out/runs/a --html report.html --trace trace.json",
+    "launch": "hpml-compile launch --adapt --nproc 2 --run-dir out/own examples/own_loop.py --steps 12",
+    "profile": "hpml-compile profile gpt2-small --batch-size 8 --seq-len 128 --device-kinds cpu,A100-80GB "
+               "-o profile.json",
+    "plan": "hpml-compile plan profile.json --cluster hetero-4 -o plan.json",
+    "show": "hpml-compile show plan.json -o pics/",
+    "replan": "hpml-compile replan build/plan.json --profile out/runs/a/profile.json -o build2/",
+    "devices": "hpml-compile devices --measure -o cluster.json",
+    "models": "hpml-compile models",
+}
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, except that text already broken into lines (an epilog's examples) is kept as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def _add_examples(sub: argparse._SubParsersAction) -> None:
+    """End each command's ``--help`` with its example from :data:`EXAMPLES`, after any epilog it has."""
+    for name, p in sub.choices.items():
+        example = f"example:\n  {EXAMPLES[name]}\n" if name in EXAMPLES else ""
+        p.epilog = (p.epilog.rstrip("\n") + "\n\n" + example) if p.epilog else example
+        p.formatter_class = _HelpFormatter
+
+
 _ADDERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_demo, _add_compile, _add_run, _add_launch, _add_profile, _add_plan, _add_show, _add_replan, _add_devices,
     _add_models,
@@ -276,10 +311,22 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hpml-compile",
         description="Compile a PyTorch model for many devices: trace it, profile every node, plan the "
                     "placement, generate the pipelined program. Start with `hpml-compile demo`.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in _ADDERS:
         add(sub)
+    _add_examples(sub)
     return parser
+
+
+def _version() -> str:
+    """The installed package's version (its metadata), or a marker when it runs from a tree never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hpml-compile")
+    except PackageNotFoundError:
+        return "0+unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -56,7 +56,7 @@ def add_parsers(subparsers: Any) -> None:
 
 
 def add_comm_options(p: argparse.ArgumentParser, *, solver: bool = True) -> None:
-    """``--compress``, ``--allow-compress`` (``solver``), ``--sync-every``, ``--sync-warmup`` (issue 18)."""
+    """``--compress``, ``--allow-compress`` (``solver``), ``--sync-every``, ``--sync-warmup``."""
     g = p.add_argument_group("communication (less of it across slow links)")
     g.add_argument("--compress", default=None, metavar="powersgd:RANK|topk:RATIO",
                    help="compress the gradients of every replicated stage: PowerSGD of RANK or Top-K of RATIO, "

@@ -47,8 +47,10 @@ def add_parsers(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "run", help="train a build on torchrun ranks, measuring every stage (writes a run folder)",
         description="Start one rank per device of the build's plan with torchrun (standalone on one host; "
-                    "torchrun's rendezvous across hosts), each loading its stage from BUILD, and train on the "
-                    "model's example batch. Every step of every rank is measured (JSON lines and TensorBoard "
+                    "torchrun's rendezvous across hosts), each loading its stage from BUILD, and train: a build of a "
+                    "TrainSpec (`compile path/to/train.py:NAME`) on the TrainSpec's dataset, each rank loading only "
+                    "its own rows of every batch; a build of a zoo model or a factory on the model's example batch. "
+                    "Every step of every rank is measured (JSON lines and TensorBoard "
                     "events in the run folder); at the end the measured-vs-predicted table is printed and the "
                     "measured profile written for `replan`.")
     p.add_argument("build", type=Path, help="the build folder written by `hpml-compile compile`")
@@ -71,16 +73,6 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--log-every", type=int, default=1, dest="log_every", help="print every N steps (default 1)")
     p.add_argument("--retries", type=int, default=3,
                    help="attempts per step when communication fails transiently; 0 or 1: one attempt (default 3)")
-    p.add_argument("--inject-fault", action="append", default=[], dest="inject_fault", metavar="STEP:RANK:OP",
-                   help=f"fail the first {'|'.join(o.value for o in CommOp)} of rank RANK in step STEP (from 1) once, "
-                        "to see the retry work; repeatable")
-    p.add_argument("--kill-at", action="append", default=[], dest="kill_at", metavar="STEP:RANK",
-                   help="fault injection: rank RANK dies abruptly when it reaches step STEP (from 1); repeatable")
-    p.add_argument("--hang-at", action="append", default=[], dest="hang_at", metavar="STEP:RANK",
-                   help="fault injection: rank RANK stops responding at step STEP (its peers fail after --timeout); "
-                        "with --adapt, every time its device gets there")
-    p.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR:FROM_STEP",
-                   help="fault injection: rank RANK computes FACTOR times slower from step FROM_STEP (from 1) on")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
     p.add_argument("--metrics-port", type=int, default=None, dest="metrics_port", metavar="P",
                    help="rank 0 serves every rank's latest figures at http://HOST:P/metrics in the Prometheus text "
@@ -123,6 +115,17 @@ def add_parsers(subparsers: Any) -> None:
                    help="a device whose rank fails N times (other than dying) is dropped (default 2)")
     a.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds a rank may block in communication before it fails (a hung peer; default 600)")
+    f = p.add_argument_group("drills (inject a fault on purpose, to see retries and the closed loop at work)")
+    f.add_argument("--inject-fault", action="append", default=[], dest="inject_fault", metavar="STEP:RANK:OP",
+                   help=f"fail the first {'|'.join(o.value for o in CommOp)} of rank RANK in step STEP (from 1) once, "
+                        "to see the retry work; repeatable")
+    f.add_argument("--kill-at", action="append", default=[], dest="kill_at", metavar="STEP:RANK",
+                   help="rank RANK dies abruptly when it reaches step STEP (from 1); repeatable")
+    f.add_argument("--hang-at", action="append", default=[], dest="hang_at", metavar="STEP:RANK",
+                   help="rank RANK stops responding at step STEP (its peers fail after --timeout); "
+                        "with --adapt, every time its device gets there")
+    f.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR:FROM_STEP",
+                   help="rank RANK computes FACTOR times slower from step FROM_STEP (from 1) on")
     p.set_defaults(run=run_run)
 
     r = subparsers.add_parser(

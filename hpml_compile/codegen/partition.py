@@ -182,7 +182,7 @@ def microbatch_values(gm: fx.GraphModule, rows: int) -> dict[str, Any]:
         node name -> value (fake tensors, ints, tuples).
 
     Raises:
-        HpmlError: if a static graph was traced at another size, or the graph cannot run at this one.
+        HpmlError: if a static graph was traced at another size, or the graph cannot execute at this one.
     """
     if _is_static(gm):
         if trace_rows(gm) != rows:

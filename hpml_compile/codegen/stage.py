@@ -117,7 +117,7 @@ class StageModule(RegionModule):
         """The bound parameters of these qualified names (here or in a region), in this order.
 
         Each name is resolved to the module holding it once (the generated sync asks every step: resolving
-        a hundred dotted names cost 1.6 ms a step, benchmarks/ddp_compare session 15); the parameter itself is
+        a hundred dotted names cost 1.6 ms a step, benchmarks/ddp_compare); the parameter itself is
         read from that module's table each time, so one re-registered under the name is the one returned.
         """
         where = self.__dict__.setdefault("_hpml_where", {})

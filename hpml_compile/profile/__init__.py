@@ -140,9 +140,8 @@ def _scaled(c: NodeCost, f: float, b: float) -> NodeCost:
     return NodeCost(c.fwd_ms * f, c.bwd_ms * b, c.measured, c.fwd_spread_ms * f, c.bwd_spread_ms * b)
 
 
-# Whole-pass / per-node-sum ratios seen on the development machine (1.0-1.25 there: NOTES.md,
-# benchmarks/prediction/README.md). Outside it the segments are timed again; a ratio that persists is
-# believed (another CPU model runs a pass differently from its nodes alone: issue 19) and said.
+# Whole-pass / per-node-sum ratios seen on the development machine (1.0-1.25 there). Outside it the segments are timed again; a ratio that persists is
+# believed (another CPU model runs a pass differently from its nodes alone) and said.
 _SCALE_RANGE = (0.5, 2.0)
 # A block whose own median is this far from its identical siblings' is timed again.
 _OUTLIER = 0.25
@@ -389,7 +388,7 @@ def profile(
             ranks computing at once by. Off by default: on the 2-core
             development VM that slow-down swung from 1.0x to 1.7x between
             minutes, so two profiles of one model disagreed more with it, and
-            the prediction benchmark moved by at most a point (issue 19).
+            the prediction benchmark moved by at most a point.
 
     Measuring on the CPU also measures the host's memory bandwidth (one
     thread, all threads) and leaves this process keeping freed memory, as

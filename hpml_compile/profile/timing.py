@@ -10,7 +10,7 @@ input values. Then each node is timed *alone*, on those values:
   parameters is timed ``repeats`` times (``retain_graph=True``).
 
 Each cost is the median of the repeats, with the inter-quartile range as its
-spread (CPU timings of small ops vary by tens of per cent; NOTES.md). CPU
+spread (CPU timings of small ops vary by tens of per cent). CPU
 times use ``time.perf_counter``; CUDA times use CUDA events around each call
 so that asynchronous kernels are counted where they run.
 
@@ -460,10 +460,10 @@ def time_segments(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Seq
     segment's backward in reverse order from the gradients the later ones produced, accumulating the
     parameters' ``.grad`` as training does (the user's gradients are put back afterwards). A segment is
     timed where it runs in a step, with the cache state the segments before it leave; a node timed alone
-    and repeatedly is not (NOTES.md: nodes timed alone on hot caches add up to less than a pass). Every
+    and repeatedly is not (nodes timed alone on hot caches add up to less than a pass). Every
     tensor autograd saves goes through the runtime's accounting of saved activations
     (:class:`hpml_compile.saved.SavedActivations`), as it does in every training step the runtime runs:
-    a Python call per saved tensor, packed and unpacked, which cost mlp's step 2-4% here (session 18).
+    a Python call per saved tensor, packed and unpacked, which cost mlp's step 2-4% here.
 
     Args:
         gm: a traced GraphModule whose parameters live on ``device``.
@@ -556,7 +556,7 @@ def time_corun(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Sequen
     share the last-level cache and the memory bandwidth. A profile that times the blocks alone does not see
     that: on the 2-core development VM mlp's forward and backward ran 1.10-1.14x slower beside a second process
     running the same model, gpt-mini's 1.02x, while the stream rates (:func:`time_streams`) predicted less
-    (issue 19). So the blocks are timed (:func:`time_segments`) alone, then with the neighbours running,
+    So the blocks are timed (:func:`time_segments`) alone, then with the neighbours running,
     alternately, ``rounds`` times; each round's ratio is its time with them over the mean of the alone times
     around it, and the medians over the rounds are returned.
 

@@ -8,7 +8,7 @@ the step's time (the slowest rank's, in the simulator's scope: see
 The watch fires on a change, not on a level: the plan's first ``baseline``
 steps after the warm-up teach it the machine's constant misprediction
 (measured / predicted; on a CPU model the cost model was not tuned on, a
-healthy step may run 30% over its prediction, every step: issue 19), and it
+healthy step may run 30% over its prediction, every step), and it
 fires when the step then grows ``threshold`` x beyond that. Before, the watch
 compared with the prediction itself, fired after ``patience`` healthy steps on
 such a machine, re-planned for nothing, and only then took the measured step

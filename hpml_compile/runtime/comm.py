@@ -557,7 +557,7 @@ class DistComm(Comm):
 
     def _count_levels(self, stages: tuple[int, ...], flat: Tensor, hier: HierGroups, gather: bool | None = None
                       ) -> None:
-        """Add the bytes of each level of one hierarchical all-reduce of ``flat`` (for report: issue 18).
+        """Add the bytes of each level of one hierarchical all-reduce of ``flat`` (for report).
 
         ``gather``: a hierarchical ZeRO-1's halves of it, False for the reduce-scatter in the host and the
         all-reduce between hosts, True for the all-gather in the host (and half the flat ring, each); None: all.
@@ -683,7 +683,7 @@ class DistComm(Comm):
         else:
             work = dist.all_gather(outs, src, group=group, async_op=True)
         nbytes = sum(o.numel() * o.element_size() for o in outs)
-        if hier is not None:  # the third level of the hierarchical all-reduce, on parameters (report: issue 18)
+        if hier is not None:  # the third level of the hierarchical all-reduce, on parameters (for report)
             hosts = self.group_size((stage,)) // hier.per_host
             for o in outs:
                 intra, _, ring = level_bytes(o.numel(), o.element_size(), hier, hosts)
@@ -757,7 +757,7 @@ class DistComm(Comm):
             if hier is not None:
                 return hierarchical_all_gather(t, hier)
             # straight into views of one buffer: gathering into separate tensors and concatenating them took
-            # 55-65 ms for 30 MB on two gloo ranks here, against 30-33 ms into views (session 10); the backends
+            # 55-65 ms for 30 MB on two gloo ranks here, against 30-33 ms into views; the backends
             # read this replica's input before they write its chunk, so the input may alias it
             size = (n * t.shape[0], *t.shape[1:])
             out = into if into is not None and into.device == t.device and into.dtype == t.dtype \

@@ -29,7 +29,7 @@ after each step and returns warnings, each once when it starts to hold:
   alerting rule's ``for`` clause). A median over a window, held for a while,
   not ``k`` slow steps in a row: on a shared VM a healthy run has stretches
   of five or six steps 1.3-1.4x its median, and once 25 steps (1.3 s) at
-  1.6x (the demo, session 18): the machine's minute, not the run's, and
+  1.6x (the demo): the machine's minute, not the run's, and
   nothing a person could act on.
 
 Example:

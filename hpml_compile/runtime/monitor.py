@@ -125,7 +125,7 @@ class StepMetrics:
     gpu_power_w: float | None = None
     sync_bytes: int = 0  # payload this rank put into its stage's gradient sync (compressed, or 0 on a local step)
     sync_dense_bytes: int = 0  # what the uncompressed all-reduce of the same gradients would have put
-    # hierarchical all-reduces (issue 18): bytes this rank sent inside its host and between hosts, and what flat
+    # hierarchical all-reduces: bytes this rank sent inside its host and between hosts, and what flat
     # rings of the same all-reduces would have sent (runtime.comm.level_bytes, from the collectives that ran)
     sync_intra_bytes: int = 0
     sync_inter_bytes: int = 0

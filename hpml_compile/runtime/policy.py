@@ -65,7 +65,7 @@ DEFAULT_THRESHOLD = 1.25  # measured / predicted step time that counts as "worse
 DEFAULT_PATIENCE = 5  # consecutive such steps before re-planning
 MAX_LOST = 0.9  # a host's contention never explains more than this share of a step
 # An in-place row move's switch cost before the run has measured one (seconds): above what
-# benchmarks/uneven_rows --adapt measured on a shared 2-core VM (10-13 ms, see its README), so the first move is not
+# benchmarks/uneven_rows --adapt measured on a shared 2-core VM (10-13 ms), so the first move is not
 # under-priced; every later decision of the run uses the move it measured.
 ROW_MOVE_PRIOR_S = 0.05
 

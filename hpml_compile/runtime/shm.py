@@ -6,7 +6,7 @@ out again, and summed on the way in a ring. On the 2-core development VM an
 all-reduce of gpt-mini's 25 MiB of gradients between two ranks takes 23-26 ms
 that way; through a shared mapping the same sum takes 12.5 ms (and a
 one-element one 1.3 ms against gloo's 3.4; two gloo ranks timing both in a
-``/tmp`` script, session 16). Why our own: torch ships no shared-memory
+``/tmp`` script). Why our own: torch ships no shared-memory
 backend for CPU collectives; DeepSpeed's CPU all-reduce through shared memory
 is a C++ op of its own build, made for its tensor-parallel inference, and
 oneCCL's torch bindings are not on PyPI for this torch. This is a few tensor

@@ -120,7 +120,7 @@ where the stage overlaps, below). Between hosts: the hierarchical all-reduce's b
 reduce-scatter of gradients and an all-gather of parameters. The same exact
 sum as the flat reduce-scatter, added in another order.
 
-**Prefetched parameter all-gather** (issue 18; ZeRO-1/2 where the stage overlaps its sync, as the buckets):
+**Prefetched parameter all-gather** (ZeRO-1/2 where the stage overlaps its sync, as the buckets):
 after the optimizer step each bucket's all-gather is launched with ``async_op=True``
 (:meth:`.comm.DistComm.gather_async`) in the order the forward reads the flat buffer (from its bottom), and
 waited in a forward pre-hook on the first submodule of the stage that owns the bucket's parameters (parameters

@@ -28,8 +28,8 @@ of memory. Here neither side of the search keeps that product:
   Lagrangian dual of its threshold pair, maximised by cutting planes (the
   box-step method of :mod:`.bundle`: every shortest path is a plane above the
   dual, the planes are shared by every pair whose thresholds admit the path,
-  and the next prices maximise the planes near the best prices found; since
-  session 12, before which projected subgradient steps aimed at the value
+  and the next prices maximise the planes near the best prices found (projected
+  subgradient steps, tried instead, aimed at the value
   that would settle the box, far above what the dual can reach, and left
   llama-70b on 3 x 32 at 64 microbatches 11% under its optimum after 20 CPU
   s, where the planes prove it in 3). A box of one threshold pair is not
@@ -99,7 +99,7 @@ DUAL_STEPS = 240
 #: value near the best prices.
 DUAL_TOL = 1e-6
 #: Memory classes of the Lagrangian DP (optimistic beyond: still a lower bound). Every class the table needs
-#: (:func:`~.bounds.exact_classes`, at most ``M - 1``) up to 64 microbatches: with 8 (before session 10) a stage that
+#: (:func:`~.bounds.exact_classes`, at most ``M - 1``) up to 64 microbatches: with 8 (the classes past 8 merged) a stage that
 #: fits only with at most 8-30 stages after it was admitted anywhere past the 8th, so on pipelines of 16-32 stages
 #: the shortest paths broke memory, were never plans, and the bound stopped below the optimum. llama-70b on 3 x 256
 #: at M=32 (31 classes): with 8, 38 CPU s gave bound 70,830 ms and no plan below 74,356; with every class the

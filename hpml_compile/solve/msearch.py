@@ -229,7 +229,7 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
     counts = kind_counts(cluster)
 
     def polished(c: _Count, plan: list[Candidate], same: bool = True) -> list[Candidate]:
-        """``plan`` after the local search of :func:`~.polish.polish` in the count's table (session 11: gpt2-xl
+        """``plan`` after the local search of :func:`~.polish.polish` in the count's table (e.g. gpt2-xl
         on 3 x 256 at M=8, the first plan's 318.8 ms becomes 286.7 in 0.2 CPU s, where 10 s of bounds had found
         289.0), within :data:`~.polish.POLISH_S` and the deadline."""
         if c.tab is None or len(c.tab) == 0:
@@ -292,7 +292,7 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
         repairs before), fewest devices over first, taking in turn the open count with the least
         bound (where a plan at the bound closes the gap) and the path fewest over at any open count.
 
-        gpt2-xl on 4 x 256 at M=8 (session 13): the bound met 266.33 ms at 5.6 s of a 60 s solve, but the paths
+        gpt2-xl on 4 x 256 at M=8: the bound met 266.33 ms at 5.6 s of a 60 s solve, but the paths
         at the prices that hold it put some kind over its count (by 32 devices or more in those seen), and only
         paths within every count were plans, so the incumbent stayed at 270.70 ms (1.6%) to the end. Of 106 such
         paths (from 25 s of M=8's bound alone, cutoff 270.70 ms) at most 256 devices over, the four fewest over

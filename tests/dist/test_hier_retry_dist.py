@@ -6,7 +6,7 @@ gathered in each host) and ZeRO-1 (the optimizer sharded over each host's two ra
 Rank 0's first collective of step 1 fails once (an injected transient error); every rank drops the failed groups,
 re-forms the process group (:meth:`hpml_compile.runtime.session.Session.reopen`) and retries the step.
 
-Session 16 left this open: ``Pipeline._drop_groups`` let go of the communicator's groups, its pairs and its shared
+Why: ``Pipeline._drop_groups`` once let go of the communicator's groups, its pairs and its shared
 mappings, not of the hierarchical sub-groups, which the communicator (``comm.hierarchy``) and a hierarchical ZeRO-1
 shard (``FlatShard.hier``) still held after the re-forming. A held gloo group keeps its sockets open, so a peer
 blocked on it is not released until its time-out, and the shard kept running its collectives on the failed

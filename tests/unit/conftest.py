@@ -22,8 +22,9 @@ import pytest
 
 _started: list[str] = []
 # Programs that libraries run for a moment (tensorboard's import finds libraries with ldconfig, graphviz renders
-# with dot, matplotlib lists fonts): helpers, not jobs a test starts, so they need no mark.
-_TOOLS = frozenset({"ldconfig", "uname", "gcc", "cc", "ld", "objdump", "lscpu", "nvidia-smi", "dot", "fc-list"})
+# with dot, matplotlib lists fonts; the repository checks list tracked files with git): helpers, not jobs a test
+# starts, so they need no mark.
+_TOOLS = frozenset({"git", "ldconfig", "uname", "gcc", "cc", "ld", "objdump", "lscpu", "nvidia-smi", "dot", "fc-list"})
 
 
 def _recording_popen_init(original: Any) -> Any:

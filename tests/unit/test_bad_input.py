@@ -6,7 +6,7 @@ hostile user would (a field dropped, a value of the wrong type, NaN or an
 infinity in a number, an unknown field, the text cut short) and each load
 must end in :class:`~hpml_compile.errors.SchemaError` (an HpmlError, which the
 CLI prints without a traceback), never in another exception. Then one test for
-each concrete failure found by hand (issue 12).
+each concrete failure found by hand.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def test_python_dicts_with_nan_are_refused_too(kind: str, files: dict[str, Path]
         assert err.value.field == _field(path)
 
 
-# The examples of issue 12, one test each.
+# The concrete failures found by hand, one test each.
 
 def test_unknown_field_in_cluster_json(tmp_path: Path) -> None:
     c = builtin_cluster("hetero-4")

@@ -77,7 +77,7 @@ def test_help_explains_each_command() -> None:
 
 @pytest.mark.dist
 def test_llama_7b_meta_profile_fits_in_3_gb(tmp_path: Path) -> None:
-    """The issue's acceptance command: predicted costs for a 7B model without its weights."""
+    """The acceptance command: predicted costs for a 7B model without its weights."""
     out = tmp_path / "p.json"
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     subprocess.run([sys.executable, "-m", "hpml_compile", "profile", "llama-7b", "--meta", "--device-kinds",

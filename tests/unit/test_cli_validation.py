@@ -1,4 +1,4 @@
-"""Every option of ``run`` and ``plan`` is checked before any rank starts or any solver runs (issue 12).
+"""Every option of ``run`` and ``plan`` is checked before any rank starts or any solver runs.
 
 Each bad option must give exit status 2 and one line naming the option and its value, leave no run folder,
 and never reach :func:`~hpml_compile.runtime.launcher.launch` or the supervisor: both are replaced here by

@@ -91,7 +91,7 @@ def test_the_cost_model_shards_the_optimizer_per_host_and_prices_the_three_level
     copy = copy_ms(p, 4, stream_bytes_per_ms(g, [KIND]), ZeroStage.OS)
     assert hz.sync_copy_ms == 0.0 and flat1.sync_copy_ms == pytest.approx(copy) and copy > 0  # gathered in place
     # the gradient levels run bucket by bucket during the last backward (as ZeRO-0's chains); the parameter
-    # all-gather after the step serial (session 10, no forward given), or prefetched under the next forward
+    # all-gather after the step serial (no forward given), or prefetched under the next forward
     serial = sync_ms(p, 4, ZeroStage.OS, False, h.inter, h.inter, h, bwd_ms=hz.bwd_ms)
     assert gather < serial < levels + gather
     assert hz.sync_ms == pytest.approx(sync_ms(p, 4, ZeroStage.OS, False, h.inter, h.inter, h, bwd_ms=hz.bwd_ms,
@@ -188,7 +188,7 @@ def test_to_plan_keeps_it_only_on_devices_that_shard_as_finely_as_priced() -> No
 
 
 def test_the_prefetched_parameter_gather_is_priced_under_the_next_forward_only_where_the_runtime_prefetches() -> None:
-    # issue 18: ZeRO-1/2's all-gather after the step, launched per bucket and waited by the next forward
+    # ZeRO-1/2's all-gather after the step, launched per bucket and waited by the next forward
     # (runtime.zero.FlatShard.enable_prefetch, where the stage's sync overlaps): only what the first
     # microbatch's forward cannot cover is paid; nothing changes where the runtime does not prefetch
     c = _two_by_two()

@@ -170,7 +170,7 @@ def test_a_compressed_stage_is_flat_since_the_runtime_compresses_over_the_stage_
     two = Cluster(devices=tuple(d for d in c.devices if d.name in {"gpu0", "gpu1", "gpu8", "gpu9"}), name="2x2")
     # 128 MiB per layer: enough that Top-K 0.005 (two all-gathers, each after a meeting) beats even the hierarchical
     # all-reduce overlapped with the backward
-    # (a short forward: ZeRO-1's parameter gather, prefetched under the next forward since issue 18, hides little)
+    # (a short forward: ZeRO-1's parameter gather, prefetched under the next forward, hides little)
     g = chain_graph([(0.1, 20.0)] * 4, kind="A100-80GB", param_bytes=2**27, batch_size=64)
     dense = solve(g, two, solver="dp", microbatches=1)
     assert any(st.allreduce is AllReduce.HIERARCHICAL for st in dense.stages), dense.stages

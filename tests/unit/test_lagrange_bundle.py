@@ -1,4 +1,4 @@
-"""The cutting-plane step of the many-kind bound (solve/bundle.py, session 12) against an LP and the exact DP.
+"""The cutting-plane step of the many-kind bound (solve/bundle.py) against an LP and the exact DP.
 
 The Lagrangian dual of a threshold pair is concave and piecewise linear in a handful of prices; each shortest path
 is a plane above it. ``box_argmax`` must be the exact maximiser of the planes within its box (checked against

@@ -60,7 +60,7 @@ def test_floored_dps_are_relaxations(case, raw_prices, unit) -> None:
 def test_lagrangian_bound_is_exact_where_memory_binds_deep_in_the_pipeline(memory_gib) -> None:
     """Twelve one-block stages, one device each (a microbatch of one row allows no replicas): a stage fits only
     with at most 9-10 stages after it, so memory binds past class 8. The Lagrangian paths keep every memory class
-    (``LAGRANGE_CLASSES``): with the classes past 8 merged (optimistic, as before session 10) the bound stopped at
+    (``LAGRANGE_CLASSES``): with the classes past 8 merged (optimistic) the bound stopped at
     7.03 ms and no plan was found below 7.97 ms, where the exact DP's optimum is 7.16 / 7.09 ms. Now the bound
     meets the optimum from no start plan, and never passes it."""
     from hpml_compile.plan import Schedule

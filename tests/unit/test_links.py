@@ -58,7 +58,7 @@ def test_the_reduce_scatter_and_all_gather_get_fits_of_their_own(shared: bool) -
 
 
 def test_the_all_reduce_is_priced_by_its_own_timings_not_the_joint_fit() -> None:
-    # run AE of benchmarks/prediction: the joint fit of send/recv and all-reduce took the link as not shared
+    # seen in benchmarks/prediction: the joint fit of send/recv and all-reduce took the link as not shared
     # (3.7 GB/s) and priced a 30 MiB all-reduce at half what the probe's own all-reduces took
     sends = cost_models.LinkSpec("p2p", 6.0, 150.0, "test")
     reduces = cost_models.LinkSpec("ar", 2.7, 200.0, "test", shared=True)

@@ -57,7 +57,7 @@ def test_alerts_fire_once_when_a_condition_starts_and_again_after_it_ended() -> 
 
 
 def test_a_run_steadily_slower_than_predicted_is_not_alerted_a_slowdown_of_it_is() -> None:
-    """Issue 19: the demo ran 1.2x its prediction, healthily, with stretches of five or six steps at 1.3-1.4x its
+    """The demo ran 1.2x its prediction, healthily, with stretches of five or six steps at 1.3-1.4x its
     median, and the step alert, then a level over the prediction for 5 steps in a row, fired five times in 300
     steps. Now it learns the run's pace, compares a window's median with it, and says so once that has held for
     ``for_s`` seconds of steps."""

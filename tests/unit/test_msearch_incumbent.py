@@ -1,4 +1,4 @@
-"""Where the many-kind search's time goes on the incumbent side (solve/msearch.py, session 12).
+"""Where the many-kind search's time goes on the incumbent side (solve/msearch.py).
 
 - The blocked DP in the other kind orders is tried only where memory binds (the only reason the order of kinds
   along the pipeline matters beyond boundary transfers): without binding memory gpt2-xl on 3 x 256 spent 2 of its

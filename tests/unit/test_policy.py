@@ -92,7 +92,7 @@ def _step_series(steps: int, predicted: float, misprediction: float, slow_rank: 
 
 
 def test_a_constant_misprediction_never_fires_once_learned() -> None:
-    """Issue 19: a healthy run on a machine that runs every step 30% over its prediction must not re-plan."""
+    """A healthy run on a machine that runs every step 30% over its prediction must not re-plan."""
     series = _step_series(400, predicted=100.0, misprediction=1.3)
     w = ImbalanceWatch(threshold=1.25, patience=5, cooldown=5, baseline=3)
     assert not any(w.observe(m, 100.0) for m in series)

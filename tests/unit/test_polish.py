@@ -1,4 +1,4 @@
-"""The local search on plans (:func:`hpml_compile.solve.polish.polish`, session 11 of issue 16).
+"""The local search on plans (:func:`hpml_compile.solve.polish.polish`).
 
 Each move must keep a plan a plan (a tiling of the chain within every kind's devices and every stage's memory
 class), never make it worse, and never beat brute force; moved to another microbatch count (``same=False``)

@@ -204,7 +204,7 @@ def test_fixed_parts_loss_and_optimizer_are_measured() -> None:
     assert p.micro_batch == 2 and p.loss and p.optimizer == "adamw"
     assert p.optimizer_ms["cpu"] > 0
     # and the step over the same bytes as one flat tensor, as a ZeRO shard is stepped: without the per-tensor
-    # work, which is most of a tiny model's step (session 17: the demo's ZeRO-1 step was priced 3x too long)
+    # work, which is most of a tiny model's step (the demo's ZeRO-1 step was priced 3x too long)
     flat = p.devices["cpu"]["optimizer_flat_ms"]
     assert 0 < flat < p.optimizer_ms["cpu"]
     from hpml_compile.costgraph import build
@@ -305,7 +305,7 @@ def test_time_segments_runs_the_blocks_in_sequence_and_leaves_the_model_alone() 
 
 def test_the_blocks_are_timed_through_the_runtimes_accounting_of_saved_activations(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Session 18: every training step the runtime runs counts what autograd saves (hpml_compile.saved, a Python call
+    """Every training step the runtime runs counts what autograd saves (hpml_compile.saved, a Python call
     per saved tensor: 2-4% of mlp's step here), so the blocks are timed through it too; parameters excluded."""
     from hpml_compile.profile import timing
     from hpml_compile.profile.static import segments
@@ -328,7 +328,7 @@ def test_the_blocks_are_timed_through_the_runtimes_accounting_of_saved_activatio
 
 
 def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Profile) -> None:
-    """Issue 19, session 17: CPU ranks of a host compute at once and share its cache and bandwidth, which a
+    """CPU ranks of a host compute at once and share its cache and bandwidth, which a
     profile timing the blocks alone does not see. Asked to (``corun=True``), the profile times them again while
     forked processes run them on the other cores (each on its own copy of the parameters) and records the
     slow-down, which the cost graph carries to the simulator; every neighbour is gone afterwards."""
@@ -366,7 +366,7 @@ def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Pro
 
 def test_a_scale_outside_the_expected_range_is_measured_again_then_believed(monkeypatch: pytest.MonkeyPatch,
                                                                             tmp_path: Path) -> None:
-    """Issue 19: a whole-pass factor outside the range seen here was dropped; now it is re-measured, kept, said."""
+    """A whole-pass factor outside the range seen here was dropped; now it is re-measured, kept, said."""
     import importlib
 
     prof_mod = importlib.import_module("hpml_compile.profile")  # the package: hpml_compile.profile is the function
@@ -422,7 +422,7 @@ print(annotate(plan, graph)[0].predicted.step_ms, whole.fwd_ms + whole.bwd_ms + 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_profiles_of_gpt_mini_predict_the_same_data_parallel_step() -> None:
-    """Issue 19: profiles of one model on one machine, taken one after the other, must agree on a plan.
+    """Profiles of one model on one machine, taken one after the other, must agree on a plan.
 
     Before the blocks were timed in sequence, gpt-mini data parallel on 2 ranks was predicted 317 ms by one
     profile and 246.6 ms by another (measured 316-322 ms). Each profile runs in a fresh interpreter, as a
@@ -432,8 +432,8 @@ def test_two_profiles_of_gpt_mini_predict_the_same_data_parallel_step() -> None:
     (under 0.25 CPU-seconds per second, the prediction benchmark's bar) are compared, up to six profiles
     until two in a row agree; on a machine that never is quiet, the test is skipped with what it saw.
 
-    The VM's own speed moves with nothing else of ours running (session 8, quiet: fresh profiles predicted
-    357-420 ms within minutes, the previous session's code alike, and every part of a profile moved with
+    The VM's own speed moves with nothing else of ours running (quiet: fresh profiles predicted
+    357-420 ms within minutes, older code alike, and every part of a profile moved with
     it: the whole model's forward 205-249 ms, backward 406-475 ms, the optimizer step 22.7-27.3 ms). So
     each profile's prediction is compared relative to that profile's own measured whole step (the
     whole-model forward and backward and the optimizer step, timed in the same minute): what must agree

@@ -1,4 +1,4 @@
-"""A link measured when profiling is kept in the profile and used by the plans made from it (issue 15)."""
+"""A link measured when profiling is kept in the profile and used by the plans made from it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Lagrangian paths that break a device count, repaired into plans (session 13 of issue 16).
+"""Lagrangian paths that break a device count, repaired into plans.
 
 The many-kind search's Lagrangian shortest paths (:mod:`hpml_compile.solve.lagrange`) ignore the device counts
 (they are priced instead), and only the paths that happen to respect them were plans. Near the dual's optimum

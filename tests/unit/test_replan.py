@@ -79,7 +79,7 @@ def test_diff_lists_each_moved_node_once() -> None:
     assert set(names) == {n for n in before if before[n] != after[n]}
 
 
-# The user's communication options carry into the re-plan (issue 18): 8 layers of 50 MB of parameters over two
+# The user's communication options carry into the re-plan: 8 layers of 50 MB of parameters over two
 # hosts joined by 10 GbE, where a dense all-reduce costs ~320 ms and compressing pays.
 _KW = {"param_bytes": 50_000_000, "activation_bytes": 1_000_000, "output_bytes": 20_000_000, "batch_size": 64}
 _COST = [{"A100-80GB": (1.0, 2.0)}] * 8

@@ -1,4 +1,4 @@
-"""The rows a row move chooses where each call costs a fixed part (issue 15): a slowed device is slower at every
+"""The rows a row move chooses where each call costs a fixed part: a slowed device is slower at every
 part of its work, the fixed part included, and the rows chosen balance the replicas on those costs.
 
 On CPU the per-call part of a replica's time (Python, kernel launches, reading the weights) is large: gpt-tiny's

@@ -111,7 +111,7 @@ def test_report_command_prints_the_table(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["report", str(run), "--skip", "1"]) == 0
     out = capsys.readouterr().out
     assert "5 steps measured (first 1 skipped" in out and "meas/pred" in out and (run / "profile.json").is_file()
-    # beside predicted against measured: the machine the prediction's costs were measured on (issue 19)
+    # beside predicted against measured: the machine the prediction's costs were measured on
     host = load_profile(run / "plan_profile.json").devices["cpu"]
     assert f"prediction profiled on {host['cpu_model']}" in out and "GB/s one thread" in out
     assert any(f"{level} " in out for level in host["cache_bytes"])

@@ -105,7 +105,7 @@ def test_allreduce_tail_in_replicated_stage(kind: str) -> None:
     # copied into the kept buffer (1 MB read + written; the gather writes into place) at the memory bandwidth;
     # the reduce-scatter's buckets span
     # both shards, so only the last half of the backward (1 ms) hides it (on GPUs); the all-gather follows
-    # the optimizer, on GPUs prefetched per bucket under the next forward (issue 18): a bucket spans both
+    # the optimizer, on GPUs prefetched per bucket under the next forward: a bucket spans both
     # shards, so the forward's first half (0.5 ms) reads them all and hides 0.5 ms * (1 - 1 MiB / 2 MB) (the
     # first bucket gathered, the bottom 0.95 MB, costs more than what is left exposed: not the bound here)
     copy = 2 * 2e6 / 2 / (cost_models.get_device(kind).mem_bw / 1e3)
@@ -332,7 +332,7 @@ def _each(bars: dict, ms: float) -> bool:
 
 
 def test_ranks_computing_at_once_stretch_by_the_measured_corun() -> None:
-    """Session 17 (issue 19): mlp's blocks ran 1.10-1.14x as long beside a second process running them, gpt-mini's
+    """mlp's blocks ran 1.10-1.14x as long beside a second process running them, gpt-mini's
     1.02x, on the 2-core VM, where the memory-bandwidth model predicts otherwise. Where the profile measured it,
     two replicas computing at once stretch by it (forward and backward each their own), instead of by the
     bandwidth; a rank alone, or ranks on other hosts, do not."""

@@ -1,5 +1,5 @@
 """Uneven data parallelism, the planning side: choose_rows, the cost model with rows, validation, the
-candidate plans of solve/uneven, and how show draws the rows (issue 15)."""
+candidate plans of solve/uneven, and how show draws the rows."""
 
 from __future__ import annotations
 
@@ -215,7 +215,7 @@ def test_improve_stops_at_its_time_limit_with_the_best_so_far() -> None:
 def test_a_mixed_stage_offloads_the_adam_state_where_nothing_else_fits() -> None:
     """1 GiB of parameters on two 2.5 GiB devices: parameters and gradients fit, the Adam state does not (2 GiB
     under ZeRO-0, 1 GiB a replica under ZeRO-1/2), recompute saves none of it. The uneven search offloads it to
-    host memory on a group of GPUs (session 17: a T4 beside an A100 for gpt2-xl), never on a group with a CPU,
+    host memory on a group of GPUs (e.g. a T4 beside an A100 for gpt2-xl), never on a group with a CPU,
     whose host memory is its own (validate_plan refuses it there)."""
     costs = [{"fast": (1.0, 2.0), "slow": (3.0, 6.0), "cpu": (3.0, 6.0)}] * 4
     prof = chain_profile(costs, param_bytes=2**28, batch_size=8)

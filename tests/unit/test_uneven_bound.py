@@ -1,6 +1,6 @@
-"""The bound of benchmarks/plan_quality/uneven.py that charges what the simulator charges (``charged_bound``,
-issue 15, session 10): no plan simulates below it, it is above the compute bound where the simulator charges
-fixed parts, memory or syncs, and the best one-stage plan meets it where that plan has nothing else to pay."""
+"""The bound of benchmarks/plan_quality/uneven.py that charges what the simulator charges (``charged_bound``):
+no plan simulates below it, it is above the compute bound where the simulator charges fixed parts, memory or
+syncs, and the best one-stage plan meets it where that plan has nothing else to pay."""
 
 from __future__ import annotations
 
@@ -100,11 +100,11 @@ def every_plan_of_two_stages(graph: CostGraph, cluster, profile: Profile | None 
 
 
 # the third: 8 GiB of parameters a node, so that a V100 holds no node's Adam state (memory binds, offload/ZeRO).
-# A GPU group's ZeRO >= 1 parameter all-gather is prefetched under the next forward (session 11): the bound charges
-# only what one microbatch's forward over d leaves of it (charging it whole, as session 10 did, let a plan beat the
+# A GPU group's ZeRO >= 1 parameter all-gather is prefetched under the next forward: the bound charges
+# only what one microbatch's forward over d leaves of it (charging it whole let a plan beat the
 # bound on plan_quality's gpt2-small on hetero-cpu; charging nothing loosened the slack to 1.31, 1.41 and 1.75).
 # hetero-4: 2 x A100 (NVLink), 2 x V100 (NVLink), PCIe between the kinds. hetero-cpu: an A100, a T4 and the host's
-# CPU, whose groups sync after the backward, whole (session 17: the reduce-scatter and the pipeline before and
+# CPU, whose groups sync after the backward, whole (the reduce-scatter and the pipeline before and
 # after a stage are charged too); 2 GiB a node there, so that the T4 holds the parameters and gradients of at most
 # three nodes and an Adam state of none.
 @pytest.mark.parametrize("cluster,batch,param_bytes,fixed,slack", [
@@ -126,7 +126,7 @@ def test_no_plan_simulates_below_the_charged_bound(ub: ModuleType, cluster: str,
 
 def test_the_bound_charges_each_replica_the_rows_it_must_hold(ub: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     """An A100 and a V100 of 16 GiB each, 4 GiB of activations a row: the rows one replica cannot hold beside its
-    parameters and gradients the other must take, at its own pace (session 17: gpt2-xl on hetero-cpu, whose T4
+    parameters and gradients the other must take, at its own pace (e.g. gpt2-xl on hetero-cpu, whose T4
     holds 5 of its rows). Charging that (the row classes) lifts the bound, and still no plan is below it."""
     c = cluster_of([A100, V100], memory_gib=16, free_links=False)
     prof = toy_profile(8, 2**27, 0.9, HETERO_4, activation_bytes=2**33)

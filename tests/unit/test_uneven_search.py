@@ -1,5 +1,5 @@
 """The local search of solve/uneven (its moves, one test each, and the descent), solve/mixed's plan builder and
-keep-best helper, and the plan_quality benchmark's compute bound (issue 15)."""
+keep-best helper, and the plan_quality benchmark's compute bound."""
 
 from __future__ import annotations
 
