@@ -60,7 +60,19 @@ import psutil
 import torch
 from torch import Tensor, nn
 
-__all__ = ["SavedActivations", "GradPeak", "rss_bytes"]
+__all__ = ["SavedActivations", "GradPeak", "rss_bytes", "counts_memory", "MEMORY_EVERY"]
+
+MEMORY_EVERY = 25  # a step of each shape counts its saved activations and gradients this often
+
+
+def counts_memory(seen: int) -> bool:
+    """Whether a step counts its saved activations and gradients, given how many steps of its shape came before.
+
+    Counting costs a Python call per saved tensor and per gradient accumulation. A step's memory follows
+    from its shapes, so a run counts the first two steps of each shape (the first may allocate lazily), then
+    every :data:`MEMORY_EVERY`-th; the steps between report the last count.
+    """
+    return seen < 2 or seen % MEMORY_EVERY == 0
 
 
 def rss_bytes() -> int:
@@ -156,17 +168,21 @@ class SavedActivations:
 class GradPeak:
     """The gradient bytes of ``params`` at the end of the backward: every ``.grad`` storage seen, once.
 
+    Counts only between :meth:`arm` and :meth:`disarm` (a hook per parameter, called at each of its
+    gradient accumulations: a step that does not count pays nothing).
+
     Args:
-        params: the rank's parameters (a hook is registered on each).
+        params: the rank's parameters.
 
     Attributes:
-        bytes: gradient bytes seen since the last :meth:`reset`.
+        bytes: gradient bytes seen since the last :meth:`arm` (kept after :meth:`disarm`).
     """
 
     def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        self._params = [p for p in params if p.requires_grad]
         self._seen: dict[tuple[str, int], int] = {}
         self.bytes = 0
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params if p.requires_grad]
+        self._handles: list[Any] = []
 
     def _hook(self, p: Tensor) -> None:
         g = p.grad
@@ -178,13 +194,20 @@ class GradPeak:
             self._seen[key] = s.nbytes()
             self.bytes += s.nbytes()
 
-    def reset(self) -> None:
-        """Start a new step."""
+    def arm(self) -> None:
+        """Count this step's gradients from zero."""
         self._seen.clear()
         self.bytes = 0
+        if not self._handles:
+            self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._params]
 
-    def remove(self) -> None:
-        """Take the hooks off the parameters."""
+    def disarm(self) -> None:
+        """Take the hooks off the parameters; :attr:`bytes` keeps the last count."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._seen.clear()
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters."""
+        self.disarm()

@@ -41,7 +41,6 @@ from torch.fx.node import map_aggregate, map_arg
 from torch.utils._pytree import tree_leaves
 
 from ..ir import NodeCost
-from ..saved import SavedActivations
 from ..trace import buffers_restored
 from .static import is_inplace
 
@@ -460,10 +459,9 @@ def time_segments(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Seq
     segment's backward in reverse order from the gradients the later ones produced, accumulating the
     parameters' ``.grad`` as training does (the user's gradients are put back afterwards). A segment is
     timed where it runs in a step, with the cache state the segments before it leave; a node timed alone
-    and repeatedly is not (nodes timed alone on hot caches add up to less than a pass). Every
-    tensor autograd saves goes through the runtime's accounting of saved activations
-    (:class:`hpml_compile.saved.SavedActivations`), as it does in every training step the runtime runs:
-    a Python call per saved tensor, packed and unpacked, which cost mlp's step 2-4% here.
+    and repeatedly is not (nodes timed alone on hot caches add up to less than a pass). No hook
+    packs the saved tensors: the runtime counts saved activations on a few steps of each shape only
+    (:meth:`hpml_compile.runtime.Pipeline._counts_memory`), and the steps it times run without one.
 
     Args:
         gm: a traced GraphModule whose parameters live on ``device``.
@@ -496,7 +494,7 @@ def time_segments(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Seq
     try:
         for p in params:
             p.grad = torch.zeros_like(p)
-        with buffers_restored(gm), torch.enable_grad(), SavedActivations(exclude=[gm]):
+        with buffers_restored(gm), torch.enable_grad():
             for i in range(warmup + passes):
                 fwd, bwd = _segment_pass(segs, placeholders, inputs, finals, timer)
                 if i >= warmup:

@@ -80,7 +80,7 @@ from .held import Held, held_bytes
 from .scaler import LossScaler
 from .monitor import Monitor, StepMetrics, peak_memory, reserved_memory, reset_peak_memory, split_wait
 from .offload import offload_optimizer
-from ..saved import GradPeak, SavedActivations
+from ..saved import GradPeak, SavedActivations, counts_memory
 from .session import CommFailure, RetryPolicy, Session
 from ..memory import FIRST_BUCKET_BYTES
 from .compress import Reducer, make_reducer
@@ -149,6 +149,8 @@ class Pipeline:
         self._log = log or (lambda line: None)
         self._faults = list(faults)
         self.steps_done = 0
+        self._params: list[nn.Parameter] | None = None  # parameters(), listed once the stages are set
+        self._memory_seen: dict[tuple[int, int], int] = {}  # (microbatches, rows) -> steps whose memory was counted
         self._agreed_loss: float | None = None  # the last step's agreed loss sum (ranks), for a peer behind
         self._regrouped = False  # the loss agreement re-formed the group and nobody had committed: retry as is
         self._ranks = stage_ranks(self.plan)
@@ -194,7 +196,7 @@ class Pipeline:
             self._user_hooks = [model.register_forward_pre_hook(lambda *_: self.settle()),
                                 model.register_state_dict_pre_hook(lambda *_: self.settle())]
         self.optimizer = self._offloaded(self._make_optimizer(optimizer))
-        self.saved = SavedActivations(exclude=self.stages.values())  # what autograd keeps, measured each step
+        self.saved = SavedActivations(exclude=self.stages.values())  # what autograd keeps (counted steps)
         self.grad_peak = GradPeak(self.parameters())  # gradients at the end of the backward, before any sync
         self.gpu = GpuStats(self.device)  # NVML counters on a GPU rank (reads nothing on a CPU)
         self.held: Held | None = None  # parameters and optimizer state after the last step, gradients at their peak
@@ -357,12 +359,18 @@ class Pipeline:
 
     # -- what this rank holds ---------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
-        """The parameters this process trains (its stage's), each once."""
-        seen: dict[int, nn.Parameter] = {}
-        for st in self.stages.values():
-            for p in st.parameters():
-                seen.setdefault(id(p), p)
-        return list(seen.values())
+        """The parameters this process trains (its stage's), each once.
+
+        Listed once: walking the modules costs a Python call per module, every step, and a stage's parameters
+        are the same objects for the whole run (ZeRO, offload and row moves change their ``.data``, not them).
+        """
+        if self._params is None:
+            seen: dict[int, nn.Parameter] = {}
+            for st in self.stages.values():
+                for p in st.parameters():
+                    seen.setdefault(id(p), p)
+            self._params = list(seen.values())
+        return self._params
 
     def local_module(self) -> nn.Module:
         """This process's stage as a module whose parameter names are the original model's (for checkpoints)."""
@@ -647,9 +655,12 @@ class Pipeline:
         # (a rank given only its own rows checks the batch's dataset indices and number instead)
         seen = [inputs, targets] if rank_batch is None else [rank_batch.step, rank_batch.indices]
         agree = self._agreement(agree_with_check(dist.all_reduce, fingerprint(seen), self.steps_done + 1))
-        self.saved.reset_peak()
-        self.grad_peak.reset()
-        with self.saved:  # activations saved for backward, by storage, at their peak
+        counted = self._counts_memory(n, rows=self.batch_rows if rank_batch is not None else
+                                      sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor)))
+        if counted:
+            self.saved.reset_peak()
+            self.grad_peak.arm()
+        with self.saved if counted else contextlib.nullcontext():  # activations saved for backward, at their peak
             try:
                 run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
                                   device=self.device, optimizer=self.optimizer, agree=agree,
@@ -667,6 +678,7 @@ class Pipeline:
                 run = e.run
                 self._reform_after_update(e)
         busy = self.host.end() if self.host is not None else HostBusy(0.0, 0.0, 0.0)
+        self.grad_peak.disarm()
         h = held_bytes(list(self.stages.values()), self.optimizer)
         # gradients at their peak; ZeRO-3 parameters too: the whole stage's while a microbatch computes
         gathered = sum(s.gathered_bytes for s in self._shards if isinstance(s, FlatShard3) and s.gathers)
@@ -701,6 +713,13 @@ class Pipeline:
             self.events.finish(self.steps_done) if self.events is not None else None)
         self.steps_done += 1
         return run.loss_sum.float()
+
+    def _counts_memory(self, microbatches: int, rows: int) -> bool:
+        """Whether this step counts its saved activations and gradients (:func:`~hpml_compile.saved.counts_memory`)."""
+        key = (microbatches, rows)
+        seen = self._memory_seen.get(key, 0)
+        self._memory_seen[key] = seen + 1
+        return counts_memory(seen)
 
     def _arm(self, stage: int) -> None:
         """Just before ``stage``'s last backward of the step: its gradient buckets launch as they become ready."""

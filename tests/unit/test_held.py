@@ -33,3 +33,4 @@ def test_freed_storage_counts_zero_and_optimizer_parameters_count() -> None:
     h = held_bytes(m, opt)
     assert (h.params, h.grads) == (16, 16)
     assert h.optimizer == 2 * 16 + opt.state[shard]["step"].untyped_storage().nbytes()
+

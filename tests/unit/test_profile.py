@@ -303,30 +303,6 @@ def test_time_segments_runs_the_blocks_in_sequence_and_leaves_the_model_alone() 
     assert all(p.grad is grads[name] for name, p in gm.named_parameters())
 
 
-def test_the_blocks_are_timed_through_the_runtimes_accounting_of_saved_activations(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every training step the runtime runs counts what autograd saves (hpml_compile.saved, a Python call
-    per saved tensor: 2-4% of mlp's step here), so the blocks are timed through it too; parameters excluded."""
-    from hpml_compile.profile import timing
-    from hpml_compile.profile.static import segments
-    from hpml_compile.saved import SavedActivations
-    from hpml_compile.trace import trace
-
-    packed: list[int] = []
-
-    class Counting(SavedActivations):
-        def _pack(self, t: torch.Tensor) -> object:
-            out = super()._pack(t)
-            packed.append(int(out is not t))  # 1: an activation counted; 0: a parameter let through
-            return out
-
-    monkeypatch.setattr(timing, "SavedActivations", Counting)
-    m = models.load("mlp-tiny", batch_size=16)
-    gm = trace(m.module, m.example_inputs)
-    timing.time_segments(gm, m.example_inputs, [s.nodes for s in segments(gm)], passes=2, warmup=1)
-    assert sum(packed) > 0 and 0 in packed  # activations counted, the weights each linear saves let through
-
-
 def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Profile) -> None:
     """CPU ranks of a host compute at once and share its cache and bandwidth, which a
     profile timing the blocks alone does not see. Asked to (``corun=True``), the profile times them again while

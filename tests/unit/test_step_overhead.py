@@ -1,0 +1,51 @@
+"""What the runtime does beside the model in a step, kept off the per-op and per-parameter path."""
+
+from __future__ import annotations
+
+import torch
+
+
+def test_memory_is_counted_on_the_first_steps_of_a_shape_then_every_so_often() -> None:
+    from hpml_compile.saved import MEMORY_EVERY, counts_memory
+
+    counted = [i for i in range(3 * MEMORY_EVERY) if counts_memory(i)]
+    assert counted == [0, 1, MEMORY_EVERY, 2 * MEMORY_EVERY]
+
+
+def test_gradients_are_counted_only_while_armed() -> None:
+    from hpml_compile.saved import GradPeak
+
+    net = torch.nn.Linear(4, 3)
+    peak = GradPeak(net.parameters())
+    net(torch.randn(2, 4)).sum().backward()
+    assert peak.bytes == 0, "nothing is counted before arm()"
+    for p in net.parameters():
+        p.grad = None
+    peak.arm()
+    net(torch.randn(2, 4)).sum().backward()
+    assert peak.bytes == (4 * 3 + 3) * 4
+    peak.disarm()
+    for p in net.parameters():
+        p.grad = None
+    net(torch.randn(2, 4)).sum().backward()
+    assert peak.bytes == (4 * 3 + 3) * 4, "the last count is kept after disarm(), and nothing is added"
+    assert all(not p._post_accumulate_grad_hooks for p in net.parameters())
+
+
+def test_a_step_right_after_the_last_starts_from_its_end_sample() -> None:
+    import time
+
+    from hpml_compile.runtime.host import REUSE_S, HostSampler
+
+    h = HostSampler()
+    h.begin()
+    h.end()
+    ended = h._last_end
+    h.begin()
+    assert h._start is ended, "a step started at once reuses the last end's sample"
+    h.end()
+    time.sleep(REUSE_S * 2)
+    h.begin()
+    assert h._start is not h._last_end and h._start is not None, "after a gap the step samples afresh"
+    busy = h.end()
+    assert 0.0 <= busy.others <= 1.0 and busy.cpu_util >= 0.0
