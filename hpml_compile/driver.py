@@ -68,6 +68,10 @@ __all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "move_rows"
 
 Say = Callable[[str], None]
 
+#: The most seconds the uneven-rows search (:func:`hpml_compile.solve.uneven.improve`) adds after the solver
+#: (less when the solver's own time limit is shorter); it says how far it got within them.
+UNEVEN_BUDGET_S = 10.0
+
 
 @dataclass(frozen=True, slots=True)
 class Options:
@@ -358,7 +362,8 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
                        compress=opts.allow_compress, hierarchical=opts.hierarchical)
         if opts.uneven:                                                             # 5b. mixed kinds, uneven rows
             placed = improve_uneven(graph, devices, placed, dtype=prof.dtype, microbatches=opts.microbatches,
-                                    time_limit_s=min(10.0, opts.time_limit_s), progress=progress).plan
+                                    time_limit_s=min(UNEVEN_BUDGET_S, opts.time_limit_s),
+                                    progress=progress).plan
         return placed
 
     result = solve_on(cluster)
