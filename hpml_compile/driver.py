@@ -7,7 +7,8 @@ re-plan in :mod:`.runtime.supervisor`). None of them calls a pass by itself,
 so a change to the chain is made once, here::
 
     compile:  model -> trace -> profile -> costgraph -> coarsen -> solve -> codegen -> Build
-    plan:              profile -> costgraph -> coarsen -> solve -> uneven rows -> Plan
+    plan:              profile -> costgraph -> coarsen -> solve -> uneven rows -> cores -> validate
+                       -> certificate, assumptions -> Plan
     replan:   (old plan, measured profile, devices lost) -> costgraph -> coarsen -> solve
               -> the faster of old and new, scored on the same costs -> Plan (+ rebuild -> Build)
 
@@ -44,6 +45,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .assumptions import assumptions
+from .certify import certify
 from .cluster import check_devices_costed, load_cluster
 from .codegen import Build, check_build_dir, generate
 from .costgraph import CostGraph
@@ -339,7 +342,9 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
         progress: the solver's progress lines.
 
     Returns:
-        The plan, with the simulator's predictions, checked against the profile.
+        The plan, with the simulator's predictions, checked against the profile, its certificate (the step
+        against a lower bound on every plan's, :func:`hpml_compile.certify.certify`) and the costs it assumes
+        (:func:`hpml_compile.assumptions.assumptions`).
 
     Raises:
         OptionError: ``opts.microbatches`` does not split the profile's batch, or ``opts.precision`` is not the
@@ -351,7 +356,7 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
     check_precision(prof, opts.precision)                                           # trains as it was timed
     check_threads(prof, cluster)                                                    # CPU times at the ranks' threads
     cluster = profile_links(cluster, prof)                                          # this host's measured link
-    prof, graph = cost_graph(prof, cluster, opts)
+    prof, fine, graph = _graphs(prof, cluster, opts)
     if progress:
         progress(f"{prof.model}: {len(graph.order)} blocks after coarsening ({len(prof.nodes)} nodes)")
 
@@ -377,6 +382,8 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
                            sync_warmup=opts.sync_warmup)
         result = annotate(result, graph, prof.dtype)[0]                             # re-simulated with them
     validate_plan(result, prof)                                                     # every node placed once
+    result = replace(result, certificate=certify(result, fine),                     # 6. how far from the best
+                     assumptions=assumptions(result, prof))                         # what was not measured here
     _dump(opts, "4-plan.json", lambda p: save_plan(result, p))
     return result
 
