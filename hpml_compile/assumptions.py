@@ -77,8 +77,10 @@ def _speeds(used: list[Device], prof: Profile) -> list[Assumption]:
             continue
         if spec.category is cost_models.DeviceCategory.GPU:
             gpu_predicted = True
-        flops = max(spec.peak_flops.values(), default=0.0) / 1e12
-        out.append(Assumption(f"{kind} speed", f"{flops:.0f} TFLOP/s peak, {spec.mem_bw / 1e9:.0f} GB/s memory",
+        dtype = prof.precision.dtype if prof.precision.is_mixed else prof.dtype  # what prices its nodes
+        flops = spec.peak_flops.get(dtype, 0.0) / 1e12
+        out.append(Assumption(f"{kind} speed", f"{flops:g} TFLOP/s peak in {dtype}, {spec.mem_bw / 1e9:.0f} GB/s "
+                                               "memory",
                               f"{info.get('predicted_from', 'datasheet roofline')}; {spec.source or 'catalog'}"))
     if gpu_predicted:
         out.append(Assumption("per-op host cost on a GPU", f"{cost_models.EAGER_GPU_OP_MS * 1e3:.0f} us an op",
