@@ -622,6 +622,8 @@ def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost
                           dtype=prof.dtype, progress=progress, score_graph=fine, allow_compress=allowed,
                           comm=forced, hierarchical=opts.hierarchical)
     validate_plan(result.plan, prof)
+    result = replace(result, plan=replace(result.plan, certificate=certify(result.plan, fine),  # as plan() does
+                                          assumptions=assumptions(result.plan, prof)))
     _dump(opts, "4-plan.json", lambda p: save_plan(result.plan, p))
     return result
 
