@@ -5,9 +5,9 @@ device kind of the built-in clusters; nothing allocated), coarsened into
 blocks, and placed on the built-in clusters by each of our solvers (``ilp``,
 ``dp`` and the baselines ``uniform``, ``params``, ``time``). The peers' real
 partitioners run on the same per-block costs and their splits are scored by
-the same simulator (one stage per device in cluster order, the cheapest
-memory configuration that fits, the microbatch count searched, exactly as
-our baselines):
+the same simulator, each given what a user of it sets (:mod:`fair`: its
+split into ``S`` stages, ``d`` data-parallel replicas of each, the microbatch
+count and the ZeRO stage, all searched, equal rows per replica):
 
 - DeepSpeed's ``deepspeed.runtime.utils.partition_balanced`` on parameter
   counts (``PipelineModule(partition_method="parameters")``, its default);
@@ -15,9 +15,9 @@ our baselines):
   microseconds of forward + backward per block on the first device's kind
   (what ``balance_by_time`` measures on the current device).
 
-Both split over every device they are given and treat them as identical;
-each is credited with its best number of devices (the first ``k`` of the
-cluster, ``k = 1..D``), as a user who leaves a slow device out would do.
+Both treat the devices as identical; each is credited with its best
+``S x d`` (devices left idle where that is faster), as a user who leaves a
+slow device out would do.
 
 They are optional extras, not package dependencies; without them the run
 prints a note and goes on. Install them into the venv with
@@ -74,7 +74,7 @@ from hpml_compile.ir import Cluster
 from hpml_compile.memory import ZeroStage
 from hpml_compile.plan import AllReduce, Plan, hierarchy_problem
 from hpml_compile.simulate import EventKind, simulate
-from hpml_compile.solve import SolverName, plan_from_cuts, solve
+from hpml_compile.solve import SolverName, solve
 from hpml_compile.solve.baselines import cut_points
 from hpml_compile.solve.candidates import Chain
 
@@ -155,33 +155,19 @@ def peer_cuts(graph: CostGraph, cluster: Cluster, which: str, fn: Callable[[list
 
 
 def best_peer_plan(graph: CostGraph, cluster: Cluster, which: str, fn: Callable[[list[float], int], list[int]]
-                   ) -> tuple[Plan, float | None]:
-    """The peer's best plan over how many devices it is given (the first k of the cluster, k = 1..D).
-
-    The peers split over every device they are handed and assume identical ones; choosing k for them
-    (e.g. leaving a slow CPU out) is what a user would do, so the peer is credited with the best k.
+                   ) -> tuple[Plan, dict[str, Any]]:
+    """The peer's best plan over the settings a user of it chooses: its split into ``S`` stages, ``d``
+    replicas each, the microbatch count and the ZeRO stage (:func:`fair.fair_peer_plan`).
 
     Returns:
-        The best plan, and the step time on all D devices (None if that does not fit).
+        The best plan, and its setting for the JSON.
     """
-    best: Plan | None = None
-    every: float | None = None
-    why = ""
-    for k in range(1, len(cluster.devices) + 1):
-        sub = Cluster(devices=cluster.devices[:k], links=tuple(x for x in cluster.links if {x.a, x.b} <= {
-            d.name for d in cluster.devices[:k]}), name=cluster.name)
-        try:
-            plan = plan_from_cuts(graph, sub, peer_cuts(graph, sub, which, fn, k), name=which)
-        except InfeasibleError as e:
-            why = str(e).splitlines()[0]
-            continue
-        if best is None or plan.predicted.step_ms < best.predicted.step_ms:
-            best = plan
-        if k == len(cluster.devices):
-            every = plan.predicted.step_ms
-    if best is None:
-        raise InfeasibleError(why)
-    return best, every
+    from fair import fair_peer_plan
+
+    plan = fair_peer_plan(graph, cluster, which, fn)
+    zero = max((int(st.zero) for st in plan.stages), default=0)
+    return plan, {"setting": f"{len(plan.stages)} stages x {len(plan.stages[0].devices)} replicas, ZeRO-{zero}"
+                             + (", recompute" if any(st.recompute for st in plan.stages) else "")}
 
 
 def graph_of(name: str, batch: int, kinds: list[str]) -> CostGraph:
