@@ -369,6 +369,8 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
             placed = improve_uneven(graph, devices, placed, dtype=prof.dtype, microbatches=opts.microbatches,
                                     time_limit_s=min(UNEVEN_BUDGET_S, opts.time_limit_s),
                                     progress=progress).plan
+        elif progress:
+            progress("uneven rows: not searched (turned off: Options(uneven=False), --no-uneven)")
         return placed
 
     result = solve_on(cluster)
