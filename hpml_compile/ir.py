@@ -518,23 +518,28 @@ class Cluster:
     links: tuple[Link, ...] = ()
     name: str = "custom"
     schema_version: int = CLUSTER_VERSION
+    # name -> device, built once: the planners look devices up by name millions of times on large clusters
+    _by_name: Mapping[str, Device] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = [d.name for d in self.devices]
-        for i, n in enumerate(names):
-            if n in names[:i]:
-                raise SchemaError(self.name, f"devices[{i}].name", "a unique device name", repr(n))
+        index: dict[str, Device] = {}
+        for i, d in enumerate(self.devices):
+            if d.name in index:
+                raise SchemaError(self.name, f"devices[{i}].name", "a unique device name", repr(d.name))
+            index[d.name] = d
         for i, link in enumerate(self.links):
             for end in ("a", "b"):
-                if getattr(link, end) not in names:
+                if getattr(link, end) not in index:
                     raise SchemaError(self.name, f"links[{i}].{end}", f"one of the devices {names}",
                                       repr(getattr(link, end)))
+        object.__setattr__(self, "_by_name", index)
 
     def device(self, name: str) -> Device:
-        for d in self.devices:
-            if d.name == name:
-                return d
-        raise KeyError(f"no device named {name!r} in cluster {self.name}")
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no device named {name!r} in cluster {self.name}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return {
