@@ -87,7 +87,8 @@ class Options:
         time_limit_s: the ILP's time limit.
         dump_dir: write each pass's output here (default: ``$HPML_DUMP``, else nothing).
         uneven: after solving, also try plans whose stages mix device kinds with uneven rows per replica
-            (:mod:`hpml_compile.solve.uneven`) and keep the fastest (never slower than the solver's own).
+            (:mod:`hpml_compile.solve.uneven`) and keep the fastest (never slower than the solver's own), within
+            a budget of :data:`UNEVEN_BUDGET_S` seconds (or the time limit, if shorter) that it reports against.
         hierarchical: let a stage whose replicas span hosts all-reduce hierarchically where faster (exact).
         precision: ``fp32``, ``bf16`` or ``fp16`` (:class:`~hpml_compile.ir.Precision`): what :func:`compile`
             profiles and trains in; for :func:`plan` and :func:`replan`, what the profile (the running plan)
