@@ -39,6 +39,13 @@ least one row per replica:
 
 What was chosen is written into the plan's solver name (``ilp+uneven:data-parallel``) and returned by :func:`improve`.
 
+The search runs within a budget (:class:`Budget`), checked before every plan it builds or simulates, so
+what it adds to the solver's time is bounded whatever the cluster; it says how many families it got
+through, in what time, against what budget. On a large cluster its neighbourhoods grow with the device
+classes (kind, memory, host: :func:`device_class`) rather than the devices: one device of a class stands
+for the others in a move or swap, and one stage's ``k`` devices are tried at the counts of
+:func:`group_sizes`.
+
 Example:
     >>> from hpml_compile.solve import solve
     >>> from hpml_compile.solve.testing import chain_graph, cluster_of
@@ -64,8 +71,8 @@ from .baselines import balanced_cuts, cut_points
 from .candidates import Chain
 from .mixed import CONFIGS, Score, allowed, build_plan, fastest, microbatch_counts, stage_blocks, stage_rows
 
-__all__ = ["CONFIGS", "FAMILIES", "Budget", "Uneven", "Shape", "group_sizes", "device_class", "stage_rows", "build_plan", "improve", "data_parallel", "extend", "merge",
-           "mixed_pipeline", "local_search", "shape_of", "moved_devices", "shifted_cuts", "other_counts"]
+__all__ = ["CONFIGS", "FAMILIES", "Budget", "Uneven", "Shape", "group_sizes", "device_class", "stage_rows",
+           "build_plan", "improve", "data_parallel", "extend", "merge", "mixed_pipeline", "local_search", "shape_of", "moved_devices", "shifted_cuts", "other_counts"]
 
 @dataclass(frozen=True, slots=True)
 class Uneven:
@@ -156,8 +163,12 @@ def mixed_pipeline(graph: CostGraph, cluster: Cluster, score: Score, *, microbat
         cuts = balanced_cuts(chain, s, weights)
         if len(cuts) - 1 != s:
             continue
-        best = fastest((check() or build_plan(graph, cluster, groups, cuts, m, schedule, dtype, "mixed-pipeline")
-                        for m in microbatch_counts(graph, max(len(g) for g in groups), microbatches)), score)
+        def built(m: int, groups: list[list[str]] = groups, cuts: list[int] = cuts) -> Plan | None:
+            check()
+            return build_plan(graph, cluster, groups, cuts, m, schedule, dtype, "mixed-pipeline")
+
+        best = fastest((built(m) for m in microbatch_counts(graph, max(len(g) for g in groups), microbatches)),
+                       score)
         if best is not None:
             out.append(best)
     return out
