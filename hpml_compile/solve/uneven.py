@@ -66,7 +66,7 @@ from ..costgraph import CostGraph
 from ..errors import HpmlError
 from ..ir import Cluster, Device
 from ..plan import Plan, Schedule, SolverInfo, SolverStatus
-from ..simulate import annotate
+from ..simulate import annotate, step_ms
 from .baselines import balanced_cuts, cut_points
 from .candidates import Chain
 from .mixed import CONFIGS, Score, allowed, build_plan, fastest, microbatch_counts, stage_blocks, stage_rows
@@ -466,7 +466,7 @@ def improve(graph: CostGraph, cluster: Cluster, base: Plan, *, dtype: str = "flo
             return seen[id(p)][1]
         budget.check()
         try:
-            t = annotate(p, graph, dtype)[1].step_ms
+            t = step_ms(p, graph, dtype)  # the step alone: no per-device bars or memory curves
         except HpmlError:
             t = float("inf")
         seen[id(p)] = (p, t)  # the plan is kept, so its id is not reused

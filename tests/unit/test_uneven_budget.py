@@ -52,11 +52,13 @@ def test_no_plan_is_built_or_simulated_without_a_budget_check(monkeypatch: pytes
     monkeypatch.setattr(uneven, "build_plan", counted("built", uneven.build_plan))
     monkeypatch.setattr(uneven, "stage_rows", counted("rows", uneven.stage_rows))
     monkeypatch.setattr(uneven, "annotate", counted("simulated", uneven.annotate))
+    monkeypatch.setattr(uneven, "step_ms", counted("simulated", uneven.step_ms))
     clock, lines = Ticks(), []
     got = improve(g, c, base, time_limit_s=30, progress=lines.append, clock=clock)
     checks = clock.reads - 2  # the start and the closing line's reading
     assert checks <= 31 + 1  # the budget ran out at its 31st check: one more was refused
     # each unit of work was preceded by a check (the closing simulation of the winner aside)
+    assert work["simulated"] > 0 and work["built"] > 0
     assert work["built"] + work["rows"] + work["simulated"] - (got.chosen != "solver") <= checks
     assert got.tried <= checks + 1 and got.plan.predicted.step_ms <= base.predicted.step_ms
     summary = next(line for line in lines if line.startswith("uneven rows: stopped"))
@@ -109,3 +111,17 @@ def test_shape_of_a_solved_plan_on_the_generated_cluster_is_searchable() -> None
     base = solve(g, c, solver="dp", microbatches=4)
     shape = shape_of(g, base)
     assert sum(len(grp) for grp in shape[0]) == sum(len(st.devices) for st in base.stages)
+
+
+def test_the_step_alone_is_the_simulated_step() -> None:
+    """The search scores plans by :func:`hpml_compile.simulate.step_ms`, which skips the bars and memory curves:
+    it must be the step :func:`hpml_compile.simulate.simulate` gives, on uneven, pipelined and sharded plans."""
+    from hpml_compile.simulate import simulate, step_ms
+
+    g = chain_graph([KINDS] * 8, param_bytes=1000, batch_size=96)
+    c = generated_cluster(8)
+    base = solve(g, c, solver="dp", microbatches=4)
+    plans = [base, improve(g, c, base, time_limit_s=1e9, clock=Ticks()).plan]
+    plans += [solve(g, c, solver=s, microbatches=m) for s in ("uniform", "time") for m in (1, 8)]
+    for p in plans:
+        assert step_ms(p, g) == simulate(p, g).step_ms
