@@ -7,7 +7,8 @@ re-plan in :mod:`.runtime.supervisor`). None of them calls a pass by itself,
 so a change to the chain is made once, here::
 
     compile:  model -> trace -> profile -> costgraph -> coarsen -> solve -> codegen -> Build
-    plan:              profile -> costgraph -> coarsen -> solve -> uneven rows -> Plan
+    plan:              profile -> costgraph -> coarsen -> solve -> uneven rows -> cores -> validate
+                       -> certificate, assumptions -> Plan
     replan:   (old plan, measured profile, devices lost) -> costgraph -> coarsen -> solve
               -> the faster of old and new, scored on the same costs -> Plan (+ rebuild -> Build)
 
@@ -44,6 +45,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .assumptions import assumptions
+from .certify import certify
 from .cluster import check_devices_costed, load_cluster
 from .codegen import Build, check_build_dir, generate
 from .costgraph import CostGraph
@@ -68,6 +71,10 @@ __all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "move_rows"
 
 Say = Callable[[str], None]
 
+#: The most seconds the uneven-rows search (:func:`hpml_compile.solve.uneven.improve`) adds after the solver
+#: (less when the solver's own time limit is shorter); it says how far it got within them.
+UNEVEN_BUDGET_S = 10.0
+
 
 @dataclass(frozen=True, slots=True)
 class Options:
@@ -80,7 +87,8 @@ class Options:
         time_limit_s: the ILP's time limit.
         dump_dir: write each pass's output here (default: ``$HPML_DUMP``, else nothing).
         uneven: after solving, also try plans whose stages mix device kinds with uneven rows per replica
-            (:mod:`hpml_compile.solve.uneven`) and keep the fastest (never slower than the solver's own).
+            (:mod:`hpml_compile.solve.uneven`) and keep the fastest (never slower than the solver's own), within
+            a budget of :data:`UNEVEN_BUDGET_S` seconds (or the time limit, if shorter) that it reports against.
         hierarchical: let a stage whose replicas span hosts all-reduce hierarchically where faster (exact).
         precision: ``fp32``, ``bf16`` or ``fp16`` (:class:`~hpml_compile.ir.Precision`): what :func:`compile`
             profiles and trains in; for :func:`plan` and :func:`replan`, what the profile (the running plan)
@@ -335,7 +343,9 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
         progress: the solver's progress lines.
 
     Returns:
-        The plan, with the simulator's predictions, checked against the profile.
+        The plan, with the simulator's predictions, checked against the profile, its certificate (the step
+        against a lower bound on every plan's, :func:`hpml_compile.certify.certify`) and the costs it assumes
+        (:func:`hpml_compile.assumptions.assumptions`).
 
     Raises:
         OptionError: ``opts.microbatches`` does not split the profile's batch, or ``opts.precision`` is not the
@@ -347,7 +357,7 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
     check_precision(prof, opts.precision)                                           # trains as it was timed
     check_threads(prof, cluster)                                                    # CPU times at the ranks' threads
     cluster = profile_links(cluster, prof)                                          # this host's measured link
-    prof, graph = cost_graph(prof, cluster, opts)
+    prof, fine, graph = _graphs(prof, cluster, opts)
     if progress:
         progress(f"{prof.model}: {len(graph.order)} blocks after coarsening ({len(prof.nodes)} nodes)")
 
@@ -358,7 +368,10 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
                        compress=opts.allow_compress, hierarchical=opts.hierarchical)
         if opts.uneven:                                                             # 5b. mixed kinds, uneven rows
             placed = improve_uneven(graph, devices, placed, dtype=prof.dtype, microbatches=opts.microbatches,
-                                    time_limit_s=min(10.0, opts.time_limit_s), progress=progress).plan
+                                    time_limit_s=min(UNEVEN_BUDGET_S, opts.time_limit_s),
+                                    progress=progress).plan
+        elif progress:
+            progress("uneven rows: not searched (turned off: Options(uneven=False), --no-uneven)")
         return placed
 
     result = solve_on(cluster)
@@ -372,6 +385,8 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
                            sync_warmup=opts.sync_warmup)
         result = annotate(result, graph, prof.dtype)[0]                             # re-simulated with them
     validate_plan(result, prof)                                                     # every node placed once
+    result = replace(result, certificate=certify(result, fine),                     # 6. how far from the best
+                     assumptions=assumptions(result, prof))                         # what was not measured here
     _dump(opts, "4-plan.json", lambda p: save_plan(result, p))
     return result
 
@@ -610,6 +625,8 @@ def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost
                           dtype=prof.dtype, progress=progress, score_graph=fine, allow_compress=allowed,
                           comm=forced, hierarchical=opts.hierarchical)
     validate_plan(result.plan, prof)
+    result = replace(result, plan=replace(result.plan, certificate=certify(result.plan, fine),  # as plan() does
+                                          assumptions=assumptions(result.plan, prof)))
     _dump(opts, "4-plan.json", lambda p: save_plan(result.plan, p))
     return result
 

@@ -22,22 +22,24 @@ Example:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Callable
 
 from .costgraph import CostGraph, build
-from .errors import HpmlError, InfeasibleError
+from .errors import HpmlError
 from .ir import Cluster, Device, Profile
 from .memory import GiB
 from .plan import Plan, Stage
 from .simulate import SimResult, crowded_devices
-from .solve import SolverName, solve
+from .solve import SolverName
 from .cluster import hierarchy
 from .plan import AllReduce
+from .assumptions import format_assumptions
 from .report import human_bytes
 from .stagecost import level_bytes
 from .viz import allreduce_label, device_names, device_order
 
-__all__ = ["plan_costgraph", "WhatIf", "one_more_device", "summary"]
+__all__ = ["plan_costgraph", "WhatIf", "one_more_device", "base_solver", "summary"]
 
 
 def plan_costgraph(plan: Plan, profile: Profile) -> CostGraph:
@@ -100,20 +102,19 @@ def _new_name(cluster: Cluster, like: str) -> str:
     return f"{stem}{i}"
 
 
-def one_more_device(plan: Plan, graph: CostGraph, result: SimResult, *, time_limit_s: float = 10.0,
-                    dtype: str = "float32") -> WhatIf:
-    """Re-solve ``plan`` with one more device of its bottleneck stage's kind (same host, same memory).
+def one_more_device(plan: Plan, result: SimResult, plan_on: Callable[[Cluster], Plan]) -> WhatIf:
+    """``plan``'s cluster with one more device of its bottleneck stage's kind (same host, same memory),
+    planned by ``plan_on``.
 
-    The solver, schedule and microbatch count stay those of the plan (a solver
-    name the package does not know falls back to ``ilp``), so the difference
-    is the device's alone.
+    ``plan_on`` is the caller's way to plan (``show`` passes :func:`hpml_compile.driver.plan` with the plan's
+    solver, schedule and microbatch count), so the new plan goes through every step a plan does (uneven rows,
+    the cores rule, the checks) and its figure is the one ``plan`` would print for that cluster: the
+    difference is the device's alone.
 
     Args:
         plan: the plan.
-        graph: its cost graph.
         result: its simulation (for the bottleneck).
-        time_limit_s: ILP time limit.
-        dtype: parameter dtype.
+        plan_on: plans the model on a cluster.
 
     Returns:
         The added device and the new plan (or why there is none).
@@ -122,14 +123,18 @@ def one_more_device(plan: Plan, graph: CostGraph, result: SimResult, *, time_lim
     dev = Device(_new_name(plan.cluster, like.name), like.kind, like.memory_gib, like.host)
     bigger = Cluster(devices=(*plan.cluster.devices, dev), links=plan.cluster.links,
                      name=f"{plan.cluster.name}+1x{like.kind}")
-    solver = plan.solver.name if plan.solver.name in {s.value for s in SolverName} else SolverName.ILP.value
     try:
-        new = solve(graph, bigger, solver=solver, microbatches=plan.microbatches, schedule=plan.schedule,
-                    time_limit_s=time_limit_s, dtype=dtype)
-        new = replace(new, precision=plan.precision)
-    except InfeasibleError as e:
+        new = plan_on(bigger)
+    except HpmlError as e:  # nothing fits, or the profile does not serve the bigger cluster: said, not raised
         return WhatIf(dev, None, str(e).splitlines()[0])
     return WhatIf(dev, new)
+
+
+def base_solver(plan: Plan) -> str:
+    """The solver that made ``plan`` (``ilp+uneven:merge`` was made by ``ilp``); ``ilp`` for one the package does
+    not know."""
+    name = plan.solver.name.split("+")[0]
+    return name if name in {s.value for s in SolverName} else SolverName.ILP.value
 
 
 def _precision(plan: Plan) -> str:
@@ -217,7 +222,8 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
     so, m = plan.solver, plan.microbatches
     lines = [f"{plan.model} on {plan.cluster.name} ({len(plan.cluster.devices)} devices): {len(plan.stages)} "
              f"stages, {m} microbatches, {plan.schedule.value}, {_precision(plan)}; solver {so.name} "
-             f"{so.status.value} (gap {so.gap:.2%}) in {so.seconds:.2f} s",
+             f"{so.status.value} in {so.seconds:.2f} s",
+             (plan.certificate.text if plan.certificate is not None else "no certificate (the plan carries none)"),
              f"predicted step {result.step_ms:.4g} ms, bubble {result.bubble:.1%} (idle share of the pipeline)",
              "stages (times per microbatch):"]
     for st, c in zip(plan.stages, result.stages):
@@ -297,4 +303,6 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
                          f"{len(new.stages)} stages, degrees {[len(s.devices) for s in new.stages]}, bottleneck "
                          f"stage {new.predicted.bottleneck_stage}, bubble {new.predicted.bubble:.1%} "
                          f"({new.solver.name} {new.solver.status.value}, same schedule and microbatches){why}")
+    lines.append(format_assumptions(plan.assumptions) if plan.assumptions else
+                 "assumed: not recorded in this plan (plan it again to list the costs not measured here)")
     return "\n".join(lines)

@@ -23,6 +23,8 @@ from .errors import OptionError, SchemaError
 from .schema import CLUSTER_SCHEMA, PROFILE_SCHEMA, check_version, validate
 
 __all__ = [
+    "Assumption",
+    "Certificate",
     "PROFILE_VERSION",
     "CLUSTER_VERSION",
     "NodeOp",
@@ -516,23 +518,28 @@ class Cluster:
     links: tuple[Link, ...] = ()
     name: str = "custom"
     schema_version: int = CLUSTER_VERSION
+    # name -> device, built once: the planners look devices up by name millions of times on large clusters
+    _by_name: Mapping[str, Device] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = [d.name for d in self.devices]
-        for i, n in enumerate(names):
-            if n in names[:i]:
-                raise SchemaError(self.name, f"devices[{i}].name", "a unique device name", repr(n))
+        index: dict[str, Device] = {}
+        for i, d in enumerate(self.devices):
+            if d.name in index:
+                raise SchemaError(self.name, f"devices[{i}].name", "a unique device name", repr(d.name))
+            index[d.name] = d
         for i, link in enumerate(self.links):
             for end in ("a", "b"):
-                if getattr(link, end) not in names:
+                if getattr(link, end) not in index:
                     raise SchemaError(self.name, f"links[{i}].{end}", f"one of the devices {names}",
                                       repr(getattr(link, end)))
+        object.__setattr__(self, "_by_name", index)
 
     def device(self, name: str) -> Device:
-        for d in self.devices:
-            if d.name == name:
-                return d
-        raise KeyError(f"no device named {name!r} in cluster {self.name}")
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no device named {name!r} in cluster {self.name}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -566,6 +573,63 @@ class Cluster:
             devices=tuple(Device(**dev) for dev in d["devices"]),
             links=tuple(Link.from_dict(x) for x in d.get("links", ())),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Certificate:
+    """How far a plan can be from the best plan under the cost model (:func:`hpml_compile.certify.certify`).
+
+    Attributes:
+        step_ms: the plan's simulated step.
+        bound_ms: a lower bound on the simulated step of every plan of its cluster; None: no certificate.
+        bound: which bound (with ``bound_ms``), or why there is none.
+    """
+
+    step_ms: float
+    bound_ms: float | None
+    bound: str
+
+    @property
+    def within(self) -> float | None:
+        """``X`` with ``step <= (1 + X) * best``: the step over the bound, less one; None without a bound."""
+        return None if self.bound_ms is None else max(0.0, self.step_ms / self.bound_ms - 1.0)
+
+    @property
+    def text(self) -> str:
+        """One line for a person: "within X% of the best plan under the cost model (...)" or "no certificate"."""
+        if self.within is None:
+            return f"no certificate ({self.bound})"
+        return (f"within {self.within:.1%} of the best plan under the cost model (every plan takes at least "
+                f"{self.bound_ms:.4g} ms: {self.bound})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step_ms": self.step_ms, "bound_ms": self.bound_ms, "bound": self.bound, "within": self.within}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Certificate":
+        return cls(d["step_ms"], d.get("bound_ms"), d["bound"])
+
+
+@dataclass(frozen=True, slots=True)
+class Assumption:
+    """A cost the plan uses that was not measured on this machine: what it is, its value, where it comes from.
+
+    Attributes:
+        name: what is assumed (``"H100-80GB speed"``, ``"link between hosts"``).
+        value: its value, with units.
+        source: where the value comes from (a datasheet, a measurement elsewhere, a default).
+    """
+
+    name: str
+    value: str
+    source: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"name": self.name, "value": self.value, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Assumption":
+        return cls(d["name"], d["value"], d["source"])
 
 
 def _build(source: str, make: Callable[..., _T], **fields_: Any) -> _T:

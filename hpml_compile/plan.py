@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .errors import OptionError, PlanError, SchemaError
-from .ir import Cluster, Precision, Profile, Schedule
+from .ir import Assumption, Certificate, Cluster, Precision, Profile, Schedule
 from .cluster import overlap_efficiency
 from .compression import check_sync, parse_compress
 from .memory import GiB, MemoryBreakdown, ZeroStage, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
@@ -57,7 +57,9 @@ __all__ = [
     "load_plan",
 ]
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+#: The versions this hpml-compile reads: 1 lacks ``certificate`` and ``assumptions`` (both optional).
+PLAN_VERSIONS = (1, 2)
 
 
 class SolverStatus(str, enum.Enum):
@@ -204,6 +206,10 @@ class Plan:
     ``allow_compress``: the gradient compression the user let the solver choose per stage
     (``--allow-compress``; ``""``: none), kept so that a re-plan offers it again
     (:func:`hpml_compile.driver.replan`); the stages it was chosen for say so in their ``compress``.
+    ``certificate``: the simulated step against a lower bound on every plan's (:mod:`hpml_compile.certify`);
+    None for a plan made elsewhere (by hand, or written before version 2).
+    ``assumptions``: the costs the plan uses that were not measured on this machine
+    (:func:`hpml_compile.assumptions.assumptions`).
     """
 
     model: str
@@ -219,6 +225,8 @@ class Plan:
     sync_every: int = 1
     sync_warmup: int = 0
     allow_compress: str = ""
+    certificate: Certificate | None = None
+    assumptions: tuple[Assumption, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
@@ -246,6 +254,8 @@ class Plan:
             **({"sync_every": self.sync_every, "sync_warmup": self.sync_warmup} if self.sync_every > 1 else {}),
             **({"tied_allreduce": self.tied_allreduce.value} if self.tied_allreduce is not AllReduce.FLAT else {}),
             **({"allow_compress": self.allow_compress} if self.allow_compress else {}),
+            **({"certificate": self.certificate.to_dict()} if self.certificate is not None else {}),
+            **({"assumptions": [a.to_dict() for a in self.assumptions]} if self.assumptions else {}),
         }
 
     @classmethod
@@ -263,7 +273,7 @@ class Plan:
             hpml_compile.errors.SchemaError: naming the first bad field, e.g. ``plan.json: stages[0].zero:
                 expected ...``, or the first stage that breaks a rule of :func:`check_placement`.
         """
-        check_version(d, PLAN_VERSION, source)
+        check_version(d, PLAN_VERSIONS, source)
         validate(d, PLAN_SCHEMA, source)
         try:
             cluster = Cluster.from_dict(d["cluster"], source=source)
@@ -292,6 +302,8 @@ class Plan:
             sync_every=d.get("sync_every", 1), sync_warmup=d.get("sync_warmup", 0),
             tied_allreduce=AllReduce(d.get("tied_allreduce", "flat")),
             allow_compress=d.get("allow_compress", ""),
+            certificate=Certificate.from_dict(d["certificate"]) if "certificate" in d else None,
+            assumptions=tuple(Assumption.from_dict(a) for a in d.get("assumptions", ())),
         )
 
 
@@ -342,6 +354,14 @@ PLAN_SCHEMA: dict[str, Any] = {
         "sync_every": {"type": "integer", "minimum": 1},
         "sync_warmup": {"type": "integer", "minimum": 0},
         "allow_compress": {"type": "string", "pattern": "^(powersgd:[0-9]+|topk:[0-9.eE+-]+)$"},
+        "certificate": {"type": "object", "required": ["step_ms", "bound", "bound_ms"], "properties": {
+            "step_ms": _NUM, "bound_ms": {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {"type": "null"}]},
+            "bound": {"type": "string"}, "within": {"anyOf": [_NUM, {"type": "null"}]}},
+            "additionalProperties": False},
+        "assumptions": {"type": "array", "items": {
+            "type": "object", "required": ["name", "value", "source"], "additionalProperties": False,
+            "properties": {"name": {"type": "string", "minLength": 1}, "value": {"type": "string"},
+                           "source": {"type": "string", "minLength": 1}}}},
     },
     "additionalProperties": False,
 }

@@ -121,7 +121,7 @@ from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, ev
                         local_sgd_sync_ms, optimizer_ms, stepped_gather_ms, steps_flat, stream_bytes_per_ms, stream_ms,
                         sync_ms, transfer_ms)
 
-__all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "stage_costs", "annotate", "crowded_devices",
+__all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "step_ms", "stage_costs", "annotate", "crowded_devices",
            "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms"]
 
 
@@ -616,26 +616,29 @@ def _contended(plan: Plan, costs: tuple[StageCost, ...], share: _HostShare, pass
     return done, bars
 
 
-def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
-    """Play ``plan`` on its cluster and predict one training step.
+@dataclass(slots=True)
+class _Timeline:
+    """The schedule played out up to the step's end: what :func:`simulate` draws and measures from."""
 
-    Args:
-        plan: the plan.
-        graph: its cost graph (each graph node within one stage).
-        dtype: parameter dtype (Adam state size).
+    costs: tuple[StageCost, ...]
+    done: dict[Op, tuple[float, float]]
+    bars: list[Interval]
+    lasts: list[float]
+    sync: list[float]
+    tied: list[tuple[tuple[int, ...], float]]
+    agree: float
+    step_no_opt: float
+    optim: list[float]
+    step: float
 
-    Returns:
-        Step time, bubble, timeline, memory curves and peaks.
 
-    Raises:
-        UnknownDeviceError: if a device kind has no costs in ``graph``.
-        PlanError: if the schedule deadlocks (a malformed plan) or a graph node spans stages.
-    """
+def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
+    """Play ``plan``: the stages' operations, their syncs, the tied parameters' all-reduce, the loss agreement
+    and the optimizer step (:func:`simulate` adds the per-device bars and memory curves)."""
     costs = stage_costs(plan, graph, dtype)
     share = _HostShare(plan, graph)
     done, bars = _contended(plan, costs, share) if share.active else _run(plan, costs)
     s_count, m = len(plan.stages), plan.microbatches
-    pipe_end = max((end for _, end in done.values()), default=0.0)
     lasts = [max(done[(False, i, k)][1] for k in range(m)) for i in range(s_count)]
     busy = _busy(done, s_count)
     # after its last backward each stage syncs; the copies stretch with what the other stages of the host do
@@ -662,6 +665,40 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
              for i, cst in enumerate(costs)]
     # ZeRO-1/2's parameter all-gather follows each stage's own optimizer step where it is not prefetched
     step = begin + max((o + cst.gather_ms for o, cst in zip(optim, costs)), default=0.0)
+    return _Timeline(costs, done, bars, lasts, sync, tied, agree, step_no_opt, optim, step)
+
+
+def step_ms(plan: Plan, graph: CostGraph, dtype: str = "float32") -> float:
+    """The simulated step of ``plan`` alone: :func:`simulate`'s ``step_ms`` without drawing every device's bars
+    and memory curve (a search that scores thousands of plans on hundreds of devices needs only this).
+
+    Raises:
+        UnknownDeviceError, PlanError: as :func:`simulate`.
+    """
+    return _timeline(plan, graph, dtype).step
+
+
+def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
+    """Play ``plan`` on its cluster and predict one training step.
+
+    Args:
+        plan: the plan.
+        graph: its cost graph (each graph node within one stage).
+        dtype: parameter dtype (Adam state size).
+
+    Returns:
+        Step time, bubble, timeline, memory curves and peaks.
+
+    Raises:
+        UnknownDeviceError: if a device kind has no costs in ``graph``.
+        PlanError: if the schedule deadlocks (a malformed plan) or a graph node spans stages.
+    """
+    tl = _timeline(plan, graph, dtype)
+    costs, done, bars, lasts, sync = tl.costs, tl.done, tl.bars, tl.lasts, tl.sync
+    tied, agree, step_no_opt, optim, step = tl.tied, tl.agree, tl.step_no_opt, tl.optim, tl.step
+    s_count, m = len(plan.stages), plan.microbatches
+    pipe_end = max((end for _, end in done.values()), default=0.0)
+    begin = step_no_opt
     deltas: dict[str, list[tuple[float, int]]] = {}
     for i, st in enumerate(plan.stages):
         cst = costs[i]

@@ -5,9 +5,9 @@ device kind of the built-in clusters; nothing allocated), coarsened into
 blocks, and placed on the built-in clusters by each of our solvers (``ilp``,
 ``dp`` and the baselines ``uniform``, ``params``, ``time``). The peers' real
 partitioners run on the same per-block costs and their splits are scored by
-the same simulator (one stage per device in cluster order, the cheapest
-memory configuration that fits, the microbatch count searched, exactly as
-our baselines):
+the same simulator, each given what a user of it sets (:mod:`fair`: its
+split into ``S`` stages, ``d`` data-parallel replicas of each, the microbatch
+count and the ZeRO stage, all searched, equal rows per replica):
 
 - DeepSpeed's ``deepspeed.runtime.utils.partition_balanced`` on parameter
   counts (``PipelineModule(partition_method="parameters")``, its default);
@@ -15,9 +15,9 @@ our baselines):
   microseconds of forward + backward per block on the first device's kind
   (what ``balance_by_time`` measures on the current device).
 
-Both split over every device they are given and treat them as identical;
-each is credited with its best number of devices (the first ``k`` of the
-cluster, ``k = 1..D``), as a user who leaves a slow device out would do.
+Both treat the devices as identical; each is credited with its best
+``S x d`` (devices left idle where that is faster), as a user who leaves a
+slow device out would do.
 
 They are optional extras, not package dependencies; without them the run
 prints a note and goes on. Install them into the venv with
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import time
@@ -66,13 +65,15 @@ import torch
 
 from hpml_compile import models, profile
 from hpml_compile.cluster import load_cluster
+from hpml_compile.certify import (compute_bound, fixed_bound, optimizer_floor, row_bound,  # noqa: F401
+                                  spread_bound, step_rate, tight_bound)
 from hpml_compile.costgraph import CostGraph, build
 from hpml_compile.errors import InfeasibleError
 from hpml_compile.ir import Cluster
 from hpml_compile.memory import ZeroStage
 from hpml_compile.plan import AllReduce, Plan, hierarchy_problem
 from hpml_compile.simulate import EventKind, simulate
-from hpml_compile.solve import SolverName, plan_from_cuts, solve
+from hpml_compile.solve import SolverName, solve
 from hpml_compile.solve.baselines import cut_points
 from hpml_compile.solve.candidates import Chain
 
@@ -153,166 +154,19 @@ def peer_cuts(graph: CostGraph, cluster: Cluster, which: str, fn: Callable[[list
 
 
 def best_peer_plan(graph: CostGraph, cluster: Cluster, which: str, fn: Callable[[list[float], int], list[int]]
-                   ) -> tuple[Plan, float | None]:
-    """The peer's best plan over how many devices it is given (the first k of the cluster, k = 1..D).
-
-    The peers split over every device they are handed and assume identical ones; choosing k for them
-    (e.g. leaving a slow CPU out) is what a user would do, so the peer is credited with the best k.
+                   ) -> tuple[Plan, dict[str, Any]]:
+    """The peer's best plan over the settings a user of it chooses: its split into ``S`` stages, ``d``
+    replicas each, the microbatch count and the ZeRO stage (:func:`fair.fair_peer_plan`).
 
     Returns:
-        The best plan, and the step time on all D devices (None if that does not fit).
+        The best plan, and its setting for the JSON.
     """
-    best: Plan | None = None
-    every: float | None = None
-    why = ""
-    for k in range(1, len(cluster.devices) + 1):
-        sub = Cluster(devices=cluster.devices[:k], links=tuple(x for x in cluster.links if {x.a, x.b} <= {
-            d.name for d in cluster.devices[:k]}), name=cluster.name)
-        try:
-            plan = plan_from_cuts(graph, sub, peer_cuts(graph, sub, which, fn, k), name=which)
-        except InfeasibleError as e:
-            why = str(e).splitlines()[0]
-            continue
-        if best is None or plan.predicted.step_ms < best.predicted.step_ms:
-            best = plan
-        if k == len(cluster.devices):
-            every = plan.predicted.step_ms
-    if best is None:
-        raise InfeasibleError(why)
-    return best, every
+    from fair import fair_peer_plan
 
-
-def compute_bound(graph: CostGraph, cluster: Cluster, optimizer: bool = True) -> float:
-    """A lower bound on any plan's simulated step: the whole step's compute (forward, backward and optimizer
-    step) spread over every device in proportion to its speed, no bubble, no communication, no replica
-    repeating another's work.
-
-    Device ``i`` doing a share ``f_i`` of the forward and backward and ``g_i`` of the optimizer step is busy
-    ``f_i W_i + g_i O_i`` (``W_i``: forward + backward of the whole batch on one device of its kind, the
-    simulator dividing time by ``M d`` with no loss; ``O_i``: the optimizer step over every parameter on that
-    kind); the shares sum to at least 1 each, so no plan beats the least ``T`` with
-    ``f_i W_i + g_i O_i <= T`` for every ``i`` (:func:`spread_bound`). Without optimizer times this is
-    ``1 / sum_i 1 / W_i`` (``optimizer=False``: the forward and backward alone).
-    """
-    everything = graph.total("param_bytes") if optimizer else 0
-    return spread_bound([(graph.total("", kind=d.kind), step_rate(graph, d.kind) * everything)
-                         for d in cluster.devices])
-
-
-def step_rate(graph: CostGraph, kind: str) -> float:
-    """The least optimizer-step ms per parameter byte on ``kind`` of any plan: of the parameters one by one, or of
-    a ZeRO shard's flat tensor (:meth:`hpml_compile.costgraph.CostGraph.optimizer_ms_per_byte`)."""
-    return min(graph.optimizer_ms_per_byte(kind, flat) for flat in (False, True))
-
-
-def spread_bound(work: list[tuple[float, float]]) -> float:
-    """The least ``T`` such that two divisible jobs fit on devices whose ``i``-th takes ``work[i] = (W_i, O_i)``
-    for the whole of each: ``min T`` s.t. ``f_i W_i + g_i O_i <= T``, ``sum f = sum g = 1``, ``f, g >= 0``.
-
-    For a given ``T`` the optimizer job goes first to the devices that lose the least of the other job per
-    unit of it (smallest ``O_i / W_i``), each up to ``T / O_i``; ``T`` is feasible when what is left of
-    every device still covers the forward and backward. Bisection on ``T`` (a linear program this small needs
-    no solver).
-
-    >>> spread_bound([(3.0, 1.0), (3.0, 1.0)])  # two equal devices: (3 + 1) / 2
-    2.0
-    >>> round(spread_bound([(2.0, 0.0), (6.0, 0.0)]), 6)  # no optimizer time: 1 / (1/2 + 1/6)
-    1.5
-    """
-    def feasible(t: float) -> bool:
-        left = 1.0  # optimizer share still to place
-        covered = 0.0  # forward/backward share the devices' remaining time covers
-        for w, o in sorted(work, key=lambda x: x[1] / x[0]):
-            g = min(left, t / o) if o > 0 else left
-            left -= g
-            covered += max(0.0, t - g * o) / w
-        return left <= 1e-12 and covered >= 1.0
-
-    lo, hi = 0.0, min(w + o for w, o in work)
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
-    return hi
-
-
-def row_bound(graph: CostGraph, cluster: Cluster) -> float:
-    """A second lower bound: one row's forward and backward through the whole model, on the fastest kind.
-
-    A row is never split between devices (a replica trains on whole rows, at least one per microbatch; the
-    plans have no tensor parallelism), and a stage is a range of the graph's order that runs its nodes one
-    after another, so every row goes forward through every node and back, in order: no step is shorter than
-    that chain. A node run on ``r >= 1`` of the batch's ``B`` rows costs ``fixed + (full - fixed) r / B``
-    (the simulator's rule), at least its cost at ``r = 1``. This bound binds where the batch is small against
-    the device count: llama-7b at batch 8 on 16 devices, where :func:`compute_bound` is half of it.
-    """
-    return min(sum(sum(graph.cost_at(n, kind, 1.0 / graph.batch_size)) for n in graph.order)
-               for kind in {d.kind for d in cluster.devices})
-
-
-def optimizer_floor(graph: CostGraph, cluster: Cluster) -> float:
-    """The shortest optimizer step any plan can take: every parameter byte stepped once, spread over all devices
-    at the fastest kind's rate (ZeRO sharding over every device). The runtime steps only after every stage has
-    synchronised (the ranks agree that the step succeeded first), so this adds to the compute bounds."""
-    rate = min(step_rate(graph, d.kind) for d in cluster.devices)
-    return rate * graph.total("param_bytes") / len(cluster.devices)
-
-
-def tight_bound(graph: CostGraph, cluster: Cluster) -> float:
-    """``max(compute_bound without the optimizer, row_bound) + optimizer_floor``, and never below
-    :func:`compute_bound`: still no plan can beat it (the forward and backward, then the optimizer step, are
-    phases one after the other: each term is a lower bound on its phase), and it is closer to what a plan can
-    reach. The forward/backward term leaves the optimizer out so that it is not counted twice."""
-    phases = max(compute_bound(graph, cluster, optimizer=False), row_bound(graph, cluster))
-    return max(compute_bound(graph, cluster), phases + optimizer_floor(graph, cluster))
-
-
-def fixed_bound(graph: CostGraph, cluster: Cluster) -> float:
-    """A lower bound that counts the fixed parts as the simulator does: once per microbatch per replica.
-
-    :func:`compute_bound` spreads a node's fixed part (a GPU's per-op cost, ``cost_models.EAGER_GPU_OP_MS``)
-    over the devices as if it shrank with the rows; it does not: a stage of ``d`` replicas at ``M``
-    microbatches pays it ``M d`` times. Write ``x = M d`` for the stage holding node ``n`` (fixed part
-    ``f_n``, per-row part ``w_n`` for the whole batch ``B``, both forward + backward on the fastest kind).
-    Two phases' lower bounds hold for every plan of the solvers' space:
-
-    - ``path``: one microbatch goes forward through every stage and back, its largest replica on at least
-      ``B / x`` rows: ``sum_n f_n + w_n / x_n``;
-    - ``busy``: the devices' work, ``sum_n x_n f_n + w_n``, spread over all ``D`` of them.
-
-    The step is at least ``max(path, busy) >= l path + (1 - l) busy`` for every ``l`` in [0, 1], and at least
-    the least of that over ``x_n`` in ``[1, B]`` (every replica trains on at least one row per microbatch, as
-    in :func:`row_bound`), node by node: ``x_n = sqrt(l w_n D / ((1 - l) f_n))`` clamped. The best ``l`` is
-    found by ternary search (the bound is concave in ``l``: a least of functions linear in it). ``l = 1``
-    gives :func:`row_bound`, ``l = 0`` the forward and backward of :func:`compute_bound` on one kind, so on
-    one kind it is at least both; the optimizer step follows (:func:`optimizer_floor`). Returned as the
-    larger of that and :func:`tight_bound` (whose speed-weighted compute bound is tighter on mixed kinds).
-
-    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
-    >>> g = chain_graph([(1.0, 2.0)] * 4, batch_size=4)  # no fixed parts: the compute bound, 12 ms over 4
-    >>> round(fixed_bound(g, uniform_cluster(4)), 6)
-    3.0
-    """
-    kinds = {d.kind for d in cluster.devices}
-    devices, batch = len(cluster.devices), graph.batch_size
-    parts = []
-    for n in graph.order:
-        f = min(sum(graph.cost_at(n, k, 0.0)) for k in kinds)
-        parts.append((f, min(sum(graph.cost_at(n, k, 1.0)) - sum(graph.cost_at(n, k, 0.0)) for k in kinds)))
-
-    def at(lam: float) -> float:
-        total = 0.0
-        for f, w in parts:
-            x = math.sqrt(lam * w * devices / ((1 - lam) * f)) if f > 0 and lam < 1 else (batch if lam > 0 else 1.0)
-            x = min(float(batch), max(1.0, x))
-            total += lam * (f + w / x) + (1 - lam) * (x * f + w) / devices
-        return total
-
-    lo, hi = 0.0, 1.0
-    for _ in range(100):
-        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
-        lo, hi = (a, hi) if at(a) < at(b) else (lo, b)
-    phases = max(at(0.0), at(1.0), at((lo + hi) / 2))
-    return max(tight_bound(graph, cluster), phases + optimizer_floor(graph, cluster))
+    plan = fair_peer_plan(graph, cluster, which, fn)
+    zero = max((int(st.zero) for st in plan.stages), default=0)
+    return plan, {"setting": f"{len(plan.stages)} stages x {len(plan.stages[0].devices)} replicas, ZeRO-{zero}"
+                             + (", recompute" if any(st.recompute for st in plan.stages) else "")}
 
 
 def graph_of(name: str, batch: int, kinds: list[str]) -> CostGraph:

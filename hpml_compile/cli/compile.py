@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
+from ..assumptions import format_assumptions
 from ..cluster import load_cluster
 from ..errors import HpmlError
 from ..ir import FrontEnd, Precision
 from ..plan import Schedule
 from ..solve import SolverName
-from .plan import add_comm_options, comm_options
+from .plan import add_comm_options, certificate_text, comm_options
 
 __all__ = ["add_parsers", "run_compile"]
 
@@ -125,4 +126,6 @@ def run_compile(args: argparse.Namespace) -> int:
     for k, st in enumerate(plan.stages):
         print(f"  stage {k} on {', '.join(st.devices)}: {len(st.nodes)} nodes; "
               f"{' '.join(build.manifest.stages[k]['actions']) or 'no communication'}")
+    print(certificate_text(plan))
+    print(format_assumptions(plan.assumptions))
     return 0

@@ -20,17 +20,17 @@ from dataclasses import replace
 from typing import Any
 
 from .. import driver
+from ..assumptions import format_assumptions
 from ..cluster import load_cluster
-from ..costgraph import CostGraph
 from ..errors import HpmlError, InfeasibleError
 from ..ir import Cluster, Precision, Profile
 from ..memory import GiB
-from ..plan import Plan, Schedule, save_plan, validate_plan
+from ..plan import Plan, Schedule, save_plan
 from ..schema import read_json
 from ..simulate import simulate
-from ..solve import SolverName, solve
+from ..solve import SolverName
 
-__all__ = ["add_parsers", "run_plan", "compare", "format_table"]
+__all__ = ["add_parsers", "run_plan", "compare", "format_table", "certificate_text"]
 
 
 def add_parsers(subparsers: Any) -> None:
@@ -99,17 +99,16 @@ def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def compare(graph: CostGraph, cluster: Cluster, *, microbatches: int | None, schedule: Schedule,
-            time_limit_s: float, dtype: str = "float32") -> list[tuple[str, Plan | str, dict[str, int]]]:
-    """Run every solver on the same cost model.
+def compare(profile: Profile, cluster: Cluster, opts: driver.Options
+            ) -> list[tuple[str, Plan | str, dict[str, int]]]:
+    """Run every solver through the same driver steps as ``plan`` (:func:`hpml_compile.driver.plan`: the solve,
+    uneven rows, the cores rule, the plan checked, its certificate), so that the ``ilp`` row is the very plan
+    ``plan`` returns with the same options, and each row's figure is that of a plan a user would get.
 
     Args:
-        graph: the cost graph.
+        profile: the profile.
         cluster: the cluster.
-        microbatches: ``M`` or None to search.
-        schedule: the schedule.
-        time_limit_s: ILP time limit.
-        dtype: parameter dtype.
+        opts: the options of ``plan`` (their ``solver`` is replaced by each solver in turn).
 
     Returns:
         ``(solver, plan or the reason it failed, peak bytes per device)`` per solver, ilp first.
@@ -118,28 +117,39 @@ def compare(graph: CostGraph, cluster: Cluster, *, microbatches: int | None, sch
     for s in SolverName:
         _progress(f"compare: {s.value} ...")
         try:
-            plan = solve(graph, cluster, solver=s, microbatches=microbatches, schedule=schedule,
-                         time_limit_s=time_limit_s, dtype=dtype)
+            plan = driver.plan(profile, cluster, replace(opts, solver=s), progress=None)
         except InfeasibleError as e:
             out.append((s.value, str(e).splitlines()[0], {}))
             continue
-        out.append((s.value, plan, simulate(plan, graph, dtype).peak))
+        graph = driver.cost_graph(profile, plan.cluster)[1]
+        out.append((s.value, plan, simulate(plan, graph, profile.dtype).peak))
     return out
 
 
+def certificate_text(plan: Plan) -> str:
+    """The plan's certificate as a person reads it, or "no certificate" when the plan carries none."""
+    return plan.certificate.text if plan.certificate is not None else "no certificate (the plan carries none)"
+
+
 def format_table(rows: list[tuple[str, Plan | str, dict[str, int]]]) -> str:
-    """One line per solver: step ms, bottleneck stage, bubble, peak GiB per device, ratio to ilp."""
+    """One line per solver: step ms, bottleneck stage, bubble, ratio to ilp, the certificate's ``within``, peak
+    GiB per device."""
     ref = next((p.predicted.step_ms for name, p, _ in rows if isinstance(p, Plan) and name == "ilp"), None)
-    head = f"{'solver':<8} {'step ms':>12} {'bottleneck':>10} {'bubble':>7} {'vs ilp':>7}  peak GiB per device"
+    head = (f"{'solver':<8} {'step ms':>12} {'bottleneck':>10} {'bubble':>7} {'vs ilp':>7} {'within':>8}  "
+            "peak GiB per device")
     lines = [head, "-" * len(head)]
     for name, plan, peak in rows:
         if not isinstance(plan, Plan):
             lines.append(f"{name:<8} {'infeasible':>12}  {plan}")
             continue
         ratio = f"{plan.predicted.step_ms / ref:.2f}x" if ref else "-"
-        mem = " ".join(f"{d}:{b / GiB:.2f}" for d, b in peak.items())
+        within = plan.certificate.within if plan.certificate is not None else None
+        mem = " ".join(f"{d}:{b / GiB:.2f}" for d, b in list(peak.items())[:16]) + (" ..." if len(peak) > 16 else "")
         lines.append(f"{name:<8} {plan.predicted.step_ms:>12.4g} {plan.predicted.bottleneck_stage:>10} "
-                     f"{plan.predicted.bubble:>7.3f} {ratio:>7}  {mem}")
+                     f"{plan.predicted.bubble:>7.3f} {ratio:>7} {'-' if within is None else f'{within:.1%}':>8}  "
+                     f"{mem}")
+    lines.append("within: the step's distance from a lower bound on every plan's step (the best plan under the "
+                 "cost model is at least that close); -: no certificate")
     return "\n".join(lines)
 
 
@@ -163,29 +173,26 @@ def run_plan(args: argparse.Namespace) -> int:
     schedule = Schedule(args.schedule)
     driver.check_microbatches(profile, args.microbatches)  # before any solving: --compare solves five times
     driver.check_precision(profile, args.precision)
+    opts = driver.Options(solver=args.solver, microbatches=args.microbatches, schedule=schedule,
+                          time_limit_s=args.time_limit, precision=args.precision, **comm_options(args))
     if args.compare:
-        driver.check_threads(profile, cluster)  # driver.plan checks it on the other path
-        # kinds the file lacks are predicted from it alone, calibrated on its measured kinds
-        profile, graph = driver.cost_graph(profile, cluster)
-        rows = compare(graph, cluster, microbatches=args.microbatches, schedule=schedule,
-                       time_limit_s=args.time_limit, dtype=profile.dtype)
+        rows = compare(profile, cluster, opts)
         print(format_table(rows))
         plan = next((p for n, p, _ in rows if n == SolverName.ILP.value and isinstance(p, Plan)), None)
+        if plan is not None:
+            print(format_assumptions(plan.assumptions))
         if args.output and plan is not None:
-            plan = replace(plan, precision=profile.precision)
-            validate_plan(plan, profile)
             save_plan(plan, args.output)
             print(f"wrote {args.output}")
         return 0
     _progress(f"plan: {profile.model} on {cluster.name} ({len(cluster.devices)} devices), solver {args.solver}")
-    plan = driver.plan(profile, cluster, driver.Options(solver=args.solver, microbatches=args.microbatches,
-                                                        schedule=schedule, time_limit_s=args.time_limit,
-                                                        precision=args.precision, **comm_options(args)),
-                       progress=_progress)
+    plan = driver.plan(profile, cluster, opts, progress=_progress)
     save_plan(plan, args.output)
     pr, so = plan.predicted, plan.solver
     print(f"{len(plan.stages)} stages, {plan.microbatches} microbatches ({plan.schedule.value}, "
           f"{plan.precision.value}): step "
           f"{pr.step_ms:.4g} ms, bottleneck stage {pr.bottleneck_stage}, bubble {pr.bubble:.1%}; "
-          f"{so.name} {so.status.value} (gap {so.gap:.2%}) in {so.seconds:.2f} s; wrote {args.output}")
+          f"{so.name} {so.status.value} in {so.seconds:.2f} s; wrote {args.output}")
+    print(certificate_text(plan))
+    print(format_assumptions(plan.assumptions))
     return 0

@@ -31,7 +31,8 @@ from typing import Any
 import graphviz
 
 from ..errors import HpmlError
-from ..explain import one_more_device, plan_costgraph, summary
+from .. import driver
+from ..explain import base_solver, one_more_device, plan_costgraph, summary
 from ..plan import load_plan
 from ..profile import load_profile, predict_kinds
 from ..simulate import simulate
@@ -116,7 +117,11 @@ def run_show(args: argparse.Namespace) -> int:
     if args.what_if:
         print(f"show: re-solving with one more device (time limit {args.time_limit:g} s) ...", file=sys.stderr,
               flush=True)
-        what_if = one_more_device(plan, graph, result, time_limit_s=args.time_limit, dtype=profile.dtype)
+        opts = driver.Options(solver=base_solver(plan), microbatches=plan.microbatches, schedule=plan.schedule,
+                              time_limit_s=args.time_limit, precision=plan.precision,
+                              allow_compress=plan.allow_compress or None, sync_every=plan.sync_every,
+                              sync_warmup=plan.sync_warmup)
+        what_if = one_more_device(plan, result, lambda bigger: driver.plan(profile, bigger, opts))
     print(summary(plan, graph, result, what_if))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0

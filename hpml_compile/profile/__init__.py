@@ -620,7 +620,7 @@ def predict_kinds(p: Profile, kinds: Sequence[str]) -> Profile:
 # Memory passes over the parameter bytes of one optimizer step when no kind was measured: a rough count of
 # what AdamW reads and writes (parameters, gradients, two moments, over several kernels), not a measurement.
 # A measured kind replaces it with its own passes (time x bandwidth / bytes).
-_OPTIMIZER_PASSES_PRIOR = {"adamw": 12.0, "adam": 12.0, "sgd": 5.0}
+OPTIMIZER_PASSES_PRIOR = {"adamw": 12.0, "adam": 12.0, "sgd": 5.0}
 
 
 def _predict_optimizer(p: Profile, kinds: Sequence[str]) -> dict[str, float]:
@@ -629,7 +629,7 @@ def _predict_optimizer(p: Profile, kinds: Sequence[str]) -> dict[str, float]:
     total = sum(p.parameters.values())
     if not p.optimizer or not total:
         return {}
-    passes = _OPTIMIZER_PASSES_PRIOR.get(p.optimizer, 12.0)
+    passes = OPTIMIZER_PASSES_PRIOR.get(p.optimizer, 12.0)
     for kind, ms in p.optimizer_ms.items():
         if kind in cost_models.known_kinds() and p.devices.get(kind, {}).get("measured") and ms > 0:
             passes = ms / 1e3 * cost_models.get_device(kind).mem_bw / total

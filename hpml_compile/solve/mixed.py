@@ -89,7 +89,8 @@ def _cap(dev: Device, sizes: tuple[int, int, int, int], *, rows: int, batch: int
 
 def stage_rows(graph: CostGraph, cluster: Cluster, blocks: Sequence[str], devices: Sequence[str], *,
                microbatches: int, schedule: Schedule, index: int, stages: int, zero: ZeroStage | int = 0,
-               recompute: bool = False, dtype: str = "float32", offload: bool = False) -> tuple[int, ...] | None:
+               recompute: bool = False, dtype: str = "float32", offload: bool = False,
+               sizes: tuple[int, int, int, int] | None = None) -> tuple[int, ...] | None:
     """Rows per microbatch for each of ``devices`` running the graph blocks ``blocks`` as stage ``index`` of
     ``stages``: the replicas finish together (:func:`~hpml_compile.stagecost.choose_rows`) and each fits.
 
@@ -106,6 +107,7 @@ def stage_rows(graph: CostGraph, cluster: Cluster, blocks: Sequence[str], device
         recompute: activation checkpointing of the stage.
         dtype: parameter dtype.
         offload: the Adam state in host memory (not counted on the devices).
+        sizes: the stage's byte sizes (:func:`_sizes`), when the caller has them already.
 
     Returns:
         Rows per device, or None when they cannot fit (a device holds not even one row, or all of them hold
@@ -120,21 +122,29 @@ def stage_rows(graph: CostGraph, cluster: Cluster, blocks: Sequence[str], device
     total = batch // microbatches
     if total < len(devices):
         return None
-    sizes = _sizes(graph, blocks)
+    sizes = sizes or _sizes(graph, blocks)
     flight = int(in_flight(Schedule(schedule), microbatches, stages - index - 1))
+    rec = 1.0 if recompute else 0.0
+    alike: dict[tuple[str, int, bool], tuple[float, float, int]] = {}  # devices that differ in nothing rows see
     fixed, per_row, caps = [], [], []
     for name in devices:
         dev = cluster.device(name)
-        f = b = ff = bf = 0.0
-        for blk in blocks:
-            full, fix = graph.node(blk).cost[dev.kind], graph.node(blk).fixed_at(dev.kind)
-            f, b, ff, bf = f + full[0], b + full[1], ff + fix[0], bf + fix[1]
-        rec = 1.0 if recompute else 0.0
-        fixed.append(ff * (1 + rec) + bf)
-        per_row.append(((f - ff) * (1 + rec) + (b - bf)) / batch)
-        caps.append(_cap(dev, sizes, rows=total, batch=batch, replicas=len(devices), zero=ZeroStage(zero),
-                         recompute=recompute, microbatches=microbatches, flight=flight, dtype=dtype,
-                         offload=offload))
+        key = (dev.kind, dev.memory_bytes, dev.is_cpu)
+        if key not in alike:
+            f = b = ff = bf = 0.0
+            for blk in blocks:
+                full, fix = graph.node(blk).cost[dev.kind], graph.node(blk).fixed_at(dev.kind)
+                f, b, ff, bf = f + full[0], b + full[1], ff + fix[0], bf + fix[1]
+            alike[key] = (ff * (1 + rec) + bf, ((f - ff) * (1 + rec) + (b - bf)) / batch,
+                          _cap(dev, sizes, rows=total, batch=batch, replicas=len(devices), zero=ZeroStage(zero),
+                               recompute=recompute, microbatches=microbatches, flight=flight, dtype=dtype,
+                               offload=offload))
+        one_fixed, one_row, cap = alike[key]
+        fixed.append(one_fixed)
+        per_row.append(one_row)
+        caps.append(cap)
+        if cap == 0:
+            return None  # a replica holds not even one row
     try:
         return choose_rows(fixed, per_row, total, caps)
     except ValueError:
@@ -165,11 +175,13 @@ def build_plan(graph: CostGraph, cluster: Cluster, groups: Sequence[Sequence[str
     stages = []
     for i, devs in enumerate(groups):
         blocks = order[cuts[i]:cuts[i + 1]]
+        sizes = _sizes(graph, blocks)  # once per stage, whatever the configuration
         for zero, rec, off in configs:
             if (zero and len(devs) == 1) or not allowed(cluster, devs, off):
                 continue
             rows = stage_rows(graph, cluster, blocks, devs, microbatches=microbatches, schedule=schedule, index=i,
-                              stages=len(groups), zero=zero, recompute=rec, dtype=dtype, offload=off)
+                              stages=len(groups), zero=zero, recompute=rec, dtype=dtype, offload=off,
+                              sizes=sizes)
             if rows is not None:
                 even = len(set(rows)) == 1 and len({cluster.device(d).kind for d in devs}) == 1
                 stages.append(Stage(i, tuple(devs), _members(graph, blocks), zero, rec, offload_optimizer=off,

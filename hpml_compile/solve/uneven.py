@@ -39,6 +39,13 @@ least one row per replica:
 
 What was chosen is written into the plan's solver name (``ilp+uneven:data-parallel``) and returned by :func:`improve`.
 
+The search runs within a budget (:class:`Budget`), checked before every plan it builds or simulates, so
+what it adds to the solver's time is bounded whatever the cluster; it says how many families it got
+through, in what time, against what budget. On a large cluster its neighbourhoods grow with the device
+classes (kind, memory, host: :func:`device_class`) rather than the devices: one device of a class stands
+for the others in a move or swap, and one stage's ``k`` devices are tried at the counts of
+:func:`group_sizes`.
+
 Example:
     >>> from hpml_compile.solve import solve
     >>> from hpml_compile.solve.testing import chain_graph, cluster_of
@@ -53,19 +60,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Hashable, Iterator, Sequence
 
 from ..costgraph import CostGraph
 from ..errors import HpmlError
 from ..ir import Cluster, Device
 from ..plan import Plan, Schedule, SolverInfo, SolverStatus
-from ..simulate import annotate
+from ..simulate import annotate, step_ms
 from .baselines import balanced_cuts, cut_points
 from .candidates import Chain
 from .mixed import CONFIGS, Score, allowed, build_plan, fastest, microbatch_counts, stage_blocks, stage_rows
 
-__all__ = ["CONFIGS", "Uneven", "Shape", "stage_rows", "build_plan", "improve", "data_parallel", "extend", "merge",
-           "mixed_pipeline", "local_search", "shape_of", "moved_devices", "shifted_cuts", "other_counts"]
+__all__ = ["CONFIGS", "FAMILIES", "Budget", "Uneven", "Shape", "group_sizes", "device_class", "stage_rows",
+           "build_plan", "improve", "data_parallel", "extend", "merge", "mixed_pipeline", "local_search", "shape_of", "moved_devices", "shifted_cuts", "other_counts"]
 
 @dataclass(frozen=True, slots=True)
 class Uneven:
@@ -90,17 +97,48 @@ def _speed(graph: CostGraph, dev: Device) -> float:
     return 1.0 / max(1e-12, graph.total("", kind=dev.kind))
 
 
+def _no_check() -> None:
+    """The budget check of a search run on its own (no time limit)."""
+
+
+#: Up to this many devices, :func:`data_parallel` tries every ``k``; beyond, the counts of :func:`group_sizes`.
+EVERY_K = 64
+
+
+def group_sizes(speeds: Sequence[float], every: int = EVERY_K) -> list[int]:
+    """The group sizes ``k`` :func:`data_parallel` tries over devices sorted fastest first (``speeds``).
+
+    Every ``k`` from 2 up to ``every`` devices; on a larger cluster, the powers of two, each ``k`` where the
+    speed changes (every device of the faster kinds in) and all of them: the step changes smoothly between
+    those (each added device of one speed takes a like share of the rows), so the search stays linear in
+    the kinds rather than quadratic in the devices.
+    """
+    n = len(speeds)
+    if n <= every:
+        return list(range(2, n + 1))
+    ks = {n, *(2 ** i for i in range(1, n.bit_length()) if 2 ** i <= n)}
+    ks.update(k for k in range(2, n) if speeds[k] != speeds[k - 1])
+    return sorted(ks)
+
+
 def data_parallel(graph: CostGraph, cluster: Cluster, score: Score, *, microbatches: int | None = None,
-                  schedule: Schedule = Schedule.ONE_F_ONE_B, dtype: str = "float32") -> list[Plan]:
-    """One stage over the fastest ``k`` devices (``k`` = 2 .. all), uneven rows; the best plan per ``k``."""
+                  schedule: Schedule = Schedule.ONE_F_ONE_B, dtype: str = "float32",
+                  check: Callable[[], None] = _no_check) -> list[Plan]:
+    """One stage over the fastest ``k`` devices (``k`` of :func:`group_sizes`), uneven rows; the best plan
+    per ``k``. ``check`` is called before each plan is built (the caller's budget stops the search by raising)."""
     fast = sorted(cluster.devices, key=lambda d: -_speed(graph, d))
     out = []
-    for k in range(2, len(fast) + 1):
+
+    def built(devs: list[str], m: int, first: int) -> Plan | None:
+        check()
+        return build_plan(graph, cluster, [devs], [0, len(graph.order)], m, schedule, dtype, "data-parallel",
+                          CONFIGS[first:])
+
+    for k in group_sizes([_speed(graph, d) for d in fast]):
         devs = [d.name for d in fast[:k]]
         # one stage: each configuration that fits, not only the first (the first that fits may sync more)
-        best = fastest((build_plan(graph, cluster, [devs], [0, len(graph.order)], m, schedule, dtype,
-                                    "data-parallel", CONFIGS[first:])
-                         for m in microbatch_counts(graph, k, microbatches) for first in range(len(CONFIGS))), score)
+        best = fastest((built(devs, m, first)
+                        for m in microbatch_counts(graph, k, microbatches) for first in range(len(CONFIGS))), score)
         if best is not None:
             out.append(best)
     return out
@@ -108,9 +146,10 @@ def data_parallel(graph: CostGraph, cluster: Cluster, score: Score, *, microbatc
 
 def mixed_pipeline(graph: CostGraph, cluster: Cluster, score: Score, *, microbatches: int | None = None,
                    schedule: Schedule = Schedule.ONE_F_ONE_B, dtype: str = "float32",
-                   max_stages: int = 8) -> list[Plan]:
+                   max_stages: int = 8, check: Callable[[], None] = _no_check) -> list[Plan]:
     """``S`` stages (2 .. ``max_stages``, at most half the devices), each a group of about equal speed with
-    devices of several kinds, the chain cut to balance time; the best plan per ``S``."""
+    devices of several kinds, the chain cut to balance time; the best plan per ``S`` (``check``: before each
+    plan is built)."""
     chain = Chain.of(graph)
     fast = sorted(cluster.devices, key=lambda d: -_speed(graph, d))
     kind = fast[0].kind
@@ -124,16 +163,22 @@ def mixed_pipeline(graph: CostGraph, cluster: Cluster, score: Score, *, microbat
         cuts = balanced_cuts(chain, s, weights)
         if len(cuts) - 1 != s:
             continue
-        best = fastest((build_plan(graph, cluster, groups, cuts, m, schedule, dtype, "mixed-pipeline")
-                         for m in microbatch_counts(graph, max(len(g) for g in groups), microbatches)), score)
+        def built(m: int, groups: list[list[str]] = groups, cuts: list[int] = cuts) -> Plan | None:
+            check()
+            return build_plan(graph, cluster, groups, cuts, m, schedule, dtype, "mixed-pipeline")
+
+        best = fastest((built(m) for m in microbatch_counts(graph, max(len(g) for g in groups), microbatches)),
+                       score)
         if best is not None:
             out.append(best)
     return out
 
 
-def extend(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, dtype: str = "float32") -> list[Plan]:
+def extend(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, dtype: str = "float32",
+           check: Callable[[], None] = _no_check) -> list[Plan]:
     """``base`` with idle devices added, one at a time, each to the stage where it shortens the step most
-    (rows chosen again for that stage), until no idle device helps; [] when none ever does."""
+    (rows chosen again for that stage), until no idle device helps; [] when none ever does (``check``: before
+    each stage's rows are chosen)."""
     blocks_of = stage_blocks(graph, base)
     current, best_t = base, score(base)
     idle = [d.name for d in cluster.devices if d.name not in {x for st in base.stages for x in st.devices}]
@@ -146,6 +191,7 @@ def extend(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, dtyp
                 for zero, rec, off in [(st.zero, st.recompute, st.offload_optimizer), *CONFIGS]:
                     if not allowed(cluster, devs, off):
                         continue
+                    check()
                     rows = stage_rows(graph, cluster, blocks_of[st.index], devs, microbatches=current.microbatches,
                                       schedule=current.schedule, index=st.index, stages=len(current.stages),
                                       zero=zero, recompute=rec, dtype=dtype, offload=off)
@@ -169,11 +215,11 @@ def extend(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, dtyp
 
 
 def merge(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, microbatches: int | None = None,
-          dtype: str = "float32") -> list[Plan]:
+          dtype: str = "float32", check: Callable[[], None] = _no_check) -> list[Plan]:
     """``base``'s stages with neighbours merged into one stage over both groups (rows chosen again, the
     kinds mixed where they differ): a shorter pipeline, so a smaller bubble, for a gradient sync; greedily,
     the merge that shortens the step most first, at every microbatch count that leaves the merged groups
-    a row per replica. [] when no merge helps."""
+    a row per replica. [] when no merge helps (``check``: before each plan is built)."""
     blocks_of = stage_blocks(graph, base)
     base_cuts = [0]
     for blocks in blocks_of:
@@ -188,6 +234,7 @@ def merge(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, micro
                 g2 = [*groups[:i], groups[i] + groups[i + 1], *groups[i + 2:]]
                 if graph.batch_size // m < max(len(g) for g in g2):
                     continue
+                check()
                 p = build_plan(graph, cluster, g2, [*cuts[:i + 1], *cuts[i + 2:]], m, base.schedule, dtype, "merge")
                 t = score(p) if p is not None else float("inf")
                 if p is not None and (found is None or t < found[0]):
@@ -217,12 +264,22 @@ def shape_of(graph: CostGraph, plan: Plan) -> Shape:
     return tuple(st.devices for st in plan.stages), tuple(cuts), plan.microbatches
 
 
-def moved_devices(shape: Shape, devices: Sequence[str]) -> Iterator[Shape]:
+def moved_devices(shape: Shape, devices: Sequence[str],
+                  alike: Callable[[str], Hashable] | None = None) -> Iterator[Shape]:
     """Every shape with one device moved: from a stage of several devices to another stage or out of the plan,
-    or from ``devices`` not in the plan into a stage; and with two devices of different stages swapped."""
+    or from ``devices`` not in the plan into a stage; and with two devices of different stages swapped.
+
+    With ``alike`` (a device's class: devices of one class are interchangeable to the cost model), one
+    device per class stands for the others: a move is tried once per class and stage, a swap once per
+    pair of classes of two stages and never between devices of one class. On a cluster of hundreds of
+    devices of a few kinds this turns the neighbourhood from quadratic in the devices to quadratic in the
+    stages.
+    """
     groups, cuts, m = shape
     used = {d for g in groups for d in g}
-    idle = [d for d in devices if d not in used]
+    key = alike or (lambda d: d)
+    reps = [_one_per_class(g, key) for g in groups]
+    idle = _one_per_class(tuple(d for d in devices if d not in used), key)
 
     def put(i: int, group: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
         return tuple(group if j == i else g for j, g in enumerate(groups))
@@ -230,7 +287,7 @@ def moved_devices(shape: Shape, devices: Sequence[str]) -> Iterator[Shape]:
     for i, g in enumerate(groups):
         if len(g) < 2:
             continue  # a stage keeps at least one device (the cut search removes stages: merge)
-        for d in g:
+        for d in reps[i]:
             rest = tuple(x for x in g if x != d)
             yield put(i, rest), cuts, m
             for j, h in enumerate(groups):
@@ -241,11 +298,22 @@ def moved_devices(shape: Shape, devices: Sequence[str]) -> Iterator[Shape]:
             yield put(j, (*h, d)), cuts, m
     for i, g in enumerate(groups):
         for j in range(i + 1, len(groups)):
-            for a in g:
-                for b in groups[j]:
+            for a in reps[i]:
+                for b in reps[j]:
+                    if alike is not None and key(a) == key(b):
+                        continue  # two devices of one class: the same plan
                     yield tuple(tuple(b if x == a else x for x in g) if k == i else
                                 tuple(a if x == b else x for x in groups[j]) if k == j else x
                                 for k, x in enumerate(groups)), cuts, m
+
+
+def _one_per_class(group: tuple[str, ...], key: Callable[[str], Hashable]) -> tuple[str, ...]:
+    """The last device of each class of ``group`` (each device when ``key`` is the name), in order of the
+    classes' first appearance."""
+    last: dict[Hashable, str] = {}
+    for d in group:
+        last[key(d)] = d
+    return tuple(last.values())
 
 
 def shifted_cuts(shape: Shape, points: Sequence[int], steps: Sequence[int] = (1, 2)) -> Iterator[Shape]:
@@ -273,8 +341,14 @@ def other_counts(shape: Shape, counts: Sequence[int]) -> Iterator[Shape]:
         yield groups, cuts, c
 
 
+def device_class(cluster: Cluster) -> Callable[[str], Hashable]:
+    """A device's class for :func:`moved_devices`: its kind, memory, whether it is a CPU, and its host (the
+    links a replica's all-reduce crosses); devices of one class are interchangeable to the cost model."""
+    return lambda name: (lambda d: (d.kind, d.memory_bytes, d.is_cpu, d.host))(cluster.device(name))
+
+
 def local_search(graph: CostGraph, cluster: Cluster, start: Plan, score: Score, *, microbatches: int | None = None,
-                 dtype: str = "float32") -> list[Plan]:
+                 dtype: str = "float32", check: Callable[[], None] = _no_check) -> list[Plan]:
     """Steepest descent from ``start`` over plan shapes.
 
     Each round builds every neighbour of the current shape (a device moved or two swapped,
@@ -286,9 +360,10 @@ def local_search(graph: CostGraph, cluster: Cluster, start: Plan, score: Score, 
         graph: the cost graph.
         cluster: the devices (those ``start`` leaves idle may be brought in).
         start: where to start (its schedule is kept).
-        score: a plan's simulated step; the caller's stops the search at its time limit by raising.
+        score: a plan's simulated step.
         microbatches: a count the user fixed (None: searched).
         dtype: parameter dtype.
+        check: called before each neighbour is built; the caller's stops the search at its time limit by raising.
 
     Returns:
         The plan where the descent stopped, or [] when no neighbour of ``start`` is faster.
@@ -296,17 +371,19 @@ def local_search(graph: CostGraph, cluster: Cluster, start: Plan, score: Score, 
     points = cut_points(Chain.of(graph))
     counts = microbatch_counts(graph, 1, microbatches)
     names = [d.name for d in cluster.devices]
+    alike = device_class(cluster)
     shape, best_t, current = shape_of(graph, start), score(start), None
     seen = {shape}
     while True:
         found: tuple[float, Plan, Shape] | None = None
-        moves = [*moved_devices(shape, names), *shifted_cuts(shape, points),
-                 *(other_counts(shape, counts) if microbatches is None else ())]
+        moves = [*shifted_cuts(shape, points), *(other_counts(shape, counts) if microbatches is None else ()),
+                 *moved_devices(shape, names, alike)]
         for nxt in moves:
             groups, cuts, m = nxt
             if nxt in seen or graph.batch_size // m < max(len(g) for g in groups):
                 continue
             seen.add(nxt)
+            check()
             p = build_plan(graph, cluster, groups, cuts, m, start.schedule, dtype, "local-search")
             t = score(p) if p is not None else float("inf")
             if p is not None and t < best_t and (found is None or t < found[0]):
@@ -320,15 +397,47 @@ class _OutOfTime(Exception):
     """The search's time limit passed: the best plan scored so far stands."""
 
 
+class Budget:
+    """The uneven search's time budget, checked before every plan it builds or scores.
+
+    Args:
+        seconds: how long the search may run.
+        clock: seconds now (default :func:`time.perf_counter`); a test passes its own to make the deadline
+            deterministic.
+    """
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.seconds = seconds
+        self.clock = clock
+        self.start = clock()
+        self.checks = 0
+
+    def check(self) -> None:
+        """Count one unit of work; raise :class:`_OutOfTime` once the budget is spent."""
+        self.checks += 1
+        if self.clock() - self.start > self.seconds:
+            raise _OutOfTime
+
+    def spent(self) -> float:
+        """Seconds since the search started, by the budget's clock."""
+        return self.clock() - self.start
+
+
+#: The families of :func:`improve`, in the order they run.
+FAMILIES = ("data-parallel", "extend", "merge", "mixed-pipeline", "local-search", "local-search from the solver's")
+
+
 def improve(graph: CostGraph, cluster: Cluster, base: Plan, *, dtype: str = "float32",
             microbatches: int | None = None, time_limit_s: float = 10.0,
-            progress: Callable[[str], None] | None = None) -> Uneven:
+            progress: Callable[[str], None] | None = None,
+            clock: Callable[[], float] = time.perf_counter) -> Uneven:
     """The fastest of ``base`` and the uneven candidates (module docstring), all scored by the simulator.
 
     On a cluster of one device kind nothing is tried and ``base`` comes back: equal rows are already what
     choose_rows gives equal devices, and which of them to group is the solver's own search. Every plan
-    scored counts, also one a family scores on its way, and past ``time_limit_s`` the search stops with the
-    best so far (many devices of several kinds make thousands of candidates).
+    built or scored is first checked against the budget (:class:`Budget`), and past ``time_limit_s`` the
+    search stops with the best so far, so what it adds to the solver's time is bounded; one line says how
+    far it got, in what time, against what budget.
 
     Args:
         graph: the cost graph ``base`` was solved on (each block within one stage of ``base``).
@@ -336,15 +445,16 @@ def improve(graph: CostGraph, cluster: Cluster, base: Plan, *, dtype: str = "flo
         base: the solver's plan (its schedule is kept; ``microbatches``, when given, is kept too).
         dtype: parameter dtype.
         microbatches: a count the user fixed (None: searched over the batch's divisors).
-        time_limit_s: when to stop trying candidates.
-        progress: called with a line saying what won.
+        time_limit_s: the search's budget in seconds.
+        progress: called with the line saying what was searched and what won.
+        clock: the budget's clock (:class:`Budget`).
 
     Returns:
         The chosen plan (with the simulator's predictions and, when a candidate won, solver name
         ``<base>+uneven:<family>``, status ``heuristic``) and what was tried.
     """
     t0 = time.perf_counter()
-    deadline = t0 + time_limit_s
+    budget = Budget(time_limit_s, clock)
     say = progress or (lambda _: None)
     seen: dict[int, tuple[Plan, float]] = {}
     base_ms = base.predicted.step_ms if base.predicted.step_ms > 0 else annotate(base, graph, dtype)[1].step_ms
@@ -354,10 +464,9 @@ def improve(graph: CostGraph, cluster: Cluster, base: Plan, *, dtype: str = "flo
     def score(p: Plan) -> float:
         if id(p) in seen:
             return seen[id(p)][1]
-        if time.perf_counter() > deadline:
-            raise _OutOfTime
+        budget.check()
         try:
-            t = annotate(p, graph, dtype)[1].step_ms
+            t = step_ms(p, graph, dtype)  # the step alone: no per-device bars or memory curves
         except HpmlError:
             t = float("inf")
         seen[id(p)] = (p, t)  # the plan is kept, so its id is not reused
@@ -365,32 +474,39 @@ def improve(graph: CostGraph, cluster: Cluster, base: Plan, *, dtype: str = "flo
             best[0] = (t, p)
         return t
 
-    if len({d.kind for d in cluster.devices}) > 1:  # one kind: equal rows and the solver's own groups already
-        families: list[Callable[[], object]] = [
-            lambda: data_parallel(graph, cluster, score, microbatches=microbatches, schedule=base.schedule,
-                                  dtype=dtype),
-            lambda: extend(graph, cluster, base, score, dtype=dtype),
-            lambda: merge(graph, cluster, base, score, microbatches=microbatches, dtype=dtype),
-            lambda: mixed_pipeline(graph, cluster, score, microbatches=microbatches, schedule=base.schedule,
-                                   dtype=dtype),
-            # from the fastest plan so far, then from the solver's when that is another
-            lambda: local_search(graph, cluster, best[0][1], score, microbatches=microbatches, dtype=dtype),
-            lambda: local_search(graph, cluster, base, score, microbatches=microbatches, dtype=dtype)]
+    kinds = sorted({d.kind for d in cluster.devices})
+    if len(kinds) == 1:  # equal rows and the solver's own groups already
+        say(f"uneven rows: skipped, every device is a {kinds[0]} (equal rows per replica are the solver's own)")
+        return Uneven(base, "solver", base_ms, 1)
+    check = budget.check
+    families: list[Callable[[], object]] = [
+        lambda: data_parallel(graph, cluster, score, microbatches=microbatches, schedule=base.schedule, dtype=dtype,
+                              check=check),
+        lambda: extend(graph, cluster, base, score, dtype=dtype, check=check),
+        lambda: merge(graph, cluster, base, score, microbatches=microbatches, dtype=dtype, check=check),
+        lambda: mixed_pipeline(graph, cluster, score, microbatches=microbatches, schedule=base.schedule,
+                               dtype=dtype, check=check),
+        # from the fastest plan so far, then from the solver's when that is another
+        lambda: local_search(graph, cluster, best[0][1], score, microbatches=microbatches, dtype=dtype, check=check),
+        lambda: local_search(graph, cluster, base, score, microbatches=microbatches, dtype=dtype, check=check)]
+    done = 0
+    try:
         for family in families:
-            try:
-                family()
-            except _OutOfTime:
-                say(f"uneven: stopped at the time limit ({time_limit_s:g} s) after {len(seen)} candidate plans")
-                break
+            family()
+            done += 1
+        how = "searched"
+    except _OutOfTime:
+        how = f"stopped at its time limit in {FAMILIES[done]}:"
     tried = len(seen)
+    say(f"uneven rows: {how} {done} of {len(families)} candidate families, {tried} plans simulated, in "
+        f"{budget.spent():.1f} s (budget {time_limit_s:g} s)")
     if best[0][1] is base:
-        say(f"uneven: none of {tried} candidate plans beat {base.solver.name}'s {base_ms:.4g} ms")
+        say(f"uneven rows: none of {tried} candidate plans beat {base.solver.name}'s {base_ms:.4g} ms")
         return Uneven(base, "solver", base_ms, tried)
     family_name = best[0][1].solver.name
     annotated, _ = annotate(best[0][1], graph, dtype)
     info = SolverInfo(f"{base.solver.name}+uneven:{family_name}", SolverStatus.HEURISTIC, 0.0,
                       base.solver.seconds + time.perf_counter() - t0)
     plan = replace(annotated, solver=info, precision=base.precision)
-    say(f"uneven: {family_name} {plan.predicted.step_ms:.4g} ms beats {base.solver.name}'s {base_ms:.4g} ms "
-        f"({tried} candidate plans)")
+    say(f"uneven rows: {family_name} {plan.predicted.step_ms:.4g} ms beats {base.solver.name}'s {base_ms:.4g} ms")
     return Uneven(plan, family_name, base_ms, tried)

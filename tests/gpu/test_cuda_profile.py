@@ -40,8 +40,9 @@ def test_profile_measures_on_the_gpu_and_leaves_the_model_on_cpu() -> None:
     assert gpu.bwd_ms == pytest.approx(whole.bwd_ms, rel=0.5)
 
 
-def test_prediction_from_cpu_is_within_an_order_of_magnitude_of_the_gpu() -> None:
-    """The CPU-calibrated datasheet prediction of this GPU, against its measurement (reported, loosely bounded)."""
+def test_prediction_from_cpu_is_within_one_and_a_half_times_the_gpu() -> None:
+    """The CPU-calibrated datasheet prediction of this GPU (what a plan for a GPU kind the profile did not measure
+    uses), against its measurement: within 0.67-1.5x, the figure reported either way."""
     m = models.load("gpt2-small", batch_size=8, seq_len=128)
     kind = _gpu_kind()
     measured = profile(m.module, m.example_inputs, name="g", device_kinds=("cpu", kind), repeats=3, warmup=1,
@@ -59,4 +60,6 @@ def test_prediction_from_cpu_is_within_an_order_of_magnitude_of_the_gpu() -> Non
     ratio = (predicted.fwd_ms + predicted.bwd_ms) / (real.fwd_ms + real.bwd_ms)
     print(f"{kind}: predicted {predicted.fwd_ms + predicted.bwd_ms:.2f} ms, measured "
           f"{real.fwd_ms + real.bwd_ms:.2f} ms, ratio {ratio:.2f}")
-    assert 0.1 < ratio < 10
+    assert 0.67 < ratio < 1.5, (f"{kind}: the CPU-calibrated prediction is {ratio:.2f}x the measurement "
+                                f"(predicted {predicted.fwd_ms + predicted.bwd_ms:.2f} ms, measured "
+                                f"{real.fwd_ms + real.bwd_ms:.2f} ms); the goal is 0.67-1.5x")

@@ -258,7 +258,6 @@ def _no_solving(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*_a: Any, **_k: Any) -> None:
         raise AssertionError("the solver ran")
     monkeypatch.setattr(driver, "solve", refuse)
-    monkeypatch.setattr("hpml_compile.cli.plan.solve", refuse)
 
 
 @pytest.mark.parametrize("m,best", [(16, 8), (3, 2), (5, 4)])

@@ -30,7 +30,7 @@ PASSES = ["trace", "profile", "costgraph", "cluster", "stagecost", "plan", "sche
           "codegen"]
 SHARED = {"ir", "errors", "schema", "memory", "hostmem", "publish", "recipe", "trainspec", "precision",
           "compression", "saved"}
-VIEWS = {"viz", "report", "explain"}
+VIEWS = {"viz", "report", "explain", "certify", "assumptions"}
 CLI = {"cli", "demo", "__main__"}  # and every ``*_cli`` module
 # What the runtime may reach only through hpml_compile.driver ...
 SOLVING = {"solve", "simulate", "costgraph", "profile", "trace", "replan"}

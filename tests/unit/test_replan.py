@@ -12,7 +12,7 @@ from hpml_compile.cli import main
 from hpml_compile.errors import HpmlError
 from hpml_compile.ir import Cluster, Device, Link
 from hpml_compile.plan import Plan, Schedule, Stage, load_plan, save_plan, validate_plan, with_comm
-from hpml_compile.profile import save_profile
+from hpml_compile.profile import predict_kinds, save_profile
 from hpml_compile.simulate import annotate, simulate
 from hpml_compile.driver import Options, replan
 from hpml_compile.replan import plan_diff, replan_graph, without_devices
@@ -61,10 +61,17 @@ def test_without_devices_errors() -> None:
 
 
 def test_replan_from_a_profile_predicts_missing_kinds() -> None:
+    """A CPU-only profile, re-planned for a cluster that gained a GPU kind it never measured: the kind is
+    predicted (without it the cost graph has no costs for the GPU and the re-plan cannot price it)."""
     prof = chain_profile(EVEN)
     old = solve(chain_graph(EVEN), cluster_of(["cpu", "cpu"]), solver="dp", microbatches=4)
-    r = replan(old, prof, opts=Options(solver="dp"))
+    grown = cluster_of(["cpu", "cpu", "A100-80GB"], free_links=False, name="cpu+gpu")
+    assert "A100-80GB" not in prof.device_kinds
+    r = replan(old, prof, cluster=grown, opts=Options(solver="dp"))
     assert r.plan.microbatches == 4 and r.plan.schedule == old.schedule
+    assert r.plan.cluster.device("d2").kind == "A100-80GB"
+    validate_plan(r.plan, predict_kinds(prof, ["A100-80GB"]))
+    assert r.plan.predicted.step_ms > 0
 
 
 def test_diff_lists_each_moved_node_once() -> None:

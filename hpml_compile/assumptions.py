@@ -1,0 +1,153 @@
+"""The costs a plan uses that were not measured on this machine, each named with its value and its source.
+
+A plan's prediction mixes measured costs (a profiled kind, a timed link) with
+values read from a datasheet, measured on another machine, or set by
+default. A user cannot tell one from the other in a step time, so
+:func:`assumptions` lists the others; ``plan`` and ``explain`` print them,
+and plan.json carries them (``assumptions``):
+
+- the speed of each device kind the profile did not measure (the catalog's
+  datasheet roofline, calibrated on a measured kind where there is one);
+- the per-op host cost of a GPU kind predicted that way
+  (``cost_models.EAGER_GPU_OP_MS``, measured on one H100 host);
+- each link between two devices that the cluster does not name, priced at
+  the catalog's default (``eth100`` between hosts, NVLink or PCIe inside one);
+- the share of a replicated stage's last backward that hides its gradient
+  all-reduce (``GPU_OVERLAP``, ``CPU_OVERLAP``);
+- the optimizer step's memory passes when no kind measured it (the AdamW
+  prior of a ``--meta`` profile).
+
+Example:
+    >>> from hpml_compile.solve.testing import chain_profile
+    >>> from hpml_compile.plan import Plan, Schedule, Stage
+    >>> from hpml_compile.ir import Cluster, Device
+    >>> c = Cluster(devices=(Device("g0", "A100-80GB", 80, "h0"), Device("g1", "A100-80GB", 80, "h1")))
+    >>> prof = chain_profile([{"A100-80GB": (1.0, 2.0)}])
+    >>> p = Plan("toy", c, Schedule.ONE_F_ONE_B, 1, (Stage(0, ("g0", "g1"), ("n0",)),))
+    >>> [a.name for a in assumptions(p, prof)]  # the toy profile measured nothing
+    ['A100-80GB speed', 'per-op host cost on a GPU', 'link A100-80GB - A100-80GB between hosts', 'gradient all-reduce overlap on GPUs']
+"""
+
+from __future__ import annotations
+
+import cost_models
+
+from .cluster import CPU_OVERLAP, GPU_OVERLAP, link_spec
+from .ir import Assumption, Cluster, Device, Profile, base_kind
+from .plan import Plan
+
+__all__ = ["assumptions", "format_assumptions"]
+
+
+def assumptions(plan: Plan, prof: Profile) -> tuple[Assumption, ...]:
+    """The costs ``plan`` uses that were not measured on this machine (module docstring).
+
+    Args:
+        plan: the plan (its cluster and stages: only what it uses is listed).
+        prof: the profile it was planned from, with every kind of the cluster costed (measured or predicted).
+
+    Returns:
+        One assumption per cost, in the order of the module docstring.
+    """
+    used = [plan.cluster.device(d) for st in plan.stages for d in st.devices]
+    return (*_speeds(used, prof), *_links(plan.cluster, used), *_overlaps(plan), *_optimizer(prof))
+
+
+def format_assumptions(items: tuple[Assumption, ...], limit: int = 8) -> str:
+    """A short block for a person: one line per assumption (``limit`` at most, then how many more)."""
+    if not items:
+        return "assumed: nothing (every cost the plan uses was measured here)"
+    lines = ["assumed (not measured on this machine):"]
+    lines += [f"  {a.name}: {a.value} ({a.source})" for a in items[:limit]]
+    if len(items) > limit:
+        lines.append(f"  ... and {len(items) - limit} more in plan.json's assumptions")
+    return "\n".join(lines)
+
+
+def _speeds(used: list[Device], prof: Profile) -> list[Assumption]:
+    out, gpu_predicted = [], False
+    for kind in sorted({d.kind for d in used}):
+        info = prof.devices.get(kind, {})
+        if info.get("measured", False):
+            continue
+        try:
+            spec = cost_models.get_device(base_kind(kind))
+        except cost_models.UnknownDeviceKind:
+            out.append(Assumption(f"{kind} speed", "as the profile gives it", "the profile; not measured here"))
+            continue
+        if spec.category is cost_models.DeviceCategory.GPU:
+            gpu_predicted = True
+        dtype = prof.precision.dtype if prof.precision.is_mixed else prof.dtype  # what prices its nodes
+        flops = spec.peak_flops.get(dtype, 0.0) / 1e12
+        out.append(Assumption(f"{kind} speed", f"{flops:g} TFLOP/s peak in {dtype}, {spec.mem_bw / 1e9:.0f} GB/s "
+                                               "memory",
+                              f"{info.get('predicted_from', 'datasheet roofline')}; {spec.source or 'catalog'}"))
+    if gpu_predicted:
+        out.append(Assumption("per-op host cost on a GPU", f"{cost_models.EAGER_GPU_OP_MS * 1e3:.0f} us an op",
+                              "cost_models.EAGER_GPU_OP_MS, measured on one H100 host, not on this machine"))
+    return out
+
+
+def _links(cluster: Cluster, used: list[Device]) -> list[Assumption]:
+    """The catalog defaults the plan's devices talk over where the cluster names no link between them."""
+    named = {frozenset((x.a, x.b)) for x in cluster.links}
+    groups: dict[tuple[str, str], Device] = {}
+    for d in used:
+        groups.setdefault((d.host, d.kind), d)
+    members: dict[tuple[str, str], list[str]] = {}
+    for d in used:
+        members.setdefault((d.host, d.kind), []).append(d.name)
+    found: dict[tuple[str, str, bool], str] = {}
+    keys = sorted(groups)
+    for i, g in enumerate(keys):
+        for h in keys[i:]:
+            same = g[0] == h[0]
+            pair = (*sorted((g[1], h[1])), same)
+            if pair in found or not _unnamed(members[g], members[h], named):
+                continue
+            spec = link_spec(cluster, *_two(members[g], members[h]))
+            found[pair] = f"{spec.name}, {spec.gbps:g} GB/s, {spec.latency_us:g} us"  # type: ignore[index]
+    return [Assumption(f"link {a} - {b} {'on one host' if same else 'between hosts'}", value,
+                       "the catalog's default: the cluster names no link between these devices")
+            for (a, b, same), value in sorted(found.items())]
+
+
+def _two(a: list[str], b: list[str]) -> tuple[str, str]:
+    """Two different devices, one of each list (the lists may be one group)."""
+    return (a[0], a[1]) if a is b or a == b else (a[0], b[0])
+
+
+def _unnamed(a: list[str], b: list[str], named: set[frozenset[str]]) -> bool:
+    """Whether some pair of different devices of ``a`` and ``b`` has no link of its own in the cluster."""
+    if a == b and len(a) < 2:
+        return False
+    if not named:
+        return True
+    return any(x != y and frozenset((x, y)) not in named for x in a for y in b)
+
+
+def _overlaps(plan: Plan) -> list[Assumption]:
+    replicated = [st for st in plan.stages if len(st.devices) > 1]
+    cpu = any(plan.cluster.device(d).is_cpu for st in replicated for d in st.devices)
+    gpu = any(not plan.cluster.device(d).is_cpu for st in replicated for d in st.devices)
+    out = []
+    if gpu:
+        out.append(Assumption("gradient all-reduce overlap on GPUs", f"{GPU_OVERLAP:g} of the last backward",
+                              "hpml_compile.cluster.GPU_OVERLAP: NCCL on its own stream, the documented default "
+                              "(Li et al., VLDB 2020); not measured here"))
+    if cpu:
+        out.append(Assumption("gradient all-reduce overlap on CPUs", f"{CPU_OVERLAP:g} of the last backward",
+                              "hpml_compile.cluster.CPU_OVERLAP: set from runs on one 2-core machine, where gloo "
+                              "shares the cores the backward runs on; not measured on this one"))
+    return out
+
+
+def _optimizer(prof: Profile) -> list[Assumption]:
+    if not prof.optimizer or not prof.parameters:
+        return []
+    measured = [k for k, ms in prof.optimizer_ms.items() if ms > 0 and prof.devices.get(k, {}).get("measured")]
+    if measured:
+        return []
+    return [Assumption(f"optimizer step ({prof.optimizer})", "12 memory passes over the parameter bytes",
+                       "a prior count of what the optimizer reads and writes, not a measurement: no kind of "
+                       "the profile timed it (a --meta profile times nothing)")]
