@@ -188,7 +188,10 @@ def block_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload, 
     flops = 2 * tokens * shape.block_params() + 4 * tokens * keys * shape.d_model
     kv_read = work.rows * keys * 2 * shape.n_kv_head * shape.head_dim * nbytes
     moved = shape.block_params() * nbytes + kv_read + 6 * tokens * shape.d_model * nbytes
-    return blocks * op_time_ms(OpKind.MATMUL, flops, moved, spec, work.dtype, ops=KERNELS_PER_BLOCK)
+    one = op_time_ms(OpKind.MATMUL, flops, moved, spec, work.dtype, ops=KERNELS_PER_BLOCK)
+    if spec.category is cost_models.DeviceCategory.CPU:  # the CPU runs each kernel's dispatch after the last
+        one += (KERNELS_PER_BLOCK - 1) * spec.launch_overhead_ms
+    return blocks * one
 
 
 def head_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload) -> float:

@@ -309,7 +309,7 @@ def place(shape: DecoderShape, cluster: Cluster, work: Workload, *, objective: O
         if explain_idle:
             forced = _search(cluster, shape, work, order, objective, latency_bound_ms, frozenset({j}), specs)
             why = ("it cannot hold a stage next to the others (memory)" if forced is None else
-                   f"a plan using it predicts {forced[2].tokens_per_s:.4g} tokens/s against "
+                   f"the best plan using it predicts {forced[2].tokens_per_s:.4g} tokens/s, no more than "
                    f"{pred.tokens_per_s:.4g} without it")
         idle.append((name, why))
     return InferencePlan(objective, model, shape, work, cluster, stages, pred, tuple(idle), latency_bound_ms,
