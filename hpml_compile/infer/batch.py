@@ -127,6 +127,13 @@ def run_batch(generate: Callable[[list[list[int]], int], list[list[int]]], data:
     wants = [int(x.get("max_new_tokens", max_new_tokens)) for x in items]
     partial, meta = out.with_name(out.name + ".partial"), out.with_name(out.name + ".partial.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not partial.exists():
+        lines = out.read_text(encoding="utf-8").splitlines()
+        if [json.loads(x).get("index") for x in lines] == list(range(len(items))):
+            say(f"{out} already holds all {len(items)} items; nothing to do")
+            return 0
+        raise HpmlError(f"infer: {out} exists and is not this input's complete output; move it away or choose "
+                        "another -o")
     done = _resume(partial, meta, digest)
     if done == 0:
         write_json_atomic({"data_sha256": digest, "data": str(data)}, meta)

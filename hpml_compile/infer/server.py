@@ -21,7 +21,7 @@ client sends reaches a rank unchecked, so no request can take the server or a ra
 fails anyway, every request waiting or running gets a 503 naming the failure, and ``/health`` says so.
 
 Shutdown (SIGINT/SIGTERM): uvicorn stops accepting, the requests already queued are served, then the
-batcher stops the ranks.
+batcher stops the ranks; uvicorn then raises the signal again, so the process ends as the signal says.
 
 Example:
     >>> Limits().max_batch
@@ -33,12 +33,17 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import sys
 import threading
 import time
 from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import generate_latest
 
 from ..errors import HpmlError, LaunchError
 from .batch import decode_tokens, encode_item
@@ -161,12 +166,8 @@ class _Batcher(threading.Thread):
             r.loop.call_soon_threadsafe(r.tokens.put_nowait, None)  # the end of its tokens
 
 
-def make_app(gen: Generator, limits: Limits = Limits()) -> Any:
+def make_app(gen: Generator, limits: Limits = Limits()) -> FastAPI:
     """The FastAPI application serving ``gen`` (see the module docstring)."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from prometheus_client import generate_latest
-
     metrics = _Metrics()
     batcher = _Batcher(gen, limits, metrics)
     vocab, context = gen.vocab, gen.stage.model.config.max_seq_len
@@ -178,6 +179,7 @@ def make_app(gen: Generator, limits: Limits = Limits()) -> Any:
         batcher.inbox.put(None)  # after the queued requests: they are served first
         await asyncio.get_running_loop().run_in_executor(None, batcher.join)
         gen.close()
+        print("stopped: the queued requests were served and the ranks stopped", file=sys.stderr, flush=True)
 
     app = FastAPI(title="hpml-compile generation server", lifespan=lifespan)
 
