@@ -26,7 +26,7 @@ Example:
     >>> shape = DecoderShape.from_config(PRESETS["llama-7b"])
     >>> round(shape.params() / 1e9, 2)
     6.74
-    >>> work = Workload(batch=1, prompt_len=128, new_tokens=128)
+    >>> work = Workload(batch=1, prompt_len=128, new_tokens=128, dtype="bfloat16")
     >>> shape.kv_bytes(work, blocks=32) // 2**20  # fp16 cache of one 256-token sequence
     128
 """
