@@ -86,8 +86,9 @@ def main() -> None:
         print(f"3. served {len(results)} requests from {args.clients} clients in {wall:.3g} s: {tokens / wall:.4g} "
               f"tokens/s, latency p50 {statistics.median(lat):.3g} s, p99 {lat[int(0.99 * (len(lat) - 1))]:.3g} s")
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
-            batch = [x for x in r.read().decode().splitlines() if x.startswith("hpml_batch_size_")]
-        print("   " + "; ".join(batch[-2:]))
+            batch = [x for x in r.read().decode().splitlines()
+                     if x.startswith(("hpml_batch_size_count", "hpml_batch_size_sum"))]
+        print("   " + "; ".join(batch))
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)

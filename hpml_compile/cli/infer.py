@@ -46,6 +46,9 @@ def add_inference_options(p: argparse.ArgumentParser) -> None:
                    help="tokens generated per sequence (default: a quarter of the context)")
     g.add_argument("--serve-dtype", default="float32", dest="serve_dtype",
                    choices=["float32", "bfloat16", "float16"], help="weights and cache dtype (default float32)")
+    g.add_argument("--weights", type=Path, default=None,
+                   help="a safetensors file of the model's state (safetensors.torch.save_model); each rank reads "
+                        "only its stage's tensors (default: the weights of --seed)")
     g.add_argument("--latency-bound-ms", type=float, default=None, dest="latency_bound_ms",
                    help="with throughput: the most one decode step (per-token latency) may take")
 
@@ -56,7 +59,7 @@ def _plan(args: argparse.Namespace, model: str) -> Any:
     ctx = _shape(model, getattr(args, "seed", 0)).max_seq_len
     return plan_for(model, args.cluster, batch=args.batch_size or 8, prompt_len=args.prompt_len or ctx // 4,
                     new_tokens=args.new_tokens or ctx // 4, dtype=args.serve_dtype, objective=args.objective,
-                    latency_bound_ms=args.latency_bound_ms, seed=getattr(args, "seed", 0))
+                    latency_bound_ms=args.latency_bound_ms, seed=getattr(args, "seed", 0), weights=args.weights)
 
 
 def _report(plan: Any) -> None:
@@ -81,7 +84,7 @@ def run_inference_compile(args: argparse.Namespace) -> int:
     from ..recipe import absolute_model_spec
 
     plan = _plan(args, args.model)
-    plan = plan.with_model(absolute_model_spec(args.model), plan.seed)
+    plan = plan.with_model(absolute_model_spec(args.model), plan.seed, plan.weights)
     publish_dir(args.output, lambda d: save_inference_plan(plan, d / "plan.json"), made_by=_made_by,
                 what="inference build")
     _report(plan)

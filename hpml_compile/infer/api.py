@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..cluster import load_cluster
-from ..errors import HpmlError
+from ..errors import HpmlError, ModelError
 from ..ir import Cluster
 from ..publish import publish_dir
 from .batch import encode_item
@@ -36,7 +36,10 @@ def _shape(model: str, seed: int) -> DecoderShape:
 
     if model in PRESETS:
         return DecoderShape.from_config(PRESETS[model])
-    module = models.load(model, device="meta", seed=seed).module
+    try:
+        module = models.load(model, device="meta", seed=seed).module  # no weights allocated
+    except ModelError:  # a file whose example data cannot be made on meta: build it for real
+        module = models.load(model, seed=seed).module
     if not isinstance(module, GPT):
         raise HpmlError(f"inference plans are made for the zoo's decoder models ({', '.join(PRESETS)}); "
                         f"{model} is a {type(module).__name__}")
@@ -45,7 +48,7 @@ def _shape(model: str, seed: int) -> DecoderShape:
 
 def plan_for(model: str, cluster: Cluster | str, *, batch: int = 8, prompt_len: int = 128, new_tokens: int = 128,
              dtype: str = "float32", objective: Objective | str = Objective.THROUGHPUT,
-             latency_bound_ms: float | None = None, seed: int = 0) -> InferencePlan:
+             latency_bound_ms: float | None = None, seed: int = 0, weights: str | Path | None = None) -> InferencePlan:
     """An inference plan for a zoo decoder on a cluster (see :func:`hpml_compile.infer.place.place`).
 
     Args:
@@ -58,6 +61,8 @@ def plan_for(model: str, cluster: Cluster | str, *, batch: int = 8, prompt_len: 
         objective: ``throughput`` or ``latency``.
         latency_bound_ms: with ``throughput``, the most a decode step may take.
         seed: the weights' seed, recorded for the ranks.
+        weights: a safetensors file of the model's state (``safetensors.torch.save_model``), which each rank
+            reads its stage from instead of the seed's weights; recorded as an absolute path.
 
     Returns:
         The plan.
@@ -66,13 +71,15 @@ def plan_for(model: str, cluster: Cluster | str, *, batch: int = 8, prompt_len: 
         HpmlError: for a model that is not a decoder, bad sizes, or a model that fits nowhere.
     """
     shape = _shape(model, seed)
+    if weights is not None and not Path(weights).is_file():
+        raise HpmlError(f"inference plan: weights {weights}: no such file")
     if prompt_len + new_tokens > shape.max_seq_len:
         raise HpmlError(f"inference plan: prompt_len {prompt_len} + new_tokens {new_tokens} exceeds {model}'s "
                         f"context of {shape.max_seq_len}")
     cl = load_cluster(cluster) if isinstance(cluster, str) else cluster
     plan = place(shape, cl, Workload(batch, prompt_len, new_tokens, 1, dtype), objective=objective,
                  latency_bound_ms=latency_bound_ms, model=model)
-    return plan.with_model(model, seed)
+    return plan.with_model(model, seed, str(Path(weights).resolve()) if weights is not None else None)
 
 
 def _made_by(folder: Path) -> set[str] | None:

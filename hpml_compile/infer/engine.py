@@ -52,7 +52,7 @@ from ..ir import Device
 from .kv import Stage
 from .plan import InferencePlan, save_inference_plan
 
-__all__ = ["Generator", "Generated", "build_stage", "lanes_of", "OP_STOP", "OP_GENERATE", "OP_NOOP"]
+__all__ = ["Generator", "Generated", "build_stage", "load_stage_weights", "lanes_of", "OP_STOP", "OP_GENERATE", "OP_NOOP"]
 
 OP_STOP, OP_GENERATE, OP_NOOP = 0, 1, 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,8 +111,41 @@ def build_stage(plan: InferencePlan, rank: int, model: torch.nn.Module | None = 
         raise HpmlError(f"generation runs the zoo's decoder models (GPT-2 and Llama shapes); {plan.model} is a "
                         f"{type(model).__name__}")
     model = Stage.keep_only(model.eval(), st.first, st.end)
+    if plan.weights:
+        load_stage_weights(model, plan.weights)
     model.to(device=torch_device(plan.cluster.device(st.device)), dtype=DTYPES[plan.workload.dtype])
     return Stage(model, st.first, st.end)
+
+
+_TIED = {"lm_head.weight": "wte.weight", "wte.weight": "lm_head.weight"}
+
+
+@torch.no_grad()
+def load_stage_weights(model: torch.nn.Module, path: str) -> None:
+    """Copy the tensors a cut model still holds from a safetensors file, reading only those.
+
+    A tied table saved once (``safetensors.torch.save_model`` keeps one name of a shared tensor) is found
+    under either name.
+
+    Raises:
+        HpmlError: for a missing file, a tensor the file lacks or one of another shape, naming it.
+    """
+    from safetensors import safe_open
+
+    if not Path(path).is_file():
+        raise HpmlError(f"weights {path}: no such file; save them with safetensors.torch.save_model(model, path)")
+    with safe_open(path, framework="pt") as f:
+        keys = set(f.keys())
+        for name, t in model.state_dict(keep_vars=True).items():
+            src = name if name in keys else _TIED.get(name, name)
+            if src not in keys:
+                raise HpmlError(f"weights {path}: no tensor {name!r}; the file must hold the whole model's state "
+                                "(safetensors.torch.save_model(model, path))")
+            value = f.get_tensor(src)
+            if value.shape != t.shape:
+                raise HpmlError(f"weights {path}: {name} has shape {tuple(value.shape)}, the model's is "
+                                f"{tuple(t.shape)}; were they saved from another model?")
+            t.copy_(value)
 
 
 class Generator:

@@ -36,8 +36,8 @@ the host link, :func:`hpml_compile.infer.cost.stream_ms`) when they do not fit
 resident; a CPU is an ordinary stage that computes its blocks.
 
 A device the best plan leaves out is explained: the best plan that must use
-it is found the same way and the plan says how many tokens/s it would give,
-or that it cannot hold a stage.
+it, with the same lane count, is found the same way and the plan says how
+many tokens/s it would give, or that it cannot hold a stage.
 
 Example:
     >>> from hpml_compile.cluster import load_cluster
@@ -229,10 +229,11 @@ def stages_for(cluster: Cluster, shape: DecoderShape, work: Workload, ranges: It
 
 
 def _search(cluster: Cluster, shape: DecoderShape, work: Workload, order: Sequence[str], objective: Objective,
-            bound: float | None, required: frozenset[int],
-            specs: Mapping[str, cost_models.DeviceSpec] | None) -> tuple[tuple[InferenceStage, ...], Workload, Prediction] | None:
+            bound: float | None, required: frozenset[int], specs: Mapping[str, cost_models.DeviceSpec] | None,
+            lanes: tuple[int, ...] | None = None) -> tuple[tuple[InferenceStage, ...], Workload, Prediction] | None:
     best: tuple[tuple[InferenceStage, ...], Workload, Prediction] | None = None
-    lanes = (1,) if objective is Objective.LATENCY else tuple(m for m in LANES if m <= work.batch)
+    if lanes is None:
+        lanes = (1,) if objective is Objective.LATENCY else tuple(m for m in LANES if m <= work.batch)
     for m in lanes:
         w = replace(work, microbatches=m)
         costs = _costs(cluster, shape, w, order, specs)
@@ -307,10 +308,11 @@ def place(shape: DecoderShape, cluster: Cluster, work: Workload, *, objective: O
             continue
         why = "not needed: the plan was not asked why"
         if explain_idle:
-            forced = _search(cluster, shape, work, order, objective, latency_bound_ms, frozenset({j}), specs)
+            forced = _search(cluster, shape, work, order, objective, latency_bound_ms, frozenset({j}), specs,
+                             lanes=(work.microbatches,))
             why = ("it cannot hold a stage next to the others (memory)" if forced is None else
-                   f"the best plan using it predicts {forced[2].tokens_per_s:.4g} tokens/s, no more than "
-                   f"{pred.tokens_per_s:.4g} without it")
+                   f"the best plan using it ({work.microbatches} lanes) predicts {forced[2].tokens_per_s:.4g} "
+                   f"tokens/s, no more than {pred.tokens_per_s:.4g} without it")
         idle.append((name, why))
     return InferencePlan(objective, model, shape, work, cluster, stages, pred, tuple(idle), latency_bound_ms,
                          (time.perf_counter() - t0) * 1e3)
