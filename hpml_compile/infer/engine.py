@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -202,6 +203,11 @@ class Generator:
             words.append(f"rank {rank} {state}" + (f" ({tail[0]})" if tail and code else ""))
         return "; ".join(words) or "no workers"
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the worker ranks (stages 1..), in stage order."""
+        return [p.pid for p in self._procs]
+
     def __enter__(self) -> "Generator":
         return self
 
@@ -235,7 +241,9 @@ class Generator:
         try:
             return fn()
         except RuntimeError as e:  # gloo: a peer's connection closed or timed out
-            self.broken = f"a rank failed while generating ({e}); {self._worker_report()}"
+            said = re.sub(r"\[[^\]]*\.cc:\d+\] ", "", str(e)).split(". This is typically")[0]
+            time.sleep(0.5)  # the dead worker's exit status settles
+            self.broken = f"a rank failed while generating ({said}); {self._worker_report()}"
             raise LaunchError(self.broken) from None
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, lanes: int | None = None,

@@ -7,7 +7,8 @@ Endpoints:
   ``"stream": true`` as JSON lines, one per token as it is generated, then a last ``{"done": true, ...}``.
 - ``GET /health``: 200 with the stages and queue depth while the pipeline serves, 503 once a rank failed.
 - ``GET /metrics``: Prometheus text: queue depth, batch sizes, request latency (a histogram, and the
-  50th/95th/99th percentiles of the last 1000 requests), tokens generated and tokens/s of the last batch.
+  50th/95th/99th percentiles of the last 1000 requests), tokens generated, tokens/s of the last batch and the
+  plan's predicted tokens/s beside it.
 
 One thread, the batcher, owns the :class:`~hpml_compile.infer.engine.Generator`: it takes the first
 waiting request, gathers more until ``max_batch`` or ``max_wait_ms`` after the first, runs them as one
@@ -90,6 +91,8 @@ class _Metrics:
         self.tokens = Counter("hpml_generated_tokens", "tokens generated", registry=r)
         self.rate = Gauge("hpml_tokens_per_second", "tokens/s of the last batch", registry=r)
         self.requests = Counter("hpml_requests", "requests answered, by HTTP status", ["status"], registry=r)
+        self.predicted = Gauge("hpml_predicted_tokens_per_second", "the plan's predicted tokens/s at its batch",
+                               registry=r)
         self._recent: deque[float] = deque(maxlen=1000)
 
     def done(self, seconds: float) -> None:
@@ -169,6 +172,7 @@ class _Batcher(threading.Thread):
 def make_app(gen: Generator, limits: Limits = Limits()) -> FastAPI:
     """The FastAPI application serving ``gen`` (see the module docstring)."""
     metrics = _Metrics()
+    metrics.predicted.set(gen.plan.predicted.tokens_per_s)
     batcher = _Batcher(gen, limits, metrics)
     vocab, context = gen.vocab, gen.stage.model.config.max_seq_len
 

@@ -58,3 +58,26 @@ def test_pipelined_generation_equals_the_eager_greedy_loop(model: str, cuts: lis
     assert again.tokens[0] == out.tokens[0][:2]
     if model == LLAMA:
         assert len({tuple(t) for t in out.tokens}) > 1, "the prompts must differ in output"
+
+
+def test_a_rank_killed_mid_generation_fails_the_call_with_its_name_not_a_hang() -> None:
+    import os
+    import signal
+    import threading
+    import time
+
+    from hpml_compile.errors import LaunchError
+
+    gen = Generator(_plan(LLAMA, [(0, 2), (2, 3)], 2), threads=1)
+    try:
+        pid = gen.worker_pids[0]
+        threading.Timer(0.5, lambda: os.kill(pid, signal.SIGKILL)).start()
+        t0 = time.monotonic()
+        with pytest.raises(LaunchError, match=r"rank 1 exited with status -9"):
+            for _ in range(1000):
+                gen.generate(PROMPTS, NEW)
+        assert time.monotonic() - t0 < 60
+        with pytest.raises(LaunchError, match="cannot run"):
+            gen.generate(PROMPTS, NEW)
+    finally:
+        gen.close()
