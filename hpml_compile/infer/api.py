@@ -40,10 +40,11 @@ def _shape(model: str, seed: int) -> DecoderShape:
         module = models.load(model, device="meta", seed=seed).module  # no weights allocated
     except ModelError:  # a file whose example data cannot be made on meta: build it for real
         module = models.load(model, seed=seed).module
-    if not isinstance(module, GPT):
-        raise HpmlError(f"inference plans are made for the zoo's decoder models ({', '.join(PRESETS)}); "
-                        f"{model} is a {type(module).__name__}")
-    return DecoderShape.from_config(module.config)
+    if isinstance(module, GPT):
+        return DecoderShape.from_config(module.config)
+    from .hf import hf_shape
+
+    return hf_shape(module)  # a Hugging Face Llama, or an error naming what is supported
 
 
 def plan_for(model: str, cluster: Cluster | str, *, batch: int = 8, prompt_len: int = 128, new_tokens: int = 128,

@@ -50,6 +50,7 @@ from torch import Tensor
 
 from ..errors import HpmlError, LaunchError
 from ..ir import Device
+from .hf import HFStage, is_hf_llama
 from .kv import Stage
 from .plan import InferencePlan, save_inference_plan
 
@@ -99,8 +100,12 @@ def torch_device(device: Device) -> torch.device:
     return torch.device(f"cuda:{int(digits)}")
 
 
-def build_stage(plan: InferencePlan, rank: int, model: torch.nn.Module | None = None) -> Stage:
-    """Rank ``rank``'s stage: the model rebuilt from its seed, cut to the stage, moved to its device and dtype."""
+def build_stage(plan: InferencePlan, rank: int, model: torch.nn.Module | None = None) -> Stage | HFStage:
+    """Rank ``rank``'s stage: the model rebuilt from its seed, cut to the stage, moved to its device and dtype.
+
+    Raises:
+        HpmlError: for a model that is neither a zoo decoder nor a Hugging Face Llama.
+    """
     from ..models.gpt import GPT
 
     st = plan.stages[rank]
@@ -108,17 +113,23 @@ def build_stage(plan: InferencePlan, rank: int, model: torch.nn.Module | None = 
         from .. import models
 
         model = models.load(plan.model, seed=plan.seed).module
-    if not isinstance(model, GPT):
-        raise HpmlError(f"generation runs the zoo's decoder models (GPT-2 and Llama shapes); {plan.model} is a "
-                        f"{type(model).__name__}")
-    model = Stage.keep_only(model.eval(), st.first, st.end)
+    if isinstance(model, GPT):
+        kind: type[Stage] | type[HFStage] = Stage
+    elif is_hf_llama(model):
+        kind = HFStage
+    else:
+        raise HpmlError(f"generation runs the zoo's decoder models (GPT-2 and Llama shapes) and Hugging Face "
+                        f"Llama causal LMs; {plan.model} is a {type(model).__name__}")
+    model = kind.keep_only(model.eval(), st.first, st.end)
     if plan.weights:
         load_stage_weights(model, plan.weights)
     model.to(device=torch_device(plan.cluster.device(st.device)), dtype=DTYPES[plan.workload.dtype])
-    return Stage(model, st.first, st.end)
+    return kind(model, st.first, st.end)  # type: ignore[arg-type]
 
 
-_TIED = {"lm_head.weight": "wte.weight", "wte.weight": "lm_head.weight"}
+# A tied table saved once is found under any of its names.
+_TIED = {"lm_head.weight": ("wte.weight", "model.embed_tokens.weight"), "wte.weight": ("lm_head.weight",),
+         "model.embed_tokens.weight": ("lm_head.weight",)}
 
 
 @torch.no_grad()
@@ -138,8 +149,8 @@ def load_stage_weights(model: torch.nn.Module, path: str) -> None:
     with safe_open(path, framework="pt") as f:
         keys = set(f.keys())
         for name, t in model.state_dict(keep_vars=True).items():
-            src = name if name in keys else _TIED.get(name, name)
-            if src not in keys:
+            src = next((k for k in (name, *_TIED.get(name, ())) if k in keys), None)
+            if src is None:
                 raise HpmlError(f"weights {path}: no tensor {name!r}; the file must hold the whole model's state "
                                 "(safetensors.torch.save_model(model, path))")
             value = f.get_tensor(src)
@@ -172,8 +183,7 @@ class Generator:
         if self.world > 1:
             self._start_workers(threads or max(1, (os.cpu_count() or 1) // self.world), timeout_s)
         self.stage = build_stage(plan, 0, model)
-        self.d_model = self.stage.model.config.d_model
-        self.vocab = self.stage.model.config.vocab_size
+        self.d_model, self.vocab = self.stage.d_model, self.stage.vocab_size
 
     def _start_workers(self, threads: int, timeout_s: float) -> None:
         from ..runtime.launcher import free_port
@@ -266,7 +276,7 @@ class Generator:
         """
         if self.broken is not None:
             raise LaunchError(f"the generator cannot run: {self.broken}")
-        _check(prompts, max_new_tokens, self.vocab, self.stage.model.config.max_seq_len)
+        _check(prompts, max_new_tokens, self.vocab, self.stage.max_seq_len)
         lens = torch.tensor([len(p) for p in prompts])
         m = lanes or self.plan.workload.microbatches
         if self.world > 1:

@@ -66,6 +66,7 @@ class Stage:
         self.model, self.first, self.end = model, first, end
         self.is_first, self.is_last = first == 0, end == model.config.n_layer
         c = model.config
+        self.d_model, self.vocab_size, self.max_seq_len = c.d_model, c.vocab_size, c.max_seq_len
         self._kv_shape = (c.n_kv_head, c.head_dim)
         self._lanes: dict[int, tuple[Tensor, list[Tensor], list[Tensor]]] = {}
 
@@ -82,6 +83,10 @@ class Stage:
         if end != model.config.n_layer:
             model.norm, model.lm_head = None, None  # type: ignore[assignment]
         return model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.layers[self.first].parameters()).dtype
 
     @property
     def device(self) -> torch.device:

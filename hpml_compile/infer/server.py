@@ -174,7 +174,7 @@ def make_app(gen: Generator, limits: Limits = Limits()) -> FastAPI:
     metrics = _Metrics()
     metrics.predicted.set(gen.plan.predicted.tokens_per_s)
     batcher = _Batcher(gen, limits, metrics)
-    vocab, context = gen.vocab, gen.stage.model.config.max_seq_len
+    vocab, context = gen.vocab, gen.stage.max_seq_len
 
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:

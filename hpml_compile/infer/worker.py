@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 from .engine import OP_GENERATE, OP_NOOP, OP_STOP, build_stage, lanes_of
+from .hf import HFStage
 from .kv import Stage
 from .plan import load_inference_plan
 
 __all__ = ["serve_stage", "main"]
 
 
-def serve_stage(stage: Stage, rank: int, world: int, d_model: int) -> None:
+def serve_stage(stage: Stage | HFStage, rank: int, world: int, d_model: int) -> None:
     """Answer rank 0's requests until it sends the stop message."""
     while True:
         header = torch.empty(5, dtype=torch.long)
@@ -39,7 +40,7 @@ def serve_stage(stage: Stage, rank: int, world: int, d_model: int) -> None:
         _generate(stage, rank, world, d_model, lens, m, new, bool(want_logits))
 
 
-def _generate(stage: Stage, rank: int, world: int, d_model: int, lens: torch.Tensor, m: int, new: int,
+def _generate(stage: Stage | HFStage, rank: int, world: int, d_model: int, lens: torch.Tensor, m: int, new: int,
               want_logits: bool) -> None:
     lanes = lanes_of(len(lens), m)
     width = [int(lens[list(r)].max()) for r in lanes]
@@ -52,8 +53,7 @@ def _generate(stage: Stage, rank: int, world: int, d_model: int, lens: torch.Ten
             length = width[k] if step == 0 else 1
             h = torch.empty(len(r), length, d_model)
             dist.recv(h, src=rank - 1)
-            y = stage.step(k, h.to(next(stage.model.layers[stage.first].parameters()).dtype),
-                           0 if step == 0 else width[k] + step - 1)
+            y = stage.step(k, h.to(stage.dtype), 0 if step == 0 else width[k] + step - 1)
             y = y.float().cpu().contiguous()
             if last:
                 tok = y.argmax(-1)
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     try:
         plan = load_inference_plan(plan_path)
         stage = build_stage(plan, int(rank))
-        serve_stage(stage, int(rank), int(world), stage.model.config.d_model)
+        serve_stage(stage, int(rank), int(world), stage.d_model)
     finally:
         dist.destroy_process_group()
     return 0
