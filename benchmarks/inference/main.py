@@ -234,7 +234,7 @@ def measured_rows() -> list[dict[str, Any]]:
             single = gen.generate(ids, new)
         eager_s = _eager_greedy(eager, prompts, new)
         torch.set_num_threads(before)
-        rows.append({"batch": batch, "lanes": lanes, "predicted_tok_s": plan.predicted.tokens_per_s,
+        rows.append({"batch": batch, "lanes": lanes, "predicted_tok_s": piped.predicted.tokens_per_s,
                      "pipeline_tok_s": piped.tokens_per_s, "pipeline_ttft_ms": piped.ttft_ms,
                      "pipeline_token_ms": piped.token_ms, "one_process_cached_tok_s": single.tokens_per_s,
                      "one_process_cached_token_ms": single.token_ms, "eager_tok_s": batch * new / eager_s,

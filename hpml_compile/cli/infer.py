@@ -160,13 +160,14 @@ def run_generate(args: argparse.Namespace) -> int:
             raise HpmlError("--tokens: expected comma-separated integer ids, e.g. --tokens 104,105") from None
     with open_build(args.build) as g:
         out = g.generate(prompts, args.max_new_tokens)
-        p = g.plan.predicted
     for toks in out.tokens:
         text = decode_tokens(toks)
         print(repr(text) if text is not None else ",".join(map(str, toks)))
+    p = out.predicted
+    assert p is not None
     print(f"measured {out.tokens_per_s:.4g} tokens/s, first token {out.ttft_ms:.4g} ms, {out.token_ms:.4g} ms per "
-          f"token (predicted for batch {g.plan.workload.batch}: {p.tokens_per_s:.4g} tokens/s, {p.ttft_ms:.4g} ms, "
-          f"{p.token_ms:.4g} ms)", file=sys.stderr)
+          f"token; predicted {p.tokens_per_s:.4g} tokens/s, {p.ttft_ms:.4g} ms, {p.token_ms:.4g} ms (one cold run: "
+          "the first call pays one-time start-up costs)", file=sys.stderr)
     return 0
 
 

@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Sequence
@@ -52,7 +52,7 @@ from ..errors import HpmlError, LaunchError
 from ..ir import Device
 from .hf import HFStage, is_hf_llama
 from .kv import Stage
-from .plan import InferencePlan, save_inference_plan
+from .plan import InferencePlan, Prediction, save_inference_plan
 
 __all__ = ["Generator", "Generated", "build_stage", "load_stage_weights", "lanes_of", "OP_STOP", "OP_GENERATE", "OP_NOOP"]
 
@@ -71,6 +71,7 @@ class Generated:
     ttft_ms: float  # until every sequence had its first token (the batch's prefill)
     token_ms: float  # mean time of one decode step after that
     total_ms: float
+    predicted: Prediction | None = None  # what the plan's stages predict for this run's batch and lengths
 
     @property
     def tokens_per_s(self) -> float:
@@ -283,8 +284,12 @@ class Generator:
             self._guarded(lambda: (dist.broadcast(torch.tensor([OP_GENERATE, len(prompts), m, max_new_tokens,
                                                                 int(return_logits)]), src=0),
                                    dist.broadcast(lens, src=0)))
-        return self._guarded(lambda: self._drive(prompts, lens, m, max_new_tokens, on_token,
-                                                 return_logits))  # type: ignore[return-value]
+        out: Generated = self._guarded(lambda: self._drive(prompts, lens, m, max_new_tokens, on_token,
+                                                           return_logits))  # type: ignore[assignment]
+        from .place import predict_run
+
+        pred = predict_run(self.plan, len(prompts), int(lens.float().mean().round()), max_new_tokens, m)
+        return replace(out, predicted=pred)
 
     def _drive(self, prompts: Sequence[Sequence[int]], lens: Tensor, m: int, new: int, on_token: OnToken | None,
                want_logits: bool) -> Generated:

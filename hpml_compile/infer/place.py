@@ -67,7 +67,7 @@ from .cost import (DTYPE_BYTES, DecoderShape, Objective, Workload, block_ms, dev
                    stream_ms)
 from .plan import InferencePlan, InferenceStage, Prediction
 
-__all__ = ["LANES", "MEMORY_FRACTION", "place", "score", "stages_for", "device_order"]
+__all__ = ["LANES", "MEMORY_FRACTION", "place", "score", "stages_for", "device_order", "predict_run"]
 
 LANES: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)  # microbatch counts tried
 MEMORY_FRACTION = 0.9  # of a device's memory a plan may use (allocator reserve, the runtime's own buffers)
@@ -316,3 +316,10 @@ def place(shape: DecoderShape, cluster: Cluster, work: Workload, *, objective: O
         idle.append((name, why))
     return InferencePlan(objective, model, shape, work, cluster, stages, pred, tuple(idle), latency_bound_ms,
                          (time.perf_counter() - t0) * 1e3)
+
+
+def predict_run(plan: InferencePlan, batch: int, prompt_len: int, new_tokens: int, lanes: int) -> Prediction:
+    """What ``plan``'s stages predict for one run of its generator (its own batch, lengths and lanes)."""
+    work = Workload(batch, max(prompt_len, 1), max(new_tokens, 1), max(1, min(lanes, batch)), plan.workload.dtype)
+    ranges = [(s.device, s.first, s.end, s.stream) for s in plan.stages]
+    return score(plan.cluster, plan.shape, work, stages_for(plan.cluster, plan.shape, work, ranges))
