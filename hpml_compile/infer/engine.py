@@ -219,6 +219,10 @@ class Generator:
         """Process ids of the worker ranks (stages 1..), in stage order."""
         return [p.pid for p in self._procs]
 
+    def lost_devices(self) -> list[str]:
+        """The plan devices whose worker rank has exited."""
+        return [self.plan.stages[rank].device for rank, p in enumerate(self._procs, start=1) if p.poll() is not None]
+
     def __enter__(self) -> "Generator":
         return self
 

@@ -67,7 +67,8 @@ from .cost import (DTYPE_BYTES, DecoderShape, Objective, Workload, block_ms, dev
                    stream_ms)
 from .plan import InferencePlan, InferenceStage, Prediction
 
-__all__ = ["LANES", "MEMORY_FRACTION", "place", "score", "stages_for", "device_order", "predict_run"]
+__all__ = ["LANES", "MEMORY_FRACTION", "place", "score", "stages_for", "device_order", "predict_run",
+           "replan_without"]
 
 LANES: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)  # microbatch counts tried
 MEMORY_FRACTION = 0.9  # of a device's memory a plan may use (allocator reserve, the runtime's own buffers)
@@ -323,3 +324,20 @@ def predict_run(plan: InferencePlan, batch: int, prompt_len: int, new_tokens: in
     work = Workload(batch, max(prompt_len, 1), max(new_tokens, 1), max(1, min(lanes, batch)), plan.workload.dtype)
     ranges = [(s.device, s.first, s.end, s.stream) for s in plan.stages]
     return score(plan.cluster, plan.shape, work, stages_for(plan.cluster, plan.shape, work, ranges))
+
+
+def replan_without(plan: InferencePlan, lost: Iterable[str]) -> InferencePlan:
+    """``plan``'s model and workload placed again on its cluster without the ``lost`` devices.
+
+    Raises:
+        InfeasibleError: if the devices left cannot hold the model (naming the memory).
+    """
+    gone = set(lost)
+    left = Cluster(devices=tuple(d for d in plan.cluster.devices if d.name not in gone),
+                   links=tuple(x for x in plan.cluster.links if x.a not in gone and x.b not in gone),
+                   name=f"{plan.cluster.name} without {', '.join(sorted(gone))}")
+    if not left.devices:
+        raise InfeasibleError(f"inference plan: no device is left of {plan.cluster.name}")
+    new = place(plan.shape, left, plan.workload, objective=plan.objective, latency_bound_ms=plan.latency_bound_ms,
+                model=plan.model, explain_idle=False)
+    return new.with_model(plan.model, plan.seed, plan.weights)

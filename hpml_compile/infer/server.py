@@ -19,7 +19,9 @@ Every bound is checked before a request is queued, and a violation is a 4xx nami
 size (413), the prompt length and ``max_new_tokens`` (422), a prompt plus output longer than the model's
 context (422), a full queue (429). A body that is not JSON, or not a request object, is a 400. Nothing a
 client sends reaches a rank unchecked, so no request can take the server or a rank down. If a rank
-fails anyway, every request waiting or running gets a 503 naming the failure, and ``/health`` says so.
+fails anyway, every request of the running batch gets a 503 naming the failure, ``/health`` says so, and
+the batcher places the model again on the devices left (:func:`hpml_compile.infer.place.replan_without`),
+starts a new pipeline and serves the requests still queued; new requests get a 503 until it has.
 
 Shutdown (SIGINT/SIGTERM): uvicorn stops accepting, the requests already queued are served, then the
 batcher stops the ranks; uvicorn then raises the signal again, so the process ends as the signal says.
@@ -91,6 +93,7 @@ class _Metrics:
         self.tokens = Counter("hpml_generated_tokens", "tokens generated", registry=r)
         self.rate = Gauge("hpml_tokens_per_second", "tokens/s of the last batch", registry=r)
         self.requests = Counter("hpml_requests", "requests answered, by HTTP status", ["status"], registry=r)
+        self.replans = Counter("hpml_replans", "pipelines re-planned after a rank failed", registry=r)
         self.predicted = Gauge("hpml_predicted_tokens_per_second", "the plan's predicted tokens/s at its batch",
                                registry=r)
         self._recent: deque[float] = deque(maxlen=1000)
@@ -142,6 +145,24 @@ class _Batcher(threading.Thread):
             fn()
         except LaunchError as e:
             self.failure = str(e)
+            self._recover()
+
+    def _recover(self) -> None:
+        """Place the model again on the devices left, start a new pipeline and serve on (or stay failed)."""
+        from .place import replan_without
+
+        lost = self.gen.lost_devices()
+        try:
+            plan = replan_without(self.gen.plan, lost)
+            self.gen.close()
+            self.gen = Generator(plan)
+        except HpmlError as e:
+            self.failure = f"{self.failure}; re-planning without {', '.join(lost) or 'the failed rank'} failed: {e}"
+            return
+        self.metrics.replans.inc()
+        print(f"re-planned without {', '.join(lost) or 'the failed rank'}: {len(plan.stages)} stages on "
+              f"{', '.join(s.device for s in plan.stages)}; serving again", file=sys.stderr, flush=True)
+        self.failure = None
 
     def _run(self, batch: list[_Request]) -> None:
         if self.failure is not None:
@@ -161,6 +182,8 @@ class _Batcher(threading.Thread):
                 self.failure = self.failure or str(e)
             for r in batch:
                 r.loop.call_soon_threadsafe(r.tokens.put_nowait, e)
+            if isinstance(e, LaunchError):
+                self._recover()
             return
         n = sum(r.want for r in batch)
         self.metrics.tokens.inc(n)
@@ -182,7 +205,7 @@ def make_app(gen: Generator, limits: Limits = Limits()) -> FastAPI:
         yield
         batcher.inbox.put(None)  # after the queued requests: they are served first
         await asyncio.get_running_loop().run_in_executor(None, batcher.join)
-        gen.close()
+        batcher.gen.close()
         print("stopped: the queued requests were served and the ranks stopped", file=sys.stderr, flush=True)
 
     app = FastAPI(title="hpml-compile generation server", lifespan=lifespan)
@@ -204,10 +227,11 @@ def make_app(gen: Generator, limits: Limits = Limits()) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        failure = batcher.failure or gen.broken
+        failure = batcher.failure or batcher.gen.broken
         if failure:
             return JSONResponse({"status": "failed", "error": failure}, status_code=503)
-        return JSONResponse({"status": "ok", "stages": gen.world, "queue": batcher.inbox.qsize()})
+        return JSONResponse({"status": "ok", "stages": batcher.gen.world, "queue": batcher.inbox.qsize(),
+                             "devices": [s.device for s in batcher.gen.plan.stages]})
 
     @app.get("/metrics")
     async def prom() -> PlainTextResponse:
@@ -241,8 +265,8 @@ def make_app(gen: Generator, limits: Limits = Limits()) -> FastAPI:
                                f"context ({context})")
         if any(not 0 <= t < vocab for t in prompt):
             return refuse(422, f"token ids must be in 0..{vocab - 1} (the model's vocabulary)")
-        if batcher.failure or gen.broken:
-            return refuse(503, f"the pipeline has failed: {batcher.failure or gen.broken}")
+        if batcher.failure or batcher.gen.broken:
+            return refuse(503, f"the pipeline has failed: {batcher.failure or batcher.gen.broken}")
         req = _Request(prompt, want, asyncio.get_running_loop())
         try:
             batcher.inbox.put_nowait(req)

@@ -1,6 +1,7 @@
 """`hpml-compile serve` on a 2-stage pipeline under a bounded load on localhost: 32 concurrent clients send 64
 requests (some streamed) and each gets the eager model's greedy tokens, while malformed and oversized requests
-are refused with a 4xx naming the bound; then SIGTERM stops the server and its worker rank."""
+are refused with a 4xx naming the bound; a worker rank killed under load costs no request its answer or an
+error, and the server re-plans and serves again; then SIGTERM stops the server."""
 
 from __future__ import annotations
 
@@ -127,10 +128,28 @@ def test_the_server_answers_every_request_with_the_eager_tokens_and_refuses_bad_
         assert 'hpml_request_latency_quantile_seconds{quantile="0.99"}' in metrics
         assert "hpml_queue_depth" in metrics and "hpml_tokens_per_second" in metrics
 
+        # A worker rank killed under load: every request gets its answer or a 503, then the server re-plans on
+        # the device left and answers again.
+        os.kill(worker_pids[0], signal.SIGKILL)
+        with ThreadPoolExecutor(max_workers=16) as pool:
+            during = list(pool.map(lambda x: _call(port, json.dumps(x)), good[:16], timeout=300))
+        assert all(status in (200, 503) for status, _ in during), during
+        deadline = time.monotonic() + 120
+        while _call(port, "", "/health", "GET")[0] != 200:
+            assert time.monotonic() < deadline, "the server did not re-plan in 120 s"
+            time.sleep(0.2)
+        x = good[1]
+        status, text = _call(port, json.dumps({**x, "stream": False}))
+        seq = list(x["tokens"])
+        with torch.no_grad():
+            for _ in range(x["max_new_tokens"]):
+                seq.append(int(eager(torch.tensor([seq]))[0, -1].argmax()))
+        assert status == 200 and json.loads(text)["tokens"] == seq[len(x["tokens"]):], text
+
         proc.send_signal(signal.SIGTERM)
         said, _ = proc.communicate(timeout=60)
         assert proc.returncode in (0, -signal.SIGTERM) and "stopped: the queued requests were served" in said, said
-        assert "2 stages" in said
+        assert "2 stages" in said and "re-planned without cpu1" in said
         for pid in worker_pids:
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     finally:
