@@ -52,6 +52,9 @@ def add_parsers(subparsers: Any) -> None:
                    help="the precision to train in; must be the profile's (default: the profile's)")
     p.add_argument("-o", "--output", default=None, help="plan.json to write (with --compare: the ilp plan)")
     add_comm_options(p)
+    from .infer import add_inference_options
+
+    add_inference_options(p)
     p.set_defaults(run=run_plan)
 
 
@@ -165,6 +168,10 @@ def run_plan(args: argparse.Namespace) -> int:
     Raises:
         HpmlError: for a bad profile, cluster or option, or a model that fits nowhere (InfeasibleError).
     """
+    if getattr(args, "inference", False):
+        from .infer import run_inference_plan
+
+        return run_inference_plan(args)
     if not args.compare and not args.output:
         raise HpmlError("plan: -o/--output is required (where to write plan.json), unless --compare")
     if args.microbatches is not None and args.microbatches < 1:
