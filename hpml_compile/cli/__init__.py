@@ -281,6 +281,9 @@ EXAMPLES: dict[str, str] = {
     "replan": "hpml-compile replan build/plan.json --profile out/runs/a/profile.json -o build2/",
     "devices": "hpml-compile devices --measure -o cluster.json",
     "models": "hpml-compile models",
+    "generate": "hpml-compile generate build/ --prompt 'def main(' --max-new-tokens 32",
+    "infer": "hpml-compile infer build/ --data prompts.jsonl -o answers.jsonl --batch-size 8",
+    "serve": "hpml-compile serve build/ --port 8000 --max-batch 16",
 }
 
 
