@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=96)
     args = ap.parse_args()
     from hpml_compile.infer.api import compile_inference, generate
-    from hpml_compile.runtime.launcher import free_port
+    from hpml_compile.runtime.job.launcher import free_port
 
     build = args.out / "build"
     plan = compile_inference(MODEL, "local-cpu-2", build, batch=8, prompt_len=32, new_tokens=32)

@@ -8,7 +8,7 @@ torch-free half: it parses the option string the user gives
 one, and says how many bytes a compressed gradient puts on the wire and how many
 passes over the gradient the compression costs, for the cost model
 (:mod:`hpml_compile.stagecost`) and for ``report``. What runs on the ranks is
-:mod:`hpml_compile.runtime.compress`.
+:mod:`hpml_compile.runtime.sync.compress`.
 
 - **Top-K with error feedback** (Stich et al., NeurIPS 2018; Lin et al., ICLR
   2018 "Deep Gradient Compression"): each replica sends the ``k = ceil(ratio N)``

@@ -2,8 +2,8 @@
 
 Every way into the compiler goes through here: the CLIs (``compile``,
 ``plan``, ``replan``, ``demo``), the Python API (:func:`hpml_compile.compile`)
-and the closed loop (an imbalance re-plan in :mod:`.runtime.adapt`, a failure
-re-plan in :mod:`.runtime.supervisor`). None of them calls a pass by itself,
+and the closed loop (an imbalance re-plan in :mod:`.runtime.job.adapt`, a failure
+re-plan in :mod:`.runtime.job.supervisor`). None of them calls a pass by itself,
 so a change to the chain is made once, here::
 
     compile:  model -> trace -> profile -> costgraph -> coarsen -> solve -> codegen -> Build
@@ -156,7 +156,7 @@ class ProfileOptions:
         leaf_modules: modules kept as one opaque node.
         front_end: fx, torch.export or auto.
         link: the link between two CPU processes of this host, measured by the caller
-            (:func:`hpml_compile.runtime.links.measure_local_link`; the driver never starts processes), recorded
+            (:func:`hpml_compile.profile.links.measure_local_link`; the driver never starts processes), recorded
             in the profile (:func:`with_link`); None: not measured.
     """
 
@@ -586,7 +586,7 @@ def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost
         old: the plan running now.
         measured: the measured profile (kinds the cluster has and it lacks are predicted).
         cluster: the devices as they are now (default: the old plan's; a slowed device may have a kind of
-            its own, see :func:`hpml_compile.runtime.summary.measured_setup`).
+            its own, see :func:`hpml_compile.runtime.observe.summary.measured_setup`).
         lost: devices to plan without (dead or failing).
         opts: solver, time limit, dump; microbatches and schedule default to the old plan's.
         progress: the solver's progress lines.

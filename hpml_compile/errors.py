@@ -149,7 +149,7 @@ class UpdateApplied(HpmlError):
     executor's ``StepRun``); the failure itself is ``__cause__``. The ranks agreed on the loss before the update
     (``LOSS``), so they all took it; what failed is a collective after it (ZeRO-1/2's blocking parameter
     all-gather, local SGD's average), which the pipeline completes on the re-formed group before the next step
-    (:meth:`hpml_compile.runtime.zero.FlatShard.forget`)."""
+    (:meth:`hpml_compile.runtime.sync.zero.FlatShard.forget`)."""
 
     def __init__(self, run: Any) -> None:
         super().__init__("the step failed after its optimizer update")

@@ -178,7 +178,7 @@ def _host_sharing(plan: Plan, graph: CostGraph, result: SimResult) -> list[str]:
 
 
 def _shared_memory(plan: Plan, st: Stage) -> str:
-    """What of this stage's gradient sync the runtime runs through shared memory (``runtime.shm``), as an option
+    """What of this stage's gradient sync the runtime runs through shared memory (``runtime.sync.shm``), as an option
     of its line: between CPU devices of one host, the flat all-reduce (ZeRO-0), the reduce-scatter and the
     parameter all-gather (ZeRO-1/2), the reduce-scatter (ZeRO-3, which gathers through gloo)."""
     devs = [plan.cluster.device(d) for d in st.devices]

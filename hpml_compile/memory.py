@@ -173,7 +173,7 @@ def tied_shared(users: Iterable[tuple[str, Sequence[str]]], sizes: Mapping[str, 
     return sum(sizes.get(name, 0) for name in inside & outside)
 
 
-# The overlapped gradient buckets of a replicated stage (hpml_compile.runtime.zero.GradBuckets), here because the
+# The overlapped gradient buckets of a replicated stage (hpml_compile.runtime.sync.zero.GradBuckets), here because the
 # cost model (hpml_compile.stagecost.overlapped_ms) prices the same buckets the runtime launches.
 FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (small, so that the first launch comes early)
 BUCKET_BYTES = 25 << 20  # DDP's bucket_cap_mb

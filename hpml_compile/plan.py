@@ -77,11 +77,11 @@ class AllReduce(str, enum.Enum):
     ``flat``: one ring all-reduce over all of them (ZeRO-1: one reduce-scatter and one all-gather over all
     ``d``, the optimizer sharded ``1 / d``). ``hierarchical``: for replicas spread over hosts, each
     holding the same number ``L``, a reduce-scatter inside each host, an all-reduce of each shard between the
-    hosts, an all-gather inside each host (:func:`hpml_compile.runtime.comm.hierarchical_all_reduce`): the
+    hosts, an all-gather inside each host (:func:`hpml_compile.runtime.sync.comm.hierarchical_all_reduce`): the
     same sum, with only ``1 / L`` of the bytes crossing each link between hosts. Under ZeRO-1 it is HSDP-like:
     the optimizer state and step are sharded over the ``L`` ranks of each host (``1 / L`` each, replicated
     across hosts); the first two levels leave each rank the summed gradient of its shard, it steps the shard,
-    and the third level all-gathers the new parameters inside the host (:mod:`hpml_compile.runtime.zero`). Not
+    and the third level all-gathers the new parameters inside the host (:mod:`hpml_compile.runtime.sync.zero`). Not
     for ZeRO-2/3, whose reduce-scatter and parameter gathers stay flat.
     """
 
@@ -197,7 +197,7 @@ class Plan:
 
     ``sync_every`` > 1 is local SGD (post-local SGD, Lin et al., ICLR 2020): after ``sync_warmup`` steps of
     per-step gradient sync, the replicas of every replicated stage step on their own gradients and average
-    their parameters every ``sync_every`` steps (:mod:`hpml_compile.runtime.compress`). 1: every step, plain
+    their parameters every ``sync_every`` steps (:mod:`hpml_compile.runtime.sync.compress`). 1: every step, plain
     data parallelism (the default; written to plan.json only when set).
     ``tied_allreduce``: how the gradients of parameters shared by several stages (a tied embedding and LM
     head) are summed over the devices of those stages: ``hierarchical`` makes every such group whose
@@ -593,7 +593,7 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
     for st in plan.stages:
         if st.zero == ZeroStage.OS_G_P and st.offload_optimizer:
             raise PlanError(f"stage {st.index} asks for ZeRO-3 with optimizer offload, which the runtime does not "
-                            "combine (runtime/zero3.py): use ZeRO-3 without offload, or ZeRO-1 with it")
+                            "combine (runtime/sync/zero3.py): use ZeRO-3 without offload, or ZeRO-1 with it")
         for s in st.swap:
             if s not in st.nodes:
                 raise PlanError(f"stage {st.index} swaps {s!r}, which is not one of its nodes")
@@ -753,7 +753,7 @@ def sync_overlap(plan: Plan, k: int) -> float:
         0 where the stage's sync is not bucketed (one device; compressed; local SGD; ZeRO-3: all run after
         the backward), else the overlap efficiency of its devices (:func:`hpml_compile.cluster.overlap_efficiency`:
         0 with a CPU in the group, 1 for GPUs), for a flat all-reduce as for a hierarchical one (each bucket
-        a chain of three collectives, :class:`hpml_compile.runtime.comm.ChainQueue`; a hierarchical ZeRO-1's of
+        a chain of three collectives, :class:`hpml_compile.runtime.sync.comm.ChainQueue`; a hierarchical ZeRO-1's of
         two, its parameter all-gather after the optimizer step).
 
     Example:

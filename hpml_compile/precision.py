@@ -16,7 +16,7 @@ Under ``bf16``/``fp16``:
 - **the wire**: every floating-point tensor crossing a stage boundary, and its
   gradient coming back, travels in the compute dtype (half the bytes of fp32);
   :func:`wire_dtype` gives the dtype codegen writes into each boundary spec.
-- **fp16 loss scaling**: see :mod:`hpml_compile.runtime.scaler`.
+- **fp16 loss scaling**: see :mod:`hpml_compile.runtime.execute.scaler`.
 
 Why autocast and not casting the model: the master weights must stay fp32
 for the optimizer (an fp16/bf16 weight loses small updates), and autocast's

@@ -21,7 +21,7 @@ new solve: :func:`move_rows` keeps the stages and their devices and only gives
 that stage's replicas new rows per microbatch (:func:`~hpml_compile.stagecost.choose_rows`
 on the measured costs, where the slowed device has a kind of its own), scored
 by the same simulator, so the closed loop can weigh it against the full
-re-plan (:mod:`hpml_compile.runtime.adapt`).
+re-plan (:mod:`hpml_compile.runtime.job.adapt`).
 
 Example:
     >>> from hpml_compile.solve.testing import chain_graph, cluster_of

@@ -1,10 +1,10 @@
 """Activation bytes a rank holds for backward, counted by storage at their peak.
 
-The runtime counts them every step (beside :mod:`hpml_compile.runtime.held`), and the profile times the
+The runtime counts them every step (beside :mod:`hpml_compile.runtime.observe.held`), and the profile times the
 model's blocks through the same hooks (:func:`hpml_compile.profile.timing.time_segments`), since every step
 the runtime runs pays for them: a module shared by the two layers.
 
-:mod:`hpml_compile.runtime.held` counts what lives for the whole step (parameters, gradients,
+:mod:`hpml_compile.runtime.observe.held` counts what lives for the whole step (parameters, gradients,
 optimizer state); this module counts what autograd *saves for backward*, the
 activations of the memory model (:func:`hpml_compile.stagecost.memory_parts`:
 ``in_flight x stored + working``). :class:`SavedActivations` is a context
@@ -16,7 +16,7 @@ one storage). The handle the hook returns holds the tensor; when autograd
 frees the node (after its backward), the handle dies and the storage's count
 drops. ``peak`` is the most bytes alive at once: the activations of the
 microbatches in flight at the schedule's peak. Parameters and buffers (a
-Linear saves its weight) are excluded: :mod:`hpml_compile.runtime.held` counts them.
+Linear saves its weight) are excluded: :mod:`hpml_compile.runtime.observe.held` counts them.
 
 What it does not see: a region with saved-tensor hooks of its own hides its
 saved tensors from the outer hooks (PyTorch calls only the innermost). Two
@@ -106,7 +106,7 @@ class SavedActivations:
 
     def __init__(self, exclude: Iterable[nn.Module | Tensor] = ()) -> None:
         self._exclude: set[int] = set()
-        self._exclude_impl: set[int] = set()  # the storages themselves: a ZeRO-3 parameter's (runtime.zero3)
+        self._exclude_impl: set[int] = set()  # the storages themselves: a ZeRO-3 parameter's (runtime.sync.zero3)
         for x in exclude:  # is freed between uses and re-allocated at another address for each
             ts = [*x.parameters(), *x.buffers()] if isinstance(x, nn.Module) else [x]
             self._exclude.update(t.untyped_storage().data_ptr() for t in ts)

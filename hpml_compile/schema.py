@@ -122,7 +122,7 @@ _DEVICE_INFO = {
         "measured_from": _STR,
         "base_kind": _STR,
         "slowdown": _NUM,
-        # the link between two processes of this host, measured when profiling (runtime/links.py): what plans
+        # the link between two processes of this host, measured when profiling (profile/links.py): what plans
         # for CPU devices of one host use where their cluster names no link
         "link": {"type": "object", "required": ["gbps", "latency_us"],
                  "properties": {"gbps": _NUM, "latency_us": _NUM, "shared": {"type": "boolean"}, "source": _STR,

@@ -12,10 +12,10 @@ validator says it does.
 
 The memory of one device of a stage replicated over ``d`` devices, at its peak
 (the end of the step's last backward), as the runtime holds it
-(:mod:`hpml_compile.runtime.zero`):
+(:mod:`hpml_compile.runtime.sync.zero`):
 
 - parameters ``P``: whole under every ZeRO stage, since a stage's compute uses
-  them whole; ZeRO-3 (:mod:`hpml_compile.runtime.zero3`) holds only the owned
+  them whole; ZeRO-3 (:mod:`hpml_compile.runtime.sync.zero3`) holds only the owned
   shard ``P / d`` between uses, but gathers the whole stage (its one unit) for
   each microbatch's forward and backward, so at the peak ``P + P / d``: more
   than ZeRO-1/2, and the solver never prefers it for memory (it is offered; a
@@ -212,7 +212,7 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
         shards: the ranks the optimizer state is split over under ZeRO-1 and up (None: ``replicas``; a
             hierarchical ZeRO-1, :func:`hpml_compile.plan.zero_shards`: the ranks of one host, ``L``, fewer than
             ``replicas``: it also holds its shard of the parameters and of the summed gradients apart from the
-            flat buffers, ``P / L`` each, :mod:`hpml_compile.runtime.zero`).
+            flat buffers, ``P / L`` each, :mod:`hpml_compile.runtime.sync.zero`).
 
     Returns:
         The parts, each of the form of ``param_bytes`` and ``activation_bytes``.
@@ -312,7 +312,7 @@ def overlapped_ms(fn: Callable[..., float], param_bytes: Value, link: cost_model
                   window_ms: Value) -> Value:
     """What a gradient reduce launched bucket by bucket during the last backward adds to the step.
 
-    The runtime (:class:`hpml_compile.runtime.zero.GradBuckets`) cuts the ``P`` gradient bytes into a first
+    The runtime (:class:`hpml_compile.runtime.sync.zero.GradBuckets`) cuts the ``P`` gradient bytes into a first
     bucket of ``s = min(P, 1 MiB)`` and then buckets of 25 MiB, in reverse order of the parameters, and
     launches each one as soon as its gradients are ready; the collectives run one after another. With the
     gradients becoming ready evenly over a ``window_ms`` of backward, bucket ``i`` is ready at
@@ -351,7 +351,7 @@ def prefetched_gather_ms(param_bytes: Value, link: cost_models.LinkSpec | None, 
                          window_ms: Value) -> Value:
     """What a flat ZeRO-1/2 parameter all-gather prefetched under the next forward adds to the step.
 
-    The runtime (:meth:`hpml_compile.runtime.zero.FlatShard.enable_prefetch`) launches each bucket's
+    The runtime (:meth:`hpml_compile.runtime.sync.zero.FlatShard.enable_prefetch`) launches each bucket's
     all-gather after the optimizer step, in the forward's order (from the bottom of the flat buffer), and the
     next step's forward waits for a bucket just before the first module reading it. Assumed here, as for the
     gradient buckets (:func:`overlapped_ms`): the gathers run one after another at the link's rate, the
@@ -391,7 +391,7 @@ def hierarchical_overlapped_ms(param_bytes: Value, hier: Hierarchy, window_ms: V
 
     :func:`overlapped_ms` with a bucket's collective being its chain of three
     (:func:`hierarchical_allreduce_ms`: reduce-scatter in the host, all-reduce between hosts, all-gather), as
-    the runtime runs it (:class:`hpml_compile.runtime.comm.ChainQueue`: the chains one after another, each
+    the runtime runs it (:class:`hpml_compile.runtime.sync.comm.ChainQueue`: the chains one after another, each
     level after the previous one), so what stays exposed is at least the last bucket's whole chain.
 
     Args:
@@ -510,7 +510,7 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
             the rule the runtime follows); 0: the runtime does not bucket this stage's sync, so it is priced
             as one collective after the backward.
         fwd_ms: one microbatch's forward on one replica, where the ZeRO-1/2 parameter all-gather is prefetched
-            (the runtime does it where it buckets: ``overlap > 0``; :meth:`hpml_compile.runtime.zero.FlatShard.
+            (the runtime does it where it buckets: ``overlap > 0``; :meth:`hpml_compile.runtime.sync.zero.FlatShard.
             enable_prefetch`): each bucket's gather launched after the optimizer step, in the forward's order,
             one after another, and waited where the next step's first forward reads the bucket. Priced by
             :func:`prefetched_gather_ms`. None: the gather after the step, serial (as before).
@@ -578,7 +578,7 @@ def stepped_gather_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, 
                       hier: Hierarchy | None = None) -> Value:
     """ZeRO-1/2's all-gather of the stepped parameters where it runs whole, after the optimizer step.
 
-    The runtime (:meth:`hpml_compile.runtime.zero.FlatShard.all_gather`) gathers the shards once the optimizer
+    The runtime (:meth:`hpml_compile.runtime.sync.zero.FlatShard.all_gather`) gathers the shards once the optimizer
     has stepped them. Where it buckets the stage's sync, the gathers are prefetched under the next forward
     (:func:`prefetched_gather_ms`); elsewhere (CPU ranks, which sync after the backward) it is one blocking
     collective after the step, which :func:`sync_ms` counts in the stage's sync and
@@ -610,7 +610,7 @@ def stepped_gather_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, 
 def meet_ms(replicas: int, link: cost_models.LinkSpec | None) -> float:
     """The meeting before each of the runtime's blocking gradient collectives: one 4-byte all-reduce over the stage.
 
-    :meth:`hpml_compile.runtime.comm.DistComm._collective` has the members meet (a one-element all-reduce, or the
+    :meth:`hpml_compile.runtime.sync.comm.DistComm._collective` has the members meet (a one-element all-reduce, or the
     shared-memory collectives' barrier, which is one) before the transfer, so that waiting for the slowest member
     is not counted as communication. On the 2-core development VM it measured 0.42 ms at least (the demo's
     ``COLL_WAIT`` events), twice per step of a ZeRO-1 stage, and was priced at nothing before.
@@ -629,7 +629,7 @@ def _met(param_bytes: Value, replicas: int, link: cost_models.LinkSpec | None) -
     return meet_ms(replicas, link) * (param_bytes > 0)
 
 
-# The loss agreement's vector (hpml_compile.runtime.batchcheck): the loss sum and three float64s of the batch check.
+# The loss agreement's vector (hpml_compile.runtime.execute.batchcheck): the loss sum and three float64s of the batch check.
 AGREE_BYTES = 4 * 8
 
 
@@ -637,7 +637,7 @@ def agree_ms(ranks: int, link: cost_models.LinkSpec | None) -> float:
     """The step's loss agreement: one all-reduce of ``AGREE_BYTES`` over every rank of the job.
 
     Before any rank steps its optimizer, the runtime's ranks all-reduce the step's loss together with the
-    batch check (:mod:`hpml_compile.runtime.batchcheck`, :func:`hpml_compile.runtime.executor.run_actions`'
+    batch check (:mod:`hpml_compile.runtime.execute.batchcheck`, :func:`hpml_compile.runtime.execute.executor.run_actions`'
     ``LOSS`` action), so that every rank reports the batch's loss and a failed step can be retried on all of
     them. 32 bytes are all latency: priced as a binomial tree (``2 ceil(log2 n)`` messages), which is how
     gloo and NCCL run messages this small, on the slowest link between the job's ranks. One process (one
@@ -716,13 +716,13 @@ def local_sgd_sync_ms(param_bytes: float, replicas: int, every: int, link: cost_
 
 def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float, zero: ZeroStage | int = ZeroStage.NONE,
             hierarchical: bool = False) -> Value:
-    """The memory copies of a replicated stage's gradient sync (:mod:`hpml_compile.runtime.zero`).
+    """The memory copies of a replicated stage's gradient sync (:mod:`hpml_compile.runtime.sync.zero`).
 
     The gradients accumulate into the flat buffer the collective reads, so ZeRO-0's in-place all-reduce
     copies nothing, and ZeRO-1/2's parameter all-gather writes straight into the parameters' flat buffer
     (the backend's own copies are in the link's fitted all-gather, which the probe times that way). ZeRO-1
     copies its summed shard of the gradients into the gradient buffer it keeps (read + write of ``P / d``);
-    ZeRO-2 keeps the collective's shard as it is. ZeRO-3 (:mod:`hpml_compile.runtime.zero3`) is counted as
+    ZeRO-2 keeps the collective's shard as it is. ZeRO-3 (:mod:`hpml_compile.runtime.sync.zero3`) is counted as
     before: the gathered parameters copied into place, read + write, twice.
 
     Args:
@@ -745,7 +745,7 @@ def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float, zero: ZeroSt
 
 
 def steps_flat(zero: ZeroStage | int, replicas: int) -> bool:
-    """Whether a stage's optimizer steps one flat tensor (a ZeRO-1/2/3 shard, :mod:`hpml_compile.runtime.zero`),
+    """Whether a stage's optimizer steps one flat tensor (a ZeRO-1/2/3 shard, :mod:`hpml_compile.runtime.sync.zero`),
     priced at :meth:`hpml_compile.costgraph.CostGraph.optimizer_ms_per_byte`'s flat rate, rather than its
     parameters one by one."""
     return ZeroStage(zero) >= ZeroStage.OS and replicas > 1

@@ -44,9 +44,9 @@ from typing import Any
 
 from hpml_compile.plan import load_plan
 from hpml_compile.profile import load_profile
-from hpml_compile.runtime.adapt import plan_scope_ms
-from hpml_compile.runtime.monitor import StepMetrics, read_metrics
-from hpml_compile.runtime.supervisor import timings
+from hpml_compile.runtime.job.adapt import plan_scope_ms
+from hpml_compile.runtime.observe.monitor import StepMetrics, read_metrics
+from hpml_compile.runtime.job.supervisor import timings
 
 HERE = Path(__file__).resolve().parent
 CLI = [sys.executable, "-m", "hpml_compile"]

@@ -67,7 +67,7 @@ from hpml_compile.memory import ZeroStage
 from hpml_compile.models.mlp import MLP, MLPConfig, loss
 from hpml_compile.plan import AllReduce, Plan, Schedule, Stage, with_comm
 from hpml_compile.profile import predict_kinds, profile
-from hpml_compile.runtime.launcher import free_port
+from hpml_compile.runtime.job.launcher import free_port
 from hpml_compile.schema import write_json_atomic
 from hpml_compile.simulate import annotate
 from hpml_compile.trace import trace

@@ -21,11 +21,11 @@ shares more of the machine's noise).
   (:func:`hpml_compile.plan.sync_overlap`: on these CPU ranks, one collective
   after the backward, as the cost model prices it), and ZeRO-0 once more with
   the overlapped gradient buckets forced on (``overlap=True``,
-  :class:`hpml_compile.runtime.zero.GradBuckets`; DDP's bucket sizes) to show
+  :class:`hpml_compile.runtime.sync.zero.GradBuckets`; DDP's bucket sizes) to show
   what the overlap does here, and once with its all-reduce through gloo
   (``shared_memory=False``) instead of the host's shared memory
-  (:mod:`hpml_compile.runtime.shm`), to show what that does.
-- **ours ZeRO-3**: the same plan with ZeRO-3 (``runtime.zero3.FlatShard3``:
+  (:mod:`hpml_compile.runtime.sync.shm`), to show what that does.
+- **ours ZeRO-3**: the same plan with ZeRO-3 (``runtime.sync.zero3.FlatShard3``:
   the parameters sharded between uses, the stage gathered for each
   microbatch's forward and backward), against FSDP2.
 

@@ -10,7 +10,7 @@ capacities), compiles a build for that cluster with
 and puts, per device and per part, the plan's memory breakdown
 (:func:`hpml_compile.plan.stage_breakdown`) beside what the rank held:
 
-- parameters and optimizer state: :func:`hpml_compile.runtime.held.held_bytes`
+- parameters and optimizer state: :func:`hpml_compile.runtime.observe.held.held_bytes`
   after the last step (each storage once), as the pipeline records it (``Pipeline.held``);
 - activations: :class:`hpml_compile.saved.SavedActivations`, the most
   bytes saved for backward alive at once in any step (by storage);
@@ -67,7 +67,7 @@ from hpml_compile.trace import trace
 MiB = 2**20
 OPTIONS = ("zero0", "zero1", "zero2", "zero3", "recompute", "offload", "swap", "bf16")
 NOT_ON_CPU = {"offload": "not offered on a CPU device: the host is the device, offload saves nothing "
-                         "(validate_plan refuses it; on a GPU it runs, runtime/offload.py)",
+                         "(validate_plan refuses it; on a GPU it runs, runtime/sync/offload.py)",
               "swap": "not offered on a CPU device: the host is the device, swap saves nothing"}
 
 

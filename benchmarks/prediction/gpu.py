@@ -56,7 +56,7 @@ from hpml_compile.plan import Plan, Schedule, Stage  # noqa: E402
 from hpml_compile.profile import local_kinds  # noqa: E402
 from hpml_compile.profile.timing import host_facts  # noqa: E402
 from hpml_compile.runtime import spawn_ranks  # noqa: E402
-from hpml_compile.runtime.summary import predicted_bubble  # noqa: E402
+from hpml_compile.runtime.observe.summary import predicted_bubble  # noqa: E402
 from hpml_compile.simulate import annotate  # noqa: E402
 from hpml_compile.trace import trace  # noqa: E402
 

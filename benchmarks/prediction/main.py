@@ -62,8 +62,8 @@ from hpml_compile.memory import ZeroStage
 from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.profile.timing import host_facts
 from hpml_compile.runtime import Pipeline, spawn_ranks
-from hpml_compile.runtime.links import measure_local_link
-from hpml_compile.runtime.summary import predicted_bubble
+from hpml_compile.profile.links import measure_local_link
+from hpml_compile.runtime.observe.summary import predicted_bubble
 from hpml_compile.simulate import annotate, simulate
 from hpml_compile.trace import trace
 

@@ -142,8 +142,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, build_dir: str, out
 
 def _events_cost(root: Path, events: int = 40, steps: int = 200) -> float:
     """Milliseconds per step of recording ``events`` events, sampling the host and writing, in isolation."""
-    from hpml_compile.runtime.events import EventLog, EventStore
-    from hpml_compile.runtime.host import HostSampler
+    from hpml_compile.runtime.observe.events import EventLog, EventStore
+    from hpml_compile.runtime.observe.host import HostSampler
 
     log, store, host = EventLog(0), EventStore(root / "events-alone", 0), HostSampler([os.getpid()])
     t0 = time.perf_counter()

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 # torch alone is the floor; rank_entry.py, torchrun's script, imports the worker and nothing else.
-MODULES = ("torch", "hpml_compile", "hpml_compile.runtime", "hpml_compile.runtime.worker")
+MODULES = ("torch", "hpml_compile", "hpml_compile.runtime", "hpml_compile.runtime.job.worker")
 
 
 def _cpu_of(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:

@@ -7,10 +7,10 @@ has a random rank killed, hung or slowed again and again, for ``--minutes``
 (a) the loss curve of an uninterrupted run of the same job, within a stated
     float tolerance (``--rtol``, default 1e-4 relative; see "Tolerance");
 (b) no orphan process: after each leg, no process whose environment holds
-    ``HPML_LAUNCHER_PID=<that leg's launcher pid>`` (:mod:`hpml_compile.runtime.lifeline`)
+    ``HPML_LAUNCHER_PID=<that leg's launcher pid>`` (:mod:`hpml_compile.runtime.job.lifeline`)
     is alive a few seconds after the launcher exited;
 (c) no checkpoint lost or damaged: after each leg every checkpoint in
-    ``RUN/checkpoints`` passes :func:`~hpml_compile.runtime.checkpoint.damage`,
+    ``RUN/checkpoints`` passes :func:`~hpml_compile.runtime.execute.checkpoint.damage`,
     the newest is the leg's last step, and the newest step never goes back;
 (d) a count of the faults survived, by kind.
 
@@ -20,7 +20,7 @@ leg k is ``hpml-compile run BUILD --adapt --run-dir RUN --steps S_k`` with
 ``S_k`` growing by a seeded random 30-90 steps (``--leg-steps``; 8 times that
 for a slow leg, so that a switch can pay for its restart); a run folder
 used again goes on in new segments from ``RUN/checkpoints`` (see
-:func:`hpml_compile.runtime.supervisor.supervise`). Each leg injects exactly
+:func:`hpml_compile.runtime.job.supervisor.supervise`). Each leg injects exactly
 one fault drawn from ``random.Random(--seed)``, at a step inside the leg, on
 a rank of the 3-rank build:
 
@@ -77,9 +77,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpml_compile.runtime.checkpoint import damage, list_checkpoints
-from hpml_compile.runtime.lifeline import LAUNCHER_PID_ENV
-from hpml_compile.runtime.monitor import read_metrics
+from hpml_compile.runtime.execute.checkpoint import damage, list_checkpoints
+from hpml_compile.runtime.job.lifeline import LAUNCHER_PID_ENV
+from hpml_compile.runtime.observe.monitor import read_metrics
 
 HERE = Path(__file__).resolve().parent
 CLI = [sys.executable, "-m", "hpml_compile"]

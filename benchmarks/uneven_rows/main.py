@@ -38,7 +38,7 @@ its ``switch_s`` in ``replans.jsonl`` (from the decision to the rows in
 force on every rank and the run's plan.json re-published); for the re-plan,
 the codegen of its build plus the time from the decision to the first step
 on it (checkpoint, torchrun restart, model rebuild, checkpoint load;
-:func:`hpml_compile.runtime.supervisor.timings`). Also the median slowest
+:func:`hpml_compile.runtime.job.supervisor.timings`). Also the median slowest
 rank's step after the switch (leaving out its first ``--warmup`` steps)
 against its prediction and the steps before it. Writes
 results/uneven_rows_adapt.json.
@@ -80,8 +80,8 @@ from typing import Any
 from hpml_compile.driver import cost_graph, rebuild
 from hpml_compile.plan import Plan, Stage, load_plan
 from hpml_compile.profile import load_profile
-from hpml_compile.runtime.monitor import StepMetrics, read_metrics
-from hpml_compile.runtime.summary import measured_setup, summarise
+from hpml_compile.runtime.observe.monitor import StepMetrics, read_metrics
+from hpml_compile.runtime.observe.summary import measured_setup, summarise
 from hpml_compile.simulate import annotate, simulate
 
 HERE = Path(__file__).resolve().parent
@@ -136,7 +136,7 @@ def _segment_steps(run: Path, skip: int) -> list[float]:
 
 def adapt_main(a: argparse.Namespace, work: Path) -> int:
     """The closed loop's two candidates, each forced, on the even build (see the module docstring)."""
-    from hpml_compile.runtime.supervisor import timings
+    from hpml_compile.runtime.job.supervisor import timings
 
     m = a.microbatches
     print(f"compiling {a.model} (batch {a.batch_size}) for local-cpu-2 ...", flush=True)
@@ -228,7 +228,7 @@ def _decision_costs(seg: Path, plan: Plan, step: int, slow: dict[str, float]) ->
     """The measured profile and cluster the closed loop decided on at ``step`` (steps done) with the slowdowns
     ``slow`` it recorded, rebuilt from the segment's metrics as ``adapt.Adapter._decide`` builds them (the last
     ``AdaptOptions().patience`` steps)."""
-    from hpml_compile.runtime.adapt import AdaptOptions
+    from hpml_compile.runtime.job.adapt import AdaptOptions
 
     every = {r: [m for m in ms if m.step < step] for r, ms in read_metrics(seg).items()}
     recent = {r: ms[-AdaptOptions().patience:] for r, ms in every.items()}

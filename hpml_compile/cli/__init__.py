@@ -93,7 +93,7 @@ def _run_profile(args: argparse.Namespace) -> int:
                    targets=loaded.example_targets, threads=args.threads, precision=args.precision)
     if args.measure_links and not args.meta:  # after the nodes: the probe's processes must not disturb their timing
         from ..driver import with_link
-        from ..runtime.links import measure_local_link
+        from ..profile.links import measure_local_link
 
         prof = with_link(prof, measure_local_link(log=(lambda line: None) if args.quiet else print))
     path = save_profile(prof, args.output)
@@ -129,7 +129,7 @@ def _run_devices(args: argparse.Namespace) -> int:
     if args.measure:
         from ..errors import HpmlError
         from ..ir import Cluster
-        from ..runtime.links import measure_cluster
+        from ..profile.links import measure_cluster
 
         if args.cpu_ranks < 1:
             raise HpmlError(f"--cpu-ranks must be at least 1 (CPU processes the plan may use), got {args.cpu_ranks}")
@@ -258,7 +258,7 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_launch(args: argparse.Namespace) -> int:
-    from ..runtime.scriptlaunch import launch_script
+    from ..runtime.job.scriptlaunch import launch_script
 
     launch_script(args.script, args.script_args, nproc=args.nproc, run_dir=args.run_dir,
                   checkpoint_dir=args.checkpoint_dir or args.run_dir / "checkpoints", max_failures=args.max_failures,

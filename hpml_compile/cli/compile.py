@@ -110,7 +110,7 @@ def run_compile(args: argparse.Namespace) -> int:
                          tuple(map(str, args.leaf)), str(args.front_end), threads)
     link = None
     if args.measure_links:  # before the threads are set for profiling; the probe starts its own processes
-        from ..runtime.links import measure_local_link
+        from ..profile.links import measure_local_link
 
         link = measure_local_link(log=_say)
     try:

@@ -99,10 +99,10 @@ def run_demo(args: argparse.Namespace) -> int:
     from ..errors import HpmlError
     from ..profile import load_profile
     from .. import driver
-    from ..runtime.launcher import LaunchSpec, launch, prepare_run_dir
+    from ..runtime.job.launcher import LaunchSpec, launch, prepare_run_dir
     from ..recipe import ModelRecipe
-    from ..runtime.monitor import read_metrics
-    from ..runtime.summary import analyse, export_profile, format_summary
+    from ..runtime.observe.monitor import read_metrics
+    from ..runtime.observe.summary import analyse, export_profile, format_summary
 
     opt = options(args)
     out: Path = opt["output"]
@@ -121,7 +121,7 @@ def run_demo(args: argparse.Namespace) -> int:
           f"({len(cluster.devices)} CPU processes, {threads or torch.get_num_threads()} thread(s) each)", flush=True)
     link = None
     if opt["measure_links"]:  # this host's gloo link, for the plan (profile does the same; --no-measure-links)
-        from ..runtime.links import measure_local_link
+        from ..profile.links import measure_local_link
 
         link = measure_local_link(log=lambda line: print("  " + line.strip(), flush=True))
     before = torch.get_num_threads()

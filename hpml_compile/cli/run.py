@@ -2,7 +2,7 @@
 
 ``run BUILD`` checks that the world fits the build's plan, prepares the run
 folder (``run.json``, the plan, the plan's profile), starts the ranks with
-torchrun (:mod:`hpml_compile.runtime.launcher`), and when they finish prints
+torchrun (:mod:`hpml_compile.runtime.job.launcher`), and when they finish prints
 the measured-against-predicted table and writes the measured profile
 (``RUN_DIR/profile.json``, for ``replan``). ``report RUN_DIR`` prints the
 same table for any run folder.
@@ -29,8 +29,8 @@ from typing import Any, Callable, NoReturn
 
 from ..errors import HpmlError, OptionError
 from ..plan import load_plan, with_comm
-from ..runtime.adapt import AdaptOptions
-from ..runtime.comm import CommOp
+from ..runtime.job.adapt import AdaptOptions
+from ..runtime.sync.comm import CommOp
 from .plan import add_comm_options
 
 DEFAULT_STEPS = 20
@@ -161,7 +161,7 @@ def run_run(args: argparse.Namespace) -> int:
         HpmlError: a missing or mismatched build, a world that does not fit
             the plan, a port in use, or a rank that failed (named, with why).
     """
-    from ..runtime.launcher import LaunchSpec, check_world, launch, owns_run_dir, preflight, prepare_run_dir
+    from ..runtime.job.launcher import LaunchSpec, check_world, launch, owns_run_dir, preflight, prepare_run_dir
     from ..recipe import read_recipe
 
     check_options(args)  # every range and format first: nothing is read, nothing starts, on a typo
@@ -247,8 +247,8 @@ def check_options(args: argparse.Namespace) -> None:
         OptionError: the first option out of range or badly formed (its name, value, what is expected, the fix).
         LaunchError: a ``--rdzv-endpoint`` that is not ``HOST:PORT``.
     """
-    from ..runtime.launcher import parse_endpoint
-    from ..runtime.worker import parse_fault, parse_step_rank, parse_slow
+    from ..runtime.job.launcher import parse_endpoint
+    from ..runtime.job.worker import parse_fault, parse_step_rank, parse_slow
 
     _whole(args, "--steps", 1, "the number of training steps")
     _whole(args, "--nproc", 1, "ranks on this host")
@@ -298,7 +298,7 @@ def check_faults(args: argparse.Namespace, ranks: int) -> None:
     Raises:
         OptionError: naming the option, the rank or step, and the ones that exist.
     """
-    from ..runtime.worker import parse_fault, parse_step_rank, parse_slow
+    from ..runtime.job.worker import parse_fault, parse_step_rank, parse_slow
 
     named: list[tuple[str, str, int, int]] = []  # (option, text, rank, step)
     named += [("--inject-fault", t, f.rank, f.step + 1) for t in args.inject_fault for f in [parse_fault(t)]]
@@ -366,16 +366,16 @@ def _check_resume(checkpoint_dir: Path) -> None:
 
     Raises:
         CheckpointError: the folder is missing, empty, holds no checkpoint or only damaged ones (which, said by
-            :func:`~hpml_compile.runtime.checkpoint.resume_from`).
+            :func:`~hpml_compile.runtime.execute.checkpoint.resume_from`).
     """
-    from ..runtime.checkpoint import resume_from
+    from ..runtime.execute.checkpoint import resume_from
 
     resume_from(checkpoint_dir, log=lambda _line: None)  # rank 0 says which damaged ones it skips
 
 
 def _run_adaptive(args: argparse.Namespace, worker: list[str], faults: list[str], nproc: int) -> int:
-    from ..runtime.adapt import AdaptOptions
-    from ..runtime.supervisor import supervise
+    from ..runtime.job.adapt import AdaptOptions
+    from ..runtime.job.supervisor import supervise
 
     if args.nnodes != 1:
         raise HpmlError("run --adapt runs on one host (it restarts every rank itself); across hosts use "
@@ -383,8 +383,8 @@ def _run_adaptive(args: argparse.Namespace, worker: list[str], faults: list[str]
     if args.checkpoint_dir is not None or args.resume:
         raise HpmlError("run --adapt keeps its checkpoints in RUN_DIR/checkpoints and always resumes from them; "
                         "drop --checkpoint-dir/--resume (or pass the same --run-dir to go on with a job)")
-    from ..runtime.launcher import keep_earlier_run
-    from ..runtime.worker import parse_step_rank, parse_slow
+    from ..runtime.job.launcher import keep_earlier_run
+    from ..runtime.job.worker import parse_step_rank, parse_slow
 
     run_dir = args.run_dir or default_run_dir(args.build)
     keep_earlier_run(run_dir, log=lambda line: print(line, flush=True))  # a plain run's files: `report` reads segments
@@ -411,7 +411,7 @@ def _run_adaptive(args: argparse.Namespace, worker: list[str], faults: list[str]
 
 
 def _report(run_dir: Path, skip: int | None, *, export: bool) -> None:
-    from ..runtime.summary import analyse, export_profile, format_summary
+    from ..runtime.observe.summary import analyse, export_profile, format_summary
 
     s = analyse(run_dir, skip=skip)
     print(format_summary(s))
@@ -428,7 +428,7 @@ def _report(run_dir: Path, skip: int | None, *, export: bool) -> None:
 
 def _print_validation(run_dir: Path) -> None:
     """The validation losses a TrainSpec run measured (``--val-every``), from rank 0's rows."""
-    from ..runtime.monitor import read_metrics
+    from ..runtime.observe.monitor import read_metrics
 
     rows = read_metrics(run_dir).get(0, [])
     vals = [(m.step + 1, m.val_loss, m.loss) for m in rows if m.val_loss is not None]
@@ -453,13 +453,13 @@ def run_report(args: argparse.Namespace) -> int:
         _report_segments(args.run_dir, [p.parent for p in segments], args.skip, export=args.export)
         last = next((p.parent for p in reversed(segments) if (p.parent / "metrics").is_dir()), args.run_dir)
     if args.trace is not None:
-        from ..runtime.timeline import write_trace
+        from ..runtime.observe.timeline import write_trace
 
         info = write_trace(last, args.trace)
         print(f"wrote {args.trace}: {info['ranks']} ranks, {info['messages']} messages of {last} "
               "(open in ui.perfetto.dev or chrome://tracing)")
     if args.html is not None:
-        from ..runtime.page import write_page
+        from ..runtime.observe.page import write_page
 
         write_page(last, args.html, predicted=_predicted(last), skip=args.skip)
         print(f"wrote {args.html} (the page of {last}; open it in a browser)")
@@ -487,7 +487,7 @@ def _report_segments(run_dir: Path, segments: list[Path], skip: int | None, *, e
     """A run of `run --adapt`: each segment's table, then what happened between them."""
     import json
 
-    from ..runtime.supervisor import EVENTS_FILE
+    from ..runtime.job.supervisor import EVENTS_FILE
 
     events = {e["segment"]: e for e in (json.loads(x) for x in (run_dir / EVENTS_FILE).read_text().splitlines()
                                         if x.strip()) if e["event"] == "segment"} \
@@ -505,7 +505,7 @@ def _report_segments(run_dir: Path, segments: list[Path], skip: int | None, *, e
 
 
 def _print_timings(run_dir: Path) -> None:
-    from ..runtime.supervisor import timings
+    from ..runtime.job.supervisor import timings
 
     for t in timings(run_dir):
         if t.get("in_place"):  # no restart: the measured switch is milliseconds

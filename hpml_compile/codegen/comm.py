@@ -23,8 +23,8 @@ every replica.
 
 :class:`Comm` implements that on top of two primitives, a point-to-point
 ``_put``/``_get`` between endpoints ``(stage, replica)``: a local mailbox in
-one process (:class:`hpml_compile.runtime.comm.LocalComm`) or torch.distributed
-ranks (:class:`hpml_compile.runtime.comm.DistComm`).
+one process (:class:`hpml_compile.runtime.sync.comm.LocalComm`) or torch.distributed
+ranks (:class:`hpml_compile.runtime.sync.comm.DistComm`).
 
 Example:
     >>> pieces(rows=4, me=0, d_me=2, d_peer=4)  # replica 0 of 2 holds rows 0-3 of 8; peers hold 2 each
@@ -129,7 +129,7 @@ class Comm(abc.ABC):
         self.device = torch.device(device)
         # Gradients owed to senders for tensors received: (src, dst, replica, microbatch) -> specs.
         self._owed: dict[tuple[int, int, int, int], tuple[TensorSpec, ...]] = {}
-        # ZeRO shards by stage (runtime.zero.FlatShard), set by the pipeline on ranks: the gradient and
+        # ZeRO shards by stage (runtime.sync.zero.FlatShard), set by the pipeline on ranks: the gradient and
         # parameter collectives of a sharded stage go through them.
         self.shards: dict[int, Any] = {}
         # The plan's rows of each replica per microbatch, by stage (Stage.rows; () for an equal split).
@@ -302,7 +302,7 @@ class DetachedComm(Comm):
 
     def _fail(self, *_: Any) -> Any:
         raise RuntimeError("this stage module has no communicator: run it through "
-                           "hpml_compile.runtime.executor (which sets stage.hpml_comm), not by calling it directly")
+                           "hpml_compile.runtime.execute.executor (which sets stage.hpml_comm), not by calling it directly")
 
     _put = _get = all_reduce = reduce_scatter = all_gather = _fail  # type: ignore[assignment]
 

@@ -343,7 +343,7 @@ def all_reduce_grads(comm: Comm, stages: tuple[int, ...], params: Sequence[Tenso
     if not params or comm.group_size(stages) == 1:
         return  # one process holds every use: autograd already summed the gradients
     bucket = comm.shards.get(stages[0]) if len(stages) == 1 else None
-    if bucket is not None:  # the runtime's flat gradient buffer (runtime.zero.FlatGrads): reduced in place
+    if bucket is not None:  # the runtime's flat gradient buffer (runtime.sync.zero.FlatGrads): reduced in place
         bucket.check(params)
         bucket.all_reduce(comm)
         return
@@ -357,7 +357,7 @@ def reduce_scatter_grads(comm: Comm, stage: int, params: Sequence[Tensor]) -> No
 
     On ranks the runtime keeps the stage's parameters in one flat buffer and
     builds the optimizer over this replica's shard (``comm.shards[stage]``, a
-    :class:`hpml_compile.runtime.zero.FlatShard`): one reduce-scatter leaves
+    :class:`hpml_compile.runtime.sync.zero.FlatShard`): one reduce-scatter leaves
     the shard's summed gradient, and the parameters' full ``.grad`` are
     dropped. Without a shard (no optimizer was given, so there is no state to
     shard) every replica keeps the summed gradient, as after an all-reduce.

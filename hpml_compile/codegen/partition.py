@@ -312,8 +312,8 @@ def _syncs(plan: Plan, params: list[dict[int, str]], canon: dict[int, str]) -> t
         st = plan.stages[stages[0]]
         if len(st.devices) == 1:
             continue
-        # ZeRO-1/2: reduce-scatter into this replica's shard, step it, all-gather (runtime.zero.FlatShard);
-        # ZeRO-3: the same collectives, the all-gather after the step left to the next forward (runtime.zero3)
+        # ZeRO-1/2: reduce-scatter into this replica's shard, step it, all-gather (runtime.sync.zero.FlatShard);
+        # ZeRO-3: the same collectives, the all-gather after the step left to the next forward (runtime.sync.zero3)
         kind = SyncKind.REDUCE_SCATTER if st.zero >= ZeroStage.OS else SyncKind.ALL_REDUCE
         buckets.setdefault((kind, tuple(stages)), []).append(pid)
     order = {pid: i for i, pid in enumerate(canon)}

@@ -187,7 +187,7 @@ class Generator:
         self.d_model, self.vocab = self.stage.d_model, self.stage.vocab_size
 
     def _start_workers(self, threads: int, timeout_s: float) -> None:
-        from ..runtime.launcher import free_port
+        from ..runtime.job.launcher import free_port
 
         plan_path = save_inference_plan(self.plan, Path(self._dir.name) / "plan.json")
         port = free_port()

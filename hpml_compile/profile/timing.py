@@ -234,7 +234,7 @@ def time_optimizer(params: Sequence[torch.Tensor], device: torch.device | str,
 
     The step runs on copies with random gradients (the model is left alone); beyond 256 MiB of parameters
     it runs on the first 256 MiB and is scaled by bytes (an optimizer step streams its state: linear in bytes).
-    With ``flat``, on one tensor of the same bytes instead, as a ZeRO shard is stepped (``runtime.zero``):
+    With ``flat``, on one tensor of the same bytes instead, as a ZeRO shard is stepped (``runtime.sync.zero``):
     without the per-tensor work, which is most of a small model's step (gpt-tiny's 36 tensors: 1.05 ms one by
     one, 0.19 ms flat).
     """

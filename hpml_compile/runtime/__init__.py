@@ -1,27 +1,22 @@
 """Pass 7, runtime: run a build's stages under torch.distributed, measured, launched by torchrun.
 
-- :mod:`.api`: ``compile(model, example_inputs, ...)`` -> :class:`Pipeline` (the Python API);
-- :mod:`.executor`: the one executor: runs the build's per-rank action lists, in one process or on a rank;
-- :mod:`.pipeline`: :class:`Pipeline` over the executor, with the process group, retries and measurements;
-- :mod:`.comm`: the communicators (a mailbox in one process; NCCL between GPUs, gloo where a CPU is
-  involved, host staging);
-- :mod:`.session`: the process group on torchrun's store, re-formed after a transient failure;
-- :mod:`.monitor`: per-step measurements (JSON lines, TensorBoard); :mod:`.summary`: the report
-  and the measured profile;
-- :mod:`.launcher`: ``hpml-compile run`` starting the ranks with torchrun; :mod:`.worker`: one rank;
-  :mod:`hpml_compile.recipe`: how a rank rebuilds the model (``model.json``);
-- :mod:`.gather`: the full state dict and evaluation outputs across ranks;
-- :mod:`.testing`: :func:`spawn_ranks`, gloo ranks with a deadline for tests; :mod:`.checkpoint`: DCP checkpoints;
-- :mod:`.zero`: ZeRO-1/2 over a stage's replicas (flat buffers, the optimizer over this replica's shard);
-  :mod:`.zero3`: ZeRO-3 (the parameters' flat buffer freed between uses, gathered around the stage's compute);
-  :mod:`.held`: the parameter, gradient and optimizer bytes a rank holds, counted by storage;
-  :mod:`.saved`: the activations saved for backward and the gradients, at their peaks;
-- :mod:`.offload`: optimizer offload (state and step in host memory) for GPU stages.
+The runtime is four rooms, each a sub-package with one job; a room imports the rooms below it, never
+one above (``tests/unit/test_layering.py``):
 
-``compile`` (:mod:`.api`, which imports :mod:`hpml_compile.driver` and with it
-the solvers) is imported on first use, not with the package: a rank
-(:mod:`.worker`) runs a build and never solves, so it does not pay for PuLP,
-HiGHS and the solver modules at every (re)start.
+- :mod:`.sync` (bottom): moving tensors between ranks: the communicators (point-to-point and
+  collectives, shared memory, the hierarchical chain) and the data-parallel gradient and parameter
+  sync (flat, ZeRO-1/2/3, compression, local SGD, optimizer offload);
+- :mod:`.observe`: what a run measures and reports: the monitor, events, host and GPU counters, held
+  memory, the live alerts, the summary, timeline and report page, and the re-plan policy that reads them;
+- :mod:`.execute`: running a build on a rank: the executor, :class:`Pipeline`, the process-group
+  session, data, the trainer, checkpoints, gathering the full state;
+- :mod:`.job` (top): the processes: the launcher, the supervisor, the rank entry and worker, the
+  lifeline, the closed loop, and :func:`spawn_ranks`.
+
+This package is the runtime's public face: it re-exports what user code imports. ``compile``
+(:mod:`hpml_compile.api`, which imports :mod:`hpml_compile.driver` and with it the solvers) is
+imported on first use, not with the package: a rank (:mod:`.job.worker`) runs a build and never
+solves, so it does not pay for PuLP, HiGHS and the solver modules at every (re)start.
 
 Example:
     >>> from hpml_compile.runtime import Pipeline, compile, step_local, spawn_ranks
@@ -29,8 +24,8 @@ Example:
     True
 """
 
-from .comm import Backend, CommFault, CommOp, DistComm, LocalComm, dist_comm, pair_backend, rank_devices
-from .executor import (
+from .sync.comm import Backend, CommFault, CommOp, DistComm, LocalComm, dist_comm, pair_backend, rank_devices
+from .execute.executor import (
     StepResult,
     merge_outputs,
     rank_layout,
@@ -40,10 +35,10 @@ from .executor import (
     step_local,
     step_rank,
 )
-from .monitor import Monitor, StepMetrics
-from .pipeline import Pipeline
-from .session import CommFailure, RetryPolicy, Session
-from .testing import spawn_ranks
+from .observe.monitor import Monitor, StepMetrics
+from .execute.pipeline import Pipeline
+from .execute.session import CommFailure, RetryPolicy, Session
+from .job.spawn import spawn_ranks
 
 __all__ = [
     "compile",
@@ -73,7 +68,7 @@ __all__ = [
 ]
 
 # Public names imported on first use (PEP 562): ``compile`` pulls in the driver and the solvers.
-_LAZY = {"compile": "api"}
+_LAZY = {"compile": "hpml_compile.api"}
 
 
 def __getattr__(name: str) -> object:
@@ -92,7 +87,7 @@ def __getattr__(name: str) -> object:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
 

@@ -123,7 +123,7 @@ class StageConfig:
 
 # Cheapest first within each family; enumerate_candidates keeps those that buy memory.
 # Not ZeRO-2: the runtime accumulates a step's gradients whole before its one reduce-scatter, so ZeRO-2
-# holds the same at the peak as ZeRO-1 (stagecost.memory_parts). ZeRO-3 is performed (runtime/zero3.py)
+# holds the same at the peak as ZeRO-1 (stagecost.memory_parts). ZeRO-3 is performed (runtime/sync/zero3.py)
 # and offered, but gathers the whole stage for its compute, so at the peak it holds more than ZeRO-1 and
 # the table keeps it only where it would buy memory (never, with one gather unit per stage). It is not
 # combined with optimizer offload, which the runtime does not do.

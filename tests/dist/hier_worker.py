@@ -8,7 +8,7 @@ replicas, one stage per host, whose tied embedding is all-reduced over both.
 The hierarchical builds run once more with the buckets forced on
 (``overlap=True``, buckets of 393 floats: each pads to the host's two ranks),
 recording when each bucket's collectives started; and three chains of the
-overlapped path (:class:`~hpml_compile.runtime.comm.ChainQueue`) are driven to
+overlapped path (:class:`~hpml_compile.runtime.sync.comm.ChainQueue`) are driven to
 the end by polls alone, as the gradient hooks drive them.
 """
 
@@ -28,7 +28,7 @@ from hpml_compile import models
 from hpml_compile.codegen.testing import SkipNet, skipnet_batch, skipnet_loss
 from hpml_compile.plan import load_plan
 from hpml_compile.runtime import Pipeline
-from hpml_compile.runtime.comm import (ChainQueue, CommStats, PendingChain, hierarchical_all_reduce,
+from hpml_compile.runtime.sync.comm import (ChainQueue, CommStats, PendingChain, hierarchical_all_reduce,
                                        hierarchical_levels, make_hierarchy)
 
 LR = 0.5

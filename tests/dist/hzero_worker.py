@@ -6,7 +6,7 @@ the backward, one bucket) and with the buckets forced on (``overlap=True``, buck
 shard is then its piece of every bucket). The bucketed run then saves a checkpoint, takes two more steps, and
 the checkpoint is resumed under the flat ZeRO-0 build, and under this build again, for the same two steps. Writes ``rank<r>.json``: per
 run the losses, the final parameters, this rank's shard and optimizer-state sizes, the bytes it holds by part
-(parameters as :mod:`hpml_compile.runtime.held` counts them; gradients: the flat buffer and the shard's own),
+(parameters as :mod:`hpml_compile.runtime.observe.held` counts them; gradients: the flat buffer and the shard's own),
 its Adam moments (every host holds the same shards), the bytes the runtime counted at each level, the
 buckets launched during the backward, and the resumed losses.
 """
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hpml_compile.codegen.testing import SkipNet, skipnet_batch, skipnet_loss
 from hpml_compile.runtime import Pipeline
-from hpml_compile.runtime.zero import FlatShard
+from hpml_compile.runtime.sync.zero import FlatShard
 
 LR = 0.01
 STEPS = 3  # then a checkpoint, then 2 more

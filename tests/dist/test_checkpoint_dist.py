@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from hpml_compile.runtime import spawn_ranks
-from hpml_compile.runtime.checkpoint import latest, load_checkpoint, save_checkpoint
+from hpml_compile.runtime.execute.checkpoint import latest, load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.dist
 CHILDREN = {0: ["0"], 1: ["2"]}  # rank -> the children of the full model it holds

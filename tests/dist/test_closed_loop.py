@@ -28,8 +28,8 @@ import torch
 from hpml_compile import models
 from hpml_compile.cli import main
 from hpml_compile.plan import load_plan
-from hpml_compile.runtime.checkpoint import latest, list_checkpoints, load_checkpoint
-from hpml_compile.runtime.monitor import read_metrics
+from hpml_compile.runtime.execute.checkpoint import latest, list_checkpoints, load_checkpoint
+from hpml_compile.runtime.observe.monitor import read_metrics
 
 # Each CLI call may take up to _cli's 600 s and a test makes two or three: longer than the default per-test limit.
 # The build is compiled in this process, where profiling's notes on a busy machine's timing (which a CLI

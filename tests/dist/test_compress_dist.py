@@ -47,7 +47,7 @@ from hpml_compile import models
 from hpml_compile.codegen import generate
 from hpml_compile.codegen.testing import split_plan
 from hpml_compile.runtime import Pipeline, spawn_ranks
-from hpml_compile.runtime.checkpoint import latest, load_checkpoint, save_checkpoint
+from hpml_compile.runtime.execute.checkpoint import latest, load_checkpoint, save_checkpoint
 from hpml_compile.trace import trace
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # five runs of 24 steps, five resumed halves: ~60 s on 2 cores

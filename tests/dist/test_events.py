@@ -21,8 +21,8 @@ from hpml_compile.codegen import generate
 from hpml_compile.codegen.testing import split_plan
 from hpml_compile.plan import Schedule
 from hpml_compile.runtime import Pipeline, spawn_ranks
-from hpml_compile.runtime.events import read_events
-from hpml_compile.runtime.monitor import read_metrics
+from hpml_compile.runtime.observe.events import read_events
+from hpml_compile.runtime.observe.monitor import read_metrics
 from hpml_compile.trace import trace
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]

@@ -2,9 +2,9 @@
 
 SkipNet on one stage of four CPU ranks that the plan puts two on each of two hosts (``hostA``, ``hostB``), under
 ``allreduce: hierarchical``: ZeRO-0 (the gradients reduce-scattered in each host, all-reduced between hosts,
-gathered in each host) and ZeRO-1 (the optimizer sharded over each host's two ranks, :mod:`hpml_compile.runtime.zero`).
+gathered in each host) and ZeRO-1 (the optimizer sharded over each host's two ranks, :mod:`hpml_compile.runtime.sync.zero`).
 Rank 0's first collective of step 1 fails once (an injected transient error); every rank drops the failed groups,
-re-forms the process group (:meth:`hpml_compile.runtime.session.Session.reopen`) and retries the step.
+re-forms the process group (:meth:`hpml_compile.runtime.execute.session.Session.reopen`) and retries the step.
 
 Why: ``Pipeline._drop_groups`` once let go of the communicator's groups, its pairs and its shared
 mappings, not of the hierarchical sub-groups, which the communicator (``comm.hierarchy``) and a hierarchical ZeRO-1
@@ -33,8 +33,8 @@ from hpml_compile.codegen.testing import (seeded_skipnet, skipnet_batches, skipn
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.plan import AllReduce
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
-from hpml_compile.runtime.session import RetryPolicy, Session
-from hpml_compile.runtime.zero import FlatShard
+from hpml_compile.runtime.execute.session import RetryPolicy, Session
+from hpml_compile.runtime.sync.zero import FlatShard
 from hpml_compile.trace import trace
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # four gloo ranks on 2 cores, two failed-and-retried runs

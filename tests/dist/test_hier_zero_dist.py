@@ -43,7 +43,7 @@ from hpml_compile.ir import Cluster, Device
 from hpml_compile.memory import ZeroStage
 from hpml_compile.plan import AllReduce, Plan, load_plan, stage_breakdown
 from hpml_compile.profile import profile
-from hpml_compile.runtime.launcher import free_port
+from hpml_compile.runtime.job.launcher import free_port
 from hpml_compile.trace import trace
 
 WORKER = Path(__file__).with_name("hzero_worker.py")

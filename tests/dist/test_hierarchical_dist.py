@@ -41,7 +41,7 @@ from hpml_compile.codegen import generate
 from hpml_compile.codegen.testing import SkipNet, skipnet_batch, skipnet_loss, split_plan
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.plan import AllReduce, Plan, load_plan
-from hpml_compile.runtime.launcher import free_port
+from hpml_compile.runtime.job.launcher import free_port
 from hpml_compile.trace import trace
 
 WORKER = Path(__file__).with_name("hier_worker.py")

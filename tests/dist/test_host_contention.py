@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpml_compile.cli import main
-from hpml_compile.runtime.monitor import read_metrics
+from hpml_compile.runtime.observe.monitor import read_metrics
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 CLI = [sys.executable, "-m", "hpml_compile"]

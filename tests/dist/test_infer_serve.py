@@ -23,7 +23,7 @@ import torch
 
 from hpml_compile import models
 from hpml_compile.infer.plan import save_inference_plan
-from hpml_compile.runtime.launcher import free_port
+from hpml_compile.runtime.job.launcher import free_port
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 

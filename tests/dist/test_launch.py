@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hpml_compile.runtime.checkpoint import latest, load_checkpoint
-from hpml_compile.runtime.scriptlaunch import died_ranks
+from hpml_compile.runtime.execute.checkpoint import latest, load_checkpoint
+from hpml_compile.runtime.job.scriptlaunch import died_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(1200)]
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "own_loop.py"

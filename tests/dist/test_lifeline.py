@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hpml_compile.cli import main
-from hpml_compile.runtime.lifeline import LAUNCHER_PID_ENV
+from hpml_compile.runtime.job.lifeline import LAUNCHER_PID_ENV
 
 # The build is compiled in this process, where profiling's notes on a busy machine's timing (which a CLI
 # subprocess kept to its own stderr) would fill the summary: they are about the host, not what is tested here.

@@ -5,7 +5,7 @@ optimizer step) is where a step commits. Its all-reduce can complete on one rank
 went out but whose answer did not come back. The first steps its optimizer and goes on; the second cannot tell
 whether anyone agreed. Before, the second retried the step, the first re-formed the group one step later, and
 the job stopped with "the ranks re-formed the group on different steps". Now the failing rank re-forms the group
-at once and asks (:meth:`hpml_compile.runtime.session.Session.reopen`): the others are a step ahead, so it takes
+at once and asks (:meth:`hpml_compile.runtime.execute.session.Session.reopen`): the others are a step ahead, so it takes
 the same update with their agreed loss. When the agreement fails before a rank's share goes out, nobody can
 commit, and every rank runs the step again.
 
@@ -29,8 +29,8 @@ from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.testing import (SkipNet, replicated_skipnet_builds, seeded_skipnet, skipnet_batch,
                                           skipnet_batches, skipnet_loss, skipnet_sgd, split_plan, trained_skipnet)
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
-from hpml_compile.runtime.comm import InjectedFault
-from hpml_compile.runtime.session import RetryPolicy, Session
+from hpml_compile.runtime.sync.comm import InjectedFault
+from hpml_compile.runtime.execute.session import RetryPolicy, Session
 from hpml_compile.trace import trace
 
 pytestmark = [pytest.mark.dist]

@@ -1,7 +1,7 @@
 """What ranks hold against what the plan predicts (ZeRO-0: a 2-stage pipeline, and one stage on 2 replicas).
 
 Per device and per part: parameters, gradients and optimizer state counted by
-storage after AdamW steps (:mod:`hpml_compile.runtime.held`), activations
+storage after AdamW steps (:mod:`hpml_compile.runtime.observe.held`), activations
 saved for backward at their peak (:mod:`hpml_compile.saved`), against
 :func:`hpml_compile.plan.stage_breakdown`. benchmarks/memory_truth does the
 same for every memory option and two models.

@@ -19,7 +19,7 @@ from hpml_compile.codegen import generate
 from hpml_compile.codegen.testing import split_plan
 from hpml_compile.plan import Schedule
 from hpml_compile.runtime import Pipeline, spawn_ranks
-from hpml_compile.runtime.scaler import LossScaler
+from hpml_compile.runtime.execute.scaler import LossScaler
 from hpml_compile.trace import trace
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # bf16 matmuls are emulated on most CPUs: ~1.5 min here

@@ -62,11 +62,11 @@ from hpml_compile.plan import load_plan
 from hpml_compile.profile import load_profile
 from hpml_compile.recipe import read_recipe
 from hpml_compile.runtime import spawn_ranks
-from hpml_compile.runtime.data import global_batch
-from hpml_compile.runtime.monitor import read_metrics
-from hpml_compile.runtime.pipeline import Pipeline
-from hpml_compile.runtime.supervisor import timings
-from hpml_compile.runtime.trainer import Trainer
+from hpml_compile.runtime.execute.data import global_batch
+from hpml_compile.runtime.observe.monitor import read_metrics
+from hpml_compile.runtime.execute.pipeline import Pipeline
+from hpml_compile.runtime.job.supervisor import timings
+from hpml_compile.runtime.execute.trainer import Trainer
 from hpml_compile.simulate import annotate
 from hpml_compile.trace import trace
 from hpml_compile.trainspec import TrainSpec

@@ -19,8 +19,8 @@ import torch
 
 from hpml_compile import models
 from hpml_compile.cli import main
-from hpml_compile.runtime.launcher import free_port
-from hpml_compile.runtime.monitor import read_metrics
+from hpml_compile.runtime.job.launcher import free_port
+from hpml_compile.runtime.observe.monitor import read_metrics
 
 # The build is compiled in this process, where profiling's notes on a busy machine's timing (which a CLI
 # subprocess kept to its own stderr) would fill the summary: they are about the host, not what is tested here.

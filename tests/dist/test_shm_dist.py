@@ -1,4 +1,4 @@
-"""All-reduce through shared memory between CPU ranks of one host (:mod:`hpml_compile.runtime.shm`), on gloo ranks.
+"""All-reduce through shared memory between CPU ranks of one host (:mod:`hpml_compile.runtime.sync.shm`), on gloo ranks.
 
 One job of three ranks checks the collective alone against ``dist.all_reduce``:
 
@@ -37,7 +37,7 @@ from hpml_compile import models
 from hpml_compile.codegen import generate
 from hpml_compile.codegen.testing import split_plan
 from hpml_compile.runtime import Pipeline, spawn_ranks
-from hpml_compile.runtime.shm import HostReduce
+from hpml_compile.runtime.sync.shm import HostReduce
 from hpml_compile.trace import trace
 
 pytestmark = pytest.mark.dist

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpml_compile.runtime.testing import RanksTimeout, spawn_ranks
+from hpml_compile.runtime.job.spawn import RanksTimeout, spawn_ranks
 
 pytestmark = pytest.mark.dist
 

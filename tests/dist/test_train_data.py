@@ -20,9 +20,9 @@ from torch.utils.data import TensorDataset
 from hpml_compile.codegen import generate
 from hpml_compile.codegen.testing import split_plan
 from hpml_compile.runtime import spawn_ranks
-from hpml_compile.runtime.data import global_batch
-from hpml_compile.runtime.pipeline import Pipeline
-from hpml_compile.runtime.trainer import Trainer
+from hpml_compile.runtime.execute.data import global_batch
+from hpml_compile.runtime.execute.pipeline import Pipeline
+from hpml_compile.runtime.execute.trainer import Trainer
 from hpml_compile.trace import trace
 from hpml_compile.trainspec import TrainSpec
 

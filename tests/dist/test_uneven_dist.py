@@ -27,9 +27,9 @@ from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.testing import max_grad_diff, split_plan
 from hpml_compile.plan import Schedule
 from hpml_compile.runtime import dist_comm, spawn_ranks, step_rank
-from hpml_compile.runtime.data import global_batch
-from hpml_compile.runtime.pipeline import Pipeline
-from hpml_compile.runtime.trainer import Trainer
+from hpml_compile.runtime.execute.data import global_batch
+from hpml_compile.runtime.execute.pipeline import Pipeline
+from hpml_compile.runtime.execute.trainer import Trainer
 from hpml_compile.trace import trace
 from hpml_compile.trainspec import TrainSpec
 

@@ -2,7 +2,7 @@
 
 Two gloo ranks hold one stage of SkipNet, replicated twice, ZeRO-1 or ZeRO-2, as the plan runs it on CPU ranks:
 one reduce-scatter after the backward, the ranks' loss agreement, the optimizer step on each replica's shard,
-then one blocking all-gather of the stepped shards (:meth:`hpml_compile.runtime.zero.FlatShard.all_gather`).
+then one blocking all-gather of the stepped shards (:meth:`hpml_compile.runtime.sync.zero.FlatShard.all_gather`).
 In step 1 (from 0) rank 0's all-gather fails (``CommFault(1, 0, COLLECTIVE, 1)``: its second collective of the
 step; the first is the reduce-scatter); rank 1's fails with it when rank 0 tears the group down.
 
@@ -27,8 +27,8 @@ from hpml_compile.codegen import load_build
 from hpml_compile.codegen.testing import (replicated_skipnet_builds, seeded_skipnet, skipnet_batches, skipnet_loss,
                                           skipnet_sgd, trained_skipnet)
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
-from hpml_compile.runtime.session import RetryPolicy, Session
-from hpml_compile.runtime.zero import FlatShard
+from hpml_compile.runtime.execute.session import RetryPolicy, Session
+from hpml_compile.runtime.sync.zero import FlatShard
 
 pytestmark = [pytest.mark.dist]
 

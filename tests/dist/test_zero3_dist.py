@@ -31,8 +31,8 @@ import torch
 from hpml_compile.codegen import generate
 from hpml_compile.codegen.testing import split_plan
 from hpml_compile.runtime import Pipeline, spawn_ranks
-from hpml_compile.runtime.held import held_bytes
-from hpml_compile.runtime.zero3 import FlatShard3
+from hpml_compile.runtime.observe.held import held_bytes
+from hpml_compile.runtime.sync.zero3 import FlatShard3
 from hpml_compile.stagecost import memory_parts
 from hpml_compile.trace import trace
 from test_zero_dist import _batches, _model, _optimizer  # the same gpt-tiny, AdamW and token batches as ZeRO-1/2

@@ -6,7 +6,7 @@ expensive part). gpt-tiny on one stage replicated over every rank, AdamW
 
 - the bytes a rank holds at its peak (the end of the last backward, just
   before the gradient collectives, with the optimizer state of the previous
-  steps alive), counted by :func:`hpml_compile.runtime.held.held_bytes`, are
+  steps alive), counted by :func:`hpml_compile.runtime.observe.held.held_bytes`, are
   what :func:`hpml_compile.stagecost.memory_parts` predicts for the plan's
   ZeRO stage, part by part (to a few bytes of padding and Adam's step counter);
 - the losses equal those of the same plan without ZeRO (same seed, same batches);
@@ -28,8 +28,8 @@ from hpml_compile import models
 from hpml_compile.codegen import generate
 from hpml_compile.codegen.testing import split_plan
 from hpml_compile.runtime import Pipeline, spawn_ranks
-from hpml_compile.runtime.checkpoint import latest, load_checkpoint, save_checkpoint
-from hpml_compile.runtime.held import held_bytes
+from hpml_compile.runtime.execute.checkpoint import latest, load_checkpoint, save_checkpoint
+from hpml_compile.runtime.observe.held import held_bytes
 from hpml_compile.stagecost import memory_parts
 from hpml_compile.trace import trace
 

@@ -2,10 +2,10 @@
 
 Two gloo ranks hold one stage of SkipNet, replicated twice, ZeRO-1 or ZeRO-2 with the buckets forced on
 (``overlap=True``, as on GPU groups): after each optimizer step every bucket's parameter all-gather is launched
-asynchronously and waited by the next forward's pre-hooks (:meth:`hpml_compile.runtime.zero.FlatShard.all_gather`).
+asynchronously and waited by the next forward's pre-hooks (:meth:`hpml_compile.runtime.sync.zero.FlatShard.all_gather`).
 Step 1 (from 0), the step right after step 0 whose gathers are in flight, fails once on rank 0 with a transient
-error; both ranks drop the failed groups' pending gathers (:meth:`~hpml_compile.runtime.zero.FlatShard.forget`),
-re-form the process group (:meth:`hpml_compile.runtime.session.Session.reopen`) and retry the step, which
+error; both ranks drop the failed groups' pending gathers (:meth:`~hpml_compile.runtime.sync.zero.FlatShard.forget`),
+re-form the process group (:meth:`hpml_compile.runtime.execute.session.Session.reopen`) and retry the step, which
 gathers the parameters again before its forward. Three failures, each under ZeRO-1 and ZeRO-2:
 
 - ``collective``: ``CommFault(1, 0, COLLECTIVE)``, rank 0's first collective of the step: its first bucket's
@@ -15,7 +15,7 @@ gathers the parameters again before its forward. Three failures, each under ZeRO
   step 0's gathers still in flight: rank 1 is held 1 s in step 0's optimizer step (a step pre-hook), so rank 0's
   gathers cannot have finished (they need rank 1's pieces). With two ranks a replicated stage has no receive
   before its forward, where a pipeline stage's first failure would be, so the failure is an
-  :class:`~hpml_compile.runtime.comm.InjectedFault` raised by a forward pre-hook put before the shard's own.
+  :class:`~hpml_compile.runtime.sync.comm.InjectedFault` raised by a forward pre-hook put before the shard's own.
   Tearing the group down waits for the dropped gathers, which finish once rank 1 launches its side;
 - ``lost``: as ``before``, but rank 1 launches its side only once rank 0 has left the failed group (its session's
   generation moved on), so rank 0's gathers of step 0 never finish: they end at the group's time-out (the
@@ -35,11 +35,11 @@ Each rank checks:
   its gloo context, whose sockets then keep the peer's pending collective from failing: found while writing this
   test), the retried step owes no re-gather, leaves one gather per bucket in flight and ``Pipeline.settle`` none;
   rank 0 failed with every gather in flight (``before``, ``lost``) and left the failed group at the session's
-  time-out (``lost``); a hung rank fails the test at :func:`~hpml_compile.runtime.testing.spawn_ranks`'
+  time-out (``lost``); a hung rank fails the test at :func:`~hpml_compile.runtime.job.spawn.spawn_ranks`'
   deadline (the ranks are terminated).
 
 ``spawn_ranks`` initialises a group the ranks did not make, which a pipeline cannot re-form, so each case runs
-under a :class:`~hpml_compile.runtime.session.Session` of its own (a ``file://`` store: no port).
+under a :class:`~hpml_compile.runtime.execute.session.Session` of its own (a ``file://`` store: no port).
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ import hpml_compile
 from hpml_compile.codegen import load_build
 from hpml_compile.codegen.testing import replicated_skipnet_builds, seeded_skipnet, skipnet_batches, skipnet_loss
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
-from hpml_compile.runtime.comm import InjectedFault
-from hpml_compile.runtime.session import RetryPolicy, Session
-from hpml_compile.runtime.zero import FlatShard
+from hpml_compile.runtime.sync.comm import InjectedFault
+from hpml_compile.runtime.execute.session import RetryPolicy, Session
+from hpml_compile.runtime.sync.zero import FlatShard
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # ~25 s on 2 cores: six failed-and-retried cases
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hpml_compile.runtime.gpustats import GpuStats
+from hpml_compile.runtime.observe.gpustats import GpuStats
 
 
 def test_a_busy_gpu_reads_utilization_memory_and_power() -> None:

@@ -11,7 +11,7 @@ import copy
 import torch
 
 from hpml_compile.models import load
-from hpml_compile.runtime.offload import offload_optimizer
+from hpml_compile.runtime.sync.offload import offload_optimizer
 
 
 def test_offloaded_state_is_on_the_host_and_the_update_matches() -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hpml_compile.runtime.checkpoint import (
+from hpml_compile.runtime.execute.checkpoint import (
     CheckpointError,
     latest,
     list_checkpoints,
@@ -115,7 +115,7 @@ def test_process_killed_mid_write_leaves_previous_whole(tmp_path: Path) -> None:
     script = tmp_path / "writer.py"
     script.write_text(textwrap.dedent(f"""
         import time, torch
-        import hpml_compile.runtime.checkpoint as ck
+        import hpml_compile.runtime.execute.checkpoint as ck
         m = torch.nn.Linear(512, 512)
         ck.save_checkpoint({str(tmp_path / 'ck')!r}, 1, m)
         torch.save(m.state_dict(), {str(tmp_path / 'ref.pt')!r})
@@ -284,7 +284,7 @@ def test_resume_without_a_checkpoint_names_the_folder_and_what_it_holds(tmp_path
 
 
 def test_the_worker_refuses_resume_without_a_checkpoint_and_negative_intervals(tmp_path: Path) -> None:
-    from hpml_compile.runtime import worker
+    from hpml_compile.runtime.job import worker
 
     args = worker.parse_args(["build", "run", "--checkpoint-dir", str(tmp_path / "typo"), "--resume"])
     with pytest.raises(CheckpointError, match="typo: the folder does not exist"):

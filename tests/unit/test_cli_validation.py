@@ -1,7 +1,7 @@
 """Every option of ``run`` and ``plan`` is checked before any rank starts or any solver runs.
 
 Each bad option must give exit status 2 and one line naming the option and its value, leave no run folder,
-and never reach :func:`~hpml_compile.runtime.launcher.launch` or the supervisor: both are replaced here by
+and never reach :func:`~hpml_compile.runtime.job.launcher.launch` or the supervisor: both are replaced here by
 stand-ins that fail the test (and record what a good command line would have started).
 """
 
@@ -26,8 +26,8 @@ from hpml_compile.errors import HpmlError, LaunchError, OptionError
 from hpml_compile.ir import Profile
 from hpml_compile.profile import profile, save_profile
 from hpml_compile.recipe import ModelRecipe
-from hpml_compile.runtime import launcher, supervisor
-from hpml_compile.runtime.launcher import LaunchSpec, check_port, owns_run_dir, preflight, prepare_run_dir
+from hpml_compile.runtime.job import launcher, supervisor
+from hpml_compile.runtime.job.launcher import LaunchSpec, check_port, owns_run_dir, preflight, prepare_run_dir
 from hpml_compile.trace import trace
 
 STEPS = 20

@@ -19,9 +19,9 @@ from hpml_compile.driver import Options
 from hpml_compile.errors import OptionError, PlanError, SchemaError
 from hpml_compile.ir import Cluster, Device, Link
 from hpml_compile.plan import Plan, Schedule, Stage, ZeroStage, check_comm, with_comm
-from hpml_compile.runtime.checkpoint import latest, load_checkpoint, save_checkpoint
-from hpml_compile.runtime.compress import TopK
-from hpml_compile.runtime.feedback import Feedback, Replica, merge_replicas, replica_key, replica_reads
+from hpml_compile.runtime.execute.checkpoint import latest, load_checkpoint, save_checkpoint
+from hpml_compile.runtime.sync.compress import TopK
+from hpml_compile.runtime.sync.feedback import Feedback, Replica, merge_replicas, replica_key, replica_reads
 from hpml_compile.simulate import annotate, simulate
 from hpml_compile.solve import solve
 from hpml_compile.solve.testing import chain_graph
@@ -216,8 +216,8 @@ def test_the_solver_compresses_only_when_allowed_and_it_pays() -> None:
 
 def test_show_and_report_name_them() -> None:
     from hpml_compile.explain import summary
-    from hpml_compile.runtime.monitor import StepMetrics
-    from hpml_compile.runtime.summary import format_summary, summarise
+    from hpml_compile.runtime.observe.monitor import StepMetrics
+    from hpml_compile.runtime.observe.summary import format_summary, summarise
 
     g = chain_graph([{"cpu": (1.0, 2.0)}] * 4, param_bytes=4_000_000, batch_size=8)
     names = tuple(g.order)
@@ -226,7 +226,7 @@ def test_show_and_report_name_them() -> None:
     topk, plan, local = with_comm(plan, compress="topk:0.05"), plan, with_comm(plan, sync_every=4, sync_warmup=1)
     assert "gradients topk:0.05" in summary(topk, g, simulate(topk, g))
     assert "local SGD every 4 steps after 1" in summary(local, g, simulate(local, g))
-    # what the runtime runs through shared memory (runtime.shm): CPU replicas of one host, not a compressed stage
+    # what the runtime runs through shared memory (runtime.sync.shm): CPU replicas of one host, not a compressed stage
     assert "all-reduce through the host's shared memory" in summary(plan, g, simulate(plan, g))
     assert "shared memory" not in summary(topk, g, simulate(topk, g))
     zero1 = replace(plan, stages=(replace(plan.stages[0], zero=ZeroStage.OS),))

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from hpml_compile.plan import Plan
-from hpml_compile.runtime.monitor import StepMetrics
-from hpml_compile.runtime.policy import contention_discount, lost_share
-from hpml_compile.runtime.summary import host_contention, slow_ranks, summarise
+from hpml_compile.runtime.observe.monitor import StepMetrics
+from hpml_compile.runtime.observe.policy import contention_discount, lost_share
+from hpml_compile.runtime.observe.summary import host_contention, slow_ranks, summarise
 from hpml_compile.solve import solve
 from hpml_compile.solve.testing import chain_graph, cluster_of
 
@@ -98,8 +98,8 @@ def test_discount_is_relative_to_the_baseline_contention() -> None:
 
 
 def test_the_closed_loop_holds_on_a_busy_host_unless_a_device_stands_out(plan: Plan) -> None:
-    from hpml_compile.runtime.adapt import busy_host_hold
-    from hpml_compile.runtime.summary import device_slowdowns
+    from hpml_compile.runtime.job.adapt import busy_host_hold
+    from hpml_compile.runtime.observe.summary import device_slowdowns
 
     p = plan.predicted.step_ms
     base = _rows(plan, p, steal=0.0, others=0.0, steps=3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hpml_compile.runtime.held import Held, held_bytes
+from hpml_compile.runtime.observe.held import Held, held_bytes
 
 
 def test_views_and_tied_parameters_count_once() -> None:

@@ -150,8 +150,8 @@ def test_show_and_explain_name_it() -> None:
 
 
 def test_report_names_the_levels_of_a_hierarchical_zero1_stage() -> None:
-    from hpml_compile.runtime.monitor import StepMetrics
-    from hpml_compile.runtime.summary import format_summary, summarise
+    from hpml_compile.runtime.observe.monitor import StepMetrics
+    from hpml_compile.runtime.observe.summary import format_summary, summarise
 
     hz = _one_stage(_two_by_two(), ZeroStage.OS, AllReduce.HIERARCHICAL)
     rows = {r: [StepMetrics(step=i, rank=r, stage=0, replica=r, device=hz.stages[0].devices[r], microbatches=1,
@@ -189,7 +189,7 @@ def test_to_plan_keeps_it_only_on_devices_that_shard_as_finely_as_priced() -> No
 
 def test_the_prefetched_parameter_gather_is_priced_under_the_next_forward_only_where_the_runtime_prefetches() -> None:
     # ZeRO-1/2's all-gather after the step, launched per bucket and waited by the next forward
-    # (runtime.zero.FlatShard.enable_prefetch, where the stage's sync overlaps): only what the first
+    # (runtime.sync.zero.FlatShard.enable_prefetch, where the stage's sync overlaps): only what the first
     # microbatch's forward cannot cover is paid; nothing changes where the runtime does not prefetch
     c = _two_by_two()
     h = hierarchy(c, [d.name for d in c.devices])

@@ -1,7 +1,7 @@
 """Rows moved between a stage's replicas while the job runs, unit tier: no new code, training stays exact.
 
 The closed loop's in-place row move (:meth:`Pipeline.move_rows`, decided by
-:mod:`hpml_compile.runtime.adapt`) keeps the stage code and gives the running
+:mod:`hpml_compile.runtime.job.adapt`) keeps the stage code and gives the running
 pipeline new rows per replica between two steps. In one process every
 replica runs here, so the moves are checked against the original model step
 by step: the loss and every parameter's gradient after each step, with the
@@ -30,11 +30,11 @@ from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.testing import max_grad_diff, split_plan
 from hpml_compile.errors import HpmlError
 from hpml_compile.plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction, save_plan
-from hpml_compile.runtime.adapt import in_place_refusal, take_rows
-from hpml_compile.runtime.data import RankData, global_batch
-from hpml_compile.runtime.monitor import Monitor, StepMetrics
-from hpml_compile.runtime.pipeline import Pipeline
-from hpml_compile.runtime.summary import analyse
+from hpml_compile.runtime.job.adapt import in_place_refusal, take_rows
+from hpml_compile.runtime.execute.data import RankData, global_batch
+from hpml_compile.runtime.observe.monitor import Monitor, StepMetrics
+from hpml_compile.runtime.execute.pipeline import Pipeline
+from hpml_compile.runtime.observe.summary import analyse
 from hpml_compile.trace import trace
 from hpml_compile.trainspec import TrainSpec
 

@@ -11,7 +11,12 @@ unclassified module fails, so a new module is placed on purpose:
 - ``driver`` is the flat list of pass calls, the only module that assembles the
   compile chain (``CHAIN``), and never imports the runtime or the CLIs;
 - ``runtime/`` reaches solving (``SOLVING``) only through the driver, and never
-  imports a CLI;
+  imports a CLI; inside it, each room (``ROOMS``, bottom first: ``sync``, ``observe``,
+  ``execute``, ``job``) imports only its own room and the rooms below it, never the package
+  face ``hpml_compile.runtime``; the link probe (``profile.links``, which starts ranks) and
+  ``infer`` are held to the runtime's rules;
+- ``api`` (the Python ``compile``) sits beside the driver: it assembles driver and runtime and
+  never imports a CLI;
 - the package root does not import the runtime (``import hpml_compile`` stays light);
 - the CLIs sit on top and may import anything.
 
@@ -38,6 +43,10 @@ SOLVING = {"solve", "simulate", "costgraph", "profile", "trace", "replan"}
 DATA_IO = {"hpml_compile.profile.load_profile", "hpml_compile.profile.save_profile"}
 # The compile chain: a module importing all of these assembles it by hand, which is the driver's job.
 CHAIN = {"profile", "costgraph", "solve", "codegen"}
+# The runtime's rooms, bottom first: a room imports its own and the ones before it.
+ROOMS = ["sync", "observe", "execute", "job"]
+# Modules whose layer is not their top component's.
+MODULE_KIND = {"hpml_compile.profile.links": "runtime"}
 
 
 def _imports(path: Path) -> set[str]:
@@ -76,6 +85,8 @@ def _kind(module: str) -> str | None:
     top = _top(module)
     if top is None:
         return None
+    if module in MODULE_KIND:
+        return MODULE_KIND[module]
     if top == "":
         return "root"
     if top in PASSES:
@@ -87,7 +98,7 @@ def _kind(module: str) -> str | None:
     if top in CLI or top.endswith("_cli"):
         return "cli"
     # ``infer`` plans and runs generation: held to the runtime's rules (no solving but through the driver).
-    return {"models": "models", "driver": "driver", "runtime": "runtime", "infer": "runtime"}.get(top)
+    return {"models": "models", "driver": "driver", "api": "api", "runtime": "runtime", "infer": "runtime"}.get(top)
 
 
 def _internal(path: Path) -> dict[str, str]:
@@ -156,8 +167,8 @@ def _forbidden(path: Path) -> list[str]:
             bad.append(f"{m} (a {kind} never imports the runtime, the CLIs or the driver)")
         elif kind == "runtime" and top in SOLVING and not _only_data_io(m, imported):
             bad.append(f"{m} (the runtime reaches solving only through hpml_compile.driver)")
-        elif kind == "runtime" and other == "cli":
-            bad.append(f"{m} (the runtime never imports a CLI)")
+        elif kind in ("runtime", "api") and other == "cli":
+            bad.append(f"{m} (the {kind} never imports a CLI)")
         elif kind == "root" and other == "runtime":
             bad.append(f"{m} (importing hpml_compile must not import the runtime)")
     return bad
@@ -168,6 +179,41 @@ def test_imports_follow_the_layers(path: Path) -> None:
     module = _module(path)
     bad = _forbidden(path)
     assert not bad, f"{module} ({_kind(module)}) imports " + "; ".join(bad)
+
+
+def _room(module: str) -> str | None:
+    """The runtime room of ``module`` (``hpml_compile.runtime.sync.zero`` -> ``sync``); ``""`` for the
+    package face ``hpml_compile.runtime``; None outside the runtime."""
+    parts = module.split(".")
+    if parts[:2] != ["hpml_compile", "runtime"]:
+        return None
+    return parts[2] if len(parts) > 2 else ""
+
+
+def _across(path: Path) -> list[str]:
+    """The imports of a runtime room's module that reach up into a later room or back into the face."""
+    room = _room(_module(path))
+    if not room:
+        return []
+    bad = []
+    for m in sorted(_imports(path)):
+        other = _room(m)
+        if other is None or other == room:
+            continue
+        if other == "":
+            bad.append(f"{m} (the package face: import the room's module itself)")
+        elif other not in ROOMS:
+            continue  # ``from hpml_compile.runtime import sync``-style names are judged as the modules they name
+        elif ROOMS.index(other) > ROOMS.index(room):
+            bad.append(f"{m} (room {other!r} sits above {room!r})")
+    return bad
+
+
+@pytest.mark.parametrize("path", _files("hpml_compile/runtime"), ids=_id)
+def test_runtime_rooms_import_down(path: Path) -> None:
+    assert _room(_module(path)) in ["", *ROOMS], f"{_module(path)} is in no room of {ROOMS}"
+    bad = _across(path)
+    assert not bad, f"{_module(path)} imports " + "; ".join(bad)
 
 
 @pytest.mark.parametrize("path", _files("hpml_compile"), ids=_id)
@@ -182,9 +228,12 @@ def test_only_the_driver_assembles_the_compile_chain(path: Path) -> None:
 def test_the_rules_catch_what_they_should() -> None:
     """The classifier and the rules on made-up imports, so that a rule cannot silently stop applying."""
     assert _kind("hpml_compile.solve.dp") == "pass" and _kind("hpml_compile.replan_cli") == "cli"
-    assert _kind("hpml_compile.cli.compile") == "cli" and _kind("hpml_compile.runtime.api") == "runtime"
+    assert _kind("hpml_compile.cli.compile") == "cli" and _kind("hpml_compile.api") == "api"
     assert _kind("hpml_compile") == "root" and _kind("hpml_compile.newthing") is None and _kind("torch") is None
-    assert _kind("hpml_compile.runtime.held") == "runtime"  # measures what a rank holds: runtime, not a pass
+    assert _kind("hpml_compile.runtime.observe.held") == "runtime"  # measures what a rank holds: runtime, not a pass
+    assert _kind("hpml_compile.profile.links") == "runtime" and _kind("hpml_compile.profile.static") == "pass"
+    assert _room("hpml_compile.runtime.sync.zero") == "sync" and _room("hpml_compile.runtime") == ""
+    assert ROOMS.index("sync") < ROOMS.index("observe") < ROOMS.index("execute") < ROOMS.index("job")
     assert PASSES.index("costgraph") < PASSES.index("solve") < PASSES.index("replan") < PASSES.index("codegen")
     assert _only_data_io("hpml_compile.profile", {"hpml_compile.profile": "profile",
                                                   "hpml_compile.profile.load_profile": "profile"})

@@ -13,7 +13,7 @@ import cost_models
 from hpml_compile.cluster import link_spec, load_cluster
 from hpml_compile.errors import HpmlError
 from hpml_compile.ir import Cluster, Device, Link
-from hpml_compile.runtime.links import SHM_ALLREDUCE, SHM_ROWS, fit_link
+from hpml_compile.profile.links import SHM_ALLREDUCE, SHM_ROWS, fit_link
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,7 +77,7 @@ def test_the_all_reduce_is_priced_by_its_own_timings_not_the_joint_fit() -> None
 
 
 def test_the_all_reduce_through_shared_memory_prices_the_all_reduce() -> None:
-    # the runtime sums a stage's gradients between CPU ranks of one host through shared memory (runtime.shm), so
+    # the runtime sums a stage's gradients between CPU ranks of one host through shared memory (runtime.sync.shm), so
     # the probe's rows of that all-reduce price it; gloo's all-reduce rows stay in the joint fit with send/recv
     sends = cost_models.LinkSpec("p2p", 2.0, 150.0, "test")
     gloo = cost_models.LinkSpec("ar", 1.1, 230.0, "test", shared=True)

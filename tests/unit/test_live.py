@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hpml_compile.runtime.live import AlertWatch, RowTail, RunCollector
-from hpml_compile.runtime.monitor import StepMetrics
+from hpml_compile.runtime.observe.live import AlertWatch, RowTail, RunCollector
+from hpml_compile.runtime.observe.monitor import StepMetrics
 
 
 def _row(step: int, rank: int, step_ms: float = 50.0, cpu: float = 0.9) -> StepMetrics:

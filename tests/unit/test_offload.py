@@ -15,7 +15,7 @@ import torch
 
 from hpml_compile.errors import HpmlError
 from hpml_compile.models import load
-from hpml_compile.runtime.offload import OffloadedOptimizer, offload_optimizer
+from hpml_compile.runtime.sync.offload import OffloadedOptimizer, offload_optimizer
 
 
 def _pair() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:

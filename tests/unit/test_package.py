@@ -31,23 +31,23 @@ def test_import_does_not_import_the_runtime() -> None:
 # checkpoint), each with where it is imported on first use instead. With them, importing the worker took ~1.2 s
 # more CPU on the 2-core VM, paid by every `run` launcher and rank start (benchmarks/runtime_overhead/README.md).
 LAZY_FOR_RANKS = {
-    "torch.distributed.checkpoint": "runtime/checkpoint.py, where a checkpoint is written or read",
-    "hpml_compile.driver": "runtime/adapt.py's Adapter (rank 0 of run --adapt) and runtime.compile",
+    "torch.distributed.checkpoint": "runtime/execute/checkpoint.py, where a checkpoint is written or read",
+    "hpml_compile.driver": "runtime/job/adapt.py's Adapter (rank 0 of run --adapt) and runtime.compile",
     "hpml_compile.solve": "the driver",
     "pulp": "solve/ilp.py, through the driver",
     "highspy": "solve/ilp.py, through the driver",
     "matplotlib": "viz.py, for a picture",
-    "plotly": "runtime/page.py, for the report page",
+    "plotly": "runtime/observe/page.py, for the report page",
 }
 
 
 @pytest.mark.dist  # a fresh interpreter: the only way to see what a first import loads
 def test_a_rank_start_imports_no_solver_and_no_checkpoint_library() -> None:
-    code = ("import sys, hpml_compile.runtime.worker; "
+    code = ("import sys, hpml_compile.runtime.job.worker; "
             f"print(' '.join(m for m in {sorted(LAZY_FOR_RANKS)!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     loaded = out.stdout.split()
-    assert not loaded, "importing hpml_compile.runtime.worker imported " + "; ".join(
+    assert not loaded, "importing hpml_compile.runtime.job.worker imported " + "; ".join(
         f"{m} (import it where it is used: {LAZY_FOR_RANKS[m]})" for m in loaded) + "\n" + out.stderr
 
 

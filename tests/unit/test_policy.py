@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpml_compile.runtime.policy import (FailureLedger, ImbalanceWatch, memory_shortfalls, replan_capacity,
+from hpml_compile.runtime.observe.policy import (FailureLedger, ImbalanceWatch, memory_shortfalls, replan_capacity,
                                          worth_switching)
 
 

@@ -24,8 +24,8 @@ from hpml_compile.ir import Precision, Profile
 from hpml_compile.plan import Plan, load_plan, save_plan, validate_plan
 from hpml_compile.profile import load_profile, profile
 from hpml_compile.runtime import Pipeline
-from hpml_compile.runtime.checkpoint import latest, load_checkpoint, save_checkpoint
-from hpml_compile.runtime.scaler import LossScaler
+from hpml_compile.runtime.execute.checkpoint import latest, load_checkpoint, save_checkpoint
+from hpml_compile.runtime.execute.scaler import LossScaler
 from hpml_compile.trace import trace
 
 
@@ -234,7 +234,7 @@ def test_the_loss_scale_is_checkpointed(tmp_path: Path) -> None:
 def test_run_refuses_a_precision_other_than_the_builds(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from hpml_compile.recipe import ModelRecipe
-    from hpml_compile.runtime import launcher
+    from hpml_compile.runtime.job import launcher
 
     monkeypatch.setattr(launcher, "launch", lambda spec: pytest.fail("run started ranks"))
     loaded = models.load("mlp-tiny", batch_size=4)

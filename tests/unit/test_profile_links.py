@@ -52,7 +52,7 @@ def test_the_measured_link_changes_what_the_plan_predicts() -> None:
 
 
 def test_the_zero_pairs_own_fits_price_a_sharded_stage_and_leave_the_all_reduce_alone(tmp_path: Path) -> None:
-    # gloo's reduce-scatter and all-gather are slower than its all-reduce (measured, runtime/links.py): a ZeRO-1
+    # gloo's reduce-scatter and all-gather are slower than its all-reduce (measured, profile/links.py): a ZeRO-1
     # stage on a link that records their fits is priced with them; a ZeRO-0 stage's all-reduce is not
     from hpml_compile.memory import ZeroStage
     from hpml_compile.plan import Plan, Schedule, Stage

@@ -10,9 +10,9 @@ import pytest
 from hpml_compile.costgraph import build as build_costgraph
 from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.replan import move_rows, replan_graph
-from hpml_compile.runtime.monitor import StepMetrics
-from hpml_compile.runtime.policy import Candidate, choose_switch
-from hpml_compile.runtime.summary import device_slowdowns, format_summary, measured_setup, summarise
+from hpml_compile.runtime.observe.monitor import StepMetrics
+from hpml_compile.runtime.observe.policy import Candidate, choose_switch
+from hpml_compile.runtime.observe.summary import device_slowdowns, format_summary, measured_setup, summarise
 from hpml_compile.simulate import annotate
 from hpml_compile.solve.testing import chain_profile, cluster_of
 
@@ -135,8 +135,8 @@ def test_rows_are_refused_for_a_batch_that_does_not_split() -> None:
 
 def test_the_forcing_knobs_refuse_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
     from hpml_compile.errors import HpmlError
-    from hpml_compile.runtime.adapt import AdaptOptions
-    from hpml_compile.runtime.worker import _env_seconds
+    from hpml_compile.runtime.job.adapt import AdaptOptions
+    from hpml_compile.runtime.job.worker import _env_seconds
 
     with pytest.raises(HpmlError, match="candidates must be one of both, rows, replan"):
         AdaptOptions(candidates="fast")

@@ -7,7 +7,7 @@ A slowed replica pays its fixed part slowed too, so at one row it still takes ``
 replica can take far more than the ``1 / (1 + slowdown)`` share that per-row costs alone would give it. If the
 measured graph put the whole slowdown in the per-row part instead, the move would give the slowed replica too
 many rows; if it left the fixed part out, too few. These tests pin both halves: the slowed kind's costs
-(:func:`~hpml_compile.runtime.summary.measured_setup`) and the rows :func:`~hpml_compile.replan.move_rows` takes
+(:func:`~hpml_compile.runtime.observe.summary.measured_setup`) and the rows :func:`~hpml_compile.replan.move_rows` takes
 from them, against every split the simulator can score.
 """
 
@@ -21,8 +21,8 @@ from hpml_compile.costgraph import build as build_costgraph
 from hpml_compile.ir import NodeCost, Profile
 from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.replan import move_rows
-from hpml_compile.runtime.monitor import StepMetrics
-from hpml_compile.runtime.summary import device_slowdowns, measured_setup, summarise
+from hpml_compile.runtime.observe.monitor import StepMetrics
+from hpml_compile.runtime.observe.summary import device_slowdowns, measured_setup, summarise
 from hpml_compile.simulate import annotate
 from hpml_compile.solve.testing import chain_profile, cluster_of
 

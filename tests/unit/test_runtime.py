@@ -17,13 +17,13 @@ from hpml_compile.codegen.testing import SkipNet, skipnet_batch, skipnet_loss, s
 from hpml_compile.errors import BuildMismatchError, HpmlError
 from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.runtime import Pipeline, compile
-from hpml_compile.runtime.comm import CommFault, InjectedFault, CommOp, is_transient, pair_backend, rank_devices
-from hpml_compile.runtime.gather import tensor_owners
-from hpml_compile.runtime.launcher import (RANK_ENTRY, LaunchError, LaunchSpec, check_port, check_world, explain_failure,
+from hpml_compile.runtime.sync.comm import CommFault, InjectedFault, CommOp, is_transient, pair_backend, rank_devices
+from hpml_compile.runtime.execute.gather import tensor_owners
+from hpml_compile.runtime.job.launcher import (RANK_ENTRY, LaunchError, LaunchSpec, check_port, check_world, explain_failure,
                                          torchrun_args)
 from hpml_compile.recipe import ModelRecipe, absolute_model_spec, read_recipe
-from hpml_compile.runtime.session import RetryPolicy
-from hpml_compile.runtime.worker import error_path, parse_args, threads_per_rank
+from hpml_compile.runtime.execute.session import RetryPolicy
+from hpml_compile.runtime.job.worker import error_path, parse_args, threads_per_rank
 from hpml_compile.trace import trace
 
 

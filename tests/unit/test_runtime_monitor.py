@@ -16,9 +16,9 @@ from hpml_compile.cli import main
 from hpml_compile.codegen.comm import Direction
 from hpml_compile.cluster import load_cluster
 from hpml_compile.plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction, save_plan
-from hpml_compile.runtime.comm import CommStats
-from hpml_compile.runtime.monitor import Monitor, StepMetrics, read_metrics, split_wait
-from hpml_compile.runtime.summary import analyse, export_profile, format_summary, measured_profile
+from hpml_compile.runtime.sync.comm import CommStats
+from hpml_compile.runtime.observe.monitor import Monitor, StepMetrics, read_metrics, split_wait
+from hpml_compile.runtime.observe.summary import analyse, export_profile, format_summary, measured_profile
 
 
 def _row(step: int, rank: int, fwd: float, bwd: float, pipeline: float = 100.0) -> StepMetrics:
@@ -66,7 +66,7 @@ def test_receive_waits_split_into_transfer_and_idle() -> None:
 @pytest.mark.dist
 def test_peak_memory_of_a_process_follows_its_allocations() -> None:
     # A fresh process: in this one, freed memory that is still resident would absorb the allocation.
-    code = ("import torch; from hpml_compile.runtime.monitor import peak_memory, reset_peak_memory; "
+    code = ("import torch; from hpml_compile.runtime.observe.monitor import peak_memory, reset_peak_memory; "
             "d = torch.device('cpu'); reset_peak_memory(d); a, k = peak_memory(d); "
             "t = torch.ones(96 * 2**20 // 4); b, _ = peak_memory(d); print(k, b - a)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
@@ -126,7 +126,7 @@ def test_a_balanced_run_gets_no_alarm(tmp_path: Path) -> None:
 
 
 def test_the_report_compares_the_bubble_the_ranks_measure() -> None:
-    from hpml_compile.runtime.summary import predicted_bubble
+    from hpml_compile.runtime.observe.summary import predicted_bubble
 
     c = load_cluster("local-cpu-2")
     stages = (Stage(0, ("cpu0",), ("a",), predicted=StagePrediction(1, 2, 0, 0.4)),

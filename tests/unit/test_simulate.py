@@ -358,7 +358,7 @@ def test_ranks_computing_at_once_stretch_by_the_measured_corun() -> None:
 
 
 def test_a_zero_stage_steps_its_flat_shard_at_the_flat_rate() -> None:
-    """The runtime steps a ZeRO-1/2/3 stage's shard as one flat tensor (runtime.zero): the profile's flat step
+    """The runtime steps a ZeRO-1/2/3 stage's shard as one flat tensor (runtime.sync.zero): the profile's flat step
     (``optimizer_flat_ms``) prices it; a ZeRO-0 stage steps its parameters one by one, at ``optimizer_ms``."""
     from dataclasses import replace
 

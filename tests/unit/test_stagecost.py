@@ -140,9 +140,9 @@ def test_simulator_and_table_price_a_plans_stages_alike(schedule: Schedule) -> N
 
 
 def test_zero_shards_only_the_optimizer_state_at_the_peak() -> None:
-    """What the runtime (runtime/zero.py) holds at the end of the last backward: parameters and gradients whole
+    """What the runtime (runtime/sync/zero.py) holds at the end of the last backward: parameters and gradients whole
     (accumulated over every microbatch before the one reduce-scatter), Adam's state / d from ZeRO-1 on; ZeRO-3
-    (runtime/zero3.py) its shard of the parameters too, beside the whole stage gathered for the compute."""
+    (runtime/sync/zero3.py) its shard of the parameters too, beside the whole stage gathered for the compute."""
     parts = {z: stagecost.memory_parts(param_bytes=800, activation_bytes=0, input_bytes=0, dtype_bytes=4,
                                        replicas=4, zero=z, microbatches=2) for z in ZeroStage}
     assert [(m.params, m.grads, m.optimizer) for m in parts.values()] == [

@@ -35,7 +35,7 @@ def test_gradients_are_counted_only_while_armed() -> None:
 def test_a_step_right_after_the_last_starts_from_its_end_sample() -> None:
     import time
 
-    from hpml_compile.runtime.host import REUSE_S, HostSampler
+    from hpml_compile.runtime.observe.host import REUSE_S, HostSampler
 
     h = HostSampler()
     h.begin()

@@ -13,11 +13,11 @@ import pytest
 from hpml_compile.costgraph import build as build_costgraph
 from hpml_compile.ir import base_kind
 from hpml_compile.replan import replan_graph
-from hpml_compile.runtime.monitor import StepMetrics
-from hpml_compile.runtime.summary import device_slowdowns, measured_setup, summarise
+from hpml_compile.runtime.observe.monitor import StepMetrics
+from hpml_compile.runtime.observe.summary import device_slowdowns, measured_setup, summarise
 from hpml_compile.plan import Stage, save_plan
-from hpml_compile.runtime.supervisor import blame, in_place_moves, plan_devices, rows_in_force, timings
-from hpml_compile.runtime.worker import error_path
+from hpml_compile.runtime.job.supervisor import blame, in_place_moves, plan_devices, rows_in_force, timings
+from hpml_compile.runtime.job.worker import error_path
 from hpml_compile.solve import solve
 from hpml_compile.solve.testing import chain_profile, cluster_of
 

@@ -12,7 +12,7 @@ from torch.utils.data import IterableDataset, TensorDataset
 import hpml_compile
 from hpml_compile.errors import CheckpointError, ModelError
 from hpml_compile.models import load
-from hpml_compile.runtime.data import RankData, epoch_order, global_batch
+from hpml_compile.runtime.execute.data import RankData, epoch_order, global_batch
 from hpml_compile.trainspec import TrainSpec, check_batch_split, first_batch, rank_rows
 
 F = torch.nn.functional
@@ -153,8 +153,8 @@ def test_a_rank_takes_its_rows_and_any_plan_resumes_at_the_next_batch() -> None:
 
 
 def test_save_load_resumes_the_same_run_and_evaluate_matches_validation(tmp_path: Path) -> None:
-    from hpml_compile.runtime.pipeline import Pipeline
-    from hpml_compile.runtime.trainer import Trainer
+    from hpml_compile.runtime.execute.pipeline import Pipeline
+    from hpml_compile.runtime.execute.trainer import Trainer
 
     def make() -> TrainSpec:
         torch.manual_seed(0)

@@ -25,8 +25,8 @@ from hpml_compile.codegen.testing import max_grad_diff, split_plan
 from hpml_compile.errors import HpmlError, ModelError
 from hpml_compile.plan import Schedule
 from hpml_compile.runtime import merge_outputs, step_local
-from hpml_compile.runtime.executor import split_replicas
-from hpml_compile.runtime.pipeline import Pipeline
+from hpml_compile.runtime.execute.executor import split_replicas
+from hpml_compile.runtime.execute.pipeline import Pipeline
 from hpml_compile.trace import trace
 from hpml_compile.trainspec import check_batch_split, rank_rows, replica_rows
 

@@ -1,4 +1,4 @@
-"""runtime.zero in one process: a flat shard steps like the plain optimizer, and its state maps to names and back.
+"""runtime.sync.zero in one process: a flat shard steps like the plain optimizer, and its state maps to names and back.
 
 Two or three replicas run on real gloo ranks in tests/dist/test_zero_dist.py; here one replica owns the whole
 flat buffer, which checks the views, the padding-free layout and the name mapping of the checkpoint state.
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from hpml_compile.errors import HpmlError
-from hpml_compile.runtime.held import held_bytes
-from hpml_compile.runtime.zero import FlatShard, full_optimizer_state, load_full_optimizer_state
+from hpml_compile.runtime.observe.held import held_bytes
+from hpml_compile.runtime.sync.zero import FlatShard, full_optimizer_state, load_full_optimizer_state
 
 
 def _model() -> nn.Sequential:

@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hpml_compile.errors import HpmlError
-from hpml_compile.runtime.held import held_bytes
-from hpml_compile.runtime.zero3 import FlatShard3
+from hpml_compile.runtime.observe.held import held_bytes
+from hpml_compile.runtime.sync.zero3 import FlatShard3
 from hpml_compile.stagecost import memory_parts
 
 
@@ -90,7 +90,7 @@ class _NoComm:
 
 
 def test_checkpoint_functions_gather_the_shard_and_load_it_back(tmp_path) -> None:
-    from hpml_compile.runtime.checkpoint import latest, load_checkpoint, save_checkpoint
+    from hpml_compile.runtime.execute.checkpoint import latest, load_checkpoint, save_checkpoint
 
     torch.manual_seed(0)
     nets = [_Net(False), _Net(False)]

@@ -1,0 +1,363 @@
+"""Links measured, not assumed: this machine's send/recv and all-reduce timed between two ranks, fitted to alpha-beta.
+
+The planner prices every transfer with cost_models' alpha-beta model
+(``alpha + bytes * beta``) over the link a cluster names between two devices;
+without one it takes the catalog's default for the two kinds (for two CPU
+processes, ``gloo-loopback``, fitted once on another machine).
+:func:`measure_cluster` replaces those defaults by this machine's own
+figures, recorded as ``links`` of the cluster it returns (what
+``hpml-compile devices --measure`` writes):
+
+- **CPU ranks (gloo)**: two processes on this host (:func:`~.testing.spawn_ranks`),
+  one torch thread each as the runtime's ranks, time a ping-pong send/recv
+  (half the round trip) and an all-reduce at a few sizes, median of a few
+  repeats. One fit (:func:`fit_link`) gives the latency and bandwidth that
+  best predict both (relative least squares), and whether the link is
+  ``shared`` (both ranks' copies on one pool of cores and memory, so an
+  all-reduce costs the traffic of both ranks: cost_models' loopback model),
+  whichever of the two predicts the all-reduce better. The all-reduce is
+  timed once more through shared memory (:mod:`.shm`), and so are the
+  reduce-scatter and the all-gather, which is how the runtime runs them
+  between CPU ranks of one host: those rows (``SHM_ROWS``) give each its own
+  fit, which prices it; gloo's all-reduce rows stay in the link's fit beside
+  send/recv.
+- **GPU pairs (NCCL)**: the same two ranks, each on its own GPU, in a
+  two-rank NCCL group, time the same operations (CUDA synchronised around
+  each). Where there are fewer than two GPUs there is nothing to time.
+- **CPU <-> GPU**: a pinned host tensor copied to the GPU and back (what the
+  runtime does for a GPU rank talking to a CPU rank over gloo): the slower
+  direction's fit becomes the link between each CPU device and each GPU.
+
+The pairs of one kind share the figures of the pair measured (the first
+two GPUs for all GPU pairs of the host; the two CPU ranks for all CPU pairs).
+Why our own probe rather than ``torch.distributed``'s benchmarks or
+nccl-tests: those print tables for people; this needs the figures in the
+cluster file, fitted the way the cost model reads them, and gloo on CPU ranks
+has no stock benchmark.
+
+Example:
+    >>> rows = [("p2p", 1000, 0.06), ("p2p", 10**6, 1.05), ("allreduce", 1000, 0.12), ("allreduce", 10**6, 2.1)]
+    >>> link = fit_link(rows)
+    >>> round(link.gbps, 2), round(link.latency_us), link.shared
+    (1.01, 59, True)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from cost_models import COLLECTIVE_OPS
+
+from ..errors import HpmlError
+from ..ir import Cluster, Device, Link, collectives_dict
+from ..runtime.sync.shm import HostReduce
+from ..runtime.job.spawn import spawn_ranks
+
+__all__ = ["SIZES", "SHM_ALLREDUCE", "SHM_ROWS", "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link",
+           "probe_ranks", "probe_copies"]
+
+SIZES = (4 << 10, 256 << 10, 4 << 20, 32 << 20)  # bytes: latency-bound to bandwidth-bound
+REPEATS = 5
+QUICK_SIZES = (64 << 10, 4 << 20, 32 << 20)  # what `profile` times: latency-bound to the size of a gradient
+QUICK_REPEATS = 5
+
+Row = tuple[str, int, float]  # (operation: "p2p" | "allreduce" | "copy" | a COLLECTIVE_OPS one, bytes, median ms)
+SHM_ALLREDUCE = "allreduce_shm"  # a row of the all-reduce through shared memory (.shm), as the runtime runs it
+# ... and of each collective so timed: what prices it where the probe could map the memory
+SHM_ROWS = {"all_reduce": SHM_ALLREDUCE, "reduce_scatter": "reduce_scatter_shm", "all_gather": "all_gather_shm"}
+
+
+@dataclass(frozen=True)
+class Fit:
+    """An alpha-beta link fitted to measurements.
+
+    Attributes:
+        gbps: bandwidth, GB/s (1e9 bytes/s).
+        latency_us: per-message latency (alpha), microseconds.
+        shared: an all-reduce costs the traffic of both ranks (one pool of bandwidth, as over loopback).
+        rows: the measurements ``(operation, bytes, median ms)``.
+        worst: the largest relative error of the fit over the send/recv and all-reduce rows.
+        collectives: ``(op, gbps, latency_us)``: the reduce-scatter's, the all-gather's and the all-reduce's
+            own fits, where they were timed at two sizes or more (``LinkSpec.collectives``).
+    """
+
+    gbps: float
+    latency_us: float
+    shared: bool
+    rows: tuple[Row, ...]
+    worst: float
+    collectives: tuple[tuple[str, float, float], ...] = ()
+
+
+def _solve(a: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Non-negative ``(alpha, beta)`` minimising the relative error of ``a @ (alpha, beta) ~ y``."""
+    w = a / y[:, None]
+    coef, *_ = np.linalg.lstsq(w, np.ones_like(y), rcond=None)
+    alpha, beta = float(coef[0]), float(coef[1])
+    if alpha < 0 or beta <= 0:  # latency below resolution: a line through the origin
+        alpha = 0.0
+        beta = float(np.linalg.lstsq(w[:, 1:], np.ones_like(y), rcond=None)[0][0])
+    return alpha, max(beta, 1e-15)
+
+
+def fit_link(rows: Sequence[Row]) -> Fit:
+    """The alpha-beta link (and whether it is shared) that best predicts ``rows`` between two ranks.
+
+    A point-to-point message costs ``alpha + b beta``; a two-rank ring all-reduce ``2 alpha + b beta``,
+    or ``2 alpha + 2 b beta`` on a shared link; a copy ``alpha + b beta``.
+
+    Args:
+        rows: ``(operation, bytes, median ms)``, operation ``p2p``, ``allreduce`` or ``copy``.
+
+    Returns:
+        The fit.
+
+    Raises:
+        HpmlError: fewer than two sizes, or a time that is not positive.
+    """
+    if any(not ms > 0 for _, _, ms in rows):
+        raise HpmlError(f"a link fit needs positive times at two sizes at least, got {list(rows)}")
+    main = [r for r in rows if r[0] not in COLLECTIVE_OPS and r[0] not in SHM_ROWS.values()]
+    if len({b for _, b, _ in main}) < 2:
+        raise HpmlError(f"a link fit needs positive times at two sizes at least, got {list(rows)}")
+    y = np.array([ms for _, _, ms in main])
+    best: Fit | None = None
+    for shared in (False, True):
+        a = np.array([[2.0, (2.0 if shared else 1.0) * b] if op == "allreduce" else [1.0, float(b)]
+                      for op, b, _ in main])
+        alpha, beta = _solve(a, y)
+        worst = float(np.max(np.abs(a @ np.array([alpha, beta]) / y - 1)))
+        fit = Fit(gbps=1e-6 / beta, latency_us=alpha * 1e3, shared=shared, rows=tuple(rows), worst=worst)
+        if best is None or worst < best.worst:
+            best = fit
+        if not any(op == "allreduce" for op, _, _ in main):
+            break  # shared or not says nothing about a copy or a send
+    assert best is not None
+    own = []
+    for op in COLLECTIVE_OPS:
+        # two ranks: a reduce-scatter or all-gather is one step of the ring, the whole buffer (shared) or half of
+        # it moved; an all-reduce two steps, both buffers (shared) or one (the probe's rows say "allreduce")
+        # the runtime's: through shared memory where the probe could map it (.shm), else gloo's
+        mine = ([(b, ms) for o, b, ms in rows if o == SHM_ROWS[op]]
+                or [(b, ms) for o, b, ms in rows if o == ("allreduce" if op == "all_reduce" else op)])
+        steps = 2.0 if op == "all_reduce" else 1.0
+        if len({b for b, _ in mine}) >= 2:
+            alpha, beta = _solve(np.array([[steps, steps * (b if best.shared else b / 2)] for b, _ in mine]),
+                                 np.array([ms for _, ms in mine]))
+            own.append((op, round(1e-6 / beta, 4), round(alpha * 1e3, 2)))
+    return replace(best, collectives=tuple(own))
+
+
+def _timed(fn: Any, cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequence[int], out: str,
+           timeout_s: float = 600) -> None:
+    """One rank of :func:`probe_ranks`: gloo between the CPU processes, then NCCL between two GPUs if given (its
+    group with the probe's time-out, not torch's default of 10 minutes for NCCL)."""
+    backends: list[tuple[str, torch.device, Any]] = [("gloo", torch.device("cpu"), None)]
+    if len(gpus) >= 2:
+        dev = torch.device("cuda", gpus[rank])
+        torch.cuda.set_device(dev)
+        backends.append(("nccl", dev, dist.new_group([0, 1], backend="nccl",
+                                                       timeout=datetime.timedelta(seconds=timeout_s))))
+    result: dict[str, list[Row]] = {}
+    host = HostReduce.open(dist.group.WORLD, slot_bytes=max(sizes))  # None where no mapping can be made here
+    for name, device, group in backends:
+        cuda = device.type == "cuda"
+        rows: list[Row] = []
+        for nbytes in sizes:
+            t = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+            peer = 1 - rank
+
+            def ping() -> None:
+                if rank == 0:
+                    dist.send(t, peer, group=group)
+                    dist.recv(t, peer, group=group)
+                else:
+                    dist.recv(t, peer, group=group)
+                    dist.send(t, peer, group=group)
+
+            def reduce() -> None:
+                dist.all_reduce(t, group=group)
+
+            halves, half = list(t.chunk(2)), torch.empty_like(t.chunk(2)[0])
+
+            def scatter() -> None:  # the ZeRO pair: each rank ends with the sum of its half ...
+                dist.reduce_scatter(half, halves, group=group)
+
+            def gather() -> None:  # ... and gathers the other's half back
+                dist.all_gather(halves, half, group=group)
+
+            whole = torch.empty_like(t)
+
+            def reduce_shm() -> None:
+                assert host is not None
+                host.all_reduce(t)
+
+            def scatter_shm() -> None:
+                assert host is not None
+                host.reduce_scatter(t, half)
+
+            def gather_shm() -> None:
+                assert host is not None
+                host.all_gather(half, whole)
+
+            ops = [("p2p", ping, 0.5), ("allreduce", reduce, 1.0), ("reduce_scatter", scatter, 1.0),
+                   ("all_gather", gather, 1.0)]
+            if host is not None and not cuda and t.numel() % 2 == 0:
+                ops += [(SHM_ALLREDUCE, reduce_shm, 1.0), (SHM_ROWS["reduce_scatter"], scatter_shm, 1.0),
+                        (SHM_ROWS["all_gather"], gather_shm, 1.0)]
+            for op, fn, share in ops:
+                fn()  # warm-up: connections, allocations
+                times = []
+                for _ in range(repeats):
+                    dist.barrier()
+                    times.append(_timed(fn, cuda) * share)
+                rows.append((op, t.numel() * 4, statistics.median(times)))
+        result[name] = rows
+    if rank == 0:
+        Path(out, "links.json").write_text(json.dumps(result))
+
+
+def probe_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS, gpus: Sequence[int] = (),
+                start_method: str = "spawn", timeout_s: float = 600) -> dict[str, list[Row]]:
+    """Time send/recv and all-reduce between two processes of this host (gloo; NCCL between ``gpus[:2]``).
+
+    Args:
+        sizes: message sizes in bytes.
+        repeats: timed repeats per size (the median is kept).
+        gpus: CUDA indices; with two or more, the first two are timed under NCCL too.
+        start_method: how the two processes start (:func:`~.testing.spawn_ranks`; ``fork`` for gloo only).
+        timeout_s: how long the probe may take.
+
+    Returns:
+        ``{"gloo": rows, "nccl": rows}`` (``nccl`` only with two GPUs).
+    """
+    with tempfile.TemporaryDirectory(prefix="hpml-links-") as tmp:
+        spawn_ranks(_probe, 2, tmp, list(sizes), repeats, list(gpus), tmp, timeout_s, timeout_s=timeout_s,
+                    start_method=start_method)
+        raw = json.loads(Path(tmp, "links.json").read_text())
+    return {k: [(op, int(b), float(ms)) for op, b, ms in v] for k, v in raw.items()}
+
+
+def probe_copies(gpu: int, sizes: Sequence[int] = SIZES, repeats: int = REPEATS) -> dict[str, list[Row]]:
+    """Time pinned host -> GPU ``gpu`` and back, in this process: ``{"h2d": rows, "d2h": rows}``."""
+    dev = torch.device("cuda", gpu)
+    out: dict[str, list[Row]] = {"h2d": [], "d2h": []}
+    for nbytes in sizes:
+        host = torch.ones(max(1, nbytes // 4), dtype=torch.float32).pin_memory()
+        on_gpu = host.to(dev)
+        for name, fn in (("h2d", lambda: on_gpu.copy_(host, non_blocking=True)),
+                         ("d2h", lambda: host.copy_(on_gpu, non_blocking=True))):
+            fn()
+            times = [_timed(fn, True) for _ in range(repeats)]
+            out[name].append(("copy", host.numel() * 4, statistics.median(times)))
+    return out
+
+
+def measure_cluster(cluster: Cluster, sizes: Sequence[int] = SIZES, repeats: int = REPEATS,
+                    log: Any = print) -> tuple[Cluster, dict[str, Fit]]:
+    """``cluster`` (this machine's devices) with every pair's link measured here (see the module docstring).
+
+    Args:
+        cluster: this host's devices (CPU devices ``kind == "cpu"``, GPUs ``gpu<i>`` = CUDA index ``i``).
+        sizes: message sizes, bytes.
+        repeats: timed repeats per size.
+        log: where progress lines go.
+
+    Returns:
+        The cluster with measured ``links`` (each ``source`` saying what was timed) and the fits by backend.
+    """
+    cpus = [d for d in cluster.devices if d.is_cpu]
+    gpus = [d for d in cluster.devices if not d.is_cpu]
+    cuda = torch.cuda.is_available()
+    indices = [int(d.name[3:]) for d in gpus if d.name[3:].isdigit()] if cuda else []
+    log(f"timing send/recv and all-reduce between 2 processes (gloo{', NCCL on 2 GPUs' if len(indices) >= 2 else ''}) "
+        f"at {', '.join(_size(b) for b in sizes)} ...")
+    rows = probe_ranks(sizes, repeats, indices[:2])
+    fits = {name: fit_link(r) for name, r in rows.items()}
+    if indices:
+        copies = probe_copies(indices[0], sizes, repeats)
+        fits.update({name: fit_link(r) for name, r in copies.items()})
+    links: list[Link] = []
+
+    def add(a: Device, b: Device, fit: Fit, what: str) -> None:
+        links.append(Link(a.name, b.name, round(fit.gbps, 4), round(fit.latency_us, 2), shared=fit.shared,
+                          source=f"measured: {what} ({_summary(fit)})", collectives=fit.collectives))
+
+    for i, a in enumerate(cpus):
+        for b in cpus[i + 1:]:
+            add(a, b, fits["gloo"], "gloo send/recv and all-reduce between 2 CPU processes of this host")
+    if "nccl" in fits:
+        for i, a in enumerate(gpus):
+            for b in gpus[i + 1:]:
+                add(a, b, fits["nccl"], f"NCCL send/recv and all-reduce between {gpus[0].name} and {gpus[1].name}")
+    if "h2d" in fits:
+        slow = min((fits["h2d"], fits["d2h"]), key=lambda f: f.gbps)
+        for c in cpus:
+            for g in gpus:
+                add(c, g, slow, f"pinned host <-> {gpus[0].name} copies, the slower direction")
+    for name, fit in fits.items():
+        log(f"  {name:5s} {_summary(fit)}")
+    return Cluster(devices=cluster.devices, links=tuple(links), name=cluster.name), fits
+
+
+def measure_local_link(sizes: Sequence[int] = QUICK_SIZES, repeats: int = QUICK_REPEATS,
+                       log: Any = print) -> dict[str, Any]:
+    """The gloo link between two CPU processes of this host, as ``profile`` records it in the profile.
+
+    The probe of :func:`measure_cluster` at fewer sizes and repeats, fitted the same way. ``profile`` must
+    stay cheap, and starting two fresh interpreters that import torch costs seconds (29-35 s measured on a
+    busy 2-core host), so on Linux the two processes are forked from this one (0.4 s there): they time
+    gloo between two processes all the same. Should a forked probe fail or hang (60 s), it is run again
+    with fresh interpreters.
+
+    Returns:
+        ``{"gbps", "latency_us", "shared", "source"}``: the profile's ``devices["cpu"]["link"]``.
+    """
+    t0 = time.perf_counter()
+    rows = None
+    if sys.platform == "linux" and "fork" in mp.get_all_start_methods():
+        try:
+            rows = probe_ranks(sizes, repeats, start_method="fork", timeout_s=60)
+        except Exception as e:  # noqa: BLE001 -- a forked probe that fails is run again in fresh interpreters
+            log(f"  the forked link probe failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                "timing again in fresh processes")
+    fit = fit_link((rows or probe_ranks(sizes, repeats))["gloo"])
+    log(f"  gloo link between 2 processes of this host: {_summary(fit)} ({time.perf_counter() - t0:.1f} s)")
+    return {"gbps": round(fit.gbps, 4), "latency_us": round(fit.latency_us, 2), "shared": fit.shared,
+            "source": f"measured by profile: gloo send/recv and all-reduce between 2 CPU processes at "
+                      f"{', '.join(_size(b) for b in sizes)} ({_summary(fit)})",
+            **({"collectives": collectives_dict(fit.collectives)} if fit.collectives else {})}
+
+
+def _size(b: int) -> str:
+    return f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
+
+
+def _summary(fit: Fit) -> str:
+    own = "".join(f"; {op.replace('_', '-')} {g:.3g} GB/s, {lat:.1f} us" for op, g, lat in fit.collectives)
+    return (f"{fit.gbps:.3g} GB/s, {fit.latency_us:.1f} us{', shared' if fit.shared else ''}; worst error "
+            f"{fit.worst:.0%} over {sum(op in ('p2p', 'allreduce', 'copy') for op, _, _ in fit.rows)} timings{own}"
+            + ("; the collectives through shared memory" if any(op in SHM_ROWS.values() for op, _, _ in fit.rows)
+               else ""))

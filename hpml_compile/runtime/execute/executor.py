@@ -1,0 +1,494 @@
+"""The one executor: run a build's per-rank action lists, in one process or on this rank.
+
+Codegen lowered the plan's schedule into one action list per rank
+(:mod:`hpml_compile.schedule`: ``0F3``, ``1RECV0:3``, ``1B3``,
+``ALLREDUCE(0,1)``, ``LOSS``, ``OPT0``); :func:`run_actions` carries them out
+and decides nothing:
+
+- ``kFj``: the forward of microbatch ``j`` on stage ``k`` (the last stage adds
+  the loss of its slice, scaled by ``1 / (microbatches x replicas)``, or by
+  ``rows[r] / (microbatches x microbatch rows)`` where the plan gives the
+  replicas uneven rows (``Stage.rows``), so that the gradients sum to the
+  batch mean's and the gradient all-reduce stays a plain sum); ``kBj``: its backward, then the
+  zero gradients a replica still owes (:meth:`~hpml_compile.codegen.comm.Comm.settle`);
+- ``kSENDp:j`` / ``kRECVp:j``: nothing to do here: the ``ops.send`` /
+  ``ops.recv`` nodes of the generated stage move the values inside the
+  neighbouring forward or backward; the tokens say where, for the validator;
+- a collective before ``OPTk``: the stage's ``sync_grads`` (generated to run
+  its collectives in the order its tokens list them; called at the first);
+  ``LOSS``: wait for this process's sends, and agree on the loss (ranks);
+  ``OPTk``: the optimizer step (once per process); a collective after it:
+  the stage's ``after_step`` (ZeRO all-gather).
+
+On a rank the list is its own (:func:`step_rank`, :class:`~.pipeline.Pipeline`);
+in one process (:func:`step_local`, a Pipeline without a process group) the
+lists of all ranks are merged by :func:`local_order`, a replay of the
+validator's with every forward of a microbatch before the next and later
+stages first in backward (for GPipe the order of the single-process runs
+before the schedule was lowered), all stages chained through a mailbox
+(:class:`~.comm.LocalComm`). A batch of ``c`` build batches runs the lists
+lowered again for ``c x M`` microbatches (:func:`actions_for`).
+
+Why our own and not torch.distributed.pipelining: its ``PipelineStage`` does
+the point-to-point itself around a module, whereas codegen makes the
+communication explicit nodes of each stage's graph (so a reader sees it);
+this executor only calls the stages in the lowered order and runs backward.
+
+Example:
+    >>> import tempfile, torch
+    >>> from hpml_compile.trace import trace
+    >>> from hpml_compile.plan import Plan, Stage
+    >>> from hpml_compile.cluster import load_cluster
+    >>> from hpml_compile.codegen import generate
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    >>> x, y = torch.randn(4, 8), torch.randn(4, 1)
+    >>> st = (Stage(0, ("cpu0",), ("input_1", "_0", "_1")), Stage(1, ("cpu1",), ("_2", "output")))
+    >>> build = generate(trace(model, (x,)), Plan("seq", load_cluster("local-cpu-2"), "gpipe", 2, st),
+    ...                  tempfile.mkdtemp())
+    >>> [str(a) for a in build.actions[1]][:4]
+    ['1RECV0:0', '1F0', '1RECV0:1', '1F1']
+    >>> result = step_local(build, (x,), y, torch.nn.functional.mse_loss)
+    >>> expected = torch.nn.functional.mse_loss(model(x), y)
+    >>> bool(torch.isclose(result.loss, expected))
+    True
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ...codegen import Build
+from ...codegen.comm import Comm
+from ...codegen.stage import StageModule
+from ...errors import HpmlError, UpdateApplied
+from ...precision import autocast
+from ...schedule import (COLLECTIVES, MARKERS, Action, ActionKind, RankActions, rank_layout, relower, replay,
+                        stage_ranks, validate)
+from ...trainspec import Split, split_of
+from ..sync.comm import DistComm, LocalComm, dist_comm
+from .scaler import LossScaler
+
+__all__ = ["StepResult", "StepRun", "stage_ranks", "rank_layout", "split_microbatches", "split_replicas",
+           "loss_share", "stage_splits", "merge_outputs",
+           "to_device", "forward_stage", "actions_for", "local_order", "run_actions", "step_local", "step_rank",
+           "LocalComm", "DistComm", "dist_comm"]
+
+
+def split_microbatches(value: Any, microbatches: int) -> list[Any]:
+    """Split every tensor in ``value`` along dim 0 into ``microbatches`` equal parts.
+
+    Raises:
+        HpmlError: if a tensor's first dimension does not divide evenly.
+    """
+    leaves, spec = tree_flatten(value)
+    parts: list[list[Any]] = [[] for _ in range(microbatches)]
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            if leaf.dim() == 0 or leaf.shape[0] % microbatches:
+                raise HpmlError(f"a batch of shape {tuple(leaf.shape)} does not split into {microbatches} equal "
+                                "microbatches along its first dimension; use a batch divisible by it")
+            chunks = leaf.tensor_split(microbatches, dim=0)
+        else:
+            chunks = [leaf] * microbatches
+        for j in range(microbatches):
+            parts[j].append(chunks[j])
+    return [tree_unflatten(p, spec) for p in parts]
+
+
+def split_replicas(value: Any, split: Split) -> list[Any]:
+    """Split every tensor in one microbatch ``value`` along dim 0 among a stage's replicas.
+
+    ``split`` is the stage's :data:`~hpml_compile.trainspec.Split`: a replica
+    count (equal parts) or the plan's rows of each replica (consecutive runs).
+
+    Example:
+        >>> [tuple(p.shape) for p in split_replicas(torch.zeros(4, 2), (3, 1))]
+        [(3, 2), (1, 2)]
+
+    Raises:
+        HpmlError: a tensor's rows do not split so.
+    """
+    if isinstance(split, int):
+        return split_microbatches(value, split)
+    leaves, spec = tree_flatten(value)
+    parts: list[list[Any]] = [[] for _ in split]
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            if leaf.dim() == 0 or leaf.shape[0] != sum(split):
+                raise HpmlError(f"a microbatch of shape {tuple(leaf.shape)} does not split into the plan's rows "
+                                f"{list(split)} per replica: its first dimension must be {sum(split)}")
+            chunks: Sequence[Any] = leaf.split(list(split), dim=0)
+        else:
+            chunks = [leaf] * len(split)
+        for r, c in enumerate(chunks):
+            parts[r].append(c)
+    return [tree_unflatten(p, spec) for p in parts]
+
+
+def loss_share(loss: Tensor, split: Split, replica: int, microbatches: int) -> Tensor:
+    """One slice's loss (a mean over its rows) as its share of the batch mean.
+
+    Equal replicas: ``/ (microbatches x replicas)``; plan rows: ``x rows[r] / (microbatches x sum(rows))``, so a
+    replica's gradient counts by its rows and their plain sum is the batch mean's gradient.
+    """
+    if isinstance(split, int):
+        return loss / (microbatches * split)
+    return loss * (split[replica] / (microbatches * sum(split)))
+
+
+def stage_splits(build: Build) -> list[Split]:
+    """Each stage's :data:`~hpml_compile.trainspec.Split` in ``build``'s plan."""
+    return [split_of(len(st.devices), st.rows) for st in build.plan.stages]
+
+
+def merge_outputs(outputs: Sequence[Any]) -> Any:
+    """Concatenate outputs of consecutive slices along dim 0 (tensors anywhere in a tuple/dict)."""
+    flat = [tree_flatten(o) for o in outputs]
+    spec = flat[0][1]
+    cols = zip(*(leaves for leaves, _ in flat))
+    return tree_unflatten([torch.cat(c) if isinstance(c[0], Tensor) else c[0] for c in cols], spec)
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor not on ``device`` moved there."""
+    return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) and t.device != device else t, value)
+
+
+def forward_stage(build: Build, stage: StageModule, micro: Sequence[Any], device: torch.device) -> Any:
+    """Call a stage on the model inputs it reads, taken by name from one microbatch's positional inputs.
+
+    Under a mixed-precision plan the call runs under ``torch.autocast`` on ``device``'s type
+    (:func:`hpml_compile.precision.autocast`; the weight casts are cached for this one call).
+    """
+    names = [s.name for s in build.manifest.inputs]
+    by_name = dict(zip(names, [x for x in micro if isinstance(x, Tensor)]))
+    with autocast(device.type, build.plan.precision):
+        return stage(*[to_device(by_name[n], device) for n in stage.INPUTS])
+
+
+def actions_for(build: Build, microbatches: int) -> list[RankActions]:
+    """The build's action lists for a batch of ``microbatches`` (the manifest's own for the build's count).
+
+    Raises:
+        ScheduleError: the lists lowered again do not validate.
+    """
+    if microbatches == build.plan.microbatches and build.actions:
+        return list(build.actions)
+    replicas = [len(st.devices) for st in build.plan.stages]
+    out = relower(build.actions, replicas, build.plan.schedule, microbatches)
+    validate(out, replicas)
+    return out
+
+
+def _local_key(rank: int, a: Action) -> tuple[int, ...]:
+    if a.kind in MARKERS:
+        return (0,)  # bookkeeping: never holds anything up
+    if a.kind is ActionKind.FORWARD:
+        return (1, 0, a.microbatch or 0, a.stage, rank)
+    if a.kind is ActionKind.BACKWARD:
+        return (1, 1, a.microbatch or 0, -a.stage, rank)
+    return (2, rank)
+
+
+def local_order(build: Build, microbatches: int) -> list[tuple[int, Action]]:
+    """Every rank's actions merged into one order for a single process (see the module docstring).
+
+    Raises:
+        ScheduleError: the lists deadlock.
+    """
+    return replay(actions_for(build, microbatches), [len(st.devices) for st in build.plan.stages], _local_key)
+
+
+@dataclass
+class StepRun:
+    """What one run of action lists did on this process.
+
+    Attributes:
+        shares: ``(microbatch, replica, loss share)`` of each slice whose last stage ran here, in run order.
+        loss_sum: their sum in float64 on the CPU (after ``LOSS`` on ranks: what ``agree`` made of it).
+        outputs: ``(microbatch, replica, detached model output)`` where asked for.
+        busy: ``(stage, forward?)`` -> seconds computing, not counting receive waits.
+        t_start, t_pipe, t_synced, t_opt, t_end: ``perf_counter`` at the start, the end of the last
+            backward, the end of the gradient sync, after ``LOSS``, and the end.
+        skipped: the optimizer step was skipped (fp16: a gradient overflowed on some rank).
+        regrouped: the loss agreement failed here after reaching the others, who committed the step; the process
+            group was re-formed (``agree`` returned True), this rank takes the update too, and the parameter
+            collectives after the optimizer step are owed to the next step (as after
+            :class:`~hpml_compile.errors.UpdateApplied`).
+    """
+
+    shares: list[tuple[int, int, Tensor]] = field(default_factory=list)
+    loss_sum: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    outputs: list[tuple[int, int, Any]] = field(default_factory=list)
+    busy: dict[tuple[int, bool], float] = field(default_factory=dict)
+    t_start: float = 0.0
+    t_pipe: float = 0.0
+    t_synced: float = 0.0
+    t_opt: float = 0.0
+    t_end: float = 0.0
+    skipped: bool = False
+    regrouped: bool = False
+
+
+def _unscaled_finite(optimizer: torch.optim.Optimizer, scaler: LossScaler,
+                     agree_inf: Callable[[Tensor], None] | None, run: StepRun) -> bool:
+    """Unscale the gradients, agree on found-inf (one all-reduce), update the scale: whether to step."""
+    found = scaler.unscale_(p for g in optimizer.param_groups for p in g["params"])
+    if agree_inf is not None:
+        agree_inf(found)
+    run.skipped = bool(found.item() > 0)
+    scaler.update(run.skipped)
+    return not run.skipped
+
+
+class _Slices:
+    """Microbatch ``j``'s rows for replica ``r`` of ``d``, split once and kept.
+
+    ``own``: ``value`` holds only this rank's rows already (its part of each microbatch, in microbatch order,
+    :func:`hpml_compile.trainspec.rank_rows`), so microbatch ``j`` is all a replica gets.
+    """
+
+    def __init__(self, value: Any, microbatches: int, own: bool = False) -> None:
+        self._micro = split_microbatches(value, microbatches)
+        self._parts: dict[tuple[int, int], list[Any]] = {}
+        self._own = own
+
+    def get(self, j: int, d: Split, r: int) -> Any:
+        if self._own:
+            return self._micro[j]
+        if (d, j) not in self._parts:
+            self._parts[(d, j)] = split_replicas(self._micro[j], d)
+        return self._parts[(d, j)][r]
+
+
+def _waited(comm: Comm) -> float:
+    stats = getattr(comm, "stats", None)
+    return sum(s for _, s in stats.recv_s) if stats is not None else 0.0
+
+
+def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[int, StageModule], comm: Comm,
+                inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Tensor], microbatches: int, *,
+                device: torch.device = torch.device("cpu"), optimizer: torch.optim.Optimizer | None = None,
+                agree: Callable[[Tensor], bool | None] | None = None, keep_outputs: bool = False,
+                own_rows: bool = False, scaler: LossScaler | None = None,
+                agree_inf: Callable[[Tensor], None] | None = None,
+                arm: Callable[[int], None] | None = None) -> StepRun:
+    """Carry out ``order`` (see the module docstring): the one code path of every training step.
+
+    Args:
+        build: the loaded build.
+        order: ``(rank, action)`` in the order to run them: one rank's list, or :func:`local_order`.
+        stages: the stage modules this process holds, by index (their ``hpml_comm`` set to ``comm``).
+        comm: this process's communicator.
+        inputs: the model's positional inputs for the whole batch.
+        targets: the targets for ``loss_fn`` (split like the inputs).
+        loss_fn: ``(output, targets) -> loss``, a mean over the rows it is given.
+        microbatches: how many microbatches the batch splits into (the lists were lowered for it).
+        device: where this process's stages run.
+        optimizer: stepped at ``OPT`` (None: gradients only; ``after_step`` is then skipped too).
+        agree: called at ``LOSS`` with the float64 loss sum, to make it the batch's (an all-reduce on ranks);
+            True when it had to re-form the process group to learn it (:attr:`StepRun.regrouped`).
+        keep_outputs: keep the last stage's outputs.
+        own_rows: ``inputs`` and ``targets`` hold only this rank's rows (one stage replica on this process;
+            see :class:`_Slices`), not the whole batch.
+        scaler: fp16 loss scaling: the backward starts from the scaled loss; at ``OPT`` the gradients are
+            unscaled, ``agree_inf`` makes the found-inf flag the job's, and the step is taken or skipped
+            (``run.skipped``) and the scale updated alike on every rank (:mod:`.scaler`).
+        agree_inf: called with the float32 found-inf flag to make it every rank's (a MAX all-reduce on ranks).
+        arm: called with stage ``k`` just before ``k``'s last backward in ``order`` (the overlapped gradient
+            buckets of :mod:`.zero` launch during it; earlier backwards only accumulate).
+
+    Returns:
+        The losses, outputs, busy times and phase timestamps.
+    """
+    reps = stage_splits(build)
+    layout = rank_layout(build.plan)
+    last, n = len(reps) - 1, microbatches
+    run = StepRun(t_start=time.perf_counter())
+    xs = _Slices(tuple(inputs), n, own_rows)
+    ys = _Slices(targets, n, own_rows) if last in stages else None
+    roots: dict[tuple[int, int, int], list[Tensor]] = {}
+    synced: set[int] = set()
+    stepped: set[int] = set()
+    optimized = done_compute = done_sync = False
+    cuda = device.type == "cuda"
+    last_bwd = {layout[rank][0]: i for i, (rank, a) in enumerate(order) if a.kind is ActionKind.BACKWARD}
+    ev = getattr(comm, "events", None)  # an EventLog (.events) where the pipeline records this step's events
+    for index, (rank, a) in enumerate(order):
+        kind = a.kind
+        if kind in MARKERS:
+            continue  # moved by the stage's ops.send / ops.recv nodes inside F and B
+        k, r = layout[rank]
+        if kind is ActionKind.FORWARD or kind is ActionKind.BACKWARD:
+            j = a.microbatch or 0
+            comm.microbatch, comm.replica = j, r
+            w0, t0 = _waited(comm), time.perf_counter()
+            fwd = kind is ActionKind.FORWARD
+            if fwd:
+                out = forward_stage(build, stages[k], xs.get(j, reps[k], r), device)
+                if k == last:
+                    assert ys is not None
+                    with autocast(device.type, build.plan.precision):  # as an autocast training loop does
+                        loss = loss_share(loss_fn(out, to_device(ys.get(j, reps[k], r), device)), reps[k], r, n)
+                    run.loss_sum += loss.detach().double().cpu()
+                    run.shares.append((j, r, loss.detach()))
+                    if keep_outputs:
+                        run.outputs.append((j, r, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t,
+                                                           out)))
+                    # fp16: backward from the scaled loss (unscaled at OPT; no optimizer: the true gradients)
+                    scaled = scaler is not None and optimizer is not None
+                    roots[(k, r, j)] = [scaler.scale_loss(loss) if scaled else loss]  # type: ignore[union-attr]
+                else:
+                    roots[(k, r, j)] = [out] if isinstance(out, Tensor) and out.requires_grad else []
+            else:
+                root = roots.pop((k, r, j))
+                if arm is not None and last_bwd.get(k) == index:
+                    arm(k)
+                if root:
+                    torch.autograd.backward(root)
+                comm.settle(k, r, j)
+            if cuda:
+                torch.cuda.current_stream(device).synchronize()
+            t1 = time.perf_counter()
+            run.busy[(k, fwd)] = run.busy.get((k, fwd), 0.0) + t1 - t0 - (_waited(comm) - w0)
+            if ev is not None:
+                ev.add("F" if fwd else "B", t0, t1, k, j)
+            continue
+        if not done_compute:
+            run.t_pipe, done_compute = time.perf_counter(), True
+        if kind in COLLECTIVES and not optimized:
+            if k not in synced:  # sync_grads runs every collective of the stage, in the order of its tokens
+                synced.add(k)
+                t0 = time.perf_counter()
+                stages[k].sync_grads()
+                if ev is not None:
+                    ev.add("SYNC", t0, time.perf_counter(), k)
+            continue
+        if not done_sync:
+            run.t_synced, done_sync = time.perf_counter(), True
+        t0 = time.perf_counter()
+        if kind is ActionKind.LOSS:
+            comm.flush()
+            if agree is not None:
+                run.regrouped = bool(agree(run.loss_sum))
+            run.t_opt = time.perf_counter()
+            if ev is not None:
+                ev.add("LOSS", t0, run.t_opt, k)
+        elif kind is ActionKind.OPTIMIZER:
+            if optimizer is not None and not optimized:
+                if scaler is None or _unscaled_finite(optimizer, scaler, agree_inf, run):
+                    optimizer.step()  # over every parameter of this process: once, whatever the stages here
+                if ev is not None:
+                    ev.add("OPT", t0, time.perf_counter(), k)
+            optimized = True
+        elif kind in COLLECTIVES and optimizer is not None and k not in stepped:
+            stepped.add(k)
+            if run.regrouped:
+                continue  # the others ran these on the old group and failed there: the next step gathers first
+            try:
+                stages[k].after_step()
+            except Exception as e:
+                if not optimized:
+                    raise
+                run.t_end = time.perf_counter()
+                raise UpdateApplied(run) from e
+            if ev is not None:
+                ev.add("GATHER", t0, time.perf_counter(), k)
+    run.t_end = time.perf_counter()
+    return run
+
+
+@dataclass
+class StepResult:
+    """What :func:`step_local` and :func:`step_rank` return on this process.
+
+    Attributes:
+        loss: the batch loss (mean over the batch) where this process ran the
+            last stage: the sum of its slices' shares; else None.
+        outputs: ``(microbatch, replica, model output)`` for each slice whose last stage ran here.
+        swap_bytes: bytes swapped out to host memory by this process's stages.
+    """
+
+    loss: Tensor | None = None
+    outputs: list[tuple[int, int, Any]] = field(default_factory=list)
+    swap_bytes: int = 0
+
+
+def _check_inputs(build: Build, inputs: Sequence[Any]) -> None:
+    micro = split_microbatches(tuple(inputs), build.plan.microbatches)[0]
+    tensors = [x for x in micro if isinstance(x, Tensor)]
+    for spec, x in zip(build.manifest.inputs, tensors):
+        if tuple(x.shape) != spec.shape:
+            raise HpmlError(f"input {spec.name}: a microbatch has shape {tuple(x.shape)}, but the build was "
+                            f"generated for {spec.shape} ({build.manifest.microbatches} microbatches): feed a "
+                            f"batch of {spec.shape[0] * build.manifest.microbatches} rows or recompile")
+
+
+def _result(run: StepRun, stages: dict[int, StageModule]) -> StepResult:
+    loss = None
+    for _, _, share in run.shares:
+        loss = share if loss is None else loss + share
+    return StepResult(loss, run.outputs, sum(st.hpml_swap.bytes_out for _, st in sorted(stages.items())))
+
+
+def step_local(build: Build, inputs: Sequence[Any], targets: Any, loss_fn: Callable[[Any, Any], Tensor], *,
+               optimizer: torch.optim.Optimizer | None = None, scaler: LossScaler | None = None) -> StepResult:
+    """One training step with every stage and replica in this process, chained through a mailbox.
+
+    Args:
+        build: a loaded build.
+        inputs: the model's positional inputs for the whole batch.
+        targets: the targets for ``loss_fn`` (split like the inputs).
+        loss_fn: ``(output, targets) -> loss``, a mean over the batch.
+        optimizer: stepped after the gradients are complete (None: gradients only).
+        scaler: fp16 loss scaling (see :func:`run_actions`).
+
+    Returns:
+        The loss, the outputs of every slice and the swap traffic.
+
+    Raises:
+        HpmlError: a batch whose microbatches have another shape than the build's.
+    """
+    _check_inputs(build, inputs)
+    comm = LocalComm(build.plan)
+    stages = dict(enumerate(build.stages))
+    for stage in stages.values():
+        stage.hpml_comm = comm
+    m = build.plan.microbatches
+    run = run_actions(build, local_order(build, m), stages, comm, inputs, targets, loss_fn, m,
+                      optimizer=optimizer, keep_outputs=True, scaler=scaler)
+    return _result(run, stages)
+
+
+def step_rank(build: Build, comm: DistComm, inputs: Sequence[Any], targets: Any,
+              loss_fn: Callable[[Any, Any], Tensor], *, optimizer: torch.optim.Optimizer | None = None) -> StepResult:
+    """One training step of this rank's stage replica (every rank calls it with the same batch).
+
+    Args:
+        build: a loaded build.
+        comm: this rank's communicator (:func:`~.comm.dist_comm`).
+        inputs: the model's positional inputs for the whole batch.
+        targets: the targets for ``loss_fn``.
+        loss_fn: ``(output, targets) -> loss``, a mean over the batch.
+        optimizer: stepped after the gradient collectives (None: gradients only).
+
+    Returns:
+        This rank's share: the loss and outputs where it runs the last stage.
+
+    Raises:
+        HpmlError: a batch whose microbatches have another shape than the build's.
+    """
+    _check_inputs(build, inputs)
+    stages = {comm.stage: build.stages[comm.stage]}
+    stages[comm.stage].hpml_comm = comm
+    m = build.plan.microbatches
+    order = [(comm.rank, a) for a in actions_for(build, m)[comm.rank]]
+    run = run_actions(build, order, stages, comm, inputs, targets, loss_fn, m, device=comm.device,
+                      optimizer=optimizer, keep_outputs=True)
+    return _result(run, stages)

@@ -1,0 +1,417 @@
+"""The loop around torchrun that carries a job to its last step through re-plans and failures.
+
+``hpml-compile run BUILD --adapt`` runs the job as a sequence of *segments*,
+each one torchrun launch of one build, in ``RUN_DIR/seg<k>/`` (a complete run
+folder: ``report`` reads it). Checkpoints live in ``RUN_DIR/checkpoints`` and
+every segment resumes from the latest one. A segment ends in one of three ways:
+
+- **done**: the last step is reached (a final checkpoint is written);
+- **switch**: the ranks' closed loop (:mod:`.adapt`) found a plan worth
+  switching to, generated its build, checkpointed and stopped; the next
+  segment runs the new build;
+- **failure**: a rank died or failed. torchrun's agent sees it and stops the
+  others; :func:`blame` reads the exit codes and the ranks' error reports to
+  find the culprit. A rank that died (killed by a signal, exit 137) lost its
+  device: the device is dropped. A rank that failed (a communication
+  time-out, a crash) is restarted on the same devices from the last
+  checkpoint, until its device has failed ``max_failures`` times
+  (:class:`~.policy.FailureLedger`); then it is dropped. A restart on the
+  same devices keeps the rows per replica in force when the ranks failed:
+  rows the closed loop moved in place (:mod:`.adapt`) are in the failed
+  segment's plan.json, which each move re-publishes; the next segment's
+  plan.json is that plan, and its ranks take its rows before their first
+  step (the worker's ``--rows-from``; :func:`rows_in_force`). Without it the
+  restart would run the build's rows again, the very split the closed loop
+  had moved away from a slowed replica. Dropping a device
+  re-plans for the devices left (the measured profile of the failed
+  segment, when it has one), and the next segment runs on fewer ranks. When
+  nothing fits on what is left, the job stops with a message naming the
+  shortfall and the last checkpoint, which is intact.
+  A bad input (a user error) is never retried.
+
+Fault injection (``--slow``, ``--kill-at``, ``--hang-at``) names ranks of the *first* plan;
+the supervisor translates them to devices, so a slowed device stays slow under
+the next plan whatever rank it then has, and a killed device is gone.
+
+Run again with the same ``RUN_DIR`` (after the supervisor itself was stopped),
+a job goes on from its latest checkpoint in new segments. Every segment and
+decision is logged to ``RUN_DIR/events.jsonl``;
+:func:`timings` turns it into detection, re-plan and resume times. Rows moved
+in place do not end a segment: the ranks record each move in the segment's
+``replans.jsonl`` as it happens, and when the segment ends (done, switch or
+failure) the supervisor copies each into ``events.jsonl`` as a
+``rows_moved`` event at the time it was decided, with its measured cost
+(``switch_s``), before the event that ended the segment. (A supervisor
+stopped while a segment runs has written none of that segment's moves yet;
+its ``replans.jsonl`` has them.)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ... import driver
+from ...errors import HpmlError, InfeasibleError, SupervisorError
+from ...plan import Plan, load_plan, save_plan
+from ...profile import load_profile
+from ...schema import read_json
+from .adapt import NEXT_FILE, REPLANS_FILE, AdaptOptions
+from ..execute.checkpoint import latest
+from .launcher import LaunchSpec, RankFailure, launch, prepare_run_dir
+from ..observe.monitor import read_metrics
+from ..observe.policy import FailureLedger
+from .worker import KILLED_EXIT, PROGRESS_FILE, error_path
+
+__all__ = ["Culprit", "SupervisorError", "blame", "supervise", "timings", "plan_devices", "EVENTS_FILE",
+           "in_place_moves", "rows_in_force"]
+
+EVENTS_FILE = "events.jsonl"
+_SIGTERM = -15
+
+
+def plan_devices(plan: Plan) -> list[str]:
+    """The device of each rank, in rank order."""
+    return [d for st in plan.stages for d in st.devices]
+
+
+@dataclass(frozen=True, slots=True)
+class Culprit:
+    """The rank a failure is blamed on, and what happened to it.
+
+    Attributes:
+        rank: the rank.
+        cause: ``killed`` (a signal or exit 137: its device is lost), ``comm`` (communication failed or timed
+            out), ``crash`` (an exception), ``user`` (bad input: never retried), ``unknown``.
+        message: its own report, or torchrun's.
+        time: when it reported (epoch seconds; the supervisor's clock when it did not).
+    """
+
+    rank: int
+    cause: str
+    message: str
+    time: float
+
+
+def blame(failures: dict[int, tuple[int, str]], run_dir: Path) -> Culprit:
+    """The rank that caused a failure, from torchrun's exit codes and the ranks' own reports.
+
+    A rank that died (exit 137 or a signal other than the SIGTERM torchrun sends
+    the others) comes first; then the earliest report that is not a
+    communication error (its peers' reports are only echoes of it); then a
+    rank that never reported while others did (it hung: its peers timed
+    out); else the earliest report.
+    """
+    reports: dict[int, dict[str, Any]] = {}
+    for rank in failures:
+        path = error_path(run_dir, rank)
+        if path.is_file():
+            reports[rank] = json.loads(path.read_text())
+    now = time.time()
+
+    def culprit(rank: int, cause: str) -> Culprit:
+        info = reports.get(rank, {})
+        return Culprit(rank, cause, info.get("message") or failures[rank][1] or f"exit code {failures[rank][0]}",
+                       float(info.get("time", now)))
+
+    died = [r for r, (code, _) in failures.items() if code == KILLED_EXIT or (code < 0 and code != _SIGTERM)
+            or reports.get(r, {}).get("kind") == "killed"]
+    if died:
+        return culprit(min(died, key=lambda r: reports.get(r, {}).get("time", now)), "killed")
+    own = sorted((info["time"], r) for r, info in reports.items() if info.get("kind", "crash") != "comm")
+    if own:
+        r = own[0][1]
+        kind = reports[r].get("kind") or ("user" if reports[r].get("user_error") else "crash")
+        return culprit(r, kind)
+    silent = [r for r in failures if r not in reports]
+    if reports and silent:  # torchrun's line for a rank it stopped says nothing: say what its peers saw
+        peer = min(reports, key=lambda r: reports[r]["time"])
+        said = str(reports[peer].get("message", "")).splitlines()[0] if reports[peer].get("message") else ""
+        said = re.sub(r"\[[^\]\s]+:\d+\]\s*", "", said)  # gloo's source file and line: not the user's business
+        hung = culprit(min(silent), "comm")
+        return Culprit(hung.rank, "comm", f"it stopped responding: it made no report while its peers' "
+                                          f"communication failed (rank {peer}: {said})", hung.time)
+    if reports:
+        return culprit(min(reports, key=lambda r: reports[r]["time"]), "comm")
+    return culprit(min(failures), "unknown")
+
+
+@dataclass(slots=True)
+class _Job:
+    run_dir: Path
+    log: Callable[[str], None]
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def event(self, kind: str, **info: Any) -> None:
+        e = {"event": kind, "time": time.time(), **info}
+        self.events.append(e)
+        with (self.run_dir / EVENTS_FILE).open("a") as f:
+            f.write(json.dumps(e) + "\n")
+
+
+def in_place_moves(seg_dir: Path) -> list[dict[str, Any]]:
+    """The rows a segment's ranks moved in place, in order: its ``replans.jsonl`` decisions that were carried out.
+
+    Rank 0 records an in-place move once every rank has taken the rows (with ``switch_s``, its measured cost), so
+    each such line is a move that happened; a line cut short by a failure is not one.
+    """
+    path = seg_dir / REPLANS_FILE
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a rank that died while writing it
+            continue
+        if isinstance(d, dict) and d.get("in_place") and "switch_s" in d:
+            out.append(d)
+    return out
+
+
+def rows_in_force(seg_dir: Path, built: Plan) -> Plan | None:
+    """The plan a segment's ranks ran when it ended, where its rows per replica are not the build's; else None.
+
+    Each in-place row move re-publishes the segment's plan.json with the new rows (and a restart that carried
+    rows wrote them there before its ranks started), so it holds the rows in force at the end. A plan that
+    differs from the build's in more than rows is not a row move of this build and is not carried (None).
+
+    Args:
+        seg_dir: the segment's run folder.
+        built: the plan of the build the segment ran (its generated code).
+
+    Example:
+        >>> import tempfile
+        >>> from dataclasses import replace
+        >>> from hpml_compile.plan import Stage
+        >>> from hpml_compile.solve.testing import cluster_of
+        >>> p = Plan("toy", cluster_of(["cpu"] * 2), "gpipe", 2, (Stage(0, ("d0", "d1"), ("n",)),))
+        >>> seg = Path(tempfile.mkdtemp())
+        >>> _ = save_plan(p, seg / "plan.json"); rows_in_force(seg, p) is None
+        True
+        >>> _ = save_plan(replace(p, stages=(replace(p.stages[0], rows=(3, 1)),)), seg / "plan.json")
+        >>> rows_in_force(seg, p).stages[0].rows
+        (3, 1)
+    """
+    path = seg_dir / "plan.json"
+    if not path.is_file():
+        return None
+    ran = load_plan(path)
+    if [st.rows for st in ran.stages] == [st.rows for st in built.stages]:
+        return None
+    if ([(st.devices, st.nodes) for st in ran.stages] != [(st.devices, st.nodes) for st in built.stages]
+            or (ran.microbatches, ran.schedule) != (built.microbatches, built.schedule)):
+        return None
+    return ran
+
+
+def _record_moves(job: _Job, seg: int, seg_dir: Path) -> None:
+    """Copy a segment's in-place row moves into the job's events (see the module docstring)."""
+    for d in in_place_moves(seg_dir):
+        job.event("rows_moved", segment=seg, step=d["step"], time=d.get("time", time.time()), rows=d.get("rows"),
+                  switch_s=d["switch_s"], apply_s=d.get("apply_s"), choose_s=d.get("solve_s", 0.0),
+                  predicted_step_ms=d.get("new_step_ms"), decision=d)
+
+
+def _measured_or_planned(seg_dir: Path, build: Path, plan: Plan) -> tuple[Any, str]:
+    """The failed segment's measured profile when it ran enough steps, else the build's."""
+    from ..observe.summary import measured_profile, summarise
+
+    prof = load_profile(build / "profile.json")
+    rows = read_metrics(seg_dir)
+    n = min((len(r) for r in rows.values()), default=0)
+    if len(rows) == len(plan_devices(plan)) and n >= 3:
+        s = summarise(plan, rows, skip=2 if n >= 5 else 1)
+        return measured_profile(prof, s, source=f"{seg_dir} (before the failure)"), f"measured in {seg_dir}"
+    return prof, f"the build's profile ({n} step(s) measured before the failure)"
+
+
+def _replan_without(job: _Job, plan: Plan, build: Path, seg_dir: Path, lost: str, out: Path,
+                    solver: str, time_limit_s: float) -> tuple[Path, dict[str, Any]]:
+    last = latest(job.run_dir / "checkpoints")
+    keep = f"; the last checkpoint, {last}, is intact" if last else "; no checkpoint was written yet"
+    prof, source = _measured_or_planned(seg_dir, build, plan)
+    t0 = time.perf_counter()
+    try:
+        new = driver.replan(plan, prof, lost=[lost],
+                            opts=driver.Options(solver=solver, time_limit_s=time_limit_s)).plan
+    except InfeasibleError as e:
+        raise SupervisorError(f"cannot go on without {lost}: no plan fits on {', '.join(plan_devices(plan))} "
+                              f"less {lost}: {e}{keep}") from None
+    except HpmlError as e:  # an unknown device, or none left
+        raise SupervisorError(f"cannot go on: {e}{keep}") from None
+    solve_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    built = driver.rebuild(build, new, prof, out).out_dir
+    cluster = new.cluster
+    info = {"lost": lost, "devices": [d.name for d in cluster.devices], "costs": source, "solve_s": solve_s,
+            "codegen_s": time.perf_counter() - t1, "predicted_step_ms": new.predicted.step_ms,
+            "stages": [list(st.devices) for st in new.stages]}
+    job.log(f"re-planned for {len(cluster.devices)} device(s) without {lost} ({source}): {len(new.stages)} "
+            f"stage(s), predicted step {new.predicted.step_ms:.4g} ms; solve {solve_s:.2f} s, codegen "
+            f"{info['codegen_s']:.2f} s")
+    return Path(built), info
+
+
+def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequence[str] = (),
+              slows: Sequence[tuple[int, float, int]] = (), kills: Sequence[tuple[int, int]] = (),
+              hangs: Sequence[tuple[int, int]] = (),
+              first_only: Sequence[str] = (), checkpoint_every: int = 5, keep: int = 3,
+              adapt: AdaptOptions | None = AdaptOptions(), max_failures: int = 2, solver: str = "ilp",
+              run_info: dict[str, Any] | None = None, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Run ``build_dir`` for ``steps`` steps on this host, re-planning and restarting as needed.
+
+    Args:
+        build_dir: the first build.
+        run_dir: the job's folder (segments, checkpoints, events).
+        steps: the step the job ends at.
+        worker_args: arguments for every segment's :mod:`.worker` (optimizer, lr, logging, ...).
+        slows: ``(rank, factor, from step)`` of the first plan (fault injection; follows the device).
+        kills: ``(step, rank)`` of the first plan (fault injection; follows the device).
+        hangs: ``(step, rank)`` of the first plan: that rank stops responding at that step, each time it
+            gets there (a failing device; fault injection).
+        first_only: worker arguments for the first segment only (``--inject-fault``).
+        checkpoint_every: checkpoint every K steps (also at the end and before a switch).
+        keep: complete checkpoints kept.
+        adapt: when to re-plan on imbalance (None: only on failure).
+        max_failures: failures of one device (other than a death) before it is dropped.
+        solver: the solver for re-planning after a failure.
+        run_info: extra facts for each segment's run.json.
+        log: progress lines.
+
+    Returns:
+        The events, as written to ``RUN_DIR/events.jsonl``.
+
+    Raises:
+        SupervisorError: no device or no feasible plan left (the last checkpoint named and intact).
+        LaunchError: a rank failed on bad input (never retried), or the ranks could not start.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job = _Job(run_dir, log)  # a run folder used before goes on: new segments, events appended
+    first = plan_devices(load_plan(build_dir / "plan.json"))
+    for rank in [r for r, _, _ in slows] + [r for _, r in [*kills, *hangs]]:
+        if not 0 <= rank < len(first):
+            raise HpmlError(f"fault injection names rank {rank}, but the plan has ranks 0..{len(first) - 1}")
+    slow_dev = [(first[r], f, s) for r, f, s in slows]
+    step_faults = [("--kill-at", s, first[r]) for s, r in kills] + [("--hang-at", s, first[r]) for s, r in hangs]
+    ledger = FailureLedger(max_failures)
+    earlier = [int(p.name[3:]) for p in run_dir.glob("seg*") if p.name[3:].isdigit()]
+    build, seg, reason = build_dir, max(earlier, default=-1) + 1, "start"
+    checkpoints = run_dir / "checkpoints"
+    carried: Plan | None = None  # rows moved in place before a failure, for the restart on the same build
+    while True:
+        plan = load_plan(build / "plan.json")
+        devices = plan_devices(plan)
+        seg_dir = run_dir / f"seg{seg}"
+        prepare_run_dir(build, seg_dir, {"steps": steps, "nproc": len(devices), "segment": seg, "reason": reason,
+                                         **(run_info or {})})
+        if carried is not None:  # the segment's plan is the one in force: its ranks take its rows, report reads it
+            save_plan(carried, seg_dir / "plan.json")
+        args = [*worker_args, "--steps", str(steps), "--checkpoint-dir", str(checkpoints), "--checkpoint-every",
+                str(checkpoint_every), "--keep-checkpoints", str(keep), "--resume-if-any", "--launched-at", str(time.time())]
+        if adapt is not None:
+            args += ["--adapt", "--adapt-threshold", str(adapt.threshold), "--adapt-patience", str(adapt.patience),
+                     "--adapt-cooldown", str(adapt.cooldown)]
+        args += [x for d, f, s in slow_dev if d in devices for x in ("--slow", f"{devices.index(d)}:{f:g}:{s}")]
+        args += [x for flag, s, d in step_faults if d in devices for x in (flag, f"{s}:{devices.index(d)}")]
+        args += list(first_only) if reason == "start" else []
+        args += ["--rows-from", str(seg_dir / "plan.json")] if carried is not None else []
+        resumed = latest(checkpoints)
+        rows = {"rows": [list(st.rows) for st in carried.stages]} if carried is not None else {}
+        job.event("segment", segment=seg, reason=reason, build=str(build), devices=devices,
+                  resume_from=str(resumed) if resumed else None, **rows)
+        log(f"segment {seg} ({reason}): {len(devices)} rank(s) on {', '.join(devices)}"
+            + (f", resuming from {resumed.name}" if resumed else "")
+            + (" with the rows moved in place before the failure: " + _rows_text(carried) if carried else ""))
+        carried = None
+        try:
+            launch(LaunchSpec(build, seg_dir, len(devices), worker_args=tuple(args)))
+        except RankFailure as e:
+            seen = time.time()
+            c = blame(e.failures, seg_dir)
+            device = devices[c.rank]
+            _record_moves(job, seg, seg_dir)
+            if c.cause == "user":
+                raise
+            dropped = c.cause == "killed" or ledger.record(device)
+            job.event("failure", segment=seg, rank=c.rank, device=device, cause=c.cause, message=c.message,
+                      failed_at=c.time, detected_at=seen, dropped=dropped, failures=ledger.failures(device))
+            log(f"segment {seg}: rank {c.rank} ({device}) {c.cause}: {c.message.splitlines()[0][:200]}")
+            if dropped:
+                why = "its process died" if c.cause == "killed" else f"it failed {ledger.failures(device)} times"
+                log(f"dropping {device}: {why}")
+                build, info = _replan_without(job, plan, build, seg_dir, device, run_dir / "builds" / f"seg{seg + 1}",
+                                              solver, adapt.time_limit_s if adapt else 20.0)
+                job.event("replan", segment=seg, trigger="failure", **info)
+                reason = f"{device} lost"
+            else:
+                log(f"restarting on the same {len(devices)} device(s) from the last checkpoint "
+                    f"({device} has failed {ledger.failures(device)}/{max_failures} times)")
+                reason = f"{device} failed ({c.cause})"
+                carried = rows_in_force(seg_dir, plan)  # the same build: the rows its ranks ran when they failed
+            seg += 1
+            continue
+        _record_moves(job, seg, seg_dir)
+        nxt = seg_dir / NEXT_FILE
+        if nxt.is_file():
+            info = read_json(nxt)
+            job.event("switch", segment=seg, step=info["step"], build=info["build"], decision=info.get("event", {}))
+            build, reason = Path(info["build"]), f"re-planned at step {info['step']}"
+            seg += 1
+            continue
+        job.event("done", segment=seg, steps=steps)
+        return job.events
+
+
+def _rows_text(plan: Plan) -> str:
+    return " | ".join(",".join(st.devices) + (f" rows {':'.join(map(str, st.rows))}" if st.rows else "")
+                      for st in plan.stages)
+
+
+def timings(run_dir: Path) -> list[dict[str, Any]]:
+    """Per recovery in a supervised run: what happened, and its detection, re-plan and resume times (seconds).
+
+    - a failure: detection = torchrun saw it - the rank's report of it; re-plan = solve + codegen (0 when the
+      same devices are restarted); resume = the next segment's first step done - the failure.
+    - a switch: detection is in steps (``decided_at_step``; the watch needs ``patience`` slow steps); re-plan =
+      solve + codegen (a row move's "solve" is choosing its rows); resume = the next segment's first step done -
+      the decision; ``move`` says which candidate it was (``rows`` or ``replan``).
+    - rows moved in place (``in_place``: no restart): re-plan = choosing the rows (no codegen); resume = its
+      measured ``switch_s``, from rank 0's decision to the rows in force on every rank and plan.json re-published
+      (the next step then runs on them).
+    """
+    events = [json.loads(line) for line in (run_dir / EVENTS_FILE).read_text().splitlines() if line.strip()]
+    out = []
+    for i, e in enumerate(events):
+        if e["event"] == "rows_moved":
+            out.append({"kind": "rows moved in place (no restart)", "detect_s": None, "decided_at_step": e["step"],
+                        "replan_s": e.get("choose_s", 0.0), "step": e["step"], "move": "rows", "in_place": True,
+                        "solve_s": e.get("choose_s", 0.0), "codegen_s": 0.0, "resume_s": e["switch_s"],
+                        "switch_s": e["switch_s"], "rows": e.get("rows"), "segment": e["segment"]})
+            continue
+        if e["event"] not in ("failure", "switch"):
+            continue
+        nxt = next((x for x in events[i + 1:] if x["event"] == "segment"), None)
+        started = run_dir / f"seg{nxt['segment']}" / PROGRESS_FILE if nxt else None
+        first_step = read_json(started)["first_step_at"] if started and started.is_file() else None
+        if e["event"] == "failure":
+            rp = next((x for x in events[i + 1:i + 2] if x["event"] == "replan"), {})
+            replan_s = rp.get("solve_s", 0.0) + rp.get("codegen_s", 0.0)
+            t0 = e["failed_at"]
+            row = {"kind": f"failure ({e['cause']}, {e['device']})", "detect_s": e["detected_at"] - t0,
+                   "replan_s": replan_s}
+        else:
+            d = e["decision"]
+            t0 = d.get("time", e["time"])
+            row = {"kind": "switch (imbalance)", "detect_s": None, "decided_at_step": d.get("step"),
+                   "replan_s": d.get("solve_s", 0.0) + d.get("codegen_s", 0.0), "step": e["step"],
+                   "move": d.get("chosen") or "replan", "solve_s": d.get("solve_s", 0.0),
+                   "codegen_s": d.get("codegen_s", 0.0)}
+        row["resume_s"] = first_step - t0 if first_step else None
+        out.append(row)
+    return out
+
