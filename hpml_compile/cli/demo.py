@@ -100,6 +100,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from ..profile import load_profile
     from .. import driver
     from ..runtime.job.launcher import LaunchSpec, launch, prepare_run_dir
+    from ..runtime.job.options import RunOptions
     from ..recipe import ModelRecipe
     from ..runtime.observe.monitor import read_metrics
     from ..runtime.observe.summary import analyse, export_profile, format_summary
@@ -144,11 +145,11 @@ def run_demo(args: argparse.Namespace) -> int:
           f"(every {VAL_EVERY} steps)", flush=True)
     print(f"  baseline: the byte frequencies of the training text have an entropy of {baseline:.4f} nats/byte "
           "(the loss of a model that knows only how often each byte occurs)", flush=True)
-    run_dir = prepare_run_dir(build.out_dir, out / "run", {"steps": opt["steps"], "nproc": ranks, "demo": True})
+    ranks_read = RunOptions(steps=opt["steps"], log_every=VAL_EVERY // 2, val_every=VAL_EVERY)
+    run_dir = prepare_run_dir(build.out_dir, out / "run", {"steps": opt["steps"], "nproc": ranks, "demo": True},
+                              ranks_read)
     sys.stdout.flush()
-    launch(LaunchSpec(build.out_dir, run_dir, ranks, worker_args=("--steps", str(opt["steps"]), "--log-every",
-                                                                   str(VAL_EVERY // 2), "--val-every",
-                                                                   str(VAL_EVERY))))
+    launch(LaunchSpec(build.out_dir, run_dir, ranks))
     print(f"[4/4] measured against predicted ({time.perf_counter() - t0:.0f} s so far):", flush=True)
     s = analyse(run_dir)
     print(format_summary(s))

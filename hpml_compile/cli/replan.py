@@ -65,7 +65,9 @@ def run_replan(args: argparse.Namespace) -> int:
     print("switch: yes, the new plan is predicted faster" if result.switched
           else "switch: no, the old plan is still predicted fastest (written again with the new predictions)")
     build_dir = args.plan.parent
-    run_json = build_dir / "run.json"  # a run folder (from `hpml-compile run`) names its build
+    from ..runtime.observe.runfolder import RunFolder
+
+    run_json = RunFolder(build_dir).run_json  # a run folder (from `hpml-compile run`) names its build
     if not (build_dir / "model.json").is_file() and run_json.is_file():
         build_dir = Path(read_json(run_json).get("build", build_dir))
     if not (build_dir / "model.json").is_file():

@@ -30,12 +30,14 @@ from typing import Any, Callable, NoReturn
 from ..errors import HpmlError, OptionError
 from ..plan import load_plan, with_comm
 from ..runtime.job.adapt import AdaptOptions
+from ..runtime.job.options import (Faults, OptimizerName, ResumeMode, RunOptions, parse_fault, parse_slow,
+                                   parse_step_rank)
 from ..runtime.sync.comm import CommOp
 from .plan import add_comm_options
 
 DEFAULT_STEPS = 20
 
-__all__ = ["add_parsers", "run_run", "run_report", "default_run_dir", "check_options", "check_faults"]
+__all__ = ["add_parsers", "run_run", "run_report", "default_run_dir", "check_options", "check_faults", "run_options"]
 
 
 def add_parsers(subparsers: Any) -> None:
@@ -180,40 +182,52 @@ def run_run(args: argparse.Namespace) -> int:
     nproc = args.nproc if args.nproc is not None else max(1, devices // args.nnodes)
     check_world(plan, nproc, args.nnodes)
     check_faults(args, devices)  # ranks and steps that exist in this build and this run
-    worker = ["--optimizer", args.optimizer, "--lr", str(args.lr), "--log-every", str(args.log_every),
-              "--retries", str(args.retries)]
-    worker += [] if args.tensorboard else ["--no-tensorboard"]
-    worker += [] if args.timeout is None else ["--timeout", str(args.timeout)]
-    worker += (["--val-every", str(args.val_every)] if args.val_every else []) + (
-        ["--log-samples"] if args.log_samples else [])
-    worker += [] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port)]
-    worker += [] if args.compress is None else ["--compress", args.compress]
-    worker += [] if args.sync_every is None else ["--sync-every", str(args.sync_every)]
-    worker += [] if args.sync_warmup is None else ["--sync-warmup", str(args.sync_warmup)]
-    faults = [x for fault in args.inject_fault for x in ("--inject-fault", fault)]
+    options = run_options(args)
     if args.adapt:
-        return _run_adaptive(args, worker, faults, nproc)
-    worker += ["--steps", str(args.steps), *faults]
-    worker += [x for kill in args.kill_at for x in ("--kill-at", kill)]
-    worker += [x for hang in args.hang_at for x in ("--hang-at", hang)]
-    worker += [x for slow in args.slow for x in ("--slow", slow)]
-    if args.checkpoint_dir:
-        worker += ["--checkpoint-dir", str(args.checkpoint_dir), "--checkpoint-every", str(args.checkpoint_every or 0),
-                   "--keep-checkpoints", str(args.keep)] + (["--resume"] if args.resume else [])
+        return _run_adaptive(args, options, nproc)
     if args.resume:
         _check_resume(args.checkpoint_dir)
     spec = LaunchSpec(args.build, args.run_dir or default_run_dir(args.build), nproc, args.nnodes, args.node_rank,
-                      args.rdzv_endpoint, args.rdzv_id, args.max_restarts, tuple(worker))
+                      args.rdzv_endpoint, args.rdzv_id, args.max_restarts)
     preflight(spec)  # before the run folder exists: a refused launch leaves nothing behind
     run_dir = prepare_run_dir(args.build, spec.run_dir,
                               {"steps": args.steps, "nproc": nproc, "nnodes": args.nnodes, "node_rank": args.node_rank,
-                               "optimizer": args.optimizer, "lr": args.lr, "argv": sys.argv[1:]},
+                               "optimizer": args.optimizer, "lr": args.lr, "argv": sys.argv[1:]}, options,
                               log=lambda line: print(line, flush=True), keep_earlier=owns_run_dir(spec))
     print(f"run: {devices} ranks ({args.nnodes} node(s) x {nproc}) for {args.build} -> {run_dir}", flush=True)
     launch(spec)
     if args.report and args.node_rank in (None, 0):
         _report(run_dir, None, export=True)
     return 0
+
+
+def run_options(args: argparse.Namespace) -> RunOptions:
+    """The ranks' options from the parsed ``run`` arguments (checked by :func:`check_options`, ``--steps`` set).
+
+    With ``--adapt``, checkpoints go to the job's folder (the supervisor sets it per segment) every 5 steps
+    unless ``--checkpoint-every`` says otherwise, and the closed loop's options come from ``--adapt-*``.
+
+    Args:
+        args: the parsed arguments.
+
+    Returns:
+        What every rank reads from ``run.json``.
+    """
+    faults = Faults(comm=tuple(parse_fault(t) for t in args.inject_fault),
+                    kills=tuple(parse_step_rank(t) for t in args.kill_at),
+                    hangs=tuple(parse_step_rank(t) for t in args.hang_at), slows=tuple(parse_slow(t) for t in args.slow))
+    common = dict(steps=args.steps, optimizer=OptimizerName(args.optimizer), lr=args.lr, log_every=args.log_every,
+                  retries=args.retries, timeout_s=args.timeout if args.timeout is not None else RunOptions().timeout_s,
+                  tensorboard=args.tensorboard, metrics_port=args.metrics_port, val_every=args.val_every or 0,
+                  log_samples=args.log_samples, compress=args.compress, sync_every=args.sync_every,
+                  sync_warmup=args.sync_warmup, keep=args.keep, faults=faults)
+    if args.adapt:
+        adapt = AdaptOptions.from_env(threshold=args.adapt_threshold, patience=args.adapt_patience,
+                                      cooldown=args.adapt_cooldown) if args.on_imbalance else None
+        every = 5 if args.checkpoint_every is None else args.checkpoint_every  # 0 stays 0: the end and switches
+        return RunOptions(**common, checkpoint_every=every, adapt=adapt)
+    return RunOptions(**common, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 0,
+                      resume=ResumeMode.REQUIRED if args.resume else ResumeMode.NO)
 
 
 _DEST = {"--keep-checkpoints": "keep"}  # options whose attribute is not their name
@@ -248,7 +262,6 @@ def check_options(args: argparse.Namespace) -> None:
         LaunchError: a ``--rdzv-endpoint`` that is not ``HOST:PORT``.
     """
     from ..runtime.job.launcher import parse_endpoint
-    from ..runtime.job.worker import parse_fault, parse_step_rank, parse_slow
 
     _whole(args, "--steps", 1, "the number of training steps")
     _whole(args, "--nproc", 1, "ranks on this host")
@@ -298,8 +311,6 @@ def check_faults(args: argparse.Namespace, ranks: int) -> None:
     Raises:
         OptionError: naming the option, the rank or step, and the ones that exist.
     """
-    from ..runtime.job.worker import parse_fault, parse_step_rank, parse_slow
-
     named: list[tuple[str, str, int, int]] = []  # (option, text, rank, step)
     named += [("--inject-fault", t, f.rank, f.step + 1) for t in args.inject_fault for f in [parse_fault(t)]]
     named += [(o, t, r, st) for o, texts in (("--kill-at", args.kill_at), ("--hang-at", args.hang_at))
@@ -373,8 +384,8 @@ def _check_resume(checkpoint_dir: Path) -> None:
     resume_from(checkpoint_dir, log=lambda _line: None)  # rank 0 says which damaged ones it skips
 
 
-def _run_adaptive(args: argparse.Namespace, worker: list[str], faults: list[str], nproc: int) -> int:
-    from ..runtime.job.adapt import AdaptOptions
+def _run_adaptive(args: argparse.Namespace, options: RunOptions, nproc: int) -> int:
+    from ..runtime.job.launcher import keep_earlier_run
     from ..runtime.job.supervisor import supervise
 
     if args.nnodes != 1:
@@ -383,24 +394,14 @@ def _run_adaptive(args: argparse.Namespace, worker: list[str], faults: list[str]
     if args.checkpoint_dir is not None or args.resume:
         raise HpmlError("run --adapt keeps its checkpoints in RUN_DIR/checkpoints and always resumes from them; "
                         "drop --checkpoint-dir/--resume (or pass the same --run-dir to go on with a job)")
-    from ..runtime.job.launcher import keep_earlier_run
-    from ..runtime.job.worker import parse_step_rank, parse_slow
-
     run_dir = args.run_dir or default_run_dir(args.build)
     keep_earlier_run(run_dir, log=lambda line: print(line, flush=True))  # a plain run's files: `report` reads segments
-
-    slows = [parse_slow(x) for x in args.slow]
-    kills, hangs = [parse_step_rank(x) for x in args.kill_at], [parse_step_rank(x) for x in args.hang_at]
-    every = 5 if args.checkpoint_every is None else args.checkpoint_every  # 0 stays 0: only at the end and switches
-    adapt = AdaptOptions(threshold=args.adapt_threshold, patience=args.adapt_patience,
-                         cooldown=args.adapt_cooldown) if args.on_imbalance else None
+    every = options.checkpoint_every
     when = f"every {every} steps" if every else "only at the end and before a switch"
     print(f"run --adapt: {nproc} ranks for {args.build} -> {run_dir} (checkpoints {when} in "
           f"{run_dir / 'checkpoints'})", flush=True)
-    events = supervise(args.build, run_dir, steps=args.steps, worker_args=worker, slows=slows, kills=kills, hangs=hangs,
-                       first_only=faults, checkpoint_every=every, keep=args.keep, adapt=adapt,
-                       max_failures=args.max_failures, run_info={"optimizer": args.optimizer, "lr": args.lr,
-                                                                  "argv": sys.argv[1:]},
+    events = supervise(args.build, run_dir, options=options, max_failures=args.max_failures,
+                       run_info={"optimizer": args.optimizer, "lr": args.lr, "argv": sys.argv[1:]},
                        log=lambda line: print(line, flush=True))
     segments = [e for e in events if e["event"] == "segment"]
     print(f"done: step {args.steps} reached in {len(segments)} segment(s); decisions in {run_dir / 'events.jsonl'}")
@@ -485,13 +486,10 @@ def _predicted(run_dir: Path) -> tuple[Any, Any] | None:
 
 def _report_segments(run_dir: Path, segments: list[Path], skip: int | None, *, export: bool) -> None:
     """A run of `run --adapt`: each segment's table, then what happened between them."""
-    import json
+    from ..runtime.observe.runfolder import RunFolder
 
-    from ..runtime.job.supervisor import EVENTS_FILE
-
-    events = {e["segment"]: e for e in (json.loads(x) for x in (run_dir / EVENTS_FILE).read_text().splitlines()
-                                        if x.strip()) if e["event"] == "segment"} \
-        if (run_dir / EVENTS_FILE).is_file() else {}
+    run = RunFolder(run_dir)
+    events = {e["segment"]: e for e in run.read_events() if e["event"] == "segment"}
     for seg in segments:
         k = int(seg.name[3:])
         why = events.get(k, {}).get("reason", "?")
@@ -500,7 +498,7 @@ def _report_segments(run_dir: Path, segments: list[Path], skip: int | None, *, e
             print("  no step finished")
             continue
         _report(seg, skip, export=export)
-    if (run_dir / EVENTS_FILE).is_file():
+    if run.events.is_file():
         _print_timings(run_dir)
 
 

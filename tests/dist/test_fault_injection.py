@@ -51,6 +51,6 @@ def test_killed_rank_is_named_and_earlier_steps_are_kept(build: Path, tmp_path: 
 @pytest.mark.parametrize(("flag", "value", "needle"), [("--kill-at", "three", "expected STEP:RANK"),
                                                        ("--slow", "1:0.5:3", "FACTOR must be a number >= 1")])
 def test_bad_fault_spec_is_refused(flag: str, value: str, needle: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "hpml_compile.runtime.job.worker", "b", "r", flag, value],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and needle in r.stderr
+    # refused by `run` before anything is read or started: the ranks get their faults typed, from run.json
+    r = subprocess.run([*CLI, "run", "no-such-build", flag, value], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr

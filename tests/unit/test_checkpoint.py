@@ -286,14 +286,19 @@ def test_resume_without_a_checkpoint_names_the_folder_and_what_it_holds(tmp_path
 def test_the_worker_refuses_resume_without_a_checkpoint_and_negative_intervals(tmp_path: Path) -> None:
     from hpml_compile.runtime.job import worker
 
-    args = worker.parse_args(["build", "run", "--checkpoint-dir", str(tmp_path / "typo"), "--resume"])
+    from hpml_compile.errors import HpmlError
+    from hpml_compile.runtime.job.options import ResumeMode, RunOptions
+
+    strict = RunOptions(checkpoint_dir=tmp_path / "typo", resume=ResumeMode.REQUIRED)
     with pytest.raises(CheckpointError, match="typo: the folder does not exist"):
-        worker._resume_point(args, 0)
-    lenient = worker.parse_args(["build", "run", "--checkpoint-dir", str(tmp_path / "typo"), "--resume-if-any"])
-    assert worker._resume_point(lenient, 0) is None  # the supervisor's first segment: nothing written yet
-    assert worker.parse_args(["build", "run", "--checkpoint-every", "0"]).checkpoint_every == 0
-    with pytest.raises(SystemExit):
-        worker.parse_args(["build", "run", "--checkpoint-every", "-2"])
+        worker.resume_point(strict, 0)
+    lenient = RunOptions(checkpoint_dir=tmp_path / "typo", resume=ResumeMode.IF_ANY)
+    assert worker.resume_point(lenient, 0) is None  # the supervisor's first segment: nothing written yet
+    with pytest.raises(CheckpointError, match="--resume needs --checkpoint-dir"):
+        worker.resume_point(RunOptions(resume=ResumeMode.REQUIRED), 0)
+    assert RunOptions(checkpoint_every=0).checkpoint_every == 0
+    with pytest.raises(HpmlError, match="checkpoint_every"):
+        RunOptions(checkpoint_every=-2)
 
 
 # --- RNG: a dropout model continues after a resume as an uninterrupted run ------------------------------------

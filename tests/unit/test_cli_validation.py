@@ -27,6 +27,9 @@ from hpml_compile.ir import Profile
 from hpml_compile.profile import profile, save_profile
 from hpml_compile.recipe import ModelRecipe
 from hpml_compile.runtime.job import launcher, supervisor
+from hpml_compile.runtime.job.options import read_options
+from hpml_compile.runtime.observe.runfolder import RunFolder
+from hpml_compile.runtime.sync.comm import CommFault, CommOp
 from hpml_compile.runtime.job.launcher import LaunchSpec, check_port, owns_run_dir, preflight, prepare_run_dir
 from hpml_compile.trace import trace
 
@@ -129,9 +132,10 @@ def test_good_options_reach_the_ranks_as_given(build: Path, tmp_path: Path, star
                  "--checkpoint-dir", str(ck), "--checkpoint-every", "0", "--kill-at", f"{STEPS}:1",
                  "--slow", "0:1.5:1", "--inject-fault", "1:1:recv", "--retries", "0"]) == 0
     (spec,) = started
-    args = list(spec.worker_args)
-    assert args[args.index("--checkpoint-every") + 1] == "0" and args[args.index("--kill-at") + 1] == f"{STEPS}:1"
-    assert args[args.index("--slow") + 1] == "0:1.5:1"
+    opts = read_options(RunFolder(spec.run_dir))  # what every rank reads: run.json, written before the launch
+    assert opts.checkpoint_every == 0 and opts.checkpoint_dir == ck and opts.retries == 0
+    assert opts.faults.kills == ((STEPS, 1),) and opts.faults.slows == ((0, 1.5, 1),)
+    assert opts.faults.comm == (CommFault(0, 1, CommOp.RECV),) and opts.steps == STEPS
 
 
 def test_checkpoint_every_zero_means_only_at_the_end(build: Path, tmp_path: Path, started: list[Any],
@@ -141,7 +145,7 @@ def test_checkpoint_every_zero_means_only_at_the_end(build: Path, tmp_path: Path
     assert "0: only at the end" in " ".join(capsys.readouterr().out.split())
     assert main(["run", str(build), "--adapt", "--checkpoint-every", "0", "--run-dir", str(tmp_path / "run"),
                  "--no-report"]) == 0
-    assert started[0]["checkpoint_every"] == 0  # not the default 5: 0 was asked for
+    assert started[0]["options"].checkpoint_every == 0  # not the default 5: 0 was asked for
     assert "checkpoints only at the end" in capsys.readouterr().out
 
 

@@ -136,7 +136,7 @@ def test_rows_are_refused_for_a_batch_that_does_not_split() -> None:
 def test_the_forcing_knobs_refuse_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
     from hpml_compile.errors import HpmlError
     from hpml_compile.runtime.job.adapt import AdaptOptions
-    from hpml_compile.runtime.job.worker import _env_seconds
+    from hpml_compile.runtime.job.adapt import env_seconds as _env_seconds
 
     with pytest.raises(HpmlError, match="candidates must be one of both, rows, replan"):
         AdaptOptions(candidates="fast")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 from pathlib import Path
@@ -23,7 +24,9 @@ from hpml_compile.runtime.job.launcher import (RANK_ENTRY, LaunchError, LaunchSp
                                          torchrun_args)
 from hpml_compile.recipe import ModelRecipe, absolute_model_spec, read_recipe
 from hpml_compile.runtime.execute.session import RetryPolicy
-from hpml_compile.runtime.job.worker import error_path, parse_args, threads_per_rank
+from hpml_compile.runtime.job.options import Faults, OptimizerName, RunOptions, parse_fault
+from hpml_compile.runtime.job.worker import threads_per_rank
+from hpml_compile.runtime.observe.runfolder import RunFolder
 from hpml_compile.trace import trace
 
 
@@ -127,9 +130,9 @@ def test_transient_errors_are_told_from_bugs() -> None:
 
 
 def test_torchrun_command_lines() -> None:
-    one = torchrun_args(LaunchSpec(Path("b"), Path("r"), 2, worker_args=("--steps", "3")))
+    one = torchrun_args(LaunchSpec(Path("b"), Path("r"), 2))
     assert one[:3] == ["--standalone", "--nnodes=1", "--nproc-per-node=2"]
-    assert one[-5:] == [str(RANK_ENTRY), "b", "r", "--steps", "3"] and RANK_ENTRY.is_file()
+    assert one[-3:] == [str(RANK_ENTRY), "b", "r"] and RANK_ENTRY.is_file()  # the options are r/run.json
     static = torchrun_args(LaunchSpec(Path("b"), Path("r"), 1, nnodes=2, node_rank=0, rdzv_endpoint="h:29400"))
     assert "--rdzv-backend=static" in static and "--node-rank=0" in static and "--rdzv-endpoint=h:29400" in static
     dyn = torchrun_args(LaunchSpec(Path("b"), Path("r"), 4, nnodes=2, rdzv_endpoint="h:29400", rdzv_id="job"))
@@ -159,8 +162,8 @@ def test_world_and_port_checks_say_what_to_do(tmp_path: Path) -> None:
 
 def test_failure_report_names_the_first_rank(tmp_path: Path) -> None:
     for rank, t, msg in ((0, 2.0, "Connection closed by peer"), (1, 1.0, "CUDA out of memory")):
-        error_path(tmp_path, rank).parent.mkdir(parents=True, exist_ok=True)
-        error_path(tmp_path, rank).write_text(json.dumps({"rank": rank, "time": t, "message": msg}))
+        RunFolder(tmp_path).error(rank).parent.mkdir(parents=True, exist_ok=True)
+        RunFolder(tmp_path).error(rank).write_text(json.dumps({"rank": rank, "time": t, "message": msg}))
     text = explain_failure(tmp_path, {0: (1, ""), 1: (1, ""), 2: (-9, "Signal 9 (SIGKILL) received by PID 7")})
     lines = text.splitlines()
     assert lines[0] == "rank 1 failed first: CUDA out of memory"
@@ -178,10 +181,13 @@ def test_recipe_round_trip_and_absence(tmp_path: Path) -> None:
 
 
 def test_worker_arguments() -> None:
-    a = parse_args(["b", "r", "--inject-fault", "3:1:collective", "--optimizer", "sgd"])
-    assert a.faults == [CommFault(2, 1, CommOp.COLLECTIVE)] and a.optimizer.value == "sgd"
-    with pytest.raises(SystemExit):
-        parse_args(["b", "r", "--inject-fault", "3-1"])
+    o = RunOptions(faults=Faults(comm=(parse_fault("3:1:collective"),)), optimizer=OptimizerName.SGD)
+    assert o.faults.comm == (CommFault(2, 1, CommOp.COLLECTIVE),) and o.optimizer.value == "sgd"
+    assert RunOptions.from_dict(json.loads(json.dumps(o.to_dict()))) == o  # run.json round-trips
+    with pytest.raises(argparse.ArgumentTypeError, match="STEP:RANK"):
+        parse_fault("3-1")
+    with pytest.raises(HpmlError, match="unknown run options"):
+        RunOptions.from_dict({"steps": 3, "stepz": 4})
 
 
 def test_run_refuses_a_mismatched_world_before_starting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,13 +17,13 @@ from hpml_compile.runtime.observe.monitor import StepMetrics
 from hpml_compile.runtime.observe.summary import device_slowdowns, measured_setup, summarise
 from hpml_compile.plan import Stage, save_plan
 from hpml_compile.runtime.job.supervisor import blame, in_place_moves, plan_devices, rows_in_force, timings
-from hpml_compile.runtime.job.worker import error_path
+from hpml_compile.runtime.observe.runfolder import RunFolder
 from hpml_compile.solve import solve
 from hpml_compile.solve.testing import chain_profile, cluster_of
 
 
 def _report(run: Path, rank: int, t: float, kind: str, message: str = "boom") -> None:
-    path = error_path(run, rank)
+    path = RunFolder(run).error(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"rank": rank, "time": t, "kind": kind, "message": message,
                                 "user_error": kind == "user"}))

@@ -78,7 +78,7 @@ in-place moves into the job's ``events.jsonl`` (``rows_moved``), where
 
 Rows moved in place outlive a failure: the run folder's plan.json holds the
 rows in force, and when the supervisor restarts the ranks on the same build
-it hands them that plan (the worker's ``--rows-from``); each rank takes its
+it hands them that plan (``rows_from`` in the segment's run options); each rank takes its
 rows before the first step (:func:`take_rows`: the same checks and the same
 :meth:`~.pipeline.Pipeline.move_rows` as the move itself, and the same
 one all-reduce that every rank took the same rows).
@@ -87,6 +87,7 @@ one all-reduce that every rank took the same rows).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 import zlib
@@ -102,16 +103,15 @@ from ...errors import HpmlError
 from ...plan import Plan, load_plan, save_plan
 from ...profile import load_profile
 from ..observe.monitor import StepMetrics
+from ..observe.runfolder import RunFolder
 from ..observe.policy import (DEFAULT_PATIENCE, DEFAULT_THRESHOLD, ROW_MOVE_PRIOR_S, Candidate, ImbalanceWatch,
                      choose_switch, contention_discount, memory_shortfalls, replan_capacity)
 from ..observe.summary import HostContention, device_slowdowns, host_contention, measured_setup, summarise
 
-__all__ = ["AdaptOptions", "Verdict", "CANDIDATES", "Adapter", "REPLANS_FILE", "NEXT_FILE", "plan_scope_ms", "busy_host_hold",
+__all__ = ["AdaptOptions", "Verdict", "CANDIDATES", "Adapter", "plan_scope_ms", "busy_host_hold", "env_seconds",
            "in_place_refusal", "take_rows", "row_move_stages"]
 
 CANDIDATES = ("both", "rows", "replan")
-REPLANS_FILE = "replans.jsonl"
-NEXT_FILE = "next.json"
 
 
 def busy_host_hold(recent: Mapping[int, Sequence[StepMetrics]], slow: Mapping[str, float]) -> list[HostContention]:
@@ -167,6 +167,35 @@ class AdaptOptions:
     def __post_init__(self) -> None:
         if self.candidates not in CANDIDATES:
             raise HpmlError(f"adapt candidates must be one of {', '.join(CANDIDATES)}, got {self.candidates!r}")
+
+    @classmethod
+    def from_env(cls, **kw: Any) -> AdaptOptions:
+        """Options ``kw``, with ``candidates`` and ``switch_cost_s`` from ``HPML_ADAPT_CANDIDATES`` and
+        ``HPML_ADAPT_SWITCH_COST_S`` where set (read once, by ``run``: the ranks read ``run.json``).
+
+        Raises:
+            HpmlError: a value that is not a candidate or a number of seconds.
+        """
+        env = os.environ.get("HPML_ADAPT_CANDIDATES", "").strip()
+        return cls(**kw, candidates=env or "both", switch_cost_s=env_seconds("HPML_ADAPT_SWITCH_COST_S"))
+
+
+def env_seconds(name: str) -> float | None:
+    """A number of seconds from the environment variable ``name``, or None when it is not set.
+
+    Raises:
+        HpmlError: not a number, or negative.
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise HpmlError(f"{name}={text!r}: expected a number of seconds, e.g. {name}=0.5") from None
+    if value < 0:
+        raise HpmlError(f"{name}={text!r}: a cost cannot be negative; give 0 or more seconds")
+    return value
 
 
 def row_move_stages(plan: Plan, slow: Mapping[str, float], front_end: str = "fx") -> tuple[set[int], str | None]:
@@ -272,7 +301,7 @@ def _same_rows(plan: Plan, step: int, took_s: float = 0.0) -> float:
 def take_rows(pipe: Any, path: str | Path) -> Plan:
     """A restarted rank (every rank, before its first step): train with the rows per replica of ``path``'s plan.
 
-    What the supervisor's restart after a failure runs when rows were moved in place before it (``--rows-from``
+    What the supervisor's restart after a failure runs when rows were moved in place before it (``rows_from``
     of the worker): ``path`` is the running build's plan with other rows (the failed segment's re-published
     plan.json). Only the rows and the predictions made for them are taken; everything else stays the build's.
 
@@ -292,7 +321,7 @@ def take_rows(pipe: Any, path: str | Path) -> Plan:
     if ([(st.devices, st.nodes) for st in given.stages] != [(st.devices, st.nodes) for st in plan.stages]
             or (given.microbatches, given.schedule) != (plan.microbatches, plan.schedule)):
         raise HpmlError(f"{path}: not the running build's plan with other rows (its stages, devices, nodes, "
-                        "microbatches or schedule differ): --rows-from takes the plan.json of a run of this build")
+                        "microbatches or schedule differ): the rows to take come from the plan.json of a run of this build")
     moved = replace(plan, predicted=given.predicted, stages=tuple(
         replace(st, rows=g.rows, predicted=g.predicted) for st, g in zip(plan.stages, given.stages)))
     refusal = in_place_refusal(built, plan, moved, pipe.build.manifest.front_end.value)
@@ -642,7 +671,4 @@ class Adapter:
         return Verdict(build is not None, build, self.reference_ms, event)
 
     def _record(self, event: dict[str, Any]) -> None:
-        path = self.run_dir / REPLANS_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a") as f:
-            f.write(json.dumps(event) + "\n")
+        RunFolder(self.run_dir).append_replan(event)

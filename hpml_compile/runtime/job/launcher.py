@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
-import json
 import logging
 import os
 import shutil
@@ -47,15 +46,15 @@ from typing import Any, Callable, Iterator, NoReturn
 
 from ...errors import LaunchError, RankFailure
 from ...plan import Plan
+from ..observe.runfolder import RUN_FILE, RUN_FILES, RunFolder
 from .lifeline import mark_launcher
-from .adapt import NEXT_FILE
-from .worker import PROGRESS_FILE, error_path, threads_per_rank
+from .options import RunOptions, write_options
+from .worker import threads_per_rank
 
 __all__ = ["LaunchError", "RankFailure", "LaunchSpec", "torchrun_args", "check_world", "check_port", "free_port", "launch",
            "explain_failure", "prepare_run_dir", "preflight", "RUN_FILE", "parse_endpoint", "wait_for_endpoint",
            "RUN_FILES", "EARLIER", "keep_earlier_run", "owns_run_dir"]
 
-RUN_FILE = "run.json"
 RANK_ENTRY = Path(__file__).with_name("rank_entry.py")  # a script: see its docstring
 
 
@@ -72,7 +71,8 @@ class LaunchSpec:
         rdzv_endpoint: ``HOST:PORT`` of the rendezvous (None on one host: a free port).
         rdzv_id: job id shared by the hosts (c10d rendezvous).
         max_restarts: how often torchrun restarts the ranks after a failure.
-        worker_args: extra arguments for :mod:`.worker`.
+
+    What the ranks do is the run folder's ``run.json`` (:func:`prepare_run_dir`), not a command line.
     """
 
     build_dir: Path
@@ -83,17 +83,15 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None
     rdzv_id: str = "hpml-compile"
     max_restarts: int = 0
-    worker_args: tuple[str, ...] = ()
 
     @property
     def standalone(self) -> bool:
         return self.nnodes == 1 and self.rdzv_endpoint is None
 
 
-# What a run writes into its folder (the workers, the launcher and `report`). Another run in the same folder
-# moves these to earlier/<n>/ first; anything else there (a checkpoint folder, the --adapt job's segments) stays.
-RUN_FILES = ("metrics", "errors", "tb", RUN_FILE, "plan.json", "plan_profile.json", "profile.json", PROGRESS_FILE,
-             NEXT_FILE, "next_build")
+# What a run writes into its folder (RUN_FILES, and the closed loop's next build) moves to earlier/<n>/ before
+# another run in the same folder; anything else there (a checkpoint folder, the --adapt job's segments) stays.
+_MOVED = (*RUN_FILES, "next_build")
 EARLIER = "earlier"
 
 
@@ -110,7 +108,7 @@ def keep_earlier_run(run_dir: Path, log: Callable[[str], None] | None = None) ->
     Returns:
         The folder they went to, or None when there was nothing to move.
     """
-    found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    found = [run_dir / name for name in _MOVED if (run_dir / name).exists()]
     if not found:
         return None
     taken = [int(p.name) for p in (run_dir / EARLIER).glob("*") if p.name.isdigit()]
@@ -122,9 +120,9 @@ def keep_earlier_run(run_dir: Path, log: Callable[[str], None] | None = None) ->
     return dest
 
 
-def prepare_run_dir(build_dir: Path, run_dir: Path, info: dict[str, Any], *,
+def prepare_run_dir(build_dir: Path, run_dir: Path, info: dict[str, Any], options: RunOptions | None = None, *,
                     log: Callable[[str], None] | None = None, keep_earlier: bool = True) -> Path:
-    """Make the run folder self-contained: ``run.json``, the plan, and the profile the plan was made for.
+    """Make the run folder self-contained: ``run.json`` (with the ranks' options), the plan, and its profile.
 
     An earlier run's files in the same folder are moved, never deleted or overwritten, to
     ``RUN_DIR/earlier/<n>/`` (``n`` counts up), so that a report reads this run alone and the earlier one
@@ -134,6 +132,7 @@ def prepare_run_dir(build_dir: Path, run_dir: Path, info: dict[str, Any], *,
         build_dir: the build folder.
         run_dir: the run folder (created if needed).
         info: facts for ``run.json``.
+        options: what every rank reads back (:func:`~.options.read_options`); default :class:`~.options.RunOptions`.
         log: where to say that an earlier run was moved (default: standard error).
         keep_earlier: move an earlier run away; False on the hosts of a multi-host job other than the
             rendezvous host (:func:`owns_run_dir`), which would otherwise move the files of their own job
@@ -149,8 +148,8 @@ def prepare_run_dir(build_dir: Path, run_dir: Path, info: dict[str, Any], *,
     if (build_dir / "profile.json").is_file():
         shutil.copyfile(build_dir / "profile.json", run_dir / "plan_profile.json")
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat()
-    (run_dir / RUN_FILE).write_text(json.dumps({"build": str(build_dir.resolve()), "started": stamp, **info},
-                                               indent=2) + "\n")
+    write_options(RunFolder(run_dir), options or RunOptions(), {"build": str(build_dir.resolve()), "started": stamp,
+                                                                **info})
     return run_dir
 
 
@@ -172,7 +171,7 @@ def torchrun_args(spec: LaunchSpec) -> list[str]:
             args += ["--rdzv-backend=c10d", f"--rdzv-id={spec.rdzv_id}"]
         args += [f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--nproc-per-node={spec.nproc}"]
     args += [f"--max-restarts={spec.max_restarts}", "--monitor-interval=0.2", str(RANK_ENTRY),
-             str(spec.build_dir), str(spec.run_dir), *spec.worker_args]
+             str(spec.build_dir), str(spec.run_dir)]
     return args
 
 
@@ -336,9 +335,8 @@ def explain_failure(run_dir: Path, failures: dict[int, tuple[int, str]]) -> str:
     """
     reports = []
     for rank, (code, message) in failures.items():
-        path = error_path(run_dir, rank)
-        if path.is_file():
-            info = json.loads(path.read_text())
+        info = RunFolder(run_dir).read_error(rank)
+        if info is not None:
             reports.append((info["time"], rank, info["message"], bool(info.get("user_error"))))
         else:  # died before it could report: no Python exception (a signal, an import error)
             why = message if message and "To enable traceback" not in message else f"exit code {code}"

@@ -42,7 +42,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -52,6 +51,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ...errors import HpmlError, SupervisorError
+from ..observe.runfolder import RunFolder
 
 __all__ = ["launch_script", "died_ranks", "ENV_CLUSTER", "ENV_CHECKPOINT_DIR", "ENV_RUN_DIR", "ENV_SEGMENT"]
 
@@ -102,11 +102,10 @@ def launch_script(script: Path, script_args: Sequence[str], *, nproc: int, run_d
         raise HpmlError(f"launch: --nproc {nproc}: expected 1 or more ranks")
     failures, segment, ranks = 0, 0, nproc
     run_dir.mkdir(parents=True, exist_ok=True)
-    events = run_dir / "events.jsonl"
+    run = RunFolder(run_dir)
 
-    def event(kind: str, **fields: object) -> None:
-        with events.open("a") as f:  # one line per record, appended: a reader never sees half a job rewritten
-            f.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
+    def event(kind: str, **fields: object) -> None:  # one line per record, appended
+        run.append_event({"event": kind, "time": time.time(), **fields})
 
     while True:
         seg = run_dir / f"seg{segment}"

@@ -20,7 +20,7 @@ every segment resumes from the latest one. A segment ends in one of three ways:
   rows the closed loop moved in place (:mod:`.adapt`) are in the failed
   segment's plan.json, which each move re-publishes; the next segment's
   plan.json is that plan, and its ranks take its rows before their first
-  step (the worker's ``--rows-from``; :func:`rows_in_force`). Without it the
+  step (the segment options' ``rows_from``; :func:`rows_in_force`). Without it the
   restart would run the build's rows again, the very split the closed loop
   had moved away from a slowed replica. Dropping a device
   re-plans for the devices left (the measured profile of the failed
@@ -48,29 +48,27 @@ its ``replans.jsonl`` has them.)
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from ... import driver
 from ...errors import HpmlError, InfeasibleError, SupervisorError
 from ...plan import Plan, load_plan, save_plan
 from ...profile import load_profile
-from ...schema import read_json
-from .adapt import NEXT_FILE, REPLANS_FILE, AdaptOptions
 from ..execute.checkpoint import latest
-from .launcher import LaunchSpec, RankFailure, launch, prepare_run_dir
 from ..observe.monitor import read_metrics
 from ..observe.policy import FailureLedger
-from .worker import KILLED_EXIT, PROGRESS_FILE, error_path
+from ..observe.runfolder import RunFolder
+from .launcher import LaunchSpec, RankFailure, launch, prepare_run_dir
+from .loop import KILLED_EXIT
+from .options import ResumeMode, RunOptions
 
-__all__ = ["Culprit", "SupervisorError", "blame", "supervise", "timings", "plan_devices", "EVENTS_FILE",
-           "in_place_moves", "rows_in_force"]
+__all__ = ["Culprit", "SupervisorError", "blame", "supervise", "timings", "plan_devices", "in_place_moves",
+           "rows_in_force"]
 
-EVENTS_FILE = "events.jsonl"
 _SIGTERM = -15
 
 
@@ -106,11 +104,7 @@ def blame(failures: dict[int, tuple[int, str]], run_dir: Path) -> Culprit:
     rank that never reported while others did (it hung: its peers timed
     out); else the earliest report.
     """
-    reports: dict[int, dict[str, Any]] = {}
-    for rank in failures:
-        path = error_path(run_dir, rank)
-        if path.is_file():
-            reports[rank] = json.loads(path.read_text())
+    reports = {rank: info for rank in failures for info in [RunFolder(run_dir).read_error(rank)] if info is not None}
     now = time.time()
 
     def culprit(rank: int, cause: str) -> Culprit:
@@ -142,15 +136,14 @@ def blame(failures: dict[int, tuple[int, str]], run_dir: Path) -> Culprit:
 
 @dataclass(slots=True)
 class _Job:
-    run_dir: Path
+    run: RunFolder
     log: Callable[[str], None]
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def event(self, kind: str, **info: Any) -> None:
         e = {"event": kind, "time": time.time(), **info}
         self.events.append(e)
-        with (self.run_dir / EVENTS_FILE).open("a") as f:
-            f.write(json.dumps(e) + "\n")
+        self.run.append_event(e)
 
 
 def in_place_moves(seg_dir: Path) -> list[dict[str, Any]]:
@@ -159,18 +152,7 @@ def in_place_moves(seg_dir: Path) -> list[dict[str, Any]]:
     Rank 0 records an in-place move once every rank has taken the rows (with ``switch_s``, its measured cost), so
     each such line is a move that happened; a line cut short by a failure is not one.
     """
-    path = seg_dir / REPLANS_FILE
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError:  # the last line of a rank that died while writing it
-            continue
-        if isinstance(d, dict) and d.get("in_place") and "switch_s" in d:
-            out.append(d)
-    return out
+    return [d for d in RunFolder(seg_dir).read_replans() if d.get("in_place") and "switch_s" in d]
 
 
 def rows_in_force(seg_dir: Path, built: Plan) -> Plan | None:
@@ -232,7 +214,7 @@ def _measured_or_planned(seg_dir: Path, build: Path, plan: Plan) -> tuple[Any, s
 
 def _replan_without(job: _Job, plan: Plan, build: Path, seg_dir: Path, lost: str, out: Path,
                     solver: str, time_limit_s: float) -> tuple[Path, dict[str, Any]]:
-    last = latest(job.run_dir / "checkpoints")
+    last = latest(job.run.checkpoints)
     keep = f"; the last checkpoint, {last}, is intact" if last else "; no checkpoint was written yet"
     prof, source = _measured_or_planned(seg_dir, build, plan)
     t0 = time.perf_counter()
@@ -257,27 +239,18 @@ def _replan_without(job: _Job, plan: Plan, build: Path, seg_dir: Path, lost: str
     return Path(built), info
 
 
-def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequence[str] = (),
-              slows: Sequence[tuple[int, float, int]] = (), kills: Sequence[tuple[int, int]] = (),
-              hangs: Sequence[tuple[int, int]] = (),
-              first_only: Sequence[str] = (), checkpoint_every: int = 5, keep: int = 3,
-              adapt: AdaptOptions | None = AdaptOptions(), max_failures: int = 2, solver: str = "ilp",
+def supervise(build_dir: Path, run_dir: Path, options: RunOptions, *, max_failures: int = 2, solver: str = "ilp",
               run_info: dict[str, Any] | None = None, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run ``build_dir`` for ``steps`` steps on this host, re-planning and restarting as needed.
+    """Run ``build_dir`` for ``options.steps`` steps on this host, re-planning and restarting as needed.
 
     Args:
         build_dir: the first build.
         run_dir: the job's folder (segments, checkpoints, events).
-        steps: the step the job ends at.
-        worker_args: arguments for every segment's :mod:`.worker` (optimizer, lr, logging, ...).
-        slows: ``(rank, factor, from step)`` of the first plan (fault injection; follows the device).
-        kills: ``(step, rank)`` of the first plan (fault injection; follows the device).
-        hangs: ``(step, rank)`` of the first plan: that rank stops responding at that step, each time it
-            gets there (a failing device; fault injection).
-        first_only: worker arguments for the first segment only (``--inject-fault``).
-        checkpoint_every: checkpoint every K steps (also at the end and before a switch).
-        keep: complete checkpoints kept.
-        adapt: when to re-plan on imbalance (None: only on failure).
+        options: the job's options. Each segment runs them with its own checkpoint folder (the job's, resumed
+            when it holds one), launch time, rows in force, and faults: those of ``options.faults`` name ranks
+            of the first plan and follow their devices (:meth:`~.options.Faults.follow`; the communication
+            faults in the first segment only). ``options.adapt``: when to re-plan on imbalance (None: only on
+            failure).
         max_failures: failures of one device (other than a death) before it is dropped.
         solver: the solver for re-planning after a failure.
         run_info: extra facts for each segment's run.json.
@@ -291,36 +264,27 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
         LaunchError: a rank failed on bad input (never retried), or the ranks could not start.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    job = _Job(run_dir, log)  # a run folder used before goes on: new segments, events appended
+    job = _Job(RunFolder(run_dir), log)  # a run folder used before goes on: new segments, events appended
     first = plan_devices(load_plan(build_dir / "plan.json"))
-    for rank in [r for r, _, _ in slows] + [r for _, r in [*kills, *hangs]]:
+    for rank in options.faults.ranks():
         if not 0 <= rank < len(first):
             raise HpmlError(f"fault injection names rank {rank}, but the plan has ranks 0..{len(first) - 1}")
-    slow_dev = [(first[r], f, s) for r, f, s in slows]
-    step_faults = [("--kill-at", s, first[r]) for s, r in kills] + [("--hang-at", s, first[r]) for s, r in hangs]
     ledger = FailureLedger(max_failures)
-    earlier = [int(p.name[3:]) for p in run_dir.glob("seg*") if p.name[3:].isdigit()]
-    build, seg, reason = build_dir, max(earlier, default=-1) + 1, "start"
-    checkpoints = run_dir / "checkpoints"
+    build, seg, reason = build_dir, max(job.run.segments(), default=-1) + 1, "start"
     carried: Plan | None = None  # rows moved in place before a failure, for the restart on the same build
     while True:
         plan = load_plan(build / "plan.json")
         devices = plan_devices(plan)
-        seg_dir = run_dir / f"seg{seg}"
-        prepare_run_dir(build, seg_dir, {"steps": steps, "nproc": len(devices), "segment": seg, "reason": reason,
-                                         **(run_info or {})})
+        seg_dir = job.run.segment(seg).path
+        seg_options = options.for_segment(
+            checkpoint_dir=job.run.checkpoints, resume=ResumeMode.IF_ANY, launched_at=time.time(),
+            faults=options.faults.follow(first, devices, first_segment=reason == "start"),
+            rows_from=seg_dir / "plan.json" if carried is not None else None)
+        prepare_run_dir(build, seg_dir, {"steps": options.steps, "nproc": len(devices), "segment": seg,
+                                         "reason": reason, **(run_info or {})}, seg_options)
         if carried is not None:  # the segment's plan is the one in force: its ranks take its rows, report reads it
             save_plan(carried, seg_dir / "plan.json")
-        args = [*worker_args, "--steps", str(steps), "--checkpoint-dir", str(checkpoints), "--checkpoint-every",
-                str(checkpoint_every), "--keep-checkpoints", str(keep), "--resume-if-any", "--launched-at", str(time.time())]
-        if adapt is not None:
-            args += ["--adapt", "--adapt-threshold", str(adapt.threshold), "--adapt-patience", str(adapt.patience),
-                     "--adapt-cooldown", str(adapt.cooldown)]
-        args += [x for d, f, s in slow_dev if d in devices for x in ("--slow", f"{devices.index(d)}:{f:g}:{s}")]
-        args += [x for flag, s, d in step_faults if d in devices for x in (flag, f"{s}:{devices.index(d)}")]
-        args += list(first_only) if reason == "start" else []
-        args += ["--rows-from", str(seg_dir / "plan.json")] if carried is not None else []
-        resumed = latest(checkpoints)
+        resumed = latest(job.run.checkpoints)
         rows = {"rows": [list(st.rows) for st in carried.stages]} if carried is not None else {}
         job.event("segment", segment=seg, reason=reason, build=str(build), devices=devices,
                   resume_from=str(resumed) if resumed else None, **rows)
@@ -329,7 +293,7 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
             + (" with the rows moved in place before the failure: " + _rows_text(carried) if carried else ""))
         carried = None
         try:
-            launch(LaunchSpec(build, seg_dir, len(devices), worker_args=tuple(args)))
+            launch(LaunchSpec(build, seg_dir, len(devices)))
         except RankFailure as e:
             seen = time.time()
             c = blame(e.failures, seg_dir)
@@ -344,7 +308,8 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
             if dropped:
                 why = "its process died" if c.cause == "killed" else f"it failed {ledger.failures(device)} times"
                 log(f"dropping {device}: {why}")
-                build, info = _replan_without(job, plan, build, seg_dir, device, run_dir / "builds" / f"seg{seg + 1}",
+                adapt = options.adapt
+                build, info = _replan_without(job, plan, build, seg_dir, device, job.run.build_for(seg + 1),
                                               solver, adapt.time_limit_s if adapt else 20.0)
                 job.event("replan", segment=seg, trigger="failure", **info)
                 reason = f"{device} lost"
@@ -356,14 +321,13 @@ def supervise(build_dir: Path, run_dir: Path, *, steps: int, worker_args: Sequen
             seg += 1
             continue
         _record_moves(job, seg, seg_dir)
-        nxt = seg_dir / NEXT_FILE
-        if nxt.is_file():
-            info = read_json(nxt)
-            job.event("switch", segment=seg, step=info["step"], build=info["build"], decision=info.get("event", {}))
-            build, reason = Path(info["build"]), f"re-planned at step {info['step']}"
+        nxt = RunFolder(seg_dir).read_next()
+        if nxt is not None:
+            job.event("switch", segment=seg, step=nxt["step"], build=nxt["build"], decision=nxt.get("event", {}))
+            build, reason = Path(nxt["build"]), f"re-planned at step {nxt['step']}"
             seg += 1
             continue
-        job.event("done", segment=seg, steps=steps)
+        job.event("done", segment=seg, steps=options.steps)
         return job.events
 
 
@@ -384,7 +348,8 @@ def timings(run_dir: Path) -> list[dict[str, Any]]:
       measured ``switch_s``, from rank 0's decision to the rows in force on every rank and plan.json re-published
       (the next step then runs on them).
     """
-    events = [json.loads(line) for line in (run_dir / EVENTS_FILE).read_text().splitlines() if line.strip()]
+    run = RunFolder(run_dir)
+    events = run.read_events()
     out = []
     for i, e in enumerate(events):
         if e["event"] == "rows_moved":
@@ -396,8 +361,8 @@ def timings(run_dir: Path) -> list[dict[str, Any]]:
         if e["event"] not in ("failure", "switch"):
             continue
         nxt = next((x for x in events[i + 1:] if x["event"] == "segment"), None)
-        started = run_dir / f"seg{nxt['segment']}" / PROGRESS_FILE if nxt else None
-        first_step = read_json(started)["first_step_at"] if started and started.is_file() else None
+        started = run.segment(nxt["segment"]).read_started() if nxt else None
+        first_step = started["first_step_at"] if started else None
         if e["event"] == "failure":
             rp = next((x for x in events[i + 1:i + 2] if x["event"] == "replan"), {})
             replan_s = rp.get("solve_s", 0.0) + rp.get("codegen_s", 0.0)

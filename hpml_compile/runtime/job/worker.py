@@ -1,37 +1,39 @@
-"""One rank of ``hpml-compile run``: what torchrun starts in each process (``python -m hpml_compile.runtime.job.worker``).
+"""One rank of ``hpml-compile run``: what torchrun starts in each process (``rank_entry.py BUILD RUN_DIR``).
 
-Each rank reads the build's ``model.json`` (:mod:`.recipe`), builds the
-model from the same seed as every other rank, loads the build (hashes
-checked, model re-traced, stage code regenerated from plan.json), joins the job through
-torchrun's environment (:class:`~.pipeline.Pipeline`), and trains ``--steps``
-steps on the model's example batch (synthetic data: a fixed batch, so the
-loss visibly falls; train on your own data with the Python API). Rank 0
-prints the loss and throughput as it goes. Every rank writes its
-measurements into the run folder; at the end rank 0 also writes the rows of
-ranks on other hosts, so one run folder holds them all.
+Each rank reads the run's options from ``RUN_DIR/run.json``
+(:func:`~.options.read_options`, written once by the launcher), reads the
+build's ``model.json`` (:mod:`hpml_compile.recipe`), builds the model from the
+same seed as every other rank, loads the build (hashes checked, model
+re-traced, stage code regenerated from plan.json), joins the job through
+torchrun's environment (:class:`~hpml_compile.runtime.execute.pipeline.Pipeline`),
+and trains (:func:`~.loop.train`): on a TrainSpec's dataset, or on the model's
+example batch (a fixed batch, so the loss visibly falls). Rank 0 prints the
+loss and throughput as it goes. Every rank writes its measurements into the
+run folder; at the end rank 0 also writes the rows of ranks on other hosts,
+so one run folder holds them all.
 
 A rank that fails writes ``errors/rank<r>.txt`` (the message and the time)
 so that the launcher can say which rank failed first and why.
 
 Example:
-    >>> a = parse_args(["build", "out/run", "--steps", "3"])
-    >>> a.steps, a.optimizer is OptimizerName.ADAMW
+    >>> import tempfile
+    >>> from .options import write_options
+    >>> run = RunFolder(Path(tempfile.mkdtemp()))
+    >>> write_options(run, RunOptions(steps=3, optimizer=OptimizerName.SGD), {"build": "b"})
+    >>> read_options(run).steps, read_options(run).optimizer is OptimizerName.SGD
     (3, True)
 """
 
 from __future__ import annotations
 
 import argparse
-import enum
 import functools
 import json
-import math
 import os
-import socket
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,230 +41,26 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ...codegen.build import sha256
 from ...errors import HpmlError
-from ...schema import write_json_atomic
-from .adapt import NEXT_FILE, AdaptOptions, Adapter, take_rows
-from ..execute.checkpoint import CheckpointError, latest, load_checkpoint, resume_from, save_checkpoint, seed_rngs
-from ..sync.comm import CommFault, CommOp
-from .lifeline import watch_launcher
-from ..observe.live import AlertWatch, RowTail, serve_metrics
-from ..observe.monitor import metrics_path
-from ..execute.pipeline import Pipeline
-from ..execute.trainer import Trainer
 from ...recipe import read_recipe
+from ..execute.checkpoint import CheckpointError, latest, load_checkpoint, resume_from, save_checkpoint, seed_rngs
+from ..execute.pipeline import Pipeline
 from ..execute.session import CommFailure, RetryPolicy, env_rank
+from ..execute.trainer import Trainer
+from ..observe.monitor import metrics_path
+from ..observe.runfolder import RunFolder
+from .adapt import take_rows
+from .lifeline import watch_launcher
+from .loop import observers_for, say, train
+from .options import OptimizerName, ResumeMode, RunOptions, read_options
 
-PROGRESS_FILE = "started.json"
 _STARTED = time.perf_counter()  # the process's start, near enough: the cost of a restart is measured from it
 
-__all__ = ["OptimizerName", "ResumeMode", "parse_args", "main", "error_path", "threads_per_rank", "PROGRESS_FILE",
-           "parse_fault", "parse_step_rank", "parse_slow"]
-
-
-class OptimizerName(str, enum.Enum):
-    """Optimizers ``run`` can train with."""
-
-    ADAMW = "adamw"
-    SGD = "sgd"
-
-
-class ResumeMode(str, enum.Enum):
-    """Whether a rank starts from a checkpoint: never, always (an error without one), or when there is one."""
-
-    NO = "no"
-    REQUIRED = "required"
-    IF_ANY = "if-any"
-
-
-def error_path(run_dir: str | Path, rank: int) -> Path:
-    """Where a failing rank writes its message."""
-    return Path(run_dir) / "errors" / f"rank{rank}.txt"
+__all__ = ["RankRun", "start_rank", "main", "threads_per_rank", "resume_point"]
 
 
 def threads_per_rank(local_world_size: int, cores: int | None = None) -> int:
     """Torch threads for each of ``local_world_size`` ranks sharing this host's cores."""
     return max(1, (cores or os.cpu_count() or 1) // max(1, local_world_size))
-
-
-def parse_fault(text: str) -> CommFault:
-    """Parse ``--inject-fault STEP:RANK:OP`` (STEP from 1, as the progress lines count).
-
-    Raises:
-        argparse.ArgumentTypeError: not three fields, a field that is not a whole number or an operation,
-            a step below 1 or a negative rank.
-    """
-    ops = "|".join(o.value for o in CommOp)
-    try:
-        step, rank, op = text.split(":")
-        fault = CommFault(int(step) - 1, int(rank), CommOp(op))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected STEP:RANK:{ops} (e.g. 3:1:{CommOp.COLLECTIVE.value}), "
-                                         f"got {text!r}") from e
-    _at_least(text, "STEP", fault.step + 1, 1)
-    _at_least(text, "RANK", fault.rank, 0)
-    return fault
-
-
-def _at_least(text: str, name: str, value: int, low: int) -> None:
-    if value < low:
-        raise argparse.ArgumentTypeError(f"{name} must be {low} or more (steps count from 1, ranks from 0), "
-                                         f"got {value} in {text!r}")
-
-
-KILLED_EXIT = 137  # what a SIGKILLed process reports: the injected death looks like a real one
-
-
-def parse_step_rank(text: str) -> tuple[int, int]:
-    """Parse ``--kill-at``/``--hang-at STEP:RANK`` (STEP from 1).
-
-    Returns:
-        ``(step, rank)``.
-
-    Raises:
-        argparse.ArgumentTypeError: not two whole numbers, a step below 1 or a negative rank.
-    """
-    try:
-        step, rank = (int(x) for x in text.split(":"))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected STEP:RANK (e.g. 5:1; step from 1), got {text!r}") from e
-    _at_least(text, "STEP", step, 1)
-    _at_least(text, "RANK", rank, 0)
-    return step, rank
-
-
-def _die(run_dir: Path, rank: int, step: int) -> None:
-    """Injected failure: leave the reason where the launcher looks, then vanish like a killed process."""
-    path = error_path(run_dir, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"rank": rank, "time": time.time(), "user_error": False, "kind": "killed",
-                                "message": f"killed at step {step} by --kill-at (fault injection)"}))
-    sys.stdout.flush()
-    os._exit(KILLED_EXIT)
-
-
-def parse_slow(text: str) -> tuple[int, float, int]:
-    """Parse ``--slow RANK:FACTOR:FROM_STEP`` (FROM_STEP from 1).
-
-    Returns:
-        ``(rank, factor, from_step)``.
-
-    Raises:
-        argparse.ArgumentTypeError: not three fields, a field of the wrong type, a factor below 1 or not
-            finite, a step below 1 or a negative rank.
-    """
-    try:
-        rank, factor, step = text.split(":")
-        out = int(rank), float(factor), int(step)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected RANK:FACTOR:FROM_STEP, e.g. 1:3:10, got {text!r}") from e
-    if not (math.isfinite(out[1]) and out[1] >= 1):
-        raise argparse.ArgumentTypeError(f"FACTOR must be a number >= 1 (how many times slower), got {factor!r} "
-                                         f"in {text!r}")
-    _at_least(text, "RANK", out[0], 0)
-    _at_least(text, "FROM_STEP", out[2], 1)
-    return out
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected a whole number of steps, got {text!r}") from e
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (only at the end and before a switch) or more, got {value}")
-    return value
-
-
-def _slow_down(module: torch.nn.Module, factor: float) -> None:
-    """Make a stage ``factor`` times slower, as a slower device would be.
-
-    Each forward call sleeps ``(factor - 1)`` times its own duration three times
-    over (forward plus a backward of about twice the forward), so the stage's
-    compute per microbatch grows by about ``factor`` and the monitor sees it
-    where a slow device would show it: in the stage's compute time.
-    """
-    started: list[float] = [0.0]
-
-    def before(_m: torch.nn.Module, _args: object) -> None:
-        started[0] = time.perf_counter()
-
-    def after(_m: torch.nn.Module, _args: object, _out: object) -> None:
-        time.sleep((factor - 1.0) * 3.0 * (time.perf_counter() - started[0]))
-
-    module.register_forward_pre_hook(before)
-    module.register_forward_hook(after)
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The worker's arguments (the launcher writes them; see ``hpml-compile run --help``)."""
-    p = argparse.ArgumentParser(prog="python -m hpml_compile.runtime.job.worker")
-    p.add_argument("build", type=Path)
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--optimizer", type=OptimizerName, default=OptimizerName.ADAMW,
-                   choices=list(OptimizerName))
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--log-every", type=int, default=1, dest="log_every")
-    p.add_argument("--retries", type=int, default=3, help="attempts per step on transient communication errors")
-    p.add_argument("--inject-fault", type=parse_fault, action="append", default=[], dest="faults",
-                   metavar="STEP:RANK:OP",
-                   help="fail one communication operation once (to exercise the retry); repeatable")
-    p.add_argument("--kill-at", type=parse_step_rank, action="append", default=[], dest="kills", metavar="STEP:RANK",
-                   help="rank RANK dies (no clean-up, exit 137) when it reaches step STEP; repeatable")
-    p.add_argument("--hang-at", type=parse_step_rank, action="append", default=[], dest="hangs", metavar="STEP:RANK",
-                   help="rank RANK stops responding (sleeps for ever) when it reaches step STEP; repeatable")
-    p.add_argument("--slow", type=parse_slow, action="append", default=[], dest="slows",
-                   metavar="RANK:FACTOR:FROM_STEP",
-                   help="rank RANK computes FACTOR times slower from step FROM_STEP on; repeatable")
-    p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
-    p.add_argument("--checkpoint-dir", type=Path, default=None, dest="checkpoint_dir",
-                   help="where checkpoints go (none written without it)")
-    p.add_argument("--checkpoint-every", type=_non_negative, default=0, dest="checkpoint_every",
-                   help="checkpoint every K steps (0: only at the end and before a switch)")
-    p.add_argument("--keep-checkpoints", type=int, default=3, dest="keep", help="complete checkpoints kept")
-    p.add_argument("--resume", action="store_const", const=ResumeMode.REQUIRED, default=ResumeMode.NO,
-                   help="start from the latest intact checkpoint in --checkpoint-dir (an error when there is none)")
-    p.add_argument("--resume-if-any", action="store_const", const=ResumeMode.IF_ANY, dest="resume",
-                   help="as --resume, but start at step 0 when there is no checkpoint yet (the supervisor's "
-                        "segments: a failure may come before the first checkpoint)")
-    p.add_argument("--adapt", action="store_true", help="re-plan on a sustained gap to the plan (see adapt.py)")
-    p.add_argument("--adapt-threshold", type=float, default=AdaptOptions().threshold, dest="adapt_threshold")
-    p.add_argument("--adapt-patience", type=int, default=AdaptOptions().patience, dest="adapt_patience")
-    p.add_argument("--adapt-cooldown", type=int, default=AdaptOptions().cooldown, dest="adapt_cooldown")
-    p.add_argument("--rows-from", type=Path, default=None, dest="rows_from", metavar="PLAN",
-                   help="train with this plan's rows per replica (the build's plan with rows moved in place: the "
-                        "supervisor's restart after a failure)")
-    p.add_argument("--launched-at", type=float, default=None, dest="launched_at",
-                   help="when the launch began (epoch seconds): rank 0 records the time to the first step")
-    p.add_argument("--val-every", type=int, default=0, dest="val_every",
-                   help="a TrainSpec's validation loss every K steps and at the end (0: never)")
-    p.add_argument("--log-samples", action="store_true", dest="log_samples",
-                   help="first-stage ranks write each step's dataset indices to RUN_DIR/samples/rank<r>.jsonl")
-    p.add_argument("--timeout", type=float, default=RetryPolicy().timeout_s,
-                   help="seconds a collective or receive may block before the rank fails (a hung peer)")
-    p.add_argument("--metrics-port", type=int, default=None, dest="metrics_port",
-                   help="rank 0 serves every rank's latest figures here (Prometheus text format)")
-    p.add_argument("--compress", default=None, help="override the plan's gradient compression (powersgd:R, topk:X)")
-    p.add_argument("--sync-every", type=int, default=None, dest="sync_every", help="override the plan's local SGD period")
-    p.add_argument("--sync-warmup", type=int, default=None, dest="sync_warmup", help="and its warm-up steps")
-    return p.parse_args(argv)
-
-
-def _live(args: argparse.Namespace, pipe: Pipeline) -> tuple[AlertWatch, RowTail]:
-    """Rank 0: the metrics endpoint (with --metrics-port) and the alert watch, both over the run folder's rows."""
-    plan = pipe.plan
-    devices = [d for st in plan.stages for d in st.devices]
-    if args.metrics_port:
-        try:
-            serve_metrics(args.run_dir, args.metrics_port, devices, plan.predicted.step_ms)
-        except OSError as e:
-            raise HpmlError(f"--metrics-port {args.metrics_port}: cannot serve there ({e}); pass a free port") from e
-        _say(f"metrics: http://{socket.gethostname()}:{args.metrics_port}/metrics (Prometheus text format)")
-    capacity = {r: plan.cluster.device(d).memory_bytes for r, d in enumerate(devices)}
-    return AlertWatch(plan.predicted.step_ms, capacity), RowTail(args.run_dir)
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def _optimizer(name: OptimizerName, lr: float) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
@@ -285,156 +83,138 @@ def _collect_rows(pipe: Pipeline, run_dir: Path) -> None:
             path.write_text(text + "\n")
 
 
-def _save(args: argparse.Namespace, pipe: Pipeline, step: int, loss: float | None,
-          trainer: Trainer | None = None) -> float:
-    """Checkpoint ``step`` on every rank; returns the seconds it took."""
-    t0 = time.perf_counter()
-    plan_hash = sha256((Path(args.build) / "plan.json").read_bytes())
-    save_checkpoint(args.checkpoint_dir, step, pipe.local_module(), pipe.optimizer, keep=args.keep, scaler=pipe.scaler,
-                    feedback=pipe.feedback(),
-                    extra={"loss": loss, "build": str(Path(args.build).resolve()), "plan_sha256": plan_hash,
-                           **(trainer.state_dict(step) if trainer is not None else {})})
-    return time.perf_counter() - t0
-
-
-def _resume_point(args: argparse.Namespace, rank: int) -> Path | None:
+def resume_point(options: RunOptions, rank: int) -> Path | None:
     """The checkpoint to start from (None: step 0); rank 0 says which damaged ones it skipped.
 
     Raises:
-        CheckpointError: ``--resume`` without ``--checkpoint-dir``, or with nothing intact to resume from.
+        CheckpointError: resuming without a checkpoint folder, or with nothing intact to resume from.
     """
-    if args.resume is ResumeMode.NO:
+    if options.resume is ResumeMode.NO:
         return None
-    if args.checkpoint_dir is None:
+    if options.checkpoint_dir is None:
         raise CheckpointError("--resume needs --checkpoint-dir DIR (the folder the checkpoints were written to)")
-    log = _say if rank == 0 else (lambda _line: None)
-    if args.resume is ResumeMode.IF_ANY:
-        return latest(args.checkpoint_dir, log=log)
-    return resume_from(args.checkpoint_dir, log=log)
+    log = say if rank == 0 else (lambda _line: None)
+    if options.resume is ResumeMode.IF_ANY:
+        return latest(options.checkpoint_dir, log=log)
+    return resume_from(options.checkpoint_dir, log=log)
 
 
-def _env_seconds(name: str) -> float | None:
-    """A number of seconds from the environment variable ``name``, or None when it is not set."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise HpmlError(f"{name}={text!r}: expected a number of seconds, e.g. {name}=0.5") from None
-    if value < 0:
-        raise HpmlError(f"{name}={text!r}: a cost cannot be negative; give 0 or more seconds")
-    return value
+class RankRun:
+    """One rank's steps (:class:`~.loop.Steps`): the pipeline, the data, and the checkpoints of a run.
+
+    Args:
+        pipe: the rank's pipeline.
+        loaded: the model as loaded from the build's recipe (its example batch and loss).
+        trainer: a TrainSpec's trainer, or None (train on the example batch).
+        options: the run's options.
+        build: the build folder.
+        start: the first step (a resumed checkpoint's).
+    """
+
+    def __init__(self, pipe: Pipeline, loaded: Any, trainer: Trainer | None, options: RunOptions, build: Path,
+                 start: int) -> None:
+        self.pipe, self.loaded, self.trainer, self.options, self.build = pipe, loaded, trainer, options, build
+        self.start, self.steps = start, options.steps
+
+    def step(self, step: int) -> float:
+        """Run step ``step``; return its loss."""
+        if self.trainer is not None:
+            every = self.options.val_every
+            return float(self.trainer.step(validate=bool(every) and ((step + 1) % every == 0
+                                                                     or step + 1 == self.steps)).item())
+        ld = self.loaded
+        return float(self.pipe.step(ld.example_inputs, ld.example_targets, ld.loss_fn).item())
+
+    def checkpoint_due(self, done: int) -> bool:
+        """At the end, and every ``checkpoint_every`` steps."""
+        every = self.options.checkpoint_every
+        return done == self.steps or bool(every and done % every == 0)
+
+    def checkpoint(self, done: int, loss: float) -> float | None:
+        """Checkpoint ``done`` steps on every rank; the seconds it took (None: this run keeps none)."""
+        if self.options.checkpoint_dir is None:
+            return None
+        t0 = time.perf_counter()
+        pipe, trainer = self.pipe, self.trainer
+        save_checkpoint(self.options.checkpoint_dir, done, pipe.local_module(), pipe.optimizer, keep=self.options.keep,
+                        scaler=pipe.scaler, feedback=pipe.feedback(),
+                        extra={"loss": loss, "build": str(self.build.resolve()),
+                               "plan_sha256": sha256((self.build / "plan.json").read_bytes()),
+                               **(trainer.state_dict(done) if trainer is not None else {})})
+        return time.perf_counter() - t0
 
 
-def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
+def start_rank(build: Path, run: RunFolder, options: RunOptions, rank: int, local_world: int
+               ) -> tuple[RankRun, Path | None]:
+    """Load the build, join the job, and resume: the rank's steps, and the checkpoint they start from.
+
+    Args:
+        build: the build folder.
+        run: the run folder.
+        options: the run's options.
+        rank: this rank.
+        local_world: ranks on this host (they share its cores).
+
+    Returns:
+        The rank's steps, and the checkpoint it resumed from (None: step 0).
+    """
     from ... import models  # the zoo: only a worker of a `compile`d build needs it
 
-    recipe = read_recipe(args.build)
+    recipe = read_recipe(build)
     threads = recipe.threads_per_rank or threads_per_rank(local_world)
     torch.set_num_threads(threads)
     loaded = models.load(recipe.model, batch_size=recipe.batch_size, seq_len=recipe.seq_len, seed=recipe.seed)
     spec = loaded.train  # a TrainSpec: train on its dataset (else on the example batch)
-    optimizer = spec.optimizer if spec is not None and spec.optimizer is not None else _optimizer(args.optimizer,
-                                                                                                   args.lr)
-    pipe = Pipeline.from_build(args.build, loaded.module, init_method="env://",
-                               retry=RetryPolicy(attempts=max(1, args.retries), timeout_s=args.timeout,
-                                                 rejoin_timeout_s=min(RetryPolicy().rejoin_timeout_s, args.timeout)),
-                               optimizer=optimizer, run_dir=args.run_dir,
-                               tensorboard=args.tensorboard, faults=args.faults, log=_say,
-                               comm_options={"compress": args.compress, "sync_every": args.sync_every,
-                                             "sync_warmup": args.sync_warmup})
-    trainer = Trainer(pipe, spec, run_dir=args.run_dir, log_samples=args.log_samples) if spec is not None else None
+    o = options
+    optimizer = spec.optimizer if spec is not None and spec.optimizer is not None else _optimizer(o.optimizer, o.lr)
+    retry = RetryPolicy(attempts=max(1, o.retries), timeout_s=o.timeout_s,
+                        rejoin_timeout_s=min(RetryPolicy().rejoin_timeout_s, o.timeout_s))
+    pipe = Pipeline.from_build(build, loaded.module, init_method="env://", retry=retry, optimizer=optimizer,
+                               run_dir=run.path, tensorboard=o.tensorboard, faults=o.faults.comm, log=say,
+                               comm_options=o.comm_options)
+    trainer = Trainer(pipe, spec, run_dir=run.path, log_samples=o.log_samples) if spec is not None else None
     pipe.trainer = trainer  # rows moved in place (the closed loop) reach its data loader
     seed_rngs(recipe.seed, rank)  # dropout draws the same masks in two runs; a resume restores the states
-    start = 0
-    found = _resume_point(args, rank)
+    start, found = 0, resume_point(o, rank)
     if found is not None:
         meta = load_checkpoint(found, pipe.local_module(), pipe.optimizer, scaler=pipe.scaler,
-                               feedback=pipe.feedback(), log=_say)
-        start = int(meta["step"])
-        pipe.steps_done = start
+                               feedback=pipe.feedback(), log=say)
+        start = pipe.steps_done = int(meta["step"])
         if trainer is not None:
             trainer.load_state_dict(meta, found)
-    if args.rows_from is not None:  # rows the closed loop moved in place before a failure: in force from the start
-        took = take_rows(pipe, args.rows_from)
+    if o.rows_from is not None:  # rows the closed loop moved in place before a failure: in force from the start
+        took = take_rows(pipe, o.rows_from)
         if rank == 0:
-            _say("rows per replica from " + str(args.rows_from) + ", on every rank: " + " | ".join(
+            say(f"rows per replica from {o.rows_from}, on every rank: " + " | ".join(
                 ",".join(st.devices) + (f" rows {':'.join(map(str, st.rows))}" if st.rows else "")
                 for st in took.stages))
     if rank == 0:
         plan = pipe.plan
-        print(f"training {recipe.model} for {args.steps} steps on {pipe.world_size} ranks: "
-              f"{len(plan.stages)} stages, {plan.microbatches} microbatches, {plan.schedule.value}, "
-              f"{plan.precision.value}, "
-              f"batch {recipe.batch_size}, {threads} thread(s) per rank"
+        print(f"training {recipe.model} for {o.steps} steps on {pipe.world_size} ranks: {len(plan.stages)} stages, "
+              f"{plan.microbatches} microbatches, {plan.schedule.value}, {plan.precision.value}, batch "
+              f"{recipe.batch_size}, {threads} thread(s) per rank"
               + (f"; resumed from {found} (step {start})" if found else ""), flush=True)
-    t0 = time.perf_counter()
-    kills = {step for step, r in args.kills if r == rank}
-    hangs = {step for step, r in args.hangs if r == rank}
-    adapter: Adapter | None = None
-    live = _live(args, pipe) if rank == 0 else None
-    loss_value: float | None = None
-    switched = None
-    for step in range(start, args.steps):
-        if step + 1 in kills:
-            _die(args.run_dir, rank, step + 1)
-        if step + 1 in hangs:  # injected hang: the peers block on this rank until their time-out
-            while True:
-                time.sleep(3600)
-        for r, factor, begin in args.slows:
-            if r == rank and (begin == step + 1 or (step == start and begin <= start)):
-                for module in pipe.stages.values():
-                    _slow_down(module, factor)
-        if trainer is not None:
-            validate = bool(args.val_every) and ((step + 1) % args.val_every == 0 or step + 1 == args.steps)
-            loss = trainer.step(validate=validate)
-        else:
-            loss = pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
-        loss_value = float(loss.item())
-        if step == start and rank == 0:  # how long a (re)start took, for the supervisor's figures
-            write_json_atomic({"launched_at": args.launched_at, "first_step_at": time.time(), "start_step": start,
-                               "checkpoint": str(found) if found else None}, Path(args.run_dir) / PROGRESS_FILE)
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
-            m = pipe.metrics[-1]
-            print(f"step {step + 1:4d}/{args.steps}  loss {loss_value:9.4f}  {m.samples_per_s:8.1f} samples/s  "
-                  f"{m.step_ms:8.1f} ms/step" + (f"  ({m.retries} retries)" if m.retries else ""), flush=True)
-        if rank == 0 and pipe.metrics and pipe.metrics[-1].val_loss is not None:
-            print(f"step {step + 1:4d}/{args.steps}  validation loss {pipe.metrics[-1].val_loss:9.4f}", flush=True)
-        if live is not None:
-            for alert in live[0].observe(live[1].read()):
-                _say(f"ALERT {alert}")
-        if args.adapt:
-            if adapter is None:
-                began = time.time() - args.launched_at if args.launched_at else time.perf_counter() - _STARTED
-                adapter = Adapter(pipe, build_dir=args.build, run_dir=args.run_dir, total_steps=args.steps,
-                                  startup_s=began, log=_say,
-                                  options=AdaptOptions(threshold=args.adapt_threshold, patience=args.adapt_patience,
-                                                       cooldown=args.adapt_cooldown,
-                                                       # which candidates: a benchmark forces each (AdaptOptions)
-                                                       candidates=os.environ.get("HPML_ADAPT_CANDIDATES", "both"),
-                                                       switch_cost_s=_env_seconds("HPML_ADAPT_SWITCH_COST_S")))
-            verdict = adapter.observe()
-            if verdict is not None and verdict.restart:  # an in-place row move goes on here
-                switched = verdict
-        done = step + 1
-        if args.checkpoint_dir and (switched or done == args.steps
-                                    or (args.checkpoint_every and done % args.checkpoint_every == 0)):
-            took = _save(args, pipe, done, loss_value, trainer)
-            if adapter is not None:
-                adapter.checkpoint_s = took
-        if switched is not None:
-            if rank == 0:
-                write_json_atomic({"reason": "imbalance", "step": done, "build": switched.build,
-                                   "event": switched.event}, Path(args.run_dir) / NEXT_FILE)
-                print(f"step {done}: checkpointed; restarting on the new plan ({switched.build})", flush=True)
-            break
-    if trainer is not None:
-        trainer.close()
-    _collect_rows(pipe, args.run_dir)
-    if rank == 0 and switched is None:
-        print(f"done: {args.steps - start} steps in {time.perf_counter() - t0:.1f} s", flush=True)
-    pipe.close()
+    return RankRun(pipe, loaded, trainer, o, build, start), found
+
+
+def _train(build: Path, run: RunFolder, rank: int, local_world: int) -> None:
+    options = read_options(run)
+    steps, found = start_rank(build, run, options, rank, local_world)
+    observers = observers_for(steps.pipe, options, run, build=build, start=steps.start, resumed=found,
+                              started=_STARTED)
+    train(steps, observers)
+    if steps.trainer is not None:
+        steps.trainer.close()
+    _collect_rows(steps.pipe, run.path)
+    steps.pipe.close()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The rank's command line: the build and the run folder (the options are the folder's ``run.json``)."""
+    p = argparse.ArgumentParser(prog="rank_entry.py", description="one rank of `hpml-compile run`")
+    p.add_argument("build", type=Path)
+    p.add_argument("run_dir", type=Path)
+    return p.parse_args(argv)
 
 
 @record
@@ -446,15 +226,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("hpml_compile.runtime.job.worker runs under torchrun: use `hpml-compile run BUILD`")
     rank, _, local_world = env
     watch_launcher(rank=rank)  # no orphan rank when the launcher is killed
+    run = RunFolder(args.run_dir)
     try:
-        _train(args, rank, local_world)
+        _train(args.build, run, rank, local_world)
     except Exception as e:
-        path = error_path(args.run_dir, rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
         prefix = "" if isinstance(e, HpmlError) else f"{type(e).__name__}: "
         kind = "comm" if isinstance(e, CommFailure) else "user" if isinstance(e, HpmlError) else "crash"
-        path.write_text(json.dumps({"rank": rank, "time": time.time(), "message": f"{prefix}{e}", "kind": kind,
-                                    "user_error": kind == "user"}))
+        run.write_error(rank, f"{prefix}{e}", kind=kind)
         if isinstance(e, HpmlError):  # the launcher prints the message, naming the rank that failed first
             # os._exit, not sys.exit: an orderly interpreter exit destroys the threads gloo still runs for the
             # failed group ("terminate called without an active exception"), and the rank then dies by SIGABRT,

@@ -51,6 +51,7 @@ from ...errors import HpmlError, OutputError
 from ...plan import Plan, load_plan
 from .events import StepEvents, read_events
 from .monitor import StepMetrics, read_metrics
+from .runfolder import RunFolder
 from .summary import RunSummary, analyse, format_summary
 
 __all__ = ["write_page", "page_html", "SECTIONS", "GENERATOR_META"]
@@ -122,8 +123,7 @@ def _marks(run_dir: Path, rows: Mapping[int, Sequence[StepMetrics]]) -> list[tup
     """(step from 1, what) of re-plans, retried steps and restarts."""
     out: list[tuple[int, str]] = []
     for folder in (run_dir, run_dir.parent):
-        for name in ("replans.jsonl", "events.jsonl"):
-            path = folder / name
+        for path in (RunFolder(folder).replans, RunFolder(folder).events):
             if not path.is_file():
                 continue
             for line in path.read_text().splitlines():

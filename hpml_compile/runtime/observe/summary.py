@@ -44,9 +44,9 @@ from typing import Callable, Mapping, Sequence
 from ...ir import Cluster, NodeCost, Profile, variant_kind
 from ...plan import Plan, load_plan
 from ...profile import load_profile, save_profile
-from ...publish import read_json_lines
 from ...report import host_summary, human_bytes
 from .monitor import StepMetrics, read_metrics
+from .runfolder import RunFolder
 from .policy import contention_discount, lost_share, memory_shortfalls
 
 BUSY = 0.10  # a step on a host that lost at least this share of its CPU to steal and other programs was "busy"
@@ -267,9 +267,10 @@ def next_build_path(run_dir: Path) -> Path:
     from ...schema import read_json
 
     build = run_dir.parent / "build"
-    if (run_dir / "run.json").is_file():
+    run_json = RunFolder(run_dir).run_json
+    if run_json.is_file():
         try:
-            named = read_json(run_dir / "run.json").get("build")
+            named = read_json(run_json).get("build")
         except (HpmlError, AttributeError):
             named = None
         if isinstance(named, str) and named:
@@ -352,8 +353,7 @@ def analyse(run_dir: str | Path, *, skip: int | None = None) -> RunSummary:
                         "--run-dir` wrote, and did a step finish?")
     if not (run / "plan.json").is_file():
         raise HpmlError(f"{run}: no plan.json; `hpml-compile run` copies the build's plan there")
-    moved = [e["step"] for e in (read_json_lines(run / "replans.jsonl") if (run / "replans.jsonl").is_file() else [])
-             if isinstance(e, dict) and e.get("in_place")]
+    moved = [e["step"] for e in RunFolder(run).read_replans() if e.get("in_place")]
     if moved:  # plan.json holds the rows moved in place at that step (runtime/job/adapt.py): the steps run on them
         since = {r: [m for m in ms if m.step >= moved[-1]] for r, ms in rows.items()}
         rows = since if all(since.values()) else rows

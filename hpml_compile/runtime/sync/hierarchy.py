@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ...errors import HpmlError
 from ...plan import AllReduce, Plan
 from ...schedule import stage_ranks
 
