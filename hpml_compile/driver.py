@@ -60,7 +60,7 @@ from .schema import write_json_atomic
 from .simulate import annotate, crowded_devices
 from .solve import SolverName, solve
 from .solve.uneven import improve as improve_uneven
-from .trace import trace
+from .trace import fixed_shapes, trace
 
 __all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "move_rows", "with_link", "profile_links",
            "rebuild", "cost_graph", "local_threads",
@@ -534,11 +534,11 @@ def _generate(module: nn.Module, inputs: tuple[Any, ...], gm: fx.GraphModule, pl
     validate_plan(placed, prof)
     graph = gm
     replicas = {len(st.devices) for st in placed.stages}
-    if gm.meta.get("hpml_front_end") is FrontEnd.EXPORT and any(st.rows for st in placed.stages):
+    if fixed_shapes(gm) and any(st.rows for st in placed.stages):
         raise HpmlError(f"{label} traces with torch.export, whose shapes are fixed, but the plan gives the replicas "
                         "of a stage different rows per microbatch; plan with uneven rows off "
                         "(Options(uneven=False)) or trace with fx")
-    if gm.meta.get("hpml_front_end") is FrontEnd.EXPORT and (placed.microbatches > 1 or replicas != {1}):
+    if fixed_shapes(gm) and (placed.microbatches > 1 or replicas != {1}):
         if len(replicas) > 1:
             raise HpmlError(f"{label} traces with torch.export, whose shapes are fixed, but the plan gives its "
                             f"stages different replica counts {sorted(replicas)}; use a cluster or solver that "

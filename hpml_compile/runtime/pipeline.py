@@ -819,7 +819,7 @@ class Pipeline:
                         part = micro_in[j] if own else split_replicas(micro_in[j], self._splits[k])[r]
                         out = forward_stage(self.build, stage, part, self.device)
                         if k == last:
-                            outs.append((j, r, to_device(out, torch.device("cpu"))))
+                            outs.append((j, r, to_device(self.build.model_output(out), torch.device("cpu"))))
             comm.flush()
             comm.forget()  # receives owe gradients that no backward will ask for
             return outs
