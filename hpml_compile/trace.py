@@ -46,7 +46,8 @@ from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
 from .errors import TraceError
 from .ir import FrontEnd
 
-__all__ = ["NodeInfo", "trace", "node_info", "tensor_bytes", "buffers_restored", "fixed_shapes", "output_structure"]
+__all__ = ["NodeInfo", "trace", "node_info", "tensor_bytes", "buffers_restored", "fixed_shapes", "output_structure",
+           "repeated_blocks"]
 
 _LOG = logging.getLogger("hpml_compile")
 
@@ -169,10 +170,15 @@ def _trace_fx(model: torch.nn.Module, leaf_modules: Sequence[type | str]) -> fx.
 
 
 def _cache_off(model: torch.nn.Module) -> None:
-    """Training never reads a KV cache: turn ``config.use_cache`` off so that no cache object reaches the graph."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False) is True:
+    """Training never reads a KV cache: turn ``config.use_cache`` off so that no cache object reaches the graph.
+
+    Submodules may hold configs of their own (an encoder-decoder's decoder stack): each is turned off.
+    """
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    found = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
+    for config in found:
         config.use_cache = False
+    if found:
         _LOG.warning("hpml-compile: %s.config.use_cache set to False for training (a KV cache is for generation)",
                      type(model).__name__)
 
@@ -265,6 +271,28 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[str]:
+    """Qualified names of the model's repeated blocks: the items of each ``ModuleList``/``Sequential`` whose
+    items (two or more) share one class (``GPT2Block``, ``LlamaDecoderLayer``, ``BertLayer``, ``ViTLayer``...).
+
+    These are the natural cut points of a pipeline; :func:`hpml_compile.costgraph.block_key` makes each one a
+    unit of the coarsened graph. Outermost lists first, in module order.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ModuleList([torch.nn.ReLU(), torch.nn.ReLU()]))
+        >>> repeated_blocks(net)
+        ['1.0', '1.1']
+    """
+    out: list[str] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) or len(m) < 2:
+            continue
+        kinds = {type(c) for c in m.children()}
+        if len(kinds) == 1 and not any(name.startswith(o.rpartition(".")[0] + ".") for o in out if "." in o):
+            out.extend(f"{name}.{k}" if name else str(k) for k in range(len(m)))
+    return out
 
 
 def fixed_shapes(gm: fx.GraphModule) -> bool:

@@ -48,7 +48,7 @@ from ..ir import Cluster, Precision
 from ..driver import SolverName
 from ..errors import ModelError
 from ..plan import Schedule
-from ..trainspec import TrainSpec, first_batch
+from ..trainspec import TrainSpec, batch_input_names, first_batch
 from .pipeline import OptimizerArg, Pipeline
 from .session import RetryPolicy, Session
 
@@ -125,6 +125,7 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
                           precision=prec, compress=compress, allow_compress=allow_compress, sync_every=sync_every,
                           sync_warmup=sync_warmup)  # every option checked before anything runs
     spec = model if isinstance(model, TrainSpec) else None
+    names: tuple[str, ...] = batch_input_names(spec) if spec is not None else ()
     if spec is not None:
         model = spec.module
         if example_inputs is None:
@@ -147,7 +148,8 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
         try:
             build, gm = driver.compile(model, inputs, folder, cluster=c, name=name, say=log,
                                        opts=opts,
-                                       prof_opts=driver.ProfileOptions(repeats=profile_repeats))
+                                       prof_opts=driver.ProfileOptions(repeats=profile_repeats,
+                                                                       input_names=names))
         except BaseException:
             if session is not None:  # the others wait in the broadcast below: let them fail too
                 session.close()
