@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch
 import transformers as tf
 
+from hpml_compile import TrainSpec
+
 B, T, V = 4, 12, 96  # rows, tokens, vocabulary
 TEXT = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
             max_position_embeddings=64)
@@ -105,3 +107,43 @@ def make(name: str, seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Ten
     torch.manual_seed(seed)
     model = ARCHS[name].build().eval()
     return model, ARCHS[name].batch(torch.Generator().manual_seed(seed))
+
+
+ITEMS = 32
+
+
+class Items(torch.utils.data.Dataset):
+    """``ITEMS`` dict items of an architecture's batches (what a tokenizer or feature extractor gives, per row)."""
+
+    def __init__(self, name: str) -> None:
+        batches = [ARCHS[name].batch(torch.Generator().manual_seed(100 + i)) for i in range(ITEMS // B)]
+        self.rows = [{k: v[r] for k, v in b.items()} for b in batches for r in range(B)]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.rows[i]
+
+
+def spec(name: str) -> TrainSpec:
+    """The architecture as a user trains it: no wrapper, no loss_fn, a dict dataset, SGD."""
+    model, _ = make(name)
+    return TrainSpec(model, Items(name), batch_size=B, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05))
+
+
+# ``hpml-compile compile tests/models/archs.py:<name>_spec``
+def gpt2_spec() -> TrainSpec:
+    return spec("gpt2")
+
+
+def bert_cls_spec() -> TrainSpec:
+    return spec("bert_cls")
+
+
+def t5_spec() -> TrainSpec:
+    return spec("t5")
+
+
+def vit_spec() -> TrainSpec:
+    return spec("vit")
