@@ -47,6 +47,10 @@ def _seq2seq(g: torch.Generator) -> dict[str, torch.Tensor]:
             "labels": torch.randint(3, V, (B, T // 2), generator=g)}
 
 
+def _speech(g: torch.Generator) -> dict[str, torch.Tensor]:
+    return {"input_features": torch.randn(B, 8, 32, generator=g), "labels": torch.randint(3, V, (B, 6), generator=g)}
+
+
 def _audio(g: torch.Generator) -> dict[str, torch.Tensor]:
     return {"input_values": torch.randn(B, 400, generator=g), "labels": torch.randint(0, 3, (B,), generator=g)}
 
@@ -99,6 +103,16 @@ ARCHS = {a.name: a for a in [
         activation_dropout=0.0, feat_proj_dropout=0.0, layerdrop=0.0, final_dropout=0.0, mask_time_prob=0.0,
         do_stable_layer_norm=True, feat_extract_norm="layer", apply_spec_augment=False)),
          _audio),
+    Arch("swin", lambda: tf.SwinForImageClassification(tf.SwinConfig(
+        image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)), _images),
+    Arch("resnet", lambda: tf.ResNetForImageClassification(tf.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)), _images),
+    Arch("whisper", lambda: tf.WhisperForConditionalGeneration(tf.WhisperConfig(
+        vocab_size=V, num_mel_bins=8, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=16,
+        max_target_positions=32, pad_token_id=0, decoder_start_token_id=1, bos_token_id=1, eos_token_id=2,
+        dropout=0.0)), _speech),
 ]}
 
 
