@@ -134,7 +134,7 @@ def _split_leaves(leaf_modules: Iterable[type | str]) -> tuple[tuple[type, ...],
     return tuple(types), frozenset(names)
 
 
-def _blame_module(exc: BaseException, model: torch.nn.Module) -> str:
+def _blame_module(exc: BaseException, model: torch.nn.Module, exported: bool = False) -> str:
     """Name the innermost module of ``model`` (and its source line) active when ``exc`` was raised."""
     owners = {id(m): (name, m) for name, m in model.named_modules()}
     blamed = ""
@@ -148,8 +148,13 @@ def _blame_module(exc: BaseException, model: torch.nn.Module) -> str:
         src = linecache.getline(frame.f_code.co_filename, lineno).strip()
         label = f"module '{qualname}' ({type(module).__name__})" if qualname else f"the top-level module ({type(module).__name__})"
         blamed = f"{label} at {frame.f_code.co_filename}:{lineno}: `{src}`"
-        hint = (f"mark it as a leaf so it runs as one opaque node: leaf_modules=[{type(module).__name__}] "
-                f"(CLI: --leaf {type(module).__name__}), or use the export front end"
+        leaf = type(module).__name__
+        hint = (f"rewrite its branch on tensor values without Python control flow (torch.where, torch.cond), "
+                f"or trace with the fx front end keeping it as one opaque node: front_end='fx', "
+                f"leaf_modules=[{leaf}] (CLI: --front-end fx --leaf {leaf})"
+                if exported else
+                f"mark it as a leaf so it runs as one opaque node: leaf_modules=[{leaf}] "
+                f"(CLI: --leaf {leaf}), or use the export front end"
                 if qualname else
                 "rewrite the control flow without Python branching on tensor values "
                 "(torch.where), or use the export front end")
@@ -206,14 +211,16 @@ def _batch_dims(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str,
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
     """``torch.export`` with a symbolic batch where the model allows one, else with the traced shapes."""
     dims = _batch_dims(model, args, kwargs)
-    if dims is not None:
-        try:
-            return torch.export.export(model, args, kwargs or None, dynamic_shapes=dims, strict=False), True
-        except Exception as exc:  # a model that fixes its batch (a reshape to a constant): one graph per size
-            _LOG.warning("hpml-compile: %s does not export with a symbolic batch (%s: %s); its graph is traced "
-                         "at fixed shapes", type(model).__name__, type(exc).__name__, str(exc).splitlines()[0][:200]
-                         if str(exc) else "")
-    return torch.export.export(model, args, kwargs or None, strict=False), False
+    if dims is None:
+        return torch.export.export(model, args, kwargs or None, strict=False), False
+    try:
+        return torch.export.export(model, args, kwargs or None, dynamic_shapes=dims, strict=False), True
+    except Exception as exc:  # a model that fixes its batch (a reshape to a constant): one graph per size
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    ep = torch.export.export(model, args, kwargs or None, strict=False)  # raises what stops any export
+    _LOG.warning("hpml-compile: %s does not export with a symbolic batch (%s); its graph is fixed at the traced "
+                 "shapes", type(model).__name__, why)
+    return ep, False
 
 
 def _owned(model: torch.nn.Module, target: str) -> bool:
@@ -245,7 +252,7 @@ def _trace_export(model: torch.nn.Module, inputs: tuple[Any, ...], names: Sequen
     except Exception as exc:
         raise TraceError(f"torch.export could not trace {type(model).__name__}: "
                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
-                         + (_blame_module(exc, model) or "Try the fx front end, or mark the failing submodule "
+                         + (_blame_module(exc, model, exported=True) or "Try the fx front end, or mark the failing submodule "
                             "as a leaf (leaf_modules=[...])")) from exc
     gm = ep.module()
     assert isinstance(gm, fx.GraphModule)
@@ -317,6 +324,8 @@ def _scope(node: fx.Node) -> str:
     if not stack:
         return ""
     path = str(list(stack.values())[-1][0])
+    if path.startswith("_empty_nn_module_stack"):  # export's placeholder for "no module": the top level
+        return ""
     # torch.export writes paths like "L['self'].layers[3].attn" or "layers.3.attn"
     path = path.replace("L['self']", "").replace("L[\"self\"]", "")
     path = _INDEX.sub(r".\1", path).strip(".")

@@ -171,3 +171,23 @@ def test_hf_model_string_compiles_at_its_default_batch(tmp_path: Path, monkeypat
     got = step_local(load_build(tmp_path / "b", loaded.module, graph_module=gm), loaded.example_inputs,
                      loaded.example_targets, loaded.loss_fn)
     assert torch.isfinite(got.loss)
+
+
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.sum() > 0:  # a branch on a tensor's value: no graph holds it
+            return self.fc(x)
+        return x
+
+
+def test_an_untraceable_module_is_named_with_its_line_and_the_fix() -> None:
+    net = nn.Sequential(Gate(), nn.Linear(4, 2))
+    with pytest.raises(TraceError) as err:
+        trace(net, (torch.randn(3, 4),), front_end="export")
+    text = str(err.value)
+    assert "module '0' (Gate)" in text and "if x.sum() > 0:" in text
+    assert "--front-end fx --leaf Gate" in text
