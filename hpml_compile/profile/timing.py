@@ -143,9 +143,14 @@ def _time_node(gm: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], timer
     leaf_args, leaf_kwargs = _leafify((args, kwargs))
     live: list[tuple[Any, dict[str, Any]]] = [(leaf_args, leaf_kwargs)]
 
-    def fresh() -> None:  # an in-place op must not run twice on the same (leaf) tensors
-        live[0] = map_aggregate((leaf_args, leaf_kwargs),
-                                lambda v: v.clone() if isinstance(v, torch.Tensor) and v.requires_grad else v)
+    # An in-place op timed again and again would apply itself again and again (an integer bucket index grown
+    # past its table): every run, the one whose output later nodes read included, gets copies of the values
+    # as they were, so the output is the op applied once.
+    pristine = map_aggregate((leaf_args, leaf_kwargs),
+                             lambda v: v.clone() if isinstance(v, torch.Tensor) else v) if inplace else None
+
+    def fresh() -> None:
+        live[0] = map_aggregate(pristine, lambda v: v.clone() if isinstance(v, torch.Tensor) else v)
 
     def fwd() -> Any:
         a, k = live[0]

@@ -44,6 +44,7 @@ def _reference(name: str) -> list[float]:
 
 @pytest.mark.parametrize("name,layout", [("gpt2", ["--solver", "uniform", "--microbatches", "2"]),
                                          ("bert_cls", ["--solver", "uniform", "--microbatches", "2"]),
+                                         ("t5", ["--solver", "uniform", "--microbatches", "2"]),
                                          ("vit", ["--microbatches", "1"])])
 def test_compile_then_run_on_two_ranks(name: str, layout: list[str], tmp_path: Path) -> None:
     build, run = tmp_path / "build", tmp_path / "run"
