@@ -9,7 +9,11 @@ every rank of a run.
 
 An item of ``dataset`` is ``(inputs, target)``: inputs a tensor or a tuple of
 tensors (the model's positional inputs), target whatever ``loss_fn`` takes
-second. A batch is ``collate_fn`` of ``batch_size`` items (default: torch's
+second. Or it is a dict of named tensors, as a tokenizer or feature extractor
+gives (``input_ids``, ``attention_mask``, ``pixel_values``, ``labels``...): the
+keys that name parameters of the model's ``forward`` are its inputs, passed by
+keyword, and ``label_key`` is the target; with no ``loss_fn`` the labels go to
+the model too and its own ``output.loss`` is trained (a ``transformers`` model). A batch is ``collate_fn`` of ``batch_size`` items (default: torch's
 ``default_collate``), again ``(inputs, target)``. The example inputs that
 tracing and profiling use are the dataset's first ``batch_size`` items, in
 order (:func:`first_batch`); the build is made for exactly that batch shape,

@@ -146,18 +146,9 @@ def spec(name: str) -> TrainSpec:
     return TrainSpec(model, Items(name), batch_size=B, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05))
 
 
-# ``hpml-compile compile tests/models/archs.py:<name>_spec``
-def gpt2_spec() -> TrainSpec:
-    return spec("gpt2")
-
-
-def bert_cls_spec() -> TrainSpec:
-    return spec("bert_cls")
-
-
-def t5_spec() -> TrainSpec:
-    return spec("t5")
-
-
-def vit_spec() -> TrainSpec:
-    return spec("vit")
+def __getattr__(name: str) -> TrainSpec:
+    """``hpml-compile compile tests/models/archs.py:<arch>_spec`` (``gpt2_spec``, ``t5_spec``...): the arch's spec."""
+    arch = name.removesuffix("_spec")
+    if name.endswith("_spec") and arch in ARCHS:
+        return spec(arch)
+    raise AttributeError(name)
