@@ -58,3 +58,12 @@ def test_compile_then_run_on_two_ranks(name: str, layout: list[str], tmp_path: P
     assert len(losses) == STEPS
     assert losses == pytest.approx(_reference(name), abs=2e-4)
     assert torch.tensor(losses).isfinite().all()
+
+
+def test_launch_runs_the_users_own_loop(tmp_path: Path) -> None:
+    script = Path(__file__).with_name("own_loop.py")
+    r = subprocess.run([*CLI, "launch", "--nproc", "2", "--run-dir", str(tmp_path / "run"), str(script), "llama",
+                        str(STEPS)], capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    losses = [float(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("loss ")]
+    assert losses == pytest.approx(_reference("llama"), abs=2e-4)
