@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -129,6 +130,8 @@ class TrainSpec:
         val_dataset: items like ``dataset``'s, for the validation loss (``run --val-every K``).
         collate_fn: ``list of items -> (inputs, target)`` (None: torch's ``default_collate``).
         seed: the seed of the per-epoch shuffle.
+        weights: the weights to train from, as ``save_pretrained`` wrote them (a folder, sharded or not) or a
+            ``.safetensors`` file: each rank of ``hpml-compile run`` reads only its own stage's tensors, by name.
         label_key: in a dict batch, the key of the target (or, with no ``loss_fn``, of the labels the model
             takes); the batch's other keys that name ``forward`` parameters are the model's inputs.
 
@@ -146,6 +149,7 @@ class TrainSpec:
     collate_fn: Callable[[list[Any]], Any] | None = None
     seed: int = 0
     label_key: str = "labels"
+    weights: str | os.PathLike[str] | None = None
 
     @property
     def own_loss(self) -> bool:
@@ -170,6 +174,9 @@ class TrainSpec:
         _callable_or_none("lr_scheduler", self.lr_scheduler, "optimizer -> scheduler, e.g. "
                           "lambda o: torch.optim.lr_scheduler.StepLR(o, 100)")
         _callable_or_none("collate_fn", self.collate_fn, "list of items -> (inputs, target)")
+        if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
+            raise ModelError(f"TrainSpec.weights must be a path (a save_pretrained folder or a .safetensors file), "
+                             f"got {type(self.weights).__name__}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ModelError(f"TrainSpec.seed must be an int, got {self.seed!r}")
         if not is_iterable(self.dataset) and len(self.dataset) < self.batch_size:

@@ -18,7 +18,7 @@ from hpml_compile.cli import main
 from hpml_compile.runtime.data import global_batch
 from hpml_compile.runtime.monitor import read_metrics
 
-from .archs import ITEMS, spec
+from .archs import ITEMS, make, spec
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore:.*the model's blocks timed in sequence took:UserWarning"),
@@ -67,3 +67,31 @@ def test_launch_runs_the_users_own_loop(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     losses = [float(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("loss ")]
     assert losses == pytest.approx(_reference("llama"), abs=2e-4)
+
+
+SAVED_SPEC = '''
+import sys, dataclasses
+sys.path.insert(0, {here!r})
+from archs import spec
+
+
+def saved():
+    return dataclasses.replace(spec("gpt2"), weights={weights!r})
+'''
+
+
+def test_each_rank_loads_its_stage_from_saved_weights(tmp_path: Path) -> None:
+    trained, _ = make("gpt2", seed=1)  # other weights than spec("gpt2")'s own (seed 0)
+    trained.save_pretrained(tmp_path / "weights")
+    (tmp_path / "saved.py").write_text(SAVED_SPEC.format(here=str(Path(__file__).parent),
+                                                         weights=str(tmp_path / "weights")))
+    build, run = tmp_path / "build", tmp_path / "run"
+    assert main(["compile", f"{tmp_path / 'saved.py'}:saved", "--cluster", "local-cpu-2", "--solver", "uniform",
+                 "--microbatches", "2", "--repeats", "1", "-o", str(build)]) == 0
+    r = subprocess.run([*CLI, "run", str(build), "--steps", "1", "--run-dir", str(run)],
+                       capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = read_metrics(run)
+    s = spec("gpt2")
+    batch = default_collate([s.dataset[i] for i in global_batch(ITEMS, s.batch_size, s.seed, 0)])
+    assert rows[max(rows)][0].loss == pytest.approx(trained(**batch).loss.item(), abs=2e-5)

@@ -15,12 +15,14 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import hpml_compile
 from hpml_compile import TrainSpec, driver, models
 from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.constants import CONSTANTS_FILE
 from hpml_compile.codegen.testing import max_grad_diff, split_plan
 from hpml_compile.errors import BuildMismatchError, ModelError, TraceError
 from hpml_compile.runtime import step_local
+from hpml_compile.runtime.weights import load_stage_weights
 from hpml_compile.trace import repeated_blocks, trace
 from hpml_compile.trainspec import first_batch, model_loss
 
@@ -191,3 +193,30 @@ def test_an_untraceable_module_is_named_with_its_line_and_the_fix() -> None:
     text = str(err.value)
     assert "module '0' (Gate)" in text and "if x.sum() > 0:" in text
     assert "--front-end fx --leaf Gate" in text
+
+
+def test_weights_are_loaded_by_name_into_the_stages_tied_ones_included(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=2, n_positions=32)
+    torch.manual_seed(1)
+    saved = transformers.GPT2LMHeadModel(cfg).eval()
+    saved.save_pretrained(tmp_path / "w")  # the tied lm_head is saved once, as transformer.wte.weight
+    torch.manual_seed(2)
+    fresh = transformers.GPT2LMHeadModel(cfg).eval()
+    spec = TrainSpec(fresh, TokenDicts(), batch_size=4, weights=tmp_path / "w")
+    pipe = hpml_compile.compile(spec, cluster="local-cpu-2", microbatches=2, solver="uniform",
+                                out_dir=tmp_path / "b", profile_repeats=1)
+    assert len(pipe.plan.stages) == 2  # the head and the input embedding on different stages, one tensor
+    inputs, _ = first_batch(spec)
+    want = saved(input_ids=inputs[0], attention_mask=inputs[1], labels=inputs[2]).loss
+    got = pipe.step(inputs, None, spec.loss_fn)
+    assert abs(float(got) - float(want)) < 1e-5
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight
+
+
+def test_weights_of_another_model_are_refused(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"other.weight": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
+    with pytest.raises(ModelError, match="not in"):
+        load_stage_weights(nn.Linear(2, 2), [nn.Linear(2, 2)], tmp_path / "w.safetensors")
