@@ -149,15 +149,15 @@ def _blame_module(exc: BaseException, model: torch.nn.Module, exported: bool = F
         label = f"module '{qualname}' ({type(module).__name__})" if qualname else f"the top-level module ({type(module).__name__})"
         blamed = f"{label} at {frame.f_code.co_filename}:{lineno}: `{src}`"
         leaf = type(module).__name__
-        hint = (f"rewrite its branch on tensor values without Python control flow (torch.where, torch.cond), "
-                f"or trace with the fx front end keeping it as one opaque node: front_end='fx', "
-                f"leaf_modules=[{leaf}] (CLI: --front-end fx --leaf {leaf})"
-                if exported else
-                f"mark it as a leaf so it runs as one opaque node: leaf_modules=[{leaf}] "
-                f"(CLI: --leaf {leaf}), or use the export front end"
+        hint = ((f"rewrite its branch on tensor values without Python control flow (torch.where, torch.cond), "
+                 f"or trace with the fx front end keeping it as one opaque node: front_end='fx', "
+                 f"leaf_modules=[{leaf}] (CLI: --front-end fx --leaf {leaf})"
+                 if exported else
+                 f"mark it as a leaf so it runs as one opaque node: leaf_modules=[{leaf}] "
+                 f"(CLI: --leaf {leaf}), or use the export front end")
                 if qualname else
-                "rewrite the control flow without Python branching on tensor values "
-                "(torch.where), or use the export front end")
+                "rewrite the control flow without Python branching on tensor values (torch.where)"
+                + ("" if exported else ", or use the export front end"))
         blamed += f"; {hint}"
     return blamed
 
