@@ -111,9 +111,12 @@ def _to_device(x: Any, device: torch.device) -> Any:
     return map_aggregate(x, lambda v: v.to(device) if isinstance(v, torch.Tensor) else v)
 
 
-def _leafify(x: Any) -> Any:
+def _leafify(x: Any, keep: frozenset[int] = frozenset()) -> Any:
+    """Float tensors as leaves that require grad (as activations do in training), except those in ``keep``
+    (ids of the graph's buffers: an exported graph passes BatchNorm's running statistics as arguments, and
+    they never take a gradient)."""
     return map_aggregate(x, lambda v: v.detach().requires_grad_(True)
-                         if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                         if isinstance(v, torch.Tensor) and v.is_floating_point() and id(v) not in keep else v)
 
 
 def _callable(gm: fx.GraphModule, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
@@ -140,7 +143,7 @@ def _time_node(gm: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], timer
     module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
     inplace = is_inplace(node, module)
     args, kwargs = map_arg((node.args, node.kwargs), lambda n: env[n])
-    leaf_args, leaf_kwargs = _leafify((args, kwargs))
+    leaf_args, leaf_kwargs = _leafify((args, kwargs), frozenset(id(b) for b in gm.buffers()))
     live: list[tuple[Any, dict[str, Any]]] = [(leaf_args, leaf_kwargs)]
 
     # An in-place op timed again and again would apply itself again and again (an integer bucket index grown

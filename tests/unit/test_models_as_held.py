@@ -220,3 +220,21 @@ def test_weights_of_another_model_are_refused(tmp_path: Path) -> None:
     save_file({"other.weight": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
     with pytest.raises(ModelError, match="not in"):
         load_stage_weights(nn.Linear(2, 2), [nn.Linear(2, 2)], tmp_path / "w.safetensors")
+
+
+def test_an_exported_graph_profiles_in_place_ops_and_batchnorm_statistics() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn, self.table = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Embedding(8, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            index = torch.arange(4).unsqueeze(0).repeat(x.shape[0], 1)
+            index += 4  # in place: timed again and again, it would run past the table
+            return self.bn(self.conv(x)).mean((2, 3)) + self.table(index).mean(1)
+
+    net = Net().eval()  # eval: the running statistics are arguments of the exported batch_norm
+    x = torch.randn(4, 3, 8, 8)
+    gm = trace(net, (x,), front_end="export")
+    prof = hpml_compile.profile(gm, (x,), repeats=3, warmup=2, progress=False)
+    assert prof.nodes and all(n.cost["cpu"].fwd_ms >= 0 for n in prof.nodes if "cpu" in n.cost)
