@@ -121,7 +121,8 @@ def run_compile(args: argparse.Namespace) -> int:
                                 time_limit_s=args.time_limit, precision=args.precision, **comm_options(args)),
             prof_opts=driver.ProfileOptions(repeats=args.repeats, warmup=args.warmup, batch_size=loaded.batch_size,
                                             seq_len=loaded.seq_len, leaf_modules=args.leaf,
-                                            front_end=args.front_end, link=link))
+                                            front_end=args.front_end, input_names=loaded.input_names,
+                                            link=link))
     finally:
         torch.set_num_threads(before)
     plan = build.plan

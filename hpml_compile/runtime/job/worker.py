@@ -170,6 +170,7 @@ def start_rank(build: Path, run: RunFolder, options: RunOptions, rank: int, loca
     retry = RetryPolicy(attempts=max(1, o.retries), timeout_s=o.timeout_s,
                         rejoin_timeout_s=min(RetryPolicy().rejoin_timeout_s, o.timeout_s))
     pipe = Pipeline.from_build(build, loaded.module, init_method="env://", retry=retry, optimizer=optimizer,
+                               weights=spec.weights if spec is not None else None,
                                run_dir=run.path, tensorboard=o.tensorboard, faults=o.faults.comm, log=say,
                                comm_options=o.comm_options)
     trainer = Trainer(pipe, spec, run_dir=run.path, log_samples=o.log_samples) if spec is not None else None
