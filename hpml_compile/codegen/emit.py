@@ -144,7 +144,7 @@ def _comment(src: str, acts: StageActions) -> str:
     notes["ops.checkpoint("] = "recompute: keep only the inputs, run again in backward" + (
         " (inputs swapped to host memory)" if acts.swap else "")
     notes["ops.swap("] = "swap: saved activations go to host memory, back before their backward use"
-    out = []
+    out: list[Any] = []
     for line in src.splitlines():
         for key, note in notes.items():
             if key in line:

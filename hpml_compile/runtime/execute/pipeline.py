@@ -213,7 +213,7 @@ class Pipeline:
     # -- construction -----------------------------------------------------------------------------
     @classmethod
     def from_build(cls, build_dir: str | Path, model: nn.Module, *, init_method: str | None = None,
-                   retry: RetryPolicy = RetryPolicy(), weights: str | Path | None = None,
+                   retry: RetryPolicy = RetryPolicy(), weights: str | os.PathLike[str] | None = None,
                    **kwargs: Any) -> "Pipeline":
         """Load a build folder for ``model`` and join the job (or run every stage here without one).
 
@@ -239,7 +239,7 @@ class Pipeline:
         if weights is not None:  # only this rank's stages read their tensors
             ranks = stage_ranks(build.plan)
             mine = [st for k, st in enumerate(build.stages) if session is None or session.rank in ranks[k]]
-            load_stage_weights(model, mine, weights)
+            load_stage_weights(model, mine, Path(weights))
         return cls(build, model, session=session, **kwargs)
 
     def _check_device(self) -> None:

@@ -42,6 +42,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any, Callable, Iterator, NoReturn
 
 from ...errors import LaunchError, RankFailure
@@ -409,7 +410,7 @@ def _ranks_stop_with_sigterm(seen: list[int]) -> Iterator[None]:
         yield
         return
 
-    def handler(signum: int, _frame: object) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:  # noqa: ARG001 -- the replaced handler's shape
         seen.append(signum)
         raise mp_api.SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.SIGTERM)
 
