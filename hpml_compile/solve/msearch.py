@@ -62,7 +62,7 @@ from .restricted import feasible, proxy_sweep
 from .table import CandidateTable, build_table
 
 __all__ = ["MILP_CANDIDATES", "BOUNDS_SHARE", "ORDERS_SHARE", "REPAIR_SHARE", "REPAIR_EXCESS", "REPAIR_GAP", "Outcome",
-           "anytime", "relative_gap"]
+           "anytime", "AnytimeSearch", "relative_gap"]
 
 #: Most candidates handed to HiGHS after pruning (beyond, the Lagrangian bounds alone decide; memory).
 MILP_CANDIDATES = 15000
@@ -72,7 +72,7 @@ BOUNDS_SHARE = 0.85
 #: each count that comes to hold the incumbent), for a better plan.
 ORDERS_SHARE = 0.2
 #: Share of the wall time (since the anytime search began) that repairing the Lagrangian paths over a device count
-#: into plans may take (:func:`anytime`'s ``repair_some``; at least :data:`~.polish.POLISH_S` in all).
+#: into plans may take (:meth:`AnytimeSearch.repair_some`; at least :data:`~.polish.POLISH_S` in all).
 REPAIR_SHARE = 0.15
 #: Paths over the device counts by more than this share of the cluster's devices are not repaired (the paths at
 #: zero prices put every stage on the fastest kind: thousands of devices over, far from any plan).
@@ -183,7 +183,7 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
 
     Every improvement of the incumbent or of the bound is logged as ``anytime: <s> s: incumbent <u> ms,
     bound <l> ms, gap <g>% (M=<m>)``; the time limit (counted from ``t0``, the solve's start) or Ctrl-C stops
-    it with the best plan so far and its certified gap.
+    it with the best plan so far and its certified gap. The search is :class:`AnytimeSearch`.
 
     Args:
         chain: the chain.
@@ -200,91 +200,121 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
     Raises:
         ValueError: if no count has a first plan (the caller reports infeasibility before).
     """
-    start = time.perf_counter()
-    deadline = max(t0 + time_limit_s, start + 0.5)
-    nodes = [_Count(s, firsts.get(s.microbatches), objective(firsts[s.microbatches], s.microbatches)
-                    if firsts.get(s.microbatches) else math.inf) for s in settings]
-    if not any(c.plan for c in nodes):
-        raise ValueError("anytime needs a first plan at some microbatch count")
-    node = min((c for c in nodes if c.plan), key=lambda c: (c.upper, c.m))  # the incumbent's count
-    best: list[Candidate] = node.plan  # type: ignore[assignment]
-    shown = (-1.0, math.inf)  # the (lower, upper) last logged
-    variables = 0
+    return AnytimeSearch(chain, cluster, settings, firsts, time_limit_s, say, t0).run()
 
-    def upper() -> float:
-        return node.upper
 
-    def lower() -> float:
-        return min(min(c.lower, node.upper) for c in nodes)
+class AnytimeSearch:
+    """Best-first branch and bound over every microbatch count (see the module docstring), as named steps.
 
-    def log() -> None:
-        nonlocal shown
-        lo, up = lower(), upper()
-        if (lo, up) != shown:
-            shown = (lo, up)
-            weakest = min(nodes, key=lambda c: (c.lower, c.m))
-            say(f"anytime: {time.perf_counter() - t0:.3f} s: incumbent {up:.7g} ms, bound {lo:.7g} ms, "
-                f"gap {relative_gap(lo, up):.3%} (incumbent at M={node.m}, bound at M={weakest.m})")
+    :meth:`run` takes each count's :meth:`root` (its table and root bound, the first plan polished), then
+    advances the count with the least bound a slice at a time (:meth:`step`, :meth:`pick`), repairs pooled
+    paths into plans (:meth:`repair_some`), and hands what is left to HiGHS (:meth:`finish`). Every plan found
+    goes through :meth:`found` (polished, the incumbent kept, its tiling moved to the other counts).
 
-    counts = kind_counts(cluster)
+    Args: as :func:`anytime`'s.
 
-    def polished(c: _Count, plan: list[Candidate], same: bool = True) -> list[Candidate]:
+    Raises:
+        ValueError: if no count has a first plan.
+    """
+
+    def __init__(self, chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dict[int, list[Candidate]],
+                 time_limit_s: float, say: Callable[[str], None], t0: float) -> None:
+        self.chain, self.cluster, self.say, self.t0 = chain, cluster, say, t0
+        self.start = time.perf_counter()
+        self.deadline = max(t0 + time_limit_s, self.start + 0.5)
+        self.nodes = [_Count(s, firsts.get(s.microbatches), objective(firsts[s.microbatches], s.microbatches)
+                             if firsts.get(s.microbatches) else math.inf) for s in settings]
+        if not any(c.plan for c in self.nodes):
+            raise ValueError("anytime needs a first plan at some microbatch count")
+        self.node = min((c for c in self.nodes if c.plan), key=lambda c: (c.upper, c.m))  # the incumbent's count
+        self.best: list[Candidate] = self.node.plan  # type: ignore[assignment]
+        self.shown = (-1.0, math.inf)  # the (lower, upper) last logged
+        self.variables = 0
+        self.counts = kind_counts(cluster)
+        self.repair_s = 0.0  # wall seconds spent repairing paths
+        self.total = float(sum(self.counts.values()))
+        self.pools: dict[int, list[tuple[float, float, int, list[int]]]] = {}  # by count's index
+        self.turn = False
+
+    # --- the incumbent and the bound ---------------------------------------------------------------------------
+    def upper(self) -> float:
+        """The incumbent's objective."""
+        return self.node.upper
+
+    def lower(self) -> float:
+        """The bound over every count."""
+        return min(min(c.lower, self.node.upper) for c in self.nodes)
+
+    def log(self) -> None:
+        """Say the incumbent, the bound and the gap when either moved."""
+        lo, up = self.lower(), self.upper()
+        if (lo, up) != self.shown:
+            self.shown = (lo, up)
+            weakest = min(self.nodes, key=lambda c: (c.lower, c.m))
+            self.say(f"anytime: {time.perf_counter() - self.t0:.3f} s: incumbent {up:.7g} ms, bound {lo:.7g} ms, "
+                     f"gap {relative_gap(lo, up):.3%} (incumbent at M={self.node.m}, bound at M={weakest.m})")
+
+    def outcome(self, status: SolverStatus | None = None) -> Outcome:
+        """The incumbent, its bound and status."""
+        lo = self.lower()
+        if status is None:
+            status = SolverStatus.OPTIMAL if relative_gap(lo, self.upper()) <= 1e-6 else SolverStatus.FEASIBLE
+        return Outcome(list(self.best), self.node.setting, self.upper(), lo, status, self.variables)
+
+    # --- plans found -------------------------------------------------------------------------------------------
+    def polished(self, c: _Count, plan: list[Candidate], same: bool = True) -> list[Candidate]:
         """``plan`` after the local search of :func:`~.polish.polish` in the count's table (e.g. gpt2-xl
         on 3 x 256 at M=8, the first plan's 318.8 ms becomes 286.7 in 0.2 CPU s, where 10 s of bounds had found
         289.0), within :data:`~.polish.POLISH_S` and the deadline."""
         if c.tab is None or len(c.tab) == 0:
             return plan
         if c.polisher is None:
-            c.polisher = Polisher(c.tab, counts, classes(c.setting, len(cluster.devices)), c.m)
-        return polish(c.tab, plan, counts, c.polisher.big_j, c.m, polisher=c.polisher, same=same,
-                      until=min(deadline, time.perf_counter() + POLISH_S))
+            c.polisher = Polisher(c.tab, self.counts, classes(c.setting, len(self.cluster.devices)), c.m)
+        return polish(c.tab, plan, self.counts, c.polisher.big_j, c.m, polisher=c.polisher, same=same,
+                      until=min(self.deadline, time.perf_counter() + POLISH_S))
 
-    def found(c: _Count, plan: list[Candidate], spread: bool = True) -> None:
-        nonlocal node, best
-        plan = polished(c, plan)
+    def found(self, c: _Count, plan: list[Candidate], spread: bool = True) -> None:
+        """A plan at count ``c``: polished, kept if better, and (``spread``) moved to the other counts."""
+        plan = self.polished(c, plan)
         value = objective(plan, c.m)
-        better = value < node.upper
+        better = value < self.node.upper
         if value < c.upper:
             c.upper, c.plan = value, plan
         if better:
-            node, best = c, plan
+            self.node, self.best = c, plan
             if spread:
-                moved_on(c)
-        log()
+                self.moved_on(c)
+        self.log()
 
-    def moved_on(c: _Count) -> None:
+    def moved_on(self, c: _Count) -> None:
         """A new incumbent's tiling moved to every other open count with a table and polished there ("change
         ``M``", as each count's root does with the incumbent of its time): gpt2-xl on 3 x 256 found 281.19 ms at
         M=8 only 8 s into a 10 s solve, from M=8's own paths, while M=4 held 283.36 from 6.4 s."""
-        for x in nodes:
-            if x is c or x.tab is None or len(x.tab) == 0 or x.lower >= upper() * (1 - 1e-6):
+        for x in self.nodes:
+            if x is c or x.tab is None or len(x.tab) == 0 or x.lower >= self.upper() * (1 - 1e-6):
                 continue
-            moved = polished(x, best, same=False)
-            if moved is not best and feasible(moved, counts, x.polisher.big_j if x.polisher else 0) \
+            moved = self.polished(x, self.best, same=False)
+            if moved is not self.best and feasible(moved, self.counts, x.polisher.big_j if x.polisher else 0) \
                     and objective(moved, x.m) < x.upper:
-                found(x, moved, spread=False)
+                self.found(x, moved, spread=False)
 
-    repair_s = 0.0  # wall seconds spent repairing paths
-    total = float(sum(counts.values()))
-    pools: dict[int, list[tuple[float, float, int, list[int]]]] = {}  # by count's index: (over, proxy, tie, path)
-    turn = False
-
-    def repairer(c: _Count) -> Callable[[list[int], float, np.ndarray], None]:
+    # --- repairing paths over a device count ---------------------------------------------------------------------
+    def repairer(self, c: _Count) -> Callable[[list[int], float, np.ndarray], None]:
         """Collect the count's shortest paths that break a device count by at most :data:`REPAIR_EXCESS` of the
-        devices, for :func:`repair_some`."""
-        at = nodes.index(c)
+        devices, for :meth:`repair_some`."""
+        at = self.nodes.index(c)
 
         def rep(idx: list[int], value: float, excess: np.ndarray) -> None:
             over = float(excess.sum())
-            if over <= REPAIR_EXCESS * total:
-                pool = pools.setdefault(at, [])
+            if over <= REPAIR_EXCESS * self.total:
+                pool = self.pools.setdefault(at, [])
                 heapq.heappush(pool, (over, value, len(pool), idx))
                 if len(pool) > 2 * REPAIR_POOL:  # keep the fewest devices over
                     pool[:] = heapq.nsmallest(REPAIR_POOL, pool)
         return rep
 
-    def repair_some(until: float) -> None:
-        """Repair pooled paths into plans (:meth:`~.polish.Polisher.repair`, then :func:`found`, which polishes
+    def repair_some(self, until: float) -> None:
+        """Repair pooled paths into plans (:meth:`~.polish.Polisher.repair`, then :meth:`found`, which polishes
         them), within :data:`REPAIR_SHARE` of the time since the search began, at counts whose bound is within
         :data:`REPAIR_GAP` of the incumbent and has stopped rising (its last slice raised it by less than
         :data:`STALL`, or its branch and bound is done: the prices have done what they can, and a plan at the
@@ -301,150 +331,167 @@ def anytime(chain: Chain, cluster: Cluster, settings: list[Setting], firsts: dic
         paths of M=4 are fewer devices over than M=8's and repair to 268.58 ms (1% early): one pool, fewest over
         first, reached 1% at 5.0-6.7 s but 266.33 at 6.3-19 s in three runs and not within 60 s in two; the
         bound's count alone found 266.33 but reached 1% only at 17-35 s (three runs, load 1.1-3.2)."""
-        nonlocal repair_s, turn
+        nodes, pools = self.nodes, self.pools
         while time.perf_counter() < until:
             now = time.perf_counter()
-            if repair_s > max(REPAIR_SHARE * (now - start), POLISH_S):  # a few repairs even in a short search
+            if self.repair_s > max(REPAIR_SHARE * (now - self.start), POLISH_S):  # a few repairs even when short
                 return
-            for at in [at for at, pool in pools.items() if not pool or nodes[at].lower >= upper() * (1 - 1e-6)]:
+            for at in [at for at, pool in pools.items() if not pool or nodes[at].lower >= self.upper() * (1 - 1e-6)]:
                 del pools[at]  # a closed count's paths cannot beat the incumbent
-            near = [at for at in pools if nodes[at].lower >= upper() * (1 - REPAIR_GAP)
+            near = [at for at in pools if nodes[at].lower >= self.upper() * (1 - REPAIR_GAP)
                     and (nodes[at].flat or (nodes[at].run is not None and nodes[at].run.done))]
             if not near:
                 return
-            turn ^= True  # in turn: the count that holds the bound, and the path fewest over at any open count
-            at = min(near, key=lambda i: (nodes[i].lower, nodes[i].m) if turn else (pools[i][0][0], nodes[i].m))
+            self.turn ^= True  # in turn: the count that holds the bound, and the path fewest over at any open count
+            at = min(near, key=lambda i: (nodes[i].lower, nodes[i].m) if self.turn else (pools[i][0][0], nodes[i].m))
             _, value, _, idx = heapq.heappop(pools[at])
             c = nodes[at]
-            if value >= min(c.upper, upper()) * (1 - 1e-9) or c.tab is None:
+            if value >= min(c.upper, self.upper()) * (1 - 1e-9) or c.tab is None:
                 continue
             if c.polisher is None:
-                c.polisher = Polisher(c.tab, counts, classes(c.setting, len(cluster.devices)), c.m)
+                c.polisher = Polisher(c.tab, self.counts, classes(c.setting, len(self.cluster.devices)), c.m)
             try:
-                got = c.polisher.repair(idx, until=min(deadline, now + POLISH_S))
+                got = c.polisher.repair(idx, until=min(self.deadline, now + POLISH_S))
                 if got is not None:
                     plan = [c.tab.candidate(i) for i in got]
-                    if feasible(plan, counts, c.polisher.big_j):
-                        found(c, plan)
+                    if feasible(plan, self.counts, c.polisher.big_j):
+                        self.found(c, plan)
             finally:
-                repair_s += time.perf_counter() - now
+                self.repair_s += time.perf_counter() - now
 
-    def progress(c: _Count) -> Callable[[float, float, list[Candidate] | None], None]:
+    # --- bounding the counts -----------------------------------------------------------------------------------
+    def progress(self, c: _Count) -> Callable[[float, float, list[Candidate] | None], None]:
+        """What count ``c``'s Lagrangian run reports each bound and plan to."""
         def got(lo: float, up: float, plan: list[Candidate] | None) -> None:
             c.lower = max(c.lower, lo)
             if plan is not None and up < c.upper:
-                found(c, plan)
-            log()
+                self.found(c, plan)
+            self.log()
         return got
 
-    def outcome(status: SolverStatus | None = None) -> Outcome:
-        lo = lower()
-        if status is None:
-            status = SolverStatus.OPTIMAL if relative_gap(lo, upper()) <= 1e-6 else SolverStatus.FEASIBLE
-        return Outcome(list(best), node.setting, upper(), lo, status, variables)
-
-    def root(c: _Count) -> None:
+    def root(self, c: _Count) -> None:
         """The count's table (stages that could be in a plan below the incumbent) and its root bound."""
-        c.tab = build_table(chain, cluster, c.setting, max_time=upper() * (1 + 1e-9))
+        c.tab = build_table(self.chain, self.cluster, c.setting, max_time=self.upper() * (1 + 1e-9))
         if len(c.tab) == 0:  # no stage fits below the incumbent: nothing here can beat it
             c.lower = math.inf
             return
         if c.plan is not None:  # the first plan, polished (its stages are in the table: none is above upper())
-            better = polished(c, c.plan)
+            better = self.polished(c, c.plan)
             if objective(better, c.m) < c.upper:
-                found(c, better)
-        if c is not node:  # the incumbent's tiling moved to this count, polished: a plan where the search found
-            moved = polished(c, best, same=False)  # none (it ran out of time), often a better one where it did
-            if moved is not best and feasible(moved, counts, c.polisher.big_j if c.polisher else 0) \
+                self.found(c, better)
+        if c is not self.node:  # the incumbent's tiling moved to this count, polished: a plan where the search
+            moved = self.polished(c, self.best, same=False)  # found none (out of time), often better where it did
+            if moved is not self.best and feasible(moved, self.counts, c.polisher.big_j if c.polisher else 0) \
                     and objective(moved, c.m) < c.upper:
-                found(c, moved)
-        c.run = LagrangianRun(chain, cluster, c.setting, c.tab, start=c.plan, progress=progress(c), cutoff=upper,
-                              prices=node.prices,  # the incumbent count's prices: a closer start than zero
-                              repair=repairer(c))
+                self.found(c, moved)
+        c.run = LagrangianRun(self.chain, self.cluster, c.setting, c.tab, start=c.plan, progress=self.progress(c),
+                              cutoff=self.upper, prices=self.node.prices,  # the incumbent count's: closer than zero
+                              repair=self.repairer(c))
         b, c.prices = c.run.advance(time.perf_counter())  # the root box only
         c.lower, c.t_min = max(c.lower, b.lower), b.t_min
-        if c.lower >= upper() * (1 - 1e-6) and c is not node:
-            say(f"anytime: M={c.m} cannot beat the incumbent: its bound is {c.lower:.7g} ms")
-        log()
+        if c.lower >= self.upper() * (1 - 1e-6) and c is not self.node:
+            self.say(f"anytime: M={c.m} cannot beat the incumbent: its bound is {c.lower:.7g} ms")
+        self.log()
 
-    def step(c: _Count, until: float) -> None:
+    def step(self, c: _Count, until: float) -> None:
         """Advance the count's bound until ``until`` (its root first, if it has none yet)."""
         if c.run is None:
-            root(c)
+            self.root(c)
             return
         was = c.lower
         b, c.prices = c.run.advance(until)
         c.lower = max(c.lower, b.lower)
-        c.stalled = c.flat = c.lower - was < STALL * upper()
-        log()
+        c.stalled = c.flat = c.lower - was < STALL * self.upper()
+        self.log()
 
-    def open_nodes() -> list[_Count]:
-        return [c for c in nodes if c.lower < upper() * (1 - 1e-6) and not (c.run is not None and c.run.done)]
+    def open_nodes(self) -> list[_Count]:
+        """The counts whose bound is below the incumbent and whose search is not done."""
+        return [c for c in self.nodes
+                if c.lower < self.upper() * (1 - 1e-6) and not (c.run is not None and c.run.done)]
 
-    def pick() -> _Count | None:
+    def pick(self) -> _Count | None:
         """The open count with the least bound, stalled ones last (all fresh again once all have stalled)."""
-        live = open_nodes()
+        live = self.open_nodes()
         if live and all(c.stalled for c in live):
             for c in live:
                 c.stalled = False
         return min(live, key=lambda x: (x.stalled, x.lower, x.m), default=None)
 
-    try:
-        log()
-        # Each count's root, from the best first plan down; the rest in the loop below if time runs out.
-        for c in sorted(nodes, key=lambda c: (c.upper, -c.m)):
-            if time.perf_counter() < deadline or c is node:
-                root(c)
-        # Best first: the count with the least bound is advanced, a slice at a time.
-        share = start + BOUNDS_SHARE * (deadline - start)
-        while time.perf_counter() < share and relative_gap(lower(), upper()) > 1e-6:
-            c = pick()
+    def other_orders_once(self, share: float) -> bool:
+        """The blocked DP in the other kind orders at the incumbent's count, once per count that holds it, when
+        the table's classes are exact (otherwise the order moves only boundary transfers: gpt2-xl on 3 x 256
+        spent 2 of 10 CPU s, for none). True when it was considered this time (the bounding loop then picks
+        again)."""
+        node = self.node
+        if node.orders or node.tab is None:
+            return False
+        node.orders = True
+        if exact_classes(node.tab, classes(node.setting, len(self.cluster.devices))):
+            other_orders(self.chain, self.cluster, node.setting, node.tab, node.upper,
+                         lambda p, c=node: self.found(c, p),
+                         time.perf_counter() + ORDERS_SHARE * (share - self.start) / 2)
+        return True
+
+    def bound(self, share: float) -> None:
+        """Best first until ``share``: the count with the least bound is advanced, a slice at a time."""
+        while time.perf_counter() < share and relative_gap(self.lower(), self.upper()) > 1e-6:
+            c = self.pick()
             if c is None:
                 break
             if c.run is None:
-                root(c)
+                self.root(c)
                 continue
             assert c.tab is not None
-            if not node.orders and node.tab is not None:  # the blocked DP in the other kind orders, at the
-                node.orders = True  # incumbent's count (once per count that holds the incumbent), where memory
-                if not exact_classes(node.tab, classes(node.setting, len(cluster.devices))):  # binds (else the
-                    continue  # order is only boundary transfers: gpt2-xl on 3 x 256 spent 2 of 10 CPU s, for none)
-                other_orders(chain, cluster, node.setting, node.tab, node.upper, lambda p, c=node: found(c, p),
-                             time.perf_counter() + ORDERS_SHARE * (share - start) / 2)
+            if self.other_orders_once(share):
                 continue
-            step(c, min(share, time.perf_counter() + SLICE_S))
-            repair_some(share)
-        repair_some(share)  # the bounds may have ended with paths still pooled (small tables: at the roots)
-        if relative_gap(lower(), upper()) <= 1e-6:
-            return outcome()
-        # HiGHS on the count that limits the bound, over the candidates that can still beat the incumbent.
-        c = min((x for x in nodes if x.tab is not None), key=lambda x: (x.lower, x.m))
+            self.step(c, min(share, time.perf_counter() + SLICE_S))
+            self.repair_some(share)
+        self.repair_some(share)  # the bounds may have ended with paths still pooled (small tables: at the roots)
+
+    def finish(self) -> Outcome:
+        """HiGHS on the count that limits the bound, over the candidates that can still beat the incumbent (or,
+        when they are too many or the time too short, bounding on until the deadline)."""
+        c = min((x for x in self.nodes if x.tab is not None), key=lambda x: (x.lower, x.m))
         if c.plan is None or c.tab is None:
-            return outcome()
-        small = c.tab.select(reduced_cost_prune(chain, cluster, c.setting, c.tab, upper(), c.prices))
-        small = prune(chain, cluster, c.setting, small, upper(), c.t_min)
-        left = deadline - time.perf_counter() - len(small) * 2e-4  # building the model costs ~0.2 ms a candidate
+            return self.outcome()
+        chain, cluster = self.chain, self.cluster
+        small = c.tab.select(reduced_cost_prune(chain, cluster, c.setting, c.tab, self.upper(), c.prices))
+        small = prune(chain, cluster, c.setting, small, self.upper(), c.t_min)
+        left = self.deadline - time.perf_counter() - len(small) * 2e-4  # building the model: ~0.2 ms a candidate
         if len(small) > MILP_CANDIDATES or left < 1.0:
-            say(f"anytime: M={c.m}: {len(small)} of {len(c.tab)} candidates left after pruning; "
-                + ("over the MILP's limit" if len(small) > MILP_CANDIDATES else f"{left:.2g} s left, too little "
-                   "for the MILP") + "; bounding on")
-            while time.perf_counter() < deadline - 0.05 and relative_gap(lower(), upper()) > 1e-6:
-                x = pick()
+            self.say(f"anytime: M={c.m}: {len(small)} of {len(c.tab)} candidates left after pruning; "
+                     + ("over the MILP's limit" if len(small) > MILP_CANDIDATES else f"{left:.2g} s left, too "
+                        "little for the MILP") + "; bounding on")
+            while time.perf_counter() < self.deadline - 0.05 and relative_gap(self.lower(), self.upper()) > 1e-6:
+                x = self.pick()
                 if x is None:
                     break
-                step(x, min(deadline, time.perf_counter() + SLICE_S))
-                repair_some(deadline - 0.05)
-            return outcome()
+                self.step(x, min(self.deadline, time.perf_counter() + SLICE_S))
+                self.repair_some(self.deadline - 0.05)
+            return self.outcome()
         res = milp(chain, cluster, c.setting, small, c.plan, t_min=c.t_min, lower=c.lower, time_limit_s=left,
-                   progress=say, full=len(c.tab), t0=start)
-        variables = res.variables
+                   progress=self.say, full=len(c.tab), t0=self.start)
+        self.variables = res.variables
         if res.picked:
-            found(c, res.picked)
+            self.found(c, res.picked)
             # HiGHS's gap is against its own incumbent at this count (no worse than c.plan was)
             c.lower = max(c.lower, objective(res.picked, c.m) * (1 - (0.0 if res.status is SolverStatus.OPTIMAL
                                                                            else res.gap)))
-        log()
-        return outcome()
-    except KeyboardInterrupt:
-        say("anytime: interrupted; returning the best plan so far with its certified gap")
-        return outcome()
+        self.log()
+        return self.outcome()
+
+    def run(self) -> Outcome:
+        """The search: every count's root, best-first bounding, then HiGHS; Ctrl-C returns the best so far."""
+        try:
+            self.log()
+            # Each count's root, from the best first plan down; the rest in the loop if time runs out.
+            for c in sorted(self.nodes, key=lambda c: (c.upper, -c.m)):
+                if time.perf_counter() < self.deadline or c is self.node:
+                    self.root(c)
+            self.bound(self.start + BOUNDS_SHARE * (self.deadline - self.start))
+            if relative_gap(self.lower(), self.upper()) <= 1e-6:
+                return self.outcome()
+            return self.finish()
+        except KeyboardInterrupt:
+            self.say("anytime: interrupted; returning the best plan so far with its certified gap")
+            return self.outcome()
