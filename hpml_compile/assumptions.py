@@ -18,7 +18,7 @@ and plan.json carries them (``assumptions``):
   prior of a ``--meta`` profile).
 
 Example:
-    >>> from hpml_compile.solve.testing import chain_profile
+    >>> from hpml_compile.testing import chain_profile
     >>> from hpml_compile.plan import Plan, Schedule, Stage
     >>> from hpml_compile.ir import Cluster, Device
     >>> c = Cluster(devices=(Device("g0", "A100-80GB", 80, "h0"), Device("g1", "A100-80GB", 80, "h1")))

@@ -24,7 +24,7 @@ alone. Where no bound holds (a step of zero, a bound above the step) there is
 no certificate, said as such rather than replaced by a proxy figure.
 
 Example:
-    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.testing import chain_graph, uniform_cluster
     >>> g = chain_graph([(1.0, 2.0)] * 4, batch_size=4)  # 12 ms of work, nothing fixed
     >>> compute_bound(g, uniform_cluster(4))
     3.0
@@ -175,7 +175,7 @@ def fixed_bound(graph: CostGraph, cluster: Cluster, optimizer: bool = True) -> f
     larger of that and :func:`tight_bound` (whose speed-weighted compute bound is tighter on mixed kinds).
     ``optimizer=False``: the forward and backward phases alone, no optimizer step added.
 
-    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.testing import chain_graph, uniform_cluster
     >>> g = chain_graph([(1.0, 2.0)] * 4, batch_size=4)  # no fixed parts: the compute bound, 12 ms over 4
     >>> round(fixed_bound(g, uniform_cluster(4)), 6)
     3.0

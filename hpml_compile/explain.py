@@ -9,7 +9,7 @@ draw nothing (text and a re-solve, no matplotlib or graphviz), and viz.py is
 long enough.
 
 Example:
-    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.testing import chain_graph, uniform_cluster
     >>> from hpml_compile.plan import Plan, Stage, Schedule
     >>> from hpml_compile.simulate import simulate
     >>> g = chain_graph([(2.0, 4.0), (2.0, 4.0)], kind="cpu", output_bytes=2**20)

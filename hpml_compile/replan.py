@@ -24,7 +24,7 @@ by the same simulator, so the closed loop can weigh it against the full
 re-plan (:mod:`hpml_compile.runtime.job.adapt`).
 
 Example:
-    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.testing import chain_graph, cluster_of
     >>> from hpml_compile.solve import solve
     >>> g = chain_graph([{"cpu": (1.0, 2.0)}] * 4)
     >>> old = solve(g, cluster_of(["cpu", "cpu"]), solver="uniform", microbatches=4)
@@ -162,7 +162,7 @@ def carried_comm(old: Plan) -> tuple[str | None, dict[str, Any]]:
         stages were compressed without an allowance (the user's ``--compress``; the most common value if a
         hand-edited plan mixes them), ``sync_every`` / ``sync_warmup`` under local SGD.
 
-    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.testing import chain_graph, cluster_of
     >>> from hpml_compile.solve import solve
     >>> p = with_comm(solve(chain_graph([{"cpu": (1.0, 2.0)}] * 2), cluster_of(["cpu", "cpu"]), solver="uniform",
     ...               microbatches=1), sync_every=4, sync_warmup=2)

@@ -89,7 +89,7 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   the end of the last backward.
 
 Example:
-    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.testing import chain_graph, uniform_cluster
     >>> from hpml_compile.plan import Plan, Stage, Schedule
     >>> g = chain_graph([(2.0, 4.0), (2.0, 4.0)], kind="cpu")
     >>> c = uniform_cluster(2)

@@ -26,7 +26,7 @@ imports through ``show``.
 
 Example:
     >>> import tempfile
-    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.testing import chain_graph, uniform_cluster
     >>> from hpml_compile.plan import Plan, Stage, Schedule
     >>> from hpml_compile.simulate import simulate
     >>> g = chain_graph([(2.0, 4.0), (2.0, 4.0)], kind="cpu", output_bytes=2**20)

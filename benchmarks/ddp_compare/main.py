@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from hpml_compile import models
 from hpml_compile.codegen import generate
-from hpml_compile.codegen.testing import split_plan
+from hpml_compile.testing import split_plan
 from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.trace import trace
 

@@ -57,7 +57,7 @@ import torch
 from hpml_compile import driver, models
 from hpml_compile.ir import Cluster, Device, Precision
 from hpml_compile.codegen import generate
-from hpml_compile.codegen.testing import split_plan
+from hpml_compile.testing import split_plan
 from hpml_compile.plan import Plan, Schedule, load_plan, stage_breakdown, validate_plan
 from hpml_compile.profile import load_profile
 from hpml_compile.schema import write_json_atomic

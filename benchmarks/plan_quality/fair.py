@@ -22,7 +22,7 @@ each plan simulated by :func:`hpml_compile.simulate.annotate` and kept only if
 every device holds its stage's peak.
 
 Example:
-    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.testing import chain_graph, cluster_of
     >>> g = chain_graph([{"a": (1.0, 2.0)}] * 4, param_bytes=1000, batch_size=8)
     >>> even = lambda weights, parts: [round(i * len(weights) / parts) for i in range(parts + 1)]
     >>> best = fair_peer_plan(g, cluster_of(["a"] * 4), "torchgpipe", even)

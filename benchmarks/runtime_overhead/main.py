@@ -37,7 +37,7 @@ from torch import nn
 
 from hpml_compile import models
 from hpml_compile.codegen import generate
-from hpml_compile.codegen.testing import split_plan
+from hpml_compile.testing import split_plan
 from hpml_compile.plan import Schedule
 from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.trace import trace

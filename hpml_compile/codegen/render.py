@@ -11,7 +11,7 @@ no code that runs: only data and copies of code for people to read.
 Example:
     >>> import torch
     >>> from hpml_compile.trace import trace
-    >>> from hpml_compile.codegen.testing import split_plan
+    >>> from hpml_compile.testing import split_plan
     >>> gm = trace(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), (torch.randn(2, 4),))
     >>> files, manifest = render(gm, split_plan(gm, "seq", 2))
     >>> sorted(files), manifest.stages[1]["class"]

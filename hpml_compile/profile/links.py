@@ -8,7 +8,7 @@ processes, ``gloo-loopback``, fitted once on another machine).
 figures, recorded as ``links`` of the cluster it returns (what
 ``hpml-compile devices --measure`` writes):
 
-- **CPU ranks (gloo)**: two processes on this host (:func:`~.testing.spawn_ranks`),
+- **CPU ranks (gloo)**: two processes on this host (:func:`~hpml_compile.runtime.job.spawn.spawn_ranks`),
   one torch thread each as the runtime's ranks, time a ping-pong send/recv
   (half the round trip) and an all-reduce at a few sizes, median of a few
   repeats. One fit (:func:`fit_link`) gives the latency and bandwidth that
@@ -247,7 +247,7 @@ def probe_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS, gpus: Sequ
         sizes: message sizes in bytes.
         repeats: timed repeats per size (the median is kept).
         gpus: CUDA indices; with two or more, the first two are timed under NCCL too.
-        start_method: how the two processes start (:func:`~.testing.spawn_ranks`; ``fork`` for gloo only).
+        start_method: how the two processes start (:func:`~hpml_compile.runtime.job.spawn.spawn_ranks`; ``fork`` for gloo only).
         timeout_s: how long the probe may take.
 
     Returns:

@@ -61,7 +61,7 @@ tail cost. Its effect on convergence is not in the objective; that is the
 user's side of the trade (benchmarks/comm_options measures it).
 
 Example:
-    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.testing import chain_graph, cluster_of
     >>> g = chain_graph([{"fast": (1.0, 2.0), "slow": (2.0, 4.0)}] * 6)
     >>> plan = solve(g, cluster_of(["fast", "slow"]), solver="dp", microbatches=16)
     >>> [len(s.nodes) for s in plan.stages], plan.solver.status.value

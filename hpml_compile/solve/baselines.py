@@ -18,7 +18,7 @@ fails only when nothing would fit.
 
 Example:
     >>> from hpml_compile.solve.candidates import Chain
-    >>> from hpml_compile.solve.testing import chain_graph
+    >>> from hpml_compile.testing import chain_graph
     >>> ch = Chain.of(chain_graph([(1.0, 1.0), (1.0, 1.0), (4.0, 4.0), (1.0, 1.0)]))
     >>> uniform_cuts(ch, 2), balanced_cuts(ch, 2, [1.0, 1.0, 1.0, 8.0])
     ([0, 2, 4], [0, 3, 4])

@@ -9,7 +9,7 @@ per-microbatch time, its gradient-sync tail and the latest position in the
 pipeline at which it still fits in memory.
 
 Example:
-    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.testing import chain_graph, uniform_cluster
     >>> ch = Chain.of(chain_graph([(1.0, 2.0), (1.0, 2.0), (1.0, 2.0)]))
     >>> ch.n, ch.time(0, 2, "cpu")
     (3, 6.0)

@@ -24,7 +24,7 @@ largest tail) to bound the ILP.
 
 Example:
     >>> from hpml_compile.solve.candidates import Chain, Setting, enumerate_candidates
-    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.testing import chain_graph, uniform_cluster
     >>> from hpml_compile.plan import Schedule
     >>> ch = Chain.of(chain_graph([(1.0, 2.0)] * 4))
     >>> st = Setting(microbatches=8, schedule=Schedule.ONE_F_ONE_B, batch_size=64)
@@ -185,7 +185,7 @@ def proxy_chain(chain: Chain, cluster: Cluster, setting: Setting, candidates: Ca
     :mod:`.bounds`). Two DP runs instead of one.
 
     >>> from hpml_compile.solve.candidates import enumerate_candidates
-    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.testing import chain_graph, uniform_cluster
     >>> from hpml_compile.plan import Schedule
     >>> ch = Chain.of(chain_graph([(1.0, 2.0)] * 4))
     >>> st, two = Setting(microbatches=1, schedule=Schedule.ONE_F_ONE_B, batch_size=64), uniform_cluster(2)

@@ -72,7 +72,7 @@ is against the better of HiGHS's bound and the DP's.
 
 Example:
     >>> from hpml_compile.solve.candidates import Chain, Setting
-    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.testing import chain_graph, cluster_of
     >>> from hpml_compile.plan import Schedule
     >>> ch = Chain.of(chain_graph([{"a": (1.0, 1.0), "b": (3.0, 3.0)}] * 4))
     >>> r = solve_ilp(ch, cluster_of(["a", "b"]), Setting(64, Schedule.ONE_F_ONE_B, 1024), time_limit_s=10)

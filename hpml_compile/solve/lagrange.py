@@ -58,7 +58,7 @@ of memory. Here neither side of the search keeps that product:
 Example:
     >>> from hpml_compile.solve.candidates import Chain, Setting
     >>> from hpml_compile.solve.table import build_table
-    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.testing import chain_graph, cluster_of
     >>> from hpml_compile.plan import Schedule
     >>> ch = Chain.of(chain_graph([{"a": (1.0, 1.0), "b": (3.0, 3.0)}] * 4))
     >>> c, st = cluster_of(["a", "b"]), Setting(8, Schedule.ONE_F_ONE_B, 64)

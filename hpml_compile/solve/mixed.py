@@ -13,7 +13,7 @@ swap and ZeRO-3 are not tried.
 
 Example:
     >>> from hpml_compile.plan import Schedule
-    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.testing import chain_graph, cluster_of
     >>> g = chain_graph([{"fast": (1.0, 2.0), "slow": (3.0, 6.0)}] * 4)
     >>> c = cluster_of(["fast", "slow"])
     >>> stage_rows(g, c, g.order, ["d0", "d1"], microbatches=2, schedule=Schedule.ONE_F_ONE_B, index=0, stages=1)

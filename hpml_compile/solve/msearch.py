@@ -28,7 +28,7 @@ llama-70b: their root bounds are 4-260 times the incumbent).
 
 Example:
     >>> from hpml_compile.solve.candidates import Chain, Setting
-    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.testing import chain_graph, cluster_of
     >>> from hpml_compile.plan import Schedule
     >>> ch = Chain.of(chain_graph([{"a": (1.0, 1.0), "b": (3.0, 3.0)}] * 4, batch_size=64))
     >>> from hpml_compile.solve.dp import solve_chain

@@ -225,7 +225,7 @@ def polish(tab: CandidateTable, plan: list[Candidate], counts: dict[str, int], b
     >>> from hpml_compile.solve.candidates import Chain, Setting, classes
     >>> from hpml_compile.solve.dp import objective
     >>> from hpml_compile.solve.table import build_table
-    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.testing import chain_graph, uniform_cluster
     >>> from hpml_compile.plan import Schedule
     >>> ch, c, st = Chain.of(chain_graph([(1.0, 2.0)] * 6)), uniform_cluster(2), Setting(4, Schedule.ONE_F_ONE_B, 64)
     >>> tab = build_table(ch, c, st)

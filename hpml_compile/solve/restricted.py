@@ -21,7 +21,7 @@ past the house's ~600 lines), the local search on plans :mod:`.polish`'s
 Example:
     >>> from hpml_compile.solve.candidates import Chain, Setting
     >>> from hpml_compile.solve.table import build_table
-    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.testing import chain_graph, cluster_of
     >>> from hpml_compile.plan import Schedule
     >>> ch = Chain.of(chain_graph([{"a": (1.0, 1.0), "b": (3.0, 3.0)}] * 4))
     >>> c, st = cluster_of(["a", "b"]), Setting(8, Schedule.ONE_F_ONE_B, 64)
@@ -152,7 +152,7 @@ def ordered_units(cluster: Cluster, setting: Setting, states: int = ORDERED_STAT
     ``count / unit`` at most ``states``, but no more than the largest degree the microbatch's rows allow.
 
     >>> from hpml_compile.plan import Schedule
-    >>> from hpml_compile.solve.testing import cluster_of
+    >>> from hpml_compile.testing import cluster_of
     >>> ordered_units(cluster_of(["a"] * 256), Setting(64, Schedule.ONE_F_ONE_B, 512), 32)
     {'a': 8}
     """
@@ -313,7 +313,7 @@ def least_sum(tab: CandidateTable, weight: np.ndarray) -> float:
     counts and memory classes ignored: a lower bound for every plan's (``inf`` if nothing tiles).
 
     >>> from hpml_compile.solve.table import build_table
-    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.testing import chain_graph, uniform_cluster
     >>> from hpml_compile.plan import Schedule
     >>> tab = build_table(Chain.of(chain_graph([(1.0, 2.0)] * 2)), uniform_cluster(1), Setting(1, Schedule.GPIPE, 8))
     >>> least_sum(tab, tab.t)  # one stage of both blocks: forward and backward, 3 ms each
@@ -360,7 +360,7 @@ def proxy_sweep(dp: Callable[[CandidateTable, bool], list[Candidate] | None], ta
     there (the unrestricted least-sum run costs as much as the min-bottleneck one).
 
     >>> from hpml_compile.solve.table import build_table
-    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.testing import chain_graph, uniform_cluster
     >>> from hpml_compile.plan import Schedule
     >>> ch, c, st = Chain.of(chain_graph([(1.0, 2.0)] * 6)), uniform_cluster(3), Setting(1, Schedule.ONE_F_ONE_B, 64)
     >>> tab = build_table(ch, c, st)

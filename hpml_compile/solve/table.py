@@ -19,7 +19,7 @@ they are evaluated as ``(ranges x configurations)`` arrays:
 
 Example:
     >>> from hpml_compile.solve.candidates import Chain, Setting
-    >>> from hpml_compile.solve.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.testing import chain_graph, uniform_cluster
     >>> from hpml_compile.plan import Schedule
     >>> ch = Chain.of(chain_graph([(1.0, 2.0)] * 3))
     >>> tab = build_table(ch, uniform_cluster(2), Setting(4, Schedule.ONE_F_ONE_B, 64))

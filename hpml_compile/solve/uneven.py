@@ -48,7 +48,7 @@ for the others in a move or swap, and one stage's ``k`` devices are tried at the
 
 Example:
     >>> from hpml_compile.solve import solve
-    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.testing import chain_graph, cluster_of
     >>> g = chain_graph([{"fast": (1.0, 2.0), "slow": (3.0, 6.0)}] * 4)
     >>> c = cluster_of(["fast", "slow"])
     >>> best = improve(g, c, solve(g, c, solver="dp", microbatches=2))

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hpml_compile import models
-from hpml_compile.codegen.testing import SkipNet, skipnet_batch, skipnet_loss
+from hpml_compile.testing import SkipNet, skipnet_batch, skipnet_loss
 from hpml_compile.plan import load_plan
 from hpml_compile.runtime import Pipeline
 from hpml_compile.runtime.sync.comm import (ChainQueue, CommStats, PendingChain, hierarchical_all_reduce,

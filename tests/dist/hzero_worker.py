@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpml_compile.codegen.testing import SkipNet, skipnet_batch, skipnet_loss
+from hpml_compile.testing import SkipNet, skipnet_batch, skipnet_loss
 from hpml_compile.runtime import Pipeline
 from hpml_compile.runtime.sync.zero import FlatShard
 

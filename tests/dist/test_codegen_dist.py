@@ -20,7 +20,7 @@ import torch
 
 from hpml_compile import models
 from hpml_compile.codegen import generate, load_build
-from hpml_compile.codegen.testing import SkipNet, max_grad_diff, skipnet_batch, skipnet_loss, split_plan
+from hpml_compile.testing import SkipNet, max_grad_diff, skipnet_batch, skipnet_loss, split_plan
 from hpml_compile.runtime import dist_comm, spawn_ranks, step_rank
 from hpml_compile.trace import trace
 

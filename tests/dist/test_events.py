@@ -18,7 +18,7 @@ import torch
 from hpml_compile import models
 from hpml_compile.cli import main
 from hpml_compile.codegen import generate
-from hpml_compile.codegen.testing import split_plan
+from hpml_compile.testing import split_plan
 from hpml_compile.plan import Schedule
 from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.runtime.observe.events import read_events

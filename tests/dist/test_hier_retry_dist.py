@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hpml_compile.codegen import generate, load_build
-from hpml_compile.codegen.testing import (seeded_skipnet, skipnet_batches, skipnet_loss, skipnet_sgd, split_plan,
+from hpml_compile.testing import (seeded_skipnet, skipnet_batches, skipnet_loss, skipnet_sgd, split_plan,
                                           trained_skipnet)
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.plan import AllReduce

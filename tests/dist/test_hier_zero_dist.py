@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from hpml_compile.codegen import generate
-from hpml_compile.codegen.testing import SkipNet, skipnet_loss, split_plan
+from hpml_compile.testing import SkipNet, skipnet_loss, split_plan
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.memory import ZeroStage
 from hpml_compile.plan import AllReduce, Plan, load_plan, stage_breakdown

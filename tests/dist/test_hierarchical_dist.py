@@ -38,7 +38,7 @@ import pytest
 import torch
 
 from hpml_compile.codegen import generate
-from hpml_compile.codegen.testing import SkipNet, skipnet_batch, skipnet_loss, split_plan
+from hpml_compile.testing import SkipNet, skipnet_batch, skipnet_loss, split_plan
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.plan import AllReduce, Plan, load_plan
 from hpml_compile.runtime.job.launcher import free_port

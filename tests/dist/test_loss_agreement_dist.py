@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from hpml_compile.codegen import generate, load_build
-from hpml_compile.codegen.testing import (SkipNet, replicated_skipnet_builds, seeded_skipnet, skipnet_batch,
+from hpml_compile.testing import (SkipNet, replicated_skipnet_builds, seeded_skipnet, skipnet_batch,
                                           skipnet_batches, skipnet_loss, skipnet_sgd, split_plan, trained_skipnet)
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
 from hpml_compile.runtime.sync.comm import InjectedFault

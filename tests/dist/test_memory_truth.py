@@ -18,7 +18,7 @@ import torch
 
 from hpml_compile import models, profile
 from hpml_compile.codegen import generate, ops
-from hpml_compile.codegen.testing import split_plan
+from hpml_compile.testing import split_plan
 from hpml_compile.plan import Schedule, load_plan, stage_breakdown
 from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.trace import trace

@@ -55,7 +55,7 @@ from torch.utils.data import TensorDataset
 from hpml_compile import models
 from hpml_compile.cli import main
 from hpml_compile.codegen import generate
-from hpml_compile.codegen.testing import split_plan
+from hpml_compile.testing import split_plan
 from hpml_compile.costgraph import build as build_costgraph
 from hpml_compile.driver import rebuild
 from hpml_compile.plan import load_plan

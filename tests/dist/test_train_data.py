@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from hpml_compile.codegen import generate
-from hpml_compile.codegen.testing import split_plan
+from hpml_compile.testing import split_plan
 from hpml_compile.runtime import spawn_ranks
 from hpml_compile.runtime.execute.data import global_batch
 from hpml_compile.runtime.execute.pipeline import Pipeline

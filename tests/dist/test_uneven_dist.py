@@ -24,7 +24,7 @@ from torch.utils.data import TensorDataset
 
 from hpml_compile import models
 from hpml_compile.codegen import generate, load_build
-from hpml_compile.codegen.testing import max_grad_diff, split_plan
+from hpml_compile.testing import max_grad_diff, split_plan
 from hpml_compile.plan import Schedule
 from hpml_compile.runtime import dist_comm, spawn_ranks, step_rank
 from hpml_compile.runtime.execute.data import global_batch

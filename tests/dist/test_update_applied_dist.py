@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hpml_compile.codegen import load_build
-from hpml_compile.codegen.testing import (replicated_skipnet_builds, seeded_skipnet, skipnet_batches, skipnet_loss,
+from hpml_compile.testing import (replicated_skipnet_builds, seeded_skipnet, skipnet_batches, skipnet_loss,
                                           skipnet_sgd, trained_skipnet)
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
 from hpml_compile.runtime.execute.session import RetryPolicy, Session

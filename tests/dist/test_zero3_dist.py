@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from hpml_compile.codegen import generate
-from hpml_compile.codegen.testing import split_plan
+from hpml_compile.testing import split_plan
 from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.runtime.observe.held import held_bytes
 from hpml_compile.runtime.sync.zero3 import FlatShard3

@@ -26,7 +26,7 @@ import torch
 
 from hpml_compile import models
 from hpml_compile.codegen import generate
-from hpml_compile.codegen.testing import split_plan
+from hpml_compile.testing import split_plan
 from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.runtime.execute.checkpoint import latest, load_checkpoint, save_checkpoint
 from hpml_compile.runtime.observe.held import held_bytes

@@ -59,7 +59,7 @@ from torch import nn
 
 import hpml_compile
 from hpml_compile.codegen import load_build
-from hpml_compile.codegen.testing import replicated_skipnet_builds, seeded_skipnet, skipnet_batches, skipnet_loss
+from hpml_compile.testing import replicated_skipnet_builds, seeded_skipnet, skipnet_batches, skipnet_loss
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
 from hpml_compile.runtime.sync.comm import InjectedFault
 from hpml_compile.runtime.execute.session import RetryPolicy, Session

@@ -20,7 +20,7 @@ import torch
 
 from hpml_compile import models
 from hpml_compile.codegen import generate
-from hpml_compile.codegen.testing import split_plan
+from hpml_compile.testing import split_plan
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.plan import Plan, Schedule
 from hpml_compile.runtime import Pipeline, spawn_ranks, rank_devices

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hpml_compile.codegen import generate, load_build
-from hpml_compile.codegen.testing import last_node_of, max_grad_diff, split_plan
+from hpml_compile.testing import last_node_of, max_grad_diff, split_plan
 from hpml_compile.costgraph import block_key
 from hpml_compile.runtime import step_local
 from hpml_compile.trace import output_structure, repeated_blocks, trace

@@ -28,7 +28,7 @@ from hpml_compile.cli import main as cli_main
 from hpml_compile.cluster import builtin_cluster, load_cluster
 from hpml_compile.codegen import generate
 from hpml_compile.codegen.manifest import Manifest
-from hpml_compile.codegen.testing import split_plan
+from hpml_compile.testing import split_plan
 from hpml_compile.errors import SchemaError
 from hpml_compile.ir import Cluster, Link, Profile
 from hpml_compile.plan import Plan, load_plan, save_plan

@@ -23,7 +23,7 @@ from hpml_compile.plan import Plan, Schedule, Stage, load_plan, save_plan
 from hpml_compile.schema import write_json_atomic
 from hpml_compile.simulate import simulate
 from hpml_compile.solve import solve
-from hpml_compile.solve.testing import chain_profile, cluster_of
+from hpml_compile.testing import chain_profile, cluster_of
 
 COSTS = [{"fast": (1.0, 2.0), "slow": (3.0, 6.0)}] * 4
 

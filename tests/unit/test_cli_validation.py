@@ -21,7 +21,7 @@ from hpml_compile import driver, models
 from hpml_compile.cli import main
 from hpml_compile.cluster import load_cluster
 from hpml_compile.codegen import generate
-from hpml_compile.codegen.testing import split_plan
+from hpml_compile.testing import split_plan
 from hpml_compile.errors import HpmlError, LaunchError, OptionError
 from hpml_compile.ir import Profile
 from hpml_compile.profile import profile, save_profile

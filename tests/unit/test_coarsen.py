@@ -32,7 +32,7 @@ from hpml_compile.profile import profile
 from hpml_compile.solve import solve
 from hpml_compile.solve.candidates import Chain, Setting, enumerate_candidates
 from hpml_compile.solve.dp import solve_chain
-from hpml_compile.solve.testing import chain_profile, cluster_of, dag_profile
+from hpml_compile.testing import chain_profile, cluster_of, dag_profile
 from hpml_compile.trace import trace
 
 # On the seeded chains below the solver over cost-cut blocks is never more than this much slower than the

@@ -29,7 +29,7 @@ from hpml_compile.codegen import SyncKind, generate, load_build
 from hpml_compile.codegen.actions import TokenKind, parse_token
 from hpml_compile.codegen.comm import pieces
 from hpml_compile.codegen.partition import microbatch_values, place, plan_actions
-from hpml_compile.codegen.testing import (SkipNet, max_buffer_diff, max_grad_diff, skipnet_batch, skipnet_loss,
+from hpml_compile.testing import (SkipNet, max_buffer_diff, max_grad_diff, skipnet_batch, skipnet_loss,
                                           split_plan)
 from hpml_compile.cli.compile import add_parsers
 from hpml_compile.errors import BuildMismatchError, HpmlError

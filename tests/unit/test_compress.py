@@ -24,7 +24,7 @@ from hpml_compile.runtime.sync.compress import TopK
 from hpml_compile.runtime.sync.feedback import Feedback, Replica, merge_replicas, replica_key, replica_reads
 from hpml_compile.simulate import annotate, simulate
 from hpml_compile.solve import solve
-from hpml_compile.solve.testing import chain_graph
+from hpml_compile.testing import chain_graph
 from hpml_compile.stagecost import compressed_sync_ms, local_sgd_sync_ms, sync_ms
 
 
@@ -258,7 +258,7 @@ def test_local_sgd_and_compression_unshard_what_the_solver_sharded() -> None:
     """The solver may pick ZeRO-1 for a replicated stage; --sync-every / --compress need ZeRO-0 there, and say
     so when it does not fit (found: ``compile gpt-mini --cluster local-cpu-2 --sync-every 4`` refused itself)."""
     from hpml_compile.driver import _unsharded
-    from hpml_compile.solve.testing import cluster_of
+    from hpml_compile.testing import cluster_of
 
     g = chain_graph([{"cpu": (1.0, 2.0)}] * 4, param_bytes=50_000_000, activation_bytes=1_000_000,
                     output_bytes=1_000_000, batch_size=8)

@@ -14,7 +14,7 @@ from hpml_compile.runtime.observe.monitor import StepMetrics
 from hpml_compile.runtime.observe.policy import contention_discount, lost_share
 from hpml_compile.runtime.observe.summary import host_contention, slow_ranks, summarise
 from hpml_compile.solve import solve
-from hpml_compile.solve.testing import chain_graph, cluster_of
+from hpml_compile.testing import chain_graph, cluster_of
 
 
 @pytest.fixture(scope="module")

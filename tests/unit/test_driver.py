@@ -14,7 +14,7 @@ from hpml_compile.cluster import load_cluster
 from hpml_compile.errors import HpmlError, InfeasibleError
 from hpml_compile.plan import load_plan
 from hpml_compile.profile import load_profile, profile
-from hpml_compile.solve.testing import chain_profile, cluster_of
+from hpml_compile.testing import chain_profile, cluster_of
 
 EVEN = [{"cpu": (1.0, 2.0)}] * 4
 

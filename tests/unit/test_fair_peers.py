@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 
 from hpml_compile.solve import plan_from_cuts
-from hpml_compile.solve.testing import chain_graph, cluster_of
+from hpml_compile.testing import chain_graph, cluster_of
 
 HERE = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_quality"
 

@@ -23,7 +23,7 @@ from test_solve_fast import HYP, _setup, brute_force_objective, cases
 def _wide() -> tuple[Chain, object]:
     """8 equal blocks, 4 fast + 4 slow devices: at M=1 one stage of the 4 fast devices (6 ms on the proxy) beats
     the min-bottleneck pipeline of 6 blocks on the fast and 2 on the slow devices (7.5 ms)."""
-    from hpml_compile.solve.testing import chain_graph, cluster_of
+    from hpml_compile.testing import chain_graph, cluster_of
 
     chain = Chain.of(chain_graph([{"fast": (1.0, 2.0), "slow": (2.0, 4.0)}] * 8))
     return chain, cluster_of(["fast"] * 4 + ["slow"] * 4)
@@ -54,7 +54,7 @@ def test_many_kind_solve_ranks_its_first_count_by_the_swept_plan() -> None:
     from hpml_compile.plan import SolverStatus
     from hpml_compile.solve import solve
     from hpml_compile.solve.lagrange import EXACT_VECTORS, vectors
-    from hpml_compile.solve.testing import chain_graph, cluster_of
+    from hpml_compile.testing import chain_graph, cluster_of
 
     graph = chain_graph([{"fast": (1.0, 2.0), "slow": (2.0, 4.0)}] * 8)
     cluster = cluster_of(["fast"] * 12 + ["slow"] * 12)

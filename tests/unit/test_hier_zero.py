@@ -34,7 +34,7 @@ from hpml_compile.plan import AllReduce, Plan, Schedule, Stage, load_plan, save_
 from hpml_compile.simulate import simulate, stage_costs
 from hpml_compile.solve import solve
 from hpml_compile.solve.candidates import Chain, Setting, StageConfig, enumerate_candidates
-from hpml_compile.solve.testing import chain_profile
+from hpml_compile.testing import chain_profile
 from hpml_compile.stagecost import (copy_ms, hierarchical_allreduce_ms, meet_ms, prefetched_gather_ms, stream_bytes_per_ms,
                                    sync_ms, transfer_ms)
 

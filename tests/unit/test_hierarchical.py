@@ -25,7 +25,7 @@ import cost_models
 from hpml_compile import models
 from hpml_compile.cluster import hierarchy, load_cluster
 from hpml_compile.costgraph import build
-from hpml_compile.codegen.testing import SkipNet, skipnet_batch, split_plan
+from hpml_compile.testing import SkipNet, skipnet_batch, split_plan
 from hpml_compile.errors import PlanError, SchemaError
 from hpml_compile.explain import summary
 from hpml_compile.ir import Cluster, Device
@@ -36,7 +36,7 @@ from hpml_compile.profile import profile
 from hpml_compile.simulate import simulate, stage_costs, tied_syncs
 from hpml_compile.solve import solve
 from hpml_compile.solve.candidates import faster_allreduce
-from hpml_compile.solve.testing import chain_graph, dag_profile
+from hpml_compile.testing import chain_graph, dag_profile
 from hpml_compile.stagecost import hierarchical_allreduce_ms, hierarchical_overlapped_ms, level_bytes, meet_ms, sync_ms
 from hpml_compile.trace import trace
 
@@ -149,7 +149,7 @@ def test_the_plan_command_keeps_every_allreduce_flat_when_told() -> None:
 
     from hpml_compile import driver
     from hpml_compile.cli.plan import add_comm_options, comm_options
-    from hpml_compile.solve.testing import dag_profile
+    from hpml_compile.testing import dag_profile
 
     p = argparse.ArgumentParser()
     add_comm_options(p)

@@ -27,7 +27,7 @@ from torch.utils.data import TensorDataset
 from hpml_compile import models, profile
 from hpml_compile.cluster import load_cluster
 from hpml_compile.codegen import generate, load_build
-from hpml_compile.codegen.testing import max_grad_diff, split_plan
+from hpml_compile.testing import max_grad_diff, split_plan
 from hpml_compile.errors import HpmlError
 from hpml_compile.plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction, save_plan
 from hpml_compile.runtime.job.adapt import in_place_refusal, take_rows

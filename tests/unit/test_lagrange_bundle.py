@@ -51,7 +51,7 @@ def test_many_kind_bound_proves_the_exact_optimum_in_few_paths(blocks, per, micr
     from hpml_compile.solve.candidates import Chain, Setting
     from hpml_compile.solve.lagrange import lagrangian_bounds
     from hpml_compile.solve.table import build_table
-    from hpml_compile.solve.testing import chain_graph, cluster_of
+    from hpml_compile.testing import chain_graph, cluster_of
 
     graph = chain_graph([{"a": (1.0, 2.0), "b": (2.5, 5.0), "c": (4.0, 8.0)}] * blocks, batch_size=batch)
     cluster = cluster_of(["a"] * per + ["b"] * per + ["c"] * per)
@@ -76,7 +76,7 @@ def test_one_microbatch_bound_keeps_one_bottleneck_threshold(monkeypatch) -> Non
     from hpml_compile.solve.bounds import objective_bounds
     from hpml_compile.solve.candidates import Chain, Setting
     from hpml_compile.solve.table import build_table
-    from hpml_compile.solve.testing import chain_graph, cluster_of
+    from hpml_compile.testing import chain_graph, cluster_of
 
     rng = np.random.default_rng(0)
     nb, na, nbb = int(rng.integers(4, 9)), int(rng.integers(1, 8)), int(rng.integers(0, 6))
@@ -113,7 +113,7 @@ def test_a_solve_prints_no_highs_banner(path: str) -> None:
                     "from hpml_compile.solve.candidates import Chain, Setting\n"
                     "from hpml_compile.solve.ilp import milp\n"
                     "from hpml_compile.solve.table import build_table\n"
-                    "from hpml_compile.solve.testing import chain_graph, uniform_cluster\n"
+                    "from hpml_compile.testing import chain_graph, uniform_cluster\n"
                     "ch, c = Chain.of(chain_graph([(1.0, 2.0)] * 6)), uniform_cluster(2)\n"
                     "st = Setting(4, Schedule.ONE_F_ONE_B, 64)\n"
                     "tab = build_table(ch, c, st)\n"

@@ -68,7 +68,7 @@ def test_lagrangian_bound_is_exact_where_memory_binds_deep_in_the_pipeline(memor
     from hpml_compile.solve.candidates import Chain, Setting
     from hpml_compile.solve.dp import objective
     from hpml_compile.solve.lagrange import LAGRANGE_CLASSES, lagrangian_bounds
-    from hpml_compile.solve.testing import chain_graph, cluster_of
+    from hpml_compile.testing import chain_graph, cluster_of
 
     graph = chain_graph([{"a": (1.0, 2.0), "b": (1.5, 3.0)}] * 12, activation_bytes=2**28, batch_size=16)
     cluster = cluster_of(["a"] * 6 + ["b"] * 6, memory_gib=memory_gib)

@@ -71,7 +71,7 @@ def test_returned_plan_is_the_incumbent_of_its_gap() -> None:
     proxy objective, recomputed from its stages, is the one the gap is reported for; on the anytime path the
     last ``anytime:`` line's incumbent is at most it (the returned plan simulated fastest among those found)
     and its bound is the same bound."""
-    from hpml_compile.solve.testing import chain_graph, cluster_of
+    from hpml_compile.testing import chain_graph, cluster_of
 
     graph, cluster = _many_kinds()
     for limit in (0.5, 3.0):  # stopped early (a gap) and given the time to prove it
@@ -129,7 +129,7 @@ def _ranked_wrong() -> tuple[CostGraph, Cluster]:
     plan 7.8% better on the proxy, which simulates slower than M=64's (found by a random search)."""
     from hpml_compile.costgraph import build
     from hpml_compile.ir import Device
-    from hpml_compile.solve.testing import chain_profile
+    from hpml_compile.testing import chain_profile
 
     mib = 2**20
     costs = [{"A100-80GB": (1.43, 4.66), "H100-80GB": (1.17, 1.78), "V100-32GB": (5.24, 8.15)},

@@ -18,6 +18,8 @@ unclassified module fails, so a new module is placed on purpose:
 - ``api`` (the Python ``compile``) sits beside the driver: it assembles driver and runtime and
   never imports a CLI;
 - the package root does not import the runtime (``import hpml_compile`` stays light);
+- ``testing`` (test support: small models, hand-made plans, profiles, clusters, ranks) may import
+  anything but a CLI, and no module of the package imports it (only tests and docstring examples);
 - the CLIs sit on top and may import anything.
 
 And ``cost_models`` imports nothing from ``hpml_compile``.
@@ -98,7 +100,8 @@ def _kind(module: str) -> str | None:
     if top in CLI or top.endswith("_cli"):
         return "cli"
     # ``infer`` plans and runs generation: held to the runtime's rules (no solving but through the driver).
-    return {"models": "models", "driver": "driver", "api": "api", "runtime": "runtime", "infer": "runtime"}.get(top)
+    return {"models": "models", "driver": "driver", "api": "api", "runtime": "runtime", "infer": "runtime",
+            "testing": "testing"}.get(top)
 
 
 def _internal(path: Path) -> dict[str, str]:
@@ -167,7 +170,9 @@ def _forbidden(path: Path) -> list[str]:
             bad.append(f"{m} (a {kind} never imports the runtime, the CLIs or the driver)")
         elif kind == "runtime" and top in SOLVING and not _only_data_io(m, imported):
             bad.append(f"{m} (the runtime reaches solving only through hpml_compile.driver)")
-        elif kind in ("runtime", "api") and other == "cli":
+        elif other == "testing":
+            bad.append(f"{m} (test support: only tests and docstring examples import it)")
+        elif kind in ("runtime", "api", "testing") and other == "cli":
             bad.append(f"{m} (the {kind} never imports a CLI)")
         elif kind == "root" and other == "runtime":
             bad.append(f"{m} (importing hpml_compile must not import the runtime)")
@@ -232,6 +237,7 @@ def test_the_rules_catch_what_they_should() -> None:
     assert _kind("hpml_compile") == "root" and _kind("hpml_compile.newthing") is None and _kind("torch") is None
     assert _kind("hpml_compile.runtime.observe.held") == "runtime"  # measures what a rank holds: runtime, not a pass
     assert _kind("hpml_compile.profile.links") == "runtime" and _kind("hpml_compile.profile.static") == "pass"
+    assert _kind("hpml_compile.testing") == "testing"
     assert _room("hpml_compile.runtime.sync.zero") == "sync" and _room("hpml_compile.runtime") == ""
     assert ROOMS.index("sync") < ROOMS.index("observe") < ROOMS.index("execute") < ROOMS.index("job")
     assert PASSES.index("costgraph") < PASSES.index("solve") < PASSES.index("replan") < PASSES.index("codegen")

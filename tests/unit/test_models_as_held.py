@@ -19,7 +19,7 @@ import hpml_compile
 from hpml_compile import TrainSpec, driver, models
 from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.constants import CONSTANTS_FILE
-from hpml_compile.codegen.testing import max_grad_diff, split_plan
+from hpml_compile.testing import max_grad_diff, split_plan
 from hpml_compile.errors import BuildMismatchError, ModelError, TraceError
 from hpml_compile.runtime import step_local
 from hpml_compile.runtime.execute.weights import load_stage_weights

@@ -27,7 +27,7 @@ def test_other_kind_orders_are_tried_only_where_memory_binds(monkeypatch, memory
     from hpml_compile.solve.bounds import exact_classes
     from hpml_compile.solve.candidates import classes
     from hpml_compile.solve.table import build_table
-    from hpml_compile.solve.testing import chain_graph, cluster_of
+    from hpml_compile.testing import chain_graph, cluster_of
 
     graph = chain_graph([{"a": (1.0, 2.0), "b": (1.5, 3.0)}] * 12, activation_bytes=2**28, batch_size=16)
     cluster = cluster_of(["a"] * 6 + ["b"] * 6, memory_gib=memory_gib)

@@ -11,7 +11,7 @@ from hpml_compile.errors import SchemaError
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.plan import (Plan, PlanError, PlanPrediction, Schedule, SolverInfo, SolverStatus, Stage,
                                StagePrediction, ZeroStage, load_plan, save_plan, validate_plan)
-from hpml_compile.solve.testing import dag_profile
+from hpml_compile.testing import dag_profile
 
 GiB = 2**30
 

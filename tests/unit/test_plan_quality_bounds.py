@@ -20,7 +20,7 @@ from hpml_compile.ir import Cluster
 from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.simulate import simulate
 from hpml_compile.solve import solve
-from hpml_compile.solve.testing import chain_graph
+from hpml_compile.testing import chain_graph
 
 MAIN = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_quality" / "main.py"
 
@@ -106,7 +106,7 @@ def test_no_plan_beats_the_fixed_part_bound_and_it_is_above_the_tight_bound(pq: 
 
     from hpml_compile.costgraph import build
     from hpml_compile.ir import NodeCost
-    from hpml_compile.solve.testing import chain_profile
+    from hpml_compile.testing import chain_profile
 
     c = two_by_two()
     full = [(4.0, 8.0), (2.0, 4.0), (6.0, 12.0), (1.0, 2.0)]

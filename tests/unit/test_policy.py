@@ -50,7 +50,7 @@ def test_a_device_over_its_capacity_is_a_reason_to_replan_with_less_memory() -> 
 
     from hpml_compile.replan import replan_graph
     from hpml_compile.solve import solve
-    from hpml_compile.solve.testing import chain_graph, cluster_of
+    from hpml_compile.testing import chain_graph, cluster_of
 
     assert memory_shortfalls({"d0": 90, "d1": 120}, {"d0": 100, "d1": 100}) == {"d1": 20}
     assert memory_shortfalls({"d0": 100}, {"d0": 100}) == {}  # at the capacity is not over

@@ -15,7 +15,7 @@ from hpml_compile.solve.dp import objective
 from hpml_compile.solve.polish import polish
 from hpml_compile.solve.restricted import feasible
 from hpml_compile.solve.table import build_table
-from hpml_compile.solve.testing import chain_graph, cluster_of
+from hpml_compile.testing import chain_graph, cluster_of
 from test_solve_fast import HYP, _setup, brute_force_objective, cases
 
 

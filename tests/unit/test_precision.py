@@ -18,7 +18,7 @@ from hpml_compile import driver, models
 from hpml_compile.cli import main
 from hpml_compile.cluster import load_cluster
 from hpml_compile.codegen import generate, load_build
-from hpml_compile.codegen.testing import split_plan
+from hpml_compile.testing import split_plan
 from hpml_compile.errors import HpmlError, OptionError, PlanError, SchemaError
 from hpml_compile.ir import Precision, Profile
 from hpml_compile.plan import Plan, load_plan, save_plan, validate_plan

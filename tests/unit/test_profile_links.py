@@ -12,7 +12,7 @@ from hpml_compile.cluster import load_cluster
 from hpml_compile.errors import SchemaError
 from hpml_compile.ir import Link
 from hpml_compile.profile import load_profile, save_profile
-from hpml_compile.solve.testing import chain_profile
+from hpml_compile.testing import chain_profile
 
 LINK = {"gbps": 0.42, "latency_us": 321.0, "shared": True, "source": "measured by profile: test"}
 

@@ -24,7 +24,7 @@ from hpml_compile.solve.lagrange import path_min
 from hpml_compile.solve.polish import Polisher
 from hpml_compile.solve.restricted import feasible
 from hpml_compile.solve.table import build_table
-from hpml_compile.solve.testing import chain_graph, cluster_of
+from hpml_compile.testing import chain_graph, cluster_of
 from test_solve_fast import HYP, _setup, brute_force_objective, cases
 
 #: Eleven blocks on 8 + 6 + 6 devices of three kinds, found by a random search over such chains (costs 1-9 ms per

@@ -17,7 +17,7 @@ from hpml_compile.simulate import annotate, simulate
 from hpml_compile.driver import Options, replan
 from hpml_compile.replan import plan_diff, replan_graph, without_devices
 from hpml_compile.solve import solve
-from hpml_compile.solve.testing import chain_graph, chain_profile, cluster_of
+from hpml_compile.testing import chain_graph, chain_profile, cluster_of
 
 EVEN = [{"cpu": (1.0, 2.0)}] * 6
 

@@ -14,7 +14,7 @@ from hpml_compile.runtime.observe.monitor import StepMetrics
 from hpml_compile.runtime.observe.policy import Candidate, choose_switch
 from hpml_compile.runtime.observe.summary import device_slowdowns, format_summary, measured_setup, summarise
 from hpml_compile.simulate import annotate
-from hpml_compile.solve.testing import chain_profile, cluster_of
+from hpml_compile.testing import chain_profile, cluster_of
 
 BATCH, MICRO = 24, 2
 

@@ -24,7 +24,7 @@ from hpml_compile.replan import move_rows
 from hpml_compile.runtime.observe.monitor import StepMetrics
 from hpml_compile.runtime.observe.summary import device_slowdowns, measured_setup, summarise
 from hpml_compile.simulate import annotate
-from hpml_compile.solve.testing import chain_profile, cluster_of
+from hpml_compile.testing import chain_profile, cluster_of
 
 BATCH, MICRO, NODES = 48, 2, 6
 FWD, BWD = 2.0, 3.0  # per node, ms, at the profile's batch

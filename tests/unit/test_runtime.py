@@ -14,7 +14,7 @@ from hpml_compile import models
 from hpml_compile.cli import main
 from hpml_compile.cluster import load_cluster
 from hpml_compile.codegen import generate
-from hpml_compile.codegen.testing import SkipNet, skipnet_batch, skipnet_loss, split_plan
+from hpml_compile.testing import SkipNet, skipnet_batch, skipnet_loss, split_plan
 from hpml_compile.errors import BuildMismatchError, HpmlError
 from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.runtime import Pipeline, compile

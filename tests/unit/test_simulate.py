@@ -12,7 +12,7 @@ from hpml_compile.ir import Cluster, Device, Link
 from hpml_compile.plan import Plan, Schedule, Stage, ZeroStage, stage_memory
 from hpml_compile.simulate import EventKind, idle_intervals, op_order, simulate
 from hpml_compile.stagecost import meet_ms
-from hpml_compile.solve.testing import chain_profile, uniform_cluster
+from hpml_compile.testing import chain_profile, uniform_cluster
 
 
 def _plan(graph, cluster, groups, m, schedule, **stage_kw) -> Plan:

@@ -18,7 +18,7 @@ from hpml_compile.solve import SolverName, solve
 from hpml_compile.solve.candidates import Chain, Setting, enumerate_candidates
 from hpml_compile.solve.dp import solve_chain
 from hpml_compile.solve.ilp import solve_ilp
-from hpml_compile.solve.testing import chain_profile, cluster_of, dag_profile
+from hpml_compile.testing import chain_profile, cluster_of, dag_profile
 
 GiB = 2**30
 KINDS = ("k0", "k1", "k2", "k3")

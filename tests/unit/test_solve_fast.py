@@ -24,7 +24,7 @@ from hpml_compile.solve.candidates import (CONFIGS, Candidate, Chain, Setting, b
                                            enumerate_candidates, group_link, in_flight, kind_counts)
 from hpml_compile.solve.dp import objective, solve_chain
 from hpml_compile.stagecost import _bucketed, device_memory, hierarchical_overlapped_ms, meet_ms, overlapped_ms, stream_bytes_per_ms
-from hpml_compile.solve.testing import dag_profile
+from hpml_compile.testing import dag_profile
 
 MiB = 2**20
 HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -319,7 +319,7 @@ def test_table_and_simulator_agree_on_fixed_parts_and_the_optimizer() -> None:
     from hpml_compile.ir import NodeCost
     from hpml_compile.plan import Plan, Stage
     from hpml_compile.simulate import simulate
-    from hpml_compile.solve.testing import uniform_cluster
+    from hpml_compile.testing import uniform_cluster
 
     prof = dag_profile([(8.0, 16.0), (4.0, 12.0)], [[], [0]], param_bytes=[4000, 12000])
     nodes = tuple(replace(n, cost={"cpu": NodeCost(c.fwd_ms, c.bwd_ms, False, fwd_fixed_ms=c.fwd_ms / 4,
@@ -412,7 +412,7 @@ def _many_kinds():
 
 
 def chain_profile_for(costs):
-    from hpml_compile.solve.testing import chain_profile
+    from hpml_compile.testing import chain_profile
 
     return chain_profile(costs, param_bytes=[256 * MiB] * len(costs), activation_bytes=[64 * MiB] * len(costs),
                          batch_size=64)
@@ -531,7 +531,7 @@ def test_many_kinds_plan_where_the_coarse_units_leave_too_few_devices() -> None:
     from hpml_compile.solve import solve
     from hpml_compile.solve.lagrange import coarse_chain, coarse_groups
     from hpml_compile.solve.table import build_table
-    from hpml_compile.solve.testing import chain_profile
+    from hpml_compile.testing import chain_profile
 
     speeds = {"A100-80GB": 1.0, "H100-80GB": 0.5, "V100-32GB": 2.0}
     graph = build(chain_profile([{k: (2.0 * s, 4.0 * s) for k, s in speeds.items()}] * 12,

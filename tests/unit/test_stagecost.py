@@ -17,7 +17,7 @@ from hpml_compile.plan import Plan, Schedule, SolverInfo, Stage, sync_overlap
 from hpml_compile.simulate import stage_costs
 from hpml_compile.solve.candidates import CONFIGS, Chain, Setting, to_plan
 from hpml_compile.solve.table import build_table
-from hpml_compile.solve.testing import dag_profile
+from hpml_compile.testing import dag_profile
 from hpml_compile.costgraph import build
 from hpml_compile import stagecost
 

@@ -19,7 +19,7 @@ from hpml_compile.plan import Stage, save_plan
 from hpml_compile.runtime.job.supervisor import blame, in_place_moves, plan_devices, rows_in_force, timings
 from hpml_compile.runtime.observe.runfolder import RunFolder
 from hpml_compile.solve import solve
-from hpml_compile.solve.testing import chain_profile, cluster_of
+from hpml_compile.testing import chain_profile, cluster_of
 
 
 def _report(run: Path, rank: int, t: float, kind: str, message: str = "boom") -> None:

@@ -189,7 +189,7 @@ def test_run_data_options_are_checked_against_the_build(tmp_path: Path) -> None:
     import argparse
 
     from hpml_compile.cli.run import _data_options
-    from hpml_compile.codegen.testing import split_plan
+    from hpml_compile.testing import split_plan
     from hpml_compile.errors import OptionError
     from hpml_compile.recipe import ModelRecipe
     from hpml_compile.trace import trace

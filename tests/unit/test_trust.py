@@ -22,7 +22,7 @@ from hpml_compile import driver, models
 from hpml_compile.cli import main
 from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.build import sha256
-from hpml_compile.codegen.testing import split_plan
+from hpml_compile.testing import split_plan
 from hpml_compile.errors import BuildMismatchError, OutputError
 from hpml_compile.plan import load_plan
 from hpml_compile.profile import load_profile

@@ -15,7 +15,7 @@ from hpml_compile.memory import GiB
 from hpml_compile.plan import Plan, Schedule, Stage, stage_memory, validate_plan
 from hpml_compile.simulate import EventKind, annotate, simulate
 from hpml_compile.solve import solve
-from hpml_compile.solve.testing import chain_graph, chain_profile, cluster_of
+from hpml_compile.testing import chain_graph, chain_profile, cluster_of
 from hpml_compile.solve.mixed import CONFIGS, build_plan
 from hpml_compile.solve.uneven import improve, merge, stage_rows
 from hpml_compile.stagecost import choose_rows

@@ -23,7 +23,7 @@ from hpml_compile.solve import solve
 from hpml_compile.solve.baselines import cut_points
 from hpml_compile.solve.candidates import Chain
 from hpml_compile.solve.mixed import CONFIGS, build_plan
-from hpml_compile.solve.testing import chain_profile, cluster_of
+from hpml_compile.testing import chain_profile, cluster_of
 from hpml_compile.solve.uneven import improve
 
 UNEVEN = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_quality" / "uneven.py"

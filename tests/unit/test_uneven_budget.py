@@ -10,7 +10,7 @@ import pytest
 
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.solve import solve, uneven
-from hpml_compile.solve.testing import chain_graph
+from hpml_compile.testing import chain_graph
 from hpml_compile.solve.uneven import FAMILIES, device_class, group_sizes, improve, moved_devices, shape_of
 
 KINDS = {"fast": (1.0, 2.0), "mid": (2.0, 4.0), "slow": (3.0, 6.0)}

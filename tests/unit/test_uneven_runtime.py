@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 from hpml_compile import models
 from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.comm import overlaps, split_ranges
-from hpml_compile.codegen.testing import max_grad_diff, split_plan
+from hpml_compile.testing import max_grad_diff, split_plan
 from hpml_compile.errors import HpmlError, ModelError
 from hpml_compile.plan import Schedule
 from hpml_compile.runtime import merge_outputs, step_local

@@ -12,7 +12,7 @@ import pytest
 
 from hpml_compile.plan import Plan, Schedule, SolverInfo, Stage, validate_plan
 from hpml_compile.simulate import annotate
-from hpml_compile.solve.testing import chain_graph, chain_profile, cluster_of
+from hpml_compile.testing import chain_graph, chain_profile, cluster_of
 from hpml_compile.solve.mixed import build_plan, fastest
 from hpml_compile.solve.uneven import improve, local_search, moved_devices, other_counts, shape_of, shifted_cuts
 

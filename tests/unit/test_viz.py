@@ -17,7 +17,7 @@ from hpml_compile.ir import Cluster, Device
 from hpml_compile.plan import Plan, Schedule, Stage, save_plan
 from hpml_compile.schema import write_json_atomic
 from hpml_compile.simulate import simulate
-from hpml_compile.solve.testing import chain_profile
+from hpml_compile.testing import chain_profile
 from hpml_compile.viz import plan_graph, write_pictures
 
 MiB = 2**20

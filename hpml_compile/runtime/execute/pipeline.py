@@ -33,7 +33,7 @@ Example:
     >>> import tempfile, torch
     >>> from hpml_compile.trace import trace
     >>> from hpml_compile.codegen import generate
-    >>> from hpml_compile.codegen.testing import split_plan
+    >>> from hpml_compile.testing import split_plan
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     >>> x, y = torch.randn(4, 8), torch.randn(4, 1)
     >>> d = tempfile.mkdtemp()

@@ -22,7 +22,7 @@ Example:
     >>> from torch.utils.data import TensorDataset
     >>> from hpml_compile.trainspec import TrainSpec
     >>> from hpml_compile.codegen import generate
-    >>> from hpml_compile.codegen.testing import split_plan
+    >>> from hpml_compile.testing import split_plan
     >>> from hpml_compile.trace import trace
     >>> from .pipeline import Pipeline
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS

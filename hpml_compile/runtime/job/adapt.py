@@ -216,7 +216,7 @@ def row_move_stages(plan: Plan, slow: Mapping[str, float], front_end: str = "fx"
 
     Example:
         >>> from hpml_compile.plan import Stage
-        >>> from hpml_compile.solve.testing import cluster_of
+        >>> from hpml_compile.testing import cluster_of
         >>> p = Plan("toy", cluster_of(["cpu"] * 3), "gpipe", 2, (Stage(0, ("d0",), ("a",)),
         ...                                                       Stage(1, ("d1", "d2"), ("b",))))
         >>> row_move_stages(p, {"d2": 3.0}), row_move_stages(p, {"d0": 3.0})
@@ -255,7 +255,7 @@ def in_place_refusal(generated: Plan, old: Plan, new: Plan, front_end: str = "fx
 
     Example:
         >>> from hpml_compile.plan import Stage
-        >>> from hpml_compile.solve.testing import cluster_of
+        >>> from hpml_compile.testing import cluster_of
         >>> st = lambda k, devs, rows=(): Stage(k, devs, (f"n{k}",), rows=rows)
         >>> two = Plan("toy", cluster_of(["cpu"] * 4), "gpipe", 2, (st(0, ("d0", "d1")), st(1, ("d2", "d3"))))
         >>> moved = replace(two, stages=(st(0, ("d0", "d1"), (3, 1)), two.stages[1]))

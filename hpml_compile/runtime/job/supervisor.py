@@ -170,7 +170,7 @@ def rows_in_force(seg_dir: Path, built: Plan) -> Plan | None:
         >>> import tempfile
         >>> from dataclasses import replace
         >>> from hpml_compile.plan import Stage
-        >>> from hpml_compile.solve.testing import cluster_of
+        >>> from hpml_compile.testing import cluster_of
         >>> p = Plan("toy", cluster_of(["cpu"] * 2), "gpipe", 2, (Stage(0, ("d0", "d1"), ("n",)),))
         >>> seg = Path(tempfile.mkdtemp())
         >>> _ = save_plan(p, seg / "plan.json"); rows_in_force(seg, p) is None

@@ -627,7 +627,7 @@ def device_slowdowns(plan: Plan, baseline: Mapping[int, Sequence[StepMetrics]],
     Returns:
         device name -> recent / baseline compute (only the slowed devices).
 
-    >>> from hpml_compile.solve.testing import chain_graph, cluster_of
+    >>> from hpml_compile.testing import chain_graph, cluster_of
     >>> from hpml_compile.solve import solve
     >>> plan = solve(chain_graph([{"cpu": (1.0, 2.0)}] * 4), cluster_of(["cpu", "cpu"]), solver="uniform")
     >>> row = lambda r, c: StepMetrics(0, r, r, 0, "cpu", 1, 8, 10.0, 10.0, c / 3, 2 * c / 3)

@@ -1,6 +1,13 @@
-"""Helpers for testing builds: a model with skip connections over several stages, hand-made plans, diffs.
+"""Test support: small models, hand-made plans, profiles and clusters, gloo ranks with a deadline.
 
-Used by the codegen and runtime tests; nothing here is needed to compile or run a model.
+Used by the tests, the examples in docstrings and the benchmarks; nothing here is needed to compile or run a
+model, and no module of the package imports it (``tests/unit/test_layering.py``).
+
+- a model with skip connections over several stages (:class:`SkipNet`), its batches and loss, hand-made
+  plans (:func:`split_plan`), builds of it (:func:`replicated_skipnet_builds`), and diffs of gradients and
+  buffers;
+- small hand-made profiles, cost graphs and clusters (:func:`chain_graph`, :func:`cluster_of`, ...);
+- :func:`spawn_ranks`, gloo ranks on this host with a deadline (:mod:`hpml_compile.runtime.job.spawn`).
 
 Example:
     >>> import torch
@@ -10,25 +17,34 @@ Example:
     >>> plan = split_plan(gm, "skipnet", 3, microbatches=2, recompute=(1,))
     >>> [len(s.nodes) for s in plan.stages], plan.stages[1].recompute
     ([9, 9, 9], True)
+    >>> g = chain_graph([{"fast": (1.0, 2.0), "slow": (2.0, 4.0)}] * 3)
+    >>> g.order, g.kinds
+    (('n0', 'n1', 'n2'), ('fast', 'slow'))
+    >>> [d.name for d in uniform_cluster(2).devices]
+    ['d0', 'd1']
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..cluster import load_cluster
-from ..memory import ZeroStage
-from ..plan import Plan, Schedule, Stage
+from .cluster import load_cluster
+from .costgraph import CostGraph, build
+from .ir import Cluster, Device, Link, NodeCost, NodeOp, Profile, ProfileNode
+from .memory import ZeroStage
+from .plan import Plan, Schedule, Stage
+from .runtime.job.spawn import spawn_ranks
 
 __all__ = ["SkipNet", "skipnet_batch", "skipnet_batches", "skipnet_loss", "seeded_skipnet", "split_plan",
            "replicated_skipnet_builds", "skipnet_sgd", "trained_skipnet", "max_grad_diff", "max_buffer_diff",
-           "last_node_of"]
+           "last_node_of",
+           "chain_profile", "chain_graph", "dag_profile", "uniform_cluster", "cluster_of", "spawn_ranks"]
 
 
 class SkipNet(nn.Module):
@@ -105,8 +121,8 @@ def replicated_skipnet_builds(root: str | Path, zeros: Sequence[int], *, microba
                                ) -> dict[str, str]:
     """Builds of :class:`SkipNet` as one stage replicated on 2 ranks, one per ZeRO stage in ``zeros``, under
     ``root/zero<z>``: ``{str(z): folder}``."""
-    from ..codegen import generate
-    from ..trace import trace
+    from .codegen import generate
+    from .trace import trace
 
     gm = trace(SkipNet(), skipnet_batch(rows=rows)[:1])
     out = {}
@@ -171,7 +187,7 @@ def last_node_of(gm: fx.GraphModule, block: str) -> str:
     Raises:
         AssertionError: if no node belongs to the block.
     """
-    from ..trace import node_info
+    from .trace import node_info
 
     inside = [n.name for n in gm.graph.nodes
               if n.op != "placeholder" and (node_info(n).scope == block or node_info(n).scope.startswith(block + "."))]
@@ -203,3 +219,73 @@ def max_buffer_diff(model: nn.Module, reference: nn.Module) -> float:
     for (name, a), (_, b) in zip(model.named_buffers(), reference.named_buffers()):
         worst = max(worst, (a.double() - b.double()).abs().max().item() if a.numel() else 0.0)
     return worst
+
+Cost = tuple[float, float] | Mapping[str, tuple[float, float]]
+
+
+def _cost(c: Cost, kind: str) -> dict[str, NodeCost]:
+    per = c if isinstance(c, Mapping) else {kind: c}
+    return {k: NodeCost(float(f), float(b), False) for k, (f, b) in per.items()}
+
+
+def dag_profile(costs: Sequence[Cost], inputs: Sequence[Sequence[int]], *, kind: str = "cpu",
+                param_bytes: int | Sequence[int] = 0, activation_bytes: int | Sequence[int] = 0,
+                output_bytes: int = 0, batch_size: int = 1024, model: str = "toy") -> Profile:
+    """A profile of nodes ``n0..`` where node ``i`` reads the nodes ``inputs[i]`` (all ``< i``).
+
+    Args:
+        costs: per node, ``(fwd_ms, bwd_ms)`` on ``kind`` or ``{kind: (fwd_ms, bwd_ms)}``.
+        inputs: per node, the indices of the nodes it reads.
+        kind: device kind for plain tuples.
+        param_bytes: per node (or one value for all).
+        activation_bytes: per node (or one value for all).
+        output_bytes: every node's output size.
+        batch_size: the profile's batch size.
+        model: model name.
+
+    Returns:
+        The profile.
+    """
+    n = len(costs)
+    pb = [param_bytes] * n if isinstance(param_bytes, int) else list(param_bytes)
+    ab = [activation_bytes] * n if isinstance(activation_bytes, int) else list(activation_bytes)
+    nodes = tuple(
+        ProfileNode(name=f"n{i}", op=NodeOp.CALL_MODULE, target=f"n{i}", inputs=tuple(f"n{j}" for j in inputs[i]),
+                    scope=f"layers.{i}", param_bytes=pb[i], activation_bytes=ab[i], output_bytes=output_bytes,
+                    cost=_cost(costs[i], kind))
+        for i in range(n))
+    return Profile(model=model, batch_size=batch_size, dtype="float32", nodes=nodes)
+
+
+def chain_profile(costs: Sequence[Cost], **kw: object) -> Profile:
+    """A chain ``n0 -> n1 -> ...``; keywords as :func:`dag_profile`."""
+    return dag_profile(costs, [[i - 1] if i else [] for i in range(len(costs))], **kw)  # type: ignore[arg-type]
+
+
+def chain_graph(costs: Sequence[Cost], **kw: object) -> CostGraph:
+    """The cost graph of :func:`chain_profile` (one graph node per fx node)."""
+    return build(chain_profile(costs, **kw))
+
+
+def cluster_of(kinds: Sequence[str], *, memory_gib: float = 1024.0, free_links: bool = True,
+               name: str = "toy") -> Cluster:
+    """Devices ``d0..`` of the given kinds on one host.
+
+    Args:
+        kinds: one kind per device.
+        memory_gib: memory of every device.
+        free_links: add explicit links so fast that communication costs nothing.
+        name: cluster name.
+
+    Returns:
+        The cluster.
+    """
+    devs = tuple(Device(f"d{i}", k, memory_gib) for i, k in enumerate(kinds))
+    links = tuple(Link(a.name, b.name, 1e15, 0.0) for i, a in enumerate(devs) for b in devs[i + 1:]) \
+        if free_links else ()
+    return Cluster(devices=devs, links=links, name=name)
+
+
+def uniform_cluster(n: int, kind: str = "cpu", **kw: object) -> Cluster:
+    """``n`` devices of one kind; keywords as :func:`cluster_of`."""
+    return cluster_of([kind] * n, **kw)  # type: ignore[arg-type]
