@@ -9,7 +9,7 @@ Example:
     >>> add_parsers(p.add_subparsers(dest="command"))
     >>> a = p.parse_args(["compile", "gpt-tiny", "--cluster", "local-cpu-2", "-o", "build"])
     >>> a.run is run_compile, a.solver, a.schedule, a.microbatches, str(a.output)
-    (True, 'ilp', '1f1b', None, 'build')
+    (True, 'portfolio', '1f1b', None, 'build')
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def add_parsers(subparsers: Any) -> None:
                     "per stage, plan.json, profile.json and manifest.json.")
     p.add_argument("model", metavar="MODEL", help="a zoo name, hf:<model_type>[?k=v,...] or file.py:factory")
     p.add_argument("--cluster", required=True, help="a built-in cluster name or a cluster.json path")
-    p.add_argument("--solver", default=SolverName.ILP.value, choices=[s.value for s in SolverName])
+    p.add_argument("--solver", default=SolverName.PORTFOLIO.value,
+                   choices=[*(s.value for s in SolverName), "ilp"])
     p.add_argument("--microbatches", type=int, default=None, help="default: searched by the solver")
     p.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, choices=[s.value for s in Schedule])
     p.add_argument("--time-limit", type=float, default=30.0, dest="time_limit", help="ILP time limit, seconds")

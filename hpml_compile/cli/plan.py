@@ -9,7 +9,7 @@ Example:
     >>> add_parsers(p.add_subparsers(dest="command"))
     >>> a = p.parse_args(["plan", "profile.json", "--cluster", "hetero-4", "-o", "plan.json"])
     >>> a.run is run_plan, a.solver, a.schedule, a.microbatches
-    (True, 'ilp', '1f1b', None)
+    (True, 'portfolio', '1f1b', None)
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def add_parsers(subparsers: Any) -> None:
                               description="Place a profiled model on a cluster and write plan.json.")
     p.add_argument("profile", help="profile.json written by `hpml-compile profile`")
     p.add_argument("--cluster", required=True, help="a built-in cluster name or a cluster.json path")
-    p.add_argument("--solver", default=SolverName.ILP.value, choices=[s.value for s in SolverName])
+    p.add_argument("--solver", default=SolverName.PORTFOLIO.value,
+                   choices=[*(s.value for s in SolverName), "ilp"])
     p.add_argument("--microbatches", type=int, default=None, help="default: searched")
     p.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, choices=[s.value for s in Schedule])
     p.add_argument("--time-limit", type=float, default=30.0, dest="time_limit", help="ILP time limit, seconds")
@@ -137,7 +138,7 @@ def certificate_text(plan: Plan) -> str:
 def format_table(rows: list[tuple[str, Plan | str, dict[str, int]]]) -> str:
     """One line per solver: step ms, bottleneck stage, bubble, ratio to ilp, the certificate's ``within``, peak
     GiB per device."""
-    ref = next((p.predicted.step_ms for name, p, _ in rows if isinstance(p, Plan) and name == "ilp"), None)
+    ref = next((p.predicted.step_ms for name, p, _ in rows if isinstance(p, Plan) and name == SolverName.PORTFOLIO.value), None)
     head = (f"{'solver':<8} {'step ms':>12} {'bottleneck':>10} {'bubble':>7} {'vs ilp':>7} {'within':>8}  "
             "peak GiB per device")
     lines = [head, "-" * len(head)]

@@ -36,7 +36,8 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--cluster", help="plan for this cluster instead (built-in name or cluster.json)")
     p.add_argument("--drop-device", action="append", default=[], metavar="NAME",
                    help="plan without this device (lost or failing); repeatable")
-    p.add_argument("--solver", default=SolverName.ILP.value, choices=[s.value for s in SolverName])
+    p.add_argument("--solver", default=SolverName.PORTFOLIO.value,
+                   choices=[*(s.value for s in SolverName), "ilp"])
     p.add_argument("--time-limit", type=float, default=30.0, dest="time_limit", help="ILP time limit, seconds")
     p.add_argument("-o", "--output", type=Path, required=True, help="the new build folder")
     p.set_defaults(run=run_replan)

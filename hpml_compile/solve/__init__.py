@@ -1,7 +1,9 @@
 """Pass 4, solve: a cost graph and a cluster to a placement Plan.
 
-Solvers (:class:`SolverName`): ``ilp`` (default; :mod:`.ilp`, exact with a
-reported gap), ``dp`` (:mod:`.dp`, exact min-bottleneck over the
+Solvers (:class:`SolverName`): ``portfolio`` (default; ``ilp`` is accepted for it:
+the DP bounds, a Lagrangian branch and bound and, where the
+candidates are few enough, HiGHS's MILP (:mod:`.ilp`), each run as the case
+calls for, exact with a reported gap), ``dp`` (:mod:`.dp`, exact min-bottleneck over the
 topological order, for graphs too large for the ILP) and the baselines
 ``uniform``, ``params``, ``time`` (:mod:`.baselines`). Every plan is scored
 by the one simulator (:mod:`hpml_compile.simulate`), and its predictions are
@@ -38,7 +40,7 @@ count that limits the bound, if time is left. The time limit or Ctrl-C stops
 it with the best plan so far and its certified gap. The plan returned is the
 one that simulates fastest among the incumbent and the search's plans, and
 its status and gap are *its own* proxy objective's against the bound
-(``optimal`` only when they meet), logged as ``ilp: returned M=<m>: ILP proxy
+(``optimal`` only when they meet), logged as ``portfolio: returned M=<m>: ILP proxy
 objective <u> ms, bound <l> ms, gap <g>%``. The
 microbatch counts are tried from the most down (the likeliest to fit first),
 and ties go to the fewest. A solve's memory is bounded by construction: the
@@ -107,13 +109,23 @@ SEARCH_SHARE = 0.3
 
 
 class SolverName(str, enum.Enum):
-    """The solvers ``solve`` offers."""
+    """The solvers ``solve`` offers. ``ilp`` is accepted for ``portfolio`` (``SolverName("ilp")``, ``--solver ilp``).
 
-    ILP = "ilp"
+    Example:
+        >>> SolverName("ilp") is SolverName.PORTFOLIO is SolverName.ILP, [s.value for s in SolverName][0]
+        (True, 'portfolio')
+    """
+
+    PORTFOLIO = "portfolio"
     DP = "dp"
     UNIFORM = "uniform"
     PARAMS = "params"
     TIME = "time"
+    ILP = "portfolio"  # an alias: ``--solver ilp`` selects the portfolio
+
+    @classmethod
+    def _missing_(cls, value: object) -> SolverName | None:
+        return cls.PORTFOLIO if value == "ilp" else None
 
 
 def microbatch_choices(batch_size: int, cap: int = 64) -> list[int]:
@@ -260,14 +272,14 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
                 chosen = (sim, p, st, cands)
         assert chosen is not None
         if len({(st.microbatches, tuple(c)) for st, c in options}) > 1:
-            say("ilp: simulated " + "; ".join(sorted({f"M={st.microbatches} proxy {objective(c, st.microbatches):.7g} "
+            say("portfolio: simulated " + "; ".join(sorted({f"M={st.microbatches} proxy {objective(c, st.microbatches):.7g} "
                                                        f"ms: step {simulated(st, c)[0]:.7g} ms" for st, c in options})))
         step, plan, setting, picked = chosen
         proxy = objective(picked, setting.microbatches)  # what the bounds certify, not the simulated step
         gap = 0.0 if proven and proxy <= lower * (1 + 1e-9) else float(relative_gap(lower, proxy))
         status = SolverStatus.OPTIMAL if gap <= 1e-6 else SolverStatus.FEASIBLE
         gap = 0.0 if status is SolverStatus.OPTIMAL else gap
-        say(f"ilp: returned M={setting.microbatches}: ILP proxy objective {proxy:.7g} ms, bound {lower:.7g} ms, "
+        say(f"portfolio: returned M={setting.microbatches}: ILP proxy objective {proxy:.7g} ms, bound {lower:.7g} ms, "
             f"gap {gap:.3%}; simulated step {step:.4g} ms")
     else:
         step, plan = simulated(setting, picked)

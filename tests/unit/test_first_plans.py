@@ -61,9 +61,9 @@ def test_many_kind_solve_ranks_its_first_count_by_the_swept_plan() -> None:
     assert vectors(kind_counts(cluster)) > EXACT_VECTORS
     lines: list[str] = []
     plan = solve(graph, cluster, solver="ilp", microbatches=1, time_limit_s=10, progress=lines.append)
-    first = [float(m.group(1)) for x in lines if (m := re.match(r"ilp: M=1: \d+ stages, proxy objective ([0-9.e+]+) "
+    first = [float(m.group(1)) for x in lines if (m := re.match(r"portfolio: M=1: \d+ stages, proxy objective ([0-9.e+]+) "
                                                               r"ms \(first plan after", x))]
-    swept = [float(m.group(1)) for x in lines if (m := re.match(r"ilp: M=1: \d+ stages, proxy objective ([0-9.e+]+) "
+    swept = [float(m.group(1)) for x in lines if (m := re.match(r"portfolio: M=1: \d+ stages, proxy objective ([0-9.e+]+) "
                                                               r"ms \(its first plan swept", x))]
     assert first and swept and swept[0] < first[0], lines
     assert len(plan.stages) == 1 and plan.solver.status is SolverStatus.OPTIMAL

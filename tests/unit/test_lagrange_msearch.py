@@ -23,7 +23,7 @@ from hpml_compile.solve.dp import objective
 from hpml_compile.solve.table import build_table
 from test_solve_fast import _many_kinds, _setup, brute_force_objective, cases  # the solver tests' instances
 
-RETURNED = re.compile(r"ilp: returned M=(\d+): ILP proxy objective ([0-9.e+]+) ms, bound ([0-9.e+-]+|inf) ms, "
+RETURNED = re.compile(r"portfolio: returned M=(\d+): ILP proxy objective ([0-9.e+]+) ms, bound ([0-9.e+-]+|inf) ms, "
                       r"gap ([0-9.]+)%")
 ANYTIME = re.compile(r"anytime: [0-9.]+ s: incumbent ([0-9.e+]+) ms, bound ([0-9.e+-]+) ms, gap")
 

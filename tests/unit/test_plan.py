@@ -181,9 +181,9 @@ def test_plan_cli_writes_valid_plan_and_compares(tmp_path, capsys) -> None:
                               "--microbatches", "2"])
     assert args.run(args) == 0
     table = capsys.readouterr().out
-    for name in ("ilp", "dp", "uniform", "params", "time"):
+    for name in ("portfolio", "dp", "uniform", "params", "time"):
         assert f"\n{name} " in table
-    assert "1.00x" in table  # ilp against itself
+    assert "1.00x" in table  # the portfolio against itself
     with pytest.raises(HpmlError, match="-o/--output"):
         args = parser.parse_args(["plan", str(tmp_path / "profile.json"), "--cluster", "local-cpu-2"])
         args.run(args)
