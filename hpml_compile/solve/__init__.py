@@ -3,7 +3,7 @@
 Solvers (:class:`SolverName`): ``portfolio`` (default; ``ilp`` is accepted for it:
 the DP bounds, a Lagrangian branch and bound and, where the
 candidates are few enough, HiGHS's MILP (:mod:`.ilp`), each where the case
-calls for, exact with a reported gap), ``dp`` (:mod:`.dp`, exact min-bottleneck over the
+calls for it, exact with a reported gap), ``dp`` (:mod:`.dp`, exact min-bottleneck over the
 topological order, for graphs too large for the ILP) and the baselines
 ``uniform``, ``params``, ``time`` (:mod:`.baselines`). Every plan is scored
 by the one simulator (:mod:`hpml_compile.simulate`), and its predictions are
