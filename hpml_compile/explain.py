@@ -131,10 +131,12 @@ def one_more_device(plan: Plan, result: SimResult, plan_on: Callable[[Cluster], 
 
 
 def base_solver(plan: Plan) -> str:
-    """The solver that made ``plan`` (``ilp+uneven:merge`` was made by ``ilp``); ``ilp`` for one the package does
-    not know."""
-    name = plan.solver.name.split("+")[0]
-    return name if name in {s.value for s in SolverName} else SolverName.ILP.value
+    """The solver that made ``plan`` (``portfolio+uneven:merge`` was made by ``portfolio``, as was a plan that
+    names it ``ilp``); ``portfolio`` for one the package does not know."""
+    try:
+        return SolverName(plan.solver.name.split("+")[0]).value
+    except ValueError:
+        return SolverName.PORTFOLIO.value
 
 
 def _precision(plan: Plan) -> str:
