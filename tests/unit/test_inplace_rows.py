@@ -151,7 +151,7 @@ def test_report_summarises_the_steps_since_rows_moved_in_place(tmp_path: Path) -
 
 
 def test_a_restart_takes_the_rows_moved_before_it(tmp_path: Path) -> None:
-    """``take_rows``: what a rank restarted after a failure runs first (the worker's ``--rows-from``)."""
+    """``take_rows``: what a rank restarted after a failure runs first (``rows_from`` in the segment's run options)."""
     loaded = models.load("mlp-tiny", batch_size=8)
     gm = trace(loaded.module, loaded.example_inputs)
     plan = split_plan(gm, "mlp-tiny", 2, replicas=[1, 2])  # stage 1 generated at an even split: rows may move
