@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
 import os
 import statistics
 from pathlib import Path
@@ -568,13 +569,17 @@ def _calibrations(p: Profile) -> dict[str, tuple[Calibration, Calibration]]:
     return out
 
 
-def predict_kinds(p: Profile, kinds: Sequence[str]) -> Profile:
+def predict_kinds(p: Profile, kinds: Sequence[str], *, op_ms: float | None = None) -> Profile:
     """Add predicted costs for the ``kinds`` the profile lacks.
 
     Predictions use the roofline of each kind's datasheet with multipliers
     fitted on a measured kind of the same profile (the CPU first), so they
     need only the profile, not the model. A profile with nothing measured
     uses the bare roofline with the catalog's efficiency priors.
+
+    ``op_ms``: the host's work per op on a GPU kind (None: the catalog's eager
+    cost, ``cost_models.EAGER_GPU_OP_MS``); a smaller one prices stages that
+    run compiled (fewer, fused launches), an assumption the caller states.
 
     Raises:
         UnknownDeviceError: a kind is in neither the profile nor the catalog.
@@ -589,6 +594,9 @@ def predict_kinds(p: Profile, kinds: Sequence[str]) -> Profile:
     devices = dict(p.devices)
     new_nodes = []
     specs = {k: cost_models.get_device(k) for k in missing}
+    if op_ms is not None:
+        specs = {k: replace(sp, launch_overhead_ms=op_ms) if sp.category is cost_models.DeviceCategory.GPU else sp
+                 for k, sp in specs.items()}
     for n in p.nodes:
         cost = dict(n.cost)
         for k in missing:
@@ -609,7 +617,9 @@ def predict_kinds(p: Profile, kinds: Sequence[str]) -> Profile:
     optimizer_ms = {**p.optimizer_ms, **_predict_optimizer(p, missing)}
     for k in missing:
         devices[k] = {"measured": False, "predicted_from": f"{source} calibration + datasheet" if source
-                      else "datasheet roofline with prior efficiencies"}
+                      else "datasheet roofline with prior efficiencies",
+                      **({"op_ms": op_ms} if op_ms is not None and specs[k].category is cost_models.DeviceCategory.GPU
+                         else {})}
     if source:
         devices[source] = {**devices[source], "calibration_fwd": fwd_cal.to_dict(),  # type: ignore[union-attr]
                            "calibration_bwd": bwd_cal.to_dict()}  # type: ignore[union-attr]

@@ -95,6 +95,7 @@ from .lagrange import (EXACT_VECTORS, coarse_chain, coarse_groups, lagrangian_bo
 from .restricted import SWEEP, proxy_sweep
 from .msearch import MILP_CANDIDATES, anytime, relative_gap
 from .table import build_table
+from .grid import grid_plan
 
 
 __all__ = ["SolverName", "solve", "microbatch_choices", "plan_from_cuts", "choose_compression"]
@@ -114,6 +115,7 @@ class SolverName(str, enum.Enum):
     UNIFORM = "uniform"
     PARAMS = "params"
     TIME = "time"
+    GRID = "grid"
 
 
 def microbatch_choices(batch_size: int, cap: int = 64) -> list[int]:
@@ -168,6 +170,9 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
     check_devices_costed(cluster, costgraph.kinds)
     if microbatches is not None and microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    if name is SolverName.GRID:
+        return grid_plan(costgraph, cluster, microbatches=microbatches, schedule=sched, dtype=dtype,
+                         time_limit_s=time_limit_s)
     t0 = time.perf_counter()
     chain = Chain.of(costgraph)
     ms = [microbatches] if microbatches else microbatch_choices(costgraph.batch_size)
