@@ -722,7 +722,7 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
 
 
 def tp_problem(cluster: Cluster, st: Stage) -> str | None:
-    """Why stage ``st``'s tensor-parallel groups cannot run as planned (None: they can, or ``tp`` is 1).
+    """Why stage ``st``'s tensor-parallel groups are not possible (None: they can, or ``tp`` is 1).
 
     Args:
         cluster: the plan's cluster.

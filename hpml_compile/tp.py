@@ -17,8 +17,10 @@ graph rather than from class names:
   output; backward: one all-reduce of the gradient of ``X``. A unit allows
   the degrees dividing every head count (attention) or every column's
   output features (MLP), up to :data:`MAX_TP`.
-- an embedding table is split by rows (vocabulary): each rank looks up the
-  tokens of its rows and the output is all-reduced forward.
+- an embedding table indexed by the model's input (the token ids) is split
+  by rows (vocabulary): each rank looks up the tokens of its rows and the
+  output is all-reduced forward. A table indexed by positions computed in
+  the graph is small and kept whole.
 - the LM head (a linear layer outside any unit whose output reaches the
   graph's output through views alone) is split by output features
   (vocabulary): its output all-gathered forward, the gradient of its input
@@ -109,6 +111,8 @@ class Unit:
             rank of a ``tp`` group divides by ``tp``.
         max_tp: the largest degree (a power of two, at most :data:`MAX_TP`) dividing every split size.
         collectives: what the group runs for it per pass.
+        weights: ``(parameter node, the layer reading it)`` where the graph reads a weight through a node of its
+            own (torch.export's lifted parameters): split as the layer's weight is.
     """
 
     kind: str
@@ -119,14 +123,16 @@ class Unit:
     reshapes: tuple[tuple[str, int], ...]
     max_tp: int
     collectives: tuple[Collective, ...]
+    weights: tuple[tuple[str, str], ...] = ()
 
     @property
     def nodes(self) -> tuple[str, ...]:
-        """Every node the unit shards."""
-        return (*self.columns, *self.inside, *((self.row,) if self.row else ()))
+        """Every node the unit shards (parameter nodes included)."""
+        return (*(w for w, _ in self.weights), *self.columns, *self.inside, *((self.row,) if self.row else ()))
 
     def role(self, node: str) -> Role:
-        """The role of one of :attr:`nodes`."""
+        """The role of one of :attr:`nodes` (a parameter node: its layer's)."""
+        node = dict(self.weights).get(node, node)
         if self.kind == "embedding":
             return Role.VOCAB_EMBEDDING
         if self.kind == "head":
@@ -243,14 +249,31 @@ class _Graph:
             for i in n.inputs:
                 self.users[i].append(n.name)
 
+    def weights(self, name: str) -> list[str]:
+        """The parameter nodes ``name`` reads (torch.export lifts parameters into nodes of their own)."""
+        return [i for i in self.nodes[name].inputs
+                if self.nodes[i].op is NodeOp.GET_ATTR and self.nodes[i].params]
+
     def is_linear(self, name: str) -> bool:
         n = self.nodes[name]
-        return n.op_kind == "matmul" and bool(n.params) and n.output_shape is not None
+        return n.op_kind == "matmul" and bool(n.params or self.weights(name)) and n.output_shape is not None
 
     def activation_input(self, name: str) -> str | None:
         """The input of a linear node that is not a parameter read (None: not exactly one)."""
         ins = [i for i in self.nodes[name].inputs if self.nodes[i].op is not NodeOp.GET_ATTR]
         return ins[0] if len(ins) == 1 else None
+
+    def reads_input(self, name: str) -> bool:
+        """Whether ``name``'s non-parameter inputs are the graph's inputs, possibly through views."""
+        todo = [i for i in self.nodes[name].inputs if self.nodes[i].op is not NodeOp.GET_ATTR]
+        while todo:
+            node = self.nodes[todo.pop()]
+            if node.op is NodeOp.PLACEHOLDER:
+                continue
+            if node.op_kind != "view" or not node.inputs:
+                return False
+            todo.extend(node.inputs)
+        return True
 
     def depends_on(self, name: str, root: str) -> bool:
         """Whether ``name`` reads ``root``'s output, directly or not (walks back no earlier than ``root``)."""
@@ -312,7 +335,7 @@ def _unit(g: _Graph, x: str, columns: list[str]) -> Unit | str:
             Collective(min(columns, key=g.order.__getitem__), "backward", "all_reduce", g.nodes[x].output_bytes))
     return Unit(kind, g.nodes[order[0]].scope, tuple(sorted(columns, key=g.order.__getitem__)), row,
                 tuple(sorted(inside, key=g.order.__getitem__)), tuple(sorted(heads, key=lambda h: g.order[h[0]])),
-                max_tp, coll)
+                max_tp, coll, tuple((w, n) for n in (*columns, row) for w in g.weights(n)))
 
 
 def _reaches_output(g: _Graph, name: str) -> bool:
@@ -362,15 +385,23 @@ def analyze(profile: Profile) -> TensorParallel:
             taken.update(got.nodes)
     bpe = dtype_bytes(profile.dtype)
     for n in profile.nodes:
-        if n.op_kind == "embedding" and len(n.params) == 1 and n.param_bytes and _last(n) and n.name not in taken:
-            rows = n.param_bytes // (_last(n) * bpe)
-            t = _pow2_dividing(rows)
-            if t > 1:
-                units.append(Unit("embedding", n.scope or n.name, (n.name,), "", (), (), t,
-                                  (Collective(n.name, "forward", "all_reduce", n.output_bytes),)))
-                taken.add(n.name)
-            else:
-                unmatched.append((n.scope or n.name, f"no degree above 1 divides its {rows} rows"))
+        table = g.weights(n.name)
+        if n.op_kind != "embedding" or n.name in taken or not _last(n) or len(n.params) + len(table) != 1:
+            continue
+        if not g.reads_input(n.name):
+            unmatched.append((n.scope or n.name, "its indices are computed in the graph (positions), not the "
+                                                 "model's input tokens: a small table, kept whole"))
+            continue
+        shape = g.nodes[table[0]].output_shape if table else None
+        rows = int(shape[0]) if shape else n.param_bytes // (_last(n) * bpe)
+        t = _pow2_dividing(rows)
+        if t > 1:
+            units.append(Unit("embedding", n.scope or n.name, (n.name,), "", (), (), t,
+                              (Collective(n.name, "forward", "all_reduce", n.output_bytes),),
+                              tuple((w, n.name) for w in table)))
+            taken.update((n.name, *table))
+        else:
+            unmatched.append((n.scope or n.name, f"no degree above 1 divides its {rows} rows"))
     for n in profile.nodes:
         if not g.is_linear(n.name) or n.name in taken:
             continue
@@ -380,7 +411,8 @@ def analyze(profile: Profile) -> TensorParallel:
             if t > 1:
                 units.append(Unit("head", n.scope or n.name, (n.name,), "", (), (), t,
                                   (Collective(n.name, "forward", "all_gather", n.output_bytes),
-                                   Collective(n.name, "backward", "all_reduce", g.nodes[x].output_bytes))))
+                                   Collective(n.name, "backward", "all_reduce", g.nodes[x].output_bytes)),
+                                  tuple((w, n.name) for w in g.weights(n.name))))
                 taken.add(n.name)
                 continue
             unmatched.append((n.scope or n.name, f"no degree above 1 divides its {_last(n)} output features "

@@ -40,7 +40,7 @@ from ..memory import ZeroStage
 from ..plan import Plan, Schedule, SolverInfo, SolverStatus, Stage, tp_problem
 from ..simulate import stage_costs, step_ms
 from .baselines import uniform_cuts
-from .candidates import Chain
+from .candidates import Chain, Setting
 
 __all__ = ["grid_plan", "GRID_ZERO"]
 
@@ -75,7 +75,7 @@ def grid_plan(graph: CostGraph, cluster: Cluster, *, microbatches: int | None = 
     Raises:
         InfeasibleError: no setting fits every device's memory.
     """
-    from . import microbatch_choices  # the package's own choices (it imports this module)
+    from . import diagnose, microbatch_choices  # the package's own (it imports this module)
 
     t0 = time.perf_counter()
     sched = Schedule(schedule)
@@ -113,9 +113,12 @@ def grid_plan(graph: CostGraph, cluster: Cluster, *, microbatches: int | None = 
                         best = (t, plan)
                     break  # recompute only where it is needed to fit
     if best is None:
+        most = max([microbatches] if microbatches else microbatch_choices(graph.batch_size))
         raise InfeasibleError(f"grid: none of the {tried} hand-configured meshes (tp x stages x replicas, "
-                              "microbatches, ZeRO, recompute) fits every device's memory")
+                              "microbatches, ZeRO, recompute) fits every device's memory; "
+                              + diagnose(chain, cluster, Setting(most, sched, graph.batch_size, dtype)))
     from ..simulate import annotate
+    from .candidates import faster_allreduce
 
-    plan = annotate(best[1], graph, dtype)[0]
+    plan = annotate(faster_allreduce(best[1], graph, dtype), graph, dtype)[0]  # NCCL-like: hierarchical where faster
     return replace(plan, solver=SolverInfo("grid", SolverStatus.HEURISTIC, 0.0, time.perf_counter() - t0))

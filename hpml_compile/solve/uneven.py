@@ -187,6 +187,8 @@ def extend(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, dtyp
         found: tuple[float, Plan, str] | None = None
         for dev in idle:
             for st in current.stages:
+                if st.tp > 1:  # a tensor-parallel stage grows by whole groups on one host, not a device at a time
+                    continue
                 devs = [*st.devices, dev]
                 for zero, rec, off in [(st.zero, st.recompute, st.offload_optimizer), *CONFIGS]:
                     if not allowed(cluster, devs, off):
