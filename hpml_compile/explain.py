@@ -15,7 +15,7 @@ Example:
     >>> g = chain_graph([(2.0, 4.0), (2.0, 4.0)], kind="cpu", output_bytes=2**20)
     >>> st = (Stage(0, ("d0",), ("n0",)), Stage(1, ("d1",), ("n1",)))
     >>> plan = Plan("toy", uniform_cluster(2), Schedule.ONE_F_ONE_B, 2, st)
-    >>> summary(plan, g, simulate(plan, g)).splitlines()[2]
+    >>> summary(plan, g, simulate(plan, g)).splitlines()[3]
     'stages (times per microbatch):'
 """
 

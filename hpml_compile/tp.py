@@ -21,8 +21,8 @@ graph rather than from class names:
   by rows (vocabulary): each rank looks up the tokens of its rows and the
   output is all-reduced forward. A table indexed by positions computed in
   the graph is small and kept whole.
-- the LM head (a linear layer outside any unit whose output reaches the
-  graph's output through views alone) is split by output features
+- the LM head (a linear layer outside any unit, wider than its input, whose
+  output reaches the graph's output through views alone) is split by output features
   (vocabulary): its output all-gathered forward, the gradient of its input
   all-reduced backward.
 
@@ -406,7 +406,7 @@ def analyze(profile: Profile) -> TensorParallel:
         if not g.is_linear(n.name) or n.name in taken:
             continue
         x = g.activation_input(n.name)
-        if _reaches_output(g, n.name) and x is not None:
+        if _reaches_output(g, n.name) and x is not None and _last(n) > _last(g.nodes[x]):
             t = _pow2_dividing(_last(n))
             if t > 1:
                 units.append(Unit("head", n.scope or n.name, (n.name,), "", (), (), t,
