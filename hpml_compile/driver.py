@@ -374,9 +374,10 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
                        dtype=prof.dtype, compute_bytes=compute_bytes(prof.precision.value), progress=progress,
                        compress=opts.allow_compress, hierarchical=opts.hierarchical)
         if opts.uneven:                                                             # 5b. mixed kinds, uneven rows
-            placed = improve_uneven(graph, devices, placed, dtype=prof.dtype, microbatches=opts.microbatches,
+            better = improve_uneven(graph, devices, placed, dtype=prof.dtype, microbatches=opts.microbatches,
                                     time_limit_s=min(UNEVEN_BUDGET_S, opts.time_limit_s),
                                     progress=progress).plan
+            placed = better if better is placed else _fits(better, placed, prof, progress)
         elif progress:
             progress("uneven rows: not searched (turned off: Options(uneven=False), --no-uneven)")
         return placed
@@ -396,6 +397,18 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
                      assumptions=assumptions(result, prof))                         # what was not measured here
     _dump(opts, "4-plan.json", lambda p: save_plan(result, p))
     return result
+
+
+def _fits(better: Plan, placed: Plan, prof: Profile, progress: Say | None) -> Plan:
+    """``better`` (the uneven-rows search's plan) where it fits its devices in the profile's precision, else the
+    solver's ``placed``: the search prices memory without autocast's weight copies per microbatch in flight."""
+    try:
+        validate_plan(replace(better, precision=prof.precision), prof)
+    except PlanError as e:
+        if progress:
+            progress(f"uneven rows: its plan does not fit in {prof.precision.value} ({e}); the solver's plan is kept")
+        return placed
+    return better
 
 
 def within_cores(result: Plan, graph: CostGraph, cluster: Cluster, solve_on: Callable[[Cluster], Plan], *,

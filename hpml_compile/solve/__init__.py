@@ -3,7 +3,12 @@
 Solvers (:class:`SolverName`): ``ilp`` (default; :mod:`.ilp`, exact with a
 reported gap), ``dp`` (:mod:`.dp`, exact min-bottleneck over the
 topological order, for graphs too large for the ILP) and the baselines
-``uniform``, ``params``, ``time`` (:mod:`.baselines`). Every plan is scored
+``uniform``, ``params``, ``time`` (:mod:`.baselines`) and ``grid`` (:mod:`.grid`:
+one tensor-parallel degree, depth and data-parallel degree for every stage, as
+Megatron-LM or torchtitan are configured by hand). Each candidate stage may
+take a tensor-parallel degree ``tp`` (:mod:`hpml_compile.tp`) where a host
+holds that many devices of its kind: the table prices it
+(:func:`.table.build_table`) like any other configuration. Every plan is scored
 by the one simulator (:mod:`hpml_compile.simulate`), and its predictions are
 written into the plan.
 
@@ -172,7 +177,7 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     if name is SolverName.GRID:
         return grid_plan(costgraph, cluster, microbatches=microbatches, schedule=sched, dtype=dtype,
-                         time_limit_s=time_limit_s)
+                         time_limit_s=time_limit_s, compute_bytes=compute_bytes)
     t0 = time.perf_counter()
     chain = Chain.of(costgraph)
     ms = [microbatches] if microbatches else microbatch_choices(costgraph.batch_size)

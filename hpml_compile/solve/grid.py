@@ -35,7 +35,7 @@ from dataclasses import replace
 
 from ..costgraph import CostGraph
 from ..errors import InfeasibleError
-from ..ir import Cluster
+from ..ir import Cluster, Precision
 from ..memory import ZeroStage
 from ..plan import Plan, Schedule, SolverInfo, SolverStatus, Stage, tp_problem
 from ..simulate import stage_costs, step_ms
@@ -56,7 +56,7 @@ def _meshes(devices: int, tps: list[int], blocks: int) -> list[tuple[int, int, i
 
 def grid_plan(graph: CostGraph, cluster: Cluster, *, microbatches: int | None = None,
               schedule: Schedule | str = Schedule.ONE_F_ONE_B, dtype: str = "float32",
-              time_limit_s: float = 30.0, max_tp: int = 8) -> Plan:
+              time_limit_s: float = 30.0, max_tp: int = 8, compute_bytes: int = 0) -> Plan:
     """The fastest hand-configured mesh (module docstring).
 
     Args:
@@ -68,6 +68,8 @@ def grid_plan(graph: CostGraph, cluster: Cluster, *, microbatches: int | None = 
         time_limit_s: stop trying settings after this long (the best so far is returned; the meshes are tried
             from the fewest stages up).
         max_tp: the largest tensor-parallel degree tried.
+        compute_bytes: bytes per element of the autocast compute dtype (0: fp32): each microbatch in flight
+            holds its weight copies (:func:`hpml_compile.memory.autocast_copy_bytes`), as the plan will.
 
     Returns:
         The plan, simulated, status ``heuristic``.
@@ -80,6 +82,8 @@ def grid_plan(graph: CostGraph, cluster: Cluster, *, microbatches: int | None = 
     t0 = time.perf_counter()
     sched = Schedule(schedule)
     chain = Chain.of(graph)
+    # the plan's precision prices the autocast copies its memory holds (fp16 and bf16 hold the same bytes)
+    precision = {0: Precision.FP32, 2: Precision.BF16}.get(compute_bytes, Precision.FP32)
     devs = [d.name for d in cluster.devices]
     tps = [1, *(t for t in sorted(chain.shard) if t <= max_tp)]
     best: tuple[float, Plan] | None = None
@@ -99,7 +103,8 @@ def grid_plan(graph: CostGraph, cluster: Cluster, *, microbatches: int | None = 
                 for rec in (False, True):
                     stages = tuple(Stage(i, groups[i], chain.nodes(cuts[i], cuts[i + 1]), zero, rec, tp=tp)
                                    for i in range(s))
-                    plan = Plan(graph.model, cluster, sched, m, stages, solver=SolverInfo("grid"))
+                    plan = Plan(graph.model, cluster, sched, m, stages, solver=SolverInfo("grid"),
+                                precision=precision)
                     if any(tp_problem(cluster, st) for st in stages):
                         break
                     tried += 1
