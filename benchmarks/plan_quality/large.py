@@ -6,7 +6,9 @@ predicted) on a cluster with :func:`hpml_compile.driver.plan`, the path
 practitioner configures by hand in Megatron-LM or torchtitan: one
 tensor-parallel degree for every stage, pipeline depth, data-parallel degree,
 microbatches, ZeRO and recompute, searched: :mod:`hpml_compile.solve.grid`),
-and prints their predicted steps beside two lower bounds that hold for every
+(``grid`` without the uneven-rows search that ``plan`` runs after a solver:
+a mesh has equal rows), and prints their predicted steps beside two lower
+bounds that hold for every
 plan: ``compute`` (:func:`hpml_compile.certify.compute_bound`: the step's
 compute spread over every device) and ``fixed`` (the certificate's bound,
 which charges every node's per-op host cost once per microbatch per replica,
@@ -111,7 +113,9 @@ def row(prof: Profile, cluster: Cluster, time_limit: float) -> dict[str, Any]:
     for solver in ("ilp", "grid"):
         t0 = time.perf_counter()
         try:
-            plan = driver.plan(prof, cluster, driver.Options(solver=solver, time_limit_s=time_limit))
+            # grid is the mesh a user configures: no uneven rows after it (ilp runs as `plan` runs it)
+            plan = driver.plan(prof, cluster, driver.Options(solver=solver, time_limit_s=time_limit,
+                                                             uneven=solver != "grid"))
         except HpmlError as e:
             out[solver] = {"step_ms": None, "note": str(e).splitlines()[0][:200]}
             continue
