@@ -632,7 +632,10 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             its memory (with uneven rows, from its own rows); ZeRO-3 together
             with optimizer offload, which the runtime does not combine; a
             hierarchical all-reduce on a stage whose devices are on one host
-            (or unevenly spread, or ZeRO-sharded).
+            (or unevenly spread, or ZeRO-sharded); a tensor-parallel group
+            spanning hosts or kinds (:func:`tp_problem`); a sharded unit
+            (:mod:`hpml_compile.tp`) cut between stages, one of them with
+            ``tp > 1``.
     """
     if plan.precision is not profile.precision:
         raise PlanError(f"the plan trains in {plan.precision.value} but the profile of {profile.model} was timed in "
@@ -708,6 +711,12 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                             f"{profile.batch_size / plan.microbatches:g} rows: give rows summing to that (with a "
                             "microbatch count that divides the batch), or leave rows out for an equal split")
     sharding = analyze_tp(profile) if any(st.tp > 1 for st in plan.stages) else None
+    for unit in sharding.units if sharding is not None else ():
+        held = sorted({where[n] for n in unit.nodes if n in where})
+        if len(held) > 1 and any(plan.stages[k].tp > 1 for k in held):
+            raise PlanError(f"the {unit.kind} unit at {unit.scope} is split between stages {held}, one of them "
+                            "tensor-parallel: its sharded intermediate would cross a stage boundary; move the cut "
+                            "before or after the unit, or set those stages' tp to 1")
     for st in plan.stages:
         for name in st.devices:
             need = stage_memory(plan, profile, st, name, sharding)

@@ -205,3 +205,14 @@ def test_tp_configs_are_offered_last_without_offload_or_swap() -> None:
     assert tps and CONFIGS.index(tps[0]) > max(i for i, c in enumerate(CONFIGS) if c.tp == 1)
     assert not any(c.offload or c.swap for c in tps)
     assert {c.tp for c in tps} == {2, 4, 8}
+
+
+def test_a_unit_cut_between_stages_is_refused_where_one_is_tensor_parallel(gpt2) -> None:
+    names = [n.name for n in gpt2.nodes]
+    cut = names.index(next(n for n in names if n.endswith("o_proj")))  # inside the first attention unit
+    c = load_cluster("dgx-a100-8")
+    stages = (Stage(0, ("gpu0", "gpu1"), tuple(names[:cut]), tp=2), Stage(1, ("gpu2",), tuple(names[cut:])))
+    plan = Plan("m", c, Schedule.ONE_F_ONE_B, 1, stages, precision=gpt2.precision)
+    with pytest.raises(PlanError, match="attention unit at layers.0.attn.q_proj is split between stages \\[0, 1\\]"):
+        validate_plan(plan, gpt2)
+    validate_plan(replace(plan, stages=(replace(stages[0], tp=1), stages[1])), gpt2)  # no tp: a plain cut
