@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import replace
+import math
 import os
 import statistics
 from pathlib import Path
@@ -30,7 +31,7 @@ import torch.fx as fx
 import cost_models
 from cost_models.calibrate import Calibration, OpSample, fit, predict_ms
 
-from ..errors import HpmlError, UnknownDeviceError
+from ..errors import HpmlError, OptionError, UnknownDeviceError
 from ..hostmem import keep_freed_memory
 from ..ir import BackwardTiming, FrontEnd, NodeCost, NodeOp, Precision, Profile, ProfileNode
 from ..precision import autocast
@@ -350,6 +351,7 @@ def profile(
     threads: int | None = None,
     precision: Precision | str = Precision.FP32,
     corun: bool = False,
+    gpu_op_us: float | None = None,
 ) -> Profile:
     """Trace (unless given a traced GraphModule) and profile ``model``.
 
@@ -390,6 +392,11 @@ def profile(
             development VM that slow-down swung from 1.0x to 1.7x between
             minutes, so two profiles of one model disagreed more with it, and
             the prediction benchmark moved by at most a point.
+        gpu_op_us: the host's work per op, in microseconds, of the GPU kinds
+            predicted rather than measured (None: the catalog's eager cost,
+            ``cost_models.EAGER_GPU_OP_MS``); e.g. 5 for stages that run
+            compiled, an assumption the plan then lists
+            (:func:`predict_kinds`' ``op_ms``).
 
     Measuring on the CPU also measures the host's memory bandwidth (one
     thread, all threads) and leaves this process keeping freed memory, as
@@ -405,9 +412,18 @@ def profile(
         UnknownDeviceError: a kind is neither present nor in the catalog.
         TraceError: the model cannot be traced.
         HpmlError: ``threads`` below 1.
-        OptionError: ``precision`` is not one of fp32, bf16, fp16.
+        OptionError: ``precision`` is not one of fp32, bf16, fp16; ``gpu_op_us`` is negative.
     """
     prec = Precision.parse(precision)
+    if gpu_op_us is not None:  # the kinds present measured; the others predicted at that per-op cost
+        if not (gpu_op_us >= 0 and math.isfinite(gpu_op_us)):
+            raise OptionError(f"profile: gpu_op_us {gpu_op_us}: expected microseconds per op, 0 or more")
+        here = [k for k in device_kinds if k in local_kinds()]
+        measured = profile(model, example_inputs, name=name, device_kinds=here, batch_size=batch_size,
+                           seq_len=seq_len, repeats=repeats, warmup=warmup, leaf_modules=leaf_modules,
+                           front_end=front_end, progress=progress, loss_fn=loss_fn, targets=targets,
+                           micro_batch=micro_batch, optimizer=optimizer, threads=threads, precision=prec, corun=corun)
+        return predict_kinds(measured, list(dict.fromkeys(device_kinds)), op_ms=gpu_op_us / 1e3)
     if threads is None:
         return _profile(model, example_inputs, name, device_kinds, batch_size, seq_len, repeats, warmup, leaf_modules,
                         front_end, progress, loss_fn, targets, micro_batch, optimizer, prec, corun)

@@ -216,3 +216,20 @@ def test_a_unit_cut_between_stages_is_refused_where_one_is_tensor_parallel(gpt2)
     with pytest.raises(PlanError, match="attention unit at layers.0.attn.q_proj is split between stages \\[0, 1\\]"):
         validate_plan(plan, gpt2)
     validate_plan(replace(plan, stages=(replace(stages[0], tp=1), stages[1])), gpt2)  # no tp: a plain cut
+
+
+def test_a_compiled_per_op_cost_is_priced_and_stated() -> None:
+    from hpml_compile.assumptions import assumptions
+    from hpml_compile.errors import OptionError
+
+    m = models.load("gpt-tiny", batch_size=8, device="meta")
+    eager = profile(m.module, m.example_inputs, name="t", device_kinds=["H100-80GB"], batch_size=8, progress=False)
+    fast = profile(m.module, m.example_inputs, name="t", device_kinds=["H100-80GB"], batch_size=8, progress=False,
+                   gpu_op_us=5)
+    fixed = [sum(n.cost["H100-80GB"].fwd_fixed_ms for n in p.nodes) for p in (eager, fast)]
+    assert fixed[1] < fixed[0] / 10 and fast.devices["H100-80GB"]["op_ms"] == 0.005
+    plan = solve(build(fast), load_cluster("dgx-h100-8"), microbatches=1)
+    said = {a.name: a.value for a in assumptions(replace(plan, precision=fast.precision), fast)}
+    assert said["per-op host cost on a GPU"] == "5 us an op"
+    with pytest.raises(OptionError, match="gpu_op_us"):
+        profile(m.module, m.example_inputs, device_kinds=["H100-80GB"], progress=False, gpu_op_us=-1)
