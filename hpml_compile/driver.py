@@ -63,7 +63,7 @@ from .schema import write_json_atomic
 from .simulate import annotate, crowded_devices
 from .solve import SolverName, solve
 from .solve.uneven import improve as improve_uneven
-from .trace import trace
+from .trace import fixed_shapes, trace
 from .tp import MAX_TP, TP_DEGREES
 
 __all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "move_rows", "with_link", "profile_links",
@@ -162,6 +162,7 @@ class ProfileOptions:
         seq_len: recorded in the profile.
         leaf_modules: modules kept as one opaque node.
         front_end: fx, torch.export or auto.
+        input_names: the names the inputs go to the model under, by keyword (``()``: positional).
         link: the link between two CPU processes of this host, measured by the caller
             (:func:`hpml_compile.runtime.links.measure_local_link`; the driver never starts processes), recorded
             in the profile (:func:`with_link`); None: not measured.
@@ -173,6 +174,7 @@ class ProfileOptions:
     seq_len: int | None = None
     leaf_modules: Sequence[type | str] = field(default_factory=tuple)
     front_end: FrontEnd | str = FrontEnd.AUTO
+    input_names: Sequence[str] = ()
     link: Mapping[str, Any] | None = None
 
 
@@ -516,7 +518,8 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Pat
     label = name or type(module).__name__
     kinds = ["cpu", *sorted({d.kind for d in c.devices} - {"cpu"})]
     tell(f"[1/4] tracing {label}")
-    gm = trace(module, inputs, leaf_modules=prof_opts.leaf_modules, front_end=prof_opts.front_end)  # 1. trace
+    gm = trace(module, inputs, leaf_modules=prof_opts.leaf_modules, front_end=prof_opts.front_end,  # 1. trace
+               input_names=prof_opts.input_names or None)
     gm.graph.lint()
     _dump(opts, "1-graph.txt", lambda p: p.write_text(str(gm.graph)))
     if measured is None:
@@ -574,17 +577,18 @@ def _generate(module: nn.Module, inputs: tuple[Any, ...], gm: fx.GraphModule, pl
                         "stages run without tensor parallelism: plan with --max-tp 1 (compile does), or set tp to 1")
     graph = gm
     replicas = {len(st.devices) for st in placed.stages}
-    if gm.meta.get("hpml_front_end") is FrontEnd.EXPORT and any(st.rows for st in placed.stages):
+    if fixed_shapes(gm) and any(st.rows for st in placed.stages):
         raise HpmlError(f"{label} traces with torch.export, whose shapes are fixed, but the plan gives the replicas "
                         "of a stage different rows per microbatch; plan with uneven rows off "
                         "(Options(uneven=False)) or trace with fx")
-    if gm.meta.get("hpml_front_end") is FrontEnd.EXPORT and (placed.microbatches > 1 or replicas != {1}):
+    if fixed_shapes(gm) and (placed.microbatches > 1 or replicas != {1}):
         if len(replicas) > 1:
             raise HpmlError(f"{label} traces with torch.export, whose shapes are fixed, but the plan gives its "
                             f"stages different replica counts {sorted(replicas)}; use a cluster or solver that "
                             "gives every stage the same number of devices")
         rows = prof.batch_size // (placed.microbatches * replicas.pop())
-        graph = trace(module, _first_rows(inputs, rows), front_end=FrontEnd.EXPORT)
+        graph = trace(module, _first_rows(inputs, rows), front_end=FrontEnd.EXPORT,
+                      input_names=gm.meta.get("hpml_keywords") or None)
         if [n.name for n in graph.graph.nodes] != [n.name for n in gm.graph.nodes]:
             raise BuildMismatchError(
                 f"{label}: torch.export gives a different graph at batch {rows} (one microbatch of one replica) "
@@ -710,6 +714,7 @@ def rebuild(recipe_dir: str | Path, placed: Plan, prof: Profile, out_dir: str | 
     recipe = read_recipe(recipe_dir)
     check_build_dir(out_dir)                                        # before the model is built: refuse early
     loaded = models.load(recipe.model, batch_size=recipe.batch_size, seq_len=recipe.seq_len, seed=recipe.seed)
-    gm = trace(loaded.module, loaded.example_inputs, leaf_modules=recipe.leaf_modules, front_end=recipe.front_end)
+    gm = trace(loaded.module, loaded.example_inputs, leaf_modules=recipe.leaf_modules, front_end=recipe.front_end,
+               input_names=loaded.input_names or None)
     build, _ = _generate(loaded.module, loaded.example_inputs, gm, placed, prof, out_dir, loaded.name, recipe)
     return build

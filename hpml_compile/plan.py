@@ -885,5 +885,9 @@ def load_plan(path: str | Path) -> Plan:
         SchemaError: naming the file and the first bad field, or the stage, device or node that breaks a
             rule of :func:`check_placement`, with the fix.
     """
-    return Plan.from_dict(read_json(path), source=str(path))
+    d = read_json(path)
+    if isinstance(d, dict) and d.get("kind") == "inference":
+        raise SchemaError(str(path), "kind", "a training plan", '"inference"',
+                          "an inference plan runs with `hpml-compile generate`, `infer` or `serve`")
+    return Plan.from_dict(d, source=str(path))
 

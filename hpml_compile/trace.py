@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import linecache
+import logging
 import re
 import traceback
 from contextlib import contextmanager
@@ -40,12 +41,15 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
 
 from .errors import TraceError
 from .ir import FrontEnd
 
-__all__ = ["NodeInfo", "trace", "node_info", "tensor_bytes", "buffers_restored"]
+__all__ = ["NodeInfo", "trace", "node_info", "tensor_bytes", "buffers_restored", "fixed_shapes", "output_structure",
+           "repeated_blocks"]
+
+_LOG = logging.getLogger("hpml_compile")
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +134,7 @@ def _split_leaves(leaf_modules: Iterable[type | str]) -> tuple[tuple[type, ...],
     return tuple(types), frozenset(names)
 
 
-def _blame_module(exc: BaseException, model: torch.nn.Module) -> str:
+def _blame_module(exc: BaseException, model: torch.nn.Module, exported: bool = False) -> str:
     """Name the innermost module of ``model`` (and its source line) active when ``exc`` was raised."""
     owners = {id(m): (name, m) for name, m in model.named_modules()}
     blamed = ""
@@ -144,11 +148,16 @@ def _blame_module(exc: BaseException, model: torch.nn.Module) -> str:
         src = linecache.getline(frame.f_code.co_filename, lineno).strip()
         label = f"module '{qualname}' ({type(module).__name__})" if qualname else f"the top-level module ({type(module).__name__})"
         blamed = f"{label} at {frame.f_code.co_filename}:{lineno}: `{src}`"
-        hint = (f"mark it as a leaf so it runs as one opaque node: leaf_modules=[{type(module).__name__}] "
-                f"(CLI: --leaf {type(module).__name__}), or use the export front end"
+        leaf = type(module).__name__
+        hint = ((f"rewrite its branch on tensor values without Python control flow (torch.where, torch.cond), "
+                 f"or trace with the fx front end keeping it as one opaque node: front_end='fx', "
+                 f"leaf_modules=[{leaf}] (CLI: --front-end fx --leaf {leaf})"
+                 if exported else
+                 f"mark it as a leaf so it runs as one opaque node: leaf_modules=[{leaf}] "
+                 f"(CLI: --leaf {leaf}), or use the export front end")
                 if qualname else
-                "rewrite the control flow without Python branching on tensor values "
-                "(torch.where), or use the export front end")
+                "rewrite the control flow without Python branching on tensor values (torch.where)"
+                + ("" if exported else ", or use the export front end"))
         blamed += f"; {hint}"
     return blamed
 
@@ -165,15 +174,143 @@ def _trace_fx(model: torch.nn.Module, leaf_modules: Sequence[type | str]) -> fx.
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
-def _trace_export(model: torch.nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
+def _cache_off(model: torch.nn.Module) -> None:
+    """Training never reads a KV cache: turn ``config.use_cache`` off so that no cache object reaches the graph.
+
+    Submodules may hold configs of their own (an encoder-decoder's decoder stack): each is turned off.
+    """
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    found = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
+    for config in found:
+        config.use_cache = False
+    if found:
+        _LOG.warning("hpml-compile: %s.config.use_cache set to False for training (a KV cache is for generation)",
+                     type(model).__name__)
+
+
+def _batch_dims(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``dynamic_shapes`` giving every batched tensor input one symbolic first dimension (None: no batch to share).
+
+    A tensor input is batched when its first dimension equals the first tensor input's; every other
+    dimension (sequence, channels, image sizes) stays static.
+    """
+    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.dim()]
+    if not leaves or int(leaves[0].shape[0]) < 2:  # export specialises sizes 0 and 1: no symbol to keep
+        return None
+    rows = int(leaves[0].shape[0])
+    batch = torch.export.Dim("batch", min=1)
+
+    def spec(x: Any) -> Any:
+        return {0: batch} if isinstance(x, torch.Tensor) and x.dim() and int(x.shape[0]) == rows else None
+
+    if kwargs:
+        return {k: tree_map(spec, v) for k, v in kwargs.items()}
+    return tuple(tree_map(spec, a) for a in args)
+
+
+def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, bool]:
+    """``torch.export`` with a symbolic batch where the model allows one, else with the traced shapes."""
+    dims = _batch_dims(model, args, kwargs)
+    if dims is None:
+        return torch.export.export(model, args, kwargs or None, strict=False), False
     try:
-        ep = torch.export.export(model, inputs, strict=False)
+        return torch.export.export(model, args, kwargs or None, dynamic_shapes=dims, strict=False), True
+    except Exception as exc:  # a model that fixes its batch (a reshape to a constant): one graph per size
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    ep = torch.export.export(model, args, kwargs or None, strict=False)  # raises what stops any export
+    _LOG.warning("hpml-compile: %s does not export with a symbolic batch (%s); its graph is fixed at the traced "
+                 "shapes", type(model).__name__, why)
+    return ep, False
+
+
+def _owned(model: torch.nn.Module, target: str) -> bool:
+    obj: Any = model
+    for part in target.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return isinstance(obj, torch.Tensor)
+
+
+def _trace_export(model: torch.nn.Module, inputs: tuple[Any, ...], names: Sequence[str] | None) -> fx.GraphModule:
+    """Export ``model`` and flatten the result into a plain GraphModule (flat inputs, flat outputs).
+
+    The model's output structure (a tensor, tuple, dict or ``ModelOutput``) is kept as
+    ``gm.meta["hpml_out_spec"]`` (a pytree spec over the output node's flat values); tensors the graph
+    reads that are not attributes of ``model`` (constants export lifted out of ``forward``) are kept as
+    ``gm.meta["hpml_constants"]``, which a build carries as data.
+    """
+    _cache_off(model)
+    seen: set[int] = set()
+    own = []  # export merges inputs that are one tensor (labels = input_ids): one placeholder each, as at run time
+    for x in inputs:
+        own.append(x.clone() if isinstance(x, torch.Tensor) and id(x) in seen else x)
+        seen.add(id(x))
+    args, kwargs = ((), dict(zip(names, own))) if names else (tuple(own), {})
+    try:
+        ep, dynamic = _export(model, args, kwargs)
     except Exception as exc:
         raise TraceError(f"torch.export could not trace {type(model).__name__}: "
-                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. "
+                         + (_blame_module(exc, model, exported=True) or "Try the fx front end, or mark the failing submodule "
+                            "as a leaf (leaf_modules=[...])")) from exc
     gm = ep.module()
     assert isinstance(gm, fx.GraphModule)
+    out_spec = gm.graph._codegen.pytree_info.out_spec if isinstance(gm.graph._codegen, fx.graph._PyTreeCodeGen) \
+        else None
+    gm.graph._codegen = fx.graph.CodeGen()  # flat placeholders in, the flat output tuple out
+    if dynamic:  # the guards re-check the traced shapes; a graph that serves every row count drops them
+        for n in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
+            gm.graph.erase_node(n)
+    gm.recompile()
+    gm.meta["hpml_out_spec"] = out_spec
+    gm.meta["hpml_dynamic_batch"] = dynamic
+    gm.meta["hpml_keywords"] = tuple(names or ())
+    gm.meta["hpml_constants"] = {
+        str(n.target): _attr(gm, str(n.target)) for n in gm.graph.nodes
+        if n.op == "get_attr" and isinstance(_attr(gm, str(n.target)), torch.Tensor)
+        and not _owned(model, str(n.target))}
     return gm
+
+
+def _attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[str]:
+    """Qualified names of the model's repeated blocks: the items of each ``ModuleList``/``Sequential`` whose
+    items (two or more) share one class (``GPT2Block``, ``LlamaDecoderLayer``, ``BertLayer``, ``ViTLayer``...).
+
+    These are the natural cut points of a pipeline; :func:`hpml_compile.costgraph.block_key` makes each one a
+    unit of the coarsened graph. Outermost lists first, in module order.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ModuleList([torch.nn.ReLU(), torch.nn.ReLU()]))
+        >>> repeated_blocks(net)
+        ['1.0', '1.1']
+    """
+    out: list[str] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) or len(m) < 2:
+            continue
+        kinds = {type(c) for c in m.children()}
+        if len(kinds) == 1 and not any(name.startswith(o.rpartition(".")[0] + ".") for o in out if "." in o):
+            out.extend(f"{name}.{k}" if name else str(k) for k in range(len(m)))
+    return out
+
+
+def fixed_shapes(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` runs only at the shapes it was traced with (an export without a symbolic batch)."""
+    return gm.meta.get("hpml_front_end") is FrontEnd.EXPORT and not gm.meta.get("hpml_dynamic_batch", False)
+
+
+def output_structure(gm: fx.GraphModule, flat: Any) -> Any:
+    """The model's own output (tensor, tuple, dict, ``ModelOutput``) from the graph's flat output values."""
+    spec = gm.meta.get("hpml_out_spec")
+    return flat if spec is None else tree_unflatten(list(flat), spec)
 
 
 _INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
@@ -187,6 +324,8 @@ def _scope(node: fx.Node) -> str:
     if not stack:
         return ""
     path = str(list(stack.values())[-1][0])
+    if path.startswith("_empty_nn_module_stack"):  # export's placeholder for "no module": the top level
+        return ""
     # torch.export writes paths like "L['self'].layers[3].attn" or "layers.3.attn"
     path = path.replace("L['self']", "").replace("L[\"self\"]", "")
     path = _INDEX.sub(r".\1", path).strip(".")
@@ -266,16 +405,25 @@ def trace(
     *,
     leaf_modules: Sequence[type | str] = (),
     front_end: FrontEnd | str = FrontEnd.AUTO,
+    input_names: Sequence[str] | None = None,
 ) -> fx.GraphModule:
     """Trace ``model`` into a GraphModule whose nodes carry shape, dtype and size metadata.
 
+    The export front end keeps the batch (the first dimension of every input
+    that has the first input's rows) symbolic, so one graph runs at every row
+    count a microbatch or a replica gets; its graph takes the inputs' tensors
+    flat and returns the output's tensors flat (:func:`output_structure`
+    rebuilds what the model returns).
+
     Args:
         model: the module to trace; may live on the ``meta`` device.
-        example_inputs: positional inputs (a tensor or a tuple of them) on the
+        example_inputs: the inputs (a tensor or a tuple of them) on the
             model's device; only their shapes and dtypes are used.
         leaf_modules: module classes, class names or qualified names to keep
             as single opaque nodes (torch.nn's own modules always are).
         front_end: ``fx``, ``export`` or ``auto`` (fx, then export on failure).
+        input_names: pass the inputs by keyword under these names (``input_ids``,
+            ``attention_mask``, ``labels``...); keyword inputs use the export front end.
 
     Returns:
         A GraphModule; each node has ``meta["hpml"]`` (:class:`NodeInfo`) and
@@ -289,9 +437,15 @@ def trace(
         raise TraceError(f"trace() needs an nn.Module, got {type(model).__name__}")
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     fe = FrontEnd(front_end)
+    names = tuple(input_names or ())
+    if names and len(names) != len(inputs):
+        raise TraceError(f"trace(): {len(names)} input names {list(names)} for {len(inputs)} inputs; give one "
+                         "name per input")
+    if names and fe is FrontEnd.FX:
+        raise TraceError("trace(): keyword inputs need the export front end (front_end='export' or 'auto')")
     gm: fx.GraphModule
-    if fe is FrontEnd.EXPORT:
-        gm, used = _trace_export(model, inputs), FrontEnd.EXPORT
+    if fe is FrontEnd.EXPORT or names:
+        gm, used = _trace_export(model, inputs, names), FrontEnd.EXPORT
     else:
         try:
             gm, used = _trace_fx(model, leaf_modules), FrontEnd.FX
@@ -299,7 +453,7 @@ def trace(
             if fe is FrontEnd.FX:
                 raise
             try:
-                gm, used = _trace_export(model, inputs), FrontEnd.EXPORT
+                gm, used = _trace_export(model, inputs, names), FrontEnd.EXPORT
             except TraceError as ex_err:
                 raise TraceError(f"{fx_err}\nThe export front end failed too: {ex_err}") from fx_err
     with buffers_restored(gm):

@@ -9,7 +9,11 @@ every rank of a run.
 
 An item of ``dataset`` is ``(inputs, target)``: inputs a tensor or a tuple of
 tensors (the model's positional inputs), target whatever ``loss_fn`` takes
-second. A batch is ``collate_fn`` of ``batch_size`` items (default: torch's
+second. Or it is a dict of named tensors, as a tokenizer or feature extractor
+gives (``input_ids``, ``attention_mask``, ``pixel_values``, ``labels``...): the
+keys that name parameters of the model's ``forward`` are its inputs, passed by
+keyword, and ``label_key`` is the target; with no ``loss_fn`` the labels go to
+the model too and its own ``output.loss`` is trained (a ``transformers`` model). A batch is ``collate_fn`` of ``batch_size`` items (default: torch's
 ``default_collate``), again ``(inputs, target)``. The example inputs that
 tracing and profiling use are the dataset's first ``batch_size`` items, in
 order (:func:`first_batch`); the build is made for exactly that batch shape,
@@ -28,6 +32,9 @@ Example:
 
 from __future__ import annotations
 
+import inspect
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -38,11 +45,58 @@ from torch.utils.data import Dataset, IterableDataset, default_collate
 from .errors import ModelError
 
 __all__ = ["TrainSpec", "Batch", "first_batch", "collate", "batches_per_epoch", "is_iterable", "check_item",
-           "Split", "split_of", "replica_rows", "rank_rows", "check_batch_split"]
+           "Split", "split_of", "replica_rows", "rank_rows", "check_batch_split", "model_loss", "input_names", "batch_input_names"]
 
 Batch = tuple[tuple[Tensor, ...], Any]  # (positional inputs, target)
 
-_ITEM = "an item (inputs, target): inputs a Tensor or a tuple of Tensors, e.g. `return x, y`"
+_ITEM = ("an item (inputs, target): inputs a Tensor or a tuple of Tensors, e.g. `return x, y`; or a dict of "
+         "named tensors, e.g. {'input_ids': ..., 'labels': ...}")
+
+
+def model_loss(output: Any, target: Any = None) -> Tensor:
+    """The loss the model computed itself (``output.loss``, as a ``transformers`` model does when given labels).
+
+    Raises:
+        ModelError: the output carries no loss.
+    """
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if not isinstance(loss, Tensor):
+        raise ModelError(f"TrainSpec has no loss_fn, so the model's own loss is trained, but its output "
+                         f"({type(output).__name__}) carries no .loss: put the labels in the batch (a 'labels' key "
+                         "the model's forward takes), or give TrainSpec a loss_fn(output, target)")
+    return loss
+
+
+def _signature(module: nn.Module) -> list[str]:
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def input_names(spec: "TrainSpec", keys: Iterable[str]) -> tuple[str, ...]:
+    """The keys of a dict batch that go to the model, in the order of its ``forward`` parameters.
+
+    The label key goes to the model when the spec has no ``loss_fn`` (the model computes its loss from
+    it) and is the target otherwise.
+
+    Raises:
+        ModelError: no key names a parameter of ``forward``.
+    """
+    params = _signature(spec.module)
+    present = set(keys)
+    drop = set() if spec.own_loss else {spec.label_key}
+    names = tuple(p for p in params if p in present and p not in drop)
+    if not names:
+        raise ModelError(f"TrainSpec.dataset: a batch has keys {sorted(present)}, none of which is a parameter of "
+                         f"{type(spec.module).__name__}.forward ({', '.join(params) or 'none found'}); name the "
+                         "keys after forward's parameters")
+    if spec.own_loss and spec.label_key not in names:
+        raise ModelError(f"TrainSpec has no loss_fn, so the model's own loss is trained, but the batch has no "
+                         f"{spec.label_key!r} that {type(spec.module).__name__}.forward takes: add it to the "
+                         "items, or give TrainSpec a loss_fn")
+    return names
 
 
 def _callable_or_none(name: str, value: Any, example: str) -> None:
@@ -65,7 +119,8 @@ class TrainSpec:
         module: the model.
         dataset: a map-style ``Dataset`` (shuffled per epoch from ``seed``) or an ``IterableDataset``
             (read in its own order); items ``(inputs, target)``.
-        loss_fn: ``(output, target) -> loss``, a mean over the rows it is given.
+        loss_fn: ``(output, target) -> loss``, a mean over the rows it is given (None: the model's own
+            ``output.loss``, computed from the batch's ``label_key``, as ``transformers.Trainer`` does).
         batch_size: rows per training step (the build's batch; it must split into the plan's
             microbatches and each stage's replicas).
         optimizer: a factory over parameters, e.g. ``lambda ps: torch.optim.AdamW(ps, lr=3e-4)``
@@ -75,6 +130,10 @@ class TrainSpec:
         val_dataset: items like ``dataset``'s, for the validation loss (``run --val-every K``).
         collate_fn: ``list of items -> (inputs, target)`` (None: torch's ``default_collate``).
         seed: the seed of the per-epoch shuffle.
+        weights: the weights to train from, as ``save_pretrained`` wrote them (a folder, sharded or not) or a
+            ``.safetensors`` file: each rank of ``hpml-compile run`` reads only its own stage's tensors, by name.
+        label_key: in a dict batch, the key of the target (or, with no ``loss_fn``, of the labels the model
+            takes); the batch's other keys that name ``forward`` parameters are the model's inputs.
 
     Raises:
         ModelError: a field of the wrong type (named, with what is expected).
@@ -82,15 +141,24 @@ class TrainSpec:
 
     module: nn.Module
     dataset: Any
-    loss_fn: Callable[[Any, Any], Tensor]
-    batch_size: int
+    loss_fn: Callable[[Any, Any], Tensor] | None = None
+    batch_size: int = 8
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     val_dataset: Any = None
     collate_fn: Callable[[list[Any]], Any] | None = None
     seed: int = 0
+    label_key: str = "labels"
+    weights: str | os.PathLike[str] | None = None
+
+    @property
+    def own_loss(self) -> bool:
+        """Whether the model's own ``output.loss`` is trained (no ``loss_fn`` was given)."""
+        return self.loss_fn is model_loss
 
     def __post_init__(self) -> None:
+        if self.loss_fn is None:
+            object.__setattr__(self, "loss_fn", model_loss)
         if not isinstance(self.module, nn.Module):
             raise ModelError(f"TrainSpec.module must be a torch.nn.Module, got {type(self.module).__name__}")
         _check_dataset("dataset", self.dataset)
@@ -106,6 +174,9 @@ class TrainSpec:
         _callable_or_none("lr_scheduler", self.lr_scheduler, "optimizer -> scheduler, e.g. "
                           "lambda o: torch.optim.lr_scheduler.StepLR(o, 100)")
         _callable_or_none("collate_fn", self.collate_fn, "list of items -> (inputs, target)")
+        if self.weights is not None and not isinstance(self.weights, (str, os.PathLike)):
+            raise ModelError(f"TrainSpec.weights must be a path (a save_pretrained folder or a .safetensors file), "
+                             f"got {type(self.weights).__name__}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ModelError(f"TrainSpec.seed must be an int, got {self.seed!r}")
         if not is_iterable(self.dataset) and len(self.dataset) < self.batch_size:
@@ -124,6 +195,12 @@ def check_item(item: Any, where: str = "TrainSpec.dataset") -> None:
     Raises:
         ModelError: naming what the item is and what is expected.
     """
+    if isinstance(item, Mapping):
+        bad = [k for k, v in item.items() if not isinstance(v, (Tensor, int, float, list, tuple))]
+        if bad or not item:
+            raise ModelError(f"{where}: an item is a dict with {'no keys' if not item else f'non-tensor values at {bad}'}"
+                             f"; expected {_ITEM}")
+        return
     if not (isinstance(item, (tuple, list)) and len(item) == 2):
         got = f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
         raise ModelError(f"{where}: an item is {got}; expected {_ITEM}")
@@ -148,6 +225,10 @@ def collate(spec: TrainSpec, items: Sequence[Any], where: str = "TrainSpec.datas
     except Exception as e:
         raise ModelError(f"{where}: collating {len(items)} items failed ({type(e).__name__}: {e}); give "
                          "TrainSpec a collate_fn(items) -> (inputs, target)") from e
+    if isinstance(batch, Mapping):  # named tensors: the model's inputs by its forward's parameters
+        names = input_names(spec, batch.keys())
+        target = None if spec.own_loss else batch.get(spec.label_key)
+        return tuple(batch[n] for n in names), target
     check_item(batch, f"{where} (a collated batch)")
     inputs, target = batch
     return ((inputs,) if isinstance(inputs, Tensor) else tuple(inputs)), target
@@ -171,6 +252,20 @@ def first_batch(spec: TrainSpec) -> Batch:
     else:
         items = [spec.dataset[i] for i in range(spec.batch_size)]
     return collate(spec, items)
+
+
+def batch_input_names(spec: TrainSpec) -> tuple[str, ...]:
+    """The names the model takes a dict batch's inputs under (:func:`input_names`); ``()`` for tuple items."""
+    item = next(iter(spec.dataset)) if is_iterable(spec.dataset) else spec.dataset[0]
+    if not isinstance(item, Mapping):
+        return ()
+    fn = spec.collate_fn or default_collate
+    try:
+        batch = fn([item])
+    except Exception as e:
+        raise ModelError(f"TrainSpec.dataset: collating an item failed ({type(e).__name__}: {e}); give TrainSpec "
+                         "a collate_fn(items) -> dict of tensors") from e
+    return input_names(spec, batch.keys()) if isinstance(batch, Mapping) else ()
 
 
 def batches_per_epoch(spec: TrainSpec, dataset: Any = None) -> int | None:

@@ -231,6 +231,12 @@ def _add_show(sub: argparse._SubParsersAction) -> None:
     add_parsers(sub)
 
 
+def _add_infer(sub: argparse._SubParsersAction) -> None:
+    from .infer import add_parsers
+
+    add_parsers(sub)
+
+
 def _add_launch(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("launch", help="run your own training script on N local ranks, restarting it after failures",
                        description="Start SCRIPT on --nproc local ranks with torchrun; when a rank fails, start it "
@@ -279,6 +285,9 @@ EXAMPLES: dict[str, str] = {
     "replan": "hpml-compile replan build/plan.json --profile out/runs/a/profile.json -o build2/",
     "devices": "hpml-compile devices --measure -o cluster.json",
     "models": "hpml-compile models",
+    "generate": "hpml-compile generate build/ --prompt 'def main(' --max-new-tokens 32",
+    "infer": "hpml-compile infer build/ --data prompts.jsonl -o answers.jsonl --batch-size 8",
+    "serve": "hpml-compile serve build/ --port 8000 --max-batch 16",
 }
 
 
@@ -301,7 +310,7 @@ def _add_examples(sub: argparse._SubParsersAction) -> None:
 
 _ADDERS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     _add_demo, _add_compile, _add_run, _add_launch, _add_profile, _add_plan, _add_show, _add_replan, _add_devices,
-    _add_models,
+    _add_models, _add_infer,
 )
 
 

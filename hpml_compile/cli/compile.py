@@ -66,6 +66,9 @@ def add_parsers(subparsers: Any) -> None:
                         "`demo` do by default) and plan with it where the cluster names no link")
     p.add_argument("-o", "--output", type=Path, required=True, help="the build folder to write")
     add_comm_options(p)
+    from .infer import add_inference_options
+
+    add_inference_options(p)
     p.set_defaults(run=run_compile)
 
 
@@ -85,6 +88,10 @@ def run_compile(args: argparse.Namespace) -> int:
     Raises:
         HpmlError: for a bad model, cluster or option, a model that fits nowhere, or a plan codegen cannot carry out.
     """
+    if args.inference:
+        from .infer import run_inference_compile
+
+        return run_inference_compile(args)
     from .. import models  # the zoo is only needed here
     from .. import driver
     from ..recipe import ModelRecipe, absolute_model_spec
@@ -114,7 +121,8 @@ def run_compile(args: argparse.Namespace) -> int:
                                 time_limit_s=args.time_limit, precision=args.precision, **comm_options(args)),
             prof_opts=driver.ProfileOptions(repeats=args.repeats, warmup=args.warmup, batch_size=loaded.batch_size,
                                             seq_len=loaded.seq_len, leaf_modules=args.leaf,
-                                            front_end=args.front_end, link=link))
+                                            front_end=args.front_end, input_names=loaded.input_names,
+                                            link=link))
     finally:
         torch.set_num_threads(before)
     plan = build.plan

@@ -55,6 +55,9 @@ def add_parsers(subparsers: Any) -> None:
                    help="the largest tensor-parallel degree a stage may take (default 8; 1: none); compile plans "
                         "with 1, its generated stages running without tensor parallelism")
     add_comm_options(p)
+    from .infer import add_inference_options
+
+    add_inference_options(p)
     p.set_defaults(run=run_plan)
 
 
@@ -168,6 +171,10 @@ def run_plan(args: argparse.Namespace) -> int:
     Raises:
         HpmlError: for a bad profile, cluster or option, or a model that fits nowhere (InfeasibleError).
     """
+    if getattr(args, "inference", False):
+        from .infer import run_inference_plan
+
+        return run_inference_plan(args)
     if not args.compare and not args.output:
         raise HpmlError("plan: -o/--output is required (where to write plan.json), unless --compare")
     if args.microbatches is not None and args.microbatches < 1:

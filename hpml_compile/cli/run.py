@@ -139,6 +139,9 @@ def add_parsers(subparsers: Any) -> None:
     r.add_argument("--trace", type=Path, default=None, metavar="FILE.json",
                    help="also write the recorded steps as a Chrome trace (one track per rank, an arrow per message; "
                         "open in ui.perfetto.dev or chrome://tracing)")
+    r.add_argument("--trace-dir", type=Path, default=None, metavar="DIR",
+                   help="also write one trace per rank (DIR/rank<R>.json, with distributedInfo), the layout "
+                        "HolisticTraceAnalysis reads: TraceAnalysis(trace_dir=DIR)")
     r.add_argument("--html", type=Path, default=None, metavar="FILE.html",
                    help="also write one self-contained page (no network needed) with the plan, the predicted and "
                         "measured step side by side, step time and loss, utilization, bandwidth, memory and advice")
@@ -458,6 +461,12 @@ def run_report(args: argparse.Namespace) -> int:
         info = write_trace(last, args.trace)
         print(f"wrote {args.trace}: {info['ranks']} ranks, {info['messages']} messages of {last} "
               "(open in ui.perfetto.dev or chrome://tracing)")
+    if args.trace_dir is not None:
+        from ..runtime.timeline import write_rank_traces
+
+        files = write_rank_traces(last, args.trace_dir)
+        print(f"wrote {len(files)} per-rank traces of {last} into {args.trace_dir} "
+              f"(HolisticTraceAnalysis: TraceAnalysis(trace_dir='{args.trace_dir}'))")
     if args.html is not None:
         from ..runtime.page import write_page
 

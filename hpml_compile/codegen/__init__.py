@@ -94,6 +94,6 @@ def generate(graph_module: fx.GraphModule, plan: Plan, out_dir: str | Path, *, p
         validate_plan(plan, profile)
     files, manifest = render(graph_module, plan, profile=profile, recipe=recipe, debug=debug)  # 1.-7.
     out = publish_build(out_dir, files, manifest)                  # 8. files, then the manifest; renamed in
-    return bind_build(out, plan, manifest, files, graph_module)
+    return bind_build(out, plan, manifest, files, graph_module, graph_module.meta.get("hpml_out_spec"))
 
 

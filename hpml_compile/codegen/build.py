@@ -47,10 +47,11 @@ import tempfile
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_unflatten
 
 from ..errors import BuildMismatchError, HpmlError, OutputError
 from ..plan import Plan, load_plan
@@ -60,6 +61,7 @@ from ..schedule import RankActions, lower, parse_actions
 from ..schedule import validate as validate_actions
 from ..schema import write_json_atomic
 from ..trace import trace
+from .constants import CONSTANTS_FILE, read_constants
 from .emit import class_name
 from .manifest import (MANIFEST_FILE, MANIFEST_SCHEMA, MANIFEST_VERSION, InputSpec, Manifest, file_hashes,
                        input_specs, leaf_modules, read_manifest, sha256)
@@ -75,7 +77,7 @@ _STAGE_FILE = re.compile(r"^stage_\d+\.py$")
 # Every name codegen may write into a build folder besides the stage files (the optional ones included), and
 # __pycache__, which importing stage files from disk (as builds did before they were regenerated) left there.
 CODEGEN_FILES = frozenset({MANIFEST_FILE, RECIPE_FILE, "plan.json", "profile.json", "graph.txt", "lowering.json",
-                           "__pycache__"})
+                           CONSTANTS_FILE, "__pycache__"})
 _WHAT = "build folder"
 
 
@@ -90,6 +92,8 @@ class Build:
         stages: ``stages[k]`` runs stage ``k`` (``forward``, ``sync_grads``, ``after_step``).
         actions: each rank's action list, validated (:mod:`hpml_compile.schedule`).
         sources: ``sources[k]`` is the Python that ``stages[k]`` was compiled from (regenerated, not read).
+        out_spec: how the last stage's flat outputs make the model's own output (a pytree spec; None: as they
+            are), see :func:`hpml_compile.trace.output_structure`.
     """
 
     out_dir: Path
@@ -98,6 +102,11 @@ class Build:
     stages: tuple[StageModule, ...]
     actions: tuple[RankActions, ...] = ()
     sources: tuple[str, ...] = ()
+    out_spec: Any = None
+
+    def model_output(self, flat: Any) -> Any:
+        """The model's own output (tensor, tuple, dict, ``ModelOutput``) from the last stage's return value."""
+        return flat if self.out_spec is None else tree_unflatten(list(flat), self.out_spec)
 
     def source(self, stage: int) -> str:
         """The Python a stage runs (the same text as its ``stage_<k>.py``, which load_build compared)."""
@@ -211,7 +220,8 @@ def _check_files(out_dir: Path, manifest: Manifest) -> None:
 
 def _retrace(model: torch.nn.Module, manifest: Manifest) -> fx.GraphModule:
     inputs = [torch.zeros(i.shape, dtype=getattr(torch, i.dtype)) for i in manifest.trace_inputs]
-    return trace(model, tuple(inputs), leaf_modules=manifest.leaf_modules, front_end=manifest.front_end)
+    return trace(model, tuple(inputs), leaf_modules=manifest.leaf_modules, front_end=manifest.front_end,
+                 input_names=manifest.keywords or None)
 
 
 def _check_graph(out_dir: Path, manifest: Manifest, gm: fx.GraphModule) -> None:
@@ -244,7 +254,7 @@ def _check_manifest(out_dir: Path, manifest: Manifest, fresh: Manifest) -> None:
                 "`hpml-compile compile`")
 
 
-def _check_stage_files(out_dir: Path, files: Mapping[str, str], manifest: Manifest) -> None:
+def _check_stage_files(out_dir: Path, files: Mapping[str, str | bytes], manifest: Manifest) -> None:
     """Each stage file on disk is the source regenerated now (it is for reading; a differing copy is refused)."""
     for entry in manifest.stages:
         name = entry["file"]
@@ -277,8 +287,8 @@ def _compile_stage(path: Path, source: str, name: str) -> type[StageModule]:
     return cls
 
 
-def bind_build(out_dir: Path, plan: Plan, manifest: Manifest, files: Mapping[str, str],
-               model: torch.nn.Module) -> Build:
+def bind_build(out_dir: Path, plan: Plan, manifest: Manifest, files: Mapping[str, str | bytes],
+               model: torch.nn.Module, out_spec: Any = None) -> Build:
     """Compile the stages' regenerated source and bind each to ``model``'s weights.
 
     Args:
@@ -287,6 +297,7 @@ def bind_build(out_dir: Path, plan: Plan, manifest: Manifest, files: Mapping[str
         manifest: its manifest (the action lists are validated here).
         files: the files :func:`.render.render` gave for ``plan`` (never read from ``out_dir``).
         model: the user's model (or the graph traced from it).
+        out_spec: the model's output structure over the last stage's flat outputs (export graphs).
 
     Returns:
         The build.
@@ -295,9 +306,12 @@ def bind_build(out_dir: Path, plan: Plan, manifest: Manifest, files: Mapping[str
         BuildMismatchError, ScheduleError: the action lists do not fit the plan (see :func:`rank_actions`).
     """
     actions = rank_actions(manifest, plan)
-    sources = tuple(files[f"stage_{k}.py"] for k in range(len(plan.stages)))
+    sources = tuple(str(files[f"stage_{k}.py"]) for k in range(len(plan.stages)))
     classes = [_compile_stage(out_dir / f"stage_{k}.py", src, class_name(k)) for k, src in enumerate(sources)]
-    return Build(out_dir, plan, manifest, tuple(cls(model) for cls in classes), tuple(actions), sources)
+    carried = out_dir / CONSTANTS_FILE  # hash-checked with the other data files (_check_files)
+    constants = read_constants(carried.read_bytes()) if CONSTANTS_FILE in manifest.files else None
+    return Build(out_dir, plan, manifest, tuple(cls(model, constants) for cls in classes), tuple(actions), sources,
+                 out_spec)
 
 
 def load_build(out_dir: str | Path, model: torch.nn.Module, *,
@@ -329,7 +343,7 @@ def load_build(out_dir: str | Path, model: torch.nn.Module, *,
     files, fresh = render(gm, plan)                                 # the code that runs, regenerated
     _check_manifest(out, manifest, fresh)
     _check_stage_files(out, files, manifest)                        # the copies for reading say the same
-    return bind_build(out, plan, manifest, files, model)
+    return bind_build(out, plan, manifest, files, model, gm.meta.get("hpml_out_spec"))
 
 
 def rank_actions(manifest: Manifest, plan: Plan) -> list[RankActions]:

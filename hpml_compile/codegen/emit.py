@@ -171,7 +171,7 @@ def _sync_method(name: str, doc: str, syncs: Sequence[GradSync], acts: StageActi
         else:  # one parameter list, wrapped
             lines.append(call)
             lines.extend(textwrap.wrap(names, 100, initial_indent=" " * 8, subsequent_indent=" " * 8,
-                                       break_on_hyphens=False))
+                                       break_on_hyphens=False, break_long_words=False))  # never inside a name
             lines[-1] += "))"
     return "\n".join(lines)
 

@@ -57,6 +57,8 @@ MANIFEST_SCHEMA: dict[str, Any] = {
         "leaf_modules": {"type": "array", "items": {"type": "string"}},
         "trace_inputs": {"type": "array", "items": _INPUT},
         "inputs": {"type": "array", "items": _INPUT},
+        # optional: the names the model takes its inputs under, by keyword (none: positional)
+        "keywords": {"type": "array", "items": {"type": "string"}},
         "microbatches": {"type": "integer", "minimum": 1},
         # optional: builds written before mixed precision are fp32
         "precision": {"enum": [p.value for p in Precision]},
@@ -114,6 +116,7 @@ class Manifest:
     files: dict[str, str]
     ranks: tuple[dict[str, Any], ...] = ()
     precision: Precision = Precision.FP32
+    keywords: tuple[str, ...] = ()
     schema_version: int = MANIFEST_VERSION
 
     def __post_init__(self) -> None:
@@ -124,6 +127,7 @@ class Manifest:
                 "front_end": self.front_end.value, "leaf_modules": list(self.leaf_modules),
                 "trace_inputs": [i.to_dict() for i in self.trace_inputs],
                 "inputs": [i.to_dict() for i in self.inputs], "microbatches": self.microbatches,
+                **({"keywords": list(self.keywords)} if self.keywords else {}),
                 "precision": self.precision.value,
                 "stages": [dict(s) for s in self.stages], "collectives": list(self.collectives),
                 "files": dict(self.files), **({"ranks": [dict(r) for r in self.ranks]} if self.ranks else {})}
@@ -137,7 +141,7 @@ class Manifest:
                    tuple(InputSpec.from_dict(i) for i in d["trace_inputs"]),
                    tuple(InputSpec.from_dict(i) for i in d["inputs"]), d["microbatches"],
                    tuple(d["stages"]), tuple(d["collectives"]), dict(d["files"]), tuple(d.get("ranks", ())),
-                   Precision(d.get("precision", "fp32")))
+                   Precision(d.get("precision", "fp32")), tuple(d.get("keywords", ())))
 
     def groups(self) -> list[tuple[int, ...]]:
         """The stage groups of the build's collectives, in the order every rank runs them."""

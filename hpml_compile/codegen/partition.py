@@ -45,7 +45,7 @@ from ..errors import BuildMismatchError, HpmlError
 from ..ir import FrontEnd
 from ..memory import ZeroStage
 from ..plan import Plan, node_stages
-from ..trace import buffers_restored
+from ..trace import buffers_restored, fixed_shapes
 from .actions import GradSync, StageActions, SyncKind, Transfer
 
 __all__ = ["GUARD_TARGETS", "canonical_text", "place", "microbatch_values", "is_tensorlike", "plan_actions",
@@ -137,7 +137,7 @@ def place(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
 
 
 def _is_static(gm: fx.GraphModule) -> bool:
-    return gm.meta.get("hpml_front_end") is FrontEnd.EXPORT
+    return fixed_shapes(gm)
 
 
 class _Values(fx.Interpreter):

@@ -33,7 +33,9 @@ from ..plan import Plan
 from ..recipe import RECIPE_FILE, ModelRecipe, recipe_text
 from ..schedule import lower as lower_schedule
 from ..schedule import rank_layout
+from ..trace import fixed_shapes
 from .actions import GradSync, StageActions
+from .constants import CONSTANTS_FILE, constants_bytes
 from .emit import class_name, stage_source
 from .lower import lower_stage
 from .manifest import Manifest, file_hashes, input_specs, leaf_modules, sha256
@@ -43,7 +45,7 @@ __all__ = ["render"]
 
 
 def render(gm: fx.GraphModule, plan: Plan, *, profile: Profile | None = None, recipe: ModelRecipe | None = None,
-           debug: bool = False) -> tuple[dict[str, str], Manifest]:
+           debug: bool = False) -> tuple[dict[str, str | bytes], Manifest]:
     """The build files of ``plan`` for the graph ``gm``, and their manifest (nothing is written).
 
     Args:
@@ -72,11 +74,13 @@ def render(gm: fx.GraphModule, plan: Plan, *, profile: Profile | None = None, re
     graphs = [lower_stage(gm, a, values[a.index], last=a.index == last, send_dims=dims[a.index],
                           recv_dims=dims[a.index - 1] if a.index else None, precision=plan.precision)
               for a in actions]                                    # 5. one graph per stage
-    files: dict[str, str] = {
+    files: dict[str, str | bytes] = {
         f"stage_{a.index}.py": stage_source(plan.model, plan, a, g, values[a.index], graph_sha)
         for a, g in zip(actions, graphs)}                          # 6. readable source
     files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
     files["graph.txt"] = text
+    if gm.meta.get("hpml_constants"):                               # tensors the model does not hold: as data
+        files[CONSTANTS_FILE] = constants_bytes(gm.meta["hpml_constants"])
     if profile is not None:
         files["profile.json"] = json.dumps(profile.to_dict(), indent=2) + "\n"
     if recipe is not None:
@@ -93,6 +97,7 @@ def render(gm: fx.GraphModule, plan: Plan, *, profile: Profile | None = None, re
         model=plan.model, graph_sha256=graph_sha,
         front_end=FrontEnd.EXPORT if gm.meta.get("hpml_front_end") is FrontEnd.EXPORT else FrontEnd.FX,
         leaf_modules=leaf_modules(gm), trace_inputs=input_specs(gm), inputs=input_specs(gm, rows=rows),
+        keywords=tuple(gm.meta.get("hpml_keywords") or ()),
         microbatches=plan.microbatches, precision=plan.precision,
         stages=tuple({"index": a.index, "file": f"stage_{a.index}.py", "class": class_name(a.index),
                       "actions": a.tokens()} for a in actions),
@@ -113,7 +118,7 @@ def _stage_values(gm: fx.GraphModule, plan: Plan) -> tuple[int, list[dict[str, A
     """
     reps = [len(st.devices) for st in plan.stages]
     traced = trace_rows(gm)
-    static = gm.meta.get("hpml_front_end") is FrontEnd.EXPORT
+    static = fixed_shapes(gm)
     rows = traced * reps[0] if static else traced // plan.microbatches  # export: traced at one replica's rows
     if not static and traced % plan.microbatches:
         raise HpmlError(f"a batch of {traced} rows does not split into {plan.microbatches} microbatches")
@@ -154,7 +159,7 @@ def _boundary_dims(plan: Plan, actions: list[StageActions], values: list[dict[st
             out.append(None)
             continue
         small, large = values[k], values[k + 1]
-        static = gm is None or gm.meta.get("hpml_front_end") is FrontEnd.EXPORT
+        static = gm is None or fixed_shapes(gm)
         if not static and all(_shapes(small[v]) == _shapes(large[v]) for v in a.send.values):
             if extra is None:
                 assert gm is not None

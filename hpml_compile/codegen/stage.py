@@ -42,19 +42,21 @@ def _lookup(model: nn.Module, target: str) -> Any:
     return obj
 
 
-def bind(owner: nn.Module, model: nn.Module, target: str) -> None:
+def bind(owner: nn.Module, model: nn.Module, target: str,
+         constants: Mapping[str, torch.Tensor] | None = None) -> None:
     """Make ``owner.<target>`` the model's object of that qualified name (like fx.GraphModule's copy, without copying).
 
     Args:
         owner: the stage or region module.
         model: the user's model (or a GraphModule traced from it).
         target: a qualified name, e.g. ``layers.0.attn`` or ``lm_head.weight``.
+        constants: tensors the build carries (:mod:`.constants`), for targets that are not the model's.
 
     Raises:
-        AttributeError: if the model has no such attribute.
+        AttributeError: if neither the model nor ``constants`` has it.
         TypeError: if it is neither a module nor a tensor.
     """
-    obj = _lookup(model, target)
+    obj = constants[target] if constants and target in constants else _lookup(model, target)
     *path, leaf = target.split(".")
     here: nn.Module = owner
     for part in path:
@@ -76,10 +78,10 @@ class RegionModule(nn.Module):
 
     TARGETS: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, constants: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__()
         for target in self.TARGETS:
-            bind(self, model, target)
+            bind(self, model, target, constants)
 
 
 class StageModule(RegionModule):
@@ -100,10 +102,10 @@ class StageModule(RegionModule):
     INPUTS: ClassVar[tuple[str, ...]] = ()
     REGIONS: ClassVar[Mapping[str, type[RegionModule]]] = {}
 
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__(model)
+    def __init__(self, model: nn.Module, constants: Mapping[str, torch.Tensor] | None = None) -> None:
+        super().__init__(model, constants)
         for name, cls in self.REGIONS.items():
-            self.add_module(name, cls(model))
+            self.add_module(name, cls(model, constants))
         self.hpml_comm: Comm = DetachedComm()
         self.hpml_swap = SwapStats()
 

@@ -27,7 +27,8 @@ from ..memory import ZeroStage
 from ..plan import Plan, Schedule, Stage
 
 __all__ = ["SkipNet", "skipnet_batch", "skipnet_batches", "skipnet_loss", "seeded_skipnet", "split_plan",
-           "replicated_skipnet_builds", "skipnet_sgd", "trained_skipnet", "max_grad_diff", "max_buffer_diff"]
+           "replicated_skipnet_builds", "skipnet_sgd", "trained_skipnet", "max_grad_diff", "max_buffer_diff",
+           "last_node_of"]
 
 
 class SkipNet(nn.Module):
@@ -162,6 +163,21 @@ def split_plan(gm: fx.GraphModule, model: str, stages: int, *, microbatches: int
         out.append(Stage(i, devices[i], part, zero=ZeroStage(zero) if reps[i] > 1 else ZeroStage.NONE,
                          recompute=i in recompute, swap=part if i in swap else (), rows=per[i]))
     return Plan(model, load_cluster(f"local-cpu-{k}"), schedule, microbatches, tuple(out))
+
+
+def last_node_of(gm: fx.GraphModule, block: str) -> str:
+    """The last node (in graph order) of module ``block`` (e.g. ``model.layers.0``): a cut right after it.
+
+    Raises:
+        AssertionError: if no node belongs to the block.
+    """
+    from ..trace import node_info
+
+    inside = [n.name for n in gm.graph.nodes
+              if n.op != "placeholder" and (node_info(n).scope == block or node_info(n).scope.startswith(block + "."))]
+    if not inside:
+        raise AssertionError(f"no node of the graph belongs to {block!r}")
+    return inside[-1]
 
 
 def max_grad_diff(model: nn.Module, reference: nn.Module, names: Iterable[str] | None = None) -> float:

@@ -99,6 +99,7 @@ class LoadedModel:
         train: the user's training spec where the MODEL string named one
             (``file.py:NAME`` giving a :class:`~hpml_compile.trainspec.TrainSpec`):
             the example batch is its dataset's first batch.
+        input_names: the names the inputs go to the model under, by keyword (a dict dataset); ``()``: positional.
     """
 
     name: str
@@ -110,6 +111,7 @@ class LoadedModel:
     seq_len: int | None
     is_hf: bool
     train: TrainSpec | None = None
+    input_names: tuple[str, ...] = ()
 
 
 _DESCRIPTIONS: Mapping[str, str] = MappingProxyType({

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from hpml_compile.errors import ModelError
 from hpml_compile.models import LoadedModel
-from hpml_compile.trainspec import TrainSpec, first_batch
+from hpml_compile.trainspec import TrainSpec, batch_input_names, first_batch
 
 __all__ = ["HFHead", "parse_hf", "load_hf", "is_file_spec", "load_file", "hf_loss", "surrogate_loss"]
 
@@ -338,7 +338,9 @@ def _from_spec(model: str, spec: TrainSpec, batch_size: int | None) -> LoadedMod
                          "and pass it on to the TrainSpec")
     try:
         inputs, target = first_batch(spec)
+        names = batch_input_names(spec)
     except ModelError as e:
         raise ModelError(f"{model!r}: {e}") from e
+    assert spec.loss_fn is not None  # TrainSpec puts the model's own loss where none was given
     return LoadedModel(model, spec.module, inputs, target, spec.loss_fn, spec.batch_size, None, is_hf=False,
-                       train=spec)
+                       train=spec, input_names=names)

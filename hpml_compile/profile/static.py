@@ -125,6 +125,8 @@ def is_inplace(node: fx.Node, module: torch.nn.Module | None) -> bool:
         return True
     if node.op == "call_method" and str(node.target).endswith("_") and not str(node.target).startswith("_"):
         return True
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable  # an exported graph's aten.add_, aten.copy_, aten.index_put_
     return bool(node.kwargs.get("inplace", False))
 
 

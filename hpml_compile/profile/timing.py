@@ -110,9 +110,12 @@ def _to_device(x: Any, device: torch.device) -> Any:
     return map_aggregate(x, lambda v: v.to(device) if isinstance(v, torch.Tensor) else v)
 
 
-def _leafify(x: Any) -> Any:
+def _leafify(x: Any, keep: frozenset[int] = frozenset()) -> Any:
+    """Float tensors as leaves that require grad (as activations do in training), except those in ``keep``
+    (ids of the graph's buffers: an exported graph passes BatchNorm's running statistics as arguments, and
+    they never take a gradient)."""
     return map_aggregate(x, lambda v: v.detach().requires_grad_(True)
-                         if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                         if isinstance(v, torch.Tensor) and v.is_floating_point() and id(v) not in keep else v)
 
 
 def _callable(gm: fx.GraphModule, node: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Callable[[], Any]:
@@ -139,12 +142,17 @@ def _time_node(gm: fx.GraphModule, node: fx.Node, env: dict[fx.Node, Any], timer
     module = gm.get_submodule(str(node.target)) if node.op == "call_module" else None
     inplace = is_inplace(node, module)
     args, kwargs = map_arg((node.args, node.kwargs), lambda n: env[n])
-    leaf_args, leaf_kwargs = _leafify((args, kwargs))
+    leaf_args, leaf_kwargs = _leafify((args, kwargs), frozenset(id(b) for b in gm.buffers()))
     live: list[tuple[Any, dict[str, Any]]] = [(leaf_args, leaf_kwargs)]
 
-    def fresh() -> None:  # an in-place op must not run twice on the same (leaf) tensors
-        live[0] = map_aggregate((leaf_args, leaf_kwargs),
-                                lambda v: v.clone() if isinstance(v, torch.Tensor) and v.requires_grad else v)
+    # An in-place op timed again and again would apply itself again and again (an integer bucket index grown
+    # past its table): every run, the one whose output later nodes read included, gets copies of the values
+    # as they were, so the output is the op applied once.
+    pristine = map_aggregate((leaf_args, leaf_kwargs),
+                             lambda v: v.clone() if isinstance(v, torch.Tensor) else v) if inplace else None
+
+    def fresh() -> None:
+        live[0] = map_aggregate(pristine, lambda v: v.clone() if isinstance(v, torch.Tensor) else v)
 
     def fwd() -> Any:
         a, k = live[0]

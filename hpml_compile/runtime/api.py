@@ -48,7 +48,9 @@ from ..ir import Cluster, Precision
 from ..driver import SolverName
 from ..errors import ModelError
 from ..plan import Schedule
-from ..trainspec import TrainSpec, first_batch
+from ..schedule import stage_ranks
+from ..trainspec import TrainSpec, batch_input_names, first_batch
+from .weights import load_stage_weights
 from .pipeline import OptimizerArg, Pipeline
 from .session import RetryPolicy, Session
 
@@ -125,6 +127,7 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
                           precision=prec, compress=compress, allow_compress=allow_compress, sync_every=sync_every,
                           sync_warmup=sync_warmup)  # every option checked before anything runs
     spec = model if isinstance(model, TrainSpec) else None
+    names: tuple[str, ...] = batch_input_names(spec) if spec is not None else ()
     if spec is not None:
         model = spec.module
         if example_inputs is None:
@@ -147,7 +150,8 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
         try:
             build, gm = driver.compile(model, inputs, folder, cluster=c, name=name, say=log,
                                        opts=opts,
-                                       prof_opts=driver.ProfileOptions(repeats=profile_repeats))
+                                       prof_opts=driver.ProfileOptions(repeats=profile_repeats,
+                                                                       input_names=names))
         except BaseException:
             if session is not None:  # the others wait in the broadcast below: let them fail too
                 session.close()
@@ -156,6 +160,10 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
     where = _ship(built, rank) if session is not None else built
     assert where is not None
     build = load_build(where, model, graph_module=gm)
+    if spec is not None and spec.weights is not None:  # each rank reads only its own stages' tensors
+        ranks = stage_ranks(build.plan)
+        load_stage_weights(model, [st for k, st in enumerate(build.stages) if session is None or rank in ranks[k]],
+                           spec.weights)
     if session is None and sum(len(st.devices) for st in build.plan.stages) > 1 and log:
         log(f"no torchrun environment: all {len(build.plan.stages)} stages run in this process")
     pipe = Pipeline(build, model, optimizer=optimizer, session=session, run_dir=run_dir, log=log)

@@ -148,11 +148,15 @@ def stage_splits(build: Build) -> list[Split]:
 
 
 def merge_outputs(outputs: Sequence[Any]) -> Any:
-    """Concatenate outputs of consecutive slices along dim 0 (tensors anywhere in a tuple/dict)."""
+    """Concatenate outputs of consecutive slices along dim 0 (tensors anywhere in a tuple/dict/``ModelOutput``).
+
+    A scalar (a loss the model returns) has no rows: the slices' values are stacked instead.
+    """
     flat = [tree_flatten(o) for o in outputs]
     spec = flat[0][1]
     cols = zip(*(leaves for leaves, _ in flat))
-    return tree_unflatten([torch.cat(c) if isinstance(c[0], Tensor) else c[0] for c in cols], spec)
+    return tree_unflatten([(torch.cat(c) if c[0].dim() else torch.stack(c)) if isinstance(c[0], Tensor) else c[0]
+                           for c in cols], spec)
 
 
 def to_device(value: Any, device: torch.device) -> Any:
@@ -334,6 +338,7 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
                 out = forward_stage(build, stages[k], xs.get(j, reps[k], r), device)
                 if k == last:
                     assert ys is not None
+                    out = build.model_output(out)  # what the model returns, as the user's loss expects it
                     with autocast(device.type, build.plan.precision):  # as an autocast training loop does
                         loss = loss_share(loss_fn(out, to_device(ys.get(j, reps[k], r), device)), reps[k], r, n)
                     run.loss_sum += loss.detach().double().cpu()

@@ -73,6 +73,7 @@ from .data import RankBatch
 from .executor import (actions_for, forward_stage, local_order, loss_share, merge_outputs, run_actions,
                        split_microbatches, split_replicas, stage_splits, to_device)
 from .events import EventLog, align_clock
+from .weights import load_stage_weights
 from .gather import gather_outputs, gather_state_dict
 from .host import HostBusy, HostSampler, hostname
 from .gpustats import GpuStats
@@ -212,7 +213,8 @@ class Pipeline:
     # -- construction -----------------------------------------------------------------------------
     @classmethod
     def from_build(cls, build_dir: str | Path, model: nn.Module, *, init_method: str | None = None,
-                   retry: RetryPolicy = RetryPolicy(), **kwargs: Any) -> "Pipeline":
+                   retry: RetryPolicy = RetryPolicy(), weights: str | Path | None = None,
+                   **kwargs: Any) -> "Pipeline":
         """Load a build folder for ``model`` and join the job (or run every stage here without one).
 
         Args:
@@ -222,6 +224,8 @@ class Pipeline:
                 process group the caller initialised already is used as it is (then a failed step is not
                 retried: the group is not ours to re-form). None and neither: every stage in this process.
             retry: how transient communication errors are retried.
+            weights: saved weights (a ``save_pretrained`` folder or a ``.safetensors`` file) to load into the
+                stages this rank runs, by name, before anything reads them (:mod:`.weights`).
             kwargs: passed to the constructor (``optimizer``, ``run_dir``, ``faults``, ``log``, ...).
 
         Raises:
@@ -232,6 +236,10 @@ class Pipeline:
         if init_method is None and (dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1):
             init_method = "env://"
         session = Session(init_method, policy=retry, log=kwargs.get("log")) if init_method else None
+        if weights is not None:  # only this rank's stages read their tensors
+            ranks = stage_ranks(build.plan)
+            mine = [st for k, st in enumerate(build.stages) if session is None or session.rank in ranks[k]]
+            load_stage_weights(model, mine, weights)
         return cls(build, model, session=session, **kwargs)
 
     def _check_device(self) -> None:
@@ -838,7 +846,7 @@ class Pipeline:
                         part = micro_in[j] if own else split_replicas(micro_in[j], self._splits[k])[r]
                         out = forward_stage(self.build, stage, part, self.device)
                         if k == last:
-                            outs.append((j, r, to_device(out, torch.device("cpu"))))
+                            outs.append((j, r, to_device(self.build.model_output(out), torch.device("cpu"))))
             comm.flush()
             comm.forget()  # receives owe gradients that no backward will ask for
             return outs

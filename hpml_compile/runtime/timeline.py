@@ -44,7 +44,7 @@ from .events import StepEvents, read_events
 from ..plan import load_plan
 from .monitor import read_metrics
 
-__all__ = ["chrome_trace", "write_trace", "event_name", "rank_labels", "GENERATOR"]
+__all__ = ["chrome_trace", "write_trace", "write_rank_traces", "event_name", "rank_labels", "GENERATOR"]
 
 GENERATOR = "hpml-compile"
 
@@ -156,3 +156,51 @@ def write_trace(run_dir: str | Path, out: str | Path) -> dict[str, Any]:
     tmp.write_text(json.dumps(trace, separators=(",", ":")))
     os.replace(tmp, out)
     return trace["otherData"]
+
+
+def write_rank_traces(run_dir: str | Path, out_dir: str | Path) -> list[Path]:
+    """One trace per rank in ``out_dir``, the layout HolisticTraceAnalysis (HTA) reads: ``rank<R>.json``.
+
+    Each file holds that rank's track of :func:`chrome_trace` (the same clock: the ranks' clocks were aligned at
+    start-up), its step slices named ``ProfilerStep#N`` as the PyTorch profiler names them, and
+    ``distributedInfo`` (rank, world size, backend), which is how HTA tells the ranks apart:
+    ``hta.trace_analysis.TraceAnalysis(trace_dir=out_dir)``. HTA takes each ``ProfilerStep`` as an iteration
+    and leaves out the last one it finds. Each file is written atomically.
+
+    Args:
+        run_dir: a run folder (or a segment of one) whose ranks recorded events.
+        out_dir: the folder to write into: new, empty, or holding only traces this tool wrote.
+
+    Returns:
+        The files written, by rank.
+
+    Raises:
+        OutputError: ``out_dir`` holds files this tool did not write, or the run recorded no events.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out} is a file; --trace-dir names a folder for one trace per rank")
+    foreign = [p.name for p in out.iterdir() if not (p.suffix == ".json" and _ours(p))] if out.is_dir() else []
+    if foreign:
+        raise OutputError(f"{out} holds files hpml-compile did not write ({', '.join(sorted(foreign)[:3])}); "
+                          "name a new or empty folder for --trace-dir")
+    events = read_events(run_dir)
+    if not events:
+        raise OutputError(f"{run_dir}: no recorded events (metrics/events_rank*.jsonl); the run was made with them off")
+    merged = chrome_trace(events, rank_labels(run_dir))["traceEvents"]
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    on_gpu = any(m.device.startswith("cuda") for rows in read_metrics(run_dir).values() for m in rows[:1])
+    backend = "nccl" if on_gpu else "gloo"
+    for rank in sorted(events):
+        mine = [dict(e, name=f"ProfilerStep#{e['args']['step']}") if e.get("cat") == "step" else e
+                for e in merged if e.get("pid") == rank and e["ph"] in ("M", "X")]
+        doc = {"distributedInfo": {"rank": rank, "world_size": len(events), "backend": backend},
+               "schemaVersion": 1, "deviceProperties": [], "traceEvents": mine, "displayTimeUnit": "ms",
+               "otherData": {"generator": GENERATOR}}
+        path = out / f"rank{rank}.json"
+        tmp = out / f".{path.name}.tmp"
+        tmp.write_text(json.dumps(doc))  # HTA finds the rank as '"rank": N' (a space after the colon), first
+        os.replace(tmp, path)
+        written.append(path)
+    return written

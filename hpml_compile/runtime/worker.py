@@ -338,6 +338,7 @@ def _train(args: argparse.Namespace, rank: int, local_world: int) -> None:
     optimizer = spec.optimizer if spec is not None and spec.optimizer is not None else _optimizer(args.optimizer,
                                                                                                    args.lr)
     pipe = Pipeline.from_build(args.build, loaded.module, init_method="env://",
+                               weights=spec.weights if spec is not None else None,
                                retry=RetryPolicy(attempts=max(1, args.retries), timeout_s=args.timeout,
                                                  rejoin_timeout_s=min(RetryPolicy().rejoin_timeout_s, args.timeout)),
                                optimizer=optimizer, run_dir=args.run_dir,

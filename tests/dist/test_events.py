@@ -176,3 +176,31 @@ def test_trace_loads_in_perfetto_trace_processor(run: Path, tmp_path: Path) -> N
         assert next(iter(flows)).n == sends
     finally:
         tp.close()
+
+
+def test_per_rank_traces_load_in_holistic_trace_analysis(run: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from hta.trace_analysis import TraceAnalysis
+
+    folder = tmp_path / "traces"
+    assert main(["report", str(run), "--trace-dir", str(folder), "--no-export"]) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["rank0.json", "rank1.json"]
+    analysis = TraceAnalysis(trace_dir=str(folder))
+    assert sorted(analysis.t.traces) == [0, 1], "HTA tells the ranks apart by their distributedInfo"
+    kept = read_events(run)
+    for rank, df in analysis.t.traces.items():
+        names = analysis.t.symbol_table.get_sym_table()
+        got = [names[i] for i in df["name"]]
+        # a ProfilerStep per kept step is an HTA iteration (HTA leaves out the last, as a profiler's last step is
+        # often cut short), with every recorded forward of those steps
+        steps = sorted(kept[rank])[:-1]
+        assert [int(i) for i in sorted(analysis.t.get_iterations(rank))] == steps
+        want_f = sum(1 for s in steps for e in kept[rank][s].events if e[0] == "F")
+        assert sum(1 for n in got if n.startswith("F") and n[1:].isdigit()) == want_f
+    # a folder holding someone else's file is refused and left as it was
+    other = tmp_path / "theirs"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    capsys.readouterr()
+    assert main(["report", str(run), "--trace-dir", str(other), "--no-export"]) == 2
+    assert "did not write" in capsys.readouterr().err and (other / "notes.txt").read_text() == "keep"

@@ -64,9 +64,9 @@ def _load(key: str) -> Case:
     net = loaded.module.eval() if key == "hf-gpt2" else loaded.module  # eval: no dropout in the reference
     # BatchNorm normalises each microbatch by its own statistics: one microbatch keeps resnet transparent.
     m = 1 if key == "resnet-tiny" else 2
-    # torch.export fixes shapes: the HF model is traced at the size a stage runs, one microbatch.
-    trace_in = tuple(x[: x.shape[0] // m] for x in loaded.example_inputs) if loaded.is_hf else loaded.example_inputs
-    return Case(key, net, loaded.example_inputs, loaded.example_targets, loaded.loss_fn, m, trace(net, trace_in))
+    # the HF model goes through torch.export, with a symbolic batch: traced at the whole batch like the others
+    return Case(key, net, loaded.example_inputs, loaded.example_targets, loaded.loss_fn, m,
+                trace(net, loaded.example_inputs))
 
 
 MODEL_KEYS = ["mlp-tiny", "gpt-tiny", "resnet-tiny", "hf-gpt2", "skipnet"]

@@ -23,13 +23,16 @@ def _module(name: str) -> ModuleType:
     return module
 
 
-@pytest.mark.parametrize("name", ["stdlib_lm", "digits_cnn"])
+@pytest.mark.parametrize("name", ["stdlib_lm", "digits_cnn", "hf_causal_lm"])
 def test_example_doctests_pass_and_the_spec_loads(name: str) -> None:
     result = doctest.testmod(_module(name))
     assert result.attempted > 0 and result.failed == 0
     loaded = load(f"{EXAMPLES / name}.py:spec")
     assert loaded.train is not None and loaded.train.val_dataset is not None
     assert loaded.example_inputs[0].shape[0] == loaded.batch_size
+    if name == "hf_causal_lm":  # a dict dataset: the model's inputs by its forward's names, its own loss
+        assert loaded.input_names == ("input_ids", "attention_mask", "labels")
+        assert loaded.example_targets is None
 
 
 def test_the_demo_trains_the_stdlib_example_and_its_baseline_is_the_byte_entropy() -> None:

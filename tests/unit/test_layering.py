@@ -86,7 +86,8 @@ def _kind(module: str) -> str | None:
         return "view"
     if top in CLI or top.endswith("_cli"):
         return "cli"
-    return {"models": "models", "driver": "driver", "runtime": "runtime"}.get(top)
+    # ``infer`` plans and runs generation: held to the runtime's rules (no solving but through the driver).
+    return {"models": "models", "driver": "driver", "runtime": "runtime", "infer": "runtime"}.get(top)
 
 
 def _internal(path: Path) -> dict[str, str]:

@@ -12,7 +12,7 @@ import torch.nn as nn
 from hpml_compile import models
 from hpml_compile.errors import TraceError
 from hpml_compile.ir import FrontEnd
-from hpml_compile.trace import node_info, trace
+from hpml_compile.trace import node_info, output_structure, trace
 
 
 class _Real(fx.Interpreter):
@@ -110,8 +110,11 @@ def test_export_front_end_can_be_forced() -> None:
     assert gm.meta["hpml_front_end"] is FrontEnd.EXPORT
     targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
     assert any("aten" in t for t in targets)
+    assert gm.meta["hpml_dynamic_batch"]  # one graph for every row count
     with torch.no_grad():
-        torch.testing.assert_close(gm(*m.example_inputs), m.module(*m.example_inputs))
+        torch.testing.assert_close(output_structure(gm, gm(*m.example_inputs)), m.module(*m.example_inputs))
+        fewer = tuple(x[:3] for x in m.example_inputs)
+        torch.testing.assert_close(output_structure(gm, gm(*fewer)), m.module(*fewer))
 
 
 def test_hf_gpt2_falls_back_to_export(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,244 @@
+"""Forward-only cost of a decoder model: weights in the serving dtype, the KV cache, the activations in flight.
+
+An inference pipeline holds no gradients and no optimizer state. What a
+stage of it costs is priced here from the model's shape and the device's
+catalog entry (``cost_models``), phase by phase:
+
+- **prefill**: each microbatch's prompt runs through the stage once,
+  ``rows x prompt_len`` tokens attending causally (``prompt_len / 2`` keys on
+  average): compute-bound on a GPU at any useful batch.
+- **decode**: one token per sequence per step, attending over the cache
+  (``prompt_len + new_tokens / 2`` keys on average): every step reads the
+  stage's weights and its cache once, so it is memory-bound at small batch.
+
+Each is a roofline (``cost_models.roofline.op_time_ms``: FLOPs over the peak,
+bytes over the bandwidth, at least the host's per-kernel work on a GPU). A
+stage whose weights stay on the host and are streamed to the GPU ahead of use
+(prefetched while the previous layer computes) takes the longer of its
+compute and the copy over the host link. The memory of a stage is its
+resident weights (two layers' worth of buffers when streamed), the KV cache
+of every sequence in flight at full context, and one microbatch's
+activations (the widest of the MLP and the attention scores, doubled for the
+buffer being sent).
+
+Example:
+    >>> from hpml_compile.models.gpt import PRESETS
+    >>> shape = DecoderShape.from_config(PRESETS["llama-7b"])
+    >>> round(shape.params() / 1e9, 2)
+    6.74
+    >>> work = Workload(batch=1, prompt_len=128, new_tokens=128, dtype="bfloat16")
+    >>> shape.kv_bytes(work, blocks=32) // 2**20  # fp16 cache of one 256-token sequence
+    128
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+import cost_models
+from cost_models.roofline import OpKind, op_time_ms
+
+from ..errors import OptionError
+from ..ir import Device, base_kind
+
+__all__ = ["Objective", "DecoderShape", "Workload", "DTYPE_BYTES", "KERNELS_PER_BLOCK", "device_spec",
+           "block_ms", "head_ms", "stream_ms", "stage_bytes"]
+
+DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Kernels one decoder block issues in eager PyTorch: 2 norms, 4 (GPT-2) or 3+1 (Llama) projections, the
+# attention, the MLP's 2-3 matmuls and activation, 2 residual adds, and the views and cache writes between.
+KERNELS_PER_BLOCK = 16
+# On a CPU the host runs every op of the cached forward in turn, views, cache writes and the mask included
+# (about 24 per block). What one costs, measured on this project's 2-core host with one torch thread: a
+# gpt-mini decode step at batch 1 took 0.33 ms per block, of which the roofline explains 0.1 ms: ~8 us per op,
+# against ~1 us for the bare one-element add cost_models.host_cpu() times.
+CPU_OPS_PER_BLOCK = 24
+CPU_EAGER_OP_MS = 0.008
+
+
+class Objective(str, enum.Enum):
+    """What an inference plan optimises."""
+
+    THROUGHPUT = "throughput"  # generated tokens per second over the batch, under an optional per-token bound
+    LATENCY = "latency"  # time to first token plus per-token time, at batch 1
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderShape:
+    """The sizes of a decoder-only transformer that its cost depends on."""
+
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    d_ff: int
+    vocab_size: int
+    gated: bool  # SwiGLU (3 MLP matrices) rather than GELU (2)
+    tie_embeddings: bool
+    learned_pos: bool
+    max_seq_len: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> "DecoderShape":
+        """From a :class:`hpml_compile.models.gpt.GPTConfig`."""
+        from ..models.gpt import MLPKind, PosEncoding
+
+        return cls(config.n_layer, config.d_model, config.n_head, config.n_kv_head, config.d_ff, config.vocab_size,
+                   config.mlp is MLPKind.SWIGLU, config.tie_embeddings, config.pos is PosEncoding.LEARNED,
+                   config.max_seq_len)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def block_params(self) -> int:
+        """Parameters of one decoder block (attention, MLP, two norms)."""
+        kv = self.n_kv_head * self.head_dim
+        attn = 2 * self.d_model * self.d_model + 2 * self.d_model * kv
+        return attn + (3 if self.gated else 2) * self.d_model * self.d_ff + 2 * self.d_model
+
+    def embed_params(self) -> int:
+        """Token table (and the learned position table)."""
+        return (self.vocab_size + (self.max_seq_len if self.learned_pos else 0)) * self.d_model
+
+    def head_params(self) -> int:
+        """Final norm and output projection (the projection is the token table when tied)."""
+        return self.d_model + self.vocab_size * self.d_model
+
+    def params(self) -> int:
+        """Every parameter, a tied table counted once."""
+        head = self.d_model if self.tie_embeddings else self.head_params()
+        return self.n_layer * self.block_params() + self.embed_params() + head
+
+    def kv_bytes(self, work: "Workload", blocks: int) -> int:
+        """KV cache of ``blocks`` blocks for every sequence in flight at full context."""
+        per_token = 2 * self.n_kv_head * self.head_dim * DTYPE_BYTES[work.dtype]
+        return blocks * work.batch * work.context * per_token
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What the plan serves: ``batch`` sequences in flight, split into ``microbatches`` lanes.
+
+    Raises:
+        OptionError: on a non-positive size, more lanes than sequences, or an unknown dtype.
+    """
+
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    microbatches: int = 1
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "prompt_len", "new_tokens", "microbatches"):
+            if getattr(self, name) < 1:
+                raise OptionError(f"inference workload: {name} must be >= 1, got {getattr(self, name)}")
+        if self.microbatches > self.batch:
+            raise OptionError(f"inference workload: {self.microbatches} microbatches need at least as many "
+                              f"sequences, got batch {self.batch}")
+        if self.dtype not in DTYPE_BYTES:
+            raise OptionError(f"inference workload: dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+
+    @property
+    def context(self) -> int:
+        return self.prompt_len + self.new_tokens
+
+    @property
+    def rows(self) -> int:
+        """Sequences of the largest microbatch (lanes are as even as the batch allows)."""
+        return -(-self.batch // self.microbatches)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def device_spec(device: Device, specs: Mapping[str, cost_models.DeviceSpec] | None = None) -> cost_models.DeviceSpec:
+    """The catalog entry of ``device`` (``specs`` overrides it by kind, e.g. a server CPU for a simulation).
+
+    Raises:
+        OptionError: if the kind is neither in ``specs`` nor in the catalog.
+    """
+    kind = base_kind(device.kind)
+    if specs and kind in specs:
+        return specs[kind]
+    try:
+        return cost_models.get_device(kind)
+    except cost_models.UnknownDeviceKind as e:
+        raise OptionError(f"device {device.name}: {e}") from None
+
+
+def block_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload, blocks: int, *, decode: bool) -> float:
+    """Time of ``blocks`` decoder blocks on one microbatch of ``work.rows`` sequences.
+
+    Args:
+        spec: the device.
+        shape: the model.
+        work: the workload (dtype, prompt and output lengths).
+        blocks: how many consecutive blocks.
+        decode: one decode step (one token per sequence) rather than the prompt's prefill.
+
+    Returns:
+        Milliseconds.
+    """
+    if blocks == 0:
+        return 0.0
+    nbytes = DTYPE_BYTES[work.dtype]
+    tokens = work.rows * (1 if decode else work.prompt_len)
+    keys = work.prompt_len + work.new_tokens / 2 if decode else work.prompt_len / 2
+    flops = 2 * tokens * shape.block_params() + 4 * tokens * keys * shape.d_model
+    kv_read = work.rows * keys * 2 * shape.n_kv_head * shape.head_dim * nbytes
+    moved = shape.block_params() * nbytes + kv_read + 6 * tokens * shape.d_model * nbytes
+    one = op_time_ms(OpKind.MATMUL, flops, moved, spec, work.dtype, ops=KERNELS_PER_BLOCK)
+    if spec.category is cost_models.DeviceCategory.CPU:  # the CPU runs each op's dispatch after the last
+        one += CPU_OPS_PER_BLOCK * max(spec.launch_overhead_ms, CPU_EAGER_OP_MS) - spec.launch_overhead_ms
+    return blocks * one
+
+
+def head_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload) -> float:
+    """The final norm and the logits of each sequence's last position (one microbatch)."""
+    nbytes = DTYPE_BYTES[work.dtype]
+    flops = 2 * work.rows * shape.head_params()
+    return op_time_ms(OpKind.MATMUL, flops, shape.head_params() * nbytes, spec, work.dtype, ops=3)
+
+
+def stream_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload, blocks: int) -> float:
+    """Copying ``blocks`` blocks' weights from host memory to the device over its host link."""
+    if blocks == 0 or spec.category is cost_models.DeviceCategory.CPU:
+        return 0.0
+    link = cost_models.get_link(spec.host_link)
+    return blocks * shape.block_params() * DTYPE_BYTES[work.dtype] / (link.gbps * 1e9) * 1e3
+
+
+def stage_bytes(shape: DecoderShape, work: Workload, blocks: int, *, embed: bool, head: bool,
+                stream: bool = False) -> int:
+    """Device memory of a stage: weights (or two blocks' buffers when streamed), KV cache, activations.
+
+    Args:
+        shape: the model.
+        work: the workload.
+        blocks: blocks on the stage.
+        embed: whether it holds the token table (the first stage).
+        head: whether it holds the final norm and the output projection (the last stage; with tied
+            embeddings it holds its own copy of the table unless it is also the first).
+        stream: whether its blocks' weights stay on the host and are copied in ahead of use.
+
+    Returns:
+        Bytes.
+    """
+    nbytes = DTYPE_BYTES[work.dtype]
+    resident = min(blocks, 2) if stream else blocks
+    weights = resident * shape.block_params()
+    if embed:
+        weights += shape.embed_params()
+    if head:
+        weights += shape.head_params() if not (embed and shape.tie_embeddings) else shape.d_model
+    tokens = work.rows * work.prompt_len
+    widest = max(tokens * (shape.d_ff + 4 * shape.d_model), work.rows * shape.n_head * work.prompt_len ** 2)
+    act = 2 * widest * nbytes + (work.rows * shape.vocab_size * 4 if head else 0)
+    return weights * nbytes + shape.kv_bytes(work, blocks) + act

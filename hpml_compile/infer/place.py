@@ -1,0 +1,343 @@
+"""Speed-aware placement of a decoder's blocks on GPUs and CPUs for inference.
+
+The idea that a serving planner should place layers by each device's speed,
+not by its free memory, and leave out a device that would slow the pipeline,
+is Helix's (Mei et al., "Helix: Serving Large Language Models over
+Heterogeneous GPUs and Network via Max-Flow", arXiv 2406.01566), which solves
+a max-flow MILP over many request paths. This module solves the single-path
+case exactly and in milliseconds with a dynamic program of its own.
+
+**What is optimised.** Devices are ordered fastest first (a block's decode
+time). A plan is a sequence of stages, each a contiguous range of blocks on
+one device, taken from that order with devices skipped (left idle). With
+``M`` microbatch lanes of the ``B`` sequences, stage ``s`` taking ``p_s`` per
+microbatch to prefill and ``d_s`` per decode step (its input's transfer
+included), the batch takes
+
+    prefill  P = sum_s p_s + (M - 1) max_s p_s               (the pipeline fills once)
+    step     T = max(M max_s d_s, sum_s d_s + return)        (lanes keep the stages busy, but a lane's
+                                                               next token needs its last one back)
+    total    P + (new_tokens - 1) T,  tokens/s = B new_tokens / total
+
+Objective ``throughput`` maximises tokens/s, subject to ``T <= bound`` when a
+per-token latency bound is given; ``latency`` minimises ``P + (n - 1) T`` at
+batch 1 (one lane: the sum of the stages).
+
+**How.** For a cap ``tau`` on every stage's work ``w_s = p_s / (n - 1) + d_s``,
+:func:`_min_sum` finds the placement of least ``sum_s w_s`` whose stages all
+fit their device's memory (:func:`hpml_compile.infer.cost.stage_bytes`) and
+stay under the cap: a DP over (device, last block) in which each step places
+one range on the next device used, vectorised over the range's ends. The
+time ``max(M tau, sum)`` trades the two, so the caps are swept over the
+distinct stage works and every lane count ``M`` in :data:`LANES`; each
+candidate is scored exactly (:func:`score`) and the best kept. A stage may
+instead stream its blocks' weights from host memory ahead of use (priced on
+the host link, :func:`hpml_compile.infer.cost.stream_ms`) when they do not fit
+resident; a CPU is an ordinary stage that computes its blocks.
+
+A device the best plan leaves out is explained: the best plan that must use
+it, with the same lane count, is found the same way and the plan says how
+many tokens/s it would give, or that it cannot hold a stage.
+
+Example:
+    >>> from hpml_compile.cluster import load_cluster
+    >>> from hpml_compile.models.gpt import PRESETS
+    >>> p = place(DecoderShape.from_config(PRESETS["llama-7b"]), load_cluster("hetero-4"),
+    ...           Workload(batch=16, prompt_len=512, new_tokens=128, dtype="bfloat16"))
+    >>> [s.device for s in p.stages][0], p.predicted.tokens_per_s > 0
+    ('gpu0', True)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+import cost_models
+from cost_models.comm import p2p_ms
+
+from ..cluster import link_spec
+from ..errors import InfeasibleError, OptionError
+from ..ir import Cluster
+from .cost import (DTYPE_BYTES, DecoderShape, Objective, Workload, block_ms, device_spec, head_ms, stage_bytes,
+                   stream_ms)
+from .plan import InferencePlan, InferenceStage, Prediction
+
+__all__ = ["LANES", "MEMORY_FRACTION", "place", "score", "stages_for", "device_order", "predict_run",
+           "replan_without"]
+
+LANES: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)  # microbatch counts tried
+MEMORY_FRACTION = 0.9  # of a device's memory a plan may use (allocator reserve, the runtime's own buffers)
+_CAPS = 24  # stage-work caps tried per lane count
+
+
+@dataclass(frozen=True, slots=True)
+class _Costs:
+    """Per device (in pipeline order), the time and memory of every block range ``[a, i)``."""
+
+    names: tuple[str, ...]
+    work: np.ndarray  # [D, L+1, L+1] per-token work of the stage (inf where it does not fit), input send included
+    stream: np.ndarray  # [D, L+1, L+1] bool: the cheaper feasible variant streams its weights
+
+
+def device_order(cluster: Cluster, shape: DecoderShape, work: Workload,
+                 specs: Mapping[str, cost_models.DeviceSpec] | None = None) -> list[str]:
+    """Devices fastest first by one block's decode time (then by name)."""
+    t = {d.name: block_ms(device_spec(d, specs), shape, work, 1, decode=True) for d in cluster.devices}
+    return sorted(t, key=lambda n: (t[n], n))
+
+
+def _send_ms(cluster: Cluster, a: str | None, b: str, shape: DecoderShape, work: Workload, decode: bool) -> float:
+    if a is None or a == b:
+        return 0.0
+    tokens = work.rows * (1 if decode else work.prompt_len)
+    return p2p_ms(tokens * shape.d_model * DTYPE_BYTES[work.dtype], link_spec(cluster, a, b))
+
+
+def _stage(cluster: Cluster, shape: DecoderShape, work: Workload, device: str, first: int, end: int,
+           stream: bool, specs: Mapping[str, cost_models.DeviceSpec] | None) -> InferenceStage:
+    spec = device_spec(cluster.device(device), specs)
+    n, embed, head = end - first, first == 0, end == shape.n_layer
+    pre, dec = block_ms(spec, shape, work, n, decode=False), block_ms(spec, shape, work, n, decode=True)
+    if head:
+        pre, dec = pre + head_ms(spec, shape, work), dec + head_ms(spec, shape, work)
+    if stream:
+        copy = stream_ms(spec, shape, work, n)
+        pre, dec = max(pre, copy), max(dec, copy)
+    return InferenceStage(device, first, end, embed, head, stream, pre, dec,
+                          stage_bytes(shape, work, n, embed=embed, head=head, stream=stream))
+
+
+def score(cluster: Cluster, shape: DecoderShape, work: Workload, stages: Sequence[InferenceStage], *,
+          sequential: bool = False) -> Prediction:
+    """The predicted times of ``stages`` on ``work`` (formulas in the module docstring).
+
+    Args:
+        cluster: where the devices are (for the links between stages).
+        shape: the model.
+        work: the workload the stages were priced for.
+        stages: the pipeline, priced (``prefill_ms``/``decode_ms`` per microbatch).
+        sequential: one stage works at a time on the whole batch (no lanes), as a memory-proportional
+            placement runs it.
+
+    Returns:
+        The prediction.
+    """
+    names = [s.device for s in stages]
+    prev: list[str | None] = [None, *names[:-1]]
+    p = [s.prefill_ms + _send_ms(cluster, a, s.device, shape, work, False) for s, a in zip(stages, prev)]
+    d = [s.decode_ms + _send_ms(cluster, a, s.device, shape, work, True) for s, a in zip(stages, prev)]
+    back = p2p_ms(8 * work.rows, link_spec(cluster, names[-1], names[0])) if len(names) > 1 else 0.0
+    lanes = 1 if sequential else work.microbatches
+    prefill = sum(p) + (lanes - 1) * max(p)
+    step = max(lanes * max(d), sum(d) + back)
+    total = prefill + (work.new_tokens - 1) * step
+    return Prediction(work.batch * work.new_tokens / (total / 1e3), prefill, step, total)
+
+
+def _memory(shape: DecoderShape, work: Workload, count: np.ndarray, embed: np.ndarray, head: np.ndarray, *,
+            stream: bool) -> np.ndarray:
+    """:func:`stage_bytes` over arrays of block counts (it is linear in them but for the streamed buffers)."""
+    act = stage_bytes(shape, work, 0, embed=False, head=False)
+    extra = {(e, h): stage_bytes(shape, work, 0, embed=e, head=h) - act for e in (False, True) for h in (False, True)}
+    resident = np.minimum(count, 2) if stream else count
+    ends = np.where(embed & head, extra[True, True], np.where(embed, extra[True, False], 0)
+                    + np.where(head, extra[False, True], 0))
+    per_block = shape.block_params() * DTYPE_BYTES[work.dtype]
+    return act + shape.kv_bytes(work, 1) * count + per_block * resident + ends
+
+
+def _costs(cluster: Cluster, shape: DecoderShape, work: Workload, order: Sequence[str],
+           specs: Mapping[str, cost_models.DeviceSpec] | None) -> _Costs:
+    L, per = shape.n_layer, max(work.new_tokens - 1, 1)
+    n = np.arange(L + 1)
+    a_idx, i_idx = np.meshgrid(n, n, indexing="ij")  # [a, i]: the range [a, i)
+    count = i_idx - a_idx
+    valid = count > 0
+    works, streams = [], []
+    for name in order:
+        dev = cluster.device(name)
+        spec = device_spec(dev, specs)
+        blk = (block_ms(spec, shape, work, 1, decode=False) / per + block_ms(spec, shape, work, 1, decode=True))
+        hd = head_ms(spec, shape, work) * (1 / per + 1)
+        copy = stream_ms(spec, shape, work, 1) * (1 / per + 1)
+        embed, head = a_idx == 0, i_idx == L
+        resident_t = count * blk + head * hd
+        cap = dev.memory_bytes * MEMORY_FRACTION
+        fits = _memory(shape, work, count, embed, head, stream=False) <= cap
+        w = np.where(valid & fits, resident_t, np.inf)
+        s = np.zeros_like(valid)
+        if copy > 0:  # a GPU may stream what does not fit resident
+            fits_s = _memory(shape, work, count, embed, head, stream=True) <= cap
+            ws = np.where(valid & fits_s, np.maximum(resident_t, count * copy), np.inf)
+            s = ws < w
+            w = np.minimum(w, ws)
+        works.append(w)
+        streams.append(s)
+    return _Costs(tuple(order), np.stack(works), np.stack(streams))
+
+
+def _min_sum(costs: _Costs, send: np.ndarray, tau: float, required: frozenset[int]) -> list[tuple[int, int, int]] | None:
+    """Least total work with every stage's work at most ``tau``; ``required`` devices must be used.
+
+    Returns:
+        ``[(device index, first, end), ...]`` in pipeline order, or None if nothing fits.
+    """
+    D, L = costs.work.shape[0], costs.work.shape[1] - 1
+    lo = min(required, default=D)  # no device before the first required one may be skipped past it
+    hi = max(required, default=-1)
+    f = np.full((D, L + 1), np.inf)
+    parent: dict[tuple[int, int], tuple[int, int]] = {}
+    for j in range(D):
+        w = np.where(costs.work[j] <= tau, costs.work[j], np.inf)  # [a, i]
+        if j <= lo:  # a first stage: starts at block 0
+            f[j] = w[0]
+        for jp in range(j):
+            if any(jp < r < j for r in required):
+                continue
+            cand = f[jp][:, None] + send[jp, j] + w  # [a, i]: previous stage ends at a
+            cand[0, :] = np.inf
+            cand = np.where(w + send[jp, j] <= tau, cand, np.inf)
+            best_a = np.argmin(cand, axis=0)
+            best = cand[best_a, np.arange(L + 1)]
+            better = best < f[j]
+            for i in np.nonzero(better)[0]:
+                parent[(j, int(i))] = (jp, int(best_a[i]))
+            f[j] = np.where(better, best, f[j])
+    ends = [j for j in range(D) if j >= hi and math.isfinite(f[j][L])]
+    if not ends:
+        return None
+    j, i = min(ends, key=lambda x: f[x][L]), L
+    out = []
+    while True:
+        pj = parent.get((j, i))
+        first = pj[1] if pj else 0
+        out.append((j, first, i))
+        if pj is None:
+            break
+        j, i = pj
+    return out[::-1]
+
+
+def stages_for(cluster: Cluster, shape: DecoderShape, work: Workload, ranges: Iterable[tuple[str, int, int, bool]],
+               specs: Mapping[str, cost_models.DeviceSpec] | None = None) -> tuple[InferenceStage, ...]:
+    """Price given ``(device, first, end, stream)`` ranges as stages (for baselines and tests)."""
+    return tuple(_stage(cluster, shape, work, d, a, b, s, specs) for d, a, b, s in ranges)
+
+
+def _search(cluster: Cluster, shape: DecoderShape, work: Workload, order: Sequence[str], objective: Objective,
+            bound: float | None, required: frozenset[int], specs: Mapping[str, cost_models.DeviceSpec] | None,
+            lanes: tuple[int, ...] | None = None) -> tuple[tuple[InferenceStage, ...], Workload, Prediction] | None:
+    best: tuple[tuple[InferenceStage, ...], Workload, Prediction] | None = None
+    if lanes is None:
+        lanes = (1,) if objective is Objective.LATENCY else tuple(m for m in LANES if m <= work.batch)
+    for m in lanes:
+        w = replace(work, microbatches=m)
+        costs = _costs(cluster, shape, w, order, specs)
+        D = len(order)
+        send = np.array([[_send_ms(cluster, order[a], order[b], shape, w, True) for b in range(D)] for a in range(D)])
+        finite = np.unique(costs.work[np.isfinite(costs.work)])
+        if finite.size == 0:
+            continue
+        caps = [math.inf] if objective is Objective.LATENCY else sorted(
+            {*np.quantile(finite, np.linspace(0, 1, _CAPS)).tolist(), math.inf})
+        for tau in caps:
+            found = _min_sum(costs, send, tau, required)
+            if found is None:
+                continue
+            stages = tuple(_stage(cluster, shape, w, order[j], a, b, bool(costs.stream[j, a, b]), specs)
+                           for j, a, b in found)
+            pred = score(cluster, shape, w, stages)
+            if bound is not None and pred.token_ms > bound:
+                continue
+            if best is None or pred.total_ms * best[1].batch < best[2].total_ms * w.batch:
+                best = (stages, w, pred)
+    return best
+
+
+def place(shape: DecoderShape, cluster: Cluster, work: Workload, *, objective: Objective | str = Objective.THROUGHPUT,
+          latency_bound_ms: float | None = None, model: str = "custom",
+          specs: Mapping[str, cost_models.DeviceSpec] | None = None, explain_idle: bool = True) -> InferencePlan:
+    """The fastest pipeline for ``work`` on ``cluster`` (see the module docstring).
+
+    Args:
+        shape: the model's sizes.
+        cluster: the devices that may be used.
+        work: the workload; its ``microbatches`` is searched (:data:`LANES`); with the ``latency`` objective
+            it is served at batch 1.
+        objective: ``throughput`` or ``latency``.
+        latency_bound_ms: with ``throughput``, the most one decode step (per-token latency) may take.
+        model: the model's name, recorded in the plan.
+        specs: device specs by kind, overriding the catalog (a simulated CPU, say).
+        explain_idle: find, for each device left out, the best plan that uses it (the reason given).
+
+    Returns:
+        The plan.
+
+    Raises:
+        OptionError: on a bad bound or a device kind the catalog lacks.
+        InfeasibleError: if no placement fits memory (or the bound), naming what would.
+    """
+    t0 = time.perf_counter()
+    objective = Objective(objective)
+    if latency_bound_ms is not None and not latency_bound_ms > 0:
+        raise OptionError(f"inference plan: the per-token latency bound must be > 0 ms, got {latency_bound_ms}")
+    if objective is Objective.LATENCY:
+        work = replace(work, batch=1, microbatches=1)
+    order = device_order(cluster, shape, work, specs)
+    best = _search(cluster, shape, work, order, objective, latency_bound_ms, frozenset(), specs)
+    if best is None:
+        need = stage_bytes(shape, replace(work, microbatches=work.batch), shape.n_layer, embed=True, head=True)
+        have = sum(d.memory_bytes for d in cluster.devices) * MEMORY_FRACTION
+        why = (f"no plan meets the per-token bound of {latency_bound_ms:g} ms; raise it or add a faster device"
+               if latency_bound_ms is not None and _search(cluster, shape, work, order, objective, None,
+                                                           frozenset(), specs) is not None
+               else f"the model with its KV cache needs about {need / 2**30:.3g} GiB (batch {work.batch}, "
+                    f"context {work.context}, {work.dtype}) and cluster {cluster.name} offers "
+                    f"{have / 2**30:.3g} GiB; lower the batch or the context, serve in a 2-byte dtype, or add "
+                    "a device")
+        raise InfeasibleError(f"inference plan: {why}")
+    stages, work, pred = best
+    idle: list[tuple[str, str]] = []
+    used = {s.device for s in stages}
+    for j, name in enumerate(order):
+        if name in used:
+            continue
+        why = "not needed: the plan was not asked why"
+        if explain_idle:
+            forced = _search(cluster, shape, work, order, objective, latency_bound_ms, frozenset({j}), specs,
+                             lanes=(work.microbatches,))
+            why = ("it cannot hold a stage next to the others (memory)" if forced is None else
+                   f"the best plan using it ({work.microbatches} lanes) predicts {forced[2].tokens_per_s:.4g} "
+                   f"tokens/s, no more than {pred.tokens_per_s:.4g} without it")
+        idle.append((name, why))
+    return InferencePlan(objective, model, shape, work, cluster, stages, pred, tuple(idle), latency_bound_ms,
+                         (time.perf_counter() - t0) * 1e3)
+
+
+def predict_run(plan: InferencePlan, batch: int, prompt_len: int, new_tokens: int, lanes: int) -> Prediction:
+    """What ``plan``'s stages predict for one run of its generator (its own batch, lengths and lanes)."""
+    work = Workload(batch, max(prompt_len, 1), max(new_tokens, 1), max(1, min(lanes, batch)), plan.workload.dtype)
+    ranges = [(s.device, s.first, s.end, s.stream) for s in plan.stages]
+    return score(plan.cluster, plan.shape, work, stages_for(plan.cluster, plan.shape, work, ranges))
+
+
+def replan_without(plan: InferencePlan, lost: Iterable[str]) -> InferencePlan:
+    """``plan``'s model and workload placed again on its cluster without the ``lost`` devices.
+
+    Raises:
+        InfeasibleError: if the devices left cannot hold the model (naming the memory).
+    """
+    gone = set(lost)
+    left = Cluster(devices=tuple(d for d in plan.cluster.devices if d.name not in gone),
+                   links=tuple(x for x in plan.cluster.links if x.a not in gone and x.b not in gone),
+                   name=f"{plan.cluster.name} without {', '.join(sorted(gone))}")
+    if not left.devices:
+        raise InfeasibleError(f"inference plan: no device is left of {plan.cluster.name}")
+    new = place(plan.shape, left, plan.workload, objective=plan.objective, latency_bound_ms=plan.latency_bound_ms,
+                model=plan.model, explain_idle=False)
+    return new.with_model(plan.model, plan.seed, plan.weights)
