@@ -122,7 +122,7 @@ def one_more_device(plan: Plan, result: SimResult, plan_on: Callable[[Cluster], 
     like = plan.cluster.device(plan.stages[result.bottleneck_stage].devices[0])
     dev = Device(_new_name(plan.cluster, like.name), like.kind, like.memory_gib, like.host)
     bigger = Cluster(devices=(*plan.cluster.devices, dev), links=plan.cluster.links,
-                     name=f"{plan.cluster.name}+1x{like.kind}")
+                     name=f"{plan.cluster.name}+1x{like.kind}", hosts=plan.cluster.hosts)
     try:
         new = plan_on(bigger)
     except HpmlError as e:  # nothing fits, or the profile does not serve the bigger cluster: said, not raised

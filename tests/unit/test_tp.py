@@ -233,3 +233,12 @@ def test_a_compiled_per_op_cost_is_priced_and_stated() -> None:
     assert said["per-op host cost on a GPU"] == "5 us an op"
     with pytest.raises(OptionError, match="gpu_op_us"):
         profile(m.module, m.example_inputs, device_kinds=["H100-80GB"], progress=False, gpu_op_us=-1)
+
+
+def test_a_cluster_less_a_device_keeps_its_hosts() -> None:
+    from hpml_compile.replan import without_devices
+
+    pod = load_cluster("dgx-a100-8x4")
+    left = without_devices(pod, [f"gpu{i}" for i in range(8)])  # node0 gone whole
+    assert [h.name for h in left.hosts] == ["node1", "node2", "node3"]
+    assert link_between(left, "gpu8", "gpu16") == link_between(pod, "gpu8", "gpu16") == (25.0, 5.0)
