@@ -56,7 +56,7 @@ def _meshes(devices: int, tps: list[int], blocks: int) -> list[tuple[int, int, i
 
 def grid_plan(graph: CostGraph, cluster: Cluster, *, microbatches: int | None = None,
               schedule: Schedule | str = Schedule.ONE_F_ONE_B, dtype: str = "float32",
-              time_limit_s: float = 30.0, max_tp: int = 8, compute_bytes: int = 0) -> Plan:
+              time_limit_s: float = 30.0, max_tp: int = 8, compute_bytes: int = 0, hierarchical: bool = True) -> Plan:
     """The fastest hand-configured mesh (module docstring).
 
     Args:
@@ -68,6 +68,8 @@ def grid_plan(graph: CostGraph, cluster: Cluster, *, microbatches: int | None = 
         time_limit_s: stop trying settings after this long (the best so far is returned; the meshes are tried
             from the fewest stages up).
         max_tp: the largest tensor-parallel degree tried.
+        hierarchical: let a ZeRO-0 stage spanning hosts all-reduce hierarchically where faster (NCCL does
+            as much inside a collective); False keeps every all-reduce flat.
         compute_bytes: bytes per element of the autocast compute dtype (0: fp32): each microbatch in flight
             holds its weight copies (:func:`hpml_compile.memory.autocast_copy_bytes`), as the plan will.
 
@@ -125,5 +127,5 @@ def grid_plan(graph: CostGraph, cluster: Cluster, *, microbatches: int | None = 
     from ..simulate import annotate
     from .candidates import faster_allreduce
 
-    plan = annotate(faster_allreduce(best[1], graph, dtype), graph, dtype)[0]  # NCCL-like: hierarchical where faster
+    plan = annotate(faster_allreduce(best[1], graph, dtype) if hierarchical else best[1], graph, dtype)[0]
     return replace(plan, solver=SolverInfo("grid", SolverStatus.HEURISTIC, 0.0, time.perf_counter() - t0))

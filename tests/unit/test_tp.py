@@ -242,3 +242,16 @@ def test_a_cluster_less_a_device_keeps_its_hosts() -> None:
     left = without_devices(pod, [f"gpu{i}" for i in range(8)])  # node0 gone whole
     assert [h.name for h in left.hosts] == ["node1", "node2", "node3"]
     assert link_between(left, "gpu8", "gpu16") == link_between(pod, "gpu8", "gpu16") == (25.0, 5.0)
+
+
+def test_ilp_is_never_slower_than_the_grid_mesh() -> None:
+    """gpt2-small on hetero-4: one stage over both kinds (each replica one kind) is outside the ILP's stages of one
+    kind; ilp takes the mesh where it simulates faster."""
+    m = models.load("gpt2-small", batch_size=32, device="meta")
+    c = load_cluster("hetero-4")
+    prof = profile(m.module, m.example_inputs, name="g", device_kinds=sorted({d.kind for d in c.devices}),
+                   batch_size=32, seq_len=m.seq_len, progress=False)
+    g = build(prof).coarsen()
+    ilp, grid = (solve(g, c, solver=s, time_limit_s=10) for s in ("ilp", "grid"))
+    assert ilp.predicted.step_ms <= grid.predicted.step_ms
+    assert ilp.solver.name == "ilp+grid" and len({c.device(d).kind for d in ilp.stages[0].devices}) == 2
