@@ -65,7 +65,7 @@ def format_assumptions(items: tuple[Assumption, ...], limit: int = 8) -> str:
 
 
 def _speeds(used: list[Device], prof: Profile) -> list[Assumption]:
-    out, gpu_predicted = [], False
+    out, gpu_predicted, op_ms = [], False, set()
     for kind in sorted({d.kind for d in used}):
         info = prof.devices.get(kind, {})
         if info.get("measured", False):
@@ -77,12 +77,17 @@ def _speeds(used: list[Device], prof: Profile) -> list[Assumption]:
             continue
         if spec.category is cost_models.DeviceCategory.GPU:
             gpu_predicted = True
+            op_ms.add(info.get("op_ms"))
         dtype = prof.precision.dtype if prof.precision.is_mixed else prof.dtype  # what prices its nodes
         flops = spec.peak_flops.get(dtype, 0.0) / 1e12
         out.append(Assumption(f"{kind} speed", f"{flops:g} TFLOP/s peak in {dtype}, {spec.mem_bw / 1e9:.0f} GB/s "
                                                "memory",
                               f"{info.get('predicted_from', 'datasheet roofline')}; {spec.source or 'catalog'}"))
-    if gpu_predicted:
+    if gpu_predicted and op_ms - {None}:  # the profile's predictions were given another per-op cost
+        out.append(Assumption("per-op host cost on a GPU", ", ".join(f"{x * 1e3:g} us an op" for x in sorted(op_ms - {None})),
+                              "given when the profile's GPU costs were predicted (compiled stages: fewer, fused "
+                              "launches), not measured"))
+    if gpu_predicted and None in op_ms:
         out.append(Assumption("per-op host cost on a GPU", f"{cost_models.EAGER_GPU_OP_MS * 1e3:.0f} us an op",
                               "cost_models.EAGER_GPU_OP_MS, measured on one H100 host, not on this machine"))
     return out
@@ -106,10 +111,13 @@ def _links(cluster: Cluster, used: list[Device]) -> list[Assumption]:
             if pair in found or not _unnamed(members[g], members[h], named):
                 continue
             spec = link_spec(cluster, *_two(members[g], members[h]))
-            found[pair] = f"{spec.name}, {spec.gbps:g} GB/s, {spec.latency_us:g} us"  # type: ignore[index]
-    return [Assumption(f"link {a} - {b} {'on one host' if same else 'between hosts'}", value,
-                       "the catalog's default: the cluster names no link between these devices")
-            for (a, b, same), value in sorted(found.items())]
+            hosts = cluster.host(g[0]) is not None and (cluster.host(h[0]) is not None or same)
+            found[pair] = (f"{spec.name}, {spec.gbps:g} GB/s, {spec.latency_us:g} us",  # type: ignore[index]
+                           "from the cluster's hosts (fabric, network cards), catalog speeds" if hosts and
+                           spec.source.endswith("(cluster.json hosts)") or (hosts and same and cluster.host(g[0]).fabric)
+                           else "the catalog's default: the cluster names no link between these devices")
+    return [Assumption(f"link {a} - {b} {'on one host' if same else 'between hosts'}", value, source)
+            for (a, b, same), (value, source) in sorted(found.items())]
 
 
 def _two(a: list[str], b: list[str]) -> tuple[str, str]:

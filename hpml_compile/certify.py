@@ -41,7 +41,7 @@ from .ir import Certificate, Cluster
 from .plan import Plan
 
 __all__ = ["Certificate", "certify", "compute_bound", "step_rate", "spread_bound", "row_bound", "optimizer_floor",
-           "tight_bound", "fixed_bound"]
+           "tight_bound", "fixed_bound", "tp_cap", "tp_limit"]
 
 
 def certify(plan: Plan, graph: CostGraph) -> Certificate:
@@ -125,15 +125,34 @@ def spread_bound(work: list[tuple[float, float]]) -> float:
 def row_bound(graph: CostGraph, cluster: Cluster) -> float:
     """A second lower bound: one row's forward and backward through the whole model, on the fastest kind.
 
-    A row is never split between devices (a replica trains on whole rows, at least one per microbatch; the
-    plans have no tensor parallelism), and a stage is a range of the graph's order that runs its nodes one
-    after another, so every row goes forward through every node and back, in order: no step is shorter than
-    that chain. A node run on ``r >= 1`` of the batch's ``B`` rows costs ``fixed + (full - fixed) r / B``
-    (the simulator's rule), at least its cost at ``r = 1``. This bound binds where the batch is small against
+    A row is split between devices only by tensor parallelism: a replica trains on whole rows, at least one
+    per microbatch, and a group of ``t`` ranks divides a sharded node's per-row part by ``t``, at most
+    :func:`tp_limit` (its fixed part every rank pays whole). A stage is a range of the graph's order that
+    runs its nodes one after another, so every row goes forward through every node and back, in order: no
+    step is shorter than that chain. A node run on ``r >= 1`` of the batch's ``B`` rows costs ``fixed +
+    (full - fixed) r / B`` (the simulator's rule), at least its cost at ``r = 1``, divided as above; the
+    collectives tensor parallelism adds only lengthen it. This bound binds where the batch is small against
     the device count: llama-7b at batch 8 on 16 devices, where :func:`compute_bound` is half of it.
     """
-    return min(sum(sum(graph.cost_at(n, kind, 1.0 / graph.batch_size)) for n in graph.order)
+    cap = tp_cap(cluster)
+    return min(sum(sum(graph.cost_at(n, kind, 1.0 / (graph.batch_size * tp_limit(graph, n, cap))))
+                   for n in graph.order)
                for kind in {d.kind for d in cluster.devices})
+
+
+def tp_cap(cluster: Cluster) -> int:
+    """The most devices of one kind on one host: no tensor-parallel group is larger."""
+    counts: dict[tuple[str, str], int] = {}
+    for d in cluster.devices:
+        counts[d.host, d.kind] = counts.get((d.host, d.kind), 0) + 1
+    return max(counts.values(), default=1)
+
+
+def tp_limit(graph: CostGraph, node: str, cap: int) -> int:
+    """The largest tensor-parallel degree that divides part of ``node`` on a cluster whose groups hold at most
+    ``cap`` devices (1: none): dividing its whole per-row part by it under-counts every plan's time, so bounds
+    stay sound."""
+    return max((t for t in graph.node(node).shard if t <= cap), default=1)
 
 
 def optimizer_floor(graph: CostGraph, cluster: Cluster) -> float:
@@ -167,8 +186,10 @@ def fixed_bound(graph: CostGraph, cluster: Cluster, optimizer: bool = True) -> f
     - ``busy``: the devices' work, ``sum_n x_n f_n + w_n``, spread over all ``D`` of them.
 
     The step is at least ``max(path, busy) >= l path + (1 - l) busy`` for every ``l`` in [0, 1], and at least
-    the least of that over ``x_n`` in ``[1, B]`` (every replica trains on at least one row per microbatch, as
-    in :func:`row_bound`), node by node: ``x_n = sqrt(l w_n D / ((1 - l) f_n))`` clamped. The best ``l`` is
+    the least of that over ``x_n`` in ``[1, B t_n]`` (every replica trains on at least one row per microbatch, as
+    in :func:`row_bound`; ``t_n``: :func:`tp_limit`. Under tensor parallelism of ``t`` take ``x = M d t``:
+    a node's path is ``f + (w_rep t + w_sh) / x >= f + w / x`` and the group's work ``x f + t w_rep + w_sh
+    >= x f + w``, the same form), node by node: ``x_n = sqrt(l w_n D / ((1 - l) f_n))`` clamped. The best ``l`` is
     found by ternary search (the bound is concave in ``l``: a least of functions linear in it). ``l = 1``
     gives :func:`row_bound`, ``l = 0`` the forward and backward of :func:`compute_bound` on one kind, so on
     one kind it is at least both; the optimizer step follows (:func:`optimizer_floor`). Returned as the
@@ -181,17 +202,18 @@ def fixed_bound(graph: CostGraph, cluster: Cluster, optimizer: bool = True) -> f
     3.0
     """
     kinds = {d.kind for d in cluster.devices}
-    devices, batch = len(cluster.devices), graph.batch_size
+    devices, batch, cap = len(cluster.devices), graph.batch_size, tp_cap(cluster)
     parts = []
     for n in graph.order:
         f = min(sum(graph.cost_at(n, k, 0.0)) for k in kinds)
-        parts.append((f, min(sum(graph.cost_at(n, k, 1.0)) - sum(graph.cost_at(n, k, 0.0)) for k in kinds)))
+        parts.append((f, min(sum(graph.cost_at(n, k, 1.0)) - sum(graph.cost_at(n, k, 0.0)) for k in kinds),
+                      batch * tp_limit(graph, n, cap)))
 
     def at(lam: float) -> float:
         total = 0.0
-        for f, w in parts:
-            x = math.sqrt(lam * w * devices / ((1 - lam) * f)) if f > 0 and lam < 1 else (batch if lam > 0 else 1.0)
-            x = min(float(batch), max(1.0, x))
+        for f, w, most in parts:
+            x = math.sqrt(lam * w * devices / ((1 - lam) * f)) if f > 0 and lam < 1 else (most if lam > 0 else 1.0)
+            x = min(float(most), max(1.0, x))
             total += lam * (f + w / x) + (1 - lam) * (x * f + w) / devices
         return total
 

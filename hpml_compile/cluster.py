@@ -57,14 +57,16 @@ from typing import Iterable, NamedTuple, Sequence
 import cost_models
 from cost_models import LinkSpec
 
-from .errors import HpmlError, UnknownDeviceError
-from .ir import Cluster, Device, Link, base_kind
+from .errors import HpmlError, SchemaError, UnknownDeviceError
+from .ir import Cluster, Device, Host, Link, base_kind
 from .schema import read_json
 
 __all__ = [
     "BUILTIN_CLUSTERS",
     "load_cluster",
     "builtin_cluster",
+    "dgx_pod",
+    "check_hosts",
     "link_between",
     "link_spec",
     "host_link_spec",
@@ -80,7 +82,8 @@ __all__ = [
 ]
 
 BUILTIN_CLUSTERS: tuple[str, ...] = (
-    "local-cpu-N", "dgx-a100-8", "dgx-h100-8", "hetero-4", "hetero-cpu", "2node-a100-16",
+    "local-cpu-N", "dgx-a100-8", "dgx-h100-8", "hetero-4", "hetero-cpu", "2node-a100-16", "dgx-h100-8x8",
+    "dgx-a100-8x4",
 )
 _LOCAL_CPU = re.compile(r"^local-cpu-(\d+)$")
 
@@ -169,7 +172,60 @@ def builtin_cluster(name: str) -> Cluster | None:
     if name == "2node-a100-16":
         devs = (*_gpus("A100-80GB", 80, range(8), "node0"), *_gpus("A100-80GB", 80, range(8, 16), "node1"))
         return Cluster(devices=tuple(devs), name=name)
+    if name == "dgx-h100-8x8":  # 8 DGX H100: NVLink 4 inside, one ConnectX-7 (InfiniBand NDR) per GPU
+        return dgx_pod("H100-80GB", 80, 8, "nvlink4", "ib-ndr", name)
+    if name == "dgx-a100-8x4":  # 4 DGX A100: NVLink 3 inside, one ConnectX-6 (InfiniBand HDR) per GPU
+        return dgx_pod("A100-80GB", 80, 4, "nvlink3", "ib-hdr", name)
     return None
+
+
+def dgx_pod(kind: str, gib: float, hosts: int, fabric: str, nic: str, name: str, per_host: int = 8) -> Cluster:
+    """``hosts`` hosts of ``per_host`` GPUs of ``kind``, ``fabric`` inside each and one ``nic`` card per GPU.
+
+    >>> c = dgx_pod("H100-80GB", 80, 2, "nvlink4", "ib-ndr", "two")
+    >>> len(c.devices), link_between(c, "gpu0", "gpu1"), link_between(c, "gpu0", "gpu8")
+    (16, (450, 3.0), (50.0, 5.0))
+    """
+    devs = [d for h in range(hosts) for d in _gpus(kind, gib, range(h * per_host, (h + 1) * per_host), f"node{h}")]
+    return Cluster(devices=tuple(devs), name=name,
+                   hosts=tuple(Host(f"node{h}", fabric, nic, per_host) for h in range(hosts)))
+
+
+def check_hosts(cluster: Cluster, source: str = "cluster") -> None:
+    """Every host's ``fabric`` and ``nic`` is a link of the cost_models catalog.
+
+    Raises:
+        SchemaError: naming the host's field and the catalog's links.
+    """
+    names = cost_models.known_links()
+    for i, h in enumerate(cluster.hosts):
+        for what in ("fabric", "nic"):
+            value = getattr(h, what)
+            if value and value not in names:
+                raise SchemaError(source, f"hosts[{i}].{what}", f"a link of the catalog ({', '.join(names)})",
+                                  repr(value), fix="name a catalog link, or describe the pair with links[]")
+
+
+def _host_link(cluster: Cluster, da: Device, db: Device) -> LinkSpec | None:
+    """The link two devices' hosts imply (None: the hosts say nothing about it).
+
+    On one host: its ``fabric``. Between hosts: each end's network card, shared by ``devices / nics`` of its
+    host's devices (a ring over every device of the hosts runs all of them at once): the slower end's
+    bandwidth per device, the larger latency.
+    """
+    ha, hb = cluster.host(da.host), cluster.host(db.host)
+    if da.host == db.host:
+        return cost_models.get_link(ha.fabric) if ha is not None and ha.fabric else None
+    if ha is None or hb is None or not ha.nic or not hb.nic:
+        return None
+    ends = []
+    for h in (ha, hb):
+        card = cost_models.get_link(h.nic)
+        sharing = max(1, -(-sum(1 for d in cluster.devices if d.host == h.name) // h.nics))
+        ends.append(((h.nic_gbps or card.gbps) / sharing, card.latency_us))
+    gbps, lat = min(e[0] for e in ends), max(e[1] for e in ends)
+    return LinkSpec(f"{ha.name}-{hb.name}", gbps, lat, f"hosts {ha.name} and {hb.name}: {ha.nic} / {hb.nic} "
+                    "network cards (cluster.json hosts)")
 
 
 def load_cluster(spec: str) -> Cluster:
@@ -190,7 +246,9 @@ def load_cluster(spec: str) -> Cluster:
         return c
     p = Path(spec)
     if p.is_file():
-        return Cluster.from_dict(read_json(p), source=str(p))
+        c = Cluster.from_dict(read_json(p), source=str(p))
+        check_hosts(c, str(p))
+        return c
     raise HpmlError(f"cluster {spec!r}: not a built-in cluster ({', '.join(BUILTIN_CLUSTERS)}) "
                     "and no such file; pass a built-in name or the path to a cluster.json")
 
@@ -224,6 +282,10 @@ def link_spec(cluster: Cluster, a: str, b: str) -> LinkSpec:
         if {x.a, x.b} == {a, b}:
             return LinkSpec(f"{a}-{b}", x.gbps, x.latency_us, x.source or "cluster.json", shared=x.shared,
                             collectives=x.collectives)
+    if cluster.hosts:
+        described = _host_link(cluster, da, db)
+        if described is not None:
+            return described
     same = da.host == db.host
     try:
         return cost_models.default_link(base_kind(da.kind), base_kind(db.kind), same)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from .ir import CostGraphNode, NodeOp, Profile, base_kind
+from .tp import TP_DEGREES, ShardPart, TensorParallel, analyze as analyze_tp
 
 if TYPE_CHECKING:  # networkx is imported where a graph is made: a rank that only reads its plan never makes one
     import networkx as nx
@@ -104,6 +105,8 @@ class CostGraph:
             empty: not measured): the simulator stretches CPU ranks' compute by it while they overlap.
         flat_steps: per measured kind, its optimizer step over the parameters' bytes as one flat tensor (a ZeRO
             shard's) over its step over the parameters one by one (``optimizer_ms``); 1 where not measured.
+        tensor_parallel: the units a tensor-parallel stage shards (:func:`hpml_compile.tp.analyze`); each
+            node's ``shard`` attribute sums what of its members a degree divides.
     """
 
     graph: nx.DiGraph
@@ -117,6 +120,7 @@ class CostGraph:
     cores: Mapping[str, int] = field(default_factory=dict)
     coruns: Mapping[str, tuple[float, float, int]] = field(default_factory=dict)
     flat_steps: Mapping[str, float] = field(default_factory=dict)
+    tensor_parallel: TensorParallel = field(default_factory=TensorParallel)
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -135,9 +139,36 @@ class CostGraph:
         if rec is None:
             a = self.graph.nodes[name]
             rec = CostGraphNode(a["members"], a["cost"], a["params"], a["scope"], a["op"],
-                                *(a[f] for f in _SIZE_ATTRS), fixed=a.get("fixed", {}))
+                                *(a[f] for f in _SIZE_ATTRS), fixed=a.get("fixed", {}), shard=a.get("shard", {}))
             self._records[name] = rec
         return rec
+
+    def limit_tp(self, max_tp: int) -> "CostGraph":
+        """This graph with no node sharding at a tensor-parallel degree above ``max_tp`` (1: none at all), so that
+        a planner on it never gives a stage a larger ``tp``.
+
+        Args:
+            max_tp: the largest degree kept.
+
+        Returns:
+            A new CostGraph (this one where nothing changes).
+        """
+        if all(t <= max_tp for t in self.tp_degrees()):
+            return self
+        import networkx as nx
+
+        q = nx.DiGraph()
+        for n, attrs in self.graph.nodes(data=True):
+            kept = {t: p for t, p in attrs.get("shard", {}).items() if t <= max_tp}
+            q.add_node(n, **{k: v for k, v in attrs.items() if k != "shard"}, **({"shard": kept} if kept else {}))
+        q.add_edges_from(self.graph.edges(data=True))
+        return CostGraph(q, self.order, self.kinds, self.model, self.batch_size, self.optimizer_ms,
+                         self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
+                         self.tensor_parallel)
+
+    def tp_degrees(self) -> tuple[int, ...]:
+        """The tensor-parallel degrees above 1 at which some node of the graph shards (empty: none)."""
+        return tuple(t for t in TP_DEGREES if any(t in self.node(n).shard for n in self.order))
 
     def stream_gbps(self, kind: str) -> tuple[float, float] | None:
         """``(one thread's, the host's)`` measured memory bandwidth for ``kind`` (its base kind for a variant)."""
@@ -162,7 +193,7 @@ class CostGraph:
 
     def optimizer_ms_per_byte(self, kind: str, flat: bool = False) -> float:
         """Optimizer-step ms per parameter byte on ``kind`` (its base kind for a variant), 0 when not modelled;
-        ``flat``: of one flat tensor (a ZeRO-1/2/3 shard, ``runtime.zero``), the parameters-one-by-one rate times
+        ``flat``: of one flat tensor (a ZeRO-1/2/3 shard, ``runtime.sync.zero``), the parameters-one-by-one rate times
         the kind's measured ``flat_steps`` ratio (its base kind's for a variant, so a slowed variant keeps it)."""
         total = self.total("param_bytes")
         ms = self.optimizer_ms.get(kind, self.optimizer_ms.get(base_kind(kind), 0.0))
@@ -246,7 +277,8 @@ class CostGraph:
         for _, _, e in q.edges(data=True):
             e["bytes"] = sum(e["producers"].values())
         return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size, self.optimizer_ms,
-                         self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps)
+                         self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
+                         self.tensor_parallel)
 
     def cut_bytes(self, before: Iterable[str]) -> int:
         """Bytes crossing from the node set ``before`` to the rest; a tensor read by
@@ -348,6 +380,10 @@ def _merge_attrs(nodes: list[dict[str, Any]], kinds: tuple[str, ...]) -> dict[st
     if any(f != (0.0, 0.0) for f in fixed):
         out["fixed"] = {k: (sum(n.get("fixed", {}).get(k, (0.0, 0.0))[0] for n in nodes),
                             sum(n.get("fixed", {}).get(k, (0.0, 0.0))[1] for n in nodes)) for k in kinds}
+    degrees = sorted({t for n in nodes for t in n.get("shard", {})})
+    if degrees:
+        out["shard"] = {t: ShardPart.add([n["shard"][t] for n in nodes if t in n.get("shard", {})], kinds)
+                        for t in degrees}
     out["members"] = tuple(m for n in nodes for m in n["members"])
     out["params"] = tuple(dict.fromkeys(p for n in nodes for p in n["params"]))
     out["scope"] = nodes[0]["scope"]
@@ -366,7 +402,9 @@ def build(profile: Profile) -> CostGraph:
     kinds = profile.device_kinds
     g = nx.DiGraph()
     tensor_out: dict[str, bool] = {}
+    tp = analyze_tp(profile)
     for n in profile.nodes:
+        parts = {t: part for t in TP_DEGREES if (part := tp.part(n, t, kinds)) is not None}
         g.add_node(
             n.name,
             members=(n.name,),
@@ -376,6 +414,7 @@ def build(profile: Profile) -> CostGraph:
             scope=n.scope,
             op=n.op.value,
             **{a: getattr(n, a) for a in _SIZE_ATTRS},
+            **({"shard": parts} if parts else {}),
         )
         for inp in n.inputs:  # inputs precede n (Profile checks it), so they are nodes already
             size = g.nodes[inp]["output_bytes"]
@@ -389,4 +428,4 @@ def build(profile: Profile) -> CostGraph:
     flat_steps = {k: float(d["optimizer_flat_ms"]) / profile.optimizer_ms[k] for k, d in profile.devices.items()
                   if d.get("optimizer_flat_ms") and profile.optimizer_ms.get(k)}
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
-                     dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns, flat_steps)
+                     dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns, flat_steps, tp)

@@ -51,7 +51,7 @@ from .cluster import check_devices_costed, load_cluster
 from .codegen import Build, check_build_dir, generate
 from .costgraph import CostGraph
 from .costgraph import build as build_costgraph
-from .errors import BuildMismatchError, HpmlError, OptionError
+from .errors import BuildMismatchError, HpmlError, OptionError, PlanError
 from .ir import Cluster, FrontEnd, Link, Precision, Profile
 from .compression import check_sync, parse_compress
 from .memory import compute_bytes
@@ -64,6 +64,7 @@ from .simulate import annotate, crowded_devices
 from .solve import SolverName, solve
 from .solve.uneven import improve as improve_uneven
 from .trace import fixed_shapes, trace
+from .tp import MAX_TP, TP_DEGREES
 
 __all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "move_rows", "with_link", "profile_links",
            "rebuild", "cost_graph", "local_threads",
@@ -101,6 +102,8 @@ class Options:
         every_device: give every device of the cluster work. By default (``ilp`` and ``dp``), where a host has
             more CPU devices than the profile's cores, the plan uses only as many of them as there are cores, the
             rest idle (:func:`within_cores`), unless nothing fits on those.
+        max_tp: the largest tensor-parallel degree a stage may take (1, 2, 4 or 8; :mod:`hpml_compile.tp`).
+            :func:`compile` and :func:`replan` plan with 1: the generated stages run without tensor parallelism.
     """
 
     solver: SolverName | str = SolverName.ILP
@@ -116,8 +119,12 @@ class Options:
     sync_every: int = 1
     sync_warmup: int = 0
     every_device: bool = False
+    max_tp: int = MAX_TP
 
     def __post_init__(self) -> None:
+        if self.max_tp not in (1, *TP_DEGREES):
+            raise OptionError(f"--max-tp {self.max_tp}: give 1 (no tensor parallelism) or one of "
+                              f"{', '.join(map(str, TP_DEGREES))}")
         object.__setattr__(self, "solver", SolverName(self.solver))
         parse_compress(self.compress, "--compress")  # OptionError naming the forms, before any work
         parse_compress(self.allow_compress, "--allow-compress")
@@ -324,7 +331,7 @@ def _graphs(prof: Profile, cluster: Cluster, opts: Options) -> tuple[Profile, Co
     """:func:`cost_graph`, also returning the graph of the profile's own nodes (before coarsening)."""
     check_devices_costed(cluster, prof.device_kinds)                                # kinds are known
     prof = predict_kinds(prof, sorted({d.kind for d in cluster.devices}))           # 2b. the kinds not measured
-    fine = build_costgraph(prof)                                                    # 3. costgraph
+    fine = build_costgraph(prof).limit_tp(opts.max_tp)                              # 3. costgraph
     graph = fine.coarsen()                                                          # 4. blocks
     for kind in graph.kinds:  # coarsening merges nodes: it may not lose or invent time
         before, after = fine.total("", kind), graph.total("", kind)
@@ -369,9 +376,10 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
                        dtype=prof.dtype, compute_bytes=compute_bytes(prof.precision.value), progress=progress,
                        compress=opts.allow_compress, hierarchical=opts.hierarchical)
         if opts.uneven:                                                             # 5b. mixed kinds, uneven rows
-            placed = improve_uneven(graph, devices, placed, dtype=prof.dtype, microbatches=opts.microbatches,
+            better = improve_uneven(graph, devices, placed, dtype=prof.dtype, microbatches=opts.microbatches,
                                     time_limit_s=min(UNEVEN_BUDGET_S, opts.time_limit_s),
                                     progress=progress).plan
+            placed = better if better is placed else _fits(better, placed, prof, progress)
         elif progress:
             progress("uneven rows: not searched (turned off: Options(uneven=False), --no-uneven)")
         return placed
@@ -391,6 +399,18 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
                      assumptions=assumptions(result, prof))                         # what was not measured here
     _dump(opts, "4-plan.json", lambda p: save_plan(result, p))
     return result
+
+
+def _fits(better: Plan, placed: Plan, prof: Profile, progress: Say | None) -> Plan:
+    """``better`` (the uneven-rows search's plan) where it fits its devices in the profile's precision, else the
+    solver's ``placed``: the search prices memory without autocast's weight copies per microbatch in flight."""
+    try:
+        validate_plan(replace(better, precision=prof.precision), prof)
+    except PlanError as e:
+        if progress:
+            progress(f"uneven rows: its plan does not fit in {prof.precision.value} ({e}); the solver's plan is kept")
+        return placed
+    return better
 
 
 def within_cores(result: Plan, graph: CostGraph, cluster: Cluster, solve_on: Callable[[Cluster], Plan], *,
@@ -520,6 +540,7 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Pat
         check_precision(measured, opts.precision)
     _dump(opts, "2-profile.json", lambda p: save_profile(measured, p))
     tell(f"[3/4] planning on {c.name} ({len(c.devices)} devices) with {SolverName(opts.solver).value}")
+    opts = replace(opts, max_tp=1)  # the generated stages run without tensor parallelism
     placed = plan(measured, c, opts, progress=say)                                  # 3-5. costgraph, solve
     tell(f"[4/4] generating {len(placed.stages)} stage(s) into {out_dir}")
     return _generate(module, inputs, gm, placed, predict_kinds(measured, kinds), out_dir, label,  # 6. codegen
@@ -550,6 +571,10 @@ def _generate(module: nn.Module, inputs: tuple[Any, ...], gm: fx.GraphModule, pl
         HpmlError: the plan breaks a rule of the profile, or an exported model cannot execute at that size.
     """
     validate_plan(placed, prof)
+    sharded = [st.index for st in placed.stages if st.tp > 1]
+    if sharded:
+        raise PlanError(f"stage {sharded[0]} of the plan has tp={placed.stages[sharded[0]].tp}, but the generated "
+                        "stages run without tensor parallelism: plan with --max-tp 1 (compile does), or set tp to 1")
     graph = gm
     replicas = {len(st.devices) for st in placed.stages}
     if fixed_shapes(gm) and any(st.rows for st in placed.stages):
@@ -613,7 +638,7 @@ def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost
     gone = list(lost)
     if gone:
         target = without_devices(target, gone)
-    prof, fine, graph = _graphs(measured, target, opts)
+    prof, fine, graph = _graphs(measured, target, replace(opts, max_tp=1))  # the running stages have no tp
     # Blocks cut by cost follow the measured costs, so the old plan may split one of them: both plans are
     # scored on the profile's own nodes, which any plan's stages respect.
     allowed, forced = carried_comm(old)                                             # the user's comm options

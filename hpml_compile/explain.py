@@ -15,7 +15,7 @@ Example:
     >>> g = chain_graph([(2.0, 4.0), (2.0, 4.0)], kind="cpu", output_bytes=2**20)
     >>> st = (Stage(0, ("d0",), ("n0",)), Stage(1, ("d1",), ("n1",)))
     >>> plan = Plan("toy", uniform_cluster(2), Schedule.ONE_F_ONE_B, 2, st)
-    >>> summary(plan, g, simulate(plan, g)).splitlines()[2]
+    >>> summary(plan, g, simulate(plan, g)).splitlines()[3]
     'stages (times per microbatch):'
 """
 
@@ -39,7 +39,7 @@ from .report import human_bytes
 from .stagecost import level_bytes
 from .viz import allreduce_label, device_names, device_order
 
-__all__ = ["plan_costgraph", "WhatIf", "one_more_device", "base_solver", "summary"]
+__all__ = ["plan_costgraph", "WhatIf", "one_more_device", "base_solver", "summary", "tp_lines"]
 
 
 def plan_costgraph(plan: Plan, profile: Profile) -> CostGraph:
@@ -122,7 +122,7 @@ def one_more_device(plan: Plan, result: SimResult, plan_on: Callable[[Cluster], 
     like = plan.cluster.device(plan.stages[result.bottleneck_stage].devices[0])
     dev = Device(_new_name(plan.cluster, like.name), like.kind, like.memory_gib, like.host)
     bigger = Cluster(devices=(*plan.cluster.devices, dev), links=plan.cluster.links,
-                     name=f"{plan.cluster.name}+1x{like.kind}")
+                     name=f"{plan.cluster.name}+1x{like.kind}", hosts=plan.cluster.hosts)
     try:
         new = plan_on(bigger)
     except HpmlError as e:  # nothing fits, or the profile does not serve the bigger cluster: said, not raised
@@ -209,6 +209,42 @@ def _idle_cpus(plan: Plan, graph: CostGraph) -> list[str]:
     return out
 
 
+def tp_lines(plan: Plan, graph: CostGraph, most: int = 6) -> list[str]:
+    """What the plan's tensor-parallel stages shard and what they keep whole, and why (empty: no stage has
+    ``tp > 1``).
+
+    Args:
+        plan: the plan.
+        graph: its cost graph (its :attr:`~hpml_compile.costgraph.CostGraph.tensor_parallel`).
+        most: the most layers named per kind of line.
+
+    Returns:
+        Lines of text.
+    """
+    tp = graph.tensor_parallel
+    stages = [st for st in plan.stages if st.tp > 1]
+    if not stages:
+        return []
+    out = []
+    for st in stages:
+        members = set(st.nodes)
+        units = [u for u in tp.units if members.intersection(u.nodes)]
+        kinds = {k: sum(1 for u in units if u.kind == k and u.max_tp >= st.tp) for k in dict.fromkeys(u.kind for u in units)}
+        whole = [u for u in units if u.max_tp < st.tp]
+        out.append(f"  tensor parallel, stage {st.index} (tp {st.tp}, groups {', '.join(map(device_names, st.tp_groups()[:2]))}"
+                   f"{', ...' if st.replicas > 2 else ''}): sharded "
+                   + ", ".join(f"{n} {k}" for k, n in kinds.items() if n) + "; two all-reduces per attention and MLP "
+                   "unit per pass (one forward, one backward), the embedding's output all-reduced and the LM head's "
+                   "logits all-gathered; norms and residuals replicated")
+        for u in whole[:most]:
+            out.append(f"    kept whole at tp {st.tp}: {u.scope} ({u.kind}): its split sizes allow at most tp {u.max_tp}")
+    for scope, why in tp.unmatched[:most]:
+        out.append(f"  tensor parallel: {scope} keeps tp 1: {why}")
+    if len(tp.unmatched) > most:
+        out.append(f"  tensor parallel: {len(tp.unmatched) - most} more layers keep tp 1")
+    return out
+
+
 def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | None = None) -> str:
     """A text explanation of the plan: stages, the bottleneck and why, memory slack, one more device.
 
@@ -230,7 +266,8 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
              "stages (times per microbatch):"]
     for st, c in zip(plan.stages, result.stages):
         kinds = [plan.cluster.device(d).kind for d in st.devices]
-        opts = "".join([f", ZeRO-{int(st.zero)}" if st.zero else "", ", recompute" if st.recompute else "",
+        opts = "".join([f", tensor parallel {st.tp} x {st.replicas} replicas" if st.tp > 1 else "",
+                        f", ZeRO-{int(st.zero)}" if st.zero else "", ", recompute" if st.recompute else "",
                         f", swap {len(st.swap)} nodes" if st.swap else "",
                         ", optimizer offload" if st.offload_optimizer else "",
                         f", gradients {st.compress}" if st.compress else "",
@@ -262,6 +299,7 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
         ranks = sum(len(st.devices) for st in plan.stages)
         lines.append(f"  loss agreement: one 32-byte all-reduce over the {ranks} ranks before the optimizer steps, "
                      f"{result.agree_ms:.3g} ms")
+    lines += tp_lines(plan, graph)
     lines += _host_sharing(plan, graph, result)
     lines += _idle_cpus(plan, graph)
     b = result.bottleneck_stage

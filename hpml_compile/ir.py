@@ -23,6 +23,7 @@ from .errors import OptionError, SchemaError
 from .schema import CLUSTER_SCHEMA, PROFILE_SCHEMA, check_version, validate
 
 __all__ = [
+    "Host",
     "Assumption",
     "Certificate",
     "PROFILE_VERSION",
@@ -418,6 +419,8 @@ class CostGraphNode:
         param_bytes, activation_bytes, output_bytes, mem_bytes: bytes (sums over the members).
         fixed: ``{kind: (fwd_ms, bwd_ms)}``, the part of ``cost`` that a slice of the batch still
             costs in full (a kind absent: 0).
+        shard: ``{tp: hpml_compile.tp.ShardPart}``: what a tensor-parallel degree divides of the members and
+            the collectives it adds (a degree absent: nothing shards at it).
 
     Raises:
         ValueError: for a node without members.
@@ -439,6 +442,7 @@ class CostGraphNode:
     output_bytes: int
     mem_bytes: int
     fixed: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    shard: Mapping[int, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.members:
@@ -511,15 +515,45 @@ def collectives_dict(fits: tuple[tuple[str, float, float], ...]) -> dict[str, di
 
 
 @dataclass(frozen=True, slots=True)
+class Host:
+    """A host as cluster.json may describe it, so that the links between its devices follow from it.
+
+    Attributes:
+        name: the host (the ``host`` of its devices).
+        fabric: the cost_models link between two devices of this host (``nvlink4``, ``pcie4``; "" : the
+            catalog default for their kinds).
+        nic: the cost_models link of its network cards (``ib-ndr``, ``eth100``; "": not described, the catalog
+            default between hosts).
+        nics: how many network cards it has; its devices share them equally (``devices / nics`` per card).
+        nic_gbps: each card's bandwidth in GB/s where it differs from the ``nic`` link's (None: the link's).
+    """
+
+    name: str
+    fabric: str = ""
+    nic: str = ""
+    nics: int = 1
+    nic_gbps: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **({"fabric": self.fabric} if self.fabric else {}),
+                **({"nic": self.nic, "nics": self.nics} if self.nic else {}),
+                **({"nic_gbps": self.nic_gbps} if self.nic_gbps is not None else {})}
+
+
+@dataclass(frozen=True, slots=True)
 class Cluster:
-    """Devices and (optionally) the links between them: what cluster.json holds."""
+    """Devices, optionally their hosts (:class:`Host`) and links between pairs of them: what cluster.json holds.
+
+    A pairwise link wins over what the hosts imply (:func:`hpml_compile.cluster.link_spec`)."""
 
     devices: tuple[Device, ...]
     links: tuple[Link, ...] = ()
     name: str = "custom"
     schema_version: int = CLUSTER_VERSION
+    hosts: tuple[Host, ...] = ()
     # name -> device, built once: the planners look devices up by name millions of times on large clusters
     _by_name: Mapping[str, Device] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _host_by_name: Mapping[str, Host] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = [d.name for d in self.devices]
@@ -534,6 +568,18 @@ class Cluster:
                     raise SchemaError(self.name, f"links[{i}].{end}", f"one of the devices {names}",
                                       repr(getattr(link, end)))
         object.__setattr__(self, "_by_name", index)
+        used = {d.host for d in self.devices}
+        for i, h in enumerate(self.hosts):
+            if h.name not in used:
+                raise SchemaError(self.name, f"hosts[{i}].name", f"the host of some device ({', '.join(sorted(used))})",
+                                  repr(h.name))
+            if h.nics < 1:
+                raise SchemaError(self.name, f"hosts[{i}].nics", "at least 1 network card", repr(h.nics))
+        object.__setattr__(self, "_host_by_name", {h.name: h for h in self.hosts})
+
+    def host(self, name: str) -> Host | None:
+        """The description of host ``name``, or None where the cluster gives none."""
+        return self._host_by_name.get(name)
 
     def device(self, name: str) -> Device:
         try:
@@ -548,6 +594,7 @@ class Cluster:
             "devices": [{"name": d.name, "kind": d.kind, "memory_gib": d.memory_gib, "host": d.host}
                         for d in self.devices],
             "links": [x.to_dict() for x in self.links],
+            **({"hosts": [h.to_dict() for h in self.hosts]} if self.hosts else {}),
         }
 
     @classmethod
@@ -572,6 +619,7 @@ class Cluster:
             name=d.get("name", source),
             devices=tuple(Device(**dev) for dev in d["devices"]),
             links=tuple(Link.from_dict(x) for x in d.get("links", ())),
+            hosts=tuple(Host(**h) for h in d.get("hosts", ())),
         )
 
 

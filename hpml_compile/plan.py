@@ -27,7 +27,8 @@ from .cluster import overlap_efficiency
 from .compression import check_sync, parse_compress
 from .memory import GiB, MemoryBreakdown, ZeroStage, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
-from .stagecost import device_memory, in_flight
+from .stagecost import device_memory, in_flight, tp_bytes
+from .tp import TensorParallel, analyze as analyze_tp
 
 __all__ = [
     "PLAN_VERSION",
@@ -51,15 +52,17 @@ __all__ = [
     "zero_shards",
     "node_stages",
     "tied_groups",
+    "tp_problem",
     "stage_memory",
     "stage_breakdown",
     "save_plan",
     "load_plan",
 ]
 
-PLAN_VERSION = 2
-#: The versions this hpml-compile reads: 1 lacks ``certificate`` and ``assumptions`` (both optional).
-PLAN_VERSIONS = (1, 2)
+PLAN_VERSION = 3
+#: The versions this hpml-compile reads: 1 lacks ``certificate`` and ``assumptions`` (both optional); 1 and 2
+#: lack a stage's ``tp`` (every stage of theirs has ``tp = 1``).
+PLAN_VERSIONS = (1, 2, 3)
 
 
 class SolverStatus(str, enum.Enum):
@@ -120,6 +123,10 @@ class Stage:
         compress: the gradient compression of a replicated stage (``powersgd:RANK`` or ``topk:RATIO``,
             :mod:`hpml_compile.compression`); ``""`` sends the gradients whole.
         allreduce: how the replicas all-reduce their gradients (:class:`AllReduce`).
+        tp: the tensor-parallel degree: ``devices`` is ``replicas x tp``, replica ``r`` being the ``tp``
+            consecutive devices ``devices[r * tp:(r + 1) * tp]``, each of one kind on one host
+            (:func:`validate_plan`), which share the stage's sharded layers (:mod:`hpml_compile.tp`); the
+            data-parallel group of a device is the devices at its position in every replica. 1: none.
     """
 
     index: int
@@ -133,18 +140,44 @@ class Stage:
     rows: tuple[int, ...] = ()
     compress: str = ""
     allreduce: AllReduce = AllReduce.FLAT
+    tp: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero", ZeroStage(self.zero))
+        object.__setattr__(self, "tp", int(self.tp))
         object.__setattr__(self, "allreduce", AllReduce(self.allreduce))
         object.__setattr__(self, "rows", tuple(int(r) for r in self.rows))
         c = parse_compress(self.compress, f"stage {self.index}: compress")  # OptionError naming the forms
         object.__setattr__(self, "compress", str(c) if c is not None else "")
         if self.index < 0 or not self.devices:
             raise ValueError(f"stage {self.index}: index must be >= 0 and devices non-empty")
+        if self.tp < 1 or len(self.devices) % self.tp:
+            raise ValueError(f"stage {self.index}: tp must be >= 1 and divide its {len(self.devices)} devices "
+                             f"(replicas x tp), got tp={self.tp}")
+        if self.tp > 1 and self.rows:
+            raise ValueError(f"stage {self.index}: rows per replica are not combined with tp={self.tp}; leave rows "
+                             "out (an equal split) or set tp to 1")
         if self.rows and (len(self.rows) != len(self.devices) or min(self.rows) < 1):
             raise ValueError(f"stage {self.index}: rows must give each of its {len(self.devices)} devices at least "
                              f"one row, got {list(self.rows)}")
+
+    @property
+    def replicas(self) -> int:
+        """The data-parallel degree: the stage's devices over its tensor-parallel degree."""
+        return len(self.devices) // self.tp
+
+    def tp_groups(self) -> tuple[tuple[str, ...], ...]:
+        """The devices of each replica (each tensor-parallel group), in replica order."""
+        return tuple(self.devices[r * self.tp:(r + 1) * self.tp] for r in range(self.replicas))
+
+    def sync_group(self) -> tuple[str, ...]:
+        """The first data-parallel group (every device when ``tp`` is 1): what a sync's links and hosts are
+        priced on, every group being laid out alike."""
+        return self.devices[::self.tp]
+
+    def dp_groups(self) -> tuple[tuple[str, ...], ...]:
+        """The data-parallel group of each tensor-parallel position: the devices that sum each other's gradients."""
+        return tuple(self.devices[j::self.tp] for j in range(self.tp))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -157,6 +190,7 @@ class Stage:
             **({"rows": list(self.rows)} if self.rows else {}),
             **({"compress": self.compress} if self.compress else {}),
             **({"allreduce": self.allreduce.value} if self.allreduce is not AllReduce.FLAT else {}),
+            **({"tp": self.tp} if self.tp > 1 else {}),
         }
 
     @classmethod
@@ -166,7 +200,8 @@ class Stage:
                    d.get("recompute", False), tuple(d.get("swap", ())), d.get("offload_optimizer", False),
                    StagePrediction(pr.get("fwd_ms", 0.0), pr.get("bwd_ms", 0.0), pr.get("memory_bytes", 0),
                                    pr.get("bubble")),
-                   tuple(d.get("rows", ())), d.get("compress", ""), AllReduce(d.get("allreduce", "flat")))
+                   tuple(d.get("rows", ())), d.get("compress", ""), AllReduce(d.get("allreduce", "flat")),
+                   int(d.get("tp", 1)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +373,7 @@ PLAN_SCHEMA: dict[str, Any] = {
                     "rows": {"type": "array", "items": {"type": "integer", "minimum": 1}},
                     "compress": {"type": "string", "pattern": "^(powersgd:[0-9]+|topk:[0-9.eE+-]+)$"},
                     "allreduce": {"enum": [a.value for a in AllReduce]},
+                    "tp": {"type": "integer", "minimum": 1},
                     "predicted": {"type": "object", "additionalProperties": False, "properties": {
                         "fwd_ms": _NUM, "bwd_ms": _NUM, "memory_bytes": {"type": "integer", "minimum": 0},
                         "bubble": _SHARE}},
@@ -411,13 +447,18 @@ def check_placement(d: Any, source: str = "plan") -> None:
                                   fix=f"keep {node} in one stage and remove it from the other")
             node_stage[node] = k
         rows = st.get("rows", [])
+        tp = st.get("tp", 1)
+        if len(st["devices"]) % tp or (tp > 1 and rows):
+            raise SchemaError(source, f"{at}.tp", f"a degree dividing stage {k}'s {len(st['devices'])} devices "
+                              "(replicas x tp), on a stage without rows", f"{tp}" + (" with rows" if rows else ""),
+                              fix=f"give stage {k} a multiple of {tp} devices and no rows, or set tp to 1")
         if rows and len(rows) != len(st["devices"]):
             raise SchemaError(source, f"{at}.rows", f"one row count per device of stage {k} ({len(st['devices'])})",
                               f"{len(rows)} counts", fix="give each device its rows per microbatch, in device order, "
                               "or leave rows out for an equal split")
         if st.get("allreduce", "flat") == AllReduce.HIERARCHICAL.value:
             hosts = {dev["name"]: dev.get("host", "node0") for dev in d["cluster"]["devices"]}
-            why = hierarchy_problem(st["devices"], hosts, ZeroStage(st.get("zero", 0)))
+            why = hierarchy_problem(st["devices"][::st.get("tp", 1)], hosts, ZeroStage(st.get("zero", 0)))
             if why:
                 raise SchemaError(source, f"{at}.allreduce", "flat, or hierarchical for a ZeRO-0 or ZeRO-1 stage whose "
                                   "devices span hosts, each holding the same number", f"hierarchical, but {why}",
@@ -476,11 +517,12 @@ def zero_shards(cluster: Cluster, stage: Stage) -> int:
     """
     if stage.zero == ZeroStage.OS and stage.allreduce is AllReduce.HIERARCHICAL and len(stage.devices) > 1:
         hosts = {x.name: x.host for x in cluster.devices}
-        return len(stage.devices) // len({hosts.get(d, "node0") for d in stage.devices})
-    return len(stage.devices)
+        return stage.replicas // len({hosts.get(d, "node0") for d in stage.devices})
+    return stage.replicas
 
 
-def stage_memory(plan: Plan, profile: Profile, stage: Stage, device: str | None = None) -> int:
+def stage_memory(plan: Plan, profile: Profile, stage: Stage, device: str | None = None,
+                 tensor_parallel: TensorParallel | None = None) -> int:
     """Peak bytes on a device of ``stage`` under the memory model of :mod:`hpml_compile.stagecost`.
 
     Args:
@@ -493,25 +535,33 @@ def stage_memory(plan: Plan, profile: Profile, stage: Stage, device: str | None 
     Returns:
         Peak bytes on that device.
     """
-    return stage_breakdown(plan, profile, stage, device).total
+    return stage_breakdown(plan, profile, stage, device, tensor_parallel).total
 
 
-def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | None = None) -> MemoryBreakdown:
+def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | None = None,
+                    tensor_parallel: TensorParallel | None = None) -> MemoryBreakdown:
     """:func:`stage_memory` by part (parameters, gradients, optimizer state, activations): what
-    benchmarks/memory_truth puts beside the bytes a rank holds."""
+    benchmarks/memory_truth puts beside the bytes a rank holds. ``tensor_parallel``: the profile's
+    :func:`hpml_compile.tp.analyze` (None: found again where the stage has ``tp > 1``)."""
     if device is None:
-        return max((stage_breakdown(plan, profile, stage, d) for d in stage.devices), key=lambda b: b.total)
+        return max((stage_breakdown(plan, profile, stage, d, tensor_parallel) for d in stage.devices),
+                   key=lambda b: b.total)
     j = stage.devices.index(device)
     names = set(stage.nodes)
     nodes = [n for n in profile.nodes if n.name in names]
     swapped = set(stage.swap)
     m = plan.microbatches
+    sharded = [n for n in nodes if tensor_parallel.role(n.name, stage.tp) is not None] \
+        if stage.tp > 1 and tensor_parallel is not None else []
+    if stage.tp > 1 and tensor_parallel is None:
+        sharded = [n for n in nodes if analyze_tp(profile).role(n.name, stage.tp) is not None]
     mem = device_memory(
-        param_bytes=sum(n.param_bytes for n in nodes)
+        param_bytes=tp_bytes(sum(n.param_bytes for n in nodes), sum(n.param_bytes for n in sharded), stage.tp)
         + tied_elsewhere(((n.name, n.params) for n in profile.nodes), profile.parameters, names),
-        activation_bytes=sum(n.activation_bytes for n in nodes),
+        activation_bytes=tp_bytes(sum(n.activation_bytes for n in nodes), sum(n.activation_bytes for n in sharded),
+                                  stage.tp),
         input_bytes=_input_bytes(profile, names),
-        dtype_bytes=dtype_bytes(profile.dtype), replicas=len(stage.devices), zero=stage.zero,
+        dtype_bytes=dtype_bytes(profile.dtype), replicas=stage.replicas, zero=stage.zero,
         shards=zero_shards(plan.cluster, stage), microbatches=m,
         in_flight=in_flight(plan.schedule, m, len(plan.stages) - stage.index - 1),
         recompute=stage.recompute,
@@ -582,7 +632,10 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             its memory (with uneven rows, from its own rows); ZeRO-3 together
             with optimizer offload, which the runtime does not combine; a
             hierarchical all-reduce on a stage whose devices are on one host
-            (or unevenly spread, or ZeRO-sharded).
+            (or unevenly spread, or ZeRO-sharded); a tensor-parallel group
+            spanning hosts or kinds (:func:`tp_problem`); a sharded unit
+            (:mod:`hpml_compile.tp`) cut between stages, one of them with
+            ``tp > 1``.
     """
     if plan.precision is not profile.precision:
         raise PlanError(f"the plan trains in {plan.precision.value} but the profile of {profile.model} was timed in "
@@ -591,6 +644,11 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                         f"{profile.precision.value}")
     where = node_stages(plan)
     for st in plan.stages:
+        why = tp_problem(plan.cluster, st)
+        if why:
+            raise PlanError(f"stage {st.index} has tp={st.tp}, but {why}: a tensor-parallel group is devices of one "
+                            f"kind on one host (its collectives run on every layer); list each group's {st.tp} "
+                            "devices together from one host and kind, or set its tp to 1")
         if st.zero == ZeroStage.OS_G_P and st.offload_optimizer:
             raise PlanError(f"stage {st.index} asks for ZeRO-3 with optimizer offload, which the runtime does not "
                             "combine (runtime/sync/zero3.py): use ZeRO-3 without offload, or ZeRO-1 with it")
@@ -599,7 +657,7 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                 raise PlanError(f"stage {st.index} swaps {s!r}, which is not one of its nodes")
         _check_comm_options(plan, st)
         if st.allreduce is AllReduce.HIERARCHICAL:
-            why = hierarchy_problem(st.devices, {x.name: x.host for x in plan.cluster.devices}, st.zero)
+            why = hierarchy_problem(st.sync_group(), {x.name: x.host for x in plan.cluster.devices}, st.zero)
             if why:
                 raise PlanError(f"stage {st.index} asks for a hierarchical all-reduce, but {why}: it needs a ZeRO-0 "
                                 "or ZeRO-1 stage whose devices span two or more hosts, each holding the same number; "
@@ -652,9 +710,16 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                             f"{profile.batch_size} in {plan.microbatches} microbatches holds "
                             f"{profile.batch_size / plan.microbatches:g} rows: give rows summing to that (with a "
                             "microbatch count that divides the batch), or leave rows out for an equal split")
+    sharding = analyze_tp(profile) if any(st.tp > 1 for st in plan.stages) else None
+    for unit in sharding.units if sharding is not None else ():
+        held = sorted({where[n] for n in unit.nodes if n in where})
+        if len(held) > 1 and any(plan.stages[k].tp > 1 for k in held):
+            raise PlanError(f"the {unit.kind} unit at {unit.scope} is split between stages {held}, one of them "
+                            "tensor-parallel: its sharded intermediate would cross a stage boundary; move the cut "
+                            "before or after the unit, or set those stages' tp to 1")
     for st in plan.stages:
         for name in st.devices:
-            need = stage_memory(plan, profile, st, name)
+            need = stage_memory(plan, profile, st, name, sharding)
             dev = plan.cluster.device(name)
             if need > dev.memory_bytes:
                 rows = f" with its {st.rows[st.devices.index(name)]} rows per microbatch" if st.rows else ""
@@ -663,6 +728,38 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                 raise PlanError(f"stage {st.index} needs {need / GiB:.2f} GiB on {name} ({dev.kind}, "
                                 f"{dev.memory_gib:.1f} GiB){rows}: over by {(need - dev.memory_bytes) / GiB:.2f} "
                                 f"GiB; {fix}")
+
+
+def tp_problem(cluster: Cluster, st: Stage) -> str | None:
+    """Why stage ``st``'s tensor-parallel groups are not possible (None: they can, or ``tp`` is 1).
+
+    Args:
+        cluster: the plan's cluster.
+        st: the stage.
+
+    Returns:
+        The first group spanning hosts or kinds, named; None.
+
+    >>> from hpml_compile.cluster import load_cluster
+    >>> c = load_cluster("2node-a100-16")
+    >>> tp_problem(c, Stage(0, ("gpu6", "gpu7", "gpu8", "gpu9"), ("x",), tp=4))
+    'its group gpu6, gpu7, gpu8, gpu9 spans hosts node0, node1'
+    >>> tp_problem(c, Stage(0, ("gpu0", "gpu1", "gpu8", "gpu9"), ("x",), tp=2)) is None
+    True
+    """
+    if st.tp == 1:
+        return None
+    known = {d.name for d in cluster.devices}
+    for group in st.tp_groups():
+        if not set(group) <= known:
+            return None  # unknown devices are named by the device check
+        hosts = sorted({cluster.device(d).host for d in group})
+        kinds = sorted({cluster.device(d).kind for d in group})
+        if len(hosts) > 1:
+            return f"its group {', '.join(group)} spans hosts {', '.join(hosts)}"
+        if len(kinds) > 1:
+            return f"its group {', '.join(group)} mixes kinds {', '.join(kinds)}"
+    return None
 
 
 def with_comm(plan: Plan, *, compress: str | None = None, sync_every: int | None = None,
@@ -686,7 +783,7 @@ def with_comm(plan: Plan, *, compress: str | None = None, sync_every: int | None
     c = parse_compress(compress) if compress is not None else None
     stages = plan.stages
     if compress is not None:
-        fit = [st.index for st in plan.stages if len(st.devices) > 1 and st.zero == ZeroStage.NONE]
+        fit = [st.index for st in plan.stages if st.replicas > 1 and st.zero == ZeroStage.NONE]
         if c is not None and not fit:
             raise OptionError(f"--compress {compress}: the plan has no replicated stage without ZeRO, so no gradient "
                               "crosses between replicas: compress needs data parallelism (a stage on >= 2 devices)")
@@ -713,7 +810,7 @@ def check_comm(plan: Plan) -> None:
 
 def _check_comm_options(plan: Plan, st: Stage) -> None:
     """Compression and local SGD are performed on a ZeRO-0 stage's flat gradient buffer only."""
-    if st.compress and len(st.devices) < 2:
+    if st.compress and st.replicas < 2:
         raise PlanError(f"stage {st.index} compresses its gradients ({st.compress}), but runs on one device, so "
                         "it sends none: drop compress from this stage (it applies to replicated stages only)")
     if st.compress and st.zero != ZeroStage.NONE:
@@ -723,7 +820,7 @@ def _check_comm_options(plan: Plan, st: Stage) -> None:
         raise PlanError(f"stage {st.index} compresses its gradients ({st.compress}) and asks for a hierarchical "
                         "all-reduce, but the runtime runs the compressed collectives over the stage's flat group: "
                         "use allreduce flat for a compressed stage (or drop compress)")
-    if plan.sync_every > 1 and len(st.devices) > 1 and st.zero != ZeroStage.NONE:
+    if plan.sync_every > 1 and st.replicas > 1 and st.zero != ZeroStage.NONE:
         raise PlanError(f"the plan averages parameters every {plan.sync_every} steps (local SGD), but stage "
                         f"{st.index} shards its optimizer (ZeRO-{int(st.zero)}), so its replicas cannot step on "
                         "their own: use zero 0 with --sync-every, or --sync-every 1")
@@ -765,7 +862,7 @@ def sync_overlap(plan: Plan, k: int) -> float:
         0.0
     """
     st = plan.stages[k]
-    if len(st.devices) < 2 or st.compress or plan.sync_every > 1 or st.zero == ZeroStage.OS_G_P:
+    if st.replicas < 2 or st.compress or plan.sync_every > 1 or st.zero == ZeroStage.OS_G_P:
         return 0.0
     return overlap_efficiency(plan.cluster, st.devices)
 

@@ -147,7 +147,8 @@ def without_devices(cluster: Cluster, lost: Iterable[str]) -> Cluster:
     if not devices:
         raise HpmlError(f"no device of cluster {cluster.name} is left after dropping {sorted(gone)}")
     links = tuple(x for x in cluster.links if x.a not in gone and x.b not in gone)
-    return Cluster(devices, links, f"{cluster.name}-minus-{'-'.join(sorted(gone))}")
+    hosts = tuple(h for h in cluster.hosts if any(d.host == h.name for d in devices))  # what the links follow from
+    return Cluster(devices, links, f"{cluster.name}-minus-{'-'.join(sorted(gone))}", hosts=hosts)
 
 
 def carried_comm(old: Plan) -> tuple[str | None, dict[str, Any]]:

@@ -117,6 +117,7 @@ _DEVICE_INFO = {
                                  "skipped": _STR},
                   "additionalProperties": False},
         "predicted_from": _STR,
+        "op_ms": _NUM,  # the per-op host cost the GPU predictions were given (profile.predict_kinds)
         "calibration_fwd": _CALIBRATION,
         "calibration_bwd": _CALIBRATION,
         "measured_from": _STR,
@@ -224,6 +225,21 @@ CLUSTER_SCHEMA: dict[str, Any] = {
                     "shared": {"type": "boolean"},
                     "source": {"type": "string"},
                     "collectives": COLLECTIVE_FITS,
+                },
+                "additionalProperties": False,
+            },
+        },
+        "hosts": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name"],
+                "properties": {
+                    "name": {"type": "string", "minLength": 1},
+                    "fabric": _STR,
+                    "nic": _STR,
+                    "nics": {"type": "integer", "minimum": 1},
+                    "nic_gbps": {"type": "number", "exclusiveMinimum": 0},
                 },
                 "additionalProperties": False,
             },

@@ -119,7 +119,7 @@ from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_
 from .schedule import op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
                         local_sgd_sync_ms, optimizer_ms, stepped_gather_ms, steps_flat, stream_bytes_per_ms, stream_ms,
-                        sync_ms, transfer_ms)
+                        sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "step_ms", "stage_costs", "annotate", "crowded_devices",
            "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms"]
@@ -265,9 +265,46 @@ def _replica_cost(graph: CostGraph, nodes: list[str], kind: str, fraction: float
     return sum(f for f, _ in at), sum(b for _, b in at)
 
 
+def _tp_cost(graph: CostGraph, node: str, kinds: list[str], fraction: float, tp: int) -> tuple[float, float]:
+    """``(fwd_ms, bwd_ms)`` of ``node`` on one rank of a tensor-parallel group of ``tp`` (1: :func:`_kind_cost`),
+    for ``fraction`` of the batch rows, on the slowest of ``kinds`` (:func:`hpml_compile.stagecost.tp_time`)."""
+    rec = graph.node(node)
+    part = rec.shard.get(tp) if tp > 1 else None
+    if part is None:
+        return _kind_cost(graph, node, kinds, fraction)
+    _kind_cost(graph, node, kinds, fraction)  # names a kind the graph lacks
+    out = []
+    for k in kinds:
+        (f, b), (ff, bf) = rec.cost[k], rec.fixed_at(k)
+        (sf, sb), (sff, sbf) = part.cost.get(k, (0.0, 0.0)), part.fixed.get(k, (0.0, 0.0))
+        out.append((tp_time(f, ff, sf, sff, fraction, tp), tp_time(b, bf, sb, sbf, fraction, tp)))
+    return max(a for a, _ in out), max(b for _, b in out)
+
+
+def _tp_link(cluster: Cluster, st: Stage) -> cost_models.LinkSpec | None:
+    """The slowest link inside the stage's first tensor-parallel group (None: ``tp`` is 1)."""
+    if st.tp <= 1:
+        return None
+    group = st.tp_groups()[0]
+    return min((link_spec(cluster, group[0], x) for x in group[1:]), key=lambda sp: sp.gbps)
+
+
+def _tp_comm(graph: CostGraph, nodes: list[str], tp: int, share: int,
+             link: cost_models.LinkSpec | None) -> tuple[float, float]:
+    """``(forward, backward)`` ms of one microbatch's tensor-parallel collectives over ``nodes`` (``share``:
+    ``M d``, the parts of the batch a microbatch on one replica holds), :func:`hpml_compile.stagecost.tp_comm_ms`."""
+    parts = [graph.node(n).shard[tp] for n in nodes if tp > 1 and tp in graph.node(n).shard]
+    if not parts:
+        return 0.0, 0.0
+    fwd = tp_comm_ms(sum(p.fwd_allreduce for p in parts) / share, sum(p.fwd_gather for p in parts) / share,
+                     sum(p.fwd_count for p in parts), tp, link)
+    bwd = tp_comm_ms(sum(p.bwd_allreduce for p in parts) / share, 0, sum(p.bwd_count for p in parts), tp, link)
+    return float(fwd), float(bwd)
+
+
 def _rows(st: Stage, microbatches: int, batch: int) -> tuple[float, ...]:
     """Rows of one microbatch each replica of ``st`` trains on (the equal split where the plan gives none)."""
-    return tuple(float(r) for r in st.rows) if st.rows else even_rows(batch / microbatches, len(st.devices))
+    return tuple(float(r) for r in st.rows) if st.rows else even_rows(batch / microbatches, st.replicas)
 
 
 def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[StageCost, ...]:
@@ -291,17 +328,19 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
     for st in plan.stages:
         nodes = [n for n in graph.order if owner[n] == st.index]
         kinds = sorted({c.device(d).kind for d in st.devices})
-        d = len(st.devices)
+        d, tp = st.replicas, st.tp
         if st.rows:  # uneven: each replica at its own kind's pace on its own rows; the stage waits for the slowest
             own = [_replica_cost(graph, nodes, c.device(x).kind, r / batch) for x, r in zip(st.devices, st.rows)]
         else:
-            per_mb = [_kind_cost(graph, n, kinds, 1.0 / (m * d)) for n in nodes]
-            own = [(sum(f for f, _ in per_mb), sum(b for _, b in per_mb))] * d
+            per_mb = [_tp_cost(graph, n, kinds, 1.0 / (m * d), tp) for n in nodes]
+            tp_fwd, tp_bwd = _tp_comm(graph, nodes, tp, m * d, _tp_link(c, st))
+            own = [(sum(f for f, _ in per_mb) + tp_fwd, sum(b for _, b in per_mb) + tp_bwd)] * len(st.devices)
         fwd, bwd = max(f for f, _ in own), max(b for _, b in own)
         recs = [graph.node(n) for n in nodes]
-        params = sum(r.param_bytes for r in recs) + tied_elsewhere(
+        shards = [r.shard[tp] for r in recs if tp in r.shard]
+        params = tp_bytes(sum(r.param_bytes for r in recs), sum(p.param_bytes for p in shards), tp) + tied_elsewhere(
             ((n, graph.node(n).params) for n in graph.order), graph.param_sizes, set(nodes))
-        acts = sum(r.activation_bytes for r in recs)
+        acts = tp_bytes(sum(r.activation_bytes for r in recs), sum(p.activation_bytes for p in shards), tp)
         swap_set = set(st.swap)
         swapped = sum(r.activation_bytes for r in recs if set(r.members) <= swap_set and swap_set)
         inputs: dict[str, int] = {}
@@ -324,14 +363,14 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
                                 compute_bytes=compute_bytes(plan.precision.value))
             mems.append(replace(mem, grads=mem.grads + shared) if shared else mem)  # the tied gradients' buffer
             if not st.rows and all(c.device(y).is_cpu == c.device(x).is_cpu for y in st.devices):
-                mems = [mems[0]] * d  # equal replicas hold equal bytes
+                mems = [mems[0]] * len(st.devices)  # equal replicas hold equal bytes
                 break
         send_ms = []
         for j, prods in sorted(sends.items()):
             dst = plan.stages[j]
             # the largest piece one device sends or receives: its share of a microbatch's rows, in either split
             nbytes = sum(prods.values()) * max(max(_rows(st, m, batch)), max(_rows(dst, m, batch))) / batch \
-                if st.rows or dst.rows else sum(prods.values()) / (m * min(d, len(dst.devices)))
+                if st.rows or dst.rows else sum(prods.values()) / (m * min(d, dst.replicas))
             link = link_spec(c, st.devices[0], dst.devices[0])
             send_ms.append((j, transfer_ms(cost_models.p2p_ms, nbytes, link)))
         host = host_link_spec(c.device(st.devices[0]))
@@ -343,9 +382,9 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
                               zero_shards(c, st))
         rate = stream_bytes_per_ms(graph, kinds)
         copy = copy_ms(params, d, rate, st.zero, st.allreduce is AllReduce.HIERARCHICAL)
-        group = min((link_spec(c, st.devices[0], x) for x in st.devices[1:]), key=lambda sp: sp.gbps) \
-            if d > 1 else None
-        hier = hierarchy(c, st.devices) if st.allreduce is AllReduce.HIERARCHICAL else None
+        dp = st.dp_groups()[0]  # the devices that sum each other's gradients (all of them when tp is 1)
+        group = min((link_spec(c, dp[0], x) for x in dp[1:]), key=lambda sp: sp.gbps) if d > 1 else None
+        hier = hierarchy(c, st.sync_group()) if st.allreduce is AllReduce.HIERARCHICAL else None
         fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts * most * m * d if st.rows else acts, m, d, rate)
         sync, gather = _sync_cost(plan, graph, st, nodes, params, group, host, dtype, rate, bwd, hier, m, fwd_ms=fwd)
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms), sync - gather + copy,
@@ -363,7 +402,7 @@ def _sync_cost(plan: Plan, graph: CostGraph, st: Stage, nodes: list[str], params
     ``fwd_ms``), compressed, or local SGD's amortised average (neither overlapped: the runtime runs them after
     the backward). Returns ``(sync, gather)``: the whole, and the part of it that runs after the optimizer step
     (:func:`hpml_compile.stagecost.stepped_gather_ms`: ZeRO-1/2's gather where it is not prefetched)."""
-    d = len(st.devices)
+    d = st.replicas
     comp = parse_compress(st.compress)
     if comp is not None and d > 1:
         frac = None

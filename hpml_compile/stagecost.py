@@ -130,7 +130,7 @@ __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfe
            "level_bytes",
            "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
            "optimizer_ms", "steps_flat", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows", "agree_ms",
-           "meet_ms",
+           "meet_ms", "tp_bytes", "tp_time", "tp_comm_ms",
            "AGREE_BYTES"]
 
 # A count or a duration: a Python scalar for one stage, a numpy array for many candidates at once.
@@ -270,6 +270,70 @@ def device_memory(*, param_bytes: int, activation_bytes: int, input_bytes: int, 
                      recompute=recompute, swapped_bytes=swapped_bytes, offload_optimizer=offload_optimizer,
                      host_is_device=host_is_device, share=share, compute_bytes=compute_bytes, shards=shards)
     return MemoryBreakdown(m.params, m.grads, m.optimizer, m.stored, m.working, max(1, in_flight), m.host)
+
+
+def tp_bytes(total: Value, sharded: Value, tp: int) -> Value:
+    """Bytes on one rank of a tensor-parallel group of ``tp``: the replicated rest whole, the sharded part
+    ``1 / tp`` (floored on the sum, in the solver's table and the validator alike).
+
+    >>> tp_bytes(100, 80, 4), tp_bytes(100, 80, 1)
+    (40, 100)
+    """
+    return total if tp <= 1 else total - sharded + sharded // tp
+
+
+def tp_time(full: Value, fixed: Value, sharded: Value, sharded_fixed: Value, fraction: Value, tp: int) -> Value:
+    """One rank's time for ``fraction`` of the batch rows under tensor parallelism of ``tp``.
+
+    ``fixed + (full - fixed) * fraction`` (:meth:`hpml_compile.costgraph.CostGraph.cost_at`) with the
+    per-row part of the sharded nodes divided by ``tp``; the fixed part (a GPU's per-op cost: every rank
+    launches every op) stays whole.
+
+    Args:
+        full: time of the nodes for the whole batch.
+        fixed: its fixed part.
+        sharded: the sharded nodes' time for the whole batch (part of ``full``).
+        sharded_fixed: their fixed part.
+        fraction: the share of the batch rows (``1 / (M d)``).
+        tp: the degree.
+
+    >>> tp_time(10.0, 2.0, 6.0, 2.0, 0.5, 4), tp_time(10.0, 2.0, 6.0, 2.0, 0.5, 1)
+    (4.5, 6.0)
+    """
+    per_row = full - fixed if tp <= 1 else full - fixed - (sharded - sharded_fixed) * (1 - 1 / tp)
+    return fixed + per_row * fraction
+
+
+def tp_comm_ms(allreduce_bytes: Value, gather_bytes: Value, count: Value, tp: int,
+               link: cost_models.LinkSpec | None) -> Value:
+    """The tensor-parallel collectives of one pass over a microbatch (blocking: the next op needs their result).
+
+    ``count`` collectives in all: the all-gathers of ``gather_bytes`` (one per gathered tensor, an LM head's
+    logits) and the rest all-reduces sharing ``allreduce_bytes`` equally (one per unit of a transformer:
+    Megatron's two per layer forward, two backward), ring algorithms on the group's ``link``
+    (:mod:`cost_models`), one latency each.
+
+    Args:
+        allreduce_bytes: bytes all-reduced (each rank's buffer), summed over the collectives.
+        gather_bytes: bytes all-gathered (the gathered output on each rank).
+        count: the number of collectives (all-reduces and all-gathers).
+        tp: the group's ranks.
+        link: the slowest link inside the group (None or infinitely fast: free).
+
+    Returns:
+        Milliseconds, of the form of the bytes.
+
+    >>> nv = cost_models.LinkSpec("example", gbps=100.0, latency_us=10.0, source="example")
+    >>> round(tp_comm_ms(2e6, 0, 2, 2, nv), 4) == round(2 * cost_models.allreduce_ms(1e6, 2, nv), 4)
+    True
+    """
+    if tp <= 1 or link is None:
+        return allreduce_bytes * 0.0
+    gathers = (gather_bytes > 0) * 1 if isinstance(gather_bytes, np.ndarray) else int(gather_bytes > 0)
+    reduces = np.maximum(count - gathers, 0) if isinstance(count, np.ndarray) else max(0, count - gathers)
+    safe = np.maximum(reduces, 1) if isinstance(reduces, np.ndarray) else max(1, reduces)
+    one = transfer_ms(cost_models.allreduce_ms, allreduce_bytes / safe, link, tp)
+    return reduces * one + transfer_ms(cost_models.all_gather_ms, gather_bytes, link, tp)
 
 
 def _affine(fn: Callable[..., float], link: cost_models.LinkSpec, *args: object
@@ -531,7 +595,7 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         raise ValueError(f"overlap must be a fraction of the backward in [0, 1], got {overlap}")
     z = ZeroStage(zero)
     total: Value = param_bytes * 0.0
-    if replicas > 1 and z == ZeroStage.OS and hier is not None:  # hierarchical ZeRO-1 (runtime.zero)
+    if replicas > 1 and z == ZeroStage.OS and hier is not None:  # hierarchical ZeRO-1 (runtime.sync.zero)
         h, hosts = hier.per_host, len(hier.hosts)
 
         def chain(b: Value) -> Value:  # one bucket: reduce-scatter in the host, its shard's all-reduce between
@@ -553,7 +617,7 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         elif z == ZeroStage.NONE and hier is not None:  # each bucket's chain of three during the backward
             total = total + hierarchical_overlapped_ms(param_bytes, hier, overlap * bwd_ms)
         elif bwd_ms is None or z == ZeroStage.OS_G_P or overlap <= 0:  # ZeRO-3's is not overlapped (zero3)
-            # one collective after the backward, after the members meet (ZeRO-3's, runtime.zero3, without)
+            # one collective after the backward, after the members meet (ZeRO-3's, runtime.sync.zero3, without)
             meet = _met(param_bytes, replicas, link) if z != ZeroStage.OS_G_P else 0.0
             total = total + meet + transfer_ms(reduce, param_bytes, link, replicas)
         else:

@@ -163,8 +163,9 @@ def rows_text(st: Stage) -> str:
 def allreduce_label(plan: Plan, st: Stage) -> str:
     """``hierarchical all-reduce (2 hosts x 8)``: how a stage sums its gradients, for the pictures and the summary
     (a ZeRO-1 stage: ``hierarchical reduce-scatter + all-gather (2 hosts x 8, optimizer sharded per host)``)."""
-    hosts = len({plan.cluster.device(d).host for d in st.devices})
-    shape = f"{hosts} hosts x {len(st.devices) // max(1, hosts)}"
+    group = st.sync_group()
+    hosts = len({plan.cluster.device(d).host for d in group})
+    shape = f"{hosts} hosts x {len(group) // max(1, hosts)}"
     if st.zero != ZeroStage.NONE and st.allreduce is AllReduce.HIERARCHICAL:
         return f"hierarchical reduce-scatter + all-gather ({shape}, optimizer sharded per host)"
     return f"{st.allreduce.value} all-reduce ({shape})"
@@ -173,7 +174,8 @@ def allreduce_label(plan: Plan, st: Stage) -> str:
 def _stage_label(plan: Plan, st: Stage, result: SimResult | None) -> str:
     kinds = [plan.cluster.device(d).kind for d in st.devices]
     kind_text = " + ".join(f"{kinds.count(k)} x {k}" for k in dict.fromkeys(kinds))
-    opts = [f"ZeRO-{int(st.zero)}"] if st.zero else []
+    opts = [f"tp {st.tp} x {st.replicas} replicas"] if st.tp > 1 else []
+    opts += [f"ZeRO-{int(st.zero)}"] if st.zero else []
     opts += ["recompute"] if st.recompute else []
     opts += [f"swap {len(st.swap)} nodes"] if st.swap else []
     opts += ["optimizer offload"] if st.offload_optimizer else []

@@ -69,6 +69,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
                         "ranks use what each will have, cores // N (recorded in the profile, checked by `plan`)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                    help="time every node under torch.autocast to this dtype (default fp32); recorded in the file")
+    p.add_argument("--gpu-op-us", type=float, default=None, dest="gpu_op_us", metavar="US",
+                   help="the host's work per op of the GPU kinds predicted here, in microseconds (default: the "
+                        "catalog's eager 70); e.g. 5 for stages that run compiled, an assumption the plan lists")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     p.add_argument("--no-measure-links", dest="measure_links", action="store_false",
                    help="do not time the gloo link between two processes of this host (by default it is timed "
@@ -90,7 +93,8 @@ def _run_profile(args: argparse.Namespace) -> int:
                    batch_size=loaded.batch_size, seq_len=loaded.seq_len, repeats=args.repeats, warmup=args.warmup,
                    leaf_modules=args.leaf, front_end=args.front_end, progress=not args.quiet,
                    loss_fn=loaded.loss_fn if loaded.example_targets is not None else None,
-                   targets=loaded.example_targets, threads=args.threads, precision=args.precision)
+                   targets=loaded.example_targets, threads=args.threads, precision=args.precision,
+                   gpu_op_us=args.gpu_op_us)
     if args.measure_links and not args.meta:  # after the nodes: the probe's processes must not disturb their timing
         from ..driver import with_link
         from ..profile.links import measure_local_link

@@ -52,6 +52,9 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--precision", default=None, choices=[x.value for x in Precision],
                    help="the precision to train in; must be the profile's (default: the profile's)")
     p.add_argument("-o", "--output", default=None, help="plan.json to write (with --compare: the ilp plan)")
+    p.add_argument("--max-tp", type=int, default=8, choices=[1, 2, 4, 8], dest="max_tp",
+                   help="the largest tensor-parallel degree a stage may take (default 8; 1: none); compile plans "
+                        "with 1, its generated stages running without tensor parallelism")
     add_comm_options(p)
     from .infer import add_inference_options
 
@@ -91,8 +94,8 @@ def comm_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"compress": args.compress, "allow_compress": getattr(args, "allow_compress", None),
             "sync_every": 1 if args.sync_every is None else args.sync_every,
             "sync_warmup": 0 if args.sync_warmup is None else args.sync_warmup,
-            **({"hierarchical": args.hierarchical, "uneven": args.uneven, "every_device": args.every_device}
-               if hasattr(args, "uneven") else {})}
+            **({"hierarchical": args.hierarchical, "uneven": args.uneven, "every_device": args.every_device,
+                **({"max_tp": args.max_tp} if hasattr(args, "max_tp") else {})} if hasattr(args, "uneven") else {})}
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Profile, Cluster]:

@@ -17,6 +17,8 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
+import math
 import os
 import statistics
 from pathlib import Path
@@ -29,7 +31,7 @@ import torch.fx as fx
 import cost_models
 from cost_models.calibrate import Calibration, OpSample, fit, predict_ms
 
-from ..errors import HpmlError, UnknownDeviceError
+from ..errors import HpmlError, OptionError, UnknownDeviceError
 from ..hostmem import keep_freed_memory
 from ..ir import BackwardTiming, FrontEnd, NodeCost, NodeOp, Precision, Profile, ProfileNode
 from ..precision import autocast
@@ -349,6 +351,7 @@ def profile(
     threads: int | None = None,
     precision: Precision | str = Precision.FP32,
     corun: bool = False,
+    gpu_op_us: float | None = None,
 ) -> Profile:
     """Trace (unless given a traced GraphModule) and profile ``model``.
 
@@ -389,6 +392,11 @@ def profile(
             development VM that slow-down swung from 1.0x to 1.7x between
             minutes, so two profiles of one model disagreed more with it, and
             the prediction benchmark moved by at most a point.
+        gpu_op_us: the host's work per op, in microseconds, of the GPU kinds
+            predicted rather than measured (None: the catalog's eager cost,
+            ``cost_models.EAGER_GPU_OP_MS``); e.g. 5 for stages that run
+            compiled, an assumption the plan then lists
+            (:func:`predict_kinds`' ``op_ms``).
 
     Measuring on the CPU also measures the host's memory bandwidth (one
     thread, all threads) and leaves this process keeping freed memory, as
@@ -404,9 +412,18 @@ def profile(
         UnknownDeviceError: a kind is neither present nor in the catalog.
         TraceError: the model cannot be traced.
         HpmlError: ``threads`` below 1.
-        OptionError: ``precision`` is not one of fp32, bf16, fp16.
+        OptionError: ``precision`` is not one of fp32, bf16, fp16; ``gpu_op_us`` is negative.
     """
     prec = Precision.parse(precision)
+    if gpu_op_us is not None:  # the kinds present measured; the others predicted at that per-op cost
+        if not (gpu_op_us >= 0 and math.isfinite(gpu_op_us)):
+            raise OptionError(f"profile: gpu_op_us {gpu_op_us}: expected microseconds per op, 0 or more")
+        here = [k for k in device_kinds if k in local_kinds()]
+        measured = profile(model, example_inputs, name=name, device_kinds=here, batch_size=batch_size,
+                           seq_len=seq_len, repeats=repeats, warmup=warmup, leaf_modules=leaf_modules,
+                           front_end=front_end, progress=progress, loss_fn=loss_fn, targets=targets,
+                           micro_batch=micro_batch, optimizer=optimizer, threads=threads, precision=prec, corun=corun)
+        return predict_kinds(measured, list(dict.fromkeys(device_kinds)), op_ms=gpu_op_us / 1e3)
     if threads is None:
         return _profile(model, example_inputs, name, device_kinds, batch_size, seq_len, repeats, warmup, leaf_modules,
                         front_end, progress, loss_fn, targets, micro_batch, optimizer, prec, corun)
@@ -568,13 +585,17 @@ def _calibrations(p: Profile) -> dict[str, tuple[Calibration, Calibration]]:
     return out
 
 
-def predict_kinds(p: Profile, kinds: Sequence[str]) -> Profile:
+def predict_kinds(p: Profile, kinds: Sequence[str], *, op_ms: float | None = None) -> Profile:
     """Add predicted costs for the ``kinds`` the profile lacks.
 
     Predictions use the roofline of each kind's datasheet with multipliers
     fitted on a measured kind of the same profile (the CPU first), so they
     need only the profile, not the model. A profile with nothing measured
     uses the bare roofline with the catalog's efficiency priors.
+
+    ``op_ms``: the host's work per op on a GPU kind (None: the catalog's eager
+    cost, ``cost_models.EAGER_GPU_OP_MS``); a smaller one prices stages that
+    run compiled (fewer, fused launches), an assumption the caller states.
 
     Raises:
         UnknownDeviceError: a kind is in neither the profile nor the catalog.
@@ -589,6 +610,9 @@ def predict_kinds(p: Profile, kinds: Sequence[str]) -> Profile:
     devices = dict(p.devices)
     new_nodes = []
     specs = {k: cost_models.get_device(k) for k in missing}
+    if op_ms is not None:
+        specs = {k: replace(sp, launch_overhead_ms=op_ms) if sp.category is cost_models.DeviceCategory.GPU else sp
+                 for k, sp in specs.items()}
     for n in p.nodes:
         cost = dict(n.cost)
         for k in missing:
@@ -609,7 +633,9 @@ def predict_kinds(p: Profile, kinds: Sequence[str]) -> Profile:
     optimizer_ms = {**p.optimizer_ms, **_predict_optimizer(p, missing)}
     for k in missing:
         devices[k] = {"measured": False, "predicted_from": f"{source} calibration + datasheet" if source
-                      else "datasheet roofline with prior efficiencies"}
+                      else "datasheet roofline with prior efficiencies",
+                      **({"op_ms": op_ms} if op_ms is not None and specs[k].category is cost_models.DeviceCategory.GPU
+                         else {})}
     if source:
         devices[source] = {**devices[source], "calibration_fwd": fwd_cal.to_dict(),  # type: ignore[union-attr]
                            "calibration_bwd": bwd_cal.to_dict()}  # type: ignore[union-attr]

@@ -5,7 +5,15 @@ the DP bounds, a Lagrangian branch and bound and, where the
 candidates are few enough, HiGHS's MILP (:mod:`.ilp`), each where the case
 calls for it, exact with a reported gap), ``dp`` (:mod:`.dp`, exact min-bottleneck over the
 topological order, for graphs too large for the ILP) and the baselines
-``uniform``, ``params``, ``time`` (:mod:`.baselines`). Every plan is scored
+``uniform``, ``params``, ``time`` (:mod:`.baselines`) and ``grid`` (:mod:`.grid`:
+one tensor-parallel degree, depth and data-parallel degree for every stage, as
+Megatron-LM or torchtitan are configured by hand). Each candidate stage may
+take a tensor-parallel degree ``tp`` (:mod:`hpml_compile.tp`) where a host
+holds that many devices of its kind: the table prices it
+(:func:`.table.build_table`) like any other configuration. ``portfolio`` also tries
+grid's uniform meshes (within :data:`MESH_BUDGET_S`), whose one stage may hold
+replicas of several kinds, and returns the faster (named ``portfolio+grid``), so it
+is never slower than that peer. Every plan is scored
 by the one simulator (:mod:`hpml_compile.simulate`), and its predictions are
 written into the plan.
 
@@ -97,6 +105,7 @@ from .lagrange import (EXACT_VECTORS, coarse_chain, coarse_groups, lagrangian_bo
 from .restricted import SWEEP, proxy_sweep
 from .msearch import MILP_CANDIDATES, anytime, relative_gap
 from .table import build_table
+from .grid import grid_plan
 
 
 __all__ = ["SolverName", "solve", "microbatch_choices", "plan_from_cuts", "choose_compression"]
@@ -121,6 +130,7 @@ class SolverName(str, enum.Enum):
     UNIFORM = "uniform"
     PARAMS = "params"
     TIME = "time"
+    GRID = "grid"
     ILP = "portfolio"  # an alias: ``--solver ilp`` selects the portfolio
 
     @classmethod
@@ -180,6 +190,9 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
     check_devices_costed(cluster, costgraph.kinds)
     if microbatches is not None and microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
+    if name is SolverName.GRID:
+        return grid_plan(costgraph, cluster, microbatches=microbatches, schedule=sched, dtype=dtype,
+                         time_limit_s=time_limit_s, compute_bytes=compute_bytes, hierarchical=hierarchical)
     t0 = time.perf_counter()
     chain = Chain.of(costgraph)
     ms = [microbatches] if microbatches else microbatch_choices(costgraph.batch_size)
@@ -284,11 +297,34 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
     else:
         step, plan = simulated(setting, picked)
     info = SolverInfo(name.value, status, gap, time.perf_counter() - t0)
+    if name is SolverName.ILP and not allowed:  # a uniform mesh may mix kinds in one stage, outside the ILP's space
+        left = max(1.0, time_limit_s - (time.perf_counter() - t0))  # within the time limit, a second at least
+        mesh = _mesh(costgraph, cluster, microbatches, sched, dtype, compute_bytes, left, hierarchical)
+        if mesh is not None and mesh.predicted.step_ms < step:
+            say(f"portfolio: grid's uniform mesh simulates faster ({mesh.predicted.step_ms:.4g} ms against "
+                f"{step:.4g} ms; its stages may mix kinds across tensor-parallel groups): returned")
+            plan, info = mesh, SolverInfo(f"{SolverName.PORTFOLIO.value}+grid", SolverStatus.HEURISTIC, 0.0, time.perf_counter() - t0)
     if allowed is not None:
         chosen = [f"stage {st.index}: {st.compress}" for st in plan.stages if st.compress]
         say(f"{name.value}: compression {allowed} allowed: " + ("; ".join(chosen) if chosen else
             "no stage syncs faster with it, none compressed"))
     return replace(plan, solver=info)
+
+
+#: The most seconds ``ilp`` spends on grid's uniform meshes after its own plan (:func:`_mesh`).
+MESH_BUDGET_S = 5.0
+
+
+def _mesh(graph: CostGraph, cluster: Cluster, microbatches: int | None, sched: Schedule, dtype: str,
+          compute_bytes: int, time_limit_s: float, hierarchical: bool) -> Plan | None:
+    """grid's fastest uniform mesh within :data:`MESH_BUDGET_S` (or the time limit, if shorter), so that ``ilp``
+    is never slower than the peer (None: no mesh fits)."""
+    try:
+        return grid_plan(graph, cluster, microbatches=microbatches, schedule=sched, dtype=dtype,
+                         time_limit_s=min(MESH_BUDGET_S, time_limit_s), compute_bytes=compute_bytes,
+                         hierarchical=hierarchical)
+    except InfeasibleError:
+        return None
 
 
 def _powersgd_fraction(graph: CostGraph, dtype: str, allowed: Compression | None) -> float | None:

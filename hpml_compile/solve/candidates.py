@@ -21,7 +21,8 @@ from ..compression import Compression
 
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import numpy as np
 
@@ -34,9 +35,10 @@ from ..ir import Cluster
 from ..memory import MemoryBreakdown, ZeroStage
 from ..plan import AllReduce, Plan, Schedule, SolverInfo, Stage
 from ..simulate import stage_costs, tied_syncs
+from ..tp import TP_DEGREES
 
 __all__ = ["Chain", "StageConfig", "Candidate", "Setting", "CONFIGS", "enumerate_candidates", "kind_counts",
-           "assign_devices", "in_flight", "classes", "range_candidates", "to_plan", "degrees", "group_link",
+           "assign_devices", "assign_tp_devices", "host_groups", "ShardSums", "in_flight", "classes", "range_candidates", "to_plan", "degrees", "group_link",
            "group_links", "boundary_link", "faster_allreduce", "allreduce_choice"]
 
 
@@ -55,6 +57,8 @@ class Chain:
         acts: prefix sums of activation bytes.
         cut: ``cut[k]``: bytes crossing between ``order[:k]`` and ``order[k:]``.
         cuttable: ``cuttable[k]``: only tensors cross position ``k`` (0 and n always).
+        shard: per tensor-parallel degree at which some node shards, prefix sums of what it divides
+            (:class:`ShardSums`).
     """
 
     graph: CostGraph
@@ -67,6 +71,7 @@ class Chain:
     acts: tuple[int, ...]
     cut: tuple[int, ...]
     cuttable: tuple[bool, ...]
+    shard: dict[int, "ShardSums"] = field(default_factory=dict)
 
     @classmethod
     def of(cls, graph: CostGraph) -> "Chain":
@@ -98,7 +103,8 @@ class Chain:
         cut = tuple(itertools.accumulate(diff[: n + 1]))
         nb = tuple(itertools.accumulate(blocked[: n + 1]))
         cuttable = tuple(k in (0, n) or nb[k] == 0 for k in range(n + 1))
-        return cls(graph, n, fwd, bwd, ffix, bfix, params, acts, cut, cuttable)
+        shard = {t: ShardSums.of(recs, t, graph.kinds) for t in graph.tp_degrees()}
+        return cls(graph, n, fwd, bwd, ffix, bfix, params, acts, cut, cuttable, shard)
 
     def time(self, a: int, b: int, kind: str) -> float:
         """Forward + backward ms of ``order[a:b]`` on ``kind`` for the full batch."""
@@ -107,6 +113,43 @@ class Chain:
     def nodes(self, a: int, b: int) -> tuple[str, ...]:
         """The fx node names (members) of ``order[a:b]``."""
         return tuple(m for v in self.graph.order[a:b] for m in self.graph.node(v).members)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSums:
+    """Prefix sums over a chain of what tensor parallelism of one degree divides (:class:`hpml_compile.tp.ShardPart`):
+    per kind the sharded nodes' forward and backward ms and their fixed parts, and their parameter and activation
+    bytes; the collectives' bytes and counts. Arrays of ``n + 1`` entries."""
+
+    fwd: dict[str, np.ndarray]
+    bwd: dict[str, np.ndarray]
+    fwd_fixed: dict[str, np.ndarray]
+    bwd_fixed: dict[str, np.ndarray]
+    params: np.ndarray
+    acts: np.ndarray
+    fwd_allreduce: np.ndarray
+    fwd_gather: np.ndarray
+    bwd_allreduce: np.ndarray
+    fwd_count: np.ndarray
+    bwd_count: np.ndarray
+
+    @classmethod
+    def of(cls, recs: list, tp: int, kinds: tuple[str, ...]) -> "ShardSums":
+        """The sums over ``recs`` (cost-graph nodes in chain order) at degree ``tp``."""
+        parts = [r.shard.get(tp) for r in recs]
+
+        def acc(get: Callable[[object], float]) -> np.ndarray:
+            return np.concatenate([[0.0], np.cumsum([get(p) if p is not None else 0.0 for p in parts])])
+
+        def by_kind(attr: str, i: int) -> dict[str, np.ndarray]:
+            return {k: acc(lambda p, k=k: getattr(p, attr).get(k, (0.0, 0.0))[i]) for k in kinds}
+
+        ints = {f: acc(lambda p, f=f: getattr(p, f)).astype(np.int64) for f in
+                ("param_bytes", "activation_bytes", "fwd_allreduce", "fwd_gather", "bwd_allreduce", "fwd_count",
+                 "bwd_count")}
+        return cls(by_kind("cost", 0), by_kind("cost", 1), by_kind("fixed", 0), by_kind("fixed", 1),
+                   ints["param_bytes"], ints["activation_bytes"], ints["fwd_allreduce"], ints["fwd_gather"],
+                   ints["bwd_allreduce"], ints["fwd_count"], ints["bwd_count"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +162,7 @@ class StageConfig:
     offload: bool = False
     swap: bool = False
     hierarchical: bool = False
+    tp: int = 1
 
 
 # Cheapest first within each family; enumerate_candidates keeps those that buy memory.
@@ -135,7 +179,11 @@ CONFIGS: tuple[StageConfig, ...] = tuple(
     for s in (False, True) for r in (False, True) for o in (False, True) for z in OFFERED_ZERO
     if not (o and z == ZeroStage.OS_G_P)) + tuple(
     StageConfig(ZeroStage.OS, r, o, s, hierarchical=True) for s in (False, True) for r in (False, True)
-    for o in (False, True))
+    for o in (False, True)) + tuple(
+    # Tensor parallelism (hpml_compile.tp) last: it divides the memory itself, so neither offload nor swap
+    # is combined with it; its data-parallel groups (every tp-th device) may sync hierarchically.
+    StageConfig(z, r, tp=t) for t in TP_DEGREES for r in (False, True) for z in OFFERED_ZERO) + tuple(
+    StageConfig(ZeroStage.OS, r, hierarchical=True, tp=t) for t in TP_DEGREES for r in (False, True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +199,7 @@ class Setting:
     compress_fraction: float | None = None  # PowerSGD's share of elements on the wire, over the model's parameters
     hierarchical: bool = True  # a ZeRO-0/1 stage spread over hosts may sync hierarchically where faster
     compute_bytes: int = 0  # the autocast compute dtype's (0: fp32), for the weight copies per microbatch
+    max_tp: int = 8  # the largest tensor-parallel degree a stage may take (1: none; hpml_compile.tp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,10 +264,11 @@ def degrees(count: int, rows: int) -> list[int]:
     return sorted(d for d in ds if 1 <= d <= count and rows % d == 0)
 
 
-def group_hierarchies(cluster: Cluster, kind: str, ds: list[int]) -> dict[int, Hierarchy | None]:
-    """The first ``d`` devices of ``kind`` by host (:func:`hpml_compile.cluster.hierarchy`), for each ``d``."""
+def group_hierarchies(cluster: Cluster, kind: str, ds: list[int], tp: int = 1) -> dict[int, Hierarchy | None]:
+    """The first ``d`` devices of ``kind`` by host (:func:`hpml_compile.cluster.hierarchy`), for each ``d``; with
+    ``tp > 1``, the data-parallel group of a stage on them (every ``tp``-th)."""
     devs = [x.name for x in cluster.devices if x.kind == kind]
-    return {d: (hierarchy(cluster, devs[:d]) if d > 1 else None) for d in ds}
+    return {d: (hierarchy(cluster, devs[:d:tp]) if d > tp else None) for d in ds}
 
 
 def group_link(cluster: Cluster, kind: str, d: int) -> cost_models.LinkSpec | None:
@@ -316,20 +366,21 @@ def to_plan(chain: Chain, cluster: Cluster, setting: Setting, picked: list[Candi
     Returns:
         The plan.
     """
-    devices = assign_devices(cluster, [(c.kind, c.d) for c in picked])
+    devices, tps = assign_tp_devices(cluster, [(c.kind, c.d, c.config.tp) for c in picked])
     stages = []
-    for i, (c, devs) in enumerate(zip(picked, devices)):
+    for i, (c, devs, tp) in enumerate(zip(picked, devices, tps)):
         nodes = chain.nodes(c.a, c.b)
         # a hierarchical ZeRO-1 candidate was priced on the kind's first devices; on the devices it gets, where
         # those do not span hosts evenly, or with fewer per host (larger shards: more memory than priced), it
         # stays flat (sharded over all of them: less memory than either, so it fits)
         how = AllReduce.FLAT
         if c.config.hierarchical:
-            got, priced = hierarchy(cluster, devs), group_hierarchies(cluster, c.kind, [c.d])[c.d]
+            got = hierarchy(cluster, devs[::tp])
+            priced = group_hierarchies(cluster, c.kind, [c.d], c.config.tp)[c.d]
             if got is not None and priced is not None and got.per_host >= priced.per_host:
                 how = AllReduce.HIERARCHICAL
         stages.append(Stage(i, devs, nodes, c.config.zero, c.config.recompute, nodes if c.config.swap else (),
-                            c.config.offload, allreduce=how))
+                            c.config.offload, allreduce=how, tp=tp))
     plan = Plan(chain.graph.model, cluster, setting.schedule, setting.microbatches, tuple(stages), solver=solver)
     if setting.hierarchical:
         plan = faster_allreduce(plan, chain.graph, setting.dtype)
@@ -356,8 +407,8 @@ def faster_allreduce(plan: Plan, graph: CostGraph, dtype: str = "float32") -> Pl
     Returns:
         The plan, each stage that spans hosts flat or hierarchical.
     """
-    spans = {st.index for st in plan.stages if st.zero == ZeroStage.NONE and len(st.devices) > 1
-             and not st.compress and hierarchy(plan.cluster, st.devices) is not None}
+    spans = {st.index for st in plan.stages if st.zero == ZeroStage.NONE and st.replicas > 1
+             and not st.compress and hierarchy(plan.cluster, st.sync_group()) is not None}
     if not spans:
         return plan
 
@@ -390,6 +441,66 @@ def allreduce_choice(cluster: Cluster, devices: tuple[str, ...], param_bytes: in
     slowest = min((link_spec(cluster, devices[0], x) for x in devices[1:]), key=lambda sp: sp.gbps)
     flat = stagecost.transfer_ms(cost_models.allreduce_ms, param_bytes, slowest, len(devices))
     return AllReduce.HIERARCHICAL if stagecost.hierarchical_allreduce_ms(param_bytes, hier) < flat else AllReduce.FLAT
+
+
+def host_groups(cluster: Cluster, kind: str, tp: int) -> int:
+    """How many groups of ``tp`` devices of ``kind`` on one host the cluster holds (tensor-parallel groups).
+
+    >>> from hpml_compile.cluster import load_cluster
+    >>> host_groups(load_cluster("2node-a100-16"), "A100-80GB", 8), host_groups(load_cluster("2node-a100-16"), "A100-80GB", 16)
+    (2, 0)
+    """
+    per_host: dict[str, int] = {}
+    for x in cluster.devices:
+        if x.kind == kind:
+            per_host[x.host] = per_host.get(x.host, 0) + 1
+    return sum(c // tp for c in per_host.values())
+
+
+def assign_tp_devices(cluster: Cluster, stages: list[tuple[str, int, int]]
+                      ) -> tuple[list[tuple[str, ...]], list[int]]:
+    """Devices for a pipeline of ``(kind, d, tp)`` stages, each tensor-parallel group on one host.
+
+    The stages with ``tp > 1`` take their groups first, ``tp`` devices at a time from hosts (in cluster order)
+    that still hold that many free devices of the kind; then :func:`assign_devices` gives the others the next
+    free devices in cluster order. A stage whose groups no longer fit on hosts (the hosts hold fewer whole groups
+    than the stages together ask for) runs with ``tp = 1`` on the devices it gets, and the plan's simulation and
+    validation say what that costs.
+
+    Args:
+        cluster: the cluster.
+        stages: ``(kind, d, tp)`` per stage, in pipeline order (``d``: all its devices).
+
+    Returns:
+        The device names of each stage (each group's ``tp`` devices consecutive), and the degree each got.
+
+    Raises:
+        ValueError: if a kind runs out of devices.
+    """
+    free = {x.name for x in cluster.devices}
+    out: list[tuple[str, ...] | None] = [None] * len(stages)
+    tps = [tp for _, _, tp in stages]
+    for i, (kind, d, tp) in enumerate(stages):
+        if tp <= 1:
+            continue
+        by_host: dict[str, list[str]] = {}
+        for x in cluster.devices:
+            if x.kind == kind and x.name in free:
+                by_host.setdefault(x.host, []).append(x.name)
+        got: list[str] = []
+        for names in by_host.values():
+            while len(names) >= tp and len(got) < d:
+                got.extend(names[:tp])
+                names = names[tp:]
+        if len(got) == d:
+            out[i] = tuple(got)
+            free -= set(got)
+        else:
+            tps[i] = 1
+    rest = [(k, d) for (k, d, _), o in zip(stages, out) if o is None]
+    spare = Cluster(tuple(x for x in cluster.devices if x.name in free), (), cluster.name)
+    it = iter(assign_devices(spare, rest))
+    return [o if o is not None else next(it) for o in out], tps
 
 
 def assign_devices(cluster: Cluster, stages: list[tuple[str, int]]) -> list[tuple[str, ...]]:

@@ -42,10 +42,9 @@ from ..ir import Cluster
 from ..memory import MemoryBreakdown, ZeroStage, dtype_bytes
 from ..plan import Schedule
 from ..stagecost import (compressed_sync_ms, copy_ms, in_flight, memory_parts, optimizer_ms, stream_bytes_per_ms,
-                         steps_flat, sync_ms, transfer_ms)
+                         steps_flat, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms)
 from .candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees, group_hierarchies,
-                         group_links,
-                         kind_counts)
+                         group_links, host_groups, kind_counts)
 
 __all__ = ["CandidateTable", "build_table"]
 
@@ -162,6 +161,34 @@ def _tied(chain: Chain, ra: np.ndarray, rb: np.ndarray) -> tuple[np.ndarray, np.
     return elsewhere, shared
 
 
+def _tp_degrees(chain: Chain, setting: Setting) -> list[int]:
+    """The tensor-parallel degrees above 1 the setting allows and the chain shards at."""
+    return [t for t in sorted(chain.shard) if t <= setting.max_tp]
+
+
+def _times(chain: Chain, kind: str, tp: int, ra: np.ndarray, rb: np.ndarray, m: int, replicas: int,
+           link: cost_models.LinkSpec | None) -> tuple[np.ndarray, np.ndarray]:
+    """One microbatch's forward and backward ms of every range ``[ra, rb)`` on one rank of a stage of
+    ``replicas x tp`` devices of ``kind`` (:func:`hpml_compile.stagecost.tp_time`), the tensor-parallel
+    collectives on ``link`` included (:func:`hpml_compile.stagecost.tp_comm_ms`)."""
+    fw, bw = np.asarray(chain.fwd[kind]), np.asarray(chain.bwd[kind])
+    ffx, bfx = np.asarray(chain.fwd_fixed[kind]), np.asarray(chain.bwd_fixed[kind])
+    frac = 1.0 / (m * replicas)
+    if tp == 1:
+        return (tp_time(fw[rb] - fw[ra], ffx[rb] - ffx[ra], 0.0, 0.0, frac, 1),
+                tp_time(bw[rb] - bw[ra], bfx[rb] - bfx[ra], 0.0, 0.0, frac, 1))
+    sh = chain.shard[tp]
+    fwd = tp_time(fw[rb] - fw[ra], ffx[rb] - ffx[ra], sh.fwd[kind][rb] - sh.fwd[kind][ra],
+                  sh.fwd_fixed[kind][rb] - sh.fwd_fixed[kind][ra], frac, tp)
+    bwd = tp_time(bw[rb] - bw[ra], bfx[rb] - bfx[ra], sh.bwd[kind][rb] - sh.bwd[kind][ra],
+                  sh.bwd_fixed[kind][rb] - sh.bwd_fixed[kind][ra], frac, tp)
+    fwd = fwd + tp_comm_ms((sh.fwd_allreduce[rb] - sh.fwd_allreduce[ra]) * frac,
+                           (sh.fwd_gather[rb] - sh.fwd_gather[ra]) * frac, sh.fwd_count[rb] - sh.fwd_count[ra], tp, link)
+    bwd = bwd + tp_comm_ms((sh.bwd_allreduce[rb] - sh.bwd_allreduce[ra]) * frac, 0 * frac,
+                           sh.bwd_count[rb] - sh.bwd_count[ra], tp, link)
+    return fwd, bwd
+
+
 def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: float = math.inf,
                 ranges: tuple[np.ndarray, np.ndarray] | None = None,
                 groups: list[tuple[str, int]] | None = None) -> CandidateTable:
@@ -197,69 +224,82 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
     else:
         ra, rb = np.asarray(ranges[0], np.int64), np.asarray(ranges[1], np.int64)
     tied_all, shared_all = _tied(chain, ra, rb)
+    if not cluster.devices:
+        return CandidateTable.concat(kinds, [])
     params_all = np.asarray(chain.params, np.int64)[rb] - np.asarray(chain.params, np.int64)[ra] + tied_all
     acts_all = (np.asarray(chain.acts, np.int64)[rb] - np.asarray(chain.acts, np.int64)[ra])
     inputs_all = np.asarray(chain.cut, np.int64)[ra]
-    if groups is None:
-        groups = [(k, d) for k, c in counts.items() for d in degrees(c, max(1, setting.batch_size // m))]
+    if groups is None:  # a tensor-parallel stage needs only its replicas to split a microbatch's rows
+        widest = max(_tp_degrees(chain, setting), default=1)
+        groups = [(k, d) for k, c in counts.items() for d in degrees(c, max(1, setting.batch_size // m) * widest)]
     parts: list[dict[str, np.ndarray]] = []
     glinks = {k: group_links(cluster, k, [d for kk, d in groups if kk == k]) for k in {k for k, _ in groups}}
-    hiers = {k: group_hierarchies(cluster, k, [d for kk, d in groups if kk == k]) if setting.hierarchical else {}
-             for k in glinks}
+    hiers = {(k, t): group_hierarchies(cluster, k, [d for kk, d in groups if kk == k], t) if setting.hierarchical
+             else {} for k in glinks for t in (1, *_tp_degrees(chain, setting))}
     blinks = {k: boundary_link(cluster, k) for k in glinks}
+    tps = _tp_degrees(chain, setting)
+    hgroups = {(k, t): host_groups(cluster, k, t) for k in glinks for t in tps}
+    tlinks = {k: {t: group_links(cluster, k, [t])[t] for t in tps if hgroups[k, t]} for k in glinks}
+    rows_mb = max(1, setting.batch_size // m)
     for kind, d in groups:
         first = next(x for x in cluster.devices if x.kind == kind)
         cap, is_cpu = first.memory_bytes, first.is_cpu
         host = host_link_spec(first)
         overlap = overlap_efficiency(cluster, [first.name])  # the runtime's rule (plan.sync_overlap), by kind
-        fw, bw = np.asarray(chain.fwd[kind]), np.asarray(chain.bwd[kind])
-        ffx, bfx = np.asarray(chain.fwd_fixed[kind]), np.asarray(chain.bwd_fixed[kind])
-        fixed_all = ffx[rb] - ffx[ra] + bfx[rb] - bfx[ra]
-        base_all = fixed_all + (fw[rb] - fw[ra] + bw[rb] - bw[ra] - fixed_all) / (m * d)
-        keep = np.flatnonzero(m * base_all <= max_time)
+        degs = [1] * (rows_mb % d == 0) + [t for t in tlinks[kind] if d % t == 0 and rows_mb % (d // t) == 0
+                                             and d // t <= hgroups[kind, t]]
+        if not degs:
+            continue
+        full = {t: _times(chain, kind, t, ra, rb, m, d // t, tlinks[kind].get(t)) for t in degs}
+        keep = np.flatnonzero(m * np.min([f + b for f, b in full.values()], axis=0) <= max_time)
         if keep.size == 0:
             continue
-        a, b, base = ra[keep], rb[keep], base_all[keep]
-        params, acts, inputs, shared = params_all[keep], acts_all[keep], inputs_all[keep], shared_all[keep]
-        ffix = ffx[b] - ffx[a]
-        fwd = ffix + (fw[b] - fw[a] - ffix) / (m * d)
-        bfix = bfx[b] - bfx[a]
-        bwd = bfix + (bw[b] - bw[a] - bfix) / (m * d)  # one microbatch's: the gradient sync overlaps the last
+        a, b = ra[keep], rb[keep]
         opt_rates = {flat: chain.graph.optimizer_ms_per_byte(kind, flat) for flat in (False, True)}
         rate = stream_bytes_per_ms(chain.graph, [kind])
-        comm = np.where(a > 0, 2 * transfer_ms(cost_models.p2p_ms, inputs / (m * d), blinks[kind]),
-                        0.0)
-        glink = glinks[kind][d]
-        hier = hiers[kind].get(d)
         bpe = dtype_bytes(setting.dtype)
-        cfg_ids = [i for i, c in enumerate(CONFIGS) if (d > 1 or c.zero == ZeroStage.NONE)
-                   and not (is_cpu and (c.offload or c.swap)) and (hier is not None or not c.hierarchical)]
-        ts, ests, jms, mems = [], [], [], []
+        cfg_ids = [i for i, c in enumerate(CONFIGS) if c.tp in degs and (d > c.tp or c.zero == ZeroStage.NONE)
+                   and not (is_cpu and (c.offload or c.swap))
+                   and (hiers[kind, c.tp].get(d) is not None or not c.hierarchical)]
+        ts, ests, jms, mems, comms = [], [], [], [], []
         for ci in cfg_ids:
             cfg = CONFIGS[ci]
-            swap_ms = 2 * transfer_ms(cost_models.p2p_ms, acts / (m * d), host) if cfg.swap else 0.0
+            tp, dr = cfg.tp, d // cfg.tp
+            fwd, bwd = full[tp][0][keep], full[tp][1][keep]
+            base = fwd + bwd
+            params, acts = params_all[keep], acts_all[keep]
+            if tp > 1:
+                sh = chain.shard[tp]
+                params = tp_bytes(params, sh.params[b] - sh.params[a], tp)
+                acts = tp_bytes(acts, sh.acts[b] - sh.acts[a], tp)
+            inputs, shared = inputs_all[keep], shared_all[keep]
+            comm = np.where(a > 0, 2 * transfer_ms(cost_models.p2p_ms, inputs / (m * dr), blinks[kind]), 0.0)
+            glink = glinks[kind][d]
+            hier = hiers[kind, tp].get(d)
+            swap_ms = 2 * transfer_ms(cost_models.p2p_ms, acts / (m * dr), host) if cfg.swap else 0.0
             t = base + (fwd if cfg.recompute else 0.0) + swap_ms
-            shards = hier.per_host if cfg.hierarchical and hier is not None else d  # HSDP-like: one host's
+            shards = hier.per_host if cfg.hierarchical and hier is not None else dr  # HSDP-like: one host's
             mem = memory_parts(param_bytes=params, activation_bytes=acts, input_bytes=inputs, dtype_bytes=bpe,
-                               replicas=d, zero=cfg.zero, microbatches=m, recompute=cfg.recompute,
+                               replicas=dr, zero=cfg.zero, microbatches=m, recompute=cfg.recompute,
                                swapped_bytes=acts if cfg.swap else acts * 0, offload_optimizer=cfg.offload,
                                host_is_device=is_cpu, compute_bytes=setting.compute_bytes, shards=shards)
             mem = mem._replace(grads=mem.grads + shared)  # the flat buffer of gradients tied to other stages
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)
-            sync = sync_ms(params, d, cfg.zero, cfg.offload, glink, host, hier if cfg.hierarchical else None,
+            sync = sync_ms(params, dr, cfg.zero, cfg.offload, glink, host, hier if cfg.hierarchical else None,
                            bwd_ms=bwd, microbatches=m, overlap=overlap, fwd_ms=fwd)  # ZeRO-1/2: prefetched gather
             if hier is not None and cfg.zero == ZeroStage.NONE:  # the faster of flat and hierarchical (to_plan picks)
-                sync = np.minimum(sync, sync_ms(params, d, cfg.zero, cfg.offload, glink, host, hier, bwd_ms=bwd,
+                sync = np.minimum(sync, sync_ms(params, dr, cfg.zero, cfg.offload, glink, host, hier, bwd_ms=bwd,
                                                 microbatches=m, overlap=overlap))
-            if setting.compress is not None and d > 1 and cfg.zero == ZeroStage.NONE:  # allowed: where it pays
-                sync = np.minimum(sync, compressed_sync_ms(params, d, setting.compress, glink, dtype_bytes=bpe,
+            if setting.compress is not None and dr > 1 and cfg.zero == ZeroStage.NONE:  # allowed: where it pays
+                sync = np.minimum(sync, compressed_sync_ms(params, dr, setting.compress, glink, dtype_bytes=bpe,
                                                            bytes_per_ms=rate, fraction=setting.compress_fraction))
             ests.append(m * t + sync
-                        + copy_ms(params, d, rate, cfg.zero, cfg.hierarchical)
-                        + optimizer_ms(params, d, cfg.zero, opt_rates[steps_flat(cfg.zero, d)], shards))
+                        + copy_ms(params, dr, rate, cfg.zero, cfg.hierarchical)
+                        + optimizer_ms(params, dr, cfg.zero, opt_rates[steps_flat(cfg.zero, dr)], shards))
             jms.append(jm)
             mems.append(mem)
+            comms.append(comm)
         est, jmx = np.stack(ests, 1), np.stack(jms, 1)
         order = np.argsort(est, axis=1, kind="stable")  # cheapest first; ties keep CONFIGS order
         jm_sorted = np.take_along_axis(jmx, order, 1)
@@ -270,7 +310,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         jm = jmx[rows, cols]
         part = {"a": a[rows], "b": b[rows], "kind": np.full(len(rows), kinds.index(kind)), "d": np.full(len(rows), d),
                 "cfg": np.asarray(cfg_ids)[cols], "jmax": jm, "t": t_all[rows, cols],
-                "tail": est[rows, cols] - m * t_all[rows, cols], "comm": comm[rows],
+                "tail": est[rows, cols] - m * t_all[rows, cols], "comm": np.stack(comms, 1)[rows, cols],
                 "in_flight": in_flight(setting.schedule, m, jm)}
         for f in ("params", "grads", "optimizer", "stored", "working", "host"):
             part[f] = np.stack([getattr(mm, f) for mm in mems], 1)[rows, cols]

@@ -37,7 +37,7 @@ least one row per replica:
   bubble together. Each neighbour's rows and memory configuration are chosen
   again, so the search sees rows, groups, cuts and ``M`` jointly.
 
-What was chosen is written into the plan's solver name (``ilp+uneven:data-parallel``) and returned by :func:`improve`.
+What was chosen is written into the plan's solver name (``portfolio+uneven:data-parallel``) and returned by :func:`improve`.
 
 The search runs within a budget (:class:`Budget`), checked before every plan it builds or simulates, so
 what it adds to the solver's time is bounded whatever the cluster; it says how many families it got
@@ -187,6 +187,8 @@ def extend(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, dtyp
         found: tuple[float, Plan, str] | None = None
         for dev in idle:
             for st in current.stages:
+                if st.tp > 1:  # a tensor-parallel stage grows by whole groups on one host, not a device at a time
+                    continue
                 devs = [*st.devices, dev]
                 for zero, rec, off in [(st.zero, st.recompute, st.offload_optimizer), *CONFIGS]:
                     if not allowed(cluster, devs, off):

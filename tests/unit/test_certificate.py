@@ -67,7 +67,7 @@ def test_plan_json_carries_the_certificate_and_assumptions_and_old_plans_still_l
     got = driver.plan(prof, c, driver.Options(solver="dp", microbatches=4))
     path = save_plan(got, tmp_path / "plan.json")
     d = json.loads(path.read_text())
-    assert d["schema_version"] == 2 and d["certificate"]["within"] == pytest.approx(got.certificate.within)
+    assert d["schema_version"] == 3 and d["certificate"]["within"] == pytest.approx(got.certificate.within)
     back = load_plan(path)
     assert back.certificate == got.certificate and back.assumptions == got.assumptions
     old = {k: v for k, v in d.items() if k not in ("certificate", "assumptions")} | {"schema_version": 1}
