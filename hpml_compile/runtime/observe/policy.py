@@ -39,7 +39,7 @@ Example:
     ([False, False, False, False, False, False, False, True], 1.3)
     >>> worth_switching(old_step_ms=30, new_step_ms=20, switch_cost_ms=5_000, steps_left=1000)
     True
-    >>> rows = Candidate("rows", step_ms=20.0, gain=1.5, switch_cost_ms=4_000)
+    >>> rows = Candidate("rows", step_ms=20.0, gain=1.5, switch_cost_ms=50)
     >>> full = Candidate("replan", step_ms=19.0, gain=1.58, switch_cost_ms=5_000)
     >>> choose_switch([full, rows], measured_ms=30.0, steps_left=1000)[0].name
     'rows'
