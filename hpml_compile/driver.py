@@ -166,6 +166,9 @@ class ProfileOptions:
         link: the link between two CPU processes of this host, measured by the caller
             (:func:`hpml_compile.profile.links.measure_local_link`; the driver never starts processes), recorded
             in the profile (:func:`with_link`); None: not measured.
+        corun: also time the blocks while other processes run them on the other cores
+            (:func:`hpml_compile.profile.timing.time_corun`: CPU ranks of one host share its caches and memory
+            bandwidth); None: where the cluster puts two or more CPU ranks on this host.
     """
 
     repeats: int = 3
@@ -176,6 +179,7 @@ class ProfileOptions:
     front_end: FrontEnd | str = FrontEnd.AUTO
     input_names: Sequence[str] = ()
     link: Mapping[str, Any] | None = None
+    corun: bool | None = None
 
 
 def with_link(prof: Profile, link: Mapping[str, Any]) -> Profile:
@@ -213,6 +217,14 @@ def local_threads(cluster: Cluster, cores: int | None = None) -> int | None:
     if all(d.is_cpu and d.host in ("localhost", "127.0.0.1") for d in cluster.devices):
         return max(1, (cores or os.cpu_count() or 1) // len(cluster.devices))
     return None
+
+
+def _corun(prof_opts: ProfileOptions, cluster: Cluster) -> bool:
+    """Whether the profile times the co-run slow-down: asked, or two or more CPU ranks share this host."""
+    if prof_opts.corun is not None:
+        return prof_opts.corun
+    local = [d for d in cluster.devices if d.is_cpu and d.host in ("localhost", "127.0.0.1")]
+    return len(local) >= 2 and (os.cpu_count() or 1) >= 2
 
 
 def check_microbatches(prof: Profile, microbatches: int | None) -> None:
@@ -530,7 +542,7 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Pat
         measured = profile(gm, inputs, name=label, device_kinds=kinds, batch_size=prof_opts.batch_size,  # 2. profile
                            seq_len=prof_opts.seq_len, repeats=prof_opts.repeats, warmup=prof_opts.warmup,
                            progress=False, threads=local_threads(c),  # local CPU ranks: at their thread count
-                           precision=prec)
+                           precision=prec, corun=_corun(prof_opts, c))
         if prof_opts.link:                                                          # 2b. measured by the caller
             measured = with_link(measured, prof_opts.link)
     else:
