@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..models.gpt import GPT, Block, PosEncoding, _rotate_half
+from ..models.gpt import GPT, Block, PosEncoding
 
 __all__ = ["Stage", "positions", "attention_mask"]
 
@@ -145,13 +145,7 @@ def _block(block: Block, x: Tensor, cos: Tensor | None, sin: Tensor | None, k_ca
 def _attend(block: Block, x: Tensor, cos: Tensor | None, sin: Tensor | None, k_cache: Tensor, v_cache: Tensor,
             start: int, mask: Tensor) -> Tensor:
     a = block.attn
-    q = a.q_proj(x).unflatten(-1, (a.n_head, a.head_dim)).transpose(1, 2)
-    k = a.k_proj(x).unflatten(-1, (a.n_kv_head, a.head_dim)).transpose(1, 2)
-    v = a.v_proj(x).unflatten(-1, (a.n_kv_head, a.head_dim)).transpose(1, 2)
-    if cos is not None and sin is not None:
-        half = a.head_dim // 2
-        q = q * cos + _rotate_half(q, half) * sin
-        k = k * cos + _rotate_half(k, half) * sin
+    q, k, v = a.qkv(x, cos, sin)
     stop = start + x.shape[1]
     k_cache[:, :, start:stop] = k
     v_cache[:, :, start:stop] = v

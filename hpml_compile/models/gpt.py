@@ -151,8 +151,11 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.d_model, kv_dim, bias=config.bias)
         self.o_proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
 
-    def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None) -> Tensor:
-        """Attend over ``x`` [B, T, d_model]; ``cos``/``sin`` [T, head_dim] (None without RoPE)."""
+    def qkv(self, x: Tensor, cos: Tensor | None, sin: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries [B, n_head, T, head_dim], keys and values [B, n_kv_head, T, head_dim], rotated where RoPE is on.
+
+        Shared by :meth:`forward` and the cached forward of inference (:mod:`hpml_compile.infer.kv`).
+        """
         # unflatten/flatten instead of view(B, T, ...): no Python ints cross the graph.
         q = self.q_proj(x).unflatten(-1, (self.n_head, self.head_dim)).transpose(1, 2)
         k = self.k_proj(x).unflatten(-1, (self.n_kv_head, self.head_dim)).transpose(1, 2)
@@ -161,6 +164,11 @@ class Attention(nn.Module):
             half = self.head_dim // 2
             q = q * cos + _rotate_half(q, half) * sin
             k = k * cos + _rotate_half(k, half) * sin
+        return q, k, v
+
+    def forward(self, x: Tensor, cos: Tensor | None, sin: Tensor | None) -> Tensor:
+        """Attend over ``x`` [B, T, d_model]; ``cos``/``sin`` [T, head_dim] (None without RoPE)."""
+        q, k, v = self.qkv(x, cos, sin)
         if self.n_kv_head != self.n_head:
             rep = self.n_head // self.n_kv_head
             k = k.repeat_interleave(rep, dim=1)
