@@ -346,7 +346,7 @@ def main() -> None:
                 row["solvers"][s] = _entry(partial(solve, graph, cluster, solver=s, time_limit_s=args.time_limit))
             for p, fn in peers.items():
                 row["solvers"][p] = _entry(partial(best_peer_plan, graph, cluster, p, fn))
-            ref = row["solvers"]["ilp"]["step_ms"]
+            ref = row["solvers"][SolverName.PORTFOLIO.value]["step_ms"]
             for e in row["solvers"].values():
                 e["vs_ilp"] = e["step_ms"] / ref if ref and e["step_ms"] else None
             peer_steps = [row["solvers"][p]["step_ms"] for p in peers if row["solvers"][p]["step_ms"]]
@@ -359,7 +359,7 @@ def main() -> None:
             for c in cols:
                 e = row["solvers"][c]
                 cells.append(f"{'infeasible':>11s}" if e["step_ms"] is None else
-                             (f"{e['step_ms']:>11.5g}" if c == "ilp" else f"{e['step_ms']:>6.4g} {e['vs_ilp']:3.2f}x"))
+                             (f"{e['step_ms']:>11.5g}" if c == SolverName.PORTFOLIO.value else f"{e['step_ms']:>6.4g} {e['vs_ilp']:3.2f}x"))
             ratios = [row["best_peer_vs_ilp"], row["ilp_vs_bound"], row["best_peer_vs_bound"]]
             print(f"{name:11s} {cname:14s} " + " ".join(cells) + "".join(
                 f"{f'{x:.2f}x' if x else '-':>11s}" for x in ratios), flush=True)
