@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -166,6 +167,10 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
                            spec.weights)
     if session is None and sum(len(st.devices) for st in build.plan.stages) > 1 and log:
         log(f"no torchrun environment: all {len(build.plan.stages)} stages run in this process")
+    if optimizer is None:  # what `run` would have trained with AdamW: say it, once, rather than train nothing
+        warnings.warn("hpml_compile.compile: no optimizer given, so each step computes the loss and gradients and "
+                      "leaves the weights as they are; pass optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3) "
+                      "(or TrainSpec(optimizer=...)) to train", UserWarning, stacklevel=2)
     pipe = Pipeline(build, model, optimizer=optimizer, session=session, run_dir=run_dir, log=log)
     if spec is not None:
         from .runtime.execute.trainer import Trainer

@@ -49,3 +49,16 @@ def test_a_step_right_after_the_last_starts_from_its_end_sample() -> None:
     assert h._start is not h._last_end and h._start is not None, "after a gap the step samples afresh"
     busy = h.end()
     assert 0.0 <= busy.others <= 1.0 and busy.cpu_util >= 0.0
+
+
+def test_compile_without_an_optimizer_says_that_it_trains_nothing() -> None:
+    import pytest
+
+    import hpml_compile
+
+    net = torch.nn.Linear(4, 2)
+    with pytest.warns(UserWarning, match="no optimizer given"):
+        pipe = hpml_compile.compile(net, (torch.randn(4, 4),), cluster="local-cpu-1", profile_repeats=1)
+    before = net.weight.detach().clone()
+    pipe.step((torch.randn(4, 4),), torch.randn(4, 2), torch.nn.functional.mse_loss)
+    assert torch.equal(net.weight, before), "no optimizer: the weights stay as they were"
