@@ -262,6 +262,8 @@ def _trace_export(model: torch.nn.Module, inputs: tuple[Any, ...], names: Sequen
     if dynamic:  # the guards re-check the traced shapes; a graph that serves every row count drops them
         for n in [n for n in gm.graph.nodes if n.op == "call_module" and n.target == "_guards_fn"]:
             gm.graph.erase_node(n)
+    _attrs_at_first_use(gm)
+    _sizes_at_use(gm)
     gm.recompile()
     gm.meta["hpml_out_spec"] = out_spec
     gm.meta["hpml_dynamic_batch"] = dynamic
@@ -271,6 +273,42 @@ def _trace_export(model: torch.nn.Module, inputs: tuple[Any, ...], names: Sequen
         if n.op == "get_attr" and isinstance(_attr(gm, str(n.target)), torch.Tensor)
         and not _owned(model, str(n.target))}
     return gm
+
+
+def _attrs_at_first_use(gm: fx.GraphModule) -> None:
+    """Move each ``get_attr`` node to just before its first user, in that user's module scope.
+
+    ``ExportedProgram.module()`` reads every parameter and buffer at the top of the graph, outside every
+    module: in graph order they would all fall in the first block, and so on the first stage, whose rank
+    would then hold the whole model. At their first use they go with the block that reads them (a tied
+    weight with its first reader; later stages receive it as they receive any value).
+    """
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr" and n.users]:
+        first = min(node.users, key=position.__getitem__)
+        if "nn_module_stack" not in node.meta and "nn_module_stack" in first.meta:
+            node.meta["nn_module_stack"] = dict(first.meta["nn_module_stack"])
+        first.prepend(node)
+
+
+def _sizes_at_use(gm: fx.GraphModule) -> None:
+    """Give each reader of an input's symbolic size (``sym_size.int(input_ids, 0)``, the batch) its own read.
+
+    With a symbolic batch, export reads the batch size once at the top and every layer uses that
+    integer; a value that is not a tensor cannot cross a stage boundary, so no stage could end between
+    two layers. Read again just before each use (from the graph input, which every stage can read), the
+    size no longer ties the layers together.
+    """
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.sym_size.int
+                 and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder" and len(n.users) > 1]:
+        for user in list(node.users):
+            with gm.graph.inserting_before(user):
+                read = gm.graph.call_function(node.target, node.args, node.kwargs)
+            read.meta = dict(node.meta)
+            if "nn_module_stack" in user.meta:
+                read.meta["nn_module_stack"] = dict(user.meta["nn_module_stack"])
+            user.replace_input_with(node, read)
+        gm.graph.erase_node(node)
 
 
 def _attr(gm: fx.GraphModule, target: str) -> Any:

@@ -33,7 +33,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,17 +41,21 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ...codegen.build import sha256
 from ...errors import HpmlError
-from ...recipe import read_recipe
+from ...recipe import ModelRecipe, read_recipe
 from ..execute.checkpoint import CheckpointError, latest, load_checkpoint, resume_from, save_checkpoint, seed_rngs
 from ..execute.pipeline import Pipeline
 from ..execute.session import CommFailure, RetryPolicy, env_rank
 from ..execute.trainer import Trainer
+from ..execute.unallocated import parameters_unallocated, reserve_parameters
 from ..observe.monitor import metrics_path
 from ..observe.runfolder import RunFolder
 from .adapt import take_rows
 from .lifeline import watch_launcher
 from .loop import observers_for, say, train
 from .options import OptimizerName, ResumeMode, RunOptions, read_options
+
+if TYPE_CHECKING:
+    from ...models import LoadedModel
 
 _STARTED = time.perf_counter()  # the process's start, near enough: the cost of a restart is measured from it
 
@@ -144,6 +148,32 @@ class RankRun:
         return time.perf_counter() - t0
 
 
+def _load_model(recipe: ModelRecipe) -> LoadedModel:
+    """The build's model, its parameters unallocated until this rank's stage loads them from saved weights.
+
+    The model is built first without its parameters' memory (:mod:`..execute.unallocated`); when its
+    ``TrainSpec`` names saved weights, each parameter gets unwritten storage, and only the stage this
+    rank runs is written (``Pipeline.from_build`` loads it), so a model larger than one rank's memory
+    runs. A model without saved weights (random initialisation) is built again, whole, as the compile
+    built it: its initial values are the constructor's. So is a model whose constructor needs its
+    parameters' values (reading a meta tensor raises).
+    """
+    from ... import models  # the zoo: only a worker of a `compile`d build needs it
+
+    def load() -> LoadedModel:
+        return models.load(recipe.model, batch_size=recipe.batch_size, seq_len=recipe.seq_len, seed=recipe.seed)
+
+    try:
+        with parameters_unallocated():
+            loaded = load()
+    except Exception:  # a constructor that computes with its parameters' values: built whole, as before
+        return load()
+    if loaded.train is None or loaded.train.weights is None:
+        return load()
+    reserve_parameters(loaded.module)
+    return loaded
+
+
 def start_rank(build: Path, run: RunFolder, options: RunOptions, rank: int, local_world: int
                ) -> tuple[RankRun, Path | None]:
     """Load the build, join the job, and resume: the rank's steps, and the checkpoint they start from.
@@ -158,12 +188,10 @@ def start_rank(build: Path, run: RunFolder, options: RunOptions, rank: int, loca
     Returns:
         The rank's steps, and the checkpoint it resumed from (None: step 0).
     """
-    from ... import models  # the zoo: only a worker of a `compile`d build needs it
-
     recipe = read_recipe(build)
     threads = recipe.threads_per_rank or threads_per_rank(local_world)
     torch.set_num_threads(threads)
-    loaded = models.load(recipe.model, batch_size=recipe.batch_size, seq_len=recipe.seq_len, seed=recipe.seed)
+    loaded = _load_model(recipe)
     spec = loaded.train  # a TrainSpec: train on its dataset (else on the example batch)
     o = options
     optimizer = spec.optimizer if spec is not None and spec.optimizer is not None else _optimizer(o.optimizer, o.lr)
