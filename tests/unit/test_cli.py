@@ -80,8 +80,10 @@ def test_llama_7b_meta_profile_fits_in_3_gb(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
     # the command's own peak, reported by its process (the test process's RUSAGE_CHILDREN keeps the largest child
     # of every earlier test too)
-    own_peak = ("import resource, sys; from hpml_compile.cli import main; rc = main(sys.argv[1:]); "
-                "print('peak-rss-kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+    # VmHWM, not ru_maxrss: a forked child's ru_maxrss starts at its parent's RSS, and exec keeps it
+    own_peak = ("import sys; from hpml_compile.cli import main; rc = main(sys.argv[1:]); "
+                "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]; "
+                "print('peak-rss-kib', hwm); sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", own_peak, "profile", "llama-7b", "--meta", "--device-kinds",
                         "A100-80GB,H100-80GB", "-q", "-o", str(out)], capture_output=True, text=True, check=True,
                        timeout=300)
