@@ -103,3 +103,20 @@ def test_the_plan_round_trips_and_each_loader_refuses_the_other_kind(tmp_path: P
     path.write_text(json.dumps(d))
     with pytest.raises(SchemaError, match=r"stages\[0\]\.blocks"):
         load_inference_plan(path)
+
+
+def test_a_replan_without_a_device_keeps_the_hosts_of_the_devices_left_and_so_their_links() -> None:
+    from hpml_compile.cluster import dgx_pod, link_spec
+    from hpml_compile.infer.place import replan_without
+
+    cl = dgx_pod("A100-80GB", 80, 2, "nvlink3", "ib-hdr", "two", per_host=2)  # gpu0-1 on node0, gpu2-3 on node1
+    plan = place(LLAMA7, cl, Workload(batch=4, prompt_len=128, new_tokens=32, **BF16), explain_idle=False)
+    new = replan_without(plan, ["gpu1"])
+    assert {d.name for d in new.cluster.devices} == {"gpu0", "gpu2", "gpu3"}
+    assert new.cluster.hosts == cl.hosts  # both hosts still hold a device
+    for a, b in (("gpu0", "gpu2"), ("gpu2", "gpu3")):
+        assert link_spec(new.cluster, a, b) == link_spec(cl, a, b)
+    only = replan_without(plan, ["gpu2", "gpu3"])
+    assert [h.name for h in only.cluster.hosts] == ["node0"]  # a host without a device is not kept
+    with pytest.raises(InfeasibleError, match="no device is left"):
+        replan_without(plan, ["gpu0", "gpu1", "gpu2", "gpu3"])
