@@ -137,6 +137,10 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 16, dest="max_body_bytes")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, dest="max_prompt_tokens")
     p.add_argument("--max-new-tokens", type=int, default=256, dest="max_new_tokens")
+    p.add_argument("--header-timeout-s", type=float, default=10.0, dest="header_timeout_s",
+                   help="seconds a client may take to send a request's headers (then 408; default 10)")
+    p.add_argument("--body-timeout-s", type=float, default=10.0, dest="body_timeout_s",
+                   help="seconds a client may take to send a request's body (then 408; default 10)")
     p.set_defaults(run=run_serve)
 
 
@@ -191,13 +195,15 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..infer.api import open_build
     from ..infer.server import Limits, serve
 
-    for name in ("max_batch", "max_wait_ms", "max_queue", "max_body_bytes", "max_prompt_tokens", "max_new_tokens"):
+    for name in ("max_batch", "max_wait_ms", "max_queue", "max_body_bytes", "max_prompt_tokens", "max_new_tokens",
+                 "header_timeout_s", "body_timeout_s"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name))
     gen = open_build(args.build)
     limits = Limits(max_batch=args.max_batch or gen.plan.workload.batch, max_wait_ms=args.max_wait_ms,
                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                     max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-                    default_new_tokens=min(16, args.max_new_tokens))
+                    default_new_tokens=min(16, args.max_new_tokens), header_timeout_s=args.header_timeout_s,
+                    body_timeout_s=args.body_timeout_s)
     try:
         serve(gen, host=args.host, port=args.port, limits=limits, say=_say)
     finally:

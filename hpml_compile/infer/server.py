@@ -17,7 +17,11 @@ ranks now and then so that their wait never reaches the process group's timeout.
 
 Every bound is checked before a request is queued, and a violation is a 4xx naming the bound: the body
 size (413), the prompt length and ``max_new_tokens`` (422), a prompt plus output longer than the model's
-context (422), a full queue (429). A body that is not JSON, or not a request object, is a 400. Nothing a
+context (422), a full queue (429). A client too slow to send its request is refused while the others are
+served: a request head not complete within ``header_timeout_s`` gets a 408 and its connection closes
+(:mod:`hpml_compile.infer.deadline`), a body not complete within ``body_timeout_s`` gets a 408; a request
+head over ``max_header_bytes`` gets a 400 and at most ``max_queue + 64`` connections are open at once
+(uvicorn's ``limit_concurrency``; more get a 503). A body that is not JSON, or not a request object, is a 400. Nothing a
 client sends reaches a rank unchecked, so no request can take the server or a rank down. If a rank
 fails anyway, every request of the running batch gets a 503 naming the failure, ``/health`` says so, and
 the batcher places the model again on the devices left (:func:`hpml_compile.infer.place.replan_without`),
@@ -50,6 +54,7 @@ from prometheus_client import generate_latest
 
 from ..errors import HpmlError, LaunchError
 from .batch import decode_tokens, encode_item
+from .deadline import header_deadline_protocol
 from .engine import Generator
 
 __all__ = ["Limits", "make_app", "serve"]
@@ -68,6 +73,9 @@ class Limits:
     max_prompt_tokens: int = 1024
     max_new_tokens: int = 256  # the most a request may ask for
     default_new_tokens: int = 16
+    header_timeout_s: float = 10.0  # from a connection's start (or its last response) to a whole request head
+    body_timeout_s: float = 10.0  # from the request head to the whole body
+    max_header_bytes: int = 1 << 14  # an incomplete request head larger than this gets a 400
 
 
 @dataclass(eq=False)
@@ -212,7 +220,9 @@ def make_app(gen: Generator, limits: Limits = Limits()) -> FastAPI:
 
     def refuse(status: int, message: str) -> JSONResponse:
         metrics.requests.labels(str(status)).inc()
-        return JSONResponse({"error": message}, status_code=status)
+        # A request refused before its body was read ends its connection (the rest of the body is not waited for).
+        close = {"connection": "close"} if status in (408, 413) else None
+        return JSONResponse({"error": message}, status_code=status, headers=close)
 
     async def read_body(request: Request) -> bytes | None:
         declared = request.headers.get("content-length")
@@ -240,7 +250,10 @@ def make_app(gen: Generator, limits: Limits = Limits()) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
-        body = await read_body(request)
+        try:
+            body = await asyncio.wait_for(read_body(request), limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            return refuse(408, f"request body not received in body_timeout_s ({limits.body_timeout_s:g} s)")
         if body is None:
             return refuse(413, f"request body over max_body_bytes ({limits.max_body_bytes} bytes)")
         try:
@@ -307,4 +320,6 @@ def serve(gen: Generator, *, host: str = "127.0.0.1", port: int = 8000, limits: 
 
     say(f"serving on http://{host}:{port} ({gen.world} stages; POST /generate, GET /health, GET /metrics)")
     uvicorn.Server(uvicorn.Config(make_app(gen, limits), host=host, port=port, log_level="warning",
+                                  http=header_deadline_protocol(limits.header_timeout_s),
+                                  h11_max_incomplete_event_size=limits.max_header_bytes,
                                   timeout_graceful_shutdown=30, limit_concurrency=limits.max_queue + 64)).run()
