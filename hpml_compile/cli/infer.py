@@ -141,6 +141,16 @@ def add_parsers(subparsers: Any) -> None:
                    help="seconds a client may take to send a request's headers (then 408; default 10)")
     p.add_argument("--body-timeout-s", type=float, default=10.0, dest="body_timeout_s",
                    help="seconds a client may take to send a request's body (then 408; default 10)")
+    a = p.add_argument_group("re-planning around a device measured slow while serving")
+    a.add_argument("--no-adapt", action="store_false", dest="adapt", help="never re-plan on measured speeds")
+    a.add_argument("--adapt-threshold", type=float, default=1.5, dest="adapt_threshold", metavar="X",
+                   help="a stage is slow above X times its predicted share of a batch (default %(default)s)")
+    a.add_argument("--adapt-patience", type=int, default=3, dest="adapt_patience", metavar="K",
+                   help="slow batches in a row before re-planning (default %(default)s)")
+    a.add_argument("--adapt-baseline", type=int, default=3, dest="adapt_baseline", metavar="N",
+                   help="first batches of a plan that learn each stage's usual share (default %(default)s)")
+    a.add_argument("--slow", action="append", default=[], metavar="RANK:FACTOR:FROM_BATCH",
+                   help="a drill: rank RANK computes FACTOR times slower from its FROM_BATCH-th batch (from 1) on")
     p.set_defaults(run=run_serve)
 
 
@@ -192,20 +202,36 @@ def run_infer(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Handle ``serve``."""
-    from ..infer.api import open_build
+    from ..infer.adapt import AdaptOptions
+    from ..infer.plan import load_inference_plan
+    from ..infer.engine import Generator
     from ..infer.server import Limits, serve
+    from ..runtime.job.options import parse_slow
 
     for name in ("max_batch", "max_wait_ms", "max_queue", "max_body_bytes", "max_prompt_tokens", "max_new_tokens",
                  "header_timeout_s", "body_timeout_s"):
         _positive(f"--{name.replace('_', '-')}", getattr(args, name))
-    gen = open_build(args.build)
+    if not args.adapt_threshold > 1 or args.adapt_patience < 1 or args.adapt_baseline < 0:
+        raise HpmlError(f"--adapt-threshold must be > 1, --adapt-patience >= 1 and --adapt-baseline >= 0, got "
+                        f"{args.adapt_threshold}, {args.adapt_patience} and {args.adapt_baseline}")
+    try:
+        slows = [parse_slow(t) for t in args.slow]
+    except argparse.ArgumentTypeError as e:
+        raise HpmlError(f"--slow: {e}") from None
+    plan = load_inference_plan(args.build)
+    for rank, _, _ in slows:
+        if rank >= len(plan.stages):
+            raise HpmlError(f"--slow: rank {rank} is not a rank of the plan (0..{len(plan.stages) - 1})")
+    gen = Generator(plan, slow={plan.stages[r].device: (f, b) for r, f, b in slows})
     limits = Limits(max_batch=args.max_batch or gen.plan.workload.batch, max_wait_ms=args.max_wait_ms,
                     max_queue=args.max_queue, max_body_bytes=args.max_body_bytes,
                     max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                     default_new_tokens=min(16, args.max_new_tokens), header_timeout_s=args.header_timeout_s,
                     body_timeout_s=args.body_timeout_s)
     try:
-        serve(gen, host=args.host, port=args.port, limits=limits, say=_say)
+        serve(gen, host=args.host, port=args.port, limits=limits, say=_say,
+              adapt=AdaptOptions(args.adapt, args.adapt_threshold, args.adapt_patience,
+                                                               baseline=args.adapt_baseline))
     finally:
         gen.close()
     return 0

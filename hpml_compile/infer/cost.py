@@ -159,11 +159,14 @@ class Workload:
 
 
 def device_spec(device: Device, specs: Mapping[str, cost_models.DeviceSpec] | None = None) -> cost_models.DeviceSpec:
-    """The catalog entry of ``device`` (``specs`` overrides it by kind, e.g. a server CPU for a simulation).
+    """The catalog entry of ``device``; ``specs`` overrides it by device name (a device measured slower than its
+    kind, :mod:`hpml_compile.infer.adapt`) or else by kind (e.g. a server CPU for a simulation).
 
     Raises:
         OptionError: if the kind is neither in ``specs`` nor in the catalog.
     """
+    if specs and device.name in specs:
+        return specs[device.name]
     kind = base_kind(device.kind)
     if specs and kind in specs:
         return specs[kind]

@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -42,7 +43,7 @@ import weakref
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,8 @@ from .hf import HFStage, is_hf_llama
 from .kv import Stage
 from .plan import InferencePlan, Prediction, save_inference_plan
 
-__all__ = ["Generator", "Generated", "build_stage", "load_stage_weights", "lanes_of", "OP_STOP", "OP_GENERATE", "OP_NOOP"]
+__all__ = ["Generator", "Generated", "StageClock", "build_stage", "gather_stage_ms", "load_stage_weights", "lanes_of",
+           "OP_STOP", "OP_GENERATE", "OP_NOOP"]
 
 OP_STOP, OP_GENERATE, OP_NOOP = 0, 1, 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -72,10 +74,52 @@ class Generated:
     token_ms: float  # mean time of one decode step after that
     total_ms: float
     predicted: Prediction | None = None  # what the plan's stages predict for this run's batch and lengths
+    stage_ms: tuple[float, ...] = ()  # per stage, the time its rank spent computing (waits for others excluded)
 
     @property
     def tokens_per_s(self) -> float:
         return sum(map(len, self.tokens)) / max(self.total_ms / 1e3, 1e-9)
+
+
+class StageClock:
+    """A rank's compute time over one generation, with an injected slowdown (a fault drill) applied.
+
+    Args:
+        slow: ``(factor, from_run)``: from the ``from_run``-th generation on (counted from 1), every step
+            takes ``factor`` times as long (the rank sleeps the difference); None: no fault.
+    """
+
+    def __init__(self, slow: Sequence[float] | None = None) -> None:
+        self.factor, self.from_run = (float(slow[0]), int(slow[1])) if slow else (1.0, 1)
+        self.runs, self.ms = 0, 0.0
+
+    def begin(self) -> None:
+        """Start a generation: the time so far is forgotten."""
+        self.runs += 1
+        self.ms = 0.0
+
+    def time(self, fn: Callable[..., Tensor], *args: Any) -> Tensor:
+        """``fn(*args)``, its time added to :attr:`ms` (stretched by the fault when it applies)."""
+        t0 = time.perf_counter()
+        y = fn(*args)
+        if self.factor > 1 and self.runs >= self.from_run:
+            time.sleep((time.perf_counter() - t0) * (self.factor - 1))
+        self.ms += (time.perf_counter() - t0) * 1e3
+        return y
+
+
+def gather_stage_ms(ms: float, world: int) -> tuple[float, ...]:
+    """Every rank's compute time of the generation just run, on rank 0 (a collective: every rank calls it).
+
+    Returns:
+        Per stage, milliseconds on rank 0; an empty tuple elsewhere.
+    """
+    mine = torch.tensor([ms], dtype=torch.float64)
+    if world == 1:
+        return (ms,)
+    parts = [torch.empty(1, dtype=torch.float64) for _ in range(world)] if dist.get_rank() == 0 else None
+    dist.gather(mine, parts, dst=0)
+    return tuple(float(p) for p in parts) if parts is not None else ()
 
 
 def lanes_of(n: int, lanes: int) -> list[range]:
@@ -169,14 +213,18 @@ class Generator:
         model: the whole model for stage 0 (default: rebuilt from the plan's seed, as the workers do).
         threads: torch threads of each worker (default: this machine's cores over the stages).
         timeout_s: how long a rank may wait on another before the group fails.
+        slow: a fault to inject on purpose: device name -> ``(factor, from_run)``: the rank of that device
+            computes ``factor`` times slower from its ``from_run``-th generation on (counted from 1 by each
+            generator).
 
     Raises:
         LaunchError: if a worker cannot start or join.
     """
 
     def __init__(self, plan: InferencePlan, *, model: torch.nn.Module | None = None, threads: int | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, slow: Mapping[str, tuple[float, int]] | None = None) -> None:
         self.plan, self.world = plan, len(plan.stages)
+        self.slow = dict(slow or {})
         self.broken: str | None = None
         self._procs: list[subprocess.Popen[bytes]] = []
         self._dir = tempfile.TemporaryDirectory(prefix="hpml-infer-")
@@ -185,6 +233,7 @@ class Generator:
             self._start_workers(threads or max(1, (os.cpu_count() or 1) // self.world), timeout_s)
         self.stage = build_stage(plan, 0, model)
         self.d_model, self.vocab = self.stage.d_model, self.stage.vocab_size
+        self._clock = StageClock(self.slow.get(plan.stages[0].device))
 
     def _start_workers(self, threads: int, timeout_s: float) -> None:
         from ..runtime.job.launcher import free_port
@@ -195,7 +244,8 @@ class Generator:
             log = open(Path(self._dir.name) / f"rank{rank}.log", "wb")
             self._procs.append(subprocess.Popen(
                 [sys.executable, "-m", "hpml_compile.infer.worker", str(plan_path), str(rank), str(self.world),
-                 str(port), str(threads), str(timeout_s)], stdout=log, stderr=subprocess.STDOUT))
+                 str(port), str(threads), str(timeout_s), json.dumps(self.slow.get(self.plan.stages[rank].device))],
+                stdout=log, stderr=subprocess.STDOUT))
             log.close()
         try:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=self.world,
@@ -330,12 +380,13 @@ class Generator:
                 first_done[0] = time.perf_counter()  # every sequence has its first token
 
         self._last_out: dict[int, Tensor] = {}
+        self._clock.begin()
         for step in range(new):
             for k in range(len(lanes)):
                 if step > 0:
                     take(k, step - 1)
                 start = 0 if step == 0 else width[k] + step - 1
-                y = self.stage.step(k, x[k], start)
+                y = self._clock.time(self.stage.step, k, x[k], start)
                 if self.world == 1:
                     self._last_out[k] = y.float()
                 else:
@@ -349,7 +400,7 @@ class Generator:
         self.stage.close()
         ttft = (first_done[0] - t0) * 1e3
         return Generated(tokens, [torch.stack(v) for v in logits] if want_logits else None, ttft,
-                         (total - ttft) / max(new - 1, 1), total)
+                         (total - ttft) / max(new - 1, 1), total, stage_ms=gather_stage_ms(self._clock.ms, self.world))
 
 
 def _check(prompts: Sequence[Sequence[int]], new: int, vocab: int, max_seq_len: int) -> None:

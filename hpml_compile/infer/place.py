@@ -69,7 +69,7 @@ from .cost import (DTYPE_BYTES, DecoderShape, Objective, Workload, block_ms, dev
 from .plan import InferencePlan, InferenceStage, Prediction
 
 __all__ = ["LANES", "MEMORY_FRACTION", "place", "score", "stages_for", "device_order", "predict_run",
-           "replan_without"]
+           "replan_without", "decode_floor_ms"]
 
 LANES: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)  # microbatch counts tried
 MEMORY_FRACTION = 0.9  # of a device's memory a plan may use (allocator reserve, the runtime's own buffers)
@@ -320,6 +320,50 @@ def place(shape: DecoderShape, cluster: Cluster, work: Workload, *, objective: O
                          (time.perf_counter() - t0) * 1e3)
 
 
+def decode_floor_ms(shape: DecoderShape, cluster: Cluster, work: Workload,
+                    specs: Mapping[str, cost_models.DeviceSpec] | None = None) -> float:
+    """A lower bound on one decode step of any pipeline :func:`place` can return on ``cluster``, any lanes.
+
+    :func:`score` prices a step at ``max(M max_s d_s, sum_s d_s + return) >= sum_s d_s``, and a stage's
+    ``d_s`` (one lane) is at least its blocks' decode time at one row (the time grows with the rows), made
+    longer by the copy when its weights are streamed. Dropping everything else (sends, the head, the
+    activations and cache in memory, one stage per device), the least ``sum_s d_s`` assigns the
+    ``n_layer`` identical blocks to per-block slots: ``floor(memory / block bytes)`` resident slots per
+    device at its block time and, on a GPU, unlimited streamed slots at the longer of the block time and
+    the copy; filling the cheapest slots first is optimal. In a weight-bandwidth-bound decode this is the
+    model's weights read once per step from the fastest memories that hold them, which is what filling the
+    fastest GPU first already does: no pipeline, whatever its lanes, beats that by more than the prefill
+    and the cache's share.
+
+    Args:
+        shape: the model.
+        cluster: the devices.
+        work: the workload (its batch and lanes do not matter: one row is priced).
+        specs: device specs by name or kind, as :func:`place` takes them.
+
+    Returns:
+        Milliseconds.
+    """
+    one = replace(work, batch=1, microbatches=1)
+    block_bytes = shape.block_params() * DTYPE_BYTES[work.dtype]
+    slots: list[tuple[float, float]] = []  # (ms per block, how many blocks)
+    for dev in cluster.devices:
+        spec = device_spec(dev, specs)
+        b1 = block_ms(spec, shape, one, 1, decode=True)
+        slots.append((b1, math.floor(dev.memory_bytes * MEMORY_FRACTION / block_bytes)))
+        copy = stream_ms(spec, shape, one, 1)
+        if copy > 0:
+            slots.append((max(b1, copy), math.inf))
+    left, total = shape.n_layer, 0.0
+    for ms, count in sorted(slots):
+        take = min(left, count)
+        total += take * ms
+        left -= take
+        if left == 0:
+            return total
+    return math.inf  # no plan holds the model: nothing to bound
+
+
 def predict_run(plan: InferencePlan, batch: int, prompt_len: int, new_tokens: int, lanes: int) -> Prediction:
     """What ``plan``'s stages predict for one run of its generator (its own batch, lengths and lanes)."""
     work = Workload(batch, max(prompt_len, 1), max(new_tokens, 1), max(1, min(lanes, batch)), plan.workload.dtype)
@@ -327,8 +371,10 @@ def predict_run(plan: InferencePlan, batch: int, prompt_len: int, new_tokens: in
     return score(plan.cluster, plan.shape, work, stages_for(plan.cluster, plan.shape, work, ranges))
 
 
-def replan_without(plan: InferencePlan, lost: Iterable[str]) -> InferencePlan:
-    """``plan``'s model and workload placed again on its cluster without the ``lost`` devices.
+def replan_without(plan: InferencePlan, lost: Iterable[str],
+                   specs: Mapping[str, cost_models.DeviceSpec] | None = None) -> InferencePlan:
+    """``plan``'s model and workload placed again on its cluster without the ``lost`` devices (``specs``: as
+    :func:`place` takes them, e.g. the speeds measured while serving).
 
     Raises:
         InfeasibleError: if the devices left cannot hold the model (naming the memory).
@@ -338,5 +384,5 @@ def replan_without(plan: InferencePlan, lost: Iterable[str]) -> InferencePlan:
         raise InfeasibleError(f"inference plan: no device is left of {plan.cluster.name}")
     left = without_devices(plan.cluster, gone)  # keeps the hosts of the devices left (their links follow)
     new = place(plan.shape, left, plan.workload, objective=plan.objective, latency_bound_ms=plan.latency_bound_ms,
-                model=plan.model, explain_idle=False)
+                model=plan.model, specs=specs, explain_idle=False)
     return new.with_model(plan.model, plan.seed, plan.weights)

@@ -27,6 +27,11 @@ fails anyway, every request of the running batch gets a 503 naming the failure, 
 the batcher places the model again on the devices left (:func:`hpml_compile.infer.place.replan_without`),
 starts a new pipeline and serves the requests still queued; new requests get a 503 until it has.
 
+While serving, each stage's measured compute time is compared with its plan's; a device persistently
+slower than the others relative to their predictions has the model placed again on the measured speeds,
+and the batcher switches pipelines between two batches (:mod:`hpml_compile.infer.adapt`): the requests
+queued meanwhile wait, none is dropped, and ``/health`` stays up.
+
 Shutdown (SIGINT/SIGTERM): uvicorn stops accepting, the requests already queued are served, then the
 batcher stops the ranks; uvicorn then raises the signal again, so the process ends as the signal says.
 
@@ -55,7 +60,9 @@ from prometheus_client import generate_latest
 from ..errors import HpmlError, LaunchError
 from .batch import decode_tokens, encode_item
 from .deadline import header_deadline_protocol
-from .engine import Generator
+from .adapt import AdaptOptions, SpeedWatch, expected_stage_ms, replan_on_speeds
+from .engine import Generated, Generator
+from .plan import InferencePlan
 
 __all__ = ["Limits", "make_app", "serve"]
 
@@ -102,6 +109,10 @@ class _Metrics:
         self.rate = Gauge("hpml_tokens_per_second", "tokens/s of the last batch", registry=r)
         self.requests = Counter("hpml_requests", "requests answered, by HTTP status", ["status"], registry=r)
         self.replans = Counter("hpml_replans", "pipelines re-planned after a rank failed", registry=r)
+        self.speed_replans = Counter("hpml_speed_replans", "pipelines re-planned around a device measured slow",
+                                     registry=r)
+        self.stage_ratio = Gauge("hpml_stage_time_ratio", "a stage's measured compute time over its predicted, "
+                                 "last batch", ["device"], registry=r)
         self.predicted = Gauge("hpml_predicted_tokens_per_second", "the plan's predicted tokens/s at its batch",
                                registry=r)
         self._recent: deque[float] = deque(maxlen=1000)
@@ -117,11 +128,26 @@ class _Metrics:
 class _Batcher(threading.Thread):
     """The one thread that runs the generator (see the module docstring)."""
 
-    def __init__(self, gen: Generator, limits: Limits, metrics: _Metrics) -> None:
+    def __init__(self, gen: Generator, limits: Limits, metrics: _Metrics, adapt: AdaptOptions) -> None:
         super().__init__(name="hpml-batcher", daemon=True)
-        self.gen, self.limits, self.metrics = gen, limits, metrics
+        self.gen, self.limits, self.metrics, self.adapt = gen, limits, metrics, adapt
         self.inbox: queue.Queue[_Request | None] = queue.Queue(maxsize=limits.max_queue)
         self.failure: str | None = None
+        self.switching = False  # between two pipelines: the old one closed, the new one starting
+        self.watch = SpeedWatch(adapt)
+
+    def down(self) -> str | None:
+        """Why the server cannot take requests now, or None."""
+        return self.failure or (None if self.switching else self.gen.broken)
+
+    def _switch(self, plan: InferencePlan) -> None:
+        """Stop the running pipeline and start ``plan``'s (queued requests wait for it)."""
+        self.switching = True
+        try:
+            self.gen.close()
+            self.gen = Generator(plan, slow=self.gen.slow)
+        finally:
+            self.switching = False
 
     def run(self) -> None:
         while True:
@@ -161,9 +187,8 @@ class _Batcher(threading.Thread):
 
         lost = self.gen.lost_devices()
         try:
-            plan = replan_without(self.gen.plan, lost)
-            self.gen.close()
-            self.gen = Generator(plan)
+            plan = replan_without(self.gen.plan, lost, self.watch.specs(self.gen.plan.cluster))
+            self._switch(plan)
         except HpmlError as e:
             self.failure = f"{self.failure}; re-planning without {', '.join(lost) or 'the failed rank'} failed: {e}"
             return
@@ -198,13 +223,54 @@ class _Batcher(threading.Thread):
         self.metrics.rate.set(n / max(out.total_ms / 1e3, 1e-9))
         for r in batch:
             r.loop.call_soon_threadsafe(r.tokens.put_nowait, None)  # the end of its tokens
+        self._adapt(batch, out)
+
+    def _adapt(self, batch: list[_Request], out: Generated) -> None:
+        """Between two batches: re-plan around a device measured persistently slow (see :mod:`.adapt`)."""
+        plan = self.gen.plan
+        if not self.adapt.enabled or len(out.stage_ms) < 2:
+            return
+        specs = self.watch.specs(plan.cluster)
+        mean_len = round(sum(len(r.prompt) for r in batch) / len(batch))
+        expected = expected_stage_ms(plan, len(batch), mean_len, max(r.want for r in batch),
+                                     plan.workload.microbatches, specs)
+        devices = [s.device for s in plan.stages]
+        for d, m, e in zip(devices, out.stage_ms, expected):
+            self.metrics.stage_ratio.labels(d).set(m / e if e > 0 else 0.0)
+        fired = self.watch.observe(devices, out.stage_ms, expected)
+        if not fired:
+            return
+        self.watch.accept(fired)
+        said = ", ".join(f"{d} {r:.2g}x" for d, r in fired.items())
+        try:
+            new, old = replan_on_speeds(plan, self.watch.specs(plan.cluster))
+        except HpmlError as e:
+            print(f"measured slower than planned: {said}; no other placement: {e}", file=sys.stderr, flush=True)
+            return
+        where = "; ".join(f"{s.device} blocks {s.first}-{s.end - 1}" for s in new.stages)
+        if new.predicted.tokens_per_s < old.tokens_per_s * self.adapt.min_gain:
+            print(f"measured slower than planned: {said}; kept the running plan (the best on the measured speeds, "
+                  f"{where}, predicts {new.predicted.tokens_per_s:.4g} tokens/s against "
+                  f"{old.tokens_per_s:.4g})", file=sys.stderr, flush=True)
+            return
+        try:
+            self._switch(new)
+        except HpmlError as e:
+            self.failure = f"switching to the plan for the measured speeds failed: {e}"
+            return
+        self.metrics.speed_replans.inc()
+        self.metrics.stage_ratio.clear()
+        self.metrics.predicted.set(new.predicted.tokens_per_s)
+        print(f"measured slower than planned: {said}; re-planned on the measured speeds: {where} (predicts "
+              f"{new.predicted.tokens_per_s:.4g} tokens/s against {old.tokens_per_s:.4g}); serving again",
+              file=sys.stderr, flush=True)
 
 
-def make_app(gen: Generator, limits: Limits = Limits()) -> FastAPI:
+def make_app(gen: Generator, limits: Limits = Limits(), adapt: AdaptOptions = AdaptOptions()) -> FastAPI:
     """The FastAPI application serving ``gen`` (see the module docstring)."""
     metrics = _Metrics()
     metrics.predicted.set(gen.plan.predicted.tokens_per_s)
-    batcher = _Batcher(gen, limits, metrics)
+    batcher = _Batcher(gen, limits, metrics, adapt)
     vocab, context = gen.vocab, gen.stage.max_seq_len
 
     @asynccontextmanager
@@ -237,7 +303,7 @@ def make_app(gen: Generator, limits: Limits = Limits()) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        failure = batcher.failure or batcher.gen.broken
+        failure = batcher.down()
         if failure:
             return JSONResponse({"status": "failed", "error": failure}, status_code=503)
         return JSONResponse({"status": "ok", "stages": batcher.gen.world, "queue": batcher.inbox.qsize(),
@@ -278,8 +344,8 @@ def make_app(gen: Generator, limits: Limits = Limits()) -> FastAPI:
                                f"context ({context})")
         if any(not 0 <= t < vocab for t in prompt):
             return refuse(422, f"token ids must be in 0..{vocab - 1} (the model's vocabulary)")
-        if batcher.failure or batcher.gen.broken:
-            return refuse(503, f"the pipeline has failed: {batcher.failure or batcher.gen.broken}")
+        if failure := batcher.down():
+            return refuse(503, f"the pipeline has failed: {failure}")
         req = _Request(prompt, want, asyncio.get_running_loop())
         try:
             batcher.inbox.put_nowait(req)
@@ -314,12 +380,12 @@ async def _stream(req: _Request, metrics: _Metrics) -> AsyncIterator[bytes]:
 
 
 def serve(gen: Generator, *, host: str = "127.0.0.1", port: int = 8000, limits: Limits = Limits(),
-          say: Any = print) -> None:
+          adapt: AdaptOptions = AdaptOptions(), say: Any = print) -> None:
     """Serve ``gen`` until SIGINT/SIGTERM (then drain the queue and stop the ranks)."""
     import uvicorn
 
     say(f"serving on http://{host}:{port} ({gen.world} stages; POST /generate, GET /health, GET /metrics)")
-    uvicorn.Server(uvicorn.Config(make_app(gen, limits), host=host, port=port, log_level="warning",
+    uvicorn.Server(uvicorn.Config(make_app(gen, limits, adapt), host=host, port=port, log_level="warning",
                                   http=header_deadline_protocol(limits.header_timeout_s),
                                   h11_max_incomplete_event_size=limits.max_header_bytes,
                                   timeout_graceful_shutdown=30, limit_concurrency=limits.max_queue + 64)).run()

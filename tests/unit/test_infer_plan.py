@@ -120,3 +120,32 @@ def test_a_replan_without_a_device_keeps_the_hosts_of_the_devices_left_and_so_th
     assert [h.name for h in only.cluster.hosts] == ["node0"]  # a host without a device is not kept
     with pytest.raises(InfeasibleError, match="no device is left"):
         replan_without(plan, ["gpu0", "gpu1", "gpu2", "gpu3"])
+
+
+def test_no_pipeline_that_fits_steps_faster_than_the_decode_floor() -> None:
+    import random
+
+    from hpml_compile.infer.place import MEMORY_FRACTION, decode_floor_ms
+
+    llama70 = DecoderShape.from_config(PRESETS["llama-70b"])
+    cl = load_cluster("hetero-4")
+    work = Workload(batch=16, prompt_len=512, new_tokens=128, **BF16)
+    floor = decode_floor_ms(llama70, cl, work)
+    plan = place(llama70, cl, work, explain_idle=False)
+    # the weights read once per step bound the plan's step closely: no plan can step 1.5x faster than it
+    assert floor <= plan.predicted.token_ms < 1.5 * floor
+    rng, tried = random.Random(0), 0
+    names = [d.name for d in cl.devices]
+    while tried < 40:
+        devs = rng.sample(names, rng.randint(1, len(names)))
+        cuts = sorted(rng.sample(range(1, llama70.n_layer), len(devs) - 1))
+        bounds = [0, *cuts, llama70.n_layer]
+        m = rng.choice([1, 2, 4, 8])
+        w = Workload(16, 512, 128, microbatches=m, **BF16)
+        ranges = [(d, a, b, rng.random() < 0.5 and not cl.device(d).is_cpu)
+                  for d, a, b in zip(devs, bounds, bounds[1:])]
+        stages = stages_for(cl, llama70, w, ranges)
+        if any(s.memory_bytes > cl.device(s.device).memory_bytes * MEMORY_FRACTION for s in stages):
+            continue  # not a plan: it does not fit
+        tried += 1
+        assert score(cl, llama70, w, stages).token_ms >= floor, ranges
