@@ -19,13 +19,14 @@ Every bound is checked before a request is queued, and a violation is a 4xx nami
 size (413), the prompt length and ``max_new_tokens`` (422), a prompt plus output longer than the model's
 context (422), a full queue (429). A client too slow to send its request is refused while the others are
 served: a request head not complete within ``header_timeout_s`` gets a 408 and its connection closes
-(:mod:`hpml_compile.infer.deadline`), a body not complete within ``body_timeout_s`` gets a 408; a request
-head over ``max_header_bytes`` gets a 400 and at most ``max_queue + 64`` connections are open at once
-(uvicorn's ``limit_concurrency``; more get a 503). A body that is not JSON, or not a request object, is a 400. Nothing a
-client sends reaches a rank unchecked, so no request can take the server or a rank down. If a rank
-fails anyway, every request of the running batch gets a 503 naming the failure, ``/health`` says so, and
-the batcher places the model again on the devices left (:func:`hpml_compile.infer.place.replan_without`),
-starts a new pipeline and serves the requests still queued; new requests get a 503 until it has.
+(:mod:`hpml_compile.infer.deadline`), a body not complete within ``body_timeout_s`` gets a 408; a
+request head still incomplete past ``max_header_bytes`` gets a 400, and at most ``max_queue + 64``
+connections are open at once (uvicorn's ``limit_concurrency``; more get a 503). A body that is not JSON,
+or not a request object, is a 400. Nothing a client sends reaches a rank unchecked, so no request can
+take the server or a rank down. If a rank fails anyway, every request of the running batch gets a 503
+naming the failure, ``/health`` says so, and the batcher places the model again on the devices left
+(:func:`hpml_compile.infer.place.replan_without`), starts a new pipeline and serves the requests still
+queued; new requests get a 503 until it has.
 
 While serving, each stage's measured compute time is compared with its plan's; a device persistently
 slower than the others relative to their predictions has the model placed again on the measured speeds,
@@ -82,7 +83,7 @@ class Limits:
     default_new_tokens: int = 16
     header_timeout_s: float = 10.0  # from a connection's start (or its last response) to a whole request head
     body_timeout_s: float = 10.0  # from the request head to the whole body
-    max_header_bytes: int = 1 << 14  # an incomplete request head larger than this gets a 400
+    max_header_bytes: int = 1 << 14  # a request head still incomplete past this many bytes gets a 400
 
 
 @dataclass(eq=False)

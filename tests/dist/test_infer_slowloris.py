@@ -1,7 +1,7 @@
 """`hpml-compile serve` refuses clients that send their request too slowly (a slow-loris) while the others
 are served: raw sockets that trickle a request head, or a body, a byte at a time, and one that sends nothing,
 each get a 408 (their connection closed) once their deadline passes, and ordinary requests sent meanwhile are
-answered with the eager model's tokens."""
+answered with the eager model's tokens; a request head that grows past its size bound gets a 400 at once."""
 
 from __future__ import annotations
 
@@ -98,6 +98,10 @@ def test_slow_clients_get_a_408_while_the_others_are_served(tmp_path: Path) -> N
             assert DEADLINE_S * 0.9 < r["seconds"] < DEADLINE_S + 10, (kind, r)  # type: ignore[operator]
             if kind == "body":
                 assert "body_timeout_s" in r["answer"], r  # type: ignore[operator]
+        big: dict[str, object] = {}  # a request head still incomplete past 16 KiB: refused at once
+        _trickle(port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000, b"", big)
+        assert str(big["answer"]).startswith("HTTP/1.1 400"), big
+        assert float(big["seconds"]) < DEADLINE_S, big  # type: ignore[arg-type]
         assert _call(port, "", "/health", "GET")[0] == 200
     finally:
         proc.send_signal(signal.SIGTERM)

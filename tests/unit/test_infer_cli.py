@@ -66,3 +66,12 @@ def test_bad_input_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["compile", "gpt-tiny", "--inference", "--cluster", "local-cpu-1", "--weights",
                  str(tmp_path / "none.safetensors"), "-o", str(tmp_path / "b2")]) == 2
     assert "no such file" in capsys.readouterr().err
+    # serve's drill and deadlines: refused by name before any rank starts or port opens
+    assert main(["serve", str(build), "--slow", "1:3:1"]) == 2
+    assert "rank 1 is not a rank of the plan (0..0)" in capsys.readouterr().err
+    assert main(["serve", str(build), "--slow", "0:0.5:1"]) == 2
+    assert "FACTOR must be a number >= 1" in capsys.readouterr().err
+    assert main(["serve", str(build), "--header-timeout-s", "0"]) == 2
+    assert "--header-timeout-s must be > 0" in capsys.readouterr().err
+    assert main(["serve", str(build), "--adapt-threshold", "1"]) == 2
+    assert "--adapt-threshold must be > 1" in capsys.readouterr().err
