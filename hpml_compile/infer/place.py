@@ -63,7 +63,6 @@ from cost_models.comm import p2p_ms
 from ..cluster import link_spec
 from ..errors import InfeasibleError, OptionError
 from ..ir import Cluster
-from ..replan import without_devices
 from .cost import (DTYPE_BYTES, DecoderShape, Objective, Workload, block_ms, device_spec, head_ms, stage_bytes,
                    stream_ms)
 from .plan import InferencePlan, InferenceStage, Prediction
@@ -380,9 +379,12 @@ def replan_without(plan: InferencePlan, lost: Iterable[str],
         InfeasibleError: if the devices left cannot hold the model (naming the memory).
     """
     gone = set(lost)
-    if not [d for d in plan.cluster.devices if d.name not in gone]:
+    devices = tuple(d for d in plan.cluster.devices if d.name not in gone)
+    if not devices:
         raise InfeasibleError(f"inference plan: no device is left of {plan.cluster.name}")
-    left = without_devices(plan.cluster, gone)  # keeps the hosts of the devices left (their links follow)
+    left = Cluster(devices=devices, links=tuple(x for x in plan.cluster.links if x.a not in gone and x.b not in gone),
+                   name=f"{plan.cluster.name} without {', '.join(sorted(gone))}",
+                   hosts=tuple(h for h in plan.cluster.hosts if any(d.host == h.name for d in devices)))
     new = place(plan.shape, left, plan.workload, objective=plan.objective, latency_bound_ms=plan.latency_bound_ms,
                 model=plan.model, specs=specs, explain_idle=False)
     return new.with_model(plan.model, plan.seed, plan.weights)

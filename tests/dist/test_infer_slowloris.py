@@ -26,7 +26,7 @@ from hpml_compile.runtime.job.launcher import free_port
 
 from test_infer_serve import LLAMA, _call, _wait_healthy, two_stage_plan
 
-pytestmark = [pytest.mark.dist]
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 DEADLINE_S = 3.0
 
