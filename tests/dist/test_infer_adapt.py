@@ -37,7 +37,7 @@ def test_a_device_slowed_while_serving_is_planned_around_without_dropping_a_requ
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "hpml_compile", "serve", str(build), "--port", str(port),
                              "--max-new-tokens", "8", "--max-batch", "4", "--slow", "1:8:6", "--adapt-baseline", "3",
-                             "--adapt-patience", "2"],
+                             "--adapt-threshold", "3", "--adapt-patience", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
