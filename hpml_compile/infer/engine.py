@@ -225,6 +225,7 @@ class Generator:
                  timeout_s: float = 600.0, slow: Mapping[str, tuple[float, int]] | None = None) -> None:
         self.plan, self.world = plan, len(plan.stages)
         self.slow = dict(slow or {})
+        self._closed = False
         self.broken: str | None = None
         self._procs: list[subprocess.Popen[bytes]] = []
         self._dir = tempfile.TemporaryDirectory(prefix="hpml-infer-")
@@ -285,7 +286,10 @@ class Generator:
             self._guarded(lambda: dist.broadcast(torch.tensor([OP_NOOP, 0, 0, 0, 0]), src=0))
 
     def close(self) -> None:
-        """Stop the workers (a stop message, then a kill after 10 s) and leave the process group."""
+        """Stop the workers (a stop message, then a kill after 10 s) and leave the process group; once."""
+        if self._closed:
+            return  # a later generator may hold the process group by now
+        self._closed = True
         if self.world > 1 and dist.is_initialized():
             if self.broken is None:
                 try:

@@ -59,9 +59,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
 
 from ..errors import HpmlError, LaunchError
+from .adapt import AdaptOptions, SpeedWatch, expected_stage_ms, replan_on_speeds
 from .batch import decode_tokens, encode_item
 from .deadline import header_deadline_protocol
-from .adapt import AdaptOptions, SpeedWatch, expected_stage_ms, replan_on_speeds
 from .engine import Generated, Generator
 from .plan import InferencePlan
 
