@@ -117,7 +117,7 @@ def add_parsers(subparsers: Any) -> None:
     a.add_argument("--max-failures", type=int, default=2, dest="max_failures", metavar="N",
                    help="a device whose rank fails N times (other than dying) is dropped (default 2)")
     a.add_argument("--host-timeout", type=float, default=None, dest="host_timeout", metavar="S",
-                   help="across hosts: a host silent for S seconds is lost, its devices dropped (default 5)")
+                   help="across hosts: a host silent for S seconds is lost, its devices dropped (default 3)")
     a.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds a rank may block in communication before it fails (a hung peer; default 600)")
     f = p.add_argument_group("drills (inject a fault on purpose, to see retries and the closed loop at work)")
@@ -287,7 +287,7 @@ def check_options(args: argparse.Namespace) -> None:
         _refuse("--metrics-port", args.metrics_port, "a TCP port, 1..65535", "pass e.g. --metrics-port 9464")
     _positive(args, "--lr", "a learning rate", "1e-3")
     _positive(args, "--timeout", "seconds a rank may block", "600")
-    _positive(args, "--host-timeout", "seconds a host may stay silent", "5")
+    _positive(args, "--host-timeout", "seconds a host may stay silent", "3")
     if getattr(args, "host_timeout", None) is not None and (not args.adapt or args.nnodes == 1):
         _refuse("--host-timeout", args.host_timeout, "a multi-host --adapt job (--adapt --nnodes 2 or more)",
                 "drop --host-timeout")

@@ -52,8 +52,8 @@ from .launcher import parse_endpoint
 
 __all__ = ["JobBoard", "Liveness", "LOST_AFTER_S", "BEAT_S", "check_shared"]
 
-BEAT_S = 0.5  # how often a host beats
-LOST_AFTER_S = 5.0  # a host silent this long is lost
+BEAT_S = 0.25  # how often a host beats
+LOST_AFTER_S = 3.0  # a host silent this long is lost: twelve beats missed (a busy host still beats within 1 s)
 
 
 class Liveness:

@@ -41,7 +41,7 @@ from ...errors import HpmlError, LaunchError, RankFailure, SupervisorError
 from ...plan import Plan, load_plan
 from ..observe.policy import FailureLedger
 from ..observe.runfolder import RunFolder
-from .hosts import LOST_AFTER_S, JobBoard, check_shared
+from .hosts import LOST_AFTER_S, JobBoard, Liveness, check_shared
 from .launcher import LaunchSpec, free_port, launch, parse_endpoint
 from .options import RunOptions
 from .supervisor import (Job, after_failure, after_success, plan_devices, record_moves, replan_without,
@@ -96,11 +96,12 @@ def _stop_local_ranks() -> None:
 
 
 def _run_part(board: JobBoard, seg: int, go: dict[str, Any], run: RunFolder,
-              log: Callable[[str], None]) -> tuple[dict[str, Any], set[int]]:
+              log: Callable[[str], None]) -> tuple[dict[str, Any], set[int], Liveness]:
     """This host's ranks of segment ``seg``, watched for lost peers; post how they ended.
 
     Returns:
-        ``(end, lost)``: what this host posted, and the hosts its watcher found lost while the ranks ran.
+        ``(end, lost, live)``: what this host posted, the hosts its watcher found lost while the ranks ran, and
+        the watcher's view of the hosts' beats since the segment started (to go on watching with).
     """
     hosts: list[int] = go["hosts"]
     i = hosts.index(board.host)
@@ -141,7 +142,7 @@ def _run_part(board: JobBoard, seg: int, go: dict[str, Any], run: RunFolder,
         board.post_end(seg, end)
     except Exception as e:  # noqa: BLE001 -- the store's host is gone
         raise board.store_lost(e) from None
-    return end, lost
+    return end, lost, live
 
 
 def supervise_hosts(build_dir: Path, run_dir: Path, options: RunOptions, *, host: int, nnodes: int, nproc: int,
@@ -196,7 +197,7 @@ def _follow(board: JobBoard, run_dir: Path, log: Callable[[str], None]) -> None:
         if board.host in go["hosts"]:
             log(f"host {board.host}: segment {seg} ({go['reason']}): {go['nproc'][go['hosts'].index(board.host)]} "
                 f"rank(s) of {sum(go['nproc'])} on {len(go['hosts'])} host(s)")
-            end, lost = _run_part(board, seg, go, run, log)
+            _, lost, _ = _run_part(board, seg, go, run, log)
             if 0 in lost:
                 raise SupervisorError("host 0 was lost, and with it the job's store: its checkpoints in the shared "
                                       "run folder are intact; run the hosts left again with the same --run-dir (one "
@@ -227,8 +228,8 @@ def _lead(board: JobBoard, build: Path, run_dir: Path, options: RunOptions, npro
                   "endpoint": f"{where}:{free_port('')}"}
             job.event("hosts", segment=seg, hosts=hosts, nproc=counts, devices={str(h): held[h] for h in hosts})
             board.publish_go(seg, go)
-            _, seen_lost = _run_part(board, seg, go, job.run, log)
-            ends = _collect(board, seg, hosts, seen_lost)
+            _, seen_lost, live = _run_part(board, seg, go, job.run, log)
+            ends = _collect(board, seg, hosts, seen_lost, live)
             lost = [h for h in hosts if ends[h] is None]
             carried = None
             if lost:
@@ -254,8 +255,13 @@ def _lead(board: JobBoard, build: Path, run_dir: Path, options: RunOptions, npro
         raise
 
 
-def _collect(board: JobBoard, seg: int, hosts: list[int], seen_lost: set[int]) -> dict[int, dict[str, Any] | None]:
-    """Each host's end of segment ``seg``, or None for a host that was lost (silent for ``lost_after_s``)."""
+def _collect(board: JobBoard, seg: int, hosts: list[int], seen_lost: set[int],
+             live: Liveness) -> dict[int, dict[str, Any] | None]:
+    """Each host's end of segment ``seg``, or None for a host that was lost (silent for ``lost_after_s``).
+
+    ``live`` has watched the beats since the segment started, so a host that died while the ranks ran is lost
+    ``lost_after_s`` after its last beat, not after the ranks here stopped.
+    """
     ends: dict[int, dict[str, Any] | None] = {}
     while len(ends) < len(hosts):
         for h in hosts:
@@ -264,7 +270,7 @@ def _collect(board: JobBoard, seg: int, hosts: list[int], seen_lost: set[int]) -
             end = board.read_end(seg, h)
             if end is not None:
                 ends[h] = end
-            elif h in seen_lost or board.live.lost(h):
+            elif h in seen_lost or live.lost(h):
                 ends[h] = None
         time.sleep(0.1)
     return ends
