@@ -106,7 +106,7 @@ def slowdown(build: Path, work: Path, steps: int, slow_from: int, factor: float)
     wall = time.perf_counter() - t0
     events = _events(run)
     switch = next((e for e in events if e["event"] == "switch"), None)
-    decisions = [json.loads(x) for x in (run / "seg0" / "replans.jsonl").read_text().splitlines() if x.strip()]
+    decisions = RunFolder(run / "seg0").read_replans()  # none when the watch never fired
     moved = next((d for d in decisions if d.get("in_place")), None)  # rows moved off the slowed replica in place
     seg0 = _steps(run / "seg0")
     batch = next(iter(seg0.values()))[0].samples
