@@ -272,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         _cli("compile", a.model, "--cluster", "local-cpu-3", "--every-device", "-o", str(build))
         ranks = ranks_of(build)
         if ranks < 2:
-            raise SystemExit(f"the plan for {a.model} on local-cpu-3 runs on {ranks} rank: the scenarios need 2 or more")
+            raise SystemExit(f"the plan for {a.model} on local-cpu-3 runs on {ranks} rank: the scenarios need 2 "
+                             "or more")
     if "host-lost" in only:
         print(f"compiling {a.model} for local-cpu-2 (one rank per host) ...", flush=True)
         _cli("compile", a.model, "--cluster", "local-cpu-2", "--every-device", "-o", str(build2))

@@ -11,7 +11,9 @@ and publishes there. Through the store:
 - every host beats (a counter it adds to every ``beat_s``); a host whose
   counter has not moved for ``lost_after_s`` on the reader's own clock is
   lost (no clocks are compared across hosts). Its agent and its ranks are
-  gone, or cut off, either way its devices are;
+  gone, or cut off, either way its devices are. Host 0 is the store's own
+  process: it is lost when the store stops answering, never for a silence
+  while it answers (a host 0 descheduled on a busy machine is still there);
 - each host posts how its part of a segment ended (:meth:`JobBoard.post_end`);
 - the lead (host 0, the store's host) decides once what the next segment is
   and publishes it (:meth:`JobBoard.publish_go`); every host follows.
@@ -200,7 +202,7 @@ class JobBoard:
     # --- waiting ---------------------------------------------------------------------------------------------------
     def wait(self, poll: Callable[[], dict[str, Any] | None], watch: Iterable[int], wait_s: float | None, *,
              what: str, every_s: float = 0.1) -> dict[str, Any]:
-        """Poll until ``poll`` returns something, while the ``watch`` hosts beat.
+        """Poll until ``poll`` returns something, while the ``watch`` hosts beat (host 0: while the store answers).
 
         Raises:
             SupervisorError: a watched host was lost, the store is gone, or ``wait_s`` passed.
@@ -210,7 +212,7 @@ class JobBoard:
         while True:
             try:
                 got = poll()
-                gone = [h for h in watch if self.live.lost(h)]
+                gone = [h for h in watch if h != 0 and self.live.lost(h)]  # host 0 is there while its store answers
             except Exception as e:  # noqa: BLE001 -- the store's host is gone
                 raise self.store_lost(e) from None
             if got is not None:

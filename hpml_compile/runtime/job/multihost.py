@@ -114,7 +114,7 @@ def _run_part(board: JobBoard, seg: int, go: dict[str, Any], run: RunFolder,
     def watch() -> None:
         while not done.wait(0.2):
             try:
-                gone = {h for h in hosts if h != board.host and live.lost(h)}
+                gone = {h for h in hosts if h not in (board.host, 0) and live.lost(h)}  # host 0: the store
             except Exception:  # noqa: BLE001 -- the store's host is gone: host 0 is lost
                 gone = {0}
             if gone:

@@ -232,7 +232,8 @@ def _replan_without(job: Job, plan: Plan, build: Path, seg_dir: Path, lost: list
     t1 = time.perf_counter()
     built = driver.rebuild(build, new, prof, out).out_dir
     cluster = new.cluster
-    info = {"lost": lost[0] if len(lost) == 1 else lost, "devices": [d.name for d in cluster.devices], "costs": source, "solve_s": solve_s,
+    info = {"lost": lost[0] if len(lost) == 1 else lost, "devices": [d.name for d in cluster.devices],
+            "costs": source, "solve_s": solve_s,
             "codegen_s": time.perf_counter() - t1, "predicted_step_ms": new.predicted.step_ms,
             "stages": [list(st.devices) for st in new.stages]}
     job.log(f"re-planned for {len(cluster.devices)} device(s) without {', '.join(lost)} ({source}): {len(new.stages)} "
