@@ -103,8 +103,9 @@ def add_parsers(subparsers: Any) -> None:
     a.add_argument("--adapt", action="store_true",
                    help="re-plan while training: on a sustained gap to the plan (switching when the predicted gain "
                         "pays for a restart) and on a failed rank (resume from the last checkpoint; a dead "
-                        "rank's device is dropped); one host. Segments go to RUN_DIR/seg<k>, decisions to "
-                        "RUN_DIR/events.jsonl")
+                        "rank's device is dropped); across hosts (--nnodes N --node-rank R --rdzv-endpoint, the "
+                        "same --run-dir on a shared file system) a lost host's devices are dropped. Segments go "
+                        "to RUN_DIR/seg<k>, decisions to RUN_DIR/events.jsonl")
     a.add_argument("--adapt-threshold", type=float, default=AdaptOptions().threshold, dest="adapt_threshold",
                    metavar="X", help="a step is slow above X times the plan's prediction (default %(default)s)")
     a.add_argument("--adapt-patience", type=int, default=AdaptOptions().patience, dest="adapt_patience",
@@ -115,6 +116,8 @@ def add_parsers(subparsers: Any) -> None:
                    help="with --adapt: re-plan on failures only")
     a.add_argument("--max-failures", type=int, default=2, dest="max_failures", metavar="N",
                    help="a device whose rank fails N times (other than dying) is dropped (default 2)")
+    a.add_argument("--host-timeout", type=float, default=None, dest="host_timeout", metavar="S",
+                   help="across hosts: a host silent for S seconds is lost, its devices dropped (default 3)")
     a.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds a rank may block in communication before it fails (a hung peer; default 600)")
     f = p.add_argument_group("drills (inject a fault on purpose, to see retries and the closed loop at work)")
@@ -284,6 +287,10 @@ def check_options(args: argparse.Namespace) -> None:
         _refuse("--metrics-port", args.metrics_port, "a TCP port, 1..65535", "pass e.g. --metrics-port 9464")
     _positive(args, "--lr", "a learning rate", "1e-3")
     _positive(args, "--timeout", "seconds a rank may block", "600")
+    _positive(args, "--host-timeout", "seconds a host may stay silent", "3")
+    if getattr(args, "host_timeout", None) is not None and (not args.adapt or args.nnodes == 1):
+        _refuse("--host-timeout", args.host_timeout, "a multi-host --adapt job (--adapt --nnodes 2 or more)",
+                "drop --host-timeout")
     _positive(args, "--adapt-threshold", "a ratio of measured to predicted step time", "1.25", above=1.0)
     if args.rdzv_endpoint is not None:
         parse_endpoint(args.rdzv_endpoint)
@@ -391,12 +398,11 @@ def _run_adaptive(args: argparse.Namespace, options: RunOptions, nproc: int) -> 
     from ..runtime.job.launcher import keep_earlier_run
     from ..runtime.job.supervisor import supervise
 
-    if args.nnodes != 1:
-        raise HpmlError("run --adapt runs on one host (it restarts every rank itself); across hosts use "
-                        "--max-restarts and `hpml-compile replan` between runs")
     if args.checkpoint_dir is not None or args.resume:
         raise HpmlError("run --adapt keeps its checkpoints in RUN_DIR/checkpoints and always resumes from them; "
                         "drop --checkpoint-dir/--resume (or pass the same --run-dir to go on with a job)")
+    if args.nnodes > 1:
+        return _run_adaptive_hosts(args, options, nproc)
     run_dir = args.run_dir or default_run_dir(args.build)
     keep_earlier_run(run_dir, log=lambda line: print(line, flush=True))  # a plain run's files: `report` reads segments
     every = options.checkpoint_every
@@ -406,12 +412,43 @@ def _run_adaptive(args: argparse.Namespace, options: RunOptions, nproc: int) -> 
     events = supervise(args.build, run_dir, options=options, max_failures=args.max_failures,
                        run_info={"optimizer": args.optimizer, "lr": args.lr, "argv": sys.argv[1:]},
                        log=lambda line: print(line, flush=True))
+    _adaptive_done(args, events, run_dir)
+    return 0
+
+
+def _run_adaptive_hosts(args: argparse.Namespace, options: RunOptions, nproc: int) -> int:
+    """``run --adapt`` on one of several hosts: :func:`~hpml_compile.runtime.job.multihost.supervise_hosts`."""
+    from ..runtime.job.hosts import LOST_AFTER_S
+    from ..runtime.job.launcher import keep_earlier_run
+    from ..runtime.job.multihost import supervise_hosts
+
+    if args.node_rank is None or args.rdzv_endpoint is None or args.run_dir is None:
+        raise OptionError(f"run --adapt --nnodes {args.nnodes} needs --node-rank R (0 on the host at the endpoint, "
+                          "which decides), --rdzv-endpoint HOST:PORT and --run-dir DIR, the same DIR on every host "
+                          "(a shared file system: the hosts left resume from the checkpoints there)")
+    if args.node_rank == 0:
+        keep_earlier_run(args.run_dir, log=lambda line: print(line, flush=True))
+    print(f"run --adapt: host {args.node_rank} of {args.nnodes}, {nproc} rank(s) here, for {args.build} -> "
+          f"{args.run_dir} (the job's store at {args.rdzv_endpoint})", flush=True)
+    events = supervise_hosts(args.build, args.run_dir, options, host=args.node_rank, nnodes=args.nnodes,
+                             nproc=nproc, endpoint=args.rdzv_endpoint, max_failures=args.max_failures,
+                             lost_after_s=args.host_timeout if args.host_timeout is not None else LOST_AFTER_S,
+                             run_info={"optimizer": args.optimizer, "lr": args.lr, "argv": sys.argv[1:]},
+                             log=lambda line: print(line, flush=True))
+    if args.node_rank == 0:
+        _adaptive_done(args, events, args.run_dir)
+    else:
+        print(f"done: host {args.node_rank}'s part finished; the job's report is on host 0 ({args.run_dir})")
+    return 0
+
+
+def _adaptive_done(args: argparse.Namespace, events: list[dict[str, Any]], run_dir: Path) -> None:
+    """The end of an ``--adapt`` job: its segments, its recoveries' timings, the last segment's table."""
     segments = [e for e in events if e["event"] == "segment"]
     print(f"done: step {args.steps} reached in {len(segments)} segment(s); decisions in {run_dir / 'events.jsonl'}")
     _print_timings(run_dir)
     if args.report:
         _report(run_dir / f"seg{segments[-1]['segment']}", None, export=True)
-    return 0
 
 
 def _report(run_dir: Path, skip: int | None, *, export: bool) -> None:

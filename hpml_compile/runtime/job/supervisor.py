@@ -67,7 +67,7 @@ from .loop import KILLED_EXIT
 from .options import ResumeMode, RunOptions
 
 __all__ = ["Culprit", "SupervisorError", "blame", "supervise", "timings", "plan_devices", "in_place_moves",
-           "rows_in_force"]
+           "rows_in_force", "record_moves", "Job", "start_segment", "after_failure", "after_success", "replan_without"]
 
 _SIGTERM = -15
 
@@ -135,7 +135,9 @@ def blame(failures: dict[int, tuple[int, str]], run_dir: Path) -> Culprit:
 
 
 @dataclass(slots=True)
-class _Job:
+class Job:
+    """A supervised job: its folder, its log, and the events it appends to ``events.jsonl``."""
+
     run: RunFolder
     log: Callable[[str], None]
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -191,7 +193,7 @@ def rows_in_force(seg_dir: Path, built: Plan) -> Plan | None:
     return ran
 
 
-def _record_moves(job: _Job, seg: int, seg_dir: Path) -> None:
+def record_moves(job: Job, seg: int, seg_dir: Path) -> None:
     """Copy a segment's in-place row moves into the job's events (see the module docstring)."""
     for d in in_place_moves(seg_dir):
         job.event("rows_moved", segment=seg, step=d["step"], time=d.get("time", time.time()), rows=d.get("rows"),
@@ -212,28 +214,29 @@ def _measured_or_planned(seg_dir: Path, build: Path, plan: Plan) -> tuple[Any, s
     return prof, f"the build's profile ({n} step(s) measured before the failure)"
 
 
-def _replan_without(job: _Job, plan: Plan, build: Path, seg_dir: Path, lost: str, out: Path,
+def _replan_without(job: Job, plan: Plan, build: Path, seg_dir: Path, lost: list[str], out: Path,
                     solver: str, time_limit_s: float) -> tuple[Path, dict[str, Any]]:
     last = latest(job.run.checkpoints)
     keep = f"; the last checkpoint, {last}, is intact" if last else "; no checkpoint was written yet"
     prof, source = _measured_or_planned(seg_dir, build, plan)
     t0 = time.perf_counter()
     try:
-        new = driver.replan(plan, prof, lost=[lost],
+        new = driver.replan(plan, prof, lost=list(lost),
                             opts=driver.Options(solver=solver, time_limit_s=time_limit_s)).plan
     except InfeasibleError as e:
-        raise SupervisorError(f"cannot go on without {lost}: no plan fits on {', '.join(plan_devices(plan))} "
-                              f"less {lost}: {e}{keep}") from None
+        raise SupervisorError(f"cannot go on without {', '.join(lost)}: no plan fits on "
+                              f"{', '.join(plan_devices(plan))} less {', '.join(lost)}: {e}{keep}") from None
     except HpmlError as e:  # an unknown device, or none left
         raise SupervisorError(f"cannot go on: {e}{keep}") from None
     solve_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     built = driver.rebuild(build, new, prof, out).out_dir
     cluster = new.cluster
-    info = {"lost": lost, "devices": [d.name for d in cluster.devices], "costs": source, "solve_s": solve_s,
+    info = {"lost": lost[0] if len(lost) == 1 else lost, "devices": [d.name for d in cluster.devices],
+            "costs": source, "solve_s": solve_s,
             "codegen_s": time.perf_counter() - t1, "predicted_step_ms": new.predicted.step_ms,
             "stages": [list(st.devices) for st in new.stages]}
-    job.log(f"re-planned for {len(cluster.devices)} device(s) without {lost} ({source}): {len(new.stages)} "
+    job.log(f"re-planned for {len(cluster.devices)} device(s) without {', '.join(lost)} ({source}): {len(new.stages)} "
             f"stage(s), predicted step {new.predicted.step_ms:.4g} ms; solve {solve_s:.2f} s, codegen "
             f"{info['codegen_s']:.2f} s")
     return Path(built), info
@@ -264,7 +267,7 @@ def supervise(build_dir: Path, run_dir: Path, options: RunOptions, *, max_failur
         LaunchError: a rank failed on bad input (never retried), or the ranks could not start.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    job = _Job(RunFolder(run_dir), log)  # a run folder used before goes on: new segments, events appended
+    job = Job(RunFolder(run_dir), log)  # a run folder used before goes on: new segments, events appended
     first = plan_devices(load_plan(build_dir / "plan.json"))
     for rank in options.faults.ranks():
         if not 0 <= rank < len(first):
@@ -273,62 +276,130 @@ def supervise(build_dir: Path, run_dir: Path, options: RunOptions, *, max_failur
     build, seg, reason = build_dir, max(job.run.segments(), default=-1) + 1, "start"
     carried: Plan | None = None  # rows moved in place before a failure, for the restart on the same build
     while True:
-        plan = load_plan(build / "plan.json")
+        plan = start_segment(job, options, first, build, seg, reason, carried, run_info)
         devices = plan_devices(plan)
-        seg_dir = job.run.segment(seg).path
-        seg_options = options.for_segment(
-            checkpoint_dir=job.run.checkpoints, resume=ResumeMode.IF_ANY, launched_at=time.time(),
-            faults=options.faults.follow(first, devices, first_segment=reason == "start"),
-            rows_from=seg_dir / "plan.json" if carried is not None else None)
-        prepare_run_dir(build, seg_dir, {"steps": options.steps, "nproc": len(devices), "segment": seg,
-                                         "reason": reason, **(run_info or {})}, seg_options)
-        if carried is not None:  # the segment's plan is the one in force: its ranks take its rows, report reads it
-            save_plan(carried, seg_dir / "plan.json")
-        resumed = latest(job.run.checkpoints)
-        rows = {"rows": [list(st.rows) for st in carried.stages]} if carried is not None else {}
-        job.event("segment", segment=seg, reason=reason, build=str(build), devices=devices,
-                  resume_from=str(resumed) if resumed else None, **rows)
-        log(f"segment {seg} ({reason}): {len(devices)} rank(s) on {', '.join(devices)}"
-            + (f", resuming from {resumed.name}" if resumed else "")
-            + (" with the rows moved in place before the failure: " + _rows_text(carried) if carried else ""))
         carried = None
         try:
-            launch(LaunchSpec(build, seg_dir, len(devices)))
+            launch(LaunchSpec(build, job.run.segment(seg).path, len(devices)))
         except RankFailure as e:
-            seen = time.time()
-            c = blame(e.failures, seg_dir)
-            device = devices[c.rank]
-            _record_moves(job, seg, seg_dir)
-            if c.cause == "user":
-                raise
-            dropped = c.cause == "killed" or ledger.record(device)
-            job.event("failure", segment=seg, rank=c.rank, device=device, cause=c.cause, message=c.message,
-                      failed_at=c.time, detected_at=seen, dropped=dropped, failures=ledger.failures(device))
-            log(f"segment {seg}: rank {c.rank} ({device}) {c.cause}: {c.message.splitlines()[0][:200]}")
-            if dropped:
-                why = "its process died" if c.cause == "killed" else f"it failed {ledger.failures(device)} times"
-                log(f"dropping {device}: {why}")
-                adapt = options.adapt
-                build, info = _replan_without(job, plan, build, seg_dir, device, job.run.build_for(seg + 1),
-                                              solver, adapt.time_limit_s if adapt else 20.0)
-                job.event("replan", segment=seg, trigger="failure", **info)
-                reason = f"{device} lost"
-            else:
-                log(f"restarting on the same {len(devices)} device(s) from the last checkpoint "
-                    f"({device} has failed {ledger.failures(device)}/{max_failures} times)")
-                reason = f"{device} failed ({c.cause})"
-                carried = rows_in_force(seg_dir, plan)  # the same build: the rows its ranks ran when they failed
+            build, reason, carried = after_failure(job, ledger, plan, build, seg, e.failures, options, solver, e)
             seg += 1
             continue
-        _record_moves(job, seg, seg_dir)
-        nxt = RunFolder(seg_dir).read_next()
-        if nxt is not None:
-            job.event("switch", segment=seg, step=nxt["step"], build=nxt["build"], decision=nxt.get("event", {}))
-            build, reason = Path(nxt["build"]), f"re-planned at step {nxt['step']}"
+        switch = after_success(job, seg)
+        if switch is not None:
+            build, reason = switch
             seg += 1
             continue
         job.event("done", segment=seg, steps=options.steps)
         return job.events
+
+
+
+def start_segment(job: Job, options: RunOptions, first: list[str], build: Path, seg: int, reason: str,
+                  carried: Plan | None, run_info: dict[str, Any] | None) -> Plan:
+    """Prepare segment ``seg``'s run folder (its options, plan, rows in force) and log its start.
+
+    Args:
+        job: the job's folder and log.
+        options: the job's options.
+        first: the first plan's devices (injected faults name its ranks).
+        build: the segment's build; ``reason`` why it starts.
+        carried: the plan whose rows the ranks take before their first step (a restart on the same build), or None.
+        run_info: extra facts for its run.json.
+
+    Returns:
+        The segment's plan (its build's).
+    """
+    plan = load_plan(build / "plan.json")
+    devices = plan_devices(plan)
+    seg_dir = job.run.segment(seg).path
+    seg_options = options.for_segment(
+        checkpoint_dir=job.run.checkpoints, resume=ResumeMode.IF_ANY, launched_at=time.time(),
+        faults=options.faults.follow(first, devices, first_segment=reason == "start"),
+        rows_from=seg_dir / "plan.json" if carried is not None else None)
+    prepare_run_dir(build, seg_dir, {"steps": options.steps, "nproc": len(devices), "segment": seg,
+                                     "reason": reason, **(run_info or {})}, seg_options)
+    if carried is not None:  # the segment's plan is the one in force: its ranks take its rows, report reads it
+        save_plan(carried, seg_dir / "plan.json")
+    resumed = latest(job.run.checkpoints)
+    rows = {"rows": [list(st.rows) for st in carried.stages]} if carried is not None else {}
+    job.event("segment", segment=seg, reason=reason, build=str(build), devices=devices,
+              resume_from=str(resumed) if resumed else None, **rows)
+    job.log(f"segment {seg} ({reason}): {len(devices)} rank(s) on {', '.join(devices)}"
+            + (f", resuming from {resumed.name}" if resumed else "")
+            + (" with the rows moved in place before the failure: " + _rows_text(carried) if carried else ""))
+    return plan
+
+
+def after_success(job: Job, seg: int) -> tuple[Path, str] | None:
+    """What follows a segment whose ranks all finished: ``(build, reason)`` of a switch, or None when done."""
+    seg_dir = job.run.segment(seg).path
+    record_moves(job, seg, seg_dir)
+    nxt = RunFolder(seg_dir).read_next()
+    if nxt is None:
+        return None
+    job.event("switch", segment=seg, step=nxt["step"], build=nxt["build"], decision=nxt.get("event", {}))
+    return Path(nxt["build"]), f"re-planned at step {nxt['step']}"
+
+
+def after_failure(job: Job, ledger: FailureLedger, plan: Plan, build: Path, seg: int,
+                  failures: dict[int, tuple[int, str]], options: RunOptions, solver: str,
+                  error: Exception | None = None) -> tuple[Path, str, Plan | None]:
+    """What follows a segment whose ranks failed: blame a rank, drop its device or restart on the same ones.
+
+    Args:
+        job: the job's folder and log.
+        ledger: failures per device so far.
+        plan: the failed segment's plan; ``build`` its build.
+        seg: the failed segment.
+        failures: global rank -> (exit code, torchrun's message), of every host.
+        options: the job's options.
+        solver: the solver for a re-plan.
+        error: what to raise again for bad input (a user error is never retried).
+
+    Returns:
+        ``(build, reason, carried)``: the next segment's build, why it starts, and the plan whose rows it takes
+        (a restart on the same build), or None.
+
+    Raises:
+        SupervisorError: no plan fits on the devices left.
+    """
+    seen = time.time()
+    seg_dir = job.run.segment(seg).path
+    devices = plan_devices(plan)
+    c = blame(failures, seg_dir)
+    device = devices[c.rank]
+    record_moves(job, seg, seg_dir)
+    if c.cause == "user":
+        raise error if error is not None else SupervisorError(c.message)
+    dropped = c.cause == "killed" or ledger.record(device)
+    job.event("failure", segment=seg, rank=c.rank, device=device, cause=c.cause, message=c.message,
+              failed_at=c.time, detected_at=seen, dropped=dropped, failures=ledger.failures(device))
+    job.log(f"segment {seg}: rank {c.rank} ({device}) {c.cause}: {c.message.splitlines()[0][:200]}")
+    if dropped:
+        why = "its process died" if c.cause == "killed" else f"it failed {ledger.failures(device)} times"
+        job.log(f"dropping {device}: {why}")
+        return replan_without(job, plan, build, seg, [device], options, solver), f"{device} lost", None
+    job.log(f"restarting on the same {len(devices)} device(s) from the last checkpoint "
+            f"({device} has failed {ledger.failures(device)}/{ledger.max_failures} times)")
+    return build, f"{device} failed ({c.cause})", rows_in_force(seg_dir, plan)
+
+
+def replan_without(job: Job, plan: Plan, build: Path, seg: int, lost: list[str], options: RunOptions,
+                   solver: str, trigger: str = "failure") -> Path:
+    """Re-plan segment ``seg``'s job for its devices less ``lost``, build it for segment ``seg + 1``, log it.
+
+    Returns:
+        The new build's folder.
+
+    Raises:
+        SupervisorError: no plan fits on the devices left (the last checkpoint named and intact).
+    """
+    adapt = options.adapt
+    new_build, info = _replan_without(job, plan, build, job.run.segment(seg).path, lost, job.run.build_for(seg + 1),
+                                      solver, adapt.time_limit_s if adapt else 20.0)
+    job.event("replan", segment=seg, trigger=trigger, **info)
+    return new_build
 
 
 def _rows_text(plan: Plan) -> str:

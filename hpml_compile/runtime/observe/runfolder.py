@@ -12,7 +12,8 @@ type names all of it, so that a file is spelled once:
 - ``started.json``: when rank 0's first step finished (the cost of a (re)start);
 - ``replans.jsonl``: every decision of the closed loop; ``next.json``: the build to restart on after a switch;
 - for ``run --adapt``: ``seg<k>/`` (a run folder per segment), ``checkpoints/``, ``builds/seg<k>/`` and
-  ``events.jsonl``, the supervisor's log of segments, failures, re-plans and switches.
+  ``events.jsonl``, the supervisor's log of segments, failures, re-plans and switches; across hosts,
+  ``.shared-token``, by which each host checks that it reads the folder host 0 writes.
 
 Example:
     >>> import tempfile
@@ -116,6 +117,11 @@ class RunFolder:
     def checkpoints(self) -> Path:
         """``checkpoints/``: a supervised job's checkpoints, shared by its segments."""
         return self.path / "checkpoints"
+
+    @property
+    def shared_token(self) -> Path:
+        """``.shared-token``: what host 0 of a multi-host job writes for the other hosts to read back."""
+        return self.path / ".shared-token"
 
     def error(self, rank: int) -> Path:
         """``errors/rank<r>.txt``: where a failing rank writes its message."""

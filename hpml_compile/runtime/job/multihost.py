@@ -1,0 +1,295 @@
+"""The closed loop across hosts: one supervisor per host, decisions taken once by host 0, a lost host planned out.
+
+``hpml-compile run BUILD --adapt --nnodes N --node-rank R --rdzv-endpoint
+HOST:PORT --run-dir SHARED`` on each of ``N`` hosts runs the job of
+:func:`~.supervisor.supervise` across them. Each segment is one torchrun
+launch per host taking part, joined by torchrun's static rendezvous (host
+``i`` of the segment gets the next global ranks, so each host runs the
+plan's devices it holds); the ranks' own closed loop (:mod:`.adapt`:
+slowdowns, row moves in place, switches) runs over all of them as on one
+host. Between segments the hosts meet in the job's store
+(:mod:`.hosts`): each says how its part ended, and host 0, the lead,
+decides what the next segment is, once, and publishes it:
+
+- every host's ranks finished: done, or a switch the ranks chose (the new
+  build in the shared run folder);
+- a host stopped beating (its agent and ranks died, or it is cut off): its
+  devices are dropped, the job is re-planned for the devices of the hosts
+  left (:func:`~.supervisor.replan_without`) and resumes on them from the
+  last checkpoint. A host that sees another one lost while its ranks run
+  stops them at once (they would otherwise wait for their dead peers up to
+  ``--timeout``), so the job is training again within seconds;
+- a rank failed or died on a host that is still there: as on one host
+  (:func:`~.supervisor.after_failure`: blamed from every host's exit codes
+  and the ranks' reports in the shared folder; a dead rank's device dropped,
+  another failure restarted on the same devices).
+
+Checkpoints, builds and plans live in the run folder, which every host must
+mount (:func:`~.hosts.check_shared` refuses one that is not): the hosts left
+resume from checkpoints the lost host helped write.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ...errors import HpmlError, LaunchError, RankFailure, SupervisorError
+from ...plan import Plan, load_plan
+from ..observe.policy import FailureLedger
+from ..observe.runfolder import RunFolder
+from .hosts import LOST_AFTER_S, JobBoard, Liveness, check_shared
+from .launcher import LaunchSpec, free_port, launch, parse_endpoint
+from .options import RunOptions
+from .supervisor import (Job, after_failure, after_success, plan_devices, record_moves, replan_without,
+                         start_segment)
+
+__all__ = ["supervise_hosts", "place"]
+
+JOIN_S = 120.0  # how long host 0 waits for every host's first beat
+
+
+def place(devices: list[str], held: dict[int, list[str]]) -> tuple[list[int], list[int], dict[int, list[str]]]:
+    """The hosts a plan's ranks run on, and how many on each, in rank order.
+
+    Each host runs as many ranks as it holds devices the plan uses; host ``i`` of the segment gets the next
+    global ranks (torchrun's static rendezvous), so the devices a host runs are the next ones of the plan's
+    rank order (on hosts of identical devices the names are the plan's own; each is held by whichever host
+    runs it from then on).
+
+    Args:
+        devices: the plan's device of each rank, in rank order.
+        held: host -> the devices it ran in the last segment.
+
+    Returns:
+        ``(hosts, nproc, held)``: the hosts taking part (ascending), ranks on each, and the devices each runs.
+
+    Example:
+        >>> place(["cpu0"], {0: ["cpu0"], 1: ["cpu1"]})
+        ([0], [1], {0: ['cpu0'], 1: []})
+        >>> place(["cpu2", "cpu0", "cpu1"], {0: ["cpu0", "cpu1"], 1: ["cpu2", "cpu3"]})
+        ([0, 1], [2, 1], {0: ['cpu2', 'cpu0'], 1: ['cpu1']})
+    """
+    used = set(devices)
+    counts = {h: len(used & set(ds)) for h, ds in sorted(held.items())}
+    hosts = [h for h, n in counts.items() if n]
+    out: dict[int, list[str]] = {h: [] for h in held}
+    at = 0
+    for h in hosts:
+        out[h] = devices[at:at + counts[h]]
+        at += counts[h]
+    return hosts, [counts[h] for h in hosts], out
+
+
+def _stop_local_ranks() -> None:
+    """SIGTERM every process this one started (torchrun's ranks; each ends quietly on it)."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _run_part(board: JobBoard, seg: int, go: dict[str, Any], run: RunFolder,
+              log: Callable[[str], None]) -> tuple[dict[str, Any], set[int], Liveness]:
+    """This host's ranks of segment ``seg``, watched for lost peers; post how they ended.
+
+    Returns:
+        ``(end, lost, live)``: what this host posted, the hosts its watcher found lost while the ranks ran, and
+        the watcher's view of the hosts' beats since the segment started (to go on watching with).
+    """
+    hosts: list[int] = go["hosts"]
+    i = hosts.index(board.host)
+    spec = LaunchSpec(Path(go["build"]), run.segment(seg).path, go["nproc"][i], nnodes=len(hosts), node_rank=i,
+                      rdzv_endpoint=go["endpoint"])
+    lost: set[int] = set()
+    done = threading.Event()
+    live = board.watcher()
+
+    def watch() -> None:
+        while not done.wait(0.2):
+            try:
+                gone = {h for h in hosts if h not in (board.host, 0) and live.lost(h)}  # host 0: the store
+            except Exception:  # noqa: BLE001 -- the store's host is gone: host 0 is lost
+                gone = {0}
+            if gone:
+                lost.update(gone)
+                log(f"host {board.host}: host(s) {', '.join(map(str, sorted(gone)))} lost during segment {seg}; "
+                    "stopping this host's ranks")
+                _stop_local_ranks()
+                return
+
+    watcher = threading.Thread(target=watch, name="hpml-host-watch", daemon=True)
+    watcher.start()
+    try:
+        launch(spec)
+        end: dict[str, Any] = {"ok": True}
+    except RankFailure as e:
+        end = {"failures": {str(r): [code, msg] for r, (code, msg) in e.failures.items()}}
+    except LaunchError as e:  # the rendezvous did not form: a host that should have joined did not
+        end = {"launch_error": str(e)}
+    finally:
+        done.set()
+        watcher.join()
+    end["lost"] = sorted(lost)
+    end["time"] = time.time()
+    try:
+        board.post_end(seg, end)
+    except Exception as e:  # noqa: BLE001 -- the store's host is gone
+        raise board.store_lost(e) from None
+    return end, lost, live
+
+
+def supervise_hosts(build_dir: Path, run_dir: Path, options: RunOptions, *, host: int, nnodes: int, nproc: int,
+                    endpoint: str, max_failures: int = 2, solver: str = "ilp",
+                    lost_after_s: float = LOST_AFTER_S, run_info: dict[str, Any] | None = None,
+                    log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Run ``build_dir`` for ``options.steps`` steps on ``nnodes`` hosts, this one being ``host``.
+
+    Args:
+        build_dir: the first build (its plan's devices split over the hosts in rank order, ``nproc`` each).
+        run_dir: the job's folder, the same on every host (a shared file system).
+        options: the job's options (as :func:`~.supervisor.supervise`).
+        host: this host's rank, 0..nnodes-1 (host 0 holds the job's store at ``endpoint`` and decides).
+        nnodes: the hosts.
+        nproc: ranks per host in the first segment.
+        endpoint: ``HOST:PORT`` of host 0.
+        max_failures: failures of one device (other than a death) before it is dropped.
+        solver: the solver for re-planning after a failure.
+        lost_after_s: silence after which a host is lost.
+        run_info: extra facts for each segment's run.json.
+        log: progress lines.
+
+    Returns:
+        The job's events on host 0 (as written to ``RUN_DIR/events.jsonl``); [] on the other hosts.
+
+    Raises:
+        SupervisorError: the run folder is not shared, host 0 was lost, or no plan fits on what is left.
+        LaunchError: a rank failed on bad input.
+    """
+    board = JobBoard(endpoint, host, nnodes, lost_after_s=lost_after_s)
+    try:
+        check_shared(board, run_dir)
+        if host == 0:
+            return _lead(board, build_dir, run_dir, options, nproc, max_failures, solver, run_info, log)
+        _follow(board, run_dir, log)
+        return []
+    finally:
+        board.close()
+
+
+def _follow(board: JobBoard, run_dir: Path, log: Callable[[str], None]) -> None:
+    """A host other than 0: run each segment the lead names this host in, until it says done or stop."""
+    run = RunFolder(run_dir)
+    seg = int(board.fact("first", JOIN_S)["segment"])
+    while True:
+        go = board.wait(lambda: board.read_go(seg), [0], None, what=f"host 0's decision for segment {seg}")
+        if go.get("done"):
+            log(f"host {board.host}: done")
+            return
+        if "stop" in go:
+            raise SupervisorError(f"host 0 stopped the job: {go['stop']}")
+        if board.host in go["hosts"]:
+            log(f"host {board.host}: segment {seg} ({go['reason']}): {go['nproc'][go['hosts'].index(board.host)]} "
+                f"rank(s) of {sum(go['nproc'])} on {len(go['hosts'])} host(s)")
+            _, lost, _ = _run_part(board, seg, go, run, log)
+            if 0 in lost:
+                raise SupervisorError("host 0 was lost, and with it the job's store: its checkpoints in the shared "
+                                      "run folder are intact; run the hosts left again with the same --run-dir (one "
+                                      "of them as host 0) to resume from the last one")
+        else:
+            log(f"host {board.host}: segment {seg} runs without this host's devices")
+        seg += 1
+
+
+def _lead(board: JobBoard, build: Path, run_dir: Path, options: RunOptions, nproc: int, max_failures: int,
+          solver: str, run_info: dict[str, Any] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Host 0: wait for every host, then run segments and decide between them (see the module docstring)."""
+    job = Job(RunFolder(run_dir), log)
+    first = plan_devices(load_plan(build / "plan.json"))
+    held = {h: first[h * nproc:(h + 1) * nproc] for h in range(board.nnodes)}
+    board.wait(lambda: {} if all(board.beats(h) is not None for h in held) else None, [], JOIN_S,
+               what=f"all {board.nnodes} hosts to join the job's store at {board.endpoint}")
+    seg = max(job.run.segments(), default=-1) + 1
+    board.set_fact("first", {"segment": seg})
+    ledger = FailureLedger(max_failures)
+    reason, carried = "start", None
+    where = parse_endpoint(board.endpoint)[0]
+    try:
+        while True:
+            plan = start_segment(job, options, first, build, seg, reason, carried, run_info)
+            hosts, counts, held = place(plan_devices(plan), held)
+            go = {"hosts": hosts, "nproc": counts, "build": str(build), "reason": reason,
+                  "endpoint": f"{where}:{free_port('')}"}
+            job.event("hosts", segment=seg, hosts=hosts, nproc=counts, devices={str(h): held[h] for h in hosts})
+            board.publish_go(seg, go)
+            _, seen_lost, live = _run_part(board, seg, go, job.run, log)
+            ends = _collect(board, seg, hosts, seen_lost, live)
+            lost = [h for h in hosts if ends[h] is None]
+            carried = None
+            if lost:
+                build, reason = _after_host_loss(job, plan, build, seg, lost, held, options, solver, board)
+                held = {h: ds for h, ds in held.items() if h not in lost}
+            elif any("failures" in e or "launch_error" in e for e in ends.values() if e):
+                failures = {int(r): (int(code), msg) for e in ends.values() if e
+                            for r, (code, msg) in e.get("failures", {}).items()}
+                if not failures:
+                    raise SupervisorError("; ".join(e["launch_error"] for e in ends.values() if e and
+                                                    "launch_error" in e))
+                build, reason, carried = after_failure(job, ledger, plan, build, seg, failures, options, solver)
+            else:
+                switch = after_success(job, seg)
+                if switch is None:
+                    job.event("done", segment=seg, steps=options.steps)
+                    board.publish_go(seg + 1, {"done": True})
+                    return job.events
+                build, reason = switch
+            seg += 1
+    except HpmlError as e:  # the other hosts stop with it, saying why
+        board.publish_go(seg if board.read_go(seg) is None else seg + 1, {"stop": str(e)})
+        raise
+
+
+def _collect(board: JobBoard, seg: int, hosts: list[int], seen_lost: set[int],
+             live: Liveness) -> dict[int, dict[str, Any] | None]:
+    """Each host's end of segment ``seg``, or None for a host that was lost (silent for ``lost_after_s``).
+
+    ``live`` has watched the beats since the segment started, so a host that died while the ranks ran is lost
+    ``lost_after_s`` after its last beat, not after the ranks here stopped.
+    """
+    ends: dict[int, dict[str, Any] | None] = {}
+    while len(ends) < len(hosts):
+        for h in hosts:
+            if h in ends:
+                continue
+            end = board.read_end(seg, h)
+            if end is not None:
+                ends[h] = end
+            elif h in seen_lost or live.lost(h):
+                ends[h] = None
+        time.sleep(0.1)
+    return ends
+
+
+def _after_host_loss(job: Job, plan: Plan, build: Path, seg: int, lost: list[int], held: dict[int, list[str]],
+                     options: RunOptions, solver: str, board: JobBoard) -> tuple[Path, str]:
+    """Drop the lost hosts' devices and re-plan for the rest: ``(build, reason)`` of the next segment."""
+    detected = time.time()
+    seg_dir = job.run.segment(seg).path
+    record_moves(job, seg, seg_dir)
+    devices = [d for h in lost for d in held[h]]
+    ranks = plan_devices(plan)
+    reports = [info["time"] for r in range(len(ranks)) for info in [RunFolder(seg_dir).read_error(r)] if info]
+    failed_at = min(reports, default=detected - board.lost_after_s)  # the survivors' ranks saw it first
+    for h in lost:
+        job.event("failure", segment=seg, host=h, device=", ".join(held[h]), devices=held[h], cause="host lost",
+                  message=f"host {h} stopped beating for {board.lost_after_s:g} s", failed_at=failed_at,
+                  detected_at=detected, dropped=True, rank=ranks.index(held[h][0]) if held[h] else None)
+        job.log(f"segment {seg}: host {h} lost (its devices {', '.join(held[h])}); dropping them")
+    new = replan_without(job, plan, build, seg, devices, options, solver, trigger="host lost")
+    return new, f"host(s) {', '.join(map(str, lost))} lost"

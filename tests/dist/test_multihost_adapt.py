@@ -1,0 +1,164 @@
+"""``run --adapt`` across hosts: two ``hpml-compile run`` agents on this machine stand in for two hosts.
+
+A TrainSpec of 128 items in batches of 8 (16 steps, one epoch) is compiled
+for 2 devices (2 stages); host 0 runs cpu0, host 1 cpu1, both writing the one
+run folder (a shared file system between real hosts). Mid-run, host 1's
+agent and its rank are killed (SIGKILL, the whole process tree; host 1's
+rank is slowed from step 9, ``--slow``, so that the kill lands before the last step
+however fast the machine is). Host 0
+sees the host lost, drops its device, re-plans for cpu0 alone and resumes
+from the last checkpoint:
+
+- the job reaches its last step on cpu0 under the new plan;
+- the resumed steps' losses equal a plain run of the new build from a copy of
+  the same checkpoint;
+- the steps whose updates survive train on one epoch, each item once;
+- no process of the job is left on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from hpml_compile.cli import main
+from hpml_compile.plan import load_plan
+from hpml_compile.runtime.job.launcher import free_port
+from hpml_compile.runtime.observe.monitor import read_metrics
+
+QUIET_PROFILE = [pytest.mark.filterwarnings("ignore:.*the model's blocks timed in sequence took:UserWarning"),
+                 pytest.mark.filterwarnings("ignore:.*the whole-model pass took:UserWarning")]
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(600), *QUIET_PROFILE]
+ROOT = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "hpml_compile"]
+SPEC = '''
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from hpml_compile import TrainSpec
+
+def spec():
+    net = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(128, 6, generator=g)
+    return TrainSpec(net, TensorDataset(x, x[:, :3].argmax(1)), nn.functional.cross_entropy, batch_size=8, seed=5)
+'''
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "OMP_NUM_THREADS": "1"}
+
+
+def _batches(seg: Path) -> dict[int, list[int]]:
+    """Global batch number -> the dataset indices the first-stage ranks of a segment trained on."""
+    out: dict[int, list[int]] = {}
+    for path in sorted((seg / "samples").glob("rank*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            out.setdefault(row["batch"], []).extend(row["indices"])
+    return out
+
+
+def _steps_done(seg: Path) -> int:
+    path = seg / "metrics" / "rank0.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def _job_processes(run: Path) -> list[psutil.Process]:
+    """Processes on this machine whose command line names the run folder (agents and ranks of this job)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(run) in part for part in p.info["cmdline"] or []):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def test_a_lost_host_is_planned_out_and_the_job_resumes_on_the_host_left(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(SPEC)
+    build = tmp_path / "build"
+    assert main(["compile", f"{tmp_path / 'train.py'}:spec", "--cluster", "local-cpu-2", "--solver", "uniform",
+                 "--microbatches", "2", "--repeats", "1", "-o", str(build)]) == 0
+    assert [st.devices for st in load_plan(build / "plan.json").stages] == [("cpu0",), ("cpu1",)]
+    run = tmp_path / "run"
+    endpoint = f"localhost:{free_port()}"
+
+    def host(rank: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [*CLI, "run", str(build), "--adapt", "--no-replan-on-imbalance", "--epochs", "1", "--checkpoint-every",
+             "4", "--log-samples", "--retries", "1", "--slow", "1:300:9", "--nnodes", "2", "--node-rank", str(rank),
+             "--rdzv-endpoint", endpoint, "--host-timeout", "3", "--run-dir", str(run), "--no-report",
+             "--no-tensorboard"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), stdin=subprocess.DEVNULL)
+
+    lead, other = host(0), host(1)
+    killed: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 240
+        while _steps_done(run / "seg0") < 10:  # past the checkpoint of step 8
+            if lead.poll() is not None or other.poll() is not None or time.monotonic() > deadline:
+                for p in (lead, other):
+                    if p.poll() is None:
+                        p.kill()
+                said = [p.communicate()[0] for p in (lead, other)]
+                pytest.fail(f"segment 0 did not reach step 10 with both hosts running:\n{said[0]}\n---\n{said[1]}")
+            time.sleep(0.02)
+        agent = psutil.Process(other.pid)
+        killed = [agent, *agent.children(recursive=True)]
+        assert len(killed) >= 2  # the agent and its rank (torchrun's workers are its children)
+        for p in killed:
+            p.send_signal(signal.SIGKILL)
+        out, _ = lead.communicate(timeout=300)
+    finally:
+        for p in (lead, other):
+            if p.poll() is None:
+                p.kill()
+        other.wait()
+    assert lead.returncode == 0, out + "\n---\n" + (other.stdout.read() if other.stdout else "")
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    lost = [e for e in events if e["event"] == "failure"]
+    assert [(e["cause"], e["host"], e["devices"], e["dropped"]) for e in lost] == [("host lost", 1, ["cpu1"], True)]
+    segments = [e for e in events if e["event"] == "segment"]
+    assert [s["devices"] for s in segments] == [["cpu0", "cpu1"], ["cpu0"]]
+    resumed = int(Path(segments[1]["resume_from"]).name.split("_")[1])
+    assert resumed in (8, 12)  # the last checkpoint before the kill (every 4 steps)
+    new_build = Path(segments[1]["build"])
+    assert [st.devices for st in load_plan(new_build / "plan.json").stages] == [("cpu0",)]  # a new plan, host 0
+    assert "host(s) 1 lost" in out and "re-planned for 1 device(s) without cpu1" in out
+
+    # each item trained once by the steps whose updates survive
+    first, second = _batches(run / "seg0"), _batches(run / "seg1")
+    assert sorted(second) == list(range(resumed, 16))
+    survived = [i for b in range(resumed) for i in first[b]] + [i for b in range(resumed, 16) for i in second[b]]
+    assert sorted(survived) == list(range(128))
+
+    # the resumed losses equal a plain run of the new build from a copy of the same checkpoint
+    ckpt = Path(segments[1]["resume_from"])
+    shutil.copytree(ckpt, tmp_path / "ckpt" / ckpt.name)
+    ref = tmp_path / "ref"
+    r = subprocess.run([*CLI, "run", str(new_build), "--epochs", "1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                        "--resume", "--run-dir", str(ref), "--no-report", "--no-tensorboard"],
+                       capture_output=True, text=True, timeout=300, env=_env(), stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = {m.step + 1: m.loss for m in read_metrics(run / "seg1")[0]}
+    want = {m.step + 1: m.loss for m in read_metrics(ref)[0]}
+    assert sorted(got) == sorted(want) == list(range(resumed + 1, 17))
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-7), step
+
+    # nothing of the job is left: the killed tree, and every agent and rank that named the run folder
+    time.sleep(0.5)
+    assert not [p.pid for p in killed if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p.pid for p in _job_processes(run) if p.status() != psutil.STATUS_ZOMBIE]
