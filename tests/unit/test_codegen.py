@@ -280,10 +280,10 @@ def test_manifest_and_debug_dump(cases: dict[str, Case], tmp_path: Path) -> None
     assert set(manifest["files"]) == {"stage_0.py", "stage_1.py", "plan.json", "graph.txt", "lowering.json"}
     # ZeRO-1: stage 0's own parameters are reduce-scattered into shards and all-gathered after the step; the
     # tied embedding is summed over both stages
-    assert manifest["collectives"] == ["ALLGATHER(0)", "REDUCESCATTER(0)", "ALLREDUCE(0,1)"]
+    assert manifest["collectives"] == ["ALLGATHER.shm(0)", "REDUCESCATTER.shm(0)", "ALLREDUCE.shm(0,1)"]
     assert manifest["inputs"] == [{"name": "idx", "shape": [2, 32], "dtype": "int64"}]
     lowering = json.loads((tmp_path / "lowering.json").read_text())
-    assert lowering["actions"][1]["tokens"] == ["0RECV1", "ALLREDUCE(0,1)"]
+    assert lowering["actions"][1]["tokens"] == ["0RECV1", "ALLREDUCE.shm(0,1)"]
     assert SyncKind("ALLREDUCE") is SyncKind.ALL_REDUCE
     kinds = {parse_token(t)[0] for s in manifest["stages"] for t in s["actions"]}  # every token parses back
     assert kinds == {TokenKind.SEND, TokenKind.RECV, TokenKind.ALL_REDUCE, TokenKind.REDUCE_SCATTER,
