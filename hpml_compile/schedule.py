@@ -71,8 +71,9 @@ from .errors import ScheduleError
 from .memory import ZeroStage
 from .plan import AllReduce, Plan, Schedule
 
-__all__ = ["ActionKind", "SyncImpl", "sync_impl", "Action", "RankActions", "op_order", "lower", "relower", "parse_actions", "parse_token",
-           "validate", "replay", "compute_orders", "stage_ranks", "rank_layout", "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
+__all__ = ["ActionKind", "SyncImpl", "sync_impl", "Action", "RankActions", "op_order", "lower", "relower",
+           "parse_actions", "parse_token", "validate", "replay", "compute_orders", "stage_ranks", "rank_layout",
+           "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
 
 
 class ActionKind(str, enum.Enum):
@@ -330,7 +331,7 @@ def lower(schedule: Schedule, microbatches: int, replicas: Sequence[int], *,
         microbatches: ``M``.
         replicas: devices (ranks) of each stage.
         sends: per stage, whether boundary ``k -> k+1`` carries values (default: every one but the last's).
-        grad_sync: per stage, its gradient collective tokens in the order its ``sync_grads`` runs them.
+        grad_sync: per stage, its gradient collective tokens, in the order they run.
         after_step: per stage, its parameter collective tokens after the optimizer step.
 
     Returns:

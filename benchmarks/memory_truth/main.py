@@ -17,7 +17,7 @@ and puts, per device and per part, the plan's memory breakdown
 - gradients at their peak, the end of the backward (:class:`~hpml_compile.saved.GradPeak`:
   a ZeRO-2 rank frees its whole gradient buffer after the reduce-scatter), plus
   ``other``: the flat buffer the gradients of parameters tied to another stage
-  are all-reduced through (``codegen.ops._grad_buffer``, kept across steps; the
+  are all-reduced through (``runtime.sync.stage._grad_buffer``, kept across steps; the
   memory model counts it with the gradients);
 - ``rss``: the process's peak resident set (psutil; the interpreter and torch
   included), for scale.

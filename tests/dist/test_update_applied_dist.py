@@ -47,7 +47,7 @@ def _case(rank: int, world: int, build: str, out: str, name: str) -> dict[str, A
     pipe = Pipeline(load_build(build, model), model, optimizer=skipnet_sgd, session=session,
                     faults=[CommFault(FAIL_AT, 0, CommOp.COLLECTIVE, 1)], events=False, log=lines.append)
     assert pipe.comm is not None
-    shard = pipe.comm.shards[pipe.stage_index]
+    shard = pipe.sync.buffer if pipe.sync is not None else None
     assert isinstance(shard, FlatShard) and not shard.prefetch  # CPU ranks: the blocking gather after the step
     losses, owed = [], []
     for x, y in skipnet_batches(STEPS, ROWS):

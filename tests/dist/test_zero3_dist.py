@@ -70,19 +70,20 @@ def _run_build(build: str, world: int, out: str, save: bool) -> dict[str, Any]:
     stage = pipe.stages[pipe.stage_index]
     grads: list[torch.Tensor | None] = []
     held_after: list[list[int]] = []
-    sync = stage.sync_grads
+    assert pipe.sync is not None
+    sync = pipe.sync.reduce
 
-    def measured_sync() -> None:
-        sync()
+    def measured_sync(comm: Any, params: Any) -> None:
+        sync(comm, params)
         if not grads:
             grads.append(_flat_grad(pipe))
         h = held_bytes(stage, pipe.optimizer)
         held_after.append([h.params, h.grads])
 
-    stage.sync_grads = measured_sync  # type: ignore[method-assign]
+    pipe.sync.reduce = measured_sync  # type: ignore[method-assign]
     batches = _batches(4 * world, STEPS + 2)
     losses = [pipe.step((x,), y, loaded.loss_fn).item() for x, y in batches[:STEPS]]
-    stage.sync_grads = sync  # type: ignore[method-assign]
+    pipe.sync.reduce = sync  # type: ignore[method-assign]
     between = held_bytes(stage, pipe.optimizer)
     shards = [s for s in pipe._shards if isinstance(s, FlatShard3)]
     tied = {id(p) for j, other in enumerate(pipe.build.stages) if j != pipe.stage_index for p in other.parameters()}

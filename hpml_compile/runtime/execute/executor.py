@@ -16,11 +16,13 @@ and decides nothing: each token goes to the handler of its kind
   ``ops.send`` / ``ops.recv`` nodes of the generated stage move the values
   inside the neighbouring forward or backward; the tokens say where, for the
   validator and the simulator;
-- a collective before ``OPTk``: the stage's ``sync_grads`` (generated to run
-  its collectives in the order its tokens list them; called at the first);
+- a collective (``ALLREDUCE.shm(0)``): the :class:`~..sync.stage.StageSync`
+  of its stages runs it (the implementation its suffix names, chosen from
+  the plan), on the parameters the stage lists for the token
+  (``COLLECTIVES``); before ``OPTk`` it sums gradients, after it (ZeRO's
+  all-gather) it moves parameters;
   ``LOSS``: wait for this process's sends, and agree on the loss (ranks);
-  ``OPTk``: the optimizer step (once per process); a collective after it:
-  the stage's ``after_step`` (ZeRO all-gather).
+  ``OPTk``: the optimizer step (once per process).
 
 On a rank the list is its own (:func:`step_rank`, :class:`~.pipeline.Pipeline`);
 in one process (:func:`step_local`, a Pipeline without a process group) the
@@ -59,7 +61,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -74,6 +76,7 @@ from ...schedule import (MARKERS, Action, ActionKind, RankActions, rank_layout, 
                         stage_ranks, validate)
 from ...trainspec import Split, split_of
 from ..sync.comm import DistComm, LocalComm, dist_comm
+from ..sync.stage import UNBUFFERED, StageSync
 from .scaler import LossScaler
 
 __all__ = ["StepResult", "StepRun", "stage_ranks", "rank_layout", "split_microbatches", "split_replicas",
@@ -284,7 +287,8 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
                 agree: Callable[[Tensor], bool | None] | None = None, keep_outputs: bool = False,
                 own_rows: bool = False, scaler: LossScaler | None = None,
                 agree_inf: Callable[[Tensor], None] | None = None,
-                arm: Callable[[int], None] | None = None) -> StepRun:
+                arm: Callable[[int], None] | None = None,
+                syncs: Mapping[tuple[int, ...], StageSync] | None = None) -> StepRun:
     """Carry out ``order`` (see the module docstring): the one code path of every training step.
 
     Args:
@@ -309,13 +313,15 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
         agree_inf: called with the float32 found-inf flag to make it every rank's (a MAX all-reduce on ranks).
         arm: called with stage ``k`` just before ``k``'s last backward in ``order`` (the overlapped gradient
             buckets of :mod:`.zero` launch during it; earlier backwards only accumulate).
+        syncs: the sync of each group of stages that has one on this process (:func:`..sync.stage.for_stage`);
+            any other collective runs unbuffered (:class:`..sync.stage.Unbuffered`).
 
     Returns:
         The losses, outputs, busy times and phase timestamps.
     """
     step = _Step(build, stages, comm, inputs, targets, loss_fn, microbatches, device=device, optimizer=optimizer,
                  agree=agree, keep_outputs=keep_outputs, own_rows=own_rows, scaler=scaler, agree_inf=agree_inf,
-                 arm=arm, order=order)
+                 arm=arm, order=order, syncs=syncs)
     for index, (rank, a) in enumerate(order):
         HANDLERS[a.kind](step, index, rank, a)
     step.run.t_end = time.perf_counter()
@@ -330,7 +336,7 @@ class _Step:
                  optimizer: torch.optim.Optimizer | None, agree: Callable[[Tensor], bool | None] | None,
                  keep_outputs: bool, own_rows: bool, scaler: LossScaler | None,
                  agree_inf: Callable[[Tensor], None] | None, arm: Callable[[int], None] | None,
-                 order: Sequence[tuple[int, Action]]) -> None:
+                 order: Sequence[tuple[int, Action]], syncs: Mapping[tuple[int, ...], StageSync] | None) -> None:
         self.build, self.stages, self.comm, self.loss_fn, self.n = build, stages, comm, loss_fn, microbatches
         self.device, self.optimizer, self.agree, self.keep_outputs = device, optimizer, agree, keep_outputs
         self.scaler, self.agree_inf, self.arm = scaler, agree_inf, arm
@@ -341,8 +347,9 @@ class _Step:
         self.xs = _Slices(tuple(inputs), microbatches, own_rows)
         self.ys = _Slices(targets, microbatches, own_rows) if self.last in stages else None
         self.roots: dict[tuple[int, int, int], list[Tensor]] = {}
-        self.synced: set[int] = set()
-        self.stepped: set[int] = set()
+        self.syncs = syncs or {}
+        self.synced: set[tuple[int, Action]] = set()
+        self.stepped: set[tuple[int, Action]] = set()
         self.optimized = self.done_compute = self.done_sync = False
         self.cuda = device.type == "cuda"
         self.last_bwd = {self.layout[rank][0]: i for i, (rank, a) in enumerate(order)
@@ -410,26 +417,30 @@ def _message(step: _Step, index: int, rank: int, a: Action) -> None:
 
 
 def _collective(step: _Step, index: int, rank: int, a: Action) -> None:
-    """A collective before ``OPTk``: the stage's ``sync_grads`` (every gradient collective of the stage, in the
-    order of its tokens, each through the implementation its token names); after it: the stage's ``after_step``
-    (the ZeRO parameter all-gather)."""
+    """A collective token: handed to the sync of its stages (:mod:`..sync.stage`, the implementation its suffix
+    names), with the parameters the stage lists for it; before ``OPTk`` it sums gradients, after it (ZeRO's
+    all-gather) it moves parameters, and a failure there leaves the update applied."""
     k = step.layout[rank][0]
     step.phase(synced=step.optimized)
+    key = (k, a)  # one process running several replicas of a stage: each token once
+    stage = step.stages[k]
+    params = stage.params(*stage.COLLECTIVES[str(a)])
+    sync = step.syncs.get(a.stages, UNBUFFERED)
     if not step.optimized:
-        if k not in step.synced:  # sync_grads runs every collective of the stage, in the order of its tokens
-            step.synced.add(k)
+        if key not in step.synced:
+            step.synced.add(key)
             t0 = time.perf_counter()
-            step.stages[k].sync_grads()
+            sync.run(a, step.comm, params)
             step.event("SYNC", t0, time.perf_counter(), k)
         return
-    if step.optimizer is None or k in step.stepped:
+    if step.optimizer is None or key in step.stepped:
         return
-    step.stepped.add(k)
+    step.stepped.add(key)
     if step.run.regrouped:
         return  # the others ran these on the old group and failed there: the next step gathers first
     t0 = time.perf_counter()
     try:
-        step.stages[k].after_step()
+        sync.run(a, step.comm, params)
     except Exception as e:
         step.run.t_end = time.perf_counter()
         raise UpdateApplied(step.run) from e
