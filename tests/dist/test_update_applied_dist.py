@@ -28,6 +28,7 @@ from hpml_compile.testing import (replicated_skipnet_builds, seeded_skipnet, ski
                                           skipnet_sgd, trained_skipnet)
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
 from hpml_compile.runtime.execute.session import RetryPolicy, Session
+from hpml_compile.runtime.sync.stage import Compressed
 from hpml_compile.runtime.sync.zero import FlatShard
 
 pytestmark = [pytest.mark.dist]
@@ -87,7 +88,8 @@ def _reducer_run(rank: int, world: int, build: str, out: str, name: str, opts: d
             pipe.comm = pipe._connect()
         losses.append(float(pipe.step((x,), y, skipnet_loss)))
     assert pipe.comm is not None
-    red = pipe._reducers()[0]
+    assert isinstance(pipe.sync, Compressed)
+    red = pipe.sync.reducer
     held = red.group if hasattr(red, "group") else red.state.process_group
     row = {"losses": losses, "generation": session.generation,
            "current": held is pipe.comm.groups.get((pipe.stage_index,))}

@@ -5,7 +5,9 @@ refused with a clear message."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ from hpml_compile.errors import BuildMismatchError
 from hpml_compile.memory import ZeroStage
 from hpml_compile.plan import AllReduce, Plan, Schedule, Stage
 from hpml_compile.runtime.execute.executor import HANDLERS
+from hpml_compile.runtime.sync.hierarchy import HierGroups
+from hpml_compile.runtime.sync.stage import Compressed, DataParallel, Sharded, Sharded3, StageSync, for_stage
 from hpml_compile.schedule import (RANK_KINDS, REGIONS, Action, ActionKind, SyncImpl, compute_orders, lower,
                                    op_order, parse_actions, parse_token, sync_impl)
 from hpml_compile.trace import trace
@@ -74,7 +78,6 @@ def test_sync_impl_is_what_the_plan_names() -> None:
     assert sync_impl(z3, (0,)) is SyncImpl.ZERO3
     topk = _plan("local-cpu-2", [("cpu0", "cpu1")], compress="topk:0.01")
     assert sync_impl(topk, (0,)) is SyncImpl.TOPK
-    from dataclasses import replace
     assert sync_impl(replace(cpus, sync_every=4), (0,)) is SyncImpl.LOCAL
     hier = _plan("local-cpu-4", [("cpu0", "cpu1")], allreduce=AllReduce.HIERARCHICAL)
     assert sync_impl(hier, (0,)) is SyncImpl.HIER
@@ -116,3 +119,43 @@ def test_a_version_1_build_with_collectives_asks_to_recompile(tmp_path: Path) ->
     (out / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(BuildMismatchError, match=r"manifest version 1.*regenerate the build"):
         load_build(out, model)
+
+
+def _stage_params(seed: int = 0) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+    torch.manual_seed(seed)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    return module, list(module.parameters())
+
+
+@pytest.mark.parametrize("stage, sharded, impl, cls", [
+    ({}, True, SyncImpl.SHM, DataParallel),
+    ({"compress": "topk:0.1"}, True, SyncImpl.TOPK, Compressed),
+    ({"compress": "powersgd:1"}, True, SyncImpl.POWERSGD, Compressed),
+    ({"zero": ZeroStage.OS}, True, SyncImpl.SHM, Sharded),
+    ({"zero": ZeroStage.OS}, False, SyncImpl.SHM, DataParallel),  # no optimizer factory: nothing to shard
+    ({"zero": ZeroStage.OS_G_P}, True, SyncImpl.ZERO3, Sharded3),
+])
+def test_for_stage_builds_the_implementation_the_plan_names(stage: dict[str, object], sharded: bool,
+                                                            impl: SyncImpl, cls: type[StageSync]) -> None:
+    plan = _plan("local-cpu-2", [("cpu0", "cpu1")], **stage)
+    module, params = _stage_params()
+    # the communicator's process groups are all for_stage reads here: none (a rank without overlap)
+    comm = SimpleNamespace(groups={}, hierarchy={})
+    sync = for_stage(plan, 0, comm, params, module, replica=0, sharded=sharded, overlap=False, bucket_bytes=1 << 20)
+    assert type(sync) is cls and sync.impl is impl is sync_impl(plan, (0,))
+    assert sync.stages == (0,) and (sync.shards != []) == isinstance(sync, Sharded)
+
+
+def test_for_stage_shards_a_hierarchical_zero1_per_host() -> None:
+    plan = _plan("local-cpu-4", [("cpu0", "cpu1")], zero=ZeroStage.OS, allreduce=AllReduce.HIERARCHICAL)
+    module, params = _stage_params()
+    comm = SimpleNamespace(groups={}, hierarchy={(0,): HierGroups(None, None, 1, 0)})
+    sync = for_stage(plan, 0, comm, params, module, replica=0, sharded=True, overlap=False, bucket_bytes=1 << 20)
+    assert isinstance(sync, Sharded) and sync.impl is SyncImpl.HIER and sync.shard.hier is comm.hierarchy[(0,)]
+
+
+def test_a_stage_without_replicas_has_no_sync() -> None:
+    module, params = _stage_params()
+    plan = _plan("local-cpu-2", [("cpu0",)])
+    assert for_stage(plan, 0, SimpleNamespace(groups={}, hierarchy={}), params, module, replica=0, sharded=True,
+                     overlap=False, bucket_bytes=1 << 20) is None

@@ -875,9 +875,10 @@ class Pipeline:
         Args:
             changed: the block writes the parameters (a checkpoint load): each replica's shard takes its part.
         """
-        with contextlib.ExitStack() as stack:
-            for s in self._shards:  # ZeRO-3 gathers; a hierarchical ZeRO-1 shard takes its pieces of a write after
-                stack.enter_context(s.whole(changed=changed))
+        if self.sync is None:
+            yield
+            return
+        with self.sync.whole(changed=changed):  # ZeRO-3 gathers; a hierarchical ZeRO-1 shard takes its pieces after
             yield
 
     def settle(self) -> None:
@@ -886,8 +887,8 @@ class Pipeline:
         reading the model's parameters directly between steps; the state dict, checkpoints, evaluation,
         :meth:`close`, and a forward or ``state_dict()`` of the user's model itself (hooks on its root module)
         wait on their own. A no-op elsewhere."""
-        for s in getattr(self, "_shards", ()):
-            s.settle()
+        if self.sync is not None:
+            self.sync.settle()
 
     def close(self) -> None:
         """Flush the measurements and leave the process group (if this pipeline made it); the parameters'

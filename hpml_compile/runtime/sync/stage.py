@@ -9,20 +9,19 @@ such token to the :class:`StageSync` of its stages (:meth:`StageSync.run`);
 :class:`Unbuffered` runs every other (the gradients of parameters tied across
 stages; a stage in one process; a runner without a pipeline).
 
-=====================  ====================  ==========================================================
-token suffix           class                 what runs
-=====================  ====================  ==========================================================
-flat, shm, hier        :class:`AllReduce`    ZeRO-0: one flat gradient buffer, all-reduced in place
-                                             (:class:`~.zero.FlatGrads`), bucket by bucket during the
-                                             last backward where the plan overlaps the sync
-topk, powersgd, local  :class:`Compressed`   ZeRO-0 with a reducer (:mod:`.compress`): compressed
-                                             gradients with error feedback, or local SGD's averages
-flat, shm, hier        :class:`Sharded`      ZeRO-1/2: reduce-scatter into this replica's shard, the
-                                             parameters all-gathered after the step (:class:`~.zero.FlatShard`)
-zero3                  :class:`Sharded3`     ZeRO-3: the shard's parameters gathered around the compute
-                                             (:class:`~.zero3.FlatShard3`)
-any (tied, or none)    :class:`Unbuffered`   the gradients flattened, summed, written back
-=====================  ====================  ==========================================================
+- ``flat``, ``shm``, ``hier`` on a ZeRO-0 stage: :class:`DataParallel`, one flat
+  gradient buffer all-reduced in place (:class:`~.zero.FlatGrads`), bucket by
+  bucket during the last backward where the plan overlaps the sync;
+- ``topk``, ``powersgd``, ``local``: :class:`Compressed`, the same buffer
+  with a reducer (:mod:`.compress`): compressed gradients with error
+  feedback, or local SGD's averages;
+- ``flat``, ``shm``, ``hier`` on a ZeRO-1/2 stage: :class:`Sharded`,
+  reduce-scatter into this replica's shard, the parameters all-gathered after
+  the step (:class:`~.zero.FlatShard`);
+- ``zero3``: :class:`Sharded3`, the shard's parameters gathered around the
+  compute (:class:`~.zero3.FlatShard3`);
+- any, over the stages of a tied parameter or where no buffer was made:
+  :class:`Unbuffered`, the gradients flattened, summed, written back.
 
 The transport of ``flat``, ``shm`` and ``hier`` (a ring over the group,
 shared memory between the CPU ranks of one host, or the three-level
@@ -54,7 +53,7 @@ from .feedback import CommState, Feedback, Replica
 from .zero import FlatGrads, FlatShard
 from .zero3 import FlatShard3
 
-__all__ = ["StageSync", "Unbuffered", "AllReduce", "Compressed", "Sharded", "Sharded3", "for_stage", "UNBUFFERED"]
+__all__ = ["StageSync", "Unbuffered", "DataParallel", "Compressed", "Sharded", "Sharded3", "for_stage", "UNBUFFERED"]
 
 
 class StageSync:
@@ -159,7 +158,7 @@ class Unbuffered(StageSync):
 UNBUFFERED = Unbuffered()
 
 
-class AllReduce(StageSync):
+class DataParallel(StageSync):
     """ZeRO-0 over a stage's replicas: one flat gradient buffer, all-reduced in place (:class:`~.zero.FlatGrads`)."""
 
     def __init__(self, buffer: FlatGrads, impl: SyncImpl) -> None:
@@ -184,7 +183,7 @@ class AllReduce(StageSync):
         return self.buffer.grad_flat.numel() * self.buffer.grad_flat.element_size()
 
 
-class Compressed(AllReduce):
+class Compressed(DataParallel):
     """ZeRO-0 with a reducer (:mod:`.compress`): top-k or PowerSGD with error feedback, or local SGD; never
     overlapped (the cost model prices them after the backward)."""
 
@@ -309,7 +308,7 @@ def for_stage(plan: Plan, stage: int, comm: Any, params: list[nn.Parameter], mod
             return Compressed(buffer, impl, reducer)
         if overlap and grouped:
             buffer.enable_overlap(first, bucket_bytes)
-        return AllReduce(buffer, impl)
+        return DataParallel(buffer, impl)
     if impl is SyncImpl.ZERO3:  # parameters sharded too, gathered around the stage's compute
         if st.offload_optimizer:
             raise HpmlError(f"stage {stage} asks for ZeRO-3 with optimizer offload, which the runtime does not "
