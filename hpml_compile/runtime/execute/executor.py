@@ -2,7 +2,7 @@
 
 Codegen lowered the plan's schedule into one action list per rank
 (:mod:`hpml_compile.schedule`: ``0F3``, ``1RECV0:3``, ``1B3``,
-``ALLREDUCE(0,1)``, ``LOSS``, ``OPT0``); :func:`run_actions` carries them out
+``ALLREDUCE.flat(0,1)``, ``LOSS``, ``OPT0``); :func:`run_actions` carries them out
 and decides nothing: each token goes to the handler of its kind
 (:data:`HANDLERS`, one for every kind a rank's list may hold):
 
@@ -21,7 +21,7 @@ and decides nothing: each token goes to the handler of its kind
   the plan), on the parameters the stage lists for the token
   (``COLLECTIVES``); before ``OPTk`` it sums gradients, after it (ZeRO's
   all-gather) it moves parameters;
-  ``LOSS``: wait for this process's sends, and agree on the loss (ranks);
+- ``LOSS``: wait for this process's sends, and agree on the loss (ranks);
   ``OPTk``: the optimizer step (once per process).
 
 On a rank the list is its own (:func:`step_rank`, :class:`~.pipeline.Pipeline`);
