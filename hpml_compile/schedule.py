@@ -15,11 +15,17 @@ Tokens (``k``: a stage, ``j``: a microbatch):
   ``p`` the boundary values of microbatch ``j`` (activations when ``k < p``,
   their gradients when ``k > p``); the stage's generated code moves them
   inside the neighbouring forward or backward, the tokens say where;
-- ``ALLREDUCE(0,3)``, ``REDUCESCATTER(1)``, ``ALLGATHER(1)``: a collective
-  over every rank of those stages (before ``OPTk``: gradients; after it:
-  parameters);
+- ``ALLREDUCE.flat(0,3)``, ``REDUCESCATTER.shm(1)``, ``ALLGATHER.hier(1)``: a
+  collective over every rank of those stages (before ``OPTk``: gradients;
+  after it: parameters); the suffix names the implementation that runs it,
+  chosen from the plan by :func:`hpml_compile.plan.sync_impl`;
 - ``LOSS``: every rank waits for its sends and agrees on the batch loss;
 - ``OPTk``: the optimizer step of stage ``k``.
+
+A stage's own summary of what it does (the manifest's ``stages[].actions``)
+uses the same grammar without microbatches: ``0SEND1`` and ``1RECV0`` name a
+boundary, ``SWAP2`` and ``RECOMPUTE2`` a region of stage 2, collectives as
+above (:func:`parse_token`). One enum (:class:`ActionKind`) names every kind.
 
 GPipe (Huang et al., NeurIPS 2019): all forwards, then all backwards. 1F1B
 (PipeDream-flush, Narayanan et al., SC 2021): stage ``i`` of ``S`` runs
@@ -40,8 +46,11 @@ Example:
     '0F0 0SEND1:0 0F1 0SEND1:1 0RECV1:0 0B0 0RECV1:1 0B1 LOSS OPT0'
     >>> " ".join(map(str, ranks[1]))
     '1RECV0:0 1F0 1B0 1SEND0:0 1RECV0:1 1F1 1B1 1SEND0:1 LOSS OPT1'
-    >>> Action.parse("ALLREDUCE(0,3)").stages, str(Action.parse("2B7"))
-    ((0, 3), '2B7')
+    >>> a = Action.parse("ALLREDUCE.hier(0,3)")
+    >>> a.stages, a.impl, str(a), str(Action.parse("2B7"))
+    ((0, 3), 'hier', 'ALLREDUCE.hier(0,3)', '2B7')
+    >>> parse_token("0SEND1"), parse_token("SWAP2")
+    ((<ActionKind.SEND: 'SEND'>, (0, 1)), (<ActionKind.SWAP: 'SWAP'>, (2,)))
     >>> validate(ranks, (1, 1))
     >>> replay(parse_actions([["0RECV1:0", "0SEND1:0"], ["1RECV0:0", "1SEND0:0"]]), (1, 1))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
@@ -52,20 +61,23 @@ Example:
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .errors import ScheduleError
-from .plan import Plan, Schedule
+from .memory import ZeroStage
+from .plan import AllReduce, Plan, Schedule
 
-__all__ = ["ActionKind", "Action", "RankActions", "op_order", "lower", "relower", "parse_actions", "validate",
-           "replay", "stage_ranks", "rank_layout", "COLLECTIVES", "MARKERS"]
+__all__ = ["ActionKind", "SyncImpl", "sync_impl", "Action", "RankActions", "op_order", "lower", "relower",
+           "parse_actions", "parse_token", "validate", "replay", "compute_orders", "stage_ranks", "rank_layout",
+           "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
 
 
 class ActionKind(str, enum.Enum):
-    """What an action of a rank's list does."""
+    """What an action token names: a rank's action, or (SWAP, RECOMPUTE) a region in a stage's summary."""
 
     FORWARD = "F"
     BACKWARD = "B"
@@ -76,15 +88,105 @@ class ActionKind(str, enum.Enum):
     ALL_GATHER = "ALLGATHER"
     LOSS = "LOSS"
     OPTIMIZER = "OPT"
+    SWAP = "SWAP"
+    RECOMPUTE = "RECOMPUTE"
+
+
+class SyncImpl(str, enum.Enum):
+    """Which implementation runs a collective: the suffix of its token (``ALLREDUCE.hier(0,3)``).
+
+    One per class of :mod:`hpml_compile.runtime.sync.stage` (where the table of classes is) and, for its
+    cost, per formula of :mod:`hpml_compile.stagecost`; :func:`sync_impl` picks it from the plan.
+    """
+
+    FLAT = "flat"  # one ring collective over the group (gloo, or NCCL between GPUs)
+    SHM = "shm"  # the group's CPU ranks share one host: through shared memory
+    HIER = "hier"  # within each host, then between hosts, then within each host again
+    ZERO3 = "zero3"  # ZeRO-3: parameters sharded between uses, gathered around the stage's compute
+    TOPK = "topk"  # top-k compressed gradients with error feedback
+    POWERSGD = "powersgd"  # PowerSGD low-rank compressed gradients with error feedback
+    LOCAL = "local"  # local SGD: the replicas step alone and average their parameters every few steps
+
+
+def sync_impl(plan: Plan, stages: Sequence[int]) -> SyncImpl:
+    """The implementation of the collectives over ``stages`` (a replicated stage, or the stages of a tied
+    parameter): the one decision codegen writes into the tokens and the runtime builds from.
+
+    Args:
+        plan: the plan.
+        stages: ``(k,)`` for stage ``k``'s replicas; several for a tied parameter's stages.
+
+    Returns:
+        ZeRO-3 first; then compression or local SGD (a ZeRO-0 stage); then the transport: hierarchical where the
+        plan asks for it (for a tied group: and its devices span hosts evenly), shared memory where every
+        member is a CPU of one host, else flat.
+
+    Example:
+        >>> from hpml_compile.cluster import load_cluster
+        >>> from hpml_compile.plan import Stage
+        >>> p = Plan("mlp", load_cluster("local-cpu-2"), Schedule.GPIPE, 1, (Stage(0, ("cpu0", "cpu1"), ("x",)),))
+        >>> sync_impl(p, (0,)).value
+        'shm'
+    """
+    devices = [d for k in stages for d in plan.stages[k].devices]
+    if len(stages) == 1:
+        st = plan.stages[stages[0]]
+        if st.zero == ZeroStage.OS_G_P:
+            return SyncImpl.ZERO3
+        if st.zero == ZeroStage.NONE and st.compress:
+            return SyncImpl.TOPK if st.compress.startswith("topk") else SyncImpl.POWERSGD
+        if st.zero == ZeroStage.NONE and plan.sync_every > 1:
+            return SyncImpl.LOCAL
+        if st.allreduce is AllReduce.HIERARCHICAL:
+            return SyncImpl.HIER
+    elif plan.tied_allreduce is AllReduce.HIERARCHICAL:
+        per_host = Counter(plan.cluster.device(d).host for d in devices)
+        if len(per_host) > 1 and len(set(per_host.values())) == 1:
+            return SyncImpl.HIER
+    one_host = len({plan.cluster.device(d).host for d in devices}) == 1
+    if one_host and all(plan.cluster.device(d).is_cpu for d in devices):
+        return SyncImpl.SHM
+    return SyncImpl.FLAT
 
 
 COLLECTIVES = frozenset({ActionKind.ALL_REDUCE, ActionKind.REDUCE_SCATTER, ActionKind.ALL_GATHER})
 MARKERS = frozenset({ActionKind.SEND, ActionKind.RECV})  # carried out by the stage code around F/B
+REGIONS = frozenset({ActionKind.SWAP, ActionKind.RECOMPUTE})  # a stage's summary only, never in a rank's list
+RANK_KINDS = frozenset(ActionKind) - REGIONS  # what a rank's list holds: the executor has a handler for each
 
+# The one token grammar (``:j``, the microbatch, is absent from a stage's summary).
 _COMPUTE = re.compile(r"^(\d+)([FB])(\d+)$")
-_POINT = re.compile(r"^(\d+)(SEND|RECV)(\d+):(\d+)$")
-_SYNC = re.compile(r"^(ALLREDUCE|REDUCESCATTER|ALLGATHER)\((\d+(?:,\d+)*)\)$")
+_POINT = re.compile(r"^(\d+)(SEND|RECV)(\d+)(?::(\d+))?$")
+_SYNC = re.compile(r"^(ALLREDUCE|REDUCESCATTER|ALLGATHER)(?:\.([a-z0-9]+))?\((\d+(?:,\d+)*)\)$")
 _OPT = re.compile(r"^OPT(\d+)$")
+_REGION = re.compile(r"^(SWAP|RECOMPUTE)(\d+)$")
+_FORMS = "'0F3', '1B0', '0SEND1:3', '1RECV0:3', 'ALLREDUCE.flat(0,3)', 'LOSS' or 'OPT0'"
+
+
+def _impl(text: str | None, token: str) -> str:
+    """A collective token's implementation suffix, checked against the known ones ("" where there is none)."""
+    if not text:
+        return ""
+    try:
+        return SyncImpl(text).value
+    except ValueError:
+        raise ValueError(f"{token!r} names no collective implementation {text!r} (known: "
+                         f"{', '.join(i.value for i in SyncImpl)})") from None
+
+
+def parse_token(token: str) -> tuple[ActionKind, tuple[int, ...]]:
+    """The kind and stages of any token of the grammar, with or without its microbatch.
+
+    Besides a rank's actions this reads a stage's summary (``0SEND1``, ``1RECV0``, ``SWAP2``, ``RECOMPUTE2``,
+    ``ALLREDUCE.flat(0,3)``).
+
+    Raises:
+        ValueError: for text that is no action token.
+    """
+    if m := _POINT.match(token):
+        return ActionKind(m.group(2)), (int(m.group(1)), int(m.group(3)))
+    a = Action.parse(token)
+    return a.kind, a.stages
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,14 +198,19 @@ class Action:
         stages: ``(k,)`` for F, B and OPT; ``(k, peer)`` for SEND and RECV; the group of a
             collective; ``()`` for LOSS.
         microbatch: the microbatch of F, B, SEND and RECV; else None.
+        impl: a collective's implementation (:class:`~hpml_compile.plan.SyncImpl`'s value; "" where the
+            token names none); "" for every other kind.
     """
 
     kind: ActionKind
     stages: tuple[int, ...] = ()
     microbatch: int | None = None
+    impl: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", ActionKind(self.kind))
+        if self.impl and self.kind not in COLLECTIVES:
+            raise ValueError(f"{self.kind.value} names no implementation, got {self.impl!r}")
         want = {ActionKind.SEND: 2, ActionKind.RECV: 2, ActionKind.LOSS: 0}.get(self.kind, 1)
         if (len(self.stages) != want and self.kind not in COLLECTIVES) or (self.kind in COLLECTIVES
                                                                            and not self.stages):
@@ -124,7 +231,9 @@ class Action:
         if k in MARKERS:
             return f"{self.stages[0]}{k.value}{self.stages[1]}:{self.microbatch}"
         if k in COLLECTIVES:
-            return f"{k.value}({','.join(map(str, self.stages))})"
+            return f"{k.value}{'.' + self.impl if self.impl else ''}({','.join(map(str, self.stages))})"
+        if k in REGIONS:
+            return f"{k.value}{self.stages[0]}"
         return "LOSS" if k is ActionKind.LOSS else f"OPT{self.stages[0]}"
 
     @classmethod
@@ -136,16 +245,18 @@ class Action:
         """
         if m := _COMPUTE.match(token):
             return cls(ActionKind(m.group(2)), (int(m.group(1)),), int(m.group(3)))
-        if m := _POINT.match(token):
+        if (m := _POINT.match(token)) and m.group(4) is not None:
             return cls(ActionKind(m.group(2)), (int(m.group(1)), int(m.group(3))), int(m.group(4)))
         if m := _SYNC.match(token):
-            return cls(ActionKind(m.group(1)), tuple(int(x) for x in m.group(2).split(",")))
+            return cls(ActionKind(m.group(1)), tuple(int(x) for x in m.group(3).split(",")),
+                       impl=_impl(m.group(2), token))
         if m := _OPT.match(token):
             return cls(ActionKind.OPTIMIZER, (int(m.group(1)),))
+        if m := _REGION.match(token):
+            return cls(ActionKind(m.group(1)), (int(m.group(2)),))
         if token == "LOSS":
             return cls(ActionKind.LOSS)
-        raise ValueError(f"not a schedule action token: {token!r} (expected e.g. '0F3', '1B0', '0SEND1:3', "
-                         "'1RECV0:3', 'ALLREDUCE(0,3)', 'LOSS' or 'OPT0')")
+        raise ValueError(f"not a schedule action token: {token!r} (expected e.g. {_FORMS})")
 
 
 RankActions = tuple[Action, ...]
@@ -160,9 +271,13 @@ def parse_actions(tokens: Sequence[Sequence[str]]) -> list[RankActions]:
     out = []
     for rank, row in enumerate(tokens):
         try:
-            out.append(tuple(Action.parse(t) for t in row))
+            acts = tuple(Action.parse(t) for t in row)
         except ValueError as e:
             raise ValueError(f"rank {rank}: {e}") from None
+        if region := next((a for a in acts if a.kind in REGIONS), None):
+            raise ValueError(f"rank {rank}: {region} names a region of a stage, not an action of a rank "
+                             f"(expected e.g. {_FORMS})")
+        out.append(acts)
     return out
 
 
@@ -216,7 +331,7 @@ def lower(schedule: Schedule, microbatches: int, replicas: Sequence[int], *,
         microbatches: ``M``.
         replicas: devices (ranks) of each stage.
         sends: per stage, whether boundary ``k -> k+1`` carries values (default: every one but the last's).
-        grad_sync: per stage, its gradient collective tokens in the order its ``sync_grads`` runs them.
+        grad_sync: per stage, its gradient collective tokens, in the order they run.
         after_step: per stage, its parameter collective tokens after the optimizer step.
 
     Returns:
@@ -242,6 +357,18 @@ def lower(schedule: Schedule, microbatches: int, replicas: Sequence[int], *,
         acts += [Action.parse(t) for t in (after_step[k] if after_step else ())]
         per_stage.append(tuple(acts))
     return [per_stage[k] for k, d in enumerate(replicas) for _ in range(d)]
+
+
+@functools.lru_cache(maxsize=256)
+def compute_orders(schedule: Schedule, stages: int, microbatches: int) -> tuple[tuple[tuple[bool, int], ...], ...]:
+    """The forwards and backwards of each stage's lowered list, ``(is_forward, microbatch)`` in list order.
+
+    What the simulator replays: the lists :func:`lower` writes into a build (one rank per stage; replicas run
+    their stage's list), read back rather than generated again.
+    """
+    lists = lower(schedule, microbatches, [1] * stages)
+    return tuple(tuple((a.kind is ActionKind.FORWARD, a.microbatch or 0) for a in acts
+                       if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)) for acts in lists)
 
 
 def relower(ranks: Sequence[RankActions], replicas: Sequence[int], schedule: Schedule,

@@ -116,7 +116,7 @@ from .errors import PlanError, UnknownDeviceError
 from .ir import Device
 from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_overlap, zero_shards
-from .schedule import op_order  # the compute view of the lowered per-rank action lists
+from .schedule import compute_orders, op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
                         local_sgd_sync_ms, optimizer_ms, stepped_gather_ms, steps_flat, stream_bytes_per_ms, stream_ms,
                         sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms)
@@ -457,7 +457,7 @@ def _run(plan: Plan, costs: tuple[StageCost, ...], stretch: dict[Op, float] | No
     """List-schedule every stage's operations; returns ``(fwd?, stage, mb) -> (start, end)`` and send bars.
     ``stretch`` multiplies an operation's duration (a host's shared memory bandwidth and cores)."""
     s_count, m = len(plan.stages), plan.microbatches
-    orders = [op_order(plan.schedule, i, s_count, m) for i in range(s_count)]
+    orders = compute_orders(plan.schedule, s_count, m)  # the lowered lists, replayed
     senders: list[list[tuple[int, float]]] = [[] for _ in range(s_count)]
     for i, cst in enumerate(costs):
         for j, ms in cst.sends:

@@ -17,7 +17,7 @@ and puts, per device and per part, the plan's memory breakdown
 - gradients at their peak, the end of the backward (:class:`~hpml_compile.saved.GradPeak`:
   a ZeRO-2 rank frees its whole gradient buffer after the reduce-scatter), plus
   ``other``: the flat buffer the gradients of parameters tied to another stage
-  are all-reduced through (``codegen.ops._grad_buffer``, kept across steps; the
+  are all-reduced through (``runtime.sync.stage._grad_buffer``, kept across steps; the
   memory model counts it with the gradients);
 - ``rss``: the process's peak resident set (psutil; the interpreter and torch
   included), for scale.
@@ -139,7 +139,7 @@ def _cuda_peak(device: torch.device) -> int:
 
 
 def _worker(rank: int, world: int, cases: list[Case], steps: int, out_dir: str) -> None:
-    from hpml_compile.codegen import ops
+    from hpml_compile.runtime.sync import stage as stage_sync
 
     out = {}
     for case in cases:
@@ -150,7 +150,7 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, out_dir: str) 
         h = pipe.held  # parameters and optimizer state after the last step, gradients at their peak
         assert h is not None
         keys = {id(p) for st in pipe.stages.values() for p in st.parameters()}
-        other = sum(b.untyped_storage().nbytes() for k, b in ops._BUFFERS.items() if set(k) & keys)
+        other = sum(b.untyped_storage().nbytes() for k, b in stage_sync._BUFFERS.items() if set(k) & keys)
         rows = pipe.metrics
         st = pipe.plan.stages[pipe.stage_index]
         out[case.option + "@" + case.model] = {
@@ -161,7 +161,7 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, out_dir: str) 
             "cuda_peak": _cuda_peak(pipe.device) if pipe.device.type == "cuda" else None,
             "loss": [m.loss for m in rows]}
         pipe.monitor.close()
-        ops._BUFFERS.clear()
+        stage_sync._BUFFERS.clear()
         del pipe
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
 

@@ -9,7 +9,7 @@ between two barriers. The hand-written side is what a user would write with
 ``torch.distributed.pipelining``: a ``PipelineStage`` around a hand-made
 module per stage (embedding + first layers; last layers + head),
 ``Schedule1F1B``/``ScheduleGPipe``, and an all-reduce of the tied embedding's
-gradient (the build does the same: ``ALLREDUCE(0,1)``). Our side is
+gradient (the build does the same: ``ALLREDUCE.shm(0,1)``). Our side is
 :class:`hpml_compile.runtime.Pipeline` on a build cut at the same node, with
 its monitoring on; a second copy of it with the per-step events and host
 sampling off (``Pipeline(events=False)``) gives the cost of those.

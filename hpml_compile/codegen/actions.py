@@ -1,73 +1,38 @@
 """The explicit actions lowering derives from a plan: transfers, regions, gradient collectives.
 
 Codegen decides nothing: the plan says which stage runs each node, which
-stages recompute, which nodes swap, how stages are replicated. Lowering turns
-that into the actions below, each a frozen record that prints as a short
-token and parses back (``0SEND1``, ``SWAP2``, ``ALLREDUCE(0,3)``), and the
-stage graphs are built from them. The order each rank runs them in, per
-microbatch (``0F3``, ``0SEND1:3``, ``1B3``, ``OPT0``), is the schedule's
-lowering: :class:`hpml_compile.schedule.Action`, re-exported here.
+stages recompute, which nodes swap, how stages are replicated, and
+:func:`hpml_compile.schedule.sync_impl` which implementation runs each
+collective. Lowering turns that into the actions below, each a frozen record
+that prints as a short token of the schedule's one grammar and parses back
+(``0SEND1``, ``SWAP2``, ``ALLREDUCE.flat(0,3)``), and the stage graphs are
+built from them. The order each rank runs them in, per microbatch (``0F3``,
+``0SEND1:3``, ``1B3``, ``OPT0``), is the schedule's lowering:
+:class:`hpml_compile.schedule.Action`, re-exported here. One enum names every
+kind: :class:`~hpml_compile.schedule.ActionKind` (``TokenKind`` and
+``SyncKind`` are its names here).
 
 Example:
     >>> t = Transfer(0, 1, ("add_2", "size"))
     >>> str(t), Transfer.parse("0SEND1").src
     ('0SEND1', 0)
-    >>> g = GradSync(SyncKind.ALL_REDUCE, (0, 3), ("wte.weight",))
-    >>> str(g), GradSync.parse(str(g)).stages
-    ('ALLREDUCE(0,3)', (0, 3))
-    >>> [(k.value, s) for k, s in map(parse_token, ("0RECV1", "SWAP1", "1SEND2", "ALLREDUCE(0,3)"))]
+    >>> g = GradSync(SyncKind.ALL_REDUCE, (0, 3), ("wte.weight",), "hier")
+    >>> str(g), GradSync.parse(str(g)).stages, GradSync.parse(str(g)).impl
+    ('ALLREDUCE.hier(0,3)', (0, 3), 'hier')
+    >>> [(k.value, s) for k, s in map(parse_token, ("0RECV1", "SWAP1", "1SEND2", "ALLREDUCE.flat(0,3)"))]
     [('RECV', (0, 1)), ('SWAP', (1,)), ('SEND', (1, 2)), ('ALLREDUCE', (0, 3))]
 """
 
 from __future__ import annotations
 
-import enum
-import re
 from dataclasses import dataclass
 
-from ..schedule import Action, ActionKind
+from ..schedule import COLLECTIVES, Action, ActionKind, parse_token
 
 __all__ = ["SyncKind", "TokenKind", "Transfer", "GradSync", "StageActions", "parse_token", "Action", "ActionKind"]
 
-_TRANSFER = re.compile(r"^(\d+)SEND(\d+)$")
-_SYNC = re.compile(r"^([A-Z]+)\((\d+(?:,\d+)*)\)$")
-_POINT = re.compile(r"^(\d+)(SEND|RECV)(\d+)$")
-_REGION = re.compile(r"^(SWAP|RECOMPUTE)(\d+)$")
-
-
-class TokenKind(str, enum.Enum):
-    """What an action token names."""
-
-    SEND = "SEND"
-    RECV = "RECV"
-    SWAP = "SWAP"
-    RECOMPUTE = "RECOMPUTE"
-    ALL_REDUCE = "ALLREDUCE"
-    REDUCE_SCATTER = "REDUCESCATTER"
-    ALL_GATHER = "ALLGATHER"
-
-
-def parse_token(token: str) -> tuple[TokenKind, tuple[int, ...]]:
-    """The kind and stages of an action token (``0SEND1``, ``0RECV1``, ``SWAP2``, ``ALLREDUCE(0,3)``).
-
-    Raises:
-        ValueError: for text that is no action token.
-    """
-    if m := _POINT.match(token):
-        return TokenKind(m.group(2)), (int(m.group(1)), int(m.group(3)))
-    if m := _REGION.match(token):
-        return TokenKind(m.group(1)), (int(m.group(2)),)
-    if m := _SYNC.match(token):
-        return TokenKind(m.group(1)), tuple(int(x) for x in m.group(2).split(","))
-    raise ValueError(f"not an action token: {token!r} (expected e.g. '0SEND1', 'SWAP2' or 'ALLREDUCE(0,3)')")
-
-
-class SyncKind(str, enum.Enum):
-    """A collective over parameters or their gradients."""
-
-    ALL_REDUCE = "ALLREDUCE"  # data parallel (ZeRO 0) and tied parameters: sum the gradients
-    REDUCE_SCATTER = "REDUCESCATTER"  # ZeRO 1/2: each replica keeps the summed gradient of its shard
-    ALL_GATHER = "ALLGATHER"  # ZeRO 1/2, after the optimizer step: every replica takes each owner's shard
+TokenKind = ActionKind  # what a stage's summary token names
+SyncKind = ActionKind  # a collective over parameters or their gradients: one of COLLECTIVES
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +55,13 @@ class Transfer:
     @classmethod
     def parse(cls, token: str) -> "Transfer":
         """The transfer a token names (its values are not part of the token)."""
-        m = _TRANSFER.match(token)
-        if not m:
+        try:
+            kind, stages = parse_token(token)
+        except ValueError:
+            kind, stages = ActionKind.RECV, ()
+        if kind is not ActionKind.SEND or ":" in token:
             raise ValueError(f"not a transfer token: {token!r} (expected e.g. '0SEND1')")
-        return cls(int(m.group(1)), int(m.group(2)), ())
+        return cls(stages[0], stages[1], ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,28 +69,36 @@ class GradSync:
     """One collective over the parameters that ``stages`` share.
 
     Attributes:
-        kind: which collective.
+        kind: which collective (one of :data:`~hpml_compile.schedule.COLLECTIVES`).
         stages: every rank running one of these stages takes part.
         params: canonical parameter names, in the order flattened on every rank.
+        impl: the implementation that runs it (:func:`hpml_compile.schedule.sync_impl`; "" for none named).
     """
 
-    kind: SyncKind
+    kind: ActionKind
     stages: tuple[int, ...]
     params: tuple[str, ...]
+    impl: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", SyncKind(self.kind))
+        object.__setattr__(self, "kind", ActionKind(self.kind))
+        if self.kind not in COLLECTIVES:
+            raise ValueError(f"{self.kind.value} is no collective (expected one of "
+                             f"{', '.join(sorted(k.value for k in COLLECTIVES))})")
 
     def __str__(self) -> str:
-        return f"{self.kind.value}({','.join(map(str, self.stages))})"
+        return str(Action(self.kind, self.stages, impl=self.impl))
 
     @classmethod
     def parse(cls, token: str) -> "GradSync":
         """The collective a token names (its parameters are not part of the token)."""
-        m = _SYNC.match(token)
-        if not m:
-            raise ValueError(f"not a collective token: {token!r} (expected e.g. 'ALLREDUCE(0,3)')")
-        return cls(SyncKind(m.group(1)), tuple(int(x) for x in m.group(2).split(",")), ())
+        try:
+            a = Action.parse(token)
+        except ValueError:
+            a = Action(ActionKind.LOSS)
+        if a.kind not in COLLECTIVES:
+            raise ValueError(f"not a collective token: {token!r} (expected e.g. 'ALLREDUCE.flat(0,3)')")
+        return cls(a.kind, a.stages, (), a.impl)
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,7 +89,7 @@ class Build:
         out_dir: the build folder.
         plan: the plan it carries out.
         manifest: its manifest.
-        stages: ``stages[k]`` runs stage ``k`` (``forward``, ``sync_grads``, ``after_step``).
+        stages: ``stages[k]`` runs stage ``k`` (``forward``; ``COLLECTIVES``: the parameters of each collective token).
         actions: each rank's action list, validated (:mod:`hpml_compile.schedule`).
         sources: ``sources[k]`` is the Python that ``stages[k]`` was compiled from (regenerated, not read).
         out_spec: how the last stage's flat outputs make the model's own output (a pytree spec; None: as they

@@ -129,9 +129,6 @@ class Comm(abc.ABC):
         self.device = torch.device(device)
         # Gradients owed to senders for tensors received: (src, dst, replica, microbatch) -> specs.
         self._owed: dict[tuple[int, int, int, int], tuple[TensorSpec, ...]] = {}
-        # ZeRO shards by stage (runtime.sync.zero.FlatShard), set by the pipeline on ranks: the gradient and
-        # parameter collectives of a sharded stage go through them.
-        self.shards: dict[int, Any] = {}
         # The plan's rows of each replica per microbatch, by stage (Stage.rows; () for an equal split).
         self.rows: list[tuple[int, ...]] = []
         # The rows each stage's code was generated at (its first replica's), by stage; empty: ``rows[0]``.

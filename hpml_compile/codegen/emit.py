@@ -4,8 +4,9 @@ The forward methods are torch.fx's own code generation of the stage graphs
 (``Graph.python_code``), indented into classes, with the globals fx refers to
 turned into imports and the inserted operations spelled ``ops.recv``,
 ``ops.send``, ``ops.checkpoint``, ``ops.swap``, each under a comment naming
-what it carries. Gradient collectives become ``sync_grads``/``after_step``
-methods. The file imports only torch and ``hpml_compile.codegen``.
+what it carries. Collectives become the ``COLLECTIVES`` table (token ->
+parameters), which the executor hands to the sync each token names. The
+file imports only torch and ``hpml_compile.codegen``.
 
 Example:
     >>> import torch.fx as fx
@@ -38,7 +39,7 @@ from ..ir import Precision
 from ..precision import wire_dtype
 from ..plan import Plan
 from . import ops
-from .actions import GradSync, StageActions, SyncKind
+from .actions import StageActions
 from .lower import RECOMPUTE_ATTR, SWAP_ATTR, StageGraphs, targets_of
 
 __all__ = ["class_source", "stage_source", "class_name"]
@@ -52,12 +53,6 @@ _BUILTINS = {
     "fx_pytree": "import torch.fx._pytree as fx_pytree",
     "pytree": "import torch.utils._pytree as pytree",
 }
-_SYNC_CALL = {
-    SyncKind.ALL_REDUCE: "all_reduce_grads",
-    SyncKind.REDUCE_SCATTER: "reduce_scatter_grads",
-    SyncKind.ALL_GATHER: "all_gather_params",
-}
-
 
 def class_name(stage: int, region: str | None = None) -> str:
     """``Stage3``, ``Stage3Recompute``, ``Stage3Swap0``."""
@@ -154,26 +149,29 @@ def _comment(src: str, acts: StageActions) -> str:
     return "\n".join(out)
 
 
-def _sync_method(name: str, doc: str, syncs: Sequence[GradSync], acts: StageActions) -> str | None:
+def _collectives(acts: StageActions) -> str | None:
+    """The stage's ``COLLECTIVES`` table: each collective token of its lists -> the parameters it moves."""
+    syncs = (*acts.grad_sync, *acts.after_step)
     if not syncs:
         return None
     local = dict(acts.local_params)
-    lines = [f"def {name}(self) -> None:", f'    """{doc}"""']
+    lines = ["# Each collective token of this stage's action lists -> the parameters it sums (before OPT) or gathers",
+             "# (after it), in the order flattened on every rank; the token's suffix names the implementation.",
+             "COLLECTIVES = {"]
     for g in syncs:
-        names = ", ".join(repr(local[p]) for p in g.params)
-        where = g.stages if g.kind is SyncKind.ALL_REDUCE else g.stages[0]
+        names = [repr(local[p]) for p in g.params]
         why = "tied: shared with stages " + ", ".join(map(str, g.stages)) if len(g.stages) > 1 else \
             f"replicas of stage {g.stages[0]}"
-        lines.append(f"    # {g}: {why}")
-        call = f"    ops.{_SYNC_CALL[g.kind]}(self.hpml_comm, {where!r}, self.params("
-        if len(call) + len(names) + 2 <= 110:
-            lines.append(f"{call}{names}))")
-        else:  # one parameter list, wrapped
-            lines.append(call)
-            lines.extend(textwrap.wrap(names, 100, initial_indent=" " * 8, subsequent_indent=" " * 8,
-                                       break_on_hyphens=False, break_long_words=False))  # never inside a name
-            lines[-1] += "))"
-    return "\n".join(lines)
+        lines.append(f"    # {why}")
+        entry = f"    {str(g)!r}: ({', '.join(names)}{',' if len(names) == 1 else ''}),"
+        if len(entry) <= 110:
+            lines.append(entry)
+            continue
+        lines.append(f"    {str(g)!r}: (")  # one parameter list, wrapped, never inside a name
+        lines.extend(textwrap.wrap(", ".join(names) + ",", 100, initial_indent=" " * 8, subsequent_indent=" " * 8,
+                                   break_on_hyphens=False, break_long_words=False))
+        lines.append("    ),")
+    return "\n".join([*lines, "}"])
 
 
 def _describe(value: Any, precision: Precision = Precision.FP32) -> str:
@@ -214,11 +212,9 @@ def stage_source(model: str, plan: Plan, acts: StageActions, graphs: StageGraphs
         classes.append(class_source(cls, "RegionModule", doc, {"TARGETS": targets_of(g)},
                                     [_python(g, imports, bindings)]))
     methods = [_comment(_python(graphs.graph, imports, bindings), acts)]
-    for m in (_sync_method("sync_grads", "Gradient collectives after the step's last backward.", acts.grad_sync, acts),
-              _sync_method("after_step", "Parameter collectives after the optimizer step (ZeRO).",
-                           acts.after_step, acts)):
-        if m:
-            methods.append(m)
+    table = _collectives(acts)
+    if table:
+        methods.insert(0, table)
     attrs: dict[str, Any] = {"INDEX": k, "INPUTS": acts.inputs, "TARGETS": targets_of(graphs.graph)}
     if regions:
         attrs["REGIONS"] = "{" + ", ".join(f"{a!r}: {c}" for a, c in regions.items()) + "}"

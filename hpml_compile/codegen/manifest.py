@@ -39,7 +39,8 @@ __all__ = ["MANIFEST_FILE", "MANIFEST_VERSION", "MANIFEST_SCHEMA", "InputSpec", 
            "input_specs", "leaf_modules", "read_manifest"]
 
 MANIFEST_FILE = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: collective tokens name their implementation (``ALLREDUCE.shm(0,1)``)
+_READS = (1, MANIFEST_VERSION)  # a version-1 build loads where it has no collective (its tokens are the same)
 
 _INPUT = {"type": "object", "required": ["name", "shape", "dtype"], "additionalProperties": False, "properties": {
     "name": {"type": "string"}, "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
@@ -136,7 +137,12 @@ class Manifest:
     def from_dict(cls, d: Any, source: str = "manifest.json") -> "Manifest":
         """Build from parsed JSON, checking the schema first (raises SchemaError naming the field)."""
         validate(d, MANIFEST_SCHEMA, source)
-        check_version(d, MANIFEST_VERSION, source)
+        check_version(d, _READS, source)
+        if d["schema_version"] == 1 and d["collectives"]:
+            raise BuildMismatchError(f"{source}: a build of manifest version 1, whose collective tokens "
+                                     f"({', '.join(d['collectives'][:2])}) do not name the implementation that "
+                                     "runs them; this hpml-compile runs version-2 builds (e.g. "
+                                     "ALLREDUCE.shm(0,1)): regenerate the build with `hpml-compile compile`")
         return cls(d["model"], d["graph_sha256"], FrontEnd(d["front_end"]), tuple(d.get("leaf_modules", ())),
                    tuple(InputSpec.from_dict(i) for i in d["trace_inputs"]),
                    tuple(InputSpec.from_dict(i) for i in d["inputs"]), d["microbatches"],

@@ -1,7 +1,7 @@
-"""The operations that generated stage code calls: send/recv, swap, recompute, gradient collectives.
+"""The operations that generated stage code calls: send/recv, swap, recompute.
 
-Codegen inserts calls to these functions as nodes of each stage's graph (and
-of its ``sync_grads``/``after_step`` methods); they carry out what the plan
+Codegen inserts calls to these functions as nodes of each stage's graph;
+they carry out what the plan
 says and decide nothing. Each stage module holds a :class:`~.comm.Comm` (set
 by the executor as ``stage.hpml_comm``) that moves the tensors: a local
 mailbox in one process, ``torch.distributed`` point-to-point and collectives
@@ -26,9 +26,11 @@ live on the objects the stage owns.
 - :func:`checkpoint`: runs a region under ``torch.utils.checkpoint`` (non
   reentrant); the recomputation in backward leaves buffers (BatchNorm running
   statistics) as the first forward left them.
-- :func:`all_reduce_grads`, :func:`reduce_scatter_grads`,
-  :func:`all_gather_params`: gradient synchronisation of replicated stages
-  and of parameters shared by several stages (tied embeddings).
+
+The collectives of replicated stages and of parameters shared by several
+stages (tied embeddings) are no stage code: a stage lists them
+(``COLLECTIVES``) and the executor hands each token to its sync
+(:mod:`hpml_compile.runtime.sync.stage`).
 
 Example:
     >>> import torch
@@ -44,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -64,9 +65,6 @@ __all__ = [
     "send",
     "swap",
     "checkpoint",
-    "all_reduce_grads",
-    "reduce_scatter_grads",
-    "all_gather_params",
 ]
 
 
@@ -287,105 +285,3 @@ def checkpoint(fn: Callable[..., Any], *args: Any, swap: SwapStats | None = None
     with outer:
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, context_fn=contexts,
                                                  preserve_rng_state=True)
-
-
-_BUFFERS: dict[tuple[int, ...], Tensor] = {}
-
-
-def _grad_buffer(params: Sequence[Tensor]) -> Tensor:
-    """One flat buffer per parameter list, kept across steps.
-
-    A new buffer each step costs more than the copy into it: on a CPU rank the
-    first touch of fresh pages ran at ~1.6 GB/s against ~10 GB/s for a copy into
-    memory already mapped (33.6 MB of mlp gradients: 20.5 ms against 3.5 ms).
-    """
-    key = tuple(id(p) for p in params)
-    n = sum(p.numel() for p in params)
-    buf = _BUFFERS.get(key)
-    if buf is None or buf.numel() != n or buf.dtype != params[0].dtype or buf.device != params[0].device:
-        if key not in _BUFFERS:  # forget it with the parameters
-            weakref.finalize(params[0], _BUFFERS.pop, key, None)
-        buf = _BUFFERS[key] = torch.empty(n, dtype=params[0].dtype, device=params[0].device)
-    return buf
-
-
-def _flat_grads(params: Sequence[Tensor]) -> Tensor:
-    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-    if len({t.dtype for t in parts}) > 1:
-        return torch.cat(parts)
-    return torch.cat(parts, out=_grad_buffer(params))
-
-
-def _write_grads(params: Sequence[Tensor], flat: Tensor) -> None:
-    # Copy into the gradient that is there (no allocation). A parameter without one gets its own copy:
-    # a view would alias the buffer the next step packs into. Cloning every slice cost more than the
-    # all-reduce itself on CPU ranks (benchmarks/prediction).
-    offset = 0
-    for p in params:
-        n = p.numel()
-        part = flat[offset:offset + n].view_as(p)
-        if p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == flat.dtype:
-            p.grad.copy_(part)
-        else:
-            p.grad = part.clone()
-        offset += n
-
-
-def all_reduce_grads(comm: Comm, stages: tuple[int, ...], params: Sequence[Tensor]) -> None:
-    """Sum the gradients of ``params`` over every rank running one of ``stages``.
-
-    Args:
-        comm: the stage's communicator.
-        stages: the stages holding these parameters (replicas of one stage, or
-            the stages sharing a tied parameter).
-        params: the parameters, in the same order on every rank.
-    """
-    if not params or comm.group_size(stages) == 1:
-        return  # one process holds every use: autograd already summed the gradients
-    bucket = comm.shards.get(stages[0]) if len(stages) == 1 else None
-    if bucket is not None:  # the runtime's flat gradient buffer (runtime.sync.zero.FlatGrads): reduced in place
-        bucket.check(params)
-        bucket.all_reduce(comm)
-        return
-    flat = _flat_grads(params)
-    comm.all_reduce(stages, flat)
-    _write_grads(params, flat)
-
-
-def reduce_scatter_grads(comm: Comm, stage: int, params: Sequence[Tensor]) -> None:
-    """ZeRO-1/2 gradient sync of a replicated stage.
-
-    On ranks the runtime keeps the stage's parameters in one flat buffer and
-    builds the optimizer over this replica's shard (``comm.shards[stage]``, a
-    :class:`hpml_compile.runtime.sync.zero.FlatShard`): one reduce-scatter leaves
-    the shard's summed gradient, and the parameters' full ``.grad`` are
-    dropped. Without a shard (no optimizer was given, so there is no state to
-    shard) every replica keeps the summed gradient, as after an all-reduce.
-
-    Args:
-        comm: the stage's communicator.
-        stage: the replicated stage.
-        params: its parameters, in the same order on every replica.
-    """
-    if not params or comm.group_size((stage,)) == 1:
-        return  # every replica in this process: the gradients are summed already
-    shard = comm.shards.get(stage)
-    if not hasattr(shard, "reduce_scatter"):  # no shard (a plain gradient buffer, or none)
-        all_reduce_grads(comm, (stage,), params)
-        return
-    shard.check(params)
-    shard.reduce_scatter(comm)
-
-
-def all_gather_params(comm: Comm, stage: int, params: Sequence[Tensor]) -> None:
-    """After the optimizer step under ZeRO-1/2: every replica takes each shard's owner's new values.
-
-    Args:
-        comm: the stage's communicator.
-        stage: the replicated stage.
-        params: its parameters, in the order of :func:`reduce_scatter_grads`.
-    """
-    shard = comm.shards.get(stage)
-    if not params or comm.group_size((stage,)) == 1 or not hasattr(shard, "all_gather"):
-        return  # no shard: every replica stepped the same summed gradients, the parameters agree already
-    shard.all_gather(comm)

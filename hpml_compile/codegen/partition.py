@@ -45,6 +45,7 @@ from ..errors import BuildMismatchError, HpmlError
 from ..ir import FrontEnd
 from ..memory import ZeroStage
 from ..plan import Plan, node_stages
+from ..schedule import sync_impl
 from ..trace import buffers_restored, fixed_shapes
 from .actions import GradSync, StageActions, SyncKind, Transfer
 
@@ -299,7 +300,8 @@ def _check_buffers(gm: fx.GraphModule, per_stage: list[list[fx.Node]]) -> None:
 
 
 def _syncs(plan: Plan, params: list[dict[int, str]], canon: dict[int, str]) -> tuple[list[GradSync], list[GradSync]]:
-    """Gradient collectives: one per group of stages sharing parameters, in one global order."""
+    """Gradient collectives: one per group of stages sharing parameters, in one global order, each naming the
+    implementation the plan gives it (:func:`hpml_compile.schedule.sync_impl`)."""
     users: dict[int, list[int]] = {}
     for k, ps in enumerate(params):
         for pid in ps:
@@ -320,9 +322,10 @@ def _syncs(plan: Plan, params: list[dict[int, str]], canon: dict[int, str]) -> t
     grad, after = [], []
     for (kind, stages), pids in sorted(buckets.items(), key=lambda kv: (kv[0][1], kv[0][0].value)):
         names = tuple(canon[p] for p in sorted(pids, key=order.__getitem__))
-        grad.append(GradSync(kind, stages, names))
+        impl = sync_impl(plan, stages).value  # which implementation runs them: named in their tokens
+        grad.append(GradSync(kind, stages, names, impl))
         if kind is SyncKind.REDUCE_SCATTER:
-            after.append(GradSync(SyncKind.ALL_GATHER, stages, names))
+            after.append(GradSync(SyncKind.ALL_GATHER, stages, names, impl))
     return grad, after
 
 

@@ -92,6 +92,8 @@ class StageModule(RegionModule):
         INPUTS: the model inputs (placeholder names) this stage reads.
         TARGETS: qualified names bound from the model.
         REGIONS: attribute name -> RegionModule class, for recompute/swap regions.
+        COLLECTIVES: each collective token of the stage's action lists -> the qualified names of the
+            parameters it moves, in the order flattened on every rank.
 
     Instance attributes:
         hpml_comm: the communicator (an executor sets it).
@@ -101,6 +103,7 @@ class StageModule(RegionModule):
     INDEX: ClassVar[int] = 0
     INPUTS: ClassVar[tuple[str, ...]] = ()
     REGIONS: ClassVar[Mapping[str, type[RegionModule]]] = {}
+    COLLECTIVES: ClassVar[Mapping[str, tuple[str, ...]]] = {}
 
     def __init__(self, model: nn.Module, constants: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__(model, constants)
@@ -108,12 +111,6 @@ class StageModule(RegionModule):
             self.add_module(name, cls(model, constants))
         self.hpml_comm: Comm = DetachedComm()
         self.hpml_swap = SwapStats()
-
-    def sync_grads(self) -> None:
-        """Gradient collectives after the step's last backward (generated where the plan needs them)."""
-
-    def after_step(self) -> None:
-        """Parameter collectives after the optimizer step (ZeRO all-gather; generated where needed)."""
 
     def params(self, *names: str) -> list[nn.Parameter]:
         """The bound parameters of these qualified names (here or in a region), in this order.

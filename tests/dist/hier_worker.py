@@ -43,7 +43,7 @@ def gpt_tiny() -> models.LoadedModel:
 def _buckets(pipe: Pipeline) -> dict[str, object]:
     """This rank's stage's overlapped buckets in the last step: how many, and what had started by the backward's end."""
     assert pipe.comm is not None
-    grads = pipe.comm.shards.get(pipe.stage_index)
+    grads = pipe.sync.buffer if pipe.sync is not None else None
     b = getattr(grads, "buckets", None)
     if b is None:
         return {"count": 0}

@@ -45,7 +45,7 @@ def _run(hz_build: str, dp_build: str, out: Path, overlap: bool | None) -> dict[
     pipe = Pipeline.from_build(hz_build, SkipNet(), optimizer=optimizer, overlap=overlap, bucket_mb=BUCKET_MB)
     losses = [float(pipe.step((x,), y, skipnet_loss)) for x, y in data[:STEPS]]
     assert pipe.comm is not None
-    shard = pipe.comm.shards[pipe.stage_index]
+    shard = pipe.sync.buffer if pipe.sync is not None else None
     assert isinstance(shard, FlatShard) and pipe.optimizer is not None and shard.grad_flat is not None
     # the prefetch (overlap): the last step's gathers in flight now, the earlier steps' waited by the next forward
     prefetch = [len(shard._gathers), shard.prefetched]

@@ -55,7 +55,7 @@ def _case(rank: int, world: int, build: str, out: str, name: str) -> dict[str, A
         t0 = time.monotonic()
         losses.append(float(pipe.step((x,), y, skipnet_loss)))
         seconds.append(time.monotonic() - t0)
-    shard = pipe.comm.shards.get(pipe.stage_index)
+    shard = pipe.sync.buffer if pipe.sync is not None else None
     report = {"losses": losses, "seconds": seconds, "retries": [m.retries for m in pipe.metrics],
               "generation": session.generation, "hierarchy": sorted(pipe.comm.hierarchy),
               "shard_rebound": shard.hier is pipe.comm.hierarchy[(0,)] if isinstance(shard, FlatShard) else None,

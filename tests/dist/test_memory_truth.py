@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from hpml_compile import models, profile
-from hpml_compile.codegen import generate, ops
+from hpml_compile.codegen import generate
+from hpml_compile.runtime.sync import stage as stage_sync
 from hpml_compile.testing import split_plan
 from hpml_compile.plan import Schedule, load_plan, stage_breakdown
 from hpml_compile.runtime import Pipeline, spawn_ranks
@@ -41,7 +42,7 @@ def _worker(rank: int, world: int, builds: list[str], out: str) -> None:
         assert h is not None
         # the flat buffer the gradients of parameters tied to another stage are all-reduced through
         mine = {id(p) for p in pipe.parameters()}
-        tied = sum(b.untyped_storage().nbytes() for k, b in ops._BUFFERS.items() if set(k) & mine)
+        tied = sum(b.untyped_storage().nbytes() for k, b in stage_sync._BUFFERS.items() if set(k) & mine)
         report[Path(build).name] = {"stage": pipe.stage_index, "params": h.params, "grads": h.grads + tied,
                                     "optimizer": h.optimizer, "n_params": len(pipe.parameters()),
                                     "activations": max(m.held_activation_bytes for m in pipe.metrics),

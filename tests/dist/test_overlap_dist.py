@@ -10,7 +10,7 @@ Each rank checks, after a few SGD steps:
 - its stage's parameters equal the original model trained in one process
   on the same batches (transparency, through accumulation over microbatches);
 - on stage 0, there is more than one bucket, the hooks launched every bucket
-  during the backward (none left to ``sync_grads``), and launched some while
+  during the backward (none left to the collective after it), and launched some while
   other gradients were still to come: all but the last under ZeRO-0, at least
   one under ZeRO-1/2 (a bucket spans every replica's shard). A bucket launched
   before the last microbatch's backward would miss the later microbatches'
@@ -99,7 +99,7 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
         pipe = Pipeline.from_build(build, loaded.module, optimizer=_optimizer, overlap=overlap,
                                    bucket_mb=BUCKET_MB, events=False)
         launches: list[tuple[int, int]] = []
-        buckets = pipe.comm.shards.get(pipe.stage_index) if pipe.comm is not None else None
+        buckets = pipe.sync.buffer if pipe.sync is not None else None
         grad_buckets = getattr(buckets, "buckets", None)
         pending, sd_diff, eval_diff, train_waits, user_diff = [], 0.0, 0.0, 0, 0.0
         for i, (x, y) in enumerate(_batches()):

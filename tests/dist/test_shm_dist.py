@@ -151,7 +151,7 @@ def _train(rank: int, world: int, build: str, out: str) -> None:
     report: dict[str, Any] = {}
     for shared, pipe, losses in _runs(build, 1):
         assert pipe.comm is not None
-        grads = pipe._buckets[0].grad_flat
+        grads = pipe.sync.buffer.grad_flat
         held = [v[1] for v in pipe.comm._host_reduce.values() if v[1] is not None]
         slot = held[0].own(grads.numel(), grads.dtype) if held else None
         report[str(shared)] = {"losses": losses, "used": _used(pipe),
@@ -159,13 +159,13 @@ def _train(rank: int, world: int, build: str, out: str) -> None:
                                "grad_bytes": grads.numel() * grads.element_size(),
                                "grad_storage": grads.untyped_storage().nbytes(),
                                "grads_in_buffer": all(p.grad.untyped_storage().data_ptr() == grads.data_ptr()
-                                                      for p in pipe._buckets[0].params),
+                                                      for p in pipe.sync.buffer.params),
                                "params": [p.detach().clone().tolist() for p in pipe.parameters()][:3]}
     Path(out, f"train{rank}.json").write_text(json.dumps(report))
 
 
 def _zero1(rank: int, world: int, build: str, out: str) -> None:
-    report = {str(shared): {"losses": losses, "used": _used(pipe), "flat": pipe._buckets[0].flat.tolist()[:2000]}
+    report = {str(shared): {"losses": losses, "used": _used(pipe), "flat": pipe.sync.buffer.flat.tolist()[:2000]}
               for shared, pipe, losses in _runs(build, 2)}
     Path(out, f"zero1-{rank}.json").write_text(json.dumps(report))
 

@@ -28,6 +28,7 @@ from hpml_compile.testing import (replicated_skipnet_builds, seeded_skipnet, ski
                                           skipnet_sgd, trained_skipnet)
 from hpml_compile.runtime import CommFault, CommOp, Pipeline, spawn_ranks
 from hpml_compile.runtime.execute.session import RetryPolicy, Session
+from hpml_compile.runtime.sync.stage import Compressed
 from hpml_compile.runtime.sync.zero import FlatShard
 
 pytestmark = [pytest.mark.dist]
@@ -47,7 +48,7 @@ def _case(rank: int, world: int, build: str, out: str, name: str) -> dict[str, A
     pipe = Pipeline(load_build(build, model), model, optimizer=skipnet_sgd, session=session,
                     faults=[CommFault(FAIL_AT, 0, CommOp.COLLECTIVE, 1)], events=False, log=lines.append)
     assert pipe.comm is not None
-    shard = pipe.comm.shards[pipe.stage_index]
+    shard = pipe.sync.buffer if pipe.sync is not None else None
     assert isinstance(shard, FlatShard) and not shard.prefetch  # CPU ranks: the blocking gather after the step
     losses, owed = [], []
     for x, y in skipnet_batches(STEPS, ROWS):
@@ -87,7 +88,8 @@ def _reducer_run(rank: int, world: int, build: str, out: str, name: str, opts: d
             pipe.comm = pipe._connect()
         losses.append(float(pipe.step((x,), y, skipnet_loss)))
     assert pipe.comm is not None
-    red = pipe._reducers()[0]
+    assert isinstance(pipe.sync, Compressed)
+    red = pipe.sync.reducer
     held = red.group if hasattr(red, "group") else red.state.process_group
     row = {"losses": losses, "generation": session.generation,
            "current": held is pipe.comm.groups.get((pipe.stage_index,))}

@@ -32,6 +32,7 @@ from hpml_compile.codegen import generate
 from hpml_compile.testing import split_plan
 from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.runtime.observe.held import held_bytes
+from hpml_compile.runtime.sync.stage import UNBUFFERED
 from hpml_compile.runtime.sync.zero3 import FlatShard3
 from hpml_compile.stagecost import memory_parts
 from hpml_compile.trace import trace
@@ -55,7 +56,7 @@ def _compile(tmp: Path, world: int, name: str, replicas: list[int], zero: int, r
 
 def _flat_grad(pipe: Pipeline) -> torch.Tensor | None:
     """After the gradient sync, this replica's shard of the summed gradient of the sharded parameters."""
-    for b in pipe._buckets:
+    for b in [pipe.sync.buffer] if pipe.sync is not None else []:
         if isinstance(b, FlatShard3):
             assert b.param.grad is not None
             return b.param.grad.detach().clone()
@@ -70,19 +71,26 @@ def _run_build(build: str, world: int, out: str, save: bool) -> dict[str, Any]:
     stage = pipe.stages[pipe.stage_index]
     grads: list[torch.Tensor | None] = []
     held_after: list[list[int]] = []
-    sync = stage.sync_grads
 
-    def measured_sync() -> None:
-        sync()
-        if not grads:
-            grads.append(_flat_grad(pipe))
-        h = held_bytes(stage, pipe.optimizer)
-        held_after.append([h.params, h.grads])
+    def measured(sync: Any) -> Any:  # the stage's gradient collectives, each followed by a measurement
+        def call(*args: Any) -> None:
+            sync(*args)
+            if not grads:
+                grads.append(_flat_grad(pipe))
+            h = held_bytes(stage, pipe.optimizer)
+            held_after.append([h.params, h.grads])
 
-    stage.sync_grads = measured_sync  # type: ignore[method-assign]
+        return call
+
+    # the replicas' own sync (ZeRO-3 or ZeRO-0), and the tied parameters' all-reduce across stages
+    patched = [(pipe.sync, "reduce")] if pipe.sync is not None else []
+    patched.append((UNBUFFERED, "run"))
+    for obj, name in patched:
+        setattr(obj, name, measured(getattr(obj, name)))
     batches = _batches(4 * world, STEPS + 2)
     losses = [pipe.step((x,), y, loaded.loss_fn).item() for x, y in batches[:STEPS]]
-    stage.sync_grads = sync  # type: ignore[method-assign]
+    for obj, name in patched:
+        delattr(obj, name)  # the class's own again
     between = held_bytes(stage, pipe.optimizer)
     shards = [s for s in pipe._shards if isinstance(s, FlatShard3)]
     tied = {id(p) for j, other in enumerate(pipe.build.stages) if j != pipe.stage_index for p in other.parameters()}

@@ -69,18 +69,19 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
         pipe = Pipeline.from_build(build, loaded.module, optimizer=_optimizer)
         stage = pipe.stages[pipe.stage_index]
         peaks: list[list[int]] = []
-        sync = stage.sync_grads
+        assert pipe.sync is not None
+        sync = pipe.sync.reduce
 
-        def measured_sync() -> None:  # the peak: every gradient accumulated, the optimizer state alive
+        def measured_sync(comm: Any, params: Any) -> None:  # the peak: every gradient accumulated, state alive
             h = held_bytes(stage, pipe.optimizer)
             peaks.append([h.params, h.grads, h.optimizer])
-            sync()
+            sync(comm, params)
             after.append(held_bytes(stage, pipe.optimizer).grads)
 
         after: list[int] = []
-        stage.sync_grads = measured_sync  # type: ignore[method-assign]
+        pipe.sync.reduce = measured_sync  # type: ignore[method-assign]
         losses = [pipe.step((x,), y, loaded.loss_fn).item() for x, y in _batches(4 * world)]
-        stage.sync_grads = sync  # type: ignore[method-assign]
+        pipe.sync.reduce = sync  # type: ignore[method-assign]
         report[zero] = {"losses": losses, "peak": peaks[-1], "after_sync": after[-1],
                         "param_bytes": sum(p.numel() * p.element_size() for p in pipe.parameters()),
                         "tensors": len(pipe.parameters())}

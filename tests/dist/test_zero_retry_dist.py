@@ -127,7 +127,7 @@ def _case(rank: int, world: int, build: str, out: str, name: str, fault: str) ->
     pipe = Pipeline(load_build(build, model), model, optimizer=_optimizer, session=session, faults=faults,
                     overlap=True, bucket_mb=BUCKET_MB, events=False)
     assert pipe.comm is not None and pipe.optimizer is not None and pipe.session is not None
-    shard = pipe.comm.shards[pipe.stage_index]
+    shard = pipe.sync.buffer if pipe.sync is not None else None
     assert isinstance(shard, FlatShard) and shard.prefetch and shard.buckets is not None
     stage = pipe.stages[pipe.stage_index]
     seen = _reads(pipe, session, {id(p): n for n, p in model.named_parameters()})

@@ -151,8 +151,18 @@ def test_zero2_replicas_update_like_the_original(cases: dict[str, Case], tmp_pat
     result, model, ref = _run(case, plan, tmp_path, optimizer=True)
     for (name, a), (_, b) in zip(model.named_parameters(), ref.named_parameters()):
         assert torch.allclose(a, b, atol=TOL), name
-    src = (tmp_path / "stage_0.py").read_text()
-    assert "ops.reduce_scatter_grads(self.hpml_comm, 0," in src and "ops.all_gather_params(self.hpml_comm, 0," in src
+    table = _collectives(tmp_path / "stage_0.py", "Stage0")
+    assert [t.split("(")[0] for t in table] == ["REDUCESCATTER.shm", "ALLGATHER.shm"]
+    assert table["REDUCESCATTER.shm(0)"] == table["ALLGATHER.shm(0)"] and table["ALLGATHER.shm(0)"]
+
+
+def _collectives(path: Path | str, cls: str) -> dict[str, tuple[str, ...]]:
+    """The ``COLLECTIVES`` table of a generated class (token -> parameter names), as its source spells it."""
+    source = path.read_text() if isinstance(path, Path) else path
+    klass = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == cls)
+    found = [n.value for n in klass.body if isinstance(n, ast.Assign)
+             and any(isinstance(t, ast.Name) and t.id == "COLLECTIVES" for t in n.targets)]
+    return ast.literal_eval(found[0]) if found else {}
 
 
 def _ops_called(source: str, cls: str, method: str) -> list[str]:
@@ -176,11 +186,12 @@ def test_source_has_the_operations_the_plan_implies(cases: dict[str, Case], tmp_
     assert _ops_called(src[1], "Stage1", "forward") == ["recv", "swap", "send"]
     assert _ops_called(src[2], "Stage2", "forward") == ["recv", "checkpoint"]
     # stage 0 is replicated (gradient all-reduce over its replicas) and shares the tied embedding with stage 2
-    assert _ops_called(src[0], "Stage0", "sync_grads") == ["all_reduce_grads", "all_reduce_grads"]
-    assert "ops.all_reduce_grads(self.hpml_comm, (0,), self.params(" in src[0]
-    assert "ops.all_reduce_grads(self.hpml_comm, (0, 2), self.params('wte.weight'))" in src[0]
-    assert "ops.all_reduce_grads(self.hpml_comm, (0, 2), self.params('lm_head.weight'))" in src[2]
-    assert _ops_called(src[1], "Stage1", "sync_grads") == []
+    tables = [_collectives(src[k], f"Stage{k}") for k in range(3)]
+    assert list(tables[0]) == ["ALLREDUCE.shm(0)", "ALLREDUCE.shm(0,2)"] and tables[0]["ALLREDUCE.shm(0)"]
+    assert tables[0]["ALLREDUCE.shm(0,2)"] == ("wte.weight",)
+    assert tables[2] == {"ALLREDUCE.shm(0,2)": ("lm_head.weight",)}
+    assert tables[1] == {}
+    assert build.stages[0].COLLECTIVES == tables[0]  # what runs is what the file says
     # the swap region runs the plan's swapped nodes; the recompute region the whole stage
     region = next(n for n in ast.parse(src[1]).body if isinstance(n, ast.ClassDef) and n.name == "Stage1Swap0")
     assigned = {t.id for n in ast.walk(region) if isinstance(n, ast.Assign) for t in n.targets
@@ -280,10 +291,10 @@ def test_manifest_and_debug_dump(cases: dict[str, Case], tmp_path: Path) -> None
     assert set(manifest["files"]) == {"stage_0.py", "stage_1.py", "plan.json", "graph.txt", "lowering.json"}
     # ZeRO-1: stage 0's own parameters are reduce-scattered into shards and all-gathered after the step; the
     # tied embedding is summed over both stages
-    assert manifest["collectives"] == ["ALLGATHER(0)", "REDUCESCATTER(0)", "ALLREDUCE(0,1)"]
+    assert manifest["collectives"] == ["ALLGATHER.shm(0)", "REDUCESCATTER.shm(0)", "ALLREDUCE.shm(0,1)"]
     assert manifest["inputs"] == [{"name": "idx", "shape": [2, 32], "dtype": "int64"}]
     lowering = json.loads((tmp_path / "lowering.json").read_text())
-    assert lowering["actions"][1]["tokens"] == ["0RECV1", "ALLREDUCE(0,1)"]
+    assert lowering["actions"][1]["tokens"] == ["0RECV1", "ALLREDUCE.shm(0,1)"]
     assert SyncKind("ALLREDUCE") is SyncKind.ALL_REDUCE
     kinds = {parse_token(t)[0] for s in manifest["stages"] for t in s["actions"]}  # every token parses back
     assert kinds == {TokenKind.SEND, TokenKind.RECV, TokenKind.ALL_REDUCE, TokenKind.REDUCE_SCATTER,

@@ -160,7 +160,7 @@ def test_action_lists_round_trip_through_the_manifest(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "manifest.json").read_text())
     assert [(r["stage"], r["replica"]) for r in data["ranks"]] == [(0, 0), (0, 1), (1, 0)]
     assert data["ranks"][0]["actions"][:3] == ["0F0", "0SEND1:0", "0F1"]
-    assert "ALLREDUCE(0)" in data["ranks"][1]["actions"]
+    assert "ALLREDUCE.shm(0)" in data["ranks"][1]["actions"]  # CPU replicas of one host: shared memory
     assert Manifest.from_dict(data).to_dict() == data
     loaded = load_build(tmp_path, model)
     assert loaded.actions == build.actions
@@ -199,4 +199,4 @@ def test_the_schedule_imports_no_later_pass() -> None:
     tree = ast.parse((ROOT / "hpml_compile" / "schedule.py").read_text())
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert mods <= {"__future__", "enum", "re", "collections", "dataclasses", "typing", "errors", "plan"}, mods
+    assert mods <= {"__future__", "enum", "re", "collections", "dataclasses", "typing", "errors", "plan", "memory", "functools"}, mods

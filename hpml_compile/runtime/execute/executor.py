@@ -2,8 +2,9 @@
 
 Codegen lowered the plan's schedule into one action list per rank
 (:mod:`hpml_compile.schedule`: ``0F3``, ``1RECV0:3``, ``1B3``,
-``ALLREDUCE(0,1)``, ``LOSS``, ``OPT0``); :func:`run_actions` carries them out
-and decides nothing:
+``ALLREDUCE.flat(0,1)``, ``LOSS``, ``OPT0``); :func:`run_actions` carries them out
+and decides nothing: each token goes to the handler of its kind
+(:data:`HANDLERS`, one for every kind a rank's list may hold):
 
 - ``kFj``: the forward of microbatch ``j`` on stage ``k`` (the last stage adds
   the loss of its slice, scaled by ``1 / (microbatches x replicas)``, or by
@@ -11,14 +12,17 @@ and decides nothing:
   replicas uneven rows (``Stage.rows``), so that the gradients sum to the
   batch mean's and the gradient all-reduce stays a plain sum); ``kBj``: its backward, then the
   zero gradients a replica still owes (:meth:`~hpml_compile.codegen.comm.Comm.settle`);
-- ``kSENDp:j`` / ``kRECVp:j``: nothing to do here: the ``ops.send`` /
-  ``ops.recv`` nodes of the generated stage move the values inside the
-  neighbouring forward or backward; the tokens say where, for the validator;
-- a collective before ``OPTk``: the stage's ``sync_grads`` (generated to run
-  its collectives in the order its tokens list them; called at the first);
-  ``LOSS``: wait for this process's sends, and agree on the loss (ranks);
-  ``OPTk``: the optimizer step (once per process); a collective after it:
-  the stage's ``after_step`` (ZeRO all-gather).
+- ``kSENDp:j`` / ``kRECVp:j``: nothing left to do at the token: the
+  ``ops.send`` / ``ops.recv`` nodes of the generated stage move the values
+  inside the neighbouring forward or backward; the tokens say where, for the
+  validator and the simulator;
+- a collective (``ALLREDUCE.shm(0)``): the :class:`~..sync.stage.StageSync`
+  of its stages runs it (the implementation its suffix names, chosen from
+  the plan), on the parameters the stage lists for the token
+  (``COLLECTIVES``); before ``OPTk`` it sums gradients, after it (ZeRO's
+  all-gather) it moves parameters;
+- ``LOSS``: wait for this process's sends, and agree on the loss (ranks);
+  ``OPTk``: the optimizer step (once per process).
 
 On a rank the list is its own (:func:`step_rank`, :class:`~.pipeline.Pipeline`);
 in one process (:func:`step_local`, a Pipeline without a process group) the
@@ -57,7 +61,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -68,16 +72,17 @@ from ...codegen.comm import Comm
 from ...codegen.stage import StageModule
 from ...errors import HpmlError, UpdateApplied
 from ...precision import autocast
-from ...schedule import (COLLECTIVES, MARKERS, Action, ActionKind, RankActions, rank_layout, relower, replay,
+from ...schedule import (MARKERS, Action, ActionKind, RankActions, rank_layout, relower, replay,
                         stage_ranks, validate)
 from ...trainspec import Split, split_of
 from ..sync.comm import DistComm, LocalComm, dist_comm
+from ..sync.stage import UNBUFFERED, StageSync
 from .scaler import LossScaler
 
 __all__ = ["StepResult", "StepRun", "stage_ranks", "rank_layout", "split_microbatches", "split_replicas",
            "loss_share", "stage_splits", "merge_outputs",
            "to_device", "forward_stage", "actions_for", "local_order", "run_actions", "step_local", "step_rank",
-           "LocalComm", "DistComm", "dist_comm"]
+           "LocalComm", "DistComm", "dist_comm", "HANDLERS"]
 
 
 def split_microbatches(value: Any, microbatches: int) -> list[Any]:
@@ -282,7 +287,8 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
                 agree: Callable[[Tensor], bool | None] | None = None, keep_outputs: bool = False,
                 own_rows: bool = False, scaler: LossScaler | None = None,
                 agree_inf: Callable[[Tensor], None] | None = None,
-                arm: Callable[[int], None] | None = None) -> StepRun:
+                arm: Callable[[int], None] | None = None,
+                syncs: Mapping[tuple[int, ...], StageSync] | None = None) -> StepRun:
     """Carry out ``order`` (see the module docstring): the one code path of every training step.
 
     Args:
@@ -307,106 +313,169 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
         agree_inf: called with the float32 found-inf flag to make it every rank's (a MAX all-reduce on ranks).
         arm: called with stage ``k`` just before ``k``'s last backward in ``order`` (the overlapped gradient
             buckets of :mod:`.zero` launch during it; earlier backwards only accumulate).
+        syncs: the sync of each group of stages that has one on this process (:func:`..sync.stage.for_stage`);
+            any other collective runs unbuffered (:class:`..sync.stage.Unbuffered`).
 
     Returns:
         The losses, outputs, busy times and phase timestamps.
     """
-    reps = stage_splits(build)
-    layout = rank_layout(build.plan)
-    last, n = len(reps) - 1, microbatches
-    run = StepRun(t_start=time.perf_counter())
-    xs = _Slices(tuple(inputs), n, own_rows)
-    ys = _Slices(targets, n, own_rows) if last in stages else None
-    roots: dict[tuple[int, int, int], list[Tensor]] = {}
-    synced: set[int] = set()
-    stepped: set[int] = set()
-    optimized = done_compute = done_sync = False
-    cuda = device.type == "cuda"
-    last_bwd = {layout[rank][0]: i for i, (rank, a) in enumerate(order) if a.kind is ActionKind.BACKWARD}
-    ev = getattr(comm, "events", None)  # an EventLog (.events) where the pipeline records this step's events
+    step = _Step(build, stages, comm, inputs, targets, loss_fn, microbatches, device=device, optimizer=optimizer,
+                 agree=agree, keep_outputs=keep_outputs, own_rows=own_rows, scaler=scaler, agree_inf=agree_inf,
+                 arm=arm, order=order, syncs=syncs)
     for index, (rank, a) in enumerate(order):
-        kind = a.kind
-        if kind in MARKERS:
-            continue  # moved by the stage's ops.send / ops.recv nodes inside F and B
-        k, r = layout[rank]
-        if kind is ActionKind.FORWARD or kind is ActionKind.BACKWARD:
-            j = a.microbatch or 0
-            comm.microbatch, comm.replica = j, r
-            w0, t0 = _waited(comm), time.perf_counter()
-            fwd = kind is ActionKind.FORWARD
-            if fwd:
-                out = forward_stage(build, stages[k], xs.get(j, reps[k], r), device)
-                if k == last:
-                    assert ys is not None
-                    out = build.model_output(out)  # what the model returns, as the user's loss expects it
-                    with autocast(device.type, build.plan.precision):  # as an autocast training loop does
-                        loss = loss_share(loss_fn(out, to_device(ys.get(j, reps[k], r), device)), reps[k], r, n)
-                    run.loss_sum += loss.detach().double().cpu()
-                    run.shares.append((j, r, loss.detach()))
-                    if keep_outputs:
-                        run.outputs.append((j, r, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t,
-                                                           out)))
-                    # fp16: backward from the scaled loss (unscaled at OPT; no optimizer: the true gradients)
-                    scaled = scaler is not None and optimizer is not None
-                    roots[(k, r, j)] = [scaler.scale_loss(loss) if scaled else loss]  # type: ignore[union-attr]
-                else:
-                    roots[(k, r, j)] = [out] if isinstance(out, Tensor) and out.requires_grad else []
-            else:
-                root = roots.pop((k, r, j))
-                if arm is not None and last_bwd.get(k) == index:
-                    arm(k)
-                if root:
-                    torch.autograd.backward(root)
-                comm.settle(k, r, j)
-            if cuda:
-                torch.cuda.current_stream(device).synchronize()
-            t1 = time.perf_counter()
-            run.busy[(k, fwd)] = run.busy.get((k, fwd), 0.0) + t1 - t0 - (_waited(comm) - w0)
-            if ev is not None:
-                ev.add("F" if fwd else "B", t0, t1, k, j)
-            continue
-        if not done_compute:
-            run.t_pipe, done_compute = time.perf_counter(), True
-        if kind in COLLECTIVES and not optimized:
-            if k not in synced:  # sync_grads runs every collective of the stage, in the order of its tokens
-                synced.add(k)
-                t0 = time.perf_counter()
-                stages[k].sync_grads()
-                if ev is not None:
-                    ev.add("SYNC", t0, time.perf_counter(), k)
-            continue
-        if not done_sync:
-            run.t_synced, done_sync = time.perf_counter(), True
-        t0 = time.perf_counter()
-        if kind is ActionKind.LOSS:
-            comm.flush()
-            if agree is not None:
-                run.regrouped = bool(agree(run.loss_sum))
-            run.t_opt = time.perf_counter()
-            if ev is not None:
-                ev.add("LOSS", t0, run.t_opt, k)
-        elif kind is ActionKind.OPTIMIZER:
-            if optimizer is not None and not optimized:
-                if scaler is None or _unscaled_finite(optimizer, scaler, agree_inf, run):
-                    optimizer.step()  # over every parameter of this process: once, whatever the stages here
-                if ev is not None:
-                    ev.add("OPT", t0, time.perf_counter(), k)
-            optimized = True
-        elif kind in COLLECTIVES and optimizer is not None and k not in stepped:
-            stepped.add(k)
-            if run.regrouped:
-                continue  # the others ran these on the old group and failed there: the next step gathers first
-            try:
-                stages[k].after_step()
-            except Exception as e:
-                if not optimized:
-                    raise
-                run.t_end = time.perf_counter()
-                raise UpdateApplied(run) from e
-            if ev is not None:
-                ev.add("GATHER", t0, time.perf_counter(), k)
-    run.t_end = time.perf_counter()
-    return run
+        HANDLERS[a.kind](step, index, rank, a)
+    step.run.t_end = time.perf_counter()
+    return step.run
+
+
+class _Step:
+    """One run of action lists in progress: what the handlers share (see :data:`HANDLERS`)."""
+
+    def __init__(self, build: Build, stages: dict[int, StageModule], comm: Comm, inputs: Sequence[Any],
+                 targets: Any, loss_fn: Callable[[Any, Any], Tensor], microbatches: int, *, device: torch.device,
+                 optimizer: torch.optim.Optimizer | None, agree: Callable[[Tensor], bool | None] | None,
+                 keep_outputs: bool, own_rows: bool, scaler: LossScaler | None,
+                 agree_inf: Callable[[Tensor], None] | None, arm: Callable[[int], None] | None,
+                 order: Sequence[tuple[int, Action]], syncs: Mapping[tuple[int, ...], StageSync] | None) -> None:
+        self.build, self.stages, self.comm, self.loss_fn, self.n = build, stages, comm, loss_fn, microbatches
+        self.device, self.optimizer, self.agree, self.keep_outputs = device, optimizer, agree, keep_outputs
+        self.scaler, self.agree_inf, self.arm = scaler, agree_inf, arm
+        self.reps = stage_splits(build)
+        self.layout = rank_layout(build.plan)
+        self.last = len(self.reps) - 1
+        self.run = StepRun(t_start=time.perf_counter())
+        self.xs = _Slices(tuple(inputs), microbatches, own_rows)
+        self.ys = _Slices(targets, microbatches, own_rows) if self.last in stages else None
+        self.roots: dict[tuple[int, int, int], list[Tensor]] = {}
+        self.syncs = syncs or {}
+        self.synced: set[tuple[int, Action]] = set()
+        self.stepped: set[tuple[int, Action]] = set()
+        self.optimized = self.done_compute = self.done_sync = False
+        self.cuda = device.type == "cuda"
+        self.last_bwd = {self.layout[rank][0]: i for i, (rank, a) in enumerate(order)
+                         if a.kind is ActionKind.BACKWARD}
+        self.ev = getattr(comm, "events", None)  # an EventLog (.events) where the pipeline records this step's events
+
+    def event(self, kind: str, t0: float, t1: float, stage: int, microbatch: int = -1) -> None:
+        if self.ev is not None:
+            self.ev.add(kind, t0, t1, stage, *((microbatch,) if microbatch >= 0 else ()))
+
+    def phase(self, synced: bool) -> None:
+        """Mark the end of the compute (at the first action after it) and, with ``synced``, of the gradient sync."""
+        if not self.done_compute:
+            self.run.t_pipe, self.done_compute = time.perf_counter(), True
+        if synced and not self.done_sync:
+            self.run.t_synced, self.done_sync = time.perf_counter(), True
+
+
+def _compute(step: _Step, index: int, rank: int, a: Action) -> None:
+    """``kFj`` / ``kBj``: the forward (the last stage adds its slice's loss share) or the backward of one slice."""
+    k, r = step.layout[rank]
+    j, comm, run = a.microbatch or 0, step.comm, step.run
+    comm.microbatch, comm.replica = j, r
+    w0, t0 = _waited(comm), time.perf_counter()
+    fwd = a.kind is ActionKind.FORWARD
+    if fwd:
+        _forward(step, k, r, j)
+    else:
+        root = step.roots.pop((k, r, j))
+        if step.arm is not None and step.last_bwd.get(k) == index:
+            step.arm(k)
+        if root:
+            torch.autograd.backward(root)
+        comm.settle(k, r, j)
+    if step.cuda:
+        torch.cuda.current_stream(step.device).synchronize()
+    t1 = time.perf_counter()
+    run.busy[(k, fwd)] = run.busy.get((k, fwd), 0.0) + t1 - t0 - (_waited(comm) - w0)
+    step.event("F" if fwd else "B", t0, t1, k, j)
+
+
+def _forward(step: _Step, k: int, r: int, j: int) -> None:
+    build, device, run, n = step.build, step.device, step.run, step.n
+    out = forward_stage(build, step.stages[k], step.xs.get(j, step.reps[k], r), device)
+    if k != step.last:
+        step.roots[(k, r, j)] = [out] if isinstance(out, Tensor) and out.requires_grad else []
+        return
+    assert step.ys is not None
+    out = build.model_output(out)  # what the model returns, as the user's loss expects it
+    with autocast(device.type, build.plan.precision):  # as an autocast training loop does
+        loss = loss_share(step.loss_fn(out, to_device(step.ys.get(j, step.reps[k], r), device)), step.reps[k], r, n)
+    run.loss_sum += loss.detach().double().cpu()
+    run.shares.append((j, r, loss.detach()))
+    if step.keep_outputs:
+        run.outputs.append((j, r, tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, out)))
+    # fp16: backward from the scaled loss (unscaled at OPT; no optimizer: the true gradients)
+    scaled = step.scaler is not None and step.optimizer is not None
+    step.roots[(k, r, j)] = [step.scaler.scale_loss(loss) if scaled else loss]  # type: ignore[union-attr]
+
+
+def _message(step: _Step, index: int, rank: int, a: Action) -> None:
+    """``kSENDp:j`` / ``kRECVp:j``: carried out by the stage's generated ``ops.send`` / ``ops.recv`` nodes inside
+    the neighbouring forward or backward (the values cross as autograd functions, their gradients back); the
+    token says where, for the validator and the simulator: nothing is left to do here."""
+
+
+def _collective(step: _Step, index: int, rank: int, a: Action) -> None:
+    """A collective token: handed to the sync of its stages (:mod:`..sync.stage`, the implementation its suffix
+    names), with the parameters the stage lists for it; before ``OPTk`` it sums gradients, after it (ZeRO's
+    all-gather) it moves parameters, and a failure there leaves the update applied."""
+    k = step.layout[rank][0]
+    step.phase(synced=step.optimized)
+    key = (k, a)  # one process running several replicas of a stage: each token once
+    stage = step.stages[k]
+    params = stage.params(*stage.COLLECTIVES[str(a)])
+    sync = step.syncs.get(a.stages, UNBUFFERED)
+    if not step.optimized:
+        if key not in step.synced:
+            step.synced.add(key)
+            t0 = time.perf_counter()
+            sync.run(a, step.comm, params)
+            step.event("SYNC", t0, time.perf_counter(), k)
+        return
+    if step.optimizer is None or key in step.stepped:
+        return
+    step.stepped.add(key)
+    if step.run.regrouped:
+        return  # the others ran these on the old group and failed there: the next step gathers first
+    t0 = time.perf_counter()
+    try:
+        sync.run(a, step.comm, params)
+    except Exception as e:
+        step.run.t_end = time.perf_counter()
+        raise UpdateApplied(step.run) from e
+    step.event("GATHER", t0, time.perf_counter(), k)
+
+
+def _loss(step: _Step, index: int, rank: int, a: Action) -> None:
+    """``LOSS``: wait for this process's sends, and agree on the loss (ranks)."""
+    step.phase(synced=True)
+    run, t0 = step.run, time.perf_counter()
+    step.comm.flush()
+    if step.agree is not None:
+        run.regrouped = bool(step.agree(run.loss_sum))
+    run.t_opt = time.perf_counter()
+    step.event("LOSS", t0, run.t_opt, step.layout[rank][0])
+
+
+def _optimize(step: _Step, index: int, rank: int, a: Action) -> None:
+    """``OPTk``: the optimizer step, once per process (over every parameter of this process's stages)."""
+    step.phase(synced=True)
+    t0 = time.perf_counter()
+    if step.optimizer is not None and not step.optimized:
+        if step.scaler is None or _unscaled_finite(step.optimizer, step.scaler, step.agree_inf, step.run):
+            step.optimizer.step()
+        step.event("OPT", t0, time.perf_counter(), step.layout[rank][0])
+    step.optimized = True
+
+
+# Every kind a rank's list may hold, and its handler: the lowered lists are what runs.
+HANDLERS: dict[ActionKind, Callable[[_Step, int, int, Action], None]] = {
+    ActionKind.FORWARD: _compute, ActionKind.BACKWARD: _compute,
+    ActionKind.SEND: _message, ActionKind.RECV: _message,
+    ActionKind.ALL_REDUCE: _collective, ActionKind.REDUCE_SCATTER: _collective, ActionKind.ALL_GATHER: _collective,
+    ActionKind.LOSS: _loss, ActionKind.OPTIMIZER: _optimize,
+}
 
 
 @dataclass

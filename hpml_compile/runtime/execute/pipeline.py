@@ -83,11 +83,9 @@ from ..observe.monitor import Monitor, StepMetrics, peak_memory, reserved_memory
 from ..sync.offload import offload_optimizer
 from ...saved import GradPeak, SavedActivations, counts_memory
 from .session import CommFailure, RetryPolicy, Session
-from ...memory import FIRST_BUCKET_BYTES
-from ..sync.compress import Reducer, make_reducer
-from ..sync.feedback import CommState, feedback_of
-from ..sync.zero import FlatGrads, FlatShard
-from ..sync.zero3 import FlatShard3
+from ..sync.feedback import CommState
+from ..sync.stage import StageSync, for_stage
+from ..sync.zero import FlatShard
 
 __all__ = ["Pipeline", "OptimizerArg"]
 
@@ -162,6 +160,7 @@ class Pipeline:
         self._spec_rows = [st.rows[0] if st.rows else (self._mb_rows or 0) // len(st.devices)
                            for st in build.plan.stages]
         self._orders: dict[int, list[tuple[int, Action]]] = {}  # microbatches -> what this process runs
+        self.sync: StageSync | None = None  # this rank's replicated stage's sync (:mod:`..sync.stage`)
         if session is None:
             self.rank, self.world_size = 0, 1
             self.device = torch.device("cpu")
@@ -191,8 +190,9 @@ class Pipeline:
             self.stages[self.stage_index].to(self.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's tensors reuse freed memory instead of faulting fresh pages in
-        self._buckets: list[FlatShard | FlatGrads] = self._make_buckets(optimizer)
-        self._shards = [b for b in self._buckets if isinstance(b, FlatShard)]
+        self.sync = self._make_sync(optimizer)
+        self._syncs = {self.sync.stages: self.sync} if self.sync is not None else {}
+        self._shards: list[FlatShard] = self.sync.shards if self.sync is not None else []
         if any(s.prefetch for s in self._shards):  # the user's own reads of the model wait for the gathers too
             self._user_hooks = [model.register_forward_pre_hook(lambda *_: self.settle()),
                                 model.register_state_dict_pre_hook(lambda *_: self.settle())]
@@ -279,64 +279,33 @@ class Pipeline:
         comm.events = getattr(self, "events", None)
         comm.spec_rows = self._spec_rows
         self.build.stages[comm.stage].hpml_comm = comm
-        for b in getattr(self, "_buckets", ()):  # after a reconnect: the new communicator runs the collectives
-            comm.shards[b.stage] = b
-            b.comm = comm
-            if getattr(b, "hier", None) is not None:  # and the new sub-groups the hierarchical ZeRO-1 shard's
-                b.hier = comm.hierarchy[(b.stage,)]
-            if getattr(b, "reducer", None) is not None:  # PowerSGD's state and local SGD hold the group itself
-                b.reducer.rebind(comm.groups.get((b.stage,)))
+        if self.sync is not None:  # after a reconnect: the new communicator (and sub-groups) run the collectives
+            self.sync.bind(comm)
         return comm
 
-    def _make_buckets(self, optimizer: OptimizerArg) -> list[FlatShard | FlatGrads]:
-        """The flat gradient buffer of this rank's replicated stage (:mod:`.zero`).
+    def _make_sync(self, optimizer: OptimizerArg) -> StageSync | None:
+        """The sync of this rank's replicated stage, as the plan names it (:func:`..sync.stage.for_stage`).
 
-        ZeRO-0: one buffer, all-reduced in place. ZeRO-1/2: the parameters in one flat buffer too, the
-        optimizer over this replica's shard. Parameters tied to another stage stay apart (all-reduced across
-        those stages). In one process nothing is replicated; without an optimizer there is no state to shard.
+        Parameters tied to another stage stay apart (all-reduced across those stages). In one process nothing is
+        replicated; without an optimizer factory there is no state to shard (every replica keeps the sum).
+
+        Raises:
+            HpmlError: a ZeRO stage given an optimizer already built (a factory is needed to shard it).
         """
         if self.session is None or self.comm is None:
-            return []
+            return None
         k = self.stage_index
         st = self.plan.stages[k]
-        if self._reps[k] == 1:
-            return []
         tied = {id(p) for j, other in enumerate(self.build.stages) if j != k for p in other.parameters()}
         params = [p for p in self.parameters() if id(p) not in tied]
-        if not params:
-            return []
-        if st.zero == ZeroStage.NONE or optimizer is None:
-            bucket = FlatGrads(k, params)
-            bucket.comm = self.comm
-            bucket.reducer = make_reducer(self.plan, k, self.comm.groups.get((k,)))  # compression, local SGD
-            self.comm.shards[k] = bucket
-            # overlapped buckets are flat or hierarchical all-reduces (comm.all_reduce_async picks by the plan): a
-            # compressed or local-SGD stage syncs after its backward, as the cost model prices it
-            if self._overlaps(k) and self.comm.groups.get((k,)) is not None and bucket.reducer is None:
-                bucket.enable_overlap(min(FIRST_BUCKET_BYTES, self._bucket_bytes), self._bucket_bytes)
-            return [bucket]
-        if isinstance(optimizer, torch.optim.Optimizer):
+        built = isinstance(optimizer, torch.optim.Optimizer)
+        if self._reps[k] > 1 and params and st.zero != ZeroStage.NONE and built:
             raise HpmlError(f"stage {k} runs ZeRO-{int(st.zero)} over {self._reps[k]} replicas, which builds the "
                             "optimizer over this rank's shard of the parameters: pass a factory called with the "
                             "parameters (e.g. optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)), not an "
                             "optimizer already built")
-        if st.zero == ZeroStage.OS_G_P:  # parameters sharded too, gathered around the stage's compute
-            if st.offload_optimizer:
-                raise HpmlError(f"stage {k} asks for ZeRO-3 with optimizer offload, which the runtime does not "
-                                "combine: use ZeRO-3 or offload (ZeRO-1 with offload)")
-            shard: FlatShard = FlatShard3(k, params, replicas=self._reps[k], replica=self.replica)
-            shard.attach(self.stages[k])
-        elif (hier := getattr(self.comm, "hierarchy", {}).get((k,))) is not None:  # ZeRO-1 over the host's ranks (plan: hierarchical)
-            shard = FlatShard(k, params, replicas=hier.per_host, replica=hier.local, zero=st.zero, hier=hier)
-        else:
-            shard = FlatShard(k, params, replicas=self._reps[k], replica=self.replica, zero=st.zero)
-        shard.comm = self.comm
-        self.comm.shards[k] = shard
-        if self._overlaps(k) and self.comm.groups.get((k,)) is not None:
-            shard.enable_overlap(min(FIRST_BUCKET_BYTES, self._bucket_bytes), self._bucket_bytes)
-            if shard.buckets is not None:  # ZeRO-1/2 (not 3): the parameter all-gather under the next forward
-                shard.enable_prefetch(self.stages[k])
-        return [shard]
+        return for_stage(self.plan, k, self.comm, params, self.stages[k], replica=self.replica,
+                         sharded=optimizer is not None, overlap=self._overlaps(k), bucket_bytes=self._bucket_bytes)
 
     def _overlaps(self, k: int) -> bool:
         """Whether stage ``k``'s gradient buckets launch during the backward: the plan's rule unless forced."""
@@ -599,11 +568,9 @@ class Pipeline:
         A gloo group closes its sockets only when the last reference goes; a
         peer blocked in a collective on it is released only then.
         """
-        for s in getattr(self, "_shards", ()):
-            s.forget()  # prefetched parameter gathers on the failed groups: gathered again by the retry
-        for b in getattr(self, "_buckets", ()):  # a hierarchical ZeRO-1 shard holds its sub-groups: rebound
-            if getattr(b, "hier", None) is not None:  # to the new ones by _connect
-                b.hier = replace(b.hier, intra=None, inter=None)
+        if self.sync is not None:
+            self.sync.forget()  # prefetched parameter gathers on the failed groups: gathered again by the retry
+            self.sync.release()  # a hierarchical ZeRO-1 shard's sub-groups: rebound to the new ones by _connect
         if self.comm is not None:
             self.comm.forget()
             self.comm.groups.clear()
@@ -651,10 +618,8 @@ class Pipeline:
         comm.begin_step(self.steps_done)
         for p in self.parameters():
             p.grad = None
-        for b in self._buckets:
-            b.begin_step()  # gradients accumulate into the flat buffer the reduce-scatter reads
-        for red in self._reducers():
-            red.begin_step(self.steps_done)
+        if self.sync is not None:
+            self.sync.begin_step(self.steps_done)  # gradients accumulate into the flat buffer the collective reads
         reset_peak_memory(self.device)
         if self.events is not None and self.host is not None:
             self.events.begin()
@@ -673,15 +638,15 @@ class Pipeline:
                 run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
                                   device=self.device, optimizer=self.optimizer, agree=agree,
                                   own_rows=rank_batch is not None, scaler=self.scaler, arm=self._arm,
-                                  agree_inf=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX))  # all skip alike
+                                  agree_inf=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX),  # all skip alike
+                                  syncs=self._syncs)
                 self._agreed_loss = float(run.loss_sum)  # a peer behind may ask for it (Session.reopen)
-                for b in self._buckets:  # local SGD: average the replicas' parameters after every H-th step
-                    if getattr(b, "reducer", None) is not None and self.optimizer is not None and not run.regrouped:
-                        try:
-                            b.reducer.after_step(b.params)
-                        except Exception as e:
-                            raise UpdateApplied(run) from e
-                        run.t_end = time.perf_counter()  # counted in the optimizer's time
+                if self.sync is not None and self.optimizer is not None and not run.regrouped:
+                    try:  # local SGD: average the replicas' parameters after every H-th step
+                        self.sync.after_optimizer()
+                    except Exception as e:
+                        raise UpdateApplied(run) from e
+                    run.t_end = time.perf_counter()  # counted in the optimizer's time
             except UpdateApplied as e:
                 run = e.run
                 self._reform_after_update(e)
@@ -689,7 +654,7 @@ class Pipeline:
         self.grad_peak.disarm()
         h = held_bytes(list(self.stages.values()), self.optimizer)
         # gradients at their peak; ZeRO-3 parameters too: the whole stage's while a microbatch computes
-        gathered = sum(s.gathered_bytes for s in self._shards if isinstance(s, FlatShard3) and s.gathers)
+        gathered = self.sync.gathered_bytes() if self.sync is not None else 0
         self.held = Held(h.params + gathered, max(h.grads, self.grad_peak.bytes), h.optimizer)
         wait_ms, p2p_ms = split_wait(comm.stats)
         mem, mem_kind = peak_memory(self.device)
@@ -731,28 +696,17 @@ class Pipeline:
 
     def _arm(self, stage: int) -> None:
         """Just before ``stage``'s last backward of the step: its gradient buckets launch as they become ready."""
-        for b in self._buckets:
-            if b.stage == stage and b.buckets is not None:
-                b.buckets.arm()
-
-    def _reducers(self) -> list[Reducer]:
-        """The compression / local SGD reducers of this rank's stage (:mod:`.compress`)."""
-        return [b.reducer for b in self._buckets if getattr(b, "reducer", None) is not None]
+        if self.sync is not None and self.sync.stages == (stage,):
+            self.sync.arm()
 
     def feedback(self) -> list[CommState]:
         """This rank's error-feedback state (compressed stages) and its place among a local SGD stage's replicas,
         for checkpoints (:class:`.feedback.Feedback`, :class:`.feedback.Replica`)."""
-        return feedback_of(self._buckets, self.local_module(), self.replica) if self._buckets else []
+        return self.sync.state(self.local_module(), self.replica) if self.sync is not None else []
 
     def _sync_bytes(self, *, dense: bool) -> int:
         """Payload this rank put into its stage's gradient sync this step (``dense``: uncompressed, every step)."""
-        total = 0
-        for b in self._buckets:
-            red = getattr(b, "reducer", None)
-            flat = b.grad_flat if isinstance(b, FlatGrads) else b.flat
-            nbytes = flat.numel() * flat.element_size()
-            total += nbytes if red is None else (red.dense if dense else red.sent) or (nbytes if dense else 0)
-        return total
+        return self.sync.sync_bytes(dense=dense) if self.sync is not None else 0
 
     def _validate(self, validate: Callable[[], float] | None) -> float | None:
         """Run ``validate`` after an update; a communication failure in it must not retry the (applied) step.
@@ -921,9 +875,10 @@ class Pipeline:
         Args:
             changed: the block writes the parameters (a checkpoint load): each replica's shard takes its part.
         """
-        with contextlib.ExitStack() as stack:
-            for s in self._shards:  # ZeRO-3 gathers; a hierarchical ZeRO-1 shard takes its pieces of a write after
-                stack.enter_context(s.whole(changed=changed))
+        if self.sync is None:
+            yield
+            return
+        with self.sync.whole(changed=changed):  # ZeRO-3 gathers; a hierarchical ZeRO-1 shard takes its pieces after
             yield
 
     def settle(self) -> None:
@@ -932,8 +887,8 @@ class Pipeline:
         reading the model's parameters directly between steps; the state dict, checkpoints, evaluation,
         :meth:`close`, and a forward or ``state_dict()`` of the user's model itself (hooks on its root module)
         wait on their own. A no-op elsewhere."""
-        for s in getattr(self, "_shards", ()):
-            s.settle()
+        if self.sync is not None:
+            self.sync.settle()
 
     def close(self) -> None:
         """Flush the measurements and leave the process group (if this pipeline made it); the parameters'

@@ -1,6 +1,7 @@
 """Moving tensors between ranks: the communicators and the data-parallel sync of gradients and parameters.
 
-:mod:`.comm` holds the communicators (a mailbox in one process; NCCL between GPUs, gloo where a CPU is
+:mod:`.stage` is the one interface a step uses (:class:`~.stage.StageSync`, one class per implementation a
+collective token names, chosen from the plan by :func:`~.stage.for_stage`); :mod:`.comm` holds the communicators (a mailbox in one process; NCCL between GPUs, gloo where a CPU is
 involved, host staging), their byte statistics and fault injection; :mod:`.shm` reduces through shared
 memory between the ranks of one host and :mod:`.hierarchy` chains reductions host by host; :mod:`.zero`
 (flat buffers, ZeRO-1/2) and :mod:`.zero3` (parameters gathered around a stage's compute) shard a stage

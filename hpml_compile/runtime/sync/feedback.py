@@ -37,7 +37,7 @@ by name (``model.<name>``, ``optim.<name>.<state>``), and DCP writes one copy
 of a key that several ranks hold: alone, that kept one replica's state, and a
 resumed run started with equal replicas (as after an average), not as the
 uninterrupted run goes on. A :class:`Replica` (one per rank of a local SGD
-stage, from :func:`feedback_of`) makes :mod:`.checkpoint` also write every
+stage, from :meth:`.stage.StageSync.state`) makes :mod:`.checkpoint` also write every
 entry of the rank under a per-replica key (``comm.replica.r<replica>of<d>.``
 followed by the entry's own key), always, not only between averages (simpler,
 and the buffers, which are never averaged, differ at an average too); the
@@ -82,7 +82,7 @@ from torch import Tensor, nn
 
 from .compress import PowerSGD, Reducer
 
-__all__ = ["Feedback", "FEEDBACK_PREFIX", "feedback_of", "error_key", "parse_error_key", "Replica", "CommState",
+__all__ = ["Feedback", "FEEDBACK_PREFIX", "error_key", "parse_error_key", "Replica", "CommState",
            "REPLICA_PREFIX", "replica_key", "parse_replica_key", "replica_reads", "merge_replicas"]
 
 FEEDBACK_PREFIX = "comm."  # checkpoint keys of error-feedback state (see the module docstring)
@@ -299,26 +299,3 @@ class Feedback:
 
 
 CommState = Union[Feedback, Replica]  # what Pipeline.feedback() gives a checkpoint, one per reducer that needs it
-
-
-def feedback_of(buckets: Sequence[Any], module: nn.Module, replica: int) -> list[CommState]:
-    """The :class:`Feedback` of a rank's flat gradient buffers whose reducer keeps an error, and its
-    :class:`Replica` where one runs local SGD (its replicas' copies differ between averages).
-
-    Args:
-        buckets: the rank's :class:`.zero.FlatGrads` (others are skipped).
-        module: the rank's module, parameters named as in the original model.
-        replica: the rank's replica of its stage.
-    """
-    names: dict[int, str] = {}
-    for name, p in module.named_parameters():
-        names.setdefault(id(p), name)
-    out: list[CommState] = []
-    for b in buckets:
-        red = getattr(b, "reducer", None)
-        if red is not None and red.keeps_error:
-            out.append(Feedback(red, [names[id(p)] for p in b.params], [p.numel() for p in b.params], replica,
-                                b.grad_flat.device))
-        elif red is not None and red.diverges:
-            out.append(Replica(replica, red.replicas))
-    return out

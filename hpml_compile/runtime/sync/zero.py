@@ -81,7 +81,8 @@ computes the rest. Buckets launch strictly in their fixed order (a ready
 bucket waits for the ones before it), so every replica issues the same
 collectives in the same order whatever its hooks' timing; whatever did not
 launch during the backward (a parameter with no gradient this step) launches
-at ``sync_grads``, which then waits for all of them before the optimizer.
+at the stage's gradient collective (:meth:`.stage.StageSync.reduce`), which
+then waits for all of them before the optimizer.
 Under ZeRO-0 a bucket is a contiguous range of the buffer, all-reduced in
 place (where the plan makes the stage's all-reduce hierarchical, each bucket
 is a chain of a reduce-scatter in the host, an all-reduce between hosts and an
