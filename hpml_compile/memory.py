@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["ZeroStage", "MemoryBreakdown", "dtype_bytes", "compute_bytes", "GiB", "tied_elsewhere", "tied_shared",
+__all__ = ["ZeroStage", "MemoryBreakdown", "process_bytes", "dtype_bytes", "compute_bytes", "GiB", "tied_elsewhere", "tied_shared",
            "autocast_copy_bytes", "bucket_ranges", "FIRST_BUCKET_BYTES", "BUCKET_BYTES"]
 
 GiB = 2**30
@@ -90,6 +90,8 @@ class MemoryBreakdown:
             (recomputed or swapped back in).
         in_flight: microbatches whose activations are kept at the peak.
         host_bytes: bytes moved to host memory (offloaded optimizer state).
+        process: bytes the device's process holds besides the stage's tensors (a CPU rank: the runtime's
+            baseline and the rest of the model, :func:`process_bytes`; 0 on a GPU, or where not measured).
     """
 
     params: int
@@ -99,11 +101,17 @@ class MemoryBreakdown:
     working: int
     in_flight: int
     host_bytes: int = 0
+    process: int = 0
 
     @property
     def static(self) -> int:
-        """Bytes held for the whole step: parameters, gradients, optimizer state."""
-        return self.params + self.grads + self.optimizer
+        """Bytes held for the whole step: parameters, gradients, optimizer state, and the process's own."""
+        return self.params + self.grads + self.optimizer + self.process
+
+    @property
+    def tensors(self) -> int:
+        """Peak bytes of the stage's tensors alone (what the runtime's hooks count): the total less ``process``."""
+        return self.total - self.process
 
     @property
     def activations(self) -> int:
@@ -114,6 +122,30 @@ class MemoryBreakdown:
     def total(self) -> int:
         """Peak bytes on the device."""
         return self.static + self.activations
+
+
+def process_bytes(baseline: int, model_param_bytes: int, stage_param_bytes: int) -> int:
+    """What a CPU rank's process holds besides its stage's tensors, at the peak.
+
+    A CPU device's memory is its process's: the runtime's baseline (the interpreter, torch and the runtime's
+    imports, measured by the profile on this host: :mod:`hpml_compile.profile.process`), plus the rest of the model,
+    since a rank builds the whole model and keeps it (its stage's parameters are counted with the stage). A model
+    whose ``TrainSpec`` names saved weights leaves the other stages' parameters unwritten
+    (:mod:`hpml_compile.runtime.execute.unallocated`), so they hold no resident pages: counted all the same here,
+    which over-counts such a rank by them (the plan does not know which weights a run will load).
+
+    Args:
+        baseline: the measured baseline bytes.
+        model_param_bytes: the whole model's parameter bytes.
+        stage_param_bytes: the stage's own (counted with its tensors).
+
+    Returns:
+        Bytes.
+
+    >>> process_bytes(300 << 20, 40 << 20, 10 << 20) >> 20
+    330
+    """
+    return baseline + max(0, model_param_bytes - stage_param_bytes)
 
 
 def tied_elsewhere(users: Iterable[tuple[str, Sequence[str]]], sizes: Mapping[str, int], members: set[str]) -> int:
