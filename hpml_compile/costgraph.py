@@ -183,15 +183,15 @@ class CostGraph:
         host (its base kind for a variant); None: not measured."""
         return self.coruns.get(kind, self.coruns.get(base_kind(kind)))
 
-    def process_bytes(self, kind: str, stage_param_bytes: Any) -> Any:
-        """Bytes a rank of ``kind`` holds besides its stage's tensors (:func:`hpml_compile.memory.process_bytes`:
-        the measured baseline and the rest of the model every rank builds); 0 where no baseline was measured."""
+    def process_bytes(self, kind: str, stage_param_bytes: Any, replicas: int = 1, zero: int = 0) -> Any:
+        """Bytes a rank of ``kind`` holds besides its stage's tensors (:func:`hpml_compile.memory.process_bytes`: the
+        measured baseline, the model as built, a replicated stage's shared memory, the optimizer's temporaries), of
+        the form of ``stage_param_bytes`` (an int, or an array of candidates'); 0 where no baseline was measured."""
         base = self.processes.get(kind, self.processes.get(base_kind(kind)))
         if base is None:
-            return 0
-        rest = int(self.total("param_bytes")) - stage_param_bytes  # an int, or an array of candidates' bytes
-        return base + rest * (rest > 0) if not isinstance(rest, int) else process_bytes(base, rest + stage_param_bytes,
-                                                                                          stage_param_bytes)
+            return stage_param_bytes * 0
+        return process_bytes(base, int(self.total("param_bytes")), stage_param_bytes, replicas=replicas,
+                             zero=int(zero), largest_param=max(self.param_sizes.values(), default=None))
 
     def host_cores(self, kind: str) -> int | None:
         """Logical CPUs of the host ``kind`` was profiled on (its base kind for a variant); None: not recorded."""

@@ -547,7 +547,9 @@ def _process(plan: Plan, profile: Profile, device: str, params: int) -> int:
     base = (info.get("process") or {}).get("bytes")
     if not dev.is_cpu or not isinstance(base, int):
         return 0
-    return process_bytes(base, sum(n.param_bytes for n in profile.nodes), params)
+    stage = next(st for st in plan.stages if device in st.devices)
+    return process_bytes(base, sum(n.param_bytes for n in profile.nodes), params, replicas=stage.replicas,
+                         zero=int(stage.zero), largest_param=max(profile.parameters.values(), default=None))
 
 
 def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | None = None,

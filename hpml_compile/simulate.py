@@ -361,8 +361,8 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
                                 offload_optimizer=st.offload_optimizer, host_is_device=c.device(x).is_cpu,
                                 share=(st.rows[j], batch) if st.rows else None,
                                 compute_bytes=compute_bytes(plan.precision.value),
-                                process_bytes=graph.process_bytes(c.device(x).kind, params) if c.device(x).is_cpu
-                                else 0)
+                                process_bytes=graph.process_bytes(c.device(x).kind, params, d, st.zero)
+                                if c.device(x).is_cpu else 0)
             mems.append(replace(mem, grads=mem.grads + shared) if shared else mem)  # the tied gradients' buffer
             if not st.rows and all(c.device(y).is_cpu == c.device(x).is_cpu for y in st.devices):
                 mems = [mems[0]] * len(st.devices)  # equal replicas hold equal bytes

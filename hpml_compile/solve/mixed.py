@@ -141,7 +141,8 @@ def stage_rows(graph: CostGraph, cluster: Cluster, blocks: Sequence[str], device
                           _cap(dev, sizes, rows=total, batch=batch, replicas=len(devices), zero=ZeroStage(zero),
                                recompute=recompute, microbatches=microbatches, flight=flight, dtype=dtype,
                                offload=offload,
-                               process=graph.process_bytes(dev.kind, sizes[0]) if dev.is_cpu else 0))
+                               process=graph.process_bytes(dev.kind, sizes[0], len(devices), zero)
+                               if dev.is_cpu else 0))
         one_fixed, one_row, cap = alike[key]
         fixed.append(one_fixed)
         per_row.append(one_row)

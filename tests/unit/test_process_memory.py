@@ -37,13 +37,24 @@ def test_each_cpu_device_counts_the_baseline_and_the_rest_of_the_model() -> None
     with_base = with_process(prof, {"bytes": base, "source": "a test"})
     total = sum(n.param_bytes for n in prof.nodes)
     plain, counted = simulate(plan, build(prof)), simulate(plan, build(with_base))
-    for k, st in enumerate(plan.stages):
+    largest = max(prof.parameters.values())
+    for st in plan.stages:
         own = sum(n.param_bytes for n in prof.nodes if n.name in st.nodes)
         dev = st.devices[0]
-        assert counted.peak[dev] - plain.peak[dev] == base + total - own == process_bytes(base, total, own)
+        # the baseline, the rest of the model as built, AdamW's two temporaries of the largest parameter it steps
+        want = base + total - own + 2 * min(own, largest)
+        assert counted.peak[dev] - plain.peak[dev] == want == process_bytes(base, total, own, largest_param=largest)
         # the part-by-part breakdown (benchmarks/memory_truth) counts it alike, and apart from the tensors
         parts = stage_breakdown(plan, with_base, st, dev)
-        assert parts.process == base + total - own and parts.tensors == stage_breakdown(plan, prof, st, dev).total
+        assert parts.process == want and parts.tensors == stage_breakdown(plan, prof, st, dev).total
+
+
+def test_a_replicated_zero_stage_counts_the_whole_model_built_its_shared_memory_and_its_shards_step() -> None:
+    p, base = 40 * MiB, 300 * MiB
+    got = process_bytes(base, p, p, replicas=2, zero=1, largest_param=p)
+    assert got == base + p + 2 * p + 2 * (p // 2)  # the model as built, two shm slots, AdamW over the shard
+    big = 200 * MiB  # a gradient above one slot goes through the slots in pieces
+    assert process_bytes(base, big, big, replicas=2, zero=0, largest_param=MiB) == base + 2 * 64 * MiB + 2 * MiB
 
 
 def test_the_host_cache_gives_the_figures_back_without_starting_a_process(tmp_path: Path,
