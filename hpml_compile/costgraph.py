@@ -108,6 +108,9 @@ class CostGraph:
             shard's) over its step over the parameters one by one (``optimizer_ms``); 1 where not measured.
         processes: per measured CPU kind, the bytes a rank's process holds before its model (the profile's
             ``devices[kind]["process"]``, :mod:`hpml_compile.profile.process`; empty: not measured).
+        bookkeeping: per measured CPU kind, the milliseconds a rank's ``Pipeline.step`` spends beyond the
+            executor's span (the batch check, host sampling, memory counting, events), measured with the
+            baseline; the simulator adds it to the step (empty: not measured).
         tensor_parallel: the units a tensor-parallel stage shards (:func:`hpml_compile.tp.analyze`); each
             node's ``shard`` attribute sums what of its members a degree divides.
     """
@@ -125,6 +128,7 @@ class CostGraph:
     flat_steps: Mapping[str, float] = field(default_factory=dict)
     tensor_parallel: TensorParallel = field(default_factory=TensorParallel)
     processes: Mapping[str, int] = field(default_factory=dict)
+    bookkeeping: Mapping[str, float] = field(default_factory=dict)
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -168,7 +172,7 @@ class CostGraph:
         q.add_edges_from(self.graph.edges(data=True))
         return CostGraph(q, self.order, self.kinds, self.model, self.batch_size, self.optimizer_ms,
                          self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
-                         self.tensor_parallel, self.processes)
+                         self.tensor_parallel, self.processes, self.bookkeeping)
 
     def tp_degrees(self) -> tuple[int, ...]:
         """The tensor-parallel degrees above 1 at which some node of the graph shards (empty: none)."""
@@ -192,6 +196,10 @@ class CostGraph:
             return stage_param_bytes * 0
         return process_bytes(base, int(self.total("param_bytes")), stage_param_bytes, replicas=replicas,
                              zero=int(zero), largest_param=max(self.param_sizes.values(), default=None))
+
+    def bookkeeping_ms(self, kind: str) -> float:
+        """Milliseconds of the runtime's per-step bookkeeping on a rank of ``kind`` (0.0: not measured)."""
+        return self.bookkeeping.get(kind, self.bookkeeping.get(base_kind(kind), 0.0))
 
     def host_cores(self, kind: str) -> int | None:
         """Logical CPUs of the host ``kind`` was profiled on (its base kind for a variant); None: not recorded."""
@@ -292,7 +300,7 @@ class CostGraph:
             e["bytes"] = sum(e["producers"].values())
         return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size, self.optimizer_ms,
                          self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
-                         self.tensor_parallel, self.processes)
+                         self.tensor_parallel, self.processes, self.bookkeeping)
 
     def cut_bytes(self, before: Iterable[str]) -> int:
         """Bytes crossing from the node set ``before`` to the rest; a tensor read by
@@ -443,6 +451,8 @@ def build(profile: Profile) -> CostGraph:
                   if d.get("optimizer_flat_ms") and profile.optimizer_ms.get(k)}
     processes = {k: int(d["process"]["bytes"]) for k, d in profile.devices.items()
                  if isinstance(d.get("process"), dict) and isinstance(d["process"].get("bytes"), int)}
+    bookkeeping = {k: float(d["process"]["step_ms"]) for k, d in profile.devices.items()
+                   if isinstance(d.get("process"), dict) and isinstance(d["process"].get("step_ms"), (int, float))}
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
                      dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns, flat_steps, tp,
-                     processes)
+                     processes, bookkeeping)

@@ -699,7 +699,10 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
             synced[i] = start + ms
     # the ranks agree that the step succeeded (the loss all-reduce) before any of them changes its weights
     agree = loss_agreement_ms(plan.cluster, [d for st in plan.stages for d in st.devices])
-    step_no_opt = max(synced, default=0.0) + agree
+    # every rank's Pipeline.step does the runtime's bookkeeping around the executor (measured with the profile)
+    keep = max((graph.bookkeeping_ms(plan.cluster.device(d).kind) for st in plan.stages for d in st.devices),
+               default=0.0)
+    step_no_opt = max(synced, default=0.0) + agree + keep
     begin = step_no_opt
     load = share.load([[(begin, begin + cst.optimizer_ms)] for cst in costs]) if share.active else {}
     optim = [cst.optimizer_ms * (share.factor(i, begin, begin + cst.optimizer_ms, load) if share.active else 1.0)

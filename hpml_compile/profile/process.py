@@ -46,25 +46,40 @@ __all__ = ["runtime_baseline", "this_host", "with_process", "host_key", "cache_p
 # What a rank imports before it builds its model (runtime.job.worker, the tracer, TensorBoard's writer), then one
 # gloo group of one rank and an all-reduce: the runtime up, no model.
 BASELINE_CODE = """
-import os, sys, tempfile
+import os, statistics, sys, tempfile
 import torch
 torch.set_num_threads(1)
 import torch._dynamo
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
-import hpml_compile.trace, hpml_compile.codegen
-from hpml_compile.runtime.job import worker
 from hpml_compile.hostmem import keep_freed_memory
 keep_freed_memory()
-path = os.path.join(tempfile.mkdtemp(prefix="hpml-baseline-"), "rendezvous")
-dist.init_process_group("gloo", init_method="file://" + path, rank=0, world_size=1)
-t = torch.zeros(1)
-dist.all_reduce(t)
+from hpml_compile.cluster import load_cluster
+from hpml_compile.codegen import generate
+from hpml_compile.plan import Plan, Schedule, Stage
+from hpml_compile.runtime import Pipeline
+from hpml_compile.trace import trace
+from hpml_compile.runtime.job import worker
+tmp = tempfile.mkdtemp(prefix="hpml-baseline-")
+dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "rendezvous"), rank=0, world_size=1)
+model, x, y = torch.nn.Linear(4, 2), torch.randn(2, 4), torch.randn(2, 2)
+gm = trace(model, (x,))
+body = tuple(n.name for n in gm.graph.nodes)
+plan = Plan("baseline", load_cluster("local-cpu-1"), Schedule.GPIPE, 1, (Stage(0, ("cpu0",), body),))
+generate(gm, plan, os.path.join(tmp, "build"))
+pipe = Pipeline.from_build(os.path.join(tmp, "build"), model, run_dir=os.path.join(tmp, "run"),
+                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+for _ in range(STEPS):
+    pipe.step((x,), y, torch.nn.functional.mse_loss)
+rows = pipe.metrics[3:]
+extra = statistics.median(m.wall_ms - m.step_ms for m in rows)
+pipe.close()
 dist.destroy_process_group()
 for line in open("/proc/self/status"):
     if line.startswith("VmHWM:"):
-        print(int(line.split()[1]) * 1024)
-"""
+        print(int(line.split()[1]) * 1024, round(extra, 4))
+""".replace("STEPS", "40")
+
 
 
 def host_key(facts: Mapping[str, Any]) -> str:
@@ -136,12 +151,14 @@ def runtime_baseline(*, timeout_s: float = 120.0) -> dict[str, Any]:
         raise HpmlError(f"measuring a CPU rank's baseline memory took over {timeout_s:.0f} s: the memory model "
                         "leaves it out") from e
     lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines or not lines[-1].isdigit():
+    last = lines[-1].split() if lines else []
+    if done.returncode != 0 or len(last) != 2 or not last[0].isdigit():
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
         raise HpmlError(f"measuring a CPU rank's baseline memory failed ({tail}): the memory model leaves it out")
     day = datetime.date.today().isoformat()
-    return {"bytes": int(lines[-1]), "source": f"measured {day}: peak RSS of a fresh interpreter with torch and the "
-                                                "runtime up (one gloo rank), no model"}
+    return {"bytes": int(last[0]), "step_ms": float(last[1]),
+            "source": f"measured {day}: peak RSS of a fresh interpreter with torch and the runtime up (one gloo "
+                      "rank, a 10-parameter model), and its Pipeline.step's wall clock beyond the executor's span"}
 
 
 def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refresh: bool = False
@@ -181,15 +198,17 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
     hit = None if refresh else cached(key, "runtime_baseline")
     try:
         if hit is not None and isinstance(hit.get("bytes"), int):
-            out["process"] = {"bytes": hit["bytes"], "source": f"{hit.get('source', 'measured')}; cached in {where}"}
+            out["process"] = {**hit, "source": f"{hit.get('source', 'measured')}; cached in {where}"}
         elif measure:
             out["process"] = runtime_baseline()
             remember(key, "runtime_baseline", out["process"])
     except HpmlError as e:
         log(f"  {e}")
     if "process" in out:
-        log(f"  a CPU rank holds {out['process']['bytes'] / 2**20:.0f} MiB before its model "
-            f"({out['process']['source']})")
+        extra = out["process"].get("step_ms")
+        log(f"  a CPU rank holds {out['process']['bytes'] / 2**20:.0f} MiB before its model"
+            + (f" and spends {extra:.2f} ms a step on the runtime's bookkeeping" if extra is not None else "")
+            + f" ({out['process']['source']})")
     return out
 
 
@@ -198,5 +217,7 @@ def with_process(prof: Profile, process: Mapping[str, Any]) -> Profile:
     model (``devices["cpu"]["process"]``), which the memory model adds to each CPU device
     (:meth:`hpml_compile.costgraph.CostGraph.process_bytes`)."""
     devices = {k: dict(v) for k, v in prof.devices.items()}
-    devices.setdefault("cpu", {})["process"] = {"bytes": int(process["bytes"]), "source": str(process.get("source", ""))}
+    devices.setdefault("cpu", {})["process"] = {
+        "bytes": int(process["bytes"]), "source": str(process.get("source", "")),
+        **({"step_ms": float(process["step_ms"])} if isinstance(process.get("step_ms"), (int, float)) else {})}
     return replace(prof, devices=devices)
