@@ -20,7 +20,10 @@ figures, recorded as ``links`` of the cluster it returns (what
   reduce-scatter and the all-gather, which is how the runtime runs them
   between CPU ranks of one host: those rows (``SHM_ROWS``) give each its own
   fit, which prices it; gloo's all-reduce rows stay in the link's fit beside
-  send/recv.
+  send/recv. ZeRO-3's parameter all-gather, which the runtime runs through
+  gloo just after a rank computed, is timed that way too (``PARAM_GATHER``:
+  each after a burst of compute on both ranks, from the later rank's start),
+  and prices ZeRO-3's gathers (:func:`hpml_compile.stagecost.param_gather_link`).
 - **GPU pairs (NCCL)**: the same two ranks, each on its own GPU, in a
   two-rank NCCL group, time the same operations (CUDA synchronised around
   each). Where there are fewer than two GPUs there is nothing to time.
@@ -65,7 +68,7 @@ from ..ir import Cluster, Device, Link, collectives_dict
 from ..runtime.sync.shm import HostReduce
 from ..runtime.job.spawn import spawn_ranks
 
-__all__ = ["SIZES", "SHM_ALLREDUCE", "SHM_ROWS", "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link",
+__all__ = ["SIZES", "SHM_ALLREDUCE", "SHM_ROWS", "PARAM_GATHER", "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link",
            "probe_ranks", "probe_copies"]
 
 SIZES = (4 << 10, 256 << 10, 4 << 20, 32 << 20)  # bytes: latency-bound to bandwidth-bound
