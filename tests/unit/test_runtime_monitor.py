@@ -163,7 +163,9 @@ def test_report_names_a_device_whose_peak_exceeds_its_capacity(tmp_path: Path) -
     s = analyse(run)
     assert s.held == {"cpu0": 50 * 2**20, "cpu1": 70 * 2**20} and s.shortfalls == {"cpu1": 6 * 2**20}
     text = format_summary(s)
-    assert "cpu0 50.0 MiB of 64.0 MiB (predicted 60.0 MiB), cpu1 70.0 MiB of 64.0 MiB (predicted 60.0 MiB)" in text
+    # a CPU device's process beside its tensors (the rows' peak RSS: 1 MiB), against the prediction
+    assert ("cpu0 50.0 MiB in tensors, its process 1.0 MiB (peak RSS) of 64.0 MiB (predicted 60.0 MiB), "
+            "cpu1 70.0 MiB in tensors, its process 1.0 MiB (peak RSS) of 64.0 MiB (predicted 60.0 MiB)") in text
     assert ("over memory: cpu1 (cpu) held 70.0 MiB at its peak, above its capacity of 64.0 MiB: short by 6.0 MiB"
             in text) and "over memory: cpu0" not in text
 

@@ -494,10 +494,16 @@ def format_memory(s: RunSummary) -> list[str]:
     if not s.held:
         return []
     where = {d: st for st in s.plan.stages for d in st.devices}
+    rss = {st.stage: st.peak_memory_bytes for st in s.stages if st.memory_kind == "rss"}
     parts = []
     for d, b in s.held.items():
         pred = where[d].predicted.memory_bytes if d in where else 0
-        parts.append(f"{d} {human_bytes(b)} of {human_bytes(s.plan.cluster.device(d).memory_bytes)}"
+        # a CPU device's memory is its process's: the prediction counts it (memory.process_bytes), so the
+        # process's peak resident set is what it is compared with; the tensors are shown beside it
+        proc = rss.get(where[d].index) if d in where and s.plan.cluster.device(d).is_cpu else None
+        parts.append(f"{d} {human_bytes(b)}" + (f" in tensors, its process {human_bytes(proc)} (peak RSS)"
+                                                 if proc else "")
+                     + f" of {human_bytes(s.plan.cluster.device(d).memory_bytes)}"
                      + (f" (predicted {human_bytes(pred)})" if pred else ""))
     lines = ["  memory held at the peak (tensors, by storage): " + ", ".join(parts)]
     for d, over in s.shortfalls.items():
