@@ -13,7 +13,9 @@ Starting an interpreter that imports torch costs seconds, so the figure is
 kept in a small JSON cache per host (``$XDG_CACHE_HOME/hpml-compile/host.json``,
 else ``~/.cache/...``; ``HPML_HOST_CACHE`` names another file, ``none`` turns
 it off), keyed by the CPU model, the Python and torch versions and this
-package's version: the profile says where its figure came from. Why a file of
+package's version: the profile says where its figure came from. Figures
+measured while the host is busy (a load average above its CPU count) price the
+plan at hand but are not cached. Why a file of
 our own and not a library's cache: nothing else records these facts.
 
 Example:
@@ -185,6 +187,11 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
     key = host_key(host_facts())
     where = cache_path()
     out: dict[str, Any] = {}
+    load, cpus = _load()
+    keep = load <= cpus  # figures timed while other programs keep the cores busy price this plan, never later ones
+    if not keep and measure:
+        log(f"  this host is busy (load average {load:.1f} on {cpus} CPUs): what is measured now prices this plan "
+            "only and is not cached")
     link = None if refresh else cached(key, "link")
     if link is not None and isinstance(link.get("gbps"), (int, float)):
         out["link"] = link
@@ -193,7 +200,8 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
     elif measure:
         link = measure_local_link(log=log)
         link = {**link, "source": f"{link['source']}; {datetime.date.today().isoformat()}"}
-        remember(key, "link", link)
+        if keep:
+            remember(key, "link", link)
         out["link"] = link
     hit = None if refresh else cached(key, "runtime_baseline")
     try:
@@ -201,7 +209,8 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
             out["process"] = {**hit, "source": f"{hit.get('source', 'measured')}; cached in {where}"}
         elif measure:
             out["process"] = runtime_baseline()
-            remember(key, "runtime_baseline", out["process"])
+            if keep:
+                remember(key, "runtime_baseline", out["process"])
     except HpmlError as e:
         log(f"  {e}")
     if "process" in out:
@@ -210,6 +219,15 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
             + (f" and spends {extra:.2f} ms a step on the runtime's bookkeeping" if extra is not None else "")
             + f" ({out['process']['source']})")
     return out
+
+
+def _load() -> tuple[float, int]:
+    """``(one-minute load average, logical CPUs)`` of this host (load 0.0 where the platform has none)."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        load = 0.0
+    return load, os.cpu_count() or 1
 
 
 def with_process(prof: Profile, process: Mapping[str, Any]) -> Profile:
