@@ -84,7 +84,7 @@ SHM_ROWS = {"all_reduce": SHM_ALLREDUCE, "reduce_scatter": "reduce_scatter_shm",
 # after the ranks computed (a microbatch's forward or backward follows it). Timed so, not in a loop of gathers: on a
 # 2-core VM a 1.7 MiB gather took 0.4-0.5 ms in a loop and 2-4 ms in the step or after a burst of compute.
 PARAM_GATHER = "param_gather"
-BURST_MATMULS = 40  # 256 x 256 matrix products: 1-3 ms on one thread
+BURST_MATMULS = 8  # 256 x 256 matrix products: about 5 ms on one thread (34 MFLOP each)
 
 
 @dataclass(frozen=True)
