@@ -164,7 +164,10 @@ class LinkSpec:
 # all-reduce, which a probe times directly (a gloo link's joint fit of send/recv and all-reduce chose
 # between "shared" and not on a few noisy timings, and priced mlp's 30 MiB gradient all-reduce at 9 ms
 # once where the same probe's all-reduces, and the step's, took 23-27 ms: benchmarks/prediction).
-COLLECTIVE_OPS = ("reduce_scatter", "all_gather", "all_reduce")
+# "param_gather": ZeRO-3's all-gather of a stage's parameters as it runs in a step (before a microbatch's forward
+# and backward, after compute), which a probe times apart from the all-gather in a loop where the two differ
+# (gloo between CPU processes: hpml_compile.profile.links); absent, the all-gather's fit prices it.
+COLLECTIVE_OPS = ("reduce_scatter", "all_gather", "all_reduce", "param_gather")
 
 
 # What one op of an eager PyTorch program costs on a GPU when its kernel is small: the host's work to issue

@@ -49,6 +49,7 @@ from .ir import Cluster, Precision
 from .driver import SolverName
 from .errors import ModelError
 from .plan import Schedule
+from .profile.process import this_host
 from .schedule import stage_ranks
 from .trainspec import TrainSpec, batch_input_names, first_batch
 from .runtime.execute.weights import load_stage_weights
@@ -148,11 +149,13 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
     gm = None
     if rank == 0:
         folder = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="hpml-build-"))
-        try:
+        try:  # this host's link and a rank's baseline memory where compile/profile/demo measured them (cached):
+            host = this_host(log=log or (lambda _line: None), measure=False)  # no processes started in a job
             build, gm = driver.compile(model, inputs, folder, cluster=c, name=name, say=log,
                                        opts=opts,
                                        prof_opts=driver.ProfileOptions(repeats=profile_repeats,
-                                                                       input_names=names))
+                                                                       input_names=names, link=host.get("link"),
+                                                                       process=host.get("process")))
         except BaseException:
             if session is not None:  # the others wait in the broadcast below: let them fail too
                 session.close()

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from .ir import CostGraphNode, NodeOp, Profile, base_kind
+from .memory import process_bytes
 from .tp import TP_DEGREES, ShardPart, TensorParallel, analyze as analyze_tp
 
 if TYPE_CHECKING:  # networkx is imported where a graph is made: a rank that only reads its plan never makes one
@@ -105,6 +106,11 @@ class CostGraph:
             empty: not measured): the simulator stretches CPU ranks' compute by it while they overlap.
         flat_steps: per measured kind, its optimizer step over the parameters' bytes as one flat tensor (a ZeRO
             shard's) over its step over the parameters one by one (``optimizer_ms``); 1 where not measured.
+        processes: per measured CPU kind, the bytes a rank's process holds before its model (the profile's
+            ``devices[kind]["process"]``, :mod:`hpml_compile.profile.process`; empty: not measured).
+        bookkeeping: per measured CPU kind, the milliseconds a rank's ``Pipeline.step`` spends beyond the
+            executor's span (the batch check, host sampling, memory counting, events), measured with the
+            baseline; the simulator adds it to the step (empty: not measured).
         tensor_parallel: the units a tensor-parallel stage shards (:func:`hpml_compile.tp.analyze`); each
             node's ``shard`` attribute sums what of its members a degree divides.
     """
@@ -121,6 +127,8 @@ class CostGraph:
     coruns: Mapping[str, tuple[float, float, int]] = field(default_factory=dict)
     flat_steps: Mapping[str, float] = field(default_factory=dict)
     tensor_parallel: TensorParallel = field(default_factory=TensorParallel)
+    processes: Mapping[str, int] = field(default_factory=dict)
+    bookkeeping: Mapping[str, float] = field(default_factory=dict)
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -164,7 +172,7 @@ class CostGraph:
         q.add_edges_from(self.graph.edges(data=True))
         return CostGraph(q, self.order, self.kinds, self.model, self.batch_size, self.optimizer_ms,
                          self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
-                         self.tensor_parallel)
+                         self.tensor_parallel, self.processes, self.bookkeeping)
 
     def tp_degrees(self) -> tuple[int, ...]:
         """The tensor-parallel degrees above 1 at which some node of the graph shards (empty: none)."""
@@ -178,6 +186,20 @@ class CostGraph:
         """``(forward, backward, ranks)`` slow-down of ``kind``'s compute with ``ranks`` processes computing on its
         host (its base kind for a variant); None: not measured."""
         return self.coruns.get(kind, self.coruns.get(base_kind(kind)))
+
+    def process_bytes(self, kind: str, stage_param_bytes: Any, replicas: int = 1, zero: int = 0) -> Any:
+        """Bytes a rank of ``kind`` holds besides its stage's tensors (:func:`hpml_compile.memory.process_bytes`: the
+        measured baseline, the model as built, a replicated stage's shared memory, the optimizer's temporaries), of
+        the form of ``stage_param_bytes`` (an int, or an array of candidates'); 0 where no baseline was measured."""
+        base = self.processes.get(kind, self.processes.get(base_kind(kind)))
+        if base is None:
+            return stage_param_bytes * 0
+        return process_bytes(base, int(self.total("param_bytes")), stage_param_bytes, replicas=replicas,
+                             zero=int(zero), largest_param=max(self.param_sizes.values(), default=None))
+
+    def bookkeeping_ms(self, kind: str) -> float:
+        """Milliseconds of the runtime's per-step bookkeeping on a rank of ``kind`` (0.0: not measured)."""
+        return self.bookkeeping.get(kind, self.bookkeeping.get(base_kind(kind), 0.0))
 
     def host_cores(self, kind: str) -> int | None:
         """Logical CPUs of the host ``kind`` was profiled on (its base kind for a variant); None: not recorded."""
@@ -278,7 +300,7 @@ class CostGraph:
             e["bytes"] = sum(e["producers"].values())
         return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size, self.optimizer_ms,
                          self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
-                         self.tensor_parallel)
+                         self.tensor_parallel, self.processes, self.bookkeeping)
 
     def cut_bytes(self, before: Iterable[str]) -> int:
         """Bytes crossing from the node set ``before`` to the rest; a tensor read by
@@ -427,5 +449,10 @@ def build(profile: Profile) -> CostGraph:
               if isinstance(c := d.get("corun"), dict) and {"fwd", "bwd", "ranks"} <= set(c) and int(c["ranks"]) > 1}
     flat_steps = {k: float(d["optimizer_flat_ms"]) / profile.optimizer_ms[k] for k, d in profile.devices.items()
                   if d.get("optimizer_flat_ms") and profile.optimizer_ms.get(k)}
+    processes = {k: int(d["process"]["bytes"]) for k, d in profile.devices.items()
+                 if isinstance(d.get("process"), dict) and isinstance(d["process"].get("bytes"), int)}
+    bookkeeping = {k: float(d["process"]["step_ms"]) for k, d in profile.devices.items()
+                   if isinstance(d.get("process"), dict) and isinstance(d["process"].get("step_ms"), (int, float))}
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
-                     dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns, flat_steps, tp)
+                     dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns, flat_steps, tp,
+                     processes, bookkeeping)

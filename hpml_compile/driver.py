@@ -57,6 +57,7 @@ from .compression import check_sync, parse_compress
 from .memory import compute_bytes
 from .plan import Plan, Schedule, ZeroStage, save_plan, validate_plan, with_comm
 from .profile import predict_kinds, profile, save_profile
+from .profile.process import with_process
 from .recipe import ModelRecipe, read_recipe
 from .replan import ReplanResult, carried_comm, move_rows as move_plan_rows, replan_graph, without_devices
 from .schema import write_json_atomic
@@ -166,6 +167,9 @@ class ProfileOptions:
         link: the link between two CPU processes of this host, measured by the caller
             (:func:`hpml_compile.profile.links.measure_local_link`; the driver never starts processes), recorded
             in the profile (:func:`with_link`); None: not measured.
+        process: what a CPU rank of this host holds before its model, measured by the caller
+            (:func:`hpml_compile.profile.process.this_host`), recorded in the profile for the memory model
+            (:func:`hpml_compile.profile.process.with_process`); None: not measured (not counted).
         corun: also time the blocks while other processes run them on the other cores
             (:func:`hpml_compile.profile.timing.time_corun`: CPU ranks of one host share its caches and memory
             bandwidth); None: where the cluster puts two or more CPU ranks on this host.
@@ -180,6 +184,7 @@ class ProfileOptions:
     input_names: Sequence[str] = ()
     link: Mapping[str, Any] | None = None
     corun: bool | None = None
+    process: Mapping[str, Any] | None = None
 
 
 def with_link(prof: Profile, link: Mapping[str, Any]) -> Profile:
@@ -545,6 +550,8 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Pat
                            precision=prec, corun=_corun(prof_opts, c))
         if prof_opts.link:                                                          # 2b. measured by the caller
             measured = with_link(measured, prof_opts.link)
+        if prof_opts.process:
+            measured = with_process(measured, prof_opts.process)
     else:
         tell(f"[2/4] planning from the given profile of {measured.model} (batch {measured.batch_size}, "
              f"{measured.precision.value})")

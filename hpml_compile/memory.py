@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["ZeroStage", "MemoryBreakdown", "dtype_bytes", "compute_bytes", "GiB", "tied_elsewhere", "tied_shared",
+__all__ = ["ZeroStage", "MemoryBreakdown", "process_bytes", "SHM_SLOT_BYTES", "dtype_bytes", "compute_bytes", "GiB", "tied_elsewhere", "tied_shared",
            "autocast_copy_bytes", "bucket_ranges", "FIRST_BUCKET_BYTES", "BUCKET_BYTES"]
 
 GiB = 2**30
@@ -90,6 +90,8 @@ class MemoryBreakdown:
             (recomputed or swapped back in).
         in_flight: microbatches whose activations are kept at the peak.
         host_bytes: bytes moved to host memory (offloaded optimizer state).
+        process: bytes the device's process holds besides the stage's tensors (a CPU rank: the runtime's
+            baseline and the rest of the model, :func:`process_bytes`; 0 on a GPU, or where not measured).
     """
 
     params: int
@@ -99,11 +101,17 @@ class MemoryBreakdown:
     working: int
     in_flight: int
     host_bytes: int = 0
+    process: int = 0
 
     @property
     def static(self) -> int:
-        """Bytes held for the whole step: parameters, gradients, optimizer state."""
-        return self.params + self.grads + self.optimizer
+        """Bytes held for the whole step: parameters, gradients, optimizer state, and the process's own."""
+        return self.params + self.grads + self.optimizer + self.process
+
+    @property
+    def tensors(self) -> int:
+        """Peak bytes of the stage's tensors alone (what the runtime's hooks count): the total less ``process``."""
+        return self.total - self.process
 
     @property
     def activations(self) -> int:
@@ -114,6 +122,60 @@ class MemoryBreakdown:
     def total(self) -> int:
         """Peak bytes on the device."""
         return self.static + self.activations
+
+
+# Each rank's slot of the shared memory a CPU stage's gradient collective goes through on one host
+# (hpml_compile.runtime.sync.shm.SLOT_BYTES: a larger gradient goes in pieces); every member maps every slot.
+SHM_SLOT_BYTES = 64 << 20
+
+
+def process_bytes(baseline: Any, model_param_bytes: Any, stage_param_bytes: Any, *, replicas: int = 1,
+                  zero: int = 0, largest_param: Any = None) -> Any:
+    """What a CPU rank's process holds besides its stage's tensors, at the peak (ints, or numpy arrays alike).
+
+    A CPU device's memory is its process's, as its peak resident set counts it (measured against it by
+    benchmarks/memory_truth, each rank in a fresh process):
+
+    - the runtime's baseline: the interpreter, torch and the runtime's imports, measured by the profile on this
+      host (:mod:`hpml_compile.profile.process`);
+    - the model as built: a rank builds the whole model and keeps it. Its stage's parameters are counted with the
+      stage where they stay in place (ZeRO-0, one replica); a replicated stage under ZeRO-1/2/3 copies them into
+      its flat buffer, and the built ones go back to the allocator, which keeps them (:mod:`hpml_compile.hostmem`),
+      so the whole model counts. A model whose ``TrainSpec`` names saved weights leaves the other stages'
+      parameters unwritten (:mod:`hpml_compile.runtime.execute.unallocated`): counted all the same, which
+      over-counts such a rank by them (the plan does not know which weights a run loads);
+    - a replicated stage's shared memory: its gradient collectives go through one slot per member of at most
+      :data:`SHM_SLOT_BYTES` each, every member mapping every slot (:mod:`hpml_compile.runtime.sync.shm`);
+    - the optimizer's temporaries: AdamW's step allocates about two tensors the size of the one it steps (the
+      square root of its second moment and the quotient): the flat shard (``P / d``) under ZeRO-1 and up, else
+      the stage's largest parameter (``largest_param``, at most the stage's bytes; None: the stage's).
+
+    Args:
+        baseline: the measured baseline bytes.
+        model_param_bytes: the whole model's parameter bytes.
+        stage_param_bytes: the stage's own (counted with its tensors).
+        replicas: the stage's data-parallel degree.
+        zero: its ZeRO stage.
+        largest_param: the largest parameter's bytes.
+
+    Returns:
+        Bytes, of the form of ``stage_param_bytes``.
+
+    >>> process_bytes(300 << 20, 40 << 20, 10 << 20, largest_param=4 << 20) >> 20  # 300 + 30 + 2 x 4
+    338
+    >>> process_bytes(300 << 20, 40 << 20, 10 << 20, replicas=2, zero=1) >> 20  # 300 + 40 + 2 x 10 + 2 x 5
+    370
+    """
+    def smaller(a: Any, b: Any) -> Any:
+        return a * (a <= b) + b * (a > b)
+
+    flat = replicas > 1 and zero >= 1
+    rest = model_param_bytes - stage_param_bytes
+    built = model_param_bytes + stage_param_bytes * 0 if flat else rest * (rest > 0)
+    shm = replicas * smaller(stage_param_bytes, SHM_SLOT_BYTES) if replicas > 1 else stage_param_bytes * 0
+    stepped = stage_param_bytes // replicas if flat else (
+        stage_param_bytes if largest_param is None else smaller(stage_param_bytes, largest_param))
+    return baseline + built + shm + 2 * stepped
 
 
 def tied_elsewhere(users: Iterable[tuple[str, Sequence[str]]], sizes: Mapping[str, int], members: set[str]) -> int:

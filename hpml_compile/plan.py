@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from .errors import OptionError, PlanError, SchemaError
-from .ir import Assumption, Certificate, Cluster, Precision, Profile, Schedule
+from .ir import Assumption, Certificate, Cluster, Precision, Profile, Schedule, base_kind
 from .cluster import overlap_efficiency
 from .compression import check_sync, parse_compress
-from .memory import GiB, MemoryBreakdown, ZeroStage, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
+from .memory import (GiB, MemoryBreakdown, ZeroStage, compute_bytes, dtype_bytes, process_bytes, tied_elsewhere,
+                     tied_shared)
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
 from .stagecost import device_memory, in_flight, tp_bytes
 from .tp import TensorParallel, analyze as analyze_tp
@@ -538,6 +539,19 @@ def stage_memory(plan: Plan, profile: Profile, stage: Stage, device: str | None 
     return stage_breakdown(plan, profile, stage, device, tensor_parallel).total
 
 
+def _process(plan: Plan, profile: Profile, device: str, params: int) -> int:
+    """What ``device``'s process holds besides its stage's tensors (:func:`hpml_compile.memory.process_bytes`), as
+    :meth:`hpml_compile.costgraph.CostGraph.process_bytes` counts it: 0 off a CPU or without a measured baseline."""
+    dev = plan.cluster.device(device)
+    info = profile.devices.get(dev.kind) or profile.devices.get(base_kind(dev.kind)) or {}
+    base = (info.get("process") or {}).get("bytes")
+    if not dev.is_cpu or not isinstance(base, int):
+        return 0
+    stage = next(st for st in plan.stages if device in st.devices)
+    return process_bytes(base, sum(n.param_bytes for n in profile.nodes), params, replicas=stage.replicas,
+                         zero=int(stage.zero), largest_param=max(profile.parameters.values(), default=None))
+
+
 def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | None = None,
                     tensor_parallel: TensorParallel | None = None) -> MemoryBreakdown:
     """:func:`stage_memory` by part (parameters, gradients, optimizer state, activations): what
@@ -555,9 +569,10 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | No
         if stage.tp > 1 and tensor_parallel is not None else []
     if stage.tp > 1 and tensor_parallel is None:
         sharded = [n for n in nodes if analyze_tp(profile).role(n.name, stage.tp) is not None]
+    params = tp_bytes(sum(n.param_bytes for n in nodes), sum(n.param_bytes for n in sharded), stage.tp) \
+        + tied_elsewhere(((n.name, n.params) for n in profile.nodes), profile.parameters, names)
     mem = device_memory(
-        param_bytes=tp_bytes(sum(n.param_bytes for n in nodes), sum(n.param_bytes for n in sharded), stage.tp)
-        + tied_elsewhere(((n.name, n.params) for n in profile.nodes), profile.parameters, names),
+        param_bytes=params,
         activation_bytes=tp_bytes(sum(n.activation_bytes for n in nodes), sum(n.activation_bytes for n in sharded),
                                   stage.tp),
         input_bytes=_input_bytes(profile, names),
@@ -570,6 +585,7 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | No
         host_is_device=plan.cluster.device(device).is_cpu,
         share=(stage.rows[j], profile.batch_size) if stage.rows else None,
         compute_bytes=compute_bytes(plan.precision.value),  # autocast's weight copies per microbatch in flight
+        process_bytes=_process(plan, profile, device, params),
     )
     # the gradients of parameters tied to another stage are all-reduced through a flat buffer kept across steps
     shared = tied_shared(((n.name, n.params) for n in profile.nodes), profile.parameters, names)

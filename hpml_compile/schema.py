@@ -70,7 +70,8 @@ _FIT = {"type": "object", "required": ["gbps", "latency_us"],
         "properties": {"gbps": {"type": "number", "exclusiveMinimum": 0}, "latency_us": _NUM},
         "additionalProperties": False}
 # a link's own fits for the collectives its backend runs slower than the ring (cost_models LinkSpec.collectives)
-COLLECTIVE_FITS = {"type": "object", "properties": {"reduce_scatter": _FIT, "all_gather": _FIT, "all_reduce": _FIT},
+COLLECTIVE_FITS = {"type": "object", "properties": {"reduce_scatter": _FIT, "all_gather": _FIT, "all_reduce": _FIT,
+                                                    "param_gather": _FIT},
                    "additionalProperties": False}
 _CALIBRATION = {
     "type": "object",
@@ -97,6 +98,9 @@ _DEVICE_INFO = {
         "measured": {"type": "boolean"},
         "device": _STR,
         "stream_gbps": _NUM,
+        # a CPU rank's baseline resident set before the model (profile/process.py)
+        "process": {"type": "object", "required": ["bytes"],
+                    "properties": {"bytes": _INT, "step_ms": _NUM, "source": _STR}, "additionalProperties": False},
         "host_stream_gbps": _NUM,
         "stream_threads": _INT,
         "scaled_to_whole": _FWD_BWD,

@@ -360,7 +360,9 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
                                 recompute=st.recompute, swapped_bytes=swapped,
                                 offload_optimizer=st.offload_optimizer, host_is_device=c.device(x).is_cpu,
                                 share=(st.rows[j], batch) if st.rows else None,
-                                compute_bytes=compute_bytes(plan.precision.value))
+                                compute_bytes=compute_bytes(plan.precision.value),
+                                process_bytes=graph.process_bytes(c.device(x).kind, params, d, st.zero)
+                                if c.device(x).is_cpu else 0)
             mems.append(replace(mem, grads=mem.grads + shared) if shared else mem)  # the tied gradients' buffer
             if not st.rows and all(c.device(y).is_cpu == c.device(x).is_cpu for y in st.devices):
                 mems = [mems[0]] * len(st.devices)  # equal replicas hold equal bytes
@@ -697,7 +699,10 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
             synced[i] = start + ms
     # the ranks agree that the step succeeded (the loss all-reduce) before any of them changes its weights
     agree = loss_agreement_ms(plan.cluster, [d for st in plan.stages for d in st.devices])
-    step_no_opt = max(synced, default=0.0) + agree
+    # every rank's Pipeline.step does the runtime's bookkeeping around the executor (measured with the profile)
+    keep = max((graph.bookkeeping_ms(plan.cluster.device(d).kind) for st in plan.stages for d in st.devices),
+               default=0.0)
+    step_no_opt = max(synced, default=0.0) + agree + keep
     begin = step_no_opt
     load = share.load([[(begin, begin + cst.optimizer_ms)] for cst in costs]) if share.active else {}
     optim = [cst.optimizer_ms * (share.factor(i, begin, begin + cst.optimizer_ms, load) if share.active else 1.0)

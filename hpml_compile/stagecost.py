@@ -111,6 +111,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from typing import Callable, NamedTuple, Sequence, Union
@@ -126,7 +127,7 @@ from .ir import Schedule, base_kind
 from .memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, MemoryBreakdown, ZeroStage, autocast_copy_bytes
 
 __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "overlapped_ms",
-           "hierarchical_overlapped_ms", "prefetched_gather_ms", "stepped_gather_ms", "hierarchical_allreduce_ms",
+           "hierarchical_overlapped_ms", "prefetched_gather_ms", "stepped_gather_ms", "param_gather_link", "hierarchical_allreduce_ms",
            "level_bytes",
            "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
            "optimizer_ms", "steps_flat", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows", "agree_ms",
@@ -170,6 +171,8 @@ class MemoryParts(NamedTuple):
         stored: activation bytes kept per microbatch in flight.
         working: activation bytes of the one microbatch whose backward runs.
         host: bytes moved to host memory (offloaded optimizer state).
+        process: bytes the device's process holds besides the stage's tensors (a CPU rank's, :func:`hpml_compile.
+            memory.process_bytes`).
     """
 
     params: Value
@@ -178,18 +181,19 @@ class MemoryParts(NamedTuple):
     stored: Value
     working: Value
     host: Value
+    process: Value = 0
 
     @property
     def static(self) -> Value:
-        """Bytes held for the whole step: parameters, gradients, optimizer state."""
-        return self.params + self.grads + self.optimizer
+        """Bytes held for the whole step: parameters, gradients, optimizer state, the process's own."""
+        return self.params + self.grads + self.optimizer + self.process
 
 
 def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Value, dtype_bytes: int,
                  replicas: int, zero: ZeroStage | int, microbatches: int, recompute: bool = False,
                  swapped_bytes: Value = 0, offload_optimizer: bool = False,
                  host_is_device: bool = False, share: tuple[int, int] | None = None,
-                 compute_bytes: int = 0, shards: int | None = None) -> MemoryParts:
+                 compute_bytes: int = 0, shards: int | None = None, process_bytes: Value = 0) -> MemoryParts:
     """Per-device memory of a stage (see the module docstring), on ints or int64 arrays alike.
 
     Args:
@@ -213,6 +217,8 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
             hierarchical ZeRO-1, :func:`hpml_compile.plan.zero_shards`: the ranks of one host, ``L``, fewer than
             ``replicas``: it also holds its shard of the parameters and of the summed gradients apart from the
             flat buffers, ``P / L`` each, :mod:`hpml_compile.runtime.sync.zero`).
+        process_bytes: what the device's process holds besides the stage's tensors (a CPU rank:
+            :meth:`hpml_compile.costgraph.CostGraph.process_bytes`; 0 on a GPU).
 
     Returns:
         The parts, each of the form of ``param_bytes`` and ``activation_bytes``.
@@ -246,20 +252,20 @@ def memory_parts(*, param_bytes: Value, activation_bytes: Value, input_bytes: Va
         working = working + copies
     else:
         stored = stored + copies
-    return MemoryParts(params, grads, opt, stored, working, host)
+    return MemoryParts(params, grads, opt, stored, working, host, process_bytes + p * 0)  # of the form of p
 
 
 def device_memory(*, param_bytes: int, activation_bytes: int, input_bytes: int, dtype_bytes: int,
                   replicas: int, zero: ZeroStage | int, microbatches: int, in_flight: int,
                   recompute: bool = False, swapped_bytes: int = 0, offload_optimizer: bool = False,
                   host_is_device: bool = False, share: tuple[int, int] | None = None,
-                  compute_bytes: int = 0, shards: int | None = None) -> MemoryBreakdown:
+                  compute_bytes: int = 0, shards: int | None = None, process_bytes: int = 0) -> MemoryBreakdown:
     """Peak memory of one device of a stage: :func:`memory_parts` with the microbatches in flight.
 
     Args:
         in_flight: microbatches whose activations are alive at the peak (:func:`in_flight`).
         param_bytes, activation_bytes, input_bytes, dtype_bytes, replicas, zero, microbatches, recompute,
-            swapped_bytes, offload_optimizer, host_is_device, share, compute_bytes, shards: as for
+            swapped_bytes, offload_optimizer, host_is_device, share, compute_bytes, shards, process_bytes: as for
             :func:`memory_parts` (scalars here).
 
     Returns:
@@ -268,8 +274,10 @@ def device_memory(*, param_bytes: int, activation_bytes: int, input_bytes: int, 
     m = memory_parts(param_bytes=param_bytes, activation_bytes=activation_bytes, input_bytes=input_bytes,
                      dtype_bytes=dtype_bytes, replicas=replicas, zero=zero, microbatches=microbatches,
                      recompute=recompute, swapped_bytes=swapped_bytes, offload_optimizer=offload_optimizer,
-                     host_is_device=host_is_device, share=share, compute_bytes=compute_bytes, shards=shards)
-    return MemoryBreakdown(m.params, m.grads, m.optimizer, m.stored, m.working, max(1, in_flight), m.host)
+                     host_is_device=host_is_device, share=share, compute_bytes=compute_bytes, shards=shards,
+                     process_bytes=process_bytes)
+    return MemoryBreakdown(m.params, m.grads, m.optimizer, m.stored, m.working, max(1, in_flight), m.host,
+                           int(m.process))
 
 
 def tp_bytes(total: Value, sharded: Value, tp: int) -> Value:
@@ -617,18 +625,17 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         elif z == ZeroStage.NONE and hier is not None:  # each bucket's chain of three during the backward
             total = total + hierarchical_overlapped_ms(param_bytes, hier, overlap * bwd_ms)
         elif bwd_ms is None or z == ZeroStage.OS_G_P or overlap <= 0:  # ZeRO-3's is not overlapped (zero3)
-            # one collective after the backward, after the members meet (ZeRO-3's, runtime.sync.zero3, without)
-            meet = _met(param_bytes, replicas, link) if z != ZeroStage.OS_G_P else 0.0
-            total = total + meet + transfer_ms(reduce, param_bytes, link, replicas)
+            # one collective after the backward, after the members meet (ZeRO-3's too: its COLL_WAIT events)
+            total = total + _met(param_bytes, replicas, link) + transfer_ms(reduce, param_bytes, link, replicas)
         else:
             window = overlap * (bwd_ms if z == ZeroStage.NONE else bwd_ms / replicas)
             total = total + overlapped_ms(reduce, param_bytes, link, replicas, window)
         prefetch = z in (ZeroStage.OS, ZeroStage.OS_G) and bwd_ms is not None and overlap > 0 and fwd_ms is not None
         if prefetch:  # ZeRO-1/2 bucketed: the stepped shards' gathers under the next forward (prefetched_gather_ms)
             total = total + prefetched_gather_ms(param_bytes, link, replicas, overlap * fwd_ms)
-        elif z == ZeroStage.OS_G_P:  # ZeRO-3: the parameters twice per microbatch
-            total = total + 2 * max(1, microbatches) * transfer_ms(cost_models.all_gather_ms, param_bytes, link,
-                                                                   replicas)
+        elif z == ZeroStage.OS_G_P:  # ZeRO-3: the parameters twice per microbatch, each after compute
+            total = total + 2 * max(1, microbatches) * transfer_ms(cost_models.all_gather_ms, param_bytes,
+                                                                   param_gather_link(link), replicas)
         elif z != ZeroStage.NONE:  # ZeRO-1/2: the stepped shards once, after the optimizer step
             total = total + stepped_gather_ms(param_bytes, replicas, z, link)
     if offload_optimizer:
@@ -636,6 +643,25 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         shard = param_bytes // shards if z >= ZeroStage.OS else param_bytes
         total = total + 2 * transfer_ms(cost_models.p2p_ms, shard, host)
     return total
+
+
+def param_gather_link(link: cost_models.LinkSpec | None) -> cost_models.LinkSpec | None:
+    """The link as ZeRO-3's parameter all-gathers see it: its ``param_gather`` fit as the all-gather's, where the
+    probe measured one (:data:`hpml_compile.profile.links.PARAM_GATHER`: gloo's all-gather started after the ranks
+    computed, as the runtime runs it, :mod:`hpml_compile.runtime.sync.zero3`); else the link itself.
+
+    >>> lo = cost_models.LinkSpec("lo", 4.0, 60.0, "example", collectives=(("all_gather", 11.0, 280.0),
+    ...                                                                    ("param_gather", 2.0, 1500.0)))
+    >>> param_gather_link(lo).for_collective("all_gather").latency_us, param_gather_link(None)
+    (1500.0, None)
+    """
+    if link is None:
+        return None
+    for name, gbps, lat in link.collectives:
+        if name == "param_gather":
+            rest = tuple(c for c in link.collectives if c[0] != "all_gather")
+            return dataclasses.replace(link, collectives=rest + (("all_gather", gbps, lat),))
+    return link
 
 
 def stepped_gather_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, link: cost_models.LinkSpec | None,
@@ -679,7 +705,7 @@ def meet_ms(replicas: int, link: cost_models.LinkSpec | None) -> float:
     is not counted as communication. On the 2-core development VM it measured 0.42 ms at least (the demo's
     ``COLL_WAIT`` events), twice per step of a ZeRO-1 stage, and was priced at nothing before.
     All latency: priced as :func:`agree_ms` prices the loss agreement, on the slowest link between the members.
-    The collectives launched during the backward (bucketed, on GPUs) do not meet, nor do ZeRO-3's.
+    The collectives launched during the backward (bucketed, on GPUs) do not meet; ZeRO-3's reduce-scatter does.
 
     >>> lo = cost_models.LinkSpec("loopback", gbps=1.6, latency_us=500.0, source="example")
     >>> round(meet_ms(2, lo), 3), meet_ms(1, lo), meet_ms(2, None)

@@ -19,11 +19,15 @@ and puts, per device and per part, the plan's memory breakdown
   ``other``: the flat buffer the gradients of parameters tied to another stage
   are all-reduced through (``runtime.sync.stage._grad_buffer``, kept across steps; the
   memory model counts it with the gradients);
-- ``rss``: the process's peak resident set (psutil; the interpreter and torch
-  included), for scale.
+- the process: each rank runs in a fresh interpreter (``rank.py``, as a run's
+  ranks do), and its peak resident set (``VmHWM``, ``/proc/self/status``: the
+  interpreter, torch, the runtime, the whole model built, the steps) is put
+  beside the whole prediction, which for a CPU device adds the rank's baseline
+  (measured once per host, :mod:`hpml_compile.profile.process`) and the rest of
+  the model to the stage's tensors.
 
-On a CUDA device the held figure would be ``torch.cuda.max_memory_allocated``
-(:func:`_cuda_peak`); this machine has none, and the rows say ``cpu``.
+On a CUDA device the held figure would be ``torch.cuda.max_memory_allocated``;
+this machine has none, and the rows say ``cpu``.
 
 Offload and swap are not offered on a CPU device (the host is the device:
 they would save nothing), so their rows say so instead of running. The bf16
@@ -32,9 +36,10 @@ optimizer state) at the capacity where the solver first chose ZeRO-1, and
 once more by hand (``bf16-dp``): one stage replicated on both devices under
 ZeRO-1, where every microbatch in flight holds its own autocast weight copies.
 
-Error per device: ``(predicted - held) / held`` of the total, and the
-under-prediction as a share of the device's capacity. Goal: never
-under-predicted by more than 5% of the capacity, median |error| <= 10%.
+Error per device: ``(predicted - held) / held`` of the tensors and of the
+process, and the under-prediction as a share of the device's capacity. Goal:
+never under-predicted by more than 5% of the capacity (tensors and RSS alike),
+median |error| of the tensors <= 10%.
 
 Run:  .venv/bin/python benchmarks/memory_truth/main.py [--models gpt-mini,mlp] [--steps 3] [--options bf16,zero3]
 Prints a table; writes benchmarks/memory_truth/results/memory_truth.json (memory_truth-<options>.json with
@@ -45,7 +50,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, replace
@@ -61,10 +68,11 @@ from hpml_compile.testing import split_plan
 from hpml_compile.plan import Plan, Schedule, load_plan, stage_breakdown, validate_plan
 from hpml_compile.profile import load_profile
 from hpml_compile.schema import write_json_atomic
-from hpml_compile.runtime import Pipeline, spawn_ranks
+from hpml_compile.profile.process import this_host
 from hpml_compile.trace import trace
 
 MiB = 2**20
+HERE = Path(__file__).resolve().parent
 OPTIONS = ("zero0", "zero1", "zero2", "zero3", "recompute", "offload", "swap", "bf16")
 NOT_ON_CPU = {"offload": "not offered on a CPU device: the host is the device, offload saves nothing "
                          "(validate_plan refuses it; on a GPU it runs, runtime/sync/offload.py)",
@@ -133,46 +141,37 @@ def _forced(gm: Any, prof: Any, name: str, opt: str, out: Path) -> float:
     return cap
 
 
-def _cuda_peak(device: torch.device) -> int:
-    """What a GPU rank would report as held: the allocator's peak of the step (not run on this machine)."""
-    return int(torch.cuda.max_memory_allocated(device))
+def _run_case(case: Case, world: int, steps: int, where: Path) -> list[dict[str, Any]]:
+    """Train ``case`` on ``world`` ranks, each a fresh interpreter (:mod:`rank`): what each rank held."""
+    where.mkdir(parents=True, exist_ok=True)
+    init = f"file://{where / 'rendezvous'}"
+    procs = [subprocess.Popen([sys.executable, str(HERE / "rank.py"), case.build, case.model, str(steps), str(r),
+                               str(world), init, str(where / f"rank{r}.json")], env=_env())
+             for r in range(world)]
+    try:
+        codes = [p.wait(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(codes):
+        raise SystemExit(f"{case.option}@{case.model}: a rank failed (exit codes {codes})")
+    return [json.loads((where / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def _worker(rank: int, world: int, cases: list[Case], steps: int, out_dir: str) -> None:
-    from hpml_compile.runtime.sync import stage as stage_sync
-
-    out = {}
-    for case in cases:
-        loaded = models.load(case.model, seed=0)
-        pipe = Pipeline.from_build(case.build, loaded.module, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-        for _ in range(steps):
-            pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
-        h = pipe.held  # parameters and optimizer state after the last step, gradients at their peak
-        assert h is not None
-        keys = {id(p) for st in pipe.stages.values() for p in st.parameters()}
-        other = sum(b.untyped_storage().nbytes() for k, b in stage_sync._BUFFERS.items() if set(k) & keys)
-        rows = pipe.metrics
-        st = pipe.plan.stages[pipe.stage_index]
-        out[case.option + "@" + case.model] = {
-            "rank": rank, "stage": pipe.stage_index, "device": st.devices[pipe.replica],
-            "params": h.params, "grads": h.grads, "optimizer": h.optimizer,
-            "activations": max(m.held_activation_bytes for m in rows), "other": other,
-            "held_bytes": max(m.held_bytes for m in rows), "rss": max(m.peak_memory_bytes for m in rows),
-            "cuda_peak": _cuda_peak(pipe.device) if pipe.device.type == "cuda" else None,
-            "loss": [m.loss for m in rows]}
-        pipe.monitor.close()
-        stage_sync._BUFFERS.clear()
-        del pipe
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+def _env() -> dict[str, str]:
+    """The ranks import this checkout's package, as this process does."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
 
 
 def _predicted(plan: Plan, prof: Any) -> dict[str, dict[str, int]]:
     out = {}
     for st in plan.stages:
-        m = stage_breakdown(plan, prof, st)
         for d in st.devices:
+            m = stage_breakdown(plan, prof, st, d)
             out[d] = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
-                      "total": m.total, "stage": st.index}
+                      "tensors": m.tensors, "process": m.process, "total": m.total, "stage": st.index}
     return out
 
 
@@ -186,6 +185,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="memory-truth-"))
+    # a CPU rank's baseline memory, as `compile` measures it (once per host, cached): the memory model adds it
+    process = this_host(log=lambda line: print(line, file=sys.stderr, flush=True)).get("process")
+    base_mib = process["bytes"] / MiB if process else 0.0
     cases: list[Case] = []
     skipped: list[dict[str, str]] = []
     for name in args.models.split(","):
@@ -193,12 +195,14 @@ def main() -> None:
         print(f"profiling {name} ...", file=sys.stderr, flush=True)
         big = 4096.0
         first = root / f"{name}-profile"
-        driver.compile(loaded.module, loaded.example_inputs, first, cluster=_cluster(big),
-                       opts=driver.Options(time_limit_s=10))
+        driver.compile(loaded.module, loaded.example_inputs, first, cluster=_cluster(big + base_mib),
+                       opts=driver.Options(time_limit_s=10), prof_opts=driver.ProfileOptions(process=process))
         prof = load_profile(first / "profile.json")
         gm = trace(loaded.module, loaded.example_inputs)
         p_mib = sum(n.param_bytes for n in prof.nodes) / MiB
-        caps = _find_caps(prof, lo_mib=1.05 * p_mib, hi_mib=8 * p_mib, n=args.grid, microbatches=None)
+        # the process's own bytes, then 1.05x to 8x the parameters' (the tensors): where the options change
+        caps = _find_caps(prof, lo_mib=base_mib + 1.05 * p_mib, hi_mib=base_mib + 8 * p_mib, n=args.grid,
+                          microbatches=None)
         print(f"{name}: {p_mib:.1f} MiB of parameters; options found at capacities (MiB) {caps}", file=sys.stderr,
               flush=True)
         for opt in OPTIONS:
@@ -211,7 +215,8 @@ def main() -> None:
                 cap = caps.get("zero1", max(caps.values()))
                 out = root / f"{name}-{opt}"
                 driver.compile(loaded.module, loaded.example_inputs, out, cluster=_cluster(cap),
-                               opts=driver.Options(time_limit_s=10, precision="bf16"))
+                               opts=driver.Options(time_limit_s=10, precision="bf16"),
+                               prof_opts=driver.ProfileOptions(process=process))
                 plan = load_plan(out / "plan.json")
                 cases.append(Case(name, opt, cap, str(out), sorted(_options(plan) | {"bf16"})))
                 # and bf16 on one stage replicated on both devices, ZeRO-1, by hand: every microbatch in flight
@@ -247,12 +252,10 @@ def main() -> None:
         by_world.setdefault(sum(len(s.devices) for s in load_plan(Path(c.build) / "plan.json").stages), []).append(c)
     held: dict[str, dict[str, Any]] = {}
     for world, cs in sorted(by_world.items()):
-        d = root / f"ranks{world}"
-        d.mkdir()
-        spawn_ranks(_worker, world, d, cs, args.steps, str(d), threads=1, timeout_s=900)
-        for r in range(world):
-            for key, v in json.loads((d / f"rank{r}.json").read_text()).items():
-                held[f"{key}#{v['device']}"] = v
+        for c in cs:  # each case in fresh rank processes: their peak RSS is the case's own
+            print(f"training {c.option} on {c.model} ...", file=sys.stderr, flush=True)
+            for v in _run_case(c, world, args.steps, root / f"ranks-{c.option}-{c.model}"):
+                held[f"{c.option}@{c.model}#{v['device']}"] = v
     rows = []
     for c in cases:
         plan = load_plan(Path(c.build) / "plan.json")
@@ -263,36 +266,51 @@ def main() -> None:
             h = {**h, "grads": h["grads"] + h["other"]}  # the model's gradients include the tied ones' flat buffer
             total = h["params"] + h["grads"] + h["optimizer"] + h["activations"]
             cap = plan.cluster.device(dev).memory_bytes
+            rss = max(h["vmhwm"], h["rss"])
             rows.append({"model": c.model, "option": c.option, "cap_mib": c.cap_mib, "forced": c.forced,
                          "plan": "+".join(c.plan_options) + (" (by hand)" if c.forced else ""),
                          "device": dev, "stage": p["stage"], "predicted": p, "held": {**h, "total": total},
-                         "error": (p["total"] - total) / total, "under_of_cap": max(0, total - p["total"]) / cap,
-                         "fits": total <= cap})
-    print(f"predicted / held MiB per device at the peak, 2 CPU gloo ranks, {args.steps} AdamW steps; "
+                         # the tensors: the stage's parts against what the runtime's hooks counted
+                         "error": (p["tensors"] - total) / total,
+                         "under_of_cap": max(0, total - p["tensors"]) / cap,
+                         # the process: the whole prediction against the rank's peak resident set
+                         "rss_error": (p["total"] - rss) / rss, "rss_under_of_cap": max(0, rss - p["total"]) / cap,
+                         "fits": rss <= cap})
+    print(f"predicted / held MiB per device at the peak, 2 CPU gloo ranks (fresh processes), {args.steps} AdamW "
+          "steps; tensors: the stage's parts against the runtime's hooks; process: the whole prediction (a rank's "
+          f"measured baseline {base_mib:.0f} MiB, the rest of the model, the tensors) against the rank's peak RSS; "
           "error = (predicted - held) / held; under = held above predicted, share of the capacity")
     head = (f"{'model':9s} {'option':9s} {'plan':26s} {'cap':>6s} {'dev':4s} {'st':>2s} {'params':>11s} "
-            f"{'grads':>11s} {'optim':>11s} {'acts':>11s} {'other':>5s} {'total':>13s} {'error':>7s} {'under':>6s} "
-            f"{'rss':>6s}")
+            f"{'grads':>11s} {'optim':>11s} {'acts':>11s} {'other':>5s} {'tensors':>13s} {'error':>7s} {'under':>6s} "
+            f"{'process/rss':>13s} {'error':>7s} {'under':>6s}")
     print(head)
     for r in rows:
         p, h = r["predicted"], r["held"]
         pair = lambda k: f"{p[k] / MiB:5.1f}/{h[k] / MiB:<5.1f}"  # noqa: E731
+        rss = max(h["vmhwm"], h["rss"])
         print(f"{r['model']:9s} {r['option']:9s} {r['plan']:26s} {r['cap_mib']:6.1f} {r['device']:4s} {r['stage']:2d} "
               f"{pair('params')} {pair('grads')} {pair('optimizer')} {pair('activations')} "
-              f"{h['other'] / MiB:5.1f} {p['total'] / MiB:6.1f}/{h['total'] / MiB:<6.1f} {r['error']:+7.1%} "
-              f"{r['under_of_cap']:6.1%} {h['rss'] / MiB:6.0f}")
+              f"{h['other'] / MiB:5.1f} {p['tensors'] / MiB:6.1f}/{h['total'] / MiB:<6.1f} {r['error']:+7.1%} "
+              f"{r['under_of_cap']:6.1%} {p['total'] / MiB:6.0f}/{rss / MiB:<6.0f} {r['rss_error']:+7.1%} "
+              f"{r['rss_under_of_cap']:6.1%}")
     for s in skipped:
         print(f"{s['model']:9s} {s['option']:9s} -- {s['why']}")
     errs = [abs(r["error"]) for r in rows]
     worst = max((r["under_of_cap"] for r in rows), default=0.0)
+    rss_errs = [abs(r["rss_error"]) for r in rows]
+    rss_worst = max((r["rss_under_of_cap"] for r in rows), default=0.0)
     if errs:
-        print(f"median |error| {statistics.median(errs):.1%} (goal <= 10%); worst under-prediction "
+        print(f"tensors: median |error| {statistics.median(errs):.1%} (goal <= 10%); worst under-prediction "
               f"{worst:.1%} of the capacity (goal <= 5%)")
+        print(f"process (peak RSS): median |error| {statistics.median(rss_errs):.1%}; worst under-prediction "
+              f"{rss_worst:.1%} of the capacity (goal <= 5%)")
     res = Path(__file__).resolve().parent / "results"
     res.mkdir(exist_ok=True)
-    write_json_atomic({"steps": args.steps, "rows": rows, "skipped": skipped,
+    write_json_atomic({"steps": args.steps, "rows": rows, "skipped": skipped, "baseline_rss": process,
                        "median_abs_error": statistics.median(errs) if errs else None,
-                       "worst_under_of_capacity": worst},
+                       "worst_under_of_capacity": worst,
+                       "rss_median_abs_error": statistics.median(rss_errs) if rss_errs else None,
+                       "rss_worst_under_of_capacity": rss_worst},
                       res / (f"memory_truth-{args.options.replace(',', '-')}.json" if args.options else "memory_truth.json"))
 
 

@@ -97,9 +97,13 @@ def _run_profile(args: argparse.Namespace) -> int:
                    gpu_op_us=args.gpu_op_us)
     if args.measure_links and not args.meta:  # after the nodes: the probe's processes must not disturb their timing
         from ..driver import with_link
-        from ..profile.links import measure_local_link
+        from ..profile.process import this_host, with_process
 
-        prof = with_link(prof, measure_local_link(log=(lambda line: None) if args.quiet else print))
+        host = this_host(log=(lambda line: None) if args.quiet else print)  # cached per host: measured once
+        if "link" in host:
+            prof = with_link(prof, host["link"])
+        if "process" in host:
+            prof = with_process(prof, host["process"])
     path = save_profile(prof, args.output)
     if not args.quiet:
         print(profile_summary(prof))

@@ -62,9 +62,12 @@ def add_parsers(subparsers: Any) -> None:
                    help="fp32 (default), or bf16/fp16 mixed precision: profiled and trained under autocast, fp32 "
                         "master weights and optimizer state, stage boundaries in the compute dtype; fp16 adds "
                         "loss scaling")
-    p.add_argument("--measure-links", dest="measure_links", action="store_true",
-                   help="time the gloo link between two processes of this host first (a few seconds; `profile` and "
-                        "`demo` do by default) and plan with it where the cluster names no link")
+    p.add_argument("--measure-links", dest="measure_links", action="store_true", default=True,
+                   help="plan with this host's gloo link between two processes where the cluster names no link, and "
+                        "count a CPU rank's baseline memory: measured once per host (a few seconds) and cached "
+                        "(the default)")
+    p.add_argument("--no-measure-links", dest="measure_links", action="store_false",
+                   help="plan with the catalog's link, and count only the tensors of a CPU rank")
     p.add_argument("-o", "--output", type=Path, required=True, help="the build folder to write")
     add_comm_options(p)
     from .infer import add_inference_options
@@ -109,11 +112,12 @@ def run_compile(args: argparse.Namespace) -> int:
     # names the model file that run imports, so a changed one is refused).
     recipe = ModelRecipe(absolute_model_spec(args.model), loaded.batch_size, loaded.seq_len, args.seed,
                          tuple(map(str, args.leaf)), str(args.front_end), threads)
-    link = None
+    link = process = None
     if args.measure_links:  # before the threads are set for profiling; the probe starts its own processes
-        from ..profile.links import measure_local_link
+        from ..profile.process import this_host
 
-        link = measure_local_link(log=_say)
+        host = this_host(log=_say)  # cached per host: measured once
+        link, process = host.get("link"), host.get("process")
     try:
         build, _ = driver.compile(
             loaded.module, loaded.example_inputs, args.output, cluster=cluster, name=loaded.name, say=_say,
@@ -123,7 +127,7 @@ def run_compile(args: argparse.Namespace) -> int:
             prof_opts=driver.ProfileOptions(repeats=args.repeats, warmup=args.warmup, batch_size=loaded.batch_size,
                                             seq_len=loaded.seq_len, leaf_modules=args.leaf,
                                             front_end=args.front_end, input_names=loaded.input_names,
-                                            link=link))
+                                            link=link, process=process))
     finally:
         torch.set_num_threads(before)
     plan = build.plan

@@ -120,18 +120,20 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"[1/4] compiling {opt['spec'].name}: a byte-level GPT ({sum(p.numel() for p in loaded.module.parameters()):,} "
           f"parameters), batch {loaded.batch_size} x {loaded.example_inputs[0].shape[1]} bytes, onto {cluster.name} "
           f"({len(cluster.devices)} CPU processes, {threads or torch.get_num_threads()} thread(s) each)", flush=True)
-    link = None
-    if opt["measure_links"]:  # this host's gloo link, for the plan (profile does the same; --no-measure-links)
-        from ..profile.links import measure_local_link
+    link = process = None
+    if opt["measure_links"]:  # this host's gloo link and a rank's baseline memory, cached per host (as compile)
+        from ..profile.process import this_host
 
-        link = measure_local_link(log=lambda line: print("  " + line.strip(), flush=True))
+        host = this_host(log=lambda line: print("  " + line.strip(), flush=True))
+        link, process = host.get("link"), host.get("process")
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
         build, _ = driver.compile(loaded.module, loaded.example_inputs, out / "build", cluster=cluster,
                                   name=loaded.name, opts=driver.Options(time_limit_s=20.0),
                                   recipe=ModelRecipe(model, loaded.batch_size, None, 0, (), "auto", threads),
-                                  prof_opts=driver.ProfileOptions(batch_size=loaded.batch_size, link=link),
+                                  prof_opts=driver.ProfileOptions(batch_size=loaded.batch_size, link=link,
+                                                                  process=process),
                                   say=lambda line: print("  " + line, flush=True) if line.startswith("[") else None)
     finally:
         torch.set_num_threads(before)

@@ -20,7 +20,10 @@ figures, recorded as ``links`` of the cluster it returns (what
   reduce-scatter and the all-gather, which is how the runtime runs them
   between CPU ranks of one host: those rows (``SHM_ROWS``) give each its own
   fit, which prices it; gloo's all-reduce rows stay in the link's fit beside
-  send/recv.
+  send/recv. ZeRO-3's parameter all-gather, which the runtime runs through
+  gloo just after a rank computed, is timed that way too (``PARAM_GATHER``:
+  each after a burst of compute on both ranks, from the later rank's start),
+  and prices ZeRO-3's gathers (:func:`hpml_compile.stagecost.param_gather_link`).
 - **GPU pairs (NCCL)**: the same two ranks, each on its own GPU, in a
   two-rank NCCL group, time the same operations (CUDA synchronised around
   each). Where there are fewer than two GPUs there is nothing to time.
@@ -65,7 +68,7 @@ from ..ir import Cluster, Device, Link, collectives_dict
 from ..runtime.sync.shm import HostReduce
 from ..runtime.job.spawn import spawn_ranks
 
-__all__ = ["SIZES", "SHM_ALLREDUCE", "SHM_ROWS", "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link",
+__all__ = ["SIZES", "SHM_ALLREDUCE", "SHM_ROWS", "PARAM_GATHER", "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link",
            "probe_ranks", "probe_copies"]
 
 SIZES = (4 << 10, 256 << 10, 4 << 20, 32 << 20)  # bytes: latency-bound to bandwidth-bound
@@ -77,6 +80,11 @@ Row = tuple[str, int, float]  # (operation: "p2p" | "allreduce" | "copy" | a COL
 SHM_ALLREDUCE = "allreduce_shm"  # a row of the all-reduce through shared memory (.shm), as the runtime runs it
 # ... and of each collective so timed: what prices it where the probe could map the memory
 SHM_ROWS = {"all_reduce": SHM_ALLREDUCE, "reduce_scatter": "reduce_scatter_shm", "all_gather": "all_gather_shm"}
+# ZeRO-3's parameter all-gather as the runtime runs it between CPU ranks (runtime.sync.zero3): gloo's, started just
+# after the ranks computed (a microbatch's forward or backward follows it). Timed so, not in a loop of gathers: on a
+# 2-core VM a 1.7 MiB gather took 0.4-0.5 ms in a loop and 2-4 ms in the step or after a burst of compute.
+PARAM_GATHER = "param_gather"
+BURST_MATMULS = 8  # 256 x 256 matrix products: about 5 ms on one thread (34 MFLOP each)
 
 
 @dataclass(frozen=True)
@@ -150,7 +158,7 @@ def fit_link(rows: Sequence[Row]) -> Fit:
         # two ranks: a reduce-scatter or all-gather is one step of the ring, the whole buffer (shared) or half of
         # it moved; an all-reduce two steps, both buffers (shared) or one (the probe's rows say "allreduce")
         # the runtime's: through shared memory where the probe could map it (.shm), else gloo's
-        mine = ([(b, ms) for o, b, ms in rows if o == SHM_ROWS[op]]
+        mine = ([(b, ms) for o, b, ms in rows if o == SHM_ROWS.get(op)]
                 or [(b, ms) for o, b, ms in rows if o == ("allreduce" if op == "all_reduce" else op)])
         steps = 2.0 if op == "all_reduce" else 1.0
         if len({b for b, _ in mine}) >= 2:
@@ -224,6 +232,8 @@ def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequ
 
             ops = [("p2p", ping, 0.5), ("allreduce", reduce, 1.0), ("reduce_scatter", scatter, 1.0),
                    ("all_gather", gather, 1.0)]
+            if not cuda:  # ZeRO-3's gather: gloo, each after the ranks computed (_after_compute)
+                rows.append((PARAM_GATHER, t.numel() * 4, _after_compute(gather, repeats)))
             if host is not None and not cuda and t.numel() % 2 == 0:
                 ops += [(SHM_ALLREDUCE, reduce_shm, 1.0), (SHM_ROWS["reduce_scatter"], scatter_shm, 1.0),
                         (SHM_ROWS["all_gather"], gather_shm, 1.0)]
@@ -237,6 +247,31 @@ def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequ
         result[name] = rows
     if rank == 0:
         Path(out, "links.json").write_text(json.dumps(result))
+
+
+def _burst() -> None:
+    """A few milliseconds of single-thread compute: what a rank does before a collective inside a step."""
+    a = torch.ones(256, 256)
+    for _ in range(BURST_MATMULS):
+        a = a @ a * (1.0 / 256)
+
+
+def _after_compute(fn: Any, repeats: int) -> float:
+    """Median milliseconds of ``fn`` (a gloo collective over the two ranks) started right after each rank computed,
+    from the later rank's start to the later rank's end (the ranks share this host's monotonic clock), so that one
+    rank finishing its compute late is not counted (the plan counts that as compute)."""
+    fn()
+    spans = []
+    for _ in range(repeats):
+        dist.barrier()
+        _burst()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        both = [torch.tensor([t0, t1], dtype=torch.float64) for _ in range(2)]
+        dist.all_gather(both, torch.tensor([t0, t1], dtype=torch.float64))
+        spans.append(max(float(b[1]) for b in both) - max(float(b[0]) for b in both))
+    return statistics.median(spans) * 1e3
 
 
 def probe_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS, gpus: Sequence[int] = (),

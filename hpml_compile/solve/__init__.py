@@ -539,7 +539,8 @@ def diagnose(chain: Chain, cluster: Cluster, setting: Setting) -> str:
         cpu = dev.is_cpu
         fl = in_flight(setting.schedule, setting.microbatches, s - i - 1)
         kw = dict(param_bytes=params, activation_bytes=acts, input_bytes=chain.cut[a], dtype_bytes=bpe,
-                  replicas=1, zero=0, microbatches=setting.microbatches, in_flight=fl, host_is_device=cpu)
+                  replicas=1, zero=0, microbatches=setting.microbatches, in_flight=fl, host_is_device=cpu,
+                  process_bytes=chain.graph.process_bytes(dev.kind, params) if cpu else 0)
         plain = device_memory(**kw)  # type: ignore[arg-type]
         saved = device_memory(**kw, recompute=True, offload_optimizer=True,  # type: ignore[arg-type]
                               swapped_bytes=acts)

@@ -67,7 +67,8 @@ def _sizes(graph: CostGraph, blocks: Sequence[str]) -> tuple[int, int, int, int]
 
 
 def _cap(dev: Device, sizes: tuple[int, int, int, int], *, rows: int, batch: int, replicas: int, zero: ZeroStage,
-         recompute: bool, microbatches: int, flight: int, dtype: str, offload: bool = False) -> int:
+         recompute: bool, microbatches: int, flight: int, dtype: str, offload: bool = False,
+         process: int = 0) -> int:
     """The most rows of a microbatch (up to ``rows``) whose activations fit ``dev`` beside the stage's
     parameters, gradients and optimizer state (0: not even one)."""
     params, acts, inputs, shared = sizes
@@ -76,7 +77,8 @@ def _cap(dev: Device, sizes: tuple[int, int, int, int], *, rows: int, batch: int
         return device_memory(param_bytes=params, activation_bytes=acts, input_bytes=inputs,
                              dtype_bytes=dtype_bytes(dtype), replicas=replicas, zero=zero,
                              microbatches=microbatches, in_flight=flight, recompute=recompute,
-                             offload_optimizer=offload, host_is_device=dev.is_cpu, share=(r, batch)).total + shared
+                             offload_optimizer=offload, host_is_device=dev.is_cpu, share=(r, batch),
+                             process_bytes=process).total + shared
 
     if need(1) > dev.memory_bytes:
         return 0
@@ -138,7 +140,9 @@ def stage_rows(graph: CostGraph, cluster: Cluster, blocks: Sequence[str], device
             alike[key] = (ff * (1 + rec) + bf, ((f - ff) * (1 + rec) + (b - bf)) / batch,
                           _cap(dev, sizes, rows=total, batch=batch, replicas=len(devices), zero=ZeroStage(zero),
                                recompute=recompute, microbatches=microbatches, flight=flight, dtype=dtype,
-                               offload=offload))
+                               offload=offload,
+                               process=graph.process_bytes(dev.kind, sizes[0], len(devices), zero)
+                               if dev.is_cpu else 0))
         one_fixed, one_row, cap = alike[key]
         fixed.append(one_fixed)
         per_row.append(one_row)

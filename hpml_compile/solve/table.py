@@ -282,7 +282,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             mem = memory_parts(param_bytes=params, activation_bytes=acts, input_bytes=inputs, dtype_bytes=bpe,
                                replicas=dr, zero=cfg.zero, microbatches=m, recompute=cfg.recompute,
                                swapped_bytes=acts if cfg.swap else acts * 0, offload_optimizer=cfg.offload,
-                               host_is_device=is_cpu, compute_bytes=setting.compute_bytes, shards=shards)
+                               host_is_device=is_cpu, compute_bytes=setting.compute_bytes, shards=shards,
+                               process_bytes=chain.graph.process_bytes(kind, params, dr, cfg.zero) if is_cpu else 0)
             mem = mem._replace(grads=mem.grads + shared)  # the flat buffer of gradients tied to other stages
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)

@@ -37,3 +37,19 @@ def test_a_round_where_the_machine_ran_slow_is_divided_out(machine_adjusted: Cal
     one = [{"plan": r["plan"], "predicted_ms": r["rounds"][1]["predicted_ms"],
             "measured_ms": r["rounds"][1]["measured_ms"]} for r in rows]
     assert machine_adjusted(one)["toy pipe 1f1b M=4"] == pytest.approx(0.10)
+
+
+def test_the_goal_is_taken_per_round_so_opposite_errors_do_not_cancel() -> None:
+    """A plan 30% over in one round and 30% under in the next has the median of its times exact; per round it
+    misses the goal both times."""
+    summary = runpy.run_path(str(MAIN), run_name="prediction_main")["round_summary"]
+
+    def row(error: float) -> dict[str, float]:
+        return {"error": error, "error_without_optimizer": error / 2}
+
+    got = summary([[row(0.30), row(0.02), row(0.04)], [row(-0.30), row(0.02), row(0.04)]])
+    assert [r["median_abs_error"] for r in got["rounds"]] == pytest.approx([0.04, 0.04])
+    assert [r["p90_abs_error"] for r in got["rounds"]] == pytest.approx([0.30, 0.30])
+    assert got["rounds"][0]["p90_abs_error_without_optimizer"] == pytest.approx(0.15)
+    assert not got["meets_goal_every_round"]
+    assert summary([[row(0.05), row(-0.08)], [row(0.01), row(0.15)]])["meets_goal_every_round"]

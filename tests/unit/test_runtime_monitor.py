@@ -18,7 +18,8 @@ from hpml_compile.cluster import load_cluster
 from hpml_compile.plan import Plan, PlanPrediction, Schedule, Stage, StagePrediction, save_plan
 from hpml_compile.runtime.sync.comm import CommStats
 from hpml_compile.runtime.observe.monitor import Monitor, StepMetrics, read_metrics, split_wait
-from hpml_compile.runtime.observe.summary import analyse, export_profile, format_summary, measured_profile
+from hpml_compile.runtime.observe.summary import (analyse, export_profile, format_summary, measured_profile, summarise,
+                                                  wall_ms)
 
 
 def _row(step: int, rank: int, fwd: float, bwd: float, pipeline: float = 100.0) -> StepMetrics:
@@ -162,7 +163,9 @@ def test_report_names_a_device_whose_peak_exceeds_its_capacity(tmp_path: Path) -
     s = analyse(run)
     assert s.held == {"cpu0": 50 * 2**20, "cpu1": 70 * 2**20} and s.shortfalls == {"cpu1": 6 * 2**20}
     text = format_summary(s)
-    assert "cpu0 50.0 MiB of 64.0 MiB (predicted 60.0 MiB), cpu1 70.0 MiB of 64.0 MiB (predicted 60.0 MiB)" in text
+    # a CPU device's process beside its tensors (the rows' peak RSS: 1 MiB), against the prediction
+    assert ("cpu0 50.0 MiB in tensors, its process 1.0 MiB (peak RSS) of 64.0 MiB (predicted 60.0 MiB), "
+            "cpu1 70.0 MiB in tensors, its process 1.0 MiB (peak RSS) of 64.0 MiB (predicted 60.0 MiB)") in text
     assert ("over memory: cpu1 (cpu) held 70.0 MiB at its peak, above its capacity of 64.0 MiB: short by 6.0 MiB"
             in text) and "over memory: cpu0" not in text
 
@@ -178,3 +181,15 @@ def test_a_line_cut_short_by_a_stopped_rank_is_left_out_and_a_damaged_one_named(
     path.write_text("{not json\n" + whole)
     with pytest.raises(OutputError, match=r"rank0\.jsonl: line 1 is not JSON"):
         read_metrics(run)
+
+
+def test_the_report_compares_the_prediction_with_pipeline_steps_wall_clock(tmp_path: Path) -> None:
+    """The measured step is what the rank spent in Pipeline.step (wall_ms), not the executor's inner span."""
+    run = _run_dir(tmp_path)
+    rows = read_metrics(run)
+    plan = analyse(run).plan
+    walled = {r: [replace(m, wall_ms=m.step_ms + 7.0) for m in ms] for r, ms in rows.items()}
+    inner, outer = summarise(plan, rows), summarise(plan, walled)
+    assert outer.step_ms == pytest.approx(inner.step_ms + 7.0)
+    assert outer.error == pytest.approx((inner.step_ms + 7.0 - 70.0) / 70.0)
+    assert wall_ms(replace(rows[0][0], wall_ms=0.0)) == rows[0][0].step_ms  # rows that predate it

@@ -162,11 +162,27 @@ def test_zero3_gathers_the_parameters_for_each_microbatch_forward_and_backward()
     rs = stagecost.transfer_ms(cost_models.reduce_scatter_ms, 1 << 20, link, 2)
     ag = stagecost.transfer_ms(cost_models.all_gather_ms, 1 << 20, link, 2)
     z3 = stagecost.sync_ms(1 << 20, 2, ZeroStage.OS_G_P, False, link, host, microbatches=3)
-    assert ag > 0 and z3 == pytest.approx(rs + 6 * ag)
+    meet = stagecost.meet_ms(2, link)  # its reduce-scatter after the members meet, as ZeRO-1's collectives
+    assert ag > 0 and meet > 0 and z3 == pytest.approx(meet + rs + 6 * ag)
     # ZeRO-1: the reduce-scatter after the backward and the gather after the step, each after the members meet
-    meet = stagecost.meet_ms(2, link)
-    assert meet > 0 and stagecost.sync_ms(1 << 20, 2, ZeroStage.OS, False, link, host, microbatches=3) == \
+    assert stagecost.sync_ms(1 << 20, 2, ZeroStage.OS, False, link, host, microbatches=3) == \
         pytest.approx(rs + ag + 2 * meet)
+
+
+def test_zero3_gathers_are_priced_by_the_probes_gather_after_compute_where_measured() -> None:
+    """A link whose probe timed ZeRO-3's gather as it runs (``param_gather``) prices the gathers by it; ZeRO-1's
+    all-gather after the step keeps the all-gather's own fit."""
+    plain = cost_models.LinkSpec("test", 10.0, 5.0, "a test link", collectives=(("all_gather", 10.0, 5.0),))
+    probed = replace(plain, collectives=plain.collectives + (("param_gather", 2.0, 900.0),))
+    slow = replace(plain, collectives=(("all_gather", 2.0, 900.0),))
+    n = 1 << 20
+    z3 = stagecost.sync_ms(n, 2, ZeroStage.OS_G_P, False, probed, probed, microbatches=2)
+    gathers = 4 * stagecost.transfer_ms(cost_models.all_gather_ms, n, slow, 2)
+    rest = stagecost.sync_ms(n, 2, ZeroStage.OS_G_P, False, plain, plain, microbatches=2) - \
+        4 * stagecost.transfer_ms(cost_models.all_gather_ms, n, plain, 2)
+    assert gathers > 4 * 0.9 and z3 == pytest.approx(rest + gathers)
+    assert stagecost.sync_ms(n, 2, ZeroStage.OS, False, probed, probed) == \
+        pytest.approx(stagecost.sync_ms(n, 2, ZeroStage.OS, False, plain, plain))
 
 
 def _dp_plan(kind: str, **stage: object) -> tuple[Plan, object]:

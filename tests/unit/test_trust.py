@@ -29,7 +29,7 @@ from hpml_compile.profile import load_profile
 from hpml_compile.recipe import read_recipe
 from hpml_compile.trace import trace
 
-COMPILE = ["--cluster", "local-cpu-2", "--solver", "uniform", "--microbatches", "2", "--repeats", "1", "--warmup", "0"]
+COMPILE = ["--cluster", "local-cpu-2", "--solver", "uniform", "--microbatches", "2", "--repeats", "1", "--warmup", "0", "--no-measure-links"]
 
 
 @pytest.fixture(scope="module")

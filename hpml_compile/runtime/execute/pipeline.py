@@ -447,6 +447,7 @@ class Pipeline:
                 before the optimizer step).
             HpmlError: a batch that does not split into the build's microbatches.
         """
+        self._t_called = time.perf_counter()  # the step's wall clock (StepMetrics.wall_ms) starts here
         inputs = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
         if rank_batch is not None:
             if self.session is None:
@@ -659,12 +660,15 @@ class Pipeline:
         wait_ms, p2p_ms = split_wait(comm.stats)
         mem, mem_kind = peak_memory(self.device)
         gpu = self.gpu.sample()
+        t_val = time.perf_counter()
         val = self._validate(validate)
+        done = time.perf_counter()
         self.monitor.record(StepMetrics(
             step=self.steps_done, rank=self.rank, stage=k, replica=r, device=str(self.device), microbatches=n,
             samples=(self.batch_rows if rank_batch is not None
                      else sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor))),
             step_ms=(run.t_end - run.t_start) * 1e3, pipeline_ms=(run.t_pipe - run.t_start) * 1e3,
+            wall_ms=(t_val - self._t_called + time.perf_counter() - done) * 1e3,
             fwd_ms=run.busy.get((k, True), 0.0) * 1e3, bwd_ms=run.busy.get((k, False), 0.0) * 1e3,
             wait_ms=wait_ms, p2p_ms=p2p_ms,
             # the gradient sync as this rank pays it: packing the gradients, the collectives, unpacking
@@ -750,11 +754,13 @@ class Pipeline:
         busy = self.host.end() if self.host is not None else HostBusy(0.0, 0.0, 0.0)
         events = self.events.finish(self.steps_done) if self.events is not None else None
         rows = sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor))
+        wall_ms = (time.perf_counter() - self._t_called) * 1e3
         val = validate() if validate is not None else None
         for k in self.stages:
             self.monitor.record(StepMetrics(
                 step=self.steps_done, rank=self._ranks[k][0], stage=k, replica=0, device="cpu", microbatches=n,
                 samples=rows, step_ms=(run.t_end - run.t_start) * 1e3, pipeline_ms=(run.t_synced - run.t_start) * 1e3,
+                wall_ms=wall_ms,
                 fwd_ms=run.busy.get((k, True), 0.0) * 1e3, bwd_ms=run.busy.get((k, False), 0.0) * 1e3,
                 optimizer_ms=(run.t_end - run.t_synced) * 1e3, loss=float(run.loss_sum), val_loss=val, host=self._hostname,
                 steal=busy.steal, others_load=busy.others, cpu_util=busy.cpu_util,

@@ -96,6 +96,9 @@ class StepMetrics:
     pipeline_ms: float
     fwd_ms: float
     bwd_ms: float
+    # Pipeline.step's wall clock: everything the rank did in the step (the batch check, host sampling, memory
+    # counting, the events), less a validation pass; step_ms is the executor's span inside it (0.0: not measured)
+    wall_ms: float = 0.0
     wait_ms: float = 0.0
     p2p_ms: float = 0.0
     send_ms: float = 0.0

@@ -54,7 +54,7 @@ SLOW_RANK = 1.5  # a rank computing this many times the others' measured/predict
 MIN_SHARE = 0.1  # ... when the excess is at least this share of its step
 
 __all__ = ["StageSummary", "ReplicaSummary", "RunSummary", "HostContention", "host_contention", "slow_ranks", "BUSY", "analyse", "format_summary", "predicted_bubble", "measured_profile", "export_profile",
-           "suggest_microbatches", "summarise", "held_peaks", "format_memory", "device_slowdowns", "measured_setup", "next_build_path"]
+           "suggest_microbatches", "summarise", "wall_ms", "held_peaks", "format_memory", "device_slowdowns", "measured_setup", "next_build_path"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,6 +363,12 @@ def analyse(run_dir: str | Path, *, skip: int | None = None) -> RunSummary:
     return s
 
 
+def wall_ms(m: StepMetrics) -> float:
+    """The step a rank took as its caller sees it: ``Pipeline.step``'s wall clock (``wall_ms``), or the executor's
+    span (``step_ms``) in rows that predate it. What the plan's predicted step is compared with."""
+    return m.wall_ms if m.wall_ms > 0 else m.step_ms
+
+
 def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: int | None = None,
               run_dir: Path = Path("RUN_DIR")) -> RunSummary:
     """Summarise measured rows (rank -> its steps, in order) against ``plan``.
@@ -406,7 +412,7 @@ def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: in
             ranks[0][0].memory_kind if ranks else "rss",
             st.predicted.fwd_ms * micro, st.predicted.bwd_ms * micro, med(lambda m: m.contention_ms), replicas))
     all_rows = [m for rs in kept.values() for m in rs]
-    step_ms = max(_median(rs, lambda m: m.step_ms) for rs in kept.values())
+    step_ms = max(_median(rs, wall_ms) for rs in kept.values())
     samples = all_rows[0].samples
     bubble = sum(s.bubble for s in stages) / len(stages)
     comm = max(s.comm_ms for s in stages)
@@ -418,7 +424,7 @@ def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: in
     # per step: the slowest rank's time less the most any rank lost to other programs and the hypervisor (the
     # ranks of a pipeline wait for each other, so one rank's lost time delays the step for all)
     by_step = list(zip(*kept.values()))
-    quiet_ms = float(statistics.median(contention_discount(max(m.step_ms for m in ms), max(m.contention_ms for m in ms))
+    quiet_ms = float(statistics.median(contention_discount(max(wall_ms(m) for m in ms), max(m.contention_ms for m in ms))
                                        for ms in by_step)) if by_step else step_ms
     quiet_error = (quiet_ms - pred) / pred if pred > 0 else 0.0
     advice = _advice(plan, stages, bubble, step_ms, comm, error, samples, run_dir, busy, slow, quiet_error)
@@ -488,10 +494,16 @@ def format_memory(s: RunSummary) -> list[str]:
     if not s.held:
         return []
     where = {d: st for st in s.plan.stages for d in st.devices}
+    rss = {st.stage: st.peak_memory_bytes for st in s.stages if st.memory_kind == "rss"}
     parts = []
     for d, b in s.held.items():
         pred = where[d].predicted.memory_bytes if d in where else 0
-        parts.append(f"{d} {human_bytes(b)} of {human_bytes(s.plan.cluster.device(d).memory_bytes)}"
+        # a CPU device's memory is its process's: the prediction counts it (memory.process_bytes), so the
+        # process's peak resident set is what it is compared with; the tensors are shown beside it
+        proc = rss.get(where[d].index) if d in where and s.plan.cluster.device(d).is_cpu else None
+        parts.append(f"{d} {human_bytes(b)}" + (f" in tensors, its process {human_bytes(proc)} (peak RSS)"
+                                                 if proc else "")
+                     + f" of {human_bytes(s.plan.cluster.device(d).memory_bytes)}"
                      + (f" (predicted {human_bytes(pred)})" if pred else ""))
     lines = ["  memory held at the peak (tensors, by storage): " + ", ".join(parts)]
     for d, over in s.shortfalls.items():

@@ -1,0 +1,93 @@
+"""A CPU device's memory is its process's: the runtime's measured baseline, the rest of the model, the tensors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpml_compile import profile
+from hpml_compile.cluster import load_cluster
+from hpml_compile.costgraph import build
+from hpml_compile.memory import process_bytes
+from hpml_compile.plan import Plan, Schedule, Stage, stage_breakdown
+from hpml_compile.profile.process import BASELINE_CODE, cached, host_key, remember, this_host, with_process
+from hpml_compile.simulate import simulate
+
+MiB = 2**20
+
+
+def _toy() -> tuple[Plan, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    prof = profile(model, (torch.randn(8, 64),), name="toy", repeats=1, warmup=0, progress=False)
+    names = tuple(n.name for n in prof.nodes)
+    plan = Plan("toy", load_cluster("local-cpu-2"), Schedule.ONE_F_ONE_B, 2,
+                (Stage(0, ("cpu0",), names[:2]), Stage(1, ("cpu1",), names[2:])))
+    return plan, prof
+
+
+def test_each_cpu_device_counts_the_baseline_and_the_rest_of_the_model() -> None:
+    plan, prof = _toy()
+    base = 300 * MiB
+    with_base = with_process(prof, {"bytes": base, "source": "a test"})
+    total = sum(n.param_bytes for n in prof.nodes)
+    plain, counted = simulate(plan, build(prof)), simulate(plan, build(with_base))
+    largest = max(prof.parameters.values())
+    for st in plan.stages:
+        own = sum(n.param_bytes for n in prof.nodes if n.name in st.nodes)
+        dev = st.devices[0]
+        # the baseline, the rest of the model as built, AdamW's two temporaries of the largest parameter it steps
+        want = base + total - own + 2 * min(own, largest)
+        assert counted.peak[dev] - plain.peak[dev] == want == process_bytes(base, total, own, largest_param=largest)
+        # the part-by-part breakdown (benchmarks/memory_truth) counts it alike, and apart from the tensors
+        parts = stage_breakdown(plan, with_base, st, dev)
+        assert parts.process == want and parts.tensors == stage_breakdown(plan, prof, st, dev).total
+
+
+def test_a_replicated_zero_stage_counts_the_whole_model_built_its_shared_memory_and_its_shards_step() -> None:
+    p, base = 40 * MiB, 300 * MiB
+    got = process_bytes(base, p, p, replicas=2, zero=1, largest_param=p)
+    assert got == base + p + 2 * p + 2 * (p // 2)  # the model as built, two shm slots, AdamW over the shard
+    big = 200 * MiB  # a gradient above one slot goes through the slots in pieces
+    assert process_bytes(base, big, big, replicas=2, zero=0, largest_param=MiB) == base + 2 * 64 * MiB + 2 * MiB
+
+
+def test_the_host_cache_gives_the_figures_back_without_starting_a_process(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPML_HOST_CACHE", str(tmp_path / "host.json"))
+    assert this_host(log=lambda _l: None, measure=False) == {}  # nothing cached, nothing measured
+    from hpml_compile.profile.timing import host_facts
+
+    key = host_key(host_facts())
+    link = {"gbps": 3.0, "latency_us": 60.0, "shared": True, "source": "a test"}
+    remember(key, "link", link)
+    remember(key, "runtime_baseline", {"bytes": 123 * MiB, "step_ms": 0.5, "source": "a test"})
+    lines: list[str] = []
+    got = this_host(log=lines.append, measure=False)
+    assert got["link"] == link and got["process"]["bytes"] == 123 * MiB and got["process"]["step_ms"] == 0.5
+    assert any("cached in" in line for line in lines)  # the user sees where the figures came from
+    assert cached("another CPU | python 0 | torch 0 | hpml-compile 0", "link") is None  # keyed by the host
+    assert json.loads((tmp_path / "host.json").read_text())[key]["link"] == link
+
+
+@pytest.mark.dist
+def test_the_baseline_probe_reads_a_fresh_processs_peak_resident_set() -> None:
+    out = subprocess.run([sys.executable, "-c", BASELINE_CODE], capture_output=True, text=True, check=True)
+    rss, extra = out.stdout.split()[-2:]
+    assert 100 * MiB < int(rss) < 4096 * MiB  # torch and the runtime, a model of 10 parameters
+    assert 0.0 < float(extra) < 1000.0  # Pipeline.step's wall clock beyond the executor's span, ms
+
+
+def test_the_runtimes_measured_bookkeeping_is_part_of_the_predicted_step() -> None:
+    """Pipeline.step does more than the executor (the batch check, host sampling, memory counting): its measured
+    time is in the prediction, which the report compares with Pipeline.step's wall clock."""
+    plan, prof = _toy()
+    plain = simulate(plan, build(prof))
+    kept = simulate(plan, build(with_process(prof, {"bytes": 0, "step_ms": 1.25, "source": "a test"})))
+    assert kept.step_ms == pytest.approx(plain.step_ms + 1.25)
+    assert kept.step_without_optimizer_ms == pytest.approx(plain.step_without_optimizer_ms + 1.25)
