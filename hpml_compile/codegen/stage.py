@@ -101,6 +101,8 @@ class StageModule(RegionModule):
     INDEX: ClassVar[int] = 0
     INPUTS: ClassVar[tuple[str, ...]] = ()
     REGIONS: ClassVar[Mapping[str, type[RegionModule]]] = {}
+    TP: ClassVar[int] = 1  # the tensor-parallel degree the code is one rank's shard of
+    TP_SHARDS: ClassVar[tuple[tuple[str, int], ...]] = ()  # (parameter, dimension) a rank holds a slice of
 
     def __init__(self, model: nn.Module, constants: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__(model, constants)
@@ -108,6 +110,7 @@ class StageModule(RegionModule):
             self.add_module(name, cls(model, constants))
         self.hpml_comm: Comm = DetachedComm()
         self.hpml_swap = SwapStats()
+        self.hpml_tp: Any = None  # a tensor-parallel stage's group (the runtime sets it)
 
     def sync_grads(self) -> None:
         """Gradient collectives after the step's last backward (generated where the plan needs them)."""

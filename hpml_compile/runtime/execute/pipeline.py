@@ -67,7 +67,9 @@ from .batchcheck import agree_with_check, fingerprint
 from ...hostmem import keep_freed_memory
 from ...memory import ZeroStage
 from ...trainspec import check_batch_split, rank_rows
+from ...codegen.tensor_parallel import tp_degree
 from ...schedule import Action, stage_ranks
+from .tensor_parallel import TensorParallelSession, open_tensor_parallel, shard_rank, whole_params
 from ..sync.comm import CommFault, CommOp, DistComm, LocalComm, is_transient, make_groups, rank_devices
 from .data import RankBatch
 from .executor import (actions_for, forward_stage, local_order, loss_share, merge_outputs, run_actions,
@@ -235,11 +237,17 @@ class Pipeline:
         build = load_build(build_dir, model)
         if init_method is None and (dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1):
             init_method = "env://"
-        session = Session(init_method, policy=retry, log=kwargs.get("log")) if init_method else None
+        session: Session | None
+        if tp_degree(build.plan) > 1:  # a default group per place of the tensor-parallel groups
+            session, build = open_tensor_parallel(build, init_method, retry, kwargs.get("log"))
+        else:
+            session = Session(init_method, policy=retry, log=kwargs.get("log")) if init_method else None
         if weights is not None:  # only this rank's stages read their tensors
             ranks = stage_ranks(build.plan)
             mine = [st for k, st in enumerate(build.stages) if session is None or session.rank in ranks[k]]
             load_stage_weights(model, mine, Path(weights))
+        if isinstance(session, TensorParallelSession):
+            shard_rank(build, model, session)  # after the weights: each rank keeps its slices
         return cls(build, model, session=session, **kwargs)
 
     def _check_device(self) -> None:
@@ -924,6 +932,8 @@ class Pipeline:
         with contextlib.ExitStack() as stack:
             for s in self._shards:  # ZeRO-3 gathers; a hierarchical ZeRO-1 shard takes its pieces of a write after
                 stack.enter_context(s.whole(changed=changed))
+            if self.session is not None:  # tensor-parallel slices (:mod:`.tensor_parallel`)
+                stack.enter_context(whole_params(self.build, self.model, self.stage_index, changed=changed))
             yield
 
     def settle(self) -> None:
