@@ -169,16 +169,16 @@ def _divide_shape(node: fx.Node, unit: Unit, heads: int | None, features: int, t
     if len(args) <= shape_pos:
         return
     shape = args[shape_pos] if isinstance(args[shape_pos], (list, tuple)) else args[shape_pos:]
-    if not all(isinstance(s, int) for s in shape):
-        raise PlanError(f"{node.format_node()} in the {unit.kind} unit {unit.scope} reshapes with sizes computed in "
-                        "the graph, which cannot be divided among the tensor-parallel ranks; set this stage's tp to 1")
+    pos = len(shape) - 2 if heads is not None else len(shape) - 1
+    want = heads if heads is not None else features
+    if pos < 0 or shape[pos] == -1 or (isinstance(shape[pos], int) and shape[pos] != want):
+        return  # inferred, or not the split dimension
+    if not isinstance(shape[pos], int):
+        raise PlanError(f"{node.format_node()} in the {unit.kind} unit {unit.scope} reshapes its split dimension to "
+                        "a size computed in the graph, which cannot be divided among the tensor-parallel ranks; "
+                        "set this stage's tp to 1")
     new = list(shape)
-    if heads is not None and len(new) >= 2 and new[-2] == heads:
-        new[-2] = heads // tp
-    elif heads is None and new and new[-1] == features:
-        new[-1] = features // tp
-    if new == list(shape):
-        return
+    new[pos] = want // tp
     if isinstance(args[shape_pos], (list, tuple)):
         args[shape_pos] = type(args[shape_pos])(new)
         node.args = tuple(args)
@@ -215,6 +215,7 @@ def shard_graph(gm: fx.GraphModule, graph: fx.Graph, units: TensorParallel, tp: 
             _shard_unit(gm, graph, by_name, unit, group, tp, shards)
         else:
             node = by_name[unit.columns[0]]
+            shards.update({p: 0 for p, _ in _param_names(gm, node)})
             x, w, b = _weight_args(gm, graph, node)
             fn = tpops.tp_embedding if unit.kind == "embedding" else tpops.tp_head
             with graph.inserting_before(node):
@@ -222,7 +223,6 @@ def shard_graph(gm: fx.GraphModule, graph: fx.Graph, units: TensorParallel, tp: 
             node.replace_all_uses_with(new)
             graph.erase_node(node)
             new.name = node.name
-            shards.update({p: 0 for p, _ in _param_names(gm, node)})
     if not group.users:
         graph.erase_node(group)
     graph.lint()
@@ -261,10 +261,10 @@ def _shard_unit(gm: fx.GraphModule, graph: fx.Graph, by_name: dict[str, fx.Node]
     for name in unit.inside:
         if name in by_name:
             _divide_shape(by_name[name], unit, heads.get(name), features, tp)
+    shards.update({p: 1 for p, nd in _param_names(gm, row) if nd == 2})
     xin, w, b = _weight_args(gm, graph, row)
     with graph.inserting_before(row):
         new = graph.call_function(tpops.tp_row, (group, xin, w, b))
     row.replace_all_uses_with(new)
     graph.erase_node(row)
     new.name = row.name
-    shards.update({p: 1 for p, nd in _param_names(gm, row) if nd == 2})

@@ -10,13 +10,14 @@ state dict, gathered whole) equal the eager model's within 1e-5 (fp32).
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
 import torch.distributed as dist
+import transformers as tf
 
 from hpml_compile import models
 from hpml_compile.codegen import generate
@@ -25,6 +26,7 @@ from hpml_compile.plan import Plan
 from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.testing import split_plan
 from hpml_compile.trace import trace
+from hpml_compile.trainspec import model_loss
 
 pytestmark = pytest.mark.dist
 
@@ -33,8 +35,39 @@ TOL = 1e-5
 ROWS, SEQ = 4, 16
 
 
-def _model(name: str = "gpt-mini") -> models.LoadedModel:
-    return models.load(name, batch_size=ROWS, seq_len=SEQ, seed=0)
+@dataclass(frozen=True)
+class Subject:
+    """A model as a user holds it, its batches (inputs, target) and its loss."""
+
+    module: torch.nn.Module
+    batches: list[tuple[tuple[torch.Tensor, ...], Any]]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+
+
+def _subject(name: str) -> Subject:
+    """``gpt-mini`` / ``gpt-tiny`` from the zoo, or ``llama``: a tiny transformers Llama computing its own loss."""
+    g = torch.Generator().manual_seed(1)
+    if name == "llama":
+        torch.manual_seed(0)
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                                                   num_attention_heads=2, num_key_value_heads=2,
+                                                   intermediate_size=64, max_position_embeddings=64)).eval()
+        batches = []
+        for _ in range(STEPS):
+            ids = torch.randint(3, 96, (ROWS, SEQ), generator=g)
+            batches.append(((ids, torch.ones(ROWS, SEQ, dtype=torch.long), ids.clone()), None))
+        return Subject(model, batches, model_loss)
+    loaded = models.load(name, batch_size=ROWS, seq_len=SEQ, seed=0)
+    vocab = loaded.module.wte.num_embeddings
+    xs = [torch.randint(0, vocab, (ROWS, SEQ), generator=g) for _ in range(STEPS)]
+    return Subject(loaded.module, [((x,), torch.roll(x, -1, dims=1)) for x in xs], loaded.loss_fn)
+
+
+def _traced(name: str) -> tuple[Subject, torch.fx.GraphModule]:
+    sub = _subject(name)
+    inputs = sub.batches[0][0]
+    names = ("input_ids", "attention_mask", "labels") if name == "llama" else None
+    return sub, trace(sub.module, inputs, input_names=names)
 
 
 def _optimizer(params: Any) -> torch.optim.Optimizer:
@@ -43,27 +76,15 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-5)
 
 
-def _batches(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(STEPS):
-        x = torch.randint(0, vocab, (ROWS, SEQ), generator=g)
-        out.append((x, torch.roll(x, -1, dims=1)))
-    return out
-
-
-def _vocab(loaded: models.LoadedModel) -> int:
-    return loaded.module.wte.num_embeddings
-
-
 def _reference(name: str) -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    loaded = _model(name)
-    model = loaded.module
+    sub = _subject(name)
+    model = sub.module
     opt = _optimizer(model.parameters())
     losses, grads = [], []
-    for x, y in _batches(_vocab(loaded)):
+    for x, y in sub.batches:
         opt.zero_grad()
-        loss = loaded.loss_fn(model(x), y)
+        out = model(*x) if name != "llama" else model(input_ids=x[0], attention_mask=x[1], labels=x[2])
+        loss = sub.loss_fn(out, y)
         loss.backward()
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         opt.step()
@@ -79,8 +100,7 @@ def _tp_plan(gm: Any, name: str, stages: int, tp: list[int], replicas: list[int]
 
 def _build(tmp: Path, model: str, name: str, stages: int, tp: list[int], replicas: list[int],
            microbatches: int = 1) -> tuple[str, str]:
-    loaded = _model(model)
-    gm = trace(loaded.module, loaded.example_inputs)
+    _, gm = _traced(model)
     generate(gm, _tp_plan(gm, model, stages, tp, replicas, microbatches), tmp / name)
     return model, str(tmp / name)
 
@@ -97,16 +117,16 @@ def _worker(rank: int, world: int, builds: list[tuple[str, str]], tmp: str) -> N
 
 
 def _case(model: str, build_dir: str, init: str) -> dict[str, Any]:
-    loaded = _model(model)
-    pipe = Pipeline.from_build(build_dir, loaded.module, init_method=init, optimizer=_optimizer, events=False)
+    sub = _subject(model)
+    pipe = Pipeline.from_build(build_dir, sub.module, init_method=init, optimizer=_optimizer, events=False)
     ref_losses, ref_grads, ref_state = _reference(model)
     stage = pipe.build.stages[pipe.stage_index]
     group = stage.hpml_tp
-    sliced = {id(loaded.module.get_parameter(n)): d for n, d in stage.TP_SHARDS}  # a tied parameter: any name
+    sliced = {id(sub.module.get_parameter(n)): d for n, d in stage.TP_SHARDS}  # a tied parameter: any name
     losses, grad_diff, checked = [], 0.0, 0
-    for (x, y), ref in zip(_batches(_vocab(loaded)), ref_grads):
-        losses.append(pipe.step((x,), y, loaded.loss_fn).item())
-        for name, p in loaded.module.named_parameters():
+    for (x, y), ref in zip(sub.batches, ref_grads):
+        losses.append(pipe.step(x, y, sub.loss_fn).item())
+        for name, p in sub.module.named_parameters():
             if p.grad is None:
                 continue
             want = ref[name]
@@ -124,7 +144,7 @@ def _case(model: str, build_dir: str, init: str) -> dict[str, Any]:
         "state": max((state[k] - v).abs().max().item() for k, v in ref_state.items()),
         "keys": sorted(state) == sorted(ref_state),
         "worst": max(ref_state, key=lambda k: (state[k] - ref_state[k]).abs().max().item()),
-        "moved": max((ref_state[k] - v).abs().max().item() for k, v in _model(model).module.state_dict().items()),
+        "moved": max((ref_state[k] - v).abs().max().item() for k, v in _subject(model).module.state_dict().items()),
     }
     pipe.close()
     return report
@@ -162,7 +182,14 @@ def test_replicas_and_pipeline_of_tp2_on_four_ranks(tmp_path: Path) -> None:
 
 
 def test_stages_of_different_tp_are_refused(tmp_path: Path) -> None:
-    loaded = _model("gpt-tiny")
-    gm = trace(loaded.module, loaded.example_inputs)
+    _, gm = _traced("gpt-tiny")
     with pytest.raises(PlanError, match="same tp"):
         generate(gm, _tp_plan(gm, "gpt-tiny", 2, [2, 1], [1, 1]), tmp_path / "mixed")
+
+
+@pytest.mark.slow
+def test_transformers_llama_tp2_on_two_ranks(tmp_path: Path) -> None:
+    """A transformers Llama (torch.export graph: linear layers as aten.linear on lifted weights, rotary
+    embeddings inside the attention unit, the model's own loss); its LM head feeds the loss, so it stays whole."""
+    build = _build(tmp_path, "llama", "llama-tp2", 1, [2], [1])
+    _check(_run(tmp_path, 2, build), build)
