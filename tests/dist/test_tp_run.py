@@ -193,3 +193,41 @@ def test_transformers_llama_tp2_on_two_ranks(tmp_path: Path) -> None:
     embeddings inside the attention unit, the model's own loss); its LM head feeds the loss, so it stays whole."""
     build = _build(tmp_path, "llama", "llama-tp2", 1, [2], [1])
     _check(_run(tmp_path, 2, build), build)
+
+
+def _resume_worker(rank: int, world: int, sharded: str, plain: str, tmp: str) -> None:
+    """Two steps under ``sharded`` (tp=2), a checkpoint, then the third step under ``plain`` (tp=1, 2 replicas)."""
+    torch.set_num_threads(1)
+    dist.barrier()
+    dist.destroy_process_group()
+    ref_losses, _, ref_state = _reference("gpt-tiny")
+    sub = _subject("gpt-tiny")
+    init = f"file://{tmp}/rendezvous-a?rank={rank}&world_size={world}"
+    pipe = Pipeline.from_build(sharded, sub.module, init_method=init, optimizer=_optimizer, events=False)
+    for x, y in sub.batches[:2]:
+        pipe.step(x, y, sub.loss_fn)
+    pipe.save(Path(tmp, "ckpt"))
+    pipe.close()
+    sub = _subject("gpt-tiny")  # a fresh model: everything it trains on comes from the checkpoint
+    init = f"file://{tmp}/rendezvous-b?rank={rank}&world_size={world}"
+    pipe = Pipeline.from_build(plain, sub.module, init_method=init, optimizer=_optimizer, events=False)
+    meta = pipe.load(Path(tmp, "ckpt"))
+    x, y = sub.batches[2]
+    loss = pipe.step(x, y, sub.loss_fn).item()
+    state = pipe.state_dict()
+    pipe.close()
+    Path(tmp, f"rank{rank}.json").write_text(json.dumps({
+        "step": meta["step"] if meta else None, "loss": abs(loss - ref_losses[2]),
+        "state": max((state[k] - v).abs().max().item() for k, v in ref_state.items())}))
+
+
+@pytest.mark.slow
+def test_checkpoint_under_tp2_resumes_under_tp1(tmp_path: Path) -> None:
+    _, sharded = _build(tmp_path, "gpt-tiny", "tp2", 1, [2], [1])
+    _, gm = _traced("gpt-tiny")
+    generate(gm, split_plan(gm, "gpt-tiny", 1, replicas=[2]), tmp_path / "dp2")
+    spawn_ranks(_resume_worker, 2, tmp_path, sharded, str(tmp_path / "dp2"), str(tmp_path))
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["step"] == 2, got
+        assert got["loss"] < TOL and got["state"] < TOL, got

@@ -933,7 +933,8 @@ class Pipeline:
             for s in self._shards:  # ZeRO-3 gathers; a hierarchical ZeRO-1 shard takes its pieces of a write after
                 stack.enter_context(s.whole(changed=changed))
             if self.session is not None:  # tensor-parallel slices (:mod:`.tensor_parallel`)
-                stack.enter_context(whole_params(self.build, self.model, self.stage_index, changed=changed))
+                stack.enter_context(whole_params(self.build, self.model, self.stage_index, changed=changed,
+                                                 optimizer=getattr(self, "optimizer", None)))
             yield
 
     def settle(self) -> None:

@@ -50,7 +50,8 @@ from ...schedule import stage_ranks
 from ..sync.comm import Backend
 from .session import RetryPolicy, Session
 
-__all__ = ["TensorParallelSession", "slice_param", "shard_build", "whole_params", "open_tensor_parallel", "shard_rank"]
+__all__ = ["TensorParallelSession", "slice_param", "shard_build", "whole_params", "checkpoint_view", "open_tensor_parallel",
+           "shard_rank"]
 
 
 class TensorParallelSession(Session):
@@ -121,8 +122,16 @@ def shard_build(build: Build, model: nn.Module, stage: int, group: TPGroup) -> N
         slice_param(model.get_parameter(name), dim, group.rank, group.size)
 
 
+def _gather(group: TPGroup, t: Tensor, dim: int) -> Tensor:
+    t = t.contiguous()
+    parts = [torch.empty_like(t) for _ in range(group.size)]
+    group.group.allgather([parts], [t]).wait()
+    return torch.cat(parts, dim=dim)
+
+
 @contextlib.contextmanager
-def whole_params(build: Build, model: nn.Module, stage: int, *, changed: bool = False) -> Iterator[None]:
+def whole_params(build: Build, model: nn.Module, stage: int, *, changed: bool = False,
+                 optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
     """This rank's sliced parameters whole for the block (gathered over its tensor-parallel group; a no-op for
     a stage without slices), sliced again after it: what reads or writes parameters outside a step (the state
     dict, checkpoints) sees the model as it is without tensor parallelism.
@@ -134,6 +143,8 @@ def whole_params(build: Build, model: nn.Module, stage: int, *, changed: bool = 
         model: the model.
         stage: the stage this rank runs.
         changed: the block writes the parameters (a load): each rank keeps its slice of what was written.
+        optimizer: its per-parameter state shaped like a sliced parameter (Adam's moments) is made whole too,
+            and what the block leaves shaped like the whole parameter is sliced after it.
     """
     st = build.stages[stage]
     group: TPGroup | None = st.hpml_tp
@@ -141,20 +152,48 @@ def whole_params(build: Build, model: nn.Module, stage: int, *, changed: bool = 
         yield
         return
     params = [(model.get_parameter(name), dim) for name, dim in st.TP_SHARDS]
-    mine = [p.data for p, _ in params]
+    states = optimizer.state if optimizer is not None else {}
+    mine = [(p.data, dict(states.get(p, {}))) for p, _ in params]
     for p, dim in params:
-        t = p.data.contiguous()
-        parts = [torch.empty_like(t) for _ in range(group.size)]
-        group.group.allgather([parts], [t]).wait()
-        p.data = torch.cat(parts, dim=dim)
+        sliced = p.shape
+        p.data = _gather(group, p.data, dim)
+        for k, v in states.get(p, {}).items():
+            if isinstance(v, Tensor) and v.shape == sliced and v.dim():
+                states[p][k] = _gather(group, v, dim)
     try:
         yield
     finally:
-        for (p, dim), old in zip(params, mine):
+        for (p, dim), (data, state) in zip(params, mine):
+            whole = p.shape
             if changed:
                 slice_param(p, dim, group.rank, group.size)
+                for k, v in states.get(p, {}).items():
+                    if isinstance(v, Tensor) and v.shape == whole and v.dim():
+                        states[p][k] = v.chunk(group.size, dim=dim)[group.rank].clone()
             else:
-                p.data = old
+                p.data = data
+                if p in states:
+                    states[p].update(state)
+
+
+@contextlib.contextmanager
+def checkpoint_view(pipe: Any) -> Iterator[bool]:
+    """A pipeline's parameters and optimizer state whole for a checkpoint; yields whether this rank writes.
+
+    Every place of the tensor-parallel groups holds the same whole tensors in the block, so only place 0
+    writes (its default group holds every stage once); the group's other ranks wait for it at the end. A
+    load runs on every rank (``changed``: each keeps its slice). Without tensor-parallel stages: yields True.
+    """
+    st = pipe.build.stages[pipe.stage_index]
+    group: TPGroup | None = getattr(st, "hpml_tp", None)
+    if group is None:
+        yield True
+        return
+    with whole_params(pipe.build, pipe.model, pipe.stage_index, changed=True, optimizer=pipe.optimizer):
+        try:
+            yield group.rank == 0
+        finally:
+            group.all_reduce(torch.zeros(1))  # the writer is done before anyone reads the folder
 
 
 def open_tensor_parallel(build: Build, init_method: str | None, policy: RetryPolicy,
