@@ -76,7 +76,7 @@ def tp_degree(plan: Plan) -> int:
                         "without sharded layers runs replicated on its group), or set tp to 1")
     for st in plan.stages:
         what = [w for w, on in (("ZeRO", st.zero is not ZeroStage.NONE), ("recompute", st.recompute),
-                                ("swap", bool(st.swap)), ("offload", bool(getattr(st, "offload_optimizer", False))))
+                                ("swap", bool(st.swap)), ("offload", st.offload_optimizer))
                 if on]
         if what:
             raise PlanError(f"stage {st.index} has tp={st.tp} and {', '.join(what)}, which the runtime does not "

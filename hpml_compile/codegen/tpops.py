@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import HpmlError
+
 __all__ = ["TPGroup", "tp_copy", "tp_row", "tp_embedding", "tp_head"]
 
 
@@ -74,6 +76,14 @@ class TPGroup:
         parts = [torch.empty_like(t) for _ in range(self.size)]
         self.group.allgather([parts], [t]).wait()
         return torch.cat(parts, dim=-1)
+
+
+def _check(group: TPGroup | None) -> TPGroup:
+    if not isinstance(group, TPGroup):
+        raise HpmlError("this stage is one rank's shard of a tensor-parallel stage (tp > 1) and runs only on the "
+                        "plan's ranks: start one process per device (hpml-compile run --nproc N, or "
+                        "Pipeline.from_build with init_method), or compile with --max-tp 1 to run in one process")
+    return group
 
 
 class _Copy(torch.autograd.Function):
@@ -111,13 +121,13 @@ class _Gather(torch.autograd.Function):
 
 def tp_copy(group: TPGroup, x: Tensor) -> Tensor:
     """``x`` unchanged; its gradient all-reduced over the group (the input of a unit's column layers)."""
-    return _Copy.apply(group, x)
+    return _Copy.apply(_check(group), x)
 
 
 def tp_row(group: TPGroup, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """A row-split linear layer: ``x`` (this rank's input features) times this rank's columns of ``weight``,
     summed over the group, plus ``bias`` (whole, added once)."""
-    out = _Reduce.apply(group, F.linear(x, weight))
+    out = _Reduce.apply(_check(group), F.linear(x, weight))
     return out if bias is None else out + bias
 
 
@@ -125,7 +135,7 @@ def tp_embedding(group: TPGroup, idx: Tensor, weight: Tensor) -> Tensor:
     """A lookup in a vocabulary split by rows: this rank holds rows ``rank * n .. (rank + 1) * n`` of the
     table (``n`` = its rows); tokens outside them look up zeros, and the group's lookups are summed."""
     n = weight.shape[0]
-    start = group.rank * n
+    start = _check(group).rank * n
     inside = (idx >= start) & (idx < start + n)
     local = torch.where(inside, idx - start, torch.zeros_like(idx))
     out = F.embedding(local, weight) * inside.unsqueeze(-1).to(weight.dtype)
@@ -134,4 +144,4 @@ def tp_embedding(group: TPGroup, idx: Tensor, weight: Tensor) -> Tensor:
 
 def tp_head(group: TPGroup, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """An output layer split by output features (the vocabulary): every rank's slice, gathered in rank order."""
-    return _Gather.apply(group, F.linear(tp_copy(group, x), weight, bias))
+    return _Gather.apply(_check(group), F.linear(tp_copy(group, x), weight, bias))
