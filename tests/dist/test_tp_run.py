@@ -196,38 +196,47 @@ def test_transformers_llama_tp2_on_two_ranks(tmp_path: Path) -> None:
 
 
 def _resume_worker(rank: int, world: int, sharded: str, plain: str, tmp: str) -> None:
-    """Two steps under ``sharded`` (tp=2), a checkpoint, then the third step under ``plain`` (tp=1, 2 replicas)."""
+    """Two steps under ``plain`` (tp=1, 2 replicas) and a checkpoint; the third step under ``sharded`` (tp=2)
+    resumed from it, and a checkpoint; that one loaded under ``plain`` again."""
     torch.set_num_threads(1)
     dist.barrier()
     dist.destroy_process_group()
     ref_losses, _, ref_state = _reference("gpt-tiny")
-    sub = _subject("gpt-tiny")
-    init = f"file://{tmp}/rendezvous-a?rank={rank}&world_size={world}"
-    pipe = Pipeline.from_build(sharded, sub.module, init_method=init, optimizer=_optimizer, events=False)
+
+    def pipeline(build: str, name: str) -> tuple[Pipeline, Subject]:
+        sub = _subject("gpt-tiny")  # a fresh model: what it trains on comes from the checkpoint
+        init = f"file://{tmp}/rendezvous-{name}?rank={rank}&world_size={world}"
+        return Pipeline.from_build(build, sub.module, init_method=init, optimizer=_optimizer, events=False), sub
+
+    pipe, sub = pipeline(plain, "a")
     for x, y in sub.batches[:2]:
         pipe.step(x, y, sub.loss_fn)
-    pipe.save(Path(tmp, "ckpt"))
+    pipe.save(Path(tmp, "ckpt-tp1"))
     pipe.close()
-    sub = _subject("gpt-tiny")  # a fresh model: everything it trains on comes from the checkpoint
-    init = f"file://{tmp}/rendezvous-b?rank={rank}&world_size={world}"
-    pipe = Pipeline.from_build(plain, sub.module, init_method=init, optimizer=_optimizer, events=False)
-    meta = pipe.load(Path(tmp, "ckpt"))
+    pipe, sub = pipeline(sharded, "b")
+    meta = pipe.load(Path(tmp, "ckpt-tp1"))
     x, y = sub.batches[2]
     loss = pipe.step(x, y, sub.loss_fn).item()
+    pipe.save(Path(tmp, "ckpt-tp2"))
+    pipe.close()
+    pipe, sub = pipeline(plain, "c")
+    again = pipe.load(Path(tmp, "ckpt-tp2"))
     state = pipe.state_dict()
     pipe.close()
     Path(tmp, f"rank{rank}.json").write_text(json.dumps({
-        "step": meta["step"] if meta else None, "loss": abs(loss - ref_losses[2]),
+        "steps": [meta["step"] if meta else None, again["step"] if again else None], "loss": abs(loss - ref_losses[2]),
         "state": max((state[k] - v).abs().max().item() for k, v in ref_state.items())}))
 
 
 @pytest.mark.slow
-def test_checkpoint_under_tp2_resumes_under_tp1(tmp_path: Path) -> None:
+def test_checkpoints_move_between_tp1_and_tp2(tmp_path: Path) -> None:
+    """A checkpoint written under tp=1 resumes under tp=2 (each rank keeps its slices of the parameters and of
+    AdamW's moments), and one written under tp=2 (whole tensors) loads under tp=1."""
     _, sharded = _build(tmp_path, "gpt-tiny", "tp2", 1, [2], [1])
     _, gm = _traced("gpt-tiny")
     generate(gm, split_plan(gm, "gpt-tiny", 1, replicas=[2]), tmp_path / "dp2")
     spawn_ranks(_resume_worker, 2, tmp_path, sharded, str(tmp_path / "dp2"), str(tmp_path))
     for r in range(2):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert got["step"] == 2, got
+        assert got["steps"] == [2, 3], got
         assert got["loss"] < TOL and got["state"] < TOL, got

@@ -203,8 +203,9 @@ class Pipeline:
         self.grad_peak = GradPeak(self.parameters())  # gradients at the end of the backward, before any sync
         self.gpu = GpuStats(self.device)  # NVML counters on a GPU rank (reads nothing on a CPU)
         self.held: Held | None = None  # parameters and optimizer state after the last step, gradients at their peak
-        self.monitor = Monitor(run_dir, self.rank, tensorboard=tensorboard, events=events) \
-            if run_dir is not None else Monitor(None, self.rank)
+        mon = session.job_rank if isinstance(session, TensorParallelSession) else self.rank  # files of its own
+        self.monitor = Monitor(run_dir, mon, tensorboard=tensorboard, events=events) \
+            if run_dir is not None else Monitor(None, mon)
         self.trainer: Any = None  # a TrainSpec's loop (.trainer.Trainer) where compile() was given one
         self.events: EventLog | None = None
         self.host: HostSampler | None = None

@@ -163,6 +163,7 @@ def whole_params(build: Build, model: nn.Module, stage: int, *, changed: bool = 
     try:
         yield
     finally:
+        states = optimizer.state if optimizer is not None else {}  # a load may have replaced the table
         for (p, dim), (data, state) in zip(params, mine):
             whole = p.shape
             if changed:
