@@ -65,7 +65,7 @@ def tp_degree(plan: Plan) -> int:
 
     Raises:
         PlanError: stages have different degrees above 1 and 1, or a stage with ``tp > 1`` also has ZeRO,
-            recompute, swap or offload (what the runtime cannot combine with tensor parallelism yet).
+            recompute, swap or offload (what the runtime does not combine with tensor parallelism).
     """
     degrees = sorted({st.tp for st in plan.stages})
     if degrees == [1]:
@@ -165,10 +165,11 @@ def _divide_shape(node: fx.Node, unit: Unit, heads: int | None, features: int, t
     if target not in _VIEWS:
         return
     shape_pos = 2 if target == "unflatten" else 1
-    args = list(node.args)
+    args: list[Any] = list(node.args)
     if len(args) <= shape_pos:
         return
-    shape = args[shape_pos] if isinstance(args[shape_pos], (list, tuple)) else args[shape_pos:]
+    packed = isinstance(args[shape_pos], (list, tuple))
+    shape: list[Any] = list(args[shape_pos]) if packed else args[shape_pos:]
     pos = len(shape) - 2 if heads is not None else len(shape) - 1
     want = heads if heads is not None else features
     if pos < 0 or shape[pos] == -1 or (isinstance(shape[pos], int) and shape[pos] != want):
@@ -177,13 +178,12 @@ def _divide_shape(node: fx.Node, unit: Unit, heads: int | None, features: int, t
         raise PlanError(f"{node.format_node()} in the {unit.kind} unit {unit.scope} reshapes its split dimension to "
                         "a size computed in the graph, which cannot be divided among the tensor-parallel ranks; "
                         "set this stage's tp to 1")
-    new = list(shape)
-    new[pos] = want // tp
-    if isinstance(args[shape_pos], (list, tuple)):
-        args[shape_pos] = type(args[shape_pos])(new)
+    shape[pos] = want // tp
+    if packed:
+        args[shape_pos] = type(args[shape_pos])(shape)
         node.args = tuple(args)
     else:
-        node.args = tuple(args[:shape_pos] + new)
+        node.args = tuple(args[:shape_pos] + shape)
 
 
 def shard_graph(gm: fx.GraphModule, graph: fx.Graph, units: TensorParallel, tp: int) -> tuple[tuple[str, int], ...]:
@@ -256,8 +256,8 @@ def _shard_unit(gm: fx.GraphModule, graph: fx.Graph, by_name: dict[str, fx.Node]
         shards.update({p: 0 for p, _ in _param_names(gm, c)})
     heads = dict(unit.reshapes)
     row = by_name[unit.row]
-    features = node_info(row.args[0]).shape[-1] if isinstance(row.args[0], fx.Node) and \
-        node_info(row.args[0]).shape else -1
+    merged = node_info(row.args[0]).shape if isinstance(row.args[0], fx.Node) else None
+    features = merged[-1] if merged else -1  # the row layer's input features, whole
     for name in unit.inside:
         if name in by_name:
             _divide_shape(by_name[name], unit, heads.get(name), features, tp)

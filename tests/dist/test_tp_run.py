@@ -21,7 +21,8 @@ import transformers as tf
 
 from hpml_compile import models
 from hpml_compile.codegen import generate
-from hpml_compile.errors import PlanError
+from hpml_compile.errors import HpmlError, PlanError
+from hpml_compile.memory import ZeroStage
 from hpml_compile.plan import Plan
 from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.testing import split_plan
@@ -52,13 +53,15 @@ def _subject(name: str) -> Subject:
         model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2,
                                                    num_attention_heads=2, num_key_value_heads=2,
                                                    intermediate_size=64, max_position_embeddings=64)).eval()
-        batches = []
+        batches: list[tuple[tuple[torch.Tensor, ...], Any]] = []
         for _ in range(STEPS):
             ids = torch.randint(3, 96, (ROWS, SEQ), generator=g)
             batches.append(((ids, torch.ones(ROWS, SEQ, dtype=torch.long), ids.clone()), None))
         return Subject(model, batches, model_loss)
     loaded = models.load(name, batch_size=ROWS, seq_len=SEQ, seed=0)
-    vocab = loaded.module.wte.num_embeddings
+    wte = loaded.module.get_submodule("wte")
+    assert isinstance(wte, torch.nn.Embedding)
+    vocab = wte.num_embeddings
     xs = [torch.randint(0, vocab, (ROWS, SEQ), generator=g) for _ in range(STEPS)]
     return Subject(loaded.module, [((x,), torch.roll(x, -1, dims=1)) for x in xs], loaded.loss_fn)
 
@@ -86,7 +89,7 @@ def _reference(name: str) -> tuple[list[float], list[dict[str, torch.Tensor]], d
         out = model(*x) if name != "llama" else model(input_ids=x[0], attention_mask=x[1], labels=x[2])
         loss = sub.loss_fn(out, y)
         loss.backward()
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
         losses.append(loss.item())
     return losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -150,7 +153,7 @@ def _case(model: str, build_dir: str, init: str) -> dict[str, Any]:
     return report
 
 
-def _run(tmp: Path, world: int, *builds: str) -> list[dict[str, Any]]:
+def _run(tmp: Path, world: int, *builds: tuple[str, str]) -> list[dict[str, Any]]:
     spawn_ranks(_worker, world, tmp, list(builds), str(tmp))
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -181,18 +184,26 @@ def test_replicas_and_pipeline_of_tp2_on_four_ranks(tmp_path: Path) -> None:
     assert [r[pipeline[1]]["stage"] for r in reports] == [0, 0, 1, 1]
 
 
-def test_stages_of_different_tp_are_refused(tmp_path: Path) -> None:
-    _, gm = _traced("gpt-tiny")
-    with pytest.raises(PlanError, match="same tp"):
-        generate(gm, _tp_plan(gm, "gpt-tiny", 2, [2, 1], [1, 1]), tmp_path / "mixed")
-
-
 @pytest.mark.slow
 def test_transformers_llama_tp2_on_two_ranks(tmp_path: Path) -> None:
     """A transformers Llama (torch.export graph: linear layers as aten.linear on lifted weights, rotary
     embeddings inside the attention unit, the model's own loss); its LM head feeds the loss, so it stays whole."""
     build = _build(tmp_path, "llama", "llama-tp2", 1, [2], [1])
     _check(_run(tmp_path, 2, build), build)
+
+
+def test_what_the_runtime_cannot_run_is_refused_by_name(tmp_path: Path) -> None:
+    """Stages of different tp, tp with ZeRO, and a tensor-parallel build in one process."""
+    sub, gm = _traced("gpt-tiny")
+    with pytest.raises(PlanError, match="same tp"):
+        generate(gm, _tp_plan(gm, "gpt-tiny", 2, [2, 1], [1, 1]), tmp_path / "mixed")
+    zero = _tp_plan(gm, "gpt-tiny", 1, [2], [2])
+    zero = replace(zero, stages=(replace(zero.stages[0], zero=ZeroStage.OS),))
+    with pytest.raises(PlanError, match="ZeRO"):
+        generate(gm, zero, tmp_path / "zero")
+    _, build = _build(tmp_path, "gpt-tiny", "tp2", 1, [2], [1])
+    with pytest.raises(HpmlError, match="ranks of their own"):
+        Pipeline.from_build(build, sub.module)
 
 
 def _resume_worker(rank: int, world: int, sharded: str, plain: str, tmp: str) -> None:
