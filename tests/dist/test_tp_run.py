@@ -10,6 +10,9 @@ state dict, gathered whole) equal the eager model's within 1e-5 (fp32).
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -24,6 +27,7 @@ from hpml_compile.codegen import generate
 from hpml_compile.errors import HpmlError, PlanError
 from hpml_compile.memory import ZeroStage
 from hpml_compile.plan import Plan
+from hpml_compile.recipe import ModelRecipe
 from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.testing import split_plan
 from hpml_compile.trace import trace
@@ -251,3 +255,29 @@ def test_checkpoints_move_between_tp1_and_tp2(tmp_path: Path) -> None:
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert got["steps"] == [2, 3], got
         assert got["loss"] < TOL and got["state"] < TOL, got
+
+
+@pytest.mark.slow
+def test_hpml_compile_run_trains_a_tp2_build(tmp_path: Path) -> None:
+    """`hpml-compile run` on a tp=2 build (torchrun, 2 ranks): the losses it prints are eager's, and each rank
+    writes its own measurements."""
+    loaded = models.load("gpt-tiny", batch_size=8, seq_len=16, seed=0)
+    gm = trace(loaded.module, loaded.example_inputs)
+    generate(gm, _tp_plan(gm, "gpt-tiny", 1, [2], [1]), tmp_path / "build",
+             recipe=ModelRecipe("gpt-tiny", 8, 16, 0, threads_per_rank=1))
+    r = subprocess.run([sys.executable, "-m", "hpml_compile", "run", str(tmp_path / "build"), "--nproc", "2",
+                        "--steps", "3", "--run-dir", str(tmp_path / "run"), "--no-report"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = [float(x) for x in re.findall(r"step\s+\d+/3\s+loss\s+([0-9.]+)", r.stdout)]
+    model = loaded.module
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # the run's default optimizer
+    want = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = loaded.loss_fn(model(*loaded.example_inputs), loaded.example_targets)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    assert got == pytest.approx(want, abs=2e-4), (got, want, r.stdout)  # printed with 4 decimals, once
+    assert sorted(p.name for p in (tmp_path / "run" / "metrics").glob("rank*.jsonl")) == ["rank0.jsonl", "rank1.jsonl"]
