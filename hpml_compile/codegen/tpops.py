@@ -52,7 +52,8 @@ class TPGroup:
 
     Attributes:
         group: the process group, used through its own methods (``allreduce``, ``allgather``): a gloo group
-            the runtime makes on the job's store outside the default group (None: one rank, no collective).
+            the runtime makes on the job's store outside the default group; or an object whose ``tp_group``
+            is that group (the runtime's session, which forms it again after a failed step). None: one rank.
         rank: this rank's place in the group (which shard it holds).
         size: the degree ``tp``.
     """
@@ -65,7 +66,7 @@ class TPGroup:
         """``t`` summed over the group (a new tensor)."""
         out = t.contiguous().clone()
         if self.size > 1:
-            self.group.allreduce([out]).wait()
+            self.process_group().allreduce([out]).wait()
         return out
 
     def all_gather_last(self, t: Tensor) -> Tensor:
@@ -74,8 +75,12 @@ class TPGroup:
             return t
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        self.group.allgather([parts], [t]).wait()
+        self.process_group().allgather([parts], [t]).wait()
         return torch.cat(parts, dim=-1)
+
+    def process_group(self) -> Any:
+        """The process group now (the session's current one where :attr:`group` is a session)."""
+        return getattr(self.group, "tp_group", self.group)
 
 
 def _check(group: TPGroup | None) -> TPGroup:

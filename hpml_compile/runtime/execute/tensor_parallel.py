@@ -125,7 +125,7 @@ def shard_build(build: Build, model: nn.Module, stage: int, group: TPGroup) -> N
 def _gather(group: TPGroup, t: Tensor, dim: int) -> Tensor:
     t = t.contiguous()
     parts = [torch.empty_like(t) for _ in range(group.size)]
-    group.group.allgather([parts], [t]).wait()
+    group.process_group().allgather([parts], [t]).wait()
     return torch.cat(parts, dim=dim)
 
 
@@ -218,5 +218,5 @@ def open_tensor_parallel(build: Build, init_method: str | None, policy: RetryPol
 def shard_rank(build: Build, model: nn.Module, session: TensorParallelSession) -> int:
     """Slice the parameters of the stage this rank runs (after any weights are loaded whole); its index."""
     stage = next(k for k, rs in enumerate(stage_ranks(build.plan)) if session.rank in rs)
-    shard_build(build, model, stage, TPGroup(session.tp_group, session.tp_index, session.tp))
+    shard_build(build, model, stage, TPGroup(session, session.tp_index, session.tp))  # its group after a re-form
     return stage
