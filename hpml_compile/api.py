@@ -127,7 +127,8 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
     prec = Precision.parse(precision, "precision")
     opts = driver.Options(solver=solver, microbatches=microbatches, schedule=schedule, time_limit_s=time_limit_s,
                           precision=prec, compress=compress, allow_compress=allow_compress, sync_every=sync_every,
-                          sync_warmup=sync_warmup)  # every option checked before anything runs
+                          sync_warmup=sync_warmup,  # every option checked before anything runs
+                          max_tp=1)  # this process group runs stages without tensor parallelism (run does)
     spec = model if isinstance(model, TrainSpec) else None
     names: tuple[str, ...] = batch_input_names(spec) if spec is not None else ()
     if spec is not None:

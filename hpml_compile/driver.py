@@ -49,6 +49,7 @@ from .assumptions import assumptions
 from .certify import certify
 from .cluster import check_devices_costed, load_cluster
 from .codegen import Build, check_build_dir, generate
+from .codegen.tensor_parallel import tp_degree
 from .costgraph import CostGraph
 from .costgraph import build as build_costgraph
 from .errors import BuildMismatchError, HpmlError, OptionError, PlanError
@@ -104,7 +105,9 @@ class Options:
             more CPU devices than the profile's cores, the plan uses only as many of them as there are cores, the
             rest idle (:func:`within_cores`), unless nothing fits on those.
         max_tp: the largest tensor-parallel degree a stage may take (1, 2, 4 or 8; :mod:`hpml_compile.tp`).
-            :func:`compile` and :func:`replan` plan with 1: the generated stages run without tensor parallelism.
+            :func:`compile` plans again with 1 where the solver gives stages different degrees (or combines tp
+            with ZeRO, recompute, swap or offload), which the runtime does not run
+            (:func:`hpml_compile.codegen.tensor_parallel.tp_degree`); :func:`replan` plans with 1.
     """
 
     solver: SolverName | str = SolverName.ILP
@@ -559,11 +562,23 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Pat
         check_precision(measured, opts.precision)
     _dump(opts, "2-profile.json", lambda p: save_profile(measured, p))
     tell(f"[3/4] planning on {c.name} ({len(c.devices)} devices) with {SolverName(opts.solver).value}")
-    opts = replace(opts, max_tp=1)  # the generated stages run without tensor parallelism
     placed = plan(measured, c, opts, progress=say)                                  # 3-5. costgraph, solve
+    unrunnable = _unrunnable_tp(placed)
+    if unrunnable:                                                                  # 5b. tp the runtime runs
+        tell(f"      {unrunnable}; planning again without tensor parallelism (--max-tp 1)")
+        placed = plan(measured, c, replace(opts, max_tp=1), progress=say)
     tell(f"[4/4] generating {len(placed.stages)} stage(s) into {out_dir}")
     return _generate(module, inputs, gm, placed, predict_kinds(measured, kinds), out_dir, label,  # 6. codegen
                      recipe)
+
+
+def _unrunnable_tp(placed: Plan) -> str | None:
+    """Why the runtime cannot run ``placed``'s tensor-parallel stages (None: it can, or there are none)."""
+    try:
+        tp_degree(placed)
+    except PlanError as e:
+        return str(e).split(";")[0]
+    return None
 
 
 def _check_profile_matches(prof: Profile, gm: fx.GraphModule, label: str) -> None:
@@ -588,14 +603,13 @@ def _generate(module: nn.Module, inputs: tuple[Any, ...], gm: fx.GraphModule, pl
 
     Raises:
         HpmlError: the plan breaks a rule of the profile, or an exported model cannot execute at that size.
+        PlanError: stages with different ``tp``, or ``tp > 1`` with ZeRO, recompute, swap or offload
+            (:func:`hpml_compile.codegen.tensor_parallel.tp_degree`).
     """
     validate_plan(placed, prof)
-    sharded = [st.index for st in placed.stages if st.tp > 1]
-    if sharded:
-        raise PlanError(f"stage {sharded[0]} of the plan has tp={placed.stages[sharded[0]].tp}, but the generated "
-                        "stages run without tensor parallelism: plan with --max-tp 1 (compile does), or set tp to 1")
+    tp_degree(placed)  # PlanError where the runtime cannot run the plan's tensor-parallel stages
     graph = gm
-    replicas = {len(st.devices) for st in placed.stages}
+    replicas = {len(st.devices) // st.tp for st in placed.stages}
     if fixed_shapes(gm) and any(st.rows for st in placed.stages):
         raise HpmlError(f"{label} traces with torch.export, whose shapes are fixed, but the plan gives the replicas "
                         "of a stage different rows per microbatch; plan with uneven rows off "
@@ -657,7 +671,8 @@ def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost
     gone = list(lost)
     if gone:
         target = without_devices(target, gone)
-    prof, fine, graph = _graphs(measured, target, replace(opts, max_tp=1))  # the running stages have no tp
+    prof, fine, graph = _graphs(measured, target, replace(opts, max_tp=1))  # re-plans without tp (a checkpoint
+    # of a tensor-parallel plan loads under one without)
     # Blocks cut by cost follow the measured costs, so the old plan may split one of them: both plans are
     # scored on the profile's own nodes, which any plan's stages respect.
     allowed, forced = carried_comm(old)                                             # the user's comm options

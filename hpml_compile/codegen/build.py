@@ -68,6 +68,7 @@ from .manifest import (MANIFEST_FILE, MANIFEST_SCHEMA, MANIFEST_VERSION, InputSp
 from .partition import canonical_text
 from .render import render
 from .stage import StageModule
+from .tensor_parallel import replica_plan
 
 __all__ = ["MANIFEST_VERSION", "MANIFEST_SCHEMA", "InputSpec", "Manifest", "Build", "sha256", "write_files",
            "load_build", "bind_build", "rank_actions", "input_specs", "leaf_modules", "file_hashes", "build_files",
@@ -305,7 +306,7 @@ def bind_build(out_dir: Path, plan: Plan, manifest: Manifest, files: Mapping[str
     Raises:
         BuildMismatchError, ScheduleError: the action lists do not fit the plan (see :func:`rank_actions`).
     """
-    actions = rank_actions(manifest, plan)
+    actions = rank_actions(manifest, replica_plan(plan))  # a tp stage's groups run one plan per place
     sources = tuple(str(files[f"stage_{k}.py"]) for k in range(len(plan.stages)))
     classes = [_compile_stage(out_dir / f"stage_{k}.py", src, class_name(k)) for k, src in enumerate(sources)]
     carried = out_dir / CONSTANTS_FILE  # hash-checked with the other data files (_check_files)

@@ -181,7 +181,7 @@ def _describe(value: Any, precision: Precision = Precision.FP32) -> str:
 
 
 def stage_source(model: str, plan: Plan, acts: StageActions, graphs: StageGraphs, values: dict[str, Any],
-                 graph_sha256: str) -> str:
+                 graph_sha256: str, extra: dict[str, Any] | None = None) -> str:
     """The text of ``stage_<k>.py``.
 
     Args:
@@ -191,6 +191,7 @@ def stage_source(model: str, plan: Plan, acts: StageActions, graphs: StageGraphs
         graphs: the stage's graphs.
         values: node values at microbatch size (for the docstring's shapes).
         graph_sha256: hash of the model graph the build is for.
+        extra: more class attributes of the stage (a tensor-parallel stage's ``TP`` and ``TP_SHARDS``).
 
     Returns:
         Python source defining ``Stage<k>`` and its region classes.
@@ -218,6 +219,7 @@ def stage_source(model: str, plan: Plan, acts: StageActions, graphs: StageGraphs
     attrs: dict[str, Any] = {"INDEX": k, "INPUTS": acts.inputs, "TARGETS": targets_of(graphs.graph)}
     if regions:
         attrs["REGIONS"] = "{" + ", ".join(f"{a!r}: {c}" for a, c in regions.items()) + "}"
+    attrs.update(extra or {})
     doc = f"Stage {k} of {len(plan.stages)}: {len(acts.nodes)} node(s) on {', '.join(st.devices)}."
     classes.append(class_source(class_name(k), "StageModule", doc, attrs, methods))
     header = _header(model, plan, acts, values, graph_sha256)

@@ -54,7 +54,8 @@ __all__ = ["COMM_ATTR", "SWAP_ATTR", "RECOMPUTE_ATTR", "StageGraphs", "lower_sta
 COMM_ATTR = "hpml_comm"
 SWAP_ATTR = "hpml_swap"
 RECOMPUTE_ATTR = "hpml_recompute"
-_OWN_ATTRS = frozenset({COMM_ATTR, SWAP_ATTR})
+TP_ATTR = "hpml_tp"  # a tensor-parallel stage's group (.tensor_parallel)
+_OWN_ATTRS = frozenset({COMM_ATTR, SWAP_ATTR, TP_ATTR})
 
 
 @dataclass

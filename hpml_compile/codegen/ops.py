@@ -54,6 +54,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from .comm import Comm, DetachedComm, Direction, TensorSpec, carries_grad
+from .tpops import tp_copy, tp_embedding, tp_head, tp_row  # noqa: F401 -- spelt ops.tp_* in stage code
 
 __all__ = [
     "Direction",

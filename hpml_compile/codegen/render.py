@@ -39,6 +39,7 @@ from .constants import CONSTANTS_FILE, constants_bytes
 from .emit import class_name, stage_source
 from .lower import lower_stage
 from .manifest import Manifest, file_hashes, input_specs, leaf_modules, sha256
+from .tensor_parallel import graph_units, replica_plan, shard_graph, tp_degree
 from .partition import batch_dims, canonical_text, microbatch_values, place, plan_actions, specs_of, trace_rows
 
 __all__ = ["render"]
@@ -66,6 +67,7 @@ def render(gm: fx.GraphModule, plan: Plan, *, profile: Profile | None = None, re
     """
     text = canonical_text(gm)                                      # 1. the model graph
     graph_sha = sha256(text)
+    full, plan = plan, replica_plan(plan)                          # tensor parallelism: one place of each group
     owner = place(gm, plan)                                        # 2. node -> stage, as the plan says
     rows, values = _stage_values(gm, plan)                          # 3. shapes on each stage replica
     actions = plan_actions(gm, plan, owner, values[0])             # 4. explicit transfers, regions, collectives
@@ -74,10 +76,11 @@ def render(gm: fx.GraphModule, plan: Plan, *, profile: Profile | None = None, re
     graphs = [lower_stage(gm, a, values[a.index], last=a.index == last, send_dims=dims[a.index],
                           recv_dims=dims[a.index - 1] if a.index else None, precision=plan.precision)
               for a in actions]                                    # 5. one graph per stage
+    extra = _tensor_parallel(gm, full, graphs)                     # 5b. one rank's shard of tp stages
     files: dict[str, str | bytes] = {
-        f"stage_{a.index}.py": stage_source(plan.model, plan, a, g, values[a.index], graph_sha)
+        f"stage_{a.index}.py": stage_source(full.model, full, a, g, values[a.index], graph_sha, extra[a.index])
         for a, g in zip(actions, graphs)}                          # 6. readable source
-    files["plan.json"] = json.dumps(plan.to_dict(), indent=2) + "\n"
+    files["plan.json"] = json.dumps(full.to_dict(), indent=2) + "\n"
     files["graph.txt"] = text
     if gm.meta.get("hpml_constants"):                               # tensors the model does not hold: as data
         files[CONSTANTS_FILE] = constants_bytes(gm.meta["hpml_constants"])
@@ -105,6 +108,19 @@ def render(gm: fx.GraphModule, plan: Plan, *, profile: Profile | None = None, re
         ranks=tuple({"stage": k, "replica": r, "actions": [str(x) for x in acts]}
                     for (k, r), acts in zip(rank_layout(plan), ranks)))
     return files, manifest
+
+
+def _tensor_parallel(gm: fx.GraphModule, plan: Plan, graphs: list[Any]) -> list[dict[str, Any]]:
+    """Rewrite the graphs of stages with ``tp > 1`` to one rank's shard (:mod:`.tensor_parallel`); their class
+    attributes ``TP`` and ``TP_SHARDS``."""
+    if tp_degree(plan) == 1:
+        return [{} for _ in graphs]
+    units = graph_units(gm)
+    out = []
+    for g, st in zip(graphs, plan.stages):
+        shards = shard_graph(gm, g.graph, units, st.tp)
+        out.append({"TP": st.tp, "TP_SHARDS": shards})
+    return out
 
 
 def _stage_values(gm: fx.GraphModule, plan: Plan) -> tuple[int, list[dict[str, Any]]]:

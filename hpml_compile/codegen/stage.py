@@ -104,6 +104,8 @@ class StageModule(RegionModule):
     INPUTS: ClassVar[tuple[str, ...]] = ()
     REGIONS: ClassVar[Mapping[str, type[RegionModule]]] = {}
     COLLECTIVES: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    TP: ClassVar[int] = 1  # the tensor-parallel degree the code is one rank's shard of
+    TP_SHARDS: ClassVar[tuple[tuple[str, int], ...]] = ()  # (parameter, dimension) a rank holds a slice of
 
     def __init__(self, model: nn.Module, constants: Mapping[str, torch.Tensor] | None = None) -> None:
         super().__init__(model, constants)
@@ -111,6 +113,7 @@ class StageModule(RegionModule):
             self.add_module(name, cls(model, constants))
         self.hpml_comm: Comm = DetachedComm()
         self.hpml_swap = SwapStats()
+        self.hpml_tp: Any = None  # a tensor-parallel stage's group (the runtime sets it)
 
     def params(self, *names: str) -> list[nn.Parameter]:
         """The bound parameters of these qualified names (here or in a region), in this order.

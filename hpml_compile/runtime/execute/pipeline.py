@@ -67,7 +67,9 @@ from .batchcheck import agree_with_check, fingerprint
 from ...hostmem import keep_freed_memory
 from ...memory import ZeroStage
 from ...trainspec import check_batch_split, rank_rows
+from ...codegen.tensor_parallel import tp_degree
 from ...schedule import Action, stage_ranks
+from .tensor_parallel import TensorParallelSession, open_tensor_parallel, shard_rank, whole_params
 from ..sync.comm import CommFault, CommOp, DistComm, LocalComm, is_transient, make_groups, rank_devices
 from .data import RankBatch
 from .executor import (actions_for, forward_stage, local_order, loss_share, merge_outputs, run_actions,
@@ -201,8 +203,9 @@ class Pipeline:
         self.grad_peak = GradPeak(self.parameters())  # gradients at the end of the backward, before any sync
         self.gpu = GpuStats(self.device)  # NVML counters on a GPU rank (reads nothing on a CPU)
         self.held: Held | None = None  # parameters and optimizer state after the last step, gradients at their peak
-        self.monitor = Monitor(run_dir, self.rank, tensorboard=tensorboard, events=events) \
-            if run_dir is not None else Monitor(None, self.rank)
+        mon = session.job_rank if isinstance(session, TensorParallelSession) else self.rank  # files of its own
+        self.monitor = Monitor(run_dir, mon, tensorboard=tensorboard, events=events) \
+            if run_dir is not None else Monitor(None, mon)
         self.trainer: Any = None  # a TrainSpec's loop (.trainer.Trainer) where compile() was given one
         self.events: EventLog | None = None
         self.host: HostSampler | None = None
@@ -235,11 +238,17 @@ class Pipeline:
         build = load_build(build_dir, model)
         if init_method is None and (dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1):
             init_method = "env://"
-        session = Session(init_method, policy=retry, log=kwargs.get("log")) if init_method else None
+        session: Session | None
+        if tp_degree(build.plan) > 1:  # a default group per place of the tensor-parallel groups
+            session, build = open_tensor_parallel(build, init_method, retry, kwargs.get("log"))
+        else:
+            session = Session(init_method, policy=retry, log=kwargs.get("log")) if init_method else None
         if weights is not None:  # only this rank's stages read their tensors
             ranks = stage_ranks(build.plan)
             mine = [st for k, st in enumerate(build.stages) if session is None or session.rank in ranks[k]]
             load_stage_weights(model, mine, Path(weights))
+        if isinstance(session, TensorParallelSession):
+            shard_rank(build, model, session)  # after the weights: each rank keeps its slices
         return cls(build, model, session=session, **kwargs)
 
     def _check_device(self) -> None:
@@ -881,10 +890,12 @@ class Pipeline:
         Args:
             changed: the block writes the parameters (a checkpoint load): each replica's shard takes its part.
         """
-        if self.sync is None:
-            yield
-            return
-        with self.sync.whole(changed=changed):  # ZeRO-3 gathers; a hierarchical ZeRO-1 shard takes its pieces after
+        with contextlib.ExitStack() as stack:
+            if self.sync is not None:  # ZeRO-3 gathers; a hierarchical ZeRO-1 shard takes its pieces of a write after
+                stack.enter_context(self.sync.whole(changed=changed))
+            if self.session is not None:  # tensor-parallel slices (:mod:`.tensor_parallel`)
+                stack.enter_context(whole_params(self.build, self.model, self.stage_index, changed=changed,
+                                                 optimizer=getattr(self, "optimizer", None)))
             yield
 
     def settle(self) -> None:

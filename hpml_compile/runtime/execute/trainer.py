@@ -180,13 +180,17 @@ def save_pipeline(pipe: Pipeline, root: str | Path, *, extra: dict[str, Any] | N
         CheckpointError: ``extra`` is not plain JSON.
     """
     from .checkpoint import save_checkpoint
+    from .tensor_parallel import checkpoint_view
 
     step = pipe.steps_done
     facts: dict[str, Any] = {_USER: check_json(extra or {}, "save(extra=...)")}
     if pipe.trainer is not None:
         facts.update(pipe.trainer.state_dict(step))
-    return save_checkpoint(root, step, pipe.local_module(), pipe.optimizer, extra=facts, keep=keep,
-                           feedback=pipe.feedback())
+    with checkpoint_view(pipe) as writes:  # tensor-parallel slices whole; one place of each group writes
+        if not writes:
+            return Path(root) / f"step_{step:08d}"
+        return save_checkpoint(root, step, pipe.local_module(), pipe.optimizer, extra=facts, keep=keep,
+                               feedback=pipe.feedback())
 
 
 def load_pipeline(pipe: Pipeline, root: str | Path, *, missing_ok: bool = False) -> dict[str, Any] | None:
@@ -204,12 +208,14 @@ def load_pipeline(pipe: Pipeline, root: str | Path, *, missing_ok: bool = False)
         CheckpointError: nothing intact to load (unless ``missing_ok``), or a checkpoint of another model.
     """
     from .checkpoint import latest, load_checkpoint, resume_from
+    from .tensor_parallel import checkpoint_view
 
     path = Path(root)
     if missing_ok and not (path / "meta.json").is_file() and latest(path) is None:
         return None
     found = path if (path / "meta.json").is_file() else resume_from(path)
-    meta = load_checkpoint(found, pipe.local_module(), pipe.optimizer, feedback=pipe.feedback())
+    with checkpoint_view(pipe):
+        meta = load_checkpoint(found, pipe.local_module(), pipe.optimizer, feedback=pipe.feedback())
     pipe.steps_done = int(meta["step"])
     if pipe.trainer is not None:
         pipe.trainer.load_state_dict(meta, found)

@@ -297,7 +297,11 @@ def observers_for(pipe: Pipeline, options: RunOptions, run: RunFolder, *, build:
         started: when this process started (``time.perf_counter()``).
     """
     out: list[Observer] = [FaultDrill(options.faults, pipe.rank, pipe, run, start)] if options.faults else []
-    if pipe.rank == 0:
+    place = getattr(pipe.session, "tp_index", 0)  # a tensor-parallel job: which copy of the plan this rank runs
+    if options.adapt is not None and getattr(pipe.session, "tp", 1) > 1:
+        raise HpmlError("--adapt re-plans the running job, which the runtime does not do for a plan with "
+                        "tensor-parallel stages: run without --adapt, or compile with --max-tp 1")
+    if pipe.rank == 0 and place == 0:
         out += [Progress(pipe, options, run, start, resumed), Alerts(pipe, options, run)]
     if options.adapt is not None:
         out.append(ClosedLoop(pipe, options, run, build, started))

@@ -43,6 +43,7 @@ from ...codegen.build import sha256
 from ...errors import HpmlError
 from ...recipe import ModelRecipe, read_recipe
 from ..execute.checkpoint import CheckpointError, latest, load_checkpoint, resume_from, save_checkpoint, seed_rngs
+from ..execute.tensor_parallel import TensorParallelSession, checkpoint_view
 from ..execute.pipeline import Pipeline
 from ..execute.session import CommFailure, RetryPolicy, env_rank
 from ..execute.trainer import Trainer
@@ -140,11 +141,13 @@ class RankRun:
             return None
         t0 = time.perf_counter()
         pipe, trainer = self.pipe, self.trainer
-        save_checkpoint(self.options.checkpoint_dir, done, pipe.local_module(), pipe.optimizer, keep=self.options.keep,
-                        scaler=pipe.scaler, feedback=pipe.feedback(),
-                        extra={"loss": loss, "build": str(self.build.resolve()),
-                               "plan_sha256": sha256((self.build / "plan.json").read_bytes()),
-                               **(trainer.state_dict(done) if trainer is not None else {})})
+        with checkpoint_view(pipe) as writes:  # tensor-parallel slices whole; one place of each group writes
+            if writes:
+                save_checkpoint(self.options.checkpoint_dir, done, pipe.local_module(), pipe.optimizer,
+                                keep=self.options.keep, scaler=pipe.scaler, feedback=pipe.feedback(),
+                                extra={"loss": loss, "build": str(self.build.resolve()),
+                                       "plan_sha256": sha256((self.build / "plan.json").read_bytes()),
+                                       **(trainer.state_dict(done) if trainer is not None else {})})
         return time.perf_counter() - t0
 
 
@@ -206,8 +209,9 @@ def start_rank(build: Path, run: RunFolder, options: RunOptions, rank: int, loca
     seed_rngs(recipe.seed, rank)  # dropout draws the same masks in two runs; a resume restores the states
     start, found = 0, resume_point(o, rank)
     if found is not None:
-        meta = load_checkpoint(found, pipe.local_module(), pipe.optimizer, scaler=pipe.scaler,
-                               feedback=pipe.feedback(), log=say)
+        with checkpoint_view(pipe):
+            meta = load_checkpoint(found, pipe.local_module(), pipe.optimizer, scaler=pipe.scaler,
+                                   feedback=pipe.feedback(), log=say)
         start = pipe.steps_done = int(meta["step"])
         if trainer is not None:
             trainer.load_state_dict(meta, found)
@@ -219,7 +223,8 @@ def start_rank(build: Path, run: RunFolder, options: RunOptions, rank: int, loca
                 for st in took.stages))
     if rank == 0:
         plan = pipe.plan
-        print(f"training {recipe.model} for {o.steps} steps on {pipe.world_size} ranks: {len(plan.stages)} stages, "
+        ranks = pipe.session.job_size if isinstance(pipe.session, TensorParallelSession) else pipe.world_size
+        print(f"training {recipe.model} for {o.steps} steps on {ranks} ranks: {len(plan.stages)} stages, "
               f"{plan.microbatches} microbatches, {plan.schedule.value}, {plan.precision.value}, batch "
               f"{recipe.batch_size}, {threads} thread(s) per rank"
               + (f"; resumed from {found} (step {start})" if found else ""), flush=True)

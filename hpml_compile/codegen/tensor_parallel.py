@@ -1,0 +1,270 @@
+"""Lowering a stage with ``tp > 1``: one rank's shard of its graph, and the plan its replicas run as.
+
+A stage of ``replicas x tp`` devices (:class:`hpml_compile.plan.Stage`) runs
+as ``tp`` copies of a plan without tensor parallelism, one per place in the
+tensor-parallel groups (:func:`replica_plan`): copy ``t`` holds the devices
+``devices[t::tp]`` (the stage's ``t``-th data-parallel group), runs the
+schedule, the boundaries and the gradient sync of that plan unchanged, and
+meets the other copies only inside the sharded layers. Every rank of a
+tensor-parallel group therefore receives the same boundary tensors from the
+stage before (each copy sends its own), and holds the whole activation after
+each row layer's all-reduce: a stage boundary never reshards, and the
+gradient sync of a sharded parameter runs over its data-parallel group only.
+
+:func:`shard_graphs` rewrites each stage graph where :func:`hpml_compile.tp.analyze`
+found Megatron units (Shoeybi et al., 2019):
+
+- before a unit's column layers, ``tp_copy`` (gradient of ``X`` all-reduced);
+- the head-count reshapes of the unit read ``heads / tp`` (a literal feature
+  size of a reshape that merges the heads back, ``features / tp``);
+- the row layer becomes ``tp_row`` (its output all-reduced, bias added once);
+- a vocabulary embedding becomes ``tp_embedding``, the LM head ``tp_head``;
+
+and lists the parameters each rank holds a slice of (``TP_SHARDS``:
+qualified name, dimension), which the runtime slices at load
+(:mod:`hpml_compile.runtime.execute.tensor_parallel`). The collectives are in
+:mod:`.tpops`.
+
+What is refused, by name (:func:`replica_plan`): stages of different ``tp``
+(every stage must have the same degree), ZeRO, recompute, swap or offload on
+a stage with ``tp > 1``.
+
+Example:
+    >>> from hpml_compile.cluster import load_cluster
+    >>> from hpml_compile.plan import Plan, Stage
+    >>> st = Stage(0, ("cpu0", "cpu1", "cpu2", "cpu3"), ("x",), tp=2)
+    >>> p = Plan("m", load_cluster("local-cpu-4"), "gpipe", 1, (st,))
+    >>> [s.devices for s in replica_plan(p, 1).stages], tp_degree(p)
+    ([('cpu1', 'cpu3')], 2)
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ..errors import PlanError
+from ..ir import NodeOp, Profile, ProfileNode
+from ..memory import ZeroStage
+from ..plan import Plan
+from ..tp import TensorParallel, Unit, analyze
+from ..trace import node_info
+from . import tpops
+from .lower import TP_ATTR
+
+__all__ = ["TP_ATTR", "tp_degree", "replica_plan", "graph_units", "shard_graph"]
+
+_VIEWS = frozenset({"view", "reshape", "unflatten", "_unsafe_view"})
+
+
+def tp_degree(plan: Plan) -> int:
+    """The tensor-parallel degree every stage of ``plan`` runs at (1: none).
+
+    Raises:
+        PlanError: stages have different degrees above 1 and 1, or a stage with ``tp > 1`` also has ZeRO,
+            recompute, swap or offload (what the runtime does not combine with tensor parallelism).
+    """
+    degrees = sorted({st.tp for st in plan.stages})
+    if degrees == [1]:
+        return 1
+    if len(degrees) > 1:
+        raise PlanError(f"the plan's stages have tensor-parallel degrees {[st.tp for st in plan.stages]}; the runtime "
+                        "runs a plan whose stages all have the same tp: give every stage the same tp (a stage "
+                        "without sharded layers runs replicated on its group), or set tp to 1")
+    for st in plan.stages:
+        what = [w for w, on in (("ZeRO", st.zero is not ZeroStage.NONE), ("recompute", st.recompute),
+                                ("swap", bool(st.swap)), ("offload", st.offload_optimizer))
+                if on]
+        if what:
+            raise PlanError(f"stage {st.index} has tp={st.tp} and {', '.join(what)}, which the runtime does not "
+                            f"combine with tensor parallelism: set that stage's {', '.join(what)} off, or its tp to 1")
+    return degrees[0]
+
+
+def replica_plan(plan: Plan, index: int = 0) -> Plan:
+    """The plan that place ``index`` of every tensor-parallel group runs: each stage on ``devices[index::tp]``
+    with ``tp = 1`` (``plan`` itself where no stage has ``tp > 1``).
+
+    Raises:
+        PlanError: see :func:`tp_degree`.
+    """
+    tp = tp_degree(plan)
+    if tp == 1:
+        return plan
+    if not 0 <= index < tp:
+        raise ValueError(f"index {index} is not a place in a group of {tp}")
+    return replace(plan, stages=tuple(replace(st, devices=st.devices[index::tp], tp=1) for st in plan.stages))
+
+
+def graph_units(gm: fx.GraphModule) -> TensorParallel:
+    """:func:`hpml_compile.tp.analyze` of a traced graph (its static facts; nothing is timed)."""
+    from ..profile.static import analyze as facts_of  # noqa: PLC0415 -- only a tensor-parallel build needs it
+
+    facts = facts_of(gm)
+    nodes = []
+    for n in gm.graph.nodes:
+        info, f = node_info(n), facts[n.name]
+        nodes.append(ProfileNode(n.name, NodeOp(n.op), str(n.target), tuple(i.name for i in n.all_input_nodes),
+                                 info.scope, f.op_kind, param_bytes=f.param_bytes, params=f.params,
+                                 output_bytes=info.output_bytes, output_shape=info.shape,
+                                 tensor_output=info.tensor_output))
+    dtype = next((str(p.dtype).removeprefix("torch.") for p in gm.parameters()), "float32")
+    return analyze(Profile("graph", 1, dtype, tuple(nodes)))
+
+
+def _weight_args(gm: fx.GraphModule, graph: fx.Graph, node: fx.Node) -> tuple[Any, Any, Any]:
+    """``(input, weight, bias)`` of a linear or embedding node of ``graph`` (bias None where it has none).
+
+    A call of a submodule reads its weight and bias through new ``get_attr`` nodes; ``aten.linear`` and
+    ``aten.embedding`` carry them as arguments.
+    """
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        with graph.inserting_before(node):
+            w = graph.get_attr(f"{node.target}.weight")
+            b = graph.get_attr(f"{node.target}.bias") if getattr(mod, "bias", None) is not None else None
+        if isinstance(mod, torch.nn.Embedding):
+            if mod.padding_idx is not None or mod.max_norm is not None:
+                raise PlanError(f"{node.format_node()}: an embedding with padding_idx or max_norm is not split by "
+                                "vocabulary; set this stage's tp to 1")
+            return node.args[0], w, None
+        return node.args[0], w, b
+    if "embedding" in str(node.target):
+        return node.args[1], node.args[0], None
+    args = list(node.args) + [None] * 3
+    return args[0], args[1], node.kwargs.get("bias", args[2])
+
+
+def _param_names(gm: fx.GraphModule, node: fx.Node) -> list[tuple[str, int]]:
+    """``(qualified name, ndim)`` of the parameters a linear or embedding node reads."""
+    if node.op == "call_module":
+        return [(f"{node.target}.{n}", p.dim()) for n, p in gm.get_submodule(str(node.target)).named_parameters()]
+    out = []
+    for a in node.all_input_nodes:
+        if a.op == "get_attr":
+            t = gm.get_parameter(str(a.target)) if _is_param(gm, str(a.target)) else None
+            if t is not None:
+                out.append((str(a.target), t.dim()))
+    return out
+
+
+def _is_param(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+        return True
+    except AttributeError:
+        return False
+
+
+def _divide_shape(node: fx.Node, unit: Unit, heads: int | None, features: int, tp: int) -> None:
+    """Rewrite the literal sizes of a view-like node inside ``unit`` to one rank's shard."""
+    target = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    if target not in _VIEWS:
+        return
+    shape_pos = 2 if target == "unflatten" else 1
+    args: list[Any] = list(node.args)
+    if len(args) <= shape_pos:
+        return
+    packed = isinstance(args[shape_pos], (list, tuple))
+    shape: list[Any] = list(args[shape_pos]) if packed else args[shape_pos:]
+    pos = len(shape) - 2 if heads is not None else len(shape) - 1
+    want = heads if heads is not None else features
+    if pos < 0 or shape[pos] == -1 or (isinstance(shape[pos], int) and shape[pos] != want):
+        return  # inferred, or not the split dimension
+    if not isinstance(shape[pos], int):
+        raise PlanError(f"{node.format_node()} in the {unit.kind} unit {unit.scope} reshapes its split dimension to "
+                        "a size computed in the graph, which cannot be divided among the tensor-parallel ranks; "
+                        "set this stage's tp to 1")
+    shape[pos] = want // tp
+    if packed:
+        args[shape_pos] = type(args[shape_pos])(shape)
+        node.args = tuple(args)
+    else:
+        node.args = tuple(args[:shape_pos] + shape)
+
+
+def shard_graph(gm: fx.GraphModule, graph: fx.Graph, units: TensorParallel, tp: int) -> tuple[tuple[str, int], ...]:
+    """Rewrite one stage's graph (in place) to run one rank's shard of its units at degree ``tp``.
+
+    Args:
+        gm: the traced model (its submodules say which linear layers have a bias).
+        graph: the stage's lowered graph (node names as in ``gm``).
+        units: :func:`graph_units` of ``gm``.
+        tp: the degree.
+
+    Returns:
+        ``(parameter name, dimension)`` of each parameter this stage holds a slice of.
+
+    Raises:
+        PlanError: a reshape inside a unit has computed sizes, or an embedding has ``padding_idx``.
+    """
+    by_name = {n.name: n for n in graph.nodes}
+    anchor = next((n for n in graph.nodes if n.op not in ("placeholder", "get_attr")), None)
+    if anchor is None:
+        return ()
+    with graph.inserting_before(anchor):
+        group = graph.get_attr(TP_ATTR)
+    shards: dict[str, int] = {}
+    for unit in units.units:
+        if not 1 < tp <= unit.max_tp or not any(c in by_name for c in unit.columns):
+            continue
+        if unit.kind in ("attention", "mlp"):
+            _shard_unit(gm, graph, by_name, unit, group, tp, shards)
+        else:
+            node = by_name[unit.columns[0]]
+            shards.update({p: 0 for p, _ in _param_names(gm, node)})
+            x, w, b = _weight_args(gm, graph, node)
+            fn = tpops.tp_embedding if unit.kind == "embedding" else tpops.tp_head
+            with graph.inserting_before(node):
+                new = graph.call_function(fn, (group, x, w) if fn is tpops.tp_embedding else (group, x, w, b))
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            new.name = node.name
+    if not group.users:
+        graph.erase_node(group)
+    graph.lint()
+    return _once(gm, shards)
+
+
+def _once(gm: fx.GraphModule, shards: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    """``shards`` with a parameter read under two names (a tied embedding and LM head) listed once."""
+    seen: dict[int, tuple[str, int]] = {}
+    for name, dim in shards.items():
+        p = gm.get_parameter(name)
+        if id(p) in seen and seen[id(p)][1] != dim:
+            raise PlanError(f"{name} is also {seen[id(p)][0]}, split along another dimension there; a parameter "
+                            "shared by two layers is split one way: set this stage's tp to 1")
+        seen.setdefault(id(p), (name, dim))
+    return tuple(seen.values())
+
+
+def _shard_unit(gm: fx.GraphModule, graph: fx.Graph, by_name: dict[str, fx.Node], unit: Unit, group: fx.Node,
+                tp: int, shards: dict[str, int]) -> None:
+    missing = [n for n in (*unit.columns, unit.row) if n not in by_name]
+    if missing:
+        raise PlanError(f"the {unit.kind} unit {unit.scope} is cut between stages ({', '.join(missing)} elsewhere); "
+                        "a stage with tp > 1 holds each sharded unit whole: move the cut, or set tp to 1")
+    cols = [by_name[c] for c in unit.columns]
+    x = cols[0].args[0]
+    with graph.inserting_before(cols[0]):
+        copied = graph.call_function(tpops.tp_copy, (group, x))
+    for c in cols:
+        c.args = (copied, *c.args[1:])
+        shards.update({p: 0 for p, _ in _param_names(gm, c)})
+    heads = dict(unit.reshapes)
+    row = by_name[unit.row]
+    merged = node_info(row.args[0]).shape if isinstance(row.args[0], fx.Node) else None
+    features = merged[-1] if merged else -1  # the row layer's input features, whole
+    for name in unit.inside:
+        if name in by_name:
+            _divide_shape(by_name[name], unit, heads.get(name), features, tp)
+    shards.update({p: 1 for p, nd in _param_names(gm, row) if nd == 2})
+    xin, w, b = _weight_args(gm, graph, row)
+    with graph.inserting_before(row):
+        new = graph.call_function(tpops.tp_row, (group, xin, w, b))
+    row.replace_all_uses_with(new)
+    graph.erase_node(row)
+    new.name = row.name
