@@ -32,23 +32,30 @@ def test_gradients_are_counted_only_while_armed() -> None:
     assert all(not p._post_accumulate_grad_hooks for p in net.parameters())
 
 
-def test_a_step_right_after_the_last_starts_from_its_end_sample() -> None:
+def test_closely_following_short_steps_share_a_sample_window() -> None:
     import time
 
-    from hpml_compile.runtime.observe.host import REUSE_S, HostSampler
+    from hpml_compile.runtime.observe.host import REUSE_S, WINDOW_S, HostSampler
 
     h = HostSampler()
+    calls: list[float] = []
+    real = h.sample
+    h.sample = lambda: calls.append(time.monotonic()) or real()  # type: ignore[method-assign]
     h.begin()
-    h.end()
-    ended = h._last_end
-    h.begin()
-    assert h._start is ended, "a step started at once reuses the last end's sample"
-    h.end()
+    first = h.end()
+    assert len(calls) == 2, "the first step samples at its start and end"
+    for _ in range(5):  # short steps back to back: inside one window, no sample
+        h.begin()
+        busy = h.end()
+        assert (busy.steal, busy.others, busy.cpu_util) == (first.steal, first.others, first.cpu_util)
+    assert len(calls) == 2
     time.sleep(REUSE_S * 2)
     h.begin()
-    assert h._start is not h._last_end and h._start is not None, "after a gap the step samples afresh"
+    assert len(calls) == 3, "after a gap the step samples afresh"
+    time.sleep(WINDOW_S)
     busy = h.end()
-    assert 0.0 <= busy.others <= 1.0 and busy.cpu_util >= 0.0
+    assert len(calls) == 4, "a window as long as WINDOW_S is sampled at its end"
+    assert 0.0 <= busy.others <= 1.0 and 0.0 <= busy.cpu_util <= 0.5, "a step that sleeps uses little CPU"
 
 
 def test_compile_without_an_optimizer_says_that_it_trains_nothing() -> None:
