@@ -70,6 +70,16 @@ __all__ = [
 ]
 
 
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn`` as written inside a compiled stage (``torch.compile`` breaks its graph there).
+
+    Communication, recompute and swap are Python around torch calls that a compiled graph cannot hold; the
+    stage's pieces between them compile (:mod:`hpml_compile.runtime.execute.compiled`). Uncompiled, the mark
+    costs under a microsecond a call (a few calls per microbatch, none per op).
+    """
+    return torch.compiler.disable(fn, recursive=True)
+
+
 def _anchor() -> Tensor:
     # An autograd function records a backward node only if one of its inputs
     # requires grad; a fresh scalar makes sure recv/send always get one.
@@ -126,6 +136,7 @@ class _Send(torch.autograd.Function):
         return (None, None, None, None, None, *grads)
 
 
+@_eager
 def recv(comm: Comm, src: int, dst: int, specs: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     """Receive the tuple that boundary ``src -> dst`` carries for the current microbatch.
 
@@ -142,6 +153,7 @@ def recv(comm: Comm, src: int, dst: int, specs: tuple[TensorSpec, ...]) -> tuple
     return _Recv.apply(_anchor(), comm, src, dst, tuple(specs))
 
 
+@_eager
 def send(comm: Comm, src: int, dst: int, specs: tuple[TensorSpec, ...], tensors: Sequence[Tensor]) -> Tensor:
     """Send ``tensors`` along boundary ``src -> dst`` for the current microbatch.
 
@@ -237,6 +249,7 @@ def _storage_ptrs(owner: Any) -> Iterator[int]:
             yield t.untyped_storage().data_ptr()
 
 
+@_eager
 def swap(stats: SwapStats, fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` with its saved activations swapped to host memory.
 
@@ -269,6 +282,7 @@ class _BuffersKept:
                 b.copy_(old)
 
 
+@_eager
 def checkpoint(fn: Callable[..., Any], *args: Any, swap: SwapStats | None = None) -> Any:
     """Run ``fn(*args)`` keeping only its inputs; recompute it during backward.
 

@@ -50,6 +50,7 @@ import contextlib
 import gc
 import os
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -69,6 +70,7 @@ from ...memory import ZeroStage
 from ...trainspec import check_batch_split, rank_rows
 from ...schedule import Action, stage_ranks
 from ..sync.comm import CommFault, CommOp, DistComm, LocalComm, is_transient, make_groups, rank_devices
+from .compiled import CompiledForward, CompileStages, compile_stages as compile_stages_of
 from .data import RankBatch
 from .executor import (actions_for, forward_stage, local_order, loss_share, merge_outputs, run_actions,
                        split_microbatches, split_replicas, stage_splits, to_device)
@@ -127,6 +129,9 @@ class Pipeline:
             reduce-scatter and parameter all-gather) through shared memory where its replicas are CPU ranks the
             plan puts on one host (:mod:`.shm`; what ``devices --measure`` and ``profile`` time); False: through
             gloo, as before.
+        compile_stages: ``auto`` (the default: compiled on CUDA devices, not on CPUs), ``on`` or ``off``: this
+            process's stages run their forward (and so backward) compiled by ``torch.compile``
+            (:mod:`.compiled`; a stage that cannot be is named in one line through ``log``).
     """
 
     def __init__(self, build: Build, model: nn.Module, *, optimizer: OptimizerArg = None,
@@ -134,7 +139,7 @@ class Pipeline:
                  faults: Sequence[CommFault] = (), log: Callable[[str], None] | None = None,
                  events: bool = True, scaler: LossScaler | None = None, overlap: bool | None = None,
                  bucket_mb: float = 25.0, comm_options: dict[str, Any] | None = None,
-                 shared_memory: bool = True) -> None:
+                 shared_memory: bool = True, compile_stages: CompileStages | str | bool | None = None) -> None:
         self.build, self.model, self.session = build, model, session
         self._shared_memory = shared_memory
         if bucket_mb <= 0:
@@ -197,6 +202,10 @@ class Pipeline:
             self._user_hooks = [model.register_forward_pre_hook(lambda *_: self.settle()),
                                 model.register_state_dict_pre_hook(lambda *_: self.settle())]
         self.optimizer = self._offloaded(self._make_optimizer(optimizer))
+        self.compiled: list[CompiledForward] = compile_stages_of(
+            self.stages, CompileStages.parse(compile_stages), self.device,
+            log or (lambda line: warnings.warn(line, RuntimeWarning, stacklevel=3)),
+            zero3=[s.stage for s in self._shards if isinstance(s, FlatShard3)])
         self.saved = SavedActivations(exclude=self.stages.values())  # what autograd keeps (counted steps)
         self.grad_peak = GradPeak(self.parameters())  # gradients at the end of the backward, before any sync
         self.gpu = GpuStats(self.device)  # NVML counters on a GPU rank (reads nothing on a CPU)
@@ -668,6 +677,8 @@ class Pipeline:
         if counted:
             self.saved.reset_peak()
             self.grad_peak.arm()
+        for c in self.compiled:  # the hooks that count memory see only an eager forward's saved tensors
+            c.measuring = counted
         with self.saved if counted else contextlib.nullcontext():  # activations saved for backward, at their peak
             try:
                 run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,

@@ -1,0 +1,140 @@
+"""Stages compiled with ``torch.compile`` (inductor): each stage's forward, and so its backward through AOTAutograd.
+
+:func:`compile_stages` replaces a stage's ``forward`` with a :class:`CompiledForward`: the generated
+forward compiled by ``torch.compile`` (dynamo, then inductor; on a CPU inductor writes C++ that the
+machine's compiler builds). The operations codegen inserted (``ops.recv``, ``ops.send``,
+``ops.checkpoint``, ``ops.swap``) are ``torch.compiler.disable``-d: the stage's graph breaks there, the
+pieces between them are compiled, and a recompute or swap region runs as written (eagerly), so
+communication, recompute and swap behave as in an uncompiled stage. The module hooks (ZeRO-1/2's
+prefetch wait) stay outside the compiled code: only ``forward`` is compiled, not the module call.
+
+Where it does not compile, a stage falls back, with one line naming the stage and why:
+
+- a graph that inductor fails on runs as dynamo traced it (eagerly), by the backend's own fallback here,
+  before anything of it ran, so nothing runs twice;
+- a ZeRO-3 stage is not compiled: its parameters are gathered before every forward and freed after it
+  (:mod:`..sync.zero3`), which a compiled graph's guards see as new tensors, recompiling each time.
+
+Memory accounting: :class:`~hpml_compile.saved.SavedActivations` counts what autograd saves through one
+Python hook per saved tensor, which a compiled graph does not call (AOTAutograd saves inside its own
+function). So the steps that count memory (the first two of each shape, then every 25th,
+:func:`~hpml_compile.saved.counts_memory`) run the stage's eager forward (:attr:`CompiledForward.measuring`),
+and the other steps run compiled, with no hook at all. The count is then of the eager stage's activations:
+what a compiled stage saves can differ (inductor recomputes cheap pointwise ops rather than save them, so
+usually less), which the memory model does not yet separate.
+
+The default (``auto``): compiled on CUDA devices, uncompiled on CPUs. On a GPU a small op's launch and
+Python dispatch is the step (``cost_models/catalog.py``'s ``EAGER_GPU_OP_MS``), which fused kernels remove;
+on a CPU inductor's first compile takes tens of seconds per stage (C++ through the host compiler; 20-60 s
+for a small MLP on a busy 2-core machine), paid back only over thousands of steps of a small-op model, and
+a test suite that trains for a few steps would mostly compile. ``on`` compiles on a CPU too.
+
+Example:
+    >>> CompileStages.parse("auto").wants(torch.device("cpu")), CompileStages.parse("on").wants(torch.device("cpu"))
+    (False, True)
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from ...errors import OptionError
+
+__all__ = ["CompileStages", "CompiledForward", "compile_stages"]
+
+
+class CompileStages(str, enum.Enum):
+    """Whether stages run compiled: ``auto`` (on CUDA devices), ``on``, ``off``."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+    @classmethod
+    def parse(cls, value: "CompileStages | str | bool | None", what: str = "compile_stages") -> "CompileStages":
+        """``value`` as a member (True/False as on/off, None as auto).
+
+        Raises:
+            OptionError: not one of auto, on, off.
+        """
+        if value is None:
+            return cls.AUTO
+        if isinstance(value, bool):
+            return cls.ON if value else cls.OFF
+        try:
+            return cls(str(getattr(value, "value", value)).lower())
+        except ValueError:
+            raise OptionError(f"{what} must be auto, on or off, got {value!r}") from None
+
+    def wants(self, device: torch.device) -> bool:
+        """Whether a stage on ``device`` is compiled under this choice."""
+        return self is CompileStages.ON or (self is CompileStages.AUTO and device.type == "cuda")
+
+
+class CompiledForward:
+    """A stage's forward: compiled, or its own eager forward while memory is measured.
+
+    Args:
+        stage: the stage module (its ``forward`` is the generated one).
+        index: the stage's index (named in the fallback line).
+        log: where the one-line fallback notice goes.
+    """
+
+    def __init__(self, stage: nn.Module, index: int, log: Callable[[str], None]) -> None:
+        self.eager = stage.forward
+        self.index, self._log = index, log
+        self.measuring = False  # run eagerly: a step that counts the saved activations through hooks
+        self.fallbacks: list[str] = []  # why a graph of this stage runs uncompiled
+        self.compiled = torch.compile(self.eager, backend=self._backend, dynamic=False)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.eager(*args) if self.measuring else self.compiled(*args)
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """Inductor, or the traced graph as it is (eager) where inductor fails: said once per stage."""
+        from torch._inductor.compile_fx import compile_fx
+
+        try:
+            return compile_fx(gm, example_inputs)
+        except Exception as e:  # noqa: BLE001 -- any compiler failure falls back, and says why
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            if not self.fallbacks:
+                self._log(f"stage {self.index} runs uncompiled: torch.compile (inductor) failed: {reason}")
+            self.fallbacks.append(reason)
+            return gm.forward
+
+
+def compile_stages(stages: dict[int, nn.Module], mode: CompileStages, device: torch.device,
+                   log: Callable[[str], None], *, zero3: Iterable[int] = ()) -> list[CompiledForward]:
+    """Compile each of ``stages`` whose device ``mode`` compiles on (see the module docstring).
+
+    Args:
+        stages: the stage modules of this process, by index.
+        mode: the choice.
+        device: where they run.
+        log: where a stage that cannot be compiled is named, with why (one line each).
+        zero3: indices of stages whose parameters ZeRO-3 gathers and frees around each forward.
+
+    Returns:
+        The compiled forwards (set ``measuring`` on them for a step that counts memory).
+    """
+    if not mode.wants(device):
+        return []
+    out = []
+    sharded = set(zero3)
+    for k, stage in sorted(stages.items()):
+        if k in sharded:
+            log(f"stage {k} runs uncompiled: ZeRO-3 gathers its parameters before every forward and frees them "
+                "after, which a compiled graph would recompile for")
+            continue
+        if isinstance(stage.forward, CompiledForward):  # a build's stages shared by two pipelines
+            out.append(stage.forward)
+            continue
+        fwd = CompiledForward(stage, k, log)
+        stage.forward = fwd  # an instance attribute: nn.Module's call (and its hooks) calls it
+        out.append(fwd)
+    return out
