@@ -209,7 +209,9 @@ class Pipeline:
         self.saved = SavedActivations(exclude=self.stages.values())  # what autograd keeps (counted steps)
         self.grad_peak = GradPeak(self.parameters())  # gradients at the end of the backward, before any sync
         self.gpu = GpuStats(self.device)  # NVML counters on a GPU rank (reads nothing on a CPU)
-        self.held: Held | None = None  # parameters and optimizer state after the last step, gradients at their peak
+        # parameters and optimizer state after the last step that counted memory, gradients at their peak
+        self.held: Held | None = None
+        self._peak: tuple[int, str] | None = None  # the peak memory of the last step that measured it
         self.monitor = Monitor(run_dir, self.rank, tensorboard=tensorboard, events=events) \
             if run_dir is not None else Monitor(None, self.rank)
         self.trainer: Any = None  # a TrainSpec's loop (.trainer.Trainer) where compile() was given one
@@ -664,7 +666,6 @@ class Pipeline:
             b.begin_step()  # gradients accumulate into the flat buffer the reduce-scatter reads
         for red in self._reducers():
             red.begin_step(self.steps_done)
-        reset_peak_memory(self.device)
         if self.events is not None and self.host is not None:
             self.events.begin()
             self.host.begin()
@@ -677,6 +678,8 @@ class Pipeline:
         if counted:
             self.saved.reset_peak()
             self.grad_peak.arm()
+        if counted or self.device.type == "cuda":  # a CPU's peak RSS: a /proc write now, a read after
+            reset_peak_memory(self.device)
         for c in self.compiled:  # the hooks that count memory see only an eager forward's saved tensors
             c.measuring = counted
         with self.saved if counted else contextlib.nullcontext():  # activations saved for backward, at their peak
@@ -698,12 +701,15 @@ class Pipeline:
                 self._reform_after_update(e)
         busy = self.host.end() if self.host is not None else HostBusy(0.0, 0.0, 0.0)
         self.grad_peak.disarm()
-        h = held_bytes(list(self.stages.values()), self.optimizer)
-        # gradients at their peak; ZeRO-3 parameters too: the whole stage's while a microbatch computes
-        gathered = sum(s.gathered_bytes for s in self._shards if isinstance(s, FlatShard3) and s.gathers)
-        self.held = Held(h.params + gathered, max(h.grads, self.grad_peak.bytes), h.optimizer)
+        if counted or self.held is None:  # a walk over every parameter, gradient and state tensor
+            h = held_bytes(list(self.stages.values()), self.optimizer)
+            # gradients at their peak; ZeRO-3 parameters too: the whole stage's while a microbatch computes
+            gathered = sum(s.gathered_bytes for s in self._shards if isinstance(s, FlatShard3) and s.gathers)
+            self.held = Held(h.params + gathered, max(h.grads, self.grad_peak.bytes), h.optimizer)
         wait_ms, p2p_ms = split_wait(comm.stats)
-        mem, mem_kind = peak_memory(self.device)
+        if counted or self.device.type == "cuda" or self._peak is None:
+            self._peak = peak_memory(self.device)
+        mem, mem_kind = self._peak
         gpu = self.gpu.sample()
         val = self._validate(validate)
         self.monitor.record(StepMetrics(
