@@ -58,7 +58,7 @@ def add_parsers(subparsers: Any) -> None:
                    help="keep a module (class or qualified name) as one opaque node; repeatable")
     p.add_argument("--front-end", dest="front_end", choices=[f.value for f in FrontEnd], default="auto")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
-    p.add_argument("--precision", default=Precision.FP32.value, choices=[x.value for x in Precision],
+    p.add_argument("--precision", default=None, choices=[x.value for x in Precision],
                    help="fp32 (default), or bf16/fp16 mixed precision: profiled and trained under autocast, fp32 "
                         "master weights and optimizer state, stage boundaries in the compute dtype; fp16 adds "
                         "loss scaling")
