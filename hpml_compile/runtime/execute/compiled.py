@@ -23,6 +23,11 @@ and the other steps run compiled, with no hook at all. The count is then of the 
 what a compiled stage saves can differ (inductor recomputes cheap pointwise ops rather than save them, so
 usually less), which the memory model does not yet separate.
 
+The profile still times the model's blocks eager, so a plan's prediction is of uncompiled stages. Timing
+each block compiled does not stand for a compiled stage: a compiled call pays its guards and wrapper (about
+50 us a call on a CPU) once per block, where a stage pays it once per graph, which for a model of many
+small blocks is more than the blocks' own time.
+
 The default (``auto``): compiled on CUDA devices, uncompiled on CPUs. On a GPU a small op's launch and
 Python dispatch is the step (``cost_models/catalog.py``'s ``EAGER_GPU_OP_MS``), which fused kernels remove;
 on a CPU inductor's first compile takes tens of seconds per stage (C++ through the host compiler; 20-60 s
@@ -44,7 +49,7 @@ from torch import nn
 
 from ...errors import OptionError
 
-__all__ = ["CompileStages", "CompiledForward", "compile_stages"]
+__all__ = ["CompileStages", "CompiledForward", "compile_stages", "inductor_or_eager"]
 
 
 class CompileStages(str, enum.Enum):
@@ -86,26 +91,34 @@ class CompiledForward:
 
     def __init__(self, stage: nn.Module, index: int, log: Callable[[str], None]) -> None:
         self.eager = stage.forward
-        self.index, self._log = index, log
+        self.index = index
         self.measuring = False  # run eagerly: a step that counts the saved activations through hooks
-        self.fallbacks: list[str] = []  # why a graph of this stage runs uncompiled
-        self.compiled = torch.compile(self.eager, backend=self._backend, dynamic=False)
+        backend = inductor_or_eager(f"stage {index}", log)
+        self.fallbacks: list[str] = backend.fallbacks  # type: ignore[attr-defined]  # why a graph runs uncompiled
+        self.compiled = torch.compile(self.eager, backend=backend, dynamic=False)
 
     def __call__(self, *args: Any) -> Any:
         return self.eager(*args) if self.measuring else self.compiled(*args)
 
-    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        """Inductor, or the traced graph as it is (eager) where inductor fails: said once per stage."""
+
+def inductor_or_eager(what: str, log: Callable[[str], None]) -> Callable[..., Any]:
+    """A ``torch.compile`` backend: inductor, or the traced graph as it is where inductor fails (said once)."""
+    said: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from torch._inductor.compile_fx import compile_fx
 
         try:
             return compile_fx(gm, example_inputs)
         except Exception as e:  # noqa: BLE001 -- any compiler failure falls back, and says why
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            if not self.fallbacks:
-                self._log(f"stage {self.index} runs uncompiled: torch.compile (inductor) failed: {reason}")
-            self.fallbacks.append(reason)
+            if not said:
+                log(f"{what} runs uncompiled: torch.compile (inductor) failed: {reason}")
+            said.append(reason)
             return gm.forward
+
+    backend.fallbacks = said  # type: ignore[attr-defined]
+    return backend
 
 
 def compile_stages(stages: dict[int, nn.Module], mode: CompileStages, device: torch.device,
