@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -32,30 +33,33 @@ def test_gradients_are_counted_only_while_armed() -> None:
     assert all(not p._post_accumulate_grad_hooks for p in net.parameters())
 
 
-def test_closely_following_short_steps_share_a_sample_window() -> None:
+def test_closely_following_short_steps_share_a_sample_window(monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    from hpml_compile.runtime.observe.host import REUSE_S, WINDOW_S, HostSampler
+    from hpml_compile.runtime.observe import host
 
-    h = HostSampler()
+    # thresholds far above any scheduling delay of a busy machine, then none: the outcome does not hang on timing
+    monkeypatch.setattr(host, "REUSE_S", 60.0)
+    monkeypatch.setattr(host, "WINDOW_S", 60.0)
+    h = host.HostSampler()
     calls: list[float] = []
     real = h.sample
     h.sample = lambda: calls.append(time.monotonic()) or real()  # type: ignore[method-assign]
     h.begin()
     first = h.end()
     assert len(calls) == 2, "the first step samples at its start and end"
-    for _ in range(5):  # short steps back to back: inside one window, no sample
+    for _ in range(5):  # steps back to back inside one window: no sample
         h.begin()
         busy = h.end()
         assert (busy.steal, busy.others, busy.cpu_util) == (first.steal, first.others, first.cpu_util)
     assert len(calls) == 2
-    time.sleep(REUSE_S * 2)
+    monkeypatch.setattr(host, "REUSE_S", 0.0)
     h.begin()
-    assert len(calls) == 3, "after a gap the step samples afresh"
-    time.sleep(WINDOW_S)
+    assert len(calls) == 3, "a step after a gap samples afresh"
+    monkeypatch.setattr(host, "WINDOW_S", 0.0)
     busy = h.end()
     assert len(calls) == 4, "a window as long as WINDOW_S is sampled at its end"
-    assert 0.0 <= busy.others <= 1.0 and 0.0 <= busy.cpu_util <= 0.5, "a step that sleeps uses little CPU"
+    assert 0.0 <= busy.others <= 1.0 and busy.cpu_util >= 0.0
 
 
 def test_compile_without_an_optimizer_says_that_it_trains_nothing() -> None:
