@@ -554,13 +554,6 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Pat
     tell(f"[3/4] planning on {c.name} ({len(c.devices)} devices) with {SolverName(opts.solver).value}")
     opts = replace(opts, max_tp=1)  # the generated stages run without tensor parallelism
     placed = plan(measured, c, opts, progress=say)                                  # 3-5. costgraph, solve
-    if say is not None:                                                             # fp32 on bf16 GPUs: say so
-        from .bf16hint import bf16_profile_of, plan_hint
-
-        line = plan_hint(measured, c, placed.predicted.step_ms, opts, bf16_prof=lambda: bf16_profile_of(
-            gm, inputs, c, name=label, batch_size=prof_opts.batch_size, seq_len=prof_opts.seq_len))
-        if line is not None:
-            say(line)
     tell(f"[4/4] generating {len(placed.stages)} stage(s) into {out_dir}")
     return _generate(module, inputs, gm, placed, predict_kinds(measured, kinds), out_dir, label,  # 6. codegen
                      recipe)

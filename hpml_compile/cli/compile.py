@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -115,11 +116,11 @@ def run_compile(args: argparse.Namespace) -> int:
 
         link = measure_local_link(log=_say)
     try:
-        build, _ = driver.compile(
+        opts = driver.Options(solver=args.solver, microbatches=args.microbatches, schedule=args.schedule,
+                              time_limit_s=args.time_limit, precision=args.precision, **comm_options(args))
+        build, gm = driver.compile(
             loaded.module, loaded.example_inputs, args.output, cluster=cluster, name=loaded.name, say=_say,
-            recipe=recipe,
-            opts=driver.Options(solver=args.solver, microbatches=args.microbatches, schedule=args.schedule,
-                                time_limit_s=args.time_limit, precision=args.precision, **comm_options(args)),
+            recipe=recipe, opts=opts,
             prof_opts=driver.ProfileOptions(repeats=args.repeats, warmup=args.warmup, batch_size=loaded.batch_size,
                                             seq_len=loaded.seq_len, leaf_modules=args.leaf,
                                             front_end=args.front_end, input_names=loaded.input_names,
@@ -137,4 +138,13 @@ def run_compile(args: argparse.Namespace) -> int:
               f"{' '.join(build.manifest.stages[k]['actions']) or 'no communication'}")
     print(certificate_text(plan))
     print(format_assumptions(plan.assumptions))
+    from ..profile import load_profile
+    from .bf16hint import bf16_profile_of, plan_hint
+
+    hint = plan_hint(load_profile(build.out_dir / "profile.json"), cluster, pr.step_ms,  # fp32 on bf16 GPUs
+                     replace(opts, max_tp=1),  # as the driver planned it
+                     bf16_prof=lambda: bf16_profile_of(gm, loaded.example_inputs, cluster, name=loaded.name,
+                                                       batch_size=loaded.batch_size, seq_len=loaded.seq_len))
+    if hint is not None:
+        print(hint)
     return 0

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hpml_compile import models
-from hpml_compile.bf16hint import bf16_gpus
+from hpml_compile.cli.bf16hint import bf16_gpus
 from hpml_compile.cli import main
 from hpml_compile.cluster import load_cluster
 from hpml_compile.profile import profile, save_profile
@@ -46,3 +46,10 @@ def test_a_chosen_precision_gets_no_hint(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["plan", str(prof), "--cluster", "dgx-h100-8", "--solver", "dp", "--precision", "fp32",
                  "-o", str(tmp_path / "p.json")]) == 0
     assert "bf16:" not in capsys.readouterr().out
+
+
+def test_compile_prints_the_hint_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compile", "mlp-tiny", "--batch-size", "4", "--cluster", "dgx-h100-8", "--solver", "dp",
+                 "--repeats", "1", "--warmup", "0", "-o", str(tmp_path / "build")]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("bf16:")]
+    assert len(lines) == 1 and HINT.match(lines[0]), lines

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from cost_models.catalog import DeviceCategory, get_device
 
-from .ir import Cluster, Precision, Profile
+from ..ir import Cluster, Precision, Profile
 
 __all__ = ["bf16_gpus", "hint_line", "bf16_profile_of"]
 
@@ -45,7 +45,7 @@ def bf16_gpus(cluster: Cluster) -> list[str]:
 def bf16_profile_of(model: Any, example_inputs: Sequence[Any], cluster: Cluster, *, name: str | None = None,
                     batch_size: int | None = None, seq_len: int | None = None) -> Profile:
     """A bf16 profile of ``model`` (a module, or its traced graph) predicted for the cluster's GPU kinds."""
-    from .profile import profile
+    from ..profile import profile
 
     return profile(model, tuple(example_inputs), name=name, device_kinds=tuple(bf16_gpus(cluster)),
                    batch_size=batch_size, seq_len=seq_len, repeats=1, warmup=0, progress=False,
@@ -77,7 +77,7 @@ def hint_line(fp32_step_ms: float, cluster: Cluster, bf16_step: Callable[[], flo
 
 def zoo_profile(prof: Profile, cluster: Cluster) -> Profile | None:
     """The bf16 profile of the zoo model ``prof`` names, at its batch (None: not a zoo model, or another batch)."""
-    from . import models
+    from .. import models
 
     try:
         loaded = models.load(prof.model, batch_size=prof.batch_size, seq_len=prof.seq_len, device="meta")
@@ -99,7 +99,7 @@ def plan_hint(prof: Profile, cluster: Cluster, fp32_step_ms: float, opts: Any, *
         opts: the :class:`~hpml_compile.driver.Options` used (their precision must be unset).
         bf16_prof: makes the bf16 profile (default: the zoo model ``prof`` names, where it is one).
     """
-    from . import driver
+    from .. import driver
 
     if opts.precision is not None or prof.precision is not Precision.FP32 or not bf16_gpus(cluster):
         return None
