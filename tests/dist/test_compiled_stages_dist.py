@@ -83,6 +83,9 @@ def test_a_compiled_build_trains_as_the_eager_model(tmp_path: Path, regions: dic
         torch.testing.assert_close(grads[k], g, rtol=TOL, atol=TOL)
     for k, v in want_params.items():
         torch.testing.assert_close(net.state_dict()[k], v, rtol=TOL, atol=TOL)
+    with torch.no_grad():
+        want_out = net(x)
+    torch.testing.assert_close(pipe.eval_forward(x), want_out, rtol=TOL, atol=TOL)  # compiled again, no grad
 
 
 def _worker(rank: int, world: int, build: str, out: str) -> None:
