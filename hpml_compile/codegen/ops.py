@@ -70,14 +70,26 @@ __all__ = [
 ]
 
 
-def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``fn`` as written inside a compiled stage (``torch.compile`` breaks its graph there).
+_BREAKS = ("recv", "send", "swap", "checkpoint")
 
-    Communication, recompute and swap are Python around torch calls that a compiled graph cannot hold; the
-    stage's pieces between them compile (:mod:`hpml_compile.runtime.execute.compiled`). Uncompiled, the mark
-    costs under a microsecond a call (a few calls per microbatch, none per op).
+
+def break_graphs() -> None:
+    """Make ``recv``, ``send``, ``swap`` and ``checkpoint`` run as written inside a compiled stage.
+
+    Communication, recompute and swap are Python around torch calls that a compiled graph cannot hold:
+    ``torch.compile`` breaks the stage's graph at each, and the pieces between them compile
+    (:mod:`hpml_compile.runtime.execute.compiled`, which calls this before it compiles a stage). Done then,
+    not at import, since marking imports ``torch._dynamo`` (seconds), which an uncompiled run never needs;
+    the generated code reads ``ops.<name>`` at each call, so it finds the marked function. Once marked, a call
+    costs under a microsecond more (a few calls per microbatch, none per op).
     """
-    return torch.compiler.disable(fn, recursive=True)
+    here = globals()
+    for name in _BREAKS:
+        fn = here[name]
+        if not getattr(fn, "hpml_breaks", False):
+            marked = torch.compiler.disable(fn, recursive=True)
+            marked.hpml_breaks = True  # type: ignore[attr-defined]
+            here[name] = marked
 
 
 def _anchor() -> Tensor:
@@ -136,7 +148,6 @@ class _Send(torch.autograd.Function):
         return (None, None, None, None, None, *grads)
 
 
-@_eager
 def recv(comm: Comm, src: int, dst: int, specs: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
     """Receive the tuple that boundary ``src -> dst`` carries for the current microbatch.
 
@@ -153,7 +164,6 @@ def recv(comm: Comm, src: int, dst: int, specs: tuple[TensorSpec, ...]) -> tuple
     return _Recv.apply(_anchor(), comm, src, dst, tuple(specs))
 
 
-@_eager
 def send(comm: Comm, src: int, dst: int, specs: tuple[TensorSpec, ...], tensors: Sequence[Tensor]) -> Tensor:
     """Send ``tensors`` along boundary ``src -> dst`` for the current microbatch.
 
@@ -249,7 +259,6 @@ def _storage_ptrs(owner: Any) -> Iterator[int]:
             yield t.untyped_storage().data_ptr()
 
 
-@_eager
 def swap(stats: SwapStats, fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` with its saved activations swapped to host memory.
 
@@ -282,7 +291,6 @@ class _BuffersKept:
                 b.copy_(old)
 
 
-@_eager
 def checkpoint(fn: Callable[..., Any], *args: Any, swap: SwapStats | None = None) -> Any:
     """Run ``fn(*args)`` keeping only its inputs; recompute it during backward.
 

@@ -3,7 +3,8 @@
 :func:`compile_stages` replaces a stage's ``forward`` with a :class:`CompiledForward`: the generated
 forward compiled by ``torch.compile`` (dynamo, then inductor; on a CPU inductor writes C++ that the
 machine's compiler builds). The operations codegen inserted (``ops.recv``, ``ops.send``,
-``ops.checkpoint``, ``ops.swap``) are ``torch.compiler.disable``-d: the stage's graph breaks there, the
+``ops.checkpoint``, ``ops.swap``) are ``torch.compiler.disable``-d first
+(:func:`hpml_compile.codegen.ops.break_graphs`): the stage's graph breaks there, the
 pieces between them are compiled, and a recompute or swap region runs as written (eagerly), so
 communication, recompute and swap behave as in an uncompiled stage. The module hooks (ZeRO-1/2's
 prefetch wait) stay outside the compiled code: only ``forward`` is compiled, not the module call.
@@ -137,6 +138,9 @@ def compile_stages(stages: dict[int, nn.Module], mode: CompileStages, device: to
     """
     if not mode.wants(device):
         return []
+    from ...codegen.ops import break_graphs
+
+    break_graphs()
     out = []
     sharded = set(zero3)
     for k, stage in sorted(stages.items()):
