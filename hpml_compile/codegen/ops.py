@@ -74,7 +74,7 @@ _BREAKS = ("recv", "send", "swap", "checkpoint")
 
 
 def break_graphs() -> None:
-    """Make ``recv``, ``send``, ``swap`` and ``checkpoint`` run as written inside a compiled stage.
+    """Make ``recv``, ``send``, ``swap`` and ``checkpoint`` execute as written inside a compiled stage.
 
     Communication, recompute and swap are Python around torch calls that a compiled graph cannot hold:
     ``torch.compile`` breaks the stage's graph at each, and the pieces between them compile
