@@ -53,6 +53,7 @@ from .profile.process import this_host
 from .schedule import stage_ranks
 from .trainspec import TrainSpec, batch_input_names, first_batch
 from .runtime.execute.weights import load_stage_weights
+from .runtime.execute.compiled import CompileStages
 from .runtime.execute.pipeline import OptimizerArg, Pipeline
 from .runtime.execute.session import RetryPolicy, Session
 
@@ -86,7 +87,7 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
             name: str | None = None, retry: RetryPolicy = RetryPolicy(),
             log: Callable[[str], None] | None = None, precision: Precision | str = Precision.FP32,
             compress: str | None = None, allow_compress: str | None = None, sync_every: int = 1,
-            sync_warmup: int = 0) -> Pipeline:
+            sync_warmup: int = 0, compile_stages: str | bool | None = None) -> Pipeline:
     """Compile ``model`` for ``cluster`` and return the pipeline that trains it; call on every rank.
 
     Args:
@@ -115,16 +116,20 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
         sync_every: local SGD: the replicas step on their own gradients and average parameters every H steps
             (1: plain data parallelism).
         sync_warmup: steps of per-step gradient sync before local SGD starts.
+        compile_stages: ``auto`` (default: compiled on CUDA devices, not on CPUs), ``on`` or ``off``: each stage's
+            forward and backward compiled by ``torch.compile`` (:mod:`hpml_compile.runtime.execute.compiled`).
 
     Returns:
         The pipeline: ``step``, ``eval_forward``, ``state_dict``.
 
     Raises:
-        OptionError: ``precision`` is not one of fp32, bf16, fp16 (before anything runs).
+        OptionError: ``precision`` is not one of fp32, bf16, fp16, or ``compile_stages`` not one of auto, on,
+            off (before anything runs).
         HpmlError: a model that cannot be compiled for ``cluster``, or a world that does not fit its plan.
         ModelError: no example inputs for a plain module, or a TrainSpec whose batch does not split as planned.
     """
     prec = Precision.parse(precision, "precision")
+    compiled = CompileStages.parse(compile_stages)
     opts = driver.Options(solver=solver, microbatches=microbatches, schedule=schedule, time_limit_s=time_limit_s,
                           precision=prec, compress=compress, allow_compress=allow_compress, sync_every=sync_every,
                           sync_warmup=sync_warmup,  # every option checked before anything runs
@@ -175,7 +180,8 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
         warnings.warn("hpml_compile.compile: no optimizer given, so each step computes the loss and gradients and "
                       "leaves the weights as they are; pass optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3) "
                       "(or TrainSpec(optimizer=...)) to train", UserWarning, stacklevel=2)
-    pipe = Pipeline(build, model, optimizer=optimizer, session=session, run_dir=run_dir, log=log)
+    pipe = Pipeline(build, model, optimizer=optimizer, session=session, run_dir=run_dir, log=log,
+                    compile_stages=compiled)
     if spec is not None:
         from .runtime.execute.trainer import Trainer
 

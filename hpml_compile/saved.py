@@ -70,7 +70,9 @@ def counts_memory(seen: int) -> bool:
 
     Counting costs a Python call per saved tensor and per gradient accumulation. A step's memory follows
     from its shapes, so a run counts the first two steps of each shape (the first may allocate lazily), then
-    every :data:`MEMORY_EVERY`-th; the steps between report the last count.
+    every :data:`MEMORY_EVERY`-th; the steps between report the last count. The runtime measures the rest of a
+    rank's memory on the same steps: the parameter, gradient and optimizer-state bytes (a walk over every
+    tensor) and, on a CPU, the peak resident set (a ``/proc`` write before the step, a read after).
     """
     return seen < 2 or seen % MEMORY_EVERY == 0
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ def add_parsers(subparsers: Any) -> None:
                    help="keep a module (class or qualified name) as one opaque node; repeatable")
     p.add_argument("--front-end", dest="front_end", choices=[f.value for f in FrontEnd], default="auto")
     p.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
-    p.add_argument("--precision", default=Precision.FP32.value, choices=[x.value for x in Precision],
+    p.add_argument("--precision", default=None, choices=[x.value for x in Precision],
                    help="fp32 (default), or bf16/fp16 mixed precision: profiled and trained under autocast, fp32 "
                         "master weights and optimizer state, stage boundaries in the compute dtype; fp16 adds "
                         "loss scaling")
@@ -119,11 +120,11 @@ def run_compile(args: argparse.Namespace) -> int:
         host = this_host(log=_say)  # cached per host: measured once
         link, process = host.get("link"), host.get("process")
     try:
-        build, _ = driver.compile(
+        opts = driver.Options(solver=args.solver, microbatches=args.microbatches, schedule=args.schedule,
+                              time_limit_s=args.time_limit, precision=args.precision, **comm_options(args))
+        build, gm = driver.compile(
             loaded.module, loaded.example_inputs, args.output, cluster=cluster, name=loaded.name, say=_say,
-            recipe=recipe,
-            opts=driver.Options(solver=args.solver, microbatches=args.microbatches, schedule=args.schedule,
-                                time_limit_s=args.time_limit, precision=args.precision, **comm_options(args)),
+            recipe=recipe, opts=opts,
             prof_opts=driver.ProfileOptions(repeats=args.repeats, warmup=args.warmup, batch_size=loaded.batch_size,
                                             seq_len=loaded.seq_len, leaf_modules=args.leaf,
                                             front_end=args.front_end, input_names=loaded.input_names,
@@ -141,4 +142,13 @@ def run_compile(args: argparse.Namespace) -> int:
               f"{' '.join(build.manifest.stages[k]['actions']) or 'no communication'}")
     print(certificate_text(plan))
     print(format_assumptions(plan.assumptions))
+    from ..profile import load_profile
+    from .bf16hint import bf16_profile_of, plan_hint
+
+    hint = plan_hint(load_profile(build.out_dir / "profile.json"), cluster, pr.step_ms,  # fp32 on bf16 GPUs
+                     replace(opts, max_tp=1),  # as the driver planned it
+                     bf16_prof=lambda: bf16_profile_of(gm, loaded.example_inputs, cluster, name=loaded.name,
+                                                       batch_size=loaded.batch_size, seq_len=loaded.seq_len))
+    if hint is not None:
+        print(hint)
     return 0

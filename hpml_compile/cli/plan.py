@@ -206,4 +206,9 @@ def run_plan(args: argparse.Namespace) -> int:
           f"{so.name} {so.status.value} in {so.seconds:.2f} s; wrote {args.output}")
     print(certificate_text(plan))
     print(format_assumptions(plan.assumptions))
+    from .bf16hint import plan_hint
+
+    hint = plan_hint(profile, cluster, pr.step_ms, opts)  # fp32 on GPUs with bf16 units: one line
+    if hint is not None:
+        print(hint)
     return 0

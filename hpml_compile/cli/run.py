@@ -76,6 +76,9 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--retries", type=int, default=3,
                    help="attempts per step when communication fails transiently; 0 or 1: one attempt (default 3)")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
+    p.add_argument("--compile-stages", choices=["auto", "on", "off"], default="auto", dest="compile_stages",
+                   help="run each stage's forward and backward compiled by torch.compile (inductor): auto (the "
+                        "default) on CUDA devices, not on CPUs, where a compile takes tens of seconds a stage")
     p.add_argument("--metrics-port", type=int, default=None, dest="metrics_port", metavar="P",
                    help="rank 0 serves every rank's latest figures at http://HOST:P/metrics in the Prometheus text "
                         "format while the job runs (ranks of other hosts only with a shared run folder)")
@@ -226,7 +229,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                   retries=args.retries, timeout_s=args.timeout if args.timeout is not None else RunOptions().timeout_s,
                   tensorboard=args.tensorboard, metrics_port=args.metrics_port, val_every=args.val_every or 0,
                   log_samples=args.log_samples, compress=args.compress, sync_every=args.sync_every,
-                  sync_warmup=args.sync_warmup, keep=args.keep, faults=faults)
+                  sync_warmup=args.sync_warmup, keep=args.keep, faults=faults, compile_stages=args.compile_stages)
     if args.adapt:
         adapt = AdaptOptions.from_env(threshold=args.adapt_threshold, patience=args.adapt_patience,
                                       cooldown=args.adapt_cooldown) if args.on_imbalance else None

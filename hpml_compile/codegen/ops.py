@@ -69,6 +69,28 @@ __all__ = [
 ]
 
 
+_BREAKS = ("recv", "send", "swap", "checkpoint")
+
+
+def break_graphs() -> None:
+    """Make ``recv``, ``send``, ``swap`` and ``checkpoint`` execute as written inside a compiled stage.
+
+    Communication, recompute and swap are Python around torch calls that a compiled graph cannot hold:
+    ``torch.compile`` breaks the stage's graph at each, and the pieces between them compile
+    (:mod:`hpml_compile.runtime.execute.compiled`, which calls this before it compiles a stage). Done then,
+    not at import, since marking imports ``torch._dynamo`` (seconds), which an uncompiled run never needs;
+    the generated code reads ``ops.<name>`` at each call, so it finds the marked function. Once marked, a call
+    costs under a microsecond more (a few calls per microbatch, none per op).
+    """
+    here = globals()
+    for name in _BREAKS:
+        fn = here[name]
+        if not getattr(fn, "hpml_breaks", False):
+            marked = torch.compiler.disable(fn, recursive=True)
+            marked.hpml_breaks = True  # type: ignore[attr-defined]
+            here[name] = marked
+
+
 def _anchor() -> Tensor:
     # An autograd function records a backward node only if one of its inputs
     # requires grad; a fresh scalar makes sure recv/send always get one.

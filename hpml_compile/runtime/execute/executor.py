@@ -119,6 +119,8 @@ def split_replicas(value: Any, split: Split) -> list[Any]:
     Raises:
         HpmlError: a tensor's rows do not split so.
     """
+    if split == 1:
+        return [value]  # one replica takes the microbatch as it is
     if isinstance(split, int):
         return split_microbatches(value, split)
     leaves, spec = tree_flatten(value)
@@ -143,7 +145,8 @@ def loss_share(loss: Tensor, split: Split, replica: int, microbatches: int) -> T
     replica's gradient counts by its rows and their plain sum is the batch mean's gradient.
     """
     if isinstance(split, int):
-        return loss / (microbatches * split)
+        # one slice is the whole batch: no division (an op in the forward and one in the backward)
+        return loss if microbatches * split == 1 else loss / (microbatches * split)
     return loss * (split[replica] / (microbatches * sum(split)))
 
 
@@ -264,7 +267,7 @@ class _Slices:
     """
 
     def __init__(self, value: Any, microbatches: int, own: bool = False) -> None:
-        self._micro = split_microbatches(value, microbatches)
+        self._micro = [value] if microbatches == 1 else split_microbatches(value, microbatches)
         self._parts: dict[tuple[int, int], list[Any]] = {}
         self._own = own
 

@@ -50,6 +50,7 @@ import contextlib
 import gc
 import os
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -71,6 +72,7 @@ from ...codegen.tensor_parallel import tp_degree
 from ...schedule import Action, stage_ranks
 from .tensor_parallel import TensorParallelSession, open_tensor_parallel, shard_rank, whole_params
 from ..sync.comm import CommFault, CommOp, DistComm, LocalComm, is_transient, make_groups, rank_devices
+from .compiled import CompiledForward, CompileStages, compile_stages as compile_stages_of
 from .data import RankBatch
 from .executor import (actions_for, forward_stage, local_order, loss_share, merge_outputs, run_actions,
                        split_microbatches, split_replicas, stage_splits, to_device)
@@ -127,6 +129,9 @@ class Pipeline:
             reduce-scatter and parameter all-gather) through shared memory where its replicas are CPU ranks the
             plan puts on one host (:mod:`.shm`; what ``devices --measure`` and ``profile`` time); False: through
             gloo, as before.
+        compile_stages: ``auto`` (the default: compiled on CUDA devices, not on CPUs), ``on`` or ``off``: this
+            process's stages run their forward (and so backward) compiled by ``torch.compile``
+            (:mod:`.compiled`; a stage that cannot be is named in one line through ``log``).
     """
 
     def __init__(self, build: Build, model: nn.Module, *, optimizer: OptimizerArg = None,
@@ -134,7 +139,7 @@ class Pipeline:
                  faults: Sequence[CommFault] = (), log: Callable[[str], None] | None = None,
                  events: bool = True, scaler: LossScaler | None = None, overlap: bool | None = None,
                  bucket_mb: float = 25.0, comm_options: dict[str, Any] | None = None,
-                 shared_memory: bool = True) -> None:
+                 shared_memory: bool = True, compile_stages: CompileStages | str | bool | None = None) -> None:
         self.build, self.model, self.session = build, model, session
         self._shared_memory = shared_memory
         if bucket_mb <= 0:
@@ -199,10 +204,16 @@ class Pipeline:
             self._user_hooks = [model.register_forward_pre_hook(lambda *_: self.settle()),
                                 model.register_state_dict_pre_hook(lambda *_: self.settle())]
         self.optimizer = self._offloaded(self._make_optimizer(optimizer))
+        self.compiled: list[CompiledForward] = compile_stages_of(
+            self.stages, CompileStages.parse(compile_stages), self.device,
+            log or (lambda line: warnings.warn(line, RuntimeWarning, stacklevel=3)),
+            zero3=[s.stage for s in self._shards if isinstance(s, FlatShard3)])
         self.saved = SavedActivations(exclude=self.stages.values())  # what autograd keeps (counted steps)
         self.grad_peak = GradPeak(self.parameters())  # gradients at the end of the backward, before any sync
         self.gpu = GpuStats(self.device)  # NVML counters on a GPU rank (reads nothing on a CPU)
-        self.held: Held | None = None  # parameters and optimizer state after the last step, gradients at their peak
+        # parameters and optimizer state after the last step that counted memory, gradients at their peak
+        self.held: Held | None = None
+        self._peak: tuple[int, str] | None = None  # the peak memory of the last step that measured it
         mon = session.job_rank if isinstance(session, TensorParallelSession) else self.rank  # files of its own
         self.monitor = Monitor(run_dir, mon, tensorboard=tensorboard, events=events) \
             if run_dir is not None else Monitor(None, mon)
@@ -630,7 +641,6 @@ class Pipeline:
             p.grad = None
         if self.sync is not None:
             self.sync.begin_step(self.steps_done)  # gradients accumulate into the flat buffer the collective reads
-        reset_peak_memory(self.device)
         if self.events is not None and self.host is not None:
             self.events.begin()
             self.host.begin()
@@ -643,6 +653,10 @@ class Pipeline:
         if counted:
             self.saved.reset_peak()
             self.grad_peak.arm()
+        if counted or self.device.type == "cuda":  # a CPU's peak RSS: a /proc write now, a read after
+            reset_peak_memory(self.device)
+        for c in self.compiled:  # the hooks that count memory see only an eager forward's saved tensors
+            c.measuring = counted
         with self.saved if counted else contextlib.nullcontext():  # activations saved for backward, at their peak
             try:
                 run = run_actions(self.build, self._order(n), self.stages, comm, inputs, targets, loss_fn, n,
@@ -662,12 +676,15 @@ class Pipeline:
                 self._reform_after_update(e)
         busy = self.host.end() if self.host is not None else HostBusy(0.0, 0.0, 0.0)
         self.grad_peak.disarm()
-        h = held_bytes(list(self.stages.values()), self.optimizer)
-        # gradients at their peak; ZeRO-3 parameters too: the whole stage's while a microbatch computes
-        gathered = self.sync.gathered_bytes() if self.sync is not None else 0
-        self.held = Held(h.params + gathered, max(h.grads, self.grad_peak.bytes), h.optimizer)
+        if counted or self.held is None:  # a walk over every parameter, gradient and state tensor
+            h = held_bytes(list(self.stages.values()), self.optimizer)
+            # gradients at their peak; ZeRO-3 parameters too: the whole stage's while a microbatch computes
+            gathered = self.sync.gathered_bytes() if self.sync is not None else 0
+            self.held = Held(h.params + gathered, max(h.grads, self.grad_peak.bytes), h.optimizer)
         wait_ms, p2p_ms = split_wait(comm.stats)
-        mem, mem_kind = peak_memory(self.device)
+        if counted or self.device.type == "cuda" or self._peak is None:
+            self._peak = peak_memory(self.device)
+        mem, mem_kind = self._peak
         gpu = self.gpu.sample()
         t_val = time.perf_counter()
         val = self._validate(validate)

@@ -212,6 +212,8 @@ class RunOptions:
         rows_from: a plan whose rows per replica the ranks take before their first step (a restart after rows
             moved in place), or None.
         launched_at: when the launch began (epoch seconds; rank 0 records the time to its first step).
+        compile_stages: ``auto``, ``on`` or ``off``: stages compiled by torch.compile
+            (:mod:`hpml_compile.runtime.execute.compiled`).
     """
 
     steps: int = 20
@@ -235,11 +237,14 @@ class RunOptions:
     faults: Faults = field(default_factory=Faults)
     rows_from: Path | None = None
     launched_at: float | None = None
+    compile_stages: str = "auto"
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.log_every < 1 or self.checkpoint_every < 0 or self.keep < 0:
             raise HpmlError(f"run options: steps ({self.steps}) and log_every ({self.log_every}) must be 1 or more, "
                             f"checkpoint_every ({self.checkpoint_every}) and keep ({self.keep}) 0 or more")
+        if self.compile_stages not in ("auto", "on", "off"):
+            raise HpmlError(f"run options: compile_stages must be auto, on or off, got {self.compile_stages!r}")
 
     @property
     def comm_options(self) -> dict[str, Any]:

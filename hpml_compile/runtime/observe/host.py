@@ -3,7 +3,7 @@
 A shared virtual machine loses CPU time to other tenants (``steal`` in
 ``/proc/stat``), and a host runs other programs; either makes every step
 slower without anything being wrong with the plan. Each rank samples, at the
-start and end of every step (:class:`HostSampler`, through psutil, which
+start and end of its steps (closely following short steps share one window) (:class:`HostSampler`, through psutil, which
 reads ``/proc/stat`` and ``/proc/<pid>/stat`` on Linux):
 
 - ``steal``: the share of the host's CPU time (all cores) stolen during the step;
@@ -38,9 +38,10 @@ from typing import Sequence
 
 import psutil
 
-__all__ = ["HostSample", "HostBusy", "HostSampler", "hostname"]
+__all__ = ["HostSample", "HostBusy", "HostSampler", "hostname", "REUSE_S", "WINDOW_S"]
 
-REUSE_S = 0.005  # a step starting this soon after the last one's end reuses its sample (HostSampler.begin)
+REUSE_S = 0.005  # a step starting this soon after the last one's end continues its sample window
+WINDOW_S = 0.05  # closely following steps are sampled about this often (HostSampler)
 _SCHEDSTAT = "/proc/self/schedstat"  # run time, run-queue wait (ns), time slices of the main thread
 
 
@@ -97,14 +98,24 @@ def _run_queue_wait() -> float:
 class HostSampler:
     """Samples the host and this job's processes (see the module docstring).
 
+    A sample reads three or more ``/proc`` files (about 0.1 ms), a few percent of a small model's step. Steps
+    that follow each other closely (the next begins within :data:`REUSE_S` of the last one's end) share one
+    sample window of at least :data:`WINDOW_S`: a step that ends before its window is that long is not sampled
+    and reports the shares of the last window that was (``contention_s`` scaled to its own wall time), so a run
+    of millisecond steps samples about every :data:`WINDOW_S` rather than at every step, and the shares of so
+    short a span, which would be noise of the kernel's ticks, are not reported. A step after a gap starts a
+    fresh window: the gap's load is not counted.
+
     Args:
         job_pids: the process ids of this job's ranks on this host (this process included).
     """
 
     def __init__(self, job_pids: Sequence[int] = ()) -> None:
         self._job = [psutil.Process(p) for p in dict.fromkeys([*job_pids, os.getpid()]) if psutil.pid_exists(p)]
-        self._start: HostSample | None = None
-        self._last_end: HostSample | None = None
+        self._start: HostSample | None = None  # the open window's first sample
+        self._step_t0 = 0.0  # monotonic start of the current step
+        self._step_end = -1e9  # monotonic end of the last step
+        self._last: tuple[HostBusy, float] | None = None  # the last sampled window's shares and its wall time
 
     def sample(self) -> HostSample:
         t = psutil.cpu_times()
@@ -125,18 +136,23 @@ class HostSampler:
         return HostSample(time.monotonic(), total, idle, steal, job, time.process_time(), _run_queue_wait())
 
     def begin(self) -> None:
-        """Mark the start of a step.
-
-        A step that starts within :data:`REUSE_S` of the last one's end starts from that end's sample: a
-        sample reads three or more ``/proc`` files, a few percent of a small model's step, and the shares of
-        so short a gap are noise.
-        """
-        last = self._last_end
-        self._start = last if last is not None and time.monotonic() - last.wall < REUSE_S else self.sample()
+        """Mark the start of a step: within :data:`REUSE_S` of the last step's end it continues that window."""
+        now = time.monotonic()
+        self._step_t0 = now
+        if self._start is None or now - self._step_end >= REUSE_S:
+            self._start = self.sample()
+            self._step_t0 = self._start.wall
 
     def end(self) -> HostBusy:
-        """The shares since :meth:`begin`."""
+        """The shares of this step's window (see the class docstring)."""
         if self._start is None:
             return HostBusy(0.0, 0.0, 0.0)
-        self._last_end = self.sample()
-        return self._start.delta(self._last_end)
+        now = self._step_end = time.monotonic()
+        step_s = now - self._step_t0
+        if self._last is None or now - self._start.wall >= WINDOW_S:
+            later = self.sample()
+            self._last = (self._start.delta(later), later.wall - self._start.wall)
+            self._start = later
+        busy, window_s = self._last
+        share = min(1.0, step_s / window_s) if window_s > 0 else 1.0
+        return HostBusy(busy.steal, busy.others, busy.cpu_util, busy.contention_s * share)

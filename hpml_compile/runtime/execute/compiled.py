@@ -1,0 +1,157 @@
+"""Stages compiled with ``torch.compile`` (inductor): each stage's forward, and so its backward through AOTAutograd.
+
+:func:`compile_stages` replaces a stage's ``forward`` with a :class:`CompiledForward`: the generated
+forward compiled by ``torch.compile`` (dynamo, then inductor; on a CPU inductor writes C++ that the
+machine's compiler builds). The operations codegen inserted (``ops.recv``, ``ops.send``,
+``ops.checkpoint``, ``ops.swap``) are ``torch.compiler.disable``-d first
+(:func:`hpml_compile.codegen.ops.break_graphs`): the stage's graph breaks there, the
+pieces between them are compiled, and a recompute or swap region runs as written (eagerly), so
+communication, recompute and swap behave as in an uncompiled stage. The module hooks (ZeRO-1/2's
+prefetch wait) stay outside the compiled code: only ``forward`` is compiled, not the module call.
+
+Where it does not compile, a stage falls back, with one line naming the stage and why:
+
+- a graph that inductor fails on runs as dynamo traced it (eagerly), by the backend's own fallback here,
+  before anything of it ran, so nothing runs twice;
+- a ZeRO-3 stage is not compiled: its parameters are gathered before every forward and freed after it
+  (:mod:`..sync.zero3`), which a compiled graph's guards see as new tensors, recompiling each time.
+
+Memory accounting: :class:`~hpml_compile.saved.SavedActivations` counts what autograd saves through one
+Python hook per saved tensor, which a compiled graph does not call (AOTAutograd saves inside its own
+function). So the steps that count memory (the first two of each shape, then every 25th,
+:func:`~hpml_compile.saved.counts_memory`) run the stage's eager forward (:attr:`CompiledForward.measuring`),
+and the other steps run compiled, with no hook at all. The count is then of the eager stage's activations:
+what a compiled stage saves can differ (inductor recomputes cheap pointwise ops rather than save them, so
+usually less), which the memory model does not yet separate.
+
+The profile still times the model's blocks eager, so a plan's prediction is of uncompiled stages. Timing
+each block compiled does not stand for a compiled stage: a compiled call pays its guards and wrapper (about
+50 us a call on a CPU) once per block, where a stage pays it once per graph, which for a model of many
+small blocks is more than the blocks' own time.
+
+The default (``auto``): compiled on CUDA devices, uncompiled on CPUs. On a GPU a small op's launch and
+Python dispatch is the step (``cost_models/catalog.py``'s ``EAGER_GPU_OP_MS``), which fused kernels remove;
+on a CPU inductor's first compile takes tens of seconds per stage (C++ through the host compiler; 20-60 s
+for a small MLP on a busy 2-core machine), paid back only over thousands of steps of a small-op model, and
+a test suite that trains for a few steps would mostly compile. ``on`` compiles on a CPU too.
+
+Example:
+    >>> CompileStages.parse("auto").wants(torch.device("cpu")), CompileStages.parse("on").wants(torch.device("cpu"))
+    (False, True)
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from ...errors import OptionError
+
+__all__ = ["CompileStages", "CompiledForward", "compile_stages", "inductor_or_eager"]
+
+
+class CompileStages(str, enum.Enum):
+    """Whether stages run compiled: ``auto`` (on CUDA devices), ``on``, ``off``."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+    @classmethod
+    def parse(cls, value: "CompileStages | str | bool | None", what: str = "compile_stages") -> "CompileStages":
+        """``value`` as a member (True/False as on/off, None as auto).
+
+        Raises:
+            OptionError: not one of auto, on, off.
+        """
+        if value is None:
+            return cls.AUTO
+        if isinstance(value, bool):
+            return cls.ON if value else cls.OFF
+        try:
+            return cls(str(getattr(value, "value", value)).lower())
+        except ValueError:
+            raise OptionError(f"{what} must be auto, on or off, got {value!r}") from None
+
+    def wants(self, device: torch.device) -> bool:
+        """Whether a stage on ``device`` is compiled under this choice."""
+        return self is CompileStages.ON or (self is CompileStages.AUTO and device.type == "cuda")
+
+
+class CompiledForward:
+    """A stage's forward: compiled, or its own eager forward while memory is measured.
+
+    Args:
+        stage: the stage module (its ``forward`` is the generated one).
+        index: the stage's index (named in the fallback line).
+        log: where the one-line fallback notice goes.
+    """
+
+    def __init__(self, stage: nn.Module, index: int, log: Callable[[str], None]) -> None:
+        self.eager = stage.forward
+        self.index = index
+        self.measuring = False  # run eagerly: a step that counts the saved activations through hooks
+        backend = inductor_or_eager(f"stage {index}", log)
+        self.fallbacks: list[str] = backend.fallbacks  # type: ignore[attr-defined]  # why a graph runs uncompiled
+        self.compiled = torch.compile(self.eager, backend=backend, dynamic=False)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.eager(*args) if self.measuring else self.compiled(*args)
+
+
+def inductor_or_eager(what: str, log: Callable[[str], None]) -> Callable[..., Any]:
+    """A ``torch.compile`` backend: inductor, or the traced graph as it is where inductor fails (said once)."""
+    said: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        try:
+            return compile_fx(gm, example_inputs)
+        except Exception as e:  # noqa: BLE001 -- any compiler failure falls back, and says why
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            if not said:
+                log(f"{what} runs uncompiled: torch.compile (inductor) failed: {reason}")
+            said.append(reason)
+            return gm.forward
+
+    backend.fallbacks = said  # type: ignore[attr-defined]
+    return backend
+
+
+def compile_stages(stages: dict[int, nn.Module], mode: CompileStages, device: torch.device,
+                   log: Callable[[str], None], *, zero3: Iterable[int] = ()) -> list[CompiledForward]:
+    """Compile each of ``stages`` whose device ``mode`` compiles on (see the module docstring).
+
+    Args:
+        stages: the stage modules of this process, by index.
+        mode: the choice.
+        device: where they run.
+        log: where a stage that cannot be compiled is named, with why (one line each).
+        zero3: indices of stages whose parameters ZeRO-3 gathers and frees around each forward.
+
+    Returns:
+        The compiled forwards (set ``measuring`` on them for a step that counts memory).
+    """
+    if not mode.wants(device):
+        return []
+    from ...codegen.ops import break_graphs
+
+    break_graphs()
+    out = []
+    sharded = set(zero3)
+    for k, stage in sorted(stages.items()):
+        if k in sharded:
+            log(f"stage {k} runs uncompiled: ZeRO-3 gathers its parameters before every forward and frees them "
+                "after, which a compiled graph would recompile for")
+            continue
+        if isinstance(stage.forward, CompiledForward):  # a build's stages shared by two pipelines
+            out.append(stage.forward)
+            continue
+        fwd = CompiledForward(stage, k, log)
+        stage.forward = fwd  # an instance attribute: nn.Module's call (and its hooks) calls it
+        out.append(fwd)
+    return out
