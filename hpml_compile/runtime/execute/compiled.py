@@ -110,7 +110,8 @@ def inductor_or_eager(what: str, log: Callable[[str], None]) -> Callable[..., An
         from torch._inductor.compile_fx import compile_fx
 
         try:
-            return compile_fx(gm, example_inputs)
+            compiled: Callable[..., Any] = compile_fx(gm, example_inputs)  # type: ignore[assignment]
+            return compiled
         except Exception as e:  # noqa: BLE001 -- any compiler failure falls back, and says why
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             if not said:

@@ -90,6 +90,7 @@ from .session import CommFailure, RetryPolicy, Session
 from ..sync.feedback import CommState
 from ..sync.stage import StageSync, for_stage
 from ..sync.zero import FlatShard
+from ..sync.zero3 import FlatShard3
 
 __all__ = ["Pipeline", "OptimizerArg"]
 
