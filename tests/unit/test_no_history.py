@@ -62,7 +62,7 @@ def history_hits(files: dict[str, str]) -> list[str]:
 def test_the_pattern_finds_what_it_is_meant_to_find() -> None:
     found = history_hits({"a.py": "x = 1  # fixed in Sess" + "ion 12\n", "b.md": "see iss" + "ue 40 here\n",
                           "c.md": "measured in ru" + "n AX\n", "CHANGELOG.md": "Sess" + "ion 3 notes\n",
-                          "d.py": "a sessions table, an issue tracker, a running average, it runs as one plan\n"})
+                          "d.py": "a sessions table, an issue tracker, a running average, it is run as one plan\n"})
     assert [h.split(":")[0] for h in found] == ["a.py", "b.md", "c.md"]
 
 
