@@ -131,7 +131,7 @@ __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfe
            "level_bytes",
            "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
            "optimizer_ms", "steps_flat", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows", "agree_ms",
-           "meet_ms", "tp_bytes", "tp_time", "tp_comm_ms",
+           "meet_ms", "tp_bytes", "tp_time", "tp_comm_ms", "tp_link",
            "AGREE_BYTES"]
 
 # A count or a duration: a Python scalar for one stage, a numpy array for many candidates at once.
@@ -337,11 +337,34 @@ def tp_comm_ms(allreduce_bytes: Value, gather_bytes: Value, count: Value, tp: in
     """
     if tp <= 1 or link is None:
         return allreduce_bytes * 0.0
+    link = tp_link(link)
     gathers = (gather_bytes > 0) * 1 if isinstance(gather_bytes, np.ndarray) else int(gather_bytes > 0)
     reduces = np.maximum(count - gathers, 0) if isinstance(count, np.ndarray) else max(0, count - gathers)
     safe = np.maximum(reduces, 1) if isinstance(reduces, np.ndarray) else max(1, reduces)
     one = transfer_ms(cost_models.allreduce_ms, allreduce_bytes / safe, link, tp)
     return reduces * one + transfer_ms(cost_models.all_gather_ms, gather_bytes, link, tp)
+
+
+def tp_link(link: cost_models.LinkSpec) -> cost_models.LinkSpec:
+    """The link as the tensor-parallel collectives see it: gloo's own all-reduce and all-gather, called on the
+    stage's group inside each sharded layer (:mod:`hpml_compile.codegen.tpops`), not the runtime's data-parallel
+    path.
+
+    A probed CPU link carries fits of its own for the all-reduce, reduce-scatter and all-gather as the gradient
+    sync runs them, through shared memory (:mod:`hpml_compile.profile.links`); the layers' collectives do not go
+    that way, so they are priced on the link's own fit (gloo's send/recv and all-reduce), and an all-gather on
+    the ``param_gather`` fit where the probe measured one (gloo's all-gather just after the ranks computed, as a
+    layer's is). Measured between two 1-thread ranks of a 2-core host: a gloo all-reduce of 4 MiB took 2.9 ms
+    (the shared-memory fit said 1.3 ms, the link's own fit 3.1 ms), of 13 MiB 11.7 ms (3.1, 9.8), and an
+    all-gather into 16 MiB 16 ms with its concatenation (2.2 ms; 9.7 on the ``param_gather`` fit).
+
+    >>> lo = cost_models.LinkSpec("lo", 2.0, 100.0, "example", collectives=(("all_reduce", 10.0, 240.0),
+    ...                                                                    ("param_gather", 1.8, 340.0)))
+    >>> tp_link(lo).for_collective("all_reduce").gbps, tp_link(lo).for_collective("all_gather").gbps
+    (2.0, 1.8)
+    """
+    gather = [c for c in link.collectives if c[0] == "param_gather"]
+    return dataclasses.replace(link, collectives=tuple(("all_gather", gbps, lat) for _, gbps, lat in gather))
 
 
 def _affine(fn: Callable[..., float], link: cost_models.LinkSpec, *args: object

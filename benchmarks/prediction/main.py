@@ -9,7 +9,10 @@ gets them (measured once per host and cached: :func:`this_host`, which says
 so). Plans are made over it: 2-stage pipelines cut where the predicted
 compute is balanced (GPipe and 1F1B, several microbatch counts), 1 stage on 2
 data-parallel ranks (ZeRO-0 and ZeRO-1), 1 stage on 4 (``dp4``: on a 2-core
-host, ranks that share cores), and 1 stage on 1 rank. Each plan carries the
+host, ranks that share cores), 1 stage on 1 rank, and tensor-parallel plans
+where the model's graph shards (``tp2``: 1 stage at ``tp = 2`` on 2 ranks;
+``tp2pipe``: the 2-stage pipeline, each stage at ``tp = 2``, on 4 ranks), whose
+ranks form their own groups as a run's do. Each plan carries the
 simulator's prediction (:func:`hpml_compile.simulate.annotate`), is generated
 into a build and trained with :class:`hpml_compile.runtime.Pipeline` (AdamW)
 for a few steps on 1, 2 or 4 gloo ranks; the measured step is the median over
@@ -88,6 +91,7 @@ class Case:
     predicted_compute: tuple[float, ...]  # per rank: (fwd + bwd) per microbatch x microbatches
     predicted_without_optimizer_ms: float
     predicted_without_corun_ms: float = 0.0  # the same plan, the profile's co-run slow-down left out
+    tp: int = 1  # the plan's tensor-parallel degree (its ranks form their groups themselves)
 
 
 def _ticks(exclude: set[int]) -> tuple[int, int]:
@@ -158,6 +162,10 @@ def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, in
     first, second = _stages_of(graph, cut)
     every = first + second
     for kind, devices, sched, m in steps:
+        if kind in TP_KINDS and TP_KINDS[kind] not in graph.tp_degrees():
+            print(f"  {name}: no layer of its graph shards at tp {TP_KINDS[kind]}: no {kind} row", file=sys.stderr)
+            continue
+        st: tuple[Stage, ...]
         if kind == "pipe":
             st = (Stage(0, ("cpu0",), first), Stage(1, ("cpu1",), second))
         elif kind == "dp":
@@ -166,6 +174,10 @@ def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, in
             st = (Stage(0, ("cpu0", "cpu1"), every, zero=ZeroStage.OS),)
         elif kind == "dp4":  # four replicas: on a host of fewer cores, ranks that share a core
             st = (Stage(0, ("cpu0", "cpu1", "cpu2", "cpu3"), every),)
+        elif kind == "tp2":  # one stage sharded over two ranks (the graph's attention and MLP units)
+            st = (Stage(0, ("cpu0", "cpu1"), every, tp=2),)
+        elif kind == "tp2pipe":  # the 2-stage pipeline, each stage sharded over two ranks
+            st = (Stage(0, ("cpu0", "cpu1"), first, tp=2), Stage(1, ("cpu2", "cpu3"), second, tp=2))
         else:
             st = (Stage(0, ("cpu0",), every),)
         cluster = profile_links(load_cluster(f"local-cpu-{devices}"), prof)  # this host's link, as `compile` uses
@@ -175,13 +187,15 @@ def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, in
     return out
 
 
-RANKS = {"pipe": 2, "dp": 2, "zero1": 2, "dp4": 4, "single": 1}  # the ranks each plan kind runs on
+RANKS = {"pipe": 2, "dp": 2, "zero1": 2, "dp4": 4, "single": 1, "tp2": 2, "tp2pipe": 4}  # the ranks of each kind
+TP_KINDS = {"tp2": 2, "tp2pipe": 2}  # kinds with tensor-parallel stages, and their degree
 GRID = ("pipe:gpipe:2,pipe:gpipe:4,pipe:1f1b:2,pipe:1f1b:4,pipe:1f1b:8,dp:gpipe:1,zero1:gpipe:1,dp4:gpipe:1,"
-        "single:gpipe:1")
+        "single:gpipe:1,tp2:gpipe:1,tp2pipe:1f1b:2")
 
 
 def _grid(text: str) -> list[tuple[str, int, Schedule, int]]:
-    """``kind:schedule:M,...`` (kind: pipe | dp | zero1 | dp4 | single) as ``(kind, ranks, schedule, M)``."""
+    """``kind:schedule:M,...`` (kind: pipe | dp | zero1 | dp4 | single | tp2 | tp2pipe) as
+    ``(kind, ranks, schedule, M)``."""
     out = []
     for item in dict.fromkeys(text.split(",")):  # a plan named twice is measured once
         kind, sched, m = item.split(":")
@@ -214,7 +228,8 @@ def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedu
             if load <= QUIET:
                 break
             print(f"  other processes used {load:.2f} CPUs while profiling {name}", file=sys.stderr, flush=True)
-        facts[name] = {**prof.devices["cpu"], "background_cpu": round(load, 3), "attempts": attempt + 1}
+        facts[name] = {**prof.devices["cpu"], "background_cpu": round(load, 3), "attempts": attempt + 1,
+                       "compiled_tp": _compiled_tp(root / f"{name}-compile")}
         graph = build_costgraph(prof)
         gm = trace(loaded.module, loaded.example_inputs)
         for label, plan, no_opt, plain in _plans(name, graph, grid, prof):
@@ -224,8 +239,16 @@ def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedu
             per_rank = tuple((st.predicted.fwd_ms + st.predicted.bwd_ms) * plan.microbatches
                              for st in plan.stages for _ in st.devices)
             cases.append(Case(label, name, ranks, str(out), plan.predicted.step_ms, predicted_bubble(plan), per_rank,
-                              no_opt, plain))
+                              no_opt, plain, max(st.tp for st in plan.stages)))
     return cases, facts
+
+
+def _compiled_tp(build: Path) -> list[int]:
+    """Each stage's ``tp`` in the plan ``compile`` chose (``--max-tp 2`` on ``local-cpu-2``): the TP rows are the
+    benchmark's own plans (as its other rows are), whatever the solver picked; this records whether it picked
+    tensor parallelism on this host."""
+    stages = json.loads((build / "plan.json").read_text()).get("stages", [])
+    return [int(st.get("tp", 1)) for st in stages]
 
 
 def _users_profile(loaded: Any, name: str, root: Path, host: dict[str, Any]) -> Any:
@@ -239,7 +262,7 @@ def _users_profile(loaded: Any, name: str, root: Path, host: dict[str, Any]) -> 
     torch.set_num_threads(threads or before)  # as the CLI does before it compiles
     try:
         driver.compile(loaded.module, loaded.example_inputs, out, cluster=cluster, name=name,
-                       opts=driver.Options(time_limit_s=10.0),
+                       opts=driver.Options(time_limit_s=10.0, max_tp=2),
                        prof_opts=driver.ProfileOptions(batch_size=loaded.batch_size, seq_len=loaded.seq_len,
                                                        link=host.get("link"), process=host.get("process")))
     finally:
@@ -259,13 +282,19 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, o
         if case.ranks != world:
             continue
         loaded = models.load(case.model, seed=0)
-        pipe = Pipeline.from_build(case.build, loaded.module, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+        init = None
+        if case.tp > 1:  # the runtime makes a tensor-parallel build's groups itself, from the job's ranks
+            dist.barrier()
+            dist.destroy_process_group()
+            init = f"file://{out}/rendezvous-{tag}?rank={rank}&world_size={world}"
+        pipe = Pipeline.from_build(case.build, loaded.module, init_method=init,
+                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
         for _ in range(warmup):
             pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
         for attempt in range(attempts):  # re-measure when another job shared the CPUs meanwhile
             if rank == 0:
                 _wait_quiet(exclude, wait_s)
-            dist.barrier()
+            _job_sum(pipe, 0.0)  # a barrier over every rank of the job
             start, before, t0 = len(pipe.metrics), _ticks(exclude), time.perf_counter()
             c0, p0 = time.thread_time(), time.process_time()
             ru0 = resource.getrusage(resource.RUSAGE_THREAD)
@@ -276,8 +305,8 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, o
             ru1 = resource.getrusage(resource.RUSAGE_THREAD)
             sys_ms = (ru1.ru_stime - ru0.ru_stime) * 1e3 / steps  # the kernel's share: page faults, copies
             faults = (ru1.ru_minflt - ru0.ru_minflt) / steps
-            load = torch.tensor([_load_since(before, exclude, time.perf_counter() - t0) if rank == 0 else 0.0])
-            dist.broadcast(load, 0)
+            load = torch.tensor([_job_sum(pipe, _load_since(before, exclude, time.perf_counter() - t0)
+                                          if rank == 0 else 0.0)])  # rank 0's figure, on every rank
             if float(load[0]) <= QUIET:
                 break
         rows = pipe.metrics[start:]  # the step as the caller sees it: Pipeline.step's wall clock
@@ -293,10 +322,23 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, o
     Path(out, f"rank{rank}-w{world}-{tag}.json").write_text(json.dumps(report))
 
 
+def _job_sum(pipe: Pipeline, value: float) -> float:
+    """``value`` summed over every rank of the job: over the default group, then over the stage's
+    tensor-parallel group where it has one (the default group of a tensor-parallel build holds one place of
+    those groups, not every rank)."""
+    t = torch.tensor([value])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    group = getattr(pipe.build.stages[pipe.stage_index], "hpml_tp", None)
+    if group is not None:
+        t = group.all_reduce(t)
+    return float(t[0])
+
+
 def _summarise(cases: list[Case], root: Path, fresh: bool = True) -> list[dict[str, Any]]:
     rows = []
     for i, c in enumerate(cases):
-        tag = f"c{i}" if fresh else "all"
+        tag = f"c{i}" if fresh or c.tp > 1 else "all"
         ranks = [json.loads((root / f"rank{r}-w{c.ranks}-{tag}.json").read_text())[c.name] for r in range(c.ranks)]
         full = [max(v) for v in zip(*(r["step_ms"] for r in ranks))]
         no_opt = [max(vals) for vals in zip(*([s - o for s, o in zip(r["step_ms"], r["optimizer_ms"])]
@@ -456,12 +498,12 @@ def main(argv: list[str] | None = None) -> int:
         # this host's link and a rank's baseline memory as `compile` gets them: measured once per host, cached
         link = this_host(log=lambda line: print(line.strip(), file=sys.stderr, flush=True))
         cases, facts = _cases(args.models.split(","), here, _grid(args.grid), link, args.quiet_wait, args.attempts)
-        if args.shared_ranks:
-            for world in sorted({c.ranks for c in cases}):
-                spawn_ranks(_worker, world, here, cases, args.steps, args.warmup, str(here), args.quiet_wait,
-                            args.attempts)
-        else:  # each plan in ranks of its own, as a user's run is
-            for i, c in enumerate(cases):
+        if args.shared_ranks:  # tensor-parallel plans form their own groups: ranks of their own still
+            for world in sorted({c.ranks for c in cases if c.tp == 1}):
+                spawn_ranks(_worker, world, here, [c for c in cases if c.tp == 1], args.steps, args.warmup,
+                            str(here), args.quiet_wait, args.attempts)
+        for i, c in enumerate(cases):  # each plan in ranks of its own, as a user's run is
+            if not args.shared_ranks or c.tp > 1:
                 spawn_ranks(_worker, c.ranks, here, [c], args.steps, args.warmup, str(here), args.quiet_wait,
                             args.attempts, f"c{i}")
         rounds.append(_summarise(cases, here, fresh=not args.shared_ranks))
@@ -518,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{f.get('scaled_to_whole', {}).get('bwd', 0):.2f}x bwd, re-measured {f.get('remeasured', 0)}, "
         + (f"beside {f['corun']['ranks'] - 1} busy core(s) {f['corun']['fwd']:.2f}x fwd {f['corun']['bwd']:.2f}x bwd, "
            if "fwd" in f.get("corun", {}) else "")
-        + f"bg cpu {f['background_cpu']:.2f}"
+        + f"bg cpu {f['background_cpu']:.2f}, compiled with --max-tp 2: tp {f.get('compiled_tp')} per stage"
         for m, f in facts.items()))
     host.update({"stream_gbps": statistics.median(f["stream_gbps"] for f in facts.values()),
                  "host_stream_gbps": statistics.median(f["host_stream_gbps"] for f in facts.values()),

@@ -236,3 +236,22 @@ def test_overlap_scales_the_backward_that_hides_the_sync() -> None:
             == stagecost.sync_ms(80 * MiB, 2, z, False, link, PCIE)
     with pytest.raises(ValueError, match="overlap"):
         stagecost.sync_ms(MiB, 2, ZeroStage.NONE, False, link, PCIE, bwd_ms=5.0, overlap=1.5)
+
+
+def test_tensor_parallel_collectives_are_priced_as_gloo_runs_them_not_as_the_sync_path() -> None:
+    # a probed CPU link: its own fit (gloo send/recv and all-reduce) and the shared-memory fits of the gradient
+    # sync's collectives, which the layers' gloo collectives do not use
+    gloo = cost_models.LinkSpec("cpu0-cpu1", 2.85, 100.9, "probe", shared=True)
+    probed = replace(gloo, collectives=(("all_reduce", 10.4, 241.3), ("all_gather", 10.0, 475.5),
+                                        ("param_gather", 1.79, 338.2)))
+    mib = 1 << 20
+    reduces = stagecost.tp_comm_ms(12 * mib, 0, 3, 2, probed)
+    assert reduces == pytest.approx(3 * cost_models.allreduce_ms(4 * mib, 2, gloo))
+    assert reduces > 2 * 3 * cost_models.allreduce_ms(4 * mib, 2, probed.for_collective("all_reduce"))
+    gathered = stagecost.tp_comm_ms(0, 16 * mib, 1, 2, probed)
+    at_step = cost_models.LinkSpec("g", 1.79, 338.2, "probe", shared=True)
+    assert gathered == pytest.approx(cost_models.all_gather_ms(16 * mib, 2, at_step))
+    # the same as arrays (the solver's table) and on a link without fits of its own
+    arr = stagecost.tp_comm_ms(np.array([12.0 * mib]), np.array([0.0]), np.array([3]), 2, probed)
+    assert float(arr[0]) == pytest.approx(reduces)
+    assert stagecost.tp_comm_ms(12 * mib, 0, 3, 2, gloo) == pytest.approx(reduces)
