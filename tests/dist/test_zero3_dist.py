@@ -144,8 +144,8 @@ def _train(rank: int, world: int, pairs: dict[str, tuple[str, str]], out: str) -
             "state_diff": max(float((got["state"][k] - v).abs().max()) for k, v in ref["state"].items()),
             "eval_diff": float((got["eval"] - ref["eval"]).abs().max()),
             **{k: got[k] for k in ("held_peak", "held_after_sync", "between", "sharded_bytes", "tied_bytes",
-                                   "module_bytes", "gathered_bytes", "shard_bytes", "stage", "continued", "comm_gathers",
-                                   "resumed") if k in got},
+                                   "module_bytes", "gathered_bytes", "shard_bytes", "stage", "continued",
+                                   "resumed", "comm_gathers") if k in got},
         }
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
 
