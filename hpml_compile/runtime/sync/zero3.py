@@ -23,8 +23,10 @@ parameter buffer is *freed* between uses:
   heap fragmented, and a rank's resident set grew by several times the
   stage's parameters over the first steps (measured on the ``mlp`` zoo model,
   30 MiB of parameters on two CPU ranks: 697 MiB after the first step, 837
-  after the fourth, against about 570 predicted; 537-597 through shared
-  memory, and the step twice as fast);
+  after the fourth; 550-670 through shared memory, and the step about twice
+  as fast). What fragmentation remains, from the flat buffer itself, is about
+  one more gathered unit, which :func:`hpml_compile.memory.process_bytes`
+  counts;
 - the backward gathers it again before the first node of the stage's graph
   runs (a pre-hook on the ``grad_fn`` of each tensor the forward returned) and
   frees it when that backward ends (``queue_callback`` of the autograd engine,
