@@ -149,6 +149,13 @@ def process_bytes(baseline: Any, model_param_bytes: Any, stage_param_bytes: Any,
     - the optimizer's temporaries: AdamW's step allocates about two tensors the size of the one it steps (the
       square root of its second moment and the quotient): the flat shard (``P / d``) under ZeRO-1 and up, else
       the stage's largest parameter (``largest_param``, at most the stage's bytes; None: the stage's).
+    - under ZeRO-3, one more copy of the stage's parameters (``P``): the gathered flat buffer is freed and
+      allocated again for every forward and backward (:mod:`hpml_compile.runtime.sync.zero3`), and between
+      two gathers ``malloc`` splits the freed block for smaller tensors (the reduce-scatter's shard, the
+      optimizer's temporaries, the next gradient buffer), so the next gather takes fresh memory: measured on
+      two CPU ranks (the ``mlp`` zoo model, ``P`` = 30 MiB), a ZeRO-3 rank's resident set exceeded a ZeRO-1
+      rank's of the same plan by 20-100 MiB (about 40 typically) over the first steps, where the tensors
+      differ by ``P / d`` = 15 MiB.
 
     Args:
         baseline: the measured baseline bytes.
@@ -165,6 +172,8 @@ def process_bytes(baseline: Any, model_param_bytes: Any, stage_param_bytes: Any,
     338
     >>> process_bytes(300 << 20, 40 << 20, 10 << 20, replicas=2, zero=1) >> 20  # 300 + 40 + 2 x 10 + 2 x 5
     370
+    >>> process_bytes(300 << 20, 40 << 20, 10 << 20, replicas=2, zero=3) >> 20  # and the gathered unit again
+    380
     """
     def smaller(a: Any, b: Any) -> Any:
         return a * (a <= b) + b * (a > b)
@@ -175,7 +184,8 @@ def process_bytes(baseline: Any, model_param_bytes: Any, stage_param_bytes: Any,
     shm = replicas * smaller(stage_param_bytes, SHM_SLOT_BYTES) if replicas > 1 else stage_param_bytes * 0
     stepped = stage_param_bytes // replicas if flat else (
         stage_param_bytes if largest_param is None else smaller(stage_param_bytes, largest_param))
-    return baseline + built + shm + 2 * stepped
+    regathered = stage_param_bytes if replicas > 1 and zero >= 3 else stage_param_bytes * 0
+    return baseline + built + shm + 2 * stepped + regathered
 
 
 def tied_elsewhere(users: Iterable[tuple[str, Sequence[str]]], sizes: Mapping[str, int], members: set[str]) -> int:

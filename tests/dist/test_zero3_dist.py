@@ -7,6 +7,8 @@ batches):
 - the losses of every step, the summed gradient of this replica's shard (first
   step), the model's outputs after training (``eval_forward``) and its
   parameters (``state_dict``) equal the unsharded run's;
+- each microbatch's forward and backward gathers the stage once, through the
+  rank's communicator;
 - between steps a rank holds only its shard of the sharded parameters (their
   module tensors hold 0 bytes) and of the gradients; at the peak its shard plus
   the one gathered unit (the whole stage), which is what
@@ -87,6 +89,14 @@ def _run_build(build: str, world: int, out: str, save: bool) -> dict[str, Any]:
     patched.append((UNBUFFERED, "run"))
     for obj, name in patched:
         setattr(obj, name, measured(getattr(obj, name)))
+    comm_gathers = [0]
+    if pipe.comm is not None:  # the communicator's all-gathers (ZeRO-3's gathers go through its transport)
+        def counted(*args: Any, _own: Any = pipe.comm.all_gather, **kw: Any) -> Any:
+            comm_gathers[0] += 1
+            return _own(*args, **kw)
+
+        pipe.comm.all_gather = counted  # type: ignore[method-assign]
+        patched.append((pipe.comm, "all_gather"))
     batches = _batches(4 * world, STEPS + 2)
     losses = [pipe.step((x,), y, loaded.loss_fn).item() for x, y in batches[:STEPS]]
     for obj, name in patched:
@@ -98,6 +108,7 @@ def _run_build(build: str, world: int, out: str, save: bool) -> dict[str, Any]:
         "losses": losses, "grad": grads[0], "replica": pipe.replica, "stage": pipe.stage_index,
         "d": pipe._reps[pipe.stage_index],
         "held_peak": [pipe.held.params, pipe.held.grads] if pipe.held else None, "held_after_sync": held_after[-1],
+        "comm_gathers": comm_gathers[0],
         "between": [between.params, between.grads],
         "sharded_bytes": sum(p.numel() * p.element_size() for p in pipe.parameters() if id(p) not in tied),
         "tied_bytes": sum(p.numel() * p.element_size() for p in pipe.parameters() if id(p) in tied),
@@ -134,7 +145,7 @@ def _train(rank: int, world: int, pairs: dict[str, tuple[str, str]], out: str) -
             "eval_diff": float((got["eval"] - ref["eval"]).abs().max()),
             **{k: got[k] for k in ("held_peak", "held_after_sync", "between", "sharded_bytes", "tied_bytes",
                                    "module_bytes", "gathered_bytes", "shard_bytes", "stage", "continued",
-                                   "resumed") if k in got},
+                                   "resumed", "comm_gathers") if k in got},
         }
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
 
@@ -157,6 +168,9 @@ def _check(reports: list[dict[str, Any]], world: int) -> None:
             d = world if name == "dp" else 2  # the replicas of the sharded stage
             p, slack = row["sharded_bytes"], 4 * d
             assert row["module_bytes"] == 0, "between uses the module's sharded parameters hold no memory"
+            # each microbatch's forward and backward gathered through the communicator (its shared memory between
+            # CPU ranks, straight into the flat buffer), none of them through a temporary of the backend's
+            assert row["comm_gathers"] == 2 * 2 * STEPS, row["comm_gathers"]
             assert p // d <= row["shard_bytes"] <= p // d + slack
             # between steps: the shard of the parameters (and the tied ones, whole); no gradients left over
             assert row["between"][0] <= row["shard_bytes"] + row["tied_bytes"], row

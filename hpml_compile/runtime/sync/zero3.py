@@ -15,6 +15,18 @@ parameter buffer is *freed* between uses:
 - the stage's forward gathers it (a forward pre-hook: the storage is
   re-allocated and one all-gather of the replicas' shards fills it) and frees
   it after (a forward hook), for every microbatch;
+- the all-gather is the communicator's (:meth:`.comm.DistComm.all_gather`):
+  between the CPU ranks of one host it goes through their shared memory
+  (:mod:`.shm`) straight into the flat buffer. Gloo's own all-gather stages
+  the whole output in a temporary of its own, allocated and freed at every
+  gather; with the flat buffer freed and re-allocated as often, ``malloc``'s
+  heap fragmented, and a rank's resident set grew by several times the
+  stage's parameters over the first steps (measured on the ``mlp`` zoo model,
+  30 MiB of parameters on two CPU ranks: 697 MiB after the first step, 837
+  after the fourth; 550-670 through shared memory, and the step about twice
+  as fast). What fragmentation remains, from the flat buffer itself, is about
+  one more gathered unit, which :func:`hpml_compile.memory.process_bytes`
+  counts;
 - the backward gathers it again before the first node of the stage's graph
   runs (a pre-hook on the ``grad_fn`` of each tensor the forward returned) and
   frees it when that backward ends (``queue_callback`` of the autograd engine,
@@ -128,9 +140,12 @@ class FlatShard3(FlatShard):
         with torch.no_grad():
             if self.replicas == 1:
                 alias.copy_(self.param.detach())
+            elif hasattr(self.comm, "groups"):  # the rank's communicator: its transport, straight into the buffer
+                out = self.comm.all_gather(self.stage, self.param.detach(), into=alias)  # type: ignore[union-attr]
+                if out.data_ptr() != alias.data_ptr():
+                    alias.copy_(out)
             else:
-                group = getattr(self.comm, "groups", {}).get((self.stage,)) if self.comm is not None else None
-                dist.all_gather(list(alias.chunk(self.replicas)), self.param.detach(), group=group)
+                dist.all_gather(list(alias.chunk(self.replicas)), self.param.detach())
         self.gathered = True
         self.gathers += 1
 
