@@ -166,8 +166,10 @@ class LinkSpec:
 # once where the same probe's all-reduces, and the step's, took 23-27 ms: benchmarks/prediction).
 # "param_gather": ZeRO-3's all-gather of a stage's parameters as it runs in a step (before a microbatch's forward
 # and backward, after compute), which a probe times apart from the all-gather in a loop where the two differ
-# (gloo between CPU processes: hpml_compile.profile.links); absent, the all-gather's fit prices it.
-COLLECTIVE_OPS = ("reduce_scatter", "all_gather", "all_reduce", "param_gather")
+# (between CPU processes: hpml_compile.profile.links); absent, the all-gather's fit prices it.
+# "tp_gather": gloo's own all-gather after compute, as a tensor-parallel layer calls it on its group
+# (hpml_compile.codegen.tpops); absent, the link's own fit prices it.
+COLLECTIVE_OPS = ("reduce_scatter", "all_gather", "all_reduce", "param_gather", "tp_gather")
 
 
 # What one op of an eager PyTorch program costs on a GPU when its kernel is small: the host's work to issue

@@ -353,17 +353,18 @@ def tp_link(link: cost_models.LinkSpec) -> cost_models.LinkSpec:
     A probed CPU link carries fits of its own for the all-reduce, reduce-scatter and all-gather as the gradient
     sync runs them, through shared memory (:mod:`hpml_compile.profile.links`); the layers' collectives do not go
     that way, so they are priced on the link's own fit (gloo's send/recv and all-reduce), and an all-gather on
-    the ``param_gather`` fit where the probe measured one (gloo's all-gather just after the ranks computed, as a
+    the ``tp_gather`` fit where the probe measured one (gloo's all-gather just after the ranks computed, as a
     layer's is). Measured between two 1-thread ranks of a 2-core host: a gloo all-reduce of 4 MiB took 2.9 ms
     (the shared-memory fit said 1.3 ms, the link's own fit 3.1 ms), of 13 MiB 11.7 ms (3.1, 9.8), and an
-    all-gather into 16 MiB 16 ms with its concatenation (2.2 ms; 9.7 on the ``param_gather`` fit).
+    all-gather into 16 MiB 16 ms with its concatenation (2.2 ms; 9.7 on the fit of gloo's all-gather after
+    compute).
 
     >>> lo = cost_models.LinkSpec("lo", 2.0, 100.0, "example", collectives=(("all_reduce", 10.0, 240.0),
-    ...                                                                    ("param_gather", 1.8, 340.0)))
+    ...                                                                    ("tp_gather", 1.8, 340.0)))
     >>> tp_link(lo).for_collective("all_reduce").gbps, tp_link(lo).for_collective("all_gather").gbps
     (2.0, 1.8)
     """
-    gather = [c for c in link.collectives if c[0] == "param_gather"]
+    gather = [c for c in link.collectives if c[0] == "tp_gather"]
     return dataclasses.replace(link, collectives=tuple(("all_gather", gbps, lat) for _, gbps, lat in gather))
 
 
@@ -670,8 +671,8 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
 
 def param_gather_link(link: cost_models.LinkSpec | None) -> cost_models.LinkSpec | None:
     """The link as ZeRO-3's parameter all-gathers see it: its ``param_gather`` fit as the all-gather's, where the
-    probe measured one (:data:`hpml_compile.profile.links.PARAM_GATHER`: gloo's all-gather started after the ranks
-    computed, as the runtime runs it, :mod:`hpml_compile.runtime.sync.zero3`); else the link itself.
+    probe measured one (:data:`hpml_compile.profile.links.PARAM_GATHER`: the all-gather started after the ranks
+    computed, through the transport the runtime uses, :mod:`hpml_compile.runtime.sync.zero3`); else the link itself.
 
     >>> lo = cost_models.LinkSpec("lo", 4.0, 60.0, "example", collectives=(("all_gather", 11.0, 280.0),
     ...                                                                    ("param_gather", 2.0, 1500.0)))

@@ -21,8 +21,11 @@ figures, recorded as ``links`` of the cluster it returns (what
   between CPU ranks of one host: those rows (``SHM_ROWS``) give each its own
   fit, which prices it; gloo's all-reduce rows stay in the link's fit beside
   send/recv. ZeRO-3's parameter all-gather, which the runtime runs through
-  gloo just after a rank computed, is timed that way too (``PARAM_GATHER``:
-  each after a burst of compute on both ranks, from the later rank's start),
+  the communicator (shared memory between the CPU ranks of one host) just
+  after a rank computed, is timed that way too (``PARAM_GATHER``: each after
+  a burst of compute on both ranks, from the later rank's start), and so is
+  gloo's own all-gather after compute (``TP_GATHER``), which prices a
+  tensor-parallel layer's (:func:`hpml_compile.stagecost.tp_link`),
   and prices ZeRO-3's gathers (:func:`hpml_compile.stagecost.param_gather_link`).
 - **GPU pairs (NCCL)**: the same two ranks, each on its own GPU, in a
   two-rank NCCL group, time the same operations (CUDA synchronised around
@@ -68,7 +71,7 @@ from ..ir import Cluster, Device, Link, collectives_dict
 from ..runtime.sync.shm import HostReduce
 from ..runtime.job.spawn import spawn_ranks
 
-__all__ = ["SIZES", "SHM_ALLREDUCE", "SHM_ROWS", "PARAM_GATHER", "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link",
+__all__ = ["SIZES", "SHM_ALLREDUCE", "SHM_ROWS", "PARAM_GATHER", "TP_GATHER", "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link",
            "probe_ranks", "probe_copies"]
 
 SIZES = (4 << 10, 256 << 10, 4 << 20, 32 << 20)  # bytes: latency-bound to bandwidth-bound
@@ -84,6 +87,7 @@ SHM_ROWS = {"all_reduce": SHM_ALLREDUCE, "reduce_scatter": "reduce_scatter_shm",
 # after the ranks computed (a microbatch's forward or backward follows it). Timed so, not in a loop of gathers: on a
 # 2-core VM a 1.7 MiB gather took 0.4-0.5 ms in a loop and 2-4 ms in the step or after a burst of compute.
 PARAM_GATHER = "param_gather"
+TP_GATHER = "tp_gather"  # gloo's own all-gather after compute, as a tensor-parallel layer calls it
 BURST_MATMULS = 8  # 256 x 256 matrix products: about 5 ms on one thread (34 MFLOP each)
 
 
@@ -232,8 +236,10 @@ def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequ
 
             ops = [("p2p", ping, 0.5), ("allreduce", reduce, 1.0), ("reduce_scatter", scatter, 1.0),
                    ("all_gather", gather, 1.0)]
-            if not cuda:  # ZeRO-3's gather: gloo, each after the ranks computed (_after_compute)
-                rows.append((PARAM_GATHER, t.numel() * 4, _after_compute(gather, repeats)))
+            if not cuda:  # ZeRO-3's gather as the runtime's communicator runs it, each after the ranks computed
+                shm = host is not None and t.numel() % 2 == 0
+                rows.append((PARAM_GATHER, t.numel() * 4, _after_compute(gather_shm if shm else gather, repeats)))
+                rows.append((TP_GATHER, t.numel() * 4, _after_compute(gather, repeats)))  # a tp layer's: gloo
             if host is not None and not cuda and t.numel() % 2 == 0:
                 ops += [(SHM_ALLREDUCE, reduce_shm, 1.0), (SHM_ROWS["reduce_scatter"], scatter_shm, 1.0),
                         (SHM_ROWS["all_gather"], gather_shm, 1.0)]
@@ -257,7 +263,7 @@ def _burst() -> None:
 
 
 def _after_compute(fn: Any, repeats: int) -> float:
-    """Median milliseconds of ``fn`` (a gloo collective over the two ranks) started right after each rank computed,
+    """Median milliseconds of ``fn`` (a collective over the two ranks) started right after each rank computed,
     from the later rank's start to the later rank's end (the ranks share this host's monotonic clock), so that one
     rank finishing its compute late is not counted (the plan counts that as compute)."""
     fn()

@@ -243,7 +243,7 @@ def test_tensor_parallel_collectives_are_priced_as_gloo_runs_them_not_as_the_syn
     # sync's collectives, which the layers' gloo collectives do not use
     gloo = cost_models.LinkSpec("cpu0-cpu1", 2.85, 100.9, "probe", shared=True)
     probed = replace(gloo, collectives=(("all_reduce", 10.4, 241.3), ("all_gather", 10.0, 475.5),
-                                        ("param_gather", 1.79, 338.2)))
+                                        ("param_gather", 9.0, 400.0), ("tp_gather", 1.79, 338.2)))
     mib = 1 << 20
     reduces = stagecost.tp_comm_ms(12 * mib, 0, 3, 2, probed)
     assert reduces == pytest.approx(3 * cost_models.allreduce_ms(4 * mib, 2, gloo))
