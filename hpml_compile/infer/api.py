@@ -14,17 +14,21 @@ Example:
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 from ..cluster import load_cluster
 from ..errors import HpmlError, ModelError
 from ..ir import Cluster
+from ..models.gpt import PRESETS
 from ..publish import publish_dir
 from .batch import encode_item
 from .cost import DecoderShape, Objective, Workload
 from .engine import Generated, Generator
 from .place import place
+from .timing import time_block, timed_specs
 from .plan import InferencePlan, is_inference_plan, load_inference_plan, save_inference_plan
 
 __all__ = ["plan_for", "compile_inference", "open_build", "generate"]
@@ -32,7 +36,7 @@ __all__ = ["plan_for", "compile_inference", "open_build", "generate"]
 
 def _shape(model: str, seed: int) -> DecoderShape:
     from .. import models
-    from ..models.gpt import GPT, PRESETS
+    from ..models.gpt import GPT
 
     if model in PRESETS:
         return DecoderShape.from_config(PRESETS[model])
@@ -78,8 +82,13 @@ def plan_for(model: str, cluster: Cluster | str, *, batch: int = 8, prompt_len: 
         raise HpmlError(f"inference plan: prompt_len {prompt_len} + new_tokens {new_tokens} exceeds {model}'s "
                         f"context of {shape.max_seq_len}")
     cl = load_cluster(cluster) if isinstance(cluster, str) else cluster
-    plan = place(shape, cl, Workload(batch, prompt_len, new_tokens, 1, dtype), objective=objective,
-                 latency_bound_ms=latency_bound_ms, model=model)
+    work = Workload(batch, prompt_len, new_tokens, 1, dtype)
+    plan = place(shape, cl, work, objective=objective, latency_bound_ms=latency_bound_ms, model=model)
+    cpus = sum(d.is_cpu for d in cl.devices)
+    if cpus and model in PRESETS:  # price this host's CPU from a block of the model timed here, at the plan's rows
+        timing = time_block(PRESETS[model], plan.workload, max(1, (os.cpu_count() or 1) // cpus))
+        plan = replace(place(shape, cl, work, objective=objective, latency_bound_ms=latency_bound_ms, model=model,
+                             specs=timed_specs(shape, timing, dtype)), cpu_timing=timing)
     return plan.with_model(model, seed, str(Path(weights).resolve()) if weights is not None else None)
 
 

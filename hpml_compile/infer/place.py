@@ -367,7 +367,8 @@ def predict_run(plan: InferencePlan, batch: int, prompt_len: int, new_tokens: in
     """What ``plan``'s stages predict for one run of its generator (its own batch, lengths and lanes)."""
     work = Workload(batch, max(prompt_len, 1), max(new_tokens, 1), max(1, min(lanes, batch)), plan.workload.dtype)
     ranges = [(s.device, s.first, s.end, s.stream) for s in plan.stages]
-    return score(plan.cluster, plan.shape, work, stages_for(plan.cluster, plan.shape, work, ranges))
+    specs = plan.specs()
+    return score(plan.cluster, plan.shape, work, stages_for(plan.cluster, plan.shape, work, ranges, specs))
 
 
 def replan_without(plan: InferencePlan, lost: Iterable[str],
@@ -386,5 +387,5 @@ def replan_without(plan: InferencePlan, lost: Iterable[str],
                    name=f"{plan.cluster.name} without {', '.join(sorted(gone))}",
                    hosts=tuple(h for h in plan.cluster.hosts if any(d.host == h.name for d in devices)))
     new = place(plan.shape, left, plan.workload, objective=plan.objective, latency_bound_ms=plan.latency_bound_ms,
-                model=plan.model, specs=specs, explain_idle=False)
-    return new.with_model(plan.model, plan.seed, plan.weights)
+                model=plan.model, specs=specs if specs is not None else plan.specs(), explain_idle=False)
+    return replace(new.with_model(plan.model, plan.seed, plan.weights), cpu_timing=plan.cpu_timing)
