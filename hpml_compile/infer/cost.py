@@ -43,8 +43,8 @@ from cost_models.roofline import OpKind, op_time_ms
 from ..errors import OptionError
 from ..ir import Device, base_kind
 
-__all__ = ["Objective", "DecoderShape", "Workload", "DTYPE_BYTES", "KERNELS_PER_BLOCK", "TIMED", "device_spec",
-           "block_ms", "block_flops_bytes", "cpu_op_ms", "head_ms", "stream_ms", "stage_bytes"]
+__all__ = ["Objective", "DecoderShape", "Workload", "DTYPE_BYTES", "KERNELS_PER_BLOCK", "TimedCpuSpec", "device_spec",
+           "block_ms", "block_flops_bytes", "cpu_op_ms", "step_extra_ms", "head_ms", "stream_ms", "stage_bytes"]
 
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Kernels one decoder block issues in eager PyTorch: 2 norms, 4 (GPT-2) or 3+1 (Llama) projections, the
@@ -56,7 +56,15 @@ KERNELS_PER_BLOCK = 16
 # roofline explains 0.1 ms: ~8 us per op, against ~1 us for the bare one-element add cost_models times.
 CPU_OPS_PER_BLOCK = 24
 CPU_EAGER_OP_MS = 0.008
-TIMED = "timed on this host"  # how the source of a CPU spec fitted to a block timed here begins
+
+
+@dataclass(frozen=True, slots=True)
+class TimedCpuSpec(cost_models.DeviceSpec):
+    """A CPU's entry fitted to a block timed on this host (:mod:`hpml_compile.infer.timing`): its per-op cost is
+    the fitted one (no :data:`CPU_EAGER_OP_MS` floor), and each stage step also pays ``step_ms``, what a step
+    of a stage costs beyond its blocks (embedding, positions and mask, head, handing the tokens on)."""
+
+    step_ms: float = 0.0
 
 
 class Objective(str, enum.Enum):
@@ -211,10 +219,15 @@ def block_flops_bytes(shape: DecoderShape, work: Workload, *, decode: bool) -> t
 
 def cpu_op_ms(spec: cost_models.DeviceSpec) -> float:
     """What one op of a CPU block's eager forward costs: the spec's own per-op cost when it was fitted to a
-    block timed on this host (:mod:`hpml_compile.infer.timing`), else at least :data:`CPU_EAGER_OP_MS`."""
-    if spec.source.startswith(TIMED):
+    block timed on this host (:class:`TimedCpuSpec`), else at least :data:`CPU_EAGER_OP_MS`."""
+    if isinstance(spec, TimedCpuSpec):
         return spec.launch_overhead_ms
     return max(spec.launch_overhead_ms, CPU_EAGER_OP_MS)
+
+
+def step_extra_ms(spec: cost_models.DeviceSpec) -> float:
+    """What one step of a stage on ``spec`` costs beyond its blocks and head when that was timed (else 0)."""
+    return spec.step_ms if isinstance(spec, TimedCpuSpec) else 0.0
 
 
 def head_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload) -> float:

@@ -64,7 +64,7 @@ from ..cluster import link_spec
 from ..errors import InfeasibleError, OptionError
 from ..ir import Cluster
 from .cost import (DTYPE_BYTES, DecoderShape, Objective, Workload, block_ms, device_spec, head_ms, stage_bytes,
-                   stream_ms)
+                   step_extra_ms, stream_ms)
 from .plan import InferencePlan, InferenceStage, Prediction
 
 __all__ = ["LANES", "MEMORY_FRACTION", "place", "score", "stages_for", "device_order", "predict_run",
@@ -105,6 +105,7 @@ def _stage(cluster: Cluster, shape: DecoderShape, work: Workload, device: str, f
     pre, dec = block_ms(spec, shape, work, n, decode=False), block_ms(spec, shape, work, n, decode=True)
     if head:
         pre, dec = pre + head_ms(spec, shape, work), dec + head_ms(spec, shape, work)
+    pre, dec = pre + step_extra_ms(spec), dec + step_extra_ms(spec)
     if stream:
         copy = stream_ms(spec, shape, work, n)
         pre, dec = max(pre, copy), max(dec, copy)

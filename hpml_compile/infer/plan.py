@@ -64,7 +64,8 @@ _SCHEMA: dict[str, Any] = {
         "latency_bound_ms": {"type": ["number", "null"]},
         "planning_ms": _NUM,
         "cpu_timing": {"type": ["object", "null"],
-                       "required": ["prefill_ms", "decode_ms", "rows", "prompt_len", "new_tokens", "threads"]},
+                       "required": ["prefill_ms", "decode_ms", "step_ms", "rows", "prompt_len", "new_tokens",
+                                    "threads"]},
     },
 }
 

@@ -9,7 +9,9 @@ with. So, as training prices its stages from a profile of the model on the
 host, an inference plan with a CPU stage times the model's own cached forward
 here (:func:`time_block`): one block's prefill of ``rows x prompt_len`` tokens,
 one block's decode step over a half-generated cache, and the output head, in
-this process with the ranks' thread count. :func:`timed_spec` turns the times
+this process with the ranks' thread count, and what a stage's step costs beyond
+its blocks (embedding, mask, head, the tokens handed on: fixed per step, where
+the blocks' cost grows with their count). :func:`timed_spec` turns the times
 into the CPU's entry for pricing: the FLOP/s that make the block's prefill take
 what it took, the per-op cost that makes its decode step take what it took (the
 catalog's bandwidth kept), so other rows and lengths follow the roofline from
@@ -18,7 +20,7 @@ them says that its CPU is priced from the catalog.
 
 Example:
     >>> from hpml_compile.models.gpt import PRESETS
-    >>> t = BlockTiming(prefill_ms=4.0, decode_ms=0.3, rows=8, prompt_len=32, new_tokens=32,
+    >>> t = BlockTiming(prefill_ms=4.0, decode_ms=0.3, step_ms=0.5, rows=8, prompt_len=32, new_tokens=32,
     ...                 threads=1)
     >>> BlockTiming.from_dict(t.to_dict()) == t
     True
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable, Mapping
 
 import torch
@@ -37,11 +39,14 @@ from torch import Tensor
 import cost_models
 from cost_models.roofline import OpKind, roofline_ms
 
-from .cost import CPU_OPS_PER_BLOCK, TIMED, DecoderShape, Workload, block_flops_bytes
+from .cost import CPU_OPS_PER_BLOCK, DecoderShape, TimedCpuSpec, Workload, block_flops_bytes, head_ms
 
 __all__ = ["BlockTiming", "time_block", "timed_spec", "timed_specs"]
 
 _REPEATS = 5  # timings per phase; the median is kept (a busy host's outliers dropped)
+_RUN = 8  # decode steps per timing: a run as long as a stage's step, preempted as often on a busy host
+_SPAN_BYTES = 64 * 2**20  # weights of the blocks timed together: more than a CPU's last-level cache
+_MAX_BLOCKS = 16
 _PREFILL_FLOPS = 2e10  # at most this much work per timed prefill (fewer rows for a large model: seconds, not minutes)
 
 
@@ -51,6 +56,7 @@ class BlockTiming:
 
     prefill_ms: float  # one block, ``rows x prompt_len`` tokens
     decode_ms: float  # one block, one token per row over a cache of ``prompt_len + new_tokens / 2``
+    step_ms: float  # a one-block model's whole decode step (embedding, mask, head, tokens out) less its block
     rows: int
     prompt_len: int
     new_tokens: int
@@ -61,7 +67,7 @@ class BlockTiming:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "BlockTiming":
-        return cls(float(d["prefill_ms"]), float(d["decode_ms"]), int(d["rows"]),
+        return cls(float(d["prefill_ms"]), float(d["decode_ms"]), float(d["step_ms"]), int(d["rows"]),
                    int(d["prompt_len"]), int(d["new_tokens"]), int(d["threads"]))
 
 
@@ -78,9 +84,12 @@ def _median_ms(fn: Callable[[], object], repeats: int = _REPEATS) -> float:
 def time_block(config: Any, work: Workload, threads: int) -> BlockTiming:
     """Time one block of a zoo GPT of ``config`` in this process on the CPU, with ``threads`` torch threads.
 
-    A one-block model of the same sizes is built (random weights: the time does not depend on their values),
-    so a large model is never loaded to time it; a prefill over :data:`_PREFILL_FLOPS` is timed at fewer rows
-    (the rows used are recorded).
+    A model of the same sizes with a few blocks is built (random weights: the time does not depend on their
+    values), so a large model is never loaded to time it. Its blocks run in turn and their time is divided
+    by their count: enough of them that their weights overflow the CPU's caches (:data:`_SPAN_BYTES`), as a
+    stage's blocks do, since one block run again and again reads its weights from cache and looks several
+    times faster than it is in a stage. A prefill over :data:`_PREFILL_FLOPS` is timed at fewer rows (the
+    rows used are recorded).
 
     Args:
         config: the model's :class:`hpml_compile.models.gpt.GPTConfig`.
@@ -95,43 +104,51 @@ def time_block(config: Any, work: Workload, threads: int) -> BlockTiming:
     from .kv import Stage
 
     dtype = DTYPES[work.dtype]
+    params = DecoderShape.from_config(config).block_params()
+    n = max(1, min(config.n_layer, _MAX_BLOCKS, -(-_SPAN_BYTES // (params * torch.finfo(dtype).bits // 8))))
+    P = work.prompt_len
+    rows = max(1, min(work.rows, int(_PREFILL_FLOPS // (2 * P * params * n))))
+    at = P + work.new_tokens // 2 - 1
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = GPT(replace(config, n_layer=1)).eval().to(dtype)
-        block = Stage(model, 0, 1)
-        block.is_first = block.is_last = False  # hidden states in and out, as a middle stage
-        P = work.prompt_len
-        per_row = 2 * P * DecoderShape.from_config(config).block_params()
-        rows = max(1, min(work.rows, int(_PREFILL_FLOPS // per_row)))
+        model = GPT(replace(config, n_layer=n)).eval().to(dtype)
         pads = torch.zeros(rows, dtype=torch.long)
+        blocks = Stage(model, 0, n)
+        blocks.is_first = blocks.is_last = False  # hidden states in and out, as a middle stage
         h = torch.randn(rows, P, config.d_model, dtype=dtype)
 
         def prefill_once() -> Tensor:
-            block.open(0, pads, work.context)
-            return block.step(0, h, 0)
+            blocks.open(0, pads, work.context)
+            return blocks.step(0, h, 0)
 
-        prefill = _median_ms(prefill_once)
-        block.open(0, pads, work.context)
-        block.step(0, h, 0)
+        prefill = _median_ms(prefill_once) / n
         h1 = torch.randn(rows, 1, config.d_model, dtype=dtype)
-        decode = _median_ms(lambda: block.step(0, h1, P + work.new_tokens // 2 - 1), 4 * _REPEATS)
-        block.close()
+        decode = _median_ms(lambda: [blocks.step(0, h1, at) for _ in range(_RUN)], _REPEATS) / _RUN / n
+        blocks.close()
+        whole = Stage(model, 0, n)  # the same blocks as the only stage: token ids in, tokens out
+        ids = torch.randint(0, config.vocab_size, (rows, P))
+        whole.open(0, pads, work.context)
+        whole.step(0, ids, 0)
+        step = _median_ms(lambda: [whole.step(0, ids[:, :1], at).float().argmax(-1).tolist() for _ in range(_RUN)],
+                          _REPEATS) / _RUN
+        whole.close()
     finally:
         torch.set_num_threads(before)
-    return BlockTiming(prefill, decode, rows, P, work.new_tokens, threads)
+    return BlockTiming(prefill, decode, max(0.0, step - n * decode), rows, P, work.new_tokens, threads)
 
 
 def timed_spec(base: cost_models.DeviceSpec, shape: DecoderShape, timing: BlockTiming,
-               dtype: str = "float32") -> cost_models.DeviceSpec:
+               dtype: str = "float32") -> TimedCpuSpec:
     """``base`` (the catalog's CPU) with the FLOP/s and per-op cost that reproduce ``timing``.
 
     :func:`hpml_compile.infer.cost.block_ms` prices a CPU block at ``roofline + CPU_OPS_PER_BLOCK * op``:
     the per-op cost ``op`` is fitted to the decode step, the FLOP/s to the prefill, a few rounds since each
-    term holds a little of the other; the bandwidth stays the catalog's.
+    term holds a little of the other; the bandwidth stays the catalog's. What a stage step costs beyond its
+    blocks and head (:attr:`BlockTiming.step_ms` less the head as priced) is charged to each stage step.
 
     Returns:
-        A spec whose ``source`` begins with :data:`TIMED`.
+        The fitted spec, with the step's cost beyond its blocks and head (``step_ms``).
     """
     work = Workload(timing.rows, timing.prompt_len, timing.new_tokens, 1, dtype)
     fp, bp = block_flops_bytes(shape, work, decode=False)
@@ -142,9 +159,11 @@ def timed_spec(base: cost_models.DeviceSpec, shape: DecoderShape, timing: BlockT
         op = max(1e-6, (timing.decode_ms - roofline_ms(OpKind.MATMUL, fd, bd, spec, dtype)) / CPU_OPS_PER_BLOCK)
         compute_ms = max(timing.prefill_ms - CPU_OPS_PER_BLOCK * op, 0.25 * timing.prefill_ms)
         flops = fp / (compute_ms / 1e3)
-    return replace(base, peak_flops={**base.peak_flops, dtype: flops}, launch_overhead_ms=op, measured=True,
-                   source=f"{TIMED}: one block at {timing.rows} rows, prompt {timing.prompt_len}, "
-                          f"{timing.threads} torch threads")
+    fitted = replace(base, peak_flops={**base.peak_flops, dtype: flops}, launch_overhead_ms=op, measured=True,
+                     source=f"timed on this host: one block at {timing.rows} rows, prompt {timing.prompt_len}, "
+                            f"torch threads {timing.threads}")
+    extra = max(0.0, timing.step_ms - head_ms(fitted, shape, work))  # the head is priced on its own
+    return TimedCpuSpec(**{f.name: getattr(fitted, f.name) for f in fields(cost_models.DeviceSpec)}, step_ms=extra)
 
 
 def timed_specs(shape: DecoderShape, timing: BlockTiming | None, dtype: str = "float32"
