@@ -53,7 +53,8 @@ def _shape(model: str, seed: int) -> DecoderShape:
 
 def plan_for(model: str, cluster: Cluster | str, *, batch: int = 8, prompt_len: int = 128, new_tokens: int = 128,
              dtype: str = "float32", objective: Objective | str = Objective.THROUGHPUT,
-             latency_bound_ms: float | None = None, seed: int = 0, weights: str | Path | None = None) -> InferencePlan:
+             latency_bound_ms: float | None = None, seed: int = 0, weights: str | Path | None = None,
+             threads: int | None = None) -> InferencePlan:
     """An inference plan for a zoo decoder on a cluster (see :func:`hpml_compile.infer.place.place`).
 
     Args:
@@ -68,6 +69,8 @@ def plan_for(model: str, cluster: Cluster | str, *, batch: int = 8, prompt_len: 
         seed: the weights' seed, recorded for the ranks.
         weights: a safetensors file of the model's state (``safetensors.torch.save_model``), which each rank
             reads its stage from instead of the seed's weights; recorded as an absolute path.
+        threads: torch threads of each CPU rank, at which a block of a zoo preset is timed here to price the
+            CPU stages (recorded; the generator runs at it). Default: this machine's cores over its CPUs.
 
     Returns:
         The plan.
@@ -86,7 +89,7 @@ def plan_for(model: str, cluster: Cluster | str, *, batch: int = 8, prompt_len: 
     plan = place(shape, cl, work, objective=objective, latency_bound_ms=latency_bound_ms, model=model)
     cpus = sum(d.is_cpu for d in cl.devices)
     if cpus and model in PRESETS:  # price this host's CPU from a block of the model timed here, at the plan's rows
-        timing = time_block(PRESETS[model], plan.workload, max(1, (os.cpu_count() or 1) // cpus))
+        timing = time_block(PRESETS[model], plan.workload, threads or max(1, (os.cpu_count() or 1) // cpus))
         plan = replace(place(shape, cl, work, objective=objective, latency_bound_ms=latency_bound_ms, model=model,
                              specs=timed_specs(shape, timing, dtype)), cpu_timing=timing)
     return plan.with_model(model, seed, str(Path(weights).resolve()) if weights is not None else None)

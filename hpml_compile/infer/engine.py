@@ -211,9 +211,9 @@ class Generator:
     Args:
         plan: the inference plan (its ``model`` a zoo decoder).
         model: the whole model for stage 0 (default: rebuilt from the plan's seed, as the workers do).
-        threads: torch threads of each rank, this process's included while it generates (default: this
-            machine's cores over the stages; with one stage, this process's own setting). A plan's CPU stages
-            are priced at the count its block was timed with (:mod:`hpml_compile.infer.timing`).
+        threads: torch threads of each rank, this process's included while it generates (default: the count
+            the plan's CPU block was timed with, :mod:`hpml_compile.infer.timing`; else this machine's cores
+            over the stages; with one stage, this process's own setting).
         timeout_s: how long a rank may wait on another before the group fails.
         slow: a fault to inject on purpose: device name -> ``(factor, from_run)``: the rank of that device
             computes ``factor`` times slower from its ``from_run``-th generation on (counted from 1 by each
@@ -232,7 +232,8 @@ class Generator:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._dir = tempfile.TemporaryDirectory(prefix="hpml-infer-")
         self._finalizer = weakref.finalize(self, _kill_all, self._procs)
-        self.threads = threads or (max(1, (os.cpu_count() or 1) // self.world) if self.world > 1 else None)
+        timed = plan.cpu_timing.threads if plan.cpu_timing is not None else None  # what its CPUs were priced at
+        self.threads = threads or timed or (max(1, (os.cpu_count() or 1) // self.world) if self.world > 1 else None)
         if self.world > 1:
             self._start_workers(self.threads or 1, timeout_s)
         self.stage = build_stage(plan, 0, model)

@@ -43,7 +43,7 @@ from .cost import CPU_OPS_PER_BLOCK, DecoderShape, TimedCpuSpec, Workload, block
 
 __all__ = ["BlockTiming", "time_block", "timed_spec", "timed_specs"]
 
-_REPEATS = 5  # timings per phase; the median is kept (a busy host's outliers dropped)
+_REPEATS = 7  # timings per phase; the median is kept (a busy host's outliers dropped)
 _RUN = 8  # decode steps per timing: a run as long as a stage's step, preempted as often on a busy host
 _SPAN_BYTES = 64 * 2**20  # weights of the blocks timed together: more than a CPU's last-level cache
 _MAX_BLOCKS = 16
@@ -123,15 +123,20 @@ def time_block(config: Any, work: Workload, threads: int) -> BlockTiming:
             return blocks.step(0, h, 0)
 
         prefill = _median_ms(prefill_once) / n
-        h1 = torch.randn(rows, 1, config.d_model, dtype=dtype)
-        decode = _median_ms(lambda: [blocks.step(0, h1, at) for _ in range(_RUN)], _REPEATS) / _RUN / n
-        blocks.close()
         whole = Stage(model, 0, n)  # the same blocks as the only stage: token ids in, tokens out
         ids = torch.randint(0, config.vocab_size, (rows, P))
         whole.open(0, pads, work.context)
         whole.step(0, ids, 0)
-        step = _median_ms(lambda: [whole.step(0, ids[:, :1], at).float().argmax(-1).tolist() for _ in range(_RUN)],
-                          _REPEATS) / _RUN
+        blocks.open(0, pads, work.context)
+        blocks.step(0, h, 0)
+        h1 = torch.randn(rows, 1, config.d_model, dtype=dtype)
+        runs: tuple[list[float], list[float]] = ([], [])
+        for _ in range(_REPEATS):  # interleaved, so that a busy spell of the host weighs on both alike
+            runs[0].append(_median_ms(lambda: [blocks.step(0, h1, at) for _ in range(_RUN)], 1) / _RUN / n)
+            runs[1].append(_median_ms(lambda: [whole.step(0, ids[:, :1], at).float().argmax(-1).tolist()
+                                               for _ in range(_RUN)], 1) / _RUN)
+        decode, step = statistics.median(runs[0]), statistics.median(runs[1])
+        blocks.close()
         whole.close()
     finally:
         torch.set_num_threads(before)
