@@ -56,7 +56,7 @@ class BlockTiming:
 
     prefill_ms: float  # one block, ``rows x prompt_len`` tokens
     decode_ms: float  # one block, one token per row over a cache of ``prompt_len + new_tokens / 2``
-    step_ms: float  # a one-block model's whole decode step (embedding, mask, head, tokens out) less its block
+    step_ms: float  # a decode step's work outside the blocks: embedding, positions and mask, head, tokens out
     rows: int
     prompt_len: int
     new_tokens: int
@@ -123,24 +123,24 @@ def time_block(config: Any, work: Workload, threads: int) -> BlockTiming:
             return blocks.step(0, h, 0)
 
         prefill = _median_ms(prefill_once) / n
-        whole = Stage(model, 0, n)  # the same blocks as the only stage: token ids in, tokens out
-        ids = torch.randint(0, config.vocab_size, (rows, P))
-        whole.open(0, pads, work.context)
-        whole.step(0, ids, 0)
+        ends = Stage(model, 0, 0)  # a stage's step without its blocks: token ids in, embedding, mask, head, tokens out
+        ends.is_last = True
+        ids = torch.randint(0, config.vocab_size, (rows, 1))
+        ends.open(0, pads, work.context)
         blocks.open(0, pads, work.context)
         blocks.step(0, h, 0)
         h1 = torch.randn(rows, 1, config.d_model, dtype=dtype)
         runs: tuple[list[float], list[float]] = ([], [])
         for _ in range(_REPEATS):  # interleaved, so that a busy spell of the host weighs on both alike
             runs[0].append(_median_ms(lambda: [blocks.step(0, h1, at) for _ in range(_RUN)], 1) / _RUN / n)
-            runs[1].append(_median_ms(lambda: [whole.step(0, ids[:, :1], at).float().argmax(-1).tolist()
+            runs[1].append(_median_ms(lambda: [ends.step(0, ids, at).float().argmax(-1).tolist()
                                                for _ in range(_RUN)], 1) / _RUN)
         decode, step = statistics.median(runs[0]), statistics.median(runs[1])
         blocks.close()
-        whole.close()
+        ends.close()
     finally:
         torch.set_num_threads(before)
-    return BlockTiming(prefill, decode, max(0.0, step - n * decode), rows, P, work.new_tokens, threads)
+    return BlockTiming(prefill, decode, step, rows, P, work.new_tokens, threads)
 
 
 def timed_spec(base: cost_models.DeviceSpec, shape: DecoderShape, timing: BlockTiming,

@@ -44,3 +44,4 @@ def test_predicted_tokens_per_s_of_a_local_cpu_plan_is_within_2x_of_the_measured
     assert _within(predicted, measured, 2.0), (predicted, measured, plan.cpu_timing)
     token_ms = statistics.median(r.token_ms for r in runs)
     assert _within(runs[0].predicted.token_ms, token_ms, 2.0), (runs[0].predicted, token_ms)  # type: ignore[union-attr]
+
