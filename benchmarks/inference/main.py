@@ -28,7 +28,9 @@ machine); (c) the built-in ``hetero-4`` and ``benchmarks/plan_quality/mix3-8.jso
 ranks of this machine (a 2-stage plan, 2 lanes, one torch thread each) against one process running the
 same model (all cores): the eager model recomputing the sequence each token (what ``model(ids)`` in a loop
 does) and the same cached forward without a pipeline. Throughput at batch 16 and latency at batch 1, with
-the plan's predicted tokens/s beside the measured. Timings need a quiet machine.
+the plan's predicted tokens/s, time to first token and per-token latency beside the measured and the error
+of each. The plan prices the CPUs from a block of the model timed in this process with one torch thread
+(:func:`hpml_compile.infer.timing.time_block`), as ``compile --inference`` does. Timings need a quiet machine.
 
 Run:
     python benchmarks/inference/main.py                 # ~1-2 min
@@ -42,6 +44,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -55,6 +58,7 @@ from hpml_compile.cluster import load_cluster
 from hpml_compile.infer import DecoderShape, InferencePlan, Workload, place, score
 from hpml_compile.infer.cost import Objective, stage_bytes
 from hpml_compile.infer.place import LANES, MEMORY_FRACTION, decode_floor_ms, device_order, stages_for
+from hpml_compile.infer.timing import time_block, timed_specs
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.models.gpt import PRESETS
 
@@ -232,11 +236,13 @@ def measured_rows() -> list[dict[str, Any]]:
     g = torch.Generator().manual_seed(0)
     for batch, lanes in ((16, 2), (1, 1)):
         work = Workload(batch, prompt_len, new, microbatches=lanes)
-        stages = stages_for(cluster, shape, work, [("cpu0", 0, 3, False), ("cpu1", 3, 6, False)])
+        timing = time_block(PRESETS[model_name], work, threads=1)  # this CPU, as `compile --inference` prices it
+        specs = timed_specs(shape, timing)
+        stages = stages_for(cluster, shape, work, [("cpu0", 0, 3, False), ("cpu1", 3, 6, False)], specs)
         plan = InferencePlan(Objective.THROUGHPUT, model_name, shape, work, cluster, stages,
-                             score(cluster, shape, work, stages))
+                             score(cluster, shape, work, stages), cpu_timing=timing)
         one = replace(plan, cluster=Cluster(devices=(cluster.devices[0],), name="local-cpu-1"),
-                      stages=stages_for(cluster, shape, work, [("cpu0", 0, 6, False)]))
+                      stages=stages_for(cluster, shape, work, [("cpu0", 0, 6, False)], specs))
         prompts = torch.randint(0, shape.vocab_size, (batch, prompt_len), generator=g)
         ids = prompts.tolist()
         with Generator(plan, threads=1) as gen:
@@ -248,7 +254,12 @@ def measured_rows() -> list[dict[str, Any]]:
             single = gen.generate(ids, new)
         eager_s = _eager_greedy(eager, prompts, new)
         torch.set_num_threads(before)
-        rows.append({"batch": batch, "lanes": lanes, "predicted_tok_s": piped.predicted.tokens_per_s,
+        p = piped.predicted
+        rows.append({"batch": batch, "lanes": lanes, "predicted_tok_s": p.tokens_per_s,
+                     "predicted_ttft_ms": p.ttft_ms, "predicted_token_ms": p.token_ms,
+                     "error_tok_s": p.tokens_per_s / piped.tokens_per_s - 1,
+                     "error_ttft_ms": p.ttft_ms / piped.ttft_ms - 1, "error_token_ms": p.token_ms / piped.token_ms - 1,
+                     "cpu_timing": timing.to_dict(),
                      "pipeline_tok_s": piped.tokens_per_s, "pipeline_ttft_ms": piped.ttft_ms,
                      "pipeline_token_ms": piped.token_ms, "one_process_cached_tok_s": single.tokens_per_s,
                      "one_process_cached_token_ms": single.token_ms, "eager_tok_s": batch * new / eager_s,
@@ -263,6 +274,15 @@ def print_measured(rows: list[dict[str, Any]]) -> None:
         print(f"{r['batch']:5d} {r['pipeline_tok_s']:13.4g} {r['predicted_tok_s']:9.4g} "
               f"{r['one_process_cached_tok_s']:13.4g} {r['eager_tok_s']:9.4g} {r['pipeline_token_ms']:14.4g} "
               f"{r['eager_token_ms']:12.4g}")
+    print(f"\n2 ranks, predicted against measured (error = predicted / measured - 1; CPUs priced from a block "
+          f"timed here)\n{'batch':>5} {'tok/s':>17} {'error':>7} {'first token ms':>17} {'error':>7} "
+          f"{'ms per token':>15} {'error':>7}")
+    for r in rows:
+        print(f"{r['batch']:5d} {r['predicted_tok_s']:8.4g}/{r['pipeline_tok_s']:<8.4g} {r['error_tok_s']:+7.0%} "
+              f"{r['predicted_ttft_ms']:8.4g}/{r['pipeline_ttft_ms']:<8.4g} {r['error_ttft_ms']:+7.0%} "
+              f"{r['predicted_token_ms']:7.4g}/{r['pipeline_token_ms']:<7.4g} {r['error_token_ms']:+7.0%}")
+    errors = sorted(abs(r["error_tok_s"]) for r in rows)
+    print(f"median |error| of tokens/s: {statistics.median(errors):.0%} (goal: within 15%; on a quiet machine)")
 
 
 def main() -> None:

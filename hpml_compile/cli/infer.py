@@ -74,6 +74,12 @@ def _report(plan: Any) -> None:
               f"prefill {s.prefill_ms:.3g} ms per lane, {s.memory_bytes / 2**30:.3g} GiB")
     for d, why in plan.idle:
         print(f"  {d} idle: {why}")
+    t = plan.cpu_timing
+    if t is not None:
+        print(f"  CPUs priced from one block timed here (torch threads {t.threads}, {t.rows} rows, prompt "
+              f"{t.prompt_len}): prefill {t.prefill_ms:.3g} ms, decode step {t.decode_ms:.3g} ms")
+    elif any(plan.cluster.device(s.device).is_cpu for s in plan.stages):
+        print("  CPUs priced from the catalog's rates (assumed: no block of this model was timed on this host)")
 
 
 def run_inference_compile(args: argparse.Namespace) -> int:

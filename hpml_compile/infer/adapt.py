@@ -162,4 +162,4 @@ def replan_on_speeds(plan: InferencePlan, specs: Mapping[str, cost_models.Device
                                                                     specs))
     new = place(plan.shape, plan.cluster, plan.workload, objective=plan.objective,
                 latency_bound_ms=plan.latency_bound_ms, model=plan.model, specs=specs, explain_idle=False)
-    return new.with_model(plan.model, plan.seed, plan.weights), old
+    return replace(new.with_model(plan.model, plan.seed, plan.weights), cpu_timing=plan.cpu_timing), old

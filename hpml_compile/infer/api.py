@@ -14,17 +14,21 @@ Example:
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 from ..cluster import load_cluster
 from ..errors import HpmlError, ModelError
 from ..ir import Cluster
+from ..models.gpt import PRESETS
 from ..publish import publish_dir
 from .batch import encode_item
 from .cost import DecoderShape, Objective, Workload
 from .engine import Generated, Generator
 from .place import place
+from .timing import time_block, timed_specs
 from .plan import InferencePlan, is_inference_plan, load_inference_plan, save_inference_plan
 
 __all__ = ["plan_for", "compile_inference", "open_build", "generate"]
@@ -32,7 +36,7 @@ __all__ = ["plan_for", "compile_inference", "open_build", "generate"]
 
 def _shape(model: str, seed: int) -> DecoderShape:
     from .. import models
-    from ..models.gpt import GPT, PRESETS
+    from ..models.gpt import GPT
 
     if model in PRESETS:
         return DecoderShape.from_config(PRESETS[model])
@@ -49,7 +53,8 @@ def _shape(model: str, seed: int) -> DecoderShape:
 
 def plan_for(model: str, cluster: Cluster | str, *, batch: int = 8, prompt_len: int = 128, new_tokens: int = 128,
              dtype: str = "float32", objective: Objective | str = Objective.THROUGHPUT,
-             latency_bound_ms: float | None = None, seed: int = 0, weights: str | Path | None = None) -> InferencePlan:
+             latency_bound_ms: float | None = None, seed: int = 0, weights: str | Path | None = None,
+             threads: int | None = None) -> InferencePlan:
     """An inference plan for a zoo decoder on a cluster (see :func:`hpml_compile.infer.place.place`).
 
     Args:
@@ -64,6 +69,8 @@ def plan_for(model: str, cluster: Cluster | str, *, batch: int = 8, prompt_len: 
         seed: the weights' seed, recorded for the ranks.
         weights: a safetensors file of the model's state (``safetensors.torch.save_model``), which each rank
             reads its stage from instead of the seed's weights; recorded as an absolute path.
+        threads: torch threads of each CPU rank, at which a block of a zoo preset is timed here to price the
+            CPU stages (recorded; the generator runs at it). Default: this machine's cores over its CPUs.
 
     Returns:
         The plan.
@@ -78,8 +85,13 @@ def plan_for(model: str, cluster: Cluster | str, *, batch: int = 8, prompt_len: 
         raise HpmlError(f"inference plan: prompt_len {prompt_len} + new_tokens {new_tokens} exceeds {model}'s "
                         f"context of {shape.max_seq_len}")
     cl = load_cluster(cluster) if isinstance(cluster, str) else cluster
-    plan = place(shape, cl, Workload(batch, prompt_len, new_tokens, 1, dtype), objective=objective,
-                 latency_bound_ms=latency_bound_ms, model=model)
+    work = Workload(batch, prompt_len, new_tokens, 1, dtype)
+    plan = place(shape, cl, work, objective=objective, latency_bound_ms=latency_bound_ms, model=model)
+    cpus = sum(d.is_cpu for d in cl.devices)
+    if cpus and model in PRESETS:  # price this host's CPU from a block of the model timed here, at the plan's rows
+        timing = time_block(PRESETS[model], plan.workload, threads or max(1, (os.cpu_count() or 1) // cpus))
+        plan = replace(place(shape, cl, work, objective=objective, latency_bound_ms=latency_bound_ms, model=model,
+                             specs=timed_specs(shape, timing, dtype)), cpu_timing=timing)
     return plan.with_model(model, seed, str(Path(weights).resolve()) if weights is not None else None)
 
 

@@ -43,19 +43,28 @@ from cost_models.roofline import OpKind, op_time_ms
 from ..errors import OptionError
 from ..ir import Device, base_kind
 
-__all__ = ["Objective", "DecoderShape", "Workload", "DTYPE_BYTES", "KERNELS_PER_BLOCK", "device_spec",
-           "block_ms", "head_ms", "stream_ms", "stage_bytes"]
+__all__ = ["Objective", "DecoderShape", "Workload", "DTYPE_BYTES", "KERNELS_PER_BLOCK", "TimedCpuSpec", "device_spec",
+           "block_ms", "block_flops_bytes", "cpu_op_ms", "step_extra_ms", "head_ms", "stream_ms", "stage_bytes"]
 
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Kernels one decoder block issues in eager PyTorch: 2 norms, 4 (GPT-2) or 3+1 (Llama) projections, the
 # attention, the MLP's 2-3 matmuls and activation, 2 residual adds, and the views and cache writes between.
 KERNELS_PER_BLOCK = 16
 # On a CPU the host runs every op of the cached forward in turn, views, cache writes and the mask included
-# (about 24 per block). What one costs, measured on this project's 2-core host with one torch thread: a
-# gpt-mini decode step at batch 1 took 0.33 ms per block, of which the roofline explains 0.1 ms: ~8 us per op,
-# against ~1 us for the bare one-element add cost_models.host_cpu() times.
+# (about 24 per block). What one costs, when no block was timed on the host (hpml_compile.infer.timing): a
+# gpt-mini decode step at batch 1 took 0.33 ms per block with one torch thread on a 2-core host, of which the
+# roofline explains 0.1 ms: ~8 us per op, against ~1 us for the bare one-element add cost_models times.
 CPU_OPS_PER_BLOCK = 24
 CPU_EAGER_OP_MS = 0.008
+
+
+@dataclass(frozen=True, slots=True)
+class TimedCpuSpec(cost_models.DeviceSpec):
+    """A CPU's entry fitted to a block timed on this host (:mod:`hpml_compile.infer.timing`): its per-op cost is
+    the fitted one (no :data:`CPU_EAGER_OP_MS` floor), and each stage step also pays ``step_ms``, what a step
+    of a stage costs beyond its blocks (embedding, positions and mask, head, handing the tokens on)."""
+
+    step_ms: float = 0.0
 
 
 class Objective(str, enum.Enum):
@@ -191,16 +200,34 @@ def block_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload, 
     """
     if blocks == 0:
         return 0.0
+    flops, moved = block_flops_bytes(shape, work, decode=decode)
+    one = op_time_ms(OpKind.MATMUL, flops, moved, spec, work.dtype, ops=KERNELS_PER_BLOCK)
+    if spec.category is cost_models.DeviceCategory.CPU:  # the CPU runs each op's dispatch after the last
+        one += CPU_OPS_PER_BLOCK * cpu_op_ms(spec) - spec.launch_overhead_ms
+    return blocks * one
+
+
+def block_flops_bytes(shape: DecoderShape, work: Workload, *, decode: bool) -> tuple[float, float]:
+    """FLOPs and bytes moved of one block on one microbatch of ``work.rows`` sequences (see :func:`block_ms`)."""
     nbytes = DTYPE_BYTES[work.dtype]
     tokens = work.rows * (1 if decode else work.prompt_len)
     keys = work.prompt_len + work.new_tokens / 2 if decode else work.prompt_len / 2
     flops = 2 * tokens * shape.block_params() + 4 * tokens * keys * shape.d_model
     kv_read = work.rows * keys * 2 * shape.n_kv_head * shape.head_dim * nbytes
-    moved = shape.block_params() * nbytes + kv_read + 6 * tokens * shape.d_model * nbytes
-    one = op_time_ms(OpKind.MATMUL, flops, moved, spec, work.dtype, ops=KERNELS_PER_BLOCK)
-    if spec.category is cost_models.DeviceCategory.CPU:  # the CPU runs each op's dispatch after the last
-        one += CPU_OPS_PER_BLOCK * max(spec.launch_overhead_ms, CPU_EAGER_OP_MS) - spec.launch_overhead_ms
-    return blocks * one
+    return flops, shape.block_params() * nbytes + kv_read + 6 * tokens * shape.d_model * nbytes
+
+
+def cpu_op_ms(spec: cost_models.DeviceSpec) -> float:
+    """What one op of a CPU block's eager forward costs: the spec's own per-op cost when it was fitted to a
+    block timed on this host (:class:`TimedCpuSpec`), else at least :data:`CPU_EAGER_OP_MS`."""
+    if isinstance(spec, TimedCpuSpec):
+        return spec.launch_overhead_ms
+    return max(spec.launch_overhead_ms, CPU_EAGER_OP_MS)
+
+
+def step_extra_ms(spec: cost_models.DeviceSpec) -> float:
+    """What one step of a stage on ``spec`` costs beyond its blocks and head when that was timed (else 0)."""
+    return spec.step_ms if isinstance(spec, TimedCpuSpec) else 0.0
 
 
 def head_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload) -> float:

@@ -211,7 +211,9 @@ class Generator:
     Args:
         plan: the inference plan (its ``model`` a zoo decoder).
         model: the whole model for stage 0 (default: rebuilt from the plan's seed, as the workers do).
-        threads: torch threads of each worker (default: this machine's cores over the stages).
+        threads: torch threads of each rank, this process's included while it generates (default: the count
+            the plan's CPU block was timed with, :mod:`hpml_compile.infer.timing`; else this machine's cores
+            over the stages; with one stage, this process's own setting).
         timeout_s: how long a rank may wait on another before the group fails.
         slow: a fault to inject on purpose: device name -> ``(factor, from_run)``: the rank of that device
             computes ``factor`` times slower from its ``from_run``-th generation on (counted from 1 by each
@@ -230,8 +232,10 @@ class Generator:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._dir = tempfile.TemporaryDirectory(prefix="hpml-infer-")
         self._finalizer = weakref.finalize(self, _kill_all, self._procs)
+        timed = plan.cpu_timing.threads if plan.cpu_timing is not None else None  # what its CPUs were priced at
+        self.threads = threads or timed or (max(1, (os.cpu_count() or 1) // self.world) if self.world > 1 else None)
         if self.world > 1:
-            self._start_workers(threads or max(1, (os.cpu_count() or 1) // self.world), timeout_s)
+            self._start_workers(self.threads or 1, timeout_s)
         self.stage = build_stage(plan, 0, model)
         self.d_model, self.vocab = self.stage.d_model, self.stage.vocab_size
         self._clock = StageClock(self.slow.get(plan.stages[0].device))
@@ -342,8 +346,14 @@ class Generator:
             self._guarded(lambda: (dist.broadcast(torch.tensor([OP_GENERATE, len(prompts), m, max_new_tokens,
                                                                 int(return_logits)]), src=0),
                                    dist.broadcast(lens, src=0)))
-        out: Generated = self._guarded(lambda: self._drive(prompts, lens, m, max_new_tokens, on_token,
-                                                           return_logits))  # type: ignore[assignment]
+        before = torch.get_num_threads()
+        if self.threads:  # rank 0 computes a stage too: as many threads as the others, not all the cores
+            torch.set_num_threads(self.threads)
+        try:
+            out: Generated = self._guarded(lambda: self._drive(prompts, lens, m, max_new_tokens, on_token,
+                                                               return_logits))  # type: ignore[assignment]
+        finally:
+            torch.set_num_threads(before)
         from .place import predict_run
 
         pred = predict_run(self.plan, len(prompts), int(lens.float().mean().round()), max_new_tokens, m)

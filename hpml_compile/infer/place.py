@@ -64,7 +64,7 @@ from ..cluster import link_spec
 from ..errors import InfeasibleError, OptionError
 from ..ir import Cluster
 from .cost import (DTYPE_BYTES, DecoderShape, Objective, Workload, block_ms, device_spec, head_ms, stage_bytes,
-                   stream_ms)
+                   step_extra_ms, stream_ms)
 from .plan import InferencePlan, InferenceStage, Prediction
 
 __all__ = ["LANES", "MEMORY_FRACTION", "place", "score", "stages_for", "device_order", "predict_run",
@@ -105,6 +105,7 @@ def _stage(cluster: Cluster, shape: DecoderShape, work: Workload, device: str, f
     pre, dec = block_ms(spec, shape, work, n, decode=False), block_ms(spec, shape, work, n, decode=True)
     if head:
         pre, dec = pre + head_ms(spec, shape, work), dec + head_ms(spec, shape, work)
+    pre, dec = pre + step_extra_ms(spec), dec + step_extra_ms(spec)
     if stream:
         copy = stream_ms(spec, shape, work, n)
         pre, dec = max(pre, copy), max(dec, copy)
@@ -367,7 +368,8 @@ def predict_run(plan: InferencePlan, batch: int, prompt_len: int, new_tokens: in
     """What ``plan``'s stages predict for one run of its generator (its own batch, lengths and lanes)."""
     work = Workload(batch, max(prompt_len, 1), max(new_tokens, 1), max(1, min(lanes, batch)), plan.workload.dtype)
     ranges = [(s.device, s.first, s.end, s.stream) for s in plan.stages]
-    return score(plan.cluster, plan.shape, work, stages_for(plan.cluster, plan.shape, work, ranges))
+    specs = plan.specs()
+    return score(plan.cluster, plan.shape, work, stages_for(plan.cluster, plan.shape, work, ranges, specs))
 
 
 def replan_without(plan: InferencePlan, lost: Iterable[str],
@@ -386,5 +388,5 @@ def replan_without(plan: InferencePlan, lost: Iterable[str],
                    name=f"{plan.cluster.name} without {', '.join(sorted(gone))}",
                    hosts=tuple(h for h in plan.cluster.hosts if any(d.host == h.name for d in devices)))
     new = place(plan.shape, left, plan.workload, objective=plan.objective, latency_bound_ms=plan.latency_bound_ms,
-                model=plan.model, specs=specs, explain_idle=False)
-    return new.with_model(plan.model, plan.seed, plan.weights)
+                model=plan.model, specs=specs if specs is not None else plan.specs(), explain_idle=False)
+    return replace(new.with_model(plan.model, plan.seed, plan.weights), cpu_timing=plan.cpu_timing)

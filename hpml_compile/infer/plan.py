@@ -31,6 +31,7 @@ from ..errors import SchemaError
 from ..ir import Cluster
 from ..schema import check_version, read_json, validate, write_json_atomic
 from .cost import DecoderShape, Objective, Workload
+from .timing import BlockTiming
 
 __all__ = ["INFERENCE_VERSION", "InferenceStage", "Prediction", "InferencePlan", "save_inference_plan",
            "load_inference_plan", "is_inference_plan"]
@@ -62,6 +63,9 @@ _SCHEMA: dict[str, Any] = {
         "predicted": {"type": "object", "required": ["tokens_per_s", "ttft_ms", "token_ms", "total_ms"]},
         "latency_bound_ms": {"type": ["number", "null"]},
         "planning_ms": _NUM,
+        "cpu_timing": {"type": ["object", "null"],
+                       "required": ["prefill_ms", "decode_ms", "step_ms", "rows", "prompt_len", "new_tokens",
+                                    "threads"]},
     },
 }
 
@@ -117,6 +121,7 @@ class InferencePlan:
     planning_ms: float = 0.0
     seed: int = 0
     weights: str | None = None
+    cpu_timing: BlockTiming | None = None  # a block timed on this host's CPU, which priced its CPU stages
     schema_version: int = INFERENCE_VERSION
     kind: str = field(default="inference")
 
@@ -131,6 +136,7 @@ class InferencePlan:
             "predicted": {"tokens_per_s": p.tokens_per_s, "ttft_ms": p.ttft_ms, "token_ms": p.token_ms,
                           "total_ms": p.total_ms},
             "latency_bound_ms": self.latency_bound_ms, "planning_ms": self.planning_ms,
+            "cpu_timing": self.cpu_timing.to_dict() if self.cpu_timing else None,
         }
 
     @classmethod
@@ -151,7 +157,8 @@ class InferencePlan:
                        Cluster.from_dict(d["cluster"], source=f"{source} (cluster)"),
                        tuple(InferenceStage.from_dict(s) for s in d["stages"]), Prediction(**d["predicted"]),
                        tuple((x["device"], x["why"]) for x in d.get("idle", ())), d.get("latency_bound_ms"),
-                       float(d.get("planning_ms", 0.0)), int(d.get("seed", 0)), d.get("weights"))
+                       float(d.get("planning_ms", 0.0)), int(d.get("seed", 0)), d.get("weights"),
+                       BlockTiming.from_dict(d["cpu_timing"]) if d.get("cpu_timing") else None)
         except TypeError as e:  # a field of shape/workload/predicted missing or unknown
             raise SchemaError(source, "shape/workload/predicted", "the fields a plan writes", str(e)) from None
         plan.check(source)
@@ -181,6 +188,13 @@ class InferencePlan:
     def with_model(self, model: str, seed: int = 0, weights: str | None = None) -> "InferencePlan":
         """The same plan, recording how a rank rebuilds the model."""
         return replace(self, model=model, seed=seed, weights=weights)
+
+    def specs(self) -> dict[str, Any] | None:
+        """The device specs its stages were priced with: the CPU fitted to :attr:`cpu_timing` when it has one
+        (:func:`hpml_compile.infer.timing.timed_specs`), else None (the catalog's)."""
+        from .timing import timed_specs
+
+        return timed_specs(self.shape, self.cpu_timing, self.workload.dtype)
 
 
 def is_inference_plan(d: Any) -> bool:

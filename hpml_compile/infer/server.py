@@ -188,7 +188,7 @@ class _Batcher(threading.Thread):
 
         lost = self.gen.lost_devices()
         try:
-            plan = replan_without(self.gen.plan, lost, self.watch.specs(self.gen.plan.cluster))
+            plan = replan_without(self.gen.plan, lost, self.watch.specs(self.gen.plan.cluster, self.gen.plan.specs()))
             self._switch(plan)
         except HpmlError as e:
             self.failure = f"{self.failure}; re-planning without {', '.join(lost) or 'the failed rank'} failed: {e}"
@@ -231,7 +231,7 @@ class _Batcher(threading.Thread):
         plan = self.gen.plan
         if not self.adapt.enabled or len(out.stage_ms) < 2:
             return
-        specs = self.watch.specs(plan.cluster)
+        specs = self.watch.specs(plan.cluster, plan.specs())
         mean_len = round(sum(len(r.prompt) for r in batch) / len(batch))
         expected = expected_stage_ms(plan, len(batch), mean_len, max(r.want for r in batch),
                                      plan.workload.microbatches, specs)
@@ -244,7 +244,7 @@ class _Batcher(threading.Thread):
         self.watch.accept(fired)
         said = ", ".join(f"{d} {r:.2g}x" for d, r in fired.items())
         try:
-            new, old = replan_on_speeds(plan, self.watch.specs(plan.cluster))
+            new, old = replan_on_speeds(plan, self.watch.specs(plan.cluster, plan.specs()))
         except HpmlError as e:
             print(f"measured slower than planned: {said}; no other placement: {e}", file=sys.stderr, flush=True)
             return

@@ -1,0 +1,179 @@
+"""This host's CPU priced from one decoder block timed on it, rather than from the catalog's rates.
+
+The catalog's CPU entry (``cost_models.get_device("cpu")``) holds a large
+matmul's FLOP/s, a copy's bandwidth and a one-element add's dispatch, measured
+with whatever torch threads the measuring process had. A cached decode step of
+a small decoder is none of these: it is two dozen small ops per block, each
+paying eager PyTorch's dispatch, at the thread count the serving rank runs
+with. So, as training prices its stages from a profile of the model on the
+host, an inference plan with a CPU stage times the model's own cached forward
+here (:func:`time_block`): one block's prefill of ``rows x prompt_len`` tokens,
+one block's decode step over a half-generated cache, and the output head, in
+this process with the ranks' thread count, and what a stage's step costs beyond
+its blocks (embedding, mask, head, the tokens handed on: fixed per step, where
+the blocks' cost grows with their count). :func:`timed_spec` turns the times
+into the CPU's entry for pricing: the FLOP/s that make the block's prefill take
+what it took, the per-op cost that makes its decode step take what it took (the
+catalog's bandwidth kept), so other rows and lengths follow the roofline from
+measured points. The plan records the times (``cpu_timing``); a plan without
+them says that its CPU is priced from the catalog.
+
+Example:
+    >>> from hpml_compile.models.gpt import PRESETS
+    >>> t = BlockTiming(prefill_ms=4.0, decode_ms=0.3, step_ms=0.5, rows=8, prompt_len=32, new_tokens=32,
+    ...                 threads=1)
+    >>> BlockTiming.from_dict(t.to_dict()) == t
+    True
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import Tensor
+
+import cost_models
+from cost_models.roofline import OpKind, roofline_ms
+
+from .cost import CPU_OPS_PER_BLOCK, DecoderShape, TimedCpuSpec, Workload, block_flops_bytes, head_ms
+
+__all__ = ["BlockTiming", "time_block", "timed_spec", "timed_specs"]
+
+_REPEATS = 7  # timings per phase; the median is kept (a busy host's outliers dropped)
+_RUN = 8  # decode steps per timing: a run as long as a stage's step, preempted as often on a busy host
+_SPAN_BYTES = 64 * 2**20  # weights of the blocks timed together: more than a CPU's last-level cache
+_MAX_BLOCKS = 16
+_PREFILL_FLOPS = 2e10  # at most this much work per timed prefill (fewer rows for a large model: seconds, not minutes)
+
+
+@dataclass(frozen=True, slots=True)
+class BlockTiming:
+    """One decoder block's measured times on this host's CPU, with the sizes and threads they were taken at."""
+
+    prefill_ms: float  # one block, ``rows x prompt_len`` tokens
+    decode_ms: float  # one block, one token per row over a cache of ``prompt_len + new_tokens / 2``
+    step_ms: float  # a decode step's work outside the blocks: embedding, positions and mask, head, tokens out
+    rows: int
+    prompt_len: int
+    new_tokens: int
+    threads: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "BlockTiming":
+        return cls(float(d["prefill_ms"]), float(d["decode_ms"]), float(d["step_ms"]), int(d["rows"]),
+                   int(d["prompt_len"]), int(d["new_tokens"]), int(d["threads"]))
+
+
+def _median_ms(fn: Callable[[], object], repeats: int = _REPEATS) -> float:
+    fn()  # warm-up: first-call allocations and kernel selection
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def time_block(config: Any, work: Workload, threads: int) -> BlockTiming:
+    """Time one block of a zoo GPT of ``config`` in this process on the CPU, with ``threads`` torch threads.
+
+    A model of the same sizes with a few blocks is built (random weights: the time does not depend on their
+    values), so a large model is never loaded to time it. Its blocks run in turn and their time is divided
+    by their count: enough of them that their weights overflow the CPU's caches (:data:`_SPAN_BYTES`), as a
+    stage's blocks do, since one block run again and again reads its weights from cache and looks several
+    times faster than it is in a stage. A prefill over :data:`_PREFILL_FLOPS` is timed at fewer rows (the
+    rows used are recorded).
+
+    Args:
+        config: the model's :class:`hpml_compile.models.gpt.GPTConfig`.
+        work: sizes: ``work.rows`` sequences, ``work.prompt_len`` prompt, ``work.new_tokens`` output, dtype.
+        threads: torch threads while timing (the serving ranks' count); restored afterwards.
+
+    Returns:
+        The block's times.
+    """
+    from ..models.gpt import GPT
+    from .engine import DTYPES
+    from .kv import Stage
+
+    dtype = DTYPES[work.dtype]
+    params = DecoderShape.from_config(config).block_params()
+    n = max(1, min(config.n_layer, _MAX_BLOCKS, -(-_SPAN_BYTES // (params * torch.finfo(dtype).bits // 8))))
+    P = work.prompt_len
+    rows = max(1, min(work.rows, int(_PREFILL_FLOPS // (2 * P * params * n))))
+    at = P + work.new_tokens // 2 - 1
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = GPT(replace(config, n_layer=n)).eval().to(dtype)
+        pads = torch.zeros(rows, dtype=torch.long)
+        blocks = Stage(model, 0, n)
+        blocks.is_first = blocks.is_last = False  # hidden states in and out, as a middle stage
+        h = torch.randn(rows, P, config.d_model, dtype=dtype)
+
+        def prefill_once() -> Tensor:
+            blocks.open(0, pads, work.context)
+            return blocks.step(0, h, 0)
+
+        prefill = _median_ms(prefill_once) / n
+        ends = Stage(model, 0, 0)  # a stage's step without its blocks: token ids in, embedding, mask, head, tokens out
+        ends.is_last = True
+        ids = torch.randint(0, config.vocab_size, (rows, 1))
+        ends.open(0, pads, work.context)
+        blocks.open(0, pads, work.context)
+        blocks.step(0, h, 0)
+        h1 = torch.randn(rows, 1, config.d_model, dtype=dtype)
+        runs: tuple[list[float], list[float]] = ([], [])
+        for _ in range(_REPEATS):  # interleaved, so that a busy spell of the host weighs on both alike
+            runs[0].append(_median_ms(lambda: [blocks.step(0, h1, at) for _ in range(_RUN)], 1) / _RUN / n)
+            runs[1].append(_median_ms(lambda: [ends.step(0, ids, at).float().argmax(-1).tolist()
+                                               for _ in range(_RUN)], 1) / _RUN)
+        decode, step = statistics.median(runs[0]), statistics.median(runs[1])
+        blocks.close()
+        ends.close()
+    finally:
+        torch.set_num_threads(before)
+    return BlockTiming(prefill, decode, step, rows, P, work.new_tokens, threads)
+
+
+def timed_spec(base: cost_models.DeviceSpec, shape: DecoderShape, timing: BlockTiming,
+               dtype: str = "float32") -> TimedCpuSpec:
+    """``base`` (the catalog's CPU) with the FLOP/s and per-op cost that reproduce ``timing``.
+
+    :func:`hpml_compile.infer.cost.block_ms` prices a CPU block at ``roofline + CPU_OPS_PER_BLOCK * op``:
+    the per-op cost ``op`` is fitted to the decode step, the FLOP/s to the prefill, a few rounds since each
+    term holds a little of the other; the bandwidth stays the catalog's. What a stage step costs beyond its
+    blocks and head (:attr:`BlockTiming.step_ms` less the head as priced) is charged to each stage step.
+
+    Returns:
+        The fitted spec, with the step's cost beyond its blocks and head (``step_ms``).
+    """
+    work = Workload(timing.rows, timing.prompt_len, timing.new_tokens, 1, dtype)
+    fp, bp = block_flops_bytes(shape, work, decode=False)
+    fd, bd = block_flops_bytes(shape, work, decode=True)
+    flops, op = float(base.peak_flops.get(dtype, base.peak_flops["float32"])), base.launch_overhead_ms
+    for _ in range(4):
+        spec = replace(base, peak_flops={**base.peak_flops, dtype: flops}, launch_overhead_ms=op)
+        op = max(1e-6, (timing.decode_ms - roofline_ms(OpKind.MATMUL, fd, bd, spec, dtype)) / CPU_OPS_PER_BLOCK)
+        compute_ms = max(timing.prefill_ms - CPU_OPS_PER_BLOCK * op, 0.25 * timing.prefill_ms)
+        flops = fp / (compute_ms / 1e3)
+    fitted = replace(base, peak_flops={**base.peak_flops, dtype: flops}, launch_overhead_ms=op, measured=True,
+                     source=f"timed on this host: one block at {timing.rows} rows, prompt {timing.prompt_len}, "
+                            f"torch threads {timing.threads}")
+    extra = max(0.0, timing.step_ms - head_ms(fitted, shape, work))  # the head is priced on its own
+    return TimedCpuSpec(**{f.name: getattr(fitted, f.name) for f in fields(cost_models.DeviceSpec)}, step_ms=extra)
+
+
+def timed_specs(shape: DecoderShape, timing: BlockTiming | None, dtype: str = "float32"
+                ) -> dict[str, cost_models.DeviceSpec] | None:
+    """``{"cpu": timed_spec(...)}`` for a plan with a timing, else None (the catalog prices it)."""
+    if timing is None:
+        return None
+    return {"cpu": timed_spec(cost_models.get_device("cpu"), shape, timing, dtype)}
