@@ -157,6 +157,8 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
         folder = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="hpml-build-"))
         try:  # this host's link and a rank's baseline memory where compile/profile/demo measured them (cached):
             host = this_host(log=log or (lambda _line: None), measure=False)  # no processes started in a job
+            if "process" in host and spec is not None and spec.weights is not None:
+                host["process"] = {**host["process"], "stage_only": True}  # each rank builds only its stage
             build, gm = driver.compile(model, inputs, folder, cluster=c, name=name, say=log,
                                        opts=opts,
                                        prof_opts=driver.ProfileOptions(repeats=profile_repeats,

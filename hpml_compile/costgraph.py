@@ -129,6 +129,7 @@ class CostGraph:
     tensor_parallel: TensorParallel = field(default_factory=TensorParallel)
     processes: Mapping[str, int] = field(default_factory=dict)
     bookkeeping: Mapping[str, float] = field(default_factory=dict)
+    stage_only: frozenset[str] = frozenset()
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -172,7 +173,7 @@ class CostGraph:
         q.add_edges_from(self.graph.edges(data=True))
         return CostGraph(q, self.order, self.kinds, self.model, self.batch_size, self.optimizer_ms,
                          self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
-                         self.tensor_parallel, self.processes, self.bookkeeping)
+                         self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only)
 
     def tp_degrees(self) -> tuple[int, ...]:
         """The tensor-parallel degrees above 1 at which some node of the graph shards (empty: none)."""
@@ -195,7 +196,9 @@ class CostGraph:
         base = self.processes.get(kind, self.processes.get(base_kind(kind)))
         if base is None:
             return stage_param_bytes * 0
-        return process_bytes(base, int(self.total("param_bytes")), stage_param_bytes, replicas=replicas,
+        whole = stage_param_bytes if kind in self.stage_only or base_kind(kind) in self.stage_only \
+            else int(self.total("param_bytes"))  # a rank of saved weights builds its stage only
+        return process_bytes(base, whole, stage_param_bytes, replicas=replicas,
                              zero=int(zero), largest_param=max(self.param_sizes.values(), default=None))
 
     def bookkeeping_ms(self, kind: str) -> float:
@@ -301,7 +304,7 @@ class CostGraph:
             e["bytes"] = sum(e["producers"].values())
         return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size, self.optimizer_ms,
                          self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
-                         self.tensor_parallel, self.processes, self.bookkeeping)
+                         self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only)
 
     def cut_bytes(self, before: Iterable[str]) -> int:
         """Bytes crossing from the node set ``before`` to the rest; a tensor read by
@@ -454,6 +457,8 @@ def build(profile: Profile) -> CostGraph:
                  if isinstance(d.get("process"), dict) and isinstance(d["process"].get("bytes"), int)}
     bookkeeping = {k: float(d["process"]["step_ms"]) for k, d in profile.devices.items()
                    if isinstance(d.get("process"), dict) and isinstance(d["process"].get("step_ms"), (int, float))}
+    stage_only = frozenset(k for k, d in profile.devices.items()
+                           if isinstance(d.get("process"), dict) and d["process"].get("stage_only"))
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
                      dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns, flat_steps, tp,
-                     processes, bookkeeping)
+                     processes, bookkeeping, stage_only)

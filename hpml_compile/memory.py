@@ -142,8 +142,8 @@ def process_bytes(baseline: Any, model_param_bytes: Any, stage_param_bytes: Any,
       stage where they stay in place (ZeRO-0, one replica); a replicated stage under ZeRO-1/2/3 copies them into
       its flat buffer, and the built ones go back to the allocator, which keeps them (:mod:`hpml_compile.hostmem`),
       so the whole model counts. A model whose ``TrainSpec`` names saved weights leaves the other stages'
-      parameters unwritten (:mod:`hpml_compile.runtime.execute.unallocated`): counted all the same, which
-      over-counts such a rank by them (the plan does not know which weights a run loads);
+      parameters unallocated (:mod:`hpml_compile.runtime.execute.unallocated`): the caller passes the stage's
+      own bytes as the model's (the profile's process entry says ``stage_only``);
     - a replicated stage's shared memory: its gradient collectives go through one slot per member of at most
       :data:`SHM_SLOT_BYTES` each, every member mapping every slot (:mod:`hpml_compile.runtime.sync.shm`);
     - the optimizer's temporaries: AdamW's step allocates about two tensors the size of the one it steps (the

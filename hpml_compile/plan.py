@@ -548,7 +548,8 @@ def _process(plan: Plan, profile: Profile, device: str, params: int) -> int:
     if not dev.is_cpu or not isinstance(base, int):
         return 0
     stage = next(st for st in plan.stages if device in st.devices)
-    return process_bytes(base, sum(n.param_bytes for n in profile.nodes), params, replicas=stage.replicas,
+    whole = params if (info.get("process") or {}).get("stage_only") else sum(n.param_bytes for n in profile.nodes)
+    return process_bytes(base, whole, params, replicas=stage.replicas,
                          zero=int(stage.zero), largest_param=max(profile.parameters.values(), default=None))
 
 

@@ -100,7 +100,8 @@ _DEVICE_INFO = {
         "stream_gbps": _NUM,
         # a CPU rank's baseline resident set before the model (profile/process.py)
         "process": {"type": "object", "required": ["bytes"],
-                    "properties": {"bytes": _INT, "step_ms": _NUM, "source": _STR}, "additionalProperties": False},
+                    "properties": {"bytes": _INT, "step_ms": _NUM, "source": _STR,
+                                   "stage_only": {"type": "boolean"}}, "additionalProperties": False},
         "host_stream_gbps": _NUM,
         "stream_threads": _INT,
         "scaled_to_whole": _FWD_BWD,

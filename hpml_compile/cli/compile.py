@@ -119,6 +119,8 @@ def run_compile(args: argparse.Namespace) -> int:
 
         host = this_host(log=_say)  # cached per host: measured once
         link, process = host.get("link"), host.get("process")
+        if process is not None and loaded.train is not None and loaded.train.weights is not None:
+            process = {**process, "stage_only": True}  # each rank builds only its stage (runtime.execute.unallocated)
     try:
         opts = driver.Options(solver=args.solver, microbatches=args.microbatches, schedule=args.schedule,
                               time_limit_s=args.time_limit, precision=args.precision, **comm_options(args))

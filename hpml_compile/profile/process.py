@@ -237,5 +237,6 @@ def with_process(prof: Profile, process: Mapping[str, Any]) -> Profile:
     devices = {k: dict(v) for k, v in prof.devices.items()}
     devices.setdefault("cpu", {})["process"] = {
         "bytes": int(process["bytes"]), "source": str(process.get("source", "")),
-        **({"step_ms": float(process["step_ms"])} if isinstance(process.get("step_ms"), (int, float)) else {})}
+        **({"step_ms": float(process["step_ms"])} if isinstance(process.get("step_ms"), (int, float)) else {}),
+        **({"stage_only": True} if process.get("stage_only") else {})}
     return replace(prof, devices=devices)

@@ -49,6 +49,23 @@ def test_each_cpu_device_counts_the_baseline_and_the_rest_of_the_model() -> None
         assert parts.process == want and parts.tensors == stage_breakdown(plan, prof, st, dev).total
 
 
+def test_a_rank_of_saved_weights_counts_only_its_own_stage_as_built() -> None:
+    # with TrainSpec.weights each rank builds only its stage (runtime.execute.unallocated): the rest of the model
+    # is not in its process, in the simulator and in the breakdown alike
+    plan, prof = _toy()
+    base = 300 * MiB
+    whole, own_only = (with_process(prof, {"bytes": base, "source": "a test", **extra})
+                       for extra in ({}, {"stage_only": True}))
+    total = sum(n.param_bytes for n in prof.nodes)
+    full, mine = simulate(plan, build(whole)), simulate(plan, build(own_only))
+    for st in plan.stages:
+        own = sum(n.param_bytes for n in prof.nodes if n.name in st.nodes)
+        dev = st.devices[0]
+        assert full.peak[dev] - mine.peak[dev] == total - own > 0
+        assert stage_breakdown(plan, whole, st, dev).process - stage_breakdown(plan, own_only, st, dev).process \
+            == total - own
+
+
 def test_a_replicated_zero_stage_counts_the_whole_model_built_its_shared_memory_and_its_shards_step() -> None:
     p, base = 40 * MiB, 300 * MiB
     got = process_bytes(base, p, p, replicas=2, zero=1, largest_param=p)
