@@ -105,7 +105,8 @@ def _cluster(cap_mib: float) -> Cluster:
 def _find_caps(prof: Any, lo_mib: float, hi_mib: float, n: int, microbatches: int | None) -> dict[str, float]:
     """For each option, the largest capacity on a geometric grid at which the solver's plan uses it."""
     found: dict[str, float] = {}
-    opts = driver.Options(solver="ilp", time_limit_s=10, microbatches=microbatches)
+    # the ZeRO, recompute and swap options, without tensor parallelism (its ranks make their own process groups)
+    opts = driver.Options(solver="ilp", time_limit_s=10, microbatches=microbatches, max_tp=1)
     for i in range(n):
         cap = round(hi_mib * (lo_mib / hi_mib) ** (i / (n - 1)), 1)
         try:
@@ -196,7 +197,7 @@ def main() -> None:
         big = 4096.0
         first = root / f"{name}-profile"
         driver.compile(loaded.module, loaded.example_inputs, first, cluster=_cluster(big + base_mib),
-                       opts=driver.Options(time_limit_s=10), prof_opts=driver.ProfileOptions(process=process))
+                       opts=driver.Options(time_limit_s=10, max_tp=1), prof_opts=driver.ProfileOptions(process=process))
         prof = load_profile(first / "profile.json")
         gm = trace(loaded.module, loaded.example_inputs)
         p_mib = sum(n.param_bytes for n in prof.nodes) / MiB
@@ -215,7 +216,7 @@ def main() -> None:
                 cap = caps.get("zero1", max(caps.values()))
                 out = root / f"{name}-{opt}"
                 driver.compile(loaded.module, loaded.example_inputs, out, cluster=_cluster(cap),
-                               opts=driver.Options(time_limit_s=10, precision="bf16"),
+                               opts=driver.Options(time_limit_s=10, precision="bf16", max_tp=1),
                                prof_opts=driver.ProfileOptions(process=process))
                 plan = load_plan(out / "plan.json")
                 cases.append(Case(name, opt, cap, str(out), sorted(_options(plan) | {"bf16"})))
@@ -244,7 +245,7 @@ def main() -> None:
                 cases.append(Case(name, opt, cap, str(out), sorted(_options(plan)), forced=True))
                 continue
             driver.compile(loaded.module, loaded.example_inputs, out, cluster=_cluster(caps[opt]),
-                           opts=driver.Options(time_limit_s=10), measured=prof)
+                           opts=driver.Options(time_limit_s=10, max_tp=1), measured=prof)
             plan = load_plan(out / "plan.json")
             cases.append(Case(name, opt, caps[opt], str(out), sorted(_options(plan))))
     by_world: dict[int, list[Case]] = {}
