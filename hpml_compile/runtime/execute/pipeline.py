@@ -69,7 +69,7 @@ from ...hostmem import keep_freed_memory
 from ...memory import ZeroStage
 from ...trainspec import check_batch_split, rank_rows
 from ...codegen.tensor_parallel import tp_degree
-from ...schedule import Action, stage_ranks
+from ...schedule import Action, relower, stage_ranks, validate as validate_actions
 from .tensor_parallel import TensorParallelSession, open_tensor_parallel, shard_rank, whole_params
 from ..sync.comm import CommFault, CommOp, DistComm, LocalComm, is_transient, make_groups, rank_devices
 from .compiled import CompiledForward, CompileStages, compile_stages as compile_stages_of
@@ -86,7 +86,8 @@ from .scaler import LossScaler
 from ..observe.monitor import Monitor, StepMetrics, peak_memory, reserved_memory, reset_peak_memory, split_wait
 from ..sync.offload import offload_optimizer
 from ...saved import GradPeak, SavedActivations, counts_memory
-from .session import CommFailure, RetryPolicy, Session
+from .members import in_place_refusal, without_ranks
+from .session import CommFailure, RanksLost, RetryPolicy, Session
 from ..sync.feedback import CommState
 from ..sync.stage import StageSync, for_stage
 from ..sync.zero import FlatShard
@@ -481,37 +482,114 @@ class Pipeline:
             return self._run_local(inputs, targets, loss_fn, n, validate)
         policy = self.session.policy
         snapshot = self._snapshot() if self.session.can_retry else None
-        for attempt in range(policy.attempts):
+        attempt = 0
+        while True:  # each retry counts an attempt; going on without lost ranks does not (the world shrinks)
+            lost: RanksLost | None = None
             try:
                 return self._run_rank(inputs, targets, loss_fn, n, attempt, rank_batch, validate)
+            except RanksLost as e:  # the loss agreement re-formed the group and found ranks gone
+                lost = e
             except Exception as e:  # noqa: BLE001 -- only transient communication errors are retried
                 if not is_transient(e):
                     raise
-                if not self.session.can_retry or attempt + 1 == policy.attempts:
+                if not self.session.can_retry or (attempt + 1 == policy.attempts and not self.session.live):
                     raise CommFailure(f"step {self.steps_done + 1}: communication failed on rank {self.rank} "
                                       f"({str(e).splitlines()[0][:200]}) after {attempt + 1} attempt(s); check the "
                                       "network between the hosts, or let torchrun restart the job "
                                       "(hpml-compile run --max-restarts N)") from e
                 reason = str(e).splitlines()[0][:160]
             # Out of the except block: the exception's frames, which hold the old groups, are gone now.
-            if self._regrouped:  # the loss agreement re-formed the group already, and nobody had committed
+            if lost is None and self._regrouped:  # the loss agreement re-formed the group, and nobody had committed
                 self._regrouped = False
                 self._log(f"rank {self.rank}: step {self.steps_done + 1}: {reason}; retrying the step on the "
                           f"re-formed process group (attempt {attempt + 2}/{policy.attempts})")
                 self._restore(snapshot)
+                attempt += 1
                 continue
-            wait = policy.delay(attempt)
+            if lost is None:
+                lost = self._retry_or_lost(attempt, reason, snapshot)
+                attempt += 1
+            if lost is not None:
+                self._restore(snapshot)
+                self._go_on_without(lost, rank_batch is not None)
+
+    def _retry_or_lost(self, attempt: int, reason: str, snapshot: dict[str, Any] | None) -> RanksLost | None:
+        """Re-form the group for another attempt of the step; the lost ranks where a live session finds some.
+
+        Raises:
+            CommFailure: the attempts are spent, or the others finished the step this rank must re-run.
+        """
+        assert self.session is not None
+        policy = self.session.policy
+        spent = attempt + 1 >= policy.attempts  # a live session still asks who is left: a death is no retry
+        if not spent:
+            wait = 0.0 if self.session.live else policy.delay(attempt)
             self._log(f"rank {self.rank}: step {self.steps_done + 1}: {reason}; re-forming the process group and "
                       f"retrying the step in {wait:g} s (attempt {attempt + 2}/{policy.attempts})")
-            self._restore(snapshot)
-            self._drop_groups()
-            time.sleep(wait)
+        self._restore(snapshot)
+        self._drop_groups()
+        if not self.session.live:
+            time.sleep(policy.delay(attempt))  # a live session's round waits for the others already
+        try:
             if self.session.reopen(self.steps_done, self._agreed_loss) is not None:
                 raise CommFailure(f"step {self.steps_done + 1}: after a communication error on rank {self.rank} the "
-                                  "other ranks had finished this step, and this rank failed before its loss agreement, "
-                                  "so it cannot take their update: restart the job from the last checkpoint")
-            self.comm = self._connect()
-        raise AssertionError("unreachable")
+                                  "other ranks had finished this step, and this rank failed before its loss "
+                                  "agreement, so it cannot take their update: restart the job from the last checkpoint")
+        except RanksLost as e:
+            return e
+        if spent:
+            raise CommFailure(f"step {self.steps_done + 1}: communication failed on rank {self.rank} ({reason}) "
+                              f"after {attempt + 1} attempt(s); check the network between the hosts")
+        self.comm = self._connect()
+        return None
+
+    def _go_on_without(self, lost: RanksLost, own_rows: bool) -> None:
+        """Carry on in this process without the ranks ``lost``: their rows go to the replicas left, and the step
+        that failed runs again (its update was not applied: the gradient sync had not completed everywhere).
+
+        What changes: the plan (the lost devices out, :func:`.members.without_ranks`), the action lists (lowered
+        again for the replicas left), this rank's number, the groups (the session's next generation on the
+        survivors, :meth:`.session.Session.shrink`) and the communicator; the parameters, the optimizer and its
+        state, the stage code and the flat gradient buffer stay.
+
+        Raises:
+            CommFailure: a lost rank was a stage's only replica, or held state the others lack
+                (:func:`.members.in_place_refusal`), or the failure came after the update, or this rank reads only
+                its own rows of each batch: then only the restart from the last checkpoint can go on.
+        """
+        assert self.session is not None and self._mb_rows is not None
+        if lost.step != self.steps_done or own_rows:
+            why = "after the step's update" if lost.step != self.steps_done else "while each rank reads its own rows"
+            raise CommFailure(f"{lost} ({why}): restart from the last checkpoint") from lost
+        refusal = in_place_refusal(self.plan, lost.lost)
+        if refusal is not None:
+            raise CommFailure(f"{lost}: {refusal}") from lost
+        t0 = time.perf_counter()
+        plan = without_ranks(self.plan, lost.lost, self._mb_rows)  # CommFailure where a stage has no replica left
+        kept = [acts for r, acts in enumerate(self.build.actions) if r not in lost.lost]
+        replicas = [len(st.devices) for st in plan.stages]
+        actions = relower(kept, replicas, plan.schedule, plan.microbatches)
+        validate_actions(actions, replicas)
+        if self.comm is not None:
+            self._drop_groups()
+        gone = [self.session.members[r] for r in lost.lost]
+        if self.session.shrink(lost.lost, self.steps_done, self._agreed_loss) is not None:
+            raise CommFailure(f"{lost}: the others had finished the step: restart from the last checkpoint") from lost
+        self.plan, self._ranks, self._reps = plan, stage_ranks(plan), replicas
+        self.build = replace(self.build, actions=tuple(actions), plan=replace(self.build.plan, stages=tuple(
+            replace(b, devices=n.devices, rows=n.rows) for b, n in zip(self.build.plan.stages, plan.stages))))
+        self._splits, self._orders = stage_splits(self.build), {}
+        self.rank, self.world_size = self.session.rank, self.session.world_size
+        self._devices = rank_devices(plan, torch.cuda.device_count() if torch.cuda.is_available() else None)
+        self.comm = self._connect()
+        self.replica = self.comm.replica
+        if self.trainer is not None:
+            self.trainer.rows_moved()
+        self._log(f"rank {self.session.start_rank}: step {self.steps_done + 1}: ranks {gone} of the job died; going "
+                  f"on without them in {time.perf_counter() - t0:.2f} s (now rank {self.rank} of {self.world_size}), "
+                  "the step runs again: " + "; ".join(f"stage {st.index} on {','.join(st.devices)}"
+                                                      + (f" rows {':'.join(map(str, st.rows))}" if st.rows else "")
+                                                      for st in plan.stages))
 
     def _agreement(self, inner: Callable[[Tensor], None]) -> Callable[[Tensor], bool]:
         """The executor's ``agree``: ``inner`` (the loss all-reduce with the batch check), and what to do when it fails.

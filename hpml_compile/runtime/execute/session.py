@@ -19,7 +19,12 @@ initialises generation ``g + 1`` on the same store under the prefix
 parameters. Ranks check that they all re-run the same step before going on.
 A rank that really died never joins the new generation: the others fail
 after ``RetryPolicy.rejoin_timeout_s`` with a message saying so, and
-torchrun's agent (``--max-restarts``) takes over.
+torchrun's agent (``--max-restarts``) takes over. A *live* session
+(``live=True``, ranks not started by torchrun's agent, which would kill the
+survivors) tells the dead from the slow by heartbeats in the same store
+(:mod:`.members`): the survivors agree who is left, :meth:`Session.reopen`
+raises :class:`RanksLost`, and :meth:`Session.shrink` opens the next
+generation on the survivors alone, in the same processes.
 
 Example:
     >>> p = RetryPolicy(attempts=3, backoff_s=0.5)
@@ -41,10 +46,26 @@ import torch.distributed as dist
 
 from ...errors import CommFailure
 from ..sync.comm import Backend, is_transient
+from .members import Heartbeat, agree_survivors
 
-__all__ = ["RetryPolicy", "Session", "CommFailure", "env_rank"]
+__all__ = ["RetryPolicy", "Session", "CommFailure", "RanksLost", "env_rank"]
 
 T = TypeVar("T")
+
+
+class RanksLost(CommFailure):
+    """Ranks of the group died (their beat stopped): the survivors may go on without them (:meth:`Session.shrink`).
+
+    Attributes:
+        step: the steps completed when the failure came.
+        lost: the ranks of the failed group that are gone.
+    """
+
+    def __init__(self, step: int, lost: list[int]) -> None:
+        super().__init__(f"step {step + 1}: ranks {lost} of the job died; the others can go on without them only "
+                         "where each lost rank was one replica of a replicated stage, else restart from the last "
+                         "checkpoint")
+        self.step, self.lost = step, lost
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,20 +115,32 @@ class Session:
     """
 
     def __init__(self, init_method: str = "env://", rank: int | None = None, world_size: int | None = None,
-                 policy: RetryPolicy = RetryPolicy(), log: Callable[[str], None] | None = None) -> None:
+                 policy: RetryPolicy = RetryPolicy(), log: Callable[[str], None] | None = None,
+                 live: bool = False) -> None:
         self.policy = policy
         self.generation = 0
         self.retries = 0
         self._log = log or (lambda line: None)
         self.owned = not dist.is_initialized()
         self._store: Any = None
+        self._heartbeat: Heartbeat | None = None
         if not self.owned:  # the user's script made the group: use it, and never tear it down
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            self.members = list(range(self.world_size))
             return
         self._store, self.rank, self.world_size = self._with_retry(
             "rendezvous", lambda: next(dist.rendezvous(init_method, rank if rank is not None else -1,
                                                        world_size if world_size is not None else -1)))
+        self.members = list(range(self.world_size))  # the job ranks (as started) of this group's ranks, in order
+        self.start_rank = self.rank
+        if live:  # the others tell a lost rank from a slow one by its beat (:mod:`.members`)
+            self._heartbeat = Heartbeat(self._store, self.rank)
         self._open()
+
+    @property
+    def live(self) -> bool:
+        """Whether a lost rank is answered in place (the survivors go on without it) rather than by a restart."""
+        return self._heartbeat is not None
 
     @property
     def can_retry(self) -> bool:
@@ -173,6 +206,35 @@ class Session:
                 pass
         self.generation += 1
         self.retries += 1
+        if self._heartbeat is not None:  # who is left? (the same answer on every rank that is)
+            survivors = [self.members.index(r) for r in agree_survivors(
+                self._store, self.generation, self.start_rank, self.members, timeout_s=self.policy.rejoin_timeout_s)]
+            if len(survivors) < self.world_size:
+                raise RanksLost(step, [r for r in range(self.world_size) if r not in survivors])
+        return self._rejoin(step, agreed_loss)
+
+    def shrink(self, lost: list[int], step: int, agreed_loss: float | None = None) -> float | None:
+        """Open the next generation of the group on the ranks left after :class:`RanksLost` (same processes).
+
+        Args:
+            lost: the ranks of the current group that are gone (:attr:`RanksLost.lost`).
+            step: the steps this rank has completed.
+            agreed_loss: as for :meth:`reopen`.
+
+        Returns:
+            As :meth:`reopen`.
+
+        Raises:
+            CommFailure: as :meth:`reopen`.
+        """
+        keep = [r for r in range(self.world_size) if r not in lost]
+        self.rank, self.world_size = keep.index(self.rank), len(keep)
+        self.members = [self.members[r] for r in keep]
+        self.generation += 1  # a fresh prefix: the round's keys and the failed generation's stay apart
+        return self._rejoin(step, agreed_loss)
+
+    def _rejoin(self, step: int, agreed_loss: float | None) -> float | None:
+        """Open the group of the current generation and compare the ranks' steps (see :meth:`reopen`)."""
         self._store.set_timeout(datetime.timedelta(seconds=self.policy.rejoin_timeout_s))
         try:
             self._open()
@@ -199,6 +261,9 @@ class Session:
         return float(share[0] / share[1]) if step == oldest else None
 
     def close(self) -> None:
-        """Destroy the group if this session made it."""
+        """Stop beating and destroy the group if this session made it."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
         if self.owned and dist.is_initialized():
             dist.destroy_process_group()

@@ -23,10 +23,11 @@ Example:
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.distributed as dist
@@ -67,8 +68,27 @@ def _hello(rank: int, world_size: int) -> None:
     assert t.item() == world_size, t
 
 
+def _drop_killed(ctx: Any, may_die: Collection[int]) -> None:
+    """Forget the ranks of ``may_die`` that a signal ended, so that joining the others does not count them failed."""
+    for sentinel, index in list(ctx.sentinels.items()):
+        p = ctx.processes[index]
+        if index in may_die and p.exitcode is not None and p.exitcode < 0:
+            ctx.sentinels.pop(sentinel)
+            p.join()
+
+
+def _join(ctx: Any, timeout: float, may_die: Collection[int]) -> bool:
+    """``ctx.join(timeout)``, but a rank of ``may_die`` killed by a signal is not a failure."""
+    if not may_die:
+        return bool(ctx.join(timeout=timeout))
+    multiprocessing.connection.wait(list(ctx.sentinels), timeout=timeout)
+    _drop_killed(ctx, may_die)
+    return bool(ctx.join(timeout=0))
+
+
 def spawn_ranks(fn: Callable[..., None], world_size: int, workdir: str | Path, *args: Any, threads: int = 1,
-                timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str = "forkserver") -> None:
+                timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str = "forkserver",
+                may_die: Collection[int] = ()) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes on this machine.
 
     Args:
@@ -83,6 +103,8 @@ def spawn_ranks(fn: Callable[..., None], world_size: int, workdir: str | Path, *
             interpreters, seconds each), or ``fork`` (children of
             this process: no second import of torch, a fraction of a second instead of seconds; for short
             probes on Linux, whose ranks run one torch thread, so no OpenMP pool is used after the fork).
+        may_die: ranks that may end by a signal (a test that kills one) without failing the others: the rest
+            go on and are joined as usual.
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: if a rank fails (with its traceback).
@@ -96,7 +118,7 @@ def spawn_ranks(fn: Callable[..., None], world_size: int, workdir: str | Path, *
                              nprocs=world_size, join=False, start_method=start_method)
     assert ctx is not None
     deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+    while not _join(ctx, max(0.0, min(1.0, deadline - time.monotonic())), may_die):
         if time.monotonic() >= deadline:
             alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
             for p in ctx.processes:

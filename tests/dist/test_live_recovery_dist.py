@@ -1,0 +1,137 @@
+"""A lost replica without a restart: the survivors go on in the same processes and the failed step runs again.
+
+Gloo ranks of a live session (heartbeats in the job's store,
+:mod:`hpml_compile.runtime.execute.members`) train ``mlp-tiny``; one replica
+of a replicated stage kills itself (SIGKILL) in its first forward of step
+``KILL_AT``, mid-step. The survivors' communication fails, they agree who is
+left, open the next generation of the group on themselves, take the lost
+replica's rows and run the failed step again from its start. Checked: each
+survivor trains every step in the process it started in (no step lost, none
+run twice); the world shrank at ``KILL_AT``; the rows of the stage that lost
+a replica were re-split over those left; and every loss and the parameters
+after the run equal the original model's trained in this process on the same
+batches (the gradient is the exact batch mean whatever the rows, so an
+uninterrupted run that switched to the survivors' rows at ``KILL_AT`` computes
+the same values, up to the order of its sums). No process is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpml_compile import models
+from hpml_compile.codegen import generate, load_build
+from hpml_compile.runtime import spawn_ranks
+from hpml_compile.runtime.execute.pipeline import Pipeline
+from hpml_compile.runtime.execute.session import RetryPolicy, Session
+from hpml_compile.testing import split_plan
+from hpml_compile.trace import trace
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(600)]
+STEPS, KILL_AT, BATCH, MICRO = 6, 3, 24, 2
+TOL = {"rel": 1e-5, "abs": 1e-6}
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(BATCH, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)) for _ in range(STEPS)]
+
+
+def _optimizer(ps: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(ps, lr=1e-2)
+
+
+def _rank(rank: int, world: int, build: str, out: str, victim: int) -> None:
+    dist.destroy_process_group()  # spawn_ranks' group is not a session's: a live one opens its own
+    Path(out, f"pid{rank}").write_text(str(os.getpid()))
+    loaded = models.load("mlp-tiny", batch_size=BATCH)
+    log = Path(out, f"log{rank}.txt")
+    session = Session(f"file://{out}/store", rank=rank, world_size=world, live=True,
+                      policy=RetryPolicy(attempts=3, backoff_s=0.1, rejoin_timeout_s=60.0, timeout_s=60.0))
+    pipe = Pipeline(load_build(build, loaded.module), loaded.module, optimizer=_optimizer, session=session,
+                    events=False, log=lambda line: log.open("a").write(line + "\n"))
+    stage = pipe.stages[pipe.stage_index]
+
+    def die(_m: Any, _a: Any) -> None:
+        if rank == victim and pipe.steps_done == KILL_AT:  # mid-step: the others are in this step too
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    stage.register_forward_pre_hook(die)
+    steps = []
+    for x, y in _batches():
+        loss = float(pipe.step((x,), y, loaded.loss_fn))
+        steps.append({"loss": loss, "pid": os.getpid(), "world": pipe.world_size, "rank": pipe.rank,
+                      "rows": [list(st.rows) for st in pipe.plan.stages],
+                      "devices": [list(st.devices) for st in pipe.plan.stages]})
+    mine = {id(p) for p in pipe.parameters()}
+    final = {n: p.detach().flatten().tolist() for n, p in loaded.module.named_parameters() if id(p) in mine}
+    pipe.close()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"steps": steps, "final": final}))
+
+
+def _reference() -> tuple[list[float], dict[str, list[float]]]:
+    """The original model trained here on the same batches: every loss and the parameters after the run."""
+    loaded = models.load("mlp-tiny", batch_size=BATCH)
+    opt, losses = _optimizer(loaded.module.parameters()), []
+    for x, y in _batches():
+        opt.zero_grad()
+        loss = loaded.loss_fn(loaded.module(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().flatten().tolist() for n, p in loaded.module.named_parameters()}
+
+
+def _gone(pid: int) -> bool:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize(("replicas", "victim", "lost_stage"), [([3], 1, 0), ([1, 2], 1, 1)],
+                         ids=["1-stage-x-3-replicas", "2-stages-replicated-second"])
+def test_a_lost_replica_is_replaced_in_place_and_the_run_equals_the_original(
+        tmp_path: Path, replicas: list[int], victim: int, lost_stage: int) -> None:
+    loaded = models.load("mlp-tiny", batch_size=BATCH)
+    gm = trace(loaded.module, loaded.example_inputs)
+    build = tmp_path / "build"
+    generate(gm, split_plan(gm, "mlp-tiny", len(replicas), microbatches=MICRO, replicas=replicas), build)
+    world = sum(replicas)
+    spawn_ranks(_rank, world, tmp_path, str(build), str(tmp_path), victim, timeout_s=300, may_die={victim})
+    pids = {r: int(Path(tmp_path, f"pid{r}").read_text()) for r in range(world)}
+    assert not Path(tmp_path, f"rank{victim}.json").exists(), "the victim was to die"
+    want_losses, want_final = _reference()
+    survivors = [r for r in range(world) if r != victim]
+    rows_left = BATCH // MICRO // (replicas[lost_stage] - 1)
+    for r in survivors:
+        report = json.loads(Path(tmp_path, f"rank{r}.json").read_text())
+        steps = report["steps"]
+        log = Path(tmp_path, f"log{r}.txt").read_text()
+        assert len(steps) == STEPS and {s["pid"] for s in steps} == {pids[r]}, (r, steps)  # same process throughout
+        assert [s["world"] for s in steps] == [world] * KILL_AT + [world - 1] * (STEPS - KILL_AT), (r, steps, log)
+        assert f"ranks [{victim}] of the job died; going on without them" in log and "the step runs again" in log
+        after = steps[KILL_AT]
+        assert len(after["devices"][lost_stage]) == replicas[lost_stage] - 1
+        assert f"cpu{victim}" not in after["devices"][lost_stage]
+        assert after["rows"][lost_stage] == [rows_left] * (replicas[lost_stage] - 1), after
+        assert after["rank"] == (r if r < victim else r - 1), after  # renumbered in order
+        for step, s in enumerate(steps):  # the failed step computed once more, on the survivors: nothing skipped
+            assert s["loss"] == pytest.approx(want_losses[step], **TOL), (r, step, s["loss"], want_losses)
+        assert report["final"], r
+        for name, values in report["final"].items():
+            assert values == pytest.approx(want_final[name], **TOL), (r, name)
+    assert all(_gone(pid) for pid in pids.values()), "a rank outlived the run"
