@@ -58,7 +58,7 @@ def _rank(rank: int, world: int, build: str, out: str, victim: int) -> None:
     session = Session(f"file://{out}/store", rank=rank, world_size=world, live=True,
                       policy=RetryPolicy(attempts=3, backoff_s=0.1, rejoin_timeout_s=60.0, timeout_s=60.0))
     pipe = Pipeline(load_build(build, loaded.module), loaded.module, optimizer=_optimizer, session=session,
-                    events=False, log=lambda line: log.open("a").write(line + "\n"))
+                    log=lambda line: log.open("a").write(line + "\n"))
     stage = pipe.stages[pipe.stage_index]
 
     def die(_m: Any, _a: Any) -> None:
@@ -135,3 +135,15 @@ def test_a_lost_replica_is_replaced_in_place_and_the_run_equals_the_original(
         for name, values in report["final"].items():
             assert values == pytest.approx(want_final[name], **TOL), (r, name)
     assert all(_gone(pid) for pid in pids.values()), "a rank outlived the run"
+
+
+def test_a_stage_that_loses_its_only_replica_stops_with_the_restart_named(tmp_path: Path) -> None:
+    loaded = models.load("mlp-tiny", batch_size=BATCH)
+    gm = trace(loaded.module, loaded.example_inputs)
+    build = tmp_path / "build"
+    generate(gm, split_plan(gm, "mlp-tiny", 2, microbatches=MICRO, replicas=[1, 2]), build)
+    with pytest.raises(Exception, match="stage 0 lost its only replica \\(cpu0\\): its parameters are gone, so the "
+                                        "job must restart from the last checkpoint"):
+        spawn_ranks(_rank, 3, tmp_path, str(build), str(tmp_path), 0, timeout_s=300, may_die={0})
+    pids = [int(Path(tmp_path, f"pid{r}").read_text()) for r in range(3)]
+    assert all(_gone(pid) for pid in pids), "a rank outlived the run"

@@ -9,11 +9,14 @@ one the process group was opened on (a ``file://`` store or the launcher's
 TCPStore), so nothing new runs:
 
 - every rank beats: a daemon thread adds 1 to ``hpml/beat/<rank>`` every
-  ``interval_s`` (:class:`Heartbeat`);
+  ``interval_s`` (:class:`Heartbeat`), and the rank's host and PID are in
+  ``hpml/proc/<rank>``;
 - after a failure, each rank that is still there marks itself arrived in the
   round of the next generation (:func:`agree_survivors`) and watches the
   others: a rank is alive once it arrives, dead once its beat has not moved
-  for ``stale_s``; the first rank to see every rank either way proposes its
+  for ``stale_s`` or, on this host, as soon as its process has exited (a
+  zombie or gone: no need to wait for its beat to go stale); the first rank
+  to see every rank either way proposes its
   answer with ``compare_set`` on one key, and every rank reads back the one
   answer that won (so all act on the same set, even where their views
   differed at the edge);
@@ -34,6 +37,8 @@ Example:
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 from dataclasses import replace
@@ -53,6 +58,29 @@ def _beat_key(rank: int) -> str:
     return f"hpml/beat/{rank}"
 
 
+def _proc_key(rank: int) -> str:
+    return f"hpml/proc/{rank}"
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` of this host has exited (gone, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    except OSError:  # no /proc here: only the beat tells
+        return False
+
+
+def _exited_here(store: Any, rank: int) -> bool:
+    """Whether ``rank`` runs on this host and its process has exited (False where it cannot be told)."""
+    if not store.check([_proc_key(rank)]):
+        return False
+    host, _, pid = store.get(_proc_key(rank)).decode().rpartition(" ")
+    return host == socket.gethostname() and pid.isdigit() and _exited(int(pid))
+
+
 class Heartbeat:
     """A daemon thread that adds 1 to this rank's beat in ``store`` every ``interval_s`` until :meth:`stop`.
 
@@ -65,6 +93,7 @@ class Heartbeat:
     def __init__(self, store: Any, rank: int, interval_s: float = BEAT_INTERVAL_S) -> None:
         self._store, self._key, self._interval = store, _beat_key(rank), interval_s
         self._stop = threading.Event()
+        self._store.set(_proc_key(rank), f"{socket.gethostname()} {os.getpid()}")
         self._store.add(self._key, 1)  # present before anyone can ask
         self._thread = threading.Thread(target=self._run, name="hpml-heartbeat", daemon=True)
         self._thread.start()
@@ -116,7 +145,7 @@ def agree_survivors(store: Any, round_id: int, me: int, ranks: Sequence[int], *,
             beat = int(store.add(_beat_key(r), 0))
             if beat != first[r]:
                 first[r], moved[r] = beat, now
-            elif now - moved[r] >= stale_s:
+            if now - moved[r] >= stale_s or _exited_here(store, r):
                 gone.add(r)
         if store.check([decided]) or len(alive) + len(gone) == len(ranks):
             break

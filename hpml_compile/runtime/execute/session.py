@@ -125,6 +125,9 @@ class Session:
         self._store: Any = None
         self._heartbeat: Heartbeat | None = None
         if not self.owned:  # the user's script made the group: use it, and never tear it down
+            if live:
+                raise CommFailure("a live session re-forms the process group without lost ranks, so it must open "
+                                  "the group itself: give it an init_method and do not initialise one before")
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self.members = list(range(self.world_size))
             return
