@@ -30,7 +30,8 @@ itself left out and stops with an error: it must not train beside the others.
 Example:
     >>> from hpml_compile.plan import Plan, Schedule, Stage
     >>> from hpml_compile.cluster import builtin_cluster
-    >>> p = Plan("mlp", builtin_cluster("local-cpu-3"), Schedule.GPIPE, 1, (Stage(0, ("cpu0", "cpu1", "cpu2"), ("x",)),))
+    >>> one = (Stage(0, ("cpu0", "cpu1", "cpu2"), ("x",)),)
+    >>> p = Plan("mlp", builtin_cluster("local-cpu-3"), Schedule.GPIPE, 1, one)
     >>> [(st.devices, st.rows) for st in without_ranks(p, [1], 24).stages]
     [(('cpu0', 'cpu2'), (12, 12))]
 """
@@ -224,9 +225,11 @@ def in_place_refusal(plan: Plan, lost: Sequence[int]) -> str | None:
     for k in sorted({layout[r][0] for r in lost}):
         st = plan.stages[k]
         if int(st.zero):
-            return f"stage {k} shards its optimizer state over its replicas (ZeRO-{int(st.zero)}): the lost shard is gone"
+            return (f"stage {k} shards its optimizer state over its replicas (ZeRO-{int(st.zero)}): the lost shard "
+                    "is gone")
         if st.compress:
             return f"stage {k} compresses its gradients ({st.compress}): the lost replica's error feedback is gone"
         if plan.sync_every > 1:
-            return f"the replicas synchronise every {plan.sync_every} steps (local SGD): the lost replica's drift is gone"
+            return (f"the replicas synchronise every {plan.sync_every} steps (local SGD): the lost replica's drift "
+                    "is gone")
     return None
