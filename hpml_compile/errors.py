@@ -17,6 +17,7 @@ from typing import Any
 
 __all__ = [
     "HpmlError",
+    "RanksLost",
     "SchemaError",
     "TraceError",
     "ModelError",
@@ -119,6 +120,22 @@ class CheckpointError(HpmlError):
 
 class CommFailure(HpmlError):
     """A step's communication failed and retrying did not help (names the step, the error and what to do)."""
+
+
+class RanksLost(CommFailure):
+    """Ranks of the group died (their beat stopped): the survivors may go on without them
+    (:meth:`hpml_compile.runtime.execute.session.Session.shrink`).
+
+    Attributes:
+        step: the steps completed when the failure came.
+        lost: the ranks of the failed group that are gone.
+    """
+
+    def __init__(self, step: int, lost: list[int]) -> None:
+        super().__init__(f"step {step + 1}: ranks {lost} of the job died; the others can go on without them only "
+                         "where each lost rank was one replica of a replicated stage, else restart from the last "
+                         "checkpoint")
+        self.step, self.lost = step, lost
 
 
 class ScheduleError(HpmlError):

@@ -44,28 +44,13 @@ from typing import Any, Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from ...errors import CommFailure
+from ...errors import CommFailure, RanksLost
 from ..sync.comm import Backend, is_transient
 from .members import Heartbeat, agree_survivors
 
 __all__ = ["RetryPolicy", "Session", "CommFailure", "RanksLost", "env_rank"]
 
 T = TypeVar("T")
-
-
-class RanksLost(CommFailure):
-    """Ranks of the group died (their beat stopped): the survivors may go on without them (:meth:`Session.shrink`).
-
-    Attributes:
-        step: the steps completed when the failure came.
-        lost: the ranks of the failed group that are gone.
-    """
-
-    def __init__(self, step: int, lost: list[int]) -> None:
-        super().__init__(f"step {step + 1}: ranks {lost} of the job died; the others can go on without them only "
-                         "where each lost rank was one replica of a replicated stage, else restart from the last "
-                         "checkpoint")
-        self.step, self.lost = step, lost
 
 
 @dataclass(frozen=True, slots=True)
