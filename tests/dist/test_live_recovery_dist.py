@@ -13,6 +13,12 @@ after the run equal the original model's trained in this process on the same
 batches (the gradient is the exact batch mean whatever the rows, so an
 uninterrupted run that switched to the survivors' rows at ``KILL_AT`` computes
 the same values, up to the order of its sums). No process is left behind.
+
+The same with a TrainSpec, whose ranks load only their rows of each batch:
+the survivors read the failed batch again with their new rows (the lost
+replica's share included), so every sample of it is trained once, and the
+losses equal a plain loop's over the same global batches. And a stage that
+loses its only replica stops every survivor with the restart named.
 """
 
 from __future__ import annotations
@@ -28,13 +34,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torch import nn
+from torch.utils.data import TensorDataset
+
 from hpml_compile import models
 from hpml_compile.codegen import generate, load_build
 from hpml_compile.runtime import spawn_ranks
+from hpml_compile.runtime.execute.data import global_batch
 from hpml_compile.runtime.execute.pipeline import Pipeline
 from hpml_compile.runtime.execute.session import RetryPolicy, Session
+from hpml_compile.runtime.execute.trainer import Trainer
 from hpml_compile.testing import split_plan
 from hpml_compile.trace import trace
+from hpml_compile.trainspec import TrainSpec
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(600)]
 STEPS, KILL_AT, BATCH, MICRO = 6, 3, 24, 2
@@ -146,4 +158,70 @@ def test_a_stage_that_loses_its_only_replica_stops_with_the_restart_named(tmp_pa
                                         "job must restart from the last checkpoint"):
         spawn_ranks(_rank, 3, tmp_path, str(build), str(tmp_path), 0, timeout_s=300, may_die={0})
     pids = [int(Path(tmp_path, f"pid{r}").read_text()) for r in range(3)]
+    assert all(_gone(pid) for pid in pids), "a rank outlived the run"
+
+
+# -- a TrainSpec's data path: each rank loads only its rows, and reads the failed batch again with its new rows ---
+
+ITEMS, SEED = 96, 3
+
+
+def _spec() -> TrainSpec:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    x = torch.randn(ITEMS, 6, generator=torch.Generator().manual_seed(1))
+    return TrainSpec(net, TensorDataset(x, x[:, :3].argmax(1)), nn.functional.cross_entropy, batch_size=BATCH,
+                     seed=SEED, optimizer=_optimizer)
+
+
+def _spec_rank(rank: int, world: int, build: str, out: str, victim: int) -> None:
+    dist.destroy_process_group()
+    Path(out, f"pid{rank}").write_text(str(os.getpid()))
+    spec = _spec()
+    session = Session(f"file://{out}/store", rank=rank, world_size=world, live=True,
+                      policy=RetryPolicy(attempts=3, rejoin_timeout_s=60.0, timeout_s=60.0))
+    log = Path(out, f"log{rank}.txt")
+    pipe = Pipeline(load_build(build, spec.module), spec.module, optimizer=spec.optimizer, session=session,
+                    log=lambda line: log.open("a").write(line + "\n"))
+    trainer = pipe.trainer = Trainer(pipe, spec)
+
+    def die(_m: Any, _a: Any) -> None:
+        if rank == victim and pipe.steps_done == KILL_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    pipe.stages[pipe.stage_index].register_forward_pre_hook(die)
+    losses, rows = [], []
+    for _ in range(STEPS):
+        losses.append(float(trainer.step()))
+        rows.append(len(trainer.rows))
+    pipe.close()
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"losses": losses, "rows": rows}))
+
+
+@pytest.mark.parametrize("replicas", [[3], [1, 2]], ids=["1-stage-x-3-replicas", "2-stages-replicated-second"])
+def test_a_trainspec_rank_reads_the_failed_batch_again_with_the_lost_replicas_rows(
+        tmp_path: Path, replicas: list[int]) -> None:
+    spec = _spec()
+    gm = trace(spec.module, (spec.dataset.tensors[0][:BATCH],))
+    generate(gm, split_plan(gm, "mlp", len(replicas), microbatches=MICRO, replicas=replicas), tmp_path / "b")
+    world, victim = sum(replicas), 1
+    spawn_ranks(_spec_rank, world, tmp_path, str(tmp_path / "b"), str(tmp_path), victim, timeout_s=300,
+                may_die={victim})
+    assert spec.optimizer is not None
+    opt, (x, y), want = spec.optimizer(spec.module.parameters()), spec.dataset.tensors, []
+    for step in range(STEPS):  # a plain loop over the same global batches
+        idx = global_batch(ITEMS, BATCH, SEED, step)
+        opt.zero_grad()
+        loss = spec.loss_fn(spec.module(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    lost = len(replicas) - 1  # the stage that loses a replica: the last
+    for r in (r for r in range(world) if r != victim):
+        report = json.loads(Path(tmp_path, f"rank{r}.json").read_text())
+        assert report["losses"] == pytest.approx(want, **TOL), (r, report["losses"], want)
+        if r >= sum(replicas[:lost]):  # a replica left of that stage loads the lost one's rows from the failed step
+            n = replicas[lost]
+            assert report["rows"] == [BATCH // n] * KILL_AT + [BATCH // (n - 1)] * (STEPS - KILL_AT), (r, report)
+    pids = [int(Path(tmp_path, f"pid{r}").read_text()) for r in range(world)]
     assert all(_gone(pid) for pid in pids), "a rank outlived the run"

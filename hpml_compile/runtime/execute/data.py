@@ -53,7 +53,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from ...errors import CheckpointError, ModelError
+from ...errors import CheckpointError, HpmlError, ModelError
 from ...trainspec import TrainSpec, collate, is_iterable
 
 __all__ = ["epoch_order", "global_batch", "RankBatch", "RankData", "val_batches", "check_json", "DATA_STATE_VERSION"]
@@ -185,6 +185,26 @@ class RankData:
             self._sampler.rows = rows
             self._sampler.batch = self.batch
             self._it = None  # a new iterator from the position: nothing fetched under the old rows is served
+
+    def again(self, step: int) -> RankBatch:
+        """Global batch ``step`` once more, this rank's current rows of it (a step run again after the rows moved:
+        the replicas left after a lost one share its rows); the position afterwards is as before.
+
+        Raises:
+            HpmlError: the dataset is a stream (an ``IterableDataset``), whose items cannot be read again.
+        """
+        if self.stream and self._loader is not None:
+            raise HpmlError("the training data is a stream (an IterableDataset): a batch cannot be read again "
+                            "with other rows, so a step that failed with a lost rank cannot run again in place")
+        after, self.batch = self.batch, step
+        if self._sampler is not None:
+            self._sampler.batch, self._it = step, None
+        try:
+            return self.next()
+        finally:
+            self.batch = after
+            if self._sampler is not None:
+                self._sampler.batch, self._it = after, None
 
     def _next_stream(self) -> Any:
         for _ in range(2):

@@ -522,6 +522,9 @@ class Pipeline:
             if lost is not None:
                 self._restore(snapshot)
                 self._go_on_without(lost, rank_batch is not None)
+                if rank_batch is not None:  # the same batch, this rank's rows of it now
+                    rank_batch = self.trainer.batch_again(rank_batch.step)
+                    inputs, targets = rank_batch.inputs or (), rank_batch.target
 
     def _retry_or_lost(self, attempt: int, reason: str, snapshot: dict[str, Any] | None) -> RanksLost | None:
         """Re-form the group for another attempt of the step; the lost ranks where a live session finds some.
@@ -565,11 +568,15 @@ class Pipeline:
         Raises:
             CommFailure: a lost rank was a stage's only replica, or held state the others lack
                 (:func:`.members.in_place_refusal`), or the failure came after the update, or this rank reads only
-                its own rows of each batch: then only the restart from the last checkpoint can go on.
+                its own rows of batches not a TrainSpec's (which could not be read again with the new rows): then
+                only the restart from the last checkpoint can go on.
         """
         assert self.session is not None and self._mb_rows is not None
-        if lost.step != self.steps_done or own_rows:
-            why = "after the step's update" if lost.step != self.steps_done else "while each rank reads its own rows"
+        stream = own_rows and self.trainer is not None and self.trainer.data.stream
+        if lost.step != self.steps_done or (own_rows and self.trainer is None) or stream:
+            why = ("after the step's update" if lost.step != self.steps_done else
+                   "while the data is a stream, whose batch cannot be read again with other rows" if stream else
+                   "while each rank reads its own rows of a batch given to step(), not a TrainSpec's")
             raise CommFailure(f"{lost} ({why}): restart from the last checkpoint") from lost
         refusal = in_place_refusal(self.plan, lost.lost)
         if refusal is not None:

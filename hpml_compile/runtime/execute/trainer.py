@@ -51,7 +51,7 @@ from torch import Tensor
 
 from ...errors import CheckpointError, HpmlError
 from ...trainspec import TrainSpec, check_item
-from .data import RankData, check_json, val_batches
+from .data import RankBatch, RankData, check_json, val_batches
 from .pipeline import Pipeline
 
 __all__ = ["Trainer", "samples_path", "save_pipeline", "load_pipeline", "evaluate_pipeline"]
@@ -112,6 +112,12 @@ class Trainer:
         next batch on the data loads them; the position stays."""
         self.rows = self.pipe.rows_role()[0]
         self.data.set_rows(self.rows)
+
+    def batch_again(self, step: int) -> RankBatch:
+        """Global batch ``step`` once more with this rank's rows now (a failed step run again after a lost rank's
+        rows came here, :meth:`.pipeline.Pipeline.step`); the position stays. The samples log keeps the batch as
+        first logged: the step trains the same samples, split otherwise."""
+        return self.data.again(step)
 
     def validation_loss(self) -> float:
         """The mean loss over every full batch of ``val_dataset`` in eval mode (the same on every rank)."""
