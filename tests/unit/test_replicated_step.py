@@ -1,0 +1,94 @@
+"""What a replicated step pays beyond compute and transfers: the loss agreement and the wait for the latest replica,
+measured between two ranks by the host's runtime probe and added to the predicted step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpml_compile.assumptions import assumptions
+from hpml_compile.costgraph import build
+from hpml_compile.errors import HpmlError
+from hpml_compile.plan import Plan, Schedule, Stage
+from hpml_compile.profile import load_profile, save_profile
+from hpml_compile.profile.process import replicated_step_figures, runtime_baseline, with_process
+from hpml_compile.simulate import simulate
+from hpml_compile.stagecost import measured_agree_ms, skew_wait_ms
+from hpml_compile.testing import chain_profile, uniform_cluster
+
+
+def _plans(n: int) -> tuple[object, Plan, Plan]:
+    """A two-node CPU profile; the data-parallel plan over ``n`` devices and the two-stage pipeline on two."""
+    prof = chain_profile([{"cpu": (2.0, 4.0)}, {"cpu": (2.0, 4.0)}])
+    names = tuple(x.name for x in prof.nodes)
+    c = uniform_cluster(n)  # links so fast that the link-priced agreement costs nothing
+    dp = Plan("dp", c, Schedule.GPIPE, 1, (Stage(0, tuple(f"d{i}" for i in range(n)), names),))
+    pipe = Plan("pp", uniform_cluster(2), Schedule.GPIPE, 1, (Stage(0, ("d0",), names[:1]), Stage(1, ("d1",), names[1:])))
+    return prof, dp, pipe
+
+
+def test_the_probe_figures_are_the_mean_agreement_and_half_the_ranks_difference_at_the_meeting() -> None:
+    # per step: [agreement ms, wait at the sync's meeting ms, compute ms]
+    a = [[1.0, 0.1, 5.0], [3.0, 2.1, 5.0], [1.0, 0.1, 5.0], [0.8, 1.1, 5.0]]
+    b = [[1.4, 1.1, 5.0], [1.0, 0.1, 5.0], [1.2, 0.5, 5.0], [0.8, 0.1, 5.0]]
+    got = replicated_step_figures([a, b])
+    assert got["agree_ms"] == pytest.approx(1.15)  # the median of the per-step means 1.2, 2.0, 1.1, 0.8
+    assert got["skew_ms"] == pytest.approx(0.5)  # the median of 0.5, 1.0, 0.2, 0.5
+    with pytest.raises(HpmlError, match="two probe ranks"):
+        replicated_step_figures([a])
+
+
+def test_a_measured_agreement_prices_the_loss_all_reduce_of_cpu_ranks() -> None:
+    prof, dp, _ = _plans(2)
+    plain = simulate(dp, build(prof))
+    probed = with_process(prof, {"bytes": 0, "agree_ms": 1.5, "skew_ms": 0.0, "source": "a test"})
+    got = simulate(dp, build(probed))
+    assert plain.agree_ms == pytest.approx(0.0, abs=1e-9) and got.agree_ms == pytest.approx(1.5)  # the free link: 0
+    assert got.step_ms == pytest.approx(plain.step_ms + 1.5)
+    four = simulate(_plans(4)[1], build(probed))
+    assert four.agree_ms == pytest.approx(measured_agree_ms(1.5, 4)) == pytest.approx(3.0)  # two tree rounds
+
+
+def test_a_replicated_stage_waits_for_its_latest_replica_and_a_pipeline_stage_for_none() -> None:
+    prof, dp, pipe = _plans(2)
+    probed = with_process(prof, {"bytes": 0, "agree_ms": 0.0, "skew_ms": 0.7, "source": "a test"})
+    plain, got = simulate(dp, build(prof)), simulate(dp, build(probed))
+    assert got.skew_ms == (pytest.approx(0.7),)
+    assert got.step_ms == pytest.approx(plain.step_ms + 0.7)
+    assert simulate(pipe, build(probed)).step_ms == pytest.approx(simulate(pipe, build(prof)).step_ms)
+    four = simulate(_plans(4)[1], build(probed))
+    assert four.skew_ms[0] == pytest.approx(skew_wait_ms(0.7, 4)) and four.skew_ms[0] > 0.7  # more draws, later max
+
+
+def _named(plan: Plan, prof: object) -> list[str]:
+    """The assumptions of the replicated step's figures (the toy profile also assumes its speeds and overlap)."""
+    return [a.name for a in assumptions(plan, prof) if "replica" in a.name or "agreement" in a.name]
+
+
+def test_the_plan_names_what_it_stretched_from_two_ranks_and_what_it_did_not_price() -> None:
+    prof, dp2, _ = _plans(2)
+    _, dp4, _ = _plans(4)
+    assert _named(dp2, prof) == ["replicas' wait at the gradient sync"]  # no probe figures: not priced
+    probed = with_process(prof, {"bytes": 0, "agree_ms": 1.0, "skew_ms": 0.5, "source": "a test"})
+    assert _named(dp2, probed) == []  # two ranks: what was measured
+    assert _named(dp4, probed) == ["loss agreement over more than two CPU ranks", "wait for the latest of 4 CPU replicas"]
+
+
+def test_a_profile_carries_the_probe_figures_through_its_schema(tmp_path: Path) -> None:
+    prof, dp, _ = _plans(2)
+    probed = with_process(prof, {"bytes": 5, "agree_ms": 1.25, "skew_ms": 0.25, "source": "a test"})
+    again = load_profile(save_profile(probed, tmp_path / "profile.json"))
+    assert again.devices["cpu"]["process"]["agree_ms"] == 1.25 and again.devices["cpu"]["process"]["skew_ms"] == 0.25
+    assert simulate(dp, build(again)).step_ms == pytest.approx(simulate(dp, build(probed)).step_ms)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_the_probe_runs_two_ranks_of_the_runtime_and_measures_their_step() -> None:
+    got = runtime_baseline(timeout_s=300)
+    assert 100 * 2**20 < got["bytes"] < 4096 * 2**20  # torch and the runtime, a model of 10 parameters
+    assert 0.0 < got["agree_ms"] < 1000.0 and 0.0 <= got["skew_ms"] < 1000.0 and 0.0 < got["step_ms"] < 1000.0
+    assert "two fresh interpreters" in got["source"]
+    assert with_process(chain_profile([{"cpu": (1.0, 1.0)}]), got).devices["cpu"]["process"]["agree_ms"] \
+        == got["agree_ms"]
