@@ -114,8 +114,9 @@ class CostGraph:
         agreements: per measured CPU kind, the milliseconds two of its ranks on one host take to agree on a step's
             loss as the runtime does it (the profile's ``devices[kind]["process"]["agree_ms"]``; empty: not
             measured, and the loss agreement is priced on the link).
-        skews: per measured CPU kind, how many milliseconds apart two of its ranks that did the same work reach
-            the gradient sync (``devices[kind]["process"]["skew_ms"]``; empty: not measured): a replicated stage
+        skews: per measured CPU kind, ``(ms, per ms of compute)``: how far apart two of its ranks that did the same
+            work reach the gradient sync, a fixed part and a part per millisecond of their compute
+            (``devices[kind]["process"]["skew_ms"]``, ``["skew_per_ms"]``; empty: not measured): a replicated stage
             waits that long for its later replica each step.
         tensor_parallel: the units a tensor-parallel stage shards (:func:`hpml_compile.tp.analyze`); each
             node's ``shard`` attribute sums what of its members a degree divides.
@@ -137,7 +138,7 @@ class CostGraph:
     bookkeeping: Mapping[str, float] = field(default_factory=dict)
     stage_only: frozenset[str] = frozenset()
     agreements: Mapping[str, float] = field(default_factory=dict)
-    skews: Mapping[str, float] = field(default_factory=dict)
+    skews: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -218,10 +219,11 @@ class CostGraph:
         """The measured loss agreement of two ranks of ``kind`` on one host, ms (None: not measured)."""
         return self.agreements.get(kind, self.agreements.get(base_kind(kind)))
 
-    def skew_ms(self, kind: str) -> float:
-        """How far apart two ranks of ``kind`` that did the same work reach the gradient sync, ms (0.0: not
-        measured)."""
-        return self.skews.get(kind, self.skews.get(base_kind(kind), 0.0))
+    def skew_ms(self, kind: str, compute_ms: float) -> float:
+        """How far apart two ranks of ``kind`` that each computed ``compute_ms`` reach the gradient sync, ms (0.0:
+        not measured)."""
+        fixed, per_ms = self.skews.get(kind, self.skews.get(base_kind(kind), (0.0, 0.0)))
+        return fixed + per_ms * compute_ms
 
     def host_cores(self, kind: str) -> int | None:
         """Logical CPUs of the host ``kind`` was profiled on (its base kind for a variant); None: not recorded."""
@@ -476,9 +478,10 @@ def build(profile: Profile) -> CostGraph:
                  if isinstance(d.get("process"), dict) and isinstance(d["process"].get("bytes"), int)}
     bookkeeping = {k: float(d["process"]["step_ms"]) for k, d in profile.devices.items()
                    if isinstance(d.get("process"), dict) and isinstance(d["process"].get("step_ms"), (int, float))}
-    agreements, skews = ({k: float(d["process"][f]) for k, d in profile.devices.items()
-                          if isinstance(d.get("process"), dict) and isinstance(d["process"].get(f), (int, float))}
-                         for f in ("agree_ms", "skew_ms"))
+    probes = {k: d["process"] for k, d in profile.devices.items() if isinstance(d.get("process"), dict)}
+    agreements = {k: float(x["agree_ms"]) for k, x in probes.items() if isinstance(x.get("agree_ms"), (int, float))}
+    skews = {k: (float(x["skew_ms"]), float(x.get("skew_per_ms", 0.0))) for k, x in probes.items()
+             if isinstance(x.get("skew_ms"), (int, float))}
     stage_only = frozenset(k for k, d in profile.devices.items()
                            if isinstance(d.get("process"), dict) and d["process"].get("stage_only"))
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,

@@ -69,7 +69,8 @@ solvers' candidate table prices candidates with. Approximations, stated once:
 - A replicated stage's replicas reach their gradient sync at different times
   although they do the same work, and the sync starts when the latest one
   arrives: on CPU ranks, the skew the host's runtime probe measured between
-  two ranks (:mod:`hpml_compile.profile.process`), grown for more replicas as
+  two ranks (:mod:`hpml_compile.profile.process`: a fixed part and a part per
+  millisecond of the stage's compute in the step), grown for more replicas as
   the expected maximum of normal draws (:func:`hpml_compile.stagecost.skew_wait_ms`).
 - CPU ranks of one host share its memory bandwidth (GPUs have their own).
   Every phase has a memory-streaming part: a microbatch's forward reads the
@@ -695,7 +696,7 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
     busy = _busy(done, s_count)
     # after its last backward each stage syncs; the copies stretch with what the other stages of the host do
     # meanwhile (their compute and their own sync); a replicated stage first waits for its latest replica
-    skew = [replica_skew_ms(plan, graph, st) for st in plan.stages]
+    skew = [replica_skew_ms(plan, graph, st, m * cst.compute_ms) for st, cst in zip(plan.stages, costs)]
     tails = [[(lasts[j] + skew[j], lasts[j] + skew[j] + costs[j].sync_ms)] for j in range(s_count)]
     load = share.load([b + t for b, t in zip(busy, tails)]) if share.active else {}
     sync = [skew[i] + cst.sync_ms + cst.sync_copy_ms * (share.factor(i, *tails[i][0], load) - 1.0)
@@ -812,14 +813,15 @@ def loss_agreement_ms(cluster: Cluster, devices: Sequence[str], graph: CostGraph
     return max(agree_ms(len(devices), sp) for sp in links)
 
 
-def replica_skew_ms(plan: Plan, graph: CostGraph, st: Stage) -> float:
-    """What stage ``st`` waits each step for its latest replica before its gradient sync
-    (:func:`hpml_compile.stagecost.skew_wait_ms`): where its devices are CPUs of kinds whose skew the profile
-    measured (:meth:`hpml_compile.costgraph.CostGraph.skew_ms`); 0.0 for one replica or where not measured."""
+def replica_skew_ms(plan: Plan, graph: CostGraph, st: Stage, compute_ms: float) -> float:
+    """What stage ``st``, computing ``compute_ms`` a step on each replica, waits each step for its latest replica
+    before its gradient sync (:func:`hpml_compile.stagecost.skew_wait_ms`): where its devices are CPUs of kinds
+    whose skew the profile measured (:meth:`hpml_compile.costgraph.CostGraph.skew_ms`); 0.0 for one replica or
+    where not measured."""
     devs = [plan.cluster.device(d) for d in st.devices]
     if st.replicas <= 1 or not all(d.is_cpu for d in devs):
         return 0.0
-    return skew_wait_ms(max(graph.skew_ms(d.kind) for d in devs), st.replicas)
+    return skew_wait_ms(max(graph.skew_ms(d.kind, compute_ms) for d in devs), st.replicas)
 
 
 def _stage_bars(dev: str, i: int, cst: StageCost, done: dict[tuple[bool, int, int], tuple[float, float]],

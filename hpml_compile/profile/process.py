@@ -55,10 +55,10 @@ __all__ = ["runtime_baseline", "this_host", "with_process", "host_key", "cache_p
 # group and steps of a tiny model through the runtime: the runtime up, no model to speak of. Alone (no
 # HPML_PROBE_WORLD), one rank; with HPML_PROBE_WORLD=2 and HPML_PROBE_RANK, one of two ranks of a data-parallel stage
 # (rendezvous in HPML_PROBE_DIR), whose steps also time what a replicated step pays beyond its compute. Each forward
-# runs a few milliseconds of matrix products on a buffer (no parameters: the memory figure stays the runtime's), so
-# that the ranks meet at the gradient sync as ranks that computed do. The last line: peak RSS and the median of
-# Pipeline.step's wall clock beyond the executor's span (ms); the line before it: per step, the loss agreement, the
-# wait at the sync's meeting and the compute (ms).
+# runs matrix products on a buffer (no parameters: the memory figure stays the runtime's), about 1 ms of them and
+# then about 10 ms, so that the ranks meet at the gradient sync as ranks that computed do. The last line: peak RSS
+# and the median of Pipeline.step's wall clock beyond the executor's span (ms); the line before it: per step, the
+# loss agreement, the wait at the sync's meeting and the compute (ms).
 BASELINE_CODE = """
 import json, os, statistics, sys, tempfile
 import torch
@@ -80,40 +80,45 @@ tmp = os.environ.get("HPML_PROBE_DIR") or tempfile.mkdtemp(prefix="hpml-baseline
 dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "rendezvous"), rank=rank, world_size=world)
 
 class Probe(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, products):
         super().__init__()
         self.lin = torch.nn.Linear(4, 2)
+        self.products = products
         self.register_buffer("burst", torch.eye(256) * 0.5, persistent=False)
 
     def forward(self, x):
         a = self.burst * (1.0 + 0.0 * x.sum())  # depends on the input: traced, not folded to a constant
-        for _ in range(BURST):
+        for _ in range(self.products):
             a = a @ self.burst
         return self.lin(x) + a[0, :2] * 0.0
 
-torch.manual_seed(0)  # the same batch on every rank
-model, x, y = Probe(), torch.randn(2 * world, 4), torch.randn(2 * world, 2)
-gm = trace(model, (x,))
-body = tuple(n.name for n in gm.graph.nodes)
 devices = tuple(f"cpu{i}" for i in range(world))
-plan = Plan("baseline", load_cluster(f"local-cpu-{world}"), Schedule.GPIPE, 1, (Stage(0, devices, body),))
-generate(gm, plan, os.path.join(tmp, f"build{rank}"))
-pipe = Pipeline.from_build(os.path.join(tmp, f"build{rank}"), model, run_dir=os.path.join(tmp, f"run{rank}"),
-                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-for _ in range(STEPS):
-    pipe.step((x,), y, torch.nn.functional.mse_loss)
-rows = pipe.metrics[5:]
-extra = statistics.median(m.wall_ms - m.step_ms for m in rows)
-# the loss agreement: the executor's span less the compute, the gradient sync (its meeting included) and the optimizer
-steps = [[m.step_ms - m.pipeline_ms - m.allreduce_ms - m.sync_wait_ms - m.optimizer_ms, m.sync_wait_ms,
-          m.fwd_ms + m.bwd_ms] for m in rows]
-pipe.close()
+steps, extras = [], []
+for products in (SHORT, LONG):  # two lengths of compute, so that what the sync waits can be told per ms of it
+    torch.manual_seed(0)  # the same batch on every rank
+    model, x, y = Probe(products), torch.randn(2 * world, 4), torch.randn(2 * world, 2)
+    gm = trace(model, (x,))
+    plan = Plan("baseline", load_cluster(f"local-cpu-{world}"), Schedule.GPIPE, 1,
+                (Stage(0, devices, tuple(n.name for n in gm.graph.nodes)),))
+    build = os.path.join(tmp, f"build{rank}-{products}")
+    generate(gm, plan, build)
+    pipe = Pipeline.from_build(build, model, run_dir=os.path.join(tmp, f"run{rank}-{products}"),
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    for _ in range(STEPS):
+        pipe.step((x,), y, torch.nn.functional.mse_loss)
+    rows = pipe.metrics[5:]
+    extras += [m.wall_ms - m.step_ms for m in rows]
+    # the loss agreement (the executor's span less the compute, the gradient sync with its meeting and the
+    # optimizer), the wait at the sync's meeting, the compute
+    steps += [[m.step_ms - m.pipeline_ms - m.allreduce_ms - m.sync_wait_ms - m.optimizer_ms, m.sync_wait_ms,
+               m.fwd_ms + m.bwd_ms] for m in rows]
+    pipe.close()
 dist.destroy_process_group()
 print("steps", json.dumps(steps))
 for line in open("/proc/self/status"):
     if line.startswith("VmHWM:"):
-        print(int(line.split()[1]) * 1024, round(extra, 4))
-""".replace("STEPS", "60").replace("BURST", "8")
+        print(int(line.split()[1]) * 1024, round(statistics.median(extras), 4))
+""".replace("STEPS", "40").replace("SHORT", "4").replace("LONG", "32")
 
 
 
@@ -175,8 +180,8 @@ def runtime_baseline(*, timeout_s: float = 120.0) -> dict[str, Any]:
 
     Returns:
         The profile's ``devices["cpu"]["process"]``: ``bytes`` (the larger rank's peak RSS), ``step_ms`` (the
-        larger rank's median of ``Pipeline.step``'s wall clock beyond the executor's span), ``agree_ms`` and
-        ``skew_ms`` (:func:`replicated_step_figures`), ``source``.
+        larger rank's median of ``Pipeline.step``'s wall clock beyond the executor's span), ``agree_ms``,
+        ``skew_ms`` and ``skew_per_ms`` (:func:`replicated_step_figures`), ``source``.
 
     Raises:
         HpmlError: an interpreter failed or printed no figure (not Linux: no ``/proc/self/status``).
@@ -206,7 +211,7 @@ def runtime_baseline(*, timeout_s: float = 120.0) -> dict[str, Any]:
     day = datetime.date.today().isoformat()
     return {"bytes": max(b for b, _, _ in ranks), "step_ms": max(x for _, x, _ in ranks), **figures,
             "source": f"measured {day}: two fresh interpreters with torch and the runtime up, the ranks of a "
-                      "data-parallel stage of a tiny model (a few ms of compute a step): peak RSS, Pipeline.step's "
+                      "data-parallel stage of a tiny model (about 1 ms, then 10 ms of compute a step): peak RSS, Pipeline.step's "
                       "wall clock beyond the executor's span, the loss agreement and the ranks' skew at the sync"}
 
 
@@ -228,32 +233,34 @@ def _parse_baseline(code: int, out: str, err: str) -> tuple[int, float, list[lis
 def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
     """What a replicated step pays beyond compute and transfers, from two probe ranks' steps.
 
-    Each rank's row of a step is ``[loss agreement ms, wait at the sync's meeting ms, compute ms]``.
+    Each rank's row of a step is ``[loss agreement ms, wait at the sync's meeting ms, compute ms]``; the rows of
+    both ranks are step by step, the shorter compute's steps first (:data:`BASELINE_CODE` runs about 1 ms of
+    compute a step, then about 10).
 
     - ``agree_ms``: the loss agreement as the runtime runs it (a gloo all-reduce of four float64s, handed to gloo's
       thread after the step's work): the median over steps of the two ranks' mean. The alpha-beta link, fitted at
-      64 KiB and up, says less: on the 2-core development VM 0.48 ms priced against about 1 ms in the demo's steps.
-    - ``skew_ms``: the ranks leave their compute at different times (a time slice lost to another thread or
-      process, a wake-up), and the step waits for the later: per step, half the difference of the two ranks'
-      waits at the sync's meeting (the later rank came that much later; the step pays the maximum of the two
-      ranks' compute, which is their mean plus half the difference), the median over steps. Milliseconds, not a
-      share of the compute: the ranks of the probe do identical work, so what they differ by is the host's
-      scheduling, not the model.
+      64 KiB and up, says less: on the 2-core development VM it priced 0.48 ms where the demo's steps took about 1.
+    - ``skew_ms`` and ``skew_per_ms``: the ranks leave their compute at different times (a time slice taken by
+      another thread or process, a wake-up), and the step waits for the later: per step, half the difference of
+      the two ranks' waits at the sync's meeting (the later rank came that much later; the step pays the maximum
+      of the two ranks' compute, which is their mean plus half the difference). A time slice lost is likelier the
+      longer a rank computes, so the skew is fitted as ``skew_ms + skew_per_ms * compute``: the line through the
+      medians of the two halves of the steps (the short compute's and the long one's), neither part below 0.
 
     Args:
         ranks: two lists of rows, one per rank, step by step.
 
     Returns:
-        ``{"agree_ms": ..., "skew_ms": ...}``.
+        ``{"agree_ms": ..., "skew_ms": ..., "skew_per_ms": ...}``.
 
     Raises:
         HpmlError: fewer than two ranks or no step.
 
     Example:
-        >>> a = [[1.0, 0.2, 5.0], [1.2, 0.6, 5.0], [0.8, 0.2, 5.0]]
-        >>> b = [[1.0, 0.4, 5.0], [1.0, 0.2, 5.0], [1.0, 0.4, 5.0]]
+        >>> a = [[1.0, 0.2, 1.0], [1.2, 0.6, 1.0], [0.8, 0.2, 11.0], [1.0, 1.2, 11.0]]
+        >>> b = [[1.0, 0.4, 1.0], [1.0, 0.4, 1.0], [1.0, 0.6, 11.0], [1.0, 0.2, 11.0]]
         >>> replicated_step_figures([a, b])
-        {'agree_ms': 1.0, 'skew_ms': 0.1}
+        {'agree_ms': 1.0, 'skew_ms': 0.075, 'skew_per_ms': 0.025}
     """
     import statistics
 
@@ -261,8 +268,13 @@ def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
         raise HpmlError("the step figures need the rows of two probe ranks, each with one step at least")
     pairs = list(zip(ranks[0], ranks[1]))
     agree = statistics.median((a[0] + b[0]) / 2 for a, b in pairs)
-    late = statistics.median(abs(a[1] - b[1]) / 2 for a, b in pairs)
-    return {"agree_ms": round(max(0.0, agree), 4), "skew_ms": round(late, 4)}
+    late = [(abs(a[1] - b[1]) / 2, (a[2] + b[2]) / 2) for a, b in pairs]
+    half = max(1, len(late) // 2)
+    (w0, c0), (w1, c1) = ((statistics.median(w for w, _ in part), statistics.median(c for _, c in part))
+                          for part in (late[:half], late[half:] or late[:half]))
+    slope = max(0.0, (w1 - w0) / (c1 - c0)) if c1 > c0 else 0.0
+    return {"agree_ms": round(max(0.0, agree), 4), "skew_ms": round(max(0.0, w0 - slope * c0), 4),
+            "skew_per_ms": round(slope, 4)}
 
 
 def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refresh: bool = False
@@ -308,7 +320,7 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
     hit = None if refresh else cached(key, "runtime_baseline")
     try:
         # an entry of an older probe, without the replicated step's figures, is measured again where allowed
-        if hit is not None and isinstance(hit.get("bytes"), int) and ("agree_ms" in hit or not measure):
+        if hit is not None and isinstance(hit.get("bytes"), int) and ("skew_per_ms" in hit or not measure):
             out["process"] = {**hit, "source": f"{hit.get('source', 'measured')}; cached in {where}"}
         elif measure:
             out["process"] = runtime_baseline()
@@ -321,7 +333,8 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
         agree, skew = out["process"].get("agree_ms"), out["process"].get("skew_ms")
         log(f"  a CPU rank holds {out['process']['bytes'] / 2**20:.0f} MiB before its model"
             + (f" and spends {extra:.2f} ms a step on the runtime's bookkeeping" if extra is not None else "")
-            + (f"; two ranks agree on the loss in {agree:.2f} ms and reach the gradient sync {skew:.2f} ms apart"
+            + (f"; two ranks agree on the loss in {agree:.2f} ms and reach the gradient sync {skew:.2f} ms "
+               f"+ {out['process'].get('skew_per_ms', 0.0):.1%} of their compute apart"
                if agree is not None and skew is not None else "")
             + f" ({out['process']['source']})")
     return out
@@ -343,6 +356,7 @@ def with_process(prof: Profile, process: Mapping[str, Any]) -> Profile:
     devices = {k: dict(v) for k, v in prof.devices.items()}
     devices.setdefault("cpu", {})["process"] = {
         "bytes": int(process["bytes"]), "source": str(process.get("source", "")),
-        **{k: float(process[k]) for k in ("step_ms", "agree_ms", "skew_ms") if isinstance(process.get(k), (int, float))},
+        **{k: float(process[k]) for k in ("step_ms", "agree_ms", "skew_ms", "skew_per_ms")
+           if isinstance(process.get(k), (int, float))},
         **({"stage_only": True} if process.get("stage_only") else {})}
     return replace(prof, devices=devices)

@@ -29,12 +29,15 @@ def _plans(n: int) -> tuple[object, Plan, Plan]:
 
 
 def test_the_probe_figures_are_the_mean_agreement_and_half_the_ranks_difference_at_the_meeting() -> None:
-    # per step: [agreement ms, wait at the sync's meeting ms, compute ms]
-    a = [[1.0, 0.1, 5.0], [3.0, 2.1, 5.0], [1.0, 0.1, 5.0], [0.8, 1.1, 5.0]]
-    b = [[1.4, 1.1, 5.0], [1.0, 0.1, 5.0], [1.2, 0.5, 5.0], [0.8, 0.1, 5.0]]
+    # per step: [agreement ms, wait at the sync's meeting ms, compute ms]; the short compute's steps first
+    a = [[1.0, 0.1, 1.0], [3.0, 2.1, 1.0], [1.0, 0.1, 11.0], [0.8, 2.1, 11.0]]
+    b = [[1.4, 1.1, 1.0], [1.0, 0.1, 1.0], [1.2, 1.7, 11.0], [0.8, 0.1, 11.0]]
     got = replicated_step_figures([a, b])
     assert got["agree_ms"] == pytest.approx(1.15)  # the median of the per-step means 1.2, 2.0, 1.1, 0.8
-    assert got["skew_ms"] == pytest.approx(0.5)  # the median of 0.5, 1.0, 0.2, 0.5
+    # half the differences: 0.5 and 1.0 at 1 ms of compute (median 0.75), 0.8 and 1.0 at 11 ms (median 0.9)
+    assert got["skew_per_ms"] == pytest.approx(0.015) and got["skew_ms"] == pytest.approx(0.735)
+    flat = replicated_step_figures([[[1.0, 1.0, 1.0], [1.0, 0.0, 11.0]], [[1.0, 0.0, 1.0], [1.0, 0.4, 11.0]]])
+    assert flat["skew_per_ms"] == 0.0 and flat["skew_ms"] == pytest.approx(0.5)  # less with more compute: no slope
     with pytest.raises(HpmlError, match="two probe ranks"):
         replicated_step_figures([a])
 
@@ -52,13 +55,14 @@ def test_a_measured_agreement_prices_the_loss_all_reduce_of_cpu_ranks() -> None:
 
 def test_a_replicated_stage_waits_for_its_latest_replica_and_a_pipeline_stage_for_none() -> None:
     prof, dp, pipe = _plans(2)
-    probed = with_process(prof, {"bytes": 0, "agree_ms": 0.0, "skew_ms": 0.7, "source": "a test"})
+    probed = with_process(prof, {"bytes": 0, "agree_ms": 0.0, "skew_ms": 0.7, "skew_per_ms": 0.1, "source": "a test"})
     plain, got = simulate(dp, build(prof)), simulate(dp, build(probed))
-    assert got.skew_ms == (pytest.approx(0.7),)
-    assert got.step_ms == pytest.approx(plain.step_ms + 0.7)
+    compute = 6.0  # a replica's forward and backward: half the rows of (2 + 4) ms x 2 nodes
+    assert got.skew_ms == (pytest.approx(0.7 + 0.1 * compute),)
+    assert got.step_ms == pytest.approx(plain.step_ms + 0.7 + 0.1 * compute)
     assert simulate(pipe, build(probed)).step_ms == pytest.approx(simulate(pipe, build(prof)).step_ms)
-    four = simulate(_plans(4)[1], build(probed))
-    assert four.skew_ms[0] == pytest.approx(skew_wait_ms(0.7, 4)) and four.skew_ms[0] > 0.7  # more draws, later max
+    four = simulate(_plans(4)[1], build(probed))  # a quarter of the rows each: 3 ms of compute
+    assert four.skew_ms[0] == pytest.approx(skew_wait_ms(0.7 + 0.1 * 3.0, 4)) and four.skew_ms[0] > 1.0
 
 
 def _named(plan: Plan, prof: object) -> list[str]:
@@ -89,6 +93,7 @@ def test_the_probe_runs_two_ranks_of_the_runtime_and_measures_their_step() -> No
     got = runtime_baseline(timeout_s=300)
     assert 100 * 2**20 < got["bytes"] < 4096 * 2**20  # torch and the runtime, a model of 10 parameters
     assert 0.0 < got["agree_ms"] < 1000.0 and 0.0 <= got["skew_ms"] < 1000.0 and 0.0 < got["step_ms"] < 1000.0
+    assert 0.0 <= got["skew_per_ms"] < 10.0
     assert "two fresh interpreters" in got["source"]
     assert with_process(chain_profile([{"cpu": (1.0, 1.0)}]), got).devices["cpu"]["process"]["agree_ms"] \
         == got["agree_ms"]
