@@ -323,8 +323,10 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
         out["link"] = link
     hit = None if refresh else cached(key, "runtime_baseline")
     try:
-        # an entry of an older probe, without the replicated step's figures, is measured again where allowed
-        if hit is not None and isinstance(hit.get("bytes"), int) and ("skew_per_ms" in hit or not measure):
+        # an entry of the one-rank probe (its bookkeeping, not the replicated step's figures) is measured again
+        # where allowed; an entry written by hand (no bookkeeping either) is taken as it is
+        stale = hit is not None and "step_ms" in hit and "skew_per_ms" not in hit
+        if hit is not None and isinstance(hit.get("bytes"), int) and not (stale and measure):
             out["process"] = {**hit, "source": f"{hit.get('source', 'measured')}; cached in {where}"}
         elif measure:
             out["process"] = runtime_baseline()

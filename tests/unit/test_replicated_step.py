@@ -12,7 +12,7 @@ from hpml_compile.costgraph import build
 from hpml_compile.errors import HpmlError
 from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.profile import load_profile, save_profile
-from hpml_compile.profile.process import replicated_step_figures, runtime_baseline, with_process
+from hpml_compile.profile.process import replicated_step_figures, with_process
 from hpml_compile.simulate import simulate
 from hpml_compile.stagecost import measured_agree_ms, skew_wait_ms
 from hpml_compile.testing import chain_profile, uniform_cluster
@@ -90,11 +90,33 @@ def test_a_profile_carries_the_probe_figures_through_its_schema(tmp_path: Path) 
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_the_probe_runs_two_ranks_of_the_runtime_and_measures_their_step() -> None:
-    got = runtime_baseline(timeout_s=300)
+def test_the_probe_runs_two_ranks_of_the_runtime_where_the_cache_has_the_one_rank_probes_figures(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpml_compile.profile.process import host_key, remember, this_host
+    from hpml_compile.profile.timing import host_facts
+
+    monkeypatch.setenv("HPML_HOST_CACHE", str(tmp_path / "host.json"))
+    key = host_key(host_facts())
+    remember(key, "link", {"gbps": 3.0, "latency_us": 60.0, "shared": True, "source": "a test"})
+    remember(key, "runtime_baseline", {"bytes": 123, "step_ms": 0.5, "source": "the one-rank probe"})
+    got = this_host(log=lambda _l: None)["process"]  # measured again: two fresh ranks
     assert 100 * 2**20 < got["bytes"] < 4096 * 2**20  # torch and the runtime, a model of 10 parameters
     assert 0.0 < got["agree_ms"] < 1000.0 and 0.0 <= got["skew_ms"] < 1000.0 and 0.0 < got["step_ms"] < 1000.0
     assert 0.0 <= got["skew_per_ms"] < 10.0
     assert "two fresh interpreters" in got["source"]
     assert with_process(chain_profile([{"cpu": (1.0, 1.0)}]), got).devices["cpu"]["process"]["agree_ms"] \
         == got["agree_ms"]
+
+
+def test_a_hand_written_cache_entry_is_taken_as_it_is_and_the_one_rank_probes_is_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpml_compile.profile.process import host_key, remember, this_host
+    from hpml_compile.profile.timing import host_facts
+
+    monkeypatch.setenv("HPML_HOST_CACHE", str(tmp_path / "host.json"))
+    key = host_key(host_facts())
+    remember(key, "link", {"gbps": 3.0, "latency_us": 60.0, "shared": True, "source": "a test"})
+    remember(key, "runtime_baseline", {"bytes": 123, "source": "a test"})  # no figures of any probe: as it is
+    assert this_host(log=lambda _l: None)["process"]["bytes"] == 123  # measured nothing (a probe reads ~300 MiB)
+    remember(key, "runtime_baseline", {"bytes": 123, "step_ms": 0.5, "source": "the one-rank probe"})
+    assert this_host(log=lambda _l: None, measure=False)["process"]["bytes"] == 123  # the API measures nothing
