@@ -126,8 +126,8 @@ from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere,
 from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_overlap, zero_shards
 from .schedule import compute_orders, op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
-                        local_sgd_sync_ms, measured_agree_ms, optimizer_ms, skew_wait_ms, stepped_gather_ms, steps_flat, stream_bytes_per_ms, stream_ms,
-                        sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms)
+                        local_sgd_sync_ms, measured_agree_ms, optimizer_ms, skew_wait_ms, stepped_gather_ms,
+                        steps_flat, stream_bytes_per_ms, stream_ms, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "step_ms", "stage_costs", "annotate", "crowded_devices",
            "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms", "replica_skew_ms"]

@@ -215,8 +215,9 @@ def runtime_baseline(*, timeout_s: float = 120.0) -> dict[str, Any]:
     day = datetime.date.today().isoformat()
     return {"bytes": max(b for b, _, _ in ranks), "step_ms": max(x for _, x, _ in ranks), **figures,
             "source": f"measured {day}: two fresh interpreters with torch and the runtime up, the ranks of a "
-                      "data-parallel stage of a tiny model (about 1 ms, then 10 ms of compute a step): peak RSS, Pipeline.step's "
-                      "wall clock beyond the executor's span, the loss agreement and the ranks' skew at the sync"}
+                      "data-parallel stage of a tiny model (about 1 ms, then 10 ms of compute a step): peak RSS, "
+                      "Pipeline.step's wall clock beyond the executor's span, the loss agreement and the ranks' skew "
+                      "at the sync"}
 
 
 def _parse_baseline(code: int, out: str, err: str) -> tuple[int, float, list[list[float]]]:

@@ -24,7 +24,8 @@ def _plans(n: int) -> tuple[object, Plan, Plan]:
     names = tuple(x.name for x in prof.nodes)
     c = uniform_cluster(n)  # links so fast that the link-priced agreement costs nothing
     dp = Plan("dp", c, Schedule.GPIPE, 1, (Stage(0, tuple(f"d{i}" for i in range(n)), names),))
-    pipe = Plan("pp", uniform_cluster(2), Schedule.GPIPE, 1, (Stage(0, ("d0",), names[:1]), Stage(1, ("d1",), names[1:])))
+    pipe = Plan("pp", uniform_cluster(2), Schedule.GPIPE, 1,
+                (Stage(0, ("d0",), names[:1]), Stage(1, ("d1",), names[1:])))
     return prof, dp, pipe
 
 
@@ -76,12 +77,14 @@ def test_the_plan_names_what_it_stretched_from_two_ranks_and_what_it_did_not_pri
     assert _named(dp2, prof) == ["replicas' wait at the gradient sync"]  # no probe figures: not priced
     probed = with_process(prof, {"bytes": 0, "agree_ms": 1.0, "skew_ms": 0.5, "source": "a test"})
     assert _named(dp2, probed) == []  # two ranks: what was measured
-    assert _named(dp4, probed) == ["loss agreement over more than two CPU ranks", "wait for the latest of 4 CPU replicas"]
+    assert _named(dp4, probed) == ["loss agreement over more than two CPU ranks",
+                                   "wait for the latest of 4 CPU replicas"]
 
 
 def test_a_profile_carries_the_probe_figures_through_its_schema(tmp_path: Path) -> None:
     prof, dp, _ = _plans(2)
-    probed = with_process(prof, {"bytes": 5, "agree_ms": 1.25, "skew_ms": 0.25, "skew_per_ms": 0.02, "source": "a test"})
+    probed = with_process(prof, {"bytes": 5, "agree_ms": 1.25, "skew_ms": 0.25, "skew_per_ms": 0.02,
+                                 "source": "a test"})
     again = load_profile(save_profile(probed, tmp_path / "profile.json"))
     assert {k: again.devices["cpu"]["process"][k] for k in ("agree_ms", "skew_ms", "skew_per_ms")} \
         == {"agree_ms": 1.25, "skew_ms": 0.25, "skew_per_ms": 0.02}
@@ -120,3 +123,16 @@ def test_a_hand_written_cache_entry_is_taken_as_it_is_and_the_one_rank_probes_is
     assert this_host(log=lambda _l: None)["process"]["bytes"] == 123  # measured nothing (a probe reads ~300 MiB)
     remember(key, "runtime_baseline", {"bytes": 123, "step_ms": 0.5, "source": "the one-rank probe"})
     assert this_host(log=lambda _l: None, measure=False)["process"]["bytes"] == 123  # the API measures nothing
+
+
+def test_explain_says_what_was_measured_between_two_ranks() -> None:
+    from hpml_compile.explain import summary
+
+    prof, dp, _ = _plans(2)
+    probed = with_process(prof, {"bytes": 0, "agree_ms": 1.5, "skew_ms": 0.7, "source": "a test"})
+    g = build(probed)
+    text = summary(dp, g, simulate(dp, g))
+    assert "loss agreement: one 32-byte all-reduce over the 2 ranks before the optimizer steps, 1.5 ms (as two " \
+           "ranks of this host measured it)" in text
+    assert "stage 0 waits 0.7 ms a step for its latest replica" in text
+    assert "latest replica" not in summary(dp, build(prof), simulate(dp, build(prof)))  # not measured: not said
