@@ -191,26 +191,31 @@ def runtime_baseline(*, timeout_s: float = 120.0) -> dict[str, Any]:
         HpmlError: an interpreter failed or printed no figure (not Linux: no ``/proc/self/status``).
     """
     import tempfile
+    import time
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "HPML_PROBE_WORLD": "2"}
     with tempfile.TemporaryDirectory(prefix="hpml-baseline-") as tmp:
-        procs = [subprocess.Popen([sys.executable, "-c", BASELINE_CODE], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True,
-                                  env={**env, "HPML_PROBE_RANK": str(r), "HPML_PROBE_DIR": tmp}) for r in (0, 1)]
-        outs: list[tuple[int, str, str]] = []
-        try:
-            for proc in procs:
-                out, err = proc.communicate(timeout=timeout_s)
-                outs.append((proc.returncode, out, err))
-        except subprocess.TimeoutExpired as e:
-            raise HpmlError(f"measuring a CPU rank's baseline took over {timeout_s:.0f} s: the memory model and the "
-                            "step leave it out") from e
+        logs = [(Path(tmp, f"out{r}"), Path(tmp, f"err{r}")) for r in (0, 1)]
+        procs = []
+        for r, (out, err) in enumerate(logs):
+            with out.open("w") as o, err.open("w") as e:  # files, not pipes: nothing blocks on a full pipe
+                procs.append(subprocess.Popen([sys.executable, "-c", BASELINE_CODE], stdout=o, stderr=e, text=True,
+                                              env={**env, "HPML_PROBE_RANK": str(r), "HPML_PROBE_DIR": tmp}))
+        deadline = time.monotonic() + timeout_s
+        try:  # until both end, one fails (its peer would wait for it until the time-out) or time runs out
+            while any(x.poll() is None for x in procs) and not any(x.poll() for x in procs):
+                if time.monotonic() > deadline:
+                    raise HpmlError(f"measuring a CPU rank's baseline took over {timeout_s:.0f} s: the memory model "
+                                    "and the step leave it out")
+                time.sleep(0.05)
         finally:
-            for proc in procs:  # a rank whose peer failed waits in a collective: never left behind
+            for proc in procs:  # never left behind
                 if proc.poll() is None:
                     proc.kill()
-                    proc.wait()
-    ranks = [_parse_baseline(code, out, err) for code, out, err in outs]
+                proc.wait()
+        outs = [(x.returncode, out.read_text(), err.read_text()) for x, (out, err) in zip(procs, logs)]
+    # a rank that failed first: its error, not its killed peer's, names the cause
+    ranks = [_parse_baseline(code, out, err) for code, out, err in sorted(outs, key=lambda o: o[0] <= 0)]
     figures = replicated_step_figures([steps for _, _, steps in ranks])
     day = datetime.date.today().isoformat()
     return {"bytes": max(b for b, _, _ in ranks), "step_ms": max(x for _, x, _ in ranks), **figures,

@@ -136,3 +136,17 @@ def test_explain_says_what_was_measured_between_two_ranks() -> None:
            "ranks of this host measured it)" in text
     assert "stage 0 waits 0.7 ms a step for its latest replica" in text
     assert "latest replica" not in summary(dp, build(prof), simulate(dp, build(prof)))  # not measured: not said
+
+
+@pytest.mark.dist
+def test_a_probe_rank_that_fails_names_its_error_and_leaves_no_peer_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    import time
+
+    process = importlib.import_module("hpml_compile.profile.process")
+    broken = process.BASELINE_CODE.replace("world = int(", 'os.environ["HPML_PROBE_RANK"] == "1" and 1 / 0\nworld = int(')
+    monkeypatch.setattr(process, "BASELINE_CODE", broken)
+    t0 = time.monotonic()
+    with pytest.raises(HpmlError, match="ZeroDivisionError"):  # rank 1's error, not rank 0's time-out
+        process.runtime_baseline(timeout_s=120)
+    assert time.monotonic() - t0 < 60  # rank 0, waiting for its peer at the rendezvous, was stopped
