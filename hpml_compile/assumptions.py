@@ -15,7 +15,12 @@ and plan.json carries them (``assumptions``):
 - the share of a replicated stage's last backward that hides its gradient
   all-reduce (``GPU_OVERLAP``, ``CPU_OVERLAP``);
 - the optimizer step's memory passes when no kind measured it (the AdamW
-  prior of a ``--meta`` profile).
+  prior of a ``--meta`` profile);
+- on CPU ranks, what the runtime probe of the host
+  (:mod:`hpml_compile.profile.process`) measured between two ranks and the
+  plan stretches to more: the loss agreement over more than two ranks, and the
+  wait for the latest of more than two replicas; or, where the profile has no
+  probe figures, that nothing is priced for the wait.
 
 Example:
     >>> from hpml_compile.testing import chain_profile
@@ -50,7 +55,8 @@ def assumptions(plan: Plan, prof: Profile) -> tuple[Assumption, ...]:
         One assumption per cost, in the order of the module docstring.
     """
     used = [plan.cluster.device(d) for st in plan.stages for d in st.devices]
-    return (*_speeds(used, prof), *_links(plan.cluster, used), *_overlaps(plan), *_optimizer(prof))
+    return (*_speeds(used, prof), *_links(plan.cluster, used), *_overlaps(plan), *_optimizer(prof),
+            *_replicated_steps(plan, prof))
 
 
 def format_assumptions(items: tuple[Assumption, ...], limit: int = 8) -> str:
@@ -159,3 +165,26 @@ def _optimizer(prof: Profile) -> list[Assumption]:
     return [Assumption(f"optimizer step ({prof.optimizer})", "12 memory passes over the parameter bytes",
                        "a prior count of what the optimizer reads and writes, not a measurement: no kind of "
                        "the profile timed it (a --meta profile times nothing)")]
+
+
+def _replicated_steps(plan: Plan, prof: Profile) -> list[Assumption]:
+    """The probe's two-rank figures where the plan uses them beyond two ranks, or their absence."""
+    cpus = [plan.cluster.device(d) for st in plan.stages for d in st.devices]
+    if len(cpus) < 2 or not all(d.is_cpu for d in cpus):
+        return []
+    probe = [prof.devices.get(d.kind, prof.devices.get(base_kind(d.kind), {})).get("process") or {} for d in cpus]
+    widest = max(st.replicas for st in plan.stages)
+    if not all("skew_ms" in x for x in probe):
+        return [Assumption("replicas' wait at the gradient sync", "0 ms (not priced)",
+                           "the profile has no runtime probe of this host (hpml_compile.profile.process)")] \
+            if widest > 1 else []
+    out = []
+    if len(cpus) > 2:
+        out.append(Assumption("loss agreement over more than two CPU ranks", f"ceil(log2 {len(cpus)}) rounds of "
+                              "the two-rank figure", "measured between two ranks of this host; more ranks not "
+                              "measured (hpml_compile.stagecost.measured_agree_ms)"))
+    if widest > 2:
+        out.append(Assumption(f"wait for the latest of {widest} CPU replicas", "the two-rank skew times the "
+                              "expected maximum of normal draws", "measured between two ranks of this host; more "
+                              "replicas not measured (hpml_compile.stagecost.skew_wait_ms)"))
+    return out

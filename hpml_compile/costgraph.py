@@ -111,6 +111,13 @@ class CostGraph:
         bookkeeping: per measured CPU kind, the milliseconds a rank's ``Pipeline.step`` spends beyond the
             executor's span (the batch check, host sampling, memory counting, events), measured with the
             baseline; the simulator adds it to the step (empty: not measured).
+        agreements: per measured CPU kind, the milliseconds two of its ranks on one host take to agree on a step's
+            loss as the runtime does it (the profile's ``devices[kind]["process"]["agree_ms"]``; empty: not
+            measured, and the loss agreement is priced on the link).
+        skews: per measured CPU kind, ``(ms, per ms of compute)``: how far apart two of its ranks that did the same
+            work reach the gradient sync, a fixed part and a part per millisecond of their compute
+            (``devices[kind]["process"]["skew_ms"]``, ``["skew_per_ms"]``; empty: not measured): a replicated stage
+            waits that long for its later replica each step.
         tensor_parallel: the units a tensor-parallel stage shards (:func:`hpml_compile.tp.analyze`); each
             node's ``shard`` attribute sums what of its members a degree divides.
     """
@@ -130,6 +137,8 @@ class CostGraph:
     processes: Mapping[str, int] = field(default_factory=dict)
     bookkeeping: Mapping[str, float] = field(default_factory=dict)
     stage_only: frozenset[str] = frozenset()
+    agreements: Mapping[str, float] = field(default_factory=dict)
+    skews: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -173,7 +182,8 @@ class CostGraph:
         q.add_edges_from(self.graph.edges(data=True))
         return CostGraph(q, self.order, self.kinds, self.model, self.batch_size, self.optimizer_ms,
                          self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
-                         self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only)
+                         self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only,
+                         self.agreements, self.skews)
 
     def tp_degrees(self) -> tuple[int, ...]:
         """The tensor-parallel degrees above 1 at which some node of the graph shards (empty: none)."""
@@ -204,6 +214,16 @@ class CostGraph:
     def bookkeeping_ms(self, kind: str) -> float:
         """Milliseconds of the runtime's per-step bookkeeping on a rank of ``kind`` (0.0: not measured)."""
         return self.bookkeeping.get(kind, self.bookkeeping.get(base_kind(kind), 0.0))
+
+    def agreement_ms(self, kind: str) -> float | None:
+        """The measured loss agreement of two ranks of ``kind`` on one host, ms (None: not measured)."""
+        return self.agreements.get(kind, self.agreements.get(base_kind(kind)))
+
+    def skew_ms(self, kind: str, compute_ms: float) -> float:
+        """How far apart two ranks of ``kind`` that each computed ``compute_ms`` reach the gradient sync, ms (0.0:
+        not measured)."""
+        fixed, per_ms = self.skews.get(kind, self.skews.get(base_kind(kind), (0.0, 0.0)))
+        return fixed + per_ms * compute_ms
 
     def host_cores(self, kind: str) -> int | None:
         """Logical CPUs of the host ``kind`` was profiled on (its base kind for a variant); None: not recorded."""
@@ -304,7 +324,8 @@ class CostGraph:
             e["bytes"] = sum(e["producers"].values())
         return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size, self.optimizer_ms,
                          self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
-                         self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only)
+                         self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only,
+                         self.agreements, self.skews)
 
     def cut_bytes(self, before: Iterable[str]) -> int:
         """Bytes crossing from the node set ``before`` to the rest; a tensor read by
@@ -457,8 +478,12 @@ def build(profile: Profile) -> CostGraph:
                  if isinstance(d.get("process"), dict) and isinstance(d["process"].get("bytes"), int)}
     bookkeeping = {k: float(d["process"]["step_ms"]) for k, d in profile.devices.items()
                    if isinstance(d.get("process"), dict) and isinstance(d["process"].get("step_ms"), (int, float))}
+    probes = {k: d["process"] for k, d in profile.devices.items() if isinstance(d.get("process"), dict)}
+    agreements = {k: float(x["agree_ms"]) for k, x in probes.items() if isinstance(x.get("agree_ms"), (int, float))}
+    skews = {k: (float(x["skew_ms"]), float(x.get("skew_per_ms", 0.0))) for k, x in probes.items()
+             if isinstance(x.get("skew_ms"), (int, float))}
     stage_only = frozenset(k for k, d in profile.devices.items()
                            if isinstance(d.get("process"), dict) and d["process"].get("stage_only"))
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
                      dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns, flat_steps, tp,
-                     processes, bookkeeping, stage_only)
+                     processes, bookkeeping, stage_only, agreements, skews)

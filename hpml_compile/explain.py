@@ -30,7 +30,7 @@ from .errors import HpmlError
 from .ir import Cluster, Device, Profile
 from .memory import GiB
 from .plan import Plan, Stage
-from .simulate import SimResult, crowded_devices
+from .simulate import SimResult, crowded_devices, loss_agreement_ms
 from .solve import SolverName
 from .cluster import hierarchy
 from .plan import AllReduce
@@ -297,8 +297,14 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
                      f"{ms:.3g} ms")
     if result.agree_ms > 0:  # the runtime's loss all-reduce (with the batch check) before any optimizer step
         ranks = sum(len(st.devices) for st in plan.stages)
+        devs = [d for st in plan.stages for d in st.devices]
+        measured = loss_agreement_ms(plan.cluster, devs, graph) != loss_agreement_ms(plan.cluster, devs)
         lines.append(f"  loss agreement: one 32-byte all-reduce over the {ranks} ranks before the optimizer steps, "
-                     f"{result.agree_ms:.3g} ms")
+                     f"{result.agree_ms:.3g} ms" + (" (as two ranks of this host measured it)" if measured else ""))
+    for k, wait in enumerate(result.skew_ms):  # replicas reach the sync apart: the step waits for the latest
+        if wait > 0:
+            lines.append(f"  stage {k} waits {wait:.3g} ms a step for its latest replica before its gradient sync "
+                         "(two ranks' skew as measured on this host)")
     lines += tp_lines(plan, graph)
     lines += _host_sharing(plan, graph, result)
     lines += _idle_cpus(plan, graph)

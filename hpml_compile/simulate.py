@@ -62,8 +62,16 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   Every stage starts it when the last stage has synchronised and the ranks
   have agreed that the step succeeded: the runtime's loss all-reduce (32
   bytes with the batch check, :func:`hpml_compile.stagecost.agree_ms`, priced
-  as a tree of latencies over every rank) runs before any of them changes its
-  weights, so that a failed step can be retried on all of them.
+  as a tree of latencies over every rank; on CPU ranks of one host, as the
+  runtime probe of the host measured it: :func:`loss_agreement_ms`) runs
+  before any of them changes its weights, so that a failed step can be
+  retried on all of them.
+- A replicated stage's replicas reach their gradient sync at different times
+  although they do the same work, and the sync starts when the latest one
+  arrives: on CPU ranks, the skew the host's runtime probe measured between
+  two ranks (:mod:`hpml_compile.profile.process`: a fixed part and a part per
+  millisecond of the stage's compute in the step), grown for more replicas as
+  the expected maximum of normal draws (:func:`hpml_compile.stagecost.skew_wait_ms`).
 - CPU ranks of one host share its memory bandwidth (GPUs have their own).
   Every phase has a memory-streaming part: a microbatch's forward reads the
   stage's weights and writes its activations, its backward about twice that,
@@ -118,11 +126,11 @@ from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere,
 from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_overlap, zero_shards
 from .schedule import compute_orders, op_order  # the compute view of the lowered per-rank action lists
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
-                        local_sgd_sync_ms, optimizer_ms, stepped_gather_ms, steps_flat, stream_bytes_per_ms, stream_ms,
-                        sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms)
+                        local_sgd_sync_ms, measured_agree_ms, optimizer_ms, skew_wait_ms, stepped_gather_ms,
+                        steps_flat, stream_bytes_per_ms, stream_ms, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "step_ms", "stage_costs", "annotate", "crowded_devices",
-           "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms"]
+           "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms", "replica_skew_ms"]
 
 
 class EventKind(str, enum.Enum):
@@ -219,6 +227,8 @@ class SimResult:
             which is what a rank measures (``bubble`` is over the whole pipeline phase of every stage).
         agree_ms: the loss agreement between the last sync and the optimizer steps (in
             ``step_without_optimizer_ms``; :func:`loss_agreement_ms`).
+        skew_ms: per stage, what it waited for its latest replica before its gradient sync (in its sync bar;
+            :func:`replica_skew_ms`).
     """
 
     step_ms: float
@@ -233,6 +243,7 @@ class SimResult:
     contention: tuple[float, ...] = ()
     stage_bubbles: tuple[float, ...] = ()
     agree_ms: float = 0.0
+    skew_ms: tuple[float, ...] = ()
 
 
 def _stage_of_graph_nodes(plan: Plan, graph: CostGraph) -> dict[str, int]:
@@ -671,6 +682,7 @@ class _Timeline:
     step_no_opt: float
     optim: list[float]
     step: float
+    skew: tuple[float, ...] = ()
 
 
 def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
@@ -683,11 +695,12 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
     lasts = [max(done[(False, i, k)][1] for k in range(m)) for i in range(s_count)]
     busy = _busy(done, s_count)
     # after its last backward each stage syncs; the copies stretch with what the other stages of the host do
-    # meanwhile (their compute and their own sync)
-    tails = [[(lasts[j], lasts[j] + costs[j].sync_ms)] for j in range(s_count)]
+    # meanwhile (their compute and their own sync); a replicated stage first waits for its latest replica
+    skew = [replica_skew_ms(plan, graph, st, m * cst.compute_ms) for st, cst in zip(plan.stages, costs)]
+    tails = [[(lasts[j] + skew[j], lasts[j] + skew[j] + costs[j].sync_ms)] for j in range(s_count)]
     load = share.load([b + t for b, t in zip(busy, tails)]) if share.active else {}
-    sync = [cst.sync_ms + cst.sync_copy_ms * (share.factor(i, lasts[i], lasts[i] + cst.sync_ms, load) - 1.0)
-            if share.active else cst.sync_ms for i, cst in enumerate(costs)]
+    sync = [skew[i] + cst.sync_ms + cst.sync_copy_ms * (share.factor(i, *tails[i][0], load) - 1.0)
+            if share.active else skew[i] + cst.sync_ms for i, cst in enumerate(costs)]
     synced = [lasts[i] + sync[i] for i in range(s_count)]
     tied = tied_syncs(plan, graph)
     for stages, ms in tied:  # one collective: it starts when every stage in it is ready
@@ -698,7 +711,7 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
                     bars.append(Interval(dev, start, start + ms, EventKind.SYNC, -1, i))
             synced[i] = start + ms
     # the ranks agree that the step succeeded (the loss all-reduce) before any of them changes its weights
-    agree = loss_agreement_ms(plan.cluster, [d for st in plan.stages for d in st.devices])
+    agree = loss_agreement_ms(plan.cluster, [d for st in plan.stages for d in st.devices], graph)
     # every rank's Pipeline.step does the runtime's bookkeeping around the executor (measured with the profile)
     keep = max((graph.bookkeeping_ms(plan.cluster.device(d).kind) for st in plan.stages for d in st.devices),
                default=0.0)
@@ -709,7 +722,7 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
              for i, cst in enumerate(costs)]
     # ZeRO-1/2's parameter all-gather follows each stage's own optimizer step where it is not prefetched
     step = begin + max((o + cst.gather_ms for o, cst in zip(optim, costs)), default=0.0)
-    return _Timeline(costs, done, bars, lasts, sync, tied, agree, step_no_opt, optim, step)
+    return _Timeline(costs, done, bars, lasts, sync, tied, agree, step_no_opt, optim, step, tuple(skew))
 
 
 def step_ms(plan: Plan, graph: CostGraph, dtype: str = "float32") -> float:
@@ -780,16 +793,35 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
     bottleneck = max(range(s_count), key=lambda i: took[i])
     own = tuple(max(0.0, 1.0 - t / end) if end > 0 else 0.0 for t, end in zip(took, lasts))
     return SimResult(step, max(0.0, bubble), bottleneck, tuple(sorted(bars, key=lambda b: (b.device, b.start_ms))),
-                     curves, peaks, costs, step_no_opt, tuple(tied), contention, own, agree)
+                     curves, peaks, costs, step_no_opt, tuple(tied), contention, own, agree, tl.skew)
 
 
-def loss_agreement_ms(cluster: Cluster, devices: Sequence[str]) -> float:
-    """The loss agreement of a plan on ``devices`` (:func:`hpml_compile.stagecost.agree_ms`): one rank each, on
-    the link from the first device that takes longest for a small message (the tree's messages cross it)."""
+def loss_agreement_ms(cluster: Cluster, devices: Sequence[str], graph: CostGraph | None = None) -> float:
+    """The loss agreement of a plan on ``devices``: one rank each.
+
+    Where every device is a CPU of one host whose kind's agreement the profile measured (``graph``:
+    :meth:`hpml_compile.costgraph.CostGraph.agreement_ms`), that measurement
+    (:func:`hpml_compile.stagecost.measured_agree_ms`); else :func:`hpml_compile.stagecost.agree_ms` on the link
+    from the first device that takes longest for a small message (the tree's messages cross it)."""
     if len(devices) <= 1:
         return 0.0
+    devs = [cluster.device(d) for d in devices]
+    pair = [graph.agreement_ms(d.kind) for d in devs] if graph is not None else [None]
+    if all(d.is_cpu for d in devs) and len({d.host for d in devs}) == 1 and None not in pair:
+        return measured_agree_ms(max(x for x in pair if x is not None), len(devices))
     links = {link_spec(cluster, devices[0], x) for x in devices[1:]}
     return max(agree_ms(len(devices), sp) for sp in links)
+
+
+def replica_skew_ms(plan: Plan, graph: CostGraph, st: Stage, compute_ms: float) -> float:
+    """What stage ``st``, computing ``compute_ms`` a step on each replica, waits each step for its latest replica
+    before its gradient sync (:func:`hpml_compile.stagecost.skew_wait_ms`): where its devices are CPUs of kinds
+    whose skew the profile measured (:meth:`hpml_compile.costgraph.CostGraph.skew_ms`); 0.0 for one replica or
+    where not measured."""
+    devs = [plan.cluster.device(d) for d in st.devices]
+    if st.replicas <= 1 or not all(d.is_cpu for d in devs):
+        return 0.0
+    return skew_wait_ms(max(graph.skew_ms(d.kind, compute_ms) for d in devs), st.replicas)
 
 
 def _stage_bars(dev: str, i: int, cst: StageCost, done: dict[tuple[bool, int, int], tuple[float, float]],

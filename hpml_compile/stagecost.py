@@ -131,6 +131,7 @@ __all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfe
            "level_bytes",
            "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
            "optimizer_ms", "steps_flat", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows", "agree_ms",
+           "measured_agree_ms", "skew_wait_ms",
            "meet_ms", "tp_bytes", "tp_time", "tp_comm_ms", "tp_link",
            "AGREE_BYTES"]
 
@@ -766,6 +767,45 @@ def agree_ms(ranks: int, link: cost_models.LinkSpec | None) -> float:
     (1.0, 3.0, 0.0)
     """
     return _latency_bound_ms(AGREE_BYTES, ranks, link)
+
+
+def measured_agree_ms(pair_ms: float, ranks: int) -> float:
+    """The loss agreement over ``ranks`` CPU ranks of one host, from its measured time between two of them.
+
+    ``pair_ms`` is the all-reduce as the runtime runs it between two ranks of this host
+    (:func:`hpml_compile.profile.process.replicated_step_figures`): a binomial tree over ``n`` ranks takes
+    ``ceil(log2 n)`` such rounds (one for two ranks, where the figure is exact; more ranks are that many rounds,
+    which was not measured). One rank pays nothing.
+
+    >>> measured_agree_ms(0.9, 2), measured_agree_ms(0.9, 4), measured_agree_ms(0.9, 1)
+    (0.9, 1.8, 0.0)
+    """
+    return pair_ms * math.ceil(math.log2(ranks)) if ranks > 1 else 0.0
+
+
+def skew_wait_ms(pair_ms: float, replicas: int) -> float:
+    """What a replicated stage waits each step for its latest replica, from two ranks' measured skew.
+
+    Replicas that do the same work reach their first collective at different times, and the step goes on when
+    the last one arrives: with each replica's arrival a draw around the mean, the step pays the expected maximum
+    over ``replicas`` draws less the mean. ``pair_ms`` is that for two ranks of this host, measured
+    (:func:`hpml_compile.profile.process.replicated_step_figures`); for ``d`` replicas it grows as the expected
+    maximum of ``d`` normal draws does (Blom's approximation, ``Phi^-1((d - 0.375) / (d + 0.25))``, over its
+    value at 2; an assumption: only two ranks were measured). One replica waits for nobody.
+
+    >>> skew_wait_ms(0.5, 2), round(skew_wait_ms(0.5, 4), 3), skew_wait_ms(0.5, 1)
+    (0.5, 0.89, 0.0)
+    """
+    if replicas <= 1 or pair_ms <= 0:
+        return 0.0
+    return pair_ms * _blom(replicas) / _blom(2)
+
+
+def _blom(n: int) -> float:
+    """Blom's approximation of the expected maximum of ``n`` standard normal draws."""
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
 def _latency_bound_ms(nbytes: int, ranks: int, link: cost_models.LinkSpec | None) -> float:

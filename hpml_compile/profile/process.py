@@ -1,13 +1,19 @@
-"""What a CPU rank's process holds before the model: its baseline resident set, measured once per host.
+"""What a CPU rank's process holds before the model and pays each step besides it, measured once per host.
 
 A CPU device's memory is its process's: a rank holds the interpreter, torch,
 the runtime's imports (the tracer, TensorBoard's writer, gloo's buffers) and
 only then the model's tensors. On the 2-core development VM a rank of the
-demo held 408-456 MiB for 15 MiB of tensors. :func:`runtime_baseline` starts a
-fresh interpreter that imports what a rank imports, joins a one-rank gloo
-group and runs one all-reduce, and reads its peak resident set (``VmHWM``);
-the memory model adds it to every CPU device's bytes
-(:func:`hpml_compile.memory.process_bytes`).
+demo held 408-456 MiB for 15 MiB of tensors. :func:`runtime_baseline` starts two
+fresh interpreters that import what a rank imports, join one gloo group as
+the two ranks of a data-parallel stage of a tiny model, and train it a few
+dozen steps through the runtime; it reads their peak resident set
+(``VmHWM``), which the memory model adds to every CPU device's bytes
+(:func:`hpml_compile.memory.process_bytes`), and, from the runtime's own
+measurements of those steps, what a step pays on this host beyond its
+compute and transfers (:func:`replicated_step_figures`): ``Pipeline.step``'s
+bookkeeping around the executor, the loss agreement, and how far apart two
+ranks that did the same work reach the gradient sync. The simulator adds
+those to the step (:func:`hpml_compile.simulate.simulate`).
 
 Starting an interpreter that imports torch costs seconds, so the figure is
 kept in a small JSON cache per host (``$XDG_CACHE_HOME/hpml-compile/host.json``,
@@ -45,10 +51,16 @@ from ..schema import write_json_atomic
 __all__ = ["runtime_baseline", "this_host", "with_process", "host_key", "cache_path", "cached", "remember",
            "BASELINE_CODE"]
 
-# What a rank imports before it builds its model (runtime.job.worker, the tracer, TensorBoard's writer), then one
-# gloo group of one rank and an all-reduce: the runtime up, no model.
+# What a rank imports before it builds its model (runtime.job.worker, the tracer, TensorBoard's writer), then a gloo
+# group and steps of a tiny model through the runtime: the runtime up, no model to speak of. Alone (no
+# HPML_PROBE_WORLD), one rank; with HPML_PROBE_WORLD=2 and HPML_PROBE_RANK, one of two ranks of a data-parallel stage
+# (rendezvous in HPML_PROBE_DIR), whose steps also time what a replicated step pays beyond its compute. Each forward
+# runs matrix products on a buffer (no parameters: the memory figure stays the runtime's), about 1 ms of them and
+# then about 10 ms, so that the ranks meet at the gradient sync as ranks that computed do. The last line: peak RSS
+# and the median of Pipeline.step's wall clock beyond the executor's span (ms); the line before it: per step, the
+# loss agreement, the wait at the sync's meeting and the compute (ms).
 BASELINE_CODE = """
-import os, statistics, sys, tempfile
+import json, os, statistics, sys, tempfile
 import torch
 torch.set_num_threads(1)
 import torch._dynamo
@@ -62,25 +74,55 @@ from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.runtime import Pipeline
 from hpml_compile.trace import trace
 from hpml_compile.runtime.job import worker
-tmp = tempfile.mkdtemp(prefix="hpml-baseline-")
-dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "rendezvous"), rank=0, world_size=1)
-model, x, y = torch.nn.Linear(4, 2), torch.randn(2, 4), torch.randn(2, 2)
-gm = trace(model, (x,))
-body = tuple(n.name for n in gm.graph.nodes)
-plan = Plan("baseline", load_cluster("local-cpu-1"), Schedule.GPIPE, 1, (Stage(0, ("cpu0",), body),))
-generate(gm, plan, os.path.join(tmp, "build"))
-pipe = Pipeline.from_build(os.path.join(tmp, "build"), model, run_dir=os.path.join(tmp, "run"),
-                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-for _ in range(STEPS):
-    pipe.step((x,), y, torch.nn.functional.mse_loss)
-rows = pipe.metrics[3:]
-extra = statistics.median(m.wall_ms - m.step_ms for m in rows)
-pipe.close()
+world = int(os.environ.get("HPML_PROBE_WORLD", "1"))
+rank = int(os.environ.get("HPML_PROBE_RANK", "0"))
+tmp = os.environ.get("HPML_PROBE_DIR") or tempfile.mkdtemp(prefix="hpml-baseline-")
+dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "rendezvous"), rank=rank, world_size=world)
+
+class Probe(torch.nn.Module):
+    def __init__(self, products):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+        self.products = products
+        self.register_buffer("burst", torch.eye(256) * 0.5, persistent=False)
+
+    def forward(self, x):
+        a = self.burst * (1.0 + 0.0 * x.sum())  # depends on the input: traced, not folded to a constant
+        for _ in range(self.products):
+            a = a @ self.burst
+        return self.lin(x) + a[0, :2] * 0.0
+
+def peak_rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+
+devices = tuple(f"cpu{i}" for i in range(world))
+steps, extras, rss = [], [], None
+for products in (SHORT, LONG):  # two lengths of compute, so that what the sync waits can be told per ms of it
+    torch.manual_seed(0)  # the same batch on every rank
+    model, x, y = Probe(products), torch.randn(2 * world, 4), torch.randn(2 * world, 2)
+    gm = trace(model, (x,))
+    plan = Plan("baseline", load_cluster(f"local-cpu-{world}"), Schedule.GPIPE, 1,
+                (Stage(0, devices, tuple(n.name for n in gm.graph.nodes)),))
+    build = os.path.join(tmp, f"build{rank}-{products}")
+    generate(gm, plan, build)
+    pipe = Pipeline.from_build(build, model, run_dir=os.path.join(tmp, f"run{rank}-{products}"),
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    for _ in range(STEPS):
+        pipe.step((x,), y, torch.nn.functional.mse_loss)
+    rows = pipe.metrics[5:]
+    extras += [m.wall_ms - m.step_ms for m in rows]
+    # the loss agreement (the executor's span less the compute, the gradient sync with its meeting and the
+    # optimizer), the wait at the sync's meeting, the compute
+    steps += [[m.step_ms - m.pipeline_ms - m.allreduce_ms - m.sync_wait_ms - m.optimizer_ms, m.sync_wait_ms,
+               m.fwd_ms + m.bwd_ms] for m in rows]
+    pipe.close()
+    rss = rss or peak_rss()  # a rank of one job: the second model's groups come on top of the first's
 dist.destroy_process_group()
-for line in open("/proc/self/status"):
-    if line.startswith("VmHWM:"):
-        print(int(line.split()[1]) * 1024, round(extra, 4))
-""".replace("STEPS", "40")
+print("steps", json.dumps(steps))
+print(rss, round(statistics.median(extras), 4))
+""".replace("STEPS", "40").replace("SHORT", "4").replace("LONG", "32")
 
 
 
@@ -134,33 +176,115 @@ def remember(key: str, what: str, entry: Mapping[str, Any]) -> Path | None:
 
 
 def runtime_baseline(*, timeout_s: float = 120.0) -> dict[str, Any]:
-    """Measure this host's baseline resident set of a CPU rank (see the module docstring) in a fresh interpreter.
+    """Measure what a CPU rank of this host holds and pays besides its model (the module docstring), in two fresh
+    interpreters that run the two ranks of a data-parallel stage of a tiny model through the runtime.
 
     Args:
-        timeout_s: how long the fresh interpreter may take.
+        timeout_s: how long the fresh interpreters may take.
 
     Returns:
-        ``{"bytes": peak RSS, "source": how it was measured}`` (the profile's ``devices["cpu"]["process"]``).
+        The profile's ``devices["cpu"]["process"]``: ``bytes`` (the larger rank's peak RSS), ``step_ms`` (the
+        larger rank's median of ``Pipeline.step``'s wall clock beyond the executor's span), ``agree_ms``,
+        ``skew_ms`` and ``skew_per_ms`` (:func:`replicated_step_figures`), ``source``.
 
     Raises:
-        HpmlError: the interpreter failed or printed no figure (not Linux: no ``/proc/self/status``).
+        HpmlError: an interpreter failed or printed no figure (not Linux: no ``/proc/self/status``).
     """
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    try:
-        done = subprocess.run([sys.executable, "-c", BASELINE_CODE], capture_output=True, text=True, env=env,
-                              timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired as e:
-        raise HpmlError(f"measuring a CPU rank's baseline memory took over {timeout_s:.0f} s: the memory model "
-                        "leaves it out") from e
-    lines = done.stdout.strip().splitlines()
-    last = lines[-1].split() if lines else []
-    if done.returncode != 0 or len(last) != 2 or not last[0].isdigit():
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
-        raise HpmlError(f"measuring a CPU rank's baseline memory failed ({tail}): the memory model leaves it out")
+    import tempfile
+    import time
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "HPML_PROBE_WORLD": "2"}
+    with tempfile.TemporaryDirectory(prefix="hpml-baseline-") as tmp:
+        logs = [(Path(tmp, f"out{r}"), Path(tmp, f"err{r}")) for r in (0, 1)]
+        procs = []
+        for r, (out, err) in enumerate(logs):
+            with out.open("w") as o, err.open("w") as e:  # files, not pipes: nothing blocks on a full pipe
+                procs.append(subprocess.Popen([sys.executable, "-c", BASELINE_CODE], stdout=o, stderr=e, text=True,
+                                              env={**env, "HPML_PROBE_RANK": str(r), "HPML_PROBE_DIR": tmp}))
+        deadline = time.monotonic() + timeout_s
+        try:  # until both end, one fails (its peer would wait for it until the time-out) or time runs out
+            while any(x.poll() is None for x in procs) and not any(x.poll() for x in procs):
+                if time.monotonic() > deadline:
+                    raise HpmlError(f"measuring a CPU rank's baseline took over {timeout_s:.0f} s: the memory model "
+                                    "and the step leave it out")
+                time.sleep(0.05)
+        finally:
+            for proc in procs:  # never left behind
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+        outs = [(x.returncode, out.read_text(), err.read_text()) for x, (out, err) in zip(procs, logs)]
+    # a rank that failed first: its error, not its killed peer's, names the cause
+    ranks = [_parse_baseline(code, out, err) for code, out, err in sorted(outs, key=lambda o: o[0] <= 0)]
+    figures = replicated_step_figures([steps for _, _, steps in ranks])
     day = datetime.date.today().isoformat()
-    return {"bytes": int(last[0]), "step_ms": float(last[1]),
-            "source": f"measured {day}: peak RSS of a fresh interpreter with torch and the runtime up (one gloo "
-                      "rank, a 10-parameter model), and its Pipeline.step's wall clock beyond the executor's span"}
+    return {"bytes": max(b for b, _, _ in ranks), "step_ms": max(x for _, x, _ in ranks), **figures,
+            "source": f"measured {day}: two fresh interpreters with torch and the runtime up, the ranks of a "
+                      "data-parallel stage of a tiny model (about 1 ms, then 10 ms of compute a step): peak RSS, "
+                      "Pipeline.step's wall clock beyond the executor's span, the loss agreement and the ranks' skew "
+                      "at the sync"}
+
+
+def _parse_baseline(code: int, out: str, err: str) -> tuple[int, float, list[list[float]]]:
+    """``(peak RSS, bookkeeping ms, per-step rows)`` one probe rank printed (:data:`BASELINE_CODE`).
+
+    Raises:
+        HpmlError: the rank failed or printed no figure.
+    """
+    lines = out.strip().splitlines()
+    last = lines[-1].split() if lines else []
+    rows = next((json.loads(line[len("steps "):]) for line in lines if line.startswith("steps ")), None)
+    if code != 0 or len(last) != 2 or not last[0].isdigit() or rows is None:
+        tail = (err.strip().splitlines() or ["no output"])[-1][:200]
+        raise HpmlError(f"measuring a CPU rank's baseline failed ({tail}): the memory model and the step leave it out")
+    return int(last[0]), float(last[1]), rows
+
+
+def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
+    """What a replicated step pays beyond compute and transfers, from two probe ranks' steps.
+
+    Each rank's row of a step is ``[loss agreement ms, wait at the sync's meeting ms, compute ms]``; the rows of
+    both ranks are step by step, the shorter compute's steps first (:data:`BASELINE_CODE` runs about 1 ms of
+    compute a step, then about 10).
+
+    - ``agree_ms``: the loss agreement as the runtime runs it (a gloo all-reduce of four float64s, handed to gloo's
+      thread after the step's work): the median over steps of the two ranks' mean. The alpha-beta link, fitted at
+      64 KiB and up, says less: on the 2-core development VM it priced 0.48 ms where the demo's steps took about 1.
+    - ``skew_ms`` and ``skew_per_ms``: the ranks leave their compute at different times (a time slice taken by
+      another thread or process, a wake-up), and the step waits for the later: per step, half the difference of
+      the two ranks' waits at the sync's meeting (the later rank came that much later; the step pays the maximum
+      of the two ranks' compute, which is their mean plus half the difference). A time slice lost is likelier the
+      longer a rank computes, so the skew is fitted as ``skew_ms + skew_per_ms * compute``: the line through the
+      medians of the two halves of the steps (the short compute's and the long one's), neither part below 0.
+
+    Args:
+        ranks: two lists of rows, one per rank, step by step.
+
+    Returns:
+        ``{"agree_ms": ..., "skew_ms": ..., "skew_per_ms": ...}``.
+
+    Raises:
+        HpmlError: fewer than two ranks or no step.
+
+    Example:
+        >>> a = [[1.0, 0.2, 1.0], [1.2, 0.6, 1.0], [0.8, 0.2, 11.0], [1.0, 1.2, 11.0]]
+        >>> b = [[1.0, 0.4, 1.0], [1.0, 0.4, 1.0], [1.0, 0.6, 11.0], [1.0, 0.2, 11.0]]
+        >>> replicated_step_figures([a, b])
+        {'agree_ms': 1.0, 'skew_ms': 0.075, 'skew_per_ms': 0.025}
+    """
+    import statistics
+
+    if len(ranks) < 2 or not ranks[0] or not ranks[1]:
+        raise HpmlError("the step figures need the rows of two probe ranks, each with one step at least")
+    pairs = list(zip(ranks[0], ranks[1]))
+    agree = statistics.median((a[0] + b[0]) / 2 for a, b in pairs)
+    late = [(abs(a[1] - b[1]) / 2, (a[2] + b[2]) / 2) for a, b in pairs]
+    half = max(1, len(late) // 2)
+    (w0, c0), (w1, c1) = ((statistics.median(w for w, _ in part), statistics.median(c for _, c in part))
+                          for part in (late[:half], late[half:] or late[:half]))
+    slope = max(0.0, (w1 - w0) / (c1 - c0)) if c1 > c0 else 0.0
+    return {"agree_ms": round(max(0.0, agree), 4), "skew_ms": round(max(0.0, w0 - slope * c0), 4),
+            "skew_per_ms": round(slope, 4)}
 
 
 def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refresh: bool = False
@@ -205,7 +329,10 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
         out["link"] = link
     hit = None if refresh else cached(key, "runtime_baseline")
     try:
-        if hit is not None and isinstance(hit.get("bytes"), int):
+        # an entry of the one-rank probe (its bookkeeping, not the replicated step's figures) is measured again
+        # where allowed; an entry written by hand (no bookkeeping either) is taken as it is
+        stale = hit is not None and "step_ms" in hit and "skew_per_ms" not in hit
+        if hit is not None and isinstance(hit.get("bytes"), int) and not (stale and measure):
             out["process"] = {**hit, "source": f"{hit.get('source', 'measured')}; cached in {where}"}
         elif measure:
             out["process"] = runtime_baseline()
@@ -215,8 +342,12 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
         log(f"  {e}")
     if "process" in out:
         extra = out["process"].get("step_ms")
+        agree, skew = out["process"].get("agree_ms"), out["process"].get("skew_ms")
         log(f"  a CPU rank holds {out['process']['bytes'] / 2**20:.0f} MiB before its model"
             + (f" and spends {extra:.2f} ms a step on the runtime's bookkeeping" if extra is not None else "")
+            + (f"; two ranks agree on the loss in {agree:.2f} ms and reach the gradient sync {skew:.2f} ms "
+               f"+ {out['process'].get('skew_per_ms', 0.0):.1%} of their compute apart"
+               if agree is not None and skew is not None else "")
             + f" ({out['process']['source']})")
     return out
 
@@ -237,6 +368,7 @@ def with_process(prof: Profile, process: Mapping[str, Any]) -> Profile:
     devices = {k: dict(v) for k, v in prof.devices.items()}
     devices.setdefault("cpu", {})["process"] = {
         "bytes": int(process["bytes"]), "source": str(process.get("source", "")),
-        **({"step_ms": float(process["step_ms"])} if isinstance(process.get("step_ms"), (int, float)) else {}),
+        **{k: float(process[k]) for k in ("step_ms", "agree_ms", "skew_ms", "skew_per_ms")
+           if isinstance(process.get(k), (int, float))},
         **({"stage_only": True} if process.get("stage_only") else {})}
     return replace(prof, devices=devices)
