@@ -106,7 +106,7 @@ class Options:
             rest idle (:func:`within_cores`), unless nothing fits on those.
         max_tp: the largest tensor-parallel degree a stage may take (1, 2, 4 or 8; :mod:`hpml_compile.tp`).
             :func:`compile` plans again with 1 where the solver gives stages different degrees (or combines tp
-            with ZeRO, recompute, swap or offload), which the runtime does not run
+            with swap or offload), which the runtime does not run
             (:func:`hpml_compile.codegen.tensor_parallel.tp_degree`); :func:`replan` plans with 1.
     """
 
@@ -603,7 +603,7 @@ def _generate(module: nn.Module, inputs: tuple[Any, ...], gm: fx.GraphModule, pl
 
     Raises:
         HpmlError: the plan breaks a rule of the profile, or an exported model cannot execute at that size.
-        PlanError: stages with different ``tp``, or ``tp > 1`` with ZeRO, recompute, swap or offload
+        PlanError: stages with different ``tp``, or ``tp > 1`` with swap or offload
             (:func:`hpml_compile.codegen.tensor_parallel.tp_degree`).
     """
     validate_plan(placed, prof)

@@ -39,7 +39,7 @@ from .constants import CONSTANTS_FILE, constants_bytes
 from .emit import class_name, stage_source
 from .lower import lower_stage
 from .manifest import Manifest, file_hashes, input_specs, leaf_modules, sha256
-from .tensor_parallel import graph_units, replica_plan, shard_graph, tp_degree
+from .tensor_parallel import graph_units, replica_plan, shard_graphs, tp_degree
 from .partition import batch_dims, canonical_text, microbatch_values, place, plan_actions, specs_of, trace_rows
 
 __all__ = ["render"]
@@ -118,7 +118,7 @@ def _tensor_parallel(gm: fx.GraphModule, plan: Plan, graphs: list[Any]) -> list[
     units = graph_units(gm)
     out = []
     for g, st in zip(graphs, plan.stages):
-        shards = shard_graph(gm, g.graph, units, st.tp)
+        shards = shard_graphs(gm, [g.graph, *g.regions.values()], units, st.tp)
         out.append({"TP": st.tp, "TP_SHARDS": shards})
     return out
 

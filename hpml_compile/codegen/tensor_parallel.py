@@ -25,9 +25,17 @@ qualified name, dimension), which the runtime slices at load
 (:mod:`hpml_compile.runtime.execute.tensor_parallel`). The collectives are in
 :mod:`.tpops`.
 
+ZeRO-1/2 shard a tensor-parallel stage's optimizer state and gradients over
+its data-parallel group (each copy's plan is a replicated stage whose
+parameters are this rank's slices), ZeRO-3 its parameters as well; a stage
+that recomputes holds its layers in a region graph, rewritten the same way
+(the recomputed forward repeats the collectives, in the same order on every
+rank of the group).
+
 What is refused, by name (:func:`replica_plan`): stages of different ``tp``
-(every stage must have the same degree), ZeRO, recompute, swap or offload on
-a stage with ``tp > 1``.
+(every stage must have the same degree: each copy runs every stage, in a
+default process group of its own), swap or offload on a stage with
+``tp > 1``.
 
 Example:
     >>> from hpml_compile.cluster import load_cluster
@@ -40,22 +48,22 @@ Example:
 
 from __future__ import annotations
 
+import operator
 from dataclasses import replace
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
 
 from ..errors import PlanError
 from ..ir import NodeOp, Profile, ProfileNode
-from ..memory import ZeroStage
 from ..plan import Plan
 from ..tp import TensorParallel, Unit, analyze
 from ..trace import node_info
 from . import tpops
 from .lower import TP_ATTR
 
-__all__ = ["TP_ATTR", "tp_degree", "replica_plan", "graph_units", "shard_graph"]
+__all__ = ["TP_ATTR", "tp_degree", "replica_plan", "graph_units", "shard_graphs"]
 
 _VIEWS = frozenset({"view", "reshape", "unflatten", "_unsafe_view"})
 
@@ -64,20 +72,19 @@ def tp_degree(plan: Plan) -> int:
     """The tensor-parallel degree every stage of ``plan`` runs at (1: none).
 
     Raises:
-        PlanError: stages have different degrees above 1 and 1, or a stage with ``tp > 1`` also has ZeRO,
-            recompute, swap or offload (what the runtime does not combine with tensor parallelism).
+        PlanError: stages have different degrees, or a stage with ``tp > 1`` also swaps or offloads its
+            optimizer (what the runtime does not combine with tensor parallelism).
     """
     degrees = sorted({st.tp for st in plan.stages})
     if degrees == [1]:
         return 1
     if len(degrees) > 1:
         raise PlanError(f"the plan's stages have tensor-parallel degrees {[st.tp for st in plan.stages]}; the runtime "
-                        "runs a plan whose stages all have the same tp: give every stage the same tp (a stage "
-                        "without sharded layers runs replicated on its group), or set tp to 1")
+                        "runs each place of the tensor-parallel groups as a pipeline of its own, which needs every "
+                        "stage at the same tp: give every stage the same tp (a stage without sharded layers runs "
+                        "replicated on its group), or set tp to 1")
     for st in plan.stages:
-        what = [w for w, on in (("ZeRO", st.zero is not ZeroStage.NONE), ("recompute", st.recompute),
-                                ("swap", bool(st.swap)), ("offload", st.offload_optimizer))
-                if on]
+        what = [w for w, on in (("swap", bool(st.swap)), ("offload", st.offload_optimizer)) if on]
         if what:
             raise PlanError(f"stage {st.index} has tp={st.tp} and {', '.join(what)}, which the runtime does not "
                             f"combine with tensor parallelism: set that stage's {', '.join(what)} off, or its tp to 1")
@@ -186,12 +193,15 @@ def _divide_shape(node: fx.Node, unit: Unit, heads: int | None, features: int, t
         node.args = tuple(args[:shape_pos] + shape)
 
 
-def shard_graph(gm: fx.GraphModule, graph: fx.Graph, units: TensorParallel, tp: int) -> tuple[tuple[str, int], ...]:
-    """Rewrite one stage's graph (in place) to run one rank's shard of its units at degree ``tp``.
+def shard_graphs(gm: fx.GraphModule, graphs: Sequence[fx.Graph], units: TensorParallel,
+                 tp: int) -> tuple[tuple[str, int], ...]:
+    """Rewrite one stage's graphs (in place) to run one rank's shard of its units at degree ``tp``.
 
     Args:
         gm: the traced model (its submodules say which linear layers have a bias).
-        graph: the stage's lowered graph (node names as in ``gm``).
+        graphs: the stage's lowered graphs (node names as in ``gm``): its forward and its regions (a recompute
+            region holds the stage's layers; its forward reads the group from its own ``hpml_tp``, and the
+            recomputation in backward repeats the collectives in the same order on every rank).
         units: :func:`graph_units` of ``gm``.
         tp: the degree.
 
@@ -201,13 +211,20 @@ def shard_graph(gm: fx.GraphModule, graph: fx.Graph, units: TensorParallel, tp: 
     Raises:
         PlanError: a reshape inside a unit has computed sizes, or an embedding has ``padding_idx``.
     """
-    by_name = {n.name: n for n in graph.nodes}
+    shards: dict[str, int] = {}
+    for graph in graphs:
+        _shard_one(gm, graph, units, tp, shards)
+    return _once(gm, shards)
+
+
+def _shard_one(gm: fx.GraphModule, graph: fx.Graph, units: TensorParallel, tp: int, shards: dict[str, int]) -> None:
+    # a region's outputs come back to the stage's graph as getitem nodes named after them: not the layers
+    by_name = {n.name: n for n in graph.nodes if not (n.op == "call_function" and n.target is operator.getitem)}
     anchor = next((n for n in graph.nodes if n.op not in ("placeholder", "get_attr")), None)
     if anchor is None:
-        return ()
+        return
     with graph.inserting_before(anchor):
         group = graph.get_attr(TP_ATTR)
-    shards: dict[str, int] = {}
     for unit in units.units:
         if not 1 < tp <= unit.max_tp or not any(c in by_name for c in unit.columns):
             continue
@@ -226,7 +243,6 @@ def shard_graph(gm: fx.GraphModule, graph: fx.Graph, units: TensorParallel, tp: 
     if not group.users:
         graph.erase_node(group)
     graph.lint()
-    return _once(gm, shards)
 
 
 def _once(gm: fx.GraphModule, shards: dict[str, int]) -> tuple[tuple[str, int], ...]:

@@ -99,16 +99,18 @@ def _reference(name: str) -> tuple[list[float], list[dict[str, torch.Tensor]], d
     return losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _tp_plan(gm: Any, name: str, stages: int, tp: list[int], replicas: list[int], microbatches: int = 1) -> Plan:
+def _tp_plan(gm: Any, name: str, stages: int, tp: list[int], replicas: list[int], microbatches: int = 1,
+             zero: ZeroStage = ZeroStage.NONE, recompute: bool = False) -> Plan:
     plan = split_plan(gm, name, stages, replicas=[r * t for r, t in zip(replicas, tp)],
                       microbatches=microbatches)
-    return replace(plan, stages=tuple(replace(st, tp=t) for st, t in zip(plan.stages, tp)))
+    return replace(plan, stages=tuple(replace(st, tp=t, zero=zero, recompute=recompute)
+                                      for st, t in zip(plan.stages, tp)))
 
 
 def _build(tmp: Path, model: str, name: str, stages: int, tp: list[int], replicas: list[int],
-           microbatches: int = 1) -> tuple[str, str]:
+           microbatches: int = 1, zero: ZeroStage = ZeroStage.NONE, recompute: bool = False) -> tuple[str, str]:
     _, gm = _traced(model)
-    generate(gm, _tp_plan(gm, model, stages, tp, replicas, microbatches), tmp / name)
+    generate(gm, _tp_plan(gm, model, stages, tp, replicas, microbatches, zero, recompute), tmp / name)
     return model, str(tmp / name)
 
 
@@ -162,10 +164,12 @@ def _run(tmp: Path, world: int, *builds: tuple[str, str]) -> list[dict[str, Any]
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def _check(reports: list[dict[str, Any]], build: tuple[str, str]) -> None:
+def _check(reports: list[dict[str, Any]], build: tuple[str, str], grads: bool = True) -> None:
+    """Every rank's losses and parameters equal eager's; its gradients too where ``grads`` (ZeRO keeps none
+    in ``p.grad`` after the step: its flat buffers hold this replica's shard)."""
     for r in (rank[build[1]] for rank in reports):
         assert r["moved"] > 1e-4, ("the reference must move its parameters", r)
-        assert r["sliced"] > 0 and r["checked"] > 0, r
+        assert r["sliced"] > 0 and (r["checked"] > 0 or not grads), r
         assert r["loss"] < TOL and r["grad"] < TOL, r
         assert r["keys"] and r["state"] < TOL, r
 
@@ -196,15 +200,36 @@ def test_transformers_llama_tp2_on_two_ranks(tmp_path: Path) -> None:
     _check(_run(tmp_path, 2, build), build)
 
 
+@pytest.mark.slow
+def test_zero_over_the_data_parallel_groups_of_tp2_replicas(tmp_path: Path) -> None:
+    """tp=2 x 2 replicas on 4 ranks under ZeRO-1 and ZeRO-2: each optimizer shard is a slice of this rank's
+    tensor-parallel slices, over its data-parallel group; losses and parameters after 3 AdamW steps are eager's."""
+    builds = [_build(tmp_path, "gpt-tiny", f"tp2x2-zero{int(z)}", 1, [2], [2], microbatches=2, zero=z)
+              for z in (ZeroStage.OS, ZeroStage.OS_G)]
+    reports = _run(tmp_path, 4, *builds)
+    for b in builds:
+        _check(reports, b, grads=False)
+
+
+@pytest.mark.slow
+def test_recompute_repeats_the_tensor_parallel_collectives(tmp_path: Path) -> None:
+    """Two stages of tp=2 that recompute (their layers in a region graph, sharded the same way): the
+    recomputed forward repeats each all-reduce in the same order on both ranks of a group."""
+    build = _build(tmp_path, "gpt-tiny", "tp2-recompute", 2, [2, 2], [1, 1], microbatches=2, recompute=True)
+    text = Path(build[1], "stage_0.py").read_text()
+    assert "ops.checkpoint(" in text and "ops.tp_row(hpml_tp" in text, text
+    _check(_run(tmp_path, 4, build), build)
+
+
 def test_what_the_runtime_cannot_run_is_refused_by_name(tmp_path: Path) -> None:
-    """Stages of different tp, tp with ZeRO, and a tensor-parallel build in one process."""
+    """Stages of different tp, tp with swap, and a tensor-parallel build in one process."""
     sub, gm = _traced("gpt-tiny")
     with pytest.raises(PlanError, match="same tp"):
         generate(gm, _tp_plan(gm, "gpt-tiny", 2, [2, 1], [1, 1]), tmp_path / "mixed")
-    zero = _tp_plan(gm, "gpt-tiny", 1, [2], [2])
-    zero = replace(zero, stages=(replace(zero.stages[0], zero=ZeroStage.OS),))
-    with pytest.raises(PlanError, match="ZeRO"):
-        generate(gm, zero, tmp_path / "zero")
+    swap = _tp_plan(gm, "gpt-tiny", 1, [2], [1])
+    swap = replace(swap, stages=(replace(swap.stages[0], swap=swap.stages[0].nodes[-3:]),))
+    with pytest.raises(PlanError, match="swap"):
+        generate(gm, swap, tmp_path / "swap")
     _, build = _build(tmp_path, "gpt-tiny", "tp2", 1, [2], [1])
     with pytest.raises(HpmlError, match="ranks of their own"):
         Pipeline.from_build(build, sub.module)

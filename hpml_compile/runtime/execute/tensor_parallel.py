@@ -118,6 +118,8 @@ def shard_build(build: Build, model: nn.Module, stage: int, group: TPGroup) -> N
     """Give stage ``stage`` of ``build`` its tensor-parallel group and slice the parameters it lists."""
     st = build.stages[stage]
     st.hpml_tp = group
+    for region in st.REGIONS:  # a recompute region runs the sharded layers
+        getattr(st, region).hpml_tp = group
     for name, dim in st.TP_SHARDS:
         slice_param(model.get_parameter(name), dim, group.rank, group.size)
 
