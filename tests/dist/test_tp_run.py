@@ -202,10 +202,10 @@ def test_transformers_llama_tp2_on_two_ranks(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_zero_over_the_data_parallel_groups_of_tp2_replicas(tmp_path: Path) -> None:
-    """tp=2 x 2 replicas on 4 ranks under ZeRO-1 and ZeRO-2: each optimizer shard is a slice of this rank's
-    tensor-parallel slices, over its data-parallel group; losses and parameters after 3 AdamW steps are eager's."""
+    """tp=2 x 2 replicas on 4 ranks under ZeRO-1, 2 and 3: each shard is a slice of this rank's tensor-parallel
+    slices, over its data-parallel group; losses and parameters after 3 AdamW steps are eager's."""
     builds = [_build(tmp_path, "gpt-tiny", f"tp2x2-zero{int(z)}", 1, [2], [2], microbatches=2, zero=z)
-              for z in (ZeroStage.OS, ZeroStage.OS_G)]
+              for z in (ZeroStage.OS, ZeroStage.OS_G, ZeroStage.OS_G_P)]
     reports = _run(tmp_path, 4, *builds)
     for b in builds:
         _check(reports, b, grads=False)
