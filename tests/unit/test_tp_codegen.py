@@ -15,11 +15,11 @@ from hpml_compile.testing import split_plan
 from hpml_compile.trace import trace
 
 
-def _build(tmp: Path, tp: int) -> str:
+def _build(tmp: Path, tp: int, recompute: bool = False) -> str:
     m = models.load("gpt-tiny", batch_size=4, seq_len=8, seed=0)
     gm = trace(m.module, m.example_inputs)
     plan = split_plan(gm, "gpt-tiny", 1, replicas=[tp])
-    generate(gm, replace(plan, stages=(replace(plan.stages[0], tp=tp),)), tmp)
+    generate(gm, replace(plan, stages=(replace(plan.stages[0], tp=tp, recompute=recompute),)), tmp)
     return (tmp / "stage_0.py").read_text()
 
 
@@ -34,6 +34,16 @@ def test_a_tp2_stage_is_one_ranks_shard(tmp_path: Path) -> None:
     assert "('layers.0.attn.o_proj.weight', 1)" in src and "('layers.0.attn.q_proj.bias', 0)" in src
     assert "o_proj.bias', " not in src  # a row layer's bias is whole, added once after the sum
     assert src.count("('wte.weight', 0)") == 1 and "lm_head.weight', 0" not in src  # tied: listed once
+
+
+def test_a_recomputing_tp2_stage_shards_its_region(tmp_path: Path) -> None:
+    """The layers of a stage that recomputes are in its region's graph: that graph is the one sharded, and the
+    region reads the group itself; the stage's own graph only calls the region."""
+    src = _build(tmp_path, 2, recompute=True)
+    region, stage = src.split("class Stage0(StageModule)")
+    assert region.count("ops.tp_row(hpml_tp") == 4 and "hpml_tp = self.hpml_tp" in region
+    assert "ops.checkpoint(" in stage and "tp_" not in stage.split("def forward")[1]
+    assert "('layers.0.attn.o_proj.weight', 1)" in stage  # TP_SHARDS lists the region's slices
 
 
 def test_a_tp1_build_is_unchanged(tmp_path: Path) -> None:
