@@ -273,6 +273,8 @@ def test_a_plan_with_a_tp_per_stage_validates_prices_shows_and_explains(llama) -
     flat = stage_costs(replace(p, stages=(replace(two[0], devices=("gpu0",), tp=1), two[1])), g, llama.dtype)
     assert mixed[0].memory.params < flat[0].memory.params and mixed[1].memory == flat[1].memory
     assert mixed[1].fwd_ms == flat[1].fwd_ms
+    # the tp-1 rank sends the gradient to both places of the tp-2 stage: two copies back, one forward
+    assert dict(mixed[0].back)[1] == pytest.approx(2 * dict(mixed[0].sends)[1]) and flat[0].back == flat[0].sends
     lines = tp_lines(p, g)
     assert lines[0].startswith("  tensor parallel, stage 0 (tp 2") and not any("stage 1 (tp" in x for x in lines)
     src = plan_graph(p, g, simulate(p, g)).source

@@ -9,7 +9,7 @@ import pytest
 
 from hpml_compile import models
 from hpml_compile.codegen import generate
-from hpml_compile.codegen.tensor_parallel import replica_plan, tp_degree
+from hpml_compile.codegen.tensor_parallel import Places, replica_plan, tp_degree
 from hpml_compile.errors import PlanError
 from hpml_compile.testing import split_plan
 from hpml_compile.trace import trace
@@ -58,5 +58,14 @@ def test_replica_plan_and_degree() -> None:
     plan = replace(plan, stages=(replace(plan.stages[0], tp=2), replace(plan.stages[1], tp=2)))
     assert tp_degree(plan) == 2
     assert [st.devices for st in replica_plan(plan, 1).stages] == [("cpu1", "cpu3"), ("cpu5",)]
-    with pytest.raises(PlanError, match="same tp"):
-        tp_degree(replace(plan, stages=(plan.stages[0], replace(plan.stages[1], tp=1))))
+    mixed = replace(plan, stages=(plan.stages[0], replace(plan.stages[1], tp=1)))  # 2 x tp 2, then 2 x tp 1
+    assert tp_degree(mixed) == 2
+    assert [st.devices for st in replica_plan(mixed, 1).stages] == [("cpu1", "cpu3"), ("cpu4", "cpu5")]
+    places = Places.of(mixed)
+    assert places.table(0) == [[0, 2], [4, 5]] and places.table(1) == [[1, 3], [4, 5]]
+    assert [places.locate(r) for r in (3, 5)] == [(0, 1, 1), (1, 1, 0)]
+    # forward: place 0 of the tp-2 stage sends, place 1 does not; backward: the tp-1 rank sends to both places
+    assert places.send_places(0, 1, 0) == [0] and places.send_places(0, 1, 1) == []
+    assert places.send_places(1, 0, 0) == [0, 1] and places.recv_place(0, 1, 1) == 0
+    with pytest.raises(PlanError, match="swap"):
+        tp_degree(replace(plan, stages=(replace(plan.stages[0], swap=plan.stages[0].nodes[-1:]), plan.stages[1])))
