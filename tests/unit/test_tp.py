@@ -277,5 +277,7 @@ def test_a_plan_with_a_tp_per_stage_validates_prices_shows_and_explains(llama) -
     assert dict(mixed[0].back)[1] == pytest.approx(2 * dict(mixed[0].sends)[1]) and flat[0].back == flat[0].sends
     lines = tp_lines(p, g)
     assert lines[0].startswith("  tensor parallel, stage 0 (tp 2") and not any("stage 1 (tp" in x for x in lines)
+    assert any(x.startswith("  tensor parallel, boundary 0 -> 1 (tp 2 -> 1)") and "2 copies from each rank of stage 1"
+               in x for x in lines), lines
     src = plan_graph(p, g, simulate(p, g)).source
     assert src.count("tp 2 x 1 replicas") == 1
