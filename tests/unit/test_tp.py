@@ -281,3 +281,22 @@ def test_a_plan_with_a_tp_per_stage_validates_prices_shows_and_explains(llama) -
                in x for x in lines), lines
     src = plan_graph(p, g, simulate(p, g)).source
     assert src.count("tp 2 x 1 replicas") == 1
+
+
+def test_compile_keeps_a_tp_per_stage_unless_a_tied_weight_crosses_degrees(gpt2, llama) -> None:
+    """compile runs the solver's plan with a tp per stage as it is; it plans again without tensor parallelism
+    only where an embedding tied to the LM head would be held at two degrees (or tp meets swap or offload)."""
+    from hpml_compile.driver import _unrunnable_tp
+
+    def two_stages(prof, tp: tuple[int, int]) -> Plan:
+        names = [n.name for n in prof.nodes]
+        cut = next(i for i, n in enumerate(prof.nodes) if n.scope.startswith("layers.1"))
+        devs = (tuple(f"gpu{i}" for i in range(tp[0])), tuple(f"gpu{i}" for i in range(tp[0], tp[0] + tp[1])))
+        return Plan("m", load_cluster("dgx-h100-8"), Schedule.ONE_F_ONE_B, 2,
+                    (Stage(0, devs[0], tuple(names[:cut]), tp=tp[0]), Stage(1, devs[1], tuple(names[cut:]), tp=tp[1])),
+                    precision=prof.precision)
+
+    assert _unrunnable_tp(two_stages(llama, (2, 1)), llama) is None  # untied
+    why = _unrunnable_tp(two_stages(gpt2, (2, 1)), gpt2)
+    assert why is not None and "wte.weight" in why and "[2, 1]" in why, why
+    assert _unrunnable_tp(two_stages(gpt2, (2, 2)), gpt2) is None
