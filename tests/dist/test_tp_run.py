@@ -4,7 +4,9 @@ A build whose stages have ``tp > 1`` runs on ``replicas x tp`` ranks per
 stage; each rank holds slices of the sharded layers' parameters. Three AdamW
 steps: the loss of every step, every gradient (a rank's slice against the
 same slice of the eager gradient) and every parameter after the steps (the
-state dict, gathered whole) equal the eager model's within 1e-5 (fp32).
+state dict, gathered whole) equal the eager model's within 1e-5 (fp32), with
+stages of different tp in one pipeline, ZeRO over the data-parallel groups
+and recompute.
 """
 
 from __future__ import annotations
@@ -186,15 +188,19 @@ def test_one_stage_tp2_on_two_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_replicas_and_pipeline_of_tp2_on_four_ranks(tmp_path: Path) -> None:
+def test_replicas_and_pipelines_with_tp_on_four_ranks(tmp_path: Path) -> None:
     """tp=2 x 2 replicas of one stage; two stages of tp=2 each, two microbatches (every rank of a group
-    receives the boundary tensors)."""
+    receives the boundary tensors); and tp 2 x 1 replica beside tp 1 x 2 replicas, both ways round (a boundary
+    that splits the rows between replicas and moves them between degrees)."""
     replicated = _build(tmp_path, "gpt-tiny", "tp2x2", 1, [2], [2])
     pipeline = _build(tmp_path, "gpt-tiny", "pipe-tp2-tp2", 2, [2, 2], [1, 1], microbatches=2)
-    reports = _run(tmp_path, 4, replicated, pipeline)
-    _check(reports, replicated)
-    _check(reports, pipeline)
+    mixed = [_build(tmp_path, "gpt-tiny-untied", "pipe-tp21-x12", 2, [2, 1], [1, 2], microbatches=2),
+             _build(tmp_path, "gpt-tiny-untied", "pipe-tp12-x21", 2, [1, 2], [2, 1], microbatches=2)]
+    reports = _run(tmp_path, 4, replicated, pipeline, *mixed)
+    for b in (replicated, pipeline, *mixed):
+        _check(reports, b)
     assert [r[pipeline[1]]["stage"] for r in reports] == [0, 0, 1, 1]
+    assert [r[mixed[0][1]]["tp"] for r in reports] == [2, 2, 1, 1]
 
 
 @pytest.mark.slow
