@@ -105,8 +105,8 @@ class Options:
             more CPU devices than the profile's cores, the plan uses only as many of them as there are cores, the
             rest idle (:func:`within_cores`), unless nothing fits on those.
         max_tp: the largest tensor-parallel degree a stage may take (1, 2, 4 or 8; :mod:`hpml_compile.tp`).
-            :func:`compile` plans again with 1 where the solver gives stages different degrees (or combines tp
-            with ZeRO, recompute, swap or offload), which the runtime does not run
+            :func:`compile` plans again with 1 where the solver combines tp with swap or offload, or gives
+            stages that share a tied parameter different degrees, which the runtime does not run
             (:func:`hpml_compile.codegen.tensor_parallel.tp_degree`); :func:`replan` plans with 1.
     """
 
@@ -563,7 +563,7 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Pat
     _dump(opts, "2-profile.json", lambda p: save_profile(measured, p))
     tell(f"[3/4] planning on {c.name} ({len(c.devices)} devices) with {SolverName(opts.solver).value}")
     placed = plan(measured, c, opts, progress=say)                                  # 3-5. costgraph, solve
-    unrunnable = _unrunnable_tp(placed)
+    unrunnable = _unrunnable_tp(placed, measured)
     if unrunnable:                                                                  # 5b. tp the runtime runs
         tell(f"      {unrunnable}; planning again without tensor parallelism (--max-tp 1)")
         placed = plan(measured, c, replace(opts, max_tp=1), progress=say)
@@ -572,12 +572,24 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Pat
                      recipe)
 
 
-def _unrunnable_tp(placed: Plan) -> str | None:
-    """Why the runtime cannot run ``placed``'s tensor-parallel stages (None: it can, or there are none)."""
+def _unrunnable_tp(placed: Plan, prof: Profile) -> str | None:
+    """Why the runtime cannot run ``placed``'s tensor-parallel stages (None: it can, or there are none): swap or
+    offload with ``tp > 1``, or a parameter tied between stages of different ``tp``
+    (:func:`hpml_compile.codegen.tensor_parallel.check_shared`)."""
     try:
         tp_degree(placed)
     except PlanError as e:
         return str(e).split(";")[0]
+    where = {n: st.index for st in placed.stages for n in st.nodes}
+    users: dict[str, set[int]] = {}
+    for node in prof.nodes:
+        for name in node.params:
+            if node.name in where:
+                users.setdefault(name, set()).add(where[node.name])
+    for name, stages in users.items():
+        if len({placed.stages[k].tp for k in stages}) > 1:
+            return (f"{name} is shared by stages {sorted(stages)} of tensor-parallel degrees "
+                    f"{[placed.stages[k].tp for k in sorted(stages)]}")
     return None
 
 
@@ -603,8 +615,7 @@ def _generate(module: nn.Module, inputs: tuple[Any, ...], gm: fx.GraphModule, pl
 
     Raises:
         HpmlError: the plan breaks a rule of the profile, or an exported model cannot execute at that size.
-        PlanError: stages with different ``tp``, or ``tp > 1`` with ZeRO, recompute, swap or offload
-            (:func:`hpml_compile.codegen.tensor_parallel.tp_degree`).
+        PlanError: ``tp > 1`` with swap or offload (:func:`hpml_compile.codegen.tensor_parallel.tp_degree`).
     """
     validate_plan(placed, prof)
     tp_degree(placed)  # PlanError where the runtime cannot run the plan's tensor-parallel stages

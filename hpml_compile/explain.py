@@ -30,7 +30,7 @@ from .errors import HpmlError
 from .ir import Cluster, Device, Profile
 from .memory import GiB
 from .plan import Plan, Stage
-from .simulate import SimResult, crowded_devices, loss_agreement_ms
+from .simulate import SimResult, boundary_copies, crowded_devices, loss_agreement_ms
 from .solve import SolverName
 from .cluster import hierarchy
 from .plan import AllReduce
@@ -238,6 +238,15 @@ def tp_lines(plan: Plan, graph: CostGraph, most: int = 6) -> list[str]:
                    "logits all-gathered; norms and residuals replicated")
         for u in whole[:most]:
             out.append(f"    kept whole at tp {st.tp}: {u.scope} ({u.kind}): its split sizes allow at most tp {u.max_tp}")
+    for a, b in zip(plan.stages, plan.stages[1:]):
+        if a.tp == b.tp:
+            continue
+        fwd, bwd = boundary_copies(a.tp, b.tp)
+        how = (f"forward from {b.tp} of the {a.tp} places of each group of stage {a.index}, the gradient back to "
+               f"every place ({bwd} copies from each rank of stage {b.index})") if a.tp > b.tp else (
+               f"forward to every place of stage {b.index}'s groups ({fwd} copies from each rank of stage {a.index}), "
+               f"the gradient back from {a.tp} of its {b.tp} places")
+        out.append(f"  tensor parallel, boundary {a.index} -> {b.index} (tp {a.tp} -> {b.tp}): whole tensors, {how}")
     for scope, why in tp.unmatched[:most]:
         out.append(f"  tensor parallel: {scope} keeps tp 1: {why}")
     if len(tp.unmatched) > most:

@@ -130,7 +130,7 @@ from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, ev
                         steps_flat, stream_bytes_per_ms, stream_ms, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "step_ms", "stage_costs", "annotate", "crowded_devices",
-           "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms", "replica_skew_ms"]
+           "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms", "replica_skew_ms", "boundary_copies"]
 
 
 class EventKind(str, enum.Enum):
@@ -179,6 +179,8 @@ class StageCost:
             pace on its own rows; ``fwd_ms`` and ``bwd_ms`` are the slowest replica's.
         gather_ms: ZeRO-1/2's parameter all-gather after this stage's optimizer step, where the runtime runs it
             whole there (not prefetched: :func:`hpml_compile.stagecost.stepped_gather_ms`).
+        returns: ``(later stage, ms)`` of the gradients each later stage sends back, where that differs from
+            ``sends`` (stages of different ``tp``: :func:`boundary_copies`); empty: the same as ``sends``.
     """
 
     fwd_ms: float
@@ -195,6 +197,12 @@ class StageCost:
     device_memory: tuple[MemoryBreakdown, ...] = ()
     replica_ms: tuple[tuple[float, float], ...] = ()
     gather_ms: float = 0.0
+    returns: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def back(self) -> tuple[tuple[int, float], ...]:
+        """``(later stage, ms)`` of the gradients coming back over each boundary this stage sends on."""
+        return self.returns or self.sends
 
     @property
     def compute_ms(self) -> float:
@@ -313,6 +321,18 @@ def _tp_comm(graph: CostGraph, nodes: list[str], tp: int, share: int,
     return float(fwd), float(bwd)
 
 
+def boundary_copies(tp_src: int, tp_dst: int) -> tuple[int, int]:
+    """How many copies of a boundary tensor one rank sends one after another, ``(forward, backward)``, between
+    a stage of ``tp_src`` and the next of ``tp_dst`` (:class:`hpml_compile.codegen.tensor_parallel.Places`):
+    each receiving place reads from one sending place, so the narrower side sends to every place of the wider
+    group that reads from it.
+
+    >>> boundary_copies(2, 2), boundary_copies(2, 1), boundary_copies(1, 4)
+    ((1, 1), (1, 2), (4, 1))
+    """
+    return -(-tp_dst // tp_src), -(-tp_src // tp_dst)
+
+
 def _rows(st: Stage, microbatches: int, batch: int) -> tuple[float, ...]:
     """Rows of one microbatch each replica of ``st`` trains on (the equal split where the plan gives none)."""
     return tuple(float(r) for r in st.rows) if st.rows else even_rows(batch / microbatches, st.replicas)
@@ -378,14 +398,17 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
             if not st.rows and all(c.device(y).is_cpu == c.device(x).is_cpu for y in st.devices):
                 mems = [mems[0]] * len(st.devices)  # equal replicas hold equal bytes
                 break
-        send_ms = []
+        send_ms, back_ms = [], []
         for j, prods in sorted(sends.items()):
             dst = plan.stages[j]
             # the largest piece one device sends or receives: its share of a microbatch's rows, in either split
             nbytes = sum(prods.values()) * max(max(_rows(st, m, batch)), max(_rows(dst, m, batch))) / batch \
                 if st.rows or dst.rows else sum(prods.values()) / (m * min(d, dst.replicas))
             link = link_spec(c, st.devices[0], dst.devices[0])
-            send_ms.append((j, transfer_ms(cost_models.p2p_ms, nbytes, link)))
+            one = transfer_ms(cost_models.p2p_ms, nbytes, link)
+            fwd_copies, bwd_copies = boundary_copies(st.tp, dst.tp)
+            send_ms.append((j, one * fwd_copies))
+            back_ms.append((j, one * bwd_copies))
         host = host_link_spec(c.device(st.devices[0]))
         most = max(_rows(st, m, batch)) / batch  # the largest replica's share of the batch per microbatch
         swap_ms = transfer_ms(cost_models.p2p_ms, swapped * most if st.rows else swapped / (m * d), host) \
@@ -402,7 +425,7 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         sync, gather = _sync_cost(plan, graph, st, nodes, params, group, host, dtype, rate, bwd, hier, m, fwd_ms=fwd)
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms), sync - gather + copy,
                              max(mems, key=lambda b: b.total), opt_ms, fwd_stream, bwd_stream, copy,
-                             tuple(mems), tuple(own), gather))
+                             tuple(mems), tuple(own), gather, tuple(back_ms) if back_ms != send_ms else ()))
     return tuple(out)
 
 
@@ -505,7 +528,7 @@ def _run(plan: Plan, costs: tuple[StageCost, ...], stretch: dict[Op, float] | No
                 f_end, b_end = done[(True, i, k)][1], done[(False, j, k)][1]
                 src, dst = plan.stages[i].devices[0], plan.stages[j].devices[0]
                 comm.append(Interval(src, f_end, f_end + ms, EventKind.SEND, k, i))
-                comm.append(Interval(dst, b_end, b_end + ms, EventKind.SEND, k, j))
+                comm.append(Interval(dst, b_end, b_end + dict(cst.back)[j], EventKind.SEND, k, j))
     return done, comm
 
 
@@ -522,7 +545,7 @@ def _ready(fwd: bool, i: int, k: int, costs: tuple[StageCost, ...], senders: lis
     if (True, i, k) not in done:
         return None
     t = done[(True, i, k)][1] + 2 * costs[i].swap_ms
-    for j, ms in costs[i].sends:
+    for j, ms in costs[i].back:
         if (False, j, k) not in done:
             return None
         t = max(t, done[(False, j, k)][1] + ms)

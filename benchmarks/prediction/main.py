@@ -294,7 +294,7 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, o
         for attempt in range(attempts):  # re-measure when another job shared the CPUs meanwhile
             if rank == 0:
                 _wait_quiet(exclude, wait_s)
-            _job_sum(pipe, 0.0)  # a barrier over every rank of the job
+            _job_sum(0.0)  # a barrier over every rank of the job
             start, before, t0 = len(pipe.metrics), _ticks(exclude), time.perf_counter()
             c0, p0 = time.thread_time(), time.process_time()
             ru0 = resource.getrusage(resource.RUSAGE_THREAD)
@@ -305,7 +305,7 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, o
             ru1 = resource.getrusage(resource.RUSAGE_THREAD)
             sys_ms = (ru1.ru_stime - ru0.ru_stime) * 1e3 / steps  # the kernel's share: page faults, copies
             faults = (ru1.ru_minflt - ru0.ru_minflt) / steps
-            load = torch.tensor([_job_sum(pipe, _load_since(before, exclude, time.perf_counter() - t0)
+            load = torch.tensor([_job_sum(_load_since(before, exclude, time.perf_counter() - t0)
                                           if rank == 0 else 0.0)])  # rank 0's figure, on every rank
             if float(load[0]) <= QUIET:
                 break
@@ -322,16 +322,12 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, o
     Path(out, f"rank{rank}-w{world}-{tag}.json").write_text(json.dumps(report))
 
 
-def _job_sum(pipe: Pipeline, value: float) -> float:
-    """``value`` summed over every rank of the job: over the default group, then over the stage's
-    tensor-parallel group where it has one (the default group of a tensor-parallel build holds one place of
-    those groups, not every rank)."""
+def _job_sum(value: float) -> float:
+    """``value`` summed over every rank of the job (the default group holds them all, a tensor-parallel build's
+    too)."""
     t = torch.tensor([value])
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
-    group = getattr(pipe.build.stages[pipe.stage_index], "hpml_tp", None)
-    if group is not None:
-        t = group.all_reduce(t)
     return float(t[0])
 
 

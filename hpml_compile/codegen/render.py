@@ -39,7 +39,7 @@ from .constants import CONSTANTS_FILE, constants_bytes
 from .emit import class_name, stage_source
 from .lower import lower_stage
 from .manifest import Manifest, file_hashes, input_specs, leaf_modules, sha256
-from .tensor_parallel import graph_units, replica_plan, shard_graph, tp_degree
+from .tensor_parallel import check_shared, graph_units, replica_plan, shard_graphs, tp_degree
 from .partition import batch_dims, canonical_text, microbatch_values, place, plan_actions, specs_of, trace_rows
 
 __all__ = ["render"]
@@ -91,6 +91,7 @@ def render(gm: fx.GraphModule, plan: Plan, *, profile: Profile | None = None, re
     if debug:
         files["lowering.json"] = json.dumps(_debug(owner, values, actions), indent=2) + "\n"
     collectives = list(dict.fromkeys(str(g) for a in actions for g in (*a.grad_sync, *a.after_step)))
+    check_shared(full, [GradSync.parse(t).stages for t in collectives])  # tied weights: one tp
     collectives.sort(key=lambda t: (GradSync.parse(t).stages, t))
     ranks = lower_schedule(plan.schedule, plan.microbatches, [len(st.devices) for st in plan.stages],
                            sends=[a.send is not None for a in actions],
@@ -118,7 +119,7 @@ def _tensor_parallel(gm: fx.GraphModule, plan: Plan, graphs: list[Any]) -> list[
     units = graph_units(gm)
     out = []
     for g, st in zip(graphs, plan.stages):
-        shards = shard_graph(gm, g.graph, units, st.tp)
+        shards = shard_graphs(gm, [g.graph, *g.regions.values()], units, st.tp)
         out.append({"TP": st.tp, "TP_SHARDS": shards})
     return out
 

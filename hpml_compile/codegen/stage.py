@@ -99,6 +99,7 @@ class RegionModule(nn.Module):
         super().__init__()
         for target in self.TARGETS:
             bind(self, model, target, constants)
+        self.hpml_tp: Any = None  # a tensor-parallel stage's group (the runtime sets it)
 
 
 class StageModule(RegionModule):
@@ -130,7 +131,6 @@ class StageModule(RegionModule):
             _add_fast(self, name, cls(model, constants))
         self.hpml_comm: Comm = DetachedComm()
         self.hpml_swap = SwapStats()
-        self.hpml_tp: Any = None  # a tensor-parallel stage's group (the runtime sets it)
 
     def params(self, *names: str) -> list[nn.Parameter]:
         """The bound parameters of these qualified names (here or in a region), in this order.

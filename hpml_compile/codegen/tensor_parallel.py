@@ -1,15 +1,21 @@
-"""Lowering a stage with ``tp > 1``: one rank's shard of its graph, and the plan its replicas run as.
+"""Lowering a stage with ``tp > 1``: one rank's shard of its graph, the plan each rank runs, and its peers.
 
 A stage of ``replicas x tp`` devices (:class:`hpml_compile.plan.Stage`) runs
-as ``tp`` copies of a plan without tensor parallelism, one per place in the
-tensor-parallel groups (:func:`replica_plan`): copy ``t`` holds the devices
-``devices[t::tp]`` (the stage's ``t``-th data-parallel group), runs the
-schedule, the boundaries and the gradient sync of that plan unchanged, and
-meets the other copies only inside the sharded layers. Every rank of a
-tensor-parallel group therefore receives the same boundary tensors from the
-stage before (each copy sends its own), and holds the whole activation after
-each row layer's all-reduce: a stage boundary never reshards, and the
-gradient sync of a sharded parameter runs over its data-parallel group only.
+on one rank per device; every rank runs a plan without tensor parallelism
+(:func:`replica_plan`): a rank at place ``i`` of its group sees each stage
+on ``devices[i % tp::tp]`` (that stage's data-parallel group at place
+``i % tp``), runs that plan's schedule, boundaries and gradient sync, and
+meets the other places only inside the sharded layers. Each rank holds the
+whole activation after a row layer's all-reduce, and the whole gradient of
+a stage's input after the column layers' all-reduce, so a boundary between
+stages of any two degrees moves whole tensors: the receiver at place ``j``
+reads from the sender at place ``j % tp_sender`` (:class:`Places`). Between
+stages of the same ``tp`` place ``i`` talks to place ``i``; a tp-2 stage
+before a tp-1 stage sends forward from place 0 only and gets the gradient
+back on both places (the tp-1 rank sends it twice); a tp-1 stage before a
+tp-2 stage sends its output to both places, and place 0 alone sends the
+gradient back. The gradient sync of a sharded parameter runs over its
+data-parallel group at one place.
 
 :func:`shard_graphs` rewrites each stage graph where :func:`hpml_compile.tp.analyze`
 found Megatron units (Shoeybi et al., 2019):
@@ -25,9 +31,17 @@ qualified name, dimension), which the runtime slices at load
 (:mod:`hpml_compile.runtime.execute.tensor_parallel`). The collectives are in
 :mod:`.tpops`.
 
-What is refused, by name (:func:`replica_plan`): stages of different ``tp``
-(every stage must have the same degree), ZeRO, recompute, swap or offload on
-a stage with ``tp > 1``.
+ZeRO-1/2 shard a tensor-parallel stage's optimizer state and gradients over
+its data-parallel group (each copy's plan is a replicated stage whose
+parameters are this rank's slices), ZeRO-3 its parameters as well; a stage
+that recomputes holds its layers in a region graph, rewritten the same way
+(the recomputed forward repeats the collectives, in the same order on every
+rank of the group).
+
+What is refused, by name: swap or offload on a stage with ``tp > 1``
+(:func:`tp_degree`), and parameters tied between stages of different ``tp``
+(:func:`check_shared`: one stage would hold slices, the other the whole
+tensor).
 
 Example:
     >>> from hpml_compile.cluster import load_cluster
@@ -36,67 +50,157 @@ Example:
     >>> p = Plan("m", load_cluster("local-cpu-4"), "gpipe", 1, (st,))
     >>> [s.devices for s in replica_plan(p, 1).stages], tp_degree(p)
     ([('cpu1', 'cpu3')], 2)
+    >>> mixed = Plan("m", load_cluster("local-cpu-4"), "gpipe", 1, (Stage(0, ("cpu0", "cpu1"), ("x",), tp=2),
+    ...                                                             Stage(1, ("cpu2",), ("y",))))
+    >>> [s.devices for s in replica_plan(mixed, 1).stages], Places.of(mixed).table(1)
+    ([('cpu1',), ('cpu2',)], [[1], [2]])
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any
+import math
+import operator
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
 
 from ..errors import PlanError
 from ..ir import NodeOp, Profile, ProfileNode
-from ..memory import ZeroStage
 from ..plan import Plan
 from ..tp import TensorParallel, Unit, analyze
 from ..trace import node_info
 from . import tpops
 from .lower import TP_ATTR
 
-__all__ = ["TP_ATTR", "tp_degree", "replica_plan", "graph_units", "shard_graph"]
+__all__ = ["TP_ATTR", "Places", "tp_degree", "replica_plan", "check_shared", "graph_units", "shard_graphs"]
 
 _VIEWS = frozenset({"view", "reshape", "unflatten", "_unsafe_view"})
 
 
 def tp_degree(plan: Plan) -> int:
-    """The tensor-parallel degree every stage of ``plan`` runs at (1: none).
+    """The largest tensor-parallel degree of ``plan``'s stages (1: none).
 
     Raises:
-        PlanError: stages have different degrees above 1 and 1, or a stage with ``tp > 1`` also has ZeRO,
-            recompute, swap or offload (what the runtime does not combine with tensor parallelism).
+        PlanError: a stage with ``tp > 1`` also swaps or offloads its optimizer (what the runtime does not
+            combine with tensor parallelism).
     """
-    degrees = sorted({st.tp for st in plan.stages})
-    if degrees == [1]:
-        return 1
-    if len(degrees) > 1:
-        raise PlanError(f"the plan's stages have tensor-parallel degrees {[st.tp for st in plan.stages]}; the runtime "
-                        "runs a plan whose stages all have the same tp: give every stage the same tp (a stage "
-                        "without sharded layers runs replicated on its group), or set tp to 1")
     for st in plan.stages:
-        what = [w for w, on in (("ZeRO", st.zero is not ZeroStage.NONE), ("recompute", st.recompute),
-                                ("swap", bool(st.swap)), ("offload", st.offload_optimizer))
-                if on]
+        what = [w for w, on in (("swap", bool(st.swap)), ("offload", st.offload_optimizer)) if on and st.tp > 1]
         if what:
             raise PlanError(f"stage {st.index} has tp={st.tp} and {', '.join(what)}, which the runtime does not "
                             f"combine with tensor parallelism: set that stage's {', '.join(what)} off, or its tp to 1")
-    return degrees[0]
+    return max(st.tp for st in plan.stages)
 
 
 def replica_plan(plan: Plan, index: int = 0) -> Plan:
-    """The plan that place ``index`` of every tensor-parallel group runs: each stage on ``devices[index::tp]``
-    with ``tp = 1`` (``plan`` itself where no stage has ``tp > 1``).
+    """The plan that a rank at place ``index`` of its tensor-parallel group runs: each stage on
+    ``devices[index % tp::tp]`` with ``tp = 1`` (``plan`` itself where no stage has ``tp > 1``).
 
     Raises:
         PlanError: see :func:`tp_degree`.
+        ValueError: ``index`` is no place of the plan's groups.
     """
-    tp = tp_degree(plan)
-    if tp == 1:
+    if tp_degree(plan) == 1:
         return plan
-    if not 0 <= index < tp:
-        raise ValueError(f"index {index} is not a place in a group of {tp}")
-    return replace(plan, stages=tuple(replace(st, devices=st.devices[index::tp], tp=1) for st in plan.stages))
+    if not 0 <= index < Places.of(plan).count:
+        raise ValueError(f"index {index} is not a place in the plan's groups of {[st.tp for st in plan.stages]}")
+    return replace(plan, stages=tuple(replace(st, devices=st.devices[index % st.tp::st.tp], tp=1)
+                                      for st in plan.stages))
+
+
+def check_shared(plan: Plan, stage_sets: list[tuple[int, ...]]) -> None:
+    """Refuse a collective over stages of different ``tp`` (a parameter tied between them, an embedding shared
+    with the LM head of another stage, say): each stage's ranks would hold it split differently.
+
+    Raises:
+        PlanError: naming the stages and their degrees.
+    """
+    for stages in stage_sets:
+        tps = sorted({plan.stages[k].tp for k in stages})
+        if len(tps) > 1:
+            raise PlanError(f"stages {list(stages)} share parameters (tied weights), but run at tensor-parallel "
+                            f"degrees {[plan.stages[k].tp for k in stages]}: a shared parameter is held the same "
+                            "way on every stage that uses it; give those stages the same tp, or untie the weights")
+
+
+@dataclass(frozen=True, slots=True)
+class Places:
+    """Which job rank runs each replica of each stage at each place of its tensor-parallel group, and the peers
+    of a boundary between stages of different ``tp``.
+
+    Job ranks follow the plan's device order: replica ``r`` of stage ``k`` holds devices ``r * tp .. r * tp +
+    tp - 1`` of the stage, place ``j`` of its group the ``j``-th of them. A rank at place ``i`` sees every stage
+    at place ``i % tp`` of that stage's groups (:meth:`table`): the ranks it sends to, receives from and syncs
+    with. Along a boundary, the receiver at place ``j`` reads from the sender at place ``j % tp_sender``, so a
+    sender at place ``i`` sends to every receiver place ``j`` with ``j % tp_sender == i``
+    (:meth:`send_places`): a tp-2 stage's output (whole on both ranks after its row layer's all-reduce) goes
+    forward from place 0 only, and the gradient coming back from a tp-1 stage goes to both places; a tp-1
+    stage's output goes to both places of a tp-2 stage after it, whose place 0 alone sends the gradient back
+    (the gradient of its input is whole on each rank: the column layers' all-reduce). Between stages of the
+    same ``tp``, place ``i`` talks to place ``i``.
+
+    Attributes:
+        tps: each stage's degree.
+        replicas: each stage's replicas (its devices over its ``tp``).
+
+    Example:
+        >>> p = Places((2, 1), (1, 1))
+        >>> p.table(1), p.send_places(0, 1, 1), p.send_places(1, 0, 0), p.recv_place(1, 0, 0)
+        ([[1], [2]], [], [0, 1], 0)
+        >>> [p.locate(r) for r in range(3)]
+        [(0, 0, 0), (0, 0, 1), (1, 0, 0)]
+    """
+
+    tps: tuple[int, ...]
+    replicas: tuple[int, ...]
+
+    @classmethod
+    def of(cls, plan: Plan) -> "Places":
+        """The places of ``plan``'s stages."""
+        return cls(tuple(st.tp for st in plan.stages), tuple(st.replicas for st in plan.stages))
+
+    @property
+    def count(self) -> int:
+        """How many different tables the ranks see (the least common multiple of the degrees)."""
+        return math.lcm(*self.tps)
+
+    @property
+    def size(self) -> int:
+        """Ranks in the job."""
+        return sum(t * r for t, r in zip(self.tps, self.replicas))
+
+    def rank(self, stage: int, replica: int, place: int) -> int:
+        """The job rank of ``replica`` of ``stage`` at ``place`` of its group (taken modulo the stage's ``tp``)."""
+        base = sum(t * r for t, r in zip(self.tps[:stage], self.replicas[:stage]))
+        return base + replica * self.tps[stage] + place % self.tps[stage]
+
+    def table(self, place: int) -> list[list[int]]:
+        """Each stage's ranks, one per replica, as a rank at ``place`` sees them."""
+        return [[self.rank(k, r, place) for r in range(n)] for k, n in enumerate(self.replicas)]
+
+    def locate(self, rank: int) -> tuple[int, int, int]:
+        """``(stage, replica, place)`` of a job rank.
+
+        Raises:
+            ValueError: the job has no such rank.
+        """
+        base = 0
+        for k, (t, n) in enumerate(zip(self.tps, self.replicas)):
+            if rank < base + t * n:
+                r, j = divmod(rank - base, t)
+                return k, r, j
+            base += t * n
+        raise ValueError(f"rank {rank} is not one of the plan's {self.size} ranks")
+
+    def send_places(self, me: int, peer: int, place: int) -> list[int]:
+        """The places of stage ``peer``'s group that the rank of stage ``me`` at ``place`` sends a message to."""
+        return [j for j in range(self.tps[peer]) if j % self.tps[me] == place % self.tps[me]]
+
+    def recv_place(self, me: int, peer: int, place: int) -> int:
+        """The place of stage ``peer``'s group that the rank of stage ``me`` at ``place`` receives a message from."""
+        return place % self.tps[me] % self.tps[peer]
 
 
 def graph_units(gm: fx.GraphModule) -> TensorParallel:
@@ -186,12 +290,15 @@ def _divide_shape(node: fx.Node, unit: Unit, heads: int | None, features: int, t
         node.args = tuple(args[:shape_pos] + shape)
 
 
-def shard_graph(gm: fx.GraphModule, graph: fx.Graph, units: TensorParallel, tp: int) -> tuple[tuple[str, int], ...]:
-    """Rewrite one stage's graph (in place) to run one rank's shard of its units at degree ``tp``.
+def shard_graphs(gm: fx.GraphModule, graphs: Sequence[fx.Graph], units: TensorParallel,
+                 tp: int) -> tuple[tuple[str, int], ...]:
+    """Rewrite one stage's graphs (in place) to run one rank's shard of its units at degree ``tp``.
 
     Args:
         gm: the traced model (its submodules say which linear layers have a bias).
-        graph: the stage's lowered graph (node names as in ``gm``).
+        graphs: the stage's lowered graphs (node names as in ``gm``): its forward and its regions (a recompute
+            region holds the stage's layers; its forward reads the group from its own ``hpml_tp``, and the
+            recomputation in backward repeats the collectives in the same order on every rank).
         units: :func:`graph_units` of ``gm``.
         tp: the degree.
 
@@ -201,13 +308,20 @@ def shard_graph(gm: fx.GraphModule, graph: fx.Graph, units: TensorParallel, tp: 
     Raises:
         PlanError: a reshape inside a unit has computed sizes, or an embedding has ``padding_idx``.
     """
-    by_name = {n.name: n for n in graph.nodes}
+    shards: dict[str, int] = {}
+    for graph in graphs:
+        _shard_one(gm, graph, units, tp, shards)
+    return _once(gm, shards)
+
+
+def _shard_one(gm: fx.GraphModule, graph: fx.Graph, units: TensorParallel, tp: int, shards: dict[str, int]) -> None:
+    # a region's outputs come back to the stage's graph as getitem nodes named after them: not the layers
+    by_name = {n.name: n for n in graph.nodes if not (n.op == "call_function" and n.target is operator.getitem)}
     anchor = next((n for n in graph.nodes if n.op not in ("placeholder", "get_attr")), None)
     if anchor is None:
-        return ()
+        return
     with graph.inserting_before(anchor):
         group = graph.get_attr(TP_ATTR)
-    shards: dict[str, int] = {}
     for unit in units.units:
         if not 1 < tp <= unit.max_tp or not any(c in by_name for c in unit.columns):
             continue
@@ -226,7 +340,6 @@ def shard_graph(gm: fx.GraphModule, graph: fx.Graph, units: TensorParallel, tp: 
     if not group.users:
         graph.erase_node(group)
     graph.lint()
-    return _once(gm, shards)
 
 
 def _once(gm: fx.GraphModule, shards: dict[str, int]) -> tuple[tuple[str, int], ...]:

@@ -4,7 +4,9 @@ A build whose stages have ``tp > 1`` runs on ``replicas x tp`` ranks per
 stage; each rank holds slices of the sharded layers' parameters. Three AdamW
 steps: the loss of every step, every gradient (a rank's slice against the
 same slice of the eager gradient) and every parameter after the steps (the
-state dict, gathered whole) equal the eager model's within 1e-5 (fp32).
+state dict, gathered whole) equal the eager model's within 1e-5 (fp32), with
+stages of different tp in one pipeline, ZeRO over the data-parallel groups
+and recompute.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class Subject:
 
 
 def _subject(name: str) -> Subject:
-    """``gpt-mini`` / ``gpt-tiny`` from the zoo, or ``llama``: a tiny transformers Llama computing its own loss."""
+    """``gpt-mini`` / ``gpt-tiny`` from the zoo (``-untied``: its LM head not tied to its embedding), or ``llama``:
+    a tiny transformers Llama computing its own loss."""
     g = torch.Generator().manual_seed(1)
     if name == "llama":
         torch.manual_seed(0)
@@ -62,7 +65,10 @@ def _subject(name: str) -> Subject:
             ids = torch.randint(3, 96, (ROWS, SEQ), generator=g)
             batches.append(((ids, torch.ones(ROWS, SEQ, dtype=torch.long), ids.clone()), None))
         return Subject(model, batches, model_loss)
-    loaded = models.load(name, batch_size=ROWS, seq_len=SEQ, seed=0)
+    loaded = models.load(name.removesuffix("-untied"), batch_size=ROWS, seq_len=SEQ, seed=0)
+    if name.endswith("-untied"):  # its LM head a weight of its own, equal to the embedding's at the start
+        head = loaded.module.get_submodule("lm_head")
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
     wte = loaded.module.get_submodule("wte")
     assert isinstance(wte, torch.nn.Embedding)
     vocab = wte.num_embeddings
@@ -99,16 +105,18 @@ def _reference(name: str) -> tuple[list[float], list[dict[str, torch.Tensor]], d
     return losses, grads, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _tp_plan(gm: Any, name: str, stages: int, tp: list[int], replicas: list[int], microbatches: int = 1) -> Plan:
+def _tp_plan(gm: Any, name: str, stages: int, tp: list[int], replicas: list[int], microbatches: int = 1,
+             zero: ZeroStage = ZeroStage.NONE, recompute: bool = False) -> Plan:
     plan = split_plan(gm, name, stages, replicas=[r * t for r, t in zip(replicas, tp)],
                       microbatches=microbatches)
-    return replace(plan, stages=tuple(replace(st, tp=t) for st, t in zip(plan.stages, tp)))
+    return replace(plan, stages=tuple(replace(st, tp=t, zero=zero, recompute=recompute)
+                                      for st, t in zip(plan.stages, tp)))
 
 
 def _build(tmp: Path, model: str, name: str, stages: int, tp: list[int], replicas: list[int],
-           microbatches: int = 1) -> tuple[str, str]:
+           microbatches: int = 1, zero: ZeroStage = ZeroStage.NONE, recompute: bool = False) -> tuple[str, str]:
     _, gm = _traced(model)
-    generate(gm, _tp_plan(gm, model, stages, tp, replicas, microbatches), tmp / name)
+    generate(gm, _tp_plan(gm, model, stages, tp, replicas, microbatches, zero, recompute), tmp / name)
     return model, str(tmp / name)
 
 
@@ -144,6 +152,7 @@ def _case(model: str, build_dir: str, init: str) -> dict[str, Any]:
     state = pipe.state_dict()
     report = {
         "stage": pipe.stage_index,
+        "tp": stage.TP,
         "loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
         "grad": grad_diff,
         "checked": checked,
@@ -162,10 +171,12 @@ def _run(tmp: Path, world: int, *builds: tuple[str, str]) -> list[dict[str, Any]
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def _check(reports: list[dict[str, Any]], build: tuple[str, str]) -> None:
+def _check(reports: list[dict[str, Any]], build: tuple[str, str], grads: bool = True) -> None:
+    """Every rank's losses and parameters equal eager's; its gradients too where ``grads`` (ZeRO keeps none
+    in ``p.grad`` after the step: its flat buffers hold this replica's shard)."""
     for r in (rank[build[1]] for rank in reports):
         assert r["moved"] > 1e-4, ("the reference must move its parameters", r)
-        assert r["sliced"] > 0 and r["checked"] > 0, r
+        assert (r["sliced"] > 0 or r["tp"] == 1) and (r["checked"] > 0 or not grads), r
         assert r["loss"] < TOL and r["grad"] < TOL, r
         assert r["keys"] and r["state"] < TOL, r
 
@@ -177,15 +188,19 @@ def test_one_stage_tp2_on_two_ranks(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_replicas_and_pipeline_of_tp2_on_four_ranks(tmp_path: Path) -> None:
+def test_replicas_and_pipelines_with_tp_on_four_ranks(tmp_path: Path) -> None:
     """tp=2 x 2 replicas of one stage; two stages of tp=2 each, two microbatches (every rank of a group
-    receives the boundary tensors)."""
+    receives the boundary tensors); and tp 2 x 1 replica beside tp 1 x 2 replicas, both ways round (a boundary
+    that splits the rows between replicas and moves them between degrees)."""
     replicated = _build(tmp_path, "gpt-tiny", "tp2x2", 1, [2], [2])
     pipeline = _build(tmp_path, "gpt-tiny", "pipe-tp2-tp2", 2, [2, 2], [1, 1], microbatches=2)
-    reports = _run(tmp_path, 4, replicated, pipeline)
-    _check(reports, replicated)
-    _check(reports, pipeline)
+    mixed = [_build(tmp_path, "gpt-tiny-untied", "pipe-tp21-x12", 2, [2, 1], [1, 2], microbatches=2),
+             _build(tmp_path, "gpt-tiny-untied", "pipe-tp12-x21", 2, [1, 2], [2, 1], microbatches=2)]
+    reports = _run(tmp_path, 4, replicated, pipeline, *mixed)
+    for b in (replicated, pipeline, *mixed):
+        _check(reports, b)
     assert [r[pipeline[1]]["stage"] for r in reports] == [0, 0, 1, 1]
+    assert [r[mixed[0][1]]["tp"] for r in reports] == [2, 2, 1, 1]
 
 
 @pytest.mark.slow
@@ -196,15 +211,50 @@ def test_transformers_llama_tp2_on_two_ranks(tmp_path: Path) -> None:
     _check(_run(tmp_path, 2, build), build)
 
 
+@pytest.mark.slow
+def test_zero_over_the_data_parallel_groups_of_tp2_replicas(tmp_path: Path) -> None:
+    """tp=2 x 2 replicas on 4 ranks under ZeRO-1, 2 and 3: each shard is a slice of this rank's tensor-parallel
+    slices, over its data-parallel group; losses and parameters after 3 AdamW steps are eager's."""
+    builds = [_build(tmp_path, "gpt-tiny", f"tp2x2-zero{int(z)}", 1, [2], [2], microbatches=2, zero=z)
+              for z in (ZeroStage.OS, ZeroStage.OS_G, ZeroStage.OS_G_P)]
+    reports = _run(tmp_path, 4, *builds)
+    for b in builds:
+        _check(reports, b, grads=False)
+
+
+@pytest.mark.slow
+def test_recompute_repeats_the_tensor_parallel_collectives(tmp_path: Path) -> None:
+    """Two stages of tp=2 that recompute (their layers in a region graph, sharded the same way): the
+    recomputed forward repeats each all-reduce in the same order on both ranks of a group."""
+    build = _build(tmp_path, "gpt-tiny", "tp2-recompute", 2, [2, 2], [1, 1], microbatches=2, recompute=True)
+    text = Path(build[1], "stage_0.py").read_text()
+    assert "ops.checkpoint(" in text and "ops.tp_row(hpml_tp" in text, text
+    _check(_run(tmp_path, 4, build), build)
+
+
+@pytest.mark.slow
+def test_pipelines_of_tp_2_then_1_and_1_then_2_on_three_ranks(tmp_path: Path) -> None:
+    """Two stages of different tp on 3 ranks, a GPT and a transformers Llama: a tp-2 stage's output goes
+    forward from its place 0 and the gradient comes back to both places; a tp-1 stage's output goes to both
+    places of the tp-2 stage after it, whose place 0 sends the gradient back."""
+    builds = [_build(tmp_path, model, f"{model}-tp{a}{b}", 2, [a, b], [1, 1], microbatches=2)
+              for model in ("gpt-tiny-untied", "llama") for a, b in ((2, 1), (1, 2))]
+    reports = _run(tmp_path, 3, *builds)
+    for b in builds:
+        _check(reports, b)
+        assert [r[b[1]]["stage"] for r in reports] == ([0, 0, 1] if "tp21" in b[1] else [0, 1, 1])
+        assert [r[b[1]]["tp"] for r in reports] == ([2, 2, 1] if "tp21" in b[1] else [1, 2, 2])
+
+
 def test_what_the_runtime_cannot_run_is_refused_by_name(tmp_path: Path) -> None:
-    """Stages of different tp, tp with ZeRO, and a tensor-parallel build in one process."""
+    """Weights tied between stages of different tp, tp with swap, and a tensor-parallel build in one process."""
     sub, gm = _traced("gpt-tiny")
-    with pytest.raises(PlanError, match="same tp"):
+    with pytest.raises(PlanError, match=r"stages \[0, 1\] share parameters \(tied weights\).*\[2, 1\]"):
         generate(gm, _tp_plan(gm, "gpt-tiny", 2, [2, 1], [1, 1]), tmp_path / "mixed")
-    zero = _tp_plan(gm, "gpt-tiny", 1, [2], [2])
-    zero = replace(zero, stages=(replace(zero.stages[0], zero=ZeroStage.OS),))
-    with pytest.raises(PlanError, match="ZeRO"):
-        generate(gm, zero, tmp_path / "zero")
+    swap = _tp_plan(gm, "gpt-tiny", 1, [2], [1])
+    swap = replace(swap, stages=(replace(swap.stages[0], swap=swap.stages[0].nodes[-3:]),))
+    with pytest.raises(PlanError, match="swap"):
+        generate(gm, swap, tmp_path / "swap")
     _, build = _build(tmp_path, "gpt-tiny", "tp2", 1, [2], [1])
     with pytest.raises(HpmlError, match="ranks of their own"):
         Pipeline.from_build(build, sub.module)

@@ -255,3 +255,48 @@ def test_ilp_is_never_slower_than_the_grid_mesh() -> None:
     ilp, grid = (solve(g, c, solver=s, time_limit_s=10) for s in ("ilp", "grid"))
     assert ilp.predicted.step_ms <= grid.predicted.step_ms
     assert ilp.solver.name == "portfolio+grid" and len({c.device(d).kind for d in ilp.stages[0].devices}) == 2
+
+
+def test_a_plan_with_a_tp_per_stage_validates_prices_shows_and_explains(llama) -> None:
+    """Stages of tp 2 and 1 in one plan: the plan carries each stage's degree through validation, the simulator
+    (only stage 0's memory is divided, only it pays the collectives), the picture and the explanation."""
+    from hpml_compile.viz import plan_graph
+
+    nodes = [n.name for n in llama.nodes]
+    cut = next(i for i, n in enumerate(llama.nodes) if n.scope.startswith("layers.1"))
+    c = load_cluster("dgx-h100-8")
+    two = (Stage(0, ("gpu0", "gpu1"), tuple(nodes[:cut]), tp=2), Stage(1, ("gpu2",), tuple(nodes[cut:])))
+    p = Plan("m", c, Schedule.ONE_F_ONE_B, 2, two, precision=llama.precision)
+    validate_plan(p, llama)
+    g = build(llama).coarsen()
+    mixed = stage_costs(p, g, llama.dtype)
+    flat = stage_costs(replace(p, stages=(replace(two[0], devices=("gpu0",), tp=1), two[1])), g, llama.dtype)
+    assert mixed[0].memory.params < flat[0].memory.params and mixed[1].memory == flat[1].memory
+    assert mixed[1].fwd_ms == flat[1].fwd_ms
+    # the tp-1 rank sends the gradient to both places of the tp-2 stage: two copies back, one forward
+    assert dict(mixed[0].back)[1] == pytest.approx(2 * dict(mixed[0].sends)[1]) and flat[0].back == flat[0].sends
+    lines = tp_lines(p, g)
+    assert lines[0].startswith("  tensor parallel, stage 0 (tp 2") and not any("stage 1 (tp" in x for x in lines)
+    assert any(x.startswith("  tensor parallel, boundary 0 -> 1 (tp 2 -> 1)") and "2 copies from each rank of stage 1"
+               in x for x in lines), lines
+    src = plan_graph(p, g, simulate(p, g)).source
+    assert src.count("tp 2 x 1 replicas") == 1
+
+
+def test_compile_keeps_a_tp_per_stage_unless_a_tied_weight_crosses_degrees(gpt2, llama) -> None:
+    """compile runs the solver's plan with a tp per stage as it is; it plans again without tensor parallelism
+    only where an embedding tied to the LM head would be held at two degrees (or tp meets swap or offload)."""
+    from hpml_compile.driver import _unrunnable_tp
+
+    def two_stages(prof, tp: tuple[int, int]) -> Plan:
+        names = [n.name for n in prof.nodes]
+        cut = next(i for i, n in enumerate(prof.nodes) if n.scope.startswith("layers.1"))
+        devs = (tuple(f"gpu{i}" for i in range(tp[0])), tuple(f"gpu{i}" for i in range(tp[0], tp[0] + tp[1])))
+        return Plan("m", load_cluster("dgx-h100-8"), Schedule.ONE_F_ONE_B, 2,
+                    (Stage(0, devs[0], tuple(names[:cut]), tp=tp[0]), Stage(1, devs[1], tuple(names[cut:]), tp=tp[1])),
+                    precision=prof.precision)
+
+    assert _unrunnable_tp(two_stages(llama, (2, 1)), llama) is None  # untied
+    why = _unrunnable_tp(two_stages(gpt2, (2, 1)), gpt2)
+    assert why is not None and "wte.weight" in why and "[2, 1]" in why, why
+    assert _unrunnable_tp(two_stages(gpt2, (2, 2)), gpt2) is None

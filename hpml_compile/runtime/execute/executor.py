@@ -565,7 +565,7 @@ def step_rank(build: Build, comm: DistComm, inputs: Sequence[Any], targets: Any,
     stages = {comm.stage: build.stages[comm.stage]}
     stages[comm.stage].hpml_comm = comm
     m = build.plan.microbatches
-    order = [(comm.rank, a) for a in actions_for(build, m)[comm.rank]]
+    order = [(comm.slot, a) for a in actions_for(build, m)[comm.slot]]
     run = run_actions(build, order, stages, comm, inputs, targets, loss_fn, m, device=comm.device,
                       optimizer=optimizer, keep_outputs=True)
     return _result(run, stages)

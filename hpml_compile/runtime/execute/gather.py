@@ -48,13 +48,15 @@ def unflatten(flat: Tensor, shapes: list[torch.Size]) -> list[Tensor]:
     return out
 
 
-def tensor_owners(model: nn.Module, build: Build) -> dict[str, tuple[int, Tensor | None]]:
+def tensor_owners(model: nn.Module, build: Build, ranks: list[list[int]] | None = None
+                  ) -> dict[str, tuple[int, Tensor | None]]:
     """For each state-dict key of ``model``: the owning rank and, on that rank, the stage's tensor.
 
     Keys that name the same tensor (tied weights) share an owner. A key no
-    stage binds is owned by rank 0 (its value is the model's own).
+    stage binds is owned by rank 0 (its value is the model's own). ``ranks``: each stage's ranks, the first
+    one owning its tensors (None: the build's plan's).
     """
-    ranks = stage_ranks(build.plan)
+    ranks = ranks if ranks is not None else stage_ranks(build.plan)
     state = model.state_dict(keep_vars=True)
     alias: dict[int, list[str]] = {}
     for key, t in state.items():
@@ -82,18 +84,21 @@ def _value(held: Tensor | None, own: Tensor) -> Tensor:
     return held if held is not None else own
 
 
-def gather_state_dict(model: nn.Module, build: Build, rank: int) -> dict[str, Tensor]:
+def gather_state_dict(model: nn.Module, build: Build, rank: int, ranks: list[list[int]] | None = None
+                      ) -> dict[str, Tensor]:
     """The full model's current state on every rank (collective: every rank must call it).
 
     Args:
         model: this rank's model (the one the build is bound to).
         build: the build.
         rank: this rank.
+        ranks: each stage's ranks, the same on every rank (None: the build's plan's); the first one of a stage
+            sends its tensors.
 
     Returns:
         Original names -> CPU tensors.
     """
-    owners = tensor_owners(model, build)
+    owners = tensor_owners(model, build, ranks)
     state = model.state_dict(keep_vars=True)
     out: dict[str, Tensor] = {}
     groups: dict[tuple[int, torch.dtype], list[str]] = {}
@@ -119,7 +124,8 @@ def gather_state_dict(model: nn.Module, build: Build, rank: int) -> dict[str, Te
     return {k: out[k] for k in state}
 
 
-def gather_outputs(outs: list[tuple[int, int, Any]], plan: Plan, rank: int, everywhere: bool) -> Any:
+def gather_outputs(outs: list[tuple[int, int, Any]], plan: Plan, rank: int, everywhere: bool,
+                   last: list[int] | None = None) -> Any:
     """Merge the last stage's ``(microbatch, replica, output)`` slices into the batch output.
 
     Collective when the last stage has several replicas or ``everywhere`` is
@@ -128,7 +134,7 @@ def gather_outputs(outs: list[tuple[int, int, Any]], plan: Plan, rank: int, ever
     Returns:
         The output on the last stage's ranks (every rank with ``everywhere``), else None.
     """
-    last = stage_ranks(plan)[-1]
+    last = last if last is not None else stage_ranks(plan)[-1]
     if len(last) == 1 and not everywhere:
         return merge_outputs([o for _, _, o in sorted(outs, key=lambda t: (t[0], t[1]))]) if rank in last else None
     every: list[Any] = [None] * dist.get_world_size()

@@ -161,7 +161,10 @@ class Pipeline:
         self._memory_seen: dict[tuple[int, int], int] = {}  # (microbatches, rows) -> steps whose memory was counted
         self._agreed_loss: float | None = None  # the last step's agreed loss sum (ranks), for a peer behind
         self._regrouped = False  # the loss agreement re-formed the group and nobody had committed: retry as is
-        self._ranks = stage_ranks(self.plan)
+        # job ranks of each stage's replicas, as this rank sees them (its place, where stages have tp > 1)
+        self._places = session.places if isinstance(session, TensorParallelSession) else None
+        self._ranks = self._places.table(session.tp_index) if isinstance(session, TensorParallelSession) \
+            else stage_ranks(self.plan)
         self._reps = [len(st.devices) for st in self.plan.stages]
         self._splits = stage_splits(build)  # each stage's replica count, or its plan rows (uneven)
         self._mb_rows = build.manifest.inputs[0].shape[0] if build.manifest.inputs else None
@@ -182,13 +185,14 @@ class Pipeline:
             self.stage_index, self.replica = 0, 0
         else:
             self.rank, self.world_size = session.rank, session.world_size
-            want = sum(self._reps)
+            want = self._places.size if self._places is not None else sum(self._reps)
             if self.world_size != want:
                 raise HpmlError(f"the build's plan runs on {want} devices (one rank each: "
                                 f"{', '.join(d for st in self.plan.stages for d in st.devices)}), but the world has "
                                 f"{self.world_size} ranks: start {want} processes (hpml-compile run --nproc {want}) "
                                 "or recompile the model for this many devices")
-            self._devices = rank_devices(self.plan, torch.cuda.device_count() if torch.cuda.is_available() else None)
+            whole = session.plan if isinstance(session, TensorParallelSession) else self.plan  # every job rank's
+            self._devices = rank_devices(whole, torch.cuda.device_count() if torch.cuda.is_available() else None)
             self.device = self._devices[self.rank]
             self._check_device()
             if self.device.type == "cuda":
@@ -222,9 +226,8 @@ class Pipeline:
         # parameters and optimizer state after the last step that counted memory, gradients at their peak
         self.held: Held | None = None
         self._peak: tuple[int, str] | None = None  # the peak memory of the last step that measured it
-        mon = session.job_rank if isinstance(session, TensorParallelSession) else self.rank  # files of its own
-        self.monitor = Monitor(run_dir, mon, tensorboard=tensorboard, events=events) \
-            if run_dir is not None else Monitor(None, mon)
+        self.monitor = Monitor(run_dir, self.rank, tensorboard=tensorboard, events=events) \
+            if run_dir is not None else Monitor(None, self.rank)
         self.trainer: Any = None  # a TrainSpec's loop (.trainer.Trainer) where compile() was given one
         self.events: EventLog | None = None
         self.host: HostSampler | None = None
@@ -262,13 +265,15 @@ class Pipeline:
         if init_method is None and (dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1):
             init_method = "env://"
         session: Session | None
-        if tp_degree(build.plan) > 1:  # a default group per place of the tensor-parallel groups
+        if tp_degree(build.plan) > 1:  # the job's group, and each rank's tensor-parallel group
             session, build = open_tensor_parallel(build, init_method, retry, kwargs.get("log"))
         else:
             session = Session(init_method, policy=retry, log=kwargs.get("log"), live=live) if init_method else None
         if weights is not None:  # only this rank's stages read their tensors
             ranks = stage_ranks(build.plan)
-            mine = [st for k, st in enumerate(build.stages) if session is None or session.rank in ranks[k]]
+            mine = [st for k, st in enumerate(build.stages)
+                    if session is None or (session.stage == k if isinstance(session, TensorParallelSession)
+                                           else session.rank in ranks[k])]
             load_stage_weights(model, mine, Path(weights))
         if isinstance(session, TensorParallelSession):
             shard_rank(build, model, session)  # after the weights: each rank keeps its slices
@@ -277,7 +282,7 @@ class Pipeline:
     def _check_device(self) -> None:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             k = self.stage_index_of(self.rank)
-            dev = self.plan.stages[k].devices[self.rank - self._ranks[k][0]]
+            dev = self.plan.stages[k].devices[self._ranks[k].index(self.rank)]
             raise HpmlError(f"rank {self.rank} runs stage {k} on {dev} "
                             f"({self.plan.cluster.device(dev).kind}), but this host has no CUDA device: start it "
                             "on a host with a GPU, or compile for a cluster of this host's devices")
@@ -304,8 +309,8 @@ class Pipeline:
         # the session's time-out on the sub-groups too: a gather a failed step left pending holds the teardown
         # (Session.reopen) until it ends, which on a dead peer is that time-out (torch's default is 30 minutes)
         timeout = self.session.timeout if self.session is not None else None
-        pairs, groups = make_groups(self.plan, self._devices, self.build.manifest.groups(), timeout)
-        comm = DistComm(self.plan, self.rank, self._devices, pairs, groups, timeout=timeout)
+        pairs, groups = make_groups(self.plan, self._devices, self.build.manifest.groups(), timeout, self._places)
+        comm = DistComm(self.plan, self.rank, self._devices, pairs, groups, timeout=timeout, places=self._places)
         comm.faults = self._faults
         comm.shared_memory = self._shared_memory
         comm.events = getattr(self, "events", None)
@@ -718,13 +723,22 @@ class Pipeline:
         if snap["cuda_rng"] is not None:
             torch.cuda.set_rng_state(snap["cuda_rng"], self.device)
 
+    def _sum_once(self, t: Tensor) -> None:
+        """A SUM all-reduce over the job of what each stage replica holds once: the ranks of a tensor-parallel
+        group hold the same loss, so only place 0 adds its value (every rank adds the rest: the loss
+        agreement's count and batch hash)."""
+        if isinstance(self.session, TensorParallelSession) and self.session.tp_index:
+            t.view(-1)[0] = 0
+        dist.all_reduce(t)
+
     def _order(self, n: int) -> list[tuple[int, Action]]:
         """What this process runs for ``n`` microbatches: its rank's list, or every rank's merged (cached)."""
         if n not in self._orders:
             if self.session is None:
                 self._orders[n] = local_order(self.build, n)
             else:
-                self._orders[n] = [(self.rank, a) for a in actions_for(self.build, n)[self.rank]]
+                slot = self.comm.slot if self.comm is not None else self.rank  # (stage, replica) in plan order
+                self._orders[n] = [(slot, a) for a in actions_for(self.build, n)[slot]]
         return self._orders[n]
 
     def _run_rank(self, inputs: tuple[Any, ...], targets: Any, loss_fn: Callable[[Any, Any], Tensor], n: int,
@@ -743,7 +757,7 @@ class Pipeline:
         # every rank must have been given this very batch: checked in the loss all-reduce (see .batchcheck)
         # (a rank given only its own rows checks the batch's dataset indices and number instead)
         seen = [inputs, targets] if rank_batch is None else [rank_batch.step, rank_batch.indices]
-        agree = self._agreement(agree_with_check(dist.all_reduce, fingerprint(seen), self.steps_done + 1))
+        agree = self._agreement(agree_with_check(self._sum_once, fingerprint(seen), self.steps_done + 1))
         counted = self._counts_memory(n, rows=self.batch_rows if rank_batch is not None else
                                       sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor)))
         if counted:
@@ -909,7 +923,7 @@ class Pipeline:
         outs = self._eval(inputs, n)
         if self.session is None:
             return merge_outputs([o for _, _, o in sorted(outs, key=lambda t: (t[0], t[1]))])
-        return gather_outputs(outs, self.plan, self.rank, everywhere)
+        return gather_outputs(outs, self.plan, self.rank, everywhere, self._ranks[-1])
 
     def _eval(self, inputs: tuple[Any, ...], n: int, own: bool = False) -> list[tuple[int, int, Any]]:
         """Forward ``inputs`` in eval mode (each stage's mode is restored after); the last stage's outputs."""
@@ -965,7 +979,7 @@ class Pipeline:
                 y = ys[j] if own else split_replicas(ys[j], self._splits[last])[r]
                 total += loss_share(loss_fn(out, y).detach().double().cpu(), self._splits[last], r, n)
         if self.session is not None:
-            dist.all_reduce(total)  # only the last stage's replicas add anything
+            self._sum_once(total)  # only the last stage's replicas add anything
         return float(total)
 
     # -- users who own their loop (see .trainer) ----------------------------------------------------
@@ -993,7 +1007,8 @@ class Pipeline:
         if self.session is None:
             return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
         with self.whole():
-            return gather_state_dict(self.model, self.build, self.rank)
+            canonical = self._places.table(0) if self._places is not None else None  # the same owners everywhere
+            return gather_state_dict(self.model, self.build, self.rank, canonical)
 
     @contextlib.contextmanager
     def whole(self, *, changed: bool = False) -> Iterator[None]:

@@ -1,27 +1,22 @@
 """Running a build whose stages have ``tp > 1``: process groups, each rank's parameter slices, whole tensors back.
 
-A plan whose stages run at degree ``tp`` is run as ``tp`` copies of one plan
-without tensor parallelism (:func:`hpml_compile.codegen.tensor_parallel.replica_plan`):
-the ``N`` ranks of the job (one per device, the plan's device order) form
-
-- a default process group per place ``t`` in the tensor-parallel groups:
-  ranks ``t, t + tp, t + 2 tp, ...`` (``N / tp`` ranks), in which the
-  pipeline runs as it does without tensor parallelism: its schedule,
-  boundaries (every rank of a group receives the same tensors), loss
-  agreement and gradient sync (over the data-parallel group of its place,
-  as the plan prices it);
-- a tensor-parallel group per block of ``tp`` consecutive ranks (one
-  replica of one stage), a gloo group made on the job's store outside the
-  default group, which runs the collectives inside the sharded layers
-  (:mod:`hpml_compile.codegen.tpops`).
+The ``N`` ranks of the job (one per device, the plan's device order) form
+one default process group, and each replica of a stage with ``tp > 1`` a
+tensor-parallel group of its ``tp`` consecutive ranks (a gloo group made on
+the job's store outside the default group), which runs the collectives
+inside the sharded layers (:mod:`hpml_compile.codegen.tpops`). A rank runs
+the plan without tensor parallelism that its place in its group sees
+(:func:`hpml_compile.codegen.tensor_parallel.replica_plan`): its schedule,
+its boundaries (peers by :class:`~hpml_compile.codegen.tensor_parallel.Places`,
+stages of different ``tp`` included), and gradient sync over the
+data-parallel group of its place, as the plan prices it. The loss agreement
+runs over the job, each group's loss counted once (place 0 adds it).
 
 Each rank slices the parameters its stage lists in ``TP_SHARDS`` in place
 (the same parameter objects, so the stage module, the optimizer and the
 gradient buffers see the slice); :func:`whole_params` gathers them back to
-whole tensors, so a checkpoint does not depend on ``tp``.
-
-torch.distributed has one default group per process, which is why the
-session here opens it on ``N / tp`` ranks rather than all ``N``.
+whole tensors, so a checkpoint does not depend on ``tp`` (every rank takes
+part in writing it; the whole tensors of a group are stored once).
 
 Example:
     >>> import torch
@@ -43,11 +38,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ...codegen import Build
-from ...codegen.tensor_parallel import replica_plan, tp_degree
+from ...codegen.tensor_parallel import Places, replica_plan, tp_degree
 from ...codegen.tpops import TPGroup
 from ...errors import HpmlError
-from ...schedule import stage_ranks
-from ..sync.comm import Backend
+from ...plan import Plan
 from .session import RetryPolicy, Session
 
 __all__ = ["TensorParallelSession", "slice_param", "shard_build", "whole_params", "checkpoint_view", "open_tensor_parallel",
@@ -55,50 +49,48 @@ __all__ = ["TensorParallelSession", "slice_param", "shard_build", "whole_params"
 
 
 class TensorParallelSession(Session):
-    """A :class:`~.session.Session` whose default group is one place of the tensor-parallel groups.
+    """A :class:`~.session.Session` over every rank of a plan with tensor-parallel stages, and this rank's group.
 
-    Attributes (after opening): ``rank`` and ``world_size`` are this rank's place in its default group
-    (``N / tp`` ranks); ``tp_index`` its place in its tensor-parallel group; ``tp_group`` that group;
-    ``job_rank``, ``job_size`` the rank among all ``N``.
+    Attributes (after opening): ``rank`` and ``world_size`` are the job's (one rank per device of the plan);
+    ``plan`` the job's plan and ``places`` its :class:`~hpml_compile.codegen.tensor_parallel.Places`;
+    ``stage``, ``replica`` and ``tp_index`` this rank's stage, replica and place in its tensor-parallel group;
+    ``tp`` that group's size; ``tp_group`` its process group (None where ``tp`` is 1).
 
     Args:
-        tp: the degree.
+        plan: the job's plan (every stage with its ``tp``).
         init_method: ``env://`` or ``file:///path``.
         rank, world_size: this rank among all ``N`` (None: from the environment).
         policy: the retry policy.
         log: where retry notices go.
 
     Raises:
-        HpmlError: a process group exists already (the default group must be made here), or ``N`` is not a
-            multiple of ``tp``.
+        HpmlError: a process group exists already (this runtime makes the tensor-parallel groups on the job's
+            store), or the job does not have one rank per device of the plan.
     """
 
-    def __init__(self, tp: int, init_method: str = "env://", rank: int | None = None, world_size: int | None = None,
-                 policy: RetryPolicy = RetryPolicy(), log: Callable[[str], None] | None = None) -> None:
+    def __init__(self, plan: Plan, init_method: str = "env://", rank: int | None = None,
+                 world_size: int | None = None, policy: RetryPolicy = RetryPolicy(),
+                 log: Callable[[str], None] | None = None) -> None:
         if dist.is_initialized():
             raise HpmlError("the plan has tensor-parallel stages, whose ranks need process groups this runtime "
                             "makes, but a process group exists already: let hpml_compile create it (give "
                             "init_method, or start the ranks with torchrun), without init_process_group before")
-        self.tp = tp
+        self.plan = plan
+        self.places = Places.of(plan)
         self.tp_group: Any = None
-        self.job_rank = self.job_size = -1
         super().__init__(init_method, rank, world_size, policy, log)
 
     def _open(self) -> None:
-        if self.job_rank < 0:
-            self.job_rank, self.job_size = self.rank, self.world_size
-            if self.job_size % self.tp:
-                raise HpmlError(f"the job has {self.job_size} ranks, which tensor-parallel groups of {self.tp} do "
-                                f"not divide: start a multiple of {self.tp} ranks, one per device of the plan")
-        timeout = datetime.timedelta(seconds=self.policy.timeout_s)
-        self.tp_index, block = self.job_rank % self.tp, self.job_rank // self.tp
-        self.rank, self.world_size = block, self.job_size // self.tp
-        gen = f"hpml/gen{self.generation}/"
-        store = dist.PrefixStore(f"{gen}place{self.tp_index}/", self._store)
-        self._with_retry("process group", lambda: dist.init_process_group(
-            Backend.GLOO.value, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout))
-        self.tp_group = dist.ProcessGroupGloo(dist.PrefixStore(f"{gen}tp{block}/", self._store), self.tp_index,
-                                              self.tp, timeout)
+        if self.world_size != self.places.size:
+            raise HpmlError(f"the job has {self.world_size} ranks, but the plan's stages hold {self.places.size} "
+                            f"devices: start {self.places.size} ranks, one per device of the plan")
+        super()._open()
+        self.stage, self.replica, self.tp_index = self.places.locate(self.rank)
+        self.tp = self.places.tps[self.stage]
+        if self.tp > 1:
+            timeout = datetime.timedelta(seconds=self.policy.timeout_s)
+            store = dist.PrefixStore(f"hpml/gen{self.generation}/tp{self.stage}.{self.replica}/", self._store)
+            self.tp_group = dist.ProcessGroupGloo(store, self.tp_index, self.tp, timeout)
 
 
 def slice_param(p: Tensor, dim: int, rank: int, size: int) -> None:
@@ -118,6 +110,8 @@ def shard_build(build: Build, model: nn.Module, stage: int, group: TPGroup) -> N
     """Give stage ``stage`` of ``build`` its tensor-parallel group and slice the parameters it lists."""
     st = build.stages[stage]
     st.hpml_tp = group
+    for region in st.REGIONS:  # a recompute region runs the sharded layers
+        getattr(st, region).hpml_tp = group
     for name, dim in st.TP_SHARDS:
         slice_param(model.get_parameter(name), dim, group.rank, group.size)
 
@@ -181,9 +175,9 @@ def whole_params(build: Build, model: nn.Module, stage: int, *, changed: bool = 
 def checkpoint_view(pipe: Any) -> Iterator[bool]:
     """A pipeline's parameters and optimizer state whole for a checkpoint; yields whether this rank writes.
 
-    Every place of the tensor-parallel groups holds the same whole tensors in the block, so only place 0
-    writes (its default group holds every stage once); the group's other ranks wait for it at the end. A
-    load runs on every rank (``changed``: each keeps its slice). Without tensor-parallel stages: yields True.
+    Every rank of the job takes part in a checkpoint (it is a collective over the job); the ranks of a
+    tensor-parallel group hold the same whole tensors in the block, which the checkpoint stores once. A load
+    keeps each rank's slice (``changed``). Without tensor-parallel stages: yields True.
     """
     st = pipe.build.stages[pipe.stage_index]
     group: TPGroup | None = getattr(st, "hpml_tp", None)
@@ -191,16 +185,14 @@ def checkpoint_view(pipe: Any) -> Iterator[bool]:
         yield True
         return
     with whole_params(pipe.build, pipe.model, pipe.stage_index, changed=True, optimizer=pipe.optimizer):
-        try:
-            yield group.rank == 0
-        finally:
-            group.all_reduce(torch.zeros(1))  # the writer is done before anyone reads the folder
+        yield True
 
 
 def open_tensor_parallel(build: Build, init_method: str | None, policy: RetryPolicy,
                          log: Callable[[str], None] | None) -> tuple[TensorParallelSession, Build]:
-    """The session of a build with tensor-parallel stages, and the build as this rank's place runs it (its plan
-    :func:`~hpml_compile.codegen.tensor_parallel.replica_plan`).
+    """The session of a build with tensor-parallel stages, and the build as this rank runs it (its plan
+    :func:`~hpml_compile.codegen.tensor_parallel.replica_plan` at this rank's place; the session keeps the
+    whole plan's places).
 
     Raises:
         HpmlError: no ``init_method`` and no torchrun environment (a tensor-parallel build runs on ranks), or
@@ -208,15 +200,15 @@ def open_tensor_parallel(build: Build, init_method: str | None, policy: RetryPol
     """
     tp = tp_degree(build.plan)
     if init_method is None:
-        raise HpmlError(f"the build's stages run tensor-parallel (tp={tp}) on ranks of their own: start "
+        raise HpmlError(f"the build's stages run tensor-parallel (tp up to {tp}) on ranks of their own: start "
                         f"{sum(len(st.devices) for st in build.plan.stages)} ranks (hpml-compile run --nproc N), "
                         "or compile with --max-tp 1 to run in one process")
-    session = TensorParallelSession(tp, init_method, policy=policy, log=log)
+    session = TensorParallelSession(build.plan, init_method, policy=policy, log=log)
     return session, replace(build, plan=replica_plan(build.plan, session.tp_index))
 
 
 def shard_rank(build: Build, model: nn.Module, session: TensorParallelSession) -> int:
     """Slice the parameters of the stage this rank runs (after any weights are loaded whole); its index."""
-    stage = next(k for k, rs in enumerate(stage_ranks(build.plan)) if session.rank in rs)
-    shard_build(build, model, stage, TPGroup(session, session.tp_index, session.tp))  # its group after a re-form
-    return stage
+    if session.tp > 1:
+        shard_build(build, model, session.stage, TPGroup(session, session.tp_index, session.tp))  # after a re-form
+    return session.stage

@@ -192,7 +192,7 @@ def save_pipeline(pipe: Pipeline, root: str | Path, *, extra: dict[str, Any] | N
     facts: dict[str, Any] = {_USER: check_json(extra or {}, "save(extra=...)")}
     if pipe.trainer is not None:
         facts.update(pipe.trainer.state_dict(step))
-    with checkpoint_view(pipe) as writes:  # tensor-parallel slices whole; one place of each group writes
+    with checkpoint_view(pipe) as writes:  # tensor-parallel slices whole (stored once)
         if not writes:
             return Path(root) / f"step_{step:08d}"
         return save_checkpoint(root, step, pipe.local_module(), pipe.optimizer, extra=facts, keep=keep,

@@ -43,7 +43,7 @@ from ...codegen.build import sha256
 from ...errors import HpmlError
 from ...recipe import ModelRecipe, read_recipe
 from ..execute.checkpoint import CheckpointError, latest, load_checkpoint, resume_from, save_checkpoint, seed_rngs
-from ..execute.tensor_parallel import TensorParallelSession, checkpoint_view
+from ..execute.tensor_parallel import checkpoint_view
 from ..execute.pipeline import Pipeline
 from ..execute.session import CommFailure, RetryPolicy, env_rank
 from ..execute.trainer import Trainer
@@ -141,7 +141,7 @@ class RankRun:
             return None
         t0 = time.perf_counter()
         pipe, trainer = self.pipe, self.trainer
-        with checkpoint_view(pipe) as writes:  # tensor-parallel slices whole; one place of each group writes
+        with checkpoint_view(pipe) as writes:  # tensor-parallel slices whole (stored once)
             if writes:
                 save_checkpoint(self.options.checkpoint_dir, done, pipe.local_module(), pipe.optimizer,
                                 keep=self.options.keep, scaler=pipe.scaler, feedback=pipe.feedback(),
@@ -223,7 +223,7 @@ def start_rank(build: Path, run: RunFolder, options: RunOptions, rank: int, loca
                 for st in took.stages))
     if rank == 0:
         plan = pipe.plan
-        ranks = pipe.session.job_size if isinstance(pipe.session, TensorParallelSession) else pipe.world_size
+        ranks = pipe.world_size
         print(f"training {recipe.model} for {o.steps} steps on {ranks} ranks: {len(plan.stages)} stages, "
               f"{plan.microbatches} microbatches, {plan.schedule.value}, {plan.precision.value}, batch "
               f"{recipe.batch_size}, {threads} thread(s) per rank"

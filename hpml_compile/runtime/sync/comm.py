@@ -64,9 +64,10 @@ from torch import Tensor
 
 from ...codegen import Build
 from ...codegen.comm import Comm, Direction
+from ...codegen.tensor_parallel import Places
 from ...errors import HpmlError
 from ...plan import Plan
-from ...schedule import rank_layout, stage_ranks
+from ...schedule import rank_layout
 from .hierarchy import (ChainQueue, HierGroups, PendingChain, hierarchical_all_gather, hierarchical_all_reduce,
                         hierarchical_gather_into, hierarchical_levels, hierarchical_reduce_scatter, level_bytes,
                         make_hierarchy)
@@ -239,42 +240,51 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def make_groups(plan: Plan, devices: list[torch.device], collectives: list[tuple[int, ...]],
-                timeout: timedelta | None = None) -> tuple[dict[tuple[int, int], Any], dict[tuple[int, ...], Any]]:
+                timeout: timedelta | None = None, places: Places | None = None
+                ) -> tuple[dict[tuple[int, int], Any], dict[tuple[int, ...], Any]]:
     """Process groups for NCCL pairs and for each collective's stage set.
 
     Every rank must call it in the same order (creating a group is collective).
 
     Args:
-        plan: the plan.
-        devices: :func:`rank_devices` of the plan.
+        plan: the plan (the one this rank runs: a stage's replicas, without tensor parallelism).
+        devices: every job rank's device (:func:`rank_devices` of the job's plan).
         collectives: the stage sets of the build's collectives, in manifest order.
         timeout: the time-out of every operation on these groups: the session's (a new group does not take the
             default group's, but torch's default, 30 minutes, so an operation left pending on a failed group, a
             prefetched parameter gather, say, would hold the group's teardown that long); None: torch's default.
+        places: where the job's tensor-parallel stages run (None: no stage has ``tp > 1``). A collective's group
+            is then made once per place of the groups (the ranks at one place sum the same slices), and this
+            rank keeps the one it is in.
 
     Returns:
         ``(pairs, groups)``: a 2-rank NCCL group per adjacent GPU pair
         ``(lower rank, higher rank)``; and per stage set its group (None where one rank holds them all).
     """
-    ranks = stage_ranks(plan)
+    places = places if places is not None else Places.of(plan)
+    every = [[places.rank(k, r, j) for r in range(n) for j in range(places.tps[k])]
+             for k, n in enumerate(places.replicas)]
+    me = dist.get_rank() if dist.is_initialized() else 0
     pairs: dict[tuple[int, int], Any] = {}
-    for k in range(len(ranks) - 1):
-        for a in ranks[k]:
-            for b in ranks[k + 1]:
+    for k in range(len(every) - 1):
+        for a in every[k]:
+            for b in every[k + 1]:
                 if pair_backend(devices[a], devices[b]) is Backend.NCCL:
                     pairs[(a, b)] = dist.new_group([a, b], backend=Backend.NCCL.value, timeout=timeout)
     groups: dict[tuple[int, ...], Any] = {}
+    made: dict[tuple[int, ...], Any] = {}
     for stages in dict.fromkeys(collectives):
-        members = sorted({r for k in stages for r in ranks[k]})
-        if len(members) < 2:
-            groups[stages] = None
-            continue
-        nccl = all(devices[r].type == "cuda" for r in members)
-        groups[stages] = dist.new_group(members, backend=(Backend.NCCL if nccl else Backend.GLOO).value,
-                                        timeout=timeout)
+        groups[stages] = None
+        for place in range(places.count):  # every rank makes every place's group, in one order
+            table = places.table(place)
+            members = tuple(sorted({r for k in stages for r in table[k]}))
+            if len(members) > 1 and members not in made:
+                nccl = all(devices[r].type == "cuda" for r in members)
+                made[members] = dist.new_group(list(members), backend=(Backend.NCCL if nccl else Backend.GLOO).value,
+                                               timeout=timeout)
+            if me in members:
+                groups[stages] = made.get(members)
     return pairs, groups
-
-
 
 
 class LocalComm(Comm):
@@ -336,16 +346,20 @@ class DistComm(Comm):
 
     def __init__(self, plan: Plan, rank: int, devices: list[torch.device], pairs: dict[tuple[int, int], Any],
                  groups: dict[tuple[int, ...], Any], hierarchy: dict[int, HierGroups] | None = None,
-                 timeout: timedelta | None = None) -> None:
+                 timeout: timedelta | None = None, places: Places | None = None) -> None:
         super().__init__(devices[rank])
-        self.ranks = stage_ranks(plan)
+        # job ranks: where a stage has tp > 1, its replicas as this rank's place sees them (Places)
+        self.places = places if places is not None else Places.of(plan)
+        self.stage, self.replica, self.place = self.places.locate(rank)
+        self.ranks = self.places.table(self.place)
+        self.slot = sum(self.places.replicas[:self.stage]) + self.replica  # (stage, replica) in the plan's order
         self.rows = [st.rows for st in plan.stages]
         self.rank = rank
-        self.stage, self.replica = rank_layout(plan)[rank]
         self.devices = devices
         self.pairs = pairs
         self.groups = groups
-        self.hierarchy = make_hierarchy(plan, devices, list(groups), timeout) if hierarchy is None else hierarchy
+        self.hierarchy = make_hierarchy(plan, devices, list(groups), timeout, self.places) \
+            if hierarchy is None else hierarchy
         self.stats = CommStats()
         self.step_index = 0
         self.faults: list[CommFault] = []  # injected failures still to happen (shared with the pipeline)
@@ -355,8 +369,8 @@ class DistComm(Comm):
         self._chains: dict[tuple[int, ...], ChainQueue] = {}  # overlapped hierarchical buckets
         # collectives among CPU ranks the plan puts on one host go through shared memory (:mod:`.shm`)
         self.shared_memory = True
-        self._hosts = {r: plan.cluster.device(plan.stages[k].devices[i]).host
-                       for r, (k, i) in enumerate(rank_layout(plan))}
+        self._hosts = {self.ranks[k][i]: plan.cluster.device(plan.stages[k].devices[i]).host
+                       for k, i in rank_layout(plan)}
         self._host_reduce: dict[tuple[int, ...], tuple[Any, HostReduce | None]] = {}
 
     # -- plumbing ---------------------------------------------------------------------------------
@@ -402,25 +416,27 @@ class DistComm(Comm):
     # -- point to point ---------------------------------------------------------------------------
     def _put(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], tensor: Tensor) -> None:
         self.maybe_fail(CommOp.SEND)
-        t0 = time.perf_counter()
-        peer = self.ranks[to[0]][to[1]]
-        group = self._group(peer)
-        wire = tensor if group is not None or tensor.device.type == "cpu" else tensor.cpu()  # gloo: via host
-        while self._pending and self._pending[0][0].is_completed():
-            self._pending.pop(0)  # delivered: its buffer need not live until the end of the step
-        tag = self._tag(key)
-        self._pending.append((dist.isend(wire, peer, group=group, tag=tag), wire))
-        nbytes = wire.numel() * wire.element_size()
-        self.stats.bytes_sent += nbytes
-        t1 = time.perf_counter()
-        self.stats.send_s += t1 - t0
-        if self.events is not None:
-            self.events.add("SEND", t0, t1, self.stage, key[3], peer, nbytes, tag)
+        # to each place of the peer's tensor-parallel group that reads from this one (Places.send_places)
+        for j in self.places.send_places(frm[0], to[0], self.place):
+            t0 = time.perf_counter()
+            peer = self.places.rank(to[0], to[1], j)
+            group = self._group(peer)
+            wire = tensor if group is not None or tensor.device.type == "cpu" else tensor.cpu()  # gloo: via host
+            while self._pending and self._pending[0][0].is_completed():
+                self._pending.pop(0)  # delivered: its buffer need not live until the end of the step
+            tag = self._tag(key)
+            self._pending.append((dist.isend(wire, peer, group=group, tag=tag), wire))
+            nbytes = wire.numel() * wire.element_size()
+            self.stats.bytes_sent += nbytes
+            t1 = time.perf_counter()
+            self.stats.send_s += t1 - t0
+            if self.events is not None:
+                self.events.add("SEND", t0, t1, self.stage, key[3], peer, nbytes, tag)
 
     def _get(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], shape: tuple[int, ...],
              dtype: torch.dtype) -> Tensor:
         self.maybe_fail(CommOp.RECV)
-        peer = self.ranks[frm[0]][frm[1]]
+        peer = self.places.rank(frm[0], frm[1], self.places.recv_place(to[0], frm[0], self.place))
         group = self._group(peer)
         t0 = time.perf_counter()
         buf = torch.empty(shape, dtype=dtype, device=self.device if group is not None else "cpu")

@@ -87,7 +87,7 @@ class HierGroups:
 
 
 def make_hierarchy(plan: Plan, devices: list[torch.device], collectives: Sequence[tuple[int, ...]] = (),
-                   timeout: timedelta | None = None) -> dict[tuple[int, ...], HierGroups]:
+                   timeout: timedelta | None = None, places: Any = None) -> dict[tuple[int, ...], HierGroups]:
     """Sub-groups for every all-reduce the plan makes hierarchical; this rank's, by stage set.
 
     That is each stage whose ``allreduce`` is hierarchical (its replicas), and, under the plan's
@@ -102,6 +102,9 @@ def make_hierarchy(plan: Plan, devices: list[torch.device], collectives: Sequenc
         collectives: the stage sets of the build's collectives, in manifest order (for the tied groups).
         timeout: the time-out of every operation on the sub-groups (:func:`~.comm.make_groups`'); None: torch's
             default for a new group.
+        places: the job's :class:`~hpml_compile.codegen.tensor_parallel.Places` where stages have ``tp > 1``
+            (``plan`` is then the plan one place runs): the sub-groups are made for every place, and this rank
+            keeps its own; None: ``plan``'s ranks.
 
     Returns:
         For each hierarchical all-reduce this rank takes part in, its groups, keyed by the stage set
@@ -110,43 +113,47 @@ def make_hierarchy(plan: Plan, devices: list[torch.device], collectives: Sequenc
     Raises:
         HpmlError: a hierarchical stage whose hosts hold different numbers of its devices.
     """
-    ranks = stage_ranks(plan)
+    tables = [places.table(t) for t in range(places.count)] if places is not None else [stage_ranks(plan)]
     out: dict[tuple[int, ...], HierGroups] = {}
+    made: dict[tuple[int, ...], Any] = {}
 
     def group(members: list[int]) -> Any:
-        nccl = all(devices[r].type == "cuda" for r in members)
-        return dist.new_group(members, backend=(_NCCL if nccl else _GLOO), timeout=timeout)
+        if tuple(members) not in made:  # places sharing a stage (tp 1 beside tp 2) share its groups
+            nccl = all(devices[r].type == "cuda" for r in members)
+            made[tuple(members)] = dist.new_group(members, backend=(_NCCL if nccl else _GLOO), timeout=timeout)
+        return made[tuple(members)]
 
     wanted: list[tuple[int, ...]] = [(st.index,) for st in plan.stages
                                      if st.allreduce is AllReduce.HIERARCHICAL and len(st.devices) > 1]
     if plan.tied_allreduce is AllReduce.HIERARCHICAL:
         wanted += [s for s in dict.fromkeys(collectives) if len(s) > 1]
+    me = dist.get_rank()
     for stages in wanted:
-        by_host: dict[str, list[int]] = {}
-        for k in stages:
-            for replica, name in enumerate(plan.stages[k].devices):
-                by_host.setdefault(plan.cluster.device(name).host, []).append(ranks[k][replica])
-        hosts = list(by_host.values())
-        h = len(hosts[0])
-        if len(hosts) < 2 or any(len(x) != h for x in hosts):
-            if len(stages) > 1:
-                continue  # a tied group on one host, or uneven: it stays flat
-            raise HpmlError(f"stage {stages[0]} asks for a hierarchical all-reduce, but its ranks are not spread "
-                            f"evenly over two or more hosts ({ {k: len(v) for k, v in by_host.items()} }); set its "
-                            "allreduce to flat")
-        intra: dict[int, Any] = {}
-        inter: dict[int, Any] = {}
-        for x in hosts:  # every rank creates every group, once each, in one order
-            made = group(x)
-            intra.update((r, made) for r in x)
-        for i in range(h):
-            column = [x[i] for x in hosts]
-            made = group(column)
-            inter.update((r, made) for r in column)
-        me = dist.get_rank()
-        if me in intra:
-            host = next(x for x in hosts if me in x)
-            out[stages] = HierGroups(intra[me] if h > 1 else None, inter[me], h, host.index(me))
+        for ranks in tables:
+            by_host: dict[str, list[int]] = {}
+            for k in stages:
+                for replica, name in enumerate(plan.stages[k].devices):
+                    by_host.setdefault(plan.cluster.device(name).host, []).append(ranks[k][replica])
+            hosts = list(by_host.values())
+            h = len(hosts[0])
+            if len(hosts) < 2 or any(len(x) != h for x in hosts):
+                if len(stages) > 1:
+                    continue  # a tied group on one host, or uneven: it stays flat
+                raise HpmlError(f"stage {stages[0]} asks for a hierarchical all-reduce, but its ranks are not spread "
+                                f"evenly over two or more hosts ({ {k: len(v) for k, v in by_host.items()} }); set "
+                                "its allreduce to flat")
+            intra: dict[int, Any] = {}
+            inter: dict[int, Any] = {}
+            for x in hosts:  # every rank creates every group, once each, in one order
+                g = group(x)
+                intra.update((r, g) for r in x)
+            for i in range(h):
+                column = [x[i] for x in hosts]
+                g = group(column)
+                inter.update((r, g) for r in column)
+            if me in intra:
+                host = next(x for x in hosts if me in x)
+                out[stages] = HierGroups(intra[me] if h > 1 else None, inter[me], h, host.index(me))
     return out
 
 
