@@ -126,8 +126,8 @@ def test_idle_intervals_and_op_order() -> None:
     r = simulate(plan, g)
     gaps = idle_intervals(r, "d0")
     assert gaps[0] == (3.0, 11.0) and sum(e - s for s, e in gaps) == pytest.approx(21 - 9)
-    assert op_order(Schedule.ONE_F_ONE_B, 0, 3, 4) == [(True, 0), (True, 1), (True, 2), (False, 0), (True, 3),
-                                                        (False, 1), (False, 2), (False, 3)]
+    assert [f"{k.value}{j}" for k, j in op_order(Schedule.ONE_F_ONE_B, 0, 3, 4)] == [
+        "F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
 
 
 def test_unknown_kind_in_graph() -> None:
