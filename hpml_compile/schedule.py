@@ -468,8 +468,9 @@ def _check_shape(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
                 seen[key] = seen.get(key, 0) + 1
                 before = _BEFORE.get(a.kind)
                 if before is not None and (before, a.microbatch) not in seen:
-                    raise ScheduleError(f"{_name(rank, layout)}: {a} comes before {k}{before.value}{a.microbatch}: "
-                                        f"{_NEEDS[a.kind]}")
+                    what = "its forward" if before is ActionKind.FORWARD else "its input-gradient part"
+                    raise ScheduleError(f"{_name(rank, layout)}: {a} comes before {what} "
+                                        f"{k}{before.value}{a.microbatch}: {_NEEDS[a.kind]}")
         _check_parts(seen, _name(rank, layout))
 
 
@@ -482,10 +483,13 @@ _NEEDS = {ActionKind.BACKWARD: "a backward needs its forward's activations",
           ActionKind.BACKWARD_WEIGHT: "the weight-gradient part starts from what the input-gradient part left"}
 
 
+_PARTS = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+
+
 def _check_parts(seen: dict[tuple[ActionKind, int | None], int], who: str) -> None:
     """Each microbatch: one F and either one B or one I and one W (never both forms)."""
     for j in sorted({j for _, j in seen}, key=lambda x: -1 if x is None else x):
-        n = {kind: seen.get((kind, j), 0) for kind in COMPUTE}
+        n = {kind: seen.get((kind, j), 0) for kind in _PARTS}
         whole = n[ActionKind.BACKWARD] == 1 and n[ActionKind.BACKWARD_INPUT] == n[ActionKind.BACKWARD_WEIGHT] == 0
         split = n[ActionKind.BACKWARD] == 0 and n[ActionKind.BACKWARD_INPUT] == n[ActionKind.BACKWARD_WEIGHT] == 1
         if n[ActionKind.FORWARD] != 1 or not (whole or split):
