@@ -108,3 +108,18 @@ def test_zb_h1_is_transparent_in_one_process(key: str, stages: int, m: int, tmp_
         ref_opt.step()
     diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
     assert diff < TOL
+
+
+def test_what_zb_h1_does_not_run_yet_is_refused_by_name(tmp_path: Path) -> None:
+    from hpml_compile.errors import OptionError, PlanError
+    from hpml_compile.runtime import Pipeline
+
+    net, inputs, _, _ = _case("gpt-tiny")
+    gm = trace(net, inputs)
+    with pytest.raises(PlanError, match="zb-h1: stage 1 uses swap"):
+        split_plan(gm, "gpt-tiny", 2, microbatches=2, schedule=Schedule.ZB_H1, swap=(1,))
+    with pytest.raises(PlanError, match="stage 0 uses ZeRO-3"):
+        split_plan(gm, "gpt-tiny", 2, microbatches=2, schedule=Schedule.ZB_H1, replicas=[2, 1], zero=3)
+    generate(gm, split_plan(gm, "gpt-tiny", 2, microbatches=2, schedule=Schedule.ZB_H1), tmp_path)
+    with pytest.raises(OptionError, match="compile_stages=on: schedule zb-h1"):
+        Pipeline.from_build(tmp_path, copy.deepcopy(net), compile_stages="on")
