@@ -15,7 +15,9 @@ and plan.json carries them (``assumptions``):
 - the share of a replicated stage's last backward that hides its gradient
   all-reduce (``GPU_OVERLAP``, ``CPU_OVERLAP``);
 - the optimizer step's memory passes when no kind measured it (the AdamW
-  prior of a ``--meta`` profile).
+  prior of a ``--meta`` profile);
+- under ZB-H1, the split of each backward into its input- and weight-gradient
+  parts (the profile times the backward whole: ``stagecost.WEIGHT_SHARE``).
 
 Example:
     >>> from hpml_compile.testing import chain_profile
@@ -34,7 +36,8 @@ import cost_models
 
 from .cluster import CPU_OVERLAP, GPU_OVERLAP, link_spec
 from .ir import Assumption, Cluster, Device, Profile, base_kind
-from .plan import Plan
+from .plan import Plan, Schedule
+from .stagecost import WEIGHT_SHARE
 
 __all__ = ["assumptions", "format_assumptions"]
 
@@ -50,7 +53,7 @@ def assumptions(plan: Plan, prof: Profile) -> tuple[Assumption, ...]:
         One assumption per cost, in the order of the module docstring.
     """
     used = [plan.cluster.device(d) for st in plan.stages for d in st.devices]
-    return (*_speeds(used, prof), *_links(plan.cluster, used), *_overlaps(plan), *_optimizer(prof))
+    return (*_speeds(used, prof), *_links(plan.cluster, used), *_overlaps(plan), *_optimizer(prof), *_split(plan))
 
 
 def format_assumptions(items: tuple[Assumption, ...], limit: int = 8) -> str:
@@ -159,3 +162,12 @@ def _optimizer(prof: Profile) -> list[Assumption]:
     return [Assumption(f"optimizer step ({prof.optimizer})", "12 memory passes over the parameter bytes",
                        "a prior count of what the optimizer reads and writes, not a measurement: no kind of "
                        "the profile timed it (a --meta profile times nothing)")]
+
+
+def _split(plan: Plan) -> list[Assumption]:
+    if plan.schedule is not Schedule.ZB_H1:
+        return []
+    return [Assumption("backward split (zb-h1)",
+                       f"weight-gradient part = {WEIGHT_SHARE:g} of each backward, input-gradient part the rest",
+                       "assumed: the profile times each backward whole")]
+

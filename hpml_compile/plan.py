@@ -598,7 +598,7 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | No
         input_bytes=_input_bytes(profile, names),
         dtype_bytes=dtype_bytes(profile.dtype), replicas=stage.replicas, zero=stage.zero,
         shards=zero_shards(plan.cluster, stage), microbatches=m,
-        in_flight=in_flight(plan.schedule, m, len(plan.stages) - stage.index - 1),
+        in_flight=in_flight(plan.schedule, m, len(plan.stages) - stage.index - 1, len(plan.stages)),
         recompute=stage.recompute,
         swapped_bytes=sum(n.activation_bytes for n in nodes if n.name in swapped),
         offload_optimizer=stage.offload_optimizer,

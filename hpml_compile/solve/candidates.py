@@ -241,8 +241,9 @@ def kind_counts(cluster: Cluster) -> dict[str, int]:
 
 def classes(setting: Setting, devices: int) -> int:
     """``J``: position classes that matter for memory. Class ``j < J``: exactly ``j`` stages follow;
-    class ``J``: at least ``J`` follow. GPipe keeps all ``M`` microbatches in flight anywhere: ``J = 0``."""
-    if setting.schedule is Schedule.GPIPE:
+    class ``J``: at least ``J`` follow. GPipe keeps all ``M`` microbatches in flight anywhere: ``J = 0``; so
+    does ZB-H1 here (``min(M, S)`` on every stage, ``S`` not known while the table is built: ``M`` bounds it)."""
+    if setting.schedule in (Schedule.GPIPE, Schedule.ZB_H1):
         return 0
     return max(0, min(setting.microbatches, devices) - 1)
 

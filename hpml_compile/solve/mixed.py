@@ -125,7 +125,7 @@ def stage_rows(graph: CostGraph, cluster: Cluster, blocks: Sequence[str], device
     if total < len(devices):
         return None
     sizes = sizes or _sizes(graph, blocks)
-    flight = int(in_flight(Schedule(schedule), microbatches, stages - index - 1))
+    flight = int(in_flight(Schedule(schedule), microbatches, stages - index - 1, stages))
     rec = 1.0 if recompute else 0.0
     alike: dict[tuple[str, int, bool], tuple[float, float, int]] = {}  # devices that differ in nothing rows see
     fixed, per_row, caps = [], [], []
