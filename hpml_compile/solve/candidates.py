@@ -37,7 +37,7 @@ from ..plan import AllReduce, Plan, Schedule, SolverInfo, Stage
 from ..simulate import stage_costs, tied_syncs
 from ..tp import TP_DEGREES
 
-__all__ = ["Chain", "StageConfig", "Candidate", "Setting", "CONFIGS", "enumerate_candidates", "kind_counts",
+__all__ = ["Chain", "StageConfig", "Candidate", "Setting", "CONFIGS", "zero_bubble_runs", "enumerate_candidates", "kind_counts",
            "assign_devices", "assign_tp_devices", "host_groups", "ShardSums", "in_flight", "classes", "range_candidates", "to_plan", "degrees", "group_link",
            "group_links", "boundary_link", "faster_allreduce", "allreduce_choice"]
 
@@ -184,6 +184,12 @@ CONFIGS: tuple[StageConfig, ...] = tuple(
     # is combined with it; its data-parallel groups (every tp-th device) may sync hierarchically.
     StageConfig(z, r, tp=t) for t in TP_DEGREES for r in (False, True) for z in OFFERED_ZERO) + tuple(
     StageConfig(ZeroStage.OS, r, hierarchical=True, tp=t) for t in TP_DEGREES for r in (False, True))
+
+
+def zero_bubble_runs(config: StageConfig) -> bool:
+    """Whether ZB-H1 runs a stage of ``config``: not with tensor parallelism, swap, an offloaded optimizer or
+    ZeRO-3 (:func:`hpml_compile.plan.Plan` refuses them under it)."""
+    return config.tp == 1 and not config.swap and not config.offload and config.zero != ZeroStage.OS_G_P
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,7 +44,7 @@ from ..plan import Schedule
 from ..stagecost import (weight_part_ms, compressed_sync_ms, copy_ms, in_flight, memory_parts, optimizer_ms, stream_bytes_per_ms,
                          steps_flat, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms)
 from .candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees, group_hierarchies,
-                         group_links, host_groups, kind_counts)
+                         group_links, host_groups, kind_counts, zero_bubble_runs)
 
 __all__ = ["CandidateTable", "build_table"]
 
@@ -260,7 +260,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         bpe = dtype_bytes(setting.dtype)
         cfg_ids = [i for i, c in enumerate(CONFIGS) if c.tp in degs and (d > c.tp or c.zero == ZeroStage.NONE)
                    and not (is_cpu and (c.offload or c.swap))
-                   and (hiers[kind, c.tp].get(d) is not None or not c.hierarchical)]
+                   and (hiers[kind, c.tp].get(d) is not None or not c.hierarchical)
+                   and (setting.schedule is not Schedule.ZB_H1 or zero_bubble_runs(c))]
         ts, ests, jms, mems, comms = [], [], [], [], []
         for ci in cfg_ids:
             cfg = CONFIGS[ci]

@@ -123,3 +123,26 @@ def test_what_zb_h1_does_not_run_yet_is_refused_by_name(tmp_path: Path) -> None:
     generate(gm, split_plan(gm, "gpt-tiny", 2, microbatches=2, schedule=Schedule.ZB_H1), tmp_path)
     with pytest.raises(OptionError, match="compile_stages=on: schedule zb-h1"):
         Pipeline.from_build(tmp_path, copy.deepcopy(net), compile_stages="on")
+
+
+def test_auto_takes_zb_h1_where_it_simulates_faster_and_says_so() -> None:
+    from hpml_compile import driver
+    from hpml_compile.costgraph import build
+    from hpml_compile.plan import Plan, Stage
+    from hpml_compile.simulate import annotate
+    from hpml_compile.testing import chain_profile, uniform_cluster
+
+    prof = chain_profile([(4.0, 8.0)] * 4)
+    graph = build(prof)
+    stages = tuple(Stage(i, (f"d{i}",), (f"n{i}",)) for i in range(4))
+    one = annotate(Plan("toy", uniform_cluster(4), Schedule.ONE_F_ONE_B, 4, stages), graph)[0]
+    lines: list[str] = []
+    got = driver.faster_schedule(one, graph, prof, lines.append)
+    assert got.schedule is Schedule.ZB_H1 and [st.devices for st in got.stages] == [st.devices for st in one.stages]
+    assert got.predicted.step_ms < one.predicted.step_ms and got.predicted.bubble < one.predicted.bubble
+    assert lines[-1].startswith("schedule: zb-h1")
+    swapped = annotate(Plan("toy", uniform_cluster(4), Schedule.ONE_F_ONE_B, 4,
+                            (Stage(0, ("d0",), ("n0",), swap=("n0",)), *stages[1:])), graph)[0]
+    assert driver.faster_schedule(swapped, graph, prof, lines.append) is swapped
+    assert "stage 0 uses swap" in lines[-1]
+    assert driver.Options(schedule="auto").choose_schedule and driver.Options(schedule="auto").schedule is None
