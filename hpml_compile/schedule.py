@@ -34,14 +34,11 @@ GPipe (Huang et al., NeurIPS 2019): all forwards, then all backwards. 1F1B
 (PipeDream-flush, Narayanan et al., SC 2021): stage ``i`` of ``S`` runs
 ``S - i - 1`` warm-up forwards, then alternates, so at most ``S - i``
 microbatches hold activations. ZB-H1 (Qi et al., "Zero Bubble Pipeline
-Parallelism", ICLR 2024, its handcrafted schedule H1): stage ``i`` runs
-``S - i`` warm-up forwards, then input-gradient parts and forwards in turn,
-holding back the weight-gradient parts of its first ``i`` microbatches;
-after that each ``I`` is followed by the ``W`` of the oldest microbatch
-still owed, and the held-back ones run last, where 1F1B's stage waits for the
-gradients of later stages. A microbatch's activations live until its ``W``,
-so every stage holds at most ``S`` microbatches: 1F1B's peak (its first
-stage's), now on every stage.
+Parallelism", ICLR 2024): stage ``i`` runs ``S - i`` forwards, then ``I`` and
+``F`` in turn, each ``I`` followed by the oldest owed ``W`` once more than
+``i`` are owed; the ``i`` held back run last, where 1F1B waits for later
+stages. Activations live until ``W``: every stage holds at most ``S``
+microbatches, 1F1B's peak (its first stage's).
 
 The validator (:func:`validate`) replays the lists with blocking receives,
 non-blocking sends and collectives that wait for all their members, until
@@ -470,19 +467,15 @@ def _check_shape(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
                 if before is not None and (before, a.microbatch) not in seen:
                     what = "its forward" if before is ActionKind.FORWARD else "its input-gradient part"
                     raise ScheduleError(f"{_name(rank, layout)}: {a} comes before {what} "
-                                        f"{k}{before.value}{a.microbatch}: {_NEEDS[a.kind]}")
+                                        f"{k}{before.value}{a.microbatch}: "
+                                        f"{_NEEDS.get(a.kind, 'a backward needs its forward activations')}")
         _check_parts(seen, _name(rank, layout))
 
 
-# Each compute action after the one it needs, and why: a backward (or its input part) the forward's activations,
-# the weight part the gradients its input part left at the weights.
+# Each compute action after the one it needs, and why
 _BEFORE = {ActionKind.BACKWARD: ActionKind.FORWARD, ActionKind.BACKWARD_INPUT: ActionKind.FORWARD,
            ActionKind.BACKWARD_WEIGHT: ActionKind.BACKWARD_INPUT}
-_NEEDS = {ActionKind.BACKWARD: "a backward needs its forward's activations",
-          ActionKind.BACKWARD_INPUT: "a backward needs its forward's activations",
-          ActionKind.BACKWARD_WEIGHT: "the weight-gradient part starts from what the input-gradient part left"}
-
-
+_NEEDS = {ActionKind.BACKWARD_WEIGHT: "the weight-gradient part starts from what the input-gradient part left"}
 _PARTS = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
 
 

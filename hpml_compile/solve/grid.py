@@ -101,7 +101,8 @@ def grid_plan(graph: CostGraph, cluster: Cluster, *, microbatches: int | None = 
         for m in ms:
             if graph.batch_size % (m * d):
                 continue
-            for zero in GRID_ZERO if d > 1 else (ZeroStage.NONE,):
+            for zero in (z for z in GRID_ZERO if sched is not Schedule.ZB_H1 or z != ZeroStage.OS_G_P) if d > 1 \
+                    else (ZeroStage.NONE,):  # ZB-H1 does not run ZeRO-3
                 for rec in (False, True):
                     stages = tuple(Stage(i, groups[i], chain.nodes(cuts[i], cuts[i + 1]), zero, rec, tp=tp)
                                    for i in range(s))

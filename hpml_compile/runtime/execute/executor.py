@@ -406,7 +406,7 @@ def _compute(step: _Step, index: int, rank: int, a: Action) -> None:
         torch.cuda.current_stream(step.device).synchronize()
     t1 = time.perf_counter()
     run.busy[(k, fwd)] = run.busy.get((k, fwd), 0.0) + t1 - t0 - (_waited(comm) - w0)
-    step.event(a.kind.value, t0, t1, k, j)
+    step.event("F" if fwd else "B", t0, t1, k, j)  # I and W are backward work (the event kinds of .observe)
 
 
 def _forward(step: _Step, k: int, r: int, j: int) -> None:

@@ -111,7 +111,8 @@ def _splits(roots: Sequence[Tensor], params: Sequence[nn.Parameter], inputs: Seq
     acc = [a for a in (_get_grad_fn_or_grad_acc(p) for p in params if p.requires_grad) if a is not None]
     reverse = construct_reverse_graph([r.grad_fn for r in roots if r.grad_fn is not None])
     used = {a for a in acc if a in reverse}  # before get_param_groups: its lookups add every node they ask for
-    groups = get_param_groups([_get_grad_fn_or_grad_acc(t) for t in inputs], acc, reverse)
+    starts = [n for n in (_get_grad_fn_or_grad_acc(t) for t in inputs) if n is not None]
+    groups = get_param_groups(starts, acc, reverse)
     above: set[Node] = set()  # a send's node and every node a send's node lies below
     todo = [n for n in _nodes(roots) if getattr(n, "_forward_cls", None) is ops._Send]
     while todo:
