@@ -3,7 +3,8 @@
 gpt-tiny (its embedding tied to the head across the two stages, summed by the tied all-reduce) at 2 and 4
 microbatches on 2 ranks: the loss of every step, every gradient of the rank's stage after the last step, and
 the parameters after it equal the reference's (float32, 1e-5); then stage 0 on two replicas under ZeRO-1
-(3 ranks): the losses and the gathered parameters. One spawn per world size.
+(3 ranks): the losses and the gathered parameters, with the gradient sync after the backward and overlapped
+with the last weight-gradient part (bucketed, launched from the parameters' hooks). One spawn per world size.
 """
 
 from __future__ import annotations
@@ -42,21 +43,23 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x, torch.roll(x, -1, dims=1)) for x in xs]
 
 
-def _compile(tmp: Path, m: int, replicas: list[int] | None = None, zero: int = 0) -> tuple[str, str]:
+def _compile(tmp: Path, m: int, replicas: list[int] | None = None, zero: int = 0,
+             overlap: bool = False) -> tuple[str, str, bool]:
     loaded = _model()
     gm = trace(loaded.module, loaded.example_inputs)
-    name = f"zb-m{m}-z{zero}"
+    name = f"zb-m{m}-z{zero}{'-overlap' if overlap else ''}"
     generate(gm, split_plan(gm, "gpt-tiny", 2, microbatches=m, schedule=Schedule.ZB_H1, replicas=replicas,
                             zero=zero), tmp / name)
-    return name, str(tmp / name)
+    return name, str(tmp / name), overlap
 
 
-def _worker(rank: int, world: int, cases: list[tuple[str, str]], out: str) -> None:
+def _worker(rank: int, world: int, cases: list[tuple[str, str, bool]], out: str) -> None:
     torch.set_num_threads(1)
     report: dict[str, Any] = {}
-    for name, build_dir in cases:
+    for name, build_dir, overlap in cases:
         loaded, ref = _model(), _model()
-        pipe = Pipeline.from_build(build_dir, loaded.module, optimizer=_optimizer)
+        # overlap: the gradient buckets launch from the parameters' hooks during the last weight-gradient part
+        pipe = Pipeline.from_build(build_dir, loaded.module, optimizer=_optimizer, overlap=overlap)
         opt = _optimizer(ref.module.parameters())
         loss_diff = 0.0
         for x, y in _batches():
@@ -79,7 +82,7 @@ def _worker(rank: int, world: int, cases: list[tuple[str, str]], out: str) -> No
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
 
 
-def _run(tmp: Path, world: int, cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
+def _run(tmp: Path, world: int, cases: list[tuple[str, str, bool]]) -> list[dict[str, Any]]:
     spawn_ranks(_worker, world, tmp, cases, str(tmp))
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
@@ -87,14 +90,16 @@ def _run(tmp: Path, world: int, cases: list[tuple[str, str]]) -> list[dict[str, 
 def test_zb_h1_on_two_ranks_with_a_tied_embedding(tmp_path: Path) -> None:
     cases = [_compile(tmp_path, 2), _compile(tmp_path, 4)]
     for r in _run(tmp_path, 2, cases):
-        for name, _ in cases:
+        for name, *_ in cases:
             row = r[name]
             assert row["loss"] < TOL and row["state"] < TOL, (name, row)
             assert row["grads"] > 0 and row["grad"] < TOL, (name, row)
 
 
 def test_zb_h1_with_zero1_replicas(tmp_path: Path) -> None:
-    cases = [_compile(tmp_path, 2, replicas=[2, 1], zero=1)]
+    cases = [_compile(tmp_path, 2, replicas=[2, 1], zero=1), _compile(tmp_path, 2, replicas=[2, 1], zero=1,
+                                                                       overlap=True)]
     for r in _run(tmp_path, 3, cases):
-        row = r[cases[0][0]]
-        assert row["loss"] < TOL and row["state"] < TOL, row
+        for name, *_ in cases:
+            row = r[name]
+            assert row["loss"] < TOL and row["state"] < TOL, (name, row)
