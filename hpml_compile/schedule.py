@@ -1,6 +1,6 @@
 """The pipeline schedule lowered into per-rank action lists, and the validator that replays them.
 
-Why a lowering: the plan names a schedule (GPipe or 1F1B) and a microbatch
+Why a lowering: the plan names a schedule (GPipe, 1F1B, ZB-H1) and a microbatch
 count; the runtime, the simulator and a reader of the build all need the
 same thing from it, the order in which each rank runs its forwards,
 backwards, messages, gradient collectives and optimizer step. Lowering

@@ -4,8 +4,14 @@ Every solver's plan is scored by this one simulator, so that plans compare on
 one cost model. Each stage runs a fixed order of operations (GPipe, Huang et
 al. 2019: all forwards then all backwards; 1F1B, Narayanan et al. 2019/2021:
 ``S - i - 1`` warm-up forwards, then one forward one backward, then the
-remaining backwards); an operation starts when its stage is free and its
-inputs have arrived. We write this small list scheduler rather than use
+remaining backwards; ZB-H1, Qi et al. 2024: each backward as an input-gradient
+part, which the previous stage waits for, and a weight-gradient part that only
+its own stage does, later, :mod:`hpml_compile.schedule`); an operation starts
+when its stage is free and its inputs have arrived. Under ZB-H1 a stage's
+activations are held until the weight-gradient part ends; the profile times
+the backward whole, so the weight part is taken as
+:data:`hpml_compile.stagecost.WEIGHT_SHARE` of it (an assumption the plan
+lists). We write this small list scheduler rather than use
 ``torch.distributed.pipelining``'s ``_simulate_comms_compute`` because that
 one has no durations, links or memory.
 

@@ -262,6 +262,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
                    and not (is_cpu and (c.offload or c.swap))
                    and (hiers[kind, c.tp].get(d) is not None or not c.hierarchical)
                    and (setting.schedule is not Schedule.ZB_H1 or zero_bubble_runs(c))]
+        if not cfg_ids:  # ZB-H1: a degree only tensor-parallel configurations would use
+            continue
         ts, ests, jms, mems, comms = [], [], [], [], []
         for ci in cfg_ids:
             cfg = CONFIGS[ci]
