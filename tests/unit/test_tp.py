@@ -255,3 +255,10 @@ def test_ilp_is_never_slower_than_the_grid_mesh() -> None:
     ilp, grid = (solve(g, c, solver=s, time_limit_s=10) for s in ("ilp", "grid"))
     assert ilp.predicted.step_ms <= grid.predicted.step_ms
     assert ilp.solver.name == "portfolio+grid" and len({c.device(d).kind for d in ilp.stages[0].devices}) == 2
+
+
+def test_zb_h1_tables_offer_no_tensor_parallel_stage(llama) -> None:
+    # ZB-H1 does not run tensor parallelism (Plan refuses it): a degree only tp configurations would fill is skipped
+    chain, c = Chain.of(build(llama).coarsen()), load_cluster("dgx-h100-8")
+    cands = build_table(chain, c, Setting(2, Schedule.ZB_H1, llama.batch_size, llama.dtype)).candidates()
+    assert cands and all(x.config.tp == 1 and not x.config.offload and not x.config.swap for x in cands)
