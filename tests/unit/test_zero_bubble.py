@@ -2,7 +2,8 @@
 
 Transparency: the build's outputs, loss and every gradient after one step, and the parameters after three
 SGD steps, equal the original model's (float32, 1e-5), for gpt-tiny (its embedding is tied to the head
-across the first and last stage) and the skip network (a value skipping a stage), on 2 and 3 stages.
+across the first and last stage) and the skip network (a value skipping a stage), on 2 and 3 stages, and
+with every stage recomputing.
 """
 
 from __future__ import annotations
@@ -83,11 +84,13 @@ def _case(key: str) -> tuple[torch.nn.Module, tuple, torch.Tensor, object]:
     return loaded.module, loaded.example_inputs, loaded.example_targets, loaded.loss_fn
 
 
-@pytest.mark.parametrize("key, stages, m", [("gpt-tiny", 2, 2), ("gpt-tiny", 3, 4), ("skipnet", 3, 2)])
-def test_zb_h1_is_transparent_in_one_process(key: str, stages: int, m: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize("key, stages, m, recompute", [("gpt-tiny", 2, 2, ()), ("gpt-tiny", 3, 4, ()),
+                                                      ("skipnet", 3, 2, ()), ("gpt-tiny", 3, 2, (0, 1, 2))])
+def test_zb_h1_is_transparent_in_one_process(key: str, stages: int, m: int, recompute: tuple[int, ...],
+                                             tmp_path: Path) -> None:
     net, inputs, targets, loss_fn = _case(key)
     gm = trace(net, inputs)
-    generate(gm, split_plan(gm, key, stages, microbatches=m, schedule=Schedule.ZB_H1), tmp_path)
+    generate(gm, split_plan(gm, key, stages, microbatches=m, schedule=Schedule.ZB_H1, recompute=recompute), tmp_path)
     model, ref = copy.deepcopy(net), copy.deepcopy(net)
     build = load_build(tmp_path, model, graph_module=gm)
     assert any(a.kind is ActionKind.BACKWARD_WEIGHT for a in build.actions[-1])
