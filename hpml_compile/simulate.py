@@ -177,7 +177,8 @@ class StageCost:
             pace on its own rows; ``fwd_ms`` and ``bwd_ms`` are the slowest replica's.
         gather_ms: ZeRO-1/2's parameter all-gather after this stage's optimizer step, where the runtime runs it
             whole there (not prefetched: :func:`hpml_compile.stagecost.stepped_gather_ms`).
-        weight_ms: ZB-H1: the weight-gradient part of ``bwd_ms`` (run as its own operation; 0 otherwise).
+        weight_ms: ZB-H1: the weight-gradient part of ``bwd_ms`` (run as its own operation, after a recompute of
+            its own where the stage recomputes; 0 otherwise).
     """
 
     fwd_ms: float
@@ -200,12 +201,14 @@ class StageCost:
         """The duration of one operation of the phase (:data:`FWD`, :data:`BWD`, :data:`WGT`)."""
         if phase == FWD:
             return self.fwd_ms
-        return self.weight_ms if phase == WGT else self.recompute_ms + self.bwd_ms - self.weight_ms
+        if phase == WGT:  # a recomputed region runs again for it (autograd unpacks its saved tensors again)
+            return self.weight_ms + (self.recompute_ms if self.weight_ms else 0.0)
+        return self.recompute_ms + self.bwd_ms - self.weight_ms
 
     @property
     def compute_ms(self) -> float:
-        """Busy time per microbatch: forward, recompute and backward."""
-        return self.fwd_ms + self.recompute_ms + self.bwd_ms
+        """Busy time per microbatch: forward, recompute (twice under ZB-H1) and backward."""
+        return self.fwd_ms + self.recompute_ms * (2 if self.weight_ms else 1) + self.bwd_ms
 
     @property
     def synced_ms(self) -> float:

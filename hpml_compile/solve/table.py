@@ -280,7 +280,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             glink = glinks[kind][d]
             hier = hiers[kind, tp].get(d)
             swap_ms = 2 * transfer_ms(cost_models.p2p_ms, acts / (m * dr), host) if cfg.swap else 0.0
-            t = base + (fwd if cfg.recompute else 0.0) + swap_ms
+            # recompute: once before the backward, under ZB-H1 again before its weight-gradient part
+            t = base + (fwd * (2 if setting.schedule is Schedule.ZB_H1 else 1) if cfg.recompute else 0.0) + swap_ms
             shards = hier.per_host if cfg.hierarchical and hier is not None else dr  # HSDP-like: one host's
             mem = memory_parts(param_bytes=params, activation_bytes=acts, input_bytes=inputs, dtype_bytes=bpe,
                                replicas=dr, zero=cfg.zero, microbatches=m, recompute=cfg.recompute,

@@ -113,7 +113,8 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
                     scored = []
                     for cfg in cfgs:
                         swap = 2 * _ms(cost_models.p2p_ms, acts / (m * d), host) if cfg.swap else 0.0
-                        t = base + (fwd if cfg.recompute else 0.0) + swap
+                        again = 2 if setting.schedule is Schedule.ZB_H1 else 1  # ZB-H1: recomputed for W too
+                        t = base + (again * fwd if cfg.recompute else 0.0) + swap
                         # the runtime's copies: ZeRO-1's summed gradient shard; ZeRO-3's gathered parameters
                         rate = stream_bytes_per_ms(chain.graph, [kind])
                         copy = 0.0 if d == 1 or cfg.hierarchical else 2 * params / d / rate \
