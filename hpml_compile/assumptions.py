@@ -21,6 +21,8 @@ and plan.json carries them (``assumptions``):
   plan stretches to more: the loss agreement over more than two ranks, and the
   wait for the latest of more than two replicas; or, where the profile has no
   probe figures, that nothing is priced for the wait.
+- under ZB-H1, the split of each backward into its input- and weight-gradient
+  parts (the profile times the backward whole: ``stagecost.WEIGHT_SHARE``).
 
 Example:
     >>> from hpml_compile.testing import chain_profile
@@ -39,7 +41,8 @@ import cost_models
 
 from .cluster import CPU_OVERLAP, GPU_OVERLAP, link_spec
 from .ir import Assumption, Cluster, Device, Profile, base_kind
-from .plan import Plan
+from .plan import Plan, Schedule
+from .stagecost import WEIGHT_SHARE
 
 __all__ = ["assumptions", "format_assumptions"]
 
@@ -56,7 +59,7 @@ def assumptions(plan: Plan, prof: Profile) -> tuple[Assumption, ...]:
     """
     used = [plan.cluster.device(d) for st in plan.stages for d in st.devices]
     return (*_speeds(used, prof), *_links(plan.cluster, used), *_overlaps(plan), *_optimizer(prof),
-            *_replicated_steps(plan, prof))
+            *_replicated_steps(plan, prof), *_split(plan))
 
 
 def format_assumptions(items: tuple[Assumption, ...], limit: int = 8) -> str:
@@ -188,3 +191,10 @@ def _replicated_steps(plan: Plan, prof: Profile) -> list[Assumption]:
                               "expected maximum of normal draws", "measured between two ranks of this host; more "
                               "replicas not measured (hpml_compile.stagecost.skew_wait_ms)"))
     return out
+def _split(plan: Plan) -> list[Assumption]:
+    if plan.schedule is not Schedule.ZB_H1:
+        return []
+    return [Assumption("backward split (zb-h1)",
+                       f"weight-gradient part = {WEIGHT_SHARE:g} of each backward, input-gradient part the rest",
+                       "assumed: the profile times each backward whole")]
+

@@ -70,13 +70,16 @@ from .tp import MAX_TP, TP_DEGREES
 
 __all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "move_rows", "with_link", "profile_links",
            "rebuild", "cost_graph", "local_threads",
-           "check_microbatches", "check_threads", "check_precision"]
+           "check_microbatches", "check_threads", "check_precision", "faster_schedule", "AUTO_SCHEDULE"]
 
 Say = Callable[[str], None]
 
 #: The most seconds the uneven-rows search (:func:`hpml_compile.solve.uneven.improve`) adds after the solver
 #: (less when the solver's own time limit is shorter); it says how far it got within them.
 UNEVEN_BUDGET_S = 10.0
+
+#: ``--schedule auto``: 1F1B, or ZB-H1 on the solver's placement where it is faster (:func:`faster_schedule`).
+AUTO_SCHEDULE = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +89,8 @@ class Options:
     Attributes:
         solver: which solver (``ilp``, ``dp``, or a baseline).
         microbatches: ``M``; None searches the solver's choices (a re-plan keeps the old plan's).
-        schedule: GPipe or 1F1B (a re-plan keeps the old plan's unless given).
+        schedule: GPipe, 1F1B or ZB-H1 (a re-plan keeps the old plan's unless given); ``"auto"``: 1F1B, or ZB-H1
+            on the same placement where it simulates faster and fits (:func:`faster_schedule`).
         time_limit_s: the ILP's time limit.
         dump_dir: write each pass's output here (default: ``$HPML_DUMP``, else nothing).
         uneven: after solving, also try plans whose stages mix device kinds with uneven rows per replica
@@ -124,8 +128,12 @@ class Options:
     sync_warmup: int = 0
     every_device: bool = False
     max_tp: int = MAX_TP
+    choose_schedule: bool = False  # set from ``schedule="auto"``
 
     def __post_init__(self) -> None:
+        if self.schedule == AUTO_SCHEDULE:
+            object.__setattr__(self, "schedule", None)
+            object.__setattr__(self, "choose_schedule", True)
         if self.max_tp not in (1, *TP_DEGREES):
             raise OptionError(f"--max-tp {self.max_tp}: give 1 (no tensor parallelism) or one of "
                               f"{', '.join(map(str, TP_DEGREES))}")
@@ -407,6 +415,8 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
     result = solve_on(cluster)
     if not opts.every_device and opts.solver in (SolverName.ILP, SolverName.DP):   # 5c. no more ranks than cores
         result = within_cores(result, graph, cluster, solve_on, dtype=prof.dtype, progress=progress)
+    if opts.choose_schedule:                                                        # 5d. zero bubble where faster
+        result = faster_schedule(result, graph, prof, progress)
     result = replace(result, precision=prof.precision,                              # trains as it was timed
                      allow_compress=opts.allow_compress or "")                      # a re-plan offers it again
     if opts.compress or opts.sync_every > 1:                                        # the user's comm options
@@ -419,6 +429,34 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
                      assumptions=assumptions(result, prof))                         # what was not measured here
     _dump(opts, "4-plan.json", lambda p: save_plan(result, p))
     return result
+
+
+def faster_schedule(placed: Plan, graph: CostGraph, prof: Profile, progress: Say | None = None) -> Plan:
+    """``placed`` under ZB-H1 where that simulates faster and still fits its devices (every stage then holds
+    ``min(M, S)`` microbatches), else ``placed``; one line says which and why.
+
+    Args:
+        placed: the solver's plan (1F1B).
+        graph: the cost graph it was solved on.
+        prof: the profile (for the memory check).
+        progress: where the line goes.
+
+    Returns:
+        The faster plan.
+    """
+    say = progress or (lambda _: None)
+    try:
+        zb = annotate(replace(placed, schedule=Schedule.ZB_H1), graph, prof.dtype)[0]
+        validate_plan(replace(zb, precision=prof.precision), prof)
+    except PlanError as e:
+        say(f"schedule: {placed.schedule.value} (zb-h1 is not an option for this placement: {e})")
+        return placed
+    if zb.predicted.step_ms < placed.predicted.step_ms:
+        say(f"schedule: zb-h1, {zb.predicted.step_ms:.4g} ms a step against {placed.predicted.step_ms:.4g} ms "
+            f"under {placed.schedule.value} (bubble {zb.predicted.bubble:.1%} against {placed.predicted.bubble:.1%})")
+        return zb
+    say(f"schedule: {placed.schedule.value}, zb-h1 is not faster here ({zb.predicted.step_ms:.4g} ms a step)")
+    return placed
 
 
 def _fits(better: Plan, placed: Plan, prof: Profile, progress: Say | None) -> Plan:

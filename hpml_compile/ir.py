@@ -72,10 +72,15 @@ def variant_kind(kind: str, device: str) -> str:
 
 
 class Schedule(str, enum.Enum):
-    """Pipeline schedule: GPipe (Huang et al. 2019) or 1F1B (PipeDream-flush, Narayanan et al. 2021)."""
+    """Pipeline schedule: GPipe (Huang et al. 2019), 1F1B (PipeDream-flush, Narayanan et al. 2021) or ZB-H1.
+
+    ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B with each backward split into its
+    input-gradient part (on the critical path) and its weight-gradient part, deferred to fill the bubble.
+    """
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
+    ZB_H1 = "zb-h1"
 
 
 class NodeOp(str, enum.Enum):

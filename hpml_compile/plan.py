@@ -276,6 +276,8 @@ class Plan:
         for i, st in enumerate(self.stages):
             if st.index != i:
                 raise ValueError(f"plan: stages[{i}].index is {st.index}; stages must be listed in order")
+        if self.schedule is Schedule.ZB_H1:
+            _check_zero_bubble(self.stages)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -402,6 +404,23 @@ PLAN_SCHEMA: dict[str, Any] = {
     },
     "additionalProperties": False,
 }
+
+
+def _check_zero_bubble(stages: Sequence[Stage]) -> None:
+    """ZB-H1 runs each backward in two parts (:mod:`hpml_compile.runtime.execute.split`); what it does not run yet.
+
+    Raises:
+        PlanError: naming the stage and the option, and what to do.
+    """
+    for st in stages:
+        what = [name for name, on in (("tensor parallelism (tp > 1)", st.tp > 1), ("swap", bool(st.swap)),
+                                      ("an offloaded optimizer", st.offload_optimizer),
+                                      ("ZeRO-3", st.zero == ZeroStage.OS_G_P)) if on]
+        if what:
+            raise PlanError(f"schedule zb-h1: stage {st.index} uses {' and '.join(what)}, which the zero-bubble "
+                            "schedule does not run yet (its weight-gradient part would need to gather, swap in "
+                            "or shard again what the input-gradient part used); use schedule 1f1b for this plan, "
+                            "or drop the option from the stage")
 
 
 def check_placement(d: Any, source: str = "plan") -> None:
@@ -579,7 +598,7 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | No
         input_bytes=_input_bytes(profile, names),
         dtype_bytes=dtype_bytes(profile.dtype), replicas=stage.replicas, zero=stage.zero,
         shards=zero_shards(plan.cluster, stage), microbatches=m,
-        in_flight=in_flight(plan.schedule, m, len(plan.stages) - stage.index - 1),
+        in_flight=in_flight(plan.schedule, m, len(plan.stages) - stage.index - 1, len(plan.stages)),
         recompute=stage.recompute,
         swapped_bytes=sum(n.activation_bytes for n in nodes if n.name in swapped),
         offload_optimizer=stage.offload_optimizer,

@@ -1,6 +1,6 @@
 """The pipeline schedule lowered into per-rank action lists, and the validator that replays them.
 
-Why a lowering: the plan names a schedule (GPipe or 1F1B) and a microbatch
+Why a lowering: the plan names a schedule (GPipe, 1F1B, ZB-H1) and a microbatch
 count; the runtime, the simulator and a reader of the build all need the
 same thing from it, the order in which each rank runs its forwards,
 backwards, messages, gradient collectives and optimizer step. Lowering
@@ -11,6 +11,9 @@ is, and the simulator replays it (:func:`op_order` is its compute view).
 Tokens (``k``: a stage, ``j``: a microbatch):
 
 - ``kFj`` / ``kBj``: forward / backward of microbatch ``j`` on stage ``k``;
+- ``kIj`` / ``kWj`` (ZB-H1 only, in place of ``kBj``): the backward's input-gradient part (what the
+  previous stage waits for: its gradient is sent there) and its weight-gradient part (the parameters'
+  gradients, no message), the names ``torch.distributed.pipelining`` gives them;
 - ``kSENDp:j`` / ``kRECVp:j``: stage ``k`` sends to / receives from stage
   ``p`` the boundary values of microbatch ``j`` (activations when ``k < p``,
   their gradients when ``k > p``); the stage's generated code moves them
@@ -30,7 +33,12 @@ above (:func:`parse_token`). One enum (:class:`ActionKind`) names every kind.
 GPipe (Huang et al., NeurIPS 2019): all forwards, then all backwards. 1F1B
 (PipeDream-flush, Narayanan et al., SC 2021): stage ``i`` of ``S`` runs
 ``S - i - 1`` warm-up forwards, then alternates, so at most ``S - i``
-microbatches hold activations.
+microbatches hold activations. ZB-H1 (Qi et al., "Zero Bubble Pipeline
+Parallelism", ICLR 2024): stage ``i`` runs ``S - i`` forwards, then ``I`` and
+``F`` in turn, each ``I`` followed by the oldest owed ``W`` once more than
+``i`` are owed; the ``i`` held back run last, where 1F1B waits for later
+stages. Activations live until ``W``: every stage holds at most ``S``
+microbatches, 1F1B's peak (its first stage's).
 
 The validator (:func:`validate`) replays the lists with blocking receives,
 non-blocking sends and collectives that wait for all their members, until
@@ -52,6 +60,12 @@ Example:
     >>> parse_token("0SEND1"), parse_token("SWAP2")
     ((<ActionKind.SEND: 'SEND'>, (0, 1)), (<ActionKind.SWAP: 'SWAP'>, (2,)))
     >>> validate(ranks, (1, 1))
+    >>> zb = lower(Schedule.ZB_H1, 3, (1, 1), sends=(True, False))
+    >>> " ".join(str(a) for a in zb[0] if a.kind in COMPUTE)
+    '0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2'
+    >>> " ".join(str(a) for a in zb[1] if a.kind in COMPUTE)
+    '1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2'
+    >>> validate(zb, (1, 1))
     >>> replay(parse_actions([["0RECV1:0", "0SEND1:0"], ["1RECV0:0", "1SEND0:0"]]), (1, 1))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
@@ -71,7 +85,7 @@ from .errors import ScheduleError
 from .memory import ZeroStage
 from .plan import AllReduce, Plan, Schedule
 
-__all__ = ["ActionKind", "SyncImpl", "sync_impl", "Action", "RankActions", "op_order", "lower", "relower",
+__all__ = ["ActionKind", "COMPUTE", "SyncImpl", "sync_impl", "Action", "RankActions", "op_order", "lower", "relower",
            "parse_actions", "parse_token", "validate", "replay", "compute_orders", "stage_ranks", "rank_layout",
            "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
 
@@ -81,6 +95,8 @@ class ActionKind(str, enum.Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"  # ZB-H1: the input-gradient part of a backward
+    BACKWARD_WEIGHT = "W"  # ZB-H1: its weight-gradient part
     SEND = "SEND"
     RECV = "RECV"
     ALL_REDUCE = "ALLREDUCE"
@@ -149,18 +165,19 @@ def sync_impl(plan: Plan, stages: Sequence[int]) -> SyncImpl:
     return SyncImpl.FLAT
 
 
+COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
 COLLECTIVES = frozenset({ActionKind.ALL_REDUCE, ActionKind.REDUCE_SCATTER, ActionKind.ALL_GATHER})
 MARKERS = frozenset({ActionKind.SEND, ActionKind.RECV})  # carried out by the stage code around F/B
 REGIONS = frozenset({ActionKind.SWAP, ActionKind.RECOMPUTE})  # a stage's summary only, never in a rank's list
 RANK_KINDS = frozenset(ActionKind) - REGIONS  # what a rank's list holds: the executor has a handler for each
 
 # The one token grammar (``:j``, the microbatch, is absent from a stage's summary).
-_COMPUTE = re.compile(r"^(\d+)([FB])(\d+)$")
+_COMPUTE = re.compile(r"^(\d+)([FBIW])(\d+)$")
 _POINT = re.compile(r"^(\d+)(SEND|RECV)(\d+)(?::(\d+))?$")
 _SYNC = re.compile(r"^(ALLREDUCE|REDUCESCATTER|ALLGATHER)(?:\.([a-z0-9]+))?\((\d+(?:,\d+)*)\)$")
 _OPT = re.compile(r"^OPT(\d+)$")
 _REGION = re.compile(r"^(SWAP|RECOMPUTE)(\d+)$")
-_FORMS = "'0F3', '1B0', '0SEND1:3', '1RECV0:3', 'ALLREDUCE.flat(0,3)', 'LOSS' or 'OPT0'"
+_FORMS = "'0F3', '1B0', '1I0', '1W0', '0SEND1:3', '1RECV0:3', 'ALLREDUCE.flat(0,3)', 'LOSS' or 'OPT0'"
 
 
 def _impl(text: str | None, token: str) -> str:
@@ -195,9 +212,9 @@ class Action:
 
     Attributes:
         kind: what it does.
-        stages: ``(k,)`` for F, B and OPT; ``(k, peer)`` for SEND and RECV; the group of a
+        stages: ``(k,)`` for F, B, I, W and OPT; ``(k, peer)`` for SEND and RECV; the group of a
             collective; ``()`` for LOSS.
-        microbatch: the microbatch of F, B, SEND and RECV; else None.
+        microbatch: the microbatch of F, B, I, W, SEND and RECV; else None.
         impl: a collective's implementation (:class:`~hpml_compile.plan.SyncImpl`'s value; "" where the
             token names none); "" for every other kind.
     """
@@ -215,18 +232,18 @@ class Action:
         if (len(self.stages) != want and self.kind not in COLLECTIVES) or (self.kind in COLLECTIVES
                                                                            and not self.stages):
             raise ValueError(f"{self.kind.value} takes {want} stage(s), got {self.stages}")
-        if (self.microbatch is None) != (self.kind not in (ActionKind.FORWARD, ActionKind.BACKWARD, *MARKERS)):
+        if (self.microbatch is None) != (self.kind not in (*COMPUTE, *MARKERS)):
             raise ValueError(f"{self.kind.value}: microbatch {self.microbatch} given where "
                              f"{'none' if self.microbatch is not None else 'one'} belongs")
 
     @property
     def stage(self) -> int:
-        """The stage that runs it (F, B, SEND, RECV, OPT), or the first of a collective's group."""
+        """The stage that runs it (F, B, I, W, SEND, RECV, OPT), or the first of a collective's group."""
         return self.stages[0] if self.stages else -1
 
     def __str__(self) -> str:
         k = self.kind
-        if k in (ActionKind.FORWARD, ActionKind.BACKWARD):
+        if k in COMPUTE:
             return f"{self.stages[0]}{k.value}{self.microbatch}"
         if k in MARKERS:
             return f"{self.stages[0]}{k.value}{self.stages[1]}:{self.microbatch}"
@@ -299,26 +316,51 @@ def _stage_ranks(replicas: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def op_order(schedule: Schedule, stage: int, stages: int, microbatches: int) -> list[tuple[bool, int]]:
-    """The compute view of a stage's lowered list: ``(is_forward, microbatch)`` in execution order.
+def op_order(schedule: Schedule, stage: int, stages: int, microbatches: int) -> list[tuple[ActionKind, int]]:
+    """The compute view of a stage's lowered list: ``(kind, microbatch)`` in execution order.
 
     Args:
-        schedule: GPipe or 1F1B.
+        schedule: GPipe, 1F1B or ZB-H1.
         stage: stage index ``i``.
         stages: stage count ``S``.
         microbatches: ``M``.
 
     Returns:
-        The order; under 1F1B at most ``S - i`` forwards are ahead of their backward.
+        F and B (GPipe, 1F1B) or F, I and W (ZB-H1) actions; under 1F1B at most ``S - i`` forwards are ahead of
+        their backward, under ZB-H1 at most ``S`` ahead of their weight-gradient part.
+
+    Example:
+        >>> [f"{k.value}{j}" for k, j in op_order(Schedule.ZB_H1, 1, 3, 4)]
+        ['F0', 'F1', 'I0', 'F2', 'I1', 'W0', 'F3', 'I2', 'W1', 'I3', 'W2', 'W3']
     """
-    m = microbatches
+    m, fwd, bwd = microbatches, ActionKind.FORWARD, ActionKind.BACKWARD
     if schedule is Schedule.GPIPE:
-        return [(True, k) for k in range(m)] + [(False, k) for k in range(m)]
+        return [(fwd, k) for k in range(m)] + [(bwd, k) for k in range(m)]
+    if schedule is Schedule.ZB_H1:
+        return _zb_h1(stage, stages, m)
     w = min(stages - stage - 1, m)
-    ops = [(True, k) for k in range(w)]
+    ops = [(fwd, k) for k in range(w)]
     for k in range(m - w):
-        ops += [(True, w + k), (False, k)]
-    return ops + [(False, k) for k in range(m - w, m)]
+        ops += [(fwd, w + k), (bwd, k)]
+    return ops + [(bwd, k) for k in range(m - w, m)]
+
+
+def _zb_h1(stage: int, stages: int, microbatches: int) -> list[tuple[ActionKind, int]]:
+    """ZB-H1's order for stage ``i`` (module docstring): ``S - i`` forwards, then I (with a W once more than ``i``
+    are owed) and F in turn, the held-back W last."""
+    fwd, inp, wgt = ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+    f = min(stages - stage, microbatches)
+    ops = [(fwd, k) for k in range(f)]
+    w = 0
+    for b in range(microbatches):
+        ops.append((inp, b))
+        if b + 1 - w > stage:  # more weight parts owed than the ``i`` this stage holds back
+            ops.append((wgt, w))
+            w += 1
+        if f < microbatches:
+            ops.append((fwd, f))
+            f += 1
+    return ops + [(wgt, k) for k in range(w, microbatches)]
 
 
 def lower(schedule: Schedule, microbatches: int, replicas: Sequence[int], *,
@@ -327,7 +369,7 @@ def lower(schedule: Schedule, microbatches: int, replicas: Sequence[int], *,
     """Every rank's action list: compute in schedule order with its messages, then syncs, loss, optimizer.
 
     Args:
-        schedule: GPipe or 1F1B.
+        schedule: GPipe, 1F1B or ZB-H1.
         microbatches: ``M``.
         replicas: devices (ranks) of each stage.
         sends: per stage, whether boundary ``k -> k+1`` carries values (default: every one but the last's).
@@ -345,12 +387,14 @@ def lower(schedule: Schedule, microbatches: int, replicas: Sequence[int], *,
     per_stage = []
     for k in range(s):
         acts: list[Action] = []
-        for fwd, j in op_order(schedule, k, s, microbatches):
+        for kind, j in op_order(schedule, k, s, microbatches):
+            fwd = kind is ActionKind.FORWARD
             came, goes = (k - 1, k + 1) if fwd else (k + 1, k - 1)
-            if 0 <= came < s and links[min(k, came)]:
+            talks = kind is not ActionKind.BACKWARD_WEIGHT  # W moves nothing: its gradients stay on the stage
+            if talks and 0 <= came < s and links[min(k, came)]:
                 acts.append(Action(ActionKind.RECV, (k, came), j))
-            acts.append(Action(ActionKind.FORWARD if fwd else ActionKind.BACKWARD, (k,), j))
-            if 0 <= goes < s and links[min(k, goes)]:
+            acts.append(Action(kind, (k,), j))
+            if talks and 0 <= goes < s and links[min(k, goes)]:
                 acts.append(Action(ActionKind.SEND, (k, goes), j))
         acts += [Action.parse(t) for t in (grad_sync[k] if grad_sync else ())]
         acts += [Action(ActionKind.LOSS), Action(ActionKind.OPTIMIZER, (k,))]
@@ -360,15 +404,15 @@ def lower(schedule: Schedule, microbatches: int, replicas: Sequence[int], *,
 
 
 @functools.lru_cache(maxsize=256)
-def compute_orders(schedule: Schedule, stages: int, microbatches: int) -> tuple[tuple[tuple[bool, int], ...], ...]:
-    """The forwards and backwards of each stage's lowered list, ``(is_forward, microbatch)`` in list order.
+def compute_orders(schedule: Schedule, stages: int, microbatches: int
+                   ) -> tuple[tuple[tuple[ActionKind, int], ...], ...]:
+    """The compute actions of each stage's lowered list (F, B, I, W), ``(kind, microbatch)`` in list order.
 
     What the simulator replays: the lists :func:`lower` writes into a build (one rank per stage; replicas run
     their stage's list), read back rather than generated again.
     """
     lists = lower(schedule, microbatches, [1] * stages)
-    return tuple(tuple((a.kind is ActionKind.FORWARD, a.microbatch or 0) for a in acts
-                       if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)) for acts in lists)
+    return tuple(tuple((a.kind, a.microbatch or 0) for a in acts if a.kind in COMPUTE) for acts in lists)
 
 
 def relower(ranks: Sequence[RankActions], replicas: Sequence[int], schedule: Schedule,
@@ -416,16 +460,36 @@ def _check_shape(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
             if a.kind in MARKERS and abs(a.stages[1] - k) != 1:
                 raise ScheduleError(f"{_name(rank, layout)}: action {a} talks to stage {a.stages[1]}, "
                                     f"not a neighbour of stage {k}: values skipping stages are relayed")
-            if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+            if a.kind in COMPUTE:
                 key = (a.kind, a.microbatch)
                 seen[key] = seen.get(key, 0) + 1
-                if a.kind is ActionKind.BACKWARD and (ActionKind.FORWARD, a.microbatch) not in seen:
-                    raise ScheduleError(f"{_name(rank, layout)}: {a} comes before its forward "
-                                        f"{k}F{a.microbatch}: a backward needs its forward's activations")
-        for (kind, j), n in seen.items():
-            if n != 1 or (ActionKind.BACKWARD, j) not in seen:
-                raise ScheduleError(f"{_name(rank, layout)}: microbatch {j} has {n} {kind.name.lower()}(s) and "
-                                    f"{seen.get((ActionKind.BACKWARD, j), 0)} backward(s): each needs exactly one")
+                before = _BEFORE.get(a.kind)
+                if before is not None and (before, a.microbatch) not in seen:
+                    what = "its forward" if before is ActionKind.FORWARD else "its input-gradient part"
+                    raise ScheduleError(f"{_name(rank, layout)}: {a} comes before {what} "
+                                        f"{k}{before.value}{a.microbatch}: "
+                                        f"{_NEEDS.get(a.kind, 'a backward needs its forward activations')}")
+        _check_parts(seen, _name(rank, layout))
+
+
+# Each compute action after the one it needs, and why
+_BEFORE = {ActionKind.BACKWARD: ActionKind.FORWARD, ActionKind.BACKWARD_INPUT: ActionKind.FORWARD,
+           ActionKind.BACKWARD_WEIGHT: ActionKind.BACKWARD_INPUT}
+_NEEDS = {ActionKind.BACKWARD_WEIGHT: "the weight-gradient part starts from what the input-gradient part left"}
+_PARTS = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+
+
+def _check_parts(seen: dict[tuple[ActionKind, int | None], int], who: str) -> None:
+    """Each microbatch: one F and either one B or one I and one W (never both forms)."""
+    for j in sorted({j for _, j in seen}, key=lambda x: -1 if x is None else x):
+        n = {kind: seen.get((kind, j), 0) for kind in _PARTS}
+        whole = n[ActionKind.BACKWARD] == 1 and n[ActionKind.BACKWARD_INPUT] == n[ActionKind.BACKWARD_WEIGHT] == 0
+        split = n[ActionKind.BACKWARD] == 0 and n[ActionKind.BACKWARD_INPUT] == n[ActionKind.BACKWARD_WEIGHT] == 1
+        if n[ActionKind.FORWARD] != 1 or not (whole or split):
+            raise ScheduleError(f"{who}: microbatch {j} has " + ", ".join(f"{c} {kind.name.lower()}(s)"
+                                                                           for kind, c in n.items())
+                                + ": each needs one forward and either one backward or one input-gradient part "
+                                "and one weight-gradient part")
 
 
 def _check_pairs(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:

@@ -4,8 +4,14 @@ Every solver's plan is scored by this one simulator, so that plans compare on
 one cost model. Each stage runs a fixed order of operations (GPipe, Huang et
 al. 2019: all forwards then all backwards; 1F1B, Narayanan et al. 2019/2021:
 ``S - i - 1`` warm-up forwards, then one forward one backward, then the
-remaining backwards); an operation starts when its stage is free and its
-inputs have arrived. We write this small list scheduler rather than use
+remaining backwards; ZB-H1, Qi et al. 2024: each backward as an input-gradient
+part, which the previous stage waits for, and a weight-gradient part that only
+its own stage does, later, :mod:`hpml_compile.schedule`); an operation starts
+when its stage is free and its inputs have arrived. Under ZB-H1 a stage's
+activations are held until the weight-gradient part ends; the profile times
+the backward whole, so the weight part is taken as
+:data:`hpml_compile.stagecost.WEIGHT_SHARE` of it (an assumption the plan
+lists). We write this small list scheduler rather than use
 ``torch.distributed.pipelining``'s ``_simulate_comms_compute`` because that
 one has no durations, links or memory.
 
@@ -121,13 +127,14 @@ from .cluster import Cluster, hierarchy, host_link_spec, link_spec
 from .compression import CompressKind, parse_compress, powersgd_fraction
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
-from .ir import Device
+from .ir import Device, Schedule
 from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_overlap, zero_shards
-from .schedule import compute_orders, op_order  # the compute view of the lowered per-rank action lists
+from .schedule import ActionKind, compute_orders, op_order  # the compute view of the lowered per-rank lists
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
                         local_sgd_sync_ms, measured_agree_ms, optimizer_ms, skew_wait_ms, stepped_gather_ms,
-                        steps_flat, stream_bytes_per_ms, stream_ms, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms)
+                        steps_flat, stream_bytes_per_ms, stream_ms, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms,
+                        weight_part_ms)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "step_ms", "stage_costs", "annotate", "crowded_devices",
            "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms", "replica_skew_ms", "boundary_copies"]
@@ -181,6 +188,8 @@ class StageCost:
             whole there (not prefetched: :func:`hpml_compile.stagecost.stepped_gather_ms`).
         returns: ``(later stage, ms)`` of the gradients each later stage sends back, where that differs from
             ``sends`` (stages of different ``tp``: :func:`boundary_copies`); empty: the same as ``sends``.
+        weight_ms: ZB-H1: the weight-gradient part of ``bwd_ms`` (run as its own operation, after a recompute of
+            its own where the stage recomputes; 0 otherwise).
     """
 
     fwd_ms: float
@@ -198,16 +207,25 @@ class StageCost:
     replica_ms: tuple[tuple[float, float], ...] = ()
     gather_ms: float = 0.0
     returns: tuple[tuple[int, float], ...] = ()
+    weight_ms: float = 0.0
 
     @property
     def back(self) -> tuple[tuple[int, float], ...]:
         """``(later stage, ms)`` of the gradients coming back over each boundary this stage sends on."""
         return self.returns or self.sends
 
+    def op_ms(self, phase: int) -> float:
+        """The duration of one operation of the phase (:data:`FWD`, :data:`BWD`, :data:`WGT`)."""
+        if phase == FWD:
+            return self.fwd_ms
+        if phase == WGT:  # a recomputed region runs again for it (autograd unpacks its saved tensors again)
+            return self.weight_ms + (self.recompute_ms if self.weight_ms else 0.0)
+        return self.recompute_ms + self.bwd_ms - self.weight_ms
+
     @property
     def compute_ms(self) -> float:
-        """Busy time per microbatch: forward, recompute and backward."""
-        return self.fwd_ms + self.recompute_ms + self.bwd_ms
+        """Busy time per microbatch: forward, recompute (twice under ZB-H1) and backward."""
+        return self.fwd_ms + self.recompute_ms * (2 if self.weight_ms else 1) + self.bwd_ms
 
     @property
     def synced_ms(self) -> float:
@@ -387,7 +405,7 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
             mem = device_memory(param_bytes=params, activation_bytes=acts, input_bytes=sum(inputs.values()),
                                 dtype_bytes=dtype_bytes(dtype), replicas=d, zero=st.zero,
                                 shards=zero_shards(c, st), microbatches=m,
-                                in_flight=in_flight(plan.schedule, m, s_count - st.index - 1),
+                                in_flight=in_flight(plan.schedule, m, s_count - st.index - 1, s_count),
                                 recompute=st.recompute, swapped_bytes=swapped,
                                 offload_optimizer=st.offload_optimizer, host_is_device=c.device(x).is_cpu,
                                 share=(st.rows[j], batch) if st.rows else None,
@@ -422,10 +440,13 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         group = min((link_spec(c, dp[0], x) for x in dp[1:]), key=lambda sp: sp.gbps) if d > 1 else None
         hier = hierarchy(c, st.sync_group()) if st.allreduce is AllReduce.HIERARCHICAL else None
         fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts * most * m * d if st.rows else acts, m, d, rate)
-        sync, gather = _sync_cost(plan, graph, st, nodes, params, group, host, dtype, rate, bwd, hier, m, fwd_ms=fwd)
+        # ZB-H1: the last microbatch's weight part is the last backward work the sync could overlap
+        weight = weight_part_ms(bwd) if plan.schedule is Schedule.ZB_H1 else 0.0
+        sync, gather = _sync_cost(plan, graph, st, nodes, params, group, host, dtype, rate, weight or bwd, hier, m,
+                                  fwd_ms=fwd)
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms), sync - gather + copy,
                              max(mems, key=lambda b: b.total), opt_ms, fwd_stream, bwd_stream, copy,
-                             tuple(mems), tuple(own), gather, tuple(back_ms) if back_ms != send_ms else ()))
+                             tuple(mems), tuple(own), gather, tuple(back_ms) if back_ms != send_ms else (), weight))
     return tuple(out)
 
 
@@ -485,7 +506,12 @@ def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], floa
     return out
 
 
-Op = tuple[bool, int, int]  # (forward?, stage, microbatch)
+Op = tuple[int, int, int]  # (phase, stage, microbatch)
+# The phase of an operation: a forward is 1 and a backward 0, as True and False would be (``(True, i, k)`` still
+# finds a forward); ZB-H1's input-gradient part has the backward's phase, its weight-gradient part its own.
+FWD, BWD, WGT = 1, 0, 2
+_PHASE = {ActionKind.FORWARD: FWD, ActionKind.BACKWARD: BWD, ActionKind.BACKWARD_INPUT: BWD,
+          ActionKind.BACKWARD_WEIGHT: WGT}
 
 
 def _run(plan: Plan, costs: tuple[StageCost, ...], stretch: dict[Op, float] | None = None
@@ -498,7 +524,7 @@ def _run(plan: Plan, costs: tuple[StageCost, ...], stretch: dict[Op, float] | No
     for i, cst in enumerate(costs):
         for j, ms in cst.sends:
             senders[j].append((i, ms))
-    done: dict[tuple[bool, int, int], tuple[float, float]] = {}
+    done: dict[Op, tuple[float, float]] = {}
     ptr, free = [0] * s_count, [0.0] * s_count
     comm: list[Interval] = []
     remaining = sum(len(o) for o in orders)
@@ -506,14 +532,14 @@ def _run(plan: Plan, costs: tuple[StageCost, ...], stretch: dict[Op, float] | No
         progressed = False
         for i in range(s_count):
             while ptr[i] < len(orders[i]):
-                fwd, k = orders[i][ptr[i]]
-                ready = _ready(fwd, i, k, costs, senders, done)
+                kind, k = orders[i][ptr[i]]
+                phase = _PHASE[kind]
+                ready = _ready(phase, i, k, costs, senders, done)
                 if ready is None:
                     break
-                cst = costs[i]
-                dur = (cst.fwd_ms if fwd else cst.recompute_ms + cst.bwd_ms) * (stretch or {}).get((fwd, i, k), 1.0)
+                dur = costs[i].op_ms(phase) * (stretch or {}).get((phase, i, k), 1.0)
                 start = max(free[i], ready)
-                done[(fwd, i, k)] = (start, start + dur)
+                done[(phase, i, k)] = (start, start + dur)
                 free[i] = start + dur
                 ptr[i] += 1
                 remaining -= 1
@@ -525,30 +551,32 @@ def _run(plan: Plan, costs: tuple[StageCost, ...], stretch: dict[Op, float] | No
     for i, cst in enumerate(costs):
         for j, ms in cst.sends:
             for k in range(m):
-                f_end, b_end = done[(True, i, k)][1], done[(False, j, k)][1]
+                f_end, b_end = done[(FWD, i, k)][1], done[(BWD, j, k)][1]
                 src, dst = plan.stages[i].devices[0], plan.stages[j].devices[0]
                 comm.append(Interval(src, f_end, f_end + ms, EventKind.SEND, k, i))
                 comm.append(Interval(dst, b_end, b_end + dict(cst.back)[j], EventKind.SEND, k, j))
     return done, comm
 
 
-def _ready(fwd: bool, i: int, k: int, costs: tuple[StageCost, ...], senders: list[list[tuple[int, float]]],
-           done: dict[tuple[bool, int, int], tuple[float, float]]) -> float | None:
-    """When operation (fwd, stage i, microbatch k) may start, or None if an input is not scheduled yet."""
+def _ready(phase: int, i: int, k: int, costs: tuple[StageCost, ...], senders: list[list[tuple[int, float]]],
+           done: dict[Op, tuple[float, float]]) -> float | None:
+    """When operation (phase, stage i, microbatch k) may start, or None if an input is not scheduled yet."""
     t = 0.0
-    if fwd:
+    if phase == WGT:  # after its own input-gradient part, nothing from another stage
+        return done[(BWD, i, k)][1] if (BWD, i, k) in done else None
+    if phase == FWD:
         for j, ms in senders[i]:
-            if (True, j, k) not in done:
+            if (FWD, j, k) not in done:
                 return None
-            t = max(t, done[(True, j, k)][1] + ms)
+            t = max(t, done[(FWD, j, k)][1] + ms)
         return t
-    if (True, i, k) not in done:
+    if (FWD, i, k) not in done:
         return None
-    t = done[(True, i, k)][1] + 2 * costs[i].swap_ms
+    t = done[(FWD, i, k)][1] + 2 * costs[i].swap_ms
     for j, ms in costs[i].back:
-        if (False, j, k) not in done:
+        if (BWD, j, k) not in done:
             return None
-        t = max(t, done[(False, j, k)][1] + ms)
+        t = max(t, done[(BWD, j, k)][1] + ms)
     return t
 
 
@@ -682,11 +710,14 @@ def _contended(plan: Plan, costs: tuple[StageCost, ...], share: _HostShare, pass
     for _ in range(passes - 1):
         load = share.load(_busy(done, len(plan.stages)))
         stretch: dict[Op, float] = {}
-        for (fwd, i, k), (a, b) in done.items():
+        for (phase, i, k), (a, b) in done.items():
             cst = costs[i]
-            dur = cst.fwd_ms if fwd else cst.recompute_ms + cst.bwd_ms
-            part = cst.fwd_stream_ms if fwd else cst.bwd_stream_ms + (cst.fwd_stream_ms if cst.recompute_ms else 0)
-            stretch[(fwd, i, k)] = share.factor(i, a, b, load, part / dur, 0 if fwd else 1) if dur > 0 else 1.0
+            dur = cst.op_ms(phase)
+            fwd = phase == FWD
+            whole = cst.recompute_ms + cst.bwd_ms
+            part = cst.fwd_stream_ms if fwd else \
+                (cst.bwd_stream_ms + (cst.fwd_stream_ms if cst.recompute_ms else 0)) * (dur / whole if whole else 1)
+            stretch[(phase, i, k)] = share.factor(i, a, b, load, part / dur, 0 if fwd else 1) if dur > 0 else 1.0
         done, bars = _run(plan, costs, stretch)
     return done, bars
 
@@ -715,7 +746,7 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
     share = _HostShare(plan, graph)
     done, bars = _contended(plan, costs, share) if share.active else _run(plan, costs)
     s_count, m = len(plan.stages), plan.microbatches
-    lasts = [max(done[(False, i, k)][1] for k in range(m)) for i in range(s_count)]
+    lasts = [max(done.get((WGT, i, k), done[(BWD, i, k)])[1] for k in range(m)) for i in range(s_count)]
     busy = _busy(done, s_count)
     # after its last backward each stage syncs; the copies stretch with what the other stages of the host do
     # meanwhile (their compute and their own sync); a replicated stage first waits for its latest replica
@@ -789,8 +820,13 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
             for bar in _stage_bars(dev, i, cst, done, m, j):
                 bars.append(bar)
             for k in range(m):
-                f_end = done[(True, i, k)][1]
-                b_start, b_end = done[(False, i, k)]
+                f_end = done[(FWD, i, k)][1]
+                b_start, b_end = done[(BWD, i, k)]
+                if (WGT, i, k) in done:  # ZB-H1: the activations live until the weight-gradient part ends
+                    w_start, w_end = done[(WGT, i, k)]
+                    ev += [(f_end, mem.stored_per_microbatch), (b_start, mem.working), (b_end, -mem.working),
+                           (w_start, mem.working), (w_end, -(mem.stored_per_microbatch + mem.working))]
+                    continue
                 ev += [(f_end, mem.stored_per_microbatch), (b_start, mem.working),
                        (b_end, -(mem.stored_per_microbatch + mem.working))]
             if sync[i] > 0:
@@ -810,8 +846,7 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
         curves[dev], peaks[dev] = tuple(curve), max(b for _, b in curve)
     worked = sum(b - a for a, b in done.values())
     bubble = 1.0 - worked / (s_count * pipe_end) if pipe_end > 0 else 0.0
-    took = [sum(done[(f, i, k)][1] - done[(f, i, k)][0] for f in (True, False) for k in range(m))
-            for i in range(s_count)]
+    took = [sum(b - a for (_, x, _), (a, b) in done.items() if x == i) for i in range(s_count)]
     contention = tuple(t / (m * cst.compute_ms) if cst.compute_ms > 0 else 1.0 for t, cst in zip(took, costs))
     bottleneck = max(range(s_count), key=lambda i: took[i])
     own = tuple(max(0.0, 1.0 - t / end) if end > 0 else 0.0 for t, end in zip(took, lasts))
@@ -847,7 +882,7 @@ def replica_skew_ms(plan: Plan, graph: CostGraph, st: Stage, compute_ms: float) 
     return skew_wait_ms(max(graph.skew_ms(d.kind, compute_ms) for d in devs), st.replicas)
 
 
-def _stage_bars(dev: str, i: int, cst: StageCost, done: dict[tuple[bool, int, int], tuple[float, float]],
+def _stage_bars(dev: str, i: int, cst: StageCost, done: dict[Op, tuple[float, float]],
                 m: int, replica: int = 0) -> Iterator[Interval]:
     """The compute bars of replica ``replica`` of stage ``i``: a replica faster than the stage's slowest (uneven
     rows, or a faster kind beside a slower one) ends each operation early and waits for the rest."""
@@ -859,28 +894,33 @@ def _stage_bars(dev: str, i: int, cst: StageCost, done: dict[tuple[bool, int, in
     b_share = (own[0] * bool(cst.recompute_ms) + own[1]) / (cst.recompute_ms + cst.bwd_ms) \
         if cst.recompute_ms + cst.bwd_ms > 0 else 1.0
     for k in range(m):
-        fs, fe = done[(True, i, k)]
+        fs, fe = done[(FWD, i, k)]
         yield Interval(dev, fs, fs + (fe - fs) * f_share, EventKind.FORWARD, k, i)
-        bs, be = done[(False, i, k)]
+        bs, be = done[(BWD, i, k)]
         be = bs + (be - bs) * b_share
         rec = own[0] * (be - bs) / (own[0] + own[1]) if cst.recompute_ms and own[0] + own[1] > 0 else 0.0
         if cst.recompute_ms:
             yield Interval(dev, bs, bs + rec, EventKind.RECOMPUTE, k, i)
         yield Interval(dev, bs + rec, be, EventKind.BACKWARD, k, i)
+        if (WGT, i, k) in done:
+            ws, we = done[(WGT, i, k)]
+            yield Interval(dev, ws, ws + (we - ws) * b_share, EventKind.BACKWARD, k, i)
         if cst.swap_ms:
             yield Interval(dev, fe, fe + cst.swap_ms, EventKind.SWAP, k, i)
             yield Interval(dev, bs - cst.swap_ms, bs, EventKind.SWAP, k, i)
 
 
-def _slowest_bars(dev: str, i: int, cst: StageCost, done: dict[tuple[bool, int, int], tuple[float, float]],
+def _slowest_bars(dev: str, i: int, cst: StageCost, done: dict[Op, tuple[float, float]],
                   m: int) -> Iterator[Interval]:
     for k in range(m):
-        fs, fe = done[(True, i, k)]
+        fs, fe = done[(FWD, i, k)]
         yield Interval(dev, fs, fe, EventKind.FORWARD, k, i)
-        bs, be = done[(False, i, k)]
+        bs, be = done[(BWD, i, k)]
         if cst.recompute_ms:
             yield Interval(dev, bs, bs + cst.recompute_ms, EventKind.RECOMPUTE, k, i)
         yield Interval(dev, bs + cst.recompute_ms, be, EventKind.BACKWARD, k, i)
+        if (WGT, i, k) in done:  # ZB-H1's weight-gradient part, drawn as backward
+            yield Interval(dev, *done[(WGT, i, k)], EventKind.BACKWARD, k, i)
         if cst.swap_ms:
             yield Interval(dev, fe, fe + cst.swap_ms, EventKind.SWAP, k, i)
             yield Interval(dev, bs - cst.swap_ms, bs, EventKind.SWAP, k, i)

@@ -126,7 +126,7 @@ from .costgraph import CostGraph
 from .ir import Schedule, base_kind
 from .memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, MemoryBreakdown, ZeroStage, autocast_copy_bytes
 
-__all__ = ["MemoryParts", "in_flight", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "overlapped_ms",
+__all__ = ["MemoryParts", "in_flight", "WEIGHT_SHARE", "weight_part_ms", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "overlapped_ms",
            "hierarchical_overlapped_ms", "prefetched_gather_ms", "stepped_gather_ms", "param_gather_link", "hierarchical_allreduce_ms",
            "level_bytes",
            "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
@@ -146,20 +146,36 @@ def _minimum(a: Value, b: Value) -> Value:
     return min(a, b)
 
 
-def in_flight(schedule: Schedule, microbatches: int, after: Value) -> Value:
+def in_flight(schedule: Schedule, microbatches: int, after: Value, stages: int | None = None) -> Value:
     """Microbatches whose activations a stage holds at its peak.
 
     Args:
-        schedule: GPipe (all ``M``) or 1F1B (``min(M, j + 1)``; Narayanan et al. 2021: ``S - i``).
+        schedule: GPipe (all ``M``), 1F1B (``min(M, j + 1)``; Narayanan et al. 2021: ``S - i``) or ZB-H1
+            (``min(M, S)`` on every stage: a microbatch's activations live until its weight-gradient part,
+            :mod:`hpml_compile.schedule`).
         microbatches: ``M``.
         after: ``j``, the number of stages after this one (``S - i - 1`` for stage ``i`` of ``S``).
+        stages: ``S`` (ZB-H1; None: not known yet, as in the solvers' tables: ``M``, which bounds it).
 
     Returns:
         The count, of the same form as ``after``.
     """
     if schedule is Schedule.GPIPE:
         return after * 0 + microbatches
+    if schedule is Schedule.ZB_H1:
+        return after * 0 + (microbatches if stages is None else min(microbatches, stages))
     return _minimum(microbatches, after + 1)
+
+
+# ZB-H1's weight-gradient part as a share of the backward, where the profile times the backward whole: half
+# (a matmul's backward is two matmuls of the forward's size, one for the input and one for the weight).
+# Listed among the plan's assumptions (:mod:`hpml_compile.assumptions`).
+WEIGHT_SHARE = 0.5
+
+
+def weight_part_ms(bwd_ms: float, share: float = WEIGHT_SHARE) -> float:
+    """ZB-H1: the weight-gradient part of a backward of ``bwd_ms`` (the input-gradient part is the rest)."""
+    return bwd_ms * share
 
 
 class MemoryParts(NamedTuple):

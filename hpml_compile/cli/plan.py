@@ -46,7 +46,9 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--solver", default=SolverName.PORTFOLIO.value,
                    choices=[*(s.value for s in SolverName), "ilp"])
     p.add_argument("--microbatches", type=int, default=None, help="default: searched")
-    p.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, choices=[s.value for s in Schedule])
+    p.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, choices=[*(s.value for s in Schedule), "auto"],
+                   help="the pipeline schedule (zb-h1: zero bubble, its backward split in two; auto: 1f1b, or "
+                        "zb-h1 where it simulates faster on the solver's placement and fits)")
     p.add_argument("--time-limit", type=float, default=30.0, dest="time_limit", help="ILP time limit, seconds")
     p.add_argument("--compare", action="store_true", help="run every solver and print one table")
     p.add_argument("--precision", default=None, choices=[x.value for x in Precision],
@@ -181,7 +183,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.microbatches is not None and args.microbatches < 1:
         raise HpmlError(f"plan: --microbatches must be >= 1, got {args.microbatches}")
     profile, cluster = _inputs(args)
-    schedule = Schedule(args.schedule)
+    schedule = args.schedule if args.schedule == "auto" else Schedule(args.schedule)
     driver.check_microbatches(profile, args.microbatches)  # before any solving: --compare solves five times
     driver.check_precision(profile, args.precision)
     opts = driver.Options(solver=args.solver, microbatches=args.microbatches, schedule=schedule,

@@ -537,7 +537,7 @@ def diagnose(chain: Chain, cluster: Cluster, setting: Setting) -> str:
         a, b = cuts[i], cuts[i + 1]
         params, acts = chain.params[b] - chain.params[a], chain.acts[b] - chain.acts[a]
         cpu = dev.is_cpu
-        fl = in_flight(setting.schedule, setting.microbatches, s - i - 1)
+        fl = in_flight(setting.schedule, setting.microbatches, s - i - 1, s)
         kw = dict(param_bytes=params, activation_bytes=acts, input_bytes=chain.cut[a], dtype_bytes=bpe,
                   replicas=1, zero=0, microbatches=setting.microbatches, in_flight=fl, host_is_device=cpu,
                   process_bytes=chain.graph.process_bytes(dev.kind, params) if cpu else 0)

@@ -37,7 +37,7 @@ from ..plan import AllReduce, Plan, Schedule, SolverInfo, Stage
 from ..simulate import stage_costs, tied_syncs
 from ..tp import TP_DEGREES
 
-__all__ = ["Chain", "StageConfig", "Candidate", "Setting", "CONFIGS", "enumerate_candidates", "kind_counts",
+__all__ = ["Chain", "StageConfig", "Candidate", "Setting", "CONFIGS", "zero_bubble_runs", "enumerate_candidates", "kind_counts",
            "assign_devices", "assign_tp_devices", "host_groups", "ShardSums", "in_flight", "classes", "range_candidates", "to_plan", "degrees", "group_link",
            "group_links", "boundary_link", "faster_allreduce", "allreduce_choice"]
 
@@ -186,6 +186,12 @@ CONFIGS: tuple[StageConfig, ...] = tuple(
     StageConfig(ZeroStage.OS, r, hierarchical=True, tp=t) for t in TP_DEGREES for r in (False, True))
 
 
+def zero_bubble_runs(config: StageConfig) -> bool:
+    """Whether ZB-H1 runs a stage of ``config``: not with tensor parallelism, swap, an offloaded optimizer or
+    ZeRO-3 (:func:`hpml_compile.plan.Plan` refuses them under it)."""
+    return config.tp == 1 and not config.swap and not config.offload and config.zero != ZeroStage.OS_G_P
+
+
 @dataclass(frozen=True, slots=True)
 class Setting:
     """The global choices a candidate set is built for (``compress``: the gradient compression the user allowed,
@@ -241,8 +247,9 @@ def kind_counts(cluster: Cluster) -> dict[str, int]:
 
 def classes(setting: Setting, devices: int) -> int:
     """``J``: position classes that matter for memory. Class ``j < J``: exactly ``j`` stages follow;
-    class ``J``: at least ``J`` follow. GPipe keeps all ``M`` microbatches in flight anywhere: ``J = 0``."""
-    if setting.schedule is Schedule.GPIPE:
+    class ``J``: at least ``J`` follow. GPipe keeps all ``M`` microbatches in flight anywhere: ``J = 0``; so
+    does ZB-H1 here (``min(M, S)`` on every stage, ``S`` not known while the table is built: ``M`` bounds it)."""
+    if setting.schedule in (Schedule.GPIPE, Schedule.ZB_H1):
         return 0
     return max(0, min(setting.microbatches, devices) - 1)
 

@@ -87,7 +87,7 @@ def grid_plan(graph: CostGraph, cluster: Cluster, *, microbatches: int | None = 
     # the plan's precision prices the autocast copies its memory holds (fp16 and bf16 hold the same bytes)
     precision = {0: Precision.FP32, 2: Precision.BF16}.get(compute_bytes, Precision.FP32)
     devs = [d.name for d in cluster.devices]
-    tps = [1, *(t for t in sorted(chain.shard) if t <= max_tp)]
+    tps = [1, *(t for t in sorted(chain.shard) if t <= max_tp and sched is not Schedule.ZB_H1)]  # ZB-H1: no TP
     best: tuple[float, Plan] | None = None
     tried = fits = 0
     for tp, s, d in _meshes(len(devs), tps, len(graph.order)):
@@ -101,7 +101,8 @@ def grid_plan(graph: CostGraph, cluster: Cluster, *, microbatches: int | None = 
         for m in ms:
             if graph.batch_size % (m * d):
                 continue
-            for zero in GRID_ZERO if d > 1 else (ZeroStage.NONE,):
+            for zero in (z for z in GRID_ZERO if sched is not Schedule.ZB_H1 or z != ZeroStage.OS_G_P) if d > 1 \
+                    else (ZeroStage.NONE,):  # ZB-H1 does not run ZeRO-3
                 for rec in (False, True):
                     stages = tuple(Stage(i, groups[i], chain.nodes(cuts[i], cuts[i + 1]), zero, rec, tp=tp)
                                    for i in range(s))

@@ -125,7 +125,7 @@ def stage_rows(graph: CostGraph, cluster: Cluster, blocks: Sequence[str], device
     if total < len(devices):
         return None
     sizes = sizes or _sizes(graph, blocks)
-    flight = int(in_flight(Schedule(schedule), microbatches, stages - index - 1))
+    flight = int(in_flight(Schedule(schedule), microbatches, stages - index - 1, stages))
     rec = 1.0 if recompute else 0.0
     alike: dict[tuple[str, int, bool], tuple[float, float, int]] = {}  # devices that differ in nothing rows see
     fixed, per_row, caps = [], [], []
@@ -181,7 +181,7 @@ def build_plan(graph: CostGraph, cluster: Cluster, groups: Sequence[Sequence[str
         blocks = order[cuts[i]:cuts[i + 1]]
         sizes = _sizes(graph, blocks)  # once per stage, whatever the configuration
         for zero, rec, off in configs:
-            if (zero and len(devs) == 1) or not allowed(cluster, devs, off):
+            if (zero and len(devs) == 1) or not allowed(cluster, devs, off, schedule):
                 continue
             rows = stage_rows(graph, cluster, blocks, devs, microbatches=microbatches, schedule=schedule, index=i,
                               stages=len(groups), zero=zero, recompute=rec, dtype=dtype, offload=off,
@@ -196,9 +196,10 @@ def build_plan(graph: CostGraph, cluster: Cluster, groups: Sequence[Sequence[str
     return Plan(graph.model, cluster, schedule, microbatches, tuple(stages), solver=SolverInfo(name))
 
 
-def allowed(cluster: Cluster, devices: Sequence[str], offload: bool) -> bool:
-    """Whether a group may take a configuration: optimizer offload only where no device is a CPU."""
-    return not offload or not any(cluster.device(d).is_cpu for d in devices)
+def allowed(cluster: Cluster, devices: Sequence[str], offload: bool, schedule: Schedule | None = None) -> bool:
+    """Whether a group may take a configuration: optimizer offload only where no device is a CPU, and not under
+    ZB-H1 (which does not run it: :class:`hpml_compile.plan.Plan`)."""
+    return not offload or not (schedule is Schedule.ZB_H1 or any(cluster.device(d).is_cpu for d in devices))
 
 
 def microbatch_counts(graph: CostGraph, fewest_rows: int, microbatches: int | None) -> list[int]:

@@ -41,10 +41,10 @@ from ..errors import UnknownDeviceError
 from ..ir import Cluster
 from ..memory import MemoryBreakdown, ZeroStage, dtype_bytes
 from ..plan import Schedule
-from ..stagecost import (compressed_sync_ms, copy_ms, in_flight, memory_parts, optimizer_ms, stream_bytes_per_ms,
+from ..stagecost import (weight_part_ms, compressed_sync_ms, copy_ms, in_flight, memory_parts, optimizer_ms, stream_bytes_per_ms,
                          steps_flat, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms)
 from .candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees, group_hierarchies,
-                         group_links, host_groups, kind_counts)
+                         group_links, host_groups, kind_counts, zero_bubble_runs)
 
 __all__ = ["CandidateTable", "build_table"]
 
@@ -132,10 +132,10 @@ def _jmax(static: np.ndarray, stored: np.ndarray, working: np.ndarray, cap: int,
     """The most stages that may follow (up to ``big_j``) with the peak still within ``cap``; -1 if none.
 
     The peak is ``static + in_flight(j) * stored + working`` with ``in_flight(j) = j + 1`` under 1F1B
-    (``j <= big_j < M``) and ``M`` under GPipe (``big_j = 0``).
+    (``j <= big_j < M``) and ``M`` under GPipe and ZB-H1 (``big_j = 0``; :func:`.candidates.classes`).
     """
     room = cap - static - working
-    if setting.schedule is Schedule.GPIPE:
+    if setting.schedule in (Schedule.GPIPE, Schedule.ZB_H1):
         return np.where(room >= max(1, setting.microbatches) * stored, 0, -1)
     k = np.where(stored > 0, room // np.maximum(stored, 1), big_j + 1)  # microbatches that fit in flight
     return np.where(room < stored, -1, np.minimum(big_j, k - 1))
@@ -260,7 +260,10 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         bpe = dtype_bytes(setting.dtype)
         cfg_ids = [i for i, c in enumerate(CONFIGS) if c.tp in degs and (d > c.tp or c.zero == ZeroStage.NONE)
                    and not (is_cpu and (c.offload or c.swap))
-                   and (hiers[kind, c.tp].get(d) is not None or not c.hierarchical)]
+                   and (hiers[kind, c.tp].get(d) is not None or not c.hierarchical)
+                   and (setting.schedule is not Schedule.ZB_H1 or zero_bubble_runs(c))]
+        if not cfg_ids:  # ZB-H1: a degree only tensor-parallel configurations would use
+            continue
         ts, ests, jms, mems, comms = [], [], [], [], []
         for ci in cfg_ids:
             cfg = CONFIGS[ci]
@@ -277,7 +280,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             glink = glinks[kind][d]
             hier = hiers[kind, tp].get(d)
             swap_ms = 2 * transfer_ms(cost_models.p2p_ms, acts / (m * dr), host) if cfg.swap else 0.0
-            t = base + (fwd if cfg.recompute else 0.0) + swap_ms
+            # recompute: once before the backward, under ZB-H1 again before its weight-gradient part
+            t = base + (fwd * (2 if setting.schedule is Schedule.ZB_H1 else 1) if cfg.recompute else 0.0) + swap_ms
             shards = hier.per_host if cfg.hierarchical and hier is not None else dr  # HSDP-like: one host's
             mem = memory_parts(param_bytes=params, activation_bytes=acts, input_bytes=inputs, dtype_bytes=bpe,
                                replicas=dr, zero=cfg.zero, microbatches=m, recompute=cfg.recompute,
@@ -287,10 +291,12 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             mem = mem._replace(grads=mem.grads + shared)  # the flat buffer of gradients tied to other stages
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)
+            # the gradients land during the last backward, under ZB-H1 during its weight-gradient part
+            window = weight_part_ms(bwd) if setting.schedule is Schedule.ZB_H1 else bwd
             sync = sync_ms(params, dr, cfg.zero, cfg.offload, glink, host, hier if cfg.hierarchical else None,
-                           bwd_ms=bwd, microbatches=m, overlap=overlap, fwd_ms=fwd)  # ZeRO-1/2: prefetched gather
+                           bwd_ms=window, microbatches=m, overlap=overlap, fwd_ms=fwd)  # ZeRO-1/2: prefetched gather
             if hier is not None and cfg.zero == ZeroStage.NONE:  # the faster of flat and hierarchical (to_plan picks)
-                sync = np.minimum(sync, sync_ms(params, dr, cfg.zero, cfg.offload, glink, host, hier, bwd_ms=bwd,
+                sync = np.minimum(sync, sync_ms(params, dr, cfg.zero, cfg.offload, glink, host, hier, bwd_ms=window,
                                                 microbatches=m, overlap=overlap))
             if setting.compress is not None and dr > 1 and cfg.zero == ZeroStage.NONE:  # allowed: where it pays
                 sync = np.minimum(sync, compressed_sync_ms(params, dr, setting.compress, glink, dtype_bytes=bpe,

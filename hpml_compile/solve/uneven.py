@@ -191,7 +191,7 @@ def extend(graph: CostGraph, cluster: Cluster, base: Plan, score: Score, *, dtyp
                     continue
                 devs = [*st.devices, dev]
                 for zero, rec, off in [(st.zero, st.recompute, st.offload_optimizer), *CONFIGS]:
-                    if not allowed(cluster, devs, off):
+                    if not allowed(cluster, devs, off, current.schedule):
                         continue
                     check()
                     rows = stage_rows(graph, cluster, blocks_of[st.index], devs, microbatches=current.microbatches,

@@ -14,7 +14,7 @@ from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.build import Manifest
 from hpml_compile.errors import BuildMismatchError, ScheduleError
 from hpml_compile.plan import Plan, Schedule, Stage
-from hpml_compile.schedule import Action, ActionKind, lower, op_order, parse_actions, relower, replay, validate
+from hpml_compile.schedule import COMPUTE, Action, ActionKind, lower, op_order, parse_actions, relower, replay, validate
 from hpml_compile.trace import trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,8 +61,7 @@ def test_lowered_lists_validate_and_their_compute_is_op_order(schedule: Schedule
     for rank, acts in enumerate(ranks):
         while rank >= sum(replicas[:k + 1]):
             k += 1
-        compute = [(a.kind is ActionKind.FORWARD, a.microbatch) for a in acts
-                   if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
+        compute = [(a.kind, a.microbatch) for a in acts if a.kind in COMPUTE]
         assert compute == op_order(schedule, k, s, m)
         assert [str(a) for a in acts][-2:] == ["LOSS", f"OPT{k}"]
     assert relower(ranks, replicas, schedule, m) == ranks

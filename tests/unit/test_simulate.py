@@ -31,7 +31,7 @@ def _two_stage(schedule: Schedule, m: int = 3, act: int = 0):
     return prof, g, _plan(g, c, [(("d0",), ["n0"]), (("d1",), ["n1"])], m, schedule)
 
 
-@pytest.mark.parametrize("schedule", list(Schedule))
+@pytest.mark.parametrize("schedule", [Schedule.GPIPE, Schedule.ONE_F_ONE_B])
 def test_two_stage_hand_computed(schedule: Schedule) -> None:
     _, g, plan = _two_stage(schedule)
     r = simulate(plan, g)
@@ -49,6 +49,19 @@ def test_two_stage_hand_computed(schedule: Schedule) -> None:
         assert fwd0 == [(0, 1), (1, 2), (2, 3)]
     else:
         assert fwd0 == [(0, 1), (1, 2), (9, 10)]
+
+
+def test_zb_h1_fills_the_bubble_with_weight_parts() -> None:
+    # weight part = half of each backward: s0 I 1 W 1, s1 I 2 W 2 per microbatch
+    # s0: F0 0-1 F1 1-2 I0 5-6 W0 6-7 F2 7-8 I1 9-10 W1 10-11 I2 15-16 W2 16-17
+    # s1: F0 1-3 I0 3-5 F1 5-7 I1 7-9 W0 9-11 F2 11-13 I2 13-15 W1 15-17 W2 17-19
+    _, g, plan = _two_stage(Schedule.ZB_H1)
+    r = simulate(plan, g)
+    assert r.step_ms == pytest.approx(19.0)
+    assert r.bubble == pytest.approx(1 - 27 / (2 * 19))
+    assert r.bubble < simulate(_two_stage(Schedule.ONE_F_ONE_B)[2], g).bubble
+    bwd0 = sorted((b.start_ms, b.end_ms) for b in r.intervals if b.device == "d0" and b.kind is EventKind.BACKWARD)
+    assert bwd0 == [(5, 6), (6, 7), (9, 10), (10, 11), (15, 16), (16, 17)]
 
 
 def test_two_stage_memory_gpipe_vs_1f1b() -> None:
@@ -69,6 +82,15 @@ def test_bubble_formula_balanced_free_comm(schedule: Schedule, s: int, m: int) -
     g = build(chain_profile([(1.0 * m, 2.0 * m)] * s))
     plan = _plan(g, uniform_cluster(s), [((f"d{i}",), [f"n{i}"]) for i in range(s)], m, schedule)
     r = simulate(plan, g)
+    if schedule is Schedule.ZB_H1:
+        # Qi et al. 2024: ZB-H1's bubble is (S - 1)(F + I - W) a stage where 1F1B's is (S - 1)(F + I + W) (M >= S);
+        # here F 1, I 1, W 1
+        if m >= s:
+            assert r.step_ms == pytest.approx(m * 3.0 + (s - 1) * 1.0)
+            assert r.bubble == pytest.approx((s - 1) / (3.0 * m + (s - 1)))
+        else:
+            assert r.step_ms < (m + s - 1) * 3.0
+        return
     assert r.bubble == pytest.approx((s - 1) / (m + s - 1))
     assert r.step_ms == pytest.approx((m + s - 1) * 3.0)
 
@@ -126,8 +148,8 @@ def test_idle_intervals_and_op_order() -> None:
     r = simulate(plan, g)
     gaps = idle_intervals(r, "d0")
     assert gaps[0] == (3.0, 11.0) and sum(e - s for s, e in gaps) == pytest.approx(21 - 9)
-    assert op_order(Schedule.ONE_F_ONE_B, 0, 3, 4) == [(True, 0), (True, 1), (True, 2), (False, 0), (True, 3),
-                                                        (False, 1), (False, 2), (False, 3)]
+    assert [f"{k.value}{j}" for k, j in op_order(Schedule.ONE_F_ONE_B, 0, 3, 4)] == [
+        "F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
 
 
 def test_unknown_kind_in_graph() -> None:

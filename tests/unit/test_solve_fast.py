@@ -21,7 +21,8 @@ from hpml_compile.ir import Cluster, Device, Link
 from hpml_compile.memory import ZeroStage, dtype_bytes
 from hpml_compile.plan import Schedule
 from hpml_compile.solve.candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees,
-                                           enumerate_candidates, group_link, in_flight, kind_counts)
+                                           enumerate_candidates, group_link, in_flight, kind_counts,
+                                           zero_bubble_runs)
 from hpml_compile.solve.dp import objective, solve_chain
 from hpml_compile.stagecost import _bucketed, device_memory, hierarchical_overlapped_ms, meet_ms, overlapped_ms, stream_bytes_per_ms
 from hpml_compile.testing import dag_profile
@@ -98,7 +99,8 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
             devs = [x.name for x in cluster.devices if x.kind == kind][:d]
             hier = hierarchy(cluster, devs) if d > 1 and setting.hierarchical else None
             cfgs = [c for c in CONFIGS if (d > 1 or c.zero == ZeroStage.NONE)
-                    and not (is_cpu and (c.offload or c.swap)) and (hier is not None or not c.hierarchical)]
+                    and not (is_cpu and (c.offload or c.swap)) and (hier is not None or not c.hierarchical)
+                    and (setting.schedule is not Schedule.ZB_H1 or zero_bubble_runs(c))]
             for a in (a for a in range(n) if chain.cuttable[a]):
                 comm = 2 * _ms(cost_models.p2p_ms, chain.cut[a] / (m * d), boundary_link(cluster, kind)) if a else 0.0
                 for b in (b for b in range(a + 1, n + 1) if chain.cuttable[b]):
@@ -111,7 +113,8 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
                     scored = []
                     for cfg in cfgs:
                         swap = 2 * _ms(cost_models.p2p_ms, acts / (m * d), host) if cfg.swap else 0.0
-                        t = base + (fwd if cfg.recompute else 0.0) + swap
+                        again = 2 if setting.schedule is Schedule.ZB_H1 else 1  # ZB-H1: recomputed for W too
+                        t = base + (again * fwd if cfg.recompute else 0.0) + swap
                         # the runtime's copies: ZeRO-1's summed gradient shard; ZeRO-3's gathered parameters
                         rate = stream_bytes_per_ms(chain.graph, [kind])
                         copy = 0.0 if d == 1 or cfg.hierarchical else 2 * params / d / rate \
@@ -119,7 +122,8 @@ def reference_candidates(chain: Chain, cluster: Cluster, setting: Setting) -> li
                         shards = hier.per_host if cfg.hierarchical else d  # the optimizer's step: its shard
                         opt = chain.graph.optimizer_ms_per_byte(kind) * (params // shards if cfg.zero >= ZeroStage.OS
                                                                          else params)
-                        sync = _sync(cfg, params, d, glink, host, bwd, hier, is_cpu, fwd)
+                        window = bwd / 2 if setting.schedule is Schedule.ZB_H1 else bwd  # ZB-H1: under its W
+                        sync = _sync(cfg, params, d, glink, host, window, hier, is_cpu, fwd)
                         scored.append((m * t + sync + copy + opt, t, cfg))
                     scored.sort(key=lambda x: x[0])
                     best_j = -1

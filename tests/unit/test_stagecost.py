@@ -49,7 +49,9 @@ def test_in_flight_scalar_and_array_agree(schedule: Schedule) -> None:
     after = np.arange(0, 12)
     arr = stagecost.in_flight(schedule, 5, after)
     assert arr.tolist() == [stagecost.in_flight(schedule, 5, int(j)) for j in after]
-    assert stagecost.in_flight(schedule, 5, 0) == (5 if schedule is Schedule.GPIPE else 1)
+    assert stagecost.in_flight(schedule, 5, 0) == (1 if schedule is Schedule.ONE_F_ONE_B else 5)
+    # ZB-H1: min(M, S) on every stage, M where the stage count is not known yet
+    assert stagecost.in_flight(schedule, 5, 0, 3) == {Schedule.GPIPE: 5, Schedule.ONE_F_ONE_B: 1}.get(schedule, 3)
 
 
 @pytest.mark.parametrize("zero,offload,d,link", [(z, o, d, link) for z in ZeroStage for o in (False, True)
@@ -131,7 +133,7 @@ def test_simulator_and_table_price_a_plans_stages_alike(schedule: Schedule) -> N
             assert (got.params, got.grads, got.optimizer, got.stored_per_microbatch, got.working, got.host_bytes) \
                 == (want.params, want.grads, want.optimizer, want.stored_per_microbatch, want.working,
                     want.host_bytes)
-            assert got.in_flight == stagecost.in_flight(schedule, 4, 1 - i)
+            assert got.in_flight == stagecost.in_flight(schedule, 4, 1 - i, 2)
             assert cost.synced_ms + cost.optimizer_ms == pytest.approx(cand.tail, rel=1e-9, abs=1e-12)
             # the table's per-microbatch time comes from prefix sums: equal up to rounding
             assert cost.compute_ms + 2 * cost.swap_ms == pytest.approx(cand.t, rel=1e-9)

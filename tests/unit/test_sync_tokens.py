@@ -21,7 +21,7 @@ from hpml_compile.plan import AllReduce, Plan, Schedule, Stage
 from hpml_compile.runtime.execute.executor import HANDLERS
 from hpml_compile.runtime.sync.hierarchy import HierGroups
 from hpml_compile.runtime.sync.stage import Compressed, DataParallel, Sharded, Sharded3, StageSync, for_stage
-from hpml_compile.schedule import (RANK_KINDS, REGIONS, Action, ActionKind, SyncImpl, compute_orders, lower,
+from hpml_compile.schedule import (COMPUTE, RANK_KINDS, REGIONS, Action, ActionKind, SyncImpl, compute_orders, lower,
                                    op_order, parse_actions, parse_token, sync_impl)
 from hpml_compile.trace import trace
 
@@ -88,8 +88,7 @@ def test_sync_impl_is_what_the_plan_names() -> None:
 def test_the_simulator_replays_the_lowered_lists(schedule: Schedule, stages: int, microbatches: int) -> None:
     lists = lower(schedule, microbatches, [1] * stages)
     for k, acts in enumerate(lists):
-        compute = [(a.kind is ActionKind.FORWARD, a.microbatch) for a in acts
-                   if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
+        compute = [(a.kind, a.microbatch) for a in acts if a.kind in COMPUTE]
         assert list(compute_orders(schedule, stages, microbatches)[k]) == compute
         assert compute == op_order(schedule, k, stages, microbatches)
 

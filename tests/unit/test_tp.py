@@ -300,3 +300,8 @@ def test_compile_keeps_a_tp_per_stage_unless_a_tied_weight_crosses_degrees(gpt2,
     why = _unrunnable_tp(two_stages(gpt2, (2, 1)), gpt2)
     assert why is not None and "wte.weight" in why and "[2, 1]" in why, why
     assert _unrunnable_tp(two_stages(gpt2, (2, 2)), gpt2) is None
+def test_zb_h1_tables_offer_no_tensor_parallel_stage(llama) -> None:
+    # ZB-H1 does not run tensor parallelism (Plan refuses it): a degree only tp configurations would fill is skipped
+    chain, c = Chain.of(build(llama).coarsen()), load_cluster("dgx-h100-8")
+    cands = build_table(chain, c, Setting(2, Schedule.ZB_H1, llama.batch_size, llama.dtype)).candidates()
+    assert cands and all(x.config.tp == 1 and not x.config.offload and not x.config.swap for x in cands)

@@ -12,6 +12,9 @@ and decides nothing: each token goes to the handler of its kind
   replicas uneven rows (``Stage.rows``), so that the gradients sum to the
   batch mean's and the gradient all-reduce stays a plain sum); ``kBj``: its backward, then the
   zero gradients a replica still owes (:meth:`~hpml_compile.codegen.comm.Comm.settle`);
+- ``kIj`` / ``kWj`` (ZB-H1): the backward in two parts (:mod:`.split`): ``I`` the gradients of
+  what the stage received (sent back on the way) and the zero gradients owed, ``W`` later the
+  parameters' gradients;
 - ``kSENDp:j`` / ``kRECVp:j``: nothing left to do at the token: the
   ``ops.send`` / ``ops.recv`` nodes of the generated stage move the values
   inside the neighbouring forward or backward; the tokens say where, for the
@@ -78,6 +81,7 @@ from ...trainspec import Split, split_of
 from ..sync.comm import DistComm, LocalComm, dist_comm
 from ..sync.stage import UNBUFFERED, StageSync
 from .scaler import LossScaler
+from .split import Deferred, backward_input, backward_weight
 
 __all__ = ["StepResult", "StepRun", "stage_ranks", "rank_layout", "split_microbatches", "split_replicas",
            "loss_share", "stage_splits", "merge_outputs",
@@ -203,8 +207,10 @@ def _local_key(rank: int, a: Action) -> tuple[int, ...]:
         return (0,)  # bookkeeping: never holds anything up
     if a.kind is ActionKind.FORWARD:
         return (1, 0, a.microbatch or 0, a.stage, rank)
-    if a.kind is ActionKind.BACKWARD:
+    if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
         return (1, 1, a.microbatch or 0, -a.stage, rank)
+    if a.kind is ActionKind.BACKWARD_WEIGHT:
+        return (1, 2, a.microbatch or 0, -a.stage, rank)
     return (2, rank)
 
 
@@ -350,13 +356,14 @@ class _Step:
         self.xs = _Slices(tuple(inputs), microbatches, own_rows)
         self.ys = _Slices(targets, microbatches, own_rows) if self.last in stages else None
         self.roots: dict[tuple[int, int, int], list[Tensor]] = {}
+        self.deferred: dict[tuple[int, int, int], Deferred] = {}  # ZB-H1: what each I left for its W
         self.syncs = syncs or {}
         self.synced: set[tuple[int, Action]] = set()
         self.stepped: set[tuple[int, Action]] = set()
         self.optimized = self.done_compute = self.done_sync = False
         self.cuda = device.type == "cuda"
         self.last_bwd = {self.layout[rank][0]: i for i, (rank, a) in enumerate(order)
-                         if a.kind is ActionKind.BACKWARD}
+                         if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT)}  # where gradients land
         self.ev = getattr(comm, "events", None)  # an EventLog (.events) where the pipeline records this step's events
 
     def event(self, kind: str, t0: float, t1: float, stage: int, microbatch: int = -1) -> None:
@@ -372,7 +379,8 @@ class _Step:
 
 
 def _compute(step: _Step, index: int, rank: int, a: Action) -> None:
-    """``kFj`` / ``kBj``: the forward (the last stage adds its slice's loss share) or the backward of one slice."""
+    """``kFj`` / ``kBj`` / ``kIj`` / ``kWj``: the forward (the last stage adds its slice's loss share), the backward
+    of one slice, or one of its two parts (:mod:`.split`)."""
     k, r = step.layout[rank]
     j, comm, run = a.microbatch or 0, step.comm, step.run
     comm.microbatch, comm.replica = j, r
@@ -380,18 +388,25 @@ def _compute(step: _Step, index: int, rank: int, a: Action) -> None:
     fwd = a.kind is ActionKind.FORWARD
     if fwd:
         _forward(step, k, r, j)
-    else:
-        root = step.roots.pop((k, r, j))
+    elif a.kind is ActionKind.BACKWARD_WEIGHT:
         if step.arm is not None and step.last_bwd.get(k) == index:
             step.arm(k)
-        if root:
-            torch.autograd.backward(root)
+        backward_weight(step.deferred.pop((k, r, j)))
+    else:
+        root = step.roots.pop((k, r, j))
+        if a.kind is ActionKind.BACKWARD_INPUT:
+            step.deferred[(k, r, j)] = backward_input(root, list(step.stages[k].parameters()))
+        else:
+            if step.arm is not None and step.last_bwd.get(k) == index:
+                step.arm(k)
+            if root:
+                torch.autograd.backward(root)
         comm.settle(k, r, j)
     if step.cuda:
         torch.cuda.current_stream(step.device).synchronize()
     t1 = time.perf_counter()
     run.busy[(k, fwd)] = run.busy.get((k, fwd), 0.0) + t1 - t0 - (_waited(comm) - w0)
-    step.event("F" if fwd else "B", t0, t1, k, j)
+    step.event("F" if fwd else "B", t0, t1, k, j)  # I and W are backward work (the event kinds of .observe)
 
 
 def _forward(step: _Step, k: int, r: int, j: int) -> None:
@@ -475,6 +490,7 @@ def _optimize(step: _Step, index: int, rank: int, a: Action) -> None:
 # Every kind a rank's list may hold, and its handler: the lowered lists are what runs.
 HANDLERS: dict[ActionKind, Callable[[_Step, int, int, Action], None]] = {
     ActionKind.FORWARD: _compute, ActionKind.BACKWARD: _compute,
+    ActionKind.BACKWARD_INPUT: _compute, ActionKind.BACKWARD_WEIGHT: _compute,
     ActionKind.SEND: _message, ActionKind.RECV: _message,
     ActionKind.ALL_REDUCE: _collective, ActionKind.REDUCE_SCATTER: _collective, ActionKind.ALL_GATHER: _collective,
     ActionKind.LOSS: _loss, ActionKind.OPTIMIZER: _optimize,

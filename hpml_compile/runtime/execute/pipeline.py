@@ -61,8 +61,8 @@ from torch import Tensor, nn
 
 from ...codegen import Build, load_build
 from ...codegen.comm import DetachedComm
-from ...errors import HpmlError, UpdateApplied
-from ...ir import Precision
+from ...errors import HpmlError, OptionError, UpdateApplied
+from ...ir import Precision, Schedule
 from ...plan import Plan, sync_overlap, with_comm
 from .batchcheck import agree_with_check, fingerprint
 from ...hostmem import keep_freed_memory
@@ -216,9 +216,10 @@ class Pipeline:
             self._user_hooks = [model.register_forward_pre_hook(lambda *_: self.settle()),
                                 model.register_state_dict_pre_hook(lambda *_: self.settle())]
         self.optimizer = self._offloaded(self._make_optimizer(optimizer))
+        say = log or (lambda line: warnings.warn(line, RuntimeWarning, stacklevel=3))
         self.compiled: list[CompiledForward] = compile_stages_of(
-            self.stages, CompileStages.parse(compile_stages), self.device,
-            log or (lambda line: warnings.warn(line, RuntimeWarning, stacklevel=3)),
+            self.stages, _compiled_under(self.plan, CompileStages.parse(compile_stages), self.device, say),
+            self.device, say,
             zero3=[s.stage for s in self._shards if isinstance(s, FlatShard3)])
         self.saved = SavedActivations(exclude=self.stages.values())  # what autograd keeps (counted steps)
         self.grad_peak = GradPeak(self.parameters())  # gradients at the end of the backward, before any sync
@@ -1042,3 +1043,23 @@ class Pipeline:
         self.monitor.close()
         if self.session is not None:
             self.session.close()
+
+
+def _compiled_under(plan: Plan, mode: CompileStages, device: torch.device, log: Callable[[str], None]
+                    ) -> CompileStages:
+    """``mode``, or off under ZB-H1 (its backward is split at autograd's nodes, which a compiled stage's one
+    backward node hides): said in one line where ``auto`` would have compiled, refused where ``on`` asks.
+
+    Raises:
+        OptionError: ``compile_stages="on"`` with a ZB-H1 plan.
+    """
+    if plan.schedule is not Schedule.ZB_H1 or not mode.wants(device):
+        return mode
+    if mode is CompileStages.ON:
+        raise OptionError("compile_stages=on: schedule zb-h1 splits each backward into its input- and weight-"
+                          "gradient parts at autograd's nodes, which a compiled stage hides in one node; run it "
+                          "with compile_stages=off (or auto), or compile the plan with schedule 1f1b")
+    log("every stage runs uncompiled: schedule zb-h1 splits each backward at autograd's nodes, which a compiled "
+        "stage hides in one node")
+    return CompileStages.OFF
+

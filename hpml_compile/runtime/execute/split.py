@@ -1,0 +1,185 @@
+"""A stage's backward in two parts, for ZB-H1: the input gradients now, the weight gradients later.
+
+Zero-bubble schedules (Qi et al., ICLR 2024) run a microbatch's backward as
+``I`` (the gradients of what the stage received, which the previous stage
+waits for) and, later, ``W`` (the gradients of the stage's parameters, which
+nothing waits for). :func:`backward_input` and :func:`backward_weight` do so on
+the autograd graph a generated stage's forward left, using
+``torch.distributed.pipelining._backward.stage_backward_input`` for ``I``:
+it computes the gradients of the stage's inputs only and remembers, at each
+node where a parameter's path meets the inputs' (torch's "param groups"), the
+gradient that arrived there.
+
+That is torch's *private* API (``torch.distributed.pipelining._backward``,
+what its ``ScheduleInterleavedZeroBubble`` and ``ScheduleZBVZeroBubble`` call):
+it may change between torch releases, and this module is the one place that
+imports it. ``W`` is ours, on the same groups: torch's ``stage_backward_weight``
+computes with ``torch.autograd.grad`` and assigns ``.grad`` itself, which
+skips the parameters' post-accumulate-grad hooks that the runtime's gradient
+buckets and gradient-memory count listen to, so ours runs
+``torch.autograd.backward`` from the same edges with ``inputs`` the group's
+parameters: autograd accumulates, into ZeRO's flat buffer views too.
+
+What a stage's inputs are: the values ``ops.recv`` received (each
+``_Recv`` node hangs from a leaf "anchor" tensor; asking for the anchors'
+gradients runs ``_Recv``'s backward, which sends the gradient owed to the
+previous stage: ``I`` does, ``W`` never reaches it), or any other leaf that
+takes a gradient and is no parameter of the stage.
+
+A stage where the split does not hold runs its whole backward at one of the
+two (correct, with no split): with no input that takes a gradient (the first
+stage: the whole backward at ``W``, as torch does for its first stage), and
+where a parameter's path reaches the stage's outputs without meeting its
+inputs (a value sent on that depends on parameters only): ``W`` would run
+the send's backward a second time, so the whole backward runs at ``I``. The
+check walks the autograd graph once more per microbatch (Python, one visit
+per node). A recomputed region (``ops.checkpoint``) runs its forward again
+for each part that unpacks its saved tensors: twice, once for ``I`` and once
+for ``W`` (the simulator prices it so).
+
+Example:
+    >>> import torch
+    >>> lin = torch.nn.Linear(3, 2)
+    >>> x = torch.randn(4, 3, requires_grad=True)
+    >>> part = backward_input([lin(x).sum()], list(lin.parameters()), [x])
+    >>> x.grad is not None, lin.weight.grad is None
+    (True, True)
+    >>> backward_weight(part)
+    >>> bool(torch.allclose(lin.weight.grad, x.detach().sum(0).expand(2, 3)))
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, Node
+from torch.distributed.pipelining._backward import (  # private torch API: see the module docstring
+    _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups, stage_backward_input)
+
+from ...codegen import ops
+
+__all__ = ["Deferred", "backward_input", "backward_weight", "stage_inputs"]
+
+
+@dataclass
+class Deferred:
+    """What ``I`` leaves for ``W`` of one microbatch.
+
+    Attributes:
+        groups: torch's parameter groups: their parameters' gradient accumulators, the nodes where their paths
+            meet the inputs' (``intermediates``) and the gradients that arrived there (``grads``).
+        whole: the roots of a backward that runs whole at ``W`` (no input takes a gradient); else empty.
+    """
+
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    whole: list[Tensor] = field(default_factory=list)
+
+
+def _nodes(roots: Sequence[Tensor]) -> list[Node]:
+    """Every node of the graph below ``roots``, each once."""
+    seen: dict[Node, None] = {}
+    todo = [r.grad_fn for r in roots if r.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen[node] = None
+        todo += [fn for fn, _ in node.next_functions if fn is not None and fn not in seen]
+    return list(seen)
+
+
+def stage_inputs(roots: Sequence[Tensor], params: Sequence[nn.Parameter]) -> list[Tensor]:
+    """The leaves below ``roots`` that take a gradient and are no parameter: the anchors of the stage's
+    ``ops.recv`` (their gradients run ``_Recv``'s backward), or values received otherwise; a send's anchor is
+    not one (its gradient is the send's own backward, which receives)."""
+    mine = {id(p) for p in params}
+    out: dict[int, Tensor] = {}
+    for node in _nodes(roots):
+        if getattr(node, "_forward_cls", None) is ops._Send:
+            continue
+        for fn, _ in node.next_functions:
+            leaf = getattr(fn, "variable", None) if fn is not None else None
+            if leaf is not None and id(leaf) not in mine:
+                out.setdefault(id(leaf), leaf)
+    return list(out.values())
+
+
+def _splits(roots: Sequence[Tensor], params: Sequence[nn.Parameter], inputs: Sequence[Tensor]) -> bool:
+    """Whether every parameter's path meets the inputs' below every send (so ``W`` never runs a send again)."""
+    acc = [a for a in (_get_grad_fn_or_grad_acc(p) for p in params if p.requires_grad) if a is not None]
+    reverse = construct_reverse_graph([r.grad_fn for r in roots if r.grad_fn is not None])
+    used = {a for a in acc if a in reverse}  # before get_param_groups: its lookups add every node they ask for
+    starts = [n for n in (_get_grad_fn_or_grad_acc(t) for t in inputs) if n is not None]
+    groups = get_param_groups(starts, acc, reverse)
+    above: set[Node] = set()  # a send's node and every node a send's node lies below
+    todo = [n for n in _nodes(roots) if getattr(n, "_forward_cls", None) is ops._Send]
+    while todo:
+        node = todo.pop()
+        if node not in above:
+            above.add(node)
+            todo += reverse.get(node, [])
+    reached = {p for g in groups if g["intermediates"] for p in g["params"]}
+    return used <= reached and not any(n in above for g in groups for n in g["intermediates"])
+
+
+def backward_input(roots: Sequence[Tensor], params: Sequence[nn.Parameter],
+                   inputs: Sequence[Tensor] | None = None) -> Deferred:
+    """``I``: the gradients of the stage's inputs (what was received sends its gradient back on the way).
+
+    Args:
+        roots: the backward's roots: the stage's send tokens, or the last stage's loss.
+        params: the stage's parameters (their gradients wait for :func:`backward_weight`).
+        inputs: the stage's inputs (default: :func:`stage_inputs`).
+
+    Returns:
+        What :func:`backward_weight` needs.
+    """
+    roots = [r for r in roots if r.requires_grad]
+    if not roots:
+        return Deferred()
+    found = stage_inputs(roots, params) if inputs is None else [t for t in inputs if t.requires_grad]
+    if not found:
+        return Deferred(whole=list(roots))
+    if not _splits(roots, params, found):
+        torch.autograd.backward(list(roots))
+        return Deferred()
+    # torch detaches the roots in place, which a view refuses: a view root is replaced by a copy
+    outs = [r.clone() if r._is_view() else r for r in roots]
+    _, groups = stage_backward_input(outs, None, list(found), iter(params))
+    return Deferred(groups=groups)
+
+
+def backward_weight(part: Deferred) -> None:
+    """``W``: accumulate the parameters' gradients from what :func:`backward_input` left (see the module docstring).
+
+    Like torch's ``stage_backward_weight``, a group with several meeting points clamps each to the gradient it
+    received in ``I``, so that a path between two of them is not counted twice.
+    """
+    if part.whole:
+        torch.autograd.backward(part.whole)
+        part.whole = []
+        return
+    for group in part.groups:
+        nodes, got = group.pop("intermediates"), group.pop("grads", None)
+        if not got:
+            continue
+        edges, grads = [], []
+        for node, tup in zip(nodes, got):
+            for i, g in enumerate(tup):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        handles = [node.register_prehook(lambda _, saved=tup: saved) for node, tup in zip(nodes, got)] \
+            if len(nodes) > 1 else []
+        try:
+            if edges:
+                weights = [acc.variable for acc in group["params"]]
+                torch.autograd.backward(edges, grad_tensors=grads, inputs=weights)
+        finally:
+            for h in handles:
+                h.remove()
+    part.groups = []
