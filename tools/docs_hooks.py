@@ -62,6 +62,9 @@ FIXES: dict[str, str] = {
                        "`--resume`; a damaged newest checkpoint falls back to the previous one by itself.",
     "CommFailure": "A step's communication failed after its retries. Check the network between hosts and the "
                    "`--timeout`; with `--adapt` the job re-forms the group and resumes.",
+    "RanksLost": "Ranks died during a step. With `live=True` the survivors go on in place when every lost rank "
+                 "was one replica of a replicated stage (plain data parallel); otherwise resume from the last "
+                 "checkpoint (`run --adapt` does this by itself) on the devices left.",
     "ScheduleError": "A build's per-rank action lists cannot run (an unmatched message, a deadlock). Builds "
                      "made by `compile` are checked before they run; compile again rather than editing one.",
     "IndexFormatError": "The checkpoint's `index.json` does not describe its own tensors: it was edited or "
