@@ -12,6 +12,7 @@ import cost_models
 from hpml_compile.cli.plan import precision_text
 from hpml_compile.driver import Options
 from hpml_compile.errors import OptionError, PlanError, SchemaError
+from hpml_compile.explain import summary
 from hpml_compile.ir import Cluster, Device, Precision
 from hpml_compile.plan import Plan, Schedule, Stage, check_comm, with_comm
 from hpml_compile.runtime.sync.reducecast import down, reduce_dtype
@@ -60,6 +61,7 @@ def test_the_simulator_and_the_solver_price_the_plans_reduce_dtype() -> None:
     assert b.sync_ms - b.sync_copy_ms < a.sync_ms - a.sync_copy_ms  # the collective: half the bytes
     assert b.sync_copy_ms > a.sync_copy_ms  # the casts
     assert simulate(bf16, g).stages[1].sync_ms == simulate(fp32, g).stages[1].sync_ms  # one device: nothing
+    assert "fp32, gradients reduced in bfloat16;" in summary(bf16, g, simulate(bf16, g))  # show's words
     c = Cluster(devices=tuple(Device(f"cpu{i}", "cpu", 4.0) for i in range(2)), name="c")
     plan = solve(g, c, solver="dp", microbatches=2, reduce_dtype="bf16")
     assert plan.reduce_dtype is Precision.BF16

@@ -11,6 +11,11 @@ too); around each collective on them (a whole buffer, or one overlapped bucket):
    the reduce dtype as the ring or the shared slots add it;
 3. the result is copied back into the fp32 piece (:class:`CastBack`, after the wait of an overlapped bucket).
 
+The copy is a temporary made for each collective and dropped after it (half the buffer's bytes at once where
+the sync is not bucketed), after the stage's last backward, when its activations are gone; the memory model
+does not count it. Its traffic (the casts down and back) is priced with the sync's other copies
+(:func:`hpml_compile.stagecost.copy_ms`).
+
 Nothing else changes: the optimizer steps fp32 gradients, the ZeRO shards and checkpoints are fp32, the
 parameter all-gathers of ZeRO-1/2/3 carry fp32 parameters. The gradients of parameters tied across stages
 (:class:`~.stage.Unbuffered`) are summed in fp32.
