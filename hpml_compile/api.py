@@ -87,7 +87,8 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
             name: str | None = None, retry: RetryPolicy = RetryPolicy(),
             log: Callable[[str], None] | None = None, precision: Precision | str = Precision.FP32,
             compress: str | None = None, allow_compress: str | None = None, sync_every: int = 1,
-            sync_warmup: int = 0, compile_stages: str | bool | None = None) -> Pipeline:
+            sync_warmup: int = 0, compile_stages: str | bool | None = None,
+            reduce_dtype: Precision | str = Precision.FP32) -> Pipeline:
     """Compile ``model`` for ``cluster`` and return the pipeline that trains it; call on every rank.
 
     Args:
@@ -118,6 +119,8 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
         sync_warmup: steps of per-step gradient sync before local SGD starts.
         compile_stages: ``auto`` (default: compiled on CUDA devices, not on CPUs), ``on`` or ``off``: each stage's
             forward and backward compiled by ``torch.compile`` (:mod:`hpml_compile.runtime.execute.compiled`).
+        reduce_dtype: ``fp32`` (default), ``bf16``, or ``fp16`` under an fp16 plan: the dtype of the replicated
+            stages' gradient all-reduce / reduce-scatter (half the bytes; :func:`hpml_compile.plan.check_reduce_dtype`).
 
     Returns:
         The pipeline: ``step``, ``eval_forward``, ``state_dict``.
@@ -132,7 +135,7 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
     compiled = CompileStages.parse(compile_stages)
     opts = driver.Options(solver=solver, microbatches=microbatches, schedule=schedule, time_limit_s=time_limit_s,
                           precision=prec, compress=compress, allow_compress=allow_compress, sync_every=sync_every,
-                          sync_warmup=sync_warmup,  # every option checked before anything runs
+                          sync_warmup=sync_warmup, reduce_dtype=reduce_dtype,  # checked before anything runs
                           max_tp=1)  # this process group runs stages without tensor parallelism (run does)
     spec = model if isinstance(model, TrainSpec) else None
     names: tuple[str, ...] = batch_input_names(spec) if spec is not None else ()

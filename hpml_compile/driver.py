@@ -56,7 +56,7 @@ from .errors import BuildMismatchError, HpmlError, OptionError, PlanError
 from .ir import Cluster, FrontEnd, Link, Precision, Profile
 from .compression import check_sync, parse_compress
 from .memory import compute_bytes
-from .plan import Plan, Schedule, ZeroStage, save_plan, validate_plan, with_comm
+from .plan import Plan, Schedule, ZeroStage, check_wire, save_plan, validate_plan, with_comm
 from .profile import predict_kinds, profile, save_profile
 from .profile.process import with_process
 from .recipe import ModelRecipe, read_recipe
@@ -105,6 +105,9 @@ class Options:
         allow_compress: a compression the solver may choose per stage where it makes the step faster.
         sync_every: local SGD: average the replicas' parameters every H steps (1: plain data parallelism).
         sync_warmup: steps of per-step gradient sync before local SGD starts.
+        reduce_dtype: the dtype the gradient all-reduce / reduce-scatter of replicated stages runs in (``bf16``,
+            ``fp16`` under an fp16 plan; :func:`hpml_compile.plan.check_reduce_dtype`), priced by the simulator;
+            None: fp32 (a re-plan keeps the old plan's).
         every_device: give every device of the cluster work. By default (``ilp`` and ``dp``), where a host has
             more CPU devices than the profile's cores, the plan uses only as many of them as there are cores, the
             rest idle (:func:`within_cores`), unless nothing fits on those.
@@ -126,6 +129,7 @@ class Options:
     allow_compress: str | None = None
     sync_every: int = 1
     sync_warmup: int = 0
+    reduce_dtype: Precision | str | None = None
     every_device: bool = False
     max_tp: int = MAX_TP
     choose_schedule: bool = False  # set from ``schedule="auto"``
@@ -149,6 +153,13 @@ class Options:
                               "between its averages, so there is nothing to compress; choose one")
         if self.precision is not None:
             object.__setattr__(self, "precision", Precision.parse(self.precision, "precision"))
+        if self.reduce_dtype is not None:
+            wire = Precision.parse(self.reduce_dtype, "--reduce-dtype")
+            object.__setattr__(self, "reduce_dtype", wire)
+            if wire is not Precision.FP32 and (self.compress or self.allow_compress or self.sync_every > 1):
+                raise OptionError(f"--reduce-dtype {wire.value} with compression or local SGD: those send payloads "
+                                  "of their own (compressed gradients, averaged parameters), not the dense gradient "
+                                  "sum a reduce dtype applies to; choose one")
         if self.schedule is not None:
             object.__setattr__(self, "schedule", Schedule(self.schedule))
         if self.microbatches is not None and self.microbatches < 1:
@@ -386,12 +397,15 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
 
     Raises:
         OptionError: ``opts.microbatches`` does not split the profile's batch, or ``opts.precision`` is not the
-            profile's (before solving).
+            profile's (before solving); ``opts.reduce_dtype`` other than fp32 and a plan with no replicated stage.
+        PlanError: an fp16 ``opts.reduce_dtype`` on a profile not timed in fp16 (no loss scaling; before solving).
         HpmlError: a CPU profile measured with other threads than the cluster's local ranks run.
         UnknownDeviceError, InfeasibleError, HpmlError: as :func:`hpml_compile.solve.solve`.
     """
     check_microbatches(prof, opts.microbatches)                                     # before any solving
     check_precision(prof, opts.precision)                                           # trains as it was timed
+    if opts.reduce_dtype is not None:                                               # fp16 only loss-scaled
+        check_wire(Precision(opts.reduce_dtype), prof.precision)
     check_threads(prof, cluster)                                                    # CPU times at the ranks' threads
     cluster = profile_links(cluster, prof)                                          # this host's measured link
     prof, fine, graph = _graphs(prof, cluster, opts)
@@ -402,7 +416,8 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
         placed = solve(graph, devices, solver=opts.solver, microbatches=opts.microbatches,          # 5. solve
                        schedule=opts.schedule or Schedule.ONE_F_ONE_B, time_limit_s=opts.time_limit_s,
                        dtype=prof.dtype, compute_bytes=compute_bytes(prof.precision.value), progress=progress,
-                       compress=opts.allow_compress, hierarchical=opts.hierarchical)
+                       compress=opts.allow_compress, hierarchical=opts.hierarchical,
+                       reduce_dtype=opts.reduce_dtype or Precision.FP32)
         if opts.uneven:                                                             # 5b. mixed kinds, uneven rows
             better = improve_uneven(graph, devices, placed, dtype=prof.dtype, microbatches=opts.microbatches,
                                     time_limit_s=min(UNEVEN_BUDGET_S, opts.time_limit_s),
@@ -419,10 +434,12 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
         result = faster_schedule(result, graph, prof, progress)
     result = replace(result, precision=prof.precision,                              # trains as it was timed
                      allow_compress=opts.allow_compress or "")                      # a re-plan offers it again
+    wire = opts.reduce_dtype not in (None, Precision.FP32)
     if opts.compress or opts.sync_every > 1:                                        # the user's comm options
         result = _unsharded(result, graph, prof.dtype, opts)
+    if opts.compress or opts.sync_every > 1 or wire:
         result = with_comm(result, compress=opts.compress, sync_every=opts.sync_every,
-                           sync_warmup=opts.sync_warmup)
+                           sync_warmup=opts.sync_warmup, reduce_dtype=opts.reduce_dtype)
         result = annotate(result, graph, prof.dtype)[0]                             # re-simulated with them
     validate_plan(result, prof)                                                     # every node placed once
     result = replace(result, certificate=certify(result, fine),                     # 6. how far from the best
@@ -731,6 +748,8 @@ def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost
             {"compress": opts.compress} if opts.compress else {})
     if opts.sync_every > 1:
         forced.update(sync_every=opts.sync_every, sync_warmup=opts.sync_warmup)
+    if opts.reduce_dtype is not None:
+        forced["reduce_dtype"] = Precision(opts.reduce_dtype).value
     result = replan_graph(old, graph, cluster=target, solver=opts.solver,
                           microbatches=opts.microbatches or old.microbatches,
                           schedule=opts.schedule or old.schedule, time_limit_s=opts.time_limit_s,

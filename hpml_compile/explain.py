@@ -27,7 +27,7 @@ from typing import Callable
 
 from .costgraph import CostGraph, build
 from .errors import HpmlError
-from .ir import Cluster, Device, Profile
+from .ir import Cluster, Device, Precision, Profile
 from .memory import GiB
 from .plan import Plan, Stage
 from .simulate import SimResult, boundary_copies, crowded_devices, loss_agreement_ms
@@ -141,10 +141,11 @@ def base_solver(plan: Plan) -> str:
 
 def _precision(plan: Plan) -> str:
     p = plan.precision
+    wire = "" if plan.reduce_dtype is Precision.FP32 else f", gradients reduced in {plan.reduce_dtype.dtype}"
     if not p.is_mixed:
-        return "fp32"
+        return "fp32" + wire
     return (f"{p.value} (autocast to {p.dtype}, fp32 master weights and optimizer state, boundaries in {p.dtype}"
-            + (", loss scaling" if p.value == "fp16" else "") + ")")
+            + (", loss scaling" if p.value == "fp16" else "") + wire + ")")
 
 
 def _level_text(plan: Plan, st: Stage, graph: CostGraph, blocks: list[str]) -> str:

@@ -47,6 +47,8 @@ __all__ = [
     "validate_plan",
     "with_comm",
     "check_comm",
+    "check_reduce_dtype",
+    "check_wire",
     "sync_overlap",
     "check_placement",
     "hierarchy_problem",
@@ -246,6 +248,9 @@ class Plan:
     None for a plan made elsewhere (by hand, or written before version 2).
     ``assumptions``: the costs the plan uses that were not measured on this machine
     (:func:`hpml_compile.assumptions.assumptions`).
+    ``reduce_dtype``: the dtype the replicated stages' gradient collectives (all-reduce, reduce-scatter) run in
+    (``--reduce-dtype``): ``fp32``, the gradients' own (the default; written to plan.json only when set), or
+    ``bf16``/``fp16``, half the bytes on the wire, the sum rounded to it (:func:`check_reduce_dtype`).
     """
 
     model: str
@@ -263,9 +268,11 @@ class Plan:
     allow_compress: str = ""
     certificate: Certificate | None = None
     assumptions: tuple[Assumption, ...] = ()
+    reduce_dtype: Precision = Precision.FP32
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
+        object.__setattr__(self, "reduce_dtype", Precision.parse(self.reduce_dtype, "reduce_dtype"))
         allowed = parse_compress(self.allow_compress, "allow_compress")  # OptionError naming the forms
         object.__setattr__(self, "allow_compress", str(allowed) if allowed is not None else "")
         object.__setattr__(self, "precision", Precision(self.precision))
@@ -294,6 +301,7 @@ class Plan:
             **({"allow_compress": self.allow_compress} if self.allow_compress else {}),
             **({"certificate": self.certificate.to_dict()} if self.certificate is not None else {}),
             **({"assumptions": [a.to_dict() for a in self.assumptions]} if self.assumptions else {}),
+            **({"reduce_dtype": self.reduce_dtype.value} if self.reduce_dtype is not Precision.FP32 else {}),
         }
 
     @classmethod
@@ -342,6 +350,7 @@ class Plan:
             allow_compress=d.get("allow_compress", ""),
             certificate=Certificate.from_dict(d["certificate"]) if "certificate" in d else None,
             assumptions=tuple(Assumption.from_dict(a) for a in d.get("assumptions", ())),
+            reduce_dtype=Precision(d.get("reduce_dtype", "fp32")),  # plans without the field sync in fp32
         )
 
 
@@ -360,6 +369,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "microbatches": {"type": "integer", "minimum": 1},
         "precision": {"enum": [p.value for p in Precision]},
         "tied_allreduce": {"enum": [a.value for a in AllReduce]},
+        "reduce_dtype": {"enum": [p.value for p in Precision]},
         "stages": {
             "type": "array", "minItems": 1,
             "items": {
@@ -678,6 +688,7 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                         f"{profile.precision.value}: its times and activation sizes are for that precision; profile "
                         f"again with --precision {plan.precision.value}, or plan with --precision "
                         f"{profile.precision.value}")
+    check_reduce_dtype(plan)
     where = node_stages(plan)
     for st in plan.stages:
         why = tp_problem(plan.cluster, st)
@@ -799,7 +810,7 @@ def tp_problem(cluster: Cluster, st: Stage) -> str | None:
 
 
 def with_comm(plan: Plan, *, compress: str | None = None, sync_every: int | None = None,
-              sync_warmup: int | None = None) -> Plan:
+              sync_warmup: int | None = None, reduce_dtype: Precision | str | None = None) -> Plan:
     """``plan`` with the user's communication options: ``compress`` on every replicated ZeRO-0 stage, local SGD.
 
     Args:
@@ -808,12 +819,14 @@ def with_comm(plan: Plan, *, compress: str | None = None, sync_every: int | None
             removes compression; None keeps the plan's.
         sync_every: local SGD's period (1: per-step sync); None keeps the plan's.
         sync_warmup: steps of per-step sync first; None keeps the plan's.
+        reduce_dtype: the dtype of the gradient collectives (``fp32``, ``bf16``, ``fp16``); None keeps the plan's.
 
     Returns:
         The plan, checked by :func:`check_comm`.
 
     Raises:
-        OptionError: a bad value, or compression asked of a plan with no replicated ZeRO-0 stage.
+        OptionError: a bad value, compression asked of a plan with no replicated ZeRO-0 stage, or a reduce dtype
+            other than fp32 asked of a plan with no replicated stage.
         PlanError: a combination the runtime does not perform (:func:`check_comm`).
     """
     c = parse_compress(compress) if compress is not None else None
@@ -829,7 +842,12 @@ def with_comm(plan: Plan, *, compress: str | None = None, sync_every: int | None
     every = plan.sync_every if sync_every is None else sync_every
     warm = plan.sync_warmup if sync_warmup is None else sync_warmup
     check_sync(every, warm)
-    out = replace(plan, stages=stages, sync_every=every, sync_warmup=warm)
+    wire = plan.reduce_dtype if reduce_dtype is None else Precision.parse(reduce_dtype, "--reduce-dtype")
+    if wire is not Precision.FP32 and not any(st.replicas > 1 for st in stages):
+        raise OptionError(f"--reduce-dtype {wire.value}: the plan has no replicated stage, so no gradient crosses "
+                          "between replicas: a reduce dtype needs data parallelism (a stage on >= 2 devices); "
+                          "drop --reduce-dtype")
+    out = replace(plan, stages=stages, sync_every=every, sync_warmup=warm, reduce_dtype=wire)
     check_comm(out)
     return out
 
@@ -840,8 +858,47 @@ def check_comm(plan: Plan) -> None:
     Raises:
         PlanError: naming the stage and the fix.
     """
+    check_reduce_dtype(plan)
     for st in plan.stages:
         _check_comm_options(plan, st)
+
+
+def check_reduce_dtype(plan: Plan) -> None:
+    """The plan's reduce dtype is one the runtime performs safely (fp32 always is).
+
+    ``bf16`` keeps fp32's exponent range: a gradient sum neither overflows nor underflows, it loses mantissa
+    (8 bits against 24). ``fp16`` has 5 exponent bits: gradients below ~6e-8 flush to zero and sums above 65504
+    overflow, so it needs the loss scaling of an fp16 plan (whose skipped steps then catch an overflow of the
+    sum as well). Compression and local SGD send payloads of their own (top-k values, PowerSGD's factors, the
+    replicas' averaged parameters), which a reduce dtype does not apply to.
+
+    Raises:
+        PlanError: fp16 without loss scaling, or a reduce dtype together with compression or local SGD.
+    """
+    wire = plan.reduce_dtype
+    if wire is Precision.FP32:
+        return
+    check_wire(wire, plan.precision)
+    if plan.sync_every > 1:
+        raise PlanError(f"--reduce-dtype {wire.value} with local SGD (sync every {plan.sync_every}): local SGD "
+                        "averages parameters, not gradients, and keeps them fp32; choose one of them")
+    for st in plan.stages:
+        if st.compress and st.replicas > 1:
+            raise PlanError(f"--reduce-dtype {wire.value}, but stage {st.index} compresses its gradients "
+                            f"({st.compress}), whose payload is its own (top-k values, PowerSGD's factors): "
+                            "choose one of them for the stage")
+
+
+def check_wire(wire: Precision, precision: Precision) -> None:
+    """Refuse an fp16 reduce dtype on a plan without loss scaling (one that does not train in fp16).
+
+    Raises:
+        PlanError: naming both and the two ways out.
+    """
+    if wire is Precision.FP16 and precision is not Precision.FP16:
+        raise PlanError(f"--reduce-dtype fp16 on a plan that trains in {precision.value}, without loss "
+                        "scaling: fp16 flushes gradients below ~6e-8 to zero and overflows past 65504; use "
+                        "--reduce-dtype bf16 (fp32's range), or train with --precision fp16 (loss-scaled)")
 
 
 def _check_comm_options(plan: Plan, st: Stage) -> None:

@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Mapping
 from .costgraph import CostGraph, block_key
 from .compression import Compression
 from .errors import HpmlError, OptionError, PlanError
-from .ir import Cluster, Profile
+from .ir import Cluster, Precision, Profile
 from .memory import compute_bytes
 from .plan import Plan, Schedule, with_comm
 from .simulate import annotate
@@ -161,7 +161,8 @@ def carried_comm(old: Plan) -> tuple[str | None, dict[str, Any]]:
         ``(allowed, forced)``: the compression the solver may choose again (``Plan.allow_compress``, None for
         none), and the :func:`hpml_compile.plan.with_comm` options to put on the new plan: ``compress`` where
         stages were compressed without an allowance (the user's ``--compress``; the most common value if a
-        hand-edited plan mixes them), ``sync_every`` / ``sync_warmup`` under local SGD.
+        hand-edited plan mixes them), ``sync_every`` / ``sync_warmup`` under local SGD, ``reduce_dtype`` where
+        not fp32.
 
     >>> from hpml_compile.testing import chain_graph, cluster_of
     >>> from hpml_compile.solve import solve
@@ -176,6 +177,8 @@ def carried_comm(old: Plan) -> tuple[str | None, dict[str, Any]]:
         forced["compress"] = chosen.most_common(1)[0][0]
     if old.sync_every > 1:
         forced.update(sync_every=old.sync_every, sync_warmup=old.sync_warmup)
+    if old.reduce_dtype is not Precision.FP32:
+        forced["reduce_dtype"] = old.reduce_dtype.value
     return old.allow_compress or None, forced
 
 
@@ -214,15 +217,17 @@ def replan_graph(old: Plan, graph: CostGraph, *, cluster: Cluster | None = None,
     scorer = score_graph or graph
     new = solve(graph, target, solver=solver, microbatches=microbatches or old.microbatches, schedule=sched,
                 time_limit_s=time_limit_s, dtype=dtype, compute_bytes=compute_bytes(old.precision.value),
-                progress=progress, compress=allow_compress, hierarchical=hierarchical)
+                progress=progress, compress=allow_compress, hierarchical=hierarchical,
+                reduce_dtype=(comm or {}).get("reduce_dtype", "fp32"))
     new = replace(new, precision=old.precision,  # the measured profile was timed as the old plan trains
                   allow_compress=str(allow_compress or ""))
     refused: PlanError | None = None
     if comm:  # the user's options, on the new plan as it will run
         try:
             new = with_comm(new, **comm)
-        except OptionError:  # compression, but the new plan has no replicated stage: nothing to compress
-            new = with_comm(new, **{k: v for k, v in comm.items() if k != "compress"})
+        except OptionError:  # compression or a reduce dtype, but the new plan has no replicated stage: no gradient sync
+            new = with_comm(new, **{k: v for k, v in comm.items() if k not in ("compress", "reduce_dtype")},
+                            reduce_dtype="fp32")
         except PlanError as e:  # local SGD on a stage the solver sharded: not a plan the runtime performs
             refused = e
     if score_graph is not None or comm:

@@ -134,7 +134,7 @@ from .schedule import ActionKind, compute_orders, op_order  # the compute view o
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
                         local_sgd_sync_ms, measured_agree_ms, optimizer_ms, skew_wait_ms, stepped_gather_ms,
                         steps_flat, stream_bytes_per_ms, stream_ms, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms,
-                        weight_part_ms)
+                        weight_part_ms, wire_ratio)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "step_ms", "stage_costs", "annotate", "crowded_devices",
            "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms", "replica_skew_ms", "boundary_copies"]
@@ -435,7 +435,8 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         opt_ms = optimizer_ms(params, d, st.zero, max(graph.optimizer_ms_per_byte(k, flat) for k in kinds),
                               zero_shards(c, st))
         rate = stream_bytes_per_ms(graph, kinds)
-        copy = copy_ms(params, d, rate, st.zero, st.allreduce is AllReduce.HIERARCHICAL)
+        copy = copy_ms(params, d, rate, st.zero, st.allreduce is AllReduce.HIERARCHICAL,
+                       _wire(plan, st, dtype))
         dp = st.dp_groups()[0]  # the devices that sum each other's gradients (all of them when tp is 1)
         group = min((link_spec(c, dp[0], x) for x in dp[1:]), key=lambda sp: sp.gbps) if d > 1 else None
         hier = hierarchy(c, st.sync_group()) if st.allreduce is AllReduce.HIERARCHICAL else None
@@ -474,9 +475,17 @@ def _sync_cost(plan: Plan, graph: CostGraph, st: Stage, nodes: list[str], params
         return local_sgd_sync_ms(params, d, plan.sync_every, group), 0.0
     overlap = sync_overlap(plan, st.index)
     whole = float(sync_ms(params, d, st.zero, st.offload_optimizer, group, host, hier, bwd_ms=bwd_ms,
-                          microbatches=microbatches, overlap=overlap, fwd_ms=fwd_ms))
+                          microbatches=microbatches, overlap=overlap, fwd_ms=fwd_ms, wire=_wire(plan, st, dtype)))
     bucketed = bwd_ms is not None and overlap > 0
     return whole, 0.0 if bucketed else float(stepped_gather_ms(params, d, st.zero, group, hier))
+
+
+def _wire(plan: Plan, st: Stage, dtype: str) -> float:
+    """Bytes per gradient byte in the stage's dense gradient collectives: the plan's reduce dtype over the
+    gradients' (1 where it is theirs, or where the stage compresses: the plan refuses both together)."""
+    if st.compress:
+        return 1.0
+    return wire_ratio(plan.reduce_dtype.bytes, dtype_bytes(dtype))
 
 
 def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], float]]:

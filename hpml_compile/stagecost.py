@@ -126,7 +126,8 @@ from .costgraph import CostGraph
 from .ir import Schedule, base_kind
 from .memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, MemoryBreakdown, ZeroStage, autocast_copy_bytes
 
-__all__ = ["MemoryParts", "in_flight", "WEIGHT_SHARE", "weight_part_ms", "memory_parts", "device_memory", "transfer_ms", "sync_ms", "overlapped_ms",
+__all__ = ["MemoryParts", "in_flight", "WEIGHT_SHARE", "weight_part_ms", "memory_parts", "device_memory", "transfer_ms",
+           "sync_ms", "on_wire", "wire_ratio", "overlapped_ms",
            "hierarchical_overlapped_ms", "prefetched_gather_ms", "stepped_gather_ms", "param_gather_link", "hierarchical_allreduce_ms",
            "level_bytes",
            "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
@@ -499,7 +500,7 @@ def prefetched_gather_ms(param_bytes: Value, link: cost_models.LinkSpec | None, 
                      window_ms / replicas)
 
 
-def hierarchical_overlapped_ms(param_bytes: Value, hier: Hierarchy, window_ms: Value) -> Value:
+def hierarchical_overlapped_ms(param_bytes: Value, hier: Hierarchy, window_ms: Value, wire: float = 1.0) -> Value:
     """What a hierarchical all-reduce launched bucket by bucket during the last backward adds to the step.
 
     :func:`overlapped_ms` with a bucket's collective being its chain of three
@@ -512,6 +513,7 @@ def hierarchical_overlapped_ms(param_bytes: Value, hier: Hierarchy, window_ms: V
         hier: the group by host (:func:`hpml_compile.cluster.hierarchy`).
         window_ms: the backward over which the buckets become ready (the last microbatch's, scaled by the
             stage's overlap efficiency).
+        wire: bytes each gradient byte takes on the wire (:func:`on_wire`; the buckets are cut on the gradients).
 
     Returns:
         Milliseconds, of the form of ``param_bytes``.
@@ -527,7 +529,7 @@ def hierarchical_overlapped_ms(param_bytes: Value, hier: Hierarchy, window_ms: V
     (No backward to hide behind: five chains' latencies; 1 ms hides about 1 ms; a long one all but the last
     bucket's chain, 0.49 ms.)
     """
-    return _bucketed(lambda b: hierarchical_allreduce_ms(b, hier), param_bytes, window_ms)
+    return _bucketed(lambda b: hierarchical_allreduce_ms(b * wire, hier), param_bytes, window_ms)
 
 
 def _bucketed(cost: Callable[[float], float], param_bytes: Value, window_ms: Value) -> Value:
@@ -598,10 +600,31 @@ def level_bytes(nbytes: int, replicas: int, hier: Hierarchy | None) -> dict[str,
     return {"intra": 2 * (h - 1) * nbytes // h, "inter": 2 * (hosts - 1) * nbytes // (hosts * h)}
 
 
+def on_wire(fn: Callable[..., float], wire: float) -> Callable[..., float]:
+    """A collective's cost ``fn(bytes, ...)`` with each gradient byte taking ``wire`` bytes on the wire.
+
+    ``wire`` is the reduce dtype's size over the gradients' (``Plan.reduce_dtype``: 0.5 for bf16 or fp16
+    gradients of fp32 parameters, :func:`wire_ratio`); 1 gives ``fn`` itself. The buckets stay cut on the
+    gradients' bytes, as the runtime cuts them (:mod:`hpml_compile.runtime.sync.reducecast`).
+    """
+    if wire == 1.0:
+        return fn
+    return lambda nbytes, *args: fn(nbytes * wire, *args)
+
+
+def wire_ratio(reduce_bytes: int, grad_bytes: int) -> float:
+    """Bytes on the wire per gradient byte: the reduce dtype's element size over the gradients' (at most 1).
+
+    >>> wire_ratio(2, 4), wire_ratio(4, 4), wire_ratio(4, 2)
+    (0.5, 1.0, 1.0)
+    """
+    return min(1.0, reduce_bytes / grad_bytes)
+
+
 def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_optimizer: bool,
             link: cost_models.LinkSpec | None, host: cost_models.LinkSpec, hier: Hierarchy | None = None,
             bwd_ms: Value | None = None, microbatches: int = 1, overlap: float = 1.0,
-            fwd_ms: Value | None = None) -> Value:
+            fwd_ms: Value | None = None, wire: float = 1.0) -> Value:
     """Gradient synchronisation of a stage past its last backward (the collectives and the offload copies).
 
     Args:
@@ -627,6 +650,9 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
             enable_prefetch`): each bucket's gather launched after the optimizer step, in the forward's order,
             one after another, and waited where the next step's first forward reads the bucket. Priced by
             :func:`prefetched_gather_ms`. None: the gather after the step, serial (as before).
+        wire: bytes each gradient byte takes in the gradient collectives (all-reduce, reduce-scatter, the
+            hierarchical levels), the plan's reduce dtype over the gradients' (:func:`wire_ratio`); the
+            parameter all-gathers stay in the parameters' dtype. 1: the gradients' own.
 
     Returns:
         Milliseconds, of the form of ``param_bytes``.
@@ -648,8 +674,8 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         h, hosts = hier.per_host, len(hier.hosts)
 
         def chain(b: Value) -> Value:  # one bucket: reduce-scatter in the host, its shard's all-reduce between
-            return (transfer_ms(cost_models.reduce_scatter_ms, b, hier.intra, h)
-                    + transfer_ms(cost_models.allreduce_ms, b / h, hier.inter, hosts))
+            return (transfer_ms(cost_models.reduce_scatter_ms, b * wire, hier.intra, h)
+                    + transfer_ms(cost_models.allreduce_ms, b * wire / h, hier.inter, hosts))
         def gather(b: Value) -> Value:  # the stepped parameters, in the host
             return transfer_ms(cost_models.all_gather_ms, b, hier.intra, h)
         if bwd_ms is None or overlap <= 0:  # one bucket, after the backward; the gather after the step
@@ -659,12 +685,13 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
             window = 0.0 if fwd_ms is None else overlap * fwd_ms  # contiguous buckets: the whole forward reads them
             total = total + _bucketed(chain, param_bytes, overlap * bwd_ms) + _bucketed(gather, param_bytes, window)
     elif replicas > 1:
-        reduce = cost_models.allreduce_ms if z == ZeroStage.NONE else cost_models.reduce_scatter_ms
+        reduce = on_wire(cost_models.allreduce_ms if z == ZeroStage.NONE else cost_models.reduce_scatter_ms, wire)
         if z == ZeroStage.NONE and hier is not None and (bwd_ms is None or overlap <= 0):
             # three collectives after the backward, after the members meet
-            total = total + _met(param_bytes, replicas, hier.inter) + hierarchical_allreduce_ms(param_bytes, hier)
+            total = total + _met(param_bytes, replicas, hier.inter) + hierarchical_allreduce_ms(param_bytes * wire,
+                                                                                                hier)
         elif z == ZeroStage.NONE and hier is not None:  # each bucket's chain of three during the backward
-            total = total + hierarchical_overlapped_ms(param_bytes, hier, overlap * bwd_ms)
+            total = total + hierarchical_overlapped_ms(param_bytes, hier, overlap * bwd_ms, wire)
         elif bwd_ms is None or z == ZeroStage.OS_G_P or overlap <= 0:  # ZeRO-3's is not overlapped (zero3)
             # one collective after the backward, after the members meet (ZeRO-3's too: its COLL_WAIT events)
             total = total + _met(param_bytes, replicas, link) + transfer_ms(reduce, param_bytes, link, replicas)
@@ -885,7 +912,7 @@ def local_sgd_sync_ms(param_bytes: float, replicas: int, every: int, link: cost_
 
 
 def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float, zero: ZeroStage | int = ZeroStage.NONE,
-            hierarchical: bool = False) -> Value:
+            hierarchical: bool = False, wire: float = 1.0) -> Value:
     """The memory copies of a replicated stage's gradient sync (:mod:`hpml_compile.runtime.sync.zero`).
 
     The gradients accumulate into the flat buffer the collective reads, so ZeRO-0's in-place all-reduce
@@ -902,16 +929,23 @@ def copy_ms(param_bytes: Value, replicas: int, bytes_per_ms: float, zero: ZeroSt
         zero: the ZeRO stage.
         hierarchical: a hierarchical ZeRO-1, whose pieces are gathered straight into the flat buffer and whose
             summed shard is reduced straight into the shard's gradient: no copy.
+        wire: the reduce dtype's bytes per gradient byte (:func:`wire_ratio`); below 1 the casts to it and back
+            are counted.
 
     Returns:
         Milliseconds, of the form of ``param_bytes`` (0.0 for one device, ZeRO-0 or a hierarchical ZeRO-1).
     """
     z = ZeroStage(zero)
-    if replicas <= 1 or (hierarchical and z == ZeroStage.OS):
-        return param_bytes * 0.0 if replicas > 1 else 0.0
+    if replicas <= 1:
+        return 0.0
+    # a reduce dtype (wire < 1): the gradients cast down before the collective (read P, write w P) and its result
+    # cast back (the whole buffer under ZeRO-0, the shard under ZeRO-1/2/3: runtime.sync.reducecast)
+    cast = 0.0 if wire >= 1.0 else (1 + wire) * param_bytes * (1 + (1 if z == ZeroStage.NONE else 1 / replicas))
+    if hierarchical and z == ZeroStage.OS:
+        return param_bytes * 0.0 + cast / bytes_per_ms
     if z == ZeroStage.OS:
-        return 2 * param_bytes / replicas / bytes_per_ms
-    return 4 * param_bytes / bytes_per_ms if z == ZeroStage.OS_G_P else param_bytes * 0.0
+        return (2 * param_bytes / replicas + cast) / bytes_per_ms
+    return ((4 * param_bytes if z == ZeroStage.OS_G_P else param_bytes * 0.0) + cast) / bytes_per_ms
 
 
 def steps_flat(zero: ZeroStage | int, replicas: int) -> bool:

@@ -28,7 +28,7 @@ from ..errors import HpmlError
 from ..ir import FrontEnd, Precision
 from ..plan import Schedule
 from ..solve import SolverName
-from .plan import add_comm_options, certificate_text, comm_options
+from .plan import add_comm_options, certificate_text, comm_options, precision_text
 
 __all__ = ["add_parsers", "run_compile"]
 
@@ -138,7 +138,7 @@ def run_compile(args: argparse.Namespace) -> int:
     plan = build.plan
     pr = plan.predicted
     print(f"{len(plan.stages)} stages, {plan.microbatches} microbatches ({plan.schedule.value}, "
-          f"{plan.precision.value}), predicted step "
+          f"{precision_text(plan)}), predicted step "
           f"{pr.step_ms:.4g} ms (bottleneck stage {pr.bottleneck_stage}, bubble {pr.bubble:.1%}); wrote "
           f"{', '.join(sorted(p.name for p in build.out_dir.iterdir()))} to {build.out_dir}")
     for k, st in enumerate(plan.stages):

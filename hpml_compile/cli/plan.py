@@ -79,6 +79,9 @@ def add_comm_options(p: argparse.ArgumentParser, *, solver: bool = True) -> None
     g.add_argument("--sync-warmup", type=int, default=None, dest="sync_warmup", metavar="K",
                    help="steps of per-step gradient sync before local SGD starts (default 0)")
     if solver:
+        g.add_argument("--reduce-dtype", default=None, dest="reduce_dtype", choices=[x.value for x in Precision],
+                       help="the dtype of the gradient all-reduce / reduce-scatter between replicas: fp32 (default), "
+                            "bf16 (half the bytes, fp32's range), or fp16 under --precision fp16 (loss-scaled)")
         g.add_argument("--no-hierarchical", action="store_false", dest="hierarchical",
                        help="keep every all-reduce flat (default: a stage whose replicas span hosts, each holding the "
                             "same number, all-reduces hierarchically where the cost model says it is faster)")
@@ -96,8 +99,15 @@ def comm_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"compress": args.compress, "allow_compress": getattr(args, "allow_compress", None),
             "sync_every": 1 if args.sync_every is None else args.sync_every,
             "sync_warmup": 0 if args.sync_warmup is None else args.sync_warmup,
+            **({"reduce_dtype": args.reduce_dtype} if getattr(args, "reduce_dtype", None) else {}),
             **({"hierarchical": args.hierarchical, "uneven": args.uneven, "every_device": args.every_device,
                 **({"max_tp": args.max_tp} if hasattr(args, "max_tp") else {})} if hasattr(args, "uneven") else {})}
+
+
+def precision_text(plan: Plan) -> str:
+    """The plan's precision as the commands print it, with the reduce dtype where it is not fp32."""
+    wire = plan.reduce_dtype
+    return plan.precision.value + ("" if wire is Precision.FP32 else f", gradients reduced in {wire.value}")
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Profile, Cluster]:
@@ -203,7 +213,7 @@ def run_plan(args: argparse.Namespace) -> int:
     save_plan(plan, args.output)
     pr, so = plan.predicted, plan.solver
     print(f"{len(plan.stages)} stages, {plan.microbatches} microbatches ({plan.schedule.value}, "
-          f"{plan.precision.value}): step "
+          f"{precision_text(plan)}): step "
           f"{pr.step_ms:.4g} ms, bottleneck stage {pr.bottleneck_stage}, bubble {pr.bubble:.1%}; "
           f"{so.name} {so.status.value} in {so.seconds:.2f} s; wrote {args.output}")
     print(certificate_text(plan))

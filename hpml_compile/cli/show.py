@@ -120,7 +120,7 @@ def run_show(args: argparse.Namespace) -> int:
         opts = driver.Options(solver=base_solver(plan), microbatches=plan.microbatches, schedule=plan.schedule,
                               time_limit_s=args.time_limit, precision=plan.precision,
                               allow_compress=plan.allow_compress or None, sync_every=plan.sync_every,
-                              sync_warmup=plan.sync_warmup)
+                              sync_warmup=plan.sync_warmup, reduce_dtype=plan.reduce_dtype)
         what_if = one_more_device(plan, result, lambda bigger: driver.plan(profile, bigger, opts))
     print(summary(plan, graph, result, what_if))
     print("wrote " + ", ".join(str(p) for p in written))

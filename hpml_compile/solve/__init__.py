@@ -91,7 +91,7 @@ from ..cluster import check_devices_costed
 from ..compression import CompressKind, Compression, parse_compress, powersgd_fraction
 from ..costgraph import CostGraph
 from ..errors import InfeasibleError
-from ..ir import Cluster
+from ..ir import Cluster, Precision
 from ..memory import GiB, ZeroStage, dtype_bytes
 from ..plan import AllReduce, Plan, Schedule, SolverInfo, SolverStatus
 from ..simulate import annotate, stage_costs
@@ -153,7 +153,7 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
           microbatches: int | None = None, schedule: Schedule | str = Schedule.ONE_F_ONE_B,
           time_limit_s: float = 30.0, dtype: str = "float32", compute_bytes: int = 0,
           progress: Callable[[str], None] | None = None, compress: Compression | str | None = None,
-          hierarchical: bool = True) -> Plan:
+          hierarchical: bool = True, reduce_dtype: Precision | str = Precision.FP32) -> Plan:
     """Place ``costgraph`` on ``cluster``.
 
     Args:
@@ -173,6 +173,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         hierarchical: let a ZeRO-0 stage whose replicas span hosts all-reduce hierarchically, and a ZeRO-1 one
             shard its optimizer per host behind the hierarchical levels, where the cost model says it is faster
             (exact: the same sum); False keeps every all-reduce flat.
+        reduce_dtype: the dtype of the gradient collectives (``Plan.reduce_dtype``), whose bytes the candidates'
+            sync is priced at (:func:`hpml_compile.stagecost.sync_ms`) and which the plan carries.
 
     Returns:
         The plan, with the simulator's predictions and the solver's status.
@@ -229,7 +231,7 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
 
     best = _search(chain, cluster, ms, sched, dtype, search, name.value, say, t0, unimodal=large, compress=allowed,
                    fraction=frac, hierarchical=hierarchical, proxy=large and name in (SolverName.ILP, SolverName.DP),
-                   compute_bytes=compute_bytes, seen=seen,
+                   compute_bytes=compute_bytes, seen=seen, reduce_dtype=Precision(reduce_dtype),
                    until=t0 + SEARCH_SHARE * time_limit_s if large and name is SolverName.ILP else math.inf)
     if best is None:
         raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype, allowed,
@@ -260,8 +262,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         # options: the bounded plan first, then the search's plans at its count and at the search's best count;
         # the one that simulates fastest is returned, with the gap of *its* proxy objective against the bound
         if large:
-            every = [Setting(m, sched, costgraph.batch_size, dtype, allowed, frac, hierarchical, compute_bytes)
-                     for m in ms]
+            every = [Setting(m, sched, costgraph.batch_size, dtype, allowed, frac, hierarchical, compute_bytes,
+                             reduce_dtype=Precision(reduce_dtype)) for m in ms]
             out = anytime(chain, cluster, every, {m: p for m, (_, p) in seen.items()}, time_limit_s, say, t0)
             lower, proven = out.lower, out.status is SolverStatus.OPTIMAL
             # with the first plan at the incumbent's count, the best first plan at another count (by the proxy;
@@ -369,8 +371,8 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
             pick: Callable[[Setting], list[Candidate] | None], name: str, say: Callable[[str], None],
             t0: float | None = None, unimodal: bool = False, compress: Compression | None = None,
             fraction: float | None = None, hierarchical: bool = True, proxy: bool = False, compute_bytes: int = 0,
-            seen: dict[int, tuple[Setting, list[Candidate]]] | None = None, until: float = math.inf
-            ) -> tuple[float, Plan | None, Setting, list[Candidate]] | None:
+            seen: dict[int, tuple[Setting, list[Candidate]]] | None = None, until: float = math.inf,
+            reduce_dtype: Precision = Precision.FP32) -> tuple[float, Plan | None, Setting, list[Candidate]] | None:
     """The microbatch count whose stages (from ``pick``) simulate fastest: ``(step, plan, setting, stages)``.
 
     Stopped by Ctrl-C (KeyboardInterrupt) after a first plan, it returns the best so far. ``unimodal``:
@@ -397,7 +399,8 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
             say(f"{name}: M={m} and fewer: no first plan tried (the search's share of the time limit is spent)")
             break
         try:
-            setting = Setting(m, sched, graph.batch_size, dtype, compress, fraction, hierarchical, compute_bytes)
+            setting = Setting(m, sched, graph.batch_size, dtype, compress, fraction, hierarchical, compute_bytes,
+                              reduce_dtype=reduce_dtype)
             picked = pick(setting)
             if not picked:
                 plan, step = None, math.inf

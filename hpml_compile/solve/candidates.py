@@ -31,7 +31,7 @@ import cost_models
 from .. import stagecost
 from ..cluster import Hierarchy, hierarchy, link_spec
 from ..costgraph import CostGraph
-from ..ir import Cluster
+from ..ir import Cluster, Precision
 from ..memory import MemoryBreakdown, ZeroStage
 from ..plan import AllReduce, Plan, Schedule, SolverInfo, Stage
 from ..simulate import stage_costs, tied_syncs
@@ -206,6 +206,7 @@ class Setting:
     hierarchical: bool = True  # a ZeRO-0/1 stage spread over hosts may sync hierarchically where faster
     compute_bytes: int = 0  # the autocast compute dtype's (0: fp32), for the weight copies per microbatch
     max_tp: int = 8  # the largest tensor-parallel degree a stage may take (1: none; hpml_compile.tp)
+    reduce_dtype: Precision = Precision.FP32  # the dtype of the gradient collectives (Plan.reduce_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,7 +389,8 @@ def to_plan(chain: Chain, cluster: Cluster, setting: Setting, picked: list[Candi
                 how = AllReduce.HIERARCHICAL
         stages.append(Stage(i, devs, nodes, c.config.zero, c.config.recompute, nodes if c.config.swap else (),
                             c.config.offload, allreduce=how, tp=tp))
-    plan = Plan(chain.graph.model, cluster, setting.schedule, setting.microbatches, tuple(stages), solver=solver)
+    plan = Plan(chain.graph.model, cluster, setting.schedule, setting.microbatches, tuple(stages), solver=solver,
+                reduce_dtype=setting.reduce_dtype)
     if setting.hierarchical:
         plan = faster_allreduce(plan, chain.graph, setting.dtype)
     if setting.hierarchical:  # the all-reduce of tied parameters too, where it spans hosts and is faster

@@ -42,7 +42,7 @@ from ..ir import Cluster
 from ..memory import MemoryBreakdown, ZeroStage, dtype_bytes
 from ..plan import Schedule
 from ..stagecost import (weight_part_ms, compressed_sync_ms, copy_ms, in_flight, memory_parts, optimizer_ms, stream_bytes_per_ms,
-                         steps_flat, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms)
+                         steps_flat, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms, wire_ratio)
 from .candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees, group_hierarchies,
                          group_links, host_groups, kind_counts, zero_bubble_runs)
 
@@ -258,6 +258,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         opt_rates = {flat: chain.graph.optimizer_ms_per_byte(kind, flat) for flat in (False, True)}
         rate = stream_bytes_per_ms(chain.graph, [kind])
         bpe = dtype_bytes(setting.dtype)
+        wire = wire_ratio(setting.reduce_dtype.bytes, bpe)  # the gradient collectives' bytes per gradient byte
         cfg_ids = [i for i, c in enumerate(CONFIGS) if c.tp in degs and (d > c.tp or c.zero == ZeroStage.NONE)
                    and not (is_cpu and (c.offload or c.swap))
                    and (hiers[kind, c.tp].get(d) is not None or not c.hierarchical)
@@ -294,15 +295,15 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             # the gradients land during the last backward, under ZB-H1 during its weight-gradient part
             window = weight_part_ms(bwd) if setting.schedule is Schedule.ZB_H1 else bwd
             sync = sync_ms(params, dr, cfg.zero, cfg.offload, glink, host, hier if cfg.hierarchical else None,
-                           bwd_ms=window, microbatches=m, overlap=overlap, fwd_ms=fwd)  # ZeRO-1/2: prefetched gather
+                           bwd_ms=window, microbatches=m, overlap=overlap, fwd_ms=fwd, wire=wire)  # ZeRO-1/2: prefetched
             if hier is not None and cfg.zero == ZeroStage.NONE:  # the faster of flat and hierarchical (to_plan picks)
                 sync = np.minimum(sync, sync_ms(params, dr, cfg.zero, cfg.offload, glink, host, hier, bwd_ms=window,
-                                                microbatches=m, overlap=overlap))
+                                                microbatches=m, overlap=overlap, wire=wire))
             if setting.compress is not None and dr > 1 and cfg.zero == ZeroStage.NONE:  # allowed: where it pays
                 sync = np.minimum(sync, compressed_sync_ms(params, dr, setting.compress, glink, dtype_bytes=bpe,
                                                            bytes_per_ms=rate, fraction=setting.compress_fraction))
             ests.append(m * t + sync
-                        + copy_ms(params, dr, rate, cfg.zero, cfg.hierarchical)
+                        + copy_ms(params, dr, rate, cfg.zero, cfg.hierarchical, wire)
                         + optimizer_ms(params, dr, cfg.zero, opt_rates[steps_flat(cfg.zero, dr)], shards))
             jms.append(jm)
             mems.append(mem)

@@ -23,6 +23,10 @@ stages; a stage in one process; a runner without a pipeline).
 - any, over the stages of a tied parameter or where no buffer was made:
   :class:`Unbuffered`, the gradients flattened, summed, written back.
 
+Where the plan names a reduce dtype (``bf16``, ``fp16``), the gradient collectives of ``DataParallel``,
+``Sharded`` and ``Sharded3`` run on a copy of each bucket in it, cast back after (:mod:`.reducecast`);
+``Unbuffered`` sums in the gradients' own dtype, and ``Compressed`` is refused with one by the plan.
+
 The transport of ``flat``, ``shm`` and ``hier`` (a ring over the group,
 shared memory between the CPU ranks of one host, or the three-level
 hierarchical chain) is the communicator's
@@ -50,6 +54,7 @@ from ...plan import Plan
 from ...schedule import Action, ActionKind, SyncImpl, sync_impl
 from .compress import Reducer, make_reducer
 from .feedback import CommState, Feedback, Replica
+from .reducecast import reduce_dtype
 from .zero import FlatGrads, FlatShard
 from .zero3 import FlatShard3
 
@@ -180,7 +185,7 @@ class DataParallel(StageSync):
         self.buffer.comm = comm
 
     def sync_bytes(self, *, dense: bool) -> int:
-        return self.buffer.grad_flat.numel() * self.buffer.grad_flat.element_size()
+        return self.buffer.grad_flat.numel() * _wire_size(self.buffer, self.buffer.grad_flat)
 
 
 class Compressed(DataParallel):
@@ -254,7 +259,7 @@ class Sharded(StageSync):
         return [self.shard]
 
     def sync_bytes(self, *, dense: bool) -> int:
-        return self.shard.flat.numel() * self.shard.flat.element_size()
+        return self.shard.flat.numel() * _wire_size(self.shard, self.shard.flat)
 
 
 class Sharded3(Sharded):
@@ -265,6 +270,11 @@ class Sharded3(Sharded):
 
     def gathered_bytes(self) -> int:
         return self.shard.gathered_bytes if self.shard.gathers else 0
+
+
+def _wire_size(buffer: Any, flat: Tensor) -> int:
+    """Bytes per element the buffer's gradient collective puts on the wire (its reduce dtype's, where cast)."""
+    return flat.element_size() if buffer.wire is None else torch.empty(0, dtype=buffer.wire).element_size()
 
 
 def _without_groups(hier: Any) -> Any:
@@ -304,8 +314,9 @@ def for_stage(plan: Plan, stage: int, comm: Any, params: list[nn.Parameter], mod
         buffer = FlatGrads(stage, params)
         buffer.comm = comm
         reducer = make_reducer(plan, stage, comm.groups.get((stage,)))  # compression, local SGD
-        if reducer is not None:
+        if reducer is not None:  # its own payload: a plan refuses a reduce dtype with it (check_reduce_dtype)
             return Compressed(buffer, impl, reducer)
+        buffer.wire = reduce_dtype(plan.reduce_dtype, buffer.grad_flat.dtype)  # .reducecast
         if overlap and grouped:
             buffer.enable_overlap(first, bucket_bytes)
         return DataParallel(buffer, impl)
@@ -316,6 +327,7 @@ def for_stage(plan: Plan, stage: int, comm: Any, params: list[nn.Parameter], mod
         shard3 = FlatShard3(stage, params, replicas=replicas, replica=replica)
         shard3.attach(module)
         shard3.comm = comm
+        shard3.wire = reduce_dtype(plan.reduce_dtype, shard3.flat.dtype)
         return Sharded3(shard3, impl)
     if impl is SyncImpl.HIER:  # ZeRO-1 over the ranks of each host (HSDP-like)
         hier = comm.hierarchy[(stage,)]
@@ -323,6 +335,7 @@ def for_stage(plan: Plan, stage: int, comm: Any, params: list[nn.Parameter], mod
     else:
         shard = FlatShard(stage, params, replicas=replicas, replica=replica, zero=st.zero)
     shard.comm = comm
+    shard.wire = reduce_dtype(plan.reduce_dtype, shard.flat.dtype)
     if overlap and grouped:
         shard.enable_overlap(first, bucket_bytes)
         if shard.buckets is not None:  # ZeRO-1/2 (not 3): the parameter all-gather under the next forward

@@ -163,6 +163,7 @@ from ...codegen.comm import Comm
 from ...errors import HpmlError
 from ...memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, ZeroStage, bucket_ranges
 from .hierarchy import HierGroups
+from .reducecast import down, launched
 
 __all__ = ["FlatShard", "FlatGrads", "GradBuckets", "shards_of", "full_optimizer_state", "optimizer_templates",
            "load_full_optimizer_state"]
@@ -308,6 +309,7 @@ class FlatShard:
         if hier is not None:  # its own storage: one piece of every bucket (enable_overlap), gathered into the flat
             self.param = nn.Parameter(self.flat[lo:lo + self.shard_numel].clone())
         self.grad_flat: Tensor | None = None
+        self.wire: torch.dtype | None = None  # the plan's reduce dtype where it is not the buffer's (.reducecast)
         self.comm: Comm | None = None  # the stage's communicator, set by the pipeline (and after a reconnect)
         self._checked = False
         self.buckets: GradBuckets | None = None  # overlapped reduce-scatter (enable_overlap)
@@ -350,8 +352,10 @@ class FlatShard:
             self._out = torch.empty(self.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
         a, b = self._ranges[i]
         n = self.shard_numel
-        parts = [self.grad_flat[s * n + a:s * n + b] for s in range(self.replicas)]
-        return self.comm.reduce_scatter_async(self.stage, parts, self._out[a:b])  # type: ignore[attr-defined]
+        parts = [down(self.grad_flat[s * n + a:s * n + b], self.wire) for s in range(self.replicas)]
+        dst = self._out[a:b]
+        out = dst if self.wire is None else torch.empty(b - a, dtype=self.wire, device=dst.device)
+        return launched(self.comm.reduce_scatter_async(self.stage, parts, out), out, dst)  # type: ignore[attr-defined]
 
     def _piece(self, a: int, b: int, replica: int | None = None) -> slice:
         """The flat elements of ``replica``'s (default: this one's) piece of the hierarchical bucket ``[a, b)``."""
@@ -376,8 +380,10 @@ class FlatShard:
         if self._out is None:
             self._out = torch.empty(self.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
         a, b = self._ranges[i]
-        bucket = self.grad_flat[self.replicas * a:self.replicas * b]
-        return self.comm.reduce_scatter_chain(self.stage, bucket, self._out[a:b])  # type: ignore[attr-defined]
+        bucket = down(self.grad_flat[self.replicas * a:self.replicas * b], self.wire)
+        dst = self._out[a:b]
+        out = dst if self.wire is None else torch.empty(b - a, dtype=self.wire, device=dst.device)
+        return launched(self.comm.reduce_scatter_chain(self.stage, bucket, out), out, dst)  # type: ignore[attr-defined]
 
     # -- the prefetch: the parameter all-gather under the next forward ------------------------------
     def enable_prefetch(self, module: nn.Module) -> None:
@@ -509,8 +515,10 @@ class FlatShard:
             shard, self._out = self._out, None
         for p in self.params:
             p.grad = None  # the full gradient is not the summed one: nobody may read it as such
-        if self.buckets is None:
-            shard = comm.reduce_scatter(self.stage, self.grad_flat)  # hierarchical: one bucket, contiguous pieces
+        if self.buckets is None:  # hierarchical: one bucket, contiguous pieces
+            shard = comm.reduce_scatter(self.stage, down(self.grad_flat, self.wire))
+            if self.wire is not None:
+                shard = shard.to(self.flat.dtype)
         if self.hier is not None:
             self.param.grad = shard  # the shard is not a view of the flat buffer: its gradient is not either
             return
@@ -669,6 +677,7 @@ class FlatGrads:
         self.stage, self.params = stage, params
         self.reducer: Any = None  # a .compress.Reducer where the plan compresses or runs local SGD
         self.grad_flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        self.wire: torch.dtype | None = None  # the plan's reduce dtype where it is not the buffer's (.reducecast)
         self._checked = False
         self.comm: Comm | None = None  # set by the pipeline (and after a reconnect)
         self.buckets: GradBuckets | None = None  # overlapped all-reduce (enable_overlap)
@@ -688,7 +697,9 @@ class FlatGrads:
         """Start bucket ``i``'s all-reduce, in place in the buffer (the one collective call)."""
         assert self.comm is not None
         lo, hi = self._ranges[i]
-        return self.comm.all_reduce_async((self.stage,), self.grad_flat[lo:hi])  # type: ignore[attr-defined]
+        piece = self.grad_flat[lo:hi]
+        wire = down(piece, self.wire)
+        return launched(self.comm.all_reduce_async((self.stage,), wire), wire, piece)  # type: ignore[attr-defined]
 
     def begin_step(self) -> None:
         """Zero the buffer and point every parameter's ``.grad`` at its slice."""
@@ -724,6 +735,11 @@ class FlatGrads:
         if self.buckets is not None:
             self.comm = comm
             self.buckets.finish()
+            return
+        if self.wire is not None:  # summed in the reduce dtype, on a copy (.reducecast)
+            wire = down(self.grad_flat, self.wire)
+            comm.all_reduce((self.stage,), wire)
+            self.grad_flat.copy_(wire)
             return
         comm.all_reduce((self.stage,), self.grad_flat)
         self._move_to_host_slot(comm)
