@@ -12,10 +12,13 @@ and decides nothing: each token goes to the handler of its kind
   replicas uneven rows (``Stage.rows``), so that the gradients sum to the
   batch mean's and the gradient all-reduce stays a plain sum); ``kBj``: its backward, then the
   zero gradients a replica still owes (:meth:`~hpml_compile.codegen.comm.Comm.settle`);
-- ``kSENDp:j`` / ``kRECVp:j``: nothing left to do at the token: the
-  ``ops.send`` / ``ops.recv`` nodes of the generated stage move the values
-  inside the neighbouring forward or backward; the tokens say where, for the
-  validator and the simulator;
+- ``kRECVp:j``: receive microbatch ``j``'s values from stage ``p`` (activations
+  from an earlier stage, shaped by the stage's ``RECV`` specs; gradients of
+  what was sent to a later one) into the communicator's mailbox, where the
+  next forward's ``ops.recv`` (or backward's ``ops.send``) takes them;
+  ``kSENDp:j``: send what the forward's ``ops.send`` (or the backward's
+  ``ops.recv``: the gradients owed) left there, without waiting
+  (:mod:`hpml_compile.codegen.mailbox`);
 - a collective (``ALLREDUCE.shm(0)``): the :class:`~..sync.stage.StageSync`
   of its stages runs it (the implementation its suffix names, chosen from
   the plan), on the parameters the stage lists for the token
@@ -35,8 +38,9 @@ lowered again for ``c x M`` microbatches (:func:`actions_for`).
 
 Why our own and not torch.distributed.pipelining: its ``PipelineStage`` does
 the point-to-point itself around a module, whereas codegen makes the
-communication explicit nodes of each stage's graph (so a reader sees it);
-this executor only calls the stages in the lowered order and runs backward.
+stage boundaries explicit nodes of each stage's graph (so a reader sees
+them) and the lowered lists say when each message moves; this executor
+runs the tokens in that order, as its ``_perform_action`` does.
 
 Example:
     >>> import tempfile, torch
@@ -69,6 +73,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ...codegen import Build
 from ...codegen.comm import Comm
+from ...codegen.mailbox import post_recv, post_send
 from ...codegen.stage import StageModule
 from ...errors import HpmlError, UpdateApplied
 from ...precision import autocast
@@ -80,7 +85,7 @@ from ..sync.stage import UNBUFFERED, StageSync
 from .scaler import LossScaler
 
 __all__ = ["StepResult", "StepRun", "stage_ranks", "rank_layout", "split_microbatches", "split_replicas",
-           "loss_share", "stage_splits", "merge_outputs",
+           "loss_share", "stage_splits", "stage_sends", "merge_outputs",
            "to_device", "forward_stage", "actions_for", "local_order", "run_actions", "step_local", "step_rank",
            "LocalComm", "DistComm", "dist_comm", "HANDLERS"]
 
@@ -155,6 +160,13 @@ def stage_splits(build: Build) -> list[Split]:
     return [split_of(len(st.devices), st.rows) for st in build.plan.stages]
 
 
+def stage_sends(build: Build) -> list[bool]:
+    """Per stage, whether it sends values to the next one (its lowered list holds ``kSENDk+1`` tokens)."""
+    lists = actions_for(build, build.plan.microbatches)
+    return [any(a.kind is ActionKind.SEND and a.stages[1] == k + 1 for a in lists[ranks[0]])
+            for k, ranks in enumerate(stage_ranks(build.plan))]
+
+
 def merge_outputs(outputs: Sequence[Any]) -> Any:
     """Concatenate outputs of consecutive slices along dim 0 (tensors anywhere in a tuple/dict/``ModelOutput``).
 
@@ -200,7 +212,7 @@ def actions_for(build: Build, microbatches: int) -> list[RankActions]:
 
 def _local_key(rank: int, a: Action) -> tuple[int, ...]:
     if a.kind in MARKERS:
-        return (0,)  # bookkeeping: never holds anything up
+        return (0,)  # a message as soon as it can: a send right after its compute, a receive when sent
     if a.kind is ActionKind.FORWARD:
         return (1, 0, a.microbatch or 0, a.stage, rank)
     if a.kind is ActionKind.BACKWARD:
@@ -277,11 +289,6 @@ class _Slices:
         if (d, j) not in self._parts:
             self._parts[(d, j)] = split_replicas(self._micro[j], d)
         return self._parts[(d, j)][r]
-
-
-def _waited(comm: Comm) -> float:
-    stats = getattr(comm, "stats", None)
-    return sum(s for _, s in stats.recv_s) if stats is not None else 0.0
 
 
 def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[int, StageModule], comm: Comm,
@@ -376,7 +383,7 @@ def _compute(step: _Step, index: int, rank: int, a: Action) -> None:
     k, r = step.layout[rank]
     j, comm, run = a.microbatch or 0, step.comm, step.run
     comm.microbatch, comm.replica = j, r
-    w0, t0 = _waited(comm), time.perf_counter()
+    t0 = time.perf_counter()
     fwd = a.kind is ActionKind.FORWARD
     if fwd:
         _forward(step, k, r, j)
@@ -390,7 +397,7 @@ def _compute(step: _Step, index: int, rank: int, a: Action) -> None:
     if step.cuda:
         torch.cuda.current_stream(step.device).synchronize()
     t1 = time.perf_counter()
-    run.busy[(k, fwd)] = run.busy.get((k, fwd), 0.0) + t1 - t0 - (_waited(comm) - w0)
+    run.busy[(k, fwd)] = run.busy.get((k, fwd), 0.0) + t1 - t0
     step.event("F" if fwd else "B", t0, t1, k, j)
 
 
@@ -414,9 +421,13 @@ def _forward(step: _Step, k: int, r: int, j: int) -> None:
 
 
 def _message(step: _Step, index: int, rank: int, a: Action) -> None:
-    """``kSENDp:j`` / ``kRECVp:j``: carried out by the stage's generated ``ops.send`` / ``ops.recv`` nodes inside
-    the neighbouring forward or backward (the values cross as autograd functions, their gradients back); the
-    token says where, for the validator and the simulator: nothing is left to do here."""
+    """``kRECVp:j``: receive into the mailbox what the next forward or backward takes (blocks); ``kSENDp:j``:
+    send what the last one left there (never blocks; waited for at ``LOSS``)."""
+    k, r = step.layout[rank]
+    if a.kind is ActionKind.RECV:
+        post_recv(step.comm, k, a.stages[1], a.microbatch or 0, r, step.stages[k].RECV)
+    else:
+        post_send(step.comm, k, a.stages[1], a.microbatch or 0, r)
 
 
 def _collective(step: _Step, index: int, rank: int, a: Action) -> None:

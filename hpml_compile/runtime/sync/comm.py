@@ -306,9 +306,10 @@ class LocalComm(Comm):
         return self._box.pop((frm, to, key))
 
     def forget(self) -> None:
-        """Drop undelivered messages and owed gradients (after an evaluation pass)."""
+        """Drop undelivered messages, owed gradients and the mailbox (after an evaluation pass)."""
         self._box.clear()
         self._owed.clear()
+        self.mail.clear()
 
     def all_reduce(self, stages: tuple[int, ...], flat: Tensor) -> None:
         pass  # one process holds every replica and every use of a tied parameter
@@ -390,8 +391,9 @@ class DistComm(Comm):
         self._op_count.clear()
 
     def forget(self) -> None:
-        """Drop owed gradients and pending sends (after an evaluation pass or a failed step)."""
+        """Drop owed gradients, the mailbox and pending sends (after an evaluation pass or a failed step)."""
         self._owed.clear()
+        self.mail.clear()
         self._pending.clear()
         self._chains.clear()  # a failed step's chains: their groups may be gone
 
