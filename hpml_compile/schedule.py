@@ -72,8 +72,8 @@ from .memory import ZeroStage
 from .plan import AllReduce, Plan, Schedule
 
 __all__ = ["ActionKind", "SyncImpl", "sync_impl", "Action", "RankActions", "op_order", "lower", "relower",
-           "parse_actions", "parse_token", "validate", "replay", "compute_orders", "stage_ranks", "rank_layout",
-           "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
+           "parse_actions", "parse_token", "validate", "replay", "stage_lists", "compute_orders", "stage_ranks",
+           "rank_layout", "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
 
 
 class ActionKind(str, enum.Enum):
@@ -360,15 +360,27 @@ def lower(schedule: Schedule, microbatches: int, replicas: Sequence[int], *,
 
 
 @functools.lru_cache(maxsize=256)
+def stage_lists(schedule: Schedule, stages: int, microbatches: int) -> tuple[RankActions, ...]:
+    """Each stage's lowered list of forwards, backwards, sends and receives (one rank per stage, every boundary
+    carrying values): what the simulator replays (:mod:`hpml_compile.simulate`; replicas run their stage's list).
+
+    Example:
+        >>> " ".join(map(str, stage_lists(Schedule.GPIPE, 2, 2)[1]))
+        '1RECV0:0 1F0 1RECV0:1 1F1 1RECV0:0 1B0 1SEND0:0 1RECV0:1 1B1 1SEND0:1'
+    """
+    kinds = (ActionKind.FORWARD, ActionKind.BACKWARD, *MARKERS)
+    return tuple(tuple(a for a in acts if a.kind in kinds) for acts in lower(schedule, microbatches, [1] * stages))
+
+
+@functools.lru_cache(maxsize=256)
 def compute_orders(schedule: Schedule, stages: int, microbatches: int) -> tuple[tuple[tuple[bool, int], ...], ...]:
     """The forwards and backwards of each stage's lowered list, ``(is_forward, microbatch)`` in list order.
 
-    What the simulator replays: the lists :func:`lower` writes into a build (one rank per stage; replicas run
-    their stage's list), read back rather than generated again.
+    The compute view of :func:`stage_lists`, the lists :func:`lower` writes into a build.
     """
-    lists = lower(schedule, microbatches, [1] * stages)
     return tuple(tuple((a.kind is ActionKind.FORWARD, a.microbatch or 0) for a in acts
-                       if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)) for acts in lists)
+                       if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD))
+                 for acts in stage_lists(schedule, stages, microbatches))
 
 
 def relower(ranks: Sequence[RankActions], replicas: Sequence[int], schedule: Schedule,

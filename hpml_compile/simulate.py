@@ -1,11 +1,14 @@
 """Play a plan's pipeline schedule as events: step time, bubble, timeline and memory per device.
 
 Every solver's plan is scored by this one simulator, so that plans compare on
-one cost model. Each stage runs a fixed order of operations (GPipe, Huang et
-al. 2019: all forwards then all backwards; 1F1B, Narayanan et al. 2019/2021:
-``S - i - 1`` warm-up forwards, then one forward one backward, then the
-remaining backwards); an operation starts when its stage is free and its
-inputs have arrived. We write this small list scheduler rather than use
+one cost model. Each stage replays the list the schedule lowers to
+(:func:`hpml_compile.schedule.stage_lists`, the forwards, backwards, sends and
+receives a build's ranks run; GPipe, Huang et al. 2019: all forwards then all
+backwards; 1F1B, Narayanan et al. 2019/2021: ``S - i - 1`` warm-up forwards,
+then one forward one backward, then the remaining backwards): a ``SEND``
+posts its values when the compute before it ends, a ``RECV`` waits until
+they have crossed the link, and a compute starts when its stage is free and
+its receive is done. We write this small list scheduler rather than use
 ``torch.distributed.pipelining``'s ``_simulate_comms_compute`` because that
 one has no durations, links or memory.
 
@@ -116,7 +119,7 @@ from .errors import PlanError, UnknownDeviceError
 from .ir import Device
 from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_overlap, zero_shards
-from .schedule import compute_orders, op_order  # the compute view of the lowered per-rank action lists
+from .schedule import Action, ActionKind, op_order, stage_lists  # the lowered per-rank action lists
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
                         local_sgd_sync_ms, optimizer_ms, stepped_gather_ms, steps_flat, stream_bytes_per_ms, stream_ms,
                         sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms)
@@ -454,68 +457,91 @@ def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], floa
 Op = tuple[bool, int, int]  # (forward?, stage, microbatch)
 
 
+class _Replay:
+    """The lowered lists of every stage (:func:`hpml_compile.schedule.stage_lists`) played as a list scheduler.
+
+    ``kFj`` / ``kBj`` take the stage for their duration, from when it is free and their values are there;
+    ``kSENDp:j`` posts the values when the compute before it ends (a bar per transfer, on its own stream: the
+    stage goes on); ``kRECVp:j`` waits, without taking the stage, until every transfer to it has arrived (the
+    costs of :attr:`StageCost.sends`: a value skipping stages goes straight to its consumer, as priced, where
+    the runtime relays it through the stages between).
+    """
+
+    def __init__(self, plan: Plan, costs: tuple[StageCost, ...], stretch: dict[Op, float] | None) -> None:
+        self.plan, self.costs, self.stretch = plan, costs, stretch or {}
+        self.senders: list[list[tuple[int, float]]] = [[] for _ in plan.stages]  # per stage: (sender, ms)
+        for i, cst in enumerate(costs):
+            for j, ms in cst.sends:
+                self.senders[j].append((i, ms))
+        self.done: dict[Op, tuple[float, float]] = {}
+        self.posted: dict[Op, float] = {}  # (forward?, sender, microbatch) -> when its SEND posted the values
+        self.arrived: dict[Op, float] = {}  # (forward?, receiver, microbatch) -> when its RECV had them all
+        self.free = [0.0] * len(plan.stages)
+        self.bars: list[Interval] = []
+
+    def _arrival(self, fwd: bool, i: int, k: int) -> float | None:
+        """When every transfer to stage ``i`` of microbatch ``k`` (activations or their gradients) has arrived."""
+        into = self.senders[i] if fwd else self.costs[i].sends
+        t = 0.0
+        for j, ms in into:
+            if (fwd, j, k) not in self.posted:
+                return None
+            t = max(t, self.posted[(fwd, j, k)] + ms)
+        return t
+
+    def play(self, i: int, a: Action) -> bool:
+        """Run token ``a`` of stage ``i`` if it can run now; whether it did."""
+        k = a.microbatch or 0
+        cst = self.costs[i]
+        if a.kind is ActionKind.RECV:
+            fwd = a.stages[1] < i
+            t = self._arrival(fwd, i, k)
+            if t is None:
+                return False
+            self.arrived[(fwd, i, k)] = t
+        elif a.kind is ActionKind.SEND:
+            fwd = a.stages[1] > i
+            t = self.done[(fwd, i, k)][1]
+            self.posted[(fwd, i, k)] = t
+            for j, ms in (cst.sends if fwd else self.senders[i]):
+                dev = self.plan.stages[i].devices[0]
+                self.bars.append(Interval(dev, t, t + ms, EventKind.SEND, k, i))
+        else:
+            fwd = a.kind is ActionKind.FORWARD
+            ready = self.arrived.get((fwd, i, k), 0.0)
+            if not fwd:
+                ready = max(ready, self.done[(True, i, k)][1] + 2 * cst.swap_ms)
+            dur = (cst.fwd_ms if fwd else cst.recompute_ms + cst.bwd_ms) * self.stretch.get((fwd, i, k), 1.0)
+            start = max(self.free[i], ready)
+            self.done[(fwd, i, k)] = (start, start + dur)
+            self.free[i] = start + dur
+        return True
+
+
 def _run(plan: Plan, costs: tuple[StageCost, ...], stretch: dict[Op, float] | None = None
          ) -> tuple[dict[Op, tuple[float, float]], list[Interval]]:
-    """List-schedule every stage's operations; returns ``(fwd?, stage, mb) -> (start, end)`` and send bars.
-    ``stretch`` multiplies an operation's duration (a host's shared memory bandwidth and cores)."""
-    s_count, m = len(plan.stages), plan.microbatches
-    orders = compute_orders(plan.schedule, s_count, m)  # the lowered lists, replayed
-    senders: list[list[tuple[int, float]]] = [[] for _ in range(s_count)]
-    for i, cst in enumerate(costs):
-        for j, ms in cst.sends:
-            senders[j].append((i, ms))
-    done: dict[tuple[bool, int, int], tuple[float, float]] = {}
-    ptr, free = [0] * s_count, [0.0] * s_count
-    comm: list[Interval] = []
-    remaining = sum(len(o) for o in orders)
+    """Replay every stage's lowered list (:class:`_Replay`); returns ``(fwd?, stage, mb) -> (start, end)`` and
+    the send bars. ``stretch`` multiplies an operation's duration (a host's shared memory bandwidth and cores).
+
+    Raises:
+        PlanError: the lists deadlock (every stage waits at a receive).
+    """
+    lists = stage_lists(plan.schedule, len(plan.stages), plan.microbatches)  # the lowered lists, replayed
+    run = _Replay(plan, costs, stretch)
+    ptr = [0] * len(lists)
+    remaining = sum(len(x) for x in lists)
     while remaining:
         progressed = False
-        for i in range(s_count):
-            while ptr[i] < len(orders[i]):
-                fwd, k = orders[i][ptr[i]]
-                ready = _ready(fwd, i, k, costs, senders, done)
-                if ready is None:
-                    break
-                cst = costs[i]
-                dur = (cst.fwd_ms if fwd else cst.recompute_ms + cst.bwd_ms) * (stretch or {}).get((fwd, i, k), 1.0)
-                start = max(free[i], ready)
-                done[(fwd, i, k)] = (start, start + dur)
-                free[i] = start + dur
+        for i, acts in enumerate(lists):
+            while ptr[i] < len(acts) and run.play(i, acts[ptr[i]]):
                 ptr[i] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise PlanError(f"schedule {plan.schedule.value} deadlocks: stages wait at operations "
-                            f"{[orders[i][ptr[i]] if ptr[i] < len(orders[i]) else None for i in range(s_count)]} "
-                            "(forward, microbatch) each; re-plan with schedule gpipe, whose order cannot deadlock")
-    for i, cst in enumerate(costs):
-        for j, ms in cst.sends:
-            for k in range(m):
-                f_end, b_end = done[(True, i, k)][1], done[(False, j, k)][1]
-                src, dst = plan.stages[i].devices[0], plan.stages[j].devices[0]
-                comm.append(Interval(src, f_end, f_end + ms, EventKind.SEND, k, i))
-                comm.append(Interval(dst, b_end, b_end + ms, EventKind.SEND, k, j))
-    return done, comm
-
-
-def _ready(fwd: bool, i: int, k: int, costs: tuple[StageCost, ...], senders: list[list[tuple[int, float]]],
-           done: dict[tuple[bool, int, int], tuple[float, float]]) -> float | None:
-    """When operation (fwd, stage i, microbatch k) may start, or None if an input is not scheduled yet."""
-    t = 0.0
-    if fwd:
-        for j, ms in senders[i]:
-            if (True, j, k) not in done:
-                return None
-            t = max(t, done[(True, j, k)][1] + ms)
-        return t
-    if (True, i, k) not in done:
-        return None
-    t = done[(True, i, k)][1] + 2 * costs[i].swap_ms
-    for j, ms in costs[i].sends:
-        if (False, j, k) not in done:
-            return None
-        t = max(t, done[(False, j, k)][1] + ms)
-    return t
+            raise PlanError(f"schedule {plan.schedule.value} deadlocks: stages wait at "
+                            f"{[str(acts[ptr[i]]) if ptr[i] < len(acts) else None for i, acts in enumerate(lists)]}"
+                            "; re-plan with schedule gpipe, whose order cannot deadlock")
+    return run.done, run.bars
 
 
 def crowded_devices(cluster: Cluster, graph: CostGraph) -> list[str]:
