@@ -152,7 +152,7 @@ def _comment(src: str, acts: StageActions) -> str:
 
 def _collectives(acts: StageActions) -> str | None:
     """The stage's ``COLLECTIVES`` table: each collective token of its lists -> the parameters it moves."""
-    syncs = (*acts.grad_sync, *acts.after_step)
+    syncs = tuple({str(g): g for g in (*acts.grad_sync, *acts.after_step)}.values())  # a token before and after OPT
     if not syncs:
         return None
     local = dict(acts.local_params)

@@ -111,6 +111,19 @@ def test_collective_tokens_in_a_build_name_their_implementation(tmp_path: Path) 
     assert load_build(out, model).actions[0][-3] == Action(ActionKind.ALL_REDUCE, (0,), impl="shm")
 
 
+def test_local_sgd_averages_the_parameters_at_a_token_after_the_optimizer_step(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    st = (Stage(0, ("cpu0", "cpu1"), ("input_1", "_0", "_1")), Stage(1, ("cpu2",), ("_2", "output")))
+    plan = Plan("seq", load_cluster("local-cpu-3"), Schedule.GPIPE, 2, st, sync_every=4)
+    generate(trace(model, (torch.randn(8, 8),)), plan, tmp_path)
+    build = load_build(tmp_path, model)
+    tail = [str(a) for a in build.actions[0][-3:]]
+    assert tail == ["LOSS", "OPT0", "ALLREDUCE.local(0)"]  # and its gradient token before them, as any stage's
+    assert str(build.actions[0][-4]) == "ALLREDUCE.local(0)"
+    assert list(build.stages[0].COLLECTIVES) == ["ALLREDUCE.local(0)"]  # one entry: the same parameters
+
+
 def test_a_version_1_build_with_collectives_asks_to_recompile(tmp_path: Path) -> None:
     model, out = _replicated_build(tmp_path)
     data = json.loads((out / "manifest.json").read_text())

@@ -23,7 +23,7 @@ and decides nothing: each token goes to the handler of its kind
   of its stages runs it (the implementation its suffix names, chosen from
   the plan), on the parameters the stage lists for the token
   (``COLLECTIVES``); before ``OPTk`` it sums gradients, after it (ZeRO's
-  all-gather) it moves parameters;
+  all-gather, local SGD's average) it moves parameters;
 - ``LOSS``: wait for this process's sends, and agree on the loss (ranks);
   ``OPTk``: the optimizer step (once per process).
 
@@ -433,7 +433,7 @@ def _message(step: _Step, index: int, rank: int, a: Action) -> None:
 def _collective(step: _Step, index: int, rank: int, a: Action) -> None:
     """A collective token: handed to the sync of its stages (:mod:`..sync.stage`, the implementation its suffix
     names), with the parameters the stage lists for it; before ``OPTk`` it sums gradients, after it (ZeRO's
-    all-gather) it moves parameters, and a failure there leaves the update applied."""
+    all-gather, local SGD's average) it moves parameters, and a failure there leaves the update applied."""
     k = step.layout[rank][0]
     step.phase(synced=step.optimized)
     key = (k, a)  # one process running several replicas of a stage: each token once
@@ -454,7 +454,7 @@ def _collective(step: _Step, index: int, rank: int, a: Action) -> None:
         return  # the others ran these on the old group and failed there: the next step gathers first
     t0 = time.perf_counter()
     try:
-        sync.run(a, step.comm, params)
+        sync.run(a, step.comm, params, stepped=True)
     except Exception as e:
         step.run.t_end = time.perf_counter()
         raise UpdateApplied(step.run) from e

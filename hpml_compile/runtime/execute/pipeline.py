@@ -667,12 +667,6 @@ class Pipeline:
                                   agree_inf=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX),  # all skip alike
                                   syncs=self._syncs)
                 self._agreed_loss = float(run.loss_sum)  # a peer behind may ask for it (Session.reopen)
-                if self.sync is not None and self.optimizer is not None and not run.regrouped:
-                    try:  # local SGD: average the replicas' parameters after every H-th step
-                        self.sync.after_optimizer()
-                    except Exception as e:
-                        raise UpdateApplied(run) from e
-                    run.t_end = time.perf_counter()  # counted in the optimizer's time
             except UpdateApplied as e:
                 run = e.run
                 self._reform_after_update(e)
