@@ -12,9 +12,12 @@ Tokens (``k``: a stage, ``j``: a microbatch):
 
 - ``kFj`` / ``kBj``: forward / backward of microbatch ``j`` on stage ``k``;
 - ``kSENDp:j`` / ``kRECVp:j``: stage ``k`` sends to / receives from stage
-  ``p`` the boundary values of microbatch ``j`` (activations when ``k < p``,
-  their gradients when ``k > p``); the stage's generated code moves them
-  inside the neighbouring forward or backward, the tokens say where;
+  ``p`` the boundary values of microbatch ``j`` (activations from the earlier
+  stage to the later, their gradients back); a receive comes before the
+  forward or backward that reads it, a send after the one that produced it,
+  and the executor moves the values at these tokens (the stage's
+  ``ops.recv``/``ops.send`` nodes take and leave them,
+  :mod:`hpml_compile.codegen.mailbox`);
 - ``ALLREDUCE.flat(0,3)``, ``REDUCESCATTER.shm(1)``, ``ALLGATHER.hier(1)``: a
   collective over every rank of those stages (before ``OPTk``: gradients;
   after it: parameters); the suffix names the implementation that runs it,
@@ -150,7 +153,7 @@ def sync_impl(plan: Plan, stages: Sequence[int]) -> SyncImpl:
 
 
 COLLECTIVES = frozenset({ActionKind.ALL_REDUCE, ActionKind.REDUCE_SCATTER, ActionKind.ALL_GATHER})
-MARKERS = frozenset({ActionKind.SEND, ActionKind.RECV})  # carried out by the stage code around F/B
+MARKERS = frozenset({ActionKind.SEND, ActionKind.RECV})  # the messages around F/B
 REGIONS = frozenset({ActionKind.SWAP, ActionKind.RECOMPUTE})  # a stage's summary only, never in a rank's list
 RANK_KINDS = frozenset(ActionKind) - REGIONS  # what a rank's list holds: the executor has a handler for each
 
@@ -365,8 +368,8 @@ def stage_lists(schedule: Schedule, stages: int, microbatches: int) -> tuple[Ran
     carrying values): what the simulator replays (:mod:`hpml_compile.simulate`; replicas run their stage's list).
 
     Example:
-        >>> " ".join(map(str, stage_lists(Schedule.GPIPE, 2, 2)[1]))
-        '1RECV0:0 1F0 1RECV0:1 1F1 1RECV0:0 1B0 1SEND0:0 1RECV0:1 1B1 1SEND0:1'
+        >>> " ".join(map(str, stage_lists(Schedule.GPIPE, 2, 2)[0]))
+        '0F0 0SEND1:0 0F1 0SEND1:1 0RECV1:0 0B0 0RECV1:1 0B1'
     """
     kinds = (ActionKind.FORWARD, ActionKind.BACKWARD, *MARKERS)
     return tuple(tuple(a for a in acts if a.kind in kinds) for acts in lower(schedule, microbatches, [1] * stages))
@@ -438,6 +441,26 @@ def _check_shape(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
             if n != 1 or (ActionKind.BACKWARD, j) not in seen:
                 raise ScheduleError(f"{_name(rank, layout)}: microbatch {j} has {n} {kind.name.lower()}(s) and "
                                     f"{seen.get((ActionKind.BACKWARD, j), 0)} backward(s): each needs exactly one")
+
+
+def _check_messages(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
+    """A receive comes before the forward or backward that reads it, a send after the one that produced it (the
+    executor moves the values at these tokens, :mod:`hpml_compile.codegen.mailbox`)."""
+    layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
+    for rank, acts in enumerate(ranks):
+        at = {(a.kind, a.microbatch): i for i, a in enumerate(acts) if a.kind in (ActionKind.FORWARD,
+                                                                               ActionKind.BACKWARD)}
+        for i, a in enumerate(acts):
+            if a.kind not in MARKERS:
+                continue
+            k, p = a.stages
+            send = a.kind is ActionKind.SEND
+            compute = ActionKind.FORWARD if send == (k < p) else ActionKind.BACKWARD
+            c = at.get((compute, a.microbatch))
+            if c is None or (c > i if send else c < i):
+                word = "after" if send else "before"
+                raise ScheduleError(f"{_name(rank, layout)}: {a} must come {word} {k}{compute.value}{a.microbatch}, "
+                                    f"the {compute.name.lower()} that {'produces' if send else 'reads'} its values")
 
 
 def _check_pairs(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
@@ -534,7 +557,8 @@ def replay(ranks: Sequence[RankActions], replicas: Sequence[int],
 
 
 def validate(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
-    """Check per-rank lists before anything runs: own stage only, matched messages, no deadlock.
+    """Check per-rank lists before anything runs: own stage only, each message next to its compute, matched
+    messages, no deadlock.
 
     Args:
         ranks: each rank's actions.
@@ -544,5 +568,6 @@ def validate(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
         ScheduleError: naming the rank, the action and the rule it breaks.
     """
     _check_shape(ranks, replicas)
+    _check_messages(ranks, replicas)
     _check_pairs(ranks, replicas)
     replay(ranks, replicas)

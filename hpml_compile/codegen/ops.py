@@ -3,10 +3,11 @@
 Codegen inserts calls to these functions as nodes of each stage's graph;
 they carry out what the plan
 says and decide nothing. Each stage module holds a :class:`~.comm.Comm` (set
-by the executor as ``stage.hpml_comm``) that moves the tensors: a local
-mailbox in one process, ``torch.distributed`` point-to-point and collectives
-across ranks; :mod:`.comm` says how a boundary between stages of different
-replica counts is resharded. Nothing here keeps module-level state: counters
+by the executor as ``stage.hpml_comm``), whose mailbox its ``recv``/``send``
+nodes take from and leave in, and which the executor's RECV and SEND tokens
+move the tensors with: a local mailbox in one process, ``torch.distributed``
+point-to-point across ranks; :mod:`.comm` says how a boundary between stages
+of different replica counts is resharded. Nothing here keeps module-level state: counters
 live on the objects the stage owns.
 
 - :func:`recv` / :func:`send`: a stage boundary carries a tuple of tensors.
