@@ -75,7 +75,7 @@ from .memory import ZeroStage
 from .plan import AllReduce, Plan, Schedule
 
 __all__ = ["ActionKind", "SyncImpl", "sync_impl", "Action", "RankActions", "op_order", "lower", "relower",
-           "parse_actions", "parse_token", "validate", "replay", "stage_lists", "compute_orders", "stage_ranks",
+           "parse_actions", "parse_token", "validate", "replay", "with_averages", "stage_lists", "compute_orders", "stage_ranks",
            "rank_layout", "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
 
 
@@ -400,6 +400,27 @@ def relower(ranks: Sequence[RankActions], replicas: Sequence[int], schedule: Sch
         grad.append([str(a) for a in acts[:opt] if a.kind in COLLECTIVES])
         after.append([str(a) for a in acts[opt:] if a.kind in COLLECTIVES])
     return lower(schedule, microbatches, replicas, sends=sends, grad_sync=grad, after_step=after)
+
+
+def with_averages(ranks: Sequence[RankActions], replicas: Sequence[int], stages: Sequence[int]) -> list[RankActions]:
+    """The lists with local SGD's parameter average after the optimizer step of each of ``stages``, where a list
+    lacks it: its gradient ``ALLREDUCE`` token again after ``OPTk`` (what codegen writes for a plan with local SGD;
+    a run may turn local SGD on over a build lowered without it, :func:`hpml_compile.plan.with_comm`).
+
+    Example:
+        >>> lists = lower(Schedule.GPIPE, 1, (2,), grad_sync=[["ALLREDUCE.shm(0)"]])
+        >>> " ".join(map(str, with_averages(lists, (2,), [0])[1]))
+        '0F0 0B0 ALLREDUCE.shm(0) LOSS OPT0 ALLREDUCE.shm(0)'
+    """
+    out = list(ranks)
+    for k in stages:
+        for r in _stage_ranks(replicas)[k]:
+            acts = out[r]
+            opt = next(i for i, a in enumerate(acts) if a.kind is ActionKind.OPTIMIZER)
+            grad = [a for a in acts[:opt] if a.kind is ActionKind.ALL_REDUCE and a.stages == (k,)]
+            if grad and grad[0] not in acts[opt:]:
+                out[r] = (*acts, grad[0])
+    return out
 
 
 def _name(rank: int, layout: Sequence[tuple[int, int]]) -> str:

@@ -17,8 +17,8 @@ from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.actions import GradSync, SyncKind, TokenKind, Transfer
 from hpml_compile.errors import BuildMismatchError
 from hpml_compile.memory import ZeroStage
-from hpml_compile.plan import AllReduce, Plan, Schedule, Stage
-from hpml_compile.runtime.execute.executor import HANDLERS
+from hpml_compile.plan import AllReduce, Plan, Schedule, Stage, with_comm
+from hpml_compile.runtime.execute.executor import HANDLERS, actions_for
 from hpml_compile.runtime.sync.hierarchy import HierGroups
 from hpml_compile.runtime.sync.stage import Compressed, DataParallel, Sharded, Sharded3, StageSync, for_stage
 from hpml_compile.schedule import (RANK_KINDS, REGIONS, Action, ActionKind, SyncImpl, compute_orders, lower,
@@ -122,6 +122,16 @@ def test_local_sgd_averages_the_parameters_at_a_token_after_the_optimizer_step(t
     assert tail == ["LOSS", "OPT0", "ALLREDUCE.local(0)"]  # and its gradient token before them, as any stage's
     assert str(build.actions[0][-4]) == "ALLREDUCE.local(0)"
     assert list(build.stages[0].COLLECTIVES) == ["ALLREDUCE.local(0)"]  # one entry: the same parameters
+
+
+def test_local_sgd_turned_on_at_run_time_adds_the_average_to_the_lists(tmp_path: Path) -> None:
+    model, out = _replicated_build(tmp_path)
+    build = load_build(out, model)
+    running = with_comm(build.plan, sync_every=4)
+    for lists in (actions_for(build, 2, running), actions_for(build, 4, running)):  # the build's count and more
+        assert [str(a) for a in lists[0][-3:]] == ["LOSS", "OPT0", "ALLREDUCE.shm(0)"]
+        assert [str(a) for a in lists[2][-2:]] == ["LOSS", "OPT1"]  # stage 1 has one replica: nothing to average
+    assert [str(a) for a in actions_for(build, 2, build.plan)[0][-2:]] == ["LOSS", "OPT0"]
 
 
 def test_a_version_1_build_with_collectives_asks_to_recompile(tmp_path: Path) -> None:

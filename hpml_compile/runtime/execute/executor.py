@@ -77,8 +77,9 @@ from ...codegen.mailbox import post_recv, post_send
 from ...codegen.stage import StageModule
 from ...errors import HpmlError, UpdateApplied
 from ...precision import autocast
-from ...schedule import (MARKERS, Action, ActionKind, RankActions, rank_layout, relower, replay,
-                        stage_ranks, validate)
+from ...plan import Plan
+from ...schedule import (MARKERS, Action, ActionKind, RankActions, SyncImpl, rank_layout, relower, replay,
+                        stage_ranks, sync_impl, validate, with_averages)
 from ...trainspec import Split, split_of
 from ..sync.comm import DistComm, LocalComm, dist_comm
 from ..sync.stage import UNBUFFERED, StageSync
@@ -196,17 +197,28 @@ def forward_stage(build: Build, stage: StageModule, micro: Sequence[Any], device
         return stage(*[to_device(by_name[n], device) for n in stage.INPUTS])
 
 
-def actions_for(build: Build, microbatches: int) -> list[RankActions]:
+def actions_for(build: Build, microbatches: int, plan: Plan | None = None) -> list[RankActions]:
     """The build's action lists for a batch of ``microbatches`` (the manifest's own for the build's count).
+
+    Args:
+        build: the loaded build.
+        microbatches: the batch's microbatches.
+        plan: the running plan, where the run's sync options changed the build's
+            (:func:`hpml_compile.plan.with_comm`): a stage it gives local SGD averages its parameters after the
+            optimizer step (:func:`hpml_compile.schedule.with_averages`).
 
     Raises:
         ScheduleError: the lists lowered again do not validate.
     """
-    if microbatches == build.plan.microbatches and build.actions:
-        return list(build.actions)
     replicas = [len(st.devices) for st in build.plan.stages]
-    out = relower(build.actions, replicas, build.plan.schedule, microbatches)
-    validate(out, replicas)
+    if microbatches == build.plan.microbatches and build.actions:
+        out = list(build.actions)
+    else:
+        out = relower(build.actions, replicas, build.plan.schedule, microbatches)
+        validate(out, replicas)
+    if plan is not None and plan is not build.plan:
+        local = [k for k, st in enumerate(plan.stages) if st.replicas > 1 and sync_impl(plan, (k,)) is SyncImpl.LOCAL]
+        out = with_averages(out, replicas, local)
     return out
 
 

@@ -630,7 +630,7 @@ class Pipeline:
             if self.session is None:
                 self._orders[n] = local_order(self.build, n)
             else:
-                self._orders[n] = [(self.rank, a) for a in actions_for(self.build, n)[self.rank]]
+                self._orders[n] = [(self.rank, a) for a in actions_for(self.build, n, self.plan)[self.rank]]
         return self._orders[n]
 
     def _run_rank(self, inputs: tuple[Any, ...], targets: Any, loss_fn: Callable[[Any, Any], Tensor], n: int,
