@@ -469,8 +469,8 @@ def _check_messages(ranks: Sequence[RankActions], replicas: Sequence[int]) -> No
     executor moves the values at these tokens, :mod:`hpml_compile.codegen.mailbox`)."""
     layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
     for rank, acts in enumerate(ranks):
-        at = {(a.kind, a.microbatch): i for i, a in enumerate(acts) if a.kind in (ActionKind.FORWARD,
-                                                                               ActionKind.BACKWARD)}
+        at: dict[tuple[ActionKind, int | None], int] = {
+            (a.kind, a.microbatch): i for i, a in enumerate(acts) if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)}
         for i, a in enumerate(acts):
             if a.kind not in MARKERS:
                 continue
