@@ -75,8 +75,8 @@ from .memory import ZeroStage
 from .plan import AllReduce, Plan, Schedule
 
 __all__ = ["ActionKind", "SyncImpl", "sync_impl", "Action", "RankActions", "op_order", "lower", "relower",
-           "parse_actions", "parse_token", "validate", "replay", "with_averages", "stage_lists", "compute_orders", "stage_ranks",
-           "rank_layout", "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
+           "parse_actions", "parse_token", "validate", "replay", "with_averages", "stage_lists", "compute_orders",
+           "stage_ranks", "rank_layout", "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
 
 
 class ActionKind(str, enum.Enum):
@@ -402,7 +402,8 @@ def relower(ranks: Sequence[RankActions], replicas: Sequence[int], schedule: Sch
     return lower(schedule, microbatches, replicas, sends=sends, grad_sync=grad, after_step=after)
 
 
-def with_averages(ranks: Sequence[RankActions], replicas: Sequence[int], stages: Sequence[int]) -> list[RankActions]:
+def with_averages(ranks: Sequence[RankActions], replicas: Sequence[int],
+                  stages: Sequence[int]) -> list[RankActions]:
     """The lists with local SGD's parameter average after the optimizer step of each of ``stages``, where a list
     lacks it: its gradient ``ALLREDUCE`` token again after ``OPTk`` (what codegen writes for a plan with local SGD;
     a run may turn local SGD on over a build lowered without it, :func:`hpml_compile.plan.with_comm`).
@@ -470,7 +471,8 @@ def _check_messages(ranks: Sequence[RankActions], replicas: Sequence[int]) -> No
     layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
     for rank, acts in enumerate(ranks):
         at: dict[tuple[ActionKind, int | None], int] = {
-            (a.kind, a.microbatch): i for i, a in enumerate(acts) if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)}
+            (a.kind, a.microbatch): i for i, a in enumerate(acts)
+            if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)}
         for i, a in enumerate(acts):
             if a.kind not in MARKERS:
                 continue

@@ -103,7 +103,8 @@ def _anchor() -> Tensor:
 
 class _Recv(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, anchor: Tensor, comm: Comm, src: int, dst: int) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, anchor: Tensor, comm: Comm, src: int,  # type: ignore[override]
+                dst: int) -> tuple[Tensor, ...]:
         mb, rep = comm.microbatch, comm.replica
         tensors, specs = comm.mail.take((src, dst, Direction.FORWARD, mb, rep))  # the RECV token's
         ctx.comm, ctx.src, ctx.dst, ctx.mb, ctx.rep, ctx.specs = comm, src, dst, mb, rep, specs
