@@ -1,4 +1,4 @@
-"""The pipeline schedule lowered into per-rank action lists, and the validator that replays them.
+"""The pipeline schedule lowered into per-rank action lists.
 
 Why a lowering: the plan names a schedule (GPipe, 1F1B, ZB-H1) and a microbatch
 count; the runtime, the simulator and a reader of the build all need the
@@ -15,9 +15,12 @@ Tokens (``k``: a stage, ``j``: a microbatch):
   previous stage waits for: its gradient is sent there) and its weight-gradient part (the parameters'
   gradients, no message), the names ``torch.distributed.pipelining`` gives them;
 - ``kSENDp:j`` / ``kRECVp:j``: stage ``k`` sends to / receives from stage
-  ``p`` the boundary values of microbatch ``j`` (activations when ``k < p``,
-  their gradients when ``k > p``); the stage's generated code moves them
-  inside the neighbouring forward or backward, the tokens say where;
+  ``p`` the boundary values of microbatch ``j`` (activations from the earlier
+  stage to the later, their gradients back); a receive comes before the
+  forward or backward that reads it, a send after the one that produced it,
+  and the executor moves the values at these tokens (the stage's
+  ``ops.recv``/``ops.send`` nodes take and leave them,
+  :mod:`hpml_compile.codegen.mailbox`);
 - ``ALLREDUCE.flat(0,3)``, ``REDUCESCATTER.shm(1)``, ``ALLGATHER.hier(1)``: a
   collective over every rank of those stages (before ``OPTk``: gradients;
   after it: parameters); the suffix names the implementation that runs it,
@@ -40,12 +43,7 @@ Parallelism", ICLR 2024): stage ``i`` runs ``S - i`` forwards, then ``I`` and
 stages. Activations live until ``W``: every stage holds at most ``S``
 microbatches, 1F1B's peak (its first stage's).
 
-The validator (:func:`validate`) replays the lists with blocking receives,
-non-blocking sends and collectives that wait for all their members, until
-every rank is done or none can move; it names the rank, the action and why.
-A boundary message of a replicated stage reaches only some replicas of its
-peer; the replay waits for all of them, which is stricter than the
-runtime, so an order it accepts cannot deadlock.
+The validator that replays the lists is :mod:`hpml_compile.schedule_check`.
 
 Example:
     >>> from hpml_compile.plan import Schedule
@@ -59,17 +57,11 @@ Example:
     ((0, 3), 'hier', 'ALLREDUCE.hier(0,3)', '2B7')
     >>> parse_token("0SEND1"), parse_token("SWAP2")
     ((<ActionKind.SEND: 'SEND'>, (0, 1)), (<ActionKind.SWAP: 'SWAP'>, (2,)))
-    >>> validate(ranks, (1, 1))
     >>> zb = lower(Schedule.ZB_H1, 3, (1, 1), sends=(True, False))
     >>> " ".join(str(a) for a in zb[0] if a.kind in COMPUTE)
     '0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2'
     >>> " ".join(str(a) for a in zb[1] if a.kind in COMPUTE)
     '1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2'
-    >>> validate(zb, (1, 1))
-    >>> replay(parse_actions([["0RECV1:0", "0SEND1:0"], ["1RECV0:0", "1SEND0:0"]]), (1, 1))  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    hpml_compile.errors.ScheduleError: the action order deadlocks: rank 0 (stage 0, replica 0) waits at 0RECV1:0 ...
 """
 
 from __future__ import annotations
@@ -79,15 +71,14 @@ import functools
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
-from .errors import ScheduleError
 from .memory import ZeroStage
 from .plan import AllReduce, Plan, Schedule
 
 __all__ = ["ActionKind", "COMPUTE", "SyncImpl", "sync_impl", "Action", "RankActions", "op_order", "lower", "relower",
-           "parse_actions", "parse_token", "validate", "replay", "compute_orders", "stage_ranks", "rank_layout",
-           "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
+           "parse_actions", "parse_token", "with_averages", "stage_lists", "stage_ranks",
+           "rank_layout", "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
 
 
 class ActionKind(str, enum.Enum):
@@ -167,7 +158,7 @@ def sync_impl(plan: Plan, stages: Sequence[int]) -> SyncImpl:
 
 COMPUTE = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT})
 COLLECTIVES = frozenset({ActionKind.ALL_REDUCE, ActionKind.REDUCE_SCATTER, ActionKind.ALL_GATHER})
-MARKERS = frozenset({ActionKind.SEND, ActionKind.RECV})  # carried out by the stage code around F/B
+MARKERS = frozenset({ActionKind.SEND, ActionKind.RECV})  # the messages around F/B
 REGIONS = frozenset({ActionKind.SWAP, ActionKind.RECOMPUTE})  # a stage's summary only, never in a rank's list
 RANK_KINDS = frozenset(ActionKind) - REGIONS  # what a rank's list holds: the executor has a handler for each
 
@@ -404,15 +395,17 @@ def lower(schedule: Schedule, microbatches: int, replicas: Sequence[int], *,
 
 
 @functools.lru_cache(maxsize=256)
-def compute_orders(schedule: Schedule, stages: int, microbatches: int
-                   ) -> tuple[tuple[tuple[ActionKind, int], ...], ...]:
-    """The compute actions of each stage's lowered list (F, B, I, W), ``(kind, microbatch)`` in list order.
+def stage_lists(schedule: Schedule, stages: int, microbatches: int) -> tuple[RankActions, ...]:
+    """Each stage's lowered list of computations (F, B, I, W), sends and receives (one rank per stage, every
+    boundary carrying values): what the simulator replays (:mod:`hpml_compile.simulate`; replicas run their
+    stage's list).
 
-    What the simulator replays: the lists :func:`lower` writes into a build (one rank per stage; replicas run
-    their stage's list), read back rather than generated again.
+    Example:
+        >>> " ".join(map(str, stage_lists(Schedule.GPIPE, 2, 2)[0]))
+        '0F0 0SEND1:0 0F1 0SEND1:1 0RECV1:0 0B0 0RECV1:1 0B1'
     """
-    lists = lower(schedule, microbatches, [1] * stages)
-    return tuple(tuple((a.kind, a.microbatch or 0) for a in acts if a.kind in COMPUTE) for acts in lists)
+    kinds = (*COMPUTE, *MARKERS)
+    return tuple(tuple(a for a in acts if a.kind in kinds) for acts in lower(schedule, microbatches, [1] * stages))
 
 
 def relower(ranks: Sequence[RankActions], replicas: Sequence[int], schedule: Schedule,
@@ -431,170 +424,23 @@ def relower(ranks: Sequence[RankActions], replicas: Sequence[int], schedule: Sch
     return lower(schedule, microbatches, replicas, sends=sends, grad_sync=grad, after_step=after)
 
 
-def _name(rank: int, layout: Sequence[tuple[int, int]]) -> str:
-    k, r = layout[rank]
-    return f"rank {rank} (stage {k}, replica {r})"
+def with_averages(ranks: Sequence[RankActions], replicas: Sequence[int],
+                  stages: Sequence[int]) -> list[RankActions]:
+    """The lists with local SGD's parameter average after the optimizer step of each of ``stages``, where a list
+    lacks it: its gradient ``ALLREDUCE`` token again after ``OPTk`` (what codegen writes for a plan with local SGD;
+    a run may turn local SGD on over a build lowered without it, :func:`hpml_compile.plan.with_comm`).
 
-
-def _check_shape(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
-    """Each action belongs to its rank's stage, no rank waits on itself, every F has one B after it."""
-    layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
-    if len(ranks) != len(layout):
-        raise ScheduleError(f"{len(ranks)} action lists for {len(layout)} ranks (replicas {list(replicas)}): "
-                            "one list per rank is needed; regenerate the build")
-    s = len(replicas)
-    for rank, acts in enumerate(ranks):
-        k = layout[rank][0]
-        seen: dict[tuple[ActionKind, int | None], int] = {}
-        for a in acts:
-            if a.kind in COLLECTIVES:
-                bad = k not in a.stages or any(not 0 <= x < s for x in a.stages)
-            else:
-                bad = a.kind is not ActionKind.LOSS and a.stage != k
-            if bad:
-                raise ScheduleError(f"{_name(rank, layout)}: action {a} is not one of stage {k}'s; "
-                                    "each rank runs only its own stage's actions")
-            if a.kind in MARKERS and a.stages[1] == k:
-                raise ScheduleError(f"{_name(rank, layout)}: action {a} waits on its own stage: a stage "
-                                    "never sends to or receives from itself")
-            if a.kind in MARKERS and abs(a.stages[1] - k) != 1:
-                raise ScheduleError(f"{_name(rank, layout)}: action {a} talks to stage {a.stages[1]}, "
-                                    f"not a neighbour of stage {k}: values skipping stages are relayed")
-            if a.kind in COMPUTE:
-                key = (a.kind, a.microbatch)
-                seen[key] = seen.get(key, 0) + 1
-                before = _BEFORE.get(a.kind)
-                if before is not None and (before, a.microbatch) not in seen:
-                    what = "its forward" if before is ActionKind.FORWARD else "its input-gradient part"
-                    raise ScheduleError(f"{_name(rank, layout)}: {a} comes before {what} "
-                                        f"{k}{before.value}{a.microbatch}: "
-                                        f"{_NEEDS.get(a.kind, 'a backward needs its forward activations')}")
-        _check_parts(seen, _name(rank, layout))
-
-
-# Each compute action after the one it needs, and why
-_BEFORE = {ActionKind.BACKWARD: ActionKind.FORWARD, ActionKind.BACKWARD_INPUT: ActionKind.FORWARD,
-           ActionKind.BACKWARD_WEIGHT: ActionKind.BACKWARD_INPUT}
-_NEEDS = {ActionKind.BACKWARD_WEIGHT: "the weight-gradient part starts from what the input-gradient part left"}
-_PARTS = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
-
-
-def _check_parts(seen: dict[tuple[ActionKind, int | None], int], who: str) -> None:
-    """Each microbatch: one F and either one B or one I and one W (never both forms)."""
-    for j in sorted({j for _, j in seen}, key=lambda x: -1 if x is None else x):
-        n = {kind: seen.get((kind, j), 0) for kind in _PARTS}
-        whole = n[ActionKind.BACKWARD] == 1 and n[ActionKind.BACKWARD_INPUT] == n[ActionKind.BACKWARD_WEIGHT] == 0
-        split = n[ActionKind.BACKWARD] == 0 and n[ActionKind.BACKWARD_INPUT] == n[ActionKind.BACKWARD_WEIGHT] == 1
-        if n[ActionKind.FORWARD] != 1 or not (whole or split):
-            raise ScheduleError(f"{who}: microbatch {j} has " + ", ".join(f"{c} {kind.name.lower()}(s)"
-                                                                           for kind, c in n.items())
-                                + ": each needs one forward and either one backward or one input-gradient part "
-                                "and one weight-gradient part")
-
-
-def _check_pairs(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
-    """Every send has its receive on every rank of the peer stage, and every receive its send."""
-    layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
-    groups = _stage_ranks(replicas)
-    counts = [Counter((a.kind, a.stages, a.microbatch) for a in acts if a.kind in MARKERS) for acts in ranks]
-    for rank, acts in enumerate(ranks):
-        k = layout[rank][0]
-        for a in dict.fromkeys(x for x in acts if x.kind in MARKERS):
-            peer_kind = ActionKind.RECV if a.kind is ActionKind.SEND else ActionKind.SEND
-            want = Action(peer_kind, (a.stages[1], k), a.microbatch)
-            mine = counts[rank][(a.kind, a.stages, a.microbatch)]
-            for q in groups[a.stages[1]]:
-                theirs = counts[q][(peer_kind, want.stages, want.microbatch)]
-                if theirs != mine:
-                    what = "receive" if a.kind is ActionKind.SEND else "send"
-                    raise ScheduleError(f"{_name(rank, layout)}: {a} (x{mine}) has no matching {what}: "
-                                        f"{_name(q, layout)} runs {want} {theirs} time(s); a send without its "
-                                        "receive is never delivered, a receive without its send waits forever")
-
-
-def replay(ranks: Sequence[RankActions], replicas: Sequence[int],
-           key: Callable[[int, Action], tuple[int, ...]] | None = None) -> list[tuple[int, Action]]:
-    """Play the lists with blocking receives, non-blocking sends and collectives that wait for all members.
-
-    Args:
-        ranks: each rank's actions.
-        replicas: ranks of each stage.
-        key: among the ranks whose next action can run, the smallest ``key(rank, action)`` goes first
-            (default: the lowest rank).
-
-    Returns:
-        Every action in one order that respects the waits, as ``(rank, action)`` (a collective once per member).
-
-    Raises:
-        ScheduleError: the order deadlocks; names each stuck rank, its action and what it waits for.
+    Example:
+        >>> lists = lower(Schedule.GPIPE, 1, (2,), grad_sync=[["ALLREDUCE.shm(0)"]])
+        >>> " ".join(map(str, with_averages(lists, (2,), [0])[1]))
+        '0F0 0B0 ALLREDUCE.shm(0) LOSS OPT0 ALLREDUCE.shm(0)'
     """
-    layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
-    groups = _stage_ranks(replicas)
-    everyone = list(range(len(layout)))
-    ptr = [0] * len(ranks)
-    sent: Counter[tuple[int, int, int | None]] = Counter()  # (sender rank, to stage, microbatch)
-    got: Counter[tuple[int, int, int | None]] = Counter()  # (receiver rank, from stage, microbatch)
-    order: list[tuple[int, Action]] = []
-
-    def members(a: Action) -> list[int]:
-        return everyone if a.kind is ActionKind.LOSS else [q for x in a.stages for q in groups[x]]
-
-    def ready(rank: int) -> bool:
-        a = ranks[rank][ptr[rank]]
-        if a.kind is ActionKind.RECV:
-            k, p = a.stages
-            return all(sent[(q, k, a.microbatch)] > got[(rank, p, a.microbatch)] for q in groups[p])
-        if a.kind in COLLECTIVES or a.kind is ActionKind.LOSS:
-            return all(ptr[q] < len(ranks[q]) and ranks[q][ptr[q]] == a for q in members(a))
-        return True
-
-    def at(q: int) -> str:
-        return str(ranks[q][ptr[q]]) if ptr[q] < len(ranks[q]) else "the end of its list"
-
-    def why(rank: int) -> str:
-        a = ranks[rank][ptr[rank]]
-        if a.kind is ActionKind.RECV:
-            k, p = a.stages
-            src = next(q for q in groups[p] if sent[(q, k, a.microbatch)] <= got[(rank, p, a.microbatch)])
-            return (f"{_name(rank, layout)} waits at {a} for {p}SEND{k}:{a.microbatch} from rank {src}, "
-                    f"which sits at {at(src)}")
-        late = [q for q in members(a) if ptr[q] >= len(ranks[q]) or ranks[q][ptr[q]] != a]
-        return (f"{_name(rank, layout)} waits at collective {a} for rank(s) {late}, which sit at "
-                f"{', '.join(at(q) for q in late)}")
-
-    pick = key or (lambda rank, a: (rank,))
-    while True:
-        live = [r for r in everyone if ptr[r] < len(ranks[r])]
-        if not live:
-            return order
-        can = [r for r in live if ready(r)]
-        if not can:
-            raise ScheduleError("the action order deadlocks: " + "; ".join(why(r) for r in live))
-        rank = min(can, key=lambda r: pick(r, ranks[r][ptr[r]]))
-        a = ranks[rank][ptr[rank]]
-        if a.kind in COLLECTIVES or a.kind is ActionKind.LOSS:
-            for q in members(a):
-                order.append((q, a))
-                ptr[q] += 1
-            continue
-        if a.kind is ActionKind.SEND:
-            sent[(rank, a.stages[1], a.microbatch)] += 1
-        elif a.kind is ActionKind.RECV:
-            got[(rank, a.stages[1], a.microbatch)] += 1
-        order.append((rank, a))
-        ptr[rank] += 1
-
-
-def validate(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
-    """Check per-rank lists before anything runs: own stage only, matched messages, no deadlock.
-
-    Args:
-        ranks: each rank's actions.
-        replicas: ranks of each stage.
-
-    Raises:
-        ScheduleError: naming the rank, the action and the rule it breaks.
-    """
-    _check_shape(ranks, replicas)
-    _check_pairs(ranks, replicas)
-    replay(ranks, replicas)
+    out = list(ranks)
+    for k in stages:
+        for r in _stage_ranks(replicas)[k]:
+            acts = out[r]
+            opt = next(i for i, a in enumerate(acts) if a.kind is ActionKind.OPTIMIZER)
+            grad = [a for a in acts[:opt] if a.kind is ActionKind.ALL_REDUCE and a.stages == (k,)]
+            if grad and grad[0] not in acts[opt:]:
+                out[r] = (*acts, grad[0])
+    return out

@@ -1,17 +1,19 @@
 """Play a plan's pipeline schedule as events: step time, bubble, timeline and memory per device.
 
 Every solver's plan is scored by this one simulator, so that plans compare on
-one cost model. Each stage runs a fixed order of operations (GPipe, Huang et
-al. 2019: all forwards then all backwards; 1F1B, Narayanan et al. 2019/2021:
-``S - i - 1`` warm-up forwards, then one forward one backward, then the
-remaining backwards; ZB-H1, Qi et al. 2024: each backward as an input-gradient
-part, which the previous stage waits for, and a weight-gradient part that only
-its own stage does, later, :mod:`hpml_compile.schedule`); an operation starts
-when its stage is free and its inputs have arrived. Under ZB-H1 a stage's
-activations are held until the weight-gradient part ends; the profile times
-the backward whole, so the weight part is taken as
-:data:`hpml_compile.stagecost.WEIGHT_SHARE` of it (an assumption the plan
-lists). We write this small list scheduler rather than use
+one cost model. Each stage replays the list the schedule lowers to
+(:func:`hpml_compile.schedule.stage_lists`, the computations, sends and
+receives a build's ranks run; GPipe, Huang et al. 2019: all forwards then all
+backwards; 1F1B, Narayanan et al. 2019/2021: ``S - i - 1`` warm-up forwards,
+then one forward one backward, then the remaining backwards; ZB-H1, Qi et al.
+2024: each backward as an input-gradient part, which the previous stage waits
+for, and a weight-gradient part that only its own stage does, later): a
+``SEND`` posts its values when the compute before it ends, a ``RECV`` waits
+until they have crossed the link, and a compute starts when its stage is free
+and its receive is done. Under ZB-H1 a stage's activations are held until the
+weight-gradient part ends; the profile times the backward whole, so the weight
+part is taken as :data:`hpml_compile.stagecost.WEIGHT_SHARE` of it (an
+assumption the plan lists). We write this small list scheduler rather than use
 ``torch.distributed.pipelining``'s ``_simulate_comms_compute`` because that
 one has no durations, links or memory.
 
@@ -130,7 +132,7 @@ from .errors import PlanError, UnknownDeviceError
 from .ir import Device, Schedule
 from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_overlap, zero_shards
-from .schedule import ActionKind, compute_orders, op_order  # the compute view of the lowered per-rank lists
+from .schedule import Action, ActionKind, op_order, stage_lists  # the lowered per-rank action lists
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
                         local_sgd_sync_ms, measured_agree_ms, optimizer_ms, skew_wait_ms, stepped_gather_ms,
                         steps_flat, stream_bytes_per_ms, stream_ms, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms,
@@ -523,70 +525,100 @@ _PHASE = {ActionKind.FORWARD: FWD, ActionKind.BACKWARD: BWD, ActionKind.BACKWARD
           ActionKind.BACKWARD_WEIGHT: WGT}
 
 
+class _Replay:
+    """The lowered lists of every stage (:func:`hpml_compile.schedule.stage_lists`) played as a list scheduler.
+
+    ``kFj`` / ``kBj`` / ``kIj`` / ``kWj`` take the stage for their duration, from when it is free and their values
+    are there (``kWj``: after its own ``kIj``, nothing from another stage); ``kSENDp:j`` posts the values when the
+    compute before it ends (a bar per transfer, on its own stream: the stage goes on); ``kRECVp:j`` waits, without
+    taking the stage, until every transfer to it has arrived (the costs of :attr:`StageCost.sends` forward and
+    :attr:`StageCost.back` backward: a value skipping stages goes straight to its consumer, as priced, where the
+    runtime relays it through the stages between).
+    """
+
+    def __init__(self, plan: Plan, costs: tuple[StageCost, ...], stretch: dict[Op, float] | None) -> None:
+        self.plan, self.costs, self.stretch = plan, costs, stretch or {}
+        # per stage, what reaches it: forward (sender, ms); backward (later stage, ms) of the gradients coming back
+        self.into: dict[int, list[list[tuple[int, float]]]] = {FWD: [[] for _ in plan.stages],
+                                                                BWD: [list(c.back) for c in costs]}
+        # per stage, what it sends: forward (later stage, ms); backward (earlier stage, ms)
+        self.out: dict[int, list[list[tuple[int, float]]]] = {FWD: [list(c.sends) for c in costs],
+                                                              BWD: [[] for _ in plan.stages]}
+        for i, cst in enumerate(costs):
+            for j, ms in cst.sends:
+                self.into[FWD][j].append((i, ms))
+            for j, ms in cst.back:
+                self.out[BWD][j].append((i, ms))
+        self.done: dict[Op, tuple[float, float]] = {}
+        self.posted: dict[Op, float] = {}  # (phase, sender, microbatch) -> when its SEND posted the values
+        self.arrived: dict[Op, float] = {}  # (phase, receiver, microbatch) -> when its RECV had them all
+        self.free = [0.0] * len(plan.stages)
+        self.bars: list[Interval] = []
+
+    def _arrival(self, phase: int, i: int, k: int) -> float | None:
+        """When every transfer to stage ``i`` of microbatch ``k`` (activations or their gradients) has arrived."""
+        t = 0.0
+        for j, ms in self.into[phase][i]:
+            if (phase, j, k) not in self.posted:
+                return None
+            t = max(t, self.posted[(phase, j, k)] + ms)
+        return t
+
+    def play(self, i: int, a: Action) -> bool:
+        """Run token ``a`` of stage ``i`` if it can run now; whether it did."""
+        k = a.microbatch or 0
+        cst = self.costs[i]
+        if a.kind is ActionKind.RECV:
+            phase = FWD if a.stages[1] < i else BWD
+            t = self._arrival(phase, i, k)
+            if t is None:
+                return False
+            self.arrived[(phase, i, k)] = t
+        elif a.kind is ActionKind.SEND:
+            phase = FWD if a.stages[1] > i else BWD
+            t = self.done[(phase, i, k)][1]
+            self.posted[(phase, i, k)] = t
+            for _, ms in self.out[phase][i]:
+                self.bars.append(Interval(self.plan.stages[i].devices[0], t, t + ms, EventKind.SEND, k, i))
+        else:
+            phase = _PHASE[a.kind]
+            if phase == WGT:
+                ready = self.done[(BWD, i, k)][1]
+            else:
+                ready = self.arrived.get((phase, i, k), 0.0)
+            if phase == BWD:
+                ready = max(ready, self.done[(FWD, i, k)][1] + 2 * cst.swap_ms)
+            dur = cst.op_ms(phase) * self.stretch.get((phase, i, k), 1.0)
+            start = max(self.free[i], ready)
+            self.done[(phase, i, k)] = (start, start + dur)
+            self.free[i] = start + dur
+        return True
+
+
 def _run(plan: Plan, costs: tuple[StageCost, ...], stretch: dict[Op, float] | None = None
          ) -> tuple[dict[Op, tuple[float, float]], list[Interval]]:
-    """List-schedule every stage's operations; returns ``(fwd?, stage, mb) -> (start, end)`` and send bars.
-    ``stretch`` multiplies an operation's duration (a host's shared memory bandwidth and cores)."""
-    s_count, m = len(plan.stages), plan.microbatches
-    orders = compute_orders(plan.schedule, s_count, m)  # the lowered lists, replayed
-    senders: list[list[tuple[int, float]]] = [[] for _ in range(s_count)]
-    for i, cst in enumerate(costs):
-        for j, ms in cst.sends:
-            senders[j].append((i, ms))
-    done: dict[Op, tuple[float, float]] = {}
-    ptr, free = [0] * s_count, [0.0] * s_count
-    comm: list[Interval] = []
-    remaining = sum(len(o) for o in orders)
+    """Replay every stage's lowered list (:class:`_Replay`); returns ``(fwd?, stage, mb) -> (start, end)`` and
+    the send bars. ``stretch`` multiplies an operation's duration (a host's shared memory bandwidth and cores).
+
+    Raises:
+        PlanError: the lists deadlock (every stage waits at a receive).
+    """
+    lists = stage_lists(plan.schedule, len(plan.stages), plan.microbatches)  # the lowered lists, replayed
+    run = _Replay(plan, costs, stretch)
+    ptr = [0] * len(lists)
+    remaining = sum(len(x) for x in lists)
     while remaining:
         progressed = False
-        for i in range(s_count):
-            while ptr[i] < len(orders[i]):
-                kind, k = orders[i][ptr[i]]
-                phase = _PHASE[kind]
-                ready = _ready(phase, i, k, costs, senders, done)
-                if ready is None:
-                    break
-                dur = costs[i].op_ms(phase) * (stretch or {}).get((phase, i, k), 1.0)
-                start = max(free[i], ready)
-                done[(phase, i, k)] = (start, start + dur)
-                free[i] = start + dur
+        for i, acts in enumerate(lists):
+            while ptr[i] < len(acts) and run.play(i, acts[ptr[i]]):
                 ptr[i] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise PlanError(f"schedule {plan.schedule.value} deadlocks: stages wait at operations "
-                            f"{[orders[i][ptr[i]] if ptr[i] < len(orders[i]) else None for i in range(s_count)]} "
-                            "(forward, microbatch) each; re-plan with schedule gpipe, whose order cannot deadlock")
-    for i, cst in enumerate(costs):
-        for j, ms in cst.sends:
-            for k in range(m):
-                f_end, b_end = done[(FWD, i, k)][1], done[(BWD, j, k)][1]
-                src, dst = plan.stages[i].devices[0], plan.stages[j].devices[0]
-                comm.append(Interval(src, f_end, f_end + ms, EventKind.SEND, k, i))
-                comm.append(Interval(dst, b_end, b_end + dict(cst.back)[j], EventKind.SEND, k, j))
-    return done, comm
-
-
-def _ready(phase: int, i: int, k: int, costs: tuple[StageCost, ...], senders: list[list[tuple[int, float]]],
-           done: dict[Op, tuple[float, float]]) -> float | None:
-    """When operation (phase, stage i, microbatch k) may start, or None if an input is not scheduled yet."""
-    t = 0.0
-    if phase == WGT:  # after its own input-gradient part, nothing from another stage
-        return done[(BWD, i, k)][1] if (BWD, i, k) in done else None
-    if phase == FWD:
-        for j, ms in senders[i]:
-            if (FWD, j, k) not in done:
-                return None
-            t = max(t, done[(FWD, j, k)][1] + ms)
-        return t
-    if (FWD, i, k) not in done:
-        return None
-    t = done[(FWD, i, k)][1] + 2 * costs[i].swap_ms
-    for j, ms in costs[i].back:
-        if (BWD, j, k) not in done:
-            return None
-        t = max(t, done[(BWD, j, k)][1] + ms)
-    return t
+            raise PlanError(f"schedule {plan.schedule.value} deadlocks: stages wait at "
+                            f"{[str(acts[ptr[i]]) if ptr[i] < len(acts) else None for i, acts in enumerate(lists)]}"
+                            "; re-plan with schedule gpipe, whose order cannot deadlock")
+    return run.done, run.bars
 
 
 def crowded_devices(cluster: Cluster, graph: CostGraph) -> list[str]:

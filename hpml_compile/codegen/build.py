@@ -58,7 +58,7 @@ from ..plan import Plan, load_plan
 from ..publish import check_output_dir, publish_dir
 from ..recipe import RECIPE_FILE
 from ..schedule import RankActions, lower, parse_actions
-from ..schedule import validate as validate_actions
+from ..schedule_check import validate as validate_actions
 from ..schema import write_json_atomic
 from ..trace import trace
 from .constants import CONSTANTS_FILE, read_constants

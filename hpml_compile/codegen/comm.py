@@ -39,10 +39,13 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .mailbox import Mailbox
 
 __all__ = ["Direction", "TensorSpec", "carries_grad", "pieces", "overlaps", "split_ranges", "Comm", "DetachedComm"]
 
@@ -120,10 +123,15 @@ class Comm(abc.ABC):
     """Moves tensors between stages; an executor gives each stage module one (``stage.hpml_comm``).
 
     The executor sets ``microbatch`` and ``replica`` before each forward call;
-    the autograd functions remember them for their backward.
+    the autograd functions remember them for their backward. The stage's
+    ``ops.recv``/``ops.send`` nodes meet the executor's RECV/SEND tokens in
+    ``mail`` (:mod:`.mailbox`).
     """
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
+        from .mailbox import Mailbox  # (which imports this module)
+
+        self.mail: Mailbox = Mailbox()
         self.microbatch = 0
         self.replica = 0
         self.device = torch.device(device)
@@ -278,12 +286,14 @@ class Comm(abc.ABC):
         self._owed[(src, dst, replica, microbatch)] = specs
 
     def repay(self, src: int, dst: int, replica: int, microbatch: int, grads: Sequence[Tensor]) -> None:
-        """Send the gradients owed for a received tuple (called by the backward of ``ops.recv``)."""
+        """Leave the gradients owed for a received tuple for the stage's ``SEND`` token to send (called by the
+        backward of ``ops.recv``)."""
         specs = self._owed.pop((src, dst, replica, microbatch))
-        self.send(src, dst, Direction.BACKWARD, microbatch, replica, grads, [s for s in specs if carries_grad(s)])
+        self.mail.leave((src, dst, Direction.BACKWARD, microbatch, replica), grads,
+                        [s for s in specs if carries_grad(s)])
 
     def settle(self, dst: int, replica: int, microbatch: int) -> None:
-        """After a stage replica's backward of ``microbatch``: send the zero gradients it still owes.
+        """After a stage replica's backward of ``microbatch``: leave the zero gradients it still owes.
 
         A received tensor that no path to the loss uses never sees a backward
         call; its sender still waits for a gradient, which is zero.

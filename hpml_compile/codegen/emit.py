@@ -133,9 +133,10 @@ def _comment(src: str, acts: StageActions) -> str:
     """A comment above each inserted operation saying what it does."""
     notes = {}
     if acts.recv:
-        notes["ops.recv("] = f"receive from stage {acts.recv.src}: {', '.join(acts.recv.values)}"
+        notes["ops.recv("] = (f"received from stage {acts.recv.src} by the RECV token before this forward (shapes: "
+                              f"RECV): {', '.join(acts.recv.values)}")
     if acts.send:
-        notes["ops.send("] = f"send to stage {acts.send.dst}: {', '.join(acts.send.values)}"
+        notes["ops.send("] = f"sent to stage {acts.send.dst} by the SEND token after it: {', '.join(acts.send.values)}"
     notes["ops.checkpoint("] = "recompute: keep only the inputs, run again in backward" + (
         " (inputs swapped to host memory)" if acts.swap else "")
     notes["ops.swap("] = "swap: saved activations go to host memory, back before their backward use"
@@ -151,7 +152,7 @@ def _comment(src: str, acts: StageActions) -> str:
 
 def _collectives(acts: StageActions) -> str | None:
     """The stage's ``COLLECTIVES`` table: each collective token of its lists -> the parameters it moves."""
-    syncs = (*acts.grad_sync, *acts.after_step)
+    syncs = tuple({str(g): g for g in (*acts.grad_sync, *acts.after_step)}.values())  # a token before and after OPT
     if not syncs:
         return None
     local = dict(acts.local_params)
@@ -217,6 +218,8 @@ def stage_source(model: str, plan: Plan, acts: StageActions, graphs: StageGraphs
     if table:
         methods.insert(0, table)
     attrs: dict[str, Any] = {"INDEX": k, "INPUTS": acts.inputs, "TARGETS": targets_of(graphs.graph)}
+    if graphs.recv:
+        attrs["RECV"] = graphs.recv
     if regions:
         attrs["REGIONS"] = "{" + ", ".join(f"{a!r}: {c}" for a, c in regions.items()) + "}"
     attrs.update(extra or {})

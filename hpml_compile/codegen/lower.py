@@ -1,8 +1,9 @@
 """Build one fx graph per stage from its actions: recv, the stage's nodes, regions, send.
 
 Each stage graph reads, in order: the model inputs it uses (placeholders),
-the tuple received from the previous stage (one ``ops.recv`` node and a
-``getitem`` per tensor, named after the value it carries), the non-tensor
+the tuple received from the previous stage (one ``ops.recv`` node, which
+takes what the stage's RECV token received, and a ``getitem`` per tensor,
+named after the value it carries), the non-tensor
 values recomputed here, the plan's nodes for this stage -- inside a
 ``ops.checkpoint`` region when the stage recomputes, inside ``ops.swap``
 regions for runs of swapped nodes -- and one ``ops.send`` of the tuple the
@@ -22,10 +23,12 @@ Example:
     >>> vals = microbatch_values(gm, 2)
     >>> acts = plan_actions(gm, plan, place(gm, plan), vals)
     >>> sg = lower_stage(gm, acts[1], vals, last=True)
+    >>> sg.recv  # what its RECV tokens receive: (shape, dtype, batch dimension) of each tensor
+    (((2, 4), torch.float32, None),)
     >>> print(sg.graph.python_code("self").src.strip())  # doctest: +NORMALIZE_WHITESPACE
     def forward(self):
         hpml_comm = self.hpml_comm
-        recv = hpml_compile_codegen_ops_recv(hpml_comm, 0, 1, (((2, 4), torch.float32, None),));  hpml_comm = None
+        recv = hpml_compile_codegen_ops_recv(hpml_comm, 0, 1);  hpml_comm = None
         _0 = recv[0];  recv = None
         hpml_recompute = self.hpml_recompute
         checkpoint = hpml_compile_codegen_ops_checkpoint(hpml_recompute, _0);  hpml_recompute = _0 = None
@@ -60,11 +63,14 @@ _OWN_ATTRS = frozenset({COMM_ATTR, SWAP_ATTR, TP_ATTR})
 
 @dataclass
 class StageGraphs:
-    """The graphs of one stage: its forward and its regions (attribute name -> graph)."""
+    """The graphs of one stage: its forward and its regions (attribute name -> graph), and ``recv``: the
+    ``(shape, dtype, batch dim)`` of each tensor its ``ops.recv`` takes (the stage's ``RECV``, which its
+    RECV tokens receive)."""
 
     index: int
     graph: fx.Graph
     regions: dict[str, fx.Graph] = field(default_factory=dict)
+    recv: tuple[ops.TensorSpec, ...] = ()
 
 
 class _Builder:
@@ -172,13 +178,14 @@ def lower_stage(gm: fx.GraphModule, acts: StageActions, values: dict[str, Any], 
     """
     orig = {n.name: n for n in gm.graph.nodes}
     b = _Builder()
+    recv: tuple[ops.TensorSpec, ...] = ()
     for name in acts.inputs:
         ph = orig[name]
         b.env[name] = b.graph.placeholder(name, default_value=ph.args[0] if ph.args else inspect.Signature.empty)
     if acts.recv:
-        specs = tuple((sh, wire_dtype(dt, precision), bd) for v in acts.recv.values
-                      for sh, dt, bd in specs_of(values[v], (recv_dims or {}).get(v)))
-        r = b.graph.call_function(ops.recv, (b.attr(COMM_ATTR), acts.recv.src, acts.recv.dst, specs))
+        recv = tuple((sh, wire_dtype(dt, precision), bd) for v in acts.recv.values
+                     for sh, dt, bd in specs_of(values[v], (recv_dims or {}).get(v)))
+        r = b.graph.call_function(ops.recv, (b.attr(COMM_ATTR), acts.recv.src, acts.recv.dst))
         _unpack(b, r, acts.recv.values, values)
     for name in acts.remat:  # cheap non-tensor values (sizes) recomputed from what crossed
         b.copy(orig[name])
@@ -221,7 +228,7 @@ def lower_stage(gm: fx.GraphModule, acts: StageActions, values: dict[str, Any], 
     b.graph.lint()
     for g in regions.values():
         g.lint()
-    return StageGraphs(acts.index, b.graph, regions)
+    return StageGraphs(acts.index, b.graph, regions, recv)
 
 
 def targets_of(graph: fx.Graph) -> tuple[str, ...]:

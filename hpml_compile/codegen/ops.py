@@ -3,15 +3,19 @@
 Codegen inserts calls to these functions as nodes of each stage's graph;
 they carry out what the plan
 says and decide nothing. Each stage module holds a :class:`~.comm.Comm` (set
-by the executor as ``stage.hpml_comm``) that moves the tensors: a local
-mailbox in one process, ``torch.distributed`` point-to-point and collectives
-across ranks; :mod:`.comm` says how a boundary between stages of different
-replica counts is resharded. Nothing here keeps module-level state: counters
+by the executor as ``stage.hpml_comm``), whose mailbox its ``recv``/``send``
+nodes take from and leave in, and which the executor's RECV and SEND tokens
+move the tensors with: a local mailbox in one process, ``torch.distributed``
+point-to-point across ranks; :mod:`.comm` says how a boundary between stages
+of different replica counts is resharded. Nothing here keeps module-level state: counters
 live on the objects the stage owns.
 
 - :func:`recv` / :func:`send`: a stage boundary carries a tuple of tensors.
-  Both are autograd functions, so the backward pass sends the gradients of
-  what was received back to the sender and receives the gradients of what was
+  Both are autograd functions: the stage's boundaries in its graph. They
+  move nothing themselves: they take what the executor's ``kRECVp:j`` token
+  received and leave what the ``kSENDp:j`` token sends, in the communicator's
+  mailbox (:mod:`.mailbox`), so the backward pass leaves the gradients of
+  what was received for the sender and takes the gradients of what was
   sent; only floating-point tensors carry gradients (zeros for a received
   tensor no path to the loss uses). ``send`` returns a scalar token: calling
   ``backward()`` on a stage's tokens runs its backward. A floating tensor
@@ -99,11 +103,10 @@ def _anchor() -> Tensor:
 
 class _Recv(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, anchor: Tensor, comm: Comm, src: int, dst: int,  # type: ignore[override]
-                specs: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, anchor: Tensor, comm: Comm, src: int,  # type: ignore[override]
+                dst: int) -> tuple[Tensor, ...]:
         mb, rep = comm.microbatch, comm.replica
-        specs = comm.shaped(dst, rep, specs)  # this replica's rows (uneven data parallelism)
-        tensors = comm.recv(src, dst, Direction.FORWARD, mb, rep, specs)
+        tensors, specs = comm.mail.take((src, dst, Direction.FORWARD, mb, rep))  # the RECV token's
         ctx.comm, ctx.src, ctx.dst, ctx.mb, ctx.rep, ctx.specs = comm, src, dst, mb, rep, specs
         if any(carries_grad(s) for s in specs):
             comm.owe(src, dst, rep, mb, specs)
@@ -114,8 +117,8 @@ class _Recv(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor) -> tuple[None, ...]:
         out = [g.to(s[1]).contiguous() if g is not None else torch.zeros(s[0], dtype=s[1], device=ctx.comm.device)
                for g, s in zip(grads, ctx.specs) if carries_grad(s)]
-        ctx.comm.repay(ctx.src, ctx.dst, ctx.rep, ctx.mb, out)
-        return (None,) * 5
+        ctx.comm.repay(ctx.src, ctx.dst, ctx.rep, ctx.mb, out)  # left for the SEND token
+        return (None,) * 4
 
 
 class _Send(torch.autograd.Function):
@@ -134,37 +137,37 @@ class _Send(torch.autograd.Function):
             # a floating tensor crosses in the spec's dtype: the compute dtype under mixed precision, whatever
             # dtype autocast left it in (a norm's fp32 output goes as bf16)
             wire.append(t.detach().to(dtype).contiguous())
-        comm.send(src, dst, Direction.FORWARD, mb, rep, wire, specs)
+        comm.mail.leave((src, dst, Direction.FORWARD, mb, rep), wire, specs)  # for the SEND token
+        comm.mail.sent[(src, dst, mb, rep)] = specs  # their gradients come back at the RECV token before backward
         ctx.comm, ctx.src, ctx.dst, ctx.mb, ctx.rep, ctx.specs = comm, src, dst, mb, rep, specs
         ctx.dtypes = [t.dtype for t in tensors]
         return anchor.new_zeros(())  # the token: autograd links it to this function's backward
 
     @staticmethod
     def backward(ctx: Any, _token_grad: Tensor) -> tuple[Tensor | None, ...]:
-        wanted = [s for s in ctx.specs if carries_grad(s)]
-        got = iter(ctx.comm.recv(ctx.src, ctx.dst, Direction.BACKWARD, ctx.mb, ctx.rep, wanted))
+        got = iter(ctx.comm.mail.take((ctx.src, ctx.dst, Direction.BACKWARD, ctx.mb, ctx.rep))[0])
         grads = [next(got).to(d) if carries_grad(s) else None for s, d in zip(ctx.specs, ctx.dtypes)]
         return (None, None, None, None, None, *grads)
 
 
-def recv(comm: Comm, src: int, dst: int, specs: tuple[TensorSpec, ...]) -> tuple[Tensor, ...]:
-    """Receive the tuple that boundary ``src -> dst`` carries for the current microbatch.
+def recv(comm: Comm, src: int, dst: int) -> tuple[Tensor, ...]:
+    """The tuple that boundary ``src -> dst`` carries for the current microbatch, as the stage's ``dstRECVsrc:j``
+    token received it (:mod:`.mailbox`; shapes: the stage's ``RECV`` specs at this replica's rows).
 
     Args:
         comm: the stage's communicator.
         src: the sending (earlier) stage.
         dst: this stage.
-        specs: ``(shape, dtype, batch dim)`` of each tensor on this replica, from the trace.
 
     Returns:
-        The tensors; floating-point ones require grad, and their gradients go
-        back to ``src`` in the backward pass.
+        The tensors; floating-point ones require grad, and their gradients are left for the stage's
+        ``dstSENDsrc:j`` token to send back in the backward pass.
     """
-    return _Recv.apply(_anchor(), comm, src, dst, tuple(specs))
+    return _Recv.apply(_anchor(), comm, src, dst)
 
 
 def send(comm: Comm, src: int, dst: int, specs: tuple[TensorSpec, ...], tensors: Sequence[Tensor]) -> Tensor:
-    """Send ``tensors`` along boundary ``src -> dst`` for the current microbatch.
+    """Leave ``tensors`` for the stage's ``srcSENDdst:j`` token to send along boundary ``src -> dst``.
 
     Args:
         comm: the stage's communicator.
@@ -174,8 +177,8 @@ def send(comm: Comm, src: int, dst: int, specs: tuple[TensorSpec, ...], tensors:
         tensors: what the boundary carries, in the receiver's order.
 
     Returns:
-        A scalar token; its backward receives the gradients of ``tensors``
-        from ``dst`` and passes them on into this stage's graph.
+        A scalar token; its backward takes the gradients of ``tensors`` that the stage's ``srcRECVdst:j``
+        token received and passes them on into this stage's graph.
     """
     return _Send.apply(_anchor(), comm, src, dst, tuple(specs), *tensors)
 

@@ -45,7 +45,7 @@ from ..errors import BuildMismatchError, HpmlError
 from ..ir import FrontEnd
 from ..memory import ZeroStage
 from ..plan import Plan, node_stages
-from ..schedule import sync_impl
+from ..schedule import SyncImpl, sync_impl
 from ..trace import buffers_restored, fixed_shapes
 from .actions import GradSync, StageActions, SyncKind, Transfer
 
@@ -326,6 +326,8 @@ def _syncs(plan: Plan, params: list[dict[int, str]], canon: dict[int, str]) -> t
         grad.append(GradSync(kind, stages, names, impl))
         if kind is SyncKind.REDUCE_SCATTER:
             after.append(GradSync(SyncKind.ALL_GATHER, stages, names, impl))
+        elif impl == SyncImpl.LOCAL.value:  # local SGD: the replicas' parameters averaged after the step (every H)
+            after.append(GradSync(kind, stages, names, impl))
     return grad, after
 
 

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 from torch import nn
 
-from .ops import Comm, DetachedComm, SwapStats
+from .ops import Comm, DetachedComm, SwapStats, TensorSpec
 
 __all__ = ["bind", "RegionModule", "StageModule"]
 
@@ -103,13 +103,16 @@ class RegionModule(nn.Module):
 
 
 class StageModule(RegionModule):
-    """One pipeline stage: receives, computes, sends; collectives after the backward pass.
+    """One pipeline stage: takes what its RECV tokens received, computes, leaves what its SEND tokens send.
 
     Class attributes (written by codegen):
         INDEX: the stage's position in the pipeline.
         INPUTS: the model inputs (placeholder names) this stage reads.
         TARGETS: qualified names bound from the model.
         REGIONS: attribute name -> RegionModule class, for recompute/swap regions.
+        RECV: ``(shape, dtype, batch dim)`` of each tensor received from the previous stage per microbatch (at
+            the first replica's rows), which its ``kRECVp:j`` tokens receive and its ``ops.recv`` takes;
+            empty where it receives nothing.
         COLLECTIVES: each collective token of the stage's action lists -> the qualified names of the
             parameters it moves, in the order flattened on every rank.
 
@@ -121,6 +124,7 @@ class StageModule(RegionModule):
     INDEX: ClassVar[int] = 0
     INPUTS: ClassVar[tuple[str, ...]] = ()
     REGIONS: ClassVar[Mapping[str, type[RegionModule]]] = {}
+    RECV: ClassVar[tuple[TensorSpec, ...]] = ()
     COLLECTIVES: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     TP: ClassVar[int] = 1  # the tensor-parallel degree the code is one rank's shard of
     TP_SHARDS: ClassVar[tuple[tuple[str, int], ...]] = ()  # (parameter, dimension) a rank holds a slice of

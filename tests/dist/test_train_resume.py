@@ -117,11 +117,12 @@ def _remainder_matches_a_plain_resume(run: Path, tmp_path: Path, steps: int) -> 
 
 
 def test_an_imbalance_switch_resumes_on_the_new_plan_and_each_item_is_trained_once(tmp_path: Path) -> None:
-    # 256 items = 32 steps; a stage slowed 150x makes each slowed step a second or more: a switch pays over the rest
+    # 256 items = 32 steps; a stage whose forwards are slowed 1500x (their compute, not their receives) makes each
+    # slowed step a second or more: a switch pays over the rest
     (tmp_path / "train.py").write_text(SPEC.replace("randn(128", "randn(256"))
     _compile(tmp_path)
     run = tmp_path / "run"
-    r = _cli("run", str(tmp_path / "build"), "--adapt", "--epochs", "1", "--slow", "1:150:6", "--adapt-patience", "2",
+    r = _cli("run", str(tmp_path / "build"), "--adapt", "--epochs", "1", "--slow", "1:1500:6", "--adapt-patience", "2",
              "--checkpoint-every", "0", "--log-samples", "--run-dir", str(run), "--no-report", "--no-tensorboard")
     assert r.returncode == 0, r.stdout + r.stderr
     events = _events(run)

@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PASSES = ["trace", "profile", "tp", "costgraph", "cluster", "stagecost", "plan", "schedule", "simulate", "solve", "replan",
+PASSES = ["trace", "profile", "tp", "costgraph", "cluster", "stagecost", "plan", "schedule", "schedule_check", "simulate", "solve", "replan",
           "codegen"]
 SHARED = {"ir", "errors", "schema", "memory", "hostmem", "publish", "recipe", "trainspec", "precision",
           "compression", "saved"}

@@ -14,7 +14,8 @@ from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.build import Manifest
 from hpml_compile.errors import BuildMismatchError, ScheduleError
 from hpml_compile.plan import Plan, Schedule, Stage
-from hpml_compile.schedule import COMPUTE, Action, ActionKind, lower, op_order, parse_actions, relower, replay, validate
+from hpml_compile.schedule import COMPUTE, Action, ActionKind, lower, op_order, parse_actions, relower
+from hpml_compile.schedule_check import replay, validate
 from hpml_compile.trace import trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +94,7 @@ def test_a_receive_waits_on_every_replica_of_its_peer() -> None:
 
 def test_a_cyclic_wait_is_found_and_each_rank_named() -> None:
     # every message is matched, but each rank receives before it sends
-    ranks = _acts("0RECV1:0 0F0 0SEND1:0 0B0", "1RECV0:0 1F0 1SEND0:0 1B0")
+    ranks = _acts("0RECV1:0 0F0 0SEND1:0 0B0", "1RECV0:0 1F0 1B0 1SEND0:0")
     with pytest.raises(ScheduleError, match=r"deadlocks: rank 0 \(stage 0, replica 0\) waits at 0RECV1:0 for "
                                             r"1SEND0:0 from rank 1, which sits at 1RECV0:0; rank 1 .* waits at "
                                             r"1RECV0:0 for 0SEND1:0 from rank 0"):
@@ -129,6 +130,9 @@ def test_a_collective_missing_a_member_deadlocks() -> None:
     (("0B0 0F0", "1F0 1B0"), r"0B0 comes before its forward 0F0"),
     (("0F0 0F0 0B0", "1F0 1B0"), r"microbatch 0 has 2 forward"),
     (("0F0 0B0",), r"1 action lists for 2 ranks"),
+    (("0SEND1:0 0F0 0B0", "1RECV0:0 1F0 1B0"), r"rank 0 .*0SEND1:0 must come after 0F0, the forward that produces"),
+    (("0F0 0SEND1:0 0B0", "1F0 1RECV0:0 1B0"), r"rank 1 .*1RECV0:0 must come before 1F0, the forward that reads"),
+    (("0F0 0SEND1:0 0B0 0RECV1:0", "1RECV0:0 1F0 1B0 1SEND0:0"), r"0RECV1:0 must come before 0B0, the backward"),
 ])
 def test_malformed_lists_are_refused(rows: tuple[str, ...], match: str) -> None:
     with pytest.raises(ScheduleError, match=match):

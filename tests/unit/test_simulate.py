@@ -10,6 +10,7 @@ from cost_models import LinkSpec
 from hpml_compile.costgraph import build
 from hpml_compile.ir import Cluster, Device, Link
 from hpml_compile.plan import Plan, Schedule, Stage, ZeroStage, stage_memory
+from hpml_compile.schedule import ActionKind, stage_lists
 from hpml_compile.simulate import EventKind, idle_intervals, op_order, simulate
 from hpml_compile.stagecost import meet_ms
 from hpml_compile.testing import chain_profile, uniform_cluster
@@ -468,3 +469,34 @@ def test_zero1s_parameter_gather_follows_its_own_optimizer_step_where_the_runtim
     opt_ms = {b.stage: b.end_ms - b.start_ms for b in r.intervals if b.kind is EventKind.OPTIMIZER}
     assert r.step_ms == pytest.approx(r.step_without_optimizer_ms + max(opt_ms[0] + gather, opt_ms[1]))
     assert "parameter all-gather" in summary(plan, g, r)
+
+
+@pytest.mark.parametrize("schedule", list(Schedule))
+@pytest.mark.parametrize("s,m", [(2, 1), (3, 4), (4, 2)])
+def test_the_replayed_lists_send_and_receive_as_a_uniform_pipeline_runs(schedule: Schedule, s: int, m: int) -> None:
+    # per microbatch: forward 1 ms, backward 2 ms, 1 MB across each boundary over 1 GB/s: 1 ms each way
+    f, b, c = 1.0, 2.0, 1.0
+    prof = chain_profile([(f * m, b * m)] * s, output_bytes=m * 10**6)
+    g = build(prof)
+    devs = tuple(Device(f"d{i}", "cpu", 8) for i in range(s))
+    cluster = Cluster(devices=devs, links=tuple(Link(x.name, y.name, 1.0, 0.0) for i, x in enumerate(devs)
+                                                for y in devs[i + 1:]))
+    plan = _plan(g, cluster, [((f"d{i}",), [f"n{i}"]) for i in range(s)], m, schedule)
+    r = simulate(plan, g)
+    # GPipe: the first microbatch's forward crosses s - 1 boundaries and the last backward s - 1 back; in between
+    # every stage computes one microbatch after another (1F1B waits for each gradient's round trip in between)
+    ideal = (m + s - 1) * (f + b) + 2 * (s - 1) * c
+    if schedule is Schedule.GPIPE or m == 1:
+        assert r.step_ms - r.agree_ms == pytest.approx(ideal)
+    else:
+        assert r.step_ms - r.agree_ms >= ideal - 1e-9
+    lists = stage_lists(schedule, s, m)
+    for i in range(s):  # a transfer bar for each SEND token of the stage's lowered list, where its compute ended
+        ends = {(bar.kind, bar.microbatch): bar.end_ms for bar in r.intervals if bar.device == f"d{i}"}
+        sends = sorted((bar.start_ms, bar.microbatch) for bar in r.intervals
+                       if bar.device == f"d{i}" and bar.kind is EventKind.SEND)
+        tokens = [a for a in lists[i] if a.kind is ActionKind.SEND]
+        assert len(sends) == len(tokens) == (2 * m if 0 < i < s - 1 else m)
+        for a in tokens:
+            kind = EventKind.FORWARD if a.stages[1] > i else EventKind.BACKWARD
+            assert (ends[(kind, a.microbatch)], a.microbatch) in sends

@@ -17,12 +17,12 @@ from hpml_compile.codegen import generate, load_build
 from hpml_compile.codegen.actions import GradSync, SyncKind, TokenKind, Transfer
 from hpml_compile.errors import BuildMismatchError
 from hpml_compile.memory import ZeroStage
-from hpml_compile.plan import AllReduce, Plan, Schedule, Stage
-from hpml_compile.runtime.execute.executor import HANDLERS
+from hpml_compile.plan import AllReduce, Plan, Schedule, Stage, with_comm
+from hpml_compile.runtime.execute.executor import HANDLERS, actions_for
 from hpml_compile.runtime.sync.hierarchy import HierGroups
 from hpml_compile.runtime.sync.stage import Compressed, DataParallel, Sharded, Sharded3, StageSync, for_stage
-from hpml_compile.schedule import (COMPUTE, RANK_KINDS, REGIONS, Action, ActionKind, SyncImpl, compute_orders, lower,
-                                   op_order, parse_actions, parse_token, sync_impl)
+from hpml_compile.schedule import (COMPUTE, MARKERS, RANK_KINDS, REGIONS, Action, ActionKind, SyncImpl, lower, op_order,
+                                   parse_actions, parse_token, stage_lists, sync_impl)
 from hpml_compile.trace import trace
 
 
@@ -89,7 +89,9 @@ def test_the_simulator_replays_the_lowered_lists(schedule: Schedule, stages: int
     lists = lower(schedule, microbatches, [1] * stages)
     for k, acts in enumerate(lists):
         compute = [(a.kind, a.microbatch) for a in acts if a.kind in COMPUTE]
-        assert list(compute_orders(schedule, stages, microbatches)[k]) == compute
+        replayed = stage_lists(schedule, stages, microbatches)[k]
+        assert [(a.kind, a.microbatch) for a in replayed if a.kind in COMPUTE] == compute
+        assert [a for a in replayed if a.kind not in COMPUTE] == [a for a in acts if a.kind in MARKERS]
         assert compute == op_order(schedule, k, stages, microbatches)
 
 
@@ -108,6 +110,29 @@ def test_collective_tokens_in_a_build_name_their_implementation(tmp_path: Path) 
     assert data["collectives"] == ["ALLREDUCE.shm(0)"]
     assert "ALLREDUCE.shm(0)" in data["ranks"][0]["actions"]
     assert load_build(out, model).actions[0][-3] == Action(ActionKind.ALL_REDUCE, (0,), impl="shm")
+
+
+def test_local_sgd_averages_the_parameters_at_a_token_after_the_optimizer_step(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    st = (Stage(0, ("cpu0", "cpu1"), ("input_1", "_0", "_1")), Stage(1, ("cpu2",), ("_2", "output")))
+    plan = Plan("seq", load_cluster("local-cpu-3"), Schedule.GPIPE, 2, st, sync_every=4)
+    generate(trace(model, (torch.randn(8, 8),)), plan, tmp_path)
+    build = load_build(tmp_path, model)
+    tail = [str(a) for a in build.actions[0][-3:]]
+    assert tail == ["LOSS", "OPT0", "ALLREDUCE.local(0)"]  # and its gradient token before them, as any stage's
+    assert str(build.actions[0][-4]) == "ALLREDUCE.local(0)"
+    assert list(build.stages[0].COLLECTIVES) == ["ALLREDUCE.local(0)"]  # one entry: the same parameters
+
+
+def test_local_sgd_turned_on_at_run_time_adds_the_average_to_the_lists(tmp_path: Path) -> None:
+    model, out = _replicated_build(tmp_path)
+    build = load_build(out, model)
+    running = with_comm(build.plan, sync_every=4)
+    for lists in (actions_for(build, 2, running), actions_for(build, 4, running)):  # the build's count and more
+        assert [str(a) for a in lists[0][-3:]] == ["LOSS", "OPT0", "ALLREDUCE.shm(0)"]
+        assert [str(a) for a in lists[2][-2:]] == ["LOSS", "OPT1"]  # stage 1 has one replica: nothing to average
+    assert [str(a) for a in actions_for(build, 2, build.plan)[0][-2:]] == ["LOSS", "OPT0"]
 
 
 def test_a_version_1_build_with_collectives_asks_to_recompile(tmp_path: Path) -> None:

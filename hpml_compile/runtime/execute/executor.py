@@ -13,17 +13,20 @@ and decides nothing: each token goes to the handler of its kind
   batch mean's and the gradient all-reduce stays a plain sum); ``kBj``: its backward, then the
   zero gradients a replica still owes (:meth:`~hpml_compile.codegen.comm.Comm.settle`);
 - ``kIj`` / ``kWj`` (ZB-H1): the backward in two parts (:mod:`.split`): ``I`` the gradients of
-  what the stage received (sent back on the way) and the zero gradients owed, ``W`` later the
-  parameters' gradients;
-- ``kSENDp:j`` / ``kRECVp:j``: nothing left to do at the token: the
-  ``ops.send`` / ``ops.recv`` nodes of the generated stage move the values
-  inside the neighbouring forward or backward; the tokens say where, for the
-  validator and the simulator;
+  what the stage received (left in the mailbox for the next ``SEND``) and the zero gradients owed,
+  ``W`` later the parameters' gradients;
+- ``kRECVp:j``: receive microbatch ``j``'s values from stage ``p`` (activations
+  from an earlier stage, shaped by the stage's ``RECV`` specs; gradients of
+  what was sent to a later one) into the communicator's mailbox, where the
+  next forward's ``ops.recv`` (or backward's ``ops.send``) takes them;
+  ``kSENDp:j``: send what the forward's ``ops.send`` (or the backward's
+  ``ops.recv``: the gradients owed) left there, without waiting
+  (:mod:`hpml_compile.codegen.mailbox`);
 - a collective (``ALLREDUCE.shm(0)``): the :class:`~..sync.stage.StageSync`
   of its stages runs it (the implementation its suffix names, chosen from
   the plan), on the parameters the stage lists for the token
   (``COLLECTIVES``); before ``OPTk`` it sums gradients, after it (ZeRO's
-  all-gather) it moves parameters;
+  all-gather, local SGD's average) it moves parameters;
 - ``LOSS``: wait for this process's sends, and agree on the loss (ranks);
   ``OPTk``: the optimizer step (once per process).
 
@@ -38,8 +41,9 @@ lowered again for ``c x M`` microbatches (:func:`actions_for`).
 
 Why our own and not torch.distributed.pipelining: its ``PipelineStage`` does
 the point-to-point itself around a module, whereas codegen makes the
-communication explicit nodes of each stage's graph (so a reader sees it);
-this executor only calls the stages in the lowered order and runs backward.
+stage boundaries explicit nodes of each stage's graph (so a reader sees
+them) and the lowered lists say when each message moves; this executor
+runs the tokens in that order, as its ``_perform_action`` does.
 
 Example:
     >>> import tempfile, torch
@@ -72,11 +76,14 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ...codegen import Build
 from ...codegen.comm import Comm
+from ...codegen.mailbox import post_recv, post_send
 from ...codegen.stage import StageModule
 from ...errors import HpmlError, UpdateApplied
 from ...precision import autocast
-from ...schedule import (MARKERS, Action, ActionKind, RankActions, rank_layout, relower, replay,
-                        stage_ranks, validate)
+from ...plan import Plan
+from ...schedule import (MARKERS, Action, ActionKind, RankActions, SyncImpl, rank_layout, relower, stage_ranks,
+                        sync_impl, with_averages)
+from ...schedule_check import replay, validate
 from ...trainspec import Split, split_of
 from ..sync.comm import DistComm, LocalComm, dist_comm
 from ..sync.stage import UNBUFFERED, StageSync
@@ -84,7 +91,7 @@ from .scaler import LossScaler
 from .split import Deferred, backward_input, backward_weight
 
 __all__ = ["StepResult", "StepRun", "stage_ranks", "rank_layout", "split_microbatches", "split_replicas",
-           "loss_share", "stage_splits", "merge_outputs",
+           "loss_share", "stage_splits", "stage_sends", "merge_outputs",
            "to_device", "forward_stage", "actions_for", "local_order", "run_actions", "step_local", "step_rank",
            "LocalComm", "DistComm", "dist_comm", "HANDLERS"]
 
@@ -159,6 +166,13 @@ def stage_splits(build: Build) -> list[Split]:
     return [split_of(len(st.devices), st.rows) for st in build.plan.stages]
 
 
+def stage_sends(build: Build) -> list[bool]:
+    """Per stage, whether it sends values to the next one (its lowered list holds ``kSENDk+1`` tokens)."""
+    lists = actions_for(build, build.plan.microbatches)
+    return [any(a.kind is ActionKind.SEND and a.stages[1] == k + 1 for a in lists[ranks[0]])
+            for k, ranks in enumerate(stage_ranks(build.plan))]
+
+
 def merge_outputs(outputs: Sequence[Any]) -> Any:
     """Concatenate outputs of consecutive slices along dim 0 (tensors anywhere in a tuple/dict/``ModelOutput``).
 
@@ -188,23 +202,34 @@ def forward_stage(build: Build, stage: StageModule, micro: Sequence[Any], device
         return stage(*[to_device(by_name[n], device) for n in stage.INPUTS])
 
 
-def actions_for(build: Build, microbatches: int) -> list[RankActions]:
+def actions_for(build: Build, microbatches: int, plan: Plan | None = None) -> list[RankActions]:
     """The build's action lists for a batch of ``microbatches`` (the manifest's own for the build's count).
+
+    Args:
+        build: the loaded build.
+        microbatches: the batch's microbatches.
+        plan: the running plan, where the run's sync options changed the build's
+            (:func:`hpml_compile.plan.with_comm`): a stage it gives local SGD averages its parameters after the
+            optimizer step (:func:`hpml_compile.schedule.with_averages`).
 
     Raises:
         ScheduleError: the lists lowered again do not validate.
     """
-    if microbatches == build.plan.microbatches and build.actions:
-        return list(build.actions)
     replicas = [len(st.devices) for st in build.plan.stages]
-    out = relower(build.actions, replicas, build.plan.schedule, microbatches)
-    validate(out, replicas)
+    if microbatches == build.plan.microbatches and build.actions:
+        out = list(build.actions)
+    else:
+        out = relower(build.actions, replicas, build.plan.schedule, microbatches)
+        validate(out, replicas)
+    if plan is not None and plan is not build.plan:
+        local = [k for k, st in enumerate(plan.stages) if st.replicas > 1 and sync_impl(plan, (k,)) is SyncImpl.LOCAL]
+        out = with_averages(out, replicas, local)
     return out
 
 
 def _local_key(rank: int, a: Action) -> tuple[int, ...]:
     if a.kind in MARKERS:
-        return (0,)  # bookkeeping: never holds anything up
+        return (0,)  # a message as soon as it can: a send right after its compute, a receive when sent
     if a.kind is ActionKind.FORWARD:
         return (1, 0, a.microbatch or 0, a.stage, rank)
     if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT):
@@ -283,11 +308,6 @@ class _Slices:
         if (d, j) not in self._parts:
             self._parts[(d, j)] = split_replicas(self._micro[j], d)
         return self._parts[(d, j)][r]
-
-
-def _waited(comm: Comm) -> float:
-    stats = getattr(comm, "stats", None)
-    return sum(s for _, s in stats.recv_s) if stats is not None else 0.0
 
 
 def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[int, StageModule], comm: Comm,
@@ -384,7 +404,7 @@ def _compute(step: _Step, index: int, rank: int, a: Action) -> None:
     k, r = step.layout[rank]
     j, comm, run = a.microbatch or 0, step.comm, step.run
     comm.microbatch, comm.replica = j, r
-    w0, t0 = _waited(comm), time.perf_counter()
+    t0 = time.perf_counter()
     fwd = a.kind is ActionKind.FORWARD
     if fwd:
         _forward(step, k, r, j)
@@ -405,7 +425,7 @@ def _compute(step: _Step, index: int, rank: int, a: Action) -> None:
     if step.cuda:
         torch.cuda.current_stream(step.device).synchronize()
     t1 = time.perf_counter()
-    run.busy[(k, fwd)] = run.busy.get((k, fwd), 0.0) + t1 - t0 - (_waited(comm) - w0)
+    run.busy[(k, fwd)] = run.busy.get((k, fwd), 0.0) + t1 - t0
     step.event("F" if fwd else "B", t0, t1, k, j)  # I and W are backward work (the event kinds of .observe)
 
 
@@ -429,15 +449,19 @@ def _forward(step: _Step, k: int, r: int, j: int) -> None:
 
 
 def _message(step: _Step, index: int, rank: int, a: Action) -> None:
-    """``kSENDp:j`` / ``kRECVp:j``: carried out by the stage's generated ``ops.send`` / ``ops.recv`` nodes inside
-    the neighbouring forward or backward (the values cross as autograd functions, their gradients back); the
-    token says where, for the validator and the simulator: nothing is left to do here."""
+    """``kRECVp:j``: receive into the mailbox what the next forward or backward takes (blocks); ``kSENDp:j``:
+    send what the last one left there (never blocks; waited for at ``LOSS``)."""
+    k, r = step.layout[rank]
+    if a.kind is ActionKind.RECV:
+        post_recv(step.comm, k, a.stages[1], a.microbatch or 0, r, step.stages[k].RECV)
+    else:
+        post_send(step.comm, k, a.stages[1], a.microbatch or 0, r)
 
 
 def _collective(step: _Step, index: int, rank: int, a: Action) -> None:
     """A collective token: handed to the sync of its stages (:mod:`..sync.stage`, the implementation its suffix
     names), with the parameters the stage lists for it; before ``OPTk`` it sums gradients, after it (ZeRO's
-    all-gather) it moves parameters, and a failure there leaves the update applied."""
+    all-gather, local SGD's average) it moves parameters, and a failure there leaves the update applied."""
     k = step.layout[rank][0]
     step.phase(synced=step.optimized)
     key = (k, a)  # one process running several replicas of a stage: each token once
@@ -458,7 +482,7 @@ def _collective(step: _Step, index: int, rank: int, a: Action) -> None:
         return  # the others ran these on the old group and failed there: the next step gathers first
     t0 = time.perf_counter()
     try:
-        sync.run(a, step.comm, params)
+        sync.run(a, step.comm, params, stepped=True)
     except Exception as e:
         step.run.t_end = time.perf_counter()
         raise UpdateApplied(step.run) from e

@@ -1,15 +1,14 @@
 """Run a build: this rank's stage on a GPipe or 1F1B schedule, measured, with retried communication.
 
 Why our own schedule and not torch.distributed.pipelining's: codegen already
-made every transfer an explicit node of the stage graphs (``ops.recv`` /
-``ops.send`` autograd functions that move activations forward and their
-gradients back), so a stage is an ordinary module whose forward receives and
-sends by itself. ``PipelineStage`` wants to own that communication around a
-plain module (and passes only tensors between stages, with
-``batch_isend_irecv``, which has known trouble on gloo); wrapping our stages
-in it would send everything twice. What remains for the runtime is small:
-call ``forward`` and ``backward`` of each microbatch in the order of the
-build's per-rank action lists (lowered from the plan by
+made every stage boundary an explicit node of the stage graphs (``ops.recv`` /
+``ops.send`` autograd functions that take activations in and leave them out,
+their gradients the other way), and lowered the schedule into per-rank lists
+whose RECV and SEND tokens say when each message moves. ``PipelineStage``
+wants to own that communication around a plain module (and passes only
+tensors between stages, with ``batch_isend_irecv``, which has known trouble
+on gloo). What remains for the runtime is small: run the tokens of the
+build's per-rank action lists in order (lowered from the plan by
 :mod:`hpml_compile.schedule`, replayed by the simulator, validated when the
 build loads), which the one executor (:func:`.executor.run_actions`) does;
 this module adds the process group, retries and measurements. GPipe (Huang et al., 2019): all
@@ -61,6 +60,7 @@ from torch import Tensor, nn
 
 from ...codegen import Build, load_build
 from ...codegen.comm import DetachedComm
+from ...codegen.mailbox import post_recv, post_send
 from ...errors import HpmlError, OptionError, UpdateApplied
 from ...ir import Precision, Schedule
 from ...plan import Plan, sync_overlap, with_comm
@@ -69,13 +69,14 @@ from ...hostmem import keep_freed_memory
 from ...memory import ZeroStage
 from ...trainspec import check_batch_split, rank_rows
 from ...codegen.tensor_parallel import tp_degree
-from ...schedule import Action, relower, stage_ranks, validate as validate_actions
+from ...schedule import Action, relower, stage_ranks
+from ...schedule_check import validate as validate_actions
 from .tensor_parallel import TensorParallelSession, open_tensor_parallel, shard_rank, whole_params
 from ..sync.comm import CommFault, CommOp, DistComm, LocalComm, is_transient, make_groups, rank_devices
 from .compiled import CompiledForward, CompileStages, compile_stages as compile_stages_of
 from .data import RankBatch
 from .executor import (actions_for, forward_stage, local_order, loss_share, merge_outputs, run_actions,
-                       split_microbatches, split_replicas, stage_splits, to_device)
+                       split_microbatches, split_replicas, stage_sends, stage_splits, to_device)
 from ..observe.events import EventLog, align_clock
 from .weights import load_stage_weights
 from .gather import gather_outputs, gather_state_dict
@@ -167,6 +168,7 @@ class Pipeline:
             else stage_ranks(self.plan)
         self._reps = [len(st.devices) for st in self.plan.stages]
         self._splits = stage_splits(build)  # each stage's replica count, or its plan rows (uneven)
+        self._sends = stage_sends(build)  # which stages send to the next (an evaluation forward's SEND)
         self._mb_rows = build.manifest.inputs[0].shape[0] if build.manifest.inputs else None
         # the rows each stage's code was generated at (its first replica's): the boundary specs' (move_rows)
         self._spec_rows = [st.rows[0] if st.rows else (self._mb_rows or 0) // len(st.devices)
@@ -739,7 +741,7 @@ class Pipeline:
                 self._orders[n] = local_order(self.build, n)
             else:
                 slot = self.comm.slot if self.comm is not None else self.rank  # (stage, replica) in plan order
-                self._orders[n] = [(slot, a) for a in actions_for(self.build, n)[slot]]
+                self._orders[n] = [(slot, a) for a in actions_for(self.build, n, self.plan)[slot]]
         return self._orders[n]
 
     def _run_rank(self, inputs: tuple[Any, ...], targets: Any, loss_fn: Callable[[Any, Any], Tensor], n: int,
@@ -776,12 +778,6 @@ class Pipeline:
                                   agree_inf=lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX),  # all skip alike
                                   syncs=self._syncs)
                 self._agreed_loss = float(run.loss_sum)  # a peer behind may ask for it (Session.reopen)
-                if self.sync is not None and self.optimizer is not None and not run.regrouped:
-                    try:  # local SGD: average the replicas' parameters after every H-th step
-                        self.sync.after_optimizer()
-                    except Exception as e:
-                        raise UpdateApplied(run) from e
-                    run.t_end = time.perf_counter()  # counted in the optimizer's time
             except UpdateApplied as e:
                 run = e.run
                 self._reform_after_update(e)
@@ -938,10 +934,14 @@ class Pipeline:
             for j in range(n):
                 for k, stage in sorted(self.stages.items()):
                     reps = range(self._reps[k]) if self.session is None else (self.replica,)
-                    for r in reps:
+                    for r in reps:  # a forward's messages as its RECV and SEND tokens move them in training
                         comm.microbatch, comm.replica = j, r
+                        if k > 0 and stage.RECV:
+                            post_recv(comm, k, k - 1, j, r, stage.RECV)
                         part = micro_in[j] if own else split_replicas(micro_in[j], self._splits[k])[r]
                         out = forward_stage(self.build, stage, part, self.device)
+                        if self._sends[k]:
+                            post_send(comm, k, k + 1, j, r)
                         if k == last:
                             outs.append((j, r, to_device(self.build.model_output(out), torch.device("cpu"))))
             comm.flush()

@@ -128,4 +128,4 @@ def spawn_ranks(fn: Callable[..., None], world_size: int, workdir: str | Path, *
                 p.join(timeout=10)
             raise RanksTimeout(f"ranks {alive} of {world_size} were still running {fn.__name__} after {timeout_s:g} s "
                                "(a deadlock between ranks?): they were terminated. Run the ranks' "
-                               "action lists through hpml_compile.schedule.validate, or raise timeout_s")
+                               "action lists through hpml_compile.schedule_check.validate, or raise timeout_s")

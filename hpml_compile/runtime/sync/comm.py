@@ -13,7 +13,7 @@ copy handed over through a mailbox; collectives have nothing to do), else
   after a gloo receive. A collective's group is NCCL when every member is a
   GPU, gloo otherwise (GPU tensors staged the same way).
 - **Sends never block** (``isend``, kept alive until :meth:`DistComm.flush` at
-  the end of the step); receives block. :func:`hpml_compile.schedule.validate`
+  the end of the step); receives block. :func:`hpml_compile.schedule_check.validate`
   replays each build's action lists under exactly these rules before a step
   runs, so an order that could deadlock is refused.
 - **Asynchronous collectives** (:meth:`DistComm.all_reduce_async`,
@@ -316,9 +316,10 @@ class LocalComm(Comm):
         return self._box.pop((frm, to, key))
 
     def forget(self) -> None:
-        """Drop undelivered messages and owed gradients (after an evaluation pass)."""
+        """Drop undelivered messages, owed gradients and the mailbox (after an evaluation pass)."""
         self._box.clear()
         self._owed.clear()
+        self.mail.clear()
 
     def all_reduce(self, stages: tuple[int, ...], flat: Tensor) -> None:
         pass  # one process holds every replica and every use of a tied parameter
@@ -404,8 +405,9 @@ class DistComm(Comm):
         self._op_count.clear()
 
     def forget(self) -> None:
-        """Drop owed gradients and pending sends (after an evaluation pass or a failed step)."""
+        """Drop owed gradients, the mailbox and pending sends (after an evaluation pass or a failed step)."""
         self._owed.clear()
+        self.mail.clear()
         self._pending.clear()
         self._chains.clear()  # a failed step's chains: their groups may be gone
 

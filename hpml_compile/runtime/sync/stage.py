@@ -14,7 +14,8 @@ stages; a stage in one process; a runner without a pipeline).
   bucket during the last backward where the plan overlaps the sync;
 - ``topk``, ``powersgd``, ``local``: :class:`Compressed`, the same buffer
   with a reducer (:mod:`.compress`): compressed gradients with error
-  feedback, or local SGD's averages;
+  feedback, or local SGD (its ``ALLREDUCE.local(k)`` after ``OPTk`` averages
+  the replicas' parameters every few steps);
 - ``flat``, ``shm``, ``hier`` on a ZeRO-1/2 stage: :class:`Sharded`,
   reduce-scatter into this replica's shard, the parameters all-gathered after
   the step (:class:`~.zero.FlatShard`);
@@ -77,12 +78,13 @@ class StageSync:
     def __init__(self, stages: tuple[int, ...]) -> None:
         self.stages = stages
 
-    def run(self, action: Action, comm: Comm, params: Sequence[Tensor]) -> None:
-        """Carry out one collective token of this group: ``ALLGATHER`` after the optimizer step, else the
-        gradient collective (``ALLREDUCE`` or ``REDUCESCATTER``) after the last backward."""
+    def run(self, action: Action, comm: Comm, params: Sequence[Tensor], *, stepped: bool = False) -> None:
+        """Carry out one collective token of this group: after the optimizer step (``stepped``; an ``ALLGATHER``
+        always is) the parameter collective, else the gradient collective (``ALLREDUCE`` or ``REDUCESCATTER``)
+        after the last backward."""
         if not params or comm.group_size(self.stages) == 1:
             return  # one process holds every use: autograd summed the gradients already
-        if action.kind is ActionKind.ALL_GATHER:
+        if stepped or action.kind is ActionKind.ALL_GATHER:
             self.gather(comm, params)
         else:
             self.reduce(comm, params)
@@ -92,16 +94,14 @@ class StageSync:
         raise NotImplementedError
 
     def gather(self, comm: Comm, params: Sequence[Tensor]) -> None:
-        """The parameter collective after the optimizer step (ZeRO); nothing where the parameters agree already."""
+        """The parameter collective after the optimizer step (ZeRO's all-gather, local SGD's average every few
+        steps); nothing where the parameters agree already."""
 
     def begin_step(self, step: int) -> None:
         """Before the step's first forward (``step``: the steps done so far)."""
 
     def arm(self) -> None:
         """Just before the stage's last backward of the step: overlapped buckets launch as they become ready."""
-
-    def after_optimizer(self) -> None:
-        """After the optimizer step (local SGD averages the replicas' parameters here, every few steps)."""
 
     def bind(self, comm: Any) -> None:
         """Run the collectives on ``comm`` (a new communicator after the process group was re-formed)."""
@@ -153,8 +153,8 @@ class Unbuffered(StageSync):
     def __init__(self) -> None:
         super().__init__(())
 
-    def run(self, action: Action, comm: Comm, params: Sequence[Tensor]) -> None:
-        if params and comm.group_size(action.stages) > 1 and action.kind is not ActionKind.ALL_GATHER:
+    def run(self, action: Action, comm: Comm, params: Sequence[Tensor], *, stepped: bool = False) -> None:
+        if params and comm.group_size(action.stages) > 1 and not stepped and action.kind is not ActionKind.ALL_GATHER:
             flat = _flat_grads(params)
             comm.all_reduce(action.stages, flat)
             _write_grads(params, flat)
@@ -200,8 +200,8 @@ class Compressed(DataParallel):
         super().begin_step(step)
         self.reducer.begin_step(step)
 
-    def after_optimizer(self) -> None:
-        self.reducer.after_step(self.buffer.params)
+    def gather(self, comm: Comm, params: Sequence[Tensor]) -> None:
+        self.reducer.after_step(self.buffer.params)  # local SGD: the replicas' parameters averaged, every H steps
 
     def bind(self, comm: Any) -> None:
         super().bind(comm)

@@ -140,8 +140,8 @@ class FlatShard3(FlatShard):
         with torch.no_grad():
             if self.replicas == 1:
                 alias.copy_(self.param.detach())
-            elif hasattr(self.comm, "groups"):  # the rank's communicator: its transport, straight into the buffer
-                out = self.comm.all_gather(self.stage, self.param.detach(), into=alias)  # type: ignore[union-attr]
+            elif self.comm is not None:  # the rank's communicator: its transport, straight into the buffer
+                out = self.comm.all_gather(self.stage, self.param.detach(), into=alias)
                 if out.data_ptr() != alias.data_ptr():
                     alias.copy_(out)
             else:

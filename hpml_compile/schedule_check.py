@@ -1,0 +1,221 @@
+"""The validator of lowered action lists: it replays them and names the rank, the action and why one cannot run.
+
+The validator (:func:`validate`) replays the lists with blocking receives,
+non-blocking sends and collectives that wait for all their members, until
+every rank is done or none can move; it names the rank, the action and why.
+A boundary message of a replicated stage reaches only some replicas of its
+peer; the replay waits for all of them, which is stricter than the
+runtime, so an order it accepts cannot deadlock.
+
+Example:
+    >>> from hpml_compile.plan import Schedule
+    >>> from hpml_compile.schedule import lower, parse_actions
+    >>> validate(lower(Schedule.ONE_F_ONE_B, 2, (1, 1), sends=(True, False)), (1, 1))
+    >>> validate(lower(Schedule.ZB_H1, 3, (1, 1), sends=(True, False)), (1, 1))
+    >>> replay(parse_actions([["0RECV1:0", "0SEND1:0"], ["1RECV0:0", "1SEND0:0"]]), (1, 1))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    hpml_compile.errors.ScheduleError: the action order deadlocks: rank 0 (stage 0, replica 0) waits at 0RECV1:0 ...
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable, Sequence
+
+from .errors import ScheduleError
+from .schedule import COLLECTIVES, MARKERS, Action, ActionKind, RankActions
+
+__all__ = ["validate", "replay"]
+
+
+def _name(rank: int, layout: Sequence[tuple[int, int]]) -> str:
+    k, r = layout[rank]
+    return f"rank {rank} (stage {k}, replica {r})"
+
+
+def _check_shape(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
+    """Each action belongs to its rank's stage, no rank waits on itself, every F has one B after it."""
+    layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
+    if len(ranks) != len(layout):
+        raise ScheduleError(f"{len(ranks)} action lists for {len(layout)} ranks (replicas {list(replicas)}): "
+                            "one list per rank is needed; regenerate the build")
+    s = len(replicas)
+    for rank, acts in enumerate(ranks):
+        k = layout[rank][0]
+        seen: dict[tuple[ActionKind, int | None], int] = {}
+        for a in acts:
+            if a.kind in COLLECTIVES:
+                bad = k not in a.stages or any(not 0 <= x < s for x in a.stages)
+            else:
+                bad = a.kind is not ActionKind.LOSS and a.stage != k
+            if bad:
+                raise ScheduleError(f"{_name(rank, layout)}: action {a} is not one of stage {k}'s; "
+                                    "each rank runs only its own stage's actions")
+            if a.kind in MARKERS and a.stages[1] == k:
+                raise ScheduleError(f"{_name(rank, layout)}: action {a} waits on its own stage: a stage "
+                                    "never sends to or receives from itself")
+            if a.kind in MARKERS and abs(a.stages[1] - k) != 1:
+                raise ScheduleError(f"{_name(rank, layout)}: action {a} talks to stage {a.stages[1]}, "
+                                    f"not a neighbour of stage {k}: values skipping stages are relayed")
+            if a.kind in COMPUTE:
+                key = (a.kind, a.microbatch)
+                seen[key] = seen.get(key, 0) + 1
+                before = _BEFORE.get(a.kind)
+                if before is not None and (before, a.microbatch) not in seen:
+                    what = "its forward" if before is ActionKind.FORWARD else "its input-gradient part"
+                    raise ScheduleError(f"{_name(rank, layout)}: {a} comes before {what} "
+                                        f"{k}{before.value}{a.microbatch}: "
+                                        f"{_NEEDS.get(a.kind, 'a backward needs its forward activations')}")
+        _check_parts(seen, _name(rank, layout))
+
+
+# Each compute action after the one it needs, and why
+_BEFORE = {ActionKind.BACKWARD: ActionKind.FORWARD, ActionKind.BACKWARD_INPUT: ActionKind.FORWARD,
+           ActionKind.BACKWARD_WEIGHT: ActionKind.BACKWARD_INPUT}
+_NEEDS = {ActionKind.BACKWARD_WEIGHT: "the weight-gradient part starts from what the input-gradient part left"}
+_PARTS = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
+
+
+def _check_parts(seen: dict[tuple[ActionKind, int | None], int], who: str) -> None:
+    """Each microbatch: one F and either one B or one I and one W (never both forms)."""
+    for j in sorted({j for _, j in seen}, key=lambda x: -1 if x is None else x):
+        n = {kind: seen.get((kind, j), 0) for kind in _PARTS}
+        whole = n[ActionKind.BACKWARD] == 1 and n[ActionKind.BACKWARD_INPUT] == n[ActionKind.BACKWARD_WEIGHT] == 0
+        split = n[ActionKind.BACKWARD] == 0 and n[ActionKind.BACKWARD_INPUT] == n[ActionKind.BACKWARD_WEIGHT] == 1
+        if n[ActionKind.FORWARD] != 1 or not (whole or split):
+            raise ScheduleError(f"{who}: microbatch {j} has " + ", ".join(f"{c} {kind.name.lower()}(s)"
+                                                                           for kind, c in n.items())
+                                + ": each needs one forward and either one backward or one input-gradient part "
+                                "and one weight-gradient part")
+
+
+def _check_messages(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
+    """A receive comes before the forward or backward that reads it, a send after the one that produced it (the
+    executor moves the values at these tokens, :mod:`hpml_compile.codegen.mailbox`)."""
+    layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
+    for rank, acts in enumerate(ranks):
+        at: dict[tuple[ActionKind, int | None], int] = {
+            (a.kind, a.microbatch): i for i, a in enumerate(acts)
+            if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)}
+        for i, a in enumerate(acts):
+            if a.kind not in MARKERS:
+                continue
+            k, p = a.stages
+            send = a.kind is ActionKind.SEND
+            compute = ActionKind.FORWARD if send == (k < p) else ActionKind.BACKWARD
+            c = at.get((compute, a.microbatch))
+            if c is None or (c > i if send else c < i):
+                word = "after" if send else "before"
+                raise ScheduleError(f"{_name(rank, layout)}: {a} must come {word} {k}{compute.value}{a.microbatch}, "
+                                    f"the {compute.name.lower()} that {'produces' if send else 'reads'} its values")
+
+
+def _check_pairs(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
+    """Every send has its receive on every rank of the peer stage, and every receive its send."""
+    layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
+    groups = _stage_ranks(replicas)
+    counts = [Counter((a.kind, a.stages, a.microbatch) for a in acts if a.kind in MARKERS) for acts in ranks]
+    for rank, acts in enumerate(ranks):
+        k = layout[rank][0]
+        for a in dict.fromkeys(x for x in acts if x.kind in MARKERS):
+            peer_kind = ActionKind.RECV if a.kind is ActionKind.SEND else ActionKind.SEND
+            want = Action(peer_kind, (a.stages[1], k), a.microbatch)
+            mine = counts[rank][(a.kind, a.stages, a.microbatch)]
+            for q in groups[a.stages[1]]:
+                theirs = counts[q][(peer_kind, want.stages, want.microbatch)]
+                if theirs != mine:
+                    what = "receive" if a.kind is ActionKind.SEND else "send"
+                    raise ScheduleError(f"{_name(rank, layout)}: {a} (x{mine}) has no matching {what}: "
+                                        f"{_name(q, layout)} runs {want} {theirs} time(s); a send without its "
+                                        "receive is never delivered, a receive without its send waits forever")
+
+
+def replay(ranks: Sequence[RankActions], replicas: Sequence[int],
+           key: Callable[[int, Action], tuple[int, ...]] | None = None) -> list[tuple[int, Action]]:
+    """Play the lists with blocking receives, non-blocking sends and collectives that wait for all members.
+
+    Args:
+        ranks: each rank's actions.
+        replicas: ranks of each stage.
+        key: among the ranks whose next action can run, the smallest ``key(rank, action)`` goes first
+            (default: the lowest rank).
+
+    Returns:
+        Every action in one order that respects the waits, as ``(rank, action)`` (a collective once per member).
+
+    Raises:
+        ScheduleError: the order deadlocks; names each stuck rank, its action and what it waits for.
+    """
+    layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
+    groups = _stage_ranks(replicas)
+    everyone = list(range(len(layout)))
+    ptr = [0] * len(ranks)
+    sent: Counter[tuple[int, int, int | None]] = Counter()  # (sender rank, to stage, microbatch)
+    got: Counter[tuple[int, int, int | None]] = Counter()  # (receiver rank, from stage, microbatch)
+    order: list[tuple[int, Action]] = []
+
+    def members(a: Action) -> list[int]:
+        return everyone if a.kind is ActionKind.LOSS else [q for x in a.stages for q in groups[x]]
+
+    def ready(rank: int) -> bool:
+        a = ranks[rank][ptr[rank]]
+        if a.kind is ActionKind.RECV:
+            k, p = a.stages
+            return all(sent[(q, k, a.microbatch)] > got[(rank, p, a.microbatch)] for q in groups[p])
+        if a.kind in COLLECTIVES or a.kind is ActionKind.LOSS:
+            return all(ptr[q] < len(ranks[q]) and ranks[q][ptr[q]] == a for q in members(a))
+        return True
+
+    def at(q: int) -> str:
+        return str(ranks[q][ptr[q]]) if ptr[q] < len(ranks[q]) else "the end of its list"
+
+    def why(rank: int) -> str:
+        a = ranks[rank][ptr[rank]]
+        if a.kind is ActionKind.RECV:
+            k, p = a.stages
+            src = next(q for q in groups[p] if sent[(q, k, a.microbatch)] <= got[(rank, p, a.microbatch)])
+            return (f"{_name(rank, layout)} waits at {a} for {p}SEND{k}:{a.microbatch} from rank {src}, "
+                    f"which sits at {at(src)}")
+        late = [q for q in members(a) if ptr[q] >= len(ranks[q]) or ranks[q][ptr[q]] != a]
+        return (f"{_name(rank, layout)} waits at collective {a} for rank(s) {late}, which sit at "
+                f"{', '.join(at(q) for q in late)}")
+
+    pick = key or (lambda rank, a: (rank,))
+    while True:
+        live = [r for r in everyone if ptr[r] < len(ranks[r])]
+        if not live:
+            return order
+        can = [r for r in live if ready(r)]
+        if not can:
+            raise ScheduleError("the action order deadlocks: " + "; ".join(why(r) for r in live))
+        rank = min(can, key=lambda r: pick(r, ranks[r][ptr[r]]))
+        a = ranks[rank][ptr[rank]]
+        if a.kind in COLLECTIVES or a.kind is ActionKind.LOSS:
+            for q in members(a):
+                order.append((q, a))
+                ptr[q] += 1
+            continue
+        if a.kind is ActionKind.SEND:
+            sent[(rank, a.stages[1], a.microbatch)] += 1
+        elif a.kind is ActionKind.RECV:
+            got[(rank, a.stages[1], a.microbatch)] += 1
+        order.append((rank, a))
+        ptr[rank] += 1
+
+
+def validate(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
+    """Check per-rank lists before anything runs: own stage only, each message next to its compute, matched
+    messages, no deadlock.
+
+    Args:
+        ranks: each rank's actions.
+        replicas: ranks of each stage.
+
+    Raises:
+        ScheduleError: naming the rank, the action and the rule it breaks.
+    """
+    _check_shape(ranks, replicas)
+    _check_messages(ranks, replicas)
+    _check_pairs(ranks, replicas)
+    replay(ranks, replicas)
