@@ -24,7 +24,7 @@ from collections import Counter
 from typing import Callable, Sequence
 
 from .errors import ScheduleError
-from .schedule import COLLECTIVES, MARKERS, Action, ActionKind, RankActions
+from .schedule import COLLECTIVES, COMPUTE, MARKERS, Action, ActionKind, RankActions, _stage_ranks
 
 __all__ = ["validate", "replay"]
 
@@ -91,13 +91,14 @@ def _check_parts(seen: dict[tuple[ActionKind, int | None], int], who: str) -> No
 
 
 def _check_messages(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
-    """A receive comes before the forward or backward that reads it, a send after the one that produced it (the
-    executor moves the values at these tokens, :mod:`hpml_compile.codegen.mailbox`)."""
+    """A receive comes before the forward or backward (ZB-H1: its input-gradient part) that reads it, a send after
+    the one that produced it (the executor moves the values at these tokens, :mod:`hpml_compile.codegen.mailbox`)."""
     layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
     for rank, acts in enumerate(ranks):
-        at: dict[tuple[ActionKind, int | None], int] = {
-            (a.kind, a.microbatch): i for i, a in enumerate(acts)
-            if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)}
+        at: dict[tuple[ActionKind, int | None], int] = {  # ZB-H1's input-gradient part is the backward here
+            (ActionKind.BACKWARD if a.kind is ActionKind.BACKWARD_INPUT else a.kind, a.microbatch): i
+            for i, a in enumerate(acts) if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD,
+                                                      ActionKind.BACKWARD_INPUT)}
         for i, a in enumerate(acts):
             if a.kind not in MARKERS:
                 continue

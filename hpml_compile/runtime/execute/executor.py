@@ -72,7 +72,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_map
 
 from ...codegen import Build
 from ...codegen.comm import Comm
@@ -88,77 +88,13 @@ from ...trainspec import Split, split_of
 from ..sync.comm import DistComm, LocalComm, dist_comm
 from ..sync.stage import UNBUFFERED, StageSync
 from .scaler import LossScaler
+from .slices import loss_share, merge_outputs, split_microbatches, split_replicas, to_device
 from .split import Deferred, backward_input, backward_weight
 
 __all__ = ["StepResult", "StepRun", "stage_ranks", "rank_layout", "split_microbatches", "split_replicas",
            "loss_share", "stage_splits", "stage_sends", "merge_outputs",
            "to_device", "forward_stage", "actions_for", "local_order", "run_actions", "step_local", "step_rank",
            "LocalComm", "DistComm", "dist_comm", "HANDLERS"]
-
-
-def split_microbatches(value: Any, microbatches: int) -> list[Any]:
-    """Split every tensor in ``value`` along dim 0 into ``microbatches`` equal parts.
-
-    Raises:
-        HpmlError: if a tensor's first dimension does not divide evenly.
-    """
-    leaves, spec = tree_flatten(value)
-    parts: list[list[Any]] = [[] for _ in range(microbatches)]
-    for leaf in leaves:
-        if isinstance(leaf, Tensor):
-            if leaf.dim() == 0 or leaf.shape[0] % microbatches:
-                raise HpmlError(f"a batch of shape {tuple(leaf.shape)} does not split into {microbatches} equal "
-                                "microbatches along its first dimension; use a batch divisible by it")
-            chunks = leaf.tensor_split(microbatches, dim=0)
-        else:
-            chunks = [leaf] * microbatches
-        for j in range(microbatches):
-            parts[j].append(chunks[j])
-    return [tree_unflatten(p, spec) for p in parts]
-
-
-def split_replicas(value: Any, split: Split) -> list[Any]:
-    """Split every tensor in one microbatch ``value`` along dim 0 among a stage's replicas.
-
-    ``split`` is the stage's :data:`~hpml_compile.trainspec.Split`: a replica
-    count (equal parts) or the plan's rows of each replica (consecutive runs).
-
-    Example:
-        >>> [tuple(p.shape) for p in split_replicas(torch.zeros(4, 2), (3, 1))]
-        [(3, 2), (1, 2)]
-
-    Raises:
-        HpmlError: a tensor's rows do not split so.
-    """
-    if split == 1:
-        return [value]  # one replica takes the microbatch as it is
-    if isinstance(split, int):
-        return split_microbatches(value, split)
-    leaves, spec = tree_flatten(value)
-    parts: list[list[Any]] = [[] for _ in split]
-    for leaf in leaves:
-        if isinstance(leaf, Tensor):
-            if leaf.dim() == 0 or leaf.shape[0] != sum(split):
-                raise HpmlError(f"a microbatch of shape {tuple(leaf.shape)} does not split into the plan's rows "
-                                f"{list(split)} per replica: its first dimension must be {sum(split)}")
-            chunks: Sequence[Any] = leaf.split(list(split), dim=0)
-        else:
-            chunks = [leaf] * len(split)
-        for r, c in enumerate(chunks):
-            parts[r].append(c)
-    return [tree_unflatten(p, spec) for p in parts]
-
-
-def loss_share(loss: Tensor, split: Split, replica: int, microbatches: int) -> Tensor:
-    """One slice's loss (a mean over its rows) as its share of the batch mean.
-
-    Equal replicas: ``/ (microbatches x replicas)``; plan rows: ``x rows[r] / (microbatches x sum(rows))``, so a
-    replica's gradient counts by its rows and their plain sum is the batch mean's gradient.
-    """
-    if isinstance(split, int):
-        # one slice is the whole batch: no division (an op in the forward and one in the backward)
-        return loss if microbatches * split == 1 else loss / (microbatches * split)
-    return loss * (split[replica] / (microbatches * sum(split)))
 
 
 def stage_splits(build: Build) -> list[Split]:
@@ -171,23 +107,6 @@ def stage_sends(build: Build) -> list[bool]:
     lists = actions_for(build, build.plan.microbatches)
     return [any(a.kind is ActionKind.SEND and a.stages[1] == k + 1 for a in lists[ranks[0]])
             for k, ranks in enumerate(stage_ranks(build.plan))]
-
-
-def merge_outputs(outputs: Sequence[Any]) -> Any:
-    """Concatenate outputs of consecutive slices along dim 0 (tensors anywhere in a tuple/dict/``ModelOutput``).
-
-    A scalar (a loss the model returns) has no rows: the slices' values are stacked instead.
-    """
-    flat = [tree_flatten(o) for o in outputs]
-    spec = flat[0][1]
-    cols = zip(*(leaves for leaves, _ in flat))
-    return tree_unflatten([(torch.cat(c) if c[0].dim() else torch.stack(c)) if isinstance(c[0], Tensor) else c[0]
-                           for c in cols], spec)
-
-
-def to_device(value: Any, device: torch.device) -> Any:
-    """``value`` with every tensor not on ``device`` moved there."""
-    return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) and t.device != device else t, value)
 
 
 def forward_stage(build: Build, stage: StageModule, micro: Sequence[Any], device: torch.device) -> Any:
