@@ -1,0 +1,177 @@
+"""Hand-offs between the generator's ranks through pipes: each rank reads from the one before it, writes to the next.
+
+Every decode step hands each lane's hidden states from a stage to the next
+and the greedy tokens from the last stage back to the first: a few kilobytes,
+a few hundred times a second. Over gloo's TCP transport a message is written
+and read by a background thread of each process, which must be scheduled on a
+core the rank's own thread keeps busy computing; on a 2-core host two ranks
+that compute flat out made a non-blocking ``isend`` of 8 KiB wait ~2 ms for
+that thread (timed in the decode loop of gpt-mini at batch 16: more time in
+``isend`` than in the stage's blocks). The generator's ranks always share a
+host (it starts them itself), so they hand off through pipes instead: the
+rank's own thread writes the bytes, the kernel wakes the reader blocked in
+``poll``, and a rank that exits closes its ends, which its neighbours see at
+once (end of file, or a broken pipe) rather than after a time-out. Why not
+shared memory with a spinning reader: a spin burns the core a busy host's
+other processes need, and the reader still needs a way to learn that its
+peer died; a pipe gives both for one system call per message.
+
+Writes never block: what a full pipe does not take now is queued and written
+while the rank next waits to read (:meth:`PipeLink.recv`) or flushes
+(:meth:`PipeLink.flush`). So, as with ``isend``, a stage hands a lane on and
+runs the next one, and two ranks writing to each other can never both wait on
+a full pipe.
+
+Example:
+    >>> import os, torch
+    >>> r, w = os.pipe()
+    >>> link = PipeLink(r, w, "itself", timeout_s=5)
+    >>> link.send(torch.arange(4.0))
+    >>> out = torch.empty(4)
+    >>> link.recv(out); link.close()
+    >>> out.tolist()
+    [0.0, 1.0, 2.0, 3.0]
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import select
+import time
+from collections import deque
+
+from torch import Tensor
+
+__all__ = ["PipeLink", "HandoffError", "pipe_ring", "PIPE_BYTES"]
+
+PIPE_BYTES = 1 << 20  # a pipe's buffer asked for (capped by /proc/sys/fs/pipe-max-size): a prefill in few writes
+_POLL_MS = 1000  # how often a wait looks at its time-out
+
+
+class HandoffError(RuntimeError):
+    """A neighbouring rank closed its end (it exited) or sent nothing for the group's time-out."""
+
+
+def pipe_ring(world: int) -> list[tuple[int, int]]:
+    """``world`` pipes, the ``i``-th carrying rank ``i``'s output to rank ``(i + 1) % world``: ``(read, write)``
+    descriptors, made large (:data:`PIPE_BYTES`) where the system allows."""
+    pipes = [os.pipe() for _ in range(world)]
+    for _, w in pipes:
+        try:
+            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        except (OSError, AttributeError):  # above the system's cap, or no such call: the default buffer
+            pass
+    return pipes
+
+
+class PipeLink:
+    """One rank's two ends of the ring: ``read_fd`` from the previous rank, ``write_fd`` to the next.
+
+    Args:
+        read_fd: the pipe the previous rank writes.
+        write_fd: the pipe the next rank reads.
+        peer: how errors name the neighbours (e.g. ``"rank 0 / rank 2"``).
+        timeout_s: how long :meth:`recv` and :meth:`flush` may wait without any progress.
+    """
+
+    def __init__(self, read_fd: int, write_fd: int, peer: str, timeout_s: float) -> None:
+        self.read_fd, self.write_fd, self.peer, self.timeout_s = read_fd, write_fd, peer, timeout_s
+        os.set_blocking(read_fd, False)
+        os.set_blocking(write_fd, False)
+        self._out: deque[memoryview] = deque()  # bytes queued for the next rank, in order
+        self._held: deque[Tensor] = deque()  # the tensors those bytes live in, alive until written
+
+    def send(self, t: Tensor) -> None:
+        """Queue ``t``'s bytes (a contiguous CPU tensor, not changed afterwards) for the next rank; write what the
+        pipe takes now.
+
+        Raises:
+            HandoffError: if the next rank has exited.
+        """
+        self._out.append(memoryview(t.numpy()).cast("B"))
+        self._held.append(t)
+        self._write()
+
+    def recv(self, out: Tensor) -> None:
+        """Fill ``out`` (contiguous, on the CPU) with the previous rank's next message of its size, writing queued
+        output while waiting.
+
+        Raises:
+            HandoffError: if the previous rank has exited, or nothing came for ``timeout_s``.
+        """
+        view = memoryview(out.numpy()).cast("B")
+        got, last = 0, time.monotonic()
+        while got < len(view):
+            try:
+                n = os.readv(self.read_fd, [view[got:]])
+            except BlockingIOError:
+                n = -1
+            if n == 0:
+                raise HandoffError(f"{self.peer.split(' / ')[0]} closed its end of the pipeline (it exited)")
+            if n > 0:
+                got, last = got + n, time.monotonic()
+                continue
+            if self._wait(want_read=True):
+                last = time.monotonic()
+            elif time.monotonic() - last > self.timeout_s:
+                raise HandoffError(f"nothing from {self.peer.split(' / ')[0]} for {self.timeout_s:.0f} s")
+
+    def flush(self) -> None:
+        """Wait until every queued byte is written.
+
+        Raises:
+            HandoffError: if the next rank has exited or read nothing for ``timeout_s``.
+        """
+        last = time.monotonic()
+        while self._out:
+            if self._wait(want_read=False):
+                last = time.monotonic()
+            elif time.monotonic() - last > self.timeout_s:
+                raise HandoffError(f"{self.peer.split(' / ')[-1]} read nothing for {self.timeout_s:.0f} s")
+
+    def close(self) -> None:
+        """Close both ends (the neighbours see end of file or a broken pipe)."""
+        for fd in (self.read_fd, self.write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._out.clear()
+        self._held.clear()
+
+    def _write(self) -> bool:
+        """Write what the pipe takes of the queue; whether anything was written."""
+        wrote = False
+        while self._out:
+            head = self._out[0]
+            try:
+                n = os.write(self.write_fd, head)
+            except BlockingIOError:
+                return wrote
+            except BrokenPipeError:
+                raise HandoffError(f"{self.peer.split(' / ')[-1]} closed its end of the pipeline (it exited)") \
+                    from None
+            wrote = True
+            if n < len(head):
+                self._out[0] = head[n:]
+                return wrote
+            self._out.popleft()
+            self._held.popleft()
+        return wrote
+
+    def _wait(self, *, want_read: bool) -> bool:
+        """Block until the pipe in can be read (``want_read``) or the pipe out takes more of the queue, for at most
+        :data:`_POLL_MS`; write what it takes. Returns whether anything happened."""
+        poll = select.poll()
+        if want_read:
+            poll.register(self.read_fd, select.POLLIN)
+        if self._out:
+            poll.register(self.write_fd, select.POLLOUT)
+        ready = False
+        for fd, _ in poll.poll(_POLL_MS):
+            if fd == self.write_fd:
+                ready = self._write() or ready  # a closed reader raises here (broken pipe)
+            else:
+                ready = True
+        return ready
