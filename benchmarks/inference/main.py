@@ -240,7 +240,7 @@ def measured_rows() -> list[dict[str, Any]]:
         specs = timed_specs(shape, timing)
         stages = stages_for(cluster, shape, work, [("cpu0", 0, 3, False), ("cpu1", 3, 6, False)], specs)
         plan = InferencePlan(Objective.THROUGHPUT, model_name, shape, work, cluster, stages,
-                             score(cluster, shape, work, stages), cpu_timing=timing)
+                             score(cluster, shape, work, stages, specs=specs), cpu_timing=timing)
         one = replace(plan, cluster=Cluster(devices=(cluster.devices[0],), name="local-cpu-1"),
                       stages=stages_for(cluster, shape, work, [("cpu0", 0, 6, False)], specs))
         prompts = torch.randint(0, shape.vocab_size, (batch, prompt_len), generator=g)

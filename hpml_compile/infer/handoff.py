@@ -43,7 +43,7 @@ from collections import deque
 
 from torch import Tensor
 
-__all__ = ["PipeLink", "HandoffError", "pipe_ring", "PIPE_BYTES"]
+__all__ = ["PipeLink", "HandoffError", "pipe_ring", "measure_handoff", "PIPE_BYTES"]
 
 PIPE_BYTES = 1 << 20  # a pipe's buffer asked for (capped by /proc/sys/fs/pipe-max-size): a prefill in few writes
 _POLL_MS = 1000  # how often a wait looks at its time-out
@@ -89,7 +89,7 @@ class PipeLink:
         Raises:
             HandoffError: if the next rank has exited.
         """
-        self._out.append(memoryview(t.numpy()).cast("B"))
+        self._out.append(t.numpy().data.cast("B"))
         self._held.append(t)
         self._write()
 
@@ -100,7 +100,7 @@ class PipeLink:
         Raises:
             HandoffError: if the previous rank has exited, or nothing came for ``timeout_s``.
         """
-        view = memoryview(out.numpy()).cast("B")
+        view = out.numpy().data.cast("B")
         got, last = 0, time.monotonic()
         while got < len(view):
             try:
@@ -175,3 +175,76 @@ class PipeLink:
             else:
                 ready = True
         return ready
+
+
+_WARMUP = 3
+
+
+def _echo(r: int, w: int, sizes: tuple[int, ...], count: int) -> None:
+    """The far end of :func:`measure_handoff`: for each size, reads ``count`` messages whole and writes each back
+    (blocking descriptors, plain bytes: the system calls release the GIL)."""
+    try:
+        for n in sizes:
+            view = memoryview(bytearray(n))
+            for _ in range(count):
+                got = 0
+                while got < n:
+                    k = os.readv(r, [view[got:]])
+                    if k == 0:
+                        return
+                    got += k
+                out = 0
+                while out < n:
+                    out += os.write(w, view[out:])
+    except OSError:
+        return  # the measuring side closed its ends
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def measure_handoff(sizes: tuple[int, ...], repeats: int = 30, timeout_s: float = 60.0) -> list[tuple[int, float]]:
+    """One hand-off's time through :class:`PipeLink` on this host, per message size.
+
+    A thread echoes each message back through a second pipe; a hand-off takes half the median round trip of
+    ``repeats`` (after a few untimed). This side is the generator's: :meth:`PipeLink.send`, then
+    :meth:`PipeLink.recv` waiting in ``poll``; each message wakes a thread blocked on the other pipe, as it
+    wakes the next rank. A thread rather than a second process: nothing to start, and the GIL is free while
+    each side waits in the kernel, so the time is the pipe's and the wake-up's.
+
+    Args:
+        sizes: message sizes in bytes (each at least 1).
+        repeats: round trips timed per size.
+        timeout_s: how long the echo may take to answer.
+
+    Returns:
+        ``(bytes, milliseconds)`` per size.
+
+    Raises:
+        HandoffError: if the echo does not answer.
+    """
+    import statistics
+    import threading
+
+    import torch
+
+    there, back = pipe_ring(2)
+    echo = threading.Thread(target=_echo, args=(there[0], back[1], sizes, repeats + _WARMUP), daemon=True)
+    echo.start()
+    link = PipeLink(back[0], there[1], "the echo / the echo", timeout_s)
+    out: list[tuple[int, float]] = []
+    try:
+        for n in sizes:
+            msg, got = torch.zeros(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+            times = []
+            for k in range(repeats + _WARMUP):
+                t0 = time.perf_counter()
+                link.send(msg)
+                link.recv(got)
+                if k >= _WARMUP:
+                    times.append((time.perf_counter() - t0) * 1e3 / 2)
+            out.append((n, statistics.median(times)))
+        return out
+    finally:
+        link.close()  # the echo sees end of file (or has finished) and closes its ends
+        echo.join(timeout=5)
