@@ -4,17 +4,22 @@ Every decode step hands each lane's hidden states from a stage to the next
 and the greedy tokens from the last stage back to the first: a few kilobytes,
 a few hundred times a second. Over gloo's TCP transport a message is written
 and read by a background thread of each process, which must be scheduled on a
-core the rank's own thread keeps busy computing; on a 2-core host two ranks
-that compute flat out made a non-blocking ``isend`` of 8 KiB wait ~2 ms for
-that thread (timed in the decode loop of gpt-mini at batch 16: more time in
-``isend`` than in the stage's blocks). The generator's ranks always share a
-host (it starts them itself), so they hand off through pipes instead: the
+core the rank's own thread keeps busy computing. On the 2-core development VM,
+two ranks handing 8 KiB messages to each other with two lanes in flight took
+21.8 ms a step for 4 ms of work each when the work kept the core busy (4.4 ms
+when it slept instead), and in gpt-mini's decode loop at batch 16 a
+non-blocking ``isend`` waited ~2 ms per call, more than the stage's blocks
+took. One hand-off through a pipe takes ~4 us there at 1-8 KiB, against
+~90 us for gloo's send/recv between two idle ranks. The generator's ranks
+always share a host (it starts them itself), so they hand off through pipes: the
 rank's own thread writes the bytes, the kernel wakes the reader blocked in
 ``poll``, and a rank that exits closes its ends, which its neighbours see at
 once (end of file, or a broken pipe) rather than after a time-out. Why not
-shared memory with a spinning reader: a spin burns the core a busy host's
-other processes need, and the reader still needs a way to learn that its
-peer died; a pipe gives both for one system call per message.
+the runtime's shared-memory collectives (:mod:`hpml_compile.runtime.sync.shm`):
+they meet at a gloo barrier per exchange, the very cost to remove; and shared
+memory with a spinning reader burns the core a busy host's other processes
+need and still needs a way to learn that a peer died; a pipe gives both for
+one system call per message.
 
 Writes never block: what a full pipe does not take now is queued and written
 while the rank next waits to read (:meth:`PipeLink.recv`) or flushes
