@@ -113,13 +113,20 @@ def _send_ms(cluster: Cluster, a: str | None, b: str, shape: DecoderShape, work:
 
 def _stage(cluster: Cluster, shape: DecoderShape, work: Workload, device: str, first: int, end: int,
            stream: bool, specs: Mapping[str, cost_models.DeviceSpec] | None, cold: bool = False) -> InferenceStage:
-    """A priced stage; ``cold``: one of several, whose decode steps find a CPU's caches emptied by the others."""
+    """A priced stage; ``cold``: one of several, whose decode steps find a CPU's caches emptied by the others.
+
+    Of a cold stage's ``M`` lanes per step, the first finds its weights out of the caches (the other stages ran
+    since its last step) and the others right after it find them in: its decode time per lane is the warm
+    one plus ``1 / M`` of what a cold step costs more (:func:`hpml_compile.infer.cost.block_ms`).
+    """
     spec = device_spec(cluster.device(device), specs)
     n, embed, head = end - first, first == 0, end == shape.n_layer
-    pre, dec = block_ms(spec, shape, work, n, decode=False), block_ms(spec, shape, work, n, decode=True, cold=cold)
+    pre, dec = block_ms(spec, shape, work, n, decode=False), block_ms(spec, shape, work, n, decode=True)
+    if cold:
+        dec += (block_ms(spec, shape, work, n, decode=True, cold=True) - dec
+                + (cold_head_ms(spec) if head else 0.0)) / work.microbatches
     if head:
         pre, dec = pre + head_ms(spec, shape, work), dec + head_ms(spec, shape, work)
-        dec += cold_head_ms(spec) if cold else 0.0
     pre, dec = pre + step_extra_ms(spec), dec + step_extra_ms(spec)
     if stream:
         copy = stream_ms(spec, shape, work, n)
@@ -180,8 +187,9 @@ def _costs(cluster: Cluster, shape: DecoderShape, work: Workload, order: Sequenc
     for name in order:
         dev = cluster.device(name)
         spec = device_spec(dev, specs)
-        blk = (block_ms(spec, shape, work, 1, decode=False) / per
-               + block_ms(spec, shape, work, 1, decode=True, cold=len(order) > 1))
+        warm = block_ms(spec, shape, work, 1, decode=True)
+        cold = block_ms(spec, shape, work, 1, decode=True, cold=True) if len(order) > 1 else warm
+        blk = block_ms(spec, shape, work, 1, decode=False) / per + warm + (cold - warm) / work.microbatches
         hd = head_ms(spec, shape, work) * (1 / per + 1)
         copy = stream_ms(spec, shape, work, 1) * (1 / per + 1)
         embed, head = a_idx == 0, i_idx == L

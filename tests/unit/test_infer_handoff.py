@@ -109,3 +109,7 @@ def test_a_stage_of_a_pipeline_is_priced_with_its_weights_out_of_the_cache_and_a
     assert alone.decode_ms == pytest.approx(6 * warm + head + spec.step_ms)
     assert first.decode_ms == pytest.approx(3 * cold + spec.step_ms)
     assert last.decode_ms == pytest.approx(3 * cold + head + 0.4 + spec.step_ms)
+    two = replace(work, batch=8, microbatches=2)  # the same rows in two lanes: the second follows the first warm
+    first, last = stages_for(cl, MINI, two, [("cpu0", 0, 3, False), ("cpu1", 3, 6, False)], {"cpu": spec})
+    assert first.decode_ms == pytest.approx(3 * (warm + cold) / 2 + spec.step_ms)
+    assert last.decode_ms == pytest.approx(3 * (warm + cold) / 2 + head + 0.4 / 2 + spec.step_ms)
