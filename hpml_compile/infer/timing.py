@@ -44,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -62,12 +63,12 @@ from .cost import CPU_OPS_PER_BLOCK, DecoderShape, TimedCpuSpec, Workload, block
 __all__ = ["BlockTiming", "time_block", "timed_spec", "timed_specs"]
 
 _REPEATS = 7  # timings per phase; the median is kept (a busy host's outliers dropped)
-_RUN = 8  # decode steps per timing: a run as long as a stage's step, preempted as often on a busy host
 _SPAN_BYTES = 64 * 2**20  # weights of the blocks timed together: more than a CPU's last-level cache
 _MAX_BLOCKS = 16
 _PREFILL_FLOPS = 2e10  # at most this much work per timed prefill (fewer rows for a large model: seconds, not minutes)
 _EVICT_BYTES = 64 * 2**20  # written between two cold steps: more than a CPU's last-level cache (per core complex)
-_COLD = 2  # cold steps per repeat (each after a flush)
+_RUN = 8  # decode steps per warm timing: a run as long as a stage's step, preempted as often on a busy host
+_COLD = 3  # cold decode steps per repeat, each timed alone after a flush
 _HANDOFF_BIG = 1 << 20  # a third message size for the hand-off's bandwidth
 
 
@@ -180,6 +181,7 @@ def time_block(config: Any, work: Workload, threads: int) -> BlockTiming:
 def _cold_ms(fn: Callable[[], object], flush: Tensor) -> float:
     """``fn``'s time right after ``flush`` is written through (the caches hold it, not what ``fn`` reads)."""
     flush.add_(1.0)
+    os.sched_yield()  # on a busy host, a fresh time slice rather than the end of the one the flush spent
     t0 = time.perf_counter()
     fn()
     return (time.perf_counter() - t0) * 1e3
