@@ -30,7 +30,9 @@ same model (all cores): the eager model recomputing the sequence each token (wha
 does) and the same cached forward without a pipeline. Throughput at batch 16 and latency at batch 1, with
 the plan's predicted tokens/s, time to first token and per-token latency beside the measured and the error
 of each. The plan prices the CPUs from a block of the model timed in this process with one torch thread
-(:func:`hpml_compile.infer.timing.time_block`), as ``compile --inference`` does. Timings need a quiet machine.
+(:func:`hpml_compile.infer.timing.time_block`: back to back, and with its weights out of the caches as a stage of
+a pipeline runs it) and the hand-off between the ranks timed through the generator's pipes, as
+``compile --inference`` does. Timings need a quiet machine.
 
 Run:
     python benchmarks/inference/main.py                 # ~1-2 min
@@ -240,7 +242,7 @@ def measured_rows() -> list[dict[str, Any]]:
         specs = timed_specs(shape, timing)
         stages = stages_for(cluster, shape, work, [("cpu0", 0, 3, False), ("cpu1", 3, 6, False)], specs)
         plan = InferencePlan(Objective.THROUGHPUT, model_name, shape, work, cluster, stages,
-                             score(cluster, shape, work, stages), cpu_timing=timing)
+                             score(cluster, shape, work, stages, specs=specs), cpu_timing=timing)
         one = replace(plan, cluster=Cluster(devices=(cluster.devices[0],), name="local-cpu-1"),
                       stages=stages_for(cluster, shape, work, [("cpu0", 0, 6, False)], specs))
         prompts = torch.randint(0, shape.vocab_size, (batch, prompt_len), generator=g)

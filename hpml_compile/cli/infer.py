@@ -77,7 +77,12 @@ def _report(plan: Any) -> None:
     t = plan.cpu_timing
     if t is not None:
         print(f"  CPUs priced from one block timed here (torch threads {t.threads}, {t.rows} rows, prompt "
-              f"{t.prompt_len}): prefill {t.prefill_ms:.3g} ms, decode step {t.decode_ms:.3g} ms")
+              f"{t.prompt_len}): prefill {t.prefill_ms:.3g} ms, decode step {t.decode_ms:.3g} ms"
+              + (f" ({t.decode_cold_ms:.3g} ms with its weights out of the caches, as a stage of a pipeline)"
+                 if t.decode_cold_ms > 0 else ""))
+        if t.handoff_gbps > 0:
+            print(f"  a hand-off between two ranks of this host (pipes): {t.handoff_us:.3g} us + "
+                  f"{t.handoff_gbps:.3g} GB/s")
     elif any(plan.cluster.device(s.device).is_cpu for s in plan.stages):
         print("  CPUs priced from the catalog's rates (assumed: no block of this model was timed on this host)")
 

@@ -159,7 +159,7 @@ def replan_on_speeds(plan: InferencePlan, specs: Mapping[str, cost_models.Device
     """
     ranges = [(s.device, s.first, s.end, s.stream) for s in plan.stages]
     old = score(plan.cluster, plan.shape, plan.workload, stages_for(plan.cluster, plan.shape, plan.workload, ranges,
-                                                                    specs))
+                                                                    specs), specs=specs)
     new = place(plan.shape, plan.cluster, plan.workload, objective=plan.objective,
                 latency_bound_ms=plan.latency_bound_ms, model=plan.model, specs=specs, explain_idle=False)
     return replace(new.with_model(plan.model, plan.seed, plan.weights), cpu_timing=plan.cpu_timing), old

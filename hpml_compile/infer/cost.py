@@ -44,7 +44,8 @@ from ..errors import OptionError
 from ..ir import Device, base_kind
 
 __all__ = ["Objective", "DecoderShape", "Workload", "DTYPE_BYTES", "KERNELS_PER_BLOCK", "TimedCpuSpec", "device_spec",
-           "block_ms", "block_flops_bytes", "cpu_op_ms", "step_extra_ms", "head_ms", "stream_ms", "stage_bytes"]
+           "block_ms", "block_flops_bytes", "cpu_op_ms", "step_extra_ms", "cold_head_ms", "head_ms", "handoff_ms",
+           "stream_ms", "stage_bytes"]
 
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Kernels one decoder block issues in eager PyTorch: 2 norms, 4 (GPT-2) or 3+1 (Llama) projections, the
@@ -62,9 +63,19 @@ CPU_EAGER_OP_MS = 0.008
 class TimedCpuSpec(cost_models.DeviceSpec):
     """A CPU's entry fitted to a block timed on this host (:mod:`hpml_compile.infer.timing`): its per-op cost is
     the fitted one (no :data:`CPU_EAGER_OP_MS` floor), and each stage step also pays ``step_ms``, what a step
-    of a stage costs beyond its blocks (embedding, positions and mask, head, handing the tokens on)."""
+    of a stage costs beyond its blocks (embedding, positions and mask, head, handing the tokens on).
+
+    A stage of a pipeline of several stages runs with its weights out of the caches (the other stages ran in
+    between): ``cold_op_ms`` is the per-op cost fitted to blocks so timed (0: not timed, the warm one applies),
+    ``cold_head_ms`` what the output head costs more so (its table read from memory). ``handoff_us`` and
+    ``handoff_gbps``: one hand-off between two ranks of this host, as the generator makes it (0 GB/s: not
+    measured)."""
 
     step_ms: float = 0.0
+    cold_op_ms: float = 0.0
+    cold_head_ms: float = 0.0
+    handoff_us: float = 0.0
+    handoff_gbps: float = 0.0
 
 
 class Objective(str, enum.Enum):
@@ -185,7 +196,8 @@ def device_spec(device: Device, specs: Mapping[str, cost_models.DeviceSpec] | No
         raise OptionError(f"device {device.name}: {e}") from None
 
 
-def block_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload, blocks: int, *, decode: bool) -> float:
+def block_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload, blocks: int, *, decode: bool,
+             cold: bool = False) -> float:
     """Time of ``blocks`` decoder blocks on one microbatch of ``work.rows`` sequences.
 
     Args:
@@ -194,6 +206,8 @@ def block_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload, 
         work: the workload (dtype, prompt and output lengths).
         blocks: how many consecutive blocks.
         decode: one decode step (one token per sequence) rather than the prompt's prefill.
+        cold: a stage of a pipeline of several stages, whose weights the others push out of a CPU's caches
+            between two of its steps (:class:`TimedCpuSpec`'s cold figures, where timed).
 
     Returns:
         Milliseconds.
@@ -203,7 +217,7 @@ def block_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload, 
     flops, moved = block_flops_bytes(shape, work, decode=decode)
     one = op_time_ms(OpKind.MATMUL, flops, moved, spec, work.dtype, ops=KERNELS_PER_BLOCK)
     if spec.category is cost_models.DeviceCategory.CPU:  # the CPU runs each op's dispatch after the last
-        one += CPU_OPS_PER_BLOCK * cpu_op_ms(spec) - spec.launch_overhead_ms
+        one += CPU_OPS_PER_BLOCK * cpu_op_ms(spec, cold=cold and decode) - spec.launch_overhead_ms
     return blocks * one
 
 
@@ -217,17 +231,32 @@ def block_flops_bytes(shape: DecoderShape, work: Workload, *, decode: bool) -> t
     return flops, shape.block_params() * nbytes + kv_read + 6 * tokens * shape.d_model * nbytes
 
 
-def cpu_op_ms(spec: cost_models.DeviceSpec) -> float:
+def cpu_op_ms(spec: cost_models.DeviceSpec, *, cold: bool = False) -> float:
     """What one op of a CPU block's eager forward costs: the spec's own per-op cost when it was fitted to a
-    block timed on this host (:class:`TimedCpuSpec`), else at least :data:`CPU_EAGER_OP_MS`."""
+    block timed on this host (:class:`TimedCpuSpec`; its cold one with ``cold``, where timed), else at least
+    :data:`CPU_EAGER_OP_MS`."""
     if isinstance(spec, TimedCpuSpec):
-        return spec.launch_overhead_ms
+        return spec.cold_op_ms if cold and spec.cold_op_ms > 0 else spec.launch_overhead_ms
     return max(spec.launch_overhead_ms, CPU_EAGER_OP_MS)
 
 
 def step_extra_ms(spec: cost_models.DeviceSpec) -> float:
     """What one step of a stage on ``spec`` costs beyond its blocks and head when that was timed (else 0)."""
     return spec.step_ms if isinstance(spec, TimedCpuSpec) else 0.0
+
+
+def cold_head_ms(spec: cost_models.DeviceSpec) -> float:
+    """What the output head's decode step costs more on a stage of a pipeline (its table out of the caches), where
+    timed (else 0)."""
+    return spec.cold_head_ms if isinstance(spec, TimedCpuSpec) else 0.0
+
+
+def handoff_ms(spec: cost_models.DeviceSpec, nbytes: float) -> float | None:
+    """One hand-off of ``nbytes`` between two ranks of this host as measured here (:class:`TimedCpuSpec`), or
+    None where it was not (the cluster's link prices it)."""
+    if not isinstance(spec, TimedCpuSpec) or spec.handoff_gbps <= 0:
+        return None
+    return spec.handoff_us / 1e3 + nbytes / (spec.handoff_gbps * 1e9) * 1e3
 
 
 def head_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload) -> float:

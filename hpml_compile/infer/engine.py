@@ -5,16 +5,19 @@
 them over a free localhost port, and runs the plan's stages as
 :class:`~hpml_compile.infer.kv.Stage` objects. A call to
 :meth:`Generator.generate` broadcasts the request's shape (prompt lengths,
-lanes, tokens wanted) to every rank, then every rank runs the same loop::
+lanes, tokens wanted) to every rank over gloo, then every rank runs the same
+loop, handing tensors on through a ring of pipes (:mod:`.handoff`: the ranks
+share this host)::
 
     for step in range(max_new_tokens):          # step 0 is the prefill
         for lane in lanes:                       # microbatches of sequences, each with its own cache
             x = recv from the previous stage     # stage 0: the prompt, or the lane's last token
             y = stage.step(lane, x, start)
-            isend y to the next stage            # the last stage sends the greedy tokens back to stage 0
+            send y to the next stage             # the last stage sends the greedy tokens back to stage 0
 
-Sends never block (``isend``), so while the last stage works on lane 0,
-stage 0 already runs lane 1: with as many lanes as stages every stage is busy.
+Sends never block (what a pipe does not take is written while the rank next
+waits), so while the last stage works on lane 0, stage 0 already runs lane 1:
+with as many lanes as stages every stage is busy.
 Stage 0 waits for a lane's token only when that lane's next step begins.
 Greedy decoding only: each token is the argmax of the last position's logits.
 
@@ -51,6 +54,7 @@ from torch import Tensor
 
 from ..errors import HpmlError, LaunchError
 from ..ir import Device
+from .handoff import PipeLink, pipe_ring
 from .hf import HFStage, is_hf_llama
 from .kv import Stage
 from .plan import InferencePlan, Prediction, save_inference_plan
@@ -230,6 +234,7 @@ class Generator:
         self._closed = False
         self.broken: str | None = None
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._link: PipeLink | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="hpml-infer-")
         self._finalizer = weakref.finalize(self, _kill_all, self._procs)
         timed = plan.cpu_timing.threads if plan.cpu_timing is not None else None  # what its CPUs were priced at
@@ -245,18 +250,24 @@ class Generator:
 
         plan_path = save_inference_plan(self.plan, Path(self._dir.name) / "plan.json")
         port = free_port()
+        pipes = pipe_ring(self.world)  # pipes[i]: rank i -> rank i + 1 (the last: -> rank 0)
         for rank in range(1, self.world):
             log = open(Path(self._dir.name) / f"rank{rank}.log", "wb")
+            ends = (pipes[rank - 1][0], pipes[rank][1])
             self._procs.append(subprocess.Popen(
                 [sys.executable, "-m", "hpml_compile.infer.worker", str(plan_path), str(rank), str(self.world),
-                 str(port), str(threads), str(timeout_s), json.dumps(self.slow.get(self.plan.stages[rank].device))],
-                stdout=log, stderr=subprocess.STDOUT))
+                 str(port), str(threads), str(timeout_s), json.dumps(self.slow.get(self.plan.stages[rank].device)),
+                 *map(str, ends)], stdout=log, stderr=subprocess.STDOUT, pass_fds=ends))
             log.close()
+            for fd in ends:  # the worker's now: it alone holds them, so its exit closes them
+                os.close(fd)
+        self._link = PipeLink(pipes[-1][0], pipes[0][1], f"rank {self.world - 1} / rank 1", timeout_s)
         try:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=self.world,
                                     timeout=timedelta(seconds=min(timeout_s, START_TIMEOUT_S)))
         except Exception as e:  # noqa: BLE001 - a worker that died before joining shows as a timeout here
             _kill_all(self._procs)
+            self._link.close()
             raise LaunchError(f"inference ranks did not join: {e}; {self._worker_report()}") from None
 
     def _worker_report(self) -> str:
@@ -307,13 +318,15 @@ class Generator:
                     p.kill()
             dist.destroy_process_group()
         _kill_all(self._procs)
+        if self._link is not None:
+            self._link.close()
         self.stage.close()
         self.broken = self.broken or "closed"
 
     def _guarded(self, fn: Callable[[], object]) -> object:
         try:
             return fn()
-        except RuntimeError as e:  # gloo: a peer's connection closed or timed out
+        except RuntimeError as e:  # gloo or a pipe (HandoffError): a peer's connection closed or timed out
             said = re.sub(r"\[[^\]]*\.cc:\d+\] ", "", str(e)).split(". This is typically")[0]
             time.sleep(0.5)  # the dead worker's exit status settles
             self.broken = f"a rank failed while generating ({said}); {self._worker_report()}"
@@ -369,7 +382,7 @@ class Generator:
              for k, r in enumerate(lanes)]
         tokens: list[list[int]] = [[] for _ in prompts]
         logits: list[list[Tensor]] = [[] for _ in prompts]
-        pending: list[tuple[object, Tensor]] = []
+        link = self._link
         t0 = time.perf_counter()
         first_done = [t0]
 
@@ -379,9 +392,10 @@ class Generator:
             else:
                 out = torch.empty(len(lanes[k]), self.vocab) if want_logits else None
                 tok = torch.empty(len(lanes[k]), dtype=torch.long)
-                dist.recv(tok, src=self.world - 1)
+                assert link is not None
+                link.recv(tok)
                 if out is not None:
-                    dist.recv(out, src=self.world - 1)
+                    link.recv(out)
             toks = out.argmax(-1) if self.world == 1 else tok
             for j, i in enumerate(lanes[k]):
                 tokens[i].append(int(toks[j]))
@@ -404,12 +418,12 @@ class Generator:
                 if self.world == 1:
                     self._last_out[k] = y.float()
                 else:
-                    y = y.float().cpu().contiguous()
-                    pending.append((dist.isend(y, dst=1), y))
+                    assert link is not None
+                    link.send(y.float().cpu().contiguous())
         for k in range(len(lanes)):
             take(k, new - 1)
-        for work, _ in pending:
-            work.wait()  # type: ignore[attr-defined]
+        if link is not None:
+            link.flush()
         total = (time.perf_counter() - t0) * 1e3
         self.stage.close()
         ttft = (first_done[0] - t0) * 1e3

@@ -63,8 +63,8 @@ from cost_models.comm import p2p_ms
 from ..cluster import link_spec
 from ..errors import InfeasibleError, OptionError
 from ..ir import Cluster
-from .cost import (DTYPE_BYTES, DecoderShape, Objective, Workload, block_ms, device_spec, head_ms, stage_bytes,
-                   step_extra_ms, stream_ms)
+from .cost import (DTYPE_BYTES, DecoderShape, Objective, Workload, block_ms, cold_head_ms, device_spec, handoff_ms,
+                   head_ms, stage_bytes, step_extra_ms, stream_ms)
 from .plan import InferencePlan, InferenceStage, Prediction
 
 __all__ = ["LANES", "MEMORY_FRACTION", "place", "score", "stages_for", "device_order", "predict_run",
@@ -91,18 +91,40 @@ def device_order(cluster: Cluster, shape: DecoderShape, work: Workload,
     return sorted(t, key=lambda n: (t[n], n))
 
 
-def _send_ms(cluster: Cluster, a: str | None, b: str, shape: DecoderShape, work: Workload, decode: bool) -> float:
+def _hand_ms(cluster: Cluster, a: str, b: str, nbytes: float,
+             specs: Mapping[str, cost_models.DeviceSpec] | None) -> float:
+    """One message of ``nbytes`` from device ``a`` to ``b``: between two CPUs of one host, the hand-off measured
+    there where the specs carry it (:func:`hpml_compile.infer.cost.handoff_ms`); else over the cluster's link."""
+    da, db = cluster.device(a), cluster.device(b)
+    if da.is_cpu and db.is_cpu and da.host == db.host:
+        here = handoff_ms(device_spec(da, specs), nbytes)
+        if here is not None:
+            return here
+    return p2p_ms(nbytes, link_spec(cluster, a, b))
+
+
+def _send_ms(cluster: Cluster, a: str | None, b: str, shape: DecoderShape, work: Workload, decode: bool,
+             specs: Mapping[str, cost_models.DeviceSpec] | None = None) -> float:
     if a is None or a == b:
         return 0.0
     tokens = work.rows * (1 if decode else work.prompt_len)
-    return p2p_ms(tokens * shape.d_model * DTYPE_BYTES[work.dtype], link_spec(cluster, a, b))
+    return _hand_ms(cluster, a, b, tokens * shape.d_model * DTYPE_BYTES[work.dtype], specs)
 
 
 def _stage(cluster: Cluster, shape: DecoderShape, work: Workload, device: str, first: int, end: int,
-           stream: bool, specs: Mapping[str, cost_models.DeviceSpec] | None) -> InferenceStage:
+           stream: bool, specs: Mapping[str, cost_models.DeviceSpec] | None, cold: bool = False) -> InferenceStage:
+    """A priced stage; ``cold``: one of several, whose decode steps find a CPU's caches emptied by the others.
+
+    Of a cold stage's ``M`` lanes per step, the first finds its weights out of the caches (the other stages ran
+    since its last step) and the others right after it find them in: its decode time per lane is the warm
+    one plus ``1 / M`` of what a cold step costs more (:func:`hpml_compile.infer.cost.block_ms`).
+    """
     spec = device_spec(cluster.device(device), specs)
     n, embed, head = end - first, first == 0, end == shape.n_layer
     pre, dec = block_ms(spec, shape, work, n, decode=False), block_ms(spec, shape, work, n, decode=True)
+    if cold:
+        dec += (block_ms(spec, shape, work, n, decode=True, cold=True) - dec
+                + (cold_head_ms(spec) if head else 0.0)) / work.microbatches
     if head:
         pre, dec = pre + head_ms(spec, shape, work), dec + head_ms(spec, shape, work)
     pre, dec = pre + step_extra_ms(spec), dec + step_extra_ms(spec)
@@ -114,7 +136,7 @@ def _stage(cluster: Cluster, shape: DecoderShape, work: Workload, device: str, f
 
 
 def score(cluster: Cluster, shape: DecoderShape, work: Workload, stages: Sequence[InferenceStage], *,
-          sequential: bool = False) -> Prediction:
+          sequential: bool = False, specs: Mapping[str, cost_models.DeviceSpec] | None = None) -> Prediction:
     """The predicted times of ``stages`` on ``work`` (formulas in the module docstring).
 
     Args:
@@ -124,15 +146,17 @@ def score(cluster: Cluster, shape: DecoderShape, work: Workload, stages: Sequenc
         stages: the pipeline, priced (``prefill_ms``/``decode_ms`` per microbatch).
         sequential: one stage works at a time on the whole batch (no lanes), as a memory-proportional
             placement runs it.
+        specs: the device specs the stages were priced with (a hand-off between CPUs of one host measured
+            there prices their sends, :func:`hpml_compile.infer.cost.handoff_ms`).
 
     Returns:
         The prediction.
     """
     names = [s.device for s in stages]
     prev: list[str | None] = [None, *names[:-1]]
-    p = [s.prefill_ms + _send_ms(cluster, a, s.device, shape, work, False) for s, a in zip(stages, prev)]
-    d = [s.decode_ms + _send_ms(cluster, a, s.device, shape, work, True) for s, a in zip(stages, prev)]
-    back = p2p_ms(8 * work.rows, link_spec(cluster, names[-1], names[0])) if len(names) > 1 else 0.0
+    p = [s.prefill_ms + _send_ms(cluster, a, s.device, shape, work, False, specs) for s, a in zip(stages, prev)]
+    d = [s.decode_ms + _send_ms(cluster, a, s.device, shape, work, True, specs) for s, a in zip(stages, prev)]
+    back = _hand_ms(cluster, names[-1], names[0], 8 * work.rows, specs) if len(names) > 1 else 0.0
     lanes = 1 if sequential else work.microbatches
     prefill = sum(p) + (lanes - 1) * max(p)
     step = max(lanes * max(d), sum(d) + back)
@@ -163,7 +187,9 @@ def _costs(cluster: Cluster, shape: DecoderShape, work: Workload, order: Sequenc
     for name in order:
         dev = cluster.device(name)
         spec = device_spec(dev, specs)
-        blk = (block_ms(spec, shape, work, 1, decode=False) / per + block_ms(spec, shape, work, 1, decode=True))
+        warm = block_ms(spec, shape, work, 1, decode=True)
+        cold = block_ms(spec, shape, work, 1, decode=True, cold=True) if len(order) > 1 else warm
+        blk = block_ms(spec, shape, work, 1, decode=False) / per + warm + (cold - warm) / work.microbatches
         hd = head_ms(spec, shape, work) * (1 / per + 1)
         copy = stream_ms(spec, shape, work, 1) * (1 / per + 1)
         embed, head = a_idx == 0, i_idx == L
@@ -227,7 +253,8 @@ def _min_sum(costs: _Costs, send: np.ndarray, tau: float, required: frozenset[in
 def stages_for(cluster: Cluster, shape: DecoderShape, work: Workload, ranges: Iterable[tuple[str, int, int, bool]],
                specs: Mapping[str, cost_models.DeviceSpec] | None = None) -> tuple[InferenceStage, ...]:
     """Price given ``(device, first, end, stream)`` ranges as stages (for baselines and tests)."""
-    return tuple(_stage(cluster, shape, work, d, a, b, s, specs) for d, a, b, s in ranges)
+    ranges = list(ranges)
+    return tuple(_stage(cluster, shape, work, d, a, b, s, specs, cold=len(ranges) > 1) for d, a, b, s in ranges)
 
 
 def _search(cluster: Cluster, shape: DecoderShape, work: Workload, order: Sequence[str], objective: Objective,
@@ -240,7 +267,8 @@ def _search(cluster: Cluster, shape: DecoderShape, work: Workload, order: Sequen
         w = replace(work, microbatches=m)
         costs = _costs(cluster, shape, w, order, specs)
         D = len(order)
-        send = np.array([[_send_ms(cluster, order[a], order[b], shape, w, True) for b in range(D)] for a in range(D)])
+        send = np.array([[_send_ms(cluster, order[a], order[b], shape, w, True, specs) for b in range(D)]
+                         for a in range(D)])
         finite = np.unique(costs.work[np.isfinite(costs.work)])
         if finite.size == 0:
             continue
@@ -250,9 +278,9 @@ def _search(cluster: Cluster, shape: DecoderShape, work: Workload, order: Sequen
             found = _min_sum(costs, send, tau, required)
             if found is None:
                 continue
-            stages = tuple(_stage(cluster, shape, w, order[j], a, b, bool(costs.stream[j, a, b]), specs)
-                           for j, a, b in found)
-            pred = score(cluster, shape, w, stages)
+            stages = tuple(_stage(cluster, shape, w, order[j], a, b, bool(costs.stream[j, a, b]), specs,
+                                  cold=len(found) > 1) for j, a, b in found)
+            pred = score(cluster, shape, w, stages, specs=specs)
             if bound is not None and pred.token_ms > bound:
                 continue
             if best is None or pred.total_ms * best[1].batch < best[2].total_ms * w.batch:
@@ -369,7 +397,8 @@ def predict_run(plan: InferencePlan, batch: int, prompt_len: int, new_tokens: in
     work = Workload(batch, max(prompt_len, 1), max(new_tokens, 1), max(1, min(lanes, batch)), plan.workload.dtype)
     ranges = [(s.device, s.first, s.end, s.stream) for s in plan.stages]
     specs = plan.specs()
-    return score(plan.cluster, plan.shape, work, stages_for(plan.cluster, plan.shape, work, ranges, specs))
+    return score(plan.cluster, plan.shape, work, stages_for(plan.cluster, plan.shape, work, ranges, specs),
+                 specs=specs)
 
 
 def replan_without(plan: InferencePlan, lost: Iterable[str],

@@ -11,7 +11,23 @@ here (:func:`time_block`): one block's prefill of ``rows x prompt_len`` tokens,
 one block's decode step over a half-generated cache, and the output head, in
 this process with the ranks' thread count, and what a stage's step costs beyond
 its blocks (embedding, mask, head, the tokens handed on: fixed per step, where
-the blocks' cost grows with their count). :func:`timed_spec` turns the times
+the blocks' cost grows with their count).
+
+A stage of a pipeline reads its weights from memory, not from the CPU's
+caches: between two of its steps the other stages run theirs (on this host,
+through the same last-level cache) and push its weights out. Timed back to
+back, a small model's blocks stay in the cache and look several times faster
+than they run in a pipeline (gpt-mini's first stage at batch 1: 0.40 ms a step
+back to back, 0.9-1.0 ms with 32-64 MiB written between two steps, as in its
+2-rank pipeline). So the decode step and the step's work outside the blocks
+are timed both ways: back to back (what a plan of one stage runs) and cold,
+each step after a write of :data:`_EVICT_BYTES` (what a stage of a pipeline
+runs). And what handing a step's hidden states to the next rank costs here is
+timed between two processes through the generator's pipes
+(:func:`hpml_compile.infer.handoff.measure_handoff`), at the decode step's and
+the prefill's message sizes, fitted to a latency and a bandwidth.
+
+:func:`timed_spec` turns the times
 into the CPU's entry for pricing: the FLOP/s that make the block's prefill take
 what it took, the per-op cost that makes its decode step take what it took (the
 catalog's bandwidth kept), so other rows and lengths follow the roofline from
@@ -28,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -35,6 +52,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor
+
+from .handoff import measure_handoff
 
 import cost_models
 from cost_models.roofline import OpKind, roofline_ms
@@ -44,10 +63,13 @@ from .cost import CPU_OPS_PER_BLOCK, DecoderShape, TimedCpuSpec, Workload, block
 __all__ = ["BlockTiming", "time_block", "timed_spec", "timed_specs"]
 
 _REPEATS = 7  # timings per phase; the median is kept (a busy host's outliers dropped)
-_RUN = 8  # decode steps per timing: a run as long as a stage's step, preempted as often on a busy host
 _SPAN_BYTES = 64 * 2**20  # weights of the blocks timed together: more than a CPU's last-level cache
 _MAX_BLOCKS = 16
 _PREFILL_FLOPS = 2e10  # at most this much work per timed prefill (fewer rows for a large model: seconds, not minutes)
+_EVICT_BYTES = 64 * 2**20  # written between two cold steps: more than a CPU's last-level cache (per core complex)
+_RUN = 8  # decode steps per warm timing: a run as long as a stage's step, preempted as often on a busy host
+_COLD = 3  # cold decode steps per repeat, each timed alone after a flush
+_HANDOFF_BIG = 1 << 20  # a third message size for the hand-off's bandwidth
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +83,10 @@ class BlockTiming:
     prompt_len: int
     new_tokens: int
     threads: int
+    decode_cold_ms: float = 0.0  # decode_ms with the caches flushed before each step (as a pipeline's stage)
+    step_cold_ms: float = 0.0  # step_ms likewise
+    handoff_us: float = 0.0  # one hand-off between two ranks of this host: latency ...
+    handoff_gbps: float = 0.0  # ... and bandwidth (0: not measured; the cluster's link prices it)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,7 +94,9 @@ class BlockTiming:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "BlockTiming":
         return cls(float(d["prefill_ms"]), float(d["decode_ms"]), float(d["step_ms"]), int(d["rows"]),
-                   int(d["prompt_len"]), int(d["new_tokens"]), int(d["threads"]))
+                   int(d["prompt_len"]), int(d["new_tokens"]), int(d["threads"]), float(d.get("decode_cold_ms", 0.0)),
+                   float(d.get("step_cold_ms", 0.0)), float(d.get("handoff_us", 0.0)),
+                   float(d.get("handoff_gbps", 0.0)))
 
 
 def _median_ms(fn: Callable[[], object], repeats: int = _REPEATS) -> float:
@@ -130,17 +158,44 @@ def time_block(config: Any, work: Workload, threads: int) -> BlockTiming:
         blocks.open(0, pads, work.context)
         blocks.step(0, h, 0)
         h1 = torch.randn(rows, 1, config.d_model, dtype=dtype)
-        runs: tuple[list[float], list[float]] = ([], [])
-        for _ in range(_REPEATS):  # interleaved, so that a busy spell of the host weighs on both alike
+        flush = torch.zeros(_EVICT_BYTES // 4)
+        runs: tuple[list[float], ...] = ([], [], [], [])
+        for _ in range(_REPEATS):  # interleaved, so that a busy spell of the host weighs on each alike
             runs[0].append(_median_ms(lambda: [blocks.step(0, h1, at) for _ in range(_RUN)], 1) / _RUN / n)
             runs[1].append(_median_ms(lambda: [ends.step(0, ids, at).float().argmax(-1).tolist()
                                                for _ in range(_RUN)], 1) / _RUN)
-        decode, step = statistics.median(runs[0]), statistics.median(runs[1])
+            for _ in range(_COLD):
+                runs[2].append(_cold_ms(lambda: blocks.step(0, h1, at), flush) / n)
+                runs[3].append(_cold_ms(lambda: ends.step(0, ids, at).float().argmax(-1).tolist(), flush))
+        decode, step, decode_cold, step_cold = (statistics.median(r) for r in runs)
+        # a cold step is never faster than a warm one: where a busy host's preemptions made it so, warm it is
+        decode_cold, step_cold = max(decode_cold, decode), max(step_cold, step)
         blocks.close()
         ends.close()
     finally:
         torch.set_num_threads(before)
-    return BlockTiming(prefill, decode, step, rows, P, work.new_tokens, threads)
+    width = torch.finfo(dtype).bits // 8
+    latency_us, gbps = _handoff(rows * config.d_model * width, rows * P * config.d_model * width)
+    return BlockTiming(prefill, decode, step, rows, P, work.new_tokens, threads, decode_cold, step_cold, latency_us,
+                       gbps)
+
+
+def _cold_ms(fn: Callable[[], object], flush: Tensor) -> float:
+    """``fn``'s time right after ``flush`` is written through (the caches hold it, not what ``fn`` reads)."""
+    flush.add_(1.0)
+    os.sched_yield()  # on a busy host, a fresh time slice rather than the end of the one the flush spent
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _handoff(decode_bytes: int, prefill_bytes: int) -> tuple[float, float]:
+    """``(latency us, GB/s)`` of a hand-off between two processes here, fitted to the decode step's message, the
+    prefill's and a larger one (:func:`hpml_compile.infer.handoff.measure_handoff`)."""
+    rows = measure_handoff(tuple(sorted({max(1, decode_bytes), max(1, prefill_bytes), _HANDOFF_BIG})))
+    (b0, t0), (b1, t1) = rows[0], rows[-1]
+    per_byte = max((t1 - t0) / (b1 - b0), 1e-12)  # ms per byte
+    return max(0.0, t0 - b0 * per_byte) * 1e3, 1e-6 / per_byte
 
 
 def timed_spec(base: cost_models.DeviceSpec, shape: DecoderShape, timing: BlockTiming,
@@ -150,10 +205,14 @@ def timed_spec(base: cost_models.DeviceSpec, shape: DecoderShape, timing: BlockT
     :func:`hpml_compile.infer.cost.block_ms` prices a CPU block at ``roofline + CPU_OPS_PER_BLOCK * op``:
     the per-op cost ``op`` is fitted to the decode step, the FLOP/s to the prefill, a few rounds since each
     term holds a little of the other; the bandwidth stays the catalog's. What a stage step costs beyond its
-    blocks and head (:attr:`BlockTiming.step_ms` less the head as priced) is charged to each stage step.
+    blocks and head (:attr:`BlockTiming.step_ms` less the head as priced) is charged to each stage step. The
+    cold decode step (a stage of a pipeline) gets a per-op cost of its own the same way; what the cold step
+    outside the blocks took more than the warm one is the head's (its table read from memory: the embedding
+    reads a row per sequence); the hand-off's latency and bandwidth are carried over.
 
     Returns:
-        The fitted spec, with the step's cost beyond its blocks and head (``step_ms``).
+        The fitted spec, with the step's cost beyond its blocks and head (``step_ms``) and the cold and
+        hand-off figures.
     """
     work = Workload(timing.rows, timing.prompt_len, timing.new_tokens, 1, dtype)
     fp, bp = block_flops_bytes(shape, work, decode=False)
@@ -168,7 +227,14 @@ def timed_spec(base: cost_models.DeviceSpec, shape: DecoderShape, timing: BlockT
                      source=f"timed on this host: one block at {timing.rows} rows, prompt {timing.prompt_len}, "
                             f"torch threads {timing.threads}")
     extra = max(0.0, timing.step_ms - head_ms(fitted, shape, work))  # the head is priced on its own
-    return TimedCpuSpec(**{f.name: getattr(fitted, f.name) for f in fields(cost_models.DeviceSpec)}, step_ms=extra)
+    cold_op = cold_head = 0.0
+    if timing.decode_cold_ms > 0:
+        cold_op = max(1e-6, (timing.decode_cold_ms - roofline_ms(OpKind.MATMUL, fd, bd, fitted, dtype))
+                      / CPU_OPS_PER_BLOCK)
+        cold_head = max(0.0, timing.step_cold_ms - timing.step_ms)  # the table read from memory: the head's
+    return TimedCpuSpec(**{f.name: getattr(fitted, f.name) for f in fields(cost_models.DeviceSpec)}, step_ms=extra,
+                        cold_op_ms=cold_op, cold_head_ms=cold_head, handoff_us=timing.handoff_us,
+                        handoff_gbps=timing.handoff_gbps)
 
 
 def timed_specs(shape: DecoderShape, timing: BlockTiming | None, dtype: str = "float32"

@@ -26,7 +26,8 @@ def test_each_rank_of_a_two_rank_cpu_plan_computes_within_2x_of_its_predicted_sh
     work = replace(plan.workload, microbatches=2)
     stages = stages_for(plan.cluster, plan.shape, work, [("cpu0", 0, 3, False), ("cpu1", 3, 6, False)],
                         plan.specs())
-    plan = replace(plan, workload=work, stages=stages, predicted=score(plan.cluster, plan.shape, work, stages))
+    plan = replace(plan, workload=work, stages=stages,
+                   predicted=score(plan.cluster, plan.shape, work, stages, specs=plan.specs()))
     prompts = torch.randint(0, plan.shape.vocab_size, (8, PROMPT), generator=torch.Generator().manual_seed(0))
     with Generator(plan) as gen:
         gen.generate(prompts.tolist(), 2)

@@ -1,0 +1,255 @@
+"""Hand-offs between the generator's ranks through pipes: each rank reads from the one before it, writes to the next.
+
+Every decode step hands each lane's hidden states from a stage to the next
+and the greedy tokens from the last stage back to the first: a few kilobytes,
+a few hundred times a second. Over gloo's TCP transport a message is written
+and read by a background thread of each process, which must be scheduled on a
+core the rank's own thread keeps busy computing. On the 2-core development VM,
+two ranks handing 8 KiB messages to each other with two lanes in flight took
+21.8 ms a step for 4 ms of work each when the work kept the core busy (4.4 ms
+when it slept instead), and in gpt-mini's decode loop at batch 16 a
+non-blocking ``isend`` waited ~2 ms per call, more than the stage's blocks
+took. One hand-off through a pipe takes ~4 us there at 1-8 KiB, against
+~90 us for gloo's send/recv between two idle ranks. The generator's ranks
+always share a host (it starts them itself), so they hand off through pipes: the
+rank's own thread writes the bytes, the kernel wakes the reader blocked in
+``poll``, and a rank that exits closes its ends, which its neighbours see at
+once (end of file, or a broken pipe) rather than after a time-out. Why not
+the runtime's shared-memory collectives (:mod:`hpml_compile.runtime.sync.shm`):
+they meet at a gloo barrier per exchange, the very cost to remove; and shared
+memory with a spinning reader burns the core a busy host's other processes
+need and still needs a way to learn that a peer died; a pipe gives both for
+one system call per message.
+
+Writes never block: what a full pipe does not take now is queued and written
+while the rank next waits to read (:meth:`PipeLink.recv`) or flushes
+(:meth:`PipeLink.flush`). So, as with ``isend``, a stage hands a lane on and
+runs the next one, and two ranks writing to each other can never both wait on
+a full pipe.
+
+Example:
+    >>> import os, torch
+    >>> r, w = os.pipe()
+    >>> link = PipeLink(r, w, "itself", timeout_s=5)
+    >>> link.send(torch.arange(4.0))
+    >>> out = torch.empty(4)
+    >>> link.recv(out); link.close()
+    >>> out.tolist()
+    [0.0, 1.0, 2.0, 3.0]
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import select
+import time
+from collections import deque
+
+from torch import Tensor
+
+__all__ = ["PipeLink", "HandoffError", "pipe_ring", "measure_handoff", "PIPE_BYTES"]
+
+PIPE_BYTES = 1 << 20  # a pipe's buffer asked for (capped by /proc/sys/fs/pipe-max-size): a prefill in few writes
+_POLL_MS = 1000  # how often a wait looks at its time-out
+
+
+class HandoffError(RuntimeError):
+    """A neighbouring rank closed its end (it exited) or sent nothing for the group's time-out."""
+
+
+def pipe_ring(world: int) -> list[tuple[int, int]]:
+    """``world`` pipes, the ``i``-th carrying rank ``i``'s output to rank ``(i + 1) % world``: ``(read, write)``
+    descriptors, made large (:data:`PIPE_BYTES`) where the system allows."""
+    pipes = [os.pipe() for _ in range(world)]
+    for _, w in pipes:
+        try:
+            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        except (OSError, AttributeError):  # above the system's cap, or no such call: the default buffer
+            pass
+    return pipes
+
+
+class PipeLink:
+    """One rank's two ends of the ring: ``read_fd`` from the previous rank, ``write_fd`` to the next.
+
+    Args:
+        read_fd: the pipe the previous rank writes.
+        write_fd: the pipe the next rank reads.
+        peer: how errors name the neighbours (e.g. ``"rank 0 / rank 2"``).
+        timeout_s: how long :meth:`recv` and :meth:`flush` may wait without any progress.
+    """
+
+    def __init__(self, read_fd: int, write_fd: int, peer: str, timeout_s: float) -> None:
+        self.read_fd, self.write_fd, self.peer, self.timeout_s = read_fd, write_fd, peer, timeout_s
+        os.set_blocking(read_fd, False)
+        os.set_blocking(write_fd, False)
+        self._out: deque[memoryview] = deque()  # bytes queued for the next rank, in order
+        self._held: deque[Tensor] = deque()  # the tensors those bytes live in, alive until written
+
+    def send(self, t: Tensor) -> None:
+        """Queue ``t``'s bytes (a contiguous CPU tensor, not changed afterwards) for the next rank; write what the
+        pipe takes now.
+
+        Raises:
+            HandoffError: if the next rank has exited.
+        """
+        self._out.append(t.numpy().data.cast("B"))
+        self._held.append(t)
+        self._write()
+
+    def recv(self, out: Tensor) -> None:
+        """Fill ``out`` (contiguous, on the CPU) with the previous rank's next message of its size, writing queued
+        output while waiting.
+
+        Raises:
+            HandoffError: if the previous rank has exited, or nothing came for ``timeout_s``.
+        """
+        view = out.numpy().data.cast("B")
+        got, last = 0, time.monotonic()
+        while got < len(view):
+            try:
+                n = os.readv(self.read_fd, [view[got:]])
+            except BlockingIOError:
+                n = -1
+            if n == 0:
+                raise HandoffError(f"{self.peer.split(' / ')[0]} closed its end of the pipeline (it exited)")
+            if n > 0:
+                got, last = got + n, time.monotonic()
+                continue
+            if self._wait(want_read=True):
+                last = time.monotonic()
+            elif time.monotonic() - last > self.timeout_s:
+                raise HandoffError(f"nothing from {self.peer.split(' / ')[0]} for {self.timeout_s:.0f} s")
+
+    def flush(self) -> None:
+        """Wait until every queued byte is written.
+
+        Raises:
+            HandoffError: if the next rank has exited or read nothing for ``timeout_s``.
+        """
+        last = time.monotonic()
+        while self._out:
+            if self._wait(want_read=False):
+                last = time.monotonic()
+            elif time.monotonic() - last > self.timeout_s:
+                raise HandoffError(f"{self.peer.split(' / ')[-1]} read nothing for {self.timeout_s:.0f} s")
+
+    def close(self) -> None:
+        """Close both ends (the neighbours see end of file or a broken pipe)."""
+        for fd in (self.read_fd, self.write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._out.clear()
+        self._held.clear()
+
+    def _write(self) -> bool:
+        """Write what the pipe takes of the queue; whether anything was written."""
+        wrote = False
+        while self._out:
+            head = self._out[0]
+            try:
+                n = os.write(self.write_fd, head)
+            except BlockingIOError:
+                return wrote
+            except BrokenPipeError:
+                raise HandoffError(f"{self.peer.split(' / ')[-1]} closed its end of the pipeline (it exited)") \
+                    from None
+            wrote = True
+            if n < len(head):
+                self._out[0] = head[n:]
+                return wrote
+            self._out.popleft()
+            self._held.popleft()
+        return wrote
+
+    def _wait(self, *, want_read: bool) -> bool:
+        """Block until the pipe in can be read (``want_read``) or the pipe out takes more of the queue, for at most
+        :data:`_POLL_MS`; write what it takes. Returns whether anything happened."""
+        poll = select.poll()
+        if want_read:
+            poll.register(self.read_fd, select.POLLIN)
+        if self._out:
+            poll.register(self.write_fd, select.POLLOUT)
+        ready = False
+        for fd, _ in poll.poll(_POLL_MS):
+            if fd == self.write_fd:
+                ready = self._write() or ready  # a closed reader raises here (broken pipe)
+            else:
+                ready = True
+        return ready
+
+
+_WARMUP = 3
+
+
+def _echo(r: int, w: int, sizes: tuple[int, ...], count: int) -> None:
+    """The far end of :func:`measure_handoff`: for each size, reads ``count`` messages whole and writes each back
+    (blocking descriptors, plain bytes: the system calls release the GIL)."""
+    try:
+        for n in sizes:
+            view = memoryview(bytearray(n))
+            for _ in range(count):
+                got = 0
+                while got < n:
+                    k = os.readv(r, [view[got:]])
+                    if k == 0:
+                        return
+                    got += k
+                out = 0
+                while out < n:
+                    out += os.write(w, view[out:])
+    except OSError:
+        return  # the measuring side closed its ends
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def measure_handoff(sizes: tuple[int, ...], repeats: int = 30, timeout_s: float = 60.0) -> list[tuple[int, float]]:
+    """One hand-off's time through :class:`PipeLink` on this host, per message size.
+
+    A thread echoes each message back through a second pipe; a hand-off takes half the median round trip of
+    ``repeats`` (after a few untimed). This side is the generator's: :meth:`PipeLink.send`, then
+    :meth:`PipeLink.recv` waiting in ``poll``; each message wakes a thread blocked on the other pipe, as it
+    wakes the next rank. A thread rather than a second process: nothing to start, and the GIL is free while
+    each side waits in the kernel, so the time is the pipe's and the wake-up's.
+
+    Args:
+        sizes: message sizes in bytes (each at least 1).
+        repeats: round trips timed per size.
+        timeout_s: how long the echo may take to answer.
+
+    Returns:
+        ``(bytes, milliseconds)`` per size.
+
+    Raises:
+        HandoffError: if the echo does not answer.
+    """
+    import statistics
+    import threading
+
+    import torch
+
+    there, back = pipe_ring(2)
+    echo = threading.Thread(target=_echo, args=(there[0], back[1], sizes, repeats + _WARMUP), daemon=True)
+    echo.start()
+    link = PipeLink(back[0], there[1], "the echo / the echo", timeout_s)
+    out: list[tuple[int, float]] = []
+    try:
+        for n in sizes:
+            msg, got = torch.zeros(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+            times = []
+            for k in range(repeats + _WARMUP):
+                t0 = time.perf_counter()
+                link.send(msg)
+                link.recv(got)
+                if k >= _WARMUP:
+                    times.append((time.perf_counter() - t0) * 1e3 / 2)
+            out.append((n, statistics.median(times)))
+        return out
+    finally:
+        link.close()  # the echo sees end of file (or has finished) and closes its ends
+        echo.join(timeout=5)
