@@ -69,13 +69,15 @@ class TimedCpuSpec(cost_models.DeviceSpec):
     between): ``cold_op_ms`` is the per-op cost fitted to blocks so timed (0: not timed, the warm one applies),
     ``cold_head_ms`` what the output head costs more so (its table read from memory). ``handoff_us`` and
     ``handoff_gbps``: one hand-off between two ranks of this host, as the generator makes it (0 GB/s: not
-    measured)."""
+    measured). ``llc_bytes``: the CPU's last-level cache as the host reports it (0: unknown); a model whose
+    decode working set fits in it stays warm in every stage (:func:`evicts`)."""
 
     step_ms: float = 0.0
     cold_op_ms: float = 0.0
     cold_head_ms: float = 0.0
     handoff_us: float = 0.0
     handoff_gbps: float = 0.0
+    llc_bytes: int = 0
 
 
 class Objective(str, enum.Enum):
@@ -217,7 +219,8 @@ def block_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload, 
     flops, moved = block_flops_bytes(shape, work, decode=decode)
     one = op_time_ms(OpKind.MATMUL, flops, moved, spec, work.dtype, ops=KERNELS_PER_BLOCK)
     if spec.category is cost_models.DeviceCategory.CPU:  # the CPU runs each op's dispatch after the last
-        one += CPU_OPS_PER_BLOCK * cpu_op_ms(spec, cold=cold and decode) - spec.launch_overhead_ms
+        cold = cold and decode and evicts(spec, shape, work)
+        one += CPU_OPS_PER_BLOCK * cpu_op_ms(spec, cold=cold) - spec.launch_overhead_ms
     return blocks * one
 
 
@@ -245,10 +248,29 @@ def step_extra_ms(spec: cost_models.DeviceSpec) -> float:
     return spec.step_ms if isinstance(spec, TimedCpuSpec) else 0.0
 
 
-def cold_head_ms(spec: cost_models.DeviceSpec) -> float:
+def cold_head_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload) -> float:
     """What the output head's decode step costs more on a stage of a pipeline (its table out of the caches), where
-    timed (else 0)."""
-    return spec.cold_head_ms if isinstance(spec, TimedCpuSpec) else 0.0
+    timed and the model does not fit the cache (:func:`evicts`; else 0)."""
+    return spec.cold_head_ms if isinstance(spec, TimedCpuSpec) and evicts(spec, shape, work) else 0.0
+
+
+def evicts(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload) -> bool:
+    """Whether the other stages of a pipeline push a stage's weights out of a CPU's caches between two of its
+    decode steps: when what a decode step of the whole model reads (every weight and the KV cache of the batch)
+    is more than the last-level cache the host reports; where that size is unknown, they are taken to.
+
+    Example:
+        >>> from dataclasses import fields, replace
+        >>> from hpml_compile.models.gpt import PRESETS
+        >>> shape = DecoderShape.from_config(PRESETS["gpt-mini"])  # about 23 MiB of fp32 weights
+        >>> spec = TimedCpuSpec(**{f.name: getattr(cost_models.get_device("cpu"), f.name)
+        ...                        for f in fields(cost_models.DeviceSpec)}, llc_bytes=32 * 2**20)
+        >>> evicts(spec, shape, Workload(1, 32, 32)), evicts(spec, shape, Workload(16, 32, 32))
+        (False, True)
+    """
+    if not isinstance(spec, TimedCpuSpec) or spec.llc_bytes <= 0:
+        return True
+    return shape.params() * DTYPE_BYTES[work.dtype] + shape.kv_bytes(work, shape.n_layer) > spec.llc_bytes
 
 
 def handoff_ms(spec: cost_models.DeviceSpec, nbytes: float) -> float | None:

@@ -124,7 +124,7 @@ def _stage(cluster: Cluster, shape: DecoderShape, work: Workload, device: str, f
     pre, dec = block_ms(spec, shape, work, n, decode=False), block_ms(spec, shape, work, n, decode=True)
     if cold:
         dec += (block_ms(spec, shape, work, n, decode=True, cold=True) - dec
-                + (cold_head_ms(spec) if head else 0.0)) / work.microbatches
+                + (cold_head_ms(spec, shape, work) if head else 0.0)) / work.microbatches
     if head:
         pre, dec = pre + head_ms(spec, shape, work), dec + head_ms(spec, shape, work)
     pre, dec = pre + step_extra_ms(spec), dec + step_extra_ms(spec)

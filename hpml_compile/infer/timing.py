@@ -48,6 +48,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -87,6 +88,7 @@ class BlockTiming:
     step_cold_ms: float = 0.0  # step_ms likewise
     handoff_us: float = 0.0  # one hand-off between two ranks of this host: latency ...
     handoff_gbps: float = 0.0  # ... and bandwidth (0: not measured; the cluster's link prices it)
+    llc_bytes: int = 0  # the CPU's last-level cache as the host reports it (0: unknown)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,7 +98,7 @@ class BlockTiming:
         return cls(float(d["prefill_ms"]), float(d["decode_ms"]), float(d["step_ms"]), int(d["rows"]),
                    int(d["prompt_len"]), int(d["new_tokens"]), int(d["threads"]), float(d.get("decode_cold_ms", 0.0)),
                    float(d.get("step_cold_ms", 0.0)), float(d.get("handoff_us", 0.0)),
-                   float(d.get("handoff_gbps", 0.0)))
+                   float(d.get("handoff_gbps", 0.0)), int(d.get("llc_bytes", 0)))
 
 
 def _median_ms(fn: Callable[[], object], repeats: int = _REPEATS) -> float:
@@ -177,7 +179,23 @@ def time_block(config: Any, work: Workload, threads: int) -> BlockTiming:
     width = torch.finfo(dtype).bits // 8
     latency_us, gbps = _handoff(rows * config.d_model * width, rows * P * config.d_model * width)
     return BlockTiming(prefill, decode, step, rows, P, work.new_tokens, threads, decode_cold, step_cold, latency_us,
-                       gbps)
+                       gbps, last_level_cache_bytes())
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache this host reports (Linux sysfs, cpu0's ``cache/index*/size``), in bytes; 0 where it
+    does not say."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+        except OSError:
+            continue
+        unit = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=0)
 
 
 def _cold_ms(fn: Callable[[], object], flush: Tensor) -> float:
@@ -234,7 +252,7 @@ def timed_spec(base: cost_models.DeviceSpec, shape: DecoderShape, timing: BlockT
         cold_head = max(0.0, timing.step_cold_ms - timing.step_ms)  # the table read from memory: the head's
     return TimedCpuSpec(**{f.name: getattr(fitted, f.name) for f in fields(cost_models.DeviceSpec)}, step_ms=extra,
                         cold_op_ms=cold_op, cold_head_ms=cold_head, handoff_us=timing.handoff_us,
-                        handoff_gbps=timing.handoff_gbps)
+                        handoff_gbps=timing.handoff_gbps, llc_bytes=timing.llc_bytes)
 
 
 def timed_specs(shape: DecoderShape, timing: BlockTiming | None, dtype: str = "float32"

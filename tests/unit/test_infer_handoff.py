@@ -20,7 +20,7 @@ from hpml_compile.infer import DecoderShape, Workload, score
 from hpml_compile.infer.cost import TimedCpuSpec, block_flops_bytes, block_ms, cold_head_ms, handoff_ms, head_ms
 from hpml_compile.infer.handoff import HandoffError, PipeLink, measure_handoff, pipe_ring
 from hpml_compile.infer.place import stages_for
-from hpml_compile.infer.timing import BlockTiming, timed_spec
+from hpml_compile.infer.timing import BlockTiming, last_level_cache_bytes, timed_spec
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.models.gpt import PRESETS
 
@@ -101,7 +101,7 @@ def test_a_stage_of_a_pipeline_is_priced_with_its_weights_out_of_the_cache_and_a
     spec = timed_spec(base, MINI, timing)
     warm, cold = (block_ms(spec, MINI, work, 1, decode=True, cold=c) for c in (False, True))
     assert warm == pytest.approx(timing.decode_ms, rel=0.01) and cold == pytest.approx(timing.decode_cold_ms, rel=0.01)
-    assert cold_head_ms(spec) == pytest.approx(0.4)
+    assert cold_head_ms(spec, MINI, work) == pytest.approx(0.4)
     head = head_ms(spec, MINI, work)
     cl = Cluster(devices=(Device("cpu0", "cpu", 8), Device("cpu1", "cpu", 8)), name="one host")
     (alone,) = stages_for(cl, MINI, work, [("cpu0", 0, 6, False)], {"cpu": spec})
@@ -113,3 +113,20 @@ def test_a_stage_of_a_pipeline_is_priced_with_its_weights_out_of_the_cache_and_a
     first, last = stages_for(cl, MINI, two, [("cpu0", 0, 3, False), ("cpu1", 3, 6, False)], {"cpu": spec})
     assert first.decode_ms == pytest.approx(3 * (warm + cold) / 2 + spec.step_ms)
     assert last.decode_ms == pytest.approx(3 * (warm + cold) / 2 + head + 0.4 / 2 + spec.step_ms)
+    # a model whose decode working set fits the host's last-level cache stays warm in every stage
+    roomy = timed_spec(base, MINI, replace(timing, llc_bytes=2**30))
+    assert BlockTiming.from_dict(replace(timing, llc_bytes=2**30).to_dict()).llc_bytes == 2**30
+    first, last = stages_for(cl, MINI, work, [("cpu0", 0, 3, False), ("cpu1", 3, 6, False)], {"cpu": roomy})
+    warm = block_ms(roomy, MINI, work, 1, decode=True)
+    assert first.decode_ms == pytest.approx(3 * warm + roomy.step_ms)
+    assert last.decode_ms == pytest.approx(3 * warm + head_ms(roomy, MINI, work) + roomy.step_ms)
+    tight = timed_spec(base, MINI, replace(timing, llc_bytes=2**20))  # 1 MiB: the model does not fit
+    assert block_ms(tight, MINI, work, 1, decode=True, cold=True) == pytest.approx(timing.decode_cold_ms, rel=0.01)
+
+
+def test_the_hosts_last_level_cache_is_read_where_the_host_reports_it() -> None:
+    size = last_level_cache_bytes()
+    if os.path.isdir("/sys/devices/system/cpu/cpu0/cache"):
+        assert size >= 2**20  # every CPU of a machine that runs this has at least a MiB of last-level cache
+    else:
+        assert size == 0
