@@ -85,6 +85,13 @@ def test_every_running_rank_lets_the_same_joiners_in_at_the_same_boundary() -> N
         wait_grant(store, bad, 5)
     # the next boundary: nobody new
     assert [d.boundary(2, 2, g.plan(LEFT), g.members, 4, False) for d in doors] == [None, None]
+    # ranks that take no joiner at all refuse each with their reason, and go on as they were
+    late, last = announce(store, 3)
+    ask(store, late, last, None)
+    refused = [d.boundary(3, 3, g.plan(LEFT), g.members, 4, False, "no joiners here") for d in doors]
+    assert refused[0] == refused[1] and refused[0] is not None and refused[0].members == g.members
+    with pytest.raises(JoinRefused, match="no joiners here"):
+        wait_grant(store, late, 5)
     beat.stop()
 
 

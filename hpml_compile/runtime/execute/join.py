@@ -38,8 +38,6 @@ Example:
 from __future__ import annotations
 
 import json
-import os
-import socket
 import struct
 import time
 from dataclasses import dataclass, replace
@@ -129,8 +127,7 @@ def announce(store: Any, world: int) -> tuple[int, int]:
 
 def ask(store: Any, ticket: int, me: int, device: str | None) -> None:
     """Write what joiner ``ticket`` (job rank ``me``) asks for: a device (None: the one a lost replica had)."""
-    store.set(_ask_key(ticket), json.dumps({"rank": me, "device": device, "host": socket.gethostname(),
-                                            "pid": os.getpid()}))
+    store.set(_ask_key(ticket), json.dumps({"rank": me, "device": device}))
 
 
 def wait_grant(store: Any, ticket: int, timeout_s: float) -> Grant:
@@ -250,7 +247,7 @@ class Door:
         self.handled = 0  # tickets let in or refused
 
     def boundary(self, step: int, seen: int, plan: Plan, members: list[int], generation: int,
-                 events: bool) -> Grant | None:
+                 events: bool, refuse: str | None = None) -> Grant | None:
         """Agree at boundary ``step`` (every running rank calls it); the decision when tickets are let in or refused.
 
         Args:
@@ -260,6 +257,7 @@ class Door:
             members: the job ranks of the running group, in rank order.
             generation: the running group's generation.
             events: whether the ranks record events.
+            refuse: why the running ranks take no joiner at all (None: each is placed or refused on its own).
         """
         won = _text(self._store.compare_set(_BOUNDARY, self.agreed, f"{step}:{max(seen, self.handled)}"))
         self.agreed = won
@@ -270,6 +268,8 @@ class Door:
         for ticket in range(self.handled + 1, upto + 1):
             want = json.loads(_text(self._store.get(_ask_key(ticket))))
             try:
+                if refuse is not None:
+                    raise JoinRefused(refuse)
                 joined, k, _ = with_replica(plan, self._generated, want["device"], self._rows)
             except JoinRefused as e:
                 refused[str(ticket)] = str(e)

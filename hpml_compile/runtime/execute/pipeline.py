@@ -660,7 +660,9 @@ class Pipeline:
         assert self.session is not None and self._door is not None
         s = self.session
         grant = self._door.boundary(self.steps_done, s.joiners, self.plan, s.members, s.generation,
-                                    self.events is not None)
+                                    self.events is not None, None if self.trainer is None else
+                                    "the running ranks train a TrainSpec, whose data position and learning-rate "
+                                    "schedule a joiner is not given: only ranks fed with step() take a joiner")
         for why in (grant.refused.values() if grant is not None else ()):
             self._log(f"rank {s.start_rank}: step {self.steps_done + 1}: a replica asked to join, refused: {why}")
         if grant is None or len(grant.members) == len(s.members):

@@ -24,7 +24,10 @@ torchrun's agent (``--max-restarts``) takes over. A *live* session
 survivors) tells the dead from the slow by heartbeats in the same store
 (:mod:`.members`): the survivors agree who is left, :meth:`Session.reopen`
 raises :class:`RanksLost`, and :meth:`Session.shrink` opens the next
-generation on the survivors alone, in the same processes.
+generation on the survivors alone, in the same processes. A process started
+later for the same store (``join``) asks to come in: the running ranks let it
+in at a step boundary (:mod:`.join`) and :meth:`Session.grow` opens the next
+generation with it.
 
 Example:
     >>> p = RetryPolicy(attempts=3, backoff_s=0.5)
@@ -148,6 +151,7 @@ class Session:
         ticket, self.start_rank = announce(self._store, world)
         self._heartbeat = Heartbeat(self._store, self.start_rank)  # beating before the others can count on it
         ask(self._store, ticket, self.start_rank, device)
+        self._log(f"rank {self.start_rank}: asked to join the running job on {device or 'the device of a lost replica'}")
         try:
             self.grant = grant = wait_grant(self._store, ticket, self.policy.rejoin_timeout_s)
         except Exception:
