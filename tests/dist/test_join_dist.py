@@ -1,7 +1,7 @@
 """A replica joins a running job at a step boundary: placed by the running ranks, given its stage's state by a peer.
 
-Three gloo ranks of a live session train ``mlp-tiny`` as one stage of three replicas; replica 1 kills itself
-mid-step at ``KILL_AT``; the two left go on (:mod:`hpml_compile.runtime.execute.members`). Two new processes then
+Three gloo ranks of a live session train ``mlp-tiny`` as one stage of three replicas (or two stages, the first
+of two replicas); rank 1, a replica, kills itself mid-step at ``KILL_AT``; the two left go on (:mod:`hpml_compile.runtime.execute.members`). Two new processes then
 ask to join (:mod:`hpml_compile.runtime.execute.join`): one without naming a device (it takes cpu1, the device the
 lost replica had) and one naming cpu0, which a running rank holds. At boundary ``JOIN_AT`` the running ranks let
 the first in and refuse the second by name; the stage's first replica broadcasts its parameters and optimizer
@@ -61,7 +61,7 @@ def _wait(what: Any, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def _rank(rank: int, world: int, build: str, out: str) -> None:
+def _rank(rank: int, world: int, build: str, out: str, job: int) -> None:
     dist.destroy_process_group()  # spawn_ranks' group is not a session's: a live one opens its own
     Path(out, f"pid{rank}").write_text(str(os.getpid()))
     loaded = models.load("mlp-tiny", batch_size=BATCH)
@@ -80,7 +80,7 @@ def _rank(rank: int, world: int, build: str, out: str) -> None:
             Path(out, f"rank{rank}.json").write_text(json.dumps({"refused": str(e)}))
             return
     else:
-        session = Session(f"file://{out}/store", rank=rank, world_size=3, live=True, policy=POLICY)
+        session = Session(f"file://{out}/store", rank=rank, world_size=job, live=True, policy=POLICY)
         pipe = Pipeline(load_build(build, loaded.module), loaded.module, session=session, **kw)
 
         def die(_m: Any, _a: Any) -> None:
@@ -95,7 +95,7 @@ def _rank(rank: int, world: int, build: str, out: str) -> None:
             _wait(lambda: pipe.session is not None and pipe.session.joiners >= 2)
         x, y = batches[step]
         steps.append(_record(pipe, float(pipe.step((x,), y, loaded.loss_fn)), step))
-        if rank == 0 and pipe.world_size == 2:
+        if rank == 0 and pipe.world_size == job - 1:
             Path(out, "shrunk").touch()
     mine = {id(p) for p in pipe.parameters()}
     final = {n: p.detach().flatten().tolist() for n, p in loaded.module.named_parameters() if id(p) in mine}
@@ -127,12 +127,17 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def test_a_new_process_joins_at_a_step_boundary_and_the_run_equals_the_original(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("replicas", "devices", "rows"), [
+    ([3], [["cpu0", "cpu2", "cpu1"]], [[4, 4, 4]]),
+    ([2, 1], [["cpu0", "cpu1"], ["cpu2"]], [[6, 6], []]),  # the joiner takes rank 1: stage 1's rank moves up
+], ids=["1-stage-x-3-replicas", "2-stages-replicated-first"])
+def test_a_new_process_joins_at_a_step_boundary_and_the_run_equals_the_original(
+        tmp_path: Path, replicas: list[int], devices: list[list[str]], rows: list[list[int]]) -> None:
     loaded = models.load("mlp-tiny", batch_size=BATCH)
     gm = trace(loaded.module, loaded.example_inputs)
     build = tmp_path / "build"
-    generate(gm, split_plan(gm, "mlp-tiny", 1, microbatches=MICRO, replicas=[3]), build)
-    spawn_ranks(_rank, 5, tmp_path, str(build), str(tmp_path), timeout_s=400, may_die={VICTIM})
+    generate(gm, split_plan(gm, "mlp-tiny", len(replicas), microbatches=MICRO, replicas=replicas), build)
+    spawn_ranks(_rank, 5, tmp_path, str(build), str(tmp_path), 3, timeout_s=400, may_die={VICTIM})
     pids = {r: int(Path(tmp_path, f"pid{r}").read_text()) for r in range(5)}
     assert not Path(tmp_path, f"rank{VICTIM}.json").exists(), "the victim was to die"
     refused = json.loads(Path(tmp_path, f"rank{REFUSED}.json").read_text())["refused"]
@@ -148,7 +153,7 @@ def test_a_new_process_joins_at_a_step_boundary_and_the_run_equals_the_original(
         assert {s["pid"] for s in steps} == {pids[r]}, (r, steps)  # the same process throughout
         assert [s["world"] for s in steps] == worlds[first:], (r, steps, log)
         after = steps[JOIN_AT - first]
-        assert after["devices"] == [["cpu0", "cpu2", "cpu1"]] and after["rows"] == [[4, 4, 4]], after
+        assert after["devices"] == devices and after["rows"] == rows, after
         assert ("joined at step" if r == JOINER else "of the job joined") in log, log
         for s in steps:  # every step on the same values as one process: the joiner took the peer's state
             assert s["loss"] == pytest.approx(want_losses[s["step"]], **TOL), (r, s, want_losses)

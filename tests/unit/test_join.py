@@ -104,3 +104,14 @@ def test_the_heartbeat_counts_the_joiners_for_the_boundary() -> None:
         time.sleep(0.02)
     beat.stop()
     assert beat.joiners == 1
+
+
+def test_a_joiner_of_an_earlier_stage_takes_its_place_in_rank_order() -> None:
+    store = dist.HashStore()
+    generated = _plan(("cpu0", "cpu1"), ("cpu2",))
+    left = replace(generated, stages=(replace(generated.stages[0], devices=("cpu0",), rows=(12,)),
+                                      generated.stages[1]))
+    ticket, me = announce(store, 3)
+    ask(store, ticket, me, None)
+    g = Door(store, generated, ROWS).boundary(5, 1, left, [0, 2], 1, True)
+    assert g is not None and (g.members, g.devices, g.rows) == ([0, me, 2], [["cpu0", "cpu1"], ["cpu2"]], [[6, 6], []])
