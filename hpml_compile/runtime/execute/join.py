@@ -17,8 +17,8 @@ a ticket, beats like the others and writes what it asks for. Nothing new runs; t
   name, and the others go on as they were;
 - one decision per boundary (the new members in rank order, every stage's devices and rows, the generation) is
   written with ``compare_set`` under each joiner's ticket and read by every rank; all open that generation of
-  the group, and the lowest rank of the joined stage broadcasts the stage's parameters and buffers, the
-  optimizer's state, the loss scale and the RNG state to the stage's replicas (:func:`send_state`,
+  the group, and the first replica of the joined stage sends the stage's parameters and buffers, the
+  optimizer's state, the loss scale and the RNG state to each joiner (:func:`send_state`,
   :func:`receive_state`) as one safetensors blob: tensors and JSON, never a pickle.
 
 Each stage's rows are split evenly over its replicas (the gradient stays the batch mean, so the run computes
@@ -287,29 +287,25 @@ class Door:
         return Grant.from_json(out)
 
 
-def send_state(pipe: "Pipeline", joined: int) -> None:
-    """Broadcast this stage's state from its first replica to the others (the joiners take it; call it on every
-    replica of stage ``joined``)."""
-    _broadcast_state(pipe, joined, send=True)
+def send_state(pipe: "Pipeline", to: Sequence[int]) -> None:
+    """Send this rank's stage state to the ranks ``to`` (the joiners of its stage; this rank is its first replica).
+
+    Point to point on the new group: the other replicas, which hold the same state, take no part.
+    """
+    blob = torch.frombuffer(bytearray(_pack(pipe)), dtype=torch.uint8)
+    size = torch.tensor([blob.numel()], dtype=torch.int64)
+    for rank in to:
+        dist.send(size, dst=rank)
+        dist.send(blob, dst=rank)
 
 
-def receive_state(pipe: "Pipeline", joined: int) -> None:
-    """Take the stage's state from its first replica (a joiner's side of :func:`send_state`)."""
-    _broadcast_state(pipe, joined, send=False)
-
-
-def _broadcast_state(pipe: "Pipeline", k: int, *, send: bool) -> None:
-    assert pipe.comm is not None
-    group = pipe.comm.groups.get((k,))
-    src = stage_ranks(pipe.plan)[k][0]
+def receive_state(pipe: "Pipeline", src: int) -> None:
+    """Take the stage's state from rank ``src`` (a joiner's side of :func:`send_state`)."""
     size = torch.zeros(1, dtype=torch.int64)
-    blob = _pack(pipe) if send else b""
-    size[0] = len(blob)
-    dist.broadcast(size, src=src, group=group)
-    buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if send else torch.empty(int(size[0]), dtype=torch.uint8)
-    dist.broadcast(buf, src=src, group=group)
-    if not send:
-        _unpack(pipe, bytes(buf.numpy()))
+    dist.recv(size, src=src)
+    blob = torch.empty(int(size[0]), dtype=torch.uint8)
+    dist.recv(blob, src=src)
+    _unpack(pipe, bytes(blob.numpy()))
 
 
 def _pack(pipe: "Pipeline") -> bytes:

@@ -307,7 +307,7 @@ class Pipeline:
         pipe.steps_done = grant.step
         assert pipe._door is not None
         pipe._door.agreed, pipe._door.handled = grant.boundary, int(grant.boundary.rpartition(":")[2])
-        receive_state(pipe, pipe.stage_index)
+        receive_state(pipe, pipe._ranks[pipe.stage_index][0])
         device = pipe.plan.stages[pipe.stage_index].devices[pipe.replica]
         pipe._log(f"rank {session.start_rank}: joined at step {grant.step + 1} as rank {pipe.rank} of "
                   f"{pipe.world_size} (stage {pipe.stage_index} on {device})")
@@ -668,14 +668,14 @@ class Pipeline:
         if grant is None or len(grant.members) == len(s.members):
             return
         t0, plan, new = time.perf_counter(), grant.plan(self.plan), sorted(set(grant.members) - set(s.members))
-        grown = len(plan.stages[self.stage_index].devices) > len(self.plan.stages[self.stage_index].devices)
         self._drop_groups()
         s.grow(grant.members, grant.generation, self.steps_done)
         self._replan(plan, joined_actions(self._generated.actions, self._generated.plan, plan))
         if self.events is not None:
             self._watch_host()  # as the joiner's constructor does: the clock alignment is a collective
-        if grown:  # the stage's first replica gives its state to the joiners
-            send_state(self, self.stage_index)
+        mine = self._ranks[self.stage_index]
+        if self.rank == mine[0]:  # the stage's first replica gives its state to its joiners
+            send_state(self, [r for r in mine if s.members[r] in new])
         self._log(f"rank {s.start_rank}: step {self.steps_done + 1}: ranks {new} of the job joined in "
                   f"{time.perf_counter() - t0:.2f} s (now rank {self.rank} of {self.world_size})")
 
