@@ -8,13 +8,15 @@ the first in and refuse the second by name; the stage's first replica broadcasts
 state to the joiner, and the run ends on three replicas. Checked: every loss of every rank, and the parameters
 after the run on every rank, the joiner's included, equal the original model's trained in this process on the
 same batches (the gradient is the batch mean whatever the rows); each rank trains in the process it started in;
-the refused process gets the reason; no process is left.
+the refused process gets the reason; no process is left. And a joiner lost while it is let in (after the group
+opened with it, before its state came) leaves the others going on on two, as after any lost replica.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -61,7 +63,11 @@ def _wait(what: Any, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def _rank(rank: int, world: int, build: str, out: str, job: int) -> None:
+def _die(*_: Any) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _rank(rank: int, world: int, build: str, out: str, job: int, joiner_dies: bool = False) -> None:
     dist.destroy_process_group()  # spawn_ranks' group is not a session's: a live one opens its own
     Path(out, f"pid{rank}").write_text(str(os.getpid()))
     loaded = models.load("mlp-tiny", batch_size=BATCH)
@@ -73,6 +79,9 @@ def _rank(rank: int, world: int, build: str, out: str, job: int) -> None:
         with torch.no_grad():  # whatever it starts from, the joiner trains from the peer's state
             for p in loaded.module.parameters():
                 p.normal_()
+        if joiner_dies and rank == JOINER:  # let in, then lost before its state came
+            monkeypatch = pytest.MonkeyPatch()
+            monkeypatch.setattr("hpml_compile.runtime.execute.pipeline.receive_state", _die)
         try:
             pipe = Pipeline.from_build(build, loaded.module, init_method=f"file://{out}/store", live=True,
                                        join=True if rank == JOINER else "cpu0", retry=POLICY, **kw)
@@ -158,6 +167,29 @@ def test_a_new_process_joins_at_a_step_boundary_and_the_run_equals_the_original(
         for s in steps:  # every step on the same values as one process: the joiner took the peer's state
             assert s["loss"] == pytest.approx(want_losses[s["step"]], **TOL), (r, s, want_losses)
         assert report["final"], r
+        for name, values in report["final"].items():
+            assert values == pytest.approx(want_final[name], **TOL), (r, name)
+    assert all(_gone(pid) for pid in pids.values()), "a process outlived the run"
+
+
+def test_a_joiner_lost_while_it_is_let_in_leaves_the_others_going_on(tmp_path: Path) -> None:
+    loaded = models.load("mlp-tiny", batch_size=BATCH)
+    gm = trace(loaded.module, loaded.example_inputs)
+    build = tmp_path / "build"
+    generate(gm, split_plan(gm, "mlp-tiny", 1, microbatches=MICRO, replicas=[3]), build)
+    spawn_ranks(_rank, 5, tmp_path, str(build), str(tmp_path), 3, True, timeout_s=400, may_die={VICTIM, JOINER})
+    pids = {r: int(Path(tmp_path, f"pid{r}").read_text()) for r in range(5)}
+    assert not Path(tmp_path, f"rank{JOINER}.json").exists(), "the joiner was to die"
+    want_losses, want_final = _reference()
+    for r in (0, 2):
+        report = json.loads(Path(tmp_path, f"rank{r}.json").read_text())
+        log = Path(tmp_path, f"log{r}.txt").read_text()
+        # let in (the group opened with it) and lost before it had its state: the others go on as before
+        # its job rank is 3 or 4: the two asks take their tickets in either order
+        assert re.search(r"ranks \[[34]\] of the job died; going on without them", log), log
+        assert [s["world"] for s in report["steps"]] == [3] * KILL_AT + [2] * (STEPS - KILL_AT), (r, log)
+        assert {s["pid"] for s in report["steps"]} == {pids[r]}
+        assert [s["loss"] for s in report["steps"]] == pytest.approx(want_losses, **TOL), r
         for name, values in report["final"].items():
             assert values == pytest.approx(want_final[name], **TOL), (r, name)
     assert all(_gone(pid) for pid in pids.values()), "a process outlived the run"

@@ -529,14 +529,14 @@ class Pipeline:
             n = self._microbatches(inputs)
         if self.session is None:
             return self._run_local(inputs, targets, loss_fn, n, validate)
-        if self._door is not None:
-            self._welcome()
         policy = self.session.policy
         snapshot = self._snapshot() if self.session.can_retry else None
         attempt = 0
         while True:  # each retry counts an attempt; going on without lost ranks does not (the world shrinks)
             lost: RanksLost | None = None
             try:
+                if self._door is not None:  # a joiner lost while it is let in fails here as in a step: then the
+                    self._welcome()  # others go on without it (at a boundary already agreed, a no-op)
                 return self._run_rank(inputs, targets, loss_fn, n, attempt, rank_batch, validate)
             except RanksLost as e:  # the loss agreement re-formed the group and found ranks gone
                 lost = e
