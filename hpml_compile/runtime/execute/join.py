@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load as st_load, save as st_save
 
-from ...errors import HpmlError
+from ...errors import JoinRefused
 from ...plan import Plan
 from ...schedule import RankActions, relower, stage_ranks
 from .members import JOIN_TICKETS
@@ -59,10 +59,6 @@ __all__ = ["JoinRefused", "Grant", "Door", "announce", "ask", "wait_grant", "joi
            "send_state", "receive_state"]
 
 _BOUNDARY = "hpml/join/boundary"
-
-
-class JoinRefused(HpmlError):
-    """The running job cannot take this process as a replica (the reason names what would be right)."""
 
 
 def _ask_key(ticket: int) -> str:
