@@ -456,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     _table(a.model, ranks, slow, fail, host, live, join)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"model": a.model, "machine": {"cpus": os.cpu_count(), "arch": platform.machine()},
-                                 "repeats": a.repeats, "results": [*slow, *fail, *host, *live, *join]}, indent=2) + "\n")
+                                 "repeats": a.repeats, "results": [*slow, *fail, *host, *live, *join]},
+                                indent=2) + "\n")
     print(f"wrote {a.out}")
     return 0
 

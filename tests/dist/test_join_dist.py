@@ -1,10 +1,11 @@
 """A replica joins a running job at a step boundary: placed by the running ranks, given its stage's state by a peer.
 
-Three gloo ranks of a live session train ``mlp-tiny`` as one stage of three replicas (or two stages, the first
-of two replicas); rank 1, a replica, kills itself mid-step at ``KILL_AT``; the two left go on (:mod:`hpml_compile.runtime.execute.members`). Two new processes then
-ask to join (:mod:`hpml_compile.runtime.execute.join`): one without naming a device (it takes cpu1, the device the
-lost replica had) and one naming cpu0, which a running rank holds. At boundary ``JOIN_AT`` the running ranks let
-the first in and refuse the second by name; the stage's first replica broadcasts its parameters and optimizer
+Three gloo ranks of a live session train ``mlp-tiny`` as one stage of three replicas (or two stages, the
+first of two replicas); rank 1, a replica, kills itself mid-step at ``KILL_AT``; the two left go on
+(:mod:`hpml_compile.runtime.execute.members`). Two new processes then ask to join
+(:mod:`hpml_compile.runtime.execute.join`): one without naming a device (it takes cpu1, the device the lost
+replica had) and one naming cpu0, which a running rank holds. At boundary ``JOIN_AT`` the running ranks let the
+first in and refuse the second by name; the stage's first replica sends its parameters and optimizer
 state to the joiner, and the run ends on three replicas. Checked: every loss of every rank, and the parameters
 after the run on every rank, the joiner's included, equal the original model's trained in this process on the
 same batches (the gradient is the batch mean whatever the rows); each rank trains in the process it started in;
@@ -53,7 +54,8 @@ def _optimizer(ps: Any) -> torch.optim.Optimizer:
 
 def _record(pipe: Pipeline, loss: float, step: int) -> dict[str, Any]:
     return {"step": step, "loss": loss, "pid": os.getpid(), "world": pipe.world_size,
-            "rows": [list(st.rows) for st in pipe.plan.stages], "devices": [list(st.devices) for st in pipe.plan.stages]}
+            "rows": [list(st.rows) for st in pipe.plan.stages],
+            "devices": [list(st.devices) for st in pipe.plan.stages]}
 
 
 def _wait(what: Any, timeout_s: float = 120.0) -> None:

@@ -81,6 +81,7 @@ def test_every_running_rank_lets_the_same_joiners_in_at_the_same_boundary() -> N
     assert (g.step, g.generation, g.members, g.devices, g.rows) == (1, 4, [0, 2, me], [["cpu0"], ["cpu2", "cpu1"]],
                                                                     [[], [6, 6]])
     assert wait_grant(store, ticket, 5) == g
+    assert doors[0].boundary(1, 3, LEFT, members, gen, False) is None  # the step run again: no second decision
     with pytest.raises(JoinRefused, match="device cpu2 already runs a rank of the job"):
         wait_grant(store, bad, 5)
     # the next boundary: nobody new

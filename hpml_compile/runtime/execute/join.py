@@ -241,6 +241,11 @@ class Door:
         self._store, self._generated, self._rows = store, generated, microbatch_rows
         self.agreed = ""  # the boundary key's value the ranks agreed last
         self.handled = 0  # tickets let in or refused
+        self.step = -1  # the boundary agreed last: one decision each (a step run again does not ask twice)
+
+    def adopt(self, grant: Grant) -> None:
+        """Start from ``grant``'s boundary (a joiner's door: the ranks it joined decided that one already)."""
+        self.agreed, self.handled, self.step = grant.boundary, int(grant.boundary.rpartition(":")[2]), grant.step
 
     def boundary(self, step: int, seen: int, plan: Plan, members: list[int], generation: int,
                  events: bool, refuse: str | None = None) -> Grant | None:
@@ -255,8 +260,10 @@ class Door:
             events: whether the ranks record events.
             refuse: why the running ranks take no joiner at all (None: each is placed or refused on its own).
         """
+        if step == self.step:
+            return None
         won = _text(self._store.compare_set(_BOUNDARY, self.agreed, f"{step}:{max(seen, self.handled)}"))
-        self.agreed = won
+        self.agreed, self.step = won, step
         upto = int(won.rpartition(":")[2])
         if upto <= self.handled:
             return None

@@ -306,7 +306,7 @@ class Pipeline:
         pipe = cls(joined, model, session=session, generated=build, **{**kwargs, "events": grant.events})
         pipe.steps_done = grant.step
         assert pipe._door is not None
-        pipe._door.agreed, pipe._door.handled = grant.boundary, int(grant.boundary.rpartition(":")[2])
+        pipe._door.adopt(grant)
         receive_state(pipe, pipe._ranks[pipe.stage_index][0])
         device = pipe.plan.stages[pipe.stage_index].devices[pipe.replica]
         pipe._log(f"rank {session.start_rank}: joined at step {grant.step + 1} as rank {pipe.rank} of "

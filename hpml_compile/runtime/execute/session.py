@@ -151,7 +151,8 @@ class Session:
         ticket, self.start_rank = announce(self._store, world)
         self._heartbeat = Heartbeat(self._store, self.start_rank)  # beating before the others can count on it
         ask(self._store, ticket, self.start_rank, device)
-        self._log(f"rank {self.start_rank}: asked to join the running job on {device or 'the device of a lost replica'}")
+        where = device or "the device of a lost replica"
+        self._log(f"rank {self.start_rank}: asked to join the running job on {where}")
         try:
             self.grant = grant = wait_grant(self._store, ticket, self.policy.rejoin_timeout_s)
         except Exception:
