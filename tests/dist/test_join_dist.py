@@ -9,8 +9,8 @@ first in and refuse the second by name; the stage's first replica sends its para
 state to the joiner, and the run ends on three replicas. Checked: every loss of every rank, and the parameters
 after the run on every rank, the joiner's included, equal the original model's trained in this process on the
 same batches (the gradient is the batch mean whatever the rows); each rank trains in the process it started in;
-the refused process gets the reason; no process is left. And a joiner lost while it is let in (after the group
-opened with it, before its state came) leaves the others going on on two, as after any lost replica.
+the refused process gets the reason; no process is left. And a joiner lost while it is let in (before the group
+formed with it, or before its state came) leaves the others going on on two, as after any lost replica.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import os
 import re
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -69,29 +70,33 @@ def _die(*_: Any) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _rank(rank: int, world: int, build: str, out: str, job: int, joiner_dies: bool = False) -> None:
+def _rank(rank: int, world: int, build: str, out: str, job: int, joiner_dies: str = "") -> None:
     dist.destroy_process_group()  # spawn_ranks' group is not a session's: a live one opens its own
     Path(out, f"pid{rank}").write_text(str(os.getpid()))
     loaded = models.load("mlp-tiny", batch_size=BATCH)
     log = Path(out, f"log{rank}.txt")
-    kw: dict[str, Any] = {"optimizer": _optimizer, "log": lambda line: log.open("a").write(line + "\n")}
+    kw: dict[str, Any] = {"optimizer": _optimizer,
+                          "log": lambda line: log.open("a").write(f"{time.time():.2f} {line}\n")}
+    # a joiner lost before the group formed is found gone once the group's formation times out (the group's
+    # time-out: gloo waits for every rank's address that long)
+    policy = replace(POLICY, rejoin_timeout_s=10.0, timeout_s=10.0) if joiner_dies == "before-group" else POLICY
     steps = []
     if rank >= JOINER:
         _wait(lambda: Path(out, "shrunk").exists())
         with torch.no_grad():  # whatever it starts from, the joiner trains from the peer's state
             for p in loaded.module.parameters():
                 p.normal_()
-        if joiner_dies and rank == JOINER:  # let in, then lost before its state came
-            monkeypatch = pytest.MonkeyPatch()
-            monkeypatch.setattr("hpml_compile.runtime.execute.pipeline.receive_state", _die)
+        if joiner_dies and rank == JOINER:  # let in, then lost before the group formed or before its state came
+            where = {"before-group": "session.Session.grow", "before-state": "pipeline.receive_state"}[joiner_dies]
+            pytest.MonkeyPatch().setattr(f"hpml_compile.runtime.execute.{where}", _die)
         try:
             pipe = Pipeline.from_build(build, loaded.module, init_method=f"file://{out}/store", live=True,
-                                       join=True if rank == JOINER else "cpu0", retry=POLICY, **kw)
+                                       join=True if rank == JOINER else "cpu0", retry=policy, **kw)
         except JoinRefused as e:
             Path(out, f"rank{rank}.json").write_text(json.dumps({"refused": str(e)}))
             return
     else:
-        session = Session(f"file://{out}/store", rank=rank, world_size=job, live=True, policy=POLICY)
+        session = Session(f"file://{out}/store", rank=rank, world_size=job, live=True, policy=policy)
         pipe = Pipeline(load_build(build, loaded.module), loaded.module, session=session, **kw)
 
         def die(_m: Any, _a: Any) -> None:
@@ -174,19 +179,20 @@ def test_a_new_process_joins_at_a_step_boundary_and_the_run_equals_the_original(
     assert all(_gone(pid) for pid in pids.values()), "a process outlived the run"
 
 
-def test_a_joiner_lost_while_it_is_let_in_leaves_the_others_going_on(tmp_path: Path) -> None:
+@pytest.mark.parametrize("when", ["before-group", "before-state"])
+def test_a_joiner_lost_while_it_is_let_in_leaves_the_others_going_on(tmp_path: Path, when: str) -> None:
     loaded = models.load("mlp-tiny", batch_size=BATCH)
     gm = trace(loaded.module, loaded.example_inputs)
     build = tmp_path / "build"
     generate(gm, split_plan(gm, "mlp-tiny", 1, microbatches=MICRO, replicas=[3]), build)
-    spawn_ranks(_rank, 5, tmp_path, str(build), str(tmp_path), 3, True, timeout_s=400, may_die={VICTIM, JOINER})
+    spawn_ranks(_rank, 5, tmp_path, str(build), str(tmp_path), 3, when, timeout_s=400, may_die={VICTIM, JOINER})
     pids = {r: int(Path(tmp_path, f"pid{r}").read_text()) for r in range(5)}
     assert not Path(tmp_path, f"rank{JOINER}.json").exists(), "the joiner was to die"
     want_losses, want_final = _reference()
     for r in (0, 2):
         report = json.loads(Path(tmp_path, f"rank{r}.json").read_text())
         log = Path(tmp_path, f"log{r}.txt").read_text()
-        # let in (the group opened with it) and lost before it had its state: the others go on as before
+        # let in, and lost before the group formed with it or before it had its state: the others go on
         # its job rank is 3 or 4: the two asks take their tickets in either order
         assert re.search(r"ranks \[[34]\] of the job died; going on without them", log), log
         assert [s["world"] for s in report["steps"]] == [3] * KILL_AT + [2] * (STEPS - KILL_AT), (r, log)

@@ -22,7 +22,9 @@ a ticket, beats like the others and writes what it asks for. Nothing new runs; t
   :func:`receive_state`) as one safetensors blob: tensors and JSON, never a pickle.
 
 Each stage's rows are split evenly over its replicas (the gradient stays the batch mean, so the run computes
-what it would have on any split).
+what it would have on any split). A joiner lost while it is let in fails the running ranks' boundary as a lost
+rank fails a step, and they go on without it (:mod:`.members`): at once where the group had formed with it,
+after the group's time-out (``RetryPolicy.timeout_s``: gloo waits that long for every rank) where it had not.
 
 Example:
     >>> from hpml_compile.plan import Plan, Schedule, Stage

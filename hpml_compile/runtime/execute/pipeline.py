@@ -640,8 +640,9 @@ class Pipeline:
                                                       + (f" rows {':'.join(map(str, st.rows))}" if st.rows else "")
                                                       for st in plan.stages))
 
-    def _replan(self, plan: Plan, actions: Sequence[RankActions]) -> None:
-        """Run ``plan`` (the same stages on other devices) with ``actions`` on the session's current group."""
+    def _replan(self, plan: Plan, actions: Sequence[RankActions], *, connect: bool = True) -> None:
+        """Run ``plan`` (the same stages on other devices) with ``actions`` on the session's current group
+        (``connect``: make its sub-groups now; else the group did not form and the step's retry follows)."""
         assert self.session is not None
         self.plan, self._ranks, self._reps = plan, stage_ranks(plan), [len(st.devices) for st in plan.stages]
         self.build = replace(self.build, actions=tuple(actions), plan=replace(self.build.plan, stages=tuple(
@@ -649,6 +650,8 @@ class Pipeline:
         self._splits, self._orders = stage_splits(self.build), {}
         self.rank, self.world_size = self.session.rank, self.session.world_size
         self._devices = rank_devices(plan, torch.cuda.device_count() if torch.cuda.is_available() else None)
+        if not connect:
+            return
         self.comm = self._connect()
         self.replica = self.comm.replica
         if self.trainer is not None:
@@ -668,9 +671,14 @@ class Pipeline:
         if grant is None or len(grant.members) == len(s.members):
             return
         t0, plan, new = time.perf_counter(), grant.plan(self.plan), sorted(set(grant.members) - set(s.members))
+        actions = joined_actions(self._generated.actions, self._generated.plan, plan)
         self._drop_groups()
-        s.grow(grant.members, grant.generation, self.steps_done)
-        self._replan(plan, joined_actions(self._generated.actions, self._generated.plan, plan))
+        try:
+            s.grow(grant.members, grant.generation, self.steps_done)
+        except CommFailure as e:  # a joiner gone before the group formed: found gone by its beat, as any rank
+            self._replan(plan, actions, connect=False)
+            raise ConnectionError(f"the group did not form with the joining ranks {new}: {e}") from e
+        self._replan(plan, actions)
         if self.events is not None:
             self._watch_host()  # as the joiner's constructor does: the clock alignment is a collective
         mine = self._ranks[self.stage_index]
