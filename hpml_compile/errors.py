@@ -18,6 +18,7 @@ from typing import Any
 __all__ = [
     "HpmlError",
     "RanksLost",
+    "JoinRefused",
     "SchemaError",
     "TraceError",
     "ModelError",
@@ -136,6 +137,11 @@ class RanksLost(CommFailure):
                          "where each lost rank was one replica of a replicated stage, else restart from the last "
                          "checkpoint")
         self.step, self.lost = step, lost
+
+
+class JoinRefused(HpmlError):
+    """A running job has no place for a process that asked to join it (:mod:`hpml_compile.runtime.execute.join`);
+    the message names why and what would be right."""
 
 
 class ScheduleError(HpmlError):

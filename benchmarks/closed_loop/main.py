@@ -40,6 +40,16 @@ target ranks the build has), with the fault injection options of ``run``:
   processes. Reported: from the kill to the survivors' step 10 finished (goal:
   under 2 s), the healthy step before it, and steps lost (goal: 0).
 
+- **replica joins**: as *replica lost*, 20 steps; once the survivors train on
+  two replicas a new process started for the same build and store asks to join
+  (``Pipeline.from_build(..., live=True, join=True)``): the survivors let it in
+  at their next step boundary on the lost replica's device, the stage's first
+  replica broadcasts its parameters and optimizer state, and the run ends on
+  three replicas. Reported: from the ask (the joiner's ticket taken) to its first
+  step finished on the new rows (and from the ``from_build`` call, which loads
+  the build first), and the survivors' own time to let it in (the new group,
+  the re-split and the state sent).
+
 Goals: the slowdown answered within 5 steps of its onset in every run; training
 again on the survivors within 15 s of a host's loss; every recovery under 60 s;
 a lost replica answered in place within 2 s, no step lost.
@@ -227,7 +237,10 @@ LIVE_BATCH, LIVE_REPLICAS, LIVE_VICTIM = 12, 3, 1
 
 
 def _live_rank(rank: int, world: int, model: str, build: str, out: str, steps: int, kill_at: int) -> None:
-    """One rank of the replica-lost scenario: trains ``steps`` steps; the victim dies in step ``kill_at``'s forward."""
+    """One rank of the replica-lost scenario: trains ``steps`` steps; the victim dies in step ``kill_at``'s forward.
+
+    A rank past the replicas (the replica-joins scenario) waits for the survivors to go on on two, then joins.
+    """
     import torch
     import torch.distributed as dist
 
@@ -238,12 +251,25 @@ def _live_rank(rank: int, world: int, model: str, build: str, out: str, steps: i
 
     dist.destroy_process_group()  # spawn_ranks' group: a live session opens its own on the same kind of store
     loaded = models.load(model, batch_size=LIVE_BATCH)
-    session = Session(f"file://{out}/store", rank=rank, world_size=world, live=True,
-                      policy=RetryPolicy(attempts=3, rejoin_timeout_s=60.0, timeout_s=60.0))
+    policy = RetryPolicy(attempts=3, rejoin_timeout_s=60.0, timeout_s=60.0)
     log = Path(out, f"log{rank}.txt")
-    pipe = Pipeline(load_build(build, loaded.module), loaded.module, session=session, events=False,
-                    optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                    log=lambda line: log.open("a").write(f"{time.time()!r} {line}\n"))
+    kw: dict[str, Any] = {"events": False, "optimizer": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                          "log": lambda line: log.open("a").write(f"{time.time()!r} {line}\n")}
+    if rank == LIVE_REPLICAS:  # the joiner
+        while not Path(out, "shrunk").exists():
+            time.sleep(0.05)
+        started = time.time()
+        pipe = Pipeline.from_build(build, loaded.module, init_method=f"file://{out}/store", live=True, join=True,
+                                   retry=policy, **kw)
+        pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
+        first = time.time()
+        while pipe.steps_done < steps:
+            pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
+        pipe.close()
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"started": started, "first": first, "pid": os.getpid()}))
+        return
+    session = Session(f"file://{out}/store", rank=rank, world_size=LIVE_REPLICAS, live=True, policy=policy)
+    pipe = Pipeline(load_build(build, loaded.module), loaded.module, session=session, **kw)
 
     def die(_m: Any, _a: Any) -> None:
         if rank == LIVE_VICTIM and pipe.steps_done == kill_at - 1:
@@ -255,6 +281,8 @@ def _live_rank(rank: int, world: int, model: str, build: str, out: str, steps: i
     for _ in range(steps):
         pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
         done.append(time.time())
+        if rank == 0 and pipe.world_size == LIVE_REPLICAS - 1:
+            Path(out, "shrunk").touch()
     pipe.close()
     Path(out, f"rank{rank}.json").write_text(json.dumps({"done": done, "pid": os.getpid()}))
 
@@ -292,6 +320,33 @@ def replica_lost(model: str, work: Path, steps: int, kill_at: int) -> dict[str, 
             "survivor_log": went_on[0].split(" ", 1)[1]}
 
 
+def replica_joins(model: str, work: Path, steps: int, kill_at: int) -> dict[str, Any]:
+    """:func:`replica_lost`, then a new process joins on the lost replica's device and the run ends on three."""
+    from hpml_compile import models
+    from hpml_compile.codegen import generate
+    from hpml_compile.runtime import spawn_ranks
+    from hpml_compile.testing import split_plan
+    from hpml_compile.trace import trace
+
+    work.mkdir(parents=True)
+    loaded = models.load(model, batch_size=LIVE_BATCH)
+    gm = trace(loaded.module, loaded.example_inputs)
+    build = work / "build"
+    generate(gm, split_plan(gm, model, 1, replicas=[LIVE_REPLICAS]), build)
+    spawn_ranks(_live_rank, LIVE_REPLICAS + 1, work, model, str(build), str(work), steps, kill_at, timeout_s=600,
+                may_die={LIVE_VICTIM})
+    joiner = json.loads((work / f"rank{LIVE_REPLICAS}.json").read_text())
+    asked = next(float(x.split(" ", 1)[0]) for x in (work / f"log{LIVE_REPLICAS}.txt").read_text().splitlines()
+                 if "asked to join" in x)  # its ticket taken: what came before is loading the build
+    lines = (work / "log0.txt").read_text().splitlines()
+    let_in = next(x for x in lines if "joined in" in x)
+    done = json.loads((work / "rank0.json").read_text())["done"]
+    return {"scenario": "replica joins", "model": model, "replicas": LIVE_REPLICAS, "steps": steps,
+            "kill_at": kill_at, "joined_s": joiner["first"] - asked, "started_s": joiner["first"] - joiner["started"],
+            "let_in_s": float(let_in.split(" joined in ", 1)[1].split(" ", 1)[0]),
+            "steps_done": len(done), "survivor_log": let_in.split(" ", 1)[1]}
+
+
 def _spread(runs: list[dict[str, Any]], key: str, fmt: str = "{:.1f}") -> str:
     vals = [r[key] for r in runs if r.get(key) is not None]
     if not vals:
@@ -301,10 +356,10 @@ def _spread(runs: list[dict[str, Any]], key: str, fmt: str = "{:.1f}") -> str:
 
 
 def _table(model: str, ranks: int, slow: list[dict[str, Any]], fail: list[dict[str, Any]],
-           host: list[dict[str, Any]], live: list[dict[str, Any]]) -> None:
+           host: list[dict[str, Any]], live: list[dict[str, Any]], join: list[dict[str, Any]]) -> None:
     """Median (min-max) over the runs of each scenario."""
     print(f"\n{model}, `run --adapt` ({os.cpu_count()} cores, {platform.machine()}); median (min-max) of "
-          f"{max(len(slow), len(fail), len(host), len(live))} run(s)")
+          f"{max(len(slow), len(fail), len(host), len(live), len(join))} run(s)")
     print(f"{'scenario':10s} {'detect':>22s} {'re-plan s':>16s} {'training again s':>20s}  notes")
     switched = [s for s in slow if s["switched"]]
     if switched:
@@ -338,9 +393,16 @@ def _table(model: str, ranks: int, slow: list[dict[str, Any]], fail: list[dict[s
               f"failed operation after {_spread(live, 'noticed_s', '{:.2f}')} s: the rest of the survivors' compute); "
               f"training again = to the failed step finished again, a healthy step "
               f"{_spread(live, 'healthy_step_s', '{:.2f}')} s")
+    if join:
+        print(f"{'replica joins':10s} {'-':>22s} {_spread(join, 'let_in_s', '{:.2f}'):>16s} "
+              f"{_spread(join, 'joined_s', '{:.2f}'):>20s}  a new process asks to join after rank "
+              f"{LIVE_VICTIM} of {LIVE_REPLICAS} was lost at step {join[0]['kill_at']}; re-plan = the survivors "
+              "letting it in (new group, rows, state sent); training again = the ask (its ticket) to the joiner's "
+              f"first step finished (the wait for the next boundary included; "
+              f"{_spread(join, 'started_s', '{:.2f}')} s from the call that loads the build)")
 
 
-SCENARIOS = ("slowdown", "failure", "host-lost", "replica-lost")
+SCENARIOS = ("slowdown", "failure", "host-lost", "replica-lost", "replica-joins")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     fail: list[dict[str, Any]] = []
     host: list[dict[str, Any]] = []
     live: list[dict[str, Any]] = []
+    join: list[dict[str, Any]] = []
     for i in range(a.repeats):
         if "slowdown" in only:
             print(f"run {i + 1}/{a.repeats}, slowdown: rank 1 of {ranks} slowed 3x from step 10 ...", flush=True)
@@ -386,10 +449,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run {i + 1}/{a.repeats}, replica lost: rank {LIVE_VICTIM} of {LIVE_REPLICAS} replicas killed in "
                   "step 10 ...", flush=True)
             live.append(replica_lost(a.model, work / f"live{i}", 15, 10))
-    _table(a.model, ranks, slow, fail, host, live)
+        if "replica-joins" in only:
+            print(f"run {i + 1}/{a.repeats}, replica joins: rank {LIVE_VICTIM} of {LIVE_REPLICAS} replicas killed in "
+                  "step 10, a new process joins ...", flush=True)
+            join.append(replica_joins(a.model, work / f"join{i}", 20, 10))
+    _table(a.model, ranks, slow, fail, host, live, join)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"model": a.model, "machine": {"cpus": os.cpu_count(), "arch": platform.machine()},
-                                 "repeats": a.repeats, "results": [*slow, *fail, *host, *live]}, indent=2) + "\n")
+                                 "repeats": a.repeats, "results": [*slow, *fail, *host, *live, *join]},
+                                indent=2) + "\n")
     print(f"wrote {a.out}")
     return 0
 

@@ -49,10 +49,12 @@ from ...errors import CommFailure
 from ...plan import Plan
 from ...schedule import rank_layout
 
-__all__ = ["Heartbeat", "agree_survivors", "without_ranks", "in_place_refusal", "BEAT_INTERVAL_S", "STALE_S"]
+__all__ = ["Heartbeat", "agree_survivors", "without_ranks", "in_place_refusal", "BEAT_INTERVAL_S", "STALE_S",
+           "JOIN_TICKETS"]
 
 BEAT_INTERVAL_S = 0.1
 STALE_S = 1.0  # a beat that has not moved this long: the rank is gone (ten beats missed, on a busy host too)
+JOIN_TICKETS = "hpml/join/tickets"  # processes that asked to join (:mod:`.join`), read with every beat
 
 
 def _beat_key(rank: int) -> str:
@@ -85,6 +87,9 @@ def _exited_here(store: Any, rank: int) -> bool:
 class Heartbeat:
     """A daemon thread that adds 1 to this rank's beat in ``store`` every ``interval_s`` until :meth:`stop`.
 
+    With each beat it reads how many processes asked to join (:attr:`joiners`, :mod:`.join`), so that a step
+    boundary need not.
+
     Args:
         store: the job's store (shared by every rank).
         rank: this rank's number in the job as it started (the key never changes when the group shrinks).
@@ -94,6 +99,7 @@ class Heartbeat:
     def __init__(self, store: Any, rank: int, interval_s: float = BEAT_INTERVAL_S) -> None:
         self._store, self._key, self._interval = store, _beat_key(rank), interval_s
         self._stop = threading.Event()
+        self.joiners = 0
         self._store.set(_proc_key(rank), f"{socket.gethostname()} {os.getpid()}")
         self._store.add(self._key, 1)  # present before anyone can ask
         self._thread = threading.Thread(target=self._run, name="hpml-heartbeat", daemon=True)
@@ -103,6 +109,7 @@ class Heartbeat:
         while not self._stop.wait(self._interval):
             try:
                 self._store.add(self._key, 1)
+                self.joiners = int(self._store.add(JOIN_TICKETS, 0))
             except Exception:  # noqa: BLE001 -- the store is gone with the job: nothing left to tell
                 return
 

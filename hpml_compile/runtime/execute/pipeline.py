@@ -69,7 +69,7 @@ from ...hostmem import keep_freed_memory
 from ...memory import ZeroStage
 from ...trainspec import check_batch_split, rank_rows
 from ...codegen.tensor_parallel import tp_degree
-from ...schedule import Action, relower, stage_ranks
+from ...schedule import Action, RankActions, relower, stage_ranks
 from ...schedule_check import validate as validate_actions
 from .tensor_parallel import TensorParallelSession, open_tensor_parallel, shard_rank, whole_params
 from ..sync.comm import CommFault, CommOp, DistComm, LocalComm, is_transient, make_groups, rank_devices
@@ -87,6 +87,7 @@ from .scaler import LossScaler
 from ..observe.monitor import Monitor, StepMetrics, peak_memory, reserved_memory, reset_peak_memory, split_wait
 from ..sync.offload import offload_optimizer
 from ...saved import GradPeak, SavedActivations, counts_memory
+from .join import Door, JoinRefused, joined_actions, receive_state, send_state
 from .members import in_place_refusal, without_ranks
 from .session import CommFailure, RanksLost, RetryPolicy, Session
 from ..sync.feedback import CommState
@@ -135,6 +136,8 @@ class Pipeline:
         compile_stages: ``auto`` (the default: compiled on CUDA devices, not on CPUs), ``on`` or ``off``: this
             process's stages run their forward (and so backward) compiled by ``torch.compile``
             (:mod:`.compiled`; a stage that cannot be is named in one line through ``log``).
+        generated: the build as generated, where ``build`` carries a plan changed since (a joining replica's:
+            :meth:`from_build` with ``join``); None: ``build``.
     """
 
     def __init__(self, build: Build, model: nn.Module, *, optimizer: OptimizerArg = None,
@@ -142,8 +145,10 @@ class Pipeline:
                  faults: Sequence[CommFault] = (), log: Callable[[str], None] | None = None,
                  events: bool = True, scaler: LossScaler | None = None, overlap: bool | None = None,
                  bucket_mb: float = 25.0, comm_options: dict[str, Any] | None = None,
-                 shared_memory: bool = True, compile_stages: CompileStages | str | bool | None = None) -> None:
+                 shared_memory: bool = True, compile_stages: CompileStages | str | bool | None = None,
+                 generated: Build | None = None) -> None:
         self.build, self.model, self.session = build, model, session
+        self._generated = generated or build  # the devices and rows the stage code was generated for
         self._shared_memory = shared_memory
         if bucket_mb <= 0:
             raise HpmlError(f"bucket_mb must be positive (the size of an overlapped gradient bucket in MiB, DDP's "
@@ -172,7 +177,7 @@ class Pipeline:
         self._mb_rows = build.manifest.inputs[0].shape[0] if build.manifest.inputs else None
         # the rows each stage's code was generated at (its first replica's): the boundary specs' (move_rows)
         self._spec_rows = [st.rows[0] if st.rows else (self._mb_rows or 0) // len(st.devices)
-                           for st in build.plan.stages]
+                           for st in self._generated.plan.stages]
         self._orders: dict[int, list[tuple[int, Action]]] = {}  # microbatches -> what this process runs
         self.sync: StageSync | None = None  # this rank's replicated stage's sync (:mod:`..sync.stage`)
         if session is None:
@@ -229,20 +234,24 @@ class Pipeline:
         # parameters and optimizer state after the last step that counted memory, gradients at their peak
         self.held: Held | None = None
         self._peak: tuple[int, str] | None = None  # the peak memory of the last step that measured it
-        self.monitor = Monitor(run_dir, self.rank, tensorboard=tensorboard, events=events) \
-            if run_dir is not None else Monitor(None, self.rank)
+        # files of its own (a joiner's job rank is one no rank of the job had)
+        mon = session.start_rank if session is not None and session.grant is not None else self.rank
+        self.monitor = Monitor(run_dir, mon, tensorboard=tensorboard, events=events) \
+            if run_dir is not None else Monitor(None, mon)
         self.trainer: Any = None  # a TrainSpec's loop (.trainer.Trainer) where compile() was given one
         self.events: EventLog | None = None
         self.host: HostSampler | None = None
         self._hostname = hostname()
         if events:
             self._watch_host()
+        self._door = Door(session.store, self._generated.plan, self._mb_rows) \
+            if session is not None and session.live and self._mb_rows else None  # replicas that join (.join)
 
     # -- construction -----------------------------------------------------------------------------
     @classmethod
     def from_build(cls, build_dir: str | Path, model: nn.Module, *, init_method: str | None = None,
                    retry: RetryPolicy = RetryPolicy(), weights: str | os.PathLike[str] | None = None,
-                   live: bool = False, **kwargs: Any) -> "Pipeline":
+                   live: bool = False, join: bool | str = False, **kwargs: Any) -> "Pipeline":
         """Load a build folder for ``model`` and join the job (or run every stage here without one).
 
         Args:
@@ -258,13 +267,20 @@ class Pipeline:
                 the failed step again (:meth:`.session.Session.shrink`). Only for ranks not started by torchrun's
                 agent, which stops every worker when one dies (start them yourself, as
                 :func:`hpml_compile.runtime.spawn_ranks` does, with an ``init_method`` of their own).
+            join: this process joins a job already running live on ``init_method``'s store, as a new replica, at
+                its next step boundary (:mod:`.join`): True on the device a lost replica had, or a device's name.
+                It is given the stage's parameters, optimizer state and step by a peer (``weights`` is not read);
+                train from ``steps_done`` on.
             kwargs: passed to the constructor (``optimizer``, ``run_dir``, ``faults``, ``log``, ...).
 
         Raises:
             BuildMismatchError: the build is not for this model, or was edited.
             HpmlError: the world size is not the plan's device count, or a GPU the plan needs is missing.
+            JoinRefused: with ``join``, the running ranks have no place for this process (their reason).
         """
         build = load_build(build_dir, model)
+        if join is not False:
+            return cls._join(build, model, init_method, retry, join, kwargs)
         if init_method is None and (dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1):
             init_method = "env://"
         session: Session | None
@@ -281,6 +297,29 @@ class Pipeline:
         if isinstance(session, TensorParallelSession):
             shard_rank(build, model, session)  # after the weights: each rank keeps its slices
         return cls(build, model, session=session, **kwargs)
+
+    @classmethod
+    def _join(cls, build: Build, model: nn.Module, init_method: str | None, retry: RetryPolicy, join: bool | str,
+              kwargs: dict[str, Any]) -> "Pipeline":
+        """:meth:`from_build` for a joining replica: placed by the running ranks, then given a peer's state."""
+        if init_method is None or tp_degree(build.plan) > 1:
+            raise JoinRefused("a joining replica needs the running job's init_method (its store), and a plan without "
+                              "tensor parallelism")
+        world = sum(len(st.devices) for st in build.plan.stages)
+        session = Session(init_method, world_size=world, policy=retry, log=kwargs.get("log"), live=True, join=join)
+        grant = session.grant
+        assert grant is not None
+        plan = grant.plan(build.plan)
+        joined = replace(build, plan=plan, actions=tuple(joined_actions(build.actions, build.plan, plan)))
+        pipe = cls(joined, model, session=session, generated=build, **{**kwargs, "events": grant.events})
+        pipe.steps_done = grant.step
+        assert pipe._door is not None
+        pipe._door.adopt(grant)
+        receive_state(pipe, pipe._ranks[pipe.stage_index][0])
+        device = pipe.plan.stages[pipe.stage_index].devices[pipe.replica]
+        pipe._log(f"rank {session.start_rank}: joined at step {grant.step + 1} as rank {pipe.rank} of "
+                  f"{pipe.world_size} (stage {pipe.stage_index} on {device})")
+        return pipe
 
     def _check_device(self) -> None:
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -504,6 +543,8 @@ class Pipeline:
         while True:  # each retry counts an attempt; going on without lost ranks does not (the world shrinks)
             lost: RanksLost | None = None
             try:
+                if self._door is not None:  # a joiner lost while it is let in fails here as in a step: then the
+                    self._welcome()  # others go on without it (at a boundary already agreed, a no-op)
                 return self._run_rank(inputs, targets, loss_fn, n, attempt, rank_batch, validate)
             except RanksLost as e:  # the loss agreement re-formed the group and found ranks gone
                 lost = e
@@ -600,21 +641,59 @@ class Pipeline:
         gone = [self.session.members[r] for r in lost.lost]
         if self.session.shrink(lost.lost, self.steps_done, self._agreed_loss) is not None:
             raise CommFailure(f"{lost}: the others had finished the step: restart from the last checkpoint") from lost
-        self.plan, self._ranks, self._reps = plan, stage_ranks(plan), replicas
-        self.build = replace(self.build, actions=tuple(actions), plan=replace(self.build.plan, stages=tuple(
-            replace(b, devices=n.devices, rows=n.rows) for b, n in zip(self.build.plan.stages, plan.stages))))
-        self._splits, self._orders = stage_splits(self.build), {}
-        self.rank, self.world_size = self.session.rank, self.session.world_size
-        self._devices = rank_devices(plan, torch.cuda.device_count() if torch.cuda.is_available() else None)
-        self.comm = self._connect()
-        self.replica = self.comm.replica
-        if self.trainer is not None:
-            self.trainer.rows_moved()
+        self._replan(plan, actions)
         self._log(f"rank {self.session.start_rank}: step {self.steps_done + 1}: ranks {gone} of the job died; going "
                   f"on without them in {time.perf_counter() - t0:.2f} s (now rank {self.rank} of {self.world_size}), "
                   "the step runs again: " + "; ".join(f"stage {st.index} on {','.join(st.devices)}"
                                                       + (f" rows {':'.join(map(str, st.rows))}" if st.rows else "")
                                                       for st in plan.stages))
+
+    def _replan(self, plan: Plan, actions: Sequence[RankActions], *, connect: bool = True) -> None:
+        """Run ``plan`` (the same stages on other devices) with ``actions`` on the session's current group
+        (``connect``: make its sub-groups now; else the group did not form and the step's retry follows)."""
+        assert self.session is not None
+        self.plan, self._ranks, self._reps = plan, stage_ranks(plan), [len(st.devices) for st in plan.stages]
+        self.build = replace(self.build, actions=tuple(actions), plan=replace(self.build.plan, stages=tuple(
+            replace(b, devices=n.devices, rows=n.rows) for b, n in zip(self.build.plan.stages, plan.stages))))
+        self._splits, self._orders = stage_splits(self.build), {}
+        self.rank, self.world_size = self.session.rank, self.session.world_size
+        self._devices = rank_devices(plan, torch.cuda.device_count() if torch.cuda.is_available() else None)
+        if not connect:
+            return
+        self.comm = self._connect()
+        self.replica = self.comm.replica
+        if self.trainer is not None:
+            self.trainer.rows_moved()
+
+    def _welcome(self) -> None:
+        """At this step boundary, let in the replicas that asked to join and give them their stage's state
+        (:mod:`.join`); one store operation when none did."""
+        assert self.session is not None and self._door is not None
+        s = self.session
+        grant = self._door.boundary(self.steps_done, s.joiners, self.plan, s.members, s.generation,
+                                    self.events is not None, None if self.trainer is None else
+                                    "the running ranks train a TrainSpec, whose data position and learning-rate "
+                                    "schedule a joiner is not given: only ranks fed with step() take a joiner")
+        for why in (grant.refused.values() if grant is not None else ()):
+            self._log(f"rank {s.start_rank}: step {self.steps_done + 1}: a replica asked to join, refused: {why}")
+        if grant is None or len(grant.members) == len(s.members):
+            return
+        t0, plan, new = time.perf_counter(), grant.plan(self.plan), sorted(set(grant.members) - set(s.members))
+        actions = joined_actions(self._generated.actions, self._generated.plan, plan)
+        self._drop_groups()
+        try:
+            s.grow(grant.members, grant.generation, self.steps_done)
+        except CommFailure as e:  # a joiner gone before the group formed: found gone by its beat, as any rank
+            self._replan(plan, actions, connect=False)
+            raise ConnectionError(f"the group did not form with the joining ranks {new}: {e}") from e
+        self._replan(plan, actions)
+        if self.events is not None:
+            self._watch_host()  # as the joiner's constructor does: the clock alignment is a collective
+        mine = self._ranks[self.stage_index]
+        if self.rank == mine[0]:  # the stage's first replica gives its state to its joiners
+            send_state(self, [r for r in mine if s.members[r] in new])
+        self._log(f"rank {s.start_rank}: step {self.steps_done + 1}: ranks {new} of the job joined in "
+                  f"{time.perf_counter() - t0:.2f} s (now rank {self.rank} of {self.world_size})")
 
     def _agreement(self, inner: Callable[[Tensor], None]) -> Callable[[Tensor], bool]:
         """The executor's ``agree``: ``inner`` (the loss all-reduce with the batch check), and what to do when it fails.

@@ -24,7 +24,10 @@ torchrun's agent (``--max-restarts``) takes over. A *live* session
 survivors) tells the dead from the slow by heartbeats in the same store
 (:mod:`.members`): the survivors agree who is left, :meth:`Session.reopen`
 raises :class:`RanksLost`, and :meth:`Session.shrink` opens the next
-generation on the survivors alone, in the same processes.
+generation on the survivors alone, in the same processes. A process started
+later for the same store (``join``) asks to come in: the running ranks let it
+in at a step boundary (:mod:`.join`) and :meth:`Session.grow` opens the next
+generation with it.
 
 Example:
     >>> p = RetryPolicy(attempts=3, backoff_s=0.5)
@@ -46,6 +49,7 @@ import torch.distributed as dist
 
 from ...errors import CommFailure, RanksLost
 from ..sync.comm import Backend, is_transient
+from .join import Grant, announce, ask, wait_grant
 from .members import Heartbeat, agree_survivors
 
 __all__ = ["RetryPolicy", "Session", "CommFailure", "RanksLost", "env_rank"]
@@ -97,11 +101,18 @@ class Session:
         world_size: the world size (None: from the environment).
         policy: the retry policy.
         log: where retry notices go.
+        live: a lost rank is answered in place (see the module docstring).
+        join: join a running live job as a new replica (:mod:`.join`): True on the device a lost replica had,
+            or the name of the device; ``world_size`` is then the build's device count and ``rank`` is not given.
+            The session opens the group's next generation with the running ranks; :attr:`grant` says where.
+
+    Raises:
+        JoinRefused: with ``join``, the running ranks refused this process (their reason).
     """
 
     def __init__(self, init_method: str = "env://", rank: int | None = None, world_size: int | None = None,
                  policy: RetryPolicy = RetryPolicy(), log: Callable[[str], None] | None = None,
-                 live: bool = False) -> None:
+                 live: bool = False, join: str | bool = False) -> None:
         self.policy = policy
         self.generation = 0
         self.retries = 0
@@ -109,12 +120,22 @@ class Session:
         self.owned = not dist.is_initialized()
         self._store: Any = None
         self._heartbeat: Heartbeat | None = None
+        self.grant: Grant | None = None
+        if join is not False and (not self.owned or world_size is None or rank is not None):
+            raise CommFailure("a joining session opens its own group for the build's device count: give it an "
+                              "init_method and world_size (no rank), with no process group initialised before")
         if not self.owned:  # the user's script made the group: use it, and never tear it down
             if live:
                 raise CommFailure("a live session re-forms the process group without lost ranks, so it must open "
                                   "the group itself: give it an init_method and do not initialise one before")
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self.members = list(range(self.world_size))
+            return
+        if join is not False:  # never rank 0 of the rendezvous: that one hosts a TCP store
+            assert world_size is not None
+            self._store = self._with_retry("rendezvous", lambda: next(dist.rendezvous(init_method, world_size,
+                                                                                      world_size))[0])
+            self._join(world_size, None if join is True else str(join))
             return
         self._store, self.rank, self.world_size = self._with_retry(
             "rendezvous", lambda: next(dist.rendezvous(init_method, rank if rank is not None else -1,
@@ -124,6 +145,48 @@ class Session:
         if live:  # the others tell a lost rank from a slow one by its beat (:mod:`.members`)
             self._heartbeat = Heartbeat(self._store, self.rank)
         self._open()
+
+    def _join(self, world: int, device: str | None) -> None:
+        """Ask the running ranks in for a place, beat, and open the generation they decided (:mod:`.join`)."""
+        ticket, self.start_rank = announce(self._store, world)
+        self._heartbeat = Heartbeat(self._store, self.start_rank)  # beating before the others can count on it
+        ask(self._store, ticket, self.start_rank, device)
+        where = device or "the device of a lost replica"
+        self._log(f"rank {self.start_rank}: asked to join the running job on {where}")
+        try:
+            self.grant = grant = wait_grant(self._store, ticket, self.policy.rejoin_timeout_s)
+        except Exception:
+            self.close()
+            raise
+        self.grow(grant.members, grant.generation, grant.step)
+
+    def grow(self, members: list[int], generation: int, step: int) -> None:
+        """Open generation ``generation`` of the group on ``members`` (job ranks, in rank order), joiners included.
+
+        Args:
+            members: the job ranks of the new group; this session's among them.
+            generation: the generation the decision named (the same on every rank).
+            step: the steps completed (every rank and joiner must be at the same).
+
+        Raises:
+            CommFailure: the group did not form (a joiner died before it), or the ranks are at different steps.
+        """
+        if dist.is_initialized():  # a running rank's group: the next generation replaces it
+            dist.destroy_process_group()
+        self.members, self.generation = list(members), generation
+        self.rank, self.world_size = self.members.index(self.start_rank), len(self.members)
+        if self._rejoin(step, None) is not None:
+            raise CommFailure(f"step {step}: a joining rank found the others at another step")
+
+    @property
+    def store(self) -> Any:
+        """The job's store (None for a group this session borrows)."""
+        return self._store
+
+    @property
+    def joiners(self) -> int:
+        """How many processes have asked to join so far, as this rank's last beat read (0 when not live)."""
+        return self._heartbeat.joiners if self._heartbeat is not None else 0
 
     @property
     def live(self) -> bool:

@@ -73,10 +73,14 @@ class Trainer:
 
     Raises:
         ModelError: the batch does not split into the plan's microbatches and replicas.
+        HpmlError: ``pipe`` joined a running job (:mod:`.join`): it trains with ``step()``.
     """
 
     def __init__(self, pipe: Pipeline, spec: TrainSpec, *, run_dir: str | Path | None = None,
                  log_samples: bool = False) -> None:
+        if pipe.session is not None and getattr(pipe.session, "grant", None) is not None:
+            raise HpmlError("a replica that joined a running job is fed with step() from its steps_done on: it is "
+                            "not given a TrainSpec's data position and learning-rate schedule")
         self.pipe, self.spec = pipe, spec
         self.rows, self.needs_inputs, self.needs_targets = pipe.rows_role()
         self.data = RankData(spec, self.rows, inputs=self.needs_inputs, targets=self.needs_targets)
