@@ -65,6 +65,9 @@ FIXES: dict[str, str] = {
     "RanksLost": "Ranks died during a step. With `live=True` the survivors go on in place when every lost rank "
                  "was one replica of a replicated stage (plain data parallel); otherwise resume from the last "
                  "checkpoint (`run --adapt` does this by itself) on the devices left.",
+    "JoinRefused": "The running job has no place for this process: name a device of the plan's cluster that no "
+                   "rank uses (`join=\"cpu3\"`), of the kind its stage runs on, on a replicated stage without "
+                   "tensor parallelism, ZeRO shards, compressed or local-SGD gradients; or re-plan with more devices.",
     "ScheduleError": "A build's per-rank action lists cannot run (an unmatched message, a deadlock). Builds "
                      "made by `compile` are checked before they run; compile again rather than editing one.",
     "IndexFormatError": "The checkpoint's `index.json` does not describe its own tensors: it was edited or "
