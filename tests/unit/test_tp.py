@@ -331,3 +331,12 @@ def test_zb_h1_tables_offer_tensor_parallel_stages_priced_as_the_simulator(llama
         assert got.compute_ms == pytest.approx(cand.t, rel=1e-9)
         # the gradient sync overlaps the last weight-gradient part: the same window on both sides
         assert got.synced_ms + got.optimizer_ms == pytest.approx(cand.tail, rel=1e-9, abs=1e-12)
+
+
+def test_grid_and_ilp_shard_under_zb_h1_where_only_a_shard_fits(llama) -> None:
+    """Two devices too small for the model whole: under ZB-H1 both solvers place it as one tp=2 stage."""
+    g = build(llama).coarsen()
+    small = Cluster((Device("a", "H100-80GB", 0.007), Device("b", "H100-80GB", 0.007)))
+    for solver in ("grid", "ilp"):
+        plan = solve(g, small, solver=solver, schedule="zb-h1", time_limit_s=5, dtype=llama.dtype)
+        assert plan.schedule is Schedule.ZB_H1 and [st.tp for st in plan.stages] == [2], (solver, plan.stages)
