@@ -195,6 +195,7 @@ def _split(plan: Plan) -> list[Assumption]:
     if plan.schedule is not Schedule.ZB_H1:
         return []
     return [Assumption("backward split (zb-h1)",
-                       f"weight-gradient part = {WEIGHT_SHARE:g} of each backward, input-gradient part the rest",
+                       f"weight-gradient part = {WEIGHT_SHARE:g} of each backward's compute, input-gradient part the "
+                       "rest with the tensor-parallel collectives",
                        "assumed: the profile times each backward whole")]
 

@@ -423,13 +423,12 @@ def _check_zero_bubble(stages: Sequence[Stage]) -> None:
         PlanError: naming the stage and the option, and what to do.
     """
     for st in stages:
-        what = [name for name, on in (("tensor parallelism (tp > 1)", st.tp > 1), ("swap", bool(st.swap)),
-                                      ("an offloaded optimizer", st.offload_optimizer),
+        what = [name for name, on in (("swap", bool(st.swap)), ("an offloaded optimizer", st.offload_optimizer),
                                       ("ZeRO-3", st.zero == ZeroStage.OS_G_P)) if on]
         if what:
             raise PlanError(f"schedule zb-h1: stage {st.index} uses {' and '.join(what)}, which the zero-bubble "
-                            "schedule does not run yet (its weight-gradient part would need to gather, swap in "
-                            "or shard again what the input-gradient part used); use schedule 1f1b for this plan, "
+                            "schedule does not run yet (its weight-gradient part would need to swap in, fetch "
+                            "or gather again what the input-gradient part used); use schedule 1f1b for this plan, "
                             "or drop the option from the stage")
 
 

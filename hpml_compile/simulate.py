@@ -12,8 +12,9 @@ for, and a weight-gradient part that only its own stage does, later): a
 until they have crossed the link, and a compute starts when its stage is free
 and its receive is done. Under ZB-H1 a stage's activations are held until the
 weight-gradient part ends; the profile times the backward whole, so the weight
-part is taken as :data:`hpml_compile.stagecost.WEIGHT_SHARE` of it (an
-assumption the plan lists). We write this small list scheduler rather than use
+part is taken as :data:`hpml_compile.stagecost.WEIGHT_SHARE` of its compute (an
+assumption the plan lists; a tensor-parallel stage's backward collectives,
+the all-reduces of its inputs' gradients, belong to the input-gradient part). We write this small list scheduler rather than use
 ``torch.distributed.pipelining``'s ``_simulate_comms_compute`` because that
 one has no durations, links or memory.
 
@@ -382,6 +383,7 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         d, tp = st.replicas, st.tp
         if st.rows:  # uneven: each replica at its own kind's pace on its own rows; the stage waits for the slowest
             own = [_replica_cost(graph, nodes, c.device(x).kind, r / batch) for x, r in zip(st.devices, st.rows)]
+            tp_bwd = 0.0
         else:
             per_mb = [_tp_cost(graph, n, kinds, 1.0 / (m * d), tp) for n in nodes]
             tp_fwd, tp_bwd = _tp_comm(graph, nodes, tp, m * d, _tp_link(c, st))
@@ -444,7 +446,8 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         hier = hierarchy(c, st.sync_group()) if st.allreduce is AllReduce.HIERARCHICAL else None
         fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts * most * m * d if st.rows else acts, m, d, rate)
         # ZB-H1: the last microbatch's weight part is the last backward work the sync could overlap
-        weight = weight_part_ms(bwd) if plan.schedule is Schedule.ZB_H1 else 0.0
+        # (its share of the compute: the tensor-parallel collectives belong to the input-gradient part)
+        weight = weight_part_ms(bwd, comm_ms=tp_bwd) if plan.schedule is Schedule.ZB_H1 else 0.0
         sync, gather = _sync_cost(plan, graph, st, nodes, params, group, host, dtype, rate, weight or bwd, hier, m,
                                   fwd_ms=fwd)
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms), sync - gather + copy,

@@ -174,9 +174,18 @@ def in_flight(schedule: Schedule, microbatches: int, after: Value, stages: int |
 WEIGHT_SHARE = 0.5
 
 
-def weight_part_ms(bwd_ms: float, share: float = WEIGHT_SHARE) -> float:
-    """ZB-H1: the weight-gradient part of a backward of ``bwd_ms`` (the input-gradient part is the rest)."""
-    return bwd_ms * share
+def weight_part_ms(bwd_ms: Value, share: float = WEIGHT_SHARE, comm_ms: Value = 0.0) -> Value:
+    """ZB-H1: the weight-gradient part of a backward of ``bwd_ms`` (the input-gradient part is the rest).
+
+    ``comm_ms``: the part of ``bwd_ms`` that a tensor-parallel stage's collectives take (the all-reduces of
+    the inputs' gradients, :func:`tp_comm_ms`). They lie on the inputs' path, so they run in the
+    input-gradient part; the weight gradients of the sharded layers are local. ``share`` applies to the
+    compute only.
+
+    >>> weight_part_ms(10.0), weight_part_ms(10.0, comm_ms=4.0)
+    (5.0, 3.0)
+    """
+    return (bwd_ms - comm_ms) * share
 
 
 class MemoryParts(NamedTuple):

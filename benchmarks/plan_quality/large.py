@@ -31,6 +31,7 @@ one per GPU, 100 GbE cards one per two V100s), ``hetero-4`` and ``mix3-8``
     python benchmarks/plan_quality/large.py            # every row, ~10 min on 2 busy cores
     python benchmarks/plan_quality/large.py --quick    # llama-7b on dgx-h100-8x8 only
     python benchmarks/plan_quality/large.py --schedule auto   # ilp under 1F1B, or ZB-H1 where faster
+    python benchmarks/plan_quality/large.py --only llama-70b:3x256   # one model on one cluster
 
 ``bubble``: the share of the ilp plan's step its stages sit idle in the pipeline (the simulator's bubble).
 ``--schedule`` (``1f1b``, the default; ``zb-h1``; ``auto``: ZB-H1 on the ilp placement where it simulates
@@ -162,15 +163,25 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "large.json")
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "zb-h1", "auto"],
                     help="the ilp plan's schedule (auto: ZB-H1 on its placement where faster)")
+    ap.add_argument("--only", metavar="MODEL:CLUSTER", help="the rows of one model on one cluster "
+                    "(e.g. llama-70b:3x256)")
     args = ap.parse_args()
     cs = clusters(args.quick)
+    models_ = MODELS[:1] if args.quick else MODELS
+    if args.only:
+        name, _, cname = args.only.partition(":")
+        models_ = tuple(m for m in models_ if m[0] == name)
+        if not models_ or cname not in cs:
+            ap.error(f"--only {args.only}: give MODEL:CLUSTER, MODEL one of {[m for m, _ in MODELS]}, CLUSTER one "
+                     f"of {sorted(cs)}")
+        cs = {cname: cs[cname]}
     kinds = sorted({d.kind for c in cs.values() for d in c.devices})
     rows: list[dict[str, Any]] = []
     head = (f"{'model':10s} {'cluster':13s} {'per-op':9s} {'compute':>9s} {'fixed':>9s} {'ilp':>9s} {'ilp/cmp':>8s} "
             f"{'bubble':>7s} {'sched':>6s} "
             f"{'grid':>9s} {'grid/ilp':>8s}  ilp plan; grid plan")
     print(head + "\n" + "-" * len(head), flush=True)
-    for name, batch in MODELS[:1] if args.quick else MODELS:
+    for name, batch in models_:
         for label, op_ms in (("eager", None), ("compiled", COMPILED_OP_MS)):
             prof = model_profile(name, batch, kinds, op_ms)
             for cname, cluster in cs.items():

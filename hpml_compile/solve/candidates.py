@@ -187,9 +187,9 @@ CONFIGS: tuple[StageConfig, ...] = tuple(
 
 
 def zero_bubble_runs(config: StageConfig) -> bool:
-    """Whether ZB-H1 runs a stage of ``config``: not with tensor parallelism, swap, an offloaded optimizer or
-    ZeRO-3 (:func:`hpml_compile.plan.Plan` refuses them under it)."""
-    return config.tp == 1 and not config.swap and not config.offload and config.zero != ZeroStage.OS_G_P
+    """Whether ZB-H1 runs a stage of ``config``: not with swap, an offloaded optimizer or ZeRO-3
+    (:func:`hpml_compile.plan.Plan` refuses them under it); tensor parallelism it runs."""
+    return not config.swap and not config.offload and config.zero != ZeroStage.OS_G_P
 
 
 @dataclass(frozen=True, slots=True)

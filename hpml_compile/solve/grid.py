@@ -87,7 +87,7 @@ def grid_plan(graph: CostGraph, cluster: Cluster, *, microbatches: int | None = 
     # the plan's precision prices the autocast copies its memory holds (fp16 and bf16 hold the same bytes)
     precision = {0: Precision.FP32, 2: Precision.BF16}.get(compute_bytes, Precision.FP32)
     devs = [d.name for d in cluster.devices]
-    tps = [1, *(t for t in sorted(chain.shard) if t <= max_tp and sched is not Schedule.ZB_H1)]  # ZB-H1: no TP
+    tps = [1, *(t for t in sorted(chain.shard) if t <= max_tp)]
     best: tuple[float, Plan] | None = None
     tried = fits = 0
     for tp, s, d in _meshes(len(devs), tps, len(graph.order)):

@@ -167,16 +167,17 @@ def _tp_degrees(chain: Chain, setting: Setting) -> list[int]:
 
 
 def _times(chain: Chain, kind: str, tp: int, ra: np.ndarray, rb: np.ndarray, m: int, replicas: int,
-           link: cost_models.LinkSpec | None) -> tuple[np.ndarray, np.ndarray]:
+           link: cost_models.LinkSpec | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One microbatch's forward and backward ms of every range ``[ra, rb)`` on one rank of a stage of
     ``replicas x tp`` devices of ``kind`` (:func:`hpml_compile.stagecost.tp_time`), the tensor-parallel
-    collectives on ``link`` included (:func:`hpml_compile.stagecost.tp_comm_ms`)."""
+    collectives on ``link`` included (:func:`hpml_compile.stagecost.tp_comm_ms`), and the backward's
+    collectives alone (ZB-H1 runs them in the input-gradient part)."""
     fw, bw = np.asarray(chain.fwd[kind]), np.asarray(chain.bwd[kind])
     ffx, bfx = np.asarray(chain.fwd_fixed[kind]), np.asarray(chain.bwd_fixed[kind])
     frac = 1.0 / (m * replicas)
     if tp == 1:
-        return (tp_time(fw[rb] - fw[ra], ffx[rb] - ffx[ra], 0.0, 0.0, frac, 1),
-                tp_time(bw[rb] - bw[ra], bfx[rb] - bfx[ra], 0.0, 0.0, frac, 1))
+        bwd = tp_time(bw[rb] - bw[ra], bfx[rb] - bfx[ra], 0.0, 0.0, frac, 1)
+        return tp_time(fw[rb] - fw[ra], ffx[rb] - ffx[ra], 0.0, 0.0, frac, 1), bwd, bwd * 0.0
     sh = chain.shard[tp]
     fwd = tp_time(fw[rb] - fw[ra], ffx[rb] - ffx[ra], sh.fwd[kind][rb] - sh.fwd[kind][ra],
                   sh.fwd_fixed[kind][rb] - sh.fwd_fixed[kind][ra], frac, tp)
@@ -184,9 +185,9 @@ def _times(chain: Chain, kind: str, tp: int, ra: np.ndarray, rb: np.ndarray, m: 
                   sh.bwd_fixed[kind][rb] - sh.bwd_fixed[kind][ra], frac, tp)
     fwd = fwd + tp_comm_ms((sh.fwd_allreduce[rb] - sh.fwd_allreduce[ra]) * frac,
                            (sh.fwd_gather[rb] - sh.fwd_gather[ra]) * frac, sh.fwd_count[rb] - sh.fwd_count[ra], tp, link)
-    bwd = bwd + tp_comm_ms((sh.bwd_allreduce[rb] - sh.bwd_allreduce[ra]) * frac, 0 * frac,
-                           sh.bwd_count[rb] - sh.bwd_count[ra], tp, link)
-    return fwd, bwd
+    comm = tp_comm_ms((sh.bwd_allreduce[rb] - sh.bwd_allreduce[ra]) * frac, 0 * frac,
+                      sh.bwd_count[rb] - sh.bwd_count[ra], tp, link)
+    return fwd, bwd + comm, comm
 
 
 def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: float = math.inf,
@@ -251,7 +252,7 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         if not degs:
             continue
         full = {t: _times(chain, kind, t, ra, rb, m, d // t, tlinks[kind].get(t)) for t in degs}
-        keep = np.flatnonzero(m * np.min([f + b for f, b in full.values()], axis=0) <= max_time)
+        keep = np.flatnonzero(m * np.min([f + b for f, b, _ in full.values()], axis=0) <= max_time)
         if keep.size == 0:
             continue
         a, b = ra[keep], rb[keep]
@@ -263,13 +264,13 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
                    and not (is_cpu and (c.offload or c.swap))
                    and (hiers[kind, c.tp].get(d) is not None or not c.hierarchical)
                    and (setting.schedule is not Schedule.ZB_H1 or zero_bubble_runs(c))]
-        if not cfg_ids:  # ZB-H1: a degree only tensor-parallel configurations would use
+        if not cfg_ids:  # ZB-H1: a degree only the configurations it does not run would use
             continue
         ts, ests, jms, mems, comms = [], [], [], [], []
         for ci in cfg_ids:
             cfg = CONFIGS[ci]
             tp, dr = cfg.tp, d // cfg.tp
-            fwd, bwd = full[tp][0][keep], full[tp][1][keep]
+            fwd, bwd, bwd_comm = (x[keep] for x in full[tp])
             base = fwd + bwd
             params, acts = params_all[keep], acts_all[keep]
             if tp > 1:
@@ -292,8 +293,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
             mem = mem._replace(grads=mem.grads + shared)  # the flat buffer of gradients tied to other stages
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)
-            # the gradients land during the last backward, under ZB-H1 during its weight-gradient part
-            window = weight_part_ms(bwd) if setting.schedule is Schedule.ZB_H1 else bwd
+            # the gradients land during the last backward, under ZB-H1 during its weight-gradient part (compute)
+            window = weight_part_ms(bwd, comm_ms=bwd_comm) if setting.schedule is Schedule.ZB_H1 else bwd
             sync = sync_ms(params, dr, cfg.zero, cfg.offload, glink, host, hier if cfg.hierarchical else None,
                            bwd_ms=window, microbatches=m, overlap=overlap, fwd_ms=fwd, wire=wire)  # ZeRO-1/2: prefetched
             if hier is not None and cfg.zero == ZeroStage.NONE:  # the faster of flat and hierarchical (to_plan picks)

@@ -28,7 +28,7 @@ from hpml_compile import models
 from hpml_compile.codegen import generate
 from hpml_compile.errors import HpmlError, PlanError
 from hpml_compile.memory import ZeroStage
-from hpml_compile.plan import Plan
+from hpml_compile.plan import Plan, Schedule
 from hpml_compile.recipe import ModelRecipe
 from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.testing import split_plan
@@ -106,17 +106,18 @@ def _reference(name: str) -> tuple[list[float], list[dict[str, torch.Tensor]], d
 
 
 def _tp_plan(gm: Any, name: str, stages: int, tp: list[int], replicas: list[int], microbatches: int = 1,
-             zero: ZeroStage = ZeroStage.NONE, recompute: bool = False) -> Plan:
+             zero: ZeroStage = ZeroStage.NONE, recompute: bool = False, schedule: Schedule = Schedule.GPIPE) -> Plan:
     plan = split_plan(gm, name, stages, replicas=[r * t for r, t in zip(replicas, tp)],
-                      microbatches=microbatches)
+                      microbatches=microbatches, schedule=schedule)
     return replace(plan, stages=tuple(replace(st, tp=t, zero=zero, recompute=recompute)
                                       for st, t in zip(plan.stages, tp)))
 
 
 def _build(tmp: Path, model: str, name: str, stages: int, tp: list[int], replicas: list[int],
-           microbatches: int = 1, zero: ZeroStage = ZeroStage.NONE, recompute: bool = False) -> tuple[str, str]:
+           microbatches: int = 1, zero: ZeroStage = ZeroStage.NONE, recompute: bool = False,
+           schedule: Schedule = Schedule.GPIPE) -> tuple[str, str]:
     _, gm = _traced(model)
-    generate(gm, _tp_plan(gm, model, stages, tp, replicas, microbatches, zero, recompute), tmp / name)
+    generate(gm, _tp_plan(gm, model, stages, tp, replicas, microbatches, zero, recompute, schedule), tmp / name)
     return model, str(tmp / name)
 
 
@@ -244,6 +245,20 @@ def test_pipelines_of_tp_2_then_1_and_1_then_2_on_three_ranks(tmp_path: Path) ->
         _check(reports, b)
         assert [r[b[1]]["stage"] for r in reports] == ([0, 0, 1] if "tp21" in b[1] else [0, 1, 1])
         assert [r[b[1]]["tp"] for r in reports] == ([2, 2, 1] if "tp21" in b[1] else [1, 2, 2])
+
+
+@pytest.mark.slow
+def test_zb_h1_runs_tp2_stages_on_four_ranks(tmp_path: Path) -> None:
+    """ZB-H1 on two stages of tp=2: each backward's input-gradient part runs the all-reduces of the inputs'
+    gradients (the same ones, in the same order, on both ranks of a group), its weight-gradient part none;
+    a GPT with its own head at 2 and 4 microbatches and a transformers Llama at 4."""
+    builds = [_build(tmp_path, model, f"zb-{model}-m{m}", 2, [2, 2], [1, 1], microbatches=m,
+                     schedule=Schedule.ZB_H1) for model, m in (("gpt-tiny-untied", 2), ("gpt-tiny-untied", 4),
+                                                               ("llama", 4))]
+    reports = _run(tmp_path, 4, *builds)
+    for b in builds:
+        _check(reports, b)
+        assert [r[b[1]]["stage"] for r in reports] == [0, 0, 1, 1]
 
 
 def test_what_the_runtime_cannot_run_is_refused_by_name(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from hpml_compile.ir import Cluster, Device, Link
 from hpml_compile.models.gpt import GPT, GPTConfig
 from hpml_compile.plan import Plan, Schedule, SolverInfo, Stage, load_plan, save_plan, validate_plan
 from hpml_compile.profile import profile
-from hpml_compile.simulate import simulate, stage_costs
+from hpml_compile.simulate import BWD, WGT, simulate, stage_costs
 from hpml_compile.solve import solve
 from hpml_compile.solve.candidates import CONFIGS, Chain, Setting, to_plan
 from hpml_compile.solve.table import build_table
@@ -300,8 +300,43 @@ def test_compile_keeps_a_tp_per_stage_unless_a_tied_weight_crosses_degrees(gpt2,
     why = _unrunnable_tp(two_stages(gpt2, (2, 1)), gpt2)
     assert why is not None and "wte.weight" in why and "[2, 1]" in why, why
     assert _unrunnable_tp(two_stages(gpt2, (2, 2)), gpt2) is None
-def test_zb_h1_tables_offer_no_tensor_parallel_stage(llama) -> None:
-    # ZB-H1 does not run tensor parallelism (Plan refuses it): a degree only tp configurations would fill is skipped
+def test_zb_h1_prices_the_tp_collectives_in_the_input_part(llama) -> None:
+    """A tp=2 stage under ZB-H1: a slower link inside the group lengthens the backward's input-gradient part
+    (the all-reduces of the inputs' gradients) and leaves its weight-gradient part (local) as it was."""
+    g = build(llama).coarsen()
+    nodes = tuple(n.name for n in llama.nodes)
+    c = load_cluster("dgx-h100-8")
+
+    def cost(cluster: Cluster):
+        return stage_costs(Plan("m", cluster, Schedule.ZB_H1, 2, (Stage(0, ("gpu0", "gpu1"), nodes, tp=2),)),
+                           g, llama.dtype)[0]
+    fast, slow = cost(c), cost(replace(c, links=(Link("gpu0", "gpu1", 0.01, 3.0),)))
+    assert slow.bwd_ms > fast.bwd_ms + 1.0  # the collectives are priced, and they are not free on this link
+    assert slow.weight_ms == pytest.approx(fast.weight_ms, rel=1e-12) and 0 < fast.weight_ms < fast.bwd_ms / 2
+    assert slow.op_ms(BWD) - fast.op_ms(BWD) == pytest.approx(slow.bwd_ms - fast.bwd_ms, rel=1e-9)
+    assert slow.op_ms(WGT) == pytest.approx(fast.op_ms(WGT), rel=1e-12)
+
+
+def test_zb_h1_tables_offer_tensor_parallel_stages_priced_as_the_simulator(llama) -> None:
     chain, c = Chain.of(build(llama).coarsen()), load_cluster("dgx-h100-8")
-    cands = build_table(chain, c, Setting(2, Schedule.ZB_H1, llama.batch_size, llama.dtype)).candidates()
-    assert cands and all(x.config.tp == 1 and not x.config.offload and not x.config.swap for x in cands)
+    setting = Setting(2, Schedule.ZB_H1, llama.batch_size, llama.dtype)
+    tab = [x for x in build_table(chain, c, setting).candidates() if x.a == 0 and x.b == chain.n and x.config.tp > 1]
+    assert tab and all(not x.config.offload and not x.config.swap for x in tab)
+    assert any(x.d > x.config.tp for x in tab)  # replicas that sync their gradients
+    g = build(llama).coarsen()
+    for cand in tab:
+        plan = to_plan(chain, c, setting, [cand], SolverInfo("test"))
+        assert plan.schedule is Schedule.ZB_H1 and plan.stages[0].tp == cand.config.tp
+        got = stage_costs(plan, g, llama.dtype)[0]
+        assert got.compute_ms == pytest.approx(cand.t, rel=1e-9)
+        # the gradient sync overlaps the last weight-gradient part: the same window on both sides
+        assert got.synced_ms + got.optimizer_ms == pytest.approx(cand.tail, rel=1e-9, abs=1e-12)
+
+
+def test_grid_and_ilp_shard_under_zb_h1_where_only_a_shard_fits(llama) -> None:
+    """Two devices too small for the model whole: under ZB-H1 both solvers place it as one tp=2 stage."""
+    g = build(llama).coarsen()
+    small = Cluster((Device("a", "H100-80GB", 0.007), Device("b", "H100-80GB", 0.007)))
+    for solver in ("grid", "ilp"):
+        plan = solve(g, small, solver=solver, schedule="zb-h1", time_limit_s=5, dtype=llama.dtype)
+        assert plan.schedule is Schedule.ZB_H1 and [st.tp for st in plan.stages] == [2], (solver, plan.stages)
