@@ -139,6 +139,11 @@ class RanksLost(CommFailure):
         self.step, self.lost = step, lost
 
 
+class HandoffError(HpmlError, RuntimeError):
+    """A generating rank's neighbour closed its end of the pipes between them (it exited), or sent or read
+    nothing for the group's time-out (:mod:`hpml_compile.infer.handoff`)."""
+
+
 class JoinRefused(HpmlError):
     """A running job has no place for a process that asked to join it (:mod:`hpml_compile.runtime.execute.join`);
     the message names why and what would be right."""

@@ -65,6 +65,8 @@ FIXES: dict[str, str] = {
     "RanksLost": "Ranks died during a step. With `live=True` the survivors go on in place when every lost rank "
                  "was one replica of a replicated stage (plain data parallel); otherwise resume from the last "
                  "checkpoint (`run --adapt` does this by itself) on the devices left.",
+    "HandoffError": "A rank of the generator exited or stopped answering: see the first error of the other "
+                    "ranks (often out of memory), fix it and start again; `serve` re-places the model by itself.",
     "JoinRefused": "The running job has no place for this process: name a device of the plan's cluster that no "
                    "rank uses (`join=\"cpu3\"`), of the kind its stage runs on, on a replicated stage without "
                    "tensor parallelism, ZeRO shards, compressed or local-SGD gradients; or re-plan with more devices.",

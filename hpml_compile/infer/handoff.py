@@ -48,14 +48,12 @@ from collections import deque
 
 from torch import Tensor
 
+from ..errors import HandoffError
+
 __all__ = ["PipeLink", "HandoffError", "pipe_ring", "measure_handoff", "PIPE_BYTES"]
 
 PIPE_BYTES = 1 << 20  # a pipe's buffer asked for (capped by /proc/sys/fs/pipe-max-size): a prefill in few writes
 _POLL_MS = 1000  # how often a wait looks at its time-out
-
-
-class HandoffError(RuntimeError):
-    """A neighbouring rank closed its end (it exited) or sent nothing for the group's time-out."""
 
 
 def pipe_ring(world: int) -> list[tuple[int, int]]:
