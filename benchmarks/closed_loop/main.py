@@ -358,7 +358,7 @@ def _spread(runs: list[dict[str, Any]], key: str, fmt: str = "{:.1f}") -> str:
 def _table(model: str, ranks: int, slow: list[dict[str, Any]], fail: list[dict[str, Any]],
            host: list[dict[str, Any]], live: list[dict[str, Any]], join: list[dict[str, Any]]) -> None:
     """Median (min-max) over the runs of each scenario."""
-    print(f"\n{model}, `run --adapt` ({os.cpu_count()} cores, {platform.machine()}); median (min-max) of "
+    print(f"\n{model}, `run --adapt` and live ranks ({os.cpu_count()} cores, {platform.machine()}); median (min-max) of "
           f"{max(len(slow), len(fail), len(host), len(live), len(join))} run(s)")
     print(f"{'scenario':10s} {'detect':>22s} {'re-plan s':>16s} {'training again s':>20s}  notes")
     switched = [s for s in slow if s["switched"]]
