@@ -142,6 +142,7 @@ class Comm(abc.ABC):
         # The rows each stage's code was generated at (its first replica's), by stage; empty: ``rows[0]``.
         # Set by a runtime that moves rows between replicas without regenerating the code.
         self.spec_rows: list[int] = []
+        self.events: Any = None  # where a runtime records each step's events (None: nowhere)
 
     @abc.abstractmethod
     def _put(self, frm: Endpoint, to: Endpoint, key: tuple[int, ...], tensor: Tensor) -> None:

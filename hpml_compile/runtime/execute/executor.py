@@ -303,7 +303,7 @@ class _Step:
         self.cuda = device.type == "cuda"
         self.last_bwd = {self.layout[rank][0]: i for i, (rank, a) in enumerate(order)
                          if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT)}  # where gradients land
-        self.ev = getattr(comm, "events", None)  # an EventLog (.events) where the pipeline records this step's events
+        self.ev = comm.events  # an EventLog (.events) where the pipeline records this step's events
 
     def event(self, kind: str, t0: float, t1: float, stage: int, microbatch: int = -1) -> None:
         if self.ev is not None:

@@ -179,6 +179,7 @@ class PendingCollective:
     done: bool = False
 
     started = True  # launched at once (a :class:`PendingChain` may wait for the buckets before it)
+    issued = 1  # one collective (a :class:`PendingChain` has a level each)
 
     def poll(self) -> None:
         """Nothing to advance: the one collective runs on its own."""
@@ -364,7 +365,6 @@ class DistComm(Comm):
         self.stats = CommStats()
         self.step_index = 0
         self.faults: list[CommFault] = []  # injected failures still to happen (shared with the pipeline)
-        self.events: Any = None  # an .events.EventLog where the pipeline records each step's events
         self._op_count: dict[CommOp, int] = {}
         self._pending: list[tuple[Any, Tensor]] = []
         self._chains: dict[tuple[int, ...], ChainQueue] = {}  # overlapped hierarchical buckets

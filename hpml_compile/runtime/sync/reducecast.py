@@ -78,12 +78,12 @@ class CastBack:
     @property
     def started(self) -> bool:
         """Whether the collective has started (a chain may wait for the buckets before it)."""
-        return bool(getattr(self.pending, "started", True))
+        return bool(self.pending.started)
 
     @property
     def issued(self) -> int:
         """Collectives started so far (a hierarchical chain has three)."""
-        return int(getattr(self.pending, "issued", 1))
+        return int(self.pending.issued)
 
     def poll(self) -> None:
         """Let a chain start the levels its finished ones allow."""

@@ -162,6 +162,7 @@ from torch import Tensor, nn
 from ...codegen.comm import Comm
 from ...errors import HpmlError
 from ...memory import BUCKET_BYTES, FIRST_BUCKET_BYTES, ZeroStage, bucket_ranges
+from .comm import DistComm
 from .hierarchy import HierGroups
 from .reducecast import down, launched
 
@@ -239,8 +240,8 @@ class GradBuckets:
     def finish(self) -> None:
         """Launch what has not started (in order), then wait for every bucket."""
         if self.armed:  # the backward is over: what it overlapped
-            self.started_in_backward = sum(bool(getattr(h, "started", True)) for h in self.pending)
-            self.levels_in_backward = sum(getattr(h, "issued", 1) for h in self.pending)
+            self.started_in_backward = sum(bool(h.started) for h in self.pending)
+            self.levels_in_backward = sum(h.issued for h in self.pending)
         self._drain(in_backward=False)
         for h in self.pending:
             h.wait()
@@ -536,7 +537,7 @@ class FlatShard:
         gather is only launched here, in the forward's order, and waited where the next forward first reads it."""
         self.settle()
         self._owed = False
-        launch = getattr(comm, "gather_async", None)
+        launch = comm.gather_async if isinstance(comm, DistComm) else None
         if self.prefetch and launch is not None and (self.flat.device.type == "cpu" or all(
                 comm.devices[r].type == "cuda" for r in comm.ranks[self.stage])):  # type: ignore[attr-defined]
             L, n = self.replicas, self.shard_numel
@@ -590,7 +591,7 @@ class FlatShard:
             return t
         self.settle()  # the same group: every rank's pending gathers first, in one order
         comm = self.comm
-        group = getattr(comm, "groups", {}).get((self.stage,)) if comm is not None else None
+        group = comm.groups.get((self.stage,)) if isinstance(comm, DistComm) else None
         if self.hier is not None:
             group = self.hier.intra  # every host holds every shard: gather inside this one
         parts = [torch.empty_like(t) for _ in range(self.replicas)]
@@ -717,7 +718,7 @@ class FlatGrads:
     def _move_to_host_slot(self, comm: Comm) -> None:
         """After the first all-reduce through shared memory: the buffer moves into this rank's slot of it, so
         that the next steps' gradients accumulate where the sum reads them (no copy in; one buffer, as before)."""
-        host = getattr(comm, "host_reduce", None)
+        host = comm.host_reduce if isinstance(comm, DistComm) else None
         mapped = host((self.stage,), self.grad_flat.numel() * self.grad_flat.element_size()) if host else None
         slot = mapped.own(self.grad_flat.numel(), self.grad_flat.dtype) if mapped is not None else None
         if slot is not None and slot.data_ptr() != self.grad_flat.data_ptr():
