@@ -26,8 +26,10 @@ Example:
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -41,7 +43,7 @@ from .memory import ZeroStage
 from .plan import Plan, Schedule, Stage
 from .runtime.job.spawn import spawn_ranks
 
-__all__ = ["SkipNet", "skipnet_batch", "skipnet_batches", "skipnet_loss", "seeded_skipnet", "split_plan",
+__all__ = ["trained_plainly", "process_gone", "SkipNet", "skipnet_batch", "skipnet_batches", "skipnet_loss", "seeded_skipnet", "split_plan",
            "replicated_skipnet_builds", "skipnet_sgd", "trained_skipnet", "max_grad_diff", "max_buffer_diff",
            "last_node_of",
            "chain_profile", "chain_graph", "dag_profile", "uniform_cluster", "cluster_of", "spawn_ranks"]
@@ -115,6 +117,32 @@ def trained_skipnet(steps: int, rows: int = 8) -> tuple[list[float], dict[str, l
         opt.step()
         losses.append(float(loss.detach()))
     return losses, {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}
+
+
+def trained_plainly(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor], opt: torch.optim.Optimizer,
+                    batches: Iterable[tuple[Tensor, Tensor]]) -> tuple[list[float], dict[str, list[float]]]:
+    """``model`` trained in this process by ``opt`` on ``batches``, one step a batch (the reference a distributed
+    run is compared with): the loss of each step and the final parameters (flat lists)."""
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}
+
+
+def process_gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process ``pid`` has exited, waiting up to ``within_s`` for it."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def replicated_skipnet_builds(root: str | Path, zeros: Sequence[int], *, microbatches: int, rows: int = 8

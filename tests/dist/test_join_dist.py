@@ -34,7 +34,7 @@ from hpml_compile.runtime import spawn_ranks
 from hpml_compile.runtime.execute.join import JoinRefused
 from hpml_compile.runtime.execute.pipeline import Pipeline
 from hpml_compile.runtime.execute.session import RetryPolicy, Session
-from hpml_compile.testing import split_plan
+from hpml_compile.testing import process_gone, split_plan, trained_plainly
 from hpml_compile.trace import trace
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -122,25 +122,7 @@ def _rank(rank: int, world: int, build: str, out: str, job: int, joiner_dies: st
 def _reference() -> tuple[list[float], dict[str, list[float]]]:
     """The original model trained here on the same batches: every loss and the parameters after the run."""
     loaded = models.load("mlp-tiny", batch_size=BATCH)
-    opt, losses = _optimizer(loaded.module.parameters()), []
-    for x, y in _batches():
-        opt.zero_grad()
-        loss = loaded.loss_fn(loaded.module(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().flatten().tolist() for n, p in loaded.module.named_parameters()}
-
-
-def _gone(pid: int) -> bool:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
+    return trained_plainly(loaded.module, loaded.loss_fn, _optimizer(loaded.module.parameters()), _batches())
 
 
 @pytest.mark.parametrize(("replicas", "devices", "rows"), [
@@ -176,7 +158,7 @@ def test_a_new_process_joins_at_a_step_boundary_and_the_run_equals_the_original(
         assert report["final"], r
         for name, values in report["final"].items():
             assert values == pytest.approx(want_final[name], **TOL), (r, name)
-    assert all(_gone(pid) for pid in pids.values()), "a process outlived the run"
+    assert all(process_gone(pid) for pid in pids.values()), "a process outlived the run"
 
 
 @pytest.mark.parametrize("when", ["before-group", "before-state"])
@@ -200,4 +182,4 @@ def test_a_joiner_lost_while_it_is_let_in_leaves_the_others_going_on(tmp_path: P
         assert [s["loss"] for s in report["steps"]] == pytest.approx(want_losses, **TOL), r
         for name, values in report["final"].items():
             assert values == pytest.approx(want_final[name], **TOL), (r, name)
-    assert all(_gone(pid) for pid in pids.values()), "a process outlived the run"
+    assert all(process_gone(pid) for pid in pids.values()), "a process outlived the run"

@@ -44,7 +44,7 @@ from hpml_compile.runtime.execute.data import global_batch
 from hpml_compile.runtime.execute.pipeline import Pipeline
 from hpml_compile.runtime.execute.session import RetryPolicy, Session
 from hpml_compile.runtime.execute.trainer import Trainer
-from hpml_compile.testing import split_plan
+from hpml_compile.testing import process_gone, split_plan, trained_plainly
 from hpml_compile.trace import trace
 from hpml_compile.trainspec import TrainSpec
 
@@ -93,25 +93,7 @@ def _rank(rank: int, world: int, build: str, out: str, victim: int) -> None:
 def _reference() -> tuple[list[float], dict[str, list[float]]]:
     """The original model trained here on the same batches: every loss and the parameters after the run."""
     loaded = models.load("mlp-tiny", batch_size=BATCH)
-    opt, losses = _optimizer(loaded.module.parameters()), []
-    for x, y in _batches():
-        opt.zero_grad()
-        loss = loaded.loss_fn(loaded.module(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().flatten().tolist() for n, p in loaded.module.named_parameters()}
-
-
-def _gone(pid: int) -> bool:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
+    return trained_plainly(loaded.module, loaded.loss_fn, _optimizer(loaded.module.parameters()), _batches())
 
 
 @pytest.mark.parametrize(("replicas", "victim", "lost_stage"), [([3], 1, 0), ([1, 2], 1, 1)],
@@ -146,7 +128,7 @@ def test_a_lost_replica_is_replaced_in_place_and_the_run_equals_the_original(
         assert report["final"], r
         for name, values in report["final"].items():
             assert values == pytest.approx(want_final[name], **TOL), (r, name)
-    assert all(_gone(pid) for pid in pids.values()), "a rank outlived the run"
+    assert all(process_gone(pid) for pid in pids.values()), "a rank outlived the run"
 
 
 def test_a_stage_that_loses_its_only_replica_stops_with_the_restart_named(tmp_path: Path) -> None:
@@ -158,7 +140,7 @@ def test_a_stage_that_loses_its_only_replica_stops_with_the_restart_named(tmp_pa
                                         "job must restart from the last checkpoint"):
         spawn_ranks(_rank, 3, tmp_path, str(build), str(tmp_path), 0, timeout_s=300, may_die={0})
     pids = [int(Path(tmp_path, f"pid{r}").read_text()) for r in range(3)]
-    assert all(_gone(pid) for pid in pids), "a rank outlived the run"
+    assert all(process_gone(pid) for pid in pids), "a rank outlived the run"
 
 
 # -- a TrainSpec's data path: each rank loads only its rows, and reads the failed batch again with its new rows ---
@@ -208,14 +190,9 @@ def test_a_trainspec_rank_reads_the_failed_batch_again_with_the_lost_replicas_ro
     spawn_ranks(_spec_rank, world, tmp_path, str(tmp_path / "b"), str(tmp_path), victim, timeout_s=300,
                 may_die={victim})
     assert spec.optimizer is not None
-    opt, (x, y), want = spec.optimizer(spec.module.parameters()), spec.dataset.tensors, []
-    for step in range(STEPS):  # a plain loop over the same global batches
-        idx = global_batch(ITEMS, BATCH, SEED, step)
-        opt.zero_grad()
-        loss = spec.loss_fn(spec.module(x[idx]), y[idx])
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    (x, y) = spec.dataset.tensors  # a plain loop over the same global batches
+    want, _ = trained_plainly(spec.module, spec.loss_fn, spec.optimizer(spec.module.parameters()),
+                              ((x[i], y[i]) for i in (global_batch(ITEMS, BATCH, SEED, s) for s in range(STEPS))))
     lost = len(replicas) - 1  # the stage that loses a replica: the last
     for r in (r for r in range(world) if r != victim):
         report = json.loads(Path(tmp_path, f"rank{r}.json").read_text())
@@ -224,4 +201,4 @@ def test_a_trainspec_rank_reads_the_failed_batch_again_with_the_lost_replicas_ro
             n = replicas[lost]
             assert report["rows"] == [BATCH // n] * KILL_AT + [BATCH // (n - 1)] * (STEPS - KILL_AT), (r, report)
     pids = [int(Path(tmp_path, f"pid{r}").read_text()) for r in range(world)]
-    assert all(_gone(pid) for pid in pids), "a rank outlived the run"
+    assert all(process_gone(pid) for pid in pids), "a rank outlived the run"

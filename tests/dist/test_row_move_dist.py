@@ -55,7 +55,7 @@ from torch.utils.data import TensorDataset
 from hpml_compile import models
 from hpml_compile.cli import main
 from hpml_compile.codegen import generate
-from hpml_compile.testing import split_plan
+from hpml_compile.testing import split_plan, trained_plainly
 from hpml_compile.costgraph import build as build_costgraph
 from hpml_compile.driver import rebuild
 from hpml_compile.plan import load_plan
@@ -272,14 +272,9 @@ def test_ranks_of_a_trainspec_load_their_new_rows_after_a_move(tmp_path: Path) -
     spawn_ranks(_rank, 3, tmp_path, str(tmp_path), timeout_s=300)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert spec.optimizer is not None
-    opt, (x, y), want = spec.optimizer(spec.module.parameters()), spec.dataset.tensors, []
-    for step in range(6):  # a plain loop over the same global batches
-        idx = global_batch(ITEMS, BATCH, SEED, step)
-        opt.zero_grad()
-        loss = spec.loss_fn(spec.module(x[idx]), y[idx])
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    (x, y) = spec.dataset.tensors  # a plain loop over the same global batches
+    want, _ = trained_plainly(spec.module, spec.loss_fn, spec.optimizer(spec.module.parameters()),
+                              ((x[i], y[i]) for i in (global_batch(ITEMS, BATCH, SEED, s) for s in range(6))))
     for r in reports:
         assert r["losses"] == pytest.approx(want, **TOL), (r["losses"], want)
     # stage 1's replicas (ranks 1, 2) load 2:2, then 3:1, then 1:3 rows of each microbatch; stage 0 (rank 0) all
