@@ -23,6 +23,9 @@ and plan.json carries them (``assumptions``):
   probe figures, that nothing is priced for the wait.
 - under ZB-H1, the split of each backward into its input- and weight-gradient
   parts (the profile times the backward whole: ``stagecost.WEIGHT_SHARE``).
+- a tensor-parallel stage on CPU ranks whose link has no fit of gloo's
+  all-reduce after compute (``tp_reduce``: the probe of an older profile did
+  not time it): its layers' all-reduces are priced on the link's own fit.
 
 Example:
     >>> from hpml_compile.testing import chain_profile
@@ -59,7 +62,7 @@ def assumptions(plan: Plan, prof: Profile) -> tuple[Assumption, ...]:
     """
     used = [plan.cluster.device(d) for st in plan.stages for d in st.devices]
     return (*_speeds(used, prof), *_links(plan.cluster, used), *_overlaps(plan), *_optimizer(prof),
-            *_replicated_steps(plan, prof), *_split(plan))
+            *_replicated_steps(plan, prof), *_split(plan), *_tensor_parallel(plan))
 
 
 def format_assumptions(items: tuple[Assumption, ...], limit: int = 8) -> str:
@@ -199,3 +202,17 @@ def _split(plan: Plan) -> list[Assumption]:
                        "rest with the tensor-parallel collectives",
                        "assumed: the profile times each backward whole")]
 
+
+def _tensor_parallel(plan: Plan) -> list[Assumption]:
+    """The link's own fit where it prices the layers' all-reduces of a CPU stage with ``tp > 1``."""
+    for st in plan.stages:
+        group = st.tp_groups()[0] if st.tp > 1 else ()
+        if not group or not all(plan.cluster.device(d).is_cpu for d in group):
+            continue
+        spec = link_spec(plan.cluster, group[0], group[1])
+        if not any(op == "tp_reduce" for op, _, _ in spec.collectives):
+            return [Assumption("tensor-parallel all-reduce on CPU ranks",
+                               f"the link's own fit, {spec.gbps:g} GB/s, {spec.latency_us:g} us",
+                               "gloo's all-reduce after compute, as a layer runs it, was not timed on this host "
+                               "(hpml_compile.profile.links.TP_REDUCE): the link's fit of transfers in a loop")]
+    return []

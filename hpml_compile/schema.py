@@ -71,7 +71,8 @@ _FIT = {"type": "object", "required": ["gbps", "latency_us"],
         "additionalProperties": False}
 # a link's own fits for the collectives its backend runs slower than the ring (cost_models LinkSpec.collectives)
 COLLECTIVE_FITS = {"type": "object", "properties": {"reduce_scatter": _FIT, "all_gather": _FIT, "all_reduce": _FIT,
-                                                    "param_gather": _FIT, "tp_gather": _FIT},
+                                                    "param_gather": _FIT, "tp_gather": _FIT,
+                                                    "tp_reduce": _FIT},
                    "additionalProperties": False}
 _CALIBRATION = {
     "type": "object",

@@ -379,20 +379,24 @@ def tp_link(link: cost_models.LinkSpec) -> cost_models.LinkSpec:
 
     A probed CPU link carries fits of its own for the all-reduce, reduce-scatter and all-gather as the gradient
     sync runs them, through shared memory (:mod:`hpml_compile.profile.links`); the layers' collectives do not go
-    that way, so they are priced on the link's own fit (gloo's send/recv and all-reduce), and an all-gather on
-    the ``tp_gather`` fit where the probe measured one (gloo's all-gather just after the ranks computed, as a
-    layer's is). Measured between two 1-thread ranks of a 2-core host: a gloo all-reduce of 4 MiB took 2.9 ms
-    (the shared-memory fit said 1.3 ms, the link's own fit 3.1 ms), of 13 MiB 11.7 ms (3.1, 9.8), and an
-    all-gather into 16 MiB 16 ms with its concatenation (2.2 ms; 9.7 on the fit of gloo's all-gather after
-    compute).
+    that way. They are priced on the ``tp_reduce`` and ``tp_gather`` fits where the probe measured them (gloo's
+    all-reduce and all-gather just after the ranks computed, as a layer's are), else on the link's own fit (gloo's
+    send/recv and all-reduce in a loop). Measured between two 1-thread ranks of a 2-core host: a gloo all-reduce
+    of 4 MiB took 2.9 ms (the shared-memory fit said 1.3 ms, the link's own fit 3.1 ms), of 13 MiB 11.7 ms (3.1,
+    9.8), and an all-gather into 16 MiB 16 ms with its concatenation (2.2 ms; 9.7 on the fit of gloo's all-gather
+    after compute). The link's own fit, made at 64 KiB and up, says less than a layer's small all-reduce costs:
+    0.15 ms at 64 KiB where gloo took 0.22-0.29 ms in a loop and after compute on the same host.
 
     >>> lo = cost_models.LinkSpec("lo", 2.0, 100.0, "example", collectives=(("all_reduce", 10.0, 240.0),
     ...                                                                    ("tp_gather", 1.8, 340.0)))
     >>> tp_link(lo).for_collective("all_reduce").gbps, tp_link(lo).for_collective("all_gather").gbps
     (2.0, 1.8)
+    >>> tp_link(dataclasses.replace(lo, collectives=(("tp_reduce", 1.5, 150.0),))).for_collective("all_reduce").gbps
+    1.5
     """
-    gather = [c for c in link.collectives if c[0] == "tp_gather"]
-    return dataclasses.replace(link, collectives=tuple(("all_gather", gbps, lat) for _, gbps, lat in gather))
+    own = {"tp_gather": "all_gather", "tp_reduce": "all_reduce"}
+    return dataclasses.replace(link, collectives=tuple((own[op], gbps, lat) for op, gbps, lat in link.collectives
+                                                       if op in own))
 
 
 def _affine(fn: Callable[..., float], link: cost_models.LinkSpec, *args: object

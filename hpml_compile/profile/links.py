@@ -23,10 +23,11 @@ figures, recorded as ``links`` of the cluster it returns (what
   send/recv. ZeRO-3's parameter all-gather, which the runtime runs through
   the communicator (shared memory between the CPU ranks of one host) just
   after a rank computed, is timed that way too (``PARAM_GATHER``: each after
-  a burst of compute on both ranks, from the later rank's start), and so is
-  gloo's own all-gather after compute (``TP_GATHER``), which prices a
-  tensor-parallel layer's (:func:`hpml_compile.stagecost.tp_link`),
-  and prices ZeRO-3's gathers (:func:`hpml_compile.stagecost.param_gather_link`).
+  a burst of compute on both ranks, from the later rank's start), and so are
+  gloo's own all-gather and all-reduce after compute (``TP_GATHER``,
+  ``TP_REDUCE``), which price a tensor-parallel layer's
+  (:func:`hpml_compile.stagecost.tp_link`); the first prices ZeRO-3's gathers
+  (:func:`hpml_compile.stagecost.param_gather_link`).
 - **GPU pairs (NCCL)**: the same two ranks, each on its own GPU, in a
   two-rank NCCL group, time the same operations (CUDA synchronised around
   each). Where there are fewer than two GPUs there is nothing to time.
@@ -71,7 +72,8 @@ from ..ir import Cluster, Device, Link, collectives_dict
 from ..runtime.sync.shm import HostReduce
 from ..runtime.job.spawn import spawn_ranks
 
-__all__ = ["SIZES", "SHM_ALLREDUCE", "SHM_ROWS", "PARAM_GATHER", "TP_GATHER", "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link",
+__all__ = ["SIZES", "SHM_ALLREDUCE", "SHM_ROWS", "PARAM_GATHER", "TP_GATHER", "TP_REDUCE",
+           "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link",
            "probe_ranks", "probe_copies"]
 
 SIZES = (4 << 10, 256 << 10, 4 << 20, 32 << 20)  # bytes: latency-bound to bandwidth-bound
@@ -88,6 +90,10 @@ SHM_ROWS = {"all_reduce": SHM_ALLREDUCE, "reduce_scatter": "reduce_scatter_shm",
 # 2-core VM a 1.7 MiB gather took 0.4-0.5 ms in a loop and 2-4 ms in the step or after a burst of compute.
 PARAM_GATHER = "param_gather"
 TP_GATHER = "tp_gather"  # gloo's own all-gather after compute, as a tensor-parallel layer calls it
+# ... and its all-reduce (a sharded layer's forward output, its input's gradient backward): a layer's is a small
+# tensor right after compute, which the link's all-reduces in a loop (which fit the link) do not see; timed from
+# the ranks' mean start, so that the group's wait for its later rank at each layer is in it
+TP_REDUCE = "tp_reduce"
 BURST_MATMULS = 8  # 256 x 256 matrix products: about 5 ms on one thread (34 MFLOP each)
 
 
@@ -164,7 +170,7 @@ def fit_link(rows: Sequence[Row]) -> Fit:
         # the runtime's: through shared memory where the probe could map it (.shm), else gloo's
         mine = ([(b, ms) for o, b, ms in rows if o == SHM_ROWS.get(op)]
                 or [(b, ms) for o, b, ms in rows if o == ("allreduce" if op == "all_reduce" else op)])
-        steps = 2.0 if op == "all_reduce" else 1.0
+        steps = 2.0 if op in ("all_reduce", TP_REDUCE) else 1.0
         if len({b for b, _ in mine}) >= 2:
             alpha, beta = _solve(np.array([[steps, steps * (b if best.shared else b / 2)] for b, _ in mine]),
                                  np.array([ms for _, ms in mine]))
@@ -240,6 +246,7 @@ def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequ
                 shm = host is not None and t.numel() % 2 == 0
                 rows.append((PARAM_GATHER, t.numel() * 4, _after_compute(gather_shm if shm else gather, repeats)))
                 rows.append((TP_GATHER, t.numel() * 4, _after_compute(gather, repeats)))  # a tp layer's: gloo
+                rows.append((TP_REDUCE, t.numel() * 4, _after_compute(reduce, repeats, meeting=True)))
             if host is not None and not cuda and t.numel() % 2 == 0:
                 ops += [(SHM_ALLREDUCE, reduce_shm, 1.0), (SHM_ROWS["reduce_scatter"], scatter_shm, 1.0),
                         (SHM_ROWS["all_gather"], gather_shm, 1.0)]
@@ -262,10 +269,15 @@ def _burst() -> None:
         a = a @ a * (1.0 / 256)
 
 
-def _after_compute(fn: Any, repeats: int) -> float:
+def _after_compute(fn: Any, repeats: int, meeting: bool = False) -> float:
     """Median milliseconds of ``fn`` (a collective over the two ranks) started right after each rank computed,
     from the later rank's start to the later rank's end (the ranks share this host's monotonic clock), so that one
-    rank finishing its compute late is not counted (the plan counts that as compute)."""
+    rank finishing its compute late is not counted (the plan counts that as compute).
+
+    ``meeting``: from the ranks' mean start instead, so that half the gap between the two ranks' arrivals is
+    counted: what a tensor-parallel layer's collective costs its group, whose ranks compute the same work between
+    two collectives and go on together after each (the step pays the later rank's compute, the mean's plus half
+    the gap, where the plan prices the mean)."""
     fn()
     spans = []
     for _ in range(repeats):
@@ -276,7 +288,8 @@ def _after_compute(fn: Any, repeats: int) -> float:
         t1 = time.perf_counter()
         both = [torch.tensor([t0, t1], dtype=torch.float64) for _ in range(2)]
         dist.all_gather(both, torch.tensor([t0, t1], dtype=torch.float64))
-        spans.append(max(float(b[1]) for b in both) - max(float(b[0]) for b in both))
+        starts = [float(b[0]) for b in both]
+        spans.append(max(float(b[1]) for b in both) - (sum(starts) / len(starts) if meeting else max(starts)))
     return statistics.median(spans) * 1e3
 
 

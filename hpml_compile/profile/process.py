@@ -305,7 +305,7 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
     Returns:
         ``{"link": ..., "process": ...}``, each present where known (the profile's ``devices["cpu"]`` entries).
     """
-    from .links import measure_local_link
+    from .links import TP_REDUCE, measure_local_link
     from .timing import host_facts
 
     key = host_key(host_facts())
@@ -317,7 +317,9 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
         log(f"  this host is busy (load average {load:.1f} on {cpus} CPUs): what is measured now prices this plan "
             "only and is not cached")
     link = None if refresh else cached(key, "link")
-    if link is not None and isinstance(link.get("gbps"), (int, float)):
+    # a link cached without the fit of a tensor-parallel layer's all-reduce (TP_REDUCE) is timed again where allowed
+    old = link is not None and "collectives" in link and TP_REDUCE not in link["collectives"]
+    if link is not None and isinstance(link.get("gbps"), (int, float)) and not (old and measure):
         out["link"] = link
         log(f"  gloo link between 2 processes of this host: {link['gbps']:.3g} GB/s, {link['latency_us']:.1f} us, "
             f"cached in {where} for this CPU model (delete the file, or set HPML_HOST_CACHE=none, to time it again)")

@@ -13,7 +13,7 @@ import cost_models
 from hpml_compile.cluster import link_spec, load_cluster
 from hpml_compile.errors import HpmlError
 from hpml_compile.ir import Cluster, Device, Link
-from hpml_compile.profile.links import SHM_ALLREDUCE, SHM_ROWS, fit_link
+from hpml_compile.profile.links import SHM_ALLREDUCE, SHM_ROWS, TP_REDUCE, fit_link
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -151,3 +151,16 @@ def test_devices_measure_writes_this_machines_gloo_link(tmp_path: Path) -> None:
     assert link.source.startswith("measured: gloo") and 0 < link.gbps < 1e3, link
     assert {op for op, _, _ in link.collectives} == set(cost_models.COLLECTIVE_OPS), link  # the ZeRO pair timed
     assert "link cpu0-cpu1" in run.stdout
+
+
+def test_a_tensor_parallel_layers_all_reduce_after_compute_gets_a_fit_of_its_own() -> None:
+    # the probe times gloo's all-reduce after a burst of compute, from the ranks' mean start (TP_REDUCE): slower
+    # than the same all-reduce in a loop, which the link's own fit and its all_reduce fit keep
+    layer = cost_models.LinkSpec("tp", 1.2, 700.0, "test", shared=True)
+    sizes = (1 << 16, 1 << 22, 1 << 25)
+    rows = _rows(3.1, 50.0, True) + [(TP_REDUCE, b, cost_models.allreduce_ms(b, 2, layer)) for b in sizes]
+    fit = fit_link(rows)
+    got = {op: (g, lat) for op, g, lat in fit.collectives}
+    assert got[TP_REDUCE] == pytest.approx((1.2, 700.0), rel=1e-3)
+    assert got["all_reduce"] == pytest.approx((3.1, 50.0), rel=1e-3)  # the loop's all-reduce: its own rows
+    assert (fit.gbps, fit.latency_us) == pytest.approx((3.1, 50.0), rel=1e-6)  # and the link's fit
