@@ -14,7 +14,8 @@ graph rather than from class names:
   by input features, the inside nodes run on their shard (attention heads
   divided by ``tp``: the head-count reshapes it finds are listed in
   :attr:`Unit.reshapes`). Forward: one all-reduce of the row layer's
-  output; backward: one all-reduce of the gradient of ``X``. A unit allows
+  output; backward: one all-reduce of the gradient of ``X`` (none where ``X``
+  depends on no parameter: the model's input has no gradient). A unit allows
   the degrees dividing every head count (attention) or every column's
   output features (MLP), up to :data:`MAX_TP`.
 - an embedding table indexed by the model's input (the token ids) is split
@@ -245,9 +246,12 @@ class _Graph:
         self.nodes = {n.name: n for n in profile.nodes}
         self.order = {n.name: i for i, n in enumerate(profile.nodes)}
         self.users: dict[str, list[str]] = {n.name: [] for n in profile.nodes}
+        # whether a node's output depends on a parameter, so that backward computes its gradient
+        self.learns: dict[str, bool] = {}
         for n in profile.nodes:
             for i in n.inputs:
                 self.users[i].append(n.name)
+            self.learns[n.name] = bool(n.params) or any(self.learns.get(i, False) for i in n.inputs)
 
     def weights(self, name: str) -> list[str]:
         """The parameter nodes ``name`` reads (torch.export lifts parameters into nodes of their own)."""
@@ -331,8 +335,11 @@ def _unit(g: _Graph, x: str, columns: list[str]) -> Unit | str:
     if max_tp == 1:
         return f"no degree above 1 divides their split sizes {sizes}"
     order = sorted(own | {row}, key=g.order.__getitem__)
+    # backward all-reduces the gradient of X, which autograd computes only where X depends on a parameter (not
+    # where it is the model's input, as an MLP's first layer reads it)
     coll = (Collective(row, "forward", "all_reduce", g.nodes[row].output_bytes),
-            Collective(min(columns, key=g.order.__getitem__), "backward", "all_reduce", g.nodes[x].output_bytes))
+            *((Collective(min(columns, key=g.order.__getitem__), "backward", "all_reduce", g.nodes[x].output_bytes),)
+              if g.learns[x] else ()))
     return Unit(kind, g.nodes[order[0]].scope, tuple(sorted(columns, key=g.order.__getitem__)), row,
                 tuple(sorted(inside, key=g.order.__getitem__)), tuple(sorted(heads, key=lambda h: g.order[h[0]])),
                 max_tp, coll, tuple((w, n) for n in (*columns, row) for w in g.weights(n)))

@@ -88,3 +88,17 @@ def test_a_cached_link_without_the_layers_all_reduce_is_timed_again(tmp_path: Pa
     assert got["source"].startswith("measured by profile") and "tp_reduce" in got["collectives"], got
     fit = got["collectives"]["tp_reduce"]
     assert fit["gbps"] > 0 and fit["latency_us"] >= 0
+
+
+def test_a_unit_reading_the_models_input_all_reduces_no_gradient() -> None:
+    # autograd computes no gradient for the model's input, so the first MLP unit's backward all-reduce never runs
+    # (a tp 2 step of the zoo's mlp on gloo ranks runs 4 all-reduces forward and 3 backward)
+    m = models.load("mlp", device="meta")
+    prof = profile(m.module, m.example_inputs, name="mlp", device_kinds=["H100-80GB"], batch_size=m.batch_size,
+                   progress=False)
+    units = analyze(prof).units
+    phases = [[c.phase for c in u.collectives] for u in units]
+    assert phases == [["forward"]] + [["forward", "backward"]] * (len(units) - 1) and len(units) == 4
+    g = build(prof)
+    parts = [g.node(n).shard[2] for n in g.order if 2 in g.node(n).shard]
+    assert (sum(p.fwd_count for p in parts), sum(p.bwd_count for p in parts)) == (4, 3)
