@@ -385,7 +385,8 @@ def tp_link(link: cost_models.LinkSpec) -> cost_models.LinkSpec:
     of 4 MiB took 2.9 ms (the shared-memory fit said 1.3 ms, the link's own fit 3.1 ms), of 13 MiB 11.7 ms (3.1,
     9.8), and an all-gather into 16 MiB 16 ms with its concatenation (2.2 ms; 9.7 on the fit of gloo's all-gather
     after compute). The link's own fit, made at 64 KiB and up, says less than a layer's small all-reduce costs:
-    0.15 ms at 64 KiB where gloo took 0.22-0.29 ms in a loop and after compute on the same host.
+    0.15 ms at 64 KiB where gloo took 0.22-0.29 ms in a loop and after compute on the same host (its p10 over
+    30 tries each while other jobs kept it busy).
 
     >>> lo = cost_models.LinkSpec("lo", 2.0, 100.0, "example", collectives=(("all_reduce", 10.0, 240.0),
     ...                                                                    ("tp_gather", 1.8, 340.0)))
