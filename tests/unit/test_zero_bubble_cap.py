@@ -144,3 +144,16 @@ def test_auto_takes_capped_zb_h1_where_the_full_one_does_not_fit() -> None:
     assert lines[-1].startswith("schedule: zb-h1 capped on 3 of 4 stages")
     assert [st.predicted.memory_bytes for st in got.stages] == [stage_memory(got, prof, st) for st in got.stages]
 
+
+def test_a_zb_h1_plan_is_certified_against_a_bound_that_holds_for_it() -> None:
+    """One row a microbatch through 4 stages: ZB-H1's step is below a path bound that charges whole backwards."""
+    from hpml_compile.certify import certify, fixed_bound
+
+    prof = chain_profile([(1.0, 2.0)] * 4, batch_size=1)
+    graph = build(prof)
+    stages = tuple(Stage(i, (f"d{i}",), (f"n{i}",)) for i in range(4))
+    zb, one = (annotate(Plan("toy", uniform_cluster(4), s, 1, stages), graph)[0] for s in (ZB, ONE))
+    assert zb.predicted.step_ms < fixed_bound(graph, zb.cluster) <= one.predicted.step_ms
+    got = certify(zb, graph)
+    assert got.bound_ms is not None and got.bound_ms <= zb.predicted.step_ms, got.text
+    assert certify(one, graph).bound_ms == got.bound_ms  # one bound over every plan, whatever its schedule
