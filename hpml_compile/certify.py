@@ -224,12 +224,12 @@ def fixed_bound(graph: CostGraph, cluster: Cluster, optimizer: bool = True, spli
     devices, batch, cap, back = len(cluster.devices), graph.batch_size, tp_cap(cluster), _back(split)
     parts = []
     for n in graph.order:
-        lo = {k: graph.cost_at(n, k, 0.0) for k in kinds}
-        hi = {k: graph.cost_at(n, k, 1.0) for k in kinds}
-        f = min(sum(lo[k]) for k in kinds)
-        w = min(sum(hi[k]) - sum(lo[k]) for k in kinds)
-        fp = min(lo[k][0] + back * lo[k][1] for k in kinds)  # the path's (all of it, unless split)
-        wp = min(hi[k][0] - lo[k][0] + back * (hi[k][1] - lo[k][1]) for k in kinds)
+        none = {k: graph.cost_at(n, k, 0.0) for k in kinds}  # (fwd, bwd): the fixed parts
+        full = {k: graph.cost_at(n, k, 1.0) for k in kinds}
+        f = min(sum(none[k]) for k in kinds)
+        w = min(sum(full[k]) - sum(none[k]) for k in kinds)
+        fp = min(none[k][0] + back * none[k][1] for k in kinds)  # the path's (all of it, unless split)
+        wp = min(full[k][0] - none[k][0] + back * (full[k][1] - none[k][1]) for k in kinds)
         parts.append((f, w, fp, wp, batch * tp_limit(graph, n, cap)))
 
     def at(lam: float) -> float:
