@@ -15,6 +15,7 @@ import pytest
 from hpml_compile import driver
 from hpml_compile.costgraph import build
 from hpml_compile.errors import PlanError, SchemaError, ScheduleError
+from hpml_compile.ir import Profile
 from hpml_compile.memory import GiB
 from hpml_compile.plan import Plan, Schedule, Stage, fit_deferral, stage_memory, validate_plan
 from hpml_compile.schedule import ActionKind, deferral, lower, op_order, relower
@@ -80,7 +81,7 @@ def test_the_validator_refuses_a_list_over_its_cap_and_relower_keeps_the_caps() 
 
 def _toy(schedule: Schedule, m: int, caps: tuple[int | None, ...] = (), memory_gib: float = 1024.0,
          costs: tuple[tuple[float, float], ...] = ((4.0, 8.0),) * 4, acts: tuple[int, ...] = (0,) * 4
-         ) -> tuple[Plan, object]:
+         ) -> tuple[Plan, Profile]:
     prof = chain_profile(list(costs), activation_bytes=list(acts), batch_size=64)
     graph = build(prof)
     caps = caps or (None,) * len(costs)
