@@ -20,7 +20,12 @@ charges at least:
 
 A plan with local SGD or an offloaded optimizer steps where (or when) the
 phase bound does not assume, so its certificate uses the forward and backward
-alone. Where no bound holds (a step of zero, a bound above the step) there is
+alone. The planner makes ZB-H1 plans too, whose path back runs each
+backward's input-gradient part only (the weight-gradient part, at least
+:data:`hpml_compile.stagecost.WEIGHT_SHARE` of the backward's compute, waits
+off the path), so the certificate's path terms (:func:`row_bound`,
+:func:`fixed_bound` with ``split``) charge that part of each backward only:
+no plan, of any schedule, beats the bound. Where no bound holds (a step of zero, a bound above the step) there is
 no certificate, said as such rather than replaced by a proxy figure.
 
 Example:
@@ -39,6 +44,7 @@ import math
 from .costgraph import CostGraph
 from .ir import Certificate, Cluster
 from .plan import Plan
+from .stagecost import WEIGHT_SHARE
 
 __all__ = ["Certificate", "certify", "compute_bound", "step_rate", "spread_bound", "row_bound", "optimizer_floor",
            "tight_bound", "fixed_bound", "tp_cap", "tp_limit"]
@@ -58,7 +64,7 @@ def certify(plan: Plan, graph: CostGraph) -> Certificate:
     if not step > 0:
         return Certificate(step, None, "the plan has no simulated step")
     whole = plan.sync_every == 1 and not any(st.offload_optimizer for st in plan.stages)
-    bound = fixed_bound(graph, plan.cluster, optimizer=whole)
+    bound = fixed_bound(graph, plan.cluster, optimizer=whole, split=True)  # over ZB-H1 plans too
     name = "fixed-part bound" if whole else "forward/backward bound (local SGD or an offloaded optimizer)"
     if not (bound > 0 and math.isfinite(bound)):
         return Certificate(step, None, "no positive lower bound on this graph")
@@ -122,7 +128,12 @@ def spread_bound(work: list[tuple[float, float]]) -> float:
     return hi
 
 
-def row_bound(graph: CostGraph, cluster: Cluster) -> float:
+def _back(split: bool) -> float:
+    """The share of a backward on a microbatch's path back: all of it, or (ZB-H1) its input-gradient part's least."""
+    return 1.0 - WEIGHT_SHARE if split else 1.0
+
+
+def row_bound(graph: CostGraph, cluster: Cluster, split: bool = False) -> float:
     """A second lower bound: one row's forward and backward through the whole model, on the fastest kind.
 
     A row is split between devices only by tensor parallelism: a replica trains on whole rows, at least one
@@ -133,11 +144,16 @@ def row_bound(graph: CostGraph, cluster: Cluster) -> float:
     (full - fixed) r / B`` (the simulator's rule), at least its cost at ``r = 1``, divided as above; the
     collectives tensor parallelism adds only lengthen it. This bound binds where the batch is small against
     the device count: llama-7b at batch 8 on 16 devices, where :func:`compute_bound` is half of it.
+    ``split``: over ZB-H1 plans too, whose path back holds each backward's input-gradient part only (module
+    docstring).
     """
-    cap = tp_cap(cluster)
-    return min(sum(sum(graph.cost_at(n, kind, 1.0 / (graph.batch_size * tp_limit(graph, n, cap))))
-                   for n in graph.order)
-               for kind in {d.kind for d in cluster.devices})
+    cap, back = tp_cap(cluster), _back(split)
+
+    def path(n: str, kind: str) -> float:
+        fwd, bwd = graph.cost_at(n, kind, 1.0 / (graph.batch_size * tp_limit(graph, n, cap)))
+        return fwd + back * bwd
+
+    return min(sum(path(n, kind) for n in graph.order) for kind in {d.kind for d in cluster.devices})
 
 
 def tp_cap(cluster: Cluster) -> int:
@@ -163,16 +179,17 @@ def optimizer_floor(graph: CostGraph, cluster: Cluster) -> float:
     return rate * graph.total("param_bytes") / len(cluster.devices)
 
 
-def tight_bound(graph: CostGraph, cluster: Cluster) -> float:
+def tight_bound(graph: CostGraph, cluster: Cluster, split: bool = False) -> float:
     """``max(compute_bound without the optimizer, row_bound) + optimizer_floor``, and never below
     :func:`compute_bound`: still no plan can beat it (the forward and backward, then the optimizer step, are
     phases one after the other: each term is a lower bound on its phase), and it is closer to what a plan can
-    reach. The forward/backward term leaves the optimizer out so that it is not counted twice."""
-    phases = max(compute_bound(graph, cluster, optimizer=False), row_bound(graph, cluster))
+    reach. The forward/backward term leaves the optimizer out so that it is not counted twice. ``split``: as
+    :func:`row_bound`."""
+    phases = max(compute_bound(graph, cluster, optimizer=False), row_bound(graph, cluster, split))
     return max(compute_bound(graph, cluster), phases + optimizer_floor(graph, cluster))
 
 
-def fixed_bound(graph: CostGraph, cluster: Cluster, optimizer: bool = True) -> float:
+def fixed_bound(graph: CostGraph, cluster: Cluster, optimizer: bool = True, split: bool = False) -> float:
     """A lower bound that counts the fixed parts as the simulator does: once per microbatch per replica.
 
     :func:`compute_bound` spreads a node's fixed part (a GPU's per-op cost, ``cost_models.EAGER_GPU_OP_MS``)
@@ -194,7 +211,9 @@ def fixed_bound(graph: CostGraph, cluster: Cluster, optimizer: bool = True) -> f
     gives :func:`row_bound`, ``l = 0`` the forward and backward of :func:`compute_bound` on one kind, so on
     one kind it is at least both; the optimizer step follows (:func:`optimizer_floor`). Returned as the
     larger of that and :func:`tight_bound` (whose speed-weighted compute bound is tighter on mixed kinds).
-    ``optimizer=False``: the forward and backward phases alone, no optimizer step added.
+    ``optimizer=False``: the forward and backward phases alone, no optimizer step added. ``split``: over ZB-H1
+    plans too: the path charges ``f'_n + w'_n / x`` with each backward's input-gradient part only (module
+    docstring), and ``x_n = sqrt(l w'_n D / ((1 - l) f_n))``.
 
     >>> from hpml_compile.testing import chain_graph, uniform_cluster
     >>> g = chain_graph([(1.0, 2.0)] * 4, batch_size=4)  # no fixed parts: the compute bound, 12 ms over 4
@@ -202,19 +221,23 @@ def fixed_bound(graph: CostGraph, cluster: Cluster, optimizer: bool = True) -> f
     3.0
     """
     kinds = {d.kind for d in cluster.devices}
-    devices, batch, cap = len(cluster.devices), graph.batch_size, tp_cap(cluster)
+    devices, batch, cap, back = len(cluster.devices), graph.batch_size, tp_cap(cluster), _back(split)
     parts = []
     for n in graph.order:
-        f = min(sum(graph.cost_at(n, k, 0.0)) for k in kinds)
-        parts.append((f, min(sum(graph.cost_at(n, k, 1.0)) - sum(graph.cost_at(n, k, 0.0)) for k in kinds),
-                      batch * tp_limit(graph, n, cap)))
+        none = {k: graph.cost_at(n, k, 0.0) for k in kinds}  # (fwd, bwd): the fixed parts
+        full = {k: graph.cost_at(n, k, 1.0) for k in kinds}
+        f = min(sum(none[k]) for k in kinds)
+        w = min(sum(full[k]) - sum(none[k]) for k in kinds)
+        fp = min(none[k][0] + back * none[k][1] for k in kinds)  # the path's (all of it, unless split)
+        wp = min(full[k][0] - none[k][0] + back * (full[k][1] - none[k][1]) for k in kinds)
+        parts.append((f, w, fp, wp, batch * tp_limit(graph, n, cap)))
 
     def at(lam: float) -> float:
         total = 0.0
-        for f, w, most in parts:
-            x = math.sqrt(lam * w * devices / ((1 - lam) * f)) if f > 0 and lam < 1 else (most if lam > 0 else 1.0)
+        for f, w, fp, wp, most in parts:
+            x = math.sqrt(lam * wp * devices / ((1 - lam) * f)) if f > 0 and lam < 1 else (most if lam > 0 else 1.0)
             x = min(float(most), max(1.0, x))
-            total += lam * (f + w / x) + (1 - lam) * (x * f + w) / devices
+            total += lam * (fp + wp / x) + (1 - lam) * (x * f + w) / devices
         return total
 
     lo, hi = 0.0, 1.0
@@ -223,5 +246,5 @@ def fixed_bound(graph: CostGraph, cluster: Cluster, optimizer: bool = True) -> f
         lo, hi = (a, hi) if at(a) < at(b) else (lo, b)
     phases = max(at(0.0), at(1.0), at((lo + hi) / 2))
     if not optimizer:  # the forward and backward alone (wherever and however the optimizer steps)
-        return max(compute_bound(graph, cluster, optimizer=False), row_bound(graph, cluster), phases)
-    return max(tight_bound(graph, cluster), phases + optimizer_floor(graph, cluster))
+        return max(compute_bound(graph, cluster, optimizer=False), row_bound(graph, cluster, split), phases)
+    return max(tight_bound(graph, cluster, split), phases + optimizer_floor(graph, cluster))

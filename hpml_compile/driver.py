@@ -56,7 +56,7 @@ from .errors import BuildMismatchError, HpmlError, OptionError, PlanError
 from .ir import Cluster, FrontEnd, Link, Precision, Profile
 from .compression import check_sync, parse_compress
 from .memory import compute_bytes
-from .plan import Plan, Schedule, ZeroStage, check_wire, save_plan, validate_plan, with_comm
+from .plan import Plan, Schedule, ZeroStage, check_wire, fit_deferral, save_plan, validate_plan, with_comm
 from .profile import predict_kinds, profile, save_profile
 from .profile.process import with_process
 from .recipe import ModelRecipe, read_recipe
@@ -449,8 +449,12 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
 
 
 def faster_schedule(placed: Plan, graph: CostGraph, prof: Profile, progress: Say | None = None) -> Plan:
-    """``placed`` under ZB-H1 where that simulates faster and still fits its devices (every stage then holds
-    ``min(M, S)`` microbatches), else ``placed``; one line says which and why.
+    """``placed`` under ZB-H1 where that simulates faster and still fits its devices, else ``placed``; one line
+    says which and why.
+
+    ZB-H1 holds ``min(M, S)`` microbatches on every stage; where a stage's devices cannot, the stage holds back
+    fewer weight-gradient parts, the most that fit (memory-capped ZB-H1, :func:`hpml_compile.plan.fit_deferral`),
+    and the capped plan is what is weighed against ``placed``.
 
     Args:
         placed: the solver's plan (1F1B).
@@ -463,16 +467,19 @@ def faster_schedule(placed: Plan, graph: CostGraph, prof: Profile, progress: Say
     """
     say = progress or (lambda _: None)
     try:
-        zb = annotate(replace(placed, schedule=Schedule.ZB_H1), graph, prof.dtype)[0]
-        validate_plan(replace(zb, precision=prof.precision), prof)
+        zb = fit_deferral(replace(placed, schedule=Schedule.ZB_H1, precision=prof.precision), prof)
+        zb = annotate(zb, graph, prof.dtype)[0]  # its memory as it trains: autocast's copies per microbatch held
+        validate_plan(zb, prof)
     except PlanError as e:
         say(f"schedule: {placed.schedule.value} (zb-h1 is not an option for this placement: {e})")
         return placed
+    capped = [st.index for st in zb.stages if st.max_deferred is not None]
+    name = f"zb-h1 capped on {len(capped)} of {len(zb.stages)} stages" if capped else "zb-h1"
     if zb.predicted.step_ms < placed.predicted.step_ms:
-        say(f"schedule: zb-h1, {zb.predicted.step_ms:.4g} ms a step against {placed.predicted.step_ms:.4g} ms "
+        say(f"schedule: {name}, {zb.predicted.step_ms:.4g} ms a step against {placed.predicted.step_ms:.4g} ms "
             f"under {placed.schedule.value} (bubble {zb.predicted.bubble:.1%} against {placed.predicted.bubble:.1%})")
         return zb
-    say(f"schedule: {placed.schedule.value}, zb-h1 is not faster here ({zb.predicted.step_ms:.4g} ms a step)")
+    say(f"schedule: {placed.schedule.value}, {name} is not faster here ({zb.predicted.step_ms:.4g} ms a step)")
     return placed
 
 

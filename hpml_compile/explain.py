@@ -281,6 +281,8 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
                         f", swap {len(st.swap)} nodes" if st.swap else "",
                         ", optimizer offload" if st.offload_optimizer else "",
                         f", gradients {st.compress}" if st.compress else "",
+                        f", holds back at most {st.max_deferred} of ZB-H1's {st.index} weight-gradient parts "
+                        "(its memory)" if st.max_deferred is not None else "",
                         f", local SGD every {plan.sync_every} steps after {plan.sync_warmup}"
                         if plan.sync_every > 1 and len(st.devices) > 1 else "",
                         _shared_memory(plan, st)])

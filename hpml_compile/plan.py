@@ -58,6 +58,7 @@ __all__ = [
     "tp_problem",
     "stage_memory",
     "stage_breakdown",
+    "fit_deferral",
     "save_plan",
     "load_plan",
 ]
@@ -130,6 +131,9 @@ class Stage:
             consecutive devices ``devices[r * tp:(r + 1) * tp]``, each of one kind on one host
             (:func:`validate_plan`), which share the stage's sharded layers (:mod:`hpml_compile.tp`); the
             data-parallel group of a device is the devices at its position in every replica. 1: none.
+        max_deferred: ZB-H1: the most weight-gradient parts the stage holds back at once (memory-capped ZB-H1,
+            :mod:`hpml_compile.schedule`): from 0 (each ``W`` right after its ``I``, 1F1B's order) to the
+            stage's index (ZB-H1's own); None: ZB-H1's own (plans written without the field).
     """
 
     index: int
@@ -144,6 +148,7 @@ class Stage:
     compress: str = ""
     allreduce: AllReduce = AllReduce.FLAT
     tp: int = 1
+    max_deferred: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "zero", ZeroStage(self.zero))
@@ -160,6 +165,9 @@ class Stage:
         if self.tp > 1 and self.rows:
             raise ValueError(f"stage {self.index}: rows per replica are not combined with tp={self.tp}; leave rows "
                              "out (an equal split) or set tp to 1")
+        if self.max_deferred is not None and not 0 <= self.max_deferred <= self.index:
+            raise ValueError(f"stage {self.index}: max_deferred must be from 0 to the stage's index {self.index} "
+                             f"(the weight-gradient parts ZB-H1 holds back on it), got {self.max_deferred}")
         if self.rows and (len(self.rows) != len(self.devices) or min(self.rows) < 1):
             raise ValueError(f"stage {self.index}: rows must give each of its {len(self.devices)} devices at least "
                              f"one row, got {list(self.rows)}")
@@ -194,6 +202,7 @@ class Stage:
             **({"compress": self.compress} if self.compress else {}),
             **({"allreduce": self.allreduce.value} if self.allreduce is not AllReduce.FLAT else {}),
             **({"tp": self.tp} if self.tp > 1 else {}),
+            **({"max_deferred": self.max_deferred} if self.max_deferred is not None else {}),
         }
 
     @classmethod
@@ -204,7 +213,7 @@ class Stage:
                    StagePrediction(pr.get("fwd_ms", 0.0), pr.get("bwd_ms", 0.0), pr.get("memory_bytes", 0),
                                    pr.get("bubble")),
                    tuple(d.get("rows", ())), d.get("compress", ""), AllReduce(d.get("allreduce", "flat")),
-                   int(d.get("tp", 1)))
+                   int(d.get("tp", 1)), d.get("max_deferred"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +294,9 @@ class Plan:
                 raise ValueError(f"plan: stages[{i}].index is {st.index}; stages must be listed in order")
         if self.schedule is Schedule.ZB_H1:
             _check_zero_bubble(self.stages)
+        elif capped := [st.index for st in self.stages if st.max_deferred is not None]:
+            raise PlanError(f"schedule {self.schedule.value}: stage(s) {capped} set max_deferred, the cap on the "
+                            "weight-gradient parts ZB-H1 holds back; use schedule zb-h1, or leave max_deferred out")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -387,6 +399,7 @@ PLAN_SCHEMA: dict[str, Any] = {
                     "compress": {"type": "string", "pattern": "^(powersgd:[0-9]+|topk:[0-9.eE+-]+)$"},
                     "allreduce": {"enum": [a.value for a in AllReduce]},
                     "tp": {"type": "integer", "minimum": 1},
+                    "max_deferred": {"type": "integer", "minimum": 0},
                     "predicted": {"type": "object", "additionalProperties": False, "properties": {
                         "fwd_ms": _NUM, "bwd_ms": _NUM, "memory_bytes": {"type": "integer", "minimum": 0},
                         "bubble": _SHARE}},
@@ -492,6 +505,12 @@ def check_placement(d: Any, source: str = "plan") -> None:
                 raise SchemaError(source, f"{at}.allreduce", "flat, or hierarchical for a ZeRO-0 or ZeRO-1 stage whose "
                                   "devices span hosts, each holding the same number", f"hierarchical, but {why}",
                                   fix=f"set stage {k}'s allreduce to flat (or leave it out)")
+        cap = st.get("max_deferred")
+        if cap is not None and (cap > k or d["schedule"] != Schedule.ZB_H1.value):
+            raise SchemaError(source, f"{at}.max_deferred", f"from 0 to {k} (stage {k}'s index) under schedule zb-h1",
+                              f"{cap} under schedule {d['schedule']}",
+                              fix="cap the weight-gradient parts held back at the stage's index, or leave "
+                                  "max_deferred out (ZB-H1's own; no cap under the other schedules)")
         for j, node in enumerate(st.get("swap", ())):
             if node not in st["nodes"]:
                 raise SchemaError(source, f"{at}.swap[{j}]", f"one of stage {k}'s nodes", repr(node),
@@ -607,7 +626,8 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | No
         input_bytes=_input_bytes(profile, names),
         dtype_bytes=dtype_bytes(profile.dtype), replicas=stage.replicas, zero=stage.zero,
         shards=zero_shards(plan.cluster, stage), microbatches=m,
-        in_flight=in_flight(plan.schedule, m, len(plan.stages) - stage.index - 1, len(plan.stages)),
+        in_flight=in_flight(plan.schedule, m, len(plan.stages) - stage.index - 1, len(plan.stages),
+                            stage.max_deferred),
         recompute=stage.recompute,
         swapped_bytes=sum(n.activation_bytes for n in nodes if n.name in swapped),
         offload_optimizer=stage.offload_optimizer,
@@ -774,6 +794,46 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                 raise PlanError(f"stage {st.index} needs {need / GiB:.2f} GiB on {name} ({dev.kind}, "
                                 f"{dev.memory_gib:.1f} GiB){rows}: over by {(need - dev.memory_bytes) / GiB:.2f} "
                                 f"GiB; {fix}")
+
+
+def fit_deferral(plan: Plan, profile: Profile) -> Plan:
+    """A ZB-H1 plan with each stage's cap on held-back weight-gradient parts (:attr:`Stage.max_deferred`) set to
+    the largest that fits every device of the stage, as :func:`stage_memory` prices it.
+
+    A stage holds the activations of ``S - i + w`` microbatches for ``w`` parts held back (``S`` uncapped):
+    memory grows with ``w``, so the largest that fits is found by bisection. A stage where ZB-H1's own ``i``
+    fits keeps no cap; one where even ``0`` (1F1B's count) does not fit gets ``0``, and :func:`validate_plan`
+    names what it needs.
+
+    Args:
+        plan: a plan under schedule ZB-H1 (its caps are ignored: each is chosen again).
+        profile: the profile it was made for.
+
+    Returns:
+        The plan with the caps (the same plan where every stage fits uncapped).
+
+    Raises:
+        PlanError: ``plan`` is not under ZB-H1.
+    """
+    if plan.schedule is not Schedule.ZB_H1:
+        raise PlanError(f"a cap on held-back weight-gradient parts needs schedule zb-h1, not {plan.schedule.value}")
+    sharding = analyze_tp(profile) if any(st.tp > 1 for st in plan.stages) else None
+    stages = []
+    for st in plan.stages:
+        def fits(w: int | None, st: Stage = st) -> bool:
+            capped = replace(st, max_deferred=w)
+            return all(stage_memory(plan, profile, capped, d, sharding) <= plan.cluster.device(d).memory_bytes
+                       for d in st.devices)
+
+        if fits(None):
+            stages.append(replace(st, max_deferred=None))
+            continue
+        lo, hi = 0, st.index  # fits(lo) is searched for; hi does not fit
+        while lo < hi - 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        stages.append(replace(st, max_deferred=lo))
+    return replace(plan, stages=tuple(stages))
 
 
 def tp_problem(cluster: Cluster, st: Stage) -> str | None:

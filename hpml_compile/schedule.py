@@ -41,7 +41,11 @@ Parallelism", ICLR 2024): stage ``i`` runs ``S - i`` forwards, then ``I`` and
 ``F`` in turn, each ``I`` followed by the oldest owed ``W`` once more than
 ``i`` are owed; the ``i`` held back run last, where 1F1B waits for later
 stages. Activations live until ``W``: every stage holds at most ``S``
-microbatches, 1F1B's peak (its first stage's).
+microbatches, 1F1B's peak (its first stage's). A stage may hold back fewer,
+``w`` of its ``i`` (the plan's :attr:`hpml_compile.plan.Stage.max_deferred`,
+chosen where the ``S`` do not fit its memory): its ``I`` is followed by a
+``W`` once more than ``w`` are owed, and it holds ``S - i + w`` microbatches;
+``w = 0`` is 1F1B's order with each backward split, ``w = i`` ZB-H1's own.
 
 The validator that replays the lists is :mod:`hpml_compile.schedule_check`.
 
@@ -62,6 +66,9 @@ Example:
     '0F0 0F1 0I0 0W0 0F2 0I1 0W1 0I2 0W2'
     >>> " ".join(str(a) for a in zb[1] if a.kind in COMPUTE)
     '1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1W2'
+    >>> capped = lower(Schedule.ZB_H1, 3, (1, 1), sends=(True, False), defer=(0, 0))
+    >>> " ".join(str(a) for a in capped[1] if a.kind in COMPUTE)
+    '1F0 1I0 1W0 1F1 1I1 1W1 1F2 1I2 1W2'
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ from .memory import ZeroStage
 from .plan import AllReduce, Plan, Schedule
 
 __all__ = ["ActionKind", "COMPUTE", "SyncImpl", "sync_impl", "Action", "RankActions", "op_order", "lower", "relower",
-           "parse_actions", "parse_token", "with_averages", "stage_lists", "stage_ranks",
+           "parse_actions", "parse_token", "with_averages", "stage_lists", "stage_ranks", "deferral", "held_back",
            "rank_layout", "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
 
 
@@ -307,7 +314,8 @@ def _stage_ranks(replicas: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def op_order(schedule: Schedule, stage: int, stages: int, microbatches: int) -> list[tuple[ActionKind, int]]:
+def op_order(schedule: Schedule, stage: int, stages: int, microbatches: int,
+             defer: int | None = None) -> list[tuple[ActionKind, int]]:
     """The compute view of a stage's lowered list: ``(kind, microbatch)`` in execution order.
 
     Args:
@@ -315,20 +323,25 @@ def op_order(schedule: Schedule, stage: int, stages: int, microbatches: int) -> 
         stage: stage index ``i``.
         stages: stage count ``S``.
         microbatches: ``M``.
+        defer: ZB-H1: the most weight-gradient parts the stage holds back at once (:func:`held_back`; None:
+            ``i``, ZB-H1's own); ignored by the other schedules.
 
     Returns:
         F and B (GPipe, 1F1B) or F, I and W (ZB-H1) actions; under 1F1B at most ``S - i`` forwards are ahead of
-        their backward, under ZB-H1 at most ``S`` ahead of their weight-gradient part.
+        their backward, under ZB-H1 at most ``S - i + w`` ahead of their weight-gradient part (``w`` the
+        parts held back, ``S`` uncapped).
 
     Example:
         >>> [f"{k.value}{j}" for k, j in op_order(Schedule.ZB_H1, 1, 3, 4)]
         ['F0', 'F1', 'I0', 'F2', 'I1', 'W0', 'F3', 'I2', 'W1', 'I3', 'W2', 'W3']
+        >>> [f"{k.value}{j}" for k, j in op_order(Schedule.ZB_H1, 2, 3, 3, defer=1)]
+        ['F0', 'I0', 'F1', 'I1', 'W0', 'F2', 'I2', 'W1', 'W2']
     """
     m, fwd, bwd = microbatches, ActionKind.FORWARD, ActionKind.BACKWARD
     if schedule is Schedule.GPIPE:
         return [(fwd, k) for k in range(m)] + [(bwd, k) for k in range(m)]
     if schedule is Schedule.ZB_H1:
-        return _zb_h1(stage, stages, m)
+        return _zb_h1(stage, stages, m, held_back(stage, defer))
     w = min(stages - stage - 1, m)
     ops = [(fwd, k) for k in range(w)]
     for k in range(m - w):
@@ -336,16 +349,33 @@ def op_order(schedule: Schedule, stage: int, stages: int, microbatches: int) -> 
     return ops + [(bwd, k) for k in range(m - w, m)]
 
 
-def _zb_h1(stage: int, stages: int, microbatches: int) -> list[tuple[ActionKind, int]]:
-    """ZB-H1's order for stage ``i`` (module docstring): ``S - i`` forwards, then I (with a W once more than ``i``
-    are owed) and F in turn, the held-back W last."""
+def held_back(stage: int, defer: int | None) -> int:
+    """How many weight-gradient parts stage ``i`` holds back at once under ZB-H1: ``i`` (its own maximum), or
+    ``defer`` where that is smaller (a plan's cap, :attr:`hpml_compile.plan.Stage.max_deferred`).
+
+    >>> held_back(3, None), held_back(3, 1), held_back(1, 5)
+    (3, 1, 1)
+    """
+    return stage if defer is None else max(0, min(stage, defer))
+
+
+def deferral(plan: Plan) -> tuple[int | None, ...] | None:
+    """The plan's caps on held-back weight-gradient parts, one per stage (None: ZB-H1's own), for :func:`lower`,
+    :func:`stage_lists` and :func:`relower`; None where no stage has one (or the schedule is not ZB-H1)."""
+    caps = tuple(st.max_deferred for st in plan.stages)
+    return caps if plan.schedule is Schedule.ZB_H1 and any(c is not None for c in caps) else None
+
+
+def _zb_h1(stage: int, stages: int, microbatches: int, hold: int) -> list[tuple[ActionKind, int]]:
+    """ZB-H1's order for stage ``i`` (module docstring): ``S - i`` forwards, then I (with a W once more than
+    ``hold`` are owed) and F in turn, the held-back W last."""
     fwd, inp, wgt = ActionKind.FORWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
     f = min(stages - stage, microbatches)
     ops = [(fwd, k) for k in range(f)]
     w = 0
     for b in range(microbatches):
         ops.append((inp, b))
-        if b + 1 - w > stage:  # more weight parts owed than the ``i`` this stage holds back
+        if b + 1 - w > hold:  # more weight parts owed than this stage holds back
             ops.append((wgt, w))
             w += 1
         if f < microbatches:
@@ -356,7 +386,8 @@ def _zb_h1(stage: int, stages: int, microbatches: int) -> list[tuple[ActionKind,
 
 def lower(schedule: Schedule, microbatches: int, replicas: Sequence[int], *,
           sends: Sequence[bool] | None = None, grad_sync: Sequence[Sequence[str]] | None = None,
-          after_step: Sequence[Sequence[str]] | None = None) -> list[RankActions]:
+          after_step: Sequence[Sequence[str]] | None = None,
+          defer: Sequence[int | None] | None = None) -> list[RankActions]:
     """Every rank's action list: compute in schedule order with its messages, then syncs, loss, optimizer.
 
     Args:
@@ -366,6 +397,8 @@ def lower(schedule: Schedule, microbatches: int, replicas: Sequence[int], *,
         sends: per stage, whether boundary ``k -> k+1`` carries values (default: every one but the last's).
         grad_sync: per stage, its gradient collective tokens, in the order they run.
         after_step: per stage, its parameter collective tokens after the optimizer step.
+        defer: ZB-H1: per stage, the most weight-gradient parts it holds back at once (:func:`deferral`; None, or
+            an entry None: ZB-H1's own).
 
     Returns:
         One tuple of actions per rank (ranks as :func:`rank_layout` numbers them).
@@ -378,7 +411,7 @@ def lower(schedule: Schedule, microbatches: int, replicas: Sequence[int], *,
     per_stage = []
     for k in range(s):
         acts: list[Action] = []
-        for kind, j in op_order(schedule, k, s, microbatches):
+        for kind, j in op_order(schedule, k, s, microbatches, defer[k] if defer else None):
             fwd = kind is ActionKind.FORWARD
             came, goes = (k - 1, k + 1) if fwd else (k + 1, k - 1)
             talks = kind is not ActionKind.BACKWARD_WEIGHT  # W moves nothing: its gradients stay on the stage
@@ -395,24 +428,27 @@ def lower(schedule: Schedule, microbatches: int, replicas: Sequence[int], *,
 
 
 @functools.lru_cache(maxsize=256)
-def stage_lists(schedule: Schedule, stages: int, microbatches: int) -> tuple[RankActions, ...]:
+def stage_lists(schedule: Schedule, stages: int, microbatches: int,
+                defer: tuple[int | None, ...] | None = None) -> tuple[RankActions, ...]:
     """Each stage's lowered list of computations (F, B, I, W), sends and receives (one rank per stage, every
     boundary carrying values): what the simulator replays (:mod:`hpml_compile.simulate`; replicas run their
-    stage's list).
+    stage's list). ``defer``: ZB-H1's caps per stage (:func:`deferral`).
 
     Example:
         >>> " ".join(map(str, stage_lists(Schedule.GPIPE, 2, 2)[0]))
         '0F0 0SEND1:0 0F1 0SEND1:1 0RECV1:0 0B0 0RECV1:1 0B1'
     """
     kinds = (*COMPUTE, *MARKERS)
-    return tuple(tuple(a for a in acts if a.kind in kinds) for acts in lower(schedule, microbatches, [1] * stages))
+    return tuple(tuple(a for a in acts if a.kind in kinds)
+                 for acts in lower(schedule, microbatches, [1] * stages, defer=defer))
 
 
 def relower(ranks: Sequence[RankActions], replicas: Sequence[int], schedule: Schedule,
-            microbatches: int) -> list[RankActions]:
+            microbatches: int, defer: Sequence[int | None] | None = None) -> list[RankActions]:
     """The same lists lowered for another microbatch count (a batch of several build batches).
 
-    The boundaries and the collectives are read from each stage's first rank.
+    The boundaries and the collectives are read from each stage's first rank; ``defer`` is the plan's ZB-H1 caps
+    (:func:`deferral`), which the lists cannot tell at every count.
     """
     first = [ranks[r[0]] for r in _stage_ranks(replicas)]
     sends = [any(a.kind is ActionKind.SEND and a.stages[1] == k + 1 for a in acts) for k, acts in enumerate(first)]
@@ -421,7 +457,7 @@ def relower(ranks: Sequence[RankActions], replicas: Sequence[int], schedule: Sch
         opt = next(i for i, a in enumerate(acts) if a.kind is ActionKind.OPTIMIZER)
         grad.append([str(a) for a in acts[:opt] if a.kind in COLLECTIVES])
         after.append([str(a) for a in acts[opt:] if a.kind in COLLECTIVES])
-    return lower(schedule, microbatches, replicas, sends=sends, grad_sync=grad, after_step=after)
+    return lower(schedule, microbatches, replicas, sends=sends, grad_sync=grad, after_step=after, defer=defer)
 
 
 def with_averages(ranks: Sequence[RankActions], replicas: Sequence[int],

@@ -12,6 +12,10 @@ Example:
     >>> from hpml_compile.schedule import lower, parse_actions
     >>> validate(lower(Schedule.ONE_F_ONE_B, 2, (1, 1), sends=(True, False)), (1, 1))
     >>> validate(lower(Schedule.ZB_H1, 3, (1, 1), sends=(True, False)), (1, 1))
+    >>> validate(lower(Schedule.ZB_H1, 3, (1, 1), sends=(True, False)), (1, 1), defer=(0, 0))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    hpml_compile.errors.ScheduleError: rank 1 (stage 1, replica 0): 1F1 runs while 1 weight-gradient part(s) ...
     >>> replay(parse_actions([["0RECV1:0", "0SEND1:0"], ["1RECV0:0", "1SEND0:0"]]), (1, 1))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
@@ -24,7 +28,7 @@ from collections import Counter
 from typing import Callable, Sequence
 
 from .errors import ScheduleError
-from .schedule import COLLECTIVES, COMPUTE, MARKERS, Action, ActionKind, RankActions, _stage_ranks
+from .schedule import COLLECTIVES, COMPUTE, MARKERS, Action, ActionKind, RankActions, _stage_ranks, held_back
 
 __all__ = ["validate", "replay"]
 
@@ -88,6 +92,22 @@ def _check_parts(seen: dict[tuple[ActionKind, int | None], int], who: str) -> No
                                                                            for kind, c in n.items())
                                 + ": each needs one forward and either one backward or one input-gradient part "
                                 "and one weight-gradient part")
+
+
+def _check_deferred(ranks: Sequence[RankActions], replicas: Sequence[int], defer: Sequence[int | None]) -> None:
+    """ZB-H1's cap: before each forward and each input-gradient part a rank holds back at most its stage's cap of
+    weight-gradient parts (microbatches whose ``I`` ran and ``W`` not yet): the memory the plan priced."""
+    layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
+    for rank, acts in enumerate(ranks):
+        k = layout[rank][0]
+        cap = held_back(k, defer[k])
+        owed = 0
+        for a in acts:
+            if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD_INPUT) and owed > cap:
+                raise ScheduleError(f"{_name(rank, layout)}: {a} runs while {owed} weight-gradient part(s) are held "
+                                    f"back, over stage {k}'s cap of {cap}: run the oldest W before it "
+                                    "(the cap is what the plan priced its memory for)")
+            owed += (a.kind is ActionKind.BACKWARD_INPUT) - (a.kind is ActionKind.BACKWARD_WEIGHT)
 
 
 def _check_messages(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
@@ -205,18 +225,22 @@ def replay(ranks: Sequence[RankActions], replicas: Sequence[int],
         ptr[rank] += 1
 
 
-def validate(ranks: Sequence[RankActions], replicas: Sequence[int]) -> None:
+def validate(ranks: Sequence[RankActions], replicas: Sequence[int],
+             defer: Sequence[int | None] | None = None) -> None:
     """Check per-rank lists before anything runs: own stage only, each message next to its compute, matched
-    messages, no deadlock.
+    messages, ZB-H1's held-back weight-gradient parts within each stage's cap, no deadlock.
 
     Args:
         ranks: each rank's actions.
         replicas: ranks of each stage.
+        defer: ZB-H1: the plan's cap per stage (:func:`hpml_compile.schedule.deferral`; None, or an entry None:
+            the stage's index, ZB-H1's own).
 
     Raises:
         ScheduleError: naming the rank, the action and the rule it breaks.
     """
     _check_shape(ranks, replicas)
+    _check_deferred(ranks, replicas, defer or [None] * len(replicas))
     _check_messages(ranks, replicas)
     _check_pairs(ranks, replicas)
     replay(ranks, replicas)

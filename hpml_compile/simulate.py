@@ -133,7 +133,7 @@ from .errors import PlanError, UnknownDeviceError
 from .ir import Device, Schedule
 from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
 from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_overlap, zero_shards
-from .schedule import Action, ActionKind, op_order, stage_lists  # the lowered per-rank action lists
+from .schedule import Action, ActionKind, deferral, op_order, stage_lists  # the lowered per-rank action lists
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
                         local_sgd_sync_ms, measured_agree_ms, optimizer_ms, skew_wait_ms, stepped_gather_ms,
                         steps_flat, stream_bytes_per_ms, stream_ms, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms,
@@ -409,7 +409,8 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
             mem = device_memory(param_bytes=params, activation_bytes=acts, input_bytes=sum(inputs.values()),
                                 dtype_bytes=dtype_bytes(dtype), replicas=d, zero=st.zero,
                                 shards=zero_shards(c, st), microbatches=m,
-                                in_flight=in_flight(plan.schedule, m, s_count - st.index - 1, s_count),
+                                in_flight=in_flight(plan.schedule, m, s_count - st.index - 1, s_count,
+                                                    st.max_deferred),
                                 recompute=st.recompute, swapped_bytes=swapped,
                                 offload_optimizer=st.offload_optimizer, host_is_device=c.device(x).is_cpu,
                                 share=(st.rows[j], batch) if st.rows else None,
@@ -606,7 +607,7 @@ def _run(plan: Plan, costs: tuple[StageCost, ...], stretch: dict[Op, float] | No
     Raises:
         PlanError: the lists deadlock (every stage waits at a receive).
     """
-    lists = stage_lists(plan.schedule, len(plan.stages), plan.microbatches)  # the lowered lists, replayed
+    lists = stage_lists(plan.schedule, len(plan.stages), plan.microbatches, deferral(plan))  # the lowered lists
     run = _Replay(plan, costs, stretch)
     ptr = [0] * len(lists)
     remaining = sum(len(x) for x in lists)

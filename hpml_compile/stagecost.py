@@ -147,7 +147,8 @@ def _minimum(a: Value, b: Value) -> Value:
     return min(a, b)
 
 
-def in_flight(schedule: Schedule, microbatches: int, after: Value, stages: int | None = None) -> Value:
+def in_flight(schedule: Schedule, microbatches: int, after: Value, stages: int | None = None,
+              deferred: int | None = None) -> Value:
     """Microbatches whose activations a stage holds at its peak.
 
     Args:
@@ -157,13 +158,21 @@ def in_flight(schedule: Schedule, microbatches: int, after: Value, stages: int |
         microbatches: ``M``.
         after: ``j``, the number of stages after this one (``S - i - 1`` for stage ``i`` of ``S``).
         stages: ``S`` (ZB-H1; None: not known yet, as in the solvers' tables: ``M``, which bounds it).
+        deferred: ZB-H1 with ``S`` known: the stage's cap ``w`` on weight-gradient parts held back
+            (:attr:`hpml_compile.plan.Stage.max_deferred`): ``min(M, S - i + min(w, i))``, 1F1B's count plus the
+            microbatches held for their ``W``; None: uncapped.
 
     Returns:
         The count, of the same form as ``after``.
+
+    >>> [in_flight(Schedule.ZB_H1, 8, 1, 4, w) for w in (0, 1, 2, None)]
+    [2, 3, 4, 4]
     """
     if schedule is Schedule.GPIPE:
         return after * 0 + microbatches
     if schedule is Schedule.ZB_H1:
+        if stages is not None and deferred is not None:
+            return _minimum(microbatches, after + 1 + _minimum(deferred, stages - 1 - after))
         return after * 0 + (microbatches if stages is None else min(microbatches, stages))
     return _minimum(microbatches, after + 1)
 

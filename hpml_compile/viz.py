@@ -180,6 +180,7 @@ def _stage_label(plan: Plan, st: Stage, result: SimResult | None) -> str:
     opts += [f"swap {len(st.swap)} nodes"] if st.swap else []
     opts += ["optimizer offload"] if st.offload_optimizer else []
     opts += [f"grads {st.compress}"] if st.compress else []
+    opts += [f"at most {st.max_deferred} of {st.index} W held back"] if st.max_deferred is not None else []
     opts += [f"local SGD every {plan.sync_every} (warm-up {plan.sync_warmup})"] \
         if plan.sync_every > 1 and len(st.devices) > 1 else []
     opts += [allreduce_label(plan, st)] if st.allreduce is AllReduce.HIERARCHICAL else []

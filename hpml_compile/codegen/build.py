@@ -57,7 +57,7 @@ from ..errors import BuildMismatchError, HpmlError, OutputError
 from ..plan import Plan, load_plan
 from ..publish import check_output_dir, publish_dir
 from ..recipe import RECIPE_FILE
-from ..schedule import RankActions, lower, parse_actions
+from ..schedule import RankActions, deferral, lower, parse_actions
 from ..schedule_check import validate as validate_actions
 from ..schema import write_json_atomic
 from ..trace import trace
@@ -382,6 +382,6 @@ def rank_actions(manifest: Manifest, plan: Plan) -> list[RankActions]:
         ranks = lower(plan.schedule, plan.microbatches, replicas,
                       sends=[f"{k}SEND{k + 1}" in t for k, t in enumerate(tokens)],
                       grad_sync=[[x for x in t if x.startswith(("ALLREDUCE", "REDUCESCATTER"))] for t in tokens],
-                      after_step=[[x for x in t if x.startswith("ALLGATHER")] for t in tokens])
-    validate_actions(ranks, replicas)
+                      after_step=[[x for x in t if x.startswith("ALLGATHER")] for t in tokens], defer=deferral(plan))
+    validate_actions(ranks, replicas, deferral(plan))
     return ranks

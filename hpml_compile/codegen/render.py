@@ -32,7 +32,7 @@ from ..ir import FrontEnd, Profile
 from ..plan import Plan
 from ..recipe import RECIPE_FILE, ModelRecipe, recipe_text
 from ..schedule import lower as lower_schedule
-from ..schedule import rank_layout
+from ..schedule import deferral, rank_layout
 from ..trace import fixed_shapes
 from .actions import GradSync, StageActions
 from .constants import CONSTANTS_FILE, constants_bytes
@@ -96,7 +96,8 @@ def render(gm: fx.GraphModule, plan: Plan, *, profile: Profile | None = None, re
     ranks = lower_schedule(plan.schedule, plan.microbatches, [len(st.devices) for st in plan.stages],
                            sends=[a.send is not None for a in actions],
                            grad_sync=[[str(g) for g in a.grad_sync] for a in actions],
-                           after_step=[[str(g) for g in a.after_step] for a in actions])  # 7. per-rank actions
+                           after_step=[[str(g) for g in a.after_step] for a in actions],
+                           defer=deferral(plan))  # 7. per-rank actions
     manifest = Manifest(
         model=plan.model, graph_sha256=graph_sha,
         front_end=FrontEnd.EXPORT if gm.meta.get("hpml_front_end") is FrontEnd.EXPORT else FrontEnd.FX,

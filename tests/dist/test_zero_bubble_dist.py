@@ -1,8 +1,9 @@
 """ZB-H1 on gloo ranks: three SGD steps on 2 stages equal the original model trained in one process.
 
 gpt-tiny (its embedding tied to the head across the two stages, summed by the tied all-reduce) at 2 and 4
-microbatches on 2 ranks: the loss of every step, every gradient of the rank's stage after the last step, and
-the parameters after it equal the reference's (float32, 1e-5); then stage 0 on two replicas under ZeRO-1
+microbatches on 2 ranks, and at 4 with stage 1 holding back no weight-gradient part (memory-capped ZB-H1: each
+``W`` right after its ``I``): the loss of every step, every gradient of the rank's stage after the last step,
+and the parameters after it equal the reference's (float32, 1e-5); then stage 0 on two replicas under ZeRO-1
 (3 ranks): the losses and the gathered parameters, with the gradient sync after the backward and overlapped
 with the last weight-gradient part (bucketed, launched from the parameters' hooks). One spawn per world size.
 """
@@ -10,6 +11,7 @@ with the last weight-gradient part (bucketed, launched from the parameters' hook
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from hpml_compile import models
 from hpml_compile.codegen import generate
 from hpml_compile.plan import Schedule
 from hpml_compile.runtime import Pipeline, spawn_ranks
+from hpml_compile.schedule import ActionKind, Action
 from hpml_compile.testing import split_plan
 from hpml_compile.trace import trace
 
@@ -44,12 +47,14 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _compile(tmp: Path, m: int, replicas: list[int] | None = None, zero: int = 0,
-             overlap: bool = False) -> tuple[str, str, bool]:
+             overlap: bool = False, defer: tuple[int | None, ...] = ()) -> tuple[str, str, bool]:
     loaded = _model()
     gm = trace(loaded.module, loaded.example_inputs)
-    name = f"zb-m{m}-z{zero}{'-overlap' if overlap else ''}"
-    generate(gm, split_plan(gm, "gpt-tiny", 2, microbatches=m, schedule=Schedule.ZB_H1, replicas=replicas,
-                            zero=zero), tmp / name)
+    name = f"zb-m{m}-z{zero}{'-overlap' if overlap else ''}{'-cap' + '-'.join(map(str, defer)) if defer else ''}"
+    plan = split_plan(gm, "gpt-tiny", 2, microbatches=m, schedule=Schedule.ZB_H1, replicas=replicas, zero=zero)
+    if defer:
+        plan = replace(plan, stages=tuple(replace(st, max_deferred=c) for st, c in zip(plan.stages, defer)))
+    generate(gm, plan, tmp / name)
     return name, str(tmp / name), overlap
 
 
@@ -88,7 +93,11 @@ def _run(tmp: Path, world: int, cases: list[tuple[str, str, bool]]) -> list[dict
 
 
 def test_zb_h1_on_two_ranks_with_a_tied_embedding(tmp_path: Path) -> None:
-    cases = [_compile(tmp_path, 2), _compile(tmp_path, 4)]
+    cases = [_compile(tmp_path, 2), _compile(tmp_path, 4), _compile(tmp_path, 4, defer=(None, 0))]
+    manifest = json.loads((tmp_path / cases[2][0] / "manifest.json").read_text())
+    last = [Action.parse(t) for t in manifest["ranks"][1]["actions"]]
+    inputs = [i for i, a in enumerate(last) if a.kind is ActionKind.BACKWARD_INPUT]
+    assert all(last[i + 2].kind is ActionKind.BACKWARD_WEIGHT for i in inputs)  # I, its send, then W: capped
     for r in _run(tmp_path, 2, cases):
         for name, *_ in cases:
             row = r[name]

@@ -81,8 +81,8 @@ from ...codegen.stage import StageModule
 from ...errors import HpmlError, UpdateApplied
 from ...precision import autocast
 from ...plan import Plan
-from ...schedule import (MARKERS, Action, ActionKind, RankActions, SyncImpl, rank_layout, relower, stage_ranks,
-                        sync_impl, with_averages)
+from ...schedule import (MARKERS, Action, ActionKind, RankActions, SyncImpl, deferral, rank_layout, relower,
+                        stage_ranks, sync_impl, with_averages)
 from ...schedule_check import replay, validate
 from ...trainspec import Split, split_of
 from ..sync.comm import DistComm, LocalComm, dist_comm
@@ -138,8 +138,8 @@ def actions_for(build: Build, microbatches: int, plan: Plan | None = None) -> li
     if microbatches == build.plan.microbatches and build.actions:
         out = list(build.actions)
     else:
-        out = relower(build.actions, replicas, build.plan.schedule, microbatches)
-        validate(out, replicas)
+        out = relower(build.actions, replicas, build.plan.schedule, microbatches, deferral(build.plan))
+        validate(out, replicas, deferral(build.plan))
     if plan is not None and plan is not build.plan:
         local = [k for k, st in enumerate(plan.stages) if st.replicas > 1 and sync_impl(plan, (k,)) is SyncImpl.LOCAL]
         out = with_averages(out, replicas, local)

@@ -51,7 +51,7 @@ from safetensors.torch import load as st_load, save as st_save
 
 from ...errors import JoinRefused
 from ...plan import Plan
-from ...schedule import RankActions, relower, stage_ranks
+from ...schedule import RankActions, deferral, relower, stage_ranks
 from .members import JOIN_TICKETS
 
 if TYPE_CHECKING:
@@ -227,7 +227,7 @@ def joined_actions(generated: Sequence[RankActions], generated_plan: Plan, plan:
     """The build's action lists lowered again for ``plan``'s replicas (each stage's first list is what counts)."""
     first = [rs[0] for rs in stage_ranks(generated_plan)]
     lists = [generated[first[k]] for k, st in enumerate(plan.stages) for _ in st.devices]
-    return relower(lists, [len(st.devices) for st in plan.stages], plan.schedule, plan.microbatches)
+    return relower(lists, [len(st.devices) for st in plan.stages], plan.schedule, plan.microbatches, deferral(plan))
 
 
 class Door:

@@ -69,7 +69,7 @@ from ...hostmem import keep_freed_memory
 from ...memory import ZeroStage
 from ...trainspec import check_batch_split, rank_rows
 from ...codegen.tensor_parallel import tp_degree
-from ...schedule import Action, RankActions, relower, stage_ranks
+from ...schedule import Action, RankActions, deferral, relower, stage_ranks
 from ...schedule_check import validate as validate_actions
 from .tensor_parallel import TensorParallelSession, open_tensor_parallel, shard_rank, whole_params
 from ..sync.comm import CommFault, CommOp, DistComm, LocalComm, is_transient, make_groups, rank_devices
@@ -634,8 +634,8 @@ class Pipeline:
         plan = without_ranks(self.plan, lost.lost, self._mb_rows)  # CommFailure where a stage has no replica left
         kept = [acts for r, acts in enumerate(self.build.actions) if r not in lost.lost]
         replicas = [len(st.devices) for st in plan.stages]
-        actions = relower(kept, replicas, plan.schedule, plan.microbatches)
-        validate_actions(actions, replicas)
+        actions = relower(kept, replicas, plan.schedule, plan.microbatches, deferral(plan))
+        validate_actions(actions, replicas, deferral(plan))
         if self.comm is not None:
             self._drop_groups()
         gone = [self.session.members[r] for r in lost.lost]
