@@ -269,8 +269,19 @@ def measured_rows() -> list[dict[str, Any]]:
                      "pipeline_ttft_ms": ttft, "pipeline_token_ms": token_ms,
                      "one_process_cached_tok_s": _median(single, "tokens_per_s"),
                      "one_process_cached_token_ms": _median(single, "token_ms"), "eager_tok_s": batch * new / eager_s,
-                     "eager_token_ms": eager_s * 1e3 / new})
+                     "eager_token_ms": eager_s * 1e3 / new, **_where_time_went(piped, stages, lanes, new)})
     return rows
+
+
+def _where_time_went(piped: list[Any], stages: Any, lanes: int, new: int) -> dict[str, Any]:
+    """Each rank's compute over a generation (waits excluded; medians) against its stage's predicted time, and
+    what the run took beyond the ranks' compute (with one lane: the hand-offs and the wake-ups) against the
+    prediction's."""
+    compute = [statistics.median(r.stage_ms[k] for r in piped) for k in range(len(stages))]
+    predicted = [lanes * (s.prefill_ms + (new - 1) * s.decode_ms) for s in stages]
+    return {"rank_compute_ms": compute, "predicted_rank_compute_ms": predicted,
+            "beyond_compute_ms": statistics.median(r.total_ms - sum(r.stage_ms) for r in piped),
+            "predicted_beyond_compute_ms": piped[0].predicted.total_ms - sum(predicted)}
 
 
 def _median(runs: list[Any], field: str) -> float:
@@ -291,6 +302,10 @@ def print_measured(rows: list[dict[str, Any]]) -> None:
         idle = ", ".join(f"{us:.0f} us after {ms:g} ms" for ms, us in t.get("handoff_idle", ()))
         print(f"batch {r['batch']}: a hand-off timed here takes {t['handoff_us']:.0f} us to a receiver waiting for it; "
               f"{idle or 'not timed after an idle wait'}")
+        print(f"  ranks computed {' + '.join(f'{x:.1f}' for x in r['rank_compute_ms'])} ms (predicted "
+              f"{' + '.join(f'{x:.1f}' for x in r['predicted_rank_compute_ms'])}); the run took "
+              f"{r['beyond_compute_ms']:.1f} ms beyond their sum (predicted {r['predicted_beyond_compute_ms']:.1f}; "
+              f"with one lane: the hand-offs and wake-ups)")
     print(f"\n2 ranks, predicted against measured (error = predicted / measured - 1; CPUs priced from a block "
           f"timed here)\n{'batch':>5} {'tok/s':>17} {'error':>7} {'first token ms':>17} {'error':>7} "
           f"{'ms per token':>15} {'error':>7}")
