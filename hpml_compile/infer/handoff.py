@@ -220,8 +220,9 @@ def measure_handoff(sizes: tuple[int, ...], repeats: int = 30, timeout_s: float 
     """One hand-off's time through :class:`PipeLink` on this host: per message size with the receiver waiting for
     it, and per time the receiver was idle before it came.
 
-    A thread echoes each message back through a second pipe; a hand-off takes half the median round trip of
-    ``repeats`` (after a few untimed). This side is the generator's: :meth:`PipeLink.send`, then
+    A thread echoes each message back through a second pipe; a hand-off takes half the round trip of
+    ``repeats`` (after a few untimed): the median per size, the mean per idle time (a wake-up after a wait
+    varies more, and a run pays the sum of its wake-ups). This side is the generator's: :meth:`PipeLink.send`, then
     :meth:`PipeLink.recv` waiting in ``poll``; each message wakes a thread blocked on the other pipe, as it
     wakes the next rank. For the sizes, the echo answers at once: its receiver went to wait microseconds
     before (a pipeline whose lanes keep every stage busy). For each of ``idle_ms``, a message of the first
@@ -266,7 +267,8 @@ def measure_handoff(sizes: tuple[int, ...], repeats: int = 30, timeout_s: float 
                 link.recv(got)
                 if k >= _WARMUP:
                     one.append(((time.perf_counter() - t0) * 1e3 - busy_us / 1e3) / 2)
-            times.append(max(statistics.median(one), 0.0))
+            # a run's time is the sum of its wake-ups, whose spread after an idle wait is the point: their mean
+            times.append(max(statistics.fmean(one) if busy_us else statistics.median(one), 0.0))
     finally:
         link.close()  # the echo sees end of file (or has finished) and closes its ends
         echo.join(timeout=5)
