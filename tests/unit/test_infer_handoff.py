@@ -106,6 +106,12 @@ def test_a_rank_that_waits_while_the_other_computes_is_priced_at_the_hand_off_ti
         step[name] = score(local, MINI, one, stages, specs={"cpu": spec}).token_ms
     # one lane: each step wakes rank 1 (the hidden states) and rank 0 (the token), each 295 us later than hot
     assert step["woken"] == pytest.approx(step["hot"] + 2 * 0.295)
+    # two lanes of four: the ranks take turns and wait little, and a wake-up is dearer only after a longer wait
+    quiet = replace(hot, handoff_idle=((0.1, 5.0), (0.2, 6.0), (0.5, 150.0), (1.0, 400.0)))
+    for work, same in ((WORK, True), (one, False)):
+        hot_ms, quiet_ms = (score(local, MINI, work, stages_for(local, MINI, work, ranges, {"cpu": spec}),
+                                  specs={"cpu": spec}).token_ms for spec in (hot, quiet))
+        assert (quiet_ms == hot_ms) is same, (work, hot_ms, quiet_ms)
     assert wake_us(woken, 0.0) == 5.0 and wake_us(woken, 0.055) == pytest.approx(152.5)
     assert wake_us(replace(woken, handoff_idle=((0.1, 80.0), (1.0, 40.0))), 5.0) == 80.0  # never faster for longer
     # a timing carries its idle points through the plan's JSON; one written before has none
