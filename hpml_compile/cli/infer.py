@@ -83,6 +83,10 @@ def _report(plan: Any) -> None:
         if t.handoff_gbps > 0:
             print(f"  a hand-off between two ranks of this host (pipes): {t.handoff_us:.3g} us + "
                   f"{t.handoff_gbps:.3g} GB/s")
+        if t.handoff_idle:
+            print(f"  ... to a rank idle before it for {'/'.join(f'{ms:g}' for ms, _ in t.handoff_idle)} ms: "
+                  f"{'/'.join(f'{us:.3g}' for _, us in t.handoff_idle)} us (a rank that waits while the others "
+                  "compute)")
     elif any(plan.cluster.device(s.device).is_cpu for s in plan.stages):
         print("  CPUs priced from the catalog's rates (assumed: no block of this model was timed on this host)")
 

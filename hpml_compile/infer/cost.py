@@ -33,7 +33,9 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 import enum
+import itertools
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
@@ -45,6 +47,7 @@ from ..ir import Device, base_kind
 
 __all__ = ["Objective", "DecoderShape", "Workload", "DTYPE_BYTES", "KERNELS_PER_BLOCK", "TimedCpuSpec", "device_spec",
            "block_ms", "block_flops_bytes", "cpu_op_ms", "step_extra_ms", "cold_head_ms", "head_ms", "handoff_ms",
+           "wake_us",
            "stream_ms", "stage_bytes"]
 
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -69,8 +72,9 @@ class TimedCpuSpec(cost_models.DeviceSpec):
     between): ``cold_op_ms`` is the per-op cost fitted to blocks so timed (0: not timed, the warm one applies),
     ``cold_head_ms`` what the output head costs more so (its table read from memory). ``handoff_us`` and
     ``handoff_gbps``: one hand-off between two ranks of this host, as the generator makes it (0 GB/s: not
-    measured). ``llc_bytes``: the CPU's last-level cache as the host reports it (0: unknown); a model whose
-    decode working set fits in it stays warm in every stage (:func:`evicts`)."""
+    measured); ``handoff_idle``: ``(idle ms, latency us)`` of a hand-off whose receiver was idle that long
+    before it (:func:`wake_us`). ``llc_bytes``: the CPU's last-level cache as the host reports it (0: unknown);
+    a model whose decode working set fits in it stays warm in every stage (:func:`evicts`)."""
 
     step_ms: float = 0.0
     cold_op_ms: float = 0.0
@@ -78,6 +82,7 @@ class TimedCpuSpec(cost_models.DeviceSpec):
     handoff_us: float = 0.0
     handoff_gbps: float = 0.0
     llc_bytes: int = 0
+    handoff_idle: tuple[tuple[float, float], ...] = ()
 
 
 class Objective(str, enum.Enum):
@@ -273,12 +278,35 @@ def evicts(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload) ->
     return shape.params() * DTYPE_BYTES[work.dtype] + shape.kv_bytes(work, shape.n_layer) > spec.llc_bytes
 
 
-def handoff_ms(spec: cost_models.DeviceSpec, nbytes: float) -> float | None:
-    """One hand-off of ``nbytes`` between two ranks of this host as measured here (:class:`TimedCpuSpec`), or
-    None where it was not (the cluster's link prices it)."""
+def handoff_ms(spec: cost_models.DeviceSpec, nbytes: float, idle_ms: float = 0.0) -> float | None:
+    """One hand-off of ``nbytes`` between two ranks of this host as measured here (:class:`TimedCpuSpec`), its
+    receiver idle for ``idle_ms`` before it (:func:`wake_us`), or None where it was not (the cluster's link
+    prices it)."""
     if not isinstance(spec, TimedCpuSpec) or spec.handoff_gbps <= 0:
         return None
-    return spec.handoff_us / 1e3 + nbytes / (spec.handoff_gbps * 1e9) * 1e3
+    return wake_us(spec, idle_ms) / 1e3 + nbytes / (spec.handoff_gbps * 1e9) * 1e3
+
+
+def wake_us(spec: TimedCpuSpec, idle_ms: float) -> float:
+    """The latency of a hand-off whose receiver was idle for ``idle_ms`` before it: linear between the points
+    timed (:attr:`TimedCpuSpec.handoff_idle`, with the hot hand-off at 0 ms), the last one's beyond them. A longer
+    idle is never priced to wake faster than a shorter one (on a busy host the medians of nearby points may
+    cross).
+
+    Example:
+        >>> from dataclasses import fields
+        >>> base = cost_models.get_device("cpu")
+        >>> spec = TimedCpuSpec(**{f.name: getattr(base, f.name) for f in fields(cost_models.DeviceSpec)},
+        ...                     handoff_us=5.0, handoff_idle=((0.1, 5.0), (1.0, 95.0)))
+        >>> wake_us(spec, 0.0), round(wake_us(spec, 0.55), 6), wake_us(spec, 10.0)
+        (5.0, 50.0, 95.0)
+    """
+    xs = [0.0, *(ms for ms, _ in spec.handoff_idle)]
+    ys = list(itertools.accumulate([spec.handoff_us, *(us for _, us in spec.handoff_idle)], max))
+    if idle_ms >= xs[-1]:
+        return ys[-1]
+    i = bisect.bisect_right(xs, max(idle_ms, 0.0))
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (max(idle_ms, 0.0) - xs[i - 1]) / (xs[i] - xs[i - 1])
 
 
 def head_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload) -> float:

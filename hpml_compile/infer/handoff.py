@@ -50,7 +50,7 @@ from torch import Tensor
 
 from ..errors import HandoffError
 
-__all__ = ["PipeLink", "HandoffError", "pipe_ring", "measure_handoff", "PIPE_BYTES"]
+__all__ = ["PipeLink", "HandoffError", "pipe_ring", "measure_handoff", "busy_wait", "PIPE_BYTES"]
 
 PIPE_BYTES = 1 << 20  # a pipe's buffer asked for (capped by /proc/sys/fs/pipe-max-size): a prefill in few writes
 _POLL_MS = 1000  # how often a wait looks at its time-out
@@ -183,11 +183,19 @@ class PipeLink:
 _WARMUP = 3
 
 
-def _echo(r: int, w: int, sizes: tuple[int, ...], count: int) -> None:
-    """The far end of :func:`measure_handoff`: for each size, reads ``count`` messages whole and writes each back
-    (blocking descriptors, plain bytes: the system calls release the GIL)."""
+def busy_wait(us: float) -> None:
+    """Keep this thread on its core for ``us`` microseconds, as a rank that computes (no system call)."""
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:
+        pass
+
+
+def _echo(r: int, w: int, rounds: list[tuple[int, float]], count: int) -> None:
+    """The far end of :func:`measure_handoff`: for each ``(bytes, busy us)`` round, reads ``count`` messages whole
+    and writes each back after that long busy (blocking descriptors, plain bytes: the system calls release the
+    GIL, and the two sides never compute at once, so neither waits for it)."""
     try:
-        for n in sizes:
+        for n, busy_us in rounds:
             view = memoryview(bytearray(n))
             for _ in range(count):
                 got = 0
@@ -196,6 +204,7 @@ def _echo(r: int, w: int, sizes: tuple[int, ...], count: int) -> None:
                     if k == 0:
                         return
                     got += k
+                busy_wait(busy_us)
                 out = 0
                 while out < n:
                     out += os.write(w, view[out:])
@@ -206,22 +215,32 @@ def _echo(r: int, w: int, sizes: tuple[int, ...], count: int) -> None:
         os.close(w)
 
 
-def measure_handoff(sizes: tuple[int, ...], repeats: int = 30, timeout_s: float = 60.0) -> list[tuple[int, float]]:
-    """One hand-off's time through :class:`PipeLink` on this host, per message size.
+def measure_handoff(sizes: tuple[int, ...], repeats: int = 30, timeout_s: float = 60.0,
+                    idle_ms: tuple[float, ...] = ()) -> tuple[list[tuple[int, float]], list[tuple[float, float]]]:
+    """One hand-off's time through :class:`PipeLink` on this host: per message size with the receiver waiting for
+    it, and per time the receiver was idle before it came.
 
-    A thread echoes each message back through a second pipe; a hand-off takes half the median round trip of
-    ``repeats`` (after a few untimed). This side is the generator's: :meth:`PipeLink.send`, then
+    A thread echoes each message back through a second pipe; a hand-off takes half the round trip of
+    ``repeats`` (after a few untimed): the median per size, the mean per idle time (a wake-up after a wait
+    varies more, and a run pays the sum of its wake-ups). This side is the generator's: :meth:`PipeLink.send`, then
     :meth:`PipeLink.recv` waiting in ``poll``; each message wakes a thread blocked on the other pipe, as it
-    wakes the next rank. A thread rather than a second process: nothing to start, and the GIL is free while
-    each side waits in the kernel, so the time is the pipe's and the wake-up's.
+    wakes the next rank. For the sizes, the echo answers at once: its receiver went to wait microseconds
+    before (a pipeline whose lanes keep every stage busy). For each of ``idle_ms``, a message of the first
+    size: each side computes (a busy wait) that long before it sends, so that each message finds its receiver
+    idle for that long, as a rank that waits while the other stages compute (one lane at batch 1); the
+    computing is left out of the time. They differ: a reader blocked for long may have given its core away (to
+    another process, or on a virtual machine back to the hypervisor) and waits to get it back. A thread rather
+    than a second process: nothing to start, and the two sides take turns, each blocked in the kernel (the GIL
+    free) while the other computes, so the time is the pipe's and the wake-up's, as between two processes.
 
     Args:
         sizes: message sizes in bytes (each at least 1).
-        repeats: round trips timed per size.
+        repeats: round trips timed per size and per idle time.
         timeout_s: how long the echo may take to answer.
+        idle_ms: how long the receiver is idle before each message, per point measured (milliseconds).
 
     Returns:
-        ``(bytes, milliseconds)`` per size.
+        ``([(bytes, milliseconds)] per size, [(idle milliseconds, milliseconds)] per idle time)``.
 
     Raises:
         HandoffError: if the echo does not answer.
@@ -231,23 +250,26 @@ def measure_handoff(sizes: tuple[int, ...], repeats: int = 30, timeout_s: float 
 
     import torch
 
+    rounds = [(n, 0.0) for n in sizes] + [(sizes[0], ms * 1e3) for ms in idle_ms]
     there, back = pipe_ring(2)
-    echo = threading.Thread(target=_echo, args=(there[0], back[1], sizes, repeats + _WARMUP), daemon=True)
+    echo = threading.Thread(target=_echo, args=(there[0], back[1], rounds, repeats + _WARMUP), daemon=True)
     echo.start()
     link = PipeLink(back[0], there[1], "the echo / the echo", timeout_s)
-    out: list[tuple[int, float]] = []
+    times: list[float] = []
     try:
-        for n in sizes:
+        for n, busy_us in rounds:
             msg, got = torch.zeros(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
-            times = []
+            one = []
             for k in range(repeats + _WARMUP):
+                busy_wait(busy_us)  # the echo is idle meanwhile
                 t0 = time.perf_counter()
                 link.send(msg)
                 link.recv(got)
                 if k >= _WARMUP:
-                    times.append((time.perf_counter() - t0) * 1e3 / 2)
-            out.append((n, statistics.median(times)))
-        return out
+                    one.append(((time.perf_counter() - t0) * 1e3 - busy_us / 1e3) / 2)
+            # a run's time is the sum of its wake-ups, whose spread after an idle wait is the point: their mean
+            times.append(max(statistics.fmean(one) if busy_us else statistics.median(one), 0.0))
     finally:
         link.close()  # the echo sees end of file (or has finished) and closes its ends
         echo.join(timeout=5)
+    return list(zip(sizes, times)), list(zip(idle_ms, times[len(sizes):]))

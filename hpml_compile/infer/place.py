@@ -15,9 +15,15 @@ microbatch to prefill and ``d_s`` per decode step (its input's transfer
 included), the batch takes
 
     prefill  P = sum_s p_s + (M - 1) max_s p_s               (the pipeline fills once)
-    step     T = max(M max_s d_s, sum_s d_s + return)        (lanes keep the stages busy, but a lane's
+    step     T = max(M max_s d_s, sum_s d_s' + return')      (lanes keep the stages busy, but a lane's
                                                                next token needs its last one back)
     total    P + (new_tokens - 1) T,  tokens/s = B new_tokens / total
+
+where a primed time prices the hand-off into its stage with the receiver woken
+from a wait (``(T - M d_s) / M`` on average, ``T`` first priced with no wait):
+a rank of a pipeline whose lanes do not keep it busy (one lane at batch 1)
+waits in the kernel while the others compute and takes longer to wake than
+one that waited microseconds (:func:`hpml_compile.infer.cost.wake_us`).
 
 Objective ``throughput`` maximises tokens/s, subject to ``T <= bound`` when a
 per-token latency bound is given; ``latency`` minimises ``P + (n - 1) T`` at
@@ -92,23 +98,24 @@ def device_order(cluster: Cluster, shape: DecoderShape, work: Workload,
 
 
 def _hand_ms(cluster: Cluster, a: str, b: str, nbytes: float,
-             specs: Mapping[str, cost_models.DeviceSpec] | None) -> float:
+             specs: Mapping[str, cost_models.DeviceSpec] | None, idle_ms: float = 0.0) -> float:
     """One message of ``nbytes`` from device ``a`` to ``b``: between two CPUs of one host, the hand-off measured
-    there where the specs carry it (:func:`hpml_compile.infer.cost.handoff_ms`); else over the cluster's link."""
+    there where the specs carry it, its receiver idle for ``idle_ms`` before it
+    (:func:`hpml_compile.infer.cost.handoff_ms`); else over the cluster's link."""
     da, db = cluster.device(a), cluster.device(b)
     if da.is_cpu and db.is_cpu and da.host == db.host:
-        here = handoff_ms(device_spec(da, specs), nbytes)
+        here = handoff_ms(device_spec(da, specs), nbytes, idle_ms)
         if here is not None:
             return here
     return p2p_ms(nbytes, link_spec(cluster, a, b))
 
 
 def _send_ms(cluster: Cluster, a: str | None, b: str, shape: DecoderShape, work: Workload, decode: bool,
-             specs: Mapping[str, cost_models.DeviceSpec] | None = None) -> float:
+             specs: Mapping[str, cost_models.DeviceSpec] | None = None, idle_ms: float = 0.0) -> float:
     if a is None or a == b:
         return 0.0
     tokens = work.rows * (1 if decode else work.prompt_len)
-    return _hand_ms(cluster, a, b, tokens * shape.d_model * DTYPE_BYTES[work.dtype], specs)
+    return _hand_ms(cluster, a, b, tokens * shape.d_model * DTYPE_BYTES[work.dtype], specs, idle_ms)
 
 
 def _stage(cluster: Cluster, shape: DecoderShape, work: Workload, device: str, first: int, end: int,
@@ -154,12 +161,23 @@ def score(cluster: Cluster, shape: DecoderShape, work: Workload, stages: Sequenc
     """
     names = [s.device for s in stages]
     prev: list[str | None] = [None, *names[:-1]]
-    p = [s.prefill_ms + _send_ms(cluster, a, s.device, shape, work, False, specs) for s, a in zip(stages, prev)]
-    d = [s.decode_ms + _send_ms(cluster, a, s.device, shape, work, True, specs) for s, a in zip(stages, prev)]
-    back = _hand_ms(cluster, names[-1], names[0], 8 * work.rows, specs) if len(names) > 1 else 0.0
     lanes = 1 if sequential else work.microbatches
+    p: list[float] = []
+    for s, a in zip(stages, prev):  # each stage waited for the ones before it to prefill the first lane
+        p.append(s.prefill_ms + _send_ms(cluster, a, s.device, shape, work, False, specs, idle_ms=sum(p)))
     prefill = sum(p) + (lanes - 1) * max(p)
-    step = max(lanes * max(d), sum(d) + back)
+    d = [s.decode_ms + _send_ms(cluster, a, s.device, shape, work, True, specs) for s, a in zip(stages, prev)]
+    if len(names) == 1:
+        step = lanes * d[0]
+    else:
+        back = _hand_ms(cluster, names[-1], names[0], 8 * work.rows, specs)
+        step = max(lanes * max(d), sum(d) + back)
+        # a lane's way round wakes each rank from a wait: on average the step less its own work, over its lanes
+        idle = [max(0.0, step - lanes * x) / lanes for x in d]
+        woken = [s.decode_ms + _send_ms(cluster, a, s.device, shape, work, True, specs, idle_ms=i)
+                 for s, a, i in zip(stages, prev, idle)]
+        back = _hand_ms(cluster, names[-1], names[0], 8 * work.rows, specs, idle_ms=idle[0])
+        step = max(lanes * max(d), sum(woken) + back)
     total = prefill + (work.new_tokens - 1) * step
     return Prediction(work.batch * work.new_tokens / (total / 1e3), prefill, step, total)
 

@@ -23,9 +23,12 @@ back to back, 0.9-1.0 ms with 32-64 MiB written between two steps, as in its
 are timed both ways: back to back (what a plan of one stage runs) and cold,
 each step after a write of :data:`_EVICT_BYTES` (what a stage of a pipeline
 runs). And what handing a step's hidden states to the next rank costs here is
-timed between two processes through the generator's pipes
-(:func:`hpml_compile.infer.handoff.measure_handoff`), at the decode step's and
-the prefill's message sizes, fitted to a latency and a bandwidth.
+timed through the generator's pipes, between two threads taking turns as two
+ranks do (:func:`hpml_compile.infer.handoff.measure_handoff`), at the decode step's and
+the prefill's message sizes, fitted to a latency and a bandwidth; and the
+latency again with the receiver idle before each message for
+:data:`_IDLE_MS` (a rank that waits while the other stages compute, as at
+batch 1, takes longer to wake than one that waited microseconds).
 
 :func:`timed_spec` turns the times
 into the CPU's entry for pricing: the FLOP/s that make the block's prefill take
@@ -71,6 +74,10 @@ _EVICT_BYTES = 64 * 2**20  # written between two cold steps: more than a CPU's l
 _RUN = 8  # decode steps per warm timing: a run as long as a stage's step, preempted as often on a busy host
 _COLD = 3  # cold decode steps per repeat, each timed alone after a flush
 _HANDOFF_BIG = 1 << 20  # a third message size for the hand-off's bandwidth
+# How long the receiver of a hand-off is idle before it, per point timed (ms): from within a kernel's or a
+# hypervisor's polling window (~0.1-0.2 ms) to a few scheduler ticks past it; a longer wait is priced at the last
+# point. Each point costs its repeats twice its idle time (~0.6 s in all).
+_IDLE_MS = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +96,7 @@ class BlockTiming:
     handoff_us: float = 0.0  # one hand-off between two ranks of this host: latency ...
     handoff_gbps: float = 0.0  # ... and bandwidth (0: not measured; the cluster's link prices it)
     llc_bytes: int = 0  # the CPU's last-level cache as the host reports it (0: unknown)
+    handoff_idle: tuple[tuple[float, float], ...] = ()  # (receiver idle ms, hand-off latency us) per point timed
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -98,7 +106,8 @@ class BlockTiming:
         return cls(float(d["prefill_ms"]), float(d["decode_ms"]), float(d["step_ms"]), int(d["rows"]),
                    int(d["prompt_len"]), int(d["new_tokens"]), int(d["threads"]), float(d.get("decode_cold_ms", 0.0)),
                    float(d.get("step_cold_ms", 0.0)), float(d.get("handoff_us", 0.0)),
-                   float(d.get("handoff_gbps", 0.0)), int(d.get("llc_bytes", 0)))
+                   float(d.get("handoff_gbps", 0.0)), int(d.get("llc_bytes", 0)),
+                   tuple((float(ms), float(us)) for ms, us in d.get("handoff_idle", ())))
 
 
 def _median_ms(fn: Callable[[], object], repeats: int = _REPEATS) -> float:
@@ -177,9 +186,9 @@ def time_block(config: Any, work: Workload, threads: int) -> BlockTiming:
     finally:
         torch.set_num_threads(before)
     width = torch.finfo(dtype).bits // 8
-    latency_us, gbps = _handoff(rows * config.d_model * width, rows * P * config.d_model * width)
+    latency_us, gbps, idle = _handoff(rows * config.d_model * width, rows * P * config.d_model * width)
     return BlockTiming(prefill, decode, step, rows, P, work.new_tokens, threads, decode_cold, step_cold, latency_us,
-                       gbps, last_level_cache_bytes())
+                       gbps, last_level_cache_bytes(), idle)
 
 
 def last_level_cache_bytes() -> int:
@@ -207,13 +216,16 @@ def _cold_ms(fn: Callable[[], object], flush: Tensor) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _handoff(decode_bytes: int, prefill_bytes: int) -> tuple[float, float]:
-    """``(latency us, GB/s)`` of a hand-off between two processes here, fitted to the decode step's message, the
-    prefill's and a larger one (:func:`hpml_compile.infer.handoff.measure_handoff`)."""
-    rows = measure_handoff(tuple(sorted({max(1, decode_bytes), max(1, prefill_bytes), _HANDOFF_BIG})))
+def _handoff(decode_bytes: int, prefill_bytes: int) -> tuple[float, float, tuple[tuple[float, float], ...]]:
+    """``(latency us, GB/s, ((idle ms, latency us), ...))`` of a hand-off through pipes here: fitted to
+    the decode step's message, the prefill's and a larger one, and the decode step's latency with the receiver
+    idle for each of :data:`_IDLE_MS` (:func:`hpml_compile.infer.handoff.measure_handoff`)."""
+    rows, idle = measure_handoff(tuple(sorted({max(1, decode_bytes), max(1, prefill_bytes), _HANDOFF_BIG})),
+                                 idle_ms=_IDLE_MS)
     (b0, t0), (b1, t1) = rows[0], rows[-1]
     per_byte = max((t1 - t0) / (b1 - b0), 1e-12)  # ms per byte
-    return max(0.0, t0 - b0 * per_byte) * 1e3, 1e-6 / per_byte
+    return (max(0.0, t0 - b0 * per_byte) * 1e3, 1e-6 / per_byte,
+            tuple((ms, max(0.0, t - b0 * per_byte) * 1e3) for ms, t in idle))
 
 
 def timed_spec(base: cost_models.DeviceSpec, shape: DecoderShape, timing: BlockTiming,
@@ -226,7 +238,8 @@ def timed_spec(base: cost_models.DeviceSpec, shape: DecoderShape, timing: BlockT
     blocks and head (:attr:`BlockTiming.step_ms` less the head as priced) is charged to each stage step. The
     cold decode step (a stage of a pipeline) gets a per-op cost of its own the same way; what the cold step
     outside the blocks took more than the warm one is the head's (its table read from memory: the embedding
-    reads a row per sequence); the hand-off's latency and bandwidth are carried over.
+    reads a row per sequence); the hand-off's latency (hot and after each idle time timed) and bandwidth are
+    carried over.
 
     Returns:
         The fitted spec, with the step's cost beyond its blocks and head (``step_ms``) and the cold and
@@ -252,7 +265,8 @@ def timed_spec(base: cost_models.DeviceSpec, shape: DecoderShape, timing: BlockT
         cold_head = max(0.0, timing.step_cold_ms - timing.step_ms)  # the table read from memory: the head's
     return TimedCpuSpec(**{f.name: getattr(fitted, f.name) for f in fields(cost_models.DeviceSpec)}, step_ms=extra,
                         cold_op_ms=cold_op, cold_head_ms=cold_head, handoff_us=timing.handoff_us,
-                        handoff_gbps=timing.handoff_gbps, llc_bytes=timing.llc_bytes)
+                        handoff_gbps=timing.handoff_gbps, llc_bytes=timing.llc_bytes,
+                        handoff_idle=timing.handoff_idle)
 
 
 def timed_specs(shape: DecoderShape, timing: BlockTiming | None, dtype: str = "float32"

@@ -27,6 +27,8 @@ def test_plan_compile_and_generate(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["plan", "gpt-tiny", "--inference", "--cluster", "local-cpu-1", "--batch-size", "2",
                  "-o", str(tmp_path / "p.json")]) == 0
     assert json.loads((tmp_path / "p.json").read_text())["kind"] == "inference"
+    said = capsys.readouterr().out
+    assert "a hand-off between two ranks of this host" in said and "to a rank idle before it for 0.1/" in said, said
     build = tmp_path / "build"
     assert main(["compile", "gpt-tiny", "--inference", "--cluster", "local-cpu-1", "--batch-size", "2",
                  "--prompt-len", "8", "--new-tokens", "8", "-o", str(build)]) == 0

@@ -1,10 +1,12 @@
 """The generator's hand-offs through pipes: a message larger than the pipe is queued and written while the rank
 waits to read, a neighbour's exit is seen as an error at once, the hand-off time measured here prices the sends
 of a plan whose CPUs share this host (the cluster's link prices others), and a stage of a pipeline is priced with
-its weights out of the caches."""
+its weights out of the caches, and a rank that waits while the others compute is priced to wake at the hand-off
+timed after such a wait."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 
@@ -17,7 +19,8 @@ from cost_models.roofline import OpKind, roofline_ms
 
 from hpml_compile.cluster import link_spec
 from hpml_compile.infer import DecoderShape, Workload, score
-from hpml_compile.infer.cost import TimedCpuSpec, block_flops_bytes, block_ms, cold_head_ms, handoff_ms, head_ms
+from hpml_compile.infer.cost import (TimedCpuSpec, block_flops_bytes, block_ms, cold_head_ms, handoff_ms, head_ms,
+                                     wake_us)
 from hpml_compile.infer.handoff import HandoffError, PipeLink, measure_handoff, pipe_ring
 from hpml_compile.infer.place import stages_for
 from hpml_compile.infer.timing import BlockTiming, last_level_cache_bytes, timed_spec
@@ -58,10 +61,13 @@ def test_a_neighbour_that_closed_its_end_fails_the_read_and_the_write_at_once_na
         os.close(fd)
 
 
-def test_the_hand_off_is_measured_through_the_pipes_per_message_size() -> None:
-    rows = measure_handoff((64, 1 << 20), repeats=5)
+def test_the_hand_off_is_measured_through_the_pipes_per_size_and_per_idle_time_of_the_receiver() -> None:
+    rows, idle = measure_handoff((64, 1 << 20), repeats=3, idle_ms=(0.2, 50.0))
     assert [n for n, _ in rows] == [64, 1 << 20]
     assert all(0 < ms < 1000 for _, ms in rows)
+    assert [ms for ms, _ in idle] == [0.2, 50.0]
+    # each side computed 50 ms before it sent: that is left out, only the wake-up is counted (not 25 ms or more)
+    assert all(0 <= ms < 25 for _, ms in idle), idle
 
 
 def _spec(**kw: float) -> TimedCpuSpec:
@@ -85,6 +91,36 @@ def test_sends_between_cpus_of_one_host_are_priced_at_the_measured_hand_off_and_
         d0, d1 = stages[0].decode_ms, stages[1].decode_ms + send
         assert pred.token_ms == pytest.approx(max(WORK.microbatches * max(d0, d1), d0 + d1 + back)), cluster.name
     assert handoff_ms(replace(spec, handoff_gbps=0.0), hidden) is None  # not measured: the link prices it
+
+
+def test_a_rank_that_waits_while_the_other_computes_is_priced_at_the_hand_off_timed_after_such_a_wait() -> None:
+    local = Cluster(devices=(Device("cpu0", "cpu", 8), Device("cpu1", "cpu", 8)), name="one host")
+    ranges = [("cpu0", 0, 3, False), ("cpu1", 3, 6, False)]
+    hot = _spec(handoff_us=5.0, handoff_gbps=4.0)
+    # waking after 0.05 ms costs what a hot hand-off does; after a stage's compute (well over 0.05 ms), 300 us
+    woken = replace(hot, handoff_idle=((0.05, 5.0), (0.06, 300.0)))
+    one = Workload(batch=1, prompt_len=32, new_tokens=32)
+    step = {}
+    for name, spec in (("hot", hot), ("woken", woken)):
+        stages = stages_for(local, MINI, one, ranges, {"cpu": spec})
+        step[name] = score(local, MINI, one, stages, specs={"cpu": spec}).token_ms
+    # one lane: each step wakes rank 1 (the hidden states) and rank 0 (the token), each 295 us later than hot
+    assert step["woken"] == pytest.approx(step["hot"] + 2 * 0.295)
+    # two lanes of four: the ranks take turns and wait little, and a wake-up is dearer only after a longer wait
+    quiet = replace(hot, handoff_idle=((0.1, 5.0), (0.2, 6.0), (0.5, 150.0), (1.0, 400.0)))
+    for work, same in ((WORK, True), (one, False)):
+        hot_ms, quiet_ms = (score(local, MINI, work, stages_for(local, MINI, work, ranges, {"cpu": spec}),
+                                  specs={"cpu": spec}).token_ms for spec in (hot, quiet))
+        assert (quiet_ms == hot_ms) is same, (work, hot_ms, quiet_ms)
+    assert wake_us(woken, 0.0) == 5.0 and wake_us(woken, 0.055) == pytest.approx(152.5)
+    assert wake_us(replace(woken, handoff_idle=((0.1, 80.0), (1.0, 40.0))), 5.0) == 80.0  # never faster for longer
+    # a timing carries its idle points through the plan's JSON; one written before has none
+    t = BlockTiming(prefill_ms=4.0, decode_ms=0.3, step_ms=0.5, rows=1, prompt_len=32, new_tokens=32, threads=1,
+                    handoff_us=5.0, handoff_gbps=4.0, handoff_idle=((0.1, 5.0), (1.0, 90.0)))
+    assert BlockTiming.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+    assert timed_spec(cost_models.get_device("cpu"), MINI, t).handoff_idle == t.handoff_idle
+    old = {k: v for k, v in t.to_dict().items() if k != "handoff_idle"}
+    assert BlockTiming.from_dict(old).handoff_idle == ()
 
 
 def test_a_stage_of_a_pipeline_is_priced_with_its_weights_out_of_the_cache_and_a_lone_stage_is_not() -> None:
