@@ -106,8 +106,9 @@ def add_parsers(subparsers: Any) -> None:
     a.add_argument("--adapt", action="store_true",
                    help="re-plan while training: on a sustained gap to the plan (switching when the predicted gain "
                         "pays for a restart) and on a failed rank (resume from the last checkpoint; a dead "
-                        "rank's device is dropped); across hosts (--nnodes N --node-rank R --rdzv-endpoint, the "
-                        "same --run-dir on a shared file system) a lost host's devices are dropped. Segments go "
+                        "rank's device is dropped; on one host a dead replica of a replicated stage is dropped "
+                        "without a restart: the others run the failed step again and go on); across hosts "
+                        "(--nnodes N --node-rank R --rdzv-endpoint, the same --run-dir on a shared file system) a lost host's devices are dropped. Segments go "
                         "to RUN_DIR/seg<k>, decisions to RUN_DIR/events.jsonl")
     a.add_argument("--adapt-threshold", type=float, default=AdaptOptions().threshold, dest="adapt_threshold",
                    metavar="X", help="a step is slow above X times the plan's prediction (default %(default)s)")
@@ -555,6 +556,11 @@ def _print_timings(run_dir: Path) -> None:
     from ..runtime.job.supervisor import timings
 
     for t in timings(run_dir):
+        if t.get("in_place") and "switch_s" not in t:  # a replica lost, the others on in their processes
+            again = f"{t['resume_s']:.2f} s" if t.get("resume_s") is not None else "-"
+            print(f"  {t['kind']} at step {t['step']} (segment {t['segment']}): no step lost, the failed step "
+                  f"done again after {again}")
+            continue
         if t.get("in_place"):  # no restart: the measured switch is milliseconds
             rows = " | ".join(":".join(map(str, r)) or "even" for r in t.get("rows") or [])
             print(f"  {t['kind']} at step {t['step']} (segment {t['segment']}, rows {rows}): chosen in "
