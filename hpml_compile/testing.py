@@ -146,7 +146,7 @@ def process_gone(pid: int, within_s: float = 10.0) -> bool:
 
 
 def one_replicated_stage(build_dir: str | Path, out_dir: str | Path) -> Path:
-    """The model of a ``compile``d build as one stage replicated on every device its plan uses, built into
+    """The model of a ``compile``d build as one stage replicated on every device of its cluster, built into
     ``out_dir`` (:func:`hpml_compile.driver.rebuild`: a build ``hpml-compile run`` runs); the batch must divide
     by the devices.
 
@@ -160,7 +160,7 @@ def one_replicated_stage(build_dir: str | Path, out_dir: str | Path) -> Path:
     from .profile import load_profile
 
     plan = load_plan(Path(build_dir) / "plan.json")
-    one = replace(plan.stages[0], devices=tuple(d for st in plan.stages for d in st.devices),
+    one = replace(plan.stages[0], devices=tuple(d.name for d in plan.cluster.devices),
                   nodes=tuple(n for st in plan.stages for n in st.nodes), rows=())
     driver.rebuild(build_dir, replace(plan, stages=(one,)), load_profile(Path(build_dir) / "profile.json"), out_dir)
     return Path(out_dir)

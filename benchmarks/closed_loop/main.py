@@ -386,8 +386,8 @@ def _table(model: str, ranks: int, slow: list[dict[str, Any]], fail: list[dict[s
            host: list[dict[str, Any]], live: list[dict[str, Any]], join: list[dict[str, Any]],
            adapt: list[dict[str, Any]]) -> None:
     """Median (min-max) over the runs of each scenario."""
-    print(f"\n{model}, `run --adapt` and live ranks ({os.cpu_count()} cores, {platform.machine()}); median (min-max) of "
-          f"{max(len(slow), len(fail), len(host), len(live), len(join), len(adapt))} run(s)")
+    print(f"\n{model}, `run --adapt` and live ranks ({os.cpu_count()} cores, {platform.machine()}); median "
+          f"(min-max) of {max(len(slow), len(fail), len(host), len(live), len(join), len(adapt))} run(s)")
     print(f"{'scenario':10s} {'detect':>22s} {'re-plan s':>16s} {'training again s':>20s}  notes")
     switched = [s for s in slow if s["switched"]]
     if switched:
@@ -423,7 +423,8 @@ def _table(model: str, ranks: int, slow: list[dict[str, Any]], fail: list[dict[s
               f"{_spread(live, 'healthy_step_s', '{:.2f}')} s")
     if adapt:
         lost, segs = [x["steps_lost"] for x in adapt], [x["segments"] for x in adapt]
-        print(f"{'replica lost, run --adapt':10s} {'-':>8s} {_spread(adapt, 'training_again_s', '{:.2f}'):>20s}  "
+        print(f"{'replica lost (run --adapt)':10s} {'-':>22s} {'-':>16s} "
+              f"{_spread(adapt, 'training_again_s', '{:.2f}'):>20s}  "
               f"rank {LIVE_VICTIM} of {LIVE_REPLICAS} replicas killed at step {adapt[0]['kill_at']}; segments {segs} "
               f"(goal 1: {'met' if max(segs) == 1 else 'missed'}); steps lost {lost} (goal 0: "
               f"{'met' if not any(lost) else 'missed'}); training again = the death seen to the failed step done again")

@@ -291,7 +291,7 @@ def supervise(build_dir: Path, run_dir: Path, options: RunOptions, *, max_failur
         devices = plan_devices(plan)
         carried = None
         try:
-            lost = launch_here(build, job.run.segment(seg).path, len(devices), live=can_go_on_live(plan),
+            lost = launch_here(build, job.run.segment(seg).path, len(devices), live=can_go_on_live(plan, options),
                                on_loss=lambda x: job.log(f"segment {seg}: rank {x.rank} ({devices[x.rank]}) died at "
                                                          f"step {x.steps_done + 1}; the others go on without it"))
             record_lost(job, seg, devices, lost)
@@ -309,10 +309,11 @@ def supervise(build_dir: Path, run_dir: Path, options: RunOptions, *, max_failur
 
 
 
-def can_go_on_live(plan: Plan) -> bool:
+def can_go_on_live(plan: Plan, options: RunOptions) -> bool:
     """Whether a lost rank of ``plan`` may be answered in place: some stage has replicas (a lost rank elsewhere,
-    or one whose state the others lack, is still refused by the ranks themselves, which then fail)."""
-    return any(len(st.devices) > 1 and st.tp == 1 for st in plan.stages)
+    or one whose state the others lack, is still refused by the ranks themselves, which then fail), and a failed
+    step may run again (``--retries`` 2 or more: with 1, every failure takes the restart path)."""
+    return options.retries > 1 and any(len(st.devices) > 1 and st.tp == 1 for st in plan.stages)
 
 
 def record_lost(job: Job, seg: int, devices: list[str], lost: list[LostRank]) -> None:
@@ -349,7 +350,7 @@ def start_segment(job: Job, options: RunOptions, first: list[str], build: Path, 
         checkpoint_dir=job.run.checkpoints, resume=ResumeMode.IF_ANY, launched_at=time.time(),
         faults=options.faults.follow(first, devices, first_segment=reason == "start"),
         rows_from=seg_dir / "plan.json" if carried is not None else None,
-        live=live and can_go_on_live(plan))
+        live=live and can_go_on_live(plan, options))
     prepare_run_dir(build, seg_dir, {"steps": options.steps, "nproc": len(devices), "segment": seg,
                                      "reason": reason, **(run_info or {})}, seg_options)
     if carried is not None:  # the segment's plan is the one in force: its ranks take its rows, report reads it
