@@ -108,8 +108,9 @@ def add_parsers(subparsers: Any) -> None:
                         "pays for a restart) and on a failed rank (resume from the last checkpoint; a dead "
                         "rank's device is dropped; on one host a dead replica of a replicated stage is dropped "
                         "without a restart: the others run the failed step again and go on); across hosts "
-                        "(--nnodes N --node-rank R --rdzv-endpoint, the same --run-dir on a shared file system) a lost host's devices are dropped. Segments go "
-                        "to RUN_DIR/seg<k>, decisions to RUN_DIR/events.jsonl")
+                        "(--nnodes N --node-rank R --rdzv-endpoint, the same --run-dir on a shared file system) a "
+                        "lost host's devices are dropped. Segments go to RUN_DIR/seg<k>, decisions to "
+                        "RUN_DIR/events.jsonl")
     a.add_argument("--adapt-threshold", type=float, default=AdaptOptions().threshold, dest="adapt_threshold",
                    metavar="X", help="a step is slow above X times the plan's prediction (default %(default)s)")
     a.add_argument("--adapt-patience", type=int, default=AdaptOptions().patience, dest="adapt_patience",
@@ -439,7 +440,7 @@ def _run_adaptive_hosts(args: argparse.Namespace, options: RunOptions, nproc: in
                              lost_after_s=args.host_timeout if args.host_timeout is not None else LOST_AFTER_S,
                              run_info={"optimizer": args.optimizer, "lr": args.lr, "argv": sys.argv[1:]},
                              log=lambda line: print(line, flush=True))
-    if args.node_rank == 0:
+    if args.node_rank == 0 or events:  # events: this host took the decisions over from a lost host 0
         _adaptive_done(args, events, args.run_dir)
     else:
         print(f"done: host {args.node_rank}'s part finished; the job's report is on host 0 ({args.run_dir})")
