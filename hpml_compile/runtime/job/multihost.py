@@ -40,7 +40,12 @@ host ran which), so it records host 0's loss in the segment that was
 running, re-plans without host 0's devices and resumes from the last
 checkpoint, as host 0 would have for any other host. The other hosts join
 it, renumbered in order. One takeover: if the new lead is lost too, the job
-stops with its checkpoints intact.
+stops with its checkpoints intact. The takeover takes a silent host 0 for a
+dead one, as the lead does any silent host: a host 0 that is only cut off
+from the others goes on too, and both would write the run folder. Nothing
+here fences it off (a lease in the shared folder that the old lead checks
+before each decision would); run the hosts on a network that does not
+partition, or stop a host 0 that lost its peers.
 """
 
 from __future__ import annotations
