@@ -213,6 +213,7 @@ def test_a_lost_host_0_is_taken_over_by_the_host_left(tmp_path: Path) -> None:
     assert [s["devices"] for s in segments] == [["cpu0", "cpu1"], ["cpu1"]]
     moved = next(e for e in events if e["event"] == "lead_moved")
     assert (moved["host"], moved["renumbered"]) == (1, {"1": 0})  # host 1 decides, as host 0 of a new store
+    assert (run / ".lead").read_text() == moved["endpoint"] != endpoint  # named lead in the shared folder
     assert events[-1]["event"] == "done"
     resumed = int(Path(segments[1]["resume_from"]).name.split("_")[1])
     assert resumed in (8, 12)

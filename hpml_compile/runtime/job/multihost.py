@@ -41,11 +41,11 @@ running, re-plans without host 0's devices and resumes from the last
 checkpoint, as host 0 would have for any other host. The other hosts join
 it, renumbered in order. One takeover: if the new lead is lost too, the job
 stops with its checkpoints intact. The takeover takes a silent host 0 for a
-dead one, as the lead does any silent host: a host 0 that is only cut off
-from the others goes on too, and both would write the run folder. Nothing
-here fences it off (a lease in the shared folder that the old lead checks
-before each decision would); run the hosts on a network that does not
-partition, or stop a host 0 that lost its peers.
+dead one, as the lead does any silent host; a host 0 that is only cut off
+from the others would go on too, so the lead names itself in the shared
+folder (``RUN_DIR/.lead``, :func:`claim_lead`) and checks before each
+decision that it still is the one named: an old lead that finds the new
+one there stops (a segment it already started runs to its end or failure).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from .options import RunOptions
 from .supervisor import (Job, after_failure, after_success, plan_devices, record_moves, replan_without,
                          start_segment)
 
-__all__ = ["supervise_hosts", "place", "standby_endpoint"]
+__all__ = ["supervise_hosts", "place", "standby_endpoint", "claim_lead"]
 
 JOIN_S = 120.0  # how long host 0 waits for every host's first beat
 
@@ -328,6 +328,25 @@ def _await_hosts(board: JobBoard, *, standbys: bool) -> None:
                what=f"all {board.nnodes} hosts to join the job's store at {board.endpoint}")
 
 
+def claim_lead(run: RunFolder, endpoint: str) -> None:
+    """Name the host whose store is at ``endpoint`` the job's lead in the shared run folder (atomically)."""
+    tmp = run.lead_file.with_suffix(".tmp")
+    tmp.write_text(endpoint)
+    tmp.replace(run.lead_file)
+
+
+def _still_lead(run: RunFolder, endpoint: str) -> None:
+    """Raise unless the shared run folder still names this lead (see the module docstring).
+
+    Raises:
+        SupervisorError: another host took the job's decisions over.
+    """
+    named = run.lead_file.read_text().strip() if run.lead_file.is_file() else endpoint
+    if named != endpoint:
+        raise SupervisorError(f"another host took this job's decisions over (its store at {named}) after this host "
+                              "lost touch with the others: this host stops, and the job goes on there")
+
+
 def _decide(board: JobBoard, job: Job, first: list[str], build: Path, seg: int, reason: str,
             held: dict[int, list[str]], options: RunOptions, max_failures: int, solver: str,
             run_info: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -336,8 +355,10 @@ def _decide(board: JobBoard, job: Job, first: list[str], build: Path, seg: int, 
     ledger = FailureLedger(max_failures)
     carried = None
     where = parse_endpoint(board.endpoint)[0]
+    claim_lead(job.run, board.endpoint)
     try:
         while True:
+            _still_lead(job.run, board.endpoint)
             plan = start_segment(job, options, first, build, seg, reason, carried, run_info)
             hosts, counts, held = place(plan_devices(plan), held)
             go = {"hosts": hosts, "nproc": counts, "build": str(build), "reason": reason,
@@ -346,6 +367,7 @@ def _decide(board: JobBoard, job: Job, first: list[str], build: Path, seg: int, 
             board.publish_go(seg, go)
             _, seen_lost, live = _run_part(board, seg, go, job.run, job.log)
             ends = _collect(board, seg, hosts, seen_lost, live)
+            _still_lead(job.run, board.endpoint)  # before anything is written for the next segment
             lost = [h for h in hosts if ends[h] is None]
             carried = None
             if lost:
