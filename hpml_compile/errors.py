@@ -17,6 +17,7 @@ from typing import Any
 
 __all__ = [
     "HpmlError",
+    "LeadLost",
     "RanksLost",
     "JoinRefused",
     "SchemaError",
@@ -113,6 +114,10 @@ class RankFailure(LaunchError):
 
 class SupervisorError(HpmlError):
     """The job cannot go on (no device left, nothing fits, or a failure that is not the devices')."""
+
+
+class LeadLost(SupervisorError):
+    """A multi-host job's deciding host (host 0, with the job's store) was lost: the hosts left may take over."""
 
 
 class CheckpointError(HpmlError):

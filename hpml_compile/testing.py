@@ -45,7 +45,7 @@ from .runtime.job.spawn import spawn_ranks
 
 __all__ = ["trained_plainly", "process_gone", "SkipNet", "skipnet_batch", "skipnet_batches", "skipnet_loss", "seeded_skipnet", "split_plan",
            "replicated_skipnet_builds", "skipnet_sgd", "trained_skipnet", "max_grad_diff", "max_buffer_diff",
-           "last_node_of",
+           "last_node_of", "one_replicated_stage",
            "chain_profile", "chain_graph", "dag_profile", "uniform_cluster", "cluster_of", "spawn_ranks"]
 
 
@@ -143,6 +143,27 @@ def process_gone(pid: int, within_s: float = 10.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def one_replicated_stage(build_dir: str | Path, out_dir: str | Path) -> Path:
+    """The model of a ``compile``d build as one stage replicated on every device of its cluster, built into
+    ``out_dir`` (:func:`hpml_compile.driver.rebuild`: a build ``hpml-compile run`` runs); the batch must divide
+    by the devices.
+
+    Returns:
+        ``out_dir``.
+    """
+    from dataclasses import replace
+
+    from . import driver
+    from .plan import load_plan
+    from .profile import load_profile
+
+    plan = load_plan(Path(build_dir) / "plan.json")
+    one = replace(plan.stages[0], devices=tuple(d.name for d in plan.cluster.devices),
+                  nodes=tuple(n for st in plan.stages for n in st.nodes), rows=())
+    driver.rebuild(build_dir, replace(plan, stages=(one,)), load_profile(Path(build_dir) / "profile.json"), out_dir)
+    return Path(out_dir)
 
 
 def replicated_skipnet_builds(root: str | Path, zeros: Sequence[int], *, microbatches: int, rows: int = 8

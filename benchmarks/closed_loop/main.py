@@ -1,6 +1,6 @@
 """Closed loop: how fast a running job notices a slow or dead device or host, re-plans, and is training again.
 
-Three scenarios, each run ``--repeats`` times (default 3). The first two are one
+The scenarios below, each run ``--repeats`` times (default 3). The first two are one
 ``hpml-compile run --adapt`` on 3 gloo ranks of this
 machine (gpt-mini, batch 8 x 128 tokens, AdamW; the plan ``compile`` makes for
 ``local-cpu-3``; the planner may leave a device idle, and the scenarios
@@ -50,6 +50,15 @@ target ranks the build has), with the fault injection options of ``run``:
   the build first), and the survivors' own time to let it in (the new group,
   the re-split and the state sent).
 
+- **replica lost (run --adapt)**: the path a user runs: ``hpml-compile run
+  --adapt`` of the model as one stage of 3 replicas (compiled for
+  ``local-cpu-3`` at batch 12, then rebuilt as that plan), ``--kill-at 10:1``
+  (rank 1 exits as a killed process would before its step 10). The supervisor
+  starts the ranks itself (no torchrun agent), so the survivors go on in
+  their processes. Reported: from the supervisor seeing the death to a
+  survivor's step 10 finished (both polled every 0.1 s), segments (goal: 1, no
+  restart) and steps lost (goal: 0).
+
 Goals: the slowdown answered within 5 steps of its onset in every run; training
 again on the survivors within 15 s of a host's loss; every recovery under 60 s;
 a lost replica answered in place within 2 s, no step lost.
@@ -82,6 +91,7 @@ from hpml_compile.runtime.observe.monitor import StepMetrics, read_metrics
 from hpml_compile.runtime.job.launcher import free_port
 from hpml_compile.runtime.job.supervisor import timings
 from hpml_compile.runtime.observe.runfolder import RunFolder
+from hpml_compile.testing import one_replicated_stage
 
 HERE = Path(__file__).resolve().parent
 CLI = [sys.executable, "-m", "hpml_compile"]
@@ -347,6 +357,23 @@ def replica_joins(model: str, work: Path, steps: int, kill_at: int) -> dict[str,
             "steps_done": len(done), "survivor_log": let_in.split(" ", 1)[1]}
 
 
+def adapt_replica_lost(build: Path, work: Path, steps: int, kill_at: int) -> dict[str, Any]:
+    """``run --adapt`` of a one-stage, three-replica build; rank 1 killed at step ``kill_at``."""
+    run = work / "run"
+    t0 = time.perf_counter()
+    _cli("run", str(build), "--steps", str(steps), "--adapt", "--no-replan-on-imbalance", "--kill-at",
+         f"{kill_at}:{LIVE_VICTIM}", "--run-dir", str(run), "--no-tensorboard", "--no-report")
+    wall = time.perf_counter() - t0
+    events = _events(run)
+    lost = next(e for e in events if e["event"] == "replica_lost")
+    rows = read_metrics(run / "seg0")
+    done = min(len(v) for r, v in rows.items() if r != LIVE_VICTIM)
+    return {"scenario": "adapt replica lost", "replicas": LIVE_REPLICAS, "killed_rank": LIVE_VICTIM,
+            "kill_at": kill_at, "steps": steps, "wall_s": wall,
+            "training_again_s": lost["resumed_at"] - lost["died_at"] if lost["resumed_at"] else None,
+            "segments": sum(e["event"] == "segment" for e in events), "steps_lost": steps - done}
+
+
 def _spread(runs: list[dict[str, Any]], key: str, fmt: str = "{:.1f}") -> str:
     vals = [r[key] for r in runs if r.get(key) is not None]
     if not vals:
@@ -356,10 +383,11 @@ def _spread(runs: list[dict[str, Any]], key: str, fmt: str = "{:.1f}") -> str:
 
 
 def _table(model: str, ranks: int, slow: list[dict[str, Any]], fail: list[dict[str, Any]],
-           host: list[dict[str, Any]], live: list[dict[str, Any]], join: list[dict[str, Any]]) -> None:
+           host: list[dict[str, Any]], live: list[dict[str, Any]], join: list[dict[str, Any]],
+           adapt: list[dict[str, Any]]) -> None:
     """Median (min-max) over the runs of each scenario."""
-    print(f"\n{model}, `run --adapt` and live ranks ({os.cpu_count()} cores, {platform.machine()}); median (min-max) of "
-          f"{max(len(slow), len(fail), len(host), len(live), len(join))} run(s)")
+    print(f"\n{model}, `run --adapt` and live ranks ({os.cpu_count()} cores, {platform.machine()}); median "
+          f"(min-max) of {max(len(slow), len(fail), len(host), len(live), len(join), len(adapt))} run(s)")
     print(f"{'scenario':10s} {'detect':>22s} {'re-plan s':>16s} {'training again s':>20s}  notes")
     switched = [s for s in slow if s["switched"]]
     if switched:
@@ -393,6 +421,13 @@ def _table(model: str, ranks: int, slow: list[dict[str, Any]], fail: list[dict[s
               f"failed operation after {_spread(live, 'noticed_s', '{:.2f}')} s: the rest of the survivors' compute); "
               f"training again = to the failed step finished again, a healthy step "
               f"{_spread(live, 'healthy_step_s', '{:.2f}')} s")
+    if adapt:
+        lost, segs = [x["steps_lost"] for x in adapt], [x["segments"] for x in adapt]
+        print(f"{'replica lost (run --adapt)':10s} {'-':>22s} {'-':>16s} "
+              f"{_spread(adapt, 'training_again_s', '{:.2f}'):>20s}  "
+              f"rank {LIVE_VICTIM} of {LIVE_REPLICAS} replicas killed at step {adapt[0]['kill_at']}; segments {segs} "
+              f"(goal 1: {'met' if max(segs) == 1 else 'missed'}); steps lost {lost} (goal 0: "
+              f"{'met' if not any(lost) else 'missed'}); training again = the death seen to the failed step done again")
     if join:
         print(f"{'replica joins':10s} {'-':>22s} {_spread(join, 'let_in_s', '{:.2f}'):>16s} "
               f"{_spread(join, 'joined_s', '{:.2f}'):>20s}  a new process asks to join after rank "
@@ -402,7 +437,7 @@ def _table(model: str, ranks: int, slow: list[dict[str, Any]], fail: list[dict[s
               f"{_spread(join, 'started_s', '{:.2f}')} s from the call that loads the build)")
 
 
-SCENARIOS = ("slowdown", "failure", "host-lost", "replica-lost", "replica-joins")
+SCENARIOS = ("slowdown", "failure", "host-lost", "replica-lost", "replica-joins", "adapt-replica-lost")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -430,11 +465,17 @@ def main(argv: list[str] | None = None) -> int:
     if "host-lost" in only:
         print(f"compiling {a.model} for local-cpu-2 (one rank per host) ...", flush=True)
         _cli("compile", a.model, "--cluster", "local-cpu-2", "--every-device", "-o", str(build2))
+    if "adapt-replica-lost" in only:
+        print(f"compiling {a.model} for local-cpu-3 at batch {LIVE_BATCH}, as one stage of 3 replicas ...", flush=True)
+        _cli("compile", a.model, "--cluster", "local-cpu-3", "--every-device", "--microbatches", "1", "--batch-size",
+             str(LIVE_BATCH), "-o", str(work / "compiled3"))
+        one_replicated_stage(work / "compiled3", work / "build3")
     slow: list[dict[str, Any]] = []
     fail: list[dict[str, Any]] = []
     host: list[dict[str, Any]] = []
     live: list[dict[str, Any]] = []
     join: list[dict[str, Any]] = []
+    adapt: list[dict[str, Any]] = []
     for i in range(a.repeats):
         if "slowdown" in only:
             print(f"run {i + 1}/{a.repeats}, slowdown: rank 1 of {ranks} slowed 3x from step 10 ...", flush=True)
@@ -453,10 +494,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run {i + 1}/{a.repeats}, replica joins: rank {LIVE_VICTIM} of {LIVE_REPLICAS} replicas killed in "
                   "step 10, a new process joins ...", flush=True)
             join.append(replica_joins(a.model, work / f"join{i}", 20, 10))
-    _table(a.model, ranks, slow, fail, host, live, join)
+        if "adapt-replica-lost" in only:
+            print(f"run {i + 1}/{a.repeats}, replica lost under run --adapt: rank {LIVE_VICTIM} of {LIVE_REPLICAS} "
+                  "killed at step 10 ...", flush=True)
+            adapt.append(adapt_replica_lost(work / "build3", work / f"adapt{i}", 15, 10))
+    _table(a.model, ranks, slow, fail, host, live, join, adapt)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"model": a.model, "machine": {"cpus": os.cpu_count(), "arch": platform.machine()},
-                                 "repeats": a.repeats, "results": [*slow, *fail, *host, *live, *join]},
+                                 "repeats": a.repeats, "results": [*slow, *fail, *host, *live, *join, *adapt]},
                                 indent=2) + "\n")
     print(f"wrote {a.out}")
     return 0

@@ -106,9 +106,11 @@ def add_parsers(subparsers: Any) -> None:
     a.add_argument("--adapt", action="store_true",
                    help="re-plan while training: on a sustained gap to the plan (switching when the predicted gain "
                         "pays for a restart) and on a failed rank (resume from the last checkpoint; a dead "
-                        "rank's device is dropped); across hosts (--nnodes N --node-rank R --rdzv-endpoint, the "
-                        "same --run-dir on a shared file system) a lost host's devices are dropped. Segments go "
-                        "to RUN_DIR/seg<k>, decisions to RUN_DIR/events.jsonl")
+                        "rank's device is dropped; on one host a dead replica of a replicated stage is dropped "
+                        "without a restart: the others run the failed step again and go on); across hosts "
+                        "(--nnodes N --node-rank R --rdzv-endpoint, the same --run-dir on a shared file system) a "
+                        "lost host's devices are dropped. Segments go to RUN_DIR/seg<k>, decisions to "
+                        "RUN_DIR/events.jsonl")
     a.add_argument("--adapt-threshold", type=float, default=AdaptOptions().threshold, dest="adapt_threshold",
                    metavar="X", help="a step is slow above X times the plan's prediction (default %(default)s)")
     a.add_argument("--adapt-patience", type=int, default=AdaptOptions().patience, dest="adapt_patience",
@@ -438,7 +440,7 @@ def _run_adaptive_hosts(args: argparse.Namespace, options: RunOptions, nproc: in
                              lost_after_s=args.host_timeout if args.host_timeout is not None else LOST_AFTER_S,
                              run_info={"optimizer": args.optimizer, "lr": args.lr, "argv": sys.argv[1:]},
                              log=lambda line: print(line, flush=True))
-    if args.node_rank == 0:
+    if args.node_rank == 0 or events:  # events: this host took the decisions over from a lost host 0
         _adaptive_done(args, events, args.run_dir)
     else:
         print(f"done: host {args.node_rank}'s part finished; the job's report is on host 0 ({args.run_dir})")
@@ -555,6 +557,11 @@ def _print_timings(run_dir: Path) -> None:
     from ..runtime.job.supervisor import timings
 
     for t in timings(run_dir):
+        if t.get("in_place") and "switch_s" not in t:  # a replica lost, the others on in their processes
+            again = f"{t['resume_s']:.2f} s" if t.get("resume_s") is not None else "-"
+            print(f"  {t['kind']} at step {t['step']} (segment {t['segment']}): no step lost, the failed step "
+                  f"done again after {again}")
+            continue
         if t.get("in_place"):  # no restart: the measured switch is milliseconds
             rows = " | ".join(":".join(map(str, r)) or "even" for r in t.get("rows") or [])
             print(f"  {t['kind']} at step {t['step']} (segment {t['segment']}, rows {rows}): chosen in "

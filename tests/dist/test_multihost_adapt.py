@@ -162,3 +162,65 @@ def test_a_lost_host_is_planned_out_and_the_job_resumes_on_the_host_left(tmp_pat
     time.sleep(0.5)
     assert not [p.pid for p in killed if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not [p.pid for p in _job_processes(run) if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_lost_host_0_is_taken_over_by_the_host_left(tmp_path: Path) -> None:
+    """Host 0 holds the job's store and decides; killed with its rank, host 1 opens a store of its own, re-plans
+    for cpu1 alone and resumes from the last checkpoint, each item still trained once."""
+    (tmp_path / "train.py").write_text(SPEC)
+    build = tmp_path / "build"
+    assert main(["compile", f"{tmp_path / 'train.py'}:spec", "--cluster", "local-cpu-2", "--solver", "uniform",
+                 "--microbatches", "2", "--repeats", "1", "-o", str(build)]) == 0
+    run = tmp_path / "run"
+    endpoint = f"localhost:{free_port()}"
+
+    def host(rank: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [*CLI, "run", str(build), "--adapt", "--no-replan-on-imbalance", "--epochs", "1", "--checkpoint-every",
+             "4", "--log-samples", "--retries", "1", "--slow", "0:300:9", "--nnodes", "2", "--node-rank", str(rank),
+             "--rdzv-endpoint", endpoint, "--host-timeout", "3", "--run-dir", str(run), "--no-report",
+             "--no-tensorboard"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), stdin=subprocess.DEVNULL)
+
+    lead, other = host(0), host(1)
+    killed: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 240
+        while _steps_done(run / "seg0") < 10:  # past the checkpoint of step 8
+            if lead.poll() is not None or other.poll() is not None or time.monotonic() > deadline:
+                for p in (lead, other):
+                    if p.poll() is None:
+                        p.kill()
+                said = [p.communicate()[0] for p in (lead, other)]
+                pytest.fail(f"segment 0 did not reach step 10 with both hosts running:\n{said[0]}\n---\n{said[1]}")
+            time.sleep(0.02)
+        agent = psutil.Process(lead.pid)
+        killed = [agent, *agent.children(recursive=True)]
+        for p in killed:
+            p.send_signal(signal.SIGKILL)
+        out, _ = other.communicate(timeout=300)
+    finally:
+        for p in (lead, other):
+            if p.poll() is None:
+                p.kill()
+        lead.wait()
+    assert other.returncode == 0, out
+    assert "taking over the job's decisions" in out and "re-planned for 1 device(s) without cpu0" in out
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    lost = [e for e in events if e["event"] == "failure"]
+    assert [(e["cause"], e["host"], e["devices"], e["segment"]) for e in lost] == [("host lost", 0, ["cpu0"], 0)]
+    segments = [e for e in events if e["event"] == "segment"]
+    assert [s["devices"] for s in segments] == [["cpu0", "cpu1"], ["cpu1"]]
+    moved = next(e for e in events if e["event"] == "lead_moved")
+    assert (moved["host"], moved["renumbered"]) == (1, {"1": 0})  # host 1 decides, as host 0 of a new store
+    assert (run / ".lead").read_text() == moved["endpoint"] != endpoint  # named lead in the shared folder
+    assert events[-1]["event"] == "done"
+    resumed = int(Path(segments[1]["resume_from"]).name.split("_")[1])
+    assert resumed in (8, 12)
+    first, second = _batches(run / "seg0"), _batches(run / "seg1")
+    assert sorted(second) == list(range(resumed, 16))
+    survived = [i for b in range(resumed) for i in first[b]] + [i for b in range(resumed, 16) for i in second[b]]
+    assert sorted(survived) == list(range(128))
+    time.sleep(0.5)
+    assert not [p.pid for p in killed if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p.pid for p in _job_processes(run) if p.status() != psutil.STATUS_ZOMBIE]

@@ -15,6 +15,8 @@ import pytest
 from hpml_compile.errors import SupervisorError
 from hpml_compile.runtime.job.hosts import JobBoard, check_shared
 from hpml_compile.runtime.job.launcher import free_port
+from hpml_compile.runtime.job.multihost import _still_lead, claim_lead
+from hpml_compile.runtime.observe.runfolder import RunFolder
 
 
 def test_a_run_folder_that_is_not_shared_is_refused(tmp_path: Path) -> None:
@@ -61,3 +63,14 @@ def test_decisions_reach_the_other_host_and_a_silent_host_is_lost(tmp_path: Path
     finally:
         other.close()
         lead.close()
+
+
+def test_an_old_lead_stops_once_another_host_has_taken_the_decisions_over(tmp_path: Path) -> None:
+    run = RunFolder(tmp_path)
+    claim_lead(run, "host0:29400")
+    _still_lead(run, "host0:29400")  # the lead named: goes on
+    claim_lead(run, "host1:41000")  # a host that took over after host 0 fell silent
+    with pytest.raises(SupervisorError, match="another host took this job's decisions over \\(its store at "
+                                              "host1:41000\\)"):
+        _still_lead(run, "host0:29400")
+    _still_lead(run, "host1:41000")

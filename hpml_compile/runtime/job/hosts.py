@@ -26,9 +26,12 @@ decision. Membership is still torchrun's: each segment is an ordinary
 torchrun rendezvous of the hosts the decision names.
 
 Host 0 holds the store, as torchrun's c10d rendezvous host holds its own: the
-job goes on without any other host, and stops with a clear message when host
-0 itself is lost (the checkpoints in the shared run folder are intact; run
-the hosts left again with the same ``--run-dir`` to resume).
+job goes on without any other host. When host 0 itself is lost, the store
+goes with it; each other host has published where it would open a new one
+(:meth:`JobBoard.publish_standby`), and the lowest one left does
+(:mod:`.multihost`), raising :class:`~hpml_compile.errors.LeadLost` only where
+nobody can (the checkpoints in the shared run folder are intact; run the
+hosts left again with the same ``--run-dir`` to resume).
 
 Example:
     >>> from hpml_compile.runtime.job.launcher import free_port
@@ -48,7 +51,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from ...errors import SupervisorError
+from ...errors import LeadLost, SupervisorError
 from ..observe.runfolder import RunFolder
 from .launcher import parse_endpoint
 
@@ -199,6 +202,19 @@ class JobBoard:
         """
         return self.wait(lambda: self._get(f"fact/{name}"), [0], wait_s, what=f"host 0's {name}")
 
+    def publish_standby(self, endpoint: str) -> None:
+        """This host (not host 0): where it would open the job's store, should host 0 be lost."""
+        self.set_fact(f"standby/{self.host}", {"endpoint": endpoint})
+
+    def standbys(self) -> dict[int, str]:
+        """Host -> the endpoint where it would open the job's store (the hosts other than 0 that published one)."""
+        out = {}
+        for h in range(1, self.nnodes):
+            got = self._get(f"fact/standby/{h}")
+            if got is not None:
+                out[h] = str(got["endpoint"])
+        return out
+
     # --- waiting ---------------------------------------------------------------------------------------------------
     def wait(self, poll: Callable[[], dict[str, Any] | None], watch: Iterable[int], wait_s: float | None, *,
              what: str, every_s: float = 0.1) -> dict[str, Any]:
@@ -223,9 +239,9 @@ class JobBoard:
                 raise SupervisorError(f"host {self.host} waited {wait_s:g} s for {what} in vain")
             time.sleep(every_s)
 
-    def store_lost(self, e: BaseException) -> SupervisorError:
+    def store_lost(self, e: BaseException) -> LeadLost:
         """The error for a store that stopped answering: host 0 is gone."""
-        return SupervisorError(f"the job's store at {self.endpoint} stopped answering ({type(e).__name__}): host 0 "
+        return LeadLost(f"the job's store at {self.endpoint} stopped answering ({type(e).__name__}): host 0 "
                                "was lost, and with it the job's store; its checkpoints in the shared run folder are "
                                "intact: run the hosts left again with the same --run-dir (one of them as host 0) "
                                "to resume from the last one")

@@ -27,17 +27,37 @@ decides what the next segment is, once, and publishes it:
 Checkpoints, builds and plans live in the run folder, which every host must
 mount (:func:`~.hosts.check_shared` refuses one that is not): the hosts left
 resume from checkpoints the lost host helped write.
+
+Host 0 itself lost: with it go the job's store and the decisions. Neither is
+torchrun's (each segment's rendezvous is a fresh torchrun launch whose node 0
+is the lead's host), so they can move: at the start every other host says
+where it would open the store (:func:`standby_endpoint`, a port free then),
+and host 0 waits for every host's word before its first decision. When host
+0 stops answering, the lowest other host opens a new store there and takes
+the decisions over (:func:`_take_over`): everything the lead knew is in the
+shared run folder (``events.jsonl``: each segment's build and devices, which
+host ran which), so it records host 0's loss in the segment that was
+running, re-plans without host 0's devices and resumes from the last
+checkpoint, as host 0 would have for any other host. The other hosts join
+it, renumbered in order. One takeover: if the new lead is lost too, the job
+stops with its checkpoints intact. The takeover takes a silent host 0 for a
+dead one, as the lead does any silent host; a host 0 that is only cut off
+from the others would go on too, so the lead names itself in the shared
+folder (``RUN_DIR/.lead``, :func:`claim_lead`) and checks before each
+decision that it still is the one named: an old lead that finds the new
+one there stops (a segment it already started runs to its end or failure).
 """
 
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ...errors import HpmlError, LaunchError, RankFailure, SupervisorError
+from ...errors import HpmlError, LaunchError, LeadLost, RankFailure, SupervisorError
 from ...plan import Plan, load_plan
 from ..observe.policy import FailureLedger
 from ..observe.runfolder import RunFolder
@@ -47,7 +67,7 @@ from .options import RunOptions
 from .supervisor import (Job, after_failure, after_success, plan_devices, record_moves, replan_without,
                          start_segment)
 
-__all__ = ["supervise_hosts", "place"]
+__all__ = ["supervise_hosts", "place", "standby_endpoint", "claim_lead"]
 
 JOIN_S = 120.0  # how long host 0 waits for every host's first beat
 
@@ -173,20 +193,103 @@ def supervise_hosts(build_dir: Path, run_dir: Path, options: RunOptions, *, host
         LaunchError: a rank failed on bad input.
     """
     board = JobBoard(endpoint, host, nnodes, lost_after_s=lost_after_s)
+    standbys: dict[int, str] = {}
     try:
         check_shared(board, run_dir)
         if host == 0:
             return _lead(board, build_dir, run_dir, options, nproc, max_failures, solver, run_info, log)
-        _follow(board, run_dir, log)
-        return []
+        board.publish_standby(standby_endpoint(endpoint))
+        try:
+            _follow(board, run_dir, log, standbys)
+            return []
+        except LeadLost:
+            if not standbys:  # lost before every host was known: nobody can take over
+                raise
+            log(f"host {host}: host 0 is lost, and with it the job's store and decisions")
+    finally:
+        board.close()
+    return _succeed(host, standbys, run_dir, options, max_failures, solver, lost_after_s, run_info, log)
+
+
+def standby_endpoint(endpoint: str) -> str:
+    """Where this host would open the job's store if host 0 were lost: a port free now, on this host's name (or on
+    the rendezvous endpoint's own host name when that is this machine's loopback: agents on one machine)."""
+    host, _ = parse_endpoint(endpoint)
+    addr = host if host in ("localhost", "127.0.0.1", "::1") else socket.getfqdn()
+    return f"{addr}:{free_port('')}"
+
+
+def _succeed(host: int, standbys: dict[int, str], run_dir: Path, options: RunOptions, max_failures: int,
+             solver: str, lost_after_s: float, run_info: dict[str, Any] | None,
+             log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """After host 0 is lost: the lowest host left opens the job's store at its standby endpoint and decides from
+    the shared run folder's events (:func:`_take_over`); the others join it, renumbered in order.
+
+    Raises:
+        SupervisorError: the successor could not be reached (lost too), or no plan fits on what is left.
+    """
+    order = sorted(standbys)
+    ids = {h: i for i, h in enumerate(order)}
+    lead = order[0]
+    if host != lead:
+        log(f"host {host}: joining host {lead}, which takes over, at {standbys[lead]} (now host {ids[host]})")
+        board = JobBoard(standbys[lead], ids[host], len(order), lost_after_s=lost_after_s, connect_s=JOIN_S)
+        try:
+            _follow(board, run_dir, log, {})
+            return []
+        finally:
+            board.close()
+    log(f"host {host}: taking over the job's decisions, its store at {standbys[host]}")
+    board = JobBoard(standbys[host], 0, len(order), lost_after_s=lost_after_s)
+    try:
+        _await_hosts(board, standbys=False)
+        return _take_over(board, ids, run_dir, options, max_failures, solver, run_info, log)
     finally:
         board.close()
 
 
-def _follow(board: JobBoard, run_dir: Path, log: Callable[[str], None]) -> None:
-    """A host other than 0: run each segment the lead names this host in, until it says done or stop."""
+def _take_over(board: JobBoard, ids: dict[int, int], run_dir: Path, options: RunOptions, max_failures: int,
+               solver: str, run_info: dict[str, Any] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The new lead: record host 0's loss in the segment it ran, re-plan without its devices, and go on deciding.
+
+    Everything the lead knew is in the shared run folder: the segments (``segment``: build and devices) and which
+    host ran which devices (``hosts``); the checkpoints are there too.
+
+    Args:
+        board: the job's new store, this host its host 0.
+        ids: old host number -> new one, for the hosts left.
+    """
+    job = Job(RunFolder(run_dir), log)
+    events = job.run.read_events()
+    if events and events[-1]["event"] == "done":
+        return events
+    lead = min(ids, key=ids.__getitem__)
+    job.event("lead_moved", host=lead, endpoint=board.endpoint, renumbered={str(old): new for old, new in ids.items()})
+    segments = [e for e in events if e["event"] == "segment"]
+    if not segments:
+        raise SupervisorError("host 0 was lost before the job's first segment started: run the hosts left again")
+    seg, build = int(segments[-1]["segment"]), Path(segments[-1]["build"])
+    placed = [e for e in events if e["event"] == "hosts" and e["segment"] == seg]
+    held = {int(h): list(ds) for h, ds in (placed[-1]["devices"] if placed else {}).items()}
+    held.setdefault(0, [])
+    new_build, reason = _after_host_loss(job, load_plan(build / "plan.json"), build, seg, [0], held, options, solver,
+                                         board)
+    return _decide(board, job, list(segments[0]["devices"]), new_build, seg + 1, reason,
+                   {new: held.get(old, []) for old, new in ids.items()}, options, max_failures, solver, run_info)
+
+
+def _follow(board: JobBoard, run_dir: Path, log: Callable[[str], None], standbys: dict[int, str]) -> None:
+    """A host other than 0: run each segment the lead names this host in, until it says done or stop.
+
+    ``standbys`` gets where each host would take over, once the lead has seen them all (before its first decision).
+
+    Raises:
+        LeadLost: host 0 (the store's host) was lost.
+    """
     run = RunFolder(run_dir)
     seg = int(board.fact("first", JOIN_S)["segment"])
+    if board.host > 0 and not standbys:
+        standbys.update(board.standbys())
     while True:
         go = board.wait(lambda: board.read_go(seg), [0], None, what=f"host 0's decision for segment {seg}")
         if go.get("done"):
@@ -199,9 +302,7 @@ def _follow(board: JobBoard, run_dir: Path, log: Callable[[str], None]) -> None:
                 f"rank(s) of {sum(go['nproc'])} on {len(go['hosts'])} host(s)")
             _, lost, _ = _run_part(board, seg, go, run, log)
             if 0 in lost:
-                raise SupervisorError("host 0 was lost, and with it the job's store: its checkpoints in the shared "
-                                      "run folder are intact; run the hosts left again with the same --run-dir (one "
-                                      "of them as host 0) to resume from the last one")
+                raise board.store_lost(ConnectionError("host 0 stopped answering while this host's ranks ran"))
         else:
             log(f"host {board.host}: segment {seg} runs without this host's devices")
         seg += 1
@@ -213,23 +314,60 @@ def _lead(board: JobBoard, build: Path, run_dir: Path, options: RunOptions, npro
     job = Job(RunFolder(run_dir), log)
     first = plan_devices(load_plan(build / "plan.json"))
     held = {h: first[h * nproc:(h + 1) * nproc] for h in range(board.nnodes)}
-    board.wait(lambda: {} if all(board.beats(h) is not None for h in held) else None, [], JOIN_S,
-               what=f"all {board.nnodes} hosts to join the job's store at {board.endpoint}")
+    _await_hosts(board, standbys=True)
     seg = max(job.run.segments(), default=-1) + 1
+    return _decide(board, job, first, build, seg, "start", held, options, max_failures, solver, run_info)
+
+
+def _await_hosts(board: JobBoard, *, standbys: bool) -> None:
+    """The lead: wait until every host of ``board`` beats (and, with ``standbys``, has said where it would open
+    the job's store should host 0 be lost)."""
+    want = range(1, board.nnodes) if standbys else ()
+    board.wait(lambda: {} if all(board.beats(h) is not None for h in range(board.nnodes))
+               and set(want) <= set(board.standbys()) else None, [], JOIN_S,
+               what=f"all {board.nnodes} hosts to join the job's store at {board.endpoint}")
+
+
+def claim_lead(run: RunFolder, endpoint: str) -> None:
+    """Name the host whose store is at ``endpoint`` the job's lead in the shared run folder (atomically)."""
+    tmp = run.lead_file.with_suffix(".tmp")
+    tmp.write_text(endpoint)
+    tmp.replace(run.lead_file)
+
+
+def _still_lead(run: RunFolder, endpoint: str) -> None:
+    """Raise unless the shared run folder still names this lead (see the module docstring).
+
+    Raises:
+        SupervisorError: another host took the job's decisions over.
+    """
+    named = run.lead_file.read_text().strip() if run.lead_file.is_file() else endpoint
+    if named != endpoint:
+        raise SupervisorError(f"another host took this job's decisions over (its store at {named}) after this host "
+                              "lost touch with the others: this host stops, and the job goes on there")
+
+
+def _decide(board: JobBoard, job: Job, first: list[str], build: Path, seg: int, reason: str,
+            held: dict[int, list[str]], options: RunOptions, max_failures: int, solver: str,
+            run_info: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The lead's loop from segment ``seg`` (run ``build`` for ``reason``, on the hosts' devices ``held``)."""
     board.set_fact("first", {"segment": seg})
     ledger = FailureLedger(max_failures)
-    reason, carried = "start", None
+    carried = None
     where = parse_endpoint(board.endpoint)[0]
+    claim_lead(job.run, board.endpoint)
     try:
         while True:
+            _still_lead(job.run, board.endpoint)
             plan = start_segment(job, options, first, build, seg, reason, carried, run_info)
             hosts, counts, held = place(plan_devices(plan), held)
             go = {"hosts": hosts, "nproc": counts, "build": str(build), "reason": reason,
                   "endpoint": f"{where}:{free_port('')}"}
             job.event("hosts", segment=seg, hosts=hosts, nproc=counts, devices={str(h): held[h] for h in hosts})
             board.publish_go(seg, go)
-            _, seen_lost, live = _run_part(board, seg, go, job.run, log)
+            _, seen_lost, live = _run_part(board, seg, go, job.run, job.log)
             ends = _collect(board, seg, hosts, seen_lost, live)
+            _still_lead(job.run, board.endpoint)  # before anything is written for the next segment
             lost = [h for h in hosts if ends[h] is None]
             carried = None
             if lost:

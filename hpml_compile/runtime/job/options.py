@@ -214,6 +214,8 @@ class RunOptions:
         launched_at: when the launch began (epoch seconds; rank 0 records the time to its first step).
         compile_stages: ``auto``, ``on`` or ``off``: stages compiled by torch.compile
             (:mod:`hpml_compile.runtime.execute.compiled`).
+        live: the ranks were started by the supervisor itself (:mod:`.hostranks`), not torchrun's agent: a lost
+            replica is answered in place (the survivors go on in their processes) rather than by a restart.
     """
 
     steps: int = 20
@@ -238,6 +240,7 @@ class RunOptions:
     rows_from: Path | None = None
     launched_at: float | None = None
     compile_stages: str = "auto"
+    live: bool = False
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.log_every < 1 or self.checkpoint_every < 0 or self.keep < 0:

@@ -1,16 +1,29 @@
 """The loop around torchrun that carries a job to its last step through re-plans and failures.
 
 ``hpml-compile run BUILD --adapt`` runs the job as a sequence of *segments*,
-each one torchrun launch of one build, in ``RUN_DIR/seg<k>/`` (a complete run
-folder: ``report`` reads it). Checkpoints live in ``RUN_DIR/checkpoints`` and
-every segment resumes from the latest one. A segment ends in one of three ways:
+each one launch of one build, in ``RUN_DIR/seg<k>/`` (a complete run
+folder: ``report`` reads it). On one host the supervisor starts the ranks
+itself and hosts their store (:mod:`.hostranks`: torchrun's agent would stop
+every rank when one dies); across hosts each segment is one torchrun launch
+per host (:mod:`.multihost`). Checkpoints live in ``RUN_DIR/checkpoints`` and
+every segment resumes from the latest one.
+
+A rank that dies while it is one replica of a replicated stage does not end
+the segment: its peers (a live session, :mod:`hpml_compile.runtime.execute.members`)
+agree it is gone, take its rows and run the failed step again in their own
+processes, from the same parameters, with no checkpoint read; the job's events
+get a ``replica_lost`` event (:func:`record_lost`). Where they cannot (the
+stage had no other replica, or the lost one held state the others lack:
+ZeRO shards, a compressor's error feedback, local SGD), they fail saying so,
+and the segment ends in a failure as below, every dead rank's device dropped.
+A segment ends in one of three ways:
 
 - **done**: the last step is reached (a final checkpoint is written);
 - **switch**: the ranks' closed loop (:mod:`.adapt`) found a plan worth
   switching to, generated its build, checkpointed and stopped; the next
   segment runs the new build;
-- **failure**: a rank died or failed. torchrun's agent sees it and stops the
-  others; :func:`blame` reads the exit codes and the ranks' error reports to
+- **failure**: a rank failed, or died where its peers could not go on. The
+  launcher sees it and stops the others; :func:`blame` reads the exit codes and the ranks' error reports to
   find the culprit. A rank that died (killed by a signal, exit 137) lost its
   device: the device is dropped. A rank that failed (a communication
   time-out, a crash) is restarted on the same devices from the last
@@ -62,14 +75,13 @@ from ..execute.checkpoint import latest
 from ..observe.monitor import read_metrics
 from ..observe.policy import FailureLedger
 from ..observe.runfolder import RunFolder
-from .launcher import LaunchSpec, RankFailure, launch, prepare_run_dir
-from .loop import KILLED_EXIT
+from .hostranks import LostRank, died, launch_here
+from .launcher import RankFailure, prepare_run_dir
 from .options import ResumeMode, RunOptions
 
 __all__ = ["Culprit", "SupervisorError", "blame", "supervise", "timings", "plan_devices", "in_place_moves",
-           "rows_in_force", "record_moves", "Job", "start_segment", "after_failure", "after_success", "replan_without"]
-
-_SIGTERM = -15
+           "rows_in_force", "record_moves", "Job", "start_segment", "after_failure", "after_success", "replan_without",
+           "can_go_on_live", "record_lost"]
 
 
 def plan_devices(plan: Plan) -> list[str]:
@@ -112,10 +124,9 @@ def blame(failures: dict[int, tuple[int, str]], run_dir: Path) -> Culprit:
         return Culprit(rank, cause, info.get("message") or failures[rank][1] or f"exit code {failures[rank][0]}",
                        float(info.get("time", now)))
 
-    died = [r for r, (code, _) in failures.items() if code == KILLED_EXIT or (code < 0 and code != _SIGTERM)
-            or reports.get(r, {}).get("kind") == "killed"]
-    if died:
-        return culprit(min(died, key=lambda r: reports.get(r, {}).get("time", now)), "killed")
+    dead = [r for r, (code, _) in failures.items() if died(code) or reports.get(r, {}).get("kind") == "killed"]
+    if dead:
+        return culprit(min(dead, key=lambda r: reports.get(r, {}).get("time", now)), "killed")
     own = sorted((info["time"], r) for r, info in reports.items() if info.get("kind", "crash") != "comm")
     if own:
         r = own[0][1]
@@ -276,11 +287,14 @@ def supervise(build_dir: Path, run_dir: Path, options: RunOptions, *, max_failur
     build, seg, reason = build_dir, max(job.run.segments(), default=-1) + 1, "start"
     carried: Plan | None = None  # rows moved in place before a failure, for the restart on the same build
     while True:
-        plan = start_segment(job, options, first, build, seg, reason, carried, run_info)
+        plan = start_segment(job, options, first, build, seg, reason, carried, run_info, live=True)
         devices = plan_devices(plan)
         carried = None
         try:
-            launch(LaunchSpec(build, job.run.segment(seg).path, len(devices)))
+            lost = launch_here(build, job.run.segment(seg).path, len(devices), live=can_go_on_live(plan, options),
+                               on_loss=lambda x: job.log(f"segment {seg}: rank {x.rank} ({devices[x.rank]}) died at "
+                                                         f"step {x.steps_done + 1}; the others go on without it"))
+            record_lost(job, seg, devices, lost)
         except RankFailure as e:
             build, reason, carried = after_failure(job, ledger, plan, build, seg, e.failures, options, solver, e)
             seg += 1
@@ -295,8 +309,25 @@ def supervise(build_dir: Path, run_dir: Path, options: RunOptions, *, max_failur
 
 
 
+def can_go_on_live(plan: Plan, options: RunOptions) -> bool:
+    """Whether a lost rank of ``plan`` may be answered in place: some stage has replicas (a lost rank elsewhere,
+    or one whose state the others lack, is still refused by the ranks themselves, which then fail), and a failed
+    step may run again (``--retries`` 2 or more: with 1, every failure takes the restart path)."""
+    return options.retries > 1 and any(len(st.devices) > 1 and st.tp == 1 for st in plan.stages)
+
+
+def record_lost(job: Job, seg: int, devices: list[str], lost: list[LostRank]) -> None:
+    """Log the ranks lost in segment ``seg`` while the others went on in their processes (``replica_lost``)."""
+    for x in lost:
+        job.event("replica_lost", segment=seg, rank=x.rank, device=devices[x.rank], died_at=x.died_at,
+                  step=x.steps_done + 1, resumed_at=x.resumed_at, exit_code=x.code, pids=list(x.pids))
+        again = f"; training again {x.resumed_at - x.died_at:.2f} s after" if x.resumed_at is not None else ""
+        job.log(f"segment {seg}: {devices[x.rank]} lost at step {x.steps_done + 1} without a restart: the others "
+                f"ran that step again in their own processes{again}")
+
+
 def start_segment(job: Job, options: RunOptions, first: list[str], build: Path, seg: int, reason: str,
-                  carried: Plan | None, run_info: dict[str, Any] | None) -> Plan:
+                  carried: Plan | None, run_info: dict[str, Any] | None, *, live: bool = False) -> Plan:
     """Prepare segment ``seg``'s run folder (its options, plan, rows in force) and log its start.
 
     Args:
@@ -306,6 +337,8 @@ def start_segment(job: Job, options: RunOptions, first: list[str], build: Path, 
         build: the segment's build; ``reason`` why it starts.
         carried: the plan whose rows the ranks take before their first step (a restart on the same build), or None.
         run_info: extra facts for its run.json.
+        live: the supervisor starts the ranks itself (:mod:`.hostranks`): where the plan has replicas, they
+            answer a lost replica in place (:func:`can_go_on_live`).
 
     Returns:
         The segment's plan (its build's).
@@ -316,7 +349,8 @@ def start_segment(job: Job, options: RunOptions, first: list[str], build: Path, 
     seg_options = options.for_segment(
         checkpoint_dir=job.run.checkpoints, resume=ResumeMode.IF_ANY, launched_at=time.time(),
         faults=options.faults.follow(first, devices, first_segment=reason == "start"),
-        rows_from=seg_dir / "plan.json" if carried is not None else None)
+        rows_from=seg_dir / "plan.json" if carried is not None else None,
+        live=live and can_go_on_live(plan, options))
     prepare_run_dir(build, seg_dir, {"steps": options.steps, "nproc": len(devices), "segment": seg,
                                      "reason": reason, **(run_info or {})}, seg_options)
     if carried is not None:  # the segment's plan is the one in force: its ranks take its rows, report reads it
@@ -373,13 +407,17 @@ def after_failure(job: Job, ledger: FailureLedger, plan: Plan, build: Path, seg:
     if c.cause == "user":
         raise error if error is not None else SupervisorError(c.message)
     dropped = c.cause == "killed" or ledger.record(device)
+    # ranks that died while the others went on (:mod:`.hostranks`), or beside the culprit: their devices are gone too
+    dead = [devices[r] for r, (code, _) in sorted(failures.items()) if died(code) and devices[r] != device]
     job.event("failure", segment=seg, rank=c.rank, device=device, cause=c.cause, message=c.message,
               failed_at=c.time, detected_at=seen, dropped=dropped, failures=ledger.failures(device))
     job.log(f"segment {seg}: rank {c.rank} ({device}) {c.cause}: {c.message.splitlines()[0][:200]}")
-    if dropped:
+    if dropped or dead:
         why = "its process died" if c.cause == "killed" else f"it failed {ledger.failures(device)} times"
-        job.log(f"dropping {device}: {why}")
-        return replan_without(job, plan, build, seg, [device], options, solver), f"{device} lost", None
+        gone = ([device] if dropped else []) + dead
+        job.log(f"dropping {', '.join(gone)}: " + (why if dropped else "") + (
+            f"{'; ' if dropped else ''}{', '.join(dead)} died before" if dead else ""))
+        return replan_without(job, plan, build, seg, gone, options, solver), f"{', '.join(gone)} lost", None
     job.log(f"restarting on the same {len(devices)} device(s) from the last checkpoint "
             f"({device} has failed {ledger.failures(device)}/{ledger.max_failures} times)")
     return build, f"{device} failed ({c.cause})", rows_in_force(seg_dir, plan)
@@ -415,6 +453,8 @@ def timings(run_dir: Path) -> list[dict[str, Any]]:
     - a switch: detection is in steps (``decided_at_step``; the watch needs ``patience`` slow steps); re-plan =
       solve + codegen (a row move's "solve" is choosing its rows); resume = the next segment's first step done -
       the decision; ``move`` says which candidate it was (``rows`` or ``replan``).
+    - a replica lost without a restart (``in_place``; :mod:`.hostranks`): resume = the failed step done again on a
+      survivor - the death seen; no step lost.
     - rows moved in place (``in_place``: no restart): re-plan = choosing the rows (no codegen); resume = its
       measured ``switch_s``, from rank 0's decision to the rows in force on every rank and plan.json re-published
       (the next step then runs on them).
@@ -423,6 +463,12 @@ def timings(run_dir: Path) -> list[dict[str, Any]]:
     events = run.read_events()
     out = []
     for i, e in enumerate(events):
+        if e["event"] == "replica_lost":
+            again = e.get("resumed_at")
+            out.append({"kind": f"replica lost ({e['device']}, no restart)", "detect_s": None, "replan_s": 0.0,
+                        "step": e["step"], "in_place": True, "steps_lost": 0, "segment": e["segment"],
+                        "resume_s": again - e["died_at"] if again is not None else None})
+            continue
         if e["event"] == "rows_moved":
             out.append({"kind": "rows moved in place (no restart)", "detect_s": None, "decided_at_step": e["step"],
                         "replan_s": e.get("choose_s", 0.0), "step": e["step"], "move": "rows", "in_place": True,

@@ -203,7 +203,7 @@ def start_rank(build: Path, run: RunFolder, options: RunOptions, rank: int, loca
     pipe = Pipeline.from_build(build, loaded.module, init_method="env://", retry=retry, optimizer=optimizer,
                                weights=spec.weights if spec is not None else None,
                                run_dir=run.path, tensorboard=o.tensorboard, faults=o.faults.comm, log=say,
-                               comm_options=o.comm_options, compile_stages=o.compile_stages)
+                               comm_options=o.comm_options, compile_stages=o.compile_stages, live=o.live)
     trainer = Trainer(pipe, spec, run_dir=run.path, log_samples=o.log_samples) if spec is not None else None
     pipe.trainer = trainer  # rows moved in place (the closed loop) reach its data loader
     seed_rngs(recipe.seed, rank)  # dropout draws the same masks in two runs; a resume restores the states

@@ -123,6 +123,11 @@ class RunFolder:
         """``.shared-token``: what host 0 of a multi-host job writes for the other hosts to read back."""
         return self.path / ".shared-token"
 
+    @property
+    def lead_file(self) -> Path:
+        """``.lead``: the endpoint of the store of the host that takes a multi-host job's decisions."""
+        return self.path / ".lead"
+
     def error(self, rank: int) -> Path:
         """``errors/rank<r>.txt``: where a failing rank writes its message."""
         return self.path / "errors" / f"rank{rank}.txt"
