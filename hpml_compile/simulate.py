@@ -798,7 +798,9 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
     busy = _busy(done, s_count)
     # after its last backward each stage syncs; the copies stretch with what the other stages of the host do
     # meanwhile (their compute and their own sync); a replicated stage first waits for its latest replica
-    skew = [replica_skew_ms(plan, graph, st, m * cst.compute_ms) + replica_meeting_ms(plan, graph, st, m * cst.compute_ms)
+    # (and meets it, where it has a sync: a stage without parameters runs no collective)
+    skew = [replica_skew_ms(plan, graph, st, m * cst.compute_ms)
+            + (replica_meeting_ms(plan, graph, st, m * cst.compute_ms) if cst.sync_ms > 0 else 0.0)
             for st, cst in zip(plan.stages, costs)]
     tails = [[(lasts[j] + skew[j], lasts[j] + skew[j] + costs[j].sync_ms)] for j in range(s_count)]
     load = share.load([b + t for b, t in zip(busy, tails)]) if share.active else {}
@@ -939,15 +941,14 @@ def replica_meeting_ms(plan: Plan, graph: CostGraph, st: Stage, compute_ms: floa
     over ``ceil(log2 d)`` rounds for ``d`` replicas as the loss agreement's figure is): the stage's sync prices
     the meeting on the link (:func:`hpml_compile.stagecost.meet_ms`), where a one-element all-reduce is all
     latency, but the ranks pay more (gloo's threads wake after the compute). 0.0 for one replica, devices that
-    are not CPUs of one host, a sync that does not meet (compressed, local SGD, hierarchical), or no probe.
+    are not CPUs of one host, a sync that does not meet (compressed, local SGD, hierarchical), or no probe; the
+    caller leaves out a stage without parameters (no sync).
 
     The result may be negative: the measurement replaces the link's price.
     """
     devs = [plan.cluster.device(d) for d in st.devices]
     flat = not st.compress and plan.sync_every <= 1 and st.allreduce is not AllReduce.HIERARCHICAL
     if st.replicas <= 1 or not flat or not all(d.is_cpu for d in devs) or len({d.host for d in devs}) > 1:
-        return 0.0
-    if not any(graph.node(n).param_bytes for n in st.nodes):  # nothing to sync: no collective, no meeting
         return 0.0
     pair = [graph.meeting_ms(d.kind, compute_ms) for d in devs]
     if None in pair:
