@@ -118,6 +118,9 @@ class CostGraph:
         meetings: per measured CPU kind, ``(ms, per ms of compute)``: what two of its ranks on one host both pay
             to meet before the gradient sync (``["meet_ms"]``, ``["meet_per_ms"]``; empty: not measured, and the
             meeting is priced on the link).
+        fitted: per measured CPU kind, the longest compute its probe ran (``["fit_compute_ms"]``): the agreement,
+            the meeting and the skew are taken at it for longer compute (a line fitted on 1 and 20 ms of compute
+            is not extrapolated to a step of 150; empty: extrapolated, as profiles without it were).
         skews: per measured CPU kind, ``(ms, per ms of compute)``: how far apart two of its ranks that did the same
             work reach the gradient sync, a fixed part and a part per millisecond of their compute
             (``devices[kind]["process"]["skew_ms"]``, ``["skew_per_ms"]``; empty: not measured): a replicated stage
@@ -144,6 +147,7 @@ class CostGraph:
     agreements: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     skews: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     meetings: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    fitted: Mapping[str, float] = field(default_factory=dict)
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -188,7 +192,7 @@ class CostGraph:
         return CostGraph(q, self.order, self.kinds, self.model, self.batch_size, self.optimizer_ms,
                          self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
                          self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only,
-                         self.agreements, self.skews, self.meetings)
+                         self.agreements, self.skews, self.meetings, self.fitted)
 
     def tp_degrees(self) -> tuple[int, ...]:
         """The tensor-parallel degrees above 1 at which some node of the graph shards (empty: none)."""
@@ -224,19 +228,23 @@ class CostGraph:
         """The measured loss agreement of two ranks of ``kind`` on one host after ``compute_ms`` of compute, ms
         (None: not measured)."""
         got = self.agreements.get(kind, self.agreements.get(base_kind(kind)))
-        return None if got is None else got[0] + got[1] * compute_ms
+        return None if got is None else got[0] + got[1] * self._within_fit(kind, compute_ms)
 
     def meeting_ms(self, kind: str, compute_ms: float) -> float | None:
         """What two ranks of ``kind`` on one host both pay to meet before the gradient sync after ``compute_ms`` of
         compute, ms (None: not measured)."""
         got = self.meetings.get(kind, self.meetings.get(base_kind(kind)))
-        return None if got is None else got[0] + got[1] * compute_ms
+        return None if got is None else got[0] + got[1] * self._within_fit(kind, compute_ms)
+
+    def _within_fit(self, kind: str, compute_ms: float) -> float:
+        """``compute_ms``, at most the longest compute ``kind``'s probe fitted its figures on."""
+        return min(compute_ms, self.fitted.get(kind, self.fitted.get(base_kind(kind), float("inf"))))
 
     def skew_ms(self, kind: str, compute_ms: float) -> float:
         """How far apart two ranks of ``kind`` that each computed ``compute_ms`` reach the gradient sync, ms (0.0:
         not measured)."""
         fixed, per_ms = self.skews.get(kind, self.skews.get(base_kind(kind), (0.0, 0.0)))
-        return fixed + per_ms * compute_ms
+        return fixed + per_ms * self._within_fit(kind, compute_ms)
 
     def host_cores(self, kind: str) -> int | None:
         """Logical CPUs of the host ``kind`` was profiled on (its base kind for a variant); None: not recorded."""
@@ -338,7 +346,7 @@ class CostGraph:
         return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size, self.optimizer_ms,
                          self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
                          self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only,
-                         self.agreements, self.skews, self.meetings)
+                         self.agreements, self.skews, self.meetings, self.fitted)
 
     def cut_bytes(self, before: Iterable[str]) -> int:
         """Bytes crossing from the node set ``before`` to the rest; a tensor read by
@@ -498,8 +506,10 @@ def build(profile: Profile) -> CostGraph:
                 if isinstance(x.get("meet_ms"), (int, float))}
     skews = {k: (float(x["skew_ms"]), float(x.get("skew_per_ms", 0.0))) for k, x in probes.items()
              if isinstance(x.get("skew_ms"), (int, float))}
+    fitted = {k: float(x["fit_compute_ms"]) for k, x in probes.items()
+              if isinstance(x.get("fit_compute_ms"), (int, float))}
     stage_only = frozenset(k for k, d in profile.devices.items()
                            if isinstance(d.get("process"), dict) and d["process"].get("stage_only"))
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
                      dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns, flat_steps, tp,
-                     processes, bookkeeping, stage_only, agreements, skews, meetings)
+                     processes, bookkeeping, stage_only, agreements, skews, meetings, fitted)

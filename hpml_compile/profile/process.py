@@ -54,14 +54,14 @@ __all__ = ["runtime_baseline", "this_host", "with_process", "host_key", "cache_p
 
 # The replicated step's figures the probe measures (replicated_step_figures), each a fixed part and a part per ms of
 # the compute before it.
-FIGURES = ("agree_ms", "agree_per_ms", "meet_ms", "meet_per_ms", "skew_ms", "skew_per_ms")
+FIGURES = ("agree_ms", "agree_per_ms", "meet_ms", "meet_per_ms", "skew_ms", "skew_per_ms", "fit_compute_ms")
 
 # What a rank imports before it builds its model (runtime.job.worker, the tracer, TensorBoard's writer), then a gloo
 # group and steps of a tiny model through the runtime: the runtime up, no model to speak of. Alone (no
 # HPML_PROBE_WORLD), one rank; with HPML_PROBE_WORLD=2 and HPML_PROBE_RANK, one of two ranks of a data-parallel stage
 # (rendezvous in HPML_PROBE_DIR), whose steps also time what a replicated step pays beyond its compute. Each forward
 # runs matrix products on a buffer (no parameters: the memory figure stays the runtime's), about 1 ms of them and
-# then about 10 ms, so that the ranks meet at the gradient sync as ranks that computed do. The last line: peak RSS
+# then about 20 ms (a small model's step), so that the ranks meet at the gradient sync as ranks that computed do. The last line: peak RSS
 # and the median of Pipeline.step's wall clock beyond the executor's span (ms); the line before it: per step, the
 # loss agreement, the wait at the sync's meeting and the compute (ms).
 BASELINE_CODE = """
@@ -127,7 +127,7 @@ for products in (SHORT, LONG):  # two lengths of compute, so that what the sync 
 dist.destroy_process_group()
 print("steps", json.dumps(steps))
 print(rss, round(statistics.median(extras), 4))
-""".replace("STEPS", "40").replace("SHORT", "4").replace("LONG", "32")
+""".replace("STEPS", "40").replace("SHORT", "4").replace("LONG", "64")
 
 
 
@@ -225,7 +225,7 @@ def runtime_baseline(*, timeout_s: float = 120.0) -> dict[str, Any]:
     day = datetime.date.today().isoformat()
     return {"bytes": max(b for b, _, _ in ranks), "step_ms": max(x for _, x, _ in ranks), **figures,
             "source": f"measured {day}: two fresh interpreters with torch and the runtime up, the ranks of a "
-                      "data-parallel stage of a tiny model (about 1 ms, then 10 ms of compute a step): peak RSS, "
+                      "data-parallel stage of a tiny model (about 1 ms, then 20 ms of compute a step): peak RSS, "
                       "Pipeline.step's wall clock beyond the executor's span, the loss agreement, the meeting at the "
                       "sync and the ranks' skew there (means)"}
 
@@ -250,7 +250,7 @@ def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
 
     Each rank's row of a step is ``[loss agreement ms, wait at the sync's meeting ms, compute ms]``; the rows of
     both ranks are step by step, the shorter compute's steps first (:data:`BASELINE_CODE` runs about 1 ms of
-    compute a step, then about 10).
+    compute a step, then about 20).
 
     - ``agree_ms`` and ``agree_per_ms``: the loss agreement as the runtime runs it (a gloo all-reduce of four
       float64s, handed to gloo's thread after the step's work), per step the two ranks' mean. The alpha-beta
@@ -268,7 +268,8 @@ def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
 
     Each is fitted as a fixed part plus a part per millisecond of the compute before it (:func:`_fit`): a tiny
     collective's gloo threads and a rank's time slices are likelier to be taken the longer the ranks computed,
-    and the two lengths of compute tell. Each half's figure is a mean, not a median: these parts are
+    and the two lengths of compute tell. ``fit_compute_ms`` is the longer one: beyond it the figures stay at
+    their value there (a line through 1 and 20 ms says nothing of a step of 150). Each half's figure is a mean, not a median: these parts are
     heavy-tailed (most steps pay a fraction of a millisecond, a few pay several), and a step is their sum, so
     the step's typical time is near the sum of their means; the sum of their medians fell 4-5 ms short of the
     demo's measured step of about 26 ms on the development VM.
@@ -277,7 +278,7 @@ def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
         ranks: two lists of rows, one per rank, step by step.
 
     Returns:
-        ``{"agree_ms", "agree_per_ms", "meet_ms", "meet_per_ms", "skew_ms", "skew_per_ms"}``.
+        ``{"agree_ms", "agree_per_ms", "meet_ms", "meet_per_ms", "skew_ms", "skew_per_ms", "fit_compute_ms"}``.
 
     Raises:
         HpmlError: fewer than two ranks or no step.
@@ -286,8 +287,10 @@ def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
         >>> a = [[1.0, 0.2, 1.0], [1.2, 0.6, 1.0], [0.8, 0.2, 11.0], [1.0, 1.2, 11.0]]
         >>> b = [[1.0, 0.4, 1.0], [1.0, 0.4, 1.0], [1.0, 0.6, 11.0], [1.0, 0.2, 11.0]]
         >>> replicated_step_figures([a, b])
-        {'agree_ms': 1.0, 'agree_per_ms': 0.0, 'meet_ms': 0.25, 'meet_per_ms': 0.0, 'skew_ms': 0.075, 'skew_per_ms': 0.025}
+        {'agree_ms': 1.0, 'agree_per_ms': 0.0, 'meet_ms': 0.25, 'meet_per_ms': 0.0, 'skew_ms': 0.075, 'skew_per_ms': 0.025, 'fit_compute_ms': 11.0}
     """
+    import statistics
+
     if len(ranks) < 2 or not ranks[0] or not ranks[1]:
         raise HpmlError("the step figures need the rows of two probe ranks, each with one step at least")
     pairs = list(zip(ranks[0], ranks[1]))
@@ -298,6 +301,8 @@ def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
     for name, values in parts.items():
         fixed, per_ms = _fit(list(zip(values, compute)))
         out[f"{name}_ms"], out[f"{name}_per_ms"] = fixed, per_ms
+    half = max(1, len(compute) // 2)
+    out["fit_compute_ms"] = round(statistics.median(compute[half:] or compute), 4)
     return out
 
 
@@ -372,7 +377,7 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
     try:
         # an entry of an older probe (its bookkeeping, without the meeting's figures) is measured again
         # where allowed; an entry written by hand (no bookkeeping either) is taken as it is
-        stale = hit is not None and "step_ms" in hit and "meet_per_ms" not in hit
+        stale = hit is not None and "step_ms" in hit and "fit_compute_ms" not in hit
         if hit is not None and isinstance(hit.get("bytes"), int) and not (stale and measure):
             out["process"] = {**hit, "source": f"{hit.get('source', 'measured')}; cached in {where}"}
         elif measure:

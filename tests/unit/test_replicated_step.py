@@ -59,6 +59,7 @@ def test_heavy_tailed_parts_are_priced_by_their_mean_which_grows_with_the_comput
     meet = (14 * 0.2 + 6 * 2.2 - 2.2) / 19  # the largest twentieth left out: one 2.2
     assert got["meet_ms"] + 11 * got["meet_per_ms"] == pytest.approx(meet, abs=2e-3) and got["meet_per_ms"] > 0
     assert got["skew_ms"] == 0.0 and got["skew_per_ms"] == 0.0  # the ranks arrived together
+    assert got["fit_compute_ms"] == 11.0  # the longest compute the line saw
 
 
 def test_a_measured_agreement_prices_the_loss_all_reduce_of_cpu_ranks() -> None:
@@ -105,11 +106,13 @@ def test_a_measured_meeting_replaces_the_links_price_of_the_meeting_before_the_s
     assert four.skew_ms[0] == pytest.approx(measured_agree_ms(0.4 + 0.05 * 3.0, 4) - link4)
 
 
-def test_the_measured_agreement_grows_with_the_compute_before_it() -> None:
+def test_the_measured_agreement_grows_with_the_compute_before_it_up_to_the_longest_the_probe_ran() -> None:
     prof, dp, _ = _plans(2)
-    probed = with_process(prof, {"bytes": 0, "agree_ms": 0.5, "agree_per_ms": 0.1, "skew_ms": 0.0,
-                                 "source": "a test"})
-    assert simulate(dp, build(probed)).agree_ms == pytest.approx(0.5 + 0.1 * 6.0)  # after 6 ms of compute
+    figures = {"bytes": 0, "agree_ms": 0.5, "agree_per_ms": 0.1, "skew_ms": 0.0, "source": "a test"}
+    assert simulate(dp, build(with_process(prof, figures))).agree_ms == pytest.approx(0.5 + 0.1 * 6.0)  # 6 ms
+    short = with_process(prof, {**figures, "skew_per_ms": 0.2, "fit_compute_ms": 4.0})  # fitted on 4 ms at most
+    got = simulate(dp, build(short))
+    assert got.agree_ms == pytest.approx(0.5 + 0.1 * 4.0) and got.skew_ms == (pytest.approx(0.2 * 4.0),)
 
 
 def _named(plan: Plan, prof: object) -> list[str]:
