@@ -111,9 +111,16 @@ class CostGraph:
         bookkeeping: per measured CPU kind, the milliseconds a rank's ``Pipeline.step`` spends beyond the
             executor's span (the batch check, host sampling, memory counting, events), measured with the
             baseline; the simulator adds it to the step (empty: not measured).
-        agreements: per measured CPU kind, the milliseconds two of its ranks on one host take to agree on a step's
-            loss as the runtime does it (the profile's ``devices[kind]["process"]["agree_ms"]``; empty: not
-            measured, and the loss agreement is priced on the link).
+        agreements: per measured CPU kind, ``(ms, per ms of compute)``: how long two of its ranks on one host take
+            to agree on a step's loss as the runtime does it, a fixed part and a part per millisecond of the
+            compute before it (the profile's ``devices[kind]["process"]["agree_ms"]``, ``["agree_per_ms"]``;
+            empty: not measured, and the loss agreement is priced on the link).
+        meetings: per measured CPU kind, ``(ms, per ms of compute)``: what two of its ranks on one host both pay
+            to meet before the gradient sync (``["meet_ms"]``, ``["meet_per_ms"]``; empty: not measured, and the
+            meeting is priced on the link).
+        fitted: per measured CPU kind, the longest compute its probe ran (``["fit_compute_ms"]``): the agreement,
+            the meeting and the skew are taken at it for longer compute (a line fitted on 1 and 20 ms of compute
+            is not extrapolated to a step of 150; empty: extrapolated, as profiles without it were).
         skews: per measured CPU kind, ``(ms, per ms of compute)``: how far apart two of its ranks that did the same
             work reach the gradient sync, a fixed part and a part per millisecond of their compute
             (``devices[kind]["process"]["skew_ms"]``, ``["skew_per_ms"]``; empty: not measured): a replicated stage
@@ -137,8 +144,10 @@ class CostGraph:
     processes: Mapping[str, int] = field(default_factory=dict)
     bookkeeping: Mapping[str, float] = field(default_factory=dict)
     stage_only: frozenset[str] = frozenset()
-    agreements: Mapping[str, float] = field(default_factory=dict)
+    agreements: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     skews: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    meetings: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    fitted: Mapping[str, float] = field(default_factory=dict)
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -183,7 +192,7 @@ class CostGraph:
         return CostGraph(q, self.order, self.kinds, self.model, self.batch_size, self.optimizer_ms,
                          self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
                          self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only,
-                         self.agreements, self.skews)
+                         self.agreements, self.skews, self.meetings, self.fitted)
 
     def tp_degrees(self) -> tuple[int, ...]:
         """The tensor-parallel degrees above 1 at which some node of the graph shards (empty: none)."""
@@ -215,15 +224,27 @@ class CostGraph:
         """Milliseconds of the runtime's per-step bookkeeping on a rank of ``kind`` (0.0: not measured)."""
         return self.bookkeeping.get(kind, self.bookkeeping.get(base_kind(kind), 0.0))
 
-    def agreement_ms(self, kind: str) -> float | None:
-        """The measured loss agreement of two ranks of ``kind`` on one host, ms (None: not measured)."""
-        return self.agreements.get(kind, self.agreements.get(base_kind(kind)))
+    def agreement_ms(self, kind: str, compute_ms: float = 0.0) -> float | None:
+        """The measured loss agreement of two ranks of ``kind`` on one host after ``compute_ms`` of compute, ms
+        (None: not measured)."""
+        got = self.agreements.get(kind, self.agreements.get(base_kind(kind)))
+        return None if got is None else got[0] + got[1] * self._within_fit(kind, compute_ms)
+
+    def meeting_ms(self, kind: str, compute_ms: float) -> float | None:
+        """What two ranks of ``kind`` on one host both pay to meet before the gradient sync after ``compute_ms`` of
+        compute, ms (None: not measured)."""
+        got = self.meetings.get(kind, self.meetings.get(base_kind(kind)))
+        return None if got is None else got[0] + got[1] * self._within_fit(kind, compute_ms)
+
+    def _within_fit(self, kind: str, compute_ms: float) -> float:
+        """``compute_ms``, at most the longest compute ``kind``'s probe fitted its figures on."""
+        return min(compute_ms, self.fitted.get(kind, self.fitted.get(base_kind(kind), float("inf"))))
 
     def skew_ms(self, kind: str, compute_ms: float) -> float:
         """How far apart two ranks of ``kind`` that each computed ``compute_ms`` reach the gradient sync, ms (0.0:
         not measured)."""
         fixed, per_ms = self.skews.get(kind, self.skews.get(base_kind(kind), (0.0, 0.0)))
-        return fixed + per_ms * compute_ms
+        return fixed + per_ms * self._within_fit(kind, compute_ms)
 
     def host_cores(self, kind: str) -> int | None:
         """Logical CPUs of the host ``kind`` was profiled on (its base kind for a variant); None: not recorded."""
@@ -325,7 +346,7 @@ class CostGraph:
         return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size, self.optimizer_ms,
                          self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
                          self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only,
-                         self.agreements, self.skews)
+                         self.agreements, self.skews, self.meetings, self.fitted)
 
     def cut_bytes(self, before: Iterable[str]) -> int:
         """Bytes crossing from the node set ``before`` to the rest; a tensor read by
@@ -479,11 +500,16 @@ def build(profile: Profile) -> CostGraph:
     bookkeeping = {k: float(d["process"]["step_ms"]) for k, d in profile.devices.items()
                    if isinstance(d.get("process"), dict) and isinstance(d["process"].get("step_ms"), (int, float))}
     probes = {k: d["process"] for k, d in profile.devices.items() if isinstance(d.get("process"), dict)}
-    agreements = {k: float(x["agree_ms"]) for k, x in probes.items() if isinstance(x.get("agree_ms"), (int, float))}
+    agreements = {k: (float(x["agree_ms"]), float(x.get("agree_per_ms", 0.0))) for k, x in probes.items()
+                  if isinstance(x.get("agree_ms"), (int, float))}
+    meetings = {k: (float(x["meet_ms"]), float(x.get("meet_per_ms", 0.0))) for k, x in probes.items()
+                if isinstance(x.get("meet_ms"), (int, float))}
     skews = {k: (float(x["skew_ms"]), float(x.get("skew_per_ms", 0.0))) for k, x in probes.items()
              if isinstance(x.get("skew_ms"), (int, float))}
+    fitted = {k: float(x["fit_compute_ms"]) for k, x in probes.items()
+              if isinstance(x.get("fit_compute_ms"), (int, float))}
     stage_only = frozenset(k for k, d in profile.devices.items()
                            if isinstance(d.get("process"), dict) and d["process"].get("stage_only"))
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
                      dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns, flat_steps, tp,
-                     processes, bookkeeping, stage_only, agreements, skews)
+                     processes, bookkeeping, stage_only, agreements, skews, meetings, fitted)

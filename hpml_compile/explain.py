@@ -315,8 +315,9 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
                      f"{result.agree_ms:.3g} ms" + (" (as two ranks of this host measured it)" if measured else ""))
     for k, wait in enumerate(result.skew_ms):  # replicas reach the sync apart: the step waits for the latest
         if wait > 0:
-            lines.append(f"  stage {k} waits {wait:.3g} ms a step for its latest replica before its gradient sync "
-                         "(two ranks' skew as measured on this host)")
+            lines.append(f"  stage {k} waits {wait:.3g} ms a step for its latest replica before its gradient sync, and "
+                         "meets it there (two ranks' skew and meeting as measured on this host, beyond the link's "
+                         "latency)")
     lines += tp_lines(plan, graph)
     lines += _host_sharing(plan, graph, result)
     lines += _idle_cpus(plan, graph)

@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["ZeroStage", "MemoryBreakdown", "process_bytes", "SHM_SLOT_BYTES", "dtype_bytes", "compute_bytes", "GiB", "tied_elsewhere", "tied_shared",
+__all__ = ["ZeroStage", "MemoryBreakdown", "process_bytes", "tied_shm_bytes", "SHM_SLOT_BYTES", "dtype_bytes", "compute_bytes", "GiB", "tied_elsewhere", "tied_shared",
            "autocast_copy_bytes", "bucket_ranges", "FIRST_BUCKET_BYTES", "BUCKET_BYTES"]
 
 GiB = 2**30
@@ -186,6 +186,31 @@ def process_bytes(baseline: Any, model_param_bytes: Any, stage_param_bytes: Any,
         stage_param_bytes if largest_param is None else smaller(stage_param_bytes, largest_param))
     regathered = stage_param_bytes if replicas > 1 and zero >= 3 else stage_param_bytes * 0
     return baseline + built + shm + 2 * stepped + regathered
+
+
+def tied_shm_bytes(shared: Any, members: int) -> Any:
+    """The shared memory a CPU rank maps for the all-reduce of the gradients of parameters tied across stages.
+
+    The tied parameters' gradients are summed over every rank of the stages that use them, through one flat
+    buffer of ``shared`` bytes (counted with the gradients); where those ranks are CPU ranks of one host the sum
+    goes through shared memory, one slot of that buffer's size (at most :data:`SHM_SLOT_BYTES`) per member, and
+    every member maps every slot (:mod:`hpml_compile.runtime.sync.shm`), as a replicated stage's gradient sync
+    does (:func:`process_bytes`). Measured on two CPU ranks of gpt-mini's two-stage pipeline (its tied embedding,
+    4 MiB): 8 MiB of shared memory in each rank's resident set after the first step.
+
+    Args:
+        shared: bytes of the tied parameters' flat buffer on this rank (an int, or a numpy array alike).
+        members: ranks in the all-reduce (0 or 1: none).
+
+    Returns:
+        Bytes, of the form of ``shared``.
+
+    >>> tied_shm_bytes(4 << 20, 2) >> 20, tied_shm_bytes(4 << 20, 1), tied_shm_bytes(100 << 20, 2) >> 20
+    (8, 0, 128)
+    """
+    if members <= 1:
+        return shared * 0
+    return members * (shared * (shared <= SHM_SLOT_BYTES) + SHM_SLOT_BYTES * (shared > SHM_SLOT_BYTES))
 
 
 def tied_elsewhere(users: Iterable[tuple[str, Sequence[str]]], sizes: Mapping[str, int], members: set[str]) -> int:

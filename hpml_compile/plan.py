@@ -26,7 +26,7 @@ from .ir import Assumption, Certificate, Cluster, Precision, Profile, Schedule, 
 from .cluster import overlap_efficiency
 from .compression import check_sync, parse_compress
 from .memory import (GiB, MemoryBreakdown, ZeroStage, compute_bytes, dtype_bytes, process_bytes, tied_elsewhere,
-                     tied_shared)
+                     tied_shared, tied_shm_bytes)
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
 from .stagecost import device_memory, in_flight, tp_bytes
 from .tp import TensorParallel, analyze as analyze_tp
@@ -55,6 +55,7 @@ __all__ = [
     "zero_shards",
     "node_stages",
     "tied_groups",
+    "tied_members",
     "tp_problem",
     "stage_memory",
     "stage_breakdown",
@@ -636,9 +637,12 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | No
         compute_bytes=compute_bytes(plan.precision.value),  # autocast's weight copies per microbatch in flight
         process_bytes=_process(plan, profile, device, params),
     )
-    # the gradients of parameters tied to another stage are all-reduced through a flat buffer kept across steps
+    # the gradients of parameters tied to another stage are all-reduced through a flat buffer kept across steps;
+    # on CPU ranks of one host through shared memory too, which the process holds (where its baseline is measured)
     shared = tied_shared(((n.name, n.params) for n in profile.nodes), profile.parameters, names)
-    return replace(mem, grads=mem.grads + shared) if shared else mem
+    shm = tied_shm_bytes(shared, tied_members(plan, ((n.name, n.params) for n in profile.nodes), stage.index)) \
+        if mem.process else 0
+    return replace(mem, grads=mem.grads + shared, process=mem.process + shm) if shared else mem
 
 
 def _input_bytes(profile: Profile, names: set[str]) -> int:
@@ -663,6 +667,22 @@ def tied_groups(plan: Plan, users: Iterable[tuple[str, Sequence[str]]]) -> list[
             if node in where:
                 stages.setdefault(name, set()).add(where[node])
     return sorted({tuple(sorted(v)) for v in stages.values() if len(v) > 1})
+
+
+def tied_members(plan: Plan, users: Iterable[tuple[str, Sequence[str]]], index: int) -> int:
+    """The ranks that sum the tied gradients of stage ``index`` through one host's shared memory: every device of
+    the stages it shares parameters with, where all are CPUs of one host (else 0: no shared memory).
+
+    Args:
+        plan: the plan.
+        users: ``(fx node, parameter names it uses)`` for every node.
+        index: the stage.
+    """
+    stages = sorted({i for group in tied_groups(plan, users) if index in group for i in group})
+    devices = [plan.cluster.device(d) for i in stages for d in plan.stages[i].devices]
+    if len(devices) < 2 or not all(d.is_cpu for d in devices) or len({d.host for d in devices}) > 1:
+        return 0
+    return len(devices)
 
 
 def node_stages(plan: Plan) -> dict[str, int]:

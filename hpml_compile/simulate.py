@@ -131,16 +131,17 @@ from .compression import CompressKind, parse_compress, powersgd_fraction
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
 from .ir import Device, Schedule
-from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared
-from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_overlap, zero_shards
+from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared, tied_shm_bytes
+from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_overlap, tied_members, zero_shards
 from .schedule import Action, ActionKind, deferral, op_order, stage_lists  # the lowered per-rank action lists
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
-                        local_sgd_sync_ms, measured_agree_ms, optimizer_ms, skew_wait_ms, stepped_gather_ms,
+                        local_sgd_sync_ms, measured_agree_ms, meet_ms, optimizer_ms, skew_wait_ms, stepped_gather_ms,
                         steps_flat, stream_bytes_per_ms, stream_ms, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms,
                         weight_part_ms, wire_ratio)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "step_ms", "stage_costs", "annotate", "crowded_devices",
-           "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms", "replica_skew_ms", "boundary_copies"]
+           "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms", "replica_skew_ms", "replica_meeting_ms",
+           "boundary_copies"]
 
 
 class EventKind(str, enum.Enum):
@@ -417,7 +418,10 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
                                 compute_bytes=compute_bytes(plan.precision.value),
                                 process_bytes=graph.process_bytes(c.device(x).kind, params, d, st.zero)
                                 if c.device(x).is_cpu else 0)
-            mems.append(replace(mem, grads=mem.grads + shared) if shared else mem)  # the tied gradients' buffer
+            # the tied gradients' buffer, and on CPU ranks of one host the shared memory their sum goes through
+            users = ((graph.node(n).members[0], graph.node(n).params) for n in graph.order)  # fx names, as the plan's
+            shm = tied_shm_bytes(shared, tied_members(plan, users, st.index)) if shared and mem.process else 0
+            mems.append(replace(mem, grads=mem.grads + shared, process=mem.process + shm) if shared else mem)
             if not st.rows and all(c.device(y).is_cpu == c.device(x).is_cpu for y in st.devices):
                 mems = [mems[0]] * len(st.devices)  # equal replicas hold equal bytes
                 break
@@ -795,7 +799,10 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
     busy = _busy(done, s_count)
     # after its last backward each stage syncs; the copies stretch with what the other stages of the host do
     # meanwhile (their compute and their own sync); a replicated stage first waits for its latest replica
-    skew = [replica_skew_ms(plan, graph, st, m * cst.compute_ms) for st, cst in zip(plan.stages, costs)]
+    # (and meets it, where it has a sync: a stage without parameters runs no collective)
+    skew = [replica_skew_ms(plan, graph, st, m * cst.compute_ms)
+            + (replica_meeting_ms(plan, graph, st, m * cst.compute_ms) if cst.sync_ms > 0 else 0.0)
+            for st, cst in zip(plan.stages, costs)]
     tails = [[(lasts[j] + skew[j], lasts[j] + skew[j] + costs[j].sync_ms)] for j in range(s_count)]
     load = share.load([b + t for b, t in zip(busy, tails)]) if share.active else {}
     sync = [skew[i] + cst.sync_ms + cst.sync_copy_ms * (share.factor(i, *tails[i][0], load) - 1.0)
@@ -810,7 +817,8 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
                     bars.append(Interval(dev, start, start + ms, EventKind.SYNC, -1, i))
             synced[i] = start + ms
     # the ranks agree that the step succeeded (the loss all-reduce) before any of them changes its weights
-    agree = loss_agreement_ms(plan.cluster, [d for st in plan.stages for d in st.devices], graph)
+    agree = loss_agreement_ms(plan.cluster, [d for st in plan.stages for d in st.devices], graph,
+                              max((m * cst.compute_ms for cst in costs), default=0.0))
     # every rank's Pipeline.step does the runtime's bookkeeping around the executor (measured with the profile)
     keep = max((graph.bookkeeping_ms(plan.cluster.device(d).kind) for st in plan.stages for d in st.devices),
                default=0.0)
@@ -899,8 +907,9 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
                      curves, peaks, costs, step_no_opt, tuple(tied), contention, own, agree, tl.skew)
 
 
-def loss_agreement_ms(cluster: Cluster, devices: Sequence[str], graph: CostGraph | None = None) -> float:
-    """The loss agreement of a plan on ``devices``: one rank each.
+def loss_agreement_ms(cluster: Cluster, devices: Sequence[str], graph: CostGraph | None = None,
+                      compute_ms: float = 0.0) -> float:
+    """The loss agreement of a plan on ``devices``: one rank each, after ``compute_ms`` of a rank's compute.
 
     Where every device is a CPU of one host whose kind's agreement the profile measured (``graph``:
     :meth:`hpml_compile.costgraph.CostGraph.agreement_ms`), that measurement
@@ -909,7 +918,7 @@ def loss_agreement_ms(cluster: Cluster, devices: Sequence[str], graph: CostGraph
     if len(devices) <= 1:
         return 0.0
     devs = [cluster.device(d) for d in devices]
-    pair = [graph.agreement_ms(d.kind) for d in devs] if graph is not None else [None]
+    pair = [graph.agreement_ms(d.kind, compute_ms) for d in devs] if graph is not None else [None]
     if all(d.is_cpu for d in devs) and len({d.host for d in devs}) == 1 and None not in pair:
         return measured_agree_ms(max(x for x in pair if x is not None), len(devices))
     links = {link_spec(cluster, devices[0], x) for x in devices[1:]}
@@ -925,6 +934,29 @@ def replica_skew_ms(plan: Plan, graph: CostGraph, st: Stage, compute_ms: float) 
     if st.replicas <= 1 or not all(d.is_cpu for d in devs):
         return 0.0
     return skew_wait_ms(max(graph.skew_ms(d.kind, compute_ms) for d in devs), st.replicas)
+
+
+def replica_meeting_ms(plan: Plan, graph: CostGraph, st: Stage, compute_ms: float) -> float:
+    """What the meeting before stage ``st``'s gradient sync costs beyond the link's price of it, as two ranks of
+    its host measured it after ``compute_ms`` of compute (:meth:`hpml_compile.costgraph.CostGraph.meeting_ms`,
+    over ``ceil(log2 d)`` rounds for ``d`` replicas as the loss agreement's figure is): the stage's sync prices
+    the meeting on the link (:func:`hpml_compile.stagecost.meet_ms`), where a one-element all-reduce is all
+    latency, but the ranks pay more (gloo's threads wake after the compute). 0.0 for one replica, devices that
+    are not CPUs of one host, a sync that does not meet (compressed, local SGD, hierarchical), or no probe; the
+    caller leaves out a stage without parameters (no sync).
+
+    The result may be negative: the measurement replaces the link's price.
+    """
+    devs = [plan.cluster.device(d) for d in st.devices]
+    flat = not st.compress and plan.sync_every <= 1 and st.allreduce is not AllReduce.HIERARCHICAL
+    if st.replicas <= 1 or not flat or not all(d.is_cpu for d in devs) or len({d.host for d in devs}) > 1:
+        return 0.0
+    pair = [graph.meeting_ms(d.kind, compute_ms) for d in devs]
+    if None in pair:
+        return 0.0
+    dp = st.dp_groups()[0]
+    group = min((link_spec(plan.cluster, dp[0], x) for x in dp[1:]), key=lambda sp: sp.gbps)
+    return measured_agree_ms(max(x for x in pair if x is not None), st.replicas) - meet_ms(st.replicas, group)
 
 
 def _stage_bars(dev: str, i: int, cst: StageCost, done: dict[Op, tuple[float, float]],

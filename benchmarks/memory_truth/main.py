@@ -103,18 +103,32 @@ def _cluster(cap_mib: float) -> Cluster:
 
 
 def _find_caps(prof: Any, lo_mib: float, hi_mib: float, n: int, microbatches: int | None) -> dict[str, float]:
-    """For each option, the largest capacity on a geometric grid at which the solver's plan uses it."""
+    """For each option, the largest capacity on a geometric grid at which the solver's plan uses it; then, between
+    the smallest capacity that fits and the grid's next (where nothing does), a few halvings: the options a
+    solver takes only near the edge (recompute, ZeRO-3) lie in a window narrower than the grid's 20% steps."""
     found: dict[str, float] = {}
     # the ZeRO, recompute and swap options, without tensor parallelism (its ranks make their own process groups)
     opts = driver.Options(solver="ilp", time_limit_s=10, microbatches=microbatches, max_tp=1)
-    for i in range(n):
-        cap = round(hi_mib * (lo_mib / hi_mib) ** (i / (n - 1)), 1)
+
+    def fits(cap: float) -> bool:
         try:
             plan = driver.plan(prof, _cluster(cap), opts)
-        except Exception:  # noqa: BLE001 -- nothing fits below here
-            break
+        except Exception:  # noqa: BLE001 -- nothing fits here
+            return False
         for o in _options(plan):
             found.setdefault(o, cap)
+        return True
+
+    ok = None
+    for i in range(n):
+        cap = round(hi_mib * (lo_mib / hi_mib) ** (i / (n - 1)), 1)
+        if not fits(cap):
+            if ok is not None:
+                for _ in range(5):  # the edge between the last fit and this capacity
+                    mid = round((ok + cap) / 2, 1)
+                    ok, cap = (mid, cap) if fits(mid) else (ok, mid)
+            break
+        ok = cap
     return found
 
 

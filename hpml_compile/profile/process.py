@@ -11,9 +11,10 @@ dozen steps through the runtime; it reads their peak resident set
 (:func:`hpml_compile.memory.process_bytes`), and, from the runtime's own
 measurements of those steps, what a step pays on this host beyond its
 compute and transfers (:func:`replicated_step_figures`): ``Pipeline.step``'s
-bookkeeping around the executor, the loss agreement, and how far apart two
-ranks that did the same work reach the gradient sync. The simulator adds
-those to the step (:func:`hpml_compile.simulate.simulate`).
+bookkeeping around the executor, the loss agreement, what two ranks both pay to
+meet before the gradient sync, and how far apart two ranks that did the same work
+reach it, each as a fixed part and a part per millisecond of the compute before
+it. The simulator adds those to the step (:func:`hpml_compile.simulate.simulate`).
 
 Starting an interpreter that imports torch costs seconds, so the figure is
 kept in a small JSON cache per host (``$XDG_CACHE_HOME/hpml-compile/host.json``,
@@ -49,14 +50,18 @@ from ..ir import Profile
 from ..schema import write_json_atomic
 
 __all__ = ["runtime_baseline", "this_host", "with_process", "host_key", "cache_path", "cached", "remember",
-           "BASELINE_CODE"]
+           "BASELINE_CODE", "FIGURES"]
+
+# The replicated step's figures the probe measures (replicated_step_figures), each a fixed part and a part per ms of
+# the compute before it.
+FIGURES = ("agree_ms", "agree_per_ms", "meet_ms", "meet_per_ms", "skew_ms", "skew_per_ms", "fit_compute_ms")
 
 # What a rank imports before it builds its model (runtime.job.worker, the tracer, TensorBoard's writer), then a gloo
 # group and steps of a tiny model through the runtime: the runtime up, no model to speak of. Alone (no
 # HPML_PROBE_WORLD), one rank; with HPML_PROBE_WORLD=2 and HPML_PROBE_RANK, one of two ranks of a data-parallel stage
 # (rendezvous in HPML_PROBE_DIR), whose steps also time what a replicated step pays beyond its compute. Each forward
 # runs matrix products on a buffer (no parameters: the memory figure stays the runtime's), about 1 ms of them and
-# then about 10 ms, so that the ranks meet at the gradient sync as ranks that computed do. The last line: peak RSS
+# then about 20 ms (a small model's step), so that the ranks meet at the gradient sync as ranks that computed do. The last line: peak RSS
 # and the median of Pipeline.step's wall clock beyond the executor's span (ms); the line before it: per step, the
 # loss agreement, the wait at the sync's meeting and the compute (ms).
 BASELINE_CODE = """
@@ -85,12 +90,29 @@ class Probe(torch.nn.Module):
         self.lin = torch.nn.Linear(4, 2)
         self.products = products
         self.register_buffer("burst", torch.eye(256) * 0.5, persistent=False)
+        self.register_buffer("seq", torch.arange(32.0).view(1, 2, 4, 4), persistent=False)
+        self.register_buffer("ids", torch.tensor([[0, 3]]), persistent=False)
+        self.register_buffer("labels", torch.tensor([1, 2]), persistent=False)
 
     def forward(self, x):
         a = self.burst * (1.0 + 0.0 * x.sum())  # depends on the input: traced, not folded to a constant
         for _ in range(self.products):
             a = a @ self.burst
-        return self.lin(x) + a[0, :2] * 0.0
+        h = self.lin(x)
+        return h + a[0, :2] * 0.0 + self.kernels(h) * 0.0
+
+    def kernels(self, h):
+        # a transformer's and an MLP's kernels on a few elements, forward and backward (on the gradient's path):
+        # their code is part of what a rank holds (the development VM: 8 MiB more file-backed pages than linear
+        # layers alone)
+        t = h.sum() * 0.0 + self.seq
+        n = torch.nn.functional.layer_norm(t, (4,))
+        att = torch.nn.functional.scaled_dot_product_attention(n, n, n, is_causal=True)
+        g = torch.nn.functional.gelu(att) + torch.nn.functional.silu(att) + torch.tanh(att)
+        e = torch.nn.functional.embedding(self.ids, g.view(8, 4))
+        logits = torch.softmax(e.view(2, 4), -1).log() + e.view(2, 4)
+        return (torch.nn.functional.cross_entropy(logits, self.labels)
+                + torch.nn.functional.dropout(g, 0.1).sum())
 
 def peak_rss():
     for line in open("/proc/self/status"):
@@ -122,7 +144,7 @@ for products in (SHORT, LONG):  # two lengths of compute, so that what the sync 
 dist.destroy_process_group()
 print("steps", json.dumps(steps))
 print(rss, round(statistics.median(extras), 4))
-""".replace("STEPS", "40").replace("SHORT", "4").replace("LONG", "32")
+""".replace("STEPS", "40").replace("SHORT", "4").replace("LONG", "64")
 
 
 
@@ -184,8 +206,8 @@ def runtime_baseline(*, timeout_s: float = 120.0) -> dict[str, Any]:
 
     Returns:
         The profile's ``devices["cpu"]["process"]``: ``bytes`` (the larger rank's peak RSS), ``step_ms`` (the
-        larger rank's median of ``Pipeline.step``'s wall clock beyond the executor's span), ``agree_ms``,
-        ``skew_ms`` and ``skew_per_ms`` (:func:`replicated_step_figures`), ``source``.
+        larger rank's median of ``Pipeline.step``'s wall clock beyond the executor's span), the fixed and per-ms
+        parts of the loss agreement, the meeting and the skew (:func:`replicated_step_figures`), ``source``.
 
     Raises:
         HpmlError: an interpreter failed or printed no figure (not Linux: no ``/proc/self/status``).
@@ -220,9 +242,9 @@ def runtime_baseline(*, timeout_s: float = 120.0) -> dict[str, Any]:
     day = datetime.date.today().isoformat()
     return {"bytes": max(b for b, _, _ in ranks), "step_ms": max(x for _, x, _ in ranks), **figures,
             "source": f"measured {day}: two fresh interpreters with torch and the runtime up, the ranks of a "
-                      "data-parallel stage of a tiny model (about 1 ms, then 10 ms of compute a step): peak RSS, "
-                      "Pipeline.step's wall clock beyond the executor's span, the loss agreement and the ranks' skew "
-                      "at the sync"}
+                      "data-parallel stage of a tiny model (about 1 ms, then 20 ms of compute a step): peak RSS, "
+                      "Pipeline.step's wall clock beyond the executor's span, the loss agreement, the meeting at the "
+                      "sync and the ranks' skew there (means)"}
 
 
 def _parse_baseline(code: int, out: str, err: str) -> tuple[int, float, list[list[float]]]:
@@ -245,23 +267,35 @@ def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
 
     Each rank's row of a step is ``[loss agreement ms, wait at the sync's meeting ms, compute ms]``; the rows of
     both ranks are step by step, the shorter compute's steps first (:data:`BASELINE_CODE` runs about 1 ms of
-    compute a step, then about 10).
+    compute a step, then about 20).
 
-    - ``agree_ms``: the loss agreement as the runtime runs it (a gloo all-reduce of four float64s, handed to gloo's
-      thread after the step's work): the median over steps of the two ranks' mean. The alpha-beta link, fitted at
-      64 KiB and up, says less: on the 2-core development VM it priced 0.48 ms where the demo's steps took about 1.
+    - ``agree_ms`` and ``agree_per_ms``: the loss agreement as the runtime runs it (a gloo all-reduce of four
+      float64s, handed to gloo's thread after the step's work), per step the two ranks' mean. The alpha-beta
+      link, fitted at 64 KiB and up, says less: on the 2-core development VM it priced 0.48 ms where the demo's
+      steps took about 1.
+    - ``meet_ms`` and ``meet_per_ms``: the meeting before the gradient sync (a one-element all-reduce over the
+      stage, :meth:`hpml_compile.runtime.sync.comm.DistComm._collective`) as both ranks pay it: per step the
+      smaller of the two ranks' waits there (the later rank's, which waited for nobody). The link prices it at
+      its latency; on the 2-core development VM the demo's ranks paid 0.4-1.2 ms (median per run) after their
+      compute, 0.2-0.4 ms after the optimizer's short step.
     - ``skew_ms`` and ``skew_per_ms``: the ranks leave their compute at different times (a time slice taken by
       another thread or process, a wake-up), and the step waits for the later: per step, half the difference of
       the two ranks' waits at the sync's meeting (the later rank came that much later; the step pays the maximum
-      of the two ranks' compute, which is their mean plus half the difference). A time slice lost is likelier the
-      longer a rank computes, so the skew is fitted as ``skew_ms + skew_per_ms * compute``: the line through the
-      medians of the two halves of the steps (the short compute's and the long one's), neither part below 0.
+      of the two ranks' compute, which is their mean plus half the difference).
+
+    Each is fitted as a fixed part plus a part per millisecond of the compute before it (:func:`_fit`): a tiny
+    collective's gloo threads and a rank's time slices are likelier to be taken the longer the ranks computed,
+    and the two lengths of compute tell. ``fit_compute_ms`` is the longer one: beyond it the figures stay at
+    their value there (a line through 1 and 20 ms says nothing of a step of 150). Each half's figure is a mean, not a median: these parts are
+    heavy-tailed (most steps pay a fraction of a millisecond, a few pay several), and a step is their sum, so
+    the step's typical time is near the sum of their means; the sum of their medians fell 4-5 ms short of the
+    demo's measured step of about 26 ms on the development VM.
 
     Args:
         ranks: two lists of rows, one per rank, step by step.
 
     Returns:
-        ``{"agree_ms": ..., "skew_ms": ..., "skew_per_ms": ...}``.
+        ``{"agree_ms", "agree_per_ms", "meet_ms", "meet_per_ms", "skew_ms", "skew_per_ms", "fit_compute_ms"}``.
 
     Raises:
         HpmlError: fewer than two ranks or no step.
@@ -270,21 +304,50 @@ def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
         >>> a = [[1.0, 0.2, 1.0], [1.2, 0.6, 1.0], [0.8, 0.2, 11.0], [1.0, 1.2, 11.0]]
         >>> b = [[1.0, 0.4, 1.0], [1.0, 0.4, 1.0], [1.0, 0.6, 11.0], [1.0, 0.2, 11.0]]
         >>> replicated_step_figures([a, b])
-        {'agree_ms': 1.0, 'skew_ms': 0.075, 'skew_per_ms': 0.025}
+        {'agree_ms': 1.0, 'agree_per_ms': 0.0, 'meet_ms': 0.25, 'meet_per_ms': 0.0, 'skew_ms': 0.075, 'skew_per_ms': 0.025, 'fit_compute_ms': 11.0}
     """
     import statistics
 
     if len(ranks) < 2 or not ranks[0] or not ranks[1]:
         raise HpmlError("the step figures need the rows of two probe ranks, each with one step at least")
     pairs = list(zip(ranks[0], ranks[1]))
-    agree = statistics.median((a[0] + b[0]) / 2 for a, b in pairs)
-    late = [(abs(a[1] - b[1]) / 2, (a[2] + b[2]) / 2) for a, b in pairs]
-    half = max(1, len(late) // 2)
-    (w0, c0), (w1, c1) = ((statistics.median(w for w, _ in part), statistics.median(c for _, c in part))
-                          for part in (late[:half], late[half:] or late[:half]))
-    slope = max(0.0, (w1 - w0) / (c1 - c0)) if c1 > c0 else 0.0
-    return {"agree_ms": round(max(0.0, agree), 4), "skew_ms": round(max(0.0, w0 - slope * c0), 4),
-            "skew_per_ms": round(slope, 4)}
+    compute = [(a[2] + b[2]) / 2 for a, b in pairs]
+    parts = {"agree": [(a[0] + b[0]) / 2 for a, b in pairs], "meet": [min(a[1], b[1]) for a, b in pairs],
+             "skew": [abs(a[1] - b[1]) / 2 for a, b in pairs]}
+    out: dict[str, float] = {}
+    for name, values in parts.items():
+        fixed, per_ms = _fit(list(zip(values, compute)))
+        out[f"{name}_ms"], out[f"{name}_per_ms"] = fixed, per_ms
+    half = max(1, len(compute) // 2)
+    out["fit_compute_ms"] = round(statistics.median(compute[half:] or compute), 4)
+    return out
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """``(fixed ms, ms per ms of compute)`` of ``(value, compute)`` points: the line through the two halves' means
+    (the short compute's steps, then the long one's), neither part below 0; where the longer compute paid no more,
+    no slope and the two means' mean.
+
+    A half's mean leaves out its largest twentieth (one value of 35: a stall of tens of milliseconds, which a
+    probe of seconds can meet once and a run's mean would not show).
+
+    >>> _fit([(1.0, 1.0), (2.0, 1.0), (3.0, 11.0), (3.0, 11.0)])
+    (1.35, 0.15)
+    """
+    import statistics
+
+    half = max(1, len(points) // 2)
+
+    def mean(part: list[tuple[float, float]]) -> tuple[float, float]:
+        values = sorted(v for v, _ in part)
+        kept = values[:len(values) - len(values) // 20]
+        return statistics.fmean(kept), statistics.median(c for _, c in part)
+
+    (v0, c0), (v1, c1) = mean(points[:half]), mean(points[half:] or points[:half])
+    if c1 <= c0 or v1 <= v0:  # no more for more compute: one figure for both
+        return round(max(0.0, (v0 + v1) / 2), 4), 0.0
+    slope = (v1 - v0) / (c1 - c0)
+    return round(max(0.0, v0 - slope * c0), 4), round(slope, 4)
 
 
 def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refresh: bool = False
@@ -331,9 +394,9 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
         out["link"] = link
     hit = None if refresh else cached(key, "runtime_baseline")
     try:
-        # an entry of the one-rank probe (its bookkeeping, not the replicated step's figures) is measured again
+        # an entry of an older probe (its bookkeeping, without the meeting's figures) is measured again
         # where allowed; an entry written by hand (no bookkeeping either) is taken as it is
-        stale = hit is not None and "step_ms" in hit and "skew_per_ms" not in hit
+        stale = hit is not None and "step_ms" in hit and "fit_compute_ms" not in hit
         if hit is not None and isinstance(hit.get("bytes"), int) and not (stale and measure):
             out["process"] = {**hit, "source": f"{hit.get('source', 'measured')}; cached in {where}"}
         elif measure:
@@ -347,11 +410,16 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
         agree, skew = out["process"].get("agree_ms"), out["process"].get("skew_ms")
         log(f"  a CPU rank holds {out['process']['bytes'] / 2**20:.0f} MiB before its model"
             + (f" and spends {extra:.2f} ms a step on the runtime's bookkeeping" if extra is not None else "")
-            + (f"; two ranks agree on the loss in {agree:.2f} ms and reach the gradient sync {skew:.2f} ms "
-               f"+ {out['process'].get('skew_per_ms', 0.0):.1%} of their compute apart"
+            + (f"; two ranks agree on the loss in {_line(out['process'], 'agree')}, meet before the gradient sync in "
+               f"{_line(out['process'], 'meet')} and reach it {_line(out['process'], 'skew')} apart"
                if agree is not None and skew is not None else "")
             + f" ({out['process']['source']})")
     return out
+
+
+def _line(process: Mapping[str, Any], name: str) -> str:
+    """``"0.60 ms + 2.0% of their compute"``: a probe figure's fixed part and its part per ms of compute."""
+    return f"{float(process.get(name + '_ms', 0.0)):.2f} ms + {float(process.get(name + '_per_ms', 0.0)):.1%} of their compute"
 
 
 def _load() -> tuple[float, int]:
@@ -370,7 +438,7 @@ def with_process(prof: Profile, process: Mapping[str, Any]) -> Profile:
     devices = {k: dict(v) for k, v in prof.devices.items()}
     devices.setdefault("cpu", {})["process"] = {
         "bytes": int(process["bytes"]), "source": str(process.get("source", "")),
-        **{k: float(process[k]) for k in ("step_ms", "agree_ms", "skew_ms", "skew_per_ms")
+        **{k: float(process[k]) for k in ("step_ms", *FIGURES)
            if isinstance(process.get(k), (int, float))},
         **({"stage_only": True} if process.get("stage_only") else {})}
     return replace(prof, devices=devices)

@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Sequence
 from ..costgraph import CostGraph
 from ..errors import HpmlError
 from ..ir import Cluster, Device
-from ..memory import ZeroStage, dtype_bytes, tied_elsewhere, tied_shared
+from ..memory import ZeroStage, dtype_bytes, tied_elsewhere, tied_shared, tied_shm_bytes
 from ..plan import Plan, Schedule, SolverInfo, Stage
 from ..stagecost import choose_rows, device_memory, in_flight
 
@@ -78,7 +78,8 @@ def _cap(dev: Device, sizes: tuple[int, int, int, int], *, rows: int, batch: int
                              dtype_bytes=dtype_bytes(dtype), replicas=replicas, zero=zero,
                              microbatches=microbatches, in_flight=flight, recompute=recompute,
                              offload_optimizer=offload, host_is_device=dev.is_cpu, share=(r, batch),
-                             process_bytes=process).total + shared
+                             process_bytes=process).total + shared + (tied_shm_bytes(shared, replicas + 1)
+                                                                      if process else 0)
 
     if need(1) > dev.memory_bytes:
         return 0

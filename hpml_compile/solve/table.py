@@ -39,7 +39,7 @@ import cost_models
 from ..cluster import host_link_spec, overlap_efficiency
 from ..errors import UnknownDeviceError
 from ..ir import Cluster
-from ..memory import MemoryBreakdown, ZeroStage, dtype_bytes
+from ..memory import MemoryBreakdown, ZeroStage, dtype_bytes, tied_shm_bytes
 from ..plan import Schedule
 from ..stagecost import (weight_part_ms, compressed_sync_ms, copy_ms, in_flight, memory_parts, optimizer_ms, stream_bytes_per_ms,
                          steps_flat, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms, wire_ratio)
@@ -291,6 +291,9 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
                                host_is_device=is_cpu, compute_bytes=setting.compute_bytes, shards=shards,
                                process_bytes=chain.graph.process_bytes(kind, params, dr, cfg.zero) if is_cpu else 0)
             mem = mem._replace(grads=mem.grads + shared)  # the flat buffer of gradients tied to other stages
+            if is_cpu:  # its sum through one host's shared memory: this stage's ranks and one more at least
+                mem = mem._replace(process=mem.process + np.where(mem.process > 0, tied_shm_bytes(
+                    shared, dr + 1), 0))
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
             ts.append(t)
             # the gradients land during the last backward, under ZB-H1 during its weight-gradient part (compute)

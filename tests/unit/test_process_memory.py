@@ -108,3 +108,43 @@ def test_the_runtimes_measured_bookkeeping_is_part_of_the_predicted_step() -> No
     kept = simulate(plan, build(with_process(prof, {"bytes": 0, "step_ms": 1.25, "source": "a test"})))
     assert kept.step_ms == pytest.approx(plain.step_ms + 1.25)
     assert kept.step_without_optimizer_ms == pytest.approx(plain.step_without_optimizer_ms + 1.25)
+
+
+class _Tied(torch.nn.Module):
+    """An embedding and a head that share one weight (as gpt-mini's do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32)
+        self.mid = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.emb(x))))
+
+
+def test_the_shared_memory_of_a_tied_weights_gradient_sum_is_the_processs() -> None:
+    # the tied weight's gradients are summed over the two ranks through one host's shared memory: every rank maps
+    # both slots (measured: 8 MiB for gpt-mini's 4 MiB embedding), beside the flat buffer counted with the gradients
+    torch.manual_seed(0)
+    prof = profile(_Tied(), (torch.randint(0, 64, (4, 8)),), name="tied", repeats=1, warmup=0, progress=False)
+    names = tuple(n.name for n in prof.nodes)
+    cut = next(i for i, n in enumerate(prof.nodes) if n.name.startswith("head"))
+    plan = Plan("tied", load_cluster("local-cpu-2"), Schedule.ONE_F_ONE_B, 2,
+                (Stage(0, ("cpu0",), names[:cut]), Stage(1, ("cpu1",), names[cut:])))
+    base = 300 * MiB
+    with_base = with_process(prof, {"bytes": base, "source": "a test"})
+    weight = 64 * 32 * 4
+    total = sum(n.param_bytes for n in prof.nodes)
+    largest = max(prof.parameters.values())
+    sim = simulate(plan, build(with_base))
+    for st in plan.stages:
+        dev = st.devices[0]
+        parts = stage_breakdown(plan, with_base, st, dev)
+        own = parts.params  # the stage's parameters, the tied weight's copy included
+        built = process_bytes(base, total, own, largest_param=largest)
+        assert parts.grads == own + weight  # the flat buffer of the tied gradients
+        assert parts.process == built + 2 * weight  # both ranks' slots
+        assert sim.peak[dev] >= parts.total - 1  # the simulator counts it as well
+        assert stage_breakdown(plan, prof, st, dev).process == 0  # no baseline measured: no process counted

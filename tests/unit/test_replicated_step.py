@@ -18,9 +18,10 @@ from hpml_compile.stagecost import measured_agree_ms, skew_wait_ms
 from hpml_compile.testing import chain_profile, uniform_cluster
 
 
-def _plans(n: int) -> tuple[object, Plan, Plan]:
-    """A two-node CPU profile; the data-parallel plan over ``n`` devices and the two-stage pipeline on two."""
-    prof = chain_profile([{"cpu": (2.0, 4.0)}, {"cpu": (2.0, 4.0)}])
+def _plans(n: int, param_bytes: int = 0) -> tuple[object, Plan, Plan]:
+    """A two-node CPU profile (``param_bytes`` in each node); the data-parallel plan over ``n`` devices and the
+    two-stage pipeline on two."""
+    prof = chain_profile([{"cpu": (2.0, 4.0)}, {"cpu": (2.0, 4.0)}], param_bytes=[param_bytes, param_bytes])
     names = tuple(x.name for x in prof.nodes)
     c = uniform_cluster(n)  # links so fast that the link-priced agreement costs nothing
     dp = Plan("dp", c, Schedule.GPIPE, 1, (Stage(0, tuple(f"d{i}" for i in range(n)), names),))
@@ -29,18 +30,36 @@ def _plans(n: int) -> tuple[object, Plan, Plan]:
     return prof, dp, pipe
 
 
-def test_the_probe_figures_are_the_mean_agreement_and_half_the_ranks_difference_at_the_meeting() -> None:
+def test_the_probe_figures_are_fitted_on_compute_from_the_halves_means() -> None:
     # per step: [agreement ms, wait at the sync's meeting ms, compute ms]; the short compute's steps first
     a = [[1.0, 0.1, 1.0], [3.0, 2.1, 1.0], [1.0, 0.1, 11.0], [0.8, 2.1, 11.0]]
     b = [[1.4, 1.1, 1.0], [1.0, 0.1, 1.0], [1.2, 1.7, 11.0], [0.8, 0.1, 11.0]]
     got = replicated_step_figures([a, b])
-    assert got["agree_ms"] == pytest.approx(1.15)  # the median of the per-step means 1.2, 2.0, 1.1, 0.8
-    # half the differences: 0.5 and 1.0 at 1 ms of compute (median 0.75), 0.8 and 1.0 at 11 ms (median 0.9)
+    # the per-step means 1.2, 2.0 (1 ms of compute), 1.1, 0.8 (11 ms): less with more compute, so one figure
+    assert got["agree_ms"] == pytest.approx(1.275) and got["agree_per_ms"] == 0.0
+    # half the differences: 0.5 and 1.0 at 1 ms of compute (mean 0.75), 0.8 and 1.0 at 11 ms (mean 0.9)
     assert got["skew_per_ms"] == pytest.approx(0.015) and got["skew_ms"] == pytest.approx(0.735)
+    assert got["meet_ms"] == pytest.approx(0.1) and got["meet_per_ms"] == 0.0  # the earlier rank's wait: 0.1 each
     flat = replicated_step_figures([[[1.0, 1.0, 1.0], [1.0, 0.0, 11.0]], [[1.0, 0.0, 1.0], [1.0, 0.4, 11.0]]])
-    assert flat["skew_per_ms"] == 0.0 and flat["skew_ms"] == pytest.approx(0.5)  # less with more compute: no slope
+    assert flat["skew_per_ms"] == 0.0 and flat["skew_ms"] == pytest.approx(0.35)  # less with more compute: no slope
     with pytest.raises(HpmlError, match="two probe ranks"):
         replicated_step_figures([a])
+
+
+def test_heavy_tailed_parts_are_priced_by_their_mean_which_grows_with_the_compute_before_them() -> None:
+    # 20 steps of 1 ms of compute: the agreement 0.5 ms; 20 of 11 ms: 0.5 ms in 14, 4.5 ms in 6 (the tail), and
+    # the meeting both ranks pay 0.2 ms, then 0.2 or 2.2 ms alike; one stall of 50 ms among the long steps
+    short = [[0.5, 0.2, 1.0]] * 20
+    long = [[0.5, 0.2, 11.0]] * 13 + [[4.5, 2.2, 11.0]] * 6 + [[50.0, 0.2, 11.0]]
+    got = replicated_step_figures([short + long, short + long])
+    # the long half's mean without its largest twentieth (the stall): (13 x 0.5 + 6 x 4.5) / 19; a median says 0.5
+    tail = (13 * 0.5 + 6 * 4.5) / 19
+    assert got["agree_per_ms"] == pytest.approx(round((tail - 0.5) / 10, 4), abs=1e-4)
+    assert got["agree_ms"] + 11 * got["agree_per_ms"] == pytest.approx(tail, abs=2e-3)
+    meet = (14 * 0.2 + 6 * 2.2 - 2.2) / 19  # the largest twentieth left out: one 2.2
+    assert got["meet_ms"] + 11 * got["meet_per_ms"] == pytest.approx(meet, abs=2e-3) and got["meet_per_ms"] > 0
+    assert got["skew_ms"] == 0.0 and got["skew_per_ms"] == 0.0  # the ranks arrived together
+    assert got["fit_compute_ms"] == 11.0  # the longest compute the line saw
 
 
 def test_a_measured_agreement_prices_the_loss_all_reduce_of_cpu_ranks() -> None:
@@ -64,6 +83,36 @@ def test_a_replicated_stage_waits_for_its_latest_replica_and_a_pipeline_stage_fo
     assert simulate(pipe, build(probed)).step_ms == pytest.approx(simulate(pipe, build(prof)).step_ms)
     four = simulate(_plans(4)[1], build(probed))  # a quarter of the rows each: 3 ms of compute
     assert four.skew_ms[0] == pytest.approx(skew_wait_ms(0.7 + 0.1 * 3.0, 4)) and four.skew_ms[0] > 1.0
+
+
+def test_a_measured_meeting_replaces_the_links_price_of_the_meeting_before_the_sync() -> None:
+    from hpml_compile.cluster import link_spec
+    from hpml_compile.stagecost import meet_ms
+
+    prof, dp, pipe = _plans(2, param_bytes=4096)  # parameters to sync
+    probed = with_process(prof, {"bytes": 0, "agree_ms": 0.0, "skew_ms": 0.0, "meet_ms": 0.4, "meet_per_ms": 0.05,
+                                 "source": "a test"})
+    plain, got = simulate(dp, build(prof)), simulate(dp, build(probed))
+    compute = 6.0  # a replica's forward and backward: half the rows of (2 + 4) ms x 2 nodes
+    link = meet_ms(2, link_spec(dp.cluster, "d0", "d1"))  # what the sync already prices for it
+    assert got.skew_ms == (pytest.approx(0.4 + 0.05 * compute - link),)
+    assert got.step_ms == pytest.approx(plain.step_ms + 0.4 + 0.05 * compute - link)
+    assert simulate(pipe, build(probed)).step_ms == pytest.approx(simulate(pipe, build(prof)).step_ms)  # no sync
+    assert simulate(_plans(2)[1], build(with_process(_plans(2)[0], {"bytes": 0, "meet_ms": 0.4, "source": "a test"}))
+                    ).skew_ms == (0.0,)  # no parameters: no collective, no meeting
+    dp4 = _plans(4, param_bytes=4096)[1]
+    four = simulate(dp4, build(probed))  # a quarter of the rows each: 3 ms; two rounds of the pair's figure
+    link4 = meet_ms(4, link_spec(dp4.cluster, "d0", "d1"))
+    assert four.skew_ms[0] == pytest.approx(measured_agree_ms(0.4 + 0.05 * 3.0, 4) - link4)
+
+
+def test_the_measured_agreement_grows_with_the_compute_before_it_up_to_the_longest_the_probe_ran() -> None:
+    prof, dp, _ = _plans(2)
+    figures = {"bytes": 0, "agree_ms": 0.5, "agree_per_ms": 0.1, "skew_ms": 0.0, "source": "a test"}
+    assert simulate(dp, build(with_process(prof, figures))).agree_ms == pytest.approx(0.5 + 0.1 * 6.0)  # 6 ms
+    short = with_process(prof, {**figures, "skew_per_ms": 0.2, "fit_compute_ms": 4.0})  # fitted on 4 ms at most
+    got = simulate(dp, build(short))
+    assert got.agree_ms == pytest.approx(0.5 + 0.1 * 4.0) and got.skew_ms == (pytest.approx(0.2 * 4.0),)
 
 
 def _named(plan: Plan, prof: object) -> list[str]:
