@@ -202,6 +202,7 @@ class Ran:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Ran:
+    """gpt-mini and a transformers Llama, one stage of tp=2 each, on 2 ranks."""
     tmp = tmp_path_factory.mktemp("two-ranks")
     builds = {"tp2": _build(tmp, "gpt-mini", "tp2", 1, [2], [1]),
               "llama-tp2": _build(tmp, "llama", "llama-tp2", 1, [2], [1])}
@@ -210,6 +211,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Ran:
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Ran:
+    """Every 4-rank build of the tests below (replicas, pipelines, mixed degrees, ZeRO, recompute, ZB-H1)."""
     tmp = tmp_path_factory.mktemp("four-ranks")
     builds = {
         "tp2x2": _build(tmp, "gpt-tiny", "tp2x2", 1, [2], [2]),
