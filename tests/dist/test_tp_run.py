@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -76,7 +77,10 @@ def _subject(name: str) -> Subject:
     return Subject(loaded.module, [((x,), torch.roll(x, -1, dims=1)) for x in xs], loaded.loss_fn)
 
 
+@lru_cache(maxsize=None)
 def _traced(name: str) -> tuple[Subject, torch.fx.GraphModule]:
+    """The subject and its graph, traced once per model in this process (codegen reads the graph, never
+    changes it)."""
     sub = _subject(name)
     inputs = sub.batches[0][0]
     names = ("input_ids", "attention_mask", "labels") if name == "llama" else None
@@ -89,7 +93,10 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-5)
 
 
+@lru_cache(maxsize=None)
 def _reference(name: str) -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """Eager's losses, gradients and final state for ``name``: computed once per model in each process (a rank
+    checks several builds of one model against it; callers only read it)."""
     sub = _subject(name)
     model = sub.module
     opt = _optimizer(model.parameters())
@@ -182,55 +189,85 @@ def _check(reports: list[dict[str, Any]], build: tuple[str, str], grads: bool = 
         assert r["keys"] and r["state"] < TOL, r
 
 
-@pytest.mark.slow
-def test_one_stage_tp2_on_two_ranks(tmp_path: Path) -> None:
-    build = _build(tmp_path, "gpt-mini", "tp2", 1, [2], [1])
-    _check(_run(tmp_path, 2, build), build)
+# The builds of each world size run in one spawn, built and run once for the tests below that check them:
+# a rank goes through every build in turn, each in process groups of its own (see _worker), so one spawn checks
+# what a spawn per test would, without starting and tearing down the ranks again.
+@dataclass(frozen=True)
+class Ran:
+    """Builds (name -> ``(model, build folder)``) and every rank's reports on them."""
+
+    builds: dict[str, tuple[str, str]]
+    reports: list[dict[str, Any]]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Ran:
+    """gpt-mini and a transformers Llama, one stage of tp=2 each, on 2 ranks."""
+    tmp = tmp_path_factory.mktemp("two-ranks")
+    builds = {"tp2": _build(tmp, "gpt-mini", "tp2", 1, [2], [1]),
+              "llama-tp2": _build(tmp, "llama", "llama-tp2", 1, [2], [1])}
+    return Ran(builds, _run(tmp, 2, *builds.values()))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> Ran:
+    """Every 4-rank build of the tests below (replicas, pipelines, mixed degrees, ZeRO, recompute, ZB-H1)."""
+    tmp = tmp_path_factory.mktemp("four-ranks")
+    builds = {
+        "tp2x2": _build(tmp, "gpt-tiny", "tp2x2", 1, [2], [2]),
+        "pipe-tp2-tp2": _build(tmp, "gpt-tiny", "pipe-tp2-tp2", 2, [2, 2], [1, 1], microbatches=2),
+        "pipe-tp21-x12": _build(tmp, "gpt-tiny-untied", "pipe-tp21-x12", 2, [2, 1], [1, 2], microbatches=2),
+        "pipe-tp12-x21": _build(tmp, "gpt-tiny-untied", "pipe-tp12-x21", 2, [1, 2], [2, 1], microbatches=2),
+        **{f"tp2x2-zero{int(z)}": _build(tmp, "gpt-tiny", f"tp2x2-zero{int(z)}", 1, [2], [2], microbatches=2, zero=z)
+           for z in (ZeroStage.OS, ZeroStage.OS_G, ZeroStage.OS_G_P)},
+        "tp2-recompute": _build(tmp, "gpt-tiny", "tp2-recompute", 2, [2, 2], [1, 1], microbatches=2, recompute=True),
+        **{f"zb-{model}-m{m}": _build(tmp, model, f"zb-{model}-m{m}", 2, [2, 2], [1, 1], microbatches=m,
+                                      schedule=Schedule.ZB_H1)
+           for model, m in (("gpt-tiny-untied", 2), ("gpt-tiny-untied", 4), ("llama", 4))},
+    }
+    return Ran(builds, _run(tmp, 4, *builds.values()))
 
 
 @pytest.mark.slow
-def test_replicas_and_pipelines_with_tp_on_four_ranks(tmp_path: Path) -> None:
+def test_one_stage_tp2_on_two_ranks(two_ranks: Ran) -> None:
+    _check(two_ranks.reports, two_ranks.builds["tp2"])
+
+
+@pytest.mark.slow
+def test_replicas_and_pipelines_with_tp_on_four_ranks(four_ranks: Ran) -> None:
     """tp=2 x 2 replicas of one stage; two stages of tp=2 each, two microbatches (every rank of a group
     receives the boundary tensors); and tp 2 x 1 replica beside tp 1 x 2 replicas, both ways round (a boundary
     that splits the rows between replicas and moves them between degrees)."""
-    replicated = _build(tmp_path, "gpt-tiny", "tp2x2", 1, [2], [2])
-    pipeline = _build(tmp_path, "gpt-tiny", "pipe-tp2-tp2", 2, [2, 2], [1, 1], microbatches=2)
-    mixed = [_build(tmp_path, "gpt-tiny-untied", "pipe-tp21-x12", 2, [2, 1], [1, 2], microbatches=2),
-             _build(tmp_path, "gpt-tiny-untied", "pipe-tp12-x21", 2, [1, 2], [2, 1], microbatches=2)]
-    reports = _run(tmp_path, 4, replicated, pipeline, *mixed)
-    for b in (replicated, pipeline, *mixed):
-        _check(reports, b)
-    assert [r[pipeline[1]]["stage"] for r in reports] == [0, 0, 1, 1]
-    assert [r[mixed[0][1]]["tp"] for r in reports] == [2, 2, 1, 1]
+    reports, builds = four_ranks.reports, four_ranks.builds
+    for name in ("tp2x2", "pipe-tp2-tp2", "pipe-tp21-x12", "pipe-tp12-x21"):
+        _check(reports, builds[name])
+    assert [r[builds["pipe-tp2-tp2"][1]]["stage"] for r in reports] == [0, 0, 1, 1]
+    assert [r[builds["pipe-tp21-x12"][1]]["tp"] for r in reports] == [2, 2, 1, 1]
 
 
 @pytest.mark.slow
-def test_transformers_llama_tp2_on_two_ranks(tmp_path: Path) -> None:
+def test_transformers_llama_tp2_on_two_ranks(two_ranks: Ran) -> None:
     """A transformers Llama (torch.export graph: linear layers as aten.linear on lifted weights, rotary
     embeddings inside the attention unit, the model's own loss); its LM head feeds the loss, so it stays whole."""
-    build = _build(tmp_path, "llama", "llama-tp2", 1, [2], [1])
-    _check(_run(tmp_path, 2, build), build)
+    _check(two_ranks.reports, two_ranks.builds["llama-tp2"])
 
 
 @pytest.mark.slow
-def test_zero_over_the_data_parallel_groups_of_tp2_replicas(tmp_path: Path) -> None:
+def test_zero_over_the_data_parallel_groups_of_tp2_replicas(four_ranks: Ran) -> None:
     """tp=2 x 2 replicas on 4 ranks under ZeRO-1, 2 and 3: each shard is a slice of this rank's tensor-parallel
     slices, over its data-parallel group; losses and parameters after 3 AdamW steps are eager's."""
-    builds = [_build(tmp_path, "gpt-tiny", f"tp2x2-zero{int(z)}", 1, [2], [2], microbatches=2, zero=z)
-              for z in (ZeroStage.OS, ZeroStage.OS_G, ZeroStage.OS_G_P)]
-    reports = _run(tmp_path, 4, *builds)
-    for b in builds:
-        _check(reports, b, grads=False)
+    for z in (ZeroStage.OS, ZeroStage.OS_G, ZeroStage.OS_G_P):
+        _check(four_ranks.reports, four_ranks.builds[f"tp2x2-zero{int(z)}"], grads=False)
 
 
 @pytest.mark.slow
-def test_recompute_repeats_the_tensor_parallel_collectives(tmp_path: Path) -> None:
+def test_recompute_repeats_the_tensor_parallel_collectives(four_ranks: Ran) -> None:
     """Two stages of tp=2 that recompute (their layers in a region graph, sharded the same way): the
     recomputed forward repeats each all-reduce in the same order on both ranks of a group."""
-    build = _build(tmp_path, "gpt-tiny", "tp2-recompute", 2, [2, 2], [1, 1], microbatches=2, recompute=True)
+    build = four_ranks.builds["tp2-recompute"]
     text = Path(build[1], "stage_0.py").read_text()
     assert "ops.checkpoint(" in text and "ops.tp_row(hpml_tp" in text, text
-    _check(_run(tmp_path, 4, build), build)
+    _check(four_ranks.reports, build)
 
 
 @pytest.mark.slow
@@ -248,22 +285,19 @@ def test_pipelines_of_tp_2_then_1_and_1_then_2_on_three_ranks(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_zb_h1_runs_tp2_stages_on_four_ranks(tmp_path: Path) -> None:
+def test_zb_h1_runs_tp2_stages_on_four_ranks(four_ranks: Ran) -> None:
     """ZB-H1 on two stages of tp=2: each backward's input-gradient part runs the all-reduces of the inputs'
     gradients (the same ones, in the same order, on both ranks of a group), its weight-gradient part none;
     a GPT with its own head at 2 and 4 microbatches and a transformers Llama at 4."""
-    builds = [_build(tmp_path, model, f"zb-{model}-m{m}", 2, [2, 2], [1, 1], microbatches=m,
-                     schedule=Schedule.ZB_H1) for model, m in (("gpt-tiny-untied", 2), ("gpt-tiny-untied", 4),
-                                                               ("llama", 4))]
-    reports = _run(tmp_path, 4, *builds)
-    for b in builds:
-        _check(reports, b)
-        assert [r[b[1]]["stage"] for r in reports] == [0, 0, 1, 1]
+    for name in ("zb-gpt-tiny-untied-m2", "zb-gpt-tiny-untied-m4", "zb-llama-m4"):
+        b = four_ranks.builds[name]
+        _check(four_ranks.reports, b)
+        assert [r[b[1]]["stage"] for r in four_ranks.reports] == [0, 0, 1, 1]
 
 
 def test_what_the_runtime_cannot_run_is_refused_by_name(tmp_path: Path) -> None:
     """Weights tied between stages of different tp, tp with swap, and a tensor-parallel build in one process."""
-    sub, gm = _traced("gpt-tiny")
+    _, gm = _traced("gpt-tiny")
     with pytest.raises(PlanError, match=r"stages \[0, 1\] share parameters \(tied weights\).*\[2, 1\]"):
         generate(gm, _tp_plan(gm, "gpt-tiny", 2, [2, 1], [1, 1]), tmp_path / "mixed")
     swap = _tp_plan(gm, "gpt-tiny", 1, [2], [1])
@@ -272,7 +306,7 @@ def test_what_the_runtime_cannot_run_is_refused_by_name(tmp_path: Path) -> None:
         generate(gm, swap, tmp_path / "swap")
     _, build = _build(tmp_path, "gpt-tiny", "tp2", 1, [2], [1])
     with pytest.raises(HpmlError, match="ranks of their own"):
-        Pipeline.from_build(build, sub.module)
+        Pipeline.from_build(build, _subject("gpt-tiny").module)  # not the traced one, which later tests build from
 
 
 def _resume_worker(rank: int, world: int, sharded: str, plain: str, tmp: str) -> None:
