@@ -71,7 +71,7 @@ from ...schedule import rank_layout
 from .hierarchy import (ChainQueue, HierGroups, PendingChain, hierarchical_all_gather, hierarchical_all_reduce,
                         hierarchical_gather_into, hierarchical_levels, hierarchical_reduce_scatter, level_bytes,
                         make_hierarchy)
-from .shm import SLOT_BYTES, HostReduce
+from .shm import DIRECT_BYTES, SLOT_BYTES, HostReduce
 
 __all__ = ["Backend", "CommOp", "CommStats", "PendingCollective", "CommFault", "InjectedFault", "LocalComm", "DistComm",
            "dist_comm", "pair_backend", "rank_devices", "is_transient", "make_groups", "HierGroups", "make_hierarchy",
@@ -370,6 +370,7 @@ class DistComm(Comm):
         self._chains: dict[tuple[int, ...], ChainQueue] = {}  # overlapped hierarchical buckets
         # collectives among CPU ranks the plan puts on one host go through shared memory (:mod:`.shm`)
         self.shared_memory = True
+        self.direct_bytes = DIRECT_BYTES  # ... but an all-reduce of fewer bytes through gloo (.shm)
         self._hosts = {self.ranks[k][i]: plan.cluster.device(plan.stages[k].devices[i]).host
                        for k, i in rank_layout(plan)}
         self._host_reduce: dict[tuple[int, ...], tuple[Any, HostReduce | None]] = {}
@@ -502,8 +503,9 @@ class DistComm(Comm):
             return
 
         hier = self.hierarchy.get(stages)
-        host = (self.host_reduce(stages, flat.numel() * flat.element_size())
-                if hier is None and flat.device.type == "cpu" and flat.is_contiguous() else None)
+        nbytes = flat.numel() * flat.element_size()  # a small one goes through gloo: one meeting, not three (.shm)
+        host = (self.host_reduce(stages, nbytes) if hier is None and flat.device.type == "cpu" and flat.is_contiguous()
+                and nbytes >= self.direct_bytes else None)
         if host is not None:  # through shared memory: the members meet at its first barrier, the tensor staged
             if host.elsewhere(flat):  # a piece of the slot itself, not from its start: summed from a copy
                 tmp = flat.clone()
