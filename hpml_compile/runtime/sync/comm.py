@@ -470,7 +470,15 @@ class DistComm(Comm):
 
     # -- collectives ------------------------------------------------------------------------------
     def _collective(self, stages: tuple[int, ...], flat: Tensor, fn: Callable[[Tensor, Any], Tensor],
-                    name: str = "ALLREDUCE", meet: Callable[[], None] | None = None) -> Tensor:
+                    name: str = "ALLREDUCE", meet: Callable[[], None] | None = None,
+                    launch: Callable[[Tensor, Any], Any] | None = None) -> Tensor:
+        """Run ``fn(wire, group)`` after the members meet; the wait and the transfer counted apart.
+
+        ``launch``: the same collective as an ``async_op`` call (in place on ``wire``), for gloo: issued right behind
+        the meeting's, so that the transfer starts as soon as the members have met, not after this thread has woken
+        to see it (two gloo ranks on the 2-core VM, busy, the meeting and a 109 KB all-reduce: 1.9 ms one after the
+        other, 0.8 ms issued together, the all-reduce alone 1.1 ms).
+        """
         self.maybe_fail(CommOp.COLLECTIVE)
         group = self.groups.get(stages)
         t0 = time.perf_counter()
@@ -480,14 +488,23 @@ class DistComm(Comm):
         # A one-element all-reduce first (or ``meet``, the members meeting another way): the members leave their
         # pipelines at different times, and the monitor must not count waiting for the slowest as communication
         # (it is pipeline skew).
+        work = None
         if meet is not None:
             meet()
+        elif launch is not None and not nccl:
+            met = dist.all_reduce(torch.zeros(1), group=group, async_op=True)
+            work = launch(wire, group)
+            met.wait()
         else:
             dist.all_reduce(torch.zeros(1, device=wire.device), group=group)
         if nccl:
             self._sync_device()
         t1 = time.perf_counter()
-        out = fn(wire, group)
+        if work is not None:
+            work.wait()
+            out = wire
+        else:
+            out = fn(wire, group)
         if nccl:
             self._sync_device()
         t2 = time.perf_counter()
@@ -532,7 +549,8 @@ class DistComm(Comm):
             dist.all_reduce(t, group=g)
             return t
 
-        out = self._collective(stages, flat, run)
+        out = self._collective(stages, flat, run, launch=None if hier is not None else
+                               lambda t, g: dist.all_reduce(t, group=g, async_op=True))
         if out is not flat:
             flat.copy_(out)
         if hier is not None:
