@@ -18,7 +18,10 @@ A second job trains gpt-tiny data-parallel on two ranks, through shared memory
 and through gloo: the losses and parameters agree bit for bit (two ranks add in
 one order either way), the communicator says which path it took, and through
 shared memory the stage's gradient buffer has moved into the rank's own slot
-(one buffer still, the parameters' gradients views of it). A third trains it
+(one buffer still, the parameters' gradients views of it). By default its
+gradients, fewer bytes than ``DIRECT_BYTES``, go through gloo with shared
+memory on, and the buffer stays where it was: the same bits again. The
+collectives job checks that default too, on a small tensor. A third trains it
 under ZeRO-1 both ways: its reduce-scatter and parameter all-gather through
 shared memory give the same losses and parameters bit for bit.
 """
@@ -49,6 +52,13 @@ def _collectives(rank: int, world: int, tmp: str) -> None:
     here = Path(tmp, "shm")
     host = HostReduce.open(dist.group.WORLD, slot_bytes=1024, directory=here)
     assert host is not None
+    # by default an all-reduce this small goes through gloo (one meeting): the same bits as gloo's
+    small = torch.randn(2500, generator=torch.Generator().manual_seed(rank))
+    ref = small.clone()
+    dist.all_reduce(ref)
+    host.all_reduce(small)
+    out["direct_equal"] = bool(torch.equal(small, ref))
+    host.direct_bytes = 0  # the mapping's own algorithm, on these small tensors, from here on
     out["left_in_dir"] = sorted(p.name for p in here.iterdir())
     g = torch.Generator().manual_seed(rank)
     cases = {"ints": torch.randint(-50, 50, (2500,), generator=g).float(),
@@ -93,6 +103,7 @@ def _collectives(rank: int, world: int, tmp: str) -> None:
     if rank < 2:
         sub = HostReduce.open(pair, slot_bytes=4096, directory=here)
         assert sub is not None and sub.size == 2
+        sub.direct_bytes = 0
         t = torch.randn(3000, generator=g)
         ref = t.clone()
         dist.all_reduce(ref, group=pair)
@@ -110,6 +121,7 @@ def test_host_all_reduce_equals_gloos(tmp_path: Path) -> None:
         r = json.loads((tmp_path / f"coll{rank}.json").read_text())
         assert r["left_in_dir"] == [], r  # removed once mapped by all three
         assert r["ints"]["equal"], r["ints"]
+        assert r["direct_equal"], r
         assert r["slotted0"] and r["slotted1"], r
         for name in ("rs_small", "rs_windows", "ag_small", "ag_windows"):
             assert r[name], (name, r)
@@ -128,15 +140,23 @@ def _model() -> models.LoadedModel:
     return models.load("gpt-tiny", batch_size=8, seq_len=16, seed=0)
 
 
-def _runs(build: str, seed: int) -> Iterator[tuple[bool, Pipeline, list[float]]]:
-    """The build trained ``STEPS`` steps through shared memory, then through gloo: each pipeline and its losses."""
+def _runs(build: str, seed: int, small: bool = False) -> Iterator[tuple[bool | str, Pipeline, list[float]]]:
+    """The build trained ``STEPS`` steps through shared memory, then through gloo: each pipeline and its losses.
+
+    gpt-tiny's gradients (0.45 MiB) are fewer bytes than an all-reduce takes through the mapping by default
+    (:data:`~hpml_compile.runtime.sync.shm.DIRECT_BYTES`): it is made to take them; ``small`` adds a third run,
+    shared memory on with the default (``"small"``).
+    """
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(seed)
     xs = [torch.randint(0, 256, (8, 16), generator=g) for _ in range(STEPS)]
-    for shared in (True, False):
+    for shared in (True, False, *(("small",) if small else ())):
         loaded = _model()
         pipe = Pipeline.from_build(build, loaded.module, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                                   shared_memory=shared, events=False)
+                                   shared_memory=bool(shared), events=False)
+        assert pipe.comm is not None
+        if shared is True:
+            pipe.comm.direct_bytes = 0
         losses = [pipe.step((x,), torch.roll(x, -1, dims=1), loaded.loss_fn).item() for x in xs]
         assert pipe.comm is not None
         yield shared, pipe, losses
@@ -149,7 +169,7 @@ def _used(pipe: Pipeline) -> list[bool]:
 
 def _train(rank: int, world: int, build: str, out: str) -> None:
     report: dict[str, Any] = {}
-    for shared, pipe, losses in _runs(build, 1):
+    for shared, pipe, losses in _runs(build, 1, small=True):
         assert pipe.comm is not None
         grads = pipe.sync.buffer.grad_flat
         held = [v[1] for v in pipe.comm._host_reduce.values() if v[1] is not None]
@@ -196,7 +216,10 @@ def test_data_parallel_through_shared_memory_equals_gloo(tmp_path: Path) -> None
         assert r["True"]["in_slot"] and not r["False"]["in_slot"]
         assert r["True"]["losses"] == r["False"]["losses"]
         assert r["True"]["params"] == r["False"]["params"]
-        for how in ("True", "False"):  # one gradient buffer, the parameters' .grad views of it (in the slot: a mapping
+        small = r["small"]  # by default a buffer this small goes through gloo and stays where it is: the same bits
+        assert small["used"] == [] and not small["in_slot"] and small["losses"] == r["False"]["losses"], small
+        assert small["params"] == r["False"]["params"]
+        for how in ("True", "False", "small"):  # one gradient buffer, the parameters' .grad views of it (in the slot: a mapping
             assert r[how]["grads_in_buffer"], how  # of its own, of the gradients' bytes)
             assert r[how]["grad_storage"] == r[how]["grad_bytes"], (how, r[how])
     assert reports[0]["True"]["params"] == reports[1]["True"]["params"]

@@ -348,3 +348,18 @@ def test_resharding_moves_every_row_once(rows: int, d_src: int, d_dst: int) -> N
             got[q].extend(range(me * rows + off, me * rows + off + n))
     per = total // d_dst
     assert all(sorted(got[q]) == list(range(q * per, (q + 1) * per)) for q in range(d_dst))
+
+
+def test_stage_params_follow_a_parameter_registered_again_under_its_name(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    gm = trace(model, (torch.ones(4, 4),))
+    generate(gm, split_plan(gm, "seq", 1), tmp_path / "build")
+    stage = load_build(tmp_path / "build", model).stages[0]
+    names = ("0.weight", "2.bias")
+    first = stage.params(*names)
+    assert [p is q for p, q in zip(first, (model[0].weight, model[2].bias))] == [True, True]
+    assert all(p is q for p, q in zip(stage.params(*names), first))  # read from the tables kept
+    new = torch.nn.Parameter(torch.zeros(2))
+    stage.get_submodule("2").register_parameter("bias", new)
+    assert stage.params(*names)[1] is new

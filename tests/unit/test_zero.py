@@ -12,7 +12,7 @@ from torch import nn
 
 from hpml_compile.errors import HpmlError
 from hpml_compile.runtime.observe.held import held_bytes
-from hpml_compile.runtime.sync.zero import FlatShard, full_optimizer_state, load_full_optimizer_state
+from hpml_compile.runtime.sync.zero import FlatGrads, FlatShard, full_optimizer_state, load_full_optimizer_state
 
 
 def _model() -> nn.Sequential:
@@ -70,3 +70,28 @@ def test_zero3_and_mixed_dtypes_are_refused() -> None:
     m[2].double()
     with pytest.raises(HpmlError, match="one flat buffer"):
         FlatShard(0, list(m.parameters()), replicas=2, replica=0, zero=1)
+
+
+def test_flat_grads_accumulate_in_the_buffer_step_after_step_and_repoint_a_cleared_gradient() -> None:
+    ref, ours = _model(), _model()
+    grads = FlatGrads(0, list(ours.parameters()))
+    ref_opt, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(ours.parameters(), lr=0.1)
+    views = None
+    for step in range(3):
+        if step == 2:  # a user's zero_grad(set_to_none=True) between steps: the slice is pointed at again
+            ours[0].weight.grad = None
+        grads.begin_step()
+        if views is None:
+            views = [p.grad for p in ours.parameters()]
+        # the same views every step, each a slice of the one zeroed buffer
+        assert all(p.grad is v for p, v in zip(ours.parameters(), views))
+        assert all(p.grad.untyped_storage().data_ptr() == grads.grad_flat.untyped_storage().data_ptr()
+                   for p in ours.parameters())
+        assert float(grads.grad_flat.abs().sum()) == 0.0
+        for model, o in ((ref, ref_opt), (ours, opt)):
+            model(torch.ones(5, 4) * (step + 1)).pow(2).sum().backward()
+            o.step()
+        ref_opt.zero_grad(set_to_none=True)
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        torch.testing.assert_close(a, b)
+

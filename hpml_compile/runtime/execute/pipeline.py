@@ -164,6 +164,7 @@ class Pipeline:
         self._faults = list(faults)
         self.steps_done = 0
         self._params: list[nn.Parameter] | None = None  # parameters(), listed once the stages are set
+        self._clear: list[nn.Parameter] | None = None  # _cleared(), listed once the sync is made
         self._memory_seen: dict[tuple[int, int], int] = {}  # (microbatches, rows) -> steps whose memory was counted
         self._agreed_loss: float | None = None  # the last step's agreed loss sum (ranks), for a peer behind
         self._regrouped = False  # the loss agreement re-formed the group and nobody had committed: retry as is
@@ -427,6 +428,14 @@ class Pipeline:
                     seen.setdefault(id(p), p)
             self._params = list(seen.values())
         return self._params
+
+    def _cleared(self) -> list[nn.Parameter]:
+        """The parameters whose gradients a step sets to None first: all but those the sync points at its zeroed
+        buffer anyway (:meth:`..sync.stage.StageSync.pointed`). Listed once."""
+        if self._clear is None:
+            pointed = {id(p) for p in self.sync.pointed()} if self.sync is not None else set()
+            self._clear = [p for p in self.parameters() if id(p) not in pointed]
+        return self._clear
 
     def local_module(self) -> nn.Module:
         """This process's stage as a module whose parameter names are the original model's (for checkpoints)."""
@@ -829,7 +838,7 @@ class Pipeline:
         comm, k, r = self.comm, self.stage_index, self.replica
         assert comm is not None
         comm.begin_step(self.steps_done)
-        for p in self.parameters():
+        for p in self._cleared():
             p.grad = None
         if self.sync is not None:
             self.sync.begin_step(self.steps_done)  # gradients accumulate into the flat buffer the collective reads

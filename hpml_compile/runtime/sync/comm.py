@@ -71,7 +71,7 @@ from ...schedule import rank_layout
 from .hierarchy import (ChainQueue, HierGroups, PendingChain, hierarchical_all_gather, hierarchical_all_reduce,
                         hierarchical_gather_into, hierarchical_levels, hierarchical_reduce_scatter, level_bytes,
                         make_hierarchy)
-from .shm import SLOT_BYTES, HostReduce
+from .shm import DIRECT_BYTES, SLOT_BYTES, HostReduce
 
 __all__ = ["Backend", "CommOp", "CommStats", "PendingCollective", "CommFault", "InjectedFault", "LocalComm", "DistComm",
            "dist_comm", "pair_backend", "rank_devices", "is_transient", "make_groups", "HierGroups", "make_hierarchy",
@@ -370,6 +370,7 @@ class DistComm(Comm):
         self._chains: dict[tuple[int, ...], ChainQueue] = {}  # overlapped hierarchical buckets
         # collectives among CPU ranks the plan puts on one host go through shared memory (:mod:`.shm`)
         self.shared_memory = True
+        self.direct_bytes = DIRECT_BYTES  # ... but an all-reduce of fewer bytes through gloo (.shm)
         self._hosts = {self.ranks[k][i]: plan.cluster.device(plan.stages[k].devices[i]).host
                        for k, i in rank_layout(plan)}
         self._host_reduce: dict[tuple[int, ...], tuple[Any, HostReduce | None]] = {}
@@ -469,7 +470,15 @@ class DistComm(Comm):
 
     # -- collectives ------------------------------------------------------------------------------
     def _collective(self, stages: tuple[int, ...], flat: Tensor, fn: Callable[[Tensor, Any], Tensor],
-                    name: str = "ALLREDUCE", meet: Callable[[], None] | None = None) -> Tensor:
+                    name: str = "ALLREDUCE", meet: Callable[[], None] | None = None,
+                    launch: Callable[[Tensor, Any], Any] | None = None) -> Tensor:
+        """Run ``fn(wire, group)`` after the members meet; the wait and the transfer counted apart.
+
+        ``launch``: the same collective as an ``async_op`` call (in place on ``wire``), for gloo: issued right behind
+        the meeting's, so that the transfer starts as soon as the members have met, not after this thread has woken
+        to see it (two gloo ranks on the 2-core VM, busy, the meeting and a 109 KB all-reduce: 1.9 ms one after the
+        other, 0.8 ms issued together, the all-reduce alone 1.1 ms).
+        """
         self.maybe_fail(CommOp.COLLECTIVE)
         group = self.groups.get(stages)
         t0 = time.perf_counter()
@@ -479,14 +488,23 @@ class DistComm(Comm):
         # A one-element all-reduce first (or ``meet``, the members meeting another way): the members leave their
         # pipelines at different times, and the monitor must not count waiting for the slowest as communication
         # (it is pipeline skew).
+        work = None
         if meet is not None:
             meet()
+        elif launch is not None and not nccl:
+            met = dist.all_reduce(torch.zeros(1), group=group, async_op=True)
+            work = launch(wire, group)
+            met.wait()
         else:
             dist.all_reduce(torch.zeros(1, device=wire.device), group=group)
         if nccl:
             self._sync_device()
         t1 = time.perf_counter()
-        out = fn(wire, group)
+        if work is not None:
+            work.wait()
+            out = wire
+        else:
+            out = fn(wire, group)
         if nccl:
             self._sync_device()
         t2 = time.perf_counter()
@@ -502,8 +520,9 @@ class DistComm(Comm):
             return
 
         hier = self.hierarchy.get(stages)
-        host = (self.host_reduce(stages, flat.numel() * flat.element_size())
-                if hier is None and flat.device.type == "cpu" and flat.is_contiguous() else None)
+        nbytes = flat.numel() * flat.element_size()  # a small one goes through gloo: one meeting, not three (.shm)
+        host = (self.host_reduce(stages, nbytes) if hier is None and flat.device.type == "cpu" and flat.is_contiguous()
+                and nbytes >= self.direct_bytes else None)
         if host is not None:  # through shared memory: the members meet at its first barrier, the tensor staged
             if host.elsewhere(flat):  # a piece of the slot itself, not from its start: summed from a copy
                 tmp = flat.clone()
@@ -530,7 +549,8 @@ class DistComm(Comm):
             dist.all_reduce(t, group=g)
             return t
 
-        out = self._collective(stages, flat, run)
+        out = self._collective(stages, flat, run, launch=None if hier is not None else
+                               lambda t, g: dist.all_reduce(t, group=g, async_op=True))
         if out is not flat:
             flat.copy_(out)
         if hier is not None:

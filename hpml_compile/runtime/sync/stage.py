@@ -100,6 +100,11 @@ class StageSync:
     def begin_step(self, step: int) -> None:
         """Before the step's first forward (``step``: the steps done so far)."""
 
+    def pointed(self) -> Sequence[nn.Parameter]:
+        """The parameters whose ``.grad`` :meth:`begin_step` points at a zeroed buffer (a step need not clear them
+        first)."""
+        return ()
+
     def arm(self) -> None:
         """Just before the stage's last backward of the step: overlapped buckets launch as they become ready."""
 
@@ -176,6 +181,9 @@ class DataParallel(StageSync):
 
     def begin_step(self, step: int) -> None:
         self.buffer.begin_step()  # gradients accumulate into the flat buffer the collective reads
+
+    def pointed(self) -> Sequence[nn.Parameter]:
+        return self.buffer.params
 
     def arm(self) -> None:
         if self.buffer.buckets is not None:

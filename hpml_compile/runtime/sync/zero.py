@@ -683,6 +683,7 @@ class FlatGrads:
         self.comm: Comm | None = None  # set by the pipeline (and after a reconnect)
         self.buckets: GradBuckets | None = None  # overlapped all-reduce (enable_overlap)
         self._ranges: list[tuple[int, int]] = []
+        self._grads: list[Tensor] = []  # each parameter's slice of grad_flat, its .grad (_point, at the first step)
 
     def enable_overlap(self, first_bytes: int = FIRST_BUCKET_BYTES, cap_bytes: int = BUCKET_BYTES) -> None:
         """All-reduce bucket by bucket during the last backward (see the module docstring)."""
@@ -703,23 +704,37 @@ class FlatGrads:
         return launched(self.comm.all_reduce_async((self.stage,), wire), wire, piece)  # type: ignore[attr-defined]
 
     def begin_step(self) -> None:
-        """Zero the buffer and point every parameter's ``.grad`` at its slice."""
+        """Zero the buffer and point every parameter's ``.grad`` at its slice.
+
+        The slices are made once (:meth:`_point`) and a parameter's ``.grad`` is set only where it is not its
+        slice already (after a ``p.grad = None``, say): making a hundred views and setting a hundred gradients
+        each step cost about as much as a third of the small-op MLP's forward (benchmarks/runtime_overhead).
+        """
         self.grad_flat.zero_()
-        self._point()
+        if not self._grads:
+            self._point()
+        for p, view in zip(self.params, self._grads):
+            if p.grad is not view:
+                p.grad = view
         if self.buckets is not None:
             self.buckets.reset()
 
     def _point(self) -> None:
-        offset = 0
+        """Make each parameter's slice of the buffer (kept in ``_grads``) and point its ``.grad`` at it."""
+        offset, self._grads = 0, []
         for p in self.params:
-            p.grad = self.grad_flat[offset:offset + p.numel()].view_as(p)
+            view = self.grad_flat[offset:offset + p.numel()].view_as(p)
+            self._grads.append(view)
+            p.grad = view
             offset += p.numel()
 
     def _move_to_host_slot(self, comm: Comm) -> None:
         """After the first all-reduce through shared memory: the buffer moves into this rank's slot of it, so
-        that the next steps' gradients accumulate where the sum reads them (no copy in; one buffer, as before)."""
-        host = comm.host_reduce if isinstance(comm, DistComm) else None
-        mapped = host((self.stage,), self.grad_flat.numel() * self.grad_flat.element_size()) if host else None
+        that the next steps' gradients accumulate where the sum reads them (no copy in; one buffer, as before). A
+        buffer summed through gloo (a small one: :attr:`~.comm.DistComm.direct_bytes`) stays where it is."""
+        nbytes = self.grad_flat.numel() * self.grad_flat.element_size()
+        host = comm.host_reduce if isinstance(comm, DistComm) and nbytes >= comm.direct_bytes else None
+        mapped = host((self.stage,), nbytes) if host else None
         slot = mapped.own(self.grad_flat.numel(), self.grad_flat.dtype) if mapped is not None else None
         if slot is not None and slot.data_ptr() != self.grad_flat.data_ptr():
             slot.copy_(self.grad_flat)
