@@ -142,24 +142,28 @@ def block_ratios(gm: fx.GraphModule, inputs: Sequence[Any], device: torch.device
     fallbacks: dict[str, str] = {}
     compile_s = 0.0
     timer = Timer(device)
-    for n_kind, members in enumerate(kinds.values(), start=1):
-        seg = segs[members[0]]
-        nodes = [by_name[n] for n in seg.nodes]
-        module, ins, _ = _segment_module(gm, nodes, {n for n in order if index[n] > index[nodes[-1]]})
-        leaves = [_leafify(env[a]) for a in ins]
-        same = f" and {len(members) - 1} identical" if len(members) > 1 else ""
-        t0 = time.perf_counter()
-        why, got = _ratio(module, leaves, timer, max(3, repeats), over)
-        compile_s += time.perf_counter() - t0
-        if why is not None:
-            say(f"      block {seg.name}{same}: priced eager (torch.compile failed on it: {why})")
-            for i in members:
-                fallbacks[segs[i].name] = why
-            continue
-        say(f"      block {seg.name}{same} ({n_kind}/{len(kinds)}): compiled {got[0]:.2f}x forward, "
-            f"{got[1]:.2f}x backward of eager ({time.perf_counter() - t0:.1f} s)")
-        for i in members:
-            ratios[i] = got
+    params = [p for p in gm.parameters() if p.requires_grad]
+    saved = [p.grad for p in params]  # the backward passes accumulate into .grad: the user's are put back
+    try:
+        for n_kind, members in enumerate(kinds.values(), start=1):
+            seg = segs[members[0]]
+            nodes = [by_name[n] for n in seg.nodes]
+            module, ins, _ = _segment_module(gm, nodes, {n for n in order if index[n] > index[nodes[-1]]})
+            same = f" and {len(members) - 1} identical" if len(members) > 1 else ""
+            t0 = time.perf_counter()
+            why, got = _ratio(module, [_leafify(env[a]) for a in ins], timer, max(3, repeats), over)
+            took = time.perf_counter() - t0
+            compile_s += took
+            if why is not None:
+                say(f"      block {seg.name}{same}: priced eager (torch.compile failed on it: {why})")
+                fallbacks.update((segs[i].name, why) for i in members)
+                continue
+            say(f"      block {seg.name}{same} ({n_kind}/{len(kinds)}): compiled {got[0]:.2f}x forward, "
+                f"{got[1]:.2f}x backward of eager ({took:.1f} s)")
+            ratios.update((i, got) for i in members)
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
     facts = {"blocks": len(segs), "distinct": len(kinds), "compile_s": round(compile_s, 2),
              "call_fwd_ms": round(over[0], 5), "call_bwd_ms": round(over[1], 5), "fallbacks": fallbacks}
     return ratios, facts
@@ -187,9 +191,9 @@ def _ratio(module: fx.GraphModule, leaves: list[Any], timer: Timer, repeats: int
         return (str(e).strip().splitlines() or [type(e).__name__])[0][:200], (1.0, 1.0)
     out = []
     for part in (0, 1):
-        e = statistics.median(x[part] for x in eager[1:])
+        ms = statistics.median(x[part] for x in eager[1:])
         c = statistics.median(x[part] for x in comp[1:])
-        out.append(max(c - over[part], _FLOOR * c) / e if e > 0 else 1.0)
+        out.append(max(c - over[part], _FLOOR * c) / ms if ms > 0 else 1.0)
     return None, (out[0], out[1])
 
 
