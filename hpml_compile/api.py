@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import tempfile
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -119,6 +120,8 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
         sync_warmup: steps of per-step gradient sync before local SGD starts.
         compile_stages: ``auto`` (default: compiled on CUDA devices, not on CPUs), ``on`` or ``off``: each stage's
             forward and backward compiled by ``torch.compile`` (:mod:`hpml_compile.runtime.execute.compiled`).
+            Where CPU stages will run compiled, the profile also times the model's blocks compiled and the plan
+            is priced at those times (:mod:`hpml_compile.profile.compiled`).
         reduce_dtype: ``fp32`` (default), ``bf16``, or ``fp16`` under an fp16 plan: the dtype of the replicated
             stages' gradient all-reduce / reduce-scatter (half the bytes; :func:`hpml_compile.plan.check_reduce_dtype`).
 
@@ -154,6 +157,10 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
     world = session.world_size if session else 1
     c = cluster if isinstance(cluster, Cluster) else load_cluster(cluster or f"local-cpu-{max(world, 1)}")
     rank = session.rank if session else 0
+    # CPU stages that will run compiled are planned at their blocks' compiled times, which the profile measures
+    timed = compiled.wants(torch.device("cpu")) and any(d.is_cpu for d in c.devices) and opts.schedule is not \
+        Schedule.ZB_H1
+    opts = replace(opts, compiled=timed)
     built: Path | None = None
     gm = None
     if rank == 0:
@@ -166,7 +173,8 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
                                        opts=opts,
                                        prof_opts=driver.ProfileOptions(repeats=profile_repeats,
                                                                        input_names=names, link=host.get("link"),
-                                                                       process=host.get("process")))
+                                                                       process=host.get("process"),
+                                                                       compiled=timed))
         except BaseException:
             if session is not None:  # the others wait in the broadcast below: let them fail too
                 session.close()

@@ -26,6 +26,12 @@ and plan.json carries them (``assumptions``):
 - a tensor-parallel stage on CPU ranks whose link has no fit of gloo's
   all-reduce after compute (``tp_reduce``: the probe of an older profile did
   not time it): its layers' all-reduces are priced on the link's own fit.
+- for stages that run compiled, what of their times was measured compiled and
+  what derived (:mod:`hpml_compile.profile.compiled`): each kind of block
+  timed compiled, alone, its ratio to eager applied to the blocks' eager
+  times in sequence; the fixed parts fitted at a second batch or scaled; the
+  compiled call overhead not priced; the blocks that fell back to eager; or,
+  where the profile timed nothing compiled, that they are priced eager.
 
 Example:
     >>> from hpml_compile.testing import chain_profile
@@ -50,19 +56,21 @@ from .stagecost import WEIGHT_SHARE
 __all__ = ["assumptions", "format_assumptions"]
 
 
-def assumptions(plan: Plan, prof: Profile) -> tuple[Assumption, ...]:
+def assumptions(plan: Plan, prof: Profile, *, compiled: bool = False) -> tuple[Assumption, ...]:
     """The costs ``plan`` uses that were not measured on this machine (module docstring).
 
     Args:
         plan: the plan (its cluster and stages: only what it uses is listed).
         prof: the profile it was planned from, with every kind of the cluster costed (measured or predicted).
+        compiled: the plan's stages run compiled (priced with the profile's compiled times where it has them).
 
     Returns:
         One assumption per cost, in the order of the module docstring.
     """
     used = [plan.cluster.device(d) for st in plan.stages for d in st.devices]
     return (*_speeds(used, prof), *_links(plan.cluster, used), *_overlaps(plan), *_optimizer(prof),
-            *_replicated_steps(plan, prof), *_split(plan), *_tensor_parallel(plan))
+            *_replicated_steps(plan, prof), *_split(plan), *_tensor_parallel(plan),
+            *(_compiled(used, prof) if compiled else ()))
 
 
 def format_assumptions(items: tuple[Assumption, ...], limit: int = 8) -> str:
@@ -216,3 +224,37 @@ def _tensor_parallel(plan: Plan) -> list[Assumption]:
                                "gloo's all-reduce after compute, as a layer runs it, was not timed on this host "
                                "(hpml_compile.profile.links.TP_REDUCE): the link's fit of transfers in a loop")]
     return []
+
+
+def _compiled(used: list[Device], prof: Profile) -> list[Assumption]:
+    """What of a compiled stage's time was measured compiled and what derived, per measured kind the plan uses."""
+    out = []
+    for kind in sorted({d.kind for d in used}):
+        info = prof.devices.get(kind, prof.devices.get(base_kind(kind), {}))
+        if not info.get("measured"):
+            continue  # a predicted kind: its speed is listed above
+        facts = info.get("compiled")
+        if not facts:
+            out.append(Assumption(f"compiled stages on {kind}", "priced at their eager times",
+                                  "the profile timed no block compiled (profile(compiled=True) times them)"))
+            continue
+        rows = facts.get("rows", [])
+        out.append(Assumption(
+            f"compiled stages on {kind}",
+            f"{facts.get('distinct', 0)} kind(s) of block timed compiled (of {facts.get('blocks', 0)} blocks); each "
+            "block's eager time in sequence times its compiled/eager ratio",
+            "measured here: each kind of block compiled by torch.compile (inductor) and timed alone against its eager "
+            "run; derived: the ratio applied to the blocks timed in sequence, identical blocks given their first's"))
+        out.append(Assumption(
+            f"compiled fixed parts on {kind}",
+            f"fitted at {rows[1]} and {rows[0]} rows" if len(rows) > 1 else "the eager fixed parts times the ratio",
+            "measured compiled at both batches" if len(rows) > 1 else "derived: no second batch timed compiled"))
+        out.append(Assumption(
+            f"compiled call overhead on {kind}",
+            f"{facts.get('call_fwd_ms', 0.0) * 1e3:.0f} us forward, {facts.get('call_bwd_ms', 0.0) * 1e3:.0f} us "
+            "backward per microbatch: not priced",
+            "measured on a trivial compiled function and taken off each block; a stage pays it once per graph"))
+        for name, why in sorted(facts.get("fallbacks", {}).items()):
+            out.append(Assumption(f"block {name} on {kind}", "priced at its eager times",
+                                  f"torch.compile failed on it when profiling: {why}"))
+    return out

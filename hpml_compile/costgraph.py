@@ -127,6 +127,8 @@ class CostGraph:
             waits that long for its later replica each step.
         tensor_parallel: the units a tensor-parallel stage shards (:func:`hpml_compile.tp.analyze`); each
             node's ``shard`` attribute sums what of its members a degree divides.
+        compiled: the kinds whose costs are of stages that run compiled (the profile's blocks timed compiled,
+            :mod:`hpml_compile.profile.compiled`); empty: every cost is of eager stages.
     """
 
     graph: nx.DiGraph
@@ -148,6 +150,7 @@ class CostGraph:
     skews: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     meetings: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     fitted: Mapping[str, float] = field(default_factory=dict)
+    compiled: frozenset[str] = frozenset()
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -192,7 +195,7 @@ class CostGraph:
         return CostGraph(q, self.order, self.kinds, self.model, self.batch_size, self.optimizer_ms,
                          self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
                          self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only,
-                         self.agreements, self.skews, self.meetings, self.fitted)
+                         self.agreements, self.skews, self.meetings, self.fitted, self.compiled)
 
     def tp_degrees(self) -> tuple[int, ...]:
         """The tensor-parallel degrees above 1 at which some node of the graph shards (empty: none)."""
@@ -346,7 +349,7 @@ class CostGraph:
         return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size, self.optimizer_ms,
                          self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
                          self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only,
-                         self.agreements, self.skews, self.meetings, self.fitted)
+                         self.agreements, self.skews, self.meetings, self.fitted, self.compiled)
 
     def cut_bytes(self, before: Iterable[str]) -> int:
         """Bytes crossing from the node set ``before`` to the rest; a tensor read by
@@ -459,15 +462,29 @@ def _merge_attrs(nodes: list[dict[str, Any]], kinds: tuple[str, ...]) -> dict[st
     return out
 
 
-def build(profile: Profile) -> CostGraph:
+def build(profile: Profile, compiled: bool = False) -> CostGraph:
     """The fine-grained cost graph of a profile: one graph node per fx node.
 
     Edge ``u -> v`` exists when ``v`` reads ``u``'s output; its ``bytes`` is
     ``u``'s output size.
+
+    Args:
+        profile: the profile.
+        compiled: price stages that run compiled: on the kinds whose blocks the profile timed compiled, each
+            node at its ``compiled`` cost where it has one (its eager cost where not: a block that fell back,
+            the loss), recorded in the graph's ``compiled``.
+
+    Returns:
+        The cost graph.
     """
     import networkx as nx
 
     kinds = profile.device_kinds
+    fast = frozenset(k for k in kinds if compiled and any(k in n.compiled for n in profile.nodes))
+
+    def price(n: Any, k: str) -> Any:
+        return n.compiled[k] if k in fast and k in n.compiled else n.cost[k]
+
     g = nx.DiGraph()
     tensor_out: dict[str, bool] = {}
     tp = analyze_tp(profile)
@@ -476,8 +493,8 @@ def build(profile: Profile) -> CostGraph:
         g.add_node(
             n.name,
             members=(n.name,),
-            cost={k: (n.cost[k].fwd_ms, n.cost[k].bwd_ms) for k in kinds},
-            fixed={k: (n.cost[k].fwd_fixed_ms, n.cost[k].bwd_fixed_ms) for k in kinds},
+            cost={k: (price(n, k).fwd_ms, price(n, k).bwd_ms) for k in kinds},
+            fixed={k: (price(n, k).fwd_fixed_ms, price(n, k).bwd_fixed_ms) for k in kinds},
             params=n.params,
             scope=n.scope,
             op=n.op.value,
@@ -512,4 +529,4 @@ def build(profile: Profile) -> CostGraph:
                            if isinstance(d.get("process"), dict) and d["process"].get("stage_only"))
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
                      dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns, flat_steps, tp,
-                     processes, bookkeeping, stage_only, agreements, skews, meetings, fitted)
+                     processes, bookkeeping, stage_only, agreements, skews, meetings, fitted, fast)

@@ -115,6 +115,9 @@ class Options:
             :func:`compile` plans again with 1 where the solver combines tp with swap or offload, or gives
             stages that share a tied parameter different degrees, which the runtime does not run
             (:func:`hpml_compile.codegen.tensor_parallel.tp_degree`); :func:`replan` plans with 1.
+        compiled: the stages will run compiled by ``torch.compile``: the kinds whose blocks the profile timed
+            compiled (:mod:`hpml_compile.profile.compiled`) are priced at those times
+            (:func:`hpml_compile.costgraph.build`), and the plan's assumptions say so.
     """
 
     solver: SolverName | str = SolverName.ILP
@@ -133,6 +136,7 @@ class Options:
     every_device: bool = False
     max_tp: int = MAX_TP
     choose_schedule: bool = False  # set from ``schedule="auto"``
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule == AUTO_SCHEDULE:
@@ -195,6 +199,8 @@ class ProfileOptions:
         corun: also time the blocks while other processes run them on the other cores
             (:func:`hpml_compile.profile.timing.time_corun`: CPU ranks of one host share its caches and memory
             bandwidth); None: where the cluster puts two or more CPU ranks on this host.
+        compiled: also time the blocks compiled by ``torch.compile`` on the CPU
+            (:mod:`hpml_compile.profile.compiled`), for stages that will run compiled.
     """
 
     repeats: int = 3
@@ -207,6 +213,7 @@ class ProfileOptions:
     link: Mapping[str, Any] | None = None
     corun: bool | None = None
     process: Mapping[str, Any] | None = None
+    compiled: bool = False
 
 
 def with_link(prof: Profile, link: Mapping[str, Any]) -> Profile:
@@ -370,7 +377,7 @@ def _graphs(prof: Profile, cluster: Cluster, opts: Options) -> tuple[Profile, Co
     """:func:`cost_graph`, also returning the graph of the profile's own nodes (before coarsening)."""
     check_devices_costed(cluster, prof.device_kinds)                                # kinds are known
     prof = predict_kinds(prof, sorted({d.kind for d in cluster.devices}))           # 2b. the kinds not measured
-    fine = build_costgraph(prof).limit_tp(opts.max_tp)                              # 3. costgraph
+    fine = build_costgraph(prof, compiled=opts.compiled).limit_tp(opts.max_tp)     # 3. costgraph
     graph = fine.coarsen()                                                          # 4. blocks
     for kind in graph.kinds:  # coarsening merges nodes: it may not lose or invent time
         before, after = fine.total("", kind), graph.total("", kind)
@@ -443,7 +450,7 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
         result = annotate(result, graph, prof.dtype)[0]                             # re-simulated with them
     validate_plan(result, prof)                                                     # every node placed once
     result = replace(result, certificate=certify(result, fine),                     # 6. how far from the best
-                     assumptions=assumptions(result, prof))                         # what was not measured here
+                     assumptions=assumptions(result, prof, compiled=opts.compiled))  # what was not measured here
     _dump(opts, "4-plan.json", lambda p: save_plan(result, p))
     return result
 
@@ -612,7 +619,8 @@ def compile(module: nn.Module, example_inputs: Sequence[Any], out_dir: str | Pat
         measured = profile(gm, inputs, name=label, device_kinds=kinds, batch_size=prof_opts.batch_size,  # 2. profile
                            seq_len=prof_opts.seq_len, repeats=prof_opts.repeats, warmup=prof_opts.warmup,
                            progress=False, threads=local_threads(c),  # local CPU ranks: at their thread count
-                           precision=prec, corun=_corun(prof_opts, c))
+                           precision=prec, corun=_corun(prof_opts, c),
+                           compiled=prof_opts.compiled, say=say)  # 2a. blocks compiled, for compiled stages
         if prof_opts.link:                                                          # 2b. measured by the caller
             measured = with_link(measured, prof_opts.link)
         if prof_opts.process:

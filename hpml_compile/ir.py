@@ -219,6 +219,9 @@ class ProfileNode:
     uses, so that shared (tied) parameters are visible to later passes.
     ``activation_bytes`` is what autograd saves for backward (parameters
     excluded); ``mem_bytes`` what the forward reads and writes (for roofline).
+    ``compiled`` holds, for the kinds whose blocks were also timed compiled by
+    ``torch.compile`` (:mod:`hpml_compile.profile.compiled`), the node's cost
+    in a stage that runs compiled; the cost graph prices with it where asked.
     """
 
     name: str
@@ -238,6 +241,7 @@ class ProfileNode:
     output_dtype: str | None = None
     tensor_output: bool = True
     cost: Mapping[str, NodeCost] = field(default_factory=dict)
+    compiled: Mapping[str, NodeCost] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -246,6 +250,10 @@ class ProfileNode:
         d["params"] = list(self.params)
         d["output_shape"] = None if self.output_shape is None else list(self.output_shape)
         d["cost"] = {k: v.to_dict() for k, v in self.cost.items()}
+        if self.compiled:
+            d["compiled"] = {k: v.to_dict() for k, v in self.compiled.items()}
+        else:
+            del d["compiled"]
         return d
 
     @classmethod
@@ -262,6 +270,8 @@ class ProfileNode:
         shape = d.get("output_shape")
         kw["output_shape"] = None if shape is None else tuple(shape)
         kw["cost"] = {k: NodeCost.from_dict(v, source, f"{where}.cost.{k}") for k, v in d["cost"].items()}
+        kw["compiled"] = {k: NodeCost.from_dict(v, source, f"{where}.compiled.{k}")
+                          for k, v in d.get("compiled", {}).items()}
         return cls(**kw)
 
 

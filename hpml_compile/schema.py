@@ -125,6 +125,14 @@ _DEVICE_INFO = {
                                  "rounds": {"type": "array", "items": {"type": "array", "items": _NUM}},
                                  "skipped": _STR},
                   "additionalProperties": False},
+        # the blocks timed compiled by torch.compile (profile/compiled.py): how, and which fell back to eager
+        "compiled": {"type": "object",
+                     "properties": {"blocks": _INT, "distinct": _INT, "compile_s": _NUM, "call_fwd_ms": _NUM,
+                                    "call_bwd_ms": _NUM, "rows": {"type": "array", "items": _INT},
+                                    "ratios": {"type": "object", "additionalProperties": {
+                                        "type": "array", "items": _NUM}},
+                                    "fallbacks": {"type": "object", "additionalProperties": _STR}},
+                     "additionalProperties": False},
         "predicted_from": _STR,
         "op_ms": _NUM,  # the per-op host cost the GPU predictions were given (profile.predict_kinds)
         "calibration_fwd": _CALIBRATION,
@@ -169,6 +177,7 @@ _PROFILE_NODE = {
         "output_dtype": {"type": ["string", "null"]},
         "tensor_output": {"type": "boolean"},
         "cost": {"type": "object", "additionalProperties": _NODE_COST},
+        "compiled": {"type": "object", "additionalProperties": _NODE_COST},  # its cost in a compiled stage
     },
     "additionalProperties": False,
 }

@@ -12,7 +12,11 @@ data-parallel ranks (ZeRO-0 and ZeRO-1), 1 stage on 4 (``dp4``: on a 2-core
 host, ranks that share cores), 1 stage on 1 rank, and tensor-parallel plans
 where the model's graph shards (``tp2``: 1 stage at ``tp = 2`` on 2 ranks;
 ``tp2pipe``: the 2-stage pipeline, each stage at ``tp = 2``, on 4 ranks), whose
-ranks form their own groups as a run's do. Each plan carries the
+ranks form their own groups as a run's do, and compiled plans (a grid item ending ``:compiled``: one stage on
+1 rank and the 2-stage 1F1B M=2 pipeline by default), whose stages run compiled by ``torch.compile``
+(``compile_stages="on"``) and are priced at the profile's compiled block times
+(:mod:`hpml_compile.profile.compiled`): with compiled rows the profile is the one
+``hpml_compile.compile(..., compile_stages="on")`` makes, which prices the eager rows too. Each plan carries the
 simulator's prediction (:func:`hpml_compile.simulate.annotate`), is generated
 into a build and trained with :class:`hpml_compile.runtime.Pipeline` (AdamW)
 for a few steps on 1, 2 or 4 gloo ranks; the measured step is the median over
@@ -92,6 +96,7 @@ class Case:
     predicted_without_optimizer_ms: float
     predicted_without_corun_ms: float = 0.0  # the same plan, the profile's co-run slow-down left out
     tp: int = 1  # the plan's tensor-parallel degree (its ranks form their groups themselves)
+    compiled: bool = False  # its stages run compiled (torch.compile), priced at the profile's compiled block times
 
 
 def _ticks(exclude: set[int]) -> tuple[int, int]:
@@ -155,13 +160,13 @@ def _balanced_cut(graph: CostGraph) -> int:
     return where
 
 
-def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, int]], prof: Any
+def _plans(name: str, graphs: dict[bool, CostGraph], steps: list[tuple[str, int, Schedule, int, bool]], prof: Any
            ) -> list[tuple[str, Plan, float, float]]:
     out = []
-    cut = _balanced_cut(graph)
-    first, second = _stages_of(graph, cut)
-    every = first + second
-    for kind, devices, sched, m in steps:
+    for kind, devices, sched, m, compiled in steps:
+        graph = graphs[compiled]  # a compiled row: priced at the blocks' compiled times, cut where they balance
+        first, second = _stages_of(graph, _balanced_cut(graph))
+        every = first + second
         if kind in TP_KINDS and TP_KINDS[kind] not in graph.tp_degrees():
             print(f"  {name}: no layer of its graph shards at tp {TP_KINDS[kind]}: no {kind} row", file=sys.stderr)
             continue
@@ -183,37 +188,42 @@ def _plans(name: str, graph: CostGraph, steps: list[tuple[str, int, Schedule, in
         cluster = profile_links(load_cluster(f"local-cpu-{devices}"), prof)  # this host's link, as `compile` uses
         plan, r = annotate(Plan(name, cluster, sched, m, st), graph)
         plain = simulate(plan, dataclasses.replace(graph, coruns={})).step_ms
-        out.append((f"{name} {kind} {sched.value} M={m}", plan, r.step_without_optimizer_ms, plain))
+        out.append((f"{name} {kind} {sched.value} M={m}{' compiled' if compiled else ''}", plan,
+                    r.step_without_optimizer_ms, plain))
     return out
 
 
 RANKS = {"pipe": 2, "dp": 2, "zero1": 2, "dp4": 4, "single": 1, "tp2": 2, "tp2pipe": 4}  # the ranks of each kind
 TP_KINDS = {"tp2": 2, "tp2pipe": 2}  # kinds with tensor-parallel stages, and their degree
 GRID = ("pipe:gpipe:2,pipe:gpipe:4,pipe:1f1b:2,pipe:1f1b:4,pipe:1f1b:8,dp:gpipe:1,zero1:gpipe:1,dp4:gpipe:1,"
-        "single:gpipe:1,tp2:gpipe:1,tp2pipe:1f1b:2")
+        "single:gpipe:1,tp2:gpipe:1,tp2pipe:1f1b:2,single:gpipe:1:compiled,pipe:1f1b:2:compiled")
 
 
-def _grid(text: str) -> list[tuple[str, int, Schedule, int]]:
-    """``kind:schedule:M,...`` (kind: pipe | dp | zero1 | dp4 | single | tp2 | tp2pipe) as
-    ``(kind, ranks, schedule, M)``."""
+def _grid(text: str) -> list[tuple[str, int, Schedule, int, bool]]:
+    """``kind:schedule:M[:compiled],...`` (kind: pipe | dp | zero1 | dp4 | single | tp2 | tp2pipe) as
+    ``(kind, ranks, schedule, M, compiled)``; ``compiled``: its stages run compiled by torch.compile."""
     out = []
     for item in dict.fromkeys(text.split(",")):  # a plan named twice is measured once
-        kind, sched, m = item.split(":")
-        if kind not in RANKS:
-            raise SystemExit(f"--grid: unknown plan kind {kind!r} in {item!r}; use {', '.join(RANKS)}")
-        out.append((kind, RANKS[kind], Schedule(sched), int(m)))
+        kind, sched, m, *rest = item.split(":")
+        if kind not in RANKS or rest not in ([], ["compiled"]):
+            raise SystemExit(f"--grid: unknown plan {item!r}; use kind:schedule:M[:compiled], kind one of "
+                             f"{', '.join(RANKS)}")
+        out.append((kind, RANKS[kind], Schedule(sched), int(m), bool(rest)))
     return out
 
 
-def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedule, int]], link: dict[str, Any],
+def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedule, int, bool]], link: dict[str, Any],
            wait_s: float = 60.0, attempts: int = 3) -> tuple[list[Case], dict[str, Any]]:
     """The plans to measure, and what each model's profile says about the CPU (profile.devices.cpu).
 
     ``link`` is what :func:`this_host` gives ``compile``: this host's gloo link between two processes and a
     rank's baseline memory, measured once per host and cached, recorded in each profile as ``compile`` records
-    them, so the plans are priced as a user's are.
+    them, so the plans are priced as a user's are. With compiled rows in ``grid`` the profile is the one
+    ``hpml_compile.compile(..., compile_stages="on")`` makes (its eager times are the same measurement, then its
+    blocks timed compiled), and prices both kinds of row.
     """
     cases, facts = [], {}
+    compiled = any(row[4] for row in grid)
     for name in model_names:
         loaded = models.load(name, seed=0)
         # The plans are measured on a quiet machine (the workers wait for one); the profile they are predicted
@@ -223,23 +233,23 @@ def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedu
             _wait_quiet(me, wait_s)
             print(f"compiling {name} for local-cpu-2 (its profile: the user's) ...", file=sys.stderr, flush=True)
             before, t0 = _ticks(me), time.perf_counter()
-            prof = _users_profile(loaded, name, root, link)
+            prof = _users_profile(loaded, name, root, link, compiled)
             load = _load_since(before, me, time.perf_counter() - t0)
             if load <= QUIET:
                 break
             print(f"  other processes used {load:.2f} CPUs while profiling {name}", file=sys.stderr, flush=True)
         facts[name] = {**prof.devices["cpu"], "background_cpu": round(load, 3), "attempts": attempt + 1,
                        "compiled_tp": _compiled_tp(root / f"{name}-compile")}
-        graph = build_costgraph(prof)
+        graphs = {False: build_costgraph(prof), True: build_costgraph(prof, compiled=True)}
         gm = trace(loaded.module, loaded.example_inputs)
-        for label, plan, no_opt, plain in _plans(name, graph, grid, prof):
+        for label, plan, no_opt, plain in _plans(name, graphs, grid, prof):
             out = root / label.replace(" ", "_").replace("=", "")
             generate(gm, plan, out, profile=prof)
             ranks = sum(len(s.devices) for s in plan.stages)
             per_rank = tuple((st.predicted.fwd_ms + st.predicted.bwd_ms) * plan.microbatches
                              for st in plan.stages for _ in st.devices)
             cases.append(Case(label, name, ranks, str(out), plan.predicted.step_ms, predicted_bubble(plan), per_rank,
-                              no_opt, plain, max(st.tp for st in plan.stages)))
+                              no_opt, plain, max(st.tp for st in plan.stages), label.endswith(" compiled")))
     return cases, facts
 
 
@@ -251,7 +261,7 @@ def _compiled_tp(build: Path) -> list[int]:
     return [int(st.get("tp", 1)) for st in stages]
 
 
-def _users_profile(loaded: Any, name: str, root: Path, host: dict[str, Any]) -> Any:
+def _users_profile(loaded: Any, name: str, root: Path, host: dict[str, Any], compiled: bool = False) -> Any:
     """The profile ``hpml-compile compile NAME --cluster local-cpu-2`` makes (and ``hpml_compile.compile`` on this
     host): the driver's profile options (repeats, warm-up, the co-run slow-down where ranks share the host), at
     the ranks' thread count, with this host's cached link and a rank's baseline memory (:func:`this_host`)."""
@@ -262,9 +272,11 @@ def _users_profile(loaded: Any, name: str, root: Path, host: dict[str, Any]) -> 
     torch.set_num_threads(threads or before)  # as the CLI does before it compiles
     try:
         driver.compile(loaded.module, loaded.example_inputs, out, cluster=cluster, name=name,
-                       opts=driver.Options(time_limit_s=10.0, max_tp=2),
+                       opts=driver.Options(time_limit_s=10.0, max_tp=2, compiled=compiled),
                        prof_opts=driver.ProfileOptions(batch_size=loaded.batch_size, seq_len=loaded.seq_len,
-                                                       link=host.get("link"), process=host.get("process")))
+                                                       link=host.get("link"), process=host.get("process"),
+                                                       compiled=compiled),
+                       say=(lambda line: print(line, file=sys.stderr, flush=True)) if compiled else None)
     finally:
         torch.set_num_threads(before)
     return load_profile(out / "profile.json")
@@ -288,8 +300,10 @@ def _worker(rank: int, world: int, cases: list[Case], steps: int, warmup: int, o
             dist.destroy_process_group()
             init = f"file://{out}/rendezvous-{tag}?rank={rank}&world_size={world}"
         pipe = Pipeline.from_build(case.build, loaded.module, init_method=init,
-                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-        for _ in range(warmup):
+                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                   compile_stages="on" if case.compiled else "auto")
+        # a compiled stage runs its first two steps of a shape eager (they count memory), compiles on the third
+        for _ in range(warmup + (2 if case.compiled else 0)):
             pipe.step(loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
         for attempt in range(attempts):  # re-measure when another job shared the CPUs meanwhile
             if rank == 0:

@@ -37,6 +37,7 @@ from ..ir import BackwardTiming, FrontEnd, NodeCost, NodeOp, Precision, Profile,
 from ..precision import autocast
 from ..schema import read_json, write_json_atomic
 from ..trace import node_info, trace
+from .compiled import compiled_costs
 from .static import NodeFacts, Segment, analyze, segments
 from .timing import (host_facts, measure, slice_rows, time_corun, time_optimizer, time_segments, time_streams,
                      time_whole)
@@ -352,6 +353,8 @@ def profile(
     precision: Precision | str = Precision.FP32,
     corun: bool = False,
     gpu_op_us: float | None = None,
+    compiled: bool = False,
+    say: Callable[[str], None] | None = None,
 ) -> Profile:
     """Trace (unless given a traced GraphModule) and profile ``model``.
 
@@ -397,6 +400,11 @@ def profile(
             ``cost_models.EAGER_GPU_OP_MS``); e.g. 5 for stages that run
             compiled, an assumption the plan then lists
             (:func:`predict_kinds`' ``op_ms``).
+        compiled: also time the model's blocks compiled by ``torch.compile`` on the kinds measured here
+            (:mod:`.compiled`: once per kind of block; a block that does not compile keeps its eager times,
+            said in one line), recorded as each node's ``compiled`` cost, which the cost graph prices stages
+            that run compiled with (:func:`hpml_compile.costgraph.build`).
+        say: progress lines of the compiled timing, and its fallbacks (None: fallbacks as warnings).
 
     Measuring on the CPU also measures the host's memory bandwidth (one
     thread, all threads) and leaves this process keeping freed memory, as
@@ -422,11 +430,12 @@ def profile(
         measured = profile(model, example_inputs, name=name, device_kinds=here, batch_size=batch_size,
                            seq_len=seq_len, repeats=repeats, warmup=warmup, leaf_modules=leaf_modules,
                            front_end=front_end, progress=progress, loss_fn=loss_fn, targets=targets,
-                           micro_batch=micro_batch, optimizer=optimizer, threads=threads, precision=prec, corun=corun)
+                           micro_batch=micro_batch, optimizer=optimizer, threads=threads, precision=prec, corun=corun,
+                           compiled=compiled, say=say)
         return predict_kinds(measured, list(dict.fromkeys(device_kinds)), op_ms=gpu_op_us / 1e3)
     if threads is None:
         return _profile(model, example_inputs, name, device_kinds, batch_size, seq_len, repeats, warmup, leaf_modules,
-                        front_end, progress, loss_fn, targets, micro_batch, optimizer, prec, corun)
+                        front_end, progress, loss_fn, targets, micro_batch, optimizer, prec, corun, compiled, say)
     if threads < 1:
         raise HpmlError(f"profile: threads {threads}: expected a number of torch threads, 1 or more; pass the "
                         "count each rank will run with, or None for this process's")
@@ -434,7 +443,7 @@ def profile(
     torch.set_num_threads(threads)
     try:
         return _profile(model, example_inputs, name, device_kinds, batch_size, seq_len, repeats, warmup, leaf_modules,
-                        front_end, progress, loss_fn, targets, micro_batch, optimizer, prec, corun)
+                        front_end, progress, loss_fn, targets, micro_batch, optimizer, prec, corun, compiled, say)
     finally:
         torch.set_num_threads(before)
 
@@ -472,7 +481,8 @@ def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tenso
              leaf_modules: Sequence[type | str], front_end: FrontEnd | str, progress: bool,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None, targets: Any, micro_batch: int | None,
              optimizer: str | Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None,
-             precision: Precision = Precision.FP32, corun: bool = False) -> Profile:
+             precision: Precision = Precision.FP32, corun: bool = False, compiled: bool = False,
+             say: Callable[[str], None] | None = None) -> Profile:
     """:func:`profile` at this process's thread count."""
     inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     kinds = list(dict.fromkeys(device_kinds))
@@ -488,6 +498,7 @@ def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tenso
     loss = (loss_fn, targets) if loss_fn is not None else None
     opt_name, make_opt = _make_optimizer(optimizer)
     measured: dict[str, dict[str, NodeCost]] = {}
+    compiled_costs_of: dict[str, dict[str, NodeCost]] = {}
     totals: dict[str, NodeCost] = {}
     devices: dict[str, dict[str, Any]] = {}
     optimizer_ms: dict[str, float] = {}
@@ -498,6 +509,10 @@ def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tenso
                 with autocast(present[kind].type, precision, cache=False):  # each call pays its casts
                     measured[kind], totals[kind], info, got = _profile_kind(gm, inputs, present[kind], b, micro,
                                                                             loss, repeats, warmup, progress, corun)
+                    if compiled:  # the blocks as a stage that runs compiled runs them
+                        compiled_costs_of[kind], info["compiled"] = compiled_costs(
+                            gm, inputs, present[kind], measured[kind], batch=b, micro=micro if got else None,
+                            say=say or _warn_fallbacks)
                 micro_measured = micro_measured or got
                 devices[kind] = {"measured": True, "device": str(present[kind]), **info}
                 if make_opt is not None:
@@ -505,7 +520,7 @@ def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tenso
                     # a ZeRO shard is one flat tensor: its step without the per-tensor work (costgraph)
                     devices[kind]["optimizer_flat_ms"] = round(time_optimizer(
                         _unique_params(gm), present[kind], make_opt, repeats, warmup, flat=True), 4)
-    nodes = _nodes(gm, facts, measured, precision)
+    nodes = _nodes(gm, facts, measured, precision, compiled_costs_of)
     prof = Profile(
         model=name or type(model).__name__, batch_size=batch_size or b, seq_len=seq_len if seq_len else s,
         dtype=_dtype(gm), nodes=nodes, front_end=gm.meta["hpml_front_end"],
@@ -518,6 +533,12 @@ def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tenso
         precision=precision,
     )
     return predict_kinds(prof, kinds)
+
+
+def _warn_fallbacks(line: str) -> None:
+    """Without a ``say``, the compiled timing's fallback lines as warnings (its progress lines dropped)."""
+    if "priced eager" in line or "failed" in line:
+        warnings.warn(line.strip(), stacklevel=2)
 
 
 def _unique_params(gm: fx.GraphModule) -> list[torch.Tensor]:
@@ -539,7 +560,8 @@ def _wire_bytes(info: Any, precision: Precision) -> int:
 
 
 def _nodes(gm: fx.GraphModule, facts: dict[str, NodeFacts], measured: dict[str, dict[str, NodeCost]],
-           precision: Precision = Precision.FP32) -> tuple[ProfileNode, ...]:
+           precision: Precision = Precision.FP32, compiled: dict[str, dict[str, NodeCost]] | None = None
+           ) -> tuple[ProfileNode, ...]:
     out = []
     for node in gm.graph.nodes:
         info, f = node_info(node), facts[node.name]
@@ -550,6 +572,7 @@ def _nodes(gm: fx.GraphModule, facts: dict[str, NodeFacts], measured: dict[str, 
             output_bytes=_wire_bytes(info, precision), activation_bytes=f.activation_bytes, mem_bytes=f.mem_bytes,
             output_shape=info.shape, output_dtype=info.dtype, tensor_output=info.tensor_output,
             cost={k: costs[node.name] for k, costs in measured.items()},
+            compiled={k: costs[node.name] for k, costs in (compiled or {}).items() if node.name in costs},
         ))
     return tuple(out)
 

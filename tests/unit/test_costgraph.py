@@ -154,3 +154,20 @@ def test_node_records_carry_what_the_profile_says(tiny: Profile) -> None:
     assert sum(blocks.node(b).param_bytes for b in blocks.order) == cg.total("param_bytes")
     with pytest.raises(KeyError):
         cg.node("no such node")
+
+
+def test_compiled_costs_price_only_a_compiled_graph_and_survive_coarsening() -> None:
+    from dataclasses import replace
+
+    from hpml_compile.testing import chain_profile
+
+    p = chain_profile([{"cpu": (1.0, 2.0)}, {"cpu": (3.0, 4.0)}, {"cpu": (5.0, 6.0)}])
+    fast = {"n0": NodeCost(0.5, 1.0, True, fwd_fixed_ms=0.1), "n1": NodeCost(1.5, 2.5, True)}  # n2: fell back
+    p = replace(p, nodes=tuple(replace(n, compiled={"cpu": fast[n.name]}) if n.name in fast else n for n in p.nodes))
+    eager, compiled = build_costgraph(p), build_costgraph(p, compiled=True)
+    assert eager.compiled == frozenset() and compiled.compiled == frozenset({"cpu"})
+    assert [compiled.node(n).cost["cpu"] for n in ("n0", "n1", "n2")] == [(0.5, 1.0), (1.5, 2.5), (5.0, 6.0)]
+    assert compiled.node("n0").fixed_at("cpu") == (0.1, 0.0) and eager.node("n0").fixed_at("cpu") == (0.0, 0.0)
+    assert eager.total("", "cpu") == 21.0 and compiled.total("", "cpu") == 16.5
+    merged = compiled.merge([["n0", "n1"], ["n2"]])
+    assert merged.compiled == compiled.compiled and merged.node(merged.order[0]).cost["cpu"] == (2.0, 3.5)

@@ -24,10 +24,11 @@ and the other steps run compiled, with no hook at all. The count is then of the 
 what a compiled stage saves can differ (inductor recomputes cheap pointwise ops rather than save them, so
 usually less), which the memory model does not yet separate.
 
-The profile still times the model's blocks eager, so a plan's prediction is of uncompiled stages. Timing
-each block compiled does not stand for a compiled stage: a compiled call pays its guards and wrapper (about
-50 us a call on a CPU) once per block, where a stage pays it once per graph, which for a model of many
-small blocks is more than the blocks' own time.
+Where CPU stages will run compiled (:func:`hpml_compile.compile` with ``compile_stages="on"``), the profile
+also times each kind of block compiled (:mod:`hpml_compile.profile.compiled`) and the plan is priced at those
+times. A compiled call pays its guards and wrapper (tens of microseconds on a CPU) once per block timed alone,
+where a stage pays it once per graph: the profile measures it on a trivial function and takes it off each
+block. Elsewhere (``hpml-compile compile``, then ``run --compile-stages on``) the plan prices eager stages.
 
 The default (``auto``): compiled on CUDA devices, uncompiled on CPUs. On a GPU a small op's launch and
 Python dispatch is the step (``cost_models/catalog.py``'s ``EAGER_GPU_OP_MS``), which fused kernels remove;
