@@ -65,6 +65,9 @@ FIXES: dict[str, str] = {
     "RanksLost": "Ranks died during a step. With `live=True` the survivors go on in place when every lost rank "
                  "was one replica of a replicated stage (plain data parallel); otherwise resume from the last "
                  "checkpoint (`run --adapt` does this by itself) on the devices left.",
+    "LeadLost": "Host 0 of a multi-host `run --adapt` was lost before the other hosts could take over (before "
+                "every host had announced itself, or a second time). The checkpoints in `--run-dir` are intact: "
+                "start the hosts left with the same `--run-dir`, one of them as host 0, to resume.",
     "HandoffError": "A rank of the generator exited or stopped answering: see the first error of the other "
                     "ranks (often out of memory), fix it and start again; `serve` re-places the model by itself.",
     "JoinRefused": "The running job has no place for this process: name a device of the plan's cluster that no "
