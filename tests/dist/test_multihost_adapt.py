@@ -86,47 +86,81 @@ def _job_processes(run: Path) -> list[psutil.Process]:
     return found
 
 
-def test_a_lost_host_is_planned_out_and_the_job_resumes_on_the_host_left(tmp_path: Path) -> None:
-    (tmp_path / "train.py").write_text(SPEC)
-    build = tmp_path / "build"
-    assert main(["compile", f"{tmp_path / 'train.py'}:spec", "--cluster", "local-cpu-2", "--solver", "uniform",
-                 "--microbatches", "2", "--repeats", "1", "-o", str(build)]) == 0
-    assert [st.devices for st in load_plan(build / "plan.json").stages] == [("cpu0",), ("cpu1",)]
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The job's build: 2 stages, cpu0 then cpu1 (each test runs it in a run folder of its own)."""
+    here = tmp_path_factory.mktemp("build")
+    (here / "train.py").write_text(SPEC)
+    out = here / "build"
+    assert main(["compile", f"{here / 'train.py'}:spec", "--cluster", "local-cpu-2", "--solver", "uniform",
+                 "--microbatches", "2", "--repeats", "1", "-o", str(out)]) == 0
+    assert [st.devices for st in load_plan(out / "plan.json").stages] == [("cpu0",), ("cpu1",)]
+    return out
+
+
+def _kill_a_host_mid_run(build: Path, run: Path, kill: int) -> tuple[str, int, list[psutil.Process], str]:
+    """Start both hosts (the one to be killed slowed from step 9), kill host ``kill``'s agent and its ranks once
+    step 10 is done (past the checkpoint of step 8), and wait for the host left.
+
+    Returns:
+        The host left's output, its exit status, the processes killed, and the job's first store endpoint.
+    """
     endpoint = f"localhost:{free_port()}"
 
     def host(rank: int) -> subprocess.Popen[str]:
         return subprocess.Popen(
             [*CLI, "run", str(build), "--adapt", "--no-replan-on-imbalance", "--epochs", "1", "--checkpoint-every",
-             "4", "--log-samples", "--retries", "1", "--slow", "1:300:9", "--nnodes", "2", "--node-rank", str(rank),
-             "--rdzv-endpoint", endpoint, "--host-timeout", "3", "--run-dir", str(run), "--no-report",
+             "4", "--log-samples", "--retries", "1", "--slow", f"{kill}:300:9", "--nnodes", "2", "--node-rank",
+             str(rank), "--rdzv-endpoint", endpoint, "--host-timeout", "3", "--run-dir", str(run), "--no-report",
              "--no-tensorboard"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), stdin=subprocess.DEVNULL)
 
-    lead, other = host(0), host(1)
+    hosts = [host(0), host(1)]
+    victim, left = hosts[kill], hosts[1 - kill]
     killed: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 240
-        while _steps_done(run / "seg0") < 10:  # past the checkpoint of step 8
-            if lead.poll() is not None or other.poll() is not None or time.monotonic() > deadline:
-                for p in (lead, other):
+        while _steps_done(run / "seg0") < 10:
+            if any(p.poll() is not None for p in hosts) or time.monotonic() > deadline:
+                for p in hosts:
                     if p.poll() is None:
                         p.kill()
-                said = [p.communicate()[0] for p in (lead, other)]
+                said = [p.communicate()[0] for p in hosts]
                 pytest.fail(f"segment 0 did not reach step 10 with both hosts running:\n{said[0]}\n---\n{said[1]}")
             time.sleep(0.02)
-        agent = psutil.Process(other.pid)
+        agent = psutil.Process(victim.pid)
         killed = [agent, *agent.children(recursive=True)]
         assert len(killed) >= 2  # the agent and its rank (torchrun's workers are its children)
         for p in killed:
             p.send_signal(signal.SIGKILL)
-        out, _ = lead.communicate(timeout=300)
+        out, _ = left.communicate(timeout=300)
     finally:
-        for p in (lead, other):
+        for p in hosts:
             if p.poll() is None:
                 p.kill()
-        other.wait()
-    assert lead.returncode == 0, out + "\n---\n" + (other.stdout.read() if other.stdout else "")
+        victim.wait()
+    return out, left.returncode, killed, endpoint
+
+
+def _trained_once(run: Path, resumed: int) -> None:
+    """The steps whose updates survive trained the epoch's 128 items once each."""
+    first, second = _batches(run / "seg0"), _batches(run / "seg1")
+    assert sorted(second) == list(range(resumed, 16))
+    survived = [i for b in range(resumed) for i in first[b]] + [i for b in range(resumed, 16) for i in second[b]]
+    assert sorted(survived) == list(range(128))
+
+
+def _nothing_left(run: Path, killed: list[psutil.Process]) -> None:
+    """Nothing of the job is left: the killed tree, and every agent and rank that named the run folder."""
+    time.sleep(0.5)
+    assert not [p.pid for p in killed if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not [p.pid for p in _job_processes(run) if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_lost_host_is_planned_out_and_the_job_resumes_on_the_host_left(build: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    out, code, killed, _ = _kill_a_host_mid_run(build, run, kill=1)
+    assert code == 0, out
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     lost = [e for e in events if e["event"] == "failure"]
     assert [(e["cause"], e["host"], e["devices"], e["dropped"]) for e in lost] == [("host lost", 1, ["cpu1"], True)]
@@ -138,11 +172,7 @@ def test_a_lost_host_is_planned_out_and_the_job_resumes_on_the_host_left(tmp_pat
     assert [st.devices for st in load_plan(new_build / "plan.json").stages] == [("cpu0",)]  # a new plan, host 0
     assert "host(s) 1 lost" in out and "re-planned for 1 device(s) without cpu1" in out
 
-    # each item trained once by the steps whose updates survive
-    first, second = _batches(run / "seg0"), _batches(run / "seg1")
-    assert sorted(second) == list(range(resumed, 16))
-    survived = [i for b in range(resumed) for i in first[b]] + [i for b in range(resumed, 16) for i in second[b]]
-    assert sorted(survived) == list(range(128))
+    _trained_once(run, resumed)
 
     # the resumed losses equal a plain run of the new build from a copy of the same checkpoint
     ckpt = Path(segments[1]["resume_from"])
@@ -158,53 +188,15 @@ def test_a_lost_host_is_planned_out_and_the_job_resumes_on_the_host_left(tmp_pat
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-7), step
 
-    # nothing of the job is left: the killed tree, and every agent and rank that named the run folder
-    time.sleep(0.5)
-    assert not [p.pid for p in killed if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not [p.pid for p in _job_processes(run) if p.status() != psutil.STATUS_ZOMBIE]
+    _nothing_left(run, killed)
 
 
-def test_a_lost_host_0_is_taken_over_by_the_host_left(tmp_path: Path) -> None:
+def test_a_lost_host_0_is_taken_over_by_the_host_left(build: Path, tmp_path: Path) -> None:
     """Host 0 holds the job's store and decides; killed with its rank, host 1 opens a store of its own, re-plans
     for cpu1 alone and resumes from the last checkpoint, each item still trained once."""
-    (tmp_path / "train.py").write_text(SPEC)
-    build = tmp_path / "build"
-    assert main(["compile", f"{tmp_path / 'train.py'}:spec", "--cluster", "local-cpu-2", "--solver", "uniform",
-                 "--microbatches", "2", "--repeats", "1", "-o", str(build)]) == 0
     run = tmp_path / "run"
-    endpoint = f"localhost:{free_port()}"
-
-    def host(rank: int) -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [*CLI, "run", str(build), "--adapt", "--no-replan-on-imbalance", "--epochs", "1", "--checkpoint-every",
-             "4", "--log-samples", "--retries", "1", "--slow", "0:300:9", "--nnodes", "2", "--node-rank", str(rank),
-             "--rdzv-endpoint", endpoint, "--host-timeout", "3", "--run-dir", str(run), "--no-report",
-             "--no-tensorboard"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), stdin=subprocess.DEVNULL)
-
-    lead, other = host(0), host(1)
-    killed: list[psutil.Process] = []
-    try:
-        deadline = time.monotonic() + 240
-        while _steps_done(run / "seg0") < 10:  # past the checkpoint of step 8
-            if lead.poll() is not None or other.poll() is not None or time.monotonic() > deadline:
-                for p in (lead, other):
-                    if p.poll() is None:
-                        p.kill()
-                said = [p.communicate()[0] for p in (lead, other)]
-                pytest.fail(f"segment 0 did not reach step 10 with both hosts running:\n{said[0]}\n---\n{said[1]}")
-            time.sleep(0.02)
-        agent = psutil.Process(lead.pid)
-        killed = [agent, *agent.children(recursive=True)]
-        for p in killed:
-            p.send_signal(signal.SIGKILL)
-        out, _ = other.communicate(timeout=300)
-    finally:
-        for p in (lead, other):
-            if p.poll() is None:
-                p.kill()
-        lead.wait()
-    assert other.returncode == 0, out
+    out, code, killed, endpoint = _kill_a_host_mid_run(build, run, kill=0)
+    assert code == 0, out
     assert "taking over the job's decisions" in out and "re-planned for 1 device(s) without cpu0" in out
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     lost = [e for e in events if e["event"] == "failure"]
@@ -217,10 +209,5 @@ def test_a_lost_host_0_is_taken_over_by_the_host_left(tmp_path: Path) -> None:
     assert events[-1]["event"] == "done"
     resumed = int(Path(segments[1]["resume_from"]).name.split("_")[1])
     assert resumed in (8, 12)
-    first, second = _batches(run / "seg0"), _batches(run / "seg1")
-    assert sorted(second) == list(range(resumed, 16))
-    survived = [i for b in range(resumed) for i in first[b]] + [i for b in range(resumed, 16) for i in second[b]]
-    assert sorted(survived) == list(range(128))
-    time.sleep(0.5)
-    assert not [p.pid for p in killed if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not [p.pid for p in _job_processes(run) if p.status() != psutil.STATUS_ZOMBIE]
+    _trained_once(run, resumed)
+    _nothing_left(run, killed)
