@@ -78,3 +78,18 @@ def test_the_plan_says_whether_the_split_was_measured(measured) -> None:
         k: v for k, v in prof.devices["cpu"].items() if k != "split"}})
     said = {a.name: a.source for a in assumptions(plan, bare)}
     assert said["backward split (zb-h1)"].startswith("assumed")
+
+
+def test_the_path_bound_takes_each_nodes_measured_share_and_holds_for_the_plan(measured) -> None:
+    """The certificate's path back charges each node's measured input-gradient part: less of it the larger the
+    weight share, and never more than the ZB-H1 plan priced with the same figures takes."""
+    from hpml_compile.certify import row_bound
+    from hpml_compile.simulate import annotate
+
+    gm, prof = measured
+    plan = split_plan(gm, "toy", 2, microbatches=4, schedule=Schedule.ZB_H1)
+    small, large = build(_with_split(prof, 0.1, 0.0)), build(_with_split(prof, 0.9, 0.0))
+    assert row_bound(large, plan.cluster, split=True) < row_bound(small, plan.cluster, split=True)
+    for graph in (small, large):
+        priced, _ = annotate(plan, graph)
+        assert row_bound(graph, plan.cluster, split=True) <= priced.predicted.step_ms
