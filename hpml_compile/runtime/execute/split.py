@@ -33,7 +33,8 @@ where a parameter's path reaches the stage's outputs without meeting its
 inputs (a value sent on that depends on parameters only): ``W`` would run
 the send's backward a second time, so the whole backward runs at ``I``. The
 check walks the autograd graph once more per microbatch (Python, one visit
-per node). A recomputed region (``ops.checkpoint``) runs its forward again
+per node): the profile times that cost with the two parts of each block
+(:mod:`hpml_compile.profile.split`), and the simulator adds it to the backward. A recomputed region (``ops.checkpoint``) runs its forward again
 for each part that unpacks its saved tensors: twice, once for ``I`` and once
 for ``W`` (the simulator prices it so).
 
