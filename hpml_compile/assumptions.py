@@ -22,7 +22,9 @@ and plan.json carries them (``assumptions``):
   wait for the latest of more than two replicas; or, where the profile has no
   probe figures, that nothing is priced for the wait.
 - under ZB-H1, the split of each backward into its input- and weight-gradient
-  parts (the profile times the backward whole: ``stagecost.WEIGHT_SHARE``).
+  parts: measured per block by the profile (:mod:`hpml_compile.profile.split`),
+  a stage's taken as the sum of its blocks'; where a kind was not measured,
+  ``stagecost.WEIGHT_SHARE`` and no cost of the split's own.
 - a tensor-parallel stage on CPU ranks whose link has no fit of gloo's
   all-reduce after compute (``tp_reduce``: the probe of an older profile did
   not time it): its layers' all-reduces are priced on the link's own fit.
@@ -69,7 +71,7 @@ def assumptions(plan: Plan, prof: Profile, *, compiled: bool = False) -> tuple[A
     """
     used = [plan.cluster.device(d) for st in plan.stages for d in st.devices]
     return (*_speeds(used, prof), *_links(plan.cluster, used), *_overlaps(plan), *_optimizer(prof),
-            *_replicated_steps(plan, prof), *_split(plan), *_tensor_parallel(plan),
+            *_replicated_steps(plan, prof), *_split(plan, prof), *_tensor_parallel(plan),
             *(_compiled(used, prof) if compiled else ()))
 
 
@@ -202,13 +204,27 @@ def _replicated_steps(plan: Plan, prof: Profile) -> list[Assumption]:
                               "expected maximum of normal draws", "measured between two ranks of this host; more "
                               "replicas not measured (hpml_compile.stagecost.skew_wait_ms)"))
     return out
-def _split(plan: Plan) -> list[Assumption]:
+def _split(plan: Plan, prof: Profile) -> list[Assumption]:
+    """ZB-H1's split of each backward: measured per block by the profile (the stage's the sum of its blocks'), or
+    where a kind the plan uses was not measured, :data:`hpml_compile.stagecost.WEIGHT_SHARE` and no cost of its
+    own."""
     if plan.schedule is not Schedule.ZB_H1:
         return []
+    kinds = sorted({plan.cluster.device(d).kind for st in plan.stages for d in st.devices})
+    facts = [(prof.devices.get(k) or {}).get("split") or {} for k in kinds]
+    if kinds and all(f.get("blocks") for f in facts):
+        shares = [b[1] for f in facts for b in f["blocks"]]
+        extra = max(sum(b[2] for b in f["blocks"]) for f in facts)
+        return [Assumption("backward split (zb-h1)",
+                           f"weight-gradient part {min(shares):.2f}-{max(shares):.2f} of a block's backward, the "
+                           f"split's own cost {extra:.3g} ms per microbatch over the whole model",
+                           f"measured per block at {facts[0].get('rows')} rows, each block alone "
+                           "(hpml_compile.profile.split); a stage's is the sum of its blocks'")]
     return [Assumption("backward split (zb-h1)",
                        f"weight-gradient part = {WEIGHT_SHARE:g} of each backward's compute, input-gradient part the "
-                       "rest with the tensor-parallel collectives",
-                       "assumed: the profile times each backward whole")]
+                       "rest with the tensor-parallel collectives; the split's own cost not priced",
+                       "assumed: the profile did not time the split on "
+                       + ", ".join(k for k, f in zip(kinds, facts) if not f.get("blocks")))]
 
 
 def _tensor_parallel(plan: Plan) -> list[Assumption]:

@@ -21,9 +21,9 @@ charges at least:
 A plan with local SGD or an offloaded optimizer steps where (or when) the
 phase bound does not assume, so its certificate uses the forward and backward
 alone. The planner makes ZB-H1 plans too, whose path back runs each
-backward's input-gradient part only (the weight-gradient part, at least
-:data:`hpml_compile.stagecost.WEIGHT_SHARE` of the backward's compute, waits
-off the path), so the certificate's path terms (:func:`row_bound`,
+backward's input-gradient part only (the weight-gradient part, each node's
+measured share of the backward where the profile timed the split, else
+:data:`hpml_compile.stagecost.WEIGHT_SHARE` of it, waits off the path), so the certificate's path terms (:func:`row_bound`,
 :func:`fixed_bound` with ``split``) charge that part of each backward only:
 no plan, of any schedule, beats the bound. Where no bound holds (a step of zero, a bound above the step) there is
 no certificate, said as such rather than replaced by a proxy figure.
@@ -128,9 +128,18 @@ def spread_bound(work: list[tuple[float, float]]) -> float:
     return hi
 
 
-def _back(split: bool) -> float:
-    """The share of a backward on a microbatch's path back: all of it, or (ZB-H1) its input-gradient part's least."""
-    return 1.0 - WEIGHT_SHARE if split else 1.0
+def _back(split: bool, graph: CostGraph | None = None, node: str = "", kind: str = "") -> float:
+    """The share of a backward on a microbatch's path back: all of it, or (ZB-H1) its input-gradient part's least:
+    of ``node`` on ``kind`` where the profile measured its split (:mod:`hpml_compile.profile.split`; the split's
+    own cost only adds to the path, so it is left out), else :data:`hpml_compile.stagecost.WEIGHT_SHARE`'s rest."""
+    if not split:
+        return 1.0
+    if graph is not None:
+        rec = graph.node(node)
+        got, full = rec.split.get(kind), rec.cost[kind][1]
+        if got is not None and full > 0:
+            return 1.0 - min(1.0, got[0] / full)
+    return 1.0 - WEIGHT_SHARE
 
 
 def row_bound(graph: CostGraph, cluster: Cluster, split: bool = False) -> float:
@@ -147,11 +156,11 @@ def row_bound(graph: CostGraph, cluster: Cluster, split: bool = False) -> float:
     ``split``: over ZB-H1 plans too, whose path back holds each backward's input-gradient part only (module
     docstring).
     """
-    cap, back = tp_cap(cluster), _back(split)
+    cap = tp_cap(cluster)
 
     def path(n: str, kind: str) -> float:
         fwd, bwd = graph.cost_at(n, kind, 1.0 / (graph.batch_size * tp_limit(graph, n, cap)))
-        return fwd + back * bwd
+        return fwd + _back(split, graph, n, kind) * bwd
 
     return min(sum(path(n, kind) for n in graph.order) for kind in {d.kind for d in cluster.devices})
 
@@ -221,15 +230,16 @@ def fixed_bound(graph: CostGraph, cluster: Cluster, optimizer: bool = True, spli
     3.0
     """
     kinds = {d.kind for d in cluster.devices}
-    devices, batch, cap, back = len(cluster.devices), graph.batch_size, tp_cap(cluster), _back(split)
+    devices, batch, cap = len(cluster.devices), graph.batch_size, tp_cap(cluster)
     parts = []
     for n in graph.order:
         none = {k: graph.cost_at(n, k, 0.0) for k in kinds}  # (fwd, bwd): the fixed parts
         full = {k: graph.cost_at(n, k, 1.0) for k in kinds}
+        back = {k: _back(split, graph, n, k) for k in kinds}
         f = min(sum(none[k]) for k in kinds)
         w = min(sum(full[k]) - sum(none[k]) for k in kinds)
-        fp = min(none[k][0] + back * none[k][1] for k in kinds)  # the path's (all of it, unless split)
-        wp = min(full[k][0] - none[k][0] + back * (full[k][1] - none[k][1]) for k in kinds)
+        fp = min(none[k][0] + back[k] * none[k][1] for k in kinds)  # the path's (all of it, unless split)
+        wp = min(full[k][0] - none[k][0] + back[k] * (full[k][1] - none[k][1]) for k in kinds)
         parts.append((f, w, fp, wp, batch * tp_limit(graph, n, cap)))
 
     def at(lam: float) -> float:

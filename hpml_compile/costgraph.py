@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from .ir import CostGraphNode, NodeOp, Profile, base_kind
 from .memory import process_bytes
@@ -169,7 +169,8 @@ class CostGraph:
         if rec is None:
             a = self.graph.nodes[name]
             rec = CostGraphNode(a["members"], a["cost"], a["params"], a["scope"], a["op"],
-                                *(a[f] for f in _SIZE_ATTRS), fixed=a.get("fixed", {}), shard=a.get("shard", {}))
+                                *(a[f] for f in _SIZE_ATTRS), fixed=a.get("fixed", {}), shard=a.get("shard", {}),
+                                split=a.get("split", {}))
             self._records[name] = rec
         return rec
 
@@ -260,6 +261,32 @@ class CostGraph:
         fwd, bwd = rec.cost[kind]
         ff, bf = rec.fixed_at(kind)
         return ff + (fwd - ff) * fraction, bf + (bwd - bf) * fraction
+
+    def split_at(self, nodes: Sequence[str], kinds: Sequence[str], fraction: float
+                 ) -> tuple[float, float, float] | None:
+        """ZB-H1's measured split of the backward of ``nodes`` (a stage's) for a slice holding ``fraction`` of the
+        rows, on the first of ``kinds`` the profile measured it for (:mod:`hpml_compile.profile.split`).
+
+        Args:
+            nodes: graph nodes.
+            kinds: the stage's device kinds.
+            fraction: the slice's share of the batch rows.
+
+        Returns:
+            ``(weight share of the backward's compute, extra ms, the extra's weight-gradient ms)`` per microbatch;
+            None where no kind was measured for every node.
+        """
+        kind = next((k for k in kinds if nodes and all(k in self.node(n).split for n in nodes)), None)
+        if kind is None:
+            return None
+        weight = total = extra = extra_weight = 0.0
+        for n in nodes:
+            rec = self.node(n)
+            full, (w, x, xw) = rec.cost[kind][1], rec.split[kind]
+            _, b = self.cost_at(n, kind, fraction)
+            weight += w / full * b if full > 0 else 0.0
+            total, extra, extra_weight = total + b, extra + x, extra_weight + xw
+        return (weight / total if total > 0 else 0.0), extra, extra_weight
 
     def optimizer_ms_per_byte(self, kind: str, flat: bool = False) -> float:
         """Optimizer-step ms per parameter byte on ``kind`` (its base kind for a variant), 0 when not modelled;
@@ -451,6 +478,9 @@ def _merge_attrs(nodes: list[dict[str, Any]], kinds: tuple[str, ...]) -> dict[st
     if any(f != (0.0, 0.0) for f in fixed):
         out["fixed"] = {k: (sum(n.get("fixed", {}).get(k, (0.0, 0.0))[0] for n in nodes),
                             sum(n.get("fixed", {}).get(k, (0.0, 0.0))[1] for n in nodes)) for k in kinds}
+    split = [k for k in kinds if all(k in n.get("split", {}) for n in nodes)]
+    if split:  # each of the three parts adds up
+        out["split"] = {k: tuple(sum(n["split"][k][i] for n in nodes) for i in range(3)) for k in split}
     degrees = sorted({t for n in nodes for t in n.get("shard", {})})
     if degrees:
         out["shard"] = {t: ShardPart.add([n["shard"][t] for n in nodes if t in n.get("shard", {})], kinds)
@@ -459,6 +489,28 @@ def _merge_attrs(nodes: list[dict[str, Any]], kinds: tuple[str, ...]) -> dict[st
     out["params"] = tuple(dict.fromkeys(p for n in nodes for p in n["params"]))
     out["scope"] = nodes[0]["scope"]
     out["op"] = nodes[0]["op"] if len(nodes) == 1 else "block"
+    return out
+
+
+def _split_parts(profile: Profile) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """Per fx node, ``{kind: (weight_ms, extra_ms, extra_weight_ms)}`` from the profile's measured ZB-H1 split
+    (``devices[kind]["split"]``, :func:`hpml_compile.profile.split.split_facts`): a block's weight share applied to
+    each of its nodes' backward, its extra cost (and that cost's weight share) spread evenly over its nodes. A
+    block runs from its first node to the next block's; the nodes before the first block (placeholders) get
+    zeros."""
+    out: dict[str, dict[str, tuple[float, float, float]]] = {}
+    pos = {n.name: i for i, n in enumerate(profile.nodes)}
+    for kind, facts in profile.devices.items():
+        blocks = [b for b in (facts.get("split") or {}).get("blocks", []) if b[0] in pos]
+        if kind not in profile.device_kinds or not blocks:
+            continue
+        for n in profile.nodes[:pos[blocks[0][0]]]:  # placeholders: no backward of their own
+            out.setdefault(n.name, {})[kind] = (0.0, 0.0, 0.0)
+        starts = [pos[b[0]] for b in blocks] + [len(profile.nodes)]
+        for (_, share, extra), lo, hi in zip(blocks, starts, starts[1:]):
+            for n in profile.nodes[lo:hi]:
+                each = float(extra) / (hi - lo)
+                out.setdefault(n.name, {})[kind] = (float(share) * n.cost[kind].bwd_ms, each, float(share) * each)
     return out
 
 
@@ -488,6 +540,7 @@ def build(profile: Profile, compiled: bool = False) -> CostGraph:
     g = nx.DiGraph()
     tensor_out: dict[str, bool] = {}
     tp = analyze_tp(profile)
+    split = _split_parts(profile)
     for n in profile.nodes:
         parts = {t: part for t in TP_DEGREES if (part := tp.part(n, t, kinds)) is not None}
         g.add_node(
@@ -500,6 +553,7 @@ def build(profile: Profile, compiled: bool = False) -> CostGraph:
             op=n.op.value,
             **{a: getattr(n, a) for a in _SIZE_ATTRS},
             **({"shard": parts} if parts else {}),
+            **({"split": split[n.name]} if n.name in split else {}),
         )
         for inp in n.inputs:  # inputs precede n (Profile checks it), so they are nodes already
             size = g.nodes[inp]["output_bytes"]

@@ -436,6 +436,9 @@ class CostGraphNode:
             costs in full (a kind absent: 0).
         shard: ``{tp: hpml_compile.tp.ShardPart}``: what a tensor-parallel degree divides of the members and
             the collectives it adds (a degree absent: nothing shards at it).
+        split: ``{kind: (weight_ms, extra_ms, extra_weight_ms)}``, ZB-H1's backward split as the profile measured
+            it (:mod:`hpml_compile.profile.split`): the weight-gradient part of ``cost``'s backward, the split's
+            own cost per microbatch, and that cost's weight-gradient part (a kind absent: not measured).
 
     Raises:
         ValueError: for a node without members.
@@ -458,6 +461,7 @@ class CostGraphNode:
     mem_bytes: int
     fixed: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     shard: Mapping[int, Any] = field(default_factory=dict)
+    split: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.members:

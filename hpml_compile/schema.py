@@ -133,6 +133,14 @@ _DEVICE_INFO = {
                                         "type": "array", "items": _NUM}},
                                     "fallbacks": {"type": "object", "additionalProperties": _STR}},
                      "additionalProperties": False},
+        # each block's ZB-H1 split: [first node, weight-gradient share, extra ms per microbatch] (profile/split.py)
+        "split": {"type": "object",
+                  "properties": {"rows": _INT, "skipped": _STR,
+                                 "blocks": {"type": "array", "items": {
+                                     "type": "array", "minItems": 3, "maxItems": 3,
+                                     "items": [_STR, {"type": "number", "minimum": 0, "maximum": 1},
+                                                     {"type": "number", "minimum": 0}]}}},
+                  "additionalProperties": False},
         "predicted_from": _STR,
         "op_ms": _NUM,  # the per-op host cost the GPU predictions were given (profile.predict_kinds)
         "calibration_fwd": _CALIBRATION,

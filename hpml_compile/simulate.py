@@ -11,10 +11,12 @@ for, and a weight-gradient part that only its own stage does, later): a
 ``SEND`` posts its values when the compute before it ends, a ``RECV`` waits
 until they have crossed the link, and a compute starts when its stage is free
 and its receive is done. Under ZB-H1 a stage's activations are held until the
-weight-gradient part ends; the profile times the backward whole, so the weight
-part is taken as :data:`hpml_compile.stagecost.WEIGHT_SHARE` of its compute (an
-assumption the plan lists; a tensor-parallel stage's backward collectives,
-the all-reduces of its inputs' gradients, belong to the input-gradient part). We write this small list scheduler rather than use
+weight-gradient part ends; its share of the backward's compute, and the split's
+own cost per microbatch (the extra walk of the autograd graph), are the
+profile's measurement of each block (:mod:`hpml_compile.profile.split`), or
+where not measured :data:`hpml_compile.stagecost.WEIGHT_SHARE` and nothing (an
+assumption the plan lists); a tensor-parallel stage's backward collectives,
+the all-reduces of its inputs' gradients, belong to the input-gradient part. We write this small list scheduler rather than use
 ``torch.distributed.pipelining``'s ``_simulate_comms_compute`` because that
 one has no durations, links or memory.
 
@@ -452,7 +454,12 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         fwd_stream, bwd_stream = stream_ms(fwd, bwd, params, acts * most * m * d if st.rows else acts, m, d, rate)
         # ZB-H1: the last microbatch's weight part is the last backward work the sync could overlap
         # (its share of the compute: the tensor-parallel collectives belong to the input-gradient part)
-        weight = weight_part_ms(bwd, comm_ms=tp_bwd) if plan.schedule is Schedule.ZB_H1 else 0.0
+        weight = 0.0
+        if plan.schedule is Schedule.ZB_H1:  # as the profile measured the split where it did (plus its own cost)
+            split = graph.split_at(nodes, kinds, most if st.rows else 1.0 / (m * d))
+            weight = weight_part_ms(bwd, comm_ms=tp_bwd) if split is None else \
+                weight_part_ms(bwd, split[0], comm_ms=tp_bwd) + split[2]
+            bwd += split[1] if split is not None else 0.0
         sync, gather = _sync_cost(plan, graph, st, nodes, params, group, host, dtype, rate, weight or bwd, hier, m,
                                   fwd_ms=fwd)
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms), sync - gather + copy,

@@ -69,6 +69,7 @@ from hpml_compile.costgraph import CostGraph
 from hpml_compile.costgraph import build as build_costgraph
 from hpml_compile.driver import profile_links
 from hpml_compile.memory import ZeroStage
+from hpml_compile.ir import Precision
 from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.profile.timing import host_facts
 from hpml_compile.runtime import Pipeline, spawn_ranks
@@ -173,7 +174,7 @@ def _plans(name: str, graphs: dict[bool, CostGraph], steps: list[tuple[str, int,
         st: tuple[Stage, ...]
         if kind == "pipe":
             st = (Stage(0, ("cpu0",), first), Stage(1, ("cpu1",), second))
-        elif kind == "dp":
+        elif kind in ("dp", "dpbf16"):  # dpbf16: the gradient all-reduce in bf16 (--reduce-dtype bf16)
             st = (Stage(0, ("cpu0", "cpu1"), every),)
         elif kind == "zero1":  # the same, ZeRO-1: gloo's reduce-scatter + all-gather, priced by their own fits
             st = (Stage(0, ("cpu0", "cpu1"), every, zero=ZeroStage.OS),)
@@ -186,21 +187,24 @@ def _plans(name: str, graphs: dict[bool, CostGraph], steps: list[tuple[str, int,
         else:
             st = (Stage(0, ("cpu0",), every),)
         cluster = profile_links(load_cluster(f"local-cpu-{devices}"), prof)  # this host's link, as `compile` uses
-        plan, r = annotate(Plan(name, cluster, sched, m, st), graph)
+        wire = Precision.BF16 if kind == "dpbf16" else Precision.FP32
+        plan, r = annotate(Plan(name, cluster, sched, m, st, reduce_dtype=wire), graph)
         plain = simulate(plan, dataclasses.replace(graph, coruns={})).step_ms
         out.append((f"{name} {kind} {sched.value} M={m}{' compiled' if compiled else ''}", plan,
                     r.step_without_optimizer_ms, plain))
     return out
 
 
-RANKS = {"pipe": 2, "dp": 2, "zero1": 2, "dp4": 4, "single": 1, "tp2": 2, "tp2pipe": 4}  # the ranks of each kind
+# the ranks of each kind
+RANKS = {"pipe": 2, "dp": 2, "dpbf16": 2, "zero1": 2, "dp4": 4, "single": 1, "tp2": 2, "tp2pipe": 4}
 TP_KINDS = {"tp2": 2, "tp2pipe": 2}  # kinds with tensor-parallel stages, and their degree
 GRID = ("pipe:gpipe:2,pipe:gpipe:4,pipe:1f1b:2,pipe:1f1b:4,pipe:1f1b:8,dp:gpipe:1,zero1:gpipe:1,dp4:gpipe:1,"
-        "single:gpipe:1,tp2:gpipe:1,tp2pipe:1f1b:2,single:gpipe:1:compiled,pipe:1f1b:2:compiled")
+        "single:gpipe:1,tp2:gpipe:1,tp2pipe:1f1b:2,single:gpipe:1:compiled,pipe:1f1b:2:compiled,pipe:zb-h1:4,"
+        "dpbf16:gpipe:1")
 
 
 def _grid(text: str) -> list[tuple[str, int, Schedule, int, bool]]:
-    """``kind:schedule:M[:compiled],...`` (kind: pipe | dp | zero1 | dp4 | single | tp2 | tp2pipe) as
+    """``kind:schedule:M[:compiled],...`` (kind: pipe | dp | dpbf16 | zero1 | dp4 | single | tp2 | tp2pipe) as
     ``(kind, ranks, schedule, M, compiled)``; ``compiled``: its stages run compiled by torch.compile."""
     out = []
     for item in dict.fromkeys(text.split(",")):  # a plan named twice is measured once

@@ -38,6 +38,7 @@ from ..precision import autocast
 from ..schema import read_json, write_json_atomic
 from ..trace import node_info, trace
 from .compiled import compiled_costs
+from .split import split_facts
 from .static import NodeFacts, Segment, analyze, segments
 from .timing import (host_facts, measure, slice_rows, time_corun, time_optimizer, time_segments, time_streams,
                      time_whole)
@@ -297,6 +298,7 @@ def _profile_kind(gm: fx.GraphModule, inputs: tuple[Any, ...], device: torch.dev
     if not micro or micro >= batch:
         if corun:
             info["corun"] = _corun(gm, inputs, device)
+        info["split"] = split_facts(gm, inputs, device, batch)
         return costs, whole, info, False
     small_inputs = tuple(slice_rows(x, batch, micro) for x in inputs)
     small_loss = (loss[0], slice_rows(loss[1], batch, micro)) if loss else None
@@ -309,6 +311,7 @@ def _profile_kind(gm: fx.GraphModule, inputs: tuple[Any, ...], device: torch.dev
         return costs, whole, info, False
     if corun:
         info["corun"] = _corun(gm, small_inputs, device)
+    info["split"] = split_facts(gm, small_inputs, device, micro)
     info["scaled_to_whole_micro"] = small_facts["scaled_to_whole"]
     info["remeasured"] = info.get("remeasured", 0) + small_facts.get("remeasured", 0)
     if "scale_note" in small_facts:

@@ -503,7 +503,16 @@ def time_segments(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Seq
     Returns:
         Per segment, ``(forward samples, backward samples)`` in ms, one of each per timed pass.
     """
-    dev = torch.device(device)
+    got = _passes(gm, example_inputs, groups, torch.device(device), [False] * (warmup + passes), warmup, timer)
+    return [(f, b) for f, b, _ in got]
+
+
+def _passes(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Sequence[Sequence[str]], dev: torch.device,
+            modes: Sequence[bool], warmup: int, timer: Timer | None
+            ) -> list[tuple[list[float], list[float], list[float]]]:
+    """:func:`time_segments`'s passes, one per entry of ``modes`` (True: the backward split,
+    :func:`_segment_pass`), the first ``warmup`` untimed: per segment, forward, backward (split: its
+    input-gradient part) and weight-gradient part (else zeros) samples in ms."""
     timer = timer or Timer(dev)
     inputs = tuple(_to_device(x, dev) for x in example_inputs)
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -516,19 +525,19 @@ def time_segments(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Seq
     placeholders = [n for n in order if n.op == "placeholder"]
     model_out = next(n for n in order if n.op == "output")
     finals = set(model_out.all_input_nodes)
-    samples: list[tuple[list[float], list[float]]] = [([], []) for _ in segs]
+    samples: list[tuple[list[float], list[float], list[float]]] = [([], [], []) for _ in segs]
     params = [p for p in gm.parameters() if p.requires_grad]
     saved = [p.grad for p in params]
     try:
         for p in params:
             p.grad = torch.zeros_like(p)
         with buffers_restored(gm), torch.enable_grad():
-            for i in range(warmup + passes):
-                fwd, bwd = _segment_pass(segs, placeholders, inputs, finals, timer)
+            for i, split in enumerate(modes):
+                got = _segment_pass(segs, placeholders, inputs, finals, timer, split)
                 if i >= warmup:
-                    for s, (f, b) in enumerate(zip(fwd, bwd)):
-                        samples[s][0].append(f)
-                        samples[s][1].append(b)
+                    for s, row in enumerate(zip(*got)):
+                        for into, x in zip(samples[s], row):
+                            into.append(x)
     finally:
         for p, g in zip(params, saved):
             p.grad = g
@@ -536,8 +545,13 @@ def time_segments(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Seq
 
 
 def _segment_pass(segs: list[tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]], placeholders: list[fx.Node],
-                  inputs: tuple[Any, ...], finals: set[fx.Node], timer: Timer) -> tuple[list[float], list[float]]:
-    """One forward of every segment in order, then one backward of every segment in reverse order."""
+                  inputs: tuple[Any, ...], finals: set[fx.Node], timer: Timer, split: bool = False
+                  ) -> tuple[list[float], list[float], list[float]]:
+    """One forward of every segment in order, then one backward of every segment in reverse order:
+    ``(forward, backward, 0)`` ms per segment.
+
+    ``split``: each backward runs as ZB-H1 runs it (:mod:`hpml_compile.runtime.execute.split`), its
+    input-gradient part then its weight-gradient part, timed apart: ``(forward, input part, weight part)``."""
     env: dict[fx.Node, Any] = dict(zip(placeholders, inputs))
     leaves: list[list[Any]] = []
     outs: list[tuple[Any, ...]] = []
@@ -554,6 +568,7 @@ def _segment_pass(segs: list[tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]
         for a, leaf in zip(ins, args):
             consumers.setdefault(a, []).append(leaf)
     bwd_ms = [0.0] * len(segs)
+    wgt_ms = [0.0] * len(segs)
     for s in range(len(segs) - 1, -1, -1):
         _, _, outputs = segs[s]
         tensors, grads = [], []
@@ -568,9 +583,23 @@ def _segment_pass(segs: list[tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]
                 if parts:
                     tensors.append(t)
                     grads.append(parts[0] if len(parts) == 1 else torch.stack(parts).sum(0))
-        if tensors:
+        if tensors and split:
+            bwd_ms[s], wgt_ms[s] = _split_once(segs[s][0], tensors, grads, leaves[s], timer)
+        elif tensors:
             bwd_ms[s] = timer.once(lambda: torch.autograd.backward(tensors, grads))
-    return fwd_ms, bwd_ms
+    return fwd_ms, bwd_ms, wgt_ms
+
+
+def _split_once(module: fx.GraphModule, tensors: list[torch.Tensor], grads: list[torch.Tensor], args: list[Any],
+                timer: Timer) -> tuple[float, float]:
+    """``(input part, weight part)`` ms of one segment's backward, run as ZB-H1's stages run it."""
+    from ..runtime.execute.split import backward_input, backward_weight
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+    box: list[Any] = [None]
+    first = timer.once(lambda: box.__setitem__(0, backward_input(tensors, params, inputs, grads)))
+    return first, timer.once(lambda: backward_weight(box[0]))
 
 
 def time_corun(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Sequence[Sequence[str]], *,

@@ -33,7 +33,8 @@ where a parameter's path reaches the stage's outputs without meeting its
 inputs (a value sent on that depends on parameters only): ``W`` would run
 the send's backward a second time, so the whole backward runs at ``I``. The
 check walks the autograd graph once more per microbatch (Python, one visit
-per node). A recomputed region (``ops.checkpoint``) runs its forward again
+per node): the profile times that cost with the two parts of each block
+(:mod:`hpml_compile.profile.split`), and the simulator adds it to the backward. A recomputed region (``ops.checkpoint``) runs its forward again
 for each part that unpacks its saved tensors: twice, once for ``I`` and once
 for ``W`` (the simulator prices it so).
 
@@ -73,10 +74,12 @@ class Deferred:
         groups: torch's parameter groups: their parameters' gradient accumulators, the nodes where their paths
             meet the inputs' (``intermediates``) and the gradients that arrived there (``grads``).
         whole: the roots of a backward that runs whole at ``W`` (no input takes a gradient); else empty.
+        whole_grads: the gradients of ``whole`` (None: the roots are scalars or send tokens, as a stage's are).
     """
 
     groups: list[dict[str, Any]] = field(default_factory=list)
     whole: list[Tensor] = field(default_factory=list)
+    whole_grads: list[Tensor] | None = None
 
 
 def _nodes(roots: Sequence[Tensor]) -> list[Node]:
@@ -127,29 +130,33 @@ def _splits(roots: Sequence[Tensor], params: Sequence[nn.Parameter], inputs: Seq
 
 
 def backward_input(roots: Sequence[Tensor], params: Sequence[nn.Parameter],
-                   inputs: Sequence[Tensor] | None = None) -> Deferred:
+                   inputs: Sequence[Tensor] | None = None, grads: Sequence[Tensor] | None = None) -> Deferred:
     """``I``: the gradients of the stage's inputs (what was received sends its gradient back on the way).
 
     Args:
         roots: the backward's roots: the stage's send tokens, or the last stage's loss.
         params: the stage's parameters (their gradients wait for :func:`backward_weight`).
         inputs: the stage's inputs (default: :func:`stage_inputs`).
+        grads: the gradients of ``roots``, one each (None: the roots are scalars or send tokens); the profile
+            passes them where it times a block's two parts (:mod:`hpml_compile.profile.split`).
 
     Returns:
         What :func:`backward_weight` needs.
     """
-    roots = [r for r in roots if r.requires_grad]
+    keep = [i for i, r in enumerate(roots) if r.requires_grad]
+    given = None if grads is None else [grads[i] for i in keep]
+    roots = [roots[i] for i in keep]
     if not roots:
         return Deferred()
     found = stage_inputs(roots, params) if inputs is None else [t for t in inputs if t.requires_grad]
     if not found:
-        return Deferred(whole=list(roots))
+        return Deferred(whole=list(roots), whole_grads=given)
     if not _splits(roots, params, found):
-        torch.autograd.backward(list(roots))
+        torch.autograd.backward(list(roots), given)
         return Deferred()
     # torch detaches the roots in place, which a view refuses: a view root is replaced by a copy
     outs = [r.clone() if r._is_view() else r for r in roots]
-    _, groups = stage_backward_input(outs, None, list(found), iter(params))
+    _, groups = stage_backward_input(outs, given, list(found), iter(params))
     return Deferred(groups=groups)
 
 
@@ -160,8 +167,8 @@ def backward_weight(part: Deferred) -> None:
     received in ``I``, so that a path between two of them is not counted twice.
     """
     if part.whole:
-        torch.autograd.backward(part.whole)
-        part.whole = []
+        torch.autograd.backward(part.whole, part.whole_grads)
+        part.whole, part.whole_grads = [], None
         return
     for group in part.groups:
         nodes, got = group.pop("intermediates"), group.pop("grads", None)
