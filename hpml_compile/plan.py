@@ -431,7 +431,7 @@ PLAN_SCHEMA: dict[str, Any] = {
 
 
 def _check_zero_bubble(stages: Sequence[Stage]) -> None:
-    """ZB-H1 runs each backward in two parts (:mod:`hpml_compile.runtime.execute.split`); what it does not run yet.
+    """ZB-H1 runs each backward in two parts (:mod:`hpml_compile.backsplit`); what it does not run yet.
 
     Raises:
         PlanError: naming the stage and the option, and what to do.

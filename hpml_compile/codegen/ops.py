@@ -122,6 +122,8 @@ class _Recv(torch.autograd.Function):
 
 
 class _Send(torch.autograd.Function):
+    SENDS = True  # how hpml_compile.backsplit knows a send's backward (it sits below the code generator)
+
     @staticmethod
     def forward(ctx: Any, anchor: Tensor, comm: Comm, src: int, dst: int,  # type: ignore[override]
                 specs: tuple[TensorSpec, ...], *tensors: Tensor) -> Tensor:

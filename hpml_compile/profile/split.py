@@ -1,7 +1,7 @@
 """ZB-H1's two backward parts of each block, timed as the runtime runs them.
 
 A ZB-H1 stage runs each microbatch's backward as an input-gradient part and,
-later, a weight-gradient part (:mod:`hpml_compile.runtime.execute.split`). How
+later, a weight-gradient part (:mod:`hpml_compile.backsplit`). How
 the backward divides between them is the block's own (a matmul's is about half
 and half; a norm or an activation has no weight part), and the split costs
 something of its own besides: it walks the autograd graph once more in Python
@@ -16,7 +16,7 @@ and the simulator prices ZB-H1 with them
 rows keep it cheap.
 
 Why not torch's profiler or ``stage_backward_weight``: the runtime runs its own
-weight part (:func:`hpml_compile.runtime.execute.split.backward_weight`), and
+weight part (:func:`hpml_compile.backsplit.backward_weight`), and
 that is what must be timed.
 """
 

@@ -550,7 +550,7 @@ def _segment_pass(segs: list[tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]
     """One forward of every segment in order, then one backward of every segment in reverse order:
     ``(forward, backward, 0)`` ms per segment.
 
-    ``split``: each backward runs as ZB-H1 runs it (:mod:`hpml_compile.runtime.execute.split`), its
+    ``split``: each backward runs as ZB-H1 runs it (:mod:`hpml_compile.backsplit`), its
     input-gradient part then its weight-gradient part, timed apart: ``(forward, input part, weight part)``."""
     env: dict[fx.Node, Any] = dict(zip(placeholders, inputs))
     leaves: list[list[Any]] = []
@@ -593,7 +593,7 @@ def _segment_pass(segs: list[tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]
 def _split_once(module: fx.GraphModule, tensors: list[torch.Tensor], grads: list[torch.Tensor], args: list[Any],
                 timer: Timer) -> tuple[float, float]:
     """``(input part, weight part)`` ms of one segment's backward, run as ZB-H1's stages run it."""
-    from ..runtime.execute.split import backward_input, backward_weight
+    from ..backsplit import backward_input, backward_weight
 
     params = [p for p in module.parameters() if p.requires_grad]
     inputs = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]

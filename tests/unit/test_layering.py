@@ -35,7 +35,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PASSES = ["trace", "profile", "tp", "costgraph", "cluster", "stagecost", "plan", "schedule", "schedule_check", "simulate", "solve", "replan",
           "codegen"]
-SHARED = {"ir", "errors", "schema", "memory", "hostmem", "publish", "recipe", "trainspec", "precision",
+SHARED = {"ir", "errors", "schema", "memory", "hostmem", "publish", "recipe", "trainspec", "precision", "backsplit",
           "compression", "saved"}
 VIEWS = {"viz", "report", "explain", "certify", "assumptions"}
 CLI = {"cli", "demo", "__main__"}  # and every ``*_cli`` module

@@ -20,7 +20,7 @@ from hpml_compile.codegen import generate, load_build
 from hpml_compile.errors import ScheduleError
 from hpml_compile.plan import Schedule
 from hpml_compile.runtime import merge_outputs, step_local
-from hpml_compile.runtime.execute.split import backward_input, backward_weight
+from hpml_compile.backsplit import backward_input, backward_weight
 from hpml_compile.schedule import ActionKind, Action, lower, op_order
 from hpml_compile.schedule_check import validate
 from hpml_compile.testing import SkipNet, max_grad_diff, skipnet_batch, skipnet_loss, split_plan

@@ -89,7 +89,7 @@ from ..sync.comm import DistComm, LocalComm, dist_comm
 from ..sync.stage import UNBUFFERED, StageSync
 from .scaler import LossScaler
 from .slices import loss_share, merge_outputs, split_microbatches, split_replicas, to_device
-from .split import Deferred, backward_input, backward_weight
+from ...backsplit import Deferred, backward_input, backward_weight
 
 __all__ = ["StepResult", "StepRun", "stage_ranks", "rank_layout", "split_microbatches", "split_replicas",
            "loss_share", "stage_splits", "stage_sends", "merge_outputs",

@@ -1,5 +1,8 @@
 """A stage's backward in two parts, for ZB-H1: the input gradients now, the weight gradients later.
 
+The runtime's executor runs these two parts (:mod:`hpml_compile.runtime.execute.executor`) and the profile
+times them (:mod:`hpml_compile.profile.split`): both import this one module, which needs nothing of either.
+
 Zero-bubble schedules (Qi et al., ICLR 2024) run a microbatch's backward as
 ``I`` (the gradients of what the stage received, which the previous stage
 waits for) and, later, ``W`` (the gradients of the stage's parameters, which
@@ -61,8 +64,6 @@ from torch.autograd.graph import GradientEdge, Node
 from torch.distributed.pipelining._backward import (  # private torch API: see the module docstring
     _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups, stage_backward_input)
 
-from ...codegen import ops
-
 __all__ = ["Deferred", "backward_input", "backward_weight", "stage_inputs"]
 
 
@@ -80,6 +81,12 @@ class Deferred:
     groups: list[dict[str, Any]] = field(default_factory=list)
     whole: list[Tensor] = field(default_factory=list)
     whole_grads: list[Tensor] | None = None
+
+
+def _is_send(node: Node) -> bool:
+    """Whether ``node`` is the backward of a stage's send (``ops.send``'s autograd function says so with its
+    ``SENDS`` flag: this module sits below the code generator and names no class of it)."""
+    return bool(getattr(getattr(node, "_forward_cls", None), "SENDS", False))
 
 
 def _nodes(roots: Sequence[Tensor]) -> list[Node]:
@@ -102,7 +109,7 @@ def stage_inputs(roots: Sequence[Tensor], params: Sequence[nn.Parameter]) -> lis
     mine = {id(p) for p in params}
     out: dict[int, Tensor] = {}
     for node in _nodes(roots):
-        if getattr(node, "_forward_cls", None) is ops._Send:
+        if _is_send(node):
             continue
         for fn, _ in node.next_functions:
             leaf = getattr(fn, "variable", None) if fn is not None else None
@@ -119,7 +126,7 @@ def _splits(roots: Sequence[Tensor], params: Sequence[nn.Parameter], inputs: Seq
     starts = [n for n in (_get_grad_fn_or_grad_acc(t) for t in inputs) if n is not None]
     groups = get_param_groups(starts, acc, reverse)
     above: set[Node] = set()  # a send's node and every node a send's node lies below
-    todo = [n for n in _nodes(roots) if getattr(n, "_forward_cls", None) is ops._Send]
+    todo = [n for n in _nodes(roots) if _is_send(n)]
     while todo:
         node = todo.pop()
         if node not in above:
