@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from hpml_compile import models
 from hpml_compile.cli import main
 from hpml_compile.cluster import load_cluster
 from hpml_compile.plan import load_plan
+from hpml_compile.runtime import Pipeline
 from hpml_compile.runtime.execute.compiled import CompileStages, mode_mismatch
 
 # notes on a busy machine's timing, about the host rather than what is tested here
@@ -67,3 +69,10 @@ def test_mismatch_is_said_only_where_cpu_stages_change(build: Path) -> None:
     assert "priced uncompiled" in (mode_mismatch(eager, CompileStages.ON, "b") or "")
     gpus = replace(eager, cluster=load_cluster("dgx-a100-8"))  # no CPU device: GPU kinds are predicted alike
     assert mode_mismatch(gpus, CompileStages.ON, "b") is None
+
+
+def test_a_pipeline_of_the_build_follows_its_mode_by_default(build: Path) -> None:
+    for given, compiled in ((None, 1), ("off", 0)):
+        pipe = Pipeline.from_build(build, models.load("mlp-tiny", seed=0).module, compile_stages=given)
+        assert len(pipe.compiled) == compiled, given
+        pipe.close()
