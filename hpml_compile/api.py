@@ -54,7 +54,7 @@ from .profile.process import this_host
 from .schedule import stage_ranks
 from .trainspec import TrainSpec, batch_input_names, first_batch
 from .runtime.execute.weights import load_stage_weights
-from .runtime.execute.compiled import CompileStages
+from .runtime.execute.compiled import CompileStages, priced_compiled
 from .runtime.execute.pipeline import OptimizerArg, Pipeline
 from .runtime.execute.session import RetryPolicy, Session
 
@@ -130,7 +130,7 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
 
     Raises:
         OptionError: ``precision`` is not one of fp32, bf16, fp16, or ``compile_stages`` not one of auto, on,
-            off (before anything runs).
+            off, or on with ``schedule`` zb-h1 (before anything runs).
         HpmlError: a model that cannot be compiled for ``cluster``, or a world that does not fit its plan.
         ModelError: no example inputs for a plain module, or a TrainSpec whose batch does not split as planned.
     """
@@ -158,9 +158,8 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
     c = cluster if isinstance(cluster, Cluster) else load_cluster(cluster or f"local-cpu-{max(world, 1)}")
     rank = session.rank if session else 0
     # CPU stages that will run compiled are planned at their blocks' compiled times, which the profile measures
-    timed = compiled.wants(torch.device("cpu")) and any(d.is_cpu for d in c.devices) and opts.schedule is not \
-        Schedule.ZB_H1
-    opts = replace(opts, compiled=timed)
+    timed = priced_compiled(compiled, c)
+    opts = replace(opts, compiled=timed, compile_stages=compiled.value)  # recorded in the plan
     built: Path | None = None
     gm = None
     if rank == 0:

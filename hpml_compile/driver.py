@@ -56,7 +56,7 @@ from .errors import BuildMismatchError, HpmlError, OptionError, PlanError
 from .ir import Cluster, FrontEnd, Link, Precision, Profile
 from .compression import check_sync, parse_compress
 from .memory import compute_bytes
-from .plan import Plan, Schedule, ZeroStage, check_wire, fit_deferral, save_plan, validate_plan, with_comm
+from .plan import COMPILE_STAGES, Plan, Schedule, ZeroStage, check_wire, fit_deferral, save_plan, validate_plan, with_comm
 from .profile import predict_kinds, profile, save_profile
 from .profile.process import with_process
 from .recipe import ModelRecipe, read_recipe
@@ -117,7 +117,11 @@ class Options:
             (:func:`hpml_compile.codegen.tensor_parallel.tp_degree`); :func:`replan` plans with 1.
         compiled: the stages will run compiled by ``torch.compile``: the kinds whose blocks the profile timed
             compiled (:mod:`hpml_compile.profile.compiled`) are priced at those times
-            (:func:`hpml_compile.costgraph.build`), and the plan's assumptions say so.
+            (:func:`hpml_compile.costgraph.build`), and the plan's assumptions say so. Implies
+            ``compile_stages="on"``.
+        compile_stages: how the stages are to run, recorded in the plan (:attr:`hpml_compile.plan.Plan.compile_stages`,
+            which ``hpml-compile run`` follows): ``auto`` (compiled on CUDA devices, not on CPUs), ``on`` or
+            ``off``. Under ``on`` the schedule chooser keeps 1F1B (a compiled stage runs no ZB-H1).
     """
 
     solver: SolverName | str = SolverName.ILP
@@ -137,8 +141,16 @@ class Options:
     max_tp: int = MAX_TP
     choose_schedule: bool = False  # set from ``schedule="auto"``
     compiled: bool = False
+    compile_stages: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.compile_stages not in COMPILE_STAGES:
+            raise OptionError(f"--compile-stages {self.compile_stages}: give one of {', '.join(COMPILE_STAGES)}")
+        if self.compiled and self.compile_stages == "off":
+            raise OptionError("compiled=True prices stages that run compiled, but compile_stages is off; give "
+                              "compile_stages on (or leave compiled out)")
+        if self.compiled:
+            object.__setattr__(self, "compile_stages", "on")
         if self.schedule == AUTO_SCHEDULE:
             object.__setattr__(self, "schedule", None)
             object.__setattr__(self, "choose_schedule", True)
@@ -166,6 +178,10 @@ class Options:
                                   "sum a reduce dtype applies to; choose one")
         if self.schedule is not None:
             object.__setattr__(self, "schedule", Schedule(self.schedule))
+        if self.schedule is Schedule.ZB_H1 and self.compile_stages == "on":
+            raise OptionError("--compile-stages on with --schedule zb-h1: zero bubble splits each backward into its "
+                              "input- and weight-gradient parts at autograd's nodes, which a compiled stage hides in "
+                              "one node; give --schedule 1f1b (or auto), or --compile-stages auto/off")
         if self.microbatches is not None and self.microbatches < 1:
             raise HpmlError(f"microbatches must be >= 1, got {self.microbatches}")
         if not (self.time_limit_s > 0 and math.isfinite(self.time_limit_s)):
@@ -437,9 +453,10 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
     result = solve_on(cluster)
     if not opts.every_device and opts.solver in (SolverName.ILP, SolverName.DP):   # 5c. no more ranks than cores
         result = within_cores(result, graph, cluster, solve_on, dtype=prof.dtype, progress=progress)
-    if opts.choose_schedule:                                                        # 5d. zero bubble where faster
-        result = faster_schedule(result, graph, prof, progress)
+    if opts.choose_schedule and opts.compile_stages != "on":                        # 5d. zero bubble where faster
+        result = faster_schedule(result, graph, prof, progress)                     # (not compiled: one backward)
     result = replace(result, precision=prof.precision,                              # trains as it was timed
+                     compile_stages=opts.compile_stages,                            # runs as it was priced
                      allow_compress=opts.allow_compress or "")                      # a re-plan offers it again
     wire = opts.reduce_dtype not in (None, Precision.FP32)
     if opts.compress or opts.sync_every > 1:                                        # the user's comm options
@@ -772,7 +789,8 @@ def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost
                           comm=forced, hierarchical=opts.hierarchical)
     validate_plan(result.plan, prof)
     result = replace(result, plan=replace(result.plan, certificate=certify(result.plan, fine),  # as plan() does
-                                          assumptions=assumptions(result.plan, prof)))
+                                          assumptions=assumptions(result.plan, prof),
+                                          compile_stages=old.compile_stages))  # runs as the old one did
     _dump(opts, "4-plan.json", lambda p: save_plan(result.plan, p))
     return result
 

@@ -33,6 +33,7 @@ from .tp import TensorParallel, analyze as analyze_tp
 
 __all__ = [
     "PLAN_VERSION",
+    "COMPILE_STAGES",
     "PLAN_SCHEMA",
     "Schedule",
     "SolverStatus",
@@ -65,6 +66,8 @@ __all__ = [
 ]
 
 PLAN_VERSION = 3
+#: How a plan's stages may be planned to run (:attr:`Plan.compile_stages`).
+COMPILE_STAGES = ("auto", "on", "off")
 #: The versions this hpml-compile reads: 1 lacks ``certificate`` and ``assumptions`` (both optional); 1 and 2
 #: lack a stage's ``tp`` (every stage of theirs has ``tp = 1``).
 PLAN_VERSIONS = (1, 2, 3)
@@ -261,6 +264,10 @@ class Plan:
     ``reduce_dtype``: the dtype the replicated stages' gradient collectives (all-reduce, reduce-scatter) run in
     (``--reduce-dtype``): ``fp32``, the gradients' own (the default; written to plan.json only when set), or
     ``bf16``/``fp16``, half the bytes on the wire, the sum rounded to it (:func:`check_reduce_dtype`).
+    ``compile_stages``: how the stages were planned to run (:data:`COMPILE_STAGES`): ``auto`` (the default,
+    written to plan.json only when not: compiled on CUDA devices, not on CPUs), ``on`` (compiled by
+    ``torch.compile``; CPU stages priced at the profile's compiled block times where it has them) or ``off``;
+    ``hpml-compile run`` runs the build so unless told otherwise.
     """
 
     model: str
@@ -279,8 +286,12 @@ class Plan:
     certificate: Certificate | None = None
     assumptions: tuple[Assumption, ...] = ()
     reduce_dtype: Precision = Precision.FP32
+    compile_stages: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.compile_stages not in COMPILE_STAGES:
+            raise ValueError(f"plan: compile_stages must be one of {', '.join(COMPILE_STAGES)}, "
+                             f"got {self.compile_stages!r}")
         object.__setattr__(self, "schedule", Schedule(self.schedule))
         object.__setattr__(self, "reduce_dtype", Precision.parse(self.reduce_dtype, "reduce_dtype"))
         allowed = parse_compress(self.allow_compress, "allow_compress")  # OptionError naming the forms
@@ -315,6 +326,7 @@ class Plan:
             **({"certificate": self.certificate.to_dict()} if self.certificate is not None else {}),
             **({"assumptions": [a.to_dict() for a in self.assumptions]} if self.assumptions else {}),
             **({"reduce_dtype": self.reduce_dtype.value} if self.reduce_dtype is not Precision.FP32 else {}),
+            **({"compile_stages": self.compile_stages} if self.compile_stages != "auto" else {}),
         }
 
     @classmethod
@@ -364,6 +376,7 @@ class Plan:
             certificate=Certificate.from_dict(d["certificate"]) if "certificate" in d else None,
             assumptions=tuple(Assumption.from_dict(a) for a in d.get("assumptions", ())),
             reduce_dtype=Precision(d.get("reduce_dtype", "fp32")),  # plans without the field sync in fp32
+            compile_stages=d.get("compile_stages", "auto"),  # plans without the field were planned for auto
         )
 
 
@@ -383,6 +396,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "precision": {"enum": [p.value for p in Precision]},
         "tied_allreduce": {"enum": [a.value for a in AllReduce]},
         "reduce_dtype": {"enum": [p.value for p in Precision]},
+        "compile_stages": {"enum": list(COMPILE_STAGES)},
         "stages": {
             "type": "array", "minItems": 1,
             "items": {

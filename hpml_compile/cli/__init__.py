@@ -72,6 +72,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-op-us", type=float, default=None, dest="gpu_op_us", metavar="US",
                    help="the host's work per op of the GPU kinds predicted here, in microseconds (default: the "
                         "catalog's eager 70); e.g. 5 for stages that run compiled, an assumption the plan lists")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time each kind of block compiled by torch.compile (inductor) on the CPU, for stages "
+                        "that will run compiled: `plan --compile-stages on` prices them at those times")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     p.add_argument("--no-measure-links", dest="measure_links", action="store_false",
                    help="do not time the gloo link between two processes of this host (by default it is timed "
@@ -94,7 +97,8 @@ def _run_profile(args: argparse.Namespace) -> int:
                    leaf_modules=args.leaf, front_end=args.front_end, progress=not args.quiet,
                    loss_fn=loaded.loss_fn if loaded.example_targets is not None else None,
                    targets=loaded.example_targets, threads=args.threads, precision=args.precision,
-                   gpu_op_us=args.gpu_op_us)
+                   gpu_op_us=args.gpu_op_us, compiled=args.compiled,
+                   say=print if args.compiled and not args.quiet else None)
     if args.measure_links and not args.meta:  # after the nodes: the probe's processes must not disturb their timing
         from ..driver import with_link
         from ..profile.process import this_host, with_process
@@ -277,7 +281,9 @@ def _run_launch(args: argparse.Namespace) -> int:
 #: One worked example per command, printed at the end of its ``--help`` (a test checks that every command has one).
 EXAMPLES: dict[str, str] = {
     "demo": "hpml-compile demo -o out/demo",
-    "compile": "hpml-compile compile examples/digits_cnn.py:spec --cluster local-cpu-2 -o build/",
+    "compile": "hpml-compile compile examples/digits_cnn.py:spec --cluster local-cpu-2 -o build/\n"
+               "  hpml-compile compile mlp-tiny --cluster local-cpu-1 --compile-stages on -o build/   # stages "
+               "compiled: profiled, planned and run so",
     "run": "hpml-compile run build/ --epochs 2 --checkpoint-dir ck --checkpoint-every 20\n"
            "  hpml-compile run build/ --steps 50 --adapt --slow 1:3:10     # a drill: rank 1 three times slower",
     "report": "hpml-compile report out/runs/a --html report.html --trace trace.json",

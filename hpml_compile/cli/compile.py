@@ -26,7 +26,7 @@ from ..assumptions import format_assumptions
 from ..cluster import load_cluster
 from ..errors import HpmlError
 from ..ir import FrontEnd, Precision
-from ..plan import Schedule
+from ..plan import COMPILE_STAGES, Schedule
 from ..solve import SolverName
 from .plan import add_comm_options, certificate_text, comm_options, precision_text
 
@@ -71,6 +71,11 @@ def add_parsers(subparsers: Any) -> None:
                         "(the default)")
     p.add_argument("--no-measure-links", dest="measure_links", action="store_false",
                    help="plan with the catalog's link, and count only the tensors of a CPU rank")
+    p.add_argument("--compile-stages", choices=list(COMPILE_STAGES), default="auto", dest="compile_stages",
+                   help="how the stages will run, recorded in the build (`run` follows it): compiled by "
+                        "torch.compile (inductor) on CUDA devices, not on CPUs (auto, the default), always (on: "
+                        "CPU stages are then profiled compiled too, a compile of each kind of block, and planned "
+                        "at those times) or never (off)")
     p.add_argument("-o", "--output", type=Path, required=True, help="the build folder to write")
     add_comm_options(p)
     from .infer import add_inference_options
@@ -102,10 +107,16 @@ def run_compile(args: argparse.Namespace) -> int:
     from .. import models  # the zoo is only needed here
     from .. import driver
     from ..recipe import ModelRecipe, absolute_model_spec
+    from ..runtime.execute.compiled import CompileStages, priced_compiled
 
     if args.microbatches is not None and args.microbatches < 1:
         raise HpmlError(f"compile: --microbatches must be >= 1, got {args.microbatches}")
     cluster = load_cluster(args.cluster)
+    # CPU stages that will run compiled are planned at their blocks' compiled times, which the profile measures
+    timed = priced_compiled(CompileStages.parse(args.compile_stages), cluster)
+    opts = driver.Options(solver=args.solver, microbatches=args.microbatches, schedule=args.schedule,
+                          time_limit_s=args.time_limit, precision=args.precision, compiled=timed,
+                          compile_stages=args.compile_stages, **comm_options(args))  # checked before any work
     loaded = models.load(args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
     # Ranks of a local CPU cluster share this host's cores: profile at the thread count each rank will have.
     threads = driver.local_threads(cluster)
@@ -124,15 +135,13 @@ def run_compile(args: argparse.Namespace) -> int:
         if process is not None and loaded.train is not None and loaded.train.weights is not None:
             process = {**process, "stage_only": True}  # each rank builds only its stage (runtime.execute.unallocated)
     try:
-        opts = driver.Options(solver=args.solver, microbatches=args.microbatches, schedule=args.schedule,
-                              time_limit_s=args.time_limit, precision=args.precision, **comm_options(args))
         build, gm = driver.compile(
             loaded.module, loaded.example_inputs, args.output, cluster=cluster, name=loaded.name, say=_say,
             recipe=recipe, opts=opts,
             prof_opts=driver.ProfileOptions(repeats=args.repeats, warmup=args.warmup, batch_size=loaded.batch_size,
                                             seq_len=loaded.seq_len, leaf_modules=args.leaf,
                                             front_end=args.front_end, input_names=loaded.input_names,
-                                            link=link, process=process))
+                                            link=link, process=process, compiled=timed))
     finally:
         torch.set_num_threads(before)
     plan = build.plan

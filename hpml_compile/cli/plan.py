@@ -53,6 +53,10 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--compare", action="store_true", help="run every solver and print one table")
     p.add_argument("--precision", default=None, choices=[x.value for x in Precision],
                    help="the precision to train in; must be the profile's (default: the profile's)")
+    p.add_argument("--compile-stages", choices=["auto", "on", "off"], default="auto", dest="compile_stages",
+                   help="how the stages will run, recorded in the plan: auto (the default: compiled on CUDA devices, "
+                        "not on CPUs), on (CPU stages priced at the blocks' compiled times of a `profile --compiled`) "
+                        "or off")
     p.add_argument("-o", "--output", default=None, help="plan.json to write (with --compare: the ilp plan)")
     p.add_argument("--max-tp", type=int, default=8, choices=[1, 2, 4, 8], dest="max_tp",
                    help="the largest tensor-parallel degree a stage may take (default 8; 1: none); compile plans "
@@ -196,8 +200,12 @@ def run_plan(args: argparse.Namespace) -> int:
     schedule = args.schedule if args.schedule == "auto" else Schedule(args.schedule)
     driver.check_microbatches(profile, args.microbatches)  # before any solving: --compare solves five times
     driver.check_precision(profile, args.precision)
+    from ..runtime.execute.compiled import CompileStages, priced_compiled
+
+    mode = getattr(args, "compile_stages", "auto")
     opts = driver.Options(solver=args.solver, microbatches=args.microbatches, schedule=schedule,
-                          time_limit_s=args.time_limit, precision=args.precision, **comm_options(args))
+                          time_limit_s=args.time_limit, precision=args.precision, compile_stages=mode,
+                          compiled=priced_compiled(CompileStages.parse(mode), cluster), **comm_options(args))
     if args.compare:
         rows = compare(profile, cluster, opts)
         print(format_table(rows))

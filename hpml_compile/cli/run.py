@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from ..errors import HpmlError, OptionError
-from ..plan import load_plan, with_comm
+from ..plan import Plan, load_plan, with_comm
 from ..runtime.job.adapt import AdaptOptions
 from ..runtime.job.options import (Faults, OptimizerName, ResumeMode, RunOptions, parse_fault, parse_slow,
                                    parse_step_rank)
@@ -76,9 +76,11 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--retries", type=int, default=3,
                    help="attempts per step when communication fails transiently; 0 or 1: one attempt (default 3)")
     p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
-    p.add_argument("--compile-stages", choices=["auto", "on", "off"], default="auto", dest="compile_stages",
-                   help="run each stage's forward and backward compiled by torch.compile (inductor): auto (the "
-                        "default) on CUDA devices, not on CPUs, where a compile takes tens of seconds a stage")
+    p.add_argument("--compile-stages", choices=["auto", "on", "off"], default=None, dest="compile_stages",
+                   help="run each stage's forward and backward compiled by torch.compile (inductor): auto on CUDA "
+                        "devices, not on CPUs, where a compile takes tens of seconds a stage; on; off (default: as "
+                        "the build was compiled, `compile --compile-stages`; a build planned otherwise runs, and "
+                        "one line says its predicted figures were priced for the other mode)")
     p.add_argument("--metrics-port", type=int, default=None, dest="metrics_port", metavar="P",
                    help="rank 0 serves every rank's latest figures at http://HOST:P/metrics in the Prometheus text "
                         "format while the job runs (ranks of other hosts only with a shared run folder)")
@@ -188,6 +190,7 @@ def run_run(args: argparse.Namespace) -> int:
                           f"profile was timed so, its stages send {plan.precision.value} tensors); drop --precision, "
                           f"or compile again with --precision {args.precision}")
     _data_options(args, recipe, plan)  # --epochs becomes --steps; a TrainSpec's batch must split as planned
+    _compile_mode(args, plan)  # the build's, or the one asked for (one line where it was not priced so)
     with_comm(plan, compress=args.compress, sync_every=args.sync_every, sync_warmup=args.sync_warmup)  # checked
     devices = sum(len(st.devices) for st in plan.stages)
     nproc = args.nproc if args.nproc is not None else max(1, devices // args.nnodes)
@@ -212,6 +215,19 @@ def run_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compile_mode(args: argparse.Namespace, plan: Plan) -> None:
+    """Set ``args.compile_stages``: as given, else as the build was planned (:attr:`Plan.compile_stages`); print
+    one line where the one given runs the CPU stages otherwise than the plan's figures were priced."""
+    from ..runtime.execute.compiled import CompileStages, mode_mismatch
+
+    if args.compile_stages is None:
+        args.compile_stages = plan.compile_stages
+        return
+    line = mode_mismatch(plan, CompileStages.parse(args.compile_stages), str(args.build))
+    if line is not None:
+        print(f"run: {line}", flush=True)
+
+
 def run_options(args: argparse.Namespace) -> RunOptions:
     """The ranks' options from the parsed ``run`` arguments (checked by :func:`check_options`, ``--steps`` set).
 
@@ -231,7 +247,8 @@ def run_options(args: argparse.Namespace) -> RunOptions:
                   retries=args.retries, timeout_s=args.timeout if args.timeout is not None else RunOptions().timeout_s,
                   tensorboard=args.tensorboard, metrics_port=args.metrics_port, val_every=args.val_every or 0,
                   log_samples=args.log_samples, compress=args.compress, sync_every=args.sync_every,
-                  sync_warmup=args.sync_warmup, keep=args.keep, faults=faults, compile_stages=args.compile_stages)
+                  sync_warmup=args.sync_warmup, keep=args.keep, faults=faults,
+                  compile_stages=args.compile_stages or "auto")
     if args.adapt:
         adapt = AdaptOptions.from_env(threshold=args.adapt_threshold, patience=args.adapt_patience,
                                       cooldown=args.adapt_cooldown) if args.on_imbalance else None

@@ -28,7 +28,9 @@ Where CPU stages will run compiled (:func:`hpml_compile.compile` with ``compile_
 also times each kind of block compiled (:mod:`hpml_compile.profile.compiled`) and the plan is priced at those
 times. A compiled call pays its guards and wrapper (tens of microseconds on a CPU) once per block timed alone,
 where a stage pays it once per graph: the profile measures it on a trivial function and takes it off each
-block. Elsewhere (``hpml-compile compile``, then ``run --compile-stages on``) the plan prices eager stages.
+block. ``hpml-compile compile --compile-stages on`` does the same, and records the mode in the plan
+(:attr:`hpml_compile.plan.Plan.compile_stages`), which ``hpml-compile run`` follows unless told otherwise,
+saying in one line (:func:`mode_mismatch`) where it is told a mode the plan was not priced for.
 
 The default (``auto``): compiled on CUDA devices, uncompiled on CPUs. On a GPU a small op's launch and
 Python dispatch is the step (``cost_models/catalog.py``'s ``EAGER_GPU_OP_MS``), which fused kernels remove;
@@ -50,8 +52,11 @@ import torch
 from torch import nn
 
 from ...errors import OptionError
+from ...ir import Cluster
+from ...plan import Plan
 
-__all__ = ["CompileStages", "CompiledForward", "compile_stages", "inductor_or_eager"]
+__all__ = ["CompileStages", "CompiledForward", "compile_stages", "inductor_or_eager", "priced_compiled",
+           "mode_mismatch"]
 
 
 class CompileStages(str, enum.Enum):
@@ -80,6 +85,46 @@ class CompileStages(str, enum.Enum):
     def wants(self, device: torch.device) -> bool:
         """Whether a stage on ``device`` is compiled under this choice."""
         return self is CompileStages.ON or (self is CompileStages.AUTO and device.type == "cuda")
+
+
+_CPU = torch.device("cpu")
+
+
+def priced_compiled(mode: CompileStages, cluster: Cluster) -> bool:
+    """Whether a plan for ``cluster`` whose stages run under ``mode`` is priced at compiled block times: its CPU
+    stages run compiled, so the profile times the blocks compiled on the CPU (GPU kinds are predicted either way).
+
+    Args:
+        mode: how the stages will run.
+        cluster: the devices planned for.
+
+    Returns:
+        True where ``mode`` compiles on a CPU and ``cluster`` has CPU devices.
+    """
+    return mode.wants(_CPU) and any(d.is_cpu for d in cluster.devices)
+
+
+def mode_mismatch(plan: Plan, mode: CompileStages, where: str) -> str | None:
+    """One line where running ``plan``'s stages under ``mode`` differs from how its figures were priced (its CPU
+    stages compiled or not: :attr:`~hpml_compile.plan.Plan.compile_stages`); None where it does not.
+
+    Args:
+        plan: the plan (of a build).
+        mode: how the stages are about to run.
+        where: the build, as the line names it.
+
+    Returns:
+        The line, or None.
+    """
+    if not any(d.is_cpu for d in plan.cluster.devices):
+        return None  # GPU kinds are predicted the same way for both modes
+    planned = CompileStages.parse(plan.compile_stages).wants(_CPU)
+    if mode.wants(_CPU) == planned:
+        return None
+    run, priced = ("compiled", "uncompiled") if mode.wants(_CPU) else ("uncompiled", "compiled")
+    return (f"--compile-stages {mode.value}: the CPU stages run {run}, but {where} was planned for {priced} ones "
+            f"(compile-stages {plan.compile_stages}): its predicted figures are priced {priced}; compile it with "
+            f"--compile-stages {mode.value} to price them {run}")
 
 
 class CompiledForward:

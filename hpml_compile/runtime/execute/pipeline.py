@@ -133,9 +133,10 @@ class Pipeline:
             reduce-scatter and parameter all-gather) through shared memory where its replicas are CPU ranks the
             plan puts on one host (:mod:`.shm`; what ``devices --measure`` and ``profile`` time); False: through
             gloo, as before.
-        compile_stages: ``auto`` (the default: compiled on CUDA devices, not on CPUs), ``on`` or ``off``: this
+        compile_stages: ``auto`` (compiled on CUDA devices, not on CPUs), ``on`` or ``off``: this
             process's stages run their forward (and so backward) compiled by ``torch.compile``
-            (:mod:`.compiled`; a stage that cannot be is named in one line through ``log``).
+            (:mod:`.compiled`; a stage that cannot be is named in one line through ``log``); None (the
+            default): as the plan was made for (its ``compile_stages``: ``auto`` where it names none).
         generated: the build as generated, where ``build`` carries a plan changed since (a joining replica's:
             :meth:`from_build` with ``join``); None: ``build``.
     """
@@ -226,7 +227,8 @@ class Pipeline:
         self.optimizer = self._offloaded(self._make_optimizer(optimizer))
         say = log or (lambda line: warnings.warn(line, RuntimeWarning, stacklevel=3))
         self.compiled: list[CompiledForward] = compile_stages_of(
-            self.stages, _compiled_under(self.plan, CompileStages.parse(compile_stages), self.device, say),
+            self.stages, _compiled_under(self.plan, CompileStages.parse(
+                compile_stages if compile_stages is not None else self.plan.compile_stages), self.device, say),
             self.device, say,
             zero3=[s.stage for s in self._shards if isinstance(s, FlatShard3)])
         self.saved = SavedActivations(exclude=self.stages.values())  # what autograd keeps (counted steps)
