@@ -23,7 +23,7 @@ from hpml_compile.runtime.observe.monitor import read_metrics
 
 CLI = [sys.executable, "-m", "hpml_compile"]
 _STEP_DIR = re.compile(r"step_(\d+)$")
-_GRACE_S = 3.0  # the ranks poll their launcher every 0.25 s (lifeline.watch_launcher)
+GRACE_S = 3.0  # the ranks poll their launcher every 0.25 s (lifeline.watch_launcher)
 HOST_MARGIN = 10  # a host is killed at least this many steps before the leg's end, so that it lands in time
 
 
@@ -129,7 +129,8 @@ def check_checkpoints(root: Path, leg: Leg) -> None:
     leg.tmp_folders = sum(1 for p in root.glob("*.tmp")) if root.is_dir() else 0
 
 
-def _events(run: Path) -> list[dict[str, Any]]:
+def read_events(run: Path) -> list[dict[str, Any]]:
+    """The job's events so far (``RUN/events.jsonl``), oldest first."""
     path = run / "events.jsonl"
     if not path.is_file():
         return []
@@ -190,7 +191,7 @@ def wait_launcher(p: subprocess.Popen[bytes], deadline: float, leg: Leg) -> int:
 def orphans_of(pids: list[int]) -> tuple[list[int], list[int]]:
     """Processes started under the launchers ``pids`` (exited): alive at once, and still alive after a grace."""
     at_exit = sorted(q for pid in pids for q in launcher_children(pid))
-    left, deadline = at_exit, time.monotonic() + _GRACE_S
+    left, deadline = at_exit, time.monotonic() + GRACE_S
     while left and time.monotonic() < deadline:
         time.sleep(0.25)
         left = sorted(q for pid in pids for q in launcher_children(pid))
@@ -201,7 +202,7 @@ def check_leg(run: Path, leg: Leg, seen: int, launchers: list[int], ok_rc: bool)
     """After a leg's launchers exited: orphans, what the job did, checkpoints, steps recomputed, and survival
     (``ok_rc``: the launchers that should have ended well did, and the job logged ``done`` since event ``seen``)."""
     leg.orphans_at_exit, leg.orphans = orphans_of(launchers)
-    events = _events(run)[seen:]
+    events = read_events(run)[seen:]
     describe(events, run, leg)
     check_checkpoints(run / "checkpoints", leg)
     leg.steps_run = sum(len(read_metrics(run / f"seg{s}").get(0, [])) for s in leg.segments)
@@ -212,7 +213,7 @@ def check_leg(run: Path, leg: Leg, seen: int, launchers: list[int], ok_rc: bool)
 
 def run_leg(build: Path, run: Path, logs: Path, leg: Leg, timeout: float, limit_s: float) -> None:
     """Advance the job to ``leg.end`` with ``leg.fault`` injected; check processes and checkpoints after."""
-    seen = len(_events(run))
+    seen = len(read_events(run))
     cmd = leg_command(build, run, leg, timeout)
     log = logs / f"leg{leg.leg:03d}.log"
     leg.log = str(log)

@@ -91,7 +91,7 @@ from pathlib import Path
 from typing import Any
 
 import twohosts
-from legs import _GRACE_S, CLI, Leg, compare, draw_fault, launcher_children, run_leg, step_losses
+from legs import CLI, GRACE_S, Leg, compare, draw_fault, launcher_children, run_leg, step_losses
 
 HERE = Path(__file__).resolve().parent
 RANKS = 3
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if p_ref.wait():
         raise SystemExit(f"the reference run failed (exit {p_ref.returncode}); see {ref}")
     ref_s = time.perf_counter() - r0
-    time.sleep(_GRACE_S)
+    time.sleep(GRACE_S)
     ref_orphans = launcher_children(p_ref.pid)
     segs = sorted((q for q in run.glob("seg*") if q.name[3:].isdigit()), key=lambda q: int(q.name[3:]))
     loss = compare(step_losses(segs), step_losses([ref]), a.rtol)

@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 
 from hpml_compile.runtime.job.launcher import free_port
-from legs import Leg, _events, check_leg, leg_command, wait_launcher
+from legs import Leg, check_leg, leg_command, read_events, wait_launcher
 
 KINDS = ("kill", "hang", "slow", "host0", "host1")
 _POLL_S = 0.01
@@ -43,7 +43,7 @@ def agent_command(build: Path, run: Path, leg: Leg, host: int, endpoint: str, a:
 
 def job_step(run: Path, seen: int) -> int:
     """The last step (from 1) rank 0 logged in the newest segment started since event ``seen``; 0 if none yet."""
-    segs = [e["segment"] for e in _events(run)[seen:] if e["event"] == "segment"]
+    segs = [e["segment"] for e in read_events(run)[seen:] if e["event"] == "segment"]
     if not segs:
         return 0
     path = run / f"seg{segs[-1]}" / "metrics" / "rank0.jsonl"
@@ -80,7 +80,7 @@ def kill_host(pid: int) -> int:
 def run_leg(build: Path, run: Path, logs: Path, leg: Leg, a: argparse.Namespace) -> None:
     """Advance the two-host job to ``leg.end`` with ``leg.fault`` injected (a host kill by this process); check
     processes, checkpoints and steps after, as on one host."""
-    seen = len(_events(run))
+    seen = len(read_events(run))
     endpoint = f"localhost:{free_port()}"
     fault = leg.fault
     doomed = fault.rank if fault is not None and fault.kind.startswith("host") else None
