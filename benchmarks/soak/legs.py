@@ -174,18 +174,21 @@ def leg_command(build: Path, run: Path, leg: Leg, timeout: float) -> list[str]:
             f"{timeout:g}", "--no-tensorboard", "--no-report", *(leg.fault.flags() if leg.fault else [])]
 
 
-def wait_launcher(p: subprocess.Popen[bytes], deadline: float, leg: Leg) -> int:
-    """``p``'s exit code; a launcher still running at ``deadline`` (monotonic) is stopped (SIGTERM, then KILL)."""
-    try:
-        return p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:  # not survived: stop the launcher we started, then see what is left
+def wait_launchers(procs: list[subprocess.Popen[bytes]], deadline: float, leg: Leg) -> list[int]:
+    """The launchers' exit codes; those still running at ``deadline`` (monotonic) are stopped together (SIGTERM,
+    then SIGKILL after 30 s), so that none sees the others go first and takes it for a fault."""
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    late = [p for p in procs if p.poll() is None]
+    for p in late:  # not survived: stop the launchers we started, then see what is left
         p.send_signal(signal.SIGTERM)
         leg.did.append(f"launcher {p.pid} did not end in time: stopped")
+    for p in late:
         try:
-            return p.wait(timeout=30)
+            p.wait(timeout=max(0.0, deadline + 30 - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
-            return p.wait()
+    return [p.wait() for p in procs]
 
 
 def orphans_of(pids: list[int]) -> tuple[list[int], list[int]]:
@@ -224,7 +227,7 @@ def run_leg(build: Path, run: Path, logs: Path, leg: Leg, timeout: float, limit_
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         leg.launcher_pid = p.pid
         leg.launchers = [p.pid]
-        leg.rc = wait_launcher(p, time.monotonic() + limit_s, leg)
+        leg.rc = wait_launchers([p], time.monotonic() + limit_s, leg)[0]
     leg.wall_s = time.perf_counter() - t0
     check_leg(run, leg, seen, [p.pid], leg.rc == 0)
 

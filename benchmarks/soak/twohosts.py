@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 
 from hpml_compile.runtime.job.launcher import free_port
-from legs import Leg, check_leg, leg_command, read_events, wait_launcher
+from legs import Leg, check_leg, leg_command, read_events, wait_launchers
 
 KINDS = ("kill", "hang", "slow", "host0", "host1")
 _POLL_S = 0.01
@@ -99,7 +99,7 @@ def run_leg(build: Path, run: Path, logs: Path, leg: Leg, a: argparse.Namespace)
         leg.launchers = [q.pid for q in agents]
         if doomed is not None:
             leg.hit = _kill_when_due(run, seen, leg, agents, doomed, deadline)
-        rcs = [wait_launcher(p, deadline, leg) for p in agents]
+        rcs = wait_launchers(agents, deadline, leg)
     finally:
         for out in outs:
             out.close()
