@@ -365,7 +365,11 @@ def _decide(board: JobBoard, job: Job, first: list[str], build: Path, seg: int, 
                   "endpoint": f"{where}:{free_port('')}"}
             job.event("hosts", segment=seg, hosts=hosts, nproc=counts, devices={str(h): held[h] for h in hosts})
             board.publish_go(seg, go)
-            _, seen_lost, live = _run_part(board, seg, go, job.run, job.log)
+            if board.host in hosts:
+                _, seen_lost, live = _run_part(board, seg, go, job.run, job.log)
+            else:  # this host's devices were dropped: it only decides, watching the hosts that run the segment
+                job.log(f"segment {seg} runs without this host's devices")
+                seen_lost, live = set(), board.watcher()
             ends = _collect(board, seg, hosts, seen_lost, live)
             _still_lead(job.run, board.endpoint)  # before anything is written for the next segment
             lost = [h for h in hosts if ends[h] is None]
