@@ -171,6 +171,16 @@ class JobBoard:
     def _put(self, key: str, value: dict[str, Any]) -> None:
         self._store.set(key, json.dumps(value))
 
+    def end_reader(self) -> Callable[[int, int], dict[str, Any] | None]:
+        """:meth:`read_end` on a connection of its own, for another thread (the store's client is one a thread)."""
+        store = self._client()
+
+        def read(seg: int, host: int) -> dict[str, Any] | None:
+            key = f"end/{seg}/{host}"
+            return json.loads(store.get(key)) if store.check([key]) else None
+
+        return read
+
     def _get(self, key: str) -> dict[str, Any] | None:
         return json.loads(self._store.get(key)) if self._store.check([key]) else None
 

@@ -130,6 +130,7 @@ def _run_part(board: JobBoard, seg: int, go: dict[str, Any], run: RunFolder,
     lost: set[int] = set()
     done = threading.Event()
     live = board.watcher()
+    read_end = board.end_reader()
 
     def watch() -> None:
         while not done.wait(0.2):
@@ -141,6 +142,15 @@ def _run_part(board: JobBoard, seg: int, go: dict[str, Any], run: RunFolder,
                 lost.update(gone)
                 log(f"host {board.host}: host(s) {', '.join(map(str, sorted(gone)))} lost during segment {seg}; "
                     "stopping this host's ranks")
+                _stop_local_ranks()
+                return
+            try:
+                failed = [h for h in hosts if h != board.host and "failures" in (read_end(seg, h) or {})]
+            except Exception:  # noqa: BLE001 -- the store's host is gone: the next look finds host 0 lost
+                continue
+            if failed:  # a rank here may wait on them for ever (a hung one): the segment has failed, end it here
+                log(f"host {board.host}: ranks failed on host(s) {', '.join(map(str, failed))} during segment "
+                    f"{seg}; stopping this host's ranks")
                 _stop_local_ranks()
                 return
 
@@ -365,7 +375,11 @@ def _decide(board: JobBoard, job: Job, first: list[str], build: Path, seg: int, 
                   "endpoint": f"{where}:{free_port('')}"}
             job.event("hosts", segment=seg, hosts=hosts, nproc=counts, devices={str(h): held[h] for h in hosts})
             board.publish_go(seg, go)
-            _, seen_lost, live = _run_part(board, seg, go, job.run, job.log)
+            if board.host in hosts:
+                _, seen_lost, live = _run_part(board, seg, go, job.run, job.log)
+            else:  # this host's devices were dropped: it only decides, watching the hosts that run the segment
+                job.log(f"segment {seg} runs without this host's devices")
+                seen_lost, live = set(), board.watcher()
             ends = _collect(board, seg, hosts, seen_lost, live)
             _still_lead(job.run, board.endpoint)  # before anything is written for the next segment
             lost = [h for h in hosts if ends[h] is None]
