@@ -59,6 +59,9 @@ class Chain:
         cuttable: ``cuttable[k]``: only tensors cross position ``k`` (0 and n always).
         shard: per tensor-parallel degree at which some node shards, prefix sums of what it divides
             (:class:`ShardSums`).
+        in_unit: ``in_unit[k]``: position ``k`` falls inside a tensor-parallel unit (a cut there would send its
+            sharded intermediate across stages, which :func:`hpml_compile.plan.validate_plan` refuses for a stage
+            with ``tp > 1``); empty: no unit.
     """
 
     graph: CostGraph
@@ -72,6 +75,7 @@ class Chain:
     cut: tuple[int, ...]
     cuttable: tuple[bool, ...]
     shard: dict[int, "ShardSums"] = field(default_factory=dict)
+    in_unit: tuple[bool, ...] = ()
 
     @classmethod
     def of(cls, graph: CostGraph) -> "Chain":
@@ -104,7 +108,8 @@ class Chain:
         nb = tuple(itertools.accumulate(blocked[: n + 1]))
         cuttable = tuple(k in (0, n) or nb[k] == 0 for k in range(n + 1))
         shard = {t: ShardSums.of(recs, t, graph.kinds) for t in graph.tp_degrees()}
-        return cls(graph, n, fwd, bwd, ffix, bfix, params, acts, cut, cuttable, shard)
+        in_unit = _in_unit(graph, n) if shard else ()
+        return cls(graph, n, fwd, bwd, ffix, bfix, params, acts, cut, cuttable, shard, in_unit)
 
     def time(self, a: int, b: int, kind: str) -> float:
         """Forward + backward ms of ``order[a:b]`` on ``kind`` for the full batch."""
@@ -113,6 +118,18 @@ class Chain:
     def nodes(self, a: int, b: int) -> tuple[str, ...]:
         """The fx node names (members) of ``order[a:b]``."""
         return tuple(m for v in self.graph.order[a:b] for m in self.graph.node(v).members)
+
+
+def _in_unit(graph: CostGraph, n: int) -> tuple[bool, ...]:
+    """Per chain position ``0..n``, whether a tensor-parallel unit's computing nodes (its columns, inside nodes and
+    row: not its parameter nodes, which the stage reading them holds) lie on both sides of it."""
+    at = {m: i for i, v in enumerate(graph.order) for m in graph.node(v).members}
+    inside = [False] * (n + 1)
+    for unit in graph.tensor_parallel.units:
+        held = [at[x] for x in (*unit.columns, *unit.inside, *((unit.row,) if unit.row else ())) if x in at]
+        for k in range(min(held, default=0) + 1, max(held, default=0) + 1):
+            inside[k] = True
+    return tuple(inside)
 
 
 @dataclass(frozen=True, slots=True)

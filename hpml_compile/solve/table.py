@@ -295,6 +295,9 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
                 mem = mem._replace(process=mem.process + np.where(mem.process > 0, tied_shm_bytes(
                     shared, dr + 1), 0))
             jm = _jmax(mem.static, mem.stored, mem.working, cap, setting, big_j)
+            if tp > 1 and chain.in_unit:  # a range that cuts a unit cannot shard it: never a candidate
+                cuts_unit = np.asarray(chain.in_unit)
+                jm = np.where(cuts_unit[a] | cuts_unit[b], -1, jm)
             ts.append(t)
             # the gradients land during the last backward, under ZB-H1 during its weight-gradient part (compute)
             window = weight_part_ms(bwd, comm_ms=bwd_comm) if setting.schedule is Schedule.ZB_H1 else bwd

@@ -18,7 +18,7 @@ def bench() -> dict[str, Any]:
 
 def test_tensor_parallel_kinds_run_on_replicas_times_tp_ranks(bench: dict[str, Any]) -> None:
     grid = bench["_grid"]("tp2:gpipe:1,tp2pipe:1f1b:2,single:gpipe:1")
-    assert [(kind, ranks, m) for kind, ranks, _, m in grid] == [("tp2", 2, 1), ("tp2pipe", 4, 2), ("single", 1, 1)]
+    assert [(kind, ranks, m) for kind, ranks, _, m, _ in grid] == [("tp2", 2, 1), ("tp2pipe", 4, 2), ("single", 1, 1)]
     assert grid[1][2].value == "1f1b"
 
 

@@ -218,6 +218,18 @@ def test_a_unit_cut_between_stages_is_refused_where_one_is_tensor_parallel(gpt2)
     validate_plan(replace(plan, stages=(replace(stages[0], tp=1), stages[1])), gpt2)  # no tp: a plain cut
 
 
+def test_the_table_offers_no_tensor_parallel_stage_that_cuts_a_unit(gpt2) -> None:
+    """Every node its own chain position, so ranges may end inside an attention or MLP unit: a ``tp > 1``
+    candidate never does (validate_plan would refuse its plan), while ``tp = 1`` ones may."""
+    chain, c = Chain.of(build(gpt2)), load_cluster("dgx-a100-8")
+    assert any(chain.in_unit) and not all(chain.in_unit)
+    setting = Setting(1, Schedule.ONE_F_ONE_B, gpt2.batch_size, gpt2.dtype)
+    cands = build_table(chain, c, setting).candidates()
+    sharded = [x for x in cands if x.config.tp > 1]
+    assert sharded and any(chain.in_unit[x.a] or chain.in_unit[x.b] for x in cands if x.config.tp == 1)
+    assert not [x for x in sharded if chain.in_unit[x.a] or chain.in_unit[x.b]]
+
+
 def test_a_compiled_per_op_cost_is_priced_and_stated() -> None:
     from hpml_compile.assumptions import assumptions
     from hpml_compile.errors import OptionError
