@@ -415,6 +415,10 @@ def test_two_profiles_of_gpt_mini_predict_the_same_data_parallel_step() -> None:
     whole-model forward and backward and the optimizer step, timed in the same minute): what must agree
     is what the profile makes of its measurements (segments, identical blocks, the microbatch's fixed
     parts), not the machine's minute. Those ratios spread 0.541-0.554 where the raw predictions spread 16%.
+    The prediction also carries the host probe's means of the loss agreement and of the meeting before the
+    gradient sync, timed in the same minute (means of heavy-tailed waits, as a step pays them), which move
+    more from one profile to the next than its medians did: two quiet profiles of a fresh clone gave
+    0.563 and 0.602. They must agree within 8%.
     """
     import os
     import subprocess
@@ -435,10 +439,10 @@ def test_two_profiles_of_gpt_mini_predict_the_same_data_parallel_step() -> None:
         seen.append((round(step, 1), round(whole, 1), round(busy, 2)))
         if busy <= 0.25:
             quiet.append(step / whole)
-        if len(quiet) >= 2 and abs(quiet[-1] - quiet[-2]) <= 0.05 * min(quiet[-2:]):
+        if len(quiet) >= 2 and abs(quiet[-1] - quiet[-2]) <= 0.08 * min(quiet[-2:]):
             break  # a pair in a row agrees; else a burst of load may have hit one of them: one more
     if len(quiet) < 2:
         pytest.skip(f"the machine was busy: (predicted ms, whole step ms, other processes' CPUs) per profile {seen}")
     print(f"data-parallel step predicted, the profile's whole step (ms), other processes' CPUs: {seen}")
-    assert abs(quiet[-1] - quiet[-2]) <= 0.05 * min(quiet[-2:]), \
+    assert abs(quiet[-1] - quiet[-2]) <= 0.08 * min(quiet[-2:]), \
         f"predicted data-parallel step / the profile's whole step: {[round(q, 3) for q in quiet]} ({seen})"
