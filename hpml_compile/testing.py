@@ -148,7 +148,8 @@ def process_gone(pid: int, within_s: float = 10.0) -> bool:
 def one_replicated_stage(build_dir: str | Path, out_dir: str | Path) -> Path:
     """The model of a ``compile``d build as one stage replicated on every device of its cluster, built into
     ``out_dir`` (:func:`hpml_compile.driver.rebuild`: a build ``hpml-compile run`` runs); the batch must divide
-    by the devices.
+    by the devices. Plain data parallelism: no ZeRO shards, compression, swap, offload or tensor parallelism
+    (whatever the compiled plan's first stage had), so that a lost replica can be answered in place.
 
     Returns:
         ``out_dir``.
@@ -156,12 +157,12 @@ def one_replicated_stage(build_dir: str | Path, out_dir: str | Path) -> Path:
     from dataclasses import replace
 
     from . import driver
-    from .plan import load_plan
+    from .plan import Stage, load_plan
     from .profile import load_profile
 
     plan = load_plan(Path(build_dir) / "plan.json")
-    one = replace(plan.stages[0], devices=tuple(d.name for d in plan.cluster.devices),
-                  nodes=tuple(n for st in plan.stages for n in st.nodes), rows=())
+    one = Stage(0, tuple(d.name for d in plan.cluster.devices), tuple(n for st in plan.stages for n in st.nodes),
+                recompute=plan.stages[0].recompute)
     driver.rebuild(build_dir, replace(plan, stages=(one,)), load_profile(Path(build_dir) / "profile.json"), out_dir)
     return Path(out_dir)
 
