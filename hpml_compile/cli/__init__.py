@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -246,35 +247,107 @@ def _add_infer(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("launch", help="run your own training script on N local ranks, restarting it after failures",
+    p = sub.add_parser("launch", help="run your own training script on N ranks (on one host or several), restarting "
+                                      "it after failures",
                        description="Start SCRIPT on --nproc local ranks with torchrun; when a rank fails, start it "
                                    "again, on as many ranks, to resume from its checkpoint. With --adapt, a rank "
                                    "that died (killed) loses its device: the next start has one rank fewer and "
                                    "HPML_CLUSTER names the devices left, so the script's compile() re-plans for "
-                                   "them. --adapt does NOT re-plan on a measured imbalance under launch (run --adapt "
-                                   "does, for builds). The script finds HPML_CLUSTER, HPML_CHECKPOINT_DIR, "
-                                   "HPML_RUN_DIR and HPML_SEGMENT in its environment (examples/own_loop.py is one); "
-                                   "starts and failures go to RUN_DIR/events.jsonl.")
-    p.add_argument("--nproc", type=int, default=2, help="ranks of the first start (default 2)")
-    p.add_argument("--run-dir", type=Path, default=Path("out/launch"), dest="run_dir", help="segments go here")
+                                   "them. Across hosts (--adapt --nnodes N --node-rank R --rdzv-endpoint HOST:PORT "
+                                   "--run-dir DIR on each host, DIR on a file system every host mounts), as run "
+                                   "--adapt: host 0 holds the job's store at the endpoint and decides; a host that "
+                                   "falls silent for --host-timeout seconds is lost, its ranks dropped, and the "
+                                   "script restarts on the hosts left with HPML_CLUSTER naming their devices (a "
+                                   "lost host 0 is taken over by the next). --adapt does NOT re-plan on a measured "
+                                   "imbalance under launch (run --adapt does, for builds). The script finds "
+                                   "HPML_CLUSTER, HPML_CHECKPOINT_DIR, HPML_RUN_DIR and HPML_SEGMENT in its "
+                                   "environment (examples/own_loop.py is one); starts and failures go to "
+                                   "RUN_DIR/events.jsonl.")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of the first start, on each host (default 2)")
+    p.add_argument("--run-dir", type=Path, default=None, dest="run_dir",
+                   help="segments go here (default out/launch; across hosts: required, the same shared DIR on every "
+                        "host)")
     p.add_argument("--checkpoint-dir", type=Path, default=None, dest="checkpoint_dir",
-                   help="told to the script as HPML_CHECKPOINT_DIR (default RUN_DIR/checkpoints)")
+                   help="told to the script as HPML_CHECKPOINT_DIR (default RUN_DIR/checkpoints; across hosts: "
+                        "shared too)")
     p.add_argument("--adapt", action="store_true",
-                   help="drop a dead rank's device and restart on the devices left (HPML_CLUSTER names them: the "
-                        "script's compile() re-plans); failure recovery only, no re-planning on imbalance")
+                   help="drop a dead rank's device (across hosts: a lost host's) and restart on the devices left "
+                        "(HPML_CLUSTER names them: the script's compile() re-plans); failure recovery only, no "
+                        "re-planning on imbalance")
     p.add_argument("--max-failures", type=int, default=2, dest="max_failures",
                    help="restarts after failures (with --adapt: failures that killed no rank) (default 2)")
+    p.add_argument("--nnodes", type=int, default=1, help="hosts taking part (default 1; more needs --adapt)")
+    p.add_argument("--node-rank", type=int, default=None, dest="node_rank",
+                   help="across hosts: this host's rank 0..nnodes-1 (host 0 listens at --rdzv-endpoint and decides)")
+    p.add_argument("--rdzv-endpoint", default=None, dest="rdzv_endpoint", metavar="HOST:PORT",
+                   help="across hosts: host 0's address and a free port, the same on every host")
+    p.add_argument("--host-timeout", type=float, default=None, dest="host_timeout", metavar="S",
+                   help="across hosts: a host silent for S seconds is lost, its ranks dropped (default 3)")
     p.add_argument("script", type=Path, metavar="SCRIPT")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
     p.set_defaults(run=_run_launch)
 
 
-def _run_launch(args: argparse.Namespace) -> int:
-    from ..runtime.job.scriptlaunch import launch_script
+def _check_launch(args: argparse.Namespace) -> None:
+    """Refuse ``launch`` options that do not go together, before anything starts.
 
-    launch_script(args.script, args.script_args, nproc=args.nproc, run_dir=args.run_dir,
-                  checkpoint_dir=args.checkpoint_dir or args.run_dir / "checkpoints", max_failures=args.max_failures,
-                  adapt=args.adapt, log=lambda line: print(line, flush=True))
+    Raises:
+        OptionError: naming the option, what it needs and the fix.
+        LaunchError: a ``--rdzv-endpoint`` that is not ``HOST:PORT``.
+    """
+    from ..errors import OptionError
+    from ..runtime.job.launcher import parse_endpoint
+
+    for option, value, low in (("--nproc", args.nproc, 1), ("--nnodes", args.nnodes, 1),
+                               ("--max-failures", args.max_failures, 0)):
+        if value < low:
+            raise OptionError(f"launch {option} {value}: expected a whole number, {low} or more")
+    if args.host_timeout is not None and not (math.isfinite(args.host_timeout) and args.host_timeout > 0):
+        raise OptionError(f"launch --host-timeout {args.host_timeout}: expected seconds above 0, e.g. 3")
+    if args.nnodes == 1:
+        for option, value in (("--node-rank", args.node_rank), ("--rdzv-endpoint", args.rdzv_endpoint),
+                              ("--host-timeout", args.host_timeout)):
+            if value is not None:
+                raise OptionError(f"launch {option} is for a job across hosts: add --adapt --nnodes N (2 or more), "
+                                  f"or drop {option}")
+        return
+    if not args.adapt:
+        raise OptionError(f"launch --nnodes {args.nnodes} runs under --adapt (a lost host's ranks are dropped and the "
+                          "script restarts on the hosts left): add --adapt")
+    if args.node_rank is None or args.rdzv_endpoint is None or args.run_dir is None:
+        raise OptionError(f"launch --adapt --nnodes {args.nnodes} needs --node-rank R (0 on the host at the endpoint, "
+                          "which decides), --rdzv-endpoint HOST:PORT (the same on every host) and --run-dir DIR, the "
+                          "same DIR on every host (a shared file system: the hosts left resume from the checkpoints "
+                          "there)")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise OptionError(f"launch --node-rank {args.node_rank}: expected this host's rank among --nnodes "
+                          f"{args.nnodes}, 0..{args.nnodes - 1} (each host its own, 0 the one at --rdzv-endpoint)")
+    parse_endpoint(args.rdzv_endpoint)
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from ..runtime.job.hosts import LOST_AFTER_S
+    from ..runtime.job.scriptlaunch import launch_hosts, launch_script
+
+    _check_launch(args)
+    run_dir = args.run_dir or Path("out/launch")
+    checkpoint_dir = args.checkpoint_dir or run_dir / "checkpoints"
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    if args.nnodes == 1:
+        launch_script(args.script, args.script_args, nproc=args.nproc, run_dir=run_dir, checkpoint_dir=checkpoint_dir,
+                      max_failures=args.max_failures, adapt=args.adapt, log=say)
+        return 0
+    print(f"launch --adapt: host {args.node_rank} of {args.nnodes}, {args.nproc} rank(s) here, {args.script} -> "
+          f"{run_dir} (the job's store at {args.rdzv_endpoint})", flush=True)
+    events = launch_hosts(args.script, args.script_args, nproc=args.nproc, run_dir=run_dir,
+                          checkpoint_dir=checkpoint_dir, host=args.node_rank, nnodes=args.nnodes,
+                          endpoint=args.rdzv_endpoint, max_failures=args.max_failures,
+                          lost_after_s=args.host_timeout if args.host_timeout is not None else LOST_AFTER_S, log=say)
+    if not events:
+        print(f"done: host {args.node_rank}'s part finished; the job's events are in {run_dir / 'events.jsonl'}")
     return 0
 
 
@@ -287,7 +360,9 @@ EXAMPLES: dict[str, str] = {
     "run": "hpml-compile run build/ --epochs 2 --checkpoint-dir ck --checkpoint-every 20\n"
            "  hpml-compile run build/ --steps 50 --adapt --slow 1:3:10     # a drill: rank 1 three times slower",
     "report": "hpml-compile report out/runs/a --html report.html --trace trace.json",
-    "launch": "hpml-compile launch --adapt --nproc 2 --run-dir out/own examples/own_loop.py --steps 12",
+    "launch": "hpml-compile launch --adapt --nproc 2 --run-dir out/own examples/own_loop.py --steps 12\n"
+              "  hpml-compile launch --adapt --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --nproc 2 "
+              "--run-dir /shared/own examples/own_loop.py --steps 40   # on host0; host1 the same with --node-rank 1",
     "profile": "hpml-compile profile gpt2-small --batch-size 8 --seq-len 128 --device-kinds cpu,A100-80GB "
                "-o profile.json",
     "plan": "hpml-compile plan profile.json --cluster hetero-4 -o plan.json",

@@ -439,10 +439,10 @@ def _run_adaptive(args: argparse.Namespace, options: RunOptions, nproc: int) -> 
 
 
 def _run_adaptive_hosts(args: argparse.Namespace, options: RunOptions, nproc: int) -> int:
-    """``run --adapt`` on one of several hosts: :func:`~hpml_compile.runtime.job.multihost.supervise_hosts`."""
+    """``run --adapt`` on one of several hosts: :func:`~hpml_compile.runtime.job.hostbuild.supervise_hosts`."""
     from ..runtime.job.hosts import LOST_AFTER_S
     from ..runtime.job.launcher import keep_earlier_run
-    from ..runtime.job.multihost import supervise_hosts
+    from ..runtime.job.hostbuild import supervise_hosts
 
     if args.node_rank is None or args.rdzv_endpoint is None or args.run_dir is None:
         raise OptionError(f"run --adapt --nnodes {args.nnodes} needs --node-rank R (0 on the host at the endpoint, "

@@ -72,8 +72,10 @@ class LaunchSpec:
         rdzv_endpoint: ``HOST:PORT`` of the rendezvous (None on one host: a free port).
         rdzv_id: job id shared by the hosts (c10d rendezvous).
         max_restarts: how often torchrun restarts the ranks after a failure.
+        program: a script and its arguments to run on every rank instead of a build's worker (``launch``:
+            the user's own training script; ``build_dir`` is then unused).
 
-    What the ranks do is the run folder's ``run.json`` (:func:`prepare_run_dir`), not a command line.
+    What a build's ranks do is the run folder's ``run.json`` (:func:`prepare_run_dir`), not a command line.
     """
 
     build_dir: Path
@@ -84,6 +86,7 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None
     rdzv_id: str = "hpml-compile"
     max_restarts: int = 0
+    program: tuple[str, ...] = ()
 
     @property
     def standalone(self) -> bool:
@@ -171,8 +174,8 @@ def torchrun_args(spec: LaunchSpec) -> list[str]:
         else:
             args += ["--rdzv-backend=c10d", f"--rdzv-id={spec.rdzv_id}"]
         args += [f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--nproc-per-node={spec.nproc}"]
-    args += [f"--max-restarts={spec.max_restarts}", "--monitor-interval=0.2", str(RANK_ENTRY),
-             str(spec.build_dir), str(spec.run_dir)]
+    args += [f"--max-restarts={spec.max_restarts}", "--monitor-interval=0.2",
+             *(spec.program or (str(RANK_ENTRY), str(spec.build_dir), str(spec.run_dir)))]
     return args
 
 

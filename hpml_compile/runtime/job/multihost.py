@@ -2,7 +2,11 @@
 
 ``hpml-compile run BUILD --adapt --nnodes N --node-rank R --rdzv-endpoint
 HOST:PORT --run-dir SHARED`` on each of ``N`` hosts runs the job of
-:func:`~.supervisor.supervise` across them. Each segment is one torchrun
+:func:`~.supervisor.supervise` across them (:mod:`.hostbuild`);
+``hpml-compile launch --adapt`` with the same options runs a user's own
+script so (:mod:`.scriptlaunch`). Both are a :class:`HostWork` (what a
+segment runs, and how the next one follows from its end) on the machinery
+here (:func:`host_job`). Each segment is one torchrun
 launch per host taking part, joined by torchrun's static rendezvous (host
 ``i`` of the segment gets the next global ranks, so each host runs the
 plan's devices it holds); the ranks' own closed loop (:mod:`.adapt`:
@@ -11,16 +15,17 @@ host. Between segments the hosts meet in the job's store
 (:mod:`.hosts`): each says how its part ended, and host 0, the lead,
 decides what the next segment is, once, and publishes it:
 
-- every host's ranks finished: done, or a switch the ranks chose (the new
-  build in the shared run folder);
+- every host's ranks finished: done, or (``run``) a switch the ranks chose
+  (the new build in the shared run folder);
 - a host stopped beating (its agent and ranks died, or it is cut off): its
   devices are dropped, the job is re-planned for the devices of the hosts
-  left (:func:`~.supervisor.replan_without`) and resumes on them from the
+  left (``run``: :func:`~.supervisor.replan_without`; ``launch``: the
+  script's own ``compile`` re-plans for the cluster it is told) and resumes on them from the
   last checkpoint. A host that sees another one lost while its ranks run
   stops them at once (they would otherwise wait for their dead peers up to
   ``--timeout``), so the job is training again within seconds;
 - a rank failed or died on a host that is still there: as on one host
-  (:func:`~.supervisor.after_failure`: blamed from every host's exit codes
+  (``run``: :func:`~.supervisor.after_failure`, blamed from every host's exit codes
   and the ranks' reports in the shared folder; a dead rank's device dropped,
   another failure restarted on the same devices).
 
@@ -35,9 +40,9 @@ where it would open the store (:func:`standby_endpoint`, a port free then),
 and host 0 waits for every host's word before its first decision. When host
 0 stops answering, the lowest other host opens a new store there and takes
 the decisions over (:func:`_take_over`): everything the lead knew is in the
-shared run folder (``events.jsonl``: each segment's build and devices, which
+shared run folder (``events.jsonl``: what each segment ran and on which devices, which
 host ran which), so it records host 0's loss in the segment that was
-running, re-plans without host 0's devices and resumes from the last
+running, drops host 0's devices and resumes from the last
 checkpoint, as host 0 would have for any other host. The other hosts join
 it, renumbered in order. One takeover: if the new lead is lost too, the job
 stops with its checkpoints intact. The takeover takes a silent host 0 for a
@@ -54,20 +59,17 @@ import signal
 import socket
 import threading
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Callable
 
 from ...errors import HpmlError, LaunchError, LeadLost, RankFailure, SupervisorError
-from ...plan import Plan, load_plan
-from ..observe.policy import FailureLedger
 from ..observe.runfolder import RunFolder
 from .hosts import LOST_AFTER_S, JobBoard, Liveness, check_shared
-from .launcher import LaunchSpec, free_port, launch, parse_endpoint
-from .options import RunOptions
-from .supervisor import (Job, after_failure, after_success, plan_devices, record_moves, replan_without,
-                         start_segment)
+from .launcher import free_port, parse_endpoint
+from .supervisor import Job
 
-__all__ = ["supervise_hosts", "place", "standby_endpoint", "claim_lead"]
+__all__ = ["host_job", "HostWork", "place", "standby_endpoint", "claim_lead"]
 
 JOIN_S = 120.0  # how long host 0 waits for every host's first beat
 
@@ -104,6 +106,76 @@ def place(devices: list[str], held: dict[int, list[str]]) -> tuple[list[int], li
     return hosts, [counts[h] for h in hosts], out
 
 
+class HostWork(ABC):
+    """What the hosts of a job run, segment by segment, and what the lead makes of each segment's end.
+
+    The hosts' machinery (the store, the beats, one decider, a lost host 0 taken over) is the same for every
+    job; this says what a segment runs (a build's ranks for ``run --adapt``, :class:`~.hostbuild.BuildWork`; the user's
+    script for ``launch --adapt``, :class:`~.scriptlaunch.ScriptWork`) and how the next one follows from how
+    it ended. Every host holds one; only the lead's is asked to decide, and it keeps the job's state between
+    segments (a host taking over rebuilds it from the shared run folder's events: :meth:`resume`).
+
+    Args:
+        run_dir: the job's folder, the same on every host.
+        log: progress lines.
+    """
+
+    def __init__(self, run_dir: Path, log: Callable[[str], None]) -> None:
+        self.run = RunFolder(run_dir)
+        self.job = Job(self.run, log)
+        self.reason = "start"
+
+    @abstractmethod
+    def first_devices(self, nnodes: int, nproc: int) -> list[str]:
+        """The first segment's device of each rank, in rank order (host ``h`` runs ranks ``h x nproc ..``)."""
+
+    @abstractmethod
+    def begin(self, seg: int, held: dict[int, list[str]]) -> tuple[list[str], dict[str, Any]]:
+        """Prepare segment ``seg`` (its folder, its ``segment`` event) on the devices the hosts hold.
+
+        Returns:
+            ``(devices, fields)``: its device of each rank in rank order, and what every host needs to run its
+            part (added to the lead's decision, with ``reason``).
+        """
+
+    @abstractmethod
+    def part(self, go: dict[str, Any], seg: int, node: int, nnodes: int) -> None:
+        """Run this host's ranks of segment ``seg`` (node ``node`` of ``nnodes`` in its rendezvous, the lead's
+        decision ``go``); return when they have all finished.
+
+        Raises:
+            RankFailure: a rank failed (every rank of this host stopped).
+            LaunchError: the rendezvous did not form.
+        """
+
+    @abstractmethod
+    def hosts_lost(self, seg: int, lost: list[int], held: dict[int, list[str]], lost_after_s: float) -> None:
+        """Drop the devices of the ``lost`` hosts after segment ``seg`` and prepare the next segment on the rest.
+
+        Raises:
+            SupervisorError: nothing can run on what is left.
+        """
+
+    @abstractmethod
+    def failed(self, seg: int, failures: dict[int, tuple[int, str]]) -> None:
+        """Segment ``seg``'s ranks failed on hosts that are still there (global rank -> exit code, message):
+        prepare the next segment (a dead rank's device dropped, or a restart on the same devices).
+
+        Raises:
+            SupervisorError: too many failures, or nothing can run on what is left.
+        """
+
+    @abstractmethod
+    def finished(self, seg: int) -> bool:
+        """Segment ``seg``'s ranks all finished: True when the job is done (its ``done`` event written), False
+        when another segment follows (prepared)."""
+
+    @abstractmethod
+    def resume(self, segments: list[dict[str, Any]]) -> None:
+        """A host taking the decisions over: the job's state at the start of the last of ``segments`` (the
+        shared folder's ``segment`` events)."""
+
+
 def _stop_local_ranks() -> None:
     """SIGTERM every process this one started (torchrun's ranks; each ends quietly on it)."""
     import psutil
@@ -115,7 +187,7 @@ def _stop_local_ranks() -> None:
             pass
 
 
-def _run_part(board: JobBoard, seg: int, go: dict[str, Any], run: RunFolder,
+def _run_part(board: JobBoard, seg: int, go: dict[str, Any], work: HostWork,
               log: Callable[[str], None]) -> tuple[dict[str, Any], set[int], Liveness]:
     """This host's ranks of segment ``seg``, watched for lost peers; post how they ended.
 
@@ -124,9 +196,6 @@ def _run_part(board: JobBoard, seg: int, go: dict[str, Any], run: RunFolder,
         the watcher's view of the hosts' beats since the segment started (to go on watching with).
     """
     hosts: list[int] = go["hosts"]
-    i = hosts.index(board.host)
-    spec = LaunchSpec(Path(go["build"]), run.segment(seg).path, go["nproc"][i], nnodes=len(hosts), node_rank=i,
-                      rdzv_endpoint=go["endpoint"])
     lost: set[int] = set()
     done = threading.Event()
     live = board.watcher()
@@ -157,7 +226,7 @@ def _run_part(board: JobBoard, seg: int, go: dict[str, Any], run: RunFolder,
     watcher = threading.Thread(target=watch, name="hpml-host-watch", daemon=True)
     watcher.start()
     try:
-        launch(spec)
+        work.part(go, seg, hosts.index(board.host), len(hosts))
         end: dict[str, Any] = {"ok": True}
     except RankFailure as e:
         end = {"failures": {str(r): [code, msg] for r, (code, msg) in e.failures.items()}}
@@ -175,42 +244,35 @@ def _run_part(board: JobBoard, seg: int, go: dict[str, Any], run: RunFolder,
     return end, lost, live
 
 
-def supervise_hosts(build_dir: Path, run_dir: Path, options: RunOptions, *, host: int, nnodes: int, nproc: int,
-                    endpoint: str, max_failures: int = 2, solver: str = "ilp",
-                    lost_after_s: float = LOST_AFTER_S, run_info: dict[str, Any] | None = None,
-                    log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run ``build_dir`` for ``options.steps`` steps on ``nnodes`` hosts, this one being ``host``.
+def host_job(work: HostWork, *, host: int, nnodes: int, nproc: int, endpoint: str,
+             lost_after_s: float = LOST_AFTER_S, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Run ``work`` on ``nnodes`` hosts, this one being ``host`` (see the module docstring).
 
     Args:
-        build_dir: the first build (its plan's devices split over the hosts in rank order, ``nproc`` each).
-        run_dir: the job's folder, the same on every host (a shared file system).
-        options: the job's options (as :func:`~.supervisor.supervise`).
+        work: what the job runs, and how each segment follows from the last.
         host: this host's rank, 0..nnodes-1 (host 0 holds the job's store at ``endpoint`` and decides).
         nnodes: the hosts.
         nproc: ranks per host in the first segment.
         endpoint: ``HOST:PORT`` of host 0.
-        max_failures: failures of one device (other than a death) before it is dropped.
-        solver: the solver for re-planning after a failure.
         lost_after_s: silence after which a host is lost.
-        run_info: extra facts for each segment's run.json.
         log: progress lines.
 
     Returns:
-        The job's events on host 0 (as written to ``RUN_DIR/events.jsonl``); [] on the other hosts.
+        The job's events on the host that decided last (as written to ``RUN_DIR/events.jsonl``); [] on the others.
 
     Raises:
-        SupervisorError: the run folder is not shared, host 0 was lost, or no plan fits on what is left.
-        LaunchError: a rank failed on bad input.
+        SupervisorError: the run folder is not shared, host 0 was lost before every host joined, or nothing can
+            run on what is left.
     """
     board = JobBoard(endpoint, host, nnodes, lost_after_s=lost_after_s)
     standbys: dict[int, str] = {}
     try:
-        check_shared(board, run_dir)
+        check_shared(board, work.run.path)
         if host == 0:
-            return _lead(board, build_dir, run_dir, options, nproc, max_failures, solver, run_info, log)
+            return _lead(board, work, nproc)
         board.publish_standby(standby_endpoint(endpoint))
         try:
-            _follow(board, run_dir, log, standbys)
+            _follow(board, work, log, standbys)
             return []
         except LeadLost:
             if not standbys:  # lost before every host was known: nobody can take over
@@ -218,7 +280,7 @@ def supervise_hosts(build_dir: Path, run_dir: Path, options: RunOptions, *, host
             log(f"host {host}: host 0 is lost, and with it the job's store and decisions")
     finally:
         board.close()
-    return _succeed(host, standbys, run_dir, options, max_failures, solver, lost_after_s, run_info, log)
+    return _succeed(host, standbys, work, lost_after_s, log)
 
 
 def standby_endpoint(endpoint: str) -> str:
@@ -229,14 +291,13 @@ def standby_endpoint(endpoint: str) -> str:
     return f"{addr}:{free_port('')}"
 
 
-def _succeed(host: int, standbys: dict[int, str], run_dir: Path, options: RunOptions, max_failures: int,
-             solver: str, lost_after_s: float, run_info: dict[str, Any] | None,
+def _succeed(host: int, standbys: dict[int, str], work: HostWork, lost_after_s: float,
              log: Callable[[str], None]) -> list[dict[str, Any]]:
     """After host 0 is lost: the lowest host left opens the job's store at its standby endpoint and decides from
     the shared run folder's events (:func:`_take_over`); the others join it, renumbered in order.
 
     Raises:
-        SupervisorError: the successor could not be reached (lost too), or no plan fits on what is left.
+        SupervisorError: the successor could not be reached (lost too), or nothing can run on what is left.
     """
     order = sorted(standbys)
     ids = {h: i for i, h in enumerate(order)}
@@ -245,7 +306,7 @@ def _succeed(host: int, standbys: dict[int, str], run_dir: Path, options: RunOpt
         log(f"host {host}: joining host {lead}, which takes over, at {standbys[lead]} (now host {ids[host]})")
         board = JobBoard(standbys[lead], ids[host], len(order), lost_after_s=lost_after_s, connect_s=JOIN_S)
         try:
-            _follow(board, run_dir, log, {})
+            _follow(board, work, log, {})
             return []
         finally:
             board.close()
@@ -253,23 +314,22 @@ def _succeed(host: int, standbys: dict[int, str], run_dir: Path, options: RunOpt
     board = JobBoard(standbys[host], 0, len(order), lost_after_s=lost_after_s)
     try:
         _await_hosts(board, standbys=False)
-        return _take_over(board, ids, run_dir, options, max_failures, solver, run_info, log)
+        return _take_over(board, ids, work)
     finally:
         board.close()
 
 
-def _take_over(board: JobBoard, ids: dict[int, int], run_dir: Path, options: RunOptions, max_failures: int,
-               solver: str, run_info: dict[str, Any] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The new lead: record host 0's loss in the segment it ran, re-plan without its devices, and go on deciding.
+def _take_over(board: JobBoard, ids: dict[int, int], work: HostWork) -> list[dict[str, Any]]:
+    """The new lead: record host 0's loss in the segment it ran, drop its devices, and go on deciding.
 
-    Everything the lead knew is in the shared run folder: the segments (``segment``: build and devices) and which
-    host ran which devices (``hosts``); the checkpoints are there too.
+    Everything the lead knew is in the shared run folder: the segments (``segment``: what ran, on which devices)
+    and which host ran which devices (``hosts``); the checkpoints are there too.
 
     Args:
         board: the job's new store, this host its host 0.
         ids: old host number -> new one, for the hosts left.
     """
-    job = Job(RunFolder(run_dir), log)
+    job = work.job
     events = job.run.read_events()
     if events and events[-1]["event"] == "done":
         return events
@@ -278,17 +338,16 @@ def _take_over(board: JobBoard, ids: dict[int, int], run_dir: Path, options: Run
     segments = [e for e in events if e["event"] == "segment"]
     if not segments:
         raise SupervisorError("host 0 was lost before the job's first segment started: run the hosts left again")
-    seg, build = int(segments[-1]["segment"]), Path(segments[-1]["build"])
+    seg = int(segments[-1]["segment"])
     placed = [e for e in events if e["event"] == "hosts" and e["segment"] == seg]
     held = {int(h): list(ds) for h, ds in (placed[-1]["devices"] if placed else {}).items()}
     held.setdefault(0, [])
-    new_build, reason = _after_host_loss(job, load_plan(build / "plan.json"), build, seg, [0], held, options, solver,
-                                         board)
-    return _decide(board, job, list(segments[0]["devices"]), new_build, seg + 1, reason,
-                   {new: held.get(old, []) for old, new in ids.items()}, options, max_failures, solver, run_info)
+    work.resume(segments)
+    work.hosts_lost(seg, [0], held, board.lost_after_s)
+    return _decide(board, work, seg + 1, {new: held.get(old, []) for old, new in ids.items()})
 
 
-def _follow(board: JobBoard, run_dir: Path, log: Callable[[str], None], standbys: dict[int, str]) -> None:
+def _follow(board: JobBoard, work: HostWork, log: Callable[[str], None], standbys: dict[int, str]) -> None:
     """A host other than 0: run each segment the lead names this host in, until it says done or stop.
 
     ``standbys`` gets where each host would take over, once the lead has seen them all (before its first decision).
@@ -296,7 +355,6 @@ def _follow(board: JobBoard, run_dir: Path, log: Callable[[str], None], standbys
     Raises:
         LeadLost: host 0 (the store's host) was lost.
     """
-    run = RunFolder(run_dir)
     seg = int(board.fact("first", JOIN_S)["segment"])
     if board.host > 0 and not standbys:
         standbys.update(board.standbys())
@@ -310,7 +368,7 @@ def _follow(board: JobBoard, run_dir: Path, log: Callable[[str], None], standbys
         if board.host in go["hosts"]:
             log(f"host {board.host}: segment {seg} ({go['reason']}): {go['nproc'][go['hosts'].index(board.host)]} "
                 f"rank(s) of {sum(go['nproc'])} on {len(go['hosts'])} host(s)")
-            _, lost, _ = _run_part(board, seg, go, run, log)
+            _, lost, _ = _run_part(board, seg, go, work, log)
             if 0 in lost:
                 raise board.store_lost(ConnectionError("host 0 stopped answering while this host's ranks ran"))
         else:
@@ -318,15 +376,13 @@ def _follow(board: JobBoard, run_dir: Path, log: Callable[[str], None], standbys
         seg += 1
 
 
-def _lead(board: JobBoard, build: Path, run_dir: Path, options: RunOptions, nproc: int, max_failures: int,
-          solver: str, run_info: dict[str, Any] | None, log: Callable[[str], None]) -> list[dict[str, Any]]:
+def _lead(board: JobBoard, work: HostWork, nproc: int) -> list[dict[str, Any]]:
     """Host 0: wait for every host, then run segments and decide between them (see the module docstring)."""
-    job = Job(RunFolder(run_dir), log)
-    first = plan_devices(load_plan(build / "plan.json"))
+    first = work.first_devices(board.nnodes, nproc)
     held = {h: first[h * nproc:(h + 1) * nproc] for h in range(board.nnodes)}
     _await_hosts(board, standbys=True)
-    seg = max(job.run.segments(), default=-1) + 1
-    return _decide(board, job, first, build, seg, "start", held, options, max_failures, solver, run_info)
+    seg = max(work.run.segments(), default=-1) + 1
+    return _decide(board, work, seg, held)
 
 
 def _await_hosts(board: JobBoard, *, standbys: bool) -> None:
@@ -357,35 +413,31 @@ def _still_lead(run: RunFolder, endpoint: str) -> None:
                               "lost touch with the others: this host stops, and the job goes on there")
 
 
-def _decide(board: JobBoard, job: Job, first: list[str], build: Path, seg: int, reason: str,
-            held: dict[int, list[str]], options: RunOptions, max_failures: int, solver: str,
-            run_info: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The lead's loop from segment ``seg`` (run ``build`` for ``reason``, on the hosts' devices ``held``)."""
+def _decide(board: JobBoard, work: HostWork, seg: int, held: dict[int, list[str]]) -> list[dict[str, Any]]:
+    """The lead's loop from segment ``seg`` (what ``work`` has prepared, on the hosts' devices ``held``)."""
+    job = work.job
     board.set_fact("first", {"segment": seg})
-    ledger = FailureLedger(max_failures)
-    carried = None
     where = parse_endpoint(board.endpoint)[0]
     claim_lead(job.run, board.endpoint)
     try:
         while True:
             _still_lead(job.run, board.endpoint)
-            plan = start_segment(job, options, first, build, seg, reason, carried, run_info)
-            hosts, counts, held = place(plan_devices(plan), held)
-            go = {"hosts": hosts, "nproc": counts, "build": str(build), "reason": reason,
-                  "endpoint": f"{where}:{free_port('')}"}
+            devices, fields = work.begin(seg, held)
+            hosts, counts, held = place(devices, held)
+            go = {"hosts": hosts, "nproc": counts, "reason": work.reason, "endpoint": f"{where}:{free_port('')}",
+                  **fields}
             job.event("hosts", segment=seg, hosts=hosts, nproc=counts, devices={str(h): held[h] for h in hosts})
             board.publish_go(seg, go)
             if board.host in hosts:
-                _, seen_lost, live = _run_part(board, seg, go, job.run, job.log)
+                _, seen_lost, live = _run_part(board, seg, go, work, job.log)
             else:  # this host's devices were dropped: it only decides, watching the hosts that run the segment
                 job.log(f"segment {seg} runs without this host's devices")
                 seen_lost, live = set(), board.watcher()
             ends = _collect(board, seg, hosts, seen_lost, live)
             _still_lead(job.run, board.endpoint)  # before anything is written for the next segment
             lost = [h for h in hosts if ends[h] is None]
-            carried = None
             if lost:
-                build, reason = _after_host_loss(job, plan, build, seg, lost, held, options, solver, board)
+                work.hosts_lost(seg, lost, held, board.lost_after_s)
                 held = {h: ds for h, ds in held.items() if h not in lost}
             elif any("failures" in e or "launch_error" in e for e in ends.values() if e):
                 failures = {int(r): (int(code), msg) for e in ends.values() if e
@@ -393,14 +445,10 @@ def _decide(board: JobBoard, job: Job, first: list[str], build: Path, seg: int, 
                 if not failures:
                     raise SupervisorError("; ".join(e["launch_error"] for e in ends.values() if e and
                                                     "launch_error" in e))
-                build, reason, carried = after_failure(job, ledger, plan, build, seg, failures, options, solver)
-            else:
-                switch = after_success(job, seg)
-                if switch is None:
-                    job.event("done", segment=seg, steps=options.steps)
-                    board.publish_go(seg + 1, {"done": True})
-                    return job.events
-                build, reason = switch
+                work.failed(seg, failures)
+            elif work.finished(seg):
+                board.publish_go(seg + 1, {"done": True})
+                return job.events
             seg += 1
     except HpmlError as e:  # the other hosts stop with it, saying why
         board.publish_go(seg if board.read_go(seg) is None else seg + 1, {"stop": str(e)})
@@ -426,22 +474,3 @@ def _collect(board: JobBoard, seg: int, hosts: list[int], seen_lost: set[int],
                 ends[h] = None
         time.sleep(0.1)
     return ends
-
-
-def _after_host_loss(job: Job, plan: Plan, build: Path, seg: int, lost: list[int], held: dict[int, list[str]],
-                     options: RunOptions, solver: str, board: JobBoard) -> tuple[Path, str]:
-    """Drop the lost hosts' devices and re-plan for the rest: ``(build, reason)`` of the next segment."""
-    detected = time.time()
-    seg_dir = job.run.segment(seg).path
-    record_moves(job, seg, seg_dir)
-    devices = [d for h in lost for d in held[h]]
-    ranks = plan_devices(plan)
-    reports = [info["time"] for r in range(len(ranks)) for info in [RunFolder(seg_dir).read_error(r)] if info]
-    failed_at = min(reports, default=detected - board.lost_after_s)  # the survivors' ranks saw it first
-    for h in lost:
-        job.event("failure", segment=seg, host=h, device=", ".join(held[h]), devices=held[h], cause="host lost",
-                  message=f"host {h} stopped beating for {board.lost_after_s:g} s", failed_at=failed_at,
-                  detected_at=detected, dropped=True, rank=ranks.index(held[h][0]) if held[h] else None)
-        job.log(f"segment {seg}: host {h} lost (its devices {', '.join(held[h])}); dropping them")
-    new = replan_without(job, plan, build, seg, devices, options, solver, trigger="host lost")
-    return new, f"host(s) {', '.join(map(str, lost))} lost"
