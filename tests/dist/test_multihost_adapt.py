@@ -14,6 +14,12 @@ from the last checkpoint:
   the same checkpoint;
 - the steps whose updates survive train on one epoch, each item once;
 - no process of the job is left on the machine.
+
+``launch --adapt`` across hosts runs the user's own script on the same
+machinery: two launch agents, one rank each, the same TrainSpec trained by a
+short loop of its own (:data:`LOOP`); host 1's agent and rank are killed
+after the checkpoint of step 4, and host 0 restarts the script alone, told
+(``HPML_CLUSTER``) that only its own device is left, from that checkpoint.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import pytest
 
 from hpml_compile.cli import main
 from hpml_compile.plan import load_plan
+from hpml_compile.runtime.execute.checkpoint import latest
 from hpml_compile.runtime.job.launcher import free_port
 from hpml_compile.runtime.observe.monitor import read_metrics
 
@@ -211,3 +218,85 @@ def test_a_lost_host_0_is_taken_over_by_the_host_left(build: Path, tmp_path: Pat
     assert resumed in (8, 12)
     _trained_once(run, resumed)
     _nothing_left(run, killed)
+
+
+LOOP = '''
+import os, sys, time
+from pathlib import Path
+import torch
+import hpml_compile
+from hpml_compile.cluster import load_cluster
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train import spec
+
+torch.manual_seed(0)
+pipe = hpml_compile.compile(spec(), cluster=os.environ["HPML_CLUSTER"], microbatches=2, solver="uniform",
+                            profile_repeats=1, run_dir=os.environ["HPML_RUN_DIR"],
+                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+ck = os.environ["HPML_CHECKPOINT_DIR"]
+resumed = pipe.load(ck, missing_ok=True)
+if pipe.rank == 0:
+    names = [d.name for d in load_cluster(os.environ["HPML_CLUSTER"]).devices]
+    print(f"segment {os.environ['HPML_SEGMENT']}: {pipe.world_size} rank(s) on {','.join(names)}; "
+          f"from step {resumed['step'] if resumed else 0}", flush=True)
+while pipe.steps_done < 12:
+    if os.environ.get("SLOW_AFTER_4") and pipe.steps_done >= 4:  # host 1 only: the kill lands mid-run
+        time.sleep(0.5)
+    pipe.trainer.step()
+    if pipe.steps_done % 4 == 0:
+        pipe.save(ck)
+pipe.close()
+'''
+
+
+def test_launch_across_hosts_drops_a_lost_hosts_ranks_and_the_script_resumes(tmp_path: Path) -> None:
+    """Two ``launch --adapt`` agents as two hosts; host 1 (agent and rank) killed after step 4's checkpoint: the
+    script restarts on host 0 alone, HPML_CLUSTER naming cpu0 only, from that checkpoint, to its last step."""
+    (tmp_path / "train.py").write_text(SPEC)
+    (tmp_path / "loop.py").write_text(LOOP)
+    run, endpoint = tmp_path / "run", f"localhost:{free_port()}"
+
+    def host(rank: int, env: dict[str, str]) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [*CLI, "launch", "--adapt", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint,
+             "--nproc", "1", "--host-timeout", "3", "--run-dir", str(run), str(tmp_path / "loop.py")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, stdin=subprocess.DEVNULL)
+
+    left, victim = host(0, _env()), host(1, {**_env(), "SLOW_AFTER_4": "1"})
+    killed: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 240
+        while latest(run / "checkpoints") is None:
+            if left.poll() is not None or victim.poll() is not None or time.monotonic() > deadline:
+                for p in (left, victim):
+                    if p.poll() is None:
+                        p.kill()
+                pytest.fail("no checkpoint with both hosts running:\n" + left.communicate()[0] + "\n---\n"
+                            + victim.communicate()[0])
+            time.sleep(0.02)
+        agent = psutil.Process(victim.pid)
+        killed = [agent, *agent.children(recursive=True)]
+        assert len(killed) >= 2  # the agent and its rank
+        for p in killed:
+            p.send_signal(signal.SIGKILL)
+        out, _ = left.communicate(timeout=300)
+    finally:
+        for p in (left, victim):
+            if p.poll() is None:
+                p.kill()
+        victim.wait()
+    assert left.returncode == 0, out
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    lost = [e for e in events if e["event"] == "failure"]
+    assert [(e["cause"], e["host"], e["devices"], e["dropped"]) for e in lost] == [("host lost", 1, ["cpu1"], True)]
+    segments = [e for e in events if e["event"] == "segment"]
+    assert [s["devices"] for s in segments] == [["cpu0", "cpu1"], ["cpu0"]] and events[-1]["event"] == "done"
+    told = json.loads(Path(segments[1]["cluster"]).read_text())  # HPML_CLUSTER of the restart
+    assert [(d["name"], d["host"]) for d in told["devices"]] == [("cpu0", "host0")]
+    assert "segment 0: 2 rank(s) on cpu0,cpu1; from step 0" in out
+    resumed = next(int(line.rsplit(" ", 1)[1]) for line in out.splitlines()
+                   if line.startswith("segment 1: 1 rank(s) on cpu0; from step"))
+    assert resumed in (4, 8)  # the last checkpoint before the kill (every 4 steps)
+    last = latest(run / "checkpoints")
+    assert last is not None and last.name == "step_00000012"
+    _nothing_left(tmp_path, killed)
