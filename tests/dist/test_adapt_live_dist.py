@@ -8,7 +8,8 @@ went on without it and ran the failed step again, the job's events record the
 loss with no step lost, every loss of the run equals the model trained plainly
 in this process on the same batch (the gradient is the batch mean whatever the
 rows, so an uninterrupted run that switched to the survivors' rows at ``KILL``
-computes the same values), and no process is left.
+computes the same values), no process is left, and the segment's report
+summarises the survivors' steps from the failed one on, on the replicas left.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from hpml_compile import models
 from hpml_compile.cli import main
 from hpml_compile.runtime.observe.monitor import read_metrics
+from hpml_compile.runtime.observe.summary import analyse, format_summary
 from hpml_compile.testing import one_replicated_stage, process_gone, trained_plainly
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(900),
@@ -68,3 +70,7 @@ def test_a_lost_replica_goes_on_in_the_same_processes_with_equal_losses(tmp_path
     for s, losses in got.items():
         assert losses == pytest.approx(want, rel=1e-5, abs=1e-6), (s, losses, want)
     assert all(process_gone(pid) for pid in lost["pids"]), "a rank outlived the job"
+    # the report counts the survivors' steps after the loss (not every rank cut at the lost one's last step)
+    summary = analyse(run / "seg0")
+    assert [st.devices for st in summary.stages] == [("cpu0", "cpu2")] and summary.steps == STEPS - KILL + 1
+    assert f"since step {KILL}, when cpu{VICTIM} was lost in place" in format_summary(summary)

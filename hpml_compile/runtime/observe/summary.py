@@ -45,6 +45,7 @@ from ...ir import Cluster, NodeCost, Profile, variant_kind
 from ...plan import Plan, load_plan
 from ...profile import load_profile, save_profile
 from ...report import host_summary, human_bytes
+from .inplace import after_losses
 from .monitor import StepMetrics, read_metrics
 from .runfolder import RunFolder
 from .policy import contention_discount, lost_share, memory_shortfalls
@@ -222,6 +223,7 @@ class RunSummary:
     # per hierarchical all-reduce's stage: (stage, bytes a rank sent inside its host, between hosts, what a flat
     # ring would have sent) per step, means over the measured steps and the stage's ranks, as the runtime counted
     sync_levels: tuple[tuple[int, float, float, float], ...] = ()
+    note: str | None = None  # which steps these are, where not all of the run's (a replica lost in place)
 
     @property
     def shortfalls(self) -> dict[str, int]:
@@ -335,7 +337,9 @@ def analyse(run_dir: str | Path, *, skip: int | None = None) -> RunSummary:
     """Summarise a run folder.
 
     Where the closed loop moved rows in place (``replans.jsonl``), plan.json holds the new rows: only the steps
-    since the last move are summarised against it (their first ``skip`` as warm-up).
+    since the last move are summarised against it (their first ``skip`` as warm-up). Where a replica was lost in
+    place (a segment of ``run --adapt``), the survivors' steps since the loss are, on the replicas left
+    (:func:`~.inplace.after_losses`).
 
     Args:
         run_dir: the folder ``hpml-compile run`` wrote.
@@ -353,11 +357,12 @@ def analyse(run_dir: str | Path, *, skip: int | None = None) -> RunSummary:
                         "--run-dir` wrote, and did a step finish?")
     if not (run / "plan.json").is_file():
         raise HpmlError(f"{run}: no plan.json; `hpml-compile run` copies the build's plan there")
+    plan, rows, note = after_losses(run, load_plan(run / "plan.json"), rows)  # replicas lost in place: survivors
     moved = [e["step"] for e in RunFolder(run).read_replans() if e.get("in_place")]
     if moved:  # plan.json holds the rows moved in place at that step (runtime/job/adapt.py): the steps run on them
         since = {r: [m for m in ms if m.step >= moved[-1]] for r, ms in rows.items()}
         rows = since if all(since.values()) else rows
-    s = summarise(load_plan(run / "plan.json"), rows, skip=skip, run_dir=run)
+    s = replace(summarise(plan, rows, skip=skip, run_dir=run), note=note)
     if (run / "plan_profile.json").is_file():  # the profile the plan was predicted from (launcher copies it)
         s = replace(s, host=host_summary(load_profile(run / "plan_profile.json")))
     return s
@@ -525,7 +530,8 @@ def format_summary(s: RunSummary) -> str:
     """The per-stage table, measured against predicted, then the bottleneck and the advice."""
     p = s.plan
     lines = [f"{p.model}: {len(p.stages)} stages, {s.microbatches} microbatches, {p.schedule.value}; "
-             f"{s.steps - s.skipped} steps measured (first {s.skipped} skipped as warm-up)",
+             f"{s.steps - s.skipped} steps measured (first {s.skipped} skipped as warm-up)"
+             + (f"; {s.note}" if s.note else ""),
              f"  {'stage':>5s} {'devices':12s} {'fwd ms':>8s} {'bwd ms':>8s} {'pred f+b':>9s} {'meas/pred':>9s} "
              f"{'comm ms':>8s} {'idle ms':>8s} {'allred':>7s} {'bubble':>7s} {'peak mem':>10s}"]
     for st in s.stages:
