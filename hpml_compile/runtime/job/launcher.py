@@ -473,7 +473,7 @@ def launch(spec: LaunchSpec) -> None:
                                 "DistStoreError", "RendezvousConnectionError", "TimeoutError"):
             raise LaunchError(f"the rendezvous at {spec.rdzv_endpoint or 'localhost'} did not form "
                               f"({type(e).__name__}: {text.splitlines()[0] if text else ''}): check that all "
-                              f"{spec.nnodes} hosts run `hpml-compile run` with the same --nnodes and "
+                              f"{spec.nnodes} hosts run `hpml-compile run` (or `launch`) with the same --nnodes and "
                               "--rdzv-endpoint, that node 0 can be reached on that port, and that each "
                               "--node-rank is used once") from None
         raise

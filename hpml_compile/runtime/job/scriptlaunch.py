@@ -263,7 +263,7 @@ class ScriptWork(HostWork):
 
     def finished(self, seg: int) -> bool:
         self.job.event("done", segment=seg)
-        self.job.log(f"launch: done in {len(self.run.segments())} segment(s)")
+        self.job.log(f"launch: done in {seg + 1} segment(s)")
         return True
 
     def resume(self, segments: list[dict[str, Any]]) -> None:
