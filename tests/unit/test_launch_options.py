@@ -1,5 +1,5 @@
-"""``launch``'s options across hosts: a bad combination is refused with one line naming it, before anything starts;
-a good one reaches the multi-host launch as given."""
+"""``launch``'s options across hosts: a bad combination is refused with one line naming it, before anything starts
+(a good one is run for real by ``tests/dist/test_multihost_adapt.py``)."""
 
 from __future__ import annotations
 
@@ -49,14 +49,3 @@ def test_a_bad_combination_is_refused_before_anything_starts(args: list[str], sa
     assert said in err and len(err.splitlines()) == 1, err
     assert started == [] and not (tmp_path / "R").exists()
 
-
-def test_a_host_of_a_job_across_hosts_reaches_the_multi_host_launch(tmp_path: Path,
-                                                                    started: list[dict[str, Any]]) -> None:
-    assert main(["launch", "--adapt", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "node0:29400",
-                 "--nproc", "3", "--host-timeout", "5", "--run-dir", str(tmp_path / "run"), "train.py", "--steps",
-                 "4"]) == 0
-    assert len(started) == 1
-    got = started[0]
-    assert (got["host"], got["nnodes"], got["endpoint"], got["nproc"], got["lost_after_s"]) == (1, 2, "node0:29400",
-                                                                                                 3, 5.0)
-    assert got["checkpoint_dir"] == tmp_path / "run" / "checkpoints"  # shared with the run folder by default
