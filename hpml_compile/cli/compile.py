@@ -101,7 +101,9 @@ def run_compile(args: argparse.Namespace) -> int:
         HpmlError: for a bad model, cluster or option, a model that fits nowhere, or a plan codegen cannot carry out.
     """
     if args.inference:
-        from .infer import run_inference_compile
+        from .infer import run_inference_compile, refuse_compiled_inference
+
+        refuse_compiled_inference(args)
 
         return run_inference_compile(args)
     from .. import models  # the zoo is only needed here

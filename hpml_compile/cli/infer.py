@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import HpmlError
+from ..errors import HpmlError, OptionError
 
 __all__ = ["add_parsers", "add_inference_options", "run_inference_compile", "run_inference_plan",
            "run_generate", "run_infer", "run_serve"]
@@ -89,6 +89,19 @@ def _report(plan: Any) -> None:
                   "compute)")
     elif any(plan.cluster.device(s.device).is_cpu for s in plan.stages):
         print("  CPUs priced from the catalog's rates (assumed: no block of this model was timed on this host)")
+
+
+def refuse_compiled_inference(args: argparse.Namespace) -> None:
+    """Refuse ``--compile-stages on`` with ``--inference``: inference stages run eager (their KV-cache steps change
+    shape every token), so a build that said otherwise would name what the runtime does not do.
+
+    Raises:
+        OptionError: ``--compile-stages on`` was given.
+    """
+    if getattr(args, "compile_stages", "auto") == "on":
+        raise OptionError("--compile-stages on with --inference: inference stages run eager (each generated token "
+                          "changes the KV cache's shape); leave --compile-stages out (or auto/off) for an inference "
+                          "build")
 
 
 def run_inference_compile(args: argparse.Namespace) -> int:

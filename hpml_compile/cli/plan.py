@@ -189,7 +189,9 @@ def run_plan(args: argparse.Namespace) -> int:
         HpmlError: for a bad profile, cluster or option, or a model that fits nowhere (InfeasibleError).
     """
     if getattr(args, "inference", False):
-        from .infer import run_inference_plan
+        from .infer import run_inference_plan, refuse_compiled_inference
+
+        refuse_compiled_inference(args)
 
         return run_inference_plan(args)
     if not args.compare and not args.output:

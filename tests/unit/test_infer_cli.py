@@ -68,6 +68,9 @@ def test_bad_input_is_refused_by_name(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["compile", "gpt-tiny", "--inference", "--cluster", "local-cpu-1", "--weights",
                  str(tmp_path / "none.safetensors"), "-o", str(tmp_path / "b2")]) == 2
     assert "no such file" in capsys.readouterr().err
+    assert main(["compile", "gpt-tiny", "--inference", "--cluster", "local-cpu-1", "--compile-stages", "on",
+                 "-o", str(tmp_path / "b3")]) == 2
+    assert "inference stages run eager" in capsys.readouterr().err and not (tmp_path / "b3").exists()
     # serve's drill and deadlines: refused by name before any rank starts or port opens
     assert main(["serve", str(build), "--slow", "1:3:1"]) == 2
     assert "rank 1 is not a rank of the plan (0..0)" in capsys.readouterr().err
