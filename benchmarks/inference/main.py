@@ -33,7 +33,9 @@ the plan's predicted tokens/s, time to first token and per-token latency beside 
 this process with one torch thread (:func:`hpml_compile.infer.timing.time_block`: back to back, and with its
 weights out of the caches as a stage of a pipeline runs it) and the hand-off between the ranks timed through
 the generator's pipes, to a receiver waiting for it and to one idle for a while before it (as a rank is at
-batch 1 while the other computes), as ``compile --inference`` does. Timings need a quiet machine.
+batch 1 while the other computes), and the block's decode step right after such an idle gap (a rank woken
+from a wait computes slower than one run back to back), as ``compile --inference`` does. Timings need a
+quiet machine; ``--measured-only --batch 1`` measures one row alone.
 
 Run:
     python benchmarks/inference/main.py                 # ~1-2 min
@@ -60,7 +62,8 @@ import cost_models
 from hpml_compile.cluster import load_cluster
 from hpml_compile.infer import DecoderShape, InferencePlan, Workload, place, score
 from hpml_compile.infer.cost import Objective, stage_bytes
-from hpml_compile.infer.place import LANES, MEMORY_FRACTION, decode_floor_ms, device_order, stages_for
+from hpml_compile.infer.place import (LANES, MEMORY_FRACTION, decode_compute_ms, decode_floor_ms, device_order,
+                                      stages_for)
 from hpml_compile.infer.timing import time_block, timed_specs
 from hpml_compile.ir import Cluster, Device
 from hpml_compile.models.gpt import PRESETS
@@ -228,7 +231,7 @@ def _eager_greedy(model: torch.nn.Module, prompts: torch.Tensor, new: int) -> fl
     return time.perf_counter() - t0
 
 
-def measured_rows() -> list[dict[str, Any]]:
+def measured_rows(batches: tuple[int, ...] = (16, 1)) -> list[dict[str, Any]]:
     from hpml_compile import models
     from hpml_compile.infer.engine import Generator
 
@@ -238,7 +241,8 @@ def measured_rows() -> list[dict[str, Any]]:
     rows = []
     eager = models.load(model_name, seed=0).module.eval()
     g = torch.Generator().manual_seed(0)
-    for batch, lanes in ((16, 2), (1, 1)):
+    for batch in batches:
+        lanes = min(2, batch)
         work = Workload(batch, prompt_len, new, microbatches=lanes)
         timing = time_block(PRESETS[model_name], work, threads=1)  # this CPU, as `compile --inference` prices it
         specs = timed_specs(shape, timing)
@@ -260,7 +264,11 @@ def measured_rows() -> list[dict[str, Any]]:
         torch.set_num_threads(before)
         p = piped[0].predicted
         tok_s, ttft, token_ms = (_median(piped, k) for k in ("tokens_per_s", "ttft_ms", "token_ms"))
+        # the same plan priced as if a rank woken from a wait computed as fast as one run back to back
+        warm = {"cpu": replace(specs["cpu"], idle_compute=())}  # type: ignore[index]
+        unwoken = score(cluster, shape, work, stages, specs=warm).tokens_per_s
         rows.append({"batch": batch, "lanes": lanes, "runs": RUNS, "predicted_tok_s": p.tokens_per_s,
+                     "predicted_tok_s_warm_compute": unwoken,
                      "predicted_ttft_ms": p.ttft_ms, "predicted_token_ms": p.token_ms,
                      "error_tok_s": p.tokens_per_s / tok_s - 1,
                      "error_ttft_ms": p.ttft_ms / ttft - 1, "error_token_ms": p.token_ms / token_ms - 1,
@@ -269,16 +277,19 @@ def measured_rows() -> list[dict[str, Any]]:
                      "pipeline_ttft_ms": ttft, "pipeline_token_ms": token_ms,
                      "one_process_cached_tok_s": _median(single, "tokens_per_s"),
                      "one_process_cached_token_ms": _median(single, "token_ms"), "eager_tok_s": batch * new / eager_s,
-                     "eager_token_ms": eager_s * 1e3 / new, **_where_time_went(piped, stages, lanes, new)})
+                     "eager_token_ms": eager_s * 1e3 / new,
+                     **_where_time_went(piped, stages, decode_compute_ms(cluster, shape, work, stages, specs=specs),
+                                        lanes, new)})
     return rows
 
 
-def _where_time_went(piped: list[Any], stages: Any, lanes: int, new: int) -> dict[str, Any]:
-    """Each rank's compute over a generation (waits excluded; medians) against its stage's predicted time, and
-    what the run took beyond the ranks' compute (with one lane: the hand-offs and the wake-ups) against the
+def _where_time_went(piped: list[Any], stages: Any, decode: list[float], lanes: int, new: int) -> dict[str, Any]:
+    """Each rank's compute over a generation (waits excluded; medians) against its stage's predicted time
+    (``decode``: per stage, a lane's decode step as the prediction prices it, a step woken from a wait included),
+    and what the run took beyond the ranks' compute (with one lane: the hand-offs and the wake-ups) against the
     prediction's."""
     compute = [statistics.median(r.stage_ms[k] for r in piped) for k in range(len(stages))]
-    predicted = [lanes * (s.prefill_ms + (new - 1) * s.decode_ms) for s in stages]
+    predicted = [lanes * (s.prefill_ms + (new - 1) * d) for s, d in zip(stages, decode)]
     return {"rank_compute_ms": compute, "predicted_rank_compute_ms": predicted,
             "beyond_compute_ms": statistics.median(r.total_ms - sum(r.stage_ms) for r in piped),
             "predicted_beyond_compute_ms": piped[0].predicted.total_ms - sum(predicted)}
@@ -302,10 +313,18 @@ def print_measured(rows: list[dict[str, Any]]) -> None:
         idle = ", ".join(f"{us:.0f} us after {ms:g} ms" for ms, us in t.get("handoff_idle", ()))
         print(f"batch {r['batch']}: a hand-off timed here takes {t['handoff_us']:.0f} us to a receiver waiting for it; "
               f"{idle or 'not timed after an idle wait'}")
+        woke = ", ".join(f"{blk * 1e3:.0f} + {out * 1e3:.0f} us after {gap:g} ms" for gap, blk, out in
+                         t.get("decode_idle", ()))
+        print(f"  a block's decode step + the step's work outside the blocks: {t['decode_ms'] * 1e3:.0f} + "
+              f"{t['step_ms'] * 1e3:.0f} us back to back, {t['decode_cold_ms'] * 1e3:.0f} + "
+              f"{t['step_cold_ms'] * 1e3:.0f} us with the caches flushed; {woke or 'not timed after an idle gap'}")
         print(f"  ranks computed {' + '.join(f'{x:.1f}' for x in r['rank_compute_ms'])} ms (predicted "
               f"{' + '.join(f'{x:.1f}' for x in r['predicted_rank_compute_ms'])}); the run took "
               f"{r['beyond_compute_ms']:.1f} ms beyond their sum (predicted {r['predicted_beyond_compute_ms']:.1f}; "
               f"with one lane: the hand-offs and wake-ups)")
+        warm = r["predicted_tok_s_warm_compute"]
+        print(f"  priced as if a rank woken from a wait computed as fast as back to back: {warm:.4g} tokens/s "
+              f"({warm / r['pipeline_tok_s'] - 1:+.0%} against the measured)")
     print(f"\n2 ranks, predicted against measured (error = predicted / measured - 1; CPUs priced from a block "
           f"timed here)\n{'batch':>5} {'tok/s':>17} {'error':>7} {'first token ms':>17} {'error':>7} "
           f"{'ms per token':>15} {'error':>7}")
@@ -321,12 +340,16 @@ def print_measured(rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sim-only", action="store_true", help="the simulated table only")
+    ap.add_argument("--measured-only", action="store_true", help="the measured table only")
+    ap.add_argument("--batch", type=int, action="append", choices=(1, 16),
+                    help="measure this batch only (repeat the option for both; default: 16 and 1)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "inference.json")
     args = ap.parse_args()
     t0 = time.time()
-    sim = simulated_rows()
-    print_simulated(sim)
-    measured = [] if args.sim_only else measured_rows()
+    sim = [] if args.measured_only else simulated_rows()
+    if sim:
+        print_simulated(sim)
+    measured = [] if args.sim_only else measured_rows(tuple(args.batch or (16, 1)))
     if measured:
         print_measured(measured)
     args.out.parent.mkdir(parents=True, exist_ok=True)

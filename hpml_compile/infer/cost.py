@@ -47,7 +47,7 @@ from ..ir import Device, base_kind
 
 __all__ = ["Objective", "DecoderShape", "Workload", "DTYPE_BYTES", "KERNELS_PER_BLOCK", "TimedCpuSpec", "device_spec",
            "block_ms", "block_flops_bytes", "cpu_op_ms", "step_extra_ms", "cold_head_ms", "head_ms", "handoff_ms",
-           "wake_us",
+           "wake_us", "woken_extra_ms",
            "stream_ms", "stage_bytes"]
 
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -74,7 +74,10 @@ class TimedCpuSpec(cost_models.DeviceSpec):
     ``handoff_gbps``: one hand-off between two ranks of this host, as the generator makes it (0 GB/s: not
     measured); ``handoff_idle``: ``(idle ms, latency us)`` of a hand-off whose receiver was idle that long
     before it (:func:`wake_us`). ``llc_bytes``: the CPU's last-level cache as the host reports it (0: unknown);
-    a model whose decode working set fits in it stays warm in every stage (:func:`evicts`)."""
+    a model whose decode working set fits in it stays warm in every stage (:func:`evicts`). ``idle_compute``:
+    ``(idle ms, per-op ms, step ms more)`` of a decode step run right after its rank was idle that long (the
+    per-op cost fitted to blocks so timed, and what the step outside the blocks took more than warm), per gap
+    timed (:func:`woken_extra_ms`)."""
 
     step_ms: float = 0.0
     cold_op_ms: float = 0.0
@@ -83,6 +86,7 @@ class TimedCpuSpec(cost_models.DeviceSpec):
     handoff_gbps: float = 0.0
     llc_bytes: int = 0
     handoff_idle: tuple[tuple[float, float], ...] = ()
+    idle_compute: tuple[tuple[float, float, float], ...] = ()
 
 
 class Objective(str, enum.Enum):
@@ -301,12 +305,44 @@ def wake_us(spec: TimedCpuSpec, idle_ms: float) -> float:
         >>> wake_us(spec, 0.0), round(wake_us(spec, 0.55), 6), wake_us(spec, 10.0)
         (5.0, 50.0, 95.0)
     """
-    xs = [0.0, *(ms for ms, _ in spec.handoff_idle)]
-    ys = list(itertools.accumulate([spec.handoff_us, *(us for _, us in spec.handoff_idle)], max))
-    if idle_ms >= xs[-1]:
+    return _interpolate([0.0, *(ms for ms, _ in spec.handoff_idle)],
+                        [spec.handoff_us, *(us for _, us in spec.handoff_idle)], idle_ms)
+
+
+def _interpolate(xs: list[float], ys: list[float], x: float) -> float:
+    """Linear between the points, the last one's value beyond them; ``ys`` made non-decreasing first (a longer idle
+    never priced cheaper than a shorter one: on a busy host the medians of nearby points may cross)."""
+    ys = list(itertools.accumulate(ys, max))
+    if x >= xs[-1]:
         return ys[-1]
-    i = bisect.bisect_right(xs, max(idle_ms, 0.0))
-    return ys[i - 1] + (ys[i] - ys[i - 1]) * (max(idle_ms, 0.0) - xs[i - 1]) / (xs[i] - xs[i - 1])
+    i = bisect.bisect_right(xs, max(x, 0.0))
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (max(x, 0.0) - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
+def woken_extra_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload, blocks: int,
+                   idle_ms: float) -> float:
+    """What a decode step of a stage of ``blocks`` blocks costs more than warm when its rank was idle for
+    ``idle_ms`` before it (a rank of a pipeline whose lanes do not keep it busy), where that was timed
+    (:attr:`TimedCpuSpec.idle_compute`; else 0): each of the blocks' ops at the per-op cost fitted to steps so
+    timed, and the step's work outside the blocks as much more as it took. Linear between the gaps timed (a warm
+    step at 0 ms), the last gap's beyond them.
+
+    Example:
+        >>> from dataclasses import fields
+        >>> from hpml_compile.models.gpt import PRESETS
+        >>> base = cost_models.get_device("cpu")
+        >>> spec = TimedCpuSpec(**{**{f.name: getattr(base, f.name) for f in fields(cost_models.DeviceSpec)},
+        ...                        "launch_overhead_ms": 0.01}, idle_compute=((1.0, 0.02, 0.1),))
+        >>> shape, work = DecoderShape.from_config(PRESETS["gpt-mini"]), Workload(1, 32, 32)
+        >>> round(woken_extra_ms(spec, shape, work, 3, 0.5), 6), round(woken_extra_ms(spec, shape, work, 3, 4.0), 6)
+        (0.41, 0.82)
+    """
+    if not isinstance(spec, TimedCpuSpec) or not spec.idle_compute or blocks < 0:
+        return 0.0
+    xs = [0.0, *(gap for gap, _, _ in spec.idle_compute)]
+    op = _interpolate(xs, [spec.launch_overhead_ms, *(o for _, o, _ in spec.idle_compute)], idle_ms)
+    out = _interpolate(xs, [0.0, *(e for _, _, e in spec.idle_compute)], idle_ms)
+    return blocks * CPU_OPS_PER_BLOCK * max(0.0, op - spec.launch_overhead_ms) + out
 
 
 def head_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload) -> float:

@@ -23,7 +23,9 @@ where a primed time prices the hand-off into its stage with the receiver woken
 from a wait (``(T - M d_s) / M`` on average, ``T`` first priced with no wait):
 a rank of a pipeline whose lanes do not keep it busy (one lane at batch 1)
 waits in the kernel while the others compute and takes longer to wake than
-one that waited microseconds (:func:`hpml_compile.infer.cost.wake_us`).
+one that waited microseconds (:func:`hpml_compile.infer.cost.wake_us`), and
+its ``d_s'`` is also the step it computes once woken, which on a CPU costs
+more than one run back to back (:func:`hpml_compile.infer.cost.woken_extra_ms`).
 
 Objective ``throughput`` maximises tokens/s, subject to ``T <= bound`` when a
 per-token latency bound is given; ``latency`` minimises ``P + (n - 1) T`` at
@@ -70,11 +72,11 @@ from ..cluster import link_spec
 from ..errors import InfeasibleError, OptionError
 from ..ir import Cluster
 from .cost import (DTYPE_BYTES, DecoderShape, Objective, Workload, block_ms, cold_head_ms, device_spec, handoff_ms,
-                   head_ms, stage_bytes, step_extra_ms, stream_ms)
+                   head_ms, stage_bytes, step_extra_ms, stream_ms, woken_extra_ms)
 from .plan import InferencePlan, InferenceStage, Prediction
 
 __all__ = ["LANES", "MEMORY_FRACTION", "place", "score", "stages_for", "device_order", "predict_run",
-           "replan_without", "decode_floor_ms"]
+           "replan_without", "decode_floor_ms", "decode_compute_ms"]
 
 LANES: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16)  # microbatch counts tried
 MEMORY_FRACTION = 0.9  # of a device's memory a plan may use (allocator reserve, the runtime's own buffers)
@@ -166,20 +168,50 @@ def score(cluster: Cluster, shape: DecoderShape, work: Workload, stages: Sequenc
     for s, a in zip(stages, prev):  # each stage waited for the ones before it to prefill the first lane
         p.append(s.prefill_ms + _send_ms(cluster, a, s.device, shape, work, False, specs, idle_ms=sum(p)))
     prefill = sum(p) + (lanes - 1) * max(p)
-    d = [s.decode_ms + _send_ms(cluster, a, s.device, shape, work, True, specs) for s, a in zip(stages, prev)]
-    if len(names) == 1:
-        step = lanes * d[0]
-    else:
-        back = _hand_ms(cluster, names[-1], names[0], 8 * work.rows, specs)
-        step = max(lanes * max(d), sum(d) + back)
-        # a lane's way round wakes each rank from a wait: on average the step less its own work, over its lanes
-        idle = [max(0.0, step - lanes * x) / lanes for x in d]
-        woken = [s.decode_ms + _send_ms(cluster, a, s.device, shape, work, True, specs, idle_ms=i)
-                 for s, a, i in zip(stages, prev, idle)]
-        back = _hand_ms(cluster, names[-1], names[0], 8 * work.rows, specs, idle_ms=idle[0])
-        step = max(lanes * max(d), sum(woken) + back)
+    step, _ = _decode_step(cluster, shape, work, stages, lanes, specs)
     total = prefill + (work.new_tokens - 1) * step
     return Prediction(work.batch * work.new_tokens / (total / 1e3), prefill, step, total)
+
+
+def decode_compute_ms(cluster: Cluster, shape: DecoderShape, work: Workload, stages: Sequence[InferenceStage], *,
+                      specs: Mapping[str, cost_models.DeviceSpec] | None = None) -> list[float]:
+    """Per stage, one lane's decode compute as :func:`score` prices the step: the stage's ``decode_ms``, or more
+    where its rank idles between its lanes long enough that a step woken from the wait costs more
+    (:func:`hpml_compile.infer.cost.woken_extra_ms`). Arguments as :func:`score`'s."""
+    return _decode_step(cluster, shape, work, stages, work.microbatches, specs)[1]
+
+
+def _decode_step(cluster: Cluster, shape: DecoderShape, work: Workload, stages: Sequence[InferenceStage], lanes: int,
+                 specs: Mapping[str, cost_models.DeviceSpec] | None) -> tuple[float, list[float]]:
+    """``(one decode step, per stage one lane's compute in it)`` (module docstring: ``T`` with primed times)."""
+    names = [s.device for s in stages]
+    prev: list[str | None] = [None, *names[:-1]]
+    d = [s.decode_ms + _send_ms(cluster, a, s.device, shape, work, True, specs) for s, a in zip(stages, prev)]
+    if len(names) == 1:
+        return lanes * d[0], [stages[0].decode_ms]
+    back = _hand_ms(cluster, names[-1], names[0], 8 * work.rows, specs)
+    step = max(lanes * max(d), sum(d) + back)
+    # a lane's way round wakes each rank from a wait (on average the step less its own work, over its lanes): its
+    # hand-off in takes longer, and so does the step it then computes
+    idle = [max(0.0, step - lanes * x) / lanes for x in d]
+    compute = [_woken_ms(cluster, shape, work, s, specs, i) for s, i in zip(stages, idle)]
+    woken = [c + _send_ms(cluster, a, s.device, shape, work, True, specs, idle_ms=i)
+             for c, s, a, i in zip(compute, stages, prev, idle)]
+    back = _hand_ms(cluster, names[-1], names[0], 8 * work.rows, specs, idle_ms=idle[0])
+    hot = [c + x - s.decode_ms for c, x, s in zip(compute, d, stages)]
+    return max(lanes * max(hot), sum(woken) + back), compute
+
+
+def _woken_ms(cluster: Cluster, shape: DecoderShape, work: Workload, stage: InferenceStage,
+              specs: Mapping[str, cost_models.DeviceSpec] | None, idle_ms: float) -> float:
+    """A lane's decode compute on ``stage`` when its rank was idle ``idle_ms`` before it: the warm step and what
+    waking costs more (where timed), unless the stage's own price (its weights out of the caches) is more."""
+    extra = woken_extra_ms(device_spec(cluster.device(stage.device), specs), shape, work, stage.end - stage.first,
+                           idle_ms)
+    if extra <= 0:
+        return stage.decode_ms
+    warm = _stage(cluster, shape, work, stage.device, stage.first, stage.end, stage.stream, specs).decode_ms
+    return max(stage.decode_ms, warm + extra)
 
 
 def _memory(shape: DecoderShape, work: Workload, count: np.ndarray, embed: np.ndarray, head: np.ndarray, *,

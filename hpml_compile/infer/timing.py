@@ -30,6 +30,20 @@ latency again with the receiver idle before each message for
 :data:`_IDLE_MS` (a rank that waits while the other stages compute, as at
 batch 1, takes longer to wake than one that waited microseconds).
 
+Such a rank also computes slower once woken: its core sat idle (on a virtual
+machine, given back to the hypervisor) while the other stages streamed their
+weights through the shared cache, and the step it then runs pays for it (at
+gpt-mini's batch 1 on 2 ranks, 37-58% over the block timed back to back). So
+the decode step and the step's work outside the blocks are timed a third way:
+each right after an idle gap (:data:`_IDLE_GAPS_MS`) that the timing thread
+spends blocked on a pipe, as a rank waits for its input, while a second thread
+stands for the other stages, streaming a model-sized buffer through the
+caches for the gap's length and then writing to the pipe (:class:`_Idler`).
+The wake-up itself is not in this time (the hand-off's idle latency prices
+it). This is timed per model rather than once per host: what a woken step
+loses depends on how much of the stage's weights it reads again, and the
+gaps a plan's ranks idle are its model's compute.
+
 :func:`timed_spec` turns the times
 into the CPU's entry for pricing: the FLOP/s that make the block's prefill take
 what it took, the per-op cost that makes its decode step take what it took (the
@@ -48,7 +62,10 @@ Example:
 from __future__ import annotations
 
 import os
+import select
 import statistics
+import struct
+import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -57,6 +74,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor
 
+from ..errors import HandoffError
 from .handoff import measure_handoff
 
 import cost_models
@@ -78,6 +96,10 @@ _HANDOFF_BIG = 1 << 20  # a third message size for the hand-off's bandwidth
 # hypervisor's polling window (~0.1-0.2 ms) to a few scheduler ticks past it; a longer wait is priced at the last
 # point. Each point costs its repeats twice its idle time (~0.6 s in all).
 _IDLE_MS = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+# Idle gaps before a timed step (ms): a short stage's compute, gpt-mini's half at batch 1, a large model's stage;
+# a longer gap is priced at the last point. Each costs its repeats twice its length and a step (~0.5 s in all).
+_IDLE_GAPS_MS = (0.2, 1.0, 5.0)
+_STREAM_CHUNK = 1 << 16  # floats the idler's stand-in for the other stages touches between looks at the clock
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +119,8 @@ class BlockTiming:
     handoff_gbps: float = 0.0  # ... and bandwidth (0: not measured; the cluster's link prices it)
     llc_bytes: int = 0  # the CPU's last-level cache as the host reports it (0: unknown)
     handoff_idle: tuple[tuple[float, float], ...] = ()  # (receiver idle ms, hand-off latency us) per point timed
+    # (idle gap ms, decode_ms, step_ms) with the step timed right after the thread was idle that long, per gap
+    decode_idle: tuple[tuple[float, float, float], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,7 +131,8 @@ class BlockTiming:
                    int(d["prompt_len"]), int(d["new_tokens"]), int(d["threads"]), float(d.get("decode_cold_ms", 0.0)),
                    float(d.get("step_cold_ms", 0.0)), float(d.get("handoff_us", 0.0)),
                    float(d.get("handoff_gbps", 0.0)), int(d.get("llc_bytes", 0)),
-                   tuple((float(ms), float(us)) for ms, us in d.get("handoff_idle", ())))
+                   tuple((float(ms), float(us)) for ms, us in d.get("handoff_idle", ())),
+                   tuple((float(g), float(b), float(e)) for g, b, e in d.get("decode_idle", ())))
 
 
 def _median_ms(fn: Callable[[], object], repeats: int = _REPEATS) -> float:
@@ -171,24 +196,32 @@ def time_block(config: Any, work: Workload, threads: int) -> BlockTiming:
         h1 = torch.randn(rows, 1, config.d_model, dtype=dtype)
         flush = torch.zeros(_EVICT_BYTES // 4)
         runs: tuple[list[float], ...] = ([], [], [], [])
-        for _ in range(_REPEATS):  # interleaved, so that a busy spell of the host weighs on each alike
-            runs[0].append(_median_ms(lambda: [blocks.step(0, h1, at) for _ in range(_RUN)], 1) / _RUN / n)
-            runs[1].append(_median_ms(lambda: [ends.step(0, ids, at).float().argmax(-1).tolist()
-                                               for _ in range(_RUN)], 1) / _RUN)
-            for _ in range(_COLD):
-                runs[2].append(_cold_ms(lambda: blocks.step(0, h1, at), flush) / n)
-                runs[3].append(_cold_ms(lambda: ends.step(0, ids, at).float().argmax(-1).tolist(), flush))
+        idle: list[tuple[list[float], list[float]]] = [([], []) for _ in _IDLE_GAPS_MS]
+        with _Idler(min(DecoderShape.from_config(config).params() * dtype.itemsize, _EVICT_BYTES)) as idler:
+            for _ in range(_REPEATS):  # interleaved, so that a busy spell of the host weighs on each alike
+                runs[0].append(_median_ms(lambda: [blocks.step(0, h1, at) for _ in range(_RUN)], 1) / _RUN / n)
+                runs[1].append(_median_ms(lambda: [ends.step(0, ids, at).float().argmax(-1).tolist()
+                                                   for _ in range(_RUN)], 1) / _RUN)
+                for _ in range(_COLD):
+                    runs[2].append(_cold_ms(lambda: blocks.step(0, h1, at), flush) / n)
+                    runs[3].append(_cold_ms(lambda: ends.step(0, ids, at).float().argmax(-1).tolist(), flush))
+                    for gap, (blk, out) in zip(_IDLE_GAPS_MS, idle):
+                        blk.append(idler.after(gap, lambda: blocks.step(0, h1, at)) / n)
+                        out.append(idler.after(gap, lambda: ends.step(0, ids, at).float().argmax(-1).tolist()))
         decode, step, decode_cold, step_cold = (statistics.median(r) for r in runs)
-        # a cold step is never faster than a warm one: where a busy host's preemptions made it so, warm it is
+        # a cold or woken step is never faster than a warm one: where a busy host's preemptions made it so (a run
+        # of warm steps is preempted more often than one step on a fresh time slice), warm it is
         decode_cold, step_cold = max(decode_cold, decode), max(step_cold, step)
+        woken = tuple((gap, max(statistics.median(blk), decode), max(statistics.median(out), step))
+                      for gap, (blk, out) in zip(_IDLE_GAPS_MS, idle))
         blocks.close()
         ends.close()
     finally:
         torch.set_num_threads(before)
     width = torch.finfo(dtype).bits // 8
-    latency_us, gbps, idle = _handoff(rows * config.d_model * width, rows * P * config.d_model * width)
+    latency_us, gbps, handoff_idle = _handoff(rows * config.d_model * width, rows * P * config.d_model * width)
     return BlockTiming(prefill, decode, step, rows, P, work.new_tokens, threads, decode_cold, step_cold, latency_us,
-                       gbps, last_level_cache_bytes(), idle)
+                       gbps, last_level_cache_bytes(), handoff_idle, woken)
 
 
 def last_level_cache_bytes() -> int:
@@ -216,6 +249,61 @@ def _cold_ms(fn: Callable[[], object], flush: Tensor) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+class _Idler:
+    """A thread that stands for a pipeline's other stages while the timing thread waits for its input, as a rank
+    waits in ``poll`` on the pipe from the stage before it: asked for a gap, it streams a buffer of ``nbytes``
+    through the caches for that long (an add over one chunk after another, as the other stages read their weights
+    on the other cores), then writes a byte to the pipe the timing thread is blocked on.
+
+    A thread, not a process: nothing to start, and the two take turns (the timing thread blocked in the kernel,
+    the GIL free), as two ranks do at batch 1. Written here rather than taken from a library: what is timed is
+    this host's cost of waking a rank's compute, which needs the rank's own way of waiting.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self._buffer = torch.zeros(max(nbytes // 4, _STREAM_CHUNK))
+        self._ask_r, self._ask_w = os.pipe()
+        self._done_r, self._done_w = os.pipe()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def __enter__(self) -> "_Idler":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self._ask_w)  # the thread reads end of file and returns
+        self._thread.join(timeout=10)
+        for fd in (self._ask_r, self._done_r, self._done_w):
+            os.close(fd)
+
+    def _serve(self) -> None:
+        at, n = 0, self._buffer.numel()
+        while len(ask := os.read(self._ask_r, 8)) == 8:
+            end = time.perf_counter() + struct.unpack("d", ask)[0] / 1e3
+            while time.perf_counter() < end:
+                self._buffer[at:at + _STREAM_CHUNK].add_(1.0)
+                at = (at + _STREAM_CHUNK) % n
+            os.write(self._done_w, b"\0")
+
+    def after(self, gap_ms: float, fn: Callable[[], object]) -> float:
+        """``fn``'s time (ms) right after this thread waited ``gap_ms`` in ``poll`` for the stand-in's byte (the
+        wait and the wake-up left out).
+
+        Raises:
+            HandoffError: if the stand-in does not answer within a minute.
+        """
+        os.write(self._ask_w, struct.pack("d", gap_ms))
+        poll = select.poll()
+        poll.register(self._done_r, select.POLLIN)
+        if not poll.poll(60_000):
+            raise HandoffError("timing a block after an idle gap: the thread standing for the other stages did not "
+                               "answer within 60 s")
+        os.read(self._done_r, 1)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
 def _handoff(decode_bytes: int, prefill_bytes: int) -> tuple[float, float, tuple[tuple[float, float], ...]]:
     """``(latency us, GB/s, ((idle ms, latency us), ...))`` of a hand-off through pipes here: fitted to
     the decode step's message, the prefill's and a larger one, and the decode step's latency with the receiver
@@ -239,7 +327,8 @@ def timed_spec(base: cost_models.DeviceSpec, shape: DecoderShape, timing: BlockT
     cold decode step (a stage of a pipeline) gets a per-op cost of its own the same way; what the cold step
     outside the blocks took more than the warm one is the head's (its table read from memory: the embedding
     reads a row per sequence); the hand-off's latency (hot and after each idle time timed) and bandwidth are
-    carried over.
+    carried over. The steps timed after each idle gap get a per-op cost of their own, and what the step outside
+    the blocks took more than warm after it (:func:`hpml_compile.infer.cost.woken_extra_ms`).
 
     Returns:
         The fitted spec, with the step's cost beyond its blocks and head (``step_ms``) and the cold and
@@ -263,10 +352,13 @@ def timed_spec(base: cost_models.DeviceSpec, shape: DecoderShape, timing: BlockT
         cold_op = max(1e-6, (timing.decode_cold_ms - roofline_ms(OpKind.MATMUL, fd, bd, fitted, dtype))
                       / CPU_OPS_PER_BLOCK)
         cold_head = max(0.0, timing.step_cold_ms - timing.step_ms)  # the table read from memory: the head's
+    floor = roofline_ms(OpKind.MATMUL, fd, bd, fitted, dtype)  # what no per-op cost explains
+    woken = tuple((gap, max(op, (blk - floor) / CPU_OPS_PER_BLOCK), max(0.0, out - timing.step_ms))
+                  for gap, blk, out in timing.decode_idle)
     return TimedCpuSpec(**{f.name: getattr(fitted, f.name) for f in fields(cost_models.DeviceSpec)}, step_ms=extra,
                         cold_op_ms=cold_op, cold_head_ms=cold_head, handoff_us=timing.handoff_us,
                         handoff_gbps=timing.handoff_gbps, llc_bytes=timing.llc_bytes,
-                        handoff_idle=timing.handoff_idle)
+                        handoff_idle=timing.handoff_idle, idle_compute=woken)
 
 
 def timed_specs(shape: DecoderShape, timing: BlockTiming | None, dtype: str = "float32"
