@@ -37,8 +37,8 @@ import cost_models
 
 from ..ir import Cluster
 from ..runtime.observe.policy import ImbalanceWatch
-from .cost import Workload, device_spec
-from .place import place, score, stages_for
+from .cost import TimedCpuSpec, Workload, device_spec
+from .place import decode_compute_ms, place, score, stages_for
 from .plan import InferencePlan, Prediction
 
 __all__ = ["AdaptOptions", "SpeedWatch", "slowed_spec", "expected_stage_ms", "replan_on_speeds"]
@@ -66,10 +66,14 @@ class AdaptOptions:
 
 
 def slowed_spec(spec: cost_models.DeviceSpec, factor: float) -> cost_models.DeviceSpec:
-    """``spec`` with its memory bandwidth and FLOP rates divided by ``factor`` and its per-op cost multiplied."""
-    return replace(spec, mem_bw=spec.mem_bw / factor, peak_flops={k: v / factor for k, v in spec.peak_flops.items()},
+    """``spec`` with its memory bandwidth and FLOP rates divided by ``factor`` and its per-op cost multiplied (a
+    step woken from a wait too, where timed)."""
+    slow = replace(spec, mem_bw=spec.mem_bw / factor, peak_flops={k: v / factor for k, v in spec.peak_flops.items()},
                    launch_overhead_ms=spec.launch_overhead_ms * factor,
                    source=f"{spec.source}; measured {factor:.3g}x slower while serving".lstrip("; "))
+    if isinstance(slow, TimedCpuSpec):
+        slow = replace(slow, idle_compute=tuple((gap, op * factor, out * factor) for gap, op, out in slow.idle_compute))
+    return slow
 
 
 def expected_stage_ms(plan: InferencePlan, batch: int, prompt_len: int, new_tokens: int, lanes: int,
@@ -91,7 +95,8 @@ def expected_stage_ms(plan: InferencePlan, batch: int, prompt_len: int, new_toke
     work = Workload(batch, max(prompt_len, 1), max(new_tokens, 1), m, plan.workload.dtype)
     stages = stages_for(plan.cluster, plan.shape, work, [(s.device, s.first, s.end, s.stream) for s in plan.stages],
                         specs)
-    return [m * (s.prefill_ms + (work.new_tokens - 1) * s.decode_ms) for s in stages]
+    decode = decode_compute_ms(plan.cluster, plan.shape, work, stages, specs=specs)  # a woken step's included
+    return [m * (s.prefill_ms + (work.new_tokens - 1) * d) for s, d in zip(stages, decode)]
 
 
 class SpeedWatch:

@@ -14,6 +14,7 @@ import cost_models
 from cost_models.roofline import OpKind, roofline_ms
 
 from hpml_compile.infer import DecoderShape, Workload, score
+from hpml_compile.infer.adapt import slowed_spec
 from hpml_compile.infer.cost import block_flops_bytes, woken_extra_ms
 from hpml_compile.infer.place import decode_compute_ms, stages_for
 from hpml_compile.infer.timing import BlockTiming, _Idler, timed_spec
@@ -47,6 +48,9 @@ def test_a_step_woken_from_a_wait_is_priced_at_the_step_timed_after_such_a_gap_w
     assert woken_extra_ms(spec, MINI, one, 1, 0.2) == pytest.approx(0.05 + 0.02, abs=0.01)
     assert woken_extra_ms(spec, MINI, one, 3, 5.0) == pytest.approx(3 * 0.3 + 0.2, abs=0.02)  # past the last gap
     assert woken_extra_ms(warm, MINI, one, 3, 5.0) == 0.0  # not timed: priced as back to back
+    # a device measured twice as slow while serving wakes twice as slow too
+    assert woken_extra_ms(slowed_spec(spec, 2.0), MINI, one, 3, 5.0) == pytest.approx(
+        2 * woken_extra_ms(spec, MINI, one, 3, 5.0))
     # one lane: each rank idles while the other computes (over 1 ms here), and its next step costs the woken price
     stages = stages_for(LOCAL, MINI, one, RANGES, {"cpu": spec})
     compute = decode_compute_ms(LOCAL, MINI, one, stages, specs={"cpu": spec})
