@@ -37,8 +37,9 @@ gpt-mini's batch 1 on 2 ranks, 37-58% over the block timed back to back). So
 the decode step and the step's work outside the blocks are timed a third way:
 each right after an idle gap (:data:`_IDLE_GAPS_MS`) that the timing thread
 spends blocked on a pipe, as a rank waits for its input, while a second thread
-stands for the other stages, streaming a model-sized buffer through the
-caches for the gap's length and then writing to the pipe (:class:`_Idler`).
+stands for the other stages, running decode steps of another copy of the
+blocks, one block at a time, for the gap's length (so reading weights at the
+pace the other stages do) and then writing to the pipe (:class:`_Idler`).
 The wake-up itself is not in this time (the hand-off's idle latency prices
 it). This is timed per model rather than once per host: what a woken step
 loses depends on how much of the stage's weights it reads again, and the
@@ -61,6 +62,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import os
 import select
 import statistics
@@ -75,7 +77,7 @@ import torch
 from torch import Tensor
 
 from ..errors import HandoffError
-from .handoff import measure_handoff
+from .handoff import busy_wait, measure_handoff
 
 import cost_models
 from cost_models.roofline import OpKind, roofline_ms
@@ -99,7 +101,6 @@ _IDLE_MS = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 # Idle gaps before a timed step (ms): a short stage's compute, gpt-mini's half at batch 1, a large model's stage;
 # a longer gap is priced at the last point. Each costs its repeats twice its length and a step (~0.5 s in all).
 _IDLE_GAPS_MS = (0.2, 1.0, 5.0)
-_STREAM_CHUNK = 1 << 16  # floats the idler's stand-in for the other stages touches between looks at the clock
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +198,7 @@ def time_block(config: Any, work: Workload, threads: int) -> BlockTiming:
         flush = torch.zeros(_EVICT_BYTES // 4)
         runs: tuple[list[float], ...] = ([], [], [], [])
         idle: list[tuple[list[float], list[float]]] = [([], []) for _ in _IDLE_GAPS_MS]
-        with _Idler(min(DecoderShape.from_config(config).params() * dtype.itemsize, _EVICT_BYTES)) as idler:
+        with _Idler(_other_stages(config, n, dtype, pads, work.context, h1, at)) as idler:
             for _ in range(_REPEATS):  # interleaved, so that a busy spell of the host weighs on each alike
                 runs[0].append(_median_ms(lambda: [blocks.step(0, h1, at) for _ in range(_RUN)], 1) / _RUN / n)
                 runs[1].append(_median_ms(lambda: [ends.step(0, ids, at).float().argmax(-1).tolist()
@@ -249,19 +250,35 @@ def _cold_ms(fn: Callable[[], object], flush: Tensor) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _other_stages(config: Any, n: int, dtype: torch.dtype, pads: Tensor, context: int, h1: Tensor, at: int
+                  ) -> Callable[[], object]:
+    """One block's decode step of another copy of ``n`` blocks (other weights, as the other stages have), the next
+    block at each call: what :class:`_Idler` runs while the timed thread waits."""
+    from ..models.gpt import GPT
+    from .kv import Stage
+
+    other = GPT(replace(config, n_layer=n)).eval().to(dtype)
+    blocks = [Stage(other, i, i + 1) for i in range(n)]
+    for b in blocks:
+        b.is_first = b.is_last = False
+        b.open(0, pads, context)
+    turn = itertools.cycle(blocks)
+    return lambda: next(turn).step(0, h1, at)
+
+
 class _Idler:
     """A thread that stands for a pipeline's other stages while the timing thread waits for its input, as a rank
-    waits in ``poll`` on the pipe from the stage before it: asked for a gap, it streams a buffer of ``nbytes``
-    through the caches for that long (an add over one chunk after another, as the other stages read their weights
-    on the other cores), then writes a byte to the pipe the timing thread is blocked on.
+    waits in ``poll`` on the pipe from the stage before it: asked for a gap, it runs ``work`` (a short piece of the
+    other stages' compute: one block's decode step) again and again for that long, busy-waiting what is left
+    once another piece would overrun it, then writes a byte to the pipe the timing thread is blocked on.
 
     A thread, not a process: nothing to start, and the two take turns (the timing thread blocked in the kernel,
     the GIL free), as two ranks do at batch 1. Written here rather than taken from a library: what is timed is
     this host's cost of waking a rank's compute, which needs the rank's own way of waiting.
     """
 
-    def __init__(self, nbytes: int) -> None:
-        self._buffer = torch.zeros(max(nbytes // 4, _STREAM_CHUNK))
+    def __init__(self, work: Callable[[], object]) -> None:
+        self._work = work
         self._ask_r, self._ask_w = os.pipe()
         self._done_r, self._done_w = os.pipe()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -277,12 +294,13 @@ class _Idler:
             os.close(fd)
 
     def _serve(self) -> None:
-        at, n = 0, self._buffer.numel()
+        piece = 0.0  # how long one piece of work took last
         while len(ask := os.read(self._ask_r, 8)) == 8:
             end = time.perf_counter() + struct.unpack("d", ask)[0] / 1e3
-            while time.perf_counter() < end:
-                self._buffer[at:at + _STREAM_CHUNK].add_(1.0)
-                at = (at + _STREAM_CHUNK) % n
+            while (now := time.perf_counter()) + piece < end:
+                self._work()
+                piece = time.perf_counter() - now
+            busy_wait(max(0.0, end - time.perf_counter()) * 1e6)
             os.write(self._done_w, b"\0")
 
     def after(self, gap_ms: float, fn: Callable[[], object]) -> float:
