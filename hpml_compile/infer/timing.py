@@ -32,8 +32,9 @@ batch 1, takes longer to wake than one that waited microseconds).
 
 Such a rank also computes slower once woken: its core sat idle (on a virtual
 machine, given back to the hypervisor) while the other stages streamed their
-weights through the shared cache, and the step it then runs pays for it (at
-gpt-mini's batch 1 on 2 ranks, 37-58% over the block timed back to back). So
+weights through the shared cache, and the step it then runs pays for it
+(gpt-mini's 2 ranks at batch 1 computed 37-58% over what the block timed back
+to back predicts, on a quiet 2-core VM). So
 the decode step and the step's work outside the blocks are timed a third way:
 each right after an idle gap (:data:`_IDLE_GAPS_MS`) that the timing thread
 spends blocked on a pipe, as a rank waits for its input, while a second thread
