@@ -30,7 +30,7 @@ from .errors import HpmlError
 from .ir import Cluster, Device, Precision, Profile
 from .memory import GiB
 from .plan import Plan, Stage
-from .simulate import SimResult, boundary_copies, crowded_devices, loss_agreement_ms
+from .simulate import SimResult, agreement_rides, boundary_copies, crowded_devices, loss_agreement_ms
 from .solve import SolverName
 from .cluster import hierarchy
 from .plan import AllReduce
@@ -313,6 +313,8 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
         measured = loss_agreement_ms(plan.cluster, devs, graph) != loss_agreement_ms(plan.cluster, devs)
         lines.append(f"  loss agreement: one 32-byte all-reduce over the {ranks} ranks before the optimizer steps, "
                      f"{result.agree_ms:.3g} ms" + (" (as two ranks of this host measured it)" if measured else ""))
+    elif agreement_rides(plan) and any(c.sync_ms > 0 for c in result.stages):
+        lines.append("  loss agreement: its 32 bytes ride the gradient sync's meeting (the ranks meet once a step)")
     for k, wait in enumerate(result.skew_ms):  # replicas reach the sync apart: the step waits for the latest
         if wait > 0:
             lines.append(f"  stage {k} waits {wait:.3g} ms a step for its latest replica before its gradient sync, and "

@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["ZeroStage", "MemoryBreakdown", "process_bytes", "tied_shm_bytes", "SHM_SLOT_BYTES", "dtype_bytes", "compute_bytes", "GiB", "tied_elsewhere", "tied_shared",
+__all__ = ["ZeroStage", "MemoryBreakdown", "process_bytes", "tied_shm_bytes", "SHM_SLOT_BYTES", "SHM_DIRECT_BYTES", "dtype_bytes", "compute_bytes", "GiB", "tied_elsewhere", "tied_shared",
            "autocast_copy_bytes", "bucket_ranges", "FIRST_BUCKET_BYTES", "BUCKET_BYTES"]
 
 GiB = 2**30
@@ -127,6 +127,9 @@ class MemoryBreakdown:
 # Each rank's slot of the shared memory a CPU stage's gradient collective goes through on one host
 # (hpml_compile.runtime.sync.shm.SLOT_BYTES: a larger gradient goes in pieces); every member maps every slot.
 SHM_SLOT_BYTES = 64 << 20
+# An all-reduce of fewer bytes goes through gloo, its meeting issued with it, not through the shared mapping
+# (hpml_compile.runtime.sync.shm.DIRECT_BYTES; hpml_compile.simulate prices the two ways).
+SHM_DIRECT_BYTES = 1 << 20
 
 
 def process_bytes(baseline: Any, model_param_bytes: Any, stage_param_bytes: Any, *, replicas: int = 1,

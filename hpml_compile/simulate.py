@@ -133,7 +133,7 @@ from .compression import CompressKind, parse_compress, powersgd_fraction
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
 from .ir import Device, Schedule
-from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared, tied_shm_bytes
+from .memory import SHM_DIRECT_BYTES, MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared, tied_shm_bytes
 from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_overlap, tied_members, zero_shards
 from .schedule import Action, ActionKind, deferral, op_order, stage_lists  # the lowered per-rank action lists
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
@@ -143,7 +143,7 @@ from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, ev
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "step_ms", "stage_costs", "annotate", "crowded_devices",
            "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms", "replica_skew_ms", "replica_meeting_ms",
-           "boundary_copies"]
+           "agreement_rides", "issued_with_meeting_ms", "boundary_copies"]
 
 
 class EventKind(str, enum.Enum):
@@ -196,6 +196,8 @@ class StageCost:
             ``sends`` (stages of different ``tp``: :func:`boundary_copies`); empty: the same as ``sends``.
         weight_ms: ZB-H1: the weight-gradient part of ``bwd_ms`` (run as its own operation, after a recompute of
             its own where the stage recomputes; 0 otherwise).
+        together_ms: the transfer part of ``sync_ms`` that the runtime issues together with the members' meeting
+            (:func:`issued_with_meeting_ms`; 0 where the transfer follows the meeting).
     """
 
     fwd_ms: float
@@ -214,6 +216,7 @@ class StageCost:
     gather_ms: float = 0.0
     returns: tuple[tuple[int, float], ...] = ()
     weight_ms: float = 0.0
+    together_ms: float = 0.0
 
     @property
     def back(self) -> tuple[tuple[int, float], ...]:
@@ -258,7 +261,8 @@ class SimResult:
         stage_bubbles: per stage, the idle share of its own pipeline phase (from 0 to its last backward),
             which is what a rank measures (``bubble`` is over the whole pipeline phase of every stage).
         agree_ms: the loss agreement between the last sync and the optimizer steps (in
-            ``step_without_optimizer_ms``; :func:`loss_agreement_ms`).
+            ``step_without_optimizer_ms``; :func:`loss_agreement_ms`; 0 where it rides the sync,
+            :func:`agreement_rides`).
         skew_ms: per stage, what it waited for its latest replica before its gradient sync (in its sync bar;
             :func:`replica_skew_ms`).
     """
@@ -464,7 +468,8 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
                                   fwd_ms=fwd)
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms), sync - gather + copy,
                              max(mems, key=lambda b: b.total), opt_ms, fwd_stream, bwd_stream, copy,
-                             tuple(mems), tuple(own), gather, tuple(back_ms) if back_ms != send_ms else (), weight))
+                             tuple(mems), tuple(own), gather, tuple(back_ms) if back_ms != send_ms else (), weight,
+                             issued_with_meeting_ms(plan, st, params * _wire(plan, st, dtype), group)))
     return tuple(out)
 
 
@@ -807,8 +812,10 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
     # after its last backward each stage syncs; the copies stretch with what the other stages of the host do
     # meanwhile (their compute and their own sync); a replicated stage first waits for its latest replica
     # (and meets it, where it has a sync: a stage without parameters runs no collective)
+    # (and meets it, where it has a sync: a stage without parameters runs no collective; where the transfer is
+    # issued with the meeting, the two take as long as the longer of them)
     skew = [replica_skew_ms(plan, graph, st, m * cst.compute_ms)
-            + (replica_meeting_ms(plan, graph, st, m * cst.compute_ms) if cst.sync_ms > 0 else 0.0)
+            + (_meeting_ms(plan, graph, st, cst, m * cst.compute_ms) if cst.sync_ms > 0 else 0.0)
             for st, cst in zip(plan.stages, costs)]
     tails = [[(lasts[j] + skew[j], lasts[j] + skew[j] + costs[j].sync_ms)] for j in range(s_count)]
     load = share.load([b + t for b, t in zip(busy, tails)]) if share.active else {}
@@ -823,9 +830,11 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
                 if ms > 0:
                     bars.append(Interval(dev, start, start + ms, EventKind.SYNC, -1, i))
             synced[i] = start + ms
-    # the ranks agree that the step succeeded (the loss all-reduce) before any of them changes its weights
-    agree = loss_agreement_ms(plan.cluster, [d for st in plan.stages for d in st.devices], graph,
-                              max((m * cst.compute_ms for cst in costs), default=0.0))
+    # the ranks agree that the step succeeded (the loss all-reduce) before any of them changes its weights; where
+    # that rides the one stage's gradient collective, its meeting was priced with the sync
+    agree = 0.0 if agreement_rides(plan) and costs[0].sync_ms > 0 else loss_agreement_ms(
+        plan.cluster, [d for st in plan.stages for d in st.devices], graph,
+        max((m * cst.compute_ms for cst in costs), default=0.0))
     # every rank's Pipeline.step does the runtime's bookkeeping around the executor (measured with the profile)
     keep = max((graph.bookkeeping_ms(plan.cluster.device(d).kind) for st in plan.stages for d in st.devices),
                default=0.0)
@@ -941,6 +950,66 @@ def replica_skew_ms(plan: Plan, graph: CostGraph, st: Stage, compute_ms: float) 
     if st.replicas <= 1 or not all(d.is_cpu for d in devs):
         return 0.0
     return skew_wait_ms(max(graph.skew_ms(d.kind, compute_ms) for d in devs), st.replicas)
+
+
+def agreement_rides(plan: Plan) -> bool:
+    """Whether the runtime's loss agreement rides the gradient collective instead of an all-reduce of its own.
+
+    It does (:mod:`hpml_compile.runtime.execute.batchcheck`) where the plan's one stage spans every rank (no
+    tensor parallelism), is replicated, and its sync is a collective every step after the backward on a gloo
+    group (a CPU among its devices; not bucketed, compressed or local SGD): the agreement's vector is then the
+    sync's meeting, which the stage's sync prices (:func:`replica_meeting_ms`), so the ranks meet once a step and
+    the agreement costs nothing more. Elsewhere it is :func:`loss_agreement_ms`.
+
+    >>> from hpml_compile.cluster import load_cluster
+    >>> c = load_cluster("local-cpu-2")
+    >>> dp = Plan("m", c, Schedule.GPIPE, 1, (Stage(0, ("cpu0", "cpu1"), ("x",)),))
+    >>> pipe = Plan("m", c, Schedule.GPIPE, 2, (Stage(0, ("cpu0",), ("x",)), Stage(1, ("cpu1",), ("y",))))
+    >>> agreement_rides(dp), agreement_rides(pipe)
+    (True, False)
+    """
+    if len(plan.stages) != 1:
+        return False
+    st = plan.stages[0]
+    return (st.replicas > 1 and st.tp == 1 and not st.compress and plan.sync_every <= 1
+            and any(plan.cluster.device(d).is_cpu for d in st.devices) and sync_overlap(plan, 0) <= 0)
+
+
+def issued_with_meeting_ms(plan: Plan, st: Stage, wire_bytes: float, group: cost_models.LinkSpec | None) -> float:
+    """The transfer of stage ``st``'s gradient all-reduce where the runtime issues it with the members' meeting.
+
+    :meth:`hpml_compile.runtime.sync.comm.DistComm._collective` starts a gloo all-reduce right behind the
+    meeting's (both ``async_op``), so the transfer runs as soon as the members have met: the two take about as
+    long as the longer (two busy gloo ranks, a 109 KB all-reduce: 1.9 ms one after the other, 0.8 ms issued
+    together, the all-reduce alone 1.1 ms). That is ZeRO-0's flat all-reduce after the backward on a gloo group
+    whose bytes do not go through the host's shared memory (CPU ranks of one host sum
+    :data:`hpml_compile.memory.SHM_DIRECT_BYTES` and more there, after a barrier). 0.0 elsewhere.
+
+    Args:
+        plan: the plan.
+        st: the stage.
+        wire_bytes: the bytes its all-reduce moves (the gradients in the reduce dtype).
+        group: the slowest link between its replicas.
+    """
+    devs = [plan.cluster.device(d) for d in st.dp_groups()[0]]
+    plain = (st.replicas > 1 and st.zero == 0 and not st.compress and plan.sync_every <= 1 and not st.offload_optimizer
+             and st.allreduce is not AllReduce.HIERARCHICAL and sync_overlap(plan, st.index) <= 0)
+    shared = all(d.is_cpu for d in devs) and len({d.host for d in devs}) == 1 and wire_bytes >= SHM_DIRECT_BYTES
+    if not plain or shared or not any(d.is_cpu for d in devs) or wire_bytes <= 0:
+        return 0.0
+    return float(transfer_ms(cost_models.allreduce_ms, wire_bytes, group, st.replicas))
+
+
+def _meeting_ms(plan: Plan, graph: CostGraph, st: Stage, cst: StageCost, compute_ms: float) -> float:
+    """What stage ``st``'s meeting adds to its sync's price (:func:`replica_meeting_ms`), less what the transfer
+    issued with it runs meanwhile (:attr:`StageCost.together_ms`): the pair takes the longer of the two."""
+    extra = replica_meeting_ms(plan, graph, st, compute_ms)
+    if cst.together_ms <= 0:
+        return extra
+    dp = st.dp_groups()[0]
+    link = min((link_spec(plan.cluster, dp[0], x) for x in dp[1:]), key=lambda sp: sp.gbps)
+    meeting = meet_ms(st.replicas, link) + extra
+    return extra - max(0.0, min(meeting, cst.together_ms))
 
 
 def replica_meeting_ms(plan: Plan, graph: CostGraph, st: Stage, compute_ms: float) -> float:

@@ -243,7 +243,9 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
       bucket's all-reduce and ``o P`` (ZeRO-0), or the gather and ``o P / d`` (ZeRO >= 1), with the offload
       copies where only offload fits;
     - and the loss agreement between the syncs and the steps (:func:`hpml_compile.simulate.loss_agreement_ms`),
-      which depends only on the devices the shape uses, so it is added to each shape's least step.
+      which depends only on the devices the shape uses, so it is added to each shape's least step (not to a
+      one-stage shape with a CPU in its group, whose agreement may ride its sync:
+      :func:`hpml_compile.simulate.agreement_rides`).
 
     Args:
         graph: the cost graph.
@@ -355,7 +357,10 @@ def charged_bound(graph: CostGraph, cluster: Cluster, *, detail: bool = False) -
         opt = [max(graph.optimizer_ms_per_byte(k) for k in set(ks)) for ks in gk]
         opt_flat = [max(graph.optimizer_ms_per_byte(k, True) for k in set(ks)) for ks in gk]  # a ZeRO shard's
         links = [_best_link(cluster, m) for m in members]
-        agree = loss_agreement_ms(cluster, [x for names in members for x in names])  # the same on every plan of them
+        # the same on every plan of them; a one-stage plan with a CPU in its group may carry it on its sync's
+        # meeting (hpml_compile.simulate.agreement_rides): none charged there
+        rides = s_count == 1 and any(cluster.device(x).is_cpu for x in members[0])
+        agree = 0.0 if rides else loss_agreement_ms(cluster, [x for names in members for x in names])
         ar = [_slope(cost_models.allreduce_ms, d, ln) for d, ln in zip(sizes, links)]
         rs = [_slope(cost_models.reduce_scatter_ms, d, ln) for d, ln in zip(sizes, links)]
         ag_all = [_slope(cost_models.all_gather_ms, d, ln) for d, ln in zip(sizes, links)]

@@ -143,6 +143,9 @@ class Comm(abc.ABC):
         # Set by a runtime that moves rows between replicas without regenerating the code.
         self.spec_rows: list[int] = []
         self.events: Any = None  # where a runtime records each step's events (None: nowhere)
+        # A small SUM all-reduce over the same ranks that travels as the meeting of the next collective of its
+        # stages (a runtime over processes: the loss agreement of a one-stage plan); None: none.
+        self.rider: Any = None
 
     @abc.abstractmethod
     def _put(self, frm: Endpoint, to: Endpoint, key: tuple[int, ...], tensor: Tensor) -> None:

@@ -131,6 +131,7 @@ for products in (SHORT, LONG):  # two lengths of compute, so that what the sync 
     generate(gm, plan, build)
     pipe = Pipeline.from_build(build, model, run_dir=os.path.join(tmp, f"run{rank}-{products}"),
                                optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    pipe.ride_agreement = False  # the loss agreement timed on its own, as a pipeline runs it (a stage's meeting apart)
     for _ in range(STEPS):
         pipe.step((x,), y, torch.nn.functional.mse_loss)
     rows = pipe.metrics[5:]
@@ -269,8 +270,10 @@ def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
     both ranks are step by step, the shorter compute's steps first (:data:`BASELINE_CODE` runs about 1 ms of
     compute a step, then about 20).
 
-    - ``agree_ms`` and ``agree_per_ms``: the loss agreement as the runtime runs it (a gloo all-reduce of four
-      float64s, handed to gloo's thread after the step's work), per step the two ranks' mean. The alpha-beta
+    - ``agree_ms`` and ``agree_per_ms``: the loss agreement as the runtime runs it where it has an all-reduce of
+      its own (a gloo all-reduce of four float64s, handed to gloo's thread after the step's work: a pipeline's;
+      the probe's ranks run it so, though a one-stage plan's rides its sync's meeting), per step the two ranks'
+      mean. The alpha-beta
       link, fitted at 64 KiB and up, says less: on the 2-core development VM it priced 0.48 ms where the demo's
       steps took about 1.
     - ``meet_ms`` and ``meet_per_ms``: the meeting before the gradient sync (a one-element all-reduce over the

@@ -13,7 +13,7 @@ from hpml_compile.costgraph import build
 from hpml_compile.ir import Cluster, Device, Link
 from hpml_compile.plan import Plan, Schedule, Stage, ZeroStage, stage_memory
 from hpml_compile.schedule import ActionKind, stage_lists
-from hpml_compile.simulate import EventKind, idle_intervals, op_order, simulate
+from hpml_compile.simulate import EventKind, idle_intervals, loss_agreement_ms, op_order, simulate
 from hpml_compile.stagecost import meet_ms
 from hpml_compile.testing import chain_profile, uniform_cluster
 
@@ -418,24 +418,34 @@ def test_pipeline_stages_stretch_by_the_corun_only_while_both_compute() -> None:
 
 def test_the_ranks_agree_on_the_loss_between_the_sync_and_the_optimizer() -> None:
     """The runtime all-reduces the loss and the batch check (32 bytes) over every rank after the last sync and
-    before any optimizer step: a tree of latencies, priced on the slowest link; one device pays nothing."""
-    g = _streaming(chain_profile([(2.0, 4.0)], param_bytes=2 * 10**6), one=1e9, host=2e9)
+    before any optimizer step: a tree of latencies, priced on the slowest link; one device pays nothing. Where the
+    plan's one stage spans every rank, the agreement rides the stage's gradient collective as its meeting, which
+    the sync prices already: nothing more."""
+    g = _streaming(chain_profile([(2.0, 4.0), (2.0, 4.0)], param_bytes=2 * 10**6), one=1e9, host=2e9)
     slow = (Device("d0", "cpu", 8), Device("d1", "cpu", 8, host="node1"), Device("d2", "cpu", 8, host="node2"))
-    c = Cluster(devices=slow, links=(Link("d0", "d1", 1e6, 500.0), Link("d0", "d2", 1e6, 800.0)))
+    c = Cluster(devices=slow, links=(Link("d0", "d1", 1e6, 500.0), Link("d0", "d2", 1e6, 800.0),
+                                     Link("d1", "d2", 1e6, 800.0)))
     from hpml_compile.explain import summary
 
-    plans = [_plan(g, c, [(devs, ["n0"])], 1, Schedule.GPIPE) for devs in (("d0",), ("d0", "d1"), ("d0", "d1", "d2"))]
-    one, two, three = (simulate(p, g) for p in plans)
-    assert one.agree_ms == 0.0 and "loss agreement" not in summary(plans[0], g, one)
+    both = ["n0", "n1"]
+    one_rank = _plan(g, c, [(("d0",), both)], 1, Schedule.GPIPE)
+    pipes = [_plan(g, c, [(("d0",), ["n0"]), (rest, ["n1"])], 1, Schedule.GPIPE) for rest in (("d1",), ("d1", "d2"))]
+    rides = _plan(g, c, [(("d0", "d1", "d2"), both)], 1, Schedule.GPIPE)
+    one, two, three, ridden = (simulate(p, g) for p in (one_rank, *pipes, rides))
+    assert one.agree_ms == 0.0 and "loss agreement" not in summary(one_rank, g, one)
     assert "loss agreement: one 32-byte all-reduce over the 3 ranks before the optimizer steps, 3.2 ms" in summary(
-        plans[2], g, three)
+        pipes[1], g, three)
     assert two.agree_ms == pytest.approx(2 * 0.5, rel=1e-4)  # 2 ceil(log2 2) messages of 0.5 ms
     assert three.agree_ms == pytest.approx(4 * 0.8, rel=1e-4)  # 4 messages, on the slower link
-    for r in (two, three):
-        sync_end = max(b.end_ms for b in r.intervals if b.kind is EventKind.SYNC)
+    assert ridden.agree_ms == 0.0 and "ride the gradient sync's meeting" in summary(rides, g, ridden)
+    for r in (two, three, ridden):
+        sync_end = max((b.end_ms for b in r.intervals if b.kind is EventKind.SYNC), default=0.0)
+        last = max(b.end_ms for b in r.intervals if b.kind in (EventKind.FORWARD, EventKind.BACKWARD))
         opt = [b for b in r.intervals if b.kind is EventKind.OPTIMIZER]
-        assert opt and all(b.start_ms == pytest.approx(sync_end + r.agree_ms) for b in opt)
-        assert r.step_without_optimizer_ms == pytest.approx(sync_end + r.agree_ms)
+        assert opt and all(b.start_ms == pytest.approx(max(sync_end, last) + r.agree_ms) for b in opt)
+        assert r.step_without_optimizer_ms == pytest.approx(max(sync_end, last) + r.agree_ms)
+    # priced apart (a pipeline over these ranks), their agreement would cost the tree of latencies
+    assert loss_agreement_ms(c, list(rides.stages[0].devices)) == pytest.approx(4 * 0.8, rel=1e-4)
 
 
 def test_zero1s_parameter_gather_follows_its_own_optimizer_step_where_the_runtime_runs_it() -> None:
@@ -508,3 +518,29 @@ def test_the_replayed_lists_send_and_receive_as_a_uniform_pipeline_runs(schedule
         for a in tokens:
             kind = EventKind.FORWARD if a.stages[1] > i else EventKind.BACKWARD
             assert (ends[(kind, a.microbatch)], a.microbatch) in sends
+
+
+@pytest.mark.parametrize("param_bytes", [100_000, 4 << 20])
+def test_a_small_all_reduce_issued_with_its_meeting_is_priced_as_the_longer_of_the_two(param_bytes: int) -> None:
+    """Two CPU ranks of one host, ZeRO-0: below the shared mapping's threshold the runtime issues gloo's all-reduce
+    with the meeting's, so the sync takes the longer of the two, not their sum; at or above it, the mapping's
+    barrier comes first and the transfer after (the sum)."""
+    from hpml_compile.cluster import link_spec
+    from hpml_compile.memory import SHM_DIRECT_BYTES
+    from hpml_compile.simulate import issued_with_meeting_ms, stage_costs
+    from hpml_compile.stagecost import meet_ms, transfer_ms
+    import cost_models
+
+    g = _streaming(chain_profile([(2.0, 4.0)], param_bytes=param_bytes), one=1e9, host=2e9)
+    c = Cluster(devices=(Device("d0", "cpu", 8), Device("d1", "cpu", 8)), links=(Link("d0", "d1", 0.5, 300.0),))
+    plan = _plan(g, c, [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE)
+    link = link_spec(c, "d0", "d1")
+    cst = stage_costs(plan, g)[0]
+    transfer = transfer_ms(cost_models.allreduce_ms, param_bytes, link, 2)
+    small = param_bytes < SHM_DIRECT_BYTES
+    assert cst.together_ms == pytest.approx(transfer if small else 0.0)
+    assert issued_with_meeting_ms(plan, plan.stages[0], param_bytes, link) == cst.together_ms
+    bar = next(b for b in simulate(plan, g).intervals if b.kind is EventKind.SYNC and b.device == "d0")
+    saved = min(meet_ms(2, link), transfer) if small else 0.0
+    assert bar.end_ms - bar.start_ms == pytest.approx(cst.sync_ms - saved, rel=1e-6)
+    assert saved < cst.sync_ms

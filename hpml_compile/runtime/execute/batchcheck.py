@@ -11,6 +11,16 @@ spaced values of every tensor of the inputs and the targets: microseconds),
 and the hashes travel in the all-reduce that already makes the step's loss
 the batch's: one vector of 4 float64s instead of one.
 
+Where the plan's one stage spans every rank (plain data parallelism), that
+vector rides the gradient collective (:class:`~..sync.comm.Rider`): it is the
+collective's meeting, issued with it, so the ranks meet once a step, as DDP's
+do, not twice. It is summed once every rank has reached its gradient
+collective, so the guarantees hold as with an all-reduce of its own after it:
+the check runs at ``LOSS`` on the same sums everywhere, before any optimizer
+step. Elsewhere (a pipeline, tensor parallelism, a GPU group, a sync that
+runs no collective this step) the vector has an all-reduce of its own at
+``LOSS``.
+
 The test, exact in float64: for ``c`` ranks with 16-bit hashes ``h_i``, all
 ``h_i`` are equal iff ``c * sum(h_i^2) == sum(h_i)^2`` (Cauchy-Schwarz), and
 the sums stay below 2^53 up to 1024 ranks. Two different batches share a hash with probability 2^-16 in one
@@ -32,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -39,8 +50,9 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
 from ...errors import BatchMismatchError
+from ..sync.comm import Rider
 
-__all__ = ["fingerprint", "contribution", "check_agreed", "agree_with_check"]
+__all__ = ["fingerprint", "contribution", "check_agreed", "Agreement", "StepAgreement", "agree_with_check"]
 
 _BITS = 16
 _SAMPLES = 64
@@ -81,18 +93,72 @@ def check_agreed(v: Tensor, step: int) -> None:
             "a shard per rank")
 
 
-def agree_with_check(all_reduce: Callable[[Tensor], Any], batch_hash: int, step: int) -> Callable[[Tensor], None]:
-    """The executor's ``agree`` for a rank: one all-reduce of the loss and the batch hash, then the check.
+class Agreement:
+    """One step's loss agreement with the batch check: an all-reduce of its own, or a ride on the gradient collective.
 
     Args:
         all_reduce: a SUM all-reduce over the job's ranks, in place (``torch.distributed.all_reduce``).
         batch_hash: :func:`fingerprint` of the inputs and targets this rank was given.
         step: the step number, for the message.
+        rides: the stages of the gradient collective whose group is every rank of the job, on which the vector
+            may ride (:meth:`board`); None: it never rides.
     """
-    def agree(loss_sum: Tensor) -> None:
-        v = contribution(loss_sum, batch_hash)
-        all_reduce(v)
-        loss_sum.copy_(v[0].to(loss_sum.dtype))
-        check_agreed(v, step)
 
-    return agree
+    def __init__(self, all_reduce: Callable[[Tensor], Any], batch_hash: int, step: int,
+                 rides: tuple[int, ...] | None = None) -> None:
+        self.all_reduce, self.batch_hash, self.step, self.rides = all_reduce, batch_hash, step, rides
+        self.rider: Rider | None = None
+
+    def board(self, stages: tuple[int, ...], loss_sum: Tensor) -> Rider | None:
+        """This rank's share, to ride the gradient collective of ``stages`` (the loss is final by then: every
+        forward of the step came before it); None where it may not ride that one."""
+        if stages != self.rides or self.rider is not None:
+            return None
+        self.rider = Rider(stages, contribution(loss_sum, self.batch_hash))
+        return self.rider
+
+    @property
+    def boarded(self) -> bool:
+        """Whether this rank's share went out with the gradient collective (it rode)."""
+        return self.rider is not None and self.rider.carried
+
+    def __call__(self, loss_sum: Tensor) -> None:
+        """At ``LOSS``: the summed vector (the ride's, else an all-reduce now) made the loss; then the check.
+
+        Raises:
+            BatchMismatchError: the ranks were given different batches.
+        """
+        if self.rider is not None and self.rider.carried:
+            v = self.rider.vector
+        else:
+            v = contribution(loss_sum, self.batch_hash)
+            self.all_reduce(v)
+        loss_sum.copy_(v[0].to(loss_sum.dtype))
+        check_agreed(v, self.step)
+
+
+@dataclass(frozen=True)
+class StepAgreement:
+    """What the executor is handed as ``agree``: ``agree`` called at ``LOSS`` (True: the process group was
+    re-formed to learn the outcome), and ``board`` at a gradient collective (a :class:`~..sync.comm.Rider` for the
+    communicator, or None)."""
+
+    agree: Callable[[Tensor], bool]
+    board: Callable[[tuple[int, ...], Tensor], Rider | None]
+
+    def __call__(self, loss_sum: Tensor) -> bool:
+        return self.agree(loss_sum)
+
+
+def agree_with_check(all_reduce: Callable[[Tensor], Any], batch_hash: int, step: int,
+                     rides: tuple[int, ...] | None = None) -> Agreement:
+    """The executor's ``agree`` for a rank: one all-reduce of the loss and the batch hash (or a ride on the
+    gradient collective of ``rides``, :class:`Agreement`), then the check.
+
+    Args:
+        all_reduce: a SUM all-reduce over the job's ranks, in place (``torch.distributed.all_reduce``).
+        batch_hash: :func:`fingerprint` of the inputs and targets this rank was given.
+        step: the step number, for the message.
+        rides: see :class:`Agreement`.
+    """
+    return Agreement(all_reduce, batch_hash, step, rides)

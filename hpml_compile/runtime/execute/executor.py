@@ -27,8 +27,9 @@ and decides nothing: each token goes to the handler of its kind
   the plan), on the parameters the stage lists for the token
   (``COLLECTIVES``); before ``OPTk`` it sums gradients, after it (ZeRO's
   all-gather, local SGD's average) it moves parameters;
-- ``LOSS``: wait for this process's sends, and agree on the loss (ranks);
-  ``OPTk``: the optimizer step (once per process).
+- ``LOSS``: wait for this process's sends, and agree on the loss (ranks: an
+  all-reduce, or what rode the gradient collective where ``agree`` boards one,
+  :mod:`.batchcheck`); ``OPTk``: the optimizer step (once per process).
 
 On a rank the list is its own (:func:`step_rank`, :class:`~.pipeline.Pipeline`);
 in one process (:func:`step_local`, a Pipeline without a process group) the
@@ -251,7 +252,9 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
         device: where this process's stages run.
         optimizer: stepped at ``OPT`` (None: gradients only; ``after_step`` is then skipped too).
         agree: called at ``LOSS`` with the float64 loss sum, to make it the batch's (an all-reduce on ranks);
-            True when it had to re-form the process group to learn it (:attr:`StepRun.regrouped`).
+            True when it had to re-form the process group to learn it (:attr:`StepRun.regrouped`). Where it has a
+            ``board(stages, loss_sum)`` (:class:`.batchcheck.StepAgreement`), each gradient collective first asks
+            it for a :class:`~..sync.comm.Rider` to carry (set as ``comm.rider`` for that collective only).
         keep_outputs: keep the last stage's outputs.
         own_rows: ``inputs`` and ``targets`` hold only this rank's rows (one stage replica on this process;
             see :class:`_Slices`), not the whole batch.
@@ -391,7 +394,12 @@ def _collective(step: _Step, index: int, rank: int, a: Action) -> None:
         if key not in step.synced:
             step.synced.add(key)
             t0 = time.perf_counter()
-            sync.run(a, step.comm, params)
+            board = getattr(step.agree, "board", None)  # the loss agreement may ride this collective (.batchcheck)
+            step.comm.rider = board(a.stages, step.run.loss_sum) if board is not None else None
+            try:
+                sync.run(a, step.comm, params)
+            finally:
+                step.comm.rider = None
             step.event("SYNC", t0, time.perf_counter(), k)
         return
     if step.optimizer is None or key in step.stepped:

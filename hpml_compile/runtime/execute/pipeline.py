@@ -64,7 +64,7 @@ from ...codegen.mailbox import post_recv, post_send
 from ...errors import HpmlError, OptionError, UpdateApplied
 from ...ir import Precision, Schedule
 from ...plan import Plan, sync_overlap, with_comm
-from .batchcheck import agree_with_check, fingerprint
+from .batchcheck import Agreement, StepAgreement, agree_with_check, fingerprint
 from ...hostmem import keep_freed_memory
 from ...memory import ZeroStage
 from ...trainspec import check_batch_split, rank_rows
@@ -72,7 +72,7 @@ from ...codegen.tensor_parallel import tp_degree
 from ...schedule import Action, RankActions, deferral, relower, stage_ranks
 from ...schedule_check import validate as validate_actions
 from .tensor_parallel import TensorParallelSession, open_tensor_parallel, shard_rank, whole_params
-from ..sync.comm import CommFault, CommOp, DistComm, LocalComm, is_transient, make_groups, rank_devices
+from ..sync.comm import CommFault, CommOp, DistComm, LocalComm, Rider, is_transient, make_groups, rank_devices
 from .compiled import CompiledForward, CompileStages, compile_stages as compile_stages_of
 from .data import RankBatch
 from .executor import (actions_for, forward_stage, local_order, loss_share, merge_outputs, run_actions,
@@ -139,7 +139,14 @@ class Pipeline:
             default): as the plan was made for (its ``compile_stages``: ``auto`` where it names none).
         generated: the build as generated, where ``build`` carries a plan changed since (a joining replica's:
             :meth:`from_build` with ``join``); None: ``build``.
+
+    Attributes:
+        ride_agreement: where the plan's one stage spans every rank, the loss agreement rides the gradient
+            collective (:mod:`.batchcheck`: one meeting a step); False gives it an all-reduce of its own, as a
+            pipeline's (the profile's probe sets it to time that all-reduce).
     """
+
+    ride_agreement = True
 
     def __init__(self, build: Build, model: nn.Module, *, optimizer: OptimizerArg = None,
                  session: Session | None = None, run_dir: str | Path | None = None, tensorboard: bool = True,
@@ -706,7 +713,7 @@ class Pipeline:
         self._log(f"rank {s.start_rank}: step {self.steps_done + 1}: ranks {new} of the job joined in "
                   f"{time.perf_counter() - t0:.2f} s (now rank {self.rank} of {self.world_size})")
 
-    def _agreement(self, inner: Callable[[Tensor], None]) -> Callable[[Tensor], bool]:
+    def _agreement(self, inner: Agreement) -> StepAgreement:
         """The executor's ``agree``: ``inner`` (the loss all-reduce with the batch check), and what to do when it fails.
 
         The agreement is where a step commits, and its all-reduce may complete on some ranks and fail on others:
@@ -717,14 +724,26 @@ class Pipeline:
         step to the next step, as the others do after failing in theirs (returns True). If nobody is ahead, nobody
         committed: the step runs again on the re-formed group. Before, the ranks re-formed on different steps and
         the job stopped.
+
+        Where the share rides the gradient collective (``board``, :mod:`.batchcheck`), a failure of that collective
+        is the sync's (the step's retry): this rank cannot have its summed gradients then, so it could not take an
+        update the others committed. What fails at ``LOSS`` after the ride came back is handled as above.
         """
         assert self.session is not None
+
+        def board(stages: tuple[int, ...], loss_sum: Tensor) -> Rider | None:
+            if stages != inner.rides:
+                return None
+            assert self.comm is not None
+            self.comm.maybe_fail(CommOp.AGREE)  # a drill: before this rank's share goes out (with its gradients)
+            return inner.board(stages, loss_sum)
 
         def agree(loss_sum: Tensor) -> bool:
             comm = self.comm
             assert comm is not None and self.session is not None
             try:
-                comm.maybe_fail(CommOp.AGREE)  # a drill: before this rank's share goes out
+                if not inner.boarded:
+                    comm.maybe_fail(CommOp.AGREE)  # a drill: before this rank's share goes out
                 inner(loss_sum)
                 comm.maybe_fail(CommOp.AGREE)  # a drill: after the answer came back (the others may have agreed)
                 return False
@@ -744,7 +763,7 @@ class Pipeline:
                       "(the step is not run again) and gathers the parameters at the next step")
             return True
 
-        return agree
+        return StepAgreement(agree, board)
 
     def _reform_after_update(self, failure: UpdateApplied) -> None:
         """A collective after the optimizer update failed (:class:`~hpml_compile.errors.UpdateApplied`): the update
@@ -850,7 +869,10 @@ class Pipeline:
         # every rank must have been given this very batch: checked in the loss all-reduce (see .batchcheck)
         # (a rank given only its own rows checks the batch's dataset indices and number instead)
         seen = [inputs, targets] if rank_batch is None else [rank_batch.step, rank_batch.indices]
-        agree = self._agreement(agree_with_check(self._sum_once, fingerprint(seen), self.steps_done + 1))
+        # where the one stage spans every rank, the agreement rides its gradient collective: one meeting a step
+        one = self.ride_agreement and len(self.plan.stages) == 1 and comm.group_size((0,)) == self.world_size
+        rides = (0,) if one else None
+        agree = self._agreement(agree_with_check(self._sum_once, fingerprint(seen), self.steps_done + 1, rides))
         counted = self._counts_memory(n, rows=self.batch_rows if rank_batch is not None else
                                       sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor)))
         if counted:

@@ -73,7 +73,7 @@ from .hierarchy import (ChainQueue, HierGroups, PendingChain, hierarchical_all_g
                         make_hierarchy)
 from .shm import DIRECT_BYTES, SLOT_BYTES, HostReduce
 
-__all__ = ["Backend", "CommOp", "CommStats", "PendingCollective", "CommFault", "InjectedFault", "LocalComm", "DistComm",
+__all__ = ["Backend", "CommOp", "CommStats", "Rider", "PendingCollective", "CommFault", "InjectedFault", "LocalComm", "DistComm",
            "dist_comm", "pair_backend", "rank_devices", "is_transient", "make_groups", "HierGroups", "make_hierarchy",
            "hierarchical_all_reduce", "hierarchical_levels", "PendingChain", "ChainQueue", "level_bytes"]
 
@@ -145,6 +145,26 @@ class CommStats:
         self.recv_s.clear()
         self.send_s = self.collective_s = self.collective_wait_s = 0.0
         self.bytes_sent = self.bytes_received = self.intra_bytes = self.inter_bytes = self.flat_bytes = 0
+
+
+@dataclass
+class Rider:
+    """A float64 SUM all-reduce over the ranks of ``stages`` that rides the next collective of those stages as its
+    meeting (:meth:`DistComm._collective`), so that the ranks meet once for both.
+
+    The loss agreement of a plan whose one stage spans every rank (:mod:`..execute.batchcheck`) travels so with the
+    gradient collective: issued with it, it is complete when the collective is, and it cannot complete on any rank
+    before every rank has offered its gradients (the meeting is the sum of every rank's share).
+
+    Attributes:
+        stages: the stages of the collective it rides.
+        vector: summed in place over the ranks once ``carried``.
+        carried: the vector was summed (its collective's meeting returned).
+    """
+
+    stages: tuple[int, ...]
+    vector: Tensor
+    carried: bool = False
 
 
 @dataclass
@@ -470,9 +490,12 @@ class DistComm(Comm):
 
     # -- collectives ------------------------------------------------------------------------------
     def _collective(self, stages: tuple[int, ...], flat: Tensor, fn: Callable[[Tensor, Any], Tensor],
-                    name: str = "ALLREDUCE", meet: Callable[[], None] | None = None,
+                    name: str = "ALLREDUCE", meet: Callable[[Tensor | None], None] | None = None,
                     launch: Callable[[Tensor, Any], Any] | None = None) -> Tensor:
         """Run ``fn(wire, group)`` after the members meet; the wait and the transfer counted apart.
+
+        ``meet(carry)``: the members meet another way (the host's barrier), summing ``carry`` (a :class:`Rider`'s
+        vector, or None) as they do.
 
         ``launch``: the same collective as an ``async_op`` call (in place on ``wire``), for gloo: issued right behind
         the meeting's, so that the transfer starts as soon as the members have met, not after this thread has woken
@@ -487,16 +510,20 @@ class DistComm(Comm):
         wire = flat if nccl or flat.device.type == "cpu" else flat.cpu()
         # A one-element all-reduce first (or ``meet``, the members meeting another way): the members leave their
         # pipelines at different times, and the monitor must not count waiting for the slowest as communication
-        # (it is pipeline skew).
+        # (it is pipeline skew). A rider for these stages (a gloo group) is that all-reduce, or goes with ``meet``.
+        rider = self.rider if (self.rider is not None and self.rider.stages == stages and not self.rider.carried
+                               and group is not None and not nccl) else None
         work = None
         if meet is not None:
-            meet()
+            meet(rider.vector if rider is not None else None)
         elif launch is not None and not nccl:
-            met = dist.all_reduce(torch.zeros(1), group=group, async_op=True)
+            met = dist.all_reduce(rider.vector if rider is not None else torch.zeros(1), group=group, async_op=True)
             work = launch(wire, group)
             met.wait()
         else:
-            dist.all_reduce(torch.zeros(1, device=wire.device), group=group)
+            dist.all_reduce(rider.vector if rider is not None else torch.zeros(1, device=wire.device), group=group)
+        if rider is not None:
+            rider.carried = True
         if nccl:
             self._sync_device()
         t1 = time.perf_counter()
@@ -531,10 +558,10 @@ class DistComm(Comm):
                 return
             fits = host.fits(flat)
 
-            def meet() -> None:
+            def meet(carry: Tensor | None = None) -> None:
                 if fits:
                     host.stage(flat)
-                host.barrier()
+                host.barrier(carry)
 
             def shared(t: Tensor, g: Any) -> Tensor:
                 host.all_reduce(t, met=fits)

@@ -67,10 +67,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ...memory import SHM_DIRECT_BYTES
+
 __all__ = ["HostReduce", "SLOT_BYTES", "SHM_DIR", "DIRECT_BYTES"]
 
 SLOT_BYTES = 64 << 20  # per rank at most: a larger tensor goes in pieces (2 ranks: 128 MiB of /dev/shm at most)
-DIRECT_BYTES = 1 << 20  # an all-reduce of fewer bytes goes through gloo: one meeting, not three (see above)
+DIRECT_BYTES = SHM_DIRECT_BYTES  # an all-reduce of fewer bytes goes through gloo: one meeting, not three (see above)
 SHM_DIR = Path("/dev/shm")
 _NAME = 4096  # bytes of the path broadcast from the first rank (PATH_MAX)
 
@@ -171,10 +173,11 @@ class HostReduce:
         self._slots = []
         self.group = None
 
-    def barrier(self) -> None:
+    def barrier(self, carry: Tensor | None = None) -> None:
         """Wait for every member: a one-element all-reduce on the group, the meeting the runtime's other
-        collectives start with (:meth:`~.comm.DistComm._collective`)."""
-        dist.all_reduce(self._meet, group=self.group)
+        collectives start with (:meth:`~.comm.DistComm._collective`); ``carry``: a small tensor to sum over the
+        group instead (a :class:`~.comm.Rider`'s), which meets them as well."""
+        dist.all_reduce(self._meet if carry is None else carry, group=self.group)
 
     def fits(self, t: Tensor) -> bool:
         """Whether ``t`` fits in one slot (the same answer on every member: the same sizes everywhere)."""
