@@ -27,6 +27,7 @@ from .cluster import overlap_efficiency
 from .compression import check_sync, parse_compress
 from .memory import (GiB, MemoryBreakdown, ZeroStage, compute_bytes, dtype_bytes, process_bytes, tied_elsewhere,
                      tied_shared, tied_shm_bytes)
+from .interleave import peak_in_flight
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
 from .stagecost import device_memory, in_flight, tp_bytes
 from .tp import TensorParallel, analyze as analyze_tp
@@ -61,6 +62,7 @@ __all__ = [
     "tp_problem",
     "stage_memory",
     "stage_breakdown",
+    "device_need",
     "fit_deferral",
     "save_plan",
     "load_plan",
@@ -675,10 +677,43 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | No
                     tensor_parallel: TensorParallel | None = None) -> MemoryBreakdown:
     """:func:`stage_memory` by part (parameters, gradients, optimizer state, activations): what
     benchmarks/memory_truth puts beside the bytes a rank holds. ``tensor_parallel``: the profile's
-    :func:`hpml_compile.tp.analyze` (None: found again where the stage has ``tp > 1``)."""
+    :func:`hpml_compile.tp.analyze` (None: found again where the stage has ``tp > 1``). Under interleaved 1F1B the
+    stage's microbatches in flight are those its device group holds at the peak of all its chunks' activations
+    (:func:`hpml_compile.interleave.peak_in_flight`); :func:`device_need` sums a device's chunks."""
     if device is None:
         return max((stage_breakdown(plan, profile, stage, d, tensor_parallel) for d in stage.devices),
                    key=lambda b: b.total)
+    mem = _breakdown(plan, profile, stage, device, tensor_parallel)
+    if plan.chunks == 1:
+        return mem
+    groups = len(plan.stages) // plan.chunks
+    g = stage.index % groups
+    stored = [mem.stored_per_microbatch if st.index == stage.index else
+              _breakdown(plan, profile, st, device, tensor_parallel).stored_per_microbatch
+              for st in plan.stages[g::groups]]
+    held = peak_in_flight(g, groups, plan.chunks, plan.microbatches, stored)
+    return replace(mem, in_flight=held[stage.index // groups])
+
+
+def device_need(plan: Plan, profile: Profile, device: str, tensor_parallel: TensorParallel | None = None) -> int:
+    """Peak bytes on ``device`` over every stage it holds: its stage's :func:`stage_memory`, or under interleaved
+    1F1B the sum over its chunks, with its process counted once and one backward's working buffers (the largest
+    chunk's: the device runs one backward at a time).
+
+    Raises:
+        PlanError: no stage uses ``device``.
+    """
+    parts = [stage_breakdown(plan, profile, st, device, tensor_parallel) for st in plan.stages if device in st.devices]
+    if not parts:
+        raise PlanError(f"no stage of the plan uses device {device!r}")
+    extra = sum(b.process for b in parts[1:]) + sum(b.working for b in parts) - max(b.working for b in parts)
+    return sum(b.total for b in parts) - extra
+
+
+def _breakdown(plan: Plan, profile: Profile, stage: Stage, device: str,
+               tensor_parallel: TensorParallel | None = None) -> MemoryBreakdown:
+    """One device's breakdown for ``stage`` with the schedule's count in flight (interleaved 1F1B: 1F1B's, which
+    :func:`stage_breakdown` replaces)."""
     j = stage.devices.index(device)
     names = set(stage.nodes)
     nodes = [n for n in profile.nodes if n.name in names]
@@ -875,15 +910,19 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             raise PlanError(f"the {unit.kind} unit at {unit.scope} is split between stages {held}, one of them "
                             "tensor-parallel: its sharded intermediate would cross a stage boundary; move the cut "
                             "before or after the unit, or set those stages' tp to 1")
-    for st in plan.stages:
+    for st in plan.stages[:len(plan.stages) // plan.chunks]:  # interleaved 1F1B: a device's chunks together
         for name in st.devices:
-            need = stage_memory(plan, profile, st, name, sharding)
+            need = device_need(plan, profile, name, sharding)
             dev = plan.cluster.device(name)
             if need > dev.memory_bytes:
                 rows = f" with its {st.rows[st.devices.index(name)]} rows per microbatch" if st.rows else ""
                 fix = ("give it fewer rows (more to the stage's other devices), or enable ZeRO, recompute, offload"
                        if st.rows else "enable ZeRO, recompute, offload, or add a device")
-                raise PlanError(f"stage {st.index} needs {need / GiB:.2f} GiB on {name} ({dev.kind}, "
+                if plan.chunks > 1:
+                    fix += f", or interleave fewer than {plan.chunks} chunks"
+                held = ", ".join(str(k) for k in range(st.index, len(plan.stages), len(plan.stages) // plan.chunks))
+                raise PlanError(f"stage{'s' if plan.chunks > 1 else ''} {held} need{'' if plan.chunks > 1 else 's'} "
+                                f"{need / GiB:.2f} GiB on {name} ({dev.kind}, "
                                 f"{dev.memory_gib:.1f} GiB){rows}: over by {(need - dev.memory_bytes) / GiB:.2f} "
                                 f"GiB; {fix}")
 

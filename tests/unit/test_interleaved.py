@@ -6,13 +6,15 @@ import json
 
 import pytest
 
+from hpml_compile.costgraph import build
 from hpml_compile.errors import PlanError, ScheduleError
 from hpml_compile.ir import Cluster, Device
-from hpml_compile.plan import Plan, Schedule, Stage, load_plan, save_plan, validate_plan
+from hpml_compile.plan import Plan, Schedule, Stage, device_need, load_plan, save_plan, stage_memory, validate_plan
 from hpml_compile.schedule import (COMPUTE, ActionKind, interleaved_order, lower, parse_actions, rank_layout,
                                    rank_stages, relower, stage_ranks)
 from hpml_compile.schedule_check import validate
-from hpml_compile.testing import dag_profile
+from hpml_compile.simulate import EventKind, simulate
+from hpml_compile.testing import chain_profile, dag_profile, uniform_cluster
 
 # Megatron-LM's interleaved order, worked out by hand from its rules (group g: 2 (S - g - 1) + (v - 1) S warm-up
 # forwards; forward i runs chunk (i mod S v) // S on microbatch (i // S v) S + i mod S; backwards the same from the
@@ -148,3 +150,48 @@ def test_plan_json_with_a_device_in_two_unrelated_stages_is_refused(tmp_path) ->
     (tmp_path / "plan.json").write_text(json.dumps(d))
     with pytest.raises(Exception, match="which stage 0 uses too"):
         load_plan(tmp_path / "plan.json")
+
+
+def _cut(graph, cluster, groups: int, chunks: int, m: int, act: bool = False) -> Plan:
+    """The chain's nodes cut into ``groups * chunks`` equal stages, stage k on device k % groups."""
+    n = len(graph.order)
+    per = n // (groups * chunks)
+    stages = tuple(Stage(k, (f"d{k % groups}",), tuple(x for i in range(k * per, (k + 1) * per)
+                                                        for x in graph.node(f"n{i}").members))
+                   for k in range(groups * chunks))
+    schedule = Schedule.INTERLEAVED if chunks > 1 else Schedule.ONE_F_ONE_B
+    return Plan("chain", cluster, schedule, m, stages, chunks=chunks)
+
+
+@pytest.mark.parametrize(("s", "m"), [(2, 2), (2, 4), (4, 4), (4, 8)])
+def test_the_simulated_bubble_shrinks_as_megatrons_formula_says(s: int, m: int) -> None:
+    # 8 equal blocks, free links: 1F1B's bubble is (S - 1) / (M + S - 1), interleaved's (S - 1) / (v M + S - 1)
+    g = build(chain_profile([(1.0 * m, 2.0 * m)] * 8))
+    c = uniform_cluster(s)
+    one = simulate(_cut(g, c, s, 1, m), g)
+    assert one.bubble == pytest.approx((s - 1) / (m + s - 1))
+    for v in (2, 4) if s == 2 else (2,):
+        ilv = simulate(_cut(g, c, s, v, m), g)
+        assert ilv.bubble == pytest.approx((s - 1) / (v * m + s - 1))
+        assert ilv.step_ms < one.step_ms
+        # a device computes one thing at a time across its chunks
+        for dev in c.devices:
+            bars = sorted((b.start_ms, b.end_ms) for b in ilv.intervals if b.device == dev.name
+                          and b.kind in (EventKind.FORWARD, EventKind.BACKWARD))
+            assert all(a[1] <= b[0] + 1e-9 for a, b in zip(bars, bars[1:]))
+
+
+def test_a_device_holds_its_chunks_memory_as_the_model_says() -> None:
+    # 100 bytes of activations a block per microbatch (the profile's 400 over M = 4), no parameters
+    m = 4
+    prof = chain_profile([(1.0 * m, 2.0 * m)] * 4, activation_bytes=400)
+    g = build(prof)
+    c = uniform_cluster(2)
+    one, ilv = _cut(g, c, 2, 1, m), _cut(g, c, 2, 2, m)
+    r1, r2 = simulate(one, g), simulate(ilv, g)
+    # 1F1B: group 0 holds 2 microbatches of 2 blocks; interleaved: 3 of chunk 0 and 2 of chunk 2 (or 4 and 1)
+    assert r1.peak["d0"] == device_need(one, prof, "d0") == 2 * 200
+    assert r2.peak["d0"] == device_need(ilv, prof, "d0") == 5 * 100
+    assert r2.peak["d1"] == device_need(ilv, prof, "d1") == 3 * 100
+    assert r2.peak["d0"] > r1.peak["d0"]  # interleaving holds more warm-up microbatches
+    assert sum(stage_memory(ilv, prof, st) for st in ilv.stages if "d0" in st.devices) == 5 * 100
