@@ -6,7 +6,12 @@ piece ``g + c S``. Group ``g`` runs ``2 (S - g - 1) + (v - 1) S`` warm-up
 forwards, then one forward and one backward in turn, then the remaining
 backwards; the ``i``-th forward runs chunk ``(i mod S v) // S`` on microbatch
 ``(i // S v) S + i mod S``, the ``i``-th backward the same with the chunks
-reversed. Megatron-LM asks for ``M`` a multiple of ``S``; so does this.
+reversed. Megatron-LM asks for ``M`` a multiple of ``S``. For any other
+``M`` this takes Megatron-LM's order for the next multiple of ``S`` and
+leaves out the microbatches past ``M``: every message and wait of the rest
+is as it was there, so the order stays free of deadlock (the validator,
+:mod:`hpml_compile.schedule_check`, replays it), at the price of the empty
+slots of the last round.
 
 This module imports nothing of the package, so that the cost formulas
 (:mod:`hpml_compile.stagecost`), the lowering (:mod:`hpml_compile.schedule`)
@@ -37,13 +42,17 @@ def order(group: int, groups: int, chunks: int, microbatches: int) -> list[tuple
     """Group ``g``'s compute order: ``(forward?, chunk, microbatch)``, ``v M`` forwards and as many backwards.
 
     Raises:
-        ValueError: ``M`` not a multiple of ``S``, or ``g`` not one of the ``S`` groups.
+        ValueError: ``g`` not one of the ``S`` groups, or no chunks or microbatches.
+
+    >>> " ".join(f"{'F' if f else 'B'}{c}.{j}" for f, c, j in order(0, 2, 2, 3))
+    'F0.0 F0.1 F1.0 F1.1 F0.2 B1.0 B1.1 F1.2 B0.0 B0.1 B1.2 B0.2'
     """
     s, v, m = groups, chunks, microbatches
-    if m % s or not 0 <= group < s or v < 1:
-        raise ValueError(f"interleaved 1F1B on group {group} of {s} with {v} chunks: microbatches {m} must be a "
-                         f"multiple of {s}")
-    total, warm = v * m, warmup(group, s, v, m)
+    if m < 1 or not 0 <= group < s or v < 1:
+        raise ValueError(f"interleaved 1F1B on group {group} of {s} with {v} chunks and {m} microbatches: give a "
+                         f"group from 0 to {s - 1}, chunks and microbatches >= 1")
+    padded = -(-m // s) * s  # Megatron's order for the next multiple of S, the microbatches past M left out
+    total, warm = v * padded, warmup(group, s, v, padded)
 
     def nth(i: int, forward: bool) -> tuple[bool, int, int]:
         chunk = i % (s * v) // s
@@ -52,7 +61,7 @@ def order(group: int, groups: int, chunks: int, microbatches: int) -> list[tuple
     ops = [nth(i, True) for i in range(warm)]
     for i in range(total - warm):
         ops += [nth(warm + i, True), nth(i, False)]
-    return ops + [nth(i, False) for i in range(total - warm, total)]
+    return [op for op in ops + [nth(i, False) for i in range(total - warm, total)] if op[2] < m]
 
 
 def moments(group: int, groups: int, chunks: int, microbatches: int) -> tuple[tuple[int, ...], ...]:
@@ -78,7 +87,7 @@ def peak_in_flight(group: int, groups: int, chunks: int, microbatches: int,
         group: ``g``.
         groups: ``S``.
         chunks: ``v``.
-        microbatches: ``M`` (a multiple of ``S``).
+        microbatches: ``M``.
         stored: the bytes one microbatch leaves on each chunk.
 
     Returns:

@@ -457,14 +457,15 @@ PLAN_SCHEMA: dict[str, Any] = {
 
 def check_chunks(schedule: Schedule, chunks: int, stages: Sequence[Stage], microbatches: int) -> None:
     """Interleaved 1F1B's layout: ``S * v`` stages over ``S >= 2`` device groups, stage ``k`` on stage ``k % S``'s
-    devices (the same devices in the same order, ``tp`` and rows), microbatches a multiple of ``S`` (the rule of
-    Megatron-LM's interleaved schedule, which :func:`hpml_compile.schedule.interleaved_order` follows).
+    devices (the same devices in the same order, ``tp`` and rows). Any microbatch count runs: Megatron-LM's order
+    wants a multiple of ``S``, and fills the last round of another count with empty slots
+    (:func:`hpml_compile.interleave.order`).
 
     Args:
         schedule: the plan's schedule.
         chunks: the plan's ``v``.
         stages: the plan's stages.
-        microbatches: the plan's microbatch count.
+        microbatches: the plan's microbatch count (any; kept in the signature for the rules of other orders).
 
     Raises:
         PlanError: naming what is wrong and what would be right.
@@ -488,9 +489,6 @@ def check_chunks(schedule: Schedule, chunks: int, stages: Sequence[Stage], micro
     if len(stages) % chunks or s < 2:
         raise PlanError(f"interleaved 1F1B with {chunks} chunks: the plan has {len(stages)} stages; it needs "
                         f"S x {chunks} of them for S >= 2 device groups (e.g. {2 * chunks})")
-    if microbatches % s:
-        raise PlanError(f"interleaved 1F1B over {s} device groups: {microbatches} microbatches; it needs a multiple "
-                        f"of {s} (e.g. {max(s, microbatches // s * s)} or {(microbatches // s + 1) * s})")
     for st in stages[s:]:
         first = stages[st.index % s]
         if (st.devices, st.tp, st.rows) != (first.devices, first.tp, first.rows):
@@ -703,9 +701,14 @@ def device_need(plan: Plan, profile: Profile, device: str, tensor_parallel: Tens
     Raises:
         PlanError: no stage uses ``device``.
     """
-    parts = [stage_breakdown(plan, profile, st, device, tensor_parallel) for st in plan.stages if device in st.devices]
-    if not parts:
+    held = [st for st in plan.stages if device in st.devices]
+    if not held:
         raise PlanError(f"no stage of the plan uses device {device!r}")
+    parts = [_breakdown(plan, profile, st, device, tensor_parallel) for st in held]
+    if plan.chunks > 1:  # one group's chunks: the microbatches each holds at the group's peak
+        counts = peak_in_flight(held[0].index, len(plan.stages) // plan.chunks, plan.chunks,
+                                plan.microbatches, [b.stored_per_microbatch for b in parts])
+        parts = [replace(b, in_flight=n) for b, n in zip(parts, counts)]
     extra = sum(b.process for b in parts[1:]) + sum(b.working for b in parts) - max(b.working for b in parts)
     return sum(b.total for b in parts) - extra
 
@@ -910,10 +913,14 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             raise PlanError(f"the {unit.kind} unit at {unit.scope} is split between stages {held}, one of them "
                             "tensor-parallel: its sharded intermediate would cross a stage boundary; move the cut "
                             "before or after the unit, or set those stages' tp to 1")
+    needs: dict[tuple[int, str, int | None], int] = {}  # equal devices of a stage hold equal bytes
     for st in plan.stages[:len(plan.stages) // plan.chunks]:  # interleaved 1F1B: a device's chunks together
-        for name in st.devices:
-            need = device_need(plan, profile, name, sharding)
+        for j, name in enumerate(st.devices):
             dev = plan.cluster.device(name)
+            key = (st.index, dev.kind, st.rows[j] if st.rows else None)
+            if key not in needs:
+                needs[key] = device_need(plan, profile, name, sharding)
+            need = needs[key]
             if need > dev.memory_bytes:
                 rows = f" with its {st.rows[st.devices.index(name)]} rows per microbatch" if st.rows else ""
                 fix = ("give it fewer rows (more to the stage's other devices), or enable ZeRO, recompute, offload"

@@ -53,7 +53,9 @@ on ``S`` device groups, stage ``k`` on group ``k % S`` (:func:`rank_stages`), so
 Megatron-LM's: ``2 (S - g - 1) + (v - 1) S`` warm-up forwards on group ``g``, then one forward and one backward
 in turn, then the remaining backwards; forwards take the chunks in turn, ``S`` microbatches each, backwards the
 same from the last chunk; the message from stage ``S - 1`` to stage ``S`` goes from the last group back to the
-first. Group ``g`` holds at most ``2 (S - g - 1) + (v - 1) S + 1`` chunk-microbatches of activations.
+first. Group ``g`` holds at most ``2 (S - g - 1) + (v - 1) S + 1`` chunk-microbatches of activations. A
+microbatch count that is no multiple of ``S`` runs Megatron-LM's order for the next multiple with the
+microbatches past ``M`` left out, which keeps it free of deadlock.
 
 The validator that replays the lists is :mod:`hpml_compile.schedule_check`.
 
@@ -398,13 +400,13 @@ def interleaved_order(group: int, groups: int, chunks: int, microbatches: int) -
         group: ``g``, from 0 to ``S - 1``.
         groups: ``S``.
         chunks: ``v``; group ``g`` holds stages ``g, g + S, ..., g + (v - 1) S``.
-        microbatches: ``M``, a multiple of ``S``.
+        microbatches: ``M`` (Megatron-LM's order for a multiple of ``S``; :mod:`hpml_compile.interleave`).
 
     Returns:
         ``v M`` forwards and as many backwards.
 
     Raises:
-        ValueError: ``M`` not a multiple of ``S``, or ``g`` outside the groups.
+        ValueError: ``g`` outside the groups.
 
     Example:
         >>> " ".join(f"{k}{kind.value}{j}" for kind, k, j in interleaved_order(0, 2, 2, 4))
@@ -524,9 +526,6 @@ def _check_lowering(schedule: Schedule, microbatches: int, replicas: Sequence[in
     groups = n // chunks
     if n % chunks or (chunks > 1 and groups < 2):
         raise ValueError(f"{n} stages in {chunks} chunks: interleaved 1F1B needs S x {chunks} stages, S >= 2")
-    if chunks > 1 and microbatches % groups:
-        raise ValueError(f"interleaved 1F1B over {groups} groups: microbatches {microbatches} must be a multiple "
-                         f"of {groups}")
     if any(replicas[k] != replicas[k % groups] for k in range(n)):
         raise ValueError(f"replicas {list(replicas)}: stage k runs on stage k % {groups}'s ranks, so their counts "
                          "must repeat")

@@ -143,6 +143,7 @@ from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, ev
                         weight_part_ms, wire_ratio)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "step_ms", "stage_costs", "annotate", "crowded_devices",
+           "node_ms",
            "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms", "replica_skew_ms", "replica_meeting_ms",
            "boundary_copies"]
 
@@ -323,6 +324,16 @@ def _tp_cost(graph: CostGraph, node: str, kinds: list[str], fraction: float, tp:
         (sf, sb), (sff, sbf) = part.cost.get(k, (0.0, 0.0)), part.fixed.get(k, (0.0, 0.0))
         out.append((tp_time(f, ff, sf, sff, fraction, tp), tp_time(b, bf, sb, sbf, fraction, tp)))
     return max(a for a, _ in out), max(b for _, b in out)
+
+
+def node_ms(graph: CostGraph, node: str, kinds: list[str], fraction: float, tp: int = 1) -> tuple[float, float]:
+    """``(fwd_ms, bwd_ms)`` of graph node ``node`` as a stage prices it: on one rank of a tensor-parallel group of
+    ``tp`` (the collectives apart), for ``fraction`` of the batch rows, on the slowest of ``kinds``.
+
+    Raises:
+        UnknownDeviceError: a kind the graph has no costs for.
+    """
+    return _tp_cost(graph, node, kinds, fraction, tp)
 
 
 def _tp_link(cluster: Cluster, st: Stage) -> cost_models.LinkSpec | None:

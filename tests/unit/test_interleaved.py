@@ -56,7 +56,8 @@ def test_messages_surround_compute_and_cross_from_the_last_group_to_the_first() 
 
 
 @pytest.mark.parametrize(("s", "v", "m"), [(2, 2, 2), (2, 2, 4), (2, 3, 6), (3, 2, 3), (3, 3, 9), (4, 2, 8),
-                                           (4, 4, 4), (4, 2, 12), (8, 2, 8)])
+                                           (4, 4, 4), (4, 2, 12), (8, 2, 8), (2, 2, 3), (4, 3, 5), (5, 2, 7),
+                                           (8, 4, 3), (3, 2, 1)])
 def test_every_lowering_validates_and_holds_megatrons_in_flight(s: int, v: int, m: int) -> None:
     replicas = tuple(2 if k % s == 0 else 1 for k in range(s * v))  # group 0 replicated
     grad = [[f"ALLREDUCE({k})"] if k % s == 0 else [] for k in range(s * v)]
@@ -71,7 +72,10 @@ def test_every_lowering_validates_and_holds_megatrons_in_flight(s: int, v: int, 
         for a in acts:
             live += {ActionKind.FORWARD: 1, ActionKind.BACKWARD: -1}.get(a.kind, 0)
             peak = max(peak, live)
-        assert peak == min(2 * (s - g - 1) + (v - 1) * s + 1, v * m)
+        padded = -(-m // s) * s  # Megatron's bound (for the next multiple of S, the rest left out)
+        assert peak <= min(2 * (s - g - 1) + (v - 1) * s + 1, v * padded)
+        if m == padded:
+            assert peak == min(2 * (s - g - 1) + (v - 1) * s + 1, v * m)
         assert sum(str(a) == "LOSS" for a in acts) == 1
         assert [a.stage for a in acts if a.kind is ActionKind.OPTIMIZER] == list(range(g, s * v, s))
 
@@ -101,7 +105,6 @@ def test_the_validator_refuses_a_deadlocking_interleaved_order() -> None:
     (Schedule.ONE_F_ONE_B, (1,) * 4, 2, 4, "chunks"),
     (Schedule.INTERLEAVED, (1,) * 4, 1, 4, "chunks"),
     (Schedule.INTERLEAVED, (1,) * 2, 2, 4, "S >= 2"),
-    (Schedule.INTERLEAVED, (1,) * 4, 2, 3, "multiple of 2"),
     (Schedule.INTERLEAVED, (2, 1, 1, 1), 2, 4, "repeat"),
 ])
 def test_lowering_refuses_what_interleaving_cannot_run(schedule, replicas, chunks, m, match) -> None:
@@ -135,7 +138,6 @@ def test_plan_round_trips_and_names_its_ranks(tmp_path) -> None:
     ({"chunks": 1}, "chunks above 1 go with"),
     ({"devices": ("d0", "d1", "d0")}, "3 stages"),
     ({"devices": ("d0", "d1"), "chunks": 2}, "S >= 2"),
-    ({"m": 3}, "a multiple of 2"),
     ({"devices": ("d0", "d1", "d1", "d0")}, "stage k runs on stage k % 2's devices"),
     ({"devices": ("d0", ("d1", "d2"), "d0", ("d2", "d1"))}, "same devices in the same order"),
 ])
