@@ -13,7 +13,11 @@ group's own time: a slower group takes less of the model), so each group keeps
 the load the solver balanced against its memory. For each ``v`` of
 :data:`CHUNKS` (``S v`` blocks at most) it checks the memory
 (:func:`hpml_compile.plan.validate_plan`, a device holding all its chunks) and
-simulates the step; :func:`choose` keeps the fastest.
+simulates the step; :func:`choose` keeps the fastest. Interleaving holds more
+microbatches in flight than 1F1B, most on the later groups (``(v - 1) S +
+2 (S - g - 1) + 1`` chunk-microbatches on group ``g`` against 1F1B's ``S - g``
+whole-stage ones), so where a group's devices overflow, its chunks recompute
+(the simulator prices the extra forward) and the plan is tried again.
 
 Example:
     >>> from hpml_compile.testing import chain_graph, uniform_cluster
@@ -36,10 +40,10 @@ from typing import Callable
 from ..costgraph import CostGraph
 from ..errors import PlanError
 from ..ir import Profile
-from ..plan import Plan, PlanPrediction, Schedule, Stage, validate_plan
+from ..plan import Plan, PlanPrediction, Schedule, Stage, device_need, validate_plan
 from ..simulate import _stage_of_graph_nodes, annotate, node_ms, step_ms
 
-__all__ = ["CHUNKS", "BUDGET_S", "interleave", "choose"]
+__all__ = ["CHUNKS", "BUDGET_S", "interleave", "fit", "choose"]
 
 #: The chunk counts ``v`` tried, smallest first.
 CHUNKS = (2, 3, 4, 6, 8)
@@ -100,6 +104,34 @@ def interleave(placed: Plan, graph: CostGraph, chunks: int) -> Plan | None:
                    predicted=PlanPrediction(), certificate=None)
 
 
+def _overflowing(plan: Plan, prof: Profile) -> set[int]:
+    """The device groups (first ``S`` stages) with a device over its memory, all chunks counted."""
+    groups, out = len(plan.stages) // plan.chunks, set()
+    for st in plan.stages[:groups]:
+        seen = set()
+        for j, d in enumerate(st.devices):
+            dev = plan.cluster.device(d)
+            key = (dev.kind, st.rows[j] if st.rows else None)
+            if key not in seen:
+                seen.add(key)
+                if device_need(plan, prof, d) > dev.memory_bytes:
+                    out.add(st.index)
+                    break
+    return out
+
+
+def fit(plan: Plan, prof: Profile) -> Plan:
+    """``plan`` with every chunk of each device group that overflows its memory recomputing (once): what the pass
+    tries where the interleaved plan holds more than the devices do; :func:`hpml_compile.plan.validate_plan` still
+    decides whether it fits."""
+    over = _overflowing(plan, prof)
+    if not over:
+        return plan
+    groups = len(plan.stages) // plan.chunks
+    return replace(plan, stages=tuple(replace(st, recompute=True) if st.index % groups in over else st
+                                      for st in plan.stages))
+
+
 def choose(placed: Plan, graph: CostGraph, prof: Profile, *, forced: bool = False,
            say: Callable[[str], None] | None = None, budget_s: float = BUDGET_S) -> Plan:
     """The fastest interleaved plan on ``placed``'s device groups that fits, where it is faster than ``placed``
@@ -131,6 +163,7 @@ def choose(placed: Plan, graph: CostGraph, prof: Profile, *, forced: bool = Fals
             notes.append(f"{v} chunks: fewer than {s * v} blocks")
             break
         try:
+            cand = fit(cand, prof)
             validate_plan(cand, prof)
             ms = step_ms(cand, graph, prof.dtype)
         except PlanError as e:
@@ -143,7 +176,9 @@ def choose(placed: Plan, graph: CostGraph, prof: Profile, *, forced: bool = Fals
         tell(f"schedule: {placed.schedule.value} (no interleaved plan fits{extra})")
         return placed
     chosen = annotate(best[1], graph, prof.dtype)[0]
-    name = f"interleaved-1f1b with {chosen.chunks} chunks"
+    redone = sum(1 for a, b in zip(chosen.stages, placed.stages * chosen.chunks) if a.recompute and not b.recompute)
+    name = f"interleaved-1f1b with {chosen.chunks} chunks" + (
+        f" ({redone // chosen.chunks} device groups recomputing to fit)" if redone else "")
     if forced or chosen.predicted.step_ms < placed.predicted.step_ms:
         tell(f"schedule: {name}, {chosen.predicted.step_ms:.4g} ms a step against {placed.predicted.step_ms:.4g} ms "
              f"under {placed.schedule.value} (bubble {chosen.predicted.bubble:.1%} against "

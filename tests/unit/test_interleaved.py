@@ -13,8 +13,9 @@ from hpml_compile.plan import Plan, Schedule, Stage, device_need, load_plan, sav
 from hpml_compile.schedule import (COMPUTE, ActionKind, interleaved_order, lower, parse_actions, rank_layout,
                                    rank_stages, relower, stage_ranks)
 from hpml_compile.schedule_check import validate
-from hpml_compile.simulate import EventKind, simulate
-from hpml_compile.testing import chain_profile, dag_profile, uniform_cluster
+from hpml_compile.simulate import EventKind, annotate, simulate
+from hpml_compile.solve.interleave import choose, interleave
+from hpml_compile.testing import chain_profile, cluster_of, dag_profile, uniform_cluster
 
 # Megatron-LM's interleaved order, worked out by hand from its rules (group g: 2 (S - g - 1) + (v - 1) S warm-up
 # forwards; forward i runs chunk (i mod S v) // S on microbatch (i // S v) S + i mod S; backwards the same from the
@@ -197,3 +198,67 @@ def test_a_device_holds_its_chunks_memory_as_the_model_says() -> None:
     assert r2.peak["d1"] == device_need(ilv, prof, "d1") == 3 * 100
     assert r2.peak["d0"] > r1.peak["d0"]  # interleaving holds more warm-up microbatches
     assert sum(stage_memory(ilv, prof, st) for st in ilv.stages if "d0" in st.devices) == 5 * 100
+
+
+def test_the_pass_cuts_pieces_by_each_groups_speed() -> None:
+    # d1 is twice as fast: under 1F1B it held 8 of the 12 blocks; interleaved, each of its pieces holds 4 and
+    # each of d0's 2, so each group keeps its load
+    prof = chain_profile([{"cpu": (1.0, 2.0), "fast": (0.5, 1.0)}] * 12)
+    graph = build(prof)
+    c = cluster_of(["cpu", "fast"])
+    nodes = [graph.node(f"n{i}").members[0] for i in range(12)]
+    placed = Plan("c", c, Schedule.ONE_F_ONE_B, 4, (Stage(0, ("d0",), tuple(nodes[:4])),
+                                                    Stage(1, ("d1",), tuple(nodes[4:]))))
+    ilv = interleave(placed, graph, 2)
+    assert [len(st.nodes) for st in ilv.stages] == [2, 4, 2, 4]
+    assert [st.devices for st in ilv.stages] == [("d0",), ("d1",), ("d0",), ("d1",)]
+    assert [n for st in ilv.stages for n in st.nodes] == nodes  # the model in order, every block once
+    assert interleave(placed, graph, 8) is None  # 16 pieces of 12 blocks
+
+
+def test_choose_takes_the_fastest_chunks_that_fit_and_says_so() -> None:
+    prof = chain_profile([(4.0, 8.0)] * 16)
+    graph = build(prof)
+    nodes = [graph.node(f"n{i}").members[0] for i in range(16)]
+    stages = tuple(Stage(i, (f"d{i}",), tuple(nodes[4 * i:4 * i + 4])) for i in range(4))
+    one = annotate(Plan("toy", uniform_cluster(4), Schedule.ONE_F_ONE_B, 4, stages), graph)[0]
+    lines: list[str] = []
+    got = choose(one, graph, prof, say=lines.append)
+    assert got.schedule is Schedule.INTERLEAVED and got.chunks == 4  # 16 blocks: 2 or 4 chunks; 4 is fastest
+    assert got.predicted.step_ms < one.predicted.step_ms and got.predicted.bubble < one.predicted.bubble
+    assert lines[-1].startswith("schedule: interleaved-1f1b with 4 chunks")
+    validate(lower(Schedule.INTERLEAVED, got.microbatches, [1] * len(got.stages), chunks=got.chunks),
+             [1] * len(got.stages), chunks=got.chunks)
+    # memory: 100 MiB of activations a block and microbatch; 1F1B holds 4, 3, 2, 1 microbatches of 4 blocks on
+    # d0..d3, interleaving more on the later groups (d1: 16 chunk-microbatches of 1 block at 4 chunks, 1600 MiB)
+    heavy = chain_profile([(4.0, 8.0)] * 16, activation_bytes=100 * 2**20 * 4)
+    hg = build(heavy)
+    tight = Cluster(devices=tuple(Device(f"d{i}", "cpu", 1.6 if i == 0 else 1.5) for i in range(4)), name="tight")
+    placed = annotate(Plan("toy", tight, Schedule.ONE_F_ONE_B, 4, stages), hg)[0]
+    validate_plan(placed, heavy)
+    from hpml_compile.solve.interleave import fit
+    bare = interleave(placed, hg, 4)
+    with pytest.raises(PlanError, match="stages 1, 5, 9, 13 need 1.56 GiB on d1"):
+        validate_plan(bare, heavy)
+    fitted = fit(bare, heavy)  # the overflowing groups recompute: they hold one block's inputs a microbatch
+    assert [st.recompute for st in fitted.stages[:4]] == [False, True, False, False]
+    validate_plan(fitted, heavy)
+    got = choose(placed, hg, heavy, say=lines.append)
+    assert got.schedule is Schedule.INTERLEAVED and got.predicted.step_ms < placed.predicted.step_ms
+    assert "device groups recomputing to fit" in lines[-1]
+    validate_plan(got, heavy)
+
+
+def test_the_driver_interleaves_when_asked() -> None:
+    from hpml_compile import driver
+    prof = chain_profile([(4.0, 8.0)] * 8, param_bytes=100 * 2**20)  # too large for one 2 GiB device with Adam
+    cluster = uniform_cluster(2, memory_gib=2.0)
+    lines: list[str] = []
+    opts = driver.Options(solver="dp", microbatches=4, schedule="interleaved-1f1b", uneven=False)
+    plan = driver.plan(prof, cluster, opts, progress=lines.append)
+    assert plan.schedule is Schedule.INTERLEAVED and plan.chunks >= 2
+    assert any(x.startswith("schedule: interleaved-1f1b") for x in lines)
+    assert not driver.INTERLEAVE_IN_AUTO  # auto weighs it only once builds run it
+    auto = driver.plan(prof, cluster, driver.Options(solver="dp", microbatches=4, schedule="auto", uneven=False,
+                                                     interleave=True))
+    assert auto.schedule is Schedule.INTERLEAVED
