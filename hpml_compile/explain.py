@@ -338,8 +338,8 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
     lines.append("memory (peak per device, against capacity):")
     stage_of: dict[str, int] = {}
     for st in plan.stages:
-        for d in st.devices:
-            stage_of.setdefault(d, st.index)  # interleaved 1F1B: a device's first chunk names its group
+        for name in st.devices:
+            stage_of.setdefault(name, st.index)  # interleaved 1F1B: a device's first chunk names its group
     groups: list[list[str]] = [[d] for d in device_order(plan)]
     if len(plan.cluster.devices) > 16:  # a stage's replicas hold the same bytes: one line per stage
         groups = [list(st.devices) for st in plan.stages[:len(plan.stages) // plan.chunks]]
