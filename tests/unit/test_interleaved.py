@@ -262,3 +262,15 @@ def test_the_driver_interleaves_when_asked() -> None:
     auto = driver.plan(prof, cluster, driver.Options(solver="dp", microbatches=4, schedule="auto", uneven=False,
                                                      interleave=True))
     assert auto.schedule is Schedule.INTERLEAVED
+
+
+def test_moving_rows_keeps_a_groups_chunks_alike() -> None:
+    from hpml_compile.replan import move_rows
+    prof = chain_profile([{"cpu": (4.0, 8.0), "fast": (1.0, 2.0)}] * 4)
+    graph = build(prof)
+    c = cluster_of(["cpu", "fast", "cpu"])
+    nodes = [graph.node(f"n{i}").members[0] for i in range(4)]
+    stages = tuple(Stage(k, ("d0", "d1") if k % 2 == 0 else ("d2",), (nodes[k],)) for k in range(4))
+    plan = Plan("toy", c, Schedule.INTERLEAVED, 4, stages, chunks=2)
+    moved = move_rows(plan, graph).plan
+    assert moved.stages[0].rows == moved.stages[2].rows and moved.stages[0].rows[1] > moved.stages[0].rows[0]
