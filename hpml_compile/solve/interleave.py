@@ -14,7 +14,9 @@ the largest piece closest to its share), so each group keeps the load the
 solver balanced against its memory. For each ``v`` of
 :data:`CHUNKS` (``S v`` blocks at most) it checks the memory
 (:func:`hpml_compile.plan.validate_plan`, a device holding all its chunks) and
-simulates the step; :func:`choose` keeps the fastest. Interleaving holds more
+simulates the step, and the same with every piece given equal time on its own
+group (where the solver left a group almost idle, its share cannot hold a
+block per chunk); :func:`choose` keeps the fastest. Interleaving holds more
 microbatches in flight than 1F1B, most on the later groups (``(v - 1) S +
 2 (S - g - 1) + 1`` chunk-microbatches on group ``g`` against 1F1B's ``S - g``
 whole-stage ones), so where a group's devices overflow, its chunks recompute,
@@ -104,13 +106,16 @@ def _balanced_cuts(costs: list[list[float]], target: list[float]) -> list[int]:
     return best
 
 
-def interleave(placed: Plan, graph: CostGraph, chunks: int) -> Plan | None:
+def interleave(placed: Plan, graph: CostGraph, chunks: int, even: bool = False) -> Plan | None:
     """``placed``'s device groups holding ``chunks`` pieces each (module docstring); unpredicted.
 
     Args:
         placed: a solved plan with one stage per device group (any schedule but interleaved).
         graph: the cost graph it was solved on (each block in one stage).
         chunks: ``v`` (2 or more).
+        even: give every piece the same time on its own group instead of its group's share of the solver's plan
+            (where the solver left a group almost idle, say a slow one holding only the embedding, that share
+            cannot hold a whole block per chunk).
 
     Returns:
         The interleaved plan, or None where it cannot be made: fewer than 2 groups, fewer blocks than pieces.
@@ -120,7 +125,7 @@ def interleave(placed: Plan, graph: CostGraph, chunks: int) -> Plan | None:
         return None
     owner = _stage_of_graph_nodes(placed, graph)
     costs = _group_ms(placed, graph)
-    target = [sum(costs[g][n] for n in graph.order if owner[n] == g) / chunks for g in range(s)]
+    target = [1.0 if even else sum(costs[g][n] for n in graph.order if owner[n] == g) / chunks for g in range(s)]
     blocks, pieces = list(graph.order), s * chunks
     cuts = _balanced_cuts([[costs[k % s][b] for b in blocks] for k in range(s)], [target[k % s] for k in range(pieces)])
     bounds = list(zip([0, *cuts], [*cuts, len(blocks)]))
@@ -199,11 +204,11 @@ def choose(placed: Plan, graph: CostGraph, prof: Profile, *, forced: bool = Fals
         tell(f"schedule: {placed.schedule.value} (interleaved 1F1B is not an option for one stage)")
         return placed
     t0, best, notes = time.perf_counter(), None, []
-    for v in CHUNKS:
+    for v, even in ((v, even) for v in CHUNKS for even in (False, True)):
         if time.perf_counter() - t0 > budget_s:
             notes.append(f"stopped before {v} chunks after {budget_s:g} s")
             break
-        cand = interleave(replace(placed, precision=prof.precision), graph, v)
+        cand = interleave(replace(placed, precision=prof.precision), graph, v, even)
         if cand is None:
             notes.append(f"{v} chunks: fewer than {s * v} blocks")
             break
@@ -212,7 +217,8 @@ def choose(placed: Plan, graph: CostGraph, prof: Profile, *, forced: bool = Fals
             validate_plan(cand, prof)
             ms = step_ms(cand, graph, prof.dtype)
         except PlanError as e:
-            notes.append(f"{v} chunks: {str(e).split(';')[0]}")
+            if not even:
+                notes.append(f"{v} chunks: {str(e).split(';')[0]}")
             continue
         if best is None or ms < best[0]:
             best = (ms, cand)

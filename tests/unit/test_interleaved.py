@@ -274,3 +274,12 @@ def test_moving_rows_keeps_a_groups_chunks_alike() -> None:
     plan = Plan("toy", c, Schedule.INTERLEAVED, 4, stages, chunks=2)
     moved = move_rows(plan, graph).plan
     assert moved.stages[0].rows == moved.stages[2].rows and moved.stages[0].rows[1] > moved.stages[0].rows[0]
+
+
+def test_even_pieces_where_the_solver_left_a_group_almost_idle() -> None:
+    graph = build(chain_profile([(1.0, 2.0)] * 12))
+    nodes = [graph.node(f"n{i}").members[0] for i in range(12)]
+    placed = Plan("c", uniform_cluster(2), Schedule.ONE_F_ONE_B, 4, (Stage(0, ("d0",), tuple(nodes[:1])),
+                                                                     Stage(1, ("d1",), tuple(nodes[1:]))))
+    assert [len(st.nodes) for st in interleave(placed, graph, 2).stages] == [1, 5, 1, 5]  # each group's share
+    assert [len(st.nodes) for st in interleave(placed, graph, 2, even=True).stages] == [3, 3, 3, 3]
