@@ -342,7 +342,8 @@ def timeline_figure(plan: Plan, result: SimResult) -> Figure:
     ax.set_xlim(0, end * 1.01 if end > 0 else 1.0)
     ax.set_xlabel("time in the step (ms)")
     ax.axvline(result.step_ms, color="black", linewidth=0.8, linestyle="--")
-    ax.set_title(f"{plan.model} on {plan.cluster.name}: {plan.schedule.value}, {m} microbatches; step "
+    ax.set_title(f"{plan.model} on {plan.cluster.name}: {plan.schedule.value}"
+                 + (f" ({plan.chunks} chunks a device)" if plan.chunks > 1 else "") + f", {m} microbatches; step "
                  f"{result.step_ms:.4g} ms, bubble {result.bubble:.1%}, bottleneck stage {result.bottleneck_stage}",
                  fontsize=10)
     present = {b.kind for b in result.intervals}
