@@ -27,6 +27,7 @@ from .cluster import overlap_efficiency
 from .compression import check_sync, parse_compress
 from .memory import (GiB, MemoryBreakdown, ZeroStage, compute_bytes, dtype_bytes, process_bytes, tied_elsewhere,
                      tied_shared, tied_shm_bytes)
+from .interleave import peak_in_flight
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
 from .stagecost import device_memory, in_flight, tp_bytes
 from .tp import TensorParallel, analyze as analyze_tp
@@ -52,6 +53,7 @@ __all__ = [
     "check_wire",
     "sync_overlap",
     "check_placement",
+    "check_chunks",
     "hierarchy_problem",
     "zero_shards",
     "node_stages",
@@ -60,6 +62,7 @@ __all__ = [
     "tp_problem",
     "stage_memory",
     "stage_breakdown",
+    "device_need",
     "fit_deferral",
     "save_plan",
     "load_plan",
@@ -268,6 +271,9 @@ class Plan:
     written to plan.json only when not: compiled on CUDA devices, not on CPUs), ``on`` (compiled by
     ``torch.compile``; CPU stages priced at the profile's compiled block times where it has them) or ``off``;
     ``hpml-compile run`` runs the build so unless told otherwise.
+    ``chunks``: interleaved 1F1B's ``v`` (written to plan.json only when above 1): the ``S * v`` stages are the
+    model's pieces in order, and stage ``k`` runs on stage ``k % S``'s devices, so each device group holds ``v``
+    of them (:func:`check_chunks`; :func:`hpml_compile.schedule.rank_stages`).
     """
 
     model: str
@@ -287,6 +293,7 @@ class Plan:
     assumptions: tuple[Assumption, ...] = ()
     reduce_dtype: Precision = Precision.FP32
     compile_stages: str = "auto"
+    chunks: int = 1
 
     def __post_init__(self) -> None:
         if self.compile_stages not in COMPILE_STAGES:
@@ -304,6 +311,7 @@ class Plan:
         for i, st in enumerate(self.stages):
             if st.index != i:
                 raise ValueError(f"plan: stages[{i}].index is {st.index}; stages must be listed in order")
+        check_chunks(self.schedule, self.chunks, self.stages, self.microbatches)
         if self.schedule is Schedule.ZB_H1:
             _check_zero_bubble(self.stages)
         elif capped := [st.index for st in self.stages if st.max_deferred is not None]:
@@ -327,6 +335,7 @@ class Plan:
             **({"assumptions": [a.to_dict() for a in self.assumptions]} if self.assumptions else {}),
             **({"reduce_dtype": self.reduce_dtype.value} if self.reduce_dtype is not Precision.FP32 else {}),
             **({"compile_stages": self.compile_stages} if self.compile_stages != "auto" else {}),
+            **({"chunks": self.chunks} if self.chunks > 1 else {}),
         }
 
     @classmethod
@@ -377,6 +386,7 @@ class Plan:
             assumptions=tuple(Assumption.from_dict(a) for a in d.get("assumptions", ())),
             reduce_dtype=Precision(d.get("reduce_dtype", "fp32")),  # plans without the field sync in fp32
             compile_stages=d.get("compile_stages", "auto"),  # plans without the field were planned for auto
+            chunks=d.get("chunks", 1),  # plans without the field hold one chunk per device group
         )
 
 
@@ -397,6 +407,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "tied_allreduce": {"enum": [a.value for a in AllReduce]},
         "reduce_dtype": {"enum": [p.value for p in Precision]},
         "compile_stages": {"enum": list(COMPILE_STAGES)},
+        "chunks": {"type": "integer", "minimum": 1},
         "stages": {
             "type": "array", "minItems": 1,
             "items": {
@@ -444,6 +455,49 @@ PLAN_SCHEMA: dict[str, Any] = {
 }
 
 
+def check_chunks(schedule: Schedule, chunks: int, stages: Sequence[Stage], microbatches: int) -> None:
+    """Interleaved 1F1B's layout: ``S * v`` stages over ``S >= 2`` device groups, stage ``k`` on stage ``k % S``'s
+    devices (the same devices in the same order, ``tp`` and rows). Any microbatch count runs: Megatron-LM's order
+    wants a multiple of ``S``, and fills the last round of another count with empty slots
+    (:func:`hpml_compile.interleave.order`).
+
+    Args:
+        schedule: the plan's schedule.
+        chunks: the plan's ``v``.
+        stages: the plan's stages.
+        microbatches: the plan's microbatch count (any; kept in the signature for the rules of other orders).
+
+    Raises:
+        PlanError: naming what is wrong and what would be right.
+
+    Example:
+        >>> one = lambda k, d: Stage(k, (d,), (f"n{k}",))
+        >>> check_chunks(Schedule.INTERLEAVED, 2, [one(0, "a"), one(1, "b"), one(2, "a"), one(3, "b")], 4)
+        >>> check_chunks(Schedule.INTERLEAVED, 2, [one(0, "a"), one(1, "b"), one(2, "b"), one(3, "a")], 4)
+        Traceback (most recent call last):
+        ...
+        hpml_compile.errors.PlanError: interleaved 1F1B over 2 device groups: stage 2 runs on ('b',) with tp 1, but stage 0 on ('a',) with tp 1: stage k runs on stage k % 2's devices (same devices in the same order, tp and rows)
+    """
+    if chunks < 1:
+        raise PlanError(f"plan: chunks must be >= 1 (the model chunks each device group holds), got {chunks}")
+    if (chunks > 1) != (schedule is Schedule.INTERLEAVED):
+        raise PlanError(f"schedule {schedule.value} with chunks {chunks}: chunks above 1 go with schedule "
+                        f"{Schedule.INTERLEAVED.value}, which needs them (for one chunk per device group use 1f1b)")
+    if chunks == 1:
+        return
+    s = len(stages) // chunks
+    if len(stages) % chunks or s < 2:
+        raise PlanError(f"interleaved 1F1B with {chunks} chunks: the plan has {len(stages)} stages; it needs "
+                        f"S x {chunks} of them for S >= 2 device groups (e.g. {2 * chunks})")
+    for st in stages[s:]:
+        first = stages[st.index % s]
+        if (st.devices, st.tp, st.rows) != (first.devices, first.tp, first.rows):
+            raise PlanError(f"interleaved 1F1B over {s} device groups: stage {st.index} runs on {st.devices} with tp "
+                            f"{st.tp}{f' and rows {st.rows}' if st.rows else ''}, but stage {first.index} on "
+                            f"{first.devices} with tp {first.tp}{f' and rows {first.rows}' if first.rows else ''}: "
+                            f"stage k runs on stage k % {s}'s devices (same devices in the same order, tp and rows)")
+
+
 def _check_zero_bubble(stages: Sequence[Stage]) -> None:
     """ZB-H1 runs each backward in two parts (:mod:`hpml_compile.backsplit`); what it does not run yet.
 
@@ -477,6 +531,7 @@ def check_placement(d: Any, source: str = "plan") -> None:
         SchemaError: naming the file, the field (stage, device or node), what was found and the fix.
     """
     cluster = [dev["name"] for dev in d["cluster"]["devices"]]
+    groups = len(d["stages"]) // d.get("chunks", 1) or 1  # the device groups S (interleaved: S * chunks stages)
     device_stage: dict[str, int] = {}
     node_stage: dict[str, int] = {}
     for k, st in enumerate(d["stages"]):
@@ -492,11 +547,12 @@ def check_placement(d: Any, source: str = "plan") -> None:
                 raise SchemaError(source, f"{at}.devices[{j}]",
                                   f"a device of the plan's cluster ({', '.join(cluster)})", repr(dev),
                                   fix=f"place stage {k} on one of them, or add {dev} to cluster.devices")
-            if dev in device_stage:
+            if dev in device_stage and not (k >= groups and device_stage[dev] == k % groups):
                 raise SchemaError(source, f"{at}.devices[{j}]", "a device that no other stage uses",
                                   f"{dev!r}, which stage {device_stage[dev]} uses too",
-                                  fix=f"give stage {k} a device of its own (a device runs one stage)")
-            device_stage[dev] = k
+                                  fix=f"give stage {k} a device of its own (a device runs one stage; under "
+                                      "interleaved 1F1B stage k runs on stage k % S's devices)")
+            device_stage.setdefault(dev, k)
         for j, node in enumerate(st["nodes"]):
             if node in node_stage:
                 raise SchemaError(source, f"{at}.nodes[{j}]", "a node that no other stage holds",
@@ -619,19 +675,59 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | No
                     tensor_parallel: TensorParallel | None = None) -> MemoryBreakdown:
     """:func:`stage_memory` by part (parameters, gradients, optimizer state, activations): what
     benchmarks/memory_truth puts beside the bytes a rank holds. ``tensor_parallel``: the profile's
-    :func:`hpml_compile.tp.analyze` (None: found again where the stage has ``tp > 1``)."""
+    :func:`hpml_compile.tp.analyze` (None: found again where the stage has ``tp > 1``). Under interleaved 1F1B the
+    stage's microbatches in flight are those its device group holds at the peak of all its chunks' activations
+    (:func:`hpml_compile.interleave.peak_in_flight`); :func:`device_need` sums a device's chunks."""
     if device is None:
         return max((stage_breakdown(plan, profile, stage, d, tensor_parallel) for d in stage.devices),
                    key=lambda b: b.total)
+    mem = _breakdown(plan, profile, stage, device, tensor_parallel)
+    if plan.chunks == 1:
+        return mem
+    groups = len(plan.stages) // plan.chunks
+    g = stage.index % groups
+    stored = [mem.stored_per_microbatch if st.index == stage.index else
+              _breakdown(plan, profile, st, device, tensor_parallel).stored_per_microbatch
+              for st in plan.stages[g::groups]]
+    held = peak_in_flight(g, groups, plan.chunks, plan.microbatches, stored)
+    return replace(mem, in_flight=held[stage.index // groups])
+
+
+def device_need(plan: Plan, profile: Profile, device: str, tensor_parallel: TensorParallel | None = None) -> int:
+    """Peak bytes on ``device`` over every stage it holds: its stage's :func:`stage_memory`, or under interleaved
+    1F1B the sum over its chunks, with its process counted once and one backward's working buffers (the largest
+    chunk's: the device runs one backward at a time).
+
+    Raises:
+        PlanError: no stage uses ``device``.
+    """
+    held = [st for st in plan.stages if device in st.devices]
+    if not held:
+        raise PlanError(f"no stage of the plan uses device {device!r}")
+    if tensor_parallel is None and any(st.tp > 1 for st in held):
+        tensor_parallel = analyze_tp(profile)
+    parts = [_breakdown(plan, profile, st, device, tensor_parallel) for st in held]
+    if plan.chunks > 1:  # one group's chunks: the microbatches each holds at the group's peak
+        counts = peak_in_flight(held[0].index, len(plan.stages) // plan.chunks, plan.chunks,
+                                plan.microbatches, [b.stored_per_microbatch for b in parts])
+        parts = [replace(b, in_flight=n) for b, n in zip(parts, counts)]
+    extra = sum(b.process for b in parts[1:]) + sum(b.working for b in parts) - max(b.working for b in parts)
+    return sum(b.total for b in parts) - extra
+
+
+def _breakdown(plan: Plan, profile: Profile, stage: Stage, device: str,
+               tensor_parallel: TensorParallel | None = None) -> MemoryBreakdown:
+    """One device's breakdown for ``stage`` with the schedule's count in flight (interleaved 1F1B: 1F1B's, which
+    :func:`stage_breakdown` replaces)."""
     j = stage.devices.index(device)
     names = set(stage.nodes)
     nodes = [n for n in profile.nodes if n.name in names]
     swapped = set(stage.swap)
     m = plan.microbatches
+    if stage.tp > 1 and tensor_parallel is None:
+        tensor_parallel = analyze_tp(profile)  # once, not once a node
     sharded = [n for n in nodes if tensor_parallel.role(n.name, stage.tp) is not None] \
         if stage.tp > 1 and tensor_parallel is not None else []
-    if stage.tp > 1 and tensor_parallel is None:
-        sharded = [n for n in nodes if analyze_tp(profile).role(n.name, stage.tp) is not None]
     params = tp_bytes(sum(n.param_bytes for n in nodes), sum(n.param_bytes for n in sharded), stage.tp) \
         + tied_elsewhere(((n.name, n.params) for n in profile.nodes), profile.parameters, names)
     mem = device_memory(
@@ -791,15 +887,17 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                             "performed there; set offload_optimizer to false for this stage (the solver offers "
                             "offload only on GPUs)")
     used: dict[str, int] = {}
+    groups = len(plan.stages) // plan.chunks
     devices = {d.name for d in plan.cluster.devices}
     for st in plan.stages:
         for d in st.devices:
             if d not in devices:
                 raise PlanError(f"stage {st.index} uses device {d!r}, which is not in cluster "
                                 f"{plan.cluster.name} ({sorted(devices)})")
-            if d in used:
-                raise PlanError(f"device {d} is used by stage {used[d]} and stage {st.index}; one stage per device")
-            used[d] = st.index
+            if d in used and not (st.index >= groups and used[d] == st.index % groups):
+                raise PlanError(f"device {d} is used by stage {used[d]} and stage {st.index}; one stage per device "
+                                "(under interleaved 1F1B: stage k on stage k % S's devices)")
+            used.setdefault(d, st.index)
     for st in plan.stages:
         if not st.rows:
             continue
@@ -817,15 +915,23 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             raise PlanError(f"the {unit.kind} unit at {unit.scope} is split between stages {held}, one of them "
                             "tensor-parallel: its sharded intermediate would cross a stage boundary; move the cut "
                             "before or after the unit, or set those stages' tp to 1")
-    for st in plan.stages:
-        for name in st.devices:
-            need = stage_memory(plan, profile, st, name, sharding)
+    needs: dict[tuple[int, str, int | None], int] = {}  # equal devices of a stage hold equal bytes
+    for st in plan.stages[:len(plan.stages) // plan.chunks]:  # interleaved 1F1B: a device's chunks together
+        for j, name in enumerate(st.devices):
             dev = plan.cluster.device(name)
+            key = (st.index, dev.kind, st.rows[j] if st.rows else None)
+            if key not in needs:
+                needs[key] = device_need(plan, profile, name, sharding)
+            need = needs[key]
             if need > dev.memory_bytes:
                 rows = f" with its {st.rows[st.devices.index(name)]} rows per microbatch" if st.rows else ""
                 fix = ("give it fewer rows (more to the stage's other devices), or enable ZeRO, recompute, offload"
                        if st.rows else "enable ZeRO, recompute, offload, or add a device")
-                raise PlanError(f"stage {st.index} needs {need / GiB:.2f} GiB on {name} ({dev.kind}, "
+                if plan.chunks > 1:
+                    fix += f", or interleave fewer than {plan.chunks} chunks"
+                held = ", ".join(str(k) for k in range(st.index, len(plan.stages), len(plan.stages) // plan.chunks))
+                raise PlanError(f"stage{'s' if plan.chunks > 1 else ''} {held} need{'' if plan.chunks > 1 else 's'} "
+                                f"{need / GiB:.2f} GiB on {name} ({dev.kind}, "
                                 f"{dev.memory_gib:.1f} GiB){rows}: over by {(need - dev.memory_bytes) / GiB:.2f} "
                                 f"GiB; {fix}")
 

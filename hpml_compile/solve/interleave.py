@@ -1,0 +1,240 @@
+"""Interleaved 1F1B on a solved pipeline: each of its device groups holds ``v`` chunks of the model.
+
+Why a pass after the solver: the solvers' tables price one stage per device
+group, and what interleaving changes (the bubble, which shrinks about ``v``
+times; ``v`` times the boundary messages; more warm-up microbatches held) is
+the simulator's to price (:func:`hpml_compile.simulate.simulate` replays the
+lowered lists). So the pass keeps the solver's device groups as they are
+(devices, tensor parallelism, ZeRO, recompute, rows) and its microbatches,
+and re-cuts the model into ``S v`` pieces in order, piece ``k`` on group
+``k % S``: walking the cost graph's blocks in order, a piece takes blocks until
+it holds ``1 / v`` of the compute its group had in the solver's plan (in the
+group's own time: a slower group takes less of the model; the cut that keeps
+the largest piece closest to its share), so each group keeps the load the
+solver balanced against its memory. For each ``v`` of
+:data:`CHUNKS` (``S v`` blocks at most) it checks the memory
+(:func:`hpml_compile.plan.validate_plan`, a device holding all its chunks) and
+simulates the step, and the same with every piece given equal time on its own
+group (where the solver left a group almost idle, its share cannot hold a
+block per chunk); :func:`choose` keeps the fastest. Interleaving holds more
+microbatches in flight than 1F1B, most on the later groups (``(v - 1) S +
+2 (S - g - 1) + 1`` chunk-microbatches on group ``g`` against 1F1B's ``S - g``
+whole-stage ones), so where a group's devices overflow, its chunks recompute,
+those holding the most activations first, until it fits (the simulator prices
+the extra forwards).
+
+Example:
+    >>> from hpml_compile.testing import chain_graph, uniform_cluster
+    >>> from hpml_compile.plan import Plan, Stage, Schedule
+    >>> g = chain_graph([(1.0, 2.0)] * 8, kind="cpu")
+    >>> nodes = lambda lo, hi: tuple(m for i in range(lo, hi) for m in g.node(f"n{i}").members)
+    >>> placed = Plan("c", uniform_cluster(2), Schedule.ONE_F_ONE_B, 4, (Stage(0, ("d0",), nodes(0, 4)),
+    ...                                                                    Stage(1, ("d1",), nodes(4, 8))))
+    >>> ilv = interleave(placed, g, 2)
+    >>> [(st.devices, st.nodes) for st in ilv.stages]
+    [(('d0',), ('n0', 'n1')), (('d1',), ('n2', 'n3')), (('d0',), ('n4', 'n5')), (('d1',), ('n6', 'n7'))]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Callable, Iterable
+
+from ..costgraph import CostGraph
+from ..errors import PlanError
+from ..ir import Profile
+from ..plan import Plan, PlanPrediction, Schedule, Stage, device_need, stage_breakdown, validate_plan
+from ..tp import TensorParallel, analyze as analyze_tp
+from ..simulate import _stage_of_graph_nodes, annotate, node_ms, step_ms
+
+__all__ = ["CHUNKS", "BUDGET_S", "interleave", "fit", "choose"]
+
+#: The chunk counts ``v`` tried, smallest first.
+CHUNKS = (2, 3, 4, 6, 8)
+#: The most seconds :func:`choose` spends trying them (it says where it stopped).
+BUDGET_S = 60.0
+
+
+def _group_ms(placed: Plan, graph: CostGraph) -> list[dict[str, float]]:
+    """Per device group of ``placed``, each block's forward, recompute and backward of one microbatch there."""
+    out = []
+    for st in placed.stages:
+        kinds = sorted({placed.cluster.device(d).kind for d in st.devices})
+        share = 1.0 / (placed.microbatches * st.replicas)
+        costs = {}
+        for n in graph.order:
+            f, b = node_ms(graph, n, kinds, share, st.tp)
+            costs[n] = f * (2 if st.recompute else 1) + b
+        out.append(costs)
+    return out
+
+
+def _balanced_cuts(costs: list[list[float]], target: list[float]) -> list[int]:
+    """Where to cut a sequence of blocks into ``len(target)`` pieces, piece ``k`` pricing block ``i`` at
+    ``costs[k % S][i]``: the cut whose largest ratio of a piece's cost to its target is smallest (a binary search on
+    that ratio, each piece filled greedily up to it; every piece keeps at least one block).
+
+    >>> _balanced_cuts([[1.0] * 6], [1.0, 1.0, 1.0])
+    [2, 4]
+    >>> _balanced_cuts([[1.0] * 6, [1.0] * 6], [1.0, 2.0])
+    [2]
+    """
+    s, pieces, n = len(costs), len(target), len(costs[0])
+
+    def fill(scale: float) -> list[int] | None:
+        cuts, i = [], 0
+        for k in range(pieces - 1):
+            acc, start, limit = 0.0, i, n - (pieces - 1 - k)
+            while i < limit and (i == start or acc + costs[k % s][i] <= scale * target[k]):
+                acc += costs[k % s][i]
+                i += 1
+            cuts.append(i)
+        rest = sum(costs[(pieces - 1) % s][i:])
+        return cuts if rest <= scale * target[-1] else None
+
+    lo, hi = 0.0, max(sum(c) for c in costs) / max(min(target), 1e-12) + 1.0
+    best = fill(hi)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        got = fill(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+    assert best is not None  # at the top of the range every block fits
+    return best
+
+
+def interleave(placed: Plan, graph: CostGraph, chunks: int, even: bool = False) -> Plan | None:
+    """``placed``'s device groups holding ``chunks`` pieces each (module docstring); unpredicted.
+
+    Args:
+        placed: a solved plan with one stage per device group (any schedule but interleaved).
+        graph: the cost graph it was solved on (each block in one stage).
+        chunks: ``v`` (2 or more).
+        even: give every piece the same time on its own group instead of its group's share of the solver's plan
+            (where the solver left a group almost idle, say a slow one holding only the embedding, that share
+            cannot hold a whole block per chunk).
+
+    Returns:
+        The interleaved plan, or None where it cannot be made: fewer than 2 groups, fewer blocks than pieces.
+    """
+    s = len(placed.stages)
+    if chunks < 2 or s < 2 or placed.chunks != 1 or s * chunks > len(graph.order):
+        return None
+    owner = _stage_of_graph_nodes(placed, graph)
+    costs = _group_ms(placed, graph)
+    target = [1.0 if even else sum(costs[g][n] for n in graph.order if owner[n] == g) / chunks for g in range(s)]
+    blocks, pieces = list(graph.order), s * chunks
+    cuts = _balanced_cuts([[costs[k % s][b] for b in blocks] for k in range(s)], [target[k % s] for k in range(pieces)])
+    bounds = list(zip([0, *cuts], [*cuts, len(blocks)]))
+    stages = []
+    for k, (lo, hi) in enumerate(bounds):
+        st = placed.stages[k % s]
+        nodes = tuple(x for b in blocks[lo:hi] for x in graph.node(b).members)
+        stages.append(Stage(k, st.devices, nodes, st.zero, st.recompute, (), st.offload_optimizer, rows=st.rows,
+                            compress=st.compress, allreduce=st.allreduce, tp=st.tp))
+    return replace(placed, schedule=Schedule.INTERLEAVED, chunks=chunks, stages=tuple(stages),
+                   predicted=PlanPrediction(), certificate=None)
+
+
+def _overflowing(plan: Plan, prof: Profile) -> set[int]:
+    """The device groups (first ``S`` stages) with a device over its memory, all chunks counted."""
+    sharding = analyze_tp(prof) if any(st.tp > 1 for st in plan.stages) else None
+    return _overflowing_groups(plan, prof, range(len(plan.stages) // plan.chunks), sharding)
+
+
+def _overflowing_groups(plan: Plan, prof: Profile, groups: Iterable[int], sharding: TensorParallel | None) -> set[int]:
+    """Those of ``groups`` with a device over its memory (one device of each kind and rows checked)."""
+    out = set()
+    for st in (plan.stages[g] for g in groups):
+        seen = set()
+        for j, d in enumerate(st.devices):
+            dev = plan.cluster.device(d)
+            key = (dev.kind, st.rows[j] if st.rows else None)
+            if key not in seen:
+                seen.add(key)
+                if device_need(plan, prof, d, sharding) > dev.memory_bytes:
+                    out.add(st.index)
+                    break
+    return out
+
+
+def fit(plan: Plan, prof: Profile) -> Plan:
+    """``plan`` with chunks of each device group that overflows its memory recomputing, the ones holding the most
+    activations first, until the group fits (or every chunk recomputes): what the pass tries where the interleaved
+    plan holds more than the devices do. :func:`hpml_compile.plan.validate_plan` still decides whether it fits."""
+    groups = len(plan.stages) // plan.chunks
+    sharding = analyze_tp(prof) if any(st.tp > 1 for st in plan.stages) else None
+    for g in sorted(_overflowing(plan, prof)):
+        mine = list(range(g, len(plan.stages), groups))
+        dev = plan.stages[g].devices[0]
+        held = {k: stage_breakdown(plan, prof, plan.stages[k], dev, sharding).activations for k in mine}
+        for k in sorted(mine, key=lambda x: -held[x]):
+            if plan.stages[k].recompute:
+                continue
+            stages = list(plan.stages)
+            stages[k] = replace(stages[k], recompute=True)
+            plan = replace(plan, stages=tuple(stages))
+            if g not in _overflowing_groups(plan, prof, [g], sharding):
+                break
+    return plan
+
+
+def choose(placed: Plan, graph: CostGraph, prof: Profile, *, forced: bool = False,
+           say: Callable[[str], None] | None = None, budget_s: float = BUDGET_S) -> Plan:
+    """The fastest interleaved plan on ``placed``'s device groups that fits, where it is faster than ``placed``
+    (``forced``: even where it is not); else ``placed``. One line says which and why.
+
+    Args:
+        placed: the solver's plan (annotated: its predicted step is what the candidates are weighed against).
+        graph: the cost graph it was solved on.
+        prof: the profile (for the memory check).
+        forced: the user asked for interleaved 1F1B.
+        say: where the line goes.
+        budget_s: the most seconds spent trying chunk counts.
+
+    Returns:
+        The chosen plan, annotated.
+    """
+    tell = say or (lambda _: None)
+    s = len(placed.stages)
+    if s < 2:
+        tell(f"schedule: {placed.schedule.value} (interleaved 1F1B is not an option for one stage)")
+        return placed
+    t0, best, notes = time.perf_counter(), None, []
+    for v, even in ((v, even) for v in CHUNKS for even in (False, True)):
+        if time.perf_counter() - t0 > budget_s:
+            notes.append(f"stopped before {v} chunks after {budget_s:g} s")
+            break
+        cand = interleave(replace(placed, precision=prof.precision), graph, v, even)
+        if cand is None:
+            notes.append(f"{v} chunks: fewer than {s * v} blocks")
+            break
+        try:
+            cand = fit(cand, prof)
+            validate_plan(cand, prof)
+            ms = step_ms(cand, graph, prof.dtype)
+        except PlanError as e:
+            if not even:
+                notes.append(f"{v} chunks: {str(e).split(';')[0]}")
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, cand)
+    extra = f" ({'; '.join(notes)})" if notes else ""
+    if best is None:
+        tell(f"schedule: {placed.schedule.value} (no interleaved plan fits{extra})")
+        return placed
+    chosen = annotate(best[1], graph, prof.dtype)[0]
+    redone = sum(1 for a, b in zip(chosen.stages, placed.stages * chosen.chunks) if a.recompute and not b.recompute)
+    name = f"interleaved-1f1b with {chosen.chunks} chunks" + (
+        f" ({redone} of its {len(chosen.stages)} stages recomputing to fit)" if redone else "")
+    if forced or chosen.predicted.step_ms < placed.predicted.step_ms:
+        tell(f"schedule: {name}, {chosen.predicted.step_ms:.4g} ms a step against {placed.predicted.step_ms:.4g} ms "
+             f"under {placed.schedule.value} (bubble {chosen.predicted.bubble:.1%} against "
+             f"{placed.predicted.bubble:.1%}){extra}")
+        return chosen
+    tell(f"schedule: {placed.schedule.value}, {name} is not faster here ({chosen.predicted.step_ms:.4g} ms a step)"
+         f"{extra}")
+    return placed
