@@ -260,18 +260,20 @@ def make_groups(plan: Plan, devices: list[torch.device], collectives: list[tuple
 
     Returns:
         ``(pairs, groups)``: a 2-rank NCCL group per adjacent GPU pair
-        ``(lower rank, higher rank)``; and per stage set its group (None where one rank holds them all).
+        ``(lower rank, higher rank)``; and per stage set its group (None where one rank holds them all; the
+        stages of one device group of an interleaved plan share it).
     """
     places = places if places is not None else Places.of(plan)
     every = [[places.rank(k, r, j) for r in range(n) for j in range(places.tps[k])]
              for k, n in enumerate(places.replicas)]
     me = dist.get_rank() if dist.is_initialized() else 0
     pairs: dict[tuple[int, int], Any] = {}
-    for k in range(len(every) - 1):
+    for k in range(len(every) - 1):  # interleaved: the chunks' boundaries repeat pairs, and wrap back to rank 0's
         for a in every[k]:
             for b in every[k + 1]:
-                if pair_backend(devices[a], devices[b]) is Backend.NCCL:
-                    pairs[(a, b)] = dist.new_group([a, b], backend=Backend.NCCL.value, timeout=timeout)
+                key = (min(a, b), max(a, b))
+                if a != b and key not in pairs and pair_backend(devices[a], devices[b]) is Backend.NCCL:
+                    pairs[key] = dist.new_group(list(key), backend=Backend.NCCL.value, timeout=timeout)
     groups: dict[tuple[int, ...], Any] = {}
     made: dict[tuple[int, ...], Any] = {}
     for stages in dict.fromkeys(collectives):
@@ -367,6 +369,7 @@ class DistComm(Comm):
         self.faults: list[CommFault] = []  # injected failures still to happen (shared with the pipeline)
         self._op_count: dict[CommOp, int] = {}
         self._pending: list[tuple[Any, Tensor]] = []
+        self._own: dict[tuple[Any, ...], Tensor] = {}  # messages between two stages this rank holds (interleaved)
         self._chains: dict[tuple[int, ...], ChainQueue] = {}  # overlapped hierarchical buckets
         # collectives among CPU ranks the plan puts on one host go through shared memory (:mod:`.shm`)
         self.shared_memory = True
@@ -410,6 +413,7 @@ class DistComm(Comm):
         self._owed.clear()
         self.mail.clear()
         self._pending.clear()
+        self._own.clear()
         self._chains.clear()  # a failed step's chains: their groups may be gone
 
     def _sync_device(self) -> None:
@@ -419,6 +423,9 @@ class DistComm(Comm):
     # -- point to point ---------------------------------------------------------------------------
     def _put(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], tensor: Tensor) -> None:
         self.maybe_fail(CommOp.SEND)
+        if self.places.rank(to[0], to[1], self.place) == self.rank:  # two chunks of this rank: no wire
+            self._own[(frm, to, key)] = tensor.detach().clone()
+            return
         # to each place of the peer's tensor-parallel group that reads from this one (Places.send_places)
         for j in self.places.send_places(frm[0], to[0], self.place):
             t0 = time.perf_counter()
@@ -440,6 +447,12 @@ class DistComm(Comm):
              dtype: torch.dtype) -> Tensor:
         self.maybe_fail(CommOp.RECV)
         peer = self.places.rank(frm[0], frm[1], self.places.recv_place(to[0], frm[0], self.place))
+        if peer == self.rank:
+            got = self._own.pop((frm, to, key), None)
+            if got is None:
+                raise RuntimeError(f"rank {self.rank}: stage {to[0]} expects message {key} from its own stage "
+                                   f"{frm[0]}, which was never sent: the action list runs them out of order")
+            return got
         group = self._group(peer)
         t0 = time.perf_counter()
         buf = torch.empty(shape, dtype=dtype, device=self.device if group is not None else "cpu")
@@ -829,7 +842,7 @@ def dist_comm(build: Build, device: torch.device | str = "cpu") -> DistComm:
     Raises:
         HpmlError: if the world size is not the plan's device count.
     """
-    world, want = dist.get_world_size(), sum(len(st.devices) for st in build.plan.stages)
+    world, want = dist.get_world_size(), len(rank_layout(build.plan))
     if world != want:
         raise HpmlError(f"the build's plan runs on {want} devices (one rank each), but the world has {world} "
                         f"ranks: start {want} processes")
