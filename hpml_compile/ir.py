@@ -72,15 +72,19 @@ def variant_kind(kind: str, device: str) -> str:
 
 
 class Schedule(str, enum.Enum):
-    """Pipeline schedule: GPipe (Huang et al. 2019), 1F1B (PipeDream-flush, Narayanan et al. 2021) or ZB-H1.
+    """Pipeline schedule: GPipe (Huang et al. 2019), 1F1B (PipeDream-flush, Narayanan et al. 2021), ZB-H1 or
+    interleaved 1F1B.
 
     ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B with each backward split into its
     input-gradient part (on the critical path) and its weight-gradient part, deferred to fill the bubble.
+    Interleaved 1F1B (Narayanan et al., SC 2021; Megatron-LM's virtual pipeline): each device group holds
+    ``v`` chunks of the model (a plan's ``chunks``), so the pipeline fills ``v`` times faster.
     """
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     ZB_H1 = "zb-h1"
+    INTERLEAVED = "interleaved-1f1b"
 
 
 class NodeOp(str, enum.Enum):

@@ -52,6 +52,7 @@ __all__ = [
     "check_wire",
     "sync_overlap",
     "check_placement",
+    "check_chunks",
     "hierarchy_problem",
     "zero_shards",
     "node_stages",
@@ -268,6 +269,9 @@ class Plan:
     written to plan.json only when not: compiled on CUDA devices, not on CPUs), ``on`` (compiled by
     ``torch.compile``; CPU stages priced at the profile's compiled block times where it has them) or ``off``;
     ``hpml-compile run`` runs the build so unless told otherwise.
+    ``chunks``: interleaved 1F1B's ``v`` (written to plan.json only when above 1): the ``S * v`` stages are the
+    model's pieces in order, and stage ``k`` runs on stage ``k % S``'s devices, so each device group holds ``v``
+    of them (:func:`check_chunks`; :func:`hpml_compile.schedule.rank_stages`).
     """
 
     model: str
@@ -287,6 +291,7 @@ class Plan:
     assumptions: tuple[Assumption, ...] = ()
     reduce_dtype: Precision = Precision.FP32
     compile_stages: str = "auto"
+    chunks: int = 1
 
     def __post_init__(self) -> None:
         if self.compile_stages not in COMPILE_STAGES:
@@ -304,6 +309,7 @@ class Plan:
         for i, st in enumerate(self.stages):
             if st.index != i:
                 raise ValueError(f"plan: stages[{i}].index is {st.index}; stages must be listed in order")
+        check_chunks(self.schedule, self.chunks, self.stages, self.microbatches)
         if self.schedule is Schedule.ZB_H1:
             _check_zero_bubble(self.stages)
         elif capped := [st.index for st in self.stages if st.max_deferred is not None]:
@@ -327,6 +333,7 @@ class Plan:
             **({"assumptions": [a.to_dict() for a in self.assumptions]} if self.assumptions else {}),
             **({"reduce_dtype": self.reduce_dtype.value} if self.reduce_dtype is not Precision.FP32 else {}),
             **({"compile_stages": self.compile_stages} if self.compile_stages != "auto" else {}),
+            **({"chunks": self.chunks} if self.chunks > 1 else {}),
         }
 
     @classmethod
@@ -377,6 +384,7 @@ class Plan:
             assumptions=tuple(Assumption.from_dict(a) for a in d.get("assumptions", ())),
             reduce_dtype=Precision(d.get("reduce_dtype", "fp32")),  # plans without the field sync in fp32
             compile_stages=d.get("compile_stages", "auto"),  # plans without the field were planned for auto
+            chunks=d.get("chunks", 1),  # plans without the field hold one chunk per device group
         )
 
 
@@ -397,6 +405,7 @@ PLAN_SCHEMA: dict[str, Any] = {
         "tied_allreduce": {"enum": [a.value for a in AllReduce]},
         "reduce_dtype": {"enum": [p.value for p in Precision]},
         "compile_stages": {"enum": list(COMPILE_STAGES)},
+        "chunks": {"type": "integer", "minimum": 1},
         "stages": {
             "type": "array", "minItems": 1,
             "items": {
@@ -444,6 +453,51 @@ PLAN_SCHEMA: dict[str, Any] = {
 }
 
 
+def check_chunks(schedule: Schedule, chunks: int, stages: Sequence[Stage], microbatches: int) -> None:
+    """Interleaved 1F1B's layout: ``S * v`` stages over ``S >= 2`` device groups, stage ``k`` on stage ``k % S``'s
+    devices (the same devices in the same order, ``tp`` and rows), microbatches a multiple of ``S`` (the rule of
+    Megatron-LM's interleaved schedule, which :func:`hpml_compile.schedule.interleaved_order` follows).
+
+    Args:
+        schedule: the plan's schedule.
+        chunks: the plan's ``v``.
+        stages: the plan's stages.
+        microbatches: the plan's microbatch count.
+
+    Raises:
+        PlanError: naming what is wrong and what would be right.
+
+    Example:
+        >>> one = lambda k, d: Stage(k, (d,), (f"n{k}",))
+        >>> check_chunks(Schedule.INTERLEAVED, 2, [one(0, "a"), one(1, "b"), one(2, "a"), one(3, "b")], 4)
+        >>> check_chunks(Schedule.INTERLEAVED, 2, [one(0, "a"), one(1, "b"), one(2, "b"), one(3, "a")], 4)
+        Traceback (most recent call last):
+        ...
+        hpml_compile.errors.PlanError: interleaved 1F1B over 2 device groups: stage 2 runs on ('b',) with tp 1, but stage 0 on ('a',) with tp 1: stage k runs on stage k % 2's devices (same devices in the same order, tp and rows)
+    """
+    if chunks < 1:
+        raise PlanError(f"plan: chunks must be >= 1 (the model chunks each device group holds), got {chunks}")
+    if (chunks > 1) != (schedule is Schedule.INTERLEAVED):
+        raise PlanError(f"schedule {schedule.value} with chunks {chunks}: chunks above 1 go with schedule "
+                        f"{Schedule.INTERLEAVED.value}, which needs them (for one chunk per device group use 1f1b)")
+    if chunks == 1:
+        return
+    s = len(stages) // chunks
+    if len(stages) % chunks or s < 2:
+        raise PlanError(f"interleaved 1F1B with {chunks} chunks: the plan has {len(stages)} stages; it needs "
+                        f"S x {chunks} of them for S >= 2 device groups (e.g. {2 * chunks})")
+    if microbatches % s:
+        raise PlanError(f"interleaved 1F1B over {s} device groups: {microbatches} microbatches; it needs a multiple "
+                        f"of {s} (e.g. {max(s, microbatches // s * s)} or {(microbatches // s + 1) * s})")
+    for st in stages[s:]:
+        first = stages[st.index % s]
+        if (st.devices, st.tp, st.rows) != (first.devices, first.tp, first.rows):
+            raise PlanError(f"interleaved 1F1B over {s} device groups: stage {st.index} runs on {st.devices} with tp "
+                            f"{st.tp}{f' and rows {st.rows}' if st.rows else ''}, but stage {first.index} on "
+                            f"{first.devices} with tp {first.tp}{f' and rows {first.rows}' if first.rows else ''}: "
+                            f"stage k runs on stage k % {s}'s devices (same devices in the same order, tp and rows)")
+
+
 def _check_zero_bubble(stages: Sequence[Stage]) -> None:
     """ZB-H1 runs each backward in two parts (:mod:`hpml_compile.backsplit`); what it does not run yet.
 
@@ -477,6 +531,7 @@ def check_placement(d: Any, source: str = "plan") -> None:
         SchemaError: naming the file, the field (stage, device or node), what was found and the fix.
     """
     cluster = [dev["name"] for dev in d["cluster"]["devices"]]
+    groups = len(d["stages"]) // d.get("chunks", 1) or 1  # the device groups S (interleaved: S * chunks stages)
     device_stage: dict[str, int] = {}
     node_stage: dict[str, int] = {}
     for k, st in enumerate(d["stages"]):
@@ -492,11 +547,12 @@ def check_placement(d: Any, source: str = "plan") -> None:
                 raise SchemaError(source, f"{at}.devices[{j}]",
                                   f"a device of the plan's cluster ({', '.join(cluster)})", repr(dev),
                                   fix=f"place stage {k} on one of them, or add {dev} to cluster.devices")
-            if dev in device_stage:
+            if dev in device_stage and not (k >= groups and device_stage[dev] == k % groups):
                 raise SchemaError(source, f"{at}.devices[{j}]", "a device that no other stage uses",
                                   f"{dev!r}, which stage {device_stage[dev]} uses too",
-                                  fix=f"give stage {k} a device of its own (a device runs one stage)")
-            device_stage[dev] = k
+                                  fix=f"give stage {k} a device of its own (a device runs one stage; under "
+                                      "interleaved 1F1B stage k runs on stage k % S's devices)")
+            device_stage.setdefault(dev, k)
         for j, node in enumerate(st["nodes"]):
             if node in node_stage:
                 raise SchemaError(source, f"{at}.nodes[{j}]", "a node that no other stage holds",
@@ -791,15 +847,17 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                             "performed there; set offload_optimizer to false for this stage (the solver offers "
                             "offload only on GPUs)")
     used: dict[str, int] = {}
+    groups = len(plan.stages) // plan.chunks
     devices = {d.name for d in plan.cluster.devices}
     for st in plan.stages:
         for d in st.devices:
             if d not in devices:
                 raise PlanError(f"stage {st.index} uses device {d!r}, which is not in cluster "
                                 f"{plan.cluster.name} ({sorted(devices)})")
-            if d in used:
-                raise PlanError(f"device {d} is used by stage {used[d]} and stage {st.index}; one stage per device")
-            used[d] = st.index
+            if d in used and not (st.index >= groups and used[d] == st.index % groups):
+                raise PlanError(f"device {d} is used by stage {used[d]} and stage {st.index}; one stage per device "
+                                "(under interleaved 1F1B: stage k on stage k % S's devices)")
+            used.setdefault(d, st.index)
     for st in plan.stages:
         if not st.rows:
             continue

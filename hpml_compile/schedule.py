@@ -47,6 +47,14 @@ chosen where the ``S`` do not fit its memory): its ``I`` is followed by a
 ``W`` once more than ``w`` are owed, and it holds ``S - i + w`` microbatches;
 ``w = 0`` is 1F1B's order with each backward split, ``w = i`` ZB-H1's own.
 
+Interleaved 1F1B (Narayanan et al., SC 2021; Megatron-LM's virtual pipeline): the plan's ``S * v`` stages run
+on ``S`` device groups, stage ``k`` on group ``k % S`` (:func:`rank_stages`), so a rank holds ``v`` stages
+(chunks) and its one list holds the tokens of all of them. Its compute order (:func:`interleaved_order`) is
+Megatron-LM's: ``2 (S - g - 1) + (v - 1) S`` warm-up forwards on group ``g``, then one forward and one backward
+in turn, then the remaining backwards; forwards take the chunks in turn, ``S`` microbatches each, backwards the
+same from the last chunk; the message from stage ``S - 1`` to stage ``S`` goes from the last group back to the
+first. Group ``g`` holds at most ``2 (S - g - 1) + (v - 1) S + 1`` chunk-microbatches of activations.
+
 The validator that replays the lists is :mod:`hpml_compile.schedule_check`.
 
 Example:
@@ -69,6 +77,10 @@ Example:
     >>> capped = lower(Schedule.ZB_H1, 3, (1, 1), sends=(True, False), defer=(0, 0))
     >>> " ".join(str(a) for a in capped[1] if a.kind in COMPUTE)
     '1F0 1I0 1W0 1F1 1I1 1W1 1F2 1I2 1W2'
+    >>> ilv = lower(Schedule.INTERLEAVED, 2, (1, 1, 1, 1), chunks=2)
+    >>> " ".join(map(str, ilv[1]))  # doctest: +NORMALIZE_WHITESPACE
+    '1RECV0:0 1F0 1SEND2:0 1RECV0:1 1F1 1SEND2:1 3RECV2:0 3F0 3B0 3SEND2:0 3RECV2:1 3F1 3B1 3SEND2:1
+     1RECV2:0 1B0 1SEND0:0 1RECV2:1 1B1 1SEND0:1 LOSS OPT1 OPT3'
 """
 
 from __future__ import annotations
@@ -85,7 +97,7 @@ from .plan import AllReduce, Plan, Schedule
 
 __all__ = ["ActionKind", "COMPUTE", "SyncImpl", "sync_impl", "Action", "RankActions", "op_order", "lower", "relower",
            "parse_actions", "parse_token", "with_averages", "stage_lists", "stage_ranks", "deferral", "held_back",
-           "rank_layout", "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
+           "rank_layout", "rank_stages", "interleaved_order", "interleaved_in_flight", "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
 
 
 class ActionKind(str, enum.Enum):
@@ -297,21 +309,49 @@ def parse_actions(tokens: Sequence[Sequence[str]]) -> list[RankActions]:
 
 
 def stage_ranks(plan: Plan) -> list[list[int]]:
-    """The ranks of each stage: one rank per device, stages in order, replicas in device order."""
-    return _stage_ranks([len(st.devices) for st in plan.stages])
+    """The ranks of each stage: one rank per device, stages in order, replicas in device order (interleaved
+    1F1B: ranks numbered over the first ``S`` stages, stage ``k`` on stage ``k % S``'s)."""
+    return _stage_ranks([len(st.devices) for st in plan.stages], plan.chunks)
 
 
 def rank_layout(plan: Plan) -> list[tuple[int, int]]:
-    """``(stage, replica)`` of each rank."""
-    return [(k, i) for k, ranks in enumerate(stage_ranks(plan)) for i, _ in enumerate(ranks)]
+    """``(stage, replica)`` of each rank (interleaved 1F1B: its first stage, one of the first ``S``)."""
+    return _layout([len(st.devices) for st in plan.stages], plan.chunks)
 
 
-def _stage_ranks(replicas: Sequence[int]) -> list[list[int]]:
+def rank_stages(plan: Plan) -> list[tuple[int, ...]]:
+    """The stages each rank holds, in model order: ``(k,)`` for one chunk; ``(g, g + S, ...)`` under interleaved
+    1F1B, ``g`` the rank's group.
+
+    Example:
+        >>> from hpml_compile.cluster import load_cluster
+        >>> from hpml_compile.plan import Stage
+        >>> st = [Stage(k, (f"cpu{k % 2}",), (f"n{k}",)) for k in range(4)]
+        >>> rank_stages(Plan("m", load_cluster("local-cpu-2"), Schedule.INTERLEAVED, 2, tuple(st), chunks=2))
+        [(0, 2), (1, 3)]
+    """
+    return _rank_stages([len(st.devices) for st in plan.stages], plan.chunks)
+
+
+def _stage_ranks(replicas: Sequence[int], chunks: int = 1) -> list[list[int]]:
+    """The ranks of each of ``len(replicas)`` stages; with ``chunks``, stage ``k`` on stage ``k % S``'s ranks."""
+    groups = len(replicas) // chunks
     out, r = [], 0
-    for d in replicas:
+    for d in replicas[:groups]:
         out.append(list(range(r, r + d)))
         r += d
-    return out
+    return [out[k % groups] for k in range(len(replicas))]
+
+
+def _layout(replicas: Sequence[int], chunks: int = 1) -> list[tuple[int, int]]:
+    """``(stage, replica)`` of each rank, its stage one of the first ``S``."""
+    return [(k, i) for k, d in enumerate(replicas[:len(replicas) // chunks]) for i in range(d)]
+
+
+def _rank_stages(replicas: Sequence[int], chunks: int = 1) -> list[tuple[int, ...]]:
+    """The stages of each rank, in model order."""
+    groups = len(replicas) // chunks
+    return [tuple(range(k, len(replicas), groups)) for k, _ in _layout(replicas, chunks)]
 
 
 def op_order(schedule: Schedule, stage: int, stages: int, microbatches: int,
@@ -347,6 +387,62 @@ def op_order(schedule: Schedule, stage: int, stages: int, microbatches: int,
     for k in range(m - w):
         ops += [(fwd, w + k), (bwd, k)]
     return ops + [(bwd, k) for k in range(m - w, m)]
+
+
+def interleaved_order(group: int, groups: int, chunks: int, microbatches: int) -> list[tuple[ActionKind, int, int]]:
+    """Interleaved 1F1B's compute order on device group ``g``: ``(kind, stage, microbatch)``, Megatron-LM's
+    (``forward_backward_pipelining_with_interleaving``; module docstring).
+
+    Args:
+        group: ``g``, from 0 to ``S - 1``.
+        groups: ``S``.
+        chunks: ``v``; group ``g`` holds stages ``g, g + S, ..., g + (v - 1) S``.
+        microbatches: ``M``, a multiple of ``S``.
+
+    Returns:
+        ``v M`` forwards and as many backwards.
+
+    Raises:
+        ValueError: ``M`` not a multiple of ``S``, or ``g`` outside the groups.
+
+    Example:
+        >>> " ".join(f"{k}{kind.value}{j}" for kind, k, j in interleaved_order(0, 2, 2, 4))
+        '0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3'
+    """
+    s, v, m = groups, chunks, microbatches
+    if m % s or not 0 <= group < s:
+        raise ValueError(f"interleaved 1F1B on group {group} of {s}: microbatches {m} must be a multiple of {s}")
+    total = v * m
+    warm = min(2 * (s - group - 1) + (v - 1) * s, total)
+
+    def nth(i: int, forward: bool) -> tuple[int, int]:
+        chunk = i % (s * v) // s
+        return group + s * (chunk if forward else v - 1 - chunk), i // (s * v) * s + i % s
+
+    fwd, bwd = ActionKind.FORWARD, ActionKind.BACKWARD
+    ops = [(fwd, *nth(i, True)) for i in range(warm)]
+    for i in range(total - warm):
+        ops += [(fwd, *nth(warm + i, True)), (bwd, *nth(i, False))]
+    return ops + [(bwd, *nth(i, False)) for i in range(total - warm, total)]
+
+
+def interleaved_in_flight(group: int, groups: int, chunks: int, microbatches: int) -> tuple[tuple[int, ...], ...]:
+    """The microbatches whose activations each chunk of group ``g`` holds at once under interleaved 1F1B (their
+    forward ran, their backward not yet), per chunk, at each moment that can be the group's peak (after a
+    forward; dominated moments dropped): a device's peak activations are the largest of these weighted by its
+    chunks' activation bytes. Read off :func:`interleaved_order`.
+
+    Example:
+        >>> interleaved_in_flight(0, 2, 2, 4), interleaved_in_flight(1, 2, 2, 4)
+        (((3, 2), (4, 1)), ((2, 1), (3, 0)))
+    """
+    live, seen = [0] * chunks, set()
+    for kind, k, _ in interleaved_order(group, groups, chunks, microbatches):
+        c = k // groups
+        live[c] += 1 if kind is ActionKind.FORWARD else -1
+        if kind is ActionKind.FORWARD:
+            seen.add(tuple(live))
+    return tuple(sorted(x for x in seen if not any(y != x and all(a >= b for a, b in zip(y, x)) for y in seen)))
 
 
 def held_back(stage: int, defer: int | None) -> int:
@@ -387,52 +483,92 @@ def _zb_h1(stage: int, stages: int, microbatches: int, hold: int) -> list[tuple[
 def lower(schedule: Schedule, microbatches: int, replicas: Sequence[int], *,
           sends: Sequence[bool] | None = None, grad_sync: Sequence[Sequence[str]] | None = None,
           after_step: Sequence[Sequence[str]] | None = None,
-          defer: Sequence[int | None] | None = None) -> list[RankActions]:
+          defer: Sequence[int | None] | None = None, chunks: int = 1) -> list[RankActions]:
     """Every rank's action list: compute in schedule order with its messages, then syncs, loss, optimizer.
 
     Args:
-        schedule: GPipe, 1F1B or ZB-H1.
+        schedule: GPipe, 1F1B, ZB-H1 or interleaved 1F1B.
         microbatches: ``M``.
-        replicas: devices (ranks) of each stage.
+        replicas: devices (ranks) of each stage (interleaved 1F1B: ``S * v`` entries, stage ``k``'s equal to stage
+            ``k % S``'s).
         sends: per stage, whether boundary ``k -> k+1`` carries values (default: every one but the last's).
         grad_sync: per stage, its gradient collective tokens, in the order they run.
         after_step: per stage, its parameter collective tokens after the optimizer step.
         defer: ZB-H1: per stage, the most weight-gradient parts it holds back at once (:func:`deferral`; None, or
             an entry None: ZB-H1's own).
+        chunks: interleaved 1F1B's ``v`` (the plan's ``chunks``); 1 for the other schedules.
 
     Returns:
-        One tuple of actions per rank (ranks as :func:`rank_layout` numbers them).
+        One tuple of actions per rank (ranks as :func:`rank_layout` numbers them). Under interleaved 1F1B a rank's
+        list holds all its stages' tokens: their syncs (each collective once, ordered by the stages it spans so
+        that every rank meets shared ones in one order), one ``LOSS``, each stage's ``OPT``, the after-step
+        collectives.
 
     Raises:
-        ValueError: a malformed collective token.
+        ValueError: a malformed collective token, or chunks that do not fit the schedule or the replicas.
     """
-    s = len(replicas)
-    links = list(sends) if sends is not None else [k < s - 1 for k in range(s)]
-    per_stage = []
-    for k in range(s):
+    n = len(replicas)
+    groups = _check_lowering(schedule, microbatches, replicas, chunks)
+    links = list(sends) if sends is not None else [k < n - 1 for k in range(n)]
+    if chunks > 1:
+        orders = [interleaved_order(g, groups, chunks, microbatches) for g in range(groups)]
+    else:
+        orders = [[(kind, k, j) for kind, j in op_order(schedule, k, n, microbatches, defer[k] if defer else None)]
+                  for k in range(n)]
+    per_group = []
+    for g, order in enumerate(orders):
         acts: list[Action] = []
-        for kind, j in op_order(schedule, k, s, microbatches, defer[k] if defer else None):
+        for kind, k, j in order:
             fwd = kind is ActionKind.FORWARD
             came, goes = (k - 1, k + 1) if fwd else (k + 1, k - 1)
             talks = kind is not ActionKind.BACKWARD_WEIGHT  # W moves nothing: its gradients stay on the stage
-            if talks and 0 <= came < s and links[min(k, came)]:
+            if talks and 0 <= came < n and links[min(k, came)]:
                 acts.append(Action(ActionKind.RECV, (k, came), j))
             acts.append(Action(kind, (k,), j))
-            if talks and 0 <= goes < s and links[min(k, goes)]:
+            if talks and 0 <= goes < n and links[min(k, goes)]:
                 acts.append(Action(ActionKind.SEND, (k, goes), j))
-        acts += [Action.parse(t) for t in (grad_sync[k] if grad_sync else ())]
-        acts += [Action(ActionKind.LOSS), Action(ActionKind.OPTIMIZER, (k,))]
-        acts += [Action.parse(t) for t in (after_step[k] if after_step else ())]
-        per_stage.append(tuple(acts))
-    return [per_stage[k] for k, d in enumerate(replicas) for _ in range(d)]
+        mine = range(g, n, groups)
+        acts += _syncs(grad_sync, mine)
+        acts += [Action(ActionKind.LOSS), *(Action(ActionKind.OPTIMIZER, (k,)) for k in mine)]
+        acts += _syncs(after_step, mine)
+        per_group.append(tuple(acts))
+    return [per_group[g] for g, d in enumerate(replicas[:groups]) for _ in range(d)]
+
+
+def _check_lowering(schedule: Schedule, microbatches: int, replicas: Sequence[int], chunks: int) -> int:
+    """The device groups ``S`` of a lowering; ValueError naming what does not fit interleaved 1F1B's layout."""
+    n = len(replicas)
+    if chunks < 1 or (chunks > 1) != (schedule is Schedule.INTERLEAVED):
+        raise ValueError(f"schedule {schedule.value} with chunks {chunks}: interleaved 1F1B takes chunks >= 2, "
+                         "the other schedules 1")
+    groups = n // chunks
+    if n % chunks or (chunks > 1 and groups < 2):
+        raise ValueError(f"{n} stages in {chunks} chunks: interleaved 1F1B needs S x {chunks} stages, S >= 2")
+    if chunks > 1 and microbatches % groups:
+        raise ValueError(f"interleaved 1F1B over {groups} groups: microbatches {microbatches} must be a multiple "
+                         f"of {groups}")
+    if any(replicas[k] != replicas[k % groups] for k in range(n)):
+        raise ValueError(f"replicas {list(replicas)}: stage k runs on stage k % {groups}'s ranks, so their counts "
+                         "must repeat")
+    return groups
+
+
+def _syncs(tokens: Sequence[Sequence[str]] | None, mine: range) -> list[Action]:
+    """The collectives of a rank's stages ``mine``, each once; with several stages ordered by the stages each spans
+    (stably), so that any two collectives two ranks share come in the same order on both."""
+    out: list[Action] = []
+    for k in mine:
+        out += [a for a in (Action.parse(t) for t in (tokens[k] if tokens else ())) if a not in out]
+    return sorted(out, key=lambda a: a.stages) if len(mine) > 1 else out
 
 
 @functools.lru_cache(maxsize=256)
 def stage_lists(schedule: Schedule, stages: int, microbatches: int,
-                defer: tuple[int | None, ...] | None = None) -> tuple[RankActions, ...]:
+                defer: tuple[int | None, ...] | None = None, chunks: int = 1) -> tuple[RankActions, ...]:
     """Each stage's lowered list of computations (F, B, I, W), sends and receives (one rank per stage, every
     boundary carrying values): what the simulator replays (:mod:`hpml_compile.simulate`; replicas run their
-    stage's list). ``defer``: ZB-H1's caps per stage (:func:`deferral`).
+    stage's list). ``defer``: ZB-H1's caps per stage (:func:`deferral`). ``chunks``: interleaved 1F1B's ``v``:
+    one list per device group (``stages / v`` of them), holding all its stages' actions.
 
     Example:
         >>> " ".join(map(str, stage_lists(Schedule.GPIPE, 2, 2)[0]))
@@ -440,28 +576,34 @@ def stage_lists(schedule: Schedule, stages: int, microbatches: int,
     """
     kinds = (*COMPUTE, *MARKERS)
     return tuple(tuple(a for a in acts if a.kind in kinds)
-                 for acts in lower(schedule, microbatches, [1] * stages, defer=defer))
+                 for acts in lower(schedule, microbatches, [1] * stages, defer=defer, chunks=chunks))
 
 
 def relower(ranks: Sequence[RankActions], replicas: Sequence[int], schedule: Schedule,
-            microbatches: int, defer: Sequence[int | None] | None = None) -> list[RankActions]:
+            microbatches: int, defer: Sequence[int | None] | None = None, chunks: int = 1) -> list[RankActions]:
     """The same lists lowered for another microbatch count (a batch of several build batches).
 
     The boundaries and the collectives are read from each stage's first rank; ``defer`` is the plan's ZB-H1 caps
-    (:func:`deferral`), which the lists cannot tell at every count.
+    (:func:`deferral`), which the lists cannot tell at every count; ``chunks`` the plan's (interleaved 1F1B: a
+    rank's collectives go with its first stage, which lowers them as they were).
     """
-    first = [ranks[r[0]] for r in _stage_ranks(replicas)]
-    sends = [any(a.kind is ActionKind.SEND and a.stages[1] == k + 1 for a in acts) for k, acts in enumerate(first)]
-    grad, after = [], []
-    for acts in first:
+    first = [ranks[r[0]] for r in _stage_ranks(replicas, chunks)]
+    sends = [any(a.kind is ActionKind.SEND and a.stages[:2] == (k, k + 1) for a in acts)
+             for k, acts in enumerate(first)]
+    groups = len(replicas) // chunks
+    grad: list[list[str]] = []
+    after: list[list[str]] = []
+    for k, acts in enumerate(first):
         opt = next(i for i, a in enumerate(acts) if a.kind is ActionKind.OPTIMIZER)
-        grad.append([str(a) for a in acts[:opt] if a.kind in COLLECTIVES])
-        after.append([str(a) for a in acts[opt:] if a.kind in COLLECTIVES])
-    return lower(schedule, microbatches, replicas, sends=sends, grad_sync=grad, after_step=after, defer=defer)
+        own = k < groups  # a rank's collectives are read once, for its first stage
+        grad.append([str(a) for a in acts[:opt] if a.kind in COLLECTIVES] if own else [])
+        after.append([str(a) for a in acts[opt:] if a.kind in COLLECTIVES] if own else [])
+    return lower(schedule, microbatches, replicas, sends=sends, grad_sync=grad, after_step=after, defer=defer,
+                 chunks=chunks)
 
 
 def with_averages(ranks: Sequence[RankActions], replicas: Sequence[int],
-                  stages: Sequence[int]) -> list[RankActions]:
+                  stages: Sequence[int], chunks: int = 1) -> list[RankActions]:
     """The lists with local SGD's parameter average after the optimizer step of each of ``stages``, where a list
     lacks it: its gradient ``ALLREDUCE`` token again after ``OPTk`` (what codegen writes for a plan with local SGD;
     a run may turn local SGD on over a build lowered without it, :func:`hpml_compile.plan.with_comm`).
@@ -473,7 +615,7 @@ def with_averages(ranks: Sequence[RankActions], replicas: Sequence[int],
     """
     out = list(ranks)
     for k in stages:
-        for r in _stage_ranks(replicas)[k]:
+        for r in _stage_ranks(replicas, chunks)[k]:
             acts = out[r]
             opt = next(i for i, a in enumerate(acts) if a.kind is ActionKind.OPTIMIZER)
             grad = [a for a in acts[:opt] if a.kind is ActionKind.ALL_REDUCE and a.stages == (k,)]
