@@ -4,8 +4,9 @@ process.
 gpt-tiny (its embedding tied to the head: stage 0 on rank 0 and stage 3 on rank 1, summed by the tied all-reduce;
 and cut so that both uses are stages of rank 0) at 4 microbatches on 2 ranks, each rank running two stages from
 its one lowered list: the loss of every step, every gradient of the rank's stages after the last step and the
-parameters after it equal the reference's (float32, 1e-5). A checkpoint written under the interleaved plan resumes under a plain 1F1B plan of the same
-model, and one written there resumes under the interleaved plan: the step after each equals the reference's.
+parameters after it equal the reference's (float32, 1e-5). A checkpoint written under the interleaved plan
+resumes under a plain 1F1B plan of the same model, and one written there resumes under the interleaved plan: the
+step after each equals the reference's.
 Then the first device group on two replicas under ZeRO-1 (3 ranks): both of its stages shard their optimizer
 over the group, the losses and the gathered parameters equal the reference's. One spawn per world size.
 """

@@ -16,6 +16,13 @@ and the executor runs each token on the stage it names. What this module adds:
 - :func:`interleave_refusal`: what the runtime does not run with several
   stages on a rank yet, said before any process group forms.
 
+Neighbouring stages are always on different device groups (a plan has at
+least two, :func:`hpml_compile.plan.check_chunks`), so every boundary is a
+message between two ranks, the wrap from the last group to the first
+included; point-to-point tags name the sending stage, so the messages of
+different chunks between the same two ranks never meet
+(:meth:`hpml_compile.runtime.sync.comm.DistComm._tag`).
+
 Example:
     >>> import torch
     >>> from hpml_compile.codegen.stage import RegionModule

@@ -211,8 +211,8 @@ class Pipeline:
             if self.world_size != want:
                 raise HpmlError(f"the build's plan runs on {want} devices (one rank each: "
                                 f"{', '.join(dict.fromkeys(d for st in self.plan.stages for d in st.devices))}), but "
-                                f"the world has {self.world_size} ranks: start {want} processes (hpml-compile run --nproc {want}) "
-                                "or recompile the model for this many devices")
+                                f"the world has {self.world_size} ranks: start {want} processes (hpml-compile run "
+                                f"--nproc {want}) or recompile the model for this many devices")
             whole = session.plan if isinstance(session, TensorParallelSession) else self.plan  # every job rank's
             self._devices = rank_devices(whole, torch.cuda.device_count() if torch.cuda.is_available() else None)
             self.device = self._devices[self.rank]
@@ -1011,12 +1011,14 @@ class Pipeline:
         rows = sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor))
         wall_ms = (time.perf_counter() - self._t_called) * 1e3
         val = validate() if validate is not None else None
-        for k in self.stages:
+        for k in range(len(self.plan.stages) // self.plan.chunks):  # a rank's stages (interleaved: its chunks)
+            held = held_stages(self.plan, k)
             self.monitor.record(StepMetrics(
                 step=self.steps_done, rank=self._ranks[k][0], stage=k, replica=0, device="cpu", microbatches=n,
                 samples=rows, step_ms=(run.t_end - run.t_start) * 1e3, pipeline_ms=(run.t_synced - run.t_start) * 1e3,
                 wall_ms=wall_ms,
-                fwd_ms=run.busy.get((k, True), 0.0) * 1e3, bwd_ms=run.busy.get((k, False), 0.0) * 1e3,
+                fwd_ms=sum(run.busy.get((j, True), 0.0) for j in held) * 1e3,
+                bwd_ms=sum(run.busy.get((j, False), 0.0) for j in held) * 1e3,
                 optimizer_ms=(run.t_end - run.t_synced) * 1e3, loss=float(run.loss_sum), val_loss=val, host=self._hostname,
                 steal=busy.steal, others_load=busy.others, cpu_util=busy.cpu_util,
                 contention_ms=busy.contention_s * 1e3),

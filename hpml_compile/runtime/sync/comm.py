@@ -369,7 +369,6 @@ class DistComm(Comm):
         self.faults: list[CommFault] = []  # injected failures still to happen (shared with the pipeline)
         self._op_count: dict[CommOp, int] = {}
         self._pending: list[tuple[Any, Tensor]] = []
-        self._own: dict[tuple[Any, ...], Tensor] = {}  # messages between two stages this rank holds (interleaved)
         self._chains: dict[tuple[int, ...], ChainQueue] = {}  # overlapped hierarchical buckets
         # collectives among CPU ranks the plan puts on one host go through shared memory (:mod:`.shm`)
         self.shared_memory = True
@@ -413,7 +412,6 @@ class DistComm(Comm):
         self._owed.clear()
         self.mail.clear()
         self._pending.clear()
-        self._own.clear()
         self._chains.clear()  # a failed step's chains: their groups may be gone
 
     def _sync_device(self) -> None:
@@ -423,9 +421,6 @@ class DistComm(Comm):
     # -- point to point ---------------------------------------------------------------------------
     def _put(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], tensor: Tensor) -> None:
         self.maybe_fail(CommOp.SEND)
-        if self.places.rank(to[0], to[1], self.place) == self.rank:  # two chunks of this rank: no wire
-            self._own[(frm, to, key)] = tensor.detach().clone()
-            return
         # to each place of the peer's tensor-parallel group that reads from this one (Places.send_places)
         for j in self.places.send_places(frm[0], to[0], self.place):
             t0 = time.perf_counter()
@@ -447,12 +442,6 @@ class DistComm(Comm):
              dtype: torch.dtype) -> Tensor:
         self.maybe_fail(CommOp.RECV)
         peer = self.places.rank(frm[0], frm[1], self.places.recv_place(to[0], frm[0], self.place))
-        if peer == self.rank:
-            got = self._own.pop((frm, to, key), None)
-            if got is None:
-                raise RuntimeError(f"rank {self.rank}: stage {to[0]} expects message {key} from its own stage "
-                                   f"{frm[0]}, which was never sent: the action list runs them out of order")
-            return got
         group = self._group(peer)
         t0 = time.perf_counter()
         buf = torch.empty(shape, dtype=dtype, device=self.device if group is not None else "cpu")
