@@ -21,6 +21,7 @@ from hpml_compile.memory import ZeroStage
 from hpml_compile.plan import Schedule
 from hpml_compile.runtime import Pipeline
 from hpml_compile.runtime.execute.chunks import interleave_refusal
+from hpml_compile.runtime.observe.summary import summarise
 from hpml_compile.testing import split_plan
 from hpml_compile.trace import trace
 
@@ -62,6 +63,11 @@ def test_interleaved_in_one_process_equals_the_model(tmp_path: Path, chunks: int
     assert max((mine[n].grad - gr).abs().max().item() for n, gr in grads.items()) < TOL
     state = pipe.state_dict()
     assert max((state[k] - v).abs().max().item() for k, v in ref.module.state_dict().items()) < TOL
+    # measured per device group (what one rank of it computes: its chunks together), as the summary reads it
+    rows = {m.rank: [x for x in pipe.metrics if x.rank == m.rank] for m in pipe.metrics}
+    summary = summarise(plan, rows, skip=0)
+    assert [st.stage for st in summary.stages] == [0, 1]
+    assert all(st.fwd_ms > 0 and st.bwd_ms > 0 for st in summary.stages)
 
 
 def test_what_interleaving_does_not_run_is_refused(tmp_path: Path) -> None:

@@ -584,7 +584,7 @@ def measured_profile(profile: Profile, s: RunSummary, *, source: str = "runtime"
         own = slow.get(m.slowest, 1.0) if m.slowest else statistics.fmean(slow.get(d, 1.0) for d in st.devices)
         f = m.fwd_ms / m.predicted_fwd_ms / own if m.predicted_fwd_ms > 0 else 1.0
         b = m.bwd_ms / m.predicted_bwd_ms / own if m.predicted_bwd_ms > 0 else 1.0
-        for node in st.nodes:
+        for node in (n for c in _chunks(plan, st.index) for n in c.nodes):  # interleaved: every chunk of the group
             for kind in kinds:
                 scale[f"{node}\0{kind}"] = (kind, f, b)
     nodes = []
