@@ -64,13 +64,15 @@ from .replan import ReplanResult, carried_comm, move_rows as move_plan_rows, rep
 from .schema import write_json_atomic
 from .simulate import annotate, crowded_devices
 from .solve import SolverName, solve
+from .solve.interleave import choose as choose_chunks
 from .solve.uneven import improve as improve_uneven
 from .trace import fixed_shapes, trace
 from .tp import MAX_TP, TP_DEGREES
 
 __all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "move_rows", "with_link", "profile_links",
            "rebuild", "cost_graph", "local_threads",
-           "check_microbatches", "check_threads", "check_precision", "faster_schedule", "AUTO_SCHEDULE"]
+           "check_microbatches", "check_threads", "check_precision", "faster_schedule", "AUTO_SCHEDULE",
+           "INTERLEAVE_IN_AUTO"]
 
 Say = Callable[[str], None]
 
@@ -81,6 +83,11 @@ UNEVEN_BUDGET_S = 10.0
 #: ``--schedule auto``: 1F1B, or ZB-H1 on the solver's placement where it is faster (:func:`faster_schedule`).
 AUTO_SCHEDULE = "auto"
 
+#: Whether ``--schedule auto`` also weighs interleaved 1F1B on the solver's device groups
+#: (:func:`hpml_compile.solve.interleave.choose`): off until builds run it; ``--schedule interleaved-1f1b`` asks for
+#: it, and :attr:`Options.interleave` turns it on or off for one plan.
+INTERLEAVE_IN_AUTO = False
+
 
 @dataclass(frozen=True, slots=True)
 class Options:
@@ -89,8 +96,11 @@ class Options:
     Attributes:
         solver: which solver (``ilp``, ``dp``, or a baseline).
         microbatches: ``M``; None searches the solver's choices (a re-plan keeps the old plan's).
-        schedule: GPipe, 1F1B or ZB-H1 (a re-plan keeps the old plan's unless given); ``"auto"``: 1F1B, or ZB-H1
-            on the same placement where it simulates faster and fits (:func:`faster_schedule`).
+        schedule: GPipe, 1F1B, ZB-H1 or interleaved 1F1B (a re-plan keeps the old plan's unless given); ``"auto"``:
+            1F1B, or ZB-H1 on the same placement where it simulates faster and fits (:func:`faster_schedule`), or
+            interleaved 1F1B on its device groups where :attr:`interleave` says so and it is faster still.
+            Interleaved 1F1B solves a 1F1B pipeline first, then chooses the chunks
+            (:func:`hpml_compile.solve.interleave.choose`).
         time_limit_s: the ILP's time limit.
         dump_dir: write each pass's output here (default: ``$HPML_DUMP``, else nothing).
         uneven: after solving, also try plans whose stages mix device kinds with uneven rows per replica
@@ -122,6 +132,7 @@ class Options:
         compile_stages: how the stages are to run, recorded in the plan (:attr:`hpml_compile.plan.Plan.compile_stages`,
             which ``hpml-compile run`` follows): ``auto`` (compiled on CUDA devices, not on CPUs), ``on`` or
             ``off``. Under ``on`` the schedule chooser keeps 1F1B (a compiled stage runs no ZB-H1).
+        interleave: whether ``"auto"`` weighs interleaved 1F1B too (None: :data:`INTERLEAVE_IN_AUTO`).
     """
 
     solver: SolverName | str = SolverName.ILP
@@ -142,6 +153,7 @@ class Options:
     choose_schedule: bool = False  # set from ``schedule="auto"``
     compiled: bool = False
     compile_stages: str = "auto"
+    interleave: bool | None = None
 
     def __post_init__(self) -> None:
         if self.compile_stages not in COMPILE_STAGES:
@@ -436,8 +448,9 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
         progress(f"{prof.model}: {len(graph.order)} blocks after coarsening ({len(prof.nodes)} nodes)")
 
     def solve_on(devices: Cluster) -> Plan:
+        one = opts.schedule if opts.schedule not in (None, Schedule.INTERLEAVED) else Schedule.ONE_F_ONE_B
         placed = solve(graph, devices, solver=opts.solver, microbatches=opts.microbatches,          # 5. solve
-                       schedule=opts.schedule or Schedule.ONE_F_ONE_B, time_limit_s=opts.time_limit_s,
+                       schedule=one, time_limit_s=opts.time_limit_s,
                        dtype=prof.dtype, compute_bytes=compute_bytes(prof.precision.value), progress=progress,
                        compress=opts.allow_compress, hierarchical=opts.hierarchical,
                        reduce_dtype=opts.reduce_dtype or Precision.FP32)
@@ -455,6 +468,9 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
         result = within_cores(result, graph, cluster, solve_on, dtype=prof.dtype, progress=progress)
     if opts.choose_schedule and opts.compile_stages != "on":                        # 5d. zero bubble where faster
         result = faster_schedule(result, graph, prof, progress)                     # (not compiled: one backward)
+    auto_chunks = opts.interleave if opts.interleave is not None else INTERLEAVE_IN_AUTO
+    if opts.schedule is Schedule.INTERLEAVED or (opts.choose_schedule and auto_chunks):  # 5e. chunks per group
+        result = choose_chunks(result, graph, prof, forced=opts.schedule is Schedule.INTERLEAVED, say=progress)
     result = replace(result, precision=prof.precision,                              # trains as it was timed
                      compile_stages=opts.compile_stages,                            # runs as it was priced
                      allow_compress=opts.allow_compress or "")                      # a re-plan offers it again
@@ -782,9 +798,11 @@ def replan(old: Plan, measured: Profile, *, cluster: Cluster | None = None, lost
         forced.update(sync_every=opts.sync_every, sync_warmup=opts.sync_warmup)
     if opts.reduce_dtype is not None:
         forced["reduce_dtype"] = Precision(opts.reduce_dtype).value
+    schedule = opts.schedule or old.schedule  # an interleaved plan re-solves as 1F1B (its chunks are a later pass)
     result = replan_graph(old, graph, cluster=target, solver=opts.solver,
                           microbatches=opts.microbatches or old.microbatches,
-                          schedule=opts.schedule or old.schedule, time_limit_s=opts.time_limit_s,
+                          schedule=Schedule.ONE_F_ONE_B if schedule is Schedule.INTERLEAVED else schedule,
+                          time_limit_s=opts.time_limit_s,
                           dtype=prof.dtype, progress=progress, score_graph=fine, allow_compress=allowed,
                           comm=forced, hierarchical=opts.hierarchical)
     validate_plan(result.plan, prof)

@@ -37,7 +37,7 @@ from .plan import AllReduce
 from .assumptions import format_assumptions
 from .report import human_bytes
 from .stagecost import level_bytes
-from .viz import allreduce_label, device_names, device_order
+from .viz import allreduce_label, chunk_text, device_names, device_order
 
 __all__ = ["plan_costgraph", "WhatIf", "one_more_device", "base_solver", "summary", "tp_lines"]
 
@@ -269,7 +269,10 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
     """
     so, m = plan.solver, plan.microbatches
     lines = [f"{plan.model} on {plan.cluster.name} ({len(plan.cluster.devices)} devices): {len(plan.stages)} "
-             f"stages, {m} microbatches, {plan.schedule.value}, {_precision(plan)}; solver {so.name} "
+             f"stages, {m} microbatches, {plan.schedule.value}"
+             + (f" ({plan.chunks} chunks on each of {len(plan.stages) // plan.chunks} device groups: stage k runs on "
+                f"stage k % {len(plan.stages) // plan.chunks}'s devices)" if plan.chunks > 1 else "")
+             + f", {_precision(plan)}; solver {so.name} "
              f"{so.status.value} in {so.seconds:.2f} s",
              (plan.certificate.text if plan.certificate is not None else "no certificate (the plan carries none)"),
              f"predicted step {result.step_ms:.4g} ms, bubble {result.bubble:.1%} (idle share of the pipeline)",
@@ -285,7 +288,8 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
                         "(its memory)" if st.max_deferred is not None else "",
                         f", local SGD every {plan.sync_every} steps after {plan.sync_warmup}"
                         if plan.sync_every > 1 and len(st.devices) > 1 else "",
-                        _shared_memory(plan, st)])
+                        _shared_memory(plan, st),
+                        f", {chunk_text(plan, st)}" if plan.chunks > 1 else ""])
         members = set(st.nodes)
         blocks = [v for v in graph.order if members.intersection(graph.node(v).members)]
         if st.allreduce is AllReduce.HIERARCHICAL:
@@ -308,8 +312,8 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
         lines.append(f"  tied parameters of stages {', '.join(map(str, stages))}: {how} over {len(devs)} devices, "
                      f"{ms:.3g} ms")
     if result.agree_ms > 0:  # the runtime's loss all-reduce (with the batch check) before any optimizer step
-        ranks = sum(len(st.devices) for st in plan.stages)
-        devs = [d for st in plan.stages for d in st.devices]
+        devs = list(dict.fromkeys(d for st in plan.stages for d in st.devices))  # interleaved: chunks share them
+        ranks = len(devs)
         measured = loss_agreement_ms(plan.cluster, devs, graph) != loss_agreement_ms(plan.cluster, devs)
         lines.append(f"  loss agreement: one 32-byte all-reduce over the {ranks} ranks before the optimizer steps, "
                      f"{result.agree_ms:.3g} ms" + (" (as two ranks of this host measured it)" if measured else ""))
@@ -332,10 +336,13 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
                  f"mean stage; in steady state every stage waits for it: (M-1) x {bc.compute_ms:.3g} = "
                  f"{pipe:.4g} ms of the {result.step_ms:.4g} ms step")
     lines.append("memory (peak per device, against capacity):")
-    stage_of = {d: st.index for st in plan.stages for d in st.devices}
+    stage_of: dict[str, int] = {}
+    for st in plan.stages:
+        for name in st.devices:
+            stage_of.setdefault(name, st.index)  # interleaved 1F1B: a device's first chunk names its group
     groups: list[list[str]] = [[d] for d in device_order(plan)]
     if len(plan.cluster.devices) > 16:  # a stage's replicas hold the same bytes: one line per stage
-        groups = [list(st.devices) for st in plan.stages]
+        groups = [list(st.devices) for st in plan.stages[:len(plan.stages) // plan.chunks]]
         unused = [d.name for d in plan.cluster.devices if d.name not in stage_of]
         groups += [[d for d in unused if plan.cluster.device(d).kind == k]
                    for k in dict.fromkeys(plan.cluster.device(d).kind for d in unused)]
@@ -343,7 +350,9 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
         d = plan.cluster.device(names[0])
         peak = result.peak.get(names[0], 0)
         slack = d.memory_bytes - peak
-        where = f"stage {stage_of[names[0]]}" if names[0] in stage_of else "unused"
+        first = stage_of.get(names[0])
+        where = "unused" if first is None else f"stage {first}" if plan.chunks == 1 else \
+            "stages " + ",".join(map(str, range(first, len(plan.stages), len(plan.stages) // plan.chunks)))
         each = " each" if len(names) > 1 else ""
         lines.append(f"  {device_names(names):20s} {d.kind:12s} {where:9s} peak {peak / GiB:8.2f} GiB of "
                      f"{d.memory_gib:7.1f} GiB{each}  slack {slack / GiB:8.2f} GiB ({slack / d.memory_bytes:.0%})")

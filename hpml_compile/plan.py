@@ -27,6 +27,7 @@ from .cluster import overlap_efficiency
 from .compression import check_sync, parse_compress
 from .memory import (GiB, MemoryBreakdown, ZeroStage, compute_bytes, dtype_bytes, process_bytes, tied_elsewhere,
                      tied_shared, tied_shm_bytes)
+from .interleave import peak_in_flight
 from .schema import CLUSTER_SCHEMA, check_version, read_json, validate, write_json_atomic
 from .stagecost import device_memory, in_flight, tp_bytes
 from .tp import TensorParallel, analyze as analyze_tp
@@ -61,6 +62,7 @@ __all__ = [
     "tp_problem",
     "stage_memory",
     "stage_breakdown",
+    "device_need",
     "fit_deferral",
     "save_plan",
     "load_plan",
@@ -455,14 +457,15 @@ PLAN_SCHEMA: dict[str, Any] = {
 
 def check_chunks(schedule: Schedule, chunks: int, stages: Sequence[Stage], microbatches: int) -> None:
     """Interleaved 1F1B's layout: ``S * v`` stages over ``S >= 2`` device groups, stage ``k`` on stage ``k % S``'s
-    devices (the same devices in the same order, ``tp`` and rows), microbatches a multiple of ``S`` (the rule of
-    Megatron-LM's interleaved schedule, which :func:`hpml_compile.schedule.interleaved_order` follows).
+    devices (the same devices in the same order, ``tp`` and rows). Any microbatch count runs: Megatron-LM's order
+    wants a multiple of ``S``, and fills the last round of another count with empty slots
+    (:func:`hpml_compile.interleave.order`).
 
     Args:
         schedule: the plan's schedule.
         chunks: the plan's ``v``.
         stages: the plan's stages.
-        microbatches: the plan's microbatch count.
+        microbatches: the plan's microbatch count (any; kept in the signature for the rules of other orders).
 
     Raises:
         PlanError: naming what is wrong and what would be right.
@@ -486,9 +489,6 @@ def check_chunks(schedule: Schedule, chunks: int, stages: Sequence[Stage], micro
     if len(stages) % chunks or s < 2:
         raise PlanError(f"interleaved 1F1B with {chunks} chunks: the plan has {len(stages)} stages; it needs "
                         f"S x {chunks} of them for S >= 2 device groups (e.g. {2 * chunks})")
-    if microbatches % s:
-        raise PlanError(f"interleaved 1F1B over {s} device groups: {microbatches} microbatches; it needs a multiple "
-                        f"of {s} (e.g. {max(s, microbatches // s * s)} or {(microbatches // s + 1) * s})")
     for st in stages[s:]:
         first = stages[st.index % s]
         if (st.devices, st.tp, st.rows) != (first.devices, first.tp, first.rows):
@@ -675,10 +675,48 @@ def stage_breakdown(plan: Plan, profile: Profile, stage: Stage, device: str | No
                     tensor_parallel: TensorParallel | None = None) -> MemoryBreakdown:
     """:func:`stage_memory` by part (parameters, gradients, optimizer state, activations): what
     benchmarks/memory_truth puts beside the bytes a rank holds. ``tensor_parallel``: the profile's
-    :func:`hpml_compile.tp.analyze` (None: found again where the stage has ``tp > 1``)."""
+    :func:`hpml_compile.tp.analyze` (None: found again where the stage has ``tp > 1``). Under interleaved 1F1B the
+    stage's microbatches in flight are those its device group holds at the peak of all its chunks' activations
+    (:func:`hpml_compile.interleave.peak_in_flight`); :func:`device_need` sums a device's chunks."""
     if device is None:
         return max((stage_breakdown(plan, profile, stage, d, tensor_parallel) for d in stage.devices),
                    key=lambda b: b.total)
+    mem = _breakdown(plan, profile, stage, device, tensor_parallel)
+    if plan.chunks == 1:
+        return mem
+    groups = len(plan.stages) // plan.chunks
+    g = stage.index % groups
+    stored = [mem.stored_per_microbatch if st.index == stage.index else
+              _breakdown(plan, profile, st, device, tensor_parallel).stored_per_microbatch
+              for st in plan.stages[g::groups]]
+    held = peak_in_flight(g, groups, plan.chunks, plan.microbatches, stored)
+    return replace(mem, in_flight=held[stage.index // groups])
+
+
+def device_need(plan: Plan, profile: Profile, device: str, tensor_parallel: TensorParallel | None = None) -> int:
+    """Peak bytes on ``device`` over every stage it holds: its stage's :func:`stage_memory`, or under interleaved
+    1F1B the sum over its chunks, with its process counted once and one backward's working buffers (the largest
+    chunk's: the device runs one backward at a time).
+
+    Raises:
+        PlanError: no stage uses ``device``.
+    """
+    held = [st for st in plan.stages if device in st.devices]
+    if not held:
+        raise PlanError(f"no stage of the plan uses device {device!r}")
+    parts = [_breakdown(plan, profile, st, device, tensor_parallel) for st in held]
+    if plan.chunks > 1:  # one group's chunks: the microbatches each holds at the group's peak
+        counts = peak_in_flight(held[0].index, len(plan.stages) // plan.chunks, plan.chunks,
+                                plan.microbatches, [b.stored_per_microbatch for b in parts])
+        parts = [replace(b, in_flight=n) for b, n in zip(parts, counts)]
+    extra = sum(b.process for b in parts[1:]) + sum(b.working for b in parts) - max(b.working for b in parts)
+    return sum(b.total for b in parts) - extra
+
+
+def _breakdown(plan: Plan, profile: Profile, stage: Stage, device: str,
+               tensor_parallel: TensorParallel | None = None) -> MemoryBreakdown:
+    """One device's breakdown for ``stage`` with the schedule's count in flight (interleaved 1F1B: 1F1B's, which
+    :func:`stage_breakdown` replaces)."""
     j = stage.devices.index(device)
     names = set(stage.nodes)
     nodes = [n for n in profile.nodes if n.name in names]
@@ -875,15 +913,23 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             raise PlanError(f"the {unit.kind} unit at {unit.scope} is split between stages {held}, one of them "
                             "tensor-parallel: its sharded intermediate would cross a stage boundary; move the cut "
                             "before or after the unit, or set those stages' tp to 1")
-    for st in plan.stages:
-        for name in st.devices:
-            need = stage_memory(plan, profile, st, name, sharding)
+    needs: dict[tuple[int, str, int | None], int] = {}  # equal devices of a stage hold equal bytes
+    for st in plan.stages[:len(plan.stages) // plan.chunks]:  # interleaved 1F1B: a device's chunks together
+        for j, name in enumerate(st.devices):
             dev = plan.cluster.device(name)
+            key = (st.index, dev.kind, st.rows[j] if st.rows else None)
+            if key not in needs:
+                needs[key] = device_need(plan, profile, name, sharding)
+            need = needs[key]
             if need > dev.memory_bytes:
                 rows = f" with its {st.rows[st.devices.index(name)]} rows per microbatch" if st.rows else ""
                 fix = ("give it fewer rows (more to the stage's other devices), or enable ZeRO, recompute, offload"
                        if st.rows else "enable ZeRO, recompute, offload, or add a device")
-                raise PlanError(f"stage {st.index} needs {need / GiB:.2f} GiB on {name} ({dev.kind}, "
+                if plan.chunks > 1:
+                    fix += f", or interleave fewer than {plan.chunks} chunks"
+                held = ", ".join(str(k) for k in range(st.index, len(plan.stages), len(plan.stages) // plan.chunks))
+                raise PlanError(f"stage{'s' if plan.chunks > 1 else ''} {held} need{'' if plan.chunks > 1 else 's'} "
+                                f"{need / GiB:.2f} GiB on {name} ({dev.kind}, "
                                 f"{dev.memory_gib:.1f} GiB){rows}: over by {(need - dev.memory_bytes) / GiB:.2f} "
                                 f"GiB; {fix}")
 

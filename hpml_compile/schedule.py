@@ -53,7 +53,9 @@ on ``S`` device groups, stage ``k`` on group ``k % S`` (:func:`rank_stages`), so
 Megatron-LM's: ``2 (S - g - 1) + (v - 1) S`` warm-up forwards on group ``g``, then one forward and one backward
 in turn, then the remaining backwards; forwards take the chunks in turn, ``S`` microbatches each, backwards the
 same from the last chunk; the message from stage ``S - 1`` to stage ``S`` goes from the last group back to the
-first. Group ``g`` holds at most ``2 (S - g - 1) + (v - 1) S + 1`` chunk-microbatches of activations.
+first. Group ``g`` holds at most ``2 (S - g - 1) + (v - 1) S + 1`` chunk-microbatches of activations. A
+microbatch count that is no multiple of ``S`` runs Megatron-LM's order for the next multiple with the
+microbatches past ``M`` left out, which keeps it free of deadlock.
 
 The validator that replays the lists is :mod:`hpml_compile.schedule_check`.
 
@@ -92,6 +94,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
+from .interleave import moments as _moments, order as _interleave
 from .memory import ZeroStage
 from .plan import AllReduce, Plan, Schedule
 
@@ -391,58 +394,37 @@ def op_order(schedule: Schedule, stage: int, stages: int, microbatches: int,
 
 def interleaved_order(group: int, groups: int, chunks: int, microbatches: int) -> list[tuple[ActionKind, int, int]]:
     """Interleaved 1F1B's compute order on device group ``g``: ``(kind, stage, microbatch)``, Megatron-LM's
-    (``forward_backward_pipelining_with_interleaving``; module docstring).
+    (``forward_backward_pipelining_with_interleaving``; :mod:`hpml_compile.interleave`).
 
     Args:
         group: ``g``, from 0 to ``S - 1``.
         groups: ``S``.
         chunks: ``v``; group ``g`` holds stages ``g, g + S, ..., g + (v - 1) S``.
-        microbatches: ``M``, a multiple of ``S``.
+        microbatches: ``M`` (Megatron-LM's order for a multiple of ``S``; :mod:`hpml_compile.interleave`).
 
     Returns:
         ``v M`` forwards and as many backwards.
 
     Raises:
-        ValueError: ``M`` not a multiple of ``S``, or ``g`` outside the groups.
+        ValueError: ``g`` outside the groups.
 
     Example:
         >>> " ".join(f"{k}{kind.value}{j}" for kind, k, j in interleaved_order(0, 2, 2, 4))
         '0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3'
     """
-    s, v, m = groups, chunks, microbatches
-    if m % s or not 0 <= group < s:
-        raise ValueError(f"interleaved 1F1B on group {group} of {s}: microbatches {m} must be a multiple of {s}")
-    total = v * m
-    warm = min(2 * (s - group - 1) + (v - 1) * s, total)
-
-    def nth(i: int, forward: bool) -> tuple[int, int]:
-        chunk = i % (s * v) // s
-        return group + s * (chunk if forward else v - 1 - chunk), i // (s * v) * s + i % s
-
-    fwd, bwd = ActionKind.FORWARD, ActionKind.BACKWARD
-    ops = [(fwd, *nth(i, True)) for i in range(warm)]
-    for i in range(total - warm):
-        ops += [(fwd, *nth(warm + i, True)), (bwd, *nth(i, False))]
-    return ops + [(bwd, *nth(i, False)) for i in range(total - warm, total)]
+    return [(ActionKind.FORWARD if f else ActionKind.BACKWARD, group + c * groups, j)
+            for f, c, j in _interleave(group, groups, chunks, microbatches)]
 
 
 def interleaved_in_flight(group: int, groups: int, chunks: int, microbatches: int) -> tuple[tuple[int, ...], ...]:
-    """The microbatches whose activations each chunk of group ``g`` holds at once under interleaved 1F1B (their
-    forward ran, their backward not yet), per chunk, at each moment that can be the group's peak (after a
-    forward; dominated moments dropped): a device's peak activations are the largest of these weighted by its
-    chunks' activation bytes. Read off :func:`interleaved_order`.
+    """Per chunk of group ``g``, the microbatches whose activations it holds at each moment that can be the group's
+    peak (:func:`hpml_compile.interleave.moments`).
 
     Example:
         >>> interleaved_in_flight(0, 2, 2, 4), interleaved_in_flight(1, 2, 2, 4)
         (((3, 2), (4, 1)), ((2, 1), (3, 0)))
     """
-    live, seen = [0] * chunks, set()
-    for kind, k, _ in interleaved_order(group, groups, chunks, microbatches):
-        c = k // groups
-        live[c] += 1 if kind is ActionKind.FORWARD else -1
-        if kind is ActionKind.FORWARD:
-            seen.add(tuple(live))
-    return tuple(sorted(x for x in seen if not any(y != x and all(a >= b for a, b in zip(y, x)) for y in seen)))
+    return _moments(group, groups, chunks, microbatches)
 
 
 def held_back(stage: int, defer: int | None) -> int:
@@ -544,9 +526,6 @@ def _check_lowering(schedule: Schedule, microbatches: int, replicas: Sequence[in
     groups = n // chunks
     if n % chunks or (chunks > 1 and groups < 2):
         raise ValueError(f"{n} stages in {chunks} chunks: interleaved 1F1B needs S x {chunks} stages, S >= 2")
-    if chunks > 1 and microbatches % groups:
-        raise ValueError(f"interleaved 1F1B over {groups} groups: microbatches {microbatches} must be a multiple "
-                         f"of {groups}")
     if any(replicas[k] != replicas[k % groups] for k in range(n)):
         raise ValueError(f"replicas {list(replicas)}: stage k runs on stage k % {groups}'s ranks, so their counts "
                          "must repeat")

@@ -135,6 +135,7 @@ from .errors import PlanError, UnknownDeviceError
 from .ir import Device, Schedule
 from .memory import MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared, tied_shm_bytes
 from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_overlap, tied_members, zero_shards
+from .interleave import peak_in_flight
 from .schedule import Action, ActionKind, deferral, op_order, stage_lists  # the lowered per-rank action lists
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
                         local_sgd_sync_ms, measured_agree_ms, meet_ms, optimizer_ms, skew_wait_ms, stepped_gather_ms,
@@ -142,6 +143,7 @@ from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, ev
                         weight_part_ms, wire_ratio)
 
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "step_ms", "stage_costs", "annotate", "crowded_devices",
+           "node_ms",
            "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms", "replica_skew_ms", "replica_meeting_ms",
            "boundary_copies"]
 
@@ -324,6 +326,16 @@ def _tp_cost(graph: CostGraph, node: str, kinds: list[str], fraction: float, tp:
     return max(a for a, _ in out), max(b for _, b in out)
 
 
+def node_ms(graph: CostGraph, node: str, kinds: list[str], fraction: float, tp: int = 1) -> tuple[float, float]:
+    """``(fwd_ms, bwd_ms)`` of graph node ``node`` as a stage prices it: on one rank of a tensor-parallel group of
+    ``tp`` (the collectives apart), for ``fraction`` of the batch rows, on the slowest of ``kinds``.
+
+    Raises:
+        UnknownDeviceError: a kind the graph has no costs for.
+    """
+    return _tp_cost(graph, node, kinds, fraction, tp)
+
+
 def _tp_link(cluster: Cluster, st: Stage) -> cost_models.LinkSpec | None:
     """The slowest link inside the stage's first tensor-parallel group (None: ``tp`` is 1)."""
     if st.tp <= 1:
@@ -465,6 +477,21 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms), sync - gather + copy,
                              max(mems, key=lambda b: b.total), opt_ms, fwd_stream, bwd_stream, copy,
                              tuple(mems), tuple(own), gather, tuple(back_ms) if back_ms != send_ms else (), weight))
+    return _chunk_memory(plan, out) if plan.chunks > 1 else tuple(out)
+
+
+def _chunk_memory(plan: Plan, costs: list[StageCost]) -> tuple[StageCost, ...]:
+    """Interleaved 1F1B: each stage's microbatches in flight, as its device group holds them at the group's peak
+    of activation bytes over all its chunks (:func:`hpml_compile.interleave.peak_in_flight`)."""
+    groups, out = len(costs) // plan.chunks, list(costs)
+    for g in range(groups):
+        mine = list(range(g, len(costs), groups))
+        held = peak_in_flight(g, groups, plan.chunks, plan.microbatches,
+                              [costs[k].memory.stored_per_microbatch for k in mine])
+        for k, n in zip(mine, held):
+            c = costs[k]
+            out[k] = replace(c, memory=replace(c.memory, in_flight=n),
+                             device_memory=tuple(replace(b, in_flight=n) for b in c.device_memory))
     return tuple(out)
 
 
@@ -521,7 +548,10 @@ def tied_syncs(plan: Plan, graph: CostGraph) -> list[tuple[tuple[int, ...], floa
             buckets[key] = buckets.get(key, 0) + graph.param_sizes[name]
     out = []
     for stages, nbytes in sorted(buckets.items()):
-        devices = [d for i in stages for d in plan.stages[i].devices]
+        devices = list(dict.fromkeys(d for i in stages for d in plan.stages[i].devices))  # chunks share devices
+        if len(devices) < 2:  # the stages are chunks of one device: their gradients are summed in place
+            out.append((stages, 0.0))
+            continue
         hier = hierarchy(plan.cluster, devices) if plan.tied_allreduce is AllReduce.HIERARCHICAL else None
         if hier is not None:
             out.append((stages, float(hierarchical_allreduce_ms(nbytes, hier))))
@@ -567,7 +597,8 @@ class _Replay:
         self.done: dict[Op, tuple[float, float]] = {}
         self.posted: dict[Op, float] = {}  # (phase, sender, microbatch) -> when its SEND posted the values
         self.arrived: dict[Op, float] = {}  # (phase, receiver, microbatch) -> when its RECV had them all
-        self.free = [0.0] * len(plan.stages)
+        self.groups = len(plan.stages) // plan.chunks  # interleaved 1F1B: stage i computes on group i % S
+        self.free = [0.0] * self.groups
         self.bars: list[Interval] = []
 
     def _arrival(self, phase: int, i: int, k: int) -> float | None:
@@ -604,28 +635,30 @@ class _Replay:
             if phase == BWD:
                 ready = max(ready, self.done[(FWD, i, k)][1] + 2 * cst.swap_ms)
             dur = cst.op_ms(phase) * self.stretch.get((phase, i, k), 1.0)
-            start = max(self.free[i], ready)
+            start = max(self.free[i % self.groups], ready)
             self.done[(phase, i, k)] = (start, start + dur)
-            self.free[i] = start + dur
+            self.free[i % self.groups] = start + dur
         return True
 
 
 def _run(plan: Plan, costs: tuple[StageCost, ...], stretch: dict[Op, float] | None = None
          ) -> tuple[dict[Op, tuple[float, float]], list[Interval]]:
-    """Replay every stage's lowered list (:class:`_Replay`); returns ``(fwd?, stage, mb) -> (start, end)`` and
-    the send bars. ``stretch`` multiplies an operation's duration (a host's shared memory bandwidth and cores).
+    """Replay every stage's lowered list (:class:`_Replay`; interleaved 1F1B: every device group's, which holds its
+    stages' actions in one order); returns ``(fwd?, stage, mb) -> (start, end)`` and the send bars. ``stretch``
+    multiplies an operation's duration (a host's shared memory bandwidth and cores).
 
     Raises:
         PlanError: the lists deadlock (every stage waits at a receive).
     """
-    lists = stage_lists(plan.schedule, len(plan.stages), plan.microbatches, deferral(plan))  # the lowered lists
+    lists = stage_lists(plan.schedule, len(plan.stages), plan.microbatches, deferral(plan),  # the lowered lists
+                        plan.chunks)
     run = _Replay(plan, costs, stretch)
     ptr = [0] * len(lists)
     remaining = sum(len(x) for x in lists)
     while remaining:
         progressed = False
         for i, acts in enumerate(lists):
-            while ptr[i] < len(acts) and run.play(i, acts[ptr[i]]):
+            while ptr[i] < len(acts) and run.play(acts[ptr[i]].stage, acts[ptr[i]]):
                 ptr[i] += 1
                 remaining -= 1
                 progressed = True
@@ -692,7 +725,8 @@ class _HostShare:
                     here[dev.host] = here.get(dev.host, 0) + 1
             self.ranks.append(here)
         self.hosts = sorted(set(self.rates) | set(self.cores) | set(self.coruns))
-        total = {h: sum(r.get(h, 0) for r in self.ranks) for h in self.hosts}
+        first = self.ranks[:len(plan.stages) // plan.chunks]  # interleaved 1F1B: a group's ranks hold several
+        total = {h: sum(r.get(h, 0) for r in first) for h in self.hosts}
         self.active = any(((h in self.rates or h in self.coruns) and total[h] > 1)
                           or total[h] > self.cores.get(h, total[h]) for h in self.hosts)
 
@@ -824,8 +858,8 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
                     bars.append(Interval(dev, start, start + ms, EventKind.SYNC, -1, i))
             synced[i] = start + ms
     # the ranks agree that the step succeeded (the loss all-reduce) before any of them changes its weights
-    agree = loss_agreement_ms(plan.cluster, [d for st in plan.stages for d in st.devices], graph,
-                              max((m * cst.compute_ms for cst in costs), default=0.0))
+    agree = loss_agreement_ms(plan.cluster, list(dict.fromkeys(d for st in plan.stages for d in st.devices)), graph,
+                              max((_group_sum(plan, [m * cst.compute_ms for cst in costs])), default=0.0))
     # every rank's Pipeline.step does the runtime's bookkeeping around the executor (measured with the profile)
     keep = max((graph.bookkeeping_ms(plan.cluster.device(d).kind) for st in plan.stages for d in st.devices),
                default=0.0)
@@ -834,9 +868,22 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
     load = share.load([[(begin, begin + cst.optimizer_ms)] for cst in costs]) if share.active else {}
     optim = [cst.optimizer_ms * (share.factor(i, begin, begin + cst.optimizer_ms, load) if share.active else 1.0)
              for i, cst in enumerate(costs)]
-    # ZeRO-1/2's parameter all-gather follows each stage's own optimizer step where it is not prefetched
-    step = begin + max((o + cst.gather_ms for o, cst in zip(optim, costs)), default=0.0)
+    # ZeRO-1/2's parameter all-gather follows each stage's own optimizer step where it is not prefetched; a rank
+    # holding several stages (interleaved 1F1B) steps them one after another
+    step = begin + max(_group_sum(plan, [o + cst.gather_ms for o, cst in zip(optim, costs)]), default=0.0)
     return _Timeline(costs, done, bars, lasts, sync, tied, agree, step_no_opt, optim, step, tuple(skew))
+
+
+def _group_sum(plan: Plan, per_stage: Sequence[float]) -> list[float]:
+    """Per device group, the sum over its stages (interleaved 1F1B: ``v`` of them; else each stage alone)."""
+    groups = len(per_stage) // plan.chunks
+    return [sum(per_stage[g::groups]) for g in range(groups)]
+
+
+def _before(plan: Plan, per_stage: Sequence[float]) -> list[float]:
+    """Per stage, the sum over the earlier stages of its device group (0 without interleaving)."""
+    groups = len(per_stage) // plan.chunks
+    return [sum(per_stage[i % groups:i:groups]) for i in range(len(per_stage))]
 
 
 def step_ms(plan: Plan, graph: CostGraph, dtype: str = "float32") -> float:
@@ -871,12 +918,15 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
     pipe_end = max((end for _, end in done.values()), default=0.0)
     begin = step_no_opt
     deltas: dict[str, list[tuple[float, int]]] = {}
+    groups = s_count // plan.chunks
+    opt_at = [begin + x for x in _before(plan, [o + cst.gather_ms for o, cst in zip(optim, costs)])]
     for i, st in enumerate(plan.stages):
         cst = costs[i]
         last = lasts[i]
         for j, dev in enumerate(st.devices):
             mem = cst.device_memory[j] if cst.device_memory else cst.memory
-            ev = deltas.setdefault(dev, [(0.0, mem.static)])
+            ev = deltas.setdefault(dev, [])
+            ev.append((0.0, mem.static - (mem.process if i >= groups else 0)))  # a process counted once
             for bar in _stage_bars(dev, i, cst, done, m, j):
                 bars.append(bar)
             for k in range(m):
@@ -892,9 +942,10 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
             if sync[i] > 0:
                 bars.append(Interval(dev, last, last + sync[i], EventKind.SYNC, -1, i))
             if optim[i] > 0:
-                bars.append(Interval(dev, begin, begin + optim[i], EventKind.OPTIMIZER, -1, i))
+                bars.append(Interval(dev, opt_at[i], opt_at[i] + optim[i], EventKind.OPTIMIZER, -1, i))
             if cst.gather_ms > 0:
-                bars.append(Interval(dev, begin + optim[i], begin + optim[i] + cst.gather_ms, EventKind.SYNC, -1, i))
+                bars.append(Interval(dev, opt_at[i] + optim[i], opt_at[i] + optim[i] + cst.gather_ms, EventKind.SYNC,
+                                     -1, i))
     curves, peaks = {}, {}
     for dev, ev in deltas.items():
         # Frees before allocations at the same instant: a backward's buffers go before the next one's arrive.
@@ -905,11 +956,14 @@ def simulate(plan: Plan, graph: CostGraph, dtype: str = "float32") -> SimResult:
             curve.append((t, cur))
         curves[dev], peaks[dev] = tuple(curve), max(b for _, b in curve)
     worked = sum(b - a for a, b in done.values())
-    bubble = 1.0 - worked / (s_count * pipe_end) if pipe_end > 0 else 0.0
+    bubble = 1.0 - worked / (groups * pipe_end) if pipe_end > 0 else 0.0  # a device group computes one thing at once
     took = [sum(b - a for (_, x, _), (a, b) in done.items() if x == i) for i in range(s_count)]
     contention = tuple(t / (m * cst.compute_ms) if cst.compute_ms > 0 else 1.0 for t, cst in zip(took, costs))
     bottleneck = max(range(s_count), key=lambda i: took[i])
-    own = tuple(max(0.0, 1.0 - t / end) if end > 0 else 0.0 for t, end in zip(took, lasts))
+    # a rank's own bubble: its idle share up to its last backward, over every stage it holds
+    busy, end = _group_sum(plan, took), [max(lasts[g::groups]) for g in range(groups)]
+    own = tuple(max(0.0, 1.0 - busy[i % groups] / end[i % groups]) if end[i % groups] > 0 else 0.0
+                for i in range(s_count))
     return SimResult(step, max(0.0, bubble), bottleneck, tuple(sorted(bars, key=lambda b: (b.device, b.start_ms))),
                      curves, peaks, costs, step_no_opt, tuple(tied), contention, own, agree, tl.skew)
 

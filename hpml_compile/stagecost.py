@@ -154,7 +154,9 @@ def in_flight(schedule: Schedule, microbatches: int, after: Value, stages: int |
     Args:
         schedule: GPipe (all ``M``), 1F1B (``min(M, j + 1)``; Narayanan et al. 2021: ``S - i``) or ZB-H1
             (``min(M, S)`` on every stage: a microbatch's activations live until its weight-gradient part,
-            :mod:`hpml_compile.schedule`).
+            :mod:`hpml_compile.schedule`). Interleaved 1F1B: 1F1B's count here; a chunk's own depends on the
+            bytes of its group's other chunks (:func:`hpml_compile.interleave.peak_in_flight`, which the
+            simulator and :func:`hpml_compile.plan.stage_breakdown` use).
         microbatches: ``M``.
         after: ``j``, the number of stages after this one (``S - i - 1`` for stage ``i`` of ``S``).
         stages: ``S`` (ZB-H1; None: not known yet, as in the solvers' tables: ``M``, which bounds it).

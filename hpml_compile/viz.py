@@ -56,7 +56,7 @@ from .simulate import EventKind, SimResult, idle_intervals
 if TYPE_CHECKING:  # matplotlib is imported where a figure is drawn (see the module docstring)
     from matplotlib.figure import Figure
 
-__all__ = ["STAGE_COLOURS", "stage_of_nodes", "plan_graph", "timeline_figure", "memory_figure", "write_pictures",
+__all__ = ["STAGE_COLOURS", "stage_of_nodes", "chunk_text", "plan_graph", "timeline_figure", "memory_figure", "write_pictures",
            "device_order", "chart_rows", "device_names", "rows_text"]
 
 # Qualitative, colour-blind-friendly fills (Okabe-Ito, lightened); stage k takes colour k mod len.
@@ -104,7 +104,7 @@ def stage_of_nodes(plan: Plan, graph: CostGraph) -> dict[str, int]:
 
 def device_order(plan: Plan) -> list[str]:
     """Devices in pipeline order (stage by stage), then the devices the plan leaves unused."""
-    used = [d for st in plan.stages for d in st.devices]
+    used = list(dict.fromkeys(d for st in plan.stages for d in st.devices))  # interleaved: a device's chunks once
     return used + [d.name for d in plan.cluster.devices if d.name not in set(used)]
 
 
@@ -128,20 +128,47 @@ def chart_rows(plan: Plan, per_device: bool | None = None) -> list[tuple[str, st
     """
     c = plan.cluster
     if per_device if per_device is not None else len(c.devices) <= 16:
-        stage_of = {d: st.index for st in plan.stages for d in st.devices}
+        stage_of: dict[str, int] = {}
+        for st in plan.stages:
+            for d in st.devices:
+                stage_of.setdefault(d, st.index)  # interleaved 1F1B: the device's first chunk
         rows = {d: r for st in plan.stages for d, r in zip(st.devices, st.rows)}
-        return [(f"{d} ({c.device(d).kind})\n" + (f"stage {stage_of[d]}" if d in stage_of else "unused")
+        return [(f"{d} ({c.device(d).kind})\n" + (_held(plan, stage_of[d]) if d in stage_of else "unused")
                  + (f", {rows[d]} rows" if d in rows else ""),
                  d, stage_of.get(d)) for d in device_order(plan)]
     rows: list[tuple[str, str, int | None]] = [
-        (f"{device_names(st.devices)}\n{c.device(st.devices[0]).kind}, stage {st.index}"
+        (f"{device_names(st.devices)}\n{c.device(st.devices[0]).kind}, {_held(plan, st.index)}"
          + (f", rows {min(st.rows)}-{max(st.rows)}" if st.rows else ""), st.devices[0], st.index)
-        for st in plan.stages]
+        for st in plan.stages[:len(plan.stages) // plan.chunks]]
     used = {d for st in plan.stages for d in st.devices}
     for kind in dict.fromkeys(d.kind for d in c.devices if d.name not in used):
         idle = [d.name for d in c.devices if d.name not in used and d.kind == kind]
         rows.append((f"{device_names(idle)}\n{kind}, unused", idle[0], None))
     return rows
+
+
+def _held(plan: Plan, first: int) -> str:
+    """``stage 3``, or under interleaved 1F1B the stages (chunks) a device group holds: ``stages 1, 5, 9``."""
+    if plan.chunks == 1:
+        return f"stage {first}"
+    return "stages " + ", ".join(map(str, range(first, len(plan.stages), len(plan.stages) // plan.chunks)))
+
+
+def chunk_text(plan: Plan, st: Stage) -> str:
+    """``chunk 2 of 3 on device group 1``: where an interleaved plan's stage runs ("" for one chunk per group).
+
+    Example:
+        >>> from hpml_compile.cluster import load_cluster
+        >>> from hpml_compile.plan import Schedule
+        >>> sts = tuple(Stage(k, (f"cpu{k % 2}",), (f"n{k}",)) for k in range(4))
+        >>> p = Plan("m", load_cluster("local-cpu-2"), Schedule.INTERLEAVED, 2, sts, chunks=2)
+        >>> chunk_text(p, p.stages[3])
+        'chunk 2 of 2 on device group 1'
+    """
+    if plan.chunks == 1:
+        return ""
+    groups = len(plan.stages) // plan.chunks
+    return f"chunk {st.index // groups + 1} of {plan.chunks} on device group {st.index % groups}"
 
 
 def rows_text(st: Stage) -> str:
@@ -184,6 +211,7 @@ def _stage_label(plan: Plan, st: Stage, result: SimResult | None) -> str:
     opts += [f"local SGD every {plan.sync_every} (warm-up {plan.sync_warmup})"] \
         if plan.sync_every > 1 and len(st.devices) > 1 else []
     opts += [allreduce_label(plan, st)] if st.allreduce is AllReduce.HIERARCHICAL else []
+    opts += [chunk_text(plan, st)] if plan.chunks > 1 else []
     head = f"stage {st.index}: {device_names(st.devices)} ({kind_text})" + (f" | {', '.join(opts)}" if opts else "")
     if st.rows:
         head += "\\n" + rows_text(st)

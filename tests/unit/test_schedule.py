@@ -204,4 +204,5 @@ def test_the_schedule_imports_no_later_pass() -> None:
     tree = ast.parse((ROOT / "hpml_compile" / "schedule.py").read_text())
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert mods <= {"__future__", "enum", "re", "collections", "dataclasses", "typing", "errors", "plan", "memory", "functools"}, mods
+    assert mods <= {"__future__", "enum", "re", "collections", "dataclasses", "typing", "errors", "plan", "memory", "functools",
+                    "interleave"}, mods
