@@ -7,8 +7,9 @@ its one lowered list: the loss of every step, every gradient of the rank's stage
 parameters after it equal the reference's (float32, 1e-5). A checkpoint written under the interleaved plan
 resumes under a plain 1F1B plan of the same model, and one written there resumes under the interleaved plan: the
 step after each equals the reference's.
-Then the first device group on two replicas under ZeRO-1 (3 ranks): both of its stages shard their optimizer
-over the group, the losses and the gathered parameters equal the reference's. One spawn per world size.
+Then the first device group on two replicas under ZeRO-1, and under ZeRO-3 (3 ranks): both of its stages shard
+their optimizer (and under ZeRO-3 their parameters) over the group, the losses and the gathered parameters equal
+the reference's. One spawn per world size.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ def _worker(rank: int, world: int, builds: dict[str, str], out: str) -> None:
         report["to-ilv"] = _resume(builds["plain"], builds["ilv"], Path(out, "ck-b"))
     else:
         report["zero1"] = _train(builds["zero1"], _batches(STEPS))
+        report["zero3"] = _train(builds["zero3"], _batches(STEPS))
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
 
 
@@ -147,10 +149,11 @@ def test_interleaved_on_two_ranks_with_a_tied_embedding_and_checkpoints_across_p
             assert r[case]["loss"] < TOL and r[case]["state"] < TOL, (case, r[case])
 
 
-def test_interleaved_with_zero1_replicas(tmp_path: Path) -> None:
-    builds = {"zero1": _compile(tmp_path, "zero1", 2, replicas=[2, 1], zero=1)}
+def test_interleaved_with_zero1_and_zero3_replicas(tmp_path: Path) -> None:
+    builds = {"zero1": _compile(tmp_path, "zero1", 2, replicas=[2, 1], zero=1),
+              "zero3": _compile(tmp_path, "zero3", 2, replicas=[2, 1], zero=3)}
     reports = _run(tmp_path, 3, builds)
     assert [r["zero1"]["stages"] for r in reports] == [[0, 2], [0, 2], [1, 3]]
     for r in reports:
-        row = r["zero1"]
-        assert row["loss"] < TOL and row["state"] < TOL, row
+        for row in (r["zero1"], r["zero3"]):
+            assert row["loss"] < TOL and row["state"] < TOL, row

@@ -17,7 +17,6 @@ import torch
 from hpml_compile import models
 from hpml_compile.codegen import generate
 from hpml_compile.errors import PlanError
-from hpml_compile.memory import ZeroStage
 from hpml_compile.plan import Schedule
 from hpml_compile.runtime import Pipeline
 from hpml_compile.runtime.execute.chunks import interleave_refusal
@@ -76,8 +75,10 @@ def test_what_interleaving_does_not_run_is_refused(tmp_path: Path) -> None:
     swapped = replace(plan, stages=tuple(replace(st, swap=st.nodes[:1]) if st.index == 1 else st
                                          for st in plan.stages))
     assert "stage 1 uses activation swap" in (interleave_refusal(swapped) or "")
-    _, zero = _plan(2, replicas=[2, 1], zero=ZeroStage.OS_G_P)
-    assert "ZeRO-3" in (interleave_refusal(zero) or "")
+    _, replicated = _plan(2, replicas=[2, 1])
+    compressed = replace(replicated, stages=tuple(replace(st, compress="topk:0.01") if st.replicas > 1 else st
+                                                  for st in replicated.stages))
+    assert "stage 0 uses gradient compression" in (interleave_refusal(compressed) or "")
     generate(gm, plan, tmp_path)
     with pytest.raises(PlanError, match="lost in place is not combined with an interleaved plan"):
         Pipeline.from_build(tmp_path, _model().module, live=True)

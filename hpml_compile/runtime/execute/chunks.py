@@ -42,7 +42,6 @@ from typing import Iterable
 
 from torch import nn
 
-from ...memory import ZeroStage
 from ...plan import Plan
 
 __all__ = ["held_stages", "rank_module", "interleave_refusal"]
@@ -113,7 +112,7 @@ def interleave_refusal(plan: Plan, *, live: bool = False, join: bool = False) ->
         return (f"a rank {'joining' if join else 'lost'} in place is not combined with an interleaved plan "
                 f"({plan.chunks} chunks per rank): restart from the last checkpoint instead (run without live/join)")
     for st in plan.stages:
-        what = ("tensor parallelism" if st.tp > 1 else "ZeRO-3" if st.zero == ZeroStage.OS_G_P else
+        what = ("tensor parallelism" if st.tp > 1 else
                 "optimizer offload" if st.offload_optimizer else "activation swap" if st.swap else
                 "gradient compression" if st.compress else None)
         if what is not None:
