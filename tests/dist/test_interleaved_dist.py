@@ -9,7 +9,8 @@ resumes under a plain 1F1B plan of the same model, and one written there resumes
 step after each equals the reference's.
 Then the first device group on two replicas under ZeRO-1, and under ZeRO-3 (3 ranks): both of its stages shard
 their optimizer (and under ZeRO-3 their parameters) over the group, the losses and the gathered parameters equal
-the reference's. One spawn per world size.
+the reference's, and the ZeRO-1 checkpoints (the optimizer's shards made whole by name) resume across the plans
+as above. One spawn per world size.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def _worker(rank: int, world: int, builds: dict[str, str], out: str) -> None:
     else:
         report["zero1"] = _train(builds["zero1"], _batches(STEPS))
         report["zero3"] = _train(builds["zero3"], _batches(STEPS))
+        report["to-plain"] = _resume(builds["zero1"], builds["plain-zero1"], Path(out, "ck-a"))
+        report["to-ilv"] = _resume(builds["plain-zero1"], builds["zero1"], Path(out, "ck-b"))
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
 
 
@@ -151,9 +154,10 @@ def test_interleaved_on_two_ranks_with_a_tied_embedding_and_checkpoints_across_p
 
 def test_interleaved_with_zero1_and_zero3_replicas(tmp_path: Path) -> None:
     builds = {"zero1": _compile(tmp_path, "zero1", 2, replicas=[2, 1], zero=1),
-              "zero3": _compile(tmp_path, "zero3", 2, replicas=[2, 1], zero=3)}
+              "zero3": _compile(tmp_path, "zero3", 2, replicas=[2, 1], zero=3),
+              "plain-zero1": _compile(tmp_path, "plain-zero1", 1, replicas=[2, 1], zero=1)}
     reports = _run(tmp_path, 3, builds)
     assert [r["zero1"]["stages"] for r in reports] == [[0, 2], [0, 2], [1, 3]]
     for r in reports:
-        for row in (r["zero1"], r["zero3"]):
+        for row in (r["zero1"], r["zero3"], r["to-plain"], r["to-ilv"]):
             assert row["loss"] < TOL and row["state"] < TOL, row
