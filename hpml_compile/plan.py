@@ -704,6 +704,8 @@ def device_need(plan: Plan, profile: Profile, device: str, tensor_parallel: Tens
     held = [st for st in plan.stages if device in st.devices]
     if not held:
         raise PlanError(f"no stage of the plan uses device {device!r}")
+    if tensor_parallel is None and any(st.tp > 1 for st in held):
+        tensor_parallel = analyze_tp(profile)
     parts = [_breakdown(plan, profile, st, device, tensor_parallel) for st in held]
     if plan.chunks > 1:  # one group's chunks: the microbatches each holds at the group's peak
         counts = peak_in_flight(held[0].index, len(plan.stages) // plan.chunks, plan.chunks,
@@ -722,10 +724,10 @@ def _breakdown(plan: Plan, profile: Profile, stage: Stage, device: str,
     nodes = [n for n in profile.nodes if n.name in names]
     swapped = set(stage.swap)
     m = plan.microbatches
+    if stage.tp > 1 and tensor_parallel is None:
+        tensor_parallel = analyze_tp(profile)  # once, not once a node
     sharded = [n for n in nodes if tensor_parallel.role(n.name, stage.tp) is not None] \
         if stage.tp > 1 and tensor_parallel is not None else []
-    if stage.tp > 1 and tensor_parallel is None:
-        sharded = [n for n in nodes if analyze_tp(profile).role(n.name, stage.tp) is not None]
     params = tp_bytes(sum(n.param_bytes for n in nodes), sum(n.param_bytes for n in sharded), stage.tp) \
         + tied_elsewhere(((n.name, n.params) for n in profile.nodes), profile.parameters, names)
     mem = device_memory(

@@ -290,15 +290,18 @@ def move_rows(old: Plan, graph: CostGraph, *, cluster: Cluster | None = None, st
     for g in graph.order:
         nodes.setdefault(fx_stage.get(graph.node(g).members[0], -1), []).append(g)
     new_stages = []
+    groups = len(old.stages) // old.chunks  # interleaved 1F1B: a device group's chunks take the same rows
+    chosen = {k % groups for k in chosen}
     for st in old.stages:
-        if st.index not in chosen or len(st.devices) < 2:
+        if st.index % groups not in chosen or len(st.devices) < 2:
             new_stages.append(st)
             continue
+        held = [n for k in range(st.index % groups, len(old.stages), groups) for n in nodes.get(k, [])]
         fixed, per_row = [], []
         for d in st.devices:
             kind = target.device(d).kind
-            zero = [graph.cost_at(n, kind, 0.0) for n in nodes.get(st.index, [])]
-            one = [graph.cost_at(n, kind, 1.0 / graph.batch_size) for n in nodes.get(st.index, [])]
+            zero = [graph.cost_at(n, kind, 0.0) for n in held]
+            one = [graph.cost_at(n, kind, 1.0 / graph.batch_size) for n in held]
             fixed.append(sum(f + b for f, b in zero))
             per_row.append(max(sum(f + b for f, b in one) - fixed[-1], 1e-12))
         try:

@@ -31,11 +31,15 @@ one per GPU, 100 GbE cards one per two V100s), ``hetero-4`` and ``mix3-8``
     python benchmarks/plan_quality/large.py            # every row, ~10 min on 2 busy cores
     python benchmarks/plan_quality/large.py --quick    # llama-7b on dgx-h100-8x8 only
     python benchmarks/plan_quality/large.py --schedule auto   # ilp under 1F1B, or ZB-H1 where faster
+    python benchmarks/plan_quality/large.py --schedule auto --interleave   # interleaved 1F1B weighed too
+    python benchmarks/plan_quality/large.py --schedule interleaved-1f1b    # the ilp pipeline interleaved
     python benchmarks/plan_quality/large.py --only llama-70b:3x256   # one model on one cluster
 
 ``bubble``: the share of the ilp plan's step its stages sit idle in the pipeline (the simulator's bubble).
 ``--schedule`` (``1f1b``, the default; ``zb-h1``; ``auto``: ZB-H1 on the ilp placement where it simulates
-faster and runs, :func:`hpml_compile.driver.faster_schedule`) sets the ilp plan's schedule.
+faster and runs, :func:`hpml_compile.driver.faster_schedule`; ``interleaved-1f1b``: the ilp pipeline's device
+groups holding several chunks each, :mod:`hpml_compile.solve.interleave`) sets the ilp plan's schedule;
+``--interleave`` lets ``auto`` weigh interleaved 1F1B too. ``sched`` names the chunks (``ilv x3``).
 
 Writes ``results/large.json`` (with the commit and date). Predictions are
 deterministic: the machine's load changes only the solver's seconds.
@@ -112,7 +116,8 @@ def _shape(plan: Any) -> str:
     return " | ".join(f"{n} x [{p}]" if n > 1 else p for p, n in runs) + f", M={plan.microbatches}"
 
 
-def row(prof: Profile, cluster: Cluster, time_limit: float, schedule: str = "1f1b") -> dict[str, Any]:
+def row(prof: Profile, cluster: Cluster, time_limit: float, schedule: str = "1f1b",
+        interleave: bool | None = None) -> dict[str, Any]:
     """``ilp`` (under ``schedule``) and ``grid`` for one profile and cluster, with the bounds."""
     graph = driver.cost_graph(prof, cluster)[1]
     out: dict[str, Any] = {"compute_bound_ms": compute_bound(graph, cluster)}
@@ -122,12 +127,13 @@ def row(prof: Profile, cluster: Cluster, time_limit: float, schedule: str = "1f1
             # grid is the mesh a user configures: no uneven rows after it (ilp runs as `plan` runs it)
             plan = driver.plan(prof, cluster, driver.Options(solver=solver, time_limit_s=time_limit,
                                                              uneven=solver != "grid",
-                                                             schedule=schedule if solver == "ilp" else None))
+                                                             schedule=schedule if solver == "ilp" else None,
+                                                             interleave=interleave if solver == "ilp" else None))
         except HpmlError as e:
             out[solver] = {"step_ms": None, "note": str(e).splitlines()[0][:200]}
             continue
         out[solver] = {"step_ms": plan.predicted.step_ms, "shape": _shape(plan), "seconds": time.perf_counter() - t0,
-                       "bubble": plan.predicted.bubble, "schedule": plan.schedule.value}
+                       "bubble": plan.predicted.bubble, "schedule": plan.schedule.value, "chunks": plan.chunks}
         if plan.certificate is not None and plan.certificate.bound_ms:
             out["fixed_bound_ms"] = plan.certificate.bound_ms
     return out
@@ -143,9 +149,16 @@ def _line(r: dict[str, Any]) -> str:
     bubble = f"{ilp['bubble']:.1%}" if ilp.get("bubble") is not None else "-"
     return (f"{r['model']:10s} {r['cluster']:13s} {r['per_op']:9s} {_ms(r['compute_bound_ms'])} "
             f"{_ms(r.get('fixed_bound_ms'))} {_ms(ilp['step_ms'])} {(f'{ratio:.2f}x' if ratio else 'infeas.'):>8s} "
-            f"{bubble:>7s} {ilp.get('schedule', '-'):>6s} "
+            f"{bubble:>7s} {_sched(ilp):>6s} "
             f"{_ms(r['grid']['step_ms'])} {(f'{grid:.2f}x' if grid else '-'):>8s}  "
             f"{ilp.get('shape', ilp.get('note', ''))}; {r['grid'].get('shape', r['grid'].get('note', ''))}")
+
+
+def _sched(r: dict[str, Any]) -> str:
+    """The schedule column: ``1f1b``, ``zb-h1``, or ``ilv x3`` for interleaved 1F1B with 3 chunks."""
+    if r.get("chunks", 1) > 1:
+        return f"ilv x{r['chunks']}"
+    return str(r.get("schedule", "-"))
 
 
 def _commit() -> str:
@@ -161,8 +174,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="llama-7b on dgx-h100-8x8 only")
     ap.add_argument("--time-limit", type=float, default=30.0, help="each solve's time limit, seconds")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "large.json")
-    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "zb-h1", "auto"],
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "zb-h1", "interleaved-1f1b", "auto"],
                     help="the ilp plan's schedule (auto: ZB-H1 on its placement where faster)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="let --schedule auto weigh interleaved 1F1B on the ilp plan's device groups too")
     ap.add_argument("--only", metavar="MODEL:CLUSTER", help="the rows of one model on one cluster "
                     "(e.g. llama-70b:3x256)")
     args = ap.parse_args()
@@ -187,7 +202,7 @@ def main() -> None:
             for cname, cluster in cs.items():
                 r = {"model": name, "batch": batch, "cluster": cname, "per_op": label,
                      "op_us": (op_ms if op_ms is not None else 0.070) * 1e3,
-                     **row(prof, cluster, args.time_limit, args.schedule)}
+                     **row(prof, cluster, args.time_limit, args.schedule, args.interleave or None)}
                 ilp, grid = r["ilp"]["step_ms"], r["grid"]["step_ms"]
                 r["ilp_vs_compute"] = ilp / r["compute_bound_ms"] if ilp else None
                 r["grid_vs_ilp"] = grid / ilp if ilp and grid else None
@@ -202,6 +217,7 @@ def main() -> None:
           "charged per microbatch per replica): no plan is faster than either. A goal whose ratio is below "
           "fixed/compute is out of reach under that per-op cost.")
     write_json_atomic({"commit": _commit(), "date": time.strftime("%Y-%m-%d"), "schedule": args.schedule,
+                       "interleave": args.interleave,
                        "rows": rows}, args.out)
     print(f"wrote {args.out}")
 

@@ -9,15 +9,17 @@ lowered lists). So the pass keeps the solver's device groups as they are
 and re-cuts the model into ``S v`` pieces in order, piece ``k`` on group
 ``k % S``: walking the cost graph's blocks in order, a piece takes blocks until
 it holds ``1 / v`` of the compute its group had in the solver's plan (in the
-group's own time: a slower group takes less of the model), so each group keeps
-the load the solver balanced against its memory. For each ``v`` of
+group's own time: a slower group takes less of the model; the cut that keeps
+the largest piece closest to its share), so each group keeps the load the
+solver balanced against its memory. For each ``v`` of
 :data:`CHUNKS` (``S v`` blocks at most) it checks the memory
 (:func:`hpml_compile.plan.validate_plan`, a device holding all its chunks) and
 simulates the step; :func:`choose` keeps the fastest. Interleaving holds more
 microbatches in flight than 1F1B, most on the later groups (``(v - 1) S +
 2 (S - g - 1) + 1`` chunk-microbatches on group ``g`` against 1F1B's ``S - g``
-whole-stage ones), so where a group's devices overflow, its chunks recompute
-(the simulator prices the extra forward) and the plan is tried again.
+whole-stage ones), so where a group's devices overflow, its chunks recompute,
+those holding the most activations first, until it fits (the simulator prices
+the extra forwards).
 
 Example:
     >>> from hpml_compile.testing import chain_graph, uniform_cluster
@@ -35,12 +37,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Iterable
 
 from ..costgraph import CostGraph
 from ..errors import PlanError
 from ..ir import Profile
-from ..plan import Plan, PlanPrediction, Schedule, Stage, device_need, validate_plan
+from ..plan import Plan, PlanPrediction, Schedule, Stage, device_need, stage_breakdown, validate_plan
+from ..tp import TensorParallel, analyze as analyze_tp
 from ..simulate import _stage_of_graph_nodes, annotate, node_ms, step_ms
 
 __all__ = ["CHUNKS", "BUDGET_S", "interleave", "fit", "choose"]
@@ -65,6 +68,42 @@ def _group_ms(placed: Plan, graph: CostGraph) -> list[dict[str, float]]:
     return out
 
 
+def _balanced_cuts(costs: list[list[float]], target: list[float]) -> list[int]:
+    """Where to cut a sequence of blocks into ``len(target)`` pieces, piece ``k`` pricing block ``i`` at
+    ``costs[k % S][i]``: the cut whose largest ratio of a piece's cost to its target is smallest (a binary search on
+    that ratio, each piece filled greedily up to it; every piece keeps at least one block).
+
+    >>> _balanced_cuts([[1.0] * 6], [1.0, 1.0, 1.0])
+    [2, 4]
+    >>> _balanced_cuts([[1.0] * 6, [1.0] * 6], [1.0, 2.0])
+    [2]
+    """
+    s, pieces, n = len(costs), len(target), len(costs[0])
+
+    def fill(scale: float) -> list[int] | None:
+        cuts, i = [], 0
+        for k in range(pieces - 1):
+            acc, start, limit = 0.0, i, n - (pieces - 1 - k)
+            while i < limit and (i == start or acc + costs[k % s][i] <= scale * target[k]):
+                acc += costs[k % s][i]
+                i += 1
+            cuts.append(i)
+        rest = sum(costs[(pieces - 1) % s][i:])
+        return cuts if rest <= scale * target[-1] else None
+
+    lo, hi = 0.0, max(sum(c) for c in costs) / max(min(target), 1e-12) + 1.0
+    best = fill(hi)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        got = fill(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+    assert best is not None  # at the top of the range every block fits
+    return best
+
+
 def interleave(placed: Plan, graph: CostGraph, chunks: int) -> Plan | None:
     """``placed``'s device groups holding ``chunks`` pieces each (module docstring); unpredicted.
 
@@ -83,16 +122,7 @@ def interleave(placed: Plan, graph: CostGraph, chunks: int) -> Plan | None:
     costs = _group_ms(placed, graph)
     target = [sum(costs[g][n] for n in graph.order if owner[n] == g) / chunks for g in range(s)]
     blocks, pieces = list(graph.order), s * chunks
-    cuts, i = [], 0
-    for k in range(pieces - 1):
-        acc, start, limit = 0.0, i, len(blocks) - (pieces - 1 - k)  # leave a block for every later piece
-        while i < limit:
-            c = costs[k % s][blocks[i]]
-            if i > start and acc + c / 2 > target[k % s]:  # the nearest boundary to the target
-                break
-            acc += c
-            i += 1
-        cuts.append(i)
+    cuts = _balanced_cuts([[costs[k % s][b] for b in blocks] for k in range(s)], [target[k % s] for k in range(pieces)])
     bounds = list(zip([0, *cuts], [*cuts, len(blocks)]))
     stages = []
     for k, (lo, hi) in enumerate(bounds):
@@ -106,30 +136,45 @@ def interleave(placed: Plan, graph: CostGraph, chunks: int) -> Plan | None:
 
 def _overflowing(plan: Plan, prof: Profile) -> set[int]:
     """The device groups (first ``S`` stages) with a device over its memory, all chunks counted."""
-    groups, out = len(plan.stages) // plan.chunks, set()
-    for st in plan.stages[:groups]:
+    sharding = analyze_tp(prof) if any(st.tp > 1 for st in plan.stages) else None
+    return _overflowing_groups(plan, prof, range(len(plan.stages) // plan.chunks), sharding)
+
+
+def _overflowing_groups(plan: Plan, prof: Profile, groups: Iterable[int], sharding: TensorParallel | None) -> set[int]:
+    """Those of ``groups`` with a device over its memory (one device of each kind and rows checked)."""
+    out = set()
+    for st in (plan.stages[g] for g in groups):
         seen = set()
         for j, d in enumerate(st.devices):
             dev = plan.cluster.device(d)
             key = (dev.kind, st.rows[j] if st.rows else None)
             if key not in seen:
                 seen.add(key)
-                if device_need(plan, prof, d) > dev.memory_bytes:
+                if device_need(plan, prof, d, sharding) > dev.memory_bytes:
                     out.add(st.index)
                     break
     return out
 
 
 def fit(plan: Plan, prof: Profile) -> Plan:
-    """``plan`` with every chunk of each device group that overflows its memory recomputing (once): what the pass
-    tries where the interleaved plan holds more than the devices do; :func:`hpml_compile.plan.validate_plan` still
-    decides whether it fits."""
-    over = _overflowing(plan, prof)
-    if not over:
-        return plan
+    """``plan`` with chunks of each device group that overflows its memory recomputing, the ones holding the most
+    activations first, until the group fits (or every chunk recomputes): what the pass tries where the interleaved
+    plan holds more than the devices do. :func:`hpml_compile.plan.validate_plan` still decides whether it fits."""
     groups = len(plan.stages) // plan.chunks
-    return replace(plan, stages=tuple(replace(st, recompute=True) if st.index % groups in over else st
-                                      for st in plan.stages))
+    sharding = analyze_tp(prof) if any(st.tp > 1 for st in plan.stages) else None
+    for g in sorted(_overflowing(plan, prof)):
+        mine = list(range(g, len(plan.stages), groups))
+        dev = plan.stages[g].devices[0]
+        held = {k: stage_breakdown(plan, prof, plan.stages[k], dev, sharding).activations for k in mine}
+        for k in sorted(mine, key=lambda x: -held[x]):
+            if plan.stages[k].recompute:
+                continue
+            stages = list(plan.stages)
+            stages[k] = replace(stages[k], recompute=True)
+            plan = replace(plan, stages=tuple(stages))
+            if g not in _overflowing_groups(plan, prof, [g], sharding):
+                break
+    return plan
 
 
 def choose(placed: Plan, graph: CostGraph, prof: Profile, *, forced: bool = False,
@@ -178,7 +223,7 @@ def choose(placed: Plan, graph: CostGraph, prof: Profile, *, forced: bool = Fals
     chosen = annotate(best[1], graph, prof.dtype)[0]
     redone = sum(1 for a, b in zip(chosen.stages, placed.stages * chosen.chunks) if a.recompute and not b.recompute)
     name = f"interleaved-1f1b with {chosen.chunks} chunks" + (
-        f" ({redone // chosen.chunks} device groups recomputing to fit)" if redone else "")
+        f" ({redone} of its {len(chosen.stages)} stages recomputing to fit)" if redone else "")
     if forced or chosen.predicted.step_ms < placed.predicted.step_ms:
         tell(f"schedule: {name}, {chosen.predicted.step_ms:.4g} ms a step against {placed.predicted.step_ms:.4g} ms "
              f"under {placed.schedule.value} (bubble {chosen.predicted.bubble:.1%} against "
