@@ -189,7 +189,8 @@ def _executes(n: fx.Node) -> bool:
 def split_plan(gm: fx.GraphModule, model: str, stages: int, *, microbatches: int = 1,
                replicas: Sequence[int] | None = None, after: Sequence[str] | None = None,
                swap: Iterable[int] = (), recompute: Iterable[int] = (), zero: ZeroStage | int = 0,
-               schedule: Schedule = Schedule.GPIPE, rows: Sequence[Sequence[int]] | None = None) -> Plan:
+               schedule: Schedule = Schedule.GPIPE, rows: Sequence[Sequence[int]] | None = None,
+               chunks: int = 1) -> Plan:
     """A plan cutting the graph's node order into ``stages`` contiguous ranges, on ``local-cpu-N``.
 
     Args:
@@ -205,6 +206,9 @@ def split_plan(gm: fx.GraphModule, model: str, stages: int, *, microbatches: int
         schedule: the schedule written into the plan.
         rows: per stage, each replica's rows of a microbatch (``Stage.rows``; ``()``: an equal split); given
             alone, it sets the replica counts too.
+        chunks: interleaved 1F1B's ``v`` (with ``schedule`` interleaved): ``stages`` is then ``S * v``, and
+            ``replicas`` and ``rows`` are given per device group (``S`` entries); stage ``k`` runs on group
+            ``k % S``'s devices.
 
     Returns:
         The plan.
@@ -216,19 +220,21 @@ def split_plan(gm: fx.GraphModule, model: str, stages: int, *, microbatches: int
     else:
         body = [i for i, n in enumerate(nodes) if _executes(n)]
         cuts = [0, *(body[round(i * len(body) / stages)] for i in range(1, stages)), len(nodes)]
-    per = [tuple(r) for r in rows] if rows is not None else [()] * stages
+    groups = stages // chunks
+    per = [tuple(r) for r in rows] if rows is not None else [()] * groups
     reps = list(replicas or [len(r) or 1 for r in per])
     devices, k = [], 0
     for d in reps:
         devices.append(tuple(f"cpu{k + i}" for i in range(d)))
         k += d
+    per, reps, devices = ([x[i % groups] for i in range(stages)] for x in (per, reps, devices))
     swap, recompute = set(swap), set(recompute)
     out = []
     for i in range(stages):
         part = tuple(names[cuts[i]:cuts[i + 1]])
         out.append(Stage(i, devices[i], part, zero=ZeroStage(zero) if reps[i] > 1 else ZeroStage.NONE,
                          recompute=i in recompute, swap=part if i in swap else (), rows=per[i]))
-    return Plan(model, load_cluster(f"local-cpu-{k}"), schedule, microbatches, tuple(out))
+    return Plan(model, load_cluster(f"local-cpu-{k}"), schedule, microbatches, tuple(out), chunks=chunks)
 
 
 def last_node_of(gm: fx.GraphModule, block: str) -> str:

@@ -29,6 +29,7 @@ from typing import Any, Callable, NoReturn
 
 from ..errors import HpmlError, OptionError
 from ..plan import Plan, load_plan, with_comm
+from ..schedule import rank_layout
 from ..runtime.job.adapt import AdaptOptions
 from ..runtime.job.options import (Faults, OptimizerName, ResumeMode, RunOptions, parse_fault, parse_slow,
                                    parse_step_rank)
@@ -192,7 +193,7 @@ def run_run(args: argparse.Namespace) -> int:
     _data_options(args, recipe, plan)  # --epochs becomes --steps; a TrainSpec's batch must split as planned
     _compile_mode(args, plan)  # the build's, or the one asked for (one line where it was not priced so)
     with_comm(plan, compress=args.compress, sync_every=args.sync_every, sync_warmup=args.sync_warmup)  # checked
-    devices = sum(len(st.devices) for st in plan.stages)
+    devices = len(rank_layout(plan))  # one rank per device
     nproc = args.nproc if args.nproc is not None else max(1, devices // args.nnodes)
     check_world(plan, nproc, args.nnodes)
     check_faults(args, devices)  # ranks and steps that exist in this build and this run

@@ -57,7 +57,7 @@ from ..errors import BuildMismatchError, HpmlError, OutputError
 from ..plan import Plan, load_plan
 from ..publish import check_output_dir, publish_dir
 from ..recipe import RECIPE_FILE
-from ..schedule import RankActions, deferral, lower, parse_actions
+from ..schedule import RankActions, deferral, lower, parse_actions, rank_layout
 from ..schedule_check import validate as validate_actions
 from ..schema import write_json_atomic
 from ..trace import trace
@@ -368,7 +368,7 @@ def rank_actions(manifest: Manifest, plan: Plan) -> list[RankActions]:
     """
     replicas = [len(st.devices) for st in plan.stages]
     if manifest.ranks:
-        layout = [(k, i) for k, d in enumerate(replicas) for i in range(d)]
+        layout = rank_layout(plan)  # interleaved: each rank's first stage
         got = [(r["stage"], r["replica"]) for r in manifest.ranks]
         if got != layout:
             raise BuildMismatchError(f"manifest.json: the action lists are for ranks (stage, replica) {got}, but "
@@ -382,6 +382,7 @@ def rank_actions(manifest: Manifest, plan: Plan) -> list[RankActions]:
         ranks = lower(plan.schedule, plan.microbatches, replicas,
                       sends=[f"{k}SEND{k + 1}" in t for k, t in enumerate(tokens)],
                       grad_sync=[[x for x in t if x.startswith(("ALLREDUCE", "REDUCESCATTER"))] for t in tokens],
-                      after_step=[[x for x in t if x.startswith("ALLGATHER")] for t in tokens], defer=deferral(plan))
-    validate_actions(ranks, replicas, deferral(plan))
+                      after_step=[[x for x in t if x.startswith("ALLGATHER")] for t in tokens], defer=deferral(plan),
+                      chunks=plan.chunks)
+    validate_actions(ranks, replicas, deferral(plan), chunks=plan.chunks)
     return ranks

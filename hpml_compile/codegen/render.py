@@ -97,7 +97,7 @@ def render(gm: fx.GraphModule, plan: Plan, *, profile: Profile | None = None, re
                            sends=[a.send is not None for a in actions],
                            grad_sync=[[str(g) for g in a.grad_sync] for a in actions],
                            after_step=[[str(g) for g in a.after_step] for a in actions],
-                           defer=deferral(plan))  # 7. per-rank actions
+                           defer=deferral(plan), chunks=plan.chunks)  # 7. per-rank actions
     manifest = Manifest(
         model=plan.model, graph_sha256=graph_sha,
         front_end=FrontEnd.EXPORT if gm.meta.get("hpml_front_end") is FrontEnd.EXPORT else FrontEnd.FX,

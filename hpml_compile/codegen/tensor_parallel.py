@@ -141,9 +141,13 @@ class Places:
     (the gradient of its input is whole on each rank: the column layers' all-reduce). Between stages of the
     same ``tp``, place ``i`` talks to place ``i``.
 
+    An interleaved plan (``chunks`` ``v > 1``) has ``S * v`` stages on ``S`` device groups: stage ``k`` runs on
+    the ranks of stage ``k % S``, so a rank holds ``v`` stages and :meth:`locate` names the first.
+
     Attributes:
         tps: each stage's degree.
         replicas: each stage's replicas (its devices over its ``tp``).
+        chunks: stages per device group (the plan's ``chunks``; 1: one stage per rank).
 
     Example:
         >>> p = Places((2, 1), (1, 1))
@@ -151,15 +155,24 @@ class Places:
         ([[1], [2]], [], [0, 1], 0)
         >>> [p.locate(r) for r in range(3)]
         [(0, 0, 0), (0, 0, 1), (1, 0, 0)]
+        >>> v = Places((1, 1, 1, 1), (2, 1, 2, 1), chunks=2)  # stages 0 and 2 on ranks 0-1, 1 and 3 on rank 2
+        >>> v.table(0), v.size, v.locate(2)
+        ([[0, 1], [2], [0, 1], [2]], 3, (1, 0, 0))
     """
 
     tps: tuple[int, ...]
     replicas: tuple[int, ...]
+    chunks: int = 1
 
     @classmethod
     def of(cls, plan: Plan) -> "Places":
         """The places of ``plan``'s stages."""
-        return cls(tuple(st.tp for st in plan.stages), tuple(st.replicas for st in plan.stages))
+        return cls(tuple(st.tp for st in plan.stages), tuple(st.replicas for st in plan.stages), plan.chunks)
+
+    @property
+    def groups(self) -> int:
+        """Device groups: stages of one per rank (``S``, the stages over the chunks)."""
+        return len(self.tps) // self.chunks
 
     @property
     def count(self) -> int:
@@ -169,12 +182,13 @@ class Places:
     @property
     def size(self) -> int:
         """Ranks in the job."""
-        return sum(t * r for t, r in zip(self.tps, self.replicas))
+        return sum(t * r for t, r in zip(self.tps[:self.groups], self.replicas[:self.groups]))
 
     def rank(self, stage: int, replica: int, place: int) -> int:
         """The job rank of ``replica`` of ``stage`` at ``place`` of its group (taken modulo the stage's ``tp``)."""
-        base = sum(t * r for t, r in zip(self.tps[:stage], self.replicas[:stage]))
-        return base + replica * self.tps[stage] + place % self.tps[stage]
+        g = stage % self.groups
+        base = sum(t * r for t, r in zip(self.tps[:g], self.replicas[:g]))
+        return base + replica * self.tps[g] + place % self.tps[g]
 
     def table(self, place: int) -> list[list[int]]:
         """Each stage's ranks, one per replica, as a rank at ``place`` sees them."""
@@ -187,7 +201,7 @@ class Places:
             ValueError: the job has no such rank.
         """
         base = 0
-        for k, (t, n) in enumerate(zip(self.tps, self.replicas)):
+        for k, (t, n) in enumerate(zip(self.tps[:self.groups], self.replicas[:self.groups])):
             if rank < base + t * n:
                 r, j = divmod(rank - base, t)
                 return k, r, j

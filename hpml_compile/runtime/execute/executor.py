@@ -31,6 +31,12 @@ and decides nothing: each token goes to the handler of its kind
   all-reduce, or what rode the gradient collective where ``agree`` boards one,
   :mod:`.batchcheck`); ``OPTk``: the optimizer step (once per process).
 
+Each token runs on the stage it names: under interleaved 1F1B a rank holds
+several stages (``v`` chunks, :func:`hpml_compile.schedule.rank_stages`) and its
+one list interleaves their tokens; a collective moves the parameters that the
+rank's stages of its group list for it (a parameter two of them share, once),
+and ``OPTk`` steps every stage of the process at the first of them.
+
 On a rank the list is its own (:func:`step_rank`, :class:`~.pipeline.Pipeline`);
 in one process (:func:`step_local`, a Pipeline without a process group) the
 lists of all ranks are merged by :func:`local_order`, a replay of the
@@ -82,8 +88,8 @@ from ...codegen.stage import StageModule
 from ...errors import HpmlError, UpdateApplied
 from ...precision import autocast
 from ...plan import Plan
-from ...schedule import (MARKERS, Action, ActionKind, RankActions, SyncImpl, deferral, rank_layout, relower,
-                        stage_ranks, sync_impl, with_averages)
+from ...schedule import (MARKERS, Action, ActionKind, RankActions, SyncImpl, deferral, rank_layout, rank_stages,
+                        relower, stage_ranks, sync_impl, with_averages)
 from ...schedule_check import replay, validate
 from ...trainspec import Split, split_of
 from ..sync.comm import DistComm, LocalComm, dist_comm
@@ -106,7 +112,7 @@ def stage_splits(build: Build) -> list[Split]:
 def stage_sends(build: Build) -> list[bool]:
     """Per stage, whether it sends values to the next one (its lowered list holds ``kSENDk+1`` tokens)."""
     lists = actions_for(build, build.plan.microbatches)
-    return [any(a.kind is ActionKind.SEND and a.stages[1] == k + 1 for a in lists[ranks[0]])
+    return [any(a.kind is ActionKind.SEND and a.stages == (k, k + 1) for a in lists[ranks[0]])
             for k, ranks in enumerate(stage_ranks(build.plan))]
 
 
@@ -135,15 +141,15 @@ def actions_for(build: Build, microbatches: int, plan: Plan | None = None) -> li
     Raises:
         ScheduleError: the lists lowered again do not validate.
     """
-    replicas = [len(st.devices) for st in build.plan.stages]
+    replicas, v = [len(st.devices) for st in build.plan.stages], build.plan.chunks
     if microbatches == build.plan.microbatches and build.actions:
         out = list(build.actions)
     else:
-        out = relower(build.actions, replicas, build.plan.schedule, microbatches, deferral(build.plan))
-        validate(out, replicas, deferral(build.plan))
+        out = relower(build.actions, replicas, build.plan.schedule, microbatches, deferral(build.plan), chunks=v)
+        validate(out, replicas, deferral(build.plan), chunks=v)
     if plan is not None and plan is not build.plan:
         local = [k for k, st in enumerate(plan.stages) if st.replicas > 1 and sync_impl(plan, (k,)) is SyncImpl.LOCAL]
-        out = with_averages(out, replicas, local)
+        out = with_averages(out, replicas, local, chunks=v)
     return out
 
 
@@ -165,7 +171,8 @@ def local_order(build: Build, microbatches: int) -> list[tuple[int, Action]]:
     Raises:
         ScheduleError: the lists deadlock.
     """
-    return replay(actions_for(build, microbatches), [len(st.devices) for st in build.plan.stages], _local_key)
+    return replay(actions_for(build, microbatches), [len(st.devices) for st in build.plan.stages], _local_key,
+                  chunks=build.plan.chunks)
 
 
 @dataclass
@@ -304,7 +311,7 @@ class _Step:
         self.stepped: set[tuple[int, Action]] = set()
         self.optimized = self.done_compute = self.done_sync = False
         self.cuda = device.type == "cuda"
-        self.last_bwd = {self.layout[rank][0]: i for i, (rank, a) in enumerate(order)
+        self.last_bwd = {a.stage: i for i, (rank, a) in enumerate(order)
                          if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT)}  # where gradients land
         self.ev = comm.events  # an EventLog (.events) where the pipeline records this step's events
 
@@ -323,7 +330,7 @@ class _Step:
 def _compute(step: _Step, index: int, rank: int, a: Action) -> None:
     """``kFj`` / ``kBj`` / ``kIj`` / ``kWj``: the forward (the last stage adds its slice's loss share), the backward
     of one slice, or one of its two parts (:mod:`.split`)."""
-    k, r = step.layout[rank]
+    k, r = a.stage, step.layout[rank][1]  # a rank of an interleaved plan holds several stages
     j, comm, run = a.microbatch or 0, step.comm, step.run
     comm.microbatch, comm.replica = j, r
     t0 = time.perf_counter()
@@ -373,7 +380,7 @@ def _forward(step: _Step, k: int, r: int, j: int) -> None:
 def _message(step: _Step, index: int, rank: int, a: Action) -> None:
     """``kRECVp:j``: receive into the mailbox what the next forward or backward takes (blocks); ``kSENDp:j``:
     send what the last one left there (never blocks; waited for at ``LOSS``)."""
-    k, r = step.layout[rank]
+    k, r = a.stage, step.layout[rank][1]
     if a.kind is ActionKind.RECV:
         post_recv(step.comm, k, a.stages[1], a.microbatch or 0, r, step.stages[k].RECV)
     else:
@@ -384,11 +391,10 @@ def _collective(step: _Step, index: int, rank: int, a: Action) -> None:
     """A collective token: handed to the sync of its stages (:mod:`..sync.stage`, the implementation its suffix
     names), with the parameters the stage lists for it; before ``OPTk`` it sums gradients, after it (ZeRO's
     all-gather, local SGD's average) it moves parameters, and a failure there leaves the update applied."""
-    k = step.layout[rank][0]
+    k = next(x for x in a.stages if x in step.stages)  # the token's stages this process holds, the first
     step.phase(synced=step.optimized)
-    key = (k, a)  # one process running several replicas of a stage: each token once
-    stage = step.stages[k]
-    params = stage.params(*stage.COLLECTIVES[str(a)])
+    key = (k, a)  # one process running several replicas of a stage, or several of its stages: each token once
+    params = _token_params(step, a)
     sync = step.syncs.get(a.stages, UNBUFFERED)
     if not step.optimized:
         if key not in step.synced:
@@ -416,6 +422,21 @@ def _collective(step: _Step, index: int, rank: int, a: Action) -> None:
     step.event("GATHER", t0, time.perf_counter(), k)
 
 
+def _token_params(step: _Step, a: Action) -> list[Tensor]:
+    """The parameters a collective token moves on this process: each stage it holds of the token lists its own
+    (a parameter tied between two stages of one rank counts once)."""
+    token, seen, out = str(a), set(), []
+    for k in a.stages:
+        stage = step.stages.get(k)
+        if stage is None or token not in stage.COLLECTIVES:
+            continue
+        for p in stage.params(*stage.COLLECTIVES[token]):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
 def _loss(step: _Step, index: int, rank: int, a: Action) -> None:
     """``LOSS``: wait for this process's sends, and agree on the loss (ranks)."""
     step.phase(synced=True)
@@ -424,7 +445,7 @@ def _loss(step: _Step, index: int, rank: int, a: Action) -> None:
     if step.agree is not None:
         run.regrouped = bool(step.agree(run.loss_sum))
     run.t_opt = time.perf_counter()
-    step.event("LOSS", t0, run.t_opt, step.layout[rank][0])
+    step.event("LOSS", t0, run.t_opt, step.layout[rank][0])  # a rank's first stage (interleaved: its group)
 
 
 def _optimize(step: _Step, index: int, rank: int, a: Action) -> None:
@@ -434,7 +455,7 @@ def _optimize(step: _Step, index: int, rank: int, a: Action) -> None:
     if step.optimizer is not None and not step.optimized:
         if step.scaler is None or _unscaled_finite(step.optimizer, step.scaler, step.agree_inf, step.run):
             step.optimizer.step()
-        step.event("OPT", t0, time.perf_counter(), step.layout[rank][0])
+        step.event("OPT", t0, time.perf_counter(), a.stage)
     step.optimized = True
 
 
@@ -529,8 +550,9 @@ def step_rank(build: Build, comm: DistComm, inputs: Sequence[Any], targets: Any,
         HpmlError: a batch whose microbatches have another shape than the build's.
     """
     _check_inputs(build, inputs)
-    stages = {comm.stage: build.stages[comm.stage]}
-    stages[comm.stage].hpml_comm = comm
+    stages = {k: build.stages[k] for k in rank_stages(build.plan)[comm.slot]}
+    for stage in stages.values():
+        stage.hpml_comm = comm
     m = build.plan.microbatches
     order = [(comm.slot, a) for a in actions_for(build, m)[comm.slot]]
     run = run_actions(build, order, stages, comm, inputs, targets, loss_fn, m, device=comm.device,

@@ -24,6 +24,13 @@ targets. The loss of a slice is scaled by ``1 / (microbatches x replicas)``
 so the gradients are the batch mean's, and :meth:`Pipeline.step` returns the
 batch loss on every rank.
 
+Interleaved 1F1B (a plan with ``chunks`` above 1): a rank holds every stage of
+its device group (:mod:`.chunks`), runs them from its one lowered list, syncs
+each replicated stage over its group (one sync per stage,
+:class:`..sync.stage.Several`) and steps one optimizer over all of them; its
+checkpoint holds its stages' tensors by the model's names, so it resumes under
+any plan.
+
 Single process: without torchrun (no ``WORLD_SIZE``, no process group) every
 stage runs in this process, chained through a mailbox, every rank's list
 merged into one order (for notebooks and tests).
@@ -61,7 +68,7 @@ from torch import Tensor, nn
 from ...codegen import Build, load_build
 from ...codegen.comm import DetachedComm
 from ...codegen.mailbox import post_recv, post_send
-from ...errors import HpmlError, OptionError, UpdateApplied
+from ...errors import HpmlError, OptionError, PlanError, UpdateApplied
 from ...ir import Precision, Schedule
 from ...plan import Plan, sync_overlap, with_comm
 from .batchcheck import Agreement, StepAgreement, agree_with_check, fingerprint
@@ -69,10 +76,11 @@ from ...hostmem import keep_freed_memory
 from ...memory import ZeroStage
 from ...trainspec import check_batch_split, rank_rows
 from ...codegen.tensor_parallel import tp_degree
-from ...schedule import Action, RankActions, deferral, relower, stage_ranks
+from ...schedule import Action, RankActions, deferral, rank_layout, relower, stage_ranks
 from ...schedule_check import validate as validate_actions
 from .tensor_parallel import TensorParallelSession, open_tensor_parallel, shard_rank, whole_params
 from ..sync.comm import CommFault, CommOp, DistComm, LocalComm, Rider, is_transient, make_groups, rank_devices
+from .chunks import held_stages, interleave_refusal, rank_module
 from .compiled import CompiledForward, CompileStages, compile_stages as compile_stages_of
 from .data import RankBatch
 from .executor import (actions_for, forward_stage, local_order, loss_share, merge_outputs, run_actions,
@@ -91,7 +99,7 @@ from .join import Door, JoinRefused, joined_actions, receive_state, send_state
 from .members import in_place_refusal, without_ranks
 from .session import CommFailure, RanksLost, RetryPolicy, Session
 from ..sync.feedback import CommState
-from ..sync.stage import StageSync, for_stage
+from ..sync.stage import Several, StageSync, for_stage
 from ..sync.zero import FlatShard
 from ..sync.zero3 import FlatShard3
 
@@ -156,6 +164,10 @@ class Pipeline:
                  shared_memory: bool = True, compile_stages: CompileStages | str | bool | None = None,
                  generated: Build | None = None) -> None:
         self.build, self.model, self.session = build, model, session
+        refusal = interleave_refusal(build.plan, live=session is not None and session.live,
+                                     join=session is not None and session.grant is not None)
+        if refusal is not None:
+            raise PlanError(refusal)
         self._generated = generated or build  # the devices and rows the stage code was generated for
         self._shared_memory = shared_memory
         if bucket_mb <= 0:
@@ -172,6 +184,7 @@ class Pipeline:
         self._faults = list(faults)
         self.steps_done = 0
         self._params: list[nn.Parameter] | None = None  # parameters(), listed once the stages are set
+        self._held_module: nn.Module | None = None  # local_module() of a rank holding several stages
         self._clear: list[nn.Parameter] | None = None  # _cleared(), listed once the sync is made
         self._memory_seen: dict[tuple[int, int], int] = {}  # (microbatches, rows) -> steps whose memory was counted
         self._agreed_loss: float | None = None  # the last step's agreed loss sum (ranks), for a peer behind
@@ -201,12 +214,12 @@ class Pipeline:
             self.stage_index, self.replica = 0, 0
         else:
             self.rank, self.world_size = session.rank, session.world_size
-            want = self._places.size if self._places is not None else sum(self._reps)
+            want = self._places.size if self._places is not None else len(rank_layout(self.plan))
             if self.world_size != want:
                 raise HpmlError(f"the build's plan runs on {want} devices (one rank each: "
-                                f"{', '.join(d for st in self.plan.stages for d in st.devices)}), but the world has "
-                                f"{self.world_size} ranks: start {want} processes (hpml-compile run --nproc {want}) "
-                                "or recompile the model for this many devices")
+                                f"{', '.join(dict.fromkeys(d for st in self.plan.stages for d in st.devices))}), but "
+                                f"the world has {self.world_size} ranks: start {want} processes (hpml-compile run "
+                                f"--nproc {want}) or recompile the model for this many devices")
             whole = session.plan if isinstance(session, TensorParallelSession) else self.plan  # every job rank's
             self._devices = rank_devices(whole, torch.cuda.device_count() if torch.cuda.is_available() else None)
             self.device = self._devices[self.rank]
@@ -220,13 +233,14 @@ class Pipeline:
                 # (gpt-mini, 2 busy cores)
                 gc.freeze()
             self.comm = self._connect()
-            self.stage_index, self.replica = self.comm.stage, self.comm.replica
-            self.stages = {self.stage_index: build.stages[self.stage_index]}
-            self.stages[self.stage_index].to(self.device)
+            self.stage_index, self.replica = self.comm.stage, self.comm.replica  # interleaved: its first stage
+            self.stages = {k: build.stages[k] for k in held_stages(self.plan, self.stage_index)}
+            for st in self.stages.values():
+                st.to(self.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's tensors reuse freed memory instead of faulting fresh pages in
         self.sync = self._make_sync(optimizer)
-        self._syncs = {self.sync.stages: self.sync} if self.sync is not None else {}
+        self._syncs = {s.stages: s for s in self.sync.parts} if self.sync is not None else {}
         self._shards: list[FlatShard] = self.sync.shards if self.sync is not None else []
         if any(s.prefetch for s in self._shards):  # the user's own reads of the model wait for the gathers too
             self._user_hooks = [model.register_forward_pre_hook(lambda *_: self.settle()),
@@ -286,9 +300,14 @@ class Pipeline:
         Raises:
             BuildMismatchError: the build is not for this model, or was edited.
             HpmlError: the world size is not the plan's device count, or a GPU the plan needs is missing.
+            PlanError: an interleaved plan with an option the runtime does not combine with it
+                (:func:`.chunks.interleave_refusal`).
             JoinRefused: with ``join``, the running ranks have no place for this process (their reason).
         """
         build = load_build(build_dir, model)
+        refusal = interleave_refusal(build.plan, live=live, join=join is not False)
+        if refusal is not None:  # before any process group forms
+            raise PlanError(refusal)
         if join is not False:
             return cls._join(build, model, init_method, retry, join, kwargs)
         if init_method is None and (dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1):
@@ -367,13 +386,15 @@ class Pipeline:
         comm.shared_memory = self._shared_memory
         comm.events = getattr(self, "events", None)
         comm.spec_rows = self._spec_rows
-        self.build.stages[comm.stage].hpml_comm = comm
+        for k in held_stages(self.plan, comm.stage):
+            self.build.stages[k].hpml_comm = comm
         if self.sync is not None:  # after a reconnect: the new communicator (and sub-groups) run the collectives
             self.sync.bind(comm)
         return comm
 
     def _make_sync(self, optimizer: OptimizerArg) -> StageSync | None:
-        """The sync of this rank's replicated stage, as the plan names it (:func:`..sync.stage.for_stage`).
+        """The sync of this rank's replicated stage, as the plan names it (:func:`..sync.stage.for_stage`); under an
+        interleaved plan, one per stage the rank holds, run as one (:class:`..sync.stage.Several`).
 
         Parameters tied to another stage stay apart (all-reduced across those stages). In one process nothing is
         replicated; without an optimizer factory there is no state to shard (every replica keeps the sum).
@@ -383,18 +404,22 @@ class Pipeline:
         """
         if self.session is None or self.comm is None:
             return None
-        k = self.stage_index
-        st = self.plan.stages[k]
-        tied = {id(p) for j, other in enumerate(self.build.stages) if j != k for p in other.parameters()}
-        params = [p for p in self.parameters() if id(p) not in tied]
         built = isinstance(optimizer, torch.optim.Optimizer)
-        if self._reps[k] > 1 and params and st.zero != ZeroStage.NONE and built:
-            raise HpmlError(f"stage {k} runs ZeRO-{int(st.zero)} over {self._reps[k]} replicas, which builds the "
-                            "optimizer over this rank's shard of the parameters: pass a factory called with the "
-                            "parameters (e.g. optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)), not an "
-                            "optimizer already built")
-        return for_stage(self.plan, k, self.comm, params, self.stages[k], replica=self.replica,
-                         sharded=optimizer is not None, overlap=self._overlaps(k), bucket_bytes=self._bucket_bytes)
+        parts = []
+        for k, module in self.stages.items():
+            st = self.plan.stages[k]
+            tied = {id(p) for j, other in enumerate(self.build.stages) if j != k for p in other.parameters()}
+            params = [p for p in module.parameters() if id(p) not in tied]
+            if self._reps[k] > 1 and params and st.zero != ZeroStage.NONE and built:
+                raise HpmlError(f"stage {k} runs ZeRO-{int(st.zero)} over {self._reps[k]} replicas, which builds the "
+                                "optimizer over this rank's shard of the parameters: pass a factory called with the "
+                                "parameters (e.g. optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3)), not an "
+                                "optimizer already built")
+            sync = for_stage(self.plan, k, self.comm, params, module, replica=self.replica,
+                             sharded=optimizer is not None, overlap=self._overlaps(k), bucket_bytes=self._bucket_bytes)
+            if sync is not None:
+                parts.append(sync)
+        return None if not parts else parts[0] if len(parts) == 1 else Several(parts)
 
     def _overlaps(self, k: int) -> bool:
         """Whether stage ``k``'s gradient buckets launch during the backward: the plan's rule unless forced."""
@@ -447,10 +472,15 @@ class Pipeline:
         return self._clear
 
     def local_module(self) -> nn.Module:
-        """This process's stage as a module whose parameter names are the original model's (for checkpoints)."""
+        """This process's stage as a module whose parameter names are the original model's (for checkpoints); a
+        rank of an interleaved plan: its stages' tensors in one module (:func:`rank_module`)."""
         if len(self.stages) == 1:
             return next(iter(self.stages.values()))
-        return self.model
+        if self.session is None:
+            return self.model
+        if self._held_module is None:
+            self._held_module = rank_module(self.stages.values())
+        return self._held_module
 
     @property
     def is_last(self) -> bool:
@@ -473,7 +503,7 @@ class Pipeline:
         if self.session is None:
             return list(range(b)), True, True
         rows = rank_rows(b, m, self._splits[self.stage_index], self.replica)
-        return rows, bool(self.stages[self.stage_index].INPUTS), self.is_last
+        return rows, any(bool(st.INPUTS) for st in self.stages.values()), self.is_last
 
     def move_rows(self, plan: Plan) -> None:
         """Train on ``plan`` from the next step on: the running plan with new rows per replica, nothing else changed.
@@ -812,13 +842,14 @@ class Pipeline:
             self.comm.hierarchy.clear()  # the hierarchical all-reduces' sub-groups
             self.comm.drop_host_memory()  # the shared mappings hold their groups too
         self.comm = None
-        self.build.stages[self.stage_index].hpml_comm = DetachedComm()
+        for k in self.stages:
+            self.build.stages[k].hpml_comm = DetachedComm()
         gc.collect()
 
     def _snapshot(self) -> dict[str, Any]:
         """What a failed attempt may have changed before the optimizer step: buffers and RNG."""
-        st = self.stages[self.stage_index]
-        return {"buffers": [(b, b.detach().clone()) for b in st.buffers()], "rng": torch.get_rng_state(),
+        held = {id(b): b for st in self.stages.values() for b in st.buffers()}
+        return {"buffers": [(b, b.detach().clone()) for b in held.values()], "rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
 
     def _restore(self, snap: dict[str, Any] | None) -> None:
@@ -914,8 +945,8 @@ class Pipeline:
                      else sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor))),
             step_ms=(run.t_end - run.t_start) * 1e3, pipeline_ms=(run.t_pipe - run.t_start) * 1e3,
             wall_ms=(t_val - self._t_called + time.perf_counter() - done) * 1e3,
-            fwd_ms=run.busy.get((k, True), 0.0) * 1e3, bwd_ms=run.busy.get((k, False), 0.0) * 1e3,
-            wait_ms=wait_ms, p2p_ms=p2p_ms,
+            fwd_ms=sum(run.busy.get((j, True), 0.0) for j in self.stages) * 1e3,  # every stage of this rank
+            bwd_ms=sum(run.busy.get((j, False), 0.0) for j in self.stages) * 1e3, wait_ms=wait_ms, p2p_ms=p2p_ms,
             # the gradient sync as this rank pays it: packing the gradients, the collectives, unpacking
             send_ms=comm.stats.send_s * 1e3,
             allreduce_ms=(run.t_synced - run.t_pipe - comm.stats.collective_wait_s) * 1e3,
@@ -945,8 +976,9 @@ class Pipeline:
 
     def _arm(self, stage: int) -> None:
         """Just before ``stage``'s last backward of the step: its gradient buckets launch as they become ready."""
-        if self.sync is not None and self.sync.stages == (stage,):
-            self.sync.arm()
+        sync = self._syncs.get((stage,))
+        if sync is not None:
+            sync.arm()
 
     def feedback(self) -> list[CommState]:
         """This rank's error-feedback state (compressed stages) and its place among a local SGD stage's replicas,
@@ -1001,12 +1033,14 @@ class Pipeline:
         rows = sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor))
         wall_ms = (time.perf_counter() - self._t_called) * 1e3
         val = validate() if validate is not None else None
-        for k in self.stages:
+        for k in range(len(self.plan.stages) // self.plan.chunks):  # a rank's stages (interleaved: its chunks)
+            held = held_stages(self.plan, k)
             self.monitor.record(StepMetrics(
                 step=self.steps_done, rank=self._ranks[k][0], stage=k, replica=0, device="cpu", microbatches=n,
                 samples=rows, step_ms=(run.t_end - run.t_start) * 1e3, pipeline_ms=(run.t_synced - run.t_start) * 1e3,
                 wall_ms=wall_ms,
-                fwd_ms=run.busy.get((k, True), 0.0) * 1e3, bwd_ms=run.busy.get((k, False), 0.0) * 1e3,
+                fwd_ms=sum(run.busy.get((j, True), 0.0) for j in held) * 1e3,
+                bwd_ms=sum(run.busy.get((j, False), 0.0) for j in held) * 1e3,
                 optimizer_ms=(run.t_end - run.t_synced) * 1e3, loss=float(run.loss_sum), val_loss=val, host=self._hostname,
                 steal=busy.steal, others_load=busy.others, cpu_util=busy.cpu_util,
                 contention_ms=busy.contention_s * 1e3),

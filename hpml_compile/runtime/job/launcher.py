@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator, NoReturn
 
 from ...errors import LaunchError, RankFailure
 from ...plan import Plan
+from ...schedule import rank_layout
 from ..observe.runfolder import RUN_FILE, RUN_FILES, RunFolder
 from .lifeline import mark_launcher
 from .options import RunOptions, write_options
@@ -185,10 +186,10 @@ def check_world(plan: Plan, nproc: int, nnodes: int) -> None:
     Raises:
         LaunchError: saying how many processes the build needs and how to get them.
     """
-    want = sum(len(st.devices) for st in plan.stages)
+    want = len(rank_layout(plan))  # one rank per device (an interleaved plan's stages share their group's)
     have = nproc * nnodes
     if have != want:
-        devices = ", ".join(d for st in plan.stages for d in st.devices)
+        devices = ", ".join(dict.fromkeys(d for st in plan.stages for d in st.devices))
         fix = f"--nproc {want}" if nnodes == 1 else f"--nnodes and --nproc with nnodes x nproc = {want}"
         raise LaunchError(f"the build's plan runs on {want} devices ({devices}), one rank each, but "
                           f"{nnodes} node(s) x {nproc} process(es) = {have} ranks: use {fix}, or recompile for "

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from ...ir import Cluster, NodeCost, Profile, variant_kind
-from ...plan import Plan, load_plan
+from ...plan import Plan, Stage, load_plan
 from ...profile import load_profile, save_profile
 from ...report import host_summary, human_bytes
 from .inplace import after_losses
@@ -164,6 +164,13 @@ def host_contention(rows: Mapping[int, Sequence[StepMetrics]], busy: float = BUS
     return out
 
 
+def _chunks(plan: Plan, stage: int) -> list[Stage]:
+    """The stages a rank of ``stage`` runs: that one, or under an interleaved plan every chunk of its device group
+    (what its measured forward and backward times add up)."""
+    groups = len(plan.stages) // plan.chunks
+    return list(plan.stages[stage % groups::groups])
+
+
 def slow_ranks(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], factor: float = SLOW_RANK,
                min_share: float = MIN_SHARE) -> dict[int, tuple[float, float]]:
     """Ranks whose compute, against their stage's prediction, is ``factor`` times the other ranks' (median).
@@ -182,8 +189,7 @@ def slow_ranks(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], factor: fl
     for rank, rs in rows.items():
         if not rs:
             continue
-        st = plan.stages[rs[0].stage].predicted
-        pred[rank] = (st.fwd_ms + st.bwd_ms) * micro
+        pred[rank] = sum(c.predicted.fwd_ms + c.predicted.bwd_ms for c in _chunks(plan, rs[0].stage)) * micro
         step[rank] = _median(list(rs), lambda m: m.step_ms)
         if pred[rank] > 0:  # what it computed less what it waited for a core: a busy host is not a slow device
             ratio[rank] = _median(list(rs), lambda m: max(m.fwd_ms + m.bwd_ms - m.contention_ms,
@@ -392,8 +398,9 @@ def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: in
         by_stage.setdefault(rs[0].stage, []).append(rs)
     micro = kept[min(kept)][0].microbatches
     stages = []
-    for st in plan.stages:
+    for st in plan.stages[:len(plan.stages) // plan.chunks]:  # interleaved: a rank's rows are its chunks' sum
         ranks = by_stage.get(st.index, [])
+        chunks = _chunks(plan, st.index)
 
         uneven = bool(st.rows) and len(set(st.rows)) > 1 and len(ranks) == len(st.devices)
         replicas: tuple[ReplicaSummary, ...] = ()
@@ -415,7 +422,8 @@ def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: in
             med(lambda m: m.idle_ms), med(lambda m: m.allreduce_ms), med(lambda m: m.bubble),
             int(max((_median(rs, lambda m: m.peak_memory_bytes) for rs in every), default=0)),
             ranks[0][0].memory_kind if ranks else "rss",
-            st.predicted.fwd_ms * micro, st.predicted.bwd_ms * micro, med(lambda m: m.contention_ms), replicas))
+            sum(c.predicted.fwd_ms for c in chunks) * micro, sum(c.predicted.bwd_ms for c in chunks) * micro,
+            med(lambda m: m.contention_ms), replicas))
     all_rows = [m for rs in kept.values() for m in rs]
     step_ms = max(_median(rs, wall_ms) for rs in kept.values())
     samples = all_rows[0].samples
@@ -582,7 +590,7 @@ def measured_profile(profile: Profile, s: RunSummary, *, source: str = "runtime"
         own = slow.get(m.slowest, 1.0) if m.slowest else statistics.fmean(slow.get(d, 1.0) for d in st.devices)
         f = m.fwd_ms / m.predicted_fwd_ms / own if m.predicted_fwd_ms > 0 else 1.0
         b = m.bwd_ms / m.predicted_bwd_ms / own if m.predicted_bwd_ms > 0 else 1.0
-        for node in st.nodes:
+        for node in (n for c in _chunks(plan, st.index) for n in c.nodes):  # interleaved: every chunk of the group
             for kind in kinds:
                 scale[f"{node}\0{kind}"] = (kind, f, b)
     nodes = []

@@ -280,18 +280,20 @@ def make_groups(plan: Plan, devices: list[torch.device], collectives: list[tuple
 
     Returns:
         ``(pairs, groups)``: a 2-rank NCCL group per adjacent GPU pair
-        ``(lower rank, higher rank)``; and per stage set its group (None where one rank holds them all).
+        ``(lower rank, higher rank)``; and per stage set its group (None where one rank holds them all; the
+        stages of one device group of an interleaved plan share it).
     """
     places = places if places is not None else Places.of(plan)
     every = [[places.rank(k, r, j) for r in range(n) for j in range(places.tps[k])]
              for k, n in enumerate(places.replicas)]
     me = dist.get_rank() if dist.is_initialized() else 0
     pairs: dict[tuple[int, int], Any] = {}
-    for k in range(len(every) - 1):
+    for k in range(len(every) - 1):  # interleaved: the chunks' boundaries repeat pairs, and wrap back to rank 0's
         for a in every[k]:
             for b in every[k + 1]:
-                if pair_backend(devices[a], devices[b]) is Backend.NCCL:
-                    pairs[(a, b)] = dist.new_group([a, b], backend=Backend.NCCL.value, timeout=timeout)
+                key = (min(a, b), max(a, b))
+                if a != b and key not in pairs and pair_backend(devices[a], devices[b]) is Backend.NCCL:
+                    pairs[key] = dist.new_group(list(key), backend=Backend.NCCL.value, timeout=timeout)
     groups: dict[tuple[int, ...], Any] = {}
     made: dict[tuple[int, ...], Any] = {}
     for stages in dict.fromkeys(collectives):
@@ -856,7 +858,7 @@ def dist_comm(build: Build, device: torch.device | str = "cpu") -> DistComm:
     Raises:
         HpmlError: if the world size is not the plan's device count.
     """
-    world, want = dist.get_world_size(), sum(len(st.devices) for st in build.plan.stages)
+    world, want = dist.get_world_size(), len(rank_layout(build.plan))
     if world != want:
         raise HpmlError(f"the build's plan runs on {want} devices (one rank each), but the world has {world} "
                         f"ranks: start {want} processes")

@@ -22,7 +22,8 @@ stages; a stage in one process; a runner without a pipeline).
 - ``zero3``: :class:`Sharded3`, the shard's parameters gathered around the
   compute (:class:`~.zero3.FlatShard3`);
 - any, over the stages of a tied parameter or where no buffer was made:
-  :class:`Unbuffered`, the gradients flattened, summed, written back.
+  :class:`Unbuffered`, the gradients flattened, summed, written back;
+- a rank holding several stages (an interleaved plan): :class:`Several`, one of the above per stage.
 
 Where the plan names a reduce dtype (``bf16``, ``fp16``), the gradient collectives of ``DataParallel``,
 ``Sharded`` and ``Sharded3`` run on a copy of each bucket in it, cast back after (:mod:`.reducecast`);
@@ -59,7 +60,8 @@ from .reducecast import reduce_dtype
 from .zero import FlatGrads, FlatShard
 from .zero3 import FlatShard3
 
-__all__ = ["StageSync", "Unbuffered", "DataParallel", "Compressed", "Sharded", "Sharded3", "for_stage", "UNBUFFERED"]
+__all__ = ["StageSync", "Unbuffered", "Several", "DataParallel", "Compressed", "Sharded", "Sharded3", "for_stage",
+           "UNBUFFERED"]
 
 
 class StageSync:
@@ -77,6 +79,11 @@ class StageSync:
 
     def __init__(self, stages: tuple[int, ...]) -> None:
         self.stages = stages
+
+    @property
+    def parts(self) -> list["StageSync"]:
+        """The syncs this one runs, each of one group of stages (itself; :class:`Several`'s members)."""
+        return [self]
 
     def run(self, action: Action, comm: Comm, params: Sequence[Tensor], *, stepped: bool = False) -> None:
         """Carry out one collective token of this group: after the optimizer step (``stepped``; an ``ALLGATHER``
@@ -166,6 +173,61 @@ class Unbuffered(StageSync):
 
 
 UNBUFFERED = Unbuffered()
+
+
+class Several(StageSync):
+    """The syncs of the stages one rank holds under an interleaved plan (one per replicated stage: its own buffer
+    or shard, on its own group's ranks), as one: the executor hands each token to its stage's part
+    (:attr:`parts`), and the step's hooks go to every part.
+
+    Why not one buffer over every stage of the rank: each stage's gradients are complete after its own last
+    backward, at a different point of the step, and a checkpoint names each stage's parameters alike under any
+    plan; one sync per stage keeps both as a plain plan has them.
+    """
+
+    def __init__(self, parts: Sequence[StageSync]) -> None:
+        super().__init__(())
+        self._parts = list(parts)
+
+    @property
+    def parts(self) -> list[StageSync]:
+        return list(self._parts)
+
+    def run(self, action: Action, comm: Comm, params: Sequence[Tensor], *, stepped: bool = False) -> None:
+        part = next((s for s in self._parts if s.stages == action.stages), UNBUFFERED)
+        part.run(action, comm, params, stepped=stepped)
+
+    def begin_step(self, step: int) -> None:
+        for s in self._parts:
+            s.begin_step(step)
+
+    def pointed(self) -> Sequence[nn.Parameter]:
+        return [p for s in self._parts for p in s.pointed()]
+
+    def arm(self) -> None:
+        for s in self._parts:
+            s.arm()
+
+    def bind(self, comm: Any) -> None:
+        for s in self._parts:
+            s.bind(comm)
+
+    def release(self) -> None:
+        for s in self._parts:
+            s.release()
+
+    @property
+    def shards(self) -> list[FlatShard]:
+        return [sh for s in self._parts for sh in s.shards]
+
+    def state(self, module: nn.Module, replica: int) -> list[CommState]:
+        return [c for s in self._parts for c in s.state(module, replica)]
+
+    def sync_bytes(self, *, dense: bool) -> int:
+        return sum(s.sync_bytes(dense=dense) for s in self._parts)
+
+    def gathered_bytes(self) -> int:
+        return sum(s.gathered_bytes() for s in self._parts)
 
 
 class DataParallel(StageSync):
