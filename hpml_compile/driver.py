@@ -64,7 +64,7 @@ from .replan import ReplanResult, carried_comm, move_rows as move_plan_rows, rep
 from .schema import write_json_atomic
 from .simulate import annotate, crowded_devices
 from .solve import SolverName, solve
-from .solve.interleave import choose as choose_chunks
+from .solve.interleave import BUDGET_S, choose as choose_chunks
 from .solve.uneven import improve as improve_uneven
 from .trace import fixed_shapes, trace
 from .tp import MAX_TP, TP_DEGREES
@@ -84,9 +84,12 @@ UNEVEN_BUDGET_S = 10.0
 AUTO_SCHEDULE = "auto"
 
 #: Whether ``--schedule auto`` also weighs interleaved 1F1B on the solver's device groups
-#: (:func:`hpml_compile.solve.interleave.choose`): off until builds run it; ``--schedule interleaved-1f1b`` asks for
-#: it, and :attr:`Options.interleave` turns it on or off for one plan.
-INTERLEAVE_IN_AUTO = False
+#: (:func:`hpml_compile.solve.interleave.choose`), kept where it simulates faster and fits; ``--schedule
+#: interleaved-1f1b`` asks for it, and :attr:`Options.interleave` turns it on or off for one plan.
+INTERLEAVE_IN_AUTO = True
+#: The seconds ``auto`` spends trying chunk counts (a forced ``interleaved-1f1b`` spends up to
+#: :data:`hpml_compile.solve.interleave.BUDGET_S`), so that the plan command stays within its printed budget.
+AUTO_BUDGET_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,7 +473,9 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
         result = faster_schedule(result, graph, prof, progress)                     # (not compiled: one backward)
     auto_chunks = opts.interleave if opts.interleave is not None else INTERLEAVE_IN_AUTO
     if opts.schedule is Schedule.INTERLEAVED or (opts.choose_schedule and auto_chunks):  # 5e. chunks per group
-        result = choose_chunks(result, graph, prof, forced=opts.schedule is Schedule.INTERLEAVED, say=progress)
+        forced = opts.schedule is Schedule.INTERLEAVED
+        result = choose_chunks(replace(result, compile_stages=opts.compile_stages), graph, prof, forced=forced,
+                               say=progress, budget_s=BUDGET_S if forced else AUTO_BUDGET_S)
     result = replace(result, precision=prof.precision,                              # trains as it was timed
                      compile_stages=opts.compile_stages,                            # runs as it was priced
                      allow_compress=opts.allow_compress or "")                      # a re-plan offers it again

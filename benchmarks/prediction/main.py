@@ -71,6 +71,8 @@ from hpml_compile.driver import profile_links
 from hpml_compile.memory import ZeroStage
 from hpml_compile.ir import Precision
 from hpml_compile.plan import Plan, Schedule, Stage
+from hpml_compile.schedule import rank_stages
+from hpml_compile.solve.interleave import interleave
 from hpml_compile.profile.timing import host_facts
 from hpml_compile.runtime import Pipeline, spawn_ranks
 from hpml_compile.profile import load_profile
@@ -188,7 +190,15 @@ def _plans(name: str, graphs: dict[bool, CostGraph], steps: list[tuple[str, int,
             st = (Stage(0, ("cpu0",), every),)
         cluster = profile_links(load_cluster(f"local-cpu-{devices}"), prof)  # this host's link, as `compile` uses
         wire = Precision.BF16 if kind == "dpbf16" else Precision.FP32
-        plan, r = annotate(Plan(name, cluster, sched, m, st, reduce_dtype=wire), graph)
+        base = Plan(name, cluster, Schedule.ONE_F_ONE_B if sched is Schedule.INTERLEAVED else sched, m, st,
+                    reduce_dtype=wire)
+        if sched is Schedule.INTERLEAVED:  # the pipeline's two groups holding two chunks each, as the solver cuts
+            chunked = interleave(base, graph, 2)
+            if chunked is None:
+                print(f"  {name}: too few blocks for 2 chunks per rank: no {kind} {sched.value} row", file=sys.stderr)
+                continue
+            base = chunked
+        plan, r = annotate(base, graph)
         plain = simulate(plan, dataclasses.replace(graph, coruns={})).step_ms
         out.append((f"{name} {kind} {sched.value} M={m}{' compiled' if compiled else ''}", plan,
                     r.step_without_optimizer_ms, plain))
@@ -200,7 +210,7 @@ RANKS = {"pipe": 2, "dp": 2, "dpbf16": 2, "zero1": 2, "dp4": 4, "single": 1, "tp
 TP_KINDS = {"tp2": 2, "tp2pipe": 2}  # kinds with tensor-parallel stages, and their degree
 GRID = ("pipe:gpipe:2,pipe:gpipe:4,pipe:1f1b:2,pipe:1f1b:4,pipe:1f1b:8,dp:gpipe:1,zero1:gpipe:1,dp4:gpipe:1,"
         "single:gpipe:1,tp2:gpipe:1,tp2pipe:1f1b:2,single:gpipe:1:compiled,pipe:1f1b:2:compiled,pipe:zb-h1:4,"
-        "dpbf16:gpipe:1")
+        "dpbf16:gpipe:1,pipe:interleaved-1f1b:4")
 
 
 def _grid(text: str) -> list[tuple[str, int, Schedule, int, bool]]:
@@ -249,9 +259,10 @@ def _cases(model_names: list[str], root: Path, grid: list[tuple[str, int, Schedu
         for label, plan, no_opt, plain in _plans(name, graphs, grid, prof):
             out = root / label.replace(" ", "_").replace("=", "")
             generate(gm, plan, out, profile=prof)
-            ranks = sum(len(s.devices) for s in plan.stages)
-            per_rank = tuple((st.predicted.fwd_ms + st.predicted.bwd_ms) * plan.microbatches
-                             for st in plan.stages for _ in st.devices)
+            held = rank_stages(plan)  # an interleaved plan's ranks hold several stages each
+            ranks = len(held)
+            per_rank = tuple(sum(plan.stages[k].predicted.fwd_ms + plan.stages[k].predicted.bwd_ms for k in mine)
+                             * plan.microbatches for mine in held)
             cases.append(Case(label, name, ranks, str(out), plan.predicted.step_ms, predicted_bubble(plan), per_rank,
                               no_opt, plain, max(st.tp for st in plan.stages), label.endswith(" compiled")))
     return cases, facts

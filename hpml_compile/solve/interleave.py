@@ -182,6 +182,21 @@ def fit(plan: Plan, prof: Profile) -> Plan:
     return plan
 
 
+def _not_run(plan: Plan) -> str | None:
+    """What in ``plan`` the runtime does not combine with several stages per rank
+    (:func:`hpml_compile.runtime.execute.chunks.interleave_refusal` refuses the same at run time), or None."""
+    for st in plan.stages:
+        if st.tp > 1:
+            return f"tensor parallelism (stage {st.index}: tp {st.tp})"
+        if st.offload_optimizer or st.compress:
+            return f"{'optimizer offload' if st.offload_optimizer else 'gradient compression'} (stage {st.index})"
+    if plan.sync_every > 1:
+        return "local SGD"
+    if plan.compile_stages == "on":
+        return "compiled stages"
+    return None
+
+
 def choose(placed: Plan, graph: CostGraph, prof: Profile, *, forced: bool = False,
            say: Callable[[str], None] | None = None, budget_s: float = BUDGET_S) -> Plan:
     """The fastest interleaved plan on ``placed``'s device groups that fits, where it is faster than ``placed``
@@ -202,6 +217,9 @@ def choose(placed: Plan, graph: CostGraph, prof: Profile, *, forced: bool = Fals
     s = len(placed.stages)
     if s < 2:
         tell(f"schedule: {placed.schedule.value} (interleaved 1F1B is not an option for one stage)")
+        return placed
+    if (why := _not_run(placed)) is not None:
+        tell(f"schedule: {placed.schedule.value} (interleaved 1F1B is not combined with {why} by the runtime)")
         return placed
     t0, best, notes = time.perf_counter(), None, []
     for v, even in ((v, even) for v in CHUNKS for even in (False, True)):

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PASSES = ["trace", "profile", "tp", "costgraph", "cluster", "stagecost", "plan", "schedule", "schedule_check", "simulate", "solve", "replan",
           "codegen"]
 SHARED = {"ir", "errors", "schema", "memory", "hostmem", "publish", "recipe", "trainspec", "precision", "backsplit",
-          "compression", "saved"}
+          "compression", "saved", "interleave"}
 VIEWS = {"viz", "report", "explain", "certify", "assumptions"}
 CLI = {"cli", "demo", "__main__"}  # and every ``*_cli`` module
 # What the runtime may reach only through hpml_compile.driver ...

@@ -30,3 +30,8 @@ def test_the_default_grid_measures_tensor_parallel_plans(bench: dict[str, Any]) 
 def test_an_unknown_kind_is_named(bench: dict[str, Any]) -> None:
     with pytest.raises(SystemExit, match="tp3"):
         bench["_grid"]("tp3:gpipe:1")
+
+
+def test_the_default_grid_measures_every_schedule(bench: dict[str, Any]) -> None:
+    from hpml_compile.plan import Schedule
+    assert {sched for _, _, sched, _, _ in bench["_grid"](bench["GRID"])} == set(Schedule)

@@ -312,8 +312,9 @@ def supervise(build_dir: Path, run_dir: Path, options: RunOptions, *, max_failur
 def can_go_on_live(plan: Plan, options: RunOptions) -> bool:
     """Whether a lost rank of ``plan`` may be answered in place: some stage has replicas (a lost rank elsewhere,
     or one whose state the others lack, is still refused by the ranks themselves, which then fail), and a failed
-    step may run again (``--retries`` 2 or more: with 1, every failure takes the restart path)."""
-    return options.retries > 1 and any(len(st.devices) > 1 and st.tp == 1 for st in plan.stages)
+    step may run again (``--retries`` 2 or more: with 1, every failure takes the restart path); not for an interleaved
+    plan, whose ranks hold several stages."""
+    return options.retries > 1 and plan.chunks == 1 and any(len(st.devices) > 1 and st.tp == 1 for st in plan.stages)
 
 
 def record_lost(job: Job, seg: int, devices: list[str], lost: list[LostRank]) -> None:
