@@ -83,8 +83,9 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   two ranks (:mod:`hpml_compile.profile.process`: a fixed part and a part per
   millisecond of the stage's compute in the step), grown for more replicas as
   the expected maximum of normal draws (:func:`hpml_compile.stagecost.skew_wait_ms`). A ZeRO-3 stage's
-  replicas also meet before each microbatch's two parameter all-gathers, and pay the wait and the meeting
-  each time (:func:`hpml_compile.stagecost.meetings`), on the compute since the meeting before.
+  replicas also meet before each microbatch's two parameter all-gathers, and a ZeRO-1/2 stage's before the
+  all-gather after the optimizer step where the step runs it whole; they pay the wait and the meeting each
+  time (:func:`hpml_compile.stagecost.meetings`), on the compute since the meeting before.
 - CPU ranks of one host share its memory bandwidth (GPUs have their own).
   Every phase has a memory-streaming part: a microbatch's forward reads the
   stage's weights and writes its activations, its backward about twice that,
@@ -936,8 +937,9 @@ def loss_agreement_ms(cluster: Cluster, devices: Sequence[str], graph: CostGraph
 def _waits(plan: Plan, graph: CostGraph, st: Stage, cst: StageCost) -> float:
     """What stage ``st``'s replicas pay a step at their meetings (:func:`hpml_compile.stagecost.meetings`) beyond
     the link's price of them: at each, the wait for the latest replica (:func:`replica_skew_ms`) and the measured
-    meeting (:func:`replica_meeting_ms`, where the stage has a sync), after its share of the step's compute."""
-    n = meetings(st.zero, st.replicas, plan.microbatches)
+    meeting (:func:`replica_meeting_ms`, where the stage has a sync), after its share of the step's compute
+    (ZeRO-1/2's gather after the optimizer step meets too, where the step runs it whole)."""
+    n = meetings(st.zero, st.replicas, plan.microbatches, stepped_gather=cst.gather_ms > 0)
     compute = plan.microbatches * cst.compute_ms / n
     return n * (replica_skew_ms(plan, graph, st, compute)
                 + (replica_meeting_ms(plan, graph, st, compute) if cst.sync_ms > 0 else 0.0))

@@ -808,10 +808,12 @@ def meet_ms(replicas: int, link: cost_models.LinkSpec | None) -> float:
     return _latency_bound_ms(4, replicas, link)
 
 
-def meetings(zero: ZeroStage | int, replicas: int, microbatches: int) -> int:
+def meetings(zero: ZeroStage | int, replicas: int, microbatches: int, stepped_gather: bool = False) -> int:
     """How many times a step the replicas of a stage meet (:func:`meet_ms`): before the gradient sync, and under
     ZeRO-3 also before each microbatch's two parameter all-gathers (its forward's and its backward's), which run
-    through the communicator's blocking collective (:meth:`hpml_compile.runtime.sync.comm.DistComm.all_gather`).
+    through the communicator's blocking collective (:meth:`hpml_compile.runtime.sync.comm.DistComm.all_gather`);
+    with ``stepped_gather``, before ZeRO-1/2's all-gather after the optimizer step too
+    (:func:`stepped_gather_ms`, which prices that meeting on the link).
     At each meeting the step pays the wait for the later replica and the meeting itself, which the simulator
     takes from the host's probe where it measured them (:func:`hpml_compile.simulate.replica_meeting_ms`,
     :func:`skew_wait_ms`). On the demo's ZeRO-3 stage (2 CPU ranks, one microbatch) the gathers' meetings
@@ -819,12 +821,12 @@ def meetings(zero: ZeroStage | int, replicas: int, microbatches: int) -> int:
     priced at nothing before. One replica meets nobody; it counts 1 (the sync's place) so that a caller may
     divide by the count.
 
-    >>> meetings(3, 2, 4), meetings(1, 2, 4), meetings(3, 1, 4)
-    (9, 1, 1)
+    >>> meetings(3, 2, 4), meetings(1, 2, 4), meetings(1, 2, 4, stepped_gather=True), meetings(3, 1, 4)
+    (9, 1, 2, 1)
     """
     if replicas <= 1:
         return 1
-    return 1 + (2 * max(1, microbatches) if ZeroStage(zero) == ZeroStage.OS_G_P else 0)
+    return 1 + (2 * max(1, microbatches) if ZeroStage(zero) == ZeroStage.OS_G_P else 0) + int(stepped_gather)
 
 
 def _met(param_bytes: Value, replicas: int, link: cost_models.LinkSpec | None) -> Value:
