@@ -622,10 +622,11 @@ def time_corun(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Sequen
 
     The times are this process's CPU time, not the wall clock: a stall on the shared cache or memory is CPU
     time, a moment the core ran another program is not. On a quiet host the two agree; on a busy one the wall
-    clock's ratio is the other programs' share more than the neighbours' (gpt-mini's blocks at 2 rows on the
-    2-core VM under load: wall-clock ratios of 1.4-3.9 in four profiles, CPU-time ratios 1.00-1.20 per
-    round). The host's CPU-seconds taken by other programs while timing are recorded (``others``): on a busy
-    host the alone times are not alone (other programs share the cache too), so the ratio reads low. Every
+    clock's ratio is the other programs' share more than the neighbours' (the demo's gpt-mini-sized byte LM at
+    2 rows on the 2-core VM, other programs keeping 1.4-1.9 of its cores busy: wall-clock ratios of 0.3-16 in
+    seven profiles, CPU-time ratios of 0.97-1.14 in fifteen). The cores other programs kept busy while timing
+    are recorded (``others``): on a busy host the alone times are not alone (other programs share the cache
+    too), so the ratio reads low. Every
     process runs one torch thread, on a core of its own: with more, a process's CPU time counts its worker
     threads' spins at each parallel region's barrier, which a busy host stretches (gpt-tiny at two threads
     beside one neighbour, under load: ratios of 0.04 to 190).
@@ -706,7 +707,8 @@ def _host_busy_s(pids: Sequence[int]) -> tuple[float, float] | None:
     try:
         fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
         ticks = os.sysconf("SC_CLK_TCK")
-        busy = sum(int(x) for i, x in enumerate(fields[:8]) if i not in (3, 4, 7)) / ticks  # all but idle, iowait, steal
+        # every state but idle, iowait and steal
+        busy = sum(int(x) for i, x in enumerate(fields[:8]) if i not in (3, 4, 7)) / ticks
         own = sum(int(Path(f"/proc/{p}/schedstat").read_text().split()[0]) for p in ("self", *pids)) / 1e9
     except (OSError, ValueError, IndexError):
         return None
