@@ -123,7 +123,7 @@ _DEVICE_INFO = {
         "corun": {"type": "object",
                   "properties": {"fwd": _NUM, "bwd": _NUM, "ranks": {"type": "integer", "minimum": 2},
                                  "rounds": {"type": "array", "items": {"type": "array", "items": _NUM}},
-                                 "skipped": _STR},
+                                 "clock": _STR, "others": _NUM, "skipped": _STR},
                   "additionalProperties": False},
         # the blocks timed compiled by torch.compile (profile/compiled.py): how, and which fell back to eager
         "compiled": {"type": "object",

@@ -82,7 +82,10 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   arrives: on CPU ranks, the skew the host's runtime probe measured between
   two ranks (:mod:`hpml_compile.profile.process`: a fixed part and a part per
   millisecond of the stage's compute in the step), grown for more replicas as
-  the expected maximum of normal draws (:func:`hpml_compile.stagecost.skew_wait_ms`).
+  the expected maximum of normal draws (:func:`hpml_compile.stagecost.skew_wait_ms`). A ZeRO-3 stage's
+  replicas also meet before each microbatch's two parameter all-gathers, and a ZeRO-1/2 stage's before the
+  all-gather after the optimizer step where the step runs it whole; they pay the wait and the meeting each
+  time (:func:`hpml_compile.stagecost.meetings`), on the compute since the meeting before.
 - CPU ranks of one host share its memory bandwidth (GPUs have their own).
   Every phase has a memory-streaming part: a microbatch's forward reads the
   stage's weights and writes its activations, its backward about twice that,
@@ -138,7 +141,7 @@ from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_
 from .interleave import peak_in_flight
 from .schedule import Action, ActionKind, deferral, op_order, stage_lists  # the lowered per-rank action lists
 from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, even_rows, hierarchical_allreduce_ms, in_flight,
-                        local_sgd_sync_ms, measured_agree_ms, meet_ms, optimizer_ms, skew_wait_ms, stepped_gather_ms,
+                        local_sgd_sync_ms, measured_agree_ms, meet_ms, meetings, optimizer_ms, skew_wait_ms, stepped_gather_ms,
                         steps_flat, stream_bytes_per_ms, stream_ms, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms,
                         weight_part_ms, wire_ratio)
 
@@ -845,12 +848,10 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
     busy = _busy(done, s_count)
     # after its last backward each stage syncs; the copies stretch with what the other stages of the host do
     # meanwhile (their compute and their own sync); a replicated stage first waits for its latest replica
-    # (and meets it, where it has a sync: a stage without parameters runs no collective)
     # (and meets it, where it has a sync: a stage without parameters runs no collective; where the transfer is
-    # issued with the meeting, the two take as long as the longer of them)
-    skew = [replica_skew_ms(plan, graph, st, m * cst.compute_ms)
-            + (_meeting_ms(plan, graph, st, cst, m * cst.compute_ms) if cst.sync_ms > 0 else 0.0)
-            for st, cst in zip(plan.stages, costs)]
+    # issued with the meeting, the two take as long as the longer of them); a ZeRO-3 stage's replicas meet before
+    # each parameter gather too, each time after the compute since the last meeting
+    skew = [_waits(plan, graph, st, cst) for st, cst in zip(plan.stages, costs)]
     tails = [[(lasts[j] + skew[j], lasts[j] + skew[j] + costs[j].sync_ms)] for j in range(s_count)]
     load = share.load([b + t for b, t in zip(busy, tails)]) if share.active else {}
     sync = [skew[i] + cst.sync_ms + cst.sync_copy_ms * (share.factor(i, *tails[i][0], load) - 1.0)
@@ -993,6 +994,20 @@ def loss_agreement_ms(cluster: Cluster, devices: Sequence[str], graph: CostGraph
         return measured_agree_ms(max(x for x in pair if x is not None), len(devices))
     links = {link_spec(cluster, devices[0], x) for x in devices[1:]}
     return max(agree_ms(len(devices), sp) for sp in links)
+
+
+def _waits(plan: Plan, graph: CostGraph, st: Stage, cst: StageCost) -> float:
+    """What stage ``st``'s replicas pay a step at their meetings (:func:`hpml_compile.stagecost.meetings`) beyond
+    the link's price of them: at each, the wait for the latest replica (:func:`replica_skew_ms`) and the measured
+    meeting (:func:`replica_meeting_ms`, where the stage has a sync), after its share of the step's compute
+    (ZeRO-1/2's gather after the optimizer step meets too, where the step runs it whole)."""
+    n = meetings(st.zero, st.replicas, plan.microbatches, stepped_gather=cst.gather_ms > 0)
+    compute = plan.microbatches * cst.compute_ms / n
+    if cst.sync_ms <= 0:
+        return n * replica_skew_ms(plan, graph, st, compute)
+    # the sync's own meeting may be issued with its transfer (:func:`_meeting_ms`); the others meet alone
+    return (n * replica_skew_ms(plan, graph, st, compute) + (n - 1) * replica_meeting_ms(plan, graph, st, compute)
+            + _meeting_ms(plan, graph, st, cst, compute))
 
 
 def replica_skew_ms(plan: Plan, graph: CostGraph, st: Stage, compute_ms: float) -> float:

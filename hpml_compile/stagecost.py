@@ -133,7 +133,7 @@ __all__ = ["MemoryParts", "in_flight", "WEIGHT_SHARE", "weight_part_ms", "memory
            "compressed_sync_ms", "local_sgd_sync_ms", "copy_ms",
            "optimizer_ms", "steps_flat", "stream_ms", "stream_bytes_per_ms", "choose_rows", "even_rows", "agree_ms",
            "measured_agree_ms", "skew_wait_ms",
-           "meet_ms", "tp_bytes", "tp_time", "tp_comm_ms", "tp_link",
+           "meet_ms", "meetings", "tp_bytes", "tp_time", "tp_comm_ms", "tp_link",
            "AGREE_BYTES"]
 
 # A count or a duration: a Python scalar for one stage, a numpy array for many candidates at once.
@@ -726,9 +726,11 @@ def sync_ms(param_bytes: Value, replicas: int, zero: ZeroStage | int, offload_op
         prefetch = z in (ZeroStage.OS, ZeroStage.OS_G) and bwd_ms is not None and overlap > 0 and fwd_ms is not None
         if prefetch:  # ZeRO-1/2 bucketed: the stepped shards' gathers under the next forward (prefetched_gather_ms)
             total = total + prefetched_gather_ms(param_bytes, link, replicas, overlap * fwd_ms)
-        elif z == ZeroStage.OS_G_P:  # ZeRO-3: the parameters twice per microbatch, each after compute
-            total = total + 2 * max(1, microbatches) * transfer_ms(cost_models.all_gather_ms, param_bytes,
-                                                                   param_gather_link(link), replicas)
+        elif z == ZeroStage.OS_G_P:  # ZeRO-3: the parameters twice per microbatch, each after compute, each
+            # after the members meet (the communicator's collectives all do: .runtime.sync.comm)
+            total = total + (meetings(z, replicas, microbatches) - 1) * (
+                _met(param_bytes, replicas, link)
+                + transfer_ms(cost_models.all_gather_ms, param_bytes, param_gather_link(link), replicas))
         elif z != ZeroStage.NONE:  # ZeRO-1/2: the stepped shards once, after the optimizer step
             total = total + stepped_gather_ms(param_bytes, replicas, z, link)
     if offload_optimizer:
@@ -798,13 +800,35 @@ def meet_ms(replicas: int, link: cost_models.LinkSpec | None) -> float:
     is not counted as communication. On the 2-core development VM it measured 0.42 ms at least (the demo's
     ``COLL_WAIT`` events), twice per step of a ZeRO-1 stage, and was priced at nothing before.
     All latency: priced as :func:`agree_ms` prices the loss agreement, on the slowest link between the members.
-    The collectives launched during the backward (bucketed, on GPUs) do not meet; ZeRO-3's reduce-scatter does.
+    The collectives launched during the backward (bucketed, on GPUs) do not meet; ZeRO-3's reduce-scatter does,
+    and so does each of its parameter all-gathers (:func:`meetings`).
 
     >>> lo = cost_models.LinkSpec("loopback", gbps=1.6, latency_us=500.0, source="example")
     >>> round(meet_ms(2, lo), 3), meet_ms(1, lo), meet_ms(2, None)
     (1.0, 0.0, 0.0)
     """
     return _latency_bound_ms(4, replicas, link)
+
+
+def meetings(zero: ZeroStage | int, replicas: int, microbatches: int, stepped_gather: bool = False) -> int:
+    """How many times a step the replicas of a stage meet (:func:`meet_ms`): before the gradient sync, and under
+    ZeRO-3 also before each microbatch's two parameter all-gathers (its forward's and its backward's), which run
+    through the communicator's blocking collective (:meth:`hpml_compile.runtime.sync.comm.DistComm.all_gather`);
+    with ``stepped_gather``, before ZeRO-1/2's all-gather after the optimizer step too
+    (:func:`stepped_gather_ms`, which prices that meeting on the link).
+    At each meeting the step pays the wait for the later replica and the meeting itself, which the simulator
+    takes from the host's probe where it measured them (:func:`hpml_compile.simulate.replica_meeting_ms`,
+    :func:`skew_wait_ms`). On the demo's ZeRO-3 stage (2 CPU ranks, one microbatch) the gathers' meetings
+    (``COLL_WAIT`` events) took what the sync's did, about 0.5-0.8 ms each on the busy development VM, and were
+    priced at nothing before. One replica meets nobody; it counts 1 (the sync's place) so that a caller may
+    divide by the count.
+
+    >>> meetings(3, 2, 4), meetings(1, 2, 4), meetings(1, 2, 4, stepped_gather=True), meetings(3, 1, 4)
+    (9, 1, 2, 1)
+    """
+    if replicas <= 1:
+        return 1
+    return 1 + (2 * max(1, microbatches) if ZeroStage(zero) == ZeroStage.OS_G_P else 0) + int(stepped_gather)
 
 
 def _met(param_bytes: Value, replicas: int, link: cost_models.LinkSpec | None) -> Value:

@@ -56,10 +56,14 @@ class Timer:
     """
 
     def __init__(self, device: torch.device,
-                 context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
+                 context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+                 cpu_time: bool = False) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.context = context
+        # on a CPU: this process's CPU time instead of the wall clock (time another process held the core is
+        # left out, time stalled on the cache or memory is not)
+        self.clock = time.process_time if cpu_time and not self.cuda else time.perf_counter
 
     def once(self, fn: Callable[[], Any]) -> float:
         """Milliseconds of one call of ``fn``."""
@@ -71,10 +75,10 @@ class Timer:
             end.record()
             end.synchronize()
             return float(start.elapsed_time(end))
-        t0 = time.perf_counter()
+        t0 = self.clock()
         with self.context():
             fn()
-        return (time.perf_counter() - t0) * 1e3
+        return (self.clock() - t0) * 1e3
 
     def stats(self, fn: Callable[[], Any], repeats: int, warmup: int,
               before: Callable[[], Any] | None = None) -> tuple[float, float]:
@@ -603,17 +607,29 @@ def _split_once(module: fx.GraphModule, tensors: list[torch.Tensor], grads: list
 
 
 def time_corun(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Sequence[Sequence[str]], *,
-               neighbours: int, passes: int = 3, warmup: int = 1, rounds: int = 2,
+               neighbours: int, passes: int = 7, warmup: int = 1, rounds: int = 5,
                start_timeout_s: float = 60.0) -> dict[str, Any]:
     """How much slower the blocks run in sequence on a CPU while ``neighbours`` other processes run them too.
 
     CPU ranks of one host compute at the same time, each on its own core with its own copy of the weights, and
     share the last-level cache and the memory bandwidth. A profile that times the blocks alone does not see
     that: on the 2-core development VM mlp's forward and backward ran 1.10-1.14x slower beside a second process
-    running the same model, gpt-mini's 1.02x, while the stream rates (:func:`time_streams`) predicted less
-    So the blocks are timed (:func:`time_segments`) alone, then with the neighbours running,
-    alternately, ``rounds`` times; each round's ratio is its time with them over the mean of the alone times
-    around it, and the medians over the rounds are returned.
+    running the same model, gpt-mini's 1.02x, while the stream rates (:func:`time_streams`) predicted less.
+    So the neighbours are started once and the blocks are timed (:func:`time_segments`) alone (the neighbours
+    stopped by ``SIGSTOP``), then with them running (``SIGCONT``), alternately, ``rounds`` times; each round's
+    ratio is its time with them over the mean of the alone times around it, and the medians over the rounds
+    are returned.
+
+    The times are this process's CPU time, not the wall clock: a stall on the shared cache or memory is CPU
+    time, a moment the core ran another program is not. On a quiet host the two agree; on a busy one the wall
+    clock's ratio is the other programs' share more than the neighbours' (the demo's gpt-mini-sized byte LM at
+    2 rows on the 2-core VM, other programs keeping 1.4-1.9 of its cores busy: wall-clock ratios of 0.3-16 in
+    seven profiles, CPU-time ratios of 0.97-1.14 in fifteen). The cores other programs kept busy while timing
+    are recorded (``others``): on a busy host the alone times are not alone (other programs share the cache
+    too), so the ratio reads low. Every
+    process runs one torch thread, on a core of its own: with more, a process's CPU time counts its worker
+    threads' spins at each parallel region's barrier, which a busy host stretches (gpt-tiny at two threads
+    beside one neighbour, under load: ratios of 0.04 to 190).
 
     Why fork and not a library: the neighbours must run this very graph, which may not pickle, on copies of
     its parameters (separate memory, as separate ranks have; a forked copy reading the parent's pages would
@@ -626,41 +642,77 @@ def time_corun(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Sequen
         example_inputs: its inputs.
         groups: the segments' node names, as for :func:`time_segments`.
         neighbours: processes running beside this one (1 on a 2-core host).
-        passes: timed passes per measurement.
+        passes: timed passes per measurement (the median per segment kept).
         warmup: untimed passes before each.
-        rounds: measurements with the neighbours.
+        rounds: measurements with the neighbours, each between two alone.
         start_timeout_s: how long to wait for the neighbours to be running.
 
     Returns:
-        ``{"fwd": ratio, "bwd": ratio, "ranks": neighbours + 1, "rounds": [[fwd, bwd], ...]}``, or
-        ``{"skipped": why}`` (no neighbours asked, no ``fork`` on this platform, a neighbour did not start).
+        ``{"fwd": ratio, "bwd": ratio, "ranks": neighbours + 1, "rounds": [[fwd, bwd], ...], "clock": "cpu",
+        "others": share}`` (``others``: the mean number of the host's cores other programs kept busy while
+        timing), or ``{"skipped": why}`` (no neighbours asked, no ``fork`` on this platform, a neighbour did
+        not start).
     """
+    import signal
+
     if neighbours < 1:
         return {"skipped": "no other core"}
     if not hasattr(os, "fork"):
         return {"skipped": "no fork on this platform"}
+    timer = Timer(torch.device("cpu"), cpu_time=True)
 
     def total() -> tuple[float, float]:
-        s = time_segments(gm, example_inputs, groups, passes=passes, warmup=warmup)
+        s = time_segments(gm, example_inputs, groups, passes=passes, warmup=warmup, timer=timer)
         return sum(statistics.median(f) for f, _ in s), sum(statistics.median(b) for _, b in s)
 
-    alone = [total()]
+    def pause(pids: list[int], stop: bool) -> None:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP if stop else signal.SIGCONT)
+        for pid in pids if stop else ():
+            os.waitpid(pid, os.WUNTRACED)  # back once it is stopped
+
+    pids = _start_neighbours(gm, example_inputs, groups, neighbours, start_timeout_s)
+    if pids is None:
+        return {"skipped": f"a neighbour process did not start within {start_timeout_s:g} s"}
     ratios: list[list[float]] = []
-    for _ in range(rounds):
-        pids = _start_neighbours(gm, example_inputs, groups, neighbours, start_timeout_s)
-        if pids is None:
-            return {"skipped": f"a neighbour process did not start within {start_timeout_s:g} s"}
-        try:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # one core each, as the neighbours (and a process's CPU time has no idle spins)
+        busy0 = _host_busy_s(pids)
+        pause(pids, True)
+        alone = [total()]
+        for _ in range(rounds):
+            pause(pids, False)
             together = total()
-        finally:
-            _stop(pids)
-        alone.append(total())
-        before, after = alone[-2], alone[-1]
-        ratios.append([together[i] / ((before[i] + after[i]) / 2) if before[i] + after[i] > 0 else 1.0
-                       for i in (0, 1)])
-    return {"fwd": round(statistics.median(r[0] for r in ratios), 4),
-            "bwd": round(statistics.median(r[1] for r in ratios), 4), "ranks": neighbours + 1,
-            "rounds": [[round(f, 4), round(b, 4)] for f, b in ratios]}
+            pause(pids, True)
+            alone.append(total())
+            before, after = alone[-2], alone[-1]
+            ratios.append([together[i] / ((before[i] + after[i]) / 2) if before[i] + after[i] > 0 else 1.0
+                           for i in (0, 1)])
+        busy1 = _host_busy_s(pids)
+    finally:
+        torch.set_num_threads(threads)
+        _stop(pids)
+    out = {"fwd": round(statistics.median(r[0] for r in ratios), 4),
+           "bwd": round(statistics.median(r[1] for r in ratios), 4), "ranks": neighbours + 1,
+           "rounds": [[round(f, 4), round(b, 4)] for f, b in ratios], "clock": "cpu"}
+    if busy0 is not None and busy1 is not None and busy1[1] > busy0[1]:
+        out["others"] = round(max(0.0, (busy1[0] - busy0[0]) / (busy1[1] - busy0[1])), 3)
+    return out
+
+
+def _host_busy_s(pids: Sequence[int]) -> tuple[float, float] | None:
+    """``(CPU-seconds the host's other programs used so far, wall seconds)``: every core's busy time from
+    ``/proc/stat`` less this process's and ``pids``' own (``/proc/<pid>/schedstat``); None where unreadable."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        ticks = os.sysconf("SC_CLK_TCK")
+        # every state but idle, iowait and steal
+        busy = sum(int(x) for i, x in enumerate(fields[:8]) if i not in (3, 4, 7)) / ticks
+        own = sum(int(Path(f"/proc/{p}/schedstat").read_text().split()[0]) for p in ("self", *pids)) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+    return busy - own, time.monotonic()
 
 
 def _start_neighbours(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Sequence[Sequence[str]],

@@ -106,6 +106,34 @@ def test_a_measured_meeting_replaces_the_links_price_of_the_meeting_before_the_s
     assert four.skew_ms[0] == pytest.approx(measured_agree_ms(0.4 + 0.05 * 3.0, 4) - link4)
 
 
+def test_a_zero3_stage_pays_the_wait_and_the_meeting_before_each_parameter_gather_too() -> None:
+    """ZeRO-3's replicas meet before each microbatch's forward and backward gather as well as before the sync, and
+    ZeRO-1's before the gather after the optimizer step (the communicator's blocking collectives): the probe's
+    fixed parts are paid at each meeting, its parts per millisecond once over the step's compute."""
+    from dataclasses import replace
+
+    from hpml_compile.cluster import link_spec
+    from hpml_compile.memory import ZeroStage
+    from hpml_compile.stagecost import meet_ms
+
+    prof, dp, _ = _plans(2, param_bytes=4096)
+    probed = with_process(prof, {"bytes": 0, "agree_ms": 0.0, "skew_ms": 0.3, "skew_per_ms": 0.02, "meet_ms": 0.4,
+                                 "meet_per_ms": 0.05, "source": "a test"})
+    graph = build(probed)
+    z0, z1, z3 = (replace(dp, stages=(replace(dp.stages[0], zero=z),))
+                  for z in (ZeroStage.NONE, ZeroStage.OS, ZeroStage.OS_G_P))
+    compute = 6.0  # a replica's forward and backward (one microbatch)
+    price = meet_ms(2, link_spec(z3.cluster, "d0", "d1"))  # what the sync prices each meeting at on the link
+    assert simulate(z0, graph).skew_ms[0] == pytest.approx(0.3 + 0.4 - price + (0.02 + 0.05) * compute)
+    # ZeRO-1 on CPU ranks: the sync's meeting and the one before the gather after the optimizer step
+    assert simulate(z1, graph).stages[0].gather_ms > 0
+    assert simulate(z1, graph).skew_ms[0] == pytest.approx(2 * (0.3 + 0.4 - price) + (0.02 + 0.05) * compute)
+    # three meetings (the sync's, the forward gather's, the backward gather's): the fixed parts three times
+    assert simulate(z3, graph).skew_ms[0] == pytest.approx(3 * (0.3 + 0.4 - price) + (0.02 + 0.05) * compute)
+    two = replace(z3, microbatches=2)  # five meetings
+    assert simulate(two, graph).skew_ms[0] == pytest.approx(5 * (0.3 + 0.4 - price) + (0.02 + 0.05) * compute)
+
+
 def test_the_measured_agreement_grows_with_the_compute_before_it_up_to_the_longest_the_probe_ran() -> None:
     prof, dp, _ = _plans(2)
     figures = {"bytes": 0, "agree_ms": 0.5, "agree_per_ms": 0.1, "skew_ms": 0.0, "source": "a test"}

@@ -166,8 +166,9 @@ def test_zero3_gathers_the_parameters_for_each_microbatch_forward_and_backward()
     rs = stagecost.transfer_ms(cost_models.reduce_scatter_ms, 1 << 20, link, 2)
     ag = stagecost.transfer_ms(cost_models.all_gather_ms, 1 << 20, link, 2)
     z3 = stagecost.sync_ms(1 << 20, 2, ZeroStage.OS_G_P, False, link, host, microbatches=3)
-    meet = stagecost.meet_ms(2, link)  # its reduce-scatter after the members meet, as ZeRO-1's collectives
-    assert ag > 0 and meet > 0 and z3 == pytest.approx(meet + rs + 6 * ag)
+    meet = stagecost.meet_ms(2, link)  # its reduce-scatter and each gather after the members meet
+    assert ag > 0 and meet > 0 and z3 == pytest.approx(meet + rs + 6 * (meet + ag))
+    assert stagecost.meetings(ZeroStage.OS_G_P, 2, 3) == 7
     # ZeRO-1: the reduce-scatter after the backward and the gather after the step, each after the members meet
     assert stagecost.sync_ms(1 << 20, 2, ZeroStage.OS, False, link, host, microbatches=3) == \
         pytest.approx(rs + ag + 2 * meet)
