@@ -168,8 +168,8 @@ class LinkSpec:
 # and backward, after compute), which a probe times apart from the all-gather in a loop where the two differ
 # (between CPU processes: hpml_compile.profile.links); absent, the all-gather's fit prices it.
 # "tp_gather": gloo's own all-gather after compute, as a tensor-parallel layer calls it on its group
-# (hpml_compile.codegen.tpops); absent, the link's own fit prices it. "tp_reduce": gloo's own all-reduce after
-# compute, as a tensor-parallel layer calls it; absent, the link's own fit prices it.
+# (hpml_compile.codegen.tpops); absent, the link's own fit prices it. "tp_reduce": gloo's own all-reduce in a
+# chain of compute, as a tensor-parallel layer calls it; absent, the link's own fit prices it.
 COLLECTIVE_OPS = ("reduce_scatter", "all_gather", "all_reduce", "param_gather", "tp_gather", "tp_reduce")
 
 

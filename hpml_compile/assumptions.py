@@ -26,8 +26,9 @@ and plan.json carries them (``assumptions``):
   a stage's taken as the sum of its blocks'; where a kind was not measured,
   ``stagecost.WEIGHT_SHARE`` and no cost of the split's own.
 - a tensor-parallel stage on CPU ranks whose link has no fit of gloo's
-  all-reduce after compute (``tp_reduce``: the probe of an older profile did
-  not time it): its layers' all-reduces are priced on the link's own fit.
+  all-reduce in a chain of compute (``tp_reduce``: the probe of an older
+  profile did not time it): its layers' all-reduces are priced on the link's
+  own fit.
 - for stages that run compiled, what of their times was measured compiled and
   what derived (:mod:`hpml_compile.profile.compiled`): each kind of block
   timed compiled, alone, its ratio to eager applied to the blocks' eager
@@ -237,7 +238,7 @@ def _tensor_parallel(plan: Plan) -> list[Assumption]:
         if not any(op == "tp_reduce" for op, _, _ in spec.collectives):
             return [Assumption("tensor-parallel all-reduce on CPU ranks",
                                f"the link's own fit, {spec.gbps:g} GB/s, {spec.latency_us:g} us",
-                               "gloo's all-reduce after compute, as a layer runs it, was not timed on this host "
+                               "gloo's all-reduce in a chain of compute, as a layer runs it, was not timed on this host "
                                "(hpml_compile.profile.links.TP_REDUCE): the link's fit of transfers in a loop")]
     return []
 

@@ -391,7 +391,7 @@ def tp_link(link: cost_models.LinkSpec) -> cost_models.LinkSpec:
     A probed CPU link carries fits of its own for the all-reduce, reduce-scatter and all-gather as the gradient
     sync runs them, through shared memory (:mod:`hpml_compile.profile.links`); the layers' collectives do not go
     that way. They are priced on the ``tp_reduce`` and ``tp_gather`` fits where the probe measured them (gloo's
-    all-reduce and all-gather just after the ranks computed, as a layer's are), else on the link's own fit (gloo's
+    all-reduce in a chain of compute and all-gather just after the ranks computed, as a layer's are), else on the link's own fit (gloo's
     send/recv and all-reduce in a loop). Measured between two 1-thread ranks of a 2-core host: a gloo all-reduce
     of 4 MiB took 2.9 ms (the shared-memory fit said 1.3 ms, the link's own fit 3.1 ms), of 13 MiB 11.7 ms (3.1,
     9.8), and an all-gather into 16 MiB 16 ms with its concatenation (2.2 ms; 9.7 on the fit of gloo's all-gather

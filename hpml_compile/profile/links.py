@@ -24,8 +24,8 @@ figures, recorded as ``links`` of the cluster it returns (what
   the communicator (shared memory between the CPU ranks of one host) just
   after a rank computed, is timed that way too (``PARAM_GATHER``: each after
   a burst of compute on both ranks, from the later rank's start), and so are
-  gloo's own all-gather and all-reduce after compute (``TP_GATHER``,
-  ``TP_REDUCE``), which price a tensor-parallel layer's
+  gloo's own all-gather after compute and all-reduce in a chain of compute
+  (``TP_GATHER``, ``TP_REDUCE``), which price a tensor-parallel layer's
   (:func:`hpml_compile.stagecost.tp_link`); the first prices ZeRO-3's gathers
   (:func:`hpml_compile.stagecost.param_gather_link`).
 - **GPU pairs (NCCL)**: the same two ranks, each on its own GPU, in a
@@ -72,7 +72,7 @@ from ..ir import Cluster, Device, Link, collectives_dict
 from ..runtime.sync.shm import HostReduce
 from ..runtime.job.spawn import spawn_ranks
 
-__all__ = ["SIZES", "SHM_ALLREDUCE", "SHM_ROWS", "PARAM_GATHER", "TP_GATHER", "TP_REDUCE",
+__all__ = ["SIZES", "SHM_ALLREDUCE", "SHM_ROWS", "PARAM_GATHER", "TP_GATHER", "TP_REDUCE", "TP_REDUCE_HOW",
            "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link",
            "probe_ranks", "probe_copies"]
 
@@ -91,9 +91,11 @@ SHM_ROWS = {"all_reduce": SHM_ALLREDUCE, "reduce_scatter": "reduce_scatter_shm",
 PARAM_GATHER = "param_gather"
 TP_GATHER = "tp_gather"  # gloo's own all-gather after compute, as a tensor-parallel layer calls it
 # ... and its all-reduce (a sharded layer's forward output, its input's gradient backward): a layer's is a small
-# tensor right after compute, which the link's all-reduces in a loop (which fit the link) do not see; timed from
-# the ranks' mean start, so that the group's wait for its later rank at each layer is in it
+# tensor between two bursts of compute, which the link's all-reduces in a loop (which fit the link) do not see;
+# timed in a chain of compute as a layer runs it (_in_chain), so that what it costs the compute around it is in it
 TP_REDUCE = "tp_reduce"
+TP_REDUCE_HOW = "tp-reduce in a chain of compute"  # in a link's source where its TP_REDUCE fit was timed so
+CHAIN = 6  # all-reduces in one chain of the TP_REDUCE probe (a transformer layer runs 2 forward, 2 backward)
 BURST_MATMULS = 8  # 256 x 256 matrix products: about 5 ms on one thread (34 MFLOP each)
 
 
@@ -246,7 +248,7 @@ def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequ
                 shm = host is not None and t.numel() % 2 == 0
                 rows.append((PARAM_GATHER, t.numel() * 4, _after_compute(gather_shm if shm else gather, repeats)))
                 rows.append((TP_GATHER, t.numel() * 4, _after_compute(gather, repeats)))  # a tp layer's: gloo
-                rows.append((TP_REDUCE, t.numel() * 4, _after_compute(reduce, repeats, meeting=True)))
+                rows.append((TP_REDUCE, t.numel() * 4, _in_chain(reduce, repeats)))
             if host is not None and not cuda and t.numel() % 2 == 0:
                 ops += [(SHM_ALLREDUCE, reduce_shm, 1.0), (SHM_ROWS["reduce_scatter"], scatter_shm, 1.0),
                         (SHM_ROWS["all_gather"], gather_shm, 1.0)]
@@ -285,12 +287,57 @@ def _after_compute(fn: Any, repeats: int, meeting: bool = False) -> float:
         _burst()
         t0 = time.perf_counter()
         fn()
-        t1 = time.perf_counter()
-        both = [torch.tensor([t0, t1], dtype=torch.float64) for _ in range(2)]
-        dist.all_gather(both, torch.tensor([t0, t1], dtype=torch.float64))
-        starts = [float(b[0]) for b in both]
-        spans.append(max(float(b[1]) for b in both) - (sum(starts) / len(starts) if meeting else max(starts)))
+        spans.append(_span([(t0, time.perf_counter())], meeting)[0])
     return statistics.median(spans) * 1e3
+
+
+def _span(calls: Sequence[tuple[float, float]], meeting: bool) -> list[float]:
+    """Seconds of each of this rank's ``calls`` (``(start, end)`` on this host's monotonic clock) as the two ranks
+    spent them together: from the later rank's start (``meeting``: the ranks' mean start) to the later one's end."""
+    mine = torch.tensor([v for call in calls for v in call], dtype=torch.float64)
+    both = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(both, mine)
+    out = []
+    for i in range(len(calls)):
+        starts = [float(b[2 * i]) for b in both]
+        out.append(max(float(b[2 * i + 1]) for b in both) - (sum(starts) / 2 if meeting else max(starts)))
+    return out
+
+
+def _in_chain(fn: Any, repeats: int, links: int = CHAIN) -> float:
+    """Median milliseconds that ``fn`` (a collective over the two ranks) adds to a chain of bursts of compute run on
+    both ranks at once: what one of a tensor-parallel layer's all-reduces costs its step.
+
+    A stage with ``tp > 1`` alternates compute and collectives, each rank computing again as soon as one returns.
+    Timed as such a chain: ``links`` x (burst, ``fn``) against the ``links`` bursts alone, each from the ranks'
+    mean start to the later rank's end, the difference over ``links`` taken (never less than the collective's own
+    span in the chain, from the later rank's start). So the transfer is in it, the group's wait for its later rank
+    at each meeting (a chain of bursts alone pays the ranks' skew once), and whatever the collective's threads take
+    from the compute after it, where every core computes. A collective timed alone after compute
+    (:func:`_after_compute`, the ranks then waiting on each other) is followed by no compute: its threads finish
+    on an idle core. Measured on a 2-core VM, two 1-thread ranks under the kernel's fair scheduler: gpt-mini's
+    1 MiB all-reduces at ``tp = 2`` cost its step 3.6-4.6 ms each (the ranks reaching them within 0.1-1.5 ms of
+    each other), where a 1 MiB all-reduce after compute took 1.8 ms and one in a chain 3.0 ms (medians of 15,
+    the same two processes); with the ranks' threads given a core whenever they woke (real-time priority) all
+    three were 0.3-0.6 ms.
+    """
+    fn()
+    added = []
+    for _ in range(repeats):
+        chains, calls = [], []
+        for collect in (False, True):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(links):
+                _burst()
+                if collect:
+                    c0 = time.perf_counter()
+                    fn()
+                    calls.append((c0, time.perf_counter()))
+            chains.append(_span([(t0, time.perf_counter())], meeting=True)[0])
+        own = statistics.median(_span(calls, meeting=False))
+        added.append(max((chains[1] - chains[0]) / links, own))
+    return statistics.median(added) * 1e3
 
 
 def probe_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS, gpus: Sequence[int] = (),
@@ -401,7 +448,8 @@ def measure_local_link(sizes: Sequence[int] = QUICK_SIZES, repeats: int = QUICK_
     log(f"  gloo link between 2 processes of this host: {_summary(fit)} ({time.perf_counter() - t0:.1f} s)")
     return {"gbps": round(fit.gbps, 4), "latency_us": round(fit.latency_us, 2), "shared": fit.shared,
             "source": f"measured by profile: gloo send/recv and all-reduce between 2 CPU processes at "
-                      f"{', '.join(_size(b) for b in sizes)} ({_summary(fit)})",
+                      f"{', '.join(_size(b) for b in sizes)} ({_summary(fit)})"
+                      + (f"; {TP_REDUCE_HOW}" if any(op == TP_REDUCE for op, _, _ in fit.collectives) else ""),
             **({"collectives": collectives_dict(fit.collectives)} if fit.collectives else {})}
 
 

@@ -50,7 +50,7 @@ from ..ir import Profile
 from ..schema import write_json_atomic
 
 __all__ = ["runtime_baseline", "this_host", "with_process", "host_key", "cache_path", "cached", "remember",
-           "BASELINE_CODE", "FIGURES"]
+           "older_link", "BASELINE_CODE", "FIGURES"]
 
 # The replicated step's figures the probe measures (replicated_step_figures), each a fixed part and a part per ms of
 # the compute before it.
@@ -371,7 +371,7 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
     Returns:
         ``{"link": ..., "process": ...}``, each present where known (the profile's ``devices["cpu"]`` entries).
     """
-    from .links import TP_REDUCE, measure_local_link
+    from .links import measure_local_link
     from .timing import host_facts
 
     key = host_key(host_facts())
@@ -383,8 +383,7 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
         log(f"  this host is busy (load average {load:.1f} on {cpus} CPUs): what is measured now prices this plan "
             "only and is not cached")
     link = None if refresh else cached(key, "link")
-    # a link cached without the fit of a tensor-parallel layer's all-reduce (TP_REDUCE) is timed again where allowed
-    old = link is not None and "collectives" in link and TP_REDUCE not in link["collectives"]
+    old = link is not None and older_link(link)
     if link is not None and isinstance(link.get("gbps"), (int, float)) and not (old and measure):
         out["link"] = link
         log(f"  gloo link between 2 processes of this host: {link['gbps']:.3g} GB/s, {link['latency_us']:.1f} us, "
@@ -418,6 +417,20 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
                if agree is not None and skew is not None else "")
             + f" ({out['process']['source']})")
     return out
+
+
+def older_link(link: Mapping[str, Any]) -> bool:
+    """Whether a cached link was timed by an older probe, to be timed again where allowed: one with fits of its
+    collectives but none of a tensor-parallel layer's all-reduce (``TP_REDUCE``), or one timed another way than a
+    layer runs it (its source does not say ``TP_REDUCE_HOW``). A link written by hand (no collectives) is kept.
+
+    >>> older_link({"gbps": 3.0, "latency_us": 60.0, "source": "by hand"})
+    False
+    """
+    from .links import TP_REDUCE, TP_REDUCE_HOW
+
+    own = link.get("collectives")
+    return own is not None and (TP_REDUCE not in own or TP_REDUCE_HOW not in str(link.get("source", "")))
 
 
 def _line(process: Mapping[str, Any], name: str) -> str:

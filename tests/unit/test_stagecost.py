@@ -260,7 +260,7 @@ def test_tensor_parallel_collectives_are_priced_as_gloo_runs_them_not_as_the_syn
     arr = stagecost.tp_comm_ms(np.array([12.0 * mib]), np.array([0.0]), np.array([3]), 2, probed)
     assert float(arr[0]) == pytest.approx(reduces)
     assert stagecost.tp_comm_ms(12 * mib, 0, 3, 2, gloo) == pytest.approx(reduces)
-    # where the probe timed gloo's all-reduce after compute, as a layer runs it, that prices each all-reduce
+    # where the probe timed gloo's all-reduce in a chain of compute, as a layer runs it, that prices each all-reduce
     layer = cost_models.LinkSpec("r", 1.2, 700.0, "probe", shared=True)
     after = replace(probed, collectives=probed.collectives + (("tp_reduce", 1.2, 700.0),))
     assert stagecost.tp_comm_ms(12 * mib, 0, 3, 2, after) == pytest.approx(3 * cost_models.allreduce_ms(4 * mib, 2, layer))

@@ -1,5 +1,5 @@
-"""A tensor-parallel stage's collectives priced as the host probe timed them: gloo's all-reduce after compute, as a
-sharded layer runs it, each of the stage's all-reduces at that cost; the plan says where it was not timed."""
+"""A tensor-parallel stage's collectives priced as the host probe timed them: gloo's all-reduce in a chain of compute,
+as a sharded layer runs it, each of the stage's all-reduces at that cost; the plan says where it was not timed."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ from hpml_compile.costgraph import build
 from hpml_compile.ir import Cluster, Device, Link
 from hpml_compile.plan import Plan, Schedule, Stage
 from hpml_compile.profile import profile
+from hpml_compile.profile.links import TP_REDUCE_HOW
+from hpml_compile.profile.process import older_link
 from hpml_compile.simulate import stage_costs
 from hpml_compile.tp import analyze
 
 MiB = 1 << 20
-LAYER = ("tp_reduce", 1.2, 700.0)  # a probe's fit of gloo's all-reduce after compute (GB/s, us per ring step)
+LAYER = ("tp_reduce", 1.2, 700.0)  # a probe's fit of gloo's all-reduce in a chain of compute (GB/s, us per ring step)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +90,16 @@ def test_a_cached_link_without_the_layers_all_reduce_is_timed_again(tmp_path: Pa
     assert got["source"].startswith("measured by profile") and "tp_reduce" in got["collectives"], got
     fit = got["collectives"]["tp_reduce"]
     assert fit["gbps"] > 0 and fit["latency_us"] >= 0
+    assert TP_REDUCE_HOW in got["source"] and not older_link(got)  # timed as a layer runs it: kept from now on
+
+
+def test_a_cached_layers_all_reduce_timed_another_way_is_timed_again() -> None:
+    fits = {"all_reduce": {"gbps": 10.0, "latency_us": 200.0}, "tp_reduce": {"gbps": 3.0, "latency_us": 175.0}}
+    link = {"gbps": 3.0, "latency_us": 60.0, "shared": True, "collectives": fits}
+    assert older_link({**link, "source": "measured by profile: ... (tp-reduce 3 GB/s, 175.0 us)"})  # after compute
+    assert not older_link({**link, "source": f"measured by profile: ...; {TP_REDUCE_HOW}"})
+    assert older_link({**link, "collectives": {"all_reduce": fits["all_reduce"]}, "source": TP_REDUCE_HOW})
+    assert not older_link({"gbps": 3.0, "latency_us": 60.0, "source": "written by hand"})
 
 
 def test_a_unit_reading_the_models_input_all_reduces_no_gradient() -> None:
