@@ -56,15 +56,29 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node
-from torch.distributed.pipelining._backward import (  # private torch API: see the module docstring
-    _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups, stage_backward_input)
 
 __all__ = ["Deferred", "backward_input", "backward_weight", "stage_inputs"]
+
+
+def _torch_backward() -> ModuleType:
+    """``torch.distributed.pipelining._backward`` (private torch API: see the module docstring), on first use.
+
+    Why not at the top: importing ``torch.distributed.pipelining`` imports ``torch._dynamo``, about 1.3 s of
+    CPU on a 2-core VM, which every CLI start that imports the runtime (``run``'s launcher, ``report``) paid
+    without ever splitting a backward.
+
+    Returns:
+        The module.
+    """
+    from torch.distributed.pipelining import _backward
+
+    return _backward
 
 
 @dataclass
@@ -120,11 +134,12 @@ def stage_inputs(roots: Sequence[Tensor], params: Sequence[nn.Parameter]) -> lis
 
 def _splits(roots: Sequence[Tensor], params: Sequence[nn.Parameter], inputs: Sequence[Tensor]) -> bool:
     """Whether every parameter's path meets the inputs' below every send (so ``W`` never runs a send again)."""
-    acc = [a for a in (_get_grad_fn_or_grad_acc(p) for p in params if p.requires_grad) if a is not None]
-    reverse = construct_reverse_graph([r.grad_fn for r in roots if r.grad_fn is not None])
+    tb = _torch_backward()
+    acc = [a for a in (tb._get_grad_fn_or_grad_acc(p) for p in params if p.requires_grad) if a is not None]
+    reverse = tb.construct_reverse_graph([r.grad_fn for r in roots if r.grad_fn is not None])
     used = {a for a in acc if a in reverse}  # before get_param_groups: its lookups add every node they ask for
-    starts = [n for n in (_get_grad_fn_or_grad_acc(t) for t in inputs) if n is not None]
-    groups = get_param_groups(starts, acc, reverse)
+    starts = [n for n in (tb._get_grad_fn_or_grad_acc(t) for t in inputs) if n is not None]
+    groups = tb.get_param_groups(starts, acc, reverse)
     above: set[Node] = set()  # a send's node and every node a send's node lies below
     todo = [n for n in _nodes(roots) if _is_send(n)]
     while todo:
@@ -163,7 +178,7 @@ def backward_input(roots: Sequence[Tensor], params: Sequence[nn.Parameter],
         return Deferred()
     # torch detaches the roots in place, which a view refuses: a view root is replaced by a copy
     outs = [r.clone() if r._is_view() else r for r in roots]
-    _, groups = stage_backward_input(outs, given, list(found), iter(params))
+    _, groups = _torch_backward().stage_backward_input(outs, given, list(found), iter(params))
     return Deferred(groups=groups)
 
 

@@ -105,9 +105,9 @@ def _remainder_matches_a_plain_resume(run: Path, tmp_path: Path, steps: int) -> 
     ckpt = Path(last["resume_from"])
     shutil.copytree(ckpt, tmp_path / "ckpt" / ckpt.name)
     ref = tmp_path / "ref"
-    r = _cli("run", last["build"], "--epochs", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume",
-             "--run-dir", str(ref), "--no-report", "--no-tensorboard")
-    assert r.returncode == 0, r.stdout + r.stderr
+    # a plain run, in this process (as compile): a CLI subprocess would import torch and the package once more
+    assert main(["run", last["build"], "--epochs", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume",
+                 "--run-dir", str(ref), "--no-report", "--no-tensorboard"]) == 0
     got = {m.step + 1: m.loss for m in read_metrics(run / f"seg{last['segment']}")[0]}
     want = {m.step + 1: m.loss for m in read_metrics(ref)[0]}
     assert sorted(got) == sorted(want) and max(got) == steps

@@ -38,6 +38,8 @@ LAZY_FOR_RANKS = {
     "highspy": "solve/ilp.py, through the driver",
     "matplotlib": "viz.py, for a picture",
     "plotly": "runtime/observe/page.py, for the report page",
+    "torch.distributed.pipelining": "backsplit.py, where a ZB-H1 backward is split (it imports torch._dynamo)",
+    "torch._dynamo": "by torch itself where a rank builds its model on the meta device, or traces",
 }
 
 
