@@ -337,7 +337,18 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
                  f"{' (with recompute)' if bst.recompute else ''}, {bc.compute_ms / mean - 1:+.0%} against the "
                  f"mean stage; in steady state every stage waits for it: (M-1) x {bc.compute_ms:.3g} = "
                  f"{pipe:.4g} ms of the {result.step_ms:.4g} ms step")
-    lines.append("memory (peak per device, against capacity):")
+    lines += _memory_lines(plan, result)
+    if what_if is not None:
+        lines.append(_what_if_line(what_if, result))
+    lines.append(format_assumptions(plan.assumptions) if plan.assumptions else
+                 "assumed: not recorded in this plan (plan it again to list the costs not measured here)")
+    return "\n".join(lines)
+
+
+def _memory_lines(plan: Plan, result: SimResult) -> list[str]:
+    """:func:`summary`'s memory lines: each device's (or, on a large cluster, each stage's) peak against its
+    capacity."""
+    lines = ["memory (peak per device, against capacity):"]
     stage_of: dict[str, int] = {}
     for st in plan.stages:
         for name in st.devices:
@@ -358,21 +369,20 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
         each = " each" if len(names) > 1 else ""
         lines.append(f"  {device_names(names):20s} {d.kind:12s} {where:9s} peak {peak / GiB:8.2f} GiB of "
                      f"{d.memory_gib:7.1f} GiB{each}  slack {slack / GiB:8.2f} GiB ({slack / d.memory_bytes:.0%})")
-    if what_if is not None:
-        extra = what_if.device
-        head = f"one more device: + {extra.name} ({extra.kind}, {extra.memory_gib:g} GiB, host {extra.host})"
-        if what_if.plan is None:
-            lines.append(f"{head}: no plan ({what_if.note})")
-        else:
-            new = what_if.plan
-            delta = new.predicted.step_ms / result.step_ms - 1 if result.step_ms else 0.0
-            used = sum(len(s.devices) for s in new.stages)
-            why = "" if delta < -1e-9 else (f"; no better plan uses it ({used} of "
-                                            f"{len(new.cluster.devices)} devices used)")
-            lines.append(f"{head}: predicted step {new.predicted.step_ms:.4g} ms ({delta:+.1%}), "
-                         f"{len(new.stages)} stages, degrees {[len(s.devices) for s in new.stages]}, bottleneck "
-                         f"stage {new.predicted.bottleneck_stage}, bubble {new.predicted.bubble:.1%} "
-                         f"({new.solver.name} {new.solver.status.value}, same schedule and microbatches){why}")
-    lines.append(format_assumptions(plan.assumptions) if plan.assumptions else
-                 "assumed: not recorded in this plan (plan it again to list the costs not measured here)")
-    return "\n".join(lines)
+    return lines
+
+
+def _what_if_line(what_if: WhatIf, result: SimResult) -> str:
+    """:func:`summary`'s line on one more device: the plan that would use it, or why none would."""
+    extra = what_if.device
+    head = f"one more device: + {extra.name} ({extra.kind}, {extra.memory_gib:g} GiB, host {extra.host})"
+    if what_if.plan is None:
+        return f"{head}: no plan ({what_if.note})"
+    new = what_if.plan
+    delta = new.predicted.step_ms / result.step_ms - 1 if result.step_ms else 0.0
+    used = len({d for s in new.stages for d in s.devices})
+    why = "" if delta < -1e-9 else f"; no better plan uses it ({used} of {len(new.cluster.devices)} devices used)"
+    return (f"{head}: predicted step {new.predicted.step_ms:.4g} ms ({delta:+.1%}), "
+            f"{len(new.stages)} stages, degrees {[len(s.devices) for s in new.stages]}, bottleneck "
+            f"stage {new.predicted.bottleneck_stage}, bubble {new.predicted.bubble:.1%} "
+            f"({new.solver.name} {new.solver.status.value}, same schedule and microbatches){why}")

@@ -886,18 +886,7 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
                             f"{cpus[0]}, whose host memory is its own memory: offload would save nothing and is not "
                             "performed there; set offload_optimizer to false for this stage (the solver offers "
                             "offload only on GPUs)")
-    used: dict[str, int] = {}
-    groups = len(plan.stages) // plan.chunks
-    devices = {d.name for d in plan.cluster.devices}
-    for st in plan.stages:
-        for d in st.devices:
-            if d not in devices:
-                raise PlanError(f"stage {st.index} uses device {d!r}, which is not in cluster "
-                                f"{plan.cluster.name} ({sorted(devices)})")
-            if d in used and not (st.index >= groups and used[d] == st.index % groups):
-                raise PlanError(f"device {d} is used by stage {used[d]} and stage {st.index}; one stage per device "
-                                "(under interleaved 1F1B: stage k on stage k % S's devices)")
-            used.setdefault(d, st.index)
+    _check_devices(plan)
     for st in plan.stages:
         if not st.rows:
             continue
@@ -915,6 +904,28 @@ def validate_plan(plan: Plan, profile: Profile) -> None:
             raise PlanError(f"the {unit.kind} unit at {unit.scope} is split between stages {held}, one of them "
                             "tensor-parallel: its sharded intermediate would cross a stage boundary; move the cut "
                             "before or after the unit, or set those stages' tp to 1")
+    _check_memory(plan, profile, sharding)
+
+def _check_devices(plan: Plan) -> None:
+    """:func:`validate_plan`'s rule for devices: each in the cluster, one stage per device (under interleaved 1F1B,
+    stage ``k`` on stage ``k % S``'s devices)."""
+    used: dict[str, int] = {}
+    groups = len(plan.stages) // plan.chunks
+    devices = {d.name for d in plan.cluster.devices}
+    for st in plan.stages:
+        for d in st.devices:
+            if d not in devices:
+                raise PlanError(f"stage {st.index} uses device {d!r}, which is not in cluster "
+                                f"{plan.cluster.name} ({sorted(devices)})")
+            if d in used and not (st.index >= groups and used[d] == st.index % groups):
+                raise PlanError(f"device {d} is used by stage {used[d]} and stage {st.index}; one stage per device "
+                                "(under interleaved 1F1B: stage k on stage k % S's devices)")
+            used.setdefault(d, st.index)
+
+
+def _check_memory(plan: Plan, profile: Profile, sharding: TensorParallel | None) -> None:
+    """:func:`validate_plan`'s rule for memory: every device within its capacity (:func:`device_need`; equal
+    devices of a stage hold equal bytes, an interleaved device its chunks together)."""
     needs: dict[tuple[int, str, int | None], int] = {}  # equal devices of a stage hold equal bytes
     for st in plan.stages[:len(plan.stages) // plan.chunks]:  # interleaved 1F1B: a device's chunks together
         for j, name in enumerate(st.devices):

@@ -94,13 +94,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from .interleave import moments as _moments, order as _interleave
+from .interleave import order as _interleave
 from .memory import ZeroStage
 from .plan import AllReduce, Plan, Schedule
 
 __all__ = ["ActionKind", "COMPUTE", "SyncImpl", "sync_impl", "Action", "RankActions", "op_order", "lower", "relower",
            "parse_actions", "parse_token", "with_averages", "stage_lists", "stage_ranks", "deferral", "held_back",
-           "rank_layout", "rank_stages", "interleaved_order", "interleaved_in_flight", "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
+           "rank_layout", "rank_stages", "interleaved_order", "COLLECTIVES", "MARKERS", "REGIONS", "RANK_KINDS"]
 
 
 class ActionKind(str, enum.Enum):
@@ -414,17 +414,6 @@ def interleaved_order(group: int, groups: int, chunks: int, microbatches: int) -
     """
     return [(ActionKind.FORWARD if f else ActionKind.BACKWARD, group + c * groups, j)
             for f, c, j in _interleave(group, groups, chunks, microbatches)]
-
-
-def interleaved_in_flight(group: int, groups: int, chunks: int, microbatches: int) -> tuple[tuple[int, ...], ...]:
-    """Per chunk of group ``g``, the microbatches whose activations it holds at each moment that can be the group's
-    peak (:func:`hpml_compile.interleave.moments`).
-
-    Example:
-        >>> interleaved_in_flight(0, 2, 2, 4), interleaved_in_flight(1, 2, 2, 4)
-        (((3, 2), (4, 1)), ((2, 1), (3, 0)))
-    """
-    return _moments(group, groups, chunks, microbatches)
 
 
 def held_back(stage: int, defer: int | None) -> int:

@@ -227,7 +227,9 @@ def split_plan(gm: fx.GraphModule, model: str, stages: int, *, microbatches: int
     for d in reps:
         devices.append(tuple(f"cpu{k + i}" for i in range(d)))
         k += d
-    per, reps, devices = ([x[i % groups] for i in range(stages)] for x in (per, reps, devices))
+    per = [per[i % groups] for i in range(stages)]  # interleaved: stage i on group i % groups's devices
+    reps = [reps[i % groups] for i in range(stages)]
+    devices = [devices[i % groups] for i in range(stages)]
     swap, recompute = set(swap), set(recompute)
     out = []
     for i in range(stages):
