@@ -274,18 +274,12 @@ class _Idler:
     once another piece would overrun it, then writes a byte to the pipe the timing thread is blocked on.
 
     A thread, not a process: nothing to start, and the two take turns (the timing thread blocked in the kernel,
-    the GIL free), as two ranks do at batch 1. Where the host has two cores or more, the timing thread and this
-    one are each held to a core of their own while it lives, as two ranks' processes run: they then share the
-    last-level cache, as ranks do, not a core's own caches, which a rank's neighbour never evicts. Written here
-    rather than taken from a library: what is timed is this host's cost of waking a rank's compute, which needs
-    the rank's own way of waiting.
+    the GIL free), as two ranks do at batch 1. Written here rather than taken from a library: what is timed is
+    this host's cost of waking a rank's compute, which needs the rank's own way of waiting.
     """
 
     def __init__(self, work: Callable[[], object]) -> None:
         self._work = work
-        self._cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_setaffinity") else []
-        if len(self._cores) >= 2:
-            os.sched_setaffinity(0, {self._cores[0]})  # this (the timing) thread: Linux pins the calling thread
         self._ask_r, self._ask_w = os.pipe()
         self._done_r, self._done_w = os.pipe()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -299,12 +293,8 @@ class _Idler:
         self._thread.join(timeout=10)
         for fd in (self._ask_r, self._done_r, self._done_w):
             os.close(fd)
-        if len(self._cores) >= 2:
-            os.sched_setaffinity(0, set(self._cores))
 
     def _serve(self) -> None:
-        if len(self._cores) >= 2:
-            os.sched_setaffinity(0, {self._cores[1]})  # the stand-in: another core, as the other rank's process
         piece = 0.0  # how long one piece of work took last
         while len(ask := os.read(self._ask_r, 8)) == 8:
             end = time.perf_counter() + struct.unpack("d", ask)[0] / 1e3
