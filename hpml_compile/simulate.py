@@ -876,10 +876,10 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
     step_no_opt = max(synced, default=0.0) + agree + keep
     begin = step_no_opt
     # a rank holding several stages (interleaved 1F1B) steps them one after another, not side by side
-    start = [begin + b for b in _before(plan, [cst.optimizer_ms for cst in costs])]
-    load = share.load([[(t, t + cst.optimizer_ms)] for t, cst in zip(start, costs)]) if share.active else {}
+    opt_at = [begin + b for b in _before(plan, [cst.optimizer_ms for cst in costs])]
+    load = share.load([[(t, t + cst.optimizer_ms)] for t, cst in zip(opt_at, costs)]) if share.active else {}
     optim = [cst.optimizer_ms * (share.factor(i, t, t + cst.optimizer_ms, load) if share.active else 1.0)
-             for i, (t, cst) in enumerate(zip(start, costs))]
+             for i, (t, cst) in enumerate(zip(opt_at, costs))]
     # ZeRO-1/2's parameter all-gather follows each stage's own optimizer step where it is not prefetched; a rank
     # holding several stages (interleaved 1F1B) steps them one after another
     step = begin + max(_group_sum(plan, [o + cst.gather_ms for o, cst in zip(optim, costs)]), default=0.0)
