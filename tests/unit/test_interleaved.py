@@ -184,6 +184,19 @@ def test_the_simulated_bubble_shrinks_as_megatrons_formula_says(s: int, m: int) 
             assert all(a[1] <= b[0] + 1e-9 for a, b in zip(bars, bars[1:]))
 
 
+def test_a_rank_steps_its_chunks_optimizers_one_after_another_on_a_shared_host() -> None:
+    # two CPU ranks on a host of one core: a rank's chunks step their optimizers in turn, so the host sees two
+    # busy ranks at once, as under 1F1B with the same bytes per device, not four
+    from dataclasses import replace
+    g = build(chain_profile([(1.0, 2.0)] * 8, param_bytes=1000))
+    g = replace(g, cores={"cpu": 1}, optimizer_ms={"cpu": 8.0})
+    c = uniform_cluster(2)
+    one, ilv = (simulate(_cut(g, c, 2, v, 4), g) for v in (1, 2))
+    assert one.step_ms - one.step_without_optimizer_ms > 0
+    assert ilv.step_ms - ilv.step_without_optimizer_ms == pytest.approx(
+        one.step_ms - one.step_without_optimizer_ms)
+
+
 def test_a_device_holds_its_chunks_memory_as_the_model_says() -> None:
     # 100 bytes of activations a block per microbatch (the profile's 400 over M = 4), no parameters
     m = 4
