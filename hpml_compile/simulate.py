@@ -1050,7 +1050,7 @@ def issued_with_meeting_ms(plan: Plan, st: Stage, wire_bytes: float, group: cost
     """The transfer of stage ``st``'s gradient all-reduce where the runtime issues it with the members' meeting.
 
     :meth:`hpml_compile.runtime.sync.comm.DistComm._collective` starts a gloo all-reduce right behind the
-    meeting's (both ``async_op``), so the transfer runs as soon as the members have met: the two take about as
+    meeting's (both ``async_op``), so the transfer starts as soon as the members have met: the two take about as
     long as the longer (two busy gloo ranks, a 109 KB all-reduce: 1.9 ms one after the other, 0.8 ms issued
     together, the all-reduce alone 1.1 ms). That is ZeRO-0's flat all-reduce after the backward on a gloo group
     whose bytes do not go through the host's shared memory (CPU ranks of one host sum

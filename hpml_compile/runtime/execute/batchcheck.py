@@ -16,7 +16,7 @@ vector rides the gradient collective (:class:`~..sync.comm.Rider`): it is the
 collective's meeting, issued with it, so the ranks meet once a step, as DDP's
 do, not twice. It is summed once every rank has reached its gradient
 collective, so the guarantees hold as with an all-reduce of its own after it:
-the check runs at ``LOSS`` on the same sums everywhere, before any optimizer
+the check is made at ``LOSS`` on the same sums everywhere, before any optimizer
 step. Elsewhere (a pipeline, tensor parallelism, a GPU group, a sync that
 runs no collective this step) the vector has an all-reduce of its own at
 ``LOSS``.

@@ -394,7 +394,7 @@ class Pipeline:
 
     def _make_sync(self, optimizer: OptimizerArg) -> StageSync | None:
         """The sync of this rank's replicated stage, as the plan names it (:func:`..sync.stage.for_stage`); under an
-        interleaved plan, one per stage the rank holds, run as one (:class:`..sync.stage.Several`).
+        interleaved plan, one per stage the rank holds, driven together (:class:`..sync.stage.Several`).
 
         Parameters tied to another stage stay apart (all-reduced across those stages). In one process nothing is
         replicated; without an optimizer factory there is no state to shard (every replica keeps the sum).
