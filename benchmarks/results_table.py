@@ -73,6 +73,39 @@ def load(path: Path) -> dict[str, Any]:
     return data
 
 
+def publish(name: str, row: dict[str, Any]) -> Path:
+    """Write ``row`` as ``benchmarks/results/<name>.json``, dated today at the checkout's commit.
+
+    A benchmark's ``--publish`` calls this with its claim, figure, figures, goal, command, machine and
+    details; the date and commit are filled here, the row is checked as :func:`load` checks it, and the file
+    is replaced whole (written beside, then renamed).
+
+    Args:
+        name: the file's stem.
+        row: the row without ``date`` and ``commit``.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ResultError: the row could not back a README row.
+    """
+    import datetime
+    import subprocess
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.strip()[:7]
+    path = RESULTS / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({**row, "date": datetime.date.today().isoformat(), "commit": commit}, indent=2) + "\n")
+    try:
+        load(tmp)
+    except ResultError:
+        tmp.unlink()
+        raise
+    tmp.replace(path)
+    return path
+
+
 def render_figure(data: dict[str, Any]) -> str:
     """The figure's text: its template filled from its numbers."""
     return str(data["figure"]).format(**data["figures"])

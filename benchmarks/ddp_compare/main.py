@@ -205,7 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=",".join(SHORT),
                    help=f"comma-separated runtimes to run (default: all): {', '.join(SHORT)}; fewer runtimes share "
                    "each rank process's memory and caches (e.g. --only ddp,zero0 for the two alone)")
+    p.add_argument("--publish", action="store_true",
+                   help="also write benchmarks/results/peers_ddp_fsdp2-<model>.json (a README row; all runtimes)")
+    p.add_argument("--machine", default=None, help="the machine, as the published row names it (with --publish)")
     args = p.parse_args(argv)
+    if args.publish and not args.machine:
+        p.error("--publish needs --machine (e.g. '2-core AMD EPYC VM, quiet')")
     names = [x.strip() for x in args.only.split(",") if x.strip()]
     unknown = [x for x in names if x not in SHORT]
     if unknown or not names:
@@ -269,7 +274,35 @@ def main(argv: list[str] | None = None) -> int:
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     os.replace(tmp, path)  # published whole
     print(f"wrote {path}")
+    if args.publish:
+        print(f"wrote {_publish(args, ratios, paired, rows)}")
     return 0
+
+
+def _publish(args: argparse.Namespace, ratios: dict[str, float], paired: dict[str, float],
+             rows: dict[str, dict[str, Any]]) -> Path:
+    """The run as a README row: DDP against ours ZeRO-0 and FSDP2 against ours ZeRO-3, in the same launch."""
+    need = (f"{DDP} / {OURS[0]}", f"{FSDP2} / {OURS[3]}")
+    if any(k not in ratios for k in need):
+        raise SystemExit("--publish needs DDP, FSDP2, ours ZeRO-0 and ours ZeRO-3 in the run (leave out --only)")
+    sys.path.insert(0, str(HERE.parent))
+    import results_table  # the README's table, beside this folder
+    row = {"claim": f"Our data-parallel build against torch DDP and FSDP2 (`fully_shard`), {args.model}, 2 gloo "
+                    "ranks, the same weights, data and AdamW, all in one launch, rounds alternating",
+           "figure": ("DDP {ddp_ms[0]:.0f} ms, ours ZeRO-0 {ours0_ms[0]:.0f} ms: DDP / ours {ddp[0]:.2f}x; FSDP2 "
+                      "{fsdp_ms[0]:.0f} ms, ours ZeRO-3 {ours3_ms[0]:.0f} ms: FSDP2 / ours {fsdp[0]:.2f}x "
+                      "(above 1: ours faster; per-round medians {ddp_paired[0]:.2f}x and {fsdp_paired[0]:.2f}x)"),
+           "figures": {"ddp": [round(ratios[need[0]], 3)], "fsdp": [round(ratios[need[1]], 3)],
+                       "ddp_paired": [round(paired[need[0]], 3)], "fsdp_paired": [round(paired[need[1]], 3)],
+                       "ddp_ms": [round(rows[DDP]["step_ms_median"], 1)],
+                       "ours0_ms": [round(rows[OURS[0]]["step_ms_median"], 1)],
+                       "fsdp_ms": [round(rows[FSDP2]["step_ms_median"], 1)],
+                       "ours3_ms": [round(rows[OURS[3]]["step_ms_median"], 1)]},
+           "goal": "ours at least as fast as each (both ratios >= 1.0)",
+           "command": f"python benchmarks/ddp_compare/main.py --model {args.model} --rounds {args.rounds} "
+                      f"--steps {args.steps}",
+           "machine": args.machine, "details": "benchmarks/ddp_compare/README.md"}
+    return results_table.publish(f"peers_ddp_fsdp2-{args.model}", row)
 
 
 if __name__ == "__main__":

@@ -177,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--steps", type=int, default=5, help="steps per round")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--publish", action="store_true",
+                   help="also write benchmarks/results/peers_pipelining-<model>.json (a README row)")
+    p.add_argument("--machine", default=None, help="the machine, as the published row names it (with --publish)")
     args = p.parse_args(argv)
+    if args.publish and not args.machine:
+        p.error("--publish needs --machine (e.g. '2-core AMD EPYC VM, quiet')")
     root = Path(tempfile.mkdtemp(prefix="hpml-overhead-"))
     build_dir = _build(args, root)
     t0 = time.perf_counter()
@@ -216,7 +221,27 @@ def main(argv: list[str] | None = None) -> int:
     path = out / f"runtime_overhead-{args.model}-{args.schedule}-m{args.microbatches}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
+    if args.publish:
+        print(f"wrote {_publish(args, rows, ratio)}")
     return 0
+
+
+def _publish(args: argparse.Namespace, rows: dict[str, dict[str, Any]], ratio: float) -> Path:
+    """The run as a README row: our generated pipeline against torch.distributed.pipelining's, same run."""
+    sys.path.insert(0, str(HERE.parent))
+    import results_table  # the README's table, beside this folder
+    row = {"claim": f"Our generated 2-stage pipeline against torch.distributed.pipelining's {args.schedule.upper()} "
+                    f"on the same cut, {args.model}, {args.microbatches} microbatches, 2 gloo ranks, one launch, "
+                    "rounds alternating",
+           "figure": "ours {ours_ms[0]:.0f} ms, torch.distributed.pipelining {theirs_ms[0]:.0f} ms a step: "
+                     "throughput {ratio[0]:.2f}x theirs",
+           "figures": {"ratio": [round(ratio, 3)], "ours_ms": [round(rows["ours"]["step_ms_median"], 1)],
+                       "theirs_ms": [round(rows["torch.distributed.pipelining"]["step_ms_median"], 1)]},
+           "goal": "at least 1.0x (ours at least as fast)",
+           "command": f"python benchmarks/runtime_overhead/main.py --model {args.model} --schedule {args.schedule} "
+                      f"--microbatches {args.microbatches} --rounds {args.rounds} --steps {args.steps}",
+           "machine": args.machine, "details": "benchmarks/runtime_overhead/README.md"}
+    return results_table.publish(f"peers_pipelining-{args.model}", row)
 
 
 if __name__ == "__main__":
