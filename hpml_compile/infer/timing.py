@@ -118,7 +118,7 @@ class BlockTiming:
     llc_bytes: int = 0  # the CPU's last-level cache as the host reports it (0: unknown)
     handoff_idle: tuple[tuple[float, float], ...] = ()  # (receiver idle ms, hand-off latency us) per point timed
     # (idle ms, ring ms) per point: the timed blocks split in two stages taking turns with one lane, how long each
-    # side idled between its steps and both sides' steps together
+    # side idled between its steps (the other side's step and spin, the wake-ups left out) and both steps together
     decode_turns: tuple[tuple[float, float], ...] = ()
     turn_blocks: int = 0  # the blocks of those two stages together
 
@@ -206,8 +206,10 @@ def time_block(config: Any, work: Workload, threads: int) -> BlockTiming:
                 runs[2].append(_cold_ms(lambda: blocks.step(0, h1, at), flush) / n)
                 runs[3].append(_cold_ms(lambda: ends.step(0, ids, at).float().argmax(-1).tolist(), flush))
             for spin, (idle, ring) in zip(_TURN_SPIN_MS, turns):  # the halves taking turns, one lane
-                a, b, whole = ping_pong(first, second, ids, _COLD, spin_ms=spin)
-                idle.append(whole - (a + b) / 2 - spin)  # a side's round less its own step and spin, on average
+                a, b, _ = ping_pong(first, second, ids, _COLD, spin_ms=spin)
+                # a side idles for the other's step and spin, on average; the wake-ups are left out, as the plan
+                # leaves them out of a rank's idle (they are the hand-off's price)
+                idle.append((a + b) / 2 + spin)
                 ring.append(a + b)
         for stage in (blocks, ends, *halves):
             stage.close()
