@@ -33,7 +33,7 @@ the plan's predicted tokens/s, time to first token and per-token latency beside 
 this process with one torch thread (:func:`hpml_compile.infer.timing.time_block`: back to back, and with its
 weights out of the caches as a stage of a pipeline runs it) and the hand-off between the ranks timed through
 the generator's pipes, to a receiver waiting for it and to one idle for a while before it (as a rank is at
-batch 1 while the other computes), and the block's decode step right after such an idle gap (a rank woken
+batch 1 while the other computes), and the blocks split in two stages taking turns with one lane (a rank woken
 from a wait computes slower than one run back to back), as ``compile --inference`` does. Timings need a
 quiet machine; ``--measured-only --batch 1`` measures one row alone.
 
@@ -313,11 +313,11 @@ def print_measured(rows: list[dict[str, Any]]) -> None:
         idle = ", ".join(f"{us:.0f} us after {ms:g} ms" for ms, us in t.get("handoff_idle", ()))
         print(f"batch {r['batch']}: a hand-off timed here takes {t['handoff_us']:.0f} us to a receiver waiting for it; "
               f"{idle or 'not timed after an idle wait'}")
-        woke = ", ".join(f"{blk * 1e3:.0f} + {out * 1e3:.0f} us after {gap:g} ms" for gap, blk, out in
-                         t.get("decode_idle", ()))
+        woke = ", ".join(f"{ring:.2f} ms after {idle:.2f} ms idle" for idle, ring in t.get("decode_turns", ()))
         print(f"  a block's decode step + the step's work outside the blocks: {t['decode_ms'] * 1e3:.0f} + "
               f"{t['step_ms'] * 1e3:.0f} us back to back, {t['decode_cold_ms'] * 1e3:.0f} + "
-              f"{t['step_cold_ms'] * 1e3:.0f} us with the caches flushed; {woke or 'not timed after an idle gap'}")
+              f"{t['step_cold_ms'] * 1e3:.0f} us with the caches flushed; the {t.get('turn_blocks', 0)} blocks as "
+              f"two stages taking turns, both steps: {woke or 'not timed'}")
         print(f"  ranks computed {' + '.join(f'{x:.1f}' for x in r['rank_compute_ms'])} ms (predicted "
               f"{' + '.join(f'{x:.1f}' for x in r['predicted_rank_compute_ms'])}); the run took "
               f"{r['beyond_compute_ms']:.1f} ms beyond their sum (predicted {r['predicted_beyond_compute_ms']:.1f}; "

@@ -87,11 +87,11 @@ def _report(plan: Any) -> None:
             print(f"  ... to a rank idle before it for {'/'.join(f'{ms:g}' for ms, _ in t.handoff_idle)} ms: "
                   f"{'/'.join(f'{us:.3g}' for _, us in t.handoff_idle)} us (a rank that waits while the others "
                   "compute)")
-        if t.decode_idle:
-            print(f"  ... a decode step right after its rank idled {'/'.join(f'{g:g}' for g, _, _ in t.decode_idle)} "
-                  f"ms: {'/'.join(f'{b:.3g}' for _, b, _ in t.decode_idle)} ms a block, "
-                  f"{'/'.join(f'{e:.3g}' for _, _, e in t.decode_idle)} ms outside the blocks (back to back: "
-                  f"{t.decode_ms:.3g} and {t.step_ms:.3g})")
+        if t.decode_turns:
+            print(f"  ... its {t.turn_blocks} blocks as two stages taking turns, each idle "
+                  f"{'/'.join(f'{g:.3g}' for g, _ in t.decode_turns)} ms between its steps: "
+                  f"{'/'.join(f'{r:.3g}' for _, r in t.decode_turns)} ms for both steps (a stage's decode step woken "
+                  "from its wait)")
     elif any(plan.cluster.device(s.device).is_cpu for s in plan.stages):
         print("  CPUs priced from the catalog's rates (assumed: no block of this model was timed on this host)")
 

@@ -72,7 +72,7 @@ def slowed_spec(spec: cost_models.DeviceSpec, factor: float) -> cost_models.Devi
                    launch_overhead_ms=spec.launch_overhead_ms * factor,
                    source=f"{spec.source}; measured {factor:.3g}x slower while serving".lstrip("; "))
     if isinstance(slow, TimedCpuSpec):
-        slow = replace(slow, idle_compute=tuple((gap, op * factor, out * factor) for gap, op, out in slow.idle_compute))
+        slow = replace(slow, idle_compute=tuple((idle, op * factor) for idle, op in slow.idle_compute))
     return slow
 
 

@@ -75,8 +75,7 @@ class TimedCpuSpec(cost_models.DeviceSpec):
     measured); ``handoff_idle``: ``(idle ms, latency us)`` of a hand-off whose receiver was idle that long
     before it (:func:`wake_us`). ``llc_bytes``: the CPU's last-level cache as the host reports it (0: unknown);
     a model whose decode working set fits in it stays warm in every stage (:func:`evicts`). ``idle_compute``:
-    ``(idle ms, per-op ms, step ms more)`` of a decode step run right after its rank was idle that long (the
-    per-op cost fitted to blocks so timed, and what the step outside the blocks took more than warm), per gap
+    ``(idle ms, per-op ms)`` of a block's decode step run by a rank that idled that long before it, per point
     timed (:func:`woken_extra_ms`)."""
 
     step_ms: float = 0.0
@@ -86,7 +85,7 @@ class TimedCpuSpec(cost_models.DeviceSpec):
     handoff_gbps: float = 0.0
     llc_bytes: int = 0
     handoff_idle: tuple[tuple[float, float], ...] = ()
-    idle_compute: tuple[tuple[float, float, float], ...] = ()
+    idle_compute: tuple[tuple[float, float], ...] = ()
 
 
 class Objective(str, enum.Enum):
@@ -323,26 +322,24 @@ def woken_extra_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Work
                    idle_ms: float) -> float:
     """What a decode step of a stage of ``blocks`` blocks costs more than warm when its rank was idle for
     ``idle_ms`` before it (a rank of a pipeline whose lanes do not keep it busy), where that was timed
-    (:attr:`TimedCpuSpec.idle_compute`; else 0): each of the blocks' ops at the per-op cost fitted to steps so
-    timed, and the step's work outside the blocks as much more as it took. Linear between the gaps timed (a warm
-    step at 0 ms), the last gap's beyond them.
+    (:attr:`TimedCpuSpec.idle_compute`; else 0): each of the blocks' ops at the per-op cost of a step so woken.
+    Linear between the points timed (a warm step at 0 ms), the last point's beyond them.
 
     Example:
         >>> from dataclasses import fields
         >>> from hpml_compile.models.gpt import PRESETS
         >>> base = cost_models.get_device("cpu")
         >>> spec = TimedCpuSpec(**{**{f.name: getattr(base, f.name) for f in fields(cost_models.DeviceSpec)},
-        ...                        "launch_overhead_ms": 0.01}, idle_compute=((1.0, 0.02, 0.1),))
+        ...                        "launch_overhead_ms": 0.01}, idle_compute=((1.0, 0.02),))
         >>> shape, work = DecoderShape.from_config(PRESETS["gpt-mini"]), Workload(1, 32, 32)
         >>> round(woken_extra_ms(spec, shape, work, 3, 0.5), 6), round(woken_extra_ms(spec, shape, work, 3, 4.0), 6)
-        (0.41, 0.82)
+        (0.36, 0.72)
     """
     if not isinstance(spec, TimedCpuSpec) or not spec.idle_compute or blocks < 0:
         return 0.0
-    xs = [0.0, *(gap for gap, _, _ in spec.idle_compute)]
-    op = _interpolate(xs, [spec.launch_overhead_ms, *(o for _, o, _ in spec.idle_compute)], idle_ms)
-    out = _interpolate(xs, [0.0, *(e for _, _, e in spec.idle_compute)], idle_ms)
-    return blocks * CPU_OPS_PER_BLOCK * max(0.0, op - spec.launch_overhead_ms) + out
+    op = _interpolate([0.0, *(idle for idle, _ in spec.idle_compute)],
+                      [spec.launch_overhead_ms, *(o for _, o in spec.idle_compute)], idle_ms)
+    return blocks * CPU_OPS_PER_BLOCK * max(0.0, op - spec.launch_overhead_ms)
 
 
 def head_ms(spec: cost_models.DeviceSpec, shape: DecoderShape, work: Workload) -> float:

@@ -43,14 +43,17 @@ from __future__ import annotations
 import fcntl
 import os
 import select
+import statistics
 import time
 from collections import deque
+from typing import Callable
 
+import torch
 from torch import Tensor
 
 from ..errors import HandoffError
 
-__all__ = ["PipeLink", "HandoffError", "pipe_ring", "measure_handoff", "busy_wait", "PIPE_BYTES"]
+__all__ = ["PipeLink", "HandoffError", "pipe_ring", "measure_handoff", "ping_pong", "busy_wait", "PIPE_BYTES"]
 
 PIPE_BYTES = 1 << 20  # a pipe's buffer asked for (capped by /proc/sys/fs/pipe-max-size): a prefill in few writes
 _POLL_MS = 1000  # how often a wait looks at its time-out
@@ -245,10 +248,7 @@ def measure_handoff(sizes: tuple[int, ...], repeats: int = 30, timeout_s: float 
     Raises:
         HandoffError: if the echo does not answer.
     """
-    import statistics
     import threading
-
-    import torch
 
     rounds = [(n, 0.0) for n in sizes] + [(sizes[0], ms * 1e3) for ms in idle_ms]
     there, back = pipe_ring(2)
@@ -273,3 +273,88 @@ def measure_handoff(sizes: tuple[int, ...], repeats: int = 30, timeout_s: float 
         link.close()  # the echo sees end of file (or has finished) and closes its ends
         echo.join(timeout=5)
     return list(zip(sizes, times)), list(zip(idle_ms, times[len(sizes):]))
+
+
+def _second_side(link: PipeLink, second: Callable[[Tensor], Tensor], like: Tensor, rounds: int, spin_us: float,
+                 times: list[float], failed: list[BaseException]) -> None:
+    """The far end of :func:`ping_pong`: ``rounds`` times, wait for a message, run ``second`` on it (timed), stay
+    busy ``spin_us``, hand the result back. A failure is kept for the caller; the ends are closed either way (the
+    caller's wait then ends at once)."""
+    got = torch.empty_like(like)
+    try:
+        for _ in range(rounds):
+            link.recv(got)
+            t0 = time.perf_counter()
+            out = second(got)
+            times.append((time.perf_counter() - t0) * 1e3)
+            busy_wait(spin_us)
+            link.send(out.contiguous())
+        link.flush()
+    except BaseException as e:  # noqa: BLE001 - handed to the caller, who raises it
+        failed.append(e)
+    finally:
+        link.close()
+
+
+def ping_pong(first: Callable[[Tensor], Tensor], second: Callable[[Tensor], Tensor], x: Tensor, rounds: int, *,
+              spin_ms: float = 0.0, timeout_s: float = 60.0) -> tuple[float, float, float]:
+    """Two parties taking turns through :class:`PipeLink` pipes, as a 2-stage pipeline's ranks with one lane: each
+    computes, hands on, and waits in ``poll`` while the other computes.
+
+    ``first`` runs in this thread on ``x``; what it returns goes to ``second`` in a second thread, and what that
+    returns (``x``'s shape and dtype) comes back as the next round's input. With ``spin_ms``, each side stays
+    busy that long after its compute before it hands on (a longer stage that reads nothing more), so the other
+    idles that much longer. A thread rather than a second process, as :func:`measure_handoff`: the two take
+    turns, each blocked in the kernel with the GIL free while the other computes.
+
+    Args:
+        first: one side's step (a contiguous CPU tensor in and out).
+        second: the other side's step.
+        x: the first round's input of ``first``.
+        rounds: rounds timed (after a few untimed).
+        spin_ms: how long each side stays busy after its compute.
+        timeout_s: how long a side may wait for the other.
+
+    Returns:
+        ``(first's compute, second's compute, one round)``, medians in milliseconds; a round is both sides'
+        compute, their spins and two hand-offs, each to a side woken from its wait.
+
+    Raises:
+        HandoffError: if ``second``'s output does not fit ``first``'s input, or a side fails or does not answer.
+    """
+    import threading
+
+    y = first(x)  # untimed: the sizes of the message each way, and first calls' allocations
+    back_like = second(y)
+    if back_like.shape != x.shape or back_like.dtype != x.dtype:
+        raise HandoffError(f"the second side returns {tuple(back_like.shape)} {back_like.dtype}, but the first "
+                           f"side takes {tuple(x.shape)} {x.dtype}")
+    there, back = pipe_ring(2)
+    total = rounds + _WARMUP
+    theirs: list[float] = []
+    failed: list[BaseException] = []
+    other = PipeLink(there[0], back[1], "the first side / the first side", timeout_s)
+    thread = threading.Thread(target=_second_side, args=(other, second, y, total, spin_ms * 1e3, theirs, failed),
+                              daemon=True)
+    link = PipeLink(back[0], there[1], "the second side / the second side", timeout_s)
+    thread.start()
+    x = x.clone()
+    ours, whole = [], []
+    try:
+        for _ in range(total):
+            t0 = time.perf_counter()
+            y = first(x)
+            ours.append((time.perf_counter() - t0) * 1e3)
+            busy_wait(spin_ms * 1e3)
+            link.send(y.contiguous())
+            link.recv(x)
+            whole.append((time.perf_counter() - t0) * 1e3)
+    except HandoffError as e:
+        raise HandoffError(f"timing two sides taking turns: {failed[0]!r}" if failed else str(e)) from e
+    finally:
+        link.close()  # the other side sees end of file (or has finished) and closes its ends
+        thread.join(timeout=timeout_s)
+    if failed:
+        raise HandoffError(f"timing two sides taking turns: {failed[0]!r}")
+    return (statistics.median(ours[_WARMUP:]), statistics.median(theirs[_WARMUP:]),
+            statistics.median(whole[_WARMUP:]))

@@ -34,17 +34,17 @@ Such a rank also computes slower once woken: its core sat idle (on a virtual
 machine, given back to the hypervisor) while the other stages streamed their
 weights through the shared cache, and the step it then runs pays for it
 (gpt-mini's 2 ranks at batch 1 computed 37-58% over what the block timed back
-to back predicts, on a quiet 2-core VM). So
-the decode step and the step's work outside the blocks are timed a third way:
-each right after an idle gap (:data:`_IDLE_GAPS_MS`) that the timing thread
-spends blocked on a pipe, as a rank waits for its input, while a second thread
-stands for the other stages, running decode steps of another copy of the
-blocks, one block at a time, for the gap's length (so reading weights at the
-pace the other stages do) and then writing to the pipe (:class:`_Idler`).
-The wake-up itself is not in this time (the hand-off's idle latency prices
-it). This is timed per model rather than once per host: what a woken step
-loses depends on how much of the stage's weights it reads again, and the
-gaps a plan's ranks idle are its model's compute.
+to back predicts, on a quiet 2-core VM). What it pays depends on how long it
+idled and on what ran meanwhile, so rather than stand in for either, the
+blocks timed are split in two stages (the first half with the embedding, the
+rest with the head) that take turns with one lane as a 2-stage plan's ranks
+do: each computes its step, hands it on through the generator's pipes and
+waits in ``poll`` while the other computes
+(:func:`hpml_compile.infer.handoff.ping_pong`). Both steps are timed (the
+hand-offs and the wake-ups left out: the hand-off's idle latency prices
+those), with each side idle for the other's step, and again with each side
+busy a little and a good deal longer before it hands on
+(:data:`_TURN_SPIN_MS`), for stages longer than the model's halves.
 
 :func:`timed_spec` turns the times
 into the CPU's entry for pricing: the FLOP/s that make the block's prefill take
@@ -63,12 +63,8 @@ Example:
 
 from __future__ import annotations
 
-import itertools
 import os
-import select
 import statistics
-import struct
-import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -77,13 +73,12 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor
 
-from ..errors import HandoffError
-from .handoff import busy_wait, measure_handoff
-
 import cost_models
 from cost_models.roofline import OpKind, roofline_ms
 
-from .cost import CPU_OPS_PER_BLOCK, DecoderShape, TimedCpuSpec, Workload, block_flops_bytes, head_ms
+from .cost import (CPU_OPS_PER_BLOCK, DecoderShape, TimedCpuSpec, Workload, block_flops_bytes, block_ms,
+                   head_ms)
+from .handoff import measure_handoff, ping_pong
 
 __all__ = ["BlockTiming", "time_block", "timed_spec", "timed_specs"]
 
@@ -99,9 +94,10 @@ _HANDOFF_BIG = 1 << 20  # a third message size for the hand-off's bandwidth
 # hypervisor's polling window (~0.1-0.2 ms) to a few scheduler ticks past it; a longer wait is priced at the last
 # point. Each point costs its repeats twice its idle time (~0.6 s in all).
 _IDLE_MS = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-# Idle gaps before a timed step (ms): a short stage's compute, gpt-mini's half at batch 1, a large model's stage;
-# a longer gap is priced at the last point. Each costs its repeats twice its length and a step (~0.5 s in all).
-_IDLE_GAPS_MS = (0.2, 1.0, 5.0)
+# How long each side of the two timed taking turns stays busy after its step, per point (ms): as the model's own
+# halves, then as stages a little and a good deal longer; a longer idle is priced at the last point. Each point
+# costs its rounds the two halves' steps and twice its spin (~0.5 s in all for gpt-mini).
+_TURN_SPIN_MS = (0.0, 1.0, 4.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +117,10 @@ class BlockTiming:
     handoff_gbps: float = 0.0  # ... and bandwidth (0: not measured; the cluster's link prices it)
     llc_bytes: int = 0  # the CPU's last-level cache as the host reports it (0: unknown)
     handoff_idle: tuple[tuple[float, float], ...] = ()  # (receiver idle ms, hand-off latency us) per point timed
-    # (idle gap ms, decode_ms, step_ms) with the step timed right after the thread was idle that long, per gap
-    decode_idle: tuple[tuple[float, float, float], ...] = ()
+    # (idle ms, ring ms) per point: the timed blocks split in two stages taking turns with one lane, how long each
+    # side idled between its steps (the other side's step and spin, the wake-ups left out) and both steps together
+    decode_turns: tuple[tuple[float, float], ...] = ()
+    turn_blocks: int = 0  # the blocks of those two stages together
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,7 +132,7 @@ class BlockTiming:
                    float(d.get("step_cold_ms", 0.0)), float(d.get("handoff_us", 0.0)),
                    float(d.get("handoff_gbps", 0.0)), int(d.get("llc_bytes", 0)),
                    tuple((float(ms), float(us)) for ms, us in d.get("handoff_idle", ())),
-                   tuple((float(g), float(b), float(e)) for g, b, e in d.get("decode_idle", ())))
+                   tuple((float(g), float(r)) for g, r in d.get("decode_turns", ())), int(d.get("turn_blocks", 0)))
 
 
 def _median_ms(fn: Callable[[], object], repeats: int = _REPEATS) -> float:
@@ -198,32 +196,37 @@ def time_block(config: Any, work: Workload, threads: int) -> BlockTiming:
         h1 = torch.randn(rows, 1, config.d_model, dtype=dtype)
         flush = torch.zeros(_EVICT_BYTES // 4)
         runs: tuple[list[float], ...] = ([], [], [], [])
-        idle: list[tuple[list[float], list[float]]] = [([], []) for _ in _IDLE_GAPS_MS]
-        with _Idler(_other_stages(config, n, dtype, pads, work.context, h1, at)) as idler:
-            for _ in range(_REPEATS):  # interleaved, so that a busy spell of the host weighs on each alike
-                runs[0].append(_median_ms(lambda: [blocks.step(0, h1, at) for _ in range(_RUN)], 1) / _RUN / n)
-                runs[1].append(_median_ms(lambda: [ends.step(0, ids, at).float().argmax(-1).tolist()
-                                                   for _ in range(_RUN)], 1) / _RUN)
-                for _ in range(_COLD):
-                    runs[2].append(_cold_ms(lambda: blocks.step(0, h1, at), flush) / n)
-                    runs[3].append(_cold_ms(lambda: ends.step(0, ids, at).float().argmax(-1).tolist(), flush))
-                    for gap, (blk, out) in zip(_IDLE_GAPS_MS, idle):
-                        blk.append(idler.after(gap, lambda: blocks.step(0, h1, at)) / n)
-                        out.append(idler.after(gap, lambda: ends.step(0, ids, at).float().argmax(-1).tolist()))
+        first, second, halves = _halves(model, n, pads, work.context, at)
+        turns: list[tuple[list[float], list[float]]] = [([], []) for _ in _TURN_SPIN_MS]
+        for _ in range(_REPEATS):  # interleaved, so that a busy spell of the host weighs on each alike
+            runs[0].append(_median_ms(lambda: [blocks.step(0, h1, at) for _ in range(_RUN)], 1) / _RUN / n)
+            runs[1].append(_median_ms(lambda: [ends.step(0, ids, at).float().argmax(-1).tolist()
+                                               for _ in range(_RUN)], 1) / _RUN)
+            for _ in range(_COLD):
+                runs[2].append(_cold_ms(lambda: blocks.step(0, h1, at), flush) / n)
+                runs[3].append(_cold_ms(lambda: ends.step(0, ids, at).float().argmax(-1).tolist(), flush))
+            for spin, (idle, ring) in zip(_TURN_SPIN_MS, turns):  # the halves taking turns, one lane
+                a, b, _ = ping_pong(first, second, ids, _COLD, spin_ms=spin)
+                # a side idles for the other's step and spin, on average; the wake-ups are left out, as the plan
+                # leaves them out of a rank's idle (they are the hand-off's price)
+                idle.append((a + b) / 2 + spin)
+                ring.append(a + b)
+        for stage in (blocks, ends, *halves):
+            stage.close()
         decode, step, decode_cold, step_cold = (statistics.median(r) for r in runs)
-        # a cold or woken step is never faster than a warm one: where a busy host's preemptions made it so (a run
-        # of warm steps is preempted more often than one step on a fresh time slice), warm it is
+        # a cold step is never faster than a warm one: where a busy host's preemptions made it so (a run of warm
+        # steps is preempted more often than one step on a fresh time slice), warm it is
         decode_cold, step_cold = max(decode_cold, decode), max(step_cold, step)
-        woken = tuple((gap, max(statistics.median(blk), decode), max(statistics.median(out), step))
-                      for gap, (blk, out) in zip(_IDLE_GAPS_MS, idle))
-        blocks.close()
-        ends.close()
     finally:
         torch.set_num_threads(before)
     width = torch.finfo(dtype).bits // 8
     latency_us, gbps, handoff_idle = _handoff(rows * config.d_model * width, rows * P * config.d_model * width)
+    points: list[tuple[float, float]] = []
+    for idle, ring in turns:  # a longer spin, a longer idle: where a busy host's medians cross, just longer
+        least = points[-1][0] + 1e-3 if points else 0.0
+        points.append((max(statistics.median(idle), least), statistics.median(ring)))
     return BlockTiming(prefill, decode, step, rows, P, work.new_tokens, threads, decode_cold, step_cold, latency_us,
-                       gbps, last_level_cache_bytes(), handoff_idle, woken)
+                       gbps, last_level_cache_bytes(), handoff_idle, tuple(points), n)
 
 
 def last_level_cache_bytes() -> int:
@@ -251,76 +254,21 @@ def _cold_ms(fn: Callable[[], object], flush: Tensor) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _other_stages(config: Any, n: int, dtype: torch.dtype, pads: Tensor, context: int, h1: Tensor, at: int
-                  ) -> Callable[[], object]:
-    """One block's decode step of another copy of ``n`` blocks (other weights, as the other stages have), the next
-    block at each call: what :class:`_Idler` runs while the timed thread waits."""
-    from ..models.gpt import GPT
+def _halves(model: Any, n: int, pads: Tensor, context: int, at: int
+            ) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor], tuple[Any, ...]]:
+    """The ``n`` blocks of ``model`` as two stages of a plan, the first half with the embedding and the rest with
+    the head: ``(first's decode step: token ids in, hidden states out; second's: hidden states in, greedy token
+    ids out; the two stages, to close)``, each step at cache slot ``at`` of its one lane."""
     from .kv import Stage
 
-    other = GPT(replace(config, n_layer=n)).eval().to(dtype)
-    blocks = [Stage(other, i, i + 1) for i in range(n)]
-    for b in blocks:
-        b.is_first = b.is_last = False
-        b.open(0, pads, context)
-    turn = itertools.cycle(blocks)
-    return lambda: next(turn).step(0, h1, at)
-
-
-class _Idler:
-    """A thread that stands for a pipeline's other stages while the timing thread waits for its input, as a rank
-    waits in ``poll`` on the pipe from the stage before it: asked for a gap, it runs ``work`` (a short piece of the
-    other stages' compute: one block's decode step) again and again for that long, busy-waiting what is left
-    once another piece would overrun it, then writes a byte to the pipe the timing thread is blocked on.
-
-    A thread, not a process: nothing to start, and the two take turns (the timing thread blocked in the kernel,
-    the GIL free), as two ranks do at batch 1. Written here rather than taken from a library: what is timed is
-    this host's cost of waking a rank's compute, which needs the rank's own way of waiting.
-    """
-
-    def __init__(self, work: Callable[[], object]) -> None:
-        self._work = work
-        self._ask_r, self._ask_w = os.pipe()
-        self._done_r, self._done_w = os.pipe()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def __enter__(self) -> "_Idler":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self._ask_w)  # the thread reads end of file and returns
-        self._thread.join(timeout=10)
-        for fd in (self._ask_r, self._done_r, self._done_w):
-            os.close(fd)
-
-    def _serve(self) -> None:
-        piece = 0.0  # how long one piece of work took last
-        while len(ask := os.read(self._ask_r, 8)) == 8:
-            end = time.perf_counter() + struct.unpack("d", ask)[0] / 1e3
-            while (now := time.perf_counter()) + piece < end:
-                self._work()
-                piece = time.perf_counter() - now
-            busy_wait(max(0.0, end - time.perf_counter()) * 1e6)
-            os.write(self._done_w, b"\0")
-
-    def after(self, gap_ms: float, fn: Callable[[], object]) -> float:
-        """``fn``'s time (ms) right after this thread waited ``gap_ms`` in ``poll`` for the stand-in's byte (the
-        wait and the wake-up left out).
-
-        Raises:
-            HandoffError: if the stand-in does not answer within a minute.
-        """
-        os.write(self._ask_w, struct.pack("d", gap_ms))
-        poll = select.poll()
-        poll.register(self._done_r, select.POLLIN)
-        if not poll.poll(60_000):
-            raise HandoffError("timing a block after an idle gap: the thread standing for the other stages did not "
-                               "answer within 60 s")
-        os.read(self._done_r, 1)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
+    first, second = Stage(model, 0, n // 2), Stage(model, n // 2, n)
+    second.is_first = False  # hidden states in, even with no blocks before it
+    dtype = first.dtype
+    for s in (first, second):
+        s.open(0, pads, context)
+    return (lambda x: first.step(0, x, at).float(),
+            lambda h: second.step(0, h.to(dtype), at).float().argmax(-1, keepdim=True),
+            (first, second))
 
 
 def _handoff(decode_bytes: int, prefill_bytes: int) -> tuple[float, float, tuple[tuple[float, float], ...]]:
@@ -346,8 +294,9 @@ def timed_spec(base: cost_models.DeviceSpec, shape: DecoderShape, timing: BlockT
     cold decode step (a stage of a pipeline) gets a per-op cost of its own the same way; what the cold step
     outside the blocks took more than the warm one is the head's (its table read from memory: the embedding
     reads a row per sequence); the hand-off's latency (hot and after each idle time timed) and bandwidth are
-    carried over. The steps timed after each idle gap get a per-op cost of their own, and what the step outside
-    the blocks took more than warm after it (:func:`hpml_compile.infer.cost.woken_extra_ms`).
+    carried over. What the two stages timed taking turns took beyond their price back to back, per point timed,
+    is spread over their blocks as a per-op cost of a step woken after that long idle
+    (:func:`hpml_compile.infer.cost.woken_extra_ms`).
 
     Returns:
         The fitted spec, with the step's cost beyond its blocks and head (``step_ms``) and the cold and
@@ -371,13 +320,24 @@ def timed_spec(base: cost_models.DeviceSpec, shape: DecoderShape, timing: BlockT
         cold_op = max(1e-6, (timing.decode_cold_ms - roofline_ms(OpKind.MATMUL, fd, bd, fitted, dtype))
                       / CPU_OPS_PER_BLOCK)
         cold_head = max(0.0, timing.step_cold_ms - timing.step_ms)  # the table read from memory: the head's
-    floor = roofline_ms(OpKind.MATMUL, fd, bd, fitted, dtype)  # what no per-op cost explains
-    woken = tuple((gap, max(op, (blk - floor) / CPU_OPS_PER_BLOCK), max(0.0, out - timing.step_ms))
-                  for gap, blk, out in timing.decode_idle)
-    return TimedCpuSpec(**{f.name: getattr(fitted, f.name) for f in fields(cost_models.DeviceSpec)}, step_ms=extra,
+    spec = TimedCpuSpec(**{f.name: getattr(fitted, f.name) for f in fields(cost_models.DeviceSpec)}, step_ms=extra,
                         cold_op_ms=cold_op, cold_head_ms=cold_head, handoff_us=timing.handoff_us,
                         handoff_gbps=timing.handoff_gbps, llc_bytes=timing.llc_bytes,
-                        handoff_idle=timing.handoff_idle, idle_compute=woken)
+                        handoff_idle=timing.handoff_idle)
+    return replace(spec, idle_compute=_woken(spec, shape, work, timing))
+
+
+def _woken(spec: TimedCpuSpec, shape: DecoderShape, work: Workload, timing: BlockTiming
+           ) -> tuple[tuple[float, float], ...]:
+    """``spec.idle_compute`` from the two stages timed taking turns: per point, what their steps took beyond
+    what ``spec`` prices them at back to back (their blocks, the head and each stage's step beyond them), spread
+    over their blocks as a per-op cost (:func:`hpml_compile.infer.cost.woken_extra_ms`)."""
+    n = timing.turn_blocks
+    if n <= 0:
+        return ()
+    warm = block_ms(spec, shape, work, n, decode=True) + head_ms(spec, shape, work) + 2 * spec.step_ms
+    op = spec.launch_overhead_ms
+    return tuple((idle, op + max(0.0, ring - warm) / (n * CPU_OPS_PER_BLOCK)) for idle, ring in timing.decode_turns)
 
 
 def timed_specs(shape: DecoderShape, timing: BlockTiming | None, dtype: str = "float32"

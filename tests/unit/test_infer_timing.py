@@ -13,7 +13,7 @@ import torch
 from hpml_compile.infer.api import plan_for
 from hpml_compile.infer.engine import Generator
 from hpml_compile.infer.plan import InferencePlan
-from hpml_compile.infer.timing import _IDLE_GAPS_MS, BlockTiming, timed_specs
+from hpml_compile.infer.timing import _TURN_SPIN_MS, BlockTiming, timed_specs
 
 BATCH, PROMPT, NEW = 4, 16, 16
 
@@ -27,9 +27,12 @@ def test_a_cpu_plan_is_priced_from_a_block_timed_here_and_keeps_it_through_json(
     t = plan.cpu_timing
     assert isinstance(t, BlockTiming) and t.prefill_ms > 0 and t.decode_ms > 0
     assert (t.rows, t.prompt_len, t.new_tokens) == (plan.workload.rows, PROMPT, NEW)
-    # and timed right after idle gaps (a rank waiting while the others compute): never faster than back to back
-    assert [gap for gap, _, _ in t.decode_idle] == list(_IDLE_GAPS_MS)
-    assert all(blk >= t.decode_ms and out >= t.step_ms for _, blk, out in t.decode_idle), t
+    # and its blocks as two stages taking turns, each idle while the other computes, then longer by each spin
+    assert t.turn_blocks == plan.shape.n_layer and len(t.decode_turns) == len(_TURN_SPIN_MS)
+    idle = [g for g, _ in t.decode_turns]
+    assert idle == sorted(idle) and idle[0] > 0, t.decode_turns
+    assert idle[-1] - idle[0] >= 0.5 * (_TURN_SPIN_MS[-1] - _TURN_SPIN_MS[0]), t.decode_turns
+    assert all(ring > 0 for _, ring in t.decode_turns), t.decode_turns
     assert InferencePlan.from_dict(plan.to_dict()) == plan
     spec = timed_specs(plan.shape, t)["cpu"]  # type: ignore[index]
     assert spec.source.startswith("timed on this host")
