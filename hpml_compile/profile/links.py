@@ -76,9 +76,8 @@ from ..runtime.sync.shm import HostReduce
 from ..runtime.job.spawn import spawn_ranks
 
 __all__ = ["SIZES", "SHM_ALLREDUCE", "SHM_ROWS", "PARAM_GATHER", "TP_GATHER", "TP_REDUCE", "TP_REDUCE_SHORT",
-           "TP_BURST", "TP_BURST_SHORT", "TP_REDUCE_HOW", "QUICK_SIZES", "Fit", "fit_link", "tp_reduce_rows", "measure_cluster",
-           "measure_local_link",
-           "probe_ranks", "probe_copies"]
+           "TP_BURST", "TP_BURST_SHORT", "TP_REDUCE_HOW", "QUICK_SIZES", "Fit", "fit_link", "tp_reduce_rows",
+           "measure_cluster", "measure_local_link", "probe_ranks", "probe_copies"]
 
 SIZES = (4 << 10, 256 << 10, 4 << 20, 32 << 20)  # bytes: latency-bound to bandwidth-bound
 REPEATS = 5
@@ -221,7 +220,8 @@ def tp_reduce_rows(rows: Sequence[Row]) -> tuple[list[Row], float]:
 
     Example:
         >>> mib = 1 << 20
-        >>> rows = [(TP_REDUCE, mib, 1.6), (TP_BURST, mib, 5.0), (TP_REDUCE_SHORT, mib, 0.85), (TP_BURST_SHORT, mib, 1.25)]
+        >>> rows = [(TP_REDUCE, mib, 1.6), (TP_BURST, mib, 5.0),  # after 5 ms of compute, and after 1.25 ms
+        ...         (TP_REDUCE_SHORT, mib, 0.85), (TP_BURST_SHORT, mib, 1.25)]
         >>> fixed, per_ms = tp_reduce_rows(rows)
         >>> [(op, b, round(ms, 3)) for op, b, ms in fixed], round(per_ms, 3)
         ([('tp_reduce', 1048576, 0.6)], 0.2)
