@@ -108,6 +108,9 @@ TP_REDUCE_HOW = "tp-reduce in chains of compute at two lengths"  # in a link's s
 CHAIN = 6  # all-reduces in one chain of the TP_REDUCE probe (a transformer layer runs 2 forward, 2 backward)
 BURST_MATMULS = 8  # 256 x 256 matrix products: about 5 ms on one thread (34 MFLOP each)
 SHORT_BURST_MATMULS = 2  # ... and a short layer's: about 1.3 ms
+# the chains' repeats per repeat of the other timings: the part per ms of compute is the difference of two chains
+# over a few ms of compute, which the noise of each chain moves twice; a chain costs 15-60 ms on a quiet host
+CHAIN_REPEATS = 2
 
 
 @dataclass(frozen=True)
@@ -306,7 +309,7 @@ def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequ
                 rows.append((TP_GATHER, t.numel() * 4, _after_compute(gather, repeats)))  # a tp layer's: gloo
                 for op, each, matmuls in ((TP_REDUCE, TP_BURST, BURST_MATMULS),
                                           (TP_REDUCE_SHORT, TP_BURST_SHORT, SHORT_BURST_MATMULS)):
-                    added, burst = _in_chain(reduce, repeats, matmuls=matmuls)
+                    added, burst = _in_chain(reduce, CHAIN_REPEATS * repeats, matmuls=matmuls)
                     rows += [(op, t.numel() * 4, added), (each, t.numel() * 4, burst)]
             if host is not None and not cuda and t.numel() % 2 == 0:
                 ops += [(SHM_ALLREDUCE, reduce_shm, 1.0), (SHM_ROWS["reduce_scatter"], scatter_shm, 1.0),
