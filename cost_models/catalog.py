@@ -128,6 +128,9 @@ class LinkSpec:
             all-gather between two CPU processes took 1.2-1.7x and 2-3x its all-reduce
             of the same bytes, where the ring model says half; and the all-reduce's own
             timings are what an all-reduce is priced by, not a fit shared with send/recv.
+        tp_reduce_per_ms: what each ms of compute before a tensor-parallel layer's
+            all-reduce adds to it beyond its ``tp_reduce`` fit (the group waiting for
+            its later rank), where a probe timed it at two lengths of compute.
     """
 
     name: str
@@ -136,11 +139,12 @@ class LinkSpec:
     source: str
     shared: bool = False
     collectives: tuple[tuple[str, float, float], ...] = ()
+    tp_reduce_per_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.gbps > 0 or self.latency_us < 0:
-            raise ValueError(f"link {self.name}: gbps must be > 0 and latency_us >= 0, "
-                             f"got {self.gbps}, {self.latency_us}")
+        if not self.gbps > 0 or self.latency_us < 0 or self.tp_reduce_per_ms < 0:
+            raise ValueError(f"link {self.name}: gbps must be > 0, latency_us and tp_reduce_per_ms >= 0, "
+                             f"got {self.gbps}, {self.latency_us}, {self.tp_reduce_per_ms}")
         for op, gbps, lat in self.collectives:
             if op not in COLLECTIVE_OPS or not gbps > 0 or lat < 0:
                 raise ValueError(f"link {self.name}: collective fit ({op!r}, {gbps}, {lat}) needs an op in "

@@ -281,7 +281,7 @@ def link_spec(cluster: Cluster, a: str, b: str) -> LinkSpec:
     for x in cluster.links:
         if {x.a, x.b} == {a, b}:
             return LinkSpec(f"{a}-{b}", x.gbps, x.latency_us, x.source or "cluster.json", shared=x.shared,
-                            collectives=x.collectives)
+                            collectives=x.collectives, tp_reduce_per_ms=x.tp_reduce_per_ms)
     if cluster.hosts:
         described = _host_link(cluster, da, db)
         if described is not None:

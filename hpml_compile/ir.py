@@ -508,7 +508,8 @@ class Link:
     figures come from (``measured: ...`` where ``hpml-compile devices --measure`` timed them).
     ``collectives``: ``(op, gbps, latency_us)`` measured for the reduce-scatter and the all-gather on their
     own, where the backend runs them slower than the link's ring (``LinkSpec.collectives``); in JSON
-    ``{"reduce_scatter": {"gbps": .., "latency_us": ..}, ...}``.
+    ``{"reduce_scatter": {"gbps": .., "latency_us": ..}, ...}``. ``tp_reduce_per_ms``: what each ms of
+    compute before a tensor-parallel layer's all-reduce adds to it (``LinkSpec.tp_reduce_per_ms``).
     """
 
     a: str
@@ -518,11 +519,13 @@ class Link:
     shared: bool = False
     source: str = ""
     collectives: tuple[tuple[str, float, float], ...] = ()
+    tp_reduce_per_ms: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"a": self.a, "b": self.b, "gbps": self.gbps, "latency_us": self.latency_us,
                 **({"shared": True} if self.shared else {}), **({"source": self.source} if self.source else {}),
-                **({"collectives": collectives_dict(self.collectives)} if self.collectives else {})}
+                **({"collectives": collectives_dict(self.collectives)} if self.collectives else {}),
+                **({"tp_reduce_per_ms": self.tp_reduce_per_ms} if self.tp_reduce_per_ms else {})}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Link":

@@ -152,7 +152,7 @@ _DEVICE_INFO = {
         # for CPU devices of one host use where their cluster names no link
         "link": {"type": "object", "required": ["gbps", "latency_us"],
                  "properties": {"gbps": _NUM, "latency_us": _NUM, "shared": {"type": "boolean"}, "source": _STR,
-                                "collectives": COLLECTIVE_FITS},
+                                "collectives": COLLECTIVE_FITS, "tp_reduce_per_ms": _NUM},
                  "additionalProperties": False},
     },
     "additionalProperties": False,
@@ -251,6 +251,7 @@ CLUSTER_SCHEMA: dict[str, Any] = {
                     "shared": {"type": "boolean"},
                     "source": {"type": "string"},
                     "collectives": COLLECTIVE_FITS,
+                    "tp_reduce_per_ms": _NUM,
                 },
                 "additionalProperties": False,
             },

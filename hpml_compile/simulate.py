@@ -351,16 +351,18 @@ def _tp_link(cluster: Cluster, st: Stage) -> cost_models.LinkSpec | None:
     return min((link_spec(cluster, group[0], x) for x in group[1:]), key=lambda sp: sp.gbps)
 
 
-def _tp_comm(graph: CostGraph, nodes: list[str], tp: int, share: int,
-             link: cost_models.LinkSpec | None) -> tuple[float, float]:
+def _tp_comm(graph: CostGraph, nodes: list[str], tp: int, share: int, link: cost_models.LinkSpec | None,
+             compute: tuple[float, float] = (0.0, 0.0)) -> tuple[float, float]:
     """``(forward, backward)`` ms of one microbatch's tensor-parallel collectives over ``nodes`` (``share``:
-    ``M d``, the parts of the batch a microbatch on one replica holds), :func:`hpml_compile.stagecost.tp_comm_ms`."""
+    ``M d``, the parts of the batch a microbatch on one replica holds; ``compute``: a rank's forward and backward
+    compute of it), :func:`hpml_compile.stagecost.tp_comm_ms`."""
     parts = [graph.node(n).shard[tp] for n in nodes if tp > 1 and tp in graph.node(n).shard]
     if not parts:
         return 0.0, 0.0
     fwd = tp_comm_ms(sum(p.fwd_allreduce for p in parts) / share, sum(p.fwd_gather for p in parts) / share,
-                     sum(p.fwd_count for p in parts), tp, link)
-    bwd = tp_comm_ms(sum(p.bwd_allreduce for p in parts) / share, 0, sum(p.bwd_count for p in parts), tp, link)
+                     sum(p.fwd_count for p in parts), tp, link, compute[0])
+    bwd = tp_comm_ms(sum(p.bwd_allreduce for p in parts) / share, 0, sum(p.bwd_count for p in parts), tp, link,
+                     compute[1])
     return float(fwd), float(bwd)
 
 
@@ -408,8 +410,9 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
             tp_bwd = 0.0
         else:
             per_mb = [_tp_cost(graph, n, kinds, 1.0 / (m * d), tp) for n in nodes]
-            tp_fwd, tp_bwd = _tp_comm(graph, nodes, tp, m * d, _tp_link(c, st))
-            own = [(sum(f for f, _ in per_mb) + tp_fwd, sum(b for _, b in per_mb) + tp_bwd)] * len(st.devices)
+            compute = (sum(f for f, _ in per_mb), sum(b for _, b in per_mb))
+            tp_fwd, tp_bwd = _tp_comm(graph, nodes, tp, m * d, _tp_link(c, st), compute)
+            own = [(compute[0] + tp_fwd, compute[1] + tp_bwd)] * len(st.devices)
         fwd, bwd = max(f for f, _ in own), max(b for _, b in own)
         recs = [graph.node(n) for n in nodes]
         shards = [r.shard[tp] for r in recs if tp in r.shard]

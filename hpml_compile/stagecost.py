@@ -351,13 +351,16 @@ def tp_time(full: Value, fixed: Value, sharded: Value, sharded_fixed: Value, fra
 
 
 def tp_comm_ms(allreduce_bytes: Value, gather_bytes: Value, count: Value, tp: int,
-               link: cost_models.LinkSpec | None) -> Value:
+               link: cost_models.LinkSpec | None, compute_ms: Value = 0.0) -> Value:
     """The tensor-parallel collectives of one pass over a microbatch (blocking: the next op needs their result).
 
     ``count`` collectives in all: the all-gathers of ``gather_bytes`` (one per gathered tensor, an LM head's
     logits) and the rest all-reduces sharing ``allreduce_bytes`` equally (one per unit of a transformer:
     Megatron's two per layer forward, two backward), ring algorithms on the group's ``link``
-    (:mod:`cost_models`), one latency each.
+    (:mod:`cost_models`), one latency each. Where the link says what each ms of compute before a layer's
+    all-reduce adds to it (``LinkSpec.tp_reduce_per_ms``: the group waiting for its later rank, measured by
+    :func:`hpml_compile.profile.links.tp_reduce_rows`), the all-reduces add that part of ``compute_ms``, the
+    compute they follow: a rank's compute of the pass, the ops between one all-reduce and the next summed.
 
     Args:
         allreduce_bytes: bytes all-reduced (each rank's buffer), summed over the collectives.
@@ -365,6 +368,7 @@ def tp_comm_ms(allreduce_bytes: Value, gather_bytes: Value, count: Value, tp: in
         count: the number of collectives (all-reduces and all-gathers).
         tp: the group's ranks.
         link: the slowest link inside the group (None or infinitely fast: free).
+        compute_ms: one rank's compute of the pass (the sharded ops at ``1 / tp``), of the form of the bytes.
 
     Returns:
         Milliseconds, of the form of the bytes.
@@ -372,6 +376,9 @@ def tp_comm_ms(allreduce_bytes: Value, gather_bytes: Value, count: Value, tp: in
     >>> nv = cost_models.LinkSpec("example", gbps=100.0, latency_us=10.0, source="example")
     >>> round(tp_comm_ms(2e6, 0, 2, 2, nv), 4) == round(2 * cost_models.allreduce_ms(1e6, 2, nv), 4)
     True
+    >>> waits = dataclasses.replace(nv, tp_reduce_per_ms=0.1)
+    >>> round(tp_comm_ms(2e6, 0, 2, 2, waits, compute_ms=8.0) - tp_comm_ms(2e6, 0, 2, 2, nv, compute_ms=8.0), 4)
+    0.8
     """
     if tp <= 1 or link is None:
         return allreduce_bytes * 0.0
@@ -380,7 +387,8 @@ def tp_comm_ms(allreduce_bytes: Value, gather_bytes: Value, count: Value, tp: in
     reduces = np.maximum(count - gathers, 0) if isinstance(count, np.ndarray) else max(0, count - gathers)
     safe = np.maximum(reduces, 1) if isinstance(reduces, np.ndarray) else max(1, reduces)
     one = transfer_ms(cost_models.allreduce_ms, allreduce_bytes / safe, link, tp)
-    return reduces * one + transfer_ms(cost_models.all_gather_ms, gather_bytes, link, tp)
+    wait = link.tp_reduce_per_ms * compute_ms * (reduces > 0)
+    return reduces * one + wait + transfer_ms(cost_models.all_gather_ms, gather_bytes, link, tp)
 
 
 def tp_link(link: cost_models.LinkSpec) -> cost_models.LinkSpec:

@@ -27,7 +27,10 @@ figures, recorded as ``links`` of the cluster it returns (what
   gloo's own all-gather after compute and all-reduce in a chain of compute
   (``TP_GATHER``, ``TP_REDUCE``), which price a tensor-parallel layer's
   (:func:`hpml_compile.stagecost.tp_link`); the first prices ZeRO-3's gathers
-  (:func:`hpml_compile.stagecost.param_gather_link`).
+  (:func:`hpml_compile.stagecost.param_gather_link`). The chain is timed at two
+  lengths of compute between the all-reduces, so that a layer's all-reduce is
+  priced as a fixed cost plus a part of the compute it follows
+  (:func:`tp_reduce_rows`, ``Link.tp_reduce_per_ms``).
 - **GPU pairs (NCCL)**: the same two ranks, each on its own GPU, in a
   two-rank NCCL group, time the same operations (CUDA synchronised around
   each). Where there are fewer than two GPUs there is nothing to time.
@@ -72,9 +75,9 @@ from ..ir import Cluster, Device, Link, collectives_dict
 from ..runtime.sync.shm import HostReduce
 from ..runtime.job.spawn import spawn_ranks
 
-__all__ = ["SIZES", "SHM_ALLREDUCE", "SHM_ROWS", "PARAM_GATHER", "TP_GATHER", "TP_REDUCE", "TP_REDUCE_HOW",
-           "QUICK_SIZES", "Fit", "fit_link", "measure_cluster", "measure_local_link",
-           "probe_ranks", "probe_copies"]
+__all__ = ["SIZES", "SHM_ALLREDUCE", "SHM_ROWS", "PARAM_GATHER", "TP_GATHER", "TP_REDUCE", "TP_REDUCE_SHORT",
+           "TP_BURST", "TP_BURST_SHORT", "TP_REDUCE_HOW", "QUICK_SIZES", "Fit", "fit_link", "tp_reduce_rows",
+           "measure_cluster", "measure_local_link", "probe_ranks", "probe_copies"]
 
 SIZES = (4 << 10, 256 << 10, 4 << 20, 32 << 20)  # bytes: latency-bound to bandwidth-bound
 REPEATS = 5
@@ -94,9 +97,20 @@ TP_GATHER = "tp_gather"  # gloo's own all-gather after compute, as a tensor-para
 # tensor between two bursts of compute, which the link's all-reduces in a loop (which fit the link) do not see;
 # timed in a chain of compute as a layer runs it (_in_chain), so that what it costs the compute around it is in it
 TP_REDUCE = "tp_reduce"
-TP_REDUCE_HOW = "tp-reduce in a chain of compute"  # in a link's source where its TP_REDUCE fit was timed so
+# ... timed at two lengths of the compute between the all-reduces, the long bursts' rows TP_REDUCE, the short ones'
+# TP_REDUCE_SHORT, with one burst's compute in each chain (TP_BURST, TP_BURST_SHORT, at the all-reduce's bytes):
+# fitted as a fixed cost plus a part per ms of the compute each follows (Fit.tp_reduce_per_ms, tp_reduce_rows)
+TP_REDUCE_SHORT = "tp_reduce_short"
+TP_BURST = "tp_burst"
+TP_BURST_SHORT = "tp_burst_short"
+_CHAIN_ROWS = (TP_REDUCE_SHORT, TP_BURST, TP_BURST_SHORT)  # rows that only tp_reduce_rows reads
+TP_REDUCE_HOW = "tp-reduce in chains of compute at two lengths"  # in a link's source where TP_REDUCE was timed so
 CHAIN = 6  # all-reduces in one chain of the TP_REDUCE probe (a transformer layer runs 2 forward, 2 backward)
 BURST_MATMULS = 8  # 256 x 256 matrix products: about 5 ms on one thread (34 MFLOP each)
+SHORT_BURST_MATMULS = 2  # ... and a short layer's: about 1.3 ms
+# the chains' repeats per repeat of the other timings: the part per ms of compute is the difference of two chains
+# over a few ms of compute, which the noise of each chain moves twice; a chain costs 15-60 ms on a quiet host
+CHAIN_REPEATS = 2
 
 
 @dataclass(frozen=True)
@@ -111,6 +125,8 @@ class Fit:
         worst: the largest relative error of the fit over the send/recv and all-reduce rows.
         collectives: ``(op, gbps, latency_us)``: the reduce-scatter's, the all-gather's and the all-reduce's
             own fits, where they were timed at two sizes or more (``LinkSpec.collectives``).
+        tp_reduce_per_ms: what each ms of compute before a tensor-parallel layer's all-reduce adds to it, beyond
+            its ``tp_reduce`` fit (:func:`tp_reduce_rows`; 0 where it was timed at one length of compute).
     """
 
     gbps: float
@@ -119,6 +135,7 @@ class Fit:
     rows: tuple[Row, ...]
     worst: float
     collectives: tuple[tuple[str, float, float], ...] = ()
+    tp_reduce_per_ms: float = 0.0
 
 
 def _solve(a: np.ndarray, y: np.ndarray) -> tuple[float, float]:
@@ -149,7 +166,8 @@ def fit_link(rows: Sequence[Row]) -> Fit:
     """
     if any(not ms > 0 for _, _, ms in rows):
         raise HpmlError(f"a link fit needs positive times at two sizes at least, got {list(rows)}")
-    main = [r for r in rows if r[0] not in COLLECTIVE_OPS and r[0] not in SHM_ROWS.values()]
+    main = [r for r in rows if r[0] not in COLLECTIVE_OPS and r[0] not in SHM_ROWS.values()
+            and r[0] not in _CHAIN_ROWS]
     if len({b for _, b, _ in main}) < 2:
         raise HpmlError(f"a link fit needs positive times at two sizes at least, got {list(rows)}")
     y = np.array([ms for _, _, ms in main])
@@ -165,19 +183,60 @@ def fit_link(rows: Sequence[Row]) -> Fit:
         if not any(op == "allreduce" for op, _, _ in main):
             break  # shared or not says nothing about a copy or a send
     assert best is not None
+    chain, per_ms = tp_reduce_rows(rows)
+    rows_of = [r for r in rows if r[0] != TP_REDUCE] + chain
     own = []
     for op in COLLECTIVE_OPS:
         # two ranks: a reduce-scatter or all-gather is one step of the ring, the whole buffer (shared) or half of
         # it moved; an all-reduce two steps, both buffers (shared) or one (the probe's rows say "allreduce")
         # the runtime's: through shared memory where the probe could map it (.shm), else gloo's
-        mine = ([(b, ms) for o, b, ms in rows if o == SHM_ROWS.get(op)]
-                or [(b, ms) for o, b, ms in rows if o == ("allreduce" if op == "all_reduce" else op)])
+        mine = ([(b, ms) for o, b, ms in rows_of if o == SHM_ROWS.get(op)]
+                or [(b, ms) for o, b, ms in rows_of if o == ("allreduce" if op == "all_reduce" else op)])
         steps = 2.0 if op in ("all_reduce", TP_REDUCE) else 1.0
         if len({b for b, _ in mine}) >= 2:
             alpha, beta = _solve(np.array([[steps, steps * (b if best.shared else b / 2)] for b, _ in mine]),
                                  np.array([ms for _, ms in mine]))
             own.append((op, round(1e-6 / beta, 4), round(alpha * 1e3, 2)))
-    return replace(best, collectives=tuple(own))
+    return replace(best, collectives=tuple(own), tp_reduce_per_ms=round(per_ms, 4))
+
+
+def tp_reduce_rows(rows: Sequence[Row]) -> tuple[list[Row], float]:
+    """A tensor-parallel layer's all-reduce as a fixed cost plus a part per ms of the compute it follows.
+
+    The probe times gloo's all-reduce in chains of compute at two lengths of the bursts between the all-reduces
+    (``TP_REDUCE`` after the long bursts, ``TP_REDUCE_SHORT`` after the short ones, each chain's burst in the
+    ``TP_BURST`` and ``TP_BURST_SHORT`` rows). At each size, the difference between the two over the difference
+    between their bursts is what each ms of compute adds (the group's wait for its later rank grows with the
+    compute each rank did alone); its median over the sizes is the part per ms, and each size's time less that
+    part of its burst (the mean of the two lengths' figures) is the fixed cost, fitted to alpha-beta as the other
+    collectives are. So a layer's all-reduce is priced at the compute it follows, short or long, from measurement,
+    where one timed after 5 ms of compute alone prices a layer of 1 ms as dear as one of 5. A part per ms below
+    zero (noise) counts as zero; a fixed cost is kept at a tenth of the shorter chain's figure at least, so that
+    noise cannot make it free.
+
+    Args:
+        rows: the probe's rows; without ``TP_REDUCE_SHORT`` rows and both bursts at a size (a probe at one length)
+            the ``TP_REDUCE`` rows are the fixed cost as they are.
+
+    Returns:
+        ``(TP_REDUCE rows of the fixed cost, ms added per ms of compute)``.
+
+    Example:
+        >>> mib = 1 << 20
+        >>> rows = [(TP_REDUCE, mib, 1.6), (TP_BURST, mib, 5.0),  # after 5 ms of compute, and after 1.25 ms
+        ...         (TP_REDUCE_SHORT, mib, 0.85), (TP_BURST_SHORT, mib, 1.25)]
+        >>> fixed, per_ms = tp_reduce_rows(rows)
+        >>> [(op, b, round(ms, 3)) for op, b, ms in fixed], round(per_ms, 3)
+        ([('tp_reduce', 1048576, 0.6)], 0.2)
+    """
+    of = {op: {b: ms for o, b, ms in rows if o == op} for op in (TP_REDUCE, *_CHAIN_ROWS)}
+    long_, short, hi, lo = of[TP_REDUCE], of[TP_REDUCE_SHORT], of[TP_BURST], of[TP_BURST_SHORT]
+    sizes = sorted(b for b in long_ if b in short and b in hi and b in lo and hi[b] > lo[b])
+    if not sizes:
+        return [(TP_REDUCE, b, ms) for b, ms in long_.items()], 0.0
+    per_ms = max(0.0, statistics.median((long_[b] - short[b]) / (hi[b] - lo[b]) for b in sizes))
+    return [(TP_REDUCE, b, max((long_[b] - per_ms * hi[b] + short[b] - per_ms * lo[b]) / 2,
+                               0.1 * min(long_[b], short[b]))) for b in sizes], per_ms
 
 
 def _timed(fn: Any, cuda: bool) -> float:
@@ -248,7 +307,10 @@ def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequ
                 shm = host is not None and t.numel() % 2 == 0
                 rows.append((PARAM_GATHER, t.numel() * 4, _after_compute(gather_shm if shm else gather, repeats)))
                 rows.append((TP_GATHER, t.numel() * 4, _after_compute(gather, repeats)))  # a tp layer's: gloo
-                rows.append((TP_REDUCE, t.numel() * 4, _in_chain(reduce, repeats)))
+                for op, each, matmuls in ((TP_REDUCE, TP_BURST, BURST_MATMULS),
+                                          (TP_REDUCE_SHORT, TP_BURST_SHORT, SHORT_BURST_MATMULS)):
+                    added, burst = _in_chain(reduce, CHAIN_REPEATS * repeats, matmuls=matmuls)
+                    rows += [(op, t.numel() * 4, added), (each, t.numel() * 4, burst)]
             if host is not None and not cuda and t.numel() % 2 == 0:
                 ops += [(SHM_ALLREDUCE, reduce_shm, 1.0), (SHM_ROWS["reduce_scatter"], scatter_shm, 1.0),
                         (SHM_ROWS["all_gather"], gather_shm, 1.0)]
@@ -264,10 +326,10 @@ def _probe(rank: int, world: int, sizes: Sequence[int], repeats: int, gpus: Sequ
         Path(out, "links.json").write_text(json.dumps(result))
 
 
-def _burst() -> None:
+def _burst(matmuls: int = BURST_MATMULS) -> None:
     """A few milliseconds of single-thread compute: what a rank does before a collective inside a step."""
     a = torch.ones(256, 256)
-    for _ in range(BURST_MATMULS):
+    for _ in range(matmuls):
         a = a @ a * (1.0 / 256)
 
 
@@ -304,9 +366,11 @@ def _span(calls: Sequence[tuple[float, float]], meeting: bool) -> list[float]:
     return out
 
 
-def _in_chain(fn: Any, repeats: int, links: int = CHAIN) -> float:
+def _in_chain(fn: Any, repeats: int, links: int = CHAIN, matmuls: int = BURST_MATMULS) -> tuple[float, float]:
     """Median milliseconds that ``fn`` (a collective over the two ranks) adds to a chain of bursts of compute run on
-    both ranks at once: what one of a tensor-parallel layer's all-reduces costs its step.
+    both ranks at once (what one of a tensor-parallel layer's all-reduces costs its step), and the median
+    milliseconds of one burst (``matmuls`` matrix products) on a rank, the mean of the two ranks' in the chain of
+    bursts alone.
 
     A stage with ``tp > 1`` alternates compute and collectives, each rank computing again as soon as one returns.
     Timed as such a chain: ``links`` x (burst, ``fn``) against the ``links`` bursts alone, each from the ranks'
@@ -322,22 +386,27 @@ def _in_chain(fn: Any, repeats: int, links: int = CHAIN) -> float:
     three were 0.3-0.6 ms.
     """
     fn()
-    added = []
+    added, bursts = [], []
     for _ in range(repeats):
         chains, calls = [], []
         for collect in (False, True):
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(links):
-                _burst()
+                _burst(matmuls)
                 if collect:
                     c0 = time.perf_counter()
                     fn()
                     calls.append((c0, time.perf_counter()))
-            chains.append(_span([(t0, time.perf_counter())], meeting=True)[0])
+            t1 = time.perf_counter()
+            chains.append(_span([(t0, t1)], meeting=True)[0])
+            if not collect:
+                mine = torch.tensor([(t1 - t0) / links], dtype=torch.float64)
+                dist.all_reduce(mine)
+                bursts.append(float(mine) / 2)
         own = statistics.median(_span(calls, meeting=False))
         added.append(max((chains[1] - chains[0]) / links, own))
-    return statistics.median(added) * 1e3
+    return statistics.median(added) * 1e3, statistics.median(bursts) * 1e3
 
 
 def probe_ranks(sizes: Sequence[int] = SIZES, repeats: int = REPEATS, gpus: Sequence[int] = (),
@@ -404,7 +473,8 @@ def measure_cluster(cluster: Cluster, sizes: Sequence[int] = SIZES, repeats: int
 
     def add(a: Device, b: Device, fit: Fit, what: str) -> None:
         links.append(Link(a.name, b.name, round(fit.gbps, 4), round(fit.latency_us, 2), shared=fit.shared,
-                          source=f"measured: {what} ({_summary(fit)})", collectives=fit.collectives))
+                          source=f"measured: {what} ({_summary(fit)})", collectives=fit.collectives,
+                          tp_reduce_per_ms=fit.tp_reduce_per_ms))
 
     for i, a in enumerate(cpus):
         for b in cpus[i + 1:]:
@@ -434,7 +504,8 @@ def measure_local_link(sizes: Sequence[int] = QUICK_SIZES, repeats: int = QUICK_
     with fresh interpreters.
 
     Returns:
-        ``{"gbps", "latency_us", "shared", "source"}``: the profile's ``devices["cpu"]["link"]``.
+        ``{"gbps", "latency_us", "shared", "source"}``, with ``collectives`` and ``tp_reduce_per_ms`` where
+        measured: the profile's ``devices["cpu"]["link"]``.
     """
     t0 = time.perf_counter()
     rows = None
@@ -450,7 +521,8 @@ def measure_local_link(sizes: Sequence[int] = QUICK_SIZES, repeats: int = QUICK_
             "source": f"measured by profile: gloo send/recv and all-reduce between 2 CPU processes at "
                       f"{', '.join(_size(b) for b in sizes)} ({_summary(fit)})"
                       + (f"; {TP_REDUCE_HOW}" if any(op == TP_REDUCE for op, _, _ in fit.collectives) else ""),
-            **({"collectives": collectives_dict(fit.collectives)} if fit.collectives else {})}
+            **({"collectives": collectives_dict(fit.collectives)} if fit.collectives else {}),
+            **({"tp_reduce_per_ms": fit.tp_reduce_per_ms} if fit.tp_reduce_per_ms else {})}
 
 
 def _size(b: int) -> str:
@@ -458,7 +530,9 @@ def _size(b: int) -> str:
 
 
 def _summary(fit: Fit) -> str:
-    own = "".join(f"; {op.replace('_', '-')} {g:.3g} GB/s, {lat:.1f} us" for op, g, lat in fit.collectives)
+    own = "".join(f"; {op.replace('_', '-')} {g:.3g} GB/s, {lat:.1f} us"
+                  + (f" + {fit.tp_reduce_per_ms:.1%} of the compute before it" if op == TP_REDUCE else "")
+                  for op, g, lat in fit.collectives)
     return (f"{fit.gbps:.3g} GB/s, {fit.latency_us:.1f} us{', shared' if fit.shared else ''}; worst error "
             f"{fit.worst:.0%} over {sum(op in ('p2p', 'allreduce', 'copy') for op, _, _ in fit.rows)} timings{own}"
             + ("; the collectives through shared memory" if any(op in SHM_ROWS.values() for op, _, _ in fit.rows)

@@ -184,9 +184,10 @@ def _times(chain: Chain, kind: str, tp: int, ra: np.ndarray, rb: np.ndarray, m: 
     bwd = tp_time(bw[rb] - bw[ra], bfx[rb] - bfx[ra], sh.bwd[kind][rb] - sh.bwd[kind][ra],
                   sh.bwd_fixed[kind][rb] - sh.bwd_fixed[kind][ra], frac, tp)
     fwd = fwd + tp_comm_ms((sh.fwd_allreduce[rb] - sh.fwd_allreduce[ra]) * frac,
-                           (sh.fwd_gather[rb] - sh.fwd_gather[ra]) * frac, sh.fwd_count[rb] - sh.fwd_count[ra], tp, link)
+                           (sh.fwd_gather[rb] - sh.fwd_gather[ra]) * frac, sh.fwd_count[rb] - sh.fwd_count[ra],
+                           tp, link, fwd)  # the all-reduces' wait grows with the compute they follow
     comm = tp_comm_ms((sh.bwd_allreduce[rb] - sh.bwd_allreduce[ra]) * frac, 0 * frac,
-                      sh.bwd_count[rb] - sh.bwd_count[ra], tp, link)
+                      sh.bwd_count[rb] - sh.bwd_count[ra], tp, link, bwd)
     return fwd, bwd + comm, comm
 
 

@@ -13,7 +13,8 @@ import cost_models
 from hpml_compile.cluster import link_spec, load_cluster
 from hpml_compile.errors import HpmlError
 from hpml_compile.ir import Cluster, Device, Link
-from hpml_compile.profile.links import SHM_ALLREDUCE, SHM_ROWS, TP_REDUCE, fit_link
+from hpml_compile.profile.links import (SHM_ALLREDUCE, SHM_ROWS, TP_BURST, TP_BURST_SHORT, TP_REDUCE, TP_REDUCE_SHORT,
+                                       fit_link, probe_ranks, tp_reduce_rows)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -164,3 +165,50 @@ def test_a_tensor_parallel_layers_all_reduce_after_compute_gets_a_fit_of_its_own
     assert got[TP_REDUCE] == pytest.approx((1.2, 700.0), rel=1e-3)
     assert got["all_reduce"] == pytest.approx((3.1, 50.0), rel=1e-3)  # the loop's all-reduce: its own rows
     assert (fit.gbps, fit.latency_us) == pytest.approx((3.1, 50.0), rel=1e-6)  # and the link's fit
+
+
+def _chains(layer: cost_models.LinkSpec, per_ms: float, sizes: tuple[int, ...]) -> list[tuple[str, int, float]]:
+    """The probe's rows of a layer's all-reduce after bursts of 5 and 1.25 ms (a little longer at larger sizes),
+    each costing ``layer``'s ring plus ``per_ms`` of the burst before it."""
+    rows = []
+    for i, b in enumerate(sizes):
+        long_, short = 5.0 + 0.1 * i, 1.25 + 0.05 * i
+        fixed = cost_models.allreduce_ms(b, 2, layer)
+        rows += [(TP_REDUCE, b, fixed + per_ms * long_), (TP_BURST, b, long_),
+                 (TP_REDUCE_SHORT, b, fixed + per_ms * short), (TP_BURST_SHORT, b, short)]
+    return rows
+
+
+def test_a_layers_all_reduce_timed_at_two_lengths_of_compute_is_a_fixed_cost_and_a_part_of_the_compute() -> None:
+    layer = cost_models.LinkSpec("tp", 1.2, 700.0, "test", shared=True)
+    sizes = (1 << 16, 1 << 22, 1 << 25)
+    fit = fit_link(_rows(3.1, 50.0, True) + _chains(layer, 0.3, sizes))
+    got = {op: (g, lat) for op, g, lat in fit.collectives}
+    assert fit.tp_reduce_per_ms == pytest.approx(0.3, abs=1e-4)
+    assert got[TP_REDUCE] == pytest.approx((1.2, 700.0), rel=1e-3)  # the fixed part: the ring at no compute
+    assert got["all_reduce"] == pytest.approx((3.1, 50.0), rel=1e-3)  # the loop's all-reduce untouched
+    # the long chains alone (a probe at one length) fit the compute into the fixed part: dearer at every size
+    one = fit_link(_rows(3.1, 50.0, True) + [r for r in _chains(layer, 0.3, sizes) if r[0] == TP_REDUCE])
+    assert one.tp_reduce_per_ms == 0.0
+    alone = cost_models.LinkSpec("one", 1, 1, "t", shared=True, collectives=one.collectives).for_collective(TP_REDUCE)
+    assert cost_models.allreduce_ms(1 << 16, 2, alone) > cost_models.allreduce_ms(1 << 16, 2, layer) + 1.0
+
+
+def test_noise_that_makes_longer_compute_cheaper_prices_no_part_of_it() -> None:
+    layer = cost_models.LinkSpec("tp", 1.2, 700.0, "test", shared=True)
+    rows = _chains(layer, -0.2, (1 << 16, 1 << 22, 1 << 25))
+    fit = fit_link(_rows(3.1, 50.0, True) + rows)
+    assert fit.tp_reduce_per_ms == 0.0
+    fixed, _ = tp_reduce_rows(rows)
+    assert all(ms > 0 for _, _, ms in fixed)
+
+
+@pytest.mark.dist  # forks two gloo ranks (a few seconds)
+def test_the_probe_times_a_layers_all_reduce_after_short_and_long_compute() -> None:
+    rows = probe_ranks((1 << 16, 1 << 20), repeats=3, start_method="fork", timeout_s=120)["gloo"]
+    of = {(op, b): ms for op, b, ms in rows}
+    for b in (1 << 16, 1 << 20):
+        assert of[(TP_REDUCE, b)] > 0 and of[(TP_REDUCE_SHORT, b)] > 0
+        assert 0 < of[(TP_BURST_SHORT, b)] < of[(TP_BURST, b)]  # a quarter of the matrix products
+    fit = fit_link(rows)
+    assert fit.tp_reduce_per_ms >= 0 and TP_REDUCE in {op for op, _, _ in fit.collectives}

@@ -12,11 +12,13 @@ from hpml_compile.assumptions import assumptions
 from hpml_compile.cluster import load_cluster
 from hpml_compile.costgraph import build
 from hpml_compile.ir import Cluster, Device, Link
-from hpml_compile.plan import Plan, Schedule, Stage
+from hpml_compile.plan import Plan, Schedule, SolverInfo, Stage
 from hpml_compile.profile import profile
 from hpml_compile.profile.links import TP_REDUCE_HOW
 from hpml_compile.profile.process import older_link
 from hpml_compile.simulate import stage_costs
+from hpml_compile.solve.candidates import Chain, Setting, to_plan
+from hpml_compile.solve.table import build_table
 from hpml_compile.tp import analyze
 
 MiB = 1 << 20
@@ -114,3 +116,32 @@ def test_a_unit_reading_the_models_input_all_reduces_no_gradient() -> None:
     g = build(prof)
     parts = [g.node(n).shard[2] for n in g.order if 2 in g.node(n).shard]
     assert (sum(p.fwd_count for p in parts), sum(p.bwd_count for p in parts)) == (4, 3)
+
+
+def test_a_layers_all_reduce_adds_the_probes_part_of_the_compute_before_it(gpt) -> None:
+    # a link timed at two lengths of compute: each pass's all-reduces add that part of the rank's compute of it
+    base = load_cluster("dgx-h100-8")
+    nodes = tuple(n.name for n in gpt.nodes)
+    g = build(gpt).coarsen()
+
+    def cost(per_ms: float, fits: tuple[tuple[str, float, float], ...] = (LAYER,)):
+        c = Cluster(base.devices, (Link("gpu0", "gpu1", 50.0, 5.0, collectives=fits, tp_reduce_per_ms=per_ms),))
+        plan = Plan("m", c, Schedule.GPIPE, 2, (Stage(0, ("gpu0", "gpu1"), nodes, tp=2),))
+        return stage_costs(plan, g, gpt.dtype)[0]
+
+    compute = cost(0.0, (("tp_reduce", 1e9, 0.0), ("tp_gather", 1e9, 0.0)))  # free collectives: the compute alone
+    flat, waits = cost(0.0), cost(0.25)
+    assert waits.fwd_ms - flat.fwd_ms == pytest.approx(0.25 * compute.fwd_ms, rel=1e-3)
+    assert waits.bwd_ms - flat.bwd_ms == pytest.approx(0.25 * compute.bwd_ms, rel=1e-3)
+
+
+def test_simulator_and_table_price_a_layers_wait_for_its_compute_alike(gpt) -> None:
+    base = load_cluster("dgx-h100-8")
+    c = Cluster(base.devices, (Link("gpu0", "gpu1", 50.0, 5.0, collectives=(LAYER,), tp_reduce_per_ms=0.25),))
+    g = build(gpt).coarsen()
+    chain, setting = Chain.of(g), Setting(2, Schedule.ONE_F_ONE_B, gpt.batch_size, gpt.dtype)
+    tab = [x for x in build_table(chain, c, setting).candidates() if x.a == 0 and x.b == chain.n and x.config.tp > 1]
+    assert tab
+    for cand in tab:
+        plan = to_plan(chain, c, setting, [cand], SolverInfo("test"))
+        assert stage_costs(plan, g, gpt.dtype)[0].compute_ms == pytest.approx(cand.t, rel=1e-9)
