@@ -97,6 +97,10 @@ class StageSummary:
     predicted_bwd_ms: float
     lost_ms: float = 0.0  # time the stage's ranks waited for a core (other programs, steal), mostly inside compute
     replicas: tuple[ReplicaSummary, ...] = ()  # uneven rows: each replica (the stage's figures: its slowest one's)
+    # collectives inside the forward and backward (ZeRO-3's parameter all-gathers): in comm_ms, not in fwd/bwd;
+    # and the wait there for the other replicas, in idle_ms
+    inner_comm_ms: float = 0.0
+    inner_wait_ms: float = 0.0
 
     @property
     def compute_ms(self) -> float:
@@ -423,7 +427,7 @@ def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: in
             int(max((_median(rs, lambda m: m.peak_memory_bytes) for rs in every), default=0)),
             ranks[0][0].memory_kind if ranks else "rss",
             sum(c.predicted.fwd_ms for c in chunks) * micro, sum(c.predicted.bwd_ms for c in chunks) * micro,
-            med(lambda m: m.contention_ms), replicas))
+            med(lambda m: m.contention_ms), replicas, med(lambda m: m.inner_comm_ms), med(lambda m: m.inner_wait_ms)))
     all_rows = [m for rs in kept.values() for m in rs]
     step_ms = max(_median(rs, wall_ms) for rs in kept.values())
     samples = all_rows[0].samples
@@ -473,7 +477,8 @@ def sync_levels(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]]
 
 
 def format_sync(s: RunSummary) -> list[str]:
-    """One line per replicated stage: the bytes its gradient sync sent per step against the uncompressed figure."""
+    """One line per replicated stage: the bytes its gradient sync sent per step against the uncompressed figure; the
+    time of the collectives run inside a stage's forward and backward (ZeRO-3's gathers); hierarchical syncs' bytes."""
     p = s.plan
     lines = []
     for k, sent, dense in s.sync_bytes:
@@ -482,6 +487,13 @@ def format_sync(s: RunSummary) -> list[str]:
                                        f"reduce-scatter, ZeRO-{zero}" if zero else "all-reduce")
         lines.append(f"  gradient sync, stage {k} ({how}): {human_bytes(sent)} per step per rank against "
                      f"{human_bytes(dense)} uncompressed ({sent / dense:.1%})")
+    for st in s.stages:
+        if st.inner_comm_ms > 0 or st.inner_wait_ms > 0:
+            what = ("ZeRO-3's parameter all-gathers, one per microbatch's forward and one per backward"
+                    if int(p.stages[st.stage].zero) == 3 else "the parameter all-gathers waited for there")
+            lines.append(f"  collectives inside the forward and backward, stage {st.stage} ({what}): "
+                         f"{st.inner_comm_ms:.1f} ms per step (in comm ms, not in fwd/bwd; the plan prices them "
+                         f"with the stage's sync), {st.inner_wait_ms:.1f} ms waiting for the replicas (in idle ms)")
     for k, intra, inter, flat in s.sync_levels:
         what = "hierarchical reduce-scatter + all-gather (ZeRO-1)" if p.stages[k].zero else "hierarchical all-reduce"
         lines.append(f"  {what}, stage {k}: {human_bytes(inter)} between hosts + {human_bytes(intra)} "
