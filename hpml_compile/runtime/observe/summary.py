@@ -50,11 +50,26 @@ from .monitor import StepMetrics, read_metrics
 from .runfolder import RunFolder
 from .policy import contention_discount, lost_share, memory_shortfalls
 
+#: The per-stage table's columns (:func:`format_summary`) and what each shows; ``report --help`` lists them.
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("stage", "the stage's index in the plan"),
+    ("devices", "its devices, one per replica"),
+    ("fwd ms", "forward compute per step over every microbatch, less receive waits and the collectives run "
+               "inside it (a ZeRO-3 stage's parameter all-gathers)"),
+    ("bwd ms", "backward compute per step, likewise"),
+    ("pred f+b", "the plan's predicted forward + backward per step"),
+    ("meas/pred", "measured over predicted compute (1.00: the cost model was right)"),
+    ("comm ms", "point-to-point transfers, posting sends, the gradient sync, and collectives inside the compute"),
+    ("idle ms", "waiting: for pipeline peers in the pipeline phase, and for the slowest member at each collective"),
+    ("allred", "the gradient sync after the last backward (all-reduce, or ZeRO's reduce-scatter), ms per step"),
+    ("bubble", "the idle share of the pipeline phase, as the simulator defines it"),
+    ("peak mem", "the step's peak: the CUDA allocator's on a GPU, the process's resident set (RSS) on a CPU"),
+)
 BUSY = 0.10  # a step on a host that lost at least this share of its CPU to steal and other programs was "busy"
 SLOW_RANK = 1.5  # a rank computing this many times the others' measured/predicted ratio is slow itself ...
 MIN_SHARE = 0.1  # ... when the excess is at least this share of its step
 
-__all__ = ["StageSummary", "ReplicaSummary", "RunSummary", "HostContention", "host_contention", "slow_ranks", "BUSY", "analyse", "format_summary", "predicted_bubble", "measured_profile", "export_profile",
+__all__ = ["COLUMNS", "StageSummary", "ReplicaSummary", "RunSummary", "HostContention", "host_contention", "slow_ranks", "BUSY", "analyse", "format_summary", "predicted_bubble", "measured_profile", "export_profile",
            "suggest_microbatches", "summarise", "wall_ms", "held_peaks", "format_memory", "device_slowdowns", "measured_setup", "next_build_path"]
 
 
