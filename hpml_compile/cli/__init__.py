@@ -262,7 +262,8 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
                                    "imbalance under launch (run --adapt does, for builds). The script finds "
                                    "HPML_CLUSTER, HPML_CHECKPOINT_DIR, HPML_RUN_DIR and HPML_SEGMENT in its "
                                    "environment (examples/own_loop.py is one); starts and failures go to "
-                                   "RUN_DIR/events.jsonl.")
+                                   "RUN_DIR/events.jsonl. Every rank ends with the launch, even one killed with "
+                                   "SIGKILL.")
     p.add_argument("--nproc", type=int, default=2, help="ranks of the first start, on each host (default 2)")
     p.add_argument("--run-dir", type=Path, default=None, dest="run_dir",
                    help="segments go here (default out/launch; across hosts: required, the same shared DIR on every "
@@ -283,8 +284,11 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
                    help="across hosts: host 0's address and a free port, the same on every host")
     p.add_argument("--host-timeout", type=float, default=None, dest="host_timeout", metavar="S",
                    help="across hosts: a host silent for S seconds is lost, its ranks dropped (default 3)")
-    p.add_argument("script", type=Path, metavar="SCRIPT")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
+    p.add_argument("script", type=Path, metavar="SCRIPT",
+                   help="your training script, run on every rank as `python SCRIPT ARGS` (RANK, WORLD_SIZE and the "
+                        "HPML_* variables above in its environment)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                   help="the script's own arguments: everything after SCRIPT goes to it")
     p.set_defaults(run=_run_launch)
 
 
@@ -358,9 +362,13 @@ EXAMPLES: dict[str, str] = {
                "  hpml-compile compile mlp-tiny --cluster local-cpu-1 --compile-stages on -o build/   # stages "
                "compiled: profiled, planned and run so",
     "run": "hpml-compile run build/ --epochs 2 --checkpoint-dir ck --checkpoint-every 20\n"
-           "  hpml-compile run build/ --steps 50 --adapt --slow 1:3:10     # a drill: rank 1 three times slower",
-    "report": "hpml-compile report out/runs/a --html report.html --trace trace.json",
-    "launch": "hpml-compile launch --adapt --nproc 2 --run-dir out/own examples/own_loop.py --steps 12\n"
+           "  hpml-compile run build/ --steps 50 --adapt --slow 1:3:10     # a drill: rank 1 three times slower\n"
+           "  hpml-compile run build/ --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --run-dir /shared/run"
+           "   # on host0; host1 the same with --node-rank 1",
+    "report": "hpml-compile report out/runs/a\n"
+              "  hpml-compile report out/runs/a --html report.html --trace trace.json   # also a page and a trace",
+    "launch": "hpml-compile launch --nproc 2 examples/own_loop.py --steps 12   # restarted after a failure\n"
+              "  hpml-compile launch --adapt --nproc 2 --run-dir out/own examples/own_loop.py --steps 12\n"
               "  hpml-compile launch --adapt --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --nproc 2 "
               "--run-dir /shared/own examples/own_loop.py --steps 40   # on host0; host1 the same with --node-rank 1",
     "profile": "hpml-compile profile gpt2-small --batch-size 8 --seq-len 128 --device-kinds cpu,A100-80GB "

@@ -24,6 +24,7 @@ import argparse
 import datetime
 import math
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
@@ -56,7 +57,7 @@ def add_parsers(subparsers: Any) -> None:
                     "Every step of every rank is measured (JSON lines and TensorBoard "
                     "events in the run folder); at the end the measured-vs-predicted table is printed and the "
                     "measured profile written for `replan`.")
-    p.add_argument("build", type=Path, help="the build folder written by `hpml-compile compile`")
+    p.add_argument("build", type=Path, metavar="BUILD", help="the build folder written by `hpml-compile compile`")
     p.add_argument("--steps", type=int, default=None, help=f"training steps (default {DEFAULT_STEPS}, or --epochs)")
     p.add_argument("--nproc", type=int, default=None, help="ranks on this host (default: the plan's devices / nnodes)")
     p.add_argument("--nnodes", type=int, default=1, help="hosts taking part (default 1)")
@@ -69,14 +70,18 @@ def add_parsers(subparsers: Any) -> None:
                    help="where measurements go (default out/runs/<build>-<time>)")
     p.add_argument("--max-restarts", type=int, default=0, dest="max_restarts",
                    help="let torchrun restart the ranks this often after a failure (default 0)")
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                   help="the optimizer every rank steps its parameters with (default adamw; a TrainSpec's own "
+                        "optimizer wins)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of --optimizer (default 1e-3)")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
                    help="the build's precision (a build runs as it was compiled; given, it must match)")
-    p.add_argument("--log-every", type=int, default=1, dest="log_every", help="print every N steps (default 1)")
+    p.add_argument("--log-every", type=int, default=1, dest="log_every", metavar="N",
+                   help="print the loss every N steps (default 1)")
     p.add_argument("--retries", type=int, default=3,
                    help="attempts per step when communication fails transiently; 0 or 1: one attempt (default 3)")
-    p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
+    p.add_argument("--no-tensorboard", dest="tensorboard", action="store_false",
+                   help="write no TensorBoard event files (RUN_DIR/tb); the per-step JSON lines are written anyway")
     p.add_argument("--compile-stages", choices=["auto", "on", "off"], default=None, dest="compile_stages",
                    help="run each stage's forward and backward compiled by torch.compile (inductor): auto on CUDA "
                         "devices, not on CPUs, where a compile takes tens of seconds a stage; on; off (default: as "
@@ -144,10 +149,15 @@ def add_parsers(subparsers: Any) -> None:
     r = subparsers.add_parser(
         "report", help="per-stage table of a run against its plan, the bottleneck, what to do",
         description="Summarise a run folder: per stage the forward, backward, communication and idle time, "
-                    "bubble and peak memory, measured against the plan's prediction; name the bottleneck and "
-                    "suggest what to change. Writes RUN_DIR/profile.json (the measured profile, for replan).")
-    r.add_argument("run_dir", type=Path, metavar="RUN_DIR")
-    r.add_argument("--skip", type=int, default=None, help="warm-up steps to leave out (default 2)")
+                    "bubble and peak memory, measured against the plan's prediction (medians over the steps, "
+                    "averaged over a stage's replicas); name the bottleneck and suggest what to change. Writes "
+                    "RUN_DIR/profile.json (the measured profile, for replan).",
+        epilog=_columns_help())
+    r.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+                   help="the --run-dir of `hpml-compile run` (of `run --adapt`: every segment's table, then what "
+                        "happened between them)")
+    r.add_argument("--skip", type=int, default=None,
+                   help="warm-up steps to leave out (default 2, fewer for runs of under 5 steps)")
     r.add_argument("--no-export", dest="export", action="store_false", help="do not write RUN_DIR/profile.json")
     r.add_argument("--trace", type=Path, default=None, metavar="FILE.json",
                    help="also write the recorded steps as a Chrome trace (one track per rank, an arrow per message; "
@@ -159,6 +169,17 @@ def add_parsers(subparsers: Any) -> None:
                    help="also write one self-contained page (no network needed) with the plan, the predicted and "
                         "measured step side by side, step time and loss, utilization, bandwidth, memory and advice")
     r.set_defaults(run=run_report)
+
+
+def _columns_help() -> str:
+    """The report table's columns, one a line, for ``report --help``."""
+    from ..runtime.observe.summary import COLUMNS
+
+    width = max(len(name) for name, _ in COLUMNS)
+    lines = [textwrap.fill(what, 79, initial_indent=f"  {name:{width}s}  ", subsequent_indent=" " * (width + 4),
+                           break_on_hyphens=False)
+             for name, what in COLUMNS]
+    return "columns of the table:\n" + "\n".join(lines) + "\n"
 
 
 def default_run_dir(build: Path) -> Path:

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from hpml_compile.cli import main
@@ -115,3 +116,70 @@ def test_a_stopped_run_says_so_in_one_line_and_leaves_a_readable_run_folder(
             launcher.kill()
         for pid in _ranks_of(launcher.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+# A user's script that never ends by itself and never watches anything: each rank writes its PID, then sleeps.
+SLEEPER = '''
+import os, time
+from pathlib import Path
+Path(os.environ["PIDS"], os.environ["RANK"]).write_text(str(os.getpid()))
+while True:
+    time.sleep(0.1)
+'''
+
+# A launch agent of a host, as ``launch --adapt --nnodes N`` runs one per segment: torchrun's agent in this process.
+AGENT = '''
+import sys
+from pathlib import Path
+from hpml_compile.runtime.job.launcher import LaunchSpec, launch
+launch(LaunchSpec(Path(sys.argv[1]), Path(sys.argv[2]), 2, program=(sys.argv[1],)))
+'''
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.parametrize("killed", ["launch", "torchrun-agent", "host-agent"])
+def test_a_sigkilled_launch_agent_leaves_no_rank_of_the_users_script(tmp_path: Path, killed: str) -> None:
+    """``launch``'s ranks run the user's script, which watches nothing itself; they still end with their launcher:
+    the ``launch`` process (its torchrun agent and ranks go), torchrun's agent alone, or a host's in-process agent."""
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = {**os.environ, "PIDS": str(pids)}
+    if killed == "host-agent":
+        (tmp_path / "agent.py").write_text(AGENT)
+        cmd = [sys.executable, str(tmp_path / "agent.py"), str(tmp_path / "sleeper.py"), str(tmp_path / "run")]
+    else:
+        cmd = [*CLI, "launch", "--nproc", "2", "--max-failures", "0", "--run-dir", str(tmp_path / "run"),
+               str(tmp_path / "sleeper.py")]
+    top = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                           stdin=subprocess.DEVNULL, start_new_session=True)
+    tree: list[psutil.Process] = []
+    try:
+        assert _wait(lambda: len(list(pids.iterdir())) == 2, 120), "the ranks did not start"
+        ranks = [int(p.read_text()) for p in pids.iterdir()]
+        tree = [psutil.Process(top.pid), *psutil.Process(top.pid).children(recursive=True)]
+        assert set(ranks) <= {p.pid for p in tree}
+        victim = top.pid if killed != "torchrun-agent" else psutil.Process(top.pid).children()[0].pid
+        assert victim not in ranks
+        os.kill(victim, signal.SIGKILL)
+        if victim == top.pid:
+            top.wait(10)
+        assert _wait(lambda: all(_gone(pid) for pid in ranks), 10), \
+            f"ranks left running: {[pid for pid in ranks if not _gone(pid)]}"
+        assert _wait(lambda: all(_gone(p.pid) for p in tree), 30), \
+            f"processes left: {[p.pid for p in tree if not _gone(p.pid)]}"
+        if killed == "torchrun-agent":  # the launch itself sees the failure and stops, in one line
+            _, err = top.communicate(timeout=30)
+            assert top.returncode == 2 and "Traceback" not in err, err
+    finally:
+        for p in tree:
+            if not _gone(p.pid):
+                p.kill()
+        if top.poll() is None:
+            top.kill()

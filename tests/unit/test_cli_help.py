@@ -47,6 +47,25 @@ def test_run_help_says_where_the_data_comes_from_and_groups_the_drills(capsys: p
         assert flag in drills, flag
 
 
+@pytest.mark.parametrize("name", ["launch", "run", "report"])
+def test_every_argument_says_what_it_does(name: str) -> None:
+    parser = _commands()[name]
+    bare = [a.option_strings[0] if a.option_strings else a.metavar or a.dest
+            for a in parser._actions if not (a.help or "").strip()]
+    assert not bare, f"`hpml-compile {name} --help` says nothing about {bare}"
+
+
+def test_report_help_explains_every_column_of_its_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from hpml_compile.runtime.observe.summary import COLUMNS
+
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    columns = capsys.readouterr().out.split("columns of the table:\n", 1)[1].split("\n\nexample:", 1)[0]
+    told = " ".join(columns.split())
+    for name, what in COLUMNS:
+        assert f"{name} {' '.join(what.split())}" in told, name
+
+
 def test_version_is_the_installed_package_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main(["--version"])

@@ -118,6 +118,16 @@ def test_report_command_prints_the_table(tmp_path: Path, capsys: pytest.CaptureF
     assert any(f"{level} " in out for level in host["cache_bytes"])
 
 
+def test_every_column_of_the_report_table_is_one_report_help_explains(tmp_path: Path) -> None:
+    from hpml_compile.runtime.observe.summary import COLUMNS, format_summary
+
+    header = format_summary(analyse(_run_dir(tmp_path), skip=1)).splitlines()[1]
+    for name, _ in COLUMNS:
+        assert name in header, name
+        header = header.replace(name, "", 1)
+    assert not header.strip(), f"columns without an entry in summary.COLUMNS (report --help): {header.split()}"
+
+
 def test_a_balanced_run_gets_no_alarm(tmp_path: Path) -> None:
     run = _run_dir(tmp_path)
     plan = analyse(run).plan

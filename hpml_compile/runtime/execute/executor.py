@@ -183,7 +183,10 @@ class StepRun:
         shares: ``(microbatch, replica, loss share)`` of each slice whose last stage ran here, in run order.
         loss_sum: their sum in float64 on the CPU (after ``LOSS`` on ranks: what ``agree`` made of it).
         outputs: ``(microbatch, replica, detached model output)`` where asked for.
-        busy: ``(stage, forward?)`` -> seconds computing, not counting receive waits.
+        busy: ``(stage, forward?)`` -> seconds computing, not counting receive waits nor the collectives run
+            inside the forward and backward calls.
+        inner_comm_s, inner_wait_s: seconds of collectives inside the forward and backward calls (ZeRO-3's
+            parameter all-gathers, a prefetched gather waited for), and of waiting there for their other members.
         t_start, t_pipe, t_synced, t_opt, t_end: ``perf_counter`` at the start, the end of the last
             backward, the end of the gradient sync, after ``LOSS``, and the end.
         skipped: the optimizer step was skipped (fp16: a gradient overflowed on some rank).
@@ -202,6 +205,8 @@ class StepRun:
     t_synced: float = 0.0
     t_opt: float = 0.0
     t_end: float = 0.0
+    inner_comm_s: float = 0.0
+    inner_wait_s: float = 0.0
     skipped: bool = False
     regrouped: bool = False
 
@@ -333,6 +338,8 @@ def _compute(step: _Step, index: int, rank: int, a: Action) -> None:
     k, r = a.stage, step.layout[rank][1]  # a rank of an interleaved plan holds several stages
     j, comm, run = a.microbatch or 0, step.comm, step.run
     comm.microbatch, comm.replica = j, r
+    stats = getattr(comm, "stats", None)  # a DistComm's: the collectives that run inside this call
+    c0 = (stats.collective_s, stats.collective_wait_s) if stats is not None else (0.0, 0.0)
     t0 = time.perf_counter()
     fwd = a.kind is ActionKind.FORWARD
     if fwd:
@@ -354,7 +361,12 @@ def _compute(step: _Step, index: int, rank: int, a: Action) -> None:
     if step.cuda:
         torch.cuda.current_stream(step.device).synchronize()
     t1 = time.perf_counter()
-    run.busy[(k, fwd)] = run.busy.get((k, fwd), 0.0) + t1 - t0
+    # a collective inside the call (ZeRO-3 gathers the stage's parameters in its hooks) is communication and waiting
+    # for peers, not compute: the plan prices it with the stage's sync, and the report shows it apart
+    moved, waited = (stats.collective_s - c0[0], stats.collective_wait_s - c0[1]) if stats is not None else (0.0, 0.0)
+    run.inner_comm_s += moved
+    run.inner_wait_s += waited
+    run.busy[(k, fwd)] = run.busy.get((k, fwd), 0.0) + max(0.0, t1 - t0 - moved - waited)
     step.event("F" if fwd else "B", t0, t1, k, j)  # I and W are backward work (the event kinds of .observe)
 
 

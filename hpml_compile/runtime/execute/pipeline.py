@@ -949,8 +949,10 @@ class Pipeline:
             bwd_ms=sum(run.busy.get((j, False), 0.0) for j in self.stages) * 1e3, wait_ms=wait_ms, p2p_ms=p2p_ms,
             # the gradient sync as this rank pays it: packing the gradients, the collectives, unpacking
             send_ms=comm.stats.send_s * 1e3,
-            allreduce_ms=(run.t_synced - run.t_pipe - comm.stats.collective_wait_s) * 1e3,
+            # the sync phase less its meetings' waits (those inside the forward and backward are not in it)
+            allreduce_ms=(run.t_synced - run.t_pipe - (comm.stats.collective_wait_s - run.inner_wait_s)) * 1e3,
             sync_wait_ms=comm.stats.collective_wait_s * 1e3,
+            inner_comm_ms=run.inner_comm_s * 1e3, inner_wait_ms=run.inner_wait_s * 1e3,
             optimizer_ms=(run.t_end - run.t_opt) * 1e3, peak_memory_bytes=mem, memory_kind=mem_kind,
             bytes_sent=comm.stats.bytes_sent, bytes_received=comm.stats.bytes_received,
             sync_bytes=self._sync_bytes(dense=False), sync_dense_bytes=self._sync_bytes(dense=True),

@@ -55,9 +55,10 @@ from .worker import threads_per_rank
 
 __all__ = ["LaunchError", "RankFailure", "LaunchSpec", "torchrun_args", "check_world", "check_port", "free_port", "launch",
            "explain_failure", "prepare_run_dir", "preflight", "RUN_FILE", "parse_endpoint", "wait_for_endpoint",
-           "RUN_FILES", "EARLIER", "keep_earlier_run", "owns_run_dir"]
+           "RUN_FILES", "EARLIER", "keep_earlier_run", "owns_run_dir", "SCRIPT_ENTRY"]
 
 RANK_ENTRY = Path(__file__).with_name("rank_entry.py")  # a script: see its docstring
+SCRIPT_ENTRY = Path(__file__).with_name("script_entry.py")  # a user's script, its launcher watched: see its docstring
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +75,8 @@ class LaunchSpec:
         rdzv_id: job id shared by the hosts (c10d rendezvous).
         max_restarts: how often torchrun restarts the ranks after a failure.
         program: a script and its arguments to run on every rank instead of a build's worker (``launch``:
-            the user's own training script; ``build_dir`` is then unused).
+            the user's own training script, started through :data:`SCRIPT_ENTRY` so that each rank exits
+            when this process is gone; ``build_dir`` is then unused).
 
     What a build's ranks do is the run folder's ``run.json`` (:func:`prepare_run_dir`), not a command line.
     """
@@ -176,7 +178,8 @@ def torchrun_args(spec: LaunchSpec) -> list[str]:
             args += ["--rdzv-backend=c10d", f"--rdzv-id={spec.rdzv_id}"]
         args += [f"--rdzv-endpoint={spec.rdzv_endpoint}", f"--nproc-per-node={spec.nproc}"]
     args += [f"--max-restarts={spec.max_restarts}", "--monitor-interval=0.2",
-             *(spec.program or (str(RANK_ENTRY), str(spec.build_dir), str(spec.run_dir)))]
+             *((str(SCRIPT_ENTRY), *spec.program) if spec.program
+               else (str(RANK_ENTRY), str(spec.build_dir), str(spec.run_dir)))]
     return args
 
 

@@ -13,7 +13,8 @@ torchrun's agent is free to start workers from any thread; a poll of the
 parent PID is portable, costs one system call every ``interval_s``, and
 cannot fire while the launcher lives. The launcher writes its PID into the
 environment (:func:`mark_launcher`); each rank calls :func:`watch_launcher`
-at start, which exits the rank (``os._exit``, no cleanup that could block on
+at start (a build's worker itself; a user's script under ``hpml-compile
+launch`` through :mod:`.script_entry`, which starts the watch and then runs it), which exits the rank (``os._exit``, no cleanup that could block on
 a dead peer) as soon as its parent is no longer the process it started under
 or the launcher's PID is gone. Checkpoints are published atomically, so a
 rank that dies mid-write leaves the previous one whole.
@@ -49,13 +50,18 @@ def mark_launcher(env: MutableMapping[str, str] = os.environ) -> None:
 
 
 def _exists(pid: int) -> bool:
+    """Whether ``pid`` is a live process: a killed launcher its parent has not yet reaped (a zombie) is not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # it exists, owned by someone else
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:  # Linux: the state follows the command's closing parenthesis
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):  # no /proc (macOS): a signal's answer is all there is
+        return True
 
 
 def launcher_alive(launcher: int, parent: int) -> bool:
@@ -88,8 +94,11 @@ def watch_launcher(interval_s: float = 0.25, *, rank: int | None = None) -> thre
         while not stop.wait(interval_s):
             if not launcher_alive(launcher, parent):
                 who = f"rank {rank}" if rank is not None else f"process {os.getpid()}"
-                print(f"hpml-compile: the launcher (pid {launcher}) is gone; {who} stops", file=sys.stderr,
-                      flush=True)
+                try:
+                    print(f"hpml-compile: the launcher (pid {launcher}) is gone; {who} stops", file=sys.stderr,
+                          flush=True)
+                except (OSError, ValueError):  # stderr was a pipe to the dead launcher (or is closed): exit all the same
+                    pass
                 os._exit(LAUNCHER_GONE_EXIT)
 
     t = threading.Thread(target=watch, name="hpml-launcher-watch", daemon=True)

@@ -27,6 +27,10 @@ The contract, through the environment of every rank (each start is a
   ``compile(run_dir=...)`` for the per-step measurements);
 - ``HPML_SEGMENT``: ``k``, from 0.
 
+Each rank runs the script through :mod:`.script_entry`, which ends the rank
+when its launcher (this process, or torchrun's agent) is gone, SIGKILL
+included (:mod:`.lifeline`): a killed launch leaves no rank running.
+
 Across hosts (:func:`launch_hosts`: ``launch --adapt --nnodes N --node-rank
 R --rdzv-endpoint HOST:PORT --run-dir SHARED`` on each host) the hosts'
 machinery is ``run --adapt``'s (:mod:`.multihost`: the job's store at the
@@ -71,7 +75,8 @@ from ...schema import write_json_atomic
 from ..observe.runfolder import RunFolder
 from .hostranks import died
 from .hosts import LOST_AFTER_S
-from .launcher import LaunchSpec, launch
+from .launcher import SCRIPT_ENTRY, LaunchSpec, launch
+from .lifeline import mark_launcher
 from .multihost import HostWork, host_job
 
 __all__ = ["launch_script", "launch_hosts", "ScriptWork", "died_ranks", "ENV_CLUSTER", "ENV_CHECKPOINT_DIR",
@@ -134,11 +139,12 @@ def launch_script(script: Path, script_args: Sequence[str], *, nproc: int, run_d
         seg.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, ENV_CLUSTER: f"local-cpu-{ranks}", ENV_CHECKPOINT_DIR: str(checkpoint_dir),
                ENV_RUN_DIR: str(seg), ENV_SEGMENT: str(segment)}
+        mark_launcher(env)  # each rank exits when this process or torchrun's agent is gone (.script_entry)
         log(f"launch: segment {segment}: {script.name} on {ranks} rank(s) ({env[ENV_CLUSTER]}); checkpoints in "
             f"{checkpoint_dir}")
         event("segment", segment=segment, ranks=ranks, cluster=env[ENV_CLUSTER], adapt=adapt)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               str(script), *script_args]
+               str(SCRIPT_ENTRY), str(script), *script_args]
         proc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               timeout=timeout_s)
         (seg / "torchrun.stderr").write_text(proc.stderr)

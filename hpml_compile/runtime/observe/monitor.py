@@ -5,7 +5,10 @@ line) and TensorBoard events under ``tb/rank<r>/`` (``torch.utils.tensorboard``;
 open with ``tensorboard --logdir RUN_DIR/tb``). What is measured, per step:
 
 - ``fwd_ms``/``bwd_ms``: wall time of this rank's forward and backward calls
-  over all microbatches, less the time they sat blocked in a receive;
+  over all microbatches, less the time they sat blocked in a receive and the
+  collectives run inside them (``inner_comm_ms``: a ZeRO-3 stage's parameter
+  all-gathers, which the plan prices with the stage's sync, not its compute;
+  ``inner_wait_ms``: waiting there for the other replicas);
 - ``wait_ms``: time blocked in receives. Part of it is the transfer and the
   rest is waiting for a peer that is not done yet (pipeline idle). The
   fastest receive of the step in each direction is taken as the pure
@@ -16,11 +19,14 @@ open with ``tensorboard --logdir RUN_DIR/tb``). What is measured, per step:
   (the gradient synchronisation as this rank pays it: packing the gradients
   into one buffer, the collectives, unpacking; the collectives are timed from
   the moment the last member arrived, a one-element all-reduce first absorbing
-  the skew between stages);
+  the skew between stages) + ``inner_comm_ms``;
 - ``idle_ms``: the pipeline phase (step start to the last backward) less
-  compute and point-to-point communication, plus ``sync_wait_ms``, the wait
-  at the collectives for the slowest member;
-- ``bubble`` = 1 - (fwd + bwd) / pipeline time, the simulator's definition;
+  compute, point-to-point communication and the collectives inside the
+  compute, plus ``sync_wait_ms``, the wait at every collective for the
+  slowest member (``inner_wait_ms`` included);
+- ``bubble`` = 1 - (fwd + bwd) / pipeline time, the simulator's definition
+  (the pipeline time without the collectives inside the compute and their
+  waits, which the simulator counts with the sync);
 - ``samples_per_s``: the batch over the whole step (optimizer included);
 - ``peak_memory_bytes``: CUDA allocator peak of the step on a GPU rank
   (``torch.cuda.max_memory_allocated``), peak resident set size of the
@@ -105,6 +111,8 @@ class StepMetrics:
     allreduce_ms: float = 0.0
     sync_wait_ms: float = 0.0
     optimizer_ms: float = 0.0
+    inner_comm_ms: float = 0.0  # collectives inside the forward and backward calls (ZeRO-3's parameter gathers)
+    inner_wait_ms: float = 0.0  # waiting there for the other members (part of sync_wait_ms)
     peak_memory_bytes: int = 0
     memory_kind: str = "rss"
     bytes_sent: int = 0
@@ -136,18 +144,21 @@ class StepMetrics:
 
     @property
     def comm_ms(self) -> float:
-        """Point-to-point transfer, posting sends, and gradient collectives."""
-        return self.p2p_ms + self.send_ms + self.allreduce_ms
+        """Point-to-point transfer, posting sends, gradient collectives, and collectives inside the compute."""
+        return self.p2p_ms + self.send_ms + self.allreduce_ms + self.inner_comm_ms
 
     @property
     def idle_ms(self) -> float:
         """Time spent neither computing nor moving data: in the pipeline phase, and waiting at the collectives."""
-        return max(0.0, self.pipeline_ms - self.fwd_ms - self.bwd_ms - self.p2p_ms - self.send_ms) + self.sync_wait_ms
+        return max(0.0, self.pipeline_ms - self.fwd_ms - self.bwd_ms - self.p2p_ms - self.send_ms
+                   - self.inner_comm_ms - self.inner_wait_ms) + self.sync_wait_ms
 
     @property
     def bubble(self) -> float:
-        """Idle share of the pipeline phase: 1 - compute / pipeline time."""
-        return max(0.0, 1.0 - (self.fwd_ms + self.bwd_ms) / self.pipeline_ms) if self.pipeline_ms > 0 else 0.0
+        """Idle share of the pipeline phase: 1 - compute / pipeline time (the collectives inside the compute and
+        their waits left out of both, as the simulator counts them with the sync)."""
+        pipe = self.pipeline_ms - self.inner_comm_ms - self.inner_wait_ms
+        return max(0.0, 1.0 - (self.fwd_ms + self.bwd_ms) / pipe) if pipe > 0 else 0.0
 
     @property
     def samples_per_s(self) -> float:
@@ -222,6 +233,7 @@ def read_metrics(run_dir: str | Path) -> dict[int, list[StepMetrics]]:
 _TB_TAGS = {
     "time/step_ms": "step_ms", "time/fwd_ms": "fwd_ms", "time/bwd_ms": "bwd_ms", "time/comm_ms": "comm_ms",
     "time/idle_ms": "idle_ms", "time/allreduce_ms": "allreduce_ms", "time/optimizer_ms": "optimizer_ms",
+    "time/inner_comm_ms": "inner_comm_ms",
     "pipeline/bubble": "bubble", "throughput/samples_per_s": "samples_per_s",
     "memory/peak_bytes": "peak_memory_bytes", "host/steal": "steal", "host/others_load": "others_load",
     "host/cpu_util": "cpu_util",

@@ -50,11 +50,26 @@ from .monitor import StepMetrics, read_metrics
 from .runfolder import RunFolder
 from .policy import contention_discount, lost_share, memory_shortfalls
 
+#: The per-stage table's columns (:func:`format_summary`) and what each shows; ``report --help`` lists them.
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("stage", "the stage's index in the plan"),
+    ("devices", "its devices, one per replica"),
+    ("fwd ms", "forward compute per step over every microbatch, less receive waits and the collectives run "
+               "inside it (a ZeRO-3 stage's parameter all-gathers)"),
+    ("bwd ms", "backward compute per step, likewise"),
+    ("pred f+b", "the plan's predicted forward + backward per step"),
+    ("meas/pred", "measured over predicted compute (1.00: the cost model was right)"),
+    ("comm ms", "point-to-point transfers, posting sends, the gradient sync, and collectives inside the compute"),
+    ("idle ms", "waiting: for pipeline peers in the pipeline phase, and for the slowest member at each collective"),
+    ("allred", "the gradient sync after the last backward (all-reduce, or ZeRO's reduce-scatter), ms per step"),
+    ("bubble", "the idle share of the pipeline phase, as the simulator defines it"),
+    ("peak mem", "the step's peak: the CUDA allocator's on a GPU, the process's resident set (RSS) on a CPU"),
+)
 BUSY = 0.10  # a step on a host that lost at least this share of its CPU to steal and other programs was "busy"
 SLOW_RANK = 1.5  # a rank computing this many times the others' measured/predicted ratio is slow itself ...
 MIN_SHARE = 0.1  # ... when the excess is at least this share of its step
 
-__all__ = ["StageSummary", "ReplicaSummary", "RunSummary", "HostContention", "host_contention", "slow_ranks", "BUSY", "analyse", "format_summary", "predicted_bubble", "measured_profile", "export_profile",
+__all__ = ["COLUMNS", "StageSummary", "ReplicaSummary", "RunSummary", "HostContention", "host_contention", "slow_ranks", "BUSY", "analyse", "format_summary", "predicted_bubble", "measured_profile", "export_profile",
            "suggest_microbatches", "summarise", "wall_ms", "held_peaks", "format_memory", "device_slowdowns", "measured_setup", "next_build_path"]
 
 
@@ -97,6 +112,10 @@ class StageSummary:
     predicted_bwd_ms: float
     lost_ms: float = 0.0  # time the stage's ranks waited for a core (other programs, steal), mostly inside compute
     replicas: tuple[ReplicaSummary, ...] = ()  # uneven rows: each replica (the stage's figures: its slowest one's)
+    # collectives inside the forward and backward (ZeRO-3's parameter all-gathers): in comm_ms, not in fwd/bwd;
+    # and the wait there for the other replicas, in idle_ms
+    inner_comm_ms: float = 0.0
+    inner_wait_ms: float = 0.0
 
     @property
     def compute_ms(self) -> float:
@@ -423,7 +442,7 @@ def summarise(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]], *, skip: in
             int(max((_median(rs, lambda m: m.peak_memory_bytes) for rs in every), default=0)),
             ranks[0][0].memory_kind if ranks else "rss",
             sum(c.predicted.fwd_ms for c in chunks) * micro, sum(c.predicted.bwd_ms for c in chunks) * micro,
-            med(lambda m: m.contention_ms), replicas))
+            med(lambda m: m.contention_ms), replicas, med(lambda m: m.inner_comm_ms), med(lambda m: m.inner_wait_ms)))
     all_rows = [m for rs in kept.values() for m in rs]
     step_ms = max(_median(rs, wall_ms) for rs in kept.values())
     samples = all_rows[0].samples
@@ -473,7 +492,8 @@ def sync_levels(plan: Plan, rows: Mapping[int, Sequence[StepMetrics]]
 
 
 def format_sync(s: RunSummary) -> list[str]:
-    """One line per replicated stage: the bytes its gradient sync sent per step against the uncompressed figure."""
+    """One line per replicated stage: the bytes its gradient sync sent per step against the uncompressed figure; the
+    time of the collectives run inside a stage's forward and backward (ZeRO-3's gathers); hierarchical syncs' bytes."""
     p = s.plan
     lines = []
     for k, sent, dense in s.sync_bytes:
@@ -482,6 +502,13 @@ def format_sync(s: RunSummary) -> list[str]:
                                        f"reduce-scatter, ZeRO-{zero}" if zero else "all-reduce")
         lines.append(f"  gradient sync, stage {k} ({how}): {human_bytes(sent)} per step per rank against "
                      f"{human_bytes(dense)} uncompressed ({sent / dense:.1%})")
+    for st in s.stages:
+        if st.inner_comm_ms > 0 or st.inner_wait_ms > 0:
+            what = ("ZeRO-3's parameter all-gathers, one per microbatch's forward and one per backward"
+                    if int(p.stages[st.stage].zero) == 3 else "the parameter all-gathers waited for there")
+            lines.append(f"  collectives inside the forward and backward, stage {st.stage} ({what}): "
+                         f"{st.inner_comm_ms:.1f} ms per step (in comm ms, not in fwd/bwd; the plan prices them "
+                         f"with the stage's sync), {st.inner_wait_ms:.1f} ms waiting for the replicas (in idle ms)")
     for k, intra, inter, flat in s.sync_levels:
         what = "hierarchical reduce-scatter + all-gather (ZeRO-1)" if p.stages[k].zero else "hierarchical all-reduce"
         lines.append(f"  {what}, stage {k}: {human_bytes(inter)} between hosts + {human_bytes(intra)} "
