@@ -169,3 +169,25 @@ def test_a_steps_wall_clock_splits_into_parts_that_each_measure_their_own_span(t
     pipe.step((x,), torch.zeros(4, 1), torch.nn.functional.mse_loss)
     m = pipe.metrics[-1]
     assert m.loss_ms >= 50.0 and m.between_ms < 25.0
+
+
+def test_a_step_that_is_retried_gets_its_buffers_back_from_a_list_made_once(tmp_path) -> None:
+    from hpml_compile.codegen import generate
+    from hpml_compile.runtime import Pipeline
+    from hpml_compile.testing import split_plan
+    from hpml_compile.trace import trace
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    x = torch.randn(8, 4)
+    gm = trace(net, (x,))
+    generate(gm, split_plan(gm, "default", 2, microbatches=1), tmp_path / "b")
+    pipe = Pipeline.from_build(tmp_path / "b", net, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    before = {n: b.clone() for k, st in pipe.stages.items() for n, b in st.named_buffers()}
+    snap = pipe._snapshot()
+    pipe.step((x,), torch.zeros(8, 1), torch.nn.functional.mse_loss)  # moves the running statistics
+    moved = {n: b.clone() for k, st in pipe.stages.items() for n, b in st.named_buffers()}
+    assert any(not torch.equal(before[n], moved[n]) for n in before if before[n].is_floating_point())
+    pipe._restore(snap)
+    assert all(torch.equal(before[n], b) for k, st in pipe.stages.items() for n, b in st.named_buffers())
+    again = pipe._snapshot()
+    assert [id(b) for b, _ in again["buffers"]] == [id(b) for b, _ in snap["buffers"]] and snap["buffers"]
