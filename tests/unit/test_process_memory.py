@@ -153,3 +153,12 @@ def test_the_shared_memory_of_a_tied_weights_gradient_sum_is_the_processs() -> N
         assert parts.process == built + 2 * weight  # both ranks' slots
         assert sim.peak[dev] >= parts.total - 1  # the simulator counts it as well
         assert stage_breakdown(plan, prof, st, dev).process == 0  # no baseline measured: no process counted
+
+
+def test_the_plan_says_what_it_prices_for_the_runtimes_bookkeeping() -> None:
+    from hpml_compile.explain import summary
+
+    plan, prof = _toy()
+    g = build(with_process(prof, {"bytes": 0, "step_ms": 0.25, "executor_ms": 0.05, "source": "a test"}))
+    assert "runtime bookkeeping: 0.3 ms a step" in summary(plan, g, simulate(plan, g))
+    assert "runtime bookkeeping" not in summary(plan, build(prof), simulate(plan, build(prof)))  # not measured
