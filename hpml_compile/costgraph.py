@@ -108,9 +108,11 @@ class CostGraph:
             shard's) over its step over the parameters one by one (``optimizer_ms``); 1 where not measured.
         processes: per measured CPU kind, the bytes a rank's process holds before its model (the profile's
             ``devices[kind]["process"]``, :mod:`hpml_compile.profile.process`; empty: not measured).
-        bookkeeping: per measured CPU kind, the milliseconds a rank's ``Pipeline.step`` spends beyond the
-            executor's span (the batch check, host sampling, memory counting, events), measured with the
-            baseline; the simulator adds it to the step (empty: not measured).
+        bookkeeping: per measured CPU kind, the milliseconds a rank's ``Pipeline.step`` spends beyond the parts
+            priced elsewhere: beyond the executor's span (the batch check, host sampling, memory counting; the
+            profile's ``devices[kind]["process"]["step_ms"]``) and inside it between the parts it times (its
+            set-up, its loop, the events around each token; ``["executor_ms"]``), measured with the baseline; the
+            simulator adds it to the step (empty: not measured).
         agreements: per measured CPU kind, ``(ms, per ms of compute)``: how long two of its ranks on one host take
             to agree on a step's loss as the runtime does it, a fixed part and a part per millisecond of the
             compute before it (the profile's ``devices[kind]["process"]["agree_ms"]``, ``["agree_per_ms"]``;
@@ -568,7 +570,8 @@ def build(profile: Profile, compiled: bool = False) -> CostGraph:
                   if d.get("optimizer_flat_ms") and profile.optimizer_ms.get(k)}
     processes = {k: int(d["process"]["bytes"]) for k, d in profile.devices.items()
                  if isinstance(d.get("process"), dict) and isinstance(d["process"].get("bytes"), int)}
-    bookkeeping = {k: float(d["process"]["step_ms"]) for k, d in profile.devices.items()
+    bookkeeping = {k: float(d["process"]["step_ms"]) + float(d["process"].get("executor_ms", 0.0))
+                   for k, d in profile.devices.items()
                    if isinstance(d.get("process"), dict) and isinstance(d["process"].get("step_ms"), (int, float))}
     probes = {k: d["process"] for k, d in profile.devices.items() if isinstance(d.get("process"), dict)}
     agreements = {k: (float(x["agree_ms"]), float(x.get("agree_per_ms", 0.0))) for k, x in probes.items()

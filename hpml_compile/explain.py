@@ -324,6 +324,11 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
             lines.append(f"  stage {k} waits {wait:.3g} ms a step for its latest replica before its gradient sync, and "
                          "meets it there (two ranks' skew and meeting as measured on this host, beyond the link's "
                          "latency)")
+    keep = max((graph.bookkeeping_ms(plan.cluster.device(d).kind) for st in plan.stages for d in st.devices),
+               default=0.0)
+    if keep > 0:  # what Pipeline.step does besides the parts above, as the host probe measured it
+        lines.append(f"  runtime bookkeeping: {keep:.2g} ms a step (the batch check, host sampling and memory counting "
+                     "around the executor, and its own work between the parts it times; measured on this host)")
     lines += tp_lines(plan, graph)
     lines += _host_sharing(plan, graph, result)
     lines += _idle_cpus(plan, graph)

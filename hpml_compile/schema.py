@@ -102,7 +102,7 @@ _DEVICE_INFO = {
         # a CPU rank's baseline resident set before the model, and what a replicated step pays besides it
         # (profile/process.py)
         "process": {"type": "object", "required": ["bytes"],
-                    "properties": {"bytes": _INT, "step_ms": _NUM, "agree_ms": _NUM, "agree_per_ms": _NUM,
+                    "properties": {"bytes": _INT, "step_ms": _NUM, "executor_ms": _NUM, "agree_ms": _NUM, "agree_per_ms": _NUM,
                                    "meet_ms": _NUM, "meet_per_ms": _NUM, "skew_ms": _NUM, "fit_compute_ms": _NUM,
                                    "skew_per_ms": _NUM, "source": _STR,
                                    "stage_only": {"type": "boolean"}}, "additionalProperties": False},

@@ -61,9 +61,10 @@ FIGURES = ("agree_ms", "agree_per_ms", "meet_ms", "meet_per_ms", "skew_ms", "ske
 # HPML_PROBE_WORLD), one rank; with HPML_PROBE_WORLD=2 and HPML_PROBE_RANK, one of two ranks of a data-parallel stage
 # (rendezvous in HPML_PROBE_DIR), whose steps also time what a replicated step pays beyond its compute. Each forward
 # runs matrix products on a buffer (no parameters: the memory figure stays the runtime's), about 1 ms of them and
-# then about 20 ms (a small model's step), so that the ranks meet at the gradient sync as ranks that computed do. The last line: peak RSS
-# and the median of Pipeline.step's wall clock beyond the executor's span (ms); the line before it: per step, the
-# loss agreement, the wait at the sync's meeting and the compute (ms).
+# then about 20 ms (a small model's step), so that the ranks meet at the gradient sync as ranks that computed do. The last line: peak RSS,
+# the median of Pipeline.step's wall clock beyond the executor's span and the median of the executor's span beyond
+# its timed parts (ms); the line before it: per step, the loss agreement, the wait at the sync's meeting and the
+# compute (ms).
 BASELINE_CODE = """
 import json, os, statistics, sys, tempfile
 import torch
@@ -120,7 +121,7 @@ def peak_rss():
             return int(line.split()[1]) * 1024
 
 devices = tuple(f"cpu{i}" for i in range(world))
-steps, extras, rss = [], [], None
+steps, extras, inside, rss = [], [], [], None
 for products in (SHORT, LONG):  # two lengths of compute, so that what the sync waits can be told per ms of it
     torch.manual_seed(0)  # the same batch on every rank
     model, x, y = Probe(products), torch.randn(2 * world, 4), torch.randn(2 * world, 2)
@@ -136,6 +137,10 @@ for products in (SHORT, LONG):  # two lengths of compute, so that what the sync 
         pipe.step((x,), y, torch.nn.functional.mse_loss)
     rows = pipe.metrics[5:]
     extras += [m.wall_ms - m.step_ms for m in rows]
+    # the executor's own work: its span less the compute, the sync, the optimizer and the LOSS token (the set-up,
+    # the loop, the events around each token)
+    inside += [m.step_ms - m.fwd_ms - m.bwd_ms - m.allreduce_ms - m.sync_wait_ms - m.optimizer_ms - m.loss_ms
+               for m in rows]
     # the loss agreement (the executor's span less the compute, the gradient sync with its meeting and the
     # optimizer), the wait at the sync's meeting, the compute
     steps += [[m.step_ms - m.pipeline_ms - m.allreduce_ms - m.sync_wait_ms - m.optimizer_ms, m.sync_wait_ms,
@@ -144,7 +149,7 @@ for products in (SHORT, LONG):  # two lengths of compute, so that what the sync 
     rss = rss or peak_rss()  # a rank of one job: the second model's groups come on top of the first's
 dist.destroy_process_group()
 print("steps", json.dumps(steps))
-print(rss, round(statistics.median(extras), 4))
+print(rss, round(statistics.median(extras), 4), round(statistics.median(inside), 4))
 """.replace("STEPS", "40").replace("SHORT", "4").replace("LONG", "64")
 
 
@@ -207,7 +212,9 @@ def runtime_baseline(*, timeout_s: float = 120.0) -> dict[str, Any]:
 
     Returns:
         The profile's ``devices["cpu"]["process"]``: ``bytes`` (the larger rank's peak RSS), ``step_ms`` (the
-        larger rank's median of ``Pipeline.step``'s wall clock beyond the executor's span), the fixed and per-ms
+        larger rank's median of ``Pipeline.step``'s wall clock beyond the executor's span), ``executor_ms`` (the
+        larger rank's median of the executor's span beyond the compute, the sync, the optimizer and the ``LOSS``
+        token: its set-up, its loop and the events it records around each token), the fixed and per-ms
         parts of the loss agreement, the meeting and the skew (:func:`replicated_step_figures`), ``source``.
 
     Raises:
@@ -239,17 +246,19 @@ def runtime_baseline(*, timeout_s: float = 120.0) -> dict[str, Any]:
         outs = [(x.returncode, out.read_text(), err.read_text()) for x, (out, err) in zip(procs, logs)]
     # a rank that failed first: its error, not its killed peer's, names the cause
     ranks = [_parse_baseline(code, out, err) for code, out, err in sorted(outs, key=lambda o: o[0] <= 0)]
-    figures = replicated_step_figures([steps for _, _, steps in ranks])
+    figures = replicated_step_figures([steps for *_, steps in ranks])
     day = datetime.date.today().isoformat()
-    return {"bytes": max(b for b, _, _ in ranks), "step_ms": max(x for _, x, _ in ranks), **figures,
+    return {"bytes": max(b for b, *_ in ranks), "step_ms": max(x for _, x, _, _ in ranks),
+            "executor_ms": max(x for _, _, x, _ in ranks), **figures,
             "source": f"measured {day}: two fresh interpreters with torch and the runtime up, the ranks of a "
                       "data-parallel stage of a tiny model (about 1 ms, then 20 ms of compute a step): peak RSS, "
-                      "Pipeline.step's wall clock beyond the executor's span, the loss agreement, the meeting at the "
-                      "sync and the ranks' skew there (means)"}
+                      "Pipeline.step's wall clock beyond the executor's span, the executor's own work between its "
+                      "timed parts, the loss agreement, the meeting at the sync and the ranks' skew there (means)"}
 
 
-def _parse_baseline(code: int, out: str, err: str) -> tuple[int, float, list[list[float]]]:
-    """``(peak RSS, bookkeeping ms, per-step rows)`` one probe rank printed (:data:`BASELINE_CODE`).
+def _parse_baseline(code: int, out: str, err: str) -> tuple[int, float, float, list[list[float]]]:
+    """``(peak RSS, bookkeeping ms, executor's own ms, per-step rows)`` one probe rank printed
+    (:data:`BASELINE_CODE`).
 
     Raises:
         HpmlError: the rank failed or printed no figure.
@@ -257,10 +266,10 @@ def _parse_baseline(code: int, out: str, err: str) -> tuple[int, float, list[lis
     lines = out.strip().splitlines()
     last = lines[-1].split() if lines else []
     rows = next((json.loads(line[len("steps "):]) for line in lines if line.startswith("steps ")), None)
-    if code != 0 or len(last) != 2 or not last[0].isdigit() or rows is None:
+    if code != 0 or len(last) != 3 or not last[0].isdigit() or rows is None:
         tail = (err.strip().splitlines() or ["no output"])[-1][:200]
         raise HpmlError(f"measuring a CPU rank's baseline failed ({tail}): the memory model and the step leave it out")
-    return int(last[0]), float(last[1]), rows
+    return int(last[0]), float(last[1]), float(last[2]), rows
 
 
 def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
@@ -396,9 +405,9 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
         out["link"] = link
     hit = None if refresh else cached(key, "runtime_baseline")
     try:
-        # an entry of an older probe (its bookkeeping, without the meeting's figures) is measured again
+        # an entry of an older probe (its bookkeeping, without the meeting's or the executor's figures) is measured again
         # where allowed; an entry written by hand (no bookkeeping either) is taken as it is
-        stale = hit is not None and "step_ms" in hit and "fit_compute_ms" not in hit
+        stale = hit is not None and "step_ms" in hit and not {"fit_compute_ms", "executor_ms"} <= set(hit)
         if hit is not None and isinstance(hit.get("bytes"), int) and not (stale and measure):
             out["process"] = {**hit, "source": f"{hit.get('source', 'measured')}; cached in {where}"}
         elif measure:
@@ -409,9 +418,12 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
         log(f"  {e}")
     if "process" in out:
         extra = out["process"].get("step_ms")
+        inner = out["process"].get("executor_ms")
         agree, skew = out["process"].get("agree_ms"), out["process"].get("skew_ms")
         log(f"  a CPU rank holds {out['process']['bytes'] / 2**20:.0f} MiB before its model"
             + (f" and spends {extra:.2f} ms a step on the runtime's bookkeeping" if extra is not None else "")
+            + (f" around the executor and {inner:.2f} ms inside it between the parts it times" if inner is not None
+               else "")
             + (f"; two ranks agree on the loss in {_line(out['process'], 'agree')}, meet before the gradient sync in "
                f"{_line(out['process'], 'meet')} and reach it {_line(out['process'], 'skew')} apart"
                if agree is not None and skew is not None else "")
@@ -454,7 +466,7 @@ def with_process(prof: Profile, process: Mapping[str, Any]) -> Profile:
     devices = {k: dict(v) for k, v in prof.devices.items()}
     devices.setdefault("cpu", {})["process"] = {
         "bytes": int(process["bytes"]), "source": str(process.get("source", "")),
-        **{k: float(process[k]) for k in ("step_ms", *FIGURES)
+        **{k: float(process[k]) for k in ("step_ms", "executor_ms", *FIGURES)
            if isinstance(process.get(k), (int, float))},
         **({"stage_only": True} if process.get("stage_only") else {})}
     return replace(prof, devices=devices)

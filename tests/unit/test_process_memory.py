@@ -95,9 +95,10 @@ def test_the_host_cache_gives_the_figures_back_without_starting_a_process(tmp_pa
 @pytest.mark.dist
 def test_the_baseline_probe_reads_a_fresh_processs_peak_resident_set() -> None:
     out = subprocess.run([sys.executable, "-c", BASELINE_CODE], capture_output=True, text=True, check=True)
-    rss, extra = out.stdout.split()[-2:]
+    rss, extra, inside = out.stdout.split()[-3:]
     assert 100 * MiB < int(rss) < 4096 * MiB  # torch and the runtime, a model of 10 parameters
     assert 0.0 < float(extra) < 1000.0  # Pipeline.step's wall clock beyond the executor's span, ms
+    assert 0.0 < float(inside) < 1000.0  # the executor's span beyond the parts it times, ms
 
 
 def test_the_runtimes_measured_bookkeeping_is_part_of_the_predicted_step() -> None:
@@ -108,6 +109,10 @@ def test_the_runtimes_measured_bookkeeping_is_part_of_the_predicted_step() -> No
     kept = simulate(plan, build(with_process(prof, {"bytes": 0, "step_ms": 1.25, "source": "a test"})))
     assert kept.step_ms == pytest.approx(plain.step_ms + 1.25)
     assert kept.step_without_optimizer_ms == pytest.approx(plain.step_without_optimizer_ms + 1.25)
+    # the executor's own work between the parts it times (its set-up, its loop, the events) is priced with it
+    inside = simulate(plan, build(with_process(prof, {"bytes": 0, "step_ms": 1.25, "executor_ms": 0.5,
+                                                      "source": "a test"})))
+    assert inside.step_ms == pytest.approx(plain.step_ms + 1.75)
 
 
 class _Tied(torch.nn.Module):
@@ -148,3 +153,12 @@ def test_the_shared_memory_of_a_tied_weights_gradient_sum_is_the_processs() -> N
         assert parts.process == built + 2 * weight  # both ranks' slots
         assert sim.peak[dev] >= parts.total - 1  # the simulator counts it as well
         assert stage_breakdown(plan, prof, st, dev).process == 0  # no baseline measured: no process counted
+
+
+def test_the_plan_says_what_it_prices_for_the_runtimes_bookkeeping() -> None:
+    from hpml_compile.explain import summary
+
+    plan, prof = _toy()
+    g = build(with_process(prof, {"bytes": 0, "step_ms": 0.25, "executor_ms": 0.05, "source": "a test"}))
+    assert "runtime bookkeeping: 0.3 ms a step" in summary(plan, g, simulate(plan, g))
+    assert "runtime bookkeeping" not in summary(plan, build(prof), simulate(plan, build(prof)))  # not measured

@@ -161,10 +161,10 @@ def test_the_plan_names_what_it_stretched_from_two_ranks_and_what_it_did_not_pri
 def test_a_profile_carries_the_probe_figures_through_its_schema(tmp_path: Path) -> None:
     prof, dp, _ = _plans(2)
     probed = with_process(prof, {"bytes": 5, "agree_ms": 1.25, "skew_ms": 0.25, "skew_per_ms": 0.02,
-                                 "source": "a test"})
+                                 "executor_ms": 0.125, "source": "a test"})
     again = load_profile(save_profile(probed, tmp_path / "profile.json"))
-    assert {k: again.devices["cpu"]["process"][k] for k in ("agree_ms", "skew_ms", "skew_per_ms")} \
-        == {"agree_ms": 1.25, "skew_ms": 0.25, "skew_per_ms": 0.02}
+    assert {k: again.devices["cpu"]["process"][k] for k in ("agree_ms", "skew_ms", "skew_per_ms", "executor_ms")} \
+        == {"agree_ms": 1.25, "skew_ms": 0.25, "skew_per_ms": 0.02, "executor_ms": 0.125}
     assert simulate(dp, build(again)).step_ms == pytest.approx(simulate(dp, build(probed)).step_ms)
 
 

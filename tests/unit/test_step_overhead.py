@@ -137,3 +137,57 @@ def test_what_a_step_adds_to_eager_does_not_grow_with_the_ops_or_parameters(tmp_
             pipe.step((x,), y, loss_fn)
         extra[layers] = _calls_per_step(lambda: pipe.step((x,), y, loss_fn)) - _calls_per_step(eager)
     assert extra[20] <= extra[5] + 4, f"calls a step adds to eager, by layers: {extra}"
+
+
+def test_a_steps_wall_clock_splits_into_parts_that_each_measure_their_own_span(tmp_path) -> None:
+    """wall = before + the executor's span + after; inside the span, the work between tokens and the LOSS token are
+    measured apart from the compute, the sync and the optimizer."""
+    import time
+
+    from hpml_compile.codegen import generate
+    from hpml_compile.runtime import Pipeline
+    from hpml_compile.testing import split_plan
+    from hpml_compile.trace import trace
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    x = torch.randn(4, 4)
+    generate(trace(net, (x,)), split_plan(trace(net, (x,)), "default", 2, microbatches=2), tmp_path / "b")
+    pipe = Pipeline.from_build(tmp_path / "b", net, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    pipe.step((x,), torch.zeros(4, 1), torch.nn.functional.mse_loss)
+    m = pipe.metrics[-1]
+    assert m.wall_ms == pytest.approx(m.before_ms + m.step_ms + m.after_ms)
+    assert m.before_ms > 0.0 and m.after_ms > 0.0 and m.between_ms > 0.0
+    assert m.fwd_ms + m.bwd_ms + m.loss_ms + m.between_ms <= m.step_ms
+    # a slow LOSS token (waiting for the sends) shows in loss_ms, not in the work between tokens
+    flush = pipe._local.flush
+
+    def slow_flush() -> None:
+        time.sleep(0.05)
+        flush()
+
+    pipe._local.flush = slow_flush  # type: ignore[method-assign]
+    pipe.step((x,), torch.zeros(4, 1), torch.nn.functional.mse_loss)
+    m = pipe.metrics[-1]
+    assert m.loss_ms >= 50.0 and m.between_ms < 25.0
+
+
+def test_a_step_that_is_retried_gets_its_buffers_back_from_a_list_made_once(tmp_path) -> None:
+    from hpml_compile.codegen import generate
+    from hpml_compile.runtime import Pipeline
+    from hpml_compile.testing import split_plan
+    from hpml_compile.trace import trace
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    x = torch.randn(8, 4)
+    gm = trace(net, (x,))
+    generate(gm, split_plan(gm, "default", 2, microbatches=1), tmp_path / "b")
+    pipe = Pipeline.from_build(tmp_path / "b", net, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    before = {n: b.clone() for k, st in pipe.stages.items() for n, b in st.named_buffers()}
+    snap = pipe._snapshot()
+    pipe.step((x,), torch.zeros(8, 1), torch.nn.functional.mse_loss)  # moves the running statistics
+    moved = {n: b.clone() for k, st in pipe.stages.items() for n, b in st.named_buffers()}
+    assert any(not torch.equal(before[n], moved[n]) for n in before if before[n].is_floating_point())
+    pipe._restore(snap)
+    assert all(torch.equal(before[n], b) for k, st in pipe.stages.items() for n, b in st.named_buffers())
+    again = pipe._snapshot()
+    assert [id(b) for b, _ in again["buffers"]] == [id(b) for b, _ in snap["buffers"]] and snap["buffers"]

@@ -189,6 +189,9 @@ class StepRun:
             parameter all-gathers, a prefetched gather waited for), and of waiting there for their other members.
         t_start, t_pipe, t_synced, t_opt, t_end: ``perf_counter`` at the start, the end of the last
             backward, the end of the gradient sync, after ``LOSS``, and the end.
+        tokens_s: seconds inside the tokens' handlers, all of them (the rest of ``t_end - t_start`` is the run's
+            own set-up and its loop between tokens).
+        loss_s: seconds in ``LOSS`` (waiting for this process's sends, the loss agreement).
         skipped: the optimizer step was skipped (fp16: a gradient overflowed on some rank).
         regrouped: the loss agreement failed here after reaching the others, who committed the step; the process
             group was re-formed (``agree`` returned True), this rank takes the update too, and the parameter
@@ -207,6 +210,8 @@ class StepRun:
     t_end: float = 0.0
     inner_comm_s: float = 0.0
     inner_wait_s: float = 0.0
+    tokens_s: float = 0.0
+    loss_s: float = 0.0
     skipped: bool = False
     regrouped: bool = False
 
@@ -285,9 +290,12 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
     step = _Step(build, stages, comm, inputs, targets, loss_fn, microbatches, device=device, optimizer=optimizer,
                  agree=agree, keep_outputs=keep_outputs, own_rows=own_rows, scaler=scaler, agree_inf=agree_inf,
                  arm=arm, order=order, syncs=syncs)
+    run = step.run
     for index, (rank, a) in enumerate(order):
+        t0 = time.perf_counter()
         HANDLERS[a.kind](step, index, rank, a)
-    step.run.t_end = time.perf_counter()
+        run.tokens_s += time.perf_counter() - t0
+    run.t_end = time.perf_counter()
     return step.run
 
 
@@ -457,6 +465,7 @@ def _loss(step: _Step, index: int, rank: int, a: Action) -> None:
     if step.agree is not None:
         run.regrouped = bool(step.agree(run.loss_sum))
     run.t_opt = time.perf_counter()
+    run.loss_s += run.t_opt - t0
     step.event("LOSS", t0, run.t_opt, step.layout[rank][0])  # a rank's first stage (interleaved: its group)
 
 

@@ -84,7 +84,7 @@ from .chunks import held_stages, interleave_refusal, rank_module
 from .compiled import CompiledForward, CompileStages, compile_stages as compile_stages_of
 from .data import RankBatch
 from .executor import (actions_for, forward_stage, local_order, loss_share, merge_outputs, run_actions,
-                       split_microbatches, split_replicas, stage_sends, stage_splits, to_device)
+                       split_microbatches, split_replicas, stage_sends, stage_splits, to_device, StepRun)
 from ..observe.events import EventLog, align_clock
 from .weights import load_stage_weights
 from .gather import gather_outputs, gather_state_dict
@@ -201,6 +201,7 @@ class Pipeline:
         self._spec_rows = [st.rows[0] if st.rows else (self._mb_rows or 0) // len(st.devices)
                            for st in self._generated.plan.stages]
         self._orders: dict[int, list[tuple[int, Action]]] = {}  # microbatches -> what this process runs
+        self._buffer_list: tuple[tuple[nn.Module, ...], list[Tensor]] | None = None  # the stages' buffers (_snapshot)
         self.sync: StageSync | None = None  # this rank's replicated stage's sync (:mod:`..sync.stage`)
         if session is None:
             self.rank, self.world_size = 0, 1
@@ -847,9 +848,16 @@ class Pipeline:
         gc.collect()
 
     def _snapshot(self) -> dict[str, Any]:
-        """What a failed attempt may have changed before the optimizer step: buffers and RNG."""
-        held = {id(b): b for st in self.stages.values() for b in st.buffers()}
-        return {"buffers": [(b, b.detach().clone()) for b in held.values()], "rng": torch.get_rng_state(),
+        """What a failed attempt may have changed before the optimizer step: buffers and RNG.
+
+        The stages' buffers are listed once per set of stage modules (a walk over every submodule costs more
+        than the copies of a model without buffers: 50-80 us a step on the demo's stage), again after a re-plan
+        gives this rank other modules."""
+        mods = tuple(self.stages.values())
+        known = self._buffer_list
+        if known is None or len(known[0]) != len(mods) or any(a is not b for a, b in zip(known[0], mods)):
+            known = self._buffer_list = (mods, list({id(b): b for st in mods for b in st.buffers()}.values()))
+        return {"buffers": [(b, b.detach().clone()) for b in known[1]], "rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
 
     def _restore(self, snap: dict[str, Any] | None) -> None:
@@ -944,7 +952,7 @@ class Pipeline:
             samples=(self.batch_rows if rank_batch is not None
                      else sum(x.shape[0] for x in inputs[:1] if isinstance(x, Tensor))),
             step_ms=(run.t_end - run.t_start) * 1e3, pipeline_ms=(run.t_pipe - run.t_start) * 1e3,
-            wall_ms=(t_val - self._t_called + time.perf_counter() - done) * 1e3,
+            wall_ms=(t_val - self._t_called + time.perf_counter() - done) * 1e3, **_parts_ms(run, self._t_called),
             fwd_ms=sum(run.busy.get((j, True), 0.0) for j in self.stages) * 1e3,  # every stage of this rank
             bwd_ms=sum(run.busy.get((j, False), 0.0) for j in self.stages) * 1e3, wait_ms=wait_ms, p2p_ms=p2p_ms,
             # the gradient sync as this rank pays it: packing the gradients, the collectives, unpacking
@@ -1040,7 +1048,7 @@ class Pipeline:
             self.monitor.record(StepMetrics(
                 step=self.steps_done, rank=self._ranks[k][0], stage=k, replica=0, device="cpu", microbatches=n,
                 samples=rows, step_ms=(run.t_end - run.t_start) * 1e3, pipeline_ms=(run.t_synced - run.t_start) * 1e3,
-                wall_ms=wall_ms,
+                wall_ms=wall_ms, **_parts_ms(run, self._t_called),
                 fwd_ms=sum(run.busy.get((j, True), 0.0) for j in held) * 1e3,
                 bwd_ms=sum(run.busy.get((j, False), 0.0) for j in held) * 1e3,
                 optimizer_ms=(run.t_end - run.t_synced) * 1e3, loss=float(run.loss_sum), val_loss=val, host=self._hostname,
@@ -1191,6 +1199,13 @@ class Pipeline:
         self.monitor.close()
         if self.session is not None:
             self.session.close()
+
+
+def _parts_ms(run: StepRun, t_called: float) -> dict[str, float]:
+    """The step's parts that no other measurement names (:class:`~..observe.monitor.StepMetrics`): ``loss_ms``,
+    ``between_ms`` (the executor's span outside its tokens) and ``before_ms`` (``Pipeline.step`` before it)."""
+    return {"loss_ms": run.loss_s * 1e3, "between_ms": max(0.0, run.t_end - run.t_start - run.tokens_s) * 1e3,
+            "before_ms": max(0.0, run.t_start - t_called) * 1e3}
 
 
 def _compiled_under(plan: Plan, mode: CompileStages, device: torch.device, log: Callable[[str], None]

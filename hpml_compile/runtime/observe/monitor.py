@@ -27,6 +27,14 @@ open with ``tensorboard --logdir RUN_DIR/tb``). What is measured, per step:
 - ``bubble`` = 1 - (fwd + bwd) / pipeline time, the simulator's definition
   (the pipeline time without the collectives inside the compute and their
   waits, which the simulator counts with the sync);
+- where the step's time goes besides those parts: ``loss_ms``, the ``LOSS``
+  token (waiting for this rank's sends, the loss agreement: its own
+  all-reduce, or reading what rode the gradient collective);
+  ``between_ms``, the executor's span (``step_ms``) outside every token (its
+  set-up and the loop between tokens); ``before_ms`` and ``after_ms``,
+  ``Pipeline.step``'s wall clock (``wall_ms``) before and after the
+  executor's span (the batch check, gradients cleared, host sampling, memory
+  counting);
 - ``samples_per_s``: the batch over the whole step (optimizer included);
 - ``peak_memory_bytes``: CUDA allocator peak of the step on a GPU rank
   (``torch.cuda.max_memory_allocated``), peak resident set size of the
@@ -105,6 +113,10 @@ class StepMetrics:
     # Pipeline.step's wall clock: everything the rank did in the step (the batch check, host sampling, memory
     # counting, the events), less a validation pass; step_ms is the executor's span inside it (0.0: not measured)
     wall_ms: float = 0.0
+    # the step's parts besides the compute, the transfers, the sync and the optimizer (see the module docstring)
+    loss_ms: float = 0.0
+    between_ms: float = 0.0
+    before_ms: float = 0.0
     wait_ms: float = 0.0
     p2p_ms: float = 0.0
     send_ms: float = 0.0
@@ -154,6 +166,11 @@ class StepMetrics:
                    - self.inner_comm_ms - self.inner_wait_ms) + self.sync_wait_ms
 
     @property
+    def after_ms(self) -> float:
+        """``Pipeline.step``'s wall clock after the executor's span (0.0 where the wall clock was not measured)."""
+        return max(0.0, self.wall_ms - self.step_ms - self.before_ms) if self.wall_ms > 0 else 0.0
+
+    @property
     def bubble(self) -> float:
         """Idle share of the pipeline phase: 1 - compute / pipeline time (the collectives inside the compute and
         their waits left out of both, as the simulator counts them with the sync)."""
@@ -166,7 +183,8 @@ class StepMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(comm_ms=self.comm_ms, idle_ms=self.idle_ms, bubble=self.bubble, samples_per_s=self.samples_per_s)
+        d.update(comm_ms=self.comm_ms, idle_ms=self.idle_ms, after_ms=self.after_ms, bubble=self.bubble,
+                 samples_per_s=self.samples_per_s)
         return d
 
     @classmethod
