@@ -426,16 +426,15 @@ def _token_params(step: _Step, a: Action) -> list[Tensor]:
     """The parameters a collective token moves on this process: each stage it holds of the token lists its own
     (a parameter tied between two stages of one rank counts once).
 
-    One stage of the token on this process (a data-parallel stage, the common case): its list as it stands, the
-    per-parameter walk only where a name repeats a parameter (a Python loop over a hundred parameters was 80 us of
-    the small-op MLP's 5 ms step on two ranks, benchmarks/runtime_overhead).
+    One stage of the token on this process (a data-parallel stage, the common case): its list as it stands (codegen
+    names each of a stage's parameters once, by its graph target), without the per-parameter walk that merges
+    several stages' lists (a Python loop over a hundred parameters was 80 us of the small-op MLP's 5 ms step on
+    two ranks, benchmarks/runtime_overhead).
     """
     token = str(a)
     held = [stage for k in a.stages if (stage := step.stages.get(k)) is not None and token in stage.COLLECTIVES]
     if len(held) == 1:
-        ps = held[0].params(*held[0].COLLECTIVES[token])
-        if len(set(map(id, ps))) == len(ps):
-            return ps
+        return held[0].params(*held[0].COLLECTIVES[token])
     seen: set[int] = set()
     out: list[Tensor] = []
     for stage in held:
