@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 
@@ -16,7 +18,7 @@ def _through_torch(t: torch.Tensor, stride: int) -> bytes:
     lambda x: x, lambda x: x.half(), lambda x: x.bfloat16(), lambda x: (x * 100).long(), lambda x: x > 0,
     lambda x: x.t(), lambda x: x[:, ::3], lambda x: x.requires_grad_().detach(),
 ])
-def test_sample_is_the_same_through_numpy_and_torch(make) -> None:
+def test_sample_is_the_same_through_numpy_and_torch(make: Callable[[torch.Tensor], torch.Tensor]) -> None:
     t = make(torch.randn(8, 16, generator=torch.Generator().manual_seed(0)))
     for stride in (1, 3, 64):
         assert _sample_bytes(t, stride) == _through_torch(t, stride)
