@@ -82,8 +82,9 @@ def fingerprint(values: Iterable[Any]) -> int:
 
 
 def _sample_bytes(t: Tensor, stride: int) -> bytes:
-    """Every ``stride``-th value of ``t`` (flattened), as float64 bytes."""
-    if t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES and t.layout == torch.strided and not t.is_neg():
+    """Every ``stride``-th value of ``t`` (flattened), as float64 bytes (a subclass of Tensor: through torch)."""
+    if (type(t) is Tensor and t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES and t.layout == torch.strided
+            and not t.is_neg()):
         return t.numpy().reshape(-1)[::stride].astype(np.float64).tobytes()
     return t.reshape(-1)[::stride].to("cpu", torch.float64).numpy().tobytes()
 
