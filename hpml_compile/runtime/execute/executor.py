@@ -444,12 +444,20 @@ def _collective(step: _Step, index: int, rank: int, a: Action) -> None:
 
 def _token_params(step: _Step, a: Action) -> list[Tensor]:
     """The parameters a collective token moves on this process: each stage it holds of the token lists its own
-    (a parameter tied between two stages of one rank counts once)."""
-    token, seen, out = str(a), set(), []
-    for k in a.stages:
-        stage = step.stages.get(k)
-        if stage is None or token not in stage.COLLECTIVES:
-            continue
+    (a parameter tied between two stages of one rank counts once).
+
+    One stage of the token on this process (a data-parallel stage, the common case): its list as it stands (codegen
+    names each of a stage's parameters once, by its graph target), without the per-parameter walk that merges
+    several stages' lists (a Python loop over a hundred parameters was 80 us of the small-op MLP's 5 ms step on
+    two ranks, benchmarks/runtime_overhead).
+    """
+    token = str(a)
+    held = [stage for k in a.stages if (stage := step.stages.get(k)) is not None and token in stage.COLLECTIVES]
+    if len(held) == 1:
+        return held[0].params(*held[0].COLLECTIVES[token])
+    seen: set[int] = set()
+    out: list[Tensor] = []
+    for stage in held:
         for p in stage.params(*stage.COLLECTIVES[token]):
             if id(p) not in seen:
                 seen.add(id(p))
