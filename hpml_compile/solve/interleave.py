@@ -186,8 +186,6 @@ def _not_run(plan: Plan) -> str | None:
     """What in ``plan`` the runtime does not combine with several stages per rank
     (:func:`hpml_compile.runtime.execute.chunks.interleave_refusal` refuses the same at run time), or None."""
     for st in plan.stages:
-        if st.tp > 1:
-            return f"tensor parallelism (stage {st.index}: tp {st.tp})"
         if st.offload_optimizer or st.compress:
             return f"{'optimizer offload' if st.offload_optimizer else 'gradient compression'} (stage {st.index})"
     if plan.sync_every > 1:
