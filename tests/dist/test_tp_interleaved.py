@@ -5,7 +5,9 @@ on ranks 2-3), 4 microbatches. Each rank slices the sharded layers of both its c
 tensor-parallel group; the embedding (stage 0) and the LM head tied to it (stage 3) are split by vocabulary on
 different device groups and summed by the tied all-reduce. Three AdamW steps: the loss of every step, every
 gradient of the rank's chunks (a slice against the same slice of the eager gradient) and every parameter after
-the steps (the state dict, gathered whole) equal eager's within 1e-5 (float32).
+the steps (the state dict, gathered whole) equal eager's within 1e-5 (float32). A checkpoint written then (each
+chunk's slices made whole, Adam's moments too) loads into a new job of the same build, whose fourth step equals
+eager's fourth.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def _optimizer(params: Any) -> torch.optim.Optimizer:
 
 def _batches(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    xs = [torch.randint(0, vocab, (ROWS, SEQ), generator=g) for _ in range(STEPS)]
+    xs = [torch.randint(0, vocab, (ROWS, SEQ), generator=g) for _ in range(STEPS + 1)]
     return [(x, torch.roll(x, -1, dims=1)) for x in xs]
 
 
@@ -55,10 +57,11 @@ def _vocab(module: torch.nn.Module) -> int:
     return wte.num_embeddings
 
 
-def _reference() -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+def _reference() -> tuple[list[float], list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """Eager's loss and gradients of each step, and its state after the third and the fourth."""
     loaded = _model()
     opt = _optimizer(loaded.module.parameters())
-    losses, grads = [], []
+    losses, grads, states = [], [], []
     for x, y in _batches(_vocab(loaded.module)):
         opt.zero_grad()
         loss = loaded.loss_fn(loaded.module(x), y)
@@ -66,7 +69,8 @@ def _reference() -> tuple[list[float], list[dict[str, torch.Tensor]], dict[str, 
         grads.append({n: p.grad.clone() for n, p in loaded.module.named_parameters() if p.grad is not None})
         opt.step()
         losses.append(loss.item())
-    return losses, grads, {k: v.detach().clone() for k, v in loaded.module.state_dict().items()}
+        states.append({k: v.detach().clone() for k, v in loaded.module.state_dict().items()})
+    return losses, grads, states[STEPS - 1:]
 
 
 def _worker(rank: int, world: int, build: str, tmp: str) -> None:
@@ -76,13 +80,14 @@ def _worker(rank: int, world: int, build: str, tmp: str) -> None:
     loaded = _model()
     init = f"file://{tmp}/rendezvous?rank={rank}&world_size={world}"
     pipe = Pipeline.from_build(build, loaded.module, init_method=init, optimizer=_optimizer, events=False)
-    ref_losses, ref_grads, ref_state = _reference()
+    ref_losses, ref_grads, (ref_state, ref_after) = _reference()
+    batches = _batches(_vocab(loaded.module))
     sliced: dict[int, tuple[int, Any]] = {}
     for k in pipe.stages:
         st = pipe.build.stages[k]
         sliced.update({id(loaded.module.get_parameter(n)): (d, st.hpml_tp) for n, d in st.TP_SHARDS})
     losses, grad, checked = [], 0.0, 0
-    for (x, y), ref in zip(_batches(_vocab(loaded.module)), ref_grads):
+    for (x, y), ref in zip(batches[:STEPS], ref_grads):
         losses.append(pipe.step((x,), y, loaded.loss_fn).item())
         for name, p in loaded.module.named_parameters():
             if p.grad is None:
@@ -94,13 +99,23 @@ def _worker(rank: int, world: int, build: str, tmp: str) -> None:
             grad = max(grad, (p.grad - want).abs().max().item())
             checked += 1
     state = pipe.state_dict()
+    pipe.save(Path(tmp, "checkpoint"))
+    pipe.close()
+    again = _model()
+    resumed = Pipeline.from_build(build, again.module, init_method=f"file://{tmp}/rendezvous-2?rank={rank}&world_size"
+                                  f"={world}", optimizer=_optimizer, events=False)
+    resumed.load(Path(tmp, "checkpoint"))
+    (x, y) = batches[STEPS]
+    after_loss = abs(resumed.step((x,), y, again.loss_fn).item() - ref_losses[STEPS])
+    after = resumed.state_dict()
+    resumed.close()
     report = {"stages": sorted(pipe.stages), "sliced": len(sliced), "checked": checked,
               "shards": [len(pipe.build.stages[k].TP_SHARDS) for k in sorted(pipe.stages)],
               "loss": max(abs(a - b) for a, b in zip(losses, ref_losses)), "grad": grad,
               "keys": sorted(state) == sorted(ref_state),
               "state": max((state[k] - v).abs().max().item() for k, v in ref_state.items()),
-              "moved": max((ref_state[k] - v).abs().max().item() for k, v in _model().module.state_dict().items())}
-    pipe.close()
+              "moved": max((ref_state[k] - v).abs().max().item() for k, v in _model().module.state_dict().items()),
+              "resumed": max(after_loss, *((after[k] - v).abs().max().item() for k, v in ref_after.items()))}
     Path(tmp, f"rank{rank}.json").write_text(json.dumps(report))
 
 
@@ -120,3 +135,4 @@ def test_tensor_parallel_chunks_of_an_interleaved_plan_equal_eager(tmp_path: Pat
         assert all(n > 0 for n in r["shards"]) and r["sliced"] > 0 and r["checked"] > 0, r
         assert r["loss"] < TOL and r["grad"] < TOL, r
         assert r["keys"] and r["state"] < TOL, r
+        assert r["resumed"] < TOL, r

@@ -1,5 +1,6 @@
-"""Interleaved 1F1B on tensor-parallel device groups: the pass weighs it, keeps each group's ``tp`` on its chunks,
-and a device's memory sums its sharded chunks (the simulator's replay and the formula agree)."""
+"""The interleave pass on the groups large plans have: tensor-parallel device groups (it weighs them, keeps each
+group's ``tp`` on its chunks, and a device's memory sums its sharded chunks: the simulator's replay and the
+formula agree), and an end group the solver left almost idle (left out where a block per chunk overloads it)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import pytest
 from hpml_compile import models
 from hpml_compile.cluster import load_cluster
 from hpml_compile.costgraph import CostGraph, build
+from hpml_compile.testing import chain_profile, cluster_of
 from hpml_compile.ir import Profile
 from hpml_compile.plan import Plan, Schedule, Stage, device_need, validate_plan
 from hpml_compile.profile import profile
 from hpml_compile.runtime.execute.chunks import interleave_refusal
 from hpml_compile.simulate import annotate, simulate
-from hpml_compile.solve.interleave import choose
+from hpml_compile.solve.interleave import choose, interleave, without_idle_ends
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +61,29 @@ def test_a_device_holds_its_sharded_chunks_as_the_simulator_replays_them(gpt) ->
     # the group's peak of in-flight microbatches, counted by the formula and by the replay alike
     assert peak["gpu0"] == device_need(split, prof, "gpu0") == device_need(split, prof, "gpu1")
     assert device_need(split, prof, "gpu0") < 0.6 * device_need(whole, prof, "gpu0")  # about halved by tp 2
+
+
+def test_an_end_group_holding_the_embedding_alone_is_left_out_where_a_block_per_chunk_overloads_it() -> None:
+    # a slow device holds the cheap first block alone; two fast ones the 12 layers. Interleaved over all three,
+    # the slow group's second chunk needs a layer (30 ms there, against 18 ms on the slowest fast group):
+    # the pipeline would wait on it
+    cheap, layer = {"cpu": (0.1, 0.2), "fast": (0.1, 0.2)}, {"cpu": (10.0, 20.0), "fast": (1.0, 2.0)}
+    graph = build(chain_profile([cheap] + [layer] * 12))
+    prof = chain_profile([cheap] + [layer] * 12)
+    nodes = [graph.node(f"n{i}").members[0] for i in range(13)]
+    stages = (Stage(0, ("d0",), tuple(nodes[:1])), Stage(1, ("d1",), tuple(nodes[1:7])),
+              Stage(2, ("d2",), tuple(nodes[7:])))
+    placed = annotate(Plan("c", cluster_of(["cpu", "fast", "fast"]), Schedule.ONE_F_ONE_B, 8, stages), graph)[0]
+    ilv = interleave(placed, graph, 2)
+    assert ilv is not None and any(len(st.nodes) and st.devices == ("d0",) for st in ilv.stages[3:])
+    trimmed = without_idle_ends(placed, graph, ilv)
+    assert trimmed is not None
+    assert [(st.index, st.devices, len(st.nodes)) for st in trimmed.stages] == [(0, ("d1",), 7), (1, ("d2",), 6)]
+    lines: list[str] = []
+    got = choose(placed, graph, prof, say=lines.append)
+    assert got.schedule is Schedule.INTERLEAVED and all(st.devices != ("d0",) for st in got.stages), lines
+    assert "d0's group left idle" in lines[-1]
+    assert got.predicted.step_ms < min(placed.predicted.step_ms, simulate(ilv, graph).step_ms)
+    # a balanced pipeline keeps every group
+    even = annotate(Plan("c", cluster_of(["fast"] * 3), Schedule.ONE_F_ONE_B, 8, stages), graph)[0]
+    assert without_idle_ends(even, graph, interleave(even, graph, 2)) is None
