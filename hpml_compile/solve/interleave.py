@@ -16,7 +16,11 @@ solver balanced against its memory. For each ``v`` of
 (:func:`hpml_compile.plan.validate_plan`, a device holding all its chunks) and
 simulates the step, and the same with every piece given equal time on its own
 group (where the solver left a group almost idle, its share cannot hold a
-block per chunk); :func:`choose` keeps the fastest. Interleaving holds more
+block per chunk), and where the cut overloads an end group the solver left
+almost idle, the plan without that group (:func:`without_idle_ends`);
+:func:`choose` keeps the fastest. Tensor-parallel groups keep their degree on
+every chunk (each chunk priced with its group's ``tp``, a device's memory
+summing its sharded chunks). Interleaving holds more
 microbatches in flight than 1F1B, most on the later groups (``(v - 1) S +
 2 (S - g - 1) + 1`` chunk-microbatches on group ``g`` against 1F1B's ``S - g``
 whole-stage ones), so where a group's devices overflow, its chunks recompute,
