@@ -16,7 +16,11 @@ solver balanced against its memory. For each ``v`` of
 (:func:`hpml_compile.plan.validate_plan`, a device holding all its chunks) and
 simulates the step, and the same with every piece given equal time on its own
 group (where the solver left a group almost idle, its share cannot hold a
-block per chunk); :func:`choose` keeps the fastest. Interleaving holds more
+block per chunk), and where the cut overloads an end group the solver left
+almost idle, the plan without that group (:func:`without_idle_ends`);
+:func:`choose` keeps the fastest. Tensor-parallel groups keep their degree on
+every chunk (each chunk priced with its group's ``tp``, a device's memory
+summing its sharded chunks). Interleaving holds more
 microbatches in flight than 1F1B, most on the later groups (``(v - 1) S +
 2 (S - g - 1) + 1`` chunk-microbatches on group ``g`` against 1F1B's ``S - g``
 whole-stage ones), so where a group's devices overflow, its chunks recompute,
@@ -48,7 +52,7 @@ from ..plan import Plan, PlanPrediction, Schedule, Stage, device_need, stage_bre
 from ..tp import TensorParallel, analyze as analyze_tp
 from ..simulate import _stage_of_graph_nodes, annotate, node_ms, step_ms
 
-__all__ = ["CHUNKS", "BUDGET_S", "interleave", "fit", "choose"]
+__all__ = ["CHUNKS", "BUDGET_S", "interleave", "without_idle_ends", "fit", "choose"]
 
 #: The chunk counts ``v`` tried, smallest first.
 CHUNKS = (2, 3, 4, 6, 8)
@@ -139,6 +143,46 @@ def interleave(placed: Plan, graph: CostGraph, chunks: int, even: bool = False) 
                    predicted=PlanPrediction(), certificate=None)
 
 
+def _loads(plan: Plan, graph: CostGraph, costs: list[dict[str, float]]) -> list[float]:
+    """Each device group's compute of one microbatch in ``plan`` (stage ``k`` on group ``k % S``, ``S`` being
+    ``len(costs)``), each block in its group's own time (:func:`_group_ms`)."""
+    s, out = len(costs), [0.0] * len(costs)
+    for n, k in _stage_of_graph_nodes(plan, graph).items():
+        out[k % s] += costs[k % s][n]
+    return out
+
+
+def without_idle_ends(placed: Plan, graph: CostGraph, ilv: Plan) -> Plan | None:
+    """``placed`` with an end device group left out where interleaving overloads it: its blocks join its neighbour.
+
+    A group the solver left almost idle (a slow kind holding the embedding alone, say) cannot hold a block per
+    chunk: every piece holds at least one, so under ``ilv`` it computes more than the solver's slowest group did,
+    and the whole pipeline waits on it. Only the first and the last group can be left out (the model's order
+    stays), and only where at least 2 groups remain; the devices left out are idle in the plan.
+
+    Args:
+        placed: the solver's plan (one stage per device group).
+        graph: the cost graph.
+        ilv: ``placed`` interleaved (:func:`interleave`).
+
+    Returns:
+        The plan without the overloaded end groups, or None where no end group is overloaded.
+    """
+    s, costs = len(placed.stages), _group_ms(placed, graph)
+    before, after = max(_loads(placed, graph, costs)), _loads(ilv, graph, costs)
+    drop = [g for g in (0, s - 1) if after[g] > before]
+    if not drop or s - len(set(drop)) < 2:
+        return None
+    stages = list(placed.stages)
+    if 0 in drop:
+        stages[1] = replace(stages[1], nodes=stages[0].nodes + stages[1].nodes)
+    if s - 1 in drop:
+        stages[-2] = replace(stages[-2], nodes=stages[-2].nodes + stages[-1].nodes)
+    kept = [st for g, st in enumerate(stages) if g not in drop]
+    return replace(placed, stages=tuple(replace(st, index=k) for k, st in enumerate(kept)),
+                   predicted=PlanPrediction(), certificate=None)
+
+
 def _overflowing(plan: Plan, prof: Profile) -> set[int]:
     """The device groups (first ``S`` stages) with a device over its memory, all chunks counted."""
     sharding = analyze_tp(prof) if any(st.tp > 1 for st in plan.stages) else None
@@ -186,8 +230,6 @@ def _not_run(plan: Plan) -> str | None:
     """What in ``plan`` the runtime does not combine with several stages per rank
     (:func:`hpml_compile.runtime.execute.chunks.interleave_refusal` refuses the same at run time), or None."""
     for st in plan.stages:
-        if st.tp > 1:
-            return f"tensor parallelism (stage {st.index}: tp {st.tp})"
         if st.offload_optimizer or st.compress:
             return f"{'optimizer offload' if st.offload_optimizer else 'gradient compression'} (stage {st.index})"
     if plan.sync_every > 1:
@@ -222,32 +264,45 @@ def choose(placed: Plan, graph: CostGraph, prof: Profile, *, forced: bool = Fals
         tell(f"schedule: {placed.schedule.value} (interleaved 1F1B is not combined with {why} by the runtime)")
         return placed
     t0, best, notes = time.perf_counter(), None, []
-    for v, even in ((v, even) for v in CHUNKS for even in (False, True)):
-        if time.perf_counter() - t0 > budget_s:
-            notes.append(f"stopped before {v} chunks after {budget_s:g} s")
-            break
-        cand = interleave(replace(placed, precision=prof.precision), graph, v, even)
-        if cand is None:
+    trimmed: Plan | None = None  # placed without an end group interleaving overloads (:func:`without_idle_ends`)
+    for v in CHUNKS:
+        first = interleave(replace(placed, precision=prof.precision), graph, v)
+        if first is None:
             notes.append(f"{v} chunks: fewer than {s * v} blocks")
             break
-        try:
-            cand = fit(cand, prof)
-            validate_plan(cand, prof)
-            ms = step_ms(cand, graph, prof.dtype)
-        except PlanError as e:
-            if not even:
-                notes.append(f"{v} chunks: {str(e).split(';')[0]}")
+        trimmed = trimmed or without_idle_ends(placed, graph, first)
+        for base, even in ((placed, False), *(((trimmed, False),) if trimmed else ()), (placed, True)):
+            if time.perf_counter() - t0 > budget_s:
+                notes.append(f"stopped at {v} chunks after {budget_s:g} s")
+                break
+            cand = first if base is placed and not even else \
+                interleave(replace(base, precision=prof.precision), graph, v, even)
+            if cand is None:
+                continue
+            try:
+                cand = fit(cand, prof)
+                validate_plan(cand, prof)
+                ms = step_ms(cand, graph, prof.dtype)
+            except PlanError as e:
+                if not even:
+                    notes.append(f"{v} chunks: {str(e).split(';')[0]}")
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, cand, base)
+        else:
             continue
-        if best is None or ms < best[0]:
-            best = (ms, cand)
+        break
     extra = f" ({'; '.join(notes)})" if notes else ""
     if best is None:
         tell(f"schedule: {placed.schedule.value} (no interleaved plan fits{extra})")
         return placed
-    chosen = annotate(best[1], graph, prof.dtype)[0]
-    redone = sum(1 for a, b in zip(chosen.stages, placed.stages * chosen.chunks) if a.recompute and not b.recompute)
+    chosen, base = annotate(best[1], graph, prof.dtype)[0], best[2]
+    redone = sum(1 for a, b in zip(chosen.stages, base.stages * chosen.chunks) if a.recompute and not b.recompute)
+    left = [f"{placed.stages[g].devices[0]}'s group" for g in (0, s - 1)
+            if base is not placed and placed.stages[g].devices not in {st.devices for st in base.stages}]
     name = f"interleaved-1f1b with {chosen.chunks} chunks" + (
-        f" ({redone} of its {len(chosen.stages)} stages recomputing to fit)" if redone else "")
+        f" ({redone} of its {len(chosen.stages)} stages recomputing to fit)" if redone else "") + (
+        f" ({' and '.join(left)} left idle: a block per chunk overloads it)" if left else "")
     if forced or chosen.predicted.step_ms < placed.predicted.step_ms:
         tell(f"schedule: {name}, {chosen.predicted.step_ms:.4g} ms a step against {placed.predicted.step_ms:.4g} ms "
              f"under {placed.schedule.value} (bubble {chosen.predicted.bubble:.1%} against "

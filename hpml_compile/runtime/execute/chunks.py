@@ -112,8 +112,7 @@ def interleave_refusal(plan: Plan, *, live: bool = False, join: bool = False) ->
         return (f"a rank {'joining' if join else 'lost'} in place is not combined with an interleaved plan "
                 f"({plan.chunks} chunks per rank): restart from the last checkpoint instead (run without live/join)")
     for st in plan.stages:
-        what = ("tensor parallelism" if st.tp > 1 else
-                "optimizer offload" if st.offload_optimizer else "activation swap" if st.swap else
+        what = ("optimizer offload" if st.offload_optimizer else "activation swap" if st.swap else
                 "gradient compression" if st.compress else None)
         if what is not None:
             return f"stage {st.index} uses {what}, which the runtime does not combine with {plan.chunks} chunks per " \

@@ -321,7 +321,8 @@ class Pipeline:
         if weights is not None:  # only this rank's stages read their tensors
             ranks = stage_ranks(build.plan)
             mine = [st for k, st in enumerate(build.stages)
-                    if session is None or (session.stage == k if isinstance(session, TensorParallelSession)
+                    if session is None or (k in held_stages(build.plan, session.stage)
+                                           if isinstance(session, TensorParallelSession)
                                            else session.rank in ranks[k])]
             load_stage_weights(model, mine, Path(weights))
         if isinstance(session, TensorParallelSession):
@@ -1179,7 +1180,7 @@ class Pipeline:
             if self.sync is not None:  # ZeRO-3 gathers; a hierarchical ZeRO-1 shard takes its pieces of a write after
                 stack.enter_context(self.sync.whole(changed=changed))
             if self.session is not None:  # tensor-parallel slices (:mod:`.tensor_parallel`)
-                stack.enter_context(whole_params(self.build, self.model, self.stage_index, changed=changed,
+                stack.enter_context(whole_params(self.build, self.model, sorted(self.stages), changed=changed,
                                                  optimizer=getattr(self, "optimizer", None)))
             yield
 

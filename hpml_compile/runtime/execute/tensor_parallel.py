@@ -12,9 +12,12 @@ stages of different ``tp`` included), and gradient sync over the
 data-parallel group of its place, as the plan prices it. The loss agreement
 runs over the job, each group's loss counted once (place 0 adds it).
 
-Each rank slices the parameters its stage lists in ``TP_SHARDS`` in place
+Each rank slices the parameters its stages list in ``TP_SHARDS`` in place
 (the same parameter objects, so the stage module, the optimizer and the
-gradient buffers see the slice); :func:`whole_params` gathers them back to
+gradient buffers see the slice; a rank of an interleaved plan holds several
+stages of its device group's ``tp``, all sharded over its one group, whose
+collectives run in the order of the rank's list, the same on every place);
+:func:`whole_params` gathers them back to
 whole tensors, so a checkpoint does not depend on ``tp`` (every rank takes
 part in writing it; the whole tensors of a group are stored once).
 
@@ -31,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from dataclasses import replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,7 @@ from ...codegen.tensor_parallel import Places, replica_plan, tp_degree
 from ...codegen.tpops import TPGroup
 from ...errors import HpmlError
 from ...plan import Plan
+from .chunks import held_stages
 from .session import RetryPolicy, Session
 
 __all__ = ["TensorParallelSession", "slice_param", "shard_build", "whole_params", "checkpoint_view", "open_tensor_parallel",
@@ -106,14 +110,26 @@ def slice_param(p: Tensor, dim: int, rank: int, size: int) -> None:
         p.data = p.data.chunk(size, dim=dim)[rank].clone()
 
 
-def shard_build(build: Build, model: nn.Module, stage: int, group: TPGroup) -> None:
-    """Give stage ``stage`` of ``build`` its tensor-parallel group and slice the parameters it lists."""
+def shard_build(build: Build, model: nn.Module, stage: int, group: TPGroup, done: set[int] | None = None) -> None:
+    """Give stage ``stage`` of ``build`` its tensor-parallel group and slice the parameters it lists.
+
+    Args:
+        build: the build.
+        model: the model its stages bind.
+        stage: the stage.
+        group: its tensor-parallel group.
+        done: ids of parameters sliced already (another stage of the rank lists a tied one too), added to.
+    """
     st = build.stages[stage]
     st.hpml_tp = group
     for region in st.REGIONS:  # a recompute region runs the sharded layers
         getattr(st, region).hpml_tp = group
+    done = set() if done is None else done
     for name, dim in st.TP_SHARDS:
-        slice_param(model.get_parameter(name), dim, group.rank, group.size)
+        p = model.get_parameter(name)
+        if id(p) not in done:
+            done.add(id(p))
+            slice_param(p, dim, group.rank, group.size)
 
 
 def _gather(group: TPGroup, t: Tensor, dim: int) -> Tensor:
@@ -124,10 +140,10 @@ def _gather(group: TPGroup, t: Tensor, dim: int) -> Tensor:
 
 
 @contextlib.contextmanager
-def whole_params(build: Build, model: nn.Module, stage: int, *, changed: bool = False,
+def whole_params(build: Build, model: nn.Module, stage: int | Sequence[int], *, changed: bool = False,
                  optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
     """This rank's sliced parameters whole for the block (gathered over its tensor-parallel group; a no-op for
-    a stage without slices), sliced again after it: what reads or writes parameters outside a step (the state
+    stages without slices), sliced again after it: what reads or writes parameters outside a step (the state
     dict, checkpoints) sees the model as it is without tensor parallelism.
 
     A collective over the tensor-parallel group: every rank of it enters it.
@@ -135,20 +151,29 @@ def whole_params(build: Build, model: nn.Module, stage: int, *, changed: bool = 
     Args:
         build: the build (this rank's place, see :func:`open_tensor_parallel`).
         model: the model.
-        stage: the stage this rank runs.
+        stage: the stage this rank runs, or the stages it holds (an interleaved plan's chunks, in order).
         changed: the block writes the parameters (a load): each rank keeps its slice of what was written.
         optimizer: its per-parameter state shaped like a sliced parameter (Adam's moments) is made whole too,
             and what the block leaves shaped like the whole parameter is sliced after it.
     """
-    st = build.stages[stage]
-    group: TPGroup | None = st.hpml_tp
-    if group is None or group.size == 1 or not st.TP_SHARDS:
+    params: list[tuple[nn.Parameter, int, TPGroup]] = []
+    seen: set[int] = set()
+    for k in [stage] if isinstance(stage, int) else stage:
+        st = build.stages[k]
+        group: TPGroup | None = st.hpml_tp
+        if group is None or group.size == 1:
+            continue
+        for name, dim in st.TP_SHARDS:
+            p = model.get_parameter(name)
+            if id(p) not in seen:  # a parameter tied between two chunks of the rank: once
+                seen.add(id(p))
+                params.append((p, dim, group))
+    if not params:
         yield
         return
-    params = [(model.get_parameter(name), dim) for name, dim in st.TP_SHARDS]
     states = optimizer.state if optimizer is not None else {}
-    mine = [(p.data, dict(states.get(p, {}))) for p, _ in params]
-    for p, dim in params:
+    mine = [(p.data, dict(states.get(p, {}))) for p, _, _ in params]
+    for p, dim, group in params:
         sliced = p.shape
         p.data = _gather(group, p.data, dim)
         for k, v in states.get(p, {}).items():
@@ -158,7 +183,7 @@ def whole_params(build: Build, model: nn.Module, stage: int, *, changed: bool = 
         yield
     finally:
         states = optimizer.state if optimizer is not None else {}  # a load may have replaced the table
-        for (p, dim), (data, state) in zip(params, mine):
+        for (p, dim, group), (data, state) in zip(params, mine):
             whole = p.shape
             if changed:
                 slice_param(p, dim, group.rank, group.size)
@@ -179,12 +204,11 @@ def checkpoint_view(pipe: Any) -> Iterator[bool]:
     tensor-parallel group hold the same whole tensors in the block, which the checkpoint stores once. A load
     keeps each rank's slice (``changed``). Without tensor-parallel stages: yields True.
     """
-    st = pipe.build.stages[pipe.stage_index]
-    group: TPGroup | None = getattr(st, "hpml_tp", None)
-    if group is None:
+    held = sorted(pipe.stages)
+    if all(getattr(pipe.build.stages[k], "hpml_tp", None) is None for k in held):
         yield True
         return
-    with whole_params(pipe.build, pipe.model, pipe.stage_index, changed=True, optimizer=pipe.optimizer):
+    with whole_params(pipe.build, pipe.model, held, changed=True, optimizer=pipe.optimizer):
         yield True
 
 
@@ -208,7 +232,11 @@ def open_tensor_parallel(build: Build, init_method: str | None, policy: RetryPol
 
 
 def shard_rank(build: Build, model: nn.Module, session: TensorParallelSession) -> int:
-    """Slice the parameters of the stage this rank runs (after any weights are loaded whole); its index."""
+    """Slice the parameters of the stages this rank runs (after any weights are loaded whole: an interleaved
+    plan's chunks too, each of its device group's ``tp``, over the rank's one group); its first stage's index."""
     if session.tp > 1:
-        shard_build(build, model, session.stage, TPGroup(session, session.tp_index, session.tp))  # after a re-form
+        group = TPGroup(session, session.tp_index, session.tp)  # after a re-form
+        done: set[int] = set()
+        for k in held_stages(build.plan, session.stage):
+            shard_build(build, model, k, group, done)
     return session.stage
