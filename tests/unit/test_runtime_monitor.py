@@ -203,3 +203,18 @@ def test_the_report_compares_the_prediction_with_pipeline_steps_wall_clock(tmp_p
     assert outer.step_ms == pytest.approx(inner.step_ms + 7.0)
     assert outer.error == pytest.approx((inner.step_ms + 7.0 - 70.0) / 70.0)
     assert wall_ms(replace(rows[0][0], wall_ms=0.0)) == rows[0][0].step_ms  # rows that predate it
+
+
+def test_tensorboard_writes_the_loss_every_step_and_the_times_as_means_of_ten(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    mon = Monitor(tmp_path, 0, events=False)
+    for step in range(25):
+        mon.record(_row(step, 0, fwd=float(step), bwd=1.0))
+    mon.close()
+    acc = EventAccumulator(str(tmp_path / "tb" / "rank0"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == list(range(25))
+    fwd = acc.Scalars("time/fwd_ms")
+    assert [e.step for e in fwd] == [9, 19, 24]  # each window's last step; the last, short window at close
+    assert [e.value for e in fwd] == pytest.approx([4.5, 14.5, 22.0])

@@ -256,6 +256,7 @@ _TB_TAGS = {
     "memory/peak_bytes": "peak_memory_bytes", "host/steal": "steal", "host/others_load": "others_load",
     "host/cpu_util": "cpu_util",
 }
+TB_EVERY = 10  # steps per point of the _TB_TAGS curves: a scalar costs ~36 us to write, 14 a step ~0.5 ms
 
 
 class Monitor:
@@ -272,6 +273,7 @@ class Monitor:
         self._file = None
         self._tb: Any = None
         self._events: EventStore | None = None
+        self._window: list[StepMetrics] = []  # steps not yet in the TensorBoard curves
         if run_dir is None:
             return
         path = metrics_path(run_dir, rank)
@@ -293,15 +295,26 @@ class Monitor:
         if events is not None and self._events is not None:
             self._events.write(events)
         if self._tb is not None:
-            d = m.to_dict()
-            for tag, key in _TB_TAGS.items():
-                self._tb.add_scalar(tag, d[key], m.step)
+            self._window.append(m)
+            if len(self._window) >= TB_EVERY:
+                self._write_window()
             if m.loss is not None:
                 self._tb.add_scalar("loss", m.loss, m.step)
             if m.val_loss is not None:
                 self._tb.add_scalar("loss/validation", m.val_loss, m.step)
 
+    def _write_window(self) -> None:
+        """The time, memory and host curves: one point per :data:`TB_EVERY` steps, the window's mean at its last
+        step (the JSON lines keep every step; writing 14 scalars each step cost ~0.5 ms of a 25 ms step)."""
+        if not self._window or self._tb is None:
+            return
+        rows = [w.to_dict() for w in self._window]
+        for tag, key in _TB_TAGS.items():
+            self._tb.add_scalar(tag, sum(float(r[key]) for r in rows) / len(rows), self._window[-1].step)
+        self._window.clear()
+
     def close(self) -> None:
+        self._write_window()
         if self._file is not None:
             self._file.close()
             self._file = None
