@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from .ir import CostGraphNode, NodeOp, Profile, base_kind
@@ -129,6 +129,10 @@ class CostGraph:
             node's ``shard`` attribute sums what of its members a degree divides.
         compiled: the kinds whose costs are of stages that run compiled (the profile's blocks timed compiled,
             :mod:`hpml_compile.profile.compiled`); empty: every cost is of eager stages.
+        optimizer_coruns: per measured CPU kind, ``(slow-down, ranks)``: how much slower its optimizer step ran
+            while ``ranks`` processes stepped theirs at once on the host
+            (:func:`hpml_compile.profile.optcorun.time_optimizer_corun`; empty: not measured, and the step stretches
+            by the host's memory bandwidth as any streaming does).
     """
 
     graph: nx.DiGraph
@@ -151,6 +155,7 @@ class CostGraph:
     meetings: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     fitted: Mapping[str, float] = field(default_factory=dict)
     compiled: frozenset[str] = frozenset()
+    optimizer_coruns: Mapping[str, tuple[float, int]] = field(default_factory=dict)
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -193,10 +198,7 @@ class CostGraph:
             kept = {t: p for t, p in attrs.get("shard", {}).items() if t <= max_tp}
             q.add_node(n, **{k: v for k, v in attrs.items() if k != "shard"}, **({"shard": kept} if kept else {}))
         q.add_edges_from(self.graph.edges(data=True))
-        return CostGraph(q, self.order, self.kinds, self.model, self.batch_size, self.optimizer_ms,
-                         self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
-                         self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only,
-                         self.agreements, self.skews, self.meetings, self.fitted, self.compiled)
+        return replace(self, graph=q)  # every other field kept, the node records made afresh
 
     def tp_degrees(self) -> tuple[int, ...]:
         """The tensor-parallel degrees above 1 at which some node of the graph shards (empty: none)."""
@@ -210,6 +212,11 @@ class CostGraph:
         """``(forward, backward, ranks)`` slow-down of ``kind``'s compute with ``ranks`` processes computing on its
         host (its base kind for a variant); None: not measured."""
         return self.coruns.get(kind, self.coruns.get(base_kind(kind)))
+
+    def optimizer_corun(self, kind: str) -> tuple[float, int] | None:
+        """``(slow-down, ranks)`` of ``kind``'s optimizer step with ``ranks`` processes stepping on its host (its base
+        kind for a variant); None: not measured."""
+        return self.optimizer_coruns.get(kind, self.optimizer_coruns.get(base_kind(kind)))
 
     def process_bytes(self, kind: str, stage_param_bytes: Any, replicas: int = 1, zero: int = 0) -> Any:
         """Bytes a rank of ``kind`` holds besides its stage's tensors (:func:`hpml_compile.memory.process_bytes`: the
@@ -373,10 +380,7 @@ class CostGraph:
             e["tensors"] = e["tensors"] and data["tensors"]
         for _, _, e in q.edges(data=True):
             e["bytes"] = sum(e["producers"].values())
-        return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size, self.optimizer_ms,
-                         self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
-                         self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only,
-                         self.agreements, self.skews, self.meetings, self.fitted, self.compiled)
+        return replace(self, graph=q, order=tuple(names))
 
     def cut_bytes(self, before: Iterable[str]) -> int:
         """Bytes crossing from the node set ``before`` to the rest; a tensor read by
@@ -564,6 +568,9 @@ def build(profile: Profile, compiled: bool = False) -> CostGraph:
     cores = {k: int(d["cpus"]) for k, d in profile.devices.items() if isinstance(d.get("cpus"), int) and d["cpus"] > 0}
     coruns = {k: (float(c["fwd"]), float(c["bwd"]), int(c["ranks"])) for k, d in profile.devices.items()
               if isinstance(c := d.get("corun"), dict) and {"fwd", "bwd", "ranks"} <= set(c) and int(c["ranks"]) > 1}
+    optimizer_coruns = {k: (float(c["ratio"]), int(c["ranks"])) for k, d in profile.devices.items()
+                        if isinstance(c := d.get("optimizer_corun"), dict) and {"ratio", "ranks"} <= set(c)
+                        and int(c["ranks"]) > 1}
     flat_steps = {k: float(d["optimizer_flat_ms"]) / profile.optimizer_ms[k] for k, d in profile.devices.items()
                   if d.get("optimizer_flat_ms") and profile.optimizer_ms.get(k)}
     processes = {k: int(d["process"]["bytes"]) for k, d in profile.devices.items()
@@ -583,4 +590,5 @@ def build(profile: Profile, compiled: bool = False) -> CostGraph:
                            if isinstance(d.get("process"), dict) and d["process"].get("stage_only"))
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
                      dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns, flat_steps, tp,
-                     processes, bookkeeping, stage_only, agreements, skews, meetings, fitted, fast)
+                     processes, bookkeeping, stage_only, agreements, skews, meetings, fitted, fast,
+                     optimizer_coruns)

@@ -99,6 +99,11 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   time with the stretches of the previous timeline. Without measured rates (a
   GPU, an old profile), nothing stretches and the copies go at the catalog's
   memory bandwidth.
+  Where the profile measured the optimizer step while other processes
+  stepped theirs (:func:`hpml_compile.profile.optcorun.time_optimizer_corun`:
+  an AdamW step is several kernels, not a pure copy, and shares less than
+  the stream rates say), the step stretches by that instead, times the cores'
+  share below.
 - CPU ranks of one host share its cores: each host is taken to have the
   logical CPUs of the host the profile was taken on (``profile.devices[kind]
   ["cpus"]``). While ``k`` of a host's ranks are busy at once on ``c`` cores,
@@ -716,6 +721,7 @@ class _HostShare:
         self.rates: dict[str, tuple[float, float]] = {}
         self.cores: dict[str, int] = {}
         self.coruns: dict[str, tuple[float, float, int]] = {}
+        self.opt_coruns: dict[str, tuple[float, int]] = {}
         for st in plan.stages:
             here: dict[str, int] = {}
             for name in st.devices:
@@ -727,15 +733,17 @@ class _HostShare:
                     self.rates[dev.host] = rates
                 if corun:
                     self.coruns[dev.host] = corun
+                if opt := graph.optimizer_corun(dev.kind):
+                    self.opt_coruns[dev.host] = opt
                 if cores:
                     self.cores[dev.host] = cores
-                if dev.host in self.rates or dev.host in self.cores:
+                if dev.host in self.rates or dev.host in self.cores or dev.host in self.opt_coruns:
                     here[dev.host] = here.get(dev.host, 0) + 1
             self.ranks.append(here)
-        self.hosts = sorted(set(self.rates) | set(self.cores) | set(self.coruns))
+        self.hosts = sorted(set(self.rates) | set(self.cores) | set(self.coruns) | set(self.opt_coruns))
         first = self.ranks[:len(plan.stages) // plan.chunks]  # interleaved 1F1B: a group's ranks hold several
         total = {h: sum(r.get(h, 0) for r in first) for h in self.hosts}
-        self.active = any(((h in self.rates or h in self.coruns) and total[h] > 1)
+        self.active = any(((h in self.rates or h in self.coruns or h in self.opt_coruns) and total[h] > 1)
                           or total[h] > self.cores.get(h, total[h]) for h in self.hosts)
 
     def load(self, busy: list[list[tuple[float, float]]]) -> dict[str, tuple[list[float], list[int]]]:
@@ -790,6 +798,25 @@ class _HostShare:
             if host in self.cores:
                 cores = self.cores[host]
                 worst = max(worst, self._mean(start, end, load[host], lambda c: max(1.0, c / cores)))
+        return worst
+
+    def optimizer_factor(self, i: int, start: float, end: float,
+                         load: dict[str, tuple[list[float], list[int]]]) -> float:
+        """Mean slow-down of stage ``i``'s optimizer step over ``[start, end]``, the worst of its hosts: where the
+        profile measured the step beside other ranks' steps (``x`` with ``n`` processes), ``1 + (x - 1) (c - 1) /
+        (n - 1)`` while ``c`` ranks step (``c`` at most ``n``), times the cores' share while more ranks step
+        than the host has cores (a core's turns, then the memory its running ranks share); elsewhere as any
+        streaming work (:meth:`factor`)."""
+        if end <= start or not self.ranks[i]:
+            return 1.0
+        if not all(h in self.opt_coruns for h in self.ranks[i]):
+            return self.factor(i, start, end, load)
+        worst = 1.0
+        for host in self.ranks[i]:
+            x, n = self.opt_coruns[host]
+            cores = self.cores.get(host)
+            worst = max(worst, self._mean(start, end, load[host], lambda c: (
+                1.0 + (x - 1.0) * (min(max(c, 1), n) - 1) / (n - 1)) * (max(1.0, c / cores) if cores else 1.0)))
         return worst
 
 
@@ -878,7 +905,7 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
     # a rank holding several stages (interleaved 1F1B) steps them one after another, not side by side
     opt_at = [begin + b for b in _before(plan, [cst.optimizer_ms for cst in costs])]
     load = share.load([[(t, t + cst.optimizer_ms)] for t, cst in zip(opt_at, costs)]) if share.active else {}
-    optim = [cst.optimizer_ms * (share.factor(i, t, t + cst.optimizer_ms, load) if share.active else 1.0)
+    optim = [cst.optimizer_ms * (share.optimizer_factor(i, t, t + cst.optimizer_ms, load) if share.active else 1.0)
              for i, (t, cst) in enumerate(zip(opt_at, costs))]
     # ZeRO-1/2's parameter all-gather follows each stage's own optimizer step where it is not prefetched; a rank
     # holding several stages (interleaved 1F1B) steps them one after another
