@@ -133,6 +133,9 @@ class CostGraph:
             while ``ranks`` processes stepped theirs at once on the host
             (:func:`hpml_compile.profile.optcorun.time_optimizer_corun`; empty: not measured, and the step stretches
             by the host's memory bandwidth as any streaming does).
+        early_receives: per measured CPU kind, the ms of CPU a pipeline message that arrived before its receive
+            was posted takes from its receiving rank (``devices[kind]["process"]["recv_cpu_ms"]``,
+            :func:`hpml_compile.profile.messages.probe_early_receive`; empty: not measured, and not charged).
     """
 
     graph: nx.DiGraph
@@ -156,6 +159,7 @@ class CostGraph:
     fitted: Mapping[str, float] = field(default_factory=dict)
     compiled: frozenset[str] = frozenset()
     optimizer_coruns: Mapping[str, tuple[float, int]] = field(default_factory=dict)
+    early_receives: Mapping[str, float] = field(default_factory=dict)
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -217,6 +221,11 @@ class CostGraph:
         """``(slow-down, ranks)`` of ``kind``'s optimizer step with ``ranks`` processes stepping on its host (its base
         kind for a variant); None: not measured."""
         return self.optimizer_coruns.get(kind, self.optimizer_coruns.get(base_kind(kind)))
+
+    def early_receive_ms(self, kind: str) -> float:
+        """CPU ms a message that waited for its receive takes from a receiving rank of ``kind`` (its base kind for a
+        variant); 0: not measured."""
+        return self.early_receives.get(kind, self.early_receives.get(base_kind(kind), 0.0))
 
     def process_bytes(self, kind: str, stage_param_bytes: Any, replicas: int = 1, zero: int = 0) -> Any:
         """Bytes a rank of ``kind`` holds besides its stage's tensors (:func:`hpml_compile.memory.process_bytes`: the
@@ -586,9 +595,11 @@ def build(profile: Profile, compiled: bool = False) -> CostGraph:
              if isinstance(x.get("skew_ms"), (int, float))}
     fitted = {k: float(x["fit_compute_ms"]) for k, x in probes.items()
               if isinstance(x.get("fit_compute_ms"), (int, float))}
+    early_receives = {k: float(x["recv_cpu_ms"]) for k, x in probes.items()
+                      if isinstance(x.get("recv_cpu_ms"), (int, float))}
     stage_only = frozenset(k for k, d in profile.devices.items()
                            if isinstance(d.get("process"), dict) and d["process"].get("stage_only"))
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
                      dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns, flat_steps, tp,
                      processes, bookkeeping, stage_only, agreements, skews, meetings, fitted, fast,
-                     optimizer_coruns)
+                     optimizer_coruns, early_receives)

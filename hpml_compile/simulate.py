@@ -10,7 +10,10 @@ then one forward one backward, then the remaining backwards; ZB-H1, Qi et al.
 for, and a weight-gradient part that only its own stage does, later): a
 ``SEND`` posts its values when the compute before it ends, a ``RECV`` waits
 until they have crossed the link, and a compute starts when its stage is free
-and its receive is done. Under ZB-H1 a stage's activations are held until the
+and its receive is done. A message that arrives before its CPU rank reaches
+the receive (the rank still computing) keeps gloo's threads busy there: where
+the host has no core to spare, the rank pays ``min(wait, recv_cpu_ms)`` of the
+profile's probe (:mod:`hpml_compile.profile.messages`). Under ZB-H1 a stage's activations are held until the
 weight-gradient part ends; its share of the backward's compute, and the split's
 own cost per microbatch (the extra walk of the autograd graph), are the
 profile's measurement of each block (:mod:`hpml_compile.profile.split`), or
@@ -208,6 +211,8 @@ class StageCost:
             its own where the stage recomputes; 0 otherwise).
         together_ms: the transfer part of ``sync_ms`` that the runtime issues together with the members' meeting
             (:func:`issued_with_meeting_ms`; 0 where the transfer follows the meeting).
+        early_recv_ms: the most CPU a message that arrived before this stage's rank posted its receive takes from
+            the rank (:func:`_early_receive_ms`; 0: none charged).
     """
 
     fwd_ms: float
@@ -227,6 +232,7 @@ class StageCost:
     returns: tuple[tuple[int, float], ...] = ()
     weight_ms: float = 0.0
     together_ms: float = 0.0
+    early_recv_ms: float = 0.0
 
     @property
     def back(self) -> tuple[tuple[int, float], ...]:
@@ -489,8 +495,22 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms), sync - gather + copy,
                              max(mems, key=lambda b: b.total), opt_ms, fwd_stream, bwd_stream, copy,
                              tuple(mems), tuple(own), gather, tuple(back_ms) if back_ms != send_ms else (), weight,
-                             issued_with_meeting_ms(plan, st, params * _wire(plan, st, dtype), group)))
+                             issued_with_meeting_ms(plan, st, params * _wire(plan, st, dtype), group),
+                             _early_receive_ms(plan, graph, st)))
     return _chunk_memory(plan, out) if plan.chunks > 1 else tuple(out)
+
+
+def _early_receive_ms(plan: Plan, graph: CostGraph, st: Stage) -> float:
+    """The most CPU a message that waited for its receive takes from a rank of ``st`` (a message waiting ``w`` ms
+    takes ``min(w, this)``; :func:`hpml_compile.profile.messages.probe_early_receive`): where the stage's host has
+    no core to spare (the plan's CPU ranks there at least its cores), else 0 (another core runs gloo's threads)."""
+    dev = plan.cluster.device(st.devices[0])
+    cores = graph.host_cores(dev.kind) if dev.is_cpu else None
+    if not cores:
+        return 0.0
+    ranks = {d for s in plan.stages for d in s.devices
+             if plan.cluster.device(d).is_cpu and plan.cluster.device(d).host == dev.host}
+    return graph.early_receive_ms(dev.kind) if len(ranks) >= cores else 0.0
 
 
 def _chunk_memory(plan: Plan, costs: list[StageCost]) -> tuple[StageCost, ...]:
@@ -633,6 +653,9 @@ class _Replay:
             if t is None:
                 return False
             self.arrived[(phase, i, k)] = t
+            g = i % self.groups
+            if t < self.free[g]:  # it waited for the rank to post its receive: gloo's threads took CPU meanwhile
+                self.free[g] += min(self.free[g] - t, cst.early_recv_ms)
         elif a.kind is ActionKind.SEND:
             phase = FWD if a.stages[1] > i else BWD
             t = self.done[(phase, i, k)][1]

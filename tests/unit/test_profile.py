@@ -303,7 +303,7 @@ def test_time_segments_runs_the_blocks_in_sequence_and_leaves_the_model_alone() 
     assert all(p.grad is grads[name] for name, p in gm.named_parameters())
 
 
-def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Profile) -> None:
+def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Profile, tmp_path: Path) -> None:
     """CPU ranks of a host compute at once and share its cache and bandwidth, which a
     profile timing the blocks alone does not see. Asked to (``corun=True``), the profile times them again while
     forked processes run them on the other cores (each on its own copy of the parameters) and records the
@@ -331,6 +331,7 @@ def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Pro
         return
     assert o["ranks"] == c["ranks"] and 0.5 < o["ratio"] < 10 and len(o["rounds"]) == 3 and o["clock"] == "cpu"
     assert build(p).optimizer_corun("cpu") == (o["ratio"], o["ranks"])
+    assert load_profile(save_profile(p, tmp_path / "p.json")).devices["cpu"]["optimizer_corun"] == o  # schema
     assert c["ranks"] == min(cpus, 4) and 0.5 < c["fwd"] < 10 and 0.5 < c["bwd"] < 10 and len(c["rounds"]) == 5
     assert c["clock"] == "cpu" and 0 <= c.get("others", 0.0) <= cpus  # timed on CPU time, other programs counted
     assert build(p).corun("cpu") == (c["fwd"], c["bwd"], c["ranks"])

@@ -1,5 +1,5 @@
-"""What CPU ranks sharing a host pay in the step beyond their compute: the optimizer step beside the other
-ranks' steps, priced at the profile's measurement of it."""
+"""What CPU ranks sharing a host pay in the step beyond their compute, each priced at the profile's measurement
+of it: the optimizer step beside the other ranks' steps, and the messages that wait for their receive."""
 
 from __future__ import annotations
 
@@ -61,3 +61,56 @@ def test_the_optimizer_step_beside_other_ranks_is_priced_as_measured() -> None:
     # a rank alone on its host: as measured alone
     one = Plan("toy", _host(1), Schedule.GPIPE, 1, (Stage(0, ("d0",), ("n0", "n1")),))
     assert _optimizer_bars(one, g) == pytest.approx([10.0])
+
+
+def _pipe(early_ms: float, cores: int):
+    """Two stages of a 2-rank GPipe at M=2 over a free link: stage 0 forward 1 ms, backward 2; stage 1 forward 3,
+    backward 6; ``early_ms``: what the profile's probe measured a message waiting for its receive takes."""
+    m = 2
+    prof = chain_profile([(1.0 * m, 2.0 * m), (3.0 * m, 6.0 * m)])
+    g = build(replace(prof, devices={"cpu": {"measured": True, "cpus": cores, "process": {
+        "bytes": 1, "recv_cpu_ms": early_ms}}}))
+    plan = Plan("toy", _host(2), Schedule.GPIPE, m, (Stage(0, ("d0",), ("n0",)), Stage(1, ("d1",), ("n1",))))
+    return plan, g
+
+
+def test_a_message_that_waits_for_its_receive_costs_its_rank_cpu_where_no_core_is_spare() -> None:
+    """gpt-mini's interleaved 1F1B, twice 1F1B's messages, most arriving while their receiver still computed,
+    ran 30 ms a step of gloo's threads' CPU on the 2-core VM and 10% slower than its 1F1B. A message that waits
+    ``w`` ms for its receive costs its rank ``min(w, recv_cpu_ms)``; here microbatch 1's activations reach
+    stage 1 at 2 ms, while it computes microbatch 0 until 4: charged there, and only there (stage 0 waits at
+    its receives for the gradients)."""
+    plan, g = _pipe(0.0, 2)
+    assert g.early_receive_ms("cpu") == 0.0
+    base = simulate(plan, g).step_ms
+    plan, g = _pipe(0.5, 2)
+    assert g.early_receive_ms("cpu") == 0.5
+    assert simulate(plan, g).step_ms == pytest.approx(base + 0.5)  # one early message, 0.5 ms of its 2 ms wait
+    plan, g = _pipe(5.0, 2)
+    assert simulate(plan, g).step_ms == pytest.approx(base + 2.0)  # at most the wait
+    plan, g = _pipe(5.0, 4)  # a core to spare runs gloo's threads: nothing charged
+    assert simulate(plan, g).step_ms == pytest.approx(base)
+
+
+@pytest.mark.dist
+def test_the_probe_times_an_early_message_against_one_whose_receive_was_posted() -> None:
+    from hpml_compile.profile.messages import probe_early_receive
+
+    r = probe_early_receive(count=2, wait_ms=5.0, nbytes=64 * 2**10)
+    assert set(r) == {"early_ms", "posted_ms", "recv_cpu_ms", "wait_ms"} and r["wait_ms"] == 5.0
+    assert r["early_ms"] >= 0 and r["posted_ms"] >= 0
+    assert r["recv_cpu_ms"] == pytest.approx(max(0.0, r["early_ms"] - r["posted_ms"]), abs=1e-3)
+
+
+def test_the_host_cache_carries_the_early_receive_figure_to_the_cost_graph(tmp_path, monkeypatch) -> None:
+    from hpml_compile.profile.process import host_key, remember, this_host, with_process
+    from hpml_compile.profile.timing import host_facts
+
+    monkeypatch.setenv("HPML_HOST_CACHE", str(tmp_path / "host.json"))
+    key = host_key(host_facts())
+    remember(key, "runtime_baseline", {"bytes": 123, "step_ms": 0.5, "source": "a probe"})
+    assert "recv_cpu_ms" not in this_host(log=lambda _l: None, measure=False)["process"]  # the API probes nothing
+    remember(key, "early_receive", {"early_ms": 1.7, "posted_ms": 0.2, "recv_cpu_ms": 1.5, "wait_ms": 20.0})
+    got = this_host(log=lambda _l: None, measure=False)["process"]
+    assert got["recv_cpu_ms"] == 1.5 and got["bytes"] == 123
+    assert build(with_process(chain_profile([{"cpu": (1.0, 1.0)}]), got)).early_receive_ms("cpu") == 1.5
