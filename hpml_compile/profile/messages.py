@@ -20,7 +20,7 @@ Why our own probe: it is gloo's behaviour under this runtime's calls that is pri
 
 Example:
     >>> r = probe_early_receive(count=2, wait_ms=2.0)  # doctest: +SKIP
-    >>> sorted(r)
+    >>> sorted(r)  # doctest: +SKIP
     ['early_ms', 'posted_ms', 'recv_cpu_ms', 'wait_ms']
 """
 
@@ -60,11 +60,13 @@ def _rank(rank: int, world: int, count: int, wait_ms: float, nbytes: int, out: s
             if rank == 0:
                 if mode == "posted":
                     _compute(wait_ms)  # the receiver waits at its receive meanwhile
-                dist.isend(t, 1, tag=i).wait()
+                work = dist.isend(t, 1, tag=i)
             else:
                 if mode == "early":
                     _compute(wait_ms)  # the message arrives while this rank computes
-                dist.irecv(buf, 0, tag=i).wait()
+                work = dist.irecv(buf, 0, tag=i)
+            assert work is not None  # None only for a rank outside the group
+            work.wait()
             p1, m1 = time.process_time(), time.thread_time()
             if i:
                 extra.append(((p1 - p0) - (m1 - m0)) * 1e3)
@@ -99,5 +101,5 @@ def probe_early_receive(count: int = 8, wait_ms: float = 20.0, nbytes: int = 64 
         spawn_ranks(_rank, 2, tmp, count, wait_ms, nbytes, tmp, timeout_s=timeout_s, start_method="fork")
         found = json.loads(Path(tmp, "messages.json").read_text())
     early, posted = float(found["early"]), float(found["posted"])
-    return {"early_ms": round(early, 4), "posted_ms": round(posted, 4), "recv_cpu_ms": round(max(0.0, early - posted), 4),
-            "wait_ms": wait_ms}
+    return {"early_ms": round(early, 4), "posted_ms": round(posted, 4),
+            "recv_cpu_ms": round(max(0.0, early - posted), 4), "wait_ms": wait_ms}
