@@ -75,7 +75,7 @@ def _rank(rank: int, world: int, count: int, wait_ms: float, nbytes: int, out: s
         Path(out, "messages.json").write_text(json.dumps(found))
 
 
-def probe_early_receive(count: int = 8, wait_ms: float = 20.0, nbytes: int = 64 * 2**10,
+def probe_early_receive(count: int = 12, wait_ms: float = 20.0, nbytes: int = 64 * 2**10,
                         timeout_s: float = 60.0) -> dict[str, Any]:
     """The receiving rank's CPU beyond its main thread per message, arriving early and finding its receive posted.
 
