@@ -13,8 +13,8 @@ until they have crossed the link, and a compute starts when its stage is free
 and its receive is done. A message that arrives before its CPU rank reaches
 the receive (the rank still computing) keeps gloo's threads busy there: where
 the host has no core to spare, the rank pays ``min(wait, recv_cpu_ms)`` of the
-profile's probe (:mod:`hpml_compile.profile.messages`). Under ZB-H1 a stage's activations are held until the
-weight-gradient part ends; its share of the backward's compute, and the split's
+profile's probe (:mod:`hpml_compile.profile.messages`). Under ZB-H1 a stage's
+activations are held until the weight-gradient part ends; its share of the backward's compute, and the split's
 own cost per microbatch (the extra walk of the autograd graph), are the
 profile's measurement of each block (:mod:`hpml_compile.profile.split`), or
 where not measured :data:`hpml_compile.stagecost.WEIGHT_SHARE` and nothing (an
