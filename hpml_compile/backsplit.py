@@ -57,13 +57,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["Deferred", "backward_input", "backward_weight", "stage_inputs"]
+if TYPE_CHECKING:
+    from .ir import Profile
+
+__all__ = ["Deferred", "backward_input", "backward_weight", "stage_inputs", "node_split_costs"]
 
 
 def _torch_backward() -> ModuleType:
@@ -212,3 +215,25 @@ def backward_weight(part: Deferred) -> None:
             for h in handles:
                 h.remove()
     part.groups = []
+
+
+def node_split_costs(profile: Profile) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """Per fx node, for the cost graph (:mod:`hpml_compile.costgraph`), ``{kind: (weight_ms, extra_ms, extra_weight_ms)}`` from the profile's measured ZB-H1 split
+    (``devices[kind]["split"]``, :func:`hpml_compile.profile.split.split_facts`): a block's weight share applied to
+    each of its nodes' backward, its extra cost (and that cost's weight share) spread evenly over its nodes. A
+    block runs from its first node to the next block's; the nodes before the first block (placeholders) get
+    zeros."""
+    out: dict[str, dict[str, tuple[float, float, float]]] = {}
+    pos = {n.name: i for i, n in enumerate(profile.nodes)}
+    for kind, facts in profile.devices.items():
+        blocks = [b for b in (facts.get("split") or {}).get("blocks", []) if b[0] in pos]
+        if kind not in profile.device_kinds or not blocks:
+            continue
+        for n in profile.nodes[:pos[blocks[0][0]]]:  # placeholders: no backward of their own
+            out.setdefault(n.name, {})[kind] = (0.0, 0.0, 0.0)
+        starts = [pos[b[0]] for b in blocks] + [len(profile.nodes)]
+        for (_, share, extra), lo, hi in zip(blocks, starts, starts[1:]):
+            for n in profile.nodes[lo:hi]:
+                each = float(extra) / (hi - lo)
+                out.setdefault(n.name, {})[kind] = (float(share) * n.cost[kind].bwd_ms, each, float(share) * each)
+    return out

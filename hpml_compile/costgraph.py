@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
+from .backsplit import node_split_costs
 from .ir import CostGraphNode, NodeOp, Profile, base_kind
 from .memory import process_bytes
 from .tp import TP_DEGREES, ShardPart, TensorParallel, analyze as analyze_tp
@@ -131,6 +132,13 @@ class CostGraph:
             node's ``shard`` attribute sums what of its members a degree divides.
         compiled: the kinds whose costs are of stages that run compiled (the profile's blocks timed compiled,
             :mod:`hpml_compile.profile.compiled`); empty: every cost is of eager stages.
+        optimizer_coruns: per measured CPU kind, ``(slow-down, ranks)``: how much slower its optimizer step ran
+            while ``ranks`` processes stepped theirs at once on the host
+            (:func:`hpml_compile.profile.optcorun.time_optimizer_corun`; empty: not measured, and the step stretches
+            by the host's memory bandwidth as any streaming does).
+        early_receives: per measured CPU kind, the ms of CPU a pipeline message that arrived before its receive
+            was posted takes from its receiving rank (``devices[kind]["process"]["recv_cpu_ms"]``,
+            :func:`hpml_compile.profile.messages.probe_early_receive`; empty: not measured, and not charged).
     """
 
     graph: nx.DiGraph
@@ -153,6 +161,8 @@ class CostGraph:
     meetings: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     fitted: Mapping[str, float] = field(default_factory=dict)
     compiled: frozenset[str] = frozenset()
+    optimizer_coruns: Mapping[str, tuple[float, int]] = field(default_factory=dict)
+    early_receives: Mapping[str, float] = field(default_factory=dict)
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -195,10 +205,7 @@ class CostGraph:
             kept = {t: p for t, p in attrs.get("shard", {}).items() if t <= max_tp}
             q.add_node(n, **{k: v for k, v in attrs.items() if k != "shard"}, **({"shard": kept} if kept else {}))
         q.add_edges_from(self.graph.edges(data=True))
-        return CostGraph(q, self.order, self.kinds, self.model, self.batch_size, self.optimizer_ms,
-                         self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
-                         self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only,
-                         self.agreements, self.skews, self.meetings, self.fitted, self.compiled)
+        return replace(self, graph=q)  # every other field kept, the node records made afresh
 
     def tp_degrees(self) -> tuple[int, ...]:
         """The tensor-parallel degrees above 1 at which some node of the graph shards (empty: none)."""
@@ -212,6 +219,16 @@ class CostGraph:
         """``(forward, backward, ranks)`` slow-down of ``kind``'s compute with ``ranks`` processes computing on its
         host (its base kind for a variant); None: not measured."""
         return self.coruns.get(kind, self.coruns.get(base_kind(kind)))
+
+    def optimizer_corun(self, kind: str) -> tuple[float, int] | None:
+        """``(slow-down, ranks)`` of ``kind``'s optimizer step with ``ranks`` processes stepping on its host (its base
+        kind for a variant); None: not measured."""
+        return self.optimizer_coruns.get(kind, self.optimizer_coruns.get(base_kind(kind)))
+
+    def early_receive_ms(self, kind: str) -> float:
+        """CPU ms a message that waited for its receive takes from a receiving rank of ``kind`` (its base kind for a
+        variant); 0: not measured."""
+        return self.early_receives.get(kind, self.early_receives.get(base_kind(kind), 0.0))
 
     def process_bytes(self, kind: str, stage_param_bytes: Any, replicas: int = 1, zero: int = 0) -> Any:
         """Bytes a rank of ``kind`` holds besides its stage's tensors (:func:`hpml_compile.memory.process_bytes`: the
@@ -375,10 +392,7 @@ class CostGraph:
             e["tensors"] = e["tensors"] and data["tensors"]
         for _, _, e in q.edges(data=True):
             e["bytes"] = sum(e["producers"].values())
-        return CostGraph(q, tuple(names), self.kinds, self.model, self.batch_size, self.optimizer_ms,
-                         self.param_sizes, self.streams, self.cores, self.coruns, self.flat_steps,
-                         self.tensor_parallel, self.processes, self.bookkeeping, self.stage_only,
-                         self.agreements, self.skews, self.meetings, self.fitted, self.compiled)
+        return replace(self, graph=q, order=tuple(names))
 
     def cut_bytes(self, before: Iterable[str]) -> int:
         """Bytes crossing from the node set ``before`` to the rest; a tensor read by
@@ -494,26 +508,15 @@ def _merge_attrs(nodes: list[dict[str, Any]], kinds: tuple[str, ...]) -> dict[st
     return out
 
 
-def _split_parts(profile: Profile) -> dict[str, dict[str, tuple[float, float, float]]]:
-    """Per fx node, ``{kind: (weight_ms, extra_ms, extra_weight_ms)}`` from the profile's measured ZB-H1 split
-    (``devices[kind]["split"]``, :func:`hpml_compile.profile.split.split_facts`): a block's weight share applied to
-    each of its nodes' backward, its extra cost (and that cost's weight share) spread evenly over its nodes. A
-    block runs from its first node to the next block's; the nodes before the first block (placeholders) get
-    zeros."""
-    out: dict[str, dict[str, tuple[float, float, float]]] = {}
-    pos = {n.name: i for i, n in enumerate(profile.nodes)}
-    for kind, facts in profile.devices.items():
-        blocks = [b for b in (facts.get("split") or {}).get("blocks", []) if b[0] in pos]
-        if kind not in profile.device_kinds or not blocks:
-            continue
-        for n in profile.nodes[:pos[blocks[0][0]]]:  # placeholders: no backward of their own
-            out.setdefault(n.name, {})[kind] = (0.0, 0.0, 0.0)
-        starts = [pos[b[0]] for b in blocks] + [len(profile.nodes)]
-        for (_, share, extra), lo, hi in zip(blocks, starts, starts[1:]):
-            for n in profile.nodes[lo:hi]:
-                each = float(extra) / (hi - lo)
-                out.setdefault(n.name, {})[kind] = (float(share) * n.cost[kind].bwd_ms, each, float(share) * each)
-    return out
+def _fitted_pair(probes: dict[str, Any], name: str) -> dict[str, tuple[float, float]]:
+    """Per kind, a host probe's ``<name>_ms`` and its slope ``<name>_per_ms`` (0 where not fitted)."""
+    return {k: (float(x[f"{name}_ms"]), float(x.get(f"{name}_per_ms", 0.0))) for k, x in probes.items()
+            if isinstance(x.get(f"{name}_ms"), (int, float))}
+
+
+def _figure(probes: dict[str, Any], key: str) -> dict[str, float]:
+    """Per kind, a host probe's figure ``key``, where it has one."""
+    return {k: float(x[key]) for k, x in probes.items() if isinstance(x.get(key), (int, float))}
 
 
 def build(profile: Profile, compiled: bool = False) -> CostGraph:
@@ -542,7 +545,7 @@ def build(profile: Profile, compiled: bool = False) -> CostGraph:
     g = nx.DiGraph()
     tensor_out: dict[str, bool] = {}
     tp = analyze_tp(profile)
-    split = _split_parts(profile)
+    split = node_split_costs(profile)
     for n in profile.nodes:
         parts = {t: part for t in TP_DEGREES if (part := tp.part(n, t, kinds)) is not None}
         g.add_node(
@@ -566,6 +569,9 @@ def build(profile: Profile, compiled: bool = False) -> CostGraph:
     cores = {k: int(d["cpus"]) for k, d in profile.devices.items() if isinstance(d.get("cpus"), int) and d["cpus"] > 0}
     coruns = {k: (float(c["fwd"]), float(c["bwd"]), int(c["ranks"])) for k, d in profile.devices.items()
               if isinstance(c := d.get("corun"), dict) and {"fwd", "bwd", "ranks"} <= set(c) and int(c["ranks"]) > 1}
+    optimizer_coruns = {k: (float(c["ratio"]), int(c["ranks"])) for k, d in profile.devices.items()
+                        if isinstance(c := d.get("optimizer_corun"), dict) and {"ratio", "ranks"} <= set(c)
+                        and int(c["ranks"]) > 1}
     flat_steps = {k: float(d["optimizer_flat_ms"]) / profile.optimizer_ms[k] for k, d in profile.devices.items()
                   if d.get("optimizer_flat_ms") and profile.optimizer_ms.get(k)}
     processes = {k: int(d["process"]["bytes"]) for k, d in profile.devices.items()
@@ -574,16 +580,11 @@ def build(profile: Profile, compiled: bool = False) -> CostGraph:
                    for k, d in profile.devices.items()
                    if isinstance(d.get("process"), dict) and isinstance(d["process"].get("step_ms"), (int, float))}
     probes = {k: d["process"] for k, d in profile.devices.items() if isinstance(d.get("process"), dict)}
-    agreements = {k: (float(x["agree_ms"]), float(x.get("agree_per_ms", 0.0))) for k, x in probes.items()
-                  if isinstance(x.get("agree_ms"), (int, float))}
-    meetings = {k: (float(x["meet_ms"]), float(x.get("meet_per_ms", 0.0))) for k, x in probes.items()
-                if isinstance(x.get("meet_ms"), (int, float))}
-    skews = {k: (float(x["skew_ms"]), float(x.get("skew_per_ms", 0.0))) for k, x in probes.items()
-             if isinstance(x.get("skew_ms"), (int, float))}
-    fitted = {k: float(x["fit_compute_ms"]) for k, x in probes.items()
-              if isinstance(x.get("fit_compute_ms"), (int, float))}
+    agreements, meetings, skews = (_fitted_pair(probes, name) for name in ("agree", "meet", "skew"))
+    fitted, early_receives = (_figure(probes, key) for key in ("fit_compute_ms", "recv_cpu_ms"))
     stage_only = frozenset(k for k, d in profile.devices.items()
                            if isinstance(d.get("process"), dict) and d["process"].get("stage_only"))
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
                      dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns, flat_steps, tp,
-                     processes, bookkeeping, stage_only, agreements, skews, meetings, fitted, fast)
+                     processes, bookkeeping, stage_only, agreements, skews, meetings, fitted, fast,
+                     optimizer_coruns, early_receives)

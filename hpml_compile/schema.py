@@ -104,7 +104,7 @@ _DEVICE_INFO = {
         "process": {"type": "object", "required": ["bytes"],
                     "properties": {"bytes": _INT, "step_ms": _NUM, "executor_ms": _NUM, "agree_ms": _NUM, "agree_per_ms": _NUM,
                                    "meet_ms": _NUM, "meet_per_ms": _NUM, "skew_ms": _NUM, "fit_compute_ms": _NUM,
-                                   "skew_per_ms": _NUM, "source": _STR,
+                                   "skew_per_ms": _NUM, "source": _STR, "recv_cpu_ms": _NUM,
                                    "stage_only": {"type": "boolean"}}, "additionalProperties": False},
         "host_stream_gbps": _NUM,
         "stream_threads": _INT,
@@ -125,6 +125,12 @@ _DEVICE_INFO = {
                                  "rounds": {"type": "array", "items": {"type": "array", "items": _NUM}},
                                  "clock": _STR, "others": _NUM, "skipped": _STR},
                   "additionalProperties": False},
+        # the optimizer step's slow-down while other processes step theirs (profile.optcorun.time_optimizer_corun)
+        "optimizer_corun": {"type": "object",
+                            "properties": {"ratio": _NUM, "ranks": {"type": "integer", "minimum": 2},
+                                           "rounds": {"type": "array", "items": _NUM}, "clock": _STR,
+                                           "others": _NUM, "skipped": _STR},
+                            "additionalProperties": False},
         # the blocks timed compiled by torch.compile (profile/compiled.py): how, and which fell back to eager
         "compiled": {"type": "object",
                      "properties": {"blocks": _INT, "distinct": _INT, "compile_s": _NUM, "call_fwd_ms": _NUM,

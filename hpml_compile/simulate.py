@@ -10,8 +10,11 @@ then one forward one backward, then the remaining backwards; ZB-H1, Qi et al.
 for, and a weight-gradient part that only its own stage does, later): a
 ``SEND`` posts its values when the compute before it ends, a ``RECV`` waits
 until they have crossed the link, and a compute starts when its stage is free
-and its receive is done. Under ZB-H1 a stage's activations are held until the
-weight-gradient part ends; its share of the backward's compute, and the split's
+and its receive is done. A message that arrives before its CPU rank reaches
+the receive (the rank still computing) keeps gloo's threads busy there: where
+the host has no core to spare, the rank pays ``min(wait, recv_cpu_ms)`` of the
+profile's probe (:mod:`hpml_compile.profile.messages`). Under ZB-H1 a stage's
+activations are held until the weight-gradient part ends; its share of the backward's compute, and the split's
 own cost per microbatch (the extra walk of the autograd graph), are the
 profile's measurement of each block (:mod:`hpml_compile.profile.split`), or
 where not measured :data:`hpml_compile.stagecost.WEIGHT_SHARE` and nothing (an
@@ -99,6 +102,11 @@ solvers' candidate table prices candidates with. Approximations, stated once:
   time with the stretches of the previous timeline. Without measured rates (a
   GPU, an old profile), nothing stretches and the copies go at the catalog's
   memory bandwidth.
+  Where the profile measured the optimizer step while other processes
+  stepped theirs (:func:`hpml_compile.profile.optcorun.time_optimizer_corun`:
+  an AdamW step is several kernels, not a pure copy, and shares less than
+  the stream rates say), the step stretches by that instead, times the cores'
+  share below.
 - CPU ranks of one host share its cores: each host is taken to have the
   logical CPUs of the host the profile was taken on (``profile.devices[kind]
   ["cpus"]``). While ``k`` of a host's ranks are busy at once on ``c`` cores,
@@ -203,6 +211,8 @@ class StageCost:
             its own where the stage recomputes; 0 otherwise).
         together_ms: the transfer part of ``sync_ms`` that the runtime issues together with the members' meeting
             (:func:`issued_with_meeting_ms`; 0 where the transfer follows the meeting).
+        early_recv_ms: the most CPU a message that arrived before this stage's rank posted its receive takes from
+            the rank (:func:`_early_receive_ms`; 0: none charged).
     """
 
     fwd_ms: float
@@ -222,6 +232,7 @@ class StageCost:
     returns: tuple[tuple[int, float], ...] = ()
     weight_ms: float = 0.0
     together_ms: float = 0.0
+    early_recv_ms: float = 0.0
 
     @property
     def back(self) -> tuple[tuple[int, float], ...]:
@@ -487,8 +498,22 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
         out.append(StageCost(fwd, bwd, fwd if st.recompute else 0.0, swap_ms, tuple(send_ms), sync - gather + copy,
                              max(mems, key=lambda b: b.total), opt_ms, fwd_stream, bwd_stream, copy,
                              tuple(mems), tuple(own), gather, tuple(back_ms) if back_ms != send_ms else (), weight,
-                             issued_with_meeting_ms(plan, st, params * _wire(plan, st, dtype), group)))
+                             issued_with_meeting_ms(plan, st, params * _wire(plan, st, dtype), group),
+                             _early_receive_ms(plan, graph, st)))
     return _chunk_memory(plan, out) if plan.chunks > 1 else tuple(out)
+
+
+def _early_receive_ms(plan: Plan, graph: CostGraph, st: Stage) -> float:
+    """The most CPU a message that waited for its receive takes from a rank of ``st`` (a message waiting ``w`` ms
+    takes ``min(w, this)``; :func:`hpml_compile.profile.messages.probe_early_receive`): where the stage's host has
+    no core to spare (the plan's CPU ranks there at least its cores), else 0 (another core runs gloo's threads)."""
+    dev = plan.cluster.device(st.devices[0])
+    cores = graph.host_cores(dev.kind) if dev.is_cpu else None
+    if not cores:
+        return 0.0
+    ranks = {d for s in plan.stages for d in s.devices
+             if plan.cluster.device(d).is_cpu and plan.cluster.device(d).host == dev.host}
+    return graph.early_receive_ms(dev.kind) if len(ranks) >= cores else 0.0
 
 
 def _chunk_memory(plan: Plan, costs: list[StageCost]) -> tuple[StageCost, ...]:
@@ -631,6 +656,9 @@ class _Replay:
             if t is None:
                 return False
             self.arrived[(phase, i, k)] = t
+            g = i % self.groups
+            if t < self.free[g]:  # it waited for the rank to post its receive: gloo's threads took CPU meanwhile
+                self.free[g] += min(self.free[g] - t, cst.early_recv_ms)
         elif a.kind is ActionKind.SEND:
             phase = FWD if a.stages[1] > i else BWD
             t = self.done[(phase, i, k)][1]
@@ -719,6 +747,7 @@ class _HostShare:
         self.rates: dict[str, tuple[float, float]] = {}
         self.cores: dict[str, int] = {}
         self.coruns: dict[str, tuple[float, float, int]] = {}
+        self.opt_coruns: dict[str, tuple[float, int]] = {}
         for st in plan.stages:
             here: dict[str, int] = {}
             for name in st.devices:
@@ -730,15 +759,17 @@ class _HostShare:
                     self.rates[dev.host] = rates
                 if corun:
                     self.coruns[dev.host] = corun
+                if opt := graph.optimizer_corun(dev.kind):
+                    self.opt_coruns[dev.host] = opt
                 if cores:
                     self.cores[dev.host] = cores
-                if dev.host in self.rates or dev.host in self.cores:
+                if dev.host in self.rates or dev.host in self.cores or dev.host in self.opt_coruns:
                     here[dev.host] = here.get(dev.host, 0) + 1
             self.ranks.append(here)
-        self.hosts = sorted(set(self.rates) | set(self.cores) | set(self.coruns))
+        self.hosts = sorted(set(self.rates) | set(self.cores) | set(self.coruns) | set(self.opt_coruns))
         first = self.ranks[:len(plan.stages) // plan.chunks]  # interleaved 1F1B: a group's ranks hold several
         total = {h: sum(r.get(h, 0) for r in first) for h in self.hosts}
-        self.active = any(((h in self.rates or h in self.coruns) and total[h] > 1)
+        self.active = any(((h in self.rates or h in self.coruns or h in self.opt_coruns) and total[h] > 1)
                           or total[h] > self.cores.get(h, total[h]) for h in self.hosts)
 
     def load(self, busy: list[list[tuple[float, float]]]) -> dict[str, tuple[list[float], list[int]]]:
@@ -793,6 +824,25 @@ class _HostShare:
             if host in self.cores:
                 cores = self.cores[host]
                 worst = max(worst, self._mean(start, end, load[host], lambda c: max(1.0, c / cores)))
+        return worst
+
+    def optimizer_factor(self, i: int, start: float, end: float,
+                         load: dict[str, tuple[list[float], list[int]]]) -> float:
+        """Mean slow-down of stage ``i``'s optimizer step over ``[start, end]``, the worst of its hosts: where the
+        profile measured the step beside other ranks' steps (``x`` with ``n`` processes), ``1 + (x - 1) (c - 1) /
+        (n - 1)`` while ``c`` ranks step (``c`` at most ``n``), times the cores' share while more ranks step
+        than the host has cores (a core's turns, then the memory its running ranks share); elsewhere as any
+        streaming work (:meth:`factor`)."""
+        if end <= start or not self.ranks[i]:
+            return 1.0
+        if not all(h in self.opt_coruns for h in self.ranks[i]):
+            return self.factor(i, start, end, load)
+        worst = 1.0
+        for host in self.ranks[i]:
+            x, n = self.opt_coruns[host]
+            cores = self.cores.get(host)
+            worst = max(worst, self._mean(start, end, load[host], lambda c: (
+                1.0 + (x - 1.0) * (min(max(c, 1), n) - 1) / (n - 1)) * (max(1.0, c / cores) if cores else 1.0)))
         return worst
 
 
@@ -881,7 +931,7 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
     # a rank holding several stages (interleaved 1F1B) steps them one after another, not side by side
     opt_at = [begin + b for b in _before(plan, [cst.optimizer_ms for cst in costs])]
     load = share.load([[(t, t + cst.optimizer_ms)] for t, cst in zip(opt_at, costs)]) if share.active else {}
-    optim = [cst.optimizer_ms * (share.factor(i, t, t + cst.optimizer_ms, load) if share.active else 1.0)
+    optim = [cst.optimizer_ms * (share.optimizer_factor(i, t, t + cst.optimizer_ms, load) if share.active else 1.0)
              for i, (t, cst) in enumerate(zip(opt_at, costs))]
     # ZeRO-1/2's parameter all-gather follows each stage's own optimizer step where it is not prefetched; a rank
     # holding several stages (interleaved 1F1B) steps them one after another

@@ -38,6 +38,7 @@ from ..precision import autocast
 from ..schema import read_json, write_json_atomic
 from ..trace import node_info, trace
 from .compiled import compiled_costs
+from .optcorun import time_optimizer_corun
 from .split import split_facts
 from .static import NodeFacts, Segment, analyze, segments
 from .timing import (host_facts, measure, slice_rows, time_corun, time_optimizer, time_segments, time_streams,
@@ -393,8 +394,10 @@ def profile(
             dtype (:mod:`hpml_compile.precision`). Recorded in the profile.
         corun: on a CPU of several cores, also time the blocks while forked
             processes run them on the other cores (``devices.cpu.corun``,
-            :func:`.timing.time_corun`), which the simulator then prices CPU
-            ranks computing at once by. Off by default: on the 2-core
+            :func:`.timing.time_corun`), and the optimizer step while they step
+            theirs (``devices.cpu.optimizer_corun``,
+            :func:`.optcorun.time_optimizer_corun`), which the simulator then
+            prices CPU ranks computing (stepping) at once by. Off by default: on the 2-core
             development VM that slow-down swung from 1.0x to 1.7x between
             minutes, so two profiles of one model disagreed more with it, and
             the prediction benchmark moved by at most a point.
@@ -479,6 +482,22 @@ def _corun(gm: fx.GraphModule, inputs: Sequence[Any], device: torch.device) -> d
         return {"skipped": f"{type(e).__name__}: {e}"}
 
 
+
+def _optimizer_corun(params: list[torch.Tensor], make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+                     ) -> dict[str, Any]:
+    """The optimizer step's slow-down while the host's other cores step theirs too
+    (:func:`.optcorun.time_optimizer_corun`), as many processes as :func:`_corun` uses; ``{"skipped": why}``
+    where not measured."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    neighbours = min(cpus, _CORUN_RANKS) - 1
+    if neighbours < 1:
+        return {"skipped": "one CPU"}
+    try:
+        return time_optimizer_corun(params, make, neighbours=neighbours)
+    except Exception as e:  # noqa: BLE001 -- an optimizer the copies cannot build: the plan stays without it
+        return {"skipped": f"{type(e).__name__}: {e}"}
+
+
 def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tensor, name: str | None,
              device_kinds: Sequence[str], batch_size: int | None, seq_len: int | None, repeats: int, warmup: int,
              leaf_modules: Sequence[type | str], front_end: FrontEnd | str, progress: bool,
@@ -523,6 +542,8 @@ def _profile(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tenso
                     # a ZeRO shard is one flat tensor: its step without the per-tensor work (costgraph)
                     devices[kind]["optimizer_flat_ms"] = round(time_optimizer(
                         _unique_params(gm), present[kind], make_opt, repeats, warmup, flat=True), 4)
+                    if corun and present[kind].type == "cpu":  # beside the host's other ranks' steps
+                        devices[kind]["optimizer_corun"] = _optimizer_corun(_unique_params(gm), make_opt)
     nodes = _nodes(gm, facts, measured, precision, compiled_costs_of)
     prof = Profile(
         model=name or type(model).__name__, batch_size=batch_size or b, seq_len=seq_len if seq_len else s,

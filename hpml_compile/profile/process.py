@@ -416,6 +416,8 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
                 remember(key, "runtime_baseline", out["process"])
     except HpmlError as e:
         log(f"  {e}")
+    if "process" in out and "step_ms" in out["process"] and "recv_cpu_ms" not in out["process"]:  # a probe's entry
+        out["process"] = {**out["process"], **_early_receive(key, measure, keep, refresh, log)}
     if "process" in out:
         extra = out["process"].get("step_ms")
         inner = out["process"].get("executor_ms")
@@ -429,6 +431,30 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
                if agree is not None and skew is not None else "")
             + f" ({out['process']['source']})")
     return out
+
+
+def _early_receive(key: str, measure: bool, store: bool, refresh: bool, log: Callable[[str], None]
+                   ) -> dict[str, float]:
+    """``{"recv_cpu_ms": ...}``: the CPU a pipeline message that arrived before its receive takes from its CPU
+    rank (:func:`hpml_compile.profile.messages.probe_early_receive`), cached per host (probed only where
+    ``measure``, stored only where ``store``); empty where not known (the simulator then charges nothing)."""
+    from .messages import probe_early_receive
+
+    hit = None if refresh else cached(key, "early_receive")
+    if hit is not None and isinstance(hit.get("recv_cpu_ms"), (int, float)):
+        return {"recv_cpu_ms": float(hit["recv_cpu_ms"])}
+    if not measure:
+        return {}
+    try:
+        found = probe_early_receive(nbytes=256 * 2**10)
+    except Exception as e:  # noqa: BLE001 -- a probe that cannot run here: the plan goes without its figure
+        log(f"  the early-receive probe failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        return {}
+    log(f"  a pipeline message that waits {found['wait_ms']:g} ms for its receive takes {found['recv_cpu_ms']:.2f} "
+        "ms of its CPU rank's time (gloo's threads)")
+    if store:
+        remember(key, "early_receive", found)
+    return {"recv_cpu_ms": found["recv_cpu_ms"]}
 
 
 def older_link(link: Mapping[str, Any]) -> bool:
@@ -466,7 +492,7 @@ def with_process(prof: Profile, process: Mapping[str, Any]) -> Profile:
     devices = {k: dict(v) for k, v in prof.devices.items()}
     devices.setdefault("cpu", {})["process"] = {
         "bytes": int(process["bytes"]), "source": str(process.get("source", "")),
-        **{k: float(process[k]) for k in ("step_ms", "executor_ms", *FIGURES)
+        **{k: float(process[k]) for k in ("step_ms", "executor_ms", "recv_cpu_ms", *FIGURES)
            if isinstance(process.get(k), (int, float))},
         **({"stage_only": True} if process.get("stage_only") else {})}
     return replace(prof, devices=devices)

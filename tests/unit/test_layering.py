@@ -48,7 +48,7 @@ CHAIN = {"profile", "costgraph", "solve", "codegen"}
 # The runtime's rooms, bottom first: a room imports its own and the ones before it.
 ROOMS = ["sync", "observe", "execute", "job"]
 # Modules whose layer is not their top component's.
-MODULE_KIND = {"hpml_compile.profile.links": "runtime"}
+MODULE_KIND = {"hpml_compile.profile.links": "runtime", "hpml_compile.profile.messages": "runtime"}  # they start ranks
 
 
 def _imports(path: Path) -> set[str]:

@@ -303,17 +303,19 @@ def test_time_segments_runs_the_blocks_in_sequence_and_leaves_the_model_alone() 
     assert all(p.grad is grads[name] for name, p in gm.named_parameters())
 
 
-def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Profile) -> None:
+def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Profile, tmp_path: Path) -> None:
     """CPU ranks of a host compute at once and share its cache and bandwidth, which a
     profile timing the blocks alone does not see. Asked to (``corun=True``), the profile times them again while
     forked processes run them on the other cores (each on its own copy of the parameters) and records the
-    slow-down, which the cost graph carries to the simulator; every neighbour is gone afterwards."""
+    slow-down, and the optimizer step's beside their steps, which the cost graph carries to the simulator; every
+    neighbour is gone afterwards."""
     import os
 
     import psutil
 
     from hpml_compile.costgraph import build
     from hpml_compile.profile.static import segments
+    from hpml_compile.profile.optcorun import time_optimizer_corun
     from hpml_compile.profile.timing import time_corun
     from hpml_compile.trace import trace
 
@@ -323,9 +325,13 @@ def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Pro
     p = profile(m.module, m.example_inputs, name="gpt-tiny", repeats=3, warmup=1, progress=False, corun=True)
     cpus = len(os.sched_getaffinity(0))
     c = p.devices["cpu"]["corun"]
+    o = p.devices["cpu"]["optimizer_corun"]  # the optimizer step beside the neighbours' steps too
     if cpus < 2:
-        assert c == {"skipped": "one CPU"}
+        assert c == {"skipped": "one CPU"} and o == {"skipped": "one CPU"}
         return
+    assert o["ranks"] == c["ranks"] and 0.5 < o["ratio"] < 10 and len(o["rounds"]) == 3 and o["clock"] == "cpu"
+    assert build(p).optimizer_corun("cpu") == (o["ratio"], o["ranks"])
+    assert load_profile(save_profile(p, tmp_path / "p.json")).devices["cpu"]["optimizer_corun"] == o  # schema
     assert c["ranks"] == min(cpus, 4) and 0.5 < c["fwd"] < 10 and 0.5 < c["bwd"] < 10 and len(c["rounds"]) == 5
     assert c["clock"] == "cpu" and 0 <= c.get("others", 0.0) <= cpus  # timed on CPU time, other programs counted
     assert build(p).corun("cpu") == (c["fwd"], c["bwd"], c["ranks"])
@@ -339,6 +345,12 @@ def test_the_blocks_are_timed_beside_busy_cores_and_no_process_is_left(tiny: Pro
     assert slow["skipped"].startswith("a neighbour process did not start")
     assert {c.pid for c in psutil.Process().children(recursive=True)} <= others  # no neighbour left
     assert all(torch.equal(p, before[n]) for n, p in gm.named_parameters())  # the model is left alone
+    params = list(gm.parameters())
+    assert time_optimizer_corun(params, neighbours=0) == {"skipped": "no other core"}
+    late = time_optimizer_corun(params, neighbours=1, start_timeout_s=1e-9)
+    assert late["skipped"].startswith("a neighbour process did not start")
+    assert {c.pid for c in psutil.Process().children(recursive=True)} <= others
+    assert all(torch.equal(p, before[n]) for n, p in gm.named_parameters())  # stepped on copies
 
 
 def test_a_scale_outside_the_expected_range_is_measured_again_then_believed(monkeypatch: pytest.MonkeyPatch,
