@@ -120,7 +120,7 @@ def test_a_rank_that_keeps_hanging_is_retried_then_dropped(tiny3: Path, tmp_path
 
 
 # A rank slowed 3x is re-planned within 20 steps, moving work off its device: notebooks/03_closed_loop.ipynb runs
-# exactly that run (gpt-mini on 3 ranks, --slow 1:3:8, 45 steps) and asserts it (tests/unit/test_notebooks.py);
+# exactly that run (gpt-mini on 3 ranks, --slow 1:3:8, 32 steps) and asserts it (tests/unit/test_notebooks.py);
 # the same run here cost the suite another 80-130 s.
 
 
