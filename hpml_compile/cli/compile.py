@@ -71,6 +71,13 @@ def add_parsers(subparsers: Any) -> None:
                         "(the default)")
     p.add_argument("--no-measure-links", dest="measure_links", action="store_false",
                    help="plan with the catalog's link, and count only the tensors of a CPU rank")
+    p.add_argument("--corun", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time the blocks while forked processes run them on this host's other cores (the "
+                        "slow-down of CPU ranks that share its caches and memory bandwidth, which the plan's "
+                        "predicted times include), dozens of forward and backward passes at the microbatch's "
+                        "rows. Default: when the cluster puts two or more CPU ranks on this host; --no-corun "
+                        "plans without it (a plan whose predicted times do not matter, or a model too large to "
+                        "time so often)")
     p.add_argument("--compile-stages", choices=list(COMPILE_STAGES), default="auto", dest="compile_stages",
                    help="how the stages will run, recorded in the build (`run` follows it): compiled by "
                         "torch.compile (inductor) on CUDA devices, not on CPUs (auto, the default), always (on: "
@@ -143,7 +150,8 @@ def run_compile(args: argparse.Namespace) -> int:
             prof_opts=driver.ProfileOptions(repeats=args.repeats, warmup=args.warmup, batch_size=loaded.batch_size,
                                             seq_len=loaded.seq_len, leaf_modules=args.leaf,
                                             front_end=args.front_end, input_names=loaded.input_names,
-                                            link=link, process=process, compiled=timed))
+                                            link=link, process=process, compiled=timed,
+                                            corun=args.corun))
     finally:
         torch.set_num_threads(before)
     plan = build.plan

@@ -14,6 +14,7 @@ import argparse
 import ast
 import copy
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -310,6 +311,8 @@ def test_compile_cli_writes_a_loadable_build(cases: dict[str, Case], tmp_path: P
     assert "2 stages, 2 microbatches" in capsys.readouterr().out
     names = {p.name for p in (tmp_path / "b").iterdir()}
     assert {"stage_0.py", "stage_1.py", "plan.json", "profile.json", "manifest.json", "graph.txt"} <= names
+    if len(os.sched_getaffinity(0)) >= 2:  # two CPU ranks on this host: their co-run slow-down is timed by default
+        assert "corun" in json.loads((tmp_path / "b" / "profile.json").read_text())["devices"]["cpu"]
     loaded = models.load("mlp-tiny")
     build = load_build(tmp_path / "b", loaded.module)
     result = step_local(build, loaded.example_inputs, loaded.example_targets, loaded.loss_fn)
