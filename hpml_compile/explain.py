@@ -318,7 +318,9 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
         lines.append(f"  loss agreement: one 32-byte all-reduce over the {ranks} ranks before the optimizer steps, "
                      f"{result.agree_ms:.3g} ms" + (" (as two ranks of this host measured it)" if measured else ""))
     elif agreement_rides(plan) and any(c.sync_ms > 0 for c in result.stages):
-        lines.append("  loss agreement: its 32 bytes ride the gradient sync's meeting (the ranks meet once a step)")
+        lines.append("  loss agreement: its 32 bytes ride the gradient sync, summed with the gradients as one float64 "
+                     "all-reduce (the ranks meet once a step)" if any(c.ride_in_ms > 0 for c in result.stages) else
+                     "  loss agreement: its 32 bytes ride the gradient sync's meeting (the ranks meet once a step)")
     for k, wait in enumerate(result.skew_ms):  # replicas reach the sync apart: the step waits for the latest
         if wait > 0:
             lines.append(f"  stage {k} waits {wait:.3g} ms a step for its latest replica before its gradient sync, and "

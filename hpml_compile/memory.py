@@ -17,7 +17,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["ZeroStage", "MemoryBreakdown", "process_bytes", "tied_shm_bytes", "SHM_SLOT_BYTES", "SHM_DIRECT_BYTES", "dtype_bytes", "compute_bytes", "GiB", "tied_elsewhere", "tied_shared",
+__all__ = ["ZeroStage", "MemoryBreakdown", "process_bytes", "tied_shm_bytes", "SHM_SLOT_BYTES", "SHM_DIRECT_BYTES",
+           "RIDE_IN_BYTES", "dtype_bytes", "compute_bytes", "GiB", "tied_elsewhere", "tied_shared",
            "autocast_copy_bytes", "bucket_ranges", "FIRST_BUCKET_BYTES", "BUCKET_BYTES"]
 
 GiB = 2**30
@@ -130,6 +131,10 @@ SHM_SLOT_BYTES = 64 << 20
 # An all-reduce of fewer bytes goes through gloo, its meeting issued with it, not through the shared mapping
 # (hpml_compile.runtime.sync.shm.DIRECT_BYTES; hpml_compile.simulate prices the two ways).
 SHM_DIRECT_BYTES = 1 << 20
+# Such an all-reduce and the loss agreement's vector that rides it are summed as ONE float64 all-reduce where the
+# two come to at most this many bytes in float64 (hpml_compile.runtime.sync.comm.DistComm, whose docstring has
+# the measurements; hpml_compile.simulate prices it so).
+RIDE_IN_BYTES = SHM_DIRECT_BYTES // 2
 
 
 def process_bytes(baseline: Any, model_param_bytes: Any, stage_param_bytes: Any, *, replicas: int = 1,

@@ -144,7 +144,8 @@ from .compression import CompressKind, parse_compress, powersgd_fraction
 from .costgraph import CostGraph
 from .errors import PlanError, UnknownDeviceError
 from .ir import Device, Schedule
-from .memory import SHM_DIRECT_BYTES, MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere, tied_shared, tied_shm_bytes
+from .memory import (RIDE_IN_BYTES, SHM_DIRECT_BYTES, MemoryBreakdown, compute_bytes, dtype_bytes, tied_elsewhere,
+                     tied_shared, tied_shm_bytes)
 from .plan import AllReduce, Plan, PlanPrediction, Stage, StagePrediction, sync_overlap, tied_members, zero_shards
 from .interleave import peak_in_flight
 from .schedule import Action, ActionKind, deferral, op_order, stage_lists  # the lowered per-rank action lists
@@ -156,7 +157,7 @@ from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, ev
 __all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "step_ms", "stage_costs", "annotate", "crowded_devices",
            "node_ms",
            "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms", "replica_skew_ms", "replica_meeting_ms",
-           "agreement_rides", "issued_with_meeting_ms", "boundary_copies"]
+           "agreement_rides", "issued_with_meeting_ms", "ride_in_ms", "boundary_copies"]
 
 
 class EventKind(str, enum.Enum):
@@ -213,6 +214,8 @@ class StageCost:
             (:func:`issued_with_meeting_ms`; 0 where the transfer follows the meeting).
         early_recv_ms: the most CPU a message that arrived before this stage's rank posted its receive takes from
             the rank (:func:`_early_receive_ms`; 0: none charged).
+        ride_in_ms: where the runtime sums that transfer and the loss agreement's vector as one float64
+            all-reduce without a meeting (:func:`ride_in_ms`), its price on the link; else 0.
     """
 
     fwd_ms: float
@@ -233,6 +236,7 @@ class StageCost:
     weight_ms: float = 0.0
     together_ms: float = 0.0
     early_recv_ms: float = 0.0
+    ride_in_ms: float = 0.0
 
     @property
     def back(self) -> tuple[tuple[int, float], ...]:
@@ -499,7 +503,7 @@ def stage_costs(plan: Plan, graph: CostGraph, dtype: str = "float32") -> tuple[S
                              max(mems, key=lambda b: b.total), opt_ms, fwd_stream, bwd_stream, copy,
                              tuple(mems), tuple(own), gather, tuple(back_ms) if back_ms != send_ms else (), weight,
                              issued_with_meeting_ms(plan, st, params * _wire(plan, st, dtype), group),
-                             _early_receive_ms(plan, graph, st)))
+                             _early_receive_ms(plan, graph, st), ride_in_ms(plan, st, params, dtype, group)))
     return _chunk_memory(plan, out) if plan.chunks > 1 else tuple(out)
 
 
@@ -1107,7 +1111,8 @@ def issued_with_meeting_ms(plan: Plan, st: Stage, wire_bytes: float, group: cost
     long as the longer (two busy gloo ranks, a 109 KB all-reduce: 1.9 ms one after the other, 0.8 ms issued
     together, the all-reduce alone 1.1 ms). That is ZeRO-0's flat all-reduce after the backward on a gloo group
     whose bytes do not go through the host's shared memory (CPU ranks of one host sum
-    :data:`hpml_compile.memory.SHM_DIRECT_BYTES` and more there, after a barrier). 0.0 elsewhere.
+    :data:`hpml_compile.memory.SHM_DIRECT_BYTES` and more there, after a barrier). 0.0 elsewhere. Where the loss
+    agreement rides it and the two are small, they are one float64 all-reduce instead (:func:`ride_in_ms`).
 
     Args:
         plan: the plan.
@@ -1124,14 +1129,41 @@ def issued_with_meeting_ms(plan: Plan, st: Stage, wire_bytes: float, group: cost
     return float(transfer_ms(cost_models.allreduce_ms, wire_bytes, group, st.replicas))
 
 
+def ride_in_ms(plan: Plan, st: Stage, params: float, dtype: str, group: cost_models.LinkSpec | None
+               ) -> float:
+    """The one float64 all-reduce of the loss agreement's vector and stage ``st``'s gradients, where the runtime
+    sums them so (:meth:`hpml_compile.runtime.sync.comm.DistComm._ride_in`): the agreement rides
+    (:func:`agreement_rides`), the gradients go through gloo issued with the meeting (:func:`issued_with_meeting_ms`)
+    and the two come to at most :data:`hpml_compile.memory.RIDE_IN_BYTES` in float64. 0.0 elsewhere.
+
+    Args:
+        plan: the plan.
+        st: the stage.
+        params: its parameters' bytes.
+        dtype: the parameters' dtype.
+        group: the slowest link between its replicas.
+    """
+    fused = (params / dtype_bytes(dtype) + 4) * 8  # the agreement's four float64 sums, then the gradients
+    if fused > RIDE_IN_BYTES or not agreement_rides(plan) or \
+            issued_with_meeting_ms(plan, st, params * _wire(plan, st, dtype), group) <= 0:
+        return 0.0
+    return float(transfer_ms(cost_models.allreduce_ms, fused, group, st.replicas))
+
+
 def _meeting_ms(plan: Plan, graph: CostGraph, st: Stage, cst: StageCost, compute_ms: float) -> float:
     """What stage ``st``'s meeting adds to its sync's price (:func:`replica_meeting_ms`), less what the transfer
-    issued with it runs meanwhile (:attr:`StageCost.together_ms`): the pair takes the longer of the two."""
+    issued with it runs meanwhile (:attr:`StageCost.together_ms`): the pair takes the longer of the two.
+
+    Where the runtime runs the two as one float64 all-reduce (:attr:`StageCost.ride_in_ms`), there is no meeting:
+    the sync is that collective, at what a collective after the compute costs beyond the link's latency (the
+    measured meeting, :func:`replica_meeting_ms`) plus the link's price of it."""
     extra = replica_meeting_ms(plan, graph, st, compute_ms)
     if cst.together_ms <= 0:
         return extra
     dp = st.dp_groups()[0]
     link = min((link_spec(plan.cluster, dp[0], x) for x in dp[1:]), key=lambda sp: sp.gbps)
+    if cst.ride_in_ms > 0:  # sync_ms priced a meeting and the transfer: one float64 collective instead
+        return extra - meet_ms(st.replicas, link) + cst.ride_in_ms - cst.together_ms
     meeting = meet_ms(st.replicas, link) + extra
     return extra - max(0.0, min(meeting, cst.together_ms))
 

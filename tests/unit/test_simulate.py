@@ -439,7 +439,7 @@ def test_the_ranks_agree_on_the_loss_between_the_sync_and_the_optimizer() -> Non
         pipes[1], g, three)
     assert two.agree_ms == pytest.approx(2 * 0.5, rel=1e-4)  # 2 ceil(log2 2) messages of 0.5 ms
     assert three.agree_ms == pytest.approx(4 * 0.8, rel=1e-4)  # 4 messages, on the slower link
-    assert ridden.agree_ms == 0.0 and "ride the gradient sync's meeting" in summary(rides, g, ridden)
+    assert ridden.agree_ms == 0.0 and "ride the gradient sync" in summary(rides, g, ridden)
     for r in (two, three, ridden):
         sync_end = max((b.end_ms for b in r.intervals if b.kind is EventKind.SYNC), default=0.0)
         last = max(b.end_ms for b in r.intervals if b.kind in (EventKind.FORWARD, EventKind.BACKWARD))
@@ -524,12 +524,40 @@ def test_the_replayed_lists_send_and_receive_as_a_uniform_pipeline_runs(schedule
 
 @pytest.mark.parametrize("param_bytes", [100_000, 4 << 20])
 def test_a_small_all_reduce_issued_with_its_meeting_is_priced_as_the_longer_of_the_two(param_bytes: int) -> None:
-    """Two CPU ranks of one host, ZeRO-0: below the shared mapping's threshold the runtime issues gloo's all-reduce
-    with the meeting's, so the sync takes the longer of the two, not their sum; at or above it, the mapping's
-    barrier comes first and the transfer after (the sum)."""
+    """Two CPU ranks of one host, ZeRO-0, the first of two stages (the loss agreement has its own all-reduce):
+    below the shared mapping's threshold the runtime issues gloo's all-reduce with the meeting's, so the sync
+    takes the longer of the two, not their sum; at or above it, the mapping's barrier comes first and the
+    transfer after (the sum)."""
     from hpml_compile.cluster import link_spec
     from hpml_compile.memory import SHM_DIRECT_BYTES
     from hpml_compile.simulate import issued_with_meeting_ms, stage_costs
+    from hpml_compile.stagecost import meet_ms, transfer_ms
+    import cost_models
+
+    g = _streaming(chain_profile([(2.0, 4.0), (1.0, 1.0)], param_bytes=param_bytes), one=1e9, host=2e9)
+    c = Cluster(devices=(Device("d0", "cpu", 8), Device("d1", "cpu", 8), Device("d2", "cpu", 8)),
+                links=(Link("d0", "d1", 0.5, 300.0), Link("d0", "d2", 0.5, 300.0), Link("d1", "d2", 0.5, 300.0)))
+    plan = _plan(g, c, [(("d0", "d1"), ["n0"]), (("d2",), ["n1"])], 1, Schedule.GPIPE)
+    link = link_spec(c, "d0", "d1")
+    cst = stage_costs(plan, g)[0]
+    transfer = transfer_ms(cost_models.allreduce_ms, param_bytes, link, 2)
+    small = param_bytes < SHM_DIRECT_BYTES
+    assert cst.together_ms == pytest.approx(transfer if small else 0.0) and cst.ride_in_ms == 0.0
+    assert issued_with_meeting_ms(plan, plan.stages[0], param_bytes, link) == cst.together_ms
+    bar = next(b for b in simulate(plan, g).intervals if b.kind is EventKind.SYNC and b.device == "d0")
+    saved = min(meet_ms(2, link), transfer) if small else 0.0
+    assert bar.end_ms - bar.start_ms == pytest.approx(cst.sync_ms - saved, rel=1e-6)
+    assert saved < cst.sync_ms
+
+
+@pytest.mark.parametrize("param_bytes", [100_000, 400_000])
+def test_small_gradients_and_the_riding_agreement_are_priced_as_one_float64_all_reduce(param_bytes: int) -> None:
+    """Plain data parallelism on two CPU ranks of one host: where the gradients and the agreement's four sums
+    come to at most ``RIDE_IN_BYTES`` in float64, the runtime sums them as one float64 all-reduce without a
+    meeting, and the sync is priced as that collective; above it, the meeting issued with the transfer."""
+    from hpml_compile.cluster import link_spec
+    from hpml_compile.memory import RIDE_IN_BYTES
+    from hpml_compile.simulate import ride_in_ms, stage_costs
     from hpml_compile.stagecost import meet_ms, transfer_ms
     import cost_models
 
@@ -538,11 +566,12 @@ def test_a_small_all_reduce_issued_with_its_meeting_is_priced_as_the_longer_of_t
     plan = _plan(g, c, [(("d0", "d1"), ["n0"])], 1, Schedule.GPIPE)
     link = link_spec(c, "d0", "d1")
     cst = stage_costs(plan, g)[0]
-    transfer = transfer_ms(cost_models.allreduce_ms, param_bytes, link, 2)
-    small = param_bytes < SHM_DIRECT_BYTES
-    assert cst.together_ms == pytest.approx(transfer if small else 0.0)
-    assert issued_with_meeting_ms(plan, plan.stages[0], param_bytes, link) == cst.together_ms
+    fused = (param_bytes // 4 + 4) * 8  # float32 parameters
+    rides = fused <= RIDE_IN_BYTES
+    assert rides == (param_bytes == 100_000)
+    one = transfer_ms(cost_models.allreduce_ms, fused, link, 2)
+    assert cst.ride_in_ms == pytest.approx(one if rides else 0.0)
+    assert ride_in_ms(plan, plan.stages[0], param_bytes, "float32", link) == cst.ride_in_ms
     bar = next(b for b in simulate(plan, g).intervals if b.kind is EventKind.SYNC and b.device == "d0")
-    saved = min(meet_ms(2, link), transfer) if small else 0.0
-    assert bar.end_ms - bar.start_ms == pytest.approx(cst.sync_ms - saved, rel=1e-6)
-    assert saved < cst.sync_ms
+    want = one if rides else cst.sync_ms - min(meet_ms(2, link), cst.together_ms)
+    assert bar.end_ms - bar.start_ms == pytest.approx(want, rel=1e-6)

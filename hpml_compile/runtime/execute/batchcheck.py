@@ -13,8 +13,9 @@ the batch's: one vector of 4 float64s instead of one.
 
 Where the plan's one stage spans every rank (plain data parallelism), that
 vector rides the gradient collective (:class:`~..sync.comm.Rider`): it is the
-collective's meeting, issued with it, so the ranks meet once a step, as DDP's
-do, not twice. It is summed once every rank has reached its gradient
+collective's meeting, issued with it (or, for small gradients through gloo,
+summed with them as one float64 all-reduce), so the ranks meet once a step, as
+DDP's do, not twice. It is summed once every rank has reached its gradient
 collective, so the guarantees hold as with an all-reduce of its own after it:
 the check is made at ``LOSS`` on the same sums everywhere, before any optimizer
 step. Elsewhere (a pipeline, tensor parallelism, a GPU group, a sync that
