@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .timing import _cache_bytes, _die_with, _host_busy_s, _stop
+from .timing import _cache_bytes, _host_busy_s, _stop, fork_neighbours
 
 __all__ = ["time_optimizer_corun"]
 
@@ -66,46 +66,7 @@ def _start(params: Sequence[torch.Tensor], make: Callable[[list[torch.Tensor]], 
            n: int, timeout_s: float) -> list[int] | None:
     """Fork ``n`` processes stepping optimizers over their own copies; their pids once each has stepped, or None
     (every one killed) when they are not all stepping within ``timeout_s``."""
-    import select
-
-    parent = os.getpid()
-    read, write = os.pipe()
-    pids = []
-    for _ in range(n):
-        pid = os.fork()
-        if pid == 0:  # the neighbour: never returns into the caller's code
-            code = 1
-            try:
-                os.close(read)
-                _die_with(parent)
-                torch.set_num_threads(1)
-                step = _stepper(params, make)
-                step()
-                os.write(write, b"1")
-                stop = time.monotonic() + timeout_s + 600.0
-                while time.monotonic() < stop:
-                    step()
-                code = 0
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    os.close(write)
-    got, deadline = 0, time.monotonic() + timeout_s
-    try:
-        while got < n:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([read], [], [], left)[0]:
-                break
-            chunk = os.read(read, n)
-            if not chunk:
-                break
-            got += len(chunk)
-    finally:
-        os.close(read)
-    if got < n:
-        _stop(pids)
-        return None
-    return pids
+    return fork_neighbours(n, lambda: _stepper(params, make), timeout_s)
 
 
 def _pause(pids: Sequence[int], stop: bool) -> None:

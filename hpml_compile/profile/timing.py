@@ -719,6 +719,23 @@ def _start_neighbours(gm: fx.GraphModule, example_inputs: Sequence[Any], groups:
                       n: int, timeout_s: float) -> list[int] | None:
     """Fork ``n`` processes running the blocks in sequence on their own copies of the parameters; their pids once
     each has run a pass, or None (every one killed) when they are not all running within ``timeout_s``."""
+    def prepare() -> Callable[[], Any]:
+        with torch.no_grad():
+            for t in [*gm.parameters(), *gm.buffers()]:
+                t.data = t.data.clone()
+        return lambda: time_segments(gm, example_inputs, groups, passes=1, warmup=0)
+
+    return fork_neighbours(n, prepare, timeout_s)
+
+
+def fork_neighbours(n: int, prepare: Callable[[], Callable[[], Any]], timeout_s: float) -> list[int] | None:
+    """Fork ``n`` processes, each running ``prepare()``'s work (one torch thread) over and over until killed,
+    dying with this process; their pids once each has run it once, or None (every one killed) when they are not
+    all running within ``timeout_s``.
+
+    The neighbours a co-run measurement runs beside (blocks here, optimizer steps in
+    :mod:`hpml_compile.profile.optcorun`); :func:`_stop` kills and reaps them.
+    """
     import select
 
     parent = os.getpid()
@@ -732,14 +749,12 @@ def _start_neighbours(gm: fx.GraphModule, example_inputs: Sequence[Any], groups:
                 os.close(read)
                 _die_with(parent)
                 torch.set_num_threads(1)
-                with torch.no_grad():
-                    for t in [*gm.parameters(), *gm.buffers()]:
-                        t.data = t.data.clone()
-                time_segments(gm, example_inputs, groups, passes=1, warmup=0)
+                work = prepare()
+                work()
                 os.write(write, b"1")
                 stop = time.monotonic() + timeout_s + 600.0
                 while time.monotonic() < stop:
-                    time_segments(gm, example_inputs, groups, passes=1, warmup=0)
+                    work()
                 code = 0
             finally:
                 os._exit(code)
