@@ -41,7 +41,8 @@ import psutil
 __all__ = ["HostSample", "HostBusy", "HostSampler", "hostname", "REUSE_S", "WINDOW_S"]
 
 REUSE_S = 0.005  # a step starting this soon after the last one's end continues its sample window
-WINDOW_S = 0.5  # closely following steps are sampled about this often (HostSampler): a sample takes 0.1-0.3 ms
+WINDOW_S = 0.05  # closely following steps are sampled about this often (HostSampler): a sample takes 0.1-0.3 ms;
+# a longer window would lag the contention a slow-down is discounted by (policy.contention_discount)
 _SCHEDSTAT = "/proc/self/schedstat"  # run time, run-queue wait (ns), time slices of the main thread
 
 
