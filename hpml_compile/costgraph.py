@@ -113,7 +113,8 @@ class CostGraph:
             priced elsewhere: beyond the executor's span (the batch check, host sampling, memory counting; the
             profile's ``devices[kind]["process"]["step_ms"]``) and inside it between the parts it times (its
             set-up, its loop, the events around each token; ``["executor_ms"]``), measured with the baseline; the
-            simulator adds it to the step (empty: not measured).
+            simulator adds it to the step (empty: not measured). Its fixed part: :attr:`bookkeeping_per_ms` adds
+            a part per millisecond of the rank's compute (the host's sampling, about every 50 ms of steps).
         agreements: per measured CPU kind, ``(ms, per ms of compute)``: how long two of its ranks on one host take
             to agree on a step's loss as the runtime does it, a fixed part and a part per millisecond of the
             compute before it (the profile's ``devices[kind]["process"]["agree_ms"]``, ``["agree_per_ms"]``;
@@ -163,6 +164,7 @@ class CostGraph:
     compiled: frozenset[str] = frozenset()
     optimizer_coruns: Mapping[str, tuple[float, int]] = field(default_factory=dict)
     early_receives: Mapping[str, float] = field(default_factory=dict)
+    bookkeeping_per_ms: Mapping[str, float] = field(default_factory=dict)
     _records: dict[str, CostGraphNode] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def node(self, name: str) -> CostGraphNode:
@@ -243,9 +245,12 @@ class CostGraph:
         return process_bytes(base, whole, stage_param_bytes, replicas=replicas,
                              zero=int(zero), largest_param=max(self.param_sizes.values(), default=None))
 
-    def bookkeeping_ms(self, kind: str) -> float:
-        """Milliseconds of the runtime's per-step bookkeeping on a rank of ``kind`` (0.0: not measured)."""
-        return self.bookkeeping.get(kind, self.bookkeeping.get(base_kind(kind), 0.0))
+    def bookkeeping_ms(self, kind: str, compute_ms: float = 0.0) -> float:
+        """Milliseconds of the runtime's per-step bookkeeping on a rank of ``kind`` that computes ``compute_ms`` a
+        step (0.0: not measured): the fixed part and the part per ms (not held at the probe's longest compute:
+        the host's sampling costs each step its share of a sample however long the step is)."""
+        per_ms = self.bookkeeping_per_ms.get(kind, self.bookkeeping_per_ms.get(base_kind(kind), 0.0))
+        return self.bookkeeping.get(kind, self.bookkeeping.get(base_kind(kind), 0.0)) + per_ms * max(0.0, compute_ms)
 
     def agreement_ms(self, kind: str, compute_ms: float = 0.0) -> float | None:
         """The measured loss agreement of two ranks of ``kind`` on one host after ``compute_ms`` of compute, ms
@@ -580,6 +585,7 @@ def build(profile: Profile, compiled: bool = False) -> CostGraph:
                    for k, d in profile.devices.items()
                    if isinstance(d.get("process"), dict) and isinstance(d["process"].get("step_ms"), (int, float))}
     probes = {k: d["process"] for k, d in profile.devices.items() if isinstance(d.get("process"), dict)}
+    bookkeeping_per_ms = _figure(probes, "step_per_ms")
     agreements, meetings, skews = (_fitted_pair(probes, name) for name in ("agree", "meet", "skew"))
     fitted, early_receives = (_figure(probes, key) for key in ("fit_compute_ms", "recv_cpu_ms"))
     stage_only = frozenset(k for k, d in profile.devices.items()
@@ -587,4 +593,4 @@ def build(profile: Profile, compiled: bool = False) -> CostGraph:
     return CostGraph(g, tuple(n.name for n in profile.nodes), kinds, profile.model, profile.batch_size,
                      dict(profile.optimizer_ms), dict(profile.parameters), streams, cores, coruns, flat_steps, tp,
                      processes, bookkeeping, stage_only, agreements, skews, meetings, fitted, fast,
-                     optimizer_coruns, early_receives)
+                     optimizer_coruns, early_receives, bookkeeping_per_ms)

@@ -30,7 +30,7 @@ from .errors import HpmlError
 from .ir import Cluster, Device, Precision, Profile
 from .memory import GiB
 from .plan import Plan, Stage
-from .simulate import SimResult, agreement_rides, boundary_copies, crowded_devices, loss_agreement_ms
+from .simulate import SimResult, agreement_rides, bookkeeping_ms, boundary_copies, crowded_devices, loss_agreement_ms
 from .solve import SolverName
 from .cluster import hierarchy
 from .plan import AllReduce
@@ -326,8 +326,7 @@ def summary(plan: Plan, graph: CostGraph, result: SimResult, what_if: WhatIf | N
             lines.append(f"  stage {k} waits {wait:.3g} ms a step for its latest replica before its gradient sync, and "
                          "meets it there (two ranks' skew and meeting as measured on this host, beyond the link's "
                          "latency)")
-    keep = max((graph.bookkeeping_ms(plan.cluster.device(d).kind) for st in plan.stages for d in st.devices),
-               default=0.0)
+    keep = bookkeeping_ms(plan, graph, result.stages)
     if keep > 0:  # what Pipeline.step does besides the parts above, as the host probe measured it
         lines.append(f"  runtime bookkeeping: {keep:.2g} ms a step (the batch check, host sampling and memory counting "
                      "around the executor, and its own work between the parts it times; measured on this host)")

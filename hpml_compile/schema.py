@@ -104,7 +104,7 @@ _DEVICE_INFO = {
         "process": {"type": "object", "required": ["bytes"],
                     "properties": {"bytes": _INT, "step_ms": _NUM, "executor_ms": _NUM, "agree_ms": _NUM, "agree_per_ms": _NUM,
                                    "meet_ms": _NUM, "meet_per_ms": _NUM, "skew_ms": _NUM, "fit_compute_ms": _NUM,
-                                   "skew_per_ms": _NUM, "source": _STR, "recv_cpu_ms": _NUM,
+                                   "skew_per_ms": _NUM, "step_per_ms": _NUM, "source": _STR, "recv_cpu_ms": _NUM,
                                    "stage_only": {"type": "boolean"}}, "additionalProperties": False},
         "host_stream_gbps": _NUM,
         "stream_threads": _INT,

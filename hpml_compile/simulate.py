@@ -154,7 +154,7 @@ from .stagecost import (agree_ms, compressed_sync_ms, copy_ms, device_memory, ev
                         steps_flat, stream_bytes_per_ms, stream_ms, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms,
                         weight_part_ms, wire_ratio)
 
-__all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "step_ms", "stage_costs", "annotate", "crowded_devices",
+__all__ = ["EventKind", "Interval", "StageCost", "SimResult", "simulate", "step_ms", "stage_costs", "bookkeeping_ms", "annotate", "crowded_devices",
            "node_ms",
            "idle_intervals", "op_order", "tied_syncs", "loss_agreement_ms", "replica_skew_ms", "replica_meeting_ms",
            "agreement_rides", "issued_with_meeting_ms", "ride_in_ms", "boundary_copies"]
@@ -924,12 +924,11 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
             synced[i] = start + ms
     # the ranks agree that the step succeeded (the loss all-reduce) before any of them changes its weights; where
     # that rides the one stage's gradient collective, its meeting was priced with the sync
+    computed = max((_group_sum(plan, [m * cst.compute_ms for cst in costs])), default=0.0)  # a rank's, a step
     agree = 0.0 if agreement_rides(plan) and costs[0].sync_ms > 0 else loss_agreement_ms(
-        plan.cluster, list(dict.fromkeys(d for st in plan.stages for d in st.devices)), graph,
-        max((_group_sum(plan, [m * cst.compute_ms for cst in costs])), default=0.0))
+        plan.cluster, list(dict.fromkeys(d for st in plan.stages for d in st.devices)), graph, computed)
     # every rank's Pipeline.step does the runtime's bookkeeping around the executor (measured with the profile)
-    keep = max((graph.bookkeeping_ms(plan.cluster.device(d).kind) for st in plan.stages for d in st.devices),
-               default=0.0)
+    keep = bookkeeping_ms(plan, graph, costs)
     step_no_opt = max(synced, default=0.0) + agree + keep
     begin = step_no_opt
     # a rank holding several stages (interleaved 1F1B) steps them one after another, not side by side
@@ -941,6 +940,15 @@ def _timeline(plan: Plan, graph: CostGraph, dtype: str) -> _Timeline:
     # holding several stages (interleaved 1F1B) steps them one after another
     step = begin + max(_group_sum(plan, [o + cst.gather_ms for o, cst in zip(optim, costs)]), default=0.0)
     return _Timeline(costs, done, bars, lasts, sync, tied, agree, step_no_opt, optim, step, tuple(skew))
+
+
+def bookkeeping_ms(plan: Plan, graph: CostGraph, costs: Sequence[StageCost]) -> float:
+    """The runtime's bookkeeping a step of ``plan`` pays around its executor on the rank that pays most
+    (:meth:`hpml_compile.costgraph.CostGraph.bookkeeping_ms`), its part per ms on the compute of the rank that
+    computes most in a step (``costs``: the stages' costs the simulation used)."""
+    computed = max(_group_sum(plan, [plan.microbatches * cst.compute_ms for cst in costs]), default=0.0)
+    return max((graph.bookkeeping_ms(plan.cluster.device(d).kind, computed) for st in plan.stages
+                for d in st.devices), default=0.0)
 
 
 def _group_sum(plan: Plan, per_stage: Sequence[float]) -> list[float]:

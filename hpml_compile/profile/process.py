@@ -54,7 +54,8 @@ __all__ = ["runtime_baseline", "this_host", "with_process", "host_key", "cache_p
 
 # The replicated step's figures the probe measures (replicated_step_figures), each a fixed part and a part per ms of
 # the compute before it.
-FIGURES = ("agree_ms", "agree_per_ms", "meet_ms", "meet_per_ms", "skew_ms", "skew_per_ms", "fit_compute_ms")
+FIGURES = ("agree_ms", "agree_per_ms", "meet_ms", "meet_per_ms", "skew_ms", "skew_per_ms", "fit_compute_ms",
+           "step_per_ms")
 
 # What a rank imports before it builds its model (runtime.job.worker, the tracer, TensorBoard's writer), then a gloo
 # group and steps of a tiny model through the runtime: the runtime up, no model to speak of. Alone (no
@@ -63,8 +64,8 @@ FIGURES = ("agree_ms", "agree_per_ms", "meet_ms", "meet_per_ms", "skew_ms", "ske
 # runs matrix products on a buffer (no parameters: the memory figure stays the runtime's), about 1 ms of them and
 # then about 20 ms (a small model's step), so that the ranks meet at the gradient sync as ranks that computed do. The last line: peak RSS,
 # the median of Pipeline.step's wall clock beyond the executor's span and the median of the executor's span beyond
-# its timed parts (ms); the line before it: per step, the loss agreement, the wait at the sync's meeting and the
-# compute (ms).
+# its timed parts (ms); the line before it: per step, the loss agreement, the wait at the sync's meeting, the
+# compute and Pipeline.step's wall clock beyond the executor's span (ms).
 BASELINE_CODE = """
 import json, os, statistics, sys, tempfile
 import torch
@@ -144,7 +145,7 @@ for products in (SHORT, LONG):  # two lengths of compute, so that what the sync 
     # the loss agreement (the executor's span less the compute, the gradient sync with its meeting and the
     # optimizer), the wait at the sync's meeting, the compute
     steps += [[m.step_ms - m.pipeline_ms - m.allreduce_ms - m.sync_wait_ms - m.optimizer_ms, m.sync_wait_ms,
-               m.fwd_ms + m.bwd_ms] for m in rows]
+               m.fwd_ms + m.bwd_ms, m.wall_ms - m.step_ms] for m in rows]
     pipe.close()
     rss = rss or peak_rss()  # a rank of one job: the second model's groups come on top of the first's
 dist.destroy_process_group()
@@ -248,7 +249,7 @@ def runtime_baseline(*, timeout_s: float = 120.0) -> dict[str, Any]:
     ranks = [_parse_baseline(code, out, err) for code, out, err in sorted(outs, key=lambda o: o[0] <= 0)]
     figures = replicated_step_figures([steps for *_, steps in ranks])
     day = datetime.date.today().isoformat()
-    return {"bytes": max(b for b, *_ in ranks), "step_ms": max(x for _, x, _, _ in ranks),
+    return {"bytes": max(b for b, *_ in ranks), "step_ms": max(x for _, x, _, _ in ranks),  # a fit's, where it has one
             "executor_ms": max(x for _, _, x, _ in ranks), **figures,
             "source": f"measured {day}: two fresh interpreters with torch and the runtime up, the ranks of a "
                       "data-parallel stage of a tiny model (about 1 ms, then 20 ms of compute a step): peak RSS, "
@@ -275,8 +276,8 @@ def _parse_baseline(code: int, out: str, err: str) -> tuple[int, float, float, l
 def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
     """What a replicated step pays beyond compute and transfers, from two probe ranks' steps.
 
-    Each rank's row of a step is ``[loss agreement ms, wait at the sync's meeting ms, compute ms]``; the rows of
-    both ranks are step by step, the shorter compute's steps first (:data:`BASELINE_CODE` runs about 1 ms of
+    Each rank's row of a step is ``[loss agreement ms, wait at the sync's meeting ms, compute ms]``, and may end
+    with ``Pipeline.step``'s wall clock beyond the executor's span (ms); the rows of both ranks are step by step, the shorter compute's steps first (:data:`BASELINE_CODE` runs about 1 ms of
     compute a step, then about 20).
 
     - ``agree_ms`` and ``agree_per_ms``: the loss agreement as the runtime runs it where it has an all-reduce of
@@ -294,6 +295,12 @@ def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
       another thread or process, a wake-up), and the step waits for the later: per step, half the difference of
       the two ranks' waits at the sync's meeting (the later rank came that much later; the step pays the maximum
       of the two ranks' compute, which is their mean plus half the difference).
+    - ``step_ms`` and ``step_per_ms`` (where the rows carry it): ``Pipeline.step``'s bookkeeping around the
+      executor, per step the two ranks' mean. Most of it is fixed (the batch check, memory counting), but the
+      host's sampler reads ``/proc`` about every :data:`hpml_compile.runtime.observe.host.WINDOW_S` of steps
+      (0.27-0.30 ms a sample on the 2-core development VM), so a step pays a share of a sample that grows with
+      its length: the part per ms. Its median said nothing of the sampling while fewer than half the steps
+      sampled (a 23 ms step samples at about two steps in five).
 
     Each is fitted as a fixed part plus a part per millisecond of the compute before it (:func:`_fit`): a tiny
     collective's gloo threads and a rank's time slices are likelier to be taken the longer the ranks computed,
@@ -307,7 +314,8 @@ def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
         ranks: two lists of rows, one per rank, step by step.
 
     Returns:
-        ``{"agree_ms", "agree_per_ms", "meet_ms", "meet_per_ms", "skew_ms", "skew_per_ms", "fit_compute_ms"}``.
+        ``{"agree_ms", "agree_per_ms", "meet_ms", "meet_per_ms", "skew_ms", "skew_per_ms", "fit_compute_ms"}``,
+        with ``"step_ms", "step_per_ms"`` where the rows carry the bookkeeping.
 
     Raises:
         HpmlError: fewer than two ranks or no step.
@@ -326,6 +334,8 @@ def replicated_step_figures(ranks: list[list[list[float]]]) -> dict[str, float]:
     compute = [(a[2] + b[2]) / 2 for a, b in pairs]
     parts = {"agree": [(a[0] + b[0]) / 2 for a, b in pairs], "meet": [min(a[1], b[1]) for a, b in pairs],
              "skew": [abs(a[1] - b[1]) / 2 for a, b in pairs]}
+    if all(len(a) > 3 and len(b) > 3 for a, b in pairs):  # the bookkeeping around the executor: the ranks' mean
+        parts["step"] = [(a[3] + b[3]) / 2 for a, b in pairs]
     out: dict[str, float] = {}
     for name, values in parts.items():
         fixed, per_ms = _fit(list(zip(values, compute)))
@@ -407,7 +417,7 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
     try:
         # an entry of an older probe (its bookkeeping, without the meeting's or the executor's figures) is measured again
         # where allowed; an entry written by hand (no bookkeeping either) is taken as it is
-        stale = hit is not None and "step_ms" in hit and not {"fit_compute_ms", "executor_ms"} <= set(hit)
+        stale = hit is not None and "step_ms" in hit and not {"fit_compute_ms", "executor_ms", "step_per_ms"} <= set(hit)
         if hit is not None and isinstance(hit.get("bytes"), int) and not (stale and measure):
             out["process"] = {**hit, "source": f"{hit.get('source', 'measured')}; cached in {where}"}
         elif measure:
@@ -423,7 +433,8 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
         inner = out["process"].get("executor_ms")
         agree, skew = out["process"].get("agree_ms"), out["process"].get("skew_ms")
         log(f"  a CPU rank holds {out['process']['bytes'] / 2**20:.0f} MiB before its model"
-            + (f" and spends {extra:.2f} ms a step on the runtime's bookkeeping" if extra is not None else "")
+            + (f" and spends {_line(out['process'], 'step')} a step on the runtime's bookkeeping" if extra is not None
+               else "")
             + (f" around the executor and {inner:.2f} ms inside it between the parts it times" if inner is not None
                else "")
             + (f"; two ranks agree on the loss in {_line(out['process'], 'agree')}, meet before the gradient sync in "
@@ -459,16 +470,19 @@ def _early_receive(key: str, measure: bool, store: bool, refresh: bool, log: Cal
 
 def older_link(link: Mapping[str, Any]) -> bool:
     """Whether a cached link was timed by an older probe, to be timed again where allowed: one with fits of its
-    collectives but none of a tensor-parallel layer's all-reduce (``TP_REDUCE``), or one timed another way than a
-    layer runs it (its source does not say ``TP_REDUCE_HOW``). A link written by hand (no collectives) is kept.
+    collectives but none of a tensor-parallel layer's all-reduce (``TP_REDUCE``), one timed another way than a
+    layer runs it (its source does not say ``TP_REDUCE_HOW``), or one whose collectives through shared memory were
+    timed in a loop (medians) rather than after compute (means: its source does not say ``SHM_HOW``). A link
+    written by hand (no collectives) is kept.
 
     >>> older_link({"gbps": 3.0, "latency_us": 60.0, "source": "by hand"})
     False
     """
-    from .links import TP_REDUCE, TP_REDUCE_HOW
+    from .links import SHM_HOW, TP_REDUCE, TP_REDUCE_HOW
 
-    own = link.get("collectives")
-    return own is not None and (TP_REDUCE not in own or TP_REDUCE_HOW not in str(link.get("source", "")))
+    own, source = link.get("collectives"), str(link.get("source", ""))
+    shm_in_loop = "through shared memory" in source and SHM_HOW not in source
+    return own is not None and (TP_REDUCE not in own or TP_REDUCE_HOW not in source or shm_in_loop)
 
 
 def _line(process: Mapping[str, Any], name: str) -> str:
@@ -492,7 +506,7 @@ def with_process(prof: Profile, process: Mapping[str, Any]) -> Profile:
     devices = {k: dict(v) for k, v in prof.devices.items()}
     devices.setdefault("cpu", {})["process"] = {
         "bytes": int(process["bytes"]), "source": str(process.get("source", "")),
-        **{k: float(process[k]) for k in ("step_ms", "executor_ms", "recv_cpu_ms", *FIGURES)
+        **{k: float(process[k]) for k in dict.fromkeys(("step_ms", "executor_ms", "recv_cpu_ms", *FIGURES))
            if isinstance(process.get(k), (int, float))},
         **({"stage_only": True} if process.get("stage_only") else {})}
     return replace(prof, devices=devices)

@@ -62,6 +62,25 @@ def test_heavy_tailed_parts_are_priced_by_their_mean_which_grows_with_the_comput
     assert got["fit_compute_ms"] == 11.0  # the longest compute the line saw
 
 
+def test_the_bookkeeping_is_priced_by_its_mean_with_the_hosts_sampling_per_ms_of_compute() -> None:
+    # per step a fourth figure, Pipeline.step beyond the executor: 0.15 ms, and 0.45 where the host was sampled,
+    # which a step of 1 ms of compute meets once in twenty and one of 21 ms in eight of twenty (a median: 0.15)
+    short = [[0.5, 0.2, 1.0, 0.15]] * 19 + [[0.5, 0.2, 1.0, 0.45]]
+    long = [[0.5, 0.2, 21.0, 0.15]] * 12 + [[0.5, 0.2, 21.0, 0.45]] * 8
+    got = replicated_step_figures([short + long, short + long])
+    assert got["step_per_ms"] > 0
+    # each half's mean without its largest twentieth: 0.15 at 1 ms; (12 x 0.15 + 7 x 0.45) / 19 at 21 ms
+    assert got["step_ms"] + 1 * got["step_per_ms"] == pytest.approx(0.15, abs=1e-3)
+    assert got["step_ms"] + 21 * got["step_per_ms"] == pytest.approx((12 * 0.15 + 7 * 0.45) / 19, abs=1e-3)
+    assert "step_ms" not in replicated_step_figures([[r[:3] for r in short]] * 2)  # rows without it
+    # the simulator adds it on the step's compute (6 ms a replica here), not held at the probe's longest compute
+    prof, dp, _ = _plans(2)
+    plain = simulate(dp, build(with_process(prof, {"bytes": 0, "step_ms": 0.2, "source": "a test"})))
+    per_ms = simulate(dp, build(with_process(prof, {"bytes": 0, "step_ms": 0.2, "step_per_ms": 0.01,
+                                                    "fit_compute_ms": 1.0, "source": "a test"})))
+    assert per_ms.step_ms == pytest.approx(plain.step_ms + 0.01 * 6.0)
+
+
 def test_a_measured_agreement_prices_the_loss_all_reduce_of_cpu_ranks() -> None:
     prof, dp, _ = _plans(2)
     plain = simulate(dp, build(prof))
