@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +14,8 @@ import cost_models
 from hpml_compile.cluster import link_spec, load_cluster
 from hpml_compile.errors import HpmlError
 from hpml_compile.ir import Cluster, Device, Link
-from hpml_compile.profile.links import (SHM_ALLREDUCE, SHM_ROWS, TP_BURST, TP_BURST_SHORT, TP_REDUCE, TP_REDUCE_SHORT,
-                                       fit_link, probe_ranks, tp_reduce_rows)
+from hpml_compile.profile.links import (SHM_ALLREDUCE, SHM_HOW, SHM_ROWS, TP_BURST, TP_BURST_SHORT, TP_REDUCE,
+                                       TP_REDUCE_SHORT, _summary, fit_link, probe_ranks, tail_mean, tp_reduce_rows)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -212,3 +213,22 @@ def test_the_probe_times_a_layers_all_reduce_after_short_and_long_compute() -> N
         assert 0 < of[(TP_BURST_SHORT, b)] < of[(TP_BURST, b)]  # a quarter of the matrix products
     fit = fit_link(rows)
     assert fit.tp_reduce_per_ms >= 0 and TP_REDUCE in {op for op, _, _ in fit.collectives}
+
+
+def test_a_tail_mean_counts_the_tail_a_median_leaves_out_but_not_one_stall() -> None:
+    # a sync after compute: 1 ms in most steps, 3 ms in a fifth of them, and one stall of 40 ms among 20
+    times = [1.0] * 15 + [3.0] * 4 + [40.0]
+    assert statistics.median(times) == 1.0
+    assert tail_mean(times) == pytest.approx((15 + 12) / 19)  # the tail counted, the stall (1/20) left out
+    assert tail_mean([2.0, 4.0]) == 3.0  # under twenty values nothing is left out
+
+
+@pytest.mark.dist  # forks two gloo ranks (a few seconds)
+def test_the_collectives_through_shared_memory_are_timed_once_each_after_compute() -> None:
+    rows = probe_ranks((1 << 16, 1 << 18), repeats=2, start_method="fork", timeout_s=120)["gloo"]
+    shm = [op for op, _, _ in rows if op in SHM_ROWS.values()]
+    if not shm:
+        pytest.skip("no shared memory could be mapped on this host (the collectives go through gloo)")
+    assert sorted(shm) == sorted(list(SHM_ROWS.values()) * 2)  # one row each a size: after compute, not in a loop too
+    assert all(ms > 0 for op, _, ms in rows if op in SHM_ROWS.values())
+    assert SHM_HOW in _summary(fit_link(rows))  # what the cache's freshness check reads

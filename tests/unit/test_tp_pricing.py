@@ -14,7 +14,7 @@ from hpml_compile.costgraph import build
 from hpml_compile.ir import Cluster, Device, Link
 from hpml_compile.plan import Plan, Schedule, SolverInfo, Stage
 from hpml_compile.profile import profile
-from hpml_compile.profile.links import TP_REDUCE_HOW
+from hpml_compile.profile.links import SHM_HOW, TP_REDUCE_HOW
 from hpml_compile.profile.process import older_link
 from hpml_compile.simulate import stage_costs
 from hpml_compile.solve.candidates import Chain, Setting, to_plan
@@ -102,6 +102,9 @@ def test_a_cached_layers_all_reduce_timed_another_way_is_timed_again() -> None:
     assert not older_link({**link, "source": f"measured by profile: ...; {TP_REDUCE_HOW}"})
     assert older_link({**link, "collectives": {"all_reduce": fits["all_reduce"]}, "source": TP_REDUCE_HOW})
     assert not older_link({"gbps": 3.0, "latency_us": 60.0, "source": "written by hand"})
+    # collectives through shared memory timed in a loop (medians) price a step's sync below its mean: timed again
+    assert older_link({**link, "source": f"...; the collectives through shared memory; {TP_REDUCE_HOW}"})
+    assert not older_link({**link, "source": f"...; {SHM_HOW}; {TP_REDUCE_HOW}"})
 
 
 def test_a_unit_reading_the_models_input_all_reduces_no_gradient() -> None:
