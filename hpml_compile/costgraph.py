@@ -103,7 +103,7 @@ class CostGraph:
             (:func:`hpml_compile.profile.timing.host_facts`; empty: not recorded): the simulator takes each
             host of a cluster to have as many, so that ranks beyond them share cores.
         coruns: per measured CPU kind, ``(forward, backward, ranks)``: how much slower its blocks ran while
-            ``ranks`` processes ran them at once on the host (:func:`hpml_compile.profile.timing.time_corun`;
+            ``ranks`` processes ran them at once on the host (:func:`hpml_compile.profile.corun.time_corun`;
             empty: not measured): the simulator stretches CPU ranks' compute by it while they overlap.
         flat_steps: per measured kind, its optimizer step over the parameters' bytes as one flat tensor (a ZeRO
             shard's) over its step over the parameters one by one (``optimizer_ms``); 1 where not measured.

@@ -228,7 +228,7 @@ class ProfileOptions:
             (:func:`hpml_compile.profile.process.this_host`), recorded in the profile for the memory model
             (:func:`hpml_compile.profile.process.with_process`); None: not measured (not counted).
         corun: also time the blocks while other processes run them on the other cores
-            (:func:`hpml_compile.profile.timing.time_corun`: CPU ranks of one host share its caches and memory
+            (:func:`hpml_compile.profile.corun.time_corun`: CPU ranks of one host share its caches and memory
             bandwidth); None: where the cluster puts two or more CPU ranks on this host.
         compiled: also time the blocks compiled by ``torch.compile`` on the CPU
             (:mod:`hpml_compile.profile.compiled`), for stages that will run compiled.

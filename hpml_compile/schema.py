@@ -119,11 +119,12 @@ _DEVICE_INFO = {
         "cache_bytes": {"type": "object", "additionalProperties": _INT},
         "cpus": _INT,
         "optimizer_flat_ms": _NUM,  # one optimizer step over the parameters' bytes as one tensor (a ZeRO shard)
-        # the blocks' slow-down while other processes run them on the host's other cores (profile.timing.time_corun)
+        # the blocks' slow-down while other processes run them on the host's other cores (profile.corun.time_corun)
         "corun": {"type": "object",
                   "properties": {"fwd": _NUM, "bwd": _NUM, "ranks": {"type": "integer", "minimum": 2},
                                  "rounds": {"type": "array", "items": {"type": "array", "items": _NUM}},
-                                 "clock": _STR, "others": _NUM, "skipped": _STR},
+                                 "clock": _STR, "wall": {"type": "array", "items": _NUM},
+                                 "cpu": {"type": "array", "items": _NUM}, "others": _NUM, "skipped": _STR},
                   "additionalProperties": False},
         # the optimizer step's slow-down while other processes step theirs (profile.optcorun.time_optimizer_corun)
         "optimizer_corun": {"type": "object",

@@ -741,7 +741,7 @@ class _HostShare:
     """Which stages' CPU ranks share a host, and how much their work stretches there: a streaming part by the
     host's memory bandwidth, and any work by its cores while more of its ranks are busy than it has. Where the
     profile measured how much slower the model's blocks run while other processes run them on the host's other
-    cores (:func:`hpml_compile.profile.timing.time_corun`: the shared cache and bandwidth, as they are), a
+    cores (:func:`hpml_compile.profile.corun.time_corun`: the shared cache and bandwidth, as they are), a
     rank's forward and backward stretch by that instead of by the bandwidth: by ``1 + (x - 1) (c - 1) / (n - 1)``
     while ``c`` of the host's ranks are busy, ``x`` measured with ``n`` processes (``c`` at most ``n``)."""
 

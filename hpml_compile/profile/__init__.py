@@ -41,7 +41,8 @@ from .compiled import compiled_costs
 from .optcorun import time_optimizer_corun
 from .split import split_facts
 from .static import NodeFacts, Segment, analyze, segments
-from .timing import (host_facts, measure, slice_rows, time_corun, time_optimizer, time_segments, time_streams,
+from .corun import time_corun
+from .timing import (host_facts, measure, slice_rows, time_optimizer, time_segments, time_streams,
                      time_whole)
 
 __all__ = ["profile", "predict_kinds", "check_known_kinds", "local_kinds", "save_profile", "load_profile"]
@@ -394,7 +395,7 @@ def profile(
             dtype (:mod:`hpml_compile.precision`). Recorded in the profile.
         corun: on a CPU of several cores, also time the blocks while forked
             processes run them on the other cores (``devices.cpu.corun``,
-            :func:`.timing.time_corun`), and the optimizer step while they step
+            :func:`.corun.time_corun`), and the optimizer step while they step
             theirs (``devices.cpu.optimizer_corun``,
             :func:`.optcorun.time_optimizer_corun`), which the simulator then
             prices CPU ranks computing (stepping) at once by. Off by default: on the 2-core
@@ -461,7 +462,7 @@ _CORUN_MEMORY_SHARE = 0.25
 
 
 def _corun(gm: fx.GraphModule, inputs: Sequence[Any], device: torch.device) -> dict[str, Any]:
-    """The CPU blocks' slow-down while the host's other cores run them too (:func:`.timing.time_corun`), at the
+    """The CPU blocks' slow-down while the host's other cores run them too (:func:`.corun.time_corun`), at the
     microbatch's rows when measured there (what a rank runs, and 1/8 of the cost), for the simulator's CPU ranks
     that compute at the same time (:mod:`hpml_compile.simulate`); ``{"skipped": why}`` where not measured."""
     if device.type != "cpu":

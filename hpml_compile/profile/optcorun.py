@@ -11,7 +11,7 @@ runs: this process times its step alone (the neighbours stopped by ``SIGSTOP``) 
 stepping their own copies (``SIGCONT``), alternately, and the simulator stretches the optimizer step by the
 ratio while that many ranks of the host step at once (:mod:`hpml_compile.simulate`).
 
-Why fork and not a library: the same reasons as :func:`.timing.time_corun` (separate copies of the
+Why fork and not a library: the same reasons as :func:`.corun.time_corun` (separate copies of the
 parameters in separate memory; neighbours that die with this process).
 
 Example:
@@ -31,7 +31,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .timing import _cache_bytes, _host_busy_s, _stop, fork_neighbours
+from .corun import _host_busy_s, _stop, fork_neighbours
+from .timing import _cache_bytes
 
 __all__ = ["time_optimizer_corun"]
 
@@ -66,7 +67,7 @@ def _start(params: Sequence[torch.Tensor], make: Callable[[list[torch.Tensor]], 
            n: int, timeout_s: float) -> list[int] | None:
     """Fork ``n`` processes stepping optimizers over their own copies; their pids once each has stepped, or None
     (every one killed) when they are not all stepping within ``timeout_s``."""
-    return fork_neighbours(n, lambda: _stepper(params, make), timeout_s)
+    return fork_neighbours(n, lambda _i: _stepper(params, make), timeout_s)
 
 
 def _pause(pids: Sequence[int], stop: bool) -> None:

@@ -45,7 +45,7 @@ from ..trace import buffers_restored
 from .static import is_inplace
 
 __all__ = ["measure", "Timer", "time_loss", "time_optimizer", "slice_rows", "time_streams", "time_segments",
-           "time_corun", "time_whole", "host_facts"]
+           "time_whole", "host_facts"]
 
 
 class Timer:
@@ -483,7 +483,8 @@ def _segment_module(gm: fx.GraphModule, nodes: Sequence[fx.Node], later: set[fx.
 
 def time_segments(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Sequence[Sequence[str]], *,
                   device: torch.device | str = "cpu", passes: int = 5, warmup: int = 2,
-                  timer: Timer | None = None) -> list[tuple[list[float], list[float]]]:
+                  timer: Timer | None = None, between: Callable[[], Any] | None = None
+                  ) -> list[tuple[list[float], list[float]]]:
     """Forward and backward ms of each segment, timed in sequence, as a pipeline of one stage per segment runs.
 
     Each pass runs every segment's forward in graph order, each on the values the earlier ones made
@@ -503,20 +504,23 @@ def time_segments(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Seq
         passes: timed passes (every segment gets one sample per pass).
         warmup: untimed passes first.
         timer: the timer to use (default: a plain one on ``device``).
+        between: run untimed before every pass, warm-up ones included (a co-run's gradient all-reduce,
+            :func:`hpml_compile.profile.corun.time_corun`).
 
     Returns:
         Per segment, ``(forward samples, backward samples)`` in ms, one of each per timed pass.
     """
-    got = _passes(gm, example_inputs, groups, torch.device(device), [False] * (warmup + passes), warmup, timer)
+    got = _passes(gm, example_inputs, groups, torch.device(device), [False] * (warmup + passes), warmup, timer,
+                  between)
     return [(f, b) for f, b, _ in got]
 
 
 def _passes(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Sequence[Sequence[str]], dev: torch.device,
-            modes: Sequence[bool], warmup: int, timer: Timer | None
+            modes: Sequence[bool], warmup: int, timer: Timer | None, between: Callable[[], Any] | None = None
             ) -> list[tuple[list[float], list[float], list[float]]]:
     """:func:`time_segments`'s passes, one per entry of ``modes`` (True: the backward split,
-    :func:`_segment_pass`), the first ``warmup`` untimed: per segment, forward, backward (split: its
-    input-gradient part) and weight-gradient part (else zeros) samples in ms."""
+    :func:`_segment_pass`), the first ``warmup`` untimed, ``between`` run before each: per segment, forward,
+    backward (split: its input-gradient part) and weight-gradient part (else zeros) samples in ms."""
     timer = timer or Timer(dev)
     inputs = tuple(_to_device(x, dev) for x in example_inputs)
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -537,6 +541,8 @@ def _passes(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Sequence[
             p.grad = torch.zeros_like(p)
         with buffers_restored(gm), torch.enable_grad():
             for i, split in enumerate(modes):
+                if between is not None:
+                    between()
                 got = _segment_pass(segs, placeholders, inputs, finals, timer, split)
                 if i >= warmup:
                     for s, row in enumerate(zip(*got)):
@@ -604,201 +610,3 @@ def _split_once(module: fx.GraphModule, tensors: list[torch.Tensor], grads: list
     box: list[Any] = [None]
     first = timer.once(lambda: box.__setitem__(0, backward_input(tensors, params, inputs, grads)))
     return first, timer.once(lambda: backward_weight(box[0]))
-
-
-def time_corun(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Sequence[Sequence[str]], *,
-               neighbours: int, passes: int = 7, warmup: int = 1, rounds: int = 5,
-               start_timeout_s: float = 60.0) -> dict[str, Any]:
-    """How much slower the blocks run in sequence on a CPU while ``neighbours`` other processes run them too.
-
-    CPU ranks of one host compute at the same time, each on its own core with its own copy of the weights, and
-    share the last-level cache and the memory bandwidth. A profile that times the blocks alone does not see
-    that: on the 2-core development VM mlp's forward and backward ran 1.10-1.14x slower beside a second process
-    running the same model, gpt-mini's 1.02x, while the stream rates (:func:`time_streams`) predicted less.
-    So the neighbours are started once and the blocks are timed (:func:`time_segments`) alone (the neighbours
-    stopped by ``SIGSTOP``), then with them running (``SIGCONT``), alternately, ``rounds`` times; each round's
-    ratio is its time with them over the mean of the alone times around it, and the medians over the rounds
-    are returned.
-
-    The times are this process's CPU time, not the wall clock: a stall on the shared cache or memory is CPU
-    time, a moment the core ran another program is not. On a quiet host the two agree; on a busy one the wall
-    clock's ratio is the other programs' share more than the neighbours' (the demo's gpt-mini-sized byte LM at
-    2 rows on the 2-core VM, other programs keeping 1.4-1.9 of its cores busy: wall-clock ratios of 0.3-16 in
-    seven profiles, CPU-time ratios of 0.97-1.14 in fifteen). The cores other programs kept busy while timing
-    are recorded (``others``): on a busy host the alone times are not alone (other programs share the cache
-    too), so the ratio reads low. Every
-    process runs one torch thread, on a core of its own: with more, a process's CPU time counts its worker
-    threads' spins at each parallel region's barrier, which a busy host stretches (gpt-tiny at two threads
-    beside one neighbour, under load: ratios of 0.04 to 190).
-
-    Why fork and not a library: the neighbours must run this very graph, which may not pickle, on copies of
-    its parameters (separate memory, as separate ranks have; a forked copy reading the parent's pages would
-    share their cache lines). Each neighbour copies them, dies with this process (``PR_SET_PDEATHSIG``) and
-    gives up after ``start_timeout_s`` plus ten minutes whatever happens; all are killed and reaped before
-    this returns.
-
-    Args:
-        gm: the traced model, on the CPU.
-        example_inputs: its inputs.
-        groups: the segments' node names, as for :func:`time_segments`.
-        neighbours: processes running beside this one (1 on a 2-core host).
-        passes: timed passes per measurement (the median per segment kept).
-        warmup: untimed passes before each.
-        rounds: measurements with the neighbours, each between two alone.
-        start_timeout_s: how long to wait for the neighbours to be running.
-
-    Returns:
-        ``{"fwd": ratio, "bwd": ratio, "ranks": neighbours + 1, "rounds": [[fwd, bwd], ...], "clock": "cpu",
-        "others": share}`` (``others``: the mean number of the host's cores other programs kept busy while
-        timing), or ``{"skipped": why}`` (no neighbours asked, no ``fork`` on this platform, a neighbour did
-        not start).
-    """
-    import signal
-
-    if neighbours < 1:
-        return {"skipped": "no other core"}
-    if not hasattr(os, "fork"):
-        return {"skipped": "no fork on this platform"}
-    timer = Timer(torch.device("cpu"), cpu_time=True)
-
-    def total() -> tuple[float, float]:
-        s = time_segments(gm, example_inputs, groups, passes=passes, warmup=warmup, timer=timer)
-        return sum(statistics.median(f) for f, _ in s), sum(statistics.median(b) for _, b in s)
-
-    def pause(pids: list[int], stop: bool) -> None:
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP if stop else signal.SIGCONT)
-        for pid in pids if stop else ():
-            os.waitpid(pid, os.WUNTRACED)  # back once it is stopped
-
-    pids = _start_neighbours(gm, example_inputs, groups, neighbours, start_timeout_s)
-    if pids is None:
-        return {"skipped": f"a neighbour process did not start within {start_timeout_s:g} s"}
-    ratios: list[list[float]] = []
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)  # one core each, as the neighbours (and a process's CPU time has no idle spins)
-        busy0 = _host_busy_s(pids)
-        pause(pids, True)
-        alone = [total()]
-        for _ in range(rounds):
-            pause(pids, False)
-            together = total()
-            pause(pids, True)
-            alone.append(total())
-            before, after = alone[-2], alone[-1]
-            ratios.append([together[i] / ((before[i] + after[i]) / 2) if before[i] + after[i] > 0 else 1.0
-                           for i in (0, 1)])
-        busy1 = _host_busy_s(pids)
-    finally:
-        torch.set_num_threads(threads)
-        _stop(pids)
-    out = {"fwd": round(statistics.median(r[0] for r in ratios), 4),
-           "bwd": round(statistics.median(r[1] for r in ratios), 4), "ranks": neighbours + 1,
-           "rounds": [[round(f, 4), round(b, 4)] for f, b in ratios], "clock": "cpu"}
-    if busy0 is not None and busy1 is not None and busy1[1] > busy0[1]:
-        out["others"] = round(max(0.0, (busy1[0] - busy0[0]) / (busy1[1] - busy0[1])), 3)
-    return out
-
-
-def _host_busy_s(pids: Sequence[int]) -> tuple[float, float] | None:
-    """``(CPU-seconds the host's other programs used so far, wall seconds)``: every core's busy time from
-    ``/proc/stat`` less this process's and ``pids``' own (``/proc/<pid>/schedstat``); None where unreadable."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-        ticks = os.sysconf("SC_CLK_TCK")
-        # every state but idle, iowait and steal
-        busy = sum(int(x) for i, x in enumerate(fields[:8]) if i not in (3, 4, 7)) / ticks
-        own = sum(int(Path(f"/proc/{p}/schedstat").read_text().split()[0]) for p in ("self", *pids)) / 1e9
-    except (OSError, ValueError, IndexError):
-        return None
-    return busy - own, time.monotonic()
-
-
-def _start_neighbours(gm: fx.GraphModule, example_inputs: Sequence[Any], groups: Sequence[Sequence[str]],
-                      n: int, timeout_s: float) -> list[int] | None:
-    """Fork ``n`` processes running the blocks in sequence on their own copies of the parameters; their pids once
-    each has run a pass, or None (every one killed) when they are not all running within ``timeout_s``."""
-    def prepare() -> Callable[[], Any]:
-        with torch.no_grad():
-            for t in [*gm.parameters(), *gm.buffers()]:
-                t.data = t.data.clone()
-        return lambda: time_segments(gm, example_inputs, groups, passes=1, warmup=0)
-
-    return fork_neighbours(n, prepare, timeout_s)
-
-
-def fork_neighbours(n: int, prepare: Callable[[], Callable[[], Any]], timeout_s: float) -> list[int] | None:
-    """Fork ``n`` processes, each running ``prepare()``'s work (one torch thread) over and over until killed,
-    dying with this process; their pids once each has run it once, or None (every one killed) when they are not
-    all running within ``timeout_s``.
-
-    The neighbours a co-run measurement runs beside (blocks here, optimizer steps in
-    :mod:`hpml_compile.profile.optcorun`); :func:`_stop` kills and reaps them.
-    """
-    import select
-
-    parent = os.getpid()
-    read, write = os.pipe()
-    pids = []
-    for _ in range(n):
-        pid = os.fork()
-        if pid == 0:  # the neighbour: never returns into the caller's code
-            code = 1
-            try:
-                os.close(read)
-                _die_with(parent)
-                torch.set_num_threads(1)
-                work = prepare()
-                work()
-                os.write(write, b"1")
-                stop = time.monotonic() + timeout_s + 600.0
-                while time.monotonic() < stop:
-                    work()
-                code = 0
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    os.close(write)
-    got, deadline = 0, time.monotonic() + timeout_s
-    try:
-        while got < n:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([read], [], [], left)[0]:
-                break
-            chunk = os.read(read, n)
-            if not chunk:  # every neighbour closed its end: some died before running
-                break
-            got += len(chunk)
-    finally:
-        os.close(read)
-    if got < n:
-        _stop(pids)
-        return None
-    return pids
-
-
-def _stop(pids: Sequence[int]) -> None:
-    """Kill and reap the neighbours."""
-    import signal
-
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    for pid in pids:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-
-
-def _die_with(parent: int) -> None:
-    """Make this (forked) process die when ``parent`` does (Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)``)."""
-    import signal
-
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(1)

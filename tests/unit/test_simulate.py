@@ -346,7 +346,7 @@ def test_pipeline_ranks_share_a_core_only_while_both_compute() -> None:
 
 def _corun(prof, fwd: float, bwd: float, ranks: int = 2, streams: bool = True):
     """The profile as taken on a 2-core host where the blocks ran ``fwd`` / ``bwd`` times as long while ``ranks``
-    processes ran them (``profile.timing.time_corun``), its memory rates measured too (``streams``)."""
+    processes ran them (``profile.corun.time_corun``), its memory rates measured too (``streams``)."""
     from dataclasses import replace
 
     facts = {"measured": True, "cpus": 2, "corun": {"fwd": fwd, "bwd": bwd, "ranks": ranks, "rounds": [[fwd, bwd]]},
