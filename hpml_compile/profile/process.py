@@ -433,8 +433,8 @@ def this_host(log: Callable[[str], None] = print, *, measure: bool = True, refre
         inner = out["process"].get("executor_ms")
         agree, skew = out["process"].get("agree_ms"), out["process"].get("skew_ms")
         log(f"  a CPU rank holds {out['process']['bytes'] / 2**20:.0f} MiB before its model"
-            + (f" and spends {_line(out['process'], 'step')} a step on the runtime's bookkeeping" if extra is not None
-               else "")
+            + (f" and spends {_line(out['process'], 'step').replace('their', 'its')} a step on the runtime's "
+               "bookkeeping" if extra is not None else "")
             + (f" around the executor and {inner:.2f} ms inside it between the parts it times" if inner is not None
                else "")
             + (f"; two ranks agree on the loss in {_line(out['process'], 'agree')}, meet before the gradient sync in "
