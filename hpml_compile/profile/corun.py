@@ -10,9 +10,9 @@ The neighbours run as the real ranks do: forked processes, one torch thread each
 on their own copies of the parameters, and before every pass a gloo all-reduce of the gradients' size over
 all of them and this process (the gradient sync of a data-parallel step), so that every process starts its
 forward at the same moment, as the ranks do after each sync, and gloo's threads run where they run in a step.
-A rank's forward and backward in a run are wall-clock times; timed on CPU time alone, the probe had priced
-the demo's blocks beside a second rank at x1.04 where its ranks ran them at x1.08 (a time slice lost to a
-thread of the job is wall-clock time, not CPU time). So both clocks are read, and the wall clock's ratio is
+A rank's forward and backward in a run are wall-clock times; on CPU time alone, the demo's blocks beside a
+second process read x1.04 on the 2-core development VM, where its two ranks ran them at x1.08 (a time slice
+lost to a thread of the job is wall-clock time, not CPU time). So both clocks are read, and the wall clock's ratio is
 kept where other programs kept less than :data:`QUIET_OTHERS` of a core busy while timing; on a busy host
 the wall clock's ratio is the other programs' share more than the neighbours' (the demo's gpt-mini-sized
 byte LM at 2 rows on the 2-core VM, other programs keeping 1.4-1.9 of its cores busy: wall-clock ratios of
