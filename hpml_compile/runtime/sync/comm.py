@@ -15,7 +15,9 @@ copy handed over through a mailbox; collectives have nothing to do), else
 - **Sends never block** (``isend``, kept alive until :meth:`DistComm.flush` at
   the end of the step); receives block. :func:`hpml_compile.schedule_check.validate`
   replays each build's action lists under exactly these rules before a step
-  runs, so an order that could deadlock is refused.
+  runs, so an order that could deadlock is refused. The executor posts a gloo
+  receive ahead of its token where it can (:meth:`DistComm.expect`,
+  :mod:`..execute.ahead`); the token then waits for it.
 - **Asynchronous collectives** (:meth:`DistComm.all_reduce_async`,
   :meth:`DistComm.reduce_scatter_async`): launched with ``async_op=True`` on
   the stage's group while the backward still runs (the overlapped gradient
@@ -130,6 +132,7 @@ class CommStats:
         intra_bytes, inter_bytes: what this rank's hierarchical all-reduces sent inside its host and between hosts
             (:func:`level_bytes`, from the sizes of the collectives it ran).
         flat_bytes: what flat rings of the same all-reduces would have sent.
+        early_received: received tensors whose receive was posted ahead of its token (:meth:`DistComm.expect`).
     """
 
     recv_s: list[tuple[Direction, float]] = field(default_factory=list)
@@ -141,11 +144,13 @@ class CommStats:
     intra_bytes: int = 0
     inter_bytes: int = 0
     flat_bytes: int = 0
+    early_received: int = 0
 
     def reset(self) -> None:
         self.recv_s.clear()
         self.send_s = self.collective_s = self.collective_wait_s = 0.0
         self.bytes_sent = self.bytes_received = self.intra_bytes = self.inter_bytes = self.flat_bytes = 0
+        self.early_received = 0
 
 
 @dataclass
@@ -498,6 +503,7 @@ class DistComm(Comm):
         early = self._early.pop((frm, to, key), None)
         if early is not None:
             work, buf = early
+            self.stats.early_received += 1
         else:
             buf = torch.empty(shape, dtype=dtype, device=self.device if group is not None else "cpu")
             work = dist.irecv(buf, peer, group=group, tag=tag)
