@@ -285,6 +285,12 @@ class Comm(abc.ABC):
                 out.append(total)
         return out
 
+    def expect(self, src: int, dst: int, direction: Direction, microbatch: int, replica: int,
+               specs: Sequence[TensorSpec]) -> None:
+        """Post, without waiting, the receive that :meth:`recv` of the same arguments will wait for (a transport
+        that gains nothing from it, a mailbox, does nothing). Only for a message this step is sure to receive: a
+        posted receive cannot be taken back."""
+
     def owe(self, src: int, dst: int, replica: int, microbatch: int, specs: tuple[TensorSpec, ...]) -> None:
         """Record that replica ``replica`` of stage ``dst`` must send gradients for what it received."""
         self._owed[(src, dst, replica, microbatch)] = specs

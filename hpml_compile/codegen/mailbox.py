@@ -43,7 +43,7 @@ from torch import Tensor
 
 from .comm import Comm, Direction, TensorSpec, carries_grad
 
-__all__ = ["Key", "Mailbox", "post_recv", "post_send", "message"]
+__all__ = ["Key", "Mailbox", "post_recv", "expect_recv", "post_send", "message"]
 
 Key = tuple[int, int, Direction, int, int]  # (src, dst, direction, microbatch, this side's replica)
 
@@ -126,6 +126,22 @@ def post_recv(comm: Comm, stage: int, peer: int, microbatch: int, replica: int,
         want = tuple(s for s in comm.mail.sent.pop((src, dst, microbatch, replica), ()) if carries_grad(s))
     comm.mail.inbox[(src, dst, direction, microbatch, replica)] = (
         comm.recv(src, dst, direction, microbatch, replica, want), want)
+
+
+def expect_recv(comm: Comm, stage: int, peer: int, microbatch: int, replica: int,
+                specs: Sequence[TensorSpec] = ()) -> None:
+    """Post ``{stage}RECV{peer}:{microbatch}``'s receive ahead of its token (:meth:`~.comm.Comm.expect`), which
+    then only waits for it.
+
+    Args: as :func:`post_recv`'s; a gradient message must follow its forward's ``SEND`` (its specs are those sent).
+    """
+    src, dst, direction = message(stage, peer, send=False)
+    if direction is Direction.FORWARD:
+        want = comm.shaped(dst, replica, specs)
+    else:
+        want = tuple(s for s in comm.mail.sent.get((src, dst, microbatch, replica), ()) if carries_grad(s))
+    if want:
+        comm.expect(src, dst, direction, microbatch, replica, want)
 
 
 def post_send(comm: Comm, stage: int, peer: int, microbatch: int, replica: int) -> None:

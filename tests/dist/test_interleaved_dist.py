@@ -4,9 +4,9 @@ process.
 gpt-tiny (its embedding tied to the head: stage 0 on rank 0 and stage 3 on rank 1, summed by the tied all-reduce;
 and cut so that both uses are stages of rank 0) at 4 microbatches on 2 ranks, each rank running two stages from
 its one lowered list: the loss of every step, every gradient of the rank's stages after the last step and the
-parameters after it equal the reference's (float32, 1e-5). A checkpoint written under the interleaved plan
-resumes under a plain 1F1B plan of the same model, and one written there resumes under the interleaved plan: the
-step after each equals the reference's.
+parameters after it equal the reference's (float32, 1e-5), and every receive of a step was posted ahead of its
+token. A checkpoint written under the interleaved plan resumes under a plain 1F1B plan of the same model, and one
+written there resumes under the interleaved plan: the step after each equals the reference's.
 Then the first device group on two replicas under ZeRO-1, and under ZeRO-3 (3 ranks): both of its stages shard
 their optimizer (and under ZeRO-3 their parameters) over the group, the losses and the gathered parameters equal
 the reference's, and the ZeRO-1 checkpoints (the optimizer's shards made whole by name) resume across the plans
@@ -91,8 +91,9 @@ def _train(build: str, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict
         loss = max(loss, abs(got - ref.step(x, y)))
     mine = {n: p for n, p in loaded.module.named_parameters() if p.grad is not None}
     grad = max((p.grad - ref.grads[n]).abs().max().item() for n, p in mine.items()) if mine else 0.0
+    stats = pipe.comm.stats  # the last step's
     return {"loss": loss, "grad": grad, "grads": len(mine), "stages": sorted(pipe.stages),
-            "state": _diff(pipe.state_dict(), ref)}
+            "state": _diff(pipe.state_dict(), ref), "received": [len(stats.recv_s), stats.early_received]}
 
 
 def _resume(first: str, then: str, root: Path) -> dict[str, Any]:
@@ -148,6 +149,8 @@ def test_interleaved_on_two_ranks_with_a_tied_embedding_and_checkpoints_across_p
         for row in (r["ilv"], r["tie-one-rank"]):
             assert row["loss"] < TOL and row["state"] < TOL, row
             assert row["grads"] > 0 and row["grad"] < TOL, row
+            # every receive of the step was posted ahead of its token (gloo's loop does not spin on a late one)
+            assert row["received"][0] > 0 and row["received"][1] == row["received"][0], row
         for case in ("to-plain", "to-ilv"):
             assert r[case]["loss"] < TOL and r[case]["state"] < TOL, (case, r[case])
 
@@ -158,6 +161,8 @@ def test_interleaved_with_zero1_and_zero3_replicas(tmp_path: Path) -> None:
               "plain-zero1": _compile(tmp_path, "plain-zero1", 1, replicas=[2, 1], zero=1)}
     reports = _run(tmp_path, 3, builds)
     assert [r["zero1"]["stages"] for r in reports] == [[0, 2], [0, 2], [1, 3]]
+    for r in reports:  # replicas of the first group: the second group's messages split between them, posted ahead
+        assert r["zero1"]["received"][0] > 0 and r["zero1"]["received"][1] == r["zero1"]["received"][0], r["zero1"]
     for r in reports:
         for row in (r["zero1"], r["zero3"], r["to-plain"], r["to-ilv"]):
             assert row["loss"] < TOL and row["state"] < TOL, row

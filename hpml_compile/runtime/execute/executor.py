@@ -83,7 +83,7 @@ from torch.utils._pytree import tree_map
 
 from ...codegen import Build
 from ...codegen.comm import Comm
-from ...codegen.mailbox import post_recv, post_send
+from ...codegen.mailbox import expect_recv, post_recv, post_send
 from ...codegen.stage import StageModule
 from ...errors import HpmlError, UpdateApplied
 from ...precision import autocast
@@ -94,6 +94,7 @@ from ...schedule_check import replay, validate
 from ...trainspec import Split, split_of
 from ..sync.comm import DistComm, LocalComm, dist_comm
 from ..sync.stage import UNBUFFERED, StageSync
+from .ahead import Ahead
 from .scaler import LossScaler
 from .slices import loss_share, merge_outputs, split_microbatches, split_replicas, to_device
 from ...backsplit import Deferred, backward_input, backward_weight
@@ -291,6 +292,9 @@ def run_actions(build: Build, order: Sequence[tuple[int, Action]], stages: dict[
                  agree=agree, keep_outputs=keep_outputs, own_rows=own_rows, scaler=scaler, agree_inf=agree_inf,
                  arm=arm, order=order, syncs=syncs)
     run = step.run
+    if step.ahead is not None:
+        for rank, k, p, j in step.ahead.first:
+            expect_recv(comm, k, p, j, step.layout[rank][1], stages[k].RECV)
     for index, (rank, a) in enumerate(order):
         t0 = time.perf_counter()
         HANDLERS[a.kind](step, index, rank, a)
@@ -327,6 +331,8 @@ class _Step:
         self.last_bwd = {a.stage: i for i, (rank, a) in enumerate(order)
                          if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT)}  # where gradients land
         self.ev = comm.events  # an EventLog (.events) where the pipeline records this step's events
+        # receives posted ahead of their tokens, where the transport gains from it (gloo, .ahead)
+        self.ahead = Ahead(order) if type(comm).expect is not Comm.expect else None
 
     def event(self, kind: str, t0: float, t1: float, stage: int, microbatch: int = -1) -> None:
         if self.ev is not None:
@@ -400,11 +406,16 @@ def _forward(step: _Step, k: int, r: int, j: int) -> None:
 def _message(step: _Step, index: int, rank: int, a: Action) -> None:
     """``kRECVp:j``: receive into the mailbox what the next forward or backward takes (blocks); ``kSENDp:j``:
     send what the last one left there (never blocks; waited for at ``LOSS``)."""
-    k, r = a.stage, step.layout[rank][1]
+    k, r, p, j = a.stage, step.layout[rank][1], a.stages[1], a.microbatch or 0
+    ahead = step.ahead
     if a.kind is ActionKind.RECV:
-        post_recv(step.comm, k, a.stages[1], a.microbatch or 0, r, step.stages[k].RECV)
+        if ahead is not None and (after := ahead.next.get((rank, k, p, j))) is not None:
+            expect_recv(step.comm, k, p, after, r, step.stages[k].RECV)  # the stream's next, one buffer ahead
+        post_recv(step.comm, k, p, j, r, step.stages[k].RECV)
     else:
-        post_send(step.comm, k, a.stages[1], a.microbatch or 0, r)
+        post_send(step.comm, k, p, j, r)
+        if ahead is not None and (rank, k, p, j) in ahead.grads:
+            expect_recv(step.comm, k, p, j, r)  # the gradients this forward's values will be answered with
 
 
 def _collective(step: _Step, index: int, rank: int, a: Action) -> None:

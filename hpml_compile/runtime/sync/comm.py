@@ -15,7 +15,9 @@ copy handed over through a mailbox; collectives have nothing to do), else
 - **Sends never block** (``isend``, kept alive until :meth:`DistComm.flush` at
   the end of the step); receives block. :func:`hpml_compile.schedule_check.validate`
   replays each build's action lists under exactly these rules before a step
-  runs, so an order that could deadlock is refused.
+  runs, so an order that could deadlock is refused. The executor posts a gloo
+  receive ahead of its token where it can (:meth:`DistComm.expect`,
+  :mod:`..execute.ahead`); the token then waits for it.
 - **Asynchronous collectives** (:meth:`DistComm.all_reduce_async`,
   :meth:`DistComm.reduce_scatter_async`): launched with ``async_op=True`` on
   the stage's group while the backward still runs (the overlapped gradient
@@ -63,7 +65,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...codegen import Build
-from ...codegen.comm import Comm, Direction
+from ...codegen.comm import Comm, Direction, TensorSpec
 from ...codegen.tensor_parallel import Places
 from ...errors import HpmlError
 from ...memory import RIDE_IN_BYTES
@@ -130,6 +132,7 @@ class CommStats:
         intra_bytes, inter_bytes: what this rank's hierarchical all-reduces sent inside its host and between hosts
             (:func:`level_bytes`, from the sizes of the collectives it ran).
         flat_bytes: what flat rings of the same all-reduces would have sent.
+        early_received: received tensors whose receive was posted ahead of its token (:meth:`DistComm.expect`).
     """
 
     recv_s: list[tuple[Direction, float]] = field(default_factory=list)
@@ -141,11 +144,13 @@ class CommStats:
     intra_bytes: int = 0
     inter_bytes: int = 0
     flat_bytes: int = 0
+    early_received: int = 0
 
     def reset(self) -> None:
         self.recv_s.clear()
         self.send_s = self.collective_s = self.collective_wait_s = 0.0
         self.bytes_sent = self.bytes_received = self.intra_bytes = self.inter_bytes = self.flat_bytes = 0
+        self.early_received = 0
 
 
 @dataclass
@@ -392,6 +397,9 @@ class DistComm(Comm):
         self.faults: list[CommFault] = []  # injected failures still to happen (shared with the pipeline)
         self._op_count: dict[CommOp, int] = {}
         self._pending: list[tuple[Any, Tensor]] = []
+        # receives posted ahead of their tokens (:meth:`expect`): (from, to, key) -> (work, buffer)
+        self._early: dict[tuple[Any, ...], tuple[Any, Tensor]] = {}
+        self._posting = False
         self._chains: dict[tuple[int, ...], ChainQueue] = {}  # overlapped hierarchical buckets
         # collectives among CPU ranks the plan puts on one host go through shared memory (:mod:`.shm`)
         self.shared_memory = True
@@ -435,6 +443,7 @@ class DistComm(Comm):
         self._owed.clear()
         self.mail.clear()
         self._pending.clear()
+        self._early.clear()  # a failed step's: the pipeline re-forms the group before it steps again
         self._chains.clear()  # a failed step's chains: their groups may be gone
 
     def _sync_device(self) -> None:
@@ -461,15 +470,43 @@ class DistComm(Comm):
             if self.events is not None:
                 self.events.add("SEND", t0, t1, self.stage, key[3], peer, nbytes, tag)
 
+    def expect(self, src: int, dst: int, direction: Direction, microbatch: int, replica: int,
+               specs: Sequence[TensorSpec]) -> None:
+        """Post the gloo receives of a message ahead of its token (the token's :meth:`recv` then waits for them).
+
+        Why: gloo's TCP pair moves a message once both sides have posted it. A receive posted only when the
+        token runs, after the sender's ``isend`` (interleaved 1F1B sends ahead more often than 1F1B), is answered
+        with the payload at once, while this rank's thread still holds the pair's lock; gloo's event loop retries
+        that lock without sleeping until it is released, and on a host whose cores the ranks keep busy the
+        spinning loop takes the CPU the holder needs to release it (27-35 ms of loop CPU a step on 2 cores under
+        interleaving, 3-5 under 1F1B). Posted ahead, the payload meets a receive that is already there. NCCL
+        pairs are left as they are.
+        """
+        self._posting = True
+        try:
+            self.recv(src, dst, direction, microbatch, replica, specs)
+        finally:
+            self._posting = False
+
     def _get(self, frm: tuple[int, int], to: tuple[int, int], key: tuple[int, ...], shape: tuple[int, ...],
              dtype: torch.dtype) -> Tensor:
-        self.maybe_fail(CommOp.RECV)
         peer = self.places.rank(frm[0], frm[1], self.places.recv_place(to[0], frm[0], self.place))
         group = self._group(peer)
+        if self._posting:  # expect(): post the receive now (gloo only), wait in the token's recv
+            buf = torch.empty(shape, dtype=dtype, device="cpu")
+            if group is None and (frm, to, key) not in self._early:
+                self._early[(frm, to, key)] = (dist.irecv(buf, peer, tag=self._tag(key)), buf)
+            return buf
+        self.maybe_fail(CommOp.RECV)
         t0 = time.perf_counter()
-        buf = torch.empty(shape, dtype=dtype, device=self.device if group is not None else "cpu")
         tag = self._tag(key)
-        work = dist.irecv(buf, peer, group=group, tag=tag)
+        early = self._early.pop((frm, to, key), None)
+        if early is not None:
+            work, buf = early
+            self.stats.early_received += 1
+        else:
+            buf = torch.empty(shape, dtype=dtype, device=self.device if group is not None else "cpu")
+            work = dist.irecv(buf, peer, group=group, tag=tag)
         assert work is not None  # None only for a rank outside the group, which this never is
         work.wait()
         if group is not None:
