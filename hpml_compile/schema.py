@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
@@ -342,6 +343,30 @@ def check_finite(data: Any, source: str) -> None:
             todo.extend((v, (*path, i)) for i, v in reversed(list(enumerate(x))))
 
 
+def _jsonschema() -> Any:
+    """The ``jsonschema`` module, imported without its optional ``rfc3987_syntax`` IRI checks.
+
+    Where ``rfc3987-syntax`` is installed (``jsonschema[format-nongpl]``, which Jupyter brings), importing
+    ``jsonschema`` builds that package's 39 Earley grammars: about 1 s of CPU in every process that loads a
+    plan, profile or cluster, each rank of a job included, more than importing torch takes on a busy host.
+    The schemas here name no ``format`` and the validator checks none, so the import hides that package
+    for its duration (an entry of None in ``sys.modules`` reads as not installed) and puts it back after:
+    a later ``import rfc3987_syntax`` works as usual; only ``jsonschema``'s optional ``iri`` format checks
+    are then absent in this process.
+    """
+    if "jsonschema" in sys.modules:
+        return sys.modules["jsonschema"]
+    hide = "rfc3987_syntax" not in sys.modules
+    if hide:
+        sys.modules["rfc3987_syntax"] = None  # type: ignore[assignment]
+    try:
+        import jsonschema
+    finally:
+        if hide and sys.modules.get("rfc3987_syntax", 0) is None:
+            del sys.modules["rfc3987_syntax"]
+    return jsonschema
+
+
 def validate(data: Any, schema: Mapping[str, Any], source: str) -> None:
     """Check ``data`` against ``schema``; raise SchemaError naming the first bad field.
 
@@ -357,8 +382,7 @@ def validate(data: Any, schema: Mapping[str, Any], source: str) -> None:
     Raises:
         SchemaError: with the dotted field path, what was expected and what was found.
     """
-    import jsonschema
-
+    jsonschema = _jsonschema()
     check_finite(data, source)
     validator = jsonschema.Draft7Validator(schema)
     err = jsonschema.exceptions.best_match(validator.iter_errors(data))

@@ -71,7 +71,9 @@ def test_compile_then_run_on_two_ranks(name: str, layout: list[str], saved: bool
         (tmp_path / "saved.py").write_text(SAVED_SPEC.format(here=str(Path(__file__).parent),
                                                              weights=str(tmp_path / "weights")))
         model = f"{tmp_path / 'saved.py'}:saved"
-    assert main(["compile", model, "--cluster", "local-cpu-2", *layout, "--repeats", "1", "-o", str(build)]) == 0
+    # the losses are checked, not the plan's predicted times: the blocks' co-run slow-down is not timed
+    assert main(["compile", model, "--cluster", "local-cpu-2", *layout, "--repeats", "1", "--no-corun",
+                 "-o", str(build)]) == 0
     # run in this process too, as compile: a CLI subprocess would import torch and the package once more before
     # it starts the ranks (the ranks are processes of their own either way)
     assert main(["run", str(build), "--steps", str(STEPS), "--run-dir", str(run)]) == 0

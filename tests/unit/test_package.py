@@ -53,6 +53,30 @@ def test_a_rank_start_imports_no_solver_and_no_checkpoint_library() -> None:
         f"{m} (import it where it is used: {LAZY_FOR_RANKS[m]})" for m in loaded) + "\n" + out.stderr
 
 
+@pytest.mark.dist  # a fresh interpreter: the only way to see what a first import loads
+def test_validating_a_file_does_not_build_jsonschemas_iri_grammars() -> None:
+    """Where rfc3987-syntax is installed, importing jsonschema builds its 39 Earley grammars (about 1 s of CPU in
+    every process that loads a plan, each rank of a job included) for an IRI format no schema here names: the
+    validator imports jsonschema without them, and the package stays importable after."""
+    import importlib.util
+
+    if importlib.util.find_spec("rfc3987_syntax") is None:
+        pytest.skip("rfc3987-syntax is not installed here: importing jsonschema builds no grammars to avoid")
+    code = ("import importlib.util, sys\n"
+            "from hpml_compile.errors import SchemaError\n"
+            "from hpml_compile.schema import CLUSTER_SCHEMA, validate\n"
+            "try:\n"
+            "    validate({'schema_version': 1}, CLUSTER_SCHEMA, 'cluster.json')\n"
+            "except SchemaError as e:\n"
+            "    print('refused:', e)\n"
+            "print('jsonschema' in sys.modules, 'rfc3987_syntax' in sys.modules,\n"
+            "      importlib.util.find_spec('rfc3987_syntax') is not None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("refused: cluster.json: devices"), out.stdout + out.stderr  # validated all the same
+    assert lines[-1] == "True False True", out.stdout + out.stderr  # jsonschema in; no grammars; still importable
+
+
 def test_every_public_name_resolves_and_compile_is_the_runtimes() -> None:
     from hpml_compile.runtime import compile as runtime_compile
 
