@@ -89,7 +89,7 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
             log: Callable[[str], None] | None = None, precision: Precision | str = Precision.FP32,
             compress: str | None = None, allow_compress: str | None = None, sync_every: int = 1,
             sync_warmup: int = 0, compile_stages: str | bool | None = None,
-            reduce_dtype: Precision | str = Precision.FP32) -> Pipeline:
+            reduce_dtype: Precision | str = Precision.FP32, corun: bool | None = None) -> Pipeline:
     """Compile ``model`` for ``cluster`` and return the pipeline that trains it; call on every rank.
 
     Args:
@@ -124,6 +124,9 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
             is priced at those times (:mod:`hpml_compile.profile.compiled`).
         reduce_dtype: ``fp32`` (default), ``bf16``, or ``fp16`` under an fp16 plan: the dtype of the replicated
             stages' gradient all-reduce / reduce-scatter (half the bytes; :func:`hpml_compile.plan.check_reduce_dtype`).
+        corun: time the model's blocks beside forked neighbours running theirs, as ranks sharing this host's
+            cores run (default None: where the cluster's CPU ranks share a host, as ``compile --corun``); False
+            skips it (a second or so less profiling; the plan's times then assume no slow-down from neighbours).
 
     Returns:
         The pipeline: ``step``, ``eval_forward``, ``state_dict``.
@@ -173,7 +176,7 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
                                        prof_opts=driver.ProfileOptions(repeats=profile_repeats,
                                                                        input_names=names, link=host.get("link"),
                                                                        process=host.get("process"),
-                                                                       compiled=timed))
+                                                                       compiled=timed, corun=corun))
         except BaseException:
             if session is not None:  # the others wait in the broadcast below: let them fail too
                 session.close()

@@ -84,6 +84,9 @@ def add_parsers(subparsers: Any) -> None:
                         "CPU stages are then profiled compiled too, a compile of each kind of block, and planned "
                         "at those times) or never (off)")
     p.add_argument("-o", "--output", type=Path, required=True, help="the build folder to write")
+    p.add_argument("--max-tp", type=int, default=None, choices=[1, 2, 4, 8], dest="max_tp",
+                   help="the largest tensor-parallel degree a stage may take (default 8; 1: none, for `run --adapt`, "
+                        "which re-plans stages without tensor parallelism)")
     add_comm_options(p)
     from .infer import add_inference_options
 

@@ -106,7 +106,7 @@ def comm_options(args: argparse.Namespace) -> dict[str, Any]:
             "sync_warmup": 0 if args.sync_warmup is None else args.sync_warmup,
             **({"reduce_dtype": args.reduce_dtype} if getattr(args, "reduce_dtype", None) else {}),
             **({"hierarchical": args.hierarchical, "uneven": args.uneven, "every_device": args.every_device,
-                **({"max_tp": args.max_tp} if hasattr(args, "max_tp") else {})} if hasattr(args, "uneven") else {})}
+                **({"max_tp": args.max_tp} if getattr(args, "max_tp", None) is not None else {})} if hasattr(args, "uneven") else {})}
 
 
 def precision_text(plan: Plan) -> str:

@@ -79,3 +79,16 @@ def test_the_changelog_has_an_entry_for_the_version_in_pyproject() -> None:
     assert declared, "pyproject.toml declares no version"
     versions = re.findall(r"^## \[([^\]]+)\]", (root / "CHANGELOG.md").read_text(), re.M)
     assert versions and versions[0] == declared[1], (versions, declared[1])
+
+
+def test_compile_takes_the_max_tp_the_adapt_refusal_names() -> None:
+    """`run --adapt` refuses tensor-parallel stages and tells the user to compile with --max-tp 1: compile takes it."""
+    from hpml_compile.cli import build_parser
+    from hpml_compile.cli.plan import comm_options
+
+    p = build_parser()
+    base = ["compile", "gpt-tiny", "--cluster", "local-cpu-2", "-o", "out"]
+    assert comm_options(p.parse_args([*base, "--max-tp", "1"]))["max_tp"] == 1
+    assert "max_tp" not in comm_options(p.parse_args(base))  # the driver's default
+    with pytest.raises(SystemExit):
+        p.parse_args([*base, "--max-tp", "3"])
