@@ -232,7 +232,7 @@ from train import spec
 
 torch.manual_seed(0)
 pipe = hpml_compile.compile(spec(), cluster=os.environ["HPML_CLUSTER"], microbatches=2, solver="uniform",
-                            profile_repeats=1, run_dir=os.environ["HPML_RUN_DIR"],
+                            profile_repeats=1, run_dir=os.environ["HPML_RUN_DIR"], corun=False,
                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
 ck = os.environ["HPML_CHECKPOINT_DIR"]
 resumed = pipe.load(ck, missing_ok=True)

@@ -20,7 +20,7 @@ from archs import spec  # noqa: E402  (the architectures next to this file)
 def main() -> None:
     arch, steps = sys.argv[1], int(sys.argv[2])
     pipe = hpml_compile.compile(spec(arch), cluster=os.environ.get("HPML_CLUSTER"), microbatches=2,
-                                solver="uniform", run_dir=os.environ.get("HPML_RUN_DIR"))
+                                solver="uniform", run_dir=os.environ.get("HPML_RUN_DIR"), corun=False)
     for _ in range(steps):
         loss = pipe.trainer.step()
         if pipe.rank == 0:
