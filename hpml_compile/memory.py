@@ -210,14 +210,15 @@ def heap_slack_bytes(stage_param_bytes: Any, *, replicas: int = 1, zero: int = 0
 
     A CPU rank keeps the memory it frees (:mod:`hpml_compile.hostmem`), so its resident set is its heap's high-water
     mark. Each step frees and allocates again the same large blocks, in the same order; whether ``malloc`` finds a
-    free range for a block depends on where the small allocations between them (Python objects, small tensors,
-    what the runtime reads from ``/proc``) landed, and these differ from run to run. A block that finds no free
+    free range for a block depends on where the small allocations between them (Python objects, small tensors)
+    landed, and these differ from run to run (with Python's cyclic collector off as well). A block that finds no free
     range is taken from the top of the heap, and the range it left stays resident: the heap grows over the first
     steps, by a different number of blocks in each run, and then stays. Measured on two CPU ranks of the ``mlp``
-    zoo model (``P`` = 30 MiB, ZeRO-2: a 30 MiB gradient buffer and 15 MiB shards each step), 6-12 steps, runs of
-    the same build in fresh processes: one rank peaked at 554-615 MiB, the other at 539-585, in steps of 15 MiB; the
-    same ranks with every block of 1 MiB and up taken from ``mmap`` (returned when freed: no heap to fragment)
-    peaked at 511 and 496 in every run, but each step faulted 34,000 fresh pages in and took twice the CPU time.
+    zoo model (``P`` = 30 MiB, ZeRO-2: a 30 MiB gradient buffer and 15 MiB shards each step), 26 runs of the
+    same build in fresh processes, 3-12 steps each: one rank peaked at 539-615 MiB, the other at 539-585, in steps
+    of 15 MiB; the same ranks with every block of 1 MiB and up taken from ``mmap`` (returned when freed: no heap
+    to fragment) peaked at 511-512 and 496-497 in each of 6 runs, but each step faulted 34,000 fresh pages in and
+    took twice the CPU time.
     The largest block is one ``malloc`` serves from the heap: at most its mmap threshold
     (:data:`hpml_compile.hostmem.MMAP_THRESHOLD`; larger ones are mapped apart and returned when freed).
 
