@@ -234,8 +234,8 @@ class CostGraph:
 
     def process_bytes(self, kind: str, stage_param_bytes: Any, replicas: int = 1, zero: int = 0) -> Any:
         """Bytes a rank of ``kind`` holds besides its stage's tensors (:func:`hpml_compile.memory.process_bytes`: the
-        measured baseline, the model as built, a replicated stage's shared memory, the optimizer's temporaries, ZeRO-3's
-        re-gathered unit), of
+        measured baseline, the model as built, a replicated stage's shared memory, the optimizer's temporaries, the
+        heap's slack, ZeRO-3's re-gathered unit), of
         the form of ``stage_param_bytes`` (an int, or an array of candidates'); 0 where no baseline was measured."""
         base = self.processes.get(kind, self.processes.get(base_kind(kind)))
         if base is None:

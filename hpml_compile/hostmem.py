@@ -20,6 +20,23 @@ shrink), which is what a loop that reaches the same peak every step wants.
 Blocks above 32 MiB (glibc's largest mmap threshold on 64-bit) are still
 unmapped when freed.
 
+And a rank's peak differs between identical runs. A step frees and allocates
+again the same large blocks in the same order (traced by size and thread: all
+of them in the main thread, the same sequence in every run), but where
+``malloc`` places each depends on the small allocations that landed between
+them, which differ from run to run; a block that finds no free range grows the
+heap, and the range it could not use stays resident. Measured on two CPU ranks
+of the ``mlp`` zoo model under ZeRO-2 (a 30 MiB gradient buffer and 15 MiB
+shards each step), 26 runs of one build in fresh processes, 3-12 steps each:
+one rank's peak 539-615 MiB, the other's 539-585, in steps of 15 MiB, growing
+over the first steps and then steady; ``malloc``'s thread arenas (gloo's
+threads) stayed under 1 MiB each, and the part before the first step varied by
+1 MiB. With ``MALLOC_MMAP_THRESHOLD_=1048576`` (every block of 1 MiB and up
+mapped apart and returned when freed) the two ranks peaked at 511-512 and
+496-497 MiB in each of 6 runs, but each step faulted 34,000 fresh pages in and
+took twice the CPU time (106 against 52 ms), so the thresholds stay as above
+and the memory model counts the slack instead (:func:`hpml_compile.memory.heap_slack_bytes`).
+
 Set ``HPML_KEEP_FREED_MEMORY=0`` to leave ``malloc`` alone; it is also left
 alone when the environment already sets ``MALLOC_TRIM_THRESHOLD_``,
 ``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES`` (the user chose), and where

@@ -17,7 +17,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["ZeroStage", "MemoryBreakdown", "process_bytes", "tied_shm_bytes", "SHM_SLOT_BYTES", "SHM_DIRECT_BYTES",
+from .hostmem import MMAP_THRESHOLD
+
+__all__ = ["ZeroStage", "MemoryBreakdown", "process_bytes", "heap_slack_bytes", "HEAP_SLACK_BLOCKS", "tied_shm_bytes", "SHM_SLOT_BYTES", "SHM_DIRECT_BYTES",
            "RIDE_IN_BYTES", "dtype_bytes", "compute_bytes", "GiB", "tied_elsewhere", "tied_shared",
            "autocast_copy_bytes", "bucket_ranges", "FIRST_BUCKET_BYTES", "BUCKET_BYTES"]
 
@@ -135,6 +137,9 @@ SHM_DIRECT_BYTES = 1 << 20
 # two come to at most this many bytes in float64 (hpml_compile.runtime.sync.comm.DistComm, whose docstring has
 # the measurements; hpml_compile.simulate prices it so).
 RIDE_IN_BYTES = SHM_DIRECT_BYTES // 2
+# How many of a step's largest heap blocks a CPU rank's peak resident set may hold beyond its live bytes, where
+# malloc could not place the block in memory the process already holds (heap_slack_bytes).
+HEAP_SLACK_BLOCKS = 2
 
 
 def process_bytes(baseline: Any, model_param_bytes: Any, stage_param_bytes: Any, *, replicas: int = 1,
@@ -157,6 +162,8 @@ def process_bytes(baseline: Any, model_param_bytes: Any, stage_param_bytes: Any,
     - the optimizer's temporaries: AdamW's step allocates about two tensors the size of the one it steps (the
       square root of its second moment and the quotient): the flat shard (``P / d``) under ZeRO-1 and up, else
       the stage's largest parameter (``largest_param``, at most the stage's bytes; None: the stage's).
+    - the heap's slack (:func:`heap_slack_bytes`): where ``malloc`` places a step's large blocks varies from run
+      to run, and a block it cannot place in memory the process already holds grows the heap;
     - under ZeRO-3, one more copy of the stage's parameters (``P``): the gathered flat buffer is freed and
       allocated again for every forward and backward (:mod:`hpml_compile.runtime.sync.zero3`), and between
       two gathers ``malloc`` splits the freed block for smaller tensors (the reduce-scatter's shard, the
@@ -176,12 +183,12 @@ def process_bytes(baseline: Any, model_param_bytes: Any, stage_param_bytes: Any,
     Returns:
         Bytes, of the form of ``stage_param_bytes``.
 
-    >>> process_bytes(300 << 20, 40 << 20, 10 << 20, largest_param=4 << 20) >> 20  # 300 + 30 + 2 x 4
-    338
-    >>> process_bytes(300 << 20, 40 << 20, 10 << 20, replicas=2, zero=1) >> 20  # 300 + 40 + 2 x 10 + 2 x 5
-    370
-    >>> process_bytes(300 << 20, 40 << 20, 10 << 20, replicas=2, zero=3) >> 20  # and the gathered unit again
+    >>> process_bytes(300 << 20, 40 << 20, 10 << 20, largest_param=4 << 20) >> 20  # 300 + 30 + 2 x 4, slack 2 x 4
+    346
+    >>> process_bytes(300 << 20, 40 << 20, 10 << 20, replicas=2, zero=1) >> 20  # 300 + 40 + 2 x 10 + 2 x 5 + 2 x 5
     380
+    >>> process_bytes(300 << 20, 40 << 20, 10 << 20, replicas=2, zero=3) >> 20  # the gathered unit again, slack 2 x 10
+    400
     """
     def smaller(a: Any, b: Any) -> Any:
         return a * (a <= b) + b * (a > b)
@@ -193,7 +200,61 @@ def process_bytes(baseline: Any, model_param_bytes: Any, stage_param_bytes: Any,
     stepped = stage_param_bytes // replicas if flat else (
         stage_param_bytes if largest_param is None else smaller(stage_param_bytes, largest_param))
     regathered = stage_param_bytes if replicas > 1 and zero >= 3 else stage_param_bytes * 0
-    return baseline + built + shm + 2 * stepped + regathered
+    slack = heap_slack_bytes(stage_param_bytes, replicas=replicas, zero=zero, largest_param=largest_param)
+    return baseline + built + shm + 2 * stepped + regathered + slack
+
+
+def heap_slack_bytes(stage_param_bytes: Any, *, replicas: int = 1, zero: int = 0, largest_param: Any = None) -> Any:
+    """What a CPU rank's peak resident set may hold beyond its live bytes: :data:`HEAP_SLACK_BLOCKS` of the largest
+    block its step frees and allocates again on ``malloc``'s heap (ints, or numpy arrays alike).
+
+    A CPU rank keeps the memory it frees (:mod:`hpml_compile.hostmem`), so its resident set is its heap's high-water
+    mark. Each step frees and allocates again the same large blocks, in the same order; whether ``malloc`` finds a
+    free range for a block depends on where the small allocations between them (Python objects, small tensors)
+    landed, and these differ from run to run (with Python's cyclic collector off as well). A block that finds no free
+    range is taken from the top of the heap, and the range it left stays resident: the heap grows over the first
+    steps, by a different number of blocks in each run, and then stays. Measured on two CPU ranks of the ``mlp``
+    zoo model (``P`` = 30 MiB, ZeRO-2: a 30 MiB gradient buffer and 15 MiB shards each step), 26 runs of the
+    same build in fresh processes, 3-12 steps each: one rank peaked at 539-615 MiB, the other at 539-585, in steps
+    of 15 MiB; the same ranks with every block of 1 MiB and up taken from ``mmap`` (returned when freed: no heap
+    to fragment) peaked at 511-512 and 496-497 in each of 6 runs, but each step faulted 34,000 fresh pages in and
+    took twice the CPU time.
+    The largest block is one ``malloc`` serves from the heap: at most its mmap threshold
+    (:data:`hpml_compile.hostmem.MMAP_THRESHOLD`; larger ones are mapped apart and returned when freed).
+
+    Which block a step allocates again:
+
+    - ZeRO-2 and ZeRO-3 on a replicated stage: the stage's flat gradient buffer, freed after each reduce-scatter
+      (ZeRO-3 also gathers its parameters into a new buffer for each pass): ``P``;
+    - ZeRO-1: the reduce-scatter's shard and AdamW's temporaries of it, ``P / d``;
+    - otherwise AdamW's temporaries of the largest parameter (``largest_param``, at most the stage's ``P``; None:
+      the stage's).
+
+    Args:
+        stage_param_bytes: the stage's parameter bytes ``P``.
+        replicas: the stage's data-parallel degree ``d``.
+        zero: its ZeRO stage.
+        largest_param: the largest parameter's bytes.
+
+    Returns:
+        Bytes, of the form of ``stage_param_bytes``.
+
+    >>> heap_slack_bytes(30 << 20, replicas=2, zero=2) >> 20  # two of the 30 MiB gradient buffer
+    60
+    >>> heap_slack_bytes(30 << 20, replicas=2, zero=1) >> 20  # two of the 15 MiB shard
+    30
+    >>> heap_slack_bytes(200 << 20, replicas=2, zero=2) >> 20  # mapped apart: at most two of the mmap threshold
+    64
+    """
+    def smaller(a: Any, b: Any) -> Any:
+        return a * (a <= b) + b * (a > b)
+
+    flat = replicas > 1 and zero >= 1
+    if flat:
+        block = stage_param_bytes if zero >= 2 else stage_param_bytes // replicas
+    else:
+        block = stage_param_bytes if largest_param is None else smaller(stage_param_bytes, largest_param)
+    return HEAP_SLACK_BLOCKS * smaller(block, MMAP_THRESHOLD)
 
 
 def tied_shm_bytes(shared: Any, members: int) -> Any:

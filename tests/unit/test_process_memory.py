@@ -13,7 +13,8 @@ import torch
 from hpml_compile import profile
 from hpml_compile.cluster import load_cluster
 from hpml_compile.costgraph import build
-from hpml_compile.memory import process_bytes
+from hpml_compile.hostmem import MMAP_THRESHOLD
+from hpml_compile.memory import HEAP_SLACK_BLOCKS, heap_slack_bytes, process_bytes
 from hpml_compile.plan import Plan, Schedule, Stage, stage_breakdown
 from hpml_compile.profile.process import BASELINE_CODE, cached, host_key, remember, this_host, with_process
 from hpml_compile.simulate import simulate
@@ -41,8 +42,9 @@ def test_each_cpu_device_counts_the_baseline_and_the_rest_of_the_model() -> None
     for st in plan.stages:
         own = sum(n.param_bytes for n in prof.nodes if n.name in st.nodes)
         dev = st.devices[0]
-        # the baseline, the rest of the model as built, AdamW's two temporaries of the largest parameter it steps
-        want = base + total - own + 2 * min(own, largest)
+        # the baseline, the rest of the model as built, AdamW's two temporaries of the largest parameter it steps, and
+        # the heap's slack: two of that block again
+        want = base + total - own + 2 * min(own, largest) + HEAP_SLACK_BLOCKS * min(own, largest)
         assert counted.peak[dev] - plain.peak[dev] == want == process_bytes(base, total, own, largest_param=largest)
         # the part-by-part breakdown (benchmarks/memory_truth) counts it alike, and apart from the tensors
         parts = stage_breakdown(plan, with_base, st, dev)
@@ -69,9 +71,27 @@ def test_a_rank_of_saved_weights_counts_only_its_own_stage_as_built() -> None:
 def test_a_replicated_zero_stage_counts_the_whole_model_built_its_shared_memory_and_its_shards_step() -> None:
     p, base = 40 * MiB, 300 * MiB
     got = process_bytes(base, p, p, replicas=2, zero=1, largest_param=p)
-    assert got == base + p + 2 * p + 2 * (p // 2)  # the model as built, two shm slots, AdamW over the shard
+    # the model as built, two shm slots, AdamW over the shard, the heap's slack of the shard
+    assert got == base + p + 2 * p + 2 * (p // 2) + HEAP_SLACK_BLOCKS * (p // 2)
     big = 200 * MiB  # a gradient above one slot goes through the slots in pieces
-    assert process_bytes(base, big, big, replicas=2, zero=0, largest_param=MiB) == base + 2 * 64 * MiB + 2 * MiB
+    assert process_bytes(base, big, big, replicas=2, zero=0, largest_param=MiB) \
+        == base + 2 * 64 * MiB + 2 * MiB + HEAP_SLACK_BLOCKS * MiB
+
+
+def test_the_heap_slack_is_of_the_largest_block_a_step_allocates_again_and_at_most_the_mmap_threshold() -> None:
+    p = 30 * MiB
+    # ZeRO-2 frees and allocates its whole flat gradient buffer each step, ZeRO-1 only shards of it
+    assert heap_slack_bytes(p, replicas=2, zero=2) == heap_slack_bytes(p, replicas=2, zero=3) == HEAP_SLACK_BLOCKS * p
+    assert heap_slack_bytes(p, replicas=2, zero=1) == HEAP_SLACK_BLOCKS * (p // 2)
+    # unsharded: AdamW's temporaries of the largest parameter (none given: the stage's)
+    assert heap_slack_bytes(p, largest_param=4 * MiB) == HEAP_SLACK_BLOCKS * 4 * MiB
+    assert heap_slack_bytes(p) == heap_slack_bytes(p, replicas=2, zero=0) == HEAP_SLACK_BLOCKS * p
+    # a block above malloc's mmap threshold is mapped apart and returned when freed: it leaves no hole in the heap
+    assert heap_slack_bytes(200 * MiB, replicas=2, zero=2) == HEAP_SLACK_BLOCKS * MMAP_THRESHOLD
+    # numpy arrays of candidates alike (the solvers' tables)
+    import numpy as np
+    got = heap_slack_bytes(np.array([p, 200 * MiB]), replicas=2, zero=2)
+    assert got.tolist() == [HEAP_SLACK_BLOCKS * p, HEAP_SLACK_BLOCKS * MMAP_THRESHOLD]
 
 
 def test_the_host_cache_gives_the_figures_back_without_starting_a_process(tmp_path: Path,
