@@ -80,6 +80,26 @@ def _ship(src: Path | None, rank: int) -> Path:
     return mine
 
 
+def _unpack(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.Tensor | None,
+            optimizer: OptimizerArg) -> tuple[nn.Module, tuple[Any, ...], OptimizerArg]:
+    """The module, its example inputs and optimizer: a TrainSpec's own where it gives them and the caller did not.
+
+    Raises:
+        ModelError: a plain module without example inputs.
+    """
+    if isinstance(model, TrainSpec):
+        spec = model
+        model = spec.module
+        if example_inputs is None:
+            example_inputs = first_batch(spec)[0]
+        if optimizer is None:
+            optimizer = spec.optimizer
+    if example_inputs is None:
+        raise ModelError("compile(model) needs example_inputs (one training batch's positional inputs), or pass "
+                         "an hpml_compile.TrainSpec, whose dataset's first batch is used")
+    return model, ((example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)), optimizer
+
+
 def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.Tensor | None = None, *,  # noqa: A001
             cluster: str | Cluster | None = None, optimizer: OptimizerArg = None,
             schedule: Schedule | str = Schedule.ONE_F_ONE_B, microbatches: int | None = None,
@@ -124,9 +144,8 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
             is priced at those times (:mod:`hpml_compile.profile.compiled`).
         reduce_dtype: ``fp32`` (default), ``bf16``, or ``fp16`` under an fp16 plan: the dtype of the replicated
             stages' gradient all-reduce / reduce-scatter (half the bytes; :func:`hpml_compile.plan.check_reduce_dtype`).
-        corun: time the model's blocks beside forked neighbours running theirs, as ranks sharing this host's
-            cores run (default None: where the cluster's CPU ranks share a host, as ``compile --corun``); False
-            skips it (a second or so less profiling; the plan's times then assume no slow-down from neighbours).
+        corun: time the blocks beside forked neighbours, as ranks sharing a host run (None: where CPU ranks share
+            one, as ``compile``); False skips it, and the plan's times assume no slow-down from neighbours.
 
     Returns:
         The pipeline: ``step``, ``eval_forward``, ``state_dict``.
@@ -145,16 +164,7 @@ def compile(model: nn.Module | TrainSpec, example_inputs: Sequence[Any] | torch.
                           max_tp=1)  # this process group runs stages without tensor parallelism (run does)
     spec = model if isinstance(model, TrainSpec) else None
     names: tuple[str, ...] = batch_input_names(spec) if spec is not None else ()
-    if spec is not None:
-        model = spec.module
-        if example_inputs is None:
-            example_inputs = first_batch(spec)[0]
-        if optimizer is None:
-            optimizer = spec.optimizer
-    if example_inputs is None:
-        raise ModelError("compile(model) needs example_inputs (one training batch's positional inputs), or pass "
-                         "an hpml_compile.TrainSpec, whose dataset's first batch is used")
-    inputs = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    model, inputs, optimizer = _unpack(model, example_inputs, optimizer)
     distributed = dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1
     session = Session("env://", policy=retry, log=log) if distributed else None
     world = session.world_size if session else 1
