@@ -12,13 +12,17 @@ it holds ``1 / v`` of the compute its group had in the solver's plan (in the
 group's own time: a slower group takes less of the model; the cut that keeps
 the largest piece closest to its share), so each group keeps the load the
 solver balanced against its memory. For each ``v`` of
-:data:`CHUNKS` (``S v`` blocks at most) it checks the memory
-(:func:`hpml_compile.plan.validate_plan`, a device holding all its chunks) and
-simulates the step, and the same with every piece given equal time on its own
-group (where the solver left a group almost idle, its share cannot hold a
-block per chunk), and where the cut overloads an end group the solver left
-almost idle, the plan without that group (:func:`without_idle_ends`);
-:func:`choose` keeps the fastest. Tensor-parallel groups keep their degree on
+:func:`chunk_counts` (:data:`CHUNKS` and a block a piece, ``S v`` blocks at
+most) it checks the memory (:func:`hpml_compile.plan.validate_plan`, a device
+holding all its chunks) and simulates the step, and the same with every piece
+given equal time on its own group (where the solver left a group almost idle,
+its share cannot hold a block per chunk), with each group's running load held
+to its share instead of each piece (groups of different speeds), and where the
+cut overloads an end group the solver left almost idle, the plan without that
+group (:func:`without_idle_ends`); :func:`choose` keeps the fastest, over the
+solver's placement and, where the driver solved one, a placement whose stages
+left memory for interleaving's microbatches in flight
+(:func:`hpml_compile.driver.roomy_placement`). Tensor-parallel groups keep their degree on
 every chunk (each chunk priced with its group's ``tp``, a device's memory
 summing its sharded chunks). Interleaving holds more
 microbatches in flight than 1F1B, most on the later groups (``(v - 1) S +
