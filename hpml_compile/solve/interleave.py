@@ -282,7 +282,8 @@ def _best(placed: Plan, graph: CostGraph, prof: Profile, budget_s: float,
     counts were left out."""
     t0, best, s = time.perf_counter(), None, len(placed.stages)
     trimmed: Plan | None = None  # placed without an end group interleaving overloads (:func:`without_idle_ends`)
-    for v in chunk_counts(s, len(graph.order)):
+    one = len(graph.order) // s  # a block a piece first: the even pieces a placement with room is solved for
+    for v in sorted(chunk_counts(s, len(graph.order)), key=lambda c: c != one):
         first = interleave(replace(placed, precision=prof.precision), graph, v)
         if first is None:
             continue
