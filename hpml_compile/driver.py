@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -72,7 +73,7 @@ from .tp import MAX_TP, TP_DEGREES
 __all__ = ["Options", "ProfileOptions", "compile", "plan", "replan", "move_rows", "with_link", "profile_links",
            "rebuild", "cost_graph", "local_threads",
            "check_microbatches", "check_threads", "check_precision", "faster_schedule", "AUTO_SCHEDULE",
-           "INTERLEAVE_IN_AUTO"]
+           "INTERLEAVE_IN_AUTO", "roomy_placement"]
 
 Say = Callable[[str], None]
 
@@ -90,6 +91,9 @@ INTERLEAVE_IN_AUTO = True
 #: The seconds ``auto`` spends trying chunk counts (a forced ``interleaved-1f1b`` spends up to
 #: :data:`hpml_compile.solve.interleave.BUDGET_S`), so that the plan command stays within its printed budget.
 AUTO_BUDGET_S = 10.0
+#: The most seconds the solve of a placement with room for interleaving's microbatches takes
+#: (:func:`roomy_placement`; the solver's own time limit where shorter).
+ROOM_LIMIT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,8 +478,9 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
     auto_chunks = opts.interleave if opts.interleave is not None else _interleave_in_auto(result, progress)
     if opts.schedule is Schedule.INTERLEAVED or (opts.choose_schedule and auto_chunks):  # 5e. chunks per group
         forced = opts.schedule is Schedule.INTERLEAVED
+        roomy = roomy_placement(result, graph, prof, cluster, opts, progress)      # memory for its chunks
         result = choose_chunks(replace(result, compile_stages=opts.compile_stages), graph, prof, forced=forced,
-                               say=progress, budget_s=BUDGET_S if forced else AUTO_BUDGET_S)
+                               say=progress, budget_s=BUDGET_S if forced else AUTO_BUDGET_S, roomy=roomy)
     result = replace(result, precision=prof.precision,                              # trains as it was timed
                      compile_stages=opts.compile_stages,                            # runs as it was priced
                      allow_compress=opts.allow_compress or "")                      # a re-plan offers it again
@@ -491,6 +496,49 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
                      assumptions=assumptions(result, prof, compiled=opts.compiled))  # what was not measured here
     _dump(opts, "4-plan.json", lambda p: save_plan(result, p))
     return result
+
+
+def roomy_placement(placed: Plan, graph: CostGraph, prof: Profile, cluster: Cluster, opts: Options,
+                    progress: Say | None = None) -> Plan | None:
+    """The placement solved again knowing interleaving follows: every stage leaves memory for the microbatches
+    interleaved 1F1B holds with ``v`` chunks over ``placed``'s ``S`` device groups (``v = blocks // S``, at least 2:
+    a block a piece; :func:`hpml_compile.solve.candidates.interleaved_in_flight`), priced as 1F1B.
+
+    ``placed`` fills its devices for 1F1B, whose later stages hold few microbatches; interleaved, they hold about
+    ``S``, so its chunks must recompute to fit. Solved with that room, the stages take more devices, a higher
+    tensor-parallel degree or ZeRO where that is cheaper. :func:`hpml_compile.solve.interleave.choose` weighs both.
+
+    Args:
+        placed: the solver's plan.
+        graph: the cost graph.
+        prof: the profile.
+        cluster: the devices it was solved on.
+        opts: the solver's options (its time limit capped at :data:`ROOM_LIMIT_S`).
+        progress: where one line about it goes.
+
+    Returns:
+        The plan (1F1B), or None: one stage, CPU ranks (which interleaving on its own does not overflow), a
+        solver other than ``ilp``/``dp``, or nothing fits with that room.
+    """
+    s = len(placed.stages)
+    kinds = {base_kind(d.kind) for d in cluster.devices}
+    if s < 2 or kinds <= {"cpu"} or SolverName(opts.solver) not in (SolverName.ILP, SolverName.DP):
+        return None
+    v, t0 = max(2, len(graph.order) // s), time.perf_counter()
+    try:
+        roomy = solve(graph, cluster, solver=opts.solver, microbatches=opts.microbatches, time_limit_s=min(
+            ROOM_LIMIT_S, opts.time_limit_s), dtype=prof.dtype, compute_bytes=compute_bytes(prof.precision.value),
+            compress=opts.allow_compress, hierarchical=opts.hierarchical,
+            reduce_dtype=opts.reduce_dtype or Precision.FP32, room=(v, s))
+    except HpmlError as e:
+        if progress:
+            progress(f"schedule: no placement with room for {v} chunks over {s} device groups ({e})")
+        return None
+    if progress:
+        progress(f"schedule: placed again with room for {v} chunks over {s} device groups: {len(roomy.stages)} "
+                 f"stages, M={roomy.microbatches}, {roomy.predicted.step_ms:.4g} ms a step under 1f1b "
+                 f"({time.perf_counter() - t0:.1f} s)")
+    return roomy
 
 
 def _interleave_in_auto(placed: Plan, progress: Say | None) -> bool:

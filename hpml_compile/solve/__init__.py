@@ -153,7 +153,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
           microbatches: int | None = None, schedule: Schedule | str = Schedule.ONE_F_ONE_B,
           time_limit_s: float = 30.0, dtype: str = "float32", compute_bytes: int = 0,
           progress: Callable[[str], None] | None = None, compress: Compression | str | None = None,
-          hierarchical: bool = True, reduce_dtype: Precision | str = Precision.FP32) -> Plan:
+          hierarchical: bool = True, reduce_dtype: Precision | str = Precision.FP32,
+          room: tuple[int, int] = (1, 0)) -> Plan:
     """Place ``costgraph`` on ``cluster``.
 
     Args:
@@ -175,6 +176,9 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
             (exact: the same sum); False keeps every all-reduce flat.
         reduce_dtype: the dtype of the gradient collectives (``Plan.reduce_dtype``), whose bytes the candidates'
             sync is priced at (:func:`hpml_compile.stagecost.sync_ms`) and which the plan carries.
+        room: ``(v, S)``: every stage leaves memory for the microbatches interleaved 1F1B with ``v`` chunks over
+            ``S`` device groups holds (:func:`.candidates.interleaved_in_flight`), for a placement that
+            :mod:`.interleave` re-cuts into chunks; ``(1, 0)``: the schedule's own. The plan is 1F1B's.
 
     Returns:
         The plan, with the simulator's predictions and the solver's status.
@@ -231,7 +235,7 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
 
     best = _search(chain, cluster, ms, sched, dtype, search, name.value, say, t0, unimodal=large, compress=allowed,
                    fraction=frac, hierarchical=hierarchical, proxy=large and name in (SolverName.ILP, SolverName.DP),
-                   compute_bytes=compute_bytes, seen=seen, reduce_dtype=Precision(reduce_dtype),
+                   compute_bytes=compute_bytes, seen=seen, reduce_dtype=Precision(reduce_dtype), room=room,
                    until=t0 + SEARCH_SHARE * time_limit_s if large and name is SolverName.ILP else math.inf)
     if best is None:
         raise InfeasibleError(diagnose(chain, cluster, Setting(max(ms), sched, costgraph.batch_size, dtype, allowed,
@@ -263,7 +267,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
         # the one that simulates fastest is returned, with the gap of *its* proxy objective against the bound
         if large:
             every = [Setting(m, sched, costgraph.batch_size, dtype, allowed, frac, hierarchical, compute_bytes,
-                             reduce_dtype=Precision(reduce_dtype)) for m in ms]
+                             reduce_dtype=Precision(reduce_dtype), room_chunks=room[0], room_groups=room[1])
+                     for m in ms]
             out = anytime(chain, cluster, every, {m: p for m, (_, p) in seen.items()}, time_limit_s, say, t0)
             lower, proven = out.lower, out.status is SolverStatus.OPTIMAL
             # with the first plan at the incumbent's count, the best first plan at another count (by the proxy;
@@ -299,7 +304,8 @@ def solve(costgraph: CostGraph, cluster: Cluster, *, solver: SolverName | str = 
     else:
         step, plan = simulated(setting, picked)
     info = SolverInfo(name.value, status, gap, time.perf_counter() - t0)
-    if name is SolverName.ILP and not allowed:  # a uniform mesh may mix kinds in one stage, outside the ILP's space
+    if name is SolverName.ILP and not allowed and room[0] == 1:  # a uniform mesh may mix kinds in one stage, outside
+        # the ILP's space (its memory is the schedule's: no room left for interleaving)
         left = max(1.0, time_limit_s - (time.perf_counter() - t0))  # within the time limit, a second at least
         mesh = _mesh(costgraph, cluster, microbatches, sched, dtype, compute_bytes, left, hierarchical)
         if mesh is not None and mesh.predicted.step_ms < step:
@@ -372,7 +378,8 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
             t0: float | None = None, unimodal: bool = False, compress: Compression | None = None,
             fraction: float | None = None, hierarchical: bool = True, proxy: bool = False, compute_bytes: int = 0,
             seen: dict[int, tuple[Setting, list[Candidate]]] | None = None, until: float = math.inf,
-            reduce_dtype: Precision = Precision.FP32) -> tuple[float, Plan | None, Setting, list[Candidate]] | None:
+            reduce_dtype: Precision = Precision.FP32,
+            room: tuple[int, int] = (1, 0)) -> tuple[float, Plan | None, Setting, list[Candidate]] | None:
     """The microbatch count whose stages (from ``pick``) simulate fastest: ``(step, plan, setting, stages)``.
 
     Stopped by Ctrl-C (KeyboardInterrupt) after a first plan, it returns the best so far. ``unimodal``:
@@ -400,7 +407,7 @@ def _search(chain: Chain, cluster: Cluster, ms: list[int], sched: Schedule, dtyp
             break
         try:
             setting = Setting(m, sched, graph.batch_size, dtype, compress, fraction, hierarchical, compute_bytes,
-                              reduce_dtype=reduce_dtype)
+                              reduce_dtype=reduce_dtype, room_chunks=room[0], room_groups=room[1])
             picked = pick(setting)
             if not picked:
                 plan, step = None, math.inf

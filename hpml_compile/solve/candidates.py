@@ -35,10 +35,11 @@ from ..ir import Cluster, Precision
 from ..memory import MemoryBreakdown, ZeroStage
 from ..plan import AllReduce, Plan, Schedule, SolverInfo, Stage
 from ..simulate import stage_costs, tied_syncs
+from ..stagecost import Value
 from ..tp import TP_DEGREES
 
 __all__ = ["Chain", "StageConfig", "Candidate", "Setting", "CONFIGS", "zero_bubble_runs", "enumerate_candidates", "kind_counts",
-           "assign_devices", "assign_tp_devices", "host_groups", "ShardSums", "in_flight", "classes", "range_candidates", "to_plan", "degrees", "group_link",
+           "assign_devices", "assign_tp_devices", "host_groups", "ShardSums", "in_flight", "interleaved_in_flight", "classes", "range_candidates", "to_plan", "degrees", "group_link",
            "group_links", "boundary_link", "faster_allreduce", "allreduce_choice"]
 
 
@@ -224,6 +225,12 @@ class Setting:
     compute_bytes: int = 0  # the autocast compute dtype's (0: fp32), for the weight copies per microbatch
     max_tp: int = 8  # the largest tensor-parallel degree a stage may take (1: none; hpml_compile.tp)
     reduce_dtype: Precision = Precision.FP32  # the dtype of the gradient collectives (Plan.reduce_dtype)
+    # interleaved 1F1B's memory, where the placement is for interleaving that follows (hpml_compile.solve.interleave):
+    # every stage leaves room for the microbatches ``room_chunks`` chunks over ``room_groups`` device groups hold
+    # (:func:`in_flight`), and takes no configuration a device group holding chunks does not run (activation swap,
+    # optimizer offload); 1: the schedule's own count. Times stay the schedule's: the chunks are a later pass.
+    room_chunks: int = 1
+    room_groups: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,8 +280,36 @@ def classes(setting: Setting, devices: int) -> int:
 
 
 def in_flight(setting: Setting, j: int) -> int:
-    """Microbatches in flight for a stage with ``j`` stages after it (:func:`hpml_compile.stagecost.in_flight`)."""
+    """Microbatches in flight for a stage with ``j`` stages after it (:func:`hpml_compile.stagecost.in_flight`);
+    with :attr:`Setting.room_chunks` above 1, interleaving's (:func:`interleaved_in_flight`)."""
+    if setting.room_chunks > 1:
+        return int(interleaved_in_flight(setting.microbatches, j, setting.room_groups, setting.room_chunks))
     return int(stagecost.in_flight(setting.schedule, setting.microbatches, j))
+
+
+def interleaved_in_flight(microbatches: int, after: Value, groups: int, chunks: int) -> Value:
+    """Whole-stage microbatches a device group holds at its peak under interleaved 1F1B with ``j`` groups after it.
+
+    Group ``g = S - j - 1`` runs ``2 j + (v - 1) S`` warm-up forwards (:func:`hpml_compile.interleave.warmup`),
+    so it holds ``min(2 j + (v - 1) S + 1, v M)`` chunk-microbatches at its peak, each about ``1 / v`` of the
+    group's activations (chunks cut to equal time): ``ceil(min(2 j + (v - 1) S + 1, v M) / v)`` whole ones,
+    against 1F1B's ``min(j + 1, M)``. The first group holds about ``S (1 + 1 / v)``, the last ``S (1 - 1 / v)``.
+
+    Args:
+        microbatches: ``M``.
+        after: ``j`` (an int, or an array of them).
+        groups: ``S``, the device groups assumed.
+        chunks: ``v``.
+
+    Returns:
+        The count (at least 1), of the same form as ``after``.
+
+    >>> [interleaved_in_flight(64, j, 4, 2) for j in range(4)], [interleaved_in_flight(3, j, 4, 2) for j in range(4)]
+    ([3, 4, 5, 6], [3, 3, 3, 3])
+    """
+    held = np.maximum(1, -(-np.minimum(2 * np.asarray(after) + (chunks - 1) * groups + 1, chunks * microbatches)
+                            // chunks))
+    return held if isinstance(after, np.ndarray) else int(held)
 
 
 def degrees(count: int, rows: int) -> list[int]:

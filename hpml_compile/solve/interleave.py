@@ -12,13 +12,17 @@ it holds ``1 / v`` of the compute its group had in the solver's plan (in the
 group's own time: a slower group takes less of the model; the cut that keeps
 the largest piece closest to its share), so each group keeps the load the
 solver balanced against its memory. For each ``v`` of
-:data:`CHUNKS` (``S v`` blocks at most) it checks the memory
-(:func:`hpml_compile.plan.validate_plan`, a device holding all its chunks) and
-simulates the step, and the same with every piece given equal time on its own
-group (where the solver left a group almost idle, its share cannot hold a
-block per chunk), and where the cut overloads an end group the solver left
-almost idle, the plan without that group (:func:`without_idle_ends`);
-:func:`choose` keeps the fastest. Tensor-parallel groups keep their degree on
+:func:`chunk_counts` (:data:`CHUNKS` and a block a piece, ``S v`` blocks at
+most) it checks the memory (:func:`hpml_compile.plan.validate_plan`, a device
+holding all its chunks) and simulates the step, and the same with every piece
+given equal time on its own group (where the solver left a group almost idle,
+its share cannot hold a block per chunk), with each group's running load held
+to its share instead of each piece (groups of different speeds), and where the
+cut overloads an end group the solver left almost idle, the plan without that
+group (:func:`without_idle_ends`); :func:`choose` keeps the fastest, over the
+solver's placement and, where the driver solved one, a placement whose stages
+left memory for interleaving's microbatches in flight
+(:func:`hpml_compile.driver.roomy_placement`). Tensor-parallel groups keep their degree on
 every chunk (each chunk priced with its group's ``tp``, a device's memory
 summing its sharded chunks). Interleaving holds more
 microbatches in flight than 1F1B, most on the later groups (``(v - 1) S +
@@ -52,9 +56,9 @@ from ..plan import Plan, PlanPrediction, Schedule, Stage, device_need, stage_bre
 from ..tp import TensorParallel, analyze as analyze_tp
 from ..simulate import _stage_of_graph_nodes, annotate, node_ms, step_ms
 
-__all__ = ["CHUNKS", "BUDGET_S", "interleave", "without_idle_ends", "fit", "choose"]
+__all__ = ["CHUNKS", "BUDGET_S", "chunk_counts", "interleave", "without_idle_ends", "fit", "choose"]
 
-#: The chunk counts ``v`` tried, smallest first.
+#: The chunk counts ``v`` tried, smallest first (with the one that gives a piece a block, :func:`chunk_counts`).
 CHUNKS = (2, 3, 4, 6, 8)
 #: The most seconds :func:`choose` spends trying them (it says where it stopped).
 BUDGET_S = 60.0
@@ -74,28 +78,46 @@ def _group_ms(placed: Plan, graph: CostGraph) -> list[dict[str, float]]:
     return out
 
 
-def _balanced_cuts(costs: list[list[float]], target: list[float]) -> list[int]:
-    """Where to cut a sequence of blocks into ``len(target)`` pieces, piece ``k`` pricing block ``i`` at
-    ``costs[k % S][i]``: the cut whose largest ratio of a piece's cost to its target is smallest (a binary search on
-    that ratio, each piece filled greedily up to it; every piece keeps at least one block).
+def _balanced_cuts(costs: list[list[float]], target: list[float], running: bool = False) -> list[int]:
+    """Where to cut a sequence of blocks into ``len(target)`` pieces, piece ``k`` (chunk ``k // S`` of group
+    ``k % S``) pricing block ``i`` at ``costs[k % S][i]``: the cut whose largest ratio of a piece's cost to its
+    target is smallest (a binary search on that ratio, each piece filled greedily up to it; every piece keeps at
+    least one block).
+
+    ``running``: the ratio is of a group's running load (its pieces so far) to its running target instead, so a
+    group whose share is 3 blocks over 2 chunks takes 1 block then 2 rather than 2 and 2: the group totals stay
+    balanced where the pieces cannot all be (groups of different speeds, blocks coarser than a piece), at the price
+    of uneven pieces, which interleaving's fixed order also pays for; :func:`choose` tries both.
 
     >>> _balanced_cuts([[1.0] * 6], [1.0, 1.0, 1.0])
     [2, 4]
     >>> _balanced_cuts([[1.0] * 6, [1.0] * 6], [1.0, 2.0])
     [2]
+
+    Nine equal blocks, group 0's share 3 and group 1's 6, over 2 chunks: held piece by piece, group 0 takes 2 + 2
+    blocks (a third over its share); held as running loads, 1 + 2:
+
+    >>> _balanced_cuts([[1.0] * 9] * 2, [1.5, 3.0] * 2), _balanced_cuts([[1.0] * 9] * 2, [1.5, 3.0] * 2, True)
+    ([2, 6, 8], [1, 4, 6])
     """
     s, pieces, n = len(costs), len(target), len(costs[0])
 
     def fill(scale: float) -> list[int] | None:
-        cuts, i = [], 0
+        cuts, i, load, goal = [], 0, [0.0] * s, [0.0] * s
         for k in range(pieces - 1):
-            acc, start, limit = 0.0, i, n - (pieces - 1 - k)
-            while i < limit and (i == start or acc + costs[k % s][i] <= scale * target[k]):
-                acc += costs[k % s][i]
+            g = k % s
+            if not running:
+                load[g] = goal[g] = 0.0
+            goal[g] += target[k]
+            start, limit = i, n - (pieces - 1 - k)
+            while i < limit and (i == start or load[g] + costs[g][i] <= scale * goal[g]):
+                load[g] += costs[g][i]
                 i += 1
             cuts.append(i)
-        rest = sum(costs[(pieces - 1) % s][i:])
-        return cuts if rest <= scale * target[-1] else None
+        g = (pieces - 1) % s
+        if not running:
+            load[g] = goal[g] = 0.0
+        return cuts if load[g] + sum(costs[g][i:]) <= scale * (goal[g] + target[-1]) else None
 
     lo, hi = 0.0, max(sum(c) for c in costs) / max(min(target), 1e-12) + 1.0
     best = fill(hi)
@@ -110,7 +132,7 @@ def _balanced_cuts(costs: list[list[float]], target: list[float]) -> list[int]:
     return best
 
 
-def interleave(placed: Plan, graph: CostGraph, chunks: int, even: bool = False) -> Plan | None:
+def interleave(placed: Plan, graph: CostGraph, chunks: int, even: bool = False, running: bool = False) -> Plan | None:
     """``placed``'s device groups holding ``chunks`` pieces each (module docstring); unpredicted.
 
     Args:
@@ -120,6 +142,7 @@ def interleave(placed: Plan, graph: CostGraph, chunks: int, even: bool = False) 
         even: give every piece the same time on its own group instead of its group's share of the solver's plan
             (where the solver left a group almost idle, say a slow one holding only the embedding, that share
             cannot hold a whole block per chunk).
+        running: hold each group's running load to its share rather than each piece (:func:`_balanced_cuts`).
 
     Returns:
         The interleaved plan, or None where it cannot be made: fewer than 2 groups, fewer blocks than pieces.
@@ -131,7 +154,8 @@ def interleave(placed: Plan, graph: CostGraph, chunks: int, even: bool = False) 
     costs = _group_ms(placed, graph)
     target = [1.0 if even else sum(costs[g][n] for n in graph.order if owner[n] == g) / chunks for g in range(s)]
     blocks, pieces = list(graph.order), s * chunks
-    cuts = _balanced_cuts([[costs[k % s][b] for b in blocks] for k in range(s)], [target[k % s] for k in range(pieces)])
+    cuts = _balanced_cuts([[costs[k % s][b] for b in blocks] for k in range(s)], [target[k % s] for k in range(pieces)],
+                          running)
     bounds = list(zip([0, *cuts], [*cuts, len(blocks)]))
     stages = []
     for k, (lo, hi) in enumerate(bounds):
@@ -239,10 +263,64 @@ def _not_run(plan: Plan) -> str | None:
     return None
 
 
+def chunk_counts(groups: int, blocks: int) -> list[int]:
+    """The chunk counts ``v`` tried for ``S`` device groups over ``blocks`` blocks: :data:`CHUNKS` and ``blocks //
+    S``, the count at which every piece holds about one block (where ``S v`` divides the blocks, as 80 layers over 16
+    groups of 5 chunks, the pieces are equal: uneven pieces stall interleaving's fixed order), those with ``S v``
+    at most the blocks.
+
+    >>> chunk_counts(16, 87), chunk_counts(24, 87), chunk_counts(2, 3)
+    ([2, 3, 4, 5], [2, 3], [])
+    """
+    return sorted(v for v in {*CHUNKS, blocks // max(groups, 1)} if v >= 2 and groups * v <= blocks)
+
+
+def _best(placed: Plan, graph: CostGraph, prof: Profile, budget_s: float,
+          notes: list[str]) -> tuple[float, Plan, Plan] | None:
+    """The fastest interleaved plan that fits on ``placed``'s device groups (:func:`choose`): ``(step, plan, the
+    placement it interleaves: placed, or placed without an overloaded end group)``, or None; ``notes`` gets why
+    counts were left out."""
+    t0, best, s = time.perf_counter(), None, len(placed.stages)
+    trimmed: Plan | None = None  # placed without an end group interleaving overloads (:func:`without_idle_ends`)
+    one = len(graph.order) // s  # a block a piece first: the even pieces a placement with room is solved for
+    for v in sorted(chunk_counts(s, len(graph.order)), key=lambda c: c != one):
+        first = interleave(replace(placed, precision=prof.precision), graph, v)
+        if first is None:
+            continue
+        trimmed = trimmed or without_idle_ends(placed, graph, first)
+        bases = (placed, trimmed) if trimmed else (placed,)
+        for base, even, running in [(b, False, False) for b in bases] + [(placed, True, False)] + \
+                [(b, False, True) for b in bases]:
+            if time.perf_counter() - t0 > budget_s:
+                notes.append(f"stopped at {v} chunks after {budget_s:g} s")
+                return best
+            cand = first if base is placed and not even and not running else \
+                interleave(replace(base, precision=prof.precision), graph, v, even, running)
+            if cand is None:
+                continue
+            try:
+                cand = fit(cand, prof)
+                validate_plan(cand, prof)
+                ms = step_ms(cand, graph, prof.dtype)
+            except PlanError as e:
+                if base is placed and not even and not running:
+                    notes.append(f"{v} chunks: {str(e).split(';')[0]}")
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, cand, base)
+    if best is None and not notes:
+        notes.append(f"fewer than {2 * s} blocks")
+    return best
+
+
 def choose(placed: Plan, graph: CostGraph, prof: Profile, *, forced: bool = False,
-           say: Callable[[str], None] | None = None, budget_s: float = BUDGET_S) -> Plan:
-    """The fastest interleaved plan on ``placed``'s device groups that fits, where it is faster than ``placed``
-    (``forced``: even where it is not); else ``placed``. One line says which and why.
+           say: Callable[[str], None] | None = None, budget_s: float = BUDGET_S, roomy: Plan | None = None) -> Plan:
+    """The fastest interleaved plan that fits, on ``placed``'s device groups or on ``roomy``'s, where it is faster
+    than ``placed`` (``forced``: even where it is not); else ``placed``. One line says which and why.
+
+    For each chunk count of :func:`chunk_counts` it tries the pieces cut by each group's share, the same with the
+    groups' running loads held to their shares, the same without an overloaded end group
+    (:func:`without_idle_ends`), and pieces of equal time (module docstring).
 
     Args:
         placed: the solver's plan (annotated: its predicted step is what the candidates are weighed against).
@@ -250,7 +328,9 @@ def choose(placed: Plan, graph: CostGraph, prof: Profile, *, forced: bool = Fals
         prof: the profile (for the memory check).
         forced: the user asked for interleaved 1F1B.
         say: where the line goes.
-        budget_s: the most seconds spent trying chunk counts.
+        budget_s: the most seconds spent trying chunk counts, on each placement.
+        roomy: a placement solved with memory left for interleaving's microbatches in flight
+            (:func:`hpml_compile.solve.solve`'s ``room``), tried too; None: ``placed``'s alone.
 
     Returns:
         The chosen plan, annotated.
@@ -263,44 +343,26 @@ def choose(placed: Plan, graph: CostGraph, prof: Profile, *, forced: bool = Fals
     if (why := _not_run(placed)) is not None:
         tell(f"schedule: {placed.schedule.value} (interleaved 1F1B is not combined with {why} by the runtime)")
         return placed
-    t0, best, notes = time.perf_counter(), None, []
-    trimmed: Plan | None = None  # placed without an end group interleaving overloads (:func:`without_idle_ends`)
-    for v in CHUNKS:
-        first = interleave(replace(placed, precision=prof.precision), graph, v)
-        if first is None:
-            notes.append(f"{v} chunks: fewer than {s * v} blocks")
-            break
-        trimmed = trimmed or without_idle_ends(placed, graph, first)
-        for base, even in ((placed, False), *(((trimmed, False),) if trimmed else ()), (placed, True)):
-            if time.perf_counter() - t0 > budget_s:
-                notes.append(f"stopped at {v} chunks after {budget_s:g} s")
-                break
-            cand = first if base is placed and not even else \
-                interleave(replace(base, precision=prof.precision), graph, v, even)
-            if cand is None:
-                continue
-            try:
-                cand = fit(cand, prof)
-                validate_plan(cand, prof)
-                ms = step_ms(cand, graph, prof.dtype)
-            except PlanError as e:
-                if not even:
-                    notes.append(f"{v} chunks: {str(e).split(';')[0]}")
-                continue
-            if best is None or ms < best[0]:
-                best = (ms, cand, base)
-        else:
-            continue
-        break
+    notes: list[str] = []
+    best = _best(placed, graph, prof, budget_s, notes)
+    origin = placed
+    if roomy is not None and len(roomy.stages) > 1 and _not_run(roomy) is None:
+        other: list[str] = []
+        got = _best(replace(roomy, compile_stages=placed.compile_stages), graph, prof, budget_s, other)
+        if got is not None and (best is None or got[0] < best[0]):
+            best, origin = got, roomy
+        notes += [f"on the placement with room: {n}" for n in other]
     extra = f" ({'; '.join(notes)})" if notes else ""
     if best is None:
         tell(f"schedule: {placed.schedule.value} (no interleaved plan fits{extra})")
         return placed
     chosen, base = annotate(best[1], graph, prof.dtype)[0], best[2]
+    groups = len(origin.stages)
     redone = sum(1 for a, b in zip(chosen.stages, base.stages * chosen.chunks) if a.recompute and not b.recompute)
-    left = [f"{placed.stages[g].devices[0]}'s group" for g in (0, s - 1)
-            if base is not placed and placed.stages[g].devices not in {st.devices for st in base.stages}]
+    left = [f"{origin.stages[g].devices[0]}'s group" for g in (0, groups - 1)
+            if origin.stages[g].devices not in {st.devices for st in base.stages}]
     name = f"interleaved-1f1b with {chosen.chunks} chunks" + (
+        f" over {groups} device groups placed with room for its microbatches in flight" if origin is roomy else "") + (
         f" ({redone} of its {len(chosen.stages)} stages recomputing to fit)" if redone else "") + (
         f" ({' and '.join(left)} left idle: a block per chunk overloads it)" if left else "")
     if forced or chosen.predicted.step_ms < placed.predicted.step_ms:

@@ -44,7 +44,7 @@ from ..plan import Schedule
 from ..stagecost import (weight_part_ms, compressed_sync_ms, copy_ms, in_flight, memory_parts, optimizer_ms, stream_bytes_per_ms,
                          steps_flat, sync_ms, tp_bytes, tp_comm_ms, tp_time, transfer_ms, wire_ratio)
 from .candidates import (CONFIGS, Candidate, Chain, Setting, boundary_link, classes, degrees, group_hierarchies,
-                         group_links, host_groups, kind_counts, zero_bubble_runs)
+                         group_links, host_groups, interleaved_in_flight, kind_counts, zero_bubble_runs)
 
 __all__ = ["CandidateTable", "build_table"]
 
@@ -132,12 +132,18 @@ def _jmax(static: np.ndarray, stored: np.ndarray, working: np.ndarray, cap: int,
     """The most stages that may follow (up to ``big_j``) with the peak still within ``cap``; -1 if none.
 
     The peak is ``static + in_flight(j) * stored + working`` with ``in_flight(j) = j + 1`` under 1F1B
-    (``j <= big_j < M``) and ``M`` under GPipe and ZB-H1 (``big_j = 0``; :func:`.candidates.classes`).
+    (``j <= big_j < M``) and ``M`` under GPipe and ZB-H1 (``big_j = 0``; :func:`.candidates.classes`); with room
+    left for interleaving (:attr:`.candidates.Setting.room_chunks`), :func:`.candidates.interleaved_in_flight`.
     """
     room = cap - static - working
     if setting.schedule in (Schedule.GPIPE, Schedule.ZB_H1):
         return np.where(room >= max(1, setting.microbatches) * stored, 0, -1)
     k = np.where(stored > 0, room // np.maximum(stored, 1), big_j + 1)  # microbatches that fit in flight
+    if setting.room_chunks > 1:  # interleaving's ceil(min(2 j + (v - 1) S + 1, v M) / v) <= k (in_flight)
+        v, s, m = setting.room_chunks, setting.room_groups, setting.microbatches
+        j = (v * np.minimum(k, m) - 1 - (v - 1) * s) // 2
+        return np.where(room < stored, -1, np.where((k >= m) | (stored == 0), big_j,
+                                                    np.minimum(big_j, np.maximum(j, -1))))
     return np.where(room < stored, -1, np.minimum(big_j, k - 1))
 
 
@@ -264,7 +270,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         cfg_ids = [i for i, c in enumerate(CONFIGS) if c.tp in degs and (d > c.tp or c.zero == ZeroStage.NONE)
                    and not (is_cpu and (c.offload or c.swap))
                    and (hiers[kind, c.tp].get(d) is not None or not c.hierarchical)
-                   and (setting.schedule is not Schedule.ZB_H1 or zero_bubble_runs(c))]
+                   and (setting.schedule is not Schedule.ZB_H1 or zero_bubble_runs(c))
+                   and (setting.room_chunks == 1 or not (c.swap or c.offload))]  # chunks neither swap nor offload
         if not cfg_ids:  # ZB-H1: a degree only the configurations it does not run would use
             continue
         ts, ests, jms, mems, comms = [], [], [], [], []
@@ -327,7 +334,8 @@ def build_table(chain: Chain, cluster: Cluster, setting: Setting, *, max_time: f
         part = {"a": a[rows], "b": b[rows], "kind": np.full(len(rows), kinds.index(kind)), "d": np.full(len(rows), d),
                 "cfg": np.asarray(cfg_ids)[cols], "jmax": jm, "t": t_all[rows, cols],
                 "tail": est[rows, cols] - m * t_all[rows, cols], "comm": np.stack(comms, 1)[rows, cols],
-                "in_flight": in_flight(setting.schedule, m, jm)}
+                "in_flight": in_flight(setting.schedule, m, jm) if setting.room_chunks == 1 else
+                interleaved_in_flight(m, jm, setting.room_groups, setting.room_chunks)}
         for f in ("params", "grads", "optimizer", "stored", "working", "host"):
             part[f] = np.stack([getattr(mm, f) for mm in mems], 1)[rows, cols]
         parts.append(part)
