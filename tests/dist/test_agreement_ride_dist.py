@@ -33,9 +33,12 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
     torch.set_num_threads(1)
     real = dist.all_reduce
     calls: list[tuple[str, int]] = []
+    wires: list[int] = []  # where each float64 all-reduce of more than the vector sums
 
     def counted(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         calls.append((str(t.dtype), t.numel()))
+        if t.dtype == torch.float64 and t.numel() > 4:
+            wires.append(t.data_ptr())
         return real(t, *args, **kwargs)
 
     report = {}
@@ -48,6 +51,7 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
                 assert pipe.comm is not None
                 pipe.comm.direct_bytes = 0  # every all-reduce through the host's shared memory
             steps, losses = [], []
+            wires.clear()
             for x, y in skipnet_batches(STEPS, ROWS):
                 calls.clear()
                 losses.append(float(pipe.step((x,), y, skipnet_loss)))
@@ -56,7 +60,8 @@ def _train(rank: int, world: int, builds: dict[str, str], out: str) -> None:
                 if host is not None:  # made at the first step: its own algorithm from here on, small as they are
                     host.direct_bytes = 0
             mine = {id(p) for p in pipe.parameters()}
-            report[case] = {"losses": losses, "calls": steps,
+            report[case] = {"losses": losses, "calls": steps, "wires": list(wires),
+                            "held_grads": [m.held_grads_bytes for m in pipe.metrics],
                             "final": {n: p.detach().flatten().tolist() for n, p in model.named_parameters()
                                       if id(p) in mine}}
             pipe.close()
@@ -77,9 +82,14 @@ def test_one_stage_data_parallel_meets_once_a_step_and_trains_as_one_process(tmp
             assert row["losses"] == pytest.approx(losses, abs=TOL), (where, row["losses"], losses)
             for name, got in row["final"].items():
                 assert torch.allclose(torch.tensor(got), torch.tensor(params[name]), atol=TOL), (where, name)
+            n = len(sum(row["final"].values(), []))
+            # the gradients as held at their peak, whole before any sync (ZeRO-1 frees them in its reduce-scatter,
+            # ZeRO-0 keeps its buffer to the step's end): counted on the steps that count memory, kept after
+            assert all(g >= 4 * n for g in row["held_grads"]), (where, row["held_grads"], 4 * n)
             for calls in row["calls"][1:]:  # after the first step (which sets up buffers and mappings)
                 if case == "zero0":  # through gloo, small: ONE float64 all-reduce, the vector then the gradients
-                    assert calls == [["torch.float64", 4 + len(sum(row["final"].values(), []))]], (where, calls)
+                    assert calls == [["torch.float64", 4 + n]], (where, calls)
+                    assert len(set(row["wires"])) == 1, (where, row["wires"])  # one wire, written each step
                     continue
                 # the agreement once, as the gradient collective's meeting (the step's first call): no meeting
                 # before it and no all-reduce of its own at LOSS

@@ -32,3 +32,19 @@ def test_hash_follows_shape_dtype_and_sampled_values() -> None:
     assert fingerprint([x]) != fingerprint([y])
     assert fingerprint([x]) != fingerprint([x.reshape(128, 2)])
     assert fingerprint([x]) != fingerprint([x.double()])
+
+
+@pytest.mark.parametrize("values", [
+    [(torch.ones(2, 3), torch.zeros(2)), torch.arange(4.0)],
+    [[torch.ones(2), None, torch.zeros(1)], None],
+    [(torch.ones(2), 3), {"y": torch.zeros(2), "w": [torch.ones(1)]}],
+    [torch.nn.Parameter(torch.ones(2)), ((torch.ones(1),),)],
+    [(), [], 7],
+])
+def test_leaves_walked_directly_are_pytrees_in_its_order(values: list[object]) -> None:
+    from torch.utils._pytree import tree_leaves
+
+    from hpml_compile.runtime.execute.batchcheck import _leaves
+
+    got, want = _leaves(values), [x for x in tree_leaves(list(values)) if x is not None]
+    assert len(got) == len(want) and all(a is b for a, b in zip(got, want))

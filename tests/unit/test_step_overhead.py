@@ -191,3 +191,59 @@ def test_a_step_that_is_retried_gets_its_buffers_back_from_a_list_made_once(tmp_
     assert all(torch.equal(before[n], b) for k, st in pipe.stages.items() for n, b in st.named_buffers())
     again = pipe._snapshot()
     assert [id(b) for b, _ in again["buffers"]] == [id(b) for b, _ in snap["buffers"]] and snap["buffers"]
+
+
+@pytest.mark.parametrize("value", [
+    torch.arange(24.0).reshape(6, 4),
+    (torch.arange(12.0).reshape(6, 2), torch.arange(6)),
+    [torch.arange(6.0), torch.ones(6, 1)],
+    (torch.arange(6.0), 3),  # not only tensors: through pytree
+    {"x": torch.arange(6.0)},
+])
+@pytest.mark.parametrize("split", [2, (2, 4), 3])
+def test_batches_split_without_pytree_as_with_it(value: object, split: object) -> None:
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    from hpml_compile.runtime.execute.slices import split_replicas
+
+    def piece(x: object, r: int) -> object:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return x.split(list(split))[r] if isinstance(split, tuple) else x.tensor_split(split)[r]
+
+    leaves, spec = tree_flatten(value)
+    parts = [[piece(x, r) for x in leaves] for r in range(len(split) if isinstance(split, tuple) else split)]
+    want = [tree_unflatten(p, spec) for p in parts]
+    got = split_replicas(value, split)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        gl, gs = tree_flatten(g)
+        wl, ws = tree_flatten(w)
+        assert type(g) is type(w) and gs == ws
+        assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(gl, wl))
+
+
+def test_a_buffered_sync_resolves_the_tokens_parameters_until_it_has_checked_them() -> None:
+    from hpml_compile.errors import HpmlError
+    from hpml_compile.memory import ZeroStage
+    from hpml_compile.runtime.sync.stage import DataParallel, Sharded
+    from hpml_compile.runtime.sync.zero import FlatGrads, FlatShard
+    from hpml_compile.schedule import SyncImpl
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    params = list(net.parameters())
+    flat = FlatGrads(0, params)
+    shard = FlatShard(0, params, replicas=2, replica=0, zero=ZeroStage.OS)
+    for sync, buffer in [(DataParallel(flat, SyncImpl.SHM), flat), (Sharded(shard, SyncImpl.SHM), shard)]:
+        asked: list[int] = []
+
+        def resolve() -> list[torch.nn.Parameter]:
+            asked.append(1)
+            return list(reversed(params))  # the generated code's order may differ: the check compares sets
+
+        assert sync.token_params(resolve) == list(reversed(params)) and len(asked) == 1
+        buffer.check(sync.token_params(resolve))
+        assert buffer.checked and len(asked) == 2
+        assert sync.token_params(resolve) is buffer.params and len(asked) == 2, "checked: no names resolved"
+    with pytest.raises(HpmlError, match="disagree"):  # what the check is for: a list that is not the buffer's
+        FlatGrads(0, params[:1]).check(params)

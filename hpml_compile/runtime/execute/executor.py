@@ -425,8 +425,8 @@ def _collective(step: _Step, index: int, rank: int, a: Action) -> None:
     k = next(x for x in a.stages if x in step.stages)  # the token's stages this process holds, the first
     step.phase(synced=step.optimized)
     key = (k, a)  # one process running several replicas of a stage, or several of its stages: each token once
-    params = _token_params(step, a)
     sync = step.syncs.get(a.stages, UNBUFFERED)
+    params = sync.token_params(lambda: _token_params(step, a))
     if not step.optimized:
         if key not in step.synced:
             step.synced.add(key)

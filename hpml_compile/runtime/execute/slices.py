@@ -9,7 +9,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -21,13 +21,26 @@ from ...trainspec import Split
 __all__ = ["split_microbatches", "split_replicas", "loss_share", "merge_outputs", "to_device"]
 
 
+def _flatten(value: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """``value``'s leaves and how to rebuild it from new ones: a tensor, or a plain tuple or list of tensors, taken
+    apart here (pytree's flatten and unflatten were most of a split of a batch of two tensors, twice a step), the
+    rest through pytree."""
+    if type(value) is Tensor:
+        return [value], lambda leaves: leaves[0]
+    if (type(value) is tuple or type(value) is list) and all(type(x) is Tensor for x in value):
+        kind = type(value)
+        return list(value), kind
+    leaves, spec = tree_flatten(value)
+    return leaves, lambda new: tree_unflatten(new, spec)
+
+
 def split_microbatches(value: Any, microbatches: int) -> list[Any]:
     """Split every tensor in ``value`` along dim 0 into ``microbatches`` equal parts.
 
     Raises:
         HpmlError: if a tensor's first dimension does not divide evenly.
     """
-    leaves, spec = tree_flatten(value)
+    leaves, rebuild = _flatten(value)
     parts: list[list[Any]] = [[] for _ in range(microbatches)]
     for leaf in leaves:
         if isinstance(leaf, Tensor):
@@ -39,7 +52,7 @@ def split_microbatches(value: Any, microbatches: int) -> list[Any]:
             chunks = [leaf] * microbatches
         for j in range(microbatches):
             parts[j].append(chunks[j])
-    return [tree_unflatten(p, spec) for p in parts]
+    return [rebuild(p) for p in parts]
 
 
 def split_replicas(value: Any, split: Split) -> list[Any]:
@@ -59,7 +72,7 @@ def split_replicas(value: Any, split: Split) -> list[Any]:
         return [value]  # one replica takes the microbatch as it is
     if isinstance(split, int):
         return split_microbatches(value, split)
-    leaves, spec = tree_flatten(value)
+    leaves, rebuild = _flatten(value)
     parts: list[list[Any]] = [[] for _ in split]
     for leaf in leaves:
         if isinstance(leaf, Tensor):
@@ -71,7 +84,7 @@ def split_replicas(value: Any, split: Split) -> list[Any]:
             chunks = [leaf] * len(split)
         for r, c in enumerate(chunks):
             parts[r].append(c)
-    return [tree_unflatten(p, spec) for p in parts]
+    return [rebuild(p) for p in parts]
 
 
 def loss_share(loss: Tensor, split: Split, replica: int, microbatches: int) -> Tensor:
@@ -100,4 +113,6 @@ def merge_outputs(outputs: Sequence[Any]) -> Any:
 
 def to_device(value: Any, device: torch.device) -> Any:
     """``value`` with every tensor not on ``device`` moved there."""
+    if type(value) is Tensor:
+        return value if value.device == device else value.to(device)
     return tree_map(lambda t: t.to(device) if isinstance(t, Tensor) and t.device != device else t, value)

@@ -78,7 +78,7 @@ def _tensors(value: Any) -> Iterator[Tensor]:
 
 class _Counter:
     def __init__(self) -> None:
-        self.seen: set[tuple[str, int]] = set()
+        self.seen: set[tuple[torch.device, int]] = set()
 
     def add(self, t: Tensor | None) -> int:
         """Bytes of ``t``'s storage if it was not counted yet, else 0."""
@@ -88,7 +88,7 @@ class _Counter:
         n = s.nbytes()
         if n == 0:
             return 0
-        key = (str(t.device), s.data_ptr())
+        key = (t.device, s.data_ptr())
         if key in self.seen:
             return 0
         self.seen.add(key)

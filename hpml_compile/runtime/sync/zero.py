@@ -312,7 +312,7 @@ class FlatShard:
         self.grad_flat: Tensor | None = None
         self.wire: torch.dtype | None = None  # the plan's reduce dtype where it is not the buffer's (.reducecast)
         self.comm: Comm | None = None  # the stage's communicator, set by the pipeline (and after a reconnect)
-        self._checked = False
+        self.checked = False
         self.buckets: GradBuckets | None = None  # overlapped reduce-scatter (enable_overlap)
         # shard sub-ranges in launch order; a hierarchical shard's bucket ``[a, b)`` is the flat range ``[L a, L b)``,
         # of which this rank owns piece ``replica`` (:meth:`_piece`); one bucket: the contiguous layout
@@ -493,15 +493,15 @@ class FlatShard:
             self._gather_now(self.comm)
 
     def check(self, params: Iterable[Tensor]) -> None:
-        """The generated code's parameter list must be this shard's (once)."""
-        if self._checked:
+        """The generated code's parameter list must be this shard's (once: :attr:`checked` after)."""
+        if self.checked:
             return
         got = {id(p) for p in params}
         if got != {id(p) for p in self.params}:
             raise HpmlError(f"stage {self.stage}: the build reduce-scatters {len(got)} parameter(s) but the runtime "
                             f"sharded {len(self.params)}: the build and the runtime disagree on the stage's "
                             "parameters (regenerate the build)")
-        self._checked = True
+        self.checked = True
 
     def reduce_scatter(self, comm: Comm) -> None:
         """After the last backward: this replica's shard of the summed gradient becomes the shard's ``.grad``."""
@@ -679,7 +679,7 @@ class FlatGrads:
         self.reducer: Any = None  # a .compress.Reducer where the plan compresses or runs local SGD
         self.grad_flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         self.wire: torch.dtype | None = None  # the plan's reduce dtype where it is not the buffer's (.reducecast)
-        self._checked = False
+        self.checked = False
         self.comm: Comm | None = None  # set by the pipeline (and after a reconnect)
         self.buckets: GradBuckets | None = None  # overlapped all-reduce (enable_overlap)
         self._ranges: list[tuple[int, int]] = []
