@@ -475,7 +475,7 @@ def plan(prof: Profile, cluster: Cluster, opts: Options = Options(), *, progress
         result = within_cores(result, graph, cluster, solve_on, dtype=prof.dtype, progress=progress)
     if opts.choose_schedule and opts.compile_stages != "on":                        # 5d. zero bubble where faster
         result = faster_schedule(result, graph, prof, progress)                     # (not compiled: one backward)
-    auto_chunks = opts.interleave if opts.interleave is not None else _interleave_in_auto(result, progress)
+    auto_chunks = opts.interleave if opts.interleave is not None else INTERLEAVE_IN_AUTO
     if opts.schedule is Schedule.INTERLEAVED or (opts.choose_schedule and auto_chunks):  # 5e. chunks per group
         forced = opts.schedule is Schedule.INTERLEAVED
         roomy = roomy_placement(result, graph, prof, cluster, opts, progress)      # memory for its chunks
@@ -539,27 +539,6 @@ def roomy_placement(placed: Plan, graph: CostGraph, prof: Profile, cluster: Clus
                  f"stages, M={roomy.microbatches}, {roomy.predicted.step_ms:.4g} ms a step under 1f1b "
                  f"({time.perf_counter() - t0:.1f} s)")
     return roomy
-
-
-def _interleave_in_auto(placed: Plan, progress: Say | None) -> bool:
-    """Whether ``--schedule auto`` weighs interleaved 1F1B for ``placed`` (:data:`INTERLEAVE_IN_AUTO`), save on
-    CPU ranks alone, where it is left out with one line saying why.
-
-    On CPU gloo ranks an interleaved plan's extra boundary messages keep gloo's threads busy on the cores the
-    ranks compute on (27-35 ms a step of thread CPU on two ranks of gpt-mini against 3-5 under 1F1B), which
-    no probe of the profile reproduces yet: such plans ran 26-30% slower than priced and 11-12% slower than
-    the 1F1B plan ``auto`` would otherwise keep (``benchmarks/prediction``). ``--schedule interleaved-1f1b``
-    (or ``Options(interleave=True)``) still asks for it.
-    """
-    if not INTERLEAVE_IN_AUTO:
-        return False
-    kinds = {base_kind(d.kind) for st in placed.stages for d in placed.cluster.devices if d.name in st.devices}
-    if kinds and kinds <= {"cpu"} and len(placed.stages) > 1:
-        if progress:
-            progress("schedule: interleaved 1F1B not weighed on CPU ranks (its extra messages take gloo CPU the "
-                     "cost model does not price yet); --schedule interleaved-1f1b asks for it")
-        return False
-    return True
 
 
 def faster_schedule(placed: Plan, graph: CostGraph, prof: Profile, progress: Say | None = None) -> Plan:

@@ -51,7 +51,7 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--microbatches", type=int, default=None, help="default: searched by the solver")
     p.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, choices=[*(s.value for s in Schedule), "auto"],
                    help="the pipeline schedule (zb-h1: zero bubble, its backward split in two; auto: 1f1b, or "
-                        "zb-h1 where it simulates faster on the solver's placement and fits)")
+                        "zb-h1 or interleaved-1f1b where it simulates faster and fits)")
     p.add_argument("--time-limit", type=float, default=30.0, dest="time_limit", help="ILP time limit, seconds")
     p.add_argument("--batch-size", type=int, dest="batch_size", help="batch size (default: the model's)")
     p.add_argument("--seq-len", type=int, dest="seq_len", help="sequence length (default: the model's)")

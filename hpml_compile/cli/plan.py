@@ -49,8 +49,7 @@ def add_parsers(subparsers: Any) -> None:
     p.add_argument("--schedule", default=Schedule.ONE_F_ONE_B.value, choices=[*(s.value for s in Schedule), "auto"],
                    help="the pipeline schedule (zb-h1: zero bubble, its backward split in two; auto: 1f1b, or "
                         "zb-h1 or interleaved-1f1b where it simulates faster on the solver's placement, or on one "
-                        "solved again with memory left for interleaving, and fits; interleaved not on CPU ranks "
-                        "alone, where its extra messages' CPU is not priced)")
+                        "solved again with memory left for interleaving, and fits)")
     p.add_argument("--time-limit", type=float, default=30.0, dest="time_limit", help="ILP time limit, seconds")
     p.add_argument("--compare", action="store_true", help="run every solver and print one table")
     p.add_argument("--precision", default=None, choices=[x.value for x in Precision],
