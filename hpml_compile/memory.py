@@ -142,6 +142,11 @@ RIDE_IN_BYTES = SHM_DIRECT_BYTES // 2
 HEAP_SLACK_BLOCKS = 2
 
 
+def _smaller(a: Any, b: Any) -> Any:
+    """The smaller of ``a`` and ``b``, element-wise where they are numpy arrays (no branch on a value)."""
+    return a * (a <= b) + b * (a > b)
+
+
 def process_bytes(baseline: Any, model_param_bytes: Any, stage_param_bytes: Any, *, replicas: int = 1,
                   zero: int = 0, largest_param: Any = None) -> Any:
     """What a CPU rank's process holds besides its stage's tensors, at the peak (ints, or numpy arrays alike).
@@ -190,15 +195,12 @@ def process_bytes(baseline: Any, model_param_bytes: Any, stage_param_bytes: Any,
     >>> process_bytes(300 << 20, 40 << 20, 10 << 20, replicas=2, zero=3) >> 20  # the gathered unit again, slack 2 x 10
     400
     """
-    def smaller(a: Any, b: Any) -> Any:
-        return a * (a <= b) + b * (a > b)
-
     flat = replicas > 1 and zero >= 1
     rest = model_param_bytes - stage_param_bytes
     built = model_param_bytes + stage_param_bytes * 0 if flat else rest * (rest > 0)
-    shm = replicas * smaller(stage_param_bytes, SHM_SLOT_BYTES) if replicas > 1 else stage_param_bytes * 0
+    shm = replicas * _smaller(stage_param_bytes, SHM_SLOT_BYTES) if replicas > 1 else stage_param_bytes * 0
     stepped = stage_param_bytes // replicas if flat else (
-        stage_param_bytes if largest_param is None else smaller(stage_param_bytes, largest_param))
+        stage_param_bytes if largest_param is None else _smaller(stage_param_bytes, largest_param))
     regathered = stage_param_bytes if replicas > 1 and zero >= 3 else stage_param_bytes * 0
     slack = heap_slack_bytes(stage_param_bytes, replicas=replicas, zero=zero, largest_param=largest_param)
     return baseline + built + shm + 2 * stepped + regathered + slack
@@ -246,15 +248,12 @@ def heap_slack_bytes(stage_param_bytes: Any, *, replicas: int = 1, zero: int = 0
     >>> heap_slack_bytes(200 << 20, replicas=2, zero=2) >> 20  # mapped apart: at most two of the mmap threshold
     64
     """
-    def smaller(a: Any, b: Any) -> Any:
-        return a * (a <= b) + b * (a > b)
-
     flat = replicas > 1 and zero >= 1
     if flat:
         block = stage_param_bytes if zero >= 2 else stage_param_bytes // replicas
     else:
-        block = stage_param_bytes if largest_param is None else smaller(stage_param_bytes, largest_param)
-    return HEAP_SLACK_BLOCKS * smaller(block, MMAP_THRESHOLD)
+        block = stage_param_bytes if largest_param is None else _smaller(stage_param_bytes, largest_param)
+    return HEAP_SLACK_BLOCKS * _smaller(block, MMAP_THRESHOLD)
 
 
 def tied_shm_bytes(shared: Any, members: int) -> Any:
